@@ -1,0 +1,33 @@
+# Meshpact: `make app` opens the dashboard, `make test` runs the tests.
+# Both create .venv and install the project first (idempotent).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.meshpact-installed
+PORT   ?= 8501
+
+.PHONY: install app test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test]'
+	touch $(STAMP)
+
+app: install
+	$(VENV)/bin/streamlit run app/main.py --server.address 127.0.0.1 --server.port $(PORT) \
+	    --server.headless true --browser.gatherUsageStats false
+
+test: install
+	$(VENV)/bin/pytest
+
+test-fast: install
+	$(VENV)/bin/pytest -m "not slow"
+
+bench: install
+	@set -e; for b in bench/*.py; do echo "== $$b"; $(PY) $$b; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,1 @@
+"""meshpact.app: the Streamlit dashboard."""

@@ -1,0 +1,316 @@
+"""Facts: the mesh of ranks, its native domains and links, producer tensors and consumers.
+
+A *native domain* is a set of ranks that can share one native communicator (``cuda`` ranks
+with ``nccl``, ``cann`` ranks with ``hccl``, ``cpu`` ranks with ``gloo``). Ranks in different
+domains never share a collective: their traffic crosses a *bridge*, one host-staged
+point-to-point message between two designated bridge ranks. The class of link between two
+ranks follows from where they live (:meth:`Mesh.link_class`), and each class has α-β
+parameters (:class:`LinkParams`). An :class:`Edge` bundles one producer tensor and one
+consumer on a mesh: it is everything the contract compiler reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from functools import cached_property
+from typing import Mapping
+
+from .errors import FactError
+from .placement import Partial, Placement, Replicate, Shard
+
+__all__ = [
+    "Vendor",
+    "Backend",
+    "DType",
+    "LinkClass",
+    "LinkParams",
+    "DEFAULT_LINKS",
+    "Domain",
+    "Mesh",
+    "Request",
+    "ProducerTensor",
+    "Consumer",
+    "Edge",
+]
+
+
+class Vendor(str, Enum):
+    CUDA = "cuda"
+    CANN = "cann"
+    CPU = "cpu"
+
+    @property
+    def native_backend(self) -> "Backend":
+        return {Vendor.CUDA: Backend.NCCL, Vendor.CANN: Backend.HCCL, Vendor.CPU: Backend.GLOO}[self]
+
+
+class Backend(str, Enum):
+    NCCL = "nccl"
+    HCCL = "hccl"
+    GLOO = "gloo"
+
+
+class DType(str, Enum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+    INT64 = "int64"
+    INT32 = "int32"
+
+    @property
+    def itemsize(self) -> int:
+        return {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self.value]
+
+    @property
+    def is_floating(self) -> bool:
+        return self in (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16)
+
+
+class LinkClass(str, Enum):
+    """How two ranks are connected; decides the α-β parameters of traffic between them."""
+
+    FABRIC = "fabric"  # inside one native domain (NVLink, HCCS, or shared memory for gloo)
+    HOST_BRIDGE = "host_bridge"  # across domains on one host: device -> host memory -> device
+    ETHERNET = "ethernet"  # across hosts
+
+
+@dataclass(frozen=True)
+class LinkParams:
+    """α (seconds per message) and β (seconds per byte) of one link class."""
+
+    alpha_s: float
+    beta_s_per_byte: float
+
+    def __post_init__(self) -> None:
+        if self.alpha_s < 0 or self.beta_s_per_byte < 0:
+            raise FactError(f"link parameters must be non-negative, got α={self.alpha_s}, β={self.beta_s_per_byte}")
+
+    def time_s(self, messages: int, payload_bytes: int) -> float:
+        return messages * self.alpha_s + payload_bytes * self.beta_s_per_byte
+
+    @property
+    def gbit_per_s(self) -> float:
+        return 8e-9 / self.beta_s_per_byte if self.beta_s_per_byte else float("inf")
+
+
+# Assumed defaults, overridable per scenario: an intra-domain fabric at 100 GB/s with 5 µs
+# launch cost, PCIe-class host staging at 20 GB/s with 20 µs, and 1 GbE (125 MB/s) with 50 µs.
+DEFAULT_LINKS: Mapping[LinkClass, LinkParams] = {
+    LinkClass.FABRIC: LinkParams(alpha_s=5e-6, beta_s_per_byte=1 / 100e9),
+    LinkClass.HOST_BRIDGE: LinkParams(alpha_s=20e-6, beta_s_per_byte=1 / 20e9),
+    LinkClass.ETHERNET: LinkParams(alpha_s=50e-6, beta_s_per_byte=1 / 125e6),
+}
+
+
+@dataclass(frozen=True)
+class Domain:
+    """A native domain: ranks on one host that can share one native communicator."""
+
+    name: str
+    vendor: Vendor
+    host: str
+    ranks: tuple[int, ...]
+    backend: Backend | None = None
+    bridge_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise FactError("domain.name: expected a non-empty name such as 'cuda@hostA'")
+        object.__setattr__(self, "vendor", Vendor(self.vendor))
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        if not self.ranks:
+            raise FactError(f"domain {self.name!r}.ranks: expected at least one rank")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise FactError(f"domain {self.name!r}.ranks: rank listed twice in {list(self.ranks)}")
+        backend = self.vendor.native_backend if self.backend is None else Backend(self.backend)
+        object.__setattr__(self, "backend", backend)
+        bridge = self.ranks[0] if self.bridge_rank is None else int(self.bridge_rank)
+        if bridge not in self.ranks:
+            raise FactError(f"domain {self.name!r}.bridge_rank: {bridge} is not one of its ranks {list(self.ranks)}")
+        object.__setattr__(self, "bridge_rank", bridge)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Ranks grouped into native domains, with α-β parameters per link class."""
+
+    domains: tuple[Domain, ...]
+    links: Mapping[LinkClass, LinkParams] = field(default_factory=lambda: dict(DEFAULT_LINKS))
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "domains", tuple(self.domains))
+        if not self.domains:
+            raise FactError("mesh.domains: expected at least one native domain")
+        names = [d.name for d in self.domains]
+        if len(set(names)) != len(names):
+            raise FactError(f"mesh.domains: duplicate domain names in {names}")
+        seen: dict[int, str] = {}
+        for d in self.domains:
+            for r in d.ranks:
+                if r in seen:
+                    raise FactError(f"mesh: rank {r} is in both {seen[r]!r} and {d.name!r}")
+                seen[r] = d.name
+        links = {LinkClass(k): v for k, v in dict(self.links).items()}
+        object.__setattr__(self, "links", {**DEFAULT_LINKS, **links})
+
+    def __hash__(self) -> int:
+        return hash(self.domains)
+
+    @cached_property
+    def _domain_of(self) -> dict[int, Domain]:
+        return {r: d for d in self.domains for r in d.ranks}
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self._domain_of))
+
+    @property
+    def world_size(self) -> int:
+        return len(self._domain_of)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(d.host for d in self.domains))
+
+    def domain(self, name: str) -> Domain:
+        for d in self.domains:
+            if d.name == name:
+                return d
+        raise FactError(f"unknown domain {name!r}; the mesh has {[d.name for d in self.domains]}")
+
+    def domain_of(self, rank: int) -> Domain:
+        try:
+            return self._domain_of[rank]
+        except KeyError:
+            raise FactError(f"rank {rank} is not in the mesh (ranks {self.ranks[0]}..{self.ranks[-1]})") from None
+
+    def link_class(self, a: int, b: int) -> LinkClass:
+        da, db = self.domain_of(a), self.domain_of(b)
+        if da.name == db.name:
+            return LinkClass.FABRIC
+        if da.host == db.host:
+            return LinkClass.HOST_BRIDGE
+        return LinkClass.ETHERNET
+
+    def link(self, a: int, b: int) -> LinkParams:
+        return self.links[self.link_class(a, b)]
+
+
+class Request(str, Enum):
+    """What the consumer observes (see the design's request table)."""
+
+    FULL = "full"
+    LOGPROB = "logprob"
+    TOKEN = "token"
+    OWNER_TOKEN = "owner_token"
+    SHARD = "shard"
+    REDUCED = "reduced"
+
+
+@dataclass(frozen=True)
+class ProducerTensor:
+    """A tensor produced by ``op`` in ``domain``, laid out over the domain's ranks."""
+
+    name: str
+    op: str
+    shape: tuple[int, ...]
+    dtype: DType
+    domain: str
+    placement: Placement
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
+        object.__setattr__(self, "dtype", DType(self.dtype))
+        if not self.shape or any(s <= 0 for s in self.shape):
+            raise FactError(f"producer {self.name!r}.shape: expected positive sizes, got {list(self.shape)}")
+        if not isinstance(self.placement, (Replicate, Shard, Partial)):
+            raise FactError(f"producer {self.name!r}.placement: expected Replicate(), Shard(d) or Partial(op)")
+        if isinstance(self.placement, Shard) and self.placement.dim >= len(self.shape):
+            raise FactError(
+                f"producer {self.name!r}.placement: Shard({self.placement.dim}) but the tensor has "
+                f"{len(self.shape)} dims"
+            )
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """Ranks of one domain that read a producer tensor through ``request``.
+
+    ``owners`` (``owner_token``): the consumer rank that owns each row (sequence) of the
+    producer tensor. ``shard_dim`` (``shard``): the dimension along which consumer rank *i*
+    of *n* reads chunk *i*.
+    """
+
+    name: str
+    domain: str
+    ranks: tuple[int, ...]
+    request: Request
+    owners: tuple[int, ...] | None = None
+    shard_dim: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "request", Request(self.request))
+        if not self.ranks:
+            raise FactError(f"consumer {self.name!r}.ranks: expected at least one rank")
+        if self.owners is not None:
+            object.__setattr__(self, "owners", tuple(int(o) for o in self.owners))
+            stray = sorted(set(self.owners) - set(self.ranks))
+            if stray:
+                raise FactError(f"consumer {self.name!r}.owners: ranks {stray} are not consumer ranks {list(self.ranks)}")
+        if self.request is Request.OWNER_TOKEN and not self.owners:
+            raise FactError(f"consumer {self.name!r}.owners: an owner_token request needs the owner rank of every row")
+        if self.request is Request.SHARD and self.shard_dim is None:
+            raise FactError(f"consumer {self.name!r}.shard_dim: a shard request needs the dimension to split")
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One producer tensor consumed across (or inside) native domains: the facts of a contract."""
+
+    name: str
+    mesh: Mesh
+    producer: ProducerTensor
+    consumer: Consumer
+    description: str = ""
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        self.mesh.domain(self.producer.domain)  # raises for an unknown domain
+        cons = self.mesh.domain(self.consumer.domain)
+        stray = sorted(set(self.consumer.ranks) - set(cons.ranks))
+        if stray:
+            raise FactError(f"edge {self.name!r}: consumer ranks {stray} are not in domain {cons.name!r}")
+        if self.consumer.request in (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN):
+            if len(self.producer.shape) != 2:
+                raise FactError(
+                    f"edge {self.name!r}: a {self.consumer.request.value} request reads logits of shape "
+                    f"[tokens, vocab], got {list(self.producer.shape)}"
+                )
+        if self.consumer.owners is not None and len(self.consumer.owners) != self.producer.shape[0]:
+            raise FactError(
+                f"edge {self.name!r}: consumer.owners lists {len(self.consumer.owners)} rows, "
+                f"the producer has {self.producer.shape[0]}"
+            )
+        if self.consumer.request is Request.REDUCED and not isinstance(self.producer.placement, Partial):
+            raise FactError(f"edge {self.name!r}: a reduced request reads a Partial producer, got {self.producer.placement!r}")
+
+    @property
+    def cross_domain(self) -> bool:
+        return self.producer.domain != self.consumer.domain

@@ -1,0 +1,284 @@
+"""Plans: a deterministic, backend-neutral sequence of communication and compute steps.
+
+A :class:`Plan` is what every planner produces and what the checker, the numeric
+interpreter, the simulator and the live executor consume. Each :class:`Step` names its
+kind, participants, the buffers it reads and writes, its payload bytes and dtype.
+
+Cost conventions (one place, used by every consumer of a plan):
+
+* **startups**: one per collective call and one per bridge message; local ``project``
+  steps and ``deliver`` start nothing.
+* **payload bytes**: the logical payload, independent of algorithm: for a collective, the
+  sum over participants of the bytes each one contributes (for ``broadcast``/``scatter``
+  only the root's); for a bridge ``send``, the bytes sent. A live executor counts exactly
+  this at each call, so planned and measured counts can be compared exactly.
+* **time**: α-β per link class, with ring algorithms inside a domain
+  (:func:`step_time_s`).
+
+JSON round-trips byte for byte: ``Plan.from_json(plan.to_json()).to_json() == plan.to_json()``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterable, Mapping
+
+from .errors import PlanError
+from .facts import DType, LinkClass, Mesh
+
+__all__ = [
+    "StepKind",
+    "Collective",
+    "Projection",
+    "Step",
+    "Plan",
+    "PlanCost",
+    "plan_cost",
+    "step_time_s",
+]
+
+
+class StepKind(str, Enum):
+    COLLECTIVE = "collective"  # a native collective inside one domain
+    PROJECT = "project"  # local compute on each participant
+    SEND = "send"  # one bridge message between ranks of different domains, host-staged
+    DELIVER = "deliver"  # hand the named buffer to the consumer on each participant
+
+
+class Collective(str, Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    GATHER = "gather"
+    REDUCE = "reduce"
+    BROADCAST = "broadcast"
+    SCATTER = "scatter"
+    ALL_TO_ALL = "all_to_all"
+
+
+class Projection(str, Enum):
+    """Local compute steps. Arguments travel in ``Step.args``."""
+
+    ARGMAX = "argmax"  # token id of the max along the last dim (lowest index on ties)
+    LOCAL_MAX_ARG = "local_max_arg"  # per-row (max value, global index) of a vocab shard
+    COMBINE_MAX_ARG = "combine_max_arg"  # per-row winner among gathered (value, index) pairs
+    LOGSOFTMAX_AT = "logsoftmax_at"  # log-softmax of full rows, read at the requested ids
+    LOCAL_LSE_STATS = "local_lse_stats"  # per-row (max, sum exp, target logit) of a vocab shard
+    COMBINE_LSE_STATS = "combine_lse_stats"  # log-prob from gathered per-shard statistics
+    SLICE = "slice"  # rows/cols selected by args (dim, start, stop) or rows by owner
+    CHUNK = "chunk"  # this rank's chunk along args['dim'] (Replicate -> Shard locally)
+    SUM = "sum"  # sum of gathered addends in a fixed order
+    CONCAT = "concat"  # concatenate gathered chunks along args['dim']
+    COPY = "copy"  # rename a buffer
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a plan.
+
+    ``ranks`` are the participants. For ``send``, ``ranks == (src, dst)``. For collectives
+    with a root (gather, reduce, broadcast, scatter) the root is ``args['root']``.
+    ``inputs``/``output`` name per-rank buffers; ``args`` holds op arguments (``dim``,
+    ``root``, ``op``, ``ids``...) as JSON-able values in sorted order.
+    """
+
+    kind: StepKind
+    op: str
+    ranks: tuple[int, ...]
+    inputs: tuple[str, ...]
+    output: str
+    payload_bytes: int
+    dtype: DType
+    domain: str | None = None
+    link: LinkClass | None = None
+    args: tuple[tuple[str, Any], ...] = ()
+    note: str = ""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", StepKind(self.kind))
+        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "dtype", DType(self.dtype))
+        if self.link is not None:
+            object.__setattr__(self, "link", LinkClass(self.link))
+        args = self.args.items() if isinstance(self.args, Mapping) else self.args
+        object.__setattr__(self, "args", tuple(sorted((str(k), _freeze(v)) for k, v in args)))
+        if not self.ranks:
+            raise PlanError(f"step {self.op!r}: expected at least one participant rank")
+        if self.payload_bytes < 0:
+            raise PlanError(f"step {self.op!r}: payload_bytes must be >= 0, got {self.payload_bytes}")
+        if self.kind is StepKind.COLLECTIVE:
+            Collective(self.op)
+        elif self.kind is StepKind.PROJECT:
+            Projection(self.op)
+        elif self.kind is StepKind.SEND and len(self.ranks) != 2:
+            raise PlanError(f"send step needs ranks (src, dst), got {list(self.ranks)}")
+
+    def arg(self, name: str, default: Any = None) -> Any:
+        for k, v in self.args:
+            if k == name:
+                return v
+        return default
+
+    @property
+    def startups(self) -> int:
+        return 1 if self.kind in (StepKind.COLLECTIVE, StepKind.SEND) else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "op": self.op,
+            "ranks": list(self.ranks),
+            "inputs": list(self.inputs),
+            "output": self.output,
+            "payload_bytes": self.payload_bytes,
+            "dtype": self.dtype.value,
+            "domain": self.domain,
+            "link": self.link.value if self.link else None,
+            "args": {k: _thaw(v) for k, v in self.args},
+            "note": self.note,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Step":
+        try:
+            return cls(
+                kind=StepKind(data["kind"]),
+                op=str(data["op"]),
+                ranks=tuple(data["ranks"]),
+                inputs=tuple(data.get("inputs", ())),
+                output=str(data["output"]),
+                payload_bytes=int(data["payload_bytes"]),
+                dtype=DType(data["dtype"]),
+                domain=data.get("domain"),
+                link=LinkClass(data["link"]) if data.get("link") else None,
+                args=dict(data.get("args") or {}),
+                note=str(data.get("note", "")),
+            )
+        except KeyError as exc:
+            raise PlanError(f"plan step is missing field {exc.args[0]!r}: {dict(data)}") from None
+        except ValueError as exc:
+            raise PlanError(f"plan step {dict(data).get('op')!r}: {exc}") from None
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+@dataclass(frozen=True)
+class PlanCost:
+    startups: int
+    payload_bytes: int
+    bytes_by_link: Mapping[str, int]
+    startups_by_link: Mapping[str, int]
+    time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "startups": self.startups,
+            "payload_bytes": self.payload_bytes,
+            "bytes_by_link": dict(self.bytes_by_link),
+            "startups_by_link": dict(self.startups_by_link),
+            "time_s": self.time_s,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A planner's output for one edge: ordered steps plus the planner's name."""
+
+    edge: str
+    planner: str
+    steps: tuple[Step, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(self.steps))
+
+    @property
+    def startups(self) -> int:
+        return sum(s.startups for s in self.steps)
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(s.payload_bytes for s in self.steps if s.startups)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"edge": self.edge, "planner": self.planner, "steps": [s.to_dict() for s in self.steps]}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Plan":
+        if not isinstance(data, Mapping) or "steps" not in data:
+            raise PlanError("a plan is a JSON object with 'edge', 'planner' and 'steps'")
+        return cls(
+            edge=str(data.get("edge", "")),
+            planner=str(data.get("planner", "")),
+            steps=tuple(Step.from_dict(s) for s in data["steps"]),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(data)
+
+
+def step_time_s(step: Step, mesh: Mesh) -> float:
+    """α-β time of one step on ``mesh``; collectives use ring algorithms."""
+    if not step.startups:
+        return 0.0
+    link = mesh.links[step.link or LinkClass.FABRIC]
+    n = len(step.ranks)
+    if step.kind is StepKind.SEND or n == 1:
+        return link.time_s(1, step.payload_bytes)
+    op = Collective(step.op)
+    if op is Collective.ALL_REDUCE:
+        # ring: reduce-scatter then all-gather, 2(n-1) rounds of size/n per rank
+        per_rank = step.payload_bytes / n
+        return link.time_s(2 * (n - 1), int(2 * (n - 1) * per_rank / n))
+    if op in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        per_rank = step.payload_bytes / n
+        return link.time_s(n - 1, int((n - 1) * per_rank / (1 if op is Collective.ALL_GATHER else n)))
+    # rooted collectives: (n-1) messages into or out of the root
+    return link.time_s(n - 1, int(step.payload_bytes * (n - 1) / n))
+
+
+def plan_cost(plan: Plan, mesh: Mesh) -> PlanCost:
+    """Startups, payload bytes (total and per link class) and α-β time of ``plan``."""
+    by_link: dict[str, int] = {}
+    starts: dict[str, int] = {}
+    time_s = 0.0
+    for s in plan.steps:
+        if not s.startups:
+            continue
+        key = (s.link or LinkClass.FABRIC).value
+        by_link[key] = by_link.get(key, 0) + s.payload_bytes
+        starts[key] = starts.get(key, 0) + 1
+        time_s += step_time_s(s, mesh)
+    return PlanCost(
+        startups=plan.startups,
+        payload_bytes=plan.payload_bytes,
+        bytes_by_link=dict(sorted(by_link.items())),
+        startups_by_link=dict(sorted(starts.items())),
+        time_s=time_s,
+    )
+
+
+def iter_sends(plan: Plan) -> Iterable[Step]:
+    return (s for s in plan.steps if s.kind is StepKind.SEND)

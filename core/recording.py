@@ -1,0 +1,146 @@
+"""Recordings: JSONL event streams that the app and the CLI replay.
+
+One event per line: ``{"t": seconds since the start, "rank": int | null, "stage": stage
+name | null, "event": kind, "data": {...}}``. The first line is a ``recording_start``
+event whose data says where the recording came from (``live``, ``simulated``...).
+
+A :class:`RecordingWriter` appends to ``<path>.partial`` (flushed per event, so a live
+panel can follow it) and on close renames it to ``<path>`` in one atomic step: a reader
+never sees a half-written final recording.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping
+
+from .errors import RecordingError
+from .recovery import Stage
+
+__all__ = ["Event", "RecordingWriter", "read_recording", "iter_events", "partial_path"]
+
+
+@dataclass(frozen=True)
+class Event:
+    t: float
+    event: str
+    rank: int | None = None
+    stage: Stage | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "t": round(self.t, 9),
+            "rank": self.rank,
+            "stage": self.stage.value if self.stage else None,
+            "event": self.event,
+            "data": dict(self.data),
+        }
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any], where: str = "") -> "Event":
+        try:
+            stage = obj.get("stage")
+            return cls(
+                t=float(obj["t"]),
+                event=str(obj["event"]),
+                rank=None if obj.get("rank") is None else int(obj["rank"]),
+                stage=Stage(stage) if stage else None,
+                data=dict(obj.get("data") or {}),
+            )
+        except KeyError as exc:
+            raise RecordingError(f"{where}: event is missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError) as exc:
+            raise RecordingError(f"{where}: malformed event ({exc}); expected t, event, rank, stage, data") from None
+
+
+def partial_path(path: str | os.PathLike[str]) -> Path:
+    p = Path(path)
+    return p.with_name(p.name + ".partial")
+
+
+class RecordingWriter:
+    """Write events to ``path`` atomically; usable as a context manager."""
+
+    def __init__(self, path: str | os.PathLike[str], source: str, **meta: Any) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._partial = partial_path(self.path)
+        self._fh = open(self._partial, "w", encoding="utf-8")
+        self._t0 = time.monotonic()
+        self.count = 0
+        self.emit("recording_start", data={"source": source, "wall_time": time.time(), **meta})
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def emit(
+        self,
+        event: str,
+        *,
+        rank: int | None = None,
+        stage: Stage | str | None = None,
+        data: Mapping[str, Any] | None = None,
+        t: float | None = None,
+    ) -> Event:
+        ev = Event(
+            t=self.now() if t is None else t,
+            event=event,
+            rank=rank,
+            stage=Stage(stage) if stage else None,
+            data=dict(data or {}),
+        )
+        self.write(ev)
+        return ev
+
+    def write(self, ev: Event) -> None:
+        if self._fh.closed:
+            raise RecordingError(f"recording {self.path} is already closed")
+        self._fh.write(json.dumps(ev.to_dict(), sort_keys=True) + "\n")
+        self._fh.flush()
+        self.count += 1
+
+    def close(self) -> Path:
+        if not self._fh.closed:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
+            os.replace(self._partial, self.path)
+        return self.path
+
+    def __enter__(self) -> "RecordingWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
+    """Yield events from a recording (or its ``.partial`` while it is being written)."""
+    p = Path(path)
+    if not p.exists() and partial_path(p).exists():
+        p = partial_path(p)
+    if not p.exists():
+        raise RecordingError(f"recording {path} does not exist")
+    with open(p, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                if not line.endswith("\n"):
+                    return  # a line still being written
+                raise RecordingError(f"{p}:{lineno}: not a JSON object; each line is one event") from None
+            yield Event.from_dict(obj, where=f"{p}:{lineno}")
+
+
+def read_recording(path: str | os.PathLike[str]) -> list[Event]:
+    events = list(iter_events(path))
+    if not events or events[0].event != "recording_start":
+        raise RecordingError(f"{path}: the first event must be 'recording_start'")
+    return events

@@ -1,0 +1,1 @@
+"""meshpact.live: the torch.distributed runtime built on meshpact.core."""

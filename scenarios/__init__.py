@@ -1,0 +1,1 @@
+"""Scenario files (YAML) and recorded runs (JSONL) shipped with Meshpact."""

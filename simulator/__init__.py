@@ -1,0 +1,1 @@
+"""meshpact.simulator: SimPy models built on meshpact.core."""
