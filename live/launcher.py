@@ -1,0 +1,343 @@
+"""Launcher: start N local ranks as real processes with a torchrun-compatible environment.
+
+Each rank is a fresh Python process running ``python -m meshpact.live.launcher --target
+module:function``. The environment is the one ``torchrun`` gives (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), so the same entry
+point runs unchanged under ``torchrun --nproc-per-node N -m meshpact.live.launcher --target
+...`` on one host or many. As torchrun's agent does, the launcher hosts the rendezvous
+``TCPStore`` itself (workers connect as clients), so a rank that dies takes no store with it,
+and it can start a replacement for one rank while the others keep running.
+
+A worker function takes one ``dict`` of JSON arguments and returns a JSON-serialisable value;
+the launcher collects each rank's value. Everything stops by itself: a deadline kills every
+child still running, and so does leaving the ``with`` block or the interpreter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import importlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from meshpact.core.errors import MeshpactError
+
+__all__ = [
+    "LaunchError",
+    "RankResult",
+    "Launch",
+    "launch",
+    "free_port",
+    "host_store",
+    "worker_env",
+    "write_result",
+]
+
+RESULT_DIR_ENV = "MESHPACT_RESULT_DIR"
+ARGS_ENV = "MESHPACT_WORKER_ARGS"
+
+
+class LaunchError(MeshpactError):
+    """A worker failed, timed out, or was given a target that cannot be run."""
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    value: Any  # what the worker function returned (None if it did not finish)
+    stderr_tail: str = ""
+    incarnation: int = 0  # 0 for the first process of this rank, 1.. for replacements
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the kernel reports free on ``host`` (bind to port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1, timeout_s: float = 60.0) -> Any:
+    """Start a ``TCPStore`` server on ``host:port`` (0: the kernel picks) and return it."""
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                    wait_for_workers=False, use_libuv=True)
+
+
+def worker_env(rank: int, world_size: int, master_addr: str, master_port: int,
+               local_rank: int | None = None, local_world_size: int | None = None) -> dict[str, str]:
+    """The torchrun environment for one rank."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "LOCAL_WORLD_SIZE": str(world_size if local_world_size is None else local_world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is hosted outside the ranks, as under torchrun
+    }
+
+
+def _resolve(target: str) -> Callable[[dict], Any]:
+    module, sep, name = target.partition(":")
+    if not sep or not module or not name:
+        raise LaunchError(f"worker target {target!r} is not 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise LaunchError(f"worker target {target!r} cannot be loaded: {exc}") from None
+    if not callable(fn):
+        raise LaunchError(f"worker target {target!r} is not callable")
+    return fn
+
+
+class Launch:
+    """N rank processes of one worker target; use as a context manager.
+
+    ``prefix(rank)`` may return a command prefix for a rank (e.g. ``["ip", "netns", "exec",
+    "ns0"]``); ``env(rank)`` extra environment for it. ``store_host`` and ``store_port``
+    name the rendezvous store; when ``host_stores`` is true (the default) the launcher
+    hosts it in this process.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        world_size: int,
+        args: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float = 120.0,
+        master_addr: str = "127.0.0.1",
+        master_port: int | None = None,
+        host_stores: bool = True,
+        env: Callable[[int], Mapping[str, str]] | None = None,
+        prefix: Callable[[int], Sequence[str]] | None = None,
+        python: str = sys.executable,
+    ) -> None:
+        if world_size < 1:
+            raise LaunchError(f"world_size must be >= 1, got {world_size}")
+        _resolve(target)  # a bad target is reported here, not N times in the children
+        self.target = target
+        self.world_size = world_size
+        self.args = dict(args or {})
+        self.timeout_s = float(timeout_s)
+        self.master_addr = master_addr
+        self._store = host_store(master_addr, master_port or 0, world_size) if host_stores else None
+        self.master_port = int(self._store.port) if self._store is not None else int(master_port or free_port(master_addr))
+        self._extra_env = env
+        self._prefix = prefix
+        self._python = python
+        self._dir = Path(tempfile.mkdtemp(prefix="meshpact-launch-"))
+        self._procs: dict[int, subprocess.Popen] = {}
+        self._incarnation: dict[int, int] = {}
+        self._stderr: dict[int, Any] = {}
+        self._deadline = time.monotonic() + self.timeout_s
+        atexit.register(self.kill_all)
+
+    # -- processes ---------------------------------------------------------------------
+    def start(self) -> "Launch":
+        (self._dir / "args.json").write_text(json.dumps(self.args))
+        for rank in range(self.world_size):
+            self._spawn(rank, incarnation=0)
+        return self
+
+    def _spawn(self, rank: int, incarnation: int) -> None:
+        env = dict(os.environ)
+        env.update(worker_env(rank, self.world_size, self.master_addr, self.master_port))
+        env[RESULT_DIR_ENV] = str(self._dir)
+        env[ARGS_ENV] = str(self._dir / "args.json")
+        env["MESHPACT_INCARNATION"] = str(incarnation)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        if self._extra_env is not None:
+            env.update({k: str(v) for k, v in self._extra_env(rank).items()})
+        cmd = [*(self._prefix(rank) if self._prefix else ()), self._python, "-m", "meshpact.live.launcher",
+               "--target", self.target]
+        err = open(self._dir / f"stderr-{rank}-{incarnation}.txt", "w+b")
+        self._stderr[rank] = err
+        self._procs[rank] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
+                                             start_new_session=True)
+        self._incarnation[rank] = incarnation
+
+    def pid(self, rank: int) -> int:
+        return self._procs[rank].pid
+
+    def poll(self) -> dict[int, int | None]:
+        """Each rank's return code (None while it runs)."""
+        return {r: p.poll() for r, p in self._procs.items()}
+
+    def replace(self, rank: int, extra_env: Mapping[str, str] | None = None) -> None:
+        """Start a replacement process for ``rank`` (the old one must have exited)."""
+        old = self._procs[rank]
+        if old.poll() is None:
+            raise LaunchError(f"rank {rank} (pid {old.pid}) is still running; kill it before replacing it")
+        if extra_env:
+            prev = self._extra_env
+            self._extra_env = lambda r, prev=prev, rank=rank, e=dict(extra_env): {
+                **(prev(r) if prev else {}), **(e if r == rank else {})}
+        self._spawn(rank, self._incarnation[rank] + 1)
+
+    def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
+        p = self._procs[rank]
+        if p.poll() is None:
+            p.send_signal(sig)
+
+    def kill_all(self) -> None:
+        for p in list(self._procs.values()):
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    p.kill()
+        for p in list(self._procs.values()):
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+
+    def wait(self, on_exit: Callable[["Launch", int, int], None] | None = None,
+             poll_s: float = 0.02) -> list[RankResult]:
+        """Wait for every rank; ``on_exit(launch, rank, returncode)`` sees each non-zero exit
+        as it happens (it may call :meth:`replace`). Kills everything at the deadline."""
+        seen: dict[tuple[int, int], bool] = {}
+        timed_out = False
+        while True:
+            running = False
+            for rank, p in list(self._procs.items()):
+                rc = p.poll()
+                if rc is None:
+                    running = True
+                    continue
+                key = (rank, self._incarnation[rank])
+                if rc != 0 and not seen.get(key) and on_exit is not None:
+                    seen[key] = True
+                    on_exit(self, rank, rc)
+                    if self._procs[rank].poll() is None:
+                        running = True
+            if not running:
+                break
+            if time.monotonic() > self._deadline:
+                timed_out = True
+                self.kill_all()
+                break
+            time.sleep(poll_s)
+        results = [self._result(rank, killed=timed_out) for rank in sorted(self._procs)]
+        return results
+
+    def _result(self, rank: int, killed: bool) -> RankResult:
+        p = self._procs[rank]
+        inc = self._incarnation[rank]
+        path = self._dir / f"result-{rank}.json"
+        value = json.loads(path.read_text()) if path.exists() else None
+        err = self._stderr[rank]
+        err.flush()
+        err.seek(0, os.SEEK_END)
+        size = err.tell()
+        err.seek(max(0, size - 4000))
+        tail = err.read().decode("utf-8", "replace")
+        rc = p.poll()
+        return RankResult(rank, None if (killed and rc in (None, -9)) else rc, value, tail, inc)
+
+    def close(self) -> None:
+        self.kill_all()
+        for err in self._stderr.values():
+            err.close()
+        self._store = None
+        atexit.unregister(self.kill_all)
+
+    def __enter__(self) -> "Launch":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def launch(target: str, world_size: int, args: Mapping[str, Any] | None = None, *, timeout_s: float = 120.0,
+           check: bool = True, **kw: Any) -> list[RankResult]:
+    """Run ``target`` on ``world_size`` ranks and return every rank's result.
+
+    With ``check`` a failed or timed-out rank raises :class:`LaunchError` with its stderr.
+    """
+    with Launch(target, world_size, args, timeout_s=timeout_s, **kw) as job:
+        results = job.wait()
+    if check:
+        bad = [r for r in results if not r.ok]
+        if bad:
+            first = bad[0]
+            what = "timed out" if first.returncode is None else f"exited with {first.returncode}"
+            raise LaunchError(f"rank {first.rank} of {target} {what} (limit {timeout_s:.0f} s); "
+                              f"its stderr ends:\n{first.stderr_tail}")
+    return results
+
+
+# -- the worker side ------------------------------------------------------------------------
+def write_result(value: Any) -> None:
+    """Write this rank's result where the launcher collects it (atomic rename)."""
+    out = os.environ.get(RESULT_DIR_ENV)
+    if not out:
+        return
+    rank = os.environ.get("RANK", "0")
+    path = Path(out) / f"result-{rank}.json"
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(value))
+    os.replace(tmp, path)
+
+
+def worker_args() -> dict:
+    """The JSON arguments the launcher handed this worker (``{}`` under plain torchrun)."""
+    path = os.environ.get(ARGS_ENV)
+    return json.loads(Path(path).read_text()) if path and Path(path).exists() else {}
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m meshpact.live.launcher",
+                                     description="Run one rank of a Meshpact worker (torchrun-compatible).")
+    parser.add_argument("--target", required=True, help="package.module:function taking a dict of arguments")
+    parser.add_argument("--args", default=None, help="JSON arguments (overrides the launcher's)")
+    ns = parser.parse_args(argv)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        sys.stderr.write(f"error: missing torchrun environment {missing}; run under torchrun or the launcher\n")
+        return 2
+    fn = _resolve(ns.target)
+    args = json.loads(ns.args) if ns.args else worker_args()
+    value = fn(args)
+    write_result(value)
+    return 0
+
+
+
+def echo(args: dict) -> dict:
+    """A diagnostic worker: joins the rendezvous store and reports its environment."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=float(args.get("timeout_s", 30))))
+    store.add("echo/arrived", 1)
+    if rank == 0:
+        store.set("echo/go", "1")
+    store.wait(["echo/go"])
+    if args.get("exit_code"):
+        sys.exit(int(args["exit_code"]))
+    return {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
+            "pid": os.getpid(), "args": args}
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(_main())

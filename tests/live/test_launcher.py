@@ -1,0 +1,40 @@
+"""The launcher starts real rank processes with torchrun's environment and stops them."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshpact.live.launcher import Launch, LaunchError, launch
+
+pytestmark = [pytest.mark.live]
+
+
+def test_each_rank_gets_torchrun_environment_and_its_result_is_collected():
+    results = launch("meshpact.live.launcher:echo", 2, {"x": 7}, timeout_s=60)
+    assert [r.value["rank"] for r in results] == [0, 1]
+    assert all(r.value["world_size"] == 2 and r.value["args"] == {"x": 7} for r in results)
+    assert results[0].value["pid"] != results[1].value["pid"]
+
+
+def test_failed_rank_is_reported_with_its_exit_code():
+    with pytest.raises(LaunchError, match="exited with 3"):
+        launch("meshpact.live.launcher:echo", 1, {"exit_code": 3}, timeout_s=60)
+
+
+def test_bad_target_is_refused_before_any_process_starts():
+    with pytest.raises(LaunchError, match="not 'package.module:function'"):
+        Launch("no_colon_here", 2)
+
+
+def test_a_killed_rank_can_be_replaced_and_the_deadline_kills_stragglers():
+    replaced: list[int] = []
+
+    def on_exit(job: Launch, rank: int, rc: int) -> None:
+        replaced.append(rc)
+        job.replace(rank)
+
+    with Launch("meshpact.live.launcher:echo", 2, {"timeout_s": 60}, timeout_s=60) as job:
+        job.kill(1)  # before it can arrive: the replacement must finish the rendezvous
+        results = job.wait(on_exit=on_exit)
+    assert replaced == [-9]
+    assert all(r.ok for r in results) and results[1].incarnation == 1
