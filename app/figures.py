@@ -1,0 +1,242 @@
+"""Figures: the plotly pictures the dashboard draws.
+
+The mesh (ranks coloured by domain and health, native rings and bridge links as line
+traces), the stage breakdown of recoveries, a plan as a diagram of who sends what to
+whom, and startups and payload bytes per planner. Each function takes core values and
+returns a ``plotly.graph_objects.Figure``; none touches Streamlit, so the benchmark and
+the tests build them directly. Traces are few and wide (one per domain, not one per
+rank) so the 1,024-rank mesh stays fast to build and to draw.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from meshpact.core.facts import LinkClass, Mesh
+from meshpact.core.mesh import bridge_links, health, native_ring, rank_positions
+from meshpact.core.plan import Plan, PlanCost, StepKind
+from meshpact.core.recovery import RecoveryBreakdown, Stage
+
+__all__ = [
+    "domain_colours",
+    "STAGE_COLOURS",
+    "mesh_figure",
+    "recovery_figure",
+    "plan_figure",
+    "cost_figure",
+]
+
+FAILED = "#d62728"
+BROKEN = "#b0b0b0"
+_VENDOR_SHADES = {
+    "cuda": ["#4c9a2a", "#7bc950", "#2f6b17"],
+    "cann": ["#2e6fd8", "#6b9cf0", "#1b4a9c"],
+    "cpu": ["#8e6bbf", "#b49ad8", "#5f4391"],
+}
+_LINK_STYLE = {
+    LinkClass.HOST_BRIDGE: ("#e69f00", "dot"),
+    LinkClass.ETHERNET: ("#e69f00", "dash"),
+    LinkClass.FABRIC: ("#999999", "solid"),
+}
+STAGE_COLOURS: Mapping[Stage, str] = {
+    Stage.DETECTION: "#9e9e9e",
+    Stage.RESTART: "#d62728",
+    Stage.CONSENSUS: "#9467bd",
+    Stage.COMMUNICATOR: "#1f77b4",
+    Stage.STATE: "#ff7f0e",
+    Stage.REBINDING: "#2ca02c",
+    Stage.REPLAY: "#8c564b",
+}
+_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=40, b=10))
+
+
+def domain_colours(mesh: Mesh) -> dict[str, str]:
+    """One colour per domain: a vendor's hue, a different shade per domain of that vendor."""
+    used: dict[str, int] = {}
+    out = {}
+    for d in mesh.domains:
+        shades = _VENDOR_SHADES.get(d.vendor.value, _VENDOR_SHADES["cpu"])
+        out[d.name] = shades[used.get(d.vendor.value, 0) % len(shades)]
+        used[d.vendor.value] = used.get(d.vendor.value, 0) + 1
+    return out
+
+
+def _polyline(pairs: Iterable[tuple[int, int]], pos: Mapping[int, tuple[float, float]]) -> tuple[list, list]:
+    xs: list = []
+    ys: list = []
+    for a, b in pairs:
+        xs += [pos[a][0], pos[b][0], None]
+        ys += [pos[a][1], pos[b][1], None]
+    return xs, ys
+
+
+def _ring_xy(ring: Sequence[int], pos: Mapping[int, tuple[float, float]]) -> tuple[list, list]:
+    closed = list(ring) + ([ring[0]] if len(ring) > 2 else [])
+    return [pos[r][0] for r in closed], [pos[r][1] for r in closed]
+
+
+def mesh_figure(
+    mesh: Mesh,
+    failed: Iterable[int] = (),
+    positions: Mapping[int, tuple[float, float]] | None = None,
+    height: int = 520,
+) -> go.Figure:
+    """The mesh: one marker trace per domain (healthy ranks), one for failed ranks, a ring
+    per domain (grey and dashed once a member failed) and the bridge links between
+    domains. Every rank marker carries its rank id in ``customdata`` for selection."""
+    pos = positions if positions is not None else rank_positions(mesh)
+    state = health(mesh, failed)
+    dead = state.failed
+    colours = domain_colours(mesh)
+    broken = {c.name for c in state.broken}
+    labelled = mesh.world_size <= 64
+    size = 14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else 6)
+    traces: list[go.BaseTraceType] = []
+    for d in mesh.domains:
+        xs, ys = _ring_xy(native_ring(d), pos)
+        ok = d.name not in broken
+        traces.append(go.Scatter(
+            x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
+            line=dict(color=colours[d.name] if ok else BROKEN, width=1.5, dash="solid" if ok else "dash"),
+        ))
+    for link in bridge_links(mesh):
+        colour, dash = _LINK_STYLE[link.link]
+        ok = link.communicator not in broken
+        xs, ys = _polyline([(link.a, link.b)], pos)
+        traces.append(go.Scatter(
+            x=xs, y=ys, mode="lines", hoverinfo="skip", name=f"bridge ({link.link.value.replace('_', ' ')})",
+            line=dict(color=colour if ok else BROKEN, width=3, dash=dash),
+        ))
+    for d in mesh.domains:
+        alive = [r for r in d.ranks if r not in dead]
+        traces.append(go.Scatter(
+            x=[pos[r][0] for r in alive], y=[pos[r][1] for r in alive],
+            customdata=[[r] for r in alive],
+            mode="markers+text" if labelled else "markers",
+            text=[str(r) for r in alive] if labelled else None,
+            textposition="middle center", textfont=dict(size=8, color="white"),
+            marker=dict(size=size, color=colours[d.name], line=dict(width=[2.5 if r == d.bridge_rank else 0 for r in alive], color="#e69f00")),
+            name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
+            hovertemplate=f"rank %{{customdata[0]}}<br>{d.name} · {d.host}<extra></extra>",
+        ))
+    down = sorted(dead)
+    traces.append(go.Scatter(
+        x=[pos[r][0] for r in down], y=[pos[r][1] for r in down], customdata=[[r] for r in down],
+        mode="markers", name="failed",
+        marker=dict(size=size + 2, color=FAILED, symbol="x"),
+        hovertemplate="rank %{customdata[0]} (failed)<extra></extra>",
+    ))
+    fig = go.Figure(data=traces)
+    for h in mesh.hosts:
+        ranks = [r for d in mesh.domains if d.host == h for r in d.ranks]
+        xs = [pos[r][0] for r in ranks]
+        ys = [pos[r][1] for r in ranks]
+        fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(ys), yshift=22, text=f"<b>{h}</b>", showarrow=False)
+    fig.update_layout(
+        **_LAYOUT, height=height, dragmode="select", clickmode="event+select",
+        legend=dict(orientation="h", yanchor="bottom", y=-0.12, x=0),
+        title=f"{state.label} ranks healthy · {len(state.surviving)}/{len(state.communicators)} communicators intact",
+    )
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1)
+    return fig
+
+
+def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int = 300) -> go.Figure:
+    """Stacked horizontal bars: one bar per policy, one segment per stage (seconds)."""
+    fig = go.Figure()
+    labels = [b.policy.label for b in breakdowns]
+    for stage in Stage.ordered():
+        values = [b.durations_s.get(stage, 0.0) for b in breakdowns]
+        if not any(values):
+            continue
+        fig.add_trace(go.Bar(
+            y=labels, x=values, orientation="h", name=stage.value, marker_color=STAGE_COLOURS[stage],
+            hovertemplate=f"{stage.value}: %{{x:.3g}} s<extra>%{{y}}</extra>",
+        ))
+    for b in breakdowns:
+        fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {b.total_s:.3g} s", showarrow=False, xanchor="left")
+    fig.update_layout(**_LAYOUT, barmode="stack", height=height, xaxis_title="seconds",
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
+    fig.update_yaxes(autorange="reversed")
+    return fig
+
+
+def _step_label(step) -> str:  # noqa: ANN001 (a plan Step)
+    return f"{step.op}<br>{step.payload_bytes:,} B {step.dtype.value}"
+
+
+def plan_figure(plan: Plan, mesh: Mesh, height: int | None = None) -> go.Figure:
+    """Who sends what to whom: steps left to right, the ranks a plan touches top to bottom
+    (grouped by domain). A collective is a bar over its participants, a bridge send an
+    arrow from sender to receiver, a local projection a diamond, a delivery a star."""
+    colours = domain_colours(mesh)
+    involved = sorted({r for s in plan.steps for r in s.ranks}, key=lambda r: (mesh.domain_of(r).name != mesh.domains[0].name, mesh.domains.index(mesh.domain_of(r)), r))
+    row = {r: i for i, r in enumerate(involved)}
+    fig = go.Figure()
+    send_x: list = []
+    send_y: list = []
+    send_text: list = []
+    marks: dict[str, tuple[list, list, list, list]] = {}
+    for x, step in enumerate(plan.steps, start=1):
+        if step.kind is StepKind.SEND:
+            src, dst = step.ranks
+            send_x += [x - 0.3, x + 0.3, None]
+            send_y += [row[src], row[dst], None]
+            send_text += [f"send {src}→{dst}: {step.payload_bytes:,} B ({step.link.value if step.link else ''})"] * 2 + [None]
+            continue
+        if step.kind is StepKind.COLLECTIVE:
+            ys = [row[r] for r in step.ranks]
+            colour = colours.get(step.domain or mesh.domain_of(step.ranks[0]).name, "#555")
+            fig.add_trace(go.Scatter(
+                x=[x, x], y=[min(ys), max(ys)], mode="lines", line=dict(color=colour, width=10), opacity=0.35,
+                hoverinfo="skip", showlegend=False,
+            ))
+        symbol = {StepKind.COLLECTIVE: "circle", StepKind.PROJECT: "diamond", StepKind.DELIVER: "star"}[step.kind]
+        xs, ys, texts, cols = marks.setdefault(f"{step.kind.value}|{symbol}", ([], [], [], []))
+        for r in step.ranks:
+            xs.append(x)
+            ys.append(row[r])
+            texts.append(f"step {x}: {step.kind.value} {step.op} on rank {r}<br>{step.payload_bytes:,} B {step.dtype.value}"
+                         + (f"<br>{step.note}" if step.note else ""))
+            cols.append(colours[mesh.domain_of(r).name])
+    for key, (xs, ys, texts, cols) in marks.items():
+        kind, symbol = key.split("|")
+        fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=kind, hovertext=texts, hoverinfo="text",
+                                 marker=dict(symbol=symbol, size=11, color=cols, line=dict(width=1, color="white"))))
+    if send_x:
+        fig.add_trace(go.Scatter(
+            x=send_x, y=send_y, mode="lines+markers", name="bridge send", hovertext=send_text, hoverinfo="text",
+            line=dict(color="#e69f00", width=2), marker=dict(symbol="arrow", angleref="previous", size=12, opacity=[0, 1, 0] * (len(send_x) // 3)),
+        ))
+    ticks = [f"{r} · {mesh.domain_of(r).name}" for r in involved]
+    fig.update_layout(
+        **_LAYOUT, height=height or max(260, 22 * len(involved) + 120),
+        title=f"{plan.planner}: {len(plan.steps)} steps, {plan.startups} startups, {plan.payload_bytes:,} B",
+        legend=dict(orientation="h", yanchor="bottom", y=1.02, x=1, xanchor="right"),
+    )
+    fig.update_xaxes(title="step", tickmode="array", tickvals=list(range(1, len(plan.steps) + 1)),
+                     ticktext=[s.op for s in plan.steps], range=[0.4, len(plan.steps) + 0.6])
+    fig.update_yaxes(tickmode="array", tickvals=list(range(len(involved))), ticktext=ticks, autorange="reversed",
+                     title="rank")
+    return fig
+
+
+def cost_figure(costs: Mapping[str, PlanCost], height: int = 300) -> go.Figure:
+    """Startups and payload bytes per planner, side by side; bytes stacked by link class."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("startups", "payload bytes"))
+    names = list(costs)
+    fig.add_trace(go.Bar(x=names, y=[costs[n].startups for n in names], marker_color="#1f77b4", showlegend=False,
+                         hovertemplate="%{x}: %{y} startups<extra></extra>"), row=1, col=1)
+    links = sorted({k for c in costs.values() for k in c.bytes_by_link})
+    palette = {"fabric": "#4c9a2a", "host_bridge": "#e69f00", "ethernet": "#d55e00"}
+    for link in links:
+        fig.add_trace(go.Bar(x=names, y=[costs[n].bytes_by_link.get(link, 0) for n in names], name=link.replace("_", " "),
+                             marker_color=palette.get(link, "#777"), hovertemplate="%{x}: %{y:,} B<extra>" + link + "</extra>"),
+                      row=1, col=2)
+    fig.update_layout(**_LAYOUT, barmode="stack", height=height, legend=dict(orientation="h", y=-0.2))
+    fig.update_yaxes(type="log", row=1, col=2)
+    return fig

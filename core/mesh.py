@@ -1,0 +1,198 @@
+"""Mesh views: rings, bridge links, drawing positions and health under failures.
+
+The :class:`~meshpact.core.facts.Mesh` says which ranks live in which native domain.
+This module derives what the dashboard, the CLI and the recovery model look at: each
+domain's native ring (the order its ranks pass data in a ring collective), the bridge
+links between the designated bridge ranks of every pair of domains (a host bridge on one
+host, Ethernet across hosts), positions for drawing the mesh legibly up to a thousand
+ranks, and, for a set of failed ranks, which communicators survive intact and how many
+ranks are healthy. Everything here is pure and deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Iterable, Mapping
+
+from .errors import FactError
+from .facts import Domain, LinkClass, Mesh
+
+__all__ = [
+    "CommunicatorKind",
+    "Communicator",
+    "Link",
+    "MeshHealth",
+    "native_ring",
+    "native_ring_links",
+    "bridge_links",
+    "communicators",
+    "rank_positions",
+    "validate_failed",
+    "health",
+    "healthy_count",
+    "surviving_communicators",
+    "bridge_after_failure",
+]
+
+
+class CommunicatorKind(str, Enum):
+    NATIVE = "native"  # one domain's ranks on its vendor's collective library
+    BRIDGE = "bridge"  # two bridge ranks of different domains, host-staged point to point
+
+
+@dataclass(frozen=True)
+class Communicator:
+    """A communicator of the mesh: its name, kind, backend and member ranks."""
+
+    name: str
+    kind: CommunicatorKind
+    backend: str
+    ranks: tuple[int, ...]
+    domains: tuple[str, ...]
+    link: LinkClass
+
+    def intact(self, failed: frozenset[int]) -> bool:
+        """A communicator breaks when any one member fails: a collective needs every rank."""
+        return not (failed & set(self.ranks))
+
+
+@dataclass(frozen=True)
+class Link:
+    """One drawn link between two ranks."""
+
+    a: int
+    b: int
+    link: LinkClass
+    communicator: str
+
+
+@dataclass(frozen=True)
+class MeshHealth:
+    """The mesh seen through a set of failed ranks."""
+
+    world_size: int
+    failed: frozenset[int]
+    communicators: tuple[Communicator, ...]
+    surviving: tuple[Communicator, ...]
+    broken: tuple[Communicator, ...]
+    bridges: Mapping[str, int | None]  # domain -> bridge rank after failure (None: domain lost)
+
+    @property
+    def healthy(self) -> int:
+        return self.world_size - len(self.failed)
+
+    @property
+    def label(self) -> str:
+        return f"{self.healthy}/{self.world_size}"
+
+
+def native_ring(domain: Domain) -> tuple[int, ...]:
+    """The ring order of a domain: its ranks ascending, starting at the bridge rank."""
+    ranks = sorted(domain.ranks)
+    i = ranks.index(domain.bridge_rank)  # type: ignore[arg-type]
+    return tuple(ranks[i:] + ranks[:i])
+
+
+def native_ring_links(domain: Domain) -> tuple[Link, ...]:
+    ring = native_ring(domain)
+    if len(ring) < 2:
+        return ()
+    pairs = list(zip(ring, ring[1:] + ring[:1])) if len(ring) > 2 else [(ring[0], ring[1])]
+    return tuple(Link(a, b, LinkClass.FABRIC, domain.name) for a, b in pairs)
+
+
+def _bridge_name(a: Domain, b: Domain) -> str:
+    return f"bridge {a.name} <-> {b.name}"
+
+
+def bridge_links(mesh: Mesh) -> tuple[Link, ...]:
+    """One link between the bridge ranks of every pair of domains."""
+    out = []
+    for i, a in enumerate(mesh.domains):
+        for b in mesh.domains[i + 1 :]:
+            cls = mesh.link_class(a.bridge_rank, b.bridge_rank)  # type: ignore[arg-type]
+            out.append(Link(a.bridge_rank, b.bridge_rank, cls, _bridge_name(a, b)))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def communicators(mesh: Mesh) -> tuple[Communicator, ...]:
+    """Every communicator of the mesh: one native per domain, one bridge per domain pair."""
+    out = [
+        Communicator(d.name, CommunicatorKind.NATIVE, d.backend.value, native_ring(d), (d.name,),  # type: ignore[union-attr]
+                     LinkClass.FABRIC)
+        for d in mesh.domains
+    ]
+    for i, a in enumerate(mesh.domains):
+        for b in mesh.domains[i + 1 :]:
+            ranks = (a.bridge_rank, b.bridge_rank)
+            out.append(Communicator(_bridge_name(a, b), CommunicatorKind.BRIDGE, "host-staged",
+                                    ranks, (a.name, b.name), mesh.link_class(*ranks)))  # type: ignore[arg-type]
+    return tuple(out)
+
+
+def rank_positions(mesh: Mesh) -> dict[int, tuple[float, float]]:
+    """Drawing positions: one column per host, domains of a host stacked in it, each
+    domain's ranks on a circle (its native ring) with the bridge rank facing the centre.
+
+    Circles grow with the square root of the domain size so that neighbouring markers
+    keep roughly the same spacing from 8 ranks to 1,024.
+    """
+    hosts = list(mesh.hosts)
+    by_host: dict[str, list[Domain]] = {h: [d for d in mesh.domains if d.host == h] for h in hosts}
+    biggest = max(d.size for d in mesh.domains)
+    cell = 3.2 * max(1.0, math.sqrt(biggest / 16))
+    rows = max(len(v) for v in by_host.values())
+    cx_mid, cy_mid = (len(hosts) - 1) * cell / 2, -(rows - 1) * cell / 2
+    pos: dict[int, tuple[float, float]] = {}
+    for hx, host in enumerate(hosts):
+        for dy, dom in enumerate(by_host[host]):
+            cx, cy = hx * cell, -dy * cell
+            radius = max(1.0, math.sqrt(dom.size / 16)) if dom.size > 1 else 0.0
+            face = math.atan2(cy_mid - cy, cx_mid - cx) if (cx, cy) != (cx_mid, cy_mid) else math.pi / 2
+            ring = native_ring(dom)
+            for k, r in enumerate(ring):
+                angle = face + 2 * math.pi * k / len(ring)
+                pos[r] = (round(cx + radius * math.cos(angle), 6), round(cy + radius * math.sin(angle), 6))
+    return pos
+
+
+def validate_failed(mesh: Mesh, failed: Iterable[int]) -> frozenset[int]:
+    """The failed ranks as a set; a rank outside the mesh is a readable error."""
+    out = frozenset(int(r) for r in failed)
+    stray = sorted(out - set(mesh.ranks))
+    if stray:
+        raise FactError(f"failed ranks {stray} are not in the mesh (ranks {mesh.ranks[0]}..{mesh.ranks[-1]})")
+    return out
+
+
+def bridge_after_failure(domain: Domain, failed: frozenset[int]) -> int | None:
+    """The domain's bridge rank once ``failed`` are gone: the designated one if it lives,
+    else the lowest surviving rank of the domain, else ``None`` (the domain is lost)."""
+    if domain.bridge_rank not in failed:
+        return domain.bridge_rank
+    alive = [r for r in sorted(domain.ranks) if r not in failed]
+    return alive[0] if alive else None
+
+
+def health(mesh: Mesh, failed: Iterable[int] = ()) -> MeshHealth:
+    """Which communicators survive ``failed`` intact, which break, and the healthy count."""
+    dead = validate_failed(mesh, failed)
+    comms = communicators(mesh)
+    return MeshHealth(
+        world_size=mesh.world_size,
+        failed=dead,
+        communicators=comms,
+        surviving=tuple(c for c in comms if c.intact(dead)),
+        broken=tuple(c for c in comms if not c.intact(dead)),
+        bridges={d.name: bridge_after_failure(d, dead) for d in mesh.domains},
+    )
+
+
+def healthy_count(mesh: Mesh, failed: Iterable[int] = ()) -> int:
+    return health(mesh, failed).healthy
+
+
+def surviving_communicators(mesh: Mesh, failed: Iterable[int] = ()) -> tuple[Communicator, ...]:
+    return health(mesh, failed).surviving
