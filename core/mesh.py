@@ -28,6 +28,7 @@ __all__ = [
     "native_ring_links",
     "bridge_links",
     "communicators",
+    "SPACING",
     "rank_positions",
     "validate_failed",
     "health",
@@ -132,29 +133,60 @@ def communicators(mesh: Mesh) -> tuple[Communicator, ...]:
     return tuple(out)
 
 
+SPACING = 0.3  # distance between neighbouring ranks in drawing units
+_CIRCLE_MAX = 64  # larger domains are drawn as a serpentine grid
+
+
+def _domain_layout(size: int, face: float) -> list[tuple[float, float]]:
+    """Local positions (centred at the origin) of a domain's ranks in ring order.
+
+    Up to 64 ranks sit on a circle whose first rank points at angle ``face``; a larger
+    domain fills a square grid row by row, alternating direction (the ring reads as a
+    serpentine), starting in the corner nearest ``face``.
+    """
+    if size == 1:
+        return [(0.0, 0.0)]
+    if size <= _CIRCLE_MAX:
+        radius = max(1.0, size * SPACING / (2 * math.pi))
+        return [(radius * math.cos(face + 2 * math.pi * k / size), radius * math.sin(face + 2 * math.pi * k / size))
+                for k in range(size)]
+    cols = math.ceil(math.sqrt(size))
+    rows = math.ceil(size / cols)
+    mirror = math.cos(face) > 1e-9  # start on the side that faces the centre
+    out = []
+    for k in range(size):
+        r, c = divmod(k, cols)
+        c = c if r % 2 == 0 else cols - 1 - c
+        x = (c - (cols - 1) / 2) * SPACING
+        y = ((rows - 1) / 2 - r) * SPACING
+        out.append((-x if mirror else x, y))
+    return out
+
+
+def _extent(size: int) -> float:
+    pts = _domain_layout(size, 0.0)
+    return max(max(abs(x), abs(y)) for x, y in pts) if size > 1 else 0.0
+
+
 def rank_positions(mesh: Mesh) -> dict[int, tuple[float, float]]:
     """Drawing positions: one column per host, domains of a host stacked in it, each
-    domain's ranks on a circle (its native ring) with the bridge rank facing the centre.
+    domain's ranks in ring order starting at the bridge rank, which faces the centre.
 
-    Circles grow with the square root of the domain size so that neighbouring markers
-    keep roughly the same spacing from 8 ranks to 1,024.
+    Neighbouring ranks keep the same spacing (:data:`SPACING`) from 8 ranks to 1,024, so
+    the picture grows instead of crowding: small domains are circles, large ones grids.
     """
     hosts = list(mesh.hosts)
     by_host: dict[str, list[Domain]] = {h: [d for d in mesh.domains if d.host == h] for h in hosts}
-    biggest = max(d.size for d in mesh.domains)
-    cell = 3.2 * max(1.0, math.sqrt(biggest / 16))
+    cell = 2 * max(_extent(d.size) for d in mesh.domains) + 1.2
     rows = max(len(v) for v in by_host.values())
     cx_mid, cy_mid = (len(hosts) - 1) * cell / 2, -(rows - 1) * cell / 2
     pos: dict[int, tuple[float, float]] = {}
     for hx, host in enumerate(hosts):
         for dy, dom in enumerate(by_host[host]):
             cx, cy = hx * cell, -dy * cell
-            radius = max(1.0, math.sqrt(dom.size / 16)) if dom.size > 1 else 0.0
             face = math.atan2(cy_mid - cy, cx_mid - cx) if (cx, cy) != (cx_mid, cy_mid) else math.pi / 2
-            ring = native_ring(dom)
-            for k, r in enumerate(ring):
-                angle = face + 2 * math.pi * k / len(ring)
-                pos[r] = (round(cx + radius * math.cos(angle), 6), round(cy + radius * math.sin(angle), 6))
+            for r, (x, y) in zip(native_ring(dom), _domain_layout(dom.size, face)):
+                pos[r] = (round(cx + x, 6), round(cy + y, 6))
     return pos
 
 

@@ -17,6 +17,7 @@ from meshpact.core.mesh import (
     healthy_count,
     native_ring,
     native_ring_links,
+    SPACING,
     rank_positions,
     surviving_communicators,
 )
@@ -104,9 +105,7 @@ def test_positions_are_distinct_and_domains_do_not_overlap(per_domain):
     assert left < right  # hostA's circle lies wholly left of hostB's
     # neighbours on a ring keep a legible spacing whatever the size
     gap = math.dist(pos[0], pos[1])
-    assert gap > 0.2
-    if per_domain >= 16:
-        assert gap < 0.5
+    assert gap == pytest.approx(SPACING, rel=0.35) if per_domain >= 16 else gap >= SPACING
 
 
 def test_bridge_ranks_face_each_other(mesh):
