@@ -1,0 +1,201 @@
+"""Workloads for live plan execution: a vocabulary-sharded LM head and a Qwen3-14B MLP slice.
+
+Both run on the producer domain of a two-domain mesh and are read by the consumer domain.
+
+* **LM head.** Hidden states ``x [tokens, hidden]`` times a vocabulary-sharded weight: producer
+  rank *i* holds rows ``shard_bounds(vocab, n, i)`` of ``W [vocab, hidden]`` and computes its
+  logits shard ``x @ W_i.T`` (``Shard(1)`` of ``logits [tokens, vocab]``). The consumer issues
+  ``full``, ``logprob``, ``token`` or ``owner_token``.
+* **MLP slice.** Qwen3's SwiGLU MLP, ``down(silu(gate(x)) * up(x))``: gate and up are
+  column-parallel (rank *i* holds columns ``shard_bounds(intermediate, n, i)``), down is
+  row-parallel, so each producer rank ends with a full-shaped partial sum of the output
+  (``Partial(sum)``). The consumer ranks read activation shards of the completed output
+  (``shard`` along the hidden dimension); the partials must be completed inside the producer
+  domain before anything crosses.
+
+Weights are random (seeded per shard, scaled by ``1/sqrt(fan_in)``), the sizes real. The
+single-process reference (:func:`reference_producer`) computes the same per-shard products in
+one process with one thread, so the reduction order of every element matches the producer
+ranks' and a bitwise comparison is meaningful.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import Enum
+from functools import lru_cache
+from typing import Iterator
+
+import torch
+
+from meshpact.core.errors import MeshpactError
+from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Request
+from meshpact.core.placement import Partial, Shard, shard_bounds
+
+__all__ = [
+    "LiveRequest",
+    "Preset",
+    "PRESETS",
+    "get_preset",
+    "workload_edge",
+    "producer_local",
+    "reference_producer",
+    "logprob_ids",
+    "TORCH_DTYPE",
+]
+
+TORCH_DTYPE: dict[DType, torch.dtype] = {
+    DType.FLOAT32: torch.float32,
+    DType.BFLOAT16: torch.bfloat16,
+    DType.FLOAT16: torch.float16,
+    DType.INT64: torch.int64,
+    DType.INT32: torch.int32,
+}
+
+
+class LiveRequest(str, Enum):
+    """What ``meshpact live bridge --request`` runs."""
+
+    FULL = "full"
+    LOGPROB = "logprob"
+    TOKEN = "token"
+    OWNER_TOKEN = "owner_token"
+    MLP = "mlp"
+
+    @property
+    def is_lm_head(self) -> bool:
+        return self is not LiveRequest.MLP
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes of one live run. ``source`` names where real dimensions come from."""
+
+    name: str
+    tokens: int
+    hidden: int
+    vocab: int
+    intermediate: int
+    dtype: DType
+    seed: int
+    source: str
+
+
+# Qwen3-14B: hidden 5120, intermediate 17408, vocabulary 151936, bfloat16 (Qwen/Qwen3-14B
+# config.json on Hugging Face: hidden_size, intermediate_size, vocab_size, torch_dtype).
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset("tiny", tokens=4, hidden=64, vocab=1000, intermediate=176, dtype=DType.BFLOAT16, seed=7,
+                   source="small sizes for tests"),
+    "qwen3-14b": Preset("qwen3-14b", tokens=4, hidden=5120, vocab=151936, intermediate=17408,
+                        dtype=DType.BFLOAT16, seed=14, source="Qwen/Qwen3-14B config.json"),
+}
+
+
+def get_preset(name: str) -> Preset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise MeshpactError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}") from None
+
+
+def logprob_ids(preset: Preset) -> tuple[int, ...]:
+    """The token ids whose log-probabilities a ``logprob`` consumer reads, one per row."""
+    g = torch.Generator().manual_seed(preset.seed + 101)
+    return tuple(int(i) for i in torch.randint(0, preset.vocab, (preset.tokens,), generator=g))
+
+
+def owners(preset: Preset, consumer_ranks: tuple[int, ...]) -> tuple[int, ...]:
+    """Sequence ownership for ``owner_token``: row *r* belongs to consumer rank ``r mod n``."""
+    return tuple(consumer_ranks[r % len(consumer_ranks)] for r in range(preset.tokens))
+
+
+def workload_edge(request: LiveRequest | str, preset: Preset, mesh: Mesh) -> Edge:
+    """The facts of one live run: the producer tensor on domain 0, the consumer on domain 1."""
+    req = LiveRequest(request)
+    prod, cons = mesh.domains[0], mesh.domains[1]
+    if req.is_lm_head:
+        producer = ProducerTensor("logits", "lm_head", (preset.tokens, preset.vocab), preset.dtype, prod.name, Shard(1))
+        consumer = Consumer(
+            f"{req.value}_reader", cons.name, cons.ranks, Request(req.value),
+            owners=owners(preset, cons.ranks) if req is LiveRequest.OWNER_TOKEN else None,
+        )
+        what = f"LM head ({preset.name}) vocab-sharded over {prod.name}, read as {req.value} by {cons.name}"
+    else:
+        producer = ProducerTensor("mlp_out", "mlp.down_proj", (preset.tokens, preset.hidden), preset.dtype, prod.name,
+                                  Partial("sum"))
+        consumer = Consumer("mlp_shard_reader", cons.name, cons.ranks, Request.SHARD, shard_dim=1)
+        what = f"MLP slice ({preset.name}) row-parallel partials on {prod.name}, activation shards to {cons.name}"
+    return Edge(f"live_{req.value}_{preset.name}", mesh, producer, consumer, description=what, source=preset.source)
+
+
+def _randn(shape: tuple[int, ...], seed: int, dtype: torch.dtype, fan_in: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=dtype).mul_(1.0 / math.sqrt(fan_in))
+
+
+def _hidden_states(preset: Preset) -> torch.Tensor:
+    return _randn((preset.tokens, preset.hidden), preset.seed, TORCH_DTYPE[preset.dtype], 1)
+
+
+def _lm_head_shard(preset: Preset, parts: int, index: int) -> torch.Tensor:
+    lo, hi = shard_bounds(preset.vocab, parts, index)
+    w = _randn((hi - lo, preset.hidden), preset.seed * 1000 + 1 + index, TORCH_DTYPE[preset.dtype], preset.hidden)
+    return _hidden_states(preset) @ w.T
+
+
+def _mlp_partial(preset: Preset, parts: int, index: int) -> torch.Tensor:
+    dt = TORCH_DTYPE[preset.dtype]
+    lo, hi = shard_bounds(preset.intermediate, parts, index)
+    x = _hidden_states(preset)
+    base = preset.seed * 1000 + 500 + 3 * index
+    gate = x @ _randn((preset.hidden, hi - lo), base, dt, preset.hidden)
+    up = x @ _randn((preset.hidden, hi - lo), base + 1, dt, preset.hidden)
+    act = torch.nn.functional.silu(gate) * up
+    return act @ _randn((hi - lo, preset.hidden), base + 2, dt, preset.intermediate)
+
+
+def producer_local(request: str, preset_name: str, parts: int, index: int) -> torch.Tensor:
+    """What producer rank ``index`` of ``parts`` holds: its logits shard or its MLP partial.
+
+    Computed on the CPU (then moved to the rank's device by the caller), so that a CUDA or
+    Ascend run is compared bit for bit against the same producer values as a CPU run: the
+    verification judges the plan's communication, not a device's matmul.
+    """
+    return _producer_local(LiveRequest(request).is_lm_head, preset_name, parts, index)
+
+
+@lru_cache(maxsize=2)
+def _producer_local(lm_head: bool, preset_name: str, parts: int, index: int) -> torch.Tensor:
+    preset = get_preset(preset_name)
+    with _one_thread():
+        return _lm_head_shard(preset, parts, index) if lm_head else _mlp_partial(preset, parts, index)
+
+
+@lru_cache(maxsize=2)
+def reference_producer(request: str, preset_name: str, parts: int) -> torch.Tensor:
+    """The producer tensor's logical value, computed in this one process on one thread.
+
+    Logits: the shards side by side (each logit one dot product, same shapes as on the
+    ranks). MLP: the partials summed in rank order, ``((p0 + p1) + p2) ...``.
+    """
+    preset = get_preset(preset_name)
+    with _one_thread():
+        if LiveRequest(request).is_lm_head:
+            return torch.cat([_lm_head_shard(preset, parts, i) for i in range(parts)], dim=1)
+        total = _mlp_partial(preset, parts, 0)
+        for i in range(1, parts):
+            total = total + _mlp_partial(preset, parts, i)
+        return total
+
+
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Products on one CPU thread, in the ranks and in the reference alike (one reduction order)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
