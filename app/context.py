@@ -1,0 +1,148 @@
+"""Dashboard context: the scenario picker and the cached values every page shares.
+
+The sidebar offers the built-in scenarios, an uploaded YAML file or a path on disk. The
+chosen scenario is parsed once per distinct text (``st.cache_data``); its mesh and
+drawing positions are shared handles (``st.cache_resource``). A file that does not
+parse or does not match the schema shows its :class:`ScenarioError` message on the page
+instead of a traceback, and the page stops there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import streamlit as st
+
+from meshpact.core.errors import MeshpactError, ScenarioError
+from meshpact.core.facts import Mesh
+from meshpact.core.mesh import rank_positions
+from meshpact.core.scenario import Scenario, builtin_scenario_path, builtin_scenarios, parse_scenario_text
+
+__all__ = ["ScenarioChoice", "scenario_sidebar", "require_scenario", "mesh_of", "positions_of", "SCENARIO_KEY", "missing_engines", "require_engines"]
+
+SCENARIO_KEY = "meshpact_scenario"
+ERROR_KEY = "meshpact_scenario_error"
+SOURCES = ("built-in", "upload", "path")
+
+
+@dataclass(frozen=True)
+class ScenarioChoice:
+    """A loaded scenario and the YAML text it came from (the cache key of its mesh)."""
+
+    scenario: Scenario
+    text: str
+    source: str
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def _parse(text: str, source: str) -> Scenario:
+    return parse_scenario_text(text, source)
+
+
+@st.cache_resource(show_spinner=False, max_entries=16)
+def _mesh(text: str, source: str) -> Mesh:
+    return _parse(text, source).mesh()
+
+
+@st.cache_resource(show_spinner=False, max_entries=16)
+def _positions(text: str, source: str) -> dict[int, tuple[float, float]]:
+    return rank_positions(_mesh(text, source))
+
+
+def mesh_of(choice: ScenarioChoice) -> Mesh:
+    return _mesh(choice.text, choice.source)
+
+
+def positions_of(choice: ScenarioChoice) -> dict[int, tuple[float, float]]:
+    return _positions(choice.text, choice.source)
+
+
+def _read_path(raw: str) -> tuple[str, str]:
+    path = Path(raw).expanduser()
+    try:
+        return path.read_text(encoding="utf-8"), str(path)
+    except FileNotFoundError:
+        raise ScenarioError(f"{path}: no such scenario file; give the path of a YAML scenario") from None
+    except (IsADirectoryError, UnicodeDecodeError, PermissionError) as exc:
+        raise ScenarioError(f"{path}: cannot read a YAML scenario ({exc})") from None
+
+
+def _load(source: str) -> ScenarioChoice | None:
+    if source == "built-in":
+        names = builtin_scenarios()
+        name = st.sidebar.selectbox("scenario", names, index=names.index("default") if "default" in names else 0,
+                                    key="scenario_builtin")
+        path = builtin_scenario_path(name)
+        text, where = path.read_text(encoding="utf-8"), f"scenarios/{path.name}"
+    elif source == "upload":
+        up = st.sidebar.file_uploader("scenario YAML", type=["yaml", "yml"], key="scenario_upload")
+        if up is None:
+            st.sidebar.info("Upload a scenario YAML; until then the default scenario is shown.")
+            return None
+        text, where = up.getvalue().decode("utf-8", errors="replace"), up.name
+    else:
+        raw = st.sidebar.text_input("scenario path", key="scenario_path", placeholder="scenarios/default.yaml")
+        if not raw.strip():
+            st.sidebar.info("Type the path of a scenario YAML; until then the default scenario is shown.")
+            return None
+        text, where = _read_path(raw.strip())
+    return ScenarioChoice(_parse(text, where), text, where)
+
+
+def _default() -> ScenarioChoice:
+    path = builtin_scenario_path("default")
+    text = path.read_text(encoding="utf-8")
+    return ScenarioChoice(_parse(text, "scenarios/default.yaml"), text, "scenarios/default.yaml")
+
+
+def scenario_sidebar() -> None:
+    """Draw the scenario picker and store the choice (or its error) for the pages."""
+    st.sidebar.subheader("Scenario")
+    source = st.sidebar.radio("source", SOURCES, horizontal=True, key="scenario_source", label_visibility="collapsed")
+    st.session_state[ERROR_KEY] = None
+    try:
+        choice = _load(source) or _default()
+    except MeshpactError as exc:
+        st.session_state[ERROR_KEY] = str(exc)
+        st.session_state[SCENARIO_KEY] = None
+        return
+    st.session_state[SCENARIO_KEY] = choice
+    mesh = mesh_of(choice)
+    st.sidebar.caption(f"**{choice.scenario.name}** · {mesh.world_size} ranks · {len(mesh.domains)} domains · "
+                       f"{len(mesh.hosts)} hosts")
+
+
+def require_scenario() -> ScenarioChoice:
+    """The current scenario; on a bad scenario file, its readable error and a stop."""
+    error = st.session_state.get(ERROR_KEY)
+    choice = st.session_state.get(SCENARIO_KEY)
+    if error or choice is None:
+        st.error(f"**This scenario cannot be used.**\n\n```\n{error or 'no scenario chosen'}\n```\n\n"
+                 "Fix the file, or pick a built-in scenario in the sidebar.")
+        st.stop()
+    return choice
+
+
+def missing_engines(modules: tuple[str, ...]) -> list[str]:
+    """The modules of ``modules`` (dotted names under ``meshpact``) this build lacks."""
+    out = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(f"meshpact.{name}") is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            out.append(name)
+    return out
+
+
+def require_engines(what: str, modules: tuple[str, ...]) -> None:
+    """Stop the page with a plain notice when the engine it draws is not in this build."""
+    missing = missing_engines(modules)
+    if missing:
+        st.info(f"**{what} is not available in this build.** This page needs "
+                + ", ".join(f"`{m.replace('.', '/')}.py`" for m in missing)
+                + ", which this installation does not have yet. Nothing is shown rather than made-up numbers.")
+        st.stop()
