@@ -8,23 +8,41 @@ raises :class:`ScenarioError` naming the file, the field and what was expected.
 
 from __future__ import annotations
 
+import difflib
 import os
+from dataclasses import fields as dataclass_fields
+from enum import Enum
 from importlib import resources
 from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from .catalog import get_model
 from .errors import FactError, ScenarioError
-from .facts import Domain, LinkClass, LinkParams, Mesh, Vendor
+from .facts import DEFAULT_LINKS, Domain, LinkClass, LinkParams, Mesh, Request, Vendor
+from .recovery import FaultKind, Policy, RecoveryCosts, Stage
 
 __all__ = [
     "DomainSpec",
     "LinkSpec",
     "ClusterSpec",
+    "ParallelismSpec",
+    "WorkloadSpec",
+    "ScriptedFault",
+    "FaultsSpec",
+    "CheckpointMode",
+    "CheckpointSpec",
+    "RecoverySpec",
+    "ServingHostSpec",
+    "ServingPreset",
+    "SpeculativeSpec",
+    "ServingSpec",
     "Scenario",
     "load_scenario",
+    "parse_scenario_text",
+    "with_overrides",
     "parse_scenario",
     "builtin_scenarios",
     "builtin_scenario_path",
@@ -86,17 +104,242 @@ class ClusterSpec(_Strict):
         return Mesh(domains=tuple(domains), links={k: v.params() for k, v in self.links.items()})
 
 
+def _model_name(v: str) -> str:
+    try:
+        get_model(v)
+    except FactError as exc:
+        raise ValueError(str(exc)) from None
+    return v
+
+
+class ParallelismSpec(_Strict):
+    """Model parallelism inside one data-parallel replica; the replica is tensor x pipeline ranks."""
+
+    tensor: int = Field(1, ge=1)
+    pipeline: int = Field(1, ge=1)
+
+    @property
+    def replica_ranks(self) -> int:
+        return self.tensor * self.pipeline
+
+
+class WorkloadSpec(_Strict):
+    """What trains, how long a step takes, and for how long the job runs.
+
+    The step time is either given (``step_seconds``) or derived from a cost model:
+    ``6 * active parameters * tokens_per_step / (ranks * peak_tflops_per_rank * mfu)``
+    (6 FLOPs per parameter per token for forward and backward: Kaplan et al. 2020,
+    "Scaling Laws for Neural Language Models").
+    """
+
+    model: str = "qwen3-14b"
+    parallelism: ParallelismSpec = ParallelismSpec()
+    step_seconds: float | None = Field(None, gt=0, description="seconds per optimizer step")
+    tokens_per_step: int | None = Field(None, gt=0, description="global batch in tokens (cost model)")
+    peak_tflops_per_rank: float = Field(989.0, gt=0, description="dense BF16; 989 is the H100 SXM datasheet value")
+    mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation (cost model)")
+    state_bytes_per_param: float = Field(
+        16.0, gt=0, description="bf16 weights and grads plus fp32 Adam state: 2+2+12 (ZeRO, Rajbhandari et al. 2020)"
+    )
+    days: float = Field(1.0, gt=0, description="wall-clock days the job runs")
+    ranks: int | None = Field(None, ge=1, description="ranks simulated; default: the cluster's world size")
+
+    _model = field_validator("model")(_model_name)
+
+    @model_validator(mode="after")
+    def _one_step_time(self) -> "WorkloadSpec":
+        if self.step_seconds is not None and self.tokens_per_step is not None:
+            raise ValueError("give step_seconds or tokens_per_step (the cost model), not both")
+        return self
+
+
+class ScriptedFault(_Strict):
+    at_s: float = Field(ge=0, description="seconds after the start")
+    kind: FaultKind = FaultKind.TRANSIENT
+    rank: int = Field(0, ge=0)
+
+
+class FaultsSpec(_Strict):
+    """Faults: a Poisson process per rank (superposed at cluster rate), or scripted events."""
+
+    rank_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of transient communication faults")
+    rank_loss_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of losing the rank")
+    repair_hours: float = Field(4.0, gt=0, description="until a lost rank's replica rejoins (excise)")
+    rejoin_s: float = Field(60.0, ge=0, description="until a replica excised for a transient fault rejoins")
+    scripted: list[ScriptedFault] = Field(default_factory=list)
+    seed: int = 0
+
+
+class CheckpointMode(str, Enum):
+    SYNC = "sync"  # training waits for the write to storage
+    ASYNC = "async"  # training waits for a snapshot to host memory; the write runs behind it
+
+
+class CheckpointSpec(_Strict):
+    every_steps: int = Field(500, ge=1, description="steps between checkpoints")
+    mode: CheckpointMode = CheckpointMode.SYNC
+    seconds: float | None = Field(None, ge=0, description="write time; default: shard bytes / write bandwidth")
+    write_gbyte_per_s_per_rank: float = Field(1.0, gt=0)
+    snapshot_gbyte_per_s_per_rank: float = Field(25.0, gt=0, description="device to pinned host memory (async)")
+    host_memory_gib_per_rank: float = Field(64.0, gt=0, description="host memory available for async snapshots")
+
+
+RecoveryCostsSpec = create_model(  # the fields of core.recovery.RecoveryCosts, one source of truth
+    "RecoveryCostsSpec",
+    __base__=_Strict,
+    **{f.name: (float, Field(f.default, ge=0)) for f in dataclass_fields(RecoveryCosts)},
+)
+
+
+class RecoverySpec(_Strict):
+    """Policies to compare, cost-model parameters, and fixed stage durations per policy."""
+
+    policies: list[Policy] = Field(default_factory=lambda: list(Policy), min_length=1)
+    costs: RecoveryCostsSpec = Field(default_factory=RecoveryCostsSpec)  # type: ignore[valid-type]
+    stage_seconds: dict[Policy, dict[Stage, float]] = Field(
+        default_factory=dict, description="fixed durations that replace the model's, e.g. measured ones"
+    )
+
+    @field_validator("stage_seconds")
+    @classmethod
+    def _stages(cls, v: dict[Policy, dict[Stage, float]]) -> dict[Policy, dict[Stage, float]]:
+        for policy, stages in v.items():
+            if Stage.REPLAY in stages:
+                raise ValueError(f"{policy.value}.replay: replay follows from lost steps; it cannot be fixed")
+            bad = {s.value: x for s, x in stages.items() if x < 0}
+            if bad:
+                raise ValueError(f"{policy.value}: stage durations must be >= 0 seconds, got {bad}")
+        return v
+
+    def recovery_costs(self) -> RecoveryCosts:
+        return RecoveryCosts(**self.costs.model_dump())
+
+
+class ServingHostSpec(_Strict):
+    """One host of the serving pair: how many sequences it decodes at once and how fast."""
+
+    vendor: Vendor
+    slots: int = Field(ge=1, description="sequences decoded concurrently")
+    per_token_s: float = Field(gt=0, description="decode time of one token of one sequence")
+    prefill_s: float = Field(0.0, ge=0, description="time before the first token")
+
+
+class ServingPreset(_Strict):
+    model: str
+    local: ServingHostSpec
+    remote: ServingHostSpec
+    notes: str = ""
+
+    _model = field_validator("model")(_model_name)
+
+
+class SpeculativeSpec(_Strict):
+    """Speculative decoding: a draft proposes gamma tokens, the target verifies in one pass."""
+
+    gamma: int = Field(ge=1, description="draft lookahead")
+    alpha: float = Field(ge=0, lt=1, description="acceptance rate of one draft token")
+    draft_cost_ratio: float = Field(ge=0, description="draft token time / target pass time")
+
+
+_SERVING_REQUESTS = (Request.FULL, Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN)
+
+
+class ServingSpec(_Strict):
+    model: str = Field("dense", description="a key of presets")
+    presets: dict[str, ServingPreset] = Field(min_length=1)
+    concurrency: int = Field(8, ge=1, description="clients, each with one request in flight")
+    arrival_rate_per_s: float | None = Field(None, gt=0, description="open-loop Poisson arrivals instead")
+    request: Request = Request.TOKEN
+    output_tokens: int = Field(128, ge=1)
+    requests: int = Field(200, ge=1, description="requests to complete")
+    consumer_ranks: int = Field(1, ge=1, description="consumer ranks on the local host")
+    link: LinkSpec | None = Field(None, description="default: the cluster's ethernet link")
+    speculative: SpeculativeSpec | None = None
+    seed: int = 0
+
+    @field_validator("request")
+    @classmethod
+    def _request(cls, v: Request) -> Request:
+        if v not in _SERVING_REQUESTS:
+            raise ValueError(f"expected one of {[r.value for r in _SERVING_REQUESTS]}")
+        return v
+
+    @model_validator(mode="after")
+    def _known_preset(self) -> "ServingSpec":
+        if self.model not in self.presets:
+            raise ValueError(f"model {self.model!r} is not a preset; expected one of {sorted(self.presets)}")
+        return self
+
+    def preset(self) -> ServingPreset:
+        return self.presets[self.model]
+
+
 class Scenario(_Strict):
-    """A whole scenario. The simulator's sections are optional for a mesh-only scenario."""
+    """A whole scenario. The simulator's sections are optional for a mesh-only scenario.
+
+    Unknown top-level sections are allowed (other tools may add their own) unless the name
+    is a near-miss of a known section, which is refused as a likely misspelling.
+    """
 
     model_config = ConfigDict(extra="allow", frozen=True)
 
     name: str = Field(min_length=1)
     description: str = ""
     cluster: ClusterSpec
+    workload: WorkloadSpec = Field(default_factory=WorkloadSpec)
+    faults: FaultsSpec = Field(default_factory=FaultsSpec)
+    checkpointing: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    recovery: RecoverySpec = Field(default_factory=RecoverySpec)
+    serving: ServingSpec | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_misspelt_sections(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            known = list(cls.model_fields)
+            for key in data:
+                if key not in known:
+                    near = difflib.get_close_matches(str(key), known, n=1, cutoff=0.75)
+                    if near:
+                        raise ValueError(f"unknown section {key!r}; did you mean {near[0]!r}?")
+        return data
 
     def mesh(self) -> Mesh:
         return self.cluster.mesh()
+
+    def link(self, cls_: LinkClass = LinkClass.ETHERNET) -> LinkParams:
+        """α-β parameters of one link class: the cluster's, else the documented default."""
+        spec = self.cluster.links.get(cls_)
+        return spec.params() if spec else DEFAULT_LINKS[cls_]
+
+
+def with_overrides(scenario: Scenario, overrides: Mapping[str, Any], source: str = "override") -> Scenario:
+    """A copy of ``scenario`` with dotted fields replaced (``checkpointing.every_steps``), re-validated.
+
+    A path that names no field, or a value the schema refuses, raises :class:`ScenarioError`
+    naming the path and what was expected.
+    """
+    data = scenario.model_dump(mode="json", exclude_unset=False)
+    for path, value in overrides.items():
+        parts = path.split(".")
+        node: Any = data
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if not isinstance(node, dict):
+                raise ScenarioError(f"{source}: {path}: {'.'.join(parts[:i])} is not a section with fields")
+            if part not in node and not (last or _section_may_hold(parts[: i + 1])):
+                raise ScenarioError(f"{source}: {path}: no field {part!r}; expected one of {sorted(node)}")
+            if last:
+                node[part] = value
+            else:
+                if node.get(part) is None:
+                    node[part] = {}
+                node = node[part]
+    return parse_scenario(data, source)
+
+
+def _section_may_hold(parts: list[str]) -> bool:
+    return parts[0] in ("recovery",) and len(parts) <= 3
 
 
 def _format_errors(source: str, exc: ValidationError) -> str:

@@ -1,0 +1,99 @@
+"""Workload arithmetic: parameters, step time, state and checkpoint costs of a training job.
+
+Everything the training simulator needs to know about the model and the checkpoint,
+derived in one place from a scenario's ``workload`` and ``checkpointing`` sections and
+the catalog's published model configurations.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshpact.core.catalog import ModelConfig, get_model
+from meshpact.core.errors import ScenarioError
+from meshpact.core.scenario import CheckpointMode, CheckpointSpec, WorkloadSpec
+
+__all__ = ["parameter_counts", "Workload", "derive_workload"]
+
+
+def parameter_counts(model: ModelConfig) -> tuple[int, int]:
+    """(total, active per token) parameters of a decoder from its config.
+
+    Untied input embedding and output head, attention projections (q, k, v, o) and a
+    gated MLP (three matrices) per layer; an MoE layer holds ``num_experts`` MLPs and a
+    router, of which ``experts_per_token`` are active. Norms are ignored (< 0.01 %).
+    """
+    h = model.hidden_size
+    attn = h * model.num_heads * model.head_dim * 2 + h * model.num_kv_heads * model.head_dim * 2
+    if model.is_moe:
+        mlp_total = model.num_experts * 3 * h * model.moe_intermediate_size + h * model.num_experts
+        mlp_active = model.experts_per_token * 3 * h * model.moe_intermediate_size + h * model.num_experts
+    else:
+        mlp_total = mlp_active = 3 * h * model.intermediate_size
+    embed = 2 * model.vocab_size * h
+    return embed + model.num_layers * (attn + mlp_total), embed + model.num_layers * (attn + mlp_active)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A training job reduced to the numbers the simulator uses."""
+
+    model: str
+    ranks: int
+    replica_ranks: int
+    step_s: float
+    state_bytes: float  # the whole training state (one copy)
+    checkpoint_every: int
+    checkpoint_mode: CheckpointMode
+    checkpoint_write_s: float  # time to write one checkpoint to storage
+    checkpoint_block_s: float  # time training stands still per checkpoint
+    host_memory_bytes_per_rank: float  # pinned host memory an async snapshot holds
+
+    @property
+    def replicas(self) -> int:
+        return self.ranks // self.replica_ranks
+
+    @property
+    def state_bytes_per_rank(self) -> float:
+        return self.state_bytes / self.ranks
+
+    @property
+    def segment_s(self) -> float:
+        """Compute time between two checkpoints."""
+        return self.checkpoint_every * self.step_s
+
+
+def derive_workload(workload: WorkloadSpec, checkpointing: CheckpointSpec, ranks: int, source: str = "scenario") -> Workload:
+    """Step time, state size and checkpoint costs of ``workload`` on ``ranks`` ranks."""
+    model = get_model(workload.model)
+    total, active = parameter_counts(model)
+    replica = workload.parallelism.replica_ranks
+    if ranks < 1 or ranks % replica:
+        raise ScenarioError(
+            f"{source}: workload.parallelism: a replica of tensor x pipeline = {replica} ranks must divide "
+            f"the {ranks} ranks; choose parallelism that divides the rank count"
+        )
+    if workload.tokens_per_step is not None:
+        flops = 6.0 * active * workload.tokens_per_step
+        step_s = flops / (ranks * workload.peak_tflops_per_rank * 1e12 * workload.mfu)
+    else:
+        step_s = workload.step_seconds if workload.step_seconds is not None else 10.0
+    state = total * workload.state_bytes_per_param
+    shard = state / ranks
+    write_s = checkpointing.seconds if checkpointing.seconds is not None else shard / (
+        checkpointing.write_gbyte_per_s_per_rank * 1e9)
+    if checkpointing.mode is CheckpointMode.SYNC:
+        block_s, host = write_s, 0.0
+    else:
+        block_s, host = shard / (checkpointing.snapshot_gbyte_per_s_per_rank * 1e9), shard
+        if host > checkpointing.host_memory_gib_per_rank * 2**30:
+            raise ScenarioError(
+                f"{source}: checkpointing.host_memory_gib_per_rank: an async snapshot needs "
+                f"{host / 2**30:.1f} GiB per rank, more than the {checkpointing.host_memory_gib_per_rank} GiB given; "
+                "use more ranks, more host memory or mode: sync"
+            )
+    return Workload(
+        model=model.name, ranks=ranks, replica_ranks=replica, step_s=step_s, state_bytes=state,
+        checkpoint_every=checkpointing.every_steps, checkpoint_mode=checkpointing.mode,
+        checkpoint_write_s=write_s, checkpoint_block_s=block_s, host_memory_bytes_per_rank=host,
+    )
