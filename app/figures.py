@@ -82,7 +82,7 @@ def mesh_figure(
     mesh: Mesh,
     failed: Iterable[int] = (),
     positions: Mapping[int, tuple[float, float]] | None = None,
-    height: int = 520,
+    height: int | None = None,
 ) -> go.Figure:
     """The mesh: one marker trace per domain (healthy ranks), one for failed ranks, a ring
     per domain (grey and dashed once a member failed) and the bridge links between
@@ -130,15 +130,20 @@ def mesh_figure(
         hovertemplate="rank %{customdata[0]} (failed)<extra></extra>",
     ))
     fig = go.Figure(data=traces)
+    xs_all = [p[0] for p in pos.values()]
+    ys_all = [p[1] for p in pos.values()]
+    span_x = max(xs_all) - min(xs_all) or 1.0
+    span_y = max(ys_all) - min(ys_all) or 1.0
+    if height is None:  # about 700 px wide in the page: keep the aspect without empty bands
+        height = int(min(820, max(340, 700 * span_y / span_x + 130)))
     for h in mesh.hosts:
         ranks = [r for d in mesh.domains if d.host == h for r in d.ranks]
         xs = [pos[r][0] for r in ranks]
         ys = [pos[r][1] for r in ranks]
         fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(ys), yshift=22, text=f"<b>{h}</b>", showarrow=False)
     fig.update_layout(
-        **_LAYOUT, height=height, dragmode="select", clickmode="event+select",
-        legend=dict(orientation="h", yanchor="bottom", y=-0.12, x=0),
-        title=f"{state.label} ranks healthy · {len(state.surviving)}/{len(state.communicators)} communicators intact",
+        **_LAYOUT, height=height,
+        legend=dict(orientation="h", yanchor="top", y=-0.02, x=0),
     )
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1)

@@ -6,14 +6,14 @@ import streamlit as st
 
 from meshpact.app.context import scenario_sidebar
 
-st.set_page_config(page_title="Meshpact", page_icon="🕸️", layout="wide")
+st.set_page_config(page_title="Meshpact", page_icon=":material/hub:", layout="wide")
 
 PAGES = [
-    st.Page("pages/mesh.py", title="Mesh", icon="🕸️", default=True),
-    st.Page("pages/plans.py", title="Plans", icon="🧭"),
-    st.Page("pages/simulate.py", title="Simulate", icon="📈"),
-    st.Page("pages/replay.py", title="Replay", icon="⏯️"),
-    st.Page("pages/live.py", title="Live", icon="⚡"),
+    st.Page("pages/mesh.py", title="Mesh", icon=":material/hub:", default=True),
+    st.Page("pages/plans.py", title="Plans", icon=":material/route:"),
+    st.Page("pages/simulate.py", title="Simulate", icon=":material/monitoring:"),
+    st.Page("pages/replay.py", title="Replay", icon=":material/replay:"),
+    st.Page("pages/live.py", title="Live", icon=":material/bolt:"),
 ]
 
 page = st.navigation(PAGES)

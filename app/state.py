@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
-__all__ = ["SelectionState", "ranks_in_event", "apply_selection", "clamp_failed"]
+__all__ = ["SelectionState", "selected_points", "ranks_in_event", "apply_selection", "clamp_failed"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +21,7 @@ class SelectionState:
     """The failed ranks and the selection event last applied to them."""
 
     failed: frozenset[int] = frozenset()
-    last_selection: frozenset[int] = frozenset()
+    last_selection: frozenset[tuple[int, int, int]] = frozenset()
 
     @property
     def sorted_failed(self) -> list[int]:
@@ -40,19 +40,32 @@ def _rank_of(point: Mapping[str, Any]) -> int | None:
         return None
 
 
-def ranks_in_event(event: Any) -> frozenset[int]:
-    """Rank ids of the points in a plotly selection event (``customdata`` holds the rank).
+def selected_points(event: Any) -> frozenset[tuple[int, int, int]]:
+    """``(curve, point, rank)`` of every rank point in a plotly selection event.
 
-    Points of line traces (rings, bridges) carry no rank and are ignored, as is an event
-    of any other shape (``None`` before the first click).
+    ``customdata`` holds the rank. Points of line traces (rings, bridges) carry no rank
+    and are ignored, as is an event of any other shape (``None`` before the first click).
+    The curve and point numbers tell apart two clicks on the same rank: once failed, a
+    rank is drawn in another trace.
     """
     if event is None:
         return frozenset()
     selection = event.get("selection") if isinstance(event, Mapping) else getattr(event, "selection", None)
     if not isinstance(selection, Mapping):
         return frozenset()
-    points = selection.get("points") or []
-    return frozenset(r for r in (_rank_of(p) for p in points if isinstance(p, Mapping)) if r is not None)
+    out = set()
+    for p in selection.get("points") or []:
+        if not isinstance(p, Mapping):
+            continue
+        rank = _rank_of(p)
+        if rank is not None:
+            out.add((int(p.get("curve_number") or 0), int(p.get("point_index") or 0), rank))
+    return frozenset(out)
+
+
+def ranks_in_event(event: Any) -> frozenset[int]:
+    """Rank ids of the points in a plotly selection event."""
+    return frozenset(r for _, _, r in selected_points(event))
 
 
 def apply_selection(state: SelectionState, multiselect: Iterable[int], event: Any) -> SelectionState:
@@ -65,14 +78,15 @@ def apply_selection(state: SelectionState, multiselect: Iterable[int], event: An
     clicking the same rank again toggles it again.
     """
     failed = frozenset(int(r) for r in multiselect)
-    selected = ranks_in_event(event)
-    if selected == state.last_selection:
+    points = selected_points(event)
+    if points == state.last_selection:
         return SelectionState(failed, state.last_selection)
+    selected = frozenset(r for _, _, r in points)
     if len(selected) == 1:
         failed = failed ^ selected
     elif selected:
         failed = failed | selected
-    return SelectionState(failed, selected)
+    return SelectionState(failed, points)
 
 
 def clamp_failed(failed: Iterable[int], ranks: Iterable[int]) -> list[int]:

@@ -40,11 +40,12 @@ with left:
 with right:
     a, b, c = st.columns(3)
     a.metric("healthy ranks", state.label)
-    b.metric("communicators intact", f"{len(state.surviving)}/{len(state.communicators)}")
+    b.metric("communicators", f"{len(state.surviving)}/{len(state.communicators)}")
     c.metric("hosts", len(mesh.hosts))
     st.dataframe(
-        [{"communicator": cm.name, "kind": cm.kind.value, "backend": cm.backend, "ranks": len(cm.ranks),
-          "link": cm.link.value.replace("_", " "), "state": "intact" if cm.intact(state.failed) else "broken"}
+        [{"communicator": cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
+          "kind": f"{cm.kind.value} ({cm.backend})", "ranks": len(cm.ranks),
+          "state": "✅ intact" if cm.intact(state.failed) else "❌ broken"}
          for cm in state.communicators],
         hide_index=True,
     )

@@ -5,8 +5,9 @@ from __future__ import annotations
 from meshpact.app.state import SelectionState, apply_selection, clamp_failed, ranks_in_event
 
 
-def _event(*ranks, scalar=False):
-    return {"selection": {"points": [{"curve_number": 3, "customdata": r if scalar else [r]} for r in ranks],
+def _event(*ranks, scalar=False, curve=3):
+    return {"selection": {"points": [{"curve_number": curve, "point_index": r, "customdata": r if scalar else [r]}
+                                     for r in ranks],
                           "point_indices": [], "box": [], "lasso": []}}
 
 
@@ -43,7 +44,8 @@ def test_box_selection_fails_all_selected_ranks():
 
 
 def test_multiselect_edits_are_kept_when_no_new_event():
-    s = apply_selection(SelectionState(frozenset({3}), frozenset({3})), [3, 9], _event(3))
+    s = apply_selection(SelectionState(), [], _event(3))
+    s = apply_selection(s, [3, 9], _event(3))
     assert s.sorted_failed == [3, 9]
     s = apply_selection(s, [], _event(3))
     assert s.sorted_failed == []
@@ -51,3 +53,10 @@ def test_multiselect_edits_are_kept_when_no_new_event():
 
 def test_clamp_failed_drops_ranks_missing_from_a_smaller_mesh():
     assert clamp_failed([1, 40, 7], range(32)) == [1, 7]
+
+
+def test_clicking_a_failed_rank_again_heals_it():
+    # once failed, rank 3 is drawn in the 'failed' trace: the same rank, another curve
+    s = apply_selection(SelectionState(), [], _event(3, curve=3))
+    s = apply_selection(s, s.sorted_failed, _event(3, curve=5))
+    assert s.sorted_failed == []
