@@ -20,7 +20,7 @@ from meshpact.core.errors import MeshpactError
 __all__ = ["app", "main", "Groups", "COMMAND_MODULES"]
 
 # Modules under meshpact.commands, each with register(groups).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("simulate",)
 
 app = typer.Typer(
     name="meshpact",

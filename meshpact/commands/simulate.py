@@ -1,0 +1,191 @@
+"""``meshpact simulate training|serving|sweep``: the SimPy simulator from the command line."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from meshpact.core.errors import MeshpactError
+from meshpact.commands._common import console, emit_json, err_console, table
+
+__all__ = ["register"]
+
+
+class _Mode(str, Enum):
+    SYNC = "sync"
+    ASYNC = "async"
+
+
+class _Model(str, Enum):
+    DENSE = "dense"
+    MOE = "moe"
+    MINIMAX = "minimax"
+
+
+class _Request(str, Enum):
+    FULL = "full"
+    LOGPROB = "logprob"
+    TOKEN = "token"
+    OWNER_TOKEN = "owner_token"
+
+
+class _Kind(str, Enum):
+    AUTO = "auto"
+    TRAINING = "training"
+    SERVING = "serving"
+
+
+def _scenario(value: str) -> Any:
+    """A scenario file path, or the name of a built-in scenario."""
+    from meshpact.core.scenario import builtin_scenario_path, load_scenario
+
+    p = Path(value)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        return load_scenario(p)
+    return load_scenario(builtin_scenario_path(value))
+
+
+def _policies(value: str) -> list[str] | None:
+    from meshpact.core.recovery import Policy
+
+    if value == "all":
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    known = [p.value for p in Policy]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise MeshpactError(f"--policy {value!r}: expected 'all' or one or more of {', '.join(known)}")
+    return names
+
+
+def training(
+    scenario: str = typer.Option("default", "--scenario", help="Scenario file or built-in name."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", min=1, help="Ranks simulated."),
+    days: Optional[float] = typer.Option(None, "--days", help="Wall-clock days."),
+    step_seconds: Optional[float] = typer.Option(None, "--step-seconds", help="Seconds per step (replaces the cost model)."),
+    rank_mtbf_hours: Optional[float] = typer.Option(None, "--rank-mtbf-hours", help="Per-rank MTBF of transient faults."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=1, help="Steps between checkpoints."),
+    checkpoint_seconds: Optional[float] = typer.Option(None, "--checkpoint-seconds", help="Seconds to write one checkpoint."),
+    checkpoint_mode: Optional[_Mode] = typer.Option(None, "--checkpoint-mode", help="sync or async."),
+    policy: str = typer.Option("all", "--policy", help="A policy, a comma list, or all."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the fault trace."),
+    calibrate_from: Optional[Path] = typer.Option(None, "--calibrate-from", help="Live recording (JSONL) with stage durations."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace (Perfetto) here."),
+) -> None:
+    """Training with faults: every policy on the same fault trace."""
+    from meshpact.simulator.calibrate import calibration_from_recording
+    from meshpact.simulator.timeline import write_chrome_trace
+    from meshpact.simulator.training import simulate_training
+
+    sc = _scenario(scenario)
+    cal = calibration_from_recording(calibrate_from, sc.recovery.recovery_costs()) if calibrate_from else None
+    result = simulate_training(
+        sc, ranks=ranks, days=days, step_seconds=step_seconds, rank_mtbf_hours=rank_mtbf_hours,
+        checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds,
+        checkpoint_mode=checkpoint_mode.value if checkpoint_mode else None, policies=_policies(policy),
+        seed=seed, adjust=cal.adjust if cal else None, timeline=trace is not None,
+    )
+    if trace:
+        write_chrome_trace(result, trace)
+    if as_json:
+        doc = result.to_dict()
+        if cal:
+            doc["calibration"] = cal.to_dict()
+        emit_json(doc)
+        return
+    w = result.workload
+    console.print(f"{result.scenario}: {w.ranks} ranks, {result.horizon_s / 86400:g} days, step {w.step_s:.3g} s, "
+                  f"checkpoint every {w.checkpoint_every} steps ({w.checkpoint_mode.value}), "
+                  f"{len(result.trace)} faults in the trace")
+    from meshpact.core.recovery import Stage
+
+    pols = list(result.policies.values())
+    rows: list[list[Any]] = [["goodput", *[f"{r.goodput:.4f}" for r in pols]],
+                             ["faults", *[r.faults for r in pols]],
+                             ["lost steps", *[r.lost_steps for r in pols]]]
+    rows += [[f"{s.value} (s)", *[f"{r.downtime_s.get(s, 0.0):.1f}" for r in pols]] for s in Stage.ordered()]
+    rows += [["degraded (s)", *[f"{r.degraded_s:.1f}" for r in pols]],
+             ["checkpoint overhead", *[f"{r.checkpoint_fraction:.4f}" for r in pols]]]
+    console.print(table("per policy, same fault trace", ["", *[r.policy.value for r in pols]], rows))
+    if cal:
+        console.print(f"stage durations calibrated from {cal.source} ({cal.ranks} ranks)")
+    if trace:
+        console.print(f"trace: {trace} (open in https://ui.perfetto.dev)")
+
+
+def serving(
+    scenario: str = typer.Option("serving_spillover", "--scenario", help="Scenario file or built-in name."),
+    model: Optional[_Model] = typer.Option(None, "--model", help="Preset: dense, moe or minimax."),
+    concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Requests in flight."),
+    request: Optional[_Request] = typer.Option(None, "--request", help="What the consumer observes."),
+    link_gbps: Optional[float] = typer.Option(None, "--link-gbps", help="Link bandwidth in Gbit/s."),
+    requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests to complete."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """Serving with spillover to a second vendor's host over an α-β link."""
+    from meshpact.simulator.serving import simulate_serving
+
+    r = simulate_serving(
+        _scenario(scenario), model=model.value if model else None, concurrency=concurrency,
+        request=request.value if request else None, requests=requests, link_gbps=link_gbps,
+    )
+    if as_json:
+        emit_json(r.to_dict())
+        return
+    p = r.params
+    console.print(f"{p.model}: {p.request.value} request, concurrency {p.concurrency}, link {p.link_gbit_per_s:g} Gbit/s")
+    d = r.to_dict()
+    rows = [["throughput (tok/s)", f"{r.throughput_tok_s:.1f}"], ["latency p50 (s)", f"{r.latency_s['p50']:.3f}"],
+            ["latency p99 (s)", f"{r.latency_s['p99']:.3f}"], ["result bytes", r.result_bytes],
+            ["startups", r.startups], ["spilled requests", f"{r.spilled} of {r.requests}"],
+            ["link utilisation", f"{d['link_utilization']:.2%}"], ["tokens per target pass", f"{r.tokens_per_target_pass:.3f}"]]
+    console.print(table("serving", ["metric", "value"], rows))
+
+
+def sweep(
+    scenario: str = typer.Option(..., "--scenario", help="Scenario file or built-in name."),
+    param: list[str] = typer.Option(..., "--param", help="NAME=V1,V2,... (repeat for a grid)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Save the results (.csv or .parquet)."),
+    kind: _Kind = typer.Option(_Kind.AUTO, "--kind", help="training, serving, or auto from the parameters."),
+    processes: Optional[int] = typer.Option(None, "--processes", min=1, help="Worker processes (default: CPUs)."),
+    as_json: bool = typer.Option(False, "--json", help="Rows as one JSON document on stdout."),
+) -> None:
+    """Sweep any scenario parameter; one row per point (and policy)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from meshpact.simulator.sweep import parse_param, run_sweep, save_frame
+
+    params: dict[str, list[Any]] = {}
+    for text in param:
+        name, values = parse_param(text)
+        params[name] = values
+    sc = _scenario(scenario)
+    with Progress(TextColumn("sweep"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=err_console, transient=as_json) as bar:
+        task = bar.add_task("sweep", total=None)
+
+        def progress(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        frame = run_sweep(sc, params, kind=kind.value, processes=processes, progress=progress)
+    if out:
+        save_frame(frame, out)
+    if as_json:
+        emit_json({"rows": frame.to_dict(orient="records"), "out": str(out) if out else None})
+        return
+    keep = [c for c in frame.columns if c in params or c in (
+        "policy", "goodput", "faults", "lost_steps", "checkpoint_fraction", "throughput_tok_s",
+        "latency_p50_s", "latency_p99_s", "result_bytes", "startups")]
+    console.print(table("sweep", keep, frame[keep].itertuples(index=False)))
+    if out:
+        console.print(f"saved {len(frame)} rows to {out}")
+
+
+def register(groups: Any) -> None:
+    groups.simulate.command("training")(training)
+    groups.simulate.command("serving")(serving)
+    groups.simulate.command("sweep")(sweep)

@@ -1,0 +1,154 @@
+"""Sweeps: run a scenario over the cartesian product of parameter values, in parallel.
+
+A parameter is any dotted scenario field (``checkpointing.every_steps``) or one of the
+CLI's short names (:data:`ALIASES`). Every point is validated before anything runs, so a
+bad name or value fails at once with the field named. Points run in worker processes;
+the result is a pandas DataFrame, one row per point (and per policy for training),
+saved as CSV or Parquet by :func:`save_frame`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import yaml
+
+from meshpact.core.errors import MeshpactError, ScenarioError
+from meshpact.core.facts import LinkClass
+from meshpact.core.scenario import Scenario, parse_scenario, with_overrides
+
+__all__ = ["ALIASES", "parse_param", "sweep_points", "run_sweep", "save_frame"]
+
+ALIASES: Mapping[str, str] = {
+    "ranks": "workload.ranks",
+    "days": "workload.days",
+    "step_seconds": "workload.step_seconds",
+    "model_name": "workload.model",
+    "rank_mtbf_hours": "faults.rank_mtbf_hours",
+    "rank_loss_mtbf_hours": "faults.rank_loss_mtbf_hours",
+    "seed": "faults.seed",
+    "checkpoint_every": "checkpointing.every_steps",
+    "checkpoint_seconds": "checkpointing.seconds",
+    "checkpoint_mode": "checkpointing.mode",
+    "model": "serving.model",
+    "concurrency": "serving.concurrency",
+    "request": "serving.request",
+    "link_gbps": "serving.link.gbit_per_s",
+}
+
+
+def parse_param(text: str) -> tuple[str, list[Any]]:
+    """``NAME=V1,V2,...`` -> (dotted path, values); values are read as YAML scalars."""
+    name, sep, values = text.partition("=")
+    name = name.strip()
+    if not sep or not name or not values.strip():
+        raise MeshpactError(f"--param {text!r}: expected NAME=V1,V2,... such as checkpointing.every_steps=100,200")
+    parsed = []
+    for v in values.split(","):
+        try:
+            parsed.append(yaml.safe_load(v.strip()))
+        except yaml.YAMLError:
+            raise MeshpactError(f"--param {text!r}: value {v!r} is not a number or a word") from None
+    return ALIASES.get(name, name), parsed
+
+
+def _point_overrides(scenario: Scenario, point: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in point.items():
+        if path == "serving.link.gbit_per_s":
+            link = scenario.serving.link.params() if scenario.serving and scenario.serving.link else scenario.link(LinkClass.ETHERNET)
+            out["serving.link"] = {"alpha_s": link.alpha_s, "gbit_per_s": value}
+            continue
+        out[path] = value
+        if path == "workload.step_seconds":
+            out["workload.tokens_per_step"] = None
+    return out
+
+
+def sweep_points(params: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    names = list(params)
+    return [dict(zip(names, combo)) for combo in itertools.product(*(list(params[n]) for n in names))]
+
+
+def _run_point(scenario_data: dict[str, Any], name: str, point: dict[str, Any], kind: str) -> list[dict[str, Any]]:
+    from .serving import simulate_serving
+    from .training import simulate_training
+
+    scenario = parse_scenario(scenario_data, name)
+    scenario = with_overrides(scenario, _point_overrides(scenario, point), source=name)
+    label = {k: v for k, v in point.items()}
+    if kind == "serving":
+        frame = simulate_serving(scenario).to_frame()
+    else:
+        frame = simulate_training(scenario, timeline=False).to_frame()
+    return [{**label, **row} for row in frame.to_dict(orient="records")]
+
+
+def run_sweep(
+    scenario: Scenario,
+    params: Mapping[str, Sequence[Any]],
+    *,
+    kind: str = "auto",
+    processes: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Any:
+    """Run every point of the sweep; returns a DataFrame with one column per parameter.
+
+    ``kind``: ``training``, ``serving`` or ``auto`` (serving when a parameter lies in the
+    serving section). ``processes``: worker processes (default: CPU count, at most the
+    number of points; 1 runs in this process). ``progress(done, total)`` after each point.
+    """
+    import pandas as pd
+
+    if not params:
+        raise MeshpactError("a sweep needs at least one --param NAME=V1,V2,...")
+    params = {ALIASES.get(k, k): list(v) for k, v in params.items()}
+    if kind == "auto":
+        kind = "serving" if any(k.startswith("serving.") for k in params) else "training"
+    if kind not in ("training", "serving"):
+        raise MeshpactError(f"sweep kind {kind!r}: expected training, serving or auto")
+    points = sweep_points(params)
+    for point in points:  # fail before any work with the field named
+        with_overrides(scenario, _point_overrides(scenario, point), source=f"{scenario.name} sweep {point}")
+    if kind == "serving" and scenario.serving is None:
+        raise ScenarioError(f"{scenario.name}: serving: a serving sweep needs a scenario with a serving section")
+    data = scenario.model_dump(mode="json")
+    workers = max(1, min(processes or os.cpu_count() or 1, len(points)))
+    results: list[list[dict[str, Any]] | None] = [None] * len(points)
+    if workers == 1:
+        for i, point in enumerate(points):
+            results[i] = _run_point(data, scenario.name, point, kind)
+            if progress:
+                progress(i + 1, len(points))
+    else:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+            futures = {pool.submit(_run_point, data, scenario.name, p, kind): i for i, p in enumerate(points)}
+            for done, fut in enumerate(as_completed(futures), 1):
+                results[futures[fut]] = fut.result()
+                if progress:
+                    progress(done, len(points))
+    return pd.DataFrame([row for rows in results for row in (rows or [])])
+
+
+def save_frame(frame: Any, path: str | os.PathLike[str]) -> Path:
+    """Save a DataFrame as CSV (``.csv``) or Parquet (``.parquet``)."""
+    p = Path(path)
+    suffix = p.suffix.lower()
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if suffix == ".csv":
+            frame.to_csv(p, index=False)
+        elif suffix in (".parquet", ".pq"):
+            frame.to_parquet(p, index=False)
+        else:
+            raise MeshpactError(f"--out {p}: expected a .csv or .parquet file name")
+    except ImportError:
+        raise MeshpactError(f"--out {p}: writing Parquet needs pyarrow (pip install pyarrow), or use .csv") from None
+    except OSError as exc:
+        raise MeshpactError(f"--out {p}: cannot write ({exc.strerror})") from None
+    return p
