@@ -1,6 +1,6 @@
 """Dashboard context: the scenario picker and the cached values every page shares.
 
-The sidebar offers the built-in scenarios, an uploaded YAML file or a path on disk. The
+The sidebar (drawn by :func:`require_scenario`, which every page calls first) offers the built-in scenarios, an uploaded YAML file or a path on disk. The
 chosen scenario is parsed once per distinct text (``st.cache_data``); its mesh and
 drawing positions are shared handles (``st.cache_resource``). A file that does not
 parse or does not match the schema shows its :class:`ScenarioError` message on the page
@@ -115,7 +115,10 @@ def scenario_sidebar() -> None:
 
 
 def require_scenario() -> ScenarioChoice:
-    """The current scenario; on a bad scenario file, its readable error and a stop."""
+    """Draw the sidebar picker and return its scenario; on a bad scenario file, show its
+    readable error and stop the page. Every page calls this first (the picker is drawn
+    by the page, not the entry point, so it survives reruns of the page alone)."""
+    scenario_sidebar()
     error = st.session_state.get(ERROR_KEY)
     choice = st.session_state.get(SCENARIO_KEY)
     if error or choice is None:

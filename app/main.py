@@ -1,10 +1,8 @@
-"""Meshpact dashboard entry point (``make app``): the scenario picker and page routing."""
+"""Meshpact dashboard entry point (``make app``): page routing (each page draws the scenario picker)."""
 
 from __future__ import annotations
 
 import streamlit as st
-
-from meshpact.app.context import scenario_sidebar
 
 st.set_page_config(page_title="Meshpact", page_icon=":material/hub:", layout="wide")
 
@@ -16,6 +14,4 @@ PAGES = [
     st.Page("pages/live.py", title="Live", icon=":material/bolt:"),
 ]
 
-page = st.navigation(PAGES)
-scenario_sidebar()
-page.run()
+st.navigation(PAGES).run()

@@ -1,0 +1,150 @@
+"""Replay: simulated timelines and recordings as one sequence of frames on the mesh.
+
+A replay is a list of :class:`ReplayEvent` in time order, built from a simulated
+training timeline (:func:`from_timeline`) or a JSONL recording (:func:`from_recording`).
+:func:`replay_frame` says what the mesh looks like at one event: which ranks are down,
+the stage running, and the stage durations of the recovery in progress so far. A fault
+marks its rank failed until the recovery that follows it ends (its stages are over, or
+another event says the job went on). All of it is pure, so the page only draws frames.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from meshpact.core.recording import Event
+from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
+
+__all__ = ["ReplayEvent", "ReplayFrame", "from_timeline", "from_recording", "replay_frame", "frame_breakdown", "find_recordings"]
+
+_KEEP_SIMULATED = frozenset({"fault", "stage", "rejoin", "degraded"})
+_NEUTRAL = frozenset({"degraded", "checkpoint", "checkpoint_write", "call", "plan"})  # neither opens nor closes
+
+
+@dataclass(frozen=True)
+class ReplayEvent:
+    t: float
+    kind: str
+    duration_s: float = 0.0
+    stage: Stage | None = None
+    rank: int | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        who = f" rank {self.rank}" if self.rank is not None else ""
+        what = self.stage.value if self.stage else self.kind
+        extra = f" ({self.data['fault']})" if self.kind == "fault" and "fault" in self.data else ""
+        dur = f", {self.duration_s:.3g} s" if self.duration_s else ""
+        return f"{what}{who}{extra}{dur}"
+
+
+@dataclass(frozen=True)
+class ReplayFrame:
+    index: int
+    event: ReplayEvent
+    failed: frozenset[int]
+    stage: Stage | None
+    stages_so_far: Mapping[Stage, float]
+    recoveries_before: int
+
+
+def _rank(value: Any) -> int | None:
+    try:
+        return None if value is None or isinstance(value, bool) else int(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def from_timeline(events: Iterable[Any], policy: Policy | str | None = None) -> list[ReplayEvent]:
+    """Replay events from a simulated timeline (``TimelineEvent`` objects or their dicts):
+    faults, recovery stages, rejoins and degraded spans of one policy."""
+    want = None if policy is None else Policy(policy).value
+    out = []
+    for e in events:
+        d = e.to_dict() if hasattr(e, "to_dict") else dict(e)
+        if d.get("kind") not in _KEEP_SIMULATED or (want and d.get("policy") != want):
+            continue
+        data = dict(d.get("data") or {})
+        out.append(ReplayEvent(
+            t=float(d["t"]), kind=str(d["kind"]), duration_s=float(d.get("duration_s") or 0.0),
+            stage=Stage(d["stage"]) if d.get("stage") else None, rank=_rank(data.get("rank")), data=data,
+        ))
+    return sorted(out, key=lambda e: e.t)
+
+
+def from_recording(events: Sequence[Event]) -> list[ReplayEvent]:
+    """Replay events from a recording: a stage's duration is its ``data.duration_s``; an
+    event naming a fault (``fault``, ``fault_injected``...) marks its rank failed."""
+    out = []
+    for e in events:
+        if e.event == "recording_start":
+            continue
+        data = dict(e.data)
+        kind = "fault" if "fault" in e.event and e.rank is not None else ("stage" if e.stage else e.event)
+        out.append(ReplayEvent(
+            t=e.t, kind=kind, duration_s=float(data.get("duration_s") or 0.0), stage=e.stage,
+            rank=e.rank if e.rank is not None else _rank(data.get("rank")), data={"event": e.event, **data},
+        ))
+    return sorted(out, key=lambda e: e.t)
+
+
+def replay_frame(events: Sequence[ReplayEvent], index: int) -> ReplayFrame:
+    """The mesh at ``events[index]``: failed ranks, running stage, stage durations so far.
+
+    A recovery opens with a fault (or with a stage when a recording has no fault event)
+    and closes at any other event (resumed, rejoin, a step...) but the neutral ones
+    (degraded spans, checkpoints), or when a fault arrives
+    after its last stage has ended. A fault while stages still run joins that recovery.
+    """
+    if not events:
+        raise ValueError("nothing to replay: the timeline has no faults or recovery stages")
+    index = max(0, min(int(index), len(events) - 1))
+    failed: set[int] = set()
+    stages: dict[Stage, float] = {}
+    recoveries, open_, stage, ends_at = 0, False, None, float("-inf")
+
+    def close() -> None:
+        nonlocal recoveries, open_, stage, failed
+        if open_:
+            recoveries += 1
+        open_, stage, failed = False, None, set()
+
+    for e in events[: index + 1]:
+        if e.kind == "fault":
+            if open_ and stages and e.t >= ends_at:
+                close()
+            if not open_:
+                open_, stages, ends_at = True, {}, e.t
+            if e.rank is not None:
+                failed.add(e.rank)
+        elif e.kind in _NEUTRAL:
+            continue
+        elif e.stage is not None:
+            if not open_:
+                open_, stages, failed = True, {}, set()
+            stage = e.stage
+            stages[e.stage] = stages.get(e.stage, 0.0) + e.duration_s
+            ends_at = max(ends_at, e.t + e.duration_s)
+        else:
+            close()
+    return ReplayFrame(index=index, event=events[index], failed=frozenset(failed), stage=stage,
+                       stages_so_far=dict(stages), recoveries_before=recoveries)
+
+
+def frame_breakdown(frame: ReplayFrame, policy: Policy | str) -> RecoveryBreakdown:
+    """The frame's stage durations as a breakdown, for the stage bar chart."""
+    return RecoveryBreakdown(Policy(policy), frame.stages_so_far)
+
+
+def find_recordings(roots: Iterable[str | Path]) -> list[Path]:
+    """Finished recordings (``*.jsonl``) under ``roots``, newest first; in-progress
+    ``.partial`` files are left out."""
+    found: list[Path] = []
+    for root in roots:
+        r = Path(root)
+        if r.is_dir():
+            found.extend(p for p in r.glob("*.jsonl") if p.is_file())
+    return sorted(set(found), key=lambda p: (-p.stat().st_mtime, str(p)))

@@ -1,0 +1,94 @@
+"""Every dashboard page through Streamlit's AppTest, on the default scenario."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from streamlit.testing.v1 import AppTest
+
+MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
+PAGES = ["pages/mesh.py", "pages/plans.py", "pages/simulate.py", "pages/replay.py", "pages/live.py"]
+
+
+def _app() -> AppTest:
+    return AppTest.from_file(MAIN, default_timeout=60).run()
+
+
+def _metric(at: AppTest, label: str) -> str:
+    for m in at.metric:
+        if m.label == label:
+            return m.value
+    raise AssertionError(f"no metric {label!r}; have {[m.label for m in at.metric]}")
+
+
+@pytest.fixture(scope="module")
+def app() -> AppTest:
+    return _app()
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_renders_without_exception(app, page):
+    app.switch_page(page).run()
+    assert not app.exception, [e.value for e in app.exception]
+    assert app.title, "every page has a title"
+
+
+def test_failing_ranks_in_the_multiselect_changes_the_surviving_count():
+    at = _app()
+    assert _metric(at, "healthy ranks") == "32/32"
+    at.multiselect(key="failed_ranks").set_value([3, 17]).run()
+    assert not at.exception
+    assert _metric(at, "healthy ranks") == "30/32"
+    assert _metric(at, "communicators") == "1/3"
+    at.multiselect(key="failed_ranks").set_value([3]).run()
+    assert _metric(at, "healthy ranks") == "31/32"
+
+
+def test_a_failure_shows_each_policy_and_the_downtime_reduction():
+    at = _app()
+    at.multiselect(key="failed_ranks").set_value([5]).run()
+    reduction = _metric(at, "downtime reduction (cold restart ÷ in-memory)")
+    assert reduction.endswith("×") and float(reduction[:-1]) > 1.0
+    assert _metric(at, "state retained in memory") == "32/32 ranks"
+    at.toggle[0].set_value(True).run()  # the failed rank's process is gone: its state is not retained
+    assert _metric(at, "state retained in memory") == "31/32 ranks"
+
+
+def test_failed_bridge_rank_hands_the_bridge_over():
+    at = _app()
+    at.multiselect(key="failed_ranks").set_value([16]).run()
+    assert any("rank 17 takes over the bridge" in i.value for i in at.info)
+
+
+def test_a_bad_scenario_file_shows_a_readable_error(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: broken\ncluster:\n  domains:\n    - {name: a, vendor: tpu, host: h, ranks: 4}\n")
+    at = _app()
+    at.radio(key="scenario_source").set_value("path").run()
+    at.text_input(key="scenario_path").input(str(bad)).run()
+    assert not at.exception
+    text = " ".join(e.value for e in at.error)
+    assert "bad.yaml" in text and "cluster.domains.0.vendor" in text and "tpu" in text
+    at.text_input(key="scenario_path").input(str(tmp_path / "missing.yaml")).run()
+    assert "no such scenario file" in " ".join(e.value for e in at.error)
+
+
+def test_a_good_scenario_file_replaces_the_mesh(tmp_path):
+    good = tmp_path / "small.yaml"
+    good.write_text("name: small\ncluster:\n  domains:\n    - {name: cpu@h, vendor: cpu, host: h, ranks: 4}\n"
+                    "    - {name: cuda@h, vendor: cuda, host: h, ranks: 4}\n")
+    at = _app()
+    at.radio(key="scenario_source").set_value("path").run()
+    at.text_input(key="scenario_path").input(str(good)).run()
+    assert not at.exception
+    assert _metric(at, "healthy ranks") == "8/8"
+
+
+def test_replay_steps_through_a_simulated_recovery():
+    at = _app()
+    at.switch_page("pages/replay.py").run()
+    assert not at.exception
+    assert _metric(at, "failed ranks") != "none"  # the first event is a fault
+    at.slider(key="replay_index").set_value(1).run()
+    assert _metric(at, "stage") == "detection"
