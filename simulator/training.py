@@ -206,6 +206,7 @@ class _Run:
                 steps = min(int(math.floor(elapsed / self.w.step_s + _EPS)), info[1])
                 self.committed += steps
                 self.replayed += steps
+                self.since_ckpt += steps
             self._log(start, elapsed, "stage", info[0], interrupted=True)
         elif kind == "rejoin":
             self.downtime[Stage.COMMUNICATOR] += elapsed
@@ -352,7 +353,8 @@ class _Run:
                 self.replayed += replay
             self._log(start, d, "stage", stage, fault=fault.kind.value, rank=fault.rank)
         self.phase = ("idle", self.env.now, None)
-        self.since_ckpt = min(self.since_ckpt, self.committed - self.durable)
+        if rollback:  # the replayed steps count toward the next checkpoint
+            self.since_ckpt = self.committed - self.durable
 
     def run(self) -> PolicyResult:
         trainer = self.env.process(self.trainer())
