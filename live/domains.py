@@ -3,13 +3,13 @@
 Every rank belongs to one native domain of the mesh. Each domain gets its own process
 group with the backend that capability detection (:mod:`meshpact.live.backends`) picks
 for the domain's vendor: ``nccl`` on CUDA ranks, ``hccl`` on Ascend ranks with
-``torch_npu``, gloo on CPU standing in for either. A rank creates only its own domain's
-group (``use_local_synchronization``), so a CUDA host never needs the Ascend runtime and
-the reverse. Cross-domain traffic goes only through *bridge* groups: gloo groups of two
+``torch_npu``, gloo on CPU standing in for either. Cross-domain traffic goes only through *bridge* groups: gloo groups of two
 ranks in different domains, over which one message is device → host → bridge → host →
 device. The designated pair is the two domains' ``bridge_rank``; a plan may name more
 pairs (an owner-scoped delivery sends straight from its authoritative sender to each
-owner), and each becomes its own two-rank bridge.
+owner), and each becomes its own two-rank bridge. Every rank creates every group in one
+global order (``new_group``'s rule); a rank that is not a member of a group takes no part in
+it, so a CUDA host never constructs an Ascend communicator or the reverse.
 
 Processes start with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``), so the same worker runs under ``torchrun`` across
@@ -119,6 +119,7 @@ class DomainLayout:
     domain_group: dist.ProcessGroup
     bridges: dict[tuple[int, int], dist.ProcessGroup] = field(default_factory=dict)
     bridge_pairs: tuple[tuple[int, int], ...] = ()
+    sub_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
     @property
     def device(self) -> torch.device:
@@ -134,8 +135,16 @@ class DomainLayout:
             )
         return self.bridges[key]
 
-    def link_of(self, ranks: Sequence[int]) -> LinkClass:
-        return LinkClass.FABRIC if len(ranks) < 2 else self.mesh.link_class(ranks[0], ranks[1])
+    def native_group(self, ranks: Sequence[int]) -> tuple[dist.ProcessGroup, str]:
+        """The native group of exactly ``ranks`` (this domain's, or a sub-group), with its name."""
+        key = tuple(sorted(ranks))
+        name = f"domain:{self.domain.name}"
+        if key == tuple(sorted(self.domain.ranks)):
+            return self.domain_group, name
+        if key not in self.sub_groups:
+            raise MeshpactError(f"no native group over ranks {list(key)} on rank {self.rank}; name it in "
+                                "init_domains(sub_groups=...) so every rank creates it in the same order")
+        return self.sub_groups[key], f"{name}:{','.join(map(str, key))}"
 
     def describe(self) -> dict:
         return {
@@ -152,12 +161,16 @@ def init_domains(
     mesh: Mesh,
     env: RankEnv,
     extra_bridge_pairs: Iterable[tuple[int, int]] = (),
+    sub_groups: Iterable[Sequence[int]] = (),
     timeout_s: float = 60.0,
 ) -> DomainLayout:
-    """Join the world and build this rank's domain group and bridge groups.
+    """Join the world and build the domain groups, any sub-groups and the bridge groups.
 
-    The world group itself (gloo) serves only rendezvous and the final barrier; no plan
-    step runs on it.
+    Every rank creates every group in one global order (domains in mesh order, then
+    sub-groups, then bridge pairs, each sorted), as ``new_group`` requires; a rank passes its
+    own domain's backend for groups it belongs to and takes no part in the others. The world
+    group itself (gloo) serves only rendezvous and the final hand-in; no plan step runs on it.
+    ``sub_groups`` are rank sets inside one domain that a plan's collectives name.
     """
     if mesh.world_size != env.world_size:
         raise LaunchError(f"the mesh has {mesh.world_size} ranks but WORLD_SIZE={env.world_size}")
@@ -171,19 +184,28 @@ def init_domains(
         # hosted by the agent (TORCHELASTIC_USE_AGENT_STORE) and this rank joins as a client.
         dist.init_process_group("gloo", init_method="env://", rank=env.rank, world_size=env.world_size,
                                 timeout=timeout)
-    group = dist.new_group(
-        list(domain.ranks), backend=choice.backend.value, timeout=timeout, use_local_synchronization=True
-    )
+
+    def native(ranks: Sequence[int]) -> dist.ProcessGroup:
+        mine = env.rank in ranks
+        return dist.new_group(list(ranks), backend=choice.backend.value if mine else "gloo", timeout=timeout)
+
+    groups = {d.name: native(sorted(d.ranks)) for d in mesh.domains}
+    subs: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for ranks in sorted({tuple(sorted(int(r) for r in g)) for g in sub_groups}):
+        if len({mesh.domain_of(r).name for r in ranks}) != 1:
+            raise MeshpactError(f"sub-group {list(ranks)} spans domains; a native group lies inside one domain")
+        if ranks not in {tuple(sorted(d.ranks)) for d in mesh.domains}:
+            subs[ranks] = native(ranks)
     pairs: list[tuple[int, int]] = []
     for a, b in (*designated_bridge_pairs(mesh), *extra_bridge_pairs):
         key = _pair(int(a), int(b))
         if mesh.domain_of(key[0]).name == mesh.domain_of(key[1]).name:
-            raise MeshpactError(f"bridge pair {list(key)} lies inside domain {mesh.domain_of(key[0]).name!r}; a bridge joins two domains")
+            raise MeshpactError(f"bridge pair {list(key)} lies inside domain {mesh.domain_of(key[0]).name!r}; "
+                                "a bridge joins two domains")
         if key not in pairs:
             pairs.append(key)
     pairs.sort()
-    bridges: dict[tuple[int, int], dist.ProcessGroup] = {}
-    for key in pairs:
-        if env.rank in key:
-            bridges[key] = dist.new_group(list(key), backend="gloo", timeout=timeout, use_local_synchronization=True)
-    return DomainLayout(mesh, env.rank, domain, choice, group, bridges, tuple(pairs))
+    bridges = {key: dist.new_group(list(key), backend="gloo", timeout=timeout) for key in pairs}
+    return DomainLayout(mesh, env.rank, domain, choice, groups[domain.name],
+                        {k: g for k, g in bridges.items() if env.rank in k}, tuple(pairs),
+                        {k: g for k, g in subs.items() if env.rank in k})

@@ -1,0 +1,215 @@
+"""A live bridge run: plans executed across two native domains, verified and metered.
+
+:func:`run_bridge` starts the ranks (2 + 2 by default) once through
+:mod:`meshpact.live.launcher` and runs every job in one go. Each rank executes
+:func:`worker`: it joins its domain group and its bridges, compiles each job's contract from
+the workload's facts, lowers it (or takes the job's own plan), and runs it through the
+:class:`~meshpact.live.executor.Executor`, which admits only checked, domain-local plans.
+After the last job every rank hands its deliveries, buffer history and call records to rank
+0 over the world group (verification traffic, outside every plan's count), and rank 0
+verifies each job against the single-process reference, compares measured with planned
+startups and bytes, and writes the run as a JSONL recording.
+
+Under ``torchrun`` the same worker runs unchanged::
+
+    torchrun --nproc-per-node 4 -m meshpact.live.launcher --target meshpact.live.bridge:worker \\
+        --args '{"jobs": [{"request": "full"}], "preset": "tiny"}'
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from meshpact.core.errors import MeshpactError
+from meshpact.core.facts import Edge, Mesh
+from meshpact.core.placement import Partial, Replicate, Shard, shard_bounds
+from meshpact.core.plan import Plan, StepKind
+from meshpact.core.recording import RecordingWriter
+
+from . import ops
+from .domains import RankEnv, designated_bridge_pairs, init_domains, two_domain_mesh
+from .executor import Executor, PlanRefused
+from .meter import CallRecord, Meter, measure
+from .workloads import TORCH_DTYPE, LiveRequest, get_preset, producer_local, workload_edge
+
+__all__ = ["Job", "run_bridge", "worker", "plan_for", "initial_meta"]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One plan to run: a request on the preset's workload, optionally with a given plan."""
+
+    request: LiveRequest
+    plan_json: str | None = None  # None: the lowerer's plan
+    label: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"request": self.request.value, "plan": self.plan_json, "label": self.label or self.request.value}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Job":
+        return cls(LiveRequest(d["request"]), d.get("plan"), str(d.get("label") or d["request"]))
+
+
+def compile_and_lower(edge: Edge) -> tuple[Any, Plan]:
+    from meshpact.core.contract import compile_contract
+    from meshpact.core.lowerer import lower
+
+    contract = compile_contract(edge)
+    return contract, lower(contract)
+
+
+def plan_for(job: Job, edge: Edge) -> tuple[Any, Plan]:
+    contract, plan = compile_and_lower(edge)
+    return contract, (Plan.from_json(job.plan_json) if job.plan_json else plan)
+
+
+def initial_meta(edge: Edge) -> dict[int, dict[str, torch.Tensor]]:
+    """Every producer rank's starting buffer, as a ``meta`` tensor of its local shape."""
+    p = edge.producer
+    ranks = edge.mesh.domain(p.domain).ranks
+    out: dict[int, dict[str, torch.Tensor]] = {}
+    for i, r in enumerate(ranks):
+        shape = list(p.shape)
+        if isinstance(p.placement, Shard):
+            lo, hi = shard_bounds(shape[p.placement.dim], len(ranks), i)
+            shape[p.placement.dim] = hi - lo
+        out[r] = {p.name: torch.empty(shape, dtype=TORCH_DTYPE[p.dtype], device="meta")}
+    return out
+
+
+def _bridge_pairs(mesh: Mesh, plans: Sequence[Plan]) -> list[tuple[int, int]]:
+    pairs = set(designated_bridge_pairs(mesh))
+    for plan in plans:
+        for s in plan.steps:
+            if s.kind is StepKind.SEND and all(r in mesh.ranks for r in s.ranks) and \
+                    mesh.domain_of(s.ranks[0]).name != mesh.domain_of(s.ranks[1]).name:
+                pairs.add(tuple(sorted(s.ranks)))
+    return sorted(pairs)
+
+
+def _native_rank_sets(mesh: Mesh, plans: Sequence[Plan]) -> list[tuple[int, ...]]:
+    """Rank sets of the plans' collectives that lie inside one domain (the others are refused)."""
+    sets = set()
+    for plan in plans:
+        for s in plan.steps:
+            if s.kind is StepKind.COLLECTIVE and all(r in mesh.ranks for r in s.ranks) and \
+                    len({mesh.domain_of(r).name for r in s.ranks}) == 1:
+                sets.add(tuple(sorted(s.ranks)))
+    return sorted(sets)
+
+
+def worker(args: dict) -> dict:
+    """One rank of a bridge run (the launcher's target; runs unchanged under torchrun)."""
+    env = RankEnv.from_environ()
+    torch.set_num_threads(int(args.get("threads", 1)))
+    preset = get_preset(str(args.get("preset", "tiny")))
+    mesh = two_domain_mesh(env.world_size // 2)
+    jobs = [Job.from_dict(j) for j in args["jobs"]]
+    prepared = []
+    for job in jobs:
+        edge = workload_edge(job.request, preset, mesh)
+        contract, plan = plan_for(job, edge)
+        prepared.append((job, edge, contract, plan))
+    plans = [p[3] for p in prepared]
+    layout = init_domains(mesh, env, _bridge_pairs(mesh, plans), _native_rank_sets(mesh, plans),
+                          timeout_s=float(args.get("timeout_s", 60)))
+    executor = Executor(layout, Meter(env.rank))
+    dist.barrier()
+    t0 = time.monotonic()
+    results = []
+    for job, edge, contract, plan in prepared:
+        initial = initial_meta(edge)
+        if env.rank in initial:
+            parts = len(initial)
+            index = mesh.domain(edge.producer.domain).ranks.index(env.rank)
+            local = producer_local(job.request.value, preset.name, parts, index)
+            initial[env.rank] = {edge.producer.name: local}
+        start = time.monotonic() - t0
+        try:
+            outcome = executor.run(plan, contract, initial)
+        except PlanRefused as exc:
+            results.append({"label": job.label, "refused": list(exc.reasons), "t": [start, time.monotonic() - t0],
+                            "records": []})
+            continue
+        results.append({
+            "label": job.label,
+            "refused": None,
+            "t": [start, time.monotonic() - t0],
+            "records": [r.to_dict() for r in executor.meter.records[outcome.first_record:outcome.last_record]],
+            "delivered": {k: ops.to_device(v, torch.device("cpu")) for k, v in outcome.delivered.items()},
+            "history": [(i, name, ops.to_device(v, torch.device("cpu"))) for i, name, v in outcome.history]
+            if env.rank in edge.consumer.ranks else [],
+        })
+    mine = {"rank": env.rank, "layout": layout.describe(), "jobs": results}
+    gathered: list[Any] | None = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    value: dict = {"rank": env.rank}
+    if env.rank == 0:
+        value = _report(args, preset.name, mesh, prepared, gathered or [])
+    dist.barrier()
+    dist.destroy_process_group()
+    return value
+
+
+def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[dict]) -> dict:
+    from .verify import verify_job
+
+    layouts = [g["layout"] for g in gathered]
+    out_jobs = []
+    path = args.get("recording")
+    writer = RecordingWriter(path, "live", kind="bridge", preset=preset, layouts=layouts) if path else None
+    for k, (job, edge, contract, plan) in enumerate(prepared):
+        per_rank = {g["rank"]: g["jobs"][k] for g in gathered}
+        refused = sorted({tuple(j["refused"]) for j in per_rank.values() if j["refused"] is not None})
+        records = [CallRecord.from_dict(r) for j in per_rank.values() for r in j["records"]]
+        entry: dict[str, Any] = {"label": job.label, "request": job.request.value, "edge": edge.name,
+                                 "planned": {"startups": plan.startups, "payload_bytes": plan.payload_bytes},
+                                 "calls_made": len(records)}
+        if refused:
+            entry.update(refused=list(refused[0]), verified=False)
+        else:
+            measured = measure(records)
+            verdict = verify_job(job.request, preset, edge, contract, per_rank)
+            entry.update(refused=None, measured=measured.to_dict(), verification=verdict.to_dict(),
+                         verified=verdict.ok)
+        entry["plan"] = plan.to_dict()
+        out_jobs.append(entry)
+        if writer is not None:
+            _record_job(writer, k, entry, per_rank, plan)
+    recording = str(writer.close()) if writer is not None else None
+    return {"rank": 0, "preset": preset, "mesh": [d.name for d in mesh.domains], "layouts": layouts,
+            "jobs": out_jobs, "recording": recording}
+
+
+def _record_job(writer: RecordingWriter, k: int, entry: dict, per_rank: dict, plan: Plan) -> None:
+    writer.emit("plan", data={"job": k, "label": entry["label"], "request": entry["request"],
+                              "planned": entry["planned"], "steps": len(plan.steps)})
+    for rank, j in sorted(per_rank.items()):
+        for r in j["records"]:
+            writer.emit("call", rank=rank, t=j["t"][0], data={"job": k, **r})
+        writer.emit("rank_done", rank=rank, t=j["t"][1], data={"job": k, "refused": j["refused"]})
+    summary = {key: entry.get(key) for key in ("refused", "measured", "verified")}
+    writer.emit("verified" if entry.get("verified") else "not_verified", data={"job": k, **summary})
+
+
+def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2, recording: str | os.PathLike[str] | None = None,
+               timeout_s: float = 240.0) -> dict:
+    """Start ``2 * per_domain`` ranks on loopback, run ``jobs``, return rank 0's report."""
+    from .launcher import launch
+
+    get_preset(preset)
+    args = {"jobs": [j.to_dict() for j in jobs], "preset": preset, "timeout_s": min(60.0, timeout_s),
+            "recording": str(Path(recording).resolve()) if recording else None}
+    results = launch("meshpact.live.bridge:worker", 2 * per_domain, args, timeout_s=timeout_s)
+    report = results[0].value
+    if not isinstance(report, dict) or "jobs" not in report:
+        raise MeshpactError(f"rank 0 returned no report: {report!r}")
+    return report

@@ -1,0 +1,210 @@
+"""The live executor: runs a checked plan step by step on real process groups, metered.
+
+Before any step runs, a plan is *admitted* (:func:`admit`): every native collective must lie
+inside one domain and every bridge message must join two domains over a bridge pair, and the
+symbolic checker must pass the plan against its contract. A refused plan raises
+:class:`PlanRefused` with the reasons and makes no call at all: a native collective that
+spans domains is never attempted.
+
+An admitted plan first runs on ``meta`` tensors for every rank at once (:func:`simulate`),
+which gives each receiver the shape of what it will receive, so a bridge message is one
+message with no size header. Then each rank runs its own steps: collectives on its domain
+group (on the domain's device), bridge messages host-staged (device → host → gloo bridge →
+host → device), local projections through :mod:`meshpact.live.ops`. Every collective call and
+bridge message is recorded by the :class:`~meshpact.live.meter.Meter` with the bytes this
+rank contributed, which is how measured startups and payload bytes are compared to the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from meshpact.core.errors import PlanError
+from meshpact.core.facts import LinkClass, Mesh
+from meshpact.core.plan import Collective, Plan, Step, StepKind
+
+from . import ops
+from .domains import DomainLayout
+from .meter import Meter
+
+__all__ = ["PlanRefused", "locality_violations", "admit", "simulate", "Executor", "RunOutcome"]
+
+Buffers = dict[str, Any]
+
+
+class PlanRefused(PlanError):
+    """A plan the executor will not run; nothing was attempted."""
+
+    def __init__(self, reasons: Sequence[str]) -> None:
+        self.reasons = tuple(reasons)
+        super().__init__("plan refused before running: " + "; ".join(self.reasons))
+
+
+def locality_violations(plan: Plan, mesh: Mesh, bridge_pairs: Sequence[tuple[int, int]] | None = None) -> list[str]:
+    """Reasons the plan cannot run on ``mesh``'s native domains and bridges (empty: it can)."""
+    out: list[str] = []
+    pairs = None if bridge_pairs is None else {tuple(sorted(p)) for p in bridge_pairs}
+    for i, s in enumerate(plan.steps):
+        stray = [r for r in s.ranks if r not in mesh.ranks]
+        if stray:
+            out.append(f"step {i} ({s.op}): ranks {stray} are not in the mesh")
+            continue
+        domains = sorted({mesh.domain_of(r).name for r in s.ranks})
+        if s.kind is StepKind.COLLECTIVE and len(domains) > 1:
+            out.append(f"step {i} ({s.op}): native collective over ranks {list(s.ranks)} spans domains "
+                       f"{domains}; a native communicator cannot span vendors, use a bridge send")
+        elif s.kind is StepKind.SEND:
+            if len(domains) == 1:
+                out.append(f"step {i} (send {s.ranks[0]}->{s.ranks[1]}): both ranks are in {domains[0]!r}; "
+                           "a bridge message joins two domains (use a native collective inside one)")
+            elif pairs is not None and tuple(sorted(s.ranks)) not in pairs:
+                out.append(f"step {i} (send {s.ranks[0]}->{s.ranks[1]}): no bridge joins these ranks "
+                           f"(bridges: {sorted(pairs)})")
+        elif s.kind is StepKind.COLLECTIVE and s.arg("root") is not None and s.arg("root") not in s.ranks:
+            out.append(f"step {i} ({s.op}): root {s.arg('root')} is not a participant {list(s.ranks)}")
+    return out
+
+
+def admit(plan: Plan, contract: Any, mesh: Mesh, bridge_pairs: Sequence[tuple[int, int]] | None = None,
+          checker: Callable[[Plan, Any], Any] | None = None) -> Any:
+    """Refuse ``plan`` unless it is local to native domains and the checker passes it.
+
+    Returns the checker's report. ``checker`` defaults to :func:`meshpact.core.checker.check`.
+    """
+    reasons = locality_violations(plan, mesh, bridge_pairs)
+    if checker is None:
+        from meshpact.core.checker import check as checker
+    report = checker(plan, contract)
+    if not report.ok:
+        reasons += [f"checker: {v}" for v in report.violations]
+    if reasons:
+        raise PlanRefused(reasons)
+    return report
+
+
+def simulate(plan: Plan, initial: Mapping[int, Buffers]) -> dict[int, Buffers]:
+    """Run ``plan`` over every rank's buffers in this process (meta tensors give shapes only)."""
+    world: dict[int, Buffers] = {r: dict(b) for r, b in initial.items()}
+    for r in {r for s in plan.steps for r in s.ranks}:
+        world.setdefault(r, {})
+    for i, s in enumerate(plan.steps):
+        try:
+            if s.kind is StepKind.COLLECTIVE:
+                outs = ops.collective_result(Collective(s.op), [_read(world[r], s, i) if _reads(s, r) else None
+                                                                for r in s.ranks], s)
+                for r, v in zip(s.ranks, outs):
+                    if v is not None:
+                        world[r][s.output] = v
+            elif s.kind is StepKind.SEND:
+                src, dst = s.ranks
+                world[dst][s.output] = ops.clone_value(_read(world[src], s, i))
+            elif s.kind is StepKind.PROJECT:
+                for r in s.ranks:
+                    world[r][s.output] = ops.project(s, [_get(world[r], n, s, i) for n in s.inputs], r)
+            elif s.kind is StepKind.DELIVER:
+                for r in s.ranks:
+                    world[r][s.output] = _read(world[r], s, i)
+        except PlanError:
+            raise
+        except Exception as exc:  # an op the plan cannot apply to these shapes
+            raise PlanError(f"step {i} ({s.op} on ranks {list(s.ranks)}) cannot run: {exc}") from None
+    return world
+
+
+def _reads(s: Step, rank: int) -> bool:
+    """Whether ``rank`` supplies an input to collective ``s`` (non-roots of broadcast/scatter do not)."""
+    op = Collective(s.op)
+    return not (op in (Collective.BROADCAST, Collective.SCATTER) and rank != s.arg("root"))
+
+
+def _get(bufs: Buffers, name: str, s: Step, i: int) -> Any:
+    if name not in bufs:
+        raise PlanError(f"step {i} ({s.op}): buffer {name!r} is not present on this rank")
+    return bufs[name]
+
+
+def _read(bufs: Buffers, s: Step, i: int) -> Any:
+    if not s.inputs:
+        raise PlanError(f"step {i} ({s.op}): names no input buffer")
+    return _get(bufs, s.inputs[0], s, i)
+
+
+@dataclass
+class RunOutcome:
+    """What one rank did in one plan: its buffers (every value it ever held) and deliveries."""
+
+    rank: int
+    buffers: Buffers
+    delivered: dict[str, Any]
+    history: list[tuple[int, str, Any]] = field(default_factory=list)  # (step index, buffer, value)
+    first_record: int = 0
+    last_record: int = 0
+
+
+class Executor:
+    """Runs admitted plans on this rank's domain group and bridges, metering every call."""
+
+    def __init__(self, layout: DomainLayout, meter: Meter | None = None) -> None:
+        self.layout = layout
+        self.meter = meter or Meter(layout.rank)
+
+    def run(self, plan: Plan, contract: Any, initial: Mapping[int, Buffers],
+            checker: Callable[[Plan, Any], Any] | None = None) -> RunOutcome:
+        """Admit ``plan``, then run this rank's part of it.
+
+        ``initial`` holds every rank's starting buffers as ``meta`` tensors (shapes only), and
+        this rank's own entry with its real tensors.
+        """
+        lay = self.layout
+        admit(plan, contract, lay.mesh, lay.bridge_pairs, checker)
+        shapes = simulate(plan, {r: {k: ops.to_meta(v) for k, v in b.items()} for r, b in initial.items()})
+        bufs: Buffers = {k: ops.to_device(v, lay.device) for k, v in initial.get(lay.rank, {}).items()}
+        out = RunOutcome(lay.rank, bufs, {}, first_record=self.meter.mark())
+        for i, s in enumerate(plan.steps):
+            if lay.rank not in s.ranks:
+                continue
+            if s.kind is StepKind.COLLECTIVE:
+                value = self._collective(s, i, bufs, shapes[lay.rank].get(s.output))
+            elif s.kind is StepKind.SEND:
+                value = self._bridge(s, i, bufs, shapes[s.ranks[1]][s.output])
+            elif s.kind is StepKind.PROJECT:
+                value = ops.project(s, [_get(bufs, n, s, i) for n in s.inputs], lay.rank)
+            else:
+                value = _read(bufs, s, i)
+                out.delivered[s.output] = value
+            if value is not None:
+                bufs[s.output] = value
+                out.history.append((i, s.output, value))
+        out.last_record = self.meter.mark()
+        return out
+
+    # -- native collectives inside the domain -------------------------------------------
+    def _collective(self, s: Step, i: int, bufs: Buffers, out_meta: Any) -> Any:
+        op = Collective(s.op)
+        group, name = self.layout.native_group(s.ranks)
+        value = _read(bufs, s, i) if _reads(s, self.layout.rank) else None
+        contributed = ops.nbytes(value) if value is not None else 0
+        result = ops.run_collective(op, s, value, out_meta, group, self.layout.device)
+        self.meter.record(name, op.value, LinkClass.FABRIC.value, contributed)
+        return result
+
+    # -- one bridge message, host-staged ---------------------------------------------------
+    def _bridge(self, s: Step, i: int, bufs: Buffers, out_meta: Any) -> Any:
+        lay = self.layout
+        src, dst = s.ranks
+        group = lay.bridge(src, dst)
+        name = f"bridge:{min(src, dst)}-{max(src, dst)}"
+        link = lay.mesh.link_class(src, dst).value
+        if lay.rank == src:
+            staged = ops.pack(_read(bufs, s, i)).to("cpu")  # device -> host
+            dist.send(staged, dst=dst, group=group)
+            self.meter.record(name, "send", link, staged.numel() * staged.element_size())
+            return None
+        host = torch.empty(ops.packed_shape(out_meta), dtype=ops.packed_dtype(out_meta), device="cpu")
+        dist.recv(host, src=src, group=group)
+        self.meter.record(name, "recv", link, 0)
+        return ops.unpack(host.to(lay.device), out_meta)  # host -> device

@@ -1,0 +1,95 @@
+"""Meter: every collective call and bridge message a live run makes, counted at the call.
+
+Each rank records one :class:`CallRecord` per communication call it takes part in: the
+group, the call's sequence number on that group, the op, the link class and the bytes this
+rank contributed (the plan's cost convention: for a collective, each participant's
+contribution, only the root's for ``broadcast``/``scatter``; for a bridge message, the bytes
+sent, counted at the sender). :func:`measure` merges all ranks' records: one startup per
+distinct ``(group, seq)`` call, payload bytes summed, and it refuses records that do not
+agree (members of one call naming different ops, a message sent but never received).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+from meshpact.core.errors import MeshpactError
+
+__all__ = ["CallRecord", "Meter", "Measured", "measure"]
+
+
+@dataclass(frozen=True)
+class CallRecord:
+    rank: int
+    group: str  # "domain:<name>[:r0,r1..]" or "bridge:<a>-<b>"
+    seq: int  # this call's index among the calls on ``group``
+    op: str  # collective name, or "send"/"recv" on a bridge
+    link: str  # LinkClass value
+    contributed: int  # payload bytes this rank contributed to the call
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rank": self.rank, "group": self.group, "seq": self.seq, "op": self.op, "link": self.link,
+                "contributed": self.contributed}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "CallRecord":
+        return cls(int(d["rank"]), str(d["group"]), int(d["seq"]), str(d["op"]), str(d["link"]), int(d["contributed"]))
+
+
+@dataclass
+class Meter:
+    """One rank's record of its calls, in order."""
+
+    rank: int
+    records: list[CallRecord] = field(default_factory=list)
+    _seq: dict[str, int] = field(default_factory=dict)
+
+    def record(self, group: str, op: str, link: str, contributed: int) -> CallRecord:
+        seq = self._seq.get(group, 0)
+        self._seq[group] = seq + 1
+        rec = CallRecord(self.rank, group, seq, op, link, int(contributed))
+        self.records.append(rec)
+        return rec
+
+    def mark(self) -> int:
+        """A position to measure from (records after it belong to the next plan)."""
+        return len(self.records)
+
+
+@dataclass(frozen=True)
+class Measured:
+    startups: int
+    payload_bytes: int
+    bytes_by_link: Mapping[str, int]
+    startups_by_link: Mapping[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"startups": self.startups, "payload_bytes": self.payload_bytes,
+                "bytes_by_link": dict(self.bytes_by_link), "startups_by_link": dict(self.startups_by_link)}
+
+
+def measure(records: Iterable[CallRecord]) -> Measured:
+    """Startups and payload bytes of the calls in ``records`` (all ranks' records together)."""
+    calls: dict[tuple[str, int], list[CallRecord]] = {}
+    for r in records:
+        calls.setdefault((r.group, r.seq), []).append(r)
+    by_link: dict[str, int] = {}
+    starts: dict[str, int] = {}
+    for (group, seq), recs in sorted(calls.items()):
+        ops = sorted({r.op for r in recs})
+        if group.startswith("bridge:"):
+            if ops != ["recv", "send"] or len(recs) != 2:
+                raise MeshpactError(f"bridge message {group}#{seq} was not one send and one recv: "
+                                    f"{[(r.rank, r.op) for r in recs]}")
+        elif len(ops) != 1:
+            raise MeshpactError(f"collective call {group}#{seq}: members disagree on the op {ops}")
+        link = recs[0].link
+        by_link[link] = by_link.get(link, 0) + sum(r.contributed for r in recs)
+        starts[link] = starts.get(link, 0) + 1
+    return Measured(
+        startups=sum(starts.values()),
+        payload_bytes=sum(by_link.values()),
+        bytes_by_link=dict(sorted(by_link.items())),
+        startups_by_link=dict(sorted(starts.items())),
+    )
