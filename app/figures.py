@@ -1,7 +1,7 @@
 """Figures: the plotly pictures the dashboard draws.
 
 The mesh (ranks coloured by domain and health, native rings and bridge links as line
-traces), the stage breakdown of recoveries, a plan as a diagram of who sends what to
+traces), the stage breakdown of recoveries, goodput and serving curves of the simulator, a plan as a diagram of who sends what to
 whom, and startups and payload bytes per planner. Each function takes core values and
 returns a ``plotly.graph_objects.Figure``; none touches Streamlit, so the benchmark and
 the tests build them directly. Traces are few and wide (one per domain, not one per
@@ -10,7 +10,7 @@ rank) so the 1,024-rank mesh stays fast to build and to draw.
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -18,7 +18,7 @@ from plotly.subplots import make_subplots
 from meshpact.core.facts import LinkClass, Mesh
 from meshpact.core.mesh import bridge_links, health, native_ring, rank_positions
 from meshpact.core.plan import Plan, PlanCost, StepKind
-from meshpact.core.recovery import RecoveryBreakdown, Stage
+from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 
 __all__ = [
     "domain_colours",
@@ -27,6 +27,8 @@ __all__ = [
     "recovery_figure",
     "plan_figure",
     "cost_figure",
+    "goodput_figure",
+    "serving_figure",
 ]
 
 FAILED = "#d62728"
@@ -49,6 +51,12 @@ STAGE_COLOURS: Mapping[Stage, str] = {
     Stage.STATE: "#ff7f0e",
     Stage.REBINDING: "#2ca02c",
     Stage.REPLAY: "#8c564b",
+}
+POLICY_COLOURS: Mapping[Policy, str] = {
+    Policy.COLD_RESTART: "#d62728",
+    Policy.CHECKPOINT_RESTORE: "#ff7f0e",
+    Policy.IN_MEMORY: "#2ca02c",
+    Policy.EXCISE: "#1f77b4",
 }
 _LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=40, b=10))
 
@@ -243,5 +251,45 @@ def cost_figure(costs: Mapping[str, PlanCost], height: int = 300) -> go.Figure:
                              marker_color=palette.get(link, "#777"), hovertemplate="%{x}: %{y:,} B<extra>" + link + "</extra>"),
                       row=1, col=2)
     fig.update_layout(**_LAYOUT, barmode="stack", height=height, legend=dict(orientation="h", y=-0.2))
+    fig.update_yaxes(type="log", row=1, col=2)
+    return fig
+
+
+def goodput_figure(frame: Any, knob: str, title: str, log_x: bool = True, height: int = 330) -> go.Figure:
+    """Goodput of each policy (one line each) against one knob of a training sweep."""
+    fig = go.Figure()
+    for policy in Policy:
+        rows = frame[frame["policy"] == policy.value]
+        if rows.empty:
+            continue
+        fig.add_trace(go.Scatter(
+            x=rows[knob], y=rows["goodput"], mode="lines+markers", name=policy.label,
+            line=dict(color=POLICY_COLOURS[policy], width=2.5),
+            customdata=rows[["downtime_s", "lost_steps"]].to_numpy(),
+            hovertemplate="%{x}: goodput %{y:.2%}<br>downtime %{customdata[0]:,.0f} s, lost steps %{customdata[1]}"
+                          f"<extra>{policy.label}</extra>",
+        ))
+    fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".0%", yaxis_title="goodput",
+                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0))
+    fig.update_xaxes(type="log" if log_x else "linear", title=knob.replace("_", " "))
+    return fig
+
+
+def serving_figure(frame: Any, height: int = 340) -> go.Figure:
+    """Throughput and result traffic over the link against concurrency, one line per request."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "result bytes over the link"))
+    palette = {"full": "#d55e00", "logprob": "#e69f00", "token": "#2ca02c", "owner_token": "#1f77b4"}
+    for req, rows in frame.groupby("request", sort=False):
+        colour = palette.get(str(req), "#777")
+        fig.add_trace(go.Scatter(x=rows["concurrency"], y=rows["throughput_tok_s"], mode="lines+markers", name=str(req),
+                                 line=dict(color=colour, width=2.5), legendgroup=str(req),
+                                 hovertemplate="concurrency %{x}: %{y:,.0f} tok/s<extra>" + str(req) + "</extra>"),
+                      row=1, col=1)
+        fig.add_trace(go.Scatter(x=rows["concurrency"], y=rows["result_bytes"], mode="lines+markers", name=str(req),
+                                 line=dict(color=colour, width=2.5), legendgroup=str(req), showlegend=False,
+                                 hovertemplate="concurrency %{x}: %{y:,.0f} B<extra>" + str(req) + "</extra>"),
+                      row=1, col=2)
+    fig.update_layout(**_LAYOUT, height=height, legend=dict(orientation="h", yanchor="top", y=-0.18, x=0))
+    fig.update_xaxes(type="log", title="concurrency (requests in flight)")
     fig.update_yaxes(type="log", row=1, col=2)
     return fig

@@ -2,10 +2,110 @@
 
 from __future__ import annotations
 
+import json
+
+import pandas as pd
 import streamlit as st
 
 from meshpact.app.context import require_engines, require_scenario
+from meshpact.app.figures import goodput_figure, recovery_figure, serving_figure
+from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
+from meshpact.core.errors import MeshpactError
+from meshpact.core.recovery import Policy, RecoveryBreakdown
 
 choice = require_scenario()
 st.title("Simulate")
-require_engines("The simulator", ("simulator.training", "simulator.serving"))
+require_engines("The simulator", ("simulator.training", "simulator.serving", "simulator.timeline"))
+scenario = choice.scenario
+
+
+def cached_run(name: str, key: tuple, label: str, run):  # noqa: ANN001, ANN202 (a callable taking progress)
+    """Run once per distinct knob setting, with a progress bar; keep the result for reruns."""
+    memo = st.session_state.setdefault("simulate_results", {})
+    if memo.get(name, (None,))[0] != key:
+        bar = st.progress(0.0, text=label)
+        result = run(lambda done, total: bar.progress(done / total, text=f"{label} {done}/{total}"))
+        bar.empty()
+        memo[name] = (key, result)
+    return memo[name][1]
+
+
+training, serving = st.tabs(["Training with faults", "Serving spillover"])
+
+with training:
+    w, f, c = scenario.workload, scenario.faults, scenario.checkpointing
+    st.caption(f"{scenario.name}: {w.model}, {w.ranks or 'all'} ranks, faults, checkpoints and recovery from the "
+               "scenario; change them here. Every policy replays the same fault trace.")
+    k = st.columns(5)
+    days = k[0].number_input("days", 0.5, 60.0, float(w.days), step=0.5)
+    mtbf = k[1].number_input("per-rank MTBF (hours)", 10.0, 1e6, float(f.rank_mtbf_hours or 2000.0), step=100.0)
+    every = k[2].number_input("checkpoint every (steps)", 1, 100_000, int(c.every_steps), step=50)
+    mode = k[3].selectbox("checkpoint mode", ["sync", "async"], index=0 if c.mode.value == "sync" else 1)
+    seed = k[4].number_input("fault seed", 0, 10_000, int(f.seed))
+    flags = {"days": days, "rank_mtbf_hours": mtbf, "checkpoint_every": int(every), "checkpoint_mode": mode,
+             "seed": int(seed)}
+    key = (choice.text, tuple(sorted(flags.items())))
+    try:
+        from meshpact.simulator.timeline import chrome_trace
+        from meshpact.simulator.training import simulate_training
+
+        by_mtbf = cached_run("mtbf", key, "Sweeping the MTBF…",
+                             lambda p: goodput_curve(scenario, "rank_mtbf_hours", MTBF_HOURS, flags, p))
+        by_every = cached_run("every", key, "Sweeping the checkpoint interval…",
+                              lambda p: goodput_curve(scenario, "checkpoint_every", CHECKPOINT_EVERY, flags, p))
+        point = cached_run("point", key, "Simulating this setting…", lambda p: simulate_training(scenario, **flags))
+    except MeshpactError as exc:
+        st.error(f"**The simulator cannot run this scenario.**\n\n```\n{exc}\n```")
+        st.stop()
+    cols = st.columns(len(point.policies))
+    for col, (policy, res) in zip(cols, point.policies.items()):
+        col.metric(policy.label, f"{res.goodput:.2%}", help=f"{res.faults} faults, {res.downtime_total_s:,.0f} s down, "
+                                                          f"{res.lost_steps} steps lost")
+    a, b = st.columns(2)
+    a.plotly_chart(goodput_figure(by_mtbf, "rank_mtbf_hours", "goodput against per-rank MTBF"))
+    b.plotly_chart(goodput_figure(by_every, "checkpoint_every", "goodput against checkpoint interval"))
+    st.plotly_chart(recovery_figure([RecoveryBreakdown(p, r.downtime_s) for p, r in point.policies.items()]),
+                    key="downtime_by_stage")
+    st.caption("Total downtime of the run by recovery stage, per policy.")
+    d1, d2, d3 = st.columns(3)
+    sweep = pd.concat([by_mtbf.assign(sweep="rank_mtbf_hours"), by_every.assign(sweep="checkpoint_every")])
+    d1.download_button("sweep CSV", data=sweep.to_csv(index=False), file_name=f"{scenario.name}-training-sweep.csv",
+                       mime="text/csv")
+    d2.download_button("this setting CSV", data=point.to_frame().to_csv(index=False),
+                       file_name=f"{scenario.name}-training.csv", mime="text/csv")
+    d3.download_button("Chrome trace (Perfetto)", data=json.dumps(chrome_trace(point)),
+                       file_name=f"{scenario.name}-timeline.json", mime="application/json")
+
+with serving:
+    serve, own = serving_scenario(scenario)
+    if not own:
+        st.info(f"**{scenario.name}** has no serving section; showing the built-in **{serve.name}** scenario.")
+    s = serve.serving
+    assert s is not None
+    with st.form("serving_form"):
+        k = st.columns(4)
+        model = k[0].selectbox("model preset", list(s.presets), index=list(s.presets).index(s.model))
+        reqs = k[1].multiselect("requests", ["full", "logprob", "token", "owner_token"], default=["full", "token"])
+        gbps = k[2].number_input("link Gbit/s", 0.1, 400.0, 1.0, step=0.5)
+        n = k[3].number_input("requests per run", 20, 2000, 100, step=20)
+        run = st.form_submit_button("Run serving sweep", type="primary")
+    skey = (serve.model_dump_json(), model, tuple(reqs), gbps, int(n))
+    memo = st.session_state.get("simulate_results", {})
+    if run:
+        if not reqs:
+            st.warning("Pick at least one request kind.")
+        else:
+            try:
+                cached_run("serving", skey, "Simulating serving…", lambda p: serving_curve(
+                    serve, reqs, CONCURRENCY, {"model": model, "link_gbps": gbps, "requests": int(n)}, p))
+            except MeshpactError as exc:
+                st.error(f"**The serving simulation failed.**\n\n```\n{exc}\n```")
+    memo = st.session_state.get("simulate_results", {})
+    if "serving" in memo and memo["serving"][0] == skey:
+        frame = memo["serving"][1]
+        st.plotly_chart(serving_figure(frame))
+        st.download_button("serving CSV", data=frame.to_csv(index=False),
+                           file_name=f"{serve.name}-serving.csv", mime="text/csv")
+    else:
+        st.info("Press **Run serving sweep**: each request kind runs at concurrency "
+                + ", ".join(map(str, CONCURRENCY)) + ".")

@@ -92,3 +92,16 @@ def test_replay_steps_through_a_simulated_recovery():
     assert _metric(at, "failed ranks") != "none"  # the first event is a fault
     at.slider(key="replay_index").set_value(1).run()
     assert _metric(at, "stage") == "detection"
+
+
+def test_simulate_shows_goodput_per_policy_and_runs_the_serving_sweep():
+    at = _app()
+    at.switch_page("pages/simulate.py").run()
+    assert not at.exception
+    goodput = {m.label: float(m.value.rstrip("%")) for m in at.metric}
+    assert set(goodput) == {"cold restart", "checkpoint restore (in job)", "in-memory rebind", "excise and continue"}
+    assert goodput["in-memory rebind"] > goodput["cold restart"]
+    charts = len(at.get("plotly_chart"))
+    at.button[0].click().run()  # Run serving sweep
+    assert not at.exception
+    assert len(at.get("plotly_chart")) == charts + 1
