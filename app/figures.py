@@ -158,6 +158,10 @@ def mesh_figure(
     return fig
 
 
+def _seconds(s: float) -> str:
+    return f"{s:,.0f} s" if s >= 100 else f"{s:.3g} s"
+
+
 def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int = 300) -> go.Figure:
     """Stacked horizontal bars: one bar per policy, one segment per stage (seconds)."""
     fig = go.Figure()
@@ -171,7 +175,7 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int = 300) 
             hovertemplate=f"{stage.value}: %{{x:.3g}} s<extra>%{{y}}</extra>",
         ))
     for b in breakdowns:
-        fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {b.total_s:.3g} s", showarrow=False, xanchor="left")
+        fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {_seconds(b.total_s)}", showarrow=False, xanchor="left")
     fig.update_layout(**_LAYOUT, barmode="stack", height=height, xaxis_title="seconds",
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
     fig.update_yaxes(autorange="reversed")
@@ -271,7 +275,9 @@ def goodput_figure(frame: Any, knob: str, title: str, log_x: bool = True, height
         ))
     fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".0%", yaxis_title="goodput",
                       legend=dict(orientation="h", yanchor="top", y=-0.22, x=0))
-    fig.update_xaxes(type="log" if log_x else "linear", title=knob.replace("_", " "))
+    values = sorted(set(frame[knob]))
+    fig.update_xaxes(type="log" if log_x else "linear", title=knob.replace("_", " "), tickmode="array",
+                     tickvals=values, ticktext=[f"{v:,g}" for v in values])
     return fig
 
 
@@ -290,6 +296,8 @@ def serving_figure(frame: Any, height: int = 340) -> go.Figure:
                                  hovertemplate="concurrency %{x}: %{y:,.0f} B<extra>" + str(req) + "</extra>"),
                       row=1, col=2)
     fig.update_layout(**_LAYOUT, height=height, legend=dict(orientation="h", yanchor="top", y=-0.18, x=0))
-    fig.update_xaxes(type="log", title="concurrency (requests in flight)")
+    values = sorted(set(frame["concurrency"]))
+    fig.update_xaxes(type="log", title="concurrency (requests in flight)", tickmode="array", tickvals=values,
+                     ticktext=[str(v) for v in values])
     fig.update_yaxes(type="log", row=1, col=2)
     return fig
