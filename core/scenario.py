@@ -335,7 +335,8 @@ def with_overrides(scenario: Scenario, overrides: Mapping[str, Any], source: str
             last = i == len(parts) - 1
             if not isinstance(node, dict):
                 raise ScenarioError(f"{source}: {path}: {'.'.join(parts[:i])} is not a section with fields")
-            if part not in node and not (last or _section_may_hold(parts[: i + 1])):
+            top_unknown = i == 0 and part not in type(scenario).model_fields and part not in node
+            if top_unknown or (part not in node and not (last or _section_may_hold(parts[: i + 1]))):
                 raise ScenarioError(f"{source}: {path}: no field {part!r}; expected one of {sorted(node)}")
             if last:
                 node[part] = value

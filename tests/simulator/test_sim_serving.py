@@ -1,0 +1,103 @@
+"""Serving spillover against queueing laws, byte counts and closed forms."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshpact.core.catalog import get_model
+from meshpact.core.facts import Request
+from meshpact.core.scenario import builtin_scenario_path, load_scenario
+from meshpact.simulator.serving import expected_tokens_per_pass, result_plan, serving_params, simulate_serving
+
+
+@pytest.fixture(scope="module")
+def spill():
+    return load_scenario(builtin_scenario_path("serving_spillover"))
+
+
+def test_littles_law_holds_for_open_loop_arrivals(spill):
+    r = simulate_serving(spill, overrides={"serving.arrival_rate_per_s": 6.0, "serving.requests": 300,
+                                           "serving.output_tokens": 64, "serving.seed": 4})
+    assert r.spilled > 0  # the load reaches the remote host
+    # L = λ·W: the time-average number in the system equals throughput times mean latency
+    assert r.mean_in_system == pytest.approx(r.arrival_rate_per_s * r.latency_s["mean"], rel=1e-9)
+
+
+def test_closed_loop_keeps_concurrency_requests_in_flight(spill):
+    r = simulate_serving(spill, concurrency=4, requests=40)
+    assert r.mean_in_system == pytest.approx(4.0, rel=1e-9)  # no request ever waits outside the system
+
+
+@pytest.mark.parametrize("model", ["dense", "moe", "minimax"])
+@pytest.mark.parametrize("request_kind, per_token", [("full", None), ("logprob", 4), ("token", 8), ("owner_token", 8)])
+def test_bytes_sent_equal_bytes_received_and_the_catalog_sizes(spill, model, request_kind, per_token):
+    r = simulate_serving(spill, model=model, concurrency=12, request=request_kind, requests=24, output_tokens=16)
+    vocab = get_model(spill.serving.presets[model].model).vocab_size
+    size = 2 * vocab if per_token is None else per_token  # bf16 logits are 2·V bytes per token
+    assert r.spilled > 0
+    assert r.result_bytes == r.bytes_received == r.remote_tokens * size
+    assert r.remote_tokens == r.spilled * 16
+    if request_kind == "full":
+        assert r.feedback_bytes == r.remote_tokens * 8  # the sampled ids travel back
+
+
+def test_no_spill_below_local_capacity_and_spill_above(spill):
+    assert simulate_serving(spill, concurrency=8, requests=16).spilled == 0
+    r = simulate_serving(spill, concurrency=16, requests=16)  # 8 local slots: 8 spill at once
+    assert r.spilled == 8 and r.remote_tokens == 8 * spill.serving.output_tokens
+
+
+def test_one_remote_request_takes_compute_plus_link_time_exactly(spill):
+    # 9 clients, 8 local slots: exactly one request runs remotely, alone on the link
+    p = serving_params(spill)
+    n = 32
+    r = simulate_serving(spill, concurrency=9, requests=9, request="full", output_tokens=n)
+    logits = 2 * p.vocab_size
+    per_token = p.remote_per_token_s + (p.link_alpha_s + logits * p.link_beta_s_per_byte) + (
+        p.link_alpha_s + 8 * p.link_beta_s_per_byte)
+    assert max(r.latencies) == pytest.approx(p.remote_prefill_s + n * per_token, rel=1e-9)
+    # with a source projection the token streams back; only the last one is waited for
+    r = simulate_serving(spill, concurrency=9, requests=9, request="token", output_tokens=n)
+    want = p.remote_prefill_s + n * p.remote_per_token_s + p.link_alpha_s + 8 * p.link_beta_s_per_byte
+    assert max(r.latencies) == pytest.approx(want, rel=1e-9)
+
+
+def test_full_logits_saturate_a_slower_link(spill):
+    fast = simulate_serving(spill, concurrency=16, request="full", requests=32)
+    slow = simulate_serving(spill, concurrency=16, request="full", requests=32, link_gbps=0.25)
+    assert slow.latency_s["p99"] > fast.latency_s["p99"] * 2
+    same = simulate_serving(spill, concurrency=16, request="token", requests=32, link_gbps=0.25)
+    assert same.latency_s["p99"] < fast.latency_s["p99"]
+
+
+def test_result_plans_follow_the_request(spill):
+    p = serving_params(load_scenario(builtin_scenario_path("serving_spillover")))
+    from dataclasses import replace
+
+    four = replace(p, consumer_ranks=4)
+    owner = result_plan(replace(four, request=Request.OWNER_TOKEN), tokens=3, owner=2)
+    token = result_plan(replace(four, request=Request.TOKEN), tokens=3)
+    full = result_plan(replace(four, request=Request.FULL), tokens=3)
+    assert owner.startups == 1 and [s.op for s in owner.steps] == ["argmax", "send", "deliver"]
+    assert owner.steps[1].ranks == (4, 2)  # straight to the owner, nobody else observes it
+    assert token.startups == 2 and token.steps[2].op == "broadcast"
+    assert full.steps[0].op == "send" and full.steps[0].payload_bytes == 3 * 2 * p.vocab_size
+
+
+@pytest.mark.parametrize("gamma, alpha", [(4, 0.8), (2, 0.5), (6, 0.9)])
+def test_speculative_tokens_per_target_pass_match_the_closed_form(spill, gamma, alpha):
+    # Leviathan et al. 2023: E[tokens per target pass] = (1 - α^(γ+1)) / (1 - α)
+    r = simulate_serving(spill, concurrency=1, overrides={
+        "serving.requests": 1, "serving.output_tokens": 60000,
+        "serving.speculative": {"gamma": gamma, "alpha": alpha, "draft_cost_ratio": 0.1}})
+    want = expected_tokens_per_pass(gamma, alpha)
+    assert r.tokens_per_target_pass == pytest.approx(want, rel=0.02)
+    assert expected_tokens_per_pass(gamma, 0.0) == 1.0
+
+
+def test_speculation_cuts_link_startups(spill):
+    plain = simulate_serving(spill, concurrency=16, requests=16, request="token")
+    spec = simulate_serving(spill, concurrency=16, requests=16, request="token", overrides={
+        "serving.speculative": {"gamma": 4, "alpha": 0.8, "draft_cost_ratio": 0.05}})
+    assert spec.result_bytes == plain.result_bytes  # the same tokens cross
+    assert spec.startups < plain.startups / 2  # in fewer messages
