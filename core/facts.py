@@ -253,8 +253,10 @@ class Consumer:
     """Ranks of one domain that read a producer tensor through ``request``.
 
     ``owners`` (``owner_token``): the consumer rank that owns each row (sequence) of the
-    producer tensor. ``shard_dim`` (``shard``): the dimension along which consumer rank *i*
-    of *n* reads chunk *i*.
+    producer tensor. ``shard_dim`` (``shard``, optionally ``reduced``): the dimension along
+    which consumer rank *i* of *n* reads chunk *i*. ``exact``: the consumer accepts only
+    observations bitwise equal to a single-device computation (no reassociated sums, no
+    distributed log-softmax).
     """
 
     name: str
@@ -263,6 +265,7 @@ class Consumer:
     request: Request
     owners: tuple[int, ...] | None = None
     shard_dim: int | None = None
+    exact: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))

@@ -1,0 +1,635 @@
+"""The symbolic checker: does a plan keep its contract? Decided before anything runs.
+
+:func:`check` executes a plan over per-rank buffers of symbolic values,
+``piece(tensor, region, reduction state, form)``, with the same step semantics as the
+numeric interpreter (:mod:`meshpact.core.interpreter`), and reports every violated
+obligation with the step, the rank and a reason a person can read:
+
+* a native collective spanning two domains (``cross_domain_collective``);
+* a step whose input is not present on that rank (``missing_input``), or whose
+  arguments or shapes cannot work (``malformed_step``);
+* a partial sum reduced twice (``reduced_twice``) or not at all (``never_reduced``);
+* a projection applied to partials (``projection_of_partial``): the argmax of one
+  addend is not the argmax of the sum;
+* a consumer that ends without its demanded observation (``demand_not_met``) or with a
+  substitute the contract does not allow (``disallowed_substitute``);
+* a rank outside the owner scope that holds owner-scoped rows (``non_owner_observes``);
+* two senders of the same piece into one domain (``duplicate_sender``);
+* a delivery before the delivered data is complete (``delivery_before_completion``).
+
+Buffers also carry their numeric shape, so a step that numpy or torch would refuse is
+reported instead of being assumed to work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, NamedTuple, Sequence
+
+from .contract import Contract, Equivalence, Form
+from .placement import shard_bounds
+from .plan import Collective, Plan, Projection, Step, StepKind
+from .region import (
+    Intervals, Region, concat_intervals, intervals_from_indices, intervals_indices, intervals_size, region_text,
+    union_intervals,
+)
+
+__all__ = ["ViolationKind", "Violation", "CheckReport", "check", "Piece"]
+
+
+class ViolationKind(str, Enum):
+    CROSS_DOMAIN_COLLECTIVE = "cross_domain_collective"
+    MISSING_INPUT = "missing_input"
+    MALFORMED_STEP = "malformed_step"
+    REDUCED_TWICE = "reduced_twice"
+    NEVER_REDUCED = "never_reduced"
+    PROJECTION_OF_PARTIAL = "projection_of_partial"
+    DEMAND_NOT_MET = "demand_not_met"
+    DISALLOWED_SUBSTITUTE = "disallowed_substitute"
+    NON_OWNER_OBSERVES = "non_owner_observes"
+    DUPLICATE_SENDER = "duplicate_sender"
+    DELIVERY_BEFORE_COMPLETION = "delivery_before_completion"
+
+
+@dataclass(frozen=True)
+class Violation:
+    kind: ViolationKind
+    step: int | None
+    rank: int | None
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind.value, "step": self.step, "rank": self.rank, "reason": self.reason}
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "end of plan"
+        who = f", rank {self.rank}" if self.rank is not None else ""
+        return f"{self.kind.value} ({where}{who}): {self.reason}"
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    violations: tuple[Violation, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    @property
+    def kinds(self) -> set[ViolationKind]:
+        return {v.kind for v in self.violations}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "violations": [v.to_dict() for v in self.violations]}
+
+
+class Piece(NamedTuple):
+    """A symbolic value: which region of which tensor, in what reduction state and form."""
+
+    tensor: str
+    form: Form
+    region: Region  # RAW: per tensor dim; other forms: (rows, columns covered)
+    contrib: tuple[int, ...] | None  # partial addends summed in (None: complete by birth)
+    exact: bool  # bitwise equal to the single-device value
+    why: str = ""  # for GARBAGE: how it went wrong
+
+
+class Buf(NamedTuple):
+    pieces: tuple[Piece, ...]
+    shape: tuple[int, ...]
+
+
+class _Bad(Exception):
+    def __init__(self, kind: ViolationKind, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+def _garbage(rows: Intervals, why: str, tensor: str = "") -> Piece:
+    return Piece(tensor, Form.GARBAGE, (rows,), None, False, why)
+
+
+def _rows(p: Piece) -> Intervals:
+    return p.region[0] if p.region else ()
+
+
+def _rows_text(iv: Intervals) -> str:
+    return region_text((iv,))[1:-1]
+
+
+class _Checker:
+    def __init__(self, contract: Contract) -> None:
+        self.c = contract
+        self.mesh = contract.edge.mesh
+        prov = contract.provenance
+        self.order = contract.completion.contributors
+        self.all = frozenset(self.order)
+        self.tensor = prov.tensor
+        self.floating = prov.dtype.is_floating
+        self.op = contract.completion.reduce_op
+        self.vocab = prov.shape[-1]
+        self.mem: dict[int, dict[str, Buf]] = {r: {} for r in self.mesh.ranks}
+        self.writes: dict[int, list[tuple[int, Buf]]] = {r: [] for r in self.mesh.ranks}
+        self.observed: dict[int, tuple[int, Buf]] = {}
+        self.pending: list[tuple[int, int, Piece]] = []
+        self.senders: dict[tuple, int] = {}
+        self.violations: list[Violation] = []
+        for h in prov.holdings:
+            shape = tuple(intervals_size(iv) for iv in h.region)
+            piece = Piece(self.tensor, Form.RAW, h.region, (h.rank,) if h.partial else None, True)
+            self.mem[h.rank][self.tensor] = Buf((piece,), shape)
+
+    # -- helpers -----------------------------------------------------------------------
+    def flag(self, kind: ViolationKind, step: int | None, rank: int | None, reason: str) -> None:
+        self.violations.append(Violation(kind, step, rank, reason))
+
+    def partial(self, p: Piece) -> bool:
+        return p.contrib is not None and frozenset(p.contrib) != self.all
+
+    def read(self, k: int, step: Step, rank: int, name: str) -> Buf:
+        buf = self.mem.get(rank, {}).get(name)
+        if buf is None:
+            raise _Bad(ViolationKind.MISSING_INPUT, f"{step.op} reads {name!r}, which rank {rank} does not hold")
+        return buf
+
+    def write(self, k: int, rank: int, name: str, buf: Buf) -> None:
+        self.mem[rank][name] = buf
+        self.writes[rank].append((k, buf))
+        auth = self.c.authority
+        if auth.owner_of_row is not None:
+            for p in buf.pieces:
+                if _rows(p) and not auth.may_hold(rank, _rows(p)):
+                    foreign = [r for r in intervals_indices(_rows(p)) if auth.owner_of_row[r] != rank]
+                    self.flag(ViolationKind.NON_OWNER_OBSERVES, k, rank,
+                              f"rank {rank} receives rows {_rows_text(intervals_from_indices(foreign))} of "
+                              f"{p.tensor}, owned by rank(s) {sorted({auth.owner_of_row[r] for r in foreign})}")
+                    break
+
+    def ndim(self, p: Piece) -> int:
+        return {Form.TOKEN: 1, Form.LOGPROB: 1, Form.MAX_ARG: 2, Form.LSE_STATS: 2}.get(p.form, len(p.region))
+
+    # -- region algebra over buffers -----------------------------------------------------
+    def merge2(self, a: Piece, b: Piece, dim: int) -> Piece | None:
+        if Form.GARBAGE in (a.form, b.form) or a.tensor != b.tensor or a.form != b.form or a.contrib != b.contrib:
+            return None
+        exact = a.exact and b.exact
+        if a.form is Form.RAW:
+            if any(a.region[i] != b.region[i] for i in range(len(a.region)) if i != dim):
+                return None
+            iv = concat_intervals(a.region[dim], b.region[dim])
+            return None if iv is None else a._replace(region=a.region[:dim] + (iv,) + a.region[dim + 1:], exact=exact)
+        rows_a, cols_a = a.region
+        rows_b, cols_b = b.region
+        if a.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
+            if rows_a != rows_b:
+                return None
+            cols, overlap = union_intervals(cols_a, cols_b)
+            if overlap and a.form is Form.LSE_STATS:
+                return _garbage(rows_a, "statistics of the same columns counted twice", a.tensor)
+            return a._replace(region=(rows_a, cols), exact=exact)
+        if dim == 0 and cols_a == cols_b:
+            iv = concat_intervals(rows_a, rows_b)
+            return None if iv is None else a._replace(region=(iv, cols_a), exact=exact)
+        return None
+
+    def concat(self, bufs: Sequence[Buf], dim: int) -> Buf:
+        shapes = [b.shape for b in bufs]
+        nd = len(shapes[0])
+        if dim >= nd or any(len(s) != nd for s in shapes) or any(
+                s[i] != shapes[0][i] for s in shapes for i in range(nd) if i != dim):
+            raise _Bad(ViolationKind.MALFORMED_STEP,
+                       f"cannot concatenate shapes {[list(s) for s in shapes]} along dim {dim}")
+        shape = tuple(sum(s[dim] for s in shapes) if i == dim else shapes[0][i] for i in range(nd))
+        pieces = [p for b in bufs for p in b.pieces]
+        nonempty = [p for p in pieces if not self.empty(p)] or pieces[:1]
+        out: list[Piece] = [nonempty[0]]
+        for p in nonempty[1:]:
+            m = self.merge2(out[-1], p, dim) if len(out) == 1 else None
+            if m is None:
+                out.append(p)
+            else:
+                out[-1] = m
+        return Buf(tuple(out), shape)
+
+    def empty(self, p: Piece) -> bool:
+        if p.form is Form.RAW:
+            return any(not iv for iv in p.region)
+        return p.form is not Form.GARBAGE and not _rows(p)
+
+    def narrow(self, buf: Buf, dim: int, local: Sequence[int]) -> Buf:
+        """Keep local positions ``local`` (increasing) along ``dim``."""
+        if dim >= len(buf.shape):
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"dim {dim} does not exist in shape {list(buf.shape)}")
+        size = buf.shape[dim]
+        if any(i < 0 or i >= size for i in local):
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"positions outside 0..{size} along dim {dim}")
+        shape = buf.shape[:dim] + (len(local),) + buf.shape[dim + 1:]
+        if len(buf.pieces) != 1:
+            return Buf((_garbage(self.rows_of(buf), "slice of pieces that do not form one region", self.tensor),),
+                       shape)
+        p = buf.pieces[0]
+        if p.form is Form.GARBAGE:
+            return Buf((p,), shape)
+        if p.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
+            return Buf((_garbage(_rows(p), "slice through packed statistics", p.tensor),), shape)
+        if list(local) != sorted(set(local)):
+            return Buf((_garbage(_rows(p), "rows reordered", p.tensor),), shape)
+        idx = intervals_indices(p.region[dim])
+        iv = intervals_from_indices([idx[i] for i in local])
+        return Buf((p._replace(region=p.region[:dim] + (iv,) + p.region[dim + 1:]),), shape)
+
+    def chunk(self, buf: Buf, dim: int, parts: int, index: int) -> Buf:
+        if dim >= len(buf.shape):
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"dim {dim} does not exist in shape {list(buf.shape)}")
+        if parts <= 0 or not 0 <= index < parts:
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"chunk {index} of {parts} does not exist")
+        lo, hi = shard_bounds(buf.shape[dim], parts, index)
+        return self.narrow(buf, dim, range(lo, hi))
+
+    def rows_of(self, buf: Buf) -> Intervals:
+        rows: Intervals = ()
+        for p in buf.pieces:
+            rows, _ = union_intervals(rows, _rows(p))
+        return rows
+
+    def reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[ViolationKind, str]]]:
+        shapes = {b.shape for b in bufs}
+        if len(shapes) != 1:
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"reduction over shapes {sorted(list(s) for s in shapes)}")
+        shape = bufs[0].shape
+        rows: Intervals = ()
+        for b in bufs:
+            rows, _ = union_intervals(rows, self.rows_of(b))
+        if op not in ("sum", "max", "min", "avg"):
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"unknown reduce op {op!r}")
+        if any(len(b.pieces) != 1 for b in bufs):
+            return Buf((_garbage(rows, "reduction of pieces that do not form one region", self.tensor),), shape), []
+        ps = [b.pieces[0] for b in bufs]
+        if len(ps) == 1:
+            return bufs[0], []
+        if any(p.form is Form.GARBAGE for p in ps):
+            return Buf((ps[0] if ps[0].form is Form.GARBAGE else _garbage(rows, "reduction of garbage"),), shape), []
+        if any(p.form is not Form.RAW for p in ps):
+            return Buf((_garbage(rows, f"{op} of projected forms", self.tensor),), shape), []
+        if any(p.region != ps[0].region for p in ps):
+            return Buf((_garbage(rows, f"{op} of different regions {[region_text(p.region) for p in ps]}",
+                                 self.tensor),), shape), []
+        if op in ("max", "min"):
+            if self.op != op and not all(p.contrib is None for p in ps):
+                return Buf((_garbage(rows, f"{op} of {self.op} addends", self.tensor),), shape), []
+            contrib = None if any(p.contrib is None for p in ps) else tuple(
+                r for r in self.order if any(r in (p.contrib or ()) for p in ps))
+            return Buf((ps[0]._replace(contrib=contrib, exact=all(p.exact for p in ps)),), shape), []
+        if self.op is not None and self.op != op:
+            return Buf((_garbage(rows, f"{op} of {self.op} addends", self.tensor),), shape), []
+        complete = [p for p in ps if p.contrib is None]
+        if complete:
+            why = (f"{op} over {len(ps)} copies of complete data counts it {len(ps)} times"
+                   if self.op is None else f"{op} adds an already complete {ps[0].tensor} to addends again")
+            return Buf((_garbage(rows, why, self.tensor),), shape), [(ViolationKind.REDUCED_TWICE, why)]
+        seen: list[int] = []
+        for p in ps:
+            dup = sorted(set(seen) & set(p.contrib or ()))
+            if dup:
+                why = f"addends of rank(s) {dup} would be summed twice"
+                return Buf((_garbage(rows, why, self.tensor),), shape), [(ViolationKind.REDUCED_TWICE, why)]
+            seen.extend(p.contrib or ())
+        if op == "avg":
+            if frozenset(seen) != self.all or any(len(p.contrib or ()) != 1 for p in ps):
+                return Buf((_garbage(rows, "an average is only correct over all addends at once", self.tensor),),
+                           shape), []
+        exact = self.fold_exact(ps, native)
+        return Buf((ps[0]._replace(contrib=tuple(seen), exact=exact),), shape), []
+
+    def fold_exact(self, ps: Sequence[Piece], native: bool) -> bool:
+        if not self.floating:
+            return True
+        if native and len(ps) > 2:
+            return False
+        acc = ps[0]
+        acc_set = list(acc.contrib or ())
+        ok = acc.exact
+        for p in ps[1:]:
+            pc = list(p.contrib or ())
+            new = set(acc_set) | set(pc)
+            prefix = set(self.order[: len(new)]) == new
+            if len(acc_set) == 1 and len(pc) == 1:
+                ok = ok and p.exact and prefix
+            elif len(pc) == 1:
+                ok = ok and p.exact and prefix and pc[0] == self.order[len(acc_set)]
+            elif len(acc_set) == 1 and native:
+                ok = ok and p.exact and prefix and acc_set[0] == self.order[len(pc)]
+            else:
+                ok = False
+            acc_set += pc
+        return ok
+
+    # -- steps ------------------------------------------------------------------------------
+    def run(self, plan: Plan) -> CheckReport:
+        for k, step in enumerate(plan.steps):
+            try:
+                self.step(k, step)
+            except _Bad as bad:
+                self.flag(bad.kind, k, getattr(bad, "rank", None), bad.reason)
+        self.finish()
+        return CheckReport(tuple(self.violations))
+
+    def step(self, k: int, step: Step) -> None:
+        if step.kind is StepKind.SEND:
+            self.send(k, step)
+        elif step.kind is StepKind.DELIVER:
+            for r in step.ranks:
+                try:
+                    buf = self.read(k, step, r, step.inputs[0])
+                except _Bad as bad:
+                    self.flag(bad.kind, k, r, bad.reason)
+                    continue
+                self.observed[r] = (k, buf)
+                for p in buf.pieces:
+                    if self.partial(p):
+                        self.pending.append((k, r, p))
+        elif step.kind is StepKind.PROJECT:
+            for i, r in enumerate(step.ranks):
+                try:
+                    xs = [self.read(k, step, r, n) for n in step.inputs]
+                    out, issues = self.project(step, i, xs)
+                except _Bad as bad:
+                    self.flag(bad.kind, k, r, bad.reason)
+                    continue
+                for kind, why in issues:
+                    self.flag(kind, k, r, why)
+                self.write(k, r, step.output, out)
+        else:
+            self.collective(k, step)
+
+    def send(self, k: int, step: Step) -> None:
+        src, dst = step.ranks
+        try:
+            buf = self.read(k, step, src, step.inputs[0])
+        except _Bad as bad:
+            self.flag(bad.kind, k, src, bad.reason)
+            return
+        sd, dd = self.mesh.domain_of(src).name, self.mesh.domain_of(dst).name
+        if sd != dd:
+            for p in buf.pieces:
+                if p.form is Form.GARBAGE:
+                    continue
+                key = (dd, p.tensor, p.form, p.region, p.contrib)
+                first = self.senders.setdefault(key, src)
+                if first != src:
+                    self.flag(ViolationKind.DUPLICATE_SENDER, k, src,
+                              f"rank {src} sends {p.form.value} {p.tensor}{region_text(p.region)} into {dd}, "
+                              f"which rank {first} already sends: one authoritative sender per piece")
+        self.write(k, dst, step.output, buf)
+
+    def collective(self, k: int, step: Step) -> None:
+        domains = sorted({self.mesh.domain_of(r).name for r in step.ranks})
+        if len(domains) > 1:
+            self.flag(ViolationKind.CROSS_DOMAIN_COLLECTIVE, k, None,
+                      f"{step.op} over ranks {list(step.ranks)} spans domains {domains}; no native communicator "
+                      "covers two vendors: cross through a bridge send")
+            return
+        op = Collective(step.op)
+        ranks = step.ranks
+        name = step.inputs[0]
+        root = step.arg("root")
+        rooted = op in (Collective.GATHER, Collective.REDUCE, Collective.BROADCAST, Collective.SCATTER)
+        if rooted and root not in ranks:
+            self.flag(ViolationKind.MALFORMED_STEP, k, None, f"{step.op} root {root} is not a participant")
+            return
+        needs = (root,) if op in (Collective.BROADCAST, Collective.SCATTER) else ranks
+        missing = [r for r in needs if name not in self.mem[r]]
+        for r in missing:
+            self.flag(ViolationKind.MISSING_INPUT, k, r, f"{step.op} reads {name!r}, which rank {r} does not hold")
+        if missing:
+            return
+        try:
+            dim = int(step.arg("dim", 0))
+            if op is Collective.BROADCAST:
+                for r in ranks:
+                    self.write(k, r, step.output, self.mem[root][name])
+                return
+            if op is Collective.SCATTER:
+                x = self.mem[root][name]
+                outs = [self.chunk(x, dim, len(ranks), i) for i in range(len(ranks))]
+                for r, out in zip(ranks, outs):
+                    self.write(k, r, step.output, out)
+                return
+            xs = [self.mem[r][name] for r in ranks]
+            if op in (Collective.ALL_GATHER, Collective.GATHER):
+                out = self.concat(xs, dim)
+                for r in ranks if op is Collective.ALL_GATHER else (root,):
+                    self.write(k, r, step.output, out)
+            elif op in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+                out, issues = self.reduce(xs, str(step.arg("op", "sum")), native=True)
+                for kind, why in issues:
+                    self.flag(kind, k, None, why)
+                if op is Collective.REDUCE_SCATTER:
+                    outs = [self.chunk(out, dim, len(ranks), i) for i in range(len(ranks))]
+                    for r, o in zip(ranks, outs):
+                        self.write(k, r, step.output, o)
+                else:
+                    for r in ranks if op is Collective.ALL_REDUCE else (root,):
+                        self.write(k, r, step.output, out)
+            elif op is Collective.ALL_TO_ALL:
+                sd, cd = int(step.arg("split_dim", 0)), int(step.arg("concat_dim", 0))
+                outs = [self.concat([self.chunk(x, sd, len(ranks), j) for x in xs], cd) for j in range(len(ranks))]
+                for r, o in zip(ranks, outs):
+                    self.write(k, r, step.output, o)
+        except _Bad as bad:
+            self.flag(bad.kind, k, None, f"{step.op}: {bad.reason}")
+
+    def per_rank(self, step: Step, name: str, i: int, default: Any = None) -> Any:
+        value = step.arg(name)
+        if value is None:
+            return default
+        if not isinstance(value, tuple) or len(value) != len(step.ranks):
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"args.{name} must list one entry per participant")
+        return value[i]
+
+    def project(self, step: Step, i: int, xs: list[Buf]) -> tuple[Buf, list[tuple[ViolationKind, str]]]:
+        op = Projection(step.op)
+        x = xs[0]
+        if op is Projection.SUM:
+            parts = step.arg("parts")
+            sop = str(step.arg("op", "sum"))
+            if parts is not None and len(xs) == 1:
+                parts = int(parts)
+                dim = int(step.arg("dim", 0))
+                if dim >= len(x.shape) or parts <= 0:
+                    raise _Bad(ViolationKind.MALFORMED_STEP, f"cannot split shape {list(x.shape)} in {parts} along {dim}")
+                sizes = {shard_bounds(x.shape[dim], parts, j)[1] - shard_bounds(x.shape[dim], parts, j)[0]
+                         for j in range(parts)}
+                if len(sizes) != 1:
+                    raise _Bad(ViolationKind.MALFORMED_STEP, f"{x.shape[dim]} does not split into {parts} equal parts")
+                size = sizes.pop()
+                shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
+                ext = [self.extent(p, dim) for p in x.pieces]
+                if len(x.pieces) == parts and all(e == size for e in ext):
+                    return self.reduce([Buf((p,), shape) for p in x.pieces], sop, native=False)
+                return Buf((_garbage(self.rows_of(x), "split does not fall on the gathered addends", self.tensor),),
+                           shape), []
+            return self.reduce(xs, sop, native=False)
+        if op is Projection.CONCAT:
+            return self.concat(xs, int(step.arg("dim", 0))), []
+        if op is Projection.COPY:
+            return x, []
+        if op is Projection.SLICE:
+            dim = int(step.arg("dim", 0))
+            index = self.per_rank(step, "index", i)
+            if index is not None:
+                return self.narrow(x, dim, [int(v) for v in index]), []
+            bounds = self.per_rank(step, "bounds", i)
+            lo, hi = bounds if bounds is not None else (step.arg("start"), step.arg("stop"))
+            if lo is None or hi is None:
+                raise _Bad(ViolationKind.MALFORMED_STEP, "slice needs start/stop, bounds or index")
+            return self.narrow(x, dim, range(int(lo), int(hi))), []
+        if op is Projection.CHUNK:
+            return self.chunk(x, int(step.arg("dim", 0)), int(step.arg("parts", 0) or 0),
+                              int(self.per_rank(step, "index", i, -1))), []
+        # projections that need one clean piece
+        p = x.pieces[0] if len(x.pieces) == 1 else _garbage(self.rows_of(x), "pieces that do not form one region")
+        if p.form is Form.GARBAGE:
+            return Buf((p,), self.proj_shape(op, x)), []
+        want = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG, Projection.COMBINE_LSE_STATS: Form.LSE_STATS}.get(op, Form.RAW)
+        shape = self.proj_shape(op, x)
+        if p.form is not want:
+            return Buf((_garbage(_rows(p), f"{op.value} of {p.form.value} data", p.tensor),), shape), []
+        if want is Form.RAW and len(p.region) != 2 and op is not Projection.ARGMAX:
+            return Buf((_garbage(_rows(p), f"{op.value} needs [rows, vocab] logits", p.tensor),), shape), []
+        if self.partial(p):
+            why = (f"{op.value} of a partial addend (contributions of {list(p.contrib or ())} only): "
+                   f"the projection of a partial sum is not the projection of the sum")
+            return Buf((_garbage(_rows(p), why, p.tensor),), shape), [(ViolationKind.PROJECTION_OF_PARTIAL, why)]
+        rows = _rows(p)
+        cols = p.region[-1]
+        if op is Projection.ARGMAX:
+            if len(p.region) != 2:
+                return Buf((_garbage(rows, "argmax of a tensor that is not [rows, vocab]", p.tensor),), shape), []
+            return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
+        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS):
+            off = int(self.per_rank(step, "offsets", i, 0))
+            if cols and (len(cols) != 1 or cols[0][0] != off):
+                return Buf((_garbage(rows, f"offset {off} is not the shard's first column", p.tensor),), shape), []
+            if op is Projection.LOCAL_LSE_STATS and not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
+                return Buf((_garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
+            form = Form.MAX_ARG if op is Projection.LOCAL_MAX_ARG else Form.LSE_STATS
+            return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
+        if op is Projection.COMBINE_MAX_ARG:
+            return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
+        if op is Projection.COMBINE_LSE_STATS:
+            return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, False),), shape), []
+        # LOGSOFTMAX_AT
+        if cols != ((0, self.vocab),):
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"log-softmax over columns {_rows_text(cols)} of {self.vocab}: "
+                                                     "target ids fall outside")
+        if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
+            return Buf((_garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
+        return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, p.exact),), shape), []
+
+    @staticmethod
+    def rows_at(rows: Intervals, offset: int) -> bool:
+        return not rows or (len(rows) == 1 and rows[0][0] == offset)
+
+    def extent(self, p: Piece, dim: int) -> int:
+        if p.form is Form.GARBAGE or dim >= len(p.region):
+            return -1
+        return intervals_size(p.region[dim])
+
+    def proj_shape(self, op: Projection, x: Buf) -> tuple[int, ...]:
+        s = x.shape
+        need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOGSOFTMAX_AT,
+                       Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS)
+        if (need2 and len(s) != 2) or (op is Projection.ARGMAX and not s):
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"{op.value} cannot apply to shape {list(s)}")
+        if op is Projection.COMBINE_MAX_ARG and s[1] % 2:
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"{op.value} needs (value, index) pairs, got width {s[1]}")
+        if op is Projection.COMBINE_LSE_STATS and s[1] % 3:
+            raise _Bad(ViolationKind.MALFORMED_STEP, f"{op.value} needs statistic triples, got width {s[1]}")
+        if op is Projection.LOCAL_MAX_ARG:
+            return (s[0], 2)
+        if op is Projection.LOCAL_LSE_STATS:
+            return (s[0], 3)
+        return s[:-1]
+
+    # -- the end of the plan: what each consumer observed ---------------------------------------
+    def finish(self) -> None:
+        for k, rank, p in self.pending:
+            later = any(j > k and any(q.tensor == p.tensor and q.form is p.form and q.region == p.region
+                                      and not self.partial(q) for q in buf.pieces)
+                        for j, buf in self.writes[rank])
+            have = sorted(p.contrib or ())
+            if later:
+                self.flag(ViolationKind.DELIVERY_BEFORE_COMPLETION, k, rank,
+                          f"rank {rank} is handed {p.tensor}{region_text(p.region)} with only the addends of "
+                          f"{have} reduced in; the rest arrive after the delivery")
+            else:
+                self.flag(ViolationKind.NEVER_REDUCED, k, rank,
+                          f"rank {rank} observes {p.tensor}{region_text(p.region)} holding only the addends of "
+                          f"{have} of {list(self.order)}: the partial {self.op} is never completed")
+        demand = self.c.demand
+        consumers = set(self.c.edge.consumer.ranks)
+        for rank, (k, buf) in sorted(self.observed.items()):
+            if rank in demand.silent or (rank not in consumers and self.c.authority.owner_of_row is not None):
+                self.flag(ViolationKind.NON_OWNER_OBSERVES, k, rank,
+                          f"rank {rank} owns no rows, yet observes {self.describe(buf)}")
+            elif rank not in consumers:
+                self.flag(ViolationKind.DEMAND_NOT_MET, k, rank, f"rank {rank} is not a consumer rank, yet observes "
+                                                                 f"{self.describe(buf)}")
+        for obs in demand.observations:
+            self.judge(obs)
+
+    def describe(self, buf: Buf) -> str:
+        if len(buf.pieces) != 1:
+            return f"{len(buf.pieces)} pieces that do not form one region"
+        p = buf.pieces[0]
+        if p.form is Form.GARBAGE:
+            return f"values that mean nothing ({p.why})"
+        return f"{p.form.value} {p.tensor}{region_text(p.region)}"
+
+    def judge(self, obs) -> None:
+        rank = obs.rank
+        want = f"{obs.form.value} {self.tensor}{region_text(obs.region)}"
+        if rank not in self.observed:
+            self.flag(ViolationKind.DEMAND_NOT_MET, None, rank, f"rank {rank} ends without its demanded {want}")
+            return
+        k, buf = self.observed[rank]
+        if len(buf.pieces) != 1 or buf.pieces[0].form is Form.GARBAGE:
+            self.flag(ViolationKind.DEMAND_NOT_MET, k, rank, f"rank {rank} observes {self.describe(buf)} "
+                                                             f"instead of {want}")
+            return
+        p = buf.pieces[0]
+        if self.partial(p):
+            return  # reported as never_reduced / delivery_before_completion
+        if p.form is not obs.form:
+            if p.form is Form.RAW:
+                self.flag(ViolationKind.DEMAND_NOT_MET, k, rank,
+                          f"rank {rank} observes raw {p.tensor}{region_text(p.region)}, more than its demanded {want}")
+            else:
+                self.flag(ViolationKind.DISALLOWED_SUBSTITUTE, k, rank,
+                          f"rank {rank} observes {p.form.value} where the contract demands {want}; no substitute "
+                          "allows that")
+            return
+        region = p.region
+        if obs.form is not Form.RAW and p.region[1] != obs.region[1]:
+            self.flag(ViolationKind.DEMAND_NOT_MET, k, rank,
+                      f"rank {rank} observes {p.form.value} over columns {_rows_text(p.region[1])} only, not the "
+                      f"whole vocabulary {_rows_text(obs.region[1])}")
+            return
+        if region != obs.region:
+            self.flag(ViolationKind.DEMAND_NOT_MET, k, rank,
+                      f"rank {rank} observes {self.describe(buf)} instead of {want}")
+            return
+        if not p.exact and self.c.substitutability.equivalence is Equivalence.BITWISE:
+            what = ("log-probabilities combined from per-shard statistics" if p.form is Form.LOGPROB
+                    and not self.c.provenance.placement.__class__.__name__ == "Partial"
+                    else f"a {self.op or 'reduction'} in an order other than the reference")
+            self.flag(ViolationKind.DISALLOWED_SUBSTITUTE, k, rank,
+                      f"rank {rank} observes {what}; the contract demands bitwise equality with one device")
+
+
+def check(plan: Plan, contract: Contract) -> CheckReport:
+    """Check ``plan`` against ``contract`` symbolically; the report lists every violation."""
+    return _Checker(contract).run(plan)

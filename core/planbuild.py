@@ -1,0 +1,78 @@
+"""Plan building: emit steps with their participants, link class, payload bytes and dtype.
+
+Every planner (the lowerer and both baselines) writes its steps through a
+:class:`PlanBuilder`, so payload bytes follow the conventions of :mod:`meshpact.core.plan`
+in one place: a collective counts what each participant contributes (the root's data
+for ``broadcast``/``scatter``), a ``send`` what it carries. Sizes of projected forms come
+from :func:`form_bytes`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+from .contract import Contract, Form
+from .facts import DType, LinkClass
+from .plan import Plan, Step, StepKind
+from .region import Region, region_numel
+
+__all__ = ["PlanBuilder", "form_bytes", "form_dtype", "STAT_BYTES"]
+
+# Bytes per row of each projected form: (max, index) as two float32; (max, sum exp, target)
+# as three float32; a token id as int64; a log-probability as float32.
+STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 8, Form.LSE_STATS: 12, Form.TOKEN: 8, Form.LOGPROB: 4}
+
+
+def form_dtype(form: Form, raw: DType) -> DType:
+    return {Form.TOKEN: DType.INT64, Form.RAW: raw}.get(form, DType.FLOAT32)
+
+
+def form_bytes(form: Form, region: Region, raw: DType) -> int:
+    """Payload bytes of data in ``form`` covering ``region`` (rows only, for projected forms)."""
+    if form is Form.RAW:
+        return region_numel(region) * raw.itemsize
+    rows = sum(b - a for a, b in region[0])
+    return rows * STAT_BYTES[form]
+
+
+class PlanBuilder:
+    """Accumulates the steps of one plan for one contract."""
+
+    def __init__(self, contract: Contract, planner: str) -> None:
+        self.contract = contract
+        self.mesh = contract.edge.mesh
+        self.planner = planner
+        self.steps: list[Step] = []
+        self._names = 0
+
+    def name(self, label: str) -> str:
+        self._names += 1
+        return f"{self.contract.provenance.tensor}.{self._names}.{label}"
+
+    def collective(self, op: str, ranks: Iterable[int], inp: str, out: str, nbytes: int, dtype: DType,
+                   args: Mapping[str, Any] | None = None, note: str = "") -> str:
+        ranks = tuple(ranks)
+        self.steps.append(Step(StepKind.COLLECTIVE, op, ranks, (inp,), out, nbytes, dtype,
+                               self.mesh.domain_of(ranks[0]).name, LinkClass.FABRIC, dict(args or {}), note))
+        return out
+
+    def send(self, src: int, dst: int, inp: str, out: str, nbytes: int, dtype: DType, note: str = "") -> str:
+        self.steps.append(Step(StepKind.SEND, "send", (src, dst), (inp,), out, nbytes, dtype, None,
+                               self.mesh.link_class(src, dst), {}, note))
+        return out
+
+    def project(self, op: str, ranks: Iterable[int], inputs: Iterable[str] | str, out: str, dtype: DType,
+                args: Mapping[str, Any] | None = None, note: str = "") -> str:
+        ranks = tuple(ranks)
+        inputs = (inputs,) if isinstance(inputs, str) else tuple(inputs)
+        self.steps.append(Step(StepKind.PROJECT, op, ranks, inputs, out, 0, dtype,
+                               self.mesh.domain_of(ranks[0]).name, None, dict(args or {}), note))
+        return out
+
+    def deliver(self, ranks: Iterable[int], buf: str, dtype: DType, note: str = "") -> None:
+        ranks = tuple(ranks)
+        self.steps.append(Step(StepKind.DELIVER, "deliver", ranks, (buf,), buf, 0, dtype,
+                               self.mesh.domain_of(ranks[0]).name, None, {}, note))
+
+    def plan(self) -> Plan:
+        return Plan(edge=self.contract.edge.name, planner=self.planner, steps=tuple(self.steps))
