@@ -30,14 +30,13 @@ import torch.distributed as dist
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Edge, Mesh
 from meshpact.core.placement import Partial, Replicate, Shard, shard_bounds
-from meshpact.core.plan import Plan, StepKind
+from meshpact.core.plan import Plan, StepKind, plan_cost
 from meshpact.core.recording import RecordingWriter
 
-from . import ops
 from .domains import RankEnv, designated_bridge_pairs, init_domains, two_domain_mesh
 from .executor import Executor, PlanRefused
 from .meter import CallRecord, Meter, measure
-from .workloads import TORCH_DTYPE, LiveRequest, get_preset, producer_local, workload_edge
+from .workloads import TORCH_DTYPE, LiveRequest, get_preset, logprob_ids, producer_local, workload_edge
 
 __all__ = ["Job", "run_bridge", "worker", "plan_for", "initial_meta"]
 
@@ -133,8 +132,9 @@ def worker(args: dict) -> dict:
             local = producer_local(job.request.value, preset.name, parts, index)
             initial[env.rank] = {edge.producer.name: local}
         start = time.monotonic() - t0
+        ids = torch.tensor(logprob_ids(preset), dtype=torch.int64) if contract.demand.reads_target_ids else None
         try:
-            outcome = executor.run(plan, contract, initial)
+            outcome = executor.run(plan, contract, initial, ids)
         except PlanRefused as exc:
             results.append({"label": job.label, "refused": list(exc.reasons), "t": [start, time.monotonic() - t0],
                             "records": []})
@@ -144,8 +144,8 @@ def worker(args: dict) -> dict:
             "refused": None,
             "t": [start, time.monotonic() - t0],
             "records": [r.to_dict() for r in executor.meter.records[outcome.first_record:outcome.last_record]],
-            "delivered": {k: ops.to_device(v, torch.device("cpu")) for k, v in outcome.delivered.items()},
-            "history": [(i, name, ops.to_device(v, torch.device("cpu"))) for i, name, v in outcome.history]
+            "delivered": {k: v.cpu() for k, v in outcome.delivered.items()},
+            "history": [(i, name, v.cpu()) for i, name, v in outcome.history]
             if env.rank in edge.consumer.ranks else [],
         })
     mine = {"rank": env.rank, "layout": layout.describe(), "jobs": results}
@@ -170,8 +170,11 @@ def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[
         per_rank = {g["rank"]: g["jobs"][k] for g in gathered}
         refused = sorted({tuple(j["refused"]) for j in per_rank.values() if j["refused"] is not None})
         records = [CallRecord.from_dict(r) for j in per_rank.values() for r in j["records"]]
+        cost = plan_cost(plan, mesh)
         entry: dict[str, Any] = {"label": job.label, "request": job.request.value, "edge": edge.name,
-                                 "planned": {"startups": plan.startups, "payload_bytes": plan.payload_bytes},
+                                 "planned": {"startups": cost.startups, "payload_bytes": cost.payload_bytes,
+                                             "bytes_by_link": dict(cost.bytes_by_link),
+                                             "startups_by_link": dict(cost.startups_by_link)},
                                  "calls_made": len(records)}
         if refused:
             entry.update(refused=list(refused[0]), verified=False)

@@ -31,7 +31,7 @@ from . import ops
 from .domains import DomainLayout
 from .meter import Meter
 
-__all__ = ["PlanRefused", "locality_violations", "admit", "simulate", "Executor", "RunOutcome"]
+__all__ = ["PlanRefused", "locality_violations", "admit", "simulate", "StepShapes", "Executor", "RunOutcome"]
 
 Buffers = dict[str, Any]
 
@@ -86,33 +86,53 @@ def admit(plan: Plan, contract: Any, mesh: Mesh, bridge_pairs: Sequence[tuple[in
     return report
 
 
-def simulate(plan: Plan, initial: Mapping[int, Buffers]) -> dict[int, Buffers]:
-    """Run ``plan`` over every rank's buffers in this process (meta tensors give shapes only)."""
+@dataclass(frozen=True)
+class StepShapes:
+    """Shapes (``meta`` tensors) around one step: each participant's input and output."""
+
+    inputs: Mapping[int, torch.Tensor | None]
+    outputs: Mapping[int, torch.Tensor | None]
+
+
+def simulate(plan: Plan, initial: Mapping[int, Buffers],
+             ids: torch.Tensor | None = None) -> tuple[dict[int, Buffers], list[StepShapes]]:
+    """Run ``plan`` over every rank's buffers in this process.
+
+    With ``meta`` tensors this costs nothing and gives every buffer's shape: the final
+    buffers of every rank, and the shapes around each step. A step that reads a buffer its
+    rank does not hold, or cannot apply to those shapes, raises :class:`PlanError`.
+    """
     world: dict[int, Buffers] = {r: dict(b) for r, b in initial.items()}
     for r in {r for s in plan.steps for r in s.ranks}:
         world.setdefault(r, {})
+    meta_ids = None if ids is None else ids.to("meta")
+    trace: list[StepShapes] = []
     for i, s in enumerate(plan.steps):
+        ins: dict[int, Any] = {}
+        outs: dict[int, Any] = {}
         try:
             if s.kind is StepKind.COLLECTIVE:
-                outs = ops.collective_result(Collective(s.op), [_read(world[r], s, i) if _reads(s, r) else None
-                                                                for r in s.ranks], s)
-                for r, v in zip(s.ranks, outs):
-                    if v is not None:
-                        world[r][s.output] = v
+                ins = {r: _read(world[r], s, i) if _reads(s, r) else None for r in s.ranks}
+                results = ops.collective_result(Collective(s.op), [ins[r] for r in s.ranks], s)
+                outs = dict(zip(s.ranks, results))
             elif s.kind is StepKind.SEND:
                 src, dst = s.ranks
-                world[dst][s.output] = ops.clone_value(_read(world[src], s, i))
+                ins = {src: _read(world[src], s, i)}
+                outs = {dst: ins[src].clone()}
             elif s.kind is StepKind.PROJECT:
                 for r in s.ranks:
-                    world[r][s.output] = ops.project(s, [_get(world[r], n, s, i) for n in s.inputs], r)
+                    outs[r] = ops.project(s, [_get(world[r], n, s, i) for n in s.inputs], r, meta_ids)
             elif s.kind is StepKind.DELIVER:
-                for r in s.ranks:
-                    world[r][s.output] = _read(world[r], s, i)
+                ins = {r: _read(world[r], s, i) for r in s.ranks}
         except PlanError:
             raise
         except Exception as exc:  # an op the plan cannot apply to these shapes
             raise PlanError(f"step {i} ({s.op} on ranks {list(s.ranks)}) cannot run: {exc}") from None
-    return world
+        for r, v in outs.items():
+            if v is not None:
+                world[r][s.output] = v
+        trace.append(StepShapes(ins, outs))
+    return world, trace
 
 
 def _reads(s: Step, rank: int) -> bool:
@@ -152,30 +172,31 @@ class Executor:
         self.layout = layout
         self.meter = meter or Meter(layout.rank)
 
-    def run(self, plan: Plan, contract: Any, initial: Mapping[int, Buffers],
+    def run(self, plan: Plan, contract: Any, initial: Mapping[int, Buffers], ids: torch.Tensor | None = None,
             checker: Callable[[Plan, Any], Any] | None = None) -> RunOutcome:
         """Admit ``plan``, then run this rank's part of it.
 
-        ``initial`` holds every rank's starting buffers as ``meta`` tensors (shapes only), and
-        this rank's own entry with its real tensors.
+        ``initial`` holds every rank's starting buffers: ``meta`` tensors (shapes only) for the
+        other ranks, real tensors for this one; ``ids`` are the target id per row that a
+        ``logprob`` request reads (every rank holds them, as the contract's demand says).
         """
         lay = self.layout
         admit(plan, contract, lay.mesh, lay.bridge_pairs, checker)
-        shapes = simulate(plan, {r: {k: ops.to_meta(v) for k, v in b.items()} for r, b in initial.items()})
-        bufs: Buffers = {k: ops.to_device(v, lay.device) for k, v in initial.get(lay.rank, {}).items()}
+        _, trace = simulate(plan, {r: {k: v.to("meta") for k, v in b.items()} for r, b in initial.items()}, ids)
+        bufs: Buffers = {k: v.to(lay.device) for k, v in initial.get(lay.rank, {}).items()}
         out = RunOutcome(lay.rank, bufs, {}, first_record=self.meter.mark())
         for i, s in enumerate(plan.steps):
             if lay.rank not in s.ranks:
                 continue
             if s.kind is StepKind.COLLECTIVE:
-                value = self._collective(s, i, bufs, shapes[lay.rank].get(s.output))
+                value = self._collective(s, i, bufs, trace[i])
             elif s.kind is StepKind.SEND:
-                value = self._bridge(s, i, bufs, shapes[s.ranks[1]][s.output])
+                value = self._bridge(s, i, bufs, trace[i])
             elif s.kind is StepKind.PROJECT:
-                value = ops.project(s, [_get(bufs, n, s, i) for n in s.inputs], lay.rank)
+                value = ops.project(s, [_get(bufs, n, s, i) for n in s.inputs], lay.rank, ids)
             else:
-                value = _read(bufs, s, i)
-                out.delivered[s.output] = value
+                out.delivered[s.output] = _read(bufs, s, i).clone()
+                continue
             if value is not None:
                 bufs[s.output] = value
                 out.history.append((i, s.output, value))
@@ -183,28 +204,31 @@ class Executor:
         return out
 
     # -- native collectives inside the domain -------------------------------------------
-    def _collective(self, s: Step, i: int, bufs: Buffers, out_meta: Any) -> Any:
+    def _collective(self, s: Step, i: int, bufs: Buffers, shapes: StepShapes) -> torch.Tensor | None:
         op = Collective(s.op)
+        me = self.layout.rank
         group, name = self.layout.native_group(s.ranks)
-        value = _read(bufs, s, i) if _reads(s, self.layout.rank) else None
+        value = _read(bufs, s, i) if _reads(s, me) else None
         contributed = ops.nbytes(value) if value is not None else 0
-        result = ops.run_collective(op, s, value, out_meta, group, self.layout.device)
+        result = ops.run_collective(op, s, value, shapes.outputs.get(me), [shapes.inputs[r] for r in s.ranks],
+                                    group, self.layout.device)
         self.meter.record(name, op.value, LinkClass.FABRIC.value, contributed)
         return result
 
     # -- one bridge message, host-staged ---------------------------------------------------
-    def _bridge(self, s: Step, i: int, bufs: Buffers, out_meta: Any) -> Any:
+    def _bridge(self, s: Step, i: int, bufs: Buffers, shapes: StepShapes) -> torch.Tensor | None:
         lay = self.layout
         src, dst = s.ranks
         group = lay.bridge(src, dst)
         name = f"bridge:{min(src, dst)}-{max(src, dst)}"
         link = lay.mesh.link_class(src, dst).value
         if lay.rank == src:
-            staged = ops.pack(_read(bufs, s, i)).to("cpu")  # device -> host
+            staged = _read(bufs, s, i).to("cpu").contiguous()  # device -> host
             dist.send(staged, dst=dst, group=group)
-            self.meter.record(name, "send", link, staged.numel() * staged.element_size())
+            self.meter.record(name, "send", link, ops.nbytes(staged))
             return None
-        host = torch.empty(ops.packed_shape(out_meta), dtype=ops.packed_dtype(out_meta), device="cpu")
+        meta = shapes.outputs[dst]
+        host = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
         dist.recv(host, src=src, group=group)
         self.meter.record(name, "recv", link, 0)
-        return ops.unpack(host.to(lay.device), out_meta)  # host -> device
+        return host.to(lay.device)  # host -> device

@@ -1,10 +1,13 @@
 """Step ops in torch: the live twin of the numeric reference interpreter's semantics.
 
-A buffer value is a tensor, or a list of tensors (what a gather or all-gather leaves: one
-entry per participant, in participant order). Every op here has the meaning that
-:mod:`meshpact.core.interpreter` gives it; the interpreter defines it, this module mirrors it
-on real tensors and real process groups. Each function also runs on ``meta`` tensors, which
-is how :func:`meshpact.live.executor.simulate` learns every buffer's shape before a plan runs.
+Every op here has the meaning that :mod:`meshpact.core.interpreter` gives it (its table is
+the definition; argument names, chunk bounds, tie rules and float32 statistics follow it
+line by line) and this module carries it out on real tensors and real process groups. A
+buffer value is one tensor. Each function also runs on ``meta`` tensors, which is how
+:func:`meshpact.live.executor.simulate` learns every buffer's shape before a plan runs.
+
+One deliberate difference: the interpreter models a vendor's unspecified reduction order
+for sums over three or more ranks; here the vendor's own collective does the reducing.
 """
 
 from __future__ import annotations
@@ -15,138 +18,88 @@ import torch
 import torch.distributed as dist
 
 from meshpact.core.errors import PlanError
+from meshpact.core.placement import shard_bounds
 from meshpact.core.plan import Collective, Projection, Step
 
 __all__ = [
     "nbytes",
-    "to_meta",
-    "to_device",
-    "clone_value",
-    "pack",
-    "unpack",
-    "packed_shape",
-    "packed_dtype",
+    "fold",
+    "chunk",
     "collective_result",
     "run_collective",
     "project",
+    "reference_logprob",
 ]
 
-Value = Any  # torch.Tensor | list[torch.Tensor]
-
-
-# -- values ---------------------------------------------------------------------------------
-def _parts(v: Value) -> list[torch.Tensor]:
-    return list(v) if isinstance(v, (list, tuple)) else [v]
-
-
-def nbytes(v: Value) -> int:
-    return sum(t.numel() * t.element_size() for t in _parts(v))
-
-
-def to_meta(v: Value) -> Value:
-    if isinstance(v, (list, tuple)):
-        return [t.to("meta") for t in v]
-    return v.to("meta")
-
-
-def to_device(v: Value, device: torch.device) -> Value:
-    if isinstance(v, (list, tuple)):
-        return [t.to(device) for t in v]
-    return v.to(device)
-
-
-def clone_value(v: Value) -> Value:
-    if isinstance(v, (list, tuple)):
-        return [t.clone() for t in v]
-    return v.clone()
-
-
-def pack(v: Value) -> torch.Tensor:
-    """The bytes of ``v`` as one flat ``uint8`` tensor: one bridge message, no header."""
-    flat = [t.contiguous().reshape(-1).view(torch.uint8) for t in _parts(v)]
-    return flat[0] if len(flat) == 1 else torch.cat(flat)
-
-
-def packed_shape(meta: Value) -> tuple[int]:
-    return (nbytes(meta),)
-
-
-def packed_dtype(meta: Value) -> torch.dtype:
-    return torch.uint8
-
-
-def unpack(buf: torch.Tensor, meta: Value) -> Value:
-    out, at = [], 0
-    for t in _parts(meta):
-        n = t.numel() * t.element_size()
-        out.append(buf[at:at + n].view(t.dtype).reshape(t.shape).clone())
-        at += n
-    return out if isinstance(meta, (list, tuple)) else out[0]
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 # -- collectives ------------------------------------------------------------------------------
-_REDUCE = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-def _reduce_pair(a: torch.Tensor, b: torch.Tensor, op: str) -> torch.Tensor:
-    if op == "sum":
-        return a + b
-    if op == "max":
-        return torch.maximum(a, b)
-    if op == "min":
-        return torch.minimum(a, b)
-    raise PlanError(f"reduction op {op!r} is not one of sum, max, min")
-
-
-def _reduce_all(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    acc = values[0]
+def fold(values: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """The reference reduction: a left fold in the given order (avg = sum / count)."""
+    acc = values[0].clone()
     for v in values[1:]:
-        acc = _reduce_pair(acc, v, op)
-    return acc
+        if op in ("sum", "avg"):
+            acc = acc + v
+        elif op == "max":
+            acc = torch.maximum(acc, v)
+        elif op == "min":
+            acc = torch.minimum(acc, v)
+        else:
+            raise PlanError(f"unknown reduce op {op!r}; expected sum, max, min or avg")
+    return (acc / len(values)).to(values[0].dtype) if op == "avg" else acc
 
 
-def _chunks(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
-    parts = list(torch.chunk(t, n, dim=dim))
-    if len(parts) != n or len({p.shape for p in parts}) != 1:
-        raise PlanError(f"cannot split dim {dim} of size {t.shape[dim]} into {n} equal chunks")
-    return parts
+def chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
+    """Chunk ``index`` of ``parts`` along ``dim``, with the plan's ``shard_bounds``."""
+    lo, hi = shard_bounds(x.shape[dim], parts, index)
+    return x.narrow(dim, lo, hi - lo)
 
 
-def collective_result(op: Collective, inputs: Sequence[Value | None], s: Step) -> list[Value | None]:
+def collective_result(op: Collective, inputs: Sequence[torch.Tensor | None], s: Step) -> list[torch.Tensor | None]:
     """What each participant (in ``s.ranks`` order) holds after collective ``op``."""
     n = len(s.ranks)
     root = s.ranks.index(s.arg("root")) if s.arg("root") is not None else 0
     red = str(s.arg("op", "sum"))
     dim = int(s.arg("dim", 0))
-    if op is Collective.ALL_GATHER:
-        return [list(inputs) for _ in range(n)]
-    if op is Collective.GATHER:
-        return [list(inputs) if i == root else None for i in range(n)]
-    if op is Collective.ALL_REDUCE:
-        total = _reduce_all(inputs, red)
-        return [total.clone() for _ in range(n)]
-    if op is Collective.REDUCE:
-        return [_reduce_all(inputs, red) if i == root else None for i in range(n)]
+    if op in (Collective.ALL_GATHER, Collective.GATHER):
+        out = torch.cat(list(inputs), dim=dim)
+        return [out.clone() if op is Collective.ALL_GATHER or i == root else None for i in range(n)]
+    if op in (Collective.ALL_REDUCE, Collective.REDUCE):
+        out = fold(inputs, red)
+        return [out.clone() if op is Collective.ALL_REDUCE or i == root else None for i in range(n)]
     if op is Collective.BROADCAST:
-        return [clone_value(inputs[root]) for _ in range(n)]
+        return [inputs[root].clone() for _ in range(n)]
     if op is Collective.SCATTER:
-        src = inputs[root]
-        parts = src if isinstance(src, list) else _chunks(src, n, dim)
-        return [p.clone() for p in parts]
+        return [chunk(inputs[root], dim, n, i).clone() for i in range(n)]
     if op is Collective.REDUCE_SCATTER:
-        return [p.clone() for p in _chunks(_reduce_all(inputs, red), n, dim)]
+        out = fold(inputs, red)
+        return [chunk(out, dim, n, i).clone() for i in range(n)]
     if op is Collective.ALL_TO_ALL:
-        split = [_chunks(v, n, dim) for v in inputs]
-        return [[split[j][i].clone() for j in range(n)] for i in range(n)]
+        sd, cd = int(s.arg("split_dim", 0)), int(s.arg("concat_dim", 0))
+        return [torch.cat([chunk(x, sd, n, j) for x in inputs], dim=cd) for j in range(n)]
     raise PlanError(f"collective {op.value!r} has no live implementation")
 
 
-def run_collective(op: Collective, s: Step, value: Value | None, out_meta: Value | None,
-                   group: dist.ProcessGroup, device: torch.device) -> Value | None:
+def _equal_parts(parts: Sequence[torch.Tensor], what: str) -> None:
+    if len({tuple(p.shape) for p in parts}) != 1:
+        raise PlanError(f"{what}: chunks of different shapes {[list(p.shape) for p in parts]}; the process-group "
+                        "backends need equal chunks (choose sizes divisible by the number of ranks)")
+
+
+def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_meta: torch.Tensor | None,
+                   inputs_meta: Sequence[torch.Tensor | None], group: dist.ProcessGroup,
+                   device: torch.device) -> torch.Tensor | None:
     """Run collective ``op`` of step ``s`` on ``group``: one call, this rank's part of it.
 
     ``value`` is this rank's input (``None`` for non-roots of broadcast/scatter),
-    ``out_meta`` the shape of its output from the plan's simulation (``None``: no output).
+    ``out_meta`` the shape of its output from the plan's simulation (``None``: no output),
+    ``inputs_meta`` every participant's input shape in ``s.ranks`` order. The backend's
+    lists are in group-rank order (ascending global rank); the plan's in ``s.ranks`` order.
     """
     order = sorted(s.ranks)
     me = dist.get_rank()
@@ -158,25 +111,31 @@ def run_collective(op: Collective, s: Step, value: Value | None, out_meta: Value
     def empty(m: torch.Tensor) -> torch.Tensor:
         return torch.empty(m.shape, dtype=m.dtype, device=device)
 
-    def in_step_order(by_rank: list[torch.Tensor]) -> list[torch.Tensor]:
-        return [by_rank[order.index(r)] for r in s.ranks]
+    def step_order(by_group: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [by_group[order.index(r)] for r in s.ranks]
 
-    if op is Collective.ALL_GATHER:
+    def group_order(by_step: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return [by_step[s.ranks.index(r)].contiguous() for r in order]
+
+    if op in (Collective.ALL_GATHER, Collective.GATHER):
+        _equal_parts([m for m in inputs_meta if m is not None], f"{op.value} of {s.inputs[0]!r}")
         bufs = [torch.empty_like(value) for _ in range(n)]
-        dist.all_gather(bufs, value.contiguous(), group=group)
-        return in_step_order(bufs)
-    if op is Collective.GATHER:
-        bufs = [torch.empty_like(value) for _ in range(n)] if me == root else None
-        dist.gather(value.contiguous(), bufs, dst=root, group=group)
-        return in_step_order(bufs) if me == root else None
-    if op is Collective.ALL_REDUCE:
+        if op is Collective.ALL_GATHER:
+            dist.all_gather(bufs, value.contiguous(), group=group)
+        else:
+            dist.gather(value.contiguous(), bufs if me == root else None, dst=root, group=group)
+            if me != root:
+                return None
+        return torch.cat(step_order(bufs), dim=dim)
+    if op in (Collective.ALL_REDUCE, Collective.REDUCE):
         out = value.clone()
-        dist.all_reduce(out, op=_REDUCE[red], group=group)
-        return out
-    if op is Collective.REDUCE:
-        out = value.clone()
-        dist.reduce(out, dst=root, op=_REDUCE[red], group=group)
-        return out if me == root else None
+        if op is Collective.ALL_REDUCE:
+            dist.all_reduce(out, op=_REDUCE[red], group=group)
+        else:
+            dist.reduce(out, dst=root, op=_REDUCE[red], group=group)
+            if me != root:
+                return None
+        return (out / n).to(value.dtype) if red == "avg" else out
     if op is Collective.BROADCAST:
         out = value.clone() if me == root else empty(out_meta)
         dist.broadcast(out, src=root, group=group)
@@ -185,37 +144,110 @@ def run_collective(op: Collective, s: Step, value: Value | None, out_meta: Value
         out = empty(out_meta)
         parts = None
         if me == root:
-            src = value if isinstance(value, list) else _chunks(value, n, dim)
-            by_step = {r: p for r, p in zip(s.ranks, src)}
-            parts = [by_step[r].contiguous() for r in order]
+            parts = group_order([chunk(value, dim, n, i) for i in range(n)])
+            _equal_parts(parts, f"scatter of {s.inputs[0]!r}")
         dist.scatter(out, parts, src=root, group=group)
         return out
     if op is Collective.REDUCE_SCATTER:
-        parts = _chunks(value, n, dim)
-        by_step = {r: p for r, p in zip(s.ranks, parts)}
-        out = torch.empty_like(by_step[me])
-        dist.reduce_scatter(out, [by_step[r].contiguous() for r in order], op=_REDUCE[red], group=group)
-        return out
+        parts = group_order([chunk(value, dim, n, i) for i in range(n)])
+        _equal_parts(parts, f"reduce_scatter of {s.inputs[0]!r}")
+        out = torch.empty_like(parts[0])
+        dist.reduce_scatter(out, parts, op=_REDUCE[red], group=group)
+        return (out / n).to(value.dtype) if red == "avg" else out
     if op is Collective.ALL_TO_ALL:
-        parts = _chunks(value, n, dim)
-        by_step = {r: p.contiguous() for r, p in zip(s.ranks, parts)}
-        outs = [torch.empty_like(by_step[me]) for _ in range(n)]
-        dist.all_to_all(outs, [by_step[r] for r in order], group=group)
-        return in_step_order(outs)
+        sd, cd = int(s.arg("split_dim", 0)), int(s.arg("concat_dim", 0))
+        parts = group_order([chunk(value, sd, n, j) for j in range(n)])
+        _equal_parts(parts, f"all_to_all of {s.inputs[0]!r}")
+        outs = [torch.empty_like(parts[0]) for _ in range(n)]
+        dist.all_to_all(outs, parts, group=group)
+        return torch.cat(step_order(outs), dim=cd)
     raise PlanError(f"collective {op.value!r} has no live implementation")
 
 
 # -- local projections ----------------------------------------------------------------------
-def project(s: Step, inputs: Sequence[Value], rank: int) -> Value:
-    """Apply projection ``s.op`` to this rank's ``inputs``."""
+def reference_logprob(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Single-device log-softmax over the last dim, read at ``ids``, in float32."""
+    x = x.float()
+    m = x.max(dim=-1, keepdim=True).values
+    lse = m[:, 0] + torch.log(torch.exp(x - m).sum(dim=-1))
+    return x[torch.arange(x.shape[0], device=x.device), ids.to(x.device)] - lse
+
+
+def _per_rank(s: Step, name: str, i: int, default: Any = None) -> Any:
+    value = s.arg(name)
+    if value is None:
+        return default
+    if not isinstance(value, tuple) or len(value) != len(s.ranks):
+        raise PlanError(f"{s.op}: args.{name} must list one entry per participant ({len(s.ranks)})")
+    return value[i]
+
+
+def project(s: Step, xs: Sequence[torch.Tensor], rank: int, ids: torch.Tensor | None) -> torch.Tensor:
+    """Apply projection ``s.op`` on ``rank`` (participant ``s.ranks.index(rank)``) to ``xs``."""
     op = Projection(s.op)
-    x = inputs[0] if inputs else None
-    if op is Projection.COPY:
-        return clone_value(x)
-    if op is Projection.CONCAT:
-        return torch.cat(_parts(x), dim=int(s.arg("dim", 0)))
-    if op is Projection.SUM:
-        return _reduce_all(_parts(x), "sum")
+    i = s.ranks.index(rank)
+    x = xs[0]
+    f32 = torch.float32
     if op is Projection.ARGMAX:
         return torch.argmax(x, dim=-1)
-    raise PlanError(f"projection {op.value!r} has no live implementation yet")
+    if op is Projection.LOCAL_MAX_ARG:
+        off = int(_per_rank(s, "offsets", i, 0))
+        if x.shape[-1] == 0:
+            return torch.tensor([-float("inf"), -1.0], dtype=f32, device=x.device).repeat(x.shape[0], 1)
+        val, idx = torch.max(x, dim=-1)  # the first index of the max, as argmax
+        return torch.stack([val.to(f32), (idx + off).to(f32)], dim=-1)
+    if op is Projection.COMBINE_MAX_ARG:
+        vals, idx = x[:, 0::2], x[:, 1::2]
+        best = vals.max(dim=1, keepdim=True).values
+        cand = torch.where(vals == best, idx, torch.full_like(idx, float("inf")))
+        return cand.min(dim=1).values.to(torch.int64)
+    if op is Projection.LOGSOFTMAX_AT:
+        off = int(_per_rank(s, "row_offsets", i, 0))
+        if ids is None:
+            raise PlanError("logsoftmax_at needs target ids; the contract's request is not logprob")
+        return reference_logprob(x, ids[off: off + x.shape[0]])
+    if op is Projection.LOCAL_LSE_STATS:
+        if ids is None:
+            raise PlanError("local_lse_stats needs target ids; the contract's request is not logprob")
+        off = int(_per_rank(s, "offsets", i, 0))
+        roff = int(_per_rank(s, "row_offsets", i, 0))
+        rid = ids[roff: roff + x.shape[0]].to(x.device) - off
+        x = x.to(f32)
+        if x.shape[-1] == 0:
+            m = torch.full((x.shape[0],), -float("inf"), dtype=f32, device=x.device)
+            sexp = torch.zeros(x.shape[0], dtype=f32, device=x.device)
+        else:
+            m = x.max(dim=-1).values
+            sexp = torch.exp(x - m[:, None]).sum(dim=-1)
+        inside = (rid >= 0) & (rid < x.shape[-1])
+        t = torch.where(inside, x.gather(1, rid.clamp(0, max(x.shape[-1] - 1, 0))[:, None])[:, 0]
+                        if x.shape[-1] else m, torch.full_like(m, -float("inf")))
+        return torch.stack([m, sexp, t], dim=-1)
+    if op is Projection.COMBINE_LSE_STATS:
+        m, sexp, t = x[:, 0::3], x[:, 1::3], x[:, 2::3]
+        big = m.max(dim=1).values
+        total = torch.zeros(x.shape[0], dtype=f32, device=x.device)
+        for k in range(m.shape[1]):
+            term = torch.where(torch.isfinite(m[:, k]), sexp[:, k] * torch.exp(m[:, k] - big), torch.zeros_like(big))
+            total = total + term
+        return t.max(dim=1).values - big - torch.log(total)
+    if op is Projection.SLICE:
+        dim = int(s.arg("dim", 0))
+        index = _per_rank(s, "index", i)
+        if index is not None:
+            return x.index_select(dim, torch.tensor(list(index), dtype=torch.int64, device=x.device))
+        bounds = _per_rank(s, "bounds", i)
+        lo, hi = bounds if bounds is not None else (s.arg("start"), s.arg("stop"))
+        if lo is None or hi is None:
+            raise PlanError("slice needs args start/stop, bounds or index")
+        return x.narrow(dim, int(lo), int(hi) - int(lo)).clone()
+    if op is Projection.CHUNK:
+        return chunk(x, int(s.arg("dim", 0)), int(s.arg("parts")), int(_per_rank(s, "index", i))).clone()
+    if op is Projection.SUM:
+        parts = s.arg("parts")
+        if parts is not None and len(xs) == 1:
+            xs = [chunk(x, int(s.arg("dim", 0)), int(parts), k) for k in range(int(parts))]
+        return fold(xs, str(s.arg("op", "sum")))
+    if op is Projection.CONCAT:
+        return torch.cat(list(xs), dim=int(s.arg("dim", 0)))
+    return x.clone()

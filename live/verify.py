@@ -3,7 +3,8 @@
 For each consumer rank, the reference observation is computed in one process from the
 reference producer tensor (:func:`meshpact.live.workloads.reference_producer`): the whole
 logits (``full``), the argmax per row (``token``), ``log_softmax`` in float32 read at the
-requested ids (``logprob``), the owner's rows only (``owner_token``), or the consumer's chunk of
+requested ids (``logprob``, :func:`meshpact.live.ops.reference_logprob`, the
+interpreter's formula), the owner's rows only (``owner_token``), or the consumer's chunk of
 the completed MLP output (``mlp``). What the rank delivered must match it in shape and dtype,
 and in value either bit for bit (``torch.equal``) where the contract's equivalence is bitwise,
 or within the contract's stated tolerance where it allows a substitute.
@@ -20,8 +21,11 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from meshpact.core.contract import Contract
+from meshpact.core.contract import Equivalence as ContractEquivalence
 from meshpact.core.facts import Edge
 
+from .ops import reference_logprob
 from .workloads import LiveRequest, get_preset, logprob_ids, reference_producer
 
 __all__ = ["Equivalence", "equivalence_of", "reference_observation", "owner_scope_leaks", "Verdict", "verify_job"]
@@ -39,12 +43,12 @@ class Equivalence:
         return "bitwise" if self.bitwise else f"tolerance(atol={self.atol:g}, rtol={self.rtol:g})"
 
 
-def equivalence_of(contract: Any) -> Equivalence:
+def equivalence_of(contract: Contract) -> Equivalence:
     """The equivalence the contract's substitutability facet states for the observation."""
-    eq = contract.substitutability.equivalence
-    if getattr(eq, "bitwise", None) is True or str(getattr(eq, "kind", eq)).lower().endswith("bitwise"):
+    sub = contract.substitutability
+    if sub.equivalence is ContractEquivalence.BITWISE or sub.tolerance is None:
         return Equivalence(True)
-    return Equivalence(False, float(getattr(eq, "atol", 0.0)), float(getattr(eq, "rtol", 0.0)))
+    return Equivalence(False, sub.tolerance.atol, sub.tolerance.rtol)
 
 
 def reference_observation(request: LiveRequest, preset: str, edge: Edge, rank: int) -> torch.Tensor:
@@ -57,8 +61,7 @@ def reference_observation(request: LiveRequest, preset: str, edge: Edge, rank: i
     if request is LiveRequest.TOKEN:
         return torch.argmax(full, dim=-1)
     if request is LiveRequest.LOGPROB:
-        ids = torch.tensor(logprob_ids(get_preset(preset)), dtype=torch.int64)
-        return torch.log_softmax(full.float(), dim=-1).gather(1, ids[:, None])[:, 0]
+        return reference_logprob(full, torch.tensor(logprob_ids(get_preset(preset)), dtype=torch.int64))
     if request is LiveRequest.OWNER_TOKEN:
         rows = [r for r, o in enumerate(cons.owners or ()) if o == rank]
         return torch.argmax(full, dim=-1)[rows]
@@ -112,7 +115,7 @@ def _compare(got: Any, want: torch.Tensor, eq: Equivalence) -> tuple[bool, str, 
     if got.numel() == 0:
         return True, "nothing to observe, nothing delivered", 0.0
     err = float((got.double() - want.double()).abs().max())
-    if eq.bitwise:
+    if eq.bitwise or not want.is_floating_point():
         same = torch.equal(got.view(torch.uint8) if got.is_floating_point() else got,
                            want.view(torch.uint8) if want.is_floating_point() else want)
         return same, "bitwise equal" if same else f"not bitwise equal (max |error| {err:.3g})", err
@@ -120,7 +123,7 @@ def _compare(got: Any, want: torch.Tensor, eq: Equivalence) -> tuple[bool, str, 
     return ok, f"within {eq.describe()} (max |error| {err:.3g})" if ok else f"outside {eq.describe()} (max |error| {err:.3g})", err
 
 
-def verify_job(request: LiveRequest, preset: str, edge: Edge, contract: Any, per_rank: Mapping[int, Mapping[str, Any]]) -> Verdict:
+def verify_job(request: LiveRequest, preset: str, edge: Edge, contract: Contract, per_rank: Mapping[int, Mapping[str, Any]]) -> Verdict:
     """Judge one job from every rank's deliveries and buffer history."""
     eq = equivalence_of(contract)
     details: dict[int, str] = {}
