@@ -17,17 +17,32 @@ from meshpact.simulator.training import simulate_training
 
 
 def _recording(path, finish=True):
-    w = RecordingWriter(path, source="live", world_size=4, policy="in_memory")
-    for gen, (det, comm) in enumerate([(0.4, 0.20), (0.6, 0.30)]):
-        for rank in range(4):
-            slow = 1.0 + rank / 10  # rank 3 is the slowest: the stage's critical path
-            w.emit("stage_end", rank=rank, stage="detection", data={"seconds": det * slow, "generation": gen})
-            w.emit("stage_end", rank=rank, stage="communicator", data={"seconds": comm * slow, "generation": gen})
-            w.emit("stage_end", rank=rank, stage="replay", data={"seconds": 9.0, "generation": gen})
+    """Per-stage events the way live mode writes them: rank by rank, recovery after recovery."""
+    w = RecordingWriter(path, source="live", ranks=4)
+    for rank in range(4):
+        slow = 1.0 + rank / 10  # rank 3 is the slowest: the stage's critical path
+        for gen, (det, comm) in enumerate([(0.4, 0.20), (0.6, 0.30)]):
+            w.emit("detected", rank=rank, stage="detection", data={"seconds": det * slow, "generation": gen})
+            w.emit("decided", rank=rank, stage="consensus", data={"seconds": 0.01, "policy": "in_memory"})
+            w.emit("rebuilt", rank=rank, stage="communicator", data={"seconds": comm * slow, "generation": gen + 1})
+            w.emit("replayed", rank=rank, stage="replay", data={"seconds": 9.0})
     w.emit("note", data={"text": "no stage here"})
     if finish:
         w.close()
     return w
+
+
+def test_calibration_prefers_per_recovery_summaries(tmp_path):
+    with RecordingWriter(tmp_path / "s.jsonl", source="live", ranks=8) as w:
+        w.emit("detected", rank=0, stage="detection", data={"seconds": 99.0})
+        w.emit("recovered", data={"policy": "in_memory", "stages_s": {"detection": 1.0, "rebinding": 0.02}})
+        w.emit("recovered", data={"policy": "in_memory", "stages_s": {"detection": 3.0, "replay": 5.0}})
+        w.emit("recovered", data={"policy": "checkpoint_restore", "stages_s": {"state": 4.0}})
+    cal = calibration_from_recording(tmp_path / "s.jsonl")
+    assert cal.ranks == 8
+    assert cal.measured[Policy.IN_MEMORY] == {Stage.DETECTION: 2.0, Stage.REBINDING: 0.02}
+    assert cal.measured[Policy.CHECKPOINT_RESTORE] == {Stage.STATE: 4.0}
+    assert cal.recoveries == {Policy.IN_MEMORY: 2, Policy.CHECKPOINT_RESTORE: 1}
 
 
 def test_calibration_takes_the_slowest_rank_and_averages_recoveries(tmp_path):
