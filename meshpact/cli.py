@@ -20,7 +20,7 @@ from meshpact.core.errors import MeshpactError
 __all__ = ["app", "main", "Groups", "COMMAND_MODULES"]
 
 # Modules under meshpact.commands, each with register(groups).
-COMMAND_MODULES: tuple[str, ...] = ("simulate",)
+COMMAND_MODULES: tuple[str, ...] = ("simulate", "live_bridge")
 
 app = typer.Typer(
     name="meshpact",
