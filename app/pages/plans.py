@@ -1,11 +1,103 @@
-"""Plans page: an edge's contract, the three planners' plans, the checker's verdicts."""
+"""Plans page: an edge's contract, every planner's plan, the checker's verdicts."""
 
 from __future__ import annotations
 
 import streamlit as st
 
-from meshpact.app.context import require_engines, require_scenario
+from meshpact.app.context import mesh_of, require_engines, require_scenario
+from meshpact.app.figures import cost_figure, plan_figure
+from meshpact.app.planning import edge_from_facts, judge, planners, real_edges, steps_rows
+from meshpact.core.errors import MeshpactError
 
 choice = require_scenario()
+mesh = mesh_of(choice)
 st.title("Plans")
-require_engines("Planning", ("core.contract", "core.lowerer", "core.checker", "core.baselines", "core.edges"))
+require_engines("Planning", ("core.contract", "core.lowerer", "core.checker"))
+st.caption("What a consumer must observe (the contract), how each planner would deliver it, and whether the "
+           "symbolic checker accepts the plan, before anything runs.")
+
+edges = real_edges()
+sources = (["a real edge"] if edges else []) + ["build an edge from facts"]
+source = st.radio("edge", sources, horizontal=True, label_visibility="collapsed", key="plans_source")
+if not edges:
+    st.caption("The catalog of real edges (`core/edges.py`) is not in this build; build an edge from facts.")
+
+try:
+    if source == "a real edge":
+        name = st.selectbox("edge", list(edges), key="plans_edge")
+        edge = edges[name]
+        if edge.description:
+            st.caption(edge.description + (f" · source: {edge.source}" if edge.source else ""))
+    else:
+        names = [d.name for d in mesh.domains]
+        k = st.columns(4)
+        pdom = k[0].selectbox("producer domain", names, index=0, key="plans_pdom")
+        cdom = k[1].selectbox("consumer domain", names, index=min(1, len(names) - 1), key="plans_cdom")
+        placement = k[2].selectbox("producer placement", ["Shard(1)", "Shard(0)", "Replicate()", "Partial(sum)"],
+                                   key="plans_placement")
+        request = k[3].selectbox("consumer request", ["token", "logprob", "owner_token", "full", "shard", "reduced"],
+                                 key="plans_request")
+        k = st.columns(4)
+        rows = k[0].number_input("rows (tokens)", 1, 65536, 8, key="plans_rows")
+        cols = k[1].number_input("columns (vocabulary or hidden)", 1, 1_000_000, 151936, key="plans_cols",
+                                 help="151,936 is Qwen3's vocabulary (config.json vocab_size)")
+        dtype = k[2].selectbox("dtype", ["bfloat16", "float32", "float16"], key="plans_dtype")
+        consumers = k[3].number_input("consumer ranks", 1, mesh.domain(cdom).size, min(2, mesh.domain(cdom).size),
+                                      key="plans_consumers")
+        edge = edge_from_facts(mesh, producer_domain=pdom, consumer_domain=cdom, placement=placement,
+                               shape=(int(rows), int(cols)), dtype=dtype, request=request,
+                               consumer_ranks=int(consumers), shard_dim=1)
+    result = judge(edge)
+except MeshpactError as exc:
+    st.error(f"**These facts do not make an edge.**\n\n{exc}")
+    st.stop()
+
+contract = result.contract
+st.subheader("Contract")
+facets = contract.to_dict()
+summaries = {
+    "provenance": f"{contract.provenance.op} → {contract.provenance.tensor} {list(contract.provenance.shape)} "
+                  f"{contract.provenance.dtype.value}, {contract.provenance.placement!r} over "
+                  f"{len(contract.provenance.holdings)} ranks of {contract.provenance.domain}",
+    "substitutability": f"judged {contract.substitutability.equivalence.value}; allowed: "
+                        + (", ".join(s.name for s in contract.substitutability.substitutes if s.allowed) or "nothing"),
+    "completion": "; ".join(contract.completion.requirements),
+    "authority": f"{len(contract.authority.senders)} authoritative sender(s)"
+                 + (", owner-scoped rows" if contract.authority.owner_of_row else ""),
+    "demand": f"{contract.demand.request.value}: {len(contract.demand.observations)} observing rank(s), "
+              f"{len(contract.demand.silent)} silent",
+    "locality": (f"crosses {contract.locality.link.value.replace('_', ' ')} from {contract.locality.producer_domain} "
+                 f"to {contract.locality.consumer_domain} via bridge ranks {list(contract.locality.bridge or ())}")
+                if contract.locality.cross_domain else f"inside {contract.locality.producer_domain}",
+}
+for tab, (facet, value) in zip(st.tabs(list(facets)), facets.items()):
+    with tab:
+        st.markdown(summaries.get(facet, ""))
+        st.json(value, expanded=1)
+
+st.subheader("Planners, judged by the checker")
+missing = {"layout-only", "byte-only"} - set(planners())
+if missing:
+    st.caption(f"Baseline planners not in this build (`core/baselines.py`): {', '.join(sorted(missing))}.")
+columns = st.columns(len(result.outcomes))
+for col, out in zip(columns, result.outcomes):
+    with col:
+        st.markdown(f"#### {out.planner}")
+        if out.ok:
+            st.success("**verdict: passes** — the plan keeps every obligation of the contract")
+        else:
+            st.error("**verdict: rejected**\n\n" + "\n".join(f"- {r}" for r in out.reasons[:8])
+                     + (f"\n- … {len(out.reasons) - 8} more" if len(out.reasons) > 8 else ""))
+        if out.plan is not None and out.cost is not None:
+            a, b, c = st.columns(3)
+            a.metric("startups", out.cost.startups)
+            b.metric("payload bytes", f"{out.cost.payload_bytes:,}")
+            c.metric("α-β time", f"{out.cost.time_s * 1e3:.3g} ms")
+            with st.expander(f"{len(out.plan.steps)} steps"):
+                st.dataframe(steps_rows(out.plan), hide_index=True)
+plotted = [o for o in result.outcomes if o.plan is not None]
+for tab, out in zip(st.tabs([f"diagram: {o.planner}" for o in plotted]), plotted):
+    with tab:
+        st.plotly_chart(plan_figure(out.plan, edge.mesh), key=f"plan_{out.planner}")
+if plotted:
+    st.plotly_chart(cost_figure({o.planner: o.cost for o in plotted if o.cost is not None}), key="plan_costs")

@@ -105,3 +105,26 @@ def test_simulate_shows_goodput_per_policy_and_runs_the_serving_sweep():
     at.button[0].click().run()  # Run serving sweep
     assert not at.exception
     assert len(at.get("plotly_chart")) == charts + 1
+
+
+def test_plans_page_shows_a_verdict_per_planner():
+    from meshpact.app.planning import planners
+
+    at = _app()
+    at.switch_page("pages/plans.py").run()
+    assert not at.exception
+    verdicts = [e.value for e in at.success] + [e.value for e in at.error]
+    assert len([v for v in verdicts if "verdict" in v]) == len(planners()) >= 1
+    headings = {m.value.lstrip("# ").strip() for m in at.markdown if m.value.startswith("####")}
+    assert set(planners()) <= headings
+
+
+def test_plans_page_reports_impossible_facts_readably():
+    at = _app()
+    at.switch_page("pages/plans.py").run()
+    at.selectbox(key="plans_request").set_value("reduced").run()  # needs a Partial producer
+    assert not at.exception
+    assert any("reduced request reads a Partial producer" in e.value for e in at.error)
+    at.selectbox(key="plans_placement").set_value("Partial(sum)").run()
+    assert not any("do not make an edge" in e.value for e in at.error)
+    assert any("passes" in s.value for s in at.success)

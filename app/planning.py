@@ -1,0 +1,134 @@
+"""Planning for the Plans page: edges from widget values, every planner judged by the checker.
+
+:func:`edge_from_facts` turns the page's widgets (domains, placement, shape, dtype,
+request, consumer ranks) into an :class:`~meshpact.core.facts.Edge`, raising the core's
+readable :class:`FactError` for a combination that cannot be. :func:`judge` compiles the
+edge's contract, runs every planner this build has (the lowerer and the two baselines)
+and checks each plan against the contract, so the page only lays the outcomes side by
+side. Planner modules are looked up when called: a build without the baselines still
+plans with the lowerer.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from meshpact.core.errors import MeshpactError
+from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Request
+from meshpact.core.placement import parse_placement
+from meshpact.core.plan import Plan, PlanCost, plan_cost
+
+__all__ = ["PlannerOutcome", "Judgement", "planners", "edge_from_facts", "judge", "real_edges", "steps_rows"]
+
+
+@dataclass(frozen=True)
+class PlannerOutcome:
+    planner: str
+    plan: Plan | None
+    cost: PlanCost | None
+    ok: bool
+    reasons: tuple[str, ...]  # the checker's violations, or why the planner produced no plan
+
+
+@dataclass(frozen=True)
+class Judgement:
+    edge: Edge
+    contract: Any  # meshpact.core.contract.Contract
+    outcomes: tuple[PlannerOutcome, ...]
+
+
+def _optional(module: str, name: str) -> Callable[..., Any] | None:
+    try:
+        return getattr(importlib.import_module(f"meshpact.core.{module}"), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def planners() -> dict[str, Callable[[Any], Any]]:
+    """Planner name -> function of a contract, for the planners present in this build."""
+    out: dict[str, Callable[[Any], Any]] = {}
+    for label, module, name in (("meshpact lowerer", "lowerer", "lower"), ("layout-only", "baselines", "layout_only"),
+                                ("byte-only", "baselines", "byte_only")):
+        fn = _optional(module, name)
+        if fn is not None:
+            out[label] = fn
+    return out
+
+
+def real_edges() -> dict[str, Edge]:
+    """The catalog of real edges (``core/edges.py``), by name; empty where it is absent."""
+    mod = None
+    try:
+        mod = importlib.import_module("meshpact.core.edges")
+    except ImportError:
+        return {}
+    for attr in ("real_edges", "all_edges", "edges"):
+        fn = getattr(mod, attr, None)
+        if callable(fn):
+            found = fn()
+            items = found.values() if isinstance(found, dict) else found
+            return {e.name: e for e in items}
+    return {}
+
+
+def edge_from_facts(
+    mesh: Mesh,
+    *,
+    producer_domain: str,
+    consumer_domain: str,
+    placement: str,
+    shape: Sequence[int],
+    dtype: str,
+    request: str,
+    consumer_ranks: int,
+    shard_dim: int = 0,
+    name: str = "custom edge",
+) -> Edge:
+    """An edge from the page's facts: the producer over all of its domain's ranks, the
+    first ``consumer_ranks`` ranks of the consumer domain; owner-scoped rows go to the
+    consumer ranks in turn."""
+    cdom = mesh.domain(consumer_domain)
+    if not 1 <= consumer_ranks <= cdom.size:
+        raise MeshpactError(f"consumer ranks: expected 1..{cdom.size} (the size of {cdom.name}), got {consumer_ranks}")
+    ranks = tuple(sorted(cdom.ranks)[:consumer_ranks])
+    req = Request(request)
+    owners = tuple(ranks[i % len(ranks)] for i in range(int(shape[0]))) if req is Request.OWNER_TOKEN else None
+    producer = ProducerTensor(name="y", op="producer", shape=tuple(int(s) for s in shape), dtype=DType(dtype),
+                              domain=producer_domain, placement=parse_placement(placement))
+    consumer = Consumer(name="consumer", domain=consumer_domain, ranks=ranks, request=req, owners=owners,
+                        shard_dim=shard_dim if req in (Request.SHARD, Request.REDUCED) else None)
+    return Edge(name=name, mesh=mesh, producer=producer, consumer=consumer)
+
+
+def judge(edge: Edge) -> Judgement:
+    """The edge's contract, and every planner's plan with the checker's verdict and cost."""
+    from meshpact.core.checker import check
+    from meshpact.core.contract import compile_contract
+
+    contract = compile_contract(edge)
+    outcomes = []
+    for label, plan_fn in planners().items():
+        try:
+            plan = plan_fn(contract)
+        except MeshpactError as exc:
+            outcomes.append(PlannerOutcome(label, None, None, False, (f"no plan: {exc}",)))
+            continue
+        if isinstance(plan, (list, tuple)):
+            plan = plan[0] if plan else None
+        if plan is None:
+            outcomes.append(PlannerOutcome(label, None, None, False, ("the planner returned no plan",)))
+            continue
+        report = check(plan, contract)
+        outcomes.append(PlannerOutcome(label, plan, plan_cost(plan, edge.mesh), report.ok,
+                                       tuple(str(v) for v in report.violations)))
+    return Judgement(edge, contract, tuple(outcomes))
+
+
+def steps_rows(plan: Plan) -> list[dict[str, Any]]:
+    """A plan's steps as table rows."""
+    return [{"#": i, "kind": s.kind.value, "op": s.op, "ranks": ", ".join(map(str, s.ranks)) if len(s.ranks) <= 6
+             else f"{s.ranks[0]}..{s.ranks[-1]} ({len(s.ranks)})", "bytes": s.payload_bytes, "dtype": s.dtype.value,
+             "link": s.link.value if s.link else "", "output": s.output, "note": s.note}
+            for i, s in enumerate(plan.steps, start=1)]
