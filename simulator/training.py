@@ -22,8 +22,9 @@ Policies on a fault:
   continue on, and excise falls back to checkpoint restore.
 
 Checkpoints: ``sync`` blocks for the write; ``async`` blocks for a snapshot to host
-memory and writes behind; a checkpoint is durable when its write ends. A cold restart
-or a lost rank cancels an in-flight write.
+memory and writes behind; a checkpoint is durable when its write ends. A cold restart, a
+lost rank or a rollback abandons an in-flight write. Faults that strike a replica while
+it is excised do not reach the job and are not counted.
 """
 
 from __future__ import annotations
@@ -331,7 +332,7 @@ class _Run:
                 elif replica not in self.excised:
                     rollback = True  # nothing left to continue on
             self._set_degraded()
-        if self.writer is not None and (policy is Policy.COLD_RESTART or kind is FaultKind.RANK_LOSS):
+        if self.writer is not None and (rollback or policy is Policy.COLD_RESTART or kind is FaultKind.RANK_LOSS):
             self.writer.interrupt("cancelled")
         replay = 0
         if rollback:

@@ -132,3 +132,24 @@ def test_cost_grows_with_events_not_ranks(make_scenario):
     large = simulate_training(sc, ranks=16384)
     for p in Policy:
         assert len(large.policies[p].timeline) == len(small.policies[p].timeline)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_wall_time_is_accounted_for_exactly(make_scenario, mode):
+    # wall time = fresh compute + uncommitted partial steps + checkpoint stalls + recovery stages
+    sc = _base(make_scenario, faults={"rank_mtbf_hours": 40.0, "rank_loss_mtbf_hours": 400.0, "seed": 2}, mode=mode)
+    r = simulate_training(sc, days=3.0, policies=["cold_restart", "checkpoint_restore", "in_memory"])
+    horizon = 3 * 86400.0
+    for res in r.policies.values():
+        assert res.faults > 20 and 0 <= res.replayed_steps <= res.lost_steps
+        fresh = res.committed_steps - res.replayed_steps + res.lost_steps
+        spent = fresh * STEP + res.lost_compute_s + res.checkpoint_fraction * horizon + res.downtime_total_s
+        assert spent == pytest.approx(horizon, abs=1e-6)
+
+
+def test_excise_with_a_single_replica_falls_back_to_checkpoint_restore(make_scenario):
+    sc = _base(make_scenario, faults={"scripted": [{"at_s": 254.0, "rank": 5}]}, parallelism={"tensor": 32})
+    r = simulate_training(sc, days=0.01, policies=["excise", "checkpoint_restore"])
+    ex, ck = r.policies[Policy.EXCISE], r.policies[Policy.CHECKPOINT_RESTORE]
+    assert ex.lost_steps == ck.lost_steps == 20 and ex.degraded_s == 0.0
+    assert ex.downtime_s == ck.downtime_s
