@@ -142,7 +142,7 @@ def make_inputs(contract: Contract, seed: int = 0) -> Inputs:
             sign = 1 if op == "max" else -1
             parts = []
             for k in range(n):
-                gap = (np.abs(rng.standard_normal(shape)) + 0.05).astype(value.dtype) if floating else 1 + rng.integers(0, 5, size=shape)
+                gap = (np.abs(rng.standard_normal(shape)) * 8 + 0.05).astype(value.dtype) if floating else 1 + rng.integers(0, 40, size=shape)
                 parts.append(np.where(holder == k, value, value - sign * gap).astype(value.dtype))
         addends = tuple(parts)
         value = fold(list(addends), op)

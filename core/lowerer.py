@@ -1,9 +1,10 @@
 """The lowerer: a contract becomes a deterministic, backend-neutral plan.
 
-:func:`lower` builds a few candidate plans that all keep the contract, and keeps the
-cheapest under the α-β model (ties: fewer startups, then fewer payload bytes, then the
-earlier candidate), so the same contract always gives the same plan, byte for byte. The
-candidates follow four rules:
+:func:`lower` builds a few candidate plans that all keep the contract and keeps the one
+with the fewest startups (every collective call and bridge message is a launch and, across
+vendors, a host-staged handshake), then the lowest α-β time, then the fewest payload
+bytes, then the earlier candidate; so the same contract always gives the same plan, byte
+for byte. The candidates follow four rules:
 
 * **source projection**: when the consumer observes a projection (token, log-prob), it
   is computed where the data lives and only the projection moves. A vocabulary-sharded
@@ -41,7 +42,7 @@ def lower(contract: Contract) -> Plan:
     if len(cands) == 1:
         return cands[0]
     mesh = contract.edge.mesh
-    return min(enumerate(cands), key=lambda ip: (round(plan_cost(ip[1], mesh).time_s, 12), ip[1].startups,
+    return min(enumerate(cands), key=lambda ip: (ip[1].startups, round(plan_cost(ip[1], mesh).time_s, 12),
                                                   ip[1].payload_bytes, ip[0]))[1]
 
 
