@@ -148,7 +148,7 @@ class ServingResult:
     result_bytes: int  # result bytes sent over the link
     bytes_received: int  # result bytes that arrived
     feedback_bytes: int  # chosen token ids sent back (full logits only)
-    startups: int
+    startups: int  # of every result plan executed, plus one per feedback message
     requests: int
     spilled: int
     local_tokens: int

@@ -54,3 +54,20 @@ def test_sweep_writes_csv(tmp_path):
     assert len(frame) == 8 and sorted(set(frame["checkpointing.every_steps"])) == [200, 800]
     bad = cli("sweep", "--scenario", "default", "--param", "nonsense=1")
     assert bad.returncode == 2 and "nonsense" in bad.stderr
+
+
+def test_training_calibrated_from_a_recording(tmp_path):
+    from meshpact.core.recording import RecordingWriter
+
+    with RecordingWriter(tmp_path / "rec.jsonl", source="live", ranks=32) as w:
+        w.emit("recovered", data={"policy": "in_memory", "stages_s": {"detection": 0.25, "communicator": 0.5}})
+    out = cli("training", "--policy", "in_memory", "--days", "7", "--calibrate-from", str(tmp_path / "rec.jsonl"),
+              "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["calibration"]["measured_s"] == {"in_memory": {"detection": 0.25, "communicator": 0.5}}
+    p = doc["policies"]["in_memory"]
+    assert p["faults"] > 0  # at the recorded 32 ranks the measured seconds apply as they are
+    assert p["downtime_s"]["detection"] == 0.25 * p["recoveries"]
+    missing = cli("training", "--calibrate-from", str(tmp_path / "none.jsonl"))
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
