@@ -20,7 +20,7 @@ from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Req
 from meshpact.core.placement import parse_placement
 from meshpact.core.plan import Plan, PlanCost, plan_cost
 
-__all__ = ["PlannerOutcome", "Judgement", "planners", "edge_from_facts", "judge", "real_edges", "steps_rows"]
+__all__ = ["PlannerOutcome", "Judgement", "planners", "edge_from_facts", "judge", "real_edges", "steps_rows", "human_bytes"]
 
 
 @dataclass(frozen=True)
@@ -57,20 +57,14 @@ def planners() -> dict[str, Callable[[Any], Any]]:
     return out
 
 
-def real_edges() -> dict[str, Edge]:
-    """The catalog of real edges (``core/edges.py``), by name; empty where it is absent."""
-    mod = None
+def real_edges() -> dict[str, Any]:
+    """The catalog of real edges (``core/edges.py``): name -> ``RealEdge`` (its ``edge``,
+    ``model`` and where each dimension comes from); empty where the catalog is absent."""
     try:
-        mod = importlib.import_module("meshpact.core.edges")
+        from meshpact.core.edges import EDGES
     except ImportError:
         return {}
-    for attr in ("real_edges", "all_edges", "edges"):
-        fn = getattr(mod, attr, None)
-        if callable(fn):
-            found = fn()
-            items = found.values() if isinstance(found, dict) else found
-            return {e.name: e for e in items}
-    return {}
+    return dict(EDGES)
 
 
 def edge_from_facts(
@@ -132,3 +126,11 @@ def steps_rows(plan: Plan) -> list[dict[str, Any]]:
              else f"{s.ranks[0]}..{s.ranks[-1]} ({len(s.ranks)})", "bytes": s.payload_bytes, "dtype": s.dtype.value,
              "link": s.link.value if s.link else "", "output": s.output, "note": s.note}
             for i, s in enumerate(plan.steps, start=1)]
+
+
+def human_bytes(n: float) -> str:
+    """Bytes in decimal units (1,152 B, 4.86 MB), short enough for a metric."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{int(n):,} B"

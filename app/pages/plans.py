@@ -6,7 +6,7 @@ import streamlit as st
 
 from meshpact.app.context import mesh_of, require_engines, require_scenario
 from meshpact.app.figures import cost_figure, plan_figure
-from meshpact.app.planning import edge_from_facts, judge, planners, real_edges, steps_rows
+from meshpact.app.planning import edge_from_facts, human_bytes, judge, planners, real_edges, steps_rows
 from meshpact.core.errors import MeshpactError
 
 choice = require_scenario()
@@ -18,16 +18,19 @@ st.caption("What a consumer must observe (the contract), how each planner would 
 
 edges = real_edges()
 sources = (["a real edge"] if edges else []) + ["build an edge from facts"]
-source = st.radio("edge", sources, horizontal=True, label_visibility="collapsed", key="plans_source")
-if not edges:
-    st.caption("The catalog of real edges (`core/edges.py`) is not in this build; build an edge from facts.")
+if edges:
+    source = st.radio("edge", sources, horizontal=True, label_visibility="collapsed", key="plans_source")
+else:
+    source = sources[0]
+    st.caption("The catalog of real edges (`core/edges.py`) is not in this build: build an edge from facts.")
 
 try:
     if source == "a real edge":
         name = st.selectbox("edge", list(edges), key="plans_edge")
-        edge = edges[name]
-        if edge.description:
-            st.caption(edge.description + (f" · source: {edge.source}" if edge.source else ""))
+        real = edges[name]
+        edge = real.edge
+        st.caption(f"**{real.model}** · {edge.description} · dimensions: {real.dims}"
+                   + (f" · source: {edge.source}" if edge.source else ""))
     else:
         names = [d.name for d in mesh.domains]
         k = st.columns(4)
@@ -73,7 +76,7 @@ summaries = {
 for tab, (facet, value) in zip(st.tabs(list(facets)), facets.items()):
     with tab:
         st.markdown(summaries.get(facet, ""))
-        st.json(value, expanded=1)
+        st.json(value, expanded=2)
 
 st.subheader("Planners, judged by the checker")
 missing = {"layout-only", "byte-only"} - set(planners())
@@ -91,7 +94,7 @@ for col, out in zip(columns, result.outcomes):
         if out.plan is not None and out.cost is not None:
             a, b, c = st.columns(3)
             a.metric("startups", out.cost.startups)
-            b.metric("payload bytes", f"{out.cost.payload_bytes:,}")
+            b.metric("payload", human_bytes(out.cost.payload_bytes), help=f"{out.cost.payload_bytes:,} bytes")
             c.metric("α-β time", f"{out.cost.time_s * 1e3:.3g} ms")
             with st.expander(f"{len(out.plan.steps)} steps"):
                 st.dataframe(steps_rows(out.plan), hide_index=True)

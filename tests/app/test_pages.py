@@ -122,9 +122,27 @@ def test_plans_page_shows_a_verdict_per_planner():
 def test_plans_page_reports_impossible_facts_readably():
     at = _app()
     at.switch_page("pages/plans.py").run()
+    if any(r.key == "plans_source" for r in at.radio):  # the real-edge catalog is present
+        at.radio(key="plans_source").set_value("build an edge from facts").run()
     at.selectbox(key="plans_request").set_value("reduced").run()  # needs a Partial producer
     assert not at.exception
     assert any("reduced request reads a Partial producer" in e.value for e in at.error)
     at.selectbox(key="plans_placement").set_value("Partial(sum)").run()
     assert not any("do not make an edge" in e.value for e in at.error)
     assert any("passes" in s.value for s in at.success)
+
+
+def test_every_real_edge_gets_a_verdict_per_planner():
+    from meshpact.app.planning import planners, real_edges
+
+    edges = real_edges()
+    if not edges:
+        pytest.skip("core/edges.py (the catalog of real edges) is not in this build")
+    at = _app()
+    at.switch_page("pages/plans.py").run()
+    for name in edges:
+        at.selectbox(key="plans_edge").set_value(name).run()
+        assert not at.exception, name
+        verdicts = [e.value for e in at.success] + [e.value for e in at.error]
+        assert len([v for v in verdicts if "verdict" in v]) == len(planners()), name
+        assert any("passes" in s.value for s in at.success), f"{name}: the lowerer's plan must pass"
