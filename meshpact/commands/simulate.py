@@ -180,7 +180,8 @@ def sweep(
     keep = [c for c in frame.columns if c in params or c in (
         "policy", "goodput", "faults", "lost_steps", "checkpoint_fraction", "throughput_tok_s",
         "latency_p50_s", "latency_p99_s", "result_bytes", "startups")]
-    console.print(table("sweep", keep, frame[keep].itertuples(index=False)))
+    cells = ([f"{v:.4g}" if isinstance(v, float) else v for v in row] for row in frame[keep].itertuples(index=False))
+    console.print(table("sweep", [c.rsplit(".", 1)[-1] for c in keep], cells))
     if out:
         console.print(f"saved {len(frame)} rows to {out}")
 
