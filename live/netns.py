@@ -1,0 +1,234 @@
+"""Two hosts on one machine: network namespaces joined by a rate-limited veth pair.
+
+:class:`TwoHosts` creates two network namespaces (the "hosts"), joins them with one veth
+pair whose addresses exist only inside those namespaces (``10.<a>.<b>.1/30`` and ``.2``),
+limits the pair's rate in both directions with ``tc`` (a token bucket, ``tbf``; default
+1 Gbit/s) and, when asked, adds one-way latency with ``netem``. Processes run on a host
+with :meth:`TwoHosts.prefix` (``ip netns exec``); :meth:`TwoHosts.counters` reads the
+kernel's interface statistics of each end, so traffic can be counted by the kernel rather
+than by the program that sent it.
+
+Names carry the process id and a random tag, so parallel runs never clash. Leaving the
+``with`` block, an exception, or the interpreter's exit deletes both namespaces, and the
+veth pair with them. :func:`netns_unavailable` says what is missing where this cannot run:
+root, ``ip``, ``tc``, or the kernel's ``tbf``/``netem`` queueing disciplines.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Sequence
+
+from meshpact.core.errors import MeshpactError
+
+__all__ = ["NetnsError", "LinkShape", "IfaceCounters", "TwoHosts", "netns_unavailable", "netem_unavailable"]
+
+
+class NetnsError(MeshpactError):
+    """Namespaces, veth links or queueing disciplines could not be set up here."""
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """The shaped link between the two hosts: rate in Gbit/s and optional one-way delay."""
+
+    gbit_per_s: float = 1.0
+    delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.gbit_per_s > 0:
+            raise NetnsError(f"link rate: expected a positive rate in Gbit/s, got {self.gbit_per_s}")
+        if self.delay_ms < 0:
+            raise NetnsError(f"link delay: expected a delay >= 0 ms, got {self.delay_ms}")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.gbit_per_s * 1e9 / 8
+
+    @property
+    def beta_s_per_byte(self) -> float:
+        """Seconds per byte on the wire at the shaped rate (the α-β model's β)."""
+        return 1.0 / self.bytes_per_s
+
+    def tbf_args(self) -> list[str]:
+        """``tc`` arguments of the token bucket: the rate, a bucket of 1 ms at that rate (at
+        least 32 KiB so full-size frames always fit) and 50 ms of queue before drops."""
+        burst = max(32 * 1024, int(self.bytes_per_s * 1e-3))
+        return ["tbf", "rate", f"{int(self.gbit_per_s * 1e9)}bit", "burst", str(burst), "latency", "50ms"]
+
+
+@dataclass(frozen=True)
+class IfaceCounters:
+    """Kernel statistics of one interface (bytes and packets on the wire, Ethernet frames)."""
+
+    rx_bytes: int
+    tx_bytes: int
+    rx_packets: int
+    tx_packets: int
+
+    def __sub__(self, other: "IfaceCounters") -> "IfaceCounters":
+        return IfaceCounters(self.rx_bytes - other.rx_bytes, self.tx_bytes - other.tx_bytes,
+                             self.rx_packets - other.rx_packets, self.tx_packets - other.tx_packets)
+
+    def to_dict(self) -> dict[str, int]:
+        return {"rx_bytes": self.rx_bytes, "tx_bytes": self.tx_bytes, "rx_packets": self.rx_packets,
+                "tx_packets": self.tx_packets}
+
+
+def _run(cmd: Sequence[str], what: str) -> str:
+    out = subprocess.run(list(cmd), capture_output=True, text=True)
+    if out.returncode != 0:
+        raise NetnsError(f"{what}: `{' '.join(cmd)}` failed: {out.stderr.strip() or out.returncode}")
+    return out.stdout
+
+
+def _base_unavailable() -> str | None:
+    if os.name != "posix" or os.geteuid() != 0:
+        return "two-host runs need root (network namespaces, veth links and tc); run as root"
+    for tool, pkg in (("ip", "iproute2's `ip`"), ("tc", "iproute2's `tc`")):
+        if shutil.which(tool) is None:
+            return f"two-host runs need {pkg} on PATH (install iproute2)"
+    return None
+
+
+@lru_cache(maxsize=1)
+def _probe() -> tuple[str | None, str | None]:
+    """(why namespaces with tbf cannot be used, why netem cannot be used); None where they can."""
+    why = _base_unavailable()
+    if why:
+        return why, why
+    ns = f"mpq{os.getpid() % 100000}{random.randrange(100, 999)}"
+    made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+    if made.returncode != 0:
+        msg = f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
+        return msg, msg
+    try:
+        steps = [["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+                 ["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "handle", "1:", *LinkShape().tbf_args()]]
+        for cmd in steps:
+            r = subprocess.run(cmd, capture_output=True, text=True)
+            if r.returncode != 0:
+                msg = (f"the kernel refused `{' '.join(cmd[3:])}` ({r.stderr.strip()}); two-host runs need veth "
+                       "links and the tbf queueing discipline (CONFIG_VETH, CONFIG_NET_SCH_TBF)")
+                return msg, msg
+        r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "pb", "root", "netem", "delay", "1ms"],
+                           capture_output=True, text=True)
+        netem = None if r.returncode == 0 else (
+            f"link latency needs the kernel's netem queueing discipline (sch_netem, CONFIG_NET_SCH_NETEM), "
+            f"which this kernel lacks ({r.stderr.strip()}); run with delay 0")
+        return None, netem
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def netns_unavailable() -> str | None:
+    """Why two rate-limited hosts cannot be built here, or None if they can (probed once)."""
+    return _probe()[0]
+
+
+def netem_unavailable() -> str | None:
+    """Why a link delay cannot be added here (no netem), or None if it can."""
+    return _probe()[1]
+
+
+class TwoHosts:
+    """Two network namespaces joined by one veth pair shaped by ``tc`` (see the module docstring).
+
+    Use as a context manager. ``ns``, ``iface`` and ``addr`` are pairs indexed by host (0, 1).
+    """
+
+    def __init__(self, link: LinkShape | None = None, tag: str | None = None) -> None:
+        self.link = link or LinkShape()
+        self.tag = tag or f"{os.getpid() % 100000}{random.randrange(100, 1000)}"
+        if len(self.tag) > 10 or not self.tag.isalnum():
+            raise NetnsError(f"tag {self.tag!r}: expected at most 10 letters or digits (interface names are short)")
+        self.ns = (f"mph{self.tag}a", f"mph{self.tag}b")
+        self.iface = (f"mpv{self.tag}a", f"mpv{self.tag}b")
+        a, b = random.randrange(16, 250), random.randrange(0, 256)
+        self.addr = (f"10.{a}.{b}.1", f"10.{a}.{b}.2")
+        self._up = False
+
+    # -- lifecycle --------------------------------------------------------------------------
+    def __enter__(self) -> "TwoHosts":
+        why = netns_unavailable()
+        if why:
+            raise NetnsError(why)
+        if self.link.delay_ms and netem_unavailable():
+            raise NetnsError(str(netem_unavailable()))
+        atexit.register(self.close)
+        self._up = True
+        try:
+            for ns in self.ns:
+                _run(["ip", "netns", "add", ns], "create a host namespace")
+                _run(["ip", "-n", ns, "link", "set", "lo", "up"], "bring loopback up")
+            a, b = self.iface
+            _run(["ip", "link", "add", a, "netns", self.ns[0], "type", "veth", "peer", "name", b, "netns", self.ns[1]],
+                 "create the veth pair")
+            for side in (0, 1):
+                ns, dev = self.ns[side], self.iface[side]
+                _run(["ip", "-n", ns, "addr", "add", f"{self.addr[side]}/30", "dev", dev], "address the veth end")
+                _run(["ip", "-n", ns, "link", "set", dev, "up"], "bring the veth end up")
+                self._shape(ns, dev)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _shape(self, ns: str, dev: str) -> None:
+        tc = ["tc", "-n", ns, "qdisc", "add", "dev", dev]
+        if self.link.delay_ms:
+            _run([*tc, "root", "handle", "1:", "netem", "delay", f"{self.link.delay_ms}ms"], "add the link delay")
+            _run([*tc, "parent", "1:", "handle", "2:", *self.link.tbf_args()], "limit the link rate")
+        else:
+            _run([*tc, "root", "handle", "1:", *self.link.tbf_args()], "limit the link rate")
+
+    def close(self) -> None:
+        """Kill what still runs inside the namespaces and delete them (idempotent)."""
+        if not self._up:
+            return
+        self._up = False
+        for ns in self.ns:
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def exists(self) -> bool:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        return any(ns in listed for ns in self.ns)
+
+    # -- use ----------------------------------------------------------------------------------
+    def prefix(self, host: int) -> list[str]:
+        """Command prefix that runs a program on ``host`` (0 or 1)."""
+        return ["ip", "netns", "exec", self.ns[host]]
+
+    def counters(self, host: int) -> IfaceCounters:
+        """Kernel statistics of ``host``'s veth end (``ip -s -j link``)."""
+        out = _run(["ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev", self.iface[host]],
+                   "read interface statistics")
+        stats: dict[str, Any] = json.loads(out)[0]["stats64"]
+        return IfaceCounters(int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]),
+                             int(stats["rx"]["packets"]), int(stats["tx"]["packets"]))
+
+    def qdisc(self, host: int) -> str:
+        """``tc qdisc show`` of ``host``'s veth end, for reports."""
+        return _run(["tc", "-n", self.ns[host], "qdisc", "show", "dev", self.iface[host]], "show the qdisc").strip()
+
+    def describe(self) -> dict[str, Any]:
+        return {"namespaces": list(self.ns), "interfaces": list(self.iface), "addresses": list(self.addr),
+                "gbit_per_s": self.link.gbit_per_s, "delay_ms": self.link.delay_ms}
