@@ -20,7 +20,7 @@ from meshpact.core.errors import MeshpactError
 __all__ = ["app", "main", "Groups", "COMMAND_MODULES"]
 
 # Modules under meshpact.commands, each with register(groups).
-COMMAND_MODULES: tuple[str, ...] = ("simulate", "live_bridge")
+COMMAND_MODULES: tuple[str, ...] = ("simulate", "live_bridge", "plan")
 
 app = typer.Typer(
     name="meshpact",

@@ -1,0 +1,170 @@
+"""``meshpact plan``, ``meshpact edges``, ``meshpact transitions``: the planning core at the terminal.
+
+``plan EDGE`` shows one edge's contract and the three planners' plans side by side with
+the checker's verdict on each; ``edges`` summarises the nine real edges; ``transitions``
+summarises the structural-transition enumeration. Each takes ``--json``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from meshpact.commands._common import console, emit_json, table
+from meshpact.core.errors import FactError
+
+__all__ = ["register", "plan_document", "edges_document"]
+
+
+def plan_document(edge: Any) -> dict[str, Any]:
+    """The ``--json`` document of one edge: its contract and the three planners' plans."""
+    from meshpact.core.baselines import byte_only, layout_only
+    from meshpact.core.checker import check
+    from meshpact.core.contract import compile_contract
+    from meshpact.core.lowerer import lower
+
+    contract = compile_contract(edge)
+    plans = {"meshpact": lower(contract), "layout_only": layout_only(contract), "byte_only": byte_only(contract)}
+    return {
+        "edge": edge.name,
+        "contract": contract.to_dict(),
+        "plans": {
+            name: {"steps": [s.to_dict() for s in p.steps], "startups": p.startups,
+                   "payload_bytes": p.payload_bytes, "check": check(p, contract).to_dict()}
+            for name, p in plans.items()
+        },
+    }
+
+
+def edges_document() -> list[dict[str, Any]]:
+    from meshpact.core.edges import EDGES
+
+    return [{**plan_document(e.edge), "result_edge": e.result_edge} for e in EDGES.values()]
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def _verdict(check: dict[str, Any]) -> str:
+    if check["ok"]:
+        return "[green]passes[/green]"
+    kinds = sorted({v["kind"] for v in check["violations"]})
+    return f"[red]rejected[/red] ({', '.join(kinds)})"
+
+
+def _show_plan(doc: dict[str, Any]) -> None:
+    c = doc["contract"]
+    prov, sub, comp, auth, dem, loc = (c[k] for k in ("provenance", "substitutability", "completion", "authority",
+                                                      "demand", "locality"))
+    tol = sub["tolerance"]
+    rows = [
+        ("provenance", f"{prov['op']} -> {prov['tensor']} {prov['shape']} {prov['dtype']} {prov['placement']} "
+                       f"on {prov['domain']}"),
+        ("substitutability", sub["equivalence"] + (f" (rtol {tol['rtol']}, atol {tol['atol']}: {tol['why']})"
+                                                   if tol else "") + "; " + "; ".join(
+            f"{s['name']} {'allowed' if s['allowed'] else 'forbidden'}" for s in sub["substitutes"])),
+        ("completion", "; ".join(comp["requirements"])),
+        ("authority", "; ".join(f"{s['piece']} from rank {s['rank']}" for s in auth["senders"][:4])
+         + (" ..." if len(auth["senders"]) > 4 else "")
+         + (f"; owner scope {auth['owner_scope']}" if auth["owner_scope"] else "")),
+        ("demand", f"{dem['request']}: " + "; ".join(f"rank {o['rank']} {o['form']} {o['region']} {o['dtype']}"
+                                                     for o in dem["observations"][:4])
+         + (" ..." if len(dem["observations"]) > 4 else "")),
+        ("native-domain locality", f"{loc['producer_domain']} -> {loc['consumer_domain']}"
+         + (f" over {loc['link']}, bridge ranks {loc['bridge']}" if loc["cross_domain"] else " (same domain)")),
+    ]
+    console.print(table(f"Contract of {doc['edge']}", ("facet", "value"), rows))
+    prefix = prov["tensor"] + "."
+
+    def short(buf: str) -> str:
+        return buf[len(prefix):] if buf.startswith(prefix) else buf
+
+    for name, p in doc["plans"].items():
+        steps = [(i, s["op"], ",".join(map(str, s["ranks"])),
+                  f"{','.join(short(b) for b in s['inputs'])} -> {short(s['output'])}",
+                  _bytes(s["payload_bytes"]) if s["payload_bytes"] else "", s["link"] or "", s["note"])
+                 for i, s in enumerate(p["steps"])]
+        console.print(table(f"{name}: {p['startups']} startups, {_bytes(p['payload_bytes'])}",
+                            ("#", "op", "ranks", "reads -> writes", "bytes", "link", "note"), steps))
+        console.print(f"  checker: {_verdict(p['check'])}")
+        vs = p["check"]["violations"]
+        for v in vs[:6]:
+            console.print(f"   - {v['kind']} (step {v['step']}, rank {v['rank']}): {v['reason']}")
+        if len(vs) > 6:
+            console.print(f"   ... and {len(vs) - 6} more (--json lists them all)")
+        console.print()
+
+
+def plan(
+    edge: Optional[str] = typer.Argument(None, help="Edge name (see `meshpact edges`)."),
+    facts: Optional[Path] = typer.Option(None, "--facts", help="Plan an edge described in a YAML or JSON file."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+) -> None:
+    """Show an edge's contract and the meshpact, layout-only and byte-only plans with verdicts."""
+    from meshpact.core.edges import get_edge
+    from meshpact.core.factsfile import load_edge_facts
+
+    if facts is not None and edge is not None:
+        raise FactError("give either an edge name or --facts FILE, not both")
+    if facts is None and edge is None:
+        from meshpact.core.edges import EDGES
+        raise FactError(f"name an edge or pass --facts FILE; known edges: {', '.join(EDGES)}")
+    doc = plan_document(load_edge_facts(facts) if facts is not None else get_edge(edge or ""))
+    if as_json:
+        emit_json(doc)
+    else:
+        _show_plan(doc)
+
+
+def edges(as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout.")) -> None:
+    """Summarise the nine real edges: startups, payload bytes and verdicts of the three planners."""
+    from meshpact.core.edges import EDGES
+
+    docs = edges_document()
+    if as_json:
+        emit_json(docs)
+        return
+    rows = []
+    for d in docs:
+        m, lo, bo = (d["plans"][k] for k in ("meshpact", "layout_only", "byte_only"))
+        rows.append((d["edge"], EDGES[d["edge"]].model.split("/")[-1], d["contract"]["demand"]["request"],
+                     "yes" if d["result_edge"] else "",
+                     f"{m['startups']} / {_bytes(m['payload_bytes'])}", _verdict(m["check"]),
+                     f"{lo['startups']} / {_bytes(lo['payload_bytes'])}", _verdict(lo["check"]),
+                     f"{bo['startups']} / {_bytes(bo['payload_bytes'])}", _verdict(bo["check"])))
+    console.print(table("Nine real edges (startups / payload bytes)",
+                        ("edge", "model", "request", "result", "meshpact", "check", "layout-only", "check",
+                         "byte-only", "check"), rows))
+
+
+def transitions(as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout.")) -> None:
+    """Summarise the structural transitions: lowerer validity and what the baselines do."""
+    from meshpact.core.transitions import evaluate_transitions
+
+    report = evaluate_transitions()
+    doc = report.to_dict()
+    if as_json:
+        emit_json(doc)
+        return
+    groups: dict[tuple[str, str], list[Any]] = {}
+    for r in report.results:
+        groups.setdefault((repr(r.transition.placement), r.transition.request.value), []).append(r)
+    rows = [(pl, req, len(rs), sum(r.meshpact_ok for r in rs), sum(r.layout_only_ok for r in rs),
+             sum(r.candidates for r in rs), sum(r.invalid for r in rs), sum(r.invalid_rejected for r in rs))
+            for (pl, req), rs in groups.items()]
+    console.print(table("Structural transitions (x scope one/all ranks x same domain/same host/other host)",
+                        ("source", "demand", "cases", "meshpact valid", "layout-only complete",
+                         "byte-only candidates", "invalid", "invalid rejected"), rows))
+    console.print(table("Totals", ("measure", "count"), list(doc.items())))
+
+
+def register(groups: Any) -> None:
+    groups.root.command("plan")(plan)
+    groups.root.command("edges")(edges)
+    groups.root.command("transitions")(transitions)
