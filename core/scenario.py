@@ -253,7 +253,7 @@ class ServingSpec(_Strict):
     output_tokens: int = Field(128, ge=1)
     requests: int = Field(200, ge=1, description="requests to complete")
     consumer_ranks: int = Field(1, ge=1, description="consumer ranks on the local host")
-    token_id_bytes: int = Field(8, description="bytes of one token id: 4 (int32) or 8 (int64)")
+    producer_ranks: int = Field(1, ge=1, description="remote ranks holding the LM head (vocab-sharded when > 1)")
     link: LinkSpec | None = Field(None, description="default: the cluster's ethernet link")
     speculative: SpeculativeSpec | None = None
     seed: int = 0
@@ -263,13 +263,6 @@ class ServingSpec(_Strict):
     def _request(cls, v: Request) -> Request:
         if v not in _SERVING_REQUESTS:
             raise ValueError(f"expected one of {[r.value for r in _SERVING_REQUESTS]}")
-        return v
-
-    @field_validator("token_id_bytes")
-    @classmethod
-    def _token_bytes(cls, v: int) -> int:
-        if v not in (4, 8):
-            raise ValueError("expected 4 (int32) or 8 (int64)")
         return v
 
     @model_validator(mode="after")

@@ -10,13 +10,16 @@ set beside it:
 * **Link.** One SimPy resource per direction (full duplex), held for ``α + bytes·β`` per
   message, so messages queue behind each other: that is the contention.
 * **Results.** Every decode iteration of a remote request sends its result to the local
-  consumer as a :class:`~meshpact.core.plan.Plan` (:func:`result_plan`): full logits are
-  ``2·V`` bytes per token (bf16); a source projection sends a 4-byte fp32 log-prob or a
-  token id (4 or 8 bytes); an owner token goes to the owning rank only, the others are
-  broadcast inside the local domain. For ``full`` the consumer samples from the logits, so
-  the remote host waits for the result and for the chosen id to come back before its
-  next step; for the others the token is chosen at the source and results stream back
-  without stalling decode. A request ends when its last result has arrived.
+  consumer as the plan the core lowerer emits for that request (:func:`result_plan`: the
+  logits ``[tokens, V]`` in bf16 on the remote ranks, observed by the local consumer
+  ranks): full logits are ``2·V`` bytes per token; a source projection sends a 4-byte
+  fp32 log-prob or an 8-byte int64 token id; an owner token goes to the owning rank only,
+  the others are broadcast inside the local domain. The plan's Ethernet bytes hold the
+  link; its other steps (fabric collectives) add their α-β time to the message. For
+  ``full`` the consumer samples from the logits, so the remote host waits for the result
+  and for the chosen id (8 bytes) to come back before its next step; for the others the
+  token is chosen at the source and results stream back without stalling decode. A
+  request ends when its last result has arrived.
 * **Speculative decoding** (optional). A draft proposes ``γ`` tokens at ``draft_cost_ratio``
   of a target pass each; the target verifies them in one pass; each draft token is
   accepted with probability ``α`` until the first rejection, and the pass adds one token of
@@ -36,8 +39,11 @@ import simpy
 
 from meshpact.core.catalog import get_model
 from meshpact.core.errors import ScenarioError
-from meshpact.core.facts import Domain, DType, LinkClass, LinkParams, Mesh, Request, Vendor
-from meshpact.core.plan import Plan, Step, StepKind, plan_cost
+from meshpact.core.contract import compile_contract
+from meshpact.core.facts import Consumer, Domain, DType, Edge, LinkClass, LinkParams, Mesh, ProducerTensor, Request, Vendor
+from meshpact.core.lowerer import lower
+from meshpact.core.placement import Replicate, Shard
+from meshpact.core.plan import Plan, plan_cost
 from meshpact.core.scenario import Scenario, with_overrides
 
 __all__ = [
@@ -51,6 +57,9 @@ __all__ = [
 ]
 
 MODEL_PRESETS = ("dense", "moe", "minimax")  # Qwen3-14B, Qwen3-30B-A3B, MiniMax-M2 in the shipped scenario
+
+
+_TOKEN_ID_BYTES = 8  # an int64 id, the dtype the lowerer gives token results
 
 
 def expected_tokens_per_pass(gamma: int, alpha: float) -> float:
@@ -79,8 +88,8 @@ class ServingParams:
     fabric_alpha_s: float
     fabric_beta_s_per_byte: float
     request: Request
-    token_id_bytes: int
     consumer_ranks: int
+    producer_ranks: int
     concurrency: int
     arrival_rate_per_s: float | None
     output_tokens: int
@@ -105,7 +114,8 @@ def _mesh(p: ServingParams) -> Mesh:
     local = Domain(name=f"{p.local_vendor}@local", vendor=Vendor(p.local_vendor), host="local",
                    ranks=tuple(range(p.consumer_ranks)), bridge_rank=0)
     remote = Domain(name=f"{p.remote_vendor}@remote", vendor=Vendor(p.remote_vendor), host="remote",
-                    ranks=(p.consumer_ranks,), bridge_rank=p.consumer_ranks)
+                    ranks=tuple(range(p.consumer_ranks, p.consumer_ranks + p.producer_ranks)),
+                    bridge_rank=p.consumer_ranks)
     return Mesh(domains=(local, remote), links={
         LinkClass.FABRIC: LinkParams(p.fabric_alpha_s, p.fabric_beta_s_per_byte),
         LinkClass.HOST_BRIDGE: LinkParams(p.fabric_alpha_s, p.fabric_beta_s_per_byte),
@@ -114,30 +124,17 @@ def _mesh(p: ServingParams) -> Mesh:
 
 
 def result_plan(p: ServingParams, tokens: int, owner: int = 0) -> Plan:
-    """The plan that carries ``tokens`` results of one remote sequence to the local consumer."""
-    src, ranks = p.consumer_ranks, tuple(range(p.consumer_ranks))
-    req = p.request
-    if req is Request.FULL:
-        nbytes, dtype, project = tokens * 2 * p.vocab_size, DType.BFLOAT16, None
-    elif req is Request.LOGPROB:
-        nbytes, dtype, project = tokens * 4, DType.FLOAT32, "logsoftmax_at"
-    else:
-        nbytes, project = tokens * p.token_id_bytes, "argmax"
-        dtype = DType.INT64 if p.token_id_bytes == 8 else DType.INT32
-    steps: list[Step] = []
-    buf = "logits"
-    if project:
-        steps.append(Step(StepKind.PROJECT, project, (src,), (buf,), "result", 0, dtype, domain="remote"))
-        buf = "result"
-    dst = owner if req is Request.OWNER_TOKEN else 0
-    steps.append(Step(StepKind.SEND, "send", (src, dst), (buf,), buf, nbytes, dtype, link=LinkClass.ETHERNET))
-    receivers: tuple[int, ...] = (dst,)
-    if req is not Request.OWNER_TOKEN and len(ranks) > 1:
-        steps.append(Step(StepKind.COLLECTIVE, "broadcast", ranks, (buf,), buf, nbytes, dtype, domain="local",
-                          link=LinkClass.FABRIC, args={"root": 0}))
-        receivers = ranks
-    steps.append(Step(StepKind.DELIVER, "deliver", receivers, (buf,), buf, 0, dtype))
-    return Plan(edge=f"remote-result/{req.value}", planner="serving", steps=tuple(steps))
+    """The lowerer's plan that carries ``tokens`` results of one remote sequence to the local
+    consumer ranks (``owner``: the consumer rank that owns the sequence)."""
+    mesh = _mesh(p)
+    local, remote = mesh.domains
+    placement = Shard(1) if p.producer_ranks > 1 else Replicate()
+    producer = ProducerTensor(name="logits", op="lm_head", shape=(tokens, p.vocab_size), dtype=DType.BFLOAT16,
+                              domain=remote.name, placement=placement)
+    owners = (owner,) * tokens if p.request is Request.OWNER_TOKEN else None
+    consumer = Consumer(name="sampler", domain=local.name, ranks=local.ranks, request=p.request, owners=owners)
+    edge = Edge(name=f"remote-result/{p.request.value}", mesh=mesh, producer=producer, consumer=consumer)
+    return lower(compile_contract(edge))
 
 
 @dataclass(frozen=True)
@@ -211,7 +208,7 @@ def serving_params(scenario: Scenario) -> ServingParams:
         local_prefill_s=preset.local.prefill_s, remote_prefill_s=preset.remote.prefill_s,
         link_alpha_s=link.alpha_s, link_beta_s_per_byte=link.beta_s_per_byte,
         fabric_alpha_s=fabric.alpha_s, fabric_beta_s_per_byte=fabric.beta_s_per_byte,
-        request=s.request, token_id_bytes=s.token_id_bytes, consumer_ranks=s.consumer_ranks,
+        request=s.request, consumer_ranks=s.consumer_ranks, producer_ranks=s.producer_ranks,
         concurrency=s.concurrency, arrival_rate_per_s=s.arrival_rate_per_s, output_tokens=s.output_tokens,
         requests=s.requests, gamma=spec.gamma if spec else None, alpha=spec.alpha if spec else None,
         draft_cost_ratio=spec.draft_cost_ratio if spec else None, seed=s.seed,
@@ -322,7 +319,7 @@ class _Serve:
             last = self.env.process(self._send_result(k))
             if p.request is Request.FULL:  # the consumer samples; the chosen ids travel back
                 yield last
-                nbytes = k * p.token_id_bytes
+                nbytes = k * _TOKEN_ID_BYTES
                 self.feedback += nbytes
                 self.startups += 1
                 yield from self._message(self.downlink, nbytes)

@@ -70,18 +70,26 @@ def test_full_logits_saturate_a_slower_link(spill):
     assert same.latency_s["p99"] < fast.latency_s["p99"]
 
 
-def test_result_plans_follow_the_request(spill):
-    p = serving_params(load_scenario(builtin_scenario_path("serving_spillover")))
+def test_results_cross_as_the_lowerers_plan(spill):
     from dataclasses import replace
 
-    four = replace(p, consumer_ranks=4)
-    owner = result_plan(replace(four, request=Request.OWNER_TOKEN), tokens=3, owner=2)
-    token = result_plan(replace(four, request=Request.TOKEN), tokens=3)
-    full = result_plan(replace(four, request=Request.FULL), tokens=3)
-    assert owner.startups == 1 and [s.op for s in owner.steps] == ["argmax", "send", "deliver"]
-    assert owner.steps[1].ranks == (4, 2)  # straight to the owner, nobody else observes it
-    assert token.startups == 2 and token.steps[2].op == "broadcast"
-    assert full.steps[0].op == "send" and full.steps[0].payload_bytes == 3 * 2 * p.vocab_size
+    from meshpact.core.plan import StepKind
+
+    p = replace(serving_params(spill), consumer_ranks=4)
+
+    def sends(plan):
+        return [s for s in plan.steps if s.kind is StepKind.SEND]
+
+    owner = result_plan(replace(p, request=Request.OWNER_TOKEN), tokens=3, owner=2)
+    assert [(s.ranks, s.payload_bytes) for s in sends(owner)] == [((4, 2), 3 * 8)]  # to the owner alone
+    assert owner.steps[-1].ranks == (2,) and owner.startups == 1
+    token = result_plan(replace(p, request=Request.TOKEN), tokens=3)
+    assert [s.payload_bytes for s in sends(token)] == [24] and token.startups == 2  # then a broadcast at home
+    full = result_plan(replace(p, request=Request.FULL), tokens=3)
+    assert [s.payload_bytes for s in sends(full)] == [3 * 2 * p.vocab_size]
+    # a vocab-sharded head still sends only the token: the projection happens at the source
+    sharded = result_plan(replace(p, request=Request.TOKEN, producer_ranks=4), tokens=3)
+    assert sum(s.payload_bytes for s in sends(sharded)) == 24 and sharded.startups > token.startups
 
 
 @pytest.mark.parametrize("gamma, alpha", [(4, 0.8), (2, 0.5), (6, 0.9)])
