@@ -38,7 +38,7 @@ from .executor import Executor, PlanRefused
 from .meter import CallRecord, Meter, measure
 from .workloads import TORCH_DTYPE, LiveRequest, get_preset, logprob_ids, producer_local, workload_edge
 
-__all__ = ["Job", "run_bridge", "worker", "plan_for", "initial_meta"]
+__all__ = ["Job", "run_bridge", "worker", "plan_for", "initial_shapes"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +70,8 @@ def plan_for(job: Job, edge: Edge) -> tuple[Any, Plan]:
     return contract, (Plan.from_json(job.plan_json) if job.plan_json else plan)
 
 
-def initial_meta(edge: Edge) -> dict[int, dict[str, torch.Tensor]]:
-    """Every producer rank's starting buffer, as a ``meta`` tensor of its local shape."""
+def initial_shapes(edge: Edge) -> dict[int, dict[str, torch.Tensor]]:
+    """Every producer rank's starting buffer, as a zero stand-in of its local shape."""
     p = edge.producer
     ranks = edge.mesh.domain(p.domain).ranks
     out: dict[int, dict[str, torch.Tensor]] = {}
@@ -80,7 +80,7 @@ def initial_meta(edge: Edge) -> dict[int, dict[str, torch.Tensor]]:
         if isinstance(p.placement, Shard):
             lo, hi = shard_bounds(shape[p.placement.dim], len(ranks), i)
             shape[p.placement.dim] = hi - lo
-        out[r] = {p.name: torch.empty(shape, dtype=TORCH_DTYPE[p.dtype], device="meta")}
+        out[r] = {p.name: torch.zeros(shape, dtype=TORCH_DTYPE[p.dtype])}
     return out
 
 
@@ -120,12 +120,12 @@ def worker(args: dict) -> dict:
     plans = [p[3] for p in prepared]
     layout = init_domains(mesh, env, _bridge_pairs(mesh, plans), _native_rank_sets(mesh, plans),
                           timeout_s=float(args.get("timeout_s", 60)))
-    executor = Executor(layout, Meter(env.rank))
     dist.barrier()
-    t0 = time.monotonic()
+    executor = Executor(layout, Meter(env.rank))
+    t0 = executor.meter.t0
     results = []
     for job, edge, contract, plan in prepared:
-        initial = initial_meta(edge)
+        initial = initial_shapes(edge)
         if env.rank in initial:
             parts = len(initial)
             index = mesh.domain(edge.producer.domain).ranks.index(env.rank)
@@ -193,14 +193,19 @@ def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[
 
 
 def _record_job(writer: RecordingWriter, k: int, entry: dict, per_rank: dict, plan: Plan) -> None:
-    writer.emit("plan", data={"job": k, "label": entry["label"], "request": entry["request"],
-                              "planned": entry["planned"], "steps": len(plan.steps)})
-    for rank, j in sorted(per_rank.items()):
-        for r in j["records"]:
-            writer.emit("call", rank=rank, t=j["t"][0], data={"job": k, **r})
-        writer.emit("rank_done", rank=rank, t=j["t"][1], data={"job": k, "refused": j["refused"]})
-    summary = {key: entry.get(key) for key in ("refused", "measured", "verified")}
-    writer.emit("verified" if entry.get("verified") else "not_verified", data={"job": k, **summary})
+    """One job's events in time order: the plan, every call on every rank, each rank's end, the verdict."""
+    start = min((j["t"][0] for j in per_rank.values()), default=0.0)
+    writer.emit("plan", t=start, data={"job": k, "label": entry["label"], "request": entry["request"],
+                                       "planned": entry["planned"], "steps": [st.to_dict() for st in plan.steps]})
+    events = []
+    for rank, j in per_rank.items():
+        events += [(r["t"], rank, "call", {"job": k, **r}) for r in j["records"]]
+        events.append((j["t"][1], rank, "rank_done", {"job": k, "refused": j["refused"]}))
+    for t, rank, name, data in sorted(events, key=lambda e: (e[0], e[1])):
+        writer.emit(name, rank=rank, t=t, data=data)
+    end = max((j["t"][1] for j in per_rank.values()), default=start)
+    summary = {key: entry.get(key) for key in ("refused", "measured", "verification", "verified")}
+    writer.emit("verified" if entry.get("verified") else "not_verified", t=end, data={"job": k, **summary})
 
 
 def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2, recording: str | os.PathLike[str] | None = None,

@@ -6,9 +6,11 @@ symbolic checker must pass the plan against its contract. A refused plan raises
 :class:`PlanRefused` with the reasons and makes no call at all: a native collective that
 spans domains is never attempted.
 
-An admitted plan first runs on ``meta`` tensors for every rank at once (:func:`simulate`),
-which gives each receiver the shape of what it will receive, so a bridge message is one
-message with no size header. Then each rank runs its own steps: collectives on its domain
+An admitted plan first runs on zero-filled stand-ins of every rank's buffers at once
+(:func:`simulate`), which gives each receiver the shape of what it will receive, so a bridge
+message is one message with no size header. (Stand-ins rather than ``meta`` tensors: plan
+buffers are small, and the first ``meta`` concatenation costs seconds of import.) Then each
+rank runs its own steps: collectives on its domain
 group (on the domain's device), bridge messages host-staged (device → host → gloo bridge →
 host → device), local projections through :mod:`meshpact.live.ops`. Every collective call and
 bridge message is recorded by the :class:`~meshpact.live.meter.Meter` with the bytes this
@@ -17,6 +19,7 @@ rank contributed, which is how measured startups and payload bytes are compared 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -31,7 +34,7 @@ from . import ops
 from .domains import DomainLayout
 from .meter import Meter
 
-__all__ = ["PlanRefused", "locality_violations", "admit", "simulate", "StepShapes", "Executor", "RunOutcome"]
+__all__ = ["PlanRefused", "locality_violations", "admit", "simulate", "stand_in", "StepShapes", "Executor", "RunOutcome"]
 
 Buffers = dict[str, Any]
 
@@ -86,9 +89,14 @@ def admit(plan: Plan, contract: Any, mesh: Mesh, bridge_pairs: Sequence[tuple[in
     return report
 
 
+def stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A zero tensor on the CPU with ``t``'s shape and dtype: what :func:`simulate` runs on."""
+    return torch.zeros(t.shape, dtype=t.dtype)
+
+
 @dataclass(frozen=True)
 class StepShapes:
-    """Shapes (``meta`` tensors) around one step: each participant's input and output."""
+    """Shapes (stand-in tensors) around one step: each participant's input and output."""
 
     inputs: Mapping[int, torch.Tensor | None]
     outputs: Mapping[int, torch.Tensor | None]
@@ -98,14 +106,13 @@ def simulate(plan: Plan, initial: Mapping[int, Buffers],
              ids: torch.Tensor | None = None) -> tuple[dict[int, Buffers], list[StepShapes]]:
     """Run ``plan`` over every rank's buffers in this process.
 
-    With ``meta`` tensors this costs nothing and gives every buffer's shape: the final
+    On stand-ins (:func:`stand_in`) it gives every buffer's shape and dtype: the final
     buffers of every rank, and the shapes around each step. A step that reads a buffer its
     rank does not hold, or cannot apply to those shapes, raises :class:`PlanError`.
     """
     world: dict[int, Buffers] = {r: dict(b) for r, b in initial.items()}
     for r in {r for s in plan.steps for r in s.ranks}:
         world.setdefault(r, {})
-    meta_ids = None if ids is None else ids.to("meta")
     trace: list[StepShapes] = []
     for i, s in enumerate(plan.steps):
         ins: dict[int, Any] = {}
@@ -121,7 +128,7 @@ def simulate(plan: Plan, initial: Mapping[int, Buffers],
                 outs = {dst: ins[src].clone()}
             elif s.kind is StepKind.PROJECT:
                 for r in s.ranks:
-                    outs[r] = ops.project(s, [_get(world[r], n, s, i) for n in s.inputs], r, meta_ids)
+                    outs[r] = ops.project(s, [_get(world[r], n, s, i) for n in s.inputs], r, ids)
             elif s.kind is StepKind.DELIVER:
                 ins = {r: _read(world[r], s, i) for r in s.ranks}
         except PlanError:
@@ -176,13 +183,14 @@ class Executor:
             checker: Callable[[Plan, Any], Any] | None = None) -> RunOutcome:
         """Admit ``plan``, then run this rank's part of it.
 
-        ``initial`` holds every rank's starting buffers: ``meta`` tensors (shapes only) for the
+        ``initial`` holds every rank's starting buffers: stand-ins (shapes only) for the
         other ranks, real tensors for this one; ``ids`` are the target id per row that a
         ``logprob`` request reads (every rank holds them, as the contract's demand says).
         """
         lay = self.layout
         admit(plan, contract, lay.mesh, lay.bridge_pairs, checker)
-        _, trace = simulate(plan, {r: {k: v.to("meta") for k, v in b.items()} for r, b in initial.items()}, ids)
+        _, trace = simulate(plan, {r: {k: stand_in(v) for k, v in b.items()} for r, b in initial.items()},
+                            None if ids is None else ids.cpu())
         bufs: Buffers = {k: v.to(lay.device) for k, v in initial.get(lay.rank, {}).items()}
         out = RunOutcome(lay.rank, bufs, {}, first_record=self.meter.mark())
         for i, s in enumerate(plan.steps):
@@ -210,9 +218,10 @@ class Executor:
         group, name = self.layout.native_group(s.ranks)
         value = _read(bufs, s, i) if _reads(s, me) else None
         contributed = ops.nbytes(value) if value is not None else 0
+        started = time.monotonic()
         result = ops.run_collective(op, s, value, shapes.outputs.get(me), [shapes.inputs[r] for r in s.ranks],
                                     group, self.layout.device)
-        self.meter.record(name, op.value, LinkClass.FABRIC.value, contributed)
+        self.meter.record(name, op.value, LinkClass.FABRIC.value, contributed, started)
         return result
 
     # -- one bridge message, host-staged ---------------------------------------------------
@@ -222,13 +231,14 @@ class Executor:
         group = lay.bridge(src, dst)
         name = f"bridge:{min(src, dst)}-{max(src, dst)}"
         link = lay.mesh.link_class(src, dst).value
+        started = time.monotonic()
         if lay.rank == src:
             staged = _read(bufs, s, i).to("cpu").contiguous()  # device -> host
             dist.send(staged, dst=dst, group=group)
-            self.meter.record(name, "send", link, ops.nbytes(staged))
+            self.meter.record(name, "send", link, ops.nbytes(staged), started)
             return None
         meta = shapes.outputs[dst]
         host = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
         dist.recv(host, src=src, group=group)
-        self.meter.record(name, "recv", link, 0)
+        self.meter.record(name, "recv", link, 0, started)
         return host.to(lay.device)  # host -> device

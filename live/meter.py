@@ -11,6 +11,7 @@ agree (members of one call naming different ops, a message sent but never receiv
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
@@ -27,14 +28,17 @@ class CallRecord:
     op: str  # collective name, or "send"/"recv" on a bridge
     link: str  # LinkClass value
     contributed: int  # payload bytes this rank contributed to the call
+    t: float = 0.0  # when the call started, seconds since the meter's start
+    seconds: float = 0.0  # how long this rank spent in the call
 
     def to_dict(self) -> dict[str, Any]:
         return {"rank": self.rank, "group": self.group, "seq": self.seq, "op": self.op, "link": self.link,
-                "contributed": self.contributed}
+                "contributed": self.contributed, "t": round(self.t, 9), "seconds": round(self.seconds, 9)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CallRecord":
-        return cls(int(d["rank"]), str(d["group"]), int(d["seq"]), str(d["op"]), str(d["link"]), int(d["contributed"]))
+        return cls(int(d["rank"]), str(d["group"]), int(d["seq"]), str(d["op"]), str(d["link"]), int(d["contributed"]),
+                   float(d.get("t", 0.0)), float(d.get("seconds", 0.0)))
 
 
 @dataclass
@@ -43,12 +47,16 @@ class Meter:
 
     rank: int
     records: list[CallRecord] = field(default_factory=list)
+    t0: float = field(default_factory=time.monotonic)
     _seq: dict[str, int] = field(default_factory=dict)
 
-    def record(self, group: str, op: str, link: str, contributed: int) -> CallRecord:
+    def record(self, group: str, op: str, link: str, contributed: int, started: float | None = None) -> CallRecord:
+        """Record one call; ``started`` is its ``time.monotonic()`` at entry (default: now)."""
+        now = time.monotonic()
+        started = now if started is None else started
         seq = self._seq.get(group, 0)
         self._seq[group] = seq + 1
-        rec = CallRecord(self.rank, group, seq, op, link, int(contributed))
+        rec = CallRecord(self.rank, group, seq, op, link, int(contributed), started - self.t0, now - started)
         self.records.append(rec)
         return rec
 

@@ -3,8 +3,9 @@
 Every op here has the meaning that :mod:`meshpact.core.interpreter` gives it (its table is
 the definition; argument names, chunk bounds, tie rules and float32 statistics follow it
 line by line) and this module carries it out on real tensors and real process groups. A
-buffer value is one tensor. Each function also runs on ``meta`` tensors, which is how
-:func:`meshpact.live.executor.simulate` learns every buffer's shape before a plan runs.
+buffer value is one tensor. The same functions run every rank's part in one process
+(:func:`collective_result`), which is how :func:`meshpact.live.executor.simulate` learns every
+buffer's shape before a plan runs.
 
 One deliberate difference: the interpreter models a vendor's unspecified reduction order
 for sums over three or more ranks; here the vendor's own collective does the reducing.
@@ -91,14 +92,14 @@ def _equal_parts(parts: Sequence[torch.Tensor], what: str) -> None:
                         "backends need equal chunks (choose sizes divisible by the number of ranks)")
 
 
-def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_meta: torch.Tensor | None,
-                   inputs_meta: Sequence[torch.Tensor | None], group: dist.ProcessGroup,
+def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shape: torch.Tensor | None,
+                   input_shapes: Sequence[torch.Tensor | None], group: dist.ProcessGroup,
                    device: torch.device) -> torch.Tensor | None:
     """Run collective ``op`` of step ``s`` on ``group``: one call, this rank's part of it.
 
     ``value`` is this rank's input (``None`` for non-roots of broadcast/scatter),
-    ``out_meta`` the shape of its output from the plan's simulation (``None``: no output),
-    ``inputs_meta`` every participant's input shape in ``s.ranks`` order. The backend's
+    ``out_shape`` the shape of its output from the plan's simulation (``None``: no output),
+    ``input_shapes`` every participant's input shape in ``s.ranks`` order. The backend's
     lists are in group-rank order (ascending global rank); the plan's in ``s.ranks`` order.
     """
     order = sorted(s.ranks)
@@ -118,7 +119,7 @@ def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_meta
         return [by_step[s.ranks.index(r)].contiguous() for r in order]
 
     if op in (Collective.ALL_GATHER, Collective.GATHER):
-        _equal_parts([m for m in inputs_meta if m is not None], f"{op.value} of {s.inputs[0]!r}")
+        _equal_parts([m for m in input_shapes if m is not None], f"{op.value} of {s.inputs[0]!r}")
         bufs = [torch.empty_like(value) for _ in range(n)]
         if op is Collective.ALL_GATHER:
             dist.all_gather(bufs, value.contiguous(), group=group)
@@ -137,11 +138,11 @@ def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_meta
                 return None
         return (out / n).to(value.dtype) if red == "avg" else out
     if op is Collective.BROADCAST:
-        out = value.clone() if me == root else empty(out_meta)
+        out = value.clone() if me == root else empty(out_shape)
         dist.broadcast(out, src=root, group=group)
         return out
     if op is Collective.SCATTER:
-        out = empty(out_meta)
+        out = empty(out_shape)
         parts = None
         if me == root:
             parts = group_order([chunk(value, dim, n, i) for i in range(n)])

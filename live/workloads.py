@@ -173,16 +173,20 @@ def _producer_local(lm_head: bool, preset_name: str, parts: int, index: int) -> 
         return _lm_head_shard(preset, parts, index) if lm_head else _mlp_partial(preset, parts, index)
 
 
-@lru_cache(maxsize=2)
 def reference_producer(request: str, preset_name: str, parts: int) -> torch.Tensor:
     """The producer tensor's logical value, computed in this one process on one thread.
 
     Logits: the shards side by side (each logit one dot product, same shapes as on the
     ranks). MLP: the partials summed in rank order, ``((p0 + p1) + p2) ...``.
     """
+    return _reference_producer(LiveRequest(request).is_lm_head, preset_name, parts)
+
+
+@lru_cache(maxsize=2)
+def _reference_producer(lm_head: bool, preset_name: str, parts: int) -> torch.Tensor:
     preset = get_preset(preset_name)
     with _one_thread():
-        if LiveRequest(request).is_lm_head:
+        if lm_head:
             return torch.cat([_lm_head_shard(preset, parts, i) for i in range(parts)], dim=1)
         total = _mlp_partial(preset, parts, 0)
         for i in range(1, parts):
