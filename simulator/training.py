@@ -174,6 +174,7 @@ class _Run:
         self.faults = self.recoveries = self.lost = self.replayed = self.checkpoints = 0
         self.blocked_s = self.lost_compute_s = self.degraded_s = self.computed_s = 0.0
         self.pending: list[Fault] = []
+        self.loss_unrecovered = False
         self.phase: tuple[str, float, Any] = ("idle", 0.0, None)
         self.events: list[TimelineEvent] = []
         self.degraded_since: float | None = None
@@ -317,8 +318,9 @@ class _Run:
 
     def _recover(self):
         fault = self.pending[-1]
-        kinds = {f.kind for f in self.pending}
-        kind = FaultKind.RANK_LOSS if FaultKind.RANK_LOSS in kinds else FaultKind.TRANSIENT
+        # a rank lost earlier still needs its replacement if a new fault restarts the recovery
+        self.loss_unrecovered |= any(f.kind is FaultKind.RANK_LOSS for f in self.pending)
+        kind = FaultKind.RANK_LOSS if self.loss_unrecovered else FaultKind.TRANSIENT
         policy = self.policy
         rollback = policy in (Policy.COLD_RESTART, Policy.CHECKPOINT_RESTORE)
         if policy is Policy.IN_MEMORY and kind is FaultKind.RANK_LOSS and self.w.replicas < 2:
@@ -354,6 +356,7 @@ class _Run:
                 self.replayed += replay
             self._log(start, d, "stage", stage, fault=fault.kind.value, rank=fault.rank)
         self.phase = ("idle", self.env.now, None)
+        self.loss_unrecovered = False
         if rollback:  # the replayed steps count toward the next checkpoint
             self.since_ckpt = self.committed - self.durable
 

@@ -153,3 +153,13 @@ def test_excise_with_a_single_replica_falls_back_to_checkpoint_restore(make_scen
     ex, ck = r.policies[Policy.EXCISE], r.policies[Policy.CHECKPOINT_RESTORE]
     assert ex.lost_steps == ck.lost_steps == 20 and ex.degraded_s == 0.0
     assert ex.downtime_s == ck.downtime_s
+
+
+def test_a_transient_fault_during_a_replacement_still_waits_for_the_replacement(make_scenario):
+    faults = {"scripted": [{"at_s": 500.0, "rank": 1, "kind": "rank_loss"}, {"at_s": 600.0, "rank": 2}]}
+    r = simulate_training(_base(make_scenario, faults=faults), days=0.05, policies=["in_memory"])
+    res = r.policies[Policy.IN_MEMORY]
+    costs = RecoveryCosts()
+    # the first replacement wait is cut short at 600 s, then waited for in full again
+    restart_start = 500.0 + costs.detection_s  # stages in order: detection, then the replacement
+    assert res.downtime_s[Stage.RESTART] == pytest.approx((600.0 - restart_start) + costs.replacement_s)
