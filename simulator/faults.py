@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from meshpact.core.errors import ScenarioError
 from meshpact.core.recovery import FaultKind
 from meshpact.core.scenario import FaultsSpec
 
@@ -33,7 +34,9 @@ def cluster_rate_per_s(mtbf_hours: float | None, ranks: int) -> float:
     return 0.0 if mtbf_hours is None else ranks / (mtbf_hours * 3600.0)
 
 
-def fault_trace(faults: FaultsSpec, ranks: int, horizon_s: float, seed: int | None = None) -> tuple[Fault, ...]:
+def fault_trace(
+    faults: FaultsSpec, ranks: int, horizon_s: float, seed: int | None = None, source: str = "scenario"
+) -> tuple[Fault, ...]:
     """Faults in ``[0, horizon_s)``: the random process plus the scripted events, in time order.
 
     Given the count, the times of a Poisson process on an interval are independent and
@@ -47,8 +50,10 @@ def fault_trace(faults: FaultsSpec, ranks: int, horizon_s: float, seed: int | No
         times = rng.uniform(0.0, horizon_s, n)
         who = rng.integers(0, ranks, n)
         out.extend(Fault(float(t), kind, int(r)) for t, r in zip(times, who))
-    for s in faults.scripted:
+    for i, s in enumerate(faults.scripted):
+        if s.rank >= ranks:
+            raise ScenarioError(f"{source}: faults.scripted.{i}.rank: rank {s.rank} is not in the job; expected 0..{ranks - 1}")
         if s.at_s < horizon_s:
-            out.append(Fault(float(s.at_s), FaultKind(s.kind), min(int(s.rank), ranks - 1)))
+            out.append(Fault(float(s.at_s), FaultKind(s.kind), int(s.rank)))
     out.sort(key=lambda f: (f.t, f.rank))
     return tuple(out)

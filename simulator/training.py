@@ -432,7 +432,7 @@ def simulate_training(
     ranks = scenario.workload.ranks or scenario.mesh().world_size
     w = derive_workload(scenario.workload, scenario.checkpointing, ranks, source=scenario.name)
     horizon = scenario.workload.days * 86400.0
-    trace = fault_trace(scenario.faults, ranks, horizon)
+    trace = fault_trace(scenario.faults, ranks, horizon, source=scenario.name)
     costs = scenario.recovery.recovery_costs()
     fixed = scenario.recovery.stage_seconds
 

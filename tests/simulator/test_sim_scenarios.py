@@ -75,3 +75,9 @@ def test_bad_override_names_the_field():
     sc = load_scenario(builtin_scenario_path("default"))
     with pytest.raises(ScenarioError, match=r"checkpointing.every_steps: Input should be greater than or equal to 1"):
         simulate_training(sc, checkpoint_every=0)
+
+
+def test_scripted_fault_on_a_rank_outside_the_job_is_refused():
+    sc = parse_scenario_text(f"name: x\n{CLUSTER}faults: {{scripted: [{{at_s: 1, rank: 8}}]}}\n", "f.yaml")
+    with pytest.raises(ScenarioError, match=r"x: faults.scripted.0.rank: rank 8 is not in the job; expected 0..7"):
+        simulate_training(sc)
