@@ -341,6 +341,7 @@ def with_overrides(scenario: Scenario, overrides: Mapping[str, Any], source: str
 
 
 def _section_may_hold(parts: list[str]) -> bool:
+    """Mappings keyed by name may gain keys: ``recovery.stage_seconds.<policy>.<stage>``."""
     return parts[0] in ("recovery",) and len(parts) <= 3
 
 
