@@ -53,6 +53,7 @@ __all__ = [
     "result_plan",
     "expected_tokens_per_pass",
     "simulate_serving",
+    "simulate_params",
     "MODEL_PRESETS",
 ]
 
@@ -408,3 +409,8 @@ def simulate_serving(
     if progress:
         progress(1, 1)
     return result
+
+
+def simulate_params(p: ServingParams) -> ServingResult:
+    """Simulate explicit parameters (e.g. calibrated from a live measurement), no scenario file."""
+    return _Serve(p).run()
