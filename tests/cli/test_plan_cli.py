@@ -1,0 +1,103 @@
+"""`meshpact plan`, `meshpact edges`, `meshpact transitions`: JSON shapes, tables and user errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from meshpact.cli import main
+from meshpact.core.edges import EDGES
+
+FACETS = {"provenance", "substitutability", "completion", "authority", "demand", "locality"}
+PLANNERS = {"meshpact", "layout_only", "byte_only"}
+
+
+def _json(capsys, *argv):
+    assert main(list(argv)) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _assert_plan_doc(doc):
+    assert set(doc) >= {"edge", "contract", "plans"}
+    assert set(doc["contract"]) == FACETS
+    assert set(doc["plans"]) == PLANNERS
+    for p in doc["plans"].values():
+        assert set(p) == {"steps", "startups", "payload_bytes", "check"}
+        assert set(p["check"]) == {"ok", "violations"}
+        assert all(set(v) == {"kind", "step", "rank", "reason"} for v in p["check"]["violations"])
+        assert all({"kind", "op", "ranks", "payload_bytes", "dtype"} <= set(s) for s in p["steps"])
+
+
+def test_plan_json(capsys):
+    doc = _json(capsys, "plan", "qwen3-14b-lm-head-logprob", "--json")
+    _assert_plan_doc(doc)
+    assert doc["edge"] == "qwen3-14b-lm-head-logprob"
+    assert doc["contract"]["substitutability"]["equivalence"] == "tolerance"
+    m, lo = doc["plans"]["meshpact"], doc["plans"]["layout_only"]
+    assert m["check"]["ok"] and m["startups"] < lo["startups"] and m["payload_bytes"] < lo["payload_bytes"]
+    assert not doc["plans"]["byte_only"]["check"]["ok"]
+
+
+def test_edges_json_lists_all_nine_with_result_flag(capsys):
+    docs = _json(capsys, "edges", "--json")
+    assert [d["edge"] for d in docs] == list(EDGES)
+    for d in docs:
+        _assert_plan_doc(d)
+        assert d["result_edge"] is EDGES[d["edge"]].result_edge
+        assert d["plans"]["meshpact"]["check"]["ok"]
+
+
+def test_transitions_json(capsys):
+    doc = _json(capsys, "transitions", "--json")
+    assert set(doc) == {"transitions", "meshpact_valid", "layout_only_complete", "byte_only_candidates",
+                        "byte_only_invalid", "byte_only_invalid_rejected"}
+    assert doc["transitions"] >= 72 and doc["meshpact_valid"] == doc["transitions"]
+    assert doc["byte_only_invalid_rejected"] == doc["byte_only_invalid"] > 0
+
+
+def test_tables_for_people(capsys):
+    assert main(["plan", "minimax-m2-lm-head-owner-token"]) == 0
+    out = capsys.readouterr().out
+    assert "Contract of minimax-m2-lm-head-owner-token" in out and "owner scope" in out
+    assert "non_owner_observes" in out and "passes" in out
+    assert main(["edges"]) == 0
+    assert "Nine real edges" in capsys.readouterr().out
+    assert main(["transitions"]) == 0
+    assert "meshpact_valid" in capsys.readouterr().out
+
+
+def test_plan_from_a_facts_file(tmp_path, capsys):
+    path = tmp_path / "edge.yaml"
+    path.write_text(
+        "name: tiny\n"
+        "mesh:\n  domains:\n"
+        "    - {name: cuda@A, vendor: cuda, host: A, ranks: [0, 1, 2]}\n"
+        "    - {name: cann@B, vendor: cann, host: B, ranks: [3]}\n"
+        "producer: {name: h, op: down_proj, shape: [8, 16], dtype: float32, domain: cuda@A, placement: Partial(sum)}\n"
+        "consumer: {name: next, domain: cann@B, ranks: [3], request: reduced}\n")
+    doc = _json(capsys, "plan", "--facts", str(path), "--json")
+    _assert_plan_doc(doc)
+    assert doc["edge"] == "tiny" and doc["plans"]["meshpact"]["check"]["ok"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "no-such-edge"], "known edges: qwen3-14b-lm-head-logprob"),
+    (["plan"], "name an edge or pass --facts"),
+])
+def test_user_errors_are_messages(capsys, argv, message):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_malformed_facts_name_the_field_without_traceback(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: x\nmesh: {domains: [{name: a, vendor: cuda, host: h, ranks: [0]}]}\n"
+                    "producer: {name: p, op: o, shape: [2, two], dtype: float32, domain: a, placement: Shard(1)}\n"
+                    "consumer: {name: c, domain: a, ranks: [0], request: full}\n")
+    out = subprocess.run([sys.executable, "-m", "meshpact.cli", "plan", "--facts", str(path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "producer.shape" in out.stderr and "Traceback" not in out.stderr
