@@ -10,14 +10,19 @@ After the last job every rank hands its deliveries, buffer history and call reco
 verifies each job against the single-process reference, compares measured with planned
 startups and bytes, and writes the run as a JSONL recording.
 
-Under ``torchrun`` the same worker runs unchanged::
+Under ``torchrun`` the same worker runs unchanged, and rank 0 prints one JSON line per job::
 
     torchrun --nproc-per-node 4 -m meshpact.live.launcher --target meshpact.live.bridge:worker \\
-        --args '{"jobs": [{"request": "full"}], "preset": "tiny"}'
+        --args '{"jobs": [{"request": "full"}], "preset": "tiny", "recording": "bridge.jsonl"}'
+
+Worker arguments: ``jobs`` (``request``, optional ``plan`` JSON and ``label``), ``preset``,
+``recording``, ``timeout_s``, and the mesh's ``producer_vendor``/``consumer_vendor`` (``cuda``,
+``cann``, ``cpu``) and ``producer_host``/``consumer_host`` (two names: the bridge is Ethernet).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass, field
@@ -38,7 +43,7 @@ from .executor import Executor, PlanRefused
 from .meter import CallRecord, Meter, measure
 from .workloads import TORCH_DTYPE, LiveRequest, get_preset, logprob_ids, producer_local, workload_edge
 
-__all__ = ["Job", "run_bridge", "worker", "plan_for", "initial_shapes"]
+__all__ = ["Job", "run_bridge", "worker", "plan_for", "initial_shapes", "job_summary"]
 
 
 @dataclass(frozen=True)
@@ -110,8 +115,11 @@ def worker(args: dict) -> dict:
     env = RankEnv.from_environ()
     torch.set_num_threads(int(args.get("threads", 1)))
     preset = get_preset(str(args.get("preset", "tiny")))
-    mesh = two_domain_mesh(env.world_size // 2)
-    jobs = [Job.from_dict(j) for j in args["jobs"]]
+    if env.world_size % 2:
+        raise MeshpactError(f"WORLD_SIZE={env.world_size}: two domains of equal size need an even world size")
+    mesh = two_domain_mesh(env.world_size // 2, args.get("producer_vendor", "cuda"), args.get("consumer_vendor", "cann"),
+                           args.get("producer_host", "localhost"), args.get("consumer_host", "localhost"))
+    jobs = [Job.from_dict(j) for j in args.get("jobs") or [{"request": "full"}]]
     prepared = []
     for job in jobs:
         edge = workload_edge(job.request, preset, mesh)
@@ -154,9 +162,25 @@ def worker(args: dict) -> dict:
     value: dict = {"rank": env.rank}
     if env.rank == 0:
         value = _report(args, preset.name, mesh, prepared, gathered or [])
+        for job in value["jobs"]:  # under torchrun there is no launcher to collect the report
+            print(json.dumps(job_summary(value, job)), flush=True)
     dist.barrier()
     dist.destroy_process_group()
     return value
+
+
+def job_summary(report: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
+    """One job of a bridge run in the CLI's ``--json`` form."""
+    measured = job.get("measured") or {}
+    return {
+        "request": job["request"],
+        "preset": report["preset"],
+        "verified": bool(job["verified"]),
+        "equivalence": (job.get("verification") or {}).get("equivalence"),
+        "startups": {"planned": job["planned"]["startups"], "measured": measured.get("startups")},
+        "payload_bytes": {"planned": job["planned"]["payload_bytes"], "measured": measured.get("payload_bytes")},
+        "recording": report["recording"],
+    }
 
 
 def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[dict]) -> dict:

@@ -17,7 +17,7 @@ import typer
 from meshpact.commands._common import console, emit_json, table
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["register", "bridge_summary"]
+__all__ = ["register"]
 
 
 class _Request(str, Enum):
@@ -33,20 +33,6 @@ class _Preset(str, Enum):
     QWEN3_14B = "qwen3-14b"
 
 
-def bridge_summary(report: dict[str, Any], job: dict[str, Any]) -> dict[str, Any]:
-    """The ``--json`` document of one job of a bridge run."""
-    measured = job.get("measured") or {}
-    return {
-        "request": job["request"],
-        "preset": report["preset"],
-        "verified": bool(job["verified"]),
-        "equivalence": (job.get("verification") or {}).get("equivalence"),
-        "startups": {"planned": job["planned"]["startups"], "measured": measured.get("startups")},
-        "payload_bytes": {"planned": job["planned"]["payload_bytes"], "measured": measured.get("payload_bytes")},
-        "recording": report["recording"],
-    }
-
-
 def bridge(
     request: _Request = typer.Option(..., "--request", help="What the consumer domain reads."),
     preset: _Preset = typer.Option(_Preset.TINY, "--preset", help="Sizes: tiny, or Qwen3-14B's real dimensions."),
@@ -56,7 +42,7 @@ def bridge(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Run a checked plan across two native domains (2 + 2 ranks), verified and metered."""
-    from meshpact.live.bridge import Job, run_bridge
+    from meshpact.live.bridge import Job, job_summary, run_bridge
     from meshpact.live.workloads import LiveRequest
 
     path = record or Path("meshpact-runs") / f"bridge-{request.value}-{preset.value}.jsonl"
@@ -64,7 +50,7 @@ def bridge(
     job = report["jobs"][0]
     if job.get("refused"):
         raise MeshpactError("the executor refused the plan: " + "; ".join(job["refused"]))
-    summary = bridge_summary(report, job)
+    summary = job_summary(report, job)
     if as_json:
         emit_json(summary)
     else:
