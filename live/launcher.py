@@ -304,12 +304,30 @@ def worker_args() -> dict:
     return json.loads(Path(path).read_text()) if path and Path(path).exists() else {}
 
 
+def _serve_stores(addresses: Sequence[str]) -> int:
+    stores = []
+    for address in addresses:
+        host, _, port = address.rpartition(":")
+        stores.append(host_store(host, int(port or 0)))
+    sys.stdout.write("PORTS " + " ".join(str(s.port) for s in stores) + "\n")
+    sys.stdout.flush()
+    sys.stdin.read()  # until the parent closes our stdin or dies
+    return 0
+
+
 def _main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m meshpact.live.launcher",
                                      description="Run one rank of a Meshpact worker (torchrun-compatible).")
-    parser.add_argument("--target", required=True, help="package.module:function taking a dict of arguments")
+    parser.add_argument("--target", help="package.module:function taking a dict of arguments")
     parser.add_argument("--args", default=None, help="JSON arguments (overrides the launcher's)")
+    parser.add_argument("--serve-stores", nargs="+", metavar="HOST:PORT",
+                        help="host TCPStores (port 0: the kernel picks), print 'PORTS p1 p2 ...', "
+                             "serve until stdin closes")
     ns = parser.parse_args(argv)
+    if ns.serve_stores:
+        return _serve_stores(ns.serve_stores)
+    if not ns.target:
+        parser.error("--target is required")
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
         sys.stderr.write(f"error: missing torchrun environment {missing}; run under torchrun or the launcher\n")

@@ -1,0 +1,194 @@
+"""Data-path communicators, one per generation, and the choice of how to replace one.
+
+Each recovery starts a new *generation*. Its data-path process group is built fresh over
+the rendezvous store under its own namespace (``meshpact/g<gen>/``), so nothing of the
+broken group's key space or sockets is reused, and installed in c10d's world as the
+default group under the name ``meshpact_data_g<gen>``. The data path gets a short timeout
+(the bound on detecting a silent peer); the control channel keeps its own.
+
+How a broken group is replaced is chosen by capability detection, never guessed:
+``ProcessGroup.reconfigure`` (torch 2.14+) keeps the same object and rebuilds it in place;
+``shrink_group`` applies only when ranks are dropped and the backend says
+``supports_shrinking`` (NCCL >= 2.27); otherwise a new communicator is built (gloo always,
+NCCL when neither applies) and every cached reference is rebound (:mod:`.rebind`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from meshpact.core.recovery import CommunicatorAction
+
+__all__ = ["GroupSpec", "group_name", "build_group", "install_group", "uninstall_group", "drop_group",
+           "store_prefix", "choose_action", "can_reconfigure", "can_shrink", "socket_fds", "data_sockets", "sever"]
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    backend: str  # "gloo" or "nccl"
+    device: str  # "cpu" or "cuda:<i>"
+    rank: int
+    world_size: int
+    timeout_s: float  # data-path operations: the bound on detecting a silent peer
+    connect_timeout_s: float = 60.0  # building a group (waits for every peer to arrive)
+
+
+def group_name(generation: int) -> str:
+    return f"meshpact_data_g{generation}"
+
+
+def store_prefix(generation: int) -> str:
+    """The store namespace of a generation's group (per run, so runs sharing a store never meet)."""
+    return f"meshpact/{os.environ.get('MESHPACT_RUN_ID', '')}/g{generation}/"
+
+
+def _listening_inodes() -> set[str]:
+    """Inodes of listening TCP sockets (``st`` 0A in /proc/net/tcp{,6})."""
+    out: set[str] = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as fh:
+                next(fh, None)
+                for line in fh:
+                    cols = line.split()
+                    if len(cols) > 9 and cols[3] == "0A":
+                        out.add(f"socket:[{cols[9]}]")
+        except OSError:
+            continue
+    return out
+
+
+def socket_fds() -> dict[int, str]:
+    """This process's open, connected socket descriptors: fd -> ``socket:[inode]``.
+
+    Listening sockets are left out: shutting down a gloo listener makes its accept loop
+    abort the process.
+    """
+    listening = _listening_inodes()
+    out = {}
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{name}")
+        except OSError:
+            continue
+        if target.startswith("socket:") and target not in listening:
+            out[int(name)] = target
+    return out
+
+
+def sever(sockets: dict[int, str]) -> int:
+    """Shut down a broken group's sockets (both directions) without closing its descriptors.
+
+    gloo's ``abort`` does not unblock an operation in flight, and a group cannot be destroyed
+    while FSDP still holds it; shutting its sockets down is what makes every peer still
+    waiting on this rank fail at once ("connection closed by peer") instead of at its
+    timeout. Only descriptors that still name the same socket (inode) are touched.
+    """
+    n = 0
+    for fd, inode in sockets.items():
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") != inode:
+                continue
+            with socket.socket(fileno=os.dup(fd)) as s:
+                s.shutdown(socket.SHUT_RDWR)
+            n += 1
+        except OSError:
+            continue
+    return n
+
+
+def data_sockets(protected: dict[int, str]) -> dict[int, str]:
+    """Connected sockets of this process other than ``protected`` (the stores' and control
+    channel's, taken before any data-path group existed): the data path's."""
+    return {fd: ino for fd, ino in socket_fds().items() if protected.get(fd) != ino}
+
+
+def build_group(spec: GroupSpec, store: Any, generation: int) -> dist.ProcessGroup:
+    """A fresh data-path group for ``generation`` under its own store namespace."""
+    prefix = dist.PrefixStore(store_prefix(generation), store)
+    timeout = timedelta(seconds=spec.timeout_s)
+    connect = timedelta(seconds=max(spec.timeout_s, spec.connect_timeout_s))
+    pg = dist.ProcessGroup(prefix, spec.rank, spec.world_size)
+    if spec.backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        backend = dist.ProcessGroupNCCL(prefix, spec.rank, spec.world_size, opts)
+        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device(spec.device)
+        backend.eager_connect_single_device(device)
+    else:
+        backend = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, connect)  # connecting may wait out a partition
+        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+    backend._set_default_timeout(timeout)
+    backend._set_sequence_number_for_group()
+    pg._set_default_backend(kind)
+    pg._register_backend(device, kind, backend)
+    if kind is dist.ProcessGroup.BackendType.NCCL:  # CPU tensors (e.g. flags) still go through gloo
+        gloo = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, timeout)
+        pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    pg._set_group_name(group_name(generation))
+    pg._set_group_desc(f"meshpact data path, generation {generation}")
+    return pg
+
+
+def install_group(pg: dist.ProcessGroup, store: Any, spec: GroupSpec, as_default: bool = True) -> None:
+    """Register ``pg`` in c10d's world (name registry, maps, tags) and make it the default group."""
+    name = pg.group_name
+    c10d._register_pg_in_world(pg, spec.backend, store, name, f"{spec.device.split(':')[0]}:{spec.backend}",
+                               rank_mapping={i: i for i in range(spec.world_size)})
+    if as_default:
+        c10d._world.default_pg = pg
+
+
+def uninstall_group(pg: dist.ProcessGroup) -> None:
+    """Remove every c10d world entry for ``pg`` (maps, tags, coalescing state, name registry)."""
+    if c10d._world.default_pg is pg:
+        c10d._world.default_pg = None
+    c10d._cleanup_process_group_global_state(pg)
+
+
+def drop_group(pg: dist.ProcessGroup) -> None:
+    """Release a broken group without waiting on it: shut its backend down and let it go.
+
+    On gloo, ``abort`` does not unblock an operation already in flight on another thread; by
+    the time this runs the failed operation has returned with its error, so shutting down
+    closes the sockets at once and peers still waiting on this rank see the connection close.
+    """
+    try:
+        pg.abort()
+    except RuntimeError:
+        pass
+    del pg
+    gc.collect(0)
+
+
+def can_reconfigure(pg: Any) -> bool:
+    """``ProcessGroup.reconfigure`` exists (torch 2.14+): rebuild in place, same object."""
+    return callable(getattr(pg, "reconfigure", None))
+
+
+def can_shrink(pg: dist.ProcessGroup, device: str) -> bool:
+    """The backend can drop ranks from its communicator (NCCL >= 2.27 via ncclCommShrink)."""
+    if not hasattr(dist, "shrink_group"):
+        return False
+    try:
+        return bool(pg._get_backend(torch.device(device)).supports_shrinking)
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def choose_action(pg: Any, device: str, dropped_ranks: int = 0, prefer_reconfigure: bool = True) -> CommunicatorAction:
+    """How to replace ``pg``: reconfigure in place, shrink, or rebuild and rebind."""
+    if prefer_reconfigure and can_reconfigure(pg) and dropped_ranks == 0:
+        return CommunicatorAction.RECONFIGURE
+    if dropped_ranks and can_shrink(pg, device):
+        return CommunicatorAction.SHRINK
+    return CommunicatorAction.REBUILD

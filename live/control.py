@@ -1,0 +1,97 @@
+"""The control channel: an out-of-band key-value channel for consensus and fault bookkeeping.
+
+It is a ``TCPStore`` of its own, on its own port (and, in the partition tests, on its own
+network link), created at start and never used for tensor traffic: a broken data path does
+not touch it. Values are small JSON documents. Every wait is bounded by the channel's own
+timeout, separate from the data path's.
+
+Who hosts it: the launcher (as torchrun's agent hosts the rendezvous store), named by
+``MESHPACT_CONTROL_ADDR`` and ``MESHPACT_CONTROL_PORT``; under plain ``torchrun`` without
+those, rank 0 hosts it on ``MASTER_PORT + 1``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["ControlChannel", "ControlTimeout", "control_address"]
+
+_NAMESPACE = "meshpact/control/"
+
+
+class ControlTimeout(TimeoutError):
+    """Some keys did not appear on the control channel within its timeout."""
+
+    def __init__(self, missing: list[str], timeout_s: float) -> None:
+        super().__init__(f"{len(missing)} key(s) did not appear within {timeout_s:.2f} s: {missing}")
+        self.missing = missing
+        self.timeout_s = timeout_s
+
+
+def control_address() -> tuple[str, int, bool]:
+    """``(host, port, host_it_here)`` from the environment (see the module docstring)."""
+    if os.environ.get("MESHPACT_CONTROL_PORT"):
+        return (os.environ.get("MESHPACT_CONTROL_ADDR", "127.0.0.1"), int(os.environ["MESHPACT_CONTROL_PORT"]), False)
+    return (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]) + 1,
+            int(os.environ.get("RANK", "0")) == 0)
+
+
+class ControlChannel:
+    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 10.0,
+                 is_host: bool = False, connect_timeout_s: float = 60.0) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self._store = dist.TCPStore(host, port, world_size, is_master=is_host,
+                                    timeout=timedelta(seconds=connect_timeout_s), wait_for_workers=False)
+        self._store.set_timeout(timedelta(seconds=self.timeout_s))
+        self._ns = f"{_NAMESPACE}{os.environ.get('MESHPACT_RUN_ID', '')}/"
+
+    @classmethod
+    def from_env(cls, timeout_s: float = 10.0) -> "ControlChannel":
+        host, port, here = control_address()
+        return cls(host, port, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s, is_host=here)
+
+    # -- values ----------------------------------------------------------------------------
+    def set(self, key: str, value: Any) -> None:
+        self._store.set(self._ns + key, json.dumps(value))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        k = self._ns + key
+        if not self._store.check([k]):
+            return default
+        return json.loads(self._store.get(k))
+
+    def add(self, key: str, amount: int = 1) -> int:
+        return int(self._store.add(self._ns + key, amount))
+
+    def set_once(self, key: str, value: Any) -> Any:
+        """Write ``value`` unless the key exists; return what the key holds now (the first writer's)."""
+        raw = self._store.compare_set(self._ns + key, "", json.dumps(value))
+        return json.loads(raw)
+
+    def wait(self, keys: list[str], timeout_s: float | None = None) -> dict[str, Any]:
+        """Wait until every key exists (bounded); raise :class:`ControlTimeout` naming the missing ones."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        full = [self._ns + k for k in keys]
+        try:
+            self._store.wait(full, timedelta(seconds=max(timeout, 0.001)))
+        except (dist.DistStoreError, RuntimeError):
+            pending = [k for k, f in zip(keys, full) if not self._store.check([f])]
+            if pending:
+                raise ControlTimeout(pending, timeout) from None
+        values = self._store.multi_get(full)
+        return {k: json.loads(v) for k, v in zip(keys, values)}
+
+    def present(self, keys: list[str]) -> dict[str, Any]:
+        """The values of those ``keys`` that exist now (no waiting)."""
+        out = {}
+        for k in keys:
+            if self._store.check([self._ns + k]):
+                out[k] = json.loads(self._store.get(self._ns + k))
+        return out
