@@ -132,6 +132,7 @@ def test_plans_page_reports_impossible_facts_readably():
     assert any("passes" in s.value for s in at.success)
 
 
+@pytest.mark.slow
 def test_every_real_edge_gets_a_verdict_per_planner():
     from meshpact.app.planning import planners, real_edges
 
