@@ -24,6 +24,7 @@ __all__ = [
     "region_numel",
     "intersect_intervals",
     "concat_intervals",
+    "take_intervals",
     "union_intervals",
     "region_text",
 ]
@@ -71,6 +72,21 @@ def region_numel(region: Region) -> int:
 def intersect_intervals(iv: Intervals, lo: int, hi: int) -> Intervals:
     out = tuple((max(a, lo), min(b, hi)) for a, b in iv if min(b, hi) > max(a, lo))
     return out
+
+
+def take_intervals(iv: Intervals, lo: int, hi: int) -> Intervals:
+    """The elements at local positions ``lo..hi`` of ``iv`` (positions count along the intervals)."""
+    out = []
+    pos = 0
+    for a, b in iv:
+        n = b - a
+        s, e = max(lo - pos, 0), min(hi - pos, n)
+        if e > s:
+            out.append((a + s, a + e))
+        pos += n
+        if pos >= hi:
+            break
+    return tuple(out)
 
 
 def concat_intervals(a: Intervals, b: Intervals) -> Intervals | None:
