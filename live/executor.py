@@ -2,9 +2,10 @@
 
 Before any step runs, a plan is *admitted* (:func:`admit`): every native collective must lie
 inside one domain and every bridge message must join two domains over a bridge pair, and the
-symbolic checker must pass the plan against its contract. A refused plan raises
-:class:`PlanRefused` with the reasons and makes no call at all: a native collective that
-spans domains is never attempted.
+symbolic checker must pass the plan against its contract; and, once shapes are known, every
+collective must exchange equal chunks (what the process-group backends can do). A refused
+plan raises :class:`PlanRefused` with the reasons on every rank alike and makes no call at
+all: a native collective that spans domains is never attempted.
 
 An admitted plan first runs on zero-filled stand-ins of every rank's buffers at once
 (:func:`simulate`), which gives each receiver the shape of what it will receive, so a bridge
@@ -191,6 +192,10 @@ class Executor:
         admit(plan, contract, lay.mesh, lay.bridge_pairs, checker)
         _, trace = simulate(plan, {r: {k: stand_in(v) for k, v in b.items()} for r, b in initial.items()},
                             None if ids is None else ids.cpu())
+        uneven = [f"step {i}: {why}" for i, s in enumerate(plan.steps) if s.kind is StepKind.COLLECTIVE
+                  for why in ops.chunk_problems(s, [trace[i].inputs.get(r) for r in s.ranks])]
+        if uneven:
+            raise PlanRefused(uneven)
         bufs: Buffers = {k: v.to(lay.device) for k, v in initial.get(lay.rank, {}).items()}
         out = RunOutcome(lay.rank, bufs, {}, first_record=self.meter.mark())
         for i, s in enumerate(plan.steps):

@@ -27,6 +27,7 @@ __all__ = [
     "fold",
     "chunk",
     "collective_result",
+    "chunk_problems",
     "run_collective",
     "project",
     "reference_logprob",
@@ -87,9 +88,37 @@ def collective_result(op: Collective, inputs: Sequence[torch.Tensor | None], s: 
 
 
 def _equal_parts(parts: Sequence[torch.Tensor], what: str) -> None:
-    if len({tuple(p.shape) for p in parts}) != 1:
+    if len({tuple(p.shape) for p in parts}) > 1:
         raise PlanError(f"{what}: chunks of different shapes {[list(p.shape) for p in parts]}; the process-group "
                         "backends need equal chunks (choose sizes divisible by the number of ranks)")
+
+
+def chunk_problems(s: Step, inputs: Sequence[torch.Tensor | None]) -> list[str]:
+    """Why collective ``s`` cannot run on a process group with these participant inputs.
+
+    gloo, NCCL and HCCL exchange equal-sized chunks; a plan over uneven shards (which the
+    interpreter runs) is refused before any rank makes a call.
+    """
+    op = Collective(s.op)
+    n = len(s.ranks)
+    dim = int(s.arg("dim", 0))
+    present = [x for x in inputs if x is not None]
+    if op in (Collective.ALL_GATHER, Collective.GATHER):
+        groups = [present]
+    elif op in (Collective.SCATTER, Collective.REDUCE_SCATTER):
+        groups = [[chunk(x, dim, n, i) for i in range(n)] for x in present]
+    elif op is Collective.ALL_TO_ALL:
+        sd = int(s.arg("split_dim", 0))
+        groups = [[chunk(x, sd, n, j) for j in range(n)] for x in present]
+    else:
+        groups = [present]  # reductions and broadcast need one shape on every rank
+    out = []
+    for parts in groups:
+        try:
+            _equal_parts(parts, f"{op.value} of {s.inputs[0]!r} over ranks {list(s.ranks)}")
+        except PlanError as exc:
+            out.append(str(exc))
+    return out
 
 
 def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shape: torch.Tensor | None,

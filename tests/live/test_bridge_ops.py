@@ -181,3 +181,15 @@ def test_bitwise_comparison_sees_one_ulp_and_tolerance_does_not():
     assert not _compare(got, want, Equivalence(True))[0]
     assert _compare(got, want, Equivalence(False, atol=0.02, rtol=0.0))[0]
     assert not _compare(want.float(), want, Equivalence(True))[0]  # dtype is part of the demand
+
+
+def test_uneven_chunks_that_process_groups_cannot_exchange_are_named_before_running():
+    from meshpact.live import ops
+
+    gather = Step("collective", "all_gather", (0, 1, 2), ("x",), "y", 96, "float32", args={"dim": 1})
+    assert ops.chunk_problems(gather, [torch.zeros(6, 4)] * 3) == []
+    (why,) = ops.chunk_problems(gather, [torch.zeros(6, 4), torch.zeros(6, 4), torch.zeros(6, 2)])
+    assert "[6, 2]" in why and "equal chunks" in why
+    scatter = Step("collective", "scatter", (0, 1), ("x",), "y", 216, "float32", args={"dim": 1, "root": 0})
+    assert ops.chunk_problems(scatter, [torch.zeros(6, 10), None]) == []
+    assert ops.chunk_problems(scatter, [torch.zeros(6, 9), None])  # 5 + 4 columns
