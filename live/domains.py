@@ -37,6 +37,7 @@ __all__ = [
     "DomainLayout",
     "two_domain_mesh",
     "designated_bridge_pairs",
+    "bridge_pairs",
     "init_domains",
 ]
 
@@ -108,6 +109,18 @@ def _pair(a: int, b: int) -> tuple[int, int]:
     return (a, b) if a < b else (b, a)
 
 
+def bridge_pairs(mesh: Mesh, extra: Iterable[tuple[int, int]] = ()) -> tuple[tuple[int, int], ...]:
+    """The designated bridge pairs plus ``extra``, each joining two domains, sorted, once each."""
+    pairs: set[tuple[int, int]] = set()
+    for a, b in (*designated_bridge_pairs(mesh), *extra):
+        key = _pair(int(a), int(b))
+        da, db = mesh.domain_of(key[0]).name, mesh.domain_of(key[1]).name
+        if da == db:
+            raise MeshpactError(f"bridge pair {list(key)} lies inside domain {da!r}; a bridge joins two domains")
+        pairs.add(key)
+    return tuple(sorted(pairs))
+
+
 @dataclass
 class DomainLayout:
     """One process's view of the two-domain world: its domain group and its bridges."""
@@ -174,6 +187,7 @@ def init_domains(
     """
     if mesh.world_size != env.world_size:
         raise LaunchError(f"the mesh has {mesh.world_size} ranks but WORLD_SIZE={env.world_size}")
+    bridge_pairs(mesh, extra_bridge_pairs)  # refuse a bad pair before joining anything
     domain = mesh.domain_of(env.rank)
     choice = choose_backend(domain.vendor, env.local_rank)
     if choice.device.startswith("cuda"):
@@ -196,15 +210,7 @@ def init_domains(
             raise MeshpactError(f"sub-group {list(ranks)} spans domains; a native group lies inside one domain")
         if ranks not in {tuple(sorted(d.ranks)) for d in mesh.domains}:
             subs[ranks] = native(ranks)
-    pairs: list[tuple[int, int]] = []
-    for a, b in (*designated_bridge_pairs(mesh), *extra_bridge_pairs):
-        key = _pair(int(a), int(b))
-        if mesh.domain_of(key[0]).name == mesh.domain_of(key[1]).name:
-            raise MeshpactError(f"bridge pair {list(key)} lies inside domain {mesh.domain_of(key[0]).name!r}; "
-                                "a bridge joins two domains")
-        if key not in pairs:
-            pairs.append(key)
-    pairs.sort()
+    pairs = bridge_pairs(mesh, extra_bridge_pairs)
     bridges = {key: dist.new_group(list(key), backend="gloo", timeout=timeout) for key in pairs}
     return DomainLayout(mesh, env.rank, domain, choice, groups[domain.name],
                         {k: g for k, g in bridges.items() if env.rank in k}, tuple(pairs),
