@@ -363,7 +363,15 @@ def compile_contract(edge: Edge) -> Contract:
     reqs.append(f"{p.op} finished on {pdom.name} before anything is read")
     completion = Completion(p.placement.op if partial else None, tuple(h.rank for h in holdings),
                             pdom.name, tuple(reqs))
-    if isinstance(p.placement, Shard):
+    demand = _demand(edge)
+    if c.request in _RESULT_REQUESTS:
+        if c.request is Request.OWNER_TOKEN:
+            senders = tuple((f"token of {p.name}{region_text(o.region)} for its owner, rank {o.rank}",
+                             pdom.bridge_rank) for o in demand.observations)
+        else:
+            o = demand.observations[0]
+            senders = ((f"{o.form.value} of {p.name}{region_text(o.region)}", pdom.bridge_rank),)
+    elif isinstance(p.placement, Shard):
         senders = tuple((f"{p.name}{region_text(h.region)}", h.rank) for h in holdings)
     else:
         what = "completed " if partial else ""
@@ -375,7 +383,7 @@ def compile_contract(edge: Edge) -> Contract:
     locality = Locality(pdom.name, cdom.name, cross, link,
                         (pdom.bridge_rank, cdom.bridge_rank) if cross else None,
                         tuple(dict.fromkeys((pdom.name, cdom.name))))
-    return Contract(edge, provenance, _substitutability(edge, n), completion, authority, _demand(edge), locality)
+    return Contract(edge, provenance, _substitutability(edge, n), completion, authority, demand, locality)
 
 
 def is_result_request(request: Request) -> bool:
