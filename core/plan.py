@@ -14,6 +14,13 @@ Cost conventions (one place, used by every consumer of a plan):
   this at each call, so planned and measured counts can be compared exactly.
 * **time**: α-β per link class, with ring algorithms inside a domain
   (:func:`step_time_s`).
+* **sizes of projected data**: (max, index) pairs 8 B per row per shard, log-sum-exp
+  statistics 12 B, token ids 8 B, log-probabilities 4 B per row
+  (:func:`meshpact.core.planbuild.form_bytes`).
+
+What each step does to each rank's buffers (collectives, sends, projections, deliver) is
+defined by the table in :mod:`meshpact.core.interpreter`, the numeric reference that the
+live executor mirrors.
 
 JSON round-trips byte for byte: ``Plan.from_json(plan.to_json()).to_json() == plan.to_json()``.
 """
