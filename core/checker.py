@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple, Sequence
 
-from .contract import Contract, Equivalence, Form
-from .placement import shard_bounds
+from .contract import Contract, Equivalence, Form, Observation
+from .placement import Partial, shard_bounds
 from .plan import Collective, Plan, Projection, Step, StepKind
 from .region import (
     Intervals, Region, concat_intervals, intervals_from_indices, intervals_indices, intervals_size, region_text,
@@ -339,7 +339,7 @@ class _Checker:
             try:
                 self.step(k, step)
             except _Bad as bad:
-                self.flag(bad.kind, k, getattr(bad, "rank", None), bad.reason)
+                self.flag(bad.kind, k, None, bad.reason)
         self.finish()
         return CheckReport(tuple(self.violations))
 
@@ -596,7 +596,7 @@ class _Checker:
             return f"values that mean nothing ({p.why})"
         return f"{p.form.value} {p.tensor}{region_text(p.region)}"
 
-    def judge(self, obs) -> None:
+    def judge(self, obs: Observation) -> None:
         rank = obs.rank
         want = f"{obs.form.value} {self.tensor}{region_text(obs.region)}"
         if rank not in self.observed:
@@ -634,7 +634,7 @@ class _Checker:
             return
         if not p.exact and self.c.substitutability.equivalence is Equivalence.BITWISE:
             what = ("log-probabilities combined from per-shard statistics" if p.form is Form.LOGPROB
-                    and not self.c.provenance.placement.__class__.__name__ == "Partial"
+                    and not isinstance(self.c.provenance.placement, Partial)
                     else f"a {self.op or 'reduction'} in an order other than the reference")
             self.flag(ViolationKind.DISALLOWED_SUBSTITUTE, k, rank,
                       f"rank {rank} observes {what}; the contract demands bitwise equality with one device")
