@@ -20,7 +20,8 @@ from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 __all__ = ["ReplayEvent", "ReplayFrame", "from_timeline", "from_recording", "replay_frame", "frame_breakdown", "find_recordings"]
 
 _KEEP_SIMULATED = frozenset({"fault", "stage", "rejoin", "degraded"})
-_NEUTRAL = frozenset({"degraded", "checkpoint", "checkpoint_write", "call", "plan"})  # neither opens nor closes
+_POLICIES = frozenset(p.value for p in Policy)
+_NEUTRAL = frozenset({"degraded", "call", "plan"})  # neither opens nor closes a recovery
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class ReplayFrame:
     stage: Stage | None
     stages_so_far: Mapping[Stage, float]
     recoveries_before: int
+    policy: Policy | None = None  # as decided by the recovery in progress, where an event says
 
 
 def _rank(value: Any) -> int | None:
@@ -76,8 +78,9 @@ def from_timeline(events: Iterable[Any], policy: Policy | str | None = None) -> 
 
 
 def from_recording(events: Sequence[Event]) -> list[ReplayEvent]:
-    """Replay events from a recording: a stage's duration is its ``data.duration_s``; an
-    event naming a fault (``fault``, ``fault_injected``...) marks its rank failed."""
+    """Replay events from a recording: a stage's duration is its ``data.seconds`` (live
+    mode's measurement) or ``data.duration_s``; an event naming a fault (``fault``,
+    ``fault_injected``...) marks its rank failed."""
     out = []
     for e in events:
         if e.event == "recording_start":
@@ -85,7 +88,7 @@ def from_recording(events: Sequence[Event]) -> list[ReplayEvent]:
         data = dict(e.data)
         kind = "fault" if "fault" in e.event and e.rank is not None else ("stage" if e.stage else e.event)
         out.append(ReplayEvent(
-            t=e.t, kind=kind, duration_s=float(data.get("duration_s") or 0.0), stage=e.stage,
+            t=e.t, kind=kind, duration_s=float(data.get("seconds", data.get("duration_s")) or 0.0), stage=e.stage,
             rank=e.rank if e.rank is not None else _rank(data.get("rank")), data={"event": e.event, **data},
         ))
     return sorted(out, key=lambda e: e.t)
@@ -94,17 +97,20 @@ def from_recording(events: Sequence[Event]) -> list[ReplayEvent]:
 def replay_frame(events: Sequence[ReplayEvent], index: int) -> ReplayFrame:
     """The mesh at ``events[index]``: failed ranks, running stage, stage durations so far.
 
-    A recovery opens with a fault (or with a stage when a recording has no fault event)
-    and closes at any other event (resumed, rejoin, a step...) but the neutral ones
-    (degraded spans, checkpoints), or when a fault arrives
-    after its last stage has ended. A fault while stages still run joins that recovery.
+    A recovery opens with a fault (or with a stage when a recording has no fault event).
+    It closes when a rank that ran its stages, or the job as a whole, records anything
+    else (a checkpoint, a step, resumed), when a fault arrives after its last stage has
+    ended, or when a rank detects a second time. A fault while stages still run joins
+    that recovery. Ranks run stages side by side: a stage's duration is the longest any
+    rank spent in it.
     """
     if not events:
         raise ValueError("nothing to replay: the timeline has no faults or recovery stages")
     index = max(0, min(int(index), len(events) - 1))
     failed: set[int] = set()
-    stages: dict[Stage, float] = {}
+    spent: dict[tuple[Stage, int | None], float] = {}  # per stage and rank: ranks run stages side by side
     recoveries, open_, stage, ends_at = 0, False, None, float("-inf")
+    policy: Policy | None = None
 
     def close() -> None:
         nonlocal recoveries, open_, stage, failed
@@ -112,26 +118,39 @@ def replay_frame(events: Sequence[ReplayEvent], index: int) -> ReplayFrame:
             recoveries += 1
         open_, stage, failed = False, None, set()
 
+    def begin(t: float) -> None:
+        nonlocal open_, spent, ends_at, policy, failed
+        open_, spent, ends_at, policy, failed = True, {}, t, None, set()
+
     for e in events[: index + 1]:
+        ranks_in = {r for _, r in spent}
         if e.kind == "fault":
-            if open_ and stages and e.t >= ends_at:
+            if open_ and spent and e.t >= ends_at:
                 close()
             if not open_:
-                open_, stages, ends_at = True, {}, e.t
+                begin(e.t)
             if e.rank is not None:
                 failed.add(e.rank)
         elif e.kind in _NEUTRAL:
             continue
         elif e.stage is not None:
+            if open_ and e.stage is Stage.DETECTION and (Stage.DETECTION, e.rank) in spent:
+                close()  # this rank detects again: a new recovery
             if not open_:
-                open_, stages, failed = True, {}, set()
+                begin(e.t)
             stage = e.stage
-            stages[e.stage] = stages.get(e.stage, 0.0) + e.duration_s
+            spent[(e.stage, e.rank)] = spent.get((e.stage, e.rank), 0.0) + e.duration_s
             ends_at = max(ends_at, e.t + e.duration_s)
-        else:
-            close()
+            if e.data.get("policy") in _POLICIES:
+                policy = Policy(e.data["policy"])
+        elif e.rank is None or e.rank in ranks_in:
+            close()  # a rank that took part went on (or the whole job did)
+    stages: dict[Stage, float] = {}
+    for (st, _), secs in spent.items():
+        stages[st] = max(stages.get(st, 0.0), secs)
+    ordered = {s: stages[s] for s in Stage.ordered() if s in stages}
     return ReplayFrame(index=index, event=events[index], failed=frozenset(failed), stage=stage,
-                       stages_so_far=dict(stages), recoveries_before=recoveries)
+                       stages_so_far=ordered, recoveries_before=recoveries, policy=policy)
 
 
 def frame_breakdown(frame: ReplayFrame, policy: Policy | str) -> RecoveryBreakdown:

@@ -76,7 +76,8 @@ summaries = {
 for tab, (facet, value) in zip(st.tabs(list(facets)), facets.items()):
     with tab:
         st.markdown(summaries.get(facet, ""))
-        st.json(value, expanded=2)
+        with st.expander("every field"):
+            st.json(value, expanded=2)
 
 st.subheader("Planners, judged by the checker")
 missing = {"layout-only", "byte-only"} - set(planners())
@@ -92,10 +93,10 @@ for col, out in zip(columns, result.outcomes):
             st.error("**verdict: rejected**\n\n" + "\n".join(f"- {r}" for r in out.reasons[:8])
                      + (f"\n- … {len(out.reasons) - 8} more" if len(out.reasons) > 8 else ""))
         if out.plan is not None and out.cost is not None:
-            a, b, c = st.columns(3)
-            a.metric("startups", out.cost.startups)
-            b.metric("payload", human_bytes(out.cost.payload_bytes), help=f"{out.cost.payload_bytes:,} bytes")
-            c.metric("α-β time", f"{out.cost.time_s * 1e3:.3g} ms")
+            st.markdown(f"**{out.cost.startups}** startups · **{human_bytes(out.cost.payload_bytes)}** payload · "
+                        f"**{out.cost.time_s * 1e3:.3g} ms** α-β time",
+                        help=f"{out.cost.payload_bytes:,} payload bytes; by link: "
+                             + ", ".join(f"{k} {v:,} B" for k, v in out.cost.bytes_by_link.items()))
             with st.expander(f"{len(out.plan.steps)} steps"):
                 st.dataframe(steps_rows(out.plan), hide_index=True)
 plotted = [o for o in result.outcomes if o.plan is not None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
 
 import streamlit as st
@@ -15,7 +16,8 @@ from meshpact.core.recording import read_recording
 from meshpact.core.recovery import Policy
 
 IDX, PLAY = "replay_index", "replay_playing"
-RECORDING_ROOTS = (Path("recordings"), Path("scenarios/recordings"))
+# Live runs from the Live page (relative to where the app runs), and the recordings shipped with the scenarios.
+RECORDING_ROOTS = (Path("recordings"), Path(str(resources.files("meshpact.scenarios").joinpath("recordings"))))
 
 choice = require_scenario()
 mesh = mesh_of(choice)
@@ -37,15 +39,15 @@ def recorded(path: str, mtime: float) -> tuple[list[ReplayEvent], dict]:
     return from_recording(events), dict(events[0].data)
 
 
-source = st.radio("replay", ["simulated run of this scenario", "recording"], horizontal=True,
+source = st.radio("replay", ["simulated run of this scenario", "recording"], horizontal=True, key="replay_source",
                   label_visibility="collapsed")
 policy = Policy.IN_MEMORY
 try:
     if source == "recording":
         found = find_recordings(RECORDING_ROOTS)
         options = [str(p) for p in found] + ["another file…"]
-        pick = st.selectbox("recording", options, help="Finished recordings under recordings/ and scenarios/recordings/")
-        path = st.text_input("path of a recording (.jsonl)") if pick == "another file…" else pick
+        pick = st.selectbox("recording", options, key="replay_recording", help="Finished recordings: live runs under recordings/, and those shipped in scenarios/recordings/")
+        path = st.text_input("path of a recording (.jsonl)", key="replay_path") if pick == "another file…" else pick
         if not path:
             st.info("No recording chosen. Live runs save theirs under `recordings/`; give a path to replay another.")
             st.stop()
@@ -54,8 +56,6 @@ try:
             raise MeshpactError(f"{p}: no such recording; expected a .jsonl file written by a live or simulated run")
         events, meta = recorded(str(p), p.stat().st_mtime)
         st.caption(f"{p.name} · source: {meta.get('source', 'unknown')} · {len(events)} events")
-        if meta.get("policy"):
-            policy = Policy(meta["policy"])
     else:
         policy = Policy(st.selectbox("policy", [p.value for p in Policy], index=2,
                                      format_func=lambda v: Policy(v).label))
@@ -102,7 +102,8 @@ def player() -> None:
         d.metric("recoveries before this one", frame.recoveries_before)
         st.markdown(f"**Event {idx + 1}/{len(events)}:** {frame.event.label}")
         if frame.stages_so_far:
-            st.plotly_chart(recovery_figure([frame_breakdown(frame, policy)], height=200), key="replay_stages")
+            st.plotly_chart(recovery_figure([frame_breakdown(frame, frame.policy or policy)], height=200),
+                            key="replay_stages")
     lo = max(0, idx - 3)
     st.dataframe([{"#": i + 1, "t (s)": round(e.t, 3), "event": e.label, "now": "◀" if i == idx else ""}
                   for i, e in enumerate(events[lo: lo + 8], start=lo)], hide_index=True)

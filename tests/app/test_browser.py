@@ -92,7 +92,11 @@ def _settle(pg) -> None:  # noqa: ANN001 (a playwright Page)
     pg.wait_for_selector("h1", timeout=30_000)
     # The script is done when the status widget stops showing "Running".
     pg.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=30_000)
-    pg.wait_for_timeout(600)
+    # Elements arrive before they are drawn: wait for the skeletons and for every chart to plot.
+    pg.wait_for_function("""() => !document.querySelector('[data-testid="stSkeleton"]') &&
+        [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => c.querySelector('.main-svg'))""",
+                         timeout=30_000)
+    pg.wait_for_timeout(800)
 
 
 @pytest.mark.parametrize("name", list(PAGES))

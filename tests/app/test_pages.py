@@ -147,3 +147,25 @@ def test_every_real_edge_gets_a_verdict_per_planner():
         verdicts = [e.value for e in at.success] + [e.value for e in at.error]
         assert len([v for v in verdicts if "verdict" in v]) == len(planners()), name
         assert any("passes" in s.value for s in at.success), f"{name}: the lowerer's plan must pass"
+
+
+def test_replay_plays_the_shipped_live_recording():
+    at = _app()
+    at.switch_page("pages/replay.py").run()
+    at.radio(key="replay_source").set_value("recording").run()
+    shipped = [o for o in at.selectbox(key="replay_recording").options if o.endswith("live-trial-2-ranks.jsonl")]
+    assert shipped, at.selectbox(key="replay_recording").options
+    at.selectbox(key="replay_recording").set_value(shipped[0]).run()
+    assert not at.exception and not at.error
+    at.slider(key="replay_index").set_value(4).run()  # the injected fault
+    assert _metric(at, "failed ranks") == "0"
+
+
+def test_replay_of_a_missing_recording_is_a_readable_error(tmp_path):
+    at = _app()
+    at.switch_page("pages/replay.py").run()
+    at.radio(key="replay_source").set_value("recording").run()
+    at.selectbox(key="replay_recording").set_value("another file…").run()
+    at.text_input(key="replay_path").input(str(tmp_path / "nope.jsonl")).run()
+    assert not at.exception
+    assert any("no such recording" in e.value for e in at.error)

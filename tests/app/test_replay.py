@@ -1,0 +1,82 @@
+"""Replay frames from simulated timelines and live recordings."""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from meshpact.app.replay import find_recordings, from_recording, from_timeline, replay_frame
+from meshpact.core.recording import Event, read_recording
+from meshpact.core.recovery import Policy, Stage
+
+SHIPPED = Path(str(resources.files("meshpact.scenarios").joinpath("recordings", "live-trial-2-ranks.jsonl")))
+
+
+def _sim(t, kind, stage=None, dur=0.0, rank=7, policy="in_memory"):
+    return {"t": t, "duration_s": dur, "policy": policy, "kind": kind, "stage": stage, "data": {"rank": rank}}
+
+
+def test_simulated_recovery_fails_its_rank_until_the_next_fault():
+    timeline = [
+        _sim(10.0, "fault"), _sim(10.0, "stage", "detection", 5.0), _sim(15.0, "stage", "consensus", 0.2),
+        _sim(15.2, "checkpoint", dur=3.0),  # dropped: not part of a replay
+        _sim(99.0, "fault", rank=2), _sim(99.0, "stage", "detection", 5.0),
+        _sim(50.0, "fault", policy="cold_restart"),  # another policy's timeline
+    ]
+    events = from_timeline(timeline, Policy.IN_MEMORY)
+    assert [e.kind for e in events] == ["fault", "stage", "stage", "fault", "stage"]
+    f = replay_frame(events, 2)
+    assert f.failed == {7} and f.stage is Stage.CONSENSUS
+    assert f.stages_so_far == {Stage.DETECTION: 5.0, Stage.CONSENSUS: 0.2}
+    g = replay_frame(events, 4)
+    assert g.failed == {2} and g.recoveries_before == 1 and g.stages_so_far == {Stage.DETECTION: 5.0}
+
+
+def test_a_fault_during_a_recovery_joins_it():
+    events = from_timeline([_sim(0.0, "fault", rank=1), _sim(0.0, "stage", "detection", 5.0),
+                            _sim(2.0, "fault", rank=3), _sim(5.0, "stage", "consensus", 1.0)])
+    f = replay_frame(events, 3)
+    assert f.failed == {1, 3} and f.recoveries_before == 0
+
+
+def _ev(t, event, rank=None, stage=None, **data):
+    return Event(t=t, event=event, rank=rank, stage=Stage(stage) if stage else None, data=data)
+
+
+def test_live_recording_takes_the_longest_rank_per_stage_and_the_decided_policy():
+    events = from_recording([
+        _ev(0.0, "recording_start", source="live"),
+        _ev(1.0, "fault_injected", rank=0, kind="collective"),
+        _ev(1.1, "detected", 0, "detection", seconds=0.02), _ev(1.1, "detected", 1, "detection", seconds=0.05),
+        _ev(1.3, "decided", 0, "consensus", seconds=0.1, policy="in_memory"),
+        _ev(1.3, "decided", 1, "consensus", seconds=0.2, policy="in_memory"),
+        _ev(2.0, "checkpoint", 1, step=8),
+    ])
+    assert events[0].kind == "fault" and events[0].rank == 0
+    f = replay_frame(events, 4)
+    assert f.failed == {0} and f.policy is Policy.IN_MEMORY
+    assert f.stages_so_far == {Stage.DETECTION: 0.05, Stage.CONSENSUS: 0.2}
+    done = replay_frame(events, 5)
+    assert done.failed == frozenset() and done.recoveries_before == 1
+
+
+def test_the_shipped_live_recording_replays_two_recoveries():
+    events = from_recording(read_recording(SHIPPED))
+    frames = [replay_frame(events, i) for i in range(len(events))]
+    assert {0} in [f.failed for f in frames]  # the injected fault on rank 0
+    policies = [f.policy for f in frames if f.stage is Stage.CONSENSUS]
+    assert Policy.IN_MEMORY in policies and Policy.CHECKPOINT_RESTORE in policies
+    assert frames[-1].recoveries_before == 2
+
+
+def test_nothing_to_replay_is_a_readable_error():
+    with pytest.raises(ValueError, match="nothing to replay"):
+        replay_frame([], 0)
+
+
+def test_find_recordings_skips_partial_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    (tmp_path / "b.jsonl.partial").write_text("{}\n")
+    assert [p.name for p in find_recordings([tmp_path, tmp_path / "missing"])] == ["a.jsonl"]
