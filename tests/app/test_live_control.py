@@ -70,11 +70,20 @@ def test_ranks_are_found_faulted_and_everything_stops(job):
 
 def test_recording_is_followed_while_it_is_written(job):
     assert _wait(lambda: partial_path(job.recording).exists())
-    events, offset = [], 0
-    assert _wait(lambda: (events.extend(tail_events(job.recording, offset)[0]) or True) and len(events) >= 3)
-    assert events[0].event == "recording_start" and events[1].event == "cluster_started"
-    new, offset2 = tail_events(job.recording, 0)
-    assert offset2 > 0 and new[0].event == "recording_start"
+    events: list = []
+    offset = 0
+
+    def more() -> bool:
+        nonlocal offset
+        new, offset = tail_events(job.recording, offset)
+        events.extend(new)
+        return len(events) >= 4
+
+    assert _wait(more)
+    assert [e.event for e in events[:3]] == ["recording_start", "cluster_started", "tick"]
+    assert [e.data["i"] for e in events[2:4]] == [0, 1]  # each event read once, in order
+    again, _ = tail_events(job.recording, 0)
+    assert again[0].event == "recording_start"
 
 
 def test_dropping_the_job_with_the_session_stops_its_processes(tmp_path):
