@@ -25,17 +25,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, NamedTuple, Sequence
+from typing import Any
 
 from .contract import Contract, Equivalence, Form, Observation
+from .pieces import Buf, Piece, PieceAlgebra, Refusal, garbage, rows_of_piece
 from .placement import Partial, shard_bounds
 from .plan import Collective, Plan, Projection, Step, StepKind
-from .region import (
-    Intervals, Region, concat_intervals, intervals_from_indices, intervals_indices, intervals_size, region_text,
-    take_intervals, union_intervals,
-)
+from .region import Intervals, intervals_from_indices, intervals_indices, intervals_size, region_text
 
-__all__ = ["ViolationKind", "Violation", "CheckReport", "check", "Piece"]
+__all__ = ["ViolationKind", "Violation", "CheckReport", "check"]
 
 
 class ViolationKind(str, Enum):
@@ -84,59 +82,21 @@ class CheckReport:
         return {"ok": self.ok, "violations": [v.to_dict() for v in self.violations]}
 
 
-class Piece(NamedTuple):
-    """A symbolic value: which region of which tensor, in what reduction state and form."""
-
-    tensor: str
-    form: Form
-    region: Region  # RAW: per tensor dim; other forms: (rows, columns covered)
-    contrib: tuple[int, ...] | None  # partial addends summed in (None: complete by birth)
-    exact: bool  # bitwise equal to the single-device value
-    why: str = ""  # for GARBAGE: how it went wrong
-
-
-class Buf(NamedTuple):
-    pieces: tuple[Piece, ...]
-    shape: tuple[int, ...]
-
-
-class _Bad(Exception):
-    def __init__(self, kind: ViolationKind, reason: str) -> None:
-        super().__init__(reason)
-        self.kind = kind
-        self.reason = reason
-
-
-def _garbage(rows: Intervals, why: str, tensor: str = "") -> Piece:
-    return Piece(tensor, Form.GARBAGE, (rows,), None, False, why)
-
-
-def _rows(p: Piece) -> Intervals:
-    return p.region[0] if p.region else ()
-
-
 def _rows_text(iv: Intervals) -> str:
     return region_text((iv,))[1:-1]
 
 
-class _Checker:
+
+class _Checker(PieceAlgebra):
     def __init__(self, contract: Contract) -> None:
-        self.c = contract
-        self.mesh = contract.edge.mesh
-        prov = contract.provenance
-        self.order = contract.completion.contributors
-        self.all = frozenset(self.order)
-        self.tensor = prov.tensor
-        self.floating = prov.dtype.is_floating
-        self.op = contract.completion.reduce_op
-        self.vocab = prov.shape[-1]
+        super().__init__(contract)
         self.mem: dict[int, dict[str, Buf]] = {r: {} for r in self.mesh.ranks}
         self.writes: dict[int, list[tuple[int, Buf]]] = {r: [] for r in self.mesh.ranks}
         self.observed: dict[int, tuple[int, Buf]] = {}
         self.pending: list[tuple[int, int, Piece]] = []
         self.senders: dict[tuple, int] = {}
         self.violations: list[Violation] = []
-        for h in prov.holdings:
+        for h in contract.provenance.holdings:
             shape = tuple(intervals_size(iv) for iv in h.region)
             piece = Piece(self.tensor, Form.RAW, h.region, (h.rank,) if h.partial else None, True)
             self.mem[h.rank][self.tensor] = Buf((piece,), shape)
@@ -145,13 +105,10 @@ class _Checker:
     def flag(self, kind: ViolationKind, step: int | None, rank: int | None, reason: str) -> None:
         self.violations.append(Violation(kind, step, rank, reason))
 
-    def partial(self, p: Piece) -> bool:
-        return p.contrib is not None and frozenset(p.contrib) != self.all
-
     def read(self, k: int, step: Step, rank: int, name: str) -> Buf:
         buf = self.mem.get(rank, {}).get(name)
         if buf is None:
-            raise _Bad(ViolationKind.MISSING_INPUT, f"{step.op} reads {name!r}, which rank {rank} does not hold")
+            raise Refusal(ViolationKind.MISSING_INPUT, f"{step.op} reads {name!r}, which rank {rank} does not hold")
         return buf
 
     def write(self, k: int, rank: int, name: str, buf: Buf) -> None:
@@ -160,186 +117,20 @@ class _Checker:
         auth = self.c.authority
         if auth.owner_of_row is not None:
             for p in buf.pieces:
-                if _rows(p) and not auth.may_hold(rank, _rows(p)):
-                    foreign = [r for r in intervals_indices(_rows(p)) if auth.owner_of_row[r] != rank]
+                if rows_of_piece(p) and not auth.may_hold(rank, rows_of_piece(p)):
+                    foreign = [r for r in intervals_indices(rows_of_piece(p)) if auth.owner_of_row[r] != rank]
                     self.flag(ViolationKind.NON_OWNER_OBSERVES, k, rank,
                               f"rank {rank} receives rows {_rows_text(intervals_from_indices(foreign))} of "
                               f"{p.tensor}, owned by rank(s) {sorted({auth.owner_of_row[r] for r in foreign})}")
                     break
-
-    def ndim(self, p: Piece) -> int:
-        return {Form.TOKEN: 1, Form.LOGPROB: 1, Form.MAX_ARG: 2, Form.LSE_STATS: 2}.get(p.form, len(p.region))
-
-    # -- region algebra over buffers -----------------------------------------------------
-    def merge2(self, a: Piece, b: Piece, dim: int) -> Piece | None:
-        if Form.GARBAGE in (a.form, b.form) or a.tensor != b.tensor or a.form != b.form or a.contrib != b.contrib:
-            return None
-        exact = a.exact and b.exact
-        if a.form is Form.RAW:
-            if any(a.region[i] != b.region[i] for i in range(len(a.region)) if i != dim):
-                return None
-            iv = concat_intervals(a.region[dim], b.region[dim])
-            return None if iv is None else a._replace(region=a.region[:dim] + (iv,) + a.region[dim + 1:], exact=exact)
-        rows_a, cols_a = a.region
-        rows_b, cols_b = b.region
-        if a.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
-            if rows_a != rows_b:
-                return None
-            cols, overlap = union_intervals(cols_a, cols_b)
-            if overlap and a.form is Form.LSE_STATS:
-                return _garbage(rows_a, "statistics of the same columns counted twice", a.tensor)
-            return a._replace(region=(rows_a, cols), exact=exact)
-        if dim == 0 and cols_a == cols_b:
-            iv = concat_intervals(rows_a, rows_b)
-            return None if iv is None else a._replace(region=(iv, cols_a), exact=exact)
-        return None
-
-    def concat(self, bufs: Sequence[Buf], dim: int) -> Buf:
-        shapes = [b.shape for b in bufs]
-        nd = len(shapes[0])
-        if dim >= nd or any(len(s) != nd for s in shapes) or any(
-                s[i] != shapes[0][i] for s in shapes for i in range(nd) if i != dim):
-            raise _Bad(ViolationKind.MALFORMED_STEP,
-                       f"cannot concatenate shapes {[list(s) for s in shapes]} along dim {dim}")
-        shape = tuple(sum(s[dim] for s in shapes) if i == dim else shapes[0][i] for i in range(nd))
-        pieces = [p for b in bufs for p in b.pieces]
-        nonempty = [p for p in pieces if not self.empty(p)] or pieces
-        out: list[Piece] = [nonempty[0]]
-        for p in nonempty[1:]:
-            m = self.merge2(out[-1], p, dim) if len(out) == 1 else None
-            if m is None:
-                out.append(p)
-            else:
-                out[-1] = m
-        return Buf(tuple(out), shape)
-
-    def empty(self, p: Piece) -> bool:
-        if p.form is Form.RAW:
-            return any(not iv for iv in p.region)
-        return p.form is not Form.GARBAGE and not _rows(p)
-
-    def narrow(self, buf: Buf, dim: int, local: Sequence[int]) -> Buf:
-        """Keep local positions ``local`` (increasing) along ``dim``."""
-        if dim >= len(buf.shape):
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"dim {dim} does not exist in shape {list(buf.shape)}")
-        size = buf.shape[dim]
-        if isinstance(local, range) and local.step == 1:
-            if len(local) and (local.start < 0 or local.stop > size):
-                raise _Bad(ViolationKind.MALFORMED_STEP, f"positions {local.start}..{local.stop} outside 0..{size} "
-                                                         f"along dim {dim}")
-        elif any(i < 0 or i >= size for i in local):
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"positions outside 0..{size} along dim {dim}")
-        shape = buf.shape[:dim] + (len(local),) + buf.shape[dim + 1:]
-        if len(buf.pieces) != 1:
-            return Buf((_garbage(self.rows_of(buf), "slice of pieces that do not form one region", self.tensor),),
-                       shape)
-        p = buf.pieces[0]
-        if p.form is Form.GARBAGE:
-            return Buf((p,), shape)
-        if p.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
-            return Buf((_garbage(_rows(p), "slice through packed statistics", p.tensor),), shape)
-        if not isinstance(local, range) and list(local) != sorted(set(local)):
-            return Buf((_garbage(_rows(p), "rows reordered", p.tensor),), shape)
-        if isinstance(local, range) and local.step == 1:
-            iv = take_intervals(p.region[dim], local.start, local.stop)
-        else:
-            idx = intervals_indices(p.region[dim])
-            iv = intervals_from_indices([idx[i] for i in local])
-        return Buf((p._replace(region=p.region[:dim] + (iv,) + p.region[dim + 1:]),), shape)
-
-    def chunk(self, buf: Buf, dim: int, parts: int, index: int) -> Buf:
-        if dim >= len(buf.shape):
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"dim {dim} does not exist in shape {list(buf.shape)}")
-        if parts <= 0 or not 0 <= index < parts:
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"chunk {index} of {parts} does not exist")
-        lo, hi = shard_bounds(buf.shape[dim], parts, index)
-        return self.narrow(buf, dim, range(lo, hi))
-
-    def rows_of(self, buf: Buf) -> Intervals:
-        rows: Intervals = ()
-        for p in buf.pieces:
-            rows, _ = union_intervals(rows, _rows(p))
-        return rows
-
-    def reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[ViolationKind, str]]]:
-        shapes = {b.shape for b in bufs}
-        if len(shapes) != 1:
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"reduction over shapes {sorted(list(s) for s in shapes)}")
-        shape = bufs[0].shape
-        rows: Intervals = ()
-        for b in bufs:
-            rows, _ = union_intervals(rows, self.rows_of(b))
-        if op not in ("sum", "max", "min", "avg"):
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"unknown reduce op {op!r}")
-        if any(len(b.pieces) != 1 for b in bufs):
-            return Buf((_garbage(rows, "reduction of pieces that do not form one region", self.tensor),), shape), []
-        ps = [b.pieces[0] for b in bufs]
-        if len(ps) == 1:
-            return bufs[0], []
-        if any(p.form is Form.GARBAGE for p in ps):
-            return Buf((ps[0] if ps[0].form is Form.GARBAGE else _garbage(rows, "reduction of garbage"),), shape), []
-        if any(p.form is not Form.RAW for p in ps):
-            return Buf((_garbage(rows, f"{op} of projected forms", self.tensor),), shape), []
-        if any(p.region != ps[0].region for p in ps):
-            return Buf((_garbage(rows, f"{op} of different regions {[region_text(p.region) for p in ps]}",
-                                 self.tensor),), shape), []
-        if op in ("max", "min"):
-            if self.op != op and not all(p.contrib is None for p in ps):
-                return Buf((_garbage(rows, f"{op} of {self.op} addends", self.tensor),), shape), []
-            contrib = None if any(p.contrib is None for p in ps) else tuple(
-                r for r in self.order if any(r in (p.contrib or ()) for p in ps))
-            return Buf((ps[0]._replace(contrib=contrib, exact=all(p.exact for p in ps)),), shape), []
-        if self.op is not None and self.op != op:
-            return Buf((_garbage(rows, f"{op} of {self.op} addends", self.tensor),), shape), []
-        complete = [p for p in ps if p.contrib is None]
-        if complete:
-            why = (f"{op} over {len(ps)} copies of complete data counts it {len(ps)} times"
-                   if self.op is None else f"{op} adds an already complete {ps[0].tensor} to addends again")
-            return Buf((_garbage(rows, why, self.tensor),), shape), [(ViolationKind.REDUCED_TWICE, why)]
-        seen: list[int] = []
-        for p in ps:
-            dup = sorted(set(seen) & set(p.contrib or ()))
-            if dup:
-                why = f"addends of rank(s) {dup} would be summed twice"
-                return Buf((_garbage(rows, why, self.tensor),), shape), [(ViolationKind.REDUCED_TWICE, why)]
-            seen.extend(p.contrib or ())
-        if op == "avg":
-            if frozenset(seen) != self.all or any(len(p.contrib or ()) != 1 for p in ps):
-                return Buf((_garbage(rows, "an average is only correct over all addends at once", self.tensor),),
-                           shape), []
-        exact = self.fold_exact(ps, native)
-        return Buf((ps[0]._replace(contrib=tuple(seen), exact=exact),), shape), []
-
-    def fold_exact(self, ps: Sequence[Piece], native: bool) -> bool:
-        if not self.floating:
-            return True
-        if native and len(ps) > 2:
-            return False
-        acc = ps[0]
-        acc_set = list(acc.contrib or ())
-        ok = acc.exact
-        for p in ps[1:]:
-            pc = list(p.contrib or ())
-            new = set(acc_set) | set(pc)
-            prefix = set(self.order[: len(new)]) == new
-            if len(acc_set) == 1 and len(pc) == 1:
-                ok = ok and p.exact and prefix
-            elif len(pc) == 1:
-                ok = ok and p.exact and prefix and pc[0] == self.order[len(acc_set)]
-            elif len(acc_set) == 1 and native:
-                ok = ok and p.exact and prefix and acc_set[0] == self.order[len(pc)]
-            else:
-                ok = False
-            acc_set += pc
-        return ok
 
     # -- steps ------------------------------------------------------------------------------
     def run(self, plan: Plan) -> CheckReport:
         for k, step in enumerate(plan.steps):
             try:
                 self.step(k, step)
-            except _Bad as bad:
-                self.flag(bad.kind, k, None, bad.reason)
+            except Refusal as bad:
+                self.flag(ViolationKind(bad.kind), k, None, bad.reason)
         self.finish()
         return CheckReport(tuple(self.violations))
 
@@ -350,8 +141,8 @@ class _Checker:
             for r in step.ranks:
                 try:
                     buf = self.read(k, step, r, step.inputs[0])
-                except _Bad as bad:
-                    self.flag(bad.kind, k, r, bad.reason)
+                except Refusal as bad:
+                    self.flag(ViolationKind(bad.kind), k, r, bad.reason)
                     continue
                 self.observed[r] = (k, buf)
                 for p in buf.pieces:
@@ -362,11 +153,11 @@ class _Checker:
                 try:
                     xs = [self.read(k, step, r, n) for n in step.inputs]
                     out, issues = self.project(step, i, xs)
-                except _Bad as bad:
-                    self.flag(bad.kind, k, r, bad.reason)
+                except Refusal as bad:
+                    self.flag(ViolationKind(bad.kind), k, r, bad.reason)
                     continue
                 for kind, why in issues:
-                    self.flag(kind, k, r, why)
+                    self.flag(ViolationKind(kind), k, r, why)
                 self.write(k, r, step.output, out)
         else:
             self.collective(k, step)
@@ -375,8 +166,8 @@ class _Checker:
         src, dst = step.ranks
         try:
             buf = self.read(k, step, src, step.inputs[0])
-        except _Bad as bad:
-            self.flag(bad.kind, k, src, bad.reason)
+        except Refusal as bad:
+            self.flag(ViolationKind(bad.kind), k, src, bad.reason)
             return
         sd, dd = self.mesh.domain_of(src).name, self.mesh.domain_of(dst).name
         if sd != dd:
@@ -432,7 +223,7 @@ class _Checker:
             elif op in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
                 out, issues = self.reduce(xs, str(step.arg("op", "sum")), native=True)
                 for kind, why in issues:
-                    self.flag(kind, k, None, why)
+                    self.flag(ViolationKind(kind), k, None, why)
                 if op is Collective.REDUCE_SCATTER:
                     outs = [self.chunk(out, dim, len(ranks), i) for i in range(len(ranks))]
                     for r, o in zip(ranks, outs):
@@ -445,18 +236,18 @@ class _Checker:
                 outs = [self.concat([self.chunk(x, sd, len(ranks), j) for x in xs], cd) for j in range(len(ranks))]
                 for r, o in zip(ranks, outs):
                     self.write(k, r, step.output, o)
-        except _Bad as bad:
-            self.flag(bad.kind, k, None, f"{step.op}: {bad.reason}")
+        except Refusal as bad:
+            self.flag(ViolationKind(bad.kind), k, None, f"{step.op}: {bad.reason}")
 
     def per_rank(self, step: Step, name: str, i: int, default: Any = None) -> Any:
         value = step.arg(name)
         if value is None:
             return default
         if not isinstance(value, tuple) or len(value) != len(step.ranks):
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"args.{name} must list one entry per participant")
+            raise Refusal(ViolationKind.MALFORMED_STEP, f"args.{name} must list one entry per participant")
         return value[i]
 
-    def project(self, step: Step, i: int, xs: list[Buf]) -> tuple[Buf, list[tuple[ViolationKind, str]]]:
+    def project(self, step: Step, i: int, xs: list[Buf]) -> tuple[Buf, list[tuple[str, str]]]:
         op = Projection(step.op)
         x = xs[0]
         if op is Projection.SUM:
@@ -466,17 +257,17 @@ class _Checker:
                 parts = int(parts)
                 dim = int(step.arg("dim", 0))
                 if dim >= len(x.shape) or parts <= 0:
-                    raise _Bad(ViolationKind.MALFORMED_STEP, f"cannot split shape {list(x.shape)} in {parts} along {dim}")
+                    raise Refusal(ViolationKind.MALFORMED_STEP, f"cannot split shape {list(x.shape)} in {parts} along {dim}")
                 sizes = {shard_bounds(x.shape[dim], parts, j)[1] - shard_bounds(x.shape[dim], parts, j)[0]
                          for j in range(parts)}
                 if len(sizes) != 1:
-                    raise _Bad(ViolationKind.MALFORMED_STEP, f"{x.shape[dim]} does not split into {parts} equal parts")
+                    raise Refusal(ViolationKind.MALFORMED_STEP, f"{x.shape[dim]} does not split into {parts} equal parts")
                 size = sizes.pop()
                 shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
                 ext = [self.extent(p, dim) for p in x.pieces]
                 if len(x.pieces) == parts and all(e == size for e in ext):
                     return self.reduce([Buf((p,), shape) for p in x.pieces], sop, native=False)
-                return Buf((_garbage(self.rows_of(x), "split does not fall on the gathered addends", self.tensor),),
+                return Buf((garbage(self.rows_of(x), "split does not fall on the gathered addends", self.tensor),),
                            shape), []
             return self.reduce(xs, sop, native=False)
         if op is Projection.CONCAT:
@@ -491,37 +282,37 @@ class _Checker:
             bounds = self.per_rank(step, "bounds", i)
             lo, hi = bounds if bounds is not None else (step.arg("start"), step.arg("stop"))
             if lo is None or hi is None:
-                raise _Bad(ViolationKind.MALFORMED_STEP, "slice needs start/stop, bounds or index")
+                raise Refusal(ViolationKind.MALFORMED_STEP, "slice needs start/stop, bounds or index")
             return self.narrow(x, dim, range(int(lo), int(hi))), []
         if op is Projection.CHUNK:
             return self.chunk(x, int(step.arg("dim", 0)), int(step.arg("parts", 0) or 0),
                               int(self.per_rank(step, "index", i, -1))), []
         # projections that need one clean piece
-        p = x.pieces[0] if len(x.pieces) == 1 else _garbage(self.rows_of(x), "pieces that do not form one region")
+        p = x.pieces[0] if len(x.pieces) == 1 else garbage(self.rows_of(x), "pieces that do not form one region")
         if p.form is Form.GARBAGE:
             return Buf((p,), self.proj_shape(op, x)), []
         want = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG, Projection.COMBINE_LSE_STATS: Form.LSE_STATS}.get(op, Form.RAW)
         shape = self.proj_shape(op, x)
         if p.form is not want:
-            return Buf((_garbage(_rows(p), f"{op.value} of {p.form.value} data", p.tensor),), shape), []
+            return Buf((garbage(rows_of_piece(p), f"{op.value} of {p.form.value} data", p.tensor),), shape), []
         if want is Form.RAW and len(p.region) != 2 and op is not Projection.ARGMAX:
-            return Buf((_garbage(_rows(p), f"{op.value} needs [rows, vocab] logits", p.tensor),), shape), []
+            return Buf((garbage(rows_of_piece(p), f"{op.value} needs [rows, vocab] logits", p.tensor),), shape), []
         if self.partial(p):
             why = (f"{op.value} of a partial addend (contributions of {list(p.contrib or ())} only): "
                    f"the projection of a partial sum is not the projection of the sum")
-            return Buf((_garbage(_rows(p), why, p.tensor),), shape), [(ViolationKind.PROJECTION_OF_PARTIAL, why)]
-        rows = _rows(p)
+            return Buf((garbage(rows_of_piece(p), why, p.tensor),), shape), [("projection_of_partial", why)]
+        rows = rows_of_piece(p)
         cols = p.region[-1]
         if op is Projection.ARGMAX:
             if len(p.region) != 2:
-                return Buf((_garbage(rows, "argmax of a tensor that is not [rows, vocab]", p.tensor),), shape), []
+                return Buf((garbage(rows, "argmax of a tensor that is not [rows, vocab]", p.tensor),), shape), []
             return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
         if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS):
             off = int(self.per_rank(step, "offsets", i, 0))
             if cols and (len(cols) != 1 or cols[0][0] != off):
-                return Buf((_garbage(rows, f"offset {off} is not the shard's first column", p.tensor),), shape), []
+                return Buf((garbage(rows, f"offset {off} is not the shard's first column", p.tensor),), shape), []
             if op is Projection.LOCAL_LSE_STATS and not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
-                return Buf((_garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
+                return Buf((garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
             form = Form.MAX_ARG if op is Projection.LOCAL_MAX_ARG else Form.LSE_STATS
             return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
         if op is Projection.COMBINE_MAX_ARG:
@@ -530,31 +321,26 @@ class _Checker:
             return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, False),), shape), []
         # LOGSOFTMAX_AT
         if cols != ((0, self.vocab),):
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"log-softmax over columns {_rows_text(cols)} of {self.vocab}: "
+            raise Refusal(ViolationKind.MALFORMED_STEP, f"log-softmax over columns {_rows_text(cols)} of {self.vocab}: "
                                                      "target ids fall outside")
         if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
-            return Buf((_garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
+            return Buf((garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
         return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, p.exact),), shape), []
 
     @staticmethod
     def rows_at(rows: Intervals, offset: int) -> bool:
         return not rows or (len(rows) == 1 and rows[0][0] == offset)
 
-    def extent(self, p: Piece, dim: int) -> int:
-        if p.form is Form.GARBAGE or dim >= len(p.region):
-            return -1
-        return intervals_size(p.region[dim])
-
     def proj_shape(self, op: Projection, x: Buf) -> tuple[int, ...]:
         s = x.shape
         need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOGSOFTMAX_AT,
                        Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS)
         if (need2 and len(s) != 2) or (op is Projection.ARGMAX and not s):
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"{op.value} cannot apply to shape {list(s)}")
+            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} cannot apply to shape {list(s)}")
         if op is Projection.COMBINE_MAX_ARG and s[1] % 2:
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"{op.value} needs (value, index) pairs, got width {s[1]}")
+            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs (value, index) pairs, got width {s[1]}")
         if op is Projection.COMBINE_LSE_STATS and s[1] % 3:
-            raise _Bad(ViolationKind.MALFORMED_STEP, f"{op.value} needs statistic triples, got width {s[1]}")
+            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs statistic triples, got width {s[1]}")
         if op is Projection.LOCAL_MAX_ARG:
             return (s[0], 2)
         if op is Projection.LOCAL_LSE_STATS:

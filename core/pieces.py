@@ -1,0 +1,245 @@
+"""Symbolic values for the checker: pieces of a tensor and the algebra of combining them.
+
+A :class:`Piece` says which region of which producer tensor some data covers, in what
+reduction state (the partial addends summed in so far) and in what form (raw values,
+per-shard statistics, tokens, log-probabilities, or garbage with the reason it went
+wrong). A :class:`Buf` is what one rank holds under one buffer name: its pieces in layout
+order and its numeric shape. :class:`PieceAlgebra` concatenates, slices and reduces
+buffers exactly as the numeric interpreter does to arrays, and raises :class:`Refusal`
+where numpy or a process group would refuse the operation.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+from .contract import Contract, Form
+from .placement import shard_bounds
+from .region import (
+    Intervals, Region, concat_intervals, intervals_from_indices, intervals_indices, intervals_size, region_text,
+    take_intervals, union_intervals,
+)
+
+__all__ = ["Piece", "Buf", "Refusal", "PieceAlgebra", "garbage", "rows_of_piece"]
+
+
+class Piece(NamedTuple):
+    """A symbolic value: which region of which tensor, in what reduction state and form."""
+
+    tensor: str
+    form: Form
+    region: Region  # RAW: per tensor dim; other forms: (rows, columns covered)
+    contrib: tuple[int, ...] | None  # partial addends summed in (None: complete by birth)
+    exact: bool  # bitwise equal to the single-device value
+    why: str = ""  # for GARBAGE: how it went wrong
+
+
+class Buf(NamedTuple):
+    pieces: tuple[Piece, ...]
+    shape: tuple[int, ...]
+
+
+class Refusal(Exception):
+    """An operation that cannot work; ``kind`` is the checker's violation kind for it."""
+
+    def __init__(self, kind: str, reason: str) -> None:
+        super().__init__(reason)
+        self.kind = kind
+        self.reason = reason
+
+
+def garbage(rows: Intervals, why: str, tensor: str = "") -> Piece:
+    return Piece(tensor, Form.GARBAGE, (rows,), None, False, why)
+
+
+def rows_of_piece(p: Piece) -> Intervals:
+    return p.region[0] if p.region else ()
+
+
+class PieceAlgebra:
+    """Concatenate, slice and reduce buffers of pieces for one contract."""
+
+    def __init__(self, contract: Contract) -> None:
+        self.c = contract
+        self.mesh = contract.edge.mesh
+        prov = contract.provenance
+        self.order = contract.completion.contributors
+        self.all = frozenset(self.order)
+        self.tensor = prov.tensor
+        self.floating = prov.dtype.is_floating
+        self.op = contract.completion.reduce_op
+        self.vocab = prov.shape[-1]
+
+    def partial(self, p: Piece) -> bool:
+        return p.contrib is not None and frozenset(p.contrib) != self.all
+
+    def ndim(self, p: Piece) -> int:
+        return {Form.TOKEN: 1, Form.LOGPROB: 1, Form.MAX_ARG: 2, Form.LSE_STATS: 2}.get(p.form, len(p.region))
+
+    # -- region algebra over buffers -----------------------------------------------------
+    def merge2(self, a: Piece, b: Piece, dim: int) -> Piece | None:
+        if Form.GARBAGE in (a.form, b.form) or a.tensor != b.tensor or a.form != b.form or a.contrib != b.contrib:
+            return None
+        exact = a.exact and b.exact
+        if a.form is Form.RAW:
+            if any(a.region[i] != b.region[i] for i in range(len(a.region)) if i != dim):
+                return None
+            iv = concat_intervals(a.region[dim], b.region[dim])
+            return None if iv is None else a._replace(region=a.region[:dim] + (iv,) + a.region[dim + 1:], exact=exact)
+        rows_a, cols_a = a.region
+        rows_b, cols_b = b.region
+        if a.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
+            if rows_a != rows_b:
+                return None
+            cols, overlap = union_intervals(cols_a, cols_b)
+            if overlap and a.form is Form.LSE_STATS:
+                return garbage(rows_a, "statistics of the same columns counted twice", a.tensor)
+            return a._replace(region=(rows_a, cols), exact=exact)
+        if dim == 0 and cols_a == cols_b:
+            iv = concat_intervals(rows_a, rows_b)
+            return None if iv is None else a._replace(region=(iv, cols_a), exact=exact)
+        return None
+
+    def concat(self, bufs: Sequence[Buf], dim: int) -> Buf:
+        shapes = [b.shape for b in bufs]
+        nd = len(shapes[0])
+        if dim >= nd or any(len(s) != nd for s in shapes) or any(
+                s[i] != shapes[0][i] for s in shapes for i in range(nd) if i != dim):
+            raise Refusal("malformed_step",
+                       f"cannot concatenate shapes {[list(s) for s in shapes]} along dim {dim}")
+        shape = tuple(sum(s[dim] for s in shapes) if i == dim else shapes[0][i] for i in range(nd))
+        pieces = [p for b in bufs for p in b.pieces]
+        nonempty = [p for p in pieces if not self.empty(p)] or pieces
+        out: list[Piece] = [nonempty[0]]
+        for p in nonempty[1:]:
+            m = self.merge2(out[-1], p, dim) if len(out) == 1 else None
+            if m is None:
+                out.append(p)
+            else:
+                out[-1] = m
+        return Buf(tuple(out), shape)
+
+    def empty(self, p: Piece) -> bool:
+        if p.form is Form.RAW:
+            return any(not iv for iv in p.region)
+        return p.form is not Form.GARBAGE and not rows_of_piece(p)
+
+    def narrow(self, buf: Buf, dim: int, local: Sequence[int]) -> Buf:
+        """Keep local positions ``local`` (increasing) along ``dim``."""
+        if dim >= len(buf.shape):
+            raise Refusal("malformed_step", f"dim {dim} does not exist in shape {list(buf.shape)}")
+        size = buf.shape[dim]
+        if isinstance(local, range) and local.step == 1:
+            if len(local) and (local.start < 0 or local.stop > size):
+                raise Refusal("malformed_step", f"positions {local.start}..{local.stop} outside 0..{size} "
+                                                         f"along dim {dim}")
+        elif any(i < 0 or i >= size for i in local):
+            raise Refusal("malformed_step", f"positions outside 0..{size} along dim {dim}")
+        shape = buf.shape[:dim] + (len(local),) + buf.shape[dim + 1:]
+        if len(buf.pieces) != 1:
+            return Buf((garbage(self.rows_of(buf), "slice of pieces that do not form one region", self.tensor),),
+                       shape)
+        p = buf.pieces[0]
+        if p.form is Form.GARBAGE:
+            return Buf((p,), shape)
+        if p.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
+            return Buf((garbage(rows_of_piece(p), "slice through packed statistics", p.tensor),), shape)
+        if not isinstance(local, range) and list(local) != sorted(set(local)):
+            return Buf((garbage(rows_of_piece(p), "rows reordered", p.tensor),), shape)
+        if isinstance(local, range) and local.step == 1:
+            iv = take_intervals(p.region[dim], local.start, local.stop)
+        else:
+            idx = intervals_indices(p.region[dim])
+            iv = intervals_from_indices([idx[i] for i in local])
+        return Buf((p._replace(region=p.region[:dim] + (iv,) + p.region[dim + 1:]),), shape)
+
+    def chunk(self, buf: Buf, dim: int, parts: int, index: int) -> Buf:
+        if dim >= len(buf.shape):
+            raise Refusal("malformed_step", f"dim {dim} does not exist in shape {list(buf.shape)}")
+        if parts <= 0 or not 0 <= index < parts:
+            raise Refusal("malformed_step", f"chunk {index} of {parts} does not exist")
+        lo, hi = shard_bounds(buf.shape[dim], parts, index)
+        return self.narrow(buf, dim, range(lo, hi))
+
+    def rows_of(self, buf: Buf) -> Intervals:
+        rows: Intervals = ()
+        for p in buf.pieces:
+            rows, _ = union_intervals(rows, rows_of_piece(p))
+        return rows
+
+    def reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[str, str]]]:
+        shapes = {b.shape for b in bufs}
+        if len(shapes) != 1:
+            raise Refusal("malformed_step", f"reduction over shapes {sorted(list(s) for s in shapes)}")
+        shape = bufs[0].shape
+        rows: Intervals = ()
+        for b in bufs:
+            rows, _ = union_intervals(rows, self.rows_of(b))
+        if op not in ("sum", "max", "min", "avg"):
+            raise Refusal("malformed_step", f"unknown reduce op {op!r}")
+        if any(len(b.pieces) != 1 for b in bufs):
+            return Buf((garbage(rows, "reduction of pieces that do not form one region", self.tensor),), shape), []
+        ps = [b.pieces[0] for b in bufs]
+        if len(ps) == 1:
+            return bufs[0], []
+        if any(p.form is Form.GARBAGE for p in ps):
+            return Buf((ps[0] if ps[0].form is Form.GARBAGE else garbage(rows, "reduction of garbage"),), shape), []
+        if any(p.form is not Form.RAW for p in ps):
+            return Buf((garbage(rows, f"{op} of projected forms", self.tensor),), shape), []
+        if any(p.region != ps[0].region for p in ps):
+            return Buf((garbage(rows, f"{op} of different regions {[region_text(p.region) for p in ps]}",
+                                 self.tensor),), shape), []
+        if op in ("max", "min"):
+            if self.op != op and not all(p.contrib is None for p in ps):
+                return Buf((garbage(rows, f"{op} of {self.op} addends", self.tensor),), shape), []
+            contrib = None if any(p.contrib is None for p in ps) else tuple(
+                r for r in self.order if any(r in (p.contrib or ()) for p in ps))
+            return Buf((ps[0]._replace(contrib=contrib, exact=all(p.exact for p in ps)),), shape), []
+        if self.op is not None and self.op != op:
+            return Buf((garbage(rows, f"{op} of {self.op} addends", self.tensor),), shape), []
+        complete = [p for p in ps if p.contrib is None]
+        if complete:
+            why = (f"{op} over {len(ps)} copies of complete data counts it {len(ps)} times"
+                   if self.op is None else f"{op} adds an already complete {ps[0].tensor} to addends again")
+            return Buf((garbage(rows, why, self.tensor),), shape), [("reduced_twice", why)]
+        seen: list[int] = []
+        for p in ps:
+            dup = sorted(set(seen) & set(p.contrib or ()))
+            if dup:
+                why = f"addends of rank(s) {dup} would be summed twice"
+                return Buf((garbage(rows, why, self.tensor),), shape), [("reduced_twice", why)]
+            seen.extend(p.contrib or ())
+        if op == "avg":
+            if frozenset(seen) != self.all or any(len(p.contrib or ()) != 1 for p in ps):
+                return Buf((garbage(rows, "an average is only correct over all addends at once", self.tensor),),
+                           shape), []
+        exact = self.fold_exact(ps, native)
+        return Buf((ps[0]._replace(contrib=tuple(seen), exact=exact),), shape), []
+
+    def fold_exact(self, ps: Sequence[Piece], native: bool) -> bool:
+        if not self.floating:
+            return True
+        if native and len(ps) > 2:
+            return False
+        acc = ps[0]
+        acc_set = list(acc.contrib or ())
+        ok = acc.exact
+        for p in ps[1:]:
+            pc = list(p.contrib or ())
+            new = set(acc_set) | set(pc)
+            prefix = set(self.order[: len(new)]) == new
+            if len(acc_set) == 1 and len(pc) == 1:
+                ok = ok and p.exact and prefix
+            elif len(pc) == 1:
+                ok = ok and p.exact and prefix and pc[0] == self.order[len(acc_set)]
+            elif len(acc_set) == 1 and native:
+                ok = ok and p.exact and prefix and acc_set[0] == self.order[len(pc)]
+            else:
+                ok = False
+            acc_set += pc
+        return ok
+
+    def extent(self, p: Piece, dim: int) -> int:
+        if p.form is Form.GARBAGE or dim >= len(p.region):
+            return -1
+        return intervals_size(p.region[dim])
