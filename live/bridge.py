@@ -25,20 +25,22 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from meshpact.core.contract import Contract, compile_contract
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Edge, Mesh
-from meshpact.core.placement import Partial, Replicate, Shard, shard_bounds
+from meshpact.core.lowerer import lower
+from meshpact.core.placement import Shard, shard_bounds
 from meshpact.core.plan import Plan, StepKind, plan_cost
 from meshpact.core.recording import RecordingWriter
 
-from .domains import RankEnv, designated_bridge_pairs, init_domains, two_domain_mesh
+from .domains import RankEnv, init_domains, two_domain_mesh
 from .executor import Executor, PlanRefused
 from .meter import CallRecord, Meter, measure
 from .workloads import TORCH_DTYPE, LiveRequest, get_preset, logprob_ids, producer_local, workload_edge
@@ -62,17 +64,10 @@ class Job:
         return cls(LiveRequest(d["request"]), d.get("plan"), str(d.get("label") or d["request"]))
 
 
-def compile_and_lower(edge: Edge) -> tuple[Any, Plan]:
-    from meshpact.core.contract import compile_contract
-    from meshpact.core.lowerer import lower
-
+def plan_for(job: Job, edge: Edge) -> tuple[Contract, Plan]:
+    """The job's contract, compiled from the workload's facts, and its plan (the lowerer's unless given)."""
     contract = compile_contract(edge)
-    return contract, lower(contract)
-
-
-def plan_for(job: Job, edge: Edge) -> tuple[Any, Plan]:
-    contract, plan = compile_and_lower(edge)
-    return contract, (Plan.from_json(job.plan_json) if job.plan_json else plan)
+    return contract, (Plan.from_json(job.plan_json) if job.plan_json else lower(contract))
 
 
 def initial_shapes(edge: Edge) -> dict[int, dict[str, torch.Tensor]]:
@@ -89,8 +84,9 @@ def initial_shapes(edge: Edge) -> dict[int, dict[str, torch.Tensor]]:
     return out
 
 
-def _bridge_pairs(mesh: Mesh, plans: Sequence[Plan]) -> list[tuple[int, int]]:
-    pairs = set(designated_bridge_pairs(mesh))
+def _send_pairs(mesh: Mesh, plans: Sequence[Plan]) -> list[tuple[int, int]]:
+    """Rank pairs of the plans' sends that join two domains (each becomes a bridge)."""
+    pairs = set()
     for plan in plans:
         for s in plan.steps:
             if s.kind is StepKind.SEND and all(r in mesh.ranks for r in s.ranks) and \
@@ -126,7 +122,7 @@ def worker(args: dict) -> dict:
         contract, plan = plan_for(job, edge)
         prepared.append((job, edge, contract, plan))
     plans = [p[3] for p in prepared]
-    layout = init_domains(mesh, env, _bridge_pairs(mesh, plans), _native_rank_sets(mesh, plans),
+    layout = init_domains(mesh, env, _send_pairs(mesh, plans), _native_rank_sets(mesh, plans),
                           timeout_s=float(args.get("timeout_s", 60)))
     dist.barrier()
     executor = Executor(layout, Meter(env.rank))

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from meshpact.core.errors import MeshpactError
-from meshpact.core.facts import Domain, LinkClass, Mesh, Vendor
+from meshpact.core.facts import Domain, Mesh, Vendor
 
 from .backends import BackendChoice, choose_backend
 from .launcher import LaunchError

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
+from meshpact.core.checker import CheckReport, check
+from meshpact.core.contract import Contract
 from meshpact.core.errors import PlanError
 from meshpact.core.facts import LinkClass, Mesh
 from meshpact.core.plan import Collective, Plan, Step, StepKind
@@ -37,7 +39,7 @@ from .meter import Meter
 
 __all__ = ["PlanRefused", "locality_violations", "admit", "simulate", "stand_in", "StepShapes", "Executor", "RunOutcome"]
 
-Buffers = dict[str, Any]
+Buffers = dict[str, torch.Tensor]
 
 
 class PlanRefused(PlanError):
@@ -73,15 +75,16 @@ def locality_violations(plan: Plan, mesh: Mesh, bridge_pairs: Sequence[tuple[int
     return out
 
 
-def admit(plan: Plan, contract: Any, mesh: Mesh, bridge_pairs: Sequence[tuple[int, int]] | None = None,
-          checker: Callable[[Plan, Any], Any] | None = None) -> Any:
+Checker = Callable[[Plan, Contract], CheckReport]
+
+
+def admit(plan: Plan, contract: Contract, mesh: Mesh, bridge_pairs: Sequence[tuple[int, int]] | None = None,
+          checker: Checker = check) -> CheckReport:
     """Refuse ``plan`` unless it is local to native domains and the checker passes it.
 
-    Returns the checker's report. ``checker`` defaults to :func:`meshpact.core.checker.check`.
+    Returns the checker's report. Both verdicts are collected, so a refusal names every reason.
     """
     reasons = locality_violations(plan, mesh, bridge_pairs)
-    if checker is None:
-        from meshpact.core.checker import check as checker
     report = checker(plan, contract)
     if not report.ok:
         reasons += [f"checker: {v}" for v in report.violations]
@@ -116,8 +119,8 @@ def simulate(plan: Plan, initial: Mapping[int, Buffers],
         world.setdefault(r, {})
     trace: list[StepShapes] = []
     for i, s in enumerate(plan.steps):
-        ins: dict[int, Any] = {}
-        outs: dict[int, Any] = {}
+        ins: dict[int, torch.Tensor | None] = {}
+        outs: dict[int, torch.Tensor | None] = {}
         try:
             if s.kind is StepKind.COLLECTIVE:
                 ins = {r: _read(world[r], s, i) if _reads(s, r) else None for r in s.ranks}
@@ -149,13 +152,13 @@ def _reads(s: Step, rank: int) -> bool:
     return not (op in (Collective.BROADCAST, Collective.SCATTER) and rank != s.arg("root"))
 
 
-def _get(bufs: Buffers, name: str, s: Step, i: int) -> Any:
+def _get(bufs: Buffers, name: str, s: Step, i: int) -> torch.Tensor:
     if name not in bufs:
         raise PlanError(f"step {i} ({s.op}): buffer {name!r} is not present on this rank")
     return bufs[name]
 
 
-def _read(bufs: Buffers, s: Step, i: int) -> Any:
+def _read(bufs: Buffers, s: Step, i: int) -> torch.Tensor:
     if not s.inputs:
         raise PlanError(f"step {i} ({s.op}): names no input buffer")
     return _get(bufs, s.inputs[0], s, i)
@@ -167,8 +170,8 @@ class RunOutcome:
 
     rank: int
     buffers: Buffers
-    delivered: dict[str, Any]
-    history: list[tuple[int, str, Any]] = field(default_factory=list)  # (step index, buffer, value)
+    delivered: dict[str, torch.Tensor]
+    history: list[tuple[int, str, torch.Tensor]] = field(default_factory=list)  # (step index, buffer, value)
     first_record: int = 0
     last_record: int = 0
 
@@ -180,8 +183,8 @@ class Executor:
         self.layout = layout
         self.meter = meter or Meter(layout.rank)
 
-    def run(self, plan: Plan, contract: Any, initial: Mapping[int, Buffers], ids: torch.Tensor | None = None,
-            checker: Callable[[Plan, Any], Any] | None = None) -> RunOutcome:
+    def run(self, plan: Plan, contract: Contract, initial: Mapping[int, Buffers], ids: torch.Tensor | None = None,
+            checker: Checker = check) -> RunOutcome:
         """Admit ``plan``, then run this rank's part of it.
 
         ``initial`` holds every rank's starting buffers: stand-ins (shapes only) for the
@@ -224,8 +227,7 @@ class Executor:
         value = _read(bufs, s, i) if _reads(s, me) else None
         contributed = ops.nbytes(value) if value is not None else 0
         started = time.monotonic()
-        result = ops.run_collective(op, s, value, shapes.outputs.get(me), [shapes.inputs[r] for r in s.ranks],
-                                    group, self.layout.device)
+        result = ops.run_collective(op, s, value, shapes.outputs.get(me), group, self.layout.device)
         self.meter.record(name, op.value, LinkClass.FABRIC.value, contributed, started)
         return result
 

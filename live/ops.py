@@ -33,7 +33,9 @@ __all__ = [
     "reference_logprob",
 ]
 
+
 def nbytes(t: torch.Tensor) -> int:
+    """Bytes of ``t``'s elements: what a rank contributes to a call, or sends over a bridge."""
     return t.numel() * t.element_size()
 
 
@@ -122,14 +124,14 @@ def chunk_problems(s: Step, inputs: Sequence[torch.Tensor | None]) -> list[str]:
 
 
 def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shape: torch.Tensor | None,
-                   input_shapes: Sequence[torch.Tensor | None], group: dist.ProcessGroup,
-                   device: torch.device) -> torch.Tensor | None:
+                   group: dist.ProcessGroup, device: torch.device) -> torch.Tensor | None:
     """Run collective ``op`` of step ``s`` on ``group``: one call, this rank's part of it.
 
     ``value`` is this rank's input (``None`` for non-roots of broadcast/scatter),
-    ``out_shape`` the shape of its output from the plan's simulation (``None``: no output),
-    ``input_shapes`` every participant's input shape in ``s.ranks`` order. The backend's
-    lists are in group-rank order (ascending global rank); the plan's in ``s.ranks`` order.
+    ``out_shape`` a tensor shaped like its output, from the plan's simulation (``None``: no
+    output). Chunks are equal (:func:`chunk_problems` refused the plan otherwise). The
+    backend's lists are in group-rank order (ascending global rank); the plan's in
+    ``s.ranks`` order.
     """
     order = sorted(s.ranks)
     me = dist.get_rank()
@@ -148,7 +150,6 @@ def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shap
         return [by_step[s.ranks.index(r)].contiguous() for r in order]
 
     if op in (Collective.ALL_GATHER, Collective.GATHER):
-        _equal_parts([m for m in input_shapes if m is not None], f"{op.value} of {s.inputs[0]!r}")
         bufs = [torch.empty_like(value) for _ in range(n)]
         if op is Collective.ALL_GATHER:
             dist.all_gather(bufs, value.contiguous(), group=group)
@@ -175,19 +176,16 @@ def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shap
         parts = None
         if me == root:
             parts = group_order([chunk(value, dim, n, i) for i in range(n)])
-            _equal_parts(parts, f"scatter of {s.inputs[0]!r}")
         dist.scatter(out, parts, src=root, group=group)
         return out
     if op is Collective.REDUCE_SCATTER:
         parts = group_order([chunk(value, dim, n, i) for i in range(n)])
-        _equal_parts(parts, f"reduce_scatter of {s.inputs[0]!r}")
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, op=_REDUCE[red], group=group)
         return (out / n).to(value.dtype) if red == "avg" else out
     if op is Collective.ALL_TO_ALL:
         sd, cd = int(s.arg("split_dim", 0)), int(s.arg("concat_dim", 0))
         parts = group_order([chunk(value, sd, n, j) for j in range(n)])
-        _equal_parts(parts, f"all_to_all of {s.inputs[0]!r}")
         outs = [torch.empty_like(parts[0]) for _ in range(n)]
         dist.all_to_all(outs, parts, group=group)
         return torch.cat(step_order(outs), dim=cd)
