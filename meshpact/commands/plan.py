@@ -118,8 +118,14 @@ def plan(
     doc = plan_document(load_edge_facts(facts) if facts is not None else get_edge(edge or ""))
     if as_json:
         emit_json(doc)
-    else:
-        _show_plan(doc)
+        return
+    if edge is not None:
+        from meshpact.core.edges import get_real_edge
+
+        real = get_real_edge(edge)
+        console.print(f"[bold]{real.name}[/bold] ({real.model}): {real.edge.description}")
+        console.print(f"dimensions: {real.dims}; source {real.edge.source}\n")
+    _show_plan(doc)
 
 
 def edges(as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout.")) -> None:
@@ -132,15 +138,16 @@ def edges(as_json: bool = typer.Option(False, "--json", help="One JSON document 
         return
     rows = []
     for d in docs:
-        m, lo, bo = (d["plans"][k] for k in ("meshpact", "layout_only", "byte_only"))
-        rows.append((d["edge"], EDGES[d["edge"]].model.split("/")[-1], d["contract"]["demand"]["request"],
-                     "yes" if d["result_edge"] else "",
-                     f"{m['startups']} / {_bytes(m['payload_bytes'])}", _verdict(m["check"]),
-                     f"{lo['startups']} / {_bytes(lo['payload_bytes'])}", _verdict(lo["check"]),
-                     f"{bo['startups']} / {_bytes(bo['payload_bytes'])}", _verdict(bo["check"])))
-    console.print(table("Nine real edges (startups / payload bytes)",
-                        ("edge", "model", "request", "result", "meshpact", "check", "layout-only", "check",
-                         "byte-only", "check"), rows))
+        cells = []
+        for k in ("meshpact", "layout_only", "byte_only"):
+            p = d["plans"][k]
+            kinds = sorted({v["kind"] for v in p["check"]["violations"]})
+            mark = "[green]✓[/green]" if p["check"]["ok"] else "[red]✗[/red] " + ", ".join(kinds)
+            cells.append(f"{p['startups']} / {_bytes(p['payload_bytes'])} {mark}")
+        rows.append((d["edge"], d["contract"]["demand"]["request"], "yes" if d["result_edge"] else "", *cells))
+    console.print(table("Nine real edges: startups / payload bytes, ✓ = the checker passes the plan",
+                        ("edge", "request", "result", "meshpact", "layout-only", "byte-only"), rows))
+    console.print("Each edge's model, purpose and dimension sources: `meshpact plan EDGE`.")
 
 
 def transitions(as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout.")) -> None:
