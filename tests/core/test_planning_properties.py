@@ -20,7 +20,7 @@ from meshpact.core.interpreter import judge
 from meshpact.core.lowerer import lower
 from meshpact.core.plan import Plan, StepKind
 
-FAST = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @FAST
