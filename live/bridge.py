@@ -137,17 +137,18 @@ def worker(args: dict) -> dict:
             initial[env.rank] = {edge.producer.name: local}
         start = time.monotonic() - t0
         ids = torch.tensor(logprob_ids(preset), dtype=torch.int64) if contract.demand.reads_target_ids else None
+        mark = executor.meter.mark()
         try:
             outcome = executor.run(plan, contract, initial, ids)
-        except PlanRefused as exc:
+        except PlanRefused as exc:  # every rank refuses alike; the meter shows what was attempted
             results.append({"label": job.label, "refused": list(exc.reasons), "t": [start, time.monotonic() - t0],
-                            "records": []})
+                            "records": [r.to_dict() for r in executor.meter.records[mark:]]})
             continue
         results.append({
             "label": job.label,
             "refused": None,
             "t": [start, time.monotonic() - t0],
-            "records": [r.to_dict() for r in executor.meter.records[outcome.first_record:outcome.last_record]],
+            "records": [r.to_dict() for r in executor.meter.records[mark:]],
             "delivered": {k: v.cpu() for k, v in outcome.delivered.items()},
             "history": [(i, name, v.cpu()) for i, name, v in outcome.history]
             if env.rank in edge.consumer.ranks else [],
@@ -202,7 +203,7 @@ def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[
             measured = measure(records)
             verdict = verify_job(job.request, preset, edge, contract, per_rank)
             entry.update(refused=None, measured=measured.to_dict(), verification=verdict.to_dict(),
-                         verified=verdict.ok)
+                         verified=verdict.ok, cost_matches=_cost_matches(entry["planned"], measured.to_dict()))
         entry["plan"] = plan.to_dict()
         out_jobs.append(entry)
         if writer is not None:
@@ -210,6 +211,12 @@ def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[
     recording = str(writer.close()) if writer is not None else None
     return {"rank": 0, "preset": preset, "mesh": [d.name for d in mesh.domains], "layouts": layouts,
             "jobs": out_jobs, "recording": recording}
+
+
+def _cost_matches(planned: Mapping[str, Any], measured: Mapping[str, Any]) -> bool:
+    """Measured startups and payload bytes equal the plan's, in total and per link class."""
+    keys = ("startups", "payload_bytes", "bytes_by_link", "startups_by_link")
+    return all(planned[k] == measured[k] for k in keys)
 
 
 def _record_job(writer: RecordingWriter, k: int, entry: dict, per_rank: dict, plan: Plan) -> None:
@@ -224,7 +231,7 @@ def _record_job(writer: RecordingWriter, k: int, entry: dict, per_rank: dict, pl
     for t, rank, name, data in sorted(events, key=lambda e: (e[0], e[1])):
         writer.emit(name, rank=rank, t=t, data=data)
     end = max((j["t"][1] for j in per_rank.values()), default=start)
-    summary = {key: entry.get(key) for key in ("refused", "measured", "verification", "verified")}
+    summary = {key: entry.get(key) for key in ("refused", "measured", "verification", "verified", "cost_matches")}
     writer.emit("verified" if entry.get("verified") else "not_verified", t=end, data={"job": k, **summary})
 
 

@@ -172,8 +172,6 @@ class RunOutcome:
     buffers: Buffers
     delivered: dict[str, torch.Tensor]
     history: list[tuple[int, str, torch.Tensor]] = field(default_factory=list)  # (step index, buffer, value)
-    first_record: int = 0
-    last_record: int = 0
 
 
 class Executor:
@@ -200,7 +198,7 @@ class Executor:
         if uneven:
             raise PlanRefused(uneven)
         bufs: Buffers = {k: v.to(lay.device) for k, v in initial.get(lay.rank, {}).items()}
-        out = RunOutcome(lay.rank, bufs, {}, first_record=self.meter.mark())
+        out = RunOutcome(lay.rank, bufs, {})
         for i, s in enumerate(plan.steps):
             if lay.rank not in s.ranks:
                 continue
@@ -216,7 +214,6 @@ class Executor:
             if value is not None:
                 bufs[s.output] = value
                 out.history.append((i, s.output, value))
-        out.last_record = self.meter.mark()
         return out
 
     # -- native collectives inside the domain -------------------------------------------

@@ -55,7 +55,7 @@ def bridge(
         emit_json(summary)
     else:
         _print(report, job, summary)
-    if not summary["verified"]:
+    if not (summary["verified"] and job["cost_matches"]):
         raise typer.Exit(1)
 
 
@@ -76,7 +76,8 @@ def _print(report: dict[str, Any], job: dict[str, Any], summary: dict[str, Any])
                         [[lay["rank"], lay["domain"], lay["backend"] + (" (stand-in)" if lay["stand_in"] else ""),
                           lay["device"], ver["per_rank"].get(str(lay["rank"]), "-")] for lay in report["layouts"]]))
     verdict = "verified" if summary["verified"] else "NOT verified"
-    console.print(f"{verdict} under {summary['equivalence']}; recording: {summary['recording']}")
+    cost = "planned == measured" if job["cost_matches"] else "planned != measured"
+    console.print(f"{verdict} under {summary['equivalence']}; {cost}; recording: {summary['recording']}")
     for leak in ver.get("owner_scope_leaks", []):
         console.print(f"owner scope leak: {leak}")
 

@@ -79,6 +79,7 @@ def test_measured_startups_and_bytes_equal_the_plans_per_link_class(run, request
     assert measured["bytes_by_link"] == planned["bytes_by_link"]
     assert measured["startups_by_link"] == planned["startups_by_link"]
     assert "host_bridge" in measured["bytes_by_link"]  # something really crossed the bridge
+    assert job["cost_matches"]
 
 
 def test_owner_tokens_reach_their_owner_only(run):
