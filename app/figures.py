@@ -16,7 +16,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from meshpact.core.facts import LinkClass, Mesh
-from meshpact.core.mesh import bridge_links, health, native_ring, rank_positions
+from meshpact.core.mesh import CIRCLE_MAX, bridge_links, health, native_ring, rank_positions
 from meshpact.core.plan import Plan, PlanCost, StepKind
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 
@@ -82,7 +82,9 @@ def _polyline(pairs: Iterable[tuple[int, int]], pos: Mapping[int, tuple[float, f
 
 
 def _ring_xy(ring: Sequence[int], pos: Mapping[int, tuple[float, float]]) -> tuple[list, list]:
-    closed = list(ring) + ([ring[0]] if len(ring) > 2 else [])
+    """The ring as a polyline; a circle is closed, a serpentine grid is left open (its
+    closing hop would cut across the grid)."""
+    closed = list(ring) + ([ring[0]] if 2 < len(ring) <= CIRCLE_MAX else [])
     return [pos[r][0] for r in closed], [pos[r][1] for r in closed]
 
 
@@ -110,14 +112,17 @@ def mesh_figure(
             x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
             line=dict(color=colours[d.name] if ok else BROKEN, width=1.5, dash="solid" if ok else "dash"),
         ))
+    shown: set[LinkClass] = set()
     for link in bridge_links(mesh):
         colour, dash = _LINK_STYLE[link.link]
         ok = link.communicator not in broken
         xs, ys = _polyline([(link.a, link.b)], pos)
         traces.append(go.Scatter(
             x=xs, y=ys, mode="lines", hoverinfo="skip", name=f"bridge ({link.link.value.replace('_', ' ')})",
+            legendgroup=link.link.value, showlegend=link.link not in shown,
             line=dict(color=colour if ok else BROKEN, width=3, dash=dash),
         ))
+        shown.add(link.link)
     for d in mesh.domains:
         alive = [r for r in d.ranks if r not in dead]
         traces.append(go.Scatter(

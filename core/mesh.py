@@ -29,6 +29,7 @@ __all__ = [
     "bridge_links",
     "communicators",
     "SPACING",
+    "CIRCLE_MAX",
     "rank_positions",
     "validate_failed",
     "health",
@@ -134,7 +135,7 @@ def communicators(mesh: Mesh) -> tuple[Communicator, ...]:
 
 
 SPACING = 0.3  # distance between neighbouring ranks in drawing units
-_CIRCLE_MAX = 64  # larger domains are drawn as a serpentine grid
+CIRCLE_MAX = 64  # larger domains are drawn as a serpentine grid
 
 
 def _domain_layout(size: int, face: float) -> list[tuple[float, float]]:
@@ -146,7 +147,7 @@ def _domain_layout(size: int, face: float) -> list[tuple[float, float]]:
     """
     if size == 1:
         return [(0.0, 0.0)]
-    if size <= _CIRCLE_MAX:
+    if size <= CIRCLE_MAX:
         radius = max(1.0, size * SPACING / (2 * math.pi))
         return [(radius * math.cos(face + 2 * math.pi * k / size), radius * math.sin(face + 2 * math.pi * k / size))
                 for k in range(size)]
