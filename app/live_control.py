@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -113,8 +114,9 @@ class LiveJob:
         self.token = uuid.uuid4().hex
         self.world_size = world_size
         self.recording = Path(recording)
-        self.result_path = self.recording.with_suffix(".result.json")
-        self.log_path = self.recording.with_suffix(".log")
+        work = Path(tempfile.mkdtemp(prefix="meshpact-live-"))  # the runner's log and result, not the recordings
+        self.result_path = work / "result.json"
+        self.log_path = work / "runner.log"
         self.recording.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.time()
         env = {**os.environ, TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}
