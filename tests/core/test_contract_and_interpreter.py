@@ -147,3 +147,17 @@ def test_partial_inputs_reduce_to_the_value_and_single_addends_mislead():
     assert np.array_equal(fold([inputs.local[r] for r in (0, 1, 2)], "sum"), inputs.value)
     wrong = sum(np.array_equal(np.argmax(inputs.local[r], -1), np.argmax(inputs.value, -1)) for r in (0, 1, 2))
     assert wrong == 0
+
+
+def test_rooted_collectives_and_fixed_order_sums():
+    c = compile_contract(edge(Partial("sum"), Request.FULL, shape=(4, 8)))
+    inputs = make_inputs(c)
+    S = lambda *a, **k: Step(StepKind.COLLECTIVE, *a, dtype=DType.FLOAT32, **k)  # noqa: E731
+    ex = _run([S("gather", (0, 1, 2), ("x",), "g", 0, args={"dim": 0, "root": 2}),
+               Step(StepKind.PROJECT, "sum", (2,), ("g",), "total", 0, DType.FLOAT32,
+                    args={"dim": 0, "parts": 3, "op": "sum"}),
+               S("broadcast", (2, 0, 1), ("total",), "b", 0, args={"root": 2})], c, inputs)
+    assert "g" not in ex.buffers[0] and ex.buffers[2]["g"].shape == (12, 8)
+    assert np.array_equal(ex.buffers[2]["total"], inputs.value)  # rank-order fold: bitwise the reference
+    assert all(np.array_equal(ex.buffers[r]["b"], inputs.value) for r in (0, 1, 2))
+    assert [k for k, name, _ in ex.held[0]] == [2]  # rank 0 only ever received the broadcast
