@@ -1,11 +1,13 @@
 """Plans run across two native domains of real processes (2 + 2 gloo ranks), verified and metered.
 
 The four ranks start once for this module and run every job in one go: the five requests
-(``full``, ``logprob``, ``token``, ``owner_token``, ``mlp``) with the lowerer's plans, and two
-plans the executor must refuse before running.
+(``full``, ``logprob``, ``token``, ``owner_token``, ``mlp``) with the lowerer's plans, two
+plans the executor must refuse before running, and one whose declared bytes are wrong.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -44,11 +46,20 @@ def _unreduced_mlp_plan() -> Plan:
     return Plan(good.edge, "hand", tuple(steps))
 
 
+def _misdeclared_token_plan() -> Plan:
+    """The lowerer's token plan with each bridge message declared 8 bytes heavier than it is."""
+    edge = workload_edge(LiveRequest.TOKEN, get_preset("tiny"), two_domain_mesh())
+    good = lower(compile_contract(edge))
+    return Plan(good.edge, "hand", tuple(replace(s, payload_bytes=s.payload_bytes + 8) if s.kind.value == "send" else s
+                                         for s in good.steps))
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     jobs = [Job(LiveRequest(r)) for r in REQUESTS]
     jobs += [Job(LiveRequest.FULL, _cross_domain_plan().to_json(), "cross_domain"),
-             Job(LiveRequest.MLP, _unreduced_mlp_plan().to_json(), "unreduced")]
+             Job(LiveRequest.MLP, _unreduced_mlp_plan().to_json(), "unreduced"),
+             Job(LiveRequest.TOKEN, _misdeclared_token_plan().to_json(), "misdeclared")]
     path = tmp_path_factory.mktemp("bridge") / "bridge.jsonl"
     report = run_bridge(jobs, "tiny", recording=path, timeout_s=240)
     return report, {j["label"]: j for j in report["jobs"]}
@@ -80,6 +91,13 @@ def test_measured_startups_and_bytes_equal_the_plans_per_link_class(run, request
     assert measured["startups_by_link"] == planned["startups_by_link"]
     assert "host_bridge" in measured["bytes_by_link"]  # something really crossed the bridge
     assert job["cost_matches"]
+
+
+def test_measured_bytes_come_from_the_calls_not_from_the_plans_declarations(run):
+    job = run[1]["misdeclared"]  # the checker does not judge byte counts; the meter does
+    assert job["verified"] and not job["cost_matches"]
+    assert job["planned"]["bytes_by_link"]["host_bridge"] == job["measured"]["bytes_by_link"]["host_bridge"] + 8
+    assert job["measured"] == run[1]["token"]["measured"]
 
 
 def test_owner_tokens_reach_their_owner_only(run):
@@ -122,5 +140,5 @@ def test_the_run_is_recorded_as_jsonl_events(run):
     sends = [e for e in calls if e.data["op"] == "send"]
     assert sum(e.data["contributed"] for e in sends) == sum(
         j["measured"]["bytes_by_link"].get("host_bridge", 0) for j in jobs.values() if j["refused"] is None)
-    assert sum(e.event == "verified" for e in events) == len(REQUESTS)
+    assert sum(e.event == "verified" for e in events) == len(REQUESTS) + 1  # and the misdeclared plan
     assert [e.t for e in calls if e.data["job"] == 0] == sorted(e.t for e in calls if e.data["job"] == 0)
