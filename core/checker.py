@@ -384,9 +384,12 @@ class _Checker(PieceAlgebra):
 
     def judge(self, obs: Observation) -> None:
         rank = obs.rank
-        want = f"{obs.form.value} {self.tensor}{region_text(obs.region)}"
+
+        def want() -> str:
+            return f"{obs.form.value} {self.tensor}{region_text(obs.region)}"
+
         if rank not in self.observed:
-            self.flag(ViolationKind.DEMAND_NOT_MET, None, rank, f"rank {rank} ends without its demanded {want}")
+            self.flag(ViolationKind.DEMAND_NOT_MET, None, rank, f"rank {rank} ends without its demanded {want()}")
             return
         k, buf = self.observed[rank]
         if (obs.form is Form.RAW and 0 in obs.shape and buf.shape == obs.shape
@@ -394,7 +397,7 @@ class _Checker(PieceAlgebra):
             return  # nothing to observe, and nothing observed, in the demanded shape
         if len(buf.pieces) != 1 or buf.pieces[0].form is Form.GARBAGE:
             self.flag(ViolationKind.DEMAND_NOT_MET, k, rank, f"rank {rank} observes {self.describe(buf)} "
-                                                             f"instead of {want}")
+                                                             f"instead of {want()}")
             return
         p = buf.pieces[0]
         if self.partial(p):
@@ -402,10 +405,10 @@ class _Checker(PieceAlgebra):
         if p.form is not obs.form:
             if p.form is Form.RAW:
                 self.flag(ViolationKind.DEMAND_NOT_MET, k, rank,
-                          f"rank {rank} observes raw {p.tensor}{region_text(p.region)}, more than its demanded {want}")
+                          f"rank {rank} observes raw {p.tensor}{region_text(p.region)}, more than its demanded {want()}")
             else:
                 self.flag(ViolationKind.DISALLOWED_SUBSTITUTE, k, rank,
-                          f"rank {rank} observes {p.form.value} where the contract demands {want}; no substitute "
+                          f"rank {rank} observes {p.form.value} where the contract demands {want()}; no substitute "
                           "allows that")
             return
         region = p.region
@@ -416,7 +419,7 @@ class _Checker(PieceAlgebra):
             return
         if region != obs.region:
             self.flag(ViolationKind.DEMAND_NOT_MET, k, rank,
-                      f"rank {rank} observes {self.describe(buf)} instead of {want}")
+                      f"rank {rank} observes {self.describe(buf)} instead of {want()}")
             return
         if not p.exact and self.c.substitutability.equivalence is Equivalence.BITWISE:
             what = ("log-probabilities combined from per-shard statistics" if p.form is Form.LOGPROB

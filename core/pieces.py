@@ -172,46 +172,50 @@ class PieceAlgebra:
         if len(shapes) != 1:
             raise Refusal("malformed_step", f"reduction over shapes {sorted(list(s) for s in shapes)}")
         shape = bufs[0].shape
-        rows: Intervals = ()
-        for b in bufs:
-            rows, _ = union_intervals(rows, self.rows_of(b))
+
+        def rows() -> Intervals:
+            out: Intervals = ()
+            for b in bufs:
+                out, _ = union_intervals(out, self.rows_of(b))
+            return out
+
         if op not in ("sum", "max", "min", "avg"):
             raise Refusal("malformed_step", f"unknown reduce op {op!r}")
         if any(len(b.pieces) != 1 for b in bufs):
-            return Buf((garbage(rows, "reduction of pieces that do not form one region", self.tensor),), shape), []
+            return Buf((garbage(rows(), "reduction of pieces that do not form one region", self.tensor),), shape), []
         ps = [b.pieces[0] for b in bufs]
         if len(ps) == 1:
             return bufs[0], []
         if any(p.form is Form.GARBAGE for p in ps):
-            return Buf((ps[0] if ps[0].form is Form.GARBAGE else garbage(rows, "reduction of garbage"),), shape), []
+            return Buf((ps[0] if ps[0].form is Form.GARBAGE else garbage(rows(), "reduction of garbage"),), shape), []
         if any(p.form is not Form.RAW for p in ps):
-            return Buf((garbage(rows, f"{op} of projected forms", self.tensor),), shape), []
+            return Buf((garbage(rows(), f"{op} of projected forms", self.tensor),), shape), []
         if any(p.region != ps[0].region for p in ps):
-            return Buf((garbage(rows, f"{op} of different regions {[region_text(p.region) for p in ps]}",
+            return Buf((garbage(rows(), f"{op} of different regions {[region_text(p.region) for p in ps]}",
                                  self.tensor),), shape), []
         if op in ("max", "min"):
             if self.op != op and not all(p.contrib is None for p in ps):
-                return Buf((garbage(rows, f"{op} of {self.op} addends", self.tensor),), shape), []
+                return Buf((garbage(rows(), f"{op} of {self.op} addends", self.tensor),), shape), []
             contrib = None if any(p.contrib is None for p in ps) else tuple(
                 r for r in self.order if any(r in (p.contrib or ()) for p in ps))
             return Buf((ps[0]._replace(contrib=contrib, exact=all(p.exact for p in ps)),), shape), []
         if self.op is not None and self.op != op:
-            return Buf((garbage(rows, f"{op} of {self.op} addends", self.tensor),), shape), []
+            return Buf((garbage(rows(), f"{op} of {self.op} addends", self.tensor),), shape), []
         complete = [p for p in ps if p.contrib is None]
         if complete:
             why = (f"{op} over {len(ps)} copies of complete data counts it {len(ps)} times"
                    if self.op is None else f"{op} adds an already complete {ps[0].tensor} to addends again")
-            return Buf((garbage(rows, why, self.tensor),), shape), [("reduced_twice", why)]
+            return Buf((garbage(rows(), why, self.tensor),), shape), [("reduced_twice", why)]
         seen: list[int] = []
         for p in ps:
             dup = sorted(set(seen) & set(p.contrib or ()))
             if dup:
                 why = f"addends of rank(s) {dup} would be summed twice"
-                return Buf((garbage(rows, why, self.tensor),), shape), [("reduced_twice", why)]
+                return Buf((garbage(rows(), why, self.tensor),), shape), [("reduced_twice", why)]
             seen.extend(p.contrib or ())
         if op == "avg":
             if frozenset(seen) != self.all or any(len(p.contrib or ()) != 1 for p in ps):
-                return Buf((garbage(rows, "an average is only correct over all addends at once", self.tensor),),
+                return Buf((garbage(rows(), "an average is only correct over all addends at once", self.tensor),),
                            shape), []
         exact = self.fold_exact(ps, native)
         return Buf((ps[0]._replace(contrib=tuple(seen), exact=exact),), shape), []
