@@ -182,7 +182,7 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int = 300) 
     for b in breakdowns:
         fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {_seconds(b.total_s)}", showarrow=False, xanchor="left")
     fig.update_layout(**_LAYOUT, barmode="stack", height=height, xaxis_title="seconds",
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0))
+                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0, traceorder="normal"))
     fig.update_yaxes(autorange="reversed")
     return fig
 

@@ -43,9 +43,8 @@ with right:
     b.metric("communicators", f"{len(state.surviving)}/{len(state.communicators)}")
     c.metric("hosts", len(mesh.hosts))
     st.dataframe(
-        [{"communicator": cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
-          "kind": f"{cm.kind.value} ({cm.backend})", "ranks": len(cm.ranks),
-          "state": "✅ intact" if cm.intact(state.failed) else "❌ broken"}
+        [{"communicator": f"{cm.name.removeprefix('bridge ').replace(' <-> ', ' ↔ ')} ({cm.backend})",
+          "ranks": len(cm.ranks), "state": "✅ intact" if cm.intact(state.failed) else "❌ broken"}
          for cm in state.communicators],
         hide_index=True,
     )
