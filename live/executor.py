@@ -197,7 +197,8 @@ class Executor:
                   for why in ops.chunk_problems(s, [trace[i].inputs.get(r) for r in s.ranks])]
         if uneven:
             raise PlanRefused(uneven)
-        bufs: Buffers = {k: v.to(lay.device) for k, v in initial.get(lay.rank, {}).items()}
+        # copies: the plan never writes into the caller's tensors (nor into a cached reference)
+        bufs: Buffers = {k: v.to(lay.device, copy=True) for k, v in initial.get(lay.rank, {}).items()}
         out = RunOutcome(lay.rank, bufs, {})
         for i, s in enumerate(plan.steps):
             if lay.rank not in s.ranks:

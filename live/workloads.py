@@ -166,7 +166,7 @@ def producer_local(request: str, preset_name: str, parts: int, index: int) -> to
     return _producer_local(LiveRequest(request).is_lm_head, preset_name, parts, index)
 
 
-@lru_cache(maxsize=2)
+@lru_cache(maxsize=8)
 def _producer_local(lm_head: bool, preset_name: str, parts: int, index: int) -> torch.Tensor:
     preset = get_preset(preset_name)
     with _one_thread():
@@ -177,21 +177,22 @@ def reference_producer(request: str, preset_name: str, parts: int) -> torch.Tens
     """The producer tensor's logical value, computed in this one process on one thread.
 
     Logits: the shards side by side (each logit one dot product, same shapes as on the
-    ranks). MLP: the partials summed in rank order, ``((p0 + p1) + p2) ...``.
+    ranks). MLP: the partials summed in rank order, ``((p0 + p1) + p2) ...``. Every piece is
+    computed here by :func:`producer_local`'s code (a piece this process already computed as a
+    producer rank is reused, not recomputed).
     """
     return _reference_producer(LiveRequest(request).is_lm_head, preset_name, parts)
 
 
 @lru_cache(maxsize=2)
 def _reference_producer(lm_head: bool, preset_name: str, parts: int) -> torch.Tensor:
-    preset = get_preset(preset_name)
-    with _one_thread():
-        if lm_head:
-            return torch.cat([_lm_head_shard(preset, parts, i) for i in range(parts)], dim=1)
-        total = _mlp_partial(preset, parts, 0)
-        for i in range(1, parts):
-            total = total + _mlp_partial(preset, parts, i)
-        return total
+    pieces = [_producer_local(lm_head, preset_name, parts, i) for i in range(parts)]
+    if lm_head:
+        return torch.cat(pieces, dim=1)
+    total = pieces[0]
+    for p in pieces[1:]:
+        total = total + p
+    return total
 
 
 @contextmanager
