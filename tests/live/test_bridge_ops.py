@@ -78,6 +78,7 @@ def _compare_world(ex, world, exact: bool) -> list[str]:
     return bad
 
 
+@pytest.mark.slow
 def test_live_ops_mirror_the_interpreter_on_every_transition_edge_and_candidate_plan():
     compared = exact_plans = refused_cross = 0
     for label, contract in _contracts():
