@@ -1,4 +1,9 @@
-"""Meshpact dashboard entry point (``make app``): page routing (each page draws the scenario picker)."""
+"""Meshpact dashboard entry point (``make app``): page routing (each page draws the scenario picker).
+
+The pages live in ``app/views/``, not ``app/pages/``: Streamlit treats a ``pages/``
+folder beside the entry point as a legacy multipage app, and a fresh server whose first
+request is a page URL (``/replay``) would then run that file without this router.
+"""
 
 from __future__ import annotations
 
@@ -7,11 +12,11 @@ import streamlit as st
 st.set_page_config(page_title="Meshpact", page_icon=":material/hub:", layout="wide")
 
 PAGES = [
-    st.Page("pages/mesh.py", title="Mesh", icon=":material/hub:", default=True),
-    st.Page("pages/plans.py", title="Plans", icon=":material/route:"),
-    st.Page("pages/simulate.py", title="Simulate", icon=":material/monitoring:"),
-    st.Page("pages/replay.py", title="Replay", icon=":material/replay:"),
-    st.Page("pages/live.py", title="Live", icon=":material/bolt:"),
+    st.Page("views/mesh.py", title="Mesh", icon=":material/hub:", default=True),
+    st.Page("views/plans.py", title="Plans", icon=":material/route:"),
+    st.Page("views/simulate.py", title="Simulate", icon=":material/monitoring:"),
+    st.Page("views/replay.py", title="Replay", icon=":material/replay:"),
+    st.Page("views/live.py", title="Live", icon=":material/bolt:"),
 ]
 
 st.navigation(PAGES).run()

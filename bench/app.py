@@ -29,7 +29,7 @@ def page_render_s() -> dict[str, float]:
         at = AppTest.from_file(MAIN, default_timeout=120)
         if name != "mesh":
             at.run()
-            at.switch_page(f"pages/{name}.py")
+            at.switch_page(f"views/{name}.py")
         t0 = time.perf_counter()
         at.run()
         out[name] = round(time.perf_counter() - t0, 4)

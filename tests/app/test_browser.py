@@ -24,7 +24,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"
-PAGES = {"mesh": "", "plans": "plans", "simulate": "simulate", "replay": "replay", "live": "live"}
+# The first request to the fresh server goes straight to a page URL: it must still be routed
+# by app/main.py's navigation (the page set, the wide layout), not run as a bare script.
+PAGES = {"replay": "replay", "mesh": "", "plans": "plans", "simulate": "simulate", "live": "live"}
+NAV = ["Mesh", "Plans", "Simulate", "Replay", "Live"]
 
 
 def _chromium() -> str | None:
@@ -107,6 +110,8 @@ def test_page_renders_without_exception(server, page, name):
     page.screenshot(path=str(ARTIFACTS / f"page-{name}.png"), full_page=True)
     assert page.locator('[data-testid="stException"]').count() == 0
     assert page.locator("h1").first.inner_text().strip()
+    links = [t.split("\n")[-1] for t in page.locator('[data-testid="stSidebarNavLink"]').all_inner_texts()]
+    assert links == NAV
 
 
 def test_clicking_a_rank_on_the_chart_fails_it(server, page):

@@ -8,7 +8,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 MAIN = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
-PAGES = ["pages/mesh.py", "pages/plans.py", "pages/simulate.py", "pages/replay.py", "pages/live.py"]
+PAGES = ["views/mesh.py", "views/plans.py", "views/simulate.py", "views/replay.py", "views/live.py"]
 
 
 def _app() -> AppTest:
@@ -87,7 +87,7 @@ def test_a_good_scenario_file_replaces_the_mesh(tmp_path):
 
 def test_replay_steps_through_a_simulated_recovery():
     at = _app()
-    at.switch_page("pages/replay.py").run()
+    at.switch_page("views/replay.py").run()
     assert not at.exception
     assert _metric(at, "failed ranks") != "none"  # the first event is a fault
     at.slider(key="replay_index").set_value(1).run()
@@ -96,7 +96,7 @@ def test_replay_steps_through_a_simulated_recovery():
 
 def test_simulate_shows_goodput_per_policy_and_runs_the_serving_sweep():
     at = _app()
-    at.switch_page("pages/simulate.py").run()
+    at.switch_page("views/simulate.py").run()
     assert not at.exception
     goodput = {m.label: float(m.value.rstrip("%")) for m in at.metric}
     assert set(goodput) == {"cold restart", "checkpoint restore (in job)", "in-memory rebind", "excise and continue"}
@@ -111,7 +111,7 @@ def test_plans_page_shows_a_verdict_per_planner():
     from meshpact.app.planning import planners
 
     at = _app()
-    at.switch_page("pages/plans.py").run()
+    at.switch_page("views/plans.py").run()
     assert not at.exception
     verdicts = [e.value for e in at.success] + [e.value for e in at.error]
     assert len([v for v in verdicts if "verdict" in v]) == len(planners()) >= 1
@@ -121,7 +121,7 @@ def test_plans_page_shows_a_verdict_per_planner():
 
 def test_plans_page_reports_impossible_facts_readably():
     at = _app()
-    at.switch_page("pages/plans.py").run()
+    at.switch_page("views/plans.py").run()
     if any(r.key == "plans_source" for r in at.radio):  # the real-edge catalog is present
         at.radio(key="plans_source").set_value("build an edge from facts").run()
     at.selectbox(key="plans_request").set_value("reduced").run()  # needs a Partial producer
@@ -140,7 +140,7 @@ def test_every_real_edge_gets_a_verdict_per_planner():
     if not edges:
         pytest.skip("core/edges.py (the catalog of real edges) is not in this build")
     at = _app()
-    at.switch_page("pages/plans.py").run()
+    at.switch_page("views/plans.py").run()
     for name in edges:
         at.selectbox(key="plans_edge").set_value(name).run()
         assert not at.exception, name
@@ -151,7 +151,7 @@ def test_every_real_edge_gets_a_verdict_per_planner():
 
 def test_replay_plays_the_shipped_live_recording():
     at = _app()
-    at.switch_page("pages/replay.py").run()
+    at.switch_page("views/replay.py").run()
     at.radio(key="replay_source").set_value("recording").run()
     shipped = [o for o in at.selectbox(key="replay_recording").options if o.endswith("live-trial-2-ranks.jsonl")]
     assert shipped, at.selectbox(key="replay_recording").options
@@ -163,7 +163,7 @@ def test_replay_plays_the_shipped_live_recording():
 
 def test_replay_of_a_missing_recording_is_a_readable_error(tmp_path):
     at = _app()
-    at.switch_page("pages/replay.py").run()
+    at.switch_page("views/replay.py").run()
     at.radio(key="replay_source").set_value("recording").run()
     at.selectbox(key="replay_recording").set_value("another file…").run()
     at.text_input(key="replay_path").input(str(tmp_path / "nope.jsonl")).run()

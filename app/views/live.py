@@ -133,7 +133,7 @@ def panel() -> None:
         st.plotly_chart(recovery_figure(bars), key="live_stages")
         st.caption("Measured stage durations of each recovery (max over ranks).")
     st.markdown(f"Recording saved: `{job.recording}`. Open it on the Replay page.")
-    st.page_link("pages/replay.py", label="Replay this run", icon=":material/replay:")
+    st.page_link("views/replay.py", label="Replay this run", icon=":material/replay:")
 
 
 panel()
