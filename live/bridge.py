@@ -235,15 +235,21 @@ def _record_job(writer: RecordingWriter, k: int, entry: dict, per_rank: dict, pl
     writer.emit("verified" if entry.get("verified") else "not_verified", t=end, data={"job": k, **summary})
 
 
-def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2, recording: str | os.PathLike[str] | None = None,
-               timeout_s: float = 240.0) -> dict:
-    """Start ``2 * per_domain`` ranks on loopback, run ``jobs``, return rank 0's report."""
+def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2,
+               recording: str | os.PathLike[str] | None = None, timeout_s: float = 240.0) -> dict:
+    """Start ``2 * per_domain`` ranks on loopback, run ``jobs``, return rank 0's report.
+
+    The rendezvous store listens on 127.0.0.1 and gloo's sockets on the loopback interface
+    (``GLOO_SOCKET_IFNAME=lo`` unless the environment names another).
+    """
     from .launcher import launch
 
     get_preset(preset)
     args = {"jobs": [j.to_dict() for j in jobs], "preset": preset, "timeout_s": min(60.0, timeout_s),
             "recording": str(Path(recording).resolve()) if recording else None}
-    results = launch("meshpact.live.bridge:worker", 2 * per_domain, args, timeout_s=timeout_s)
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
+    results = launch("meshpact.live.bridge:worker", 2 * per_domain, args, timeout_s=timeout_s,
+                     master_addr="127.0.0.1", env=lambda rank: {"GLOO_SOCKET_IFNAME": ifname})
     report = results[0].value
     if not isinstance(report, dict) or "jobs" not in report:
         raise MeshpactError(f"rank 0 returned no report: {report!r}")
