@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from meshpact.core.facts import Domain, Mesh
 from meshpact.core.recording import Event
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 
-__all__ = ["ReplayEvent", "ReplayFrame", "from_timeline", "from_recording", "replay_frame", "frame_breakdown", "find_recordings"]
+__all__ = ["ReplayEvent", "ReplayFrame", "from_timeline", "from_recording", "replay_frame", "frame_breakdown", "find_recordings", "local_mesh", "recording_mesh"]
 
 _KEEP_SIMULATED = frozenset({"fault", "stage", "rejoin", "degraded"})
 _POLICIES = frozenset(p.value for p in Policy)
@@ -167,3 +168,17 @@ def find_recordings(roots: Iterable[str | Path]) -> list[Path]:
         if r.is_dir():
             found.extend(p for p in r.glob("*.jsonl") if p.is_file())
     return sorted(set(found), key=lambda p: (-p.stat().st_mtime, str(p)))
+
+
+def local_mesh(world_size: int) -> Mesh:
+    """The mesh of a live run on this machine: one gloo domain of ``world_size`` ranks."""
+    return Mesh(domains=(Domain("cpu@127.0.0.1", "cpu", "this machine", tuple(range(max(int(world_size), 1)))),))
+
+
+def recording_mesh(meta: Mapping[str, Any], fallback: Mesh) -> Mesh:
+    """The mesh a recording ran on: a live run's local ranks (``ranks`` in its first
+    event), else ``fallback`` (the scenario's mesh)."""
+    ranks = meta.get("ranks")
+    if meta.get("source") == "live" and isinstance(ranks, int) and ranks > 0:
+        return local_mesh(ranks)
+    return fallback

@@ -9,8 +9,8 @@ import streamlit as st
 
 from meshpact.app.context import require_engines, require_scenario
 from meshpact.app.figures import mesh_figure, recovery_figure
+from meshpact.app.replay import local_mesh
 from meshpact.core.errors import MeshpactError
-from meshpact.core.facts import Domain, Mesh
 from meshpact.core.recovery import Policy, RecoveryBreakdown
 
 JOB, EVENTS, OFFSET = "live_job", "live_events", "live_offset"
@@ -89,7 +89,7 @@ def panel() -> None:
     procs = job.ranks()
     phase = procs[-1].phase if procs else ("finished" if not job.running else "starting")
     world = max([p.rank for p in procs] + [job.world_size - 1]) + 1
-    mesh = Mesh(domains=(Domain("cpu@127.0.0.1", "cpu", "this machine", tuple(range(world))),))
+    mesh = local_mesh(world)
     alive = {p.rank for p in procs if p.phase == phase and not p.stopped}
     a, b, c_, d = st.columns(4)
     a.metric("run", "running" if job.running else f"ended ({job.returncode})")

@@ -9,7 +9,9 @@ import streamlit as st
 
 from meshpact.app.context import mesh_of, positions_of, require_scenario
 from meshpact.app.figures import mesh_figure, recovery_figure
-from meshpact.app.replay import ReplayEvent, find_recordings, frame_breakdown, from_recording, from_timeline, replay_frame
+from meshpact.app.replay import (
+    ReplayEvent, find_recordings, frame_breakdown, from_recording, from_timeline, recording_mesh, replay_frame,
+)
 from meshpact.app.state import clamp_failed
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import read_recording
@@ -42,6 +44,7 @@ def recorded(path: str, mtime: float) -> tuple[list[ReplayEvent], dict]:
 source = st.radio("replay", ["simulated run of this scenario", "recording"], horizontal=True, key="replay_source",
                   label_visibility="collapsed")
 policy = Policy.IN_MEMORY
+positions = positions_of(choice)
 try:
     if source == "recording":
         found = find_recordings(RECORDING_ROOTS)
@@ -56,6 +59,9 @@ try:
             raise MeshpactError(f"{p}: no such recording; expected a .jsonl file written by a live or simulated run")
         events, meta = recorded(str(p), p.stat().st_mtime)
         st.caption(f"{p.name} · source: {meta.get('source', 'unknown')} · {len(events)} events")
+        run_mesh = recording_mesh(meta, mesh)
+        if run_mesh is not mesh:
+            mesh, positions = run_mesh, None
     else:
         policy = Policy(st.selectbox("policy", [p.value for p in Policy], index=2,
                                      format_func=lambda v: Policy(v).label))
@@ -92,7 +98,7 @@ def player() -> None:
     failed = clamp_failed(frame.failed, mesh.ranks)
     left, right = st.columns([3, 2], gap="large")
     with left:
-        st.plotly_chart(mesh_figure(mesh, failed, positions_of(choice)), key="replay_mesh")
+        st.plotly_chart(mesh_figure(mesh, failed, positions), key="replay_mesh")
     with right:
         a, b = st.columns(2)
         a.metric("time", f"{frame.event.t:,.2f} s")

@@ -104,6 +104,8 @@ with serving:
     if "serving" in memo and memo["serving"][0] == skey:
         frame = memo["serving"][1]
         st.plotly_chart(serving_figure(frame))
+        st.caption("Requests spill to the remote host only when the local host's slots are full; until then no "
+                   "result crosses the link, and zero bytes are not drawn on the log scale.")
         st.download_button("serving CSV", data=frame.to_csv(index=False),
                            file_name=f"{serve.name}-serving.csv", mime="text/csv")
     else:

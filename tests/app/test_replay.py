@@ -80,3 +80,14 @@ def test_find_recordings_skips_partial_files(tmp_path):
     (tmp_path / "a.jsonl").write_text("{}\n")
     (tmp_path / "b.jsonl.partial").write_text("{}\n")
     assert [p.name for p in find_recordings([tmp_path, tmp_path / "missing"])] == ["a.jsonl"]
+
+
+def test_a_live_recording_is_drawn_on_its_own_local_ranks():
+    from meshpact.app.replay import recording_mesh
+    from meshpact.core.scenario import default_scenario
+
+    scenario_mesh = default_scenario().mesh()
+    meta = dict(read_recording(SHIPPED)[0].data)
+    mesh = recording_mesh(meta, scenario_mesh)
+    assert mesh.world_size == 2 and mesh.domains[0].backend.value == "gloo"
+    assert recording_mesh({"source": "simulated"}, scenario_mesh) is scenario_mesh
