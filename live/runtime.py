@@ -90,11 +90,25 @@ class Session:
     protected_sockets: dict[int, str] = field(default_factory=dict)  # stores and control channel
     events: list[dict[str, Any]] = field(default_factory=list)
     pending: Decision | None = None  # a replacement's decision, applied when resilient() starts
+    log: Any = None  # an open JSONL file that receives every event as it happens (survives SIGKILL)
+
+    def attach_log(self, path: str | os.PathLike[str]) -> None:
+        import json
+
+        self.log = open(path, "a", encoding="utf-8")
+        for ev in self.events:
+            self.log.write(json.dumps(ev, default=str) + "\n")
+        self.log.flush()
 
     def emit(self, event: str, stage: Stage | None = None, **data: Any) -> None:
         ev = {"t_wall": time.time(), "rank": self.rank, "stage": stage.value if stage else None,
               "event": event, "data": data}
         self.events.append(ev)
+        if self.log is not None:
+            import json
+
+            self.log.write(json.dumps(ev, default=str) + "\n")
+            self.log.flush()
         if os.environ.get("MESHPACT_TRACE"):
             print(f"[meshpact rank {self.rank}] {ev}", file=sys.stderr, flush=True)
 
@@ -145,6 +159,16 @@ def start_session(config: RecoveryConfig | None = None) -> Session:
     session.mesh = init_device_mesh(choice.device.split(":")[0], (world,))
     _current = session
     return session
+
+
+def resume_barrier(session: Session, generation: int) -> float:
+    """Wait (on the control channel) until every rank is ready to use ``generation``'s group;
+    a rank that issued its first collective before a slower peer (a replacement still loading
+    its checkpoint) arrived would otherwise time out on the data path. Returns seconds waited."""
+    t0 = time.perf_counter()
+    session.control.set(f"ready/g{generation}/rank{session.rank}", True)
+    session.control.wait([f"ready/g{generation}/rank{r}" for r in range(session.world_size)])
+    return time.perf_counter() - t0
 
 
 def _decision_data(d: Decision) -> dict[str, Any]:
@@ -225,13 +249,18 @@ class Resilient:
         self._digest = ""
         self.counter = OpCounter() if session.config.count_ops else None
         self.retired: list[dict[str, Any]] = []  # old groups: name, ops at retirement, weakref
+        self.max_attempts = 8  # recoveries of one step before giving up
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
         s = self.session
         if s.pending is not None:
             decision, s.pending = s.pending, None
+            t0 = time.perf_counter()
             self._restore(decision.step)
+            s.emit("reloaded", Stage.STATE, seconds=time.perf_counter() - t0,
+                   action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
+            s.emit("ready", Stage.CONSENSUS, seconds=resume_barrier(s, decision.round), generation=decision.round)
         elif self.ckpt is not None and self.committed_step == 0 and not self.ckpt.complete(0):
             self.ckpt.save(0, local_state(self.model, self.optimizer))
         self.start_step = self.committed_step
@@ -258,8 +287,12 @@ class Resilient:
     def step(self, train_step: Callable[[Any], Any], batch: Any) -> Any:
         """Run one training step; on a communication fault recover and run it again."""
         step = self.committed_step
-        while True:
+        message: str | None = None
+        for _ in range(self.max_attempts):
             try:
+                if message is not None:
+                    self._recover(message, step)
+                    message = None
                 if self.injector is not None:
                     with self.injector.around_step(step):
                         out = train_step(batch)
@@ -272,7 +305,8 @@ class Resilient:
                 message = f"{type(exc).__name__}: {str(exc)[:300]}"
                 traceback.clear_frames(exc.__traceback__)
                 del exc
-                self._recover(message, step)
+        else:
+            raise RuntimeError(f"step {step} failed {self.max_attempts} times; last: {message}")
         self._commit(step, train_step, batch)
         return out
 
@@ -345,17 +379,20 @@ class Resilient:
             s.emit("retained", Stage.STATE, seconds=reset_s, action=StateAction.RETAIN.value,
                    digest_intact=intact)
             lost = 0
+            s.emit("ready", Stage.CONSENSUS, seconds=resume_barrier(s, decision.round), generation=decision.round)
         else:
             self._restore(decision.step)
             s.emit("reloaded", Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
                    action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
+            s.emit("ready", Stage.CONSENSUS, seconds=resume_barrier(s, decision.round), generation=decision.round)
             t0 = time.perf_counter()
             lost = self._replay(decision.step, step)
             s.emit("replayed", Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
-        self.recoveries.append({"step": step, "t_detect_wall": t_detect, "t_resumed_wall": time.time(),
-                                "policy": decision.policy.value, "reason": decision.reason,
-                                "generation": decision.round, "lost_steps": lost,
-                                "rebind_s": rebind_s, "action": action.value})
+        record = {"step": step, "t_detect_wall": t_detect, "t_resumed_wall": time.time(),
+                  "policy": decision.policy.value, "reason": decision.reason, "generation": decision.round,
+                  "lost_steps": lost, "rebind_s": rebind_s, "action": action.value, "drill": force is not None}
+        self.recoveries.append(record)
+        s.emit("recovery_done", **record)
         return decision
 
     def _restore(self, step: int) -> None:

@@ -81,6 +81,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     t_start = time.time()
     session = start_session(config)
     rank, steps = session.rank, int(args["steps"])
+    session.attach_log(Path(args["out_dir"]) / f"events-rank{rank}-{session.incarnation}.jsonl")
     model, optimizer = build(cfg, session.mesh, compile=bool(args.get("compile")))
     train_step = make_train_step(model, optimizer)
     faults = tuple(Fault.from_dict(f) for f in args.get("faults", ()))
@@ -136,47 +137,53 @@ class TrialResult:
     replacements: int
     recording: str
     cold_launch_wall: float | None = None
+    faulted_events: list[dict[str, Any]] = field(default_factory=list)
 
     # -- the numbers ------------------------------------------------------------------------
+    def events(self) -> list[dict[str, Any]]:
+        """Every rank's events from the faulted run, replacements and killed processes included."""
+        return self.faulted_events
+
     def recoveries(self) -> list[dict[str, Any]]:
-        """One entry per recovered fault: policy, downtime and stage durations (max over ranks)."""
-        by_gen: dict[int, list[tuple[dict, dict]]] = {}
-        for res in self.faulted:
-            for rec in res["recoveries"]:
-                by_gen.setdefault(rec["generation"], []).append((res, rec))
+        """One entry per recovered fault: policy, downtime and stage durations (slowest rank)."""
+        by_gen: dict[int, list[dict]] = {}
+        per_rank: dict[tuple[int, int, str], float] = {}
+        gen_of: dict[tuple[int, int], int] = {}
+        for ev in sorted(self.faulted_events, key=lambda e: e["t_wall"]):
+            key_rank = (ev["rank"], ev.get("pid", 0))
+            if ev["event"] == "decided":
+                gen_of[key_rank] = ev["data"]["round"]
+            gen = gen_of.get(key_rank)
+            if ev["event"] == "recovery_done":
+                by_gen.setdefault(ev["data"]["generation"], []).append(ev["data"])
+            elif gen is not None and ev["stage"] and "seconds" in ev["data"]:
+                key = (gen, ev["rank"], ev["stage"])
+                per_rank[key] = per_rank.get(key, 0.0) + float(ev["data"]["seconds"])
         stage_by_gen: dict[int, dict[str, float]] = {}
-        for res in self.faulted:
-            gen = None
-            for ev in res["events"]:
-                if ev["event"] == "decided":
-                    gen = ev["data"]["round"]
-                if gen is not None and ev["stage"] and "seconds" in ev["data"]:
-                    d = stage_by_gen.setdefault(gen, {})
-                    d[ev["stage"]] = max(d.get(ev["stage"], 0.0), float(ev["data"]["seconds"]))
+        for (gen, _, stage), sec in per_rank.items():
+            d = stage_by_gen.setdefault(gen, {})
+            d[stage] = max(d.get(stage, 0.0), sec)
         out = []
-        drill_gens = {r["generation"] for res in self.faulted if res.get("drill")
-                      for r in res["recoveries"][-1:]}
         for gen in sorted(by_gen):
-            if gen in drill_gens:
+            recs = by_gen[gen]
+            if any(r.get("drill") for r in recs):
                 continue
-            pairs = by_gen[gen]
-            step = min(rec["step"] for _, rec in pairs)
-            fault = next((f for f in self.faults if self.fault_records.get(f.index, {}).get("gen") == gen), None)
-            t_inject = self._inject_time(step, fault)
-            t_detect = max(rec["t_detect_wall"] for _, rec in pairs)
-            t_resumed = max(rec["t_resumed_wall"] for _, rec in pairs)
+            step = min(r["step"] for r in recs)
+            t_inject = self._inject_time(step)
             stages = dict(stage_by_gen.get(gen, {}))
+            t_detect = max(r["t_detect_wall"] for r in recs)
             stages[Stage.DETECTION.value] = max(0.0, t_detect - t_inject) if t_inject else 0.0
             recovery_s = sum(stages.get(s.value, 0.0) for s in (Stage.CONSENSUS, Stage.COMMUNICATOR,
                                                                 Stage.REBINDING))
-            out.append({"generation": gen, "step": step, "policy": pairs[0][1]["policy"],
-                        "reason": pairs[0][1]["reason"], "stages_s": stages,
-                        "recovery_s": recovery_s, "downtime_s": (t_resumed - t_inject) if t_inject else None,
-                        "rebind_s": max(rec["rebind_s"] for _, rec in pairs),
-                        "lost_steps": max(rec["lost_steps"] for _, rec in pairs)})
+            t_resumed = max(r["t_resumed_wall"] for r in recs)
+            out.append({"generation": gen, "step": step, "policy": recs[0]["policy"], "reason": recs[0]["reason"],
+                        "stages_s": stages, "recovery_s": recovery_s,
+                        "downtime_s": (t_resumed - t_inject) if t_inject else None,
+                        "rebind_s": max(r["rebind_s"] for r in recs),
+                        "lost_steps": max(r["lost_steps"] for r in recs)})
         return out
 
-    def _inject_time(self, step: int, fault: Fault | None) -> float | None:
+    def _inject_time(self, step: int) -> float | None:
         for f in self.faults:
             rec = self.fault_records.get(f.index)
             if rec and rec["step"] == step:
@@ -321,34 +328,45 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
             if netns is not None:
                 netns.close()
         fault_records = _fault_records(faulted, faults)
+        faulted_events = _read_events(work / "faulted")
         mismatches = _compare(work / "reference", work / "faulted", cfg.ranks)
         if cold is not None:
             mismatches += [f"cold restart: {m}" for m in _compare(work / "reference", work / "cold", cfg.ranks)]
-        for res in faulted + (cold or []):
-            for ev in res["events"]:
-                rec.emit(ev["event"], rank=ev["rank"], stage=ev["stage"], data=ev["data"], t=ev["t_wall"] - t0_wall)
+        cold_events = [e for res in (cold or []) for e in res["events"]]
+        for ev in sorted(faulted_events + cold_events, key=lambda e: e["t_wall"]):
+            rec.emit(ev["event"], rank=ev["rank"], stage=ev["stage"], data=ev["data"], t=ev["t_wall"] - t0_wall)
         for f in faults:
             r = fault_records.get(f.index)
             if r:
                 rec.emit("fault_injected", rank=f.rank, data={**f.to_dict(), **r}, t=r["t_wall"] - t0_wall)
         result = TrialResult(cfg, faults, reference, faulted, cold, fault_records, not mismatches, mismatches,
-                             replacements, str(recording_path), cold_launch)
+                             replacements, str(recording_path), cold_launch, faulted_events)
         for r in result.recoveries():
             rec.emit("recovered", data=r)
         rec.emit("summary", data=result.summary())
     return result
 
 
+def _read_events(out_dir: Path) -> list[dict[str, Any]]:
+    import json
+
+    events = []
+    for path in sorted(out_dir.glob("events-rank*.jsonl")):
+        incarnation = int(path.stem.rsplit("-", 1)[1])
+        for line in path.read_text().splitlines():
+            if line.strip():
+                ev = json.loads(line)
+                ev["pid"] = incarnation
+                events.append(ev)
+    return events
+
+
 def _fault_records(faulted: list[dict[str, Any]], faults: tuple[Fault, ...]) -> dict[int, dict[str, Any]]:
-    """When each fault fired, as claimed on the control channel, and which generation handled it."""
+    """When each fault fired, as claimed on the control channel."""
     out: dict[int, dict[str, Any]] = {}
     for res in faulted:
         for key, value in (res.get("fault_records") or {}).items():
             out[int(key.split("/")[1])] = dict(value)
-    for f in faults:
-        if f.index in out:
-            gens = [rec["generation"] for res in faulted for rec in res["recoveries"] if rec["step"] == f.step]
-            out[f.index]["gen"] = min(gens) if gens else None
     return out
 
 
