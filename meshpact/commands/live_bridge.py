@@ -37,7 +37,7 @@ def bridge(
     request: _Request = typer.Option(..., "--request", help="What the consumer domain reads."),
     preset: _Preset = typer.Option(_Preset.TINY, "--preset", help="Sizes: tiny, or Qwen3-14B's real dimensions."),
     record: Optional[Path] = typer.Option(None, "--record", help="JSONL recording path "
-                                          "[default: meshpact-runs/bridge-<request>-<preset>.jsonl]"),
+                                          "[default: recordings/bridge-<request>-<preset>.jsonl]"),
     timeout_s: float = typer.Option(600.0, "--timeout", min=10.0, help="Seconds before every rank is stopped."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
@@ -45,7 +45,7 @@ def bridge(
     from meshpact.live.bridge import Job, job_summary, run_bridge
     from meshpact.live.workloads import LiveRequest
 
-    path = record or Path("meshpact-runs") / f"bridge-{request.value}-{preset.value}.jsonl"
+    path = record or Path("recordings") / f"bridge-{request.value}-{preset.value}.jsonl"
     report = run_bridge([Job(LiveRequest(request.value))], preset.value, recording=path, timeout_s=timeout_s)
     job = report["jobs"][0]
     if job.get("refused"):
