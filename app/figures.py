@@ -58,6 +58,7 @@ POLICY_COLOURS: Mapping[Policy, str] = {
     Policy.IN_MEMORY: "#2ca02c",
     Policy.EXCISE: "#1f77b4",
 }
+GL_ABOVE = 4096  # ranks: draw the mesh with WebGL above this
 _LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=40, b=10))
 
 
@@ -103,12 +104,14 @@ def mesh_figure(
     colours = domain_colours(mesh)
     broken = {c.name for c in state.broken}
     labelled = mesh.world_size <= 64
-    size = 14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else 6)
+    size = 14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else (6 if mesh.world_size <= 4096 else 3))
+    # Beyond a few thousand points SVG gets slow in the browser; WebGL keeps panning and selection smooth.
+    Trace = go.Scattergl if mesh.world_size > GL_ABOVE else go.Scatter
     traces: list[go.BaseTraceType] = []
     for d in mesh.domains:
         xs, ys = _ring_xy(native_ring(d), pos)
         ok = d.name not in broken
-        traces.append(go.Scatter(
+        traces.append(Trace(
             x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
             line=dict(color=colours[d.name] if ok else BROKEN, width=1.5, dash="solid" if ok else "dash"),
         ))
@@ -125,7 +128,7 @@ def mesh_figure(
         shown.add(link.link)
     for d in mesh.domains:
         alive = [r for r in d.ranks if r not in dead]
-        traces.append(go.Scatter(
+        traces.append(Trace(
             x=[pos[r][0] for r in alive], y=[pos[r][1] for r in alive],
             customdata=[[r] for r in alive],
             mode="markers+text" if labelled else "markers",
