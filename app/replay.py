@@ -18,7 +18,7 @@ from meshpact.core.facts import Domain, Mesh
 from meshpact.core.recording import Event
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 
-__all__ = ["ReplayEvent", "ReplayFrame", "from_timeline", "from_recording", "replay_frame", "frame_breakdown", "find_recordings", "local_mesh", "recording_mesh"]
+__all__ = ["ReplayEvent", "ReplayFrame", "from_timeline", "from_recording", "replay_frame", "frame_breakdown", "find_recordings", "local_mesh", "recording_mesh", "first_recovery_index"]
 
 _KEEP_SIMULATED = frozenset({"fault", "stage", "rejoin", "degraded"})
 _POLICIES = frozenset(p.value for p in Policy)
@@ -182,3 +182,16 @@ def recording_mesh(meta: Mapping[str, Any], fallback: Mesh) -> Mesh:
     if meta.get("source") == "live" and isinstance(ranks, int) and ranks > 0:
         return local_mesh(ranks)
     return fallback
+
+
+def first_recovery_index(events: Sequence[ReplayEvent], scan: int = 400) -> int:
+    """The last event of the first recovery (where its whole stage breakdown shows), or 0;
+    only the first ``scan`` events are looked at."""
+    best = 0
+    for i in range(min(len(events), scan)):
+        frame = replay_frame(events, i)
+        if frame.recoveries_before > 0:
+            break
+        if frame.stage is not None:
+            best = i
+    return best

@@ -10,7 +10,8 @@ import streamlit as st
 from meshpact.app.context import mesh_of, positions_of, require_scenario
 from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.replay import (
-    ReplayEvent, find_recordings, frame_breakdown, from_recording, from_timeline, recording_mesh, replay_frame,
+    ReplayEvent, find_recordings, first_recovery_index, frame_breakdown, from_recording, from_timeline, recording_mesh,
+    replay_frame,
 )
 from meshpact.app.state import clamp_failed
 from meshpact.core.errors import MeshpactError
@@ -75,8 +76,10 @@ if not events:
     st.info("Nothing to replay: this run has no faults or recovery stages.")
     st.stop()
 
-if st.session_state.get(IDX, 0) >= len(events):
-    st.session_state[IDX] = 0
+replay_key = (source, policy.value, len(events), events[0].t)
+if st.session_state.get("replay_key") != replay_key or st.session_state.get(IDX, 0) >= len(events):
+    st.session_state["replay_key"] = replay_key  # a new replay opens on its first recovery, all stages shown
+    st.session_state[IDX] = first_recovery_index(events)
 playing = bool(st.session_state.get(PLAY))
 if st.button("⏸ pause" if playing else "▶ play", type="primary"):
     st.session_state[PLAY] = not playing
@@ -101,7 +104,8 @@ def player() -> None:
         st.plotly_chart(mesh_figure(mesh, failed, positions), key="replay_mesh")
     with right:
         a, b = st.columns(2)
-        a.metric("time", f"{frame.event.t:,.2f} s")
+        t = frame.event.t
+        a.metric("time", f"{t / 3600:,.2f} h" if t >= 3600 else f"{t:,.2f} s", help=f"{t:,.3f} s from the start")
         b.metric("stage", frame.stage.value if frame.stage else "—")
         c, d = st.columns(2)
         c.metric("failed ranks", ", ".join(map(str, sorted(frame.failed))) or "none")

@@ -89,7 +89,8 @@ def test_replay_steps_through_a_simulated_recovery():
     at = _app()
     at.switch_page("views/replay.py").run()
     assert not at.exception
-    assert _metric(at, "failed ranks") != "none"  # the first event is a fault
+    assert _metric(at, "failed ranks") != "none"  # it opens on the first recovery
+    assert _metric(at, "stage") == "replay"  # its last stage: every stage is on the chart
     at.slider(key="replay_index").set_value(1).run()
     assert _metric(at, "stage") == "detection"
 

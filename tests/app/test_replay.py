@@ -91,3 +91,12 @@ def test_a_live_recording_is_drawn_on_its_own_local_ranks():
     mesh = recording_mesh(meta, scenario_mesh)
     assert mesh.world_size == 2 and mesh.domains[0].backend.value == "gloo"
     assert recording_mesh({"source": "simulated"}, scenario_mesh) is scenario_mesh
+
+
+def test_a_replay_opens_on_the_last_stage_of_its_first_recovery():
+    from meshpact.app.replay import first_recovery_index
+
+    events = from_timeline([_sim(1.0, "fault"), _sim(1.0, "stage", "detection", 5.0), _sim(6.0, "stage", "consensus", 1.0),
+                            _sim(50.0, "fault", rank=3), _sim(50.0, "stage", "detection", 5.0)])
+    assert first_recovery_index(events) == 2
+    assert first_recovery_index(from_timeline([_sim(1.0, "fault")])) == 0
