@@ -1,6 +1,6 @@
 """``meshpact live bridge``: run one request's plan across two native domains of real ranks.
 
-Starts 2 + 2 ranks on loopback (gloo on CPU standing in for each vendor's runtime unless
+Starts 2 + 2 ranks (``--ranks-per-domain``) on loopback (gloo on CPU standing in for each vendor's runtime unless
 capability detection finds it), runs the lowerer's checked plan for the request, verifies
 what every consumer rank observed against a single-process reference under the contract's
 equivalence, and compares measured startups and payload bytes with the plan's.
@@ -38,15 +38,17 @@ def bridge(
     preset: _Preset = typer.Option(_Preset.TINY, "--preset", help="Sizes: tiny, or Qwen3-14B's real dimensions."),
     record: Optional[Path] = typer.Option(None, "--record", help="JSONL recording path "
                                           "[default: recordings/bridge-<request>-<preset>.jsonl]"),
+    per_domain: int = typer.Option(2, "--ranks-per-domain", min=1, max=8, help="Ranks in each of the two domains."),
     timeout_s: float = typer.Option(600.0, "--timeout", min=10.0, help="Seconds before every rank is stopped."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
-    """Run a checked plan across two native domains (2 + 2 ranks), verified and metered."""
+    """Run a checked plan across two native domains (2 + 2 ranks by default), verified and metered."""
     from meshpact.live.bridge import Job, job_summary, run_bridge
     from meshpact.live.workloads import LiveRequest
 
     path = record or Path("recordings") / f"bridge-{request.value}-{preset.value}.jsonl"
-    report = run_bridge([Job(LiveRequest(request.value))], preset.value, recording=path, timeout_s=timeout_s)
+    report = run_bridge([Job(LiveRequest(request.value))], preset.value, per_domain=per_domain, recording=path,
+                        timeout_s=timeout_s)
     job = report["jobs"][0]
     if job.get("refused"):
         raise MeshpactError("the executor refused the plan: " + "; ".join(job["refused"]))
