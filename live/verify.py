@@ -25,7 +25,7 @@ from meshpact.core.contract import Contract
 from meshpact.core.contract import Equivalence as ContractEquivalence
 from meshpact.core.facts import Edge
 
-from .ops import reference_logprob
+from .ops import chunk, reference_logprob
 from .workloads import LiveRequest, get_preset, logprob_ids, reference_producer
 
 __all__ = ["Equivalence", "equivalence_of", "reference_observation", "owner_scope_leaks", "Verdict", "verify_job"]
@@ -65,8 +65,7 @@ def reference_observation(request: LiveRequest, preset: str, edge: Edge, rank: i
     if request is LiveRequest.OWNER_TOKEN:
         rows = [r for r, o in enumerate(cons.owners or ()) if o == rank]
         return torch.argmax(full, dim=-1)[rows]
-    index = cons.ranks.index(rank)
-    return torch.chunk(full, len(cons.ranks), dim=cons.shard_dim or 0)[index]
+    return chunk(full, cons.shard_dim or 0, len(cons.ranks), cons.ranks.index(rank))
 
 
 def owner_scope_leaks(request: LiveRequest, preset: str, edge: Edge,
