@@ -1,0 +1,189 @@
+"""Small decoders with the real vocabularies of three model families, for live serving.
+
+:func:`scaled_spec` keeps what decides the size of a result crossing a link, the
+vocabulary, exactly as the catalog's published ``config.json`` gives it (Qwen3-14B and
+Qwen3-30B-A3B: 151,936; MiniMax-M2: 200,064), keeps each family's shape (dense SwiGLU
+MLP; a routed expert layer for the MoE families; grouped-query attention with the
+family's ratio of query to key/value heads) and scales depth and width down by one rule,
+so a decode step on one CPU thread takes milliseconds. Weights are random and seeded.
+
+:class:`Decoder` keeps a key/value cache per slot: :meth:`Decoder.prefill` fills a slot's
+cache from a prompt, :meth:`Decoder.step` runs one decode step for any set of slots at
+once (a batch) and returns logits ``[batch, vocab]``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from meshpact.core.catalog import get_model
+from meshpact.core.errors import MeshpactError
+
+__all__ = ["FAMILIES", "DecoderSpec", "scaled_spec", "Decoder"]
+
+# Family -> catalog model (the Hugging Face config.json each catalog entry names).
+FAMILIES: dict[str, str] = {"dense": "qwen3-14b", "moe": "qwen3-30b-a3b", "minimax": "minimax-m2"}
+
+WIDTH_DIVISOR = 32  # hidden and intermediate sizes divided by this
+LAYERS = 2
+HEAD_DIM = 32
+EXPERTS = 8  # routed experts kept per MoE layer
+EXPERTS_PER_TOKEN = 2
+
+
+@dataclass(frozen=True)
+class DecoderSpec:
+    family: str
+    source: str  # the catalog model whose shape this scales
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int  # dense MLP width (0 for MoE layers)
+    experts: int
+    experts_per_token: int
+    expert_intermediate: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def scaled_spec(family: str) -> DecoderSpec:
+    """The family's catalog model with its vocabulary kept and depth and width scaled down."""
+    if family not in FAMILIES:
+        raise MeshpactError(f"model {family!r}: expected one of {', '.join(FAMILIES)}")
+    m = get_model(FAMILIES[family])
+    hidden = max(HEAD_DIM, m.hidden_size // WIDTH_DIVISOR)
+    heads = max(1, hidden // HEAD_DIM)
+    kv = max(1, heads * m.num_kv_heads // m.num_heads)
+    while heads % kv:
+        kv -= 1
+    moe = m.is_moe
+    return DecoderSpec(
+        family=family, source=m.name, vocab_size=m.vocab_size, hidden=hidden, layers=LAYERS, heads=heads,
+        kv_heads=kv, head_dim=HEAD_DIM, intermediate=0 if moe else m.intermediate_size // WIDTH_DIVISOR,
+        experts=min(EXPERTS, m.num_experts) if moe else 0,
+        experts_per_token=min(EXPERTS_PER_TOKEN, m.experts_per_token) if moe else 0,
+        expert_intermediate=max(8, m.moe_intermediate_size // WIDTH_DIVISOR) if moe else 0,
+    )
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding (base 1e6, as Qwen3) of ``x [..., seq, head_dim]`` at ``pos``."""
+    half = x.shape[-1] // 2
+    freq = 1e6 ** (-torch.arange(half, dtype=torch.float32) / half)
+    ang = pos.to(torch.float32)[..., None] * freq
+    cos, sin = ang.cos(), ang.sin()
+    a, b = x[..., :half], x[..., half:]
+    return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+
+class Decoder:
+    """A seeded random decoder of ``spec`` with a KV cache of ``slots`` sequences of ``max_len``."""
+
+    def __init__(self, spec: DecoderSpec, slots: int, max_len: int, seed: int = 0) -> None:
+        self.spec = spec
+        self.slots, self.max_len = slots, max_len
+        g = torch.Generator().manual_seed(seed)
+
+        def w(*shape: int) -> torch.Tensor:
+            return torch.empty(shape).normal_(0.0, 1.0 / math.sqrt(shape[-1]), generator=g)
+
+        s = spec
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        self.embed = torch.empty(s.vocab_size, s.hidden).normal_(0.0, 1.0, generator=g)
+        self.head = w(s.vocab_size, s.hidden)
+        self.norm = torch.ones(s.hidden)
+        self.layers: list[dict[str, torch.Tensor]] = []
+        for _ in range(s.layers):
+            layer = {"ln1": torch.ones(s.hidden), "ln2": torch.ones(s.hidden), "wq": w(q, s.hidden),
+                     "wk": w(kv, s.hidden), "wv": w(kv, s.hidden), "wo": w(s.hidden, q)}
+            if s.experts:
+                layer["router"] = w(s.experts, s.hidden)
+                layer["gate"] = w(s.experts, s.expert_intermediate, s.hidden)
+                layer["up"] = w(s.experts, s.expert_intermediate, s.hidden)
+                layer["down"] = w(s.experts, s.hidden, s.expert_intermediate)
+            else:
+                layer.update(gate=w(s.intermediate, s.hidden), up=w(s.intermediate, s.hidden),
+                             down=w(s.hidden, s.intermediate))
+            self.layers.append(layer)
+        self.k = torch.zeros(s.layers, slots, s.kv_heads, max_len, s.head_dim)
+        self.v = torch.zeros_like(self.k)
+        self.length = torch.zeros(slots, dtype=torch.long)
+
+    # -- blocks -------------------------------------------------------------------------------
+    def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        if not self.spec.experts:
+            return (F.silu(x @ layer["gate"].T) * (x @ layer["up"].T)) @ layer["down"].T
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = torch.topk(torch.softmax(flat @ layer["router"].T, dim=-1), self.spec.experts_per_token)
+        weights = weights / weights.sum(-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e in range(self.spec.experts):
+            rows, which = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                continue
+            h = flat[rows]
+            y = (F.silu(h @ layer["gate"][e].T) * (h @ layer["up"][e].T)) @ layer["down"][e].T
+            out.index_add_(0, rows, y * weights[rows, which, None])
+        return out.reshape(x.shape)
+
+    def _attend(self, i: int, layer: dict[str, torch.Tensor], x: torch.Tensor, slots: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+        """Attention of ``x [b, t, hidden]`` at positions ``pos [b, t]``, writing the slots' cache."""
+        s = self.spec
+        b, t, _ = x.shape
+        q = (x @ layer["wq"].T).view(b, t, s.heads, s.head_dim).transpose(1, 2)
+        k = (x @ layer["wk"].T).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        v = (x @ layer["wv"].T).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
+        q, k = _rope(q, pos[:, None, :]), _rope(k, pos[:, None, :])
+        for j in range(b):
+            self.k[i, int(slots[j])][:, pos[j]] = k[j]
+            self.v[i, int(slots[j])][:, pos[j]] = v[j]
+        end = int(pos.max()) + 1
+        keys = self.k[i, slots, :, :end].repeat_interleave(s.heads // s.kv_heads, dim=1)
+        vals = self.v[i, slots, :, :end].repeat_interleave(s.heads // s.kv_heads, dim=1)
+        mask = torch.arange(end)[None, None, None, :] <= pos[:, None, :, None]
+        out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
+        return out.transpose(1, 2).reshape(b, t, s.heads * s.head_dim) @ layer["wo"].T
+
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = self.embed[ids]
+        for i, layer in enumerate(self.layers):
+            x = x + self._attend(i, layer, _rms(x, layer["ln1"]), slots, pos)
+            x = x + self._mlp(layer, _rms(x, layer["ln2"]))
+        return _rms(x, self.norm)
+
+    # -- serving --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, slot: int, prompt: Sequence[int]) -> None:
+        """Fill ``slot``'s cache with ``prompt`` (no logits: the first decode step reads its last token)."""
+        n = len(prompt)
+        if n < 1 or n >= self.max_len:
+            raise MeshpactError(f"prompt of {n} tokens: expected 1..{self.max_len - 1}")
+        if n > 1:
+            ids = torch.tensor([list(prompt[:-1])])
+            self._forward(ids, torch.tensor([slot]), torch.arange(n - 1)[None, :])
+        self.length[slot] = n - 1
+
+    @torch.no_grad()
+    def step(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """One decode step of ``slots`` fed ``tokens``: float32 logits ``[len(slots), vocab]``."""
+        sl = torch.tensor(list(slots), dtype=torch.long)
+        pos = self.length[sl].clone()
+        if int(pos.max()) >= self.max_len:
+            raise MeshpactError(f"a sequence reached the cache length {self.max_len}")
+        h = self._forward(torch.tensor(list(tokens))[:, None], sl, pos[:, None])
+        self.length[sl] += 1
+        return h[:, 0] @ self.head.T

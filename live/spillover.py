@@ -1,0 +1,620 @@
+"""Two-host capacity spillover: a serving loop whose overflow runs on a second host.
+
+Host 1 (rank 0, domain ``cuda@host1``) serves ``concurrency`` closed-loop clients with a
+fixed local capacity (``local_slots`` sequences decoded in lockstep by one batched step).
+A request that finds the local slots full spills to host 2 (rank 1, domain ``cann@host2``),
+which decodes its sequences the same way. The two hosts are network namespaces joined by
+a ``tc``-shaped veth pair (:mod:`meshpact.live.netns`); the only path between them is that
+link.
+
+Every step of host 2 produces logits ``[batch, vocab]`` (bfloat16) and their result comes
+back as the planner's plan for the request (``compile_contract`` → ``lower``), admitted by
+the checker and run by the metered :class:`~meshpact.live.executor.Executor` over the gloo
+bridge:
+
+* ``full``: the logits cross; host 1 samples (greedy) and the chosen ids go back with the
+  next step's command, so host 2 waits for them (full-logit reconstruction);
+* ``token`` / ``owner_token``: the id is chosen at the source and only it crosses;
+* ``logprob``: the request scores a given continuation (its target ids, which both hosts
+  derive from the request), so host 2 feeds the targets and sends one log-probability per
+  row.
+
+Host 1 drives host 2 with one fixed-size command per step over the world group (which
+slots run, new requests, and for ``full`` the chosen ids); except for ``full`` it sends
+step *k+1*'s command before reading step *k*'s results, so source projection never stalls
+host 2's decoding. Counted per run: tokens/s, per-request latency, result traffic as
+metered by the executor and as counted by the kernel on host 1's veth end (received
+bytes: the result direction), startups, the α of the link (a timed ping-pong) and every
+timed forward pass, from which :func:`simulated` sets the simulator's parameters.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping, Sequence
+
+from meshpact.core.errors import MeshpactError
+from meshpact.core.facts import Request
+
+from .netns import LinkShape, TwoHosts
+
+__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "sim_params", "simulated", "ETHERNET_MTU",
+           "wire_efficiency", "REQUESTS"]
+
+REQUESTS = ("full", "logprob", "token", "owner_token")
+ETHERNET_MTU = 1500
+_TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12 (Linux default)
+_ETHERNET_FRAMING = 14  # Ethernet header; tbf counts frames as the kernel sees them
+
+
+def wire_efficiency(mtu: int = ETHERNET_MTU) -> float:
+    """Payload bytes per byte on the shaped link for bulk TCP (MSS over frame length)."""
+    return (mtu - _TCP_IP_HEADERS) / (mtu + _ETHERNET_FRAMING)
+
+
+@dataclass(frozen=True)
+class SpilloverConfig:
+    model: str = "dense"  # dense | moe | minimax (live.decoder.FAMILIES)
+    request: str = "token"
+    concurrency: int = 8
+    requests: int = 32  # requests per run, all clients together
+    output_tokens: int = 24
+    prompt_tokens: int = 16
+    local_slots: int = 4
+    remote_slots: int = 12
+    gbit_per_s: float = 1.0
+    delay_ms: float = 0.0
+    seed: int = 0
+    timeout_s: float = 240.0
+
+    def __post_init__(self) -> None:
+        from .decoder import FAMILIES
+
+        if self.model not in FAMILIES:
+            raise MeshpactError(f"--model {self.model!r}: expected one of {', '.join(FAMILIES)}")
+        if self.request not in REQUESTS:
+            raise MeshpactError(f"--request {self.request!r}: expected one of {', '.join(REQUESTS)}")
+        for name in ("concurrency", "requests", "output_tokens", "local_slots", "remote_slots"):
+            if getattr(self, name) < 1:
+                raise MeshpactError(f"{name}: expected a positive integer, got {getattr(self, name)}")
+        if self.prompt_tokens < 1:
+            raise MeshpactError(f"prompt_tokens: expected at least 1, got {self.prompt_tokens}")
+        if self.concurrency > self.local_slots + self.remote_slots:
+            raise MeshpactError(f"concurrency {self.concurrency} exceeds the two hosts' {self.local_slots} + "
+                                f"{self.remote_slots} slots; raise remote_slots or lower the concurrency")
+        LinkShape(self.gbit_per_s, self.delay_ms)
+
+    @property
+    def max_len(self) -> int:
+        return self.prompt_tokens + self.output_tokens + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    config: SpilloverConfig
+    throughput_tok_s: float
+    latencies_s: tuple[float, ...]
+    makespan_s: float
+    tokens: int
+    remote_tokens: int
+    spilled: int
+    result_bytes: int  # payload bytes of the result plans, metered by the executor
+    veth_bytes: int  # bytes host 1's veth end received during serving (kernel counter)
+    veth_tx_bytes: int  # bytes host 1's veth end sent (commands, acks)
+    command_bytes: int  # payload of host 1's step commands
+    startups: int  # collective calls and bridge messages of the result plans
+    steps: Mapping[str, int]  # decode steps per host
+    link_alpha_s: float  # half the median round trip of a small message over the link
+    local_step_s: float  # mean timed decode step of host 1 (forward and choice)
+    remote_forward_s: float  # mean timed forward pass of host 2
+    remote_project_s: float  # mean time of host 2's part of the result plan
+    consumer_sample_s: float  # full: mean time host 1 takes to sample a remote step's logits
+    local_prefill_s: float
+    remote_prefill_s: float
+    planned: Mapping[str, int] = field(default_factory=dict)  # startups/bytes the plans predict
+
+    def percentile(self, q: float) -> float:
+        import numpy as np
+
+        return float(np.percentile(self.latencies_s, q)) if self.latencies_s else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self).items() if k not in ("config", "latencies_s")}
+        d["config"] = self.config.to_dict()
+        d["latency_s"] = {"p50": self.percentile(50), "p99": self.percentile(99)}
+        return d
+
+
+# -- requests: prompts and targets both hosts derive from the request id ---------------------
+def _prompt(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
+    rng = random.Random(cfg["seed"] * 1_000_003 + rid)
+    return [rng.randrange(vocab) for _ in range(cfg["prompt_tokens"])]
+
+
+def _targets(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
+    rng = random.Random(cfg["seed"] * 1_000_003 + rid + 500_000)
+    return [rng.randrange(vocab) for _ in range(cfg["output_tokens"])]
+
+
+# -- the plan for one step's results ---------------------------------------------------------
+class _ResultPlans:
+    """The lowered, checked plan per batch size (the producer tensor is ``logits [batch, vocab]``)."""
+
+    def __init__(self, request: str, vocab: int, mesh: Any) -> None:
+        self.request, self.vocab, self.mesh = Request(request), vocab, mesh
+        self._cache: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, batch: int) -> tuple[Any, Any]:
+        if batch not in self._cache:
+            from meshpact.core.checker import check
+            from meshpact.core.contract import compile_contract
+            from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor
+            from meshpact.core.lowerer import lower
+            from meshpact.core.placement import Replicate
+
+            prod, cons = self.mesh.domains[1], self.mesh.domains[0]
+            edge = Edge(
+                f"spillover_{self.request.value}_{batch}", self.mesh,
+                ProducerTensor("logits", "lm_head", (batch, self.vocab), DType.BFLOAT16, prod.name, Replicate()),
+                Consumer("serving", cons.name, cons.ranks, self.request,
+                         owners=tuple(cons.ranks[0] for _ in range(batch))
+                         if self.request is Request.OWNER_TOKEN else None),
+                description="one step of a remote host's sequences, read by the serving host")
+            contract = compile_contract(edge)
+            plan = lower(contract)
+            report = check(plan, contract)
+            if not report.ok:
+                raise MeshpactError(f"the lowered result plan fails the checker: {report.violations}")
+            self._cache[batch] = (plan, contract)
+        return self._cache[batch]
+
+
+def _mesh(link_alpha_s: float, beta: float) -> Any:
+    from meshpact.core.facts import Domain, LinkClass, LinkParams, Mesh, Vendor
+
+    return Mesh(domains=(Domain("cuda@host1", Vendor.CUDA, "host1", (0,)),
+                         Domain("cann@host2", Vendor.CANN, "host2", (1,))),
+                links={LinkClass.ETHERNET: LinkParams(link_alpha_s, beta)})
+
+
+# -- the worker (both ranks) -------------------------------------------------------------------
+def worker(args: dict) -> dict:
+    """One rank of a spillover run (started by :func:`run_once` through the launcher)."""
+    import torch
+
+    from .domains import RankEnv, init_domains
+
+    torch.set_num_threads(1)
+    env = RankEnv.from_environ()
+    cfg = args
+    mesh = _mesh(5e-5, 8.0 / (cfg["gbit_per_s"] * 1e9))
+    layout = init_domains(mesh, env, timeout_s=cfg["timeout_s"])
+    if env.rank == 0:
+        return _Host1(cfg, layout).run()
+    return _Host2(cfg, layout).run()
+
+
+def _slot_word(state: int, rid: int, token: int) -> list[int]:
+    return [state, rid, token]
+
+
+EMPTY, ACTIVE, NEW = 0, 1, 2
+
+
+class _Host2:
+    """Decodes spilled requests in lockstep, one command per step, results as the plan says."""
+
+    def __init__(self, cfg: dict, layout: Any) -> None:
+        import torch
+
+        from .decoder import Decoder, scaled_spec
+        from .executor import Executor
+
+        self.cfg, self.layout = cfg, layout
+        self.spec = scaled_spec(cfg["model"])
+        self.model = Decoder(self.spec, cfg["remote_slots"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
+                             seed=cfg["seed"] + 2)
+        self.plans = _ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
+        self.executor = Executor(layout)
+        self.cmd = torch.zeros(2 + 3 * cfg["remote_slots"], dtype=torch.long)
+        self.next_token: dict[int, int] = {}
+        self.targets: dict[int, list[int]] = {}
+        self.done: dict[int, int] = {}
+        self.t_forward: list[float] = []
+        self.t_project: list[float] = []
+        self.t_prefill: list[float] = []
+        self.planned = {"startups": 0, "payload_bytes": 0}
+
+    def run(self) -> dict:
+        import torch
+        import torch.distributed as dist
+
+        _handshake(1)
+        self.model.step([0], [0])  # warm up
+        dist.barrier()
+        req = self.cfg["request"]
+        while True:
+            dist.recv(self.cmd, src=0)
+            if int(self.cmd[0]) == 0:
+                break
+            slots, feed = [], []
+            for s in range(self.cfg["remote_slots"]):
+                state, rid, token = (int(x) for x in self.cmd[2 + 3 * s: 5 + 3 * s])
+                if state == EMPTY:
+                    continue
+                if state == NEW:
+                    t0 = time.perf_counter()
+                    prompt = _prompt(self.cfg, rid, self.spec.vocab_size)
+                    self.model.prefill(s, prompt)
+                    self.t_prefill.append(time.perf_counter() - t0)
+                    self.next_token[s], self.done[s] = prompt[-1], 0
+                    self.targets[s] = _targets(self.cfg, rid, self.spec.vocab_size)
+                elif req == "full":
+                    self.next_token[s] = token
+                slots.append(s)
+                feed.append(self.next_token[s])
+            t0 = time.perf_counter()
+            logits = self.model.step(slots, feed).to(torch.bfloat16)
+            t1 = time.perf_counter()
+            plan, contract = self.plans.get(len(slots))
+            ids = torch.tensor([self.targets[s][self.done[s]] for s in slots]) if req == "logprob" else None
+            out = self.executor.run(plan, contract, {0: {}, 1: {"logits": logits}}, ids)
+            self.planned["startups"] += plan.startups
+            self.planned["payload_bytes"] += plan.payload_bytes
+            self.t_forward.append(t1 - t0)
+            self.t_project.append(time.perf_counter() - t1)
+            sent = _sent_buffer(plan)
+            for j, s in enumerate(slots):
+                if req == "logprob":
+                    self.next_token[s] = self.targets[s][self.done[s]]
+                elif req != "full":
+                    self.next_token[s] = int(out.buffers[sent][j])
+                self.done[s] += 1
+        return {"records": [r.to_dict() for r in self.executor.meter.records], "steps": len(self.t_forward),
+                "forward_s": _mean(self.t_forward), "project_s": _mean(self.t_project),
+                "prefill_s": _mean(self.t_prefill), "planned": self.planned}
+
+
+def _sent_buffer(plan: Any) -> str:
+    from meshpact.core.plan import StepKind
+
+    return next(s.inputs[0] for s in plan.steps if s.kind is StepKind.SEND)
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def _handshake(rank: int, rounds: int = 21) -> float:
+    """Half the median round trip of one small message between the hosts (the link's α)."""
+    import torch
+    import torch.distributed as dist
+
+    buf = torch.zeros(1, dtype=torch.long)
+    rtts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        if rank == 0:
+            dist.send(buf, dst=1)
+            dist.recv(buf, src=1)
+        else:
+            dist.recv(buf, src=0)
+            dist.send(buf, dst=0)
+        rtts.append(time.perf_counter() - t0)
+    return sorted(rtts)[len(rtts) // 2] / 2
+
+
+class _Host1:
+    """The serving host: clients, local lockstep decoding, and the driver of host 2."""
+
+    def __init__(self, cfg: dict, layout: Any) -> None:
+        from .decoder import Decoder, scaled_spec
+        from .executor import Executor
+
+        self.cfg, self.layout = cfg, layout
+        self.spec = scaled_spec(cfg["model"])
+        self.model = Decoder(self.spec, cfg["local_slots"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
+                             seed=cfg["seed"] + 2)
+        self.plans = _ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
+        self.executor = Executor(layout)
+        self.lock = threading.Condition()
+        self.issued = self.completed = 0
+        self.arrival: dict[int, float] = {}
+        self.latencies: list[float] = []
+        self.local_pending: deque[int] = deque()
+        self.remote_pending: deque[int] = deque()
+        self.waiting: deque[int] = deque()
+        self.local_used = self.remote_used = 0
+        self.spilled = self.remote_tokens = 0
+        self.t_local: list[float] = []
+        self.t_prefill: list[float] = []
+        self.t_sample: list[float] = []  # full: the consumer's sampling of each remote step
+        self.command_bytes = 0
+        self.error: BaseException | None = None
+
+    # -- clients and placement (under the lock) ------------------------------------------------
+    def _issue(self) -> None:
+        if self.issued >= self.cfg["requests"]:
+            return
+        rid = self.issued
+        self.issued += 1
+        self.arrival[rid] = time.perf_counter()
+        self._place(rid)
+
+    def _place(self, rid: int) -> None:
+        if self.local_used < self.cfg["local_slots"]:
+            self.local_used += 1
+            self.local_pending.append(rid)
+        elif self.remote_used < self.cfg["remote_slots"]:
+            self.remote_used += 1
+            self.spilled += 1
+            self.remote_pending.append(rid)
+        else:
+            self.waiting.append(rid)
+        self.lock.notify_all()
+
+    def _complete(self, rid: int, remote: bool) -> None:
+        self.latencies.append(time.perf_counter() - self.arrival[rid])
+        self.completed += 1
+        if remote:
+            self.remote_used -= 1
+        else:
+            self.local_used -= 1
+        if self.waiting:
+            self._place(self.waiting.popleft())
+        self._issue()
+        self.lock.notify_all()
+
+    def _finished(self) -> bool:
+        return self.completed >= self.cfg["requests"]
+
+    # -- the run ---------------------------------------------------------------------------------
+    def run(self) -> dict:
+        import torch.distributed as dist
+
+        alpha = _handshake(0)
+        self.model.step([0], [0])  # warm up
+        dist.barrier()
+        before = _veth()
+        t0 = time.perf_counter()
+        with self.lock:
+            for _ in range(self.cfg["concurrency"]):
+                self._issue()
+        driver = threading.Thread(target=self._drive_remote, name="remote-driver")
+        driver.start()
+        try:
+            self._decode_local()
+        finally:
+            driver.join()
+        makespan = time.perf_counter() - t0
+        after = _veth()
+        if self.error is not None:
+            raise self.error
+        return {"makespan_s": makespan, "latencies": self.latencies, "spilled": self.spilled,
+                "remote_tokens": self.remote_tokens, "local_steps": len(self.t_local),
+                "local_step_s": _mean(self.t_local), "local_prefill_s": _mean(self.t_prefill),
+                "sample_s": _mean(self.t_sample),
+                "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha,
+                "command_bytes": self.command_bytes,
+                "records": [r.to_dict() for r in self.executor.meter.records]}
+
+    def _choose(self, logits: Any, rows: Sequence[tuple[int, int]]) -> list[int]:
+        """The consumer's choice per row: greedy over the bfloat16 logits, or the target when scoring."""
+        if self.cfg["request"] == "logprob":
+            return [self.targets[s][k] for s, k in rows]
+        return [int(x) for x in logits.argmax(dim=-1)]
+
+    def _decode_local(self) -> None:
+        import torch
+
+        n = self.cfg["local_slots"]
+        rid_of: dict[int, int] = {}
+        token: dict[int, int] = {}
+        done: dict[int, int] = {}
+        self.targets: dict[int, list[int]] = {}
+        free = list(range(n))
+        while True:
+            with self.lock:
+                while not self.local_pending and not rid_of and not self._finished() and self.error is None:
+                    self.lock.wait(0.5)
+                if (self._finished() and not rid_of) or self.error is not None:
+                    return
+                admit = [self.local_pending.popleft() for _ in range(len(self.local_pending))]
+            for rid in admit:
+                s = free.pop()
+                t0 = time.perf_counter()
+                prompt = _prompt(self.cfg, rid, self.spec.vocab_size)
+                self.model.prefill(s, prompt)
+                self.t_prefill.append(time.perf_counter() - t0)
+                rid_of[s], token[s], done[s] = rid, prompt[-1], 0
+                self.targets[s] = _targets(self.cfg, rid, self.spec.vocab_size)
+            slots = sorted(rid_of)
+            t0 = time.perf_counter()
+            logits = self.model.step(slots, [token[s] for s in slots]).to(torch.bfloat16)
+            chosen = self._choose(logits, [(s, done[s]) for s in slots])
+            self.t_local.append(time.perf_counter() - t0)
+            finished = []
+            for s, tok in zip(slots, chosen):
+                token[s] = tok
+                done[s] += 1
+                if done[s] == self.cfg["output_tokens"]:
+                    finished.append(s)
+            with self.lock:
+                for s in finished:
+                    self._complete(rid_of.pop(s), remote=False)
+                    free.append(s)
+
+    def _drive_remote(self) -> None:
+        try:
+            self._drive()
+        except BaseException as exc:  # surfaced by run()
+            with self.lock:
+                self.error = exc
+                self.lock.notify_all()
+
+    def _drive(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        n, out_tokens = self.cfg["remote_slots"], self.cfg["output_tokens"]
+        full = self.cfg["request"] == "full"
+        rid_of: dict[int, int] = {}  # slot -> request
+        commanded: dict[int, int] = {}  # steps commanded per slot
+        received: dict[int, int] = {}  # results received per slot
+        chosen: dict[int, int] = {}  # full: the consumer's last choice per slot
+        inflight: deque[list[int]] = deque()
+        sending: Any = None  # the last command's isend: gloo sends rendezvous with the receiver
+        step = 0
+        while True:
+            with self.lock:
+                while (not self.remote_pending and not any(commanded[s] < out_tokens for s in rid_of)
+                       and not inflight and not self._finished() and self.error is None):
+                    self.lock.wait(0.5)
+                if self.error is not None:
+                    return
+                words: list[int] = []
+                batch: list[int] = []
+                free = [s for s in range(n) if s not in rid_of]
+                new = {}
+                while self.remote_pending and free:
+                    s = free.pop(0)
+                    new[s] = self.remote_pending.popleft()
+                for s in range(n):
+                    if s in new:
+                        rid_of[s], commanded[s], received[s] = new[s], 0, 0
+                        words += _slot_word(NEW, new[s], 0)
+                    elif s in rid_of and commanded[s] < out_tokens:
+                        words += _slot_word(ACTIVE, rid_of[s], chosen.get(s, 0) if full else 0)
+                    else:
+                        words += _slot_word(EMPTY, 0, 0)
+                        continue
+                    batch.append(s)
+                    commanded[s] += 1
+                if not batch and not inflight and self._finished():
+                    if sending is not None:
+                        sending.wait()
+                    dist.send(torch.zeros(2 + 3 * n, dtype=torch.long), dst=1)
+                    return
+            if batch:
+                step += 1
+                cmd = torch.tensor([1, step, *words], dtype=torch.long)
+                if sending is not None:
+                    sending.wait()
+                sending = dist.isend(cmd, dst=1)
+                self.command_bytes += cmd.numel() * cmd.element_size()
+                inflight.append(batch)
+            if inflight and (full or len(inflight) > 1 or not batch):
+                self._receive(inflight.popleft(), rid_of, received, chosen)
+
+    def _receive(self, batch: list[int], rid_of: dict[int, int], received: dict[int, int],
+                 chosen: dict[int, int]) -> None:
+        import torch
+
+        plan, contract = self.plans.get(len(batch))
+        meta = torch.empty(len(batch), self.spec.vocab_size, dtype=torch.bfloat16, device="meta")
+        ids = torch.zeros(len(batch), dtype=torch.long) if self.cfg["request"] == "logprob" else None
+        out = self.executor.run(plan, contract, {0: {}, 1: {"logits": meta}}, ids)
+        value = next(iter(out.delivered.values()))
+        if self.cfg["request"] == "full":
+            t0 = time.perf_counter()
+            for s, tok in zip(batch, (int(x) for x in value.argmax(dim=-1))):
+                chosen[s] = tok
+            self.t_sample.append(time.perf_counter() - t0)
+        with self.lock:
+            self.remote_tokens += len(batch)
+            for s in batch:
+                received[s] += 1
+                if received[s] == self.cfg["output_tokens"]:
+                    self._complete(rid_of.pop(s), remote=True)
+
+
+def _veth() -> tuple[int, int]:
+    """(rx, tx) bytes of this host's veth end, from the kernel's statistics (0, 0 without one)."""
+    dev = os.environ.get("MESHPACT_VETH")
+    if not dev:
+        return 0, 0
+    base = f"/sys/class/net/{dev}/statistics"
+    with open(f"{base}/rx_bytes") as rx, open(f"{base}/tx_bytes") as tx:
+        return int(rx.read()), int(tx.read())
+
+
+# -- the parent: one run on two fresh hosts ------------------------------------------------------
+def run_once(cfg: SpilloverConfig) -> RunResult:
+    """Build two hosts, start one rank on each, serve ``cfg``'s requests, tear everything down."""
+    from .launcher import Launch, LaunchError
+    from .meter import CallRecord, measure
+
+    with TwoHosts(LinkShape(cfg.gbit_per_s, cfg.delay_ms)) as hosts:
+        port = random.randrange(20000, 60000)  # fresh namespaces: every port is free
+        with Launch("meshpact.live.spillover:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
+                    master_addr=hosts.addr[0], master_port=port, host_stores=False,
+                    prefix=hosts.prefix,
+                    env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r], "MESHPACT_VETH": hosts.iface[r],
+                                   "TORCHELASTIC_USE_AGENT_STORE": "False", "OMP_NUM_THREADS": "1"}) as job:
+            results = job.wait()
+    bad = [r for r in results if not r.ok]
+    if bad:
+        what = "timed out" if bad[0].returncode is None else f"exited with {bad[0].returncode}"
+        raise LaunchError(f"spillover rank {bad[0].rank} {what}; its stderr ends:\n{bad[0].stderr_tail}")
+    h1, h2 = results[0].value, results[1].value
+    measured = measure([CallRecord.from_dict(d) for d in h1["records"] + h2["records"]])
+    tokens = cfg.requests * cfg.output_tokens
+    return RunResult(
+        config=cfg, throughput_tok_s=tokens / h1["makespan_s"], latencies_s=tuple(h1["latencies"]),
+        makespan_s=h1["makespan_s"], tokens=tokens, remote_tokens=h1["remote_tokens"], spilled=h1["spilled"],
+        result_bytes=measured.payload_bytes, veth_bytes=h1["veth_rx"], veth_tx_bytes=h1["veth_tx"],
+        command_bytes=h1["command_bytes"], startups=measured.startups,
+        steps={"local": h1["local_steps"], "remote": h2["steps"]}, link_alpha_s=h1["alpha_s"],
+        local_step_s=h1["local_step_s"], remote_forward_s=h2["forward_s"], remote_project_s=h2["project_s"],
+        consumer_sample_s=h1["sample_s"],
+        local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
+        planned=h2["planned"],
+    )
+
+
+# -- the simulator with the same parameters -----------------------------------------------------
+def sim_params(run: RunResult) -> Any:
+    """The simulator's parameters for ``run``: its model, slots, load and request, the link's β
+    from the ``tc`` rate (payload per wire byte of bulk TCP), α from the timed ping-pong, and
+    per-step compute from the hosts' timed forward passes: host 2's plus its source projection
+    (which runs before anything is sent), or for ``full`` plus host 1's sampling of the
+    logits (host 2 waits for the chosen ids)."""
+    from meshpact.simulator.serving import ServingParams
+
+    from .decoder import scaled_spec
+
+    cfg = run.config
+    spec = scaled_spec(cfg.model)
+    beta = 8.0 / (cfg.gbit_per_s * 1e9) / wire_efficiency()
+    project = run.remote_project_s if cfg.request != "full" else run.consumer_sample_s
+    return ServingParams(
+        model=spec.source, vocab_size=spec.vocab_size, local_vendor="cuda", remote_vendor="cann",
+        local_slots=cfg.local_slots, remote_slots=cfg.remote_slots,
+        local_per_token_s=run.local_step_s, remote_per_token_s=run.remote_forward_s + project,
+        local_prefill_s=run.local_prefill_s, remote_prefill_s=run.remote_prefill_s,
+        link_alpha_s=run.link_alpha_s + cfg.delay_ms * 1e-3, link_beta_s_per_byte=beta,
+        fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(cfg.request),
+        consumer_ranks=1, producer_ranks=1, concurrency=cfg.concurrency, arrival_rate_per_s=None,
+        output_tokens=cfg.output_tokens, requests=cfg.requests, seed=cfg.seed,
+    )
+
+
+def simulated(run: RunResult) -> dict[str, Any]:
+    """The simulator's prediction for ``run``: the batched (lockstep) host model, and the per-slot one."""
+    from meshpact.simulator.batching import simulate_batched
+    from meshpact.simulator.serving import simulate_params
+
+    p = sim_params(run)
+    batched = simulate_batched(p)
+    per_slot = simulate_params(p)
+    return {"throughput_tok_s": batched.throughput_tok_s, "result_bytes": batched.result_bytes,
+            "latency_s": dict(batched.latency_s), "startups": batched.startups,
+            "per_slot_throughput_tok_s": per_slot.throughput_tok_s}
