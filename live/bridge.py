@@ -186,7 +186,8 @@ def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[
     layouts = [g["layout"] for g in gathered]
     out_jobs = []
     path = args.get("recording")
-    writer = RecordingWriter(path, "live", kind="bridge", preset=preset, layouts=layouts) if path else None
+    writer = RecordingWriter(path, "live", kind="bridge", preset=preset, ranks=len(layouts), layouts=layouts,
+                             mesh=[d.name for d in mesh.domains]) if path else None
     for k, (job, edge, contract, plan) in enumerate(prepared):
         per_rank = {g["rank"]: g["jobs"][k] for g in gathered}
         refused = sorted({tuple(j["refused"]) for j in per_rank.values() if j["refused"] is not None})
