@@ -1,0 +1,150 @@
+"""Paired spillover runs: full logits against source projection, with the simulator beside them.
+
+Machine noise on a shared CPU moves throughput by more than the effect of a few bytes, so
+every comparison is a set of *pairs*: one run of ``full`` and one run of each projected
+request (``logprob``, ``token``, ``owner_token``) on the same model and concurrency, the
+order alternating from pair to pair (full first, then last), each run on fresh processes
+and fresh namespaces (:func:`~meshpact.live.spillover.run_once`). A pair favours the
+request with the higher throughput. Each row reports medians over its runs, latency
+percentiles over all its requests, and the simulator's prediction calibrated per run
+(:func:`~meshpact.live.spillover.simulated`).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from meshpact.core.errors import MeshpactError
+
+from .spillover import REQUESTS, RunResult, SpilloverConfig, run_once, simulated
+
+__all__ = ["Row", "measure_pairs", "pair_orders", "traffic_cut"]
+
+
+@dataclass(frozen=True)
+class Row:
+    model: str
+    request: str
+    concurrency: int
+    throughput_tok_s: float
+    latency_s: Mapping[str, float]
+    result_bytes: int
+    veth_bytes: int
+    startups: int
+    pairs_favouring: Mapping[str, int]
+    simulated: Mapping[str, Any]
+    runs: int
+    remote_tokens: int
+    result_bytes_per_remote_token: float | None
+    traffic_cut_vs_full: float | None = None  # 1 - bytes per remote token / full's (projected rows)
+    sim_error: float = 0.0  # simulated / measured throughput - 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def pair_orders(projected: Sequence[str], pairs: int) -> list[list[str]]:
+    """Run order of each pair: full first in even pairs, last in odd ones."""
+    return [["full", *projected] if i % 2 == 0 else [*projected, "full"] for i in range(pairs)]
+
+
+def traffic_cut(projected: RunResult | Row, full: RunResult | Row) -> float | None:
+    """How much less result traffic per remote token the projected request moves (None: nothing spilled)."""
+    def per_token(r: Any) -> float | None:
+        return r.result_bytes / r.remote_tokens if r.remote_tokens else None
+
+    p, f = per_token(projected), per_token(full)
+    return None if p is None or not f else 1.0 - p / f
+
+
+def measure_pairs(
+    models: Sequence[str],
+    concurrencies: Sequence[int],
+    requests: Sequence[str],
+    pairs: int,
+    base: SpilloverConfig,
+    requests_per_client: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
+    """Run every pair for every model and concurrency; one :class:`Row` per (model, request, concurrency)."""
+    bad = [r for r in requests if r not in REQUESTS]
+    if bad or not requests:
+        raise MeshpactError(f"--request {','.join(requests)}: expected one or more of {', '.join(REQUESTS)}")
+    if pairs < 1:
+        raise MeshpactError(f"--pairs: expected at least 1, got {pairs}")
+    projected = [r for r in REQUESTS if r in requests and r != "full"]
+    rows: list[Row] = []
+    for model in models:
+        for c in concurrencies:
+            runs: dict[str, list[RunResult]] = {r: [] for r in ["full", *projected]}
+            for i, order in enumerate(pair_orders(projected, pairs)):
+                for req in order:
+                    cfg = replace(base, model=model, request=req, concurrency=c, requests=requests_per_client * c)
+                    if progress:
+                        progress(f"{model} c={c} pair {i + 1}/{pairs}: {req}")
+                    runs[req].append(run_once(cfg))
+            rows += _rows(model, c, runs, requests)
+    return rows
+
+
+def _favouring(runs: Mapping[str, list[RunResult]], req: str) -> dict[str, int]:
+    full = runs["full"]
+    if req != "full":
+        wins = sum(p.throughput_tok_s > f.throughput_tok_s for p, f in zip(runs[req], full))
+        return {req: wins, "full": len(full) - wins}
+    others = [r for r in runs if r != "full"]
+    lost = sum(runs[o][i].throughput_tok_s > f.throughput_tok_s for o in others for i, f in enumerate(full))
+    return {"full": len(others) * len(full) - lost, "projected": lost}
+
+
+def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Sequence[str]) -> list[Row]:
+    out = []
+    full_row = None
+    for req in ["full", *[r for r in runs if r != "full"]]:
+        rs = runs[req]
+        sims = [simulated(r) for r in rs]
+        lat = np.concatenate([np.asarray(r.latencies_s) for r in rs])
+        remote_tokens = int(statistics.median(r.remote_tokens for r in rs))
+        result_bytes = int(statistics.median(r.result_bytes for r in rs))
+        measured = statistics.median(r.throughput_tok_s for r in rs)
+        sim_thr = statistics.median(s["throughput_tok_s"] for s in sims)
+        row = Row(
+            model=model, request=req, concurrency=c, throughput_tok_s=measured,
+            latency_s={"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99))},
+            result_bytes=result_bytes, veth_bytes=int(statistics.median(r.veth_bytes for r in rs)),
+            startups=int(statistics.median(r.startups for r in rs)), pairs_favouring=_favouring(runs, req),
+            simulated={"throughput_tok_s": sim_thr,
+                       "result_bytes": int(statistics.median(s["result_bytes"] for s in sims)),
+                       "per_slot_throughput_tok_s": statistics.median(s["per_slot_throughput_tok_s"] for s in sims)},
+            runs=len(rs), remote_tokens=remote_tokens,
+            result_bytes_per_remote_token=result_bytes / remote_tokens if remote_tokens else None,
+            sim_error=sim_thr / measured - 1.0,
+        )
+        if req == "full":
+            full_row = row
+        elif full_row is not None:
+            row = replace(row, traffic_cut_vs_full=traffic_cut(row, full_row))
+        if req in wanted:
+            out.append(row)
+    return out
+
+
+COLUMNS = ("model", "request", "conc", "tok/s", "sim tok/s", "sim err", "p50 s", "p99 s", "result B",
+           "veth B", "sim B", "cut vs full", "startups", "pairs")
+
+
+def table_rows(rows: Sequence[Row]) -> list[list[str]]:
+    """The rows as text cells under :data:`COLUMNS` (the CLI and the benchmark print the same table)."""
+    out = []
+    for r in rows:
+        cut = "-" if r.traffic_cut_vs_full is None else f"{100 * r.traffic_cut_vs_full:.4f}%"
+        fav = " ".join(f"{k}:{v}" for k, v in r.pairs_favouring.items())
+        out.append([r.model, r.request, str(r.concurrency), f"{r.throughput_tok_s:.1f}",
+                    f"{r.simulated['throughput_tok_s']:.1f}", f"{100 * r.sim_error:+.1f}%",
+                    f"{r.latency_s['p50']:.3f}", f"{r.latency_s['p99']:.3f}", str(r.result_bytes), str(r.veth_bytes),
+                    str(r.simulated["result_bytes"]), cut, str(r.startups), fav])
+    return out
