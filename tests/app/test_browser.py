@@ -142,3 +142,23 @@ def test_clicking_a_rank_on_the_chart_fails_it(server, page):
     _settle(page)
     page.screenshot(path=str(ARTIFACTS / "page-mesh-rank5-failed.png"), full_page=True)
     assert page.locator('[data-testid="stException"]').count() == 0
+
+
+def test_play_advances_the_replay(server, page):
+    page.goto(f"{server}/replay")
+    _settle(page)
+
+    def event_no() -> int:
+        text = page.locator("strong", has_text="Event ").first.inner_text()  # "Event 7/28:"
+        return int(text.split()[1].split("/")[0])
+
+    before = event_no()
+    page.get_by_role("button", name="▶ play").click()
+    page.wait_for_function(r"""(before) => [...document.querySelectorAll('strong')].some(e => {
+        const m = e.innerText.match(/^Event (\d+)\//);
+        return m && parseInt(m[1]) > before + 1;
+    })""", arg=before, timeout=20_000)
+    page.get_by_role("button", name="⏸ pause").click()
+    _settle(page)
+    assert event_no() > before + 1
+    assert page.locator('[data-testid="stException"]').count() == 0
