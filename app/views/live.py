@@ -37,6 +37,7 @@ with st.form("live_start"):
                           help="collective: a collective raises; stall: a rank sleeps past the timeout; kill: SIGKILL; "
                                "partition: link down between network namespaces (needs root and iproute2)")
     every = k[4].number_input("checkpoint every (steps)", 1, 400, 10)
+    baselines = st.toggle("also measure a checkpoint restore and a cold restart", value=True, key="live_baselines")
     start = st.form_submit_button("Start cluster and train", type="primary", disabled=running)
 
 if start:
@@ -50,7 +51,8 @@ if start:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         job = LiveJob(RECORDINGS / f"live-{stamp}.jsonl",
                       ["--ranks", str(ranks), "--steps", str(steps), "--faults", str(faults), "--fault-kind", kind,
-                       "--checkpoint-every", str(every)], world_size=int(ranks))
+                       "--checkpoint-every", str(every), "--baselines" if baselines else "--no-baselines"],
+                      world_size=int(ranks))
         st.session_state[JOB], st.session_state[EVENTS], st.session_state[OFFSET] = job, [], 0
         st.rerun()
     except (MeshpactError, ValueError) as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,26 @@ def test_replay_of_a_missing_recording_is_a_readable_error(tmp_path):
     at.text_input(key="replay_path").input(str(tmp_path / "nope.jsonl")).run()
     assert not at.exception
     assert any("no such recording" in e.value for e in at.error)
+
+
+@pytest.mark.slow
+@pytest.mark.live
+@pytest.mark.timeout(240)
+def test_live_page_runs_a_recovery_and_shows_the_verdict():
+    at = _app()
+    at.switch_page("views/live.py").run()
+    for widget, value in zip(at.number_input, (2, 8, 1, 2)):  # ranks, steps, faults, checkpoint every
+        widget.set_value(value)
+    at.toggle(key="live_baselines").set_value(False)
+    at.button[0].click().run()  # Start cluster and train
+    assert not at.error, [e.value for e in at.error]
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and not _metric(at, "run").startswith("ended"):
+        time.sleep(2)
+        at.run()
+    assert _metric(at, "run") == "ended (0)", [e.value for e in at.error]
+    assert any("Bit-identical" in s.value for s in at.success), [e.value for e in at.error]
+    assert _metric(at, "downtime: in-memory rebind").endswith(" s")
+    job = at.session_state["live_job"]
+    assert job.recording.exists()
+    job.recording.unlink()
