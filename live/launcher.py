@@ -20,6 +20,7 @@ import atexit
 import importlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -254,11 +255,15 @@ class Launch:
         return RankResult(rank, None if (killed and rc in (None, -9)) else rc, value, tail, inc)
 
     def close(self) -> None:
+        """Kill what still runs and remove the launch's scratch directory (results and
+        stderr are read before; set ``MESHPACT_KEEP_LAUNCH_DIR=1`` to keep it for debugging)."""
         self.kill_all()
         for err in self._stderr.values():
             err.close()
         self._store = None
         atexit.unregister(self.kill_all)
+        if not os.environ.get("MESHPACT_KEEP_LAUNCH_DIR"):
+            shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> "Launch":
         return self.start()

@@ -209,6 +209,14 @@ class TrialResult:
         return {Policy.IN_MEMORY.value: statistics.median(mem) if mem else None,
                 Policy.CHECKPOINT_RESTORE.value: ckpt, Policy.COLD_RESTART.value: cold}
 
+    def faults_recovered(self) -> int:
+        """Faults that fired, were followed by a recovery at their step, and left the final state
+        bit-identical to the reference."""
+        if not self.bit_identical:
+            return 0
+        steps = {r["step"] for r in self.recoveries()}
+        return sum(1 for rec in self.fault_records.values() if rec["step"] in steps)
+
     def old_group_ops_after_rebind(self) -> int:
         return sum(r["ops_after"] for res in self.faulted for r in res["retired"])
 
@@ -219,7 +227,7 @@ class TrialResult:
         return {
             "ranks": self.config.ranks, "steps": self.config.steps, "fault_kind": self.config.fault_kind.value,
             "faults_injected": len(self.fault_records),
-            "faults_recovered": len(recs) if self.bit_identical else 0,
+            "faults_recovered": self.faults_recovered(),
             "bit_identical": self.bit_identical,
             "policy_counts": self.policy_counts(),
             "rebind_ms": {"median": statistics.median(rebind) if rebind else None,
@@ -230,6 +238,7 @@ class TrialResult:
             "recovery_ms": {"median": statistics.median([r["recovery_s"] * 1e3 for r in recs]) if recs else None,
                             "max": max([r["recovery_s"] * 1e3 for r in recs], default=None)},
             "old_group_ops_after_rebind": self.old_group_ops_after_rebind(),
+            "retired_groups_still_referenced": sum(r["alive"] for res in self.faulted for r in res["retired"]),
             "replacement_processes": self.replacements,
             "mismatches": self.mismatches[:5],
         }

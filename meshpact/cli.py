@@ -20,7 +20,7 @@ from meshpact.core.errors import MeshpactError
 __all__ = ["app", "main", "Groups", "COMMAND_MODULES"]
 
 # Modules under meshpact.commands, each with register(groups).
-COMMAND_MODULES: tuple[str, ...] = ("simulate", "live_bridge", "plan", "live_spillover")
+COMMAND_MODULES: tuple[str, ...] = ("simulate", "live_bridge", "plan", "live_recover", "live_spillover")
 
 app = typer.Typer(
     name="meshpact",

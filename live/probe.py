@@ -1,0 +1,108 @@
+"""Probes of the communicator path alone: rebuild + rebind timing, the rebind audit, the peer.
+
+:func:`rebind_probe` is a worker that builds the FSDP2 harness on a live job and then, round
+after round, builds the next generation's group, installs it, rebinds every cached reference
+and runs a training step on it. It times each part and audits the result: which objects
+referred to the old group before and after (:func:`meshpact.live.rebind.find_references`),
+whether the old group object was released (a weak reference), whether c10d still resolves
+its name, and how many operations it received after the rebind (:class:`OpCounter`).
+
+:func:`torchft_probe` measures the peer on the same machine: torchft's ``ProcessGroupGloo``
+reconfigured in place (``configure`` under a fresh store prefix) plus its first collective.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import statistics
+import time
+import weakref
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["rebind_probe", "torchft_probe"]
+
+
+def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    import torch.distributed.distributed_c10d as c10d
+
+    from . import communicator as comm
+    from .harness import ModelConfig, build, make_batch, make_train_step
+    from .opcount import OpCounter
+    from .rebind import default_roots, find_references, rebind
+    from .runtime import RecoveryConfig, start_session
+
+    session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)),
+                                           checkpoint_dir=None))
+    cfg = ModelConfig(**args.get("model", {}))
+    model, optimizer = build(cfg, session.mesh, compile=bool(args.get("compile")))
+    train_step = make_train_step(model, optimizer)
+    counter = OpCounter()
+    rounds = int(args.get("rounds", 3))
+    out: dict[str, Any] = {"rank": session.rank, "build_ms": [], "rebind_ms": [], "first_op_ms": [], "audits": []}
+    with counter:
+        step = 0
+        train_step(make_batch(cfg, step, session.rank))
+        step += 1
+        for gen in range(1, rounds + 1):
+            old = session.group
+            before = [p for p, g in find_references(default_roots(model, optimizer)) if g is old]
+            t0 = time.perf_counter()
+            new = comm.build_group(session.spec, session.store, gen)
+            comm.install_group(new, session.store, session.spec, as_default=False)
+            t1 = time.perf_counter()
+            report = rebind(old, new, model, optimizer, [session.mesh])
+            t2 = time.perf_counter()
+            session.group = new
+            old_name, ops_at_rebind = old.group_name, counter.counts.get(old.group_name, 0)
+            ref = weakref.ref(old)
+            del old
+            gc.collect()
+            t3 = time.perf_counter()
+            x = torch.ones(1)
+            torch.distributed.all_reduce(x)
+            t4 = time.perf_counter()
+            train_step(make_batch(cfg, step, session.rank))
+            step += 1
+            after = [p for p, g in find_references(default_roots(model, optimizer)) if g.group_name == old_name]
+            try:
+                c10d._resolve_process_group(old_name)
+                resolvable = True
+            except (LookupError, RuntimeError, ValueError):
+                resolvable = False
+            out["build_ms"].append((t1 - t0) * 1e3)
+            out["rebind_ms"].append((t2 - t1) * 1e3)
+            out["first_op_ms"].append((t4 - t3) * 1e3)
+            out["audits"].append({
+                "old_group": old_name, "new_group": new.group_name, "references_before": sorted(set(before)),
+                "references_after": sorted(set(after)), "rebound": report.counts,
+                "old_released": ref() is None, "old_name_resolvable": resolvable,
+                "old_ops_after": counter.counts.get(old_name, 0) - ops_at_rebind,
+                "new_ops": counter.counts.get(new.group_name, 0)})
+    out["median_rebind_ms"] = statistics.median(out["rebind_ms"])
+    out["reconfigure_available"] = comm.can_reconfigure(session.group)
+    return out
+
+
+def torchft_probe(args: dict[str, Any]) -> dict[str, Any]:
+    """torchft 0.2.0's in-place reconfigure of a gloo group plus its first collective."""
+    import torch
+    from torch.distributed import AllreduceOptions
+
+    try:
+        from torchft.process_group import ProcessGroupGloo
+    except ImportError as exc:
+        return {"error": f"torchft is not installed ({exc}); pip install 'meshpact[bench]'"}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=float(args.get("timeout_s", 10.0))))
+    times = []
+    for i in range(int(args.get("rounds", 10))):
+        t0 = time.perf_counter()
+        pg.configure(f"{host}:{port}/torchft/{i}", "replica", rank, world)
+        x = torch.ones(1)
+        pg.allreduce([x], AllreduceOptions()).wait()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return {"rank": rank, "configure_first_op_ms": times}
