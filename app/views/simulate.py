@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any, Callable
 
 import pandas as pd
 import streamlit as st
@@ -11,7 +12,7 @@ from meshpact.app.context import require_engines, require_scenario
 from meshpact.app.figures import goodput_figure, recovery_figure, serving_figure
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
 from meshpact.core.errors import MeshpactError
-from meshpact.core.recovery import Policy, RecoveryBreakdown
+from meshpact.core.recovery import RecoveryBreakdown
 
 choice = require_scenario()
 st.title("Simulate")
@@ -19,7 +20,7 @@ require_engines("The simulator", ("simulator.training", "simulator.serving", "si
 scenario = choice.scenario
 
 
-def cached_run(name: str, key: tuple, label: str, run):  # noqa: ANN001, ANN202 (a callable taking progress)
+def cached_run(name: str, key: tuple, label: str, run: Callable[[Callable[[int, int], None]], Any]) -> Any:
     """Run once per distinct knob setting, with a progress bar; keep the result for reruns."""
     memo = st.session_state.setdefault("simulate_results", {})
     if memo.get(name, (None,))[0] != key:

@@ -8,7 +8,6 @@ launcher does), which keep running until something stops them.
 from __future__ import annotations
 
 import gc
-import sys
 import textwrap
 import time
 
