@@ -24,6 +24,7 @@ from meshpact.live.spillover_pairs import COLUMNS, Row, measure_pairs, table_row
 def acceptance(rows: list[Row]) -> dict[str, object]:
     """The issue's three checks over the measured rows."""
     cuts = [r.traffic_cut_vs_full for r in rows if r.traffic_cut_vs_full is not None]
+    veth_cuts = [r.veth_cut_vs_full for r in rows if r.veth_cut_vs_full is not None]
     by_key = {(r.model, r.request, r.concurrency): r for r in rows}
     faster = [r.throughput_tok_s > by_key[(r.model, "full", r.concurrency)].throughput_tok_s
               for r in rows if r.request != "full" and r.concurrency >= 8 and (r.model, "full", r.concurrency) in by_key]
@@ -31,6 +32,7 @@ def acceptance(rows: list[Row]) -> dict[str, object]:
     return {
         "min_traffic_cut": min(cuts) if cuts else None,
         "traffic_cut_over_99_9": bool(cuts) and min(cuts) > 0.999,
+        "min_veth_cut": min(veth_cuts) if veth_cuts else None,
         "projected_faster_at_8_16": bool(faster) and all(faster),
         "projected_faster_count": f"{sum(faster)}/{len(faster)}",
         "max_abs_sim_error": max(errors) if errors else None,

@@ -41,6 +41,7 @@ class Row:
     remote_tokens: int
     result_bytes_per_remote_token: float | None
     traffic_cut_vs_full: float | None = None  # 1 - bytes per remote token / full's (projected rows)
+    veth_cut_vs_full: float | None = None  # the same, from the kernel's count on the veth
     sim_error: float = 0.0  # simulated / measured throughput - 1
 
     def to_dict(self) -> dict[str, Any]:
@@ -52,10 +53,12 @@ def pair_orders(projected: Sequence[str], pairs: int) -> list[list[str]]:
     return [["full", *projected] if i % 2 == 0 else [*projected, "full"] for i in range(pairs)]
 
 
-def traffic_cut(projected: RunResult | Row, full: RunResult | Row) -> float | None:
-    """How much less result traffic per remote token the projected request moves (None: nothing spilled)."""
+def traffic_cut(projected: RunResult | Row, full: RunResult | Row, counted: str = "result_bytes") -> float | None:
+    """How much less traffic per remote token the projected request moves than full logits
+    (``counted``: ``result_bytes`` as metered by the executor, ``veth_bytes`` as the kernel
+    counted it); None when nothing spilled."""
     def per_token(r: Any) -> float | None:
-        return r.result_bytes / r.remote_tokens if r.remote_tokens else None
+        return getattr(r, counted) / r.remote_tokens if r.remote_tokens else None
 
     p, f = per_token(projected), per_token(full)
     return None if p is None or not f else 1.0 - p / f
@@ -127,24 +130,25 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
         if req == "full":
             full_row = row
         elif full_row is not None:
-            row = replace(row, traffic_cut_vs_full=traffic_cut(row, full_row))
+            row = replace(row, traffic_cut_vs_full=traffic_cut(row, full_row),
+                          veth_cut_vs_full=traffic_cut(row, full_row, "veth_bytes"))
         if req in wanted:
             out.append(row)
     return out
 
 
 COLUMNS = ("model", "request", "conc", "tok/s", "sim tok/s", "sim err", "p50 s", "p99 s", "result B",
-           "veth B", "sim B", "cut vs full", "startups", "pairs")
+           "veth B", "sim B", "cut", "veth cut", "startups", "pairs")
 
 
 def table_rows(rows: Sequence[Row]) -> list[list[str]]:
     """The rows as text cells under :data:`COLUMNS` (the CLI and the benchmark print the same table)."""
     out = []
     for r in rows:
-        cut = "-" if r.traffic_cut_vs_full is None else f"{100 * r.traffic_cut_vs_full:.4f}%"
+        cut, vcut = ("-" if c is None else f"{100 * c:.3f}%" for c in (r.traffic_cut_vs_full, r.veth_cut_vs_full))
         fav = " ".join(f"{k}:{v}" for k, v in r.pairs_favouring.items())
         out.append([r.model, r.request, str(r.concurrency), f"{r.throughput_tok_s:.1f}",
                     f"{r.simulated['throughput_tok_s']:.1f}", f"{100 * r.sim_error:+.1f}%",
                     f"{r.latency_s['p50']:.3f}", f"{r.latency_s['p99']:.3f}", str(r.result_bytes), str(r.veth_bytes),
-                    str(r.simulated["result_bytes"]), cut, str(r.startups), fav])
+                    str(r.simulated["result_bytes"]), cut, vcut, str(r.startups), fav])
     return out

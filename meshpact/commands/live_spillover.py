@@ -66,7 +66,7 @@ def spillover(
     if as_json:
         emit_json([{k: v for k, v in r.to_dict().items()
                     if k in ("model", "request", "concurrency", "throughput_tok_s", "latency_s", "result_bytes",
-                             "veth_bytes", "startups", "pairs_favouring", "simulated", "traffic_cut_vs_full",
+                             "veth_bytes", "startups", "pairs_favouring", "simulated", "traffic_cut_vs_full", "veth_cut_vs_full",
                              "sim_error", "remote_tokens")} for r in rows])
         return
     console.print(table(f"two hosts over a {link_gbps:g} Gbit/s veth (tc tbf), {pairs} pair(s) per row, "
