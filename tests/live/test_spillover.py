@@ -65,6 +65,7 @@ def small_runs() -> dict[str, RunResult]:
     return {req: run_once(SpilloverConfig(request=req, **_SMALL)) for req in ("full", "token", "logprob", "owner_token")}
 
 
+@pytest.mark.slow
 @pytest.mark.live
 @pytest.mark.netns
 @needs_netns
@@ -83,6 +84,7 @@ def test_results_cross_as_the_plan_predicts_and_the_kernel_sees_them(small_runs,
     assert sim["result_bytes"] > 0 and sim["throughput_tok_s"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.live
 @pytest.mark.netns
 @needs_netns
