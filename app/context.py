@@ -20,7 +20,7 @@ from meshpact.core.facts import Mesh
 from meshpact.core.mesh import rank_positions
 from meshpact.core.scenario import Scenario, builtin_scenario_path, builtin_scenarios, parse_scenario_text
 
-__all__ = ["ScenarioChoice", "scenario_sidebar", "require_scenario", "mesh_of", "positions_of", "SCENARIO_KEY", "missing_engines", "require_engines"]
+__all__ = ["ScenarioChoice", "scenario_sidebar", "require_scenario", "mesh_of", "positions_of", "SCENARIO_KEY", "missing_engines", "require_engines", "message_markdown"]
 
 SCENARIO_KEY = "meshpact_scenario"
 ERROR_KEY = "meshpact_scenario_error"
@@ -122,8 +122,8 @@ def require_scenario() -> ScenarioChoice:
     error = st.session_state.get(ERROR_KEY)
     choice = st.session_state.get(SCENARIO_KEY)
     if error or choice is None:
-        st.error(f"**This scenario cannot be used.**\n\n```\n{error or 'no scenario chosen'}\n```\n\n"
-                 "Fix the file, or pick a built-in scenario in the sidebar.")
+        st.error("**This scenario cannot be used.**\n\n" + message_markdown(error or "no scenario chosen")
+                 + "\n\nFix the file, or pick a built-in scenario in the sidebar.")
         st.stop()
     return choice
 
@@ -149,3 +149,17 @@ def require_engines(what: str, modules: tuple[str, ...]) -> None:
                 + ", ".join(f"`{m.replace('.', '/')}.py`" for m in missing)
                 + ", which this installation does not have yet. Nothing is shown rather than made-up numbers.")
         st.stop()
+
+
+_MARKDOWN_SPECIAL = "\\`*_{}[]<>()#+-.!|~$"
+
+
+def message_markdown(message: str) -> str:
+    """A multi-line error message as Markdown that shows every character as written:
+    the first line as a paragraph, the following lines (``  - field: problem``) as a list."""
+    def esc(text: str) -> str:
+        return "".join("\\" + ch if ch in _MARKDOWN_SPECIAL else ch for ch in text)
+
+    first, *rest = message.strip().splitlines() or [""]
+    items = [line.strip().removeprefix("- ").strip() for line in rest if line.strip()]
+    return "\n".join([esc(first), *(["", *(f"- {esc(i)}" for i in items)] if items else [])])

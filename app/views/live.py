@@ -7,7 +7,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from meshpact.app.context import require_engines, require_scenario
+from meshpact.app.context import message_markdown, require_engines, require_scenario
 from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.replay import local_mesh
 from meshpact.core.errors import MeshpactError
@@ -56,7 +56,7 @@ if start:
         st.session_state[JOB], st.session_state[EVENTS], st.session_state[OFFSET] = job, [], 0
         st.rerun()
     except (MeshpactError, ValueError) as exc:
-        st.error(f"**Cannot start this run.**\n\n{exc}")
+        st.error("**Cannot start this run.**\n\n" + message_markdown(str(exc)))
 
 if job is None:
     st.info("Start a cluster to watch a recovery happen. Processes started here stop when you press **Stop** "

@@ -43,8 +43,9 @@ with right:
     b.metric("communicators", f"{len(state.surviving)}/{len(state.communicators)}")
     c.metric("hosts", len(mesh.hosts))
     st.dataframe(
-        [{"communicator": f"{cm.name.removeprefix('bridge ').replace(' <-> ', ' ↔ ')} ({cm.backend})",
-          "ranks": len(cm.ranks), "state": "✅ intact" if cm.intact(state.failed) else "❌ broken"}
+        [{"state": "intact" if cm.intact(state.failed) else "BROKEN",
+          "communicator": f"{cm.name.removeprefix('bridge ').replace(' <-> ', ' ↔ ')} ({cm.backend})",
+          "ranks": len(cm.ranks)}
          for cm in state.communicators],
         hide_index=True,
     )

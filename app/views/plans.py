@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from meshpact.app.context import mesh_of, require_engines, require_scenario
+from meshpact.app.context import mesh_of, message_markdown, require_engines, require_scenario
 from meshpact.app.figures import cost_figure, plan_figure
 from meshpact.app.planning import edge_from_facts, human_bytes, judge, planners, real_edges, steps_rows
 from meshpact.core.errors import MeshpactError
@@ -52,7 +52,7 @@ try:
                                consumer_ranks=int(consumers), shard_dim=1)
     result = judge(edge)
 except MeshpactError as exc:
-    st.error(f"**These facts do not make an edge.**\n\n{exc}")
+    st.error("**These facts do not make an edge.**\n\n" + message_markdown(str(exc)))
     st.stop()
 
 contract = result.contract

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import streamlit as st
 
-from meshpact.app.context import mesh_of, positions_of, require_scenario
+from meshpact.app.context import mesh_of, message_markdown, positions_of, require_scenario
 from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.replay import (
     ReplayEvent, find_recordings, first_recovery_index, frame_breakdown, from_recording, from_timeline, recording_mesh,
@@ -69,7 +69,7 @@ try:
         events = simulated(choice.text, choice.source, policy.value)
         st.caption(f"{choice.scenario.name}: {len(events)} fault and recovery events in the simulated run")
 except MeshpactError as exc:
-    st.error(f"**Cannot replay this.**\n\n```\n{exc}\n```")
+    st.error("**Cannot replay this.**\n\n" + message_markdown(str(exc)))
     st.stop()
 
 if not events:

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import pandas as pd
 import streamlit as st
 
-from meshpact.app.context import require_engines, require_scenario
+from meshpact.app.context import message_markdown, require_engines, require_scenario
 from meshpact.app.figures import goodput_figure, recovery_figure, serving_figure
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
 from meshpact.core.errors import MeshpactError
@@ -56,7 +56,7 @@ with training:
                               lambda p: goodput_curve(scenario, "checkpoint_every", CHECKPOINT_EVERY, flags, p))
         point = cached_run("point", key, "Simulating this setting…", lambda p: simulate_training(scenario, **flags))
     except MeshpactError as exc:
-        st.error(f"**The simulator cannot run this scenario.**\n\n```\n{exc}\n```")
+        st.error("**The simulator cannot run this scenario.**\n\n" + message_markdown(str(exc)))
         st.stop()
     cols = st.columns(len(point.policies))
     for col, (policy, res) in zip(cols, point.policies.items()):
@@ -100,7 +100,7 @@ with serving:
                 cached_run("serving", skey, "Simulating serving…", lambda p: serving_curve(
                     serve, reqs, CONCURRENCY, {"model": model, "link_gbps": gbps, "requests": int(n)}, p))
             except MeshpactError as exc:
-                st.error(f"**The serving simulation failed.**\n\n```\n{exc}\n```")
+                st.error("**The serving simulation failed.**\n\n" + message_markdown(str(exc)))
     memo = st.session_state.get("simulate_results", {})
     if "serving" in memo and memo["serving"][0] == skey:
         frame = memo["serving"][1]

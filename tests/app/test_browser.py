@@ -162,3 +162,18 @@ def test_play_advances_the_replay(server, page):
     _settle(page)
     assert event_no() > before + 1
     assert page.locator('[data-testid="stException"]').count() == 0
+
+
+def test_uploading_a_bad_scenario_shows_a_readable_error(server, page, tmp_path):
+    bad = tmp_path / "typo.yaml"
+    bad.write_text("name: typo\ncluster:\n  domains:\n    - {name: a, vendor: cuda, host: h, rankz: 4}\n")
+    page.goto(server)
+    _settle(page)
+    page.locator('[data-testid="stSidebar"]').get_by_text("upload", exact=True).click()
+    page.locator('[data-testid="stSidebar"] input[type="file"]').set_input_files(str(bad))
+    alert = page.locator('[data-testid="stAlertContentError"]').first
+    alert.wait_for(timeout=20_000)
+    text = alert.inner_text()
+    assert "typo.yaml" in text and "rankz" in text and "unknown field" in text
+    assert page.locator('[data-testid="stException"]').count() == 0
+    page.screenshot(path=str(ARTIFACTS / "scenario-upload-error.png"), full_page=True)

@@ -69,7 +69,7 @@ def test_a_bad_scenario_file_shows_a_readable_error(tmp_path):
     at.radio(key="scenario_source").set_value("path").run()
     at.text_input(key="scenario_path").input(str(bad)).run()
     assert not at.exception
-    text = " ".join(e.value for e in at.error)
+    text = " ".join(e.value for e in at.error).replace("\\", "")  # Markdown escapes
     assert "bad.yaml" in text and "cluster.domains.0.vendor" in text and "tpu" in text
     at.text_input(key="scenario_path").input(str(tmp_path / "missing.yaml")).run()
     assert "no such scenario file" in " ".join(e.value for e in at.error)

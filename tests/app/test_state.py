@@ -60,3 +60,12 @@ def test_clicking_a_failed_rank_again_heals_it():
     s = apply_selection(SelectionState(), [], _event(3, curve=3))
     s = apply_selection(s, s.sorted_failed, _event(3, curve=5))
     assert s.sorted_failed == []
+
+
+def test_error_messages_keep_every_character_in_markdown():
+    from meshpact.app.context import message_markdown
+
+    md = message_markdown("a_b.yaml: bad:\n  - cluster.domains.0.vendor: expected one of [cuda] (got 'tpu')\n")
+    first, blank, item = md.splitlines()
+    assert first == r"a\_b\.yaml: bad:" and blank == ""
+    assert item == r"- cluster\.domains\.0\.vendor: expected one of \[cuda\] \(got 'tpu'\)"
