@@ -20,7 +20,7 @@ from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Req
 from meshpact.core.placement import parse_placement
 from meshpact.core.plan import Plan, PlanCost, plan_cost
 
-__all__ = ["PlannerOutcome", "Judgement", "planners", "edge_from_facts", "judge", "real_edges", "steps_rows", "human_bytes"]
+__all__ = ["PlannerOutcome", "Judgement", "planners", "edge_from_facts", "judge", "real_edges", "steps_rows", "human_bytes", "facet_summaries"]
 
 
 @dataclass(frozen=True)
@@ -134,3 +134,22 @@ def human_bytes(n: float) -> str:
         if n >= size:
             return f"{n / size:.3g} {unit}"
     return f"{int(n):,} B"
+
+
+def facet_summaries(contract: Any) -> dict[str, str]:
+    """One line per facet of a contract, for a person to read before the details."""
+    p, sub, loc = contract.provenance, contract.substitutability, contract.locality
+    allowed = ", ".join(s.name for s in sub.substitutes if s.allowed) or "nothing"
+    crossing = (f"crosses {loc.link.value.replace('_', ' ')} from {loc.producer_domain} to {loc.consumer_domain} "
+                f"via bridge ranks {list(loc.bridge or ())}") if loc.cross_domain else f"inside {loc.producer_domain}"
+    return {
+        "provenance": f"{p.op} → {p.tensor} {list(p.shape)} {p.dtype.value}, {p.placement!r} over "
+                      f"{len(p.holdings)} ranks of {p.domain}",
+        "substitutability": f"judged {sub.equivalence.value}; may stand in: {allowed}",
+        "completion": "; ".join(contract.completion.requirements),
+        "authority": f"{len(contract.authority.senders)} authoritative sender(s)"
+                     + (", owner-scoped rows" if contract.authority.owner_of_row else ""),
+        "demand": f"{contract.demand.request.value}: {len(contract.demand.observations)} observing rank(s), "
+                  f"{len(contract.demand.silent)} silent",
+        "locality": crossing,
+    }

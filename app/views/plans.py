@@ -6,7 +6,10 @@ import streamlit as st
 
 from meshpact.app.context import mesh_of, message_markdown, require_engines, require_scenario
 from meshpact.app.figures import cost_figure, plan_figure
-from meshpact.app.planning import edge_from_facts, human_bytes, judge, planners, real_edges, steps_rows
+from meshpact.app.planning import (
+    edge_from_facts, facet_summaries, human_bytes, judge, planners, real_edges, steps_rows,
+)
+from meshpact.core.catalog import CATALOG
 from meshpact.core.errors import MeshpactError
 
 choice = require_scenario()
@@ -40,12 +43,19 @@ try:
                                    key="plans_placement")
         request = k[3].selectbox("consumer request", ["token", "logprob", "owner_token", "full", "shard", "reduced"],
                                  key="plans_request")
-        k = st.columns(4)
-        rows = k[0].number_input("rows (tokens)", 1, 65536, 8, key="plans_rows")
-        cols = k[1].number_input("columns (vocabulary or hidden)", 1, 1_000_000, 151936, key="plans_cols",
-                                 help="151,936 is Qwen3's vocabulary (config.json vocab_size)")
-        dtype = k[2].selectbox("dtype", ["bfloat16", "float32", "float16"], key="plans_dtype")
-        consumers = k[3].number_input("consumer ranks", 1, mesh.domain(cdom).size, min(2, mesh.domain(cdom).size),
+        def _model_columns() -> None:
+            m = CATALOG[st.session_state["plans_model"]]
+            logits = st.session_state.get("plans_request") in ("token", "logprob", "owner_token")
+            st.session_state["plans_cols"] = m.vocab_size if logits else m.hidden_size
+
+        k = st.columns(5)
+        k[0].selectbox("model (sets the columns)", list(CATALOG), key="plans_model", on_change=_model_columns,
+                       help="vocab_size for logits requests, hidden_size otherwise, from the model's config.json")
+        rows = k[1].number_input("rows (tokens)", 1, 65536, 8, key="plans_rows")
+        cols = k[2].number_input("columns (vocabulary or hidden)", 1, 1_000_000, CATALOG["Qwen/Qwen3-14B"].vocab_size,
+                                 key="plans_cols")
+        dtype = k[3].selectbox("dtype", ["bfloat16", "float32", "float16"], key="plans_dtype")
+        consumers = k[4].number_input("consumer ranks", 1, mesh.domain(cdom).size, min(2, mesh.domain(cdom).size),
                                       key="plans_consumers")
         edge = edge_from_facts(mesh, producer_domain=pdom, consumer_domain=cdom, placement=placement,
                                shape=(int(rows), int(cols)), dtype=dtype, request=request,
@@ -58,21 +68,7 @@ except MeshpactError as exc:
 contract = result.contract
 st.subheader("Contract")
 facets = contract.to_dict()
-summaries = {
-    "provenance": f"{contract.provenance.op} → {contract.provenance.tensor} {list(contract.provenance.shape)} "
-                  f"{contract.provenance.dtype.value}, {contract.provenance.placement!r} over "
-                  f"{len(contract.provenance.holdings)} ranks of {contract.provenance.domain}",
-    "substitutability": f"judged {contract.substitutability.equivalence.value}; allowed: "
-                        + (", ".join(s.name for s in contract.substitutability.substitutes if s.allowed) or "nothing"),
-    "completion": "; ".join(contract.completion.requirements),
-    "authority": f"{len(contract.authority.senders)} authoritative sender(s)"
-                 + (", owner-scoped rows" if contract.authority.owner_of_row else ""),
-    "demand": f"{contract.demand.request.value}: {len(contract.demand.observations)} observing rank(s), "
-              f"{len(contract.demand.silent)} silent",
-    "locality": (f"crosses {contract.locality.link.value.replace('_', ' ')} from {contract.locality.producer_domain} "
-                 f"to {contract.locality.consumer_domain} via bridge ranks {list(contract.locality.bridge or ())}")
-                if contract.locality.cross_domain else f"inside {contract.locality.producer_domain}",
-}
+summaries = facet_summaries(contract)
 for tab, (facet, value) in zip(st.tabs(list(facets)), facets.items()):
     with tab:
         st.markdown(summaries.get(facet, ""))

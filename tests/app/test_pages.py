@@ -194,3 +194,13 @@ def test_live_page_runs_a_recovery_and_shows_the_verdict():
     job = at.session_state["live_job"]
     assert job.recording.exists()
     job.recording.unlink()
+
+
+def test_picking_a_model_sets_the_columns_of_a_hand_built_edge():
+    at = _app()
+    at.switch_page("views/plans.py").run()
+    if any(r.key == "plans_source" for r in at.radio):
+        at.radio(key="plans_source").set_value("build an edge from facts").run()
+    at.selectbox(key="plans_model").set_value("MiniMaxAI/MiniMax-M2").run()
+    assert at.number_input(key="plans_cols").value == 200064  # its vocab_size
+    assert not at.exception

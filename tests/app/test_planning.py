@@ -40,3 +40,13 @@ def test_the_lowerer_passes_the_checker_and_costs_what_its_steps_say(mesh):
     assert lowered.cost.startups == sum(1 for r in steps_rows(lowered.plan) if r["kind"] in ("collective", "send"))
     # source projection: only token ids cross the Ethernet bridge, never the logits
     assert lowered.cost.bytes_by_link["ethernet"] == 8 * 8
+
+
+def test_facet_summaries_name_the_crossing_and_the_substitutes(mesh):
+    from meshpact.app.planning import facet_summaries
+
+    j = judge(_edge(mesh))
+    lines = facet_summaries(j.contract)
+    assert list(lines) == ["provenance", "substitutability", "completion", "authority", "demand", "locality"]
+    assert "ethernet from cuda@hostA to cann@hostB" in lines["locality"]
+    assert lines["demand"].startswith("token: 2 observing rank(s)")
