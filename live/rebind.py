@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import time
 import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
@@ -266,7 +267,7 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
         yield ".func", obj.func
         yield ".args", obj.args
         yield ".keywords", obj.keywords
-    if type(obj).__name__ == "ref" and callable(obj):  # weakref.ref
+    if isinstance(obj, weakref.ref):
         target = obj()
         if target is not None:
             yield "()", target

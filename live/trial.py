@@ -261,7 +261,7 @@ def _compare(a_dir: Path, b_dir: Path, ranks: int) -> list[str]:
 def _run(cfg: TrialConfig, tag: str, work: Path, faults: tuple[Fault, ...], extra: dict[str, Any],
          netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter
          ) -> tuple[list[dict], int, float]:
-    out_dir = work / tag
+    out_dir = Path(extra.get("out_dir", work / tag))
     out_dir.mkdir(parents=True, exist_ok=True)
     args = {"steps": cfg.steps, "checkpoint_every": cfg.checkpoint_every, "data_timeout_s": cfg.data_timeout_s,
             "control_timeout_s": cfg.control_timeout_s, "stall_s": cfg.stall_s, "down_s": cfg.down_s,
@@ -300,8 +300,13 @@ def _run(cfg: TrialConfig, tag: str, work: Path, faults: tuple[Fault, ...], extr
 
 
 def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = None,
-              work_dir: str | os.PathLike[str] | None = None) -> TrialResult:
-    """Reference, faulted run and baselines for ``cfg``; see the module docstring."""
+              work_dir: str | os.PathLike[str] | None = None,
+              reference_dir: str | os.PathLike[str] | None = None) -> TrialResult:
+    """Reference, faulted run and baselines for ``cfg``; see the module docstring.
+
+    ``reference_dir`` holding ``final-rank<r>.pt`` from an earlier fault-free run of the same
+    ranks, steps and model is compared against instead of running the reference again.
+    """
     if cfg.fault_kind is FaultKind.PARTITION:
         why = netns_unavailable()
         if why:
@@ -323,8 +328,13 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
             if netns is not None:
                 netns.__enter__()
                 store_host, stores = _serve_stores_in(netns)
-            reference, _, _ = _run(cfg, "reference", work, (), {"checkpoint_dir": str(work / "ref-checkpoints")},
-                                   netns, stores, rec)
+            ref_dir = Path(reference_dir) if reference_dir else work / "reference"
+            if reference_dir and all((ref_dir / f"final-rank{r}.pt").exists() for r in range(cfg.ranks)):
+                reference: list[dict[str, Any]] = []
+            else:
+                reference, _, _ = _run(cfg, "reference", ref_dir.parent, (),
+                                       {"checkpoint_dir": str(ref_dir.parent / "ref-checkpoints"),
+                                        "out_dir": str(ref_dir)}, netns, stores, rec)
             faulted, replacements, _ = _run(cfg, "faulted", work, faults, {"drill": cfg.baselines}, netns, stores, rec)
             if cfg.baselines:
                 drill = faulted[0]["drill"]
@@ -338,9 +348,9 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
                 netns.close()
         fault_records = _fault_records(faulted, faults)
         faulted_events = _read_events(work / "faulted")
-        mismatches = _compare(work / "reference", work / "faulted", cfg.ranks)
+        mismatches = _compare(ref_dir, work / "faulted", cfg.ranks)
         if cold is not None:
-            mismatches += [f"cold restart: {m}" for m in _compare(work / "reference", work / "cold", cfg.ranks)]
+            mismatches += [f"cold restart: {m}" for m in _compare(ref_dir, work / "cold", cfg.ranks)]
         cold_events = [e for res in (cold or []) for e in res["events"]]
         for ev in sorted(faulted_events + cold_events, key=lambda e: e["t_wall"]):
             rec.emit(ev["event"], rank=ev["rank"], stage=ev["stage"], data=ev["data"], t=ev["t_wall"] - t0_wall)

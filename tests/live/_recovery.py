@@ -1,0 +1,33 @@
+"""Shared by the recovery tests: one fault-free reference per (ranks, steps), reused."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from meshpact.core.recording import read_recording
+from meshpact.live.trial import TrialConfig, TrialResult, run_trial
+
+_REFERENCES: dict[tuple[int, int, int], Path] = {}
+_ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))
+
+
+def trial(**kw) -> TrialResult:
+    cfg = TrialConfig(**kw)
+    key = (cfg.ranks, cfg.steps, cfg.checkpoint_every)
+    ref = _REFERENCES.setdefault(key, _ROOT / f"ref-{cfg.ranks}r-{cfg.steps}s-{cfg.checkpoint_every}k" / "reference")
+    work = Path(tempfile.mkdtemp(prefix=f"{cfg.fault_kind.value}-", dir=_ROOT))
+    return run_trial(cfg, work_dir=work, reference_dir=ref)
+
+
+def assert_recovered(result: TrialResult, policy: str) -> dict:
+    s = result.summary()
+    assert s["bit_identical"], s["mismatches"]
+    assert s["faults_injected"] == result.config.faults
+    assert s["faults_recovered"] == s["faults_injected"]
+    assert s["policy_counts"][policy] >= s["faults_injected"]
+    assert s["old_group_ops_after_rebind"] == 0
+    events = read_recording(s["recording"])
+    stages = {e.stage.value for e in events if e.stage is not None}
+    assert {"detection", "consensus", "communicator", "rebinding", "state"} <= stages
+    return s

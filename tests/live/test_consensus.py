@@ -1,0 +1,117 @@
+"""Consensus refuses to resume from memory unless every rank is present, current and agrees."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from meshpact.core.recovery import Policy
+from meshpact.live.consensus import ConsensusError, Decision, Proposal, agree, decide
+from meshpact.live.control import ControlChannel, ControlTimeout
+from meshpact.live.launcher import host_store
+
+
+def _p(rank: int, step: int = 7, gen: int = 2, intact: bool = True, **kw) -> Proposal:
+    return Proposal(rank, gen, step, f"digest{rank}", intact, **kw)
+
+
+def _latest(limit: int) -> int:
+    return (limit // 5) * 5  # checkpoints every 5 steps
+
+
+def test_all_present_current_and_agreeing_resume_in_memory():
+    d = decide({r: _p(r) for r in range(4)}, 4, group_generation=2, round=3, checkpoint_step=_latest)
+    assert d.policy is Policy.IN_MEMORY and d.step == 7 and d.round == 3 and not d.missing
+
+
+def test_mismatched_committed_steps_fall_back_to_the_checkpoint_before_the_oldest():
+    props = {0: _p(0, 7), 1: _p(1, 8), 2: _p(2, 7), 3: _p(3, 7)}
+    d = decide(props, 4, 2, 3, _latest)
+    assert d.policy is Policy.CHECKPOINT_RESTORE
+    assert "committed steps differ" in d.reason and "rank 1: 8" in d.reason
+    assert d.step == 5
+
+
+def test_a_rank_that_never_answers_is_named_and_nobody_resumes_from_memory():
+    d = decide({0: _p(0), 1: _p(1), 3: _p(3)}, 4, 2, 3, _latest, timeout_s=0.25)
+    assert d.policy is Policy.CHECKPOINT_RESTORE and d.missing == (2,)
+    assert "[2] did not answer" in d.reason and "0.25 s" in d.reason
+
+
+def test_a_stale_generation_is_refused():
+    props = {r: _p(r) for r in range(4)}
+    props[1] = _p(1, gen=1)
+    d = decide(props, 4, 2, 3, _latest)
+    assert d.policy is Policy.CHECKPOINT_RESTORE and "stale generation" in d.reason and "{1: 1}" in d.reason
+
+
+def test_a_replacement_without_state_forces_a_checkpoint_restore():
+    props = {r: _p(r) for r in range(4)}
+    props[3] = Proposal(3, 2, -1, "", False, incarnation=1)
+    d = decide(props, 4, 2, 3, _latest)
+    assert d.policy is Policy.CHECKPOINT_RESTORE and "[3] hold no intact state" in d.reason and d.step == 5
+
+
+def test_decision_round_trips_through_json():
+    d = decide({0: _p(0), 1: _p(1)}, 2, 2, 3, _latest)
+    assert Decision.from_dict(d.to_dict()) == d
+
+
+@pytest.fixture()
+def channels():
+    server = host_store("127.0.0.1", 0, 4)
+    made = [ControlChannel("127.0.0.1", server.port, r, 3, timeout_s=2.0) for r in range(3)]
+    yield made
+    del server
+
+
+def _agree_all(channels, proposals, **kw):
+    out: dict[int, object] = {}
+
+    def one(ch):
+        try:
+            out[ch.rank] = agree(ch, lambda g, r=ch.rank: proposals[r](g), _latest, **kw)
+        except Exception as exc:  # noqa: BLE001
+            out[ch.rank] = exc
+
+    threads = [threading.Thread(target=one, args=(ch,)) for ch in channels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_every_rank_adopts_one_decision_over_the_control_channel(channels):
+    out = _agree_all(channels, {r: (lambda g, r=r: Proposal(r, g, 4, "x", True)) for r in range(3)})
+    decisions = list(out.values())
+    assert all(isinstance(d, Decision) for d in decisions), decisions
+    assert len({(d.round, d.policy, d.step) for d in decisions}) == 1
+    assert decisions[0].policy is Policy.IN_MEMORY and decisions[0].round == 1
+
+
+def test_a_silent_rank_bounds_detection_by_the_control_timeout(channels):
+    t0 = time.monotonic()
+    out = _agree_all(channels[:2], {r: (lambda g, r=r: Proposal(r, g, 4, "x", True)) for r in range(2)},
+                     timeout_s=0.3, max_rounds=2)
+    elapsed = time.monotonic() - t0
+    assert all(isinstance(e, ConsensusError) and "[2] did not answer" in str(e) for e in out.values()), out
+    assert elapsed < 10  # two bounded rounds, not a hang
+
+
+def test_the_first_written_decision_wins_no_split_brain(channels):
+    a, b = channels[0], channels[1]
+    full = Decision(5, Policy.IN_MEMORY, 9, "all present")
+    partial = Decision(5, Policy.CHECKPOINT_RESTORE, 5, "rank 2 silent", missing=(2,))
+    first = Decision.from_dict(a.set_once("round5/decision", partial.to_dict()))
+    second = Decision.from_dict(b.set_once("round5/decision", full.to_dict()))
+    assert first == second == partial
+
+
+def test_control_wait_names_the_missing_keys(channels):
+    channels[0].set("k0", 1)
+    with pytest.raises(ControlTimeout) as err:
+        channels[0].wait(["k0", "k1"], timeout_s=0.2)
+    assert err.value.missing == ["k1"]

@@ -1,0 +1,69 @@
+"""Rebinding reaches every cached process-group reference; the old group gets no operations."""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import pytest
+
+from meshpact.live.launcher import host_store, launch
+from meshpact.live.rebind import SITES, find_references
+
+
+class _Group:
+    """Stands in for a ProcessGroup in the graph-walk tests."""
+
+
+class _Slotted:
+    __slots__ = ("held",)
+
+    def __init__(self, held):
+        self.held = held
+
+
+def test_find_references_follows_dicts_closures_slots_partials_and_weakrefs():
+    g = _Group()
+
+    def closure():
+        return g
+
+    holder = type("Holder", (), {})()
+    holder.cache = {"x": [_Slotted(g)]}
+    only_weak = type("Weak", (), {})()
+    only_weak.group = g
+    roots = {"a": holder, "b": closure, "c": functools.partial(print, g), "d": [weakref.ref(only_weak)]}
+    paths = sorted(p for p, obj in find_references(roots, targets=(_Group,)) if obj is g)
+    assert "a.cache['x'][0].held" in paths
+    assert "b.<closure 0>" in paths
+    assert "c.args[0]" in paths
+    assert "d[0]().group" in paths
+
+
+def test_the_site_list_is_one_place_naming_every_torch_cache():
+    names = [s.name for s in SITES]
+    assert names == ["c10d.world", "c10d.registry", "device_mesh.dim_group_names", "device_mesh.pg_registry",
+                     "fsdp.mesh_info", "fsdp.comm"]
+    assert all(s.source for s in SITES)
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations():
+    control = host_store("127.0.0.1", 0, 2)
+    results = launch("meshpact.live.probe:rebind_probe", 2, {"rounds": 2}, timeout_s=120,
+                     env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
+    for res in results:
+        for audit in res.value["audits"]:
+            before = audit["references_before"]
+            # the walk finds the caches torch 2.13 keeps (so it would find a new one too) ...
+            assert any(p.endswith("mesh_info.shard_process_group") for p in before), before
+            assert "c10d._world._default_pg" in before
+            assert any("_pg_registry" in p for p in before), before
+            # ... and after the rebind none of them leads to the old group
+            assert audit["references_after"] == [], audit["references_after"]
+            assert audit["old_ops_after"] == 0 and audit["new_ops"] > 0
+            assert not audit["old_name_resolvable"]
+            assert audit["rebound"]["fsdp.mesh_info"] >= 1 and audit["rebound"]["device_mesh.pg_registry"] == 1
+        # a group built by a rebuild is released outright once rebound
+        assert res.value["audits"][-1]["old_released"]

@@ -1,0 +1,35 @@
+"""A real partition of the data link (network namespaces, veth), control link intact."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from _recovery import assert_recovered, trial
+from meshpact.live.faults import NetnsPair, netns_unavailable
+
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns]
+
+_WHY = netns_unavailable()
+
+
+@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+def test_data_link_down_then_up_is_recovered_in_memory_bit_identical():
+    result = trial(ranks=4, steps=12, faults=1, fault_kind="partition", checkpoint_every=6, baselines=False,
+                   data_timeout_s=0.5, down_s=1.0)
+    assert_recovered(result, "in_memory")
+    (rec,) = result.recoveries()
+    assert rec["stages_s"]["detection"] >= 0.5
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "mpA" not in listed and "mpB" not in listed  # the namespaces and links are gone
+
+
+@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+def test_namespace_pair_is_removed_even_when_the_body_fails():
+    pair = NetnsPair()
+    with pytest.raises(RuntimeError):
+        with pair:
+            assert pair.exists()
+            raise RuntimeError("boom")
+    assert not pair.exists()
