@@ -267,7 +267,12 @@ def cost_figure(costs: Mapping[str, PlanCost], height: int = 300) -> go.Figure:
     return fig
 
 
-def goodput_figure(frame: Any, knob: str, title: str, log_x: bool = True, height: int = 330) -> go.Figure:
+_POLICY_DASH = {Policy.COLD_RESTART: "solid", Policy.CHECKPOINT_RESTORE: "dash", Policy.IN_MEMORY: "solid",
+                Policy.EXCISE: "dot"}  # lines that coincide stay distinguishable
+
+
+def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None, log_x: bool = True,
+                   height: int = 330) -> go.Figure:
     """Goodput of each policy (one line each) against one knob of a training sweep."""
     fig = go.Figure()
     for policy in Policy:
@@ -276,7 +281,7 @@ def goodput_figure(frame: Any, knob: str, title: str, log_x: bool = True, height
             continue
         fig.add_trace(go.Scatter(
             x=rows[knob], y=rows["goodput"], mode="lines+markers", name=policy.label,
-            line=dict(color=POLICY_COLOURS[policy], width=2.5),
+            line=dict(color=POLICY_COLOURS[policy], width=2.5, dash=_POLICY_DASH[policy]),
             customdata=rows[["downtime_s", "lost_steps"]].to_numpy(),
             hovertemplate="%{x}: goodput %{y:.2%}<br>downtime %{customdata[0]:,.0f} s, lost steps %{customdata[1]}"
                           f"<extra>{policy.label}</extra>",
@@ -284,7 +289,7 @@ def goodput_figure(frame: Any, knob: str, title: str, log_x: bool = True, height
     fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".0%", yaxis_title="goodput",
                       legend=dict(orientation="h", yanchor="top", y=-0.22, x=0))
     values = sorted(set(frame[knob]))
-    fig.update_xaxes(type="log" if log_x else "linear", title=knob.replace("_", " "), tickmode="array",
+    fig.update_xaxes(type="log" if log_x else "linear", title=x_title or knob.replace("_", " "), tickmode="array",
                      tickvals=values, ticktext=[f"{v:,g}" for v in values])
     return fig
 

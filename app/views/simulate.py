@@ -63,8 +63,10 @@ with training:
         col.metric(policy.label, f"{res.goodput:.2%}", help=f"{res.faults} faults, {res.downtime_total_s:,.0f} s down, "
                                                           f"{res.lost_steps} steps lost")
     a, b = st.columns(2)
-    a.plotly_chart(goodput_figure(by_mtbf, "rank_mtbf_hours", "goodput against per-rank MTBF"))
-    b.plotly_chart(goodput_figure(by_every, "checkpoint_every", "goodput against checkpoint interval"))
+    a.plotly_chart(goodput_figure(by_mtbf, "rank_mtbf_hours", "goodput against per-rank MTBF",
+                                  "per-rank MTBF (hours)"))
+    b.plotly_chart(goodput_figure(by_every, "checkpoint_every", "goodput against checkpoint interval",
+                                  "checkpoint every (steps)"))
     st.plotly_chart(recovery_figure([RecoveryBreakdown(p, r.downtime_s) for p, r in point.policies.items()]),
                     key="downtime_by_stage")
     st.caption("Total downtime of the run by recovery stage, per policy.")
