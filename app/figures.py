@@ -170,7 +170,7 @@ def _seconds(s: float) -> str:
     return f"{s:,.0f} s" if s >= 100 else f"{s:.3g} s"
 
 
-def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int = 300) -> go.Figure:
+def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None = None) -> go.Figure:
     """Stacked horizontal bars: one bar per policy, one segment per stage (seconds)."""
     fig = go.Figure()
     labels = [b.policy.label for b in breakdowns]
@@ -184,7 +184,7 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int = 300) 
         ))
     for b in breakdowns:
         fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {_seconds(b.total_s)}", showarrow=False, xanchor="left")
-    fig.update_layout(**_LAYOUT, barmode="stack", height=height, xaxis_title="seconds",
+    fig.update_layout(**_LAYOUT, barmode="stack", height=height or 130 + 45 * len(breakdowns), xaxis_title="seconds",
                       legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0, traceorder="normal"))
     fig.update_yaxes(autorange="reversed")
     return fig

@@ -104,7 +104,7 @@ def panel() -> None:
         st.plotly_chart(mesh_figure(mesh, down, height=320), key="live_mesh")
     with right:
         st.dataframe([{"t (s)": round(e.t, 3), "event": e.event, "rank": e.rank, "stage": e.stage.value if e.stage else ""}
-                      for e in events[-12:]], hide_index=True)
+                      for e in sorted(events, key=lambda e: e.t)[-12:]], hide_index=True)
         if job.injected:
             st.caption("Injected from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {i['t']:.1f} s"
                                                             for i in job.injected))

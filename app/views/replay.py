@@ -112,7 +112,7 @@ def player() -> None:
         d.metric("recoveries before this one", frame.recoveries_before)
         st.markdown(f"**Event {idx + 1}/{len(events)}:** {frame.event.label}")
         if frame.stages_so_far:
-            st.plotly_chart(recovery_figure([frame_breakdown(frame, frame.policy or policy)], height=200),
+            st.plotly_chart(recovery_figure([frame_breakdown(frame, frame.policy or policy)]),
                             key="replay_stages")
     lo = max(0, idx - 3)
     st.dataframe([{"#": i + 1, "t (s)": round(e.t, 3), "event": e.label, "now": "◀" if i == idx else ""}
