@@ -1,6 +1,7 @@
 """Dashboard context: the scenario picker and the cached values every page shares.
 
-The sidebar (drawn by :func:`require_scenario`, which every page calls first) offers the built-in scenarios, an uploaded YAML file or a path on disk. The
+The sidebar (drawn by :func:`require_scenario`, which every page calls first) offers
+the built-in scenarios, an uploaded YAML file or a path on disk. The
 chosen scenario is parsed once per distinct text (``st.cache_data``); its mesh and
 drawing positions are shared handles (``st.cache_resource``). A file that does not
 parse or does not match the schema shows its :class:`ScenarioError` message on the page
@@ -20,7 +21,17 @@ from meshpact.core.facts import Mesh
 from meshpact.core.mesh import rank_positions
 from meshpact.core.scenario import Scenario, builtin_scenario_path, builtin_scenarios, parse_scenario_text
 
-__all__ = ["ScenarioChoice", "scenario_sidebar", "require_scenario", "mesh_of", "positions_of", "SCENARIO_KEY", "missing_engines", "require_engines", "message_markdown"]
+__all__ = [
+    "ScenarioChoice",
+    "scenario_sidebar",
+    "require_scenario",
+    "mesh_of",
+    "positions_of",
+    "SCENARIO_KEY",
+    "missing_engines",
+    "require_engines",
+    "message_markdown",
+]
 
 SCENARIO_KEY = "meshpact_scenario"
 ERROR_KEY = "meshpact_scenario_error"

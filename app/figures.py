@@ -1,8 +1,8 @@
 """Figures: the plotly pictures the dashboard draws.
 
 The mesh (ranks coloured by domain and health, native rings and bridge links as line
-traces), the stage breakdown of recoveries, goodput and serving curves of the simulator, a plan as a diagram of who sends what to
-whom, and startups and payload bytes per planner. Each function takes core values and
+traces), the stage breakdown of recoveries, goodput and serving curves of the simulator,
+a plan as a diagram of who sends what to whom, and startups and payload bytes per planner. Each function takes core values and
 returns a ``plotly.graph_objects.Figure``; none touches Streamlit, so the benchmark and
 the tests build them directly. Traces are few and wide (one per domain, not one per
 rank) so the 1,024-rank mesh stays fast to build and to draw.
@@ -134,7 +134,8 @@ def mesh_figure(
             mode="markers+text" if labelled else "markers",
             text=[str(r) for r in alive] if labelled else None,
             textposition="middle center", textfont=dict(size=8, color="white"),
-            marker=dict(size=size, color=colours[d.name], line=dict(width=[2.5 if r == d.bridge_rank else 0 for r in alive], color="#e69f00")),
+            marker=dict(size=size, color=colours[d.name],
+                        line=dict(width=[2.5 if r == d.bridge_rank else 0 for r in alive], color="#e69f00")),
             name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
             hovertemplate=f"rank %{{customdata[0]}}<br>{d.name} · {d.host}<extra></extra>",
         ))
@@ -199,7 +200,8 @@ def plan_figure(plan: Plan, mesh: Mesh, height: int | None = None) -> go.Figure:
     (grouped by domain). A collective is a bar over its participants, a bridge send an
     arrow from sender to receiver, a local projection a diamond, a delivery a star."""
     colours = domain_colours(mesh)
-    involved = sorted({r for s in plan.steps for r in s.ranks}, key=lambda r: (mesh.domain_of(r).name != mesh.domains[0].name, mesh.domains.index(mesh.domain_of(r)), r))
+    order = {d.name: i for i, d in enumerate(mesh.domains)}
+    involved = sorted({r for s in plan.steps for r in s.ranks}, key=lambda r: (order[mesh.domain_of(r).name], r))
     row = {r: i for i, r in enumerate(involved)}
     fig = go.Figure()
     send_x: list = []
@@ -235,7 +237,8 @@ def plan_figure(plan: Plan, mesh: Mesh, height: int | None = None) -> go.Figure:
     if send_x:
         fig.add_trace(go.Scatter(
             x=send_x, y=send_y, mode="lines+markers", name="bridge send", hovertext=send_text, hoverinfo="text",
-            line=dict(color="#e69f00", width=2), marker=dict(symbol="arrow", angleref="previous", size=12, opacity=[0, 1, 0] * (len(send_x) // 3)),
+            line=dict(color="#e69f00", width=2),
+            marker=dict(symbol="arrow", angleref="previous", size=12, opacity=[0, 1, 0] * (len(send_x) // 3)),
         ))
     ticks = [f"{r} · {mesh.domain_of(r).name}" for r in involved]
     fig.update_layout(

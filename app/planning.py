@@ -20,7 +20,17 @@ from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Req
 from meshpact.core.placement import parse_placement
 from meshpact.core.plan import Plan, PlanCost, plan_cost
 
-__all__ = ["PlannerOutcome", "Judgement", "planners", "edge_from_facts", "judge", "real_edges", "steps_rows", "human_bytes", "facet_summaries"]
+__all__ = [
+    "PlannerOutcome",
+    "Judgement",
+    "planners",
+    "edge_from_facts",
+    "judge",
+    "real_edges",
+    "steps_rows",
+    "human_bytes",
+    "facet_summaries",
+]
 
 
 @dataclass(frozen=True)

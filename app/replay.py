@@ -18,7 +18,18 @@ from meshpact.core.facts import Domain, Mesh
 from meshpact.core.recording import Event
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 
-__all__ = ["ReplayEvent", "ReplayFrame", "from_timeline", "from_recording", "replay_frame", "frame_breakdown", "find_recordings", "local_mesh", "recording_mesh", "first_recovery_index"]
+__all__ = [
+    "ReplayEvent",
+    "ReplayFrame",
+    "from_timeline",
+    "from_recording",
+    "replay_frame",
+    "frame_breakdown",
+    "find_recordings",
+    "local_mesh",
+    "recording_mesh",
+    "first_recovery_index",
+]
 
 _KEEP_SIMULATED = frozenset({"fault", "stage", "rejoin", "degraded"})
 _POLICIES = frozenset(p.value for p in Policy)

@@ -50,7 +50,8 @@ try:
     if source == "recording":
         found = find_recordings(RECORDING_ROOTS)
         options = [str(p) for p in found] + ["another file…"]
-        pick = st.selectbox("recording", options, key="replay_recording", help="Finished recordings: live runs under recordings/, and those shipped in scenarios/recordings/")
+        pick = st.selectbox("recording", options, key="replay_recording",
+                            help="Finished recordings: live runs under recordings/, those shipped in scenarios/recordings/")
         path = st.text_input("path of a recording (.jsonl)", key="replay_path") if pick == "another file…" else pick
         if not path:
             st.info("No recording chosen. Live runs save theirs under `recordings/`; give a path to replay another.")
