@@ -53,10 +53,12 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
             new = comm.build_group(session.spec, session.store, gen)
             comm.install_group(new, session.store, session.spec, as_default=False)
             t1 = time.perf_counter()
-            report = rebind(old, new, model, optimizer, [session.mesh])
+            report = rebind(old, new, model, optimizer, [session.mesh], skip=tuple(args.get("skip_sites", ())))
             t2 = time.perf_counter()
             session.group = new
             old_name, ops_at_rebind = old.group_name, counter.counts.get(old.group_name, 0)
+            old_backend = old._get_backend(torch.device("cpu"))
+            seq_at_rebind = old_backend._get_sequence_number_for_group()
             ref = weakref.ref(old)
             del old
             gc.collect()
@@ -66,6 +68,8 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
             t4 = time.perf_counter()
             train_step(make_batch(cfg, step, session.rank))
             step += 1
+            seq_after = old_backend._get_sequence_number_for_group() - seq_at_rebind
+            del old_backend
             after = [p for p, g in find_references(default_roots(model, optimizer)) if g.group_name == old_name]
             try:
                 c10d._resolve_process_group(old_name)
@@ -80,6 +84,7 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
                 "references_after": sorted(set(after)), "rebound": report.counts,
                 "old_released": ref() is None, "old_name_resolvable": resolvable,
                 "old_ops_after": counter.counts.get(old_name, 0) - ops_at_rebind,
+                "old_seq_ops_after": seq_after,
                 "new_ops": counter.counts.get(new.group_name, 0)})
     out["median_rebind_ms"] = statistics.median(out["rebind_ms"])
     out["reconfigure_available"] = comm.can_reconfigure(session.group)

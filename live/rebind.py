@@ -218,11 +218,14 @@ SITES: tuple[Site, ...] = (
 
 
 def rebind(old: dist.ProcessGroup, new: dist.ProcessGroup, model: torch.nn.Module, optimizer: Any = None,
-           meshes: Iterable[Any] | None = None) -> RebindReport:
-    """Point every site that holds ``old`` at ``new``; returns what was rebound and how long it took."""
+           meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = ()) -> RebindReport:
+    """Point every site that holds ``old`` at ``new``; returns what was rebound and how long it took.
+
+    ``skip`` leaves the named sites alone: only for audits that show a missed site is caught.
+    """
     t0 = time.perf_counter()
     ctx = _Context(model, optimizer, list(meshes) if meshes is not None else meshes_of(model, optimizer))
-    counts = {site.name: site.apply(old, new, ctx) for site in SITES}
+    counts = {site.name: site.apply(old, new, ctx) for site in SITES if site.name not in skip}
     return RebindReport(counts, time.perf_counter() - t0)
 
 

@@ -211,6 +211,21 @@ def reset_step_state(model: torch.nn.Module) -> None:
         p.grad = None
 
 
+def _backend_of(pg: dist.ProcessGroup, device: str) -> Any:
+    try:
+        return pg._get_backend(torch.device(device))
+    except RuntimeError:
+        return None
+
+
+def _seq(backend: Any) -> int:
+    """Operations a backend has issued (its collective sequence number); compile-safe, free."""
+    try:
+        return int(backend._get_sequence_number_for_group()) if backend is not None else 0
+    except RuntimeError:
+        return 0
+
+
 def _to_sharded(group: Any) -> None:
     """Put a param group back in its sharded state. FSDP frees the unsharded buffers on the
     way; buffers left by an all-gather that failed cannot always be resized, and are then
@@ -311,6 +326,10 @@ class Resilient:
         return out
 
     def _commit(self, step: int, train_step: Callable[[Any], Any], batch: Any) -> None:
+        for r in self.retired:  # a full step has run since these groups were retired: count, release
+            if r["backend"] is not None:
+                r["seq_ops_after"] = _seq(r["backend"]) - r["seq_at_retirement"]
+                r["backend"] = None
         self.committed_step = step + 1
         self._digest = self._state_digest()
         self._batches.append((step, batch, train_step))
@@ -369,7 +388,9 @@ class Resilient:
         s.group, s.generation = new, decision.round
         old_ops = self.counter.counts.get(old.group_name, 0) if self.counter is not None else None
         if new is not old:
-            self.retired.append({"group": old.group_name, "ops_at_retirement": old_ops, "ref": weakref.ref(old)})
+            backend = _backend_of(old, s.spec.device)
+            self.retired.append({"group": old.group_name, "ops_at_retirement": old_ops, "ref": weakref.ref(old),
+                                 "backend": backend, "seq_at_retirement": _seq(backend), "seq_ops_after": None})
         s.emit("rebound", Stage.REBINDING, seconds=rebind_s, references=report.counts if report else {},
                old_group=old.group_name, new_group=new.group_name)
         del old

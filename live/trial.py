@@ -60,9 +60,12 @@ class TrialConfig:
         if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:
             raise MeshpactError(f"--checkpoint-every must be between 1 and --steps ({self.steps}), "
                                 f"got {self.checkpoint_every}")
-        if self.stall_s <= self.data_timeout_s:
+        if self.fault_kind is FaultKind.STALL and self.stall_s <= self.data_timeout_s:
             raise MeshpactError(f"a stall ({self.stall_s} s) must outlast the data-path timeout "
                                 f"({self.data_timeout_s} s)")
+        if self.fault_kind is FaultKind.PARTITION and self.down_s <= self.data_timeout_s:
+            raise MeshpactError(f"a partition ({self.down_s} s down) must outlast the data-path timeout "
+                                f"({self.data_timeout_s} s), or the collective simply resumes")
 
 
 # -- the rank side --------------------------------------------------------------------------
@@ -109,6 +112,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         torch.save({k: v.clone() for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
         counts = rt.op_counts()
         retired = [{"group": r["group"], "ops_at_retirement": r["ops_at_retirement"],
+                    "seq_ops_after": r["seq_ops_after"],
                     "ops_after": counts.get(r["group"], 0) - (r["ops_at_retirement"] or 0),
                     "alive": r["ref"]() is not None} for r in rt.retired]
         result = {"rank": rank, "incarnation": session.incarnation, "digest": digest(state),
@@ -116,6 +120,10 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
                   "retired": retired, "current_group": session.group.group_name, "step_s": step_s,
                   "generation": session.generation, "drill": drill, "t_start_wall": t_start,
                   "t_caught_up_wall": t_caught_up}
+        if args.get("compile"):
+            from torch._dynamo.utils import counters
+
+            result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
         if cold_from is not None:
             result["t_loaded_wall"] = t_loaded
         if rank == 0:
@@ -218,7 +226,10 @@ class TrialResult:
         return sum(1 for rec in self.fault_records.values() if rec["step"] in steps)
 
     def old_group_ops_after_rebind(self) -> int:
-        return sum(r["ops_after"] for res in self.faulted for r in res["retired"])
+        """Operations the retired groups received after their rebind, by both counters: the
+        dispatcher-level count (when counting is on) and the backend's own sequence number over
+        the step that followed the rebind."""
+        return sum(r["ops_after"] + (r["seq_ops_after"] or 0) for res in self.faulted for r in res["retired"])
 
     def summary(self) -> dict[str, Any]:
         recs = self.recoveries()

@@ -62,8 +62,21 @@ def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_opera
             assert any("_pg_registry" in p for p in before), before
             # ... and after the rebind none of them leads to the old group
             assert audit["references_after"] == [], audit["references_after"]
-            assert audit["old_ops_after"] == 0 and audit["new_ops"] > 0
+            assert audit["old_ops_after"] == 0 and audit["old_seq_ops_after"] == 0 and audit["new_ops"] > 0
             assert not audit["old_name_resolvable"]
             assert audit["rebound"]["fsdp.mesh_info"] >= 1 and audit["rebound"]["device_mesh.pg_registry"] == 1
         # a group built by a rebuild is released outright once rebound
         assert res.value["audits"][-1]["old_released"]
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_works():
+    """An old gloo group that was never rebound keeps working and gives the same numbers;
+    only the per-group counts and the reference walk show the rebind did not take."""
+    control = host_store("127.0.0.1", 0, 2)
+    results = launch("meshpact.live.probe:rebind_probe", 2, {"rounds": 1, "skip_sites": ["fsdp.mesh_info"]},
+                     timeout_s=120, env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
+    audit = results[0].value["audits"][0]
+    assert audit["old_ops_after"] > 0 and audit["old_seq_ops_after"] > 0
+    assert any(p.endswith("mesh_info.shard_process_group") for p in audit["references_after"])

@@ -10,7 +10,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 
 def test_killed_rank_is_replaced_and_restored_from_checkpoint_bit_identical():
-    result = trial(ranks=4, steps=12, faults=1, fault_kind="kill", checkpoint_every=6, baselines=False)
+    result = trial(ranks=4, steps=16, faults=1, fault_kind="kill", checkpoint_every=4, baselines=False)
     s = assert_recovered(result, "checkpoint_restore")
     assert s["replacement_processes"] == 1
     (rec,) = result.recoveries()

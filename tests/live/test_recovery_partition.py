@@ -16,7 +16,7 @@ _WHY = netns_unavailable()
 
 @pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 def test_data_link_down_then_up_is_recovered_in_memory_bit_identical():
-    result = trial(ranks=4, steps=12, faults=1, fault_kind="partition", checkpoint_every=6, baselines=False,
+    result = trial(ranks=4, steps=16, faults=1, fault_kind="partition", checkpoint_every=4, baselines=False,
                    data_timeout_s=0.5, down_s=1.0)
     assert_recovered(result, "in_memory")
     (rec,) = result.recoveries()
