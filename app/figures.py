@@ -4,8 +4,9 @@ The mesh (ranks coloured by domain and health, native rings and bridge links as 
 traces), the stage breakdown of recoveries, goodput and serving curves of the simulator,
 a plan as a diagram of who sends what to whom, and startups and payload bytes per
 planner. Each function takes core values and returns a ``plotly.graph_objects.Figure``;
-none touches Streamlit, so the benchmark and the tests build them directly. Traces are few and wide (one per domain, not one per
-rank) so the 1,024-rank mesh stays fast to build and to draw.
+none touches Streamlit, so the benchmark and the tests build them directly. Traces are
+few and wide (one per domain, not one per rank) so the 1,024-rank mesh stays fast to
+build and to draw.
 """
 
 from __future__ import annotations
