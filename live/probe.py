@@ -9,6 +9,7 @@ its name, and how many operations it received after the rebind (:class:`OpCounte
 
 :func:`torchft_probe` measures the peer on the same machine: torchft's ``ProcessGroupGloo``
 reconfigured in place (``configure`` under a fresh store prefix) plus its first collective.
+:func:`checkpoint_probe` measures per-update asynchronous checkpointing.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["rebind_probe", "torchft_probe"]
+__all__ = ["rebind_probe", "torchft_probe", "checkpoint_probe"]
 
 
 def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
@@ -111,3 +112,36 @@ def torchft_probe(args: dict[str, Any]) -> dict[str, Any]:
         pg.allreduce([x], AllreduceOptions()).wait()
         times.append((time.perf_counter() - t0) * 1e3)
     return {"rank": rank, "configure_first_op_ms": times}
+
+
+def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
+    """Per-update asynchronous checkpointing: step latency with and without, host memory, bytes."""
+    import tempfile
+
+    from .checkpoint import AsyncCheckpointer, AsyncCheckpointStats, state_bytes
+    from .harness import ModelConfig, build, local_state, make_batch, make_train_step
+    from .runtime import RecoveryConfig, start_session
+
+    session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None, count_ops=False))
+    cfg = ModelConfig(**args.get("model", {}))
+    model, optimizer = build(cfg, session.mesh)
+    train_step = make_train_step(model, optimizer)
+    steps = int(args.get("steps", 20))
+    train_step(make_batch(cfg, 0, session.rank))  # warm-up (optimizer state allocated)
+    plain = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        train_step(make_batch(cfg, 1 + i, session.rank))
+        plain.append(time.perf_counter() - t0)
+    ckpt = AsyncCheckpointer(args.get("dir") or tempfile.mkdtemp(prefix="meshpact-async-ckpt-"), session.rank)
+    with_ckpt = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        train_step(make_batch(cfg, 1 + steps + i, session.rank))
+        ckpt.snapshot(1 + steps + i, local_state(model, optimizer))
+        with_ckpt.append(time.perf_counter() - t0)
+    ckpt.close()
+    stats = AsyncCheckpointStats(steps, statistics.median(plain), statistics.median(with_ckpt), ckpt.host_bytes,
+                                 state_bytes(local_state(model, optimizer)),
+                                 statistics.mean(ckpt.writes) if ckpt.writes else 0.0)
+    return {"rank": session.rank, **stats.to_dict(), "file_bytes_written": ckpt.bytes_written}

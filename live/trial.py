@@ -181,9 +181,10 @@ class TrialResult:
             stages = dict(stage_by_gen.get(gen, {}))
             t_detect = max(r["t_detect_wall"] for r in recs)
             stages[Stage.DETECTION.value] = max(0.0, t_detect - t_inject) if t_inject else 0.0
-            recovery_s = sum(stages.get(s.value, 0.0) for s in (Stage.CONSENSUS, Stage.COMMUNICATOR,
-                                                                Stage.REBINDING))
             t_resumed = max(r["t_resumed_wall"] for r in recs)
+            # from the moment every rank knew of the fault to the moment every rank could resume:
+            # consensus, communicator, rebinding and state, with no detection skew counted in
+            recovery_s = t_resumed - t_detect
             out.append({"generation": gen, "step": step, "policy": recs[0]["policy"], "reason": recs[0]["reason"],
                         "stages_s": stages, "recovery_s": recovery_s,
                         "downtime_s": (t_resumed - t_inject) if t_inject else None,

@@ -6,7 +6,7 @@ import pytest
 
 from meshpact.live.launcher import Launch, LaunchError, launch
 
-pytestmark = [pytest.mark.live]
+pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 
 def test_each_rank_gets_torchrun_environment_and_its_result_is_collected():
