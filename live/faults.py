@@ -214,7 +214,6 @@ class NetnsPair:
 
     def close(self) -> None:
         for ns in self.ns:
-            subprocess.run(["ip", "netns", "pids", ns], capture_output=True)
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, ValueError):

@@ -64,6 +64,7 @@ class RecoveryConfig:
     count_ops: bool = True
     digest_every_step: bool = True  # keep a digest of each commit, to prove the state intact
     vendor: str = "cpu"
+    prefer_reconfigure: bool = True  # use ProcessGroup.reconfigure where torch has it (2.14+)
 
 
 def is_comm_fault(exc: BaseException) -> bool:
@@ -372,15 +373,19 @@ class Resilient:
             raise RuntimeError(f"cannot recover in memory ({decision.reason}) and no checkpoint directory is set")
 
         t0 = time.perf_counter()
-        action = comm.choose_action(old, s.spec.device)
+        action = comm.choose_action(old, s.spec.device, prefer_reconfigure=s.config.prefer_reconfigure)
+        note = ""
+        new = old
         if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same object, rebuilt in place
-            old.reconfigure(dist.PrefixStore(comm.store_prefix(decision.round), s.store), s.rank, s.world_size)
-            new = old
-        else:
+            try:
+                old.reconfigure(dist.PrefixStore(comm.store_prefix(decision.round), s.store), s.rank, s.world_size)
+            except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
+                note, action = f"reconfigure refused ({exc}); rebuilt instead", CommunicatorAction.REBUILD
+        if action is not CommunicatorAction.RECONFIGURE:
             new = comm.build_group(s.spec, s.store, decision.round)
             comm.install_group(new, s.store, s.spec, as_default=False)
         s.emit("rebuilt", Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
-               generation=decision.round, backend=s.spec.backend)
+               generation=decision.round, backend=s.spec.backend, note=note)
 
         t0 = time.perf_counter()
         report = rebind(old, new, self.model, self.optimizer, [s.mesh]) if new is not old else None
