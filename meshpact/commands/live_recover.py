@@ -16,7 +16,7 @@ import typer
 
 from meshpact.commands._common import console, emit_json, table
 
-__all__ = ["register"]
+__all__ = ["register", "json_view", "JSON_KEYS"]
 
 
 class _Kind(str, Enum):
@@ -50,14 +50,22 @@ def recover(
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
     result = run_trial(cfg, recording_path=path)
     summary = result.summary()
-    out = {k: summary[k] for k in ("ranks", "steps", "fault_kind", "faults_injected", "faults_recovered",
-                                   "bit_identical", "policy_counts", "rebind_ms", "downtime_s", "recording")}
+    out = json_view(summary)
     if as_json:
         emit_json(out)
     else:
         _print(result, summary)
     if not summary["bit_identical"] or summary["faults_recovered"] != summary["faults_injected"]:
         raise typer.Exit(1)
+
+
+JSON_KEYS = ("ranks", "steps", "fault_kind", "faults_injected", "faults_recovered", "bit_identical",
+             "policy_counts", "rebind_ms", "downtime_s", "recording")
+
+
+def json_view(summary: dict[str, Any]) -> dict[str, Any]:
+    """The ``--json`` document: exactly these keys, in this order."""
+    return {k: summary[k] for k in JSON_KEYS}
 
 
 def _ms(x: Any) -> str:

@@ -1,0 +1,21 @@
+"""`meshpact live recover` refuses bad input with a message, exit 2, no traceback."""
+
+from __future__ import annotations
+
+from meshpact.cli import main
+
+
+def test_bad_checkpoint_interval_is_a_user_error(capsys):
+    assert main(["live", "recover", "--ranks", "2", "--steps", "5", "--checkpoint-every", "9"]) == 2
+    err = capsys.readouterr().err
+    assert "--checkpoint-every must be between 1 and --steps (5)" in err and "Traceback" not in err
+
+
+def test_more_faults_than_steps_is_a_user_error(capsys):
+    assert main(["live", "recover", "--ranks", "2", "--steps", "5", "--faults", "9", "--checkpoint-every", "5"]) == 2
+    assert "cannot place 9 fault(s)" in capsys.readouterr().err
+
+
+def test_the_command_is_listed_under_live(capsys):
+    main(["live", "--help"])
+    assert "recover" in capsys.readouterr().out
