@@ -19,7 +19,7 @@ def test_scaled_models_keep_each_familys_real_vocabulary_and_shape():
     assert (dense.vocab_size, moe.vocab_size, minimax.vocab_size) == (151936, 151936, 200064)
     assert dense.experts == 0 and dense.intermediate > 0
     assert moe.experts > 0 and moe.experts_per_token > 0 and minimax.experts > 0
-    assert dense.hidden == 5120 // 32 and moe.hidden == 2048 // 32 and minimax.hidden == 3072 // 32
+    assert dense.hidden == 5120 // 64 and moe.hidden == 2048 // 64 and minimax.hidden == 3072 // 64
 
 
 def test_a_sequence_decodes_the_same_alone_and_in_a_batch():
