@@ -51,37 +51,51 @@ def store_prefix(generation: int) -> str:
     return f"meshpact/{os.environ.get('MESHPACT_RUN_ID', '')}/g{generation}/"
 
 
-def _listening_inodes() -> set[str]:
-    """Inodes of listening TCP sockets (``st`` 0A in /proc/net/tcp{,6})."""
-    out: set[str] = set()
+def _tcp_table() -> dict[str, tuple[str, int, int]]:
+    """``socket:[inode]`` -> (state, local port, remote port) from /proc/net/tcp{,6}."""
+    out: dict[str, tuple[str, int, int]] = {}
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
             with open(table) as fh:
                 next(fh, None)
                 for line in fh:
                     cols = line.split()
-                    if len(cols) > 9 and cols[3] == "0A":
-                        out.add(f"socket:[{cols[9]}]")
+                    if len(cols) > 9:
+                        local, remote = int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)
+                        out[f"socket:[{cols[9]}]"] = (cols[3], local, remote)
         except OSError:
             continue
     return out
 
 
 def socket_fds() -> dict[int, str]:
-    """This process's open, connected socket descriptors: fd -> ``socket:[inode]``.
-
-    Listening sockets are left out: shutting down a gloo listener makes its accept loop
-    abort the process.
-    """
-    listening = _listening_inodes()
+    """This process's open socket descriptors: fd -> ``socket:[inode]``."""
     out = {}
     for name in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{name}")
         except OSError:
             continue
-        if target.startswith("socket:") and target not in listening:
+        if target.startswith("socket:"):
             out[int(name)] = target
+    return out
+
+
+def data_sockets(protected: dict[int, str], store_ports: tuple[int, ...] = ()) -> dict[int, str]:
+    """The data path's connected TCP sockets: not listening (shutting down a gloo listener
+    makes its accept loop abort the process), not ``protected`` (taken before any data-path
+    group existed), and not talking to or serving a store port (the rendezvous store and
+    the control channel, whichever process hosts them)."""
+    table = _tcp_table()
+    out = {}
+    for fd, ino in socket_fds().items():
+        row = table.get(ino)
+        if row is None or protected.get(fd) == ino:
+            continue
+        state, local, remote = row
+        if state == "0A" or local in store_ports or remote in store_ports:
+            continue
+        out[fd] = ino
     return out
 
 
@@ -104,12 +118,6 @@ def sever(sockets: dict[int, str]) -> int:
         except OSError:
             continue
     return n
-
-
-def data_sockets(protected: dict[int, str]) -> dict[int, str]:
-    """Connected sockets of this process other than ``protected`` (the stores' and control
-    channel's, taken before any data-path group existed): the data path's."""
-    return {fd: ino for fd, ino in socket_fds().items() if protected.get(fd) != ino}
 
 
 def build_group(spec: GroupSpec, store: Any, generation: int) -> dist.ProcessGroup:

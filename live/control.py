@@ -46,6 +46,7 @@ class ControlChannel:
                  is_host: bool = False, connect_timeout_s: float = 60.0) -> None:
         self.rank = rank
         self.world_size = world_size
+        self.port = port
         self.timeout_s = float(timeout_s)
         self._store = dist.TCPStore(host, port, world_size, is_master=is_host,
                                     timeout=timedelta(seconds=connect_timeout_s), wait_for_workers=False)

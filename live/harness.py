@@ -67,7 +67,7 @@ class Decoder(nn.Module):
         self.head = nn.Linear(cfg.dim, cfg.vocab, bias=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1]))
+        x = self.tok(tokens) + self.pos(torch.arange(tokens.shape[1], device=tokens.device))
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln(x))
@@ -97,7 +97,10 @@ def make_batch(cfg: ModelConfig, step: int, rank: int) -> torch.Tensor:
 def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], float]:
     """An ordinary training step: forward, loss, backward, optimizer step, zero grads."""
 
+    device = next(model.parameters()).device
+
     def train_step(batch: torch.Tensor) -> float:
+        batch = batch.to(device)
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
         loss.backward()
@@ -163,5 +166,5 @@ def digest(state: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         # a copy: exporting a tensor's own storage to numpy would make it non-resizable,
         # which breaks FSDP's freeing of unsharded buffers
-        h.update(t.detach().reshape(-1).clone().view(torch.uint8).numpy())
+        h.update(t.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())
     return h.hexdigest()

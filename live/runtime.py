@@ -63,7 +63,7 @@ class RecoveryConfig:
     checkpoint_every: int = 10
     count_ops: bool = True
     digest_every_step: bool = True  # keep a digest of each commit, to prove the state intact
-    vendor: str = "cpu"
+    vendor: str = field(default_factory=lambda: os.environ.get("MESHPACT_VENDOR", "cuda"))  # nccl where CUDA is
     prefer_reconfigure: bool = True  # use ProcessGroup.reconfigure where torch has it (2.14+)
 
 
@@ -89,6 +89,7 @@ class Session:
     incarnation: int
     mesh: Any = None
     protected_sockets: dict[int, str] = field(default_factory=dict)  # stores and control channel
+    store_ports: tuple[int, ...] = ()  # the rendezvous store's and the control channel's
     events: list[dict[str, Any]] = field(default_factory=list)
     pending: Decision | None = None  # a replacement's decision, applied when resilient() starts
     log: Any = None  # an open JSONL file that receives every event as it happens (survives SIGKILL)
@@ -135,11 +136,14 @@ def start_session(config: RecoveryConfig | None = None) -> Session:
                           wait_for_workers=False)
     control = ControlChannel.from_env(config.control_timeout_s)
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
+    if choice.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(choice.device))
     spec = comm.GroupSpec(choice.backend.value, choice.device, rank, world, config.data_timeout_s,
                           connect_timeout_s=max(60.0, config.control_timeout_s))
     incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
     session = Session(rank, world, config, store, control, spec, None, 0, incarnation,
-                      protected_sockets=comm.socket_fds())
+                      protected_sockets=comm.socket_fds(),
+                      store_ports=(int(os.environ["MASTER_PORT"]), control.port))
     session.emit("session_start", backend=choice.to_dict(), incarnation=incarnation)
     if incarnation == 0:
         session.group = comm.build_group(spec, store, 0)
@@ -352,7 +356,7 @@ class Resilient:
         t_detect = time.time()
         old = s.group
         t0 = time.perf_counter()
-        severed = comm.sever(comm.data_sockets(s.protected_sockets)) if old is not None else 0
+        severed = comm.sever(comm.data_sockets(s.protected_sockets, s.store_ports)) if old is not None else 0
         s.emit("detected", Stage.DETECTION, step=step, error=message, severed_sockets=severed,
                generation=s.generation, seconds=time.perf_counter() - t0)
 
