@@ -408,8 +408,7 @@ class Resilient:
         if decision.in_memory:
             s.emit("retained", Stage.STATE, seconds=reset_s, action=StateAction.RETAIN.value,
                    digest_intact=intact)
-            lost = 0
-            s.emit("ready", Stage.CONSENSUS, seconds=resume_barrier(s, decision.round), generation=decision.round)
+            lost = 0  # no barrier: building the group already waited for every rank to connect
         else:
             self._restore(decision.step)
             s.emit("reloaded", Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
