@@ -127,12 +127,10 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     world = channel.world_size
     last: Decision | None = None
     for _ in range(max_rounds):
-        group_generation = int(channel.get(GENERATION_KEY, 0))
+        group_generation = channel.counter(GENERATION_KEY)
         round_ = group_generation + 1
-        already = channel.get(f"round{round_}/decision")
-        if already is not None:  # decided without us (we were late): move on to the next round
-            channel.set(GENERATION_KEY, max(round_, int(channel.get(GENERATION_KEY, 0))))
-            last = Decision.from_dict(already)
+        if channel.present([f"round{round_}/decision"]):  # decided without us (we were late): next round
+            channel.advance(GENERATION_KEY, round_)
             continue
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())
@@ -144,7 +142,7 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
         mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout)
         decision = Decision.from_dict(channel.set_once(f"round{round_}/decision", mine.to_dict()))
-        channel.set(GENERATION_KEY, max(round_, int(channel.get(GENERATION_KEY, 0))))
+        channel.advance(GENERATION_KEY, round_)
         last = decision
         if not decision.missing:
             return decision

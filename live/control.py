@@ -71,6 +71,15 @@ class ControlChannel:
     def add(self, key: str, amount: int = 1) -> int:
         return int(self._store.add(self._ns + key, amount))
 
+    def counter(self, key: str) -> int:
+        """Read an integer counter in one round trip (created at 0 if absent)."""
+        return int(self._store.add(self._ns + key, 0))
+
+    def advance(self, key: str, to: int) -> None:
+        """Move an integer counter from ``to - 1`` to ``to`` in one round trip; a counter already
+        at ``to`` (another rank moved it) or beyond is left alone."""
+        self._store.compare_set(self._ns + key, str(to - 1), str(to))
+
     def set_once(self, key: str, value: Any) -> Any:
         """Write ``value`` unless the key exists; return what the key holds now (the first writer's)."""
         raw = self._store.compare_set(self._ns + key, "", json.dumps(value))
