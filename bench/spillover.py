@@ -18,7 +18,8 @@ import time
 
 from meshpact.live.netns import netns_unavailable
 from meshpact.live.spillover import SpilloverConfig
-from meshpact.live.spillover_pairs import COLUMNS, Row, measure_pairs, table_rows
+from meshpact.live.spillover_pairs import COLUMNS, Row, table_rows
+from meshpact.spillover_sim import measure
 
 
 def acceptance(rows: list[Row]) -> dict[str, object]:
@@ -57,7 +58,7 @@ def main() -> int:
     concs = [int(c) for c in a.concurrency.split(",")]
     base = SpilloverConfig(output_tokens=a.output_tokens, gbit_per_s=a.link_gbps)
     t0 = time.perf_counter()
-    rows = measure_pairs(a.models.split(","), concs, ["full", "logprob", "token", "owner_token"], a.pairs, base,
+    rows = measure(a.models.split(","), concs, ["full", "logprob", "token", "owner_token"], a.pairs, base,
                          a.requests_per_client, progress=lambda m: print(m, file=sys.stderr, flush=True))
     wall = time.perf_counter() - t0
     widths = [max(len(c), *(len(r[i]) for r in table_rows(rows))) for i, c in enumerate(COLUMNS)]

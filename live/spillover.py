@@ -25,7 +25,7 @@ step *k+1*'s command before reading step *k*'s results, so source projection nev
 host 2's decoding. Counted per run: tokens/s, per-request latency, result traffic as
 metered by the executor and as counted by the kernel on host 1's veth end (received
 bytes: the result direction), startups, the α of the link (a timed ping-pong) and every
-timed forward pass, from which :func:`simulated` sets the simulator's parameters.
+timed forward pass, from which :mod:`meshpact.spillover_sim` sets the simulator's parameters.
 """
 
 from __future__ import annotations
@@ -43,20 +43,9 @@ from meshpact.core.facts import Request
 
 from .netns import LinkShape, TwoHosts
 
-__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "sim_params", "simulated", "ETHERNET_MTU",
-           "wire_efficiency", "REQUESTS"]
+__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS"]
 
 REQUESTS = ("full", "logprob", "token", "owner_token")
-ETHERNET_MTU = 1500
-_TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12 (Linux default)
-_ETHERNET_FRAMING = 14  # Ethernet header; tbf counts frames as the kernel sees them
-
-
-def wire_efficiency(mtu: int = ETHERNET_MTU) -> float:
-    """Payload bytes per byte on the shaped link for bulk TCP (MSS over frame length)."""
-    return (mtu - _TCP_IP_HEADERS) / (mtu + _ETHERNET_FRAMING)
-
-
 @dataclass(frozen=True)
 class SpilloverConfig:
     model: str = "dense"  # dense | moe | minimax (live.decoder.FAMILIES)
@@ -586,43 +575,3 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
         planned=h2["planned"],
     )
-
-
-# -- the simulator with the same parameters -----------------------------------------------------
-def sim_params(run: RunResult) -> Any:
-    """The simulator's parameters for ``run``: its model, slots, load and request, the link's β
-    from the ``tc`` rate (payload per wire byte of bulk TCP), α from the timed ping-pong, and
-    per-step compute from the hosts' timed forward passes: host 2's plus its source projection
-    (which runs before anything is sent), or for ``full`` plus host 1's sampling of the
-    logits (host 2 waits for the chosen ids)."""
-    from meshpact.simulator.serving import ServingParams
-
-    from .decoder import scaled_spec
-
-    cfg = run.config
-    spec = scaled_spec(cfg.model)
-    beta = 8.0 / (cfg.gbit_per_s * 1e9) / wire_efficiency()
-    project = run.remote_project_s if cfg.request != "full" else run.consumer_sample_s
-    return ServingParams(
-        model=spec.source, vocab_size=spec.vocab_size, local_vendor="cuda", remote_vendor="cann",
-        local_slots=cfg.local_slots, remote_slots=cfg.remote_slots,
-        local_per_token_s=run.local_step_s, remote_per_token_s=run.remote_forward_s + project,
-        local_prefill_s=run.local_prefill_s, remote_prefill_s=run.remote_prefill_s,
-        link_alpha_s=run.link_alpha_s + cfg.delay_ms * 1e-3, link_beta_s_per_byte=beta,
-        fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(cfg.request),
-        consumer_ranks=1, producer_ranks=1, concurrency=cfg.concurrency, arrival_rate_per_s=None,
-        output_tokens=cfg.output_tokens, requests=cfg.requests, seed=cfg.seed,
-    )
-
-
-def simulated(run: RunResult) -> dict[str, Any]:
-    """The simulator's prediction for ``run``: the batched (lockstep) host model, and the per-slot one."""
-    from meshpact.simulator.batching import simulate_batched
-    from meshpact.simulator.serving import simulate_params
-
-    p = sim_params(run)
-    batched = simulate_batched(p)
-    per_slot = simulate_params(p)
-    return {"throughput_tok_s": batched.throughput_tok_s, "result_bytes": batched.result_bytes,
-            "latency_s": dict(batched.latency_s), "startups": batched.startups,
-            "per_slot_throughput_tok_s": per_slot.throughput_tok_s}

@@ -6,8 +6,8 @@ request (``logprob``, ``token``, ``owner_token``) on the same model and concurre
 order alternating from pair to pair (full first, then last), each run on fresh processes
 and fresh namespaces (:func:`~meshpact.live.spillover.run_once`). A pair favours the
 request with the higher throughput. Each row reports medians over its runs, latency
-percentiles over all its requests, and the simulator's prediction calibrated per run
-(:func:`~meshpact.live.spillover.simulated`).
+percentiles over all its requests, and a prediction made per run by the caller's
+``predict`` (the simulator, calibrated from the run: :mod:`meshpact.spillover_sim`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import numpy as np
 
 from meshpact.core.errors import MeshpactError
 
-from .spillover import REQUESTS, RunResult, SpilloverConfig, run_once, simulated
+from .spillover import REQUESTS, RunResult, SpilloverConfig, run_once
+
+Predict = Callable[[RunResult], Mapping[str, Any]]
 
 __all__ = ["Row", "measure_pairs", "pair_orders", "traffic_cut"]
 
@@ -70,6 +72,7 @@ def measure_pairs(
     requests: Sequence[str],
     pairs: int,
     base: SpilloverConfig,
+    predict: Predict,
     requests_per_client: int = 3,
     progress: Callable[[str], None] | None = None,
 ) -> list[Row]:
@@ -90,7 +93,7 @@ def measure_pairs(
                     if progress:
                         progress(f"{model} c={c} pair {i + 1}/{pairs}: {req}")
                     runs[req].append(run_once(cfg))
-            rows += _rows(model, c, runs, requests)
+            rows += _rows(model, c, runs, requests, predict)
     return rows
 
 
@@ -104,12 +107,13 @@ def _favouring(runs: Mapping[str, list[RunResult]], req: str) -> dict[str, int]:
     return {"full": len(others) * len(full) - lost, "projected": lost}
 
 
-def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Sequence[str]) -> list[Row]:
+def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Sequence[str],
+          predict: Predict) -> list[Row]:
     out = []
     full_row = None
     for req in ["full", *[r for r in runs if r != "full"]]:
         rs = runs[req]
-        sims = [simulated(r) for r in rs]
+        sims = [predict(r) for r in rs]
         lat = np.concatenate([np.asarray(r.latencies_s) for r in rs])
         remote_tokens = int(statistics.median(r.remote_tokens for r in rs))
         result_bytes = int(statistics.median(r.result_bytes for r in rs))

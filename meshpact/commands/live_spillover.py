@@ -50,7 +50,8 @@ def spillover(
     """Serve on host 1, spill to host 2 across a rate-limited veth; measure and simulate each request."""
     from meshpact.live.netns import netns_unavailable
     from meshpact.live.spillover import REQUESTS, SpilloverConfig
-    from meshpact.live.spillover_pairs import COLUMNS, measure_pairs, table_rows
+    from meshpact.live.spillover_pairs import COLUMNS, table_rows
+    from meshpact.spillover_sim import measure
 
     models = parse_list(model, "--model", _MODELS)
     concs = parse_list(concurrency, "--concurrency", integer=True)
@@ -61,7 +62,7 @@ def spillover(
     base = SpilloverConfig(output_tokens=output_tokens, local_slots=local_slots, remote_slots=remote_slots,
                            gbit_per_s=link_gbps, delay_ms=link_delay_ms, concurrency=min(concs),
                            requests=requests_per_client * min(concs))
-    rows = measure_pairs(models, concs, reqs, pairs, base, requests_per_client,
+    rows = measure(models, concs, reqs, pairs, base, requests_per_client,
                          progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
     if as_json:
         emit_json([{k: v for k, v in r.to_dict().items()

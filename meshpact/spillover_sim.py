@@ -1,0 +1,76 @@
+"""The simulator beside a live spillover run: the same parameters, calibrated from the machine.
+
+Live mode and the simulator never import each other; this module sits above both (as the
+CLI does) and turns one measured :class:`~meshpact.live.spillover.RunResult` into the
+serving model's :class:`~meshpact.simulator.serving.ServingParams`:
+
+* the model, the slots of each host, the load and the request, as the run used them;
+* the link's β from the ``tc`` rate, per byte of payload: bulk TCP carries an MSS of
+  ``MTU − 52`` bytes (IPv4 20, TCP 20, timestamps 12) in a frame of ``MTU + 14`` bytes
+  (Ethernet header), and the token bucket counts frames;
+* the link's α from the run's timed ping-pong of one small message (half the round trip);
+* each host's per-step compute from its timed forward passes: host 2's plus its part of
+  the result plan (the source projection, before anything is sent), or for ``full`` plus
+  host 1's sampling of the logits (host 2 waits for the chosen ids).
+
+:func:`simulated` runs the batched (lockstep) model, which is what the live hosts do, and
+the per-slot model for comparison. :func:`measure` is the paired measurement with this
+prediction beside every row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from meshpact.core.facts import Request
+from meshpact.live.decoder import scaled_spec
+from meshpact.live.spillover import RunResult, SpilloverConfig
+from meshpact.live.spillover_pairs import Row, measure_pairs
+from meshpact.simulator.batching import simulate_batched
+from meshpact.simulator.serving import ServingParams, simulate_params
+
+__all__ = ["ETHERNET_MTU", "wire_efficiency", "sim_params", "simulated", "measure"]
+
+ETHERNET_MTU = 1500
+_TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12 (Linux default)
+_ETHERNET_HEADER = 14
+
+
+def wire_efficiency(mtu: int = ETHERNET_MTU) -> float:
+    """Payload bytes per byte the token bucket counts, for bulk TCP (MSS over frame length)."""
+    return (mtu - _TCP_IP_HEADERS) / (mtu + _ETHERNET_HEADER)
+
+
+def sim_params(run: RunResult) -> ServingParams:
+    """The serving model's parameters for ``run`` (see the module docstring)."""
+    cfg = run.config
+    spec = scaled_spec(cfg.model)
+    beta = 8.0 / (cfg.gbit_per_s * 1e9) / wire_efficiency()
+    project = run.remote_project_s if cfg.request != "full" else run.consumer_sample_s
+    return ServingParams(
+        model=spec.source, vocab_size=spec.vocab_size, local_vendor="cuda", remote_vendor="cann",
+        local_slots=cfg.local_slots, remote_slots=cfg.remote_slots,
+        local_per_token_s=run.local_step_s, remote_per_token_s=run.remote_forward_s + project,
+        local_prefill_s=run.local_prefill_s, remote_prefill_s=run.remote_prefill_s,
+        link_alpha_s=run.link_alpha_s + cfg.delay_ms * 1e-3, link_beta_s_per_byte=beta,
+        fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(cfg.request),
+        consumer_ranks=1, producer_ranks=1, concurrency=cfg.concurrency, arrival_rate_per_s=None,
+        output_tokens=cfg.output_tokens, requests=cfg.requests, seed=cfg.seed,
+    )
+
+
+def simulated(run: RunResult) -> dict[str, Any]:
+    """The prediction for ``run``: the batched model's numbers, and the per-slot model's throughput."""
+    p = sim_params(run)
+    batched = simulate_batched(p)
+    per_slot = simulate_params(p)
+    return {"throughput_tok_s": batched.throughput_tok_s, "result_bytes": batched.result_bytes,
+            "latency_s": dict(batched.latency_s), "startups": batched.startups,
+            "per_slot_throughput_tok_s": per_slot.throughput_tok_s}
+
+
+def measure(models: Sequence[str], concurrencies: Sequence[int], requests: Sequence[str], pairs: int,
+            base: SpilloverConfig, requests_per_client: int = 3,
+            progress: Callable[[str], None] | None = None) -> list[Row]:
+    """:func:`~meshpact.live.spillover_pairs.measure_pairs` with :func:`simulated` beside every row."""
+    return measure_pairs(models, concurrencies, requests, pairs, base, simulated, requests_per_client, progress)
