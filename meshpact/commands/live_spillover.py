@@ -70,8 +70,11 @@ def spillover(
                              "veth_bytes", "startups", "pairs_favouring", "simulated", "traffic_cut_vs_full", "veth_cut_vs_full",
                              "sim_error", "remote_tokens")} for r in rows])
         return
-    console.print(table(f"two hosts over a {link_gbps:g} Gbit/s veth (tc tbf), {pairs} pair(s) per row, "
-                        f"{local_slots} local + {remote_slots} remote slots", COLUMNS, table_rows(rows)))
+    from rich.console import Console
+
+    wide = Console(width=max(console.width, 170))  # a wide table: keep every cell whole
+    wide.print(table(f"two hosts over a {link_gbps:g} Gbit/s veth (tc tbf), {pairs} pair(s) per row, "
+                     f"{local_slots} local + {remote_slots} remote slots", COLUMNS, table_rows(rows)))
 
 
 def register(groups: Any) -> None:
