@@ -314,6 +314,17 @@ def _run(cfg: TrialConfig, tag: str, work: Path, faults: tuple[Fault, ...], extr
 def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = None,
               work_dir: str | os.PathLike[str] | None = None,
               reference_dir: str | os.PathLike[str] | None = None) -> TrialResult:
+    """Run the trial in ``work_dir``; without one, in a scratch directory that is removed after
+    (kept when the recording would live in it, i.e. no ``recording_path`` either)."""
+    if work_dir is not None or recording_path is None:
+        return _run_trial(cfg, recording_path, work_dir, reference_dir)
+    with tempfile.TemporaryDirectory(prefix="meshpact-trial-") as scratch:
+        return _run_trial(cfg, recording_path, scratch, reference_dir)
+
+
+def _run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = None,
+              work_dir: str | os.PathLike[str] | None = None,
+              reference_dir: str | os.PathLike[str] | None = None) -> TrialResult:
     """Reference, faulted run and baselines for ``cfg``; see the module docstring.
 
     ``reference_dir`` holding ``final-rank<r>.pt`` from an earlier fault-free run of the same
