@@ -334,6 +334,7 @@ class _Host1:
         self.t_local: list[float] = []
         self.t_prefill: list[float] = []
         self.t_sample: list[float] = []  # full: the consumer's sampling of each remote step
+        self.targets: dict[int, list[int]] = {}  # local slot -> its request's target ids
         self.command_bytes = 0
         self.error: BaseException | None = None
 
@@ -416,7 +417,6 @@ class _Host1:
         rid_of: dict[int, int] = {}
         token: dict[int, int] = {}
         done: dict[int, int] = {}
-        self.targets: dict[int, list[int]] = {}
         free = list(range(n))
         while True:
             with self.lock:
