@@ -9,7 +9,8 @@ kernel's interface statistics of each end, so traffic can be counted by the kern
 than by the program that sent it.
 
 Names carry the process id and a random tag, so parallel runs never clash. Leaving the
-``with`` block, an exception, or the interpreter's exit deletes both namespaces, and the
+``with`` block, an exception, the interpreter's exit, or a SIGTERM (turned into ``SystemExit``
+while the hosts exist, where no other handler was set) deletes both namespaces, and the
 veth pair with them. :func:`netns_unavailable` says what is missing where this cannot run:
 root, ``ip``, ``tc``, or the kernel's ``tbf``/``netem`` queueing disciplines.
 """
@@ -24,6 +25,7 @@ import random
 import shutil
 import signal
 import subprocess
+import threading
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
@@ -140,6 +142,10 @@ def netem_unavailable() -> str | None:
     return _probe()[1]
 
 
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 class TwoHosts:
     """Two network namespaces joined by one veth pair shaped by ``tc`` (see the module docstring).
 
@@ -156,6 +162,16 @@ class TwoHosts:
         a, b = random.randrange(16, 250), random.randrange(0, 256)
         self.addr = (f"10.{a}.{b}.1", f"10.{a}.{b}.2")
         self._up = False
+        self._sigterm_was: Any = None
+
+    def _watch_sigterm(self) -> None:
+        """Make SIGTERM unwind this process (so the ``with`` block and atexit tear down) when
+        it would otherwise kill it outright; leave any handler the program set alone."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._sigterm_was = signal.SIG_DFL
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "TwoHosts":
@@ -165,6 +181,7 @@ class TwoHosts:
         if self.link.delay_ms and netem_unavailable():
             raise NetnsError(str(netem_unavailable()))
         atexit.register(self.close)
+        self._watch_sigterm()
         self._up = True
         try:
             for ns in self.ns:
@@ -204,6 +221,9 @@ class TwoHosts:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
+        if self._sigterm_was is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_was)
+            self._sigterm_was = None
 
     def __exit__(self, *exc: object) -> None:
         self.close()

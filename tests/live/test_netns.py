@@ -102,3 +102,17 @@ def test_a_delay_needs_netem_and_says_so_where_the_kernel_lacks_it():
     with TwoHosts(LinkShape(1.0, delay_ms=20)) as hosts:
         _, seconds = _transfer(hosts, 1000)
     assert seconds >= 0.04  # the connection's handshake alone crosses the link twice
+
+
+@pytest.mark.netns
+@needs_netns
+def test_a_terminated_owner_still_tears_its_hosts_down():
+    code = ("import sys, time; from meshpact.live.netns import TwoHosts\n"
+            "h = TwoHosts().__enter__(); print(h.ns[0], flush=True); time.sleep(60)")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    ns = proc.stdout.readline().strip()
+    assert ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    proc.terminate()
+    proc.wait(timeout=30)
+    assert ns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
