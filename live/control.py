@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .store import open_store
+
 __all__ = ["ControlChannel", "ControlTimeout", "control_address"]
 
 _NAMESPACE = "meshpact/control/"
@@ -48,8 +50,7 @@ class ControlChannel:
         self.world_size = world_size
         self.port = port
         self.timeout_s = float(timeout_s)
-        self._store = dist.TCPStore(host, port, world_size, is_master=is_host,
-                                    timeout=timedelta(seconds=connect_timeout_s), wait_for_workers=False)
+        self._store = open_store(host, port, world_size, is_host, connect_timeout_s)
         self._store.set_timeout(timedelta(seconds=self.timeout_s))
         self._ns = f"{_NAMESPACE}{os.environ.get('MESHPACT_RUN_ID', '')}/"
 

@@ -34,6 +34,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 
+from .store import host_store
+
 __all__ = [
     "LaunchError",
     "RankResult",
@@ -71,14 +73,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1, timeout_s: float = 60.0) -> Any:
-    """Start a ``TCPStore`` server on ``host:port`` (0: the kernel picks) and return it."""
-    from torch.distributed import TCPStore
-
-    return TCPStore(host, port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                    wait_for_workers=False, use_libuv=True)
 
 
 def worker_env(rank: int, world_size: int, master_addr: str, master_port: int,

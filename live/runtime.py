@@ -47,6 +47,7 @@ from .faults import CollectiveFault, FaultInjector
 from .harness import digest, load_local_state, local_state
 from .opcount import OpCounter
 from .rebind import rebind
+from .store import open_store
 
 __all__ = ["RecoveryConfig", "Session", "start_session", "Resilient", "resilient", "is_comm_fault",
            "reset_step_state"]
@@ -131,9 +132,8 @@ def start_session(config: RecoveryConfig | None = None) -> Session:
     config = config or RecoveryConfig()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=(rank == 0 and not agent_store), timeout=timedelta(seconds=120),
-                          wait_for_workers=False)
+    store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                       is_host=(rank == 0 and not agent_store), timeout_s=120)
     control = ControlChannel.from_env(config.control_timeout_s)
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
     if choice.device.startswith("cuda"):

@@ -1,0 +1,48 @@
+"""Stores that listen where they are told.
+
+``torch.distributed.TCPStore`` listens on every interface whatever host name it is
+given. Meshpact's stores (the rendezvous store the launcher hosts, the control channel,
+rank 0's store under plain torchrun) listen on the named address alone: loopback unless
+the user names another.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["host_store", "open_store"]
+
+
+def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1, timeout_s: float = 60.0) -> Any:
+    """Start a ``TCPStore`` server listening on ``host:port`` only (0: the kernel picks).
+
+    ``TCPStore`` on its own listens on every interface whatever host it is given, so the
+    listening socket is bound here, on ``host`` alone, and handed over through
+    ``master_listen_fd`` (which torch 2.13 supports only without libuv).
+    """
+    from torch.distributed import TCPStore
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(4096)
+    except OSError as exc:
+        listener.close()
+        raise OSError(f"cannot listen on {host}:{port} for the store ({exc}); pick a free port or another address") from None
+    bound_port = int(listener.getsockname()[1])
+    return TCPStore(host, bound_port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
+                    wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=False)
+
+
+def open_store(host: str, port: int, world_size: int, is_host: bool, timeout_s: float = 60.0) -> Any:
+    """Host the store on ``host:port`` (see :func:`host_store`) or connect to it as a client."""
+    if is_host:
+        return host_store(host, port, world_size, timeout_s)
+    from torch.distributed import TCPStore
+
+    return TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s),
+                    wait_for_workers=False)

@@ -1,0 +1,38 @@
+"""Stores listen on the address they are given, not on every interface."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from meshpact.live.store import host_store, open_store
+
+
+def _listening_addresses(port: int) -> set[str]:
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        path = pathlib.Path(table)
+        if not path.exists():
+            continue
+        for line in path.read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state = fields[1], fields[3]
+            addr, port_hex = local.split(":")
+            if state == "0A" and int(port_hex, 16) == port:  # 0A: LISTEN
+                found.add(addr)
+    return found
+
+
+def test_hosted_store_listens_on_loopback_only_and_serves_clients():
+    store = host_store("127.0.0.1", 0, world_size=2, timeout_s=10)
+    assert _listening_addresses(store.port) == {"0100007F"}  # 127.0.0.1, little-endian hex
+    client = open_store("127.0.0.1", store.port, 2, is_host=False, timeout_s=10)
+    store.set("generation", "3")
+    assert client.get("generation") == b"3"
+
+
+def test_a_taken_port_is_reported_with_what_to_do():
+    store = host_store("127.0.0.1", 0, timeout_s=5)
+    with pytest.raises(OSError, match="pick a free port"):
+        host_store("127.0.0.1", store.port, timeout_s=5)
