@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -125,6 +126,7 @@ class LiveJob:
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self._finalizer = weakref.finalize(self, _end, self.proc, self.token)
+        weakref.finalize(self, shutil.rmtree, work, True)
         self.injected: list[dict[str, Any]] = []
 
     @property

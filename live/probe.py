@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import statistics
 import time
 import weakref
@@ -133,7 +134,8 @@ def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         train_step(make_batch(cfg, 1 + i, session.rank))
         plain.append(time.perf_counter() - t0)
-    ckpt = AsyncCheckpointer(args.get("dir") or tempfile.mkdtemp(prefix="meshpact-async-ckpt-"), session.rank)
+    scratch = None if args.get("dir") else tempfile.mkdtemp(prefix="meshpact-async-ckpt-")
+    ckpt = AsyncCheckpointer(args.get("dir") or scratch, session.rank)
     with_ckpt = []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -141,6 +143,8 @@ def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
         ckpt.snapshot(1 + steps + i, local_state(model, optimizer))
         with_ckpt.append(time.perf_counter() - t0)
     ckpt.close()
+    if scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
     stats = AsyncCheckpointStats(steps, statistics.median(plain), statistics.median(with_ckpt), ckpt.host_bytes,
                                  state_bytes(local_state(model, optimizer)),
                                  statistics.mean(ckpt.writes) if ckpt.writes else 0.0)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import atexit
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -10,6 +12,7 @@ from meshpact.live.trial import TrialConfig, TrialResult, run_trial
 
 _REFERENCES: dict[tuple[int, int, int], Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))
+atexit.register(shutil.rmtree, _ROOT, True)
 
 
 def trial(**kw) -> TrialResult:
