@@ -9,7 +9,9 @@ from typing import Any, Iterable, Sequence
 from rich.console import Console
 from rich.table import Table
 
-console = Console()
+# Piped or captured output has no terminal width to fit; print tables whole rather than
+# squeezing their columns to 80 characters.
+console = Console(width=None if sys.stdout.isatty() else 160)
 err_console = Console(stderr=True)
 
 
