@@ -43,8 +43,9 @@ with right:
     b.metric("communicators", f"{len(state.surviving)}/{len(state.communicators)}")
     c.metric("hosts", len(mesh.hosts))
     st.dataframe(
-        [{"state": "intact" if cm.intact(state.failed) else "BROKEN",
-          "communicator": f"{cm.name.removeprefix('bridge ').replace(' <-> ', ' ↔ ')} ({cm.backend})",
+        [{"intact": "yes" if cm.intact(state.failed) else "NO",
+          "communicator": cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
+          "backend": cm.backend,
           "ranks": len(cm.ranks)}
          for cm in state.communicators],
         hide_index=True,
