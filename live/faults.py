@@ -21,15 +21,16 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import shutil
 import signal
 import subprocess
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Iterator
 
 from meshpact.core.errors import MeshpactError
+
+from . import netns
 
 __all__ = ["FaultKind", "Fault", "CollectiveFault", "plan_faults", "FaultInjector", "NetnsPair", "netns_unavailable"]
 
@@ -148,81 +149,36 @@ def _RaiseOnCollective(nth: int, message: str) -> Any:
 
 # -- network namespaces ---------------------------------------------------------------------
 def netns_unavailable() -> str | None:
-    """Why partition faults cannot run here, or None if they can."""
-    if os.name != "posix" or os.geteuid() != 0:
-        return "partition faults need root (network namespaces and veth links)"
-    if shutil.which("ip") is None:
-        return "partition faults need iproute2's `ip` command"
-    probe = f"mpprobe{os.getpid() % 100000}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
+    """Why partition faults cannot run here (root, ``ip``, namespaces, veth), or None if they can."""
+    return netns.netns_unavailable(shaped=False)
 
 
-@dataclass
-class NetnsPair:
-    """Two namespaces joined by a data veth link and a control veth link (private addresses).
+class NetnsPair(netns.TwoHosts):
+    """Two hosts for partition faults: an unshaped data link and a separate control link.
 
-    ``ns[0]`` holds the lower half of the ranks and hosts both stores; addresses are
-    ``10.<o>.1.{1,2}`` (data) and ``10.<o>.2.{1,2}`` (control) with a random second octet.
-    Always use as a context manager: leaving it deletes both namespaces and with them the links.
+    Ranks split in halves: the lower half (and both stores) on ``ns[0]``. Leaving the
+    ``with`` block deletes both namespaces and with them the links.
     """
 
-    tag: str = field(default_factory=lambda: f"{os.getpid() % 10000}{random.randrange(100, 999)}")
-    octet: int = field(default_factory=lambda: random.randrange(64, 250))
+    def __init__(self, tag: str | None = None) -> None:
+        super().__init__(link=None, tag=tag, control=True)
 
-    def __post_init__(self) -> None:
-        self.ns = (f"mpA{self.tag}", f"mpB{self.tag}")
-        self.data_if = (f"mpdA{self.tag}", f"mpdB{self.tag}")
-        self.ctrl_if = (f"mpcA{self.tag}", f"mpcB{self.tag}")
-        self.data_ip = (f"10.{self.octet}.1.1", f"10.{self.octet}.1.2")
-        self.ctrl_ip = (f"10.{self.octet}.2.1", f"10.{self.octet}.2.2")
+    @property
+    def data_ip(self) -> tuple[str, str]:
+        return self.addr
 
-    def _ip(self, *args: str) -> None:
-        out = subprocess.run(["ip", *args], capture_output=True, text=True)
-        if out.returncode != 0:
-            raise MeshpactError(f"`ip {' '.join(args)}` failed: {out.stderr.strip()}")
+    @property
+    def ctrl_ip(self) -> tuple[str, str]:
+        return self.ctrl_addr
 
-    def __enter__(self) -> "NetnsPair":
-        try:
-            for ns in self.ns:
-                self._ip("netns", "add", ns)
-                self._ip("-n", ns, "link", "set", "lo", "up")
-            for (a, b), (ipa, ipb) in ((self.data_if, self.data_ip), (self.ctrl_if, self.ctrl_ip)):
-                self._ip("link", "add", a, "netns", self.ns[0], "type", "veth", "peer", "name", b, "netns", self.ns[1])
-                self._ip("-n", self.ns[0], "addr", "add", f"{ipa}/24", "dev", a)
-                self._ip("-n", self.ns[1], "addr", "add", f"{ipb}/24", "dev", b)
-                self._ip("-n", self.ns[0], "link", "set", a, "up")
-                self._ip("-n", self.ns[1], "link", "set", b, "up")
-        except BaseException:
-            self.close()
-            raise
-        return self
+    @property
+    def data_if(self) -> tuple[str, str]:
+        return self.iface
 
     def side(self, rank: int, world_size: int) -> int:
         return 0 if rank < (world_size + 1) // 2 else 1
 
-    def prefix(self, side: int) -> list[str]:
-        return ["ip", "netns", "exec", self.ns[side]]
-
     def rank_env(self, rank: int, world_size: int) -> dict[str, str]:
         side = self.side(rank, world_size)
-        return {"GLOO_SOCKET_IFNAME": self.data_if[side], "MESHPACT_DATA_IFACE": self.data_if[side],
-                "MASTER_ADDR": self.data_ip[0], "MESHPACT_CONTROL_ADDR": self.ctrl_ip[0]}
-
-    def close(self) -> None:
-        for ns in self.ns:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def exists(self) -> bool:
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        return any(ns in listed for ns in self.ns)
+        return {"GLOO_SOCKET_IFNAME": self.iface[side], "MESHPACT_DATA_IFACE": self.iface[side],
+                "MASTER_ADDR": self.addr[0], "MESHPACT_CONTROL_ADDR": self.ctrl_addr[0]}

@@ -1,9 +1,12 @@
-"""Two hosts on one machine: network namespaces joined by a rate-limited veth pair.
+"""Two hosts on one machine: network namespaces joined by veth links.
 
-:class:`TwoHosts` creates two network namespaces (the "hosts"), joins them with one veth
-pair whose addresses exist only inside those namespaces (``10.<a>.<b>.1/30`` and ``.2``),
-limits the pair's rate in both directions with ``tc`` (a token bucket, ``tbf``; default
-1 Gbit/s) and, when asked, adds one-way latency with ``netem``. Processes run on a host
+:class:`TwoHosts` creates two network namespaces (the "hosts") and joins them with a data
+veth pair whose addresses exist only inside those namespaces (``10.<a>.<b>.1/30`` and
+``.2``). The data link is shaped in both directions with ``tc`` (a token bucket, ``tbf``;
+default 1 Gbit/s, ``link=None`` for no shaping) and, when asked, given one-way latency with
+``netem``. With ``control=True`` a second, unshaped veth pair (``10.<a>.<b+1>.*``) carries
+an out-of-band control channel that the data link's faults do not touch (partition faults
+set the data link down and up). Processes run on a host
 with :meth:`TwoHosts.prefix` (``ip netns exec``); :meth:`TwoHosts.counters` reads the
 kernel's interface statistics of each end, so traffic can be counted by the kernel rather
 than by the program that sent it.
@@ -93,53 +96,61 @@ def _run(cmd: Sequence[str], what: str) -> str:
     return out.stdout
 
 
-def _base_unavailable() -> str | None:
+def _base_unavailable(shaped: bool) -> str | None:
     if os.name != "posix" or os.geteuid() != 0:
-        return "two-host runs need root (network namespaces, veth links and tc); run as root"
-    for tool, pkg in (("ip", "iproute2's `ip`"), ("tc", "iproute2's `tc`")):
+        return "network namespaces and veth links need root; run as root"
+    tools = (("ip", "iproute2's `ip`"), ("tc", "iproute2's `tc`")) if shaped else (("ip", "iproute2's `ip`"),)
+    for tool, pkg in tools:
         if shutil.which(tool) is None:
             return f"two-host runs need {pkg} on PATH (install iproute2)"
     return None
 
 
 @lru_cache(maxsize=1)
-def _probe() -> tuple[str | None, str | None]:
-    """(why namespaces with tbf cannot be used, why netem cannot be used); None where they can."""
-    why = _base_unavailable()
+def _probe() -> tuple[str | None, str | None, str | None]:
+    """Why (veth links, a tbf-shaped link, netem latency) cannot be used here; None where they can."""
+    why = _base_unavailable(shaped=False)
     if why:
-        return why, why
+        return why, why, why
     ns = f"mpq{os.getpid() % 100000}{random.randrange(100, 999)}"
     made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
     if made.returncode != 0:
         msg = f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
-        return msg, msg
+        return msg, msg, msg
     try:
-        steps = [["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
-                 ["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "handle", "1:", *LinkShape().tbf_args()]]
-        for cmd in steps:
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                msg = (f"the kernel refused `{' '.join(cmd[3:])}` ({r.stderr.strip()}); two-host runs need veth "
-                       "links and the tbf queueing discipline (CONFIG_VETH, CONFIG_NET_SCH_TBF)")
-                return msg, msg
+        r = subprocess.run(["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            msg = f"the kernel refused a veth pair ({r.stderr.strip()}); two-host runs need CONFIG_VETH"
+            return msg, msg, msg
+        no_tc = _base_unavailable(shaped=True)
+        if no_tc:
+            return None, no_tc, no_tc
+        r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "handle", "1:",
+                            *LinkShape().tbf_args()], capture_output=True, text=True)
+        if r.returncode != 0:
+            msg = (f"the kernel refused the tbf queueing discipline ({r.stderr.strip()}); a rate-limited link "
+                   "needs CONFIG_NET_SCH_TBF")
+            return None, msg, msg
         r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "pb", "root", "netem", "delay", "1ms"],
                            capture_output=True, text=True)
         netem = None if r.returncode == 0 else (
             f"link latency needs the kernel's netem queueing discipline (sch_netem, CONFIG_NET_SCH_NETEM), "
             f"which this kernel lacks ({r.stderr.strip()}); run with delay 0")
-        return None, netem
+        return None, None, netem
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def netns_unavailable() -> str | None:
-    """Why two rate-limited hosts cannot be built here, or None if they can (probed once)."""
-    return _probe()[0]
+def netns_unavailable(shaped: bool = True) -> str | None:
+    """Why two hosts cannot be built here (``shaped``: with a tbf-limited link), or None if
+    they can (probed once)."""
+    return _probe()[1 if shaped else 0]
 
 
 def netem_unavailable() -> str | None:
     """Why a link delay cannot be added here (no netem), or None if it can."""
-    return _probe()[1]
+    return _probe()[2]
 
 
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
@@ -147,20 +158,25 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
 
 
 class TwoHosts:
-    """Two network namespaces joined by one veth pair shaped by ``tc`` (see the module docstring).
+    """Two network namespaces joined by veth links (see the module docstring).
 
-    Use as a context manager. ``ns``, ``iface`` and ``addr`` are pairs indexed by host (0, 1).
+    Use as a context manager. ``ns``, ``iface`` and ``addr`` (the data link) and
+    ``ctrl_iface``, ``ctrl_addr`` (the control link, with ``control=True``) are pairs indexed
+    by host (0, 1). ``link=None`` leaves the data link unshaped.
     """
 
-    def __init__(self, link: LinkShape | None = None, tag: str | None = None) -> None:
-        self.link = link or LinkShape()
+    def __init__(self, link: LinkShape | None = LinkShape(), tag: str | None = None, control: bool = False) -> None:
+        self.link = link
+        self.control = control
         self.tag = tag or f"{os.getpid() % 100000}{random.randrange(100, 1000)}"
         if len(self.tag) > 10 or not self.tag.isalnum():
             raise NetnsError(f"tag {self.tag!r}: expected at most 10 letters or digits (interface names are short)")
         self.ns = (f"mph{self.tag}a", f"mph{self.tag}b")
         self.iface = (f"mpv{self.tag}a", f"mpv{self.tag}b")
-        a, b = random.randrange(16, 250), random.randrange(0, 256)
+        a, b = random.randrange(16, 250), random.randrange(0, 255)
         self.addr = (f"10.{a}.{b}.1", f"10.{a}.{b}.2")
+        self.ctrl_iface = (f"mpc{self.tag}a", f"mpc{self.tag}b")
+        self.ctrl_addr = (f"10.{a}.{b + 1}.1", f"10.{a}.{b + 1}.2")
         self._up = False
         self._sigterm_was: Any = None
 
@@ -175,10 +191,10 @@ class TwoHosts:
 
     # -- lifecycle --------------------------------------------------------------------------
     def __enter__(self) -> "TwoHosts":
-        why = netns_unavailable()
+        why = netns_unavailable(shaped=self.link is not None)
         if why:
             raise NetnsError(why)
-        if self.link.delay_ms and netem_unavailable():
+        if self.link is not None and self.link.delay_ms and netem_unavailable():
             raise NetnsError(str(netem_unavailable()))
         atexit.register(self.close)
         self._watch_sigterm()
@@ -187,20 +203,26 @@ class TwoHosts:
             for ns in self.ns:
                 _run(["ip", "netns", "add", ns], "create a host namespace")
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"], "bring loopback up")
-            a, b = self.iface
-            _run(["ip", "link", "add", a, "netns", self.ns[0], "type", "veth", "peer", "name", b, "netns", self.ns[1]],
-                 "create the veth pair")
-            for side in (0, 1):
-                ns, dev = self.ns[side], self.iface[side]
-                _run(["ip", "-n", ns, "addr", "add", f"{self.addr[side]}/30", "dev", dev], "address the veth end")
-                _run(["ip", "-n", ns, "link", "set", dev, "up"], "bring the veth end up")
-                self._shape(ns, dev)
+            self._join(self.iface, self.addr, shaped=self.link is not None)
+            if self.control:
+                self._join(self.ctrl_iface, self.ctrl_addr, shaped=False)
         except BaseException:
             self.close()
             raise
         return self
 
+    def _join(self, iface: tuple[str, str], addr: tuple[str, str], shaped: bool) -> None:
+        _run(["ip", "link", "add", iface[0], "netns", self.ns[0], "type", "veth", "peer", "name", iface[1],
+              "netns", self.ns[1]], "create a veth pair")
+        for side in (0, 1):
+            ns, dev = self.ns[side], iface[side]
+            _run(["ip", "-n", ns, "addr", "add", f"{addr[side]}/30", "dev", dev], "address the veth end")
+            _run(["ip", "-n", ns, "link", "set", dev, "up"], "bring the veth end up")
+            if shaped:
+                self._shape(ns, dev)
+
     def _shape(self, ns: str, dev: str) -> None:
+        assert self.link is not None
         tc = ["tc", "-n", ns, "qdisc", "add", "dev", dev]
         if self.link.delay_ms:
             _run([*tc, "root", "handle", "1:", "netem", "delay", f"{self.link.delay_ms}ms"], "add the link delay")
@@ -250,5 +272,10 @@ class TwoHosts:
         return _run(["tc", "-n", self.ns[host], "qdisc", "show", "dev", self.iface[host]], "show the qdisc").strip()
 
     def describe(self) -> dict[str, Any]:
-        return {"namespaces": list(self.ns), "interfaces": list(self.iface), "addresses": list(self.addr),
-                "gbit_per_s": self.link.gbit_per_s, "delay_ms": self.link.delay_ms}
+        out: dict[str, Any] = {"namespaces": list(self.ns), "interfaces": list(self.iface),
+                               "addresses": list(self.addr),
+                               "gbit_per_s": self.link.gbit_per_s if self.link else None,
+                               "delay_ms": self.link.delay_ms if self.link else 0.0}
+        if self.control:
+            out.update(control_interfaces=list(self.ctrl_iface), control_addresses=list(self.ctrl_addr))
+        return out
