@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import simpy
 
-from meshpact.core.facts import DType, LinkClass, Request
+from meshpact.core.facts import DType, LinkClass, LinkParams, Request
 from meshpact.core.errors import ScenarioError
 from meshpact.core.plan import Plan
 
-from .serving import ServingParams, ServingResult, result_plan
+from .serving import DuplexLink, ServingParams, ServingResult, result_plan
 
 __all__ = ["simulate_batched"]
 
@@ -59,13 +59,11 @@ class _Lockstep:
         self.env = simpy.Environment()
         self.local = _Host("local", p.local_slots, p.local_per_token_s, p.local_prefill_s)
         self.remote = _Host("remote", p.remote_slots, p.remote_per_token_s, p.remote_prefill_s)
-        self.uplink = simpy.Resource(self.env, 1)
-        self.downlink = simpy.Resource(self.env, 1)
+        self.link = DuplexLink(self.env, LinkParams(p.link_alpha_s, p.link_beta_s_per_byte))
         self.plans: dict[int, tuple[Plan, int]] = {}
         self.waiting: list[_Seq] = []
         self.issued = self.spilled = self.local_tokens = self.remote_tokens = self.passes = 0
         self.sent = self.received = self.feedback = self.startups = 0
-        self.link_busy_s = 0.0
         self.latencies: list[float] = []
 
     # -- placement ------------------------------------------------------------------------------
@@ -95,18 +93,11 @@ class _Lockstep:
             self.plans[rows] = (plan, eth)
         return self.plans[rows]
 
-    def _message(self, link: simpy.Resource, nbytes: int):
-        with link.request() as req:
-            yield req
-            t = self.p.link_alpha_s + nbytes * self.p.link_beta_s_per_byte
-            yield self.env.timeout(t)
-            self.link_busy_s += t
-
     def _results(self, rows: int, ending: list[_Seq]):
         plan, nbytes = self._plan(rows)
         self.sent += nbytes
         self.startups += plan.startups
-        yield from self._message(self.uplink, nbytes)
+        yield from self.link.send(self.link.uplink, nbytes)
         self.received += nbytes
         for seq in ending:
             self._finish(self.remote, seq)
@@ -143,7 +134,7 @@ class _Lockstep:
                 nbytes = rows * DType.INT64.itemsize
                 self.feedback += nbytes
                 self.startups += 1
-                yield from self._message(self.downlink, nbytes)
+                yield from self.link.send(self.link.downlink, nbytes)
 
     def _client(self):
         while self.issued < self.p.requests:
@@ -168,7 +159,7 @@ class _Lockstep:
             result_bytes=self.sent, bytes_received=self.received, feedback_bytes=self.feedback,
             startups=self.startups, requests=len(lat), spilled=self.spilled, local_tokens=self.local_tokens,
             remote_tokens=self.remote_tokens, target_passes=self.passes, makespan_s=end,
-            link_busy_s=self.link_busy_s, mean_in_system=mean_in_system,
+            link_busy_s=self.link.busy_s, mean_in_system=mean_in_system,
             arrival_rate_per_s=len(lat) / end if end else 0.0, latencies=tuple(float(x) for x in lat),
         )
 

@@ -47,6 +47,7 @@ from meshpact.core.plan import Plan, plan_cost
 from meshpact.core.scenario import Scenario, with_overrides
 
 __all__ = [
+    "DuplexLink",
     "ServingParams",
     "ServingResult",
     "serving_params",
@@ -216,19 +217,37 @@ def serving_params(scenario: Scenario) -> ServingParams:
     )
 
 
+class DuplexLink:
+    """The α-β link between the two hosts: one SimPy resource per direction, each carrying
+    one message at a time, so messages queue behind each other (link contention)."""
+
+    def __init__(self, env: simpy.Environment, params: LinkParams) -> None:
+        self.env = env
+        self.params = params
+        self.uplink = simpy.Resource(env, 1)  # remote -> local
+        self.downlink = simpy.Resource(env, 1)  # local -> remote
+        self.busy_s = 0.0
+
+    def send(self, direction: simpy.Resource, nbytes: int):
+        """Process: wait for ``direction`` to be free, then hold it for α + β·bytes."""
+        with direction.request() as req:
+            yield req
+            t = self.params.time_s(1, nbytes)
+            yield self.env.timeout(t)
+            self.busy_s += t
+
+
 class _Serve:
     def __init__(self, p: ServingParams) -> None:
         self.p = p
         self.env = simpy.Environment()
         self.rng = np.random.default_rng(p.seed)
         self.hosts = {"local": simpy.Resource(self.env, p.local_slots), "remote": simpy.Resource(self.env, p.remote_slots)}
-        self.uplink = simpy.Resource(self.env, 1)  # remote -> local
-        self.downlink = simpy.Resource(self.env, 1)  # local -> remote
+        self.link = DuplexLink(self.env, LinkParams(p.link_alpha_s, p.link_beta_s_per_byte))
         self.mesh = _mesh(p)
         self.plans: dict[int, tuple[Plan, int, float]] = {}
         self.sent = self.received = self.feedback = self.startups = 0
         self.spilled = self.local_tokens = self.remote_tokens = self.passes = 0
-        self.link_busy_s = 0.0
         self.latencies: list[float] = []
         self.in_system = 0
         self.area = 0.0  # integral of in_system over time
@@ -250,18 +269,11 @@ class _Serve:
             self.plans[tokens] = (plan, eth, local_s)
         return self.plans[tokens]
 
-    def _message(self, link: simpy.Resource, nbytes: int):
-        with link.request() as req:
-            yield req
-            t = self.p.link_alpha_s + nbytes * self.p.link_beta_s_per_byte
-            yield self.env.timeout(t)
-            self.link_busy_s += t
-
     def _send_result(self, tokens: int):
         plan, nbytes, local_s = self._plan(tokens)
         self.sent += nbytes
         self.startups += plan.startups
-        yield from self._message(self.uplink, nbytes)
+        yield from self.link.send(self.link.uplink, nbytes)
         self.received += nbytes
         if local_s:
             yield self.env.timeout(local_s)
@@ -323,7 +335,7 @@ class _Serve:
                 nbytes = k * _TOKEN_ID_BYTES
                 self.feedback += nbytes
                 self.startups += 1
-                yield from self._message(self.downlink, nbytes)
+                yield from self.link.send(self.link.downlink, nbytes)
         self.hosts[where].release(slot)
         if last is not None and not last.processed:
             yield last
@@ -362,7 +374,7 @@ class _Serve:
             result_bytes=self.sent, bytes_received=self.received, feedback_bytes=self.feedback,
             startups=self.startups, requests=len(lat), spilled=self.spilled,
             local_tokens=self.local_tokens, remote_tokens=self.remote_tokens, target_passes=self.passes,
-            makespan_s=end, link_busy_s=self.link_busy_s, mean_in_system=self.area / end if end else 0.0,
+            makespan_s=end, link_busy_s=self.link.busy_s, mean_in_system=self.area / end if end else 0.0,
             arrival_rate_per_s=len(lat) / end if end else 0.0, latencies=tuple(float(x) for x in lat),
         )
 
