@@ -8,29 +8,22 @@ stage table (or, with ``--json``, one JSON document).
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
 import typer
 
 from meshpact.commands._common import console, emit_json, table
+from meshpact.live.faults import FaultKind  # torch-free: keeps --help instant
 
 __all__ = ["register", "json_view", "JSON_KEYS"]
-
-
-class _Kind(str, Enum):
-    COLLECTIVE = "collective"
-    STALL = "stall"
-    PARTITION = "partition"
-    KILL = "kill"
 
 
 def recover(
     ranks: int = typer.Option(4, "--ranks", min=2, max=16, help="Ranks (processes) to start."),
     steps: int = typer.Option(40, "--steps", min=2, help="Training steps."),
     faults: int = typer.Option(10, "--faults", min=0, help="Faults to inject, at distinct steps."),
-    fault_kind: _Kind = typer.Option(_Kind.COLLECTIVE, "--fault-kind", help="collective, stall, partition or kill."),
+    fault_kind: FaultKind = typer.Option(FaultKind.COLLECTIVE, "--fault-kind", help="collective, stall, partition or kill."),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=1, help="Checkpoint interval K (steps)."),
     data_timeout: float = typer.Option(1.0, "--data-timeout", min=0.1, help="Data-path timeout (seconds)."),
     record: Optional[Path] = typer.Option(None, "--record", help="JSONL recording path "
