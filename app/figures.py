@@ -192,10 +192,6 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None 
     return fig
 
 
-def _step_label(step) -> str:  # noqa: ANN001 (a plan Step)
-    return f"{step.op}<br>{step.payload_bytes:,} B {step.dtype.value}"
-
-
 def plan_figure(plan: Plan, mesh: Mesh, height: int | None = None) -> go.Figure:
     """Who sends what to whom: steps left to right, the ranks a plan touches top to bottom
     (grouped by domain). A collective is a bar over its participants, a bridge send an

@@ -73,9 +73,6 @@ class PieceAlgebra:
     def partial(self, p: Piece) -> bool:
         return p.contrib is not None and frozenset(p.contrib) != self.all
 
-    def ndim(self, p: Piece) -> int:
-        return {Form.TOKEN: 1, Form.LOGPROB: 1, Form.MAX_ARG: 2, Form.LSE_STATS: 2}.get(p.form, len(p.region))
-
     # -- region algebra over buffers -----------------------------------------------------
     def merge2(self, a: Piece, b: Piece, dim: int) -> Piece | None:
         if Form.GARBAGE in (a.form, b.form) or a.tensor != b.tensor or a.form != b.form or a.contrib != b.contrib:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Iterable, Mapping
+from typing import Any, Mapping
 
 from .errors import PlanError
 from .facts import DType, LinkClass, Mesh
@@ -285,7 +285,3 @@ def plan_cost(plan: Plan, mesh: Mesh) -> PlanCost:
         startups_by_link=dict(sorted(starts.items())),
         time_s=time_s,
     )
-
-
-def iter_sends(plan: Plan) -> Iterable[Step]:
-    return (s for s in plan.steps if s.kind is StepKind.SEND)

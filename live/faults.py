@@ -171,10 +171,6 @@ class NetnsPair(netns.TwoHosts):
     def ctrl_ip(self) -> tuple[str, str]:
         return self.ctrl_addr
 
-    @property
-    def data_if(self) -> tuple[str, str]:
-        return self.iface
-
     def side(self, rank: int, world_size: int) -> int:
         return 0 if rank < (world_size + 1) // 2 else 1
 

@@ -57,11 +57,6 @@ class Workload:
     def state_bytes_per_rank(self) -> float:
         return self.state_bytes / self.ranks
 
-    @property
-    def segment_s(self) -> float:
-        """Compute time between two checkpoints."""
-        return self.checkpoint_every * self.step_s
-
 
 def derive_workload(workload: WorkloadSpec, checkpointing: CheckpointSpec, ranks: int, source: str = "scenario") -> Workload:
     """Step time, state size and checkpoint costs of ``workload`` on ``ranks`` ranks."""
