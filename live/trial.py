@@ -211,12 +211,25 @@ class TrialResult:
         detection = [r["stages_s"][Stage.DETECTION.value] for r in recs]
         det = statistics.median(detection) if detection else 0.0
         drills = [res["drill"] for res in self.faulted if res.get("drill")]
-        ckpt = (det + max(d["t_end_wall"] for d in drills) - min(d["t_start_wall"] for d in drills)) if drills else None
+        ckpt = (self.outage_s(det, restart=False) + max(d["t_end_wall"] for d in drills)
+                - min(d["t_start_wall"] for d in drills)) if drills else None
         cold = None
         if self.cold and self.cold_launch_wall is not None:
-            cold = det + max(r["t_caught_up_wall"] for r in self.cold) - self.cold_launch_wall
+            caught_up = max(r["t_caught_up_wall"] for r in self.cold)
+            cold = self.outage_s(det, restart=True) + caught_up - self.cold_launch_wall
         return {Policy.IN_MEMORY.value: statistics.median(mem) if mem else None,
                 Policy.CHECKPOINT_RESTORE.value: ckpt, Policy.COLD_RESTART.value: cold}
+
+    def outage_s(self, detection_s: float, restart: bool) -> float:
+        """How long after the fault a baseline can start its own work: detection, or longer
+        where the fault itself must clear first. Every policy waits for a downed data link to
+        come back; an in-job restore also waits for a stalled rank, which a cold restart kills."""
+        clears = 0.0
+        if self.config.fault_kind is FaultKind.PARTITION:
+            clears = self.config.down_s
+        elif self.config.fault_kind is FaultKind.STALL and not restart:
+            clears = self.config.stall_s
+        return max(detection_s, clears)
 
     def faults_recovered(self) -> int:
         """Faults that fired, were followed by a recovery at their step, and left the final state
