@@ -1,6 +1,6 @@
 """The dashboard's live runner: one recovery trial, results as JSON (``python -m``).
 
-Runs :func:`meshpact.live.trial.run_trial` (a fault-free reference, the faulted run on
+Runs :func:`meshpact.live.recovery.trial.run_trial` (a fault-free reference, the faulted run on
 the in-memory recovery runtime, and the checkpoint baselines, on local gloo ranks bound
 to 127.0.0.1), writes the recording as it goes and the trial's summary to ``--result``.
 SIGTERM ends it cleanly, so the launcher's own clean-up stops every rank it started.
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
 
     from meshpact.core.errors import MeshpactError
-    from meshpact.live.trial import TrialConfig, run_trial
+    from meshpact.live.recovery.trial import TrialConfig, run_trial
 
     try:
         cfg = TrialConfig(ranks=a.ranks, steps=a.steps, faults=a.faults, fault_kind=a.fault_kind,

@@ -26,7 +26,7 @@ import time
 from typing import Any
 
 from meshpact.live.launcher import host_store, launch
-from meshpact.live.trial import TrialConfig, run_trial
+from meshpact.live.recovery.trial import TrialConfig, run_trial
 
 
 def _probe(target: str, ranks: int, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rebind_by, rebuild_by, first_by = {}, {}, {}
     for ranks in (2, 4, 8):
-        vals = _probe("meshpact.live.probe:rebind_probe", ranks, {"rounds": rounds})
+        vals = _probe("meshpact.live.recovery.probe:rebind_probe", ranks, {"rounds": rounds})
         rebind = [x for v in vals for x in v["rebind_ms"]]
         build = [x for v in vals for x in v["build_ms"]]
         first = [x for v in vals for x in v["first_op_ms"]]
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torchft: dict[int, Any] = {}
     for ranks in (4, 8):
-        vals = _probe("meshpact.live.probe:torchft_probe", ranks, {"rounds": 3 if ns.quick else 10})
+        vals = _probe("meshpact.live.recovery.probe:torchft_probe", ranks, {"rounds": 3 if ns.quick else 10})
         if "error" in vals[0]:
             rows.append(("torchft", vals[0]["error"]))
             break
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
          f"{summary['bit_identical']}; {summary['old_group_ops_after_rebind']}"),
     ]
 
-    ck = _probe("meshpact.live.probe:checkpoint_probe", 4, {"steps": 8 if ns.quick else 30})
+    ck = _probe("meshpact.live.recovery.probe:checkpoint_probe", 4, {"steps": 8 if ns.quick else 30})
     step_without = statistics.median(v["step_ms_without"] for v in ck)
     step_with = statistics.median(v["step_ms_with"] for v in ck)
     file_bytes_per_step = sum(v["file_bytes_written"] for v in ck) / ck[0]["steps"]

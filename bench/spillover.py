@@ -17,8 +17,8 @@ import sys
 import time
 
 from meshpact.live.netns import netns_unavailable
-from meshpact.live.spillover import SpilloverConfig
-from meshpact.live.spillover_pairs import COLUMNS, Row, table_rows
+from meshpact.live.spillover.serving import SpilloverConfig
+from meshpact.live.spillover.pairs import COLUMNS, Row, table_rows
 from meshpact.spillover_sim import measure
 
 

@@ -1,7 +1,7 @@
 """The simulator beside a live spillover run: the same parameters, calibrated from the machine.
 
 Live mode and the simulator never import each other; this module sits above both (as the
-CLI does) and turns one measured :class:`~meshpact.live.spillover.RunResult` into the
+CLI does) and turns one measured :class:`~meshpact.live.spillover.serving.RunResult` into the
 serving model's :class:`~meshpact.simulator.serving.ServingParams`:
 
 * the model, the slots of each host, the load and the request, as the run used them;
@@ -23,9 +23,9 @@ from __future__ import annotations
 from typing import Any, Callable, Sequence
 
 from meshpact.core.facts import Request
-from meshpact.live.decoder import scaled_spec
-from meshpact.live.spillover import RunResult, SpilloverConfig
-from meshpact.live.spillover_pairs import Row, measure_pairs
+from meshpact.live.spillover.decoder import scaled_spec
+from meshpact.live.spillover.serving import RunResult, SpilloverConfig
+from meshpact.live.spillover.pairs import Row, measure_pairs
 from meshpact.simulator.batching import simulate_batched
 from meshpact.simulator.serving import ServingParams, simulate_params
 
@@ -72,5 +72,5 @@ def simulated(run: RunResult) -> dict[str, Any]:
 def measure(models: Sequence[str], concurrencies: Sequence[int], requests: Sequence[str], pairs: int,
             base: SpilloverConfig, requests_per_client: int = 3,
             progress: Callable[[str], None] | None = None) -> list[Row]:
-    """:func:`~meshpact.live.spillover_pairs.measure_pairs` with :func:`simulated` beside every row."""
+    """:func:`~meshpact.live.spillover.pairs.measure_pairs` with :func:`simulated` beside every row."""
     return measure_pairs(models, concurrencies, requests, pairs, base, simulated, requests_per_client, progress)

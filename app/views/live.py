@@ -42,7 +42,7 @@ with st.form("live_start"):
 
 if start:
     try:
-        from meshpact.live.trial import TrialConfig
+        from meshpact.live.recovery.trial import TrialConfig
 
         TrialConfig(ranks=int(ranks), steps=int(steps), faults=int(faults), fault_kind=kind,
                     checkpoint_every=int(every))  # readable errors before anything starts

@@ -43,8 +43,8 @@ def bridge(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Run a checked plan across two native domains (2 + 2 ranks by default), verified and metered."""
-    from meshpact.live.bridge import Job, job_summary, run_bridge
-    from meshpact.live.workloads import LiveRequest
+    from meshpact.live.plans.bridge import Job, job_summary, run_bridge
+    from meshpact.live.plans.workloads import LiveRequest
 
     path = record or Path("recordings") / f"bridge-{request.value}-{preset.value}.jsonl"
     report = run_bridge([Job(LiveRequest(request.value))], preset.value, per_domain=per_domain, recording=path,

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import typer
 
 from meshpact.commands._common import console, emit_json, table
-from meshpact.live.faults import FaultKind  # torch-free: keeps --help instant
+from meshpact.live.recovery.faults import FaultKind  # torch-free: keeps --help instant
 
 __all__ = ["register", "json_view", "JSON_KEYS"]
 
@@ -34,7 +34,7 @@ def recover(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Inject faults into FSDP2 training on real ranks and recover in memory."""
-    from meshpact.live.trial import TrialConfig, run_trial
+    from meshpact.live.recovery.trial import TrialConfig, run_trial
 
     cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
                       checkpoint_every=checkpoint_every, data_timeout_s=data_timeout,

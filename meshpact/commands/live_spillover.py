@@ -49,8 +49,8 @@ def spillover(
 ) -> None:
     """Serve on host 1, spill to host 2 across a rate-limited veth; measure and simulate each request."""
     from meshpact.live.netns import netns_unavailable
-    from meshpact.live.spillover import REQUESTS, SpilloverConfig
-    from meshpact.live.spillover_pairs import COLUMNS, table_rows
+    from meshpact.live.spillover.serving import REQUESTS, SpilloverConfig
+    from meshpact.live.spillover.pairs import COLUMNS, table_rows
     from meshpact.spillover_sim import measure
 
     models = parse_list(model, "--model", _MODELS)

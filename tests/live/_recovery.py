@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from meshpact.core.recording import read_recording
-from meshpact.live.trial import TrialConfig, TrialResult, run_trial
+from meshpact.live.recovery.trial import TrialConfig, TrialResult, run_trial
 
 _REFERENCES: dict[tuple[int, int, int], Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))

@@ -6,7 +6,7 @@ import pytest
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import LinkClass
-from meshpact.live.domains import RankEnv, bridge_pairs, designated_bridge_pairs, two_domain_mesh
+from meshpact.live.plans.domains import RankEnv, bridge_pairs, designated_bridge_pairs, two_domain_mesh
 from meshpact.live.launcher import LaunchError
 
 

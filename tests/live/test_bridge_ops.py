@@ -1,6 +1,6 @@
 """The live executor's step ops mean what the reference interpreter says, and its gates hold.
 
-No processes here: :func:`meshpact.live.executor.simulate` runs every rank's part of a plan
+No processes here: :func:`meshpact.live.plans.executor.simulate` runs every rank's part of a plan
 in one process with the same torch functions the ranks run (collectives replaced by their
 result), which is compared buffer by buffer with :func:`meshpact.core.interpreter.interpret`
 over every structural transition and every real edge, for the lowerer's plan, the
@@ -24,11 +24,11 @@ from meshpact.core.interpreter import interpret, make_inputs
 from meshpact.core.lowerer import lower
 from meshpact.core.plan import Collective, Plan, Projection, Step, StepKind
 from meshpact.core.transitions import enumerate_transitions
-from meshpact.live.domains import two_domain_mesh
-from meshpact.live.executor import PlanRefused, admit, locality_violations, simulate
-from meshpact.live.meter import CallRecord, measure
-from meshpact.live.verify import Equivalence, _compare, owner_scope_leaks
-from meshpact.live.workloads import LiveRequest, get_preset, workload_edge
+from meshpact.live.plans.domains import two_domain_mesh
+from meshpact.live.plans.executor import PlanRefused, admit, locality_violations, simulate
+from meshpact.live.plans.meter import CallRecord, measure
+from meshpact.live.plans.verify import Equivalence, _compare, owner_scope_leaks
+from meshpact.live.plans.workloads import LiveRequest, get_preset, workload_edge
 
 _LSE = {Projection.LOCAL_LSE_STATS.value, Projection.COMBINE_LSE_STATS.value, Projection.LOGSOFTMAX_AT.value}
 
@@ -156,7 +156,7 @@ def test_measure_counts_each_call_once_and_refuses_records_that_disagree():
 def test_owner_scope_check_finds_a_non_owner_holding_another_owners_tokens():
     preset = get_preset("tiny")
     edge = workload_edge(LiveRequest.OWNER_TOKEN, preset, two_domain_mesh())
-    from meshpact.live.verify import reference_observation
+    from meshpact.live.plans.verify import reference_observation
 
     own2 = reference_observation(LiveRequest.OWNER_TOKEN, "tiny", edge, 2)
     own3 = reference_observation(LiveRequest.OWNER_TOKEN, "tiny", edge, 3)
@@ -185,7 +185,7 @@ def test_bitwise_comparison_sees_one_ulp_and_tolerance_does_not():
 
 
 def test_uneven_chunks_that_process_groups_cannot_exchange_are_named_before_running():
-    from meshpact.live import ops
+    from meshpact.live.plans import ops
 
     gather = Step("collective", "all_gather", (0, 1, 2), ("x",), "y", 96, "float32", args={"dim": 1})
     assert ops.chunk_problems(gather, [torch.zeros(6, 4)] * 3) == []

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshpact.live.bridge import Job, run_bridge
-from meshpact.live.workloads import LiveRequest, get_preset
+from meshpact.live.plans.bridge import Job, run_bridge
+from meshpact.live.plans.workloads import LiveRequest, get_preset
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -15,9 +15,9 @@ from meshpact.core.contract import compile_contract
 from meshpact.core.lowerer import lower
 from meshpact.core.plan import Plan, Step
 from meshpact.core.recording import read_recording
-from meshpact.live.bridge import Job, run_bridge
-from meshpact.live.domains import two_domain_mesh
-from meshpact.live.workloads import LiveRequest, get_preset, workload_edge
+from meshpact.live.plans.bridge import Job, run_bridge
+from meshpact.live.plans.domains import two_domain_mesh
+from meshpact.live.plans.workloads import LiveRequest, get_preset, workload_edge
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

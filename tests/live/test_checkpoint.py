@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshpact.live.checkpoint import AsyncCheckpointer, Checkpointer, state_bytes
+from meshpact.live.recovery.checkpoint import AsyncCheckpointer, Checkpointer, state_bytes
 
 
 def test_latest_complete_checkpoint_ignores_one_missing_a_rank(tmp_path):

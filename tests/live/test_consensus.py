@@ -8,8 +8,8 @@ import time
 import pytest
 
 from meshpact.core.recovery import Policy
-from meshpact.live.consensus import ConsensusError, Decision, Proposal, agree, decide
-from meshpact.live.control import ControlChannel, ControlTimeout
+from meshpact.live.recovery.consensus import ConsensusError, Decision, Proposal, agree, decide
+from meshpact.live.recovery.control import ControlChannel, ControlTimeout
 from meshpact.live.launcher import host_store
 
 

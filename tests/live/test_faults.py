@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from meshpact.core.errors import MeshpactError
-from meshpact.live.faults import CollectiveFault, FaultKind, plan_faults
-from meshpact.live.runtime import is_comm_fault
-from meshpact.live.trial import TrialConfig
+from meshpact.live.recovery.faults import CollectiveFault, FaultKind, plan_faults
+from meshpact.live.recovery.runtime import is_comm_fault
+from meshpact.live.recovery.trial import TrialConfig
 
 
 def test_faults_land_on_distinct_steps_with_rotating_ranks():

@@ -8,7 +8,7 @@ import weakref
 import pytest
 
 from meshpact.live.launcher import host_store, launch
-from meshpact.live.rebind import SITES, find_references
+from meshpact.live.recovery.rebind import SITES, find_references
 
 
 class _Group:
@@ -51,7 +51,7 @@ def test_the_site_list_is_one_place_naming_every_torch_cache():
 @pytest.mark.slow
 def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations():
     control = host_store("127.0.0.1", 0, 2)
-    results = launch("meshpact.live.probe:rebind_probe", 2, {"rounds": 2}, timeout_s=120,
+    results = launch("meshpact.live.recovery.probe:rebind_probe", 2, {"rounds": 2}, timeout_s=120,
                      env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
     for res in results:
         for audit in res.value["audits"]:
@@ -75,7 +75,7 @@ def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_work
     """An old gloo group that was never rebound keeps working and gives the same numbers;
     only the per-group counts and the reference walk show the rebind did not take."""
     control = host_store("127.0.0.1", 0, 2)
-    results = launch("meshpact.live.probe:rebind_probe", 2, {"rounds": 1, "skip_sites": ["fsdp.mesh_info"]},
+    results = launch("meshpact.live.recovery.probe:rebind_probe", 2, {"rounds": 1, "skip_sites": ["fsdp.mesh_info"]},
                      timeout_s=120, env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
     audit = results[0].value["audits"][0]
     assert audit["old_ops_after"] > 0 and audit["old_seq_ops_after"] > 0

@@ -7,7 +7,7 @@ import subprocess
 import pytest
 
 from _recovery import assert_recovered, trial
-from meshpact.live.faults import NetnsPair, netns_unavailable
+from meshpact.live.recovery.faults import NetnsPair, netns_unavailable
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns]
 

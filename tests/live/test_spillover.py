@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from meshpact.cli import main as cli_main
-from meshpact.live.decoder import Decoder, scaled_spec
+from meshpact.live.spillover.decoder import Decoder, scaled_spec
 from meshpact.live.netns import netns_unavailable
-from meshpact.live.spillover import RunResult, SpilloverConfig, run_once
-from meshpact.live.spillover_pairs import pair_orders, traffic_cut
+from meshpact.live.spillover.serving import RunResult, SpilloverConfig, run_once
+from meshpact.live.spillover.pairs import pair_orders, traffic_cut
 from meshpact.spillover_sim import simulated
 
 needs_netns = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))

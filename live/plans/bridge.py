@@ -4,7 +4,7 @@
 :mod:`meshpact.live.launcher` and runs every job in one go. Each rank executes
 :func:`worker`: it joins its domain group and its bridges, compiles each job's contract from
 the workload's facts, lowers it (or takes the job's own plan), and runs it through the
-:class:`~meshpact.live.executor.Executor`, which admits only checked, domain-local plans.
+:class:`~meshpact.live.plans.executor.Executor`, which admits only checked, domain-local plans.
 After the last job every rank hands its deliveries, buffer history and call records to rank
 0 over the world group (verification traffic, outside every plan's count), and rank 0
 verifies each job against the single-process reference, compares measured with planned
@@ -12,7 +12,7 @@ startups and bytes, and writes the run as a JSONL recording.
 
 Under ``torchrun`` the same worker runs unchanged, and rank 0 prints one JSON line per job::
 
-    torchrun --nproc-per-node 4 -m meshpact.live.launcher --target meshpact.live.bridge:worker \\
+    torchrun --nproc-per-node 4 -m meshpact.live.launcher --target meshpact.live.plans.bridge:worker \\
         --args '{"jobs": [{"request": "full"}], "preset": "tiny", "recording": "bridge.jsonl"}'
 
 Worker arguments: ``jobs`` (``request``, optional ``plan`` JSON and ``label``), ``preset``,
@@ -243,13 +243,13 @@ def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2
     The rendezvous store listens on 127.0.0.1 and gloo's sockets on the loopback interface
     (``GLOO_SOCKET_IFNAME=lo`` unless the environment names another).
     """
-    from .launcher import launch
+    from ..launcher import launch
 
     get_preset(preset)
     args = {"jobs": [j.to_dict() for j in jobs], "preset": preset, "timeout_s": min(60.0, timeout_s),
             "recording": str(Path(recording).resolve()) if recording else None}
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    results = launch("meshpact.live.bridge:worker", 2 * per_domain, args, timeout_s=timeout_s,
+    results = launch("meshpact.live.plans.bridge:worker", 2 * per_domain, args, timeout_s=timeout_s,
                      master_addr="127.0.0.1", env=lambda rank: {"GLOO_SOCKET_IFNAME": ifname})
     report = results[0].value
     if not isinstance(report, dict) or "jobs" not in report:

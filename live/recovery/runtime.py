@@ -39,7 +39,7 @@ import torch.distributed as dist
 from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateAction
 
 from . import communicator as comm
-from .backends import choose_backend
+from ..backends import choose_backend
 from .checkpoint import Checkpointer
 from .consensus import Decision, Proposal, agree
 from .control import ControlChannel
@@ -47,7 +47,7 @@ from .faults import CollectiveFault, FaultInjector
 from .harness import digest, load_local_state, local_state
 from .opcount import OpCounter
 from .rebind import rebind
-from .store import open_store
+from ..store import open_store
 
 __all__ = ["RecoveryConfig", "Session", "start_session", "Resilient", "resilient", "is_comm_fault",
            "reset_step_state"]
@@ -256,7 +256,7 @@ class Resilient:
                  injector: FaultInjector | None = None) -> None:
         session = session or _current
         if session is None:
-            raise RuntimeError("no Meshpact session: call meshpact.live.runtime.start_session() first")
+            raise RuntimeError("no Meshpact session: call meshpact.live.recovery.runtime.start_session() first")
         self.model = model
         self.optimizer = optimizer
         self.session = session

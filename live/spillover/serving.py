@@ -9,7 +9,7 @@ link.
 
 Every step of host 2 produces logits ``[batch, vocab]`` (bfloat16) and their result comes
 back as the planner's plan for the request (``compile_contract`` → ``lower``), admitted by
-the checker and run by the metered :class:`~meshpact.live.executor.Executor` over the gloo
+the checker and run by the metered :class:`~meshpact.live.plans.executor.Executor` over the gloo
 bridge:
 
 * ``full``: the logits cross; host 1 samples (greedy) and the chosen ids go back with the
@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Request
 
-from .netns import LinkShape, TwoHosts
+from ..netns import LinkShape, TwoHosts
 
 __all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS"]
 
@@ -179,7 +179,7 @@ def worker(args: dict) -> dict:
     """One rank of a spillover run (started by :func:`run_once` through the launcher)."""
     import torch
 
-    from .domains import RankEnv, init_domains
+    from ..plans.domains import RankEnv, init_domains
 
     torch.set_num_threads(1)
     env = RankEnv.from_environ()
@@ -213,7 +213,7 @@ class _Host2:
         import torch
 
         from .decoder import Decoder, scaled_spec
-        from .executor import Executor
+        from ..plans.executor import Executor
 
         self.cfg, self.layout = cfg, layout
         self.spec = scaled_spec(cfg["model"])
@@ -314,7 +314,7 @@ class _Host1:
 
     def __init__(self, cfg: dict, layout: Any) -> None:
         from .decoder import Decoder, scaled_spec
-        from .executor import Executor
+        from ..plans.executor import Executor
 
         self.cfg, self.layout = cfg, layout
         self.spec = scaled_spec(cfg["model"])
@@ -546,12 +546,12 @@ def _veth() -> tuple[int, int]:
 # -- the parent: one run on two fresh hosts ------------------------------------------------------
 def run_once(cfg: SpilloverConfig) -> RunResult:
     """Build two hosts, start one rank on each, serve ``cfg``'s requests, tear everything down."""
-    from .launcher import Launch, LaunchError
-    from .meter import CallRecord, measure
+    from ..launcher import Launch, LaunchError
+    from ..plans.meter import CallRecord, measure
 
     with TwoHosts(LinkShape(cfg.gbit_per_s, cfg.delay_ms)) as hosts:
         port = random.randrange(20000, 60000)  # fresh namespaces: every port is free
-        with Launch("meshpact.live.spillover:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
+        with Launch("meshpact.live.spillover.serving:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
                     master_addr=hosts.addr[0], master_port=port, host_stores=False,
                     prefix=hosts.prefix,
                     env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r], "MESHPACT_VETH": hosts.iface[r],

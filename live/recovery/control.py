@@ -19,7 +19,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .store import open_store
+from ..store import open_store
 
 __all__ = ["ControlChannel", "ControlTimeout", "control_address"]
 

@@ -4,7 +4,7 @@ Machine noise on a shared CPU moves throughput by more than the effect of a few 
 every comparison is a set of *pairs*: one run of ``full`` and one run of each projected
 request (``logprob``, ``token``, ``owner_token``) on the same model and concurrency, the
 order alternating from pair to pair (full first, then last), each run on fresh processes
-and fresh namespaces (:func:`~meshpact.live.spillover.run_once`). A pair favours the
+and fresh namespaces (:func:`~meshpact.live.spillover.serving.run_once`). A pair favours the
 request with the higher throughput. Each row reports medians over its runs, latency
 percentiles over all its requests, and a prediction made per run by the caller's
 ``predict`` (the simulator, calibrated from the run: :mod:`meshpact.spillover_sim`).
@@ -20,7 +20,7 @@ import numpy as np
 
 from meshpact.core.errors import MeshpactError
 
-from .spillover import REQUESTS, RunResult, SpilloverConfig, run_once
+from .serving import REQUESTS, RunResult, SpilloverConfig, run_once
 
 Predict = Callable[[RunResult], Mapping[str, Any]]
 

@@ -1,7 +1,7 @@
 """A recovery trial: a fault-free reference run, a faulted run, and the checkpoint baselines.
 
 :func:`worker` is the entry point each rank runs (through the launcher or ``torchrun``): it
-trains the harness model under :func:`~meshpact.live.runtime.resilient` for a number of
+trains the harness model under :func:`~meshpact.live.recovery.runtime.resilient` for a number of
 steps, with this rank's share of the fault plan, and can finish with a real checkpoint
 restore in the job (the *drill*) or start as a *cold restart* from a checkpoint. It saves
 its final local state and returns its events, recoveries and operation counts.
@@ -29,7 +29,7 @@ from meshpact.core.recording import RecordingWriter
 from meshpact.core.recovery import Policy, Stage
 
 from .faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
-from .launcher import Launch, LaunchError, host_store
+from ..launcher import Launch, LaunchError, host_store
 
 __all__ = ["TrialConfig", "TrialResult", "worker", "run_trial"]
 
@@ -313,7 +313,7 @@ def _run(cfg: TrialConfig, tag: str, work: Path, faults: tuple[Fault, ...], extr
         kw = dict(env=lambda r: {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_RUN_ID": tag,
                                  "MESHPACT_CONTROL_PORT": str(control.port)})
     t_launch = time.time()
-    with Launch("meshpact.live.trial:worker", cfg.ranks, args, timeout_s=cfg.timeout_s, **kw) as job:
+    with Launch("meshpact.live.recovery.trial:worker", cfg.ranks, args, timeout_s=cfg.timeout_s, **kw) as job:
         results = job.wait(on_exit=on_exit)
     bad = [r for r in results if not r.ok]
     if bad:

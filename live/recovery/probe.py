@@ -3,7 +3,7 @@
 :func:`rebind_probe` is a worker that builds the FSDP2 harness on a live job and then, round
 after round, builds the next generation's group, installs it, rebinds every cached reference
 and runs a training step on it. It times each part and audits the result: which objects
-referred to the old group before and after (:func:`meshpact.live.rebind.find_references`),
+referred to the old group before and after (:func:`meshpact.live.recovery.rebind.find_references`),
 whether the old group object was released (a weak reference), whether c10d still resolves
 its name, and how many operations it received after the rebind (:class:`OpCounter`).
 

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 from meshpact.core.errors import MeshpactError
 
-from . import netns
+from .. import netns
 
 __all__ = ["FaultKind", "Fault", "CollectiveFault", "plan_faults", "FaultInjector", "NetnsPair", "netns_unavailable"]
 

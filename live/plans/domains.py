@@ -29,8 +29,8 @@ import torch.distributed as dist
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Domain, Mesh, Vendor
 
-from .backends import BackendChoice, choose_backend
-from .launcher import LaunchError
+from ..backends import BackendChoice, choose_backend
+from ..launcher import LaunchError
 
 __all__ = [
     "RankEnv",

@@ -1,9 +1,9 @@
 """Verification of a live run against the single-process reference, under the contract's equivalence.
 
 For each consumer rank, the reference observation is computed in one process from the
-reference producer tensor (:func:`meshpact.live.workloads.reference_producer`): the whole
+reference producer tensor (:func:`meshpact.live.plans.workloads.reference_producer`): the whole
 logits (``full``), the argmax per row (``token``), ``log_softmax`` in float32 read at the
-requested ids (``logprob``, :func:`meshpact.live.ops.reference_logprob`, the
+requested ids (``logprob``, :func:`meshpact.live.plans.ops.reference_logprob`, the
 interpreter's formula), the owner's rows only (``owner_token``), or the consumer's chunk of
 the completed MLP output (``mlp``). What the rank delivered must match it in shape and dtype,
 and in value either bit for bit (``torch.equal``) where the contract's equivalence is bitwise,

@@ -13,8 +13,8 @@ message is one message with no size header. (Stand-ins rather than ``meta`` tens
 buffers are small, and the first ``meta`` concatenation costs seconds of import.) Then each
 rank runs its own steps: collectives on its domain
 group (on the domain's device), bridge messages host-staged (device → host → gloo bridge →
-host → device), local projections through :mod:`meshpact.live.ops`. Every collective call and
-bridge message is recorded by the :class:`~meshpact.live.meter.Meter` with the bytes this
+host → device), local projections through :mod:`meshpact.live.plans.ops`. Every collective call and
+bridge message is recorded by the :class:`~meshpact.live.plans.meter.Meter` with the bytes this
 rank contributed, which is how measured startups and payload bytes are compared to the plan.
 """
 

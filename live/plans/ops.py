@@ -4,7 +4,7 @@ Every op here has the meaning that :mod:`meshpact.core.interpreter` gives it (it
 the definition; argument names, chunk bounds, tie rules and float32 statistics follow it
 line by line) and this module carries it out on real tensors and real process groups. A
 buffer value is one tensor. The same functions run every rank's part in one process
-(:func:`collective_result`), which is how :func:`meshpact.live.executor.simulate` learns every
+(:func:`collective_result`), which is how :func:`meshpact.live.plans.executor.simulate` learns every
 buffer's shape before a plan runs.
 
 One deliberate difference: the interpreter models a vendor's unspecified reduction order

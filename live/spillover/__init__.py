@@ -1,0 +1,23 @@
+"""meshpact.live.spillover: serving across the vendor boundary over a shaped link.
+
+| module | concept |
+|---|---|
+| ``decoder`` | small decoders with the real vocabularies of three model families |
+| ``serving`` | the serving loop: host 1's local slots, host 2's overflow, results as checked plans |
+| ``pairs`` | paired runs (full logits against source projection) with the simulator beside them |
+
+The two hosts themselves (namespaces, shaped veth) are :mod:`meshpact.live.netns`, shared
+with the partition fault. Names are imported lazily.
+"""
+
+from __future__ import annotations
+
+from .._lazy import lazy_face
+
+_EXPORTS = {
+    "FAMILIES": "decoder", "DecoderSpec": "decoder", "Decoder": "decoder",
+    "SpilloverConfig": "serving", "RunResult": "serving", "run_once": "serving",
+    "Row": "pairs", "measure_pairs": "pairs",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_face(__name__, _EXPORTS)
