@@ -18,7 +18,7 @@ RECORDINGS = Path("recordings")
 
 require_scenario()
 st.title("Live")
-require_engines("Live recovery", ("live.trial", "live.runtime", "live.launcher"))
+require_engines("Live recovery", ("live.recovery.trial", "live.recovery.runtime", "live.launcher"))
 st.caption("Real `torch.distributed` ranks on this machine (gloo on CPU, every socket on 127.0.0.1). The run trains a "
            "fault-free reference, then the same run with faults recovered in memory, then the checkpoint baselines, "
            "and compares every rank's parameters and optimizer state bit for bit.")
