@@ -17,7 +17,7 @@ from meshpact.core.facts import Mesh
 from meshpact.core.mesh import health
 from meshpact.core.recovery import Policy, RecoveryBreakdown
 
-__all__ = ["PolicyComparison", "cost_model_available", "compare_policies"]
+__all__ = ["PolicyComparison", "compare_policies"]
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,6 @@ class PolicyComparison:
         """Cold restart's downtime divided by in-memory rebind's."""
         fast = self.total_s(Policy.IN_MEMORY)
         return self.total_s(Policy.COLD_RESTART) / fast if fast > 0 else float("inf")
-
-
-def cost_model_available() -> bool:
-    return hasattr(_recovery, "estimate_recovery")
 
 
 def compare_policies(

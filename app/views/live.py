@@ -7,23 +7,23 @@ from pathlib import Path
 
 import streamlit as st
 
-from meshpact.app.context import message_markdown, require_engines, require_scenario
+from meshpact.app.context import message_markdown, require_scenario
 from meshpact.app.figures import mesh_figure, recovery_figure
+from meshpact.app.live_control import LiveJob, tail_events
 from meshpact.app.replay import local_mesh
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recovery import Policy, RecoveryBreakdown
+from meshpact.live.faults import FaultKind  # torch-free
 
 JOB, EVENTS, OFFSET = "live_job", "live_events", "live_offset"
 RECORDINGS = Path("recordings")
 
 require_scenario()
 st.title("Live")
-require_engines("Live recovery", ("live.trial", "live.runtime", "live.launcher"))
 st.caption("Real `torch.distributed` ranks on this machine (gloo on CPU, every socket on 127.0.0.1). The run trains a "
            "fault-free reference, then the same run with faults recovered in memory, then the checkpoint baselines, "
            "and compares every rank's parameters and optimizer state bit for bit.")
 
-from meshpact.app.live_control import LiveJob, tail_events  # noqa: E402  (after the engine check)
 
 job: LiveJob | None = st.session_state.get(JOB)
 running = job is not None and job.running
@@ -33,7 +33,7 @@ with st.form("live_start"):
     ranks = k[0].number_input("ranks", 2, 8, 4)
     steps = k[1].number_input("training steps", 4, 400, 40, step=4)
     faults = k[2].number_input("planned faults", 0, 20, 2)
-    kind = k[3].selectbox("planned fault kind", ["collective", "stall", "kill", "partition"],
+    kind = k[3].selectbox("planned fault kind", [f.value for f in FaultKind],
                           help="collective: a collective raises; stall: a rank sleeps past the timeout; kill: SIGKILL; "
                                "partition: link down between network namespaces (needs root and iproute2)")
     every = k[4].number_input("checkpoint every (steps)", 1, 400, 10)

@@ -6,7 +6,7 @@ import streamlit as st
 
 from meshpact.app.context import mesh_of, positions_of, require_scenario
 from meshpact.app.figures import mesh_figure, recovery_figure
-from meshpact.app.policies import compare_policies, cost_model_available
+from meshpact.app.policies import compare_policies
 from meshpact.app.state import SelectionState, apply_selection, clamp_failed
 from meshpact.core.mesh import health
 from meshpact.core.recovery import Policy
@@ -59,9 +59,6 @@ with right:
 st.subheader("Recovery by policy")
 if not state.failed:
     st.info("Fail a rank (click it on the chart or pick it above) to see what each recovery policy would cost.")
-elif not cost_model_available():
-    st.warning("The recovery cost model (`estimate_recovery` in `core/recovery.py`) is not in this build, "
-               "so no stage breakdown can be drawn.")
 else:
     k1, k2, k3 = st.columns(3)
     rank_loss = k1.toggle("the failed ranks' processes are gone", value=False,

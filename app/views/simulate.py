@@ -8,7 +8,7 @@ from typing import Any, Callable
 import pandas as pd
 import streamlit as st
 
-from meshpact.app.context import message_markdown, require_engines, require_scenario
+from meshpact.app.context import message_markdown, require_scenario
 from meshpact.app.figures import goodput_figure, recovery_figure, serving_figure
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
 from meshpact.core.errors import MeshpactError
@@ -16,7 +16,6 @@ from meshpact.core.recovery import RecoveryBreakdown
 
 choice = require_scenario()
 st.title("Simulate")
-require_engines("The simulator", ("simulator.training", "simulator.serving", "simulator.timeline"))
 scenario = choice.scenario
 
 
