@@ -80,8 +80,9 @@ def _read_path(raw: str) -> tuple[str, str]:
 def _load(source: str) -> ScenarioChoice | None:
     if source == "built-in":
         names = builtin_scenarios()
-        name = st.sidebar.selectbox("scenario", names, index=names.index("default") if "default" in names else 0,
-                                    key="scenario_builtin")
+        if st.session_state.get("scenario_builtin") not in names:
+            st.session_state["scenario_builtin"] = "default" if "default" in names else names[0]
+        name = st.sidebar.selectbox("scenario", names, key="scenario_builtin")
         path = builtin_scenario_path(name)
         text, where = path.read_text(encoding="utf-8"), f"scenarios/{path.name}"
     elif source == "upload":
