@@ -8,7 +8,9 @@ the ``MESHPACT_INCARNATION``) without any channel into the job: faults from the 
 are real signals to a real rank process (``SIGKILL`` kills it; ``SIGSTOP`` then
 ``SIGCONT`` stalls it). :meth:`LiveJob.stop` ends the runner and every process carrying
 the token; a finalizer does the same when the job object is dropped with the session.
-:func:`tail_events` reads the recording as it grows, a complete line at a time.
+:func:`tail_events` reads the recording as it grows, a complete line at a time;
+:func:`failure_sentence` turns what a failed run left behind (an error message, a
+traceback, a log) into one plain sentence for the page.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Any, Sequence
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, partial_path
 
-__all__ = ["RankProcess", "LiveJob", "tail_events", "job_processes", "TOKEN_ENV"]
+__all__ = ["RankProcess", "LiveJob", "tail_events", "job_processes", "failure_sentence", "TOKEN_ENV"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
 
@@ -213,3 +215,21 @@ def tail_events(path: Path, offset: int = 0) -> tuple[list[Event], int]:
             except (ValueError, RecordingError):  # a malformed line is skipped, not fatal to the panel
                 continue
     return events, offset + end + 1
+
+
+def failure_sentence(text: str) -> str:
+    """One plain sentence saying why a run failed, from an error message, a traceback or a
+    log: the last ``Type: reason`` line of the text (the exception that ended it), as
+    ``reason (Type).``; else the last non-empty line; else a sentence saying no reason was left."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    for line in reversed(lines):
+        head, sep, reason = line.partition(": ")
+        name = head.rsplit(".", 1)[-1]
+        if sep and name.isidentifier() and (name.endswith(("Error", "Exception", "Fault", "Interrupt"))
+                                            or name in ("SystemExit", "KeyboardInterrupt")):
+            reason = reason.strip().rstrip(".")
+            return f"{reason[:1].upper()}{reason[1:]} ({name})." if reason else f"The run raised {name}."
+    if lines:
+        last = lines[-1][:300].rstrip(".")
+        return f"{last[:1].upper()}{last[1:]}."
+    return "The run ended without saying why (no error message and an empty log)."

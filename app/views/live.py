@@ -8,14 +8,18 @@ from pathlib import Path
 import streamlit as st
 
 from meshpact.app.context import message_markdown, require_scenario
+from meshpact.app.exports import perfetto_json
 from meshpact.app.figures import mesh_figure, recovery_figure
-from meshpact.app.live_control import LiveJob, tail_events
-from meshpact.app.replay import local_mesh
+from meshpact.app.format import clock, count, duration
+from meshpact.app.live_control import LiveJob, failure_sentence, tail_events
+from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
+from meshpact.core.recording import partial_path
 from meshpact.core.recovery import Policy, RecoveryBreakdown
 from meshpact.live.faults import FaultKind  # torch-free
 
-JOB, EVENTS, OFFSET = "live_job", "live_events", "live_offset"
+JOB, EVENTS, OFFSET, WAS_RUNNING = "live_job", "live_events", "live_offset", "live_was_running"
+METRICS, METRICS_ON = "live_metrics_endpoint", "live_metrics_on"
 RECORDINGS = Path("recordings")
 
 require_scenario()
@@ -24,9 +28,9 @@ st.caption("Real `torch.distributed` ranks on this machine (gloo on CPU, every s
            "fault-free reference, then the same run with faults recovered in memory, then the checkpoint baselines, "
            "and compares every rank's parameters and optimizer state bit for bit.")
 
-
 job: LiveJob | None = st.session_state.get(JOB)
 running = job is not None and job.running
+st.session_state[WAS_RUNNING] = running
 
 with st.form("live_start"):
     k = st.columns(5)
@@ -54,6 +58,9 @@ if start:
                        "--checkpoint-every", str(every), "--baselines" if baselines else "--no-baselines"],
                       world_size=int(ranks))
         st.session_state[JOB], st.session_state[EVENTS], st.session_state[OFFSET] = job, [], 0
+        endpoint = st.session_state.pop(METRICS, None)
+        if endpoint is not None:
+            endpoint.close()
         st.rerun()
     except (MeshpactError, ValueError) as exc:
         st.error("**Cannot start this run.**\n\n" + message_markdown(str(exc)))
@@ -81,9 +88,41 @@ if c[3].button("Inject fault into the faulted run", disabled=not running):
         st.warning(f"{exc}. Faults go to the faulted run; wait until it is running.")
 
 
+def _metrics_toggle() -> None:
+    """Serve the run's metrics for Prometheus while the toggle is on (127.0.0.1, a free port)."""
+    from meshpact.app.metrics import MetricsEndpoint
+
+    endpoint = st.session_state.get(METRICS)
+    if st.session_state.get(METRICS_ON) and endpoint is None:
+        st.session_state[METRICS] = MetricsEndpoint(job.recording)
+    elif not st.session_state.get(METRICS_ON) and endpoint is not None:
+        endpoint.close()
+        st.session_state.pop(METRICS, None)
+
+
+st.toggle("serve Prometheus metrics for this run (127.0.0.1)", key=METRICS_ON, on_change=_metrics_toggle,
+          help="Recoveries by policy, stage-duration histograms and per-rank event ages, read from the recording "
+               "as it grows. Off by default; bound to loopback.")
+if st.session_state.get(METRICS) is not None:
+    st.caption(f"Scrape `{st.session_state[METRICS].url}`")
+
+
+def _open_in_replay(path: Path) -> None:
+    """Point the Replay page at ``path`` (the pickers follow the user there)."""
+    st.session_state["replay_source"] = "recording"
+    if str(path) in {str(p) for p in find_recordings([path.parent])}:
+        st.session_state["replay_recording"] = str(path)
+    else:
+        st.session_state["replay_recording"] = "another file…"
+        st.session_state["replay_path"] = str(path)
+
+
 @st.fragment(run_every=1.0 if running else None)
 def panel() -> None:
     assert job is not None
+    if st.session_state.get(WAS_RUNNING) and not job.running:
+        st.session_state[WAS_RUNNING] = False
+        st.rerun(scope="app")  # the run ended by itself: Start comes back, Stop and Inject go grey
     new, offset = tail_events(job.recording, st.session_state.get(OFFSET, 0))
     st.session_state[OFFSET] = offset
     events = st.session_state.setdefault(EVENTS, [])
@@ -97,26 +136,36 @@ def panel() -> None:
     a.metric("run", "running" if job.running else f"ended ({job.returncode})")
     b.metric("phase", phase)
     c_.metric("rank processes", f"{len(alive)}/{world}" if job.running else "—")
-    d.metric("events recorded", len(events))
+    d.metric("events recorded", count(len(events)))
     left, right = st.columns([2, 3], gap="large")
     with left:
         down = sorted(set(range(world)) - alive) if job.running and procs else []
-        st.plotly_chart(mesh_figure(mesh, down, height=320), key="live_mesh")
+        st.plotly_chart(mesh_figure(mesh, down), key="live_mesh")
     with right:
-        st.dataframe([{"t (s)": round(e.t, 3), "event": e.event, "rank": e.rank, "stage": e.stage.value if e.stage else ""}
-                      for e in sorted(events, key=lambda e: e.t)[-12:]], hide_index=True)
+        st.dataframe([{"time": clock(e.t), "event": e.event, "rank": "" if e.rank is None else str(e.rank),
+                       "stage": e.stage.value if e.stage else ""}
+                      for e in sorted(events, key=lambda e: e.t)[-12:]], hide_index=True, width="stretch")
         if job.injected:
-            st.caption("Injected from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {i['t']:.1f} s"
+            st.caption("Injected from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {clock(i['t'])}"
                                                             for i in job.injected))
+        if events:
+            st.download_button("Perfetto trace of the events so far", data=perfetto_json(events, job.recording.stem),
+                               file_name=f"{job.recording.stem}.perfetto.json", mime="application/json",
+                               key="live_perfetto")
     if job.running:
         return
+    kept = job.recording if job.recording.exists() else partial_path(job.recording)
     result = job.result()
-    if result is None:
-        st.warning("The run ended without a result (stopped, or it failed before writing one).")
-        st.code(job.log_tail(), language="text")
-        return
-    if not result.get("ok"):
-        st.error(f"**The run failed.**\n\n```\n{result.get('error', '')[-2500:]}\n```")
+    if result is None or not result.get("ok"):
+        why = failure_sentence(result.get("error", "") if result else job.log_tail())
+        stopped = result is None and job.returncode is not None and job.returncode < 0
+        head = "The run was stopped." if stopped else "The run failed."
+        where = f" What it recorded is in `{kept}`." if kept.exists() else " It left no recording."
+        st.error(f"**{head}** {why}{where}")
+        if kept.exists():
+            if st.button("Replay what it recorded", icon=":material/replay:"):
+                _open_in_replay(kept)
+                st.switch_page("views/replay.py")
         return
     summary = result["summary"]
     if summary.get("bit_identical"):
@@ -127,15 +176,17 @@ def panel() -> None:
     down_s = summary.get("downtime_s") or {}
     cols = st.columns(len(down_s) or 1)
     for col, (pol, secs) in zip(cols, down_s.items()):
-        col.metric(f"downtime: {Policy(pol).label}", "—" if secs is None else f"{secs:.2f} s")
+        col.metric(f"downtime: {Policy(pol).label}", "—" if secs is None else duration(secs))
     recs = result.get("recoveries") or []
     if recs:
         bars = [RecoveryBreakdown(Policy(r["policy"]), {k: v for k, v in r["stages_s"].items() if v is not None})
                 for r in recs[:6]]
         st.plotly_chart(recovery_figure(bars), key="live_stages")
         st.caption("Measured stage durations of each recovery (max over ranks).")
-    st.markdown(f"Recording saved: `{job.recording}`. Open it on the Replay page.")
-    st.page_link("views/replay.py", label="Replay this run", icon=":material/replay:")
+    st.markdown(f"Recording saved: `{kept}`.")
+    if st.button("Replay this run", icon=":material/replay:"):
+        _open_in_replay(kept)
+        st.switch_page("views/replay.py")
 
 
 panel()

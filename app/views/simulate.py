@@ -8,8 +8,11 @@ from typing import Any, Callable
 import pandas as pd
 import streamlit as st
 
-from meshpact.app.context import message_markdown, require_scenario
+from meshpact.app.context import mesh_of, message_markdown, require_scenario
 from meshpact.app.figures import goodput_figure, recovery_figure, serving_figure
+from meshpact.app.format import count, duration
+from meshpact.app.policies import compare_policies
+from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recovery import RecoveryBreakdown
@@ -59,16 +62,28 @@ with training:
         st.stop()
     cols = st.columns(len(point.policies))
     for col, (policy, res) in zip(cols, point.policies.items()):
-        col.metric(policy.label, f"{res.goodput:.2%}", help=f"{res.faults} faults, {res.downtime_total_s:,.0f} s down, "
-                                                          f"{res.lost_steps} steps lost")
+        col.metric(policy.label, f"{res.goodput:.2%}", help=f"{count(res.faults)} faults, "
+                   f"{duration(res.downtime_total_s)} down, {count(res.lost_steps)} steps lost")
     a, b = st.columns(2)
     a.plotly_chart(goodput_figure(by_mtbf, "rank_mtbf_hours", "goodput against per-rank MTBF",
-                                  "per-rank MTBF (hours)"))
+                                  "per-rank MTBF (hours)", current=mtbf))
     b.plotly_chart(goodput_figure(by_every, "checkpoint_every", "goodput against checkpoint interval",
-                                  "checkpoint every (steps)"))
+                                  "checkpoint every (steps)", current=int(every)))
     st.plotly_chart(recovery_figure([RecoveryBreakdown(p, r.downtime_s) for p, r in point.policies.items()]),
                     key="downtime_by_stage")
     st.caption("Total downtime of the run by recovery stage, per policy.")
+    picked = clamp_failed(st.session_state.get(FAILED_KEY, []), mesh_of(choice).ranks)
+    if picked:
+        step_s = float(point.workload.step_s)
+        since = int(every) // 2
+        cmp = compare_policies(mesh_of(choice), picked, rank_loss=False, steps_since_checkpoint=since, step_s=step_s)
+        st.markdown(f"**The failures picked on Mesh** (ranks {format_ranks(picked)}), struck halfway between two "
+                    f"checkpoints of this setting ({count(since)} steps of {duration(step_s)}):")
+        st.plotly_chart(recovery_figure(cmp.breakdowns), key="picked_failure")
+        for pol, why in cmp.unavailable.items():
+            st.caption(f"{pol.label} cannot apply: {why}.")
+    else:
+        st.page_link("views/mesh.py", label="Pick failures on Mesh to cost them in this setting", icon=":material/hub:")
     d1, d2, d3 = st.columns(3)
     sweep = pd.concat([by_mtbf.assign(sweep="rank_mtbf_hours"), by_every.assign(sweep="checkpoint_every")])
     d1.download_button("sweep CSV", data=sweep.to_csv(index=False), file_name=f"{scenario.name}-training-sweep.csv",
