@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+import math
 from dataclasses import dataclass
 
 import plotly.graph_objects as go
@@ -101,10 +102,13 @@ def mesh_figure(
     failed: Iterable[int] = (),
     positions: Mapping[int, tuple[float, float]] | None = None,
     height: int | None = None,
+    dragmode: str = "select",
 ) -> go.Figure:
     """The mesh: one marker trace per domain (healthy ranks), one for failed ranks, a ring
     per domain (grey and dashed once a member failed) and the bridge links between
-    domains. Every rank marker carries its rank id in ``customdata`` for selection."""
+    domains. Every rank marker carries its rank id in ``customdata`` for selection.
+    ``dragmode`` ``select`` makes a drag draw a box; ``pan`` lets a click pick one rank
+    (Streamlit turns click selection off while a drag draws boxes)."""
     pos = positions if positions is not None else rank_positions(mesh)
     state = health(mesh, failed)
     dead = state.failed
@@ -170,7 +174,7 @@ def mesh_figure(
         ys = [pos[r][1] for r in ranks]
         fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(ys), yshift=22, text=f"<b>{h}</b>", showarrow=False)
     fig.update_layout(
-        **_LAYOUT, height=height, dragmode="select",  # a drag draws a box that fails the ranks in it
+        **_LAYOUT, height=height, dragmode=dragmode,
         legend=dict(orientation="h", yanchor="top", y=-0.02, x=0),
     )
     fig.update_xaxes(visible=False, range=[cx - pad_x, cx + pad_x])
@@ -202,7 +206,8 @@ def nodes_of(mesh: Mesh, node_ranks: int = 8) -> tuple[Node, ...]:
     return tuple(out)
 
 
-def node_figure(mesh: Mesh, nodes: Sequence[Node], failed: Iterable[int] = (), height: int | None = None) -> go.Figure:
+def node_figure(mesh: Mesh, nodes: Sequence[Node], failed: Iterable[int] = (), height: int | None = None,
+                dragmode: str = "select") -> go.Figure:
     """The aggregated mesh: one marker per node, laid out like ranks (a grid per domain, a
     column per host), red with the count of failed ranks where any failed. ``customdata``
     holds the node index, so a click or a box picks nodes to drill into."""
@@ -235,7 +240,7 @@ def node_figure(mesh: Mesh, nodes: Sequence[Node], failed: Iterable[int] = (), h
             xs = [pos[i][0] for i in ids]
             fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(pos[i][1] for i in ids), yshift=18,
                                text=f"<b>{h}</b>", showarrow=False)
-    fig.update_layout(**_LAYOUT, height=height or 520, dragmode="select",
+    fig.update_layout(**_LAYOUT, height=height or 520, dragmode=dragmode,
                       legend=dict(orientation="h", yanchor="top", y=-0.02, x=0))
     fig.update_xaxes(visible=False)
     fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1)
@@ -256,9 +261,12 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None 
         ))
     for b in breakdowns:
         fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {duration(b.total_s)}", showarrow=False, xanchor="left")
-    # The legend sits under the axis title (plotly grows the bottom margin for it), never over a bar.
-    fig.update_layout(**_LAYOUT, barmode="stack", height=height or 190 + 45 * len(breakdowns), xaxis_title="seconds",
-                      legend=dict(orientation="h", yanchor="top", y=-0.35 if len(breakdowns) < 3 else -0.2, x=0,
+    # The legend has its own band at the bottom of the figure, under the axis title, never over a
+    # bar: room for three rows of stage names, which a column a third of the page wide needs.
+    legend_band = 66
+    fig.update_layout(**{**_LAYOUT, "margin": dict(l=10, r=10, t=20, b=46 + legend_band)}, barmode="stack",
+                      height=height or 150 + legend_band + 40 * len(breakdowns), xaxis_title="seconds",
+                      legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0,
                                   traceorder="normal"))
     fig.update_xaxes(range=[0, max((b.total_s for b in breakdowns), default=1.0) * 1.18 or 1.0])
     fig.update_yaxes(autorange="reversed")
@@ -360,15 +368,20 @@ def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None
             hovertemplate="%{x}: goodput %{y:.2%}<br>downtime %{customdata[0]:,.0f} s, lost steps %{customdata[1]}"
                           f"<extra>{policy.label}</extra>",
         ))
-    fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".0%", yaxis_title="goodput",
+    fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".2~%", yaxis_title="goodput",
                       legend=dict(orientation="h", yanchor="top", y=-0.22, x=0))
     values = sorted(set(frame[knob]))
     fig.update_xaxes(type="log" if log_x else "linear", title=x_title or knob.replace("_", " "), tickmode="array",
                      tickvals=values, ticktext=[f"{v:,g}" for v in values])
     if current is not None and current > 0:
-        fig.add_vline(x=current, line=dict(color="#444", width=1.5, dash="dot"),
-                      annotation_text=f"this setting: {current:,g}", annotation_position="top",
-                      annotation_font_size=11)
+        if min(values) <= current <= max(values):
+            fig.add_vline(x=current, line=dict(color="#444", width=1.5, dash="dot"))
+            fig.add_annotation(x=math.log10(current) if log_x else current, y=1.0, yref="paper", yanchor="bottom",
+                               text=f"this setting: {current:,g}", showarrow=False, font=dict(size=11))
+        else:
+            fig.update_layout(title=dict(text=title, subtitle=dict(text=f"this setting, {current:,g}, is outside "
+                                                                         "the sweep")),
+                              margin=dict(l=10, r=10, t=60, b=10))
     return fig
 
 

@@ -21,6 +21,7 @@ NODES_KEY, DRILL_KEY, DRILL_MEMO = "mesh_nodes_chart", "mesh_drill", "mesh_drill
 AGGREGATE_ABOVE = 4096  # ranks: above this the chart shows one marker per node, and a drill-down
 NODE_RANKS = 8  # ranks per node in the aggregated view (an 8-accelerator server)
 DRILL_MAX_NODES = 128  # at most 1,024 ranks in the drill-down chart
+DRAG_MODES = {"drag a box": "select", "click ranks": "pan"}
 
 choice = require_scenario()
 mesh = mesh_of(choice)
@@ -65,22 +66,26 @@ if not st.session_state.get(TEXT_ERROR):
 state = health(mesh, failed)
 
 m = st.columns(4)
-m[0].metric("healthy ranks", state.label)
+m[0].metric("healthy ranks", f"{count(state.healthy)}/{count(mesh.world_size)}")
 m[1].metric("failed", count(len(state.failed)), help="how many ranks are marked failed")
 m[2].metric("communicators intact", f"{len(state.surviving)}/{len(state.communicators)}")
 m[3].metric("hosts", count(len(mesh.hosts)))
 
 left, right = st.columns([3, 2], gap="large")
 with left:
-    st.text_input("Failed ranks: type rank ids and ranges (5-9, 12), click a rank, or drag a box over several",
-                  key=TEXT_KEY, on_change=_typed, placeholder="no rank failed")
+    st.text_input("Failed ranks: type rank ids and ranges (5-9, 12), or pick them on the chart", key=TEXT_KEY,
+                  on_change=_typed, placeholder="no rank failed")
     if st.session_state.get(TEXT_ERROR):
         st.error(st.session_state[TEXT_ERROR])
+    mode = st.radio("on the chart", list(DRAG_MODES), horizontal=True, key="mesh_drag_mode",
+                    help="drag a box: every rank inside fails; click ranks: a click fails a rank, a second click "
+                         "heals it, and a drag pans")
+    dragmode = DRAG_MODES[mode]
     if aggregated:
         nodes = nodes_of(mesh, NODE_RANKS)
         st.caption(f"{count(mesh.world_size)} ranks as {count(len(nodes))} nodes of {NODE_RANKS}: click or drag over "
                    "nodes to draw their ranks below, then fail ranks there or by typing.")
-        ev = st.plotly_chart(node_figure(mesh, nodes, failed), key=NODES_KEY, on_select="rerun",
+        ev = st.plotly_chart(node_figure(mesh, nodes, failed, dragmode=dragmode), key=NODES_KEY, on_select="rerun",
                              selection_mode=("points", "box"))
         picked = sorted(ranks_in_event(ev))[:DRILL_MAX_NODES]
         if not picked:  # open on the nodes that hold failed ranks, else the first of each domain
@@ -88,24 +93,24 @@ with left:
             picked = hit[:DRILL_MAX_NODES] or [next(n.index for n in nodes if n.domain == d.name) for d in mesh.domains]
         drill = _drill_mesh([nodes[i] for i in picked])
         st.caption(f"Drill-down: {count(drill.world_size)} ranks ({format_ranks(drill.ranks)})")
-        st.plotly_chart(mesh_figure(drill, [r for r in failed if r in set(drill.ranks)], height=420), key=DRILL_KEY,
+        st.plotly_chart(mesh_figure(drill, [r for r in failed if r in set(drill.ranks)], height=420,
+                                    dragmode=dragmode), key=DRILL_KEY,
                         on_select="rerun", selection_mode=("points", "box", "lasso"))
     else:
-        st.plotly_chart(mesh_figure(mesh, failed, positions_of(choice)), key=CHART_KEY, on_select="rerun",
+        st.plotly_chart(mesh_figure(mesh, failed, positions_of(choice), dragmode=dragmode), key=CHART_KEY,
+                        on_select="rerun",
                         selection_mode=("points", "box", "lasso"))
 
 with right:
-    st.dataframe(
-        pd.DataFrame([{"intact": "yes" if cm.intact(state.failed) else "NO",
-                       "communicator": cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
-                       "backend": cm.backend,
-                       "ranks": count(len(cm.ranks))}
+    st.dataframe(  # narrow enough for every column to show beside the chart at 1,400 px
+        pd.DataFrame([{"communicator": ("✓ " if cm.intact(state.failed) else "✗ ")
+                                       + cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
+                       "backend": cm.backend, "ranks": count(len(cm.ranks))}
                       for cm in state.communicators]),
         hide_index=True, width="stretch",
-        column_config={"intact": st.column_config.TextColumn(width="small"),
-                       "communicator": st.column_config.TextColumn(width="large"),
-                       "backend": st.column_config.TextColumn(width="small"),
-                       "ranks": st.column_config.TextColumn("ranks", width="small")},
+        column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)", width=170),
+                       "backend": st.column_config.TextColumn(width=92),
+                       "ranks": st.column_config.TextColumn(width=56)},
     )
     for dom, rank in state.bridges.items():
         if rank is None:
@@ -114,9 +119,8 @@ with right:
             st.info(f"The bridge rank of **{dom}** failed: rank {rank} takes over the bridge.")
     if state.failed:
         st.markdown("**Take these failures to another page**")
-        a, b = st.columns(2)
-        a.page_link("views/simulate.py", label="Simulate these failures", icon=":material/monitoring:")
-        if b.button("Replay these failures", icon=":material/replay:"):
+        st.page_link("views/simulate.py", label="Simulate these failures", icon=":material/monitoring:")
+        if st.button("Replay these failures", icon=":material/replay:"):
             st.session_state["replay_source"] = "failures picked on Mesh"
             st.switch_page("views/replay.py")
 

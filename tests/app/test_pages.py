@@ -104,7 +104,7 @@ def test_scenario_failed_ranks_and_replay_source_survive_page_switches():
         assert not at.exception, page
         assert at.selectbox(key="scenario_builtin").value == "whatif_1024", page
     assert at.text_input(key="failed_ranks_text").value == "5, 600-603"
-    assert _metric(at, "healthy ranks") == "1019/1024"
+    assert _metric(at, "healthy ranks") == "1,019/1,024"
     at.switch_page("views/replay.py").run()
     assert at.radio(key="replay_source").value == "recording"
 
