@@ -266,7 +266,7 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None 
     legend_band = 66
     fig.update_layout(**{**_LAYOUT, "margin": dict(l=10, r=10, t=20, b=46 + legend_band)}, barmode="stack",
                       height=height or 150 + legend_band + 40 * len(breakdowns), xaxis_title="seconds",
-                      legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0,
+                      legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, entrywidth=108,
                                   traceorder="normal"))
     fig.update_xaxes(range=[0, max((b.total_s for b in breakdowns), default=1.0) * 1.18 or 1.0])
     fig.update_yaxes(autorange="reversed")
