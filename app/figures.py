@@ -67,7 +67,11 @@ POLICY_COLOURS: Mapping[Policy, str] = {
     Policy.EXCISE: "#1f77b4",
 }
 GL_ABOVE = 4096  # ranks: draw the mesh with WebGL above this
-_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=40, b=10))
+# A white background with light grid lines, as plotly's "plotly_white" draws them, in a template
+# small enough to copy: assigning the full built-in template costs tens of milliseconds per figure.
+_AXIS = dict(gridcolor="#EBF0F8", linecolor="#EBF0F8", zerolinecolor="#EBF0F8", zerolinewidth=2, ticks="")
+_TEMPLATE = go.layout.Template(layout=dict(plot_bgcolor="white", paper_bgcolor="white", xaxis=_AXIS, yaxis=_AXIS))
+_LAYOUT = dict(template=_TEMPLATE, margin=dict(l=10, r=10, t=40, b=10))
 
 
 def domain_colours(mesh: Mesh) -> dict[str, str]:

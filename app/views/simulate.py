@@ -33,6 +33,23 @@ def cached_run(name: str, key: tuple, label: str, run: Callable[[Callable[[int, 
     return memo[name][1]
 
 
+# Sweeps and runs are kept for every session of this server: a second visit, or a second
+# person with the same setting, does not simulate again.
+@st.cache_data(show_spinner="Simulating the sweep…", max_entries=64)
+def sweep(text: str, source: str, knob: str, values: tuple, flags: tuple) -> pd.DataFrame:
+    from meshpact.core.scenario import parse_scenario_text
+
+    return goodput_curve(parse_scenario_text(text, source), knob, values, dict(flags))
+
+
+@st.cache_data(show_spinner="Simulating this setting…", max_entries=64)
+def this_setting(text: str, source: str, flags: tuple) -> Any:
+    from meshpact.core.scenario import parse_scenario_text
+    from meshpact.simulator.training import simulate_training
+
+    return simulate_training(parse_scenario_text(text, source), **dict(flags))
+
+
 training, serving = st.tabs(["Training with faults", "Serving spillover"])
 
 with training:
@@ -50,13 +67,10 @@ with training:
     key = (choice.text, tuple(sorted(flags.items())))
     try:
         from meshpact.simulator.timeline import chrome_trace
-        from meshpact.simulator.training import simulate_training
 
-        by_mtbf = cached_run("mtbf", key, "Sweeping the MTBF…",
-                             lambda p: goodput_curve(scenario, "rank_mtbf_hours", MTBF_HOURS, flags, p))
-        by_every = cached_run("every", key, "Sweeping the checkpoint interval…",
-                              lambda p: goodput_curve(scenario, "checkpoint_every", CHECKPOINT_EVERY, flags, p))
-        point = cached_run("point", key, "Simulating this setting…", lambda p: simulate_training(scenario, **flags))
+        by_mtbf = sweep(choice.text, choice.source, "rank_mtbf_hours", MTBF_HOURS, key[1])
+        by_every = sweep(choice.text, choice.source, "checkpoint_every", CHECKPOINT_EVERY, key[1])
+        point = this_setting(choice.text, choice.source, key[1])
     except MeshpactError as exc:
         st.error("**The simulator cannot run this scenario.**\n\n" + message_markdown(str(exc)))
         st.stop()
