@@ -25,7 +25,7 @@ from typing import Iterator
 
 __all__ = [
     "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "settle", "metric",
-    "wait_metric_change", "click_rank", "pick_scenario", "go_to",
+    "wait_metric_change", "click_rank", "pick_scenario", "go_to", "wait_title",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,10 +161,15 @@ def pick_scenario(page: object, name: str, timeout_ms: int = 60_000) -> None:
     settle(page, timeout_ms)
 
 
-def go_to(page: object, nav: str, title: str, timeout_ms: int = 60_000) -> None:
-    """Open a page from the sidebar and wait until its title shows and its run is over."""
-    page.locator('[data-testid="stSidebarNavLink"]', has_text=nav).click()  # type: ignore[attr-defined]
+def wait_title(page: object, title: str, timeout_ms: int = 60_000) -> None:
+    """Wait until the page's title is ``title`` and its run is over."""
     page.wait_for_function(  # type: ignore[attr-defined]
         "(t) => { const h = document.querySelector('h1'); return h && h.innerText.trim() === t; }", arg=title,
         timeout=timeout_ms)
     settle(page, timeout_ms)
+
+
+def go_to(page: object, nav: str, title: str, timeout_ms: int = 60_000) -> None:
+    """Open a page from the sidebar and wait until its title shows and its run is over."""
+    page.locator('[data-testid="stSidebarNavLink"]', has_text=nav).click()  # type: ignore[attr-defined]
+    wait_title(page, title, timeout_ms)

@@ -138,12 +138,13 @@ def player() -> None:
     frame = replay_frame(events, idx)
     failed = clamp_failed(frame.failed, mesh.ranks)
     t = frame.event.t
-    a, b, c, d = st.columns(4)
+    a, b, c, d = st.columns([1.1, 1.2, 1.2, 1.0])  # room for "communicator" and a few rank ranges
     a.metric("time", clock(t), help=f"h:mm:ss from the start of the run ({t:,.3f} s)")
     b.metric("stage", frame.stage.value if frame.stage else "—")
-    c.metric("failed ranks", (f"rank {format_ranks(frame.failed)}" if len(frame.failed) == 1
-                              else f"ranks {format_ranks(frame.failed)}") if frame.failed else "none",
-             help="the ids of the ranks down at this event")
+    ids = format_ranks(frame.failed)
+    named = (f"rank {ids}" if len(frame.failed) == 1 else f"ranks {ids}") if frame.failed else "none"
+    c.metric("failed ranks", named if len(named) <= 13 else f"{count(len(frame.failed))} ranks",
+             help=f"the ranks down at this event: {named}")
     d.metric("recoveries before this one", count(frame.recoveries_before))
     left, right = st.columns([3, 2], gap="large")
     with left:
