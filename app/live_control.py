@@ -33,7 +33,8 @@ from typing import Any, Sequence
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, partial_path
 
-__all__ = ["RankProcess", "LiveJob", "tail_events", "job_processes", "failure_sentence", "TOKEN_ENV"]
+__all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
+           "TOKEN_ENV"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
 
@@ -45,6 +46,40 @@ class RankProcess:
     phase: str  # reference | faulted | cold (the trial's run id)
     incarnation: int
     stopped: bool  # SIGSTOPped (a stall in progress)
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One row of the Live page's rank table: a rank process and what the recording last said of its rank."""
+
+    rank: int
+    pid: int
+    incarnation: int
+    phase: str
+    state: str  # running | stopped (a stall in progress)
+    last_event: str
+    last_event_t: float | None  # recording time of that event
+
+
+def rank_rows(procs: Sequence[RankProcess], events: Sequence[Event], phase: str | None = None) -> list[RankRow]:
+    """A row per rank process of ``phase`` (all phases when None), newest incarnation of
+    each rank, with the latest recorded event of that rank."""
+    last: dict[int, Event] = {}
+    for e in events:
+        if e.rank is not None and (e.rank not in last or e.t >= last[e.rank].t):
+            last[e.rank] = e
+    newest: dict[int, RankProcess] = {}
+    for p in procs:
+        if phase is not None and p.phase != phase:
+            continue
+        if p.rank not in newest or p.incarnation >= newest[p.rank].incarnation:
+            newest[p.rank] = p
+    out = []
+    for rank in sorted(newest):
+        p, e = newest[rank], last.get(rank)
+        out.append(RankRow(rank, p.pid, p.incarnation, p.phase, "stopped" if p.stopped else "running",
+                           e.event if e else "", e.t if e else None))
+    return out
 
 
 def _environ(pid: int) -> dict[str, str]:

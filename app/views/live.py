@@ -11,7 +11,7 @@ from meshpact.app.context import message_markdown, require_scenario
 from meshpact.app.exports import perfetto_json
 from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.format import clock, count, duration
-from meshpact.app.live_control import LiveJob, failure_sentence, tail_events
+from meshpact.app.live_control import LiveJob, failure_sentence, rank_rows, tail_events
 from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import partial_path
@@ -77,15 +77,22 @@ if c[0].button("Stop", disabled=not running, type="secondary"):
 rank_to_fault = c[1].selectbox("rank", list(range(job.world_size)), key="live_fault_rank", disabled=not running)
 fault_kind = c[2].selectbox("inject", ["kill (SIGKILL)", "stall (SIGSTOP 3 s)"], key="live_fault_kind",
                             disabled=not running)
-if c[3].button("Inject fault into the faulted run", disabled=not running):
+
+
+def _inject(target: LiveJob, rank: int, what: str) -> None:
+    """SIGKILL a rank, or SIGSTOP it for 3 s, in the faulted run; say so, or say why not."""
     try:
-        if fault_kind.startswith("kill"):
-            job.kill_rank(int(rank_to_fault))
+        if what == "kill":
+            target.kill_rank(rank)
         else:
-            job.stall_rank(int(rank_to_fault), 3.0)
-        st.toast(f"{fault_kind.split()[0]} sent to rank {rank_to_fault}")
+            target.stall_rank(rank, 3.0)
+        st.toast(f"{what} sent to rank {rank}")
     except LookupError as exc:
         st.warning(f"{exc}. Faults go to the faulted run; wait until it is running.")
+
+
+if c[3].button("Inject fault into the faulted run", disabled=not running):
+    _inject(job, int(rank_to_fault), "kill" if fault_kind.startswith("kill") else "stall")
 
 
 def _metrics_toggle() -> None:
@@ -137,6 +144,21 @@ def panel() -> None:
     b.metric("phase", phase)
     c_.metric("rank processes", f"{len(alive)}/{world}" if job.running else "—")
     d.metric("events recorded", count(len(events)))
+    rows = rank_rows(procs, events, phase) if job.running else []
+    if rows:
+        head = st.columns([1, 1.4, 1.2, 1.3, 1.3, 2.4, 1, 1.2])
+        for col, name in zip(head, ["rank", "pid", "incarnation", "phase", "state", "last event", "", ""]):
+            col.markdown(f"**{name}**")
+        for row in rows:
+            cells = st.columns([1, 1.4, 1.2, 1.3, 1.3, 2.4, 1, 1.2])
+            for col, value in zip(cells, [row.rank, row.pid, row.incarnation, row.phase, row.state,
+                                          f"{row.last_event} at {clock(row.last_event_t)}"
+                                          if row.last_event_t is not None else "—"]):
+                col.write(str(value))
+            if cells[6].button("kill", key=f"live_kill_{row.rank}", disabled=row.phase != "faulted"):
+                _inject(job, row.rank, "kill")
+            if cells[7].button("stall 3 s", key=f"live_stall_{row.rank}", disabled=row.phase != "faulted"):
+                _inject(job, row.rank, "stall")
     left, right = st.columns([2, 3], gap="large")
     with left:
         down = sorted(set(range(world)) - alive) if job.running and procs else []

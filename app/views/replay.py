@@ -10,7 +10,7 @@ import streamlit as st
 from meshpact.app.context import mesh_of, message_markdown, positions_of, require_scenario
 from meshpact.app.exports import perfetto_json
 from meshpact.app.figures import mesh_figure, recovery_figure
-from meshpact.app.format import clock, count, duration
+from meshpact.app.format import clock, count
 from meshpact.app.policies import compare_policies
 from meshpact.app.replay import (
     ReplayEvent, find_recordings, first_recovery_index, frame_breakdown, from_breakdown, from_recording,

@@ -166,3 +166,18 @@ def test_a_run_that_fails_by_itself_is_a_sentence_with_its_partial_recording(tmp
     assert [e.value for e in at.error] == [], [e.value for e in at.error]
     assert any(m.value.startswith("**Event 3/3:** detection rank 0") for m in at.markdown)  # that recording
     job.stop()
+
+
+def test_rank_rows_take_the_newest_incarnation_and_the_last_event_of_each_rank():
+    from meshpact.app.live_control import RankProcess, rank_rows
+    from meshpact.core.recording import Event
+
+    procs = [RankProcess(100, 0, "faulted", 0, False), RankProcess(101, 1, "faulted", 0, False),
+             RankProcess(105, 1, "faulted", 1, True), RankProcess(90, 0, "reference", 0, False)]
+    events = [Event(1.0, "session_start", rank=0), Event(3.0, "detected", rank=0), Event(2.0, "checkpoint", rank=0),
+              Event(4.0, "replacement_started", rank=1), Event(5.0, "summary")]
+    rows = rank_rows(procs, events, "faulted")
+    assert [(r.rank, r.pid, r.incarnation, r.state, r.last_event, r.last_event_t) for r in rows] == [
+        (0, 100, 0, "running", "detected", 3.0), (1, 105, 1, "stopped", "replacement_started", 4.0)]
+    assert [r.pid for r in rank_rows(procs, [], "reference")] == [90]
+    assert rank_rows(procs, events, "cold") == []

@@ -263,11 +263,15 @@ def test_live_page_runs_a_recovery_and_shows_the_verdict():
     assert not at.error, [e.value for e in at.error]
     deadline = time.monotonic() + 200
     while time.monotonic() < deadline and not _metric(at, "run").startswith("ended"):
+        assert not at.exception, [e.message for e in at.exception]
         time.sleep(2)
         at.run()
     assert _metric(at, "run") == "ended (0)", [e.value for e in at.error]
     assert any("Bit-identical" in s.value for s in at.success), [e.value for e in at.error]
     assert _metric(at, "downtime: in-memory rebind").endswith(" s")
+    assert not next(b for b in at.button if "Start" in b.proto.label).disabled  # the run ended: Start is back
+    assert next(b for b in at.button if b.proto.label == "Stop").disabled
+    assert any(b.proto.label == "Replay this run" for b in at.button)
     job = at.session_state["live_job"]
     assert job.recording.exists()
     job.recording.unlink()
