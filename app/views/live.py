@@ -147,7 +147,7 @@ def panel() -> None:
     rows = rank_rows(procs, events, phase) if job.running else []
     if rows:
         head = st.columns([1, 1.4, 1.2, 1.3, 1.3, 2.4, 1, 1.2])
-        for col, name in zip(head, ["rank", "pid", "incarnation", "phase", "state", "last event", "", ""]):
+        for col, name in zip(head, ["rank", "pid", "incarnation", "phase", "state", "last event", "fault"]):
             col.markdown(f"**{name}**")
         for row in rows:
             cells = st.columns([1, 1.4, 1.2, 1.3, 1.3, 2.4, 1, 1.2])
