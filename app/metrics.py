@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
@@ -107,12 +108,18 @@ class MetricsEndpoint:
         self.metrics.poll()
         self._server, self._thread = start_http_server(int(port), addr=addr, registry=self.metrics.registry)
         self.addr, self.port = addr, int(self._server.server_port)
+        # dropped with the browser session that opened it: the port is freed too
+        self._finalizer = weakref.finalize(self, _shutdown, self._server, self._thread)
 
     @property
     def url(self) -> str:
         return f"http://{self.addr}:{self.port}/metrics"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+        self._finalizer()
+
+
+def _shutdown(server: Any, thread: threading.Thread) -> None:
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)

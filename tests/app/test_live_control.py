@@ -181,3 +181,33 @@ def test_rank_rows_take_the_newest_incarnation_and_the_last_event_of_each_rank()
         (0, 100, 0, "running", "detected", 3.0), (1, 105, 1, "stopped", "replacement_started", 4.0)]
     assert [r.pid for r in rank_rows(procs, [], "reference")] == [90]
     assert rank_rows(procs, events, "cold") == []
+
+
+@pytest.mark.timeout(60)
+def test_the_live_page_serves_prometheus_metrics_only_when_asked(tmp_path):
+    import urllib.request
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    script = tmp_path / "runner.py"
+    script.write_text(FAILING_RUNNER)
+    job = LiveJob(tmp_path / "m.jsonl", [], runner=[str(script)], world_size=2)
+    assert _wait(lambda: not job.running)
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "app" / "main.py"), default_timeout=60).run()
+    at.switch_page("views/live.py").run()
+    at.session_state["live_job"] = job
+    at.run()
+    assert at.toggle(key="live_metrics_on").value is False  # off by default
+    assert "live_metrics_endpoint" not in at.session_state
+    at.toggle(key="live_metrics_on").set_value(True).run()
+    endpoint = at.session_state["live_metrics_endpoint"]
+    assert endpoint.addr == "127.0.0.1" and any(endpoint.url in c.value for c in at.caption)
+    with urllib.request.urlopen(endpoint.url, timeout=5) as r:
+        text = r.read().decode()
+    assert 'meshpact_stage_seconds_count{stage="detection"} 1.0' in text
+    at.toggle(key="live_metrics_on").set_value(False).run()
+    assert "live_metrics_endpoint" not in at.session_state
+    with pytest.raises(OSError):
+        urllib.request.urlopen(endpoint.url, timeout=2)
+    job.stop()

@@ -67,3 +67,19 @@ def test_the_endpoint_stops_when_closed(tmp_path):
     except OSError:
         return
     raise AssertionError("the endpoint still answers after close()")
+
+
+def test_a_dropped_endpoint_frees_its_port(tmp_path):
+    import gc
+
+    rec = tmp_path / "r.jsonl"
+    rec.write_text(_line(0.0, "recording_start"))
+    ep = MetricsEndpoint(rec)
+    url = ep.url
+    del ep
+    gc.collect()
+    try:
+        urllib.request.urlopen(url, timeout=2)
+    except OSError:
+        return
+    raise AssertionError("an endpoint nobody holds still answers")
