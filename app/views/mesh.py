@@ -6,7 +6,7 @@ import pandas as pd
 import streamlit as st
 
 from meshpact.app.context import mesh_of, positions_of, require_scenario
-from meshpact.app.figures import mesh_figure, node_figure, nodes_of, recovery_figure
+from meshpact.app.figures import Node, mesh_figure, node_figure, nodes_of, recovery_figure
 from meshpact.app.format import count, duration
 from meshpact.app.policies import POLICY_EXPLAINED, compare_policies, comparison_rows
 from meshpact.app.state import (
@@ -40,7 +40,7 @@ def _typed() -> None:
     st.session_state[FAILED_KEY] = sorted(ranks)
 
 
-def _drill_mesh(nodes: list) -> Mesh:
+def _drill_mesh(nodes: list[Node]) -> Mesh:
     picked = {r for n in nodes for r in n.ranks}
     doms = []
     for d in mesh.domains:

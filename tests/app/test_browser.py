@@ -159,7 +159,8 @@ def test_scenario_and_failures_follow_the_user_across_pages(user):
 def test_no_metric_button_or_link_is_clipped_at_scale(user, scenario, failures):
     pick_scenario(user, scenario)
     _type_ranks(user, failures)
-    for nav in ("Mesh", "Replay", "Simulate", "Live"):
+    # Simulate's metrics are percentages; its 30-day 16,384-rank sweeps would only add minutes
+    for nav in ("Mesh", "Replay", "Live") + (("Simulate",) if scenario == "whatif_1024" else ()):
         if nav != "Mesh":
             go_to(user, nav, TITLES[nav])
         user.wait_for_timeout(300)  # fonts and layout settle
