@@ -10,7 +10,6 @@ instead of a traceback, and the page stops there.
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +27,6 @@ __all__ = [
     "mesh_of",
     "positions_of",
     "SCENARIO_KEY",
-    "missing_engines",
-    "require_engines",
     "message_markdown",
 ]
 
@@ -83,8 +80,9 @@ def _read_path(raw: str) -> tuple[str, str]:
 def _load(source: str) -> ScenarioChoice | None:
     if source == "built-in":
         names = builtin_scenarios()
-        name = st.sidebar.selectbox("scenario", names, index=names.index("default") if "default" in names else 0,
-                                    key="scenario_builtin")
+        if st.session_state.get("scenario_builtin") not in names:
+            st.session_state["scenario_builtin"] = "default" if "default" in names else names[0]
+        name = st.sidebar.selectbox("scenario", names, key="scenario_builtin")
         path = builtin_scenario_path(name)
         text, where = path.read_text(encoding="utf-8"), f"scenarios/{path.name}"
     elif source == "upload":
@@ -137,29 +135,6 @@ def require_scenario() -> ScenarioChoice:
                  + "\n\nFix the file, or pick a built-in scenario in the sidebar.")
         st.stop()
     return choice
-
-
-def missing_engines(modules: tuple[str, ...]) -> list[str]:
-    """The modules of ``modules`` (dotted names under ``meshpact``) this build lacks."""
-    out = []
-    for name in modules:
-        try:
-            found = importlib.util.find_spec(f"meshpact.{name}") is not None
-        except ModuleNotFoundError:
-            found = False
-        if not found:
-            out.append(name)
-    return out
-
-
-def require_engines(what: str, modules: tuple[str, ...]) -> None:
-    """Stop the page with a plain notice when the engine it draws is not in this build."""
-    missing = missing_engines(modules)
-    if missing:
-        st.info(f"**{what} is not available in this build.** This page needs "
-                + ", ".join(f"`{m.replace('.', '/')}.py`" for m in missing)
-                + ", which this installation does not have yet. Nothing is shown rather than made-up numbers.")
-        st.stop()
 
 
 _MARKDOWN_SPECIAL = "\\`*_{}[]<>()#+-.!|~$"

@@ -13,10 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+import math
+from dataclasses import dataclass
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from meshpact.core.facts import LinkClass, Mesh
+from meshpact.app.format import duration
+from meshpact.core.facts import Domain, LinkClass, Mesh
 from meshpact.core.mesh import CIRCLE_MAX, bridge_links, health, native_ring, rank_positions
 from meshpact.core.plan import Plan, PlanCost, StepKind
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
@@ -25,6 +29,9 @@ __all__ = [
     "domain_colours",
     "STAGE_COLOURS",
     "mesh_figure",
+    "Node",
+    "nodes_of",
+    "node_figure",
     "recovery_figure",
     "plan_figure",
     "cost_figure",
@@ -60,7 +67,11 @@ POLICY_COLOURS: Mapping[Policy, str] = {
     Policy.EXCISE: "#1f77b4",
 }
 GL_ABOVE = 4096  # ranks: draw the mesh with WebGL above this
-_LAYOUT = dict(template="plotly_white", margin=dict(l=10, r=10, t=40, b=10))
+# A white background with light grid lines, as plotly's "plotly_white" draws them, in a template
+# small enough to copy: assigning the full built-in template costs tens of milliseconds per figure.
+_AXIS = dict(gridcolor="#EBF0F8", linecolor="#EBF0F8", zerolinecolor="#EBF0F8", zerolinewidth=2, ticks="")
+_TEMPLATE = go.layout.Template(layout=dict(plot_bgcolor="white", paper_bgcolor="white", xaxis=_AXIS, yaxis=_AXIS))
+_LAYOUT = dict(template=_TEMPLATE, margin=dict(l=10, r=10, t=40, b=10))
 
 
 def domain_colours(mesh: Mesh) -> dict[str, str]:
@@ -95,10 +106,13 @@ def mesh_figure(
     failed: Iterable[int] = (),
     positions: Mapping[int, tuple[float, float]] | None = None,
     height: int | None = None,
+    dragmode: str = "select",
 ) -> go.Figure:
     """The mesh: one marker trace per domain (healthy ranks), one for failed ranks, a ring
     per domain (grey and dashed once a member failed) and the bridge links between
-    domains. Every rank marker carries its rank id in ``customdata`` for selection."""
+    domains. Every rank marker carries its rank id in ``customdata`` for selection.
+    ``dragmode`` ``select`` makes a drag draw a box; ``pan`` lets a click pick one rank
+    (Streamlit turns click selection off while a drag draws boxes)."""
     pos = positions if positions is not None else rank_positions(mesh)
     state = health(mesh, failed)
     dead = state.failed
@@ -152,24 +166,89 @@ def mesh_figure(
     ys_all = [p[1] for p in pos.values()]
     span_x = max(xs_all) - min(xs_all) or 1.0
     span_y = max(ys_all) - min(ys_all) or 1.0
+    # A mesh that is a line or a point (two ranks) gets a landscape frame, not a tall sliver.
+    cx, cy = (max(xs_all) + min(xs_all)) / 2, (max(ys_all) + min(ys_all)) / 2
+    pad_y = span_y / 2 + 0.8
+    pad_x = max(span_x / 2 + 0.8, 2 * pad_y)
     if height is None:  # about 700 px wide in the page: keep the aspect without empty bands
-        height = int(min(820, max(340, 700 * span_y / span_x + 130)))
+        height = int(min(820, max(340, 700 * pad_y / pad_x + 130)))
     for h in mesh.hosts:
         ranks = [r for d in mesh.domains if d.host == h for r in d.ranks]
         xs = [pos[r][0] for r in ranks]
         ys = [pos[r][1] for r in ranks]
         fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(ys), yshift=22, text=f"<b>{h}</b>", showarrow=False)
     fig.update_layout(
-        **_LAYOUT, height=height,
+        **_LAYOUT, height=height, dragmode=dragmode,
         legend=dict(orientation="h", yanchor="top", y=-0.02, x=0),
     )
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1)
+    fig.update_xaxes(visible=False, range=[cx - pad_x, cx + pad_x])
+    fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1, range=[cy - pad_y, cy + pad_y])
     return fig
 
 
-def _seconds(s: float) -> str:
-    return f"{s:,.0f} s" if s >= 100 else f"{s:.3g} s"
+@dataclass(frozen=True)
+class Node:
+    """A group of consecutive ranks of one domain drawn as one marker in the aggregated view."""
+
+    index: int
+    domain: str
+    host: str
+    ranks: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return f"ranks {self.ranks[0]}-{self.ranks[-1]}" if len(self.ranks) > 1 else f"rank {self.ranks[0]}"
+
+
+def nodes_of(mesh: Mesh, node_ranks: int = 8) -> tuple[Node, ...]:
+    """Each domain's ranks in order, cut into nodes of ``node_ranks`` (the last may be short)."""
+    out: list[Node] = []
+    for d in mesh.domains:
+        rs = sorted(d.ranks)
+        for i in range(0, len(rs), node_ranks):
+            out.append(Node(len(out), d.name, d.host, tuple(rs[i: i + node_ranks])))
+    return tuple(out)
+
+
+def node_figure(mesh: Mesh, nodes: Sequence[Node], failed: Iterable[int] = (), height: int | None = None,
+                dragmode: str = "select") -> go.Figure:
+    """The aggregated mesh: one marker per node, laid out like ranks (a grid per domain, a
+    column per host), red with the count of failed ranks where any failed. ``customdata``
+    holds the node index, so a click or a box picks nodes to drill into."""
+    dead = frozenset(failed)
+    by_domain: dict[str, list[Node]] = {}
+    for n in nodes:
+        by_domain.setdefault(n.domain, []).append(n)
+    node_mesh = Mesh(domains=tuple(Domain(d.name, d.vendor, d.host, tuple(n.index for n in by_domain[d.name]),
+                                          d.backend) for d in mesh.domains if d.name in by_domain))
+    pos = rank_positions(node_mesh)
+    colours = domain_colours(mesh)
+    fig = go.Figure()
+    for name, group in by_domain.items():
+        ok = [n for n in group if not dead.intersection(n.ranks)]
+        fig.add_trace(go.Scatter(
+            x=[pos[n.index][0] for n in ok], y=[pos[n.index][1] for n in ok], customdata=[[n.index] for n in ok],
+            mode="markers", name=name, marker=dict(size=7, color=colours[name], symbol="square"),
+            hovertext=[f"{n.label} · {name}" for n in ok], hoverinfo="text",
+        ))
+    hit = [(n, len(dead.intersection(n.ranks))) for n in nodes if dead.intersection(n.ranks)]
+    fig.add_trace(go.Scatter(
+        x=[pos[n.index][0] for n, _ in hit], y=[pos[n.index][1] for n, _ in hit],
+        customdata=[[n.index] for n, _ in hit], mode="markers", name="node with failed ranks",
+        marker=dict(size=9, color=FAILED, symbol="square"),
+        hovertext=[f"{n.label} · {n.domain}: {k} of {len(n.ranks)} failed" for n, k in hit], hoverinfo="text",
+    ))
+    for h in mesh.hosts:
+        ids = [n.index for n in nodes if n.host == h]
+        if ids:
+            xs = [pos[i][0] for i in ids]
+            fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(pos[i][1] for i in ids), yshift=18,
+                               text=f"<b>{h}</b>", showarrow=False)
+    fig.update_layout(**_LAYOUT, height=height or 520, dragmode=dragmode,
+                      legend=dict(orientation="h", yanchor="top", y=-0.02, x=0))
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1)
+    return fig
 
 
 def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None = None) -> go.Figure:
@@ -185,9 +264,15 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None 
             hovertemplate=f"{stage.value}: %{{x:.3g}} s<extra>%{{y}}</extra>",
         ))
     for b in breakdowns:
-        fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {_seconds(b.total_s)}", showarrow=False, xanchor="left")
-    fig.update_layout(**_LAYOUT, barmode="stack", height=height or 130 + 45 * len(breakdowns), xaxis_title="seconds",
-                      legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0, traceorder="normal"))
+        fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {duration(b.total_s)}", showarrow=False, xanchor="left")
+    # The legend has its own band at the bottom of the figure, under the axis title, never over a
+    # bar: room for three rows of stage names, which a column a third of the page wide needs.
+    legend_band = 66
+    fig.update_layout(**{**_LAYOUT, "margin": dict(l=10, r=10, t=20, b=46 + legend_band)}, barmode="stack",
+                      height=height or 150 + legend_band + 40 * len(breakdowns), xaxis_title="seconds",
+                      legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, entrywidth=108,
+                                  traceorder="normal"))
+    fig.update_xaxes(range=[0, max((b.total_s for b in breakdowns), default=1.0) * 1.18 or 1.0])
     fig.update_yaxes(autorange="reversed")
     return fig
 
@@ -272,8 +357,9 @@ _POLICY_DASH = {Policy.COLD_RESTART: "solid", Policy.CHECKPOINT_RESTORE: "dash",
 
 
 def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None, log_x: bool = True,
-                   height: int = 330) -> go.Figure:
-    """Goodput of each policy (one line each) against one knob of a training sweep."""
+                   height: int = 330, current: float | None = None) -> go.Figure:
+    """Goodput of each policy (one line each) against one knob of a training sweep; a
+    vertical line marks ``current``, the knob's value in the page's setting."""
     fig = go.Figure()
     for policy in Policy:
         rows = frame[frame["policy"] == policy.value]
@@ -286,11 +372,20 @@ def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None
             hovertemplate="%{x}: goodput %{y:.2%}<br>downtime %{customdata[0]:,.0f} s, lost steps %{customdata[1]}"
                           f"<extra>{policy.label}</extra>",
         ))
-    fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".0%", yaxis_title="goodput",
+    fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".2~%", yaxis_title="goodput",
                       legend=dict(orientation="h", yanchor="top", y=-0.22, x=0))
     values = sorted(set(frame[knob]))
     fig.update_xaxes(type="log" if log_x else "linear", title=x_title or knob.replace("_", " "), tickmode="array",
                      tickvals=values, ticktext=[f"{v:,g}" for v in values])
+    if current is not None and current > 0:
+        if min(values) <= current <= max(values):
+            fig.add_vline(x=current, line=dict(color="#444", width=1.5, dash="dot"))
+            fig.add_annotation(x=math.log10(current) if log_x else current, y=1.0, yref="paper", yanchor="bottom",
+                               text=f"this setting: {current:,g}", showarrow=False, font=dict(size=11))
+        else:
+            fig.update_layout(title=dict(text=title, subtitle=dict(text=f"this setting, {current:,g}, is outside "
+                                                                         "the sweep")),
+                              margin=dict(l=10, r=10, t=60, b=10))
     return fig
 
 
@@ -298,19 +393,26 @@ def serving_figure(frame: Any, height: int = 340) -> go.Figure:
     """Throughput and result traffic over the link against concurrency, one line per request."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "result bytes over the link"))
     palette = {"full": "#d55e00", "logprob": "#e69f00", "token": "#2ca02c", "owner_token": "#1f77b4"}
-    for req, rows in frame.groupby("request", sort=False):
+    # Lines that coincide (equal throughput until the link saturates) stay visible: the
+    # first drawn is widest and solid, later ones thinner, dashed and with other markers.
+    styles = [("solid", "circle", 5.0), ("dash", "diamond", 3.0), ("dot", "square", 2.5), ("dashdot", "x", 2.0)]
+    for i, (req, rows) in enumerate(frame.groupby("request", sort=False)):
         colour = palette.get(str(req), "#777")
+        dash, symbol, width = styles[i % len(styles)]
         fig.add_trace(go.Scatter(x=rows["concurrency"], y=rows["throughput_tok_s"], mode="lines+markers", name=str(req),
-                                 line=dict(color=colour, width=2.5), legendgroup=str(req),
+                                 line=dict(color=colour, width=width, dash=dash),
+                                 marker=dict(symbol=symbol, size=7 + width), legendgroup=str(req),
                                  hovertemplate="concurrency %{x}: %{y:,.0f} tok/s<extra>" + str(req) + "</extra>"),
                       row=1, col=1)
         fig.add_trace(go.Scatter(x=rows["concurrency"], y=rows["result_bytes"], mode="lines+markers", name=str(req),
-                                 line=dict(color=colour, width=2.5), legendgroup=str(req), showlegend=False,
+                                 line=dict(color=colour, width=width, dash=dash),
+                                 marker=dict(symbol=symbol, size=7 + width), legendgroup=str(req), showlegend=False,
                                  hovertemplate="concurrency %{x}: %{y:,.0f} B<extra>" + str(req) + "</extra>"),
                       row=1, col=2)
     fig.update_layout(**_LAYOUT, height=height, legend=dict(orientation="h", yanchor="top", y=-0.18, x=0))
     values = sorted(set(frame["concurrency"]))
     fig.update_xaxes(type="log", title="concurrency (requests in flight)", tickmode="array", tickvals=values,
                      ticktext=[str(v) for v in values])
-    fig.update_yaxes(type="log", row=1, col=2)
+    fig.update_yaxes(title="tokens/s", tickformat=",.0f", row=1, col=1)
+    fig.update_yaxes(type="log", title="bytes", exponentformat="SI", ticksuffix="B", row=1, col=2)  # 1GB, not "1B"
     return fig

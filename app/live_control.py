@@ -8,7 +8,9 @@ the ``MESHPACT_INCARNATION``) without any channel into the job: faults from the 
 are real signals to a real rank process (``SIGKILL`` kills it; ``SIGSTOP`` then
 ``SIGCONT`` stalls it). :meth:`LiveJob.stop` ends the runner and every process carrying
 the token; a finalizer does the same when the job object is dropped with the session.
-:func:`tail_events` reads the recording as it grows, a complete line at a time.
+:func:`tail_events` reads the recording as it grows, a complete line at a time;
+:func:`failure_sentence` turns what a failed run left behind (an error message, a
+traceback, a log) into one plain sentence for the page.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from typing import Any, Sequence
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, partial_path
 
-__all__ = ["RankProcess", "LiveJob", "tail_events", "job_processes", "TOKEN_ENV"]
+__all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
+           "TOKEN_ENV"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
 
@@ -43,6 +46,40 @@ class RankProcess:
     phase: str  # reference | faulted | cold (the trial's run id)
     incarnation: int
     stopped: bool  # SIGSTOPped (a stall in progress)
+
+
+@dataclass(frozen=True)
+class RankRow:
+    """One row of the Live page's rank table: a rank process and what the recording last said of its rank."""
+
+    rank: int
+    pid: int
+    incarnation: int
+    phase: str
+    state: str  # running | stopped (a stall in progress)
+    last_event: str
+    last_event_t: float | None  # recording time of that event
+
+
+def rank_rows(procs: Sequence[RankProcess], events: Sequence[Event], phase: str | None = None) -> list[RankRow]:
+    """A row per rank process of ``phase`` (all phases when None), newest incarnation of
+    each rank, with the latest recorded event of that rank."""
+    last: dict[int, Event] = {}
+    for e in events:
+        if e.rank is not None and (e.rank not in last or e.t >= last[e.rank].t):
+            last[e.rank] = e
+    newest: dict[int, RankProcess] = {}
+    for p in procs:
+        if phase is not None and p.phase != phase:
+            continue
+        if p.rank not in newest or p.incarnation >= newest[p.rank].incarnation:
+            newest[p.rank] = p
+    out = []
+    for rank in sorted(newest):
+        p, e = newest[rank], last.get(rank)
+        out.append(RankRow(rank, p.pid, p.incarnation, p.phase, "stopped" if p.stopped else "running",
+                           e.event if e else "", e.t if e else None))
+    return out
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -213,3 +250,21 @@ def tail_events(path: Path, offset: int = 0) -> tuple[list[Event], int]:
             except (ValueError, RecordingError):  # a malformed line is skipped, not fatal to the panel
                 continue
     return events, offset + end + 1
+
+
+def failure_sentence(text: str) -> str:
+    """One plain sentence saying why a run failed, from an error message, a traceback or a
+    log: the last ``Type: reason`` line of the text (the exception that ended it), as
+    ``reason (Type).``; else the last non-empty line; else a sentence saying no reason was left."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    for line in reversed(lines):
+        head, sep, reason = line.partition(": ")
+        name = head.rsplit(".", 1)[-1]
+        if sep and name.isidentifier() and (name.endswith(("Error", "Exception", "Fault", "Interrupt"))
+                                            or name in ("SystemExit", "KeyboardInterrupt")):
+            reason = reason.strip().rstrip(".")
+            return f"{reason[:1].upper()}{reason[1:]} ({name})." if reason else f"The run raised {name}."
+    if lines:
+        last = lines[-1][:300].rstrip(".")
+        return f"{last[:1].upper()}{last[1:]}."
+    return "The run ended without saying why (no error message and an empty log)."

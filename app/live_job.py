@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
         out = {"ok": True, "summary": result.summary(), "recoveries": result.recoveries()}
     except MeshpactError as exc:
         out = {"ok": False, "error": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - the page shows the reason as a sentence, never a traceback
+        out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     a.result.write_text(json.dumps(out, default=str, indent=1))
     print(json.dumps({"ok": out["ok"]}), flush=True)
     return 0 if out["ok"] else 2

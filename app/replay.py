@@ -23,6 +23,7 @@ __all__ = [
     "ReplayFrame",
     "from_timeline",
     "from_recording",
+    "from_breakdown",
     "replay_frame",
     "frame_breakdown",
     "find_recordings",
@@ -104,6 +105,23 @@ def from_recording(events: Sequence[Event]) -> list[ReplayEvent]:
             rank=e.rank if e.rank is not None else _rank(data.get("rank")), data={"event": e.event, **data},
         ))
     return sorted(out, key=lambda e: e.t)
+
+
+def from_breakdown(failed: Iterable[int], breakdown: RecoveryBreakdown) -> list[ReplayEvent]:
+    """Replay events of one modelled recovery: every failed rank faults at time 0, then the
+    breakdown's stages run one after another (each event at its stage's end), then the
+    job resumes."""
+    policy = breakdown.policy.value
+    out = [ReplayEvent(t=0.0, kind="fault", rank=int(r), data={"fault": "picked on Mesh"}) for r in sorted(set(failed))]
+    t = 0.0
+    for stage in Stage.ordered():
+        secs = breakdown.durations_s.get(stage)
+        if secs is None:
+            continue
+        t += float(secs)
+        out.append(ReplayEvent(t=t, kind="stage", duration_s=float(secs), stage=stage, data={"policy": policy}))
+    out.append(ReplayEvent(t=t, kind="resumed", data={"policy": policy}))
+    return out
 
 
 def replay_frame(events: Sequence[ReplayEvent], index: int) -> ReplayFrame:

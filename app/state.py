@@ -1,6 +1,12 @@
-"""Selection state: from clicks on the mesh chart and the rank multiselect to failed ranks.
+"""Selection state: failed ranks from chart clicks and typed ranges, kept across pages.
 
-The Mesh page keeps the failed ranks in one place, the rank multiselect's value. A click
+The failed ranks live in one session key that is not a widget's (:data:`FAILED_KEY`), so
+they survive a page switch; the Mesh page's text box shows them as ranges
+(:func:`format_ranks`) and reads what the user types exactly (:func:`parse_ranks`:
+"5" is rank 5, "5-9, 12" six ranks). Streamlit forgets a widget's value once a page
+without it has run, so the pickers that should follow the user (scenario, replay source)
+are copied aside and restored by :func:`carry_widget_state`, which the entry point calls
+on every run. A click
 on the chart arrives as a plotly selection event that Streamlit keeps until the next
 selection, so an event must be applied once, not on every rerun: :func:`apply_selection`
 compares it with the last one applied. A single clicked rank toggles; a box or lasso
@@ -11,9 +17,18 @@ without a browser.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping
+from typing import Any, Collection, Iterable, Mapping, MutableMapping
 
-__all__ = ["SelectionState", "selected_points", "ranks_in_event", "apply_selection", "clamp_failed"]
+__all__ = [
+    "SelectionState", "selected_points", "ranks_in_event", "apply_selection", "clamp_failed", "parse_ranks",
+    "format_ranks", "carry_widget_state", "FAILED_KEY", "KEPT_WIDGETS", "KEPT_STORE",
+]
+
+FAILED_KEY = "failed_ranks"  # sorted list of failed rank ids; not a widget key, so it outlives page switches
+# Widget keys whose values follow the user from page to page.
+KEPT_WIDGETS = ("scenario_source", "scenario_builtin", "scenario_path", "replay_source", "replay_recording",
+                "replay_path", "replay_policy")
+KEPT_STORE = "meshpact_kept_widgets"
 
 
 @dataclass(frozen=True)
@@ -94,3 +109,70 @@ def clamp_failed(failed: Iterable[int], ranks: Iterable[int]) -> list[int]:
     known = set(ranks)
     return sorted({int(r) for r in failed if int(r) in known})
 
+
+
+_RANKS_HINT = "write rank ids and ranges separated by commas, like 5 or 5-9, 12"
+
+
+def parse_ranks(text: str, valid: Collection[int]) -> frozenset[int]:
+    """The ranks a typed selection names, exactly: ``"5"`` is rank 5 alone, ``"5-9, 12"``
+    ranks 5 to 9 and 12 (spaces and a trailing comma are fine; ``5..9`` and ``5–9`` read as
+    ranges too). Raises ``ValueError`` with one line saying what was wrong for a token that
+    is not a rank or a range, a range written backwards, or a rank not in ``valid``
+    (checked on the range ends before the range is built, so no input makes unbounded work).
+    """
+    out: set[int] = set()
+    known = set(valid)
+    lo_valid, hi_valid = (min(known), max(known)) if known else (0, -1)
+    for raw in text.replace(";", ",").split(","):
+        token = raw.strip().replace("..", "-").replace("\u2013", "-").replace(" ", "")
+        if not token:
+            continue
+        first, sep, last = token.partition("-")
+        if not first.isdigit() or (sep and not last.isdigit()):
+            raise ValueError(f"{raw.strip()!r} is not a rank or a range: {_RANKS_HINT}")
+        a, b = int(first), int(last) if sep else int(first)
+        if b < a:
+            raise ValueError(f"{raw.strip()!r} runs backwards: write the lower rank first ({b}-{a})")
+        for end in (a, b):
+            if end not in known and not (sep and lo_valid <= end <= hi_valid):
+                raise ValueError(f"rank {end} is not in this mesh (ranks {format_ranks(known)})")
+        picked = [r for r in range(a, b + 1) if r in known]
+        out.update(picked)
+    return frozenset(out)
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """Ranks as the shortest text :func:`parse_ranks` reads back: runs of three or more
+    consecutive ranks as ``a-b``, the rest one by one (``[1, 2, 3, 7, 8] -> "1-3, 7, 8"``)."""
+    rs = sorted({int(r) for r in ranks})
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        if j - i >= 2:
+            parts.append(f"{rs[i]}-{rs[j]}")
+        else:
+            parts.extend(str(r) for r in rs[i: j + 1])
+        i = j + 1
+    return ", ".join(parts)
+
+
+def carry_widget_state(session: MutableMapping[str, Any], keys: Iterable[str] = KEPT_WIDGETS,
+                       store: str = KEPT_STORE) -> None:
+    """Keep widget values across page switches: a value the session holds is copied aside
+    and written back as the session's own (Streamlit ties a widget's value to the page that
+    drew it; a value written before the widget is drawn seeds the same key on any page);
+    a value the session lost (its page was not drawn in the last run) is put back from the
+    copy. Call once at the top of every run, before any widget is drawn."""
+    kept = session.get(store)
+    if not isinstance(kept, dict):
+        kept = {}
+    for key in keys:
+        if key in session:
+            kept[key] = session[key]
+        if key in kept:
+            session[key] = kept[key]
+    session[store] = kept

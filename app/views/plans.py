@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import streamlit as st
 
-from meshpact.app.context import mesh_of, message_markdown, require_engines, require_scenario
+from meshpact.app.context import mesh_of, message_markdown, require_scenario
 from meshpact.app.figures import cost_figure, plan_figure
 from meshpact.app.planning import (
     edge_from_facts, facet_summaries, human_bytes, judge, planners, real_edges, steps_rows,
@@ -15,7 +15,6 @@ from meshpact.core.errors import MeshpactError
 choice = require_scenario()
 mesh = mesh_of(choice)
 st.title("Plans")
-require_engines("Planning", ("core.contract", "core.lowerer", "core.checker"))
 st.caption("What a consumer must observe (the contract), how each planner would deliver it, and whether the "
            "symbolic checker accepts the plan, before anything runs.")
 

@@ -8,15 +8,17 @@ from typing import Any, Callable
 import pandas as pd
 import streamlit as st
 
-from meshpact.app.context import message_markdown, require_engines, require_scenario
+from meshpact.app.context import mesh_of, message_markdown, require_scenario
 from meshpact.app.figures import goodput_figure, recovery_figure, serving_figure
+from meshpact.app.format import count, duration
+from meshpact.app.policies import compare_policies
+from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recovery import RecoveryBreakdown
 
 choice = require_scenario()
 st.title("Simulate")
-require_engines("The simulator", ("simulator.training", "simulator.serving", "simulator.timeline"))
 scenario = choice.scenario
 
 
@@ -29,6 +31,23 @@ def cached_run(name: str, key: tuple, label: str, run: Callable[[Callable[[int, 
         bar.empty()
         memo[name] = (key, result)
     return memo[name][1]
+
+
+# Sweeps and runs are kept for every session of this server: a second visit, or a second
+# person with the same setting, does not simulate again.
+@st.cache_data(show_spinner="Simulating the sweep…", max_entries=64)
+def sweep(text: str, source: str, knob: str, values: tuple, flags: tuple) -> pd.DataFrame:
+    from meshpact.core.scenario import parse_scenario_text
+
+    return goodput_curve(parse_scenario_text(text, source), knob, values, dict(flags))
+
+
+@st.cache_data(show_spinner="Simulating this setting…", max_entries=64)
+def this_setting(text: str, source: str, flags: tuple) -> Any:
+    from meshpact.core.scenario import parse_scenario_text
+    from meshpact.simulator.training import simulate_training
+
+    return simulate_training(parse_scenario_text(text, source), **dict(flags))
 
 
 training, serving = st.tabs(["Training with faults", "Serving spillover"])
@@ -48,28 +67,37 @@ with training:
     key = (choice.text, tuple(sorted(flags.items())))
     try:
         from meshpact.simulator.timeline import chrome_trace
-        from meshpact.simulator.training import simulate_training
 
-        by_mtbf = cached_run("mtbf", key, "Sweeping the MTBF…",
-                             lambda p: goodput_curve(scenario, "rank_mtbf_hours", MTBF_HOURS, flags, p))
-        by_every = cached_run("every", key, "Sweeping the checkpoint interval…",
-                              lambda p: goodput_curve(scenario, "checkpoint_every", CHECKPOINT_EVERY, flags, p))
-        point = cached_run("point", key, "Simulating this setting…", lambda p: simulate_training(scenario, **flags))
+        by_mtbf = sweep(choice.text, choice.source, "rank_mtbf_hours", MTBF_HOURS, key[1])
+        by_every = sweep(choice.text, choice.source, "checkpoint_every", CHECKPOINT_EVERY, key[1])
+        point = this_setting(choice.text, choice.source, key[1])
     except MeshpactError as exc:
         st.error("**The simulator cannot run this scenario.**\n\n" + message_markdown(str(exc)))
         st.stop()
     cols = st.columns(len(point.policies))
     for col, (policy, res) in zip(cols, point.policies.items()):
-        col.metric(policy.label, f"{res.goodput:.2%}", help=f"{res.faults} faults, {res.downtime_total_s:,.0f} s down, "
-                                                          f"{res.lost_steps} steps lost")
+        col.metric(policy.label, f"{res.goodput:.2%}", help=f"{count(res.faults)} faults, "
+                   f"{duration(res.downtime_total_s)} down, {count(res.lost_steps)} steps lost")
     a, b = st.columns(2)
     a.plotly_chart(goodput_figure(by_mtbf, "rank_mtbf_hours", "goodput against per-rank MTBF",
-                                  "per-rank MTBF (hours)"))
+                                  "per-rank MTBF (hours)", current=mtbf))
     b.plotly_chart(goodput_figure(by_every, "checkpoint_every", "goodput against checkpoint interval",
-                                  "checkpoint every (steps)"))
+                                  "checkpoint every (steps)", current=int(every)))
     st.plotly_chart(recovery_figure([RecoveryBreakdown(p, r.downtime_s) for p, r in point.policies.items()]),
                     key="downtime_by_stage")
     st.caption("Total downtime of the run by recovery stage, per policy.")
+    picked = clamp_failed(st.session_state.get(FAILED_KEY, []), mesh_of(choice).ranks)
+    if picked:
+        step_s = float(point.workload.step_s)
+        since = int(every) // 2
+        cmp = compare_policies(mesh_of(choice), picked, rank_loss=False, steps_since_checkpoint=since, step_s=step_s)
+        st.markdown(f"**The failures picked on Mesh** (ranks {format_ranks(picked)}), struck halfway between two "
+                    f"checkpoints of this setting ({count(since)} steps of {duration(step_s)}):")
+        st.plotly_chart(recovery_figure(cmp.breakdowns), key="picked_failure")
+        for pol, why in cmp.unavailable.items():
+            st.caption(f"{pol.label} cannot apply: {why}.")
+    else:
+        st.page_link("views/mesh.py", label="Pick failures on Mesh to cost them in this setting", icon=":material/hub:")
     d1, d2, d3 = st.columns(3)
     sweep = pd.concat([by_mtbf.assign(sweep="rank_mtbf_hours"), by_every.assign(sweep="checkpoint_every")])
     d1.download_button("sweep CSV", data=sweep.to_csv(index=False), file_name=f"{scenario.name}-training-sweep.csv",

@@ -1,24 +1,23 @@
-"""The dashboard in a real browser: every page renders without an exception element.
+"""The dashboard in a real browser, driven as a person would.
 
-Starts ``streamlit run app/main.py`` headless on a free loopback port, waits for
-``/_stcore/health``, drives Debian's Chromium through Playwright, opens every page,
-saves a screenshot per page under ``test-artifacts/`` and clicks a rank on the mesh
-chart to check the click path end to end.
+Starts ``streamlit run app/main.py`` headless on a free loopback port
+(:func:`meshpact.app.serve.dashboard_server`), drives Debian's Chromium through
+Playwright, opens every page (a screenshot each under ``test-artifacts/``), and checks
+the flows end to end: a click and a dragged box fail ranks, typed ranks are exact, the
+scenario and failures follow the user from page to page, and no metric, button or link
+label is cut off at 1,024 or 16,384 ranks.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from meshpact.app.serve import (
+    CLIPPED_JS, METRIC_JS, chromium_path, click_rank, dashboard_server, go_to, metric, pick_scenario, settle,
+    wait_metric_change, wait_title,
+)
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -28,78 +27,61 @@ ARTIFACTS = ROOT / "test-artifacts"
 # by app/main.py's navigation (the page set, the wide layout), not run as a bare script.
 PAGES = {"replay": "replay", "mesh": "", "plans": "plans", "simulate": "simulate", "live": "live"}
 NAV = ["Mesh", "Plans", "Simulate", "Replay", "Live"]
-
-
-def _chromium() -> str | None:
-    for candidate in (os.environ.get("MESHPACT_CHROMIUM"), "/usr/lib/chromium/chromium",
-                      shutil.which("chromium"), shutil.which("chromium-browser")):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+TITLES = {"Mesh": "Communicator mesh", "Plans": "Plans", "Simulate": "Simulate", "Replay": "Replay", "Live": "Live"}
+FAILED_RANKS_JS = """() => { const out = [];
+    for (const gd of document.querySelectorAll('.js-plotly-plot'))
+        for (const t of gd._fullData || []) if (t.name === 'failed') for (const c of t.customdata || []) out.push(c[0]);
+    return out.sort((a, b) => a - b); }"""
 
 
 @pytest.fixture(scope="module")
 def server():
-    port = _free_port()
-    streamlit = Path(sys.executable).with_name("streamlit")
-    proc = subprocess.Popen(
-        [str(streamlit), "run", "app/main.py", "--server.address", "127.0.0.1", "--server.port", str(port),
-         "--server.headless", "true", "--browser.gatherUsageStats", "false", "--server.fileWatcherType", "none"],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-                pytest.fail(f"streamlit did not answer /_stcore/health within 60 s:\n{out[-3000:]}")
-            time.sleep(0.3)
+    with dashboard_server() as url:
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 @pytest.fixture(scope="module")
-def page():
-    exe = _chromium()
+def browser():
+    exe = chromium_path()
     if exe is None:
         pytest.skip("no Chromium found: install Debian's chromium (apt-get install chromium) or set MESHPACT_CHROMIUM")
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
-        pg = browser.new_page(viewport={"width": 1440, "height": 2000})
-        yield pg
-        browser.close()
+        b = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def page(browser):
+    pg = browser.new_page(viewport={"width": 1440, "height": 2000})
+    yield pg
+    pg.close()
+
+
+@pytest.fixture
+def user(browser, server):
+    """A fresh browser session at a first-time user's window size (1400x900)."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg = browser.new_page(viewport={"width": 1400, "height": 900})
+    pg.goto(server)
+    settle(pg)
+    yield pg
+    pg.close()
 
 
 def _settle(pg) -> None:  # noqa: ANN001 (a playwright Page)
-    pg.wait_for_selector("h1", timeout=30_000)
-    # The script is done when the status widget stops showing "Running".
-    pg.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')", timeout=30_000)
-    # Elements arrive before they are drawn: wait for the skeletons and for every chart to plot.
-    pg.wait_for_function("""() => !document.querySelector('[data-testid="stSkeleton"]') &&
-        [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => c.querySelector('.main-svg'))""",
-                         timeout=30_000)
+    settle(pg)
     pg.wait_for_timeout(800)
+
+
+def _type_ranks(pg, text: str) -> None:  # noqa: ANN001
+    before = metric(pg, "healthy ranks")
+    box = pg.get_by_placeholder("no rank failed")
+    box.fill(text)
+    box.press("Enter")
+    wait_metric_change(pg, "healthy ranks", before)
 
 
 @pytest.mark.parametrize("name", list(PAGES))
@@ -114,39 +96,91 @@ def test_page_renders_without_exception(server, page, name):
     assert links == NAV
 
 
-def test_clicking_a_rank_on_the_chart_fails_it(server, page):
-    page.goto(server)
-    _settle(page)
-    page.wait_for_selector(".js-plotly-plot .scatterlayer", timeout=30_000)
-    # Pixel position of rank 5's marker, from plotly's own axes.
-    xy = page.evaluate("""() => {
-        const gd = document.querySelector('.js-plotly-plot');
-        const L = gd._fullLayout;
-        for (const tr of gd._fullData) {
-            const cd = tr.customdata || [];
-            for (let i = 0; i < cd.length; i++) {
-                if (cd[i] && cd[i][0] === 5) {
-                    const box = gd.getBoundingClientRect();
-                    return [box.left + L._size.l + L.xaxis.d2p(tr.x[i]), box.top + L._size.t + L.yaxis.d2p(tr.y[i])];
-                }
-            }
-        }
-        return null;
-    }""")
-    assert xy is not None, "rank 5 is not drawn on the mesh chart"
-    page.mouse.click(xy[0], xy[1])
-    page.wait_for_function(
-        "() => [...document.querySelectorAll('[data-testid=\"stMetricValue\"]')].some(e => e.innerText.includes('31/32'))",
-        timeout=20_000,
-    )
-    _settle(page)
-    page.screenshot(path=str(ARTIFACTS / "page-mesh-rank5-failed.png"), full_page=True)
-    assert page.locator('[data-testid="stException"]').count() == 0
+def test_clicking_a_rank_on_the_chart_fails_it(user):
+    user.get_by_text("click ranks", exact=True).click()
+    settle(user)
+    click_rank(user, 5)
+    assert wait_metric_change(user, "healthy ranks", "32/32") == "31/32"
+    assert user.evaluate(FAILED_RANKS_JS) == [5]
+    user.screenshot(path=str(ARTIFACTS / "page-mesh-rank5-failed.png"), full_page=True)
+    click_rank(user, 5)  # a second click heals it
+    assert wait_metric_change(user, "healthy ranks", "31/32") == "32/32"
+    assert user.locator('[data-testid="stException"]').count() == 0
+
+
+def test_dragging_a_box_fails_every_rank_inside_it(user):
+    from meshpact.app.serve import RANK_XY_JS
+
+    a, b = user.evaluate(RANK_XY_JS, 2), user.evaluate(RANK_XY_JS, 4)  # by default a drag draws a box
+    x0, x1 = sorted([a[0], b[0]])
+    y0, y1 = sorted([a[1], b[1]])
+    user.mouse.move(x0 - 4, y0 - 4)
+    user.mouse.down()
+    user.mouse.move((x0 + x1) / 2, (y0 + y1) / 2, steps=4)
+    user.mouse.move(x1 + 4, y1 + 4, steps=4)
+    user.mouse.up()
+    wait_metric_change(user, "healthy ranks", "32/32")
+    failed = user.evaluate(FAILED_RANKS_JS)
+    assert {2, 4} <= set(failed) and len(failed) >= 3, failed
+    assert user.get_by_placeholder("no rank failed").input_value() != ""
+
+
+def test_typed_ranks_fail_exactly_those_ranks(user):
+    _type_ranks(user, "5")
+    assert metric(user, "healthy ranks") == "31/32"
+    assert user.evaluate(FAILED_RANKS_JS) == [5]  # not 5, 15 and 25
+    _type_ranks(user, "5-9, 12")
+    assert user.evaluate(FAILED_RANKS_JS) == [5, 6, 7, 8, 9, 12]
+    box = user.get_by_placeholder("no rank failed")
+    box.fill("5, 77")
+    box.press("Enter")
+    alert = user.locator('[data-testid="stAlertContentError"]').first
+    alert.wait_for(timeout=20_000)
+    assert alert.inner_text().strip() == "rank 77 is not in this mesh (ranks 0-31)"
+    assert user.evaluate(FAILED_RANKS_JS) == [5, 6, 7, 8, 9, 12]
+
+
+def test_scenario_and_failures_follow_the_user_across_pages(user):
+    pick_scenario(user, "whatif_1024")
+    _type_ranks(user, "5, 600-603")
+    for nav in ("Plans", "Simulate", "Replay", "Live", "Mesh"):
+        go_to(user, nav, TITLES[nav])
+        sidebar = user.locator('[data-testid="stSidebar"]').inner_text()
+        assert "whatif_1024" in sidebar, nav
+        assert user.locator('[data-testid="stException"]').count() == 0, nav
+    assert user.get_by_placeholder("no rank failed").input_value() == "5, 600-603"
+    assert metric(user, "healthy ranks") == "1,019/1,024"
+    user.get_by_role("button", name="Replay these failures").click()
+    wait_title(user, "Replay")
+    assert metric(user, "failed ranks") == "5 ranks"  # the ids are in its help; "ranks 5, 600-603" is too wide
+
+
+@pytest.mark.parametrize("scenario,failures", [("whatif_1024", "5, 600-603"), ("whatif_16384_30d", "5, 9000-9003")])
+def test_no_metric_button_or_link_is_clipped_at_scale(user, scenario, failures):
+    pick_scenario(user, scenario)
+    _type_ranks(user, failures)
+    # Simulate's metrics are percentages; its 30-day 16,384-rank sweeps would only add minutes
+    for nav in ("Mesh", "Replay", "Live") + (("Simulate",) if scenario == "whatif_1024" else ()):
+        if nav != "Mesh":
+            go_to(user, nav, TITLES[nav])
+        user.wait_for_timeout(300)  # fonts and layout settle
+        clipped = user.evaluate(CLIPPED_JS)
+        assert clipped == [], f"{scenario} {nav}: cut off: {clipped}"
+        user.screenshot(path=str(ARTIFACTS / f"clip-{scenario}-{nav.lower()}.png"))
+        if nav == "Replay":  # the failures from Mesh, and the 2-rank live recording at its communicator stage
+            main = user.locator('[data-testid="stMain"] [data-testid="stRadio"]')
+            main.get_by_text("failures picked on Mesh", exact=True).click()
+            user.wait_for_function(f"() => ({METRIC_JS})('failed ranks') === '5 ranks'")  # too long to list
+            settle(user)
+            assert user.evaluate(CLIPPED_JS) == [], f"{scenario} Mesh failures in Replay"
+            main.get_by_text("simulated run of this scenario", exact=True).click()
+            settle(user)
 
 
 def test_play_advances_the_replay(server, page):
     page.goto(f"{server}/replay")
     _settle(page)
+    ARTIFACTS.mkdir(exist_ok=True)
 
     def event_no() -> int:
         text = page.locator("strong", has_text="Event ").first.inner_text()  # "Event 7/28:"

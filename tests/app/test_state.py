@@ -69,3 +69,65 @@ def test_error_messages_keep_every_character_in_markdown():
     first, blank, item = md.splitlines()
     assert first == r"a\_b\.yaml: bad:" and blank == ""
     assert item == r"- cluster\.domains\.0\.vendor: expected one of \[cuda\] \(got 'tpu'\)"
+
+
+def test_parse_ranks_reads_exact_ranks_and_ranges():
+    from meshpact.app.state import parse_ranks
+
+    ranks = range(32)
+    assert parse_ranks("5", ranks) == {5}  # not 5, 15 and 25
+    assert parse_ranks("5-9, 12", ranks) == {5, 6, 7, 8, 9, 12}
+    assert parse_ranks(" 31 ,0,", ranks) == {0, 31}
+    assert parse_ranks("2..4; 7\u20139", ranks) == {2, 3, 4, 7, 8, 9}
+    assert parse_ranks("", ranks) == frozenset()
+    # a mesh with a gap: a range takes the ranks that exist; a single missing rank is an error
+    assert parse_ranks("2-12", [0, 1, 2, 10, 11, 20]) == {2, 10, 11}
+
+
+def test_parse_ranks_refuses_bad_text_with_one_line_and_no_unbounded_work():
+    import time
+
+    import pytest
+
+    from meshpact.app.state import parse_ranks
+
+    for text, says in [("x", "'x' is not a rank or a range"), ("9-5", "runs backwards"), ("32", "rank 32 is not"),
+                       ("-3", "is not a rank or a range"), ("1-2-3", "is not a rank or a range"),
+                       ("3-", "is not a rank or a range"), ("1.5", "is not a rank or a range")]:
+        with pytest.raises(ValueError, match=says) as info:
+            parse_ranks(text, range(32))
+        assert "\n" not in str(info.value)
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="not in this mesh"):
+        parse_ranks("0-99999999999999", range(16384))
+    assert time.perf_counter() - t0 < 1.0
+
+
+def test_format_ranks_round_trips_through_parse_ranks():
+    import random
+
+    from meshpact.app.state import format_ranks, parse_ranks
+
+    assert format_ranks([1, 2, 3, 7, 8, 10]) == "1-3, 7, 8, 10"
+    assert format_ranks([]) == ""
+    rng = random.Random(7)
+    for _ in range(50):
+        picked = {rng.randrange(2048) for _ in range(rng.randrange(1, 300))}
+        assert parse_ranks(format_ranks(picked), range(2048)) == picked
+
+
+def test_carry_widget_state_puts_back_what_a_page_switch_dropped():
+    from meshpact.app.state import KEPT_STORE, carry_widget_state
+
+    session: dict = {"scenario_builtin": "whatif_1024", "other": 1}
+    carry_widget_state(session, ["scenario_builtin", "replay_source"])
+    assert session[KEPT_STORE] == {"scenario_builtin": "whatif_1024"}
+    del session["scenario_builtin"]  # a page without the picker ran: Streamlit dropped the widget's value
+    carry_widget_state(session, ["scenario_builtin", "replay_source"])
+    assert session["scenario_builtin"] == "whatif_1024"
+    assert "replay_source" not in session  # never set: nothing invented
+    session["scenario_builtin"] = "default"  # the user picked again: the new value is kept
+    carry_widget_state(session, ["scenario_builtin"])
+    del session["scenario_builtin"]
+    carry_widget_state(session, ["scenario_builtin"])
+    assert session["scenario_builtin"] == "default"

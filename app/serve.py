@@ -1,0 +1,175 @@
+"""A dashboard server for tests and benchmarks: ``streamlit run app/main.py`` on loopback.
+
+:func:`dashboard_server` starts the app headless on 127.0.0.1 (a free port unless one is
+given), waits for ``/_stcore/health``, yields the base URL and stops the server's whole
+process group on exit. :func:`chromium_path` finds Debian's Chromium for Playwright; the
+functions after it drive the app in a Playwright page the way a person does (open a
+page from the sidebar, pick a scenario, click a rank) and wait until Streamlit has
+finished the run and plotly has drawn every chart, so tests and the benchmark time and
+check what a user sees.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+__all__ = [
+    "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "settle", "metric",
+    "wait_metric_change", "click_rank", "pick_scenario", "go_to", "wait_title",
+]
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def chromium_path() -> str | None:
+    """Chromium to drive: ``$MESHPACT_CHROMIUM``, Debian's ``/usr/lib/chromium/chromium``, or one on PATH."""
+    for candidate in (os.environ.get("MESHPACT_CHROMIUM"), "/usr/lib/chromium/chromium",
+                      shutil.which("chromium"), shutil.which("chromium-browser")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+@contextlib.contextmanager
+def dashboard_server(port: int = 0, timeout_s: float = 60.0, cwd: Path = ROOT) -> Iterator[str]:
+    """Run the dashboard on ``http://127.0.0.1:<port>`` for the ``with`` block; yields the URL."""
+    port = port or free_port()
+    streamlit = Path(sys.executable).with_name("streamlit")
+    proc = subprocess.Popen(
+        [str(streamlit), "run", str(ROOT / "app" / "main.py"), "--server.address", "127.0.0.1",
+         "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
+         "--server.fileWatcherType", "none"],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/_stcore/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                out = proc.stdout.read().decode(errors="replace") if proc.stdout and proc.poll() is not None else ""
+                raise RuntimeError(f"streamlit did not answer {url}/_stcore/health within {timeout_s:.0f} s"
+                                   + (f":\n{out[-3000:]}" if out else ""))
+            time.sleep(0.3)
+        yield url
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+# --- driving the dashboard in a browser (a Playwright ``Page``; used by the browser tests and bench/app.py) ---
+
+SETTLED_JS = """() => !document.querySelector('[data-testid="stStatusWidget"]')
+    && !document.querySelector('[data-testid="stSkeleton"]')
+    && !document.querySelector('[data-stale="true"]')
+    && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => c.querySelector('.main-svg'))"""
+
+# Text cut off by its box: metric values and labels, button and page-link labels.
+CLIPPED_JS = """() => [...document.querySelectorAll(
+        '[data-testid="stMetricValue"] div, [data-testid="stMetricLabel"] p, [data-testid="stMetricValue"],'
+        + ' [data-testid="stPageLink"] p, [data-testid="stBaseButton-secondary"] p, [data-testid="stBaseButton-primary"] p')]
+    .filter(e => e.offsetParent !== null && e.scrollWidth > e.clientWidth + 1)
+    .map(e => e.innerText)"""
+
+RANK_XY_JS = """(rank) => {
+    for (const gd of [...document.querySelectorAll('.js-plotly-plot')].reverse()) {
+        const L = gd._fullLayout;
+        for (const tr of gd._fullData || []) {
+            const cd = tr.customdata || [];
+            for (let i = 0; i < cd.length; i++) {
+                if (cd[i] && cd[i][0] === rank && tr.mode && tr.mode.includes('markers')) {
+                    gd.scrollIntoView({block: 'center', behavior: 'instant'});
+                    const box = gd.getBoundingClientRect();
+                    return [box.left + L._size.l + L.xaxis.d2p(tr.x[i]), box.top + L._size.t + L.yaxis.d2p(tr.y[i])];
+                }
+            }
+        }
+    }
+    return null;
+}"""
+
+METRIC_JS = """(label) => {
+    for (const m of document.querySelectorAll('[data-testid="stMetric"]')) {
+        const l = m.querySelector('[data-testid="stMetricLabel"]');
+        if (l && l.innerText.trim() === label) return m.querySelector('[data-testid="stMetricValue"]').innerText.trim();
+    }
+    return null;
+}"""
+
+
+def settle(page: object, timeout_ms: int = 60_000) -> None:
+    """Wait until the app has finished its run and drawn every chart."""
+    page.wait_for_selector("h1", timeout=timeout_ms)  # type: ignore[attr-defined]
+    page.wait_for_function(SETTLED_JS, timeout=timeout_ms)  # type: ignore[attr-defined]
+
+
+def metric(page: object, label: str) -> str | None:
+    return page.evaluate(METRIC_JS, label)  # type: ignore[attr-defined]
+
+
+def wait_metric_change(page: object, label: str, before: str | None, timeout_ms: int = 60_000) -> str:
+    """Wait until the metric ``label`` shows something other than ``before`` and the run is over."""
+    page.wait_for_function(f"(b) => ({METRIC_JS})({label!r}) !== b", arg=before,  # type: ignore[attr-defined]
+                           timeout=timeout_ms)
+    settle(page, timeout_ms)
+    return str(metric(page, label))
+
+
+def click_rank(page: object, rank: int) -> None:
+    """Click rank ``rank``'s marker on the last chart that draws it."""
+    xy = page.evaluate(RANK_XY_JS, rank)  # type: ignore[attr-defined]
+    if xy is None:
+        raise LookupError(f"rank {rank} is not drawn on any chart")
+    page.mouse.click(xy[0], xy[1])  # type: ignore[attr-defined]
+
+
+def pick_scenario(page: object, name: str, timeout_ms: int = 60_000) -> None:
+    """Choose a built-in scenario in the sidebar and wait for the page to redraw."""
+    sidebar = page.locator('[data-testid="stSidebar"]')  # type: ignore[attr-defined]
+    sidebar.locator('[data-testid="stSelectbox"]').first.click()
+    page.get_by_role("option", name=name, exact=True).click()  # type: ignore[attr-defined]
+    page.wait_for_function(  # type: ignore[attr-defined]
+        """(n) => [...document.querySelectorAll('[data-testid="stSidebar"] strong')].some(e => e.innerText === n)""",
+        arg=name, timeout=timeout_ms)
+    settle(page, timeout_ms)
+
+
+def wait_title(page: object, title: str, timeout_ms: int = 60_000) -> None:
+    """Wait until the page's title is ``title`` and its run is over."""
+    page.wait_for_function(  # type: ignore[attr-defined]
+        "(t) => { const h = document.querySelector('h1'); return h && h.innerText.trim() === t; }", arg=title,
+        timeout=timeout_ms)
+    settle(page, timeout_ms)
+
+
+def go_to(page: object, nav: str, title: str, timeout_ms: int = 60_000) -> None:
+    """Open a page from the sidebar and wait until its title shows and its run is over."""
+    page.locator('[data-testid="stSidebarNavLink"]', has_text=nav).click()  # type: ignore[attr-defined]
+    wait_title(page, title, timeout_ms)

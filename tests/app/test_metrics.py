@@ -1,0 +1,85 @@
+"""The Prometheus endpoint of a live run: fed from the recording as it grows, loopback only."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+from meshpact.app.metrics import MetricsEndpoint
+from meshpact.core.recording import partial_path
+
+
+def _line(t, event, rank=None, stage=None, **data) -> str:
+    return json.dumps({"t": t, "event": event, "rank": rank, "stage": stage, "data": data}) + "\n"
+
+
+def _scrape(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("meshpact_"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_metrics_follow_the_partial_recording_as_it_grows(tmp_path):
+    final = tmp_path / "live-run.jsonl"
+    partial = partial_path(final)
+    partial.write_text(_line(0.0, "recording_start", source="live", ranks=3, wall_time=1000.0)
+                       + _line(1.0, "session_start", rank=0))
+    ep = MetricsEndpoint(final)
+    try:
+        assert ep.addr == "127.0.0.1" and ep.port > 0
+        m = _scrape(ep.url)
+        assert 'meshpact_events_total{event="session_start"}' in m
+        assert not any(k.startswith("meshpact_recoveries_total") for k in m)
+        with open(partial, "a") as fh:  # the run goes on: a recovery decided by all three ranks
+            for rank in range(3):
+                fh.write(_line(5.0, "detected", rank, "detection", seconds=0.02 * (rank + 1)))
+                fh.write(_line(5.5, "decided", rank, "consensus", seconds=0.3, policy="in_memory", round=1, step=6,
+                               heartbeat_age_s=0.5 + rank))
+            fh.write(_line(9.0, "decided", 1, "consensus", seconds=0.1, policy="checkpoint_restore", round=2,
+                           step=8))
+            fh.write('{"t": 9.5, "event": "half a li')  # a line still being written is not read
+        m = _scrape(ep.url)
+        assert m['meshpact_recoveries_total{policy="in_memory"}'] == 1.0  # three ranks, one decision
+        assert m['meshpact_recoveries_total{policy="checkpoint_restore"}'] == 1.0
+        assert m['meshpact_stage_seconds_count{stage="detection"}'] == 3.0
+        assert abs(m['meshpact_stage_seconds_sum{stage="detection"}'] - 0.12) < 1e-9
+        assert m['meshpact_stage_seconds_bucket{le="0.05",stage="detection"}'] == 2.0
+        assert m['meshpact_heartbeat_age_seconds{rank="2"}'] == 2.5
+        assert 'meshpact_rank_last_event_age_seconds{rank="1"}' in m
+        assert m['meshpact_events_total{event="decided"}'] == 4.0
+    finally:
+        ep.close()
+
+
+def test_the_endpoint_stops_when_closed(tmp_path):
+    rec = tmp_path / "r.jsonl"
+    rec.write_text(_line(0.0, "recording_start"))
+    ep = MetricsEndpoint(rec)
+    url = ep.url
+    ep.close()
+    try:
+        urllib.request.urlopen(url, timeout=2)
+    except OSError:
+        return
+    raise AssertionError("the endpoint still answers after close()")
+
+
+def test_a_dropped_endpoint_frees_its_port(tmp_path):
+    import gc
+
+    rec = tmp_path / "r.jsonl"
+    rec.write_text(_line(0.0, "recording_start"))
+    ep = MetricsEndpoint(rec)
+    url = ep.url
+    del ep
+    gc.collect()
+    try:
+        urllib.request.urlopen(url, timeout=2)
+    except OSError:
+        return
+    raise AssertionError("an endpoint nobody holds still answers")
