@@ -50,8 +50,17 @@ __all__ = [
 ]
 
 
+# Bounds on what one simulation may be asked to do: a value past these is refused before any
+# work starts, naming the field and the limit (an unbounded input must never hang or exhaust memory).
+MAX_RANKS = 1 << 20  # 1,048,576 ranks
+MAX_DAYS = 3650.0  # ten years of wall clock
+MAX_SEED = 2**63 - 1
+MAX_SCRIPTED_FAULTS = 100_000
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and nan are refused everywhere: every number a scenario holds is finite
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DomainSpec(_Strict):
@@ -134,15 +143,15 @@ class WorkloadSpec(_Strict):
 
     model: str = "qwen3-14b"
     parallelism: ParallelismSpec = ParallelismSpec()
-    step_seconds: float | None = Field(None, gt=0, description="seconds per optimizer step")
-    tokens_per_step: int | None = Field(None, gt=0, description="global batch in tokens (cost model)")
+    step_seconds: float | None = Field(None, gt=0, le=86400.0, description="seconds per optimizer step")
+    tokens_per_step: int | None = Field(None, gt=0, le=10**13, description="global batch in tokens (cost model)")
     peak_tflops_per_rank: float = Field(989.0, gt=0, description="dense BF16; 989 is the H100 SXM datasheet value")
     mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation (cost model)")
     state_bytes_per_param: float = Field(
         16.0, gt=0, description="bf16 weights and grads plus fp32 Adam state: 2+2+12 (ZeRO, Rajbhandari et al. 2020)"
     )
-    days: float = Field(1.0, gt=0, description="wall-clock days the job runs")
-    ranks: int | None = Field(None, ge=1, description="ranks simulated; default: the cluster's world size")
+    days: float = Field(1.0, gt=0, le=MAX_DAYS, description="wall-clock days the job runs (the horizon)")
+    ranks: int | None = Field(None, ge=1, le=MAX_RANKS, description="ranks simulated; default: the cluster's world size")
 
     _model = field_validator("model")(_model_name)
 
@@ -154,7 +163,7 @@ class WorkloadSpec(_Strict):
 
 
 class ScriptedFault(_Strict):
-    at_s: float = Field(ge=0, description="seconds after the start")
+    at_s: float = Field(ge=0, le=MAX_DAYS * 86400.0, description="seconds after the start")
     kind: FaultKind = FaultKind.TRANSIENT
     rank: int = Field(0, ge=0)
 
@@ -164,10 +173,10 @@ class FaultsSpec(_Strict):
 
     rank_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of transient communication faults")
     rank_loss_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of losing the rank")
-    repair_hours: float = Field(4.0, gt=0, description="until a lost rank's replica rejoins (excise)")
-    rejoin_s: float = Field(60.0, ge=0, description="until a replica excised for a transient fault rejoins")
-    scripted: list[ScriptedFault] = Field(default_factory=list)
-    seed: int = 0
+    repair_hours: float = Field(4.0, gt=0, le=87600.0, description="until a lost rank's replica rejoins (excise)")
+    rejoin_s: float = Field(60.0, ge=0, le=MAX_DAYS * 86400.0, description="until a replica excised for a transient fault rejoins")
+    scripted: list[ScriptedFault] = Field(default_factory=list, max_length=MAX_SCRIPTED_FAULTS)
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the random fault process")
 
 
 class CheckpointMode(str, Enum):
@@ -176,9 +185,9 @@ class CheckpointMode(str, Enum):
 
 
 class CheckpointSpec(_Strict):
-    every_steps: int = Field(500, ge=1, description="steps between checkpoints")
+    every_steps: int = Field(500, ge=1, le=10**12, description="steps between checkpoints")
     mode: CheckpointMode = CheckpointMode.SYNC
-    seconds: float | None = Field(None, ge=0, description="write time; default: shard bytes / write bandwidth")
+    seconds: float | None = Field(None, ge=0, le=86400.0, description="write time; default: shard bytes / write bandwidth")
     write_gbyte_per_s_per_rank: float = Field(1.0, gt=0)
     snapshot_gbyte_per_s_per_rank: float = Field(25.0, gt=0, description="device to pinned host memory (async)")
     host_memory_gib_per_rank: float = Field(64.0, gt=0, description="host memory available for async snapshots")
@@ -247,11 +256,11 @@ _SERVING_REQUESTS = (Request.FULL, Request.LOGPROB, Request.TOKEN, Request.OWNER
 class ServingSpec(_Strict):
     model: str = Field("dense", description="a key of presets")
     presets: dict[str, ServingPreset] = Field(min_length=1)
-    concurrency: int = Field(8, ge=1, description="clients, each with one request in flight")
+    concurrency: int = Field(8, ge=1, le=100_000, description="clients, each with one request in flight")
     arrival_rate_per_s: float | None = Field(None, gt=0, description="open-loop Poisson arrivals instead")
     request: Request = Request.TOKEN
-    output_tokens: int = Field(128, ge=1)
-    requests: int = Field(200, ge=1, description="requests to complete")
+    output_tokens: int = Field(128, ge=1, le=1_000_000)
+    requests: int = Field(200, ge=1, le=1_000_000, description="requests to complete")
     consumer_ranks: int = Field(1, ge=1, description="consumer ranks on the local host")
     producer_ranks: int = Field(1, ge=1, description="remote ranks holding the LM head (vocab-sharded when > 1)")
     link: LinkSpec | None = Field(None, description="default: the cluster's ethernet link")
@@ -346,7 +355,8 @@ def _section_may_hold(parts: list[str]) -> bool:
 
 
 def _format_errors(source: str, exc: ValidationError) -> str:
-    lines = [f"{source}: the scenario does not match the schema:"]
+    """Every schema error on one line: ``file: field: problem (got value); field: ...``."""
+    lines: list[str] = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         got = err.get("input")
@@ -356,8 +366,8 @@ def _format_errors(source: str, exc: ValidationError) -> str:
             msg = "unknown field; check its spelling against the documented fields"
         elif err["type"] == "missing":
             msg = "required field is missing"
-        lines.append(f"  - {where}: {msg}{got_text}")
-    return "\n".join(lines)
+        lines.append(f"{where}: {msg}{got_text}")
+    return f"{source}: " + "; ".join(lines)
 
 
 def parse_scenario(data: Any, source: str = "<scenario>", model: type[Scenario] = Scenario) -> Scenario:

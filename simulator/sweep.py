@@ -22,7 +22,12 @@ from meshpact.core.errors import MeshpactError, ScenarioError
 from meshpact.core.facts import LinkClass
 from meshpact.core.scenario import Scenario, parse_scenario, with_overrides
 
-__all__ = ["ALIASES", "parse_param", "sweep_points", "run_sweep", "save_frame"]
+__all__ = ["ALIASES", "MAX_POINTS", "MAX_PROCESSES", "parse_param", "sweep_points", "run_sweep", "check_out_path",
+           "save_frame"]
+
+MAX_POINTS = 100_000  # points in one sweep (the product of every parameter's values)
+MAX_PROCESSES = 1024
+_SUFFIXES = (".csv", ".parquet", ".pq")
 
 ALIASES: Mapping[str, str] = {
     "ranks": "workload.ranks",
@@ -72,6 +77,12 @@ def _point_overrides(scenario: Scenario, point: Mapping[str, Any]) -> dict[str, 
 
 def sweep_points(params: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     names = list(params)
+    count = 1
+    for n in names:
+        count *= max(len(params[n]), 1)
+    if count > MAX_POINTS:
+        raise MeshpactError(f"--param: the grid has {count:,} points, over the limit of {MAX_POINTS:,}; "
+                            "sweep fewer values or split the grid")
     return [dict(zip(names, combo)) for combo in itertools.product(*(list(params[n]) for n in names))]
 
 
@@ -112,6 +123,8 @@ def run_sweep(
         kind = "serving" if any(k.startswith("serving.") for k in params) else "training"
     if kind not in ("training", "serving"):
         raise MeshpactError(f"sweep kind {kind!r}: expected training, serving or auto")
+    if processes is not None and not 1 <= processes <= MAX_PROCESSES:
+        raise MeshpactError(f"--processes {processes}: expected 1..{MAX_PROCESSES} worker processes")
     points = sweep_points(params)
     for point in points:  # fail before any work with the field named
         with_overrides(scenario, _point_overrides(scenario, point), source=f"{scenario.name} sweep {point}")
@@ -135,18 +148,40 @@ def run_sweep(
     return pd.DataFrame([row for rows in results for row in (rows or [])])
 
 
-def save_frame(frame: Any, path: str | os.PathLike[str]) -> Path:
-    """Save a DataFrame as CSV (``.csv``) or Parquet (``.parquet``)."""
+def check_out_path(path: str | os.PathLike[str]) -> Path:
+    """Refuse an output name the sweep could not write, before the sweep runs.
+
+    The suffix must be ``.csv`` or ``.parquet``, the folder must exist (it is not created:
+    a typo in a folder name should not silently make a new tree) and be writable, and
+    Parquet needs pyarrow.
+    """
     p = Path(path)
     suffix = p.suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise MeshpactError(f"--out {p}: expected a .csv or .parquet file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise MeshpactError(f"--out {p}: folder {parent} does not exist; create it first or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise MeshpactError(f"--out {p}: folder {parent} is not writable")
+    if p.is_dir():
+        raise MeshpactError(f"--out {p}: is a folder; expected a file name ending in .csv or .parquet")
+    if suffix != ".csv":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise MeshpactError(f"--out {p}: writing Parquet needs pyarrow (pip install pyarrow), or use .csv") from None
+    return p
+
+
+def save_frame(frame: Any, path: str | os.PathLike[str]) -> Path:
+    """Save a DataFrame as CSV (``.csv``) or Parquet (``.parquet``); see :func:`check_out_path`."""
+    p = check_out_path(path)
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if suffix == ".csv":
+        if p.suffix.lower() == ".csv":
             frame.to_csv(p, index=False)
-        elif suffix in (".parquet", ".pq"):
-            frame.to_parquet(p, index=False)
         else:
-            raise MeshpactError(f"--out {p}: expected a .csv or .parquet file name")
+            frame.to_parquet(p, index=False)
     except ImportError:
         raise MeshpactError(f"--out {p}: writing Parquet needs pyarrow (pip install pyarrow), or use .csv") from None
     except OSError as exc:

@@ -38,12 +38,21 @@ import simpy
 from meshpact.core.recovery import FaultKind, Policy, RecoveryCosts, Stage, estimate_recovery
 from meshpact.core.scenario import CheckpointMode, Scenario, with_overrides
 
-from .faults import Fault, fault_trace
+from meshpact.core.errors import ScenarioError
+
+from .faults import Fault, cluster_rate_per_s, fault_trace
 from .workload import Workload, derive_workload
 
-__all__ = ["TimelineEvent", "PolicyResult", "TrainingResult", "simulate_training", "StageAdjust", "training_overrides"]
+__all__ = ["TimelineEvent", "PolicyResult", "TrainingResult", "simulate_training", "StageAdjust", "training_overrides",
+           "check_bounds", "MAX_FAULTS", "MAX_CHECKPOINT_INTERVALS"]
 
 _EPS = 1e-9
+
+# The most events one simulation may generate, checked before any work starts: expected
+# faults in the trace, and checkpoint intervals per policy. Each costs a few SimPy events;
+# at these limits a run takes minutes, not hours, and memory stays in megabytes.
+MAX_FAULTS = 200_000
+MAX_CHECKPOINT_INTERVALS = 1_000_000
 
 # Adjusts a modelled breakdown's durations: (policy, ranks, modelled durations) -> durations.
 StageAdjust = Callable[[Policy, int, Mapping[Stage, float]], Mapping[Stage, float]]
@@ -409,6 +418,24 @@ def training_overrides(
     return out
 
 
+def check_bounds(scenario: Scenario, w: Workload, ranks: int, horizon_s: float) -> None:
+    """Refuse a run whose event count would be unbounded in practice, naming the fields to change."""
+    src = scenario.name
+    intervals = horizon_s / (w.checkpoint_every * w.step_s + w.checkpoint_block_s)
+    if intervals > MAX_CHECKPOINT_INTERVALS:
+        raise ScenarioError(
+            f"{src}: checkpointing.every_steps: {intervals:.3g} checkpoint intervals of {w.checkpoint_every} steps "
+            f"({w.step_s:.3g} s each) in {horizon_s / 86400:g} days exceed the limit of {MAX_CHECKPOINT_INTERVALS:,}; "
+            "raise checkpointing.every_steps, the step time, or shorten workload.days")
+    f = scenario.faults
+    for field, mtbf in (("faults.rank_mtbf_hours", f.rank_mtbf_hours), ("faults.rank_loss_mtbf_hours", f.rank_loss_mtbf_hours)):
+        expected = cluster_rate_per_s(mtbf, ranks) * horizon_s
+        if expected > MAX_FAULTS:
+            raise ScenarioError(
+                f"{src}: {field}: {mtbf:g} h per rank on {ranks} ranks gives {expected:.3g} faults in "
+                f"{horizon_s / 86400:g} days, over the limit of {MAX_FAULTS:,}; raise the MTBF or shorten workload.days")
+
+
 def simulate_training(
     scenario: Scenario,
     *,
@@ -432,6 +459,7 @@ def simulate_training(
     ranks = scenario.workload.ranks or scenario.mesh().world_size
     w = derive_workload(scenario.workload, scenario.checkpointing, ranks, source=scenario.name)
     horizon = scenario.workload.days * 86400.0
+    check_bounds(scenario, w, ranks, horizon)
     trace = fault_trace(scenario.faults, ranks, horizon, source=scenario.name)
     costs = scenario.recovery.recovery_costs()
     fixed = scenario.recovery.stage_seconds

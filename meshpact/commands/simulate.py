@@ -63,11 +63,11 @@ def _policies(value: str) -> list[str] | None:
 
 def training(
     scenario: str = typer.Option("default", "--scenario", help="Scenario file or built-in name."),
-    ranks: Optional[int] = typer.Option(None, "--ranks", min=1, help="Ranks simulated."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", help="Ranks simulated."),
     days: Optional[float] = typer.Option(None, "--days", help="Wall-clock days."),
     step_seconds: Optional[float] = typer.Option(None, "--step-seconds", help="Seconds per step (replaces the cost model)."),
     rank_mtbf_hours: Optional[float] = typer.Option(None, "--rank-mtbf-hours", help="Per-rank MTBF of transient faults."),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=1, help="Steps between checkpoints."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Steps between checkpoints."),
     checkpoint_seconds: Optional[float] = typer.Option(None, "--checkpoint-seconds", help="Seconds to write one checkpoint."),
     checkpoint_mode: Optional[_Mode] = typer.Option(None, "--checkpoint-mode", help="sync or async."),
     policy: str = typer.Option("all", "--policy", help="A policy, a comma list, or all."),
@@ -78,9 +78,11 @@ def training(
 ) -> None:
     """Training with faults: every policy on the same fault trace."""
     from meshpact.simulator.calibrate import calibration_from_recording
-    from meshpact.simulator.timeline import write_chrome_trace
+    from meshpact.simulator.timeline import check_trace_path, write_chrome_trace
     from meshpact.simulator.training import simulate_training
 
+    if trace:
+        check_trace_path(trace)
     sc = _scenario(scenario)
     cal = calibration_from_recording(calibrate_from, sc.recovery.recovery_costs()) if calibrate_from else None
     result = simulate_training(
@@ -151,14 +153,18 @@ def sweep(
     param: list[str] = typer.Option(..., "--param", help="NAME=V1,V2,... (repeat for a grid)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Save the results (.csv or .parquet)."),
     kind: _Kind = typer.Option(_Kind.AUTO, "--kind", help="training, serving, or auto from the parameters."),
-    processes: Optional[int] = typer.Option(None, "--processes", min=1, help="Worker processes (default: CPUs)."),
+    processes: Optional[int] = typer.Option(None, "--processes", help="Worker processes (default: CPUs)."),
     as_json: bool = typer.Option(False, "--json", help="Rows as one JSON document on stdout."),
 ) -> None:
     """Sweep any scenario parameter; one row per point (and policy)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from meshpact.simulator.sweep import parse_param, run_sweep, save_frame
+    from meshpact.simulator.sweep import MAX_PROCESSES, check_out_path, parse_param, run_sweep, save_frame
 
+    if out:
+        check_out_path(out)
+    if processes is not None and not 1 <= processes <= MAX_PROCESSES:
+        raise MeshpactError(f"--processes {processes}: expected 1..{MAX_PROCESSES} worker processes")
     params: dict[str, list[Any]] = {}
     for text in param:
         name, values = parse_param(text)
