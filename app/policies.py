@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
-from meshpact.core import recovery as _recovery
+from meshpact.core import recovery_costs as _recovery
 from meshpact.core.facts import Mesh
 from meshpact.core.mesh import health
 from meshpact.core.recovery import Policy, RecoveryBreakdown
@@ -60,14 +60,14 @@ def compare_policies(
     if not state.failed:
         raise ValueError("no failed ranks: pick at least one rank to fail")
     estimate = _recovery.estimate_recovery  # type: ignore[attr-defined]
-    fault = _recovery.FaultKind.RANK_LOSS if rank_loss else _recovery.FaultKind.TRANSIENT  # type: ignore[attr-defined]
+    fault = _recovery.FaultImpact.RANK_LOSS if rank_loss else _recovery.FaultImpact.TRANSIENT  # type: ignore[attr-defined]
     costs = _recovery.DEFAULT_RECOVERY_COSTS  # type: ignore[attr-defined]
     world = mesh.world_size
-    replay = {Policy.COLD_RESTART: steps_since_checkpoint, Policy.CHECKPOINT_RESTORE: steps_since_checkpoint,
-              Policy.IN_MEMORY: 1, Policy.EXCISE: 0}
+    models = _recovery.POLICY_MODELS
+    replay = {p: steps_since_checkpoint if m.from_checkpoint(fault) else 0 if m.excises else 1 for p, m in models.items()}
     ranks = {p: world for p in Policy}
     ranks[Policy.EXCISE] = state.healthy
-    out = tuple(estimate(p, ranks[p], costs, fault=fault, replay_steps=replay[p], step_s=step_s) for p in Policy)
+    out = tuple(estimate(p, ranks[p], costs, impact=fault, replay_steps=replay[p], step_s=step_s) for p in Policy)
     retained = state.healthy if rank_loss else world
     per_rank = float(costs.state_bytes_per_rank)
     return PolicyComparison(

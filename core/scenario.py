@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from .catalog import get_model
 from .errors import FactError, ScenarioError
 from .facts import DEFAULT_LINKS, Domain, LinkClass, LinkParams, Mesh, Request, Vendor
-from .recovery import FaultKind, Policy, RecoveryCosts, Stage
+from .recovery import Policy, Stage
+from .recovery_costs import FaultImpact, FaultScope, RecoveryCosts
 
 __all__ = [
     "DomainSpec",
@@ -151,6 +152,10 @@ class WorkloadSpec(_Strict):
         16.0, gt=0, description="bf16 weights and grads plus fp32 Adam state: 2+2+12 (ZeRO, Rajbhandari et al. 2020)"
     )
     days: float = Field(1.0, gt=0, le=MAX_DAYS, description="wall-clock days the job runs (the horizon)")
+    work_steps: int | None = Field(
+        None, ge=1, le=10**12, description="run until this many steps are committed (days is then the limit)")
+    step_time_cv: float = Field(
+        0.0, ge=0, le=1, description="stragglers: coefficient of variation of one rank's step time, per step")
     ranks: int | None = Field(None, ge=1, le=MAX_RANKS, description="ranks simulated; default: the cluster's world size")
 
     _model = field_validator("model")(_model_name)
@@ -164,19 +169,38 @@ class WorkloadSpec(_Strict):
 
 class ScriptedFault(_Strict):
     at_s: float = Field(ge=0, le=MAX_DAYS * 86400.0, description="seconds after the start")
-    kind: FaultKind = FaultKind.TRANSIENT
-    rank: int = Field(0, ge=0)
+    impact: FaultImpact = FaultImpact.TRANSIENT
+    rank: int = Field(0, ge=0, le=MAX_RANKS)
+    scope: FaultScope = Field(FaultScope.RANK, description="rank, node or rack (the node or rack holding rank)")
 
 
 class FaultsSpec(_Strict):
-    """Faults: a Poisson process per rank (superposed at cluster rate), or scripted events."""
+    """Faults: a Poisson process per rank (superposed at cluster rate), or scripted events.
+
+    A lost rank may take its node or its rack with it (``node_fraction``,
+    ``rack_fraction`` of rank losses); ranks are numbered node by node, rack by rack. Lost
+    ranks are replaced from a warm spare pool when it holds enough ranks (the failed
+    hardware returns to the pool after ``repair_hours``), else from the scheduler.
+    """
 
     rank_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of transient communication faults")
     rank_loss_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of losing the rank")
+    hang_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of hangs (no error; found by a timeout)")
+    ranks_per_node: int = Field(8, ge=1, le=1024, description="accelerators on one node")
+    nodes_per_rack: int = Field(4, ge=1, le=1024, description="nodes behind one rack switch (assumed 4)")
+    node_fraction: float = Field(0.0, ge=0, le=1, description="fraction of rank losses that take the whole node")
+    rack_fraction: float = Field(0.0, ge=0, le=1, description="fraction of rank losses that take the whole rack")
+    spare_ranks: int = Field(0, ge=0, le=MAX_RANKS, description="warm spare ranks that replace lost ones")
     repair_hours: float = Field(4.0, gt=0, le=87600.0, description="until a lost rank's replica rejoins (excise)")
     rejoin_s: float = Field(60.0, ge=0, le=MAX_DAYS * 86400.0, description="until a replica excised for a transient fault rejoins")
     scripted: list[ScriptedFault] = Field(default_factory=list, max_length=MAX_SCRIPTED_FAULTS)
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the random fault process")
+
+    @model_validator(mode="after")
+    def _fractions(self) -> "FaultsSpec":
+        if self.node_fraction + self.rack_fraction > 1:
+            raise ValueError("node_fraction + rack_fraction: expected at most 1 (they split the rank losses)")
+        return self
 
 
 class CheckpointMode(str, Enum):
@@ -188,15 +212,17 @@ class CheckpointSpec(_Strict):
     every_steps: int = Field(500, ge=1, le=10**12, description="steps between checkpoints")
     mode: CheckpointMode = CheckpointMode.SYNC
     seconds: float | None = Field(None, ge=0, le=86400.0, description="write time; default: shard bytes / write bandwidth")
-    write_gbyte_per_s_per_rank: float = Field(1.0, gt=0)
+    write_gbyte_per_s_per_rank: float = Field(1.0, gt=0, le=10_000)
+    read_gbyte_per_s_per_rank: float | None = Field(
+        None, gt=0, le=10_000, description="checkpoint reload bandwidth; default: recovery.costs.checkpoint_read_bytes_per_s")
     snapshot_gbyte_per_s_per_rank: float = Field(25.0, gt=0, description="device to pinned host memory (async)")
     host_memory_gib_per_rank: float = Field(64.0, gt=0, description="host memory available for async snapshots")
 
 
-RecoveryCostsSpec = create_model(  # the fields of core.recovery.RecoveryCosts, one source of truth
+RecoveryCostsSpec = create_model(  # the fields of core.recovery_costs.RecoveryCosts, one source of truth
     "RecoveryCostsSpec",
     __base__=_Strict,
-    **{f.name: (float, Field(f.default, ge=0)) for f in dataclass_fields(RecoveryCosts)},
+    **{f.name: (float, Field(f.default, ge=0, le=1e15)) for f in dataclass_fields(RecoveryCosts)},
 )
 
 
@@ -220,8 +246,11 @@ class RecoverySpec(_Strict):
                 raise ValueError(f"{policy.value}: stage durations must be >= 0 seconds, got {bad}")
         return v
 
-    def recovery_costs(self) -> RecoveryCosts:
-        return RecoveryCosts(**self.costs.model_dump())
+    def recovery_costs(self, source: str = "scenario") -> RecoveryCosts:
+        try:
+            return RecoveryCosts(**self.costs.model_dump())
+        except ValueError as exc:
+            raise ScenarioError(f"{source}: recovery.costs: {exc}") from None
 
 
 class ServingHostSpec(_Strict):

@@ -72,6 +72,7 @@ def training(
     checkpoint_mode: Optional[_Mode] = typer.Option(None, "--checkpoint-mode", help="sync or async."),
     policy: str = typer.Option("all", "--policy", help="A policy, a comma list, or all."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the fault trace."),
+    work_steps: Optional[int] = typer.Option(None, "--work-steps", help="Fixed work: run until N steps are committed."),
     calibrate_from: Optional[Path] = typer.Option(None, "--calibrate-from", help="Live recording (JSONL) with stage durations."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace (Perfetto) here."),
@@ -89,7 +90,7 @@ def training(
         sc, ranks=ranks, days=days, step_seconds=step_seconds, rank_mtbf_hours=rank_mtbf_hours,
         checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds,
         checkpoint_mode=checkpoint_mode.value if checkpoint_mode else None, policies=_policies(policy),
-        seed=seed, adjust=cal.adjust if cal else None, timeline=trace is not None,
+        seed=seed, work_steps=work_steps, adjust=cal.adjust if cal else None, timeline=trace is not None,
     )
     if trace:
         write_chrome_trace(result, trace)
@@ -106,12 +107,16 @@ def training(
     from meshpact.core.recovery import Stage
 
     pols = list(result.policies.values())
-    rows: list[list[Any]] = [["goodput", *[f"{r.goodput:.4f}" for r in pols]],
-                             ["faults", *[r.faults for r in pols]],
-                             ["lost steps", *[r.lost_steps for r in pols]]]
+    rows: list[list[Any]] = [["goodput", *[f"{r.goodput:.4f}" for r in pols]]]
+    if w.work_steps is not None:
+        rows.append([f"time to {w.work_steps} steps (h)",
+                     *["not done" if r.time_to_finish_s is None else f"{r.time_to_finish_s / 3600:.3f}" for r in pols]])
+    rows += [["faults", *[r.faults for r in pols]], ["lost steps", *[r.lost_steps for r in pols]]]
     rows += [[f"{s.value} (s)", *[f"{r.downtime_s.get(s, 0.0):.1f}" for r in pols]] for s in Stage.ordered()]
     rows += [["degraded (s)", *[f"{r.degraded_s:.1f}" for r in pols]],
-             ["checkpoint overhead", *[f"{r.checkpoint_fraction:.4f}" for r in pols]]]
+             ["checkpoint overhead", *[f"{r.checkpoint_fraction:.4f}" for r in pols]],
+             ["peer copy (s per step)", *[f"{r.peer_copy_s_per_step:.3g}" for r in pols]],
+             ["spares used / scheduler", *[f"{r.spares_used} / {r.scheduler_replacements}" for r in pols]]]
     console.print(table("per policy, same fault trace", ["", *[r.policy.value for r in pols]], rows))
     if cal:
         console.print(f"stage durations calibrated from {cal.source} ({cal.ranks} ranks)")
