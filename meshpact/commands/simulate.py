@@ -9,6 +9,7 @@ from typing import Any, Optional
 import typer
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.facts import Request
 from meshpact.commands._common import console, emit_json, err_console, table
 
 __all__ = ["register"]
@@ -23,13 +24,6 @@ class _Model(str, Enum):
     DENSE = "dense"
     MOE = "moe"
     MINIMAX = "minimax"
-
-
-class _Request(str, Enum):
-    FULL = "full"
-    LOGPROB = "logprob"
-    TOKEN = "token"
-    OWNER_TOKEN = "owner_token"
 
 
 class _Kind(str, Enum):
@@ -128,7 +122,7 @@ def serving(
     scenario: str = typer.Option("serving_spillover", "--scenario", help="Scenario file or built-in name."),
     model: Optional[_Model] = typer.Option(None, "--model", help="Preset: dense, moe or minimax."),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Requests in flight."),
-    request: Optional[_Request] = typer.Option(None, "--request", help="What the consumer observes."),
+    request: Optional[Request] = typer.Option(None, "--request", help="What the consumer observes (serving takes full, logprob, token or owner_token)."),
     link_gbps: Optional[float] = typer.Option(None, "--link-gbps", help="Link bandwidth in Gbit/s."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests to complete."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
