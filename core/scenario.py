@@ -32,6 +32,7 @@ __all__ = [
     "ParallelismSpec",
     "WorkloadSpec",
     "ScriptedFault",
+    "CheckpointAgeFaults",
     "FaultsSpec",
     "CheckpointMode",
     "CheckpointSpec",
@@ -174,6 +175,17 @@ class ScriptedFault(_Strict):
     scope: FaultScope = Field(FaultScope.RANK, description="rank, node or rack (the node or rack holding rank)")
 
 
+class CheckpointAgeFaults(_Strict):
+    """Faults placed by checkpoint age: in each of the first ``count`` checkpoint intervals
+    (the start counts as a checkpoint), one fault exactly ``steps`` steps after it. Each
+    policy meets them at its own times, at the same age (AccelPact's experiment)."""
+
+    steps: int = Field(ge=1, le=10**9, description="checkpoint age at the fault, in steps")
+    count: int = Field(ge=1, le=MAX_SCRIPTED_FAULTS, description="faults, one per checkpoint interval")
+    impact: FaultImpact = FaultImpact.TRANSIENT
+    rank: int = Field(0, ge=0, le=MAX_RANKS)
+
+
 class FaultsSpec(_Strict):
     """Faults: a Poisson process per rank (superposed at cluster rate), or scripted events.
 
@@ -194,6 +206,7 @@ class FaultsSpec(_Strict):
     repair_hours: float = Field(4.0, gt=0, le=87600.0, description="until a lost rank's replica rejoins (excise)")
     rejoin_s: float = Field(60.0, ge=0, le=MAX_DAYS * 86400.0, description="until a replica excised for a transient fault rejoins")
     scripted: list[ScriptedFault] = Field(default_factory=list, max_length=MAX_SCRIPTED_FAULTS)
+    at_checkpoint_age: CheckpointAgeFaults | None = None
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the random fault process")
 
     @model_validator(mode="after")

@@ -234,6 +234,9 @@ class _Run:
         self.phase: tuple[str, float, Any] = ("idle", 0.0, None)
         self.events: list[TimelineEvent] = []
         self.degraded_since: float | None = None
+        self.interval = 0  # checkpoints begun so far: the interval the job is in
+        self.aged = faults.at_checkpoint_age
+        self.aged_fired, self.aged_interval = 0, -1  # faults by checkpoint age so far; interval of the last
 
     # --- bookkeeping -----------------------------------------------------------------
     def _log(self, t: float, dur: float, kind: str, stage: Stage | None = None, **data: Any) -> None:
@@ -349,12 +352,21 @@ class _Run:
                 self._close_phase()
                 self.pending.append(irq.cause)
 
+    def _aged_fault_due(self) -> bool:
+        a = self.aged
+        return (a is not None and self.aged_fired < a.count and self.aged_interval != self.interval
+                and self.since_ckpt < a.steps)
+
     def _compute(self):
         yield from self._apply_rejoins()
         step_s = self._step_s()
         steps = self.w.checkpoint_every - self.since_ckpt
         if self.w.work_steps is not None:
             steps = min(steps, self.w.work_steps - self.committed)
+        aged = self._aged_fault_due()
+        if aged:
+            assert self.aged is not None
+            steps = min(steps, self.aged.steps - self.since_ckpt)
         until = self.env.now + steps * step_s
         if self.excised:
             nxt = min(self.excised.values())
@@ -366,6 +378,13 @@ class _Run:
         self.committed += steps
         self.since_ckpt += steps
         self.computed_s += steps * step_s
+        if aged and self.aged is not None and self.since_ckpt == self.aged.steps:
+            self.aged_fired += 1
+            self.aged_interval = self.interval
+            f = Fault(self.env.now, self.aged.impact, self.aged.rank)
+            self.faults += 1
+            self._log(f.t, 0.0, "fault", rank=f.rank, span=f.span, fault=f.impact.value, age=self.aged.steps)
+            self.pending.append(f)
 
     def _apply_rejoins(self):
         due = [r for r, t in self.excised.items() if t <= self.env.now + _EPS]
@@ -384,6 +403,7 @@ class _Run:
 
     def _checkpoint(self):
         start = self.env.now
+        self.interval += 1
         if self.w.checkpoint_mode is CheckpointMode.SYNC:
             self.phase = ("checkpoint", start, None)
             yield self.env.timeout(self.w.checkpoint_write_s)
@@ -572,6 +592,13 @@ def simulate_training(
     w = derive_workload(scenario.workload, scenario.checkpointing, ranks, source=scenario.name)
     horizon = scenario.workload.days * 86400.0
     check_bounds(scenario, w, ranks, horizon)
+    aged = scenario.faults.at_checkpoint_age
+    if aged is not None and aged.steps >= w.checkpoint_every:
+        raise ScenarioError(f"{scenario.name}: faults.at_checkpoint_age.steps: {aged.steps} steps is not inside a "
+                            f"checkpoint interval of {w.checkpoint_every}; expected fewer steps than checkpointing.every_steps")
+    if aged is not None and aged.rank >= ranks:
+        raise ScenarioError(f"{scenario.name}: faults.at_checkpoint_age.rank: rank {aged.rank} is not in the job; "
+                            f"expected 0..{ranks - 1}")
     trace = fault_trace(scenario.faults, ranks, horizon, source=scenario.name)
     costs = scenario.recovery.recovery_costs(scenario.name)
     fixed = scenario.recovery.stage_seconds

@@ -130,3 +130,34 @@ def test_fixed_work_ends_when_the_steps_are_committed(make_scenario):
     assert ck.time_to_finish_s > mem.time_to_finish_s
     short = simulate_training(sc, days=0.01).policies[Policy.IN_MEMORY]
     assert short.finished is False and short.time_to_finish_s is None
+
+
+def test_faults_by_checkpoint_age_strike_at_that_age_under_every_policy(make_scenario):
+    sc = _sc(make_scenario, work_steps=10 * K, days=1.0, policies=["checkpoint_restore", "in_memory"],
+             faults={"at_checkpoint_age": {"steps": 7, "count": 4}})
+    r = simulate_training(sc)
+    ck, mem = r.policies[Policy.CHECKPOINT_RESTORE], r.policies[Policy.IN_MEMORY]
+    assert ck.faults == mem.faults == 4
+    assert ck.lost_steps == 4 * 7 and mem.lost_steps == 0
+    faults = [e for e in ck.timeline if e.kind == "fault"]
+    # the k-th fault is 7 steps into the k-th interval; each earlier one cost a recovery and a replay
+    ck_stall = estimate_recovery("checkpoint_restore", 32, RecoveryCosts(
+        state_bytes_per_rank=r.workload.state_bytes_per_rank), replay_steps=7, step_s=STEP).total_s
+    want = [k * (K * STEP + C) + 7 * STEP + k * ck_stall for k in range(4)]
+    assert [e.t for e in faults] == pytest.approx(want)
+
+
+def test_accelpact_ratio_grows_linearly_with_checkpoint_age_from_one():
+    from meshpact.core.scenario import builtin_scenario_path, load_scenario
+
+    sc = load_scenario(builtin_scenario_path("accelpact_checkpoint_age"))
+    ages = [3, 9, 15, 21]
+    ratios = []
+    for a in ages:
+        r = simulate_training(sc, overrides={"faults.at_checkpoint_age.steps": a}).policies
+        assert r[Policy.CHECKPOINT_RESTORE].lost_steps == 10 * a
+        ratios.append(r[Policy.CHECKPOINT_RESTORE].time_to_finish_s / r[Policy.IN_MEMORY].time_to_finish_s)
+    slope, intercept = np.polyfit(ages, ratios, 1)
+    assert np.allclose(ratios, intercept + slope * np.array(ages), rtol=1e-3)  # a line
+    assert intercept == pytest.approx(1.0, abs=0.01)  # measured stage costs are alike: the line starts at 1
+    assert slope > 0
