@@ -2,15 +2,19 @@
 
 A parameter is any dotted scenario field (``checkpointing.every_steps``) or one of the
 CLI's short names (:data:`ALIASES`). Every point is validated before anything runs, so a
-bad name or value fails at once with the field named. Points run in worker processes;
-the result is a pandas DataFrame, one row per point (and per policy for training),
-saved as CSV or Parquet by :func:`save_frame`.
+bad name or value fails at once with the field named. Points run in worker processes of
+this machine, or on a Dask distributed cluster (``scheduler="tcp://HOST:PORT"``, or
+``"local"`` for a ``LocalCluster`` bound to loopback) when the grid outgrows one machine.
+Either way a point is a pure function of the scenario and its values (seeds included), so
+both engines give the same rows; the result is a pandas DataFrame, one row per point (and
+per policy for training), in grid order, saved as CSV or Parquet by :func:`save_frame`.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
@@ -23,7 +27,7 @@ from meshpact.core.facts import LinkClass
 from meshpact.core.scenario import Scenario, parse_scenario, with_overrides
 
 __all__ = ["ALIASES", "MAX_POINTS", "MAX_PROCESSES", "parse_param", "sweep_points", "run_sweep", "check_out_path",
-           "save_frame"]
+           "check_scheduler", "save_frame"]
 
 MAX_POINTS = 100_000  # points in one sweep (the product of every parameter's values)
 MAX_PROCESSES = 1024
@@ -100,19 +104,71 @@ def _run_point(scenario_data: dict[str, Any], name: str, point: dict[str, Any], 
     return [{**label, **row} for row in frame.to_dict(orient="records")]
 
 
+_SCHEDULER = re.compile(r"^tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
+
+
+def check_scheduler(address: str) -> str:
+    """``local`` or ``tcp://HOST:PORT`` (a Dask scheduler), refused at once otherwise."""
+    if address == "local":
+        return address
+    m = _SCHEDULER.match(address)
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise MeshpactError(f"--scheduler {address!r}: expected local or tcp://HOST:PORT such as tcp://10.0.0.5:8786")
+    return address
+
+
+def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, points: list[dict[str, Any]],
+                 kind: str, results: list[list[dict[str, Any]] | None],
+                 progress: Callable[[int, int], None] | None) -> None:
+    try:
+        from dask.distributed import Client, LocalCluster, as_completed as dask_completed
+    except ImportError:
+        raise MeshpactError(f"--scheduler {scheduler}: needs dask.distributed (pip install 'dask[distributed]')") from None
+    import logging
+
+    cluster = None
+    try:
+        if scheduler == "local":
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                   dashboard_address=None, silence_logs=logging.ERROR)
+            client = Client(cluster)
+        else:
+            client = Client(scheduler, timeout="10s")
+    except OSError as exc:
+        if cluster is not None:
+            cluster.close()
+        raise MeshpactError(f"--scheduler {scheduler}: cannot reach the scheduler ({exc}); start one with "
+                            "dask scheduler, or use --scheduler local") from None
+    try:
+        [shared] = client.scatter([data], broadcast=True)
+        futures = [client.submit(_run_point, shared, name, p, kind, pure=False) for p in points]
+        index = {f.key: i for i, f in enumerate(futures)}
+        for done, fut in enumerate(dask_completed(futures), 1):
+            results[index[fut.key]] = fut.result()
+            if progress:
+                progress(done, len(points))
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+
 def run_sweep(
     scenario: Scenario,
     params: Mapping[str, Sequence[Any]],
     *,
     kind: str = "auto",
     processes: int | None = None,
+    scheduler: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Any:
     """Run every point of the sweep; returns a DataFrame with one column per parameter.
 
     ``kind``: ``training``, ``serving`` or ``auto`` (serving when a parameter lies in the
     serving section). ``processes``: worker processes (default: CPU count, at most the
-    number of points; 1 runs in this process). ``progress(done, total)`` after each point.
+    number of points; 1 runs in this process), also the workers of ``scheduler="local"``.
+    ``scheduler``: run on Dask instead (see :func:`check_scheduler`). ``progress(done,
+    total)`` after each point.
     """
     import pandas as pd
 
@@ -125,6 +181,8 @@ def run_sweep(
         raise MeshpactError(f"sweep kind {kind!r}: expected training, serving or auto")
     if processes is not None and not 1 <= processes <= MAX_PROCESSES:
         raise MeshpactError(f"--processes {processes}: expected 1..{MAX_PROCESSES} worker processes")
+    if scheduler is not None:
+        check_scheduler(scheduler)
     points = sweep_points(params)
     for point in points:  # fail before any work with the field named
         with_overrides(scenario, _point_overrides(scenario, point), source=f"{scenario.name} sweep {point}")
@@ -133,7 +191,9 @@ def run_sweep(
     data = scenario.model_dump(mode="json")
     workers = max(1, min(processes or os.cpu_count() or 1, len(points)))
     results: list[list[dict[str, Any]] | None] = [None] * len(points)
-    if workers == 1:
+    if scheduler is not None:
+        _run_on_dask(scheduler, workers, data, scenario.name, points, kind, results, progress)
+    elif workers == 1:
         for i, point in enumerate(points):
             results[i] = _run_point(data, scenario.name, point, kind)
             if progress:

@@ -153,17 +153,21 @@ def sweep(
     out: Optional[Path] = typer.Option(None, "--out", help="Save the results (.csv or .parquet)."),
     kind: _Kind = typer.Option(_Kind.AUTO, "--kind", help="training, serving, or auto from the parameters."),
     processes: Optional[int] = typer.Option(None, "--processes", help="Worker processes (default: CPUs)."),
+    scheduler: Optional[str] = typer.Option(
+        None, "--scheduler", help="Run on Dask: tcp://HOST:PORT of a scheduler, or local (a LocalCluster on 127.0.0.1)."),
     as_json: bool = typer.Option(False, "--json", help="Rows as one JSON document on stdout."),
 ) -> None:
     """Sweep any scenario parameter; one row per point (and policy)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from meshpact.simulator.sweep import MAX_PROCESSES, check_out_path, parse_param, run_sweep, save_frame
+    from meshpact.simulator.sweep import MAX_PROCESSES, check_out_path, check_scheduler, parse_param, run_sweep, save_frame
 
     if out:
         check_out_path(out)
     if processes is not None and not 1 <= processes <= MAX_PROCESSES:
         raise MeshpactError(f"--processes {processes}: expected 1..{MAX_PROCESSES} worker processes")
+    if scheduler is not None:
+        check_scheduler(scheduler)
     params: dict[str, list[Any]] = {}
     for text in param:
         name, values = parse_param(text)
@@ -176,7 +180,7 @@ def sweep(
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        frame = run_sweep(sc, params, kind=kind.value, processes=processes, progress=progress)
+        frame = run_sweep(sc, params, kind=kind.value, processes=processes, scheduler=scheduler, progress=progress)
     if out:
         save_frame(frame, out)
     if as_json:
