@@ -134,9 +134,12 @@ def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, 
             client = Client(cluster)
         else:
             client = Client(scheduler, timeout="10s")
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # an unreachable scheduler, or local workers that cannot start
         if cluster is not None:
             cluster.close()
+        if scheduler == "local":
+            raise MeshpactError(f"--scheduler local: cannot start a LocalCluster ({exc}); run the sweep from a "
+                                "script guarded by if __name__ == '__main__', or without --scheduler") from None
         raise MeshpactError(f"--scheduler {scheduler}: cannot reach the scheduler ({exc}); start one with "
                             "dask scheduler, or use --scheduler local") from None
     try:
