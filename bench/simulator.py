@@ -22,15 +22,10 @@ from meshpact.core.scenario import builtin_scenario_path, load_scenario
 from meshpact.simulator.sweep import run_sweep
 from meshpact.simulator.training import simulate_training
 
-NODE_FAULTS = {  # a quarter of rank losses take the node, 2 % the rack; 64 warm spares; hangs; stragglers
-    "faults.ranks_per_node": 8, "faults.nodes_per_rack": 4, "faults.node_fraction": 0.25,
-    "faults.rack_fraction": 0.02, "faults.spare_ranks": 64, "faults.hang_mtbf_hours": 500000,
-    "workload.step_time_cv": 0.02,
-}
 CASES = (
     ("r1024_d7_s", "whatif_1024", {"ranks": 1024, "days": 7}),
     ("r16384_d30_s", "whatif_16384_30d", {"ranks": 16384, "days": 30}),
-    ("r16384_d30_nodes_spares_s", "whatif_16384_30d", {"ranks": 16384, "days": 30, "overrides": NODE_FAULTS}),
+    ("r16384_d30_nodes_spares_s", "whatif_16384_30d_nodes", {"ranks": 16384, "days": 30}),
     ("r16384_d30_10x_faults_s", "whatif_16384_30d", {"ranks": 16384, "days": 30, "overrides": {
         "faults.rank_mtbf_hours": 20000, "faults.rank_loss_mtbf_hours": 6670}}),
 )
