@@ -127,6 +127,11 @@ def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, 
     import logging
 
     cluster = None
+    # a LocalCluster's workers log their lost connections while it shuts down: not news to the user
+    quiet = logging.getLogger("distributed")
+    level = quiet.level
+    if scheduler == "local":
+        quiet.setLevel(logging.CRITICAL)
     try:
         if scheduler == "local":
             cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
@@ -137,6 +142,7 @@ def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, 
     except (OSError, RuntimeError) as exc:  # an unreachable scheduler, or local workers that cannot start
         if cluster is not None:
             cluster.close()
+        quiet.setLevel(level)
         if scheduler == "local":
             raise MeshpactError(f"--scheduler local: cannot start a LocalCluster ({exc}); run the sweep from a "
                                 "script guarded by if __name__ == '__main__', or without --scheduler") from None
@@ -154,6 +160,7 @@ def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, 
         client.close()
         if cluster is not None:
             cluster.close()
+        quiet.setLevel(level)
 
 
 def run_sweep(
