@@ -90,7 +90,7 @@ _NUMBERS = st.one_of(
     st.floats(min_value=1e-3, max_value=50, allow_nan=False),
 )
 _FLAGS = {"--ranks": int, "--days": float, "--step-seconds": float, "--rank-mtbf-hours": float,
-          "--checkpoint-every": int, "--checkpoint-seconds": float, "--seed": int}
+          "--checkpoint-every": int, "--checkpoint-seconds": float, "--seed": int, "--work-steps": int}
 
 
 @pytest.fixture(autouse=True)
@@ -130,11 +130,14 @@ _FIELDS = {
     "workload.days": _NUMBERS, "workload.ranks": _NUMBERS, "workload.step_seconds": _NUMBERS,
     "faults.rank_mtbf_hours": _NUMBERS, "faults.rank_loss_mtbf_hours": _NUMBERS, "faults.seed": _NUMBERS,
     "faults.repair_hours": _NUMBERS, "checkpointing.every_steps": _NUMBERS, "checkpointing.seconds": _NUMBERS,
+    "faults.hang_mtbf_hours": _NUMBERS, "faults.node_fraction": _NUMBERS, "faults.rack_fraction": _NUMBERS,
+    "faults.spare_ranks": _NUMBERS, "faults.ranks_per_node": _NUMBERS, "workload.step_time_cv": _NUMBERS,
+    "workload.work_steps": _NUMBERS, "checkpointing.read_gbyte_per_s_per_rank": _NUMBERS,
 }
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(st.dictionaries(st.sampled_from(sorted(_FIELDS)), _NUMBERS, min_size=1, max_size=4))
+@given(st.dictionaries(st.sampled_from(sorted(_FIELDS)), _NUMBERS, min_size=1, max_size=5))
 def test_fuzzed_scenario_fields_run_or_are_refused_in_one_line(tmp_path, fields):
     import yaml
 
