@@ -110,6 +110,7 @@ def _text(value: float | int, kind: type) -> str:
     return repr(float(value))
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.dictionaries(st.sampled_from(sorted(_FLAGS)), _NUMBERS, min_size=1, max_size=4))
 def test_fuzzed_training_flags_run_or_are_refused_in_one_line(flags):
@@ -136,6 +137,7 @@ _FIELDS = {
 }
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.dictionaries(st.sampled_from(sorted(_FIELDS)), _NUMBERS, min_size=1, max_size=5))
 def test_fuzzed_scenario_fields_run_or_are_refused_in_one_line(tmp_path, fields):
