@@ -64,6 +64,7 @@ POLICY_COLOURS: Mapping[Policy, str] = {
     Policy.COLD_RESTART: "#d62728",
     Policy.CHECKPOINT_RESTORE: "#ff7f0e",
     Policy.IN_MEMORY: "#2ca02c",
+    Policy.PEER_RESTORE: "#17becf",
     Policy.EXCISE: "#1f77b4",
 }
 GL_ABOVE = 4096  # ranks: draw the mesh with WebGL above this
@@ -353,7 +354,7 @@ def cost_figure(costs: Mapping[str, PlanCost], height: int = 300) -> go.Figure:
 
 
 _POLICY_DASH = {Policy.COLD_RESTART: "solid", Policy.CHECKPOINT_RESTORE: "dash", Policy.IN_MEMORY: "solid",
-                Policy.EXCISE: "dot"}  # lines that coincide stay distinguishable
+                Policy.PEER_RESTORE: "dashdot", Policy.EXCISE: "dot"}  # lines that coincide stay distinguishable
 
 
 def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None, log_x: bool = True,

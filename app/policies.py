@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from meshpact.core import recovery as _recovery
+from meshpact.core import recovery_costs as _recovery
 from meshpact.core.facts import Mesh
 from meshpact.core.mesh import health
 from meshpact.core.recovery import Policy, RecoveryBreakdown
@@ -32,17 +32,7 @@ from meshpact.core.recovery import Policy, RecoveryBreakdown
 __all__ = ["FailureShape", "PolicyComparison", "POLICY_EXPLAINED", "failure_shape", "compare_policies",
            "comparison_rows"]
 
-POLICY_EXPLAINED: Mapping[Policy, str] = {
-    Policy.COLD_RESTART: "Stop every process, start the job again, load the last checkpoint on every rank and "
-                         "replay the steps since it.",
-    Policy.CHECKPOINT_RESTORE: "Keep the processes, rebuild every communicator, reload the last checkpoint on "
-                               "every rank and replay the steps since it.",
-    Policy.IN_MEMORY: "Agree on the survivors, rebuild only the broken communicators, keep the training state "
-                      "in device memory (a replacement rank copies its shard from a peer) and re-run the "
-                      "interrupted step.",
-    Policy.EXCISE: "Drop the failed ranks, shrink the communicators to the survivors and continue at reduced "
-                   "throughput without replaying anything; the dropped ranks rejoin later.",
-}
+POLICY_EXPLAINED: Mapping[Policy, str] = {p: p.explained for p in Policy}
 
 
 @dataclass(frozen=True)
@@ -111,7 +101,7 @@ def compare_policies(
         raise ValueError("no failed ranks: pick at least one rank to fail")
     lost = rank_loss or bool(shape.lost_hosts)
     estimate = _recovery.estimate_recovery  # type: ignore[attr-defined]
-    fault = _recovery.FaultKind.RANK_LOSS if lost else _recovery.FaultKind.TRANSIENT  # type: ignore[attr-defined]
+    fault = _recovery.FaultImpact.RANK_LOSS if lost else _recovery.FaultImpact.TRANSIENT  # type: ignore[attr-defined]
     costs = _recovery.DEFAULT_RECOVERY_COSTS  # type: ignore[attr-defined]
     world = mesh.world_size
     survivors = world - len(shape.failed)
@@ -123,11 +113,12 @@ def compare_policies(
         unavailable[Policy.EXCISE] = f"every rank of {names} failed: no rank is left to carry on that domain's work"
     if survivors == 0:
         unavailable[Policy.EXCISE] = "every rank failed: nothing is left to continue on"
-    replay = {Policy.COLD_RESTART: steps_since_checkpoint, Policy.CHECKPOINT_RESTORE: steps_since_checkpoint,
-              Policy.IN_MEMORY: 1, Policy.EXCISE: 0}
-    ranks = {Policy.COLD_RESTART: world, Policy.CHECKPOINT_RESTORE: world,
-             Policy.IN_MEMORY: max(shape.rebuild_ranks, 1), Policy.EXCISE: max(survivors, 1)}
-    out = tuple(estimate(p, ranks[p], costs, fault=fault, replay_steps=replay[p], step_s=step_s)
+    models = _recovery.POLICY_MODELS
+    replay = {p: steps_since_checkpoint if m.from_checkpoint(fault) else 0 if m.excises else 1 for p, m in models.items()}
+    ranks = {p: world for p in Policy}
+    ranks[Policy.IN_MEMORY] = ranks[Policy.PEER_RESTORE] = max(shape.rebuild_ranks, 1)
+    ranks[Policy.EXCISE] = max(survivors, 1)
+    out = tuple(estimate(p, ranks[p], costs, impact=fault, replay_steps=replay[p], step_s=step_s)
                 for p in Policy if p not in unavailable)
     retained = 0 if Policy.IN_MEMORY in unavailable else (survivors if lost else world)
     per_rank = float(costs.state_bytes_per_rank)

@@ -22,7 +22,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from .catalog import get_model
 from .errors import FactError, ScenarioError
 from .facts import DEFAULT_LINKS, Domain, LinkClass, LinkParams, Mesh, Request, Vendor
-from .recovery import FaultKind, Policy, RecoveryCosts, Stage
+from .recovery import Policy, Stage
+from .recovery_costs import FaultImpact, FaultScope, RecoveryCosts
 
 __all__ = [
     "DomainSpec",
@@ -31,6 +32,7 @@ __all__ = [
     "ParallelismSpec",
     "WorkloadSpec",
     "ScriptedFault",
+    "CheckpointAgeFaults",
     "FaultsSpec",
     "CheckpointMode",
     "CheckpointSpec",
@@ -50,8 +52,17 @@ __all__ = [
 ]
 
 
+# Bounds on what one simulation may be asked to do: a value past these is refused before any
+# work starts, naming the field and the limit (an unbounded input must never hang or exhaust memory).
+MAX_RANKS = 1 << 20  # 1,048,576 ranks
+MAX_DAYS = 3650.0  # ten years of wall clock
+MAX_SEED = 2**63 - 1
+MAX_SCRIPTED_FAULTS = 100_000
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # inf and nan are refused everywhere: every number a scenario holds is finite
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 class DomainSpec(_Strict):
@@ -134,15 +145,19 @@ class WorkloadSpec(_Strict):
 
     model: str = "qwen3-14b"
     parallelism: ParallelismSpec = ParallelismSpec()
-    step_seconds: float | None = Field(None, gt=0, description="seconds per optimizer step")
-    tokens_per_step: int | None = Field(None, gt=0, description="global batch in tokens (cost model)")
+    step_seconds: float | None = Field(None, gt=0, le=86400.0, description="seconds per optimizer step")
+    tokens_per_step: int | None = Field(None, gt=0, le=10**13, description="global batch in tokens (cost model)")
     peak_tflops_per_rank: float = Field(989.0, gt=0, description="dense BF16; 989 is the H100 SXM datasheet value")
     mfu: float = Field(0.4, gt=0, le=1, description="model FLOPs utilisation (cost model)")
     state_bytes_per_param: float = Field(
         16.0, gt=0, description="bf16 weights and grads plus fp32 Adam state: 2+2+12 (ZeRO, Rajbhandari et al. 2020)"
     )
-    days: float = Field(1.0, gt=0, description="wall-clock days the job runs")
-    ranks: int | None = Field(None, ge=1, description="ranks simulated; default: the cluster's world size")
+    days: float = Field(1.0, gt=0, le=MAX_DAYS, description="wall-clock days the job runs (the horizon)")
+    work_steps: int | None = Field(
+        None, ge=1, le=10**12, description="run until this many steps are committed (days is then the limit)")
+    step_time_cv: float = Field(
+        0.0, ge=0, le=1, description="stragglers: coefficient of variation of one rank's step time, per step")
+    ranks: int | None = Field(None, ge=1, le=MAX_RANKS, description="ranks simulated; default: the cluster's world size")
 
     _model = field_validator("model")(_model_name)
 
@@ -154,20 +169,51 @@ class WorkloadSpec(_Strict):
 
 
 class ScriptedFault(_Strict):
-    at_s: float = Field(ge=0, description="seconds after the start")
-    kind: FaultKind = FaultKind.TRANSIENT
-    rank: int = Field(0, ge=0)
+    at_s: float = Field(ge=0, le=MAX_DAYS * 86400.0, description="seconds after the start")
+    impact: FaultImpact = FaultImpact.TRANSIENT
+    rank: int = Field(0, ge=0, le=MAX_RANKS)
+    scope: FaultScope = Field(FaultScope.RANK, description="rank, node or rack (the node or rack holding rank)")
+
+
+class CheckpointAgeFaults(_Strict):
+    """Faults placed by checkpoint age: in each of the first ``count`` checkpoint intervals
+    (the start counts as a checkpoint), one fault exactly ``steps`` steps after it. Each
+    policy meets them at its own times, at the same age (AccelPact's experiment)."""
+
+    steps: int = Field(ge=1, le=10**9, description="checkpoint age at the fault, in steps")
+    count: int = Field(ge=1, le=MAX_SCRIPTED_FAULTS, description="faults, one per checkpoint interval")
+    impact: FaultImpact = FaultImpact.TRANSIENT
+    rank: int = Field(0, ge=0, le=MAX_RANKS)
 
 
 class FaultsSpec(_Strict):
-    """Faults: a Poisson process per rank (superposed at cluster rate), or scripted events."""
+    """Faults: a Poisson process per rank (superposed at cluster rate), or scripted events.
+
+    A lost rank may take its node or its rack with it (``node_fraction``,
+    ``rack_fraction`` of rank losses); ranks are numbered node by node, rack by rack. Lost
+    ranks are replaced from a warm spare pool when it holds enough ranks (the failed
+    hardware returns to the pool after ``repair_hours``), else from the scheduler.
+    """
 
     rank_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of transient communication faults")
     rank_loss_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of losing the rank")
-    repair_hours: float = Field(4.0, gt=0, description="until a lost rank's replica rejoins (excise)")
-    rejoin_s: float = Field(60.0, ge=0, description="until a replica excised for a transient fault rejoins")
-    scripted: list[ScriptedFault] = Field(default_factory=list)
-    seed: int = 0
+    hang_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of hangs (no error; found by a timeout)")
+    ranks_per_node: int = Field(8, ge=1, le=1024, description="accelerators on one node")
+    nodes_per_rack: int = Field(4, ge=1, le=1024, description="nodes behind one rack switch (assumed 4)")
+    node_fraction: float = Field(0.0, ge=0, le=1, description="fraction of rank losses that take the whole node")
+    rack_fraction: float = Field(0.0, ge=0, le=1, description="fraction of rank losses that take the whole rack")
+    spare_ranks: int = Field(0, ge=0, le=MAX_RANKS, description="warm spare ranks that replace lost ones")
+    repair_hours: float = Field(4.0, gt=0, le=87600.0, description="until a lost rank's replica rejoins (excise)")
+    rejoin_s: float = Field(60.0, ge=0, le=MAX_DAYS * 86400.0, description="until a replica excised for a transient fault rejoins")
+    scripted: list[ScriptedFault] = Field(default_factory=list, max_length=MAX_SCRIPTED_FAULTS)
+    at_checkpoint_age: CheckpointAgeFaults | None = None
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the random fault process")
+
+    @model_validator(mode="after")
+    def _fractions(self) -> "FaultsSpec":
+        if self.node_fraction + self.rack_fraction > 1:
+            raise ValueError("node_fraction + rack_fraction: expected at most 1 (they split the rank losses)")
+        return self
 
 
 class CheckpointMode(str, Enum):
@@ -176,18 +222,20 @@ class CheckpointMode(str, Enum):
 
 
 class CheckpointSpec(_Strict):
-    every_steps: int = Field(500, ge=1, description="steps between checkpoints")
+    every_steps: int = Field(500, ge=1, le=10**12, description="steps between checkpoints")
     mode: CheckpointMode = CheckpointMode.SYNC
-    seconds: float | None = Field(None, ge=0, description="write time; default: shard bytes / write bandwidth")
-    write_gbyte_per_s_per_rank: float = Field(1.0, gt=0)
+    seconds: float | None = Field(None, ge=0, le=86400.0, description="write time; default: shard bytes / write bandwidth")
+    write_gbyte_per_s_per_rank: float = Field(1.0, gt=0, le=10_000)
+    read_gbyte_per_s_per_rank: float | None = Field(
+        None, gt=0, le=10_000, description="checkpoint reload bandwidth; default: recovery.costs.checkpoint_read_bytes_per_s")
     snapshot_gbyte_per_s_per_rank: float = Field(25.0, gt=0, description="device to pinned host memory (async)")
     host_memory_gib_per_rank: float = Field(64.0, gt=0, description="host memory available for async snapshots")
 
 
-RecoveryCostsSpec = create_model(  # the fields of core.recovery.RecoveryCosts, one source of truth
+RecoveryCostsSpec = create_model(  # the fields of core.recovery_costs.RecoveryCosts, one source of truth
     "RecoveryCostsSpec",
     __base__=_Strict,
-    **{f.name: (float, Field(f.default, ge=0)) for f in dataclass_fields(RecoveryCosts)},
+    **{f.name: (float, Field(f.default, ge=0, le=1e15)) for f in dataclass_fields(RecoveryCosts)},
 )
 
 
@@ -211,8 +259,11 @@ class RecoverySpec(_Strict):
                 raise ValueError(f"{policy.value}: stage durations must be >= 0 seconds, got {bad}")
         return v
 
-    def recovery_costs(self) -> RecoveryCosts:
-        return RecoveryCosts(**self.costs.model_dump())
+    def recovery_costs(self, source: str = "scenario") -> RecoveryCosts:
+        try:
+            return RecoveryCosts(**self.costs.model_dump())
+        except ValueError as exc:
+            raise ScenarioError(f"{source}: recovery.costs: {exc}") from None
 
 
 class ServingHostSpec(_Strict):
@@ -247,11 +298,11 @@ _SERVING_REQUESTS = (Request.FULL, Request.LOGPROB, Request.TOKEN, Request.OWNER
 class ServingSpec(_Strict):
     model: str = Field("dense", description="a key of presets")
     presets: dict[str, ServingPreset] = Field(min_length=1)
-    concurrency: int = Field(8, ge=1, description="clients, each with one request in flight")
+    concurrency: int = Field(8, ge=1, le=100_000, description="clients, each with one request in flight")
     arrival_rate_per_s: float | None = Field(None, gt=0, description="open-loop Poisson arrivals instead")
     request: Request = Request.TOKEN
-    output_tokens: int = Field(128, ge=1)
-    requests: int = Field(200, ge=1, description="requests to complete")
+    output_tokens: int = Field(128, ge=1, le=1_000_000)
+    requests: int = Field(200, ge=1, le=1_000_000, description="requests to complete")
     consumer_ranks: int = Field(1, ge=1, description="consumer ranks on the local host")
     producer_ranks: int = Field(1, ge=1, description="remote ranks holding the LM head (vocab-sharded when > 1)")
     link: LinkSpec | None = Field(None, description="default: the cluster's ethernet link")
@@ -346,7 +397,8 @@ def _section_may_hold(parts: list[str]) -> bool:
 
 
 def _format_errors(source: str, exc: ValidationError) -> str:
-    lines = [f"{source}: the scenario does not match the schema:"]
+    """Every schema error on one line: ``file: field: problem (got value); field: ...``."""
+    lines: list[str] = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         got = err.get("input")
@@ -356,8 +408,8 @@ def _format_errors(source: str, exc: ValidationError) -> str:
             msg = "unknown field; check its spelling against the documented fields"
         elif err["type"] == "missing":
             msg = "required field is missing"
-        lines.append(f"  - {where}: {msg}{got_text}")
-    return "\n".join(lines)
+        lines.append(f"{where}: {msg}{got_text}")
+    return f"{source}: " + "; ".join(lines)
 
 
 def parse_scenario(data: Any, source: str = "<scenario>", model: type[Scenario] = Scenario) -> Scenario:

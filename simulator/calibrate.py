@@ -33,7 +33,8 @@ from typing import Any, Mapping
 
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import iter_events
-from meshpact.core.recovery import DEFAULT_RECOVERY_COSTS, Policy, RecoveryCosts, Stage, estimate_recovery
+from meshpact.core.recovery import Policy, Stage
+from meshpact.core.recovery_costs import DEFAULT_RECOVERY_COSTS, RecoveryCosts, estimate_recovery
 
 __all__ = ["Calibration", "calibration_from_recording"]
 

@@ -2,15 +2,19 @@
 
 A parameter is any dotted scenario field (``checkpointing.every_steps``) or one of the
 CLI's short names (:data:`ALIASES`). Every point is validated before anything runs, so a
-bad name or value fails at once with the field named. Points run in worker processes;
-the result is a pandas DataFrame, one row per point (and per policy for training),
-saved as CSV or Parquet by :func:`save_frame`.
+bad name or value fails at once with the field named. Points run in worker processes of
+this machine, or on a Dask distributed cluster (``scheduler="tcp://HOST:PORT"``, or
+``"local"`` for a ``LocalCluster`` bound to loopback) when the grid outgrows one machine.
+Either way a point is a pure function of the scenario and its values (seeds included), so
+both engines give the same rows; the result is a pandas DataFrame, one row per point (and
+per policy for training), in grid order, saved as CSV or Parquet by :func:`save_frame`.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from multiprocessing import get_context
 from pathlib import Path
@@ -22,7 +26,12 @@ from meshpact.core.errors import MeshpactError, ScenarioError
 from meshpact.core.facts import LinkClass
 from meshpact.core.scenario import Scenario, parse_scenario, with_overrides
 
-__all__ = ["ALIASES", "parse_param", "sweep_points", "run_sweep", "save_frame"]
+__all__ = ["ALIASES", "MAX_POINTS", "MAX_PROCESSES", "parse_param", "sweep_points", "run_sweep", "check_out_path",
+           "check_scheduler", "save_frame"]
+
+MAX_POINTS = 100_000  # points in one sweep (the product of every parameter's values)
+MAX_PROCESSES = 1024
+_SUFFIXES = (".csv", ".parquet", ".pq")
 
 ALIASES: Mapping[str, str] = {
     "ranks": "workload.ranks",
@@ -31,6 +40,13 @@ ALIASES: Mapping[str, str] = {
     "model_name": "workload.model",
     "rank_mtbf_hours": "faults.rank_mtbf_hours",
     "rank_loss_mtbf_hours": "faults.rank_loss_mtbf_hours",
+    "hang_mtbf_hours": "faults.hang_mtbf_hours",
+    "node_fraction": "faults.node_fraction",
+    "rack_fraction": "faults.rack_fraction",
+    "spare_ranks": "faults.spare_ranks",
+    "checkpoint_age": "faults.at_checkpoint_age.steps",
+    "work_steps": "workload.work_steps",
+    "step_time_cv": "workload.step_time_cv",
     "seed": "faults.seed",
     "checkpoint_every": "checkpointing.every_steps",
     "checkpoint_seconds": "checkpointing.seconds",
@@ -72,6 +88,12 @@ def _point_overrides(scenario: Scenario, point: Mapping[str, Any]) -> dict[str, 
 
 def sweep_points(params: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     names = list(params)
+    count = 1
+    for n in names:
+        count *= max(len(params[n]), 1)
+    if count > MAX_POINTS:
+        raise MeshpactError(f"--param: the grid has {count:,} points, over the limit of {MAX_POINTS:,}; "
+                            "sweep fewer values or split the grid")
     return [dict(zip(names, combo)) for combo in itertools.product(*(list(params[n]) for n in names))]
 
 
@@ -89,19 +111,81 @@ def _run_point(scenario_data: dict[str, Any], name: str, point: dict[str, Any], 
     return [{**label, **row} for row in frame.to_dict(orient="records")]
 
 
+_SCHEDULER = re.compile(r"^tcp://(\[[0-9a-fA-F:]+\]|[A-Za-z0-9.-]+):(\d{1,5})$")
+
+
+def check_scheduler(address: str) -> str:
+    """``local`` or ``tcp://HOST:PORT`` (a Dask scheduler), refused at once otherwise."""
+    if address == "local":
+        return address
+    m = _SCHEDULER.match(address)
+    if not m or not 1 <= int(m.group(2)) <= 65535:
+        raise MeshpactError(f"--scheduler {address!r}: expected local or tcp://HOST:PORT such as tcp://10.0.0.5:8786")
+    return address
+
+
+def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, points: list[dict[str, Any]],
+                 kind: str, results: list[list[dict[str, Any]] | None],
+                 progress: Callable[[int, int], None] | None) -> None:
+    try:
+        from dask.distributed import Client, LocalCluster, as_completed as dask_completed
+    except ImportError:
+        raise MeshpactError(f"--scheduler {scheduler}: needs dask.distributed (pip install 'dask[distributed]')") from None
+    import logging
+
+    cluster = None
+    # a LocalCluster's workers log their lost connections while it shuts down: not news to the user
+    quiet = logging.getLogger("distributed")
+    level = quiet.level
+    if scheduler == "local":
+        quiet.setLevel(logging.CRITICAL)
+    try:
+        if scheduler == "local":
+            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
+                                   dashboard_address=None, silence_logs=logging.ERROR)
+            client = Client(cluster)
+        else:
+            client = Client(scheduler, timeout="10s")
+    except (OSError, RuntimeError) as exc:  # an unreachable scheduler, or local workers that cannot start
+        if cluster is not None:
+            cluster.close()
+        quiet.setLevel(level)
+        if scheduler == "local":
+            raise MeshpactError(f"--scheduler local: cannot start a LocalCluster ({exc}); run the sweep from a "
+                                "script guarded by if __name__ == '__main__', or without --scheduler") from None
+        raise MeshpactError(f"--scheduler {scheduler}: cannot reach the scheduler ({exc}); start one with "
+                            "dask scheduler, or use --scheduler local") from None
+    try:
+        [shared] = client.scatter([data], broadcast=True)
+        futures = [client.submit(_run_point, shared, name, p, kind, pure=False) for p in points]
+        index = {f.key: i for i, f in enumerate(futures)}
+        for done, fut in enumerate(dask_completed(futures), 1):
+            results[index[fut.key]] = fut.result()
+            if progress:
+                progress(done, len(points))
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+        quiet.setLevel(level)
+
+
 def run_sweep(
     scenario: Scenario,
     params: Mapping[str, Sequence[Any]],
     *,
     kind: str = "auto",
     processes: int | None = None,
+    scheduler: str | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Any:
     """Run every point of the sweep; returns a DataFrame with one column per parameter.
 
     ``kind``: ``training``, ``serving`` or ``auto`` (serving when a parameter lies in the
     serving section). ``processes``: worker processes (default: CPU count, at most the
-    number of points; 1 runs in this process). ``progress(done, total)`` after each point.
+    number of points; 1 runs in this process), also the workers of ``scheduler="local"``.
+    ``scheduler``: run on Dask instead (see :func:`check_scheduler`). ``progress(done,
+    total)`` after each point.
     """
     import pandas as pd
 
@@ -112,6 +196,10 @@ def run_sweep(
         kind = "serving" if any(k.startswith("serving.") for k in params) else "training"
     if kind not in ("training", "serving"):
         raise MeshpactError(f"sweep kind {kind!r}: expected training, serving or auto")
+    if processes is not None and not 1 <= processes <= MAX_PROCESSES:
+        raise MeshpactError(f"--processes {processes}: expected 1..{MAX_PROCESSES} worker processes")
+    if scheduler is not None:
+        check_scheduler(scheduler)
     points = sweep_points(params)
     for point in points:  # fail before any work with the field named
         with_overrides(scenario, _point_overrides(scenario, point), source=f"{scenario.name} sweep {point}")
@@ -120,7 +208,9 @@ def run_sweep(
     data = scenario.model_dump(mode="json")
     workers = max(1, min(processes or os.cpu_count() or 1, len(points)))
     results: list[list[dict[str, Any]] | None] = [None] * len(points)
-    if workers == 1:
+    if scheduler is not None:
+        _run_on_dask(scheduler, workers, data, scenario.name, points, kind, results, progress)
+    elif workers == 1:
         for i, point in enumerate(points):
             results[i] = _run_point(data, scenario.name, point, kind)
             if progress:
@@ -135,18 +225,40 @@ def run_sweep(
     return pd.DataFrame([row for rows in results for row in (rows or [])])
 
 
-def save_frame(frame: Any, path: str | os.PathLike[str]) -> Path:
-    """Save a DataFrame as CSV (``.csv``) or Parquet (``.parquet``)."""
+def check_out_path(path: str | os.PathLike[str]) -> Path:
+    """Refuse an output name the sweep could not write, before the sweep runs.
+
+    The suffix must be ``.csv`` or ``.parquet``, the folder must exist (it is not created:
+    a typo in a folder name should not silently make a new tree) and be writable, and
+    Parquet needs pyarrow.
+    """
     p = Path(path)
     suffix = p.suffix.lower()
+    if suffix not in _SUFFIXES:
+        raise MeshpactError(f"--out {p}: expected a .csv or .parquet file name")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise MeshpactError(f"--out {p}: folder {parent} does not exist; create it first or choose another path")
+    if not os.access(parent, os.W_OK):
+        raise MeshpactError(f"--out {p}: folder {parent} is not writable")
+    if p.is_dir():
+        raise MeshpactError(f"--out {p}: is a folder; expected a file name ending in .csv or .parquet")
+    if suffix != ".csv":
+        try:
+            import pyarrow  # noqa: F401
+        except ImportError:
+            raise MeshpactError(f"--out {p}: writing Parquet needs pyarrow (pip install pyarrow), or use .csv") from None
+    return p
+
+
+def save_frame(frame: Any, path: str | os.PathLike[str]) -> Path:
+    """Save a DataFrame as CSV (``.csv``) or Parquet (``.parquet``); see :func:`check_out_path`."""
+    p = check_out_path(path)
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        if suffix == ".csv":
+        if p.suffix.lower() == ".csv":
             frame.to_csv(p, index=False)
-        elif suffix in (".parquet", ".pq"):
-            frame.to_parquet(p, index=False)
         else:
-            raise MeshpactError(f"--out {p}: expected a .csv or .parquet file name")
+            frame.to_parquet(p, index=False)
     except ImportError:
         raise MeshpactError(f"--out {p}: writing Parquet needs pyarrow (pip install pyarrow), or use .csv") from None
     except OSError as exc:

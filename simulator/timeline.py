@@ -17,7 +17,7 @@ from meshpact.core.recovery import Policy
 
 from .training import TimelineEvent, TrainingResult
 
-__all__ = ["chrome_trace", "write_chrome_trace", "TRACKS"]
+__all__ = ["chrome_trace", "check_trace_path", "write_chrome_trace", "TRACKS"]
 
 TRACKS = {"stage": 1, "checkpoint": 2, "checkpoint_write": 3, "degraded": 4, "rejoin": 1, "fault": 5}
 _TRACK_NAMES = {1: "recovery", 2: "checkpoint (blocking)", 3: "checkpoint write", 4: "degraded (excised)", 5: "faults"}
@@ -52,11 +52,23 @@ def chrome_trace(events: Iterable[TimelineEvent] | TrainingResult, title: str = 
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 
+def check_trace_path(path: str | os.PathLike[str]) -> Path:
+    """Refuse a trace path that cannot be written, before the simulation runs (no folder is created)."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise MeshpactError(f"--trace {p}: folder {parent} does not exist; create it first or choose another path")
+    if p.is_dir():
+        raise MeshpactError(f"--trace {p}: is a folder; expected a file name such as run.json")
+    if not os.access(parent, os.W_OK):
+        raise MeshpactError(f"--trace {p}: folder {parent} is not writable")
+    return p
+
+
 def write_chrome_trace(result: TrainingResult, path: str | os.PathLike[str]) -> Path:
     """Write the trace of ``result`` to ``path`` (JSON), atomically."""
-    p = Path(path)
+    p = check_trace_path(path)
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(p.name + ".partial")
         tmp.write_text(json.dumps(chrome_trace(result)), encoding="utf-8")
         os.replace(tmp, p)

@@ -9,6 +9,7 @@ from typing import Any, Optional
 import typer
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.facts import Request
 from meshpact.commands._common import console, emit_json, err_console, table
 
 __all__ = ["register"]
@@ -23,13 +24,6 @@ class _Model(str, Enum):
     DENSE = "dense"
     MOE = "moe"
     MINIMAX = "minimax"
-
-
-class _Request(str, Enum):
-    FULL = "full"
-    LOGPROB = "logprob"
-    TOKEN = "token"
-    OWNER_TOKEN = "owner_token"
 
 
 class _Kind(str, Enum):
@@ -63,31 +57,34 @@ def _policies(value: str) -> list[str] | None:
 
 def training(
     scenario: str = typer.Option("default", "--scenario", help="Scenario file or built-in name."),
-    ranks: Optional[int] = typer.Option(None, "--ranks", min=1, help="Ranks simulated."),
+    ranks: Optional[int] = typer.Option(None, "--ranks", help="Ranks simulated."),
     days: Optional[float] = typer.Option(None, "--days", help="Wall-clock days."),
     step_seconds: Optional[float] = typer.Option(None, "--step-seconds", help="Seconds per step (replaces the cost model)."),
     rank_mtbf_hours: Optional[float] = typer.Option(None, "--rank-mtbf-hours", help="Per-rank MTBF of transient faults."),
-    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=1, help="Steps between checkpoints."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Steps between checkpoints."),
     checkpoint_seconds: Optional[float] = typer.Option(None, "--checkpoint-seconds", help="Seconds to write one checkpoint."),
     checkpoint_mode: Optional[_Mode] = typer.Option(None, "--checkpoint-mode", help="sync or async."),
     policy: str = typer.Option("all", "--policy", help="A policy, a comma list, or all."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the fault trace."),
+    work_steps: Optional[int] = typer.Option(None, "--work-steps", help="Fixed work: run until N steps are committed."),
     calibrate_from: Optional[Path] = typer.Option(None, "--calibrate-from", help="Live recording (JSONL) with stage durations."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace (Perfetto) here."),
 ) -> None:
     """Training with faults: every policy on the same fault trace."""
     from meshpact.simulator.calibrate import calibration_from_recording
-    from meshpact.simulator.timeline import write_chrome_trace
+    from meshpact.simulator.timeline import check_trace_path, write_chrome_trace
     from meshpact.simulator.training import simulate_training
 
+    if trace:
+        check_trace_path(trace)
     sc = _scenario(scenario)
     cal = calibration_from_recording(calibrate_from, sc.recovery.recovery_costs()) if calibrate_from else None
     result = simulate_training(
         sc, ranks=ranks, days=days, step_seconds=step_seconds, rank_mtbf_hours=rank_mtbf_hours,
         checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds,
         checkpoint_mode=checkpoint_mode.value if checkpoint_mode else None, policies=_policies(policy),
-        seed=seed, adjust=cal.adjust if cal else None, timeline=trace is not None,
+        seed=seed, work_steps=work_steps, adjust=cal.adjust if cal else None, timeline=trace is not None,
     )
     if trace:
         write_chrome_trace(result, trace)
@@ -104,12 +101,16 @@ def training(
     from meshpact.core.recovery import Stage
 
     pols = list(result.policies.values())
-    rows: list[list[Any]] = [["goodput", *[f"{r.goodput:.4f}" for r in pols]],
-                             ["faults", *[r.faults for r in pols]],
-                             ["lost steps", *[r.lost_steps for r in pols]]]
+    rows: list[list[Any]] = [["goodput", *[f"{r.goodput:.4f}" for r in pols]]]
+    if w.work_steps is not None:
+        rows.append([f"time to {w.work_steps} steps (h)",
+                     *["not done" if r.time_to_finish_s is None else f"{r.time_to_finish_s / 3600:.3f}" for r in pols]])
+    rows += [["faults", *[r.faults for r in pols]], ["lost steps", *[r.lost_steps for r in pols]]]
     rows += [[f"{s.value} (s)", *[f"{r.downtime_s.get(s, 0.0):.1f}" for r in pols]] for s in Stage.ordered()]
     rows += [["degraded (s)", *[f"{r.degraded_s:.1f}" for r in pols]],
-             ["checkpoint overhead", *[f"{r.checkpoint_fraction:.4f}" for r in pols]]]
+             ["checkpoint overhead", *[f"{r.checkpoint_fraction:.4f}" for r in pols]],
+             ["peer copy (s per step)", *[f"{r.peer_copy_s_per_step:.3g}" for r in pols]],
+             ["spares used / scheduler", *[f"{r.spares_used} / {r.scheduler_replacements}" for r in pols]]]
     console.print(table("per policy, same fault trace", ["", *[r.policy.value for r in pols]], rows))
     if cal:
         console.print(f"stage durations calibrated from {cal.source} ({cal.ranks} ranks)")
@@ -121,7 +122,7 @@ def serving(
     scenario: str = typer.Option("serving_spillover", "--scenario", help="Scenario file or built-in name."),
     model: Optional[_Model] = typer.Option(None, "--model", help="Preset: dense, moe or minimax."),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Requests in flight."),
-    request: Optional[_Request] = typer.Option(None, "--request", help="What the consumer observes."),
+    request: Optional[Request] = typer.Option(None, "--request", help="What the consumer observes (serving takes full, logprob, token or owner_token)."),
     link_gbps: Optional[float] = typer.Option(None, "--link-gbps", help="Link bandwidth in Gbit/s."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests to complete."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
@@ -151,14 +152,22 @@ def sweep(
     param: list[str] = typer.Option(..., "--param", help="NAME=V1,V2,... (repeat for a grid)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Save the results (.csv or .parquet)."),
     kind: _Kind = typer.Option(_Kind.AUTO, "--kind", help="training, serving, or auto from the parameters."),
-    processes: Optional[int] = typer.Option(None, "--processes", min=1, help="Worker processes (default: CPUs)."),
+    processes: Optional[int] = typer.Option(None, "--processes", help="Worker processes (default: CPUs)."),
+    scheduler: Optional[str] = typer.Option(
+        None, "--scheduler", help="Run on Dask: tcp://HOST:PORT of a scheduler, or local (a LocalCluster on 127.0.0.1)."),
     as_json: bool = typer.Option(False, "--json", help="Rows as one JSON document on stdout."),
 ) -> None:
     """Sweep any scenario parameter; one row per point (and policy)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from meshpact.simulator.sweep import parse_param, run_sweep, save_frame
+    from meshpact.simulator.sweep import MAX_PROCESSES, check_out_path, check_scheduler, parse_param, run_sweep, save_frame
 
+    if out:
+        check_out_path(out)
+    if processes is not None and not 1 <= processes <= MAX_PROCESSES:
+        raise MeshpactError(f"--processes {processes}: expected 1..{MAX_PROCESSES} worker processes")
+    if scheduler is not None:
+        check_scheduler(scheduler)
     params: dict[str, list[Any]] = {}
     for text in param:
         name, values = parse_param(text)
@@ -171,7 +180,7 @@ def sweep(
         def progress(done: int, total: int) -> None:
             bar.update(task, completed=done, total=total)
 
-        frame = run_sweep(sc, params, kind=kind.value, processes=processes, progress=progress)
+        frame = run_sweep(sc, params, kind=kind.value, processes=processes, scheduler=scheduler, progress=progress)
     if out:
         save_frame(frame, out)
     if as_json:

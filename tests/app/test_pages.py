@@ -151,7 +151,8 @@ def test_simulate_shows_goodput_per_policy_and_runs_the_serving_sweep():
     at.switch_page("views/simulate.py").run()
     assert not at.exception
     goodput = {m.label: float(m.value.rstrip("%")) for m in at.metric}
-    assert set(goodput) == {"cold restart", "checkpoint restore (in job)", "in-memory rebind", "excise and continue"}
+    assert set(goodput) == {"cold restart", "checkpoint restore (in job)", "in-memory rebind", "peer restore",
+                            "excise and continue"}
     assert goodput["in-memory rebind"] > goodput["cold restart"]
     charts = len(at.get("plotly_chart"))
     at.button[0].click().run()  # Run serving sweep

@@ -22,7 +22,7 @@ def test_training_json_shape_and_trace(tmp_path):
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["ranks"] == 64 and doc["step_s"] == 3.0 and doc["checkpoint_mode"] == "async"
-    assert set(doc["policies"]) == {"cold_restart", "checkpoint_restore", "in_memory", "excise"}
+    assert set(doc["policies"]) == {"cold_restart", "checkpoint_restore", "in_memory", "peer_restore", "excise"}
     for p in doc["policies"].values():
         assert {"goodput", "downtime_s", "faults", "lost_steps", "checkpoint_overhead"} <= set(p)
         assert set(p["downtime_s"]) == {"detection", "restart", "consensus", "communicator", "state", "rebinding", "replay"}
@@ -51,7 +51,7 @@ def test_sweep_writes_csv(tmp_path):
               "--processes", "1", "--out", str(out_path))
     assert out.returncode == 0, out.stderr
     frame = pd.read_csv(out_path)
-    assert len(frame) == 8 and sorted(set(frame["checkpointing.every_steps"])) == [200, 800]
+    assert len(frame) == 2 * 5 and sorted(set(frame["checkpointing.every_steps"])) == [200, 800]
     bad = cli("sweep", "--scenario", "default", "--param", "nonsense=1")
     assert bad.returncode == 2 and "nonsense" in bad.stderr
 

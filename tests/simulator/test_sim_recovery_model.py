@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshpact.core.recovery import (
-    DEFAULT_RECOVERY_COSTS, FaultKind, Policy, RecoveryCosts, Stage, communicator_seconds, estimate_recovery,
+from meshpact.core.recovery import Policy, Stage
+from meshpact.core.recovery_costs import (
+    DEFAULT_RECOVERY_COSTS, FaultImpact, RecoveryCosts, communicator_seconds, estimate_recovery,
 )
 
 
@@ -36,11 +37,18 @@ def test_replay_and_reload_follow_their_inputs():
     b = estimate_recovery("checkpoint_restore", 64, costs, replay_steps=30, step_s=1.5)
     assert b.durations_s[Stage.REPLAY] == pytest.approx(45.0) and b.lost_steps == 30
     assert b.durations_s[Stage.STATE] == pytest.approx(4.0)
-    lost = estimate_recovery("in_memory", 64, costs, fault=FaultKind.RANK_LOSS)
+    # in_memory keeps no peer copies: a lost rank means a checkpoint reload and a re-wrap
+    lost = estimate_recovery("in_memory", 64, costs, impact=FaultImpact.RANK_LOSS)
     assert lost.durations_s[Stage.RESTART] == costs.replacement_s
-    assert lost.durations_s[Stage.STATE] == pytest.approx(4e9 / costs.peer_bytes_per_s)
+    assert lost.durations_s[Stage.STATE] == pytest.approx(4.0)
+    assert lost.durations_s[Stage.REBINDING] == costs.rewrap_s
+    # peer_restore fetches the shard from a peer's copy and only rebinds
+    peer = estimate_recovery("peer_restore", 64, costs, impact=FaultImpact.RANK_LOSS, replacement_s=30.0)
+    assert peer.durations_s[Stage.RESTART] == 30.0
+    assert peer.durations_s[Stage.STATE] == pytest.approx(4e9 / costs.peer_bytes_per_s)
+    assert peer.durations_s[Stage.REBINDING] == costs.rebind_s
 
 
 def test_negative_costs_are_refused():
-    with pytest.raises(ValueError, match="must be >= 0"):
+    with pytest.raises(ValueError, match="must be finite and >= 0"):
         RecoveryCosts(detection_s=-1)

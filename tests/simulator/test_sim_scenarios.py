@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from meshpact.core.errors import ScenarioError
+from meshpact.core.recovery import Policy
 from meshpact.core.scenario import builtin_scenario_path, builtin_scenarios, load_scenario, parse_scenario_text
 from meshpact.simulator.training import simulate_training
 
@@ -25,7 +26,7 @@ def test_default_scenario_keeps_its_cluster_and_runs_all_policies():
     sc = load_scenario(builtin_scenario_path("default"))
     assert sc.mesh().world_size == 32 and len(sc.mesh().domains) == 2
     r = simulate_training(sc, days=1)
-    assert [p.value for p in r.policies] == ["cold_restart", "checkpoint_restore", "in_memory", "excise"]
+    assert [p.value for p in r.policies] == [p.value for p in Policy]
 
 
 @pytest.mark.parametrize(
@@ -36,7 +37,7 @@ def test_default_scenario_keeps_its_cluster_and_runs_all_policies():
         ("workload: {step_seconds: 1, tokens_per_step: 10}", "workload", "not both"),
         ("workload: {mfu: 1.5}", "workload.mfu", "less than or equal to 1"),
         ("faults: {rank_mtbf_hours: 0}", "faults.rank_mtbf_hours", "greater than 0"),
-        ("faults: {scripted: [{at_s: 5, kind: meteor}]}", "faults.scripted.0.kind", "'transient' or 'rank_loss'"),
+        ("faults: {scripted: [{at_s: 5, impact: meteor}]}", "faults.scripted.0.impact", "'transient', 'hang' or 'rank_loss'"),
         ("faults: {mtbf: 5}", "faults.mtbf", "unknown field"),
         ("checkpointing: {mode: sometimes}", "checkpointing.mode", "'sync' or 'async'"),
         ("checkpointing: {every_steps: 0}", "checkpointing.every_steps", "greater than or equal to 1"),
