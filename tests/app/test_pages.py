@@ -237,8 +237,9 @@ def test_mesh_failures_replay_through_the_cost_model():
     assert not at.exception
     assert at.radio(key="replay_source").value == "failures picked on Mesh"
     assert _metric(at, "failed ranks") == "ranks 16-31"
-    # in-memory rebind cannot apply to a lost domain: it is not offered
-    assert at.selectbox(key="replay_policy").options == ["cold restart", "checkpoint restore (in job)"]
+    # in-memory rebind cannot apply to a lost domain (no copy survives in memory); peer restore can, since its
+    # copies sit on the other host
+    assert at.selectbox(key="replay_policy").options == ["cold restart", "checkpoint restore (in job)", "peer restore"]
 
 
 def test_replay_of_a_missing_recording_is_a_readable_error(tmp_path):
