@@ -27,7 +27,7 @@ from .facts import DType, Request
 from .lowerer import complete_raw, fan_out, lower, observable
 from .placement import Partial, Shard
 from .plan import Plan, StepKind
-from .planbuild import PlanBuilder, form_bytes
+from .planbuild import PlanBuilder, form_bytes, form_dtype, row_bytes
 from .region import full_region, intervals_indices
 
 __all__ = ["layout_only", "byte_only", "byte_only_candidates", "Candidate"]
@@ -39,7 +39,7 @@ def _form(c: Contract) -> Form:
 
 
 def _dtype(c: Contract, form: Form) -> DType:
-    return {Form.TOKEN: DType.INT64, Form.LOGPROB: DType.FLOAT32}.get(form, c.provenance.dtype)
+    return form_dtype(form, c.provenance.dtype)
 
 
 def _chunked(c: Contract) -> bool:
@@ -164,10 +164,11 @@ def _stats(b: PlanBuilder, form: Form, root: int) -> str:
     prov = c.provenance
     P, n, rows = prov.ranks, len(prov.ranks), prov.shape[0]
     offs = [h.region[1][0][0] if h.region[1] else 0 for h in prov.holdings]
-    local, width, comb = (("local_max_arg", 8, "combine_max_arg") if form is Form.TOKEN
-                          else ("local_lse_stats", 12, "combine_lse_stats"))
-    s = b.project(local, P, prov.tensor, b.name("stats"), DType.FLOAT32, {"offsets": offs})
-    g = b.collective("gather", P, s, b.name("stats_all"), n * rows * width, DType.FLOAT32, {"dim": 1, "root": root})
+    local, stat, comb = (("local_max_arg", Form.MAX_ARG, "combine_max_arg") if form is Form.TOKEN
+                         else ("local_lse_stats", Form.LSE_STATS, "combine_lse_stats"))
+    dt = form_dtype(stat, prov.dtype)
+    s = b.project(local, P, prov.tensor, b.name("stats"), dt, {"offsets": offs})
+    g = b.collective("gather", P, s, b.name("stats_all"), n * row_bytes(stat, rows), dt, {"dim": 1, "root": root})
     return b.project(comb, (root,), g, b.name("combined"), _dtype(c, form))
 
 

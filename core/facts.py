@@ -53,6 +53,7 @@ class Backend(str, Enum):
 
 class DType(str, Enum):
     FLOAT32 = "float32"
+    FLOAT64 = "float64"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
     INT64 = "int64"
@@ -60,11 +61,11 @@ class DType(str, Enum):
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self.value]
+        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self.value]
 
     @property
     def is_floating(self) -> bool:
-        return self in (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16)
+        return self in (DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16, DType.FLOAT16)
 
 
 class LinkClass(str, Enum):

@@ -16,15 +16,24 @@ from .facts import DType, LinkClass
 from .plan import Plan, Step, StepKind
 from .region import Region, region_numel
 
-__all__ = ["PlanBuilder", "form_bytes", "form_dtype", "STAT_BYTES"]
+__all__ = ["PlanBuilder", "form_bytes", "form_dtype", "row_bytes", "STAT_BYTES"]
 
-# Bytes per row of each projected form: (max, index) as two float32; (max, sum exp, target)
+# Bytes per row of each projected form: (max, index) as two 8-byte words (the value widened to
+# float64, or int64 for integer logits, and the int64 index); (max, sum exp, target)
 # as three float32; a token id as int64; a log-probability as float32.
-STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 8, Form.LSE_STATS: 12, Form.TOKEN: 8, Form.LOGPROB: 4}
+STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 16, Form.LSE_STATS: 12, Form.TOKEN: 8, Form.LOGPROB: 4}
 
 
 def form_dtype(form: Form, raw: DType) -> DType:
+    """The dtype a buffer of ``form`` travels in, for a producer tensor of dtype ``raw``."""
+    if form is Form.MAX_ARG:
+        return DType.FLOAT64 if raw.is_floating else DType.INT64
     return {Form.TOKEN: DType.INT64, Form.RAW: raw}.get(form, DType.FLOAT32)
+
+
+def row_bytes(form: Form, rows: int) -> int:
+    """Payload bytes of ``rows`` rows of a projected ``form``."""
+    return rows * STAT_BYTES[form]
 
 
 def form_bytes(form: Form, region: Region, raw: DType) -> int:

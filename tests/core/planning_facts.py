@@ -27,6 +27,9 @@ def edge(placement, request, *, cross=True, consumers=None, shape=(6, 10), n=3, 
                 Consumer("c", dom.name, ranks, request, owners=owners, shard_dim=shard_dim, exact=exact))
 
 
+DTYPES = (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16, DType.INT64, DType.INT32)
+
+
 @st.composite
 def random_edges(draw) -> Edge:
     """Any well-formed edge over two small domains."""
@@ -54,7 +57,7 @@ def random_edges(draw) -> Edge:
     shard_dim = None
     if request is Request.SHARD or (request is Request.REDUCED and draw(st.booleans())):
         shard_dim = draw(st.integers(0, len(shape) - 1))
-    dtype = draw(st.sampled_from([DType.FLOAT32, DType.FLOAT32, DType.BFLOAT16, DType.INT32]))
+    dtype = draw(st.sampled_from(DTYPES))
     return Edge("random", mesh, ProducerTensor("x", "op", shape, dtype, "cuda@A", placement),
                 Consumer("c", dom.name, ranks, request, owners=owners, shard_dim=shard_dim,
                          exact=draw(st.booleans())))
