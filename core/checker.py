@@ -15,7 +15,12 @@ obligation with the step, the rank and a reason a person can read:
   substitute the contract does not allow (``disallowed_substitute``);
 * a rank outside the owner scope that holds owner-scoped rows (``non_owner_observes``);
 * two senders of the same piece into one domain (``duplicate_sender``);
-* a delivery before the delivered data is complete (``delivery_before_completion``).
+* a delivery before the delivered data is complete (``delivery_before_completion``);
+* a declared figure that disagrees with the data: payload bytes other than the buffers'
+  shapes and dtypes give (``payload_mismatch``), a link class other than the ranks' hosts
+  and domains give (``link_mismatch``);
+* partial addends combined outside the domain the contract's completion facet names
+  (``completed_outside_domain``).
 
 Buffers also carry their numeric shape, so a step that numpy or torch would refuse is
 reported instead of being assumed to work.
@@ -30,6 +35,7 @@ from typing import Any
 from .contract import Contract, Equivalence, Form, Observation
 from .pieces import Buf, Piece, PieceAlgebra, Refusal, garbage, rows_of_piece
 from .placement import Partial, shard_bounds
+from .facts import LinkClass
 from .plan import Collective, Plan, Projection, Step, StepKind
 from .region import Intervals, intervals_from_indices, intervals_indices, intervals_size, region_text
 
@@ -48,6 +54,16 @@ class ViolationKind(str, Enum):
     NON_OWNER_OBSERVES = "non_owner_observes"
     DUPLICATE_SENDER = "duplicate_sender"
     DELIVERY_BEFORE_COMPLETION = "delivery_before_completion"
+    PAYLOAD_MISMATCH = "payload_mismatch"
+    LINK_MISMATCH = "link_mismatch"
+    COMPLETED_OUTSIDE_DOMAIN = "completed_outside_domain"
+
+
+# Bytes per element of what each projection writes (None: the input's own).
+_PROJECTED_ITEMSIZE: dict[Projection, int] = {
+    Projection.ARGMAX: 8, Projection.COMBINE_MAX_ARG: 8, Projection.LOCAL_MAX_ARG: 8,
+    Projection.LOCAL_LSE_STATS: 4, Projection.COMBINE_LSE_STATS: 4, Projection.LOGSOFTMAX_AT: 4,
+}
 
 
 @dataclass(frozen=True)
@@ -99,7 +115,7 @@ class _Checker(PieceAlgebra):
         for h in contract.provenance.holdings:
             shape = tuple(intervals_size(iv) for iv in h.region)
             piece = Piece(self.tensor, Form.RAW, h.region, (h.rank,) if h.partial else None, True)
-            self.mem[h.rank][self.tensor] = Buf((piece,), shape)
+            self.mem[h.rank][self.tensor] = Buf((piece,), shape, contract.provenance.dtype.itemsize)
 
     # -- helpers -----------------------------------------------------------------------
     def flag(self, kind: ViolationKind, step: int | None, rank: int | None, reason: str) -> None:
@@ -158,9 +174,38 @@ class _Checker(PieceAlgebra):
                     continue
                 for kind, why in issues:
                     self.flag(ViolationKind(kind), k, r, why)
+                size = _PROJECTED_ITEMSIZE.get(Projection(step.op), xs[0].itemsize)
+                out = out._replace(itemsize=size)
+                if Projection(step.op) is Projection.SUM and len(xs) * len(xs[0].pieces) > 1:
+                    self.completion_at(k, r, [p for x in xs for p in x.pieces])
                 self.write(k, r, step.output, out)
         else:
             self.collective(k, step)
+
+    def completion_at(self, k: int, rank: int, pieces: list[Piece]) -> None:
+        """Partial addends combined on ``rank``: only inside the completion facet's domain."""
+        where = self.c.completion.inside_domain
+        here = self.mesh.domain_of(rank).name
+        if here != where and sum(p.contrib is not None for p in pieces) > 1:
+            self.flag(ViolationKind.COMPLETED_OUTSIDE_DOMAIN, k, rank,
+                      f"partial {self.op} addends of {self.tensor} are combined in {here}; the contract completes "
+                      f"them inside {where} before anything crosses")
+
+    def declared(self, k: int, step: Step, rank: int, nbytes: int) -> None:
+        """The step's declared payload bytes and link class against what its data and ranks give."""
+        if nbytes != step.payload_bytes:
+            self.flag(ViolationKind.PAYLOAD_MISMATCH, k, rank,
+                      f"{step.op} declares {step.payload_bytes} payload bytes; its buffers' shapes and dtypes "
+                      f"give {nbytes}")
+        if step.kind is StepKind.SEND:
+            link = self.mesh.link_class(*step.ranks)
+        else:
+            link = LinkClass.FABRIC
+        declared = step.link or LinkClass.FABRIC
+        if declared is not link:
+            self.flag(ViolationKind.LINK_MISMATCH, k, rank,
+                      f"{step.op} over ranks {list(step.ranks)} is labelled {declared.value}; the ranks' hosts and "
+                      f"domains make it {link.value}")
 
     def send(self, k: int, step: Step) -> None:
         src, dst = step.ranks
@@ -169,6 +214,7 @@ class _Checker(PieceAlgebra):
         except Refusal as bad:
             self.flag(ViolationKind(bad.kind), k, src, bad.reason)
             return
+        self.declared(k, step, src, buf.nbytes)
         sd, dd = self.mesh.domain_of(src).name, self.mesh.domain_of(dst).name
         if sd != dd:
             for p in buf.pieces:
@@ -203,6 +249,8 @@ class _Checker(PieceAlgebra):
             self.flag(ViolationKind.MISSING_INPUT, k, r, f"{step.op} reads {name!r}, which rank {r} does not hold")
         if missing:
             return
+        contributed = [self.mem[r][name] for r in needs]
+        self.declared(k, step, root if root is not None else ranks[0], sum(b.nbytes for b in contributed))
         try:
             dim = int(step.arg("dim", 0))
             if op is Collective.BROADCAST:
@@ -221,6 +269,7 @@ class _Checker(PieceAlgebra):
                 for r in ranks if op is Collective.ALL_GATHER else (root,):
                     self.write(k, r, step.output, out)
             elif op in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+                self.completion_at(k, root if root is not None else ranks[0], [p for x in xs for p in x.pieces])
                 out, issues = self.reduce(xs, str(step.arg("op", "sum")), native=True)
                 for kind, why in issues:
                     self.flag(ViolationKind(kind), k, None, why)

@@ -37,6 +37,14 @@ class Piece(NamedTuple):
 class Buf(NamedTuple):
     pieces: tuple[Piece, ...]
     shape: tuple[int, ...]
+    itemsize: int = 0  # bytes per element of the numeric buffer (0: unknown)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
 
 
 class Refusal(Exception):
@@ -114,7 +122,7 @@ class PieceAlgebra:
                 out.append(p)
             else:
                 out[-1] = m
-        return Buf(tuple(out), shape)
+        return Buf(tuple(out), shape, bufs[0].itemsize)
 
     def empty(self, p: Piece) -> bool:
         if p.form is Form.RAW:
@@ -135,20 +143,20 @@ class PieceAlgebra:
         shape = buf.shape[:dim] + (len(local),) + buf.shape[dim + 1:]
         if len(buf.pieces) != 1:
             return Buf((garbage(self.rows_of(buf), "slice of pieces that do not form one region", self.tensor),),
-                       shape)
+                       shape, buf.itemsize)
         p = buf.pieces[0]
         if p.form is Form.GARBAGE:
-            return Buf((p,), shape)
+            return Buf((p,), shape, buf.itemsize)
         if p.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
-            return Buf((garbage(rows_of_piece(p), "slice through packed statistics", p.tensor),), shape)
+            return Buf((garbage(rows_of_piece(p), "slice through packed statistics", p.tensor),), shape, buf.itemsize)
         if not isinstance(local, range) and list(local) != sorted(set(local)):
-            return Buf((garbage(rows_of_piece(p), "rows reordered", p.tensor),), shape)
+            return Buf((garbage(rows_of_piece(p), "rows reordered", p.tensor),), shape, buf.itemsize)
         if isinstance(local, range) and local.step == 1:
             iv = take_intervals(p.region[dim], local.start, local.stop)
         else:
             idx = intervals_indices(p.region[dim])
             iv = intervals_from_indices([idx[i] for i in local])
-        return Buf((p._replace(region=p.region[:dim] + (iv,) + p.region[dim + 1:]),), shape)
+        return Buf((p._replace(region=p.region[:dim] + (iv,) + p.region[dim + 1:]),), shape, buf.itemsize)
 
     def chunk(self, buf: Buf, dim: int, parts: int, index: int) -> Buf:
         if dim >= len(buf.shape):
@@ -165,6 +173,10 @@ class PieceAlgebra:
         return rows
 
     def reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[str, str]]]:
+        out, issues = self._reduce(bufs, op, native)
+        return out._replace(itemsize=bufs[0].itemsize if bufs else 0), issues
+
+    def _reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[str, str]]]:
         shapes = {b.shape for b in bufs}
         if len(shapes) != 1:
             raise Refusal("malformed_step", f"reduction over shapes {sorted(list(s) for s in shapes)}")

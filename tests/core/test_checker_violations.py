@@ -21,7 +21,7 @@ from meshpact.core.facts import DType, LinkClass, Request
 from meshpact.core.interpreter import interpret, judge, leaks, make_inputs, reference
 from meshpact.core.lowerer import lower
 from meshpact.core.placement import Partial, Replicate, Shard
-from meshpact.core.plan import Plan, Step, StepKind
+from meshpact.core.plan import Plan, Step, StepKind, plan_cost
 
 
 def _find(plan: Plan, op: str) -> int:
@@ -212,3 +212,45 @@ def test_an_empty_plan_is_rejected(request_):
     report = check(Plan("e", "empty", ()), c)
     assert not report.ok and report.kinds == {ViolationKind.DEMAND_NOT_MET}
     assert not judge(Plan("e", "empty", ()), c).ok
+
+
+# -- declared figures are verified, not trusted ------------------------------------------------
+
+def test_declared_payload_bytes_are_recomputed_from_shapes_and_dtypes():
+    c = compile_contract(edge(Shard(1), Request.LOGPROB, shape=(6, 10), dtype=DType.BFLOAT16))
+    plan = _baseline(c)
+    zeroed = _with(plan, [replace(s, payload_bytes=0) for s in plan.steps])
+    report = check(zeroed, c)
+    wrong = [v for v in report.violations if v.kind is ViolationKind.PAYLOAD_MISMATCH]
+    assert len(wrong) == plan.startups and all(v.step is not None and v.rank is not None for v in wrong)
+    assert "declares 0 payload bytes" in wrong[0].reason
+    assert plan_cost(zeroed, c.edge.mesh).time_s < plan_cost(plan, c.edge.mesh).time_s  # the lie would win
+    doubled = _with(plan, [replace(s, payload_bytes=2 * s.payload_bytes) if s.kind is StepKind.SEND else s
+                           for s in plan.steps])
+    assert ViolationKind.PAYLOAD_MISMATCH in check(doubled, c).kinds
+
+
+def test_a_cross_host_send_labelled_fabric_is_a_link_mismatch():
+    c = compile_contract(edge(Shard(1), Request.TOKEN))
+    plan = _baseline(c)
+    i = _find(plan, "send")
+    assert plan.steps[i].link is LinkClass.ETHERNET
+    relabelled = _with(plan, plan.steps[:i] + (replace(plan.steps[i], link=LinkClass.FABRIC),) + plan.steps[i + 1:])
+    reason = _rejected(relabelled, c, ViolationKind.LINK_MISMATCH)
+    assert "ethernet" in reason and "fabric" in reason
+    v = next(v for v in check(relabelled, c).violations if v.kind is ViolationKind.LINK_MISMATCH)
+    assert (v.step, v.rank) == (i, plan.steps[i].ranks[0])
+    assert plan_cost(relabelled, c.edge.mesh).time_s < plan_cost(plan, c.edge.mesh).time_s
+
+
+def test_partials_completed_on_the_consumer_side_break_the_completion_facet():
+    from meshpact.core.baselines import layout_only
+
+    c = compile_contract(edge(Partial("sum"), Request.FULL, shape=(6, 10)))
+    assert c.completion.inside_domain == "cuda@A"
+    plan = layout_only(c)  # every addend hops the bridge and is summed in the consumer's domain
+    reason = _rejected(plan, c, ViolationKind.COMPLETED_OUTSIDE_DOMAIN)
+    assert "cann@B" in reason and "cuda@A" in reason
+    mesh = c.edge.mesh
+    crossing = plan_cost(plan, mesh).bytes_by_link["ethernet"]
+    assert crossing == 3 * plan_cost(_baseline(c), mesh).bytes_by_link["ethernet"]  # three addends instead of one value
