@@ -11,6 +11,7 @@ consumer on a mesh: it is everything the contract compiler reads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -84,8 +85,10 @@ class LinkParams:
     beta_s_per_byte: float
 
     def __post_init__(self) -> None:
-        if self.alpha_s < 0 or self.beta_s_per_byte < 0:
-            raise FactError(f"link parameters must be non-negative, got α={self.alpha_s}, β={self.beta_s_per_byte}")
+        for name in ("alpha_s", "beta_s_per_byte"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise FactError(f"{name}: expected a finite non-negative number of seconds, got {value!r}")
 
     def time_s(self, messages: int, payload_bytes: int) -> float:
         return messages * self.alpha_s + payload_bytes * self.beta_s_per_byte
@@ -273,6 +276,16 @@ class Consumer:
         object.__setattr__(self, "request", Request(self.request))
         if not self.ranks:
             raise FactError(f"consumer {self.name!r}.ranks: expected at least one rank")
+        if len(set(self.ranks)) != len(self.ranks):
+            dup = sorted({r for r in self.ranks if self.ranks.count(r) > 1})
+            raise FactError(f"consumer {self.name!r}.ranks: rank(s) {dup} listed twice in {list(self.ranks)}; "
+                            "expected distinct ranks")
+        if self.shard_dim is not None and self.request not in (Request.SHARD, Request.REDUCED):
+            raise FactError(f"consumer {self.name!r}.shard_dim: applies to shard and reduced requests only, "
+                            f"not {self.request.value}")
+        if self.owners is not None and self.request is not Request.OWNER_TOKEN:
+            raise FactError(f"consumer {self.name!r}.owners: applies to owner_token requests only, "
+                            f"not {self.request.value}")
         if self.owners is not None:
             object.__setattr__(self, "owners", tuple(int(o) for o in self.owners))
             stray = sorted(set(self.owners) - set(self.ranks))

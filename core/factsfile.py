@@ -13,7 +13,8 @@ expected::
     producer: {name: logits, op: lm_head, shape: [256, 151936], dtype: bfloat16,
                domain: cuda@A, placement: Shard(1)}
     consumer: {name: sampler, domain: cann@B, ranks: [4, 5], request: token}
-    # consumer options: owners (owner_token), shard_dim (shard), exact (bool)
+    # consumer options: owners (owner_token only), shard_dim (shard, reduced only), exact (bool)
+    # a domain's backend, if given, must be its vendor's native one (nccl, hccl, gloo)
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import FactError
-from .facts import Consumer, Domain, DType, Edge, LinkClass, LinkParams, Mesh, ProducerTensor, Request, Vendor
+from .facts import Backend, Consumer, Domain, DType, Edge, LinkClass, LinkParams, Mesh, ProducerTensor, Request, Vendor
 from .placement import parse_placement
 
 __all__ = ["load_edge_facts", "edge_from_dict"]
@@ -92,21 +93,35 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge:
         bridge = d.get("bridge_rank")
         if bridge is not None and (not isinstance(bridge, int) or isinstance(bridge, bool)):
             raise w.fail(f"{f}.bridge_rank", "an integer rank", bridge)
-        domains.append(Domain(w.text(w.need(d, "name", f), f"{f}.name"),
-                              w.choice(w.need(d, "vendor", f), f"{f}.vendor", Vendor),
-                              w.text(w.need(d, "host", f), f"{f}.host"),
-                              w.ints(w.need(d, "ranks", f), f"{f}.ranks"),
-                              bridge_rank=bridge))
+        vendor = w.choice(w.need(d, "vendor", f), f"{f}.vendor", Vendor)
+        backend = d.get("backend")
+        if backend is not None and w.choice(backend, f"{f}.backend", Backend) is not vendor.native_backend:
+            raise w.fail(f"{f}.backend", f"{vendor.native_backend.value}, the native backend of {vendor.value} "
+                                         "(or leave it out)", backend)
+        try:
+            domains.append(Domain(w.text(w.need(d, "name", f), f"{f}.name"), vendor,
+                                  w.text(w.need(d, "host", f), f"{f}.host"),
+                                  w.ints(w.need(d, "ranks", f), f"{f}.ranks"),
+                                  backend=vendor.native_backend, bridge_rank=bridge))
+        except FactError as exc:
+            raise FactError(f"{source}: {f}: {exc}") from None
     links: dict[LinkClass, LinkParams] = {}
     for k, v in dict(w.mapping(mesh_d.get("links") or {}, "mesh.links")).items():
         f = f"mesh.links.{k}"
         cls = w.choice(k, "mesh.links", LinkClass)
         v = w.mapping(v, f)
         w.only(v, {"alpha_s", "beta_s_per_byte"}, f)
-        try:
-            links[cls] = LinkParams(float(w.need(v, "alpha_s", f)), float(w.need(v, "beta_s_per_byte", f)))
-        except (TypeError, ValueError):
-            raise w.fail(f, "numbers alpha_s and beta_s_per_byte", dict(v)) from None
+        numbers = []
+        for key in ("alpha_s", "beta_s_per_byte"):
+            value = w.need(v, key, f)
+            try:  # YAML 1.1 reads 5e-5 (no dot) as a string
+                number = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+            except ValueError:
+                number = None
+            if number is None or not 0 <= number < float("inf"):
+                raise w.fail(f"{f}.{key}", "a finite non-negative number of seconds", value)
+            numbers.append(number)
+        links[cls] = LinkParams(*numbers)
     try:
         mesh = Mesh(domains=tuple(domains), links=links)
     except FactError as exc:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import typer
 
-from meshpact.commands._common import console, emit_json, table
+from meshpact.commands._common import console, emit_json, err_console, table
 from meshpact.core.errors import FactError
 
 __all__ = ["register", "plan_document", "edges_document"]
@@ -106,7 +106,9 @@ def plan(
     facts: Optional[Path] = typer.Option(None, "--facts", help="Plan an edge described in a YAML or JSON file."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
-    """Show an edge's contract and the meshpact, layout-only and byte-only plans with verdicts."""
+    """Show an edge's contract and the meshpact, layout-only and byte-only plans with verdicts.
+
+    Exits 1 when the checker rejects the meshpact plan, 2 for facts that do not make an edge."""
     from meshpact.core.edges import get_edge
     from meshpact.core.factsfile import load_edge_facts
 
@@ -116,8 +118,11 @@ def plan(
         from meshpact.core.edges import EDGES
         raise FactError(f"name an edge or pass --facts FILE; known edges: {', '.join(EDGES)}")
     doc = plan_document(load_edge_facts(facts) if facts is not None else get_edge(edge or ""))
+    rejected = not doc["plans"]["meshpact"]["check"]["ok"]
     if as_json:
         emit_json(doc)
+        if rejected:
+            raise typer.Exit(1)
         return
     if edge is not None:
         from meshpact.core.edges import get_real_edge
@@ -126,6 +131,9 @@ def plan(
         console.print(f"[bold]{real.name}[/bold] ({real.model}): {real.edge.description}")
         console.print(f"dimensions: {real.dims}; source {real.edge.source}\n")
     _show_plan(doc)
+    if rejected:
+        err_console.print("the meshpact plan fails its own check (violations above); exit 1")
+        raise typer.Exit(1)
 
 
 def edges(as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout.")) -> None:

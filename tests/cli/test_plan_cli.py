@@ -101,3 +101,64 @@ def test_malformed_facts_name_the_field_without_traceback(tmp_path):
                          capture_output=True, text=True)
     assert out.returncode == 2
     assert "producer.shape" in out.stderr and "Traceback" not in out.stderr
+
+
+_GOOD = {
+    "domains": "    - {name: cuda@A, vendor: cuda, host: A, ranks: [0, 1]}\n"
+               "    - {name: cann@B, vendor: cann, host: B, ranks: [3, 4]}\n",
+    "producer": "producer: {name: h, op: o, shape: [4, 8], dtype: bfloat16, domain: cuda@A, placement: Shard(1)}\n",
+    "consumer": "consumer: {name: c, domain: cann@B, ranks: [3, 4], request: token}\n",
+    "links": "",
+}
+
+
+@pytest.mark.parametrize("part, text, field, expected", [
+    ("consumer", "consumer: {name: c, domain: cann@B, ranks: [3, 3], request: token}\n", "ranks", "listed twice"),
+    ("domains", "    - {name: cuda@A, vendor: cuda, host: A, ranks: [0, 1], backend: mpi}\n"
+                "    - {name: cann@B, vendor: cann, host: B, ranks: [3, 4]}\n", "mesh.domains.0.backend", "nccl"),
+    ("domains", "    - {name: cuda@A, vendor: cuda, host: A, ranks: [0, 1], backend: hccl}\n"
+                "    - {name: cann@B, vendor: cann, host: B, ranks: [3, 4]}\n", "mesh.domains.0.backend", "native"),
+    ("consumer", "consumer: {name: c, domain: cann@B, ranks: [3, 4], request: token, shard_dim: 7}\n",
+     "shard_dim", "shard and reduced requests only"),
+    ("consumer", "consumer: {name: c, domain: cann@B, ranks: [3, 4], request: token, owners: [3, 3, 4, 4]}\n",
+     "owners", "owner_token requests only"),
+    ("links", "  links: {ethernet: {alpha_s: -1.0e-5, beta_s_per_byte: 8.0e-9}}\n", "mesh.links.ethernet.alpha_s",
+     "non-negative"),
+    ("links", "  links: {ethernet: {alpha_s: .nan, beta_s_per_byte: 8.0e-9}}\n", "mesh.links.ethernet.alpha_s",
+     "finite"),
+    ("links", "  links: {ethernet: {alpha_s: 5.0e-5, beta_s_per_byte: fast}}\n",
+     "mesh.links.ethernet.beta_s_per_byte", "number"),
+])
+def test_facts_that_do_not_apply_or_do_not_add_up_are_refused(tmp_path, capsys, part, text, field, expected):
+    parts = dict(_GOOD, **{part: text})
+    path = tmp_path / "edge.yaml"
+    path.write_text("name: e\nmesh:\n  domains:\n" + parts["domains"] + parts["links"] + parts["producer"]
+                    + parts["consumer"])
+    assert main(["plan", "--facts", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and field in err and expected in err, err
+
+
+def test_good_facts_with_yaml_exponents_plan(tmp_path, capsys):
+    path = tmp_path / "edge.yaml"
+    path.write_text("name: e\nmesh:\n  domains:\n" + _GOOD["domains"]
+                    + "  links: {ethernet: {alpha_s: 5e-5, beta_s_per_byte: 8e-9}}\n" + _GOOD["producer"]
+                    + _GOOD["consumer"])
+    doc = _json(capsys, "plan", "--facts", str(path), "--json")
+    assert doc["plans"]["meshpact"]["check"]["ok"]
+
+
+def test_the_cli_exits_1_on_a_plan_its_checker_rejects(tmp_path, capsys, monkeypatch):
+    import meshpact.core.baselines as baselines
+    import meshpact.core.lowerer as lowerer
+
+    path = tmp_path / "edge.yaml"
+    path.write_text("name: e\nmesh:\n  domains:\n" + _GOOD["domains"]
+                    + "producer: {name: h, op: o, shape: [4, 8], dtype: float32, domain: cuda@A, placement: Partial(sum)}\n"
+                    + "consumer: {name: c, domain: cann@B, ranks: [3, 4], request: full}\n")
+    monkeypatch.setattr(lowerer, "lower", baselines.layout_only)  # completes the partials on the consumer side
+    assert main(["plan", "--facts", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert "completed_outside_domain" in captured.out and "fails its own check" in captured.err
+    assert main(["plan", "--facts", str(path), "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["plans"]["meshpact"]["check"]["ok"]
