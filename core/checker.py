@@ -14,7 +14,8 @@ obligation with the step, the rank and a reason a person can read:
 * a consumer that ends without its demanded observation (``demand_not_met``) or with a
   substitute the contract does not allow (``disallowed_substitute``);
 * a rank outside the owner scope that holds owner-scoped rows (``non_owner_observes``);
-* two senders of the same piece into one domain (``duplicate_sender``);
+* two senders of the same partial or inexact piece into one domain (``duplicate_sender``):
+  which copy a consumer combines would decide the result (identical complete copies pass);
 * a delivery before the delivered data is complete (``delivery_before_completion``);
 * a declared figure that disagrees with the data: payload bytes other than the buffers'
   shapes and dtypes give (``payload_mismatch``), a link class other than the ranks' hosts
@@ -218,8 +219,8 @@ class _Checker(PieceAlgebra):
         sd, dd = self.mesh.domain_of(src).name, self.mesh.domain_of(dst).name
         if sd != dd:
             for p in buf.pieces:
-                if p.form is Form.GARBAGE:
-                    continue
+                if p.form is Form.GARBAGE or (p.exact and not self.partial(p)):
+                    continue  # copies of complete, exact data are the same bits whoever sends them
                 key = (dd, p.tensor, p.form, p.region, p.contrib)
                 first = self.senders.setdefault(key, src)
                 if first != src:
@@ -346,6 +347,13 @@ class _Checker(PieceAlgebra):
             return Buf((garbage(rows_of_piece(p), f"{op.value} of {p.form.value} data", p.tensor),), shape), []
         if want is Form.RAW and len(p.region) != 2 and op is not Projection.ARGMAX:
             return Buf((garbage(rows_of_piece(p), f"{op.value} needs [rows, vocab] logits", p.tensor),), shape), []
+        if op is Projection.LOCAL_MAX_ARG and self.op == "max" and p.contrib is not None and len(p.region) == 2:
+            # per-addend (max, index) pairs: the winner over every addend's pairs is the argmax of the max
+            off = int(self.per_rank(step, "offsets", i, 0))
+            if off != (p.region[1][0][0] if p.region[1] else off):
+                return Buf((garbage(rows_of_piece(p), f"offset {off} is not the addend's first column", p.tensor),),
+                           shape), []
+            return Buf((Piece(p.tensor, Form.MAX_ARG, p.region, p.contrib, p.exact),), shape), []
         if self.partial(p):
             why = (f"{op.value} of a partial addend (contributions of {list(p.contrib or ())} only): "
                    f"the projection of a partial sum is not the projection of the sum")

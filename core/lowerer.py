@@ -131,6 +131,15 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
                                 "each rank's rows")
             return build.collective(gather, holders, tok, build.name("token"), row_bytes(Form.TOKEN, rows), DType.INT64,
                                    root({"dim": 0}))
+        if isinstance(pl, Partial) and pl.op == "max" and count > 1:
+            pair = form_dtype(Form.MAX_ARG, prov.dtype)
+            stats = build.project("local_max_arg", holders, tensor, build.name("max_arg"), pair,
+                                  {"offsets": [0] * count}, "per-addend (max, index) pairs")
+            gathered_stats = build.collective(gather, holders, stats, build.name("max_arg_all"),
+                                              count * row_bytes(Form.MAX_ARG, rows), pair, root({"dim": 1}),
+                                              "the argmax of a max is the winner of the addends' pairs: exact")
+            return build.project("combine_max_arg", targets, gathered_stats, build.name("token"), DType.INT64, {},
+                                 "winner per row, lowest index on ties")
         raw = complete_raw(build, targets)
         return build.project("argmax", targets, raw, build.name("token"), DType.INT64, {}, "token at the source")
     # log-probabilities at the target ids

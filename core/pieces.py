@@ -83,6 +83,12 @@ class PieceAlgebra:
 
     # -- region algebra over buffers -----------------------------------------------------
     def merge2(self, a: Piece, b: Piece, dim: int) -> Piece | None:
+        if (a.form is Form.MAX_ARG and b.form is Form.MAX_ARG and dim == 1 and a.contrib != b.contrib
+                and a.tensor == b.tensor and self.op == "max" and a.region == b.region
+                and a.contrib is not None and b.contrib is not None and not set(a.contrib) & set(b.contrib)):
+            # (max, index) pairs of different max addends over the same columns combine like shards
+            return a._replace(contrib=tuple(r for r in self.order if r in a.contrib or r in b.contrib),
+                              exact=a.exact and b.exact)
         if Form.GARBAGE in (a.form, b.form) or a.tensor != b.tensor or a.form != b.form or a.contrib != b.contrib:
             return None
         exact = a.exact and b.exact
@@ -230,27 +236,27 @@ class PieceAlgebra:
         return Buf((ps[0]._replace(contrib=tuple(seen), exact=exact),), shape), []
 
     def fold_exact(self, ps: Sequence[Piece], native: bool) -> bool:
+        """Whether folding ``ps`` left to right gives the reference fold's bits.
+
+        Each addition of two operands is commutative, so ``acc + p`` is exact when one operand
+        is the exact fold of a prefix of the reference order and the other is the next addend,
+        in either position; a native reduction of more than two floating operands never is.
+        """
         if not self.floating:
             return True
         if native and len(ps) > 2:
             return False
-        acc = ps[0]
-        acc_set = list(acc.contrib or ())
-        ok = acc.exact
+        acc_set = list(ps[0].contrib or ())
+        ok = ps[0].exact
         for p in ps[1:]:
             pc = list(p.contrib or ())
-            new = set(acc_set) | set(pc)
-            prefix = set(self.order[: len(new)]) == new
-            if len(acc_set) == 1 and len(pc) == 1:
-                ok = ok and p.exact and prefix
-            elif len(pc) == 1:
-                ok = ok and p.exact and prefix and pc[0] == self.order[len(acc_set)]
-            elif len(acc_set) == 1 and native:
-                ok = ok and p.exact and prefix and acc_set[0] == self.order[len(pc)]
-            else:
-                ok = False
+            ok = ok and p.exact and (self._next_addend(acc_set, pc) or self._next_addend(pc, acc_set))
             acc_set += pc
         return ok
+
+    def _next_addend(self, prefix: list[int], single: list[int]) -> bool:
+        return (len(single) == 1 and set(self.order[: len(prefix)]) == set(prefix)
+                and len(prefix) < len(self.order) and single[0] == self.order[len(prefix)])
 
     def extent(self, p: Piece, dim: int) -> int:
         if p.form is Form.GARBAGE or dim >= len(p.region):

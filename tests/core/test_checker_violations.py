@@ -163,15 +163,34 @@ def test_non_owner_holding_owner_rows_is_caught_numerically():
     assert "owned by another rank" in judge(mutant, c).reason
 
 
-def test_two_senders_of_the_same_piece_count_it_twice():
+def test_identical_complete_copies_from_two_senders_pass_and_summing_them_is_reduced_twice():
     c = compile_contract(edge(Replicate(), Request.FULL, consumers=(3,)))
     plan = _baseline(c)
     send = plan.steps[_find(plan, "send")]
     second = replace(send, ranks=(1, send.ranks[1]), output="again")
+    twice = _with(plan, (send, second, replace(plan.steps[-1], inputs=("again",), output="again")))
+    assert check(twice, c).ok and judge(twice, c).ok  # the same bits, whoever sends them
     both = Step(StepKind.PROJECT, "sum", (3,), (send.output, "again"), "both", 0, DType.FLOAT32, "cann@B")
     mutant = _with(plan, (send, second, both, replace(plan.steps[-1], inputs=("both",), output="both")))
-    assert "already sends" in _rejected(mutant, c, ViolationKind.DUPLICATE_SENDER)
+    assert "counts it 2 times" in _rejected(mutant, c, ViolationKind.REDUCED_TWICE)
     assert "not bitwise equal" in judge(mutant, c).reason
+
+
+def test_a_partial_addend_sent_by_two_ranks_has_two_authorities():
+    c = compile_contract(edge(Partial("sum"), Request.FULL, consumers=(3,), shape=(4, 6)))
+    nbytes = 4 * 6 * 4
+    G = Step(StepKind.COLLECTIVE, "gather", (0, 1, 2), ("x",), "g", 3 * nbytes, DType.FLOAT32, "cuda@A",
+             LinkClass.FABRIC, {"dim": 0, "root": 1})
+    mine = Step(StepKind.SEND, "send", (0, 3), ("x",), "a0", nbytes, DType.FLOAT32, None, LinkClass.ETHERNET)
+    all_ = Step(StepKind.SEND, "send", (1, 3), ("g",), "all", 3 * nbytes, DType.FLOAT32, None, LinkClass.ETHERNET)
+    first = Step(StepKind.PROJECT, "slice", (3,), ("all",), "rest", 0, DType.FLOAT32, "cann@B", None,
+                 {"dim": 0, "start": 4, "stop": 12})
+    total = Step(StepKind.PROJECT, "sum", (3,), ("a0", "all"), "sum", 0, DType.FLOAT32, "cann@B", None,
+                 {"dim": 0, "parts": 2})
+    mutant = Plan("e", "mutant", (G, mine, all_, first, total,
+                                  Step(StepKind.DELIVER, "deliver", (3,), ("sum",), "sum", 0, DType.FLOAT32)))
+    assert "already sends" in _rejected(mutant, c, ViolationKind.DUPLICATE_SENDER)
+    assert not judge(mutant, c).ok
 
 
 def test_delivery_before_completion_observes_one_addend():
