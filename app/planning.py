@@ -3,32 +3,30 @@
 :func:`edge_from_facts` turns the page's widgets (domains, placement, shape, dtype,
 request, consumer ranks) into an :class:`~meshpact.core.facts.Edge`, raising the core's
 readable :class:`FactError` for a combination that cannot be. :func:`judge` compiles the
-edge's contract, runs every planner this build has (the lowerer and the two baselines)
-and checks each plan against the contract, so the page only lays the outcomes side by
-side. Planner modules are looked up when called: a build without the baselines still
-plans with the lowerer.
+edge's contract, runs every planner of the registry (:mod:`meshpact.core.planners`: the
+lowerer and the two baselines) and checks each plan against the contract, so the page
+only lays the outcomes side by side.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Request
 from meshpact.core.placement import parse_placement
 from meshpact.core.plan import Plan, PlanCost, plan_cost
+from meshpact.core.planners import planners
+from meshpact.core.units import human_bytes
 
 __all__ = [
     "PlannerOutcome",
     "Judgement",
-    "planners",
     "edge_from_facts",
     "judge",
     "real_edges",
     "steps_rows",
-    "human_bytes",
     "facet_summaries",
 ]
 
@@ -49,31 +47,11 @@ class Judgement:
     outcomes: tuple[PlannerOutcome, ...]
 
 
-def _optional(module: str, name: str) -> Callable[..., Any] | None:
-    try:
-        return getattr(importlib.import_module(f"meshpact.core.{module}"), name)
-    except (ImportError, AttributeError):
-        return None
-
-
-def planners() -> dict[str, Callable[[Any], Any]]:
-    """Planner name -> function of a contract, for the planners present in this build."""
-    out: dict[str, Callable[[Any], Any]] = {}
-    for label, module, name in (("meshpact lowerer", "lowerer", "lower"), ("layout-only", "baselines", "layout_only"),
-                                ("byte-only", "baselines", "byte_only")):
-        fn = _optional(module, name)
-        if fn is not None:
-            out[label] = fn
-    return out
-
-
 def real_edges() -> dict[str, Any]:
     """The catalog of real edges (``core/edges.py``): name -> ``RealEdge`` (its ``edge``,
-    ``model`` and where each dimension comes from); empty where the catalog is absent."""
-    try:
-        from meshpact.core.edges import EDGES
-    except ImportError:
-        return {}
+    ``model`` and where each dimension comes from)."""
+    from meshpact.core.edges import EDGES
+
     return dict(EDGES)
 
 
@@ -113,16 +91,11 @@ def judge(edge: Edge) -> Judgement:
 
     contract = compile_contract(edge)
     outcomes = []
-    for label, plan_fn in planners().items():
+    for label, planner in planners().items():
         try:
-            plan = plan_fn(contract)
+            plan = planner.plan(contract)
         except MeshpactError as exc:
             outcomes.append(PlannerOutcome(label, None, None, False, (f"no plan: {exc}",)))
-            continue
-        if isinstance(plan, (list, tuple)):
-            plan = plan[0] if plan else None
-        if plan is None:
-            outcomes.append(PlannerOutcome(label, None, None, False, ("the planner returned no plan",)))
             continue
         report = check(plan, contract)
         outcomes.append(PlannerOutcome(label, plan, plan_cost(plan, edge.mesh), report.ok,
@@ -136,14 +109,6 @@ def steps_rows(plan: Plan) -> list[dict[str, Any]]:
              else f"{s.ranks[0]}..{s.ranks[-1]} ({len(s.ranks)})", "bytes": s.payload_bytes, "dtype": s.dtype.value,
              "link": s.link.value if s.link else "", "output": s.output, "note": s.note}
             for i, s in enumerate(plan.steps, start=1)]
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in decimal units (1,152 B, 4.86 MB), short enough for a metric."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{int(n):,} B"
 
 
 def facet_summaries(contract: Any) -> dict[str, str]:

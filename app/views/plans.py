@@ -4,28 +4,23 @@ from __future__ import annotations
 
 import streamlit as st
 
-from meshpact.app.context import mesh_of, message_markdown, require_engines, require_scenario
+from meshpact.app.context import mesh_of, message_markdown, require_scenario
 from meshpact.app.figures import cost_figure, plan_figure
-from meshpact.app.planning import (
-    edge_from_facts, facet_summaries, human_bytes, judge, planners, real_edges, steps_rows,
-)
+from meshpact.app.planning import edge_from_facts, facet_summaries, judge, real_edges, steps_rows
 from meshpact.core.catalog import CATALOG
 from meshpact.core.errors import MeshpactError
+from meshpact.core.facts import Request
+from meshpact.core.units import human_bytes
 
 choice = require_scenario()
 mesh = mesh_of(choice)
 st.title("Plans")
-require_engines("Planning", ("core.contract", "core.lowerer", "core.checker"))
 st.caption("What a consumer must observe (the contract), how each planner would deliver it, and whether the "
            "symbolic checker accepts the plan, before anything runs.")
 
 edges = real_edges()
-sources = (["a real edge"] if edges else []) + ["build an edge from facts"]
-if edges:
-    source = st.radio("edge", sources, horizontal=True, label_visibility="collapsed", key="plans_source")
-else:
-    source = sources[0]
-    st.caption("The catalog of real edges (`core/edges.py`) is not in this build: build an edge from facts.")
+source = st.radio("edge", ["a real edge", "build an edge from facts"], horizontal=True, label_visibility="collapsed",
+                  key="plans_source")
 
 try:
     if source == "a real edge":
@@ -41,7 +36,7 @@ try:
         cdom = k[1].selectbox("consumer domain", names, index=min(1, len(names) - 1), key="plans_cdom")
         placement = k[2].selectbox("producer placement", ["Shard(1)", "Shard(0)", "Replicate()", "Partial(sum)"],
                                    key="plans_placement")
-        request = k[3].selectbox("consumer request", ["token", "logprob", "owner_token", "full", "shard", "reduced"],
+        request = k[3].selectbox("consumer request", [r.value for r in Request], index=list(Request).index(Request.TOKEN),
                                  key="plans_request")
         def _model_columns() -> None:
             m = CATALOG[st.session_state["plans_model"]]
@@ -76,9 +71,6 @@ for tab, (facet, value) in zip(st.tabs(list(facets)), facets.items()):
             st.json(value, expanded=2)
 
 st.subheader("Planners, judged by the checker")
-missing = {"layout-only", "byte-only"} - set(planners())
-if missing:
-    st.caption(f"Baseline planners not in this build (`core/baselines.py`): {', '.join(sorted(missing))}.")
 columns = st.columns(len(result.outcomes))
 for col, out in zip(columns, result.outcomes):
     with col:

@@ -14,19 +14,19 @@ import typer
 
 from meshpact.commands._common import console, emit_json, err_console, table
 from meshpact.core.errors import FactError
+from meshpact.core.units import human_bytes
 
 __all__ = ["register", "plan_document", "edges_document"]
 
 
 def plan_document(edge: Any) -> dict[str, Any]:
     """The ``--json`` document of one edge: its contract and the three planners' plans."""
-    from meshpact.core.baselines import byte_only, layout_only
     from meshpact.core.checker import check
     from meshpact.core.contract import compile_contract
-    from meshpact.core.lowerer import lower
+    from meshpact.core.planners import PLANNERS
 
     contract = compile_contract(edge)
-    plans = {"meshpact": lower(contract), "layout_only": layout_only(contract), "byte_only": byte_only(contract)}
+    plans = {p.name: p.plan(contract) for p in PLANNERS}
     return {
         "edge": edge.name,
         "contract": contract.to_dict(),
@@ -42,13 +42,6 @@ def edges_document() -> list[dict[str, Any]]:
     from meshpact.core.edges import EDGES
 
     return [{**plan_document(e.edge), "result_edge": e.result_edge} for e in EDGES.values()]
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if n >= size:
-            return f"{n / size:,.1f} {unit}"
-    return f"{n} B"
 
 
 def _verdict(check: dict[str, Any]) -> str:
@@ -88,9 +81,9 @@ def _show_plan(doc: dict[str, Any]) -> None:
     for name, p in doc["plans"].items():
         steps = [(i, s["op"], ",".join(map(str, s["ranks"])),
                   f"{','.join(short(b) for b in s['inputs'])} -> {short(s['output'])}",
-                  _bytes(s["payload_bytes"]) if s["payload_bytes"] else "", s["link"] or "", s["note"])
+                  human_bytes(s["payload_bytes"]) if s["payload_bytes"] else "", s["link"] or "", s["note"])
                  for i, s in enumerate(p["steps"])]
-        console.print(table(f"{name}: {p['startups']} startups, {_bytes(p['payload_bytes'])}",
+        console.print(table(f"{name}: {p['startups']} startups, {human_bytes(p['payload_bytes'])}",
                             ("#", "op", "ranks", "reads -> writes", "bytes", "link", "note"), steps))
         console.print(f"  checker: {_verdict(p['check'])}")
         vs = p["check"]["violations"]
@@ -151,7 +144,7 @@ def edges(as_json: bool = typer.Option(False, "--json", help="One JSON document 
             p = d["plans"][k]
             kinds = sorted({v["kind"] for v in p["check"]["violations"]})
             mark = "[green]✓[/green]" if p["check"]["ok"] else "[red]✗[/red] " + ", ".join(kinds)
-            cells.append(f"{p['startups']} / {_bytes(p['payload_bytes'])} {mark}")
+            cells.append(f"{p['startups']} / {human_bytes(p['payload_bytes'])} {mark}")
         rows.append((d["edge"], d["contract"]["demand"]["request"], "yes" if d["result_edge"] else "", *cells))
     console.print(table("Nine real edges: startups / payload bytes, ✓ = the checker passes the plan",
                         ("edge", "request", "result", "meshpact", "layout-only", "byte-only"), rows))

@@ -149,14 +149,17 @@ def test_good_facts_with_yaml_exponents_plan(tmp_path, capsys):
 
 
 def test_the_cli_exits_1_on_a_plan_its_checker_rejects(tmp_path, capsys, monkeypatch):
+    from dataclasses import replace
+
     import meshpact.core.baselines as baselines
-    import meshpact.core.lowerer as lowerer
+    import meshpact.core.planners as planners
 
     path = tmp_path / "edge.yaml"
     path.write_text("name: e\nmesh:\n  domains:\n" + _GOOD["domains"]
                     + "producer: {name: h, op: o, shape: [4, 8], dtype: float32, domain: cuda@A, placement: Partial(sum)}\n"
                     + "consumer: {name: c, domain: cann@B, ranks: [3, 4], request: full}\n")
-    monkeypatch.setattr(lowerer, "lower", baselines.layout_only)  # completes the partials on the consumer side
+    broken = replace(planners.PLANNERS[0], plan=baselines.layout_only)  # completes partials on the consumer side
+    monkeypatch.setattr(planners, "PLANNERS", (broken,) + planners.PLANNERS[1:])
     assert main(["plan", "--facts", str(path)]) == 1
     captured = capsys.readouterr()
     assert "completed_outside_domain" in captured.out and "fails its own check" in captured.err
