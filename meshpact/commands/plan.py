@@ -98,10 +98,14 @@ def plan(
     edge: Optional[str] = typer.Argument(None, help="Edge name (see `meshpact edges`)."),
     facts: Optional[Path] = typer.Option(None, "--facts", help="Plan an edge described in a YAML or JSON file."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    run: Optional[Path] = typer.Option(None, "--run", help="Interpret the meshpact plan on these values: a .npy "
+                                       "file or a JSON array of the producer's whole tensor (Partial: the addends)."),
 ) -> None:
     """Show an edge's contract and the meshpact, layout-only and byte-only plans with verdicts.
 
-    Exits 1 when the checker rejects the meshpact plan, 2 for facts that do not make an edge."""
+    With --run VALUES, interpret the meshpact plan on VALUES and show, per consumer rank, what
+    it observes, the reference and the verdict. Exits 1 when the checker rejects the meshpact
+    plan or a rank observes the wrong thing, 2 for facts or values that cannot be used."""
     from meshpact.core.edges import get_edge
     from meshpact.core.factsfile import load_edge_facts
 
@@ -110,7 +114,11 @@ def plan(
     if facts is None and edge is None:
         from meshpact.core.edges import EDGES
         raise FactError(f"name an edge or pass --facts FILE; known edges: {', '.join(EDGES)}")
-    doc = plan_document(load_edge_facts(facts) if facts is not None else get_edge(edge or ""))
+    the_edge = load_edge_facts(facts) if facts is not None else get_edge(edge or "")
+    if run is not None:
+        _run_values(the_edge, run, as_json)
+        return
+    doc = plan_document(the_edge)
     rejected = not doc["plans"]["meshpact"]["check"]["ok"]
     if as_json:
         emit_json(doc)
@@ -126,6 +134,34 @@ def plan(
     _show_plan(doc)
     if rejected:
         err_console.print("the meshpact plan fails its own check (violations above); exit 1")
+        raise typer.Exit(1)
+
+
+def _run_values(edge: Any, values: Path, as_json: bool) -> None:
+    from meshpact.core.checker import check
+    from meshpact.core.contract import compile_contract
+    from meshpact.core.planners import planner_named
+    from meshpact.core.runvalues import load_values, run_values
+
+    contract = compile_contract(edge)
+    plan = planner_named("meshpact").plan(contract)
+    inputs = load_values(values, contract)
+    report = run_values(plan, contract, inputs)
+    checked = check(plan, contract)
+    if as_json:
+        emit_json({"edge": edge.name, "values": str(values), "check": checked.to_dict(), **report.to_dict()})
+    else:
+        def short(v: Any) -> str:
+            text = str(v)
+            return text if len(text) <= 60 else text[:57] + "..."
+
+        rows = [(r.rank, short(r.observed), short(r.reference), "[green]right[/green]" if r.ok else "[red]wrong[/red]",
+                 r.reason) for r in report.ranks]
+        console.print(table(f"{edge.name}: the meshpact plan on {values.name}",
+                            ("rank", "observed", "reference", "verdict", "why"), rows))
+        if report.error:
+            err_console.print(report.error)
+    if not report.ok or not checked.ok:
         raise typer.Exit(1)
 
 

@@ -165,3 +165,72 @@ def test_the_cli_exits_1_on_a_plan_its_checker_rejects(tmp_path, capsys, monkeyp
     assert "completed_outside_domain" in captured.out and "fails its own check" in captured.err
     assert main(["plan", "--facts", str(path), "--json"]) == 1
     assert not json.loads(capsys.readouterr().out)["plans"]["meshpact"]["check"]["ok"]
+
+
+_RUN_FACTS = ("name: e\nmesh:\n  domains:\n" + _GOOD["domains"]
+              + "producer: {name: h, op: o, shape: [2, 5], dtype: bfloat16, domain: cuda@A, placement: Shard(1)}\n"
+              + "consumer: {name: c, domain: cann@B, ranks: [3, 4], request: token}\n")
+
+
+def test_run_a_plan_on_my_values(tmp_path, capsys):
+    facts = tmp_path / "edge.yaml"
+    facts.write_text(_RUN_FACTS)
+    values = tmp_path / "v.json"
+    values.write_text("[[1, 2, 9, 3, 0], [0, NaN, 1, 1, 7]]")  # a NaN wins argmax, as in torch
+    doc = _json(capsys, "plan", "--facts", str(facts), "--run", str(values), "--json")
+    assert doc["verdict"] == "right"
+    assert {r["rank"]: (r["observed"], r["reference"]) for r in doc["ranks"]} == {3: ([2, 1], [2, 1]),
+                                                                                4: ([2, 1], [2, 1])}
+    assert main(["plan", "--facts", str(facts), "--run", str(values)]) == 0
+    assert "right" in capsys.readouterr().out
+
+
+def test_run_partial_addends_from_npy(tmp_path, capsys):
+    import numpy as np
+
+    facts = tmp_path / "edge.yaml"
+    facts.write_text(_RUN_FACTS.replace("Shard(1)", "Partial(sum)").replace("request: token", "request: full")
+                     .replace("bfloat16", "float16"))
+    rng = np.random.default_rng(0)
+    addends = rng.standard_normal((2, 2, 5)).astype(np.float16)
+    np.save(tmp_path / "v.npy", addends)
+    doc = _json(capsys, "plan", "--facts", str(facts), "--run", str(tmp_path / "v.npy"), "--json")
+    assert doc["verdict"] == "right"
+    want = (addends[0] + addends[1]).astype(np.float64).tolist()
+    assert all(r["reference"] == want and r["observed"] == want for r in doc["ranks"])
+
+
+def test_run_exits_1_when_a_rank_observes_the_wrong_thing(tmp_path, capsys, monkeypatch):
+    from dataclasses import replace
+
+    import meshpact.core.planners as planners
+    from meshpact.core.baselines import byte_only_candidates
+    from meshpact.core.plan import Plan
+
+    def local_only(contract):  # argmax of the bridge rank's own vocabulary shard
+        cand = next(c for c in byte_only_candidates(contract) if c.label.startswith("local_only+send+fan_out"))
+        return Plan(cand.plan.edge, "meshpact", cand.plan.steps)
+
+    monkeypatch.setattr(planners, "PLANNERS", (replace(planners.PLANNERS[0], plan=local_only),) + planners.PLANNERS[1:])
+    facts = tmp_path / "edge.yaml"
+    facts.write_text(_RUN_FACTS)
+    values = tmp_path / "v.json"
+    values.write_text("[[1, 2, 9, 3, 0], [0, 1, 1, 1, 7]]")
+    assert main(["plan", "--facts", str(facts), "--run", str(values), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["verdict"] == "wrong" and doc["ranks"][0]["observed"] == [2, 1] != doc["ranks"][0]["reference"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[[1, 2, 9, 3]]", "expected shape [2, 5]"),
+    ("[[1, 2, 9, 3, 0], [0, 1, 1]]", "rectangular array"),
+    ("{not json", "not valid JSON"),
+])
+def test_unusable_values_are_one_line(tmp_path, capsys, text, message):
+    facts = tmp_path / "edge.yaml"
+    facts.write_text(_RUN_FACTS)
+    values = tmp_path / "v.json"
+    values.write_text(text)
+    assert main(["plan", "--facts", str(facts), "--run", str(values)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(values) in err and "Traceback" not in err
