@@ -1,10 +1,11 @@
 """The lowerer: a contract becomes a deterministic, backend-neutral plan.
 
 :func:`lower` builds a few candidate plans that all keep the contract and keeps the one
-with the fewest startups (every collective call and bridge message is a launch and, across
-vendors, a host-staged handshake), then the lowest α-β time, then the fewest payload
-bytes, then the earlier candidate; so the same contract always gives the same plan, byte
-for byte. The candidates follow four rules:
+with the lowest α-β time over the link classes (:func:`meshpact.core.plan.plan_cost`:
+startups and bytes weighed by the links they cross), then the fewest startups (every
+collective call and bridge message is a launch and, across vendors, a host-staged
+handshake), then the fewest payload bytes, then the earlier candidate; so the same
+contract always gives the same plan, byte for byte. The candidates follow four rules:
 
 * **source projection**: when the consumer observes a projection (token, log-prob), it
   is computed where the data lives and only the projection moves. A vocabulary-sharded
@@ -31,19 +32,31 @@ from .plan import Plan, plan_cost
 from .planbuild import PlanBuilder, form_bytes, form_dtype, row_bytes
 from .region import full_region, intervals_indices
 
-__all__ = ["lower", "lower_candidates", "complete_raw", "observable", "fan_out"]
+__all__ = ["lower", "choose", "lower_candidates", "complete_raw", "observable", "fan_out"]
 
 PLANNER = "meshpact"
 
 
 def lower(contract: Contract) -> Plan:
-    """The plan for ``contract``: the cheapest of :func:`lower_candidates` (deterministic)."""
-    cands = lower_candidates(contract)
+    """The plan for ``contract``: the fastest of :func:`lower_candidates` (deterministic)."""
+    return choose(lower_candidates(contract), contract, time_first=True)
+
+
+def choose(cands: list[Plan], contract: Contract, time_first: bool = True) -> Plan:
+    """The cheapest candidate: lowest α-β time over the link classes, then fewest startups,
+    then fewest payload bytes, then the earlier one (``time_first=False``: startups first,
+    the rule before times were weighed, kept to show where the choice changes)."""
     if len(cands) == 1:
         return cands[0]
     mesh = contract.edge.mesh
-    return min(enumerate(cands), key=lambda indexed: (
-        indexed[1].startups, round(plan_cost(indexed[1], mesh).time_s, 12), indexed[1].payload_bytes, indexed[0]))[1]
+
+    def key(indexed: tuple[int, Plan]) -> tuple[float, ...]:
+        position, plan = indexed
+        time_s = round(plan_cost(plan, mesh).time_s, 12)
+        first, second = (time_s, plan.startups) if time_first else (plan.startups, time_s)
+        return (first, second, plan.payload_bytes, position)
+
+    return min(enumerate(cands), key=key)[1]
 
 
 def lower_candidates(contract: Contract) -> list[Plan]:

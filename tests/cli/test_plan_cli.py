@@ -25,7 +25,7 @@ def _assert_plan_doc(doc):
     assert set(doc["contract"]) == FACETS
     assert set(doc["plans"]) == PLANNERS
     for p in doc["plans"].values():
-        assert set(p) == {"steps", "startups", "payload_bytes", "check"}
+        assert set(p) == {"steps", "startups", "payload_bytes", "time_s", "check"}
         assert set(p["check"]) == {"ok", "violations"}
         assert all(set(v) == {"kind", "step", "rank", "reason"} for v in p["check"]["violations"])
         assert all({"kind", "op", "ranks", "payload_bytes", "dtype"} <= set(s) for s in p["steps"])
@@ -48,13 +48,20 @@ def test_edges_json_lists_all_nine_with_result_flag(capsys):
         _assert_plan_doc(d)
         assert d["result_edge"] is EDGES[d["edge"]].result_edge
         assert d["plans"]["meshpact"]["check"]["ok"]
+        # chosen by α-β time: never slower than the startups-first choice, and cheaper where it changed
+        chosen, first = d["plans"]["meshpact"]["time_s"], d["startups_first"]["time_s"]
+        assert chosen <= first and (chosen < first) is d["choice_changed_by_time"]
+    assert any(d["choice_changed_by_time"] for d in docs)
 
 
 def test_transitions_json(capsys):
     doc = _json(capsys, "transitions", "--json")
-    assert set(doc) == {"transitions", "meshpact_valid", "layout_only_complete", "byte_only_candidates",
-                        "byte_only_invalid", "byte_only_invalid_rejected"}
+    assert set(doc) == {"transitions", "structurally_distinct", "meshpact_valid", "layout_only_complete",
+                        "byte_only_candidates", "byte_only_invalid", "byte_only_invalid_rejected", "candidate_set"}
     assert doc["transitions"] >= 72 and doc["meshpact_valid"] == doc["transitions"]
+    # same-host and other-host cases differ only in the bridge's link class
+    assert doc["structurally_distinct"] == doc["transitions"] * 2 // 3
+    assert "grammar" in doc["candidate_set"]
     assert doc["byte_only_invalid_rejected"] == doc["byte_only_invalid"] > 0
 
 

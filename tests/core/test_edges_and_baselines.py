@@ -42,7 +42,9 @@ def test_lowerer_beats_layout_only_on_every_real_edge(name):
     c = compile_contract(real.edge)
     plan, lo = lower(c), layout_only(c)
     assert check(plan, c).ok
-    assert plan.startups < lo.startups
+    mesh = c.edge.mesh
+    assert plan_cost(plan, mesh).time_s <= plan_cost(lo, mesh).time_s  # chosen by α-β time; ties where the
+    assert plan.startups <= lo.startups  # fastest plan is what the transition table does (shard to shard)
     if real.result_edge:
         assert plan.payload_bytes < lo.payload_bytes / 100
     small = compile_contract(miniature(real.edge))
