@@ -186,11 +186,12 @@ def _native(b: PlanBuilder, form: Form, root: int) -> str:
     return raw
 
 
-def _deliver_cross(b: PlanBuilder, buf: str, form: Form, how: str) -> None:
+def _deliver_cross(b: PlanBuilder, buf: str, form: Form, how: str, nbytes: int | None = None) -> None:
     c = b.contract
     dt = _dtype(c, form)
     cons = c.edge.consumer
-    nbytes = form_bytes(form, full_region(c.provenance.shape), c.provenance.dtype)
+    if nbytes is None:
+        nbytes = form_bytes(form, full_region(c.provenance.shape), c.provenance.dtype)
     if c.demand.request is Request.OWNER_TOKEN and how == "fan_out":
         tok = b.collective("broadcast", (cons.ranks[0],) + cons.ranks[1:], buf, b.name("bcast"), nbytes, dt,
                            {"root": cons.ranks[0]}) if len(cons.ranks) > 1 and buf else buf
@@ -248,9 +249,12 @@ def byte_only_candidates(contract: Contract) -> list[Candidate]:
         for how in ("fan_out", "bridge_rank_only"):
             b = PlanBuilder(c, "byte_only")
             buf = make(b, bp)
-            size = form_bytes(form, full_region(prov.shape), prov.dtype)
+            region = full_region(prov.shape)
+            if label == "local_only":  # only what the bridge rank's own shard gives crosses
+                region = next(h.region for h in prov.holdings if h.rank == bp)
+            size = form_bytes(form, region, prov.dtype)
             arrived = b.send(bp, bc, buf, b.name("arrived"), size, _dtype(c, form))
-            _deliver_cross(b, arrived, form, how)
+            _deliver_cross(b, arrived, form, how, size)
             out.append(Candidate(f"{label}+send+{how}", b.plan()))
     # one collective reaching across the domains, rooted at the consumer's bridge rank
     b = PlanBuilder(c, "byte_only")

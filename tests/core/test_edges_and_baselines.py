@@ -165,3 +165,14 @@ def test_same_domain_baseline_follows_dtensor_table():
     assert [s.op for s in layout_only(c).steps] == ["all_to_all", "deliver"]
     c = compile_contract(edge(Replicate(), Request.FULL))
     assert [s.op for s in layout_only(c).steps].count("send") == 3
+
+
+def test_every_planners_declared_bytes_and_links_agree_with_the_checker():
+    """The baselines are blind to semantics, not to their own costs: no figure is misdeclared."""
+    contracts = [compile_contract(t.edge) for t in enumerate_transitions()]
+    contracts += [compile_contract(e.edge) for e in EDGES.values()]
+    declared = {ViolationKind.PAYLOAD_MISMATCH, ViolationKind.LINK_MISMATCH}
+    for c in contracts:
+        for cand in byte_only_candidates(c) + [type(byte_only_candidates(c)[0])("layout_only", layout_only(c))]:
+            bad = [str(v) for v in check(cand.plan, c).violations if v.kind in declared]
+            assert not bad, (c.edge.name, cand.label, bad[:2])
