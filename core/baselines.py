@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .contract import Contract, Form
+from .contract import REQUEST_FORM, Contract, Form
 from .facts import DType, Request
-from .lowerer import complete_raw, fan_out, lower, observable
+from .lowerer import complete_raw, fan_out, lower, observable, row_projection
 from .placement import Partial, Shard
 from .plan import Plan, StepKind
 from .planbuild import PlanBuilder, form_bytes, form_dtype, row_bytes
@@ -59,6 +59,11 @@ def _application(b: PlanBuilder, buf: str) -> None:
         buf = b.project("logsoftmax_at", cons.ranks, buf, b.name("logprob"), DType.FLOAT32, {},
                         "consumer computes log-probabilities")
         dt = DType.FLOAT32
+    elif req in (Request.TOPK, Request.TOKEN_LOGPROB, Request.SAMPLE):
+        form = REQUEST_FORM[req]
+        op, args = row_projection(c, form)
+        dt = form_dtype(form, dt)
+        buf = b.project(op, cons.ranks, buf, b.name(form.value), dt, args, f"consumer computes {req.value}")
     elif req is Request.OWNER_TOKEN:
         tok = b.project("argmax", cons.ranks, buf, b.name("token"), DType.INT64, {}, "consumer computes tokens")
         owners = tuple(o.rank for o in c.demand.observations)

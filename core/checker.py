@@ -64,6 +64,7 @@ class ViolationKind(str, Enum):
 _PROJECTED_ITEMSIZE: dict[Projection, int] = {
     Projection.ARGMAX: 8, Projection.COMBINE_MAX_ARG: 8, Projection.LOCAL_MAX_ARG: 8,
     Projection.LOCAL_LSE_STATS: 4, Projection.COMBINE_LSE_STATS: 4, Projection.LOGSOFTMAX_AT: 4,
+    Projection.TOPK: 8, Projection.TOKEN_LOGPROB: 8, Projection.SAMPLE: 8,
 }
 
 
@@ -340,9 +341,9 @@ class _Checker(PieceAlgebra):
         # projections that need one clean piece
         p = x.pieces[0] if len(x.pieces) == 1 else garbage(self.rows_of(x), "pieces that do not form one region")
         if p.form is Form.GARBAGE:
-            return Buf((p,), self.proj_shape(op, x)), []
+            return Buf((p,), self.proj_shape(op, x, step)), []
         want = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG, Projection.COMBINE_LSE_STATS: Form.LSE_STATS}.get(op, Form.RAW)
-        shape = self.proj_shape(op, x)
+        shape = self.proj_shape(op, x, step)
         if p.form is not want:
             return Buf((garbage(rows_of_piece(p), f"{op.value} of {p.form.value} data", p.tensor),), shape), []
         if want is Form.RAW and len(p.region) != 2 and op is not Projection.ARGMAX:
@@ -376,6 +377,8 @@ class _Checker(PieceAlgebra):
             return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
         if op is Projection.COMBINE_LSE_STATS:
             return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, False),), shape), []
+        if op in (Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE):
+            return self.row_projection(op, step, i, p, shape), []
         # LOGSOFTMAX_AT
         if cols != ((0, self.vocab),):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"log-softmax over columns {_rows_text(cols)} of {self.vocab}: "
@@ -384,14 +387,35 @@ class _Checker(PieceAlgebra):
             return Buf((garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
         return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, p.exact),), shape), []
 
+    def row_projection(self, op: Projection, step: Step, i: int, p: Piece, shape: tuple[int, ...]) -> Buf:
+        """top-k, token + log-prob or a seeded sample: full rows in, with the consumer's parameters."""
+        rows, cols = rows_of_piece(p), p.region[-1]
+        if cols != ((0, self.vocab),):
+            return Buf((garbage(rows, f"{op.value} over columns {_rows_text(cols)} only; it needs whole rows of "
+                                      f"{self.vocab}", p.tensor),), shape)
+        cons = self.c.edge.consumer
+        if op is Projection.TOPK and int(step.arg("k", 1)) != cons.k:
+            return Buf((garbage(rows, f"top-{step.arg('k', 1)} where top-{cons.k} is demanded", p.tensor),), shape)
+        if op is Projection.SAMPLE:
+            if (step.arg("seed", 0), float(step.arg("temperature", 1.0))) != (cons.seed, cons.temperature):
+                return Buf((garbage(rows, f"sampled with seed {step.arg('seed', 0)}, temperature "
+                                          f"{step.arg('temperature', 1.0)}; the consumer's are {cons.seed}, "
+                                          f"{cons.temperature}", p.tensor),), shape)
+            if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
+                return Buf((garbage(rows, "sampled with the noise of other rows", p.tensor),), shape)
+        form = {Projection.TOPK: Form.TOPK, Projection.TOKEN_LOGPROB: Form.TOKEN_LOGPROB,
+                Projection.SAMPLE: Form.SAMPLE}[op]
+        return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape)
+
     @staticmethod
     def rows_at(rows: Intervals, offset: int) -> bool:
         return not rows or (len(rows) == 1 and rows[0][0] == offset)
 
-    def proj_shape(self, op: Projection, x: Buf) -> tuple[int, ...]:
+    def proj_shape(self, op: Projection, x: Buf, step: Step) -> tuple[int, ...]:
         s = x.shape
         need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOGSOFTMAX_AT,
-                       Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS)
+                       Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS, Projection.TOPK,
+                       Projection.TOKEN_LOGPROB, Projection.SAMPLE)
         if (need2 and len(s) != 2) or (op is Projection.ARGMAX and not s):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} cannot apply to shape {list(s)}")
         if op is Projection.COMBINE_MAX_ARG and s[1] % 2:
@@ -402,6 +426,13 @@ class _Checker(PieceAlgebra):
             return (s[0], 2)
         if op is Projection.LOCAL_LSE_STATS:
             return (s[0], 3)
+        if op is Projection.TOPK:
+            k = int(step.arg("k", 1))
+            if not 1 <= k <= s[1]:
+                raise Refusal(ViolationKind.MALFORMED_STEP, f"top-{k} of rows of {s[1]} entries")
+            return (s[0], 2 * k)
+        if op is Projection.TOKEN_LOGPROB:
+            return (s[0], 2)
         return s[:-1]
 
     # -- the end of the plan: what each consumer observed ---------------------------------------

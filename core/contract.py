@@ -38,6 +38,7 @@ __all__ = [
     "Locality",
     "Contract",
     "compile_contract",
+    "REQUEST_FORM",
     "tolerance_for",
     "reduction_tolerance",
     "logsoftmax_tolerance",
@@ -52,6 +53,9 @@ class Form(str, Enum):
     LSE_STATS = "lse_stats"  # per-row (max, sum of exp, target logit) over a column range
     TOKEN = "token"  # per-row argmax ids
     LOGPROB = "logprob"  # per-row log-probability at the target id
+    TOPK = "topk"  # per-row k ids and their log-probabilities, packed as float64 [ids..., logprobs...]
+    TOKEN_LOGPROB = "token_logprob"  # per-row (argmax id, its log-probability) as float64
+    SAMPLE = "sample"  # per-row token sampled with the consumer's seed and temperature
     GARBAGE = "garbage"  # values that mean nothing (wrong combination of pieces)
 
 
@@ -307,7 +311,13 @@ class Contract:
         }
 
 
-_RESULT_REQUESTS = (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN)
+_RESULT_REQUESTS = tuple(r for r in Request if r.reads_logits)
+
+# The form each request observes (raw values for the others).
+REQUEST_FORM: dict[Request, Form] = {
+    Request.TOKEN: Form.TOKEN, Request.OWNER_TOKEN: Form.TOKEN, Request.LOGPROB: Form.LOGPROB,
+    Request.TOPK: Form.TOPK, Request.TOKEN_LOGPROB: Form.TOKEN_LOGPROB, Request.SAMPLE: Form.SAMPLE,
+}
 
 
 def _holdings(edge: Edge) -> tuple[Holding, ...]:
@@ -381,9 +391,13 @@ def _demand(edge: Edge) -> Demand:
             reg = chunk_region(full, d, p.shape[d], len(c.ranks), j)
             shape = tuple(sum(b - a for a, b in iv) for iv in reg)
             obs.append(Observation(r, Form.RAW, reg, p.dtype, shape))
-    elif req in (Request.TOKEN, Request.LOGPROB):
-        form, dt = (Form.TOKEN, DType.INT64) if req is Request.TOKEN else (Form.LOGPROB, DType.FLOAT32)
+    elif req in (Request.TOKEN, Request.LOGPROB, Request.SAMPLE):
+        form = REQUEST_FORM[req]
+        dt = DType.FLOAT32 if req is Request.LOGPROB else DType.INT64
         obs = [Observation(r, form, full, dt, (p.shape[0],)) for r in c.ranks]
+    elif req in (Request.TOPK, Request.TOKEN_LOGPROB):
+        width = 2 * (c.k or 1) if req is Request.TOPK else 2
+        obs = [Observation(r, REQUEST_FORM[req], full, DType.FLOAT64, (p.shape[0], width)) for r in c.ranks]
     elif req is Request.OWNER_TOKEN:
         owners = c.owners or ()
         for r in c.ranks:

@@ -214,6 +214,15 @@ class Request(str, Enum):
     OWNER_TOKEN = "owner_token"
     SHARD = "shard"
     REDUCED = "reduced"
+    TOPK = "topk"  # the k largest logits' ids and their log-probabilities (vLLM / SGLang logprobs=k)
+    TOKEN_LOGPROB = "token_logprob"  # the argmax id and its log-probability together
+    SAMPLE = "sample"  # a token sampled from softmax(logits / temperature) with a seeded generator
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether the request reads ``[tokens, vocab]`` logits and observes a projection of them."""
+        return self in (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN, Request.TOPK, Request.TOKEN_LOGPROB,
+                        Request.SAMPLE)
 
 
 @dataclass(frozen=True)
@@ -270,10 +279,30 @@ class Consumer:
     owners: tuple[int, ...] | None = None
     shard_dim: int | None = None
     exact: bool = False
+    k: int | None = None  # topk: how many ids per row
+    temperature: float | None = None  # sample: softmax temperature (default 1)
+    seed: int | None = None  # sample: the generator's seed (default 0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "request", Request(self.request))
+        if self.k is not None and self.request is not Request.TOPK:
+            raise FactError(f"consumer {self.name!r}.k: applies to topk requests only, not {self.request.value}")
+        if self.request is Request.TOPK and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
+            raise FactError(f"consumer {self.name!r}.k: a topk request needs a positive integer k, got {self.k!r}")
+        for name in ("temperature", "seed"):
+            if getattr(self, name) is not None and self.request is not Request.SAMPLE:
+                raise FactError(f"consumer {self.name!r}.{name}: applies to sample requests only, "
+                                f"not {self.request.value}")
+        if self.request is Request.SAMPLE:
+            t = 1.0 if self.temperature is None else self.temperature
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                raise FactError(f"consumer {self.name!r}.temperature: expected a positive finite number, got {t!r}")
+            seed = 0 if self.seed is None else self.seed
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+                raise FactError(f"consumer {self.name!r}.seed: expected an integer in 0..2**63-1, got {seed!r}")
+            object.__setattr__(self, "temperature", float(t))
+            object.__setattr__(self, "seed", seed)
         if not self.ranks:
             raise FactError(f"consumer {self.name!r}.ranks: expected at least one rank")
         if len(set(self.ranks)) != len(self.ranks):
@@ -314,7 +343,11 @@ class Edge:
         stray = sorted(set(self.consumer.ranks) - set(cons.ranks))
         if stray:
             raise FactError(f"edge {self.name!r}: consumer ranks {stray} are not in domain {cons.name!r}")
-        if self.consumer.request in (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN):
+        if self.consumer.request is Request.TOPK and len(self.producer.shape) == 2 \
+                and (self.consumer.k or 0) > self.producer.shape[1]:
+            raise FactError(f"edge {self.name!r}: consumer.k = {self.consumer.k} exceeds the vocabulary "
+                            f"({self.producer.shape[1]} columns)")
+        if self.consumer.request.reads_logits:
             if len(self.producer.shape) != 2:
                 raise FactError(
                     f"edge {self.name!r}: a {self.consumer.request.value} request reads logits of shape "

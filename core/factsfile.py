@@ -13,7 +13,8 @@ expected::
     producer: {name: logits, op: lm_head, shape: [256, 151936], dtype: bfloat16,
                domain: cuda@A, placement: Shard(1)}
     consumer: {name: sampler, domain: cann@B, ranks: [4, 5], request: token}
-    # consumer options: owners (owner_token only), shard_dim (shard, reduced only), exact (bool)
+    # consumer options: owners (owner_token only), shard_dim (shard, reduced only), exact (bool),
+    # k (topk only), temperature and seed (sample only)
     # a domain's backend, if given, must be its vendor's native one (nccl, hccl, gloo)
 """
 
@@ -133,7 +134,8 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge:
     except FactError as exc:
         raise FactError(f"{source}: producer.placement: {exc}") from None
     cd = w.mapping(w.need(top, "consumer", ""), "consumer")
-    w.only(cd, {"name", "domain", "ranks", "request", "owners", "shard_dim", "exact"}, "consumer")
+    w.only(cd, {"name", "domain", "ranks", "request", "owners", "shard_dim", "exact", "k", "temperature", "seed"},
+           "consumer")
     owners = cd.get("owners")
     shard_dim = cd.get("shard_dim")
     if shard_dim is not None and (not isinstance(shard_dim, int) or isinstance(shard_dim, bool) or shard_dim < 0):
@@ -152,7 +154,8 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge:
                             w.ints(w.need(cd, "ranks", "consumer"), "consumer.ranks"),
                             w.choice(w.need(cd, "request", "consumer"), "consumer.request", Request),
                             owners=w.ints(owners, "consumer.owners") if owners is not None else None,
-                            shard_dim=shard_dim, exact=exact)
+                            shard_dim=shard_dim, exact=exact, k=cd.get("k"), temperature=cd.get("temperature"),
+                            seed=cd.get("seed"))
         return Edge(str(top.get("name") or Path(source).stem), mesh, producer, consumer,
                     description=str(top.get("description", "")), source=source)
     except FactError as exc:

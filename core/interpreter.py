@@ -43,6 +43,12 @@ project ``local_lse_stats``   ``[rows, 3]`` float32 of (max, sum exp(x - max), x
                               id falls in ``[offsets[i], offsets[i] + width)`` else -inf)
 project ``combine_lse_stats`` ``[rows, 3k]`` -> ``t - M - log(sum_i s_i exp(m_i - M))`` with ``M = max m_i``,
                               ``t = max t_i``, summed in shard order
+project ``topk``              full rows -> float64 ``[rows, 2k]``: the ``args.k`` ids of the largest logits
+                              (NaN first, then larger values, lower index on ties), then their float32
+                              log-probabilities (:func:`log_softmax_rows`)
+project ``token_logprob``     full rows -> float64 ``[rows, 2]``: (argmax id, its log-probability)
+project ``sample``            full rows -> int64 ids: :func:`sample_tokens`, Gumbel-max over
+                              ``rows / temperature`` with noise hashed from (seed, global row, column)
 project ``slice``             along ``dim``: ``start:stop``, or per rank ``bounds[i]`` or ``index[i]`` (a list)
 project ``chunk``             along ``dim``: chunk ``index[i]`` of ``parts``
 project ``sum``               left fold of the inputs in order with ``op`` (sum, max, min, avg = sum/count);
@@ -70,7 +76,7 @@ import numpy as np
 
 from .contract import Contract, Equivalence, Form, Observation
 from .errors import PlanError
-from .facts import DType
+from .facts import Consumer, DType
 from .numerics import round_to, storage
 from .placement import Partial, Shard, shard_bounds
 from .plan import Collective, Plan, Projection, Step, StepKind
@@ -90,6 +96,10 @@ __all__ = [
     "judge_inputs",
     "local_max_arg",
     "combine_max_arg",
+    "log_softmax_rows",
+    "topk_logprobs",
+    "token_logprob",
+    "sample_tokens",
     "fold",
     "native_reduce",
 ]
@@ -240,6 +250,15 @@ def native_reduce(arrays: Sequence[np.ndarray], op: str, dtype: DType | None = N
     return out.reshape(arrays[0].shape)
 
 
+def log_softmax_rows(x: np.ndarray) -> np.ndarray:
+    """Single-device log-softmax over the last dim in float32 (NaN / all -inf rows give NaN, as torch)."""
+    x = x.astype(np.float32)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m = x.max(axis=-1, keepdims=True)
+        lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=-1, dtype=np.float32))
+        return (x - lse[:, None]).astype(np.float32)
+
+
 def reference_logprob(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
     """Single-device log-softmax over the last dim, read at ``ids``, in float32."""
     x = x.astype(np.float32)
@@ -247,6 +266,48 @@ def reference_logprob(x: np.ndarray, ids: np.ndarray) -> np.ndarray:
         m = x.max(axis=-1, keepdims=True)
         lse = m[:, 0] + np.log(np.exp(x - m).sum(axis=-1, dtype=np.float32))
         return (x[np.arange(x.shape[0]), ids] - lse).astype(np.float32)
+
+
+def topk_logprobs(x: np.ndarray, k: int) -> np.ndarray:
+    """float64 ``[rows, 2k]``: the ids of the ``k`` largest entries of each row (NaN first, then larger
+    values, the lower index on ties), then their log-probabilities."""
+    v = x.astype(np.float64)
+    nan = np.isnan(v)
+    cols = np.broadcast_to(np.arange(v.shape[-1]), v.shape)
+    order = np.lexsort((cols, -np.where(nan, 0.0, v), ~nan), axis=-1)[:, :k]
+    lp = np.take_along_axis(log_softmax_rows(x), order, axis=-1)
+    return np.concatenate([order.astype(np.float64), lp.astype(np.float64)], axis=-1)
+
+
+def token_logprob(x: np.ndarray) -> np.ndarray:
+    """float64 ``[rows, 2]``: each row's argmax id and its log-probability."""
+    ids = np.argmax(x, axis=-1)
+    lp = log_softmax_rows(x)[np.arange(x.shape[0]), ids]
+    return np.stack([ids.astype(np.float64), lp.astype(np.float64)], axis=-1)
+
+
+_MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB))
+
+
+def _uniform(seed: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
+    """Uniform (0, 1) float64 per (row, column), a splitmix64 hash of (seed, row, column)."""
+    with np.errstate(over="ignore"):
+        z = (np.uint64(seed) * _MIX[0] + rows.astype(np.uint64)[:, None] * _MIX[1]
+             + cols.astype(np.uint64)[None, :] * _MIX[2])
+        z = (z ^ (z >> np.uint64(30))) * _MIX[1]
+        z = (z ^ (z >> np.uint64(27))) * _MIX[2]
+        z = z ^ (z >> np.uint64(31))
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+
+
+def sample_tokens(x: np.ndarray, seed: int, temperature: float, row_offset: int = 0) -> np.ndarray:
+    """int64 ids sampled from ``softmax(x / temperature)`` per row by the Gumbel-max rule:
+    ``argmax(x / temperature - log(-log(u)))`` with ``u`` hashed from (seed, global row, column),
+    so the same seed gives the same token wherever the full row is sampled."""
+    rows = np.arange(x.shape[0]) + row_offset
+    gumbel = -np.log(-np.log(_uniform(seed, rows, np.arange(x.shape[-1]))))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.argmax(x.astype(np.float64) / temperature + gumbel, axis=-1).astype(np.int64)
 
 
 def _chunk(x: np.ndarray, dim: int, parts: int, index: int) -> np.ndarray:
@@ -335,6 +396,13 @@ def _project(step: Step, i: int, xs: list[np.ndarray], ids: np.ndarray | None, d
                 term = np.where(np.isfinite(m[:, k]), s[:, k] * np.exp(m[:, k] - big), 0).astype(np.float32)
             total = (total + term).astype(np.float32)
         return (t.max(axis=1) - big - np.log(total)).astype(np.float32)
+    if op is Projection.TOPK:
+        return topk_logprobs(x, int(step.arg("k", 1)))
+    if op is Projection.TOKEN_LOGPROB:
+        return token_logprob(x)
+    if op is Projection.SAMPLE:
+        return sample_tokens(x, int(step.arg("seed", 0)), float(step.arg("temperature", 1.0)),
+                             int(_per_rank(step, "row_offsets", i, 0)))
     if op is Projection.SLICE:
         dim = int(step.arg("dim", 0))
         index = _per_rank(step, "index", i)
@@ -445,23 +513,32 @@ def _run(k: int, step: Step, contract: Contract, inputs: Inputs, ex: Execution, 
             write(k, r, step.output, np.concatenate([_chunk(x, sd, len(ranks), j) for x in xs], axis=cd))
 
 
-def _observe(obs: Observation, value: np.ndarray, ids: np.ndarray | None, magnitude: bool = False) -> np.ndarray:
+def _observe(obs: Observation, value: np.ndarray, ids: np.ndarray | None, consumer: Consumer,
+             magnitude: bool = False) -> np.ndarray:
     """What ``obs`` sees of ``value`` (with ``magnitude``: the row-wise error scale of it)."""
     if obs.form is Form.RAW:
         sl = tuple(slice(iv[0][0], iv[0][1]) if iv else slice(0, 0) for iv in obs.region)
         return value[sl]
     rows = [r for a, b in obs.region[0] for r in range(a, b)]
+    if magnitude:
+        row_max = value.max(axis=-1)[rows] if value.shape[-1] else np.zeros(len(rows))
+        return np.broadcast_to(row_max[:, None], (len(rows),) + obs.shape[1:]) if len(obs.shape) > 1 else row_max
     if obs.form is Form.TOKEN:
         return np.argmax(value, axis=-1).astype(np.int64)[rows]
-    if magnitude:
-        return value.max(axis=-1)[rows] if value.shape[-1] else np.zeros(len(rows))
+    if obs.form is Form.SAMPLE:
+        return sample_tokens(value, int(consumer.seed or 0), float(consumer.temperature or 1.0))[rows]
+    if obs.form is Form.TOPK:
+        return topk_logprobs(value, int(consumer.k or 1))[rows]
+    if obs.form is Form.TOKEN_LOGPROB:
+        return token_logprob(value)[rows]
     assert ids is not None
     return reference_logprob(value, ids)[rows]
 
 
 def reference(contract: Contract, inputs: Inputs) -> dict[int, np.ndarray]:
     """What each consumer rank should observe, computed on one device from ``inputs.value``."""
-    return {obs.rank: _observe(obs, inputs.value, inputs.ids) for obs in contract.demand.observations}
+    cons = contract.edge.consumer
+    return {obs.rank: _observe(obs, inputs.value, inputs.ids, cons) for obs in contract.demand.observations}
 
 
 def magnitudes(contract: Contract, inputs: Inputs) -> dict[int, np.ndarray]:
@@ -472,7 +549,8 @@ def magnitudes(contract: Contract, inputs: Inputs) -> dict[int, np.ndarray]:
     for a in parts:
         a64 = np.asarray(a, np.float64)
         total += np.where(np.isfinite(a64), np.abs(a64), 0.0)
-    return {obs.rank: _observe(obs, total, inputs.ids, magnitude=True) for obs in contract.demand.observations}
+    cons = contract.edge.consumer
+    return {obs.rank: _observe(obs, total, inputs.ids, cons, magnitude=True) for obs in contract.demand.observations}
 
 
 def equivalent(observed: np.ndarray | None, expected: np.ndarray, contract: Contract,

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 from typing import Callable
 
-from .contract import Contract, Form
+from .contract import REQUEST_FORM, Contract, Form
 from .facts import DType, Request
 from .placement import Partial, Replicate, Shard, shard_bounds
 from .plan import Plan, plan_cost
 from .planbuild import PlanBuilder, form_bytes, form_dtype, row_bytes
 from .region import full_region, intervals_indices
 
-__all__ = ["lower", "choose", "lower_candidates", "complete_raw", "observable", "fan_out"]
+__all__ = ["lower", "choose", "lower_candidates", "complete_raw", "observable", "fan_out", "row_projection",
+           "observation_entries"]
 
 PLANNER = "meshpact"
 
@@ -66,7 +67,7 @@ def lower_candidates(contract: Contract) -> list[Plan]:
         return [_owner_token(contract)]
     if req in (Request.SHARD, Request.REDUCED) and contract.edge.consumer.shard_dim is not None:
         return _per_rank_chunks(contract)
-    form = {Request.TOKEN: Form.TOKEN, Request.LOGPROB: Form.LOGPROB}.get(req, Form.RAW)
+    form = REQUEST_FORM.get(req, Form.RAW)
     cands = [_replicated(contract, form)]
     pl = contract.provenance.placement
     if form is Form.RAW and isinstance(pl, Shard) and contract.locality.cross_domain and _n(contract) > 1:
@@ -113,10 +114,30 @@ def complete_raw(build: PlanBuilder, targets: tuple[int, ...]) -> str:
                         f"complete the partial {pl.op} inside {prov.domain}")
 
 
+def row_projection(contract: Contract, form: Form) -> tuple[str, dict[str, object]]:
+    """The projection step (op, args) that turns full rows into ``form`` for this consumer."""
+    cons = contract.edge.consumer
+    if form is Form.TOPK:
+        return "topk", {"k": cons.k}
+    if form is Form.SAMPLE:
+        return "sample", {"seed": cons.seed, "temperature": cons.temperature}
+    return "token_logprob", {}
+
+
+def observation_entries(contract: Contract) -> int:
+    """Entries per row of the observation (``k`` for top-k, else 1), for :func:`form_bytes`."""
+    return int(contract.edge.consumer.k or 1) if contract.demand.request is Request.TOPK else 1
+
+
 def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
     """Compute the consumer's observation in ``form`` on ``targets`` (source projection)."""
     if form is Form.RAW:
         return complete_raw(build, targets)
+    if form in (Form.TOPK, Form.TOKEN_LOGPROB, Form.SAMPLE):
+        op, args = row_projection(build.contract, form)
+        raw = complete_raw(build, targets)
+        return build.project(op, targets, raw, build.name(form.value),
+                             form_dtype(form, build.contract.provenance.dtype), args, f"{op} of full rows at the source")
     contract = build.contract
     prov = contract.provenance
     holders, tensor, count = prov.ranks, prov.tensor, len(prov.ranks)
@@ -195,7 +216,7 @@ def _replicated(contract: Contract, form: Form, direct_shards: bool = False) -> 
     prov = contract.provenance
     consumers = contract.edge.consumer.ranks
     region = full_region(prov.shape)
-    nbytes = form_bytes(form, region, prov.dtype)
+    nbytes = form_bytes(form, region, prov.dtype, observation_entries(contract))
     dtype = form_dtype(form, prov.dtype)
     if not contract.locality.cross_domain:
         buf = observable(build, form, consumers)

@@ -79,6 +79,9 @@ class Projection(str, Enum):
     SUM = "sum"  # sum of gathered addends in a fixed order
     CONCAT = "concat"  # concatenate gathered chunks along args['dim']
     COPY = "copy"  # rename a buffer
+    TOPK = "topk"  # the k largest entries' ids and log-probabilities of full rows (args k)
+    TOKEN_LOGPROB = "token_logprob"  # argmax id and its log-probability of full rows
+    SAMPLE = "sample"  # a seeded sample from softmax(rows / temperature) (args seed, temperature, row_offsets)
 
 
 @dataclass(frozen=True)

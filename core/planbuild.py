@@ -21,14 +21,17 @@ __all__ = ["PlanBuilder", "form_bytes", "form_dtype", "row_bytes", "STAT_BYTES"]
 # Bytes per row of each projected form: (max, index) as two 8-byte words (the value widened to
 # float64, or int64 for integer logits, and the int64 index); (max, sum exp, target)
 # as three float32; a token id as int64; a log-probability as float32.
-STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 16, Form.LSE_STATS: 12, Form.TOKEN: 8, Form.LOGPROB: 4}
+STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 16, Form.LSE_STATS: 12, Form.TOKEN: 8, Form.LOGPROB: 4,
+                                  Form.TOPK: 16, Form.TOKEN_LOGPROB: 16, Form.SAMPLE: 8}
+# (Form.TOPK: 16 bytes per kept entry: its id and its log-probability as float64.)
 
 
 def form_dtype(form: Form, raw: DType) -> DType:
     """The dtype a buffer of ``form`` travels in, for a producer tensor of dtype ``raw``."""
     if form is Form.MAX_ARG:
         return DType.FLOAT64 if raw.is_floating else DType.INT64
-    return {Form.TOKEN: DType.INT64, Form.RAW: raw}.get(form, DType.FLOAT32)
+    return {Form.TOKEN: DType.INT64, Form.SAMPLE: DType.INT64, Form.TOPK: DType.FLOAT64,
+            Form.TOKEN_LOGPROB: DType.FLOAT64, Form.RAW: raw}.get(form, DType.FLOAT32)
 
 
 def row_bytes(form: Form, rows: int) -> int:
@@ -36,12 +39,13 @@ def row_bytes(form: Form, rows: int) -> int:
     return rows * STAT_BYTES[form]
 
 
-def form_bytes(form: Form, region: Region, raw: DType) -> int:
-    """Payload bytes of data in ``form`` covering ``region`` (rows only, for projected forms)."""
+def form_bytes(form: Form, region: Region, raw: DType, entries: int = 1) -> int:
+    """Payload bytes of data in ``form`` covering ``region`` (rows only, for projected forms;
+    ``entries`` per row for top-k)."""
     if form is Form.RAW:
         return region_numel(region) * raw.itemsize
     rows = sum(b - a for a, b in region[0])
-    return rows * STAT_BYTES[form]
+    return rows * STAT_BYTES[form] * entries
 
 
 class PlanBuilder:

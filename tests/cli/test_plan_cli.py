@@ -241,3 +241,15 @@ def test_unusable_values_are_one_line(tmp_path, capsys, text, message):
     assert main(["plan", "--facts", str(facts), "--run", str(values)]) == 2
     err = capsys.readouterr().err
     assert message in err and str(values) in err and "Traceback" not in err
+
+
+def test_serving_requests_from_a_facts_file(tmp_path, capsys):
+    path = tmp_path / "edge.yaml"
+    path.write_text(_RUN_FACTS.replace("request: token", "request: sample, seed: 3, temperature: 0.8"))
+    doc = _json(capsys, "plan", "--facts", str(path), "--json")
+    assert doc["plans"]["meshpact"]["check"]["ok"]
+    assert any(s["op"] == "sample" and s["args"] == {"seed": 3, "temperature": 0.8}
+               for s in doc["plans"]["meshpact"]["steps"])
+    path.write_text(_RUN_FACTS.replace("request: token", "request: topk, k: 9"))
+    assert main(["plan", "--facts", str(path)]) == 2
+    assert "exceeds the vocabulary" in capsys.readouterr().err
