@@ -10,14 +10,16 @@ only lays the outcomes side by side.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Sequence
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Request
 from meshpact.core.placement import parse_placement
 from meshpact.core.plan import Plan, PlanCost, plan_cost
-from meshpact.core.planners import planners
+from meshpact.core.checker import Violation
+from meshpact.core.planners import planner_named, planners
+from meshpact.core.runvalues import RunReport
 from meshpact.core.units import human_bytes
 
 __all__ = [
@@ -27,6 +29,9 @@ __all__ = [
     "judge",
     "real_edges",
     "steps_rows",
+    "ViolationGroup",
+    "violation_groups",
+    "run_uploaded",
     "facet_summaries",
 ]
 
@@ -38,6 +43,16 @@ class PlannerOutcome:
     cost: PlanCost | None
     ok: bool
     reasons: tuple[str, ...]  # the checker's violations, or why the planner produced no plan
+    violations: tuple[Violation, ...] = ()
+
+
+@dataclass(frozen=True)
+class ViolationGroup:
+    """Violations of one kind: how many, and the first few as a person reads them."""
+
+    kind: str
+    count: int
+    examples: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -67,10 +82,24 @@ def edge_from_facts(
     consumer_ranks: int,
     shard_dim: int = 0,
     name: str = "custom edge",
+    producer_ranks: int | None = None,
+    k: int | None = None,
+    seed: int | None = None,
+    temperature: float | None = None,
 ) -> Edge:
-    """An edge from the page's facts: the producer over all of its domain's ranks, the
-    first ``consumer_ranks`` ranks of the consumer domain; owner-scoped rows go to the
-    consumer ranks in turn."""
+    """An edge from the page's facts: the producer over the first ``producer_ranks`` ranks of
+    its domain (its tensor-parallel degree; all of them by default), the first
+    ``consumer_ranks`` ranks of the consumer domain; owner-scoped rows go to the consumer
+    ranks in turn; ``k`` (topk), ``seed`` and ``temperature`` (sample) as the request takes them."""
+    pdom = mesh.domain(producer_domain)
+    if producer_ranks is not None and producer_ranks != pdom.size:
+        if not 1 <= producer_ranks <= pdom.size:
+            raise MeshpactError(f"producer TP degree: expected 1..{pdom.size} (the size of {pdom.name}), "
+                                f"got {producer_ranks}")
+        kept = tuple(sorted(pdom.ranks)[:producer_ranks])
+        bridge = pdom.bridge_rank if pdom.bridge_rank in kept else kept[0]
+        narrowed = replace(pdom, ranks=kept, bridge_rank=bridge)
+        mesh = replace(mesh, domains=tuple(narrowed if d.name == pdom.name else d for d in mesh.domains))
     cdom = mesh.domain(consumer_domain)
     if not 1 <= consumer_ranks <= cdom.size:
         raise MeshpactError(f"consumer ranks: expected 1..{cdom.size} (the size of {cdom.name}), got {consumer_ranks}")
@@ -80,7 +109,10 @@ def edge_from_facts(
     producer = ProducerTensor(name="y", op="producer", shape=tuple(int(s) for s in shape), dtype=DType(dtype),
                               domain=producer_domain, placement=parse_placement(placement))
     consumer = Consumer(name="consumer", domain=consumer_domain, ranks=ranks, request=req, owners=owners,
-                        shard_dim=shard_dim if req in (Request.SHARD, Request.REDUCED) else None)
+                        shard_dim=shard_dim if req in (Request.SHARD, Request.REDUCED) else None,
+                        k=k if req is Request.TOPK else None,
+                        seed=seed if req is Request.SAMPLE else None,
+                        temperature=temperature if req is Request.SAMPLE else None)
     return Edge(name=name, mesh=mesh, producer=producer, consumer=consumer)
 
 
@@ -99,8 +131,27 @@ def judge(edge: Edge) -> Judgement:
             continue
         report = check(plan, contract)
         outcomes.append(PlannerOutcome(label, plan, plan_cost(plan, edge.mesh), report.ok,
-                                       tuple(str(v) for v in report.violations)))
+                                       tuple(str(v) for v in report.violations), report.violations))
     return Judgement(edge, contract, tuple(outcomes))
+
+
+def violation_groups(violations: Sequence[Violation], examples: int = 2) -> list[ViolationGroup]:
+    """Violations grouped by kind (most frequent first), each with its count and first examples."""
+    groups: dict[str, list[Violation]] = {}
+    for v in violations:
+        groups.setdefault(v.kind.value, []).append(v)
+    return [ViolationGroup(kind, len(vs), tuple(str(v) for v in vs[:examples]))
+            for kind, vs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+
+
+def run_uploaded(edge: Edge, name: str, content: bytes) -> RunReport:
+    """Interpret the lowerer's plan for ``edge`` on an uploaded values file (as ``plan --run``)."""
+    from meshpact.core.contract import compile_contract
+    from meshpact.core.runvalues import parse_values, run_values, values_from
+
+    contract = compile_contract(edge)
+    inputs = values_from(parse_values(name, content), contract, name)
+    return run_values(planner_named("meshpact").plan(contract), contract, inputs)
 
 
 def steps_rows(plan: Plan) -> list[dict[str, Any]]:

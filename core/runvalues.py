@@ -15,6 +15,7 @@ the verdict under the contract's equivalence; every mistake in the file is one
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,7 @@ from .numerics import round_to
 from .placement import Partial, Shard, shard_bounds
 from .plan import Plan
 
-__all__ = ["RankResult", "RunReport", "load_values", "run_values"]
+__all__ = ["RankResult", "RunReport", "load_values", "parse_values", "values_from", "run_values"]
 
 MAX_ELEMENTS = 50_000_000  # a values file larger than this is refused, not read into memory
 
@@ -93,8 +94,28 @@ def _array(data: Any, path: Path, what: str, shape: tuple[int, ...]) -> np.ndarr
 def load_values(path: str | Path, contract: Contract) -> Inputs:
     """The producer's values from ``path``, split over its ranks as the contract's placement says."""
     p = Path(path)
+    return values_from(_read(p), contract, p)
+
+
+def parse_values(name: str, content: bytes) -> np.ndarray | list[Any]:
+    """Parse an uploaded values file (``.npy`` or JSON) held in memory; ``name`` gives its kind."""
+    if len(content) > MAX_ELEMENTS * 8 + 4096:
+        raise FactError(f"{name}: larger than {MAX_ELEMENTS:,} values; expected a tensor that fits a test")
+    if name.endswith(".npy"):
+        try:
+            return np.load(io.BytesIO(content), allow_pickle=False)
+        except (ValueError, OSError) as exc:
+            raise FactError(f"{name}: not a readable .npy array ({exc})") from None
+    try:
+        return json.loads(content.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise FactError(f"{name}: not valid JSON ({exc}); expected a nested array of numbers") from None
+
+
+def values_from(data: np.ndarray | list[Any], contract: Contract, source: str | Path) -> Inputs:
+    """Producer values from parsed ``data`` (named ``source`` in errors), split over the ranks."""
+    p = Path(source)
     prov = contract.provenance
-    data = _read(p)
     dtype = prov.dtype
     placement = prov.placement
     ranks = prov.ranks
