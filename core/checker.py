@@ -63,6 +63,7 @@ class ViolationKind(str, Enum):
 # Bytes per element of what each projection writes (None: the input's own).
 _PROJECTED_ITEMSIZE: dict[Projection, int] = {
     Projection.ARGMAX: 8, Projection.COMBINE_MAX_ARG: 8, Projection.LOCAL_MAX_ARG: 8,
+    Projection.LOCAL_SAMPLE_MAX_ARG: 8,
     Projection.LOCAL_LSE_STATS: 4, Projection.COMBINE_LSE_STATS: 4, Projection.LOGSOFTMAX_AT: 4,
     Projection.TOPK: 8, Projection.TOKEN_LOGPROB: 8, Projection.SAMPLE: 8,
 }
@@ -343,6 +344,8 @@ class _Checker(PieceAlgebra):
         if p.form is Form.GARBAGE:
             return Buf((p,), self.proj_shape(op, x, step)), []
         want = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG, Projection.COMBINE_LSE_STATS: Form.LSE_STATS}.get(op, Form.RAW)
+        if op is Projection.COMBINE_MAX_ARG and p.form is Form.SAMPLE_ARG:
+            want = Form.SAMPLE_ARG
         shape = self.proj_shape(op, x, step)
         if p.form is not want:
             return Buf((garbage(rows_of_piece(p), f"{op.value} of {p.form.value} data", p.tensor),), shape), []
@@ -365,16 +368,25 @@ class _Checker(PieceAlgebra):
             if len(p.region) != 2:
                 return Buf((garbage(rows, "argmax of a tensor that is not [rows, vocab]", p.tensor),), shape), []
             return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
-        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS):
+        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOCAL_SAMPLE_MAX_ARG):
             off = int(self.per_rank(step, "offsets", i, 0))
             if cols and (len(cols) != 1 or cols[0][0] != off):
                 return Buf((garbage(rows, f"offset {off} is not the shard's first column", p.tensor),), shape), []
+            if op is Projection.LOCAL_SAMPLE_MAX_ARG:
+                cons = self.c.edge.consumer
+                if (step.arg("seed", 0), float(step.arg("temperature", 1.0))) != (cons.seed, cons.temperature):
+                    return Buf((garbage(rows, "perturbed with another seed or temperature than the consumer's",
+                                        p.tensor),), shape), []
+                if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
+                    return Buf((garbage(rows, "perturbed with the noise of other rows", p.tensor),), shape), []
+                return Buf((Piece(p.tensor, Form.SAMPLE_ARG, (rows, cols), None, p.exact),), shape), []
             if op is Projection.LOCAL_LSE_STATS and not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
                 return Buf((garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
             form = Form.MAX_ARG if op is Projection.LOCAL_MAX_ARG else Form.LSE_STATS
             return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
         if op is Projection.COMBINE_MAX_ARG:
-            return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
+            form = Form.SAMPLE if p.form is Form.SAMPLE_ARG else Form.TOKEN
+            return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
         if op is Projection.COMBINE_LSE_STATS:
             return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, False),), shape), []
         if op in (Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE):
@@ -413,7 +425,8 @@ class _Checker(PieceAlgebra):
 
     def proj_shape(self, op: Projection, x: Buf, step: Step) -> tuple[int, ...]:
         s = x.shape
-        need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOGSOFTMAX_AT,
+        need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
+                       Projection.LOGSOFTMAX_AT,
                        Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS, Projection.TOPK,
                        Projection.TOKEN_LOGPROB, Projection.SAMPLE)
         if (need2 and len(s) != 2) or (op is Projection.ARGMAX and not s):
@@ -422,7 +435,7 @@ class _Checker(PieceAlgebra):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs (value, index) pairs, got width {s[1]}")
         if op is Projection.COMBINE_LSE_STATS and s[1] % 3:
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs statistic triples, got width {s[1]}")
-        if op is Projection.LOCAL_MAX_ARG:
+        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG):
             return (s[0], 2)
         if op is Projection.LOCAL_LSE_STATS:
             return (s[0], 3)

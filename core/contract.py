@@ -50,6 +50,7 @@ class Form(str, Enum):
 
     RAW = "raw"  # the tensor's values
     MAX_ARG = "max_arg"  # per-row (max, global index) over a column range
+    SAMPLE_ARG = "sample_arg"  # per-row (max of the Gumbel-perturbed logits, global index) over a column range
     LSE_STATS = "lse_stats"  # per-row (max, sum of exp, target logit) over a column range
     TOKEN = "token"  # per-row argmax ids
     LOGPROB = "logprob"  # per-row log-probability at the target id

@@ -47,6 +47,10 @@ project ``topk``              full rows -> float64 ``[rows, 2k]``: the ``args.k`
                               (NaN first, then larger values, lower index on ties), then their float32
                               log-probabilities (:func:`log_softmax_rows`)
 project ``token_logprob``     full rows -> float64 ``[rows, 2]``: (argmax id, its log-probability)
+project ``local_sample_max_arg`` float64 (max, global index) pairs of a shard's perturbed logits
+                              ``x / temperature - log(-log(u))`` (``u`` as in :func:`sample_tokens`, for
+                              columns ``offsets[i]..`` and rows ``row_offsets[i]..``); ``combine_max_arg``
+                              of every shard's pairs is the sample of the full rows, bitwise
 project ``sample``            full rows -> int64 ids: :func:`sample_tokens`, Gumbel-max over
                               ``rows / temperature`` with noise hashed from (seed, global row, column)
 project ``slice``             along ``dim``: ``start:stop``, or per rank ``bounds[i]`` or ``index[i]`` (a list)
@@ -300,14 +304,20 @@ def _uniform(seed: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
 
 
+def perturbed(x: np.ndarray, seed: int, temperature: float, row_offset: int = 0, col_offset: int = 0) -> np.ndarray:
+    """float64 ``x / temperature - log(-log(u))``: the Gumbel-perturbed logits of rows and
+    columns starting at the given global offsets."""
+    rows = np.arange(x.shape[0]) + row_offset
+    gumbel = -np.log(-np.log(_uniform(seed, rows, np.arange(x.shape[-1]) + col_offset)))
+    with np.errstate(invalid="ignore", over="ignore"):
+        return x.astype(np.float64) / temperature + gumbel
+
+
 def sample_tokens(x: np.ndarray, seed: int, temperature: float, row_offset: int = 0) -> np.ndarray:
     """int64 ids sampled from ``softmax(x / temperature)`` per row by the Gumbel-max rule:
     ``argmax(x / temperature - log(-log(u)))`` with ``u`` hashed from (seed, global row, column),
     so the same seed gives the same token wherever the full row is sampled."""
-    rows = np.arange(x.shape[0]) + row_offset
-    gumbel = -np.log(-np.log(_uniform(seed, rows, np.arange(x.shape[-1]))))
-    with np.errstate(invalid="ignore", over="ignore"):
-        return np.argmax(x.astype(np.float64) / temperature + gumbel, axis=-1).astype(np.int64)
+    return np.argmax(perturbed(x, seed, temperature, row_offset), axis=-1).astype(np.int64)
 
 
 def _chunk(x: np.ndarray, dim: int, parts: int, index: int) -> np.ndarray:
@@ -396,6 +406,10 @@ def _project(step: Step, i: int, xs: list[np.ndarray], ids: np.ndarray | None, d
                 term = np.where(np.isfinite(m[:, k]), s[:, k] * np.exp(m[:, k] - big), 0).astype(np.float32)
             total = (total + term).astype(np.float32)
         return (t.max(axis=1) - big - np.log(total)).astype(np.float32)
+    if op is Projection.LOCAL_SAMPLE_MAX_ARG:
+        scores = perturbed(x, int(step.arg("seed", 0)), float(step.arg("temperature", 1.0)),
+                           int(_per_rank(step, "row_offsets", i, 0)), int(_per_rank(step, "offsets", i, 0)))
+        return local_max_arg(scores, int(_per_rank(step, "offsets", i, 0)))
     if op is Projection.TOPK:
         return topk_logprobs(x, int(step.arg("k", 1)))
     if op is Projection.TOKEN_LOGPROB:

@@ -133,6 +133,23 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
     """Compute the consumer's observation in ``form`` on ``targets`` (source projection)."""
     if form is Form.RAW:
         return complete_raw(build, targets)
+    contract = build.contract
+    prov = contract.provenance
+    pl = prov.placement
+    count = len(prov.ranks)
+    if form is Form.SAMPLE and isinstance(pl, Shard) and pl.dim == 1 and count > 1:
+        # Gumbel-max decomposes over the vocabulary: per-shard (perturbed max, index) pairs, one gather
+        rooted = len(targets) == 1
+        pair = form_dtype(Form.SAMPLE_ARG, prov.dtype)
+        _, args = row_projection(contract, form)
+        stats = build.project("local_sample_max_arg", prov.ranks, prov.tensor, build.name("sample_arg"), pair,
+                              {**args, "offsets": _offsets(contract, 1)}, "each shard's seeded, perturbed maximum")
+        gathered = build.collective("gather" if rooted else "all_gather", prov.ranks, stats,
+                                    build.name("sample_arg_all"), count * row_bytes(Form.SAMPLE_ARG, prov.shape[0]),
+                                    pair, {"dim": 1, **({"root": targets[0]} if rooted else {})},
+                                    "one collective for all shards' pairs")
+        return build.project("combine_max_arg", targets, gathered, build.name("sample"), DType.INT64, {},
+                             "the sample of the full rows, bitwise")
     if form in (Form.TOPK, Form.TOKEN_LOGPROB, Form.SAMPLE):
         op, args = row_projection(build.contract, form)
         raw = complete_raw(build, targets)

@@ -99,7 +99,7 @@ class PieceAlgebra:
             return None if iv is None else a._replace(region=a.region[:dim] + (iv,) + a.region[dim + 1:], exact=exact)
         rows_a, cols_a = a.region
         rows_b, cols_b = b.region
-        if a.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
+        if a.form in (Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS) and dim == 1:
             if rows_a != rows_b:
                 return None
             cols, overlap = union_intervals(cols_a, cols_b)
@@ -153,7 +153,7 @@ class PieceAlgebra:
         p = buf.pieces[0]
         if p.form is Form.GARBAGE:
             return Buf((p,), shape, buf.itemsize)
-        if p.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
+        if p.form in (Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS) and dim == 1:
             return Buf((garbage(rows_of_piece(p), "slice through packed statistics", p.tensor),), shape, buf.itemsize)
         if not isinstance(local, range) and list(local) != sorted(set(local)):
             return Buf((garbage(rows_of_piece(p), "rows reordered", p.tensor),), shape, buf.itemsize)

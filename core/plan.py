@@ -71,6 +71,7 @@ class Projection(str, Enum):
     ARGMAX = "argmax"  # token id of the max along the last dim (lowest index on ties)
     LOCAL_MAX_ARG = "local_max_arg"  # per-row (max value, global index) of a vocab shard
     COMBINE_MAX_ARG = "combine_max_arg"  # per-row winner among gathered (value, index) pairs
+    LOCAL_SAMPLE_MAX_ARG = "local_sample_max_arg"  # (max, global index) of a shard's seeded, perturbed logits
     LOGSOFTMAX_AT = "logsoftmax_at"  # log-softmax of full rows, read at the requested ids
     LOCAL_LSE_STATS = "local_lse_stats"  # per-row (max, sum exp, target logit) of a vocab shard
     COMBINE_LSE_STATS = "combine_lse_stats"  # log-prob from gathered per-shard statistics

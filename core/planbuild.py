@@ -22,7 +22,7 @@ __all__ = ["PlanBuilder", "form_bytes", "form_dtype", "row_bytes", "STAT_BYTES"]
 # float64, or int64 for integer logits, and the int64 index); (max, sum exp, target)
 # as three float32; a token id as int64; a log-probability as float32.
 STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 16, Form.LSE_STATS: 12, Form.TOKEN: 8, Form.LOGPROB: 4,
-                                  Form.TOPK: 16, Form.TOKEN_LOGPROB: 16, Form.SAMPLE: 8}
+                                  Form.TOPK: 16, Form.TOKEN_LOGPROB: 16, Form.SAMPLE: 8, Form.SAMPLE_ARG: 16}
 # (Form.TOPK: 16 bytes per kept entry: its id and its log-probability as float64.)
 
 
@@ -30,6 +30,8 @@ def form_dtype(form: Form, raw: DType) -> DType:
     """The dtype a buffer of ``form`` travels in, for a producer tensor of dtype ``raw``."""
     if form is Form.MAX_ARG:
         return DType.FLOAT64 if raw.is_floating else DType.INT64
+    if form is Form.SAMPLE_ARG:
+        return DType.FLOAT64
     return {Form.TOKEN: DType.INT64, Form.SAMPLE: DType.INT64, Form.TOPK: DType.FLOAT64,
             Form.TOKEN_LOGPROB: DType.FLOAT64, Form.RAW: raw}.get(form, DType.FLOAT32)
 

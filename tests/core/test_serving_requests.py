@@ -96,3 +96,17 @@ def test_the_contract_states_the_new_forms():
 def test_request_parameters_are_validated(kwargs, field):
     with pytest.raises(FactError, match=field):
         Consumer("c", "cann@B", (3,), **kwargs)
+
+
+def test_a_vocabulary_sharded_sample_gathers_pairs_not_logits():
+    c = compile_contract(_edge(Shard(1), Request.SAMPLE, seed=3, temperature=0.9))
+    plan = lower(c)
+    ops = [s.op for s in plan.steps]
+    assert "local_sample_max_arg" in ops and "topk" not in ops
+    gather = next(s for s in plan.steps if s.op == "gather")
+    assert gather.payload_bytes == 3 * 6 * 16  # three shards' (perturbed max, index) pairs per row
+    assert check(plan, c).ok and all(judge(plan, c, s, specials=True).ok for s in range(5))
+    i = ops.index("local_sample_max_arg")
+    reseeded = replace(plan.steps[i], args={**dict(plan.steps[i].args), "seed": 4})
+    mutant = Plan("e", "mutant", plan.steps[:i] + (reseeded,) + plan.steps[i + 1:])
+    assert ViolationKind.DEMAND_NOT_MET in check(mutant, c).kinds and not judge(mutant, c).ok
