@@ -38,6 +38,7 @@ from .pieces import Buf, Piece, PieceAlgebra, Refusal, garbage, rows_of_piece
 from .placement import Partial, shard_bounds
 from .facts import LinkClass
 from .plan import Collective, Plan, Projection, Step, StepKind
+from .planbuild import CHUNK_BYTES
 from .region import Intervals, intervals_from_indices, intervals_indices, intervals_size, region_text
 
 __all__ = ["ViolationKind", "Violation", "CheckReport", "check"]
@@ -218,6 +219,14 @@ class _Checker(PieceAlgebra):
             self.flag(ViolationKind(bad.kind), k, src, bad.reason)
             return
         self.declared(k, step, src, buf.nbytes)
+        chunks, staging = step.arg("chunks"), step.arg("staging_bytes")
+        if chunks is not None or staging is not None:
+            if (not isinstance(chunks, int) or not isinstance(staging, int) or chunks < 1 or staging < 1
+                    or staging > CHUNK_BYTES or chunks != -(-step.payload_bytes // staging)):
+                self.flag(ViolationKind.MALFORMED_STEP, k, src,
+                          f"send in {chunks} chunks through a {staging}-byte staging buffer cannot carry "
+                          f"{step.payload_bytes} bytes; expected ceil(payload / staging) chunks and staging <= "
+                          f"{CHUNK_BYTES}")
         sd, dd = self.mesh.domain_of(src).name, self.mesh.domain_of(dst).name
         if sd != dd:
             for p in buf.pieces:

@@ -7,7 +7,10 @@ kind, participants, the buffers it reads and writes, its payload bytes and dtype
 Cost conventions (one place, used by every consumer of a plan):
 
 * **startups**: one per collective call and one per bridge message; local ``project``
-  steps and ``deliver`` start nothing.
+  steps and ``deliver`` start nothing. A bridge ``send`` over the chunking threshold is
+  pipelined in ``args.chunks`` messages through a host staging buffer of
+  ``args.staging_bytes`` (:data:`meshpact.core.planbuild.CHUNK_BYTES` at most), one
+  startup per chunk.
 * **payload bytes**: the logical payload, independent of algorithm: for a collective, the
   sum over participants of the bytes each one contributes (for ``broadcast``/``scatter``
   only the root's); for a bridge ``send``, the bytes sent. A live executor counts exactly
@@ -135,7 +138,9 @@ class Step:
 
     @property
     def startups(self) -> int:
-        return 1 if self.kind in (StepKind.COLLECTIVE, StepKind.SEND) else 0
+        if self.kind is StepKind.SEND:
+            return max(1, int(self.arg("chunks", 1)))
+        return 1 if self.kind is StepKind.COLLECTIVE else 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -257,7 +262,7 @@ def step_time_s(step: Step, mesh: Mesh) -> float:
     link = mesh.links[step.link or LinkClass.FABRIC]
     n = len(step.ranks)
     if step.kind is StepKind.SEND or n == 1:
-        return link.time_s(1, step.payload_bytes)
+        return link.time_s(step.startups, step.payload_bytes)
     op = Collective(step.op)
     if op is Collective.ALL_REDUCE:
         # ring: reduce-scatter then all-gather, 2(n-1) rounds of size/n per rank

@@ -16,7 +16,12 @@ from .facts import DType, LinkClass
 from .plan import Plan, Step, StepKind
 from .region import Region, region_numel
 
-__all__ = ["PlanBuilder", "form_bytes", "form_dtype", "row_bytes", "STAT_BYTES"]
+__all__ = ["PlanBuilder", "form_bytes", "form_dtype", "row_bytes", "chunking", "STAT_BYTES", "CHUNK_BYTES"]
+
+# A bridge message larger than this is pipelined in chunks through a host staging buffer of at
+# most this size (the buffer a host-staged transfer pins), so no transfer needs its whole
+# payload in host memory at once.
+CHUNK_BYTES = 64 * 2 ** 20
 
 # Bytes per row of each projected form: (max, index) as two 8-byte words (the value widened to
 # float64, or int64 for integer logits, and the int64 index); (max, sum exp, target)
@@ -34,6 +39,14 @@ def form_dtype(form: Form, raw: DType) -> DType:
         return DType.FLOAT64
     return {Form.TOKEN: DType.INT64, Form.SAMPLE: DType.INT64, Form.TOPK: DType.FLOAT64,
             Form.TOKEN_LOGPROB: DType.FLOAT64, Form.RAW: raw}.get(form, DType.FLOAT32)
+
+
+def chunking(nbytes: int, limit: int = CHUNK_BYTES) -> dict[str, int]:
+    """Step args of a bridge message of ``nbytes``: ``{}`` up to ``limit``, else its chunk count
+    and the staging buffer each chunk passes through."""
+    if nbytes <= limit:
+        return {}
+    return {"chunks": -(-nbytes // limit), "staging_bytes": limit}
 
 
 def row_bytes(form: Form, rows: int) -> int:
@@ -73,7 +86,7 @@ class PlanBuilder:
 
     def send(self, src: int, dst: int, inp: str, out: str, nbytes: int, dtype: DType, note: str = "") -> str:
         self.steps.append(Step(StepKind.SEND, "send", (src, dst), (inp,), out, nbytes, dtype, None,
-                               self.mesh.link_class(src, dst), {}, note))
+                               self.mesh.link_class(src, dst), chunking(nbytes), note))
         return out
 
     def project(self, op: str, ranks: Iterable[int], inputs: Iterable[str] | str, out: str, dtype: DType,

@@ -248,7 +248,7 @@ def test_serving_requests_from_a_facts_file(tmp_path, capsys):
     path.write_text(_RUN_FACTS.replace("request: token", "request: sample, seed: 3, temperature: 0.8"))
     doc = _json(capsys, "plan", "--facts", str(path), "--json")
     assert doc["plans"]["meshpact"]["check"]["ok"]
-    assert any(s["op"] == "sample" and s["args"] == {"seed": 3, "temperature": 0.8}
+    assert any(s["op"] == "local_sample_max_arg" and s["args"]["seed"] == 3 and s["args"]["temperature"] == 0.8
                for s in doc["plans"]["meshpact"]["steps"])
     path.write_text(_RUN_FACTS.replace("request: token", "request: topk, k: 9"))
     assert main(["plan", "--facts", str(path)]) == 2

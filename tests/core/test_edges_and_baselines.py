@@ -176,3 +176,24 @@ def test_every_planners_declared_bytes_and_links_agree_with_the_checker():
         for cand in byte_only_candidates(c) + [type(byte_only_candidates(c)[0])("layout_only", layout_only(c))]:
             bad = [str(v) for v in check(cand.plan, c).violations if v.kind in declared]
             assert not bad, (c.edge.name, cand.label, bad[:2])
+
+
+def test_large_bridge_messages_are_chunked_through_a_bounded_staging_buffer():
+    from dataclasses import replace
+
+    from meshpact.core.plan import Plan, StepKind
+    from meshpact.core.planbuild import CHUNK_BYTES
+
+    c = compile_contract(get_edge("llama-3.1-8b-kv-prefill-to-decode"))
+    plan = lower(c)
+    sends = [s for s in plan.steps if s.kind is StepKind.SEND]
+    big = [s for s in sends if s.payload_bytes > CHUNK_BYTES]
+    assert big and all(s.arg("staging_bytes") == CHUNK_BYTES and s.arg("chunks") * CHUNK_BYTES >= s.payload_bytes
+                       > (s.arg("chunks") - 1) * CHUNK_BYTES for s in big)
+    assert all(s.startups == s.arg("chunks", 1) for s in sends)
+    assert check(plan, c).ok
+    i = plan.steps.index(big[0])
+    short = replace(big[0], args={**dict(big[0].args), "chunks": big[0].arg("chunks") - 1})
+    assert ViolationKind.MALFORMED_STEP in check(Plan("e", "m", plan.steps[:i] + (short,) + plan.steps[i + 1:]), c).kinds
+    small = compile_contract(miniature(get_edge("llama-3.1-8b-kv-prefill-to-decode")))
+    assert all(s.arg("chunks") is None for s in lower(small).steps)  # under the threshold: one message
