@@ -14,6 +14,7 @@ the live executor all read the same contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from enum import Enum
 from typing import Any
 
@@ -90,6 +91,7 @@ class Tolerance:
                 "why": self.why}
 
 
+@lru_cache(maxsize=1024)
 def tolerance_for(dtype: DType, why: str) -> Tolerance:
     """The floor tolerance of a floating-point result carried out in ``dtype``.
 
@@ -104,6 +106,7 @@ def tolerance_for(dtype: DType, why: str) -> Tolerance:
     return Tolerance(rtol=rtol, atol=atol, why=why)
 
 
+@lru_cache(maxsize=1024)
 def reduction_tolerance(dtype: DType, addends: int, why: str) -> Tolerance:
     """A sum of ``addends`` values in ``dtype`` in an unspecified order.
 
@@ -118,6 +121,7 @@ def reduction_tolerance(dtype: DType, addends: int, why: str) -> Tolerance:
                      scaled=2 * addends * u)
 
 
+@lru_cache(maxsize=1024)
 def logsoftmax_tolerance(vocab: int, why: str, dtype: DType = DType.FLOAT32, addends: int = 0) -> Tolerance:
     """A log-probability over ``vocab`` columns computed in float32 in another order.
 
