@@ -37,7 +37,7 @@ from .contract import Contract, Equivalence, Form, Observation
 from .pieces import Buf, Piece, PieceAlgebra, Refusal, garbage, rows_of_piece
 from .placement import Partial, shard_bounds
 from .facts import LinkClass
-from .plan import Collective, Plan, Projection, Step, StepKind
+from .plan import MASKED_PROJECTIONS, Collective, Plan, Projection, Step, StepKind
 from .planbuild import CHUNK_BYTES
 from .region import Intervals, intervals_from_indices, intervals_indices, intervals_size, region_text
 
@@ -360,6 +360,10 @@ class _Checker(PieceAlgebra):
             return Buf((garbage(rows_of_piece(p), f"{op.value} of {p.form.value} data", p.tensor),), shape), []
         if want is Form.RAW and len(p.region) != 2 and op is not Projection.ARGMAX:
             return Buf((garbage(rows_of_piece(p), f"{op.value} needs [rows, vocab] logits", p.tensor),), shape), []
+        if op in MASKED_PROJECTIONS and step.arg("valid") != self.c.edge.producer.vocab_size:
+            return Buf((garbage(rows_of_piece(p), f"{op.value} masks columns from {step.arg('valid')}; the real "
+                                                  f"vocabulary ends at {self.c.edge.producer.vocab_size} "
+                                                  f"(padding must be masked)", p.tensor),), shape), []
         if op is Projection.LOCAL_MAX_ARG and self.op == "max" and p.contrib is not None and len(p.region) == 2:
             # per-addend (max, index) pairs: the winner over every addend's pairs is the argmax of the max
             off = int(self.per_rank(step, "offsets", i, 0))

@@ -372,7 +372,7 @@ def _substitutability(edge: Edge, n: int) -> Substitutability:
             + ("" if allowed else "; the request needs the reference order")))
     if req is Request.LOGPROB and not c.exact:
         return Substitutability(Equivalence.TOLERANCE, logsoftmax_tolerance(
-            p.shape[-1], "log-softmax statistics are combined in float32 in a different order",
+            p.columns, "log-softmax statistics are combined in float32 in a different order",
             p.dtype, 0 if native_exact else n), tuple(subs))
     if tolerance_ok and not native_exact:
         return Substitutability(Equivalence.TOLERANCE, reduction_tolerance(

@@ -235,10 +235,16 @@ class ProducerTensor:
     dtype: DType
     domain: str
     placement: Placement
+    vocab_size: int | None = None  # logits padded past the vocabulary: the real columns (the rest is masked)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "dtype", DType(self.dtype))
+        if self.vocab_size is not None:
+            v = self.vocab_size
+            if isinstance(v, bool) or not isinstance(v, int) or len(self.shape) != 2 or not 1 <= v <= self.shape[-1]:
+                raise FactError(f"producer {self.name!r}.vocab_size: expected an integer in 1..{self.shape[-1]} "
+                                f"(the padded logits' columns) on [tokens, vocab] logits, got {v!r}")
         if not self.shape or any(s <= 0 for s in self.shape):
             raise FactError(f"producer {self.name!r}.shape: expected positive sizes, got {list(self.shape)}")
         if not isinstance(self.placement, (Replicate, Shard, Partial)):
@@ -248,6 +254,11 @@ class ProducerTensor:
                 f"producer {self.name!r}.placement: Shard({self.placement.dim}) but the tensor has "
                 f"{len(self.shape)} dims"
             )
+
+    @property
+    def columns(self) -> int:
+        """The real columns of logits: ``vocab_size`` when padded, else the last dim."""
+        return self.vocab_size if self.vocab_size is not None else self.shape[-1]
 
     @property
     def numel(self) -> int:
@@ -344,9 +355,12 @@ class Edge:
         if stray:
             raise FactError(f"edge {self.name!r}: consumer ranks {stray} are not in domain {cons.name!r}")
         if self.consumer.request is Request.TOPK and len(self.producer.shape) == 2 \
-                and (self.consumer.k or 0) > self.producer.shape[1]:
+                and (self.consumer.k or 0) > self.producer.columns:
             raise FactError(f"edge {self.name!r}: consumer.k = {self.consumer.k} exceeds the vocabulary "
-                            f"({self.producer.shape[1]} columns)")
+                            f"({self.producer.columns} columns)")
+        if self.producer.vocab_size is not None and not self.consumer.request.reads_logits:
+            raise FactError(f"edge {self.name!r}: producer.vocab_size (padded logits) applies to logits requests, "
+                            f"not {self.consumer.request.value}")
         if self.consumer.request.reads_logits:
             if len(self.producer.shape) != 2:
                 raise FactError(

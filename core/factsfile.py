@@ -15,6 +15,7 @@ expected::
     consumer: {name: sampler, domain: cann@B, ranks: [4, 5], request: token}
     # consumer options: owners (owner_token only), shard_dim (shard, reduced only), exact (bool),
     # k (topk only), temperature and seed (sample only)
+    # producer option: vocab_size, the real columns of logits padded to a multiple of TP x 128
     # a domain's backend, if given, must be its vendor's native one (nccl, hccl, gloo)
 """
 
@@ -128,7 +129,7 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge:
     except FactError as exc:
         raise FactError(f"{source}: mesh: {exc}") from None
     pd = w.mapping(w.need(top, "producer", ""), "producer")
-    w.only(pd, {"name", "op", "shape", "dtype", "domain", "placement"}, "producer")
+    w.only(pd, {"name", "op", "shape", "dtype", "domain", "placement", "vocab_size"}, "producer")
     try:
         placement = parse_placement(str(w.need(pd, "placement", "producer")))
     except FactError as exc:
@@ -148,7 +149,8 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge:
                                   w.text(w.need(pd, "op", "producer"), "producer.op"),
                                   w.ints(w.need(pd, "shape", "producer"), "producer.shape", positive=True),
                                   w.choice(w.need(pd, "dtype", "producer"), "producer.dtype", DType),
-                                  w.text(w.need(pd, "domain", "producer"), "producer.domain"), placement)
+                                  w.text(w.need(pd, "domain", "producer"), "producer.domain"), placement,
+                                  vocab_size=pd.get("vocab_size"))
         consumer = Consumer(w.text(w.need(cd, "name", "consumer"), "consumer.name"),
                             w.text(w.need(cd, "domain", "consumer"), "consumer.domain"),
                             w.ints(w.need(cd, "ranks", "consumer"), "consumer.ranks"),

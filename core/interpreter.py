@@ -53,6 +53,8 @@ project ``local_sample_max_arg`` float64 (max, global index) pairs of a shard's 
                               of every shard's pairs is the sample of the full rows, bitwise
 project ``sample``            full rows -> int64 ids: :func:`sample_tokens`, Gumbel-max over
                               ``rows / temperature`` with noise hashed from (seed, global row, column)
+(any projection of logits) with ``args.valid``: the columns at and past ``valid`` are padding; full
+                              rows are cut to ``valid`` columns, a shard's padding is set to the lowest value
 project ``slice``             along ``dim``: ``start:stop``, or per rank ``bounds[i]`` or ``index[i]`` (a list)
 project ``chunk``             along ``dim``: chunk ``index[i]`` of ``parts``
 project ``sum``               left fold of the inputs in order with ``op`` (sum, max, min, avg = sum/count);
@@ -83,7 +85,9 @@ from .errors import PlanError
 from .facts import Consumer, DType
 from .numerics import round_to, storage
 from .placement import Partial, Shard, shard_bounds
-from .plan import Collective, Plan, Projection, Step, StepKind
+from .plan import MASKED_PROJECTIONS, Collective, Plan, Projection, Step, StepKind
+
+_SHARD_LOCAL = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS})
 
 __all__ = [
     "Inputs",
@@ -151,15 +155,18 @@ def make_inputs(contract: Contract, seed: int = 0, specials: bool = False) -> In
         value = round_to(rng.standard_normal(shape), dtype)
     else:
         value = rng.integers(-50, 50, size=shape).astype(storage(dtype))
-    if len(shape) == 2 and shape[0] <= shape[1]:
-        cols = rng.permutation(shape[1])[: shape[0]]
+    if len(shape) == 2 and shape[0] <= contract.edge.producer.columns:
+        cols = rng.permutation(contract.edge.producer.columns)[: shape[0]]
         rows = np.arange(shape[0])
         value[rows, cols] = round_to(value.max(axis=1) + (3 if floating else 100), dtype)
     ranks = prov.ranks
     n = len(ranks)
     local: dict[int, np.ndarray] = {}
     addends: tuple[np.ndarray, ...] = ()
-    ids = rng.integers(0, shape[-1], size=shape[0]).astype(np.int64) if contract.demand.reads_target_ids else None
+    columns = contract.edge.producer.columns if len(shape) == 2 else shape[-1]
+    ids = rng.integers(0, columns, size=shape[0]).astype(np.int64) if contract.demand.reads_target_ids else None
+    if columns < shape[-1]:  # padding holds the largest values: a plan that does not mask it goes wrong
+        value[:, columns:] = round_to(np.full((shape[0], shape[-1] - columns), np.abs(value).max() + 10), dtype)
     placement = prov.placement
     if specials and floating and not isinstance(placement, Partial):
         _plant_specials([value], shape, rng)
@@ -366,9 +373,24 @@ def combine_max_arg(x: np.ndarray) -> np.ndarray:
     return np.where(nan.any(axis=1), first_nan, winner).astype(np.int64)
 
 
+def mask_padding(x: np.ndarray, offset: int, valid: int) -> np.ndarray:
+    """``x`` with its columns at global index ``valid`` and past set to the lowest value."""
+    cols = np.arange(x.shape[-1]) + offset
+    if not (cols >= valid).any():
+        return x
+    low = -np.inf if np.issubdtype(x.dtype, np.floating) else np.iinfo(x.dtype).min
+    return np.where(cols >= valid, np.asarray(low, x.dtype), x)
+
+
 def _project(step: Step, i: int, xs: list[np.ndarray], ids: np.ndarray | None, dtype: DType) -> np.ndarray:
     op = Projection(step.op)
     x = xs[0]
+    valid = step.arg("valid")
+    if valid is not None and op in MASKED_PROJECTIONS:
+        if op in _SHARD_LOCAL:  # a shard's columns start at its offset: mask the padding among them
+            x = mask_padding(x, int(_per_rank(step, "offsets", i, 0)), int(valid))
+        else:  # full rows: the real columns are the first ``valid`` (the same sums as on unpadded logits)
+            x = x[..., : int(valid)]
     if op is Projection.ARGMAX:
         return np.argmax(x, axis=-1).astype(np.int64)
     if op is Projection.LOCAL_MAX_ARG:
@@ -527,13 +549,14 @@ def _run(k: int, step: Step, contract: Contract, inputs: Inputs, ex: Execution, 
             write(k, r, step.output, np.concatenate([_chunk(x, sd, len(ranks), j) for x in xs], axis=cd))
 
 
-def _observe(obs: Observation, value: np.ndarray, ids: np.ndarray | None, consumer: Consumer,
+def _observe(obs: Observation, value: np.ndarray, ids: np.ndarray | None, consumer: Consumer, columns: int,
              magnitude: bool = False) -> np.ndarray:
     """What ``obs`` sees of ``value`` (with ``magnitude``: the row-wise error scale of it)."""
     if obs.form is Form.RAW:
         sl = tuple(slice(iv[0][0], iv[0][1]) if iv else slice(0, 0) for iv in obs.region)
         return value[sl]
     rows = [r for a, b in obs.region[0] for r in range(a, b)]
+    value = value[:, :columns]  # a padded vocabulary's real columns
     if magnitude:
         row_max = value.max(axis=-1)[rows] if value.shape[-1] else np.zeros(len(rows))
         return np.broadcast_to(row_max[:, None], (len(rows),) + obs.shape[1:]) if len(obs.shape) > 1 else row_max
@@ -551,8 +574,8 @@ def _observe(obs: Observation, value: np.ndarray, ids: np.ndarray | None, consum
 
 def reference(contract: Contract, inputs: Inputs) -> dict[int, np.ndarray]:
     """What each consumer rank should observe, computed on one device from ``inputs.value``."""
-    cons = contract.edge.consumer
-    return {obs.rank: _observe(obs, inputs.value, inputs.ids, cons) for obs in contract.demand.observations}
+    cons, cols = contract.edge.consumer, contract.edge.producer.columns
+    return {obs.rank: _observe(obs, inputs.value, inputs.ids, cons, cols) for obs in contract.demand.observations}
 
 
 def magnitudes(contract: Contract, inputs: Inputs) -> dict[int, np.ndarray]:
@@ -563,8 +586,9 @@ def magnitudes(contract: Contract, inputs: Inputs) -> dict[int, np.ndarray]:
     for a in parts:
         a64 = np.asarray(a, np.float64)
         total += np.where(np.isfinite(a64), np.abs(a64), 0.0)
-    cons = contract.edge.consumer
-    return {obs.rank: _observe(obs, total, inputs.ids, cons, magnitude=True) for obs in contract.demand.observations}
+    cons, cols = contract.edge.consumer, contract.edge.producer.columns
+    return {obs.rank: _observe(obs, total, inputs.ids, cons, cols, magnitude=True)
+            for obs in contract.demand.observations}
 
 
 def equivalent(observed: np.ndarray | None, expected: np.ndarray, contract: Contract,
@@ -615,7 +639,7 @@ def leaks(ex: Execution, contract: Contract, inputs: Inputs) -> list[tuple[int, 
     if auth.owner_of_row is None:
         return []
     value = inputs.value
-    tokens = np.argmax(value, axis=-1)
+    tokens = np.argmax(value[:, : contract.edge.producer.columns], axis=-1)
     row_values = [np.unique(np.concatenate([value[r].astype(np.float64)] +
                                            [a[r].astype(np.float64) for a in inputs.addends]))
                   for r in range(value.shape[0])]

@@ -42,6 +42,7 @@ __all__ = [
     "StepKind",
     "Collective",
     "Projection",
+    "MASKED_PROJECTIONS",
     "Step",
     "Plan",
     "PlanCost",
@@ -86,6 +87,14 @@ class Projection(str, Enum):
     TOPK = "topk"  # the k largest entries' ids and log-probabilities of full rows (args k)
     TOKEN_LOGPROB = "token_logprob"  # argmax id and its log-probability of full rows
     SAMPLE = "sample"  # a seeded sample from softmax(rows / temperature) (args seed, temperature, row_offsets)
+
+
+# Projections that read logits columns: with ``args.valid`` they mask the columns at and past it
+# (a vocabulary padded to a multiple of TP x 128) to the lowest value before reading.
+MASKED_PROJECTIONS = frozenset({
+    Projection.ARGMAX, Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
+    Projection.LOGSOFTMAX_AT, Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE,
+})
 
 
 @dataclass(frozen=True)
