@@ -58,11 +58,12 @@ def random_edges(draw) -> Edge:
     if request is Request.SHARD or (request is Request.REDUCED and draw(st.booleans())):
         shard_dim = draw(st.integers(0, len(shape) - 1))
     dtype = draw(st.sampled_from(DTYPES))
+    vocab = draw(st.integers(1, shape[1])) if request.reads_logits and draw(st.booleans()) else None  # padded
     extra = {}
     if request is Request.TOPK:
-        extra["k"] = draw(st.integers(1, shape[1]))
+        extra["k"] = draw(st.integers(1, vocab or shape[1]))
     if request is Request.SAMPLE:
         extra = {"seed": draw(st.integers(0, 2**40)), "temperature": draw(st.sampled_from([0.5, 1.0, 2.0]))}
-    return Edge("random", mesh, ProducerTensor("x", "op", shape, dtype, "cuda@A", placement),
+    return Edge("random", mesh, ProducerTensor("x", "op", shape, dtype, "cuda@A", placement, vocab_size=vocab),
                 Consumer("c", dom.name, ranks, request, owners=owners, shard_dim=shard_dim,
                          exact=draw(st.booleans()), **extra))
