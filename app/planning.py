@@ -86,11 +86,13 @@ def edge_from_facts(
     k: int | None = None,
     seed: int | None = None,
     temperature: float | None = None,
+    pad_vocab: bool = False,
 ) -> Edge:
     """An edge from the page's facts: the producer over the first ``producer_ranks`` ranks of
     its domain (its tensor-parallel degree; all of them by default), the first
     ``consumer_ranks`` ranks of the consumer domain; owner-scoped rows go to the consumer
-    ranks in turn; ``k`` (topk), ``seed`` and ``temperature`` (sample) as the request takes them."""
+    ranks in turn; ``k`` (topk), ``seed`` and ``temperature`` (sample) as the request takes them;
+    ``pad_vocab`` pads logits to a multiple of TP x 128 columns, the padding masked."""
     pdom = mesh.domain(producer_domain)
     if producer_ranks is not None and producer_ranks != pdom.size:
         if not 1 <= producer_ranks <= pdom.size:
@@ -106,8 +108,13 @@ def edge_from_facts(
     ranks = tuple(sorted(cdom.ranks)[:consumer_ranks])
     req = Request(request)
     owners = tuple(ranks[i % len(ranks)] for i in range(int(shape[0]))) if req is Request.OWNER_TOKEN else None
-    producer = ProducerTensor(name="y", op="producer", shape=tuple(int(s) for s in shape), dtype=DType(dtype),
-                              domain=producer_domain, placement=parse_placement(placement))
+    shape = tuple(int(s) for s in shape)
+    vocab_size = None
+    if pad_vocab and req.reads_logits:
+        step = (producer_ranks or pdom.size) * 128
+        vocab_size, shape = shape[-1], shape[:-1] + (-(-shape[-1] // step) * step,)
+    producer = ProducerTensor(name="y", op="producer", shape=shape, dtype=DType(dtype),
+                              domain=producer_domain, placement=parse_placement(placement), vocab_size=vocab_size)
     consumer = Consumer(name="consumer", domain=consumer_domain, ranks=ranks, request=req, owners=owners,
                         shard_dim=shard_dim if req in (Request.SHARD, Request.REDUCED) else None,
                         k=k if req is Request.TOPK else None,

@@ -63,6 +63,9 @@ try:
         st.caption(f"shape [{int(rows)}, {int(cols)}]: "
                    + ("[tokens, vocabulary] logits" if req.reads_logits else "[tokens, hidden] activations"))
         extra: dict = {}
+        if req.reads_logits:
+            extra["pad_vocab"] = st.checkbox("pad the vocabulary to a multiple of TP × 128 (padding masked)",
+                                             key="plans_pad", help="as Megatron and vLLM pad the embedding")
         if req is Request.TOPK:
             extra["k"] = int(st.number_input("k (ids per row)", 1, max(1, int(cols)), min(5, int(cols)),
                                              key="plans_k"))

@@ -99,3 +99,10 @@ def test_an_uploaded_values_file_runs_the_lowerers_plan(mesh):
     assert run_uploaded(e, "v.npy", buf.getvalue()).ok
     with pytest.raises(MeshpactError, match="expected shape"):
         run_uploaded(e, "v.json", b"[[1, 2]]")
+
+
+def test_a_padded_vocabulary_is_planned_with_its_padding_masked(mesh):
+    e = _edge(mesh, shape=(8, 1000), pad_vocab=True, producer_ranks=4)
+    assert e.producer.shape == (8, 1024) and e.producer.vocab_size == 1000
+    lowered = next(o for o in judge(e).outcomes if o.planner == "meshpact lowerer")
+    assert lowered.ok and any(s.arg("valid") == 1000 for s in lowered.plan.steps)
