@@ -122,6 +122,11 @@ def plan(
         from meshpact.core.edges import EDGES
         raise FactError(f"name an edge or pass --facts FILE; known edges: {', '.join(EDGES)}")
     the_edge = load_edge_facts(facts) if facts is not None else get_edge(edge or "")
+    from meshpact.core.group import EdgeGroup
+
+    if isinstance(the_edge, EdgeGroup):
+        _plan_group(the_edge, as_json, run)
+        return
     if run is not None:
         _run_values(the_edge, run, as_json)
         return
@@ -141,6 +146,28 @@ def plan(
     _show_plan(doc)
     if rejected:
         err_console.print("the meshpact plan fails its own check (violations above); exit 1")
+        raise typer.Exit(1)
+
+
+def _plan_group(group: Any, as_json: bool, run: Optional[Path]) -> None:
+    """Several consumers of one producer: each consumer's plan document, then the joined schedule."""
+    from meshpact.core.group import plan_group
+
+    if run is not None:
+        raise FactError("--run takes a facts file with one consumer; this one lists several (consumers:)")
+    joined = plan_group(group)
+    docs = [plan_document(e) for e in group.edges()]
+    if as_json:
+        emit_json({"edge": group.name, "consumers": docs, "joined": joined.to_dict()})
+    else:
+        for doc in docs:
+            _show_plan(doc)
+        rows = [(c["consumer"], c["request"], c["startups"], human_bytes(c["payload_bytes"]),
+                 "passes" if c["check"]["ok"] else "rejected") for c in joined.to_dict()["consumers"]]
+        console.print(table(f"{group.name}: one schedule for {len(rows)} consumers, {joined.plan.startups} startups, "
+                            f"{human_bytes(joined.plan.payload_bytes)}",
+                            ("consumer", "request", "startups", "payload", "checker"), rows))
+    if not joined.ok:
         raise typer.Exit(1)
 
 

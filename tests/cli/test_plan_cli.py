@@ -253,3 +253,22 @@ def test_serving_requests_from_a_facts_file(tmp_path, capsys):
     path.write_text(_RUN_FACTS.replace("request: token", "request: topk, k: 9"))
     assert main(["plan", "--facts", str(path)]) == 2
     assert "exceeds the vocabulary" in capsys.readouterr().err
+
+
+def test_a_facts_file_with_several_consumers(tmp_path, capsys):
+    path = tmp_path / "group.yaml"
+    path.write_text("name: g\nmesh:\n  domains:\n" + _GOOD["domains"]
+                    + "producer: {name: h, op: o, shape: [4, 64], dtype: bfloat16, domain: cuda@A, placement: Shard(1)}\n"
+                    + "consumers:\n"
+                    + "  - {name: sampler, domain: cann@B, ranks: [3], request: sample, seed: 1}\n"
+                    + "  - {name: scorer, domain: cann@B, ranks: [3, 4], request: logprob}\n"
+                    + "  - {name: logger, domain: cuda@A, ranks: [1], request: topk, k: 5}\n")
+    doc = _json(capsys, "plan", "--facts", str(path), "--json")
+    assert [c["edge"] for c in doc["consumers"]] == ["g/sampler", "g/scorer", "g/logger"]
+    assert doc["joined"]["ok"] and doc["joined"]["startups"] == sum(
+        c["plans"]["meshpact"]["startups"] for c in doc["consumers"])
+    assert main(["plan", "--facts", str(path)]) == 0
+    assert "one schedule for 3 consumers" in capsys.readouterr().out
+    path.write_text(path.read_text().replace("k: 5", "k: 500"))
+    assert main(["plan", "--facts", str(path)]) == 2
+    assert "exceeds the vocabulary" in capsys.readouterr().err
