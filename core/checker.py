@@ -169,6 +169,7 @@ class _Checker(PieceAlgebra):
                     if self.partial(p):
                         self.pending.append((k, r, p))
         elif step.kind is StepKind.PROJECT:
+            proj = Projection(step.op)
             for i, r in enumerate(step.ranks):
                 try:
                     xs = [self.read(k, step, r, n) for n in step.inputs]
@@ -178,9 +179,10 @@ class _Checker(PieceAlgebra):
                     continue
                 for kind, why in issues:
                     self.flag(ViolationKind(kind), k, r, why)
-                size = _PROJECTED_ITEMSIZE.get(Projection(step.op), xs[0].itemsize)
-                out = out._replace(itemsize=size)
-                if Projection(step.op) is Projection.SUM and len(xs) * len(xs[0].pieces) > 1:
+                size = _PROJECTED_ITEMSIZE.get(proj, xs[0].itemsize)
+                if out.itemsize != size:
+                    out = out._replace(itemsize=size)
+                if proj is Projection.SUM and len(xs) * len(xs[0].pieces) > 1:
                     self.completion_at(k, r, [p for x in xs for p in x.pieces])
                 self.write(k, r, step.output, out)
         else:
