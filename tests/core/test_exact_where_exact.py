@@ -71,3 +71,18 @@ def test_a_two_operand_sum_in_swapped_order_is_exact():
            project("sum", ("s02", "a1"), "total")) + steps[4:]
     assert ViolationKind.DISALLOWED_SUBSTITUTE in check(Plan("e", "reassociated", bad), c).kinds
     assert not all(judge(Plan("e", "reassociated", bad), c, seed).ok for seed in range(10))
+
+
+def test_argmax_after_a_native_reassociated_sum_is_still_refused():
+    c = compile_contract(edge(Partial("sum"), Request.TOKEN, shape=(6, 40), n=3))
+    build = PlanBuilder(c, "native")
+    reduced = build.collective("reduce", c.provenance.ranks, "x", build.name("reduced"),
+                               3 * 6 * 40 * 4, DType.FLOAT32, {"op": "sum", "root": 0})
+    token = build.project("argmax", (0,), reduced, build.name("token"), DType.INT64)
+    arrived = build.send(0, 3, token, build.name("arrived"), 6 * 8, DType.INT64)
+    build.deliver((3,), arrived, DType.INT64)
+    build.steps.append(Step(StepKind.COLLECTIVE, "broadcast", (3, 4), (arrived,), "b", 48, DType.INT64, "cann@B",
+                            None, {"root": 3}))
+    build.deliver((4,), "b", DType.INT64)
+    report = check(build.plan(), c)
+    assert ViolationKind.DISALLOWED_SUBSTITUTE in report.kinds
