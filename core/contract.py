@@ -330,12 +330,20 @@ def _holdings(edge: Edge) -> tuple[Holding, ...]:
     ranks = edge.mesh.domain(p.domain).ranks
     full = full_region(p.shape)
     out = []
+    tp = len(ranks) // p.dp  # a 2-D layout: group g of dp holds rows chunk g, the placement applies inside
     for i, r in enumerate(ranks):
+        group, inner = divmod(i, tp)
+        block = chunk_region(full, 0, p.shape[0], p.dp, group) if p.dp > 1 else full
         if isinstance(p.placement, Shard):
             d = p.placement.dim
-            out.append(Holding(r, chunk_region(full, d, p.shape[d], len(ranks), i), False))
+            size = sum(b - a for a, b in block[d])
+            start = block[d][0][0] if block[d] else 0
+            lo = min(size, inner * -(-size // tp))
+            hi = min(size, lo + -(-size // tp))
+            region = block[:d] + ((((start + lo, start + hi),) if hi > lo else ()),) + block[d + 1:]
+            out.append(Holding(r, region, False))
         else:
-            out.append(Holding(r, full, isinstance(p.placement, Partial)))
+            out.append(Holding(r, block, isinstance(p.placement, Partial)))
     return tuple(out)
 
 

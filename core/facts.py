@@ -236,10 +236,16 @@ class ProducerTensor:
     domain: str
     placement: Placement
     vocab_size: int | None = None  # logits padded past the vocabulary: the real columns (the rest is masked)
+    dp: int = 1  # a 2-D (DP x TP) layout: rows split over dp groups of consecutive ranks, placement inside each
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "dtype", DType(self.dtype))
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
+            raise FactError(f"producer {self.name!r}.dp: expected a positive integer, got {self.dp!r}")
+        if self.dp > 1 and isinstance(self.placement, Partial):
+            raise FactError(f"producer {self.name!r}.dp: a 2-D layout takes Shard or Replicate inside each group, "
+                            f"not {self.placement!r}")
         if self.vocab_size is not None:
             v = self.vocab_size
             if isinstance(v, bool) or not isinstance(v, int) or len(self.shape) != 2 or not 1 <= v <= self.shape[-1]:
@@ -349,7 +355,10 @@ class Edge:
     source: str = ""
 
     def __post_init__(self) -> None:
-        self.mesh.domain(self.producer.domain)  # raises for an unknown domain
+        pdom = self.mesh.domain(self.producer.domain)  # raises for an unknown domain
+        if pdom.size % self.producer.dp:
+            raise FactError(f"edge {self.name!r}: producer.dp = {self.producer.dp} does not divide the "
+                            f"{pdom.size} ranks of {pdom.name}")
         cons = self.mesh.domain(self.consumer.domain)
         stray = sorted(set(self.consumer.ranks) - set(cons.ranks))
         if stray:

@@ -16,7 +16,8 @@ expected::
     # or consumers: [{...}, {...}], several consumers of the producer, each with its own request
     # consumer options: owners (owner_token only), shard_dim (shard, reduced only), exact (bool),
     # k (topk only), temperature and seed (sample only)
-    # producer option: vocab_size, the real columns of logits padded to a multiple of TP x 128
+    # producer options: vocab_size, the real columns of logits padded to a multiple of TP x 128;
+    # dp, a DP x TP grid (rows split over dp groups of consecutive ranks, the placement inside each)
     # a domain's backend, if given, must be its vendor's native one (nccl, hccl, gloo)
 """
 
@@ -132,7 +133,7 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge | EdgeGroup:
     except FactError as exc:
         raise FactError(f"{source}: mesh: {exc}") from None
     pd = w.mapping(w.need(top, "producer", ""), "producer")
-    w.only(pd, {"name", "op", "shape", "dtype", "domain", "placement", "vocab_size"}, "producer")
+    w.only(pd, {"name", "op", "shape", "dtype", "domain", "placement", "vocab_size", "dp"}, "producer")
     try:
         placement = parse_placement(str(w.need(pd, "placement", "producer")))
     except FactError as exc:
@@ -143,7 +144,7 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge | EdgeGroup:
                                   w.ints(w.need(pd, "shape", "producer"), "producer.shape", positive=True),
                                   w.choice(w.need(pd, "dtype", "producer"), "producer.dtype", DType),
                                   w.text(w.need(pd, "domain", "producer"), "producer.domain"), placement,
-                                  vocab_size=pd.get("vocab_size"))
+                                  vocab_size=pd.get("vocab_size"), dp=pd.get("dp", 1))
         name = str(top.get("name") or Path(source).stem)
         if "consumers" in top:
             if "consumer" in top:

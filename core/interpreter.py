@@ -81,10 +81,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from .contract import Contract, Equivalence, Form, Observation
+from .region import Region
 from .errors import PlanError
 from .facts import Consumer, DType
 from .numerics import round_to, storage
-from .placement import Partial, Shard, shard_bounds
+from .placement import Partial, shard_bounds
 from .plan import MASKED_PROJECTIONS, Collective, Plan, Projection, Step, StepKind
 
 _SHARD_LOCAL = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS})
@@ -193,14 +194,14 @@ def make_inputs(contract: Contract, seed: int = 0, specials: bool = False) -> In
         value = fold(list(addends), op, dtype)
         local = {r: a for r, a in zip(ranks, addends)}
     else:
-        for i, r in enumerate(ranks):
-            if isinstance(placement, Shard):
-                d = placement.dim
-                lo, hi = shard_bounds(shape[d], n, i)
-                local[r] = np.take(value, range(lo, hi), axis=d)
-            else:
-                local[r] = value.copy()
+        for h in prov.holdings:  # each rank's region (a 2-D layout's row block and shard included)
+            local[h.rank] = region_of(value, h.region).copy()
     return Inputs(value=value, local=local, ids=ids, addends=addends)
+
+
+def region_of(x: np.ndarray, region: Region) -> np.ndarray:
+    """The part of ``x`` a region covers (one interval, or none, per dim)."""
+    return x[tuple(slice(iv[0][0], iv[0][1]) if iv else slice(0, 0) for iv in region)]
 
 
 def _plant_specials(arrays: Sequence[np.ndarray], shape: tuple[int, ...], rng: np.random.Generator) -> None:

@@ -70,9 +70,15 @@ def lower_candidates(contract: Contract) -> list[Plan]:
     form = REQUEST_FORM.get(req, Form.RAW)
     cands = [_replicated(contract, form)]
     pl = contract.provenance.placement
-    if form is Form.RAW and isinstance(pl, Shard) and contract.locality.cross_domain and _n(contract) > 1:
+    if form is Form.RAW and isinstance(pl, Shard) and contract.locality.cross_domain and _n(contract) > 1 \
+            and _flat(contract):
         cands.append(_replicated(contract, form, direct_shards=True))
     return cands
+
+
+def _flat(contract: Contract) -> bool:
+    """Whether the producer is laid out over one dimension of ranks (not a DP x TP grid)."""
+    return contract.edge.producer.dp == 1
 
 
 def _n(contract: Contract) -> int:
@@ -91,6 +97,8 @@ def complete_raw(build: PlanBuilder, targets: tuple[int, ...]) -> str:
     holders, tensor, dtype, count = prov.ranks, prov.tensor, prov.dtype, len(prov.ranks)
     pl = prov.placement
     nbytes = form_bytes(Form.RAW, full_region(prov.shape), dtype)
+    if not _flat(contract):
+        return _complete_grid(build, targets)
     if count == 1 or isinstance(pl, Replicate):
         return tensor
     rooted = len(targets) == 1
@@ -129,6 +137,38 @@ def observation_entries(contract: Contract) -> int:
     return int(contract.edge.consumer.k or 1) if contract.demand.request is Request.TOPK else 1
 
 
+def _complete_grid(build: PlanBuilder, targets: tuple[int, ...]) -> str:
+    """A DP x TP producer: each group assembles its row block on a leader (the first target where
+    it is a member), the leaders' blocks are gathered along the rows, then fanned out to targets."""
+    contract = build.contract
+    prov = contract.provenance
+    pl = prov.placement
+    dp = contract.edge.producer.dp
+    tp = len(prov.holdings) // dp
+    root = targets[0]
+    blocks = build.name("block")
+    leaders = []
+    for group in range(dp):
+        members = prov.holdings[group * tp:(group + 1) * tp]
+        ranks = tuple(h.rank for h in members)
+        leader = root if root in ranks else ranks[0]
+        leaders.append(leader)
+        size = sum(form_bytes(Form.RAW, h.region, prov.dtype) for h in members)
+        if isinstance(pl, Shard) and tp > 1:
+            build.collective("gather", ranks, prov.tensor, blocks, size, prov.dtype, {"dim": pl.dim, "root": leader},
+                             f"assemble row block {group} inside its group")
+        else:
+            build.project("copy", (leader,), prov.tensor, blocks, prov.dtype, {}, f"row block {group}")
+    full = build.collective("gather", tuple(leaders), blocks, build.name("full"),
+                            form_bytes(Form.RAW, full_region(prov.shape), prov.dtype), prov.dtype,
+                            {"dim": 0, "root": root}, "the groups' row blocks in row order")
+    if len(targets) > 1:
+        full = build.collective("broadcast", targets, full, build.name("everywhere"),
+                                form_bytes(Form.RAW, full_region(prov.shape), prov.dtype), prov.dtype,
+                                {"root": root})
+    return full
+
+
 def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
     """Compute the consumer's observation in ``form`` on ``targets`` (source projection)."""
     if form is Form.RAW:
@@ -137,7 +177,7 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
     prov = contract.provenance
     pl = prov.placement
     count = len(prov.ranks)
-    if form is Form.SAMPLE and isinstance(pl, Shard) and pl.dim == 1 and count > 1:
+    if form is Form.SAMPLE and isinstance(pl, Shard) and pl.dim == 1 and count > 1 and _flat(contract):
         # Gumbel-max decomposes over the vocabulary: per-shard (perturbed max, index) pairs, one gather
         rooted = len(targets) == 1
         pair = form_dtype(Form.SAMPLE_ARG, prov.dtype)
@@ -167,7 +207,7 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
         return {**args, **({"root": targets[0]} if rooted else {})}
 
     if form is Form.TOKEN:
-        if isinstance(pl, Shard) and count > 1 and pl.dim == 1:
+        if isinstance(pl, Shard) and count > 1 and pl.dim == 1 and _flat(contract):
             stats = build.project("local_max_arg", holders, tensor, build.name("max_arg"),
                                   form_dtype(Form.MAX_ARG, prov.dtype), {"offsets": _offsets(contract, 1)},
                               "per-row (max, global index) of each vocabulary shard")
@@ -177,7 +217,7 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
                              "one collective for all shards' pairs")
             return build.project("combine_max_arg", targets, gathered_stats, build.name("token"), DType.INT64, {},
                              "winner per row, lowest index on ties")
-        if isinstance(pl, Shard) and count > 1 and pl.dim == 0:
+        if isinstance(pl, Shard) and count > 1 and pl.dim == 0 and _flat(contract):
             tok = build.project("argmax", holders, tensor, build.name("token_rows"), DType.INT64, {},
                                 "each rank's rows")
             return build.collective(gather, holders, tok, build.name("token"), row_bytes(Form.TOKEN, rows), DType.INT64,
@@ -195,7 +235,7 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
         return build.project("argmax", targets, raw, build.name("token"), DType.INT64, {}, "token at the source")
     # log-probabilities at the target ids
     distributed = contract.substitutability.allows("distributed_logsoftmax")
-    if isinstance(pl, Shard) and count > 1 and pl.dim == 1 and distributed:
+    if isinstance(pl, Shard) and count > 1 and pl.dim == 1 and distributed and _flat(contract):
         stats = build.project("local_lse_stats", holders, tensor, build.name("lse"), DType.FLOAT32,
                               {"offsets": _offsets(contract, 1)},
                           "per-row (max, sum exp, target logit) of each vocabulary shard")
@@ -204,7 +244,7 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
                          "one collective instead of three all-reduces")
         return build.project("combine_lse_stats", targets, gathered_stats, build.name("logprob"), DType.FLOAT32, {},
                          "log-sum-exp of the shards' statistics")
-    if isinstance(pl, Shard) and count > 1 and pl.dim == 0:
+    if isinstance(pl, Shard) and count > 1 and pl.dim == 0 and _flat(contract):
         lp = build.project("logsoftmax_at", holders, tensor, build.name("logprob_rows"), DType.FLOAT32,
                        {"row_offsets": _offsets(contract, 0)}, "each rank's full rows")
         return build.collective(gather, holders, lp, build.name("logprob"),
@@ -296,7 +336,7 @@ def _chunks_same_domain(contract: Contract) -> Plan:
     dim, holders, pl, tensor, dtype = cons.shard_dim, prov.ranks, prov.placement, prov.tensor, prov.dtype
     parts = len(cons.ranks)
     full = full_region(prov.shape)
-    same_ranks = tuple(cons.ranks) == tuple(holders) and len(holders) > 1
+    same_ranks = tuple(cons.ranks) == tuple(holders) and len(holders) > 1 and _flat(contract)
     if same_ranks and isinstance(pl, Shard) and pl.dim == dim:
         build.deliver(cons.ranks, tensor, dtype)
         return build.plan()
@@ -349,6 +389,8 @@ def _chunks_direct(contract: Contract) -> Plan | None:
     dim, dtype, pl = cons.shard_dim, prov.dtype, prov.placement
     parts = len(cons.ranks)
     build = PlanBuilder(contract, PLANNER)
+    if not _flat(contract):
+        return None  # a DP x TP grid: the bridge candidate assembles the row blocks first
     if isinstance(pl, Partial):
         if contract.exact_reduction or _n(contract) == 1:
             return None

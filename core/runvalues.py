@@ -25,9 +25,9 @@ import numpy as np
 
 from .contract import Contract
 from .errors import FactError, PlanError
-from .interpreter import Inputs, equivalent, fold, interpret, magnitudes, reference
+from .interpreter import Inputs, equivalent, fold, interpret, magnitudes, reference, region_of
 from .numerics import round_to
-from .placement import Partial, Shard, shard_bounds
+from .placement import Partial
 from .plan import Plan
 
 __all__ = ["RankResult", "RunReport", "load_values", "parse_values", "values_from", "run_values"]
@@ -132,13 +132,7 @@ def values_from(data: np.ndarray | list[Any], contract: Contract, source: str | 
         local = {r: a for r, a in zip(ranks, addends)}
     else:
         value = _convert(_array(data, p, "values", prov.shape), dtype, p)
-        local = {}
-        for i, r in enumerate(ranks):
-            if isinstance(placement, Shard):
-                lo, hi = shard_bounds(prov.shape[placement.dim], len(ranks), i)
-                local[r] = np.take(value, range(lo, hi), axis=placement.dim)
-            else:
-                local[r] = value.copy()
+        local = {h.rank: region_of(value, h.region).copy() for h in prov.holdings}
     ids = None
     if contract.demand.reads_target_ids:
         ids = np.argmax(value, axis=-1).astype(np.int64)

@@ -64,6 +64,9 @@ def random_edges(draw) -> Edge:
         extra["k"] = draw(st.integers(1, vocab or shape[1]))
     if request is Request.SAMPLE:
         extra = {"seed": draw(st.integers(0, 2**40)), "temperature": draw(st.sampled_from([0.5, 1.0, 2.0]))}
-    return Edge("random", mesh, ProducerTensor("x", "op", shape, dtype, "cuda@A", placement, vocab_size=vocab),
+    dp = 1
+    if not isinstance(placement, Partial) and n > 1:  # sometimes a DP x TP grid
+        dp = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+    return Edge("random", mesh, ProducerTensor("x", "op", shape, dtype, "cuda@A", placement, vocab_size=vocab, dp=dp),
                 Consumer("c", dom.name, ranks, request, owners=owners, shard_dim=shard_dim,
                          exact=draw(st.booleans()), **extra))

@@ -16,7 +16,7 @@ from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor, Request
 from meshpact.core.interpreter import judge
 from meshpact.core.lowerer import lower
 from meshpact.core.placement import Partial, Replicate, Shard
-from meshpact.core.plan import Plan
+from meshpact.core.plan import Plan, Step, StepKind
 
 VOCAB, TP = 200, 2
 PADDED = -(-VOCAB // (TP * 128)) * TP * 128  # 256: as Megatron and vLLM pad the embedding
@@ -64,3 +64,41 @@ def test_vocab_size_applies_to_logits_only():
         _padded(Shard(1), Request.FULL)
     with pytest.raises(FactError, match="exceeds the vocabulary"):
         _padded(Shard(1), Request.TOPK, k=201)
+
+
+def _grid(placement, request, consumers=(4, 5), **args):
+    mesh = two_domain_mesh(4, 2)  # producer: 2 DP groups x 2 TP ranks
+    dom = mesh.domain_of(consumers[0]).name
+    return Edge("grid", mesh, ProducerTensor("x", "op", (6, 10), DType.FLOAT32, "cuda@A", placement, dp=2),
+                Consumer("c", dom, tuple(consumers), request, **args))
+
+
+@pytest.mark.parametrize("placement", [Shard(1), Shard(0), Replicate()])
+@pytest.mark.parametrize("request_, args, consumers", [
+    (Request.FULL, {}, (4, 5)), (Request.TOKEN, {}, (4, 5)), (Request.LOGPROB, {}, (4,)),
+    (Request.SHARD, {"shard_dim": 1}, (4, 5)), (Request.TOPK, {"k": 2}, (5,)), (Request.TOKEN, {}, (1, 2)),
+    (Request.OWNER_TOKEN, {"owners": (4, 4, 4, 5, 5, 5)}, (4, 5)),
+])
+def test_a_dp_by_tp_producer_is_assembled_group_by_group(placement, request_, args, consumers):
+    c = compile_contract(_grid(placement, request_, consumers, **args))
+    holdings = {h.rank: h.region for h in c.provenance.holdings}
+    rows = {r: holdings[r][0][0] if holdings[r][0] else (0, 0) for r in holdings}
+    assert all(0 <= rows[r][0] and rows[r][1] <= 3 for r in (0, 1))  # group 0 holds rows 0..3
+    assert all(3 <= rows[r][0] and rows[r][1] <= 6 for r in (2, 3))  # group 1 rows 3..6
+    plan = lower(c)
+    assert check(plan, c).ok, [str(v) for v in check(plan, c).violations]
+    assert all(judge(plan, c, seed).ok for seed in range(3))
+    # a flat all-gather over the four ranks would interleave the groups' blocks: refused and wrong
+    if placement == Shard(1):
+        flat = Plan("e", "flat", (Step(StepKind.COLLECTIVE, "gather", (0, 1, 2, 3), ("x",), "g", 240, DType.FLOAT32,
+                                       "cuda@A", None, {"dim": 1, "root": 0}),)
+                    + tuple(s for s in plan.steps if s.kind is not StepKind.COLLECTIVE or s.domain != "cuda@A"))
+        assert not check(flat, c).ok
+
+
+def test_grid_layouts_are_validated():
+    with pytest.raises(FactError, match="does not divide"):
+        Edge("g", two_domain_mesh(3, 2), ProducerTensor("x", "op", (6, 10), DType.FLOAT32, "cuda@A", Shard(1), dp=2),
+             Consumer("c", "cann@B", (3,), Request.TOKEN))
+    with pytest.raises(FactError, match="Shard or Replicate inside"):
+        ProducerTensor("x", "op", (6, 10), DType.FLOAT32, "cuda@A", Partial("sum"), dp=2)
