@@ -3,32 +3,35 @@
 :func:`edge_from_facts` turns the page's widgets (domains, placement, shape, dtype,
 request, consumer ranks) into an :class:`~meshpact.core.facts.Edge`, raising the core's
 readable :class:`FactError` for a combination that cannot be. :func:`judge` compiles the
-edge's contract, runs every planner this build has (the lowerer and the two baselines)
-and checks each plan against the contract, so the page only lays the outcomes side by
-side. Planner modules are looked up when called: a build without the baselines still
-plans with the lowerer.
+edge's contract, runs every planner of the registry (:mod:`meshpact.core.planners`: the
+lowerer and the two baselines) and checks each plan against the contract, so the page
+only lays the outcomes side by side.
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Request
 from meshpact.core.placement import parse_placement
 from meshpact.core.plan import Plan, PlanCost, plan_cost
+from meshpact.core.checker import Violation
+from meshpact.core.planners import planner_named, planners
+from meshpact.core.runvalues import RunReport
+from meshpact.core.units import human_bytes
 
 __all__ = [
     "PlannerOutcome",
     "Judgement",
-    "planners",
     "edge_from_facts",
     "judge",
     "real_edges",
     "steps_rows",
-    "human_bytes",
+    "ViolationGroup",
+    "violation_groups",
+    "run_uploaded",
     "facet_summaries",
 ]
 
@@ -40,6 +43,16 @@ class PlannerOutcome:
     cost: PlanCost | None
     ok: bool
     reasons: tuple[str, ...]  # the checker's violations, or why the planner produced no plan
+    violations: tuple[Violation, ...] = ()
+
+
+@dataclass(frozen=True)
+class ViolationGroup:
+    """Violations of one kind: how many, and the first few as a person reads them."""
+
+    kind: str
+    count: int
+    examples: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -49,31 +62,11 @@ class Judgement:
     outcomes: tuple[PlannerOutcome, ...]
 
 
-def _optional(module: str, name: str) -> Callable[..., Any] | None:
-    try:
-        return getattr(importlib.import_module(f"meshpact.core.{module}"), name)
-    except (ImportError, AttributeError):
-        return None
-
-
-def planners() -> dict[str, Callable[[Any], Any]]:
-    """Planner name -> function of a contract, for the planners present in this build."""
-    out: dict[str, Callable[[Any], Any]] = {}
-    for label, module, name in (("meshpact lowerer", "lowerer", "lower"), ("layout-only", "baselines", "layout_only"),
-                                ("byte-only", "baselines", "byte_only")):
-        fn = _optional(module, name)
-        if fn is not None:
-            out[label] = fn
-    return out
-
-
 def real_edges() -> dict[str, Any]:
     """The catalog of real edges (``core/edges.py``): name -> ``RealEdge`` (its ``edge``,
-    ``model`` and where each dimension comes from); empty where the catalog is absent."""
-    try:
-        from meshpact.core.edges import EDGES
-    except ImportError:
-        return {}
+    ``model`` and where each dimension comes from)."""
+    from meshpact.core.edges import EDGES
+
     return dict(EDGES)
 
 
@@ -89,20 +82,44 @@ def edge_from_facts(
     consumer_ranks: int,
     shard_dim: int = 0,
     name: str = "custom edge",
+    producer_ranks: int | None = None,
+    k: int | None = None,
+    seed: int | None = None,
+    temperature: float | None = None,
+    pad_vocab: bool = False,
 ) -> Edge:
-    """An edge from the page's facts: the producer over all of its domain's ranks, the
-    first ``consumer_ranks`` ranks of the consumer domain; owner-scoped rows go to the
-    consumer ranks in turn."""
+    """An edge from the page's facts: the producer over the first ``producer_ranks`` ranks of
+    its domain (its tensor-parallel degree; all of them by default), the first
+    ``consumer_ranks`` ranks of the consumer domain; owner-scoped rows go to the consumer
+    ranks in turn; ``k`` (topk), ``seed`` and ``temperature`` (sample) as the request takes them;
+    ``pad_vocab`` pads logits to a multiple of TP x 128 columns, the padding masked."""
+    pdom = mesh.domain(producer_domain)
+    if producer_ranks is not None and producer_ranks != pdom.size:
+        if not 1 <= producer_ranks <= pdom.size:
+            raise MeshpactError(f"producer TP degree: expected 1..{pdom.size} (the size of {pdom.name}), "
+                                f"got {producer_ranks}")
+        kept = tuple(sorted(pdom.ranks)[:producer_ranks])
+        bridge = pdom.bridge_rank if pdom.bridge_rank in kept else kept[0]
+        narrowed = replace(pdom, ranks=kept, bridge_rank=bridge)
+        mesh = replace(mesh, domains=tuple(narrowed if d.name == pdom.name else d for d in mesh.domains))
     cdom = mesh.domain(consumer_domain)
     if not 1 <= consumer_ranks <= cdom.size:
         raise MeshpactError(f"consumer ranks: expected 1..{cdom.size} (the size of {cdom.name}), got {consumer_ranks}")
     ranks = tuple(sorted(cdom.ranks)[:consumer_ranks])
     req = Request(request)
     owners = tuple(ranks[i % len(ranks)] for i in range(int(shape[0]))) if req is Request.OWNER_TOKEN else None
-    producer = ProducerTensor(name="y", op="producer", shape=tuple(int(s) for s in shape), dtype=DType(dtype),
-                              domain=producer_domain, placement=parse_placement(placement))
+    shape = tuple(int(s) for s in shape)
+    vocab_size = None
+    if pad_vocab and req.reads_logits:
+        step = (producer_ranks or pdom.size) * 128
+        vocab_size, shape = shape[-1], shape[:-1] + (-(-shape[-1] // step) * step,)
+    producer = ProducerTensor(name="y", op="producer", shape=shape, dtype=DType(dtype),
+                              domain=producer_domain, placement=parse_placement(placement), vocab_size=vocab_size)
     consumer = Consumer(name="consumer", domain=consumer_domain, ranks=ranks, request=req, owners=owners,
-                        shard_dim=shard_dim if req in (Request.SHARD, Request.REDUCED) else None)
+                        shard_dim=shard_dim if req in (Request.SHARD, Request.REDUCED) else None,
+                        k=k if req is Request.TOPK else None,
+                        seed=seed if req is Request.SAMPLE else None,
+                        temperature=temperature if req is Request.SAMPLE else None)
     return Edge(name=name, mesh=mesh, producer=producer, consumer=consumer)
 
 
@@ -113,21 +130,35 @@ def judge(edge: Edge) -> Judgement:
 
     contract = compile_contract(edge)
     outcomes = []
-    for label, plan_fn in planners().items():
+    for label, planner in planners().items():
         try:
-            plan = plan_fn(contract)
+            plan = planner.plan(contract)
         except MeshpactError as exc:
             outcomes.append(PlannerOutcome(label, None, None, False, (f"no plan: {exc}",)))
             continue
-        if isinstance(plan, (list, tuple)):
-            plan = plan[0] if plan else None
-        if plan is None:
-            outcomes.append(PlannerOutcome(label, None, None, False, ("the planner returned no plan",)))
-            continue
         report = check(plan, contract)
         outcomes.append(PlannerOutcome(label, plan, plan_cost(plan, edge.mesh), report.ok,
-                                       tuple(str(v) for v in report.violations)))
+                                       tuple(str(v) for v in report.violations), report.violations))
     return Judgement(edge, contract, tuple(outcomes))
+
+
+def violation_groups(violations: Sequence[Violation], examples: int = 2) -> list[ViolationGroup]:
+    """Violations grouped by kind (most frequent first), each with its count and first examples."""
+    groups: dict[str, list[Violation]] = {}
+    for v in violations:
+        groups.setdefault(v.kind.value, []).append(v)
+    return [ViolationGroup(kind, len(vs), tuple(str(v) for v in vs[:examples]))
+            for kind, vs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+
+
+def run_uploaded(edge: Edge, name: str, content: bytes) -> RunReport:
+    """Interpret the lowerer's plan for ``edge`` on an uploaded values file (as ``plan --run``)."""
+    from meshpact.core.contract import compile_contract
+    from meshpact.core.runvalues import parse_values, run_values, values_from
+
+    contract = compile_contract(edge)
+    inputs = values_from(parse_values(name, content), contract, name)
+    return run_values(planner_named("meshpact").plan(contract), contract, inputs)
 
 
 def steps_rows(plan: Plan) -> list[dict[str, Any]]:
@@ -136,14 +167,6 @@ def steps_rows(plan: Plan) -> list[dict[str, Any]]:
              else f"{s.ranks[0]}..{s.ranks[-1]} ({len(s.ranks)})", "bytes": s.payload_bytes, "dtype": s.dtype.value,
              "link": s.link.value if s.link else "", "output": s.output, "note": s.note}
             for i, s in enumerate(plan.steps, start=1)]
-
-
-def human_bytes(n: float) -> str:
-    """Bytes in decimal units (1,152 B, 4.86 MB), short enough for a metric."""
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{int(n):,} B"
 
 
 def facet_summaries(contract: Any) -> dict[str, str]:

@@ -22,12 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from .contract import Contract, Form
+from .contract import REQUEST_FORM, Contract, Form
 from .facts import DType, Request
-from .lowerer import complete_raw, fan_out, lower, observable
+from .lowerer import complete_raw, fan_out, lower, observable, row_projection
 from .placement import Partial, Shard
 from .plan import Plan, StepKind
-from .planbuild import PlanBuilder, form_bytes
+from .planbuild import PlanBuilder, form_bytes, form_dtype, row_bytes
 from .region import full_region, intervals_indices
 
 __all__ = ["layout_only", "byte_only", "byte_only_candidates", "Candidate"]
@@ -39,7 +39,7 @@ def _form(c: Contract) -> Form:
 
 
 def _dtype(c: Contract, form: Form) -> DType:
-    return {Form.TOKEN: DType.INT64, Form.LOGPROB: DType.FLOAT32}.get(form, c.provenance.dtype)
+    return form_dtype(form, c.provenance.dtype)
 
 
 def _chunked(c: Contract) -> bool:
@@ -59,6 +59,11 @@ def _application(b: PlanBuilder, buf: str) -> None:
         buf = b.project("logsoftmax_at", cons.ranks, buf, b.name("logprob"), DType.FLOAT32, {},
                         "consumer computes log-probabilities")
         dt = DType.FLOAT32
+    elif req in (Request.TOPK, Request.TOKEN_LOGPROB, Request.SAMPLE):
+        form = REQUEST_FORM[req]
+        op, args = row_projection(c, form)
+        dt = form_dtype(form, dt)
+        buf = b.project(op, cons.ranks, buf, b.name(form.value), dt, args, f"consumer computes {req.value}")
     elif req is Request.OWNER_TOKEN:
         tok = b.project("argmax", cons.ranks, buf, b.name("token"), DType.INT64, {}, "consumer computes tokens")
         owners = tuple(o.rank for o in c.demand.observations)
@@ -164,10 +169,11 @@ def _stats(b: PlanBuilder, form: Form, root: int) -> str:
     prov = c.provenance
     P, n, rows = prov.ranks, len(prov.ranks), prov.shape[0]
     offs = [h.region[1][0][0] if h.region[1] else 0 for h in prov.holdings]
-    local, width, comb = (("local_max_arg", 8, "combine_max_arg") if form is Form.TOKEN
-                          else ("local_lse_stats", 12, "combine_lse_stats"))
-    s = b.project(local, P, prov.tensor, b.name("stats"), DType.FLOAT32, {"offsets": offs})
-    g = b.collective("gather", P, s, b.name("stats_all"), n * rows * width, DType.FLOAT32, {"dim": 1, "root": root})
+    local, stat, comb = (("local_max_arg", Form.MAX_ARG, "combine_max_arg") if form is Form.TOKEN
+                         else ("local_lse_stats", Form.LSE_STATS, "combine_lse_stats"))
+    dt = form_dtype(stat, prov.dtype)
+    s = b.project(local, P, prov.tensor, b.name("stats"), dt, {"offsets": offs})
+    g = b.collective("gather", P, s, b.name("stats_all"), n * row_bytes(stat, rows), dt, {"dim": 1, "root": root})
     return b.project(comb, (root,), g, b.name("combined"), _dtype(c, form))
 
 
@@ -185,11 +191,12 @@ def _native(b: PlanBuilder, form: Form, root: int) -> str:
     return raw
 
 
-def _deliver_cross(b: PlanBuilder, buf: str, form: Form, how: str) -> None:
+def _deliver_cross(b: PlanBuilder, buf: str, form: Form, how: str, nbytes: int | None = None) -> None:
     c = b.contract
     dt = _dtype(c, form)
     cons = c.edge.consumer
-    nbytes = form_bytes(form, full_region(c.provenance.shape), c.provenance.dtype)
+    if nbytes is None:
+        nbytes = form_bytes(form, full_region(c.provenance.shape), c.provenance.dtype)
     if c.demand.request is Request.OWNER_TOKEN and how == "fan_out":
         tok = b.collective("broadcast", (cons.ranks[0],) + cons.ranks[1:], buf, b.name("bcast"), nbytes, dt,
                            {"root": cons.ranks[0]}) if len(cons.ranks) > 1 and buf else buf
@@ -247,9 +254,12 @@ def byte_only_candidates(contract: Contract) -> list[Candidate]:
         for how in ("fan_out", "bridge_rank_only"):
             b = PlanBuilder(c, "byte_only")
             buf = make(b, bp)
-            size = form_bytes(form, full_region(prov.shape), prov.dtype)
+            region = full_region(prov.shape)
+            if label == "local_only":  # only what the bridge rank's own shard gives crosses
+                region = next(h.region for h in prov.holdings if h.rank == bp)
+            size = form_bytes(form, region, prov.dtype)
             arrived = b.send(bp, bc, buf, b.name("arrived"), size, _dtype(c, form))
-            _deliver_cross(b, arrived, form, how)
+            _deliver_cross(b, arrived, form, how, size)
             out.append(Candidate(f"{label}+send+{how}", b.plan()))
     # one collective reaching across the domains, rooted at the consumer's bridge rank
     b = PlanBuilder(c, "byte_only")

@@ -14,8 +14,14 @@ obligation with the step, the rank and a reason a person can read:
 * a consumer that ends without its demanded observation (``demand_not_met``) or with a
   substitute the contract does not allow (``disallowed_substitute``);
 * a rank outside the owner scope that holds owner-scoped rows (``non_owner_observes``);
-* two senders of the same piece into one domain (``duplicate_sender``);
-* a delivery before the delivered data is complete (``delivery_before_completion``).
+* two senders of the same partial or inexact piece into one domain (``duplicate_sender``):
+  which copy a consumer combines would decide the result (identical complete copies pass);
+* a delivery before the delivered data is complete (``delivery_before_completion``);
+* a declared figure that disagrees with the data: payload bytes other than the buffers'
+  shapes and dtypes give (``payload_mismatch``), a link class other than the ranks' hosts
+  and domains give (``link_mismatch``);
+* partial addends combined outside the domain the contract's completion facet names
+  (``completed_outside_domain``).
 
 Buffers also carry their numeric shape, so a step that numpy or torch would refuse is
 reported instead of being assumed to work.
@@ -30,7 +36,9 @@ from typing import Any
 from .contract import Contract, Equivalence, Form, Observation
 from .pieces import Buf, Piece, PieceAlgebra, Refusal, garbage, rows_of_piece
 from .placement import Partial, shard_bounds
-from .plan import Collective, Plan, Projection, Step, StepKind
+from .facts import LinkClass
+from .plan import MASKED_PROJECTIONS, Collective, Plan, Projection, Step, StepKind
+from .planbuild import CHUNK_BYTES
 from .region import Intervals, intervals_from_indices, intervals_indices, intervals_size, region_text
 
 __all__ = ["ViolationKind", "Violation", "CheckReport", "check"]
@@ -48,6 +56,18 @@ class ViolationKind(str, Enum):
     NON_OWNER_OBSERVES = "non_owner_observes"
     DUPLICATE_SENDER = "duplicate_sender"
     DELIVERY_BEFORE_COMPLETION = "delivery_before_completion"
+    PAYLOAD_MISMATCH = "payload_mismatch"
+    LINK_MISMATCH = "link_mismatch"
+    COMPLETED_OUTSIDE_DOMAIN = "completed_outside_domain"
+
+
+# Bytes per element of what each projection writes (None: the input's own).
+_PROJECTED_ITEMSIZE: dict[Projection, int] = {
+    Projection.ARGMAX: 8, Projection.COMBINE_MAX_ARG: 8, Projection.LOCAL_MAX_ARG: 8,
+    Projection.LOCAL_SAMPLE_MAX_ARG: 8,
+    Projection.LOCAL_LSE_STATS: 4, Projection.COMBINE_LSE_STATS: 4, Projection.LOGSOFTMAX_AT: 4,
+    Projection.TOPK: 8, Projection.TOKEN_LOGPROB: 8, Projection.SAMPLE: 8,
+}
 
 
 @dataclass(frozen=True)
@@ -99,7 +119,7 @@ class _Checker(PieceAlgebra):
         for h in contract.provenance.holdings:
             shape = tuple(intervals_size(iv) for iv in h.region)
             piece = Piece(self.tensor, Form.RAW, h.region, (h.rank,) if h.partial else None, True)
-            self.mem[h.rank][self.tensor] = Buf((piece,), shape)
+            self.mem[h.rank][self.tensor] = Buf((piece,), shape, contract.provenance.dtype.itemsize)
 
     # -- helpers -----------------------------------------------------------------------
     def flag(self, kind: ViolationKind, step: int | None, rank: int | None, reason: str) -> None:
@@ -149,6 +169,7 @@ class _Checker(PieceAlgebra):
                     if self.partial(p):
                         self.pending.append((k, r, p))
         elif step.kind is StepKind.PROJECT:
+            proj = Projection(step.op)
             for i, r in enumerate(step.ranks):
                 try:
                     xs = [self.read(k, step, r, n) for n in step.inputs]
@@ -158,9 +179,39 @@ class _Checker(PieceAlgebra):
                     continue
                 for kind, why in issues:
                     self.flag(ViolationKind(kind), k, r, why)
+                size = _PROJECTED_ITEMSIZE.get(proj, xs[0].itemsize)
+                if out.itemsize != size:
+                    out = out._replace(itemsize=size)
+                if proj is Projection.SUM and len(xs) * len(xs[0].pieces) > 1:
+                    self.completion_at(k, r, [p for x in xs for p in x.pieces])
                 self.write(k, r, step.output, out)
         else:
             self.collective(k, step)
+
+    def completion_at(self, k: int, rank: int, pieces: list[Piece]) -> None:
+        """Partial addends combined on ``rank``: only inside the completion facet's domain."""
+        where = self.c.completion.inside_domain
+        here = self.mesh.domain_of(rank).name
+        if here != where and sum(p.contrib is not None for p in pieces) > 1:
+            self.flag(ViolationKind.COMPLETED_OUTSIDE_DOMAIN, k, rank,
+                      f"partial {self.op} addends of {self.tensor} are combined in {here}; the contract completes "
+                      f"them inside {where} before anything crosses")
+
+    def declared(self, k: int, step: Step, rank: int, nbytes: int) -> None:
+        """The step's declared payload bytes and link class against what its data and ranks give."""
+        if nbytes != step.payload_bytes:
+            self.flag(ViolationKind.PAYLOAD_MISMATCH, k, rank,
+                      f"{step.op} declares {step.payload_bytes} payload bytes; its buffers' shapes and dtypes "
+                      f"give {nbytes}")
+        if step.kind is StepKind.SEND:
+            link = self.mesh.link_class(*step.ranks)
+        else:
+            link = LinkClass.FABRIC
+        declared = step.link or LinkClass.FABRIC
+        if declared is not link:
+            self.flag(ViolationKind.LINK_MISMATCH, k, rank,
+                      f"{step.op} over ranks {list(step.ranks)} is labelled {declared.value}; the ranks' hosts and "
+                      f"domains make it {link.value}")
 
     def send(self, k: int, step: Step) -> None:
         src, dst = step.ranks
@@ -169,11 +220,20 @@ class _Checker(PieceAlgebra):
         except Refusal as bad:
             self.flag(ViolationKind(bad.kind), k, src, bad.reason)
             return
+        self.declared(k, step, src, buf.nbytes)
+        chunks, staging = step.arg("chunks"), step.arg("staging_bytes")
+        if chunks is not None or staging is not None:
+            if (not isinstance(chunks, int) or not isinstance(staging, int) or chunks < 1 or staging < 1
+                    or staging > CHUNK_BYTES or chunks != -(-step.payload_bytes // staging)):
+                self.flag(ViolationKind.MALFORMED_STEP, k, src,
+                          f"send in {chunks} chunks through a {staging}-byte staging buffer cannot carry "
+                          f"{step.payload_bytes} bytes; expected ceil(payload / staging) chunks and staging <= "
+                          f"{CHUNK_BYTES}")
         sd, dd = self.mesh.domain_of(src).name, self.mesh.domain_of(dst).name
         if sd != dd:
             for p in buf.pieces:
-                if p.form is Form.GARBAGE:
-                    continue
+                if p.form is Form.GARBAGE or (p.exact and not self.partial(p)):
+                    continue  # copies of complete, exact data are the same bits whoever sends them
                 key = (dd, p.tensor, p.form, p.region, p.contrib)
                 first = self.senders.setdefault(key, src)
                 if first != src:
@@ -203,6 +263,8 @@ class _Checker(PieceAlgebra):
             self.flag(ViolationKind.MISSING_INPUT, k, r, f"{step.op} reads {name!r}, which rank {r} does not hold")
         if missing:
             return
+        contributed = [self.mem[r][name] for r in needs]
+        self.declared(k, step, root if root is not None else ranks[0], sum(b.nbytes for b in contributed))
         try:
             dim = int(step.arg("dim", 0))
             if op is Collective.BROADCAST:
@@ -221,6 +283,7 @@ class _Checker(PieceAlgebra):
                 for r in ranks if op is Collective.ALL_GATHER else (root,):
                     self.write(k, r, step.output, out)
             elif op in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+                self.completion_at(k, root if root is not None else ranks[0], [p for x in xs for p in x.pieces])
                 out, issues = self.reduce(xs, str(step.arg("op", "sum")), native=True)
                 for kind, why in issues:
                     self.flag(ViolationKind(kind), k, None, why)
@@ -290,13 +353,26 @@ class _Checker(PieceAlgebra):
         # projections that need one clean piece
         p = x.pieces[0] if len(x.pieces) == 1 else garbage(self.rows_of(x), "pieces that do not form one region")
         if p.form is Form.GARBAGE:
-            return Buf((p,), self.proj_shape(op, x)), []
+            return Buf((p,), self.proj_shape(op, x, step)), []
         want = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG, Projection.COMBINE_LSE_STATS: Form.LSE_STATS}.get(op, Form.RAW)
-        shape = self.proj_shape(op, x)
+        if op is Projection.COMBINE_MAX_ARG and p.form is Form.SAMPLE_ARG:
+            want = Form.SAMPLE_ARG
+        shape = self.proj_shape(op, x, step)
         if p.form is not want:
             return Buf((garbage(rows_of_piece(p), f"{op.value} of {p.form.value} data", p.tensor),), shape), []
         if want is Form.RAW and len(p.region) != 2 and op is not Projection.ARGMAX:
             return Buf((garbage(rows_of_piece(p), f"{op.value} needs [rows, vocab] logits", p.tensor),), shape), []
+        if op in MASKED_PROJECTIONS and step.arg("valid") != self.c.edge.producer.vocab_size:
+            return Buf((garbage(rows_of_piece(p), f"{op.value} masks columns from {step.arg('valid')}; the real "
+                                                  f"vocabulary ends at {self.c.edge.producer.vocab_size} "
+                                                  f"(padding must be masked)", p.tensor),), shape), []
+        if op is Projection.LOCAL_MAX_ARG and self.op == "max" and p.contrib is not None and len(p.region) == 2:
+            # per-addend (max, index) pairs: the winner over every addend's pairs is the argmax of the max
+            off = int(self.per_rank(step, "offsets", i, 0))
+            if off != (p.region[1][0][0] if p.region[1] else off):
+                return Buf((garbage(rows_of_piece(p), f"offset {off} is not the addend's first column", p.tensor),),
+                           shape), []
+            return Buf((Piece(p.tensor, Form.MAX_ARG, p.region, p.contrib, p.exact),), shape), []
         if self.partial(p):
             why = (f"{op.value} of a partial addend (contributions of {list(p.contrib or ())} only): "
                    f"the projection of a partial sum is not the projection of the sum")
@@ -307,18 +383,29 @@ class _Checker(PieceAlgebra):
             if len(p.region) != 2:
                 return Buf((garbage(rows, "argmax of a tensor that is not [rows, vocab]", p.tensor),), shape), []
             return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
-        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS):
+        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOCAL_SAMPLE_MAX_ARG):
             off = int(self.per_rank(step, "offsets", i, 0))
             if cols and (len(cols) != 1 or cols[0][0] != off):
                 return Buf((garbage(rows, f"offset {off} is not the shard's first column", p.tensor),), shape), []
+            if op is Projection.LOCAL_SAMPLE_MAX_ARG:
+                cons = self.c.edge.consumer
+                if (step.arg("seed", 0), float(step.arg("temperature", 1.0))) != (cons.seed, cons.temperature):
+                    return Buf((garbage(rows, "perturbed with another seed or temperature than the consumer's",
+                                        p.tensor),), shape), []
+                if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
+                    return Buf((garbage(rows, "perturbed with the noise of other rows", p.tensor),), shape), []
+                return Buf((Piece(p.tensor, Form.SAMPLE_ARG, (rows, cols), None, p.exact),), shape), []
             if op is Projection.LOCAL_LSE_STATS and not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
                 return Buf((garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
             form = Form.MAX_ARG if op is Projection.LOCAL_MAX_ARG else Form.LSE_STATS
             return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
         if op is Projection.COMBINE_MAX_ARG:
-            return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
+            form = Form.SAMPLE if p.form is Form.SAMPLE_ARG else Form.TOKEN
+            return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
         if op is Projection.COMBINE_LSE_STATS:
             return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, False),), shape), []
+        if op in (Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE):
+            return self.row_projection(op, step, i, p, shape), []
         # LOGSOFTMAX_AT
         if cols != ((0, self.vocab),):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"log-softmax over columns {_rows_text(cols)} of {self.vocab}: "
@@ -327,24 +414,53 @@ class _Checker(PieceAlgebra):
             return Buf((garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
         return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, p.exact),), shape), []
 
+    def row_projection(self, op: Projection, step: Step, i: int, p: Piece, shape: tuple[int, ...]) -> Buf:
+        """top-k, token + log-prob or a seeded sample: full rows in, with the consumer's parameters."""
+        rows, cols = rows_of_piece(p), p.region[-1]
+        if cols != ((0, self.vocab),):
+            return Buf((garbage(rows, f"{op.value} over columns {_rows_text(cols)} only; it needs whole rows of "
+                                      f"{self.vocab}", p.tensor),), shape)
+        cons = self.c.edge.consumer
+        if op is Projection.TOPK and int(step.arg("k", 1)) != cons.k:
+            return Buf((garbage(rows, f"top-{step.arg('k', 1)} where top-{cons.k} is demanded", p.tensor),), shape)
+        if op is Projection.SAMPLE:
+            if (step.arg("seed", 0), float(step.arg("temperature", 1.0))) != (cons.seed, cons.temperature):
+                return Buf((garbage(rows, f"sampled with seed {step.arg('seed', 0)}, temperature "
+                                          f"{step.arg('temperature', 1.0)}; the consumer's are {cons.seed}, "
+                                          f"{cons.temperature}", p.tensor),), shape)
+            if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
+                return Buf((garbage(rows, "sampled with the noise of other rows", p.tensor),), shape)
+        form = {Projection.TOPK: Form.TOPK, Projection.TOKEN_LOGPROB: Form.TOKEN_LOGPROB,
+                Projection.SAMPLE: Form.SAMPLE}[op]
+        return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape)
+
     @staticmethod
     def rows_at(rows: Intervals, offset: int) -> bool:
         return not rows or (len(rows) == 1 and rows[0][0] == offset)
 
-    def proj_shape(self, op: Projection, x: Buf) -> tuple[int, ...]:
+    def proj_shape(self, op: Projection, x: Buf, step: Step) -> tuple[int, ...]:
         s = x.shape
-        need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOGSOFTMAX_AT,
-                       Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS)
+        need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
+                       Projection.LOGSOFTMAX_AT,
+                       Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS, Projection.TOPK,
+                       Projection.TOKEN_LOGPROB, Projection.SAMPLE)
         if (need2 and len(s) != 2) or (op is Projection.ARGMAX and not s):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} cannot apply to shape {list(s)}")
         if op is Projection.COMBINE_MAX_ARG and s[1] % 2:
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs (value, index) pairs, got width {s[1]}")
         if op is Projection.COMBINE_LSE_STATS and s[1] % 3:
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs statistic triples, got width {s[1]}")
-        if op is Projection.LOCAL_MAX_ARG:
+        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG):
             return (s[0], 2)
         if op is Projection.LOCAL_LSE_STATS:
             return (s[0], 3)
+        if op is Projection.TOPK:
+            k = int(step.arg("k", 1))
+            if not 1 <= k <= s[1]:
+                raise Refusal(ViolationKind.MALFORMED_STEP, f"top-{k} of rows of {s[1]} entries")
+            return (s[0], 2 * k)
+        if op is Projection.TOKEN_LOGPROB:
+            return (s[0], 2)
         return s[:-1]
 
     # -- the end of the plan: what each consumer observed ---------------------------------------

@@ -14,11 +14,13 @@ the live executor all read the same contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from enum import Enum
 from typing import Any
 
 from .errors import FactError
 from .facts import DType, Edge, LinkClass, Request
+from .numerics import smallest_subnormal, unit_roundoff
 from .placement import Partial, Placement, Shard
 from .region import Intervals, Region, chunk_region, full_region, intervals_from_indices, region_text
 
@@ -37,7 +39,10 @@ __all__ = [
     "Locality",
     "Contract",
     "compile_contract",
+    "REQUEST_FORM",
     "tolerance_for",
+    "reduction_tolerance",
+    "logsoftmax_tolerance",
 ]
 
 
@@ -46,9 +51,13 @@ class Form(str, Enum):
 
     RAW = "raw"  # the tensor's values
     MAX_ARG = "max_arg"  # per-row (max, global index) over a column range
+    SAMPLE_ARG = "sample_arg"  # per-row (max of the Gumbel-perturbed logits, global index) over a column range
     LSE_STATS = "lse_stats"  # per-row (max, sum of exp, target logit) over a column range
     TOKEN = "token"  # per-row argmax ids
     LOGPROB = "logprob"  # per-row log-probability at the target id
+    TOPK = "topk"  # per-row k ids and their log-probabilities, packed as float64 [ids..., logprobs...]
+    TOKEN_LOGPROB = "token_logprob"  # per-row (argmax id, its log-probability) as float64
+    SAMPLE = "sample"  # per-row token sampled with the consumer's seed and temperature
     GARBAGE = "garbage"  # values that mean nothing (wrong combination of pieces)
 
 
@@ -59,22 +68,35 @@ class Equivalence(str, Enum):
 
 @dataclass(frozen=True)
 class Tolerance:
-    """``|observed - reference| <= atol + rtol * |reference|`` elementwise."""
+    """``|observed - reference| <= atol + rtol * |reference| + scaled * magnitude`` elementwise.
+
+    ``magnitude`` is what rounding errors are proportional to: at each element the sum of
+    the partial addends' magnitudes (the value's magnitude for a complete producer),
+    non-finite entries counted as 0; with ``per_row``, the largest such magnitude in the
+    element's row (a log-probability depends on the whole row). Non-finite reference
+    values (NaN, ±inf) must be matched exactly. ``rtol``/``atol`` are a floor scaled from
+    ``torch.testing.assert_close``'s defaults; ``scaled`` is derived from the dtype's unit
+    roundoff and the number of addends (:func:`reduction_tolerance`,
+    :func:`logsoftmax_tolerance`), and ``why`` says how.
+    """
 
     rtol: float
     atol: float
     why: str
+    scaled: float = 0.0
+    per_row: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rtol": self.rtol, "atol": self.atol, "why": self.why}
+        return {"rtol": self.rtol, "atol": self.atol, "scaled": self.scaled, "per_row": self.per_row,
+                "why": self.why}
 
 
+@lru_cache(maxsize=1024)
 def tolerance_for(dtype: DType, why: str) -> Tolerance:
-    """The tolerance of a reassociated floating-point reduction carried out in ``dtype``.
+    """The floor tolerance of a floating-point result carried out in ``dtype``.
 
     Scaled from ``torch.testing.assert_close``'s defaults (float32 rtol 1.3e-6, bfloat16
-    rtol 1.6e-2, float16 rtol 1e-3), loosened so that sums over a few ranks in a
-    different order pass while a wrong or missing addend does not.
+    rtol 1.6e-2, float16 rtol 1e-3); it covers the last rounding of a division or a log.
     """
     rtol, atol = {
         DType.FLOAT32: (1e-5, 1e-4),
@@ -82,6 +104,41 @@ def tolerance_for(dtype: DType, why: str) -> Tolerance:
         DType.FLOAT16: (1e-3, 1e-3),
     }.get(dtype, (0.0, 0.0))
     return Tolerance(rtol=rtol, atol=atol, why=why)
+
+
+@lru_cache(maxsize=1024)
+def reduction_tolerance(dtype: DType, addends: int, why: str) -> Tolerance:
+    """A sum of ``addends`` values in ``dtype`` in an unspecified order.
+
+    Any order of a floating sum of ``n`` addends is within ``(n - 1) u sum|a_i|`` of the
+    exact sum (``u`` the unit roundoff), so two orders differ by at most twice that; the
+    bound used is ``2 n u`` times the addends' magnitude, plus the dtype's floor.
+    """
+    floor = tolerance_for(dtype, why)
+    u = unit_roundoff(dtype)
+    return Tolerance(floor.rtol, floor.atol + 2 * addends * smallest_subnormal(dtype),
+                     f"{why}; |error| <= 2·{addends}·u·sum|addends| with u = {u:.3g} ({dtype.value})",
+                     scaled=2 * addends * u)
+
+
+@lru_cache(maxsize=1024)
+def logsoftmax_tolerance(vocab: int, why: str, dtype: DType = DType.FLOAT32, addends: int = 0) -> Tolerance:
+    """A log-probability over ``vocab`` columns computed in float32 in another order.
+
+    Each side's sum of ``vocab`` exponentials is within ``(vocab - 1) u`` relatively of the
+    exact one, so the logs differ by at most ``2 vocab u`` (plus a few roundings of the row's
+    magnitude for ``x - max``); when the logits themselves come from a native reduction of
+    ``addends`` values in ``dtype``, each logit may differ by the reduction's bound and the
+    log-probability by twice that.
+    """
+    u32 = unit_roundoff(DType.FLOAT32)
+    floor = tolerance_for(DType.FLOAT32, why)
+    scaled = 8 * u32 + (4 * addends * unit_roundoff(dtype) if addends else 0.0)
+    extra = (f"; logits reduced natively over {addends} addends in {dtype.value}: + 4·{addends}·u·row magnitude"
+             if addends else "")
+    return Tolerance(floor.rtol, max(floor.atol, (2 * vocab + 64) * u32),
+                     f"{why}; |error| <= (2·{vocab}+64)·u + 8·u·row magnitude with u = {u32:.3g} (float32)" + extra,
+                     scaled=scaled, per_row=True)
 
 
 @dataclass(frozen=True)
@@ -259,7 +316,13 @@ class Contract:
         }
 
 
-_RESULT_REQUESTS = (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN)
+_RESULT_REQUESTS = tuple(r for r in Request if r.reads_logits)
+
+# The form each request observes (raw values for the others).
+REQUEST_FORM: dict[Request, Form] = {
+    Request.TOKEN: Form.TOKEN, Request.OWNER_TOKEN: Form.TOKEN, Request.LOGPROB: Form.LOGPROB,
+    Request.TOPK: Form.TOPK, Request.TOKEN_LOGPROB: Form.TOKEN_LOGPROB, Request.SAMPLE: Form.SAMPLE,
+}
 
 
 def _holdings(edge: Edge) -> tuple[Holding, ...]:
@@ -267,12 +330,20 @@ def _holdings(edge: Edge) -> tuple[Holding, ...]:
     ranks = edge.mesh.domain(p.domain).ranks
     full = full_region(p.shape)
     out = []
+    tp = len(ranks) // p.dp  # a 2-D layout: group g of dp holds rows chunk g, the placement applies inside
     for i, r in enumerate(ranks):
+        group, inner = divmod(i, tp)
+        block = chunk_region(full, 0, p.shape[0], p.dp, group) if p.dp > 1 else full
         if isinstance(p.placement, Shard):
             d = p.placement.dim
-            out.append(Holding(r, chunk_region(full, d, p.shape[d], len(ranks), i), False))
+            size = sum(b - a for a, b in block[d])
+            start = block[d][0][0] if block[d] else 0
+            lo = min(size, inner * -(-size // tp))
+            hi = min(size, lo + -(-size // tp))
+            region = block[:d] + ((((start + lo, start + hi),) if hi > lo else ()),) + block[d + 1:]
+            out.append(Holding(r, region, False))
         else:
-            out.append(Holding(r, full, isinstance(p.placement, Partial)))
+            out.append(Holding(r, block, isinstance(p.placement, Partial)))
     return tuple(out)
 
 
@@ -308,12 +379,12 @@ def _substitutability(edge: Edge, n: int) -> Substitutability:
             + ("; exact here" if native_exact else "; a floating sum over more than two addends is not bitwise")
             + ("" if allowed else "; the request needs the reference order")))
     if req is Request.LOGPROB and not c.exact:
-        return Substitutability(Equivalence.TOLERANCE, tolerance_for(DType.FLOAT32,
-                                "log-softmax statistics are combined in float32 in a different order"), tuple(subs))
+        return Substitutability(Equivalence.TOLERANCE, logsoftmax_tolerance(
+            p.columns, "log-softmax statistics are combined in float32 in a different order",
+            p.dtype, 0 if native_exact else n), tuple(subs))
     if tolerance_ok and not native_exact:
-        return Substitutability(Equivalence.TOLERANCE, tolerance_for(p.dtype,
-                                f"partial {p.placement.op} reduced by a native collective in unspecified order"),
-                                tuple(subs))
+        return Substitutability(Equivalence.TOLERANCE, reduction_tolerance(
+            p.dtype, n, f"partial {p.placement.op} reduced by a native collective in unspecified order"), tuple(subs))
     return Substitutability(Equivalence.BITWISE, None, tuple(subs))
 
 
@@ -333,9 +404,13 @@ def _demand(edge: Edge) -> Demand:
             reg = chunk_region(full, d, p.shape[d], len(c.ranks), j)
             shape = tuple(sum(b - a for a, b in iv) for iv in reg)
             obs.append(Observation(r, Form.RAW, reg, p.dtype, shape))
-    elif req in (Request.TOKEN, Request.LOGPROB):
-        form, dt = (Form.TOKEN, DType.INT64) if req is Request.TOKEN else (Form.LOGPROB, DType.FLOAT32)
+    elif req in (Request.TOKEN, Request.LOGPROB, Request.SAMPLE):
+        form = REQUEST_FORM[req]
+        dt = DType.FLOAT32 if req is Request.LOGPROB else DType.INT64
         obs = [Observation(r, form, full, dt, (p.shape[0],)) for r in c.ranks]
+    elif req in (Request.TOPK, Request.TOKEN_LOGPROB):
+        width = 2 * (c.k or 1) if req is Request.TOPK else 2
+        obs = [Observation(r, REQUEST_FORM[req], full, DType.FLOAT64, (p.shape[0], width)) for r in c.ranks]
     elif req is Request.OWNER_TOKEN:
         owners = c.owners or ()
         for r in c.ranks:

@@ -11,6 +11,7 @@ consumer on a mesh: it is everything the contract compiler reads.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from functools import cached_property
@@ -53,6 +54,7 @@ class Backend(str, Enum):
 
 class DType(str, Enum):
     FLOAT32 = "float32"
+    FLOAT64 = "float64"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"
     INT64 = "int64"
@@ -60,11 +62,11 @@ class DType(str, Enum):
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self.value]
+        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self.value]
 
     @property
     def is_floating(self) -> bool:
-        return self in (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16)
+        return self in (DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16, DType.FLOAT16)
 
 
 class LinkClass(str, Enum):
@@ -83,8 +85,10 @@ class LinkParams:
     beta_s_per_byte: float
 
     def __post_init__(self) -> None:
-        if self.alpha_s < 0 or self.beta_s_per_byte < 0:
-            raise FactError(f"link parameters must be non-negative, got α={self.alpha_s}, β={self.beta_s_per_byte}")
+        for name in ("alpha_s", "beta_s_per_byte"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise FactError(f"{name}: expected a finite non-negative number of seconds, got {value!r}")
 
     def time_s(self, messages: int, payload_bytes: int) -> float:
         return messages * self.alpha_s + payload_bytes * self.beta_s_per_byte
@@ -210,6 +214,15 @@ class Request(str, Enum):
     OWNER_TOKEN = "owner_token"
     SHARD = "shard"
     REDUCED = "reduced"
+    TOPK = "topk"  # the k largest logits' ids and their log-probabilities (vLLM / SGLang logprobs=k)
+    TOKEN_LOGPROB = "token_logprob"  # the argmax id and its log-probability together
+    SAMPLE = "sample"  # a token sampled from softmax(logits / temperature) with a seeded generator
+
+    @property
+    def reads_logits(self) -> bool:
+        """Whether the request reads ``[tokens, vocab]`` logits and observes a projection of them."""
+        return self in (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN, Request.TOPK, Request.TOKEN_LOGPROB,
+                        Request.SAMPLE)
 
 
 @dataclass(frozen=True)
@@ -222,10 +235,22 @@ class ProducerTensor:
     dtype: DType
     domain: str
     placement: Placement
+    vocab_size: int | None = None  # logits padded past the vocabulary: the real columns (the rest is masked)
+    dp: int = 1  # a 2-D (DP x TP) layout: rows split over dp groups of consecutive ranks, placement inside each
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
         object.__setattr__(self, "dtype", DType(self.dtype))
+        if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
+            raise FactError(f"producer {self.name!r}.dp: expected a positive integer, got {self.dp!r}")
+        if self.dp > 1 and isinstance(self.placement, Partial):
+            raise FactError(f"producer {self.name!r}.dp: a 2-D layout takes Shard or Replicate inside each group, "
+                            f"not {self.placement!r}")
+        if self.vocab_size is not None:
+            v = self.vocab_size
+            if isinstance(v, bool) or not isinstance(v, int) or len(self.shape) != 2 or not 1 <= v <= self.shape[-1]:
+                raise FactError(f"producer {self.name!r}.vocab_size: expected an integer in 1..{self.shape[-1]} "
+                                f"(the padded logits' columns) on [tokens, vocab] logits, got {v!r}")
         if not self.shape or any(s <= 0 for s in self.shape):
             raise FactError(f"producer {self.name!r}.shape: expected positive sizes, got {list(self.shape)}")
         if not isinstance(self.placement, (Replicate, Shard, Partial)):
@@ -235,6 +260,11 @@ class ProducerTensor:
                 f"producer {self.name!r}.placement: Shard({self.placement.dim}) but the tensor has "
                 f"{len(self.shape)} dims"
             )
+
+    @property
+    def columns(self) -> int:
+        """The real columns of logits: ``vocab_size`` when padded, else the last dim."""
+        return self.vocab_size if self.vocab_size is not None else self.shape[-1]
 
     @property
     def numel(self) -> int:
@@ -266,12 +296,42 @@ class Consumer:
     owners: tuple[int, ...] | None = None
     shard_dim: int | None = None
     exact: bool = False
+    k: int | None = None  # topk: how many ids per row
+    temperature: float | None = None  # sample: softmax temperature (default 1)
+    seed: int | None = None  # sample: the generator's seed (default 0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "request", Request(self.request))
+        if self.k is not None and self.request is not Request.TOPK:
+            raise FactError(f"consumer {self.name!r}.k: applies to topk requests only, not {self.request.value}")
+        if self.request is Request.TOPK and (isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1):
+            raise FactError(f"consumer {self.name!r}.k: a topk request needs a positive integer k, got {self.k!r}")
+        for name in ("temperature", "seed"):
+            if getattr(self, name) is not None and self.request is not Request.SAMPLE:
+                raise FactError(f"consumer {self.name!r}.{name}: applies to sample requests only, "
+                                f"not {self.request.value}")
+        if self.request is Request.SAMPLE:
+            t = 1.0 if self.temperature is None else self.temperature
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
+                raise FactError(f"consumer {self.name!r}.temperature: expected a positive finite number, got {t!r}")
+            seed = 0 if self.seed is None else self.seed
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+                raise FactError(f"consumer {self.name!r}.seed: expected an integer in 0..2**63-1, got {seed!r}")
+            object.__setattr__(self, "temperature", float(t))
+            object.__setattr__(self, "seed", seed)
         if not self.ranks:
             raise FactError(f"consumer {self.name!r}.ranks: expected at least one rank")
+        if len(set(self.ranks)) != len(self.ranks):
+            dup = sorted({r for r in self.ranks if self.ranks.count(r) > 1})
+            raise FactError(f"consumer {self.name!r}.ranks: rank(s) {dup} listed twice in {list(self.ranks)}; "
+                            "expected distinct ranks")
+        if self.shard_dim is not None and self.request not in (Request.SHARD, Request.REDUCED):
+            raise FactError(f"consumer {self.name!r}.shard_dim: applies to shard and reduced requests only, "
+                            f"not {self.request.value}")
+        if self.owners is not None and self.request is not Request.OWNER_TOKEN:
+            raise FactError(f"consumer {self.name!r}.owners: applies to owner_token requests only, "
+                            f"not {self.request.value}")
         if self.owners is not None:
             object.__setattr__(self, "owners", tuple(int(o) for o in self.owners))
             stray = sorted(set(self.owners) - set(self.ranks))
@@ -295,12 +355,22 @@ class Edge:
     source: str = ""
 
     def __post_init__(self) -> None:
-        self.mesh.domain(self.producer.domain)  # raises for an unknown domain
+        pdom = self.mesh.domain(self.producer.domain)  # raises for an unknown domain
+        if pdom.size % self.producer.dp:
+            raise FactError(f"edge {self.name!r}: producer.dp = {self.producer.dp} does not divide the "
+                            f"{pdom.size} ranks of {pdom.name}")
         cons = self.mesh.domain(self.consumer.domain)
         stray = sorted(set(self.consumer.ranks) - set(cons.ranks))
         if stray:
             raise FactError(f"edge {self.name!r}: consumer ranks {stray} are not in domain {cons.name!r}")
-        if self.consumer.request in (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN):
+        if self.consumer.request is Request.TOPK and len(self.producer.shape) == 2 \
+                and (self.consumer.k or 0) > self.producer.columns:
+            raise FactError(f"edge {self.name!r}: consumer.k = {self.consumer.k} exceeds the vocabulary "
+                            f"({self.producer.columns} columns)")
+        if self.producer.vocab_size is not None and not self.consumer.request.reads_logits:
+            raise FactError(f"edge {self.name!r}: producer.vocab_size (padded logits) applies to logits requests, "
+                            f"not {self.consumer.request.value}")
+        if self.consumer.request.reads_logits:
             if len(self.producer.shape) != 2:
                 raise FactError(
                     f"edge {self.name!r}: a {self.consumer.request.value} request reads logits of shape "

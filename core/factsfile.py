@@ -13,7 +13,12 @@ expected::
     producer: {name: logits, op: lm_head, shape: [256, 151936], dtype: bfloat16,
                domain: cuda@A, placement: Shard(1)}
     consumer: {name: sampler, domain: cann@B, ranks: [4, 5], request: token}
-    # consumer options: owners (owner_token), shard_dim (shard), exact (bool)
+    # or consumers: [{...}, {...}], several consumers of the producer, each with its own request
+    # consumer options: owners (owner_token only), shard_dim (shard, reduced only), exact (bool),
+    # k (topk only), temperature and seed (sample only)
+    # producer options: vocab_size, the real columns of logits padded to a multiple of TP x 128;
+    # dp, a DP x TP grid (rows split over dp groups of consecutive ranks, the placement inside each)
+    # a domain's backend, if given, must be its vendor's native one (nccl, hccl, gloo)
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ from typing import Any, Mapping
 import yaml
 
 from .errors import FactError
-from .facts import Consumer, Domain, DType, Edge, LinkClass, LinkParams, Mesh, ProducerTensor, Request, Vendor
+from .facts import Backend, Consumer, Domain, DType, Edge, LinkClass, LinkParams, Mesh, ProducerTensor, Request, Vendor
+from .group import EdgeGroup
 from .placement import parse_placement
 
 __all__ = ["load_edge_facts", "edge_from_dict"]
@@ -74,11 +80,12 @@ class _Where:
             raise self.fail(field, f"one of {[e.value for e in enum]}", value) from None
 
 
-def edge_from_dict(data: Any, source: str = "facts") -> Edge:
-    """Build an :class:`Edge` from parsed YAML/JSON, naming the field of any mistake."""
+def edge_from_dict(data: Any, source: str = "facts") -> Edge | EdgeGroup:
+    """Build an :class:`Edge` (``consumer:``) or an :class:`EdgeGroup` (``consumers:``, a list)
+    from parsed YAML/JSON, naming the field of any mistake."""
     w = _Where(source)
     top = w.mapping(data, "the document")
-    w.only(top, {"name", "mesh", "producer", "consumer", "description"}, "")
+    w.only(top, {"name", "mesh", "producer", "consumer", "consumers", "description"}, "")
     mesh_d = w.mapping(w.need(top, "mesh", ""), "mesh")
     w.only(mesh_d, {"domains", "links"}, "mesh")
     doms_d = w.need(mesh_d, "domains", "mesh")
@@ -92,62 +99,93 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge:
         bridge = d.get("bridge_rank")
         if bridge is not None and (not isinstance(bridge, int) or isinstance(bridge, bool)):
             raise w.fail(f"{f}.bridge_rank", "an integer rank", bridge)
-        domains.append(Domain(w.text(w.need(d, "name", f), f"{f}.name"),
-                              w.choice(w.need(d, "vendor", f), f"{f}.vendor", Vendor),
-                              w.text(w.need(d, "host", f), f"{f}.host"),
-                              w.ints(w.need(d, "ranks", f), f"{f}.ranks"),
-                              bridge_rank=bridge))
+        vendor = w.choice(w.need(d, "vendor", f), f"{f}.vendor", Vendor)
+        backend = d.get("backend")
+        if backend is not None and w.choice(backend, f"{f}.backend", Backend) is not vendor.native_backend:
+            raise w.fail(f"{f}.backend", f"{vendor.native_backend.value}, the native backend of {vendor.value} "
+                                         "(or leave it out)", backend)
+        try:
+            domains.append(Domain(w.text(w.need(d, "name", f), f"{f}.name"), vendor,
+                                  w.text(w.need(d, "host", f), f"{f}.host"),
+                                  w.ints(w.need(d, "ranks", f), f"{f}.ranks"),
+                                  backend=vendor.native_backend, bridge_rank=bridge))
+        except FactError as exc:
+            raise FactError(f"{source}: {f}: {exc}") from None
     links: dict[LinkClass, LinkParams] = {}
     for k, v in dict(w.mapping(mesh_d.get("links") or {}, "mesh.links")).items():
         f = f"mesh.links.{k}"
         cls = w.choice(k, "mesh.links", LinkClass)
         v = w.mapping(v, f)
         w.only(v, {"alpha_s", "beta_s_per_byte"}, f)
-        try:
-            links[cls] = LinkParams(float(w.need(v, "alpha_s", f)), float(w.need(v, "beta_s_per_byte", f)))
-        except (TypeError, ValueError):
-            raise w.fail(f, "numbers alpha_s and beta_s_per_byte", dict(v)) from None
+        numbers = []
+        for key in ("alpha_s", "beta_s_per_byte"):
+            value = w.need(v, key, f)
+            try:  # YAML 1.1 reads 5e-5 (no dot) as a string
+                number = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else None
+            except ValueError:
+                number = None
+            if number is None or not 0 <= number < float("inf"):
+                raise w.fail(f"{f}.{key}", "a finite non-negative number of seconds", value)
+            numbers.append(number)
+        links[cls] = LinkParams(*numbers)
     try:
         mesh = Mesh(domains=tuple(domains), links=links)
     except FactError as exc:
         raise FactError(f"{source}: mesh: {exc}") from None
     pd = w.mapping(w.need(top, "producer", ""), "producer")
-    w.only(pd, {"name", "op", "shape", "dtype", "domain", "placement"}, "producer")
+    w.only(pd, {"name", "op", "shape", "dtype", "domain", "placement", "vocab_size", "dp"}, "producer")
     try:
         placement = parse_placement(str(w.need(pd, "placement", "producer")))
     except FactError as exc:
         raise FactError(f"{source}: producer.placement: {exc}") from None
-    cd = w.mapping(w.need(top, "consumer", ""), "consumer")
-    w.only(cd, {"name", "domain", "ranks", "request", "owners", "shard_dim", "exact"}, "consumer")
-    owners = cd.get("owners")
-    shard_dim = cd.get("shard_dim")
-    if shard_dim is not None and (not isinstance(shard_dim, int) or isinstance(shard_dim, bool) or shard_dim < 0):
-        raise w.fail("consumer.shard_dim", "a non-negative integer", shard_dim)
-    exact = cd.get("exact", False)
-    if not isinstance(exact, bool):
-        raise w.fail("consumer.exact", "true or false", exact)
     try:
         producer = ProducerTensor(w.text(w.need(pd, "name", "producer"), "producer.name"),
                                   w.text(w.need(pd, "op", "producer"), "producer.op"),
                                   w.ints(w.need(pd, "shape", "producer"), "producer.shape", positive=True),
                                   w.choice(w.need(pd, "dtype", "producer"), "producer.dtype", DType),
-                                  w.text(w.need(pd, "domain", "producer"), "producer.domain"), placement)
-        consumer = Consumer(w.text(w.need(cd, "name", "consumer"), "consumer.name"),
-                            w.text(w.need(cd, "domain", "consumer"), "consumer.domain"),
-                            w.ints(w.need(cd, "ranks", "consumer"), "consumer.ranks"),
-                            w.choice(w.need(cd, "request", "consumer"), "consumer.request", Request),
-                            owners=w.ints(owners, "consumer.owners") if owners is not None else None,
-                            shard_dim=shard_dim, exact=exact)
-        return Edge(str(top.get("name") or Path(source).stem), mesh, producer, consumer,
-                    description=str(top.get("description", "")), source=source)
+                                  w.text(w.need(pd, "domain", "producer"), "producer.domain"), placement,
+                                  vocab_size=pd.get("vocab_size"), dp=pd.get("dp", 1))
+        name = str(top.get("name") or Path(source).stem)
+        if "consumers" in top:
+            if "consumer" in top:
+                raise w.fail("consumers", "either consumer or consumers, not both")
+            listed = top["consumers"]
+            if not isinstance(listed, list) or not listed:
+                raise w.fail("consumers", "a non-empty list of consumers", listed)
+            group = EdgeGroup(name, mesh, producer, tuple(_consumer(w, c, f"consumers.{i}")
+                                                          for i, c in enumerate(listed)))
+            group.edges()  # each consumer must make an edge on its own (raises otherwise)
+            return group
+        consumer = _consumer(w, w.need(top, "consumer", ""), "consumer")
+        return Edge(name, mesh, producer, consumer, description=str(top.get("description", "")), source=source)
     except FactError as exc:
         if str(exc).startswith(source):
             raise
         raise FactError(f"{source}: {exc}") from None
 
 
-def load_edge_facts(path: str | os.PathLike[str]) -> Edge:
-    """Read an edge from a ``.yaml``/``.yml``/``.json`` file."""
+def _consumer(w: _Where, data: Any, field: str) -> Consumer:
+    cd = w.mapping(data, field)
+    w.only(cd, {"name", "domain", "ranks", "request", "owners", "shard_dim", "exact", "k", "temperature", "seed"},
+           field)
+    owners = cd.get("owners")
+    shard_dim = cd.get("shard_dim")
+    if shard_dim is not None and (not isinstance(shard_dim, int) or isinstance(shard_dim, bool) or shard_dim < 0):
+        raise w.fail(f"{field}.shard_dim", "a non-negative integer", shard_dim)
+    exact = cd.get("exact", False)
+    if not isinstance(exact, bool):
+        raise w.fail(f"{field}.exact", "true or false", exact)
+    return Consumer(w.text(w.need(cd, "name", field), f"{field}.name"),
+                    w.text(w.need(cd, "domain", field), f"{field}.domain"),
+                    w.ints(w.need(cd, "ranks", field), f"{field}.ranks"),
+                    w.choice(w.need(cd, "request", field), f"{field}.request", Request),
+                    owners=w.ints(owners, f"{field}.owners") if owners is not None else None,
+                    shard_dim=shard_dim, exact=exact, k=cd.get("k"), temperature=cd.get("temperature"),
+                    seed=cd.get("seed"))
+
+
+def load_edge_facts(path: str | os.PathLike[str]) -> Edge | EdgeGroup:
+    """Read an edge (or an edge group) from a ``.yaml``/``.yml``/``.json`` file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")

@@ -37,6 +37,14 @@ class Piece(NamedTuple):
 class Buf(NamedTuple):
     pieces: tuple[Piece, ...]
     shape: tuple[int, ...]
+    itemsize: int = 0  # bytes per element of the numeric buffer (0: unknown)
+
+    @property
+    def nbytes(self) -> int:
+        n = self.itemsize
+        for s in self.shape:
+            n *= s
+        return n
 
 
 class Refusal(Exception):
@@ -75,6 +83,12 @@ class PieceAlgebra:
 
     # -- region algebra over buffers -----------------------------------------------------
     def merge2(self, a: Piece, b: Piece, dim: int) -> Piece | None:
+        if (a.form is Form.MAX_ARG and b.form is Form.MAX_ARG and dim == 1 and a.contrib != b.contrib
+                and a.tensor == b.tensor and self.op == "max" and a.region == b.region
+                and a.contrib is not None and b.contrib is not None and not set(a.contrib) & set(b.contrib)):
+            # (max, index) pairs of different max addends over the same columns combine like shards
+            return a._replace(contrib=tuple(r for r in self.order if r in a.contrib or r in b.contrib),
+                              exact=a.exact and b.exact)
         if Form.GARBAGE in (a.form, b.form) or a.tensor != b.tensor or a.form != b.form or a.contrib != b.contrib:
             return None
         exact = a.exact and b.exact
@@ -85,7 +99,7 @@ class PieceAlgebra:
             return None if iv is None else a._replace(region=a.region[:dim] + (iv,) + a.region[dim + 1:], exact=exact)
         rows_a, cols_a = a.region
         rows_b, cols_b = b.region
-        if a.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
+        if a.form in (Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS) and dim == 1:
             if rows_a != rows_b:
                 return None
             cols, overlap = union_intervals(cols_a, cols_b)
@@ -114,7 +128,7 @@ class PieceAlgebra:
                 out.append(p)
             else:
                 out[-1] = m
-        return Buf(tuple(out), shape)
+        return Buf(tuple(out), shape, bufs[0].itemsize)
 
     def empty(self, p: Piece) -> bool:
         if p.form is Form.RAW:
@@ -135,20 +149,20 @@ class PieceAlgebra:
         shape = buf.shape[:dim] + (len(local),) + buf.shape[dim + 1:]
         if len(buf.pieces) != 1:
             return Buf((garbage(self.rows_of(buf), "slice of pieces that do not form one region", self.tensor),),
-                       shape)
+                       shape, buf.itemsize)
         p = buf.pieces[0]
         if p.form is Form.GARBAGE:
-            return Buf((p,), shape)
-        if p.form in (Form.MAX_ARG, Form.LSE_STATS) and dim == 1:
-            return Buf((garbage(rows_of_piece(p), "slice through packed statistics", p.tensor),), shape)
+            return Buf((p,), shape, buf.itemsize)
+        if p.form in (Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS) and dim == 1:
+            return Buf((garbage(rows_of_piece(p), "slice through packed statistics", p.tensor),), shape, buf.itemsize)
         if not isinstance(local, range) and list(local) != sorted(set(local)):
-            return Buf((garbage(rows_of_piece(p), "rows reordered", p.tensor),), shape)
+            return Buf((garbage(rows_of_piece(p), "rows reordered", p.tensor),), shape, buf.itemsize)
         if isinstance(local, range) and local.step == 1:
             iv = take_intervals(p.region[dim], local.start, local.stop)
         else:
             idx = intervals_indices(p.region[dim])
             iv = intervals_from_indices([idx[i] for i in local])
-        return Buf((p._replace(region=p.region[:dim] + (iv,) + p.region[dim + 1:]),), shape)
+        return Buf((p._replace(region=p.region[:dim] + (iv,) + p.region[dim + 1:]),), shape, buf.itemsize)
 
     def chunk(self, buf: Buf, dim: int, parts: int, index: int) -> Buf:
         if dim >= len(buf.shape):
@@ -165,6 +179,10 @@ class PieceAlgebra:
         return rows
 
     def reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[str, str]]]:
+        out, issues = self._reduce(bufs, op, native)
+        return out._replace(itemsize=bufs[0].itemsize if bufs else 0), issues
+
+    def _reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[str, str]]]:
         shapes = {b.shape for b in bufs}
         if len(shapes) != 1:
             raise Refusal("malformed_step", f"reduction over shapes {sorted(list(s) for s in shapes)}")
@@ -218,27 +236,27 @@ class PieceAlgebra:
         return Buf((ps[0]._replace(contrib=tuple(seen), exact=exact),), shape), []
 
     def fold_exact(self, ps: Sequence[Piece], native: bool) -> bool:
+        """Whether folding ``ps`` left to right gives the reference fold's bits.
+
+        Each addition of two operands is commutative, so ``acc + p`` is exact when one operand
+        is the exact fold of a prefix of the reference order and the other is the next addend,
+        in either position; a native reduction of more than two floating operands never is.
+        """
         if not self.floating:
             return True
         if native and len(ps) > 2:
             return False
-        acc = ps[0]
-        acc_set = list(acc.contrib or ())
-        ok = acc.exact
+        acc_set = list(ps[0].contrib or ())
+        ok = ps[0].exact
         for p in ps[1:]:
             pc = list(p.contrib or ())
-            new = set(acc_set) | set(pc)
-            prefix = set(self.order[: len(new)]) == new
-            if len(acc_set) == 1 and len(pc) == 1:
-                ok = ok and p.exact and prefix
-            elif len(pc) == 1:
-                ok = ok and p.exact and prefix and pc[0] == self.order[len(acc_set)]
-            elif len(acc_set) == 1 and native:
-                ok = ok and p.exact and prefix and acc_set[0] == self.order[len(pc)]
-            else:
-                ok = False
+            ok = ok and p.exact and (self._next_addend(acc_set, pc) or self._next_addend(pc, acc_set))
             acc_set += pc
         return ok
+
+    def _next_addend(self, prefix: list[int], single: list[int]) -> bool:
+        return (len(single) == 1 and set(self.order[: len(prefix)]) == set(prefix)
+                and len(prefix) < len(self.order) and single[0] == self.order[len(prefix)])
 
     def extent(self, p: Piece, dim: int) -> int:
         if p.form is Form.GARBAGE or dim >= len(p.region):

@@ -7,7 +7,10 @@ kind, participants, the buffers it reads and writes, its payload bytes and dtype
 Cost conventions (one place, used by every consumer of a plan):
 
 * **startups**: one per collective call and one per bridge message; local ``project``
-  steps and ``deliver`` start nothing.
+  steps and ``deliver`` start nothing. A bridge ``send`` over the chunking threshold is
+  pipelined in ``args.chunks`` messages through a host staging buffer of
+  ``args.staging_bytes`` (:data:`meshpact.core.planbuild.CHUNK_BYTES` at most), one
+  startup per chunk.
 * **payload bytes**: the logical payload, independent of algorithm: for a collective, the
   sum over participants of the bytes each one contributes (for ``broadcast``/``scatter``
   only the root's); for a bridge ``send``, the bytes sent. A live executor counts exactly
@@ -39,6 +42,7 @@ __all__ = [
     "StepKind",
     "Collective",
     "Projection",
+    "MASKED_PROJECTIONS",
     "Step",
     "Plan",
     "PlanCost",
@@ -71,6 +75,7 @@ class Projection(str, Enum):
     ARGMAX = "argmax"  # token id of the max along the last dim (lowest index on ties)
     LOCAL_MAX_ARG = "local_max_arg"  # per-row (max value, global index) of a vocab shard
     COMBINE_MAX_ARG = "combine_max_arg"  # per-row winner among gathered (value, index) pairs
+    LOCAL_SAMPLE_MAX_ARG = "local_sample_max_arg"  # (max, global index) of a shard's seeded, perturbed logits
     LOGSOFTMAX_AT = "logsoftmax_at"  # log-softmax of full rows, read at the requested ids
     LOCAL_LSE_STATS = "local_lse_stats"  # per-row (max, sum exp, target logit) of a vocab shard
     COMBINE_LSE_STATS = "combine_lse_stats"  # log-prob from gathered per-shard statistics
@@ -79,6 +84,17 @@ class Projection(str, Enum):
     SUM = "sum"  # sum of gathered addends in a fixed order
     CONCAT = "concat"  # concatenate gathered chunks along args['dim']
     COPY = "copy"  # rename a buffer
+    TOPK = "topk"  # the k largest entries' ids and log-probabilities of full rows (args k)
+    TOKEN_LOGPROB = "token_logprob"  # argmax id and its log-probability of full rows
+    SAMPLE = "sample"  # a seeded sample from softmax(rows / temperature) (args seed, temperature, row_offsets)
+
+
+# Projections that read logits columns: with ``args.valid`` they mask the columns at and past it
+# (a vocabulary padded to a multiple of TP x 128) to the lowest value before reading.
+MASKED_PROJECTIONS = frozenset({
+    Projection.ARGMAX, Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
+    Projection.LOGSOFTMAX_AT, Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE,
+})
 
 
 @dataclass(frozen=True)
@@ -131,7 +147,9 @@ class Step:
 
     @property
     def startups(self) -> int:
-        return 1 if self.kind in (StepKind.COLLECTIVE, StepKind.SEND) else 0
+        if self.kind is StepKind.SEND:
+            return max(1, int(self.arg("chunks", 1)))
+        return 1 if self.kind is StepKind.COLLECTIVE else 0
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -253,7 +271,7 @@ def step_time_s(step: Step, mesh: Mesh) -> float:
     link = mesh.links[step.link or LinkClass.FABRIC]
     n = len(step.ranks)
     if step.kind is StepKind.SEND or n == 1:
-        return link.time_s(1, step.payload_bytes)
+        return link.time_s(step.startups, step.payload_bytes)
     op = Collective(step.op)
     if op is Collective.ALL_REDUCE:
         # ring: reduce-scatter then all-gather, 2(n-1) rounds of size/n per rank

@@ -13,26 +13,54 @@ from typing import Any, Iterable, Mapping
 
 from .contract import Contract, Form
 from .facts import DType, LinkClass
-from .plan import Plan, Step, StepKind
+from .plan import MASKED_PROJECTIONS, Plan, Projection, Step, StepKind
 from .region import Region, region_numel
 
-__all__ = ["PlanBuilder", "form_bytes", "form_dtype", "STAT_BYTES"]
+__all__ = ["PlanBuilder", "form_bytes", "form_dtype", "row_bytes", "chunking", "STAT_BYTES", "CHUNK_BYTES"]
 
-# Bytes per row of each projected form: (max, index) as two float32; (max, sum exp, target)
+# A bridge message larger than this is pipelined in chunks through a host staging buffer of at
+# most this size (the buffer a host-staged transfer pins), so no transfer needs its whole
+# payload in host memory at once.
+CHUNK_BYTES = 64 * 2 ** 20
+
+# Bytes per row of each projected form: (max, index) as two 8-byte words (the value widened to
+# float64, or int64 for integer logits, and the int64 index); (max, sum exp, target)
 # as three float32; a token id as int64; a log-probability as float32.
-STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 8, Form.LSE_STATS: 12, Form.TOKEN: 8, Form.LOGPROB: 4}
+STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 16, Form.LSE_STATS: 12, Form.TOKEN: 8, Form.LOGPROB: 4,
+                                  Form.TOPK: 16, Form.TOKEN_LOGPROB: 16, Form.SAMPLE: 8, Form.SAMPLE_ARG: 16}
+# (Form.TOPK: 16 bytes per kept entry: its id and its log-probability as float64.)
 
 
 def form_dtype(form: Form, raw: DType) -> DType:
-    return {Form.TOKEN: DType.INT64, Form.RAW: raw}.get(form, DType.FLOAT32)
+    """The dtype a buffer of ``form`` travels in, for a producer tensor of dtype ``raw``."""
+    if form is Form.MAX_ARG:
+        return DType.FLOAT64 if raw.is_floating else DType.INT64
+    if form is Form.SAMPLE_ARG:
+        return DType.FLOAT64
+    return {Form.TOKEN: DType.INT64, Form.SAMPLE: DType.INT64, Form.TOPK: DType.FLOAT64,
+            Form.TOKEN_LOGPROB: DType.FLOAT64, Form.RAW: raw}.get(form, DType.FLOAT32)
 
 
-def form_bytes(form: Form, region: Region, raw: DType) -> int:
-    """Payload bytes of data in ``form`` covering ``region`` (rows only, for projected forms)."""
+def chunking(nbytes: int, limit: int = CHUNK_BYTES) -> dict[str, int]:
+    """Step args of a bridge message of ``nbytes``: ``{}`` up to ``limit``, else its chunk count
+    and the staging buffer each chunk passes through."""
+    if nbytes <= limit:
+        return {}
+    return {"chunks": -(-nbytes // limit), "staging_bytes": limit}
+
+
+def row_bytes(form: Form, rows: int) -> int:
+    """Payload bytes of ``rows`` rows of a projected ``form``."""
+    return rows * STAT_BYTES[form]
+
+
+def form_bytes(form: Form, region: Region, raw: DType, entries: int = 1) -> int:
+    """Payload bytes of data in ``form`` covering ``region`` (rows only, for projected forms;
+    ``entries`` per row for top-k)."""
     if form is Form.RAW:
         return region_numel(region) * raw.itemsize
     rows = sum(b - a for a, b in region[0])
-    return rows * STAT_BYTES[form]
+    return rows * STAT_BYTES[form] * entries
 
 
 class PlanBuilder:
@@ -58,13 +86,16 @@ class PlanBuilder:
 
     def send(self, src: int, dst: int, inp: str, out: str, nbytes: int, dtype: DType, note: str = "") -> str:
         self.steps.append(Step(StepKind.SEND, "send", (src, dst), (inp,), out, nbytes, dtype, None,
-                               self.mesh.link_class(src, dst), {}, note))
+                               self.mesh.link_class(src, dst), chunking(nbytes), note))
         return out
 
     def project(self, op: str, ranks: Iterable[int], inputs: Iterable[str] | str, out: str, dtype: DType,
                 args: Mapping[str, Any] | None = None, note: str = "") -> str:
         ranks = tuple(ranks)
         inputs = (inputs,) if isinstance(inputs, str) else tuple(inputs)
+        vocab = self.contract.edge.producer.vocab_size
+        if vocab is not None and Projection(op) in MASKED_PROJECTIONS:
+            args = {**dict(args or {}), "valid": vocab}  # padded vocabulary: mask the padding columns
         self.steps.append(Step(StepKind.PROJECT, op, ranks, inputs, out, 0, dtype,
                                self.mesh.domain_of(ranks[0]).name, None, dict(args or {}), note))
         return out

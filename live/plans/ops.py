@@ -218,17 +218,22 @@ def project(s: Step, xs: Sequence[torch.Tensor], rank: int, ids: torch.Tensor | 
     f32 = torch.float32
     if op is Projection.ARGMAX:
         return torch.argmax(x, dim=-1)
-    if op is Projection.LOCAL_MAX_ARG:
-        off = int(_per_rank(s, "offsets", i, 0))
+    if op is Projection.LOCAL_MAX_ARG:  # pairs as meshpact.core.interpreter.local_max_arg makes them
+        pair = torch.float64 if x.is_floating_point() else torch.int64
         if x.shape[-1] == 0:
-            return torch.tensor([-float("inf"), -1.0], dtype=f32, device=x.device).repeat(x.shape[0], 1)
-        val, idx = torch.max(x, dim=-1)  # the first index of the max, as argmax
-        return torch.stack([val.to(f32), (idx + off).to(f32)], dim=-1)
-    if op is Projection.COMBINE_MAX_ARG:
-        vals, idx = x[:, 0::2], x[:, 1::2]
-        best = vals.max(dim=1, keepdim=True).values
-        cand = torch.where(vals == best, idx, torch.full_like(idx, float("inf")))
-        return cand.min(dim=1).values.to(torch.int64)
+            low = -float("inf") if pair is torch.float64 else torch.iinfo(torch.int64).min
+            return torch.tensor([low, 2 ** 62], dtype=pair, device=x.device).repeat(x.shape[0], 1)
+        idx = torch.argmax(x, dim=-1)  # the first NaN, else the first maximum
+        val = x.gather(1, idx[:, None])[:, 0]
+        return torch.stack([val.to(pair), (idx + int(_per_rank(s, "offsets", i, 0))).to(pair)], dim=-1)
+    if op is Projection.COMBINE_MAX_ARG:  # as meshpact.core.interpreter.combine_max_arg
+        vals, idx = x[:, 0::2], x[:, 1::2].to(torch.int64)
+        none = torch.full_like(idx, torch.iinfo(torch.int64).max)
+        nan = torch.isnan(vals) if vals.is_floating_point() else torch.zeros_like(idx, dtype=torch.bool)
+        vals = torch.where(nan, torch.full_like(vals, -float("inf")), vals) if vals.is_floating_point() else vals
+        first_nan = torch.where(nan, idx, none).min(dim=1).values
+        winner = torch.where(vals == vals.max(dim=1, keepdim=True).values, idx, none).min(dim=1).values
+        return torch.where(nan.any(dim=1), first_nan, winner)
     if op is Projection.LOGSOFTMAX_AT:
         off = int(_per_rank(s, "row_offsets", i, 0))
         if ids is None:

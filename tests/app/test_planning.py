@@ -50,3 +50,59 @@ def test_facet_summaries_name_the_crossing_and_the_substitutes(mesh):
     assert list(lines) == ["provenance", "substitutability", "completion", "authority", "demand", "locality"]
     assert "ethernet from cuda@hostA to cann@hostB" in lines["locality"]
     assert lines["demand"].startswith("token: 2 observing rank(s)")
+
+
+def test_producer_tp_degree_lays_the_producer_over_the_first_ranks(mesh):
+    e = _edge(mesh, producer_ranks=2)
+    assert e.mesh.domain("cuda@hostA").ranks == tuple(sorted(mesh.domain("cuda@hostA").ranks)[:2])
+    from meshpact.core.contract import compile_contract
+
+    assert len(compile_contract(e).provenance.holdings) == 2
+    with pytest.raises(MeshpactError, match="producer TP degree"):
+        _edge(mesh, producer_ranks=99)
+
+
+def test_serving_requests_take_their_parameters(mesh):
+    j = judge(_edge(mesh, request="topk", k=4))
+    lowered = next(o for o in j.outcomes if o.planner == "meshpact lowerer")
+    assert lowered.ok and any(s.op == "topk" and s.arg("k") == 4 for s in lowered.plan.steps)
+    j = judge(_edge(mesh, request="sample", seed=5, temperature=0.5))
+    assert next(o for o in j.outcomes if o.planner == "meshpact lowerer").ok
+
+
+def test_violations_are_grouped_by_kind_with_counts(mesh):
+    from meshpact.app.planning import violation_groups
+
+    j = judge(_edge(mesh, placement="Partial(sum)", request="full", dtype="float32"))
+    rejected = [o for o in j.outcomes if not o.ok and o.violations]
+    assert rejected
+    for out in rejected:
+        groups = violation_groups(out.violations)
+        assert sum(g.count for g in groups) == len(out.violations)
+        assert [g.count for g in groups] == sorted((g.count for g in groups), reverse=True)
+        assert all(g.examples and g.examples[0].startswith(g.kind) for g in groups)
+
+
+def test_an_uploaded_values_file_runs_the_lowerers_plan(mesh):
+    import json
+
+    import numpy as np
+
+    from meshpact.app.planning import run_uploaded
+
+    e = _edge(mesh, shape=(2, 64), dtype="float32")
+    values = np.arange(128, dtype=np.float32).reshape(2, 64)[:, ::-1].copy()  # argmax at column 0
+    run = run_uploaded(e, "v.json", json.dumps(values.tolist()).encode())
+    assert run.ok and all(r.observed == [0, 0] for r in run.ranks)
+    buf = __import__("io").BytesIO()
+    np.save(buf, values)
+    assert run_uploaded(e, "v.npy", buf.getvalue()).ok
+    with pytest.raises(MeshpactError, match="expected shape"):
+        run_uploaded(e, "v.json", b"[[1, 2]]")
+
+
+def test_a_padded_vocabulary_is_planned_with_its_padding_masked(mesh):
+    e = _edge(mesh, shape=(8, 1000), pad_vocab=True, producer_ranks=4)
+    assert e.producer.shape == (8, 1024) and e.producer.vocab_size == 1000
+    lowered = next(o for o in judge(e).outcomes if o.planner == "meshpact lowerer")
+    assert lowered.ok and any(s.arg("valid") == 1000 for s in lowered.plan.steps)

@@ -15,7 +15,7 @@ def two_domain_mesh(n: int = 3, m: int = 2, same_host: bool = False, bridges: tu
 
 
 def edge(placement, request, *, cross=True, consumers=None, shape=(6, 10), n=3, m=2, exact=False, owners=None,
-         shard_dim=None, dtype=DType.FLOAT32) -> Edge:
+         shard_dim=None, dtype=DType.FLOAT32, **request_args) -> Edge:
     mesh = two_domain_mesh(n, m)
     dom = mesh.domains[1] if cross else mesh.domains[0]
     ranks = tuple(consumers) if consumers is not None else dom.ranks
@@ -24,7 +24,10 @@ def edge(placement, request, *, cross=True, consumers=None, shape=(6, 10), n=3, 
     if request is Request.SHARD and shard_dim is None:
         shard_dim = len(shape) - 1
     return Edge("e", mesh, ProducerTensor("x", "op", shape, dtype, "cuda@A", placement),
-                Consumer("c", dom.name, ranks, request, owners=owners, shard_dim=shard_dim, exact=exact))
+                Consumer("c", dom.name, ranks, request, owners=owners, shard_dim=shard_dim, exact=exact, **request_args))
+
+
+DTYPES = (DType.FLOAT32, DType.BFLOAT16, DType.FLOAT16, DType.INT64, DType.INT32)
 
 
 @st.composite
@@ -35,7 +38,7 @@ def random_edges(draw) -> Edge:
     same_host = draw(st.booleans())
     mesh = two_domain_mesh(n, m, same_host, (draw(st.integers(0, n - 1)), draw(st.integers(0, m - 1))))
     request = draw(st.sampled_from(list(Request)))
-    two_d = request in (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN) or draw(st.booleans())
+    two_d = request.reads_logits or draw(st.booleans())
     if two_d:
         rows = draw(st.integers(1, 7))
         shape = (rows, draw(st.integers(rows if request is Request.OWNER_TOKEN else 1, 11)))
@@ -54,7 +57,16 @@ def random_edges(draw) -> Edge:
     shard_dim = None
     if request is Request.SHARD or (request is Request.REDUCED and draw(st.booleans())):
         shard_dim = draw(st.integers(0, len(shape) - 1))
-    dtype = draw(st.sampled_from([DType.FLOAT32, DType.FLOAT32, DType.BFLOAT16, DType.INT32]))
-    return Edge("random", mesh, ProducerTensor("x", "op", shape, dtype, "cuda@A", placement),
+    dtype = draw(st.sampled_from(DTYPES))
+    vocab = draw(st.integers(1, shape[1])) if request.reads_logits and draw(st.booleans()) else None  # padded
+    extra = {}
+    if request is Request.TOPK:
+        extra["k"] = draw(st.integers(1, vocab or shape[1]))
+    if request is Request.SAMPLE:
+        extra = {"seed": draw(st.integers(0, 2**40)), "temperature": draw(st.sampled_from([0.5, 1.0, 2.0]))}
+    dp = 1
+    if not isinstance(placement, Partial) and n > 1:  # sometimes a DP x TP grid
+        dp = draw(st.sampled_from([d for d in range(1, n + 1) if n % d == 0]))
+    return Edge("random", mesh, ProducerTensor("x", "op", shape, dtype, "cuda@A", placement, vocab_size=vocab, dp=dp),
                 Consumer("c", dom.name, ranks, request, owners=owners, shard_dim=shard_dim,
-                         exact=draw(st.booleans())))
+                         exact=draw(st.booleans()), **extra))

@@ -21,7 +21,7 @@ from meshpact.core.facts import DType, LinkClass, Request
 from meshpact.core.interpreter import interpret, judge, leaks, make_inputs, reference
 from meshpact.core.lowerer import lower
 from meshpact.core.placement import Partial, Replicate, Shard
-from meshpact.core.plan import Plan, Step, StepKind
+from meshpact.core.plan import Plan, Step, StepKind, plan_cost
 
 
 def _find(plan: Plan, op: str) -> int:
@@ -163,15 +163,34 @@ def test_non_owner_holding_owner_rows_is_caught_numerically():
     assert "owned by another rank" in judge(mutant, c).reason
 
 
-def test_two_senders_of_the_same_piece_count_it_twice():
+def test_identical_complete_copies_from_two_senders_pass_and_summing_them_is_reduced_twice():
     c = compile_contract(edge(Replicate(), Request.FULL, consumers=(3,)))
     plan = _baseline(c)
     send = plan.steps[_find(plan, "send")]
     second = replace(send, ranks=(1, send.ranks[1]), output="again")
+    twice = _with(plan, (send, second, replace(plan.steps[-1], inputs=("again",), output="again")))
+    assert check(twice, c).ok and judge(twice, c).ok  # the same bits, whoever sends them
     both = Step(StepKind.PROJECT, "sum", (3,), (send.output, "again"), "both", 0, DType.FLOAT32, "cann@B")
     mutant = _with(plan, (send, second, both, replace(plan.steps[-1], inputs=("both",), output="both")))
-    assert "already sends" in _rejected(mutant, c, ViolationKind.DUPLICATE_SENDER)
+    assert "counts it 2 times" in _rejected(mutant, c, ViolationKind.REDUCED_TWICE)
     assert "not bitwise equal" in judge(mutant, c).reason
+
+
+def test_a_partial_addend_sent_by_two_ranks_has_two_authorities():
+    c = compile_contract(edge(Partial("sum"), Request.FULL, consumers=(3,), shape=(4, 6)))
+    nbytes = 4 * 6 * 4
+    G = Step(StepKind.COLLECTIVE, "gather", (0, 1, 2), ("x",), "g", 3 * nbytes, DType.FLOAT32, "cuda@A",
+             LinkClass.FABRIC, {"dim": 0, "root": 1})
+    mine = Step(StepKind.SEND, "send", (0, 3), ("x",), "a0", nbytes, DType.FLOAT32, None, LinkClass.ETHERNET)
+    all_ = Step(StepKind.SEND, "send", (1, 3), ("g",), "all", 3 * nbytes, DType.FLOAT32, None, LinkClass.ETHERNET)
+    first = Step(StepKind.PROJECT, "slice", (3,), ("all",), "rest", 0, DType.FLOAT32, "cann@B", None,
+                 {"dim": 0, "start": 4, "stop": 12})
+    total = Step(StepKind.PROJECT, "sum", (3,), ("a0", "all"), "sum", 0, DType.FLOAT32, "cann@B", None,
+                 {"dim": 0, "parts": 2})
+    mutant = Plan("e", "mutant", (G, mine, all_, first, total,
+                                  Step(StepKind.DELIVER, "deliver", (3,), ("sum",), "sum", 0, DType.FLOAT32)))
+    assert "already sends" in _rejected(mutant, c, ViolationKind.DUPLICATE_SENDER)
+    assert not judge(mutant, c).ok
 
 
 def test_delivery_before_completion_observes_one_addend():
@@ -212,3 +231,45 @@ def test_an_empty_plan_is_rejected(request_):
     report = check(Plan("e", "empty", ()), c)
     assert not report.ok and report.kinds == {ViolationKind.DEMAND_NOT_MET}
     assert not judge(Plan("e", "empty", ()), c).ok
+
+
+# -- declared figures are verified, not trusted ------------------------------------------------
+
+def test_declared_payload_bytes_are_recomputed_from_shapes_and_dtypes():
+    c = compile_contract(edge(Shard(1), Request.LOGPROB, shape=(6, 10), dtype=DType.BFLOAT16))
+    plan = _baseline(c)
+    zeroed = _with(plan, [replace(s, payload_bytes=0) for s in plan.steps])
+    report = check(zeroed, c)
+    wrong = [v for v in report.violations if v.kind is ViolationKind.PAYLOAD_MISMATCH]
+    assert len(wrong) == plan.startups and all(v.step is not None and v.rank is not None for v in wrong)
+    assert "declares 0 payload bytes" in wrong[0].reason
+    assert plan_cost(zeroed, c.edge.mesh).time_s < plan_cost(plan, c.edge.mesh).time_s  # the lie would win
+    doubled = _with(plan, [replace(s, payload_bytes=2 * s.payload_bytes) if s.kind is StepKind.SEND else s
+                           for s in plan.steps])
+    assert ViolationKind.PAYLOAD_MISMATCH in check(doubled, c).kinds
+
+
+def test_a_cross_host_send_labelled_fabric_is_a_link_mismatch():
+    c = compile_contract(edge(Shard(1), Request.TOKEN))
+    plan = _baseline(c)
+    i = _find(plan, "send")
+    assert plan.steps[i].link is LinkClass.ETHERNET
+    relabelled = _with(plan, plan.steps[:i] + (replace(plan.steps[i], link=LinkClass.FABRIC),) + plan.steps[i + 1:])
+    reason = _rejected(relabelled, c, ViolationKind.LINK_MISMATCH)
+    assert "ethernet" in reason and "fabric" in reason
+    v = next(v for v in check(relabelled, c).violations if v.kind is ViolationKind.LINK_MISMATCH)
+    assert (v.step, v.rank) == (i, plan.steps[i].ranks[0])
+    assert plan_cost(relabelled, c.edge.mesh).time_s < plan_cost(plan, c.edge.mesh).time_s
+
+
+def test_partials_completed_on_the_consumer_side_break_the_completion_facet():
+    from meshpact.core.baselines import layout_only
+
+    c = compile_contract(edge(Partial("sum"), Request.FULL, shape=(6, 10)))
+    assert c.completion.inside_domain == "cuda@A"
+    plan = layout_only(c)  # every addend hops the bridge and is summed in the consumer's domain
+    reason = _rejected(plan, c, ViolationKind.COMPLETED_OUTSIDE_DOMAIN)
+    assert "cann@B" in reason and "cuda@A" in reason
+    mesh = c.edge.mesh
+    crossing = plan_cost(plan, mesh).bytes_by_link["ethernet"]
+    assert crossing == 3 * plan_cost(_baseline(c), mesh).bytes_by_link["ethernet"]  # three addends instead of one value

@@ -79,3 +79,15 @@ def test_every_plan_the_checker_accepts_yields_the_demanded_observation(edge, se
         if check(plan, contract).ok:
             verdict = judge(plan, contract, seed)
             assert verdict.ok, f"accepted yet wrong: {verdict.reason}\n{plan.to_json()}"
+
+
+@FAST
+@given(random_edges(), st.integers(0, 2**16))
+def test_accepted_plans_follow_torch_on_nan_and_minus_inf_rows(edge, seed):
+    """Rows holding NaN, only -inf, or some -inf: every accepted plan still gives the reference."""
+    contract = compile_contract(edge)
+    plans = [lower(contract), layout_only(contract)] + [c.plan for c in byte_only_candidates(contract)]
+    for plan in plans:
+        if check(plan, contract).ok:
+            verdict = judge(plan, contract, seed, specials=True)
+            assert verdict.ok, f"accepted yet wrong on NaN/-inf rows: {verdict.reason}\n{plan.to_json()}"

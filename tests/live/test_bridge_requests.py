@@ -93,11 +93,10 @@ def test_measured_startups_and_bytes_equal_the_plans_per_link_class(run, request
     assert job["cost_matches"]
 
 
-def test_measured_bytes_come_from_the_calls_not_from_the_plans_declarations(run):
-    job = run[1]["misdeclared"]  # the checker does not judge byte counts; the meter does
-    assert job["verified"] and not job["cost_matches"]
-    assert job["planned"]["bytes_by_link"]["host_bridge"] == job["measured"]["bytes_by_link"]["host_bridge"] + 8
-    assert job["measured"] == run[1]["token"]["measured"]
+def test_a_misdeclared_byte_count_is_refused_before_any_call(run):
+    job = run[1]["misdeclared"]  # the checker recomputes byte counts from the buffers' shapes and dtypes
+    assert job["refused"] and job["calls_made"] == 0
+    assert any("payload_mismatch" in r for r in job["refused"])
 
 
 def test_owner_tokens_reach_their_owner_only(run):
@@ -140,5 +139,5 @@ def test_the_run_is_recorded_as_jsonl_events(run):
     sends = [e for e in calls if e.data["op"] == "send"]
     assert sum(e.data["contributed"] for e in sends) == sum(
         j["measured"]["bytes_by_link"].get("host_bridge", 0) for j in jobs.values() if j["refused"] is None)
-    assert sum(e.event == "verified" for e in events) == len(REQUESTS) + 1  # and the misdeclared plan
+    assert sum(e.event == "verified" for e in events) == len(REQUESTS)  # the misdeclared plan is refused
     assert [e.t for e in calls if e.data["job"] == 0] == sorted(e.t for e in calls if e.data["job"] == 0)
