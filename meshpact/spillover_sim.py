@@ -13,6 +13,12 @@ serving model's :class:`~meshpact.simulator.serving.ServingParams`:
   the result plan (the source projection, before anything is sent), or for ``full`` plus
   host 1's sampling of the logits (host 2 waits for the chosen ids).
 
+For the model deployment (the decoder split by layers) the same kind of quantities feed
+:func:`~meshpact.simulator.batching.simulate_split`: each host's busy time per step
+(everything it does outside the link's calls: its layers, the choice or the projection, the
+plans' admission and copies), the prefills, the hidden size of the split, and the link's
+α and β.
+
 :func:`simulated` runs the batched (lockstep) model, which is what the live hosts do, and
 the per-slot model for comparison. :func:`measure` is the paired measurement with this
 prediction beside every row.
@@ -26,7 +32,7 @@ from meshpact.core.facts import Request
 from meshpact.live.spillover.decoder import scaled_spec
 from meshpact.live.spillover.serving import RunResult, SpilloverConfig
 from meshpact.live.spillover.pairs import Row, measure_pairs
-from meshpact.simulator.batching import simulate_batched
+from meshpact.simulator.batching import simulate_batched, simulate_split
 from meshpact.simulator.serving import ServingParams, simulate_params
 
 __all__ = ["ETHERNET_MTU", "wire_efficiency", "sim_params", "simulated", "measure"]
@@ -47,10 +53,14 @@ def sim_params(run: RunResult) -> ServingParams:
     spec = scaled_spec(cfg.model)
     beta = 8.0 / (cfg.gbit_per_s * 1e9) / wire_efficiency()
     project = run.remote_project_s if cfg.request != "full" else run.consumer_sample_s
+    local, remote = run.local_step_s, run.remote_forward_s + project
+    if cfg.deployment == "model":
+        # each host's busy time per step: everything it does but wait in a link call
+        local, remote = run.local_busy_step_s, run.remote_busy_step_s
     return ServingParams(
         model=spec.source, vocab_size=spec.vocab_size, local_vendor="cuda", remote_vendor="cann",
         local_slots=cfg.local_slots, remote_slots=cfg.remote_slots,
-        local_per_token_s=run.local_step_s, remote_per_token_s=run.remote_forward_s + project,
+        local_per_token_s=local, remote_per_token_s=remote,
         local_prefill_s=run.local_prefill_s, remote_prefill_s=run.remote_prefill_s,
         link_alpha_s=run.link_alpha_s + cfg.delay_ms * 1e-3, link_beta_s_per_byte=beta,
         fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(cfg.request),
@@ -62,6 +72,11 @@ def sim_params(run: RunResult) -> ServingParams:
 def simulated(run: RunResult) -> dict[str, Any]:
     """The prediction for ``run``: the batched model's numbers, and the per-slot model's throughput."""
     p = sim_params(run)
+    if run.config.deployment == "model":
+        split = simulate_split(p, scaled_spec(run.config.model).hidden, run.config.prompt_tokens)
+        return {"throughput_tok_s": split.throughput_tok_s, "result_bytes": split.result_bytes,
+                "hidden_bytes": split.feedback_bytes, "latency_s": dict(split.latency_s),
+                "startups": split.startups, "per_slot_throughput_tok_s": None}
     batched = simulate_batched(p)
     per_slot = simulate_params(p)
     return {"throughput_tok_s": batched.throughput_tok_s, "result_bytes": batched.result_bytes,

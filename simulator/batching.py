@@ -16,6 +16,14 @@ slot, else a free remote slot, else wait for the first to free, local preferred)
   the others the ids are chosen at the source and the message streams back while the
   host decodes on;
 * a request ends with its last token (local) or when its last result arrives (remote).
+
+:func:`simulate_split` is the other deployment, the model split by layers: every
+sequence lives on one pipeline. Host 1 (``local_*``: its layers and the choice of the
+next id) runs a step for all of them, the hidden states ``[batch, hidden]`` (bf16) cross
+host 1 → host 2, host 2 (``remote_*``: the later layers, the LM head and the source
+projection) runs its part, and the result plan for the request crosses back; the next
+step needs the chosen ids, so nothing overlaps. A joining sequence's prefill runs on both
+hosts with its prompt's hidden states crossing in between.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from meshpact.core.plan import Plan
 
 from .serving import DuplexLink, ServingParams, ServingResult, result_plan
 
-__all__ = ["simulate_batched"]
+__all__ = ["simulate_batched", "simulate_split"]
 
 
 @dataclass
@@ -171,3 +179,92 @@ def simulate_batched(p: ServingParams) -> ServingResult:
     if p.arrival_rate_per_s:
         raise ScenarioError("the batched model runs closed-loop clients only; set arrival_rate_per_s to None")
     return _Lockstep(p).run()
+
+
+class _Pipeline(_Lockstep):
+    """The model split by layers: one pipeline of two hosts holding every sequence."""
+
+    def __init__(self, p: ServingParams, hidden_size: int, prompt_tokens: int) -> None:
+        super().__init__(p)
+        self.hidden_size, self.prompt_tokens = hidden_size, prompt_tokens
+        self.boundary = 0  # hidden-state bytes host 1 -> host 2
+        self.pending: list[_Seq] = []
+        self.wake: Any = None
+
+    def _place(self, seq: _Seq) -> None:
+        self.spilled += 1
+        self.pending.append(seq)
+        if self.wake is not None and not self.wake.triggered:
+            self.wake.succeed()
+
+    def _hidden(self, rows: int):
+        nbytes = rows * self.hidden_size * DType.BFLOAT16.itemsize
+        self.boundary += nbytes
+        yield from self.link.send(self.link.downlink, nbytes)
+
+    def _pipeline(self):
+        p = self.p
+        members: list[_Seq] = []
+        while True:
+            if not members and not self.pending:
+                self.wake = self.env.event()
+                yield self.wake
+                self.wake = None
+            joined = self.pending[: max(0, p.concurrency - len(members))]
+            self.pending = self.pending[len(joined):]
+            for _ in joined:
+                yield self.env.timeout(p.local_prefill_s)
+                if self.prompt_tokens > 1:
+                    yield from self._hidden(self.prompt_tokens - 1)
+                yield self.env.timeout(p.remote_prefill_s)
+            members += joined
+            rows = len(members)
+            yield self.env.timeout(p.local_per_token_s)
+            yield from self._hidden(rows)
+            yield self.env.timeout(p.remote_per_token_s)
+            self.passes += 1
+            plan, nbytes = self._plan(rows)
+            self.sent += nbytes
+            self.startups += plan.startups
+            yield from self.link.send(self.link.uplink, nbytes)
+            self.received += nbytes
+            self.remote_tokens += rows
+            for seq in members:
+                seq.left -= 1
+            ending = [s for s in members if s.left == 0]
+            members = [s for s in members if s.left > 0]
+            for seq in ending:
+                self.latencies.append(self.env.now - seq.arrived)
+                seq.done.succeed()
+
+    def run(self) -> ServingResult:
+        self.env.process(self._pipeline())
+        clients = [self.env.process(self._client()) for _ in range(self.p.concurrency)]
+        self.env.run(until=self.env.all_of(clients))
+        end = self.env.now
+        lat = np.asarray(self.latencies)
+        return ServingResult(
+            params=self.p, throughput_tok_s=self.remote_tokens / end if end else 0.0,
+            latency_s={"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
+                       "mean": float(lat.mean())},
+            result_bytes=self.sent, bytes_received=self.received, feedback_bytes=self.boundary,
+            startups=self.startups, requests=len(lat), spilled=self.spilled, local_tokens=0,
+            remote_tokens=self.remote_tokens, target_passes=self.passes, makespan_s=end,
+            link_busy_s=self.link.busy_s, mean_in_system=float(lat.sum() / end) if end else 0.0,
+            arrival_rate_per_s=len(lat) / end if end else 0.0, latencies=tuple(float(x) for x in lat),
+        )
+
+
+def simulate_split(p: ServingParams, hidden_size: int, prompt_tokens: int) -> ServingResult:
+    """Simulate ``p`` closed-loop with the model split by layers (see the module docstring):
+    ``local_per_token_s`` is host 1's part of a step (its layers and the choice),
+    ``remote_per_token_s`` host 2's (its layers, the head, the source projection); the
+    hidden states of ``hidden_size`` cross per row. ``feedback_bytes`` of the result holds
+    the hidden-state bytes (host 1 → host 2), ``result_bytes`` the results (host 2 → host 1)."""
+    if p.gamma is not None:
+        raise ScenarioError("the model-split pipeline has no speculative decoding here; use simulator.serving")
+    if p.arrival_rate_per_s:
+        raise ScenarioError("the model-split pipeline runs closed-loop clients only; set arrival_rate_per_s to None")
+    if hidden_size < 1 or prompt_tokens < 1:
+        raise ScenarioError(f"hidden_size {hidden_size}, prompt_tokens {prompt_tokens}: expected positive integers")
+    return _Pipeline(p, hidden_size, prompt_tokens).run()

@@ -43,9 +43,13 @@ from meshpact.core.facts import Request
 
 from ..netns import LinkShape, TwoHosts
 
-__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS"]
+__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS", "DEPLOYMENTS"]
 
 REQUESTS = ("full", "logprob", "token", "owner_token")
+# requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
+# model: the decoder is split by layers, host 2 holds the later ones and the LM head (.split)
+DEPLOYMENTS = ("requests", "model")
+
 @dataclass(frozen=True)
 class SpilloverConfig:
     model: str = "dense"  # dense | moe | minimax (live.decoder.FAMILIES)
@@ -60,10 +64,13 @@ class SpilloverConfig:
     delay_ms: float = 0.0
     seed: int = 0
     timeout_s: float = 240.0
+    deployment: str = "requests"  # DEPLOYMENTS
 
     def __post_init__(self) -> None:
         from .decoder import FAMILIES
 
+        if self.deployment not in DEPLOYMENTS:
+            raise MeshpactError(f"--deployment {self.deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
         if self.model not in FAMILIES:
             raise MeshpactError(f"--model {self.model!r}: expected one of {', '.join(FAMILIES)}")
         if self.request not in REQUESTS:
@@ -109,6 +116,11 @@ class RunResult:
     local_prefill_s: float
     remote_prefill_s: float
     planned: Mapping[str, int] = field(default_factory=dict)  # startups/bytes the plans predict
+    hidden_bytes: int = 0  # model deployment: payload of the hidden-state plans (host 1 -> host 2)
+    boundary_s: float = 0.0  # model deployment: mean time host 1 spends sending a step's hidden states
+    output_check: Mapping[str, Any] | None = None  # model deployment: live outputs against the reference
+    local_busy_step_s: float = 0.0  # model deployment: host 1's wall time per step outside link calls and prefills
+    remote_busy_step_s: float = 0.0  # model deployment: host 2's wall time per step outside link calls and prefills
 
     def percentile(self, q: float) -> float:
         import numpy as np
@@ -187,6 +199,10 @@ def worker(args: dict) -> dict:
     cfg = args
     mesh = _mesh(5e-5, 8.0 / (cfg["gbit_per_s"] * 1e9))
     layout = init_domains(mesh, env, timeout_s=cfg["timeout_s"])
+    if cfg.get("deployment") == "model":
+        from . import split
+
+        return (split.host1 if env.rank == 0 else split.host2)(cfg, layout)
     if env.rank == 0:
         return _Host1(cfg, layout).run()
     return _Host2(cfg, layout).run()
@@ -563,6 +579,16 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         raise LaunchError(f"spillover rank {bad[0].rank} {what}; its stderr ends:\n{bad[0].stderr_tail}")
     h1, h2 = results[0].value, results[1].value
     measured = measure([CallRecord.from_dict(d) for d in h1["records"] + h2["records"]])
+    extra: dict[str, Any] = {}
+    if cfg.deployment == "model":
+        from .split import compare
+
+        hidden = measure([CallRecord.from_dict(d) for d in h1["hidden_records"] + h2["hidden_records"]])
+        check = compare(cfg.to_dict(), h1["schedule"], {int(k): v for k, v in h1["outputs"].items()},
+                        {int(k): v for k, v in h1["logprobs"].items()})
+        extra = {"hidden_bytes": hidden.payload_bytes, "boundary_s": h1["boundary_s"],
+                 "output_check": check.to_dict(), "local_busy_step_s": h1["busy_step_s"],
+                 "remote_busy_step_s": h2["busy_step_s"]}
     tokens = cfg.requests * cfg.output_tokens
     return RunResult(
         config=cfg, throughput_tok_s=tokens / h1["makespan_s"], latencies_s=tuple(h1["latencies"]),
@@ -573,5 +599,5 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         local_step_s=h1["local_step_s"], remote_forward_s=h2["forward_s"], remote_project_s=h2["project_s"],
         consumer_sample_s=h1["sample_s"],
         local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
-        planned=h2["planned"],
+        planned=h2["planned"], **extra,
     )
