@@ -33,9 +33,10 @@ from meshpact.live.spillover.decoder import scaled_spec
 from meshpact.live.spillover.serving import RunResult, SpilloverConfig
 from meshpact.live.spillover.pairs import Row, measure_pairs
 from meshpact.simulator.batching import simulate_batched, simulate_split
-from meshpact.simulator.serving import ServingParams, simulate_params
+from meshpact.simulator.serving import ServingParams, expected_tokens_per_pass, simulate_params
 
-__all__ = ["ETHERNET_MTU", "wire_efficiency", "sim_params", "simulated", "measure"]
+__all__ = ["ETHERNET_MTU", "wire_efficiency", "sim_params", "simulated", "measure", "SPECULATIVE_COLUMNS",
+           "speculative_table_rows"]
 
 ETHERNET_MTU = 1500
 _TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12 (Linux default)
@@ -54,7 +55,14 @@ def sim_params(run: RunResult) -> ServingParams:
     beta = 8.0 / (cfg.gbit_per_s * 1e9) / wire_efficiency()
     project = run.remote_project_s if cfg.request != "full" else run.consumer_sample_s
     local, remote = run.local_step_s, run.remote_forward_s + project
-    if cfg.deployment == "model":
+    gamma = alpha = None
+    if run.speculative is not None:
+        # host 1 drafts (and, for full, verifies the logits); host 2 scores γ + 1 positions
+        # (and, verified at the source, verifies); α is the run's measured acceptance
+        gamma, alpha = cfg.gamma, float(run.speculative["alpha"])
+        local = run.local_step_s + (run.consumer_sample_s if cfg.request == "full" else 0.0)
+        remote = run.remote_forward_s + (run.remote_project_s if cfg.request != "full" else 0.0)
+    elif cfg.deployment == "model":
         # each host's busy time per step: everything it does but wait in a link call
         local, remote = run.local_busy_step_s, run.remote_busy_step_s
     return ServingParams(
@@ -65,7 +73,7 @@ def sim_params(run: RunResult) -> ServingParams:
         link_alpha_s=run.link_alpha_s + cfg.delay_ms * 1e-3, link_beta_s_per_byte=beta,
         fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(cfg.request),
         consumer_ranks=1, producer_ranks=1, concurrency=cfg.concurrency, arrival_rate_per_s=None,
-        output_tokens=cfg.output_tokens, requests=cfg.requests, seed=cfg.seed,
+        output_tokens=cfg.output_tokens, requests=cfg.requests, seed=cfg.seed, gamma=gamma, alpha=alpha,
     )
 
 
@@ -89,3 +97,21 @@ def measure(models: Sequence[str], concurrencies: Sequence[int], requests: Seque
             progress: Callable[[str], None] | None = None) -> list[Row]:
     """:func:`~meshpact.live.spillover.pairs.measure_pairs` with :func:`simulated` beside every row."""
     return measure_pairs(models, concurrencies, requests, pairs, base, simulated, requests_per_client, progress)
+
+
+SPECULATIVE_COLUMNS = ("model", "request", "conc", "gamma", "alpha (measured)", "tokens/pass", "(1-a^(g+1))/(1-a)",
+                       "result B/round", "tok/s")
+
+
+def speculative_table_rows(rows: Sequence[Row]) -> list[list[str]]:
+    """Speculative rows: measured α and tokens per target pass beside the closed form, bytes per round."""
+    out = []
+    for r in rows:
+        if r.speculative is None:
+            continue
+        sp = r.speculative
+        g = int(sp["gamma"])
+        out.append([r.model, r.request, str(r.concurrency), str(g), f"{sp['alpha']:.3f}",
+                    f"{sp['tokens_per_pass']:.2f}", f"{expected_tokens_per_pass(g, sp['alpha']):.2f}",
+                    f"{sp['bytes_per_round']:,.0f}", f"{r.throughput_tok_s:.1f}"])
+    return out

@@ -23,7 +23,14 @@ next id) runs a step for all of them, the hidden states ``[batch, hidden]`` (bf1
 host 1 → host 2, host 2 (``remote_*``: the later layers, the LM head and the source
 projection) runs its part, and the result plan for the request crosses back; the next
 step needs the chosen ids, so nothing overlaps. A joining sequence's prefill runs on both
-hosts with its prompt's hidden states crossing in between.
+hosts with its prompt's hidden states crossing in between. With ``gamma`` and ``alpha``
+set, the pipeline is speculative decoding instead: host 1 drafts ``γ`` tokens per
+sequence (``local_per_token_s`` per round), host 2 scores ``γ + 1`` positions in one target
+pass (``remote_per_token_s``), and either the logits of every position cross (``full``,
+the plan for ``batch·(γ + 1)`` rows) or, verified at the source, an int64 pair per
+sequence (accepted length, next token). Each draft token is accepted with probability
+``α`` until the first rejection (seeded draws); a round yields the accepted drafts and one
+token of the target's.
 """
 
 from __future__ import annotations
@@ -190,6 +197,7 @@ class _Pipeline(_Lockstep):
         self.boundary = 0  # hidden-state bytes host 1 -> host 2
         self.pending: list[_Seq] = []
         self.wake: Any = None
+        self.rng = np.random.default_rng(p.seed)
 
     def _place(self, seq: _Seq) -> None:
         self.spilled += 1
@@ -201,6 +209,13 @@ class _Pipeline(_Lockstep):
         nbytes = rows * self.hidden_size * DType.BFLOAT16.itemsize
         self.boundary += nbytes
         yield from self.link.send(self.link.downlink, nbytes)
+
+    def _accepted(self) -> int:
+        """Draft tokens one sequence-round accepts: each with probability α, until the first rejection."""
+        k = 0
+        while k < (self.p.gamma or 0) and self.rng.random() < (self.p.alpha or 0.0):
+            k += 1
+        return k
 
     def _pipeline(self):
         p = self.p
@@ -214,23 +229,33 @@ class _Pipeline(_Lockstep):
             self.pending = self.pending[len(joined):]
             for _ in joined:
                 yield self.env.timeout(p.local_prefill_s)
-                if self.prompt_tokens > 1:
+                if self.prompt_tokens > 1 and not p.gamma:  # the target has every layer: no hidden states cross
                     yield from self._hidden(self.prompt_tokens - 1)
                 yield self.env.timeout(p.remote_prefill_s)
             members += joined
             rows = len(members)
             yield self.env.timeout(p.local_per_token_s)
-            yield from self._hidden(rows)
+            if p.gamma:  # the drafts travel in the round's command
+                yield from self.link.send(self.link.downlink, rows * (p.gamma + 4) * DType.INT64.itemsize)
+            else:
+                yield from self._hidden(rows)
             yield self.env.timeout(p.remote_per_token_s)
             self.passes += 1
-            plan, nbytes = self._plan(rows)
+            if p.gamma:
+                plan, nbytes = self._plan(rows * (p.gamma + 1)) if p.request is Request.FULL else (None, 16 * rows)
+                startups = plan.startups if plan is not None else 1
+                gained = [self._accepted() + 1 for _ in members]
+            else:
+                plan, nbytes = self._plan(rows)
+                startups, gained = plan.startups, [1] * rows
             self.sent += nbytes
-            self.startups += plan.startups
+            self.startups += startups
             yield from self.link.send(self.link.uplink, nbytes)
             self.received += nbytes
-            self.remote_tokens += rows
-            for seq in members:
-                seq.left -= 1
+            for seq, g in zip(members, gained):
+                got = min(g, seq.left)
+                self.remote_tokens += got
+                seq.left -= got
             ending = [s for s in members if s.left == 0]
             members = [s for s in members if s.left > 0]
             for seq in ending:
@@ -261,8 +286,11 @@ def simulate_split(p: ServingParams, hidden_size: int, prompt_tokens: int) -> Se
     ``remote_per_token_s`` host 2's (its layers, the head, the source projection); the
     hidden states of ``hidden_size`` cross per row. ``feedback_bytes`` of the result holds
     the hidden-state bytes (host 1 → host 2), ``result_bytes`` the results (host 2 → host 1)."""
-    if p.gamma is not None:
-        raise ScenarioError("the model-split pipeline has no speculative decoding here; use simulator.serving")
+    if p.gamma is not None and (p.gamma < 1 or p.alpha is None or not 0.0 <= p.alpha <= 1.0):
+        raise ScenarioError(f"speculative pipeline: gamma {p.gamma}, alpha {p.alpha}: expected gamma >= 1 and "
+                            "an acceptance rate alpha in [0, 1]")
+    if p.gamma and p.request not in (Request.FULL, Request.TOKEN):
+        raise ScenarioError(f"speculative pipeline with request {p.request.value}: expected full or token")
     if p.arrival_rate_per_s:
         raise ScenarioError("the model-split pipeline runs closed-loop clients only; set arrival_rate_per_s to None")
     if hidden_size < 1 or prompt_tokens < 1:

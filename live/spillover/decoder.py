@@ -250,6 +250,43 @@ class Decoder:
         return h[:, 0] @ self.head.T
 
     @torch.no_grad()
+    def score(self, slots: Sequence[int], tokens: torch.Tensor, start: Sequence[int]) -> torch.Tensor:
+        """Run ``tokens [b, t]`` at positions ``start[j] ..`` of each slot (a verification pass):
+        float32 logits ``[b, t, vocab]``; each slot's length becomes ``start + t`` (set it back
+        with :meth:`set_length` for the positions a verifier rejects)."""
+        sl = torch.tensor(list(slots), dtype=torch.long)
+        t = int(tokens.shape[1])
+        pos = torch.tensor(list(start), dtype=torch.long)[:, None] + torch.arange(t)[None, :]
+        if int(pos.max()) >= self.max_len:
+            raise MeshpactError(f"a sequence reached the cache length {self.max_len}")
+        h = self._forward(tokens, sl, pos)
+        self.length[sl] = pos[:, -1] + 1
+        return h @ self.head.T
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Forget ``slot``'s cached positions from ``length`` on (they are masked until rewritten)."""
+        self.length[slot] = length
+
+    def perturbed(self, scale: float, seed: int) -> "Decoder":
+        """A draft: this decoder with seeded noise of ``scale`` times each weight's spread added
+        to every weight (its caches fresh); the larger ``scale``, the less often it agrees."""
+        g = torch.Generator().manual_seed(seed)
+        out = Decoder.__new__(Decoder)
+        out.spec, out.slots, out.max_len = self.spec, self.slots, self.max_len
+
+        def noisy(x: torch.Tensor) -> torch.Tensor:
+            if x.numel() == 0:
+                return x.clone()
+            return x + torch.empty_like(x).normal_(0.0, 1.0, generator=g) * (scale * float(x.std()))
+
+        out.embed, out.head, out.norm = noisy(self.embed), noisy(self.head), self.norm.clone()
+        out.layers = [{k: (v.clone() if k.startswith("ln") else noisy(v)) for k, v in layer.items()}
+                      for layer in self.layers]
+        out.k, out.v = torch.zeros_like(self.k), torch.zeros_like(self.v)
+        out.length = torch.zeros_like(self.length)
+        return out
+
+    @torch.no_grad()
     def prefill_part(self, slot: int, part: Part, inputs: torch.Tensor) -> torch.Tensor | None:
         """Fill ``slot``'s cache for ``part`` from a prompt's first ``n - 1`` positions: the
         prompt's ids (all ``n``; the first part) or the previous part's hidden states

@@ -51,6 +51,8 @@ class Row:
     outputs_identical: bool | None = None  # model deployment: every run's outputs equal the reference
     first_difference: str | None = None  # the first departure from the reference, where one was found
     throughputs_tok_s: tuple[float, ...] = ()  # every run's throughput, in pair order
+    outputs_as_full: bool | None = None  # model deployment: every run's output ids equal its pair's full run's
+    speculative: Mapping[str, float] | None = None  # medians: γ, measured α, tokens per target pass, bytes per round
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -147,6 +149,12 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
             bad = [c["first_difference"] for c in checks if not c["identical"]]
             row = replace(row, tokens_checked=sum(int(c["tokens"]) for c in checks), outputs_identical=not bad,
                           first_difference=bad[0] if bad else None)
+        if rs[0].speculative is not None:
+            keys = ("gamma", "alpha", "tokens_per_pass", "bytes_per_round", "rounds")
+            row = replace(row, speculative={k: statistics.median(float(r.speculative[k]) for r in rs) for k in keys})
+        if req != "full" and all(r.outputs_digest for r in rs + list(runs["full"])):
+            row = replace(row, outputs_as_full=all(p.outputs_digest == f.outputs_digest
+                                                   for p, f in zip(rs, runs["full"])))
         row = replace(row, deployment=rs[0].config.deployment, throughputs_tok_s=tuple(r.throughput_tok_s for r in rs),
                       hidden_bytes=int(statistics.median(r.hidden_bytes for r in rs)))
         if req == "full":
@@ -177,14 +185,16 @@ def table_rows(rows: Sequence[Row]) -> list[list[str]]:
 
 
 def _outputs_cell(r: Row) -> str:
-    """The output check: tokens found identical to the reference, or the first difference (loud)."""
-    if r.outputs_identical is None:
-        return "-"
-    if r.outputs_identical:
-        return f"{r.tokens_checked} identical"
-    return f"DIFFERENT FROM REFERENCE: {r.first_difference}"
+    """The output checks: tokens identical to the reference and/or to full's, or the first difference (loud)."""
+    cells = []
+    if r.outputs_identical is not None:
+        cells.append(f"{r.tokens_checked} identical" if r.outputs_identical
+                     else f"DIFFERENT FROM REFERENCE: {r.first_difference}")
+    if r.outputs_as_full is not None:
+        cells.append("= full" if r.outputs_as_full else "DIFFERENT FROM FULL")
+    return ", ".join(cells) or "-"
 
 
 def mismatched(rows: Sequence[Row]) -> list[Row]:
-    """Rows with a run whose outputs departed from the single-process reference."""
-    return [r for r in rows if r.outputs_identical is False]
+    """Rows with a run whose outputs departed from the single-process reference or from its pair's full run."""
+    return [r for r in rows if r.outputs_identical is False or r.outputs_as_full is False]

@@ -65,12 +65,24 @@ class SpilloverConfig:
     seed: int = 0
     timeout_s: float = 240.0
     deployment: str = "requests"  # DEPLOYMENTS
+    gamma: int = 0  # speculative decoding: draft tokens per round (0: none; the model deployment only)
 
     def __post_init__(self) -> None:
         from .decoder import FAMILIES
 
         if self.deployment not in DEPLOYMENTS:
             raise MeshpactError(f"--deployment {self.deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+        if self.gamma < 0 or self.gamma > 16:
+            raise MeshpactError(f"--speculative {self.gamma}: expected 1..16 draft tokens per round (0: none)")
+        if self.gamma:
+            from .speculative import SPECULATIVE_REQUESTS
+
+            if self.deployment != "model":
+                raise MeshpactError("--speculative: expected --deployment model (a draft on host 1, the target on "
+                                    "host 2)")
+            if self.request not in SPECULATIVE_REQUESTS:
+                raise MeshpactError(f"--speculative with --request {self.request!r}: expected one of "
+                                    f"{', '.join(SPECULATIVE_REQUESTS)} (full logits, or verified at the source)")
         if self.model not in FAMILIES:
             raise MeshpactError(f"--model {self.model!r}: expected one of {', '.join(FAMILIES)}")
         if self.request not in REQUESTS:
@@ -121,6 +133,8 @@ class RunResult:
     output_check: Mapping[str, Any] | None = None  # model deployment: live outputs against the reference
     local_busy_step_s: float = 0.0  # model deployment: host 1's wall time per step outside link calls and prefills
     remote_busy_step_s: float = 0.0  # model deployment: host 2's wall time per step outside link calls and prefills
+    outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
+    speculative: Mapping[str, Any] | None = None  # γ, rounds, measured α, tokens per target pass, bytes per round
 
     def percentile(self, q: float) -> float:
         import numpy as np
@@ -199,6 +213,10 @@ def worker(args: dict) -> dict:
     cfg = args
     mesh = _mesh(5e-5, 8.0 / (cfg["gbit_per_s"] * 1e9))
     layout = init_domains(mesh, env, timeout_s=cfg["timeout_s"])
+    if cfg.get("gamma"):
+        from . import speculative
+
+        return (speculative.host1 if env.rank == 0 else speculative.host2)(cfg, layout)
     if cfg.get("deployment") == "model":
         from . import split
 
@@ -580,7 +598,14 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
     h1, h2 = results[0].value, results[1].value
     measured = measure([CallRecord.from_dict(d) for d in h1["records"] + h2["records"]])
     extra: dict[str, Any] = {}
-    if cfg.deployment == "model":
+    if cfg.gamma:
+        from .speculative import digest
+
+        spec = dict(h1["speculative"])
+        spec["bytes_per_round"] = measured.payload_bytes / spec["rounds"] if spec["rounds"] else 0.0
+        extra = {"outputs_digest": digest(h1["outputs"]), "speculative": spec}
+    elif cfg.deployment == "model":
+        from .speculative import digest
         from .split import compare
 
         hidden = measure([CallRecord.from_dict(d) for d in h1["hidden_records"] + h2["hidden_records"]])
@@ -588,6 +613,7 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
                         {int(k): v for k, v in h1["logprobs"].items()})
         extra = {"hidden_bytes": hidden.payload_bytes, "boundary_s": h1["boundary_s"],
                  "output_check": check.to_dict(), "local_busy_step_s": h1["busy_step_s"],
+                 "outputs_digest": digest(h1["outputs"]),
                  "remote_busy_step_s": h2["busy_step_s"]}
     tokens = cfg.requests * cfg.output_tokens
     return RunResult(
