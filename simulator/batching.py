@@ -35,7 +35,7 @@ token of the target's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -45,9 +45,13 @@ from meshpact.core.facts import DType, LinkClass, LinkParams, Request
 from meshpact.core.errors import ScenarioError
 from meshpact.core.plan import Plan
 
-from .serving import DuplexLink, ServingParams, ServingResult, result_plan
+from .serving import (DuplexLink, ServingParams, ServingResult, result_plan, serving_overrides, serving_params,
+                      simulate_serving)
 
-__all__ = ["simulate_batched", "simulate_split"]
+__all__ = ["simulate_batched", "simulate_split", "simulate_deployment", "DEPLOYMENTS"]
+
+DEPLOYMENTS = ("requests", "model")  # whole requests spill to host 2; the model is split by layers
+DEFAULT_DRAFT_COST_RATIO = 0.1  # a draft token's time over a target pass, where the scenario gives none
 
 
 @dataclass
@@ -296,3 +300,48 @@ def simulate_split(p: ServingParams, hidden_size: int, prompt_tokens: int) -> Se
     if hidden_size < 1 or prompt_tokens < 1:
         raise ScenarioError(f"hidden_size {hidden_size}, prompt_tokens {prompt_tokens}: expected positive integers")
     return _Pipeline(p, hidden_size, prompt_tokens).run()
+
+
+def simulate_deployment(scenario: Any, deployment: str = "requests", *, gamma: int | None = None,
+                        acceptance: float | None = None, link_gbps: float | None = None, **flags: Any) -> ServingResult:
+    """The scenario's serving section in either deployment (``flags`` as
+    :func:`~meshpact.simulator.serving.simulate_serving`), optionally speculative.
+
+    ``requests``: the per-slot spillover model (:func:`simulate_serving`), with the scenario's
+    speculative section replaced by ``gamma``/``acceptance`` where given. ``model``: the
+    split pipeline (:func:`simulate_split`); each host's ``per_token_s`` is taken as its part
+    of a step, the hidden size is the catalog model's; speculative, host 1 drafts ``γ``
+    tokens at ``draft_cost_ratio`` (the scenario's, else 0.1) of host 2's target pass each.
+    """
+    from meshpact.core.catalog import get_model
+    from meshpact.core.scenario import with_overrides
+
+    if deployment not in DEPLOYMENTS:
+        raise ScenarioError(f"--deployment {deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+    if (gamma is None) != (acceptance is None):
+        raise ScenarioError("--speculative and --acceptance: expected both (draft tokens per round and the "
+                            "acceptance rate of one draft token) or neither")
+    if gamma is not None and acceptance is not None:
+        if gamma < 1 or not 0.0 <= acceptance < 1.0:
+            raise ScenarioError(f"--speculative {gamma} --acceptance {acceptance}: expected GAMMA >= 1 and "
+                                "0 <= A < 1")
+        spec = scenario.serving.speculative if scenario.serving is not None else None
+        ratio = spec.draft_cost_ratio if spec is not None else DEFAULT_DRAFT_COST_RATIO
+        scenario = with_overrides(scenario, {"serving.speculative": {"gamma": gamma, "alpha": acceptance,
+                                                                     "draft_cost_ratio": ratio}},
+                                  source=f"{scenario.name} (speculative)")
+    if deployment == "requests":
+        return simulate_serving(scenario, link_gbps=link_gbps, **flags)
+    overrides = serving_overrides(**flags)
+    if overrides:
+        scenario = with_overrides(scenario, overrides, source=f"{scenario.name} (overrides)")
+    p = serving_params(scenario)
+    if p.arrival_rate_per_s:
+        raise ScenarioError("--deployment model runs closed-loop clients: give --concurrency")
+    if link_gbps is not None:
+        if not link_gbps > 0:
+            raise ScenarioError(f"--link-gbps: expected a positive bandwidth in Gbit/s, got {link_gbps}")
+        p = replace(p, link_beta_s_per_byte=8e-9 / link_gbps)
+    if p.gamma:
+        p = replace(p, local_per_token_s=p.gamma * (p.draft_cost_ratio or 0.0) * p.remote_per_token_s)
+    return simulate_split(p, get_model(p.model).hidden_size, prompt_tokens=1)
