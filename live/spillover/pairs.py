@@ -51,7 +51,7 @@ class Row:
     outputs_identical: bool | None = None  # model deployment: every run's outputs equal the reference
     first_difference: str | None = None  # the first departure from the reference, where one was found
     throughputs_tok_s: tuple[float, ...] = ()  # every run's throughput, in pair order
-    outputs_as_full: bool | None = None  # model deployment: every run's output ids equal its pair's full run's
+    outputs_as_full: bool | None = None  # model deployment, ids chosen: every run's outputs equal its pair's full run's
     speculative: Mapping[str, float] | None = None  # medians: γ, measured α, tokens per target pass, bytes per round
 
     def to_dict(self) -> dict[str, Any]:
@@ -152,7 +152,8 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
         if rs[0].speculative is not None:
             keys = ("gamma", "alpha", "tokens_per_pass", "bytes_per_round", "rounds")
             row = replace(row, speculative={k: statistics.median(float(r.speculative[k]) for r in rs) for k in keys})
-        if req != "full" and all(r.outputs_digest for r in rs + list(runs["full"])):
+        # logprob feeds the request's targets instead of the choices: its ids differ by design
+        if req not in ("full", "logprob") and all(r.outputs_digest for r in rs + list(runs["full"])):
             row = replace(row, outputs_as_full=all(p.outputs_digest == f.outputs_digest
                                                    for p, f in zip(rs, runs["full"])))
         row = replace(row, deployment=rs[0].config.deployment, throughputs_tok_s=tuple(r.throughput_tok_s for r in rs),
