@@ -14,8 +14,9 @@ serving model's :class:`~meshpact.simulator.serving.ServingParams`:
   host 1's sampling of the logits (host 2 waits for the chosen ids).
 
 For the model deployment (the decoder split by layers) the same kind of quantities feed
-:func:`~meshpact.simulator.batching.simulate_split`: each host's busy time per step
-(everything it does outside the link's calls: its layers, the choice or the projection, the
+:func:`~meshpact.simulator.batching.simulate_split`: each host's part of a step's
+critical path (host 1 from a result's arrival to the next hidden states' send, host 2 from
+the step's command to the result's send, less its waits: layers, choice or projection, the
 plans' admission and copies), the prefills, the hidden size of the split, and the link's
 α and β.
 
@@ -63,8 +64,8 @@ def sim_params(run: RunResult) -> ServingParams:
         local = run.local_step_s + (run.consumer_sample_s if cfg.request == "full" else 0.0)
         remote = run.remote_forward_s + (run.remote_project_s if cfg.request != "full" else 0.0)
     elif cfg.deployment == "model":
-        # each host's busy time per step: everything it does but wait in a link call
-        local, remote = run.local_busy_step_s, run.remote_busy_step_s
+        # each host's part of a step's critical path (what the other host waits for)
+        local, remote = run.local_critical_s, run.remote_critical_s
     return ServingParams(
         model=spec.source, vocab_size=spec.vocab_size, local_vendor="cuda", remote_vendor="cann",
         local_slots=cfg.local_slots, remote_slots=cfg.remote_slots,

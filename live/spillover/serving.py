@@ -131,8 +131,8 @@ class RunResult:
     hidden_bytes: int = 0  # model deployment: payload of the hidden-state plans (host 1 -> host 2)
     boundary_s: float = 0.0  # model deployment: mean time host 1 spends sending a step's hidden states
     output_check: Mapping[str, Any] | None = None  # model deployment: live outputs against the reference
-    local_busy_step_s: float = 0.0  # model deployment: host 1's wall time per step outside link calls and prefills
-    remote_busy_step_s: float = 0.0  # model deployment: host 2's wall time per step outside link calls and prefills
+    local_critical_s: float = 0.0  # model deployment: host 1's part of a step's critical path (result in -> hidden states out)
+    remote_critical_s: float = 0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
     outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
     speculative: Mapping[str, Any] | None = None  # γ, rounds, measured α, tokens per target pass, bytes per round
 
@@ -612,9 +612,9 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         check = compare(cfg.to_dict(), h1["schedule"], {int(k): v for k, v in h1["outputs"].items()},
                         {int(k): v for k, v in h1["logprobs"].items()})
         extra = {"hidden_bytes": hidden.payload_bytes, "boundary_s": h1["boundary_s"],
-                 "output_check": check.to_dict(), "local_busy_step_s": h1["busy_step_s"],
+                 "output_check": check.to_dict(), "local_critical_s": h1["critical_s"],
                  "outputs_digest": digest(h1["outputs"]),
-                 "remote_busy_step_s": h2["busy_step_s"]}
+                 "remote_critical_s": h2["critical_s"]}
     tokens = cfg.requests * cfg.output_tokens
     return RunResult(
         config=cfg, throughput_tok_s=tokens / h1["makespan_s"], latencies_s=tuple(h1["latencies"]),

@@ -16,9 +16,13 @@ decode step of every request crosses the link, at concurrency 1 too:
    source (its targets are fed back, teacher forcing).
 
 The next step needs the chosen ids, so host 1 waits for each step's result. Each host
-also times its busy time per step: the step's wall time less the time inside the link's
-sends and receives (as the meter records them) and less the prefills, so its layers, the
-plans' admission and projection, the copies; the simulator's per-step compute.
+also times its part of the step's critical path, the simulator's per-step compute: host 1
+from the arrival of a step's result to the start of the next step's hidden-state send
+(less prefills and their sends), host 2 from the arrival of the step's command to the
+start of the result's send, less its waits inside receives and its prefills (the meter's
+call records give the instants). Host 2 learns a step's shape from the command, so its
+admission of the hidden-state plan is on the path; host 1 admits the result's plan while
+host 2 computes, off it.
 Host 1 keeps
 the schedule (which slots joined and ran at each step) and every chosen id (and log-prob);
 :func:`reference` replays that schedule in one process with the same two parts, and
@@ -70,9 +74,10 @@ class _BoundaryPlans:
         return self._cache[rows]
 
 
-def _in_calls(*executors: Any) -> float:
-    """Seconds these executors' ranks spent inside link calls so far (sends and receives, as metered)."""
-    return sum(r.seconds for e in executors for r in e.meter.records)
+def _last_call(executor: Any) -> tuple[float, float]:
+    """(start, end) of ``executor``'s last link call, on the ``time.monotonic`` clock."""
+    r = executor.meter.records[-1]
+    return executor.meter.t0 + r.t, executor.meter.t0 + r.t + r.seconds
 
 
 def _command_size(slots: int) -> int:
@@ -132,10 +137,10 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
 
     for _ in range(n):
         issue()
-    busy_steps: list[float] = []
+    critical: list[float] = []
+    result_end: float | None = None  # when the last step's result arrived
     while completed < cfg["requests"]:
-        c0, calls = time.perf_counter(), _in_calls(hidden_exec, result_exec)
-        prefill_before = sum(t_prefill)
+        aside = 0.0  # prefills and their sends: the simulator charges them apart
         new: list[tuple[int, int]] = []
         while pending and free:
             new.append((free.pop(0), pending.popleft()))
@@ -161,6 +166,8 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             if h is not None and h.shape[0]:
                 plan, contract = hidden_plans.get(int(h.shape[0]))
                 hidden_exec.run(plan, contract, {0: {"hidden": h}, 1: {}})
+                aside += hidden_exec.meter.records[-1].seconds
+            aside += t_prefill[-1]
             rid_of[s], token[s], done[s] = rid, prompt[-1], 0
             targets[s] = _targets(cfg, rid, spec.vocab_size)
             outputs[rid], logprobs[rid] = [], []
@@ -172,10 +179,13 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
         plan, contract = hidden_plans.get(len(batch))
         hidden_exec.run(plan, contract, {0: {"hidden": h}, 1: {}})
         t_boundary.append(time.perf_counter() - t1)
+        if result_end is not None:
+            critical.append(_last_call(hidden_exec)[0] - result_end - aside)
         plan, contract = result_plans.get(len(batch))
         meta = torch.empty(len(batch), spec.vocab_size, dtype=torch.bfloat16, device="meta")
         ids = torch.tensor([targets[s][done[s]] for s in batch]) if req == "logprob" else None
         out = result_exec.run(plan, contract, {0: {}, 1: {"logits": meta}}, ids)
+        result_end = _last_call(result_exec)[1]
         value = next(iter(out.delivered.values()))
         t2 = time.perf_counter()
         if req == "full":
@@ -202,8 +212,6 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             completed += 1
             free.append(s)
             issue()
-        busy_steps.append(time.perf_counter() - c0 - (_in_calls(hidden_exec, result_exec) - calls)
-                          - (sum(t_prefill) - prefill_before))
     dist.send(torch.zeros(_command_size(n), dtype=torch.long), dst=1)
     makespan = time.perf_counter() - t_start
     after = _veth()
@@ -211,7 +219,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": len(t_step),
             "local_step_s": _mean(t_step), "local_prefill_s": _mean(t_prefill),
             "sample_s": _mean(t_sample) if req == "full" else 0.0, "boundary_s": _mean(t_boundary),
-            "busy_step_s": _mean(busy_steps),
+            "critical_s": _mean(critical),
             "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha,
             "command_bytes": command_bytes,
             "records": [r.to_dict() for r in result_exec.meter.records],
@@ -255,13 +263,12 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     _handshake(1)
     model.step_part([0], part, torch.zeros(1, spec.hidden, dtype=torch.bfloat16))  # warm up
     dist.barrier()
-    busy_steps: list[float] = []
+    critical: list[float] = []
     while True:
         dist.recv(cmd, src=0)
         if int(cmd[0]) == 0:
             break
-        c0, calls = time.perf_counter(), _in_calls(hidden_exec, result_exec)
-        prefill_before = sum(t_prefill)
+        start, waited = time.monotonic(), 0.0
         slots = []
         for s in range(n):
             state, rid, _ = (int(x) for x in cmd[2 + 3 * s: 5 + 3 * s])
@@ -270,27 +277,29 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
             if state == NEW:
                 rows = cfg["prompt_tokens"] - 1
                 h = receive(rows) if rows else torch.empty(0, spec.hidden, dtype=torch.bfloat16)
+                waited += hidden_exec.meter.records[-1].seconds if rows else 0.0
                 t0 = time.perf_counter()
                 model.prefill_part(s, part, h)
                 t_prefill.append(time.perf_counter() - t0)
+                waited += t_prefill[-1]
                 targets[s], done[s] = _targets(cfg, rid, spec.vocab_size), 0
             slots.append(s)
         h = receive(len(slots))
+        waited += hidden_exec.meter.records[-1].seconds
         t0 = time.perf_counter()
         logits = model.step_part(slots, part, h).to(torch.bfloat16)
         t1 = time.perf_counter()
         plan, contract = result_plans.get(len(slots))
         ids = torch.tensor([targets[s][done[s]] for s in slots]) if req == "logprob" else None
         result_exec.run(plan, contract, {0: {}, 1: {"logits": logits}}, ids)
+        critical.append(_last_call(result_exec)[0] - start - waited)
         planned["startups"] += plan.startups
         planned["payload_bytes"] += plan.payload_bytes
         t_forward.append(t1 - t0)
         t_project.append(time.perf_counter() - t1)
         for s in slots:
             done[s] += 1
-        busy_steps.append(time.perf_counter() - c0 - (_in_calls(hidden_exec, result_exec) - calls)
-                          - (sum(t_prefill) - prefill_before))
-    return {"busy_step_s": _mean(busy_steps), "records": [r.to_dict() for r in result_exec.meter.records],
+    return {"critical_s": _mean(critical), "records": [r.to_dict() for r in result_exec.meter.records],
             "hidden_records": [r.to_dict() for r in hidden_exec.meter.records], "steps": len(t_forward),
             "forward_s": _mean(t_forward), "project_s": _mean(t_project), "prefill_s": _mean(t_prefill),
             "planned": planned}

@@ -144,4 +144,4 @@ def test_every_step_crosses_both_ways_and_the_outputs_equal_the_single_process_r
     assert r.steps["remote"] == r.steps["local"] == tokens // key[1]
     assert r.veth_bytes >= r.result_bytes and r.veth_tx_bytes >= r.hidden_bytes
     assert r.output_check == {"tokens": tokens, "identical": True, "first_difference": None}
-    assert r.local_busy_step_s > 0 and r.remote_busy_step_s > 0
+    assert r.local_critical_s > 0 and r.remote_critical_s > 0
