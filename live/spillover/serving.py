@@ -1,5 +1,9 @@
 """Two-host capacity spillover: a serving loop whose overflow runs on a second host.
 
+This module is the ``requests`` deployment (whole requests spill) and the entry point of
+every run (:func:`run_once`, :func:`worker`); the ``model`` deployment, the decoder split by
+layers, is :mod:`.split`, and speculative decoding across the hosts is :mod:`.speculative`.
+
 Host 1 (rank 0, domain ``cuda@host1``) serves ``concurrency`` closed-loop clients with a
 fixed local capacity (``local_slots`` sequences decoded in lockstep by one batched step).
 A request that finds the local slots full spills to host 2 (rank 1, domain ``cann@host2``),
