@@ -51,6 +51,7 @@ class Row:
     outputs_identical: bool | None = None  # model deployment: every run's outputs equal the reference
     first_difference: str | None = None  # the first departure from the reference, where one was found
     throughputs_tok_s: tuple[float, ...] = ()  # every run's throughput, in pair order
+    pair_throughputs_tok_s: tuple[tuple[float, float], ...] = ()  # projected rows: (full, this request) per pair
     outputs_as_full: bool | None = None  # model deployment, ids chosen: every run's outputs equal its pair's full run's
     speculative: Mapping[str, float] | None = None  # medians: γ, measured α, tokens per target pass, bytes per round
 
@@ -156,6 +157,9 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
         if req not in ("full", "logprob") and all(r.outputs_digest for r in rs + list(runs["full"])):
             row = replace(row, outputs_as_full=all(p.outputs_digest == f.outputs_digest
                                                    for p, f in zip(rs, runs["full"])))
+        if req != "full":
+            row = replace(row, pair_throughputs_tok_s=tuple((f.throughput_tok_s, p.throughput_tok_s)
+                                                            for f, p in zip(runs["full"], rs)))
         row = replace(row, deployment=rs[0].config.deployment, throughputs_tok_s=tuple(r.throughput_tok_s for r in rs),
                       hidden_bytes=int(statistics.median(r.hidden_bytes for r in rs)))
         if req == "full":

@@ -87,7 +87,8 @@ def spillover(
                     if k in ("model", "request", "concurrency", "throughput_tok_s", "latency_s", "result_bytes",
                              "veth_bytes", "startups", "pairs_favouring", "simulated", "traffic_cut_vs_full", "veth_cut_vs_full",
                              "sim_error", "remote_tokens", "deployment", "hidden_bytes", "tokens_checked",
-                             "outputs_identical", "first_difference", "throughputs_tok_s", "outputs_as_full",
+                             "outputs_identical", "first_difference", "throughputs_tok_s", "pair_throughputs_tok_s",
+                             "outputs_as_full",
                              "speculative")} for r in rows])
         _refuse_mismatch(mismatched(rows))
         return

@@ -118,6 +118,7 @@ def test_rows_keep_every_pairs_throughputs_and_flag_outputs_that_depart_from_ful
                                                    "per_slot_throughput_tok_s": None})}
     assert rows["full"].throughputs_tok_s == (10.0, 12.0) and rows["token"].throughputs_tok_s == (11.0, 9.0)
     assert rows["token"].pairs_favouring == {"token": 1, "full": 1}
+    assert rows["token"].pair_throughputs_tok_s == ((10.0, 11.0), (12.0, 9.0)) and not rows["full"].pair_throughputs_tok_s
     assert rows["token"].outputs_as_full is False  # the second pair's token run chose other ids
     assert rows["logprob"].outputs_as_full is None  # scoring targets: its ids are not chosen
     assert rows["full"].tokens_checked == 4 and rows["full"].outputs_identical
