@@ -11,7 +11,11 @@ with :meth:`TwoHosts.prefix` (``ip netns exec``); :meth:`TwoHosts.counters` read
 kernel's interface statistics of each end, so traffic can be counted by the kernel rather
 than by the program that sent it.
 
-Names carry the process id and a random tag, so parallel runs never clash. Leaving the
+Names carry the process id and a random tag, so parallel runs never clash (a name that
+exists already is drawn again), and each pair's addresses are drawn from the tag. IPv6 is
+off inside both namespaces: otherwise the kernel's own neighbour discovery and multicast
+reports cross the link at random moments in the first seconds after it comes up, and a
+count of the link's traffic would include them. Leaving the
 ``with`` block, an exception, the interpreter's exit, or a SIGTERM (turned into ``SystemExit``
 while the hosts exist, where no other handler was set) deletes both namespaces, and the
 veth pair with them. :func:`netns_unavailable` says what is missing where this cannot run:
@@ -25,10 +29,12 @@ import contextlib
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Sequence
@@ -112,7 +118,7 @@ def _probe() -> tuple[str | None, str | None, str | None]:
     why = _base_unavailable(shaped=False)
     if why:
         return why, why, why
-    ns = f"mpq{os.getpid() % 100000}{random.randrange(100, 999)}"
+    ns = f"mpq{_fresh_tag()}"
     made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
     if made.returncode != 0:
         msg = f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
@@ -153,6 +159,20 @@ def netem_unavailable() -> str | None:
     return _probe()[2]
 
 
+def _fresh_tag() -> str:
+    """A tag for one pair: the process id (mod 10^5) and five random hexadecimal digits."""
+    return f"{os.getpid() % 100000}{secrets.token_hex(3)[:5]}"
+
+
+def _quiet_ipv6(ns: str) -> None:
+    """Turn IPv6 off in ``ns`` before any link exists there, so no router solicitation,
+    neighbour discovery or multicast report crosses the link uninvited. Where the kernel has
+    no IPv6 there is nothing to quiet."""
+    for key in ("all", "default"):
+        path = f"net.ipv6.conf.{key}.disable_ipv6"
+        subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{path}=1"], capture_output=True)
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -168,17 +188,43 @@ class TwoHosts:
     def __init__(self, link: LinkShape | None = LinkShape(), tag: str | None = None, control: bool = False) -> None:
         self.link = link
         self.control = control
-        self.tag = tag or f"{os.getpid() % 100000}{random.randrange(100, 1000)}"
-        if len(self.tag) > 10 or not self.tag.isalnum():
-            raise NetnsError(f"tag {self.tag!r}: expected at most 10 letters or digits (interface names are short)")
-        self.ns = (f"mph{self.tag}a", f"mph{self.tag}b")
-        self.iface = (f"mpv{self.tag}a", f"mpv{self.tag}b")
-        a, b = random.randrange(16, 250), random.randrange(0, 255)
-        self.addr = (f"10.{a}.{b}.1", f"10.{a}.{b}.2")
-        self.ctrl_iface = (f"mpc{self.tag}a", f"mpc{self.tag}b")
-        self.ctrl_addr = (f"10.{a}.{b + 1}.1", f"10.{a}.{b + 1}.2")
+        if tag is not None and (len(tag) > 10 or not tag.isalnum()):
+            raise NetnsError(f"tag {tag!r}: expected at most 10 letters or digits (interface names are short)")
+        self._fixed_tag = tag is not None
+        self._name(tag or _fresh_tag())
+        self._made: list[str] = []  # the namespaces this object created: the only ones it deletes
         self._up = False
         self._sigterm_was: Any = None
+
+    def _name(self, tag: str) -> None:
+        """Names and addresses of the pair with ``tag`` (addresses drawn from it: 10.16-249.x.y)."""
+        self.tag = tag
+        self.ns = (f"mph{tag}a", f"mph{tag}b")
+        self.iface = (f"mpv{tag}a", f"mpv{tag}b")
+        self.ctrl_iface = (f"mpc{tag}a", f"mpc{tag}b")
+        h = random.Random(tag)
+        a, b = h.randrange(16, 250), 2 * h.randrange(0, 127)
+        self.addr = (f"10.{a}.{b}.1", f"10.{a}.{b}.2")
+        self.ctrl_addr = (f"10.{a}.{b + 1}.1", f"10.{a}.{b + 1}.2")
+
+    def _add_namespaces(self) -> None:
+        """Create both namespaces; a name another run holds already is drawn again (a fixed tag refuses)."""
+        for attempt in range(8):
+            made: list[str] = []
+            for ns in self.ns:
+                r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+                if r.returncode != 0:
+                    for m in made:
+                        subprocess.run(["ip", "netns", "del", m], capture_output=True)
+                    if "exists" in r.stderr and not self._fixed_tag and attempt < 7:
+                        break
+                    raise NetnsError(f"create a host namespace: `ip netns add {ns}` failed: "
+                                     f"{r.stderr.strip() or r.returncode}")
+                made.append(ns)
+            else:
+                self._made = made
+                return
+            self._name(_fresh_tag())
 
     def _watch_sigterm(self) -> None:
         """Make SIGTERM unwind this process (so the ``with`` block and atexit tear down) when
@@ -200,9 +246,10 @@ class TwoHosts:
         self._watch_sigterm()
         self._up = True
         try:
+            self._add_namespaces()
             for ns in self.ns:
-                _run(["ip", "netns", "add", ns], "create a host namespace")
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"], "bring loopback up")
+                _quiet_ipv6(ns)
             self._join(self.iface, self.addr, shaped=self.link is not None)
             if self.control:
                 self._join(self.ctrl_iface, self.ctrl_addr, shaped=False)
@@ -235,12 +282,13 @@ class TwoHosts:
         if not self._up:
             return
         self._up = False
-        for ns in self.ns:
+        for ns in self._made:
             pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
                     os.kill(int(pid), signal.SIGKILL)
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made = []
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
         if self._sigterm_was is not None and threading.current_thread() is threading.main_thread():
@@ -266,6 +314,20 @@ class TwoHosts:
         stats: dict[str, Any] = json.loads(out)[0]["stats64"]
         return IfaceCounters(int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]),
                              int(stats["rx"]["packets"]), int(stats["tx"]["packets"]))
+
+    def settled_counters(self, timeout_s: float = 5.0, quiet_s: float = 0.2) -> tuple[IfaceCounters, IfaceCounters]:
+        """Both ends' statistics once the link is quiet: two reads ``quiet_s`` apart agree (what
+        a closing connection still sends, its last acknowledgements, is then counted on both
+        ends). After ``timeout_s`` the last reads are returned as they are."""
+        last = self.counters(0), self.counters(1)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(quiet_s)
+            now = self.counters(0), self.counters(1)
+            if now == last:
+                break
+            last = now
+        return last
 
     def qdisc(self, host: int) -> str:
         """``tc qdisc show`` of ``host``'s veth end, for reports."""

@@ -10,6 +10,12 @@ so a decode step on one CPU thread takes milliseconds. Weights are random and se
 :class:`Decoder` keeps a key/value cache per slot: :meth:`Decoder.prefill` fills a slot's
 cache from a prompt, :meth:`Decoder.step` runs one decode step for any set of slots at
 once (a batch) and returns logits ``[batch, vocab]``.
+
+Split by layers (the model deployment), a host runs one :class:`Part` of the decoder:
+:meth:`Decoder.prefill_part` and :meth:`Decoder.step_part` take token ids (the first part)
+or the previous part's hidden states and return hidden states (bfloat16, what crosses to
+the next host) or, for the last part, the LM head's logits. Every host builds the same
+seeded weights and keeps the ones its part needs.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import torch.nn.functional as F
 from meshpact.core.catalog import get_model
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["FAMILIES", "DecoderSpec", "scaled_spec", "Decoder"]
+__all__ = ["FAMILIES", "DecoderSpec", "scaled_spec", "Decoder", "Part", "split_parts"]
 
 # Family -> catalog model (the Hugging Face config.json each catalog entry names).
 FAMILIES: dict[str, str] = {"dense": "qwen3-14b", "moe": "qwen3-30b-a3b", "minimax": "minimax-m2"}
@@ -76,6 +82,36 @@ def scaled_spec(family: str) -> DecoderSpec:
         experts_per_token=min(EXPERTS_PER_TOKEN, m.experts_per_token) if moe else 0,
         expert_intermediate=max(8, m.moe_intermediate_size // WIDTH_DIVISOR) if moe else 0,
     )
+
+
+@dataclass(frozen=True)
+class Part:
+    """Layers ``[first, last)`` of a decoder of ``layers`` layers: the first part embeds the
+    token ids, the last applies the final norm and the LM head."""
+
+    first: int
+    last: int
+    layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.first < self.last <= self.layers:
+            raise MeshpactError(f"decoder part [{self.first}, {self.last}): expected 0 <= first < last <= "
+                                f"{self.layers}")
+
+    @property
+    def embeds(self) -> bool:
+        return self.first == 0
+
+    @property
+    def has_head(self) -> bool:
+        return self.last == self.layers
+
+
+def split_parts(layers: int, at: int) -> tuple[Part, Part]:
+    """The two hosts' parts of a ``layers``-layer decoder split before layer ``at``."""
+    if not 0 < at < layers:
+        raise MeshpactError(f"split at layer {at}: expected 1..{layers - 1} for a {layers}-layer decoder")
+    return Part(0, at, layers), Part(at, layers, layers)
 
 
 def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -161,12 +197,34 @@ class Decoder:
         out = F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask)
         return out.transpose(1, 2).reshape(b, t, s.heads * s.head_dim) @ layer["wo"].T
 
-    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = self.embed[ids]
-        for i, layer in enumerate(self.layers):
+    def _layers(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        for i in range(first, last):
+            layer = self.layers[i]
             x = x + self._attend(i, layer, _rms(x, layer["ln1"]), slots, pos)
             x = x + self._mlp(layer, _rms(x, layer["ln2"]))
-        return _rms(x, self.norm)
+        return x
+
+    def _forward(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return _rms(self._layers(self.embed[ids], slots, pos, 0, len(self.layers)), self.norm)
+
+    def _part(self, part: Part, inputs: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """``part`` of the forward pass: ids ``[b, t]`` or hidden ``[b, t, hidden]`` in; hidden
+        states (bfloat16, the boundary's dtype) or, for the last part, the normed states out."""
+        x = self.embed[inputs] if part.embeds else inputs.to(torch.float32)
+        x = self._layers(x, slots, pos, part.first, part.last)
+        return _rms(x, self.norm) if part.has_head else x.to(torch.bfloat16)
+
+    def keep_only(self, part: Part) -> None:
+        """Drop the weights ``part`` never reads (a host holds only its layers)."""
+        if part.layers != len(self.layers):
+            raise MeshpactError(f"a part of a {part.layers}-layer decoder does not fit this {len(self.layers)}-layer one")
+        if not part.embeds:
+            self.embed = torch.empty(0, self.spec.hidden)
+        if not part.has_head:
+            self.head = torch.empty(0, self.spec.hidden)
+        for i in range(len(self.layers)):
+            if not part.first <= i < part.last:
+                self.layers[i] = {}
 
     # -- serving --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -190,3 +248,67 @@ class Decoder:
         h = self._forward(torch.tensor(list(tokens))[:, None], sl, pos[:, None])
         self.length[sl] += 1
         return h[:, 0] @ self.head.T
+
+    @torch.no_grad()
+    def score(self, slots: Sequence[int], tokens: torch.Tensor, start: Sequence[int]) -> torch.Tensor:
+        """Run ``tokens [b, t]`` at positions ``start[j] ..`` of each slot (a verification pass):
+        float32 logits ``[b, t, vocab]``; each slot's length becomes ``start + t`` (set it back
+        with :meth:`set_length` for the positions a verifier rejects)."""
+        sl = torch.tensor(list(slots), dtype=torch.long)
+        t = int(tokens.shape[1])
+        pos = torch.tensor(list(start), dtype=torch.long)[:, None] + torch.arange(t)[None, :]
+        if int(pos.max()) >= self.max_len:
+            raise MeshpactError(f"a sequence reached the cache length {self.max_len}")
+        h = self._forward(tokens, sl, pos)
+        self.length[sl] = pos[:, -1] + 1
+        return h @ self.head.T
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Forget ``slot``'s cached positions from ``length`` on (they are masked until rewritten)."""
+        self.length[slot] = length
+
+    def perturbed(self, scale: float, seed: int) -> "Decoder":
+        """A draft: this decoder with seeded noise of ``scale`` times each weight's spread added
+        to every weight (its caches fresh); the larger ``scale``, the less often it agrees."""
+        g = torch.Generator().manual_seed(seed)
+        out = Decoder.__new__(Decoder)
+        out.spec, out.slots, out.max_len = self.spec, self.slots, self.max_len
+
+        def noisy(x: torch.Tensor) -> torch.Tensor:
+            if x.numel() == 0:
+                return x.clone()
+            return x + torch.empty_like(x).normal_(0.0, 1.0, generator=g) * (scale * float(x.std()))
+
+        out.embed, out.head, out.norm = noisy(self.embed), noisy(self.head), self.norm.clone()
+        out.layers = [{k: (v.clone() if k.startswith("ln") else noisy(v)) for k, v in layer.items()}
+                      for layer in self.layers]
+        out.k, out.v = torch.zeros_like(self.k), torch.zeros_like(self.v)
+        out.length = torch.zeros_like(self.length)
+        return out
+
+    @torch.no_grad()
+    def prefill_part(self, slot: int, part: Part, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Fill ``slot``'s cache for ``part`` from a prompt's first ``n - 1`` positions: the
+        prompt's ids (all ``n``; the first part) or the previous part's hidden states
+        ``[n - 1, hidden]``. Returns the hidden states for the next part (None from the last)."""
+        n = int(inputs.shape[0]) + (0 if part.embeds else 1)
+        if n < 1 or n >= self.max_len:
+            raise MeshpactError(f"prompt of {n} tokens: expected 1..{self.max_len - 1}")
+        self.length[slot] = n - 1
+        x = inputs[:-1] if part.embeds else inputs
+        if n == 1:
+            return None if part.has_head else torch.empty(0, self.spec.hidden, dtype=torch.bfloat16)
+        h = self._part(part, x[None], torch.tensor([slot]), torch.arange(n - 1)[None, :])
+        return None if part.has_head else h[0]
+
+    @torch.no_grad()
+    def step_part(self, slots: Sequence[int], part: Part, inputs: torch.Tensor) -> torch.Tensor:
+        """One decode step of ``part`` for ``slots``: token ids ``[b]`` or hidden ``[b, hidden]``
+        in; hidden states ``[b, hidden]`` (bfloat16) or float32 logits ``[b, vocab]`` out."""
+        sl = torch.tensor(list(slots), dtype=torch.long)
+        pos = self.length[sl].clone()
+        if int(pos.max()) >= self.max_len:
+            raise MeshpactError(f"a sequence reached the cache length {self.max_len}")
+        h = self._part(part, inputs[:, None], sl, pos[:, None])
+        self.length[sl] += 1
+        return h[:, 0] @ self.head.T if part.has_head else h[:, 0]

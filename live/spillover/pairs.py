@@ -24,7 +24,7 @@ from .serving import REQUESTS, RunResult, SpilloverConfig, run_once
 
 Predict = Callable[[RunResult], Mapping[str, Any]]
 
-__all__ = ["Row", "measure_pairs", "pair_orders", "traffic_cut"]
+__all__ = ["Row", "measure_pairs", "pair_orders", "traffic_cut", "mismatched"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,15 @@ class Row:
     traffic_cut_vs_full: float | None = None  # 1 - bytes per remote token / full's (projected rows)
     veth_cut_vs_full: float | None = None  # the same, from the kernel's count on the veth
     sim_error: float = 0.0  # simulated / measured throughput - 1
+    deployment: str = "requests"
+    hidden_bytes: int = 0  # model deployment: hidden states host 1 -> host 2 (median over runs)
+    tokens_checked: int = 0  # model deployment: output ids compared with the single-process reference
+    outputs_identical: bool | None = None  # model deployment: every run's outputs equal the reference
+    first_difference: str | None = None  # the first departure from the reference, where one was found
+    throughputs_tok_s: tuple[float, ...] = ()  # every run's throughput, in pair order
+    pair_throughputs_tok_s: tuple[tuple[float, float], ...] = ()  # projected rows: (full, this request) per pair
+    outputs_as_full: bool | None = None  # model deployment, ids chosen: every run's outputs equal its pair's full run's
+    speculative: Mapping[str, float] | None = None  # medians: γ, measured α, tokens per target pass, bytes per round
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +106,11 @@ def measure_pairs(
     return rows
 
 
+def _median_or_none(xs: Any) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
 def _favouring(runs: Mapping[str, list[RunResult]], req: str) -> dict[str, int]:
     full = runs["full"]
     if req != "full":
@@ -126,11 +140,28 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
             startups=int(statistics.median(r.startups for r in rs)), pairs_favouring=_favouring(runs, req),
             simulated={"throughput_tok_s": sim_thr,
                        "result_bytes": int(statistics.median(s["result_bytes"] for s in sims)),
-                       "per_slot_throughput_tok_s": statistics.median(s["per_slot_throughput_tok_s"] for s in sims)},
+                       "per_slot_throughput_tok_s": _median_or_none(s["per_slot_throughput_tok_s"] for s in sims)},
             runs=len(rs), remote_tokens=remote_tokens,
             result_bytes_per_remote_token=result_bytes / remote_tokens if remote_tokens else None,
             sim_error=sim_thr / measured - 1.0,
         )
+        checks = [r.output_check for r in rs if r.output_check is not None]
+        if checks:
+            bad = [c["first_difference"] for c in checks if not c["identical"]]
+            row = replace(row, tokens_checked=sum(int(c["tokens"]) for c in checks), outputs_identical=not bad,
+                          first_difference=bad[0] if bad else None)
+        if rs[0].speculative is not None:
+            keys = ("gamma", "alpha", "tokens_per_pass", "bytes_per_round", "rounds")
+            row = replace(row, speculative={k: statistics.median(float(r.speculative[k]) for r in rs) for k in keys})
+        # logprob feeds the request's targets instead of the choices: its ids differ by design
+        if req not in ("full", "logprob") and all(r.outputs_digest for r in rs + list(runs["full"])):
+            row = replace(row, outputs_as_full=all(p.outputs_digest == f.outputs_digest
+                                                   for p, f in zip(rs, runs["full"])))
+        if req != "full":
+            row = replace(row, pair_throughputs_tok_s=tuple((f.throughput_tok_s, p.throughput_tok_s)
+                                                            for f, p in zip(runs["full"], rs)))
+        row = replace(row, deployment=rs[0].config.deployment, throughputs_tok_s=tuple(r.throughput_tok_s for r in rs),
+                      hidden_bytes=int(statistics.median(r.hidden_bytes for r in rs)))
         if req == "full":
             full_row = row
         elif full_row is not None:
@@ -142,7 +173,7 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
 
 
 COLUMNS = ("model", "request", "conc", "tok/s", "sim tok/s", "sim err", "p50 s", "p99 s", "result B",
-           "veth B", "sim B", "cut", "veth cut", "startups", "pairs")
+           "veth B", "sim B", "cut", "veth cut", "startups", "pairs", "outputs")
 
 
 def table_rows(rows: Sequence[Row]) -> list[list[str]]:
@@ -154,5 +185,21 @@ def table_rows(rows: Sequence[Row]) -> list[list[str]]:
         out.append([r.model, r.request, str(r.concurrency), f"{r.throughput_tok_s:.1f}",
                     f"{r.simulated['throughput_tok_s']:.1f}", f"{100 * r.sim_error:+.1f}%",
                     f"{r.latency_s['p50']:.3f}", f"{r.latency_s['p99']:.3f}", str(r.result_bytes), str(r.veth_bytes),
-                    str(r.simulated["result_bytes"]), cut, vcut, str(r.startups), fav])
+                    str(r.simulated["result_bytes"]), cut, vcut, str(r.startups), fav, _outputs_cell(r)])
     return out
+
+
+def _outputs_cell(r: Row) -> str:
+    """The output checks: tokens identical to the reference and/or to full's, or the first difference (loud)."""
+    cells = []
+    if r.outputs_identical is not None:
+        cells.append(f"{r.tokens_checked} identical" if r.outputs_identical
+                     else f"DIFFERENT FROM REFERENCE: {r.first_difference}")
+    if r.outputs_as_full is not None:
+        cells.append("= full" if r.outputs_as_full else "DIFFERENT FROM FULL")
+    return ", ".join(cells) or "-"
+
+
+def mismatched(rows: Sequence[Row]) -> list[Row]:
+    """Rows with a run whose outputs departed from the single-process reference or from its pair's full run."""
+    return [r for r in rows if r.outputs_identical is False or r.outputs_as_full is False]

@@ -1,5 +1,9 @@
 """Two-host capacity spillover: a serving loop whose overflow runs on a second host.
 
+This module is the ``requests`` deployment (whole requests spill) and the entry point of
+every run (:func:`run_once`, :func:`worker`); the ``model`` deployment, the decoder split by
+layers, is :mod:`.split`, and speculative decoding across the hosts is :mod:`.speculative`.
+
 Host 1 (rank 0, domain ``cuda@host1``) serves ``concurrency`` closed-loop clients with a
 fixed local capacity (``local_slots`` sequences decoded in lockstep by one batched step).
 A request that finds the local slots full spills to host 2 (rank 1, domain ``cann@host2``),
@@ -43,9 +47,13 @@ from meshpact.core.facts import Request
 
 from ..netns import LinkShape, TwoHosts
 
-__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS"]
+__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS", "DEPLOYMENTS"]
 
 REQUESTS = ("full", "logprob", "token", "owner_token")
+# requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
+# model: the decoder is split by layers, host 2 holds the later ones and the LM head (.split)
+DEPLOYMENTS = ("requests", "model")
+
 @dataclass(frozen=True)
 class SpilloverConfig:
     model: str = "dense"  # dense | moe | minimax (live.decoder.FAMILIES)
@@ -60,10 +68,25 @@ class SpilloverConfig:
     delay_ms: float = 0.0
     seed: int = 0
     timeout_s: float = 240.0
+    deployment: str = "requests"  # DEPLOYMENTS
+    gamma: int = 0  # speculative decoding: draft tokens per round (0: none; the model deployment only)
 
     def __post_init__(self) -> None:
         from .decoder import FAMILIES
 
+        if self.deployment not in DEPLOYMENTS:
+            raise MeshpactError(f"--deployment {self.deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+        if self.gamma < 0 or self.gamma > 16:
+            raise MeshpactError(f"--speculative {self.gamma}: expected 1..16 draft tokens per round (0: none)")
+        if self.gamma:
+            from .speculative import SPECULATIVE_REQUESTS
+
+            if self.deployment != "model":
+                raise MeshpactError("--speculative: expected --deployment model (a draft on host 1, the target on "
+                                    "host 2)")
+            if self.request not in SPECULATIVE_REQUESTS:
+                raise MeshpactError(f"--speculative with --request {self.request!r}: expected one of "
+                                    f"{', '.join(SPECULATIVE_REQUESTS)} (full logits, or verified at the source)")
         if self.model not in FAMILIES:
             raise MeshpactError(f"--model {self.model!r}: expected one of {', '.join(FAMILIES)}")
         if self.request not in REQUESTS:
@@ -109,6 +132,13 @@ class RunResult:
     local_prefill_s: float
     remote_prefill_s: float
     planned: Mapping[str, int] = field(default_factory=dict)  # startups/bytes the plans predict
+    hidden_bytes: int = 0  # model deployment: payload of the hidden-state plans (host 1 -> host 2)
+    boundary_s: float = 0.0  # model deployment: mean time host 1 spends sending a step's hidden states
+    output_check: Mapping[str, Any] | None = None  # model deployment: live outputs against the reference
+    local_critical_s: float = 0.0  # model deployment: host 1's part of a step's critical path (result in -> hidden states out)
+    remote_critical_s: float = 0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
+    outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
+    speculative: Mapping[str, Any] | None = None  # γ, rounds, measured α, tokens per target pass, bytes per round
 
     def percentile(self, q: float) -> float:
         import numpy as np
@@ -187,6 +217,14 @@ def worker(args: dict) -> dict:
     cfg = args
     mesh = _mesh(5e-5, 8.0 / (cfg["gbit_per_s"] * 1e9))
     layout = init_domains(mesh, env, timeout_s=cfg["timeout_s"])
+    if cfg.get("gamma"):
+        from . import speculative
+
+        return (speculative.host1 if env.rank == 0 else speculative.host2)(cfg, layout)
+    if cfg.get("deployment") == "model":
+        from . import split
+
+        return (split.host1 if env.rank == 0 else split.host2)(cfg, layout)
     if env.rank == 0:
         return _Host1(cfg, layout).run()
     return _Host2(cfg, layout).run()
@@ -563,6 +601,24 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         raise LaunchError(f"spillover rank {bad[0].rank} {what}; its stderr ends:\n{bad[0].stderr_tail}")
     h1, h2 = results[0].value, results[1].value
     measured = measure([CallRecord.from_dict(d) for d in h1["records"] + h2["records"]])
+    extra: dict[str, Any] = {}
+    if cfg.gamma:
+        from .speculative import digest
+
+        spec = dict(h1["speculative"])
+        spec["bytes_per_round"] = measured.payload_bytes / spec["rounds"] if spec["rounds"] else 0.0
+        extra = {"outputs_digest": digest(h1["outputs"]), "speculative": spec}
+    elif cfg.deployment == "model":
+        from .speculative import digest
+        from .split import compare
+
+        hidden = measure([CallRecord.from_dict(d) for d in h1["hidden_records"] + h2["hidden_records"]])
+        check = compare(cfg.to_dict(), h1["schedule"], {int(k): v for k, v in h1["outputs"].items()},
+                        {int(k): v for k, v in h1["logprobs"].items()})
+        extra = {"hidden_bytes": hidden.payload_bytes, "boundary_s": h1["boundary_s"],
+                 "output_check": check.to_dict(), "local_critical_s": h1["critical_s"],
+                 "outputs_digest": digest(h1["outputs"]),
+                 "remote_critical_s": h2["critical_s"]}
     tokens = cfg.requests * cfg.output_tokens
     return RunResult(
         config=cfg, throughput_tok_s=tokens / h1["makespan_s"], latencies_s=tuple(h1["latencies"]),
@@ -573,5 +629,5 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         local_step_s=h1["local_step_s"], remote_forward_s=h2["forward_s"], remote_project_s=h2["project_s"],
         consumer_sample_s=h1["sample_s"],
         local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
-        planned=h2["planned"],
+        planned=h2["planned"], **extra,
     )

@@ -95,3 +95,31 @@ def test_source_projection_cuts_result_traffic_by_more_than_99_9_percent(small_r
         assert traffic_cut(small_runs[req], full) > 0.999  # metered by the executor
         # the kernel also counts headers and gloo's rendezvous per message: still far below full logits
         assert traffic_cut(small_runs[req], full, "veth_bytes") > 0.99
+
+
+def _run(request: str, thr: float, digest: str | None = None, deployment: str = "model") -> RunResult:
+    cfg = SpilloverConfig(request=request, deployment=deployment, concurrency=1, requests=1, output_tokens=2)
+    return RunResult(config=cfg, throughput_tok_s=thr, latencies_s=(1.0,), makespan_s=1.0, tokens=2, remote_tokens=2,
+                     spilled=1, result_bytes=8 if request != "full" else 607744, veth_bytes=100, veth_tx_bytes=10,
+                     command_bytes=10, startups=2, steps={"local": 2, "remote": 2}, link_alpha_s=1e-4,
+                     local_step_s=0.01, remote_forward_s=0.01, remote_project_s=0.001, consumer_sample_s=0.001,
+                     local_prefill_s=0.0, remote_prefill_s=0.0, outputs_digest=digest,
+                     output_check={"tokens": 2, "identical": True, "first_difference": None})
+
+
+def test_rows_keep_every_pairs_throughputs_and_flag_outputs_that_depart_from_full():
+    from meshpact.live.spillover.pairs import _rows, mismatched
+
+    runs = {"full": [_run("full", 10.0, "a"), _run("full", 12.0, "b")],
+            "token": [_run("token", 11.0, "a"), _run("token", 9.0, "c")],
+            "logprob": [_run("logprob", 13.0, "x"), _run("logprob", 14.0, "y")]}
+    rows = {r.request: r for r in _rows("dense", 1, runs, ["full", "token", "logprob"],
+                                        lambda r: {"throughput_tok_s": 1.0, "result_bytes": 0,
+                                                   "per_slot_throughput_tok_s": None})}
+    assert rows["full"].throughputs_tok_s == (10.0, 12.0) and rows["token"].throughputs_tok_s == (11.0, 9.0)
+    assert rows["token"].pairs_favouring == {"token": 1, "full": 1}
+    assert rows["token"].pair_throughputs_tok_s == ((10.0, 11.0), (12.0, 9.0)) and not rows["full"].pair_throughputs_tok_s
+    assert rows["token"].outputs_as_full is False  # the second pair's token run chose other ids
+    assert rows["logprob"].outputs_as_full is None  # scoring targets: its ids are not chosen
+    assert rows["full"].tokens_checked == 4 and rows["full"].outputs_identical
+    assert [r.request for r in mismatched(list(rows.values()))] == ["token"]

@@ -109,3 +109,47 @@ def test_speculation_cuts_link_startups(spill):
         "serving.speculative": {"gamma": 4, "alpha": 0.8, "draft_cost_ratio": 0.05}})
     assert spec.result_bytes == plain.result_bytes  # the same tokens cross
     assert spec.startups < plain.startups / 2  # in fewer messages
+
+
+def test_the_model_deployment_crosses_the_link_every_step_even_at_concurrency_1(spill):
+    from meshpact.simulator.batching import simulate_deployment
+
+    hidden = get_model("qwen3-14b").hidden_size
+    full = simulate_deployment(spill, "model", concurrency=1, request="full", requests=4)
+    token = simulate_deployment(spill, "model", concurrency=1, request="token", requests=4)
+    tokens = 4 * 128
+    assert full.remote_tokens == token.remote_tokens == tokens and full.local_tokens == 0
+    assert full.result_bytes == tokens * 2 * 151936 and token.result_bytes == tokens * 8
+    assert full.feedback_bytes == token.feedback_bytes == tokens * hidden * 2  # hidden states to host 2
+    assert token.throughput_tok_s > full.throughput_tok_s
+    # the requests deployment at concurrency 1 never spills: nothing crosses
+    assert simulate_deployment(spill, "requests", concurrency=1, request="full", requests=4).result_bytes == 0
+
+
+def test_a_speculative_split_ships_gamma_plus_one_positions_or_a_verdict(spill):
+    from meshpact.simulator.batching import simulate_deployment
+
+    full = simulate_deployment(spill, "model", gamma=4, acceptance=0.6, concurrency=2, request="full", requests=4)
+    token = simulate_deployment(spill, "model", gamma=4, acceptance=0.6, concurrency=2, request="token", requests=4)
+    assert token.result_bytes % 16 == 0 and full.result_bytes % (5 * 151936 * 2) == 0
+    assert full.result_bytes // (5 * 151936 * 2) == token.result_bytes // 16  # the same seeded acceptances
+    per_round = 4 * 128 / (token.result_bytes // 16)
+    assert 1.0 < per_round <= expected_tokens_per_pass(4, 0.6) * 1.15
+    assert token.throughput_tok_s > full.throughput_tok_s
+
+
+def test_simulate_serving_refuses_a_bad_deployment_or_half_a_speculation(capsys):
+    from meshpact.cli import main as cli_main
+
+    assert cli_main(["simulate", "serving", "--deployment", "pipeline"]) == 2
+    assert "--deployment 'pipeline': expected one of requests, model" in capsys.readouterr().err
+    assert cli_main(["simulate", "serving", "--speculative", "3"]) == 2
+    assert "expected both" in capsys.readouterr().err
+    assert cli_main(["simulate", "serving", "--speculative", "0", "--acceptance", "0.5"]) == 2
+    assert "expected GAMMA >= 1" in capsys.readouterr().err
+    assert cli_main(["simulate", "serving", "--deployment", "model", "--concurrency", "2", "--requests", "4",
+                     "--json"]) == 0
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert out["spilled"] == 4 and out["local_tokens"] == 0 and out["remote_tokens"] == 4 * 128

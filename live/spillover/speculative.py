@@ -1,0 +1,285 @@
+"""Speculative decoding across the link: a draft on host 1, the target on host 2 verifies.
+
+Host 1 holds a draft (a perturbed copy of the target, :meth:`Decoder.perturbed`; how often
+it agrees is measured, never assumed) and every client's sequence; host 2 holds the whole
+target. A round, for every sequence at once:
+
+1. host 1 drafts ``γ`` tokens greedily and sends one command per round: per slot its
+   state, its request, its position and the ``γ + 1`` tokens to score (its last accepted
+   token and the drafts);
+2. host 2 scores them in one target pass (logits ``[batch, γ + 1, vocab]``, bfloat16);
+3. the result comes back as a checked plan:
+
+   * ``full``: the logits of all ``γ + 1`` positions cross, ``(γ + 1)·V·2`` bytes per
+     sequence, and host 1 verifies (greedy: the drafts up to the first one the target
+     would not have chosen are accepted, then the target's own token);
+   * ``token`` (verification at the source): host 2 verifies and only the accepted
+     length and the next token cross, an int64 pair per sequence.
+
+Both verify the same bfloat16 logits with the same rule (:func:`verify`), so the outputs
+are token-identical. Per run: the accepted length of every sequence-round, from which α
+(the chance a draft token is accepted, given the previous one was) is estimated as
+accepted / (accepted + rejections) and the tokens per target pass compared with
+``(1 − α^(γ+1)) / (1 − α)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections import deque
+from typing import Any, Mapping, Sequence
+
+from meshpact.core.errors import MeshpactError
+
+__all__ = ["DRAFT_SCALE", "SPECULATIVE_REQUESTS", "verify", "acceptance", "digest", "host1", "host2"]
+
+DRAFT_SCALE = 0.05  # the draft's weights: the target's plus noise of this many standard deviations
+SPECULATIVE_REQUESTS = ("full", "token")  # logits of every position, or verified at the source
+
+
+def verify(drafts: Any, chosen: Any) -> tuple[list[int], list[int]]:
+    """Greedy verification: ``drafts [b, γ]`` against the target's choices ``chosen [b, γ + 1]``:
+    per row the accepted length ``k`` (leading drafts equal to the target's choice) and the
+    next token (the target's choice at ``k``)."""
+    agree = (drafts == chosen[:, :-1]).long()
+    k = agree.cumprod(dim=1).sum(dim=1)
+    nxt = chosen.gather(1, k[:, None])[:, 0]
+    return [int(x) for x in k], [int(x) for x in nxt]
+
+
+def acceptance(accepted: Sequence[int], gamma: int) -> tuple[float, float]:
+    """(α, tokens per target pass) from each sequence-round's accepted length: α counts each
+    accepted draft token against each rejection (a round that accepted all ``γ`` had none)."""
+    rejections = sum(1 for k in accepted if k < gamma)
+    total = sum(accepted)
+    alpha = total / (total + rejections) if total + rejections else 0.0
+    return alpha, (total + len(accepted)) / len(accepted) if accepted else 0.0
+
+
+def digest(outputs: Mapping[Any, Sequence[int]]) -> str:
+    """A short fingerprint of every request's output ids (equal outputs, equal digests)."""
+    text = json.dumps({str(k): list(v) for k, v in sorted(outputs.items(), key=lambda kv: int(kv[0]))})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class _VerdictPlans:
+    """The checked plan per batch for host 2's verdict ``[batch, 2]`` (accepted length, next token)."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+        self._cache: dict[int, tuple[Any, Any]] = {}
+
+    def get(self, rows: int) -> tuple[Any, Any]:
+        if rows not in self._cache:
+            from meshpact.core.checker import check
+            from meshpact.core.contract import compile_contract
+            from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor, Request
+            from meshpact.core.lowerer import lower
+            from meshpact.core.placement import Replicate
+
+            prod, cons = self.mesh.domains[1], self.mesh.domains[0]
+            edge = Edge(f"verdict_{rows}", self.mesh,
+                        ProducerTensor("verdict", "verify", (rows, 2), DType.INT64, prod.name, Replicate()),
+                        Consumer("drafter", cons.name, cons.ranks, Request.FULL),
+                        description="accepted length and next token per sequence, verified at the source")
+            contract = compile_contract(edge)
+            plan = lower(contract)
+            report = check(plan, contract)
+            if not report.ok:
+                raise MeshpactError(f"the lowered verdict plan fails the checker: {report.violations}")
+            self._cache[rows] = (plan, contract)
+        return self._cache[rows]
+
+
+def _words(gamma: int) -> int:
+    return 3 + gamma + 1  # state, request, position, the tokens to score
+
+
+def _command_size(slots: int, gamma: int) -> int:
+    return 2 + slots * _words(gamma)
+
+
+def _target(cfg: Mapping[str, Any], slots: int) -> Any:
+    from .decoder import Decoder, scaled_spec
+
+    return Decoder(scaled_spec(cfg["model"]), slots, cfg["prompt_tokens"] + cfg["output_tokens"] + cfg["gamma"] + 2,
+                   seed=cfg["seed"] + 2)
+
+
+# -- host 1: clients, the draft, the verification of full logits ------------------------------------
+def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from .serving import ACTIVE, EMPTY, NEW, _handshake, _mean, _prompt, _ResultPlans, _veth
+    from ..plans.executor import Executor
+
+    gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
+    draft = _target(cfg, n).perturbed(DRAFT_SCALE, cfg["seed"] + 99)
+    vocab = draft.spec.vocab_size
+    logit_plans, verdict_plans = _ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    executor = Executor(layout)
+    alpha_link = _handshake(0)
+    draft.step([0], [0])  # warm up
+    dist.barrier()
+    before = _veth()
+    t_start = time.perf_counter()
+    issued = completed = 0
+    arrival: dict[int, float] = {}
+    latencies: list[float] = []
+    pending: deque[int] = deque()
+    free = list(range(n))
+    rid_of: dict[int, int] = {}
+    pos: dict[int, int] = {}  # tokens the target has accepted into each slot's cache
+    feed: dict[int, list[int]] = {}  # tokens the draft still has to read before drafting
+    outputs: dict[int, list[int]] = {}
+    accepted: list[int] = []
+    t_draft: list[float] = []
+    t_verify: list[float] = []
+    t_prefill: list[float] = []
+    rounds = 0
+
+    def issue() -> None:
+        nonlocal issued
+        if issued < cfg["requests"]:
+            arrival[issued] = time.perf_counter()
+            pending.append(issued)
+            issued += 1
+
+    for _ in range(n):
+        issue()
+    while completed < cfg["requests"]:
+        new = []
+        while pending and free:
+            s, rid = free.pop(0), pending.popleft()
+            prompt = _prompt(cfg, rid, vocab)
+            tp = time.perf_counter()
+            draft.prefill(s, prompt)
+            t_prefill.append(time.perf_counter() - tp)
+            rid_of[s], pos[s], feed[s], outputs[rid] = rid, len(prompt) - 1, [prompt[-1]], []
+            new.append(s)
+        batch = sorted(rid_of)
+        t0 = time.perf_counter()
+        behind = [s for s in batch if len(feed[s]) > 1]  # all γ accepted last round: read the last draft
+        if behind:
+            draft.step(behind, [feed[s][0] for s in behind])
+        last = [feed[s][-1] for s in batch]
+        drafts = []
+        toks = last
+        for _ in range(gamma):
+            toks = [int(x) for x in draft.step(batch, toks).to(torch.bfloat16).argmax(dim=-1)]
+            drafts.append(toks)
+        d = torch.tensor(drafts, dtype=torch.long).T.reshape(len(batch), gamma)
+        t_draft.append(time.perf_counter() - t0)
+        rounds += 1
+        words: list[int] = []
+        for s in range(n):
+            if s in rid_of:
+                j = batch.index(s)
+                words += [NEW if s in new else ACTIVE, rid_of[s], pos[s], last[j], *d[j].tolist()]
+            else:
+                words += [EMPTY] + [0] * (_words(gamma) - 1)
+        dist.send(torch.tensor([1, rounds, *words], dtype=torch.long), dst=1)
+        if req == "full":
+            rows = len(batch) * (gamma + 1)
+            plan, contract = logit_plans.get(rows)
+            meta = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
+            logits = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}}).delivered.values()))
+            t1 = time.perf_counter()
+            k, nxt = verify(d, logits.argmax(dim=-1).reshape(len(batch), gamma + 1))
+            t_verify.append(time.perf_counter() - t1)
+        else:
+            plan, contract = verdict_plans.get(len(batch))
+            meta = torch.empty(len(batch), 2, dtype=torch.long, device="meta")
+            verdict = next(iter(executor.run(plan, contract, {0: {}, 1: {"verdict": meta}}).delivered.values()))
+            k, nxt = [int(x) for x in verdict[:, 0]], [int(x) for x in verdict[:, 1]]
+        finished = []
+        for j, s in enumerate(batch):
+            accepted.append(k[j])
+            got = [*d[j, :k[j]].tolist(), nxt[j]]
+            rid = rid_of[s]
+            outputs[rid] += got[: cfg["output_tokens"] - len(outputs[rid])]
+            pos[s] += k[j] + 1
+            draft.set_length(s, pos[s] if k[j] < gamma else pos[s] - 1)
+            feed[s] = [nxt[j]] if k[j] < gamma else [int(d[j, gamma - 1]), nxt[j]]
+            if len(outputs[rid]) >= cfg["output_tokens"]:
+                finished.append(s)
+        for s in finished:
+            rid = rid_of.pop(s)
+            latencies.append(time.perf_counter() - arrival[rid])
+            completed += 1
+            free.append(s)
+            issue()
+    dist.send(torch.zeros(_command_size(n, gamma), dtype=torch.long), dst=1)
+    makespan = time.perf_counter() - t_start
+    after = _veth()
+    alpha, per_pass = acceptance(accepted, gamma)
+    return {"makespan_s": makespan, "latencies": latencies, "spilled": cfg["requests"],
+            "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": rounds,
+            "local_step_s": _mean(t_draft), "local_prefill_s": _mean(t_prefill), "sample_s": _mean(t_verify),
+            "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha_link,
+            "command_bytes": rounds * _command_size(n, gamma) * 8,
+            "records": [r.to_dict() for r in executor.meter.records],
+            "outputs": {str(k): v for k, v in outputs.items()},
+            "speculative": {"gamma": gamma, "rounds": rounds, "sequence_rounds": len(accepted),
+                            "accepted_draft_tokens": sum(accepted), "alpha": alpha, "tokens_per_pass": per_pass,
+                            "draft_s": _mean(t_draft)}}
+
+
+# -- host 2: the target scores every position, and verifies at the source -----------------------------
+def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from .serving import EMPTY, NEW, _handshake, _mean, _prompt, _ResultPlans
+    from ..plans.executor import Executor
+
+    gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
+    target = _target(cfg, n)
+    vocab = target.spec.vocab_size
+    logit_plans, verdict_plans = _ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    executor = Executor(layout)
+    cmd = torch.zeros(_command_size(n, gamma), dtype=torch.long)
+    w = _words(gamma)
+    t_forward: list[float] = []
+    t_project: list[float] = []
+    t_prefill: list[float] = []
+    planned = {"startups": 0, "payload_bytes": 0}
+    _handshake(1)
+    target.step([0], [0])  # warm up
+    dist.barrier()
+    while True:
+        dist.recv(cmd, src=0)
+        if int(cmd[0]) == 0:
+            break
+        slots, start, rows = [], [], []
+        for s in range(n):
+            word = cmd[2 + w * s: 2 + w * (s + 1)]
+            if int(word[0]) == EMPTY:
+                continue
+            if int(word[0]) == NEW:
+                tp = time.perf_counter()
+                target.prefill(s, _prompt(cfg, int(word[1]), vocab))
+                t_prefill.append(time.perf_counter() - tp)
+            slots.append(s)
+            start.append(int(word[2]))
+            rows.append(word[3:])
+        t0 = time.perf_counter()
+        tokens = torch.stack(rows)
+        logits = target.score(slots, tokens, start).to(torch.bfloat16)
+        t1 = time.perf_counter()
+        if req == "full":
+            plan, contract = logit_plans.get(len(slots) * (gamma + 1))
+            executor.run(plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}})
+        else:
+            k, nxt = verify(tokens[:, 1:], logits.argmax(dim=-1))
+            plan, contract = verdict_plans.get(len(slots))
+            executor.run(plan, contract, {0: {}, 1: {"verdict": torch.tensor([k, nxt], dtype=torch.long).T}})
+        planned["startups"] += plan.startups
+        planned["payload_bytes"] += plan.payload_bytes
+        t_forward.append(t1 - t0)
+        t_project.append(time.perf_counter() - t1)
+    return {"records": [r.to_dict() for r in executor.meter.records], "steps": len(t_forward),
+            "forward_s": _mean(t_forward), "project_s": _mean(t_project), "prefill_s": _mean(t_prefill), "planned": planned}
