@@ -6,6 +6,7 @@
 | ``executor`` | admits only checked, domain-local plans and runs them step by step |
 | ``ops`` | each plan step in torch, the live twin of the core interpreter |
 | ``meter`` | every collective call and bridge message counted at the call |
+| ``jobs`` | what a run can be asked for: the request and the preset of sizes (torch-free) |
 | ``workloads`` | the producer tensors: a vocabulary-sharded LM head, a Qwen3-14B MLP slice |
 | ``verify`` | what each consumer observed against a single-process reference |
 | ``bridge`` | a whole bridge run: plan, execute, meter, verify, record |
@@ -18,6 +19,7 @@ from __future__ import annotations
 from .._lazy import lazy_face
 
 _EXPORTS = {
+    "LiveRequest": "jobs", "PRESETS": "jobs", "get_preset": "jobs",
     "Executor": "executor", "PlanRefused": "executor", "admit": "executor",
     "Meter": "meter", "CallRecord": "meter", "measure": "meter",
     "Verdict": "verify", "verify_job": "verify",

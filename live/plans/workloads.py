@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import math
 from contextlib import contextmanager
-from dataclasses import dataclass
-from enum import Enum
 from functools import lru_cache
 from typing import Iterator
 
 import torch
 
-from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Consumer, DType, Edge, Mesh, ProducerTensor, Request
 from meshpact.core.placement import Partial, Shard, shard_bounds
+
+from .jobs import PRESETS, LiveRequest, Preset, get_preset
 
 __all__ = [
     "LiveRequest",
@@ -53,51 +52,6 @@ TORCH_DTYPE: dict[DType, torch.dtype] = {
     DType.INT64: torch.int64,
     DType.INT32: torch.int32,
 }
-
-
-class LiveRequest(str, Enum):
-    """What ``meshpact live bridge --request`` runs."""
-
-    FULL = "full"
-    LOGPROB = "logprob"
-    TOKEN = "token"
-    OWNER_TOKEN = "owner_token"
-    MLP = "mlp"
-
-    @property
-    def is_lm_head(self) -> bool:
-        return self is not LiveRequest.MLP
-
-
-@dataclass(frozen=True)
-class Preset:
-    """Sizes of one live run. ``source`` names where real dimensions come from."""
-
-    name: str
-    tokens: int
-    hidden: int
-    vocab: int
-    intermediate: int
-    dtype: DType
-    seed: int
-    source: str
-
-
-# Qwen3-14B: hidden 5120, intermediate 17408, vocabulary 151936, bfloat16 (Qwen/Qwen3-14B
-# config.json on Hugging Face: hidden_size, intermediate_size, vocab_size, torch_dtype).
-PRESETS: dict[str, Preset] = {
-    "tiny": Preset("tiny", tokens=4, hidden=64, vocab=1000, intermediate=176, dtype=DType.BFLOAT16, seed=7,
-                   source="small sizes for tests"),
-    "qwen3-14b": Preset("qwen3-14b", tokens=4, hidden=5120, vocab=151936, intermediate=17408,
-                        dtype=DType.BFLOAT16, seed=14, source="Qwen/Qwen3-14B config.json"),
-}
-
-
-def get_preset(name: str) -> Preset:
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise MeshpactError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}") from None
 
 
 def logprob_ids(preset: Preset) -> tuple[int, ...]:

@@ -8,7 +8,6 @@ equivalence, and compares measured startups and payload bytes with the plan's.
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -16,26 +15,14 @@ import typer
 
 from meshpact.commands._common import console, emit_json, table
 from meshpact.core.errors import MeshpactError
+from meshpact.live.plans.jobs import LiveRequest, PresetName  # torch-free: keeps --help instant
 
 __all__ = ["register"]
 
 
-class _Request(str, Enum):
-    FULL = "full"
-    LOGPROB = "logprob"
-    TOKEN = "token"
-    OWNER_TOKEN = "owner_token"
-    MLP = "mlp"
-
-
-class _Preset(str, Enum):
-    TINY = "tiny"
-    QWEN3_14B = "qwen3-14b"
-
-
 def bridge(
-    request: _Request = typer.Option(..., "--request", help="What the consumer domain reads."),
-    preset: _Preset = typer.Option(_Preset.TINY, "--preset", help="Sizes: tiny, or Qwen3-14B's real dimensions."),
+    request: LiveRequest = typer.Option(..., "--request", help="What the consumer domain reads."),
+    preset: PresetName = typer.Option(PresetName.TINY, "--preset", help="Sizes: tiny, or Qwen3-14B's real dimensions."),
     record: Optional[Path] = typer.Option(None, "--record", help="JSONL recording path "
                                           "[default: recordings/bridge-<request>-<preset>.jsonl]"),
     per_domain: int = typer.Option(2, "--ranks-per-domain", min=1, max=8, help="Ranks in each of the two domains."),
@@ -44,10 +31,9 @@ def bridge(
 ) -> None:
     """Run a checked plan across two native domains (2 + 2 ranks by default), verified and metered."""
     from meshpact.live.plans.bridge import Job, job_summary, run_bridge
-    from meshpact.live.plans.workloads import LiveRequest
 
     path = record or Path("recordings") / f"bridge-{request.value}-{preset.value}.jsonl"
-    report = run_bridge([Job(LiveRequest(request.value))], preset.value, per_domain=per_domain, recording=path,
+    report = run_bridge([Job(request)], preset.value, per_domain=per_domain, recording=path,
                         timeout_s=timeout_s)
     job = report["jobs"][0]
     if job.get("refused"):
