@@ -72,6 +72,11 @@ class Decision:
                    tuple(d.get("members", ())), tuple(d.get("missing", ())),
                    {int(k): v for k, v in d.get("proposals", {}).items()})
 
+    def summary(self) -> dict[str, Any]:
+        """What an event records of the decision (no proposals)."""
+        return {"policy": self.policy.value, "round": self.round, "step": self.step, "reason": self.reason,
+                "missing": list(self.missing)}
+
     @property
     def in_memory(self) -> bool:
         return self.policy is Policy.IN_MEMORY

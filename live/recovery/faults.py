@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
+import secrets
 import signal
 import subprocess
 import time
@@ -63,8 +63,10 @@ class Fault:
 
 
 def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, first_step: int = 1,
-                injector_ranks: tuple[int, ...] | None = None) -> tuple[Fault, ...]:
-    """``count`` faults of ``kind`` at distinct steps spread over ``[first_step, steps)``, ranks rotating."""
+                injector_ranks: tuple[int, ...] | None = None, nth_op: int | None = None) -> tuple[Fault, ...]:
+    """``count`` faults of ``kind`` at distinct steps spread over ``[first_step, steps)``, ranks
+    rotating; a collective fault raises at the ``nth_op``-th operation of its step (default:
+    the first, second and third in turn)."""
     kind = FaultKind(kind)
     span = steps - first_step
     if count < 0 or count > span:
@@ -75,7 +77,7 @@ def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, 
     out = []
     for i in range(count):
         step = first_step + int(i * stride + stride / 2)
-        out.append(Fault(i, kind, step, ranks[i % len(ranks)], nth_op=1 + (i % 3)))
+        out.append(Fault(i, kind, step, ranks[i % len(ranks)], nth_op=nth_op or 1 + (i % 3)))
     return tuple(out)
 
 
@@ -92,7 +94,9 @@ class FaultInjector:
         self.data_iface = data_iface or os.environ.get("MESHPACT_DATA_IFACE")
 
     def _claim(self, fault: Fault) -> bool:
-        nonce = f"{os.getpid()}-{random.getrandbits(64):x}"
+        # not from ``random``: the runtime restores the generators before a re-run, which
+        # would draw the same nonce again and fire the fault twice
+        nonce = f"{os.getpid()}-{secrets.token_hex(8)}"
         record = {"rank": self.rank, "step": fault.step, "kind": fault.kind.value, "t_wall": time.time(),
                   "nonce": nonce}
         return self.channel.set_once(f"fault/{fault.index}", record)["nonce"] == nonce

@@ -34,7 +34,7 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
     from .harness import ModelConfig, build, make_batch, make_train_step
     from .opcount import OpCounter
     from .rebind import default_roots, find_references, rebind
-    from .runtime import RecoveryConfig, start_session
+    from .session import RecoveryConfig, c10d_default, start_session
 
     session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)),
                                            checkpoint_dir=None))
@@ -53,11 +53,11 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
             before = [p for p, g in find_references(default_roots(model, optimizer)) if g is old]
             t0 = time.perf_counter()
             new = comm.build_group(session.spec, session.store, gen)
-            comm.install_group(new, session.store, session.spec, as_default=False)
             t1 = time.perf_counter()
             report = rebind(old, new, model, optimizer, [session.mesh], skip=tuple(args.get("skip_sites", ())))
+            c10d_default(new)
             t2 = time.perf_counter()
-            session.group = new
+            session.groups[comm.WORLD] = new
             old_name, ops_at_rebind = old.group_name, counter.counts.get(old.group_name, 0)
             old_backend = old._get_backend(torch.device("cpu"))
             seq_at_rebind = old_backend._get_sequence_number_for_group()
@@ -120,10 +120,11 @@ def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
     import tempfile
 
     from .checkpoint import AsyncCheckpointer, AsyncCheckpointStats, state_bytes
-    from .harness import ModelConfig, build, local_state, make_batch, make_train_step
-    from .runtime import RecoveryConfig, start_session
+    from .harness import ModelConfig, build, make_batch, make_train_step
+    from .state import local_state
+    from .session import RecoveryConfig, start_session
 
-    session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None, count_ops=False))
+    session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None))
     cfg = ModelConfig(**args.get("model", {}))
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from meshpact.core.errors import MeshpactError
 from meshpact.live.recovery.faults import CollectiveFault, FaultKind, plan_faults
-from meshpact.live.recovery.runtime import is_comm_fault
+from meshpact.live.recovery.runtime import COMM_MODULES, is_comm_fault
 from meshpact.live.recovery.trial import TrialConfig
 
 
@@ -38,8 +39,33 @@ def test_unknown_fault_kind_is_refused():
         TrialConfig(fault_kind="meteor")
 
 
-def test_data_path_failures_are_told_apart_from_bugs_in_the_step():
-    assert is_comm_fault(CollectiveFault("x"))
-    assert is_comm_fault(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
-    assert not is_comm_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not is_comm_fault(ValueError("timed out"))
+def _raised_in(filename: str, exc: BaseException) -> BaseException:
+    """``exc`` as if raised by code in ``filename`` (its innermost traceback frame there)."""
+    namespace: dict = {}
+    exec(compile("def fail(e):\n    raise e\n", filename, "exec"), namespace)
+    try:
+        namespace["fail"](exc)
+    except BaseException as caught:  # noqa: BLE001
+        return caught
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("exc", [
+    CollectiveFault("anything"), dist.DistBackendError("x"), dist.DistNetworkError("x"), dist.DistStoreError("x"),
+    TimeoutError("x"), ConnectionResetError("x"), BrokenPipeError("x"),
+])
+def test_backend_network_timeout_and_injected_errors_are_comm_faults_by_type(exc):
+    assert is_comm_fault(exc)
+
+
+def test_a_plain_runtime_error_is_a_comm_fault_only_when_raised_in_torch_communication_code():
+    c10d_file = COMM_MODULES[0]  # distributed_c10d.py
+    assert is_comm_fault(_raised_in(c10d_file, RuntimeError("Connection closed by peer")))
+    assert is_comm_fault(_raised_in(COMM_MODULES[3] + "_fully_shard/_fsdp_collectives.py", RuntimeError("x")))
+    # the words of a gloo error do not make one: raised in the user's step, it is a bug
+    assert not is_comm_fault(_raised_in("/home/user/train.py", RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer; socket timed out")))
+    assert not is_comm_fault(RuntimeError("peer socket collective timed out"))  # no traceback at all
+    # another type raised in c10d is not a transport failure
+    assert not is_comm_fault(_raised_in(c10d_file, ValueError("Invalid rank")))
+    assert not is_comm_fault(_raised_in(c10d_file, KeyError("peer")))

@@ -40,13 +40,6 @@ def test_find_references_follows_dicts_closures_slots_partials_and_weakrefs():
     assert "d[0]().group" in paths
 
 
-def test_the_site_list_is_one_place_naming_every_torch_cache():
-    names = [s.name for s in SITES]
-    assert names == ["c10d.world", "c10d.registry", "device_mesh.dim_group_names", "device_mesh.pg_registry",
-                     "fsdp.mesh_info", "fsdp.comm"]
-    assert all(s.source for s in SITES)
-
-
 @pytest.mark.live
 @pytest.mark.slow
 def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations():
