@@ -103,7 +103,7 @@ def panel() -> None:
         down = sorted(set(range(world)) - alive) if job.running and procs else []
         st.plotly_chart(mesh_figure(mesh, down, height=320), key="live_mesh")
     with right:
-        st.dataframe([{"t (s)": round(e.t, 3), "event": e.event, "rank": e.rank, "stage": e.stage.value if e.stage else ""}
+        st.dataframe([{"t (s)": round(e.t, 3), "event": str(e.event), "rank": e.rank, "stage": e.stage.value if e.stage else ""}
                       for e in sorted(events, key=lambda e: e.t)[-12:]], hide_index=True)
         if job.injected:
             st.caption("Injected from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {i['t']:.1f} s"

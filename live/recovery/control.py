@@ -84,6 +84,11 @@ class ControlChannel:
         at ``to`` (another rank moved it) or beyond is left alone."""
         self._store.compare_set(self._ns + key, str(to - 1), str(to))
 
+    def move(self, key: str, expected: int, to: int) -> None:
+        """Set an integer counter from ``expected`` to ``to`` in one round trip, only if it still
+        holds ``expected`` (another rank may have moved it already)."""
+        self._store.compare_set(self._ns + key, str(expected), str(to))
+
     def set_once(self, key: str, value: Any) -> Any:
         """Write ``value`` unless the key exists; return what the key holds now (the first writer's)."""
         raw = self._store.compare_set(self._ns + key, "", json.dumps(value))

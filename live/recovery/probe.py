@@ -23,7 +23,7 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["rebind_probe", "torchft_probe", "checkpoint_probe"]
+__all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe"]
 
 
 def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
@@ -90,6 +90,73 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
                 "new_ops": counter.counts.get(new.group_name, 0)})
     out["median_rebind_ms"] = statistics.median(out["rebind_ms"])
     out["reconfigure_available"] = comm.can_reconfigure(session.group)
+    return out
+
+
+def _stale(model: Any, optimizer: Any, meshes: list[Any], old: dict[str, Any]) -> list[str]:
+    """Everything that still leads to a retired group: object paths, name paths, and names c10d
+    still resolves."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from .rebind import default_roots, find_references
+
+    old_ids = {id(g) for g in old.values()}
+    old_names = frozenset(g.group_name for g in old.values())
+    roots = {**default_roots(model, optimizer), "all_meshes": meshes}
+    out = sorted({p for p, o in find_references(roots, names=old_names) if id(o) in old_ids or o in old_names})
+    for name in sorted(old_names):
+        try:
+            c10d._resolve_process_group(name)
+            out.append(f"c10d resolves {name}")
+        except (LookupError, RuntimeError, ValueError):
+            pass
+    return out
+
+
+def site_audit(args: dict[str, Any]) -> dict[str, Any]:
+    """For each rebinding site in turn, on the harness sharded over ``mesh_shape``: replace every
+    group of the job, rebind with that one site skipped and audit (the miss must be found, by
+    object or by name), then apply the skipped site, audit again (nothing must be found) and
+    train a step (the retired groups must receive no operation)."""
+    import torch
+
+    from . import communicator as comm
+    from .harness import ModelConfig, build, make_batch, make_train_step
+    from .rebind import SITES, rebind
+    from .runtime import _backend_of, _seq, device_meshes
+    from .session import RecoveryConfig, c10d_default, start_session
+
+    shape = tuple(args.get("mesh_shape") or ())
+    session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 30.0))),
+                            shape or None, tuple(args["mesh_names"]) if args.get("mesh_names") else None)
+    cfg = ModelConfig()
+    model, optimizer = build(cfg, session.mesh)
+    train_step = make_train_step(model, optimizer)
+    step = 0
+    train_step(make_batch(cfg, step, session.rank))
+    meshes = device_meshes()
+    out: dict[str, Any] = {"rank": session.rank, "sites": {}}
+    for gen, site in enumerate(SITES, start=1):
+        old = dict(session.groups)
+        new = session.build_generation(gen)
+        rebound = 0
+        for base in old:
+            rebound += rebind(old[base], new[base], model, optimizer, meshes, skip=(site.name,)).total
+        c10d_default(new[comm.WORLD])
+        missed = _stale(model, optimizer, meshes, old)
+        applied = sum(rebind(old[base], new[base], model, optimizer, meshes, only=(site.name,)).total
+                      for base in old)
+        clean = _stale(model, optimizer, meshes, old)
+        backends = [_backend_of(g, session.spec.device) for g in old.values()]
+        seq0 = [_seq(b) for b in backends]
+        session.groups, session.generation = new, gen
+        del old
+        step += 1
+        train_step(make_batch(cfg, step, session.rank))
+        out["sites"][site.name] = {"applied": applied, "missed": missed, "clean": clean,
+                                   "old_ops_after": sum(_seq(b) - s0 for b, s0 in zip(backends, seq0)),
+                                   "new_ops": sum(_seq(_backend_of(g, session.spec.device)) for g in new.values())}
+        del backends
     return out
 
 
