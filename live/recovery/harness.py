@@ -70,7 +70,7 @@ class Decoder(nn.Module):
         return self.head(self.ln(x))
 
 
-def build(cfg: ModelConfig, mesh: Any, compile: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(cfg: ModelConfig, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The sharded model and its AdamW optimizer; every rank starts from the same weights."""
     from torch.distributed.fsdp import fully_shard
 
@@ -79,8 +79,6 @@ def build(cfg: ModelConfig, mesh: Any, compile: bool = False) -> tuple[nn.Module
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if compile:
-        model.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=True)
     return model, optimizer
 

@@ -39,7 +39,7 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
     session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)),
                                            checkpoint_dir=None))
     cfg = ModelConfig(**args.get("model", {}))
-    model, optimizer = build(cfg, session.mesh, compile=bool(args.get("compile")))
+    model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
     counter = OpCounter()
     rounds = int(args.get("rounds", 3))
