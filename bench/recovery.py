@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                               if down["in_memory"] and down["checkpoint_restore"] else None),
         "downtime_ratio_cold_restart": (down["cold_restart"] / down["in_memory"]
                                         if down["in_memory"] and down["cold_restart"] else None),
-        "checkpoint_restore_lost_steps": result.faulted[0]["drill"]["lost_steps"] if result.faulted[0].get("drill") else None,
+        "checkpoint_restore_lost_steps": result.faulted[0].drill.lost_steps if result.faulted[0].drill else None,
         "old_group_ops_after_rebind": summary["old_group_ops_after_rebind"],
         "trial_wall_s": time.time() - t0,
     })

@@ -19,6 +19,7 @@
 | ``rankworker`` | the rank side of a trial |
 | ``trial`` | a recovery trial from the parent: reference run, faulted run, baselines |
 | ``analysis`` | a trial's numbers and the bit-identity check |
+| ``outcome`` | what one rank process reports back (typed) |
 | ``probe`` | probes of the communicator path alone, for the benchmark |
 
 Names are imported lazily, so ``from meshpact.live.recovery import FaultKind`` needs no torch.
@@ -42,7 +43,7 @@ _EXPORTS = {
     "FaultKind": "faults", "Fault": "faults", "FaultInjector": "faults", "CollectiveFault": "faults",
     "plan_faults": "faults",
     "Checkpointer": "checkpoint", "AsyncCheckpointer": "checkpoint",
-    "TrialConfig": "trialconfig", "TrialResult": "analysis", "run_trial": "trial",
+    "TrialConfig": "trialconfig", "TrialResult": "analysis", "run_trial": "trial", "RankOutcome": "outcome",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

@@ -20,6 +20,7 @@ from meshpact.core.recording import Event, EventKind
 from meshpact.core.recovery import Policy, Stage
 
 from .faults import Fault, FaultKind
+from .outcome import FaultRecord, RankOutcome
 from .trialconfig import TrialConfig
 
 __all__ = ["TrialResult", "compare_final"]
@@ -27,12 +28,14 @@ __all__ = ["TrialResult", "compare_final"]
 
 @dataclass
 class TrialResult:
+    """Everything the parent collected from one trial; the methods derive the numbers."""
+
     config: TrialConfig
     faults: tuple[Fault, ...]
-    reference: list[dict[str, Any]]
-    faulted: list[dict[str, Any]]
-    cold: list[dict[str, Any]] | None
-    fault_records: dict[int, dict[str, Any]]
+    reference: list[RankOutcome]
+    faulted: list[RankOutcome]
+    cold: list[RankOutcome] | None
+    fault_records: dict[int, FaultRecord]
     bit_identical: bool
     mismatches: list[str]
     replacements: int
@@ -52,7 +55,6 @@ class TrialResult:
         gen_of: dict[tuple[int, int], int] = {}
         incarnation_of: dict[int, int] = {}
         for ev in sorted(self.faulted_events, key=lambda e: e.t):
-            key_rank = (ev.rank or 0, int(ev.data.get("incarnation", 0)))
             if ev.event == EventKind.SESSION_START:
                 incarnation_of[ev.rank or 0] = int(ev.data.get("incarnation", 0))
             key_rank = (ev.rank or 0, incarnation_of.get(ev.rank or 0, 0))
@@ -92,8 +94,8 @@ class TrialResult:
     def _inject_time(self, step: int) -> float | None:
         for f in self.faults:
             rec = self.fault_records.get(f.index)
-            if rec and rec["step"] == step:
-                return float(rec["t_wall"])
+            if rec and rec.step == step:
+                return rec.t_wall
         return None
 
     def policy_counts(self) -> dict[str, int]:
@@ -107,12 +109,12 @@ class TrialResult:
         mem = [r["downtime_s"] for r in recs if r["policy"] == Policy.IN_MEMORY.value and r["downtime_s"] is not None]
         detection = [r["stages_s"][Stage.DETECTION.value] for r in recs]
         det = statistics.median(detection) if detection else 0.0
-        drills = [res["drill"] for res in self.faulted if res.get("drill")]
-        ckpt = (self.outage_s(det, restart=False) + max(d["t_end_wall"] for d in drills)
-                - min(d["t_start_wall"] for d in drills)) if drills else None
+        drills = [res.drill for res in self.faulted if res.drill is not None]
+        ckpt = (self.outage_s(det, restart=False) + max(d.t_end_wall for d in drills)
+                - min(d.t_start_wall for d in drills)) if drills else None
         cold = None
         if self.cold and self.cold_launch_wall is not None:
-            caught_up = max(r["t_caught_up_wall"] for r in self.cold)
+            caught_up = max(r.t_caught_up_wall for r in self.cold)
             cold = self.outage_s(det, restart=True) + caught_up - self.cold_launch_wall
         return {Policy.IN_MEMORY.value: statistics.median(mem) if mem else None,
                 Policy.CHECKPOINT_RESTORE.value: ckpt, Policy.COLD_RESTART.value: cold}
@@ -134,14 +136,13 @@ class TrialResult:
         if not self.bit_identical:
             return 0
         steps = {r["step"] for r in self.recoveries()}
-        return sum(1 for rec in self.fault_records.values() if rec["step"] in steps)
+        return sum(1 for rec in self.fault_records.values() if rec.step in steps)
 
     def old_group_ops_after_rebind(self) -> int:
         """Operations the retired groups received after their rebind: the backend's own sequence
         number over the step that followed the rebind, plus the dispatcher-level count when
         that counter is on."""
-        return sum((r["seq_ops_after"] or 0) + (r["dispatch_ops_after"] or 0)
-                   for res in self.faulted for r in res["retired"])
+        return sum((r.seq_ops_after or 0) + (r.dispatch_ops_after or 0) for res in self.faulted for r in res.retired)
 
     def summary(self) -> dict[str, Any]:
         recs = self.recoveries()
@@ -161,7 +162,7 @@ class TrialResult:
             "recovery_ms": {"median": statistics.median([r["recovery_s"] * 1e3 for r in recs]) if recs else None,
                             "max": max([r["recovery_s"] * 1e3 for r in recs], default=None)},
             "old_group_ops_after_rebind": self.old_group_ops_after_rebind(),
-            "retired_groups_still_referenced": sum(r["alive"] for res in self.faulted for r in res["retired"]),
+            "retired_groups_still_referenced": sum(r.alive for res in self.faulted for r in res.retired),
             "replacement_processes": self.replacements,
             "mismatches": self.mismatches[:5],
         }

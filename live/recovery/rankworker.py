@@ -7,7 +7,7 @@ optimizer, and trains for the trial's steps under
 batches come from the workload's ``batch(step, rank)``, so any lost step is drawn again.
 It can finish with a real checkpoint restore in the job (the *drill*) or start as a *cold
 restart* from a checkpoint. It saves its final state (parameter shards, optimizer state and
-generators) and returns its recoveries, operation counts and retired groups as JSON.
+generators) and returns a :class:`~meshpact.live.recovery.outcome.RankOutcome` as JSON.
 
 For a workload with compiled modules it profiles one step before the first fault and one
 after the last recovery and counts the compiled regions that ran in each.
@@ -45,6 +45,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from .faults import Fault, FaultInjector
+    from .outcome import Drill, FaultRecord, RankOutcome, RetiredSummary
     from .runtime import resilient
     from .session import RecoveryConfig, start_session
     from .state import digest, job_state
@@ -68,7 +69,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     try:
         model, optimizer = built(workload, session.mesh)
     except WorkloadError as exc:
-        return {"rank": rank, "workload_error": str(exc)}
+        return RankOutcome(rank, workload_error=str(exc)).to_dict()
 
     def train_step(batch: Any) -> Any:
         return workload.train_step(model, optimizer, batch)
@@ -82,7 +83,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     profile = _has_compiled(model)
     regions: dict[str, int] = {}
     step_s: list[float] = []
-    drill: dict[str, Any] | None = None
+    drill: Drill | None = None
     cold_from = args.get("cold_from")
     with resilient(model, optimizer, session, injector, batches) as rt:
         t_loaded = None
@@ -102,25 +103,25 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         if args.get("drill"):
             t0 = time.time()
             decision = rt.drill_checkpoint_restore()
-            drill = {"t_start_wall": t0, "t_end_wall": time.time(), "checkpoint_step": decision.step,
-                     "lost_steps": rt.recoveries[-1].lost_steps}
+            drill = Drill(t0, time.time(), decision.step, rt.recoveries[-1].lost_steps)
         state = job_state(model, optimizer)
         torch.save({k: v.clone() for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
         counts = rt.op_counts()
-        retired = [{"group": r.name, "seq_ops_after": r.seq_ops_after, "alive": r.alive,
-                    "dispatch_ops_after": (counts.get(f"dispatch:{r.name}", 0) - r.dispatch_ops_at_retirement
-                                           if r.dispatch_ops_at_retirement is not None else None)}
-                   for r in rt.retired]
-        result: dict[str, Any] = {
-            "rank": rank, "incarnation": session.incarnation, "digest": digest(state),
-            "recoveries": [r.to_dict() for r in rt.recoveries], "op_counts": counts, "retired": retired,
-            "current_groups": sorted(g.group_name for g in session.groups.values()), "step_s": step_s,
-            "generation": session.generation, "drill": drill, "t_start_wall": t_start,
-            "t_caught_up_wall": t_caught_up, "compiled_regions": regions, "t_loaded_wall": t_loaded}
+        retired = tuple(RetiredSummary(
+            r.name, r.seq_ops_after,
+            counts.get(f"dispatch:{r.name}", 0) - r.dispatch_ops_at_retirement
+            if r.dispatch_ops_at_retirement is not None else None, r.alive) for r in rt.retired)
+        compiled_graphs = None
         if "torch._dynamo" in sys.modules:
             from torch._dynamo.utils import counters
 
-            result["compiled_graphs"] = int(counters["stats"]["unique_graphs"])
+            compiled_graphs = int(counters["stats"]["unique_graphs"])
+        records = {}
         if rank == 0:
-            result["fault_records"] = session.control.present([f"fault/{f.index}" for f in faults])
-    return result
+            claimed = session.control.present([f"fault/{f.index}" for f in faults])
+            records = {int(k.split("/")[1]): FaultRecord(**v) for k, v in claimed.items()}
+        outcome = RankOutcome(
+            rank, session.incarnation, digest(state), tuple(r.to_dict() for r in rt.recoveries), counts, retired,
+            tuple(sorted(g.group_name for g in session.groups.values())), tuple(step_s), session.generation, drill,
+            t_start, t_caught_up, t_loaded, regions, compiled_graphs, records)
+    return outcome.to_dict()

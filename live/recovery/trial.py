@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -28,6 +29,7 @@ from meshpact.core.recovery import Stage
 from ..launcher import Launch, LaunchError, host_store
 from .analysis import TrialResult, compare_final
 from .faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
+from .outcome import RankOutcome
 from .trialconfig import TrialConfig
 from .workload import WorkloadError, check_workload
 
@@ -38,7 +40,7 @@ WORKER = "meshpact.live.recovery.rankworker:worker"
 
 def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: dict[str, Any],
          netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter
-         ) -> tuple[list[dict[str, Any]], int, float]:
+         ) -> tuple[list[RankOutcome], int, float]:
     out_dir = Path(extra.get("out_dir", work / tag))
     out_dir.mkdir(parents=True, exist_ok=True)
     args = {"steps": cfg.steps, "checkpoint_every": cfg.checkpoint_every, "data_timeout_s": cfg.data_timeout_s,
@@ -74,11 +76,12 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         raise LaunchError(f"{tag} run: rank {bad[0].rank} "
                           f"{'timed out' if bad[0].returncode is None else f'exited with {bad[0].returncode}'}"
                           f" (limit {cfg.timeout_s:.0f} s); its stderr ends:\n{bad[0].stderr_tail}")
-    for r in results:
-        if isinstance(r.value, dict) and r.value.get("workload_error"):
-            raise WorkloadError(r.value["workload_error"])
+    outcomes = [RankOutcome.from_dict(r.value) for r in results]
+    for o in outcomes:
+        if o.workload_error:
+            raise WorkloadError(o.workload_error)
     del control
-    return [r.value for r in results], replacements, t_launch
+    return outcomes, replacements, t_launch
 
 
 def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = None,
@@ -132,7 +135,7 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
         with _partition_hosts(cfg) as (netns, stores):
             ref_dir = Path(reference_dir) if reference_dir else work / "reference"
             if reference_dir and all((ref_dir / f"final-rank{r}.pt").exists() for r in range(cfg.ranks)):
-                reference: list[dict[str, Any]] = []
+                reference: list[RankOutcome] = []
             else:
                 reference, _, _ = _run(cfg, workload, "reference", ref_dir.parent, (),
                                        {"checkpoint_dir": str(ref_dir.parent / "ref-checkpoints"),
@@ -140,10 +143,11 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
             faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults, {"drill": cfg.baselines},
                                             netns, stores, rec)
             if cfg.baselines:
-                drill = faulted[0]["drill"]
-                cold, _, cold_launch = _run(cfg, workload, "cold", work, (), {"cold_from": drill["checkpoint_step"]},
+                drill = faulted[0].drill
+                assert drill is not None, "the faulted run ends with a drill when baselines are on"
+                cold, _, cold_launch = _run(cfg, workload, "cold", work, (), {"cold_from": drill.checkpoint_step},
                                             netns, stores, rec)
-        fault_records = _fault_records(faulted)
+        fault_records = {k: v for o in faulted for k, v in o.fault_records.items()}
         faulted_events = read_rank_events(work / "faulted")
         mismatches = compare_final(ref_dir, work / "faulted", cfg.ranks)
         if cold is not None:
@@ -154,7 +158,8 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
         for f in faults:
             r = fault_records.get(f.index)
             if r:
-                rec.emit(EventKind.FAULT_INJECTED, rank=f.rank, data={**f.to_dict(), **r}, t=r["t_wall"] - t0_wall)
+                rec.emit(EventKind.FAULT_INJECTED, rank=f.rank, data={**f.to_dict(), **asdict(r)},
+                         t=r.t_wall - t0_wall)
         result = TrialResult(cfg, faults, reference, faulted, cold, fault_records, not mismatches, mismatches,
                              replacements, str(recording_path), cold_launch, faulted_events)
         for r in result.recoveries():
@@ -171,15 +176,6 @@ def read_rank_events(out_dir: Path) -> list[Event]:
             if line.strip():
                 events.append(Event.from_dict(json.loads(line), where=f"{path}:{lineno}"))
     return events
-
-
-def _fault_records(faulted: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
-    """When each fault fired, as claimed on the control channel."""
-    out: dict[int, dict[str, Any]] = {}
-    for res in faulted:
-        for key, value in (res.get("fault_records") or {}).items():
-            out[int(key.split("/")[1])] = dict(value)
-    return out
 
 
 def _serve_stores_in(netns: NetnsPair) -> tuple[subprocess.Popen, dict[str, int]]:

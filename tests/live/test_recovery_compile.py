@@ -15,6 +15,6 @@ def test_compiled_blocks_run_compiled_before_and_after_an_in_memory_recovery():
                    workload="compiled", data_timeout_s=20.0)
     assert_recovered(result, "in_memory")
     for rank in result.faulted:
-        assert rank["compiled_graphs"] >= 1
-        assert rank["compiled_regions"]["before_first_fault"] > 0, rank["compiled_regions"]
-        assert rank["compiled_regions"]["after_last_recovery"] > 0, rank["compiled_regions"]
+        assert rank.compiled_graphs >= 1
+        assert rank.compiled_regions["before_first_fault"] > 0, rank.compiled_regions
+        assert rank.compiled_regions["after_last_recovery"] > 0, rank.compiled_regions

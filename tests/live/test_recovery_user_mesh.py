@@ -48,7 +48,7 @@ def test_a_users_own_mesh_and_its_groups_are_replaced_and_rebound(tmp_path):
                    workload=str(path))
     assert_recovered(result, "in_memory")
     for rank in result.faulted:
-        retired = [r["group"] for r in rank["retired"]]
+        retired = [r.group for r in rank.retired]
         # two recoveries: the group over all ranks and torch's own group for the user's mesh, twice
         assert len(retired) == 4 and sum(not g.startswith("meshpact_data") for g in retired) == 2, retired
-        assert not any(r["alive"] for r in rank["retired"]), rank["retired"]
+        assert not any(r.alive for r in rank.retired), rank.retired
