@@ -30,7 +30,8 @@ import torch.distributed.distributed_c10d as c10d
 from meshpact.core.recovery import CommunicatorAction
 
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
-           "can_reconfigure", "can_shrink", "socket_fds", "data_sockets", "sever", "group_ranks", "base_name"]
+           "can_reconfigure", "can_shrink", "socket_fds", "data_sockets", "sever", "group_ranks", "base_name",
+           "backend_of", "sequence_number"]
 
 WORLD = "meshpact_data"  # the base name of the data-path group over every rank
 
@@ -179,6 +180,23 @@ def install_group(pg: dist.ProcessGroup, store: Any, spec: GroupSpec, ranks: tup
     c10d._register_pg_in_world(pg, spec.backend, store, pg.group_name,
                                f"{spec.device.split(':')[0]}:{spec.backend}",
                                rank_mapping={g: i for i, g in enumerate(ranks)})
+
+
+def backend_of(pg: dist.ProcessGroup, device: str) -> Any:
+    """The backend ``pg`` uses for ``device`` (None where it has none)."""
+    try:
+        return pg._get_backend(torch.device(device))
+    except RuntimeError:
+        return None
+
+
+def sequence_number(backend: Any) -> int:
+    """Operations a backend has issued (its collective sequence number): free, and unlike a
+    dispatch mode it leaves ``torch.compile`` on."""
+    try:
+        return int(backend._get_sequence_number_for_group()) if backend is not None else 0
+    except RuntimeError:
+        return 0
 
 
 def can_reconfigure(pg: Any) -> bool:

@@ -123,7 +123,7 @@ def site_audit(args: dict[str, Any]) -> dict[str, Any]:
     from . import communicator as comm
     from .harness import ModelConfig, build, make_batch, make_train_step
     from .rebind import SITES, rebind
-    from .runtime import _backend_of, _seq, device_meshes
+    from .runtime import device_meshes
     from .session import RecoveryConfig, c10d_default, start_session
 
     shape = tuple(args.get("mesh_shape") or ())
@@ -147,15 +147,16 @@ def site_audit(args: dict[str, Any]) -> dict[str, Any]:
         applied = sum(rebind(old[base], new[base], model, optimizer, meshes, only=(site.name,)).total
                       for base in old)
         clean = _stale(model, optimizer, meshes, old)
-        backends = [_backend_of(g, session.spec.device) for g in old.values()]
-        seq0 = [_seq(b) for b in backends]
+        backends = [comm.backend_of(g, session.spec.device) for g in old.values()]
+        seq0 = [comm.sequence_number(b) for b in backends]
         session.groups, session.generation = new, gen
         del old
         step += 1
         train_step(make_batch(cfg, step, session.rank))
         out["sites"][site.name] = {"applied": applied, "missed": missed, "clean": clean,
-                                   "old_ops_after": sum(_seq(b) - s0 for b, s0 in zip(backends, seq0)),
-                                   "new_ops": sum(_seq(_backend_of(g, session.spec.device)) for g in new.values())}
+                                   "old_ops_after": sum(comm.sequence_number(b) - s0 for b, s0 in zip(backends, seq0)),
+                                   "new_ops": sum(comm.sequence_number(comm.backend_of(g, session.spec.device))
+                                                  for g in new.values())}
         del backends
     return out
 

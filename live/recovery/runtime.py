@@ -115,21 +115,6 @@ class RetiredGroup:
         return self.ref() is not None
 
 
-def _backend_of(pg: dist.ProcessGroup, device: str) -> Any:
-    try:
-        return pg._get_backend(torch.device(device))
-    except RuntimeError:
-        return None
-
-
-def _seq(backend: Any) -> int:
-    """Operations a backend has issued (its collective sequence number); compile-safe, free."""
-    try:
-        return int(backend._get_sequence_number_for_group()) if backend is not None else 0
-    except RuntimeError:
-        return 0
-
-
 def device_meshes() -> list[Any]:
     """Every live DeviceMesh of the process: the session's, FSDP's, DTensors' and the user's own
     (a walk of the garbage collector's objects: done once, when training starts)."""
@@ -206,7 +191,8 @@ class Resilient:
     def op_counts(self) -> dict[str, int]:
         """Operations per live group: the backends' sequence numbers, plus the dispatch-mode
         counts (under ``dispatch:``) when that counter is on."""
-        out = {pg.group_name: _seq(_backend_of(pg, self.session.spec.device)) for pg in self.session.groups.values()}
+        device = self.session.spec.device
+        out = {pg.group_name: comm.sequence_number(comm.backend_of(pg, device)) for pg in self.session.groups.values()}
         if self.counter is not None:
             out.update({f"dispatch:{k}": v for k, v in self.counter.snapshot().items()})
         return out
@@ -245,7 +231,7 @@ class Resilient:
         released = False
         for r in self.retired:  # a full step has run since these groups were retired: count, release
             if r.backend is not None:
-                r.seq_ops_after = _seq(r.backend) - r.seq_at_retirement
+                r.seq_ops_after = comm.sequence_number(r.backend) - r.seq_at_retirement
                 r.backend = None
                 released = True
         if released:  # a retired group can sit in a reference cycle of long-lived objects (the
@@ -337,8 +323,9 @@ class Resilient:
         if action is not CommunicatorAction.RECONFIGURE:
             dispatch = self.counter.counts if self.counter is not None else None
             for old in old_groups.values():
-                backend = _backend_of(old, s.spec.device)
-                self.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, _seq(backend),
+                backend = comm.backend_of(old, s.spec.device)
+                self.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend,
+                                                 comm.sequence_number(backend),
                                                  dispatch.get(old.group_name, 0) if dispatch is not None else None))
         s.emit(EventKind.REBOUND, Stage.REBINDING, seconds=rebind_s, references=counts,
                old_groups=sorted(g.group_name for g in old_groups.values()),

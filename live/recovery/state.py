@@ -11,7 +11,8 @@ NumPy's global state) and :func:`restore_rng` puts it back before a step is re-r
 Commits must cost nothing at real sizes, so :func:`commit_check` hashes O(1) bytes: the
 committed step plus a fixed sample of elements spread over the tensors (at most
 ``_SAMPLE_TENSORS`` tensors, their first, middle and last ``_SAMPLE_ELEMS`` elements),
-gathered on the tensors' device into one buffer per dtype and copied to the host once. :func:`digest` hashes everything and is for final comparisons only.
+gathered on the tensors' device into one buffer per dtype and copied to the host once.
+:func:`digest` hashes everything and is for final comparisons only.
 """
 
 from __future__ import annotations
