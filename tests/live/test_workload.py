@@ -84,3 +84,12 @@ def test_the_cli_refuses_a_bad_workload_with_exit_2_before_any_rank_starts(tmp_p
     assert code == 2 and message in err and "Traceback" not in err
     assert time.monotonic() - t0 < 30  # refused in the parent: no rank was started
     assert not (tmp_path / "r.jsonl").exists() and not (tmp_path / "r.jsonl.partial").exists()
+
+
+def test_a_build_that_returns_something_else_is_named_with_what_was_expected(tmp_path):
+    from meshpact.live.recovery.workload import built, load_workload
+
+    w = load_workload(_file(tmp_path, GOOD.replace("return model, torch.optim.SGD(model.parameters(), lr=0.1)",
+                                                   "return model")), 2)
+    with pytest.raises(WorkloadError, match=r"build\(mesh\) returned Linear; expected \(model, optimizer\)"):
+        built(w, mesh=None)
