@@ -7,8 +7,12 @@
   collective of the step.
 - ``partition``: ranks live in two network namespaces joined by two veth links, one for
   the data path and one for the control channel; the injecting rank sets its end of the
-  data link down and a detached ``sh`` sets it up again after ``down_s``. Needs root and
-  iproute2; :func:`netns_unavailable` says why not elsewhere.
+  data link down and a detached ``sh`` sets it up again after ``down_s``. It does so once
+  every rank has entered the step (each posts its arrival on the control channel), so the
+  cut lands inside the step and not in the tail of the previous one, which a slower rank
+  may still be receiving (that would leave the ranks one committed step apart, and the
+  group would correctly refuse to resume from memory). Needs root and iproute2;
+  :func:`netns_unavailable` says why not elsewhere.
 - ``kill``: the chosen rank sends itself SIGKILL; the launcher starts a replacement.
 
 Each fault fires once: the injecting rank claims ``fault/<i>`` on the control channel
@@ -87,6 +91,7 @@ class FaultInjector:
     def __init__(self, faults: tuple[Fault, ...], rank: int, channel: Any, stall_s: float = 0.0,
                  down_s: float = 0.0, data_iface: str | None = None) -> None:
         self.mine = {f.step: f for f in faults if f.rank == rank}
+        self.partitions = {f.step: f for f in faults if f.kind is FaultKind.PARTITION}
         self.rank = rank
         self.channel = channel
         self.stall_s = stall_s
@@ -103,7 +108,12 @@ class FaultInjector:
 
     @contextlib.contextmanager
     def around_step(self, step: int) -> Iterator[None]:
+        cut = self.partitions.get(step)
+        if cut is not None:  # every rank says it has entered the step (see the module docstring)
+            self.channel.set(f"arrived/{cut.index}/rank{self.rank}", True)
         fault = self.mine.get(step)
+        if fault is not None and fault.kind is FaultKind.PARTITION:  # claimed (and timed) once all are in
+            self.channel.wait([f"arrived/{fault.index}/rank{r}" for r in range(self.channel.world_size)])
         if fault is None or not self._claim(fault):
             yield
             return

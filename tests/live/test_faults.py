@@ -6,7 +6,7 @@ import pytest
 import torch.distributed as dist
 
 from meshpact.core.errors import MeshpactError
-from meshpact.live.recovery.faults import CollectiveFault, FaultKind, plan_faults
+from meshpact.live.recovery.faults import CollectiveFault, FaultInjector, FaultKind, plan_faults
 from meshpact.live.recovery.runtime import COMM_MODULES, is_comm_fault
 from meshpact.live.recovery.trial import TrialConfig
 
@@ -69,3 +69,48 @@ def test_a_plain_runtime_error_is_a_comm_fault_only_when_raised_in_torch_communi
     # another type raised in c10d is not a transport failure
     assert not is_comm_fault(_raised_in(c10d_file, ValueError("Invalid rank")))
     assert not is_comm_fault(_raised_in(c10d_file, KeyError("peer")))
+
+
+class _Channel:
+    """The control channel's surface the injector uses, in memory, recording the order of calls."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.keys: dict = {}
+        self.log: list = []
+
+    def set(self, key, value):
+        self.keys[key] = value
+        self.log.append(("set", key))
+
+    def set_once(self, key, value):
+        return self.keys.setdefault(key, value)
+
+    def wait(self, keys, timeout_s=None):
+        self.log.append(("wait", tuple(keys)))
+        missing = [k for k in keys if k not in self.keys]
+        if missing:
+            raise TimeoutError(missing)
+        return {k: self.keys[k] for k in keys}
+
+
+def test_a_partition_is_cut_only_once_every_rank_has_entered_the_step(monkeypatch):
+    """Cut earlier, a slower rank still receiving the previous step's tail would end it one
+    committed step behind the others (seen at load average 6: a restore instead of memory)."""
+    faults = plan_faults("partition", steps=8, count=1, world_size=2, injector_ranks=(0,))
+    step = faults[0].step
+    channel = _Channel()
+    injector0 = FaultInjector(faults, 0, channel, down_s=1.0, data_iface="veth-test")
+    injector1 = FaultInjector(faults, 1, channel, down_s=1.0, data_iface="veth-test")
+    monkeypatch.setattr(injector0, "_partition", lambda: channel.log.append(("cut",)))
+    with pytest.raises(TimeoutError):  # rank 1 has not entered the step: no cut
+        with injector0.around_step(step):
+            pass
+    assert ("cut",) not in channel.log
+    with injector1.around_step(step):
+        pass
+    with injector0.around_step(step):
+        pass
+    assert channel.log[-1] == ("cut",)
+    assert channel.log[-2] == ("wait", ("arrived/0/rank0", "arrived/0/rank1"))
