@@ -15,6 +15,7 @@ after the last recovery and counts the compiled regions that ran in each.
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
 import time
@@ -107,6 +108,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         state = job_state(model, optimizer)
         torch.save({k: v.clone() for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
         counts = rt.op_counts()
+        gc.collect()  # a retired group no longer referenced is released (RetiredSummary.alive is False)
         retired = tuple(RetiredSummary(
             r.name, r.seq_ops_after,
             counts.get(f"dispatch:{r.name}", 0) - r.dispatch_ops_at_retirement

@@ -166,6 +166,9 @@ class Resilient:
         self.start_step = self.committed_step
         self._meshes = weakref.WeakSet(device_meshes())
         self._mark_committed()
+        # the checkpoint and the walk above take a rank a while under load; no rank issues its
+        # first collective before every rank is here, or a slow one would look like a fault
+        resume_barrier(s, s.generation)
         if self.counter is not None:
             self.counter.__enter__()
         return self
@@ -228,14 +231,12 @@ class Resilient:
         return out
 
     def _commit(self, step: int, batch: Any) -> None:
-        released = False
-        for r in self.retired:  # a full step has run since these groups were retired: count, release
+        # a full step has run since these groups were retired: count their operations, let them go
+        # (no gc.collect() on the step path: a full collection can outlast the data-path timeout)
+        for r in self.retired:
             if r.backend is not None:
                 r.seq_ops_after = comm.sequence_number(r.backend) - r.seq_at_retirement
                 r.backend = None
-                released = True
-        if released:  # a retired group can sit in a reference cycle of long-lived objects (the
-            gc.collect()  # generation-0 group does): collect it now, once per recovery
         self.committed_step = step + 1
         self._mark_committed()
         if self.batches is None:
