@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from meshpact.core.facts import Domain, Mesh
-from meshpact.core.recording import Event
+from meshpact.core.recording import Event, EventKind
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 
 __all__ = [
@@ -96,7 +96,7 @@ def from_recording(events: Sequence[Event]) -> list[ReplayEvent]:
     ``fault_injected``...) marks its rank failed."""
     out = []
     for e in events:
-        if e.event == "recording_start":
+        if e.event == EventKind.RECORDING_START:
             continue
         data = dict(e.data)
         kind = "fault" if "fault" in e.event and e.rank is not None else ("stage" if e.stage else e.event)

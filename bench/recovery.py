@@ -9,10 +9,13 @@ Measures on this machine, in one run:
 - ``--recoveries`` raised-collective faults on 4 ranks recovered in memory: recovery time
   (consensus + communicator + rebinding) p50 and max, and downtime per fault against a
   checkpoint restore in the job and a cold restart measured in the same run (ratios);
-- per-update asynchronous checkpointing: step-latency overhead, host memory, storage/hour.
+- per-update asynchronous checkpointing: step-latency overhead, host memory, storage/hour;
+- what a commit adds to a step (``commit_overhead_ms_by_state_mb``): the commit check (O(1)
+  bytes hashed) and the capture of every generator, for 1 MB to 1 GB of local state (float32
+  tensors of at most 4 MB, as a sharded model's are), beside a full digest of the same state.
 
 Prints a table for people and one JSON line (the last line) for machines.
-Usage: ``python bench/recovery.py [--recoveries 100] [--quick]``.
+Usage: ``python bench/recovery.py [--recoveries 100] [--quick] [--commit-only]``.
 """
 
 from __future__ import annotations
@@ -41,15 +44,52 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(round(q * (len(s) - 1))))]
 
 
+def commit_overhead(sizes_mb: tuple[int, ...] = (1, 10, 100, 1000), repeats: int = 20
+                    ) -> tuple[dict[int, float], dict[int, float]]:
+    """Median ms of one commit (commit check + generators) and of one full digest, by state MB."""
+    import torch
+
+    from meshpact.live.recovery.state import capture_rng, commit_check, digest
+
+    commit, full = {}, {}
+    chunk = 1 << 20  # float32 elements: 4 MB
+    for mb in sizes_mb:
+        n = mb * (1 << 18)  # float32 elements in mb MB
+        state = {f"param/{i}": torch.randn(min(chunk, n - i * chunk)) for i in range((n + chunk - 1) // chunk)}
+        times = []
+        for step in range(repeats):
+            t0 = time.perf_counter()
+            commit_check(step, state)
+            capture_rng()
+            times.append((time.perf_counter() - t0) * 1e3)
+        commit[mb] = statistics.median(times)
+        t0 = time.perf_counter()
+        digest(state)
+        full[mb] = (time.perf_counter() - t0) * 1e3
+        del state
+    return commit, full
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--recoveries", type=int, default=100, help="raised-collective recoveries at 4 ranks")
     ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not the numbers)")
+    ap.add_argument("--commit-only", action="store_true", help="only the commit overhead by state size")
     ns = ap.parse_args(argv)
     rounds = 2 if ns.quick else 6
     out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
                                        "backend": "gloo on loopback"}}
     rows: list[tuple[str, str]] = []
+
+    commit, full = commit_overhead((1, 10, 100) if ns.quick else (1, 10, 100, 1000))
+    out["commit_overhead_ms_by_state_mb"] = commit
+    out["full_digest_ms_by_state_mb"] = full
+    for mb in commit:
+        rows.append((f"commit overhead, {mb} MB of state (ms; a full digest instead)",
+                     f"{commit[mb]:.3f} ({full[mb]:.1f})"))
+    if ns.commit_only:
+        _report(rows, out)
+        return 0
 
     rebind_by, rebuild_by, first_by = {}, {}, {}
     for ranks in (2, 4, 8):
@@ -100,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                               if down["in_memory"] and down["checkpoint_restore"] else None),
         "downtime_ratio_cold_restart": (down["cold_restart"] / down["in_memory"]
                                         if down["in_memory"] and down["cold_restart"] else None),
-        "checkpoint_restore_lost_steps": result.faulted[0]["drill"]["lost_steps"] if result.faulted[0].get("drill") else None,
+        "checkpoint_restore_lost_steps": result.faulted[0].drill.lost_steps if result.faulted[0].drill else None,
         "old_group_ops_after_rebind": summary["old_group_ops_after_rebind"],
         "trial_wall_s": time.time() - t0,
     })
@@ -135,12 +175,17 @@ def main(argv: list[str] | None = None) -> int:
          f"{a['host_bytes'] / 1e6:.2f} MB / {a['storage_bytes_per_hour'] / 1e9:.1f} GB"),
     ]
 
+    _report(rows, out)
+    return 0
+
+
+def _report(rows: list[tuple[str, str]], out: dict[str, Any]) -> None:
+    out["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     width = max(len(k) for k, _ in rows)
     print("Meshpact live recovery benchmark")
     for k, v in rows:
         print(f"  {k.ljust(width)}  {v}")
     print(json.dumps(out, sort_keys=True, default=str))
-    return 0
 
 
 if __name__ == "__main__":

@@ -15,19 +15,59 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from .errors import RecordingError
 from .recovery import Stage
 
-__all__ = ["Event", "RecordingWriter", "read_recording", "iter_events", "partial_path"]
+__all__ = ["EventKind", "Event", "RecordingWriter", "read_recording", "iter_events", "partial_path"]
+
+
+class EventKind(str, Enum):
+    """What an event records. The values are the names written in recordings (a ``str`` enum,
+    so ``EventKind.DECIDED == "decided"``); recordings from other sources may carry names of
+    their own, which :class:`Event` keeps as plain strings."""
+
+    RECORDING_START = "recording_start"
+    # a rank of a recovery trial
+    SESSION_START = "session_start"
+    DETECTED = "detected"
+    DECIDED = "decided"
+    REBUILT = "rebuilt"
+    REBOUND = "rebound"
+    RETAINED = "retained"
+    RELOADED = "reloaded"
+    READY = "ready"
+    REPLAYED = "replayed"
+    RECOVERY_DONE = "recovery_done"
+    CHECKPOINT = "checkpoint"
+    # the trial's parent
+    REPLACEMENT_STARTED = "replacement_started"
+    FAULT_INJECTED = "fault_injected"
+    RECOVERED = "recovered"
+    SUMMARY = "summary"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def event_kind(name: str) -> EventKind | str:
+    """``name`` as an :class:`EventKind` where it is one, else the name itself."""
+    try:
+        return EventKind(name)
+    except ValueError:
+        return name
 
 
 @dataclass(frozen=True)
 class Event:
+    """One event: ``t`` is seconds since the recording started (in a rank's own log, wall
+    time: the trial rebases it when it writes the recording)."""
+
     t: float
-    event: str
+    event: EventKind | str
     rank: int | None = None
     stage: Stage | None = None
     data: Mapping[str, Any] = field(default_factory=dict)
@@ -37,7 +77,7 @@ class Event:
             "t": round(self.t, 9),
             "rank": self.rank,
             "stage": self.stage.value if self.stage else None,
-            "event": self.event,
+            "event": str(self.event),
             "data": dict(self.data),
         }
 
@@ -47,7 +87,7 @@ class Event:
             stage = obj.get("stage")
             return cls(
                 t=float(obj["t"]),
-                event=str(obj["event"]),
+                event=event_kind(str(obj["event"])),
                 rank=None if obj.get("rank") is None else int(obj["rank"]),
                 stage=Stage(stage) if stage else None,
                 data=dict(obj.get("data") or {}),
@@ -73,14 +113,14 @@ class RecordingWriter:
         self._fh = open(self._partial, "w", encoding="utf-8")
         self._t0 = time.monotonic()
         self.count = 0
-        self.emit("recording_start", data={"source": source, "wall_time": time.time(), **meta})
+        self.emit(EventKind.RECORDING_START, data={"source": source, "wall_time": time.time(), **meta})
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
     def emit(
         self,
-        event: str,
+        event: EventKind | str,
         *,
         rank: int | None = None,
         stage: Stage | str | None = None,
@@ -141,6 +181,6 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
 
 def read_recording(path: str | os.PathLike[str]) -> list[Event]:
     events = list(iter_events(path))
-    if not events or events[0].event != "recording_start":
+    if not events or events[0].event != EventKind.RECORDING_START:
         raise RecordingError(f"{path}: the first event must be 'recording_start'")
     return events

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from meshpact.core.errors import RecordingError
-from meshpact.core.recording import iter_events
+from meshpact.core.recording import EventKind, iter_events
 from meshpact.core.recovery import Policy, Stage
 from meshpact.core.recovery_costs import DEFAULT_RECOVERY_COSTS, RecoveryCosts, estimate_recovery
 
@@ -81,7 +81,7 @@ def calibration_from_recording(
     per_rank: dict[Any, tuple[int, set[Stage]]] = {}  # rank -> (index, stages seen in it)
     for i, ev in enumerate(iter_events(path)):
         where = f"{path}: event at t={ev.t}"
-        if i == 0 and ev.event == "recording_start":
+        if i == 0 and ev.event == EventKind.RECORDING_START:
             if ev.data.get("policy"):
                 default_policy = _policy(ev.data["policy"], where)
             for key in ("world_size", "ranks"):

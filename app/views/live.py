@@ -164,7 +164,7 @@ def panel() -> None:
         down = sorted(set(range(world)) - alive) if job.running and procs else []
         st.plotly_chart(mesh_figure(mesh, down), key="live_mesh")
     with right:
-        st.dataframe([{"time": clock(e.t), "event": e.event, "rank": "" if e.rank is None else str(e.rank),
+        st.dataframe([{"time": clock(e.t), "event": str(e.event), "rank": "" if e.rank is None else str(e.rank),
                        "stage": e.stage.value if e.stage else ""}
                       for e in sorted(events, key=lambda e: e.t)[-12:]], hide_index=True, width="stretch")
         if job.injected:

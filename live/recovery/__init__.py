@@ -2,7 +2,11 @@
 
 | module | concept |
 |---|---|
-| ``runtime`` | the session, ``resilient(model, optimizer)`` and the resilient step |
+| ``session`` | one rank's place in the job: stores, control channel, groups, mesh |
+| ``runtime`` | ``resilient(model, optimizer, session)`` and the resilient step |
+| ``stepreset`` | undo a half-run FSDP2 step |
+| ``state`` | a rank's state: shards, optimizer state, generators; the O(1) commit check |
+| ``workload`` | the user's training loop as a file: ``build``, ``batch``, ``train_step``, ``MESH`` |
 | ``consensus`` | agreement on generation and committed step: pure ``decide``, transport ``agree`` |
 | ``control`` | the out-of-band control channel (a TCPStore the data path never touches) |
 | ``communicator`` | data-path groups, one per generation, and how to replace one |
@@ -10,8 +14,12 @@
 | ``opcount`` | operations counted per group: proof that a rebind took effect |
 | ``faults`` | fault injection (raised collective, stall, partition, kill) |
 | ``checkpoint`` | checkpoints: the baselines in-memory recovery is measured against |
-| ``harness`` | the built-in FSDP2 training workload |
-| ``trial`` | a recovery trial: reference run, faulted run, baselines |
+| ``harness`` | the built-in FSDP2 decoder (the ``decoder`` workload's model) |
+| ``trialconfig`` | a trial's settings (torch-free) |
+| ``rankworker`` | the rank side of a trial |
+| ``trial`` | a recovery trial from the parent: reference run, faulted run, baselines |
+| ``analysis`` | a trial's numbers and the bit-identity check |
+| ``outcome`` | what one rank process reports back (typed) |
 | ``probe`` | probes of the communicator path alone, for the benchmark |
 
 Names are imported lazily, so ``from meshpact.live.recovery import FaultKind`` needs no torch.
@@ -22,8 +30,11 @@ from __future__ import annotations
 from .._lazy import lazy_face
 
 _EXPORTS = {
-    "RecoveryConfig": "runtime", "Session": "runtime", "start_session": "runtime",
-    "Resilient": "runtime", "resilient": "runtime",
+    "RecoveryConfig": "session", "Session": "session", "start_session": "session",
+    "Resilient": "runtime", "resilient": "runtime", "is_comm_fault": "runtime", "RecoveryRecord": "runtime",
+    "RngState": "state", "capture_rng": "state", "restore_rng": "state", "commit_check": "state",
+    "Workload": "workload", "WorkloadError": "workload", "MeshSpec": "workload", "check_workload": "workload",
+    "load_workload": "workload", "shipped_workloads": "workload",
     "Proposal": "consensus", "Decision": "consensus", "decide": "consensus", "agree": "consensus",
     "ConsensusError": "consensus",
     "ControlChannel": "control", "ControlTimeout": "control",
@@ -32,7 +43,7 @@ _EXPORTS = {
     "FaultKind": "faults", "Fault": "faults", "FaultInjector": "faults", "CollectiveFault": "faults",
     "plan_faults": "faults",
     "Checkpointer": "checkpoint", "AsyncCheckpointer": "checkpoint",
-    "TrialConfig": "trial", "TrialResult": "trial", "run_trial": "trial",
+    "TrialConfig": "trialconfig", "TrialResult": "analysis", "run_trial": "trial", "RankOutcome": "outcome",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

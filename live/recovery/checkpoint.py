@@ -1,7 +1,7 @@
 """Checkpoints: the baselines in-memory recovery is measured against.
 
 :class:`Checkpointer` writes every rank's local state (its parameter shards and optimizer
-state, as :func:`meshpact.live.recovery.harness.local_state` lists them) every K steps, one file per
+state, as :func:`meshpact.live.recovery.state.job_state` lists them, generators included) every K steps, one file per
 rank under ``step<N>/``, each written to a temporary name and renamed, so a checkpoint is
 complete exactly when all ranks' files exist. Restoring in the job reloads the newest
 complete checkpoint and replays the steps after it; a cold restart starts new processes

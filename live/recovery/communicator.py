@@ -1,10 +1,12 @@
 """Data-path communicators, one per generation, and the choice of how to replace one.
 
-Each recovery starts a new *generation*. Its data-path process group is built fresh over
-the rendezvous store under its own namespace (``meshpact/g<gen>/``), so nothing of the
-broken group's key space or sockets is reused, and installed in c10d's world as the
-default group under the name ``meshpact_data_g<gen>``. The data path gets a short timeout
-(the bound on detecting a silent peer); the control channel keeps its own.
+Each recovery starts a new *generation*. Every data-path process group of the job (the
+group over all ranks, each DeviceMesh dimension's groups, groups the user made with
+``new_group``) is built fresh for it over the rendezvous store under its own namespace
+(``meshpact/<run>/g<gen>/<base>/``), so nothing of a broken group's key space or sockets is
+reused, and installed in c10d's world as ``<base>_g<gen>`` (``meshpact_data_g<gen>`` for the
+group over all ranks). The data path gets a short timeout (the bound on detecting a silent
+peer); the control channel keeps its own.
 
 How a broken group is replaced is chosen by capability detection, never guessed:
 ``ProcessGroup.reconfigure`` (torch 2.14+) keeps the same object and rebuilds it in place;
@@ -15,7 +17,6 @@ NCCL when neither applies) and every cached reference is rebound (:mod:`.rebind`
 
 from __future__ import annotations
 
-import gc
 import os
 import socket
 from dataclasses import dataclass
@@ -28,8 +29,11 @@ import torch.distributed.distributed_c10d as c10d
 
 from meshpact.core.recovery import CommunicatorAction
 
-__all__ = ["GroupSpec", "group_name", "build_group", "install_group", "uninstall_group", "drop_group",
-           "store_prefix", "choose_action", "can_reconfigure", "can_shrink", "socket_fds", "data_sockets", "sever"]
+__all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
+           "can_reconfigure", "can_shrink", "socket_fds", "data_sockets", "sever", "group_ranks", "base_name",
+           "backend_of", "sequence_number"]
+
+WORLD = "meshpact_data"  # the base name of the data-path group over every rank
 
 
 @dataclass(frozen=True)
@@ -40,15 +44,32 @@ class GroupSpec:
     world_size: int
     timeout_s: float  # data-path operations: the bound on detecting a silent peer
     connect_timeout_s: float = 60.0  # building a group (waits for every peer to arrive)
+    run_id: str = ""  # keeps the store keys of runs that share a store apart
 
 
-def group_name(generation: int) -> str:
-    return f"meshpact_data_g{generation}"
+def group_name(generation: int, base: str = WORLD) -> str:
+    """The name of ``base``'s group in ``generation`` (``meshpact_data_g3``)."""
+    return f"{base}_g{generation}"
 
 
-def store_prefix(generation: int) -> str:
-    """The store namespace of a generation's group (per run, so runs sharing a store never meet)."""
-    return f"meshpact/{os.environ.get('MESHPACT_RUN_ID', '')}/g{generation}/"
+def base_name(name: str) -> str:
+    """The generation-free name of a group (``meshpact_data_g3`` -> ``meshpact_data``); a name
+    this module did not give (a user's ``new_group``) is its own base."""
+    head, sep, tail = name.rpartition("_g")
+    return head if sep and tail.isdigit() else name
+
+
+def store_prefix(run_id: str, generation: int, base: str = WORLD) -> str:
+    """The store namespace of ``base``'s group in a generation (per run, so runs sharing a store never meet)."""
+    return f"meshpact/{run_id}/g{generation}/{base}/"
+
+
+def group_ranks(pg: dist.ProcessGroup) -> tuple[int, ...]:
+    """The global ranks of ``pg``'s members, in group-rank order."""
+    mapping = c10d._world.pg_group_ranks.get(pg)
+    if mapping is None:
+        return tuple(range(pg.size()))
+    return tuple(g for g, _ in sorted(mapping.items(), key=lambda kv: kv[1]))
 
 
 def _tcp_table() -> dict[str, tuple[str, int, int]]:
@@ -120,62 +141,62 @@ def sever(sockets: dict[int, str]) -> int:
     return n
 
 
-def build_group(spec: GroupSpec, store: Any, generation: int) -> dist.ProcessGroup:
-    """A fresh data-path group for ``generation`` under its own store namespace."""
-    prefix = dist.PrefixStore(store_prefix(generation), store)
+def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
+                ranks: tuple[int, ...] | None = None) -> dist.ProcessGroup:
+    """A fresh data-path group for ``base`` in ``generation`` over the global ``ranks`` (default:
+    every rank), under its own store namespace, with the data-path timeout. Every member must
+    call it; members build their groups in one agreed order (sorted base names), so two groups
+    never wait on each other."""
+    ranks = tuple(range(spec.world_size)) if ranks is None else tuple(ranks)
+    prefix = dist.PrefixStore(store_prefix(spec.run_id, generation, base), store)
+    rank, size = ranks.index(spec.rank), len(ranks)
     timeout = timedelta(seconds=spec.timeout_s)
     connect = timedelta(seconds=max(spec.timeout_s, spec.connect_timeout_s))
-    pg = dist.ProcessGroup(prefix, spec.rank, spec.world_size)
+    pg = dist.ProcessGroup(prefix, rank, size)
     if spec.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        backend = dist.ProcessGroupNCCL(prefix, spec.rank, spec.world_size, opts)
+        backend = dist.ProcessGroupNCCL(prefix, rank, size, opts)
         kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device(spec.device)
         backend.eager_connect_single_device(device)
     else:
-        backend = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, connect)  # connecting may wait out a partition
+        backend = dist.ProcessGroupGloo(prefix, rank, size, connect)  # connecting may wait out a partition
         kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
     backend._set_default_timeout(timeout)
     backend._set_sequence_number_for_group()
     pg._set_default_backend(kind)
     pg._register_backend(device, kind, backend)
     if kind is dist.ProcessGroup.BackendType.NCCL:  # CPU tensors (e.g. flags) still go through gloo
-        gloo = dist.ProcessGroupGloo(prefix, spec.rank, spec.world_size, timeout)
+        gloo = dist.ProcessGroupGloo(prefix, rank, size, timeout)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    pg._set_group_name(group_name(generation))
-    pg._set_group_desc(f"meshpact data path, generation {generation}")
+    pg._set_group_name(group_name(generation, base))
+    pg._set_group_desc(f"meshpact data path {base}, generation {generation}")
+    install_group(pg, store, spec, ranks)
     return pg
 
 
-def install_group(pg: dist.ProcessGroup, store: Any, spec: GroupSpec, as_default: bool = True) -> None:
-    """Register ``pg`` in c10d's world (name registry, maps, tags) and make it the default group."""
-    name = pg.group_name
-    c10d._register_pg_in_world(pg, spec.backend, store, name, f"{spec.device.split(':')[0]}:{spec.backend}",
-                               rank_mapping={i: i for i in range(spec.world_size)})
-    if as_default:
-        c10d._world.default_pg = pg
+def install_group(pg: dist.ProcessGroup, store: Any, spec: GroupSpec, ranks: tuple[int, ...]) -> None:
+    """Register ``pg`` in c10d's world (name registry, maps, tags) with its global ``ranks``."""
+    c10d._register_pg_in_world(pg, spec.backend, store, pg.group_name,
+                               f"{spec.device.split(':')[0]}:{spec.backend}",
+                               rank_mapping={g: i for i, g in enumerate(ranks)})
 
 
-def uninstall_group(pg: dist.ProcessGroup) -> None:
-    """Remove every c10d world entry for ``pg`` (maps, tags, coalescing state, name registry)."""
-    if c10d._world.default_pg is pg:
-        c10d._world.default_pg = None
-    c10d._cleanup_process_group_global_state(pg)
-
-
-def drop_group(pg: dist.ProcessGroup) -> None:
-    """Release a broken group without waiting on it: shut its backend down and let it go.
-
-    On gloo, ``abort`` does not unblock an operation already in flight on another thread; by
-    the time this runs the failed operation has returned with its error, so shutting down
-    closes the sockets at once and peers still waiting on this rank see the connection close.
-    """
+def backend_of(pg: dist.ProcessGroup, device: str) -> Any:
+    """The backend ``pg`` uses for ``device`` (None where it has none)."""
     try:
-        pg.abort()
+        return pg._get_backend(torch.device(device))
     except RuntimeError:
-        pass
-    del pg
-    gc.collect(0)
+        return None
+
+
+def sequence_number(backend: Any) -> int:
+    """Operations a backend has issued (its collective sequence number): free, and unlike a
+    dispatch mode it leaves ``torch.compile`` on."""
+    try:
+        return int(backend._get_sequence_number_for_group()) if backend is not None else 0
+    except RuntimeError:
+        return 0
 
 
 def can_reconfigure(pg: Any) -> bool:

@@ -23,9 +23,11 @@ from meshpact.core.recovery import Policy
 
 from .control import ControlChannel, ControlTimeout
 
-__all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY"]
+__all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
+           "loss_bound_s"]
 
-GENERATION_KEY = "generation"
+ROUND_KEY = "round"  # the last round decided, complete or not
+GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
 
 
 class ConsensusError(RuntimeError):
@@ -72,6 +74,11 @@ class Decision:
                    tuple(d.get("members", ())), tuple(d.get("missing", ())),
                    {int(k): v for k, v in d.get("proposals", {}).items()})
 
+    def summary(self) -> dict[str, Any]:
+        """What an event records of the decision (no proposals)."""
+        return {"policy": self.policy.value, "round": self.round, "step": self.step, "reason": self.reason,
+                "missing": list(self.missing)}
+
     @property
     def in_memory(self) -> bool:
         return self.policy is Policy.IN_MEMORY
@@ -116,22 +123,33 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
                     f"{group_generation}, committed step {step}, state intact", members, missing, raw)
 
 
+def loss_bound_s(timeout_s: float, max_rounds: int = 4) -> float:
+    """How long :func:`agree` waits on a silent rank before declaring it lost: each round waits
+    at most ``timeout_s`` for the missing proposals, and an incomplete round starts the next at
+    once, so ``max_rounds * timeout_s`` (plus the channel's round trips)."""
+    return max_rounds * timeout_s
+
+
 def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], checkpoint_step: Callable[[int], int],
           timeout_s: float | None = None, max_rounds: int = 4) -> Decision:
-    """Run rounds until the group decides with every rank present (or give up after ``max_rounds``).
+    """Run rounds until the group decides with every rank present; a rank still missing after
+    ``max_rounds`` rounds (:func:`loss_bound_s`) is declared lost with :class:`ConsensusError`.
 
-    A round is ``generation + 1`` where ``generation`` is the last decided one on the channel.
-    ``make_proposal(group_generation)`` builds this rank's proposal for that round.
+    Rounds are numbered on the channel (``ROUND_KEY``); only a complete decision moves the
+    group's generation (``GENERATION_KEY``) to its round. An incomplete round is acted on by
+    nobody, so it makes nobody stale: a rank later than the timeout finds that round decided,
+    moves to the next one and joins it, and the group can still resume from memory.
+    ``make_proposal(group_generation)`` builds this rank's proposal for a round.
     """
     timeout = channel.timeout_s if timeout_s is None else timeout_s
     world = channel.world_size
     last: Decision | None = None
     for _ in range(max_rounds):
-        group_generation = channel.counter(GENERATION_KEY)
-        round_ = group_generation + 1
+        round_ = channel.counter(ROUND_KEY) + 1
         if channel.present([f"round{round_}/decision"]):  # decided without us (we were late): next round
-            channel.advance(GENERATION_KEY, round_)
+            channel.advance(ROUND_KEY, round_)
             continue
+        group_generation = channel.counter(GENERATION_KEY)
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())
         keys = [f"round{round_}/rank{r}" for r in range(world)]
@@ -142,9 +160,11 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
         mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout)
         decision = Decision.from_dict(channel.set_once(f"round{round_}/decision", mine.to_dict()))
-        channel.advance(GENERATION_KEY, round_)
+        channel.advance(ROUND_KEY, round_)
         last = decision
         if not decision.missing:
+            channel.move(GENERATION_KEY, group_generation, round_)
             return decision
-    raise ConsensusError(f"no complete decision after {max_rounds} round(s): "
+    raise ConsensusError(f"rank(s) {list(last.missing) if last else '?'} declared lost: no complete decision "
+                         f"after {max_rounds} round(s) of {timeout:.2f} s; "
                          f"{last.reason if last else 'no round was decided'}")

@@ -45,19 +45,22 @@ def control_address() -> tuple[str, int, bool]:
 
 class ControlChannel:
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 10.0,
-                 is_host: bool = False, connect_timeout_s: float = 60.0) -> None:
+                 is_host: bool = False, connect_timeout_s: float = 60.0, run_id: str = "") -> None:
         self.rank = rank
         self.world_size = world_size
         self.port = port
         self.timeout_s = float(timeout_s)
         self._store = open_store(host, port, world_size, is_host, connect_timeout_s)
         self._store.set_timeout(timedelta(seconds=self.timeout_s))
-        self._ns = f"{_NAMESPACE}{os.environ.get('MESHPACT_RUN_ID', '')}/"
+        self._ns = f"{_NAMESPACE}{run_id}/"
 
     @classmethod
-    def from_env(cls, timeout_s: float = 10.0) -> "ControlChannel":
+    def from_env(cls, timeout_s: float = 10.0, run_id: str = "") -> "ControlChannel":
+        """The channel named by the environment (see the module docstring); ``run_id`` keeps
+        this run's keys apart from other runs sharing the store."""
         host, port, here = control_address()
-        return cls(host, port, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s, is_host=here)
+        return cls(host, port, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s, is_host=here,
+                   run_id=run_id)
 
     # -- values ----------------------------------------------------------------------------
     def set(self, key: str, value: Any) -> None:
@@ -80,6 +83,11 @@ class ControlChannel:
         """Move an integer counter from ``to - 1`` to ``to`` in one round trip; a counter already
         at ``to`` (another rank moved it) or beyond is left alone."""
         self._store.compare_set(self._ns + key, str(to - 1), str(to))
+
+    def move(self, key: str, expected: int, to: int) -> None:
+        """Set an integer counter from ``expected`` to ``to`` in one round trip, only if it still
+        holds ``expected`` (another rank may have moved it already)."""
+        self._store.compare_set(self._ns + key, str(expected), str(to))
 
     def set_once(self, key: str, value: Any) -> Any:
         """Write ``value`` unless the key exists; return what the key holds now (the first writer's)."""

@@ -7,8 +7,12 @@
   collective of the step.
 - ``partition``: ranks live in two network namespaces joined by two veth links, one for
   the data path and one for the control channel; the injecting rank sets its end of the
-  data link down and a detached ``sh`` sets it up again after ``down_s``. Needs root and
-  iproute2; :func:`netns_unavailable` says why not elsewhere.
+  data link down and a detached ``sh`` sets it up again after ``down_s``. It does so once
+  every rank has entered the step (each posts its arrival on the control channel), so the
+  cut lands inside the step and not in the tail of the previous one, which a slower rank
+  may still be receiving (that would leave the ranks one committed step apart, and the
+  group would correctly refuse to resume from memory). Needs root and iproute2;
+  :func:`netns_unavailable` says why not elsewhere.
 - ``kill``: the chosen rank sends itself SIGKILL; the launcher starts a replacement.
 
 Each fault fires once: the injecting rank claims ``fault/<i>`` on the control channel
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
+import secrets
 import signal
 import subprocess
 import time
@@ -63,8 +67,10 @@ class Fault:
 
 
 def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, first_step: int = 1,
-                injector_ranks: tuple[int, ...] | None = None) -> tuple[Fault, ...]:
-    """``count`` faults of ``kind`` at distinct steps spread over ``[first_step, steps)``, ranks rotating."""
+                injector_ranks: tuple[int, ...] | None = None, nth_op: int | None = None) -> tuple[Fault, ...]:
+    """``count`` faults of ``kind`` at distinct steps spread over ``[first_step, steps)``, ranks
+    rotating; a collective fault raises at the ``nth_op``-th operation of its step (default:
+    the first, second and third in turn)."""
     kind = FaultKind(kind)
     span = steps - first_step
     if count < 0 or count > span:
@@ -75,7 +81,7 @@ def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, 
     out = []
     for i in range(count):
         step = first_step + int(i * stride + stride / 2)
-        out.append(Fault(i, kind, step, ranks[i % len(ranks)], nth_op=1 + (i % 3)))
+        out.append(Fault(i, kind, step, ranks[i % len(ranks)], nth_op=nth_op or 1 + (i % 3)))
     return tuple(out)
 
 
@@ -85,6 +91,7 @@ class FaultInjector:
     def __init__(self, faults: tuple[Fault, ...], rank: int, channel: Any, stall_s: float = 0.0,
                  down_s: float = 0.0, data_iface: str | None = None) -> None:
         self.mine = {f.step: f for f in faults if f.rank == rank}
+        self.partitions = {f.step: f for f in faults if f.kind is FaultKind.PARTITION}
         self.rank = rank
         self.channel = channel
         self.stall_s = stall_s
@@ -92,14 +99,21 @@ class FaultInjector:
         self.data_iface = data_iface or os.environ.get("MESHPACT_DATA_IFACE")
 
     def _claim(self, fault: Fault) -> bool:
-        nonce = f"{os.getpid()}-{random.getrandbits(64):x}"
+        # not from ``random``: the runtime restores the generators before a re-run, which
+        # would draw the same nonce again and fire the fault twice
+        nonce = f"{os.getpid()}-{secrets.token_hex(8)}"
         record = {"rank": self.rank, "step": fault.step, "kind": fault.kind.value, "t_wall": time.time(),
                   "nonce": nonce}
         return self.channel.set_once(f"fault/{fault.index}", record)["nonce"] == nonce
 
     @contextlib.contextmanager
     def around_step(self, step: int) -> Iterator[None]:
+        cut = self.partitions.get(step)
+        if cut is not None:  # every rank says it has entered the step (see the module docstring)
+            self.channel.set(f"arrived/{cut.index}/rank{self.rank}", True)
         fault = self.mine.get(step)
+        if fault is not None and fault.kind is FaultKind.PARTITION:  # claimed (and timed) once all are in
+            self.channel.wait([f"arrived/{fault.index}/rank{r}" for r in range(self.channel.world_size)])
         if fault is None or not self._claim(fault):
             yield
             return

@@ -5,13 +5,11 @@ self-attention and an MLP, a language-model head), each block and the root wrapp
 ``torch.distributed.fsdp.fully_shard`` over a 1-D :class:`DeviceMesh`, trained with AdamW.
 Data is a pure function of ``(seed, step, rank)``, so any step can be produced again, by any
 process, bit for bit: the recovery runtime re-runs a failed step and replays lost ones from
-it. :func:`local_state` lists every tensor a rank holds (its parameter shards and optimizer
-state) in one fixed order; digests, checkpoints and the bit-identity checks all read it.
+it. The shipped workload ``scenarios/workloads/decoder.py`` runs this model in a recovery trial.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
@@ -19,8 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["ModelConfig", "Decoder", "build", "make_batch", "make_train_step", "local_state", "digest",
-           "load_local_state"]
+__all__ = ["ModelConfig", "Decoder", "build", "make_batch", "make_train_step"]
 
 
 @dataclass(frozen=True)
@@ -73,7 +70,7 @@ class Decoder(nn.Module):
         return self.head(self.ln(x))
 
 
-def build(cfg: ModelConfig, mesh: Any, compile: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(cfg: ModelConfig, mesh: Any) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The sharded model and its AdamW optimizer; every rank starts from the same weights."""
     from torch.distributed.fsdp import fully_shard
 
@@ -82,8 +79,6 @@ def build(cfg: ModelConfig, mesh: Any, compile: bool = False) -> tuple[nn.Module
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    if compile:
-        model.compile()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, foreach=True)
     return model, optimizer
 
@@ -109,62 +104,3 @@ def make_train_step(model: nn.Module, optimizer: torch.optim.Optimizer) -> Calla
         return float(loss.detach())
 
     return train_step
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every tensor this rank holds, parameter shards then optimizer state, in a fixed order."""
-    out: dict[str, torch.Tensor] = {}
-    params = dict(model.named_parameters())
-    for name, p in params.items():
-        out[f"param/{name}"] = _local(p.data)
-    for name, p in params.items():
-        for key, value in sorted(optimizer.state.get(p, {}).items()):
-            if isinstance(value, torch.Tensor):
-                out[f"optim/{name}/{key}"] = _local(value)
-    return out
-
-
-def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` (as :func:`local_state` gives it) back into the model and optimizer in place."""
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, p in params.items():
-            _local(p.data).copy_(state[f"param/{name}"])
-            p.grad = None
-        for name, p in params.items():
-            prefix = f"optim/{name}/"
-            keys = [k[len(prefix):] for k in state if k.startswith(prefix)]
-            if not keys:
-                optimizer.state.pop(p, None)
-                continue
-            slot = optimizer.state.setdefault(p, {})
-            for key in keys:
-                if key in slot and isinstance(slot[key], torch.Tensor):
-                    _local(slot[key]).copy_(state[prefix + key])
-                elif p.data.__class__ is not torch.Tensor and state[prefix + key].dim() > 0:
-                    slot[key] = _like(p.data, state[prefix + key])
-                else:
-                    slot[key] = state[prefix + key].clone()
-
-
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A DTensor with ``param``'s mesh and placements holding ``local``."""
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
-
-
-def digest(state: dict[str, torch.Tensor]) -> str:
-    """A content digest of a rank's tensors (names, dtypes, shapes and bytes)."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in state.items():
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
-        # a copy: exporting a tensor's own storage to numpy would make it non-resizable,
-        # which breaks FSDP's freeing of unsharded buffers
-        h.update(t.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())
-    return h.hexdigest()

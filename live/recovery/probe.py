@@ -23,7 +23,7 @@ import weakref
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["rebind_probe", "torchft_probe", "checkpoint_probe"]
+__all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe"]
 
 
 def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
@@ -34,12 +34,12 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
     from .harness import ModelConfig, build, make_batch, make_train_step
     from .opcount import OpCounter
     from .rebind import default_roots, find_references, rebind
-    from .runtime import RecoveryConfig, start_session
+    from .session import RecoveryConfig, c10d_default, start_session
 
     session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)),
                                            checkpoint_dir=None))
     cfg = ModelConfig(**args.get("model", {}))
-    model, optimizer = build(cfg, session.mesh, compile=bool(args.get("compile")))
+    model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
     counter = OpCounter()
     rounds = int(args.get("rounds", 3))
@@ -53,11 +53,11 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
             before = [p for p, g in find_references(default_roots(model, optimizer)) if g is old]
             t0 = time.perf_counter()
             new = comm.build_group(session.spec, session.store, gen)
-            comm.install_group(new, session.store, session.spec, as_default=False)
             t1 = time.perf_counter()
             report = rebind(old, new, model, optimizer, [session.mesh], skip=tuple(args.get("skip_sites", ())))
+            c10d_default(new)
             t2 = time.perf_counter()
-            session.group = new
+            session.groups[comm.WORLD] = new
             old_name, ops_at_rebind = old.group_name, counter.counts.get(old.group_name, 0)
             old_backend = old._get_backend(torch.device("cpu"))
             seq_at_rebind = old_backend._get_sequence_number_for_group()
@@ -93,6 +93,74 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _stale(model: Any, optimizer: Any, meshes: list[Any], old: dict[str, Any]) -> list[str]:
+    """Everything that still leads to a retired group: object paths, name paths, and names c10d
+    still resolves."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from .rebind import default_roots, find_references
+
+    old_ids = {id(g) for g in old.values()}
+    old_names = frozenset(g.group_name for g in old.values())
+    roots = {**default_roots(model, optimizer), "all_meshes": meshes}
+    out = sorted({p for p, o in find_references(roots, names=old_names) if id(o) in old_ids or o in old_names})
+    for name in sorted(old_names):
+        try:
+            c10d._resolve_process_group(name)
+            out.append(f"c10d resolves {name}")
+        except (LookupError, RuntimeError, ValueError):
+            pass
+    return out
+
+
+def site_audit(args: dict[str, Any]) -> dict[str, Any]:
+    """For each rebinding site in turn, on the harness sharded over ``mesh_shape``: replace every
+    group of the job, rebind with that one site skipped and audit (the miss must be found, by
+    object or by name), then apply the skipped site, audit again (nothing must be found) and
+    train a step (the retired groups must receive no operation)."""
+    import torch
+
+    from . import communicator as comm
+    from .harness import ModelConfig, build, make_batch, make_train_step
+    from .rebind import SITES, rebind
+    from .runtime import device_meshes
+    from .session import RecoveryConfig, c10d_default, start_session
+
+    shape = tuple(args.get("mesh_shape") or ())
+    session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 30.0))),
+                            shape or None, tuple(args["mesh_names"]) if args.get("mesh_names") else None)
+    cfg = ModelConfig()
+    model, optimizer = build(cfg, session.mesh)
+    train_step = make_train_step(model, optimizer)
+    step = 0
+    train_step(make_batch(cfg, step, session.rank))
+    meshes = device_meshes()
+    out: dict[str, Any] = {"rank": session.rank, "sites": {}}
+    for gen, site in enumerate(SITES, start=1):
+        old = dict(session.groups)
+        new = session.build_generation(gen)
+        rebound = 0
+        for base in old:
+            rebound += rebind(old[base], new[base], model, optimizer, meshes, skip=(site.name,)).total
+        c10d_default(new[comm.WORLD])
+        missed = _stale(model, optimizer, meshes, old)
+        applied = sum(rebind(old[base], new[base], model, optimizer, meshes, only=(site.name,)).total
+                      for base in old)
+        clean = _stale(model, optimizer, meshes, old)
+        backends = [comm.backend_of(g, session.spec.device) for g in old.values()]
+        seq0 = [comm.sequence_number(b) for b in backends]
+        session.groups, session.generation = new, gen
+        del old
+        step += 1
+        train_step(make_batch(cfg, step, session.rank))
+        out["sites"][site.name] = {"applied": applied, "missed": missed, "clean": clean,
+                                   "old_ops_after": sum(comm.sequence_number(b) - s0 for b, s0 in zip(backends, seq0)),
+                                   "new_ops": sum(comm.sequence_number(comm.backend_of(g, session.spec.device))
+                                                  for g in new.values())}
+        del backends
+    return out
+
+
 def torchft_probe(args: dict[str, Any]) -> dict[str, Any]:
     """torchft 0.2.0's in-place reconfigure of a gloo group plus its first collective."""
     import torch
@@ -120,10 +188,11 @@ def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
     import tempfile
 
     from .checkpoint import AsyncCheckpointer, AsyncCheckpointStats, state_bytes
-    from .harness import ModelConfig, build, local_state, make_batch, make_train_step
-    from .runtime import RecoveryConfig, start_session
+    from .harness import ModelConfig, build, make_batch, make_train_step
+    from .state import local_state
+    from .session import RecoveryConfig, start_session
 
-    session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None, count_ops=False))
+    session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None))
     cfg = ModelConfig(**args.get("model", {}))
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)

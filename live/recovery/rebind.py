@@ -19,8 +19,9 @@ list :data:`SITES` was read off torch 2.13's source (``distributed_c10d.py``,
 
 :func:`find_references` walks the object graph from the model, the optimizer, FSDP's
 states and c10d's world and returns the path of every process group it meets; the tests
-assert that after :func:`rebind` no path leads to the old group, so a torch upgrade that
-caches a group somewhere new fails a test instead of leaving a stale reference.
+assert that after :func:`rebind` no path leads to the old group, by object or by name, and
+that c10d no longer resolves the old name, so a torch upgrade that caches a group somewhere
+new fails a test instead of leaving a stale reference.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ import torch.distributed.distributed_c10d as c10d
 __all__ = ["SITES", "Site", "RebindReport", "rebind", "find_references", "fsdp_states", "meshes_of",
            "default_roots"]
 
+_WORLD_MAPS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
+               "pg_coalesce_state")
 _MESH_INFO_FIELDS = ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group")
 _COMM_FIELDS = ("_all_gather_comm", "_reduce_scatter_comm")
 
@@ -128,7 +131,7 @@ def _c10d_world(old: dist.ProcessGroup, new: dist.ProcessGroup, ctx: _Context) -
     if w.default_pg is old:
         w.default_pg = new
         n += 1
-    for mapping in (w.pg_map, w.pg_names, w.pg_group_ranks, w.pg_backend_config, w.pg_to_tag, w.pg_coalesce_state):
+    for mapping in (getattr(w, m) for m in _WORLD_MAPS if m != "tags_to_pg"):
         if old in mapping:
             value = mapping.pop(old)
             if mapping is not w.pg_names and mapping is not w.pg_coalesce_state:
@@ -218,14 +221,18 @@ SITES: tuple[Site, ...] = (
 
 
 def rebind(old: dist.ProcessGroup, new: dist.ProcessGroup, model: torch.nn.Module, optimizer: Any = None,
-           meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = ()) -> RebindReport:
-    """Point every site that holds ``old`` at ``new``; returns what was rebound and how long it took.
+           meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = (),
+           only: tuple[str, ...] | None = None) -> RebindReport:
+    """Point every site that holds ``old`` (the object or its name) at ``new``; returns what was
+    rebound and how long it took.
 
-    ``skip`` leaves the named sites alone: only for audits that show a missed site is caught.
+    ``skip`` leaves the named sites alone and ``only`` applies just those: for audits that show
+    a missed site is caught, and then complete the rebind.
     """
     t0 = time.perf_counter()
     ctx = _Context(model, optimizer, list(meshes) if meshes is not None else meshes_of(model, optimizer))
-    counts = {site.name: site.apply(old, new, ctx) for site in SITES if site.name not in skip}
+    counts = {site.name: site.apply(old, new, ctx) for site in SITES
+              if site.name not in skip and (only is None or site.name in only)}
     return RebindReport(counts, time.perf_counter() - t0)
 
 
@@ -237,7 +244,9 @@ def default_roots(model: torch.nn.Module, optimizer: Any = None) -> dict[str, An
     """Where cached references can hide: the model, optimizer, FSDP states, meshes, c10d."""
     from torch.distributed import _composable_state
 
-    roots: dict[str, Any] = {"model": model, "c10d._world": c10d._world,
+    w = c10d._world  # its maps are properties over module globals: walk each one
+    roots: dict[str, Any] = {"model": model, "c10d._world": w,
+                             **{f"c10d._world.{m}": getattr(w, m) for m in _WORLD_MAPS},
                              "fsdp_states": fsdp_states(model), "meshes": meshes_of(model, optimizer),
                              "composable_state": list(_composable_state._module_state_mapping.items())}
     if optimizer is not None:
@@ -286,15 +295,16 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
 
 
 def find_references(roots: dict[str, Any], targets: tuple[type, ...] | None = None,
-                    limit: int = 500_000) -> list[tuple[str, Any]]:
-    """Paths from ``roots`` to every object of ``targets`` (default: ProcessGroup) in the graph."""
+                    limit: int = 500_000, names: frozenset[str] = frozenset()) -> list[tuple[str, Any]]:
+    """Paths from ``roots`` to every object of ``targets`` (default: ProcessGroup) in the graph,
+    and to every string in ``names`` (group names: caches that resolve a group by name)."""
     targets = targets or (dist.ProcessGroup,)
     found: list[tuple[str, Any]] = []
     seen: set[int] = set()
     stack: list[tuple[str, Any]] = list(roots.items())
     while stack and len(seen) < limit:
         path, obj = stack.pop()
-        if isinstance(obj, targets):
+        if isinstance(obj, targets) or (names and isinstance(obj, str) and obj in names):
             found.append((path, obj))
             continue
         if isinstance(obj, _SKIP) or id(obj) in seen:

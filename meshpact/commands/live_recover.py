@@ -1,9 +1,10 @@
 """``meshpact live recover``: inject communication faults into sharded training and recover in memory.
 
-Runs a fault-free reference and a faulted run of the FSDP2 harness on real ranks, then a
-checkpoint restore in the job and a cold restart for comparison; checks every rank's
-parameters and optimizer state against the reference with ``torch.equal`` and prints the
-stage table (or, with ``--json``, one JSON document).
+Runs a fault-free reference and a faulted run of a workload (``--workload``: a shipped one by
+name, or the user's own file defining ``build``, ``batch`` and ``train_step``) on real ranks,
+then a checkpoint restore in the job and a cold restart for comparison; checks every rank's
+parameters, optimizer state and generators against the reference with ``torch.equal`` and
+prints the stage table (or, with ``--json``, one JSON document).
 """
 
 from __future__ import annotations
@@ -31,15 +32,18 @@ def recover(
     baselines: bool = typer.Option(True, "--baselines/--no-baselines",
                                    help="Also measure checkpoint restore and cold restart."),
     timeout_s: float = typer.Option(900.0, "--timeout", min=10.0, help="Seconds before every rank is stopped."),
+    workload: str = typer.Option("decoder", "--workload", help="A workload file (build, batch, train_step, "
+                                 "optional MESH) or a shipped one: decoder, llama_hsdp, compiled."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Inject faults into FSDP2 training on real ranks and recover in memory."""
-    from meshpact.live.recovery.trial import TrialConfig, run_trial
+    from meshpact.live.recovery.trial import run_trial
+    from meshpact.live.recovery.trialconfig import TrialConfig
 
     cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
                       checkpoint_every=checkpoint_every, data_timeout_s=data_timeout,
                       stall_s=data_timeout + 0.5, down_s=2.0 * data_timeout, baselines=baselines,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, workload=workload)
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
     result = run_trial(cfg, recording_path=path)
     summary = result.summary()

@@ -1,4 +1,4 @@
-"""Shared by the recovery tests: one fault-free reference per (ranks, steps), reused."""
+"""Shared by the recovery tests: one fault-free reference per (workload, ranks, steps), reused."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from pathlib import Path
 from meshpact.core.recording import read_recording
 from meshpact.live.recovery.trial import TrialConfig, TrialResult, run_trial
 
-_REFERENCES: dict[tuple[int, int, int], Path] = {}
+_REFERENCES: dict[tuple[str, int, int, int], Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))
 atexit.register(shutil.rmtree, _ROOT, True)
 
 
 def trial(**kw) -> TrialResult:
     cfg = TrialConfig(**kw)
-    key = (cfg.ranks, cfg.steps, cfg.checkpoint_every)
-    ref = _REFERENCES.setdefault(key, _ROOT / f"ref-{cfg.ranks}r-{cfg.steps}s-{cfg.checkpoint_every}k" / "reference")
+    key = (cfg.workload, cfg.ranks, cfg.steps, cfg.checkpoint_every)
+    ref = _REFERENCES.setdefault(key, _ROOT / f"ref-{len(_REFERENCES)}-{cfg.ranks}r-{cfg.steps}s" / "reference")
     work = Path(tempfile.mkdtemp(prefix=f"{cfg.fault_kind.value}-", dir=_ROOT))
     return run_trial(cfg, work_dir=work, reference_dir=ref)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 
 from meshpact.core.errors import MeshpactError
-from meshpact.live.recovery.faults import CollectiveFault, FaultKind, plan_faults
-from meshpact.live.recovery.runtime import is_comm_fault
+from meshpact.live.recovery.faults import CollectiveFault, FaultInjector, FaultKind, plan_faults
+from meshpact.live.recovery.runtime import COMM_MODULES, is_comm_fault
 from meshpact.live.recovery.trial import TrialConfig
 
 
@@ -38,8 +39,78 @@ def test_unknown_fault_kind_is_refused():
         TrialConfig(fault_kind="meteor")
 
 
-def test_data_path_failures_are_told_apart_from_bugs_in_the_step():
-    assert is_comm_fault(CollectiveFault("x"))
-    assert is_comm_fault(RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer"))
-    assert not is_comm_fault(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
-    assert not is_comm_fault(ValueError("timed out"))
+def _raised_in(filename: str, exc: BaseException) -> BaseException:
+    """``exc`` as if raised by code in ``filename`` (its innermost traceback frame there)."""
+    namespace: dict = {}
+    exec(compile("def fail(e):\n    raise e\n", filename, "exec"), namespace)
+    try:
+        namespace["fail"](exc)
+    except BaseException as caught:  # noqa: BLE001
+        return caught
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("exc", [
+    CollectiveFault("anything"), dist.DistBackendError("x"), dist.DistNetworkError("x"), dist.DistStoreError("x"),
+    TimeoutError("x"), ConnectionResetError("x"), BrokenPipeError("x"),
+])
+def test_backend_network_timeout_and_injected_errors_are_comm_faults_by_type(exc):
+    assert is_comm_fault(exc)
+
+
+def test_a_plain_runtime_error_is_a_comm_fault_only_when_raised_in_torch_communication_code():
+    c10d_file = COMM_MODULES[0]  # distributed_c10d.py
+    assert is_comm_fault(_raised_in(c10d_file, RuntimeError("Connection closed by peer")))
+    assert is_comm_fault(_raised_in(COMM_MODULES[3] + "_fully_shard/_fsdp_collectives.py", RuntimeError("x")))
+    # the words of a gloo error do not make one: raised in the user's step, it is a bug
+    assert not is_comm_fault(_raised_in("/home/user/train.py", RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer; socket timed out")))
+    assert not is_comm_fault(RuntimeError("peer socket collective timed out"))  # no traceback at all
+    # another type raised in c10d is not a transport failure
+    assert not is_comm_fault(_raised_in(c10d_file, ValueError("Invalid rank")))
+    assert not is_comm_fault(_raised_in(c10d_file, KeyError("peer")))
+
+
+class _Channel:
+    """The control channel's surface the injector uses, in memory, recording the order of calls."""
+
+    world_size = 2
+
+    def __init__(self) -> None:
+        self.keys: dict = {}
+        self.log: list = []
+
+    def set(self, key, value):
+        self.keys[key] = value
+        self.log.append(("set", key))
+
+    def set_once(self, key, value):
+        return self.keys.setdefault(key, value)
+
+    def wait(self, keys, timeout_s=None):
+        self.log.append(("wait", tuple(keys)))
+        missing = [k for k in keys if k not in self.keys]
+        if missing:
+            raise TimeoutError(missing)
+        return {k: self.keys[k] for k in keys}
+
+
+def test_a_partition_is_cut_only_once_every_rank_has_entered_the_step(monkeypatch):
+    """Cut earlier, a slower rank still receiving the previous step's tail would end it one
+    committed step behind the others (seen at load average 6: a restore instead of memory)."""
+    faults = plan_faults("partition", steps=8, count=1, world_size=2, injector_ranks=(0,))
+    step = faults[0].step
+    channel = _Channel()
+    injector0 = FaultInjector(faults, 0, channel, down_s=1.0, data_iface="veth-test")
+    injector1 = FaultInjector(faults, 1, channel, down_s=1.0, data_iface="veth-test")
+    monkeypatch.setattr(injector0, "_partition", lambda: channel.log.append(("cut",)))
+    with pytest.raises(TimeoutError):  # rank 1 has not entered the step: no cut
+        with injector0.around_step(step):
+            pass
+    assert ("cut",) not in channel.log
+    with injector1.around_step(step):
+        pass
+    with injector0.around_step(step):
+        pass
+    assert channel.log[-1] == ("cut",)
+    assert channel.log[-2] == ("wait", ("arrived/0/rank0", "arrived/0/rank1"))

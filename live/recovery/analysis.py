@@ -1,0 +1,182 @@
+"""The analysis of a recovery trial: recoveries, stage times, downtime and the bit-identity check.
+
+:class:`TrialResult` holds what the parent collected from every rank (their results and
+their event logs, as :class:`~meshpact.core.recording.Event` records with wall times) and
+derives the numbers: one entry per recovered fault with its stage durations (slowest rank),
+downtime per policy against the fault's own injection time, operations the retired groups
+received, and the ``--json`` summary. :func:`compare_final` is the bit-identity check: every
+tensor of every rank's final state (parameter shards, optimizer state and generators) with
+``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from meshpact.core.recording import Event, EventKind
+from meshpact.core.recovery import Policy, Stage
+
+from .faults import Fault, FaultKind
+from .outcome import FaultRecord, RankOutcome
+from .trialconfig import TrialConfig
+
+__all__ = ["TrialResult", "compare_final"]
+
+
+@dataclass
+class TrialResult:
+    """Everything the parent collected from one trial; the methods derive the numbers."""
+
+    config: TrialConfig
+    faults: tuple[Fault, ...]
+    reference: list[RankOutcome]
+    faulted: list[RankOutcome]
+    cold: list[RankOutcome] | None
+    fault_records: dict[int, FaultRecord]
+    bit_identical: bool
+    mismatches: list[str]
+    replacements: int
+    recording: str
+    cold_launch_wall: float | None = None
+    faulted_events: list[Event] = field(default_factory=list)  # t: wall time
+
+    # -- the numbers ------------------------------------------------------------------------
+    def events(self) -> list[Event]:
+        """Every rank's events from the faulted run, replacements and killed processes included."""
+        return self.faulted_events
+
+    def recoveries(self) -> list[dict[str, Any]]:
+        """One entry per recovered fault: policy, downtime and stage durations (slowest rank)."""
+        by_gen: dict[int, list[dict]] = {}
+        per_rank: dict[tuple[int, int, str], float] = {}
+        gen_of: dict[tuple[int, int], int] = {}
+        incarnation_of: dict[int, int] = {}
+        for ev in sorted(self.faulted_events, key=lambda e: e.t):
+            if ev.event == EventKind.SESSION_START:
+                incarnation_of[ev.rank or 0] = int(ev.data.get("incarnation", 0))
+            key_rank = (ev.rank or 0, incarnation_of.get(ev.rank or 0, 0))
+            if ev.event == EventKind.DECIDED:
+                gen_of[key_rank] = ev.data["round"]
+            gen = gen_of.get(key_rank)
+            if ev.event == EventKind.RECOVERY_DONE:
+                by_gen.setdefault(ev.data["generation"], []).append(dict(ev.data))
+            elif gen is not None and ev.stage is not None and "seconds" in ev.data:
+                key = (gen, ev.rank or 0, ev.stage.value)
+                per_rank[key] = per_rank.get(key, 0.0) + float(ev.data["seconds"])
+        stage_by_gen: dict[int, dict[str, float]] = {}
+        for (gen, _, stage), sec in per_rank.items():
+            d = stage_by_gen.setdefault(gen, {})
+            d[stage] = max(d.get(stage, 0.0), sec)
+        out = []
+        for gen in sorted(by_gen):
+            recs = by_gen[gen]
+            if any(r.get("drill") for r in recs):
+                continue
+            step = min(r["step"] for r in recs)
+            t_inject = self._inject_time(step)
+            stages = dict(stage_by_gen.get(gen, {}))
+            t_detect = max(r["t_detect_wall"] for r in recs)
+            stages[Stage.DETECTION.value] = max(0.0, t_detect - t_inject) if t_inject else 0.0
+            t_resumed = max(r["t_resumed_wall"] for r in recs)
+            # from the moment every rank knew of the fault to the moment every rank could resume:
+            # consensus, communicator, rebinding and state, with no detection skew counted in
+            recovery_s = t_resumed - t_detect
+            out.append({"generation": gen, "step": step, "policy": recs[0]["policy"], "reason": recs[0]["reason"],
+                        "stages_s": stages, "recovery_s": recovery_s,
+                        "downtime_s": (t_resumed - t_inject) if t_inject else None,
+                        "rebind_s": max(r["rebind_s"] for r in recs),
+                        "lost_steps": max(r["lost_steps"] for r in recs)})
+        return out
+
+    def _inject_time(self, step: int) -> float | None:
+        for f in self.faults:
+            rec = self.fault_records.get(f.index)
+            if rec and rec.step == step:
+                return rec.t_wall
+        return None
+
+    def policy_counts(self) -> dict[str, int]:
+        counts = {p.value: 0 for p in Policy}
+        for r in self.recoveries():
+            counts[r["policy"]] += 1
+        return counts
+
+    def downtime(self) -> dict[str, float | None]:
+        recs = self.recoveries()
+        mem = [r["downtime_s"] for r in recs if r["policy"] == Policy.IN_MEMORY.value and r["downtime_s"] is not None]
+        detection = [r["stages_s"][Stage.DETECTION.value] for r in recs]
+        det = statistics.median(detection) if detection else 0.0
+        drills = [res.drill for res in self.faulted if res.drill is not None]
+        ckpt = (self.outage_s(det, restart=False) + max(d.t_end_wall for d in drills)
+                - min(d.t_start_wall for d in drills)) if drills else None
+        cold = None
+        if self.cold and self.cold_launch_wall is not None:
+            caught_up = max(r.t_caught_up_wall for r in self.cold)
+            cold = self.outage_s(det, restart=True) + caught_up - self.cold_launch_wall
+        return {Policy.IN_MEMORY.value: statistics.median(mem) if mem else None,
+                Policy.CHECKPOINT_RESTORE.value: ckpt, Policy.COLD_RESTART.value: cold}
+
+    def outage_s(self, detection_s: float, restart: bool) -> float:
+        """How long after the fault a baseline can start its own work: detection, or longer
+        where the fault itself must clear first. Every policy waits for a downed data link to
+        come back; an in-job restore also waits for a stalled rank, which a cold restart kills."""
+        clears = 0.0
+        if self.config.fault_kind is FaultKind.PARTITION:
+            clears = self.config.down_s
+        elif self.config.fault_kind is FaultKind.STALL and not restart:
+            clears = self.config.stall_s
+        return max(detection_s, clears)
+
+    def faults_recovered(self) -> int:
+        """Faults that fired, were followed by a recovery at their step, and left the final state
+        bit-identical to the reference."""
+        if not self.bit_identical:
+            return 0
+        steps = {r["step"] for r in self.recoveries()}
+        return sum(1 for rec in self.fault_records.values() if rec.step in steps)
+
+    def old_group_ops_after_rebind(self) -> int:
+        """Operations the retired groups received after their rebind: the backend's own sequence
+        number over the step that followed the rebind, plus the dispatcher-level count when
+        that counter is on."""
+        return sum((r.seq_ops_after or 0) + (r.dispatch_ops_after or 0) for res in self.faulted for r in res.retired)
+
+    def summary(self) -> dict[str, Any]:
+        recs = self.recoveries()
+        rebind = sorted(r["rebind_s"] * 1e3 for r in recs)
+        down = self.downtime()
+        return {
+            "ranks": self.config.ranks, "steps": self.config.steps, "fault_kind": self.config.fault_kind.value,
+            "faults_injected": len(self.fault_records),
+            "faults_recovered": self.faults_recovered(),
+            "bit_identical": self.bit_identical,
+            "policy_counts": self.policy_counts(),
+            "rebind_ms": {"median": statistics.median(rebind) if rebind else None,
+                          "max": max(rebind) if rebind else None},
+            "downtime_s": {"in_memory": down["in_memory"], "checkpoint_restore": down["checkpoint_restore"],
+                           "cold_restart": down["cold_restart"]},
+            "recording": self.recording,
+            "recovery_ms": {"median": statistics.median([r["recovery_s"] * 1e3 for r in recs]) if recs else None,
+                            "max": max([r["recovery_s"] * 1e3 for r in recs], default=None)},
+            "old_group_ops_after_rebind": self.old_group_ops_after_rebind(),
+            "retired_groups_still_referenced": sum(r.alive for res in self.faulted for r in res.retired),
+            "replacement_processes": self.replacements,
+            "mismatches": self.mismatches[:5],
+        }
+
+
+def compare_final(a_dir: Path, b_dir: Path, ranks: int) -> list[str]:
+    import torch
+
+    bad = []
+    for r in range(ranks):
+        a = torch.load(a_dir / f"final-rank{r}.pt", weights_only=True)
+        b = torch.load(b_dir / f"final-rank{r}.pt", weights_only=True)
+        if a.keys() != b.keys():
+            bad.append(f"rank {r}: different tensors {sorted(set(a) ^ set(b))[:3]}")
+            continue
+        bad += [f"rank {r}: {k} differs" for k in a if not torch.equal(a[k], b[k])]
+    return bad

@@ -1,0 +1,85 @@
+"""What one rank process of a trial reports back: typed, frozen, and JSON on the way.
+
+A rank worker returns :meth:`RankOutcome.to_dict` (the launcher carries JSON); the parent
+reads it back with :meth:`RankOutcome.from_dict`, and the analysis reads fields, never keys.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+__all__ = ["RetiredSummary", "Drill", "FaultRecord", "RankOutcome"]
+
+
+@dataclass(frozen=True)
+class RetiredSummary:
+    """A group retired in a recovery: operations it received after (backend sequence numbers,
+    and the dispatch-mode count when that counter was on) and whether it is still referenced."""
+
+    group: str
+    seq_ops_after: int | None
+    dispatch_ops_after: int | None
+    alive: bool
+
+
+@dataclass(frozen=True)
+class Drill:
+    """The checkpoint restore run in the job at the end of a faulted run."""
+
+    t_start_wall: float
+    t_end_wall: float
+    checkpoint_step: int
+    lost_steps: int
+
+
+@dataclass(frozen=True)
+class FaultRecord:
+    """When and where a fault fired, as claimed on the control channel."""
+
+    rank: int
+    step: int
+    kind: str
+    t_wall: float
+    nonce: str = ""
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    incarnation: int = 0
+    digest: str = ""
+    recoveries: tuple[Mapping[str, Any], ...] = ()  # RecoveryRecord.to_dict() of each recovery
+    op_counts: Mapping[str, int] = field(default_factory=dict)
+    retired: tuple[RetiredSummary, ...] = ()
+    current_groups: tuple[str, ...] = ()
+    step_s: tuple[float, ...] = ()
+    generation: int = 0
+    drill: Drill | None = None
+    t_start_wall: float = 0.0
+    t_caught_up_wall: float = 0.0
+    t_loaded_wall: float | None = None
+    compiled_regions: Mapping[str, int] = field(default_factory=dict)  # before_first_fault / after_last_recovery
+    compiled_graphs: int | None = None
+    fault_records: Mapping[int, FaultRecord] = field(default_factory=dict)  # rank 0 reports them
+    workload_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["fault_records"] = {str(k): asdict(v) for k, v in self.fault_records.items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "RankOutcome":
+        return cls(
+            rank=int(d["rank"]), incarnation=int(d.get("incarnation", 0)), digest=str(d.get("digest", "")),
+            recoveries=tuple(d.get("recoveries", ())), op_counts=dict(d.get("op_counts", {})),
+            retired=tuple(RetiredSummary(**r) for r in d.get("retired", ())),
+            current_groups=tuple(d.get("current_groups", ())), step_s=tuple(d.get("step_s", ())),
+            generation=int(d.get("generation", 0)), drill=Drill(**d["drill"]) if d.get("drill") else None,
+            t_start_wall=float(d.get("t_start_wall", 0.0)), t_caught_up_wall=float(d.get("t_caught_up_wall", 0.0)),
+            t_loaded_wall=d.get("t_loaded_wall"), compiled_regions=dict(d.get("compiled_regions", {})),
+            compiled_graphs=d.get("compiled_graphs"),
+            fault_records={int(k): FaultRecord(**v) for k, v in (d.get("fault_records") or {}).items()},
+            workload_error=d.get("workload_error"))

@@ -1,0 +1,129 @@
+"""The rank side of a recovery trial: one rank trains the user's workload under ``resilient``.
+
+:func:`worker` is the entry point each rank runs (through the launcher or ``torchrun``). It
+loads the workload file, starts the session on the workload's mesh, builds the model and
+optimizer, and trains for the trial's steps under
+:func:`~meshpact.live.recovery.runtime.resilient` with this rank's share of the fault plan;
+batches come from the workload's ``batch(step, rank)``, so any lost step is drawn again.
+It can finish with a real checkpoint restore in the job (the *drill*) or start as a *cold
+restart* from a checkpoint. It saves its final state (parameter shards, optimizer state and
+generators) and returns a :class:`~meshpact.live.recovery.outcome.RankOutcome` as JSON.
+
+For a workload with compiled modules it profiles one step before the first fault and one
+after the last recovery and counts the compiled regions that ran in each.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["worker", "compiled_regions"]
+
+_COMPILED_REGION = "Torch-Compiled Region"
+
+
+def compiled_regions(run: Any) -> int:
+    """Compiled graphs that ran during ``run()`` (profiler events named ``Torch-Compiled Region``)."""
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        run()
+    return sum(1 for e in prof.events() if e.name.startswith(_COMPILED_REGION))
+
+
+def _has_compiled(model: Any) -> bool:
+    return any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+
+
+def worker(args: dict[str, Any]) -> dict[str, Any]:
+    import os
+
+    import torch
+
+    from .faults import Fault, FaultInjector
+    from .outcome import Drill, FaultRecord, RankOutcome, RetiredSummary
+    from .runtime import resilient
+    from .session import RecoveryConfig, start_session
+    from .state import digest, job_state
+    from .workload import WorkloadError, built, load_workload
+
+    torch.manual_seed(0)  # every generator a step can draw from starts the same in every run
+    random.seed(0)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(0)
+    world = int(os.environ["WORLD_SIZE"])
+    workload = load_workload(args["workload"], world)
+    config = RecoveryConfig(data_timeout_s=args["data_timeout_s"], control_timeout_s=args["control_timeout_s"],
+                            checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
+                            count_dispatch=args.get("count_dispatch", False),
+                            restore_rng=args.get("restore_rng", True))
+    t_start = time.time()
+    session = start_session(config, workload.mesh.shape, workload.mesh.names)
+    rank, steps = session.rank, int(args["steps"])
+    out_dir = Path(args["out_dir"])
+    session.attach_log(out_dir / f"events-rank{rank}-{session.incarnation}.jsonl")
+    try:
+        model, optimizer = built(workload, session.mesh)
+    except WorkloadError as exc:
+        return RankOutcome(rank, workload_error=str(exc)).to_dict()
+
+    def train_step(batch: Any) -> Any:
+        return workload.train_step(model, optimizer, batch)
+
+    def batches(step: int) -> Any:
+        return workload.batch(step, rank)
+
+    faults = tuple(Fault.from_dict(f) for f in args.get("faults", ()))
+    injector = FaultInjector(faults, rank, session.control, args.get("stall_s", 0.0), args.get("down_s", 0.0))
+    fault_steps = sorted(f.step for f in faults)
+    profile = _has_compiled(model)
+    regions: dict[str, int] = {}
+    step_s: list[float] = []
+    drill: Drill | None = None
+    cold_from = args.get("cold_from")
+    with resilient(model, optimizer, session, injector, batches) as rt:
+        t_loaded = None
+        if cold_from is not None:
+            rt.restore(int(cold_from))
+            t_loaded = time.time()
+        for step in range(rt.committed_step, steps):
+            t0 = time.perf_counter()
+            batch = batches(step)
+            if profile and fault_steps and step in (fault_steps[0] - 1, fault_steps[-1] + 1):
+                key = "before_first_fault" if step < fault_steps[0] else "after_last_recovery"
+                regions[key] = compiled_regions(lambda: rt.step(train_step, batch))
+            else:
+                rt.step(train_step, batch)
+            step_s.append(time.perf_counter() - t0)
+        t_caught_up = time.time()
+        if args.get("drill"):
+            t0 = time.time()
+            decision = rt.drill_checkpoint_restore()
+            drill = Drill(t0, time.time(), decision.step, rt.recoveries[-1].lost_steps)
+        state = job_state(model, optimizer)
+        torch.save({k: v.clone() for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
+        counts = rt.op_counts()
+        gc.collect()  # a retired group no longer referenced is released (RetiredSummary.alive is False)
+        retired = tuple(RetiredSummary(
+            r.name, r.seq_ops_after,
+            counts.get(f"dispatch:{r.name}", 0) - r.dispatch_ops_at_retirement
+            if r.dispatch_ops_at_retirement is not None else None, r.alive) for r in rt.retired)
+        compiled_graphs = None
+        if "torch._dynamo" in sys.modules:
+            from torch._dynamo.utils import counters
+
+            compiled_graphs = int(counters["stats"]["unique_graphs"])
+        records = {}
+        if rank == 0:
+            claimed = session.control.present([f"fault/{f.index}" for f in faults])
+            records = {int(k.split("/")[1]): FaultRecord(**v) for k, v in claimed.items()}
+        outcome = RankOutcome(
+            rank, session.incarnation, digest(state), tuple(r.to_dict() for r in rt.recoveries), counts, retired,
+            tuple(sorted(g.group_name for g in session.groups.values())), tuple(step_s), session.generation, drill,
+            t_start, t_caught_up, t_loaded, regions, compiled_graphs, records)
+    return outcome.to_dict()

@@ -1,0 +1,206 @@
+"""A rank's state: parameter shards, optimizer state and every random-number generator.
+
+:func:`local_state` lists every tensor a rank holds (its parameter shards, then optimizer
+state) in one fixed order; checkpoints, the final comparison and the commit check all read
+it. Random-number generators are state too: a step with dropout re-run from a different
+generator state ends with different parameters, so :class:`RngState` captures every
+generator a step can draw from (torch's CPU default generator, each accelerator's device
+generators where that accelerator is present and initialised, Python's ``random`` and
+NumPy's global state) and :func:`restore_rng` puts it back before a step is re-run.
+
+Commits must cost nothing at real sizes, so :func:`commit_check` hashes O(1) bytes: the
+committed step plus a fixed sample of elements spread over the tensors (at most
+``_SAMPLE_TENSORS`` tensors, their first, middle and last ``_SAMPLE_ELEMS`` elements),
+gathered on the tensors' device into one buffer per dtype and copied to the host once.
+:func:`digest` hashes everything and is for final comparisons only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+__all__ = ["local_state", "load_local_state", "digest", "commit_check", "RngState", "capture_rng", "restore_rng",
+           "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS"]
+
+ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
+_SAMPLE_TENSORS = 64
+_SAMPLE_ELEMS = 2
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """Every tensor this rank holds, parameter shards then optimizer state, in a fixed order."""
+    out: dict[str, torch.Tensor] = {}
+    params = dict(model.named_parameters())
+    for name, p in params.items():
+        out[f"param/{name}"] = _local(p.data)
+    for name, p in params.items():
+        for key, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                out[f"optim/{name}/{key}"] = _local(value)
+    return out
+
+
+def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state`` (as :func:`local_state` gives it) back into the model and optimizer in place."""
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            _local(p.data).copy_(state[f"param/{name}"])
+            p.grad = None
+        for name, p in params.items():
+            prefix = f"optim/{name}/"
+            keys = [k[len(prefix):] for k in state if k.startswith(prefix)]
+            if not keys:
+                optimizer.state.pop(p, None)
+                continue
+            slot = optimizer.state.setdefault(p, {})
+            for key in keys:
+                if key in slot and isinstance(slot[key], torch.Tensor):
+                    _local(slot[key]).copy_(state[prefix + key])
+                elif p.data.__class__ is not torch.Tensor and state[prefix + key].dim() > 0:
+                    slot[key] = _like(p.data, state[prefix + key])
+                else:
+                    slot[key] = state[prefix + key].clone()
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A DTensor with ``param``'s mesh and placements holding ``local``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def digest(state: dict[str, torch.Tensor]) -> str:
+    """A content digest of every byte of a rank's tensors (names, dtypes, shapes and bytes)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in state.items():
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
+        # a copy: exporting a tensor's own storage to numpy would make it non-resizable,
+        # which breaks FSDP's freeing of unsharded buffers
+        h.update(t.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def commit_check(step: int, state: dict[str, torch.Tensor]) -> str:
+    """The committed-step marker and a fixed sample of the state: O(1) bytes hashed, whatever
+    the state's size (see the module docstring). Equal before and after a failed step unless
+    the step wrote to the sampled state (an optimizer step writes whole tensors, so their
+    first, middle and last elements show it)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"step={step}|n={len(state)}".encode())
+    names = list(state)
+    stride = max(1, -(-len(names) // _SAMPLE_TENSORS))
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for name in names[::stride]:
+        flat = state[name].detach().reshape(-1)
+        n = flat.numel()
+        if n == 0:
+            continue
+        mid = n // 2
+        parts = by_dtype.setdefault((flat.dtype, flat.device), [])
+        parts += [flat[:_SAMPLE_ELEMS], flat[mid:mid + _SAMPLE_ELEMS], flat[-_SAMPLE_ELEMS:]]
+    for (dtype, _), parts in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+        h.update(str(dtype).encode())
+        h.update(torch.cat(parts).cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+# -- random-number generators ---------------------------------------------------------------
+@dataclass(frozen=True)
+class RngState:
+    """Every generator a step can draw from, as it was at one moment."""
+
+    torch_cpu: torch.Tensor
+    devices: tuple[tuple[str, tuple[torch.Tensor, ...]], ...]  # ("cuda", one state per device)
+    python: tuple[Any, ...]
+    numpy: tuple[Any, ...] | None  # None where NumPy was never imported
+
+
+def _accelerators() -> list[tuple[str, Any]]:
+    """Accelerator modules whose device generators exist in this process (never initialises one)."""
+    out = []
+    for name in ACCELERATORS:
+        mod = getattr(torch, name, None)
+        if mod is None or not hasattr(mod, "get_rng_state_all"):
+            continue
+        try:
+            ready = mod.is_available() and (mod.is_initialized() if hasattr(mod, "is_initialized") else True)
+        except RuntimeError:
+            ready = False
+        if ready:
+            out.append((name, mod))
+    return out
+
+
+def capture_rng() -> RngState:
+    devices = tuple((name, tuple(mod.get_rng_state_all())) for name, mod in _accelerators())
+    np_state = sys.modules["numpy"].random.get_state() if "numpy" in sys.modules else None
+    return RngState(torch.get_rng_state(), devices, random.getstate(), np_state)
+
+
+def restore_rng(state: RngState) -> None:
+    torch.set_rng_state(state.torch_cpu)
+    for name, states in state.devices:
+        getattr(torch, name).set_rng_state_all(list(states))
+    random.setstate(state.python)
+    if state.numpy is not None:
+        sys.modules["numpy"].random.set_state(state.numpy)
+
+
+def rng_tensors(state: RngState) -> dict[str, torch.Tensor]:
+    """The generators as tensors (for checkpoints and bit-identity checks), keys ``rng/...``."""
+    version, words, gauss = state.python
+    out = {"rng/torch_cpu": state.torch_cpu.clone(),
+           "rng/python": torch.tensor([version, *words], dtype=torch.int64),
+           "rng/python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64)}
+    for name, states in state.devices:
+        for i, s in enumerate(states):
+            out[f"rng/{name}/{i}"] = s.clone()
+    if state.numpy is not None:
+        kind, keys, pos, has_gauss, cached = state.numpy
+        out["rng/numpy"] = torch.tensor([int(k) for k in keys] + [pos, has_gauss], dtype=torch.int64)
+        out["rng/numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
+    return out
+
+
+def rng_from_tensors(tensors: dict[str, torch.Tensor]) -> RngState:
+    py = tensors["rng/python"].tolist()
+    has_gauss, gauss = tensors["rng/python_gauss"].tolist()
+    devices: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    for key, t in tensors.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "rng":
+            devices.setdefault(parts[1], []).append((int(parts[2]), t))
+    np_state = None
+    if "rng/numpy" in tensors:
+        import numpy as np
+
+        words = tensors["rng/numpy"].tolist()
+        np_state = ("MT19937", np.array(words[:-2], dtype=np.uint32), int(words[-2]), int(words[-1]),
+                    float(tensors["rng/numpy_gauss"][0]))
+    return RngState(tensors["rng/torch_cpu"].clone(),
+                    tuple((name, tuple(t for _, t in sorted(v, key=lambda x: x[0]))) for name, v in devices.items()),
+                    (int(py[0]), tuple(int(w) for w in py[1:]), gauss if has_gauss else None), np_state)
+
+
+def job_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds and bit-identity compares: :func:`local_state` and the generators."""
+    return {**local_state(model, optimizer), **rng_tensors(capture_rng())}
+
+
+def load_job_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
+    load_local_state(model, optimizer, {k: v for k, v in state.items() if not k.startswith("rng/")})
+    if "rng/torch_cpu" in state:
+        restore_rng(rng_from_tensors(state))

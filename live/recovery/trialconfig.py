@@ -1,0 +1,53 @@
+"""A recovery trial's settings: ranks, steps, faults, timeouts and the workload to train.
+
+Torch-free, so the CLI and the dashboard can check a user's settings (one clear line each)
+before anything starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from meshpact.core.errors import MeshpactError
+
+from .faults import FaultKind
+from .workload import DEFAULT_WORKLOAD
+
+__all__ = ["TrialConfig"]
+
+
+@dataclass(frozen=True)
+class TrialConfig:
+    """One trial's settings, checked on construction (a bad value is one clear line)."""
+
+    ranks: int = 4
+    steps: int = 40
+    faults: int = 10
+    fault_kind: FaultKind = FaultKind.COLLECTIVE
+    checkpoint_every: int = 10
+    data_timeout_s: float = 1.0
+    control_timeout_s: float = 30.0
+    stall_s: float = 1.5  # a stalled rank sleeps this long (past the data-path timeout)
+    down_s: float = 2.0  # a partitioned data link stays down this long
+    baselines: bool = True  # drill a checkpoint restore and a cold restart in the same run
+    timeout_s: float = 300.0
+    workload: str = DEFAULT_WORKLOAD  # a shipped workload's name or a path to a workload file
+    count_dispatch: bool = False  # also count ops with a dispatch mode (turns torch.compile off)
+    restore_rng: bool = True  # off only to show that a re-run step needs its generators back
+    nth_op: int | None = None  # collective faults: the c10d operation of the step that raises
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fault_kind", FaultKind(self.fault_kind))
+        if self.ranks < 2:
+            raise MeshpactError(f"--ranks must be at least 2 (a fault needs peers), got {self.ranks}")
+        if self.steps < 2:
+            raise MeshpactError(f"--steps must be at least 2, got {self.steps}")
+        if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:
+            raise MeshpactError(f"--checkpoint-every must be between 1 and --steps ({self.steps}), "
+                                f"got {self.checkpoint_every}")
+        if self.fault_kind is FaultKind.STALL and self.stall_s <= self.data_timeout_s:
+            raise MeshpactError(f"a stall ({self.stall_s} s) must outlast the data-path timeout "
+                                f"({self.data_timeout_s} s)")
+        if self.fault_kind is FaultKind.PARTITION and self.down_s <= self.data_timeout_s:
+            raise MeshpactError(f"a partition ({self.down_s} s down) must outlast the data-path timeout "
+                                f"({self.data_timeout_s} s), or the collective simply resumes")
