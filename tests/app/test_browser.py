@@ -30,7 +30,7 @@ NAV = ["Mesh", "Plans", "Simulate", "Replay", "Live"]
 TITLES = {"Mesh": "Communicator mesh", "Plans": "Plans", "Simulate": "Simulate", "Replay": "Replay", "Live": "Live"}
 FAILED_RANKS_JS = """() => { const out = [];
     for (const gd of document.querySelectorAll('.js-plotly-plot'))
-        for (const t of gd._fullData || []) if (t.name === 'failed') for (const c of t.customdata || []) out.push(c[0]);
+        for (const t of gd._fullData || []) if (t.name === 'failed') for (const c of t.customdata || []) out.push(typeof c === 'object' ? c[0] : c);
     return out.sort((a, b) => a - b); }"""
 
 
