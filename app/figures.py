@@ -69,6 +69,7 @@ POLICY_COLOURS: Mapping[Policy, str] = {
     Policy.EXCISE: "#1f77b4",
 }
 GL_ABOVE = 4096  # ranks: draw the mesh with WebGL above this
+FAILED_MIN_PX = 10  # a failed rank's cross stays this big however small the healthy markers get (3 px at 16,384)
 # A white background with light grid lines, as plotly's "plotly_white" draws them, in a template
 # small enough to copy: assigning the full built-in template costs tens of milliseconds per figure.
 _AXIS = dict(gridcolor="#EBF0F8", linecolor="#EBF0F8", zerolinecolor="#EBF0F8", zerolinewidth=2, ticks="")
@@ -185,7 +186,7 @@ def mesh_figure(
     traces.append(go.Scatter(
         x=xs, y=ys, customdata=_rank_ids(down),
         mode="markers", name="failed",
-        marker=dict(size=size + 2, color=FAILED, symbol="x"),
+        marker=dict(size=max(size + 2, FAILED_MIN_PX), color=FAILED, symbol="x"),
         hovertemplate="rank %{customdata} (failed)<extra></extra>",
     ))
     fig = go.Figure(data=traces)

@@ -98,3 +98,13 @@ def test_the_node_view_picks_nodes_by_index_and_names_their_ranks():
     first = next(t for t in spec["data"] if t["name"] == "cuda@hostA")
     assert first["text"][0] == "ranks 0-7"
     assert next(t for t in spec["data"] if t["name"] == "cpu@hostB")["text"] == ["ranks 701-708"]  # 709-713 failed
+
+
+def test_a_failed_rank_stays_visible_among_16384_ranks():
+    big = Mesh(domains=(Domain("cuda@podA", "cuda", "podA", tuple(range(8192))),
+                        Domain("cann@podB", "cann", "podB", tuple(range(8192, 16384)))))
+    spec = _sent(mesh_figure(big, failed=[9999]))
+    healthy = max(t["marker"]["size"] for t in _markers(spec) if t.get("name") != "failed")
+    failed = next(t for t in spec["data"] if t.get("name") == "failed")
+    assert _values(failed["customdata"]) == [9999]
+    assert healthy <= 4 and failed["marker"]["size"] >= 10  # a cross wider than two grid cells, not a red speck
