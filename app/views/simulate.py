@@ -57,8 +57,10 @@ with training:
     st.caption(f"{scenario.name}: {w.model}, {w.ranks or 'all'} ranks, faults, checkpoints and recovery from the "
                "scenario; change them here. Every policy replays the same fault trace.")
     k = st.columns(5)
-    days = k[0].number_input("days", 0.5, 60.0, float(w.days), step=0.5)
-    mtbf = k[1].number_input("per-rank MTBF (hours)", 10.0, 1e6, float(f.rank_mtbf_hours or 2000.0), step=100.0)
+    # Written as the charts write them: whole hours ("2000", not "2000.00"), days to the half day.
+    days = k[0].number_input("days", 0.5, 60.0, float(w.days), step=0.5, format="%.1f")
+    mtbf = k[1].number_input("per-rank MTBF (hours)", 10.0, 1e6, float(f.rank_mtbf_hours or 2000.0), step=100.0,
+                             format="%.0f")
     every = k[2].number_input("checkpoint every (steps)", 1, 100_000, int(c.every_steps), step=50)
     mode = k[3].selectbox("checkpoint mode", ["sync", "async"], index=0 if c.mode.value == "sync" else 1)
     seed = k[4].number_input("fault seed", 0, 10_000, int(f.seed))
