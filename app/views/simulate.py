@@ -14,6 +14,7 @@ from meshpact.app.format import count, duration
 from meshpact.app.policies import compare_policies
 from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
+from meshpact.core.scenario import SERVING_REQUESTS
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recovery import RecoveryBreakdown
 
@@ -118,7 +119,7 @@ with serving:
     with st.form("serving_form"):
         k = st.columns(4)
         model = k[0].selectbox("model preset", list(s.presets), index=list(s.presets).index(s.model))
-        reqs = k[1].multiselect("requests", ["full", "logprob", "token", "owner_token"], default=["full", "token"])
+        reqs = k[1].multiselect("requests", [r.value for r in SERVING_REQUESTS], default=["full", "token"])
         gbps = k[2].number_input("link Gbit/s", 0.1, 400.0, 1.0, step=0.5)
         n = k[3].number_input("requests per run", 20, 2000, 100, step=20)
         run = st.form_submit_button("Run serving sweep", type="primary")
