@@ -26,6 +26,8 @@ __all__ = [
     "require_scenario",
     "mesh_of",
     "positions_of",
+    "mesh_for",
+    "positions_for",
     "SCENARIO_KEY",
     "message_markdown",
 ]
@@ -65,6 +67,15 @@ def mesh_of(choice: ScenarioChoice) -> Mesh:
 
 def positions_of(choice: ScenarioChoice) -> dict[int, tuple[float, float]]:
     return _positions(choice.text, choice.source)
+
+
+def mesh_for(text: str, source: str) -> Mesh:
+    """The mesh of a scenario by its text and source: for caches keyed by those two strings."""
+    return _mesh(text, source)
+
+
+def positions_for(text: str, source: str) -> dict[int, tuple[float, float]]:
+    return _positions(text, source)
 
 
 def _read_path(raw: str) -> tuple[str, str]:

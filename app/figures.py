@@ -16,6 +16,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -68,6 +69,7 @@ POLICY_COLOURS: Mapping[Policy, str] = {
     Policy.EXCISE: "#1f77b4",
 }
 GL_ABOVE = 4096  # ranks: draw the mesh with WebGL above this
+FAILED_MIN_PX = 10  # a failed rank's cross stays this big however small the healthy markers get (3 px at 16,384)
 # A white background with light grid lines, as plotly's "plotly_white" draws them, in a template
 # small enough to copy: assigning the full built-in template costs tens of milliseconds per figure.
 _AXIS = dict(gridcolor="#EBF0F8", linecolor="#EBF0F8", zerolinecolor="#EBF0F8", zerolinewidth=2, ticks="")
@@ -86,6 +88,14 @@ def domain_colours(mesh: Mesh) -> dict[str, str]:
     return out
 
 
+def _xy(ranks: Sequence[int], pos: Mapping[int, tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
+    """Coordinates of ``ranks`` as two float32 arrays: numpy arrays pass plotly's validation in
+    one step and reach the browser as packed typed arrays (4 bytes a value, far finer than a
+    pixel at rank spacings of about 1), which plotly reads without parsing numbers."""
+    xy = np.array([pos[r] for r in ranks], dtype=np.float32).reshape(-1, 2)
+    return xy[:, 0], xy[:, 1]
+
+
 def _polyline(pairs: Iterable[tuple[int, int]], pos: Mapping[int, tuple[float, float]]) -> tuple[list, list]:
     xs: list = []
     ys: list = []
@@ -95,11 +105,17 @@ def _polyline(pairs: Iterable[tuple[int, int]], pos: Mapping[int, tuple[float, f
     return xs, ys
 
 
-def _ring_xy(ring: Sequence[int], pos: Mapping[int, tuple[float, float]]) -> tuple[list, list]:
+def _ring_xy(ring: Sequence[int], pos: Mapping[int, tuple[float, float]]) -> tuple[np.ndarray, np.ndarray]:
     """The ring as a polyline; a circle is closed, a serpentine grid is left open (its
     closing hop would cut across the grid)."""
     closed = list(ring) + ([ring[0]] if 2 < len(ring) <= CIRCLE_MAX else [])
-    return [pos[r][0] for r in closed], [pos[r][1] for r in closed]
+    return _xy(closed, pos)
+
+
+def _rank_ids(ranks: Sequence[int]) -> np.ndarray:
+    """``customdata`` of rank markers: the rank id of each point, one number (not a row: the
+    browser reports a packed row as an object, which a selection event cannot carry)."""
+    return np.asarray(ranks, dtype=np.int32)
 
 
 def mesh_figure(
@@ -113,7 +129,11 @@ def mesh_figure(
     per domain (grey and dashed once a member failed) and the bridge links between
     domains. Every rank marker carries its rank id in ``customdata`` for selection.
     ``dragmode`` ``select`` makes a drag draw a box; ``pan`` lets a click pick one rank
-    (Streamlit turns click selection off while a drag draws boxes)."""
+    (Streamlit turns click selection off while a drag draws boxes).
+
+    Built for a fast click: coordinates and rank ids are numpy arrays, every marker style is one
+    value per trace (a healthy bridge rank is ringed by a small overlay trace instead of a
+    per-point outline width, which would make the browser style each point on its own)."""
     pos = positions if positions is not None else rank_positions(mesh)
     state = health(mesh, failed)
     dead = state.failed
@@ -139,28 +159,35 @@ def mesh_figure(
         traces.append(go.Scatter(
             x=xs, y=ys, mode="lines", hoverinfo="skip", name=f"bridge ({link.link.value.replace('_', ' ')})",
             legendgroup=link.link.value, showlegend=link.link not in shown,
-            line=dict(color=colour if ok else BROKEN, width=3, dash=dash),
+            line=dict(color=colour, dash=dash, width=3) if ok else dict(color=BROKEN, dash=dash, width=3),
         ))
         shown.add(link.link)
     for d in mesh.domains:
         alive = [r for r in d.ranks if r not in dead]
+        xs, ys = _xy(alive, pos)
         traces.append(Trace(
-            x=[pos[r][0] for r in alive], y=[pos[r][1] for r in alive],
-            customdata=[[r] for r in alive],
+            x=xs, y=ys, customdata=_rank_ids(alive),
             mode="markers+text" if labelled else "markers",
             text=[str(r) for r in alive] if labelled else None,
             textposition="middle center", textfont=dict(size=8, color="white"),
-            marker=dict(size=size, color=colours[d.name],
-                        line=dict(width=[2.5 if r == d.bridge_rank else 0 for r in alive], color="#e69f00")),
+            marker=dict(size=size, color=colours[d.name]),
             name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
-            hovertemplate=f"rank %{{customdata[0]}}<br>{d.name} · {d.host}<extra></extra>",
+            hovertemplate=f"rank %{{customdata}}<br>{d.name} · {d.host}<extra></extra>",
+        ))
+    bridges = [d.bridge_rank for d in mesh.domains if d.bridge_rank is not None and d.bridge_rank not in dead]
+    if bridges:  # an orange ring around each healthy bridge rank, drawn over its marker; not selectable
+        xs, ys = _xy(bridges, pos)
+        traces.append(go.Scatter(
+            x=xs, y=ys, mode="markers", hoverinfo="skip", showlegend=False, name="bridge rank",
+            marker=dict(size=size + 3, color="rgba(0,0,0,0)", line=dict(width=2.5, color="#e69f00")),
         ))
     down = sorted(dead)
+    xs, ys = _xy(down, pos)
     traces.append(go.Scatter(
-        x=[pos[r][0] for r in down], y=[pos[r][1] for r in down], customdata=[[r] for r in down],
+        x=xs, y=ys, customdata=_rank_ids(down),
         mode="markers", name="failed",
-        marker=dict(size=size + 2, color=FAILED, symbol="x"),
-        hovertemplate="rank %{customdata[0]} (failed)<extra></extra>",
+        marker=dict(size=max(size + 2, FAILED_MIN_PX), color=FAILED, symbol="x"),
+        hovertemplate="rank %{customdata} (failed)<extra></extra>",
     ))
     fig = go.Figure(data=traces)
     xs_all = [p[0] for p in pos.values()]
@@ -225,17 +252,23 @@ def node_figure(mesh: Mesh, nodes: Sequence[Node], failed: Iterable[int] = (), h
     pos = rank_positions(node_mesh)
     colours = domain_colours(mesh)
     fig = go.Figure()
+
+    def cells(group: Sequence[Node]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        xs, ys = _xy([n.index for n in group], pos)
+        return xs, ys, _rank_ids([n.index for n in group])  # the node index: a click or box picks nodes
+
     for name, group in by_domain.items():
         ok = [n for n in group if not dead.intersection(n.ranks)]
+        xs, ys, data = cells(ok)
         fig.add_trace(go.Scatter(
-            x=[pos[n.index][0] for n in ok], y=[pos[n.index][1] for n in ok], customdata=[[n.index] for n in ok],
-            mode="markers", name=name, marker=dict(size=7, color=colours[name], symbol="square"),
-            hovertext=[f"{n.label} · {name}" for n in ok], hoverinfo="text",
+            x=xs, y=ys, customdata=data, text=[n.label for n in ok], mode="markers", name=name,
+            marker=dict(size=7, color=colours[name], symbol="square"),
+            hovertemplate=f"%{{text}} · {name}<extra></extra>",
         ))
     hit = [(n, len(dead.intersection(n.ranks))) for n in nodes if dead.intersection(n.ranks)]
+    xs, ys, data = cells([n for n, _ in hit])
     fig.add_trace(go.Scatter(
-        x=[pos[n.index][0] for n, _ in hit], y=[pos[n.index][1] for n, _ in hit],
-        customdata=[[n.index] for n, _ in hit], mode="markers", name="node with failed ranks",
+        x=xs, y=ys, customdata=data, mode="markers", name="node with failed ranks",
         marker=dict(size=9, color=FAILED, symbol="square"),
         hovertext=[f"{n.label} · {n.domain}: {k} of {len(n.ranks)} failed" for n, k in hit], hoverinfo="text",
     ))

@@ -104,7 +104,8 @@ RANK_XY_JS = """(rank) => {
         for (const tr of gd._fullData || []) {
             const cd = tr.customdata || [];
             for (let i = 0; i < cd.length; i++) {
-                if (cd[i] && cd[i][0] === rank && tr.mode && tr.mode.includes('markers')) {
+                const id = (cd[i] !== null && typeof cd[i] === 'object') ? cd[i][0] : cd[i];  // a number or a row
+                if (id === rank && tr.mode && tr.mode.includes('markers')) {
                     gd.scrollIntoView({block: 'center', behavior: 'instant'});
                     const box = gd.getBoundingClientRect();
                     return [box.left + L._size.l + L.xaxis.d2p(tr.x[i]), box.top + L._size.t + L.yaxis.d2p(tr.y[i])];

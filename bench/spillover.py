@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+from meshpact.core.scenario import SERVING_REQUESTS
 from meshpact.live.netns import netns_unavailable
 from meshpact.live.spillover.serving import SpilloverConfig
 from meshpact.live.spillover.pairs import COLUMNS, Row, mismatched, table_rows
@@ -75,7 +76,7 @@ def main() -> int:
     concs = [int(c) for c in a.concurrency.split(",")]
     base = SpilloverConfig(output_tokens=a.output_tokens, gbit_per_s=a.link_gbps, deployment=a.deployment,
                            gamma=a.speculative, request="token")
-    requests = ["full", "token"] if a.speculative else ["full", "logprob", "token", "owner_token"]
+    requests = ["full", "token"] if a.speculative else [r.value for r in SERVING_REQUESTS]
     load_before = os.getloadavg()
     t0 = time.perf_counter()
     rows = measure(a.models.split(","), concs, requests, a.pairs, base,

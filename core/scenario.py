@@ -26,6 +26,7 @@ from .recovery import Policy, Stage
 from .recovery_costs import FaultImpact, FaultScope, RecoveryCosts
 
 __all__ = [
+    "SERVING_REQUESTS",
     "DomainSpec",
     "LinkSpec",
     "ClusterSpec",
@@ -292,7 +293,8 @@ class SpeculativeSpec(_Strict):
     draft_cost_ratio: float = Field(ge=0, description="draft token time / target pass time")
 
 
-_SERVING_REQUESTS = (Request.FULL, Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN)
+# The requests the serving deployments (simulated and live) implement: the result requests of one LM head.
+SERVING_REQUESTS: tuple[Request, ...] = (Request.FULL, Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN)
 
 
 class ServingSpec(_Strict):
@@ -312,8 +314,8 @@ class ServingSpec(_Strict):
     @field_validator("request")
     @classmethod
     def _request(cls, v: Request) -> Request:
-        if v not in _SERVING_REQUESTS:
-            raise ValueError(f"expected one of {[r.value for r in _SERVING_REQUESTS]}")
+        if v not in SERVING_REQUESTS:
+            raise ValueError(f"expected one of {[r.value for r in SERVING_REQUESTS]}")
         return v
 
     @model_validator(mode="after")

@@ -1,14 +1,24 @@
-"""Mesh page: the communicator mesh, failures by click, box or typed ranges, what recovery costs."""
+"""Mesh page: the communicator mesh, failures by click, box or typed ranges, what recovery costs.
+
+Everything under the title is one ``st.fragment``: a click, a box, typed ranks or a
+recovery knob re-run only that part (not the router, the sidebar or the title). The
+figures and the policy comparison are cached per scenario, failed ranks and knobs
+(``st.cache_resource``, a few entries each), so a selection seen before, or a rerun that
+changed nothing they depend on, rebuilds nothing.
+"""
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pandas as pd
+import plotly.graph_objects as go
 import streamlit as st
 
-from meshpact.app.context import mesh_of, positions_of, require_scenario
+from meshpact.app.context import mesh_for, mesh_of, positions_for, require_scenario
 from meshpact.app.figures import Node, mesh_figure, node_figure, nodes_of, recovery_figure
 from meshpact.app.format import count, duration
-from meshpact.app.policies import POLICY_EXPLAINED, compare_policies, comparison_rows
+from meshpact.app.policies import POLICY_EXPLAINED, PolicyComparison, compare_policies, comparison_rows
 from meshpact.app.state import (
     FAILED_KEY, SelectionState, apply_selection, clamp_failed, format_ranks, parse_ranks, ranks_in_event,
 )
@@ -22,6 +32,47 @@ AGGREGATE_ABOVE = 4096  # ranks: above this the chart shows one marker per node,
 NODE_RANKS = 8  # ranks per node in the aggregated view (an 8-accelerator server)
 DRILL_MAX_NODES = 128  # at most 1,024 ranks in the drill-down chart
 DRAG_MODES = {"drag a box": "select", "click ranks": "pan"}
+
+CACHED = 24  # figures and comparisons kept per kind, shared by the server's sessions
+
+
+def _drill_mesh(mesh: Mesh, nodes: Sequence[Node]) -> Mesh:
+    picked = {r for n in nodes for r in n.ranks}
+    doms = []
+    for d in mesh.domains:
+        rs = tuple(r for r in d.ranks if r in picked)
+        if rs:
+            doms.append(Domain(d.name, d.vendor, d.host, rs, d.backend, d.bridge_rank if d.bridge_rank in rs else None))
+    return Mesh(domains=tuple(doms))
+
+
+@st.cache_resource(show_spinner=False, max_entries=CACHED)
+def _mesh_fig(text: str, source: str, failed: tuple[int, ...], dragmode: str) -> go.Figure:
+    return mesh_figure(mesh_for(text, source), failed, positions_for(text, source), dragmode=dragmode)
+
+
+@st.cache_resource(show_spinner=False, max_entries=CACHED)
+def _node_fig(text: str, source: str, failed: tuple[int, ...], dragmode: str) -> go.Figure:
+    m = mesh_for(text, source)
+    return node_figure(m, nodes_of(m, NODE_RANKS), failed, dragmode=dragmode)
+
+
+@st.cache_resource(show_spinner=False, max_entries=CACHED)
+def _drill_fig(text: str, source: str, picked: tuple[int, ...], failed: tuple[int, ...], dragmode: str) -> go.Figure:
+    m = mesh_for(text, source)
+    nodes = nodes_of(m, NODE_RANKS)
+    drill = _drill_mesh(m, [nodes[i] for i in picked])
+    shown = set(drill.ranks)
+    return mesh_figure(drill, [r for r in failed if r in shown], height=420, dragmode=dragmode)
+
+
+@st.cache_resource(show_spinner=False, max_entries=CACHED)
+def _comparison(text: str, source: str, failed: tuple[int, ...], rank_loss: bool, since: int,
+                step_s: float) -> tuple[PolicyComparison, go.Figure]:
+    cmp = compare_policies(mesh_for(text, source), frozenset(failed), rank_loss=rank_loss,
+                           steps_since_checkpoint=since, step_s=step_s)
+    return cmp, recovery_figure(cmp.breakdowns)
+
 
 choice = require_scenario()
 mesh = mesh_of(choice)
@@ -40,126 +91,120 @@ def _typed() -> None:
     st.session_state[FAILED_KEY] = sorted(ranks)
 
 
-def _drill_mesh(nodes: list[Node]) -> Mesh:
-    picked = {r for n in nodes for r in n.ranks}
-    doms = []
-    for d in mesh.domains:
-        rs = tuple(r for r in d.ranks if r in picked)
-        if rs:
-            doms.append(Domain(d.name, d.vendor, d.host, rs, d.backend, d.bridge_rank if d.bridge_rank in rs else None))
-    return Mesh(domains=tuple(doms))
+@st.fragment
+def _selection_and_recovery() -> None:
+    """The part of the page a selection changes: re-run alone on a click, a box, typed ranks or a knob."""
+    # Apply a new click or box on a chart to the failed ranks before anything is drawn.
+    failed_now = clamp_failed(st.session_state.get(FAILED_KEY, []), mesh.ranks)
+    aggregated = mesh.world_size > AGGREGATE_ABOVE
+    memo_key, chart_key = (DRILL_MEMO, DRILL_KEY) if aggregated else (MEMO_KEY, CHART_KEY)
+    memo: SelectionState = st.session_state.get(memo_key, SelectionState())
+    memo = apply_selection(memo, failed_now, st.session_state.get(chart_key))
+    st.session_state[memo_key] = memo
+    failed = clamp_failed(memo.failed, mesh.ranks)
+    if failed != failed_now:  # a click or a box replaces whatever was mistyped
+        st.session_state[TEXT_ERROR] = None
+    st.session_state[FAILED_KEY] = failed
+    if not st.session_state.get(TEXT_ERROR):
+        st.session_state[TEXT_KEY] = format_ranks(failed)
+    state = health(mesh, failed)
 
+    m = st.columns(4)
+    m[0].metric("healthy ranks", f"{count(state.healthy)}/{count(mesh.world_size)}")
+    m[1].metric("failed", count(len(state.failed)), help="how many ranks are marked failed")
+    m[2].metric("communicators intact", f"{len(state.surviving)}/{len(state.communicators)}")
+    m[3].metric("hosts", count(len(mesh.hosts)))
 
-# Apply a new click or box on a chart to the failed ranks before anything is drawn.
-failed_now = clamp_failed(st.session_state.get(FAILED_KEY, []), mesh.ranks)
-aggregated = mesh.world_size > AGGREGATE_ABOVE
-memo_key, chart_key = (DRILL_MEMO, DRILL_KEY) if aggregated else (MEMO_KEY, CHART_KEY)
-memo: SelectionState = st.session_state.get(memo_key, SelectionState())
-memo = apply_selection(memo, failed_now, st.session_state.get(chart_key))
-st.session_state[memo_key] = memo
-failed = clamp_failed(memo.failed, mesh.ranks)
-if failed != failed_now:  # a click or a box replaces whatever was mistyped
-    st.session_state[TEXT_ERROR] = None
-st.session_state[FAILED_KEY] = failed
-if not st.session_state.get(TEXT_ERROR):
-    st.session_state[TEXT_KEY] = format_ranks(failed)
-state = health(mesh, failed)
+    left, right = st.columns([3, 2], gap="large")
+    with left:
+        st.text_input("Failed ranks: type rank ids and ranges (5-9, 12), or pick them on the chart", key=TEXT_KEY,
+                      on_change=_typed, placeholder="no rank failed")
+        if st.session_state.get(TEXT_ERROR):
+            st.error(st.session_state[TEXT_ERROR])
+        mode = st.radio("on the chart", list(DRAG_MODES), horizontal=True, key="mesh_drag_mode",
+                        help="drag a box: every rank inside fails; click ranks: a click fails a rank, a second click "
+                             "heals it, and a drag pans")
+        dragmode = DRAG_MODES[mode]
+        if aggregated:
+            nodes = nodes_of(mesh, NODE_RANKS)
+            st.caption(f"{count(mesh.world_size)} ranks as {count(len(nodes))} nodes of {NODE_RANKS}: click or drag over "
+                       "nodes to draw their ranks below, then fail ranks there or by typing.")
+            ev = st.plotly_chart(_node_fig(choice.text, choice.source, tuple(failed), dragmode), key=NODES_KEY, on_select="rerun",
+                                 selection_mode=("points", "box"))
+            picked = sorted(ranks_in_event(ev))[:DRILL_MAX_NODES]
+            if not picked:  # open on the nodes that hold failed ranks, else the first of each domain
+                hit = [n.index for n in nodes if set(n.ranks) & state.failed]
+                picked = hit[:DRILL_MAX_NODES] or [next(n.index for n in nodes if n.domain == d.name) for d in mesh.domains]
+            drill = _drill_mesh(mesh, [nodes[i] for i in picked])
+            st.caption(f"Drill-down: {count(drill.world_size)} ranks ({format_ranks(drill.ranks)})")
+            st.plotly_chart(_drill_fig(choice.text, choice.source, tuple(picked), tuple(failed), dragmode),
+                            key=DRILL_KEY, on_select="rerun", selection_mode=("points", "box", "lasso"))
+        else:
+            st.plotly_chart(_mesh_fig(choice.text, choice.source, tuple(failed), dragmode), key=CHART_KEY,
+                            on_select="rerun", selection_mode=("points", "box", "lasso"))
 
-m = st.columns(4)
-m[0].metric("healthy ranks", f"{count(state.healthy)}/{count(mesh.world_size)}")
-m[1].metric("failed", count(len(state.failed)), help="how many ranks are marked failed")
-m[2].metric("communicators intact", f"{len(state.surviving)}/{len(state.communicators)}")
-m[3].metric("hosts", count(len(mesh.hosts)))
+    with right:
+        st.dataframe(  # narrow enough for every column to show beside the chart at 1,400 px
+            pd.DataFrame([{"communicator": ("✓ " if cm.intact(state.failed) else "✗ ")
+                                           + cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
+                           "backend": cm.backend, "ranks": count(len(cm.ranks))}
+                          for cm in state.communicators]),
+            hide_index=True, width="stretch",
+            column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)", width=170),
+                           "backend": st.column_config.TextColumn(width=92),
+                           "ranks": st.column_config.TextColumn(width=56)},
+        )
+        for dom, rank in state.bridges.items():
+            if rank is None:
+                st.warning(f"Every rank of **{dom}** failed: the domain is lost.")
+            elif rank != mesh.domain(dom).bridge_rank:
+                st.info(f"The bridge rank of **{dom}** failed: rank {rank} takes over the bridge.")
+        if state.failed:
+            st.markdown("**Take these failures to another page**")
+            st.page_link("views/simulate.py", label="Simulate these failures", icon=":material/monitoring:")
+            if st.button("Replay these failures", icon=":material/replay:"):
+                st.session_state["replay_source"] = "failures picked on Mesh"
+                st.switch_page("views/replay.py")
 
-left, right = st.columns([3, 2], gap="large")
-with left:
-    st.text_input("Failed ranks: type rank ids and ranges (5-9, 12), or pick them on the chart", key=TEXT_KEY,
-                  on_change=_typed, placeholder="no rank failed")
-    if st.session_state.get(TEXT_ERROR):
-        st.error(st.session_state[TEXT_ERROR])
-    mode = st.radio("on the chart", list(DRAG_MODES), horizontal=True, key="mesh_drag_mode",
-                    help="drag a box: every rank inside fails; click ranks: a click fails a rank, a second click "
-                         "heals it, and a drag pans")
-    dragmode = DRAG_MODES[mode]
-    if aggregated:
-        nodes = nodes_of(mesh, NODE_RANKS)
-        st.caption(f"{count(mesh.world_size)} ranks as {count(len(nodes))} nodes of {NODE_RANKS}: click or drag over "
-                   "nodes to draw their ranks below, then fail ranks there or by typing.")
-        ev = st.plotly_chart(node_figure(mesh, nodes, failed, dragmode=dragmode), key=NODES_KEY, on_select="rerun",
-                             selection_mode=("points", "box"))
-        picked = sorted(ranks_in_event(ev))[:DRILL_MAX_NODES]
-        if not picked:  # open on the nodes that hold failed ranks, else the first of each domain
-            hit = [n.index for n in nodes if set(n.ranks) & state.failed]
-            picked = hit[:DRILL_MAX_NODES] or [next(n.index for n in nodes if n.domain == d.name) for d in mesh.domains]
-        drill = _drill_mesh([nodes[i] for i in picked])
-        st.caption(f"Drill-down: {count(drill.world_size)} ranks ({format_ranks(drill.ranks)})")
-        st.plotly_chart(mesh_figure(drill, [r for r in failed if r in set(drill.ranks)], height=420,
-                                    dragmode=dragmode), key=DRILL_KEY,
-                        on_select="rerun", selection_mode=("points", "box", "lasso"))
+    st.subheader("Recovery by policy")
+    if not state.failed:
+        st.info("Fail a rank (click it on the chart, drag a box, or type it above) to see what each recovery policy "
+                "would cost.")
     else:
-        st.plotly_chart(mesh_figure(mesh, failed, positions_of(choice), dragmode=dragmode), key=CHART_KEY,
-                        on_select="rerun",
-                        selection_mode=("points", "box", "lasso"))
+        k1, k2, k3 = st.columns(3)
+        rank_loss = k1.toggle("the failed ranks' processes are gone", value=False,
+                              help="Off: a collective failed and every process is alive. On: the ranks are lost.")
+        since = k2.slider("steps since the last checkpoint", 0, 500, 50, step=10)
+        step_s = k3.slider("seconds per training step", 0.1, 10.0, 1.0, step=0.1)
+        st.session_state["mesh_recovery_knobs"] = (rank_loss, since, step_s)  # Replay and Simulate cost the same failure
+        cmp, recovery_fig = _comparison(choice.text, choice.source, tuple(sorted(state.failed)), rank_loss, since, step_s)
+        if cmp.shape.lost_hosts and not rank_loss:
+            st.info(f"Every rank of host **{', '.join(cmp.shape.lost_hosts)}** failed: its processes are gone with it, "
+                    "so the figures count a rank loss.")
+        m1, m2, m3 = st.columns(3)
+        fast = cmp.total_s(Policy.IN_MEMORY)
+        cold = cmp.total_s(Policy.COLD_RESTART) or 0.0
+        if cmp.downtime_reduction is not None and fast is not None:
+            m1.metric("downtime reduction (cold restart ÷ in-memory)", f"{cmp.downtime_reduction:.1f}×")
+            m2.metric("in-memory rebind downtime", duration(fast), delta=f"{duration(fast - cold)} vs cold restart",
+                      delta_color="inverse")
+        else:
+            best = min(cmp.breakdowns, key=lambda b: b.total_s)
+            m1.metric("in-memory rebind", "cannot apply", help=cmp.unavailable.get(Policy.IN_MEMORY, ""))
+            m2.metric(f"fastest: {best.policy.label}", duration(best.total_s))
+        m3.metric("state retained in memory", f"{count(cmp.retained_ranks)}/{count(mesh.world_size)} ranks",
+                  help=f"{cmp.retained_bytes / 1e9:,.0f} GB kept in memory; a checkpoint restore reads "
+                       f"{cmp.reloaded_bytes / 1e9:,.0f} GB back")
+        for policy, why in cmp.unavailable.items():
+            st.warning(f"**{policy.label} cannot apply:** {why}.")
+        st.plotly_chart(recovery_fig, key="mesh_recovery")
+        st.markdown("\n".join(f"- **{p.label}**: {POLICY_EXPLAINED[p]}" for p in Policy))
+        st.caption(f"In-memory rebind rebuilds the communicators the failed ranks belonged to "
+                   f"({count(cmp.shape.rebuild_ranks)} ranks); the restores rebuild all {count(mesh.world_size)}. "
+                   "Durations come from the recovery cost model (`core/recovery.py`), whose defaults name their source "
+                   "or say they are assumptions. The Live page measures the same stages on real process groups.")
+        st.download_button("recovery comparison CSV", data=pd.DataFrame(comparison_rows(cmp)).to_csv(index=False),
+                           file_name=f"{choice.scenario.name}-recovery-{len(state.failed)}-failed.csv", mime="text/csv")
 
-with right:
-    st.dataframe(  # narrow enough for every column to show beside the chart at 1,400 px
-        pd.DataFrame([{"communicator": ("✓ " if cm.intact(state.failed) else "✗ ")
-                                       + cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
-                       "backend": cm.backend, "ranks": count(len(cm.ranks))}
-                      for cm in state.communicators]),
-        hide_index=True, width="stretch",
-        column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)", width=170),
-                       "backend": st.column_config.TextColumn(width=92),
-                       "ranks": st.column_config.TextColumn(width=56)},
-    )
-    for dom, rank in state.bridges.items():
-        if rank is None:
-            st.warning(f"Every rank of **{dom}** failed: the domain is lost.")
-        elif rank != mesh.domain(dom).bridge_rank:
-            st.info(f"The bridge rank of **{dom}** failed: rank {rank} takes over the bridge.")
-    if state.failed:
-        st.markdown("**Take these failures to another page**")
-        st.page_link("views/simulate.py", label="Simulate these failures", icon=":material/monitoring:")
-        if st.button("Replay these failures", icon=":material/replay:"):
-            st.session_state["replay_source"] = "failures picked on Mesh"
-            st.switch_page("views/replay.py")
 
-st.subheader("Recovery by policy")
-if not state.failed:
-    st.info("Fail a rank (click it on the chart, drag a box, or type it above) to see what each recovery policy "
-            "would cost.")
-else:
-    k1, k2, k3 = st.columns(3)
-    rank_loss = k1.toggle("the failed ranks' processes are gone", value=False,
-                          help="Off: a collective failed and every process is alive. On: the ranks are lost.")
-    since = k2.slider("steps since the last checkpoint", 0, 500, 50, step=10)
-    step_s = k3.slider("seconds per training step", 0.1, 10.0, 1.0, step=0.1)
-    st.session_state["mesh_recovery_knobs"] = (rank_loss, since, step_s)  # Replay and Simulate cost the same failure
-    cmp = compare_policies(mesh, state.failed, rank_loss=rank_loss, steps_since_checkpoint=since, step_s=step_s)
-    if cmp.shape.lost_hosts and not rank_loss:
-        st.info(f"Every rank of host **{', '.join(cmp.shape.lost_hosts)}** failed: its processes are gone with it, "
-                "so the figures count a rank loss.")
-    m1, m2, m3 = st.columns(3)
-    fast = cmp.total_s(Policy.IN_MEMORY)
-    cold = cmp.total_s(Policy.COLD_RESTART) or 0.0
-    if cmp.downtime_reduction is not None and fast is not None:
-        m1.metric("downtime reduction (cold restart ÷ in-memory)", f"{cmp.downtime_reduction:.1f}×")
-        m2.metric("in-memory rebind downtime", duration(fast), delta=f"{duration(fast - cold)} vs cold restart",
-                  delta_color="inverse")
-    else:
-        best = min(cmp.breakdowns, key=lambda b: b.total_s)
-        m1.metric("in-memory rebind", "cannot apply", help=cmp.unavailable.get(Policy.IN_MEMORY, ""))
-        m2.metric(f"fastest: {best.policy.label}", duration(best.total_s))
-    m3.metric("state retained in memory", f"{count(cmp.retained_ranks)}/{count(mesh.world_size)} ranks",
-              help=f"{cmp.retained_bytes / 1e9:,.0f} GB kept in memory; a checkpoint restore reads "
-                   f"{cmp.reloaded_bytes / 1e9:,.0f} GB back")
-    for policy, why in cmp.unavailable.items():
-        st.warning(f"**{policy.label} cannot apply:** {why}.")
-    st.plotly_chart(recovery_figure(cmp.breakdowns), key="mesh_recovery")
-    st.markdown("\n".join(f"- **{p.label}**: {POLICY_EXPLAINED[p]}" for p in Policy))
-    st.caption(f"In-memory rebind rebuilds the communicators the failed ranks belonged to "
-               f"({count(cmp.shape.rebuild_ranks)} ranks); the restores rebuild all {count(mesh.world_size)}. "
-               "Durations come from the recovery cost model (`core/recovery.py`), whose defaults name their source "
-               "or say they are assumptions. The Live page measures the same stages on real process groups.")
-    st.download_button("recovery comparison CSV", data=pd.DataFrame(comparison_rows(cmp)).to_csv(index=False),
-                       file_name=f"{choice.scenario.name}-recovery-{len(state.failed)}-failed.csv", mime="text/csv")
+_selection_and_recovery()

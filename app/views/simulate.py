@@ -14,6 +14,7 @@ from meshpact.app.format import count, duration
 from meshpact.app.policies import compare_policies
 from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
+from meshpact.core.scenario import SERVING_REQUESTS
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recovery import RecoveryBreakdown
 
@@ -57,8 +58,10 @@ with training:
     st.caption(f"{scenario.name}: {w.model}, {w.ranks or 'all'} ranks, faults, checkpoints and recovery from the "
                "scenario; change them here. Every policy replays the same fault trace.")
     k = st.columns(5)
-    days = k[0].number_input("days", 0.5, 60.0, float(w.days), step=0.5)
-    mtbf = k[1].number_input("per-rank MTBF (hours)", 10.0, 1e6, float(f.rank_mtbf_hours or 2000.0), step=100.0)
+    # Written as the charts write them: whole hours ("2000", not "2000.00"), days to the half day.
+    days = k[0].number_input("days", 0.5, 60.0, float(w.days), step=0.5, format="%.1f")
+    mtbf = k[1].number_input("per-rank MTBF (hours)", 10.0, 1e6, float(f.rank_mtbf_hours or 2000.0), step=100.0,
+                             format="%.0f")
     every = k[2].number_input("checkpoint every (steps)", 1, 100_000, int(c.every_steps), step=50)
     mode = k[3].selectbox("checkpoint mode", ["sync", "async"], index=0 if c.mode.value == "sync" else 1)
     seed = k[4].number_input("fault seed", 0, 10_000, int(f.seed))
@@ -116,7 +119,7 @@ with serving:
     with st.form("serving_form"):
         k = st.columns(4)
         model = k[0].selectbox("model preset", list(s.presets), index=list(s.presets).index(s.model))
-        reqs = k[1].multiselect("requests", ["full", "logprob", "token", "owner_token"], default=["full", "token"])
+        reqs = k[1].multiselect("requests", [r.value for r in SERVING_REQUESTS], default=["full", "token"])
         gbps = k[2].number_input("link Gbit/s", 0.1, 400.0, 1.0, step=0.5)
         n = k[3].number_input("requests per run", 20, 2000, 100, step=20)
         run = st.form_submit_button("Run serving sweep", type="primary")

@@ -44,12 +44,13 @@ from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Request
+from meshpact.core.scenario import SERVING_REQUESTS
 
 from ..netns import LinkShape, TwoHosts
 
 __all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS", "DEPLOYMENTS"]
 
-REQUESTS = ("full", "logprob", "token", "owner_token")
+REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
 # model: the decoder is split by layers, host 2 holds the later ones and the LM head (.split)
 DEPLOYMENTS = ("requests", "model")

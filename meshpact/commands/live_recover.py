@@ -24,7 +24,7 @@ def recover(
     ranks: int = typer.Option(4, "--ranks", min=2, max=16, help="Ranks (processes) to start."),
     steps: int = typer.Option(40, "--steps", min=2, help="Training steps."),
     faults: int = typer.Option(10, "--faults", min=0, help="Faults to inject, at distinct steps."),
-    fault_kind: FaultKind = typer.Option(FaultKind.COLLECTIVE, "--fault-kind", help="collective, stall, partition or kill."),
+    fault_kind: FaultKind = typer.Option(FaultKind.COLLECTIVE, "--fault-kind", help="How the fault is injected."),
     checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=1, help="Checkpoint interval K (steps)."),
     data_timeout: float = typer.Option(1.0, "--data-timeout", min=0.1, help="Data-path timeout (seconds)."),
     record: Optional[Path] = typer.Option(None, "--record", help="JSONL recording path "

@@ -30,7 +30,7 @@ NAV = ["Mesh", "Plans", "Simulate", "Replay", "Live"]
 TITLES = {"Mesh": "Communicator mesh", "Plans": "Plans", "Simulate": "Simulate", "Replay": "Replay", "Live": "Live"}
 FAILED_RANKS_JS = """() => { const out = [];
     for (const gd of document.querySelectorAll('.js-plotly-plot'))
-        for (const t of gd._fullData || []) if (t.name === 'failed') for (const c of t.customdata || []) out.push(c[0]);
+        for (const t of gd._fullData || []) if (t.name === 'failed') for (const c of t.customdata || []) out.push(typeof c === 'object' ? c[0] : c);
     return out.sort((a, b) => a - b); }"""
 
 
@@ -94,6 +94,9 @@ def test_page_renders_without_exception(server, page, name):
     assert page.locator("h1").first.inner_text().strip()
     links = [t.split("\n")[-1] for t in page.locator('[data-testid="stSidebarNavLink"]').all_inner_texts()]
     assert links == NAV
+    if name == "simulate":  # numbers as the charts beside them write them, not "2000.00" hours
+        assert page.get_by_label("per-rank MTBF (hours)").input_value() == "2000"
+        assert page.get_by_label("days", exact=True).input_value() == "7.0"
 
 
 def test_clicking_a_rank_on_the_chart_fails_it(user):
