@@ -12,7 +12,8 @@ simulator takes:
   (warm-up), the steps a fault struck and the steps that wrote a checkpoint;
 * **warm-up**: how much longer the first step took than that (measured; the simulator has no
   warm-up, so it is added to the prediction as measured);
-* **checkpoint write**: the mean over checkpoints of the slowest rank's write;
+* **checkpoint write**: the mean over the faulted run's checkpoints of the slowest rank's
+  write (a cold-restart baseline recorded after it writes checkpoints of its own);
 * **stage durations**: the calibration of :mod:`.calibrate` (mean per policy);
 * **the trace**: every fault at the step it struck, ``offset_s`` into that step (from the
   injection time and the injecting rank's step start).
@@ -165,7 +166,7 @@ def live_run_from_recording(path: str | os.PathLike[str]) -> LiveRun:
     """The measured inputs and outcomes of the live run recorded in ``path`` (see the module)."""
     header: dict[str, Any] = {}
     trained: dict[int, tuple[float, int, list[float]]] = {}  # rank -> (t at end, first step, step seconds)
-    writes: dict[int, float] = {}  # checkpoint step -> slowest rank's write
+    writes: list[tuple[float, int, float]] = []  # t, checkpoint step, seconds (one rank's write)
     injected: list[tuple[int, int, int, str, float]] = []  # index, step, rank, kind, t
     recovered: dict[int, tuple[Policy, float]] = {}  # step -> (policy, downtime)
     for i, ev in enumerate(iter_events(path)):
@@ -178,7 +179,7 @@ def live_run_from_recording(path: str | os.PathLike[str]) -> LiveRun:
 
 
 def _read_event(i: int, ev: Any, path: Any, header: dict[str, Any], trained: dict[int, tuple[float, int, list[float]]],
-                writes: dict[int, float], injected: list[tuple[int, int, int, str, float]],
+                writes: list[tuple[float, int, float]], injected: list[tuple[int, int, int, str, float]],
                 recovered: dict[int, tuple[Policy, float]]) -> None:
     """Keep what ``ev`` (the ``i``-th event) adds to the run's measurements."""
     if i == 0:
@@ -189,8 +190,7 @@ def _read_event(i: int, ev: Any, path: Any, header: dict[str, Any], trained: dic
         if int(ev.data.get("incarnation", 0)) == 0:
             trained[ev.rank] = (ev.t, int(ev.data["first_step"]), [float(x) for x in ev.data["step_s"]])
     elif ev.event == EventKind.CHECKPOINT and "seconds" in ev.data:
-        step = int(ev.data["step"])
-        writes[step] = max(writes.get(step, 0.0), float(ev.data["seconds"]))
+        writes.append((ev.t, int(ev.data["step"]), float(ev.data["seconds"])))
     elif ev.event == EventKind.FAULT_INJECTED:
         injected.append((int(ev.data["index"]), int(ev.data["step"]), int(ev.rank or 0),
                          str(ev.data.get("kind", "")), ev.t))
@@ -199,7 +199,7 @@ def _read_event(i: int, ev: Any, path: Any, header: dict[str, Any], trained: dic
 
 
 def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, int, list[float]]],
-            writes: dict[int, float], injected: list[tuple[int, int, int, str, float]],
+            writes: list[tuple[float, int, float]], injected: list[tuple[int, int, int, str, float]],
             recovered: dict[int, tuple[Policy, float]]) -> LiveRun:
     need = "record a fresh one with `meshpact live recover --record PATH`"
     if header.get("kind") != "recovery_trial":
@@ -211,7 +211,13 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
     full = {r: v for r, v in trained.items() if v[1] == 0 and len(v[2]) == steps}
     if not full:
         raise RecordingError(f"{path}: no 'trained' events with every step's seconds; {need}")
-    if not writes:
+    # the faulted run's checkpoints only: a cold-restart baseline recorded after it writes its own
+    t_end = max(v[0] for v in full.values())
+    slowest_write: dict[int, float] = {}
+    for t, step, sec in writes:
+        if t <= t_end:
+            slowest_write[step] = max(slowest_write.get(step, 0.0), sec)
+    if not slowest_write:
         raise RecordingError(f"{path}: no checkpoint write times ('checkpoint' events with seconds); {need}")
     fault_steps = {step for _, step, _, _, _ in injected}
     slowest = [max(v[2][s] for v in full.values()) for s in range(steps)]
@@ -233,7 +239,7 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
         faults.append(LiveFault(index, step, rank, impact, offset, policy, downtime))
     return LiveRun(source=str(path), ranks=ranks, steps=steps, checkpoint_every=every,
                    fault_kind=str(header.get("fault_kind", "")), step_s=step_s, warmup_s=warmup_s,
-                   checkpoint_s=statistics.fmean(writes.values()), checkpoints=len(writes),
+                   checkpoint_s=statistics.fmean(slowest_write.values()), checkpoints=len(slowest_write),
                    total_s=max(sum(v[2]) for v in full.values()), first_step_s=slowest[0], faults=tuple(faults))
 
 

@@ -98,6 +98,9 @@ def _synthetic(path: Path, *, ranks=3, steps=14, every=4, step_s=0.2, warm=1.5, 
 def test_a_run_that_behaves_as_modelled_is_predicted_exactly(tmp_path):
     path = tmp_path / "run.jsonl"
     true_total = _synthetic(path)
+    # a cold-restart baseline recorded after the faulted run writes checkpoints of its own: not this run's
+    late = {"t": 500.0, "rank": 0, "stage": None, "event": "checkpoint", "data": {"step": 4, "seconds": 9.0}}
+    path.write_text(path.read_text() + json.dumps(late) + "\n")
     run = live_run_from_recording(path)
     assert (run.ranks, run.steps, run.checkpoint_every) == (3, 14, 4)
     assert run.step_s == pytest.approx(0.2) and run.warmup_s == pytest.approx(1.5)
