@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshpact.core.errors import RecordingError
@@ -46,6 +46,7 @@ from meshpact.core.scenario import Scenario, builtin_scenario_path, load_scenari
 
 from .calibrate import Calibration, calibration_from_recording
 from .training import StepFault, simulate_training
+from .workload import derive_workload
 
 __all__ = ["LiveFault", "LiveRun", "FaultComparison", "Replay", "live_run_from_recording", "replay_live",
            "LIVE_POLICY"]
@@ -243,8 +244,10 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
                    total_s=max(sum(v[2]) for v in full.values()), first_step_s=slowest[0], faults=tuple(faults))
 
 
-def _scenario(run: LiveRun) -> Scenario:
-    """The live run as a scenario: its ranks, steps, step time, checkpoints; no random faults."""
+def _scenario(run: LiveRun, detection_s: float) -> Scenario:
+    """The live run as a scenario: its ranks, steps, step time, checkpoints; no random faults.
+    A lost rank's replacement is asked for at the measured detection and waits no further:
+    live mode's survivors wait for it inside the consensus stage, which is measured."""
     from meshpact.core.scenario import with_overrides
 
     base = load_scenario(builtin_scenario_path("default"))
@@ -258,7 +261,7 @@ def _scenario(run: LiveRun) -> Scenario:
         "checkpointing.every_steps": run.checkpoint_every, "checkpointing.mode": "sync",
         "checkpointing.seconds": run.checkpoint_s,
         "recovery.policies": [LIVE_POLICY.value],
-        "recovery.costs.replacement_s": 0.0,
+        "recovery.costs.replacement_s": 0.0, "recovery.costs.detection_s": detection_s,
     }, source=f"{run.source} (replayed)")
 
 
@@ -268,19 +271,28 @@ def replay_live(path: str | os.PathLike[str]) -> Replay:
     cal = calibration_from_recording(path)
     notes = []
     if any(f.impact is FaultImpact.RANK_LOSS for f in run.faults):
-        notes.append("a lost rank's replacement start is not a measured stage in the recording: counted as 0 s")
+        notes.append("a lost rank's replacement start is inside the measured consensus (survivors wait there for it); "
+                     "no restart stage is added")
+    detections = [st[Stage.DETECTION] for st in cal.measured.values() if Stage.DETECTION in st]
+    scenario = _scenario(run, statistics.fmean(detections) if detections else cal.costs.detection_s)
+    # the calibration's reference is the simulated job itself (its shard), so each measured stage is used as measured
+    w = derive_workload(scenario.workload, scenario.checkpointing, run.ranks, source=scenario.name)
+    cal = replace(cal, costs=replace(scenario.recovery.recovery_costs(scenario.name),
+                                     state_bytes_per_rank=w.state_bytes_per_rank))
     if run.warmup_s > 0:
         notes.append(f"first-step warm-up {run.warmup_s:.3f} s is measured, not simulated: added to the prediction")
-    modelled = estimate_recovery(LIVE_POLICY, run.ranks, cal.costs).durations_s
-    unmeasured = [s.value for s, d in modelled.items()
-                  if s is not Stage.REPLAY and d > 0 and s not in cal.measured.get(LIVE_POLICY, {})]
+    unmeasured: list[str] = []
+    for f in run.faults:  # each recovery as the live runtime ran it
+        modelled = estimate_recovery(f.policy, run.ranks, cal.costs, impact=f.impact, replacement_s=0.0).durations_s
+        unmeasured += [s.value for s, d in modelled.items() if s is not Stage.REPLAY and d > 0
+                       and s not in cal.measured.get(f.policy, {}) and s.value not in unmeasured]
     if unmeasured:
         notes.append(f"stages not in the recording, taken from the cost model: {', '.join(unmeasured)}")
     closing = run.checkpoint_s if run.steps % run.checkpoint_every == 0 else 0.0
     if closing:
         notes.append("the checkpoint after the last step is added (the simulation ends at the last commit)")
     result = simulate_training(
-        _scenario(run), adjust=cal.adjust, timeline=True,
+        scenario, adjust=cal.adjust, timeline=True,
         step_faults=[StepFault(f.step, f.impact, f.rank, f.offset_s) for f in run.faults])
     r = result.policies[LIVE_POLICY]
     recoveries: list[float] = []

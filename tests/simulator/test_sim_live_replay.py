@@ -60,11 +60,14 @@ def test_step_fault_outside_the_job_is_refused():
 
 
 def _synthetic(path: Path, *, ranks=3, steps=14, every=4, step_s=0.2, warm=1.5, ckpt=(0.3, 0.5, 0.4),
-               faults=((2, 0, 0.05), (9, 1, 0.12)), stages=None, skew=0.01) -> float:
+               faults=((2, 0, 0.05), (9, 1, 0.12)), stages=None, skew=0.01, kind="collective",
+               policy="in_memory") -> float:
     """A recording as a live trial writes it, of a run that behaves exactly as the model says:
     returns its true training-loop time (the slowest rank's)."""
     stages = stages or {"detection": 0.02, "consensus": 0.03, "communicator": 0.01, "rebinding": 0.004, "state": 0.006}
-    down = sum(stages.values())
+    # a lost rank rolls back to the last checkpoint and replays the steps since (slowest rank's step)
+    lost = {k: k % every if kind == "kill" else 0 for k, _, _ in faults}
+    down = {k: sum(stages.values()) + lost[k] * step_s for k, _, _ in faults}
     with RecordingWriter(path, "live", kind="recovery_trial", ranks=ranks, steps=steps, checkpoint_every=every) as rec:
         ckpts = {s: ckpt[i % len(ckpt)] for i, s in enumerate(range(every, steps + 1, every))}
         per_rank, t_end = [], 100.0
@@ -76,7 +79,7 @@ def _synthetic(path: Path, *, ranks=3, steps=14, every=4, step_s=0.2, warm=1.5, 
                     x += warm
                 for k, _, off in faults:
                     if k == s:
-                        x += off + down
+                        x += off + down[k]
                 x += ckpts.get(s + 1, 0.0)
                 secs.append(x)
             per_rank.append(secs)
@@ -89,9 +92,9 @@ def _synthetic(path: Path, *, ranks=3, steps=14, every=4, step_s=0.2, warm=1.5, 
         for i, (k, rank, off) in enumerate(faults):
             t_step = t_end - sum(per_rank[rank][k:])
             rec.emit(EventKind.FAULT_INJECTED, rank=rank, t=t_step + off,
-                     data={"index": i, "kind": "collective", "rank": rank, "step": k})
-            rec.emit(EventKind.RECOVERED, data={"step": k, "policy": "in_memory", "stages_s": stages,
-                                                "downtime_s": down, "generation": i + 1})
+                     data={"index": i, "kind": kind, "rank": rank, "step": k})
+            rec.emit(EventKind.RECOVERED, data={"step": k, "policy": policy, "stages_s": stages,
+                                                "downtime_s": down[k], "generation": i + 1, "lost_steps": lost[k]})
     return sum(per_rank[0])
 
 
@@ -112,6 +115,20 @@ def test_a_run_that_behaves_as_modelled_is_predicted_exactly(tmp_path):
     assert [f.predicted_s for f in replay.faults] == pytest.approx([0.07, 0.07])
     assert replay.total_error == pytest.approx(0.0, abs=1e-9)
     assert replay.steady_error == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_lost_rank_replayed_from_its_checkpoint_is_predicted_exactly(tmp_path):
+    # killed ranks: the live runtime restores the checkpoint and replays 2 and 3 steps
+    path = tmp_path / "run.jsonl"
+    stages = {"detection": 0.05, "consensus": 1.7, "communicator": 0.01, "state": 0.02, "rebinding": 0.001}
+    true_total = _synthetic(path, kind="kill", policy="checkpoint_restore", stages=stages,
+                            faults=((6, 1, 0.03), (11, 0, 0.0)), ranks=2)
+    run = live_run_from_recording(path)
+    assert [f.impact for f in run.faults] == [FaultImpact.RANK_LOSS] * 2
+    replay = replay_live(path)
+    assert [f.predicted_s for f in replay.faults] == pytest.approx([sum(stages.values()) + n * 0.2 for n in (2, 3)])
+    assert replay.predicted_total_s == pytest.approx(true_total)
+    assert any("inside the measured consensus" in n for n in replay.notes)
 
 
 def test_a_slower_run_than_its_costs_shows_as_an_error(tmp_path):
