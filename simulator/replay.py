@@ -87,12 +87,13 @@ class LiveRun:
     total_s: float  # the training loop, slowest rank: first step begun to last step committed
     first_step_s: float  # the first step, slowest rank
     faults: tuple[LiveFault, ...]
+    unrecovered: int = 0  # faults injected with no recovery at their step (nothing to compare; not replayed)
 
     def to_dict(self) -> dict[str, Any]:
         return {"source": self.source, "ranks": self.ranks, "steps": self.steps,
                 "checkpoint_every": self.checkpoint_every, "fault_kind": self.fault_kind, "step_s": self.step_s,
                 "warmup_s": self.warmup_s, "checkpoint_s": self.checkpoint_s, "checkpoints": self.checkpoints,
-                "total_s": self.total_s, "first_step_s": self.first_step_s,
+                "total_s": self.total_s, "first_step_s": self.first_step_s, "unrecovered": self.unrecovered,
                 "faults": [{"index": f.index, "step": f.step, "rank": f.rank, "impact": f.impact.value,
                             "offset_s": f.offset_s, "policy": f.policy.value, "downtime_s": f.downtime_s}
                            for f in self.faults]}
@@ -241,7 +242,8 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
     return LiveRun(source=str(path), ranks=ranks, steps=steps, checkpoint_every=every,
                    fault_kind=str(header.get("fault_kind", "")), step_s=step_s, warmup_s=warmup_s,
                    checkpoint_s=statistics.fmean(slowest_write.values()), checkpoints=len(slowest_write),
-                   total_s=max(sum(v[2]) for v in full.values()), first_step_s=slowest[0], faults=tuple(faults))
+                   total_s=max(sum(v[2]) for v in full.values()), first_step_s=slowest[0], faults=tuple(faults),
+                   unrecovered=len(injected) - len(faults))
 
 
 def _scenario(run: LiveRun, detection_s: float) -> Scenario:
@@ -270,6 +272,8 @@ def replay_live(path: str | os.PathLike[str]) -> Replay:
     run = live_run_from_recording(path)
     cal = calibration_from_recording(path)
     notes = []
+    if run.unrecovered:
+        notes.append(f"{run.unrecovered} injected fault(s) had no recovery at their step: not replayed")
     if any(f.impact is FaultImpact.RANK_LOSS for f in run.faults):
         notes.append("a lost rank's replacement start is inside the measured consensus (survivors wait there for it); "
                      "no restart stage is added")

@@ -129,6 +129,13 @@ def test_a_lost_rank_replayed_from_its_checkpoint_is_predicted_exactly(tmp_path)
     assert [f.predicted_s for f in replay.faults] == pytest.approx([sum(stages.values()) + n * 0.2 for n in (2, 3)])
     assert replay.predicted_total_s == pytest.approx(true_total)
     assert any("inside the measured consensus" in n for n in replay.notes)
+    # a fault that fired with no recovery at its step is named, not replayed
+    evs = [json.loads(x) for x in path.read_text().splitlines()]
+    path.write_text("".join(json.dumps(e) + "\n" for e in evs
+                            if not (e["event"] == "recovered" and e["data"]["step"] == 11)))
+    replay = replay_live(path)
+    assert [f.step for f in replay.faults] == [6] and replay.run.unrecovered == 1
+    assert any("1 injected fault(s) had no recovery" in n for n in replay.notes)
 
 
 def test_a_slower_run_than_its_costs_shows_as_an_error(tmp_path):
