@@ -47,6 +47,7 @@ class EventKind(str, Enum):
     REPLACEMENT_STARTED = "replacement_started"
     FAULT_INJECTED = "fault_injected"
     RECOVERED = "recovered"
+    TRAINED = "trained"  # a rank's training loop ended: its steps and each step's seconds
     SUMMARY = "summary"
 
     def __str__(self) -> str:

@@ -38,6 +38,10 @@ it is excised do not reach the job and are not counted.
 
 Fixed horizon (``workload.days``) or fixed work (``workload.work_steps``: the run ends
 when that many steps are committed, and ``days`` is the limit).
+
+Faults may also be placed by step (:class:`StepFault`, the trace of a live run): the fault
+strikes ``offset_s`` into the first computation of that step (the offset is lost work, and
+the step is run again after the recovery), once, under every policy at its own time.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from .faults import Fault, cluster_rate_per_s, fault_trace
 from .workload import Workload, derive_workload
 
 __all__ = ["TimelineEvent", "PolicyResult", "TrainingResult", "simulate_training", "StageAdjust", "training_overrides",
-           "check_bounds", "MAX_FAULTS", "MAX_CHECKPOINT_INTERVALS"]
+           "check_bounds", "StepFault", "MAX_FAULTS", "MAX_CHECKPOINT_INTERVALS"]
 
 _EPS = 1e-9
 
@@ -72,6 +76,17 @@ MAX_CHECKPOINT_INTERVALS = 1_000_000
 
 # Adjusts a modelled breakdown's durations: (policy, ranks, modelled durations) -> durations.
 StageAdjust = Callable[[Policy, int, Mapping[Stage, float]], Mapping[Stage, float]]
+
+
+@dataclass(frozen=True)
+class StepFault:
+    """A fault at a step rather than a time: ``offset_s`` into the first run of step ``step``
+    (steps counted from 0, as committed steps are)."""
+
+    step: int
+    impact: FaultImpact = FaultImpact.TRANSIENT
+    rank: int = 0
+    offset_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -201,7 +216,8 @@ class _Run:
     """One policy on one fault trace."""
 
     def __init__(self, w: Workload, policy: Policy, costs: RecoveryCosts, trace: Sequence[Fault],
-                 horizon_s: float, faults: FaultsSpec, adjust: StageAdjust | None, timeline: bool) -> None:
+                 horizon_s: float, faults: FaultsSpec, adjust: StageAdjust | None, timeline: bool,
+                 step_faults: Sequence[StepFault] = ()) -> None:
         self.w, self.policy, self.trace = w, policy, trace
         self.model = policy_model(policy)
         # the real shard, and the scenario's storage bandwidth where it gives one
@@ -237,6 +253,8 @@ class _Run:
         self.interval = 0  # checkpoints begun so far: the interval the job is in
         self.aged = faults.at_checkpoint_age
         self.aged_fired, self.aged_interval = 0, -1  # faults by checkpoint age so far; interval of the last
+        self.step_faults = sorted(step_faults, key=lambda f: f.step)
+        self.step_faults_fired = 0
 
     # --- bookkeeping -----------------------------------------------------------------
     def _log(self, t: float, dur: float, kind: str, stage: Stage | None = None, **data: Any) -> None:
@@ -360,9 +378,15 @@ class _Run:
     def _compute(self):
         yield from self._apply_rejoins()
         step_s = self._step_s()
+        nxt = self.step_faults[self.step_faults_fired] if self.step_faults_fired < len(self.step_faults) else None
+        if nxt is not None and self.committed >= nxt.step:
+            yield from self._step_fault(nxt, step_s)
+            return
         steps = self.w.checkpoint_every - self.since_ckpt
         if self.w.work_steps is not None:
             steps = min(steps, self.w.work_steps - self.committed)
+        if nxt is not None:
+            steps = min(steps, nxt.step - self.committed)
         aged = self._aged_fault_due()
         if aged:
             assert self.aged is not None
@@ -385,6 +409,19 @@ class _Run:
             self.faults += 1
             self._log(f.t, 0.0, "fault", rank=f.rank, span=f.span, fault=f.impact.value, age=self.aged.steps)
             self.pending.append(f)
+
+    def _step_fault(self, sf: StepFault, step_s: float):
+        """Run ``sf.offset_s`` of the step, then fault: that part of the step is lost."""
+        self.step_faults_fired += 1  # consumed when its step begins, whatever interrupts it
+        start = self.env.now
+        self.phase = ("compute", start, step_s)
+        yield self.env.timeout(min(max(sf.offset_s, 0.0), step_s))
+        self.phase = ("idle", self.env.now, None)
+        self.lost_compute_s += self.env.now - start
+        f = Fault(self.env.now, sf.impact, sf.rank)
+        self.faults += 1
+        self._log(f.t, 0.0, "fault", rank=f.rank, span=f.span, fault=f.impact.value, step=sf.step)
+        self.pending.append(f)
 
     def _apply_rejoins(self):
         due = [r for r, t in self.excised.items() if t <= self.env.now + _EPS]
@@ -575,6 +612,7 @@ def simulate_training(
     adjust: StageAdjust | None = None,
     timeline: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    step_faults: Sequence[StepFault] = (),
     **flags: Any,
 ) -> TrainingResult:
     """Run every policy of ``scenario`` on one shared fault trace.
@@ -583,7 +621,8 @@ def simulate_training(
     ``checkpoint_every``, ``checkpoint_seconds``, ``checkpoint_mode``, ``policies``,
     ``seed``, ``work_steps``); ``overrides`` are dotted scenario paths. ``adjust`` rewrites modelled
     stage durations (calibration); the scenario's ``recovery.stage_seconds`` win over both.
-    ``progress(done, total)`` is called after each policy.
+    ``progress(done, total)`` is called after each policy. ``step_faults`` are faults placed
+    by step (a live run's trace), added to the scenario's.
     """
     all_overrides = {**training_overrides(**flags), **dict(overrides or {})}
     if all_overrides:
@@ -596,6 +635,10 @@ def simulate_training(
     if aged is not None and aged.steps >= w.checkpoint_every:
         raise ScenarioError(f"{scenario.name}: faults.at_checkpoint_age.steps: {aged.steps} steps is not inside a "
                             f"checkpoint interval of {w.checkpoint_every}; expected fewer steps than checkpointing.every_steps")
+    for i, sf in enumerate(step_faults):
+        if not 0 <= sf.rank < ranks or sf.step < 0 or not 0 <= sf.offset_s < math.inf:
+            raise ScenarioError(f"{scenario.name}: step fault {i}: rank {sf.rank}, step {sf.step}, offset {sf.offset_s} s; "
+                                f"expected rank 0..{ranks - 1}, step >= 0 and a finite offset >= 0")
     if aged is not None and aged.rank >= ranks:
         raise ScenarioError(f"{scenario.name}: faults.at_checkpoint_age.rank: rank {aged.rank} is not in the job; "
                             f"expected 0..{ranks - 1}")
@@ -612,7 +655,7 @@ def simulate_training(
     results: dict[Policy, PolicyResult] = {}
     for i, p in enumerate(policies):
         results[p] = _Run(w, p, costs, trace, horizon, scenario.faults, combined if (adjust or fixed) else None,
-                          timeline).run()
+                          timeline, step_faults).run()
         if progress:
             progress(i + 1, len(policies))
     return TrainingResult(scenario=scenario.name, workload=w, horizon_s=horizon, trace=trace, policies=results)

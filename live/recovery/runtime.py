@@ -242,8 +242,10 @@ class Resilient:
         if self.batches is None:
             self._kept.append((step, batch))
         if self.ckpt is not None and self.ckpt.due(self.committed_step):
-            self.ckpt.save(self.committed_step, job_state(self.model, self.optimizer))
-            self.session.emit(EventKind.CHECKPOINT, step=self.committed_step)
+            t0 = time.perf_counter()
+            written = self.ckpt.save(self.committed_step, job_state(self.model, self.optimizer))
+            self.session.emit(EventKind.CHECKPOINT, step=self.committed_step, seconds=time.perf_counter() - t0,
+                              bytes=written)
         if self.ckpt is not None and self._kept:
             try:  # keep batches since the checkpoint before the newest complete one
                 newest = self.ckpt.latest(self.committed_step)

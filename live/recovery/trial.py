@@ -130,7 +130,8 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
     cold = None
     cold_launch = None
     with RecordingWriter(recording_path, "live", kind="recovery_trial", ranks=cfg.ranks, steps=cfg.steps,
-                         fault_kind=cfg.fault_kind.value, faults=len(faults), workload=workload) as rec:
+                         fault_kind=cfg.fault_kind.value, faults=len(faults), workload=workload,
+                         checkpoint_every=cfg.checkpoint_every) as rec:
         t0_wall = time.time() - rec.now()
         with _partition_hosts(cfg) as (netns, stores):
             ref_dir = Path(reference_dir) if reference_dir else work / "reference"
@@ -155,6 +156,10 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
         cold_events = read_rank_events(work / "cold") if cold is not None else []
         for ev in sorted(faulted_events + cold_events, key=lambda e: e.t):
             rec.emit(ev.event, rank=ev.rank, stage=ev.stage, data=ev.data, t=ev.t - t0_wall)
+        for o in faulted:  # each rank's training loop: the step it began at and every step's seconds
+            rec.emit(EventKind.TRAINED, rank=o.rank, t=o.t_caught_up_wall - t0_wall,
+                     data={"first_step": cfg.steps - len(o.step_s), "steps": len(o.step_s), "step_s": list(o.step_s),
+                           "seconds": sum(o.step_s), "incarnation": o.incarnation})
         for f in faults:
             r = fault_records.get(f.index)
             if r:

@@ -67,12 +67,16 @@ def training(
     policy: str = typer.Option("all", "--policy", help="A policy, a comma list, or all."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the fault trace."),
     work_steps: Optional[int] = typer.Option(None, "--work-steps", help="Fixed work: run until N steps are committed."),
-    calibrate_from: Optional[Path] = typer.Option(None, "--calibrate-from", help="Live recording (JSONL) with stage durations."),
+    calibrate_from: Optional[Path] = typer.Option(
+        None, "--calibrate-from", help="Live recording (JSONL) with stage durations; a fresh `meshpact live recover` "
+        "recording is also replayed and predicted against what it measured."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace (Perfetto) here."),
 ) -> None:
     """Training with faults: every policy on the same fault trace."""
+    from meshpact.core.errors import RecordingError
     from meshpact.simulator.calibrate import calibration_from_recording
+    from meshpact.simulator.replay import replay_live
     from meshpact.simulator.timeline import check_trace_path, write_chrome_trace
     from meshpact.simulator.training import simulate_training
 
@@ -80,6 +84,12 @@ def training(
         check_trace_path(trace)
     sc = _scenario(scenario)
     cal = calibration_from_recording(calibrate_from, sc.recovery.recovery_costs()) if calibrate_from else None
+    replay, no_replay = None, None
+    if calibrate_from:
+        try:  # the recorded run itself, replayed: predicted against measured
+            replay = replay_live(calibrate_from)
+        except RecordingError as exc:
+            no_replay = str(exc)
     result = simulate_training(
         sc, ranks=ranks, days=days, step_seconds=step_seconds, rank_mtbf_hours=rank_mtbf_hours,
         checkpoint_every=checkpoint_every, checkpoint_seconds=checkpoint_seconds,
@@ -92,6 +102,7 @@ def training(
         doc = result.to_dict()
         if cal:
             doc["calibration"] = cal.to_dict()
+            doc["live_replay"] = replay.to_dict() if replay else {"unavailable": no_replay}
         emit_json(doc)
         return
     w = result.workload
@@ -114,8 +125,36 @@ def training(
     console.print(table("per policy, same fault trace", ["", *[r.policy.value for r in pols]], rows))
     if cal:
         console.print(f"stage durations calibrated from {cal.source} ({cal.ranks} ranks)")
+    if replay:
+        _print_replay(replay)
+    elif no_replay:
+        console.print(f"no live replay: {no_replay}")
     if trace:
         console.print(f"trace: {trace} (open in https://ui.perfetto.dev)")
+
+
+def _print_replay(replay: Any) -> None:
+    """The recorded live run against its calibrated simulation."""
+    run = replay.run
+    console.print(f"live run replayed ({replay.to_dict()['policy']}): {run.ranks} ranks, {run.steps} steps, "
+                  f"{len(run.faults)} {run.fault_kind} faults; measured step {run.step_s * 1e3:.1f} ms, "
+                  f"checkpoint write {run.checkpoint_s * 1e3:.1f} ms, first-step warm-up {run.warmup_s:.3f} s")
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{x:+.1%}"
+
+    rows: list[list[Any]] = [[f"downtime, fault at step {f.step} (s)", f"{f.measured_s:.4f}", f"{f.predicted_s:.4f}",
+                              pct(f.error)] for f in replay.faults]
+    rows.append(["downtime per fault, mean (s)", f"{replay.measured_downtime_s:.4f}",
+                 f"{replay.predicted_downtime_s:.4f}", pct(replay.downtime_error)])
+    rows.append(["training loop, total (s)", f"{run.total_s:.3f}", f"{replay.predicted_total_s:.3f}",
+                 pct(replay.total_error)])
+    if replay.steady is not None:
+        rows.append(["after the first step (s)", f"{replay.steady[0]:.3f}", f"{replay.steady[1]:.3f}",
+                     pct(replay.steady_error)])
+    console.print(table("live run: measured against simulated", ["", "measured", "simulated", "error"], rows))
+    for note in replay.notes:
+        console.print(f"note: {note}")
 
 
 def serving(
