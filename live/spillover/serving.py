@@ -48,7 +48,9 @@ from meshpact.core.scenario import SERVING_REQUESTS
 
 from ..netns import LinkShape, TwoHosts
 
-__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS", "DEPLOYMENTS"]
+__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
+           # the pieces the model-split and speculative loops share with this one
+           "ResultPlans", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
 
 REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
@@ -154,18 +156,18 @@ class RunResult:
 
 
 # -- requests: prompts and targets both hosts derive from the request id ---------------------
-def _prompt(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
+def prompt_for(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
     rng = random.Random(cfg["seed"] * 1_000_003 + rid)
     return [rng.randrange(vocab) for _ in range(cfg["prompt_tokens"])]
 
 
-def _targets(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
+def targets_for(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
     rng = random.Random(cfg["seed"] * 1_000_003 + rid + 500_000)
     return [rng.randrange(vocab) for _ in range(cfg["output_tokens"])]
 
 
 # -- the plan for one step's results ---------------------------------------------------------
-class _ResultPlans:
+class ResultPlans:
     """The lowered, checked plan per batch size (the producer tensor is ``logits [batch, vocab]``)."""
 
     def __init__(self, request: str, vocab: int, mesh: Any) -> None:
@@ -238,7 +240,7 @@ def _pin(host: int) -> None:
     os.sched_setaffinity(0, {cpus[host % len(cpus)]})
 
 
-def _slot_word(state: int, rid: int, token: int) -> list[int]:
+def slot_word(state: int, rid: int, token: int) -> list[int]:
     return [state, rid, token]
 
 
@@ -258,7 +260,7 @@ class _Host2:
         self.spec = scaled_spec(cfg["model"])
         self.model = Decoder(self.spec, cfg["remote_slots"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
                              seed=cfg["seed"] + 2)
-        self.plans = _ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
+        self.plans = ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
         self.executor = Executor(layout)
         self.cmd = torch.zeros(2 + 3 * cfg["remote_slots"], dtype=torch.long)
         self.next_token: dict[int, int] = {}
@@ -273,7 +275,7 @@ class _Host2:
         import torch
         import torch.distributed as dist
 
-        _handshake(1)
+        handshake(1)
         self.model.step([0], [0])  # warm up
         dist.barrier()
         req = self.cfg["request"]
@@ -288,11 +290,11 @@ class _Host2:
                     continue
                 if state == NEW:
                     t0 = time.perf_counter()
-                    prompt = _prompt(self.cfg, rid, self.spec.vocab_size)
+                    prompt = prompt_for(self.cfg, rid, self.spec.vocab_size)
                     self.model.prefill(s, prompt)
                     self.t_prefill.append(time.perf_counter() - t0)
                     self.next_token[s], self.done[s] = prompt[-1], 0
-                    self.targets[s] = _targets(self.cfg, rid, self.spec.vocab_size)
+                    self.targets[s] = targets_for(self.cfg, rid, self.spec.vocab_size)
                 elif req == "full":
                     self.next_token[s] = token
                 slots.append(s)
@@ -315,8 +317,8 @@ class _Host2:
                     self.next_token[s] = int(out.buffers[sent][j])
                 self.done[s] += 1
         return {"records": [r.to_dict() for r in self.executor.meter.records], "steps": len(self.t_forward),
-                "forward_s": _mean(self.t_forward), "project_s": _mean(self.t_project),
-                "prefill_s": _mean(self.t_prefill), "planned": self.planned}
+                "forward_s": mean_of(self.t_forward), "project_s": mean_of(self.t_project),
+                "prefill_s": mean_of(self.t_prefill), "planned": self.planned}
 
 
 def _sent_buffer(plan: Any) -> str:
@@ -325,11 +327,11 @@ def _sent_buffer(plan: Any) -> str:
     return next(s.inputs[0] for s in plan.steps if s.kind is StepKind.SEND)
 
 
-def _mean(xs: Sequence[float]) -> float:
+def mean_of(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else 0.0
 
 
-def _handshake(rank: int, rounds: int = 21) -> float:
+def handshake(rank: int, rounds: int = 21) -> float:
     """Half the median round trip of one small message between the hosts (the link's α)."""
     import torch
     import torch.distributed as dist
@@ -359,7 +361,7 @@ class _Host1:
         self.spec = scaled_spec(cfg["model"])
         self.model = Decoder(self.spec, cfg["local_slots"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
                              seed=cfg["seed"] + 2)
-        self.plans = _ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
+        self.plans = ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
         self.executor = Executor(layout)
         self.lock = threading.Condition()
         self.issued = self.completed = 0
@@ -417,10 +419,10 @@ class _Host1:
     def run(self) -> dict:
         import torch.distributed as dist
 
-        alpha = _handshake(0)
+        alpha = handshake(0)
         self.model.step([0], [0])  # warm up
         dist.barrier()
-        before = _veth()
+        before = veth_counters()
         t0 = time.perf_counter()
         with self.lock:
             for _ in range(self.cfg["concurrency"]):
@@ -432,13 +434,13 @@ class _Host1:
         finally:
             driver.join()
         makespan = time.perf_counter() - t0
-        after = _veth()
+        after = veth_counters()
         if self.error is not None:
             raise self.error
         return {"makespan_s": makespan, "latencies": self.latencies, "spilled": self.spilled,
                 "remote_tokens": self.remote_tokens, "local_steps": len(self.t_local),
-                "local_step_s": _mean(self.t_local), "local_prefill_s": _mean(self.t_prefill),
-                "sample_s": _mean(self.t_sample),
+                "local_step_s": mean_of(self.t_local), "local_prefill_s": mean_of(self.t_prefill),
+                "sample_s": mean_of(self.t_sample),
                 "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha,
                 "command_bytes": self.command_bytes,
                 "records": [r.to_dict() for r in self.executor.meter.records]}
@@ -467,11 +469,11 @@ class _Host1:
             for rid in admit:
                 s = free.pop()
                 t0 = time.perf_counter()
-                prompt = _prompt(self.cfg, rid, self.spec.vocab_size)
+                prompt = prompt_for(self.cfg, rid, self.spec.vocab_size)
                 self.model.prefill(s, prompt)
                 self.t_prefill.append(time.perf_counter() - t0)
                 rid_of[s], token[s], done[s] = rid, prompt[-1], 0
-                self.targets[s] = _targets(self.cfg, rid, self.spec.vocab_size)
+                self.targets[s] = targets_for(self.cfg, rid, self.spec.vocab_size)
             slots = sorted(rid_of)
             t0 = time.perf_counter()
             logits = self.model.step(slots, [token[s] for s in slots]).to(torch.bfloat16)
@@ -526,11 +528,11 @@ class _Host1:
                 for s in range(n):
                     if s in new:
                         rid_of[s], commanded[s], received[s] = new[s], 0, 0
-                        words += _slot_word(NEW, new[s], 0)
+                        words += slot_word(NEW, new[s], 0)
                     elif s in rid_of and commanded[s] < out_tokens:
-                        words += _slot_word(ACTIVE, rid_of[s], chosen.get(s, 0) if full else 0)
+                        words += slot_word(ACTIVE, rid_of[s], chosen.get(s, 0) if full else 0)
                     else:
-                        words += _slot_word(EMPTY, 0, 0)
+                        words += slot_word(EMPTY, 0, 0)
                         continue
                     batch.append(s)
                     commanded[s] += 1
@@ -572,7 +574,7 @@ class _Host1:
                     self._complete(rid_of.pop(s), remote=True)
 
 
-def _veth() -> tuple[int, int]:
+def veth_counters() -> tuple[int, int]:
     """(rx, tx) bytes of this host's veth end, from the kernel's statistics (0, 0 without one)."""
     dev = os.environ.get("MESHPACT_VETH")
     if not dev:

@@ -113,18 +113,18 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import ACTIVE, EMPTY, NEW, _handshake, _mean, _prompt, _ResultPlans, _veth
+    from .serving import ACTIVE, EMPTY, NEW, handshake, mean_of, prompt_for, ResultPlans, veth_counters
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
     draft = _target(cfg, n).perturbed(DRAFT_SCALE, cfg["seed"] + 99)
     vocab = draft.spec.vocab_size
-    logit_plans, verdict_plans = _ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
     executor = Executor(layout)
-    alpha_link = _handshake(0)
+    alpha_link = handshake(0)
     draft.step([0], [0])  # warm up
     dist.barrier()
-    before = _veth()
+    before = veth_counters()
     t_start = time.perf_counter()
     issued = completed = 0
     arrival: dict[int, float] = {}
@@ -154,7 +154,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
         new = []
         while pending and free:
             s, rid = free.pop(0), pending.popleft()
-            prompt = _prompt(cfg, rid, vocab)
+            prompt = prompt_for(cfg, rid, vocab)
             tp = time.perf_counter()
             draft.prefill(s, prompt)
             t_prefill.append(time.perf_counter() - tp)
@@ -214,18 +214,18 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             issue()
     dist.send(torch.zeros(_command_size(n, gamma), dtype=torch.long), dst=1)
     makespan = time.perf_counter() - t_start
-    after = _veth()
+    after = veth_counters()
     alpha, per_pass = acceptance(accepted, gamma)
     return {"makespan_s": makespan, "latencies": latencies, "spilled": cfg["requests"],
             "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": rounds,
-            "local_step_s": _mean(t_draft), "local_prefill_s": _mean(t_prefill), "sample_s": _mean(t_verify),
+            "local_step_s": mean_of(t_draft), "local_prefill_s": mean_of(t_prefill), "sample_s": mean_of(t_verify),
             "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha_link,
             "command_bytes": rounds * _command_size(n, gamma) * 8,
             "records": [r.to_dict() for r in executor.meter.records],
             "outputs": {str(k): v for k, v in outputs.items()},
             "speculative": {"gamma": gamma, "rounds": rounds, "sequence_rounds": len(accepted),
                             "accepted_draft_tokens": sum(accepted), "alpha": alpha, "tokens_per_pass": per_pass,
-                            "draft_s": _mean(t_draft)}}
+                            "draft_s": mean_of(t_draft)}}
 
 
 # -- host 2: the target scores every position, and verifies at the source -----------------------------
@@ -233,13 +233,13 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import EMPTY, NEW, _handshake, _mean, _prompt, _ResultPlans
+    from .serving import EMPTY, NEW, handshake, mean_of, prompt_for, ResultPlans
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
     target = _target(cfg, n)
     vocab = target.spec.vocab_size
-    logit_plans, verdict_plans = _ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
     executor = Executor(layout)
     cmd = torch.zeros(_command_size(n, gamma), dtype=torch.long)
     w = _words(gamma)
@@ -247,7 +247,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     t_project: list[float] = []
     t_prefill: list[float] = []
     planned = {"startups": 0, "payload_bytes": 0}
-    _handshake(1)
+    handshake(1)
     target.step([0], [0])  # warm up
     dist.barrier()
     while True:
@@ -261,7 +261,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
                 continue
             if int(word[0]) == NEW:
                 tp = time.perf_counter()
-                target.prefill(s, _prompt(cfg, int(word[1]), vocab))
+                target.prefill(s, prompt_for(cfg, int(word[1]), vocab))
                 t_prefill.append(time.perf_counter() - tp)
             slots.append(s)
             start.append(int(word[2]))
@@ -282,4 +282,4 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
         t_forward.append(t1 - t0)
         t_project.append(time.perf_counter() - t1)
     return {"records": [r.to_dict() for r in executor.meter.records], "steps": len(t_forward),
-            "forward_s": _mean(t_forward), "project_s": _mean(t_project), "prefill_s": _mean(t_prefill), "planned": planned}
+            "forward_s": mean_of(t_forward), "project_s": mean_of(t_project), "prefill_s": mean_of(t_prefill), "planned": planned}

@@ -91,7 +91,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch.distributed as dist
 
     from .decoder import LAYERS, Decoder, scaled_spec, split_parts
-    from .serving import ACTIVE, EMPTY, NEW, _handshake, _mean, _prompt, _ResultPlans, _slot_word, _targets, _veth
+    from .serving import ACTIVE, EMPTY, NEW, handshake, mean_of, prompt_for, ResultPlans, slot_word, targets_for, veth_counters
     from ..plans.executor import Executor
 
     spec = scaled_spec(cfg["model"])
@@ -100,14 +100,14 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     model = Decoder(spec, n, cfg["prompt_tokens"] + cfg["output_tokens"] + 1, seed=cfg["seed"] + 2)
     model.keep_only(part)
     hidden_plans = _BoundaryPlans(spec.hidden, layout.mesh)
-    result_plans = _ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
+    result_plans = ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
     hidden_exec, result_exec = Executor(layout), Executor(layout)
     req = cfg["request"]
 
-    alpha = _handshake(0)
+    alpha = handshake(0)
     model.step_part([0], part, torch.tensor([0]))  # warm up
     dist.barrier()
-    before = _veth()
+    before = veth_counters()
     t_start = time.perf_counter()
     issued = completed = 0
     arrival: dict[int, float] = {}
@@ -150,17 +150,17 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
         joined = dict(new)
         for s in range(n):
             if s in joined:
-                words += _slot_word(NEW, joined[s], 0)
+                words += slot_word(NEW, joined[s], 0)
             elif s in rid_of:
-                words += _slot_word(ACTIVE, rid_of[s], 0)
+                words += slot_word(ACTIVE, rid_of[s], 0)
             else:
-                words += _slot_word(EMPTY, 0, 0)
+                words += slot_word(EMPTY, 0, 0)
         cmd = torch.tensor([1, step, *words], dtype=torch.long)
         dist.send(cmd, dst=1)
         command_bytes += cmd.numel() * cmd.element_size()
         for s, rid in new:
             t0 = time.perf_counter()
-            prompt = _prompt(cfg, rid, spec.vocab_size)
+            prompt = prompt_for(cfg, rid, spec.vocab_size)
             h = model.prefill_part(s, part, torch.tensor(prompt))
             t_prefill.append(time.perf_counter() - t0)
             if h is not None and h.shape[0]:
@@ -169,7 +169,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
                 aside += hidden_exec.meter.records[-1].seconds
             aside += t_prefill[-1]
             rid_of[s], token[s], done[s] = rid, prompt[-1], 0
-            targets[s] = _targets(cfg, rid, spec.vocab_size)
+            targets[s] = targets_for(cfg, rid, spec.vocab_size)
             outputs[rid], logprobs[rid] = [], []
         batch = sorted(rid_of)
         schedule.append({"new": [list(x) for x in new], "batch": batch})
@@ -214,12 +214,12 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             issue()
     dist.send(torch.zeros(_command_size(n), dtype=torch.long), dst=1)
     makespan = time.perf_counter() - t_start
-    after = _veth()
+    after = veth_counters()
     return {"makespan_s": makespan, "latencies": latencies, "spilled": cfg["requests"],
             "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": len(t_step),
-            "local_step_s": _mean(t_step), "local_prefill_s": _mean(t_prefill),
-            "sample_s": _mean(t_sample) if req == "full" else 0.0, "boundary_s": _mean(t_boundary),
-            "critical_s": _mean(critical),
+            "local_step_s": mean_of(t_step), "local_prefill_s": mean_of(t_prefill),
+            "sample_s": mean_of(t_sample) if req == "full" else 0.0, "boundary_s": mean_of(t_boundary),
+            "critical_s": mean_of(critical),
             "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha,
             "command_bytes": command_bytes,
             "records": [r.to_dict() for r in result_exec.meter.records],
@@ -235,7 +235,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch.distributed as dist
 
     from .decoder import LAYERS, Decoder, scaled_spec, split_parts
-    from .serving import EMPTY, NEW, _handshake, _mean, _ResultPlans, _targets
+    from .serving import EMPTY, NEW, handshake, mean_of, ResultPlans, targets_for
     from ..plans.executor import Executor
 
     spec = scaled_spec(cfg["model"])
@@ -244,7 +244,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     model = Decoder(spec, n, cfg["prompt_tokens"] + cfg["output_tokens"] + 1, seed=cfg["seed"] + 2)
     model.keep_only(part)
     hidden_plans = _BoundaryPlans(spec.hidden, layout.mesh)
-    result_plans = _ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
+    result_plans = ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
     hidden_exec, result_exec = Executor(layout), Executor(layout)
     req = cfg["request"]
     cmd = torch.zeros(_command_size(n), dtype=torch.long)
@@ -260,7 +260,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
         meta = torch.empty(rows, spec.hidden, dtype=torch.bfloat16, device="meta")
         return next(iter(hidden_exec.run(plan, contract, {0: {"hidden": meta}, 1: {}}).delivered.values()))
 
-    _handshake(1)
+    handshake(1)
     model.step_part([0], part, torch.zeros(1, spec.hidden, dtype=torch.bfloat16))  # warm up
     dist.barrier()
     critical: list[float] = []
@@ -282,7 +282,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
                 model.prefill_part(s, part, h)
                 t_prefill.append(time.perf_counter() - t0)
                 waited += t_prefill[-1]
-                targets[s], done[s] = _targets(cfg, rid, spec.vocab_size), 0
+                targets[s], done[s] = targets_for(cfg, rid, spec.vocab_size), 0
             slots.append(s)
         h = receive(len(slots))
         waited += hidden_exec.meter.records[-1].seconds
@@ -299,9 +299,9 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
         t_project.append(time.perf_counter() - t1)
         for s in slots:
             done[s] += 1
-    return {"critical_s": _mean(critical), "records": [r.to_dict() for r in result_exec.meter.records],
+    return {"critical_s": mean_of(critical), "records": [r.to_dict() for r in result_exec.meter.records],
             "hidden_records": [r.to_dict() for r in hidden_exec.meter.records], "steps": len(t_forward),
-            "forward_s": _mean(t_forward), "project_s": _mean(t_project), "prefill_s": _mean(t_prefill),
+            "forward_s": mean_of(t_forward), "project_s": mean_of(t_project), "prefill_s": mean_of(t_prefill),
             "planned": planned}
 
 
@@ -325,7 +325,7 @@ def reference(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]]) -> 
     import torch
 
     from .decoder import LAYERS, Decoder, scaled_spec, split_parts
-    from .serving import _prompt, _targets
+    from .serving import prompt_for, targets_for
     from ..plans.ops import reference_logprob
 
     spec = scaled_spec(cfg["model"])
@@ -347,11 +347,11 @@ def reference(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]]) -> 
         logprobs: dict[int, list[float]] = {}
         for entry in schedule:
             for s, rid in entry["new"]:
-                prompt = _prompt(cfg, rid, spec.vocab_size)
+                prompt = prompt_for(cfg, rid, spec.vocab_size)
                 h = a.prefill_part(s, first, torch.tensor(prompt))
                 b.prefill_part(s, last, h if h is not None else torch.empty(0, spec.hidden, dtype=torch.bfloat16))
                 rid_of[s], token[s] = rid, prompt[-1]
-                targets[rid], outputs[rid], logprobs[rid] = _targets(cfg, rid, spec.vocab_size), [], []
+                targets[rid], outputs[rid], logprobs[rid] = targets_for(cfg, rid, spec.vocab_size), [], []
             batch = list(entry["batch"])
             with torch.no_grad():
                 logits = b.step_part(batch, last, a.step_part(batch, first, torch.tensor([token[s] for s in batch])))
