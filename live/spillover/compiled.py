@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from .decoder import Decoder, _rms, _rope
+from .decoder import Decoder, rms_norm, rotary
 
 __all__ = ["StepModule", "compile_step", "load_step", "step_latency"]
 
@@ -71,19 +71,19 @@ class StepModule(torch.nn.Module):
         at = (torch.arange(self.max_len)[None, :] == pos[:, None]).to(x.dtype)[:, None, :, None]
         mask = torch.arange(self.max_len)[None, None, None, :] <= pos[:, None, None, None]
         for i in range(s.layers):
-            h = _rms(x, self._w(i, "ln1"))
+            h = rms_norm(x, self._w(i, "ln1"))
             q = (h @ self._w(i, "wq").T).view(b, 1, s.heads, s.head_dim).transpose(1, 2)
             k = (h @ self._w(i, "wk").T).view(b, 1, s.kv_heads, s.head_dim).transpose(1, 2)
             v = (h @ self._w(i, "wv").T).view(b, 1, s.kv_heads, s.head_dim).transpose(1, 2)
-            q, k = _rope(q, pos[:, None, None]), _rope(k, pos[:, None, None])
+            q, k = rotary(q, pos[:, None, None]), rotary(k, pos[:, None, None])
             self.k[i].mul_(1 - at).add_(at * k)
             self.v[i].mul_(1 - at).add_(at * v)
             rep = s.heads // s.kv_heads
             att = F.scaled_dot_product_attention(q, self.k[i].repeat_interleave(rep, dim=1),
                                                  self.v[i].repeat_interleave(rep, dim=1), attn_mask=mask)
             x = x + att.transpose(1, 2).reshape(b, 1, s.heads * s.head_dim) @ self._w(i, "wo").T
-            x = x + self._mlp(i, _rms(x, self._w(i, "ln2")))
-        return _rms(x, self.norm)[:, 0] @ self.head.T
+            x = x + self._mlp(i, rms_norm(x, self._w(i, "ln2")))
+        return rms_norm(x, self.norm)[:, 0] @ self.head.T
 
 
 def compile_step(module: StepModule, package: Path) -> Path:

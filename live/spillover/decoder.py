@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from meshpact.core.catalog import get_model
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["FAMILIES", "DecoderSpec", "scaled_spec", "Decoder", "Part", "split_parts"]
+__all__ = ["FAMILIES", "DecoderSpec", "scaled_spec", "Decoder", "Part", "split_parts", "rms_norm", "rotary"]
 
 # Family -> catalog model (the Hugging Face config.json each catalog entry names).
 FAMILIES: dict[str, str] = {"dense": "qwen3-14b", "moe": "qwen3-30b-a3b", "minimax": "minimax-m2"}
@@ -114,11 +114,11 @@ def split_parts(layers: int, at: int) -> tuple[Part, Part]:
     return Part(0, at, layers), Part(at, layers, layers)
 
 
-def _rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
 
 
-def _rope(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+def rotary(x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """Rotary position embedding (base 1e6, as Qwen3) of ``x [..., seq, head_dim]`` at ``pos``."""
     half = x.shape[-1] // 2
     freq = 1e6 ** (-torch.arange(half, dtype=torch.float32) / half)
@@ -186,7 +186,7 @@ class Decoder:
         q = (x @ layer["wq"].T).view(b, t, s.heads, s.head_dim).transpose(1, 2)
         k = (x @ layer["wk"].T).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
         v = (x @ layer["wv"].T).view(b, t, s.kv_heads, s.head_dim).transpose(1, 2)
-        q, k = _rope(q, pos[:, None, :]), _rope(k, pos[:, None, :])
+        q, k = rotary(q, pos[:, None, :]), rotary(k, pos[:, None, :])
         for j in range(b):
             self.k[i, int(slots[j])][:, pos[j]] = k[j]
             self.v[i, int(slots[j])][:, pos[j]] = v[j]
@@ -200,19 +200,19 @@ class Decoder:
     def _layers(self, x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, first: int, last: int) -> torch.Tensor:
         for i in range(first, last):
             layer = self.layers[i]
-            x = x + self._attend(i, layer, _rms(x, layer["ln1"]), slots, pos)
-            x = x + self._mlp(layer, _rms(x, layer["ln2"]))
+            x = x + self._attend(i, layer, rms_norm(x, layer["ln1"]), slots, pos)
+            x = x + self._mlp(layer, rms_norm(x, layer["ln2"]))
         return x
 
     def _forward(self, ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return _rms(self._layers(self.embed[ids], slots, pos, 0, len(self.layers)), self.norm)
+        return rms_norm(self._layers(self.embed[ids], slots, pos, 0, len(self.layers)), self.norm)
 
     def _part(self, part: Part, inputs: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``part`` of the forward pass: ids ``[b, t]`` or hidden ``[b, t, hidden]`` in; hidden
         states (bfloat16, the boundary's dtype) or, for the last part, the normed states out."""
         x = self.embed[inputs] if part.embeds else inputs.to(torch.float32)
         x = self._layers(x, slots, pos, part.first, part.last)
-        return _rms(x, self.norm) if part.has_head else x.to(torch.bfloat16)
+        return rms_norm(x, self.norm) if part.has_head else x.to(torch.bfloat16)
 
     def keep_only(self, part: Part) -> None:
         """Drop the weights ``part`` never reads (a host holds only its layers)."""
