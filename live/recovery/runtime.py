@@ -284,7 +284,8 @@ class Resilient:
             drill = self.committed_step if force is Policy.CHECKPOINT_RESTORE else None
             return Proposal(s.rank, s.generation, self.committed_step, mine, intact, s.incarnation, drill)
 
-        decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0))
+        decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
+                         max_rounds=s.config.max_rounds)
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
         if not decision.in_memory and self.ckpt is None:
             raise RuntimeError(f"cannot recover in memory ({decision.reason}) and no checkpoint directory is set")
