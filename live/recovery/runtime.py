@@ -84,8 +84,9 @@ class RecoveryRecord:
     """One recovery of one rank."""
 
     step: int
-    t_detect_wall: float
-    t_resumed_wall: float
+    t_detect_wall: float  # this rank knew of the fault
+    t_first_collective_wall: float  # this rank issued the first collective on the new group
+    t_resumed_wall: float  # ... and completed it (after any replay): this rank runs on the new group
     policy: Policy
     reason: str
     generation: int
@@ -153,6 +154,9 @@ class Resilient:
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
         s = self.session
+        # the walk takes a replacement a while under load: done before any barrier, so no peer
+        # waits on a collective of the new group while this rank walks
+        self._meshes = weakref.WeakSet(device_meshes())  # every mesh alive when training started
         if s.pending is not None:
             decision, s.pending = s.pending, None
             t0 = time.perf_counter()
@@ -161,10 +165,10 @@ class Resilient:
                    action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
             s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round),
                    generation=decision.round)
+            self._first_collective(decision.round)
         elif self.ckpt is not None and self.committed_step == 0 and not self.ckpt.complete(0):
             self.ckpt.save(0, job_state(self.model, self.optimizer))
         self.start_step = self.committed_step
-        self._meshes = weakref.WeakSet(device_meshes())
         self._mark_committed()
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
@@ -339,20 +343,34 @@ class Resilient:
             s.emit(EventKind.RETAINED, Stage.STATE, seconds=reset_s, action=StateAction.RETAIN.value,
                    state_intact=intact)
             lost = 0  # no barrier: building the groups already waited for every rank to connect
+            t_first, t_resumed = self._first_collective(decision.round)
         else:
             self.restore(decision.step)
             s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
                    action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
             s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round),
                    generation=decision.round)
+            t_first, _ = self._first_collective(decision.round)
             t0 = time.perf_counter()
             lost = self._replay(decision.step, step)
             s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
-        record = RecoveryRecord(step, t_detect, time.time(), decision.policy, decision.reason, decision.round, lost,
+            t_resumed = time.time()
+        record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round, lost,
                                 rebind_s, action, force is not None)
         self.recoveries.append(record)
         s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
         return decision
+
+    def _first_collective(self, generation: int) -> tuple[float, float]:
+        """Run the first collective on the new world group (every rank at the same point);
+        returns the wall times it was issued and completed."""
+        s = self.session
+        t_first = time.time()
+        comm.first_collective(s.group, s.spec.device)
+        t_done = time.time()
+        s.emit(EventKind.FIRST_COLLECTIVE, seconds=t_done - t_first, generation=generation,
+               t_issued_wall=t_first, t_done_wall=t_done)
+        return t_first, t_done
 
     def restore(self, step: int) -> None:
         """Load the checkpoint of ``step`` (state and generators) and make it the committed state."""
