@@ -55,6 +55,7 @@ class RecoveryConfig:
     process_start_s: float = 20.0
     group_create_s: float = 20.0
     max_rounds: int = 4
+    heartbeat: bool = False  # run the heartbeat (live/recovery/heartbeat.py); off: hangs wait for the data path
     step_s: float = 5.0
     warmup_s: float = 120.0
     consensus_round_s_override: float | None = None
@@ -94,8 +95,9 @@ class RecoveryConfig:
 
     @property
     def detection_bound_s(self) -> float:
-        """A hang is found by whichever comes first: the heartbeat or the data-path timeout."""
-        return min(self.heartbeat_detect_s, self.data_timeout_s)
+        """A hang is found by whichever comes first: the heartbeat (when it runs) or the
+        data-path timeout."""
+        return min(self.heartbeat_detect_s, self.data_timeout_s) if self.heartbeat else self.data_timeout_s
 
     @property
     def consensus_round_s(self) -> float:
@@ -150,7 +152,7 @@ class RecoveryConfig:
     def notes(self) -> tuple[str, ...]:
         """Orderings that work but are probably not meant (one line each, both values named)."""
         out = []
-        if self.heartbeat_detect_s > self.data_timeout_s:
+        if self.heartbeat and self.heartbeat_detect_s > self.data_timeout_s:
             out.append(f"the heartbeat detection bound ({self.heartbeat_detect_s:g} s) is longer than the "
                        f"data-path timeout ({self.data_timeout_s:g} s): the data path finds hangs first and "
                        "the heartbeat adds nothing")
@@ -160,7 +162,8 @@ class RecoveryConfig:
         """(derived value, seconds, formula) for each derived timeout: the README's table."""
         return [
             ("heartbeat detection bound", self.heartbeat_detect_s, "heartbeat_interval_s x (heartbeat_misses + 1)"),
-            ("hang detection bound", self.detection_bound_s, "min(heartbeat bound, data_timeout_s)"),
+            ("hang detection bound", self.detection_bound_s,
+             "min(heartbeat bound, data_timeout_s) with the heartbeat on, else data_timeout_s"),
             ("consensus round (control channel wait)", self.consensus_round_s,
              "max(process_start_s, group_create_s)"),
             ("group creation (connect)", self.connect_timeout_s, "group_create_s"),

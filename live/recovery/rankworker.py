@@ -63,7 +63,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
                             group_create_s=args["group_create_s"],
                             checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
                             count_dispatch=args.get("count_dispatch", False),
-                            restore_rng=args.get("restore_rng", True))
+                            restore_rng=args.get("restore_rng", True), heartbeat=args.get("heartbeat", False))
     t_start = time.time()
     session = start_session(config, workload.mesh.shape, workload.mesh.names)
     rank, steps = session.rank, int(args["steps"])

@@ -46,6 +46,7 @@ from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateActio
 from . import communicator as comm
 from .consensus import Decision, Proposal, agree
 from .faults import CollectiveFault, FaultInjector
+from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .rebind import RebindReport, meshes_of, rebind
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
@@ -150,6 +151,7 @@ class Resilient:
         self.retired: list[RetiredGroup] = []
         self._meshes: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every mesh alive when training started
         self.max_attempts = 8  # recoveries of one step before giving up
+        self.heartbeat: Heartbeat | None = None
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -173,11 +175,15 @@ class Resilient:
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
         resume_barrier(s, s.generation)
+        if s.config.heartbeat:
+            self.heartbeat = Heartbeat(s, COMM_MODULES).start()
         if self.counter is not None:
             self.counter.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
 
@@ -217,11 +223,17 @@ class Resilient:
                     message = None
                     if self.session.config.restore_rng:
                         restore_rng(self._rng)
-                if self.injector is not None:
-                    with self.injector.around_step(step):
+                if self.heartbeat is not None:
+                    self.heartbeat.watching = True
+                try:
+                    if self.injector is not None:
+                        with self.injector.around_step(step):
+                            out = train_step(batch)
+                    else:
                         out = train_step(batch)
-                else:
-                    out = train_step(batch)
+                finally:
+                    if self.heartbeat is not None:
+                        self.heartbeat.watching = False
                 break
             except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
                 if not is_comm_fault(exc):
@@ -274,8 +286,11 @@ class Resilient:
         t_detect = time.time()
         t0 = time.perf_counter()
         severed = comm.sever(comm.data_sockets(s.protected_sockets, s.store_ports))
+        t_beat, stalled = self.heartbeat.take() if self.heartbeat is not None else (None, ())
+        if t_beat is not None:  # the heartbeat knew first (it severed the sockets that raised)
+            t_detect = min(t_detect, t_beat)
         s.emit(EventKind.DETECTED, Stage.DETECTION, step=step, error=message, severed_sockets=severed,
-               generation=s.generation, seconds=time.perf_counter() - t0)
+               generation=s.generation, seconds=time.perf_counter() - t0, heartbeat_stalled=list(stalled))
 
         t0 = time.perf_counter()
         reset_step_state(self.model)  # sharded parameters back on the modules before anything reads them

@@ -47,7 +47,7 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             "process_start_s": cfg.process_start_s, "group_create_s": cfg.group_create_s, "stall_s": cfg.stall_s, "down_s": cfg.down_s,
             "checkpoint_dir": str(work / "checkpoints"), "out_dir": str(out_dir), "workload": workload,
             "faults": [f.to_dict() for f in faults], "count_dispatch": cfg.count_dispatch,
-            "restore_rng": cfg.restore_rng, **extra}
+            "restore_rng": cfg.restore_rng, "heartbeat": cfg.heartbeat, **extra}
     replacements = 0
 
     def on_exit(job: Launch, rank: int, rc: int) -> None:

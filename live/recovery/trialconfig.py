@@ -36,6 +36,7 @@ class TrialConfig:
     workload: str = DEFAULT_WORKLOAD  # a shipped workload's name or a path to a workload file
     count_dispatch: bool = False  # also count ops with a dispatch mode (turns torch.compile off)
     restore_rng: bool = True  # off only to show that a re-run step needs its generators back
+    heartbeat: bool = False  # find a stalled rank by heartbeat, not by the data-path timeout
     nth_op: int | None = None  # collective faults: the c10d operation of the step that raises
 
     def __post_init__(self) -> None:
@@ -50,9 +51,11 @@ class TrialConfig:
         if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:
             raise MeshpactError(f"--checkpoint-every must be between 1 and --steps ({self.steps}), "
                                 f"got {self.checkpoint_every}")
-        if self.fault_kind is FaultKind.STALL and self.stall_s <= self.data_timeout_s:
+        if self.fault_kind is FaultKind.STALL and self.stall_s <= recovery.detection_bound_s:
             raise MeshpactError(f"a stall ({self.stall_s} s) must outlast the data-path timeout "
-                                f"({self.data_timeout_s} s)")
+                                f"({self.data_timeout_s} s)" if not self.heartbeat else
+                                f"a stall ({self.stall_s} s) must outlast the heartbeat detection bound "
+                                f"({recovery.detection_bound_s:g} s)")
         if self.fault_kind is FaultKind.PARTITION and self.down_s <= self.data_timeout_s:
             raise MeshpactError(f"a partition ({self.down_s} s down) must outlast the data-path timeout "
                                 f"({self.data_timeout_s} s), or the collective simply resumes")
@@ -62,7 +65,7 @@ class TrialConfig:
         return RecoveryConfig(data_timeout_s=self.data_timeout_s, process_start_s=self.process_start_s,
                               group_create_s=self.group_create_s, checkpoint_dir=checkpoint_dir,
                               checkpoint_every=self.checkpoint_every, count_dispatch=self.count_dispatch,
-                              restore_rng=self.restore_rng)
+                              restore_rng=self.restore_rng, heartbeat=self.heartbeat)
 
     @property
     def deadline_s(self) -> float:

@@ -11,7 +11,7 @@ from meshpact.live.recovery.trialconfig import TrialConfig
 
 def test_derived_values_follow_their_formulas_for_inputs_other_than_the_defaults():
     c = RecoveryConfig(data_timeout_s=45.0, heartbeat_interval_s=0.07, heartbeat_misses=5, process_start_s=7.0,
-                       group_create_s=11.0, max_rounds=3, step_s=2.0, warmup_s=9.0)
+                       group_create_s=11.0, max_rounds=3, step_s=2.0, warmup_s=9.0, heartbeat=True)
     assert c.heartbeat_detect_s == pytest.approx(0.07 * 6)
     assert c.detection_bound_s == pytest.approx(0.42)  # the heartbeat, not the 45 s data path
     assert c.consensus_round_s == c.control_timeout_s == 11.0
@@ -22,6 +22,15 @@ def test_derived_values_follow_their_formulas_for_inputs_other_than_the_defaults
         18 + 9 + 20 + 2 * (22.42 + 1.5) + 33)
     assert not c.notes
     assert [row[0] for row in c.table()][0] == "heartbeat detection bound"
+
+
+def test_without_the_heartbeat_the_data_path_bounds_detection():
+    c = RecoveryConfig(data_timeout_s=45.0)
+    assert c.detection_bound_s == 45.0 and not c.notes
+    with pytest.raises(Exception, match=r"stall \(1.5 s\) must outlast the data-path timeout \(45"):
+        TrialConfig(fault_kind="stall", stall_s=1.5, data_timeout_s=45.0)
+    ok = TrialConfig(fault_kind="stall", stall_s=1.5, data_timeout_s=45.0, heartbeat=True)
+    assert ok.recovery().detection_bound_s == pytest.approx(0.2)
 
 
 def test_a_process_start_longer_than_group_creation_sets_the_round():
@@ -50,7 +59,7 @@ def test_non_positive_or_nan_inputs_are_refused(kw):
 
 
 def test_a_heartbeat_slower_than_the_data_path_is_allowed_but_reported():
-    c = RecoveryConfig(data_timeout_s=0.3, heartbeat_interval_s=0.2, heartbeat_misses=2)
+    c = RecoveryConfig(data_timeout_s=0.3, heartbeat_interval_s=0.2, heartbeat_misses=2, heartbeat=True)
     assert c.detection_bound_s == 0.3
     assert len(c.notes) == 1 and "(0.6 s)" in c.notes[0] and "(0.3 s)" in c.notes[0]
 
