@@ -47,6 +47,7 @@ class Heartbeat:
         self.watching = False  # set by the runtime while the user's step runs
         self.detected_wall: float | None = None  # when this rank's watch found a stalled peer
         self.stalled: tuple[int, ...] = ()
+        self._detected_generation: int | None = None
         self._main = threading.main_thread().ident
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshpact-heartbeat", daemon=True)
@@ -60,9 +61,10 @@ class Heartbeat:
         self._thread.join(timeout=max(1.0, 4 * self.interval_s))
 
     def take(self) -> tuple[float | None, tuple[int, ...]]:
-        """The last detection (wall time, stalled ranks), cleared."""
-        out = (self.detected_wall, self.stalled)
-        self.detected_wall, self.stalled = None, ()
+        """This generation's detection (wall time, stalled ranks), cleared; one made for an
+        earlier generation is dropped."""
+        out = (self.detected_wall, self.stalled) if self._detected_generation == self.session.generation else (None, ())
+        self.detected_wall, self.stalled, self._detected_generation = None, (), None
         return out
 
     def _main_position(self) -> tuple[int, int, bool]:
@@ -86,6 +88,7 @@ class Heartbeat:
         seen = [-1] * world
         still = [0] * world
         while not self._stop.wait(self.interval_s):
+            generation = self.session.generation
             pos = self._main_position()
             if not self.watching or pos[2] or pos[:2] != last_pos[:2]:
                 self.channel.add(keys[me], 1)
@@ -103,9 +106,10 @@ class Heartbeat:
                 if still[r] >= self.misses:
                     stalled.append(r)
             seen = counts
-            if stalled and self.detected_wall is None:
-                self.detected_wall = time.time()
-                self.stalled = tuple(stalled)
-                s = self.session
+            s = self.session
+            # the step may have failed meanwhile and new groups be in the making: sever only
+            # the generation this look was made in, while the step still runs
+            if stalled and self.detected_wall is None and self.watching and s.generation == generation:
+                self.detected_wall, self.stalled, self._detected_generation = time.time(), tuple(stalled), generation
                 comm.sever(comm.data_sockets(s.protected_sockets, s.store_ports))
                 still = [0] * world
