@@ -41,6 +41,7 @@ class EventKind(str, Enum):
     RELOADED = "reloaded"
     READY = "ready"
     REPLAYED = "replayed"
+    FIRST_COLLECTIVE = "first_collective"  # a rank completed the first collective on a new generation's group
     RECOVERY_DONE = "recovery_done"
     CHECKPOINT = "checkpoint"
     # the trial's parent

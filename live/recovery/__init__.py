@@ -2,6 +2,7 @@
 
 | module | concept |
 |---|---|
+| ``config`` | `RecoveryConfig`: every timeout derived from a few inputs, orderings checked |
 | ``session`` | one rank's place in the job: stores, control channel, groups, mesh |
 | ``runtime`` | ``resilient(model, optimizer, session)`` and the resilient step |
 | ``stepreset`` | undo a half-run FSDP2 step |
@@ -30,7 +31,7 @@ from __future__ import annotations
 from .._lazy import lazy_face
 
 _EXPORTS = {
-    "RecoveryConfig": "session", "Session": "session", "start_session": "session",
+    "RecoveryConfig": "config", "TimeoutOrderError": "config", "Session": "session", "start_session": "session",
     "Resilient": "runtime", "resilient": "runtime", "is_comm_fault": "runtime", "RecoveryRecord": "runtime",
     "RngState": "state", "capture_rng": "state", "restore_rng": "state", "commit_check": "state",
     "Workload": "workload", "WorkloadError": "workload", "MeshSpec": "workload", "check_workload": "workload",

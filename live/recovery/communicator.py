@@ -221,3 +221,10 @@ def choose_action(pg: Any, device: str, dropped_ranks: int = 0, prefer_reconfigu
     if dropped_ranks and can_shrink(pg, device):
         return CommunicatorAction.SHRINK
     return CommunicatorAction.REBUILD
+
+
+def first_collective(pg: dist.ProcessGroup, device: str) -> None:
+    """The first collective on a new generation's group: a one-element all-reduce every member
+    issues at the same point. When it returns on every rank, the group is proven to carry
+    traffic (and a backend that connects lazily has connected); a recovery ends here."""
+    dist.all_reduce(torch.zeros(1, device=device), group=pg)

@@ -55,12 +55,12 @@ class ControlChannel:
         self._ns = f"{_NAMESPACE}{run_id}/"
 
     @classmethod
-    def from_env(cls, timeout_s: float = 10.0, run_id: str = "") -> "ControlChannel":
+    def from_env(cls, timeout_s: float = 10.0, run_id: str = "", connect_timeout_s: float = 60.0) -> "ControlChannel":
         """The channel named by the environment (see the module docstring); ``run_id`` keeps
         this run's keys apart from other runs sharing the store."""
         host, port, here = control_address()
         return cls(host, port, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s, is_host=here,
-                   run_id=run_id)
+                   connect_timeout_s=connect_timeout_s, run_id=run_id)
 
     # -- values ----------------------------------------------------------------------------
     def set(self, key: str, value: Any) -> None:

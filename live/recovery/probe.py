@@ -34,7 +34,8 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
     from .harness import ModelConfig, build, make_batch, make_train_step
     from .opcount import OpCounter
     from .rebind import default_roots, find_references, rebind
-    from .session import RecoveryConfig, c10d_default, start_session
+    from .config import RecoveryConfig
+    from .session import c10d_default, start_session
 
     session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)),
                                            checkpoint_dir=None))
@@ -124,7 +125,8 @@ def site_audit(args: dict[str, Any]) -> dict[str, Any]:
     from .harness import ModelConfig, build, make_batch, make_train_step
     from .rebind import SITES, rebind
     from .runtime import device_meshes
-    from .session import RecoveryConfig, c10d_default, start_session
+    from .config import RecoveryConfig
+    from .session import c10d_default, start_session
 
     shape = tuple(args.get("mesh_shape") or ())
     session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 30.0))),
@@ -190,7 +192,8 @@ def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
     from .checkpoint import AsyncCheckpointer, AsyncCheckpointStats, state_bytes
     from .harness import ModelConfig, build, make_batch, make_train_step
     from .state import local_state
-    from .session import RecoveryConfig, start_session
+    from .config import RecoveryConfig
+    from .session import start_session
 
     session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None))
     cfg = ModelConfig(**args.get("model", {}))

@@ -48,7 +48,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     from .faults import Fault, FaultInjector
     from .outcome import Drill, FaultRecord, RankOutcome, RetiredSummary
     from .runtime import resilient
-    from .session import RecoveryConfig, start_session
+    from .config import RecoveryConfig
+    from .session import start_session
     from .state import digest, job_state
     from .workload import WorkloadError, built, load_workload
 
@@ -58,10 +59,11 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         sys.modules["numpy"].random.seed(0)
     world = int(os.environ["WORLD_SIZE"])
     workload = load_workload(args["workload"], world)
-    config = RecoveryConfig(data_timeout_s=args["data_timeout_s"], control_timeout_s=args["control_timeout_s"],
+    config = RecoveryConfig(data_timeout_s=args["data_timeout_s"], process_start_s=args["process_start_s"],
+                            group_create_s=args["group_create_s"],
                             checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
                             count_dispatch=args.get("count_dispatch", False),
-                            restore_rng=args.get("restore_rng", True))
+                            restore_rng=args.get("restore_rng", True), heartbeat=args.get("heartbeat", False))
     t_start = time.time()
     session = start_session(config, workload.mesh.shape, workload.mesh.names)
     rank, steps = session.rank, int(args["steps"])

@@ -46,6 +46,7 @@ from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateActio
 from . import communicator as comm
 from .consensus import Decision, Proposal, agree
 from .faults import CollectiveFault, FaultInjector
+from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .rebind import RebindReport, meshes_of, rebind
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
@@ -84,8 +85,9 @@ class RecoveryRecord:
     """One recovery of one rank."""
 
     step: int
-    t_detect_wall: float
-    t_resumed_wall: float
+    t_detect_wall: float  # this rank knew of the fault
+    t_first_collective_wall: float  # this rank issued the first collective on the new group
+    t_resumed_wall: float  # ... and completed it (after any replay): this rank runs on the new group
     policy: Policy
     reason: str
     generation: int
@@ -149,10 +151,14 @@ class Resilient:
         self.retired: list[RetiredGroup] = []
         self._meshes: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every mesh alive when training started
         self.max_attempts = 8  # recoveries of one step before giving up
+        self.heartbeat: Heartbeat | None = None
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
         s = self.session
+        # the walk takes a replacement a while under load: done before any barrier, so no peer
+        # waits on a collective of the new group while this rank walks
+        self._meshes = weakref.WeakSet(device_meshes())  # every mesh alive when training started
         if s.pending is not None:
             decision, s.pending = s.pending, None
             t0 = time.perf_counter()
@@ -161,19 +167,23 @@ class Resilient:
                    action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
             s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round),
                    generation=decision.round)
+            self._first_collective(decision.round)
         elif self.ckpt is not None and self.committed_step == 0 and not self.ckpt.complete(0):
             self.ckpt.save(0, job_state(self.model, self.optimizer))
         self.start_step = self.committed_step
-        self._meshes = weakref.WeakSet(device_meshes())
         self._mark_committed()
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
         resume_barrier(s, s.generation)
+        if s.config.heartbeat:
+            self.heartbeat = Heartbeat(s, COMM_MODULES).start()
         if self.counter is not None:
             self.counter.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
 
@@ -213,11 +223,17 @@ class Resilient:
                     message = None
                     if self.session.config.restore_rng:
                         restore_rng(self._rng)
-                if self.injector is not None:
-                    with self.injector.around_step(step):
+                if self.heartbeat is not None:
+                    self.heartbeat.watching = True
+                try:
+                    if self.injector is not None:
+                        with self.injector.around_step(step):
+                            out = train_step(batch)
+                    else:
                         out = train_step(batch)
-                else:
-                    out = train_step(batch)
+                finally:
+                    if self.heartbeat is not None:
+                        self.heartbeat.watching = False
                 break
             except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
                 if not is_comm_fault(exc):
@@ -272,8 +288,11 @@ class Resilient:
         t_detect = time.time()
         t0 = time.perf_counter()
         severed = comm.sever(comm.data_sockets(s.protected_sockets, s.store_ports))
+        t_beat, stalled = self.heartbeat.take() if self.heartbeat is not None else (None, ())
+        if t_beat is not None:  # the heartbeat knew first (it severed the sockets that raised)
+            t_detect = min(t_detect, t_beat)
         s.emit(EventKind.DETECTED, Stage.DETECTION, step=step, error=message, severed_sockets=severed,
-               generation=s.generation, seconds=time.perf_counter() - t0)
+               generation=s.generation, seconds=time.perf_counter() - t0, heartbeat_stalled=list(stalled))
 
         t0 = time.perf_counter()
         reset_step_state(self.model)  # sharded parameters back on the modules before anything reads them
@@ -286,7 +305,8 @@ class Resilient:
             drill = self.committed_step if force is Policy.CHECKPOINT_RESTORE else None
             return Proposal(s.rank, s.generation, self.committed_step, mine, intact, s.incarnation, drill)
 
-        decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0))
+        decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
+                         max_rounds=s.config.max_rounds)
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
         if not decision.in_memory and self.ckpt is None:
             raise RuntimeError(f"cannot recover in memory ({decision.reason}) and no checkpoint directory is set")
@@ -340,20 +360,34 @@ class Resilient:
             s.emit(EventKind.RETAINED, Stage.STATE, seconds=reset_s, action=StateAction.RETAIN.value,
                    state_intact=intact)
             lost = 0  # no barrier: building the groups already waited for every rank to connect
+            t_first, t_resumed = self._first_collective(decision.round)
         else:
             self.restore(decision.step)
             s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
                    action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
             s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round),
                    generation=decision.round)
+            t_first, _ = self._first_collective(decision.round)
             t0 = time.perf_counter()
             lost = self._replay(decision.step, step)
             s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
-        record = RecoveryRecord(step, t_detect, time.time(), decision.policy, decision.reason, decision.round, lost,
+            t_resumed = time.time()
+        record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round, lost,
                                 rebind_s, action, force is not None)
         self.recoveries.append(record)
         s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
         return decision
+
+    def _first_collective(self, generation: int) -> tuple[float, float]:
+        """Run the first collective on the new world group (every rank at the same point);
+        returns the wall times it was issued and completed."""
+        s = self.session
+        t_first = time.time()
+        comm.first_collective(s.group, s.spec.device)
+        t_done = time.time()
+        s.emit(EventKind.FIRST_COLLECTIVE, seconds=t_done - t_first, generation=generation,
+               t_issued_wall=t_first, t_done_wall=t_done)
+        return t_first, t_done
 
     def restore(self, step: int) -> None:
         """Load the checkpoint of ``step`` (state and generators) and make it the committed state."""

@@ -32,23 +32,11 @@ from . import communicator as comm
 from ..backends import choose_backend
 from ..store import open_store
 from .checkpoint import Checkpointer
+from .config import RecoveryConfig
 from .consensus import Decision, Proposal, agree
 from .control import ControlChannel
 
 __all__ = ["RecoveryConfig", "Session", "start_session", "resume_barrier", "build_mesh_groups", "mesh_from_groups"]
-
-
-@dataclass(frozen=True)
-class RecoveryConfig:
-    data_timeout_s: float = 1.0  # data-path operations: the bound on detecting a silent peer
-    control_timeout_s: float = 20.0  # consensus waits (must cover a replacement process starting)
-    checkpoint_dir: str | None = None
-    checkpoint_every: int = 10
-    count_dispatch: bool = False  # also count ops with a dispatch mode (turns torch.compile off)
-    check_commits: bool = True  # keep a commit check (O(1) bytes) to prove the state intact
-    restore_rng: bool = True  # restore every generator before a step is re-run (off only to prove it matters)
-    vendor: str = field(default_factory=lambda: os.environ.get("MESHPACT_VENDOR", "cuda"))  # nccl where CUDA is
-    prefer_reconfigure: bool = True  # use ProcessGroup.reconfigure where torch has it (2.14+)
 
 
 @dataclass
@@ -162,13 +150,13 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     run_id = os.environ.get("MESHPACT_RUN_ID", "")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                       is_host=(rank == 0 and not agent_store), timeout_s=120)
-    control = ControlChannel.from_env(config.control_timeout_s, run_id)
+                       is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
+    control = ControlChannel.from_env(config.control_timeout_s, run_id, connect_timeout_s=config.store_connect_s)
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
     if choice.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(choice.device))
     spec = comm.GroupSpec(choice.backend.value, choice.device, rank, world, config.data_timeout_s,
-                          connect_timeout_s=max(60.0, config.control_timeout_s), run_id=run_id)
+                          connect_timeout_s=config.connect_timeout_s, run_id=run_id)
     incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
     session = Session(rank, world, config, store, control, spec, {}, 0, incarnation, shape,
                       tuple(mesh_names) if mesh_names else None,
@@ -181,7 +169,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         ckpt = session.checkpointer()
         t0 = time.perf_counter()
         decision = agree(control, lambda g: Proposal(rank, g, -1, "", False, incarnation),
-                         ckpt.latest if ckpt else (lambda limit: 0))
+                         ckpt.latest if ckpt else (lambda limit: 0), max_rounds=config.max_rounds)
         session.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
         t0 = time.perf_counter()
         session.generation = decision.round

@@ -44,10 +44,10 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
     out_dir = Path(extra.get("out_dir", work / tag))
     out_dir.mkdir(parents=True, exist_ok=True)
     args = {"steps": cfg.steps, "checkpoint_every": cfg.checkpoint_every, "data_timeout_s": cfg.data_timeout_s,
-            "control_timeout_s": cfg.control_timeout_s, "stall_s": cfg.stall_s, "down_s": cfg.down_s,
+            "process_start_s": cfg.process_start_s, "group_create_s": cfg.group_create_s, "stall_s": cfg.stall_s, "down_s": cfg.down_s,
             "checkpoint_dir": str(work / "checkpoints"), "out_dir": str(out_dir), "workload": workload,
             "faults": [f.to_dict() for f in faults], "count_dispatch": cfg.count_dispatch,
-            "restore_rng": cfg.restore_rng, **extra}
+            "restore_rng": cfg.restore_rng, "heartbeat": cfg.heartbeat, **extra}
     replacements = 0
 
     def on_exit(job: Launch, rank: int, rc: int) -> None:
@@ -69,13 +69,13 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         kw = dict(env=lambda r: {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_RUN_ID": tag,
                                  "MESHPACT_CONTROL_PORT": str(control.port)})
     t_launch = time.time()
-    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.timeout_s, **kw) as job:
+    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, **kw) as job:
         results = job.wait(on_exit=on_exit)
     bad = [r for r in results if not r.ok]
     if bad:
         raise LaunchError(f"{tag} run: rank {bad[0].rank} "
                           f"{'timed out' if bad[0].returncode is None else f'exited with {bad[0].returncode}'}"
-                          f" (limit {cfg.timeout_s:.0f} s); its stderr ends:\n{bad[0].stderr_tail}")
+                          f" (limit {cfg.deadline_s:.0f} s); its stderr ends:\n{bad[0].stderr_tail}")
     outcomes = [RankOutcome.from_dict(r.value) for r in results]
     for o in outcomes:
         if o.workload_error:

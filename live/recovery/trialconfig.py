@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from meshpact.core.errors import MeshpactError
 
+from .config import RecoveryConfig
 from .faults import FaultKind
 from .workload import DEFAULT_WORKLOAD
 
@@ -26,18 +27,23 @@ class TrialConfig:
     fault_kind: FaultKind = FaultKind.COLLECTIVE
     checkpoint_every: int = 10
     data_timeout_s: float = 1.0
-    control_timeout_s: float = 30.0
+    process_start_s: float = 30.0  # a replacement process starting under load (sets the consensus round)
+    group_create_s: float = 20.0
     stall_s: float = 1.5  # a stalled rank sleeps this long (past the data-path timeout)
     down_s: float = 2.0  # a partitioned data link stays down this long
     baselines: bool = True  # drill a checkpoint restore and a cold restart in the same run
-    timeout_s: float = 300.0
+    timeout_s: float | None = None  # the launcher deadline; None: derived (RecoveryConfig.launcher_deadline_s)
     workload: str = DEFAULT_WORKLOAD  # a shipped workload's name or a path to a workload file
     count_dispatch: bool = False  # also count ops with a dispatch mode (turns torch.compile off)
     restore_rng: bool = True  # off only to show that a re-run step needs its generators back
+    heartbeat: bool = False  # find a stalled rank by heartbeat, not by the data-path timeout
     nth_op: int | None = None  # collective faults: the c10d operation of the step that raises
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fault_kind", FaultKind(self.fault_kind))
+        recovery = self.recovery()  # refuses an ordering of timeouts that cannot work
+        if self.timeout_s is not None:
+            recovery.check_deadline(self.timeout_s)
         if self.ranks < 2:
             raise MeshpactError(f"--ranks must be at least 2 (a fault needs peers), got {self.ranks}")
         if self.steps < 2:
@@ -45,9 +51,27 @@ class TrialConfig:
         if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:
             raise MeshpactError(f"--checkpoint-every must be between 1 and --steps ({self.steps}), "
                                 f"got {self.checkpoint_every}")
-        if self.fault_kind is FaultKind.STALL and self.stall_s <= self.data_timeout_s:
+        if self.fault_kind is FaultKind.STALL and self.stall_s <= recovery.detection_bound_s:
             raise MeshpactError(f"a stall ({self.stall_s} s) must outlast the data-path timeout "
-                                f"({self.data_timeout_s} s)")
+                                f"({self.data_timeout_s} s)" if not self.heartbeat else
+                                f"a stall ({self.stall_s} s) must outlast the heartbeat detection bound "
+                                f"({recovery.detection_bound_s:g} s)")
         if self.fault_kind is FaultKind.PARTITION and self.down_s <= self.data_timeout_s:
             raise MeshpactError(f"a partition ({self.down_s} s down) must outlast the data-path timeout "
                                 f"({self.data_timeout_s} s), or the collective simply resumes")
+
+    def recovery(self, checkpoint_dir: str | None = None) -> RecoveryConfig:
+        """The ranks' recovery settings (every timeout derived from these inputs)."""
+        return RecoveryConfig(data_timeout_s=self.data_timeout_s, process_start_s=self.process_start_s,
+                              group_create_s=self.group_create_s, checkpoint_dir=checkpoint_dir,
+                              checkpoint_every=self.checkpoint_every, count_dispatch=self.count_dispatch,
+                              restore_rng=self.restore_rng, heartbeat=self.heartbeat)
+
+    @property
+    def deadline_s(self) -> float:
+        """The launcher deadline of one run: given, or derived from the recovery settings, the
+        steps and the faults (each lasting its stall or its partition)."""
+        if self.timeout_s is not None:
+            return self.timeout_s
+        per_fault = {FaultKind.STALL: self.stall_s, FaultKind.PARTITION: self.down_s}.get(self.fault_kind, 0.0)
+        return self.recovery().launcher_deadline_s(self.steps, self.faults, per_fault)

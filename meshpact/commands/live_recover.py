@@ -31,7 +31,9 @@ def recover(
                                           "[default: recordings/recover-<kind>-<ranks>r.jsonl]"),
     baselines: bool = typer.Option(True, "--baselines/--no-baselines",
                                    help="Also measure checkpoint restore and cold restart."),
-    timeout_s: float = typer.Option(900.0, "--timeout", min=10.0, help="Seconds before every rank is stopped."),
+    timeout_s: Optional[float] = typer.Option(None, "--timeout", min=1.0, help="Seconds before every rank is "
+                                             "stopped [default: derived from the recovery timeouts, steps and "
+                                             "faults; never below the rank-loss bound]."),
     workload: str = typer.Option("decoder", "--workload", help="A workload file (build, batch, train_step, "
                                  "optional MESH) or a shipped one: decoder, llama_hsdp, compiled."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),

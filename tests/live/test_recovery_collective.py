@@ -6,6 +6,7 @@ import pytest
 
 from _recovery import assert_recovered, trial
 from meshpact.commands.live_recover import json_view
+from meshpact.core.recording import EventKind
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -24,3 +25,19 @@ def test_ten_raised_collectives_recover_in_memory_bit_identical_with_baselines()
                           "policy_counts", "rebind_ms", "downtime_s", "recording"]
     assert set(view["downtime_s"]) == {"in_memory", "checkpoint_restore", "cold_restart"}
     assert set(view["rebind_ms"]) == {"median", "max"}
+
+
+def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery():
+    result = trial(ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False)
+    assert_recovered(result, "in_memory")
+    firsts = [e for e in result.events() if e.event == EventKind.FIRST_COLLECTIVE]
+    recs = result.recoveries()
+    assert len(recs) == 2
+    for r in recs:
+        mine = [e for e in firsts if e.data["generation"] == r["generation"]]
+        assert sorted(e.rank for e in mine) == [0, 1]  # every rank ran it on the new generation
+        for e in mine:
+            assert r["t_first_knew_wall"] < e.data["t_issued_wall"] <= e.data["t_done_wall"] <= r["t_all_resumed_wall"]
+        assert r["recovery_s"] >= r["first_collective_s"] > 0
+        # detection is reported on its own: injection to the first rank knowing
+        assert r["downtime_s"] == pytest.approx(r["stages_s"]["detection"] + r["recovery_s"], abs=1e-6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from _recovery import assert_recovered, trial
+from meshpact.core.recording import EventKind
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -15,3 +16,15 @@ def test_stalled_rank_is_detected_by_the_timeout_and_recovered_in_memory():
     assert_recovered(result, "in_memory")
     for r in result.recoveries():
         assert r["stages_s"]["detection"] >= 0.5  # bounded by the data-path timeout, not faster
+
+
+def test_with_a_long_data_path_timeout_the_heartbeat_finds_the_stall():
+    # a 30 s data path would wait out the 2 s stall and never fault: only the heartbeat can find it
+    result = trial(ranks=4, steps=12, faults=2, fault_kind="stall", checkpoint_every=4, baselines=False,
+                   data_timeout_s=30.0, stall_s=2.0, heartbeat=True)
+    assert_recovered(result, "in_memory")
+    stalled = {f.step: f.rank for f in result.faults}
+    found = [e for e in result.events() if e.event == EventKind.DETECTED and e.data.get("heartbeat_stalled")]
+    for r in result.recoveries():
+        assert r["stages_s"]["detection"] < 2.0  # before the stalled rank woke up
+        assert any(stalled[r["step"]] in e.data["heartbeat_stalled"] for e in found if e.data["step"] == r["step"])

@@ -1,0 +1,173 @@
+"""Recovery settings: every timeout of a resilient job derived from a few stated inputs.
+
+A resilient job waits in six places: the heartbeat (a rank that stops beating), a data-path
+collective, a consensus round on the control channel, building a new group, the launcher's
+deadline and the bound after which a silent rank is declared lost. Each was once a constant
+picked where it was used; here each is a derived property of one :class:`RecoveryConfig`,
+from inputs a user can reason about (how long a replacement process takes to start, how long
+a group takes to connect, how long a step takes), and an ordering that cannot work is refused
+on construction with one line naming both values.
+
+The orderings:
+
+- a consensus round must cover group creation: a rank still building the previous
+  generation's group (up to ``group_create_s``) must not be taken for a silent one by peers
+  already in the next round; and it must cover a replacement process starting;
+- the launcher deadline must cover the rank-loss bound, or the launcher kills a job that
+  consensus was about to name a lost rank in;
+- a heartbeat detection bound longer than the data-path timeout is allowed (the data path
+  then finds hangs first) but reported in :attr:`RecoveryConfig.notes`: the heartbeat adds
+  nothing there.
+
+Torch-free: the CLI checks a user's settings before anything starts.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from meshpact.core.errors import MeshpactError
+
+__all__ = ["RecoveryConfig", "TimeoutOrderError"]
+
+
+class TimeoutOrderError(MeshpactError):
+    """Two timeouts in an order that cannot work; the message names both values."""
+
+
+@dataclass(frozen=True)
+class RecoveryConfig:
+    """The settings of a resilient job; every timeout is a property derived from the inputs.
+
+    Inputs (seconds unless said): ``data_timeout_s`` (a data-path operation; as long as the
+    job's collectives need), ``heartbeat_interval_s`` and ``heartbeat_misses`` (a rank is
+    stalled after this many intervals without a beat), ``process_start_s`` (a replacement
+    process starting and reaching the control channel), ``group_create_s`` (every member of a
+    new group connecting), ``max_rounds`` (incomplete consensus rounds before a silent rank is
+    declared lost), ``step_s`` and ``warmup_s`` (a training step, and the first one with
+    building and compiling: only the launcher deadline uses them). ``consensus_round_s``
+    overrides the derived round (refused when it cannot work)."""
+
+    data_timeout_s: float = 1.0
+    heartbeat_interval_s: float = 0.05
+    heartbeat_misses: int = 3
+    process_start_s: float = 20.0
+    group_create_s: float = 20.0
+    max_rounds: int = 4
+    heartbeat: bool = False  # run the heartbeat (live/recovery/heartbeat.py); off: hangs wait for the data path
+    step_s: float = 5.0
+    warmup_s: float = 120.0
+    consensus_round_s_override: float | None = None
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    count_dispatch: bool = False  # also count ops with a dispatch mode (turns torch.compile off)
+    check_commits: bool = True  # keep a commit check (O(1) bytes) to prove the state intact
+    restore_rng: bool = True  # restore every generator before a step is re-run (off only to prove it matters)
+    vendor: str = field(default_factory=lambda: os.environ.get("MESHPACT_VENDOR", "cuda"))  # nccl where CUDA is
+    prefer_reconfigure: bool = True  # use ProcessGroup.reconfigure where torch has it (2.14+)
+
+    def __post_init__(self) -> None:
+        for name in ("data_timeout_s", "heartbeat_interval_s", "process_start_s", "group_create_s", "step_s",
+                     "warmup_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise TimeoutOrderError(f"{name} must be a positive number of seconds, got {value}")
+        for name in ("heartbeat_misses", "max_rounds"):
+            if getattr(self, name) < 1:
+                raise TimeoutOrderError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.consensus_round_s < self.group_create_s:
+            raise TimeoutOrderError(
+                f"the consensus round ({self.consensus_round_s:g} s) is shorter than group creation "
+                f"({self.group_create_s:g} s): a rank still building a group would be taken for a silent one")
+        if self.consensus_round_s < self.process_start_s:
+            raise TimeoutOrderError(
+                f"the consensus round ({self.consensus_round_s:g} s) is shorter than a process start "
+                f"({self.process_start_s:g} s): a replacement could never join a round")
+
+    # -- derived ---------------------------------------------------------------------------
+    @property
+    def heartbeat_detect_s(self) -> float:
+        """The longest a stalled rank goes unnoticed by its peers' heartbeat watch: its last beat
+        may come just before the stall, then ``misses`` whole intervals pass, then the watcher's
+        next look (one interval)."""
+        return self.heartbeat_interval_s * (self.heartbeat_misses + 1)
+
+    @property
+    def detection_bound_s(self) -> float:
+        """A hang is found by whichever comes first: the heartbeat (when it runs) or the
+        data-path timeout."""
+        return min(self.heartbeat_detect_s, self.data_timeout_s) if self.heartbeat else self.data_timeout_s
+
+    @property
+    def consensus_round_s(self) -> float:
+        """How long a round waits for every proposal (the control channel's wait bound):
+        ``max(process_start_s, group_create_s)`` unless overridden."""
+        if self.consensus_round_s_override is not None:
+            return float(self.consensus_round_s_override)
+        return max(self.process_start_s, self.group_create_s)
+
+    @property
+    def control_timeout_s(self) -> float:
+        """The control channel's wait bound: one consensus round."""
+        return self.consensus_round_s
+
+    @property
+    def connect_timeout_s(self) -> float:
+        """Building a group: every member connecting (a rank that died after proposing is met here)."""
+        return self.group_create_s
+
+    @property
+    def store_connect_s(self) -> float:
+        """Reaching the rendezvous store and the control channel: a process starting, then
+        every peer arriving."""
+        return self.process_start_s + self.group_create_s
+
+    @property
+    def rank_loss_bound_s(self) -> float:
+        """A silent rank is declared lost after ``max_rounds`` incomplete rounds."""
+        return self.max_rounds * self.consensus_round_s
+
+    @property
+    def recovery_bound_s(self) -> float:
+        """The longest a recovery that succeeds can take: detection, one round, group creation."""
+        return self.detection_bound_s + self.consensus_round_s + self.group_create_s
+
+    def launcher_deadline_s(self, steps: int, faults: int, per_fault_s: float = 0.0) -> float:
+        """When the launcher stops a job of ``steps`` steps and ``faults`` faults (each lasting
+        ``per_fault_s`` itself, e.g. a stall): starting, warm-up, the steps, a bounded recovery
+        per fault, and the rank-loss bound once (a lost rank ends the job)."""
+        return (self.store_connect_s + self.warmup_s + steps * self.step_s
+                + faults * (self.recovery_bound_s + per_fault_s) + self.rank_loss_bound_s)
+
+    def check_deadline(self, deadline_s: float) -> None:
+        """Refuse a launcher deadline shorter than the rank-loss bound."""
+        if deadline_s < self.rank_loss_bound_s:
+            raise TimeoutOrderError(
+                f"the launcher deadline ({deadline_s:g} s) is shorter than the rank-loss bound "
+                f"({self.rank_loss_bound_s:g} s = {self.max_rounds} rounds x {self.consensus_round_s:g} s): "
+                "the job would be killed before consensus names a lost rank")
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Orderings that work but are probably not meant (one line each, both values named)."""
+        out = []
+        if self.heartbeat and self.heartbeat_detect_s > self.data_timeout_s:
+            out.append(f"the heartbeat detection bound ({self.heartbeat_detect_s:g} s) is longer than the "
+                       f"data-path timeout ({self.data_timeout_s:g} s): the data path finds hangs first and "
+                       "the heartbeat adds nothing")
+        return tuple(out)
+
+    def table(self) -> list[tuple[str, float, str]]:
+        """(derived value, seconds, formula) for each derived timeout: the README's table."""
+        return [
+            ("heartbeat detection bound", self.heartbeat_detect_s, "heartbeat_interval_s x (heartbeat_misses + 1)"),
+            ("hang detection bound", self.detection_bound_s,
+             "min(heartbeat bound, data_timeout_s) with the heartbeat on, else data_timeout_s"),
+            ("consensus round (control channel wait)", self.consensus_round_s,
+             "max(process_start_s, group_create_s)"),
+            ("group creation (connect)", self.connect_timeout_s, "group_create_s"),
+            ("store connect", self.store_connect_s, "process_start_s + group_create_s"),
+            ("rank-loss bound", self.rank_loss_bound_s, "max_rounds x consensus round"),
+            ("one recovery, at most", self.recovery_bound_s, "detection + consensus round + group creation"),
+        ]

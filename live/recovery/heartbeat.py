@@ -1,0 +1,115 @@
+"""Hang detection by heartbeat over the control channel, independent of the data-path timeout.
+
+Each rank runs one background thread with its own connection to the control ``TCPStore``.
+Every ``heartbeat_interval_s`` it does two things:
+
+- *beat*: it adds one to this rank's counter, unless the rank's main thread is inside the
+  watched training step and has not moved since the last look (same frame, same bytecode
+  offset) while not waiting in torch's communication code. A rank waiting on its peers
+  beats; a rank whose step stopped making progress outside any collective does not.
+- *watch*: it reads every peer's counter; a peer whose counter has not moved for
+  ``heartbeat_misses`` looks is stalled. The thread then shuts down this rank's data-path
+  sockets (the same severing the runtime does on a fault), so a collective waiting on the
+  stalled peer fails now instead of at the data-path timeout, and the runtime recovers.
+
+The bound on finding a stall is :attr:`RecoveryConfig.heartbeat_detect_s`. A step whose
+single native operation outlasts that bound outside communication code would be taken for
+a stall (a false alarm, which costs one in-memory recovery); the heartbeat is therefore
+off unless ``RecoveryConfig.heartbeat`` is set.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+from . import communicator as comm
+from .control import ControlChannel, control_address
+
+__all__ = ["Heartbeat"]
+
+
+class Heartbeat:
+    """One rank's beating and watching thread (see the module docstring)."""
+
+    def __init__(self, session: Any, modules: tuple[str, ...]) -> None:
+        cfg = session.config
+        self.session = session
+        self.interval_s = cfg.heartbeat_interval_s
+        self.misses = cfg.heartbeat_misses
+        self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
+        host, port, _ = control_address()
+        self.channel = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
+                                      is_host=False, connect_timeout_s=cfg.store_connect_s,
+                                      run_id=session.spec.run_id)
+        self.watching = False  # set by the runtime while the user's step runs
+        self.detected_wall: float | None = None  # when this rank's watch found a stalled peer
+        self.stalled: tuple[int, ...] = ()
+        self._detected_generation: int | None = None
+        self._main = threading.main_thread().ident
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="meshpact-heartbeat", daemon=True)
+
+    def start(self) -> "Heartbeat":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=max(1.0, 4 * self.interval_s))
+
+    def take(self) -> tuple[float | None, tuple[int, ...]]:
+        """This generation's detection (wall time, stalled ranks), cleared; one made for an
+        earlier generation is dropped."""
+        out = (self.detected_wall, self.stalled) if self._detected_generation == self.session.generation else (None, ())
+        self.detected_wall, self.stalled, self._detected_generation = None, (), None
+        return out
+
+    def _main_position(self) -> tuple[int, int, bool]:
+        frame = sys._current_frames().get(self._main)
+        if frame is None:
+            return (0, 0, True)
+        waiting = False
+        f: Any = frame
+        while f is not None:
+            if f.f_code.co_filename.startswith(self.modules):
+                waiting = True
+                break
+            f = f.f_back
+        return (id(frame.f_code), frame.f_lasti, waiting)
+
+    def _run(self) -> None:
+        world = self.session.world_size
+        me = self.session.rank
+        keys = [f"heartbeat/rank{r}" for r in range(world)]
+        last_pos = self._main_position()
+        seen = [-1] * world
+        still = [0] * world
+        while not self._stop.wait(self.interval_s):
+            generation = self.session.generation
+            pos = self._main_position()
+            if not self.watching or pos[2] or pos[:2] != last_pos[:2]:
+                self.channel.add(keys[me], 1)
+            last_pos = pos
+            counts = [self.channel.counter(k) for k in keys]
+            if not self.watching:
+                still = [0] * world
+                seen = counts
+                continue
+            stalled = []
+            for r in range(world):
+                if r == me:
+                    continue
+                still[r] = still[r] + 1 if counts[r] == seen[r] else 0
+                if still[r] >= self.misses:
+                    stalled.append(r)
+            seen = counts
+            s = self.session
+            # the step may have failed meanwhile and new groups be in the making: sever only
+            # the generation this look was made in, while the step still runs
+            if stalled and self.detected_wall is None and self.watching and s.generation == generation:
+                self.detected_wall, self.stalled, self._detected_generation = time.time(), tuple(stalled), generation
+                comm.sever(comm.data_sockets(s.protected_sockets, s.store_ports))
+                still = [0] * world
