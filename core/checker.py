@@ -37,7 +37,7 @@ from .contract import Contract, Equivalence, Form, Observation
 from .pieces import Buf, Piece, PieceAlgebra, Refusal, garbage, rows_of_piece
 from .placement import Partial, shard_bounds
 from .facts import LinkClass
-from .plan import MASKED_PROJECTIONS, Collective, Plan, Projection, Step, StepKind
+from .plan import MASKED_PROJECTIONS, Collective, Plan, Projection, Step, StepKind, collective_of, projection_of
 from .planbuild import CHUNK_BYTES
 from .region import Intervals, intervals_from_indices, intervals_indices, intervals_size, region_text
 
@@ -169,7 +169,7 @@ class _Checker(PieceAlgebra):
                     if self.partial(p):
                         self.pending.append((k, r, p))
         elif step.kind is StepKind.PROJECT:
-            proj = Projection(step.op)
+            proj = projection_of(step.op)
             for i, r in enumerate(step.ranks):
                 try:
                     xs = [self.read(k, step, r, n) for n in step.inputs]
@@ -249,7 +249,7 @@ class _Checker(PieceAlgebra):
                       f"{step.op} over ranks {list(step.ranks)} spans domains {domains}; no native communicator "
                       "covers two vendors: cross through a bridge send")
             return
-        op = Collective(step.op)
+        op = collective_of(step.op)
         ranks = step.ranks
         name = step.inputs[0]
         root = step.arg("root")
@@ -311,7 +311,7 @@ class _Checker(PieceAlgebra):
         return value[i]
 
     def project(self, step: Step, i: int, xs: list[Buf]) -> tuple[Buf, list[tuple[str, str]]]:
-        op = Projection(step.op)
+        op = projection_of(step.op)
         x = xs[0]
         if op is Projection.SUM:
             parts = step.arg("parts")

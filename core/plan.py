@@ -48,6 +48,8 @@ __all__ = [
     "PlanCost",
     "plan_cost",
     "step_time_s",
+    "collective_of",
+    "projection_of",
 ]
 
 
@@ -97,6 +99,25 @@ MASKED_PROJECTIONS = frozenset({
 })
 
 
+# Each op enum by value, so reading or validating a step's op is one dict lookup.
+_COLLECTIVE_OPS: dict[str, Collective] = {c.value: c for c in Collective}
+_PROJECTION_OPS: dict[str, Projection] = {p.value: p for p in Projection}
+
+
+def collective_of(op: str) -> Collective:
+    """``Collective(op)``, by a dict lookup for the common case of a valid op string."""
+    found = _COLLECTIVE_OPS.get(op) if type(op) is str else None
+    return found if found is not None else Collective(op)
+
+
+def projection_of(op: str) -> Projection:
+    """``Projection(op)``, by a dict lookup for the common case of a valid op string."""
+    found = _PROJECTION_OPS.get(op) if type(op) is str else None
+    return found if found is not None else Projection(op)
+# Argument values that freeze to themselves.
+_ATOMS = frozenset({int, str, float, bool, type(None)})
+
+
 @dataclass(frozen=True)
 class Step:
     """One step of a plan.
@@ -120,24 +141,40 @@ class Step:
     note: str = ""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", StepKind(self.kind))
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        object.__setattr__(self, "inputs", tuple(self.inputs))
-        object.__setattr__(self, "dtype", DType(self.dtype))
-        if self.link is not None:
-            object.__setattr__(self, "link", LinkClass(self.link))
-        args = self.args.items() if isinstance(self.args, Mapping) else self.args
-        object.__setattr__(self, "args", tuple(sorted((str(k), _freeze(v)) for k, v in args)))
-        if not self.ranks:
+        # Values already of the right types (what every planner builds) pass through untouched;
+        # anything else (JSON, plain strings, lists, mappings) is coerced exactly as before.
+        setattr_ = object.__setattr__
+        kind = self.kind
+        if type(kind) is not StepKind:
+            kind = StepKind(kind)
+            setattr_(self, "kind", kind)
+        ranks = self.ranks
+        if type(ranks) is not tuple or any(type(r) is not int for r in ranks):
+            ranks = tuple(int(r) for r in ranks)
+            setattr_(self, "ranks", ranks)
+        if type(self.inputs) is not tuple:
+            setattr_(self, "inputs", tuple(self.inputs))
+        if type(self.dtype) is not DType:
+            setattr_(self, "dtype", DType(self.dtype))
+        if self.link is not None and type(self.link) is not LinkClass:
+            setattr_(self, "link", LinkClass(self.link))
+        args = self.args
+        if args or type(args) is not tuple:
+            items = args.items() if type(args) is dict or isinstance(args, Mapping) else args
+            setattr_(self, "args", tuple(sorted(
+                (k if type(k) is str else str(k), v if type(v) in _ATOMS else _freeze(v)) for k, v in items)))
+        if not ranks:
             raise PlanError(f"step {self.op!r}: expected at least one participant rank")
         if self.payload_bytes < 0:
             raise PlanError(f"step {self.op!r}: payload_bytes must be >= 0, got {self.payload_bytes}")
-        if self.kind is StepKind.COLLECTIVE:
-            Collective(self.op)
-        elif self.kind is StepKind.PROJECT:
-            Projection(self.op)
-        elif self.kind is StepKind.SEND and len(self.ranks) != 2:
-            raise PlanError(f"send step needs ranks (src, dst), got {list(self.ranks)}")
+        if kind is StepKind.COLLECTIVE:
+            if type(self.op) is not str or self.op not in _COLLECTIVE_OPS:
+                Collective(self.op)
+        elif kind is StepKind.PROJECT:
+            if type(self.op) is not str or self.op not in _PROJECTION_OPS:
+                Projection(self.op)
+        elif kind is StepKind.SEND and len(ranks) != 2:
+            raise PlanError(f"send step needs ranks (src, dst), got {list(ranks)}")
 
     def arg(self, name: str, default: Any = None) -> Any:
         for k, v in self.args:
@@ -272,7 +309,7 @@ def step_time_s(step: Step, mesh: Mesh) -> float:
     n = len(step.ranks)
     if step.kind is StepKind.SEND or n == 1:
         return link.time_s(step.startups, step.payload_bytes)
-    op = Collective(step.op)
+    op = collective_of(step.op)
     if op is Collective.ALL_REDUCE:
         # ring: reduce-scatter then all-gather, 2(n-1) rounds of size/n per rank
         per_rank = step.payload_bytes / n

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from .contract import Contract, Form
 from .facts import DType, LinkClass
-from .plan import MASKED_PROJECTIONS, Plan, Projection, Step, StepKind
+from .plan import MASKED_PROJECTIONS, Plan, Step, StepKind, projection_of
 from .region import Region, region_numel
 
 __all__ = ["PlanBuilder", "form_bytes", "form_dtype", "row_bytes", "chunking", "STAT_BYTES", "CHUNK_BYTES"]
@@ -94,7 +94,7 @@ class PlanBuilder:
         ranks = tuple(ranks)
         inputs = (inputs,) if isinstance(inputs, str) else tuple(inputs)
         vocab = self.contract.edge.producer.vocab_size
-        if vocab is not None and Projection(op) in MASKED_PROJECTIONS:
+        if vocab is not None and projection_of(op) in MASKED_PROJECTIONS:
             args = {**dict(args or {}), "valid": vocab}  # padded vocabulary: mask the padding columns
         self.steps.append(Step(StepKind.PROJECT, op, ranks, inputs, out, 0, dtype,
                                self.mesh.domain_of(ranks[0]).name, None, dict(args or {}), note))
