@@ -110,16 +110,18 @@ def _rows_text(iv: Intervals) -> str:
 class _Checker(PieceAlgebra):
     def __init__(self, contract: Contract) -> None:
         super().__init__(contract)
-        self.mem: dict[int, dict[str, Buf]] = {r: {} for r in self.mesh.ranks}
-        self.writes: dict[int, list[tuple[int, Buf]]] = {r: [] for r in self.mesh.ranks}
+        ranks = self.mesh.ranks
+        self.mem: dict[int, dict[str, Buf]] = {r: {} for r in ranks}
+        self.writes: dict[int, list[tuple[int, Buf]]] = {r: [] for r in ranks}
         self.observed: dict[int, tuple[int, Buf]] = {}
         self.pending: list[tuple[int, int, Piece]] = []
         self.senders: dict[tuple, int] = {}
         self.violations: list[Violation] = []
+        itemsize = contract.provenance.dtype.itemsize
         for h in contract.provenance.holdings:
             shape = tuple(intervals_size(iv) for iv in h.region)
             piece = Piece(self.tensor, Form.RAW, h.region, (h.rank,) if h.partial else None, True)
-            self.mem[h.rank][self.tensor] = Buf((piece,), shape, contract.provenance.dtype.itemsize)
+            self.mem[h.rank][self.tensor] = Buf((piece,), shape, itemsize)
 
     # -- helpers -----------------------------------------------------------------------
     def flag(self, kind: ViolationKind, step: int | None, rank: int | None, reason: str) -> None:
@@ -181,7 +183,7 @@ class _Checker(PieceAlgebra):
                     self.flag(ViolationKind(kind), k, r, why)
                 size = _PROJECTED_ITEMSIZE.get(proj, xs[0].itemsize)
                 if out.itemsize != size:
-                    out = out._replace(itemsize=size)
+                    out = Buf(out.pieces, out.shape, size)
                 if proj is Projection.SUM and len(xs) * len(xs[0].pieces) > 1:
                     self.completion_at(k, r, [p for x in xs for p in x.pieces])
                 self.write(k, r, step.output, out)

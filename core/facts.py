@@ -62,7 +62,7 @@ class DType(str, Enum):
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self.value]
+        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self]
 
     @property
     def is_floating(self) -> bool:
@@ -169,7 +169,7 @@ class Mesh:
     def _domain_of(self) -> dict[int, Domain]:
         return {r: d for d in self.domains for r in d.ranks}
 
-    @property
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(self._domain_of))
 
