@@ -48,6 +48,7 @@ __all__ = [
     "PlanCost",
     "plan_cost",
     "step_time_s",
+    "plan_time_s",
     "collective_of",
     "projection_of",
 ]
@@ -114,6 +115,8 @@ def projection_of(op: str) -> Projection:
     """``Projection(op)``, by a dict lookup for the common case of a valid op string."""
     found = _PROJECTION_OPS.get(op) if type(op) is str else None
     return found if found is not None else Projection(op)
+# The type set of ranks that need no coercion.
+_INT_ONLY = {int}
 # Argument values that freeze to themselves.
 _ATOMS = frozenset({int, str, float, bool, type(None)})
 
@@ -149,7 +152,7 @@ class Step:
             kind = StepKind(kind)
             setattr_(self, "kind", kind)
         ranks = self.ranks
-        if type(ranks) is not tuple or any(type(r) is not int for r in ranks):
+        if type(ranks) is not tuple or {*map(type, ranks)} != _INT_ONLY:
             ranks = tuple(int(r) for r in ranks)
             setattr_(self, "ranks", ranks)
         if type(self.inputs) is not tuple:
@@ -325,18 +328,25 @@ def plan_cost(plan: Plan, mesh: Mesh) -> PlanCost:
     """Startups, payload bytes (total and per link class) and α-β time of ``plan``."""
     by_link: dict[str, int] = {}
     starts: dict[str, int] = {}
-    time_s = 0.0
     for s in plan.steps:
         if not s.startups:
             continue
         key = (s.link or LinkClass.FABRIC).value
         by_link[key] = by_link.get(key, 0) + s.payload_bytes
         starts[key] = starts.get(key, 0) + 1
-        time_s += step_time_s(s, mesh)
     return PlanCost(
         startups=plan.startups,
         payload_bytes=plan.payload_bytes,
         bytes_by_link=dict(sorted(by_link.items())),
         startups_by_link=dict(sorted(starts.items())),
-        time_s=time_s,
+        time_s=plan_time_s(plan, mesh),
     )
+
+
+def plan_time_s(plan: Plan, mesh: Mesh) -> float:
+    """α-β time of ``plan`` on ``mesh``: its steps' :func:`step_time_s`, summed in step order."""
+    time_s = 0.0
+    for s in plan.steps:
+        if s.startups:
+            time_s += step_time_s(s, mesh)
+    return time_s
