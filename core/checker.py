@@ -157,9 +157,10 @@ class _Checker(PieceAlgebra):
         return CheckReport(tuple(self.violations))
 
     def step(self, k: int, step: Step) -> None:
-        if step.kind is StepKind.SEND:
+        kind = step.kind
+        if kind is StepKind.SEND:
             self.send(k, step)
-        elif step.kind is StepKind.DELIVER:
+        elif kind is StepKind.DELIVER:
             for r in step.ranks:
                 try:
                     buf = self.read(k, step, r, step.inputs[0])
@@ -170,12 +171,12 @@ class _Checker(PieceAlgebra):
                 for p in buf.pieces:
                     if self.partial(p):
                         self.pending.append((k, r, p))
-        elif step.kind is StepKind.PROJECT:
+        elif kind is StepKind.PROJECT:
             proj = projection_of(step.op)
             for i, r in enumerate(step.ranks):
                 try:
                     xs = [self.read(k, step, r, n) for n in step.inputs]
-                    out, issues = self.project(step, i, xs)
+                    out, issues = self.project(step, i, xs, proj)
                 except Refusal as bad:
                     self.flag(ViolationKind(bad.kind), k, r, bad.reason)
                     continue
@@ -245,10 +246,11 @@ class _Checker(PieceAlgebra):
         self.write(k, dst, step.output, buf)
 
     def collective(self, k: int, step: Step) -> None:
-        domains = sorted({self.mesh.domain_of(r).name for r in step.ranks})
+        domain_of = self.mesh.domain_of
+        domains = {domain_of(r).name for r in step.ranks}
         if len(domains) > 1:
             self.flag(ViolationKind.CROSS_DOMAIN_COLLECTIVE, k, None,
-                      f"{step.op} over ranks {list(step.ranks)} spans domains {domains}; no native communicator "
+                      f"{step.op} over ranks {list(step.ranks)} spans domains {sorted(domains)}; no native communicator "
                       "covers two vendors: cross through a bridge send")
             return
         op = collective_of(step.op)
@@ -312,8 +314,7 @@ class _Checker(PieceAlgebra):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"args.{name} must list one entry per participant")
         return value[i]
 
-    def project(self, step: Step, i: int, xs: list[Buf]) -> tuple[Buf, list[tuple[str, str]]]:
-        op = projection_of(step.op)
+    def project(self, step: Step, i: int, xs: list[Buf], op: Projection) -> tuple[Buf, list[tuple[str, str]]]:
         x = xs[0]
         if op is Projection.SUM:
             parts = step.arg("parts")

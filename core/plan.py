@@ -115,8 +115,9 @@ def projection_of(op: str) -> Projection:
     """``Projection(op)``, by a dict lookup for the common case of a valid op string."""
     found = _PROJECTION_OPS.get(op) if type(op) is str else None
     return found if found is not None else Projection(op)
-# The type set of ranks that need no coercion.
+# The type sets of ranks and argument names that need no coercion.
 _INT_ONLY = {int}
+_STR_ONLY = frozenset({str})
 # Argument values that freeze to themselves.
 _ATOMS = frozenset({int, str, float, bool, type(None)})
 
@@ -162,7 +163,10 @@ class Step:
         if self.link is not None and type(self.link) is not LinkClass:
             setattr_(self, "link", LinkClass(self.link))
         args = self.args
-        if args or type(args) is not tuple:
+        if type(args) is dict and _STR_ONLY.issuperset(map(type, args)) \
+                and _ATOMS.issuperset(map(type, args.values())):
+            setattr_(self, "args", tuple(sorted(args.items())))  # string keys, values that freeze to themselves
+        elif args or type(args) is not tuple:
             items = args.items() if type(args) is dict or isinstance(args, Mapping) else args
             setattr_(self, "args", tuple(sorted(
                 (k if type(k) is str else str(k), v if type(v) in _ATOMS else _freeze(v)) for k, v in items)))
