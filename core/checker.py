@@ -70,6 +70,23 @@ _PROJECTED_ITEMSIZE: dict[Projection, int] = {
 }
 
 
+# Groups of ops the checker branches on, named once (a frozenset test, not a tuple of member lookups).
+_ROOTED = frozenset({Collective.GATHER, Collective.REDUCE, Collective.BROADCAST, Collective.SCATTER})
+_FROM_ROOT = frozenset({Collective.BROADCAST, Collective.SCATTER})  # only the root contributes
+_GATHERS = frozenset({Collective.ALL_GATHER, Collective.GATHER})
+_REDUCES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
+# The form each combining projection reads (every other projection that needs one clean piece reads raw).
+_COMBINED_FORM: dict[Projection, Form] = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG,
+                                          Projection.COMBINE_LSE_STATS: Form.LSE_STATS}
+# Per-shard statistics of a vocabulary shard.
+_PER_SHARD = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOCAL_SAMPLE_MAX_ARG})
+# Projections of full rows with the consumer's parameters.
+_OF_FULL_ROWS = frozenset({Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE})
+# Projections whose input must be two-dimensional.
+_NEEDS_2D = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
+                       Projection.LOGSOFTMAX_AT, Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS,
+                       Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE})
+
 @dataclass(frozen=True)
 class Violation:
     kind: ViolationKind
@@ -119,7 +136,7 @@ class _Checker(PieceAlgebra):
         self.violations: list[Violation] = []
         itemsize = contract.provenance.dtype.itemsize
         for h in contract.provenance.holdings:
-            shape = tuple(intervals_size(iv) for iv in h.region)
+            shape = tuple(map(intervals_size, h.region))
             piece = Piece(self.tensor, Form.RAW, h.region, (h.rank,) if h.partial else None, True)
             self.mem[h.rank][self.tensor] = Buf((piece,), shape, itemsize)
 
@@ -257,11 +274,11 @@ class _Checker(PieceAlgebra):
         ranks = step.ranks
         name = step.inputs[0]
         root = step.arg("root")
-        rooted = op in (Collective.GATHER, Collective.REDUCE, Collective.BROADCAST, Collective.SCATTER)
+        rooted = op in _ROOTED
         if rooted and root not in ranks:
             self.flag(ViolationKind.MALFORMED_STEP, k, None, f"{step.op} root {root} is not a participant")
             return
-        needs = (root,) if op in (Collective.BROADCAST, Collective.SCATTER) else ranks
+        needs = (root,) if op in _FROM_ROOT else ranks
         missing = [r for r in needs if name not in self.mem[r]]
         for r in missing:
             self.flag(ViolationKind.MISSING_INPUT, k, r, f"{step.op} reads {name!r}, which rank {r} does not hold")
@@ -282,11 +299,11 @@ class _Checker(PieceAlgebra):
                     self.write(k, r, step.output, out)
                 return
             xs = [self.mem[r][name] for r in ranks]
-            if op in (Collective.ALL_GATHER, Collective.GATHER):
+            if op in _GATHERS:
                 out = self.concat(xs, dim)
                 for r in ranks if op is Collective.ALL_GATHER else (root,):
                     self.write(k, r, step.output, out)
-            elif op in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+            elif op in _REDUCES:
                 self.completion_at(k, root if root is not None else ranks[0], [p for x in xs for p in x.pieces])
                 out, issues = self.reduce(xs, str(step.arg("op", "sum")), native=True)
                 for kind, why in issues:
@@ -357,7 +374,7 @@ class _Checker(PieceAlgebra):
         p = x.pieces[0] if len(x.pieces) == 1 else garbage(self.rows_of(x), "pieces that do not form one region")
         if p.form is Form.GARBAGE:
             return Buf((p,), self.proj_shape(op, x, step)), []
-        want = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG, Projection.COMBINE_LSE_STATS: Form.LSE_STATS}.get(op, Form.RAW)
+        want = _COMBINED_FORM.get(op, Form.RAW)
         if op is Projection.COMBINE_MAX_ARG and p.form is Form.SAMPLE_ARG:
             want = Form.SAMPLE_ARG
         shape = self.proj_shape(op, x, step)
@@ -386,7 +403,7 @@ class _Checker(PieceAlgebra):
             if len(p.region) != 2:
                 return Buf((garbage(rows, "argmax of a tensor that is not [rows, vocab]", p.tensor),), shape), []
             return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
-        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOCAL_SAMPLE_MAX_ARG):
+        if op in _PER_SHARD:
             off = int(self.per_rank(step, "offsets", i, 0))
             if cols and (len(cols) != 1 or cols[0][0] != off):
                 return Buf((garbage(rows, f"offset {off} is not the shard's first column", p.tensor),), shape), []
@@ -407,7 +424,7 @@ class _Checker(PieceAlgebra):
             return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
         if op is Projection.COMBINE_LSE_STATS:
             return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, False),), shape), []
-        if op in (Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE):
+        if op in _OF_FULL_ROWS:
             return self.row_projection(op, step, i, p, shape), []
         # LOGSOFTMAX_AT
         if cols != ((0, self.vocab),):
@@ -443,10 +460,7 @@ class _Checker(PieceAlgebra):
 
     def proj_shape(self, op: Projection, x: Buf, step: Step) -> tuple[int, ...]:
         s = x.shape
-        need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
-                       Projection.LOGSOFTMAX_AT,
-                       Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS, Projection.TOPK,
-                       Projection.TOKEN_LOGPROB, Projection.SAMPLE)
+        need2 = op in _NEEDS_2D
         if (need2 and len(s) != 2) or (op is Projection.ARGMAX and not s):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} cannot apply to shape {list(s)}")
         if op is Projection.COMBINE_MAX_ARG and s[1] % 2:

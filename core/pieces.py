@@ -23,6 +23,9 @@ from .region import (
 __all__ = ["Piece", "Buf", "Refusal", "PieceAlgebra", "garbage", "rows_of_piece"]
 
 
+# Forms that pack several statistics per row into columns (sliced only along rows).
+_PACKED = frozenset({Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS})
+
 class Piece(NamedTuple):
     """A symbolic value: which region of which tensor, in what reduction state and form."""
 
@@ -100,7 +103,7 @@ class PieceAlgebra:
                                                   exact, a.why)
         rows_a, cols_a = a.region
         rows_b, cols_b = b.region
-        if a.form in (Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS) and dim == 1:
+        if a.form in _PACKED and dim == 1:
             if rows_a != rows_b:
                 return None
             cols, overlap = union_intervals(cols_a, cols_b)
@@ -154,7 +157,7 @@ class PieceAlgebra:
         p = buf.pieces[0]
         if p.form is Form.GARBAGE:
             return Buf((p,), shape, buf.itemsize)
-        if p.form in (Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS) and dim == 1:
+        if p.form in _PACKED and dim == 1:
             return Buf((garbage(rows_of_piece(p), "slice through packed statistics", p.tensor),), shape, buf.itemsize)
         if not isinstance(local, range) and list(local) != sorted(set(local)):
             return Buf((garbage(rows_of_piece(p), "rows reordered", p.tensor),), shape, buf.itemsize)
