@@ -50,6 +50,14 @@ def choose(cands: list[Plan], contract: Contract, time_first: bool = True) -> Pl
     if len(cands) == 1:
         return cands[0]
     mesh = contract.edge.mesh
+    if time_first:
+        # the same order as the key below, with startups and bytes counted only among the fastest
+        times = [round(plan_time_s(plan, mesh), 12) for plan in cands]
+        fastest = min(times)
+        tied = [position for position, time_s in enumerate(times) if time_s == fastest]
+        if len(tied) > 1:
+            tied.sort(key=lambda position: (cands[position].startups, cands[position].payload_bytes, position))
+        return cands[tied[0]]
 
     def key(indexed: tuple[int, Plan]) -> tuple[float, ...]:
         position, plan = indexed

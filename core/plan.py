@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from .errors import PlanError
 from .facts import DType, LinkClass, Mesh
@@ -122,7 +122,7 @@ _STR_ONLY = frozenset({str})
 _ATOMS = frozenset({int, str, float, bool, type(None)})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class Step:
     """One step of a plan.
 
@@ -144,44 +144,43 @@ class Step:
     args: tuple[tuple[str, Any], ...] = ()
     note: str = ""
 
-    def __post_init__(self) -> None:
-        # Values already of the right types (what every planner builds) pass through untouched;
-        # anything else (JSON, plain strings, lists, mappings) is coerced exactly as before.
-        setattr_ = object.__setattr__
-        kind = self.kind
+    def __init__(self, kind: StepKind | str, op: str, ranks: Iterable[int], inputs: Iterable[str], output: str,
+                 payload_bytes: int, dtype: DType | str, domain: str | None = None, link: LinkClass | str | None = None,
+                 args: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), note: str = "") -> None:
+        # Loose values (JSON strings, lists, mappings, bools) are coerced to the field types; values
+        # that already have them (what every planner builds) pass as they are. The fields are stored
+        # in one update: the dataclass is frozen, so nothing else writes them.
         if type(kind) is not StepKind:
             kind = StepKind(kind)
-            setattr_(self, "kind", kind)
-        ranks = self.ranks
         if type(ranks) is not tuple or {*map(type, ranks)} != _INT_ONLY:
             ranks = tuple(int(r) for r in ranks)
-            setattr_(self, "ranks", ranks)
-        if type(self.inputs) is not tuple:
-            setattr_(self, "inputs", tuple(self.inputs))
-        if type(self.dtype) is not DType:
-            setattr_(self, "dtype", DType(self.dtype))
-        if self.link is not None and type(self.link) is not LinkClass:
-            setattr_(self, "link", LinkClass(self.link))
-        args = self.args
+        if type(inputs) is not tuple:
+            inputs = tuple(inputs)
+        if type(dtype) is not DType:
+            dtype = DType(dtype)
+        if link is not None and type(link) is not LinkClass:
+            link = LinkClass(link)
         if type(args) is dict and _STR_ONLY.issuperset(map(type, args)) \
                 and _ATOMS.issuperset(map(type, args.values())):
-            setattr_(self, "args", tuple(sorted(args.items())))  # string keys, values that freeze to themselves
+            args = tuple(sorted(args.items()))  # string keys, values that freeze to themselves
         elif args or type(args) is not tuple:
             items = args.items() if type(args) is dict or isinstance(args, Mapping) else args
-            setattr_(self, "args", tuple(sorted(
-                (k if type(k) is str else str(k), v if type(v) in _ATOMS else _freeze(v)) for k, v in items)))
+            args = tuple(sorted((k if type(k) is str else str(k), v if type(v) in _ATOMS else _freeze(v))
+                                for k, v in items))
         if not ranks:
-            raise PlanError(f"step {self.op!r}: expected at least one participant rank")
-        if self.payload_bytes < 0:
-            raise PlanError(f"step {self.op!r}: payload_bytes must be >= 0, got {self.payload_bytes}")
+            raise PlanError(f"step {op!r}: expected at least one participant rank")
+        if payload_bytes < 0:
+            raise PlanError(f"step {op!r}: payload_bytes must be >= 0, got {payload_bytes}")
         if kind is StepKind.COLLECTIVE:
-            if type(self.op) is not str or self.op not in _COLLECTIVE_OPS:
-                Collective(self.op)
+            if type(op) is not str or op not in _COLLECTIVE_OPS:
+                Collective(op)
         elif kind is StepKind.PROJECT:
-            if type(self.op) is not str or self.op not in _PROJECTION_OPS:
-                Projection(self.op)
+            if type(op) is not str or op not in _PROJECTION_OPS:
+                Projection(op)
         elif kind is StepKind.SEND and len(ranks) != 2:
             raise PlanError(f"send step needs ranks (src, dst), got {list(ranks)}")
+        self.__dict__.update(kind=kind, op=op, ranks=ranks, inputs=inputs, output=output, payload_bytes=payload_bytes,
+                             dtype=dtype, domain=domain, link=link, args=args, note=note)
 
     def arg(self, name: str, default: Any = None) -> Any:
         for k, v in self.args:
