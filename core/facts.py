@@ -62,11 +62,16 @@ class DType(str, Enum):
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self]
+        return _ITEMSIZE[self]
 
     @property
     def is_floating(self) -> bool:
-        return self in (DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16, DType.FLOAT16)
+        return self in _FLOATING
+
+
+# Bytes per element and the floating dtypes, by value (a member looks up as its value).
+_ITEMSIZE: dict[str, int] = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
+_FLOATING = frozenset({"float32", "float64", "bfloat16", "float16"})
 
 
 class LinkClass(str, Enum):
