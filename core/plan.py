@@ -116,6 +116,10 @@ def projection_of(op: str) -> Projection:
     """``Projection(op)``, by a dict lookup for the common case of a valid op string."""
     found = _PROJECTION_OPS.get(op) if type(op) is str else None
     return found if found is not None else Projection(op)
+# The enum a step kind's op belongs to, its values, and the kinds between exactly two ranks.
+_OP_ENUM: dict[StepKind, type[Enum]] = {StepKind.COLLECTIVE: Collective, StepKind.PROJECT: Projection}
+_OPS_OF: dict[type[Enum], Mapping[str, Enum]] = {Collective: _COLLECTIVE_OPS, Projection: _PROJECTION_OPS}
+_PAIRWISE = frozenset({StepKind.SEND})
 # The type sets of ranks and argument names that need no coercion.
 _INT_ONLY = {int}
 _STR_ONLY = frozenset({str})
@@ -172,13 +176,11 @@ class Step:
             raise PlanError(f"step {op!r}: expected at least one participant rank")
         if payload_bytes < 0:
             raise PlanError(f"step {op!r}: payload_bytes must be >= 0, got {payload_bytes}")
-        if kind is StepKind.COLLECTIVE:
-            if type(op) is not str or op not in _COLLECTIVE_OPS:
-                Collective(op)
-        elif kind is StepKind.PROJECT:
-            if type(op) is not str or op not in _PROJECTION_OPS:
-                Projection(op)
-        elif kind is StepKind.SEND and len(ranks) != 2:
+        op_enum = _OP_ENUM.get(kind)
+        if op_enum is not None:
+            if type(op) is not str or op not in _OPS_OF[op_enum]:
+                op_enum(op)  # raises ValueError naming the op that is not one of the kind's
+        elif len(ranks) != 2 and kind in _PAIRWISE:
             raise PlanError(f"send step needs ranks (src, dst), got {list(ranks)}")
         self.__dict__.update(kind=kind, op=op, ranks=ranks, inputs=inputs, output=output, payload_bytes=payload_bytes,
                              dtype=dtype, domain=domain, link=link, args=args, note=note)

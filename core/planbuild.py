@@ -31,14 +31,23 @@ STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 16, Form.LSE_STATS: 12, Form.TOK
 # (Form.TOPK: 16 bytes per kept entry: its id and its log-probability as float64.)
 
 
+# The dtype each projected form travels in whatever the producer's dtype (raw data keeps its own;
+# (max, index) pairs widen to float64 or int64 by the producer's).
+_FORM_DTYPE: Mapping[Form, DType] = {
+    **{form: DType.FLOAT32 for form in Form if form not in (Form.RAW, Form.MAX_ARG)},
+    Form.SAMPLE_ARG: DType.FLOAT64, Form.TOKEN: DType.INT64, Form.SAMPLE: DType.INT64, Form.TOPK: DType.FLOAT64,
+    Form.TOKEN_LOGPROB: DType.FLOAT64,
+}
+
+
 def form_dtype(form: Form, raw: DType) -> DType:
     """The dtype a buffer of ``form`` travels in, for a producer tensor of dtype ``raw``."""
+    fixed = _FORM_DTYPE.get(form)
+    if fixed is not None:
+        return fixed
     if form is Form.MAX_ARG:
         return DType.FLOAT64 if raw.is_floating else DType.INT64
-    if form is Form.SAMPLE_ARG:
-        return DType.FLOAT64
-    return {Form.TOKEN: DType.INT64, Form.SAMPLE: DType.INT64, Form.TOPK: DType.FLOAT64,
-            Form.TOKEN_LOGPROB: DType.FLOAT64, Form.RAW: raw}.get(form, DType.FLOAT32)
+    return raw if form is Form.RAW else DType.FLOAT32
 
 
 def chunking(nbytes: int, limit: int = CHUNK_BYTES) -> dict[str, int]:
