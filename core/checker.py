@@ -86,6 +86,14 @@ _OF_FULL_ROWS = frozenset({Projection.TOPK, Projection.TOKEN_LOGPROB, Projection
 _NEEDS_2D = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
                        Projection.LOGSOFTMAX_AT, Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS,
                        Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE})
+# Projections that rearrange or combine buffers (any pieces); every other one projects one clean piece.
+_REARRANGING = frozenset({Projection.SUM, Projection.CONCAT, Projection.COPY, Projection.SLICE, Projection.CHUNK})
+# Combining projections' packed input: entries per shard and what they are.
+_PACKED_INPUT: dict[Projection, tuple[int, str]] = {Projection.COMBINE_MAX_ARG: (2, "(value, index) pairs"),
+                                                   Projection.COMBINE_LSE_STATS: (3, "statistic triples")}
+# Projections whose output has a fixed width per row.
+_FIXED_WIDTH: dict[Projection, int] = {Projection.LOCAL_MAX_ARG: 2, Projection.LOCAL_SAMPLE_MAX_ARG: 2,
+                                       Projection.LOCAL_LSE_STATS: 3, Projection.TOKEN_LOGPROB: 2}
 
 @dataclass(frozen=True)
 class Violation:
@@ -333,6 +341,8 @@ class _Checker(PieceAlgebra):
 
     def project(self, step: Step, i: int, xs: list[Buf], op: Projection) -> tuple[Buf, list[tuple[str, str]]]:
         x = xs[0]
+        if op not in _REARRANGING:
+            return self.project_piece(step, i, x, op)
         if op is Projection.SUM:
             parts = step.arg("parts")
             sop = str(step.arg("op", "sum"))
@@ -367,10 +377,12 @@ class _Checker(PieceAlgebra):
             if lo is None or hi is None:
                 raise Refusal(ViolationKind.MALFORMED_STEP, "slice needs start/stop, bounds or index")
             return self.narrow(x, dim, range(int(lo), int(hi))), []
-        if op is Projection.CHUNK:
-            return self.chunk(x, int(step.arg("dim", 0)), int(step.arg("parts", 0) or 0),
-                              int(self.per_rank(step, "index", i, -1))), []
-        # projections that need one clean piece
+        # CHUNK
+        return self.chunk(x, int(step.arg("dim", 0)), int(step.arg("parts", 0) or 0),
+                          int(self.per_rank(step, "index", i, -1))), []
+
+    def project_piece(self, step: Step, i: int, x: Buf, op: Projection) -> tuple[Buf, list[tuple[str, str]]]:
+        """A projection of values (not a rearrangement): it needs one clean piece."""
         p = x.pieces[0] if len(x.pieces) == 1 else garbage(self.rows_of(x), "pieces that do not form one region")
         if p.form is Form.GARBAGE:
             return Buf((p,), self.proj_shape(op, x, step)), []
@@ -460,24 +472,19 @@ class _Checker(PieceAlgebra):
 
     def proj_shape(self, op: Projection, x: Buf, step: Step) -> tuple[int, ...]:
         s = x.shape
-        need2 = op in _NEEDS_2D
-        if (need2 and len(s) != 2) or (op is Projection.ARGMAX and not s):
+        if (op in _NEEDS_2D and len(s) != 2) or (not s and op is Projection.ARGMAX):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} cannot apply to shape {list(s)}")
-        if op is Projection.COMBINE_MAX_ARG and s[1] % 2:
-            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs (value, index) pairs, got width {s[1]}")
-        if op is Projection.COMBINE_LSE_STATS and s[1] % 3:
-            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs statistic triples, got width {s[1]}")
-        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG):
-            return (s[0], 2)
-        if op is Projection.LOCAL_LSE_STATS:
-            return (s[0], 3)
+        packed = _PACKED_INPUT.get(op)
+        if packed is not None and s[1] % packed[0]:
+            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs {packed[1]}, got width {s[1]}")
+        width = _FIXED_WIDTH.get(op)
+        if width is not None:
+            return (s[0], width)
         if op is Projection.TOPK:
             k = int(step.arg("k", 1))
             if not 1 <= k <= s[1]:
                 raise Refusal(ViolationKind.MALFORMED_STEP, f"top-{k} of rows of {s[1]} entries")
             return (s[0], 2 * k)
-        if op is Projection.TOKEN_LOGPROB:
-            return (s[0], 2)
         return s[:-1]
 
     # -- the end of the plan: what each consumer observed ---------------------------------------
