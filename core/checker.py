@@ -182,39 +182,38 @@ class _Checker(PieceAlgebra):
         return CheckReport(tuple(self.violations))
 
     def step(self, k: int, step: Step) -> None:
-        kind = step.kind
-        if kind is StepKind.SEND:
-            self.send(k, step)
-        elif kind is StepKind.DELIVER:
-            for r in step.ranks:
-                try:
-                    buf = self.read(k, step, r, step.inputs[0])
-                except Refusal as bad:
-                    self.flag(ViolationKind(bad.kind), k, r, bad.reason)
-                    continue
-                self.observed[r] = (k, buf)
-                for p in buf.pieces:
-                    if self.partial(p):
-                        self.pending.append((k, r, p))
-        elif kind is StepKind.PROJECT:
-            proj = projection_of(step.op)
-            for i, r in enumerate(step.ranks):
-                try:
-                    xs = [self.read(k, step, r, n) for n in step.inputs]
-                    out, issues = self.project(step, i, xs, proj)
-                except Refusal as bad:
-                    self.flag(ViolationKind(bad.kind), k, r, bad.reason)
-                    continue
-                for kind, why in issues:
-                    self.flag(ViolationKind(kind), k, r, why)
-                size = _PROJECTED_ITEMSIZE.get(proj, xs[0].itemsize)
-                if out.itemsize != size:
-                    out = Buf(out.pieces, out.shape, size)
-                if proj is Projection.SUM and len(xs) * len(xs[0].pieces) > 1:
-                    self.completion_at(k, r, [p for x in xs for p in x.pieces])
-                self.write(k, r, step.output, out)
-        else:
-            self.collective(k, step)
+        getattr(self, _STEP_METHOD[step.kind])(k, step)
+
+    def deliver(self, k: int, step: Step) -> None:
+        for r in step.ranks:
+            try:
+                buf = self.read(k, step, r, step.inputs[0])
+            except Refusal as bad:
+                self.flag(ViolationKind(bad.kind), k, r, bad.reason)
+                continue
+            self.observed[r] = (k, buf)
+            for p in buf.pieces:
+                if self.partial(p):
+                    self.pending.append((k, r, p))
+
+    def project_step(self, k: int, step: Step) -> None:
+        proj = projection_of(step.op)
+        summing = proj is Projection.SUM
+        for i, r in enumerate(step.ranks):
+            try:
+                xs = [self.read(k, step, r, n) for n in step.inputs]
+                out, issues = self.project(step, i, xs, proj)
+            except Refusal as bad:
+                self.flag(ViolationKind(bad.kind), k, r, bad.reason)
+                continue
+            for kind, why in issues:
+                self.flag(ViolationKind(kind), k, r, why)
+            size = _PROJECTED_ITEMSIZE.get(proj, xs[0].itemsize)
+            if out.itemsize != size:
+                out = Buf(out.pieces, out.shape, size)
+            if summing and len(xs) * len(xs[0].pieces) > 1:
+                self.completion_at(k, r, [p for x in xs for p in x.pieces])
+            self.write(k, r, step.output, out)
 
     def completion_at(self, k: int, rank: int, pieces: list[Piece]) -> None:
         """Partial addends combined on ``rank``: only inside the completion facet's domain."""
@@ -568,6 +567,11 @@ class _Checker(PieceAlgebra):
             self.flag(ViolationKind.DISALLOWED_SUBSTITUTE, k, rank,
                       f"rank {rank} observes {what}; the contract demands bitwise equality with one device")
 
+
+
+# The checker's method for each step kind.
+_STEP_METHOD: dict[StepKind, str] = {StepKind.SEND: "send", StepKind.DELIVER: "deliver",
+                                     StepKind.PROJECT: "project_step", StepKind.COLLECTIVE: "collective"}
 
 def check(plan: Plan, contract: Contract) -> CheckReport:
     """Check ``plan`` against ``contract`` symbolically; the report lists every violation."""
