@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from enum import Enum
-from functools import cached_property
 from typing import Any, Iterable, Mapping
 
 from .errors import PlanError
@@ -191,7 +190,7 @@ class Step:
                 return v
         return default
 
-    @cached_property
+    @property
     def startups(self) -> int:
         if self.kind is StepKind.SEND:
             return max(1, int(self.arg("chunks", 1)))
