@@ -37,7 +37,7 @@ from .contract import Contract, Equivalence, Form, Observation
 from .pieces import Buf, Piece, PieceAlgebra, Refusal, garbage, rows_of_piece
 from .placement import Partial, shard_bounds
 from .facts import LinkClass
-from .plan import MASKED_PROJECTIONS, Collective, Plan, Projection, Step, StepKind
+from .plan import MASKED_PROJECTIONS, Collective, Plan, Projection, Step, StepKind, collective_of, projection_of
 from .planbuild import CHUNK_BYTES
 from .region import Intervals, intervals_from_indices, intervals_indices, intervals_size, region_text
 
@@ -69,6 +69,31 @@ _PROJECTED_ITEMSIZE: dict[Projection, int] = {
     Projection.TOPK: 8, Projection.TOKEN_LOGPROB: 8, Projection.SAMPLE: 8,
 }
 
+
+# Groups of ops the checker branches on, named once (a frozenset test, not a tuple of member lookups).
+_ROOTED = frozenset({Collective.GATHER, Collective.REDUCE, Collective.BROADCAST, Collective.SCATTER})
+_FROM_ROOT = frozenset({Collective.BROADCAST, Collective.SCATTER})  # only the root contributes
+_GATHERS = frozenset({Collective.ALL_GATHER, Collective.GATHER})
+_REDUCES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
+# The form each combining projection reads (every other projection that needs one clean piece reads raw).
+_COMBINED_FORM: dict[Projection, Form] = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG,
+                                          Projection.COMBINE_LSE_STATS: Form.LSE_STATS}
+# Per-shard statistics of a vocabulary shard.
+_PER_SHARD = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOCAL_SAMPLE_MAX_ARG})
+# Projections of full rows with the consumer's parameters.
+_OF_FULL_ROWS = frozenset({Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE})
+# Projections whose input must be two-dimensional.
+_NEEDS_2D = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
+                       Projection.LOGSOFTMAX_AT, Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS,
+                       Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE})
+# Projections that rearrange or combine buffers (any pieces); every other one projects one clean piece.
+_REARRANGING = frozenset({Projection.SUM, Projection.CONCAT, Projection.COPY, Projection.SLICE, Projection.CHUNK})
+# Combining projections' packed input: entries per shard and what they are.
+_PACKED_INPUT: dict[Projection, tuple[int, str]] = {Projection.COMBINE_MAX_ARG: (2, "(value, index) pairs"),
+                                                   Projection.COMBINE_LSE_STATS: (3, "statistic triples")}
+# Projections whose output has a fixed width per row.
+_FIXED_WIDTH: dict[Projection, int] = {Projection.LOCAL_MAX_ARG: 2, Projection.LOCAL_SAMPLE_MAX_ARG: 2,
+                                       Projection.LOCAL_LSE_STATS: 3, Projection.TOKEN_LOGPROB: 2}
 
 @dataclass(frozen=True)
 class Violation:
@@ -110,16 +135,18 @@ def _rows_text(iv: Intervals) -> str:
 class _Checker(PieceAlgebra):
     def __init__(self, contract: Contract) -> None:
         super().__init__(contract)
-        self.mem: dict[int, dict[str, Buf]] = {r: {} for r in self.mesh.ranks}
-        self.writes: dict[int, list[tuple[int, Buf]]] = {r: [] for r in self.mesh.ranks}
+        ranks = self.mesh.ranks
+        self.mem: dict[int, dict[str, Buf]] = {r: {} for r in ranks}
+        self.writes: dict[int, list[tuple[int, Buf]]] = {r: [] for r in ranks}
         self.observed: dict[int, tuple[int, Buf]] = {}
         self.pending: list[tuple[int, int, Piece]] = []
         self.senders: dict[tuple, int] = {}
         self.violations: list[Violation] = []
+        itemsize = contract.provenance.dtype.itemsize
         for h in contract.provenance.holdings:
-            shape = tuple(intervals_size(iv) for iv in h.region)
+            shape = tuple(map(intervals_size, h.region))
             piece = Piece(self.tensor, Form.RAW, h.region, (h.rank,) if h.partial else None, True)
-            self.mem[h.rank][self.tensor] = Buf((piece,), shape, contract.provenance.dtype.itemsize)
+            self.mem[h.rank][self.tensor] = Buf((piece,), shape, itemsize)
 
     # -- helpers -----------------------------------------------------------------------
     def flag(self, kind: ViolationKind, step: int | None, rank: int | None, reason: str) -> None:
@@ -155,38 +182,38 @@ class _Checker(PieceAlgebra):
         return CheckReport(tuple(self.violations))
 
     def step(self, k: int, step: Step) -> None:
-        if step.kind is StepKind.SEND:
-            self.send(k, step)
-        elif step.kind is StepKind.DELIVER:
-            for r in step.ranks:
-                try:
-                    buf = self.read(k, step, r, step.inputs[0])
-                except Refusal as bad:
-                    self.flag(ViolationKind(bad.kind), k, r, bad.reason)
-                    continue
-                self.observed[r] = (k, buf)
-                for p in buf.pieces:
-                    if self.partial(p):
-                        self.pending.append((k, r, p))
-        elif step.kind is StepKind.PROJECT:
-            proj = Projection(step.op)
-            for i, r in enumerate(step.ranks):
-                try:
-                    xs = [self.read(k, step, r, n) for n in step.inputs]
-                    out, issues = self.project(step, i, xs)
-                except Refusal as bad:
-                    self.flag(ViolationKind(bad.kind), k, r, bad.reason)
-                    continue
-                for kind, why in issues:
-                    self.flag(ViolationKind(kind), k, r, why)
-                size = _PROJECTED_ITEMSIZE.get(proj, xs[0].itemsize)
-                if out.itemsize != size:
-                    out = out._replace(itemsize=size)
-                if proj is Projection.SUM and len(xs) * len(xs[0].pieces) > 1:
-                    self.completion_at(k, r, [p for x in xs for p in x.pieces])
-                self.write(k, r, step.output, out)
-        else:
-            self.collective(k, step)
+        getattr(self, _STEP_METHOD[step.kind])(k, step)
+
+    def deliver(self, k: int, step: Step) -> None:
+        for r in step.ranks:
+            try:
+                buf = self.read(k, step, r, step.inputs[0])
+            except Refusal as bad:
+                self.flag(ViolationKind(bad.kind), k, r, bad.reason)
+                continue
+            self.observed[r] = (k, buf)
+            for p in buf.pieces:
+                if self.partial(p):
+                    self.pending.append((k, r, p))
+
+    def project_step(self, k: int, step: Step) -> None:
+        proj = projection_of(step.op)
+        summing = proj is Projection.SUM
+        for i, r in enumerate(step.ranks):
+            try:
+                xs = [self.read(k, step, r, n) for n in step.inputs]
+                out, issues = self.project(step, i, xs, proj)
+            except Refusal as bad:
+                self.flag(ViolationKind(bad.kind), k, r, bad.reason)
+                continue
+            for kind, why in issues:
+                self.flag(ViolationKind(kind), k, r, why)
+            size = _PROJECTED_ITEMSIZE.get(proj, xs[0].itemsize)
+            if out.itemsize != size:
+                out = Buf(out.pieces, out.shape, size)
+            if summing and len(xs) * len(xs[0].pieces) > 1:
+                self.completion_at(k, r, [p for x in xs for p in x.pieces])
+            self.write(k, r, step.output, out)
 
     def completion_at(self, k: int, rank: int, pieces: list[Piece]) -> None:
         """Partial addends combined on ``rank``: only inside the completion facet's domain."""
@@ -243,21 +270,22 @@ class _Checker(PieceAlgebra):
         self.write(k, dst, step.output, buf)
 
     def collective(self, k: int, step: Step) -> None:
-        domains = sorted({self.mesh.domain_of(r).name for r in step.ranks})
+        domain_of = self.mesh.domain_of
+        domains = {domain_of(r).name for r in step.ranks}
         if len(domains) > 1:
             self.flag(ViolationKind.CROSS_DOMAIN_COLLECTIVE, k, None,
-                      f"{step.op} over ranks {list(step.ranks)} spans domains {domains}; no native communicator "
+                      f"{step.op} over ranks {list(step.ranks)} spans domains {sorted(domains)}; no native communicator "
                       "covers two vendors: cross through a bridge send")
             return
-        op = Collective(step.op)
+        op = collective_of(step.op)
         ranks = step.ranks
         name = step.inputs[0]
         root = step.arg("root")
-        rooted = op in (Collective.GATHER, Collective.REDUCE, Collective.BROADCAST, Collective.SCATTER)
+        rooted = op in _ROOTED
         if rooted and root not in ranks:
             self.flag(ViolationKind.MALFORMED_STEP, k, None, f"{step.op} root {root} is not a participant")
             return
-        needs = (root,) if op in (Collective.BROADCAST, Collective.SCATTER) else ranks
+        needs = (root,) if op in _FROM_ROOT else ranks
         missing = [r for r in needs if name not in self.mem[r]]
         for r in missing:
             self.flag(ViolationKind.MISSING_INPUT, k, r, f"{step.op} reads {name!r}, which rank {r} does not hold")
@@ -278,11 +306,11 @@ class _Checker(PieceAlgebra):
                     self.write(k, r, step.output, out)
                 return
             xs = [self.mem[r][name] for r in ranks]
-            if op in (Collective.ALL_GATHER, Collective.GATHER):
+            if op in _GATHERS:
                 out = self.concat(xs, dim)
                 for r in ranks if op is Collective.ALL_GATHER else (root,):
                     self.write(k, r, step.output, out)
-            elif op in (Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER):
+            elif op in _REDUCES:
                 self.completion_at(k, root if root is not None else ranks[0], [p for x in xs for p in x.pieces])
                 out, issues = self.reduce(xs, str(step.arg("op", "sum")), native=True)
                 for kind, why in issues:
@@ -310,9 +338,10 @@ class _Checker(PieceAlgebra):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"args.{name} must list one entry per participant")
         return value[i]
 
-    def project(self, step: Step, i: int, xs: list[Buf]) -> tuple[Buf, list[tuple[str, str]]]:
-        op = Projection(step.op)
+    def project(self, step: Step, i: int, xs: list[Buf], op: Projection) -> tuple[Buf, list[tuple[str, str]]]:
         x = xs[0]
+        if op not in _REARRANGING:
+            return self.project_piece(step, i, x, op)
         if op is Projection.SUM:
             parts = step.arg("parts")
             sop = str(step.arg("op", "sum"))
@@ -347,14 +376,16 @@ class _Checker(PieceAlgebra):
             if lo is None or hi is None:
                 raise Refusal(ViolationKind.MALFORMED_STEP, "slice needs start/stop, bounds or index")
             return self.narrow(x, dim, range(int(lo), int(hi))), []
-        if op is Projection.CHUNK:
-            return self.chunk(x, int(step.arg("dim", 0)), int(step.arg("parts", 0) or 0),
-                              int(self.per_rank(step, "index", i, -1))), []
-        # projections that need one clean piece
+        # CHUNK
+        return self.chunk(x, int(step.arg("dim", 0)), int(step.arg("parts", 0) or 0),
+                          int(self.per_rank(step, "index", i, -1))), []
+
+    def project_piece(self, step: Step, i: int, x: Buf, op: Projection) -> tuple[Buf, list[tuple[str, str]]]:
+        """A projection of values (not a rearrangement): it needs one clean piece."""
         p = x.pieces[0] if len(x.pieces) == 1 else garbage(self.rows_of(x), "pieces that do not form one region")
         if p.form is Form.GARBAGE:
             return Buf((p,), self.proj_shape(op, x, step)), []
-        want = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG, Projection.COMBINE_LSE_STATS: Form.LSE_STATS}.get(op, Form.RAW)
+        want = _COMBINED_FORM.get(op, Form.RAW)
         if op is Projection.COMBINE_MAX_ARG and p.form is Form.SAMPLE_ARG:
             want = Form.SAMPLE_ARG
         shape = self.proj_shape(op, x, step)
@@ -383,7 +414,7 @@ class _Checker(PieceAlgebra):
             if len(p.region) != 2:
                 return Buf((garbage(rows, "argmax of a tensor that is not [rows, vocab]", p.tensor),), shape), []
             return Buf((Piece(p.tensor, Form.TOKEN, (rows, cols), None, p.exact),), shape), []
-        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOCAL_SAMPLE_MAX_ARG):
+        if op in _PER_SHARD:
             off = int(self.per_rank(step, "offsets", i, 0))
             if cols and (len(cols) != 1 or cols[0][0] != off):
                 return Buf((garbage(rows, f"offset {off} is not the shard's first column", p.tensor),), shape), []
@@ -404,7 +435,7 @@ class _Checker(PieceAlgebra):
             return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
         if op is Projection.COMBINE_LSE_STATS:
             return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, False),), shape), []
-        if op in (Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE):
+        if op in _OF_FULL_ROWS:
             return self.row_projection(op, step, i, p, shape), []
         # LOGSOFTMAX_AT
         if cols != ((0, self.vocab),):
@@ -440,27 +471,19 @@ class _Checker(PieceAlgebra):
 
     def proj_shape(self, op: Projection, x: Buf, step: Step) -> tuple[int, ...]:
         s = x.shape
-        need2 = op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
-                       Projection.LOGSOFTMAX_AT,
-                       Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS, Projection.TOPK,
-                       Projection.TOKEN_LOGPROB, Projection.SAMPLE)
-        if (need2 and len(s) != 2) or (op is Projection.ARGMAX and not s):
+        if (op in _NEEDS_2D and len(s) != 2) or (not s and op is Projection.ARGMAX):
             raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} cannot apply to shape {list(s)}")
-        if op is Projection.COMBINE_MAX_ARG and s[1] % 2:
-            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs (value, index) pairs, got width {s[1]}")
-        if op is Projection.COMBINE_LSE_STATS and s[1] % 3:
-            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs statistic triples, got width {s[1]}")
-        if op in (Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG):
-            return (s[0], 2)
-        if op is Projection.LOCAL_LSE_STATS:
-            return (s[0], 3)
+        packed = _PACKED_INPUT.get(op)
+        if packed is not None and s[1] % packed[0]:
+            raise Refusal(ViolationKind.MALFORMED_STEP, f"{op.value} needs {packed[1]}, got width {s[1]}")
+        width = _FIXED_WIDTH.get(op)
+        if width is not None:
+            return (s[0], width)
         if op is Projection.TOPK:
             k = int(step.arg("k", 1))
             if not 1 <= k <= s[1]:
                 raise Refusal(ViolationKind.MALFORMED_STEP, f"top-{k} of rows of {s[1]} entries")
             return (s[0], 2 * k)
-        if op is Projection.TOKEN_LOGPROB:
-            return (s[0], 2)
         return s[:-1]
 
     # -- the end of the plan: what each consumer observed ---------------------------------------
@@ -544,6 +567,11 @@ class _Checker(PieceAlgebra):
             self.flag(ViolationKind.DISALLOWED_SUBSTITUTE, k, rank,
                       f"rank {rank} observes {what}; the contract demands bitwise equality with one device")
 
+
+
+# The checker's method for each step kind.
+_STEP_METHOD: dict[StepKind, str] = {StepKind.SEND: "send", StepKind.DELIVER: "deliver",
+                                     StepKind.PROJECT: "project_step", StepKind.COLLECTIVE: "collective"}
 
 def check(plan: Plan, contract: Contract) -> CheckReport:
     """Check ``plan`` against ``contract`` symbolically; the report lists every violation."""

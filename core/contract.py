@@ -14,7 +14,7 @@ the live executor all read the same contract.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from enum import Enum
 from typing import Any
 
@@ -164,7 +164,7 @@ class Provenance:
     placement: Placement
     holdings: tuple[Holding, ...]
 
-    @property
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
         return tuple(h.rank for h in self.holdings)
 

@@ -62,11 +62,16 @@ class DType(str, Enum):
 
     @property
     def itemsize(self) -> int:
-        return {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}[self.value]
+        return _ITEMSIZE[self]
 
     @property
     def is_floating(self) -> bool:
-        return self in (DType.FLOAT32, DType.FLOAT64, DType.BFLOAT16, DType.FLOAT16)
+        return self in _FLOATING
+
+
+# Bytes per element and the floating dtypes, by value (a member looks up as its value).
+_ITEMSIZE: dict[str, int] = {"float32": 4, "float64": 8, "bfloat16": 2, "float16": 2, "int64": 8, "int32": 4}
+_FLOATING = frozenset({"float32", "float64", "bfloat16", "float16"})
 
 
 class LinkClass(str, Enum):
@@ -169,7 +174,7 @@ class Mesh:
     def _domain_of(self) -> dict[int, Domain]:
         return {r: d for d in self.domains for r in d.ranks}
 
-    @property
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
         return tuple(sorted(self._domain_of))
 

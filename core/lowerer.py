@@ -1,7 +1,7 @@
 """The lowerer: a contract becomes a deterministic, backend-neutral plan.
 
 :func:`lower` builds a few candidate plans that all keep the contract and keeps the one
-with the lowest α-β time over the link classes (:func:`meshpact.core.plan.plan_cost`:
+with the lowest α-β time over the link classes (:func:`meshpact.core.plan.plan_time_s`:
 startups and bytes weighed by the links they cross), then the fewest startups (every
 collective call and bridge message is a launch and, across vendors, a host-staged
 handshake), then the fewest payload bytes, then the earlier candidate; so the same
@@ -28,7 +28,7 @@ from typing import Callable
 from .contract import REQUEST_FORM, Contract, Form
 from .facts import DType, Request
 from .placement import Partial, Replicate, Shard, shard_bounds
-from .plan import Plan, plan_cost
+from .plan import Plan, plan_time_s
 from .planbuild import PlanBuilder, form_bytes, form_dtype, row_bytes
 from .region import full_region, intervals_indices
 
@@ -50,10 +50,18 @@ def choose(cands: list[Plan], contract: Contract, time_first: bool = True) -> Pl
     if len(cands) == 1:
         return cands[0]
     mesh = contract.edge.mesh
+    if time_first:
+        # the same order as the key below, with startups and bytes counted only among the fastest
+        times = [round(plan_time_s(plan, mesh), 12) for plan in cands]
+        fastest = min(times)
+        tied = [position for position, time_s in enumerate(times) if time_s == fastest]
+        if len(tied) > 1:
+            tied.sort(key=lambda position: (cands[position].startups, cands[position].payload_bytes, position))
+        return cands[tied[0]]
 
     def key(indexed: tuple[int, Plan]) -> tuple[float, ...]:
         position, plan = indexed
-        time_s = round(plan_cost(plan, mesh).time_s, 12)
+        time_s = round(plan_time_s(plan, mesh), 12)
         first, second = (time_s, plan.startups) if time_first else (plan.startups, time_s)
         return (first, second, plan.payload_bytes, position)
 

@@ -23,6 +23,9 @@ from .region import (
 __all__ = ["Piece", "Buf", "Refusal", "PieceAlgebra", "garbage", "rows_of_piece"]
 
 
+# Forms that pack several statistics per row into columns (sliced only along rows).
+_PACKED = frozenset({Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS})
+
 class Piece(NamedTuple):
     """A symbolic value: which region of which tensor, in what reduction state and form."""
 
@@ -96,19 +99,20 @@ class PieceAlgebra:
             if any(a.region[i] != b.region[i] for i in range(len(a.region)) if i != dim):
                 return None
             iv = concat_intervals(a.region[dim], b.region[dim])
-            return None if iv is None else a._replace(region=a.region[:dim] + (iv,) + a.region[dim + 1:], exact=exact)
+            return None if iv is None else Piece(a.tensor, a.form, a.region[:dim] + (iv,) + a.region[dim + 1:], a.contrib,
+                                                  exact, a.why)
         rows_a, cols_a = a.region
         rows_b, cols_b = b.region
-        if a.form in (Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS) and dim == 1:
+        if a.form in _PACKED and dim == 1:
             if rows_a != rows_b:
                 return None
             cols, overlap = union_intervals(cols_a, cols_b)
             if overlap and a.form is Form.LSE_STATS:
                 return garbage(rows_a, "statistics of the same columns counted twice", a.tensor)
-            return a._replace(region=(rows_a, cols), exact=exact)
+            return Piece(a.tensor, a.form, (rows_a, cols), a.contrib, exact, a.why)
         if dim == 0 and cols_a == cols_b:
             iv = concat_intervals(rows_a, rows_b)
-            return None if iv is None else a._replace(region=(iv, cols_a), exact=exact)
+            return None if iv is None else Piece(a.tensor, a.form, (iv, cols_a), a.contrib, exact, a.why)
         return None
 
     def concat(self, bufs: Sequence[Buf], dim: int) -> Buf:
@@ -153,7 +157,7 @@ class PieceAlgebra:
         p = buf.pieces[0]
         if p.form is Form.GARBAGE:
             return Buf((p,), shape, buf.itemsize)
-        if p.form in (Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS) and dim == 1:
+        if p.form in _PACKED and dim == 1:
             return Buf((garbage(rows_of_piece(p), "slice through packed statistics", p.tensor),), shape, buf.itemsize)
         if not isinstance(local, range) and list(local) != sorted(set(local)):
             return Buf((garbage(rows_of_piece(p), "rows reordered", p.tensor),), shape, buf.itemsize)
@@ -162,7 +166,8 @@ class PieceAlgebra:
         else:
             idx = intervals_indices(p.region[dim])
             iv = intervals_from_indices([idx[i] for i in local])
-        return Buf((p._replace(region=p.region[:dim] + (iv,) + p.region[dim + 1:]),), shape, buf.itemsize)
+        return Buf((Piece(p.tensor, p.form, p.region[:dim] + (iv,) + p.region[dim + 1:], p.contrib, p.exact, p.why),),
+                   shape, buf.itemsize)
 
     def chunk(self, buf: Buf, dim: int, parts: int, index: int) -> Buf:
         if dim >= len(buf.shape):
@@ -180,7 +185,7 @@ class PieceAlgebra:
 
     def reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[str, str]]]:
         out, issues = self._reduce(bufs, op, native)
-        return out._replace(itemsize=bufs[0].itemsize if bufs else 0), issues
+        return Buf(out.pieces, out.shape, bufs[0].itemsize if bufs else 0), issues
 
     def _reduce(self, bufs: Sequence[Buf], op: str, native: bool) -> tuple[Buf, list[tuple[str, str]]]:
         shapes = {b.shape for b in bufs}

@@ -33,7 +33,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 from .errors import PlanError
 from .facts import DType, LinkClass, Mesh
@@ -48,6 +48,9 @@ __all__ = [
     "PlanCost",
     "plan_cost",
     "step_time_s",
+    "plan_time_s",
+    "collective_of",
+    "projection_of",
 ]
 
 
@@ -97,7 +100,33 @@ MASKED_PROJECTIONS = frozenset({
 })
 
 
-@dataclass(frozen=True)
+# Each op enum by value, so reading or validating a step's op is one dict lookup.
+_COLLECTIVE_OPS: dict[str, Collective] = {c.value: c for c in Collective}
+_PROJECTION_OPS: dict[str, Projection] = {p.value: p for p in Projection}
+
+
+def collective_of(op: str) -> Collective:
+    """``Collective(op)``, by a dict lookup for the common case of a valid op string."""
+    found = _COLLECTIVE_OPS.get(op) if type(op) is str else None
+    return found if found is not None else Collective(op)
+
+
+def projection_of(op: str) -> Projection:
+    """``Projection(op)``, by a dict lookup for the common case of a valid op string."""
+    found = _PROJECTION_OPS.get(op) if type(op) is str else None
+    return found if found is not None else Projection(op)
+# The enum a step kind's op belongs to, its values, and the kinds between exactly two ranks.
+_OP_ENUM: dict[StepKind, type[Enum]] = {StepKind.COLLECTIVE: Collective, StepKind.PROJECT: Projection}
+_OPS_OF: dict[type[Enum], Mapping[str, Enum]] = {Collective: _COLLECTIVE_OPS, Projection: _PROJECTION_OPS}
+_PAIRWISE = frozenset({StepKind.SEND})
+# The type sets of ranks and argument names that need no coercion.
+_INT_ONLY = {int}
+_STR_ONLY = frozenset({str})
+# Argument values that freeze to themselves.
+_ATOMS = frozenset({int, str, float, bool, type(None)})
+
+
+@dataclass(frozen=True, init=False)
 class Step:
     """One step of a plan.
 
@@ -119,25 +148,41 @@ class Step:
     args: tuple[tuple[str, Any], ...] = ()
     note: str = ""
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", StepKind(self.kind))
-        object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
-        object.__setattr__(self, "inputs", tuple(self.inputs))
-        object.__setattr__(self, "dtype", DType(self.dtype))
-        if self.link is not None:
-            object.__setattr__(self, "link", LinkClass(self.link))
-        args = self.args.items() if isinstance(self.args, Mapping) else self.args
-        object.__setattr__(self, "args", tuple(sorted((str(k), _freeze(v)) for k, v in args)))
-        if not self.ranks:
-            raise PlanError(f"step {self.op!r}: expected at least one participant rank")
-        if self.payload_bytes < 0:
-            raise PlanError(f"step {self.op!r}: payload_bytes must be >= 0, got {self.payload_bytes}")
-        if self.kind is StepKind.COLLECTIVE:
-            Collective(self.op)
-        elif self.kind is StepKind.PROJECT:
-            Projection(self.op)
-        elif self.kind is StepKind.SEND and len(self.ranks) != 2:
-            raise PlanError(f"send step needs ranks (src, dst), got {list(self.ranks)}")
+    def __init__(self, kind: StepKind | str, op: str, ranks: Iterable[int], inputs: Iterable[str], output: str,
+                 payload_bytes: int, dtype: DType | str, domain: str | None = None, link: LinkClass | str | None = None,
+                 args: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), note: str = "") -> None:
+        # Loose values (JSON strings, lists, mappings, bools) are coerced to the field types; values
+        # that already have them (what every planner builds) pass as they are. The fields are stored
+        # in one update: the dataclass is frozen, so nothing else writes them.
+        if type(kind) is not StepKind:
+            kind = StepKind(kind)
+        if type(ranks) is not tuple or {*map(type, ranks)} != _INT_ONLY:
+            ranks = tuple(int(r) for r in ranks)
+        if type(inputs) is not tuple:
+            inputs = tuple(inputs)
+        if type(dtype) is not DType:
+            dtype = DType(dtype)
+        if link is not None and type(link) is not LinkClass:
+            link = LinkClass(link)
+        if type(args) is dict and _STR_ONLY.issuperset(map(type, args)) \
+                and _ATOMS.issuperset(map(type, args.values())):
+            args = tuple(sorted(args.items()))  # string keys, values that freeze to themselves
+        elif args or type(args) is not tuple:
+            items = args.items() if type(args) is dict or isinstance(args, Mapping) else args
+            args = tuple(sorted((k if type(k) is str else str(k), v if type(v) in _ATOMS else _freeze(v))
+                                for k, v in items))
+        if not ranks:
+            raise PlanError(f"step {op!r}: expected at least one participant rank")
+        if payload_bytes < 0:
+            raise PlanError(f"step {op!r}: payload_bytes must be >= 0, got {payload_bytes}")
+        op_enum = _OP_ENUM.get(kind)
+        if op_enum is not None:
+            if type(op) is not str or op not in _OPS_OF[op_enum]:
+                op_enum(op)  # raises ValueError naming the op that is not one of the kind's
+        elif len(ranks) != 2 and kind in _PAIRWISE:
+            raise PlanError(f"send step needs ranks (src, dst), got {list(ranks)}")
+        self.__dict__.update(kind=kind, op=op, ranks=ranks, inputs=inputs, output=output, payload_bytes=payload_bytes,
+                             dtype=dtype, domain=domain, link=link, args=args, note=note)
 
     def arg(self, name: str, default: Any = None) -> Any:
         for k, v in self.args:
@@ -272,7 +317,7 @@ def step_time_s(step: Step, mesh: Mesh) -> float:
     n = len(step.ranks)
     if step.kind is StepKind.SEND or n == 1:
         return link.time_s(step.startups, step.payload_bytes)
-    op = Collective(step.op)
+    op = collective_of(step.op)
     if op is Collective.ALL_REDUCE:
         # ring: reduce-scatter then all-gather, 2(n-1) rounds of size/n per rank
         per_rank = step.payload_bytes / n
@@ -288,18 +333,25 @@ def plan_cost(plan: Plan, mesh: Mesh) -> PlanCost:
     """Startups, payload bytes (total and per link class) and α-β time of ``plan``."""
     by_link: dict[str, int] = {}
     starts: dict[str, int] = {}
-    time_s = 0.0
     for s in plan.steps:
         if not s.startups:
             continue
         key = (s.link or LinkClass.FABRIC).value
         by_link[key] = by_link.get(key, 0) + s.payload_bytes
         starts[key] = starts.get(key, 0) + 1
-        time_s += step_time_s(s, mesh)
     return PlanCost(
         startups=plan.startups,
         payload_bytes=plan.payload_bytes,
         bytes_by_link=dict(sorted(by_link.items())),
         startups_by_link=dict(sorted(starts.items())),
-        time_s=time_s,
+        time_s=plan_time_s(plan, mesh),
     )
+
+
+def plan_time_s(plan: Plan, mesh: Mesh) -> float:
+    """α-β time of ``plan`` on ``mesh``: its steps' :func:`step_time_s`, summed in step order."""
+    time_s = 0.0
+    for s in plan.steps:
+        if s.startups:
+            time_s += step_time_s(s, mesh)
+    return time_s

@@ -13,7 +13,7 @@ from typing import Any, Iterable, Mapping
 
 from .contract import Contract, Form
 from .facts import DType, LinkClass
-from .plan import MASKED_PROJECTIONS, Plan, Projection, Step, StepKind
+from .plan import MASKED_PROJECTIONS, Plan, Step, StepKind, projection_of
 from .region import Region, region_numel
 
 __all__ = ["PlanBuilder", "form_bytes", "form_dtype", "row_bytes", "chunking", "STAT_BYTES", "CHUNK_BYTES"]
@@ -31,14 +31,23 @@ STAT_BYTES: Mapping[Form, int] = {Form.MAX_ARG: 16, Form.LSE_STATS: 12, Form.TOK
 # (Form.TOPK: 16 bytes per kept entry: its id and its log-probability as float64.)
 
 
+# The dtype each projected form travels in whatever the producer's dtype (raw data keeps its own;
+# (max, index) pairs widen to float64 or int64 by the producer's).
+_FORM_DTYPE: Mapping[Form, DType] = {
+    **{form: DType.FLOAT32 for form in Form if form not in (Form.RAW, Form.MAX_ARG)},
+    Form.SAMPLE_ARG: DType.FLOAT64, Form.TOKEN: DType.INT64, Form.SAMPLE: DType.INT64, Form.TOPK: DType.FLOAT64,
+    Form.TOKEN_LOGPROB: DType.FLOAT64,
+}
+
+
 def form_dtype(form: Form, raw: DType) -> DType:
     """The dtype a buffer of ``form`` travels in, for a producer tensor of dtype ``raw``."""
+    fixed = _FORM_DTYPE.get(form)
+    if fixed is not None:
+        return fixed
     if form is Form.MAX_ARG:
         return DType.FLOAT64 if raw.is_floating else DType.INT64
-    if form is Form.SAMPLE_ARG:
-        return DType.FLOAT64
-    return {Form.TOKEN: DType.INT64, Form.SAMPLE: DType.INT64, Form.TOPK: DType.FLOAT64,
-            Form.TOKEN_LOGPROB: DType.FLOAT64, Form.RAW: raw}.get(form, DType.FLOAT32)
+    return raw if form is Form.RAW else DType.FLOAT32
 
 
 def chunking(nbytes: int, limit: int = CHUNK_BYTES) -> dict[str, int]:
@@ -94,7 +103,7 @@ class PlanBuilder:
         ranks = tuple(ranks)
         inputs = (inputs,) if isinstance(inputs, str) else tuple(inputs)
         vocab = self.contract.edge.producer.vocab_size
-        if vocab is not None and Projection(op) in MASKED_PROJECTIONS:
+        if vocab is not None and projection_of(op) in MASKED_PROJECTIONS:
             args = {**dict(args or {}), "valid": vocab}  # padded vocabulary: mask the padding columns
         self.steps.append(Step(StepKind.PROJECT, op, ranks, inputs, out, 0, dtype,
                                self.mesh.domain_of(ranks[0]).name, None, dict(args or {}), note))

@@ -55,6 +55,8 @@ def intervals_from_indices(indices: Iterable[int]) -> Intervals:
 
 
 def intervals_size(iv: Intervals) -> int:
+    if len(iv) == 1:  # the common case: one interval
+        return iv[0][1] - iv[0][0]
     return sum(b - a for a, b in iv)
 
 
