@@ -79,11 +79,19 @@ class TrialResult:
             t_inject = self._inject_time(step)
             stages = dict(stage_by_gen.get(gen, {}))
             t_detect, t_resumed = recovery_span(recs)
-            stages[Stage.DETECTION.value] = max(0.0, t_detect - t_inject) if t_inject else 0.0
+            # The detection stage lasts until every survivor knew (the stage's definition); the
+            # recovery clock below starts when the first one did.
+            t_all_knew = max(r["t_detect_wall"] for r in recs)
+            stages[Stage.DETECTION.value] = max(0.0, t_all_knew - t_inject) if t_inject else 0.0
+            # A new communicator is not ready until its first collective has run on every rank: that
+            # collective is part of the communicator stage, as in the benchmark's "new group + first collective".
+            first_collective_s = max(r["t_resumed_wall"] - r["t_first_collective_wall"] for r in recs)
+            stages[Stage.COMMUNICATOR.value] = stages.get(Stage.COMMUNICATOR.value, 0.0) + first_collective_s
             out.append({"generation": gen, "step": step, "policy": recs[0]["policy"], "reason": recs[0]["reason"],
                         "stages_s": stages, "recovery_s": t_resumed - t_detect,
+                        "detection_s": max(0.0, t_detect - t_inject) if t_inject else 0.0,
                         "t_first_knew_wall": t_detect, "t_all_resumed_wall": t_resumed,
-                        "first_collective_s": max(r["t_resumed_wall"] - r["t_first_collective_wall"] for r in recs),
+                        "first_collective_s": first_collective_s,
                         "downtime_s": (t_resumed - t_inject) if t_inject else None,
                         "rebind_s": max(r["rebind_s"] for r in recs),
                         "lost_steps": max(r["lost_steps"] for r in recs)})

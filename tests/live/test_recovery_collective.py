@@ -39,5 +39,7 @@ def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery()
         for e in mine:
             assert r["t_first_knew_wall"] < e.data["t_issued_wall"] <= e.data["t_done_wall"] <= r["t_all_resumed_wall"]
         assert r["recovery_s"] >= r["first_collective_s"] > 0
-        # detection is reported on its own: injection to the first rank knowing
-        assert r["downtime_s"] == pytest.approx(r["stages_s"]["detection"] + r["recovery_s"], abs=1e-6)
+        # detection is reported on its own: injection to the first rank knowing; the detection stage
+        # lasts until every rank knew, so it is never shorter
+        assert r["downtime_s"] == pytest.approx(r["detection_s"] + r["recovery_s"], abs=1e-6)
+        assert r["stages_s"]["detection"] >= r["detection_s"]

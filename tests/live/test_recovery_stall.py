@@ -26,5 +26,5 @@ def test_with_a_long_data_path_timeout_the_heartbeat_finds_the_stall():
     stalled = {f.step: f.rank for f in result.faults}
     found = [e for e in result.events() if e.event == EventKind.DETECTED and e.data.get("heartbeat_stalled")]
     for r in result.recoveries():
-        assert r["stages_s"]["detection"] < 2.0  # before the stalled rank woke up
+        assert r["detection_s"] < 2.0  # the first rank knew before the stalled rank woke up
         assert any(stalled[r["step"]] in e.data["heartbeat_stalled"] for e in found if e.data["step"] == r["step"])
