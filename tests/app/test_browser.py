@@ -101,6 +101,9 @@ def test_page_renders_without_exception(server, page, name):
 
 def test_clicking_a_rank_on_the_chart_fails_it(user):
     user.get_by_text("click ranks", exact=True).click()
+    # the mode switch re-runs the page: click only once the chart drawn has left box selection
+    user.wait_for_function("""() => [...document.querySelectorAll('.js-plotly-plot')]
+                                   .some(p => p._fullLayout && p._fullLayout.dragmode === 'pan')""", timeout=60_000)
     settle(user)
     click_rank(user, 5)
     assert wait_metric_change(user, "healthy ranks", "32/32") == "31/32"
