@@ -36,6 +36,8 @@ def recover(
                                              "faults; never below the rank-loss bound]."),
     workload: str = typer.Option("decoder", "--workload", help="A workload file (build, batch, train_step, "
                                  "optional MESH) or a shipped one: decoder, llama_hsdp, compiled."),
+    heartbeat: bool = typer.Option(False, "--heartbeat/--no-heartbeat", help="Find stalled ranks by a heartbeat on "
+                                   "the control channel instead of waiting for the data-path timeout (opt-in)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Inject faults into FSDP2 training on real ranks and recover in memory."""
@@ -45,7 +47,7 @@ def recover(
     cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
                       checkpoint_every=checkpoint_every, data_timeout_s=data_timeout,
                       stall_s=data_timeout + 0.5, down_s=2.0 * data_timeout, baselines=baselines,
-                      timeout_s=timeout_s, workload=workload)
+                      timeout_s=timeout_s, workload=workload, heartbeat=heartbeat)
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
     result = run_trial(cfg, recording_path=path)
     summary = result.summary()

@@ -19,3 +19,25 @@ def test_more_faults_than_steps_is_a_user_error(capsys):
 def test_the_command_is_listed_under_live(capsys):
     main(["live", "--help"])
     assert "recover" in capsys.readouterr().out
+
+
+def test_heartbeat_is_off_unless_asked_for_and_reaches_the_trial(monkeypatch):
+    import meshpact.live.recovery.trial as trial
+
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_run_trial(cfg, recording_path):
+        seen.append(cfg.heartbeat)
+        raise Stop
+
+    monkeypatch.setattr(trial, "run_trial", fake_run_trial)
+    for args, expected in ((["--heartbeat"], True), ([], False)):
+        try:
+            main(["live", "recover", "--ranks", "2", "--steps", "8", "--faults", "1", "--checkpoint-every", "4", *args])
+        except Stop:
+            pass
+        assert seen[-1] is expected
+    assert seen == [True, False]
