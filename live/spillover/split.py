@@ -85,24 +85,30 @@ def _command_size(slots: int) -> int:
 
 
 # -- host 1: clients, the first layers, the choice -------------------------------------------
+def _host_part(cfg: Mapping[str, Any], layout: Any, index: int) -> tuple[Any, Any, Any, Any, Any]:
+    """Host ``index``'s share of the split decoder and the two plans every step runs:
+    (spec, part, model holding only that part, boundary plans, result plans)."""
+    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
+    from .serving import ResultPlans
+
+    spec = scaled_spec(cfg["model"])
+    part = split_parts(LAYERS, SPLIT_AT)[index]
+    model = Decoder(spec, cfg["concurrency"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1, seed=cfg["seed"] + 2)
+    model.keep_only(part)
+    return spec, part, model, _BoundaryPlans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
+
+
 def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     """Serve ``cfg["requests"]`` closed-loop requests from ``cfg["concurrency"]`` clients."""
     import torch
     import torch.distributed as dist
 
-    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
-    from .serving import ACTIVE, EMPTY, NEW, handshake, mean_of, prompt_for, ResultPlans, slot_word, targets_for, veth_counters
+    from .serving import ACTIVE, EMPTY, NEW, handshake, mean_of, prompt_for, slot_word, targets_for, veth_counters
     from ..plans.executor import Executor
 
-    spec = scaled_spec(cfg["model"])
-    part = split_parts(LAYERS, SPLIT_AT)[0]
-    n = cfg["concurrency"]
-    model = Decoder(spec, n, cfg["prompt_tokens"] + cfg["output_tokens"] + 1, seed=cfg["seed"] + 2)
-    model.keep_only(part)
-    hidden_plans = _BoundaryPlans(spec.hidden, layout.mesh)
-    result_plans = ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
+    spec, part, model, hidden_plans, result_plans = _host_part(cfg, layout, 0)
     hidden_exec, result_exec = Executor(layout), Executor(layout)
-    req = cfg["request"]
+    n, req = cfg["concurrency"], cfg["request"]
 
     alpha = handshake(0)
     model.step_part([0], part, torch.tensor([0]))  # warm up
@@ -234,19 +240,12 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
-    from .serving import EMPTY, NEW, handshake, mean_of, ResultPlans, targets_for
+    from .serving import EMPTY, NEW, handshake, mean_of, targets_for
     from ..plans.executor import Executor
 
-    spec = scaled_spec(cfg["model"])
-    part = split_parts(LAYERS, SPLIT_AT)[1]
-    n = cfg["concurrency"]
-    model = Decoder(spec, n, cfg["prompt_tokens"] + cfg["output_tokens"] + 1, seed=cfg["seed"] + 2)
-    model.keep_only(part)
-    hidden_plans = _BoundaryPlans(spec.hidden, layout.mesh)
-    result_plans = ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
+    spec, part, model, hidden_plans, result_plans = _host_part(cfg, layout, 1)
     hidden_exec, result_exec = Executor(layout), Executor(layout)
-    req = cfg["request"]
+    n, req = cfg["concurrency"], cfg["request"]
     cmd = torch.zeros(_command_size(n), dtype=torch.long)
     targets: dict[int, list[int]] = {}
     done: dict[int, int] = {}
