@@ -24,10 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-from meshpact.core import recovery_costs as _recovery
 from meshpact.core.facts import Mesh
 from meshpact.core.mesh import health
-from meshpact.core.recovery import Policy, RecoveryBreakdown
+from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
+from meshpact.core.recovery_costs import DEFAULT_RECOVERY_COSTS, POLICY_MODELS, FaultImpact, estimate_recovery
 
 __all__ = ["FailureShape", "PolicyComparison", "POLICY_EXPLAINED", "failure_shape", "compare_policies",
            "comparison_rows"]
@@ -51,7 +51,7 @@ def failure_shape(mesh: Mesh, failed: Iterable[int]) -> FailureShape:
     dead = state.failed
     lost_domains = tuple(d.name for d in mesh.domains if set(d.ranks) <= dead)
     lost_hosts = tuple(h for h in mesh.hosts if all(set(d.ranks) <= dead for d in mesh.domains if d.host == h))
-    bridges = tuple(sorted(d.bridge_rank for d in mesh.domains if d.bridge_rank in dead))  # type: ignore[misc]
+    bridges = tuple(sorted(d.bridge_rank for d in mesh.domains if d.bridge_rank is not None and d.bridge_rank in dead))
     touched: set[int] = set()
     for c in state.broken:
         touched.update(c.ranks)
@@ -100,9 +100,8 @@ def compare_policies(
     if not shape.failed:
         raise ValueError("no failed ranks: pick at least one rank to fail")
     lost = rank_loss or bool(shape.lost_hosts)
-    estimate = _recovery.estimate_recovery  # type: ignore[attr-defined]
-    fault = _recovery.FaultImpact.RANK_LOSS if lost else _recovery.FaultImpact.TRANSIENT  # type: ignore[attr-defined]
-    costs = _recovery.DEFAULT_RECOVERY_COSTS  # type: ignore[attr-defined]
+    fault = FaultImpact.RANK_LOSS if lost else FaultImpact.TRANSIENT
+    costs = DEFAULT_RECOVERY_COSTS
     world = mesh.world_size
     survivors = world - len(shape.failed)
     unavailable: dict[Policy, str] = {}
@@ -113,12 +112,12 @@ def compare_policies(
         unavailable[Policy.EXCISE] = f"every rank of {names} failed: no rank is left to carry on that domain's work"
     if survivors == 0:
         unavailable[Policy.EXCISE] = "every rank failed: nothing is left to continue on"
-    models = _recovery.POLICY_MODELS
+    models = POLICY_MODELS
     replay = {p: steps_since_checkpoint if m.from_checkpoint(fault) else 0 if m.excises else 1 for p, m in models.items()}
     ranks = {p: world for p in Policy}
     ranks[Policy.IN_MEMORY] = ranks[Policy.PEER_RESTORE] = max(shape.rebuild_ranks, 1)
     ranks[Policy.EXCISE] = max(survivors, 1)
-    out = tuple(estimate(p, ranks[p], costs, impact=fault, replay_steps=replay[p], step_s=step_s)
+    out = tuple(estimate_recovery(p, ranks[p], costs, impact=fault, replay_steps=replay[p], step_s=step_s)
                 for p in Policy if p not in unavailable)
     retained = 0 if Policy.IN_MEMORY in unavailable else (survivors if lost else world)
     per_rank = float(costs.state_bytes_per_rank)
@@ -130,7 +129,7 @@ def compare_policies(
 
 def comparison_rows(cmp: PolicyComparison) -> list[dict[str, object]]:
     """One row per policy (stage seconds, total, or why it cannot apply): the CSV download."""
-    stages = [s for s in _recovery.Stage.ordered() if any(s in b.durations_s for b in cmp.breakdowns)]
+    stages = [s for s in Stage.ordered() if any(s in b.durations_s for b in cmp.breakdowns)]
     rows: list[dict[str, object]] = []
     for p in Policy:
         b = next((x for x in cmp.breakdowns if x.policy is p), None)

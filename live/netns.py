@@ -311,7 +311,7 @@ class TwoHosts:
         """Kernel statistics of ``host``'s veth end (``ip -s -j link``)."""
         out = _run(["ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev", self.iface[host]],
                    "read interface statistics")
-        stats: dict[str, Any] = json.loads(out)[0]["stats64"]
+        stats = json.loads(out)[0]["stats64"]
         return IfaceCounters(int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]),
                              int(stats["rx"]["packets"]), int(stats["tx"]["packets"]))
 
@@ -332,12 +332,3 @@ class TwoHosts:
     def qdisc(self, host: int) -> str:
         """``tc qdisc show`` of ``host``'s veth end, for reports."""
         return _run(["tc", "-n", self.ns[host], "qdisc", "show", "dev", self.iface[host]], "show the qdisc").strip()
-
-    def describe(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"namespaces": list(self.ns), "interfaces": list(self.iface),
-                               "addresses": list(self.addr),
-                               "gbit_per_s": self.link.gbit_per_s if self.link else None,
-                               "delay_ms": self.link.delay_ms if self.link else 0.0}
-        if self.control:
-            out.update(control_interfaces=list(self.ctrl_iface), control_addresses=list(self.ctrl_addr))
-        return out

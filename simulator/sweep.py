@@ -16,6 +16,7 @@ import itertools
 import os
 import re
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from enum import Enum
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -26,8 +27,17 @@ from meshpact.core.errors import MeshpactError, ScenarioError
 from meshpact.core.facts import LinkClass
 from meshpact.core.scenario import Scenario, parse_scenario, with_overrides
 
-__all__ = ["ALIASES", "MAX_POINTS", "MAX_PROCESSES", "parse_param", "sweep_points", "run_sweep", "check_out_path",
-           "check_scheduler", "save_frame"]
+__all__ = ["SweepKind", "ALIASES", "MAX_POINTS", "MAX_PROCESSES", "parse_param", "sweep_points", "run_sweep",
+           "check_out_path", "check_scheduler", "save_frame"]
+
+
+class SweepKind(str, Enum):
+    """What each point of a sweep simulates."""
+
+    AUTO = "auto"  # serving when a parameter lies in the serving section, else training
+    TRAINING = "training"
+    SERVING = "serving"
+
 
 MAX_POINTS = 100_000  # points in one sweep (the product of every parameter's values)
 MAX_PROCESSES = 1024
@@ -174,7 +184,7 @@ def run_sweep(
     scenario: Scenario,
     params: Mapping[str, Sequence[Any]],
     *,
-    kind: str = "auto",
+    kind: SweepKind | str = SweepKind.AUTO,
     processes: int | None = None,
     scheduler: str | None = None,
     progress: Callable[[int, int], None] | None = None,
@@ -192,10 +202,13 @@ def run_sweep(
     if not params:
         raise MeshpactError("a sweep needs at least one --param NAME=V1,V2,...")
     params = {ALIASES.get(k, k): list(v) for k, v in params.items()}
-    if kind == "auto":
-        kind = "serving" if any(k.startswith("serving.") for k in params) else "training"
-    if kind not in ("training", "serving"):
-        raise MeshpactError(f"sweep kind {kind!r}: expected training, serving or auto")
+    try:
+        chosen = SweepKind(kind)
+    except ValueError:
+        raise MeshpactError(f"sweep kind {kind!r}: expected one of {', '.join(k.value for k in SweepKind)}") from None
+    if chosen is SweepKind.AUTO:
+        chosen = SweepKind.SERVING if any(k.startswith("serving.") for k in params) else SweepKind.TRAINING
+    kind = chosen.value  # the points' workers take the plain name
     if processes is not None and not 1 <= processes <= MAX_PROCESSES:
         raise MeshpactError(f"--processes {processes}: expected 1..{MAX_PROCESSES} worker processes")
     if scheduler is not None:

@@ -39,6 +39,7 @@ from meshpact.core.lowerer import lower
 from meshpact.core.placement import Shard, shard_bounds
 from meshpact.core.plan import Plan, StepKind, plan_cost
 from meshpact.core.recording import RecordingWriter
+from meshpact.core.jsonform import JsonObject
 
 from .domains import RankEnv, init_domains, two_domain_mesh
 from .executor import Executor, PlanRefused
@@ -56,7 +57,7 @@ class Job:
     plan_json: str | None = None  # None: the lowerer's plan
     label: str = ""
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"request": self.request.value, "plan": self.plan_json, "label": self.label or self.request.value}
 
     @classmethod
@@ -166,7 +167,7 @@ def worker(args: dict) -> dict:
     return value
 
 
-def job_summary(report: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any]:
+def job_summary(report: JsonObject, job: JsonObject) -> JsonObject:
     """One job of a bridge run in the CLI's ``--json`` form."""
     measured = job.get("measured") or {}
     return {
@@ -193,7 +194,7 @@ def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[
         refused = sorted({tuple(j["refused"]) for j in per_rank.values() if j["refused"] is not None})
         records = [CallRecord.from_dict(r) for j in per_rank.values() for r in j["records"]]
         cost = plan_cost(plan, mesh)
-        entry: dict[str, Any] = {"label": job.label, "request": job.request.value, "edge": edge.name,
+        entry: JsonObject = {"label": job.label, "request": job.request.value, "edge": edge.name,
                                  "planned": {"startups": cost.startups, "payload_bytes": cost.payload_bytes,
                                              "bytes_by_link": dict(cost.bytes_by_link),
                                              "startups_by_link": dict(cost.startups_by_link)},

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.jsonform import JsonObject
 
 __all__ = ["CallRecord", "Meter", "Measured", "measure"]
 
@@ -31,7 +32,7 @@ class CallRecord:
     t: float = 0.0  # when the call started, seconds since the meter's start
     seconds: float = 0.0  # how long this rank spent in the call
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"rank": self.rank, "group": self.group, "seq": self.seq, "op": self.op, "link": self.link,
                 "contributed": self.contributed, "t": round(self.t, 9), "seconds": round(self.seconds, 9)}
 
@@ -72,7 +73,7 @@ class Measured:
     bytes_by_link: Mapping[str, int]
     startups_by_link: Mapping[str, int]
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"startups": self.startups, "payload_bytes": self.payload_bytes,
                 "bytes_by_link": dict(self.bytes_by_link), "startups_by_link": dict(self.startups_by_link)}
 

@@ -24,6 +24,7 @@ import torch
 from meshpact.core.contract import Contract
 from meshpact.core.contract import Equivalence as ContractEquivalence
 from meshpact.core.facts import Edge
+from meshpact.core.jsonform import JsonObject
 
 from .ops import chunk, reference_logprob
 from .workloads import LiveRequest, get_preset, logprob_ids, reference_producer
@@ -101,7 +102,7 @@ class Verdict:
     max_abs_error: float = 0.0
     leaks: tuple[str, ...] = ()
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"ok": self.ok, "equivalence": self.equivalence, "per_rank": {str(k): v for k, v in self.per_rank.items()},
                 "max_abs_error": self.max_abs_error, "owner_scope_leaks": list(self.leaks)}
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from meshpact.core.jsonform import JsonObject
+
 from ..store import open_store
 
 __all__ = ["ControlChannel", "ControlTimeout", "control_address"]
@@ -94,7 +96,7 @@ class ControlChannel:
         raw = self._store.compare_set(self._ns + key, "", json.dumps(value))
         return json.loads(raw)
 
-    def wait(self, keys: list[str], timeout_s: float | None = None) -> dict[str, Any]:
+    def wait(self, keys: list[str], timeout_s: float | None = None) -> JsonObject:
         """Wait until every key exists (bounded); raise :class:`ControlTimeout` naming the missing ones."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         full = [self._ns + k for k in keys]
@@ -107,9 +109,9 @@ class ControlChannel:
         values = self._store.multi_get(full)
         return {k: json.loads(v) for k, v in zip(keys, values)}
 
-    def present(self, keys: list[str]) -> dict[str, Any]:
+    def present(self, keys: list[str]) -> JsonObject:
         """The values of those ``keys`` that exist now (no waiting)."""
-        out = {}
+        out: JsonObject = {}
         for k in keys:
             if self._store.check([self._ns + k]):
                 out[k] = json.loads(self._store.get(self._ns + k))

@@ -33,6 +33,7 @@ from enum import Enum
 from typing import Any, Iterator
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.jsonform import JsonObject
 
 from .. import netns
 
@@ -58,11 +59,11 @@ class Fault:
     rank: int
     nth_op: int = 1  # collective: which c10d operation of the step raises
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {**asdict(self), "kind": self.kind.value}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Fault":
+    def from_dict(cls, d: JsonObject) -> "Fault":
         return cls(int(d["index"]), FaultKind(d["kind"]), int(d["step"]), int(d["rank"]), int(d.get("nth_op", 1)))
 
 

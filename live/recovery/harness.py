@@ -10,7 +10,7 @@ it. The shipped workload ``scenarios/workloads/decoder.py`` runs this model in a
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -30,9 +30,6 @@ class ModelConfig:
     batch: int = 4  # sequences per rank per step
     lr: float = 1e-3
     seed: int = 1234
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class Block(nn.Module):

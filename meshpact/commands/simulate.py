@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Any, Optional
 
@@ -10,26 +9,11 @@ import typer
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Request
+from meshpact.core.scenario import CheckpointMode
+from meshpact.simulator.sweep import SweepKind
 from meshpact.commands._common import console, emit_json, err_console, table
 
 __all__ = ["register"]
-
-
-class _Mode(str, Enum):
-    SYNC = "sync"
-    ASYNC = "async"
-
-
-class _Model(str, Enum):
-    DENSE = "dense"
-    MOE = "moe"
-    MINIMAX = "minimax"
-
-
-class _Kind(str, Enum):
-    AUTO = "auto"
-    TRAINING = "training"
-    SERVING = "serving"
 
 
 def _scenario(value: str) -> Any:
@@ -63,7 +47,7 @@ def training(
     rank_mtbf_hours: Optional[float] = typer.Option(None, "--rank-mtbf-hours", help="Per-rank MTBF of transient faults."),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", help="Steps between checkpoints."),
     checkpoint_seconds: Optional[float] = typer.Option(None, "--checkpoint-seconds", help="Seconds to write one checkpoint."),
-    checkpoint_mode: Optional[_Mode] = typer.Option(None, "--checkpoint-mode", help="sync or async."),
+    checkpoint_mode: Optional[CheckpointMode] = typer.Option(None, "--checkpoint-mode", help="sync or async."),
     policy: str = typer.Option("all", "--policy", help="A policy, a comma list, or all."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Seed of the fault trace."),
     work_steps: Optional[int] = typer.Option(None, "--work-steps", help="Fixed work: run until N steps are committed."),
@@ -159,7 +143,8 @@ def _print_replay(replay: Any) -> None:
 
 def serving(
     scenario: str = typer.Option("serving_spillover", "--scenario", help="Scenario file or built-in name."),
-    model: Optional[_Model] = typer.Option(None, "--model", help="Preset: dense, moe or minimax."),
+    model: Optional[str] = typer.Option(None, "--model", help="A preset of the scenario's serving section "
+                                         "(the shipped scenario's: dense, moe, minimax)."),
     concurrency: Optional[int] = typer.Option(None, "--concurrency", min=1, help="Requests in flight."),
     request: Optional[Request] = typer.Option(None, "--request", help="What the consumer observes (serving takes full, logprob, token or owner_token)."),
     link_gbps: Optional[float] = typer.Option(None, "--link-gbps", help="Link bandwidth in Gbit/s."),
@@ -175,7 +160,7 @@ def serving(
 
     r = simulate_deployment(
         _scenario(scenario), deployment, gamma=speculative, acceptance=acceptance,
-        model=model.value if model else None, concurrency=concurrency,
+        model=model, concurrency=concurrency,
         request=request.value if request else None, requests=requests, link_gbps=link_gbps,
     )
     if as_json:
@@ -196,7 +181,7 @@ def sweep(
     scenario: str = typer.Option(..., "--scenario", help="Scenario file or built-in name."),
     param: list[str] = typer.Option(..., "--param", help="NAME=V1,V2,... (repeat for a grid)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Save the results (.csv or .parquet)."),
-    kind: _Kind = typer.Option(_Kind.AUTO, "--kind", help="training, serving, or auto from the parameters."),
+    kind: SweepKind = typer.Option(SweepKind.AUTO, "--kind", help="training, serving, or auto from the parameters."),
     processes: Optional[int] = typer.Option(None, "--processes", help="Worker processes (default: CPUs)."),
     scheduler: Optional[str] = typer.Option(
         None, "--scheduler", help="Run on Dask: tcp://HOST:PORT of a scheduler, or local (a LocalCluster on 127.0.0.1)."),
