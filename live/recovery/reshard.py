@@ -432,7 +432,10 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
     the forward of that step and the survivors recover from the fault; ``"reference"``: it
     leaves before the step; either way its copy is the one it published at its last commit
     (a simulated peer copy, kept in the launcher's store). Saves each survivor's final state
-    to ``out_dir/final-rank<original>.pt`` and returns its records and step digests."""
+    to ``out_dir/final-rank<original>.pt`` (the last committed state where an excision was
+    refused below ``min_ranks``; a rank leaving as the reference's lost rank saves its state to
+    ``left-rank<original>.pt``), appends each committed step's digest and world size to
+    ``digests-rank<original>.txt`` and returns its records."""
     import random
     import sys
 
@@ -460,11 +463,13 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
     digests: dict[int, str] = {}
     key = f"meshpact/{spec.run_id}/peer-copy/rank{me}"
     if me in victims:
-        _publish(session.store, key, local_state(model, optimizer))
+        _publish(session.store, key, job_state(model, optimizer))
+    refused: dict[str, Any] = {}
     for step in range(int(args["steps"])):
         due = [p for p in plans if p.step == step]
         if due and me == due[0].rank:
-            if mode == "reference":
+            if mode == "reference":  # hands over its copy (already published) and leaves; keeps its state to compare
+                torch.save(job_state(model, optimizer), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
                 return {"rank": me, "left_at": step}
             model.register_forward_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
         share = share_batch(workload.batch, step, membership, me)
@@ -491,12 +496,13 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
                 if _holder(membership, lost) == me else {}
             generation += 1
             try:
-                out = excise(local_state(model, optimizer), held, membership, [lost], step=step, spec=spec,
+                out = excise(job_state(model, optimizer), held, membership, [lost], step=step, spec=spec,
                              store=session.store, generation=generation, old_group=group,
                              build=lambda mesh: built(workload, mesh), min_ranks=int(args.get("min_ranks", 1)),
                              checkpoint_dir=args.get("checkpoint_dir"))
             except ExcisionRefused as exc:
-                return {"rank": me, "refused": str(exc), "checkpoint": exc.checkpoint, "step": step}
+                refused = {"refused": str(exc), "checkpoint": exc.checkpoint, "step": step}
+                break
             weight.remove()
             model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
             weight = GradientWeight(model)
@@ -505,9 +511,11 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
             weight.weight = share.weight
             workload.train_step(model, optimizer, share.batch)
         if me in victims:
-            _publish(session.store, key, local_state(model, optimizer))
+            _publish(session.store, key, job_state(model, optimizer))
         digests[step + 1] = digest(local_state(model, optimizer))
+        with open(os.path.join(args["out_dir"], f"digests-rank{me}.txt"), "a", encoding="utf-8") as fh:
+            fh.write(f"{step + 1} {membership.world} {digests[step + 1]}\n")  # kept if this rank is killed later
     state = job_state(model, optimizer)
     torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args["out_dir"], f"final-rank{me}.pt"))
     return {"rank": me, "group_rank": spec.rank, "world": membership.world, "alive": list(membership.alive),
-            "records": records, "digests": digests, "state_bytes": state_bytes(state)}
+            "records": records, "digests": digests, "state_bytes": state_bytes(state), **refused}
