@@ -275,17 +275,28 @@ def _survivor_group(old_group: dist.ProcessGroup | None, spec: comm.GroupSpec, s
     return pg, new_spec, action
 
 
+Layout = list[tuple[str, str, tuple[int, ...]]]  # (key, dtype name, shape) of each tensor of a packed state
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _nbytes(layout: Layout) -> int:
+    return sum(torch.Size(shape).numel() * _dtype(dtype).itemsize for _, dtype, shape in layout)
+
+
 def _pack(states: Sequence[Mapping[str, torch.Tensor]], keys: Sequence[str]) -> torch.Tensor:
+    """The bytes of ``keys`` of each state, in order, as one flat uint8 tensor (every bit kept)."""
     parts = [s[k].detach().reshape(-1).contiguous().view(torch.uint8) for s in states for k in keys]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
 
 
-def _unpack(buf: torch.Tensor, layout: Sequence[tuple[str, str, tuple[int, ...]]]) -> dict[str, torch.Tensor]:
+def _unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     out, offset = {}, 0
     for key, dtype, shape in layout:
-        dt = getattr(torch, dtype.removeprefix("torch."))
-        n = torch.Size(shape).numel() * torch.empty(0, dtype=dt).element_size()
-        out[key] = buf[offset:offset + n].clone().view(dt).reshape(shape)
+        n = _nbytes([(key, dtype, shape)])
+        out[key] = buf[offset:offset + n].clone().view(_dtype(dtype)).reshape(shape)
         offset += n
     return out
 
@@ -293,28 +304,27 @@ def _unpack(buf: torch.Tensor, layout: Sequence[tuple[str, str, tuple[int, ...]]
 def _gather(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]],
             providers: Mapping[int, int], before: Membership, group: dist.ProcessGroup,
             me: int) -> tuple[dict[str, torch.Tensor], int]:
-    """Every tensor whole on every survivor, and the payload bytes the gather carried."""
+    """Every tensor whole on every survivor, and the payload bytes the gather carried. Each
+    survivor sends its own shards and the lost ranks' it provides, as bytes (so no dtype is
+    special and no bit changes), after a small exchange of their layouts."""
     keys = sharded_keys(own)
     mine = {before.alive[me]: own, **provided}
     layout = [(r, [(k, str(mine[r][k].dtype), tuple(mine[r][k].shape)) for k in keys]) for r in sorted(mine)]
     layouts: list[Any] = [None] * group.size()
     dist.all_gather_object(layouts, layout, group=group)
-    buf = _pack([mine[r] for r in sorted(mine)], keys)
-    sizes = [sum(torch.Size(s).numel() * torch.empty(0, dtype=getattr(torch, d.removeprefix("torch."))).element_size()
-                 for _, lay in lays for _, d, s in lay) for lays in layouts]
-    width = max(sizes)
-    padded = torch.zeros(width, dtype=torch.uint8)
-    padded[:buf.numel()] = buf
-    bufs = [torch.empty(width, dtype=torch.uint8) for _ in range(group.size())]
+    sizes = [sum(_nbytes(lay) for _, lay in per_src) for per_src in layouts]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)  # gloo's all-gather takes equal sizes
+    packed = _pack([mine[r] for r in sorted(mine)], keys)
+    padded[:packed.numel()] = packed
+    bufs = [torch.empty_like(padded) for _ in range(group.size())]
     dist.all_gather(bufs, padded, group=group)
     states: dict[int, dict[str, torch.Tensor]] = {}
-    for src, (lays, b) in enumerate(zip(layouts, bufs)):
+    for src, (per_src, buf) in enumerate(zip(layouts, bufs)):
         offset = 0
-        for r, lay in lays:
-            n = sum(torch.Size(s).numel() * torch.empty(0, dtype=getattr(torch, d.removeprefix("torch."))).element_size()
-                    for _, d, s in lay)
+        for r, lay in per_src:
+            n = _nbytes(lay)
             if providers.get(r, src) == src:
-                states[r] = _unpack(b[offset:offset + n], lay)
+                states[r] = _unpack(buf[offset:offset + n], lay)
             offset += n
     return assemble_full([states[r] for r in before.alive]), sum(sizes)
 
@@ -460,6 +470,7 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
     model, optimizer = built(workload, session.mesh)
     weight = GradientWeight(model)
     records: list[dict[str, Any]] = []
+    downtime: list[float] = []
     digests: dict[int, str] = {}
     key = f"meshpact/{spec.run_id}/peer-copy/rank{me}"
     if me in victims:
@@ -475,14 +486,14 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
         share = share_batch(workload.batch, step, membership, me)
         weight.weight = share.weight
         committed, rng = commit_check(step, local_state(model, optimizer)), capture_rng()
-        faulted = False
+        faulted, t_fault = False, time.perf_counter()
         if not due or mode == "fault":
             try:
                 workload.train_step(model, optimizer, share.batch)
             except Exception as exc:  # noqa: BLE001
                 if not (due and is_comm_fault(exc)):
                     raise
-                faulted = True
+                faulted, t_fault = True, time.perf_counter()
                 comm.sever(comm.data_sockets(session.protected_sockets, session.store_ports))
                 reset_step_state(model)
                 restore_rng(rng)
@@ -507,6 +518,7 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
             model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
             weight = GradientWeight(model)
             records.append(out.record.to_dict())
+            downtime.append(time.perf_counter() - t_fault)  # from the fault (or the hand-over) to the state rebuilt
             share = share_batch(workload.batch, step, membership, me)
             weight.weight = share.weight
             workload.train_step(model, optimizer, share.batch)
@@ -518,4 +530,4 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
     state = job_state(model, optimizer)
     torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args["out_dir"], f"final-rank{me}.pt"))
     return {"rank": me, "group_rank": spec.rank, "world": membership.world, "alive": list(membership.alive),
-            "records": records, "digests": digests, "state_bytes": state_bytes(state), **refused}
+            "records": records, "downtime_s": downtime, "digests": digests, "state_bytes": state_bytes(state), **refused}
