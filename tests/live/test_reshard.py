@@ -175,6 +175,131 @@ def test_a_record_survives_a_trip_through_json():
     assert max_abs_diff({"a": torch.ones(2)}, {"a": torch.tensor([1.0, 1.5]), "b": torch.ones(1)}) == 0.5
 
 
+# -- one process: the survivor of a world of two ----------------------------------------------------------
+def _two_rank_states(model: torch.nn.Module) -> list[dict[str, torch.Tensor]]:
+    """What each rank of a 2-rank FSDP2 world holds of ``model`` after some AdamW steps (the
+    cut is shard_of's, which the tests above pin to fully_shard's)."""
+    gen = torch.Generator().manual_seed(9)
+    full: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        full[f"param/{name}"] = p.detach().clone()
+        full[f"optim/{name}/exp_avg"] = torch.randn(p.shape, generator=gen)
+        full[f"optim/{name}/exp_avg_sq"] = torch.rand(p.shape, generator=gen)
+        full[f"optim/{name}/step"] = torch.tensor(3.0)
+    return [{k: shard_of(v, 2, r) if v.dim() else v.clone() for k, v in full.items()} for r in range(2)]
+
+
+def _one_rank_build(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(11)  # build reseeds, as the shipped workloads do: excise must keep the generators
+    model = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 1))
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+@pytest.fixture
+def lone_survivor():
+    """The spec and store of rank 0 of a world of two whose rank 1 is gone; c10d's default
+    group and the groups excise builds are undone afterwards."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from meshpact.live.recovery.communicator import GroupSpec
+
+    before = (c10d._world.default_pg, set(c10d._world.pg_map))
+    yield GroupSpec("gloo", "cpu", 0, 2, timeout_s=10.0), dist.HashStore()
+    c10d._world.default_pg = before[0]
+    for pg in set(c10d._world.pg_map) - before[1]:
+        if pg in c10d._world.pg_map:
+            dist.destroy_process_group(pg)
+
+
+def test_the_lone_survivor_rebuilds_the_whole_model_and_adam_state_from_its_shard_and_the_copy(lone_survivor):
+    from meshpact.live.recovery.reshard import excise
+    from meshpact.live.recovery.state import local_state
+
+    spec, store = lone_survivor
+    torch.manual_seed(2)
+    source = torch.nn.Sequential(torch.nn.Linear(4, 5), torch.nn.Linear(5, 1))
+    own, copy = _two_rank_states(source)
+    own["rng/torch_cpu"] = torch.zeros(3, dtype=torch.uint8)  # kept out of the exchange
+    torch.manual_seed(77)
+    draw_before = torch.get_rng_state()
+    out = excise(own, {1: copy}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1,
+                 build=_one_rank_build)
+    assert torch.equal(torch.get_rng_state(), draw_before)
+    assert (out.membership.alive, out.spec.rank, out.spec.world_size, out.group.size()) == ((0,), 0, 1, 1)
+    assert out.record.action is CommunicatorAction.REBUILD and out.record.new_world == 1
+    whole = assemble_full([own, copy])
+    got = local_state(out.model, out.optimizer)
+    assert got.keys() == whole.keys()
+    for k in whole:
+        assert torch.equal(got[k], whole[k]), k
+    nbytes = [t.numel() * t.element_size() for t in whole.values()]
+    steps = [n for n, t in zip(nbytes, whole.values()) if not t.dim()]
+    assert out.record.bytes_moved == sum(nbytes) + sum(steps)  # every shard once, each rank's copy of the steps
+
+
+def test_excision_without_a_copy_of_the_lost_rank_is_refused_by_name(lone_survivor):
+    from meshpact.live.recovery.reshard import excise
+
+    spec, store = lone_survivor
+    own, _ = _two_rank_states(torch.nn.Sequential(torch.nn.Linear(4, 5)))
+    with pytest.raises(ExcisionError, match=r"no survivor holds a copy of the state of rank\(s\) \[1\]"):
+        excise(own, {}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1,
+               build=_one_rank_build)
+
+
+def test_below_min_ranks_the_survivor_and_the_copy_become_one_complete_checkpoint(lone_survivor, tmp_path):
+    from meshpact.live.recovery.checkpoint import Checkpointer
+    from meshpact.live.recovery.reshard import ExcisionRefused, excise
+
+    spec, store = lone_survivor
+    own, copy = _two_rank_states(torch.nn.Sequential(torch.nn.Linear(4, 5)))
+    copy["rng/torch_cpu"] = torch.arange(4, dtype=torch.uint8)  # a peer copy carries the generators too
+    with pytest.raises(ExcisionRefused, match=r"^excising rank\(s\) \[1\] would leave 1 rank\(s\), below "
+                                              r"--min-ranks 2: stopped, the state of step 3 is flushed to ") as info:
+        excise(own, {1: copy}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1,
+               build=_one_rank_build, min_ranks=2, checkpoint_dir=str(tmp_path))
+    assert "\n" not in str(info.value)
+    ckpt = Checkpointer(tmp_path, 0, 2, 1)
+    assert ckpt.latest(10) == 3 and Path(info.value.checkpoint) == ckpt.path(3).parent
+    for rank, state in ((0, own), (1, copy)):
+        saved = torch.load(ckpt.path(3, rank), weights_only=True)
+        assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
+    with pytest.raises(ExcisionError, match="no checkpoint directory"):
+        excise(own, {1: copy}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=2,
+               build=_one_rank_build, min_ranks=2)
+
+
+def test_a_rank_cannot_take_part_in_its_own_excision(lone_survivor):
+    from meshpact.live.recovery.reshard import excise
+
+    spec, store = lone_survivor
+    with pytest.raises(ExcisionError, match="rank 0 is being excised"):
+        excise({}, {}, Membership.full(2), [0], step=0, spec=spec, store=store, generation=1, build=_one_rank_build)
+
+
+def test_shrink_is_chosen_where_the_backend_can_shrink_and_is_told_group_ranks(monkeypatch):
+    """A backend that shrinks (NCCL >= 2.27; none here) gets ``shrink_group`` with the lost
+    ranks' group ranks, which after an earlier excision are not their original ranks."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from meshpact.live.recovery import communicator as comm
+    from meshpact.live.recovery import reshard
+
+    calls = []
+    shrunk = object()
+    monkeypatch.setattr(comm, "can_shrink", lambda pg, device: True)
+    monkeypatch.setattr(dist, "shrink_group", lambda ranks, group=None: calls.append((ranks, group)) or shrunk,
+                        raising=False)
+    monkeypatch.setattr(c10d._world, "default_pg", c10d._world.default_pg)
+    old = object()
+    before = Membership(4, (0, 1, 3))
+    spec = comm.GroupSpec("nccl", "cuda:0", 1, 3, timeout_s=1.0)  # original rank 1, group rank 1
+    pg, new_spec, action = reshard._survivor_group(old, spec, None, 2, before, before.without([3]))
+    assert (pg, action, calls) == (shrunk, CommunicatorAction.SHRINK, [([2], old)])
+    assert (new_spec.rank, new_spec.world_size) == (1, 2)
 # -- live: four ranks, real faults, the excising reference, the never-failed run --------------------------
 STEPS = 6  # the excising runs refuse the third excision at step STEPS: their state is that of STEPS steps
 EXCISIONS = [{"step": 2, "rank": 2}, {"step": 4, "rank": 0}, {"step": STEPS, "rank": 1}]
