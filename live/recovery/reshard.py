@@ -372,7 +372,8 @@ def excise(own: Mapping[str, torch.Tensor], held: Mapping[int, Mapping[str, torc
     ``spec.rank`` this rank's group rank in it, ``lost`` original ranks, ``generation`` the
     new group's generation (fresh store namespace). Returns the smaller world's model and
     optimizer; raises :class:`ExcisionRefused` below ``min_ranks`` (after the flush) and
-    :class:`ExcisionError` when a lost rank's state is held by no survivor."""
+    :class:`ExcisionError` when a lost rank's state is held by no survivor or the states are
+    not of one committed step (the optimizer's replicated ``step`` disagrees)."""
     after = before.without(lost)
     me = spec.rank
     if before.alive[me] in lost:
@@ -426,14 +427,23 @@ def _holder(membership: Membership, lost: int) -> int:
     return membership.alive[(j + 1) % membership.world]
 
 
-def _publish(store: Any, key: str, state: Mapping[str, torch.Tensor]) -> None:
+def _copy_key(run_id: str, rank: int, step: int) -> str:
+    return f"meshpact/{run_id}/peer-copy/rank{rank}/step{step}"
+
+
+def _publish(store: Any, run_id: str, rank: int, step: int, state: Mapping[str, torch.Tensor]) -> None:
+    """Keep ``rank``'s state of committed ``step`` in the launcher's store (the simulated peer
+    copy); the previous step's copy is dropped."""
     buf = io.BytesIO()
     torch.save({k: v.detach().clone() for k, v in state.items()}, buf)
-    store.set(key, buf.getvalue())
+    store.set(_copy_key(run_id, rank, step), buf.getvalue())
+    if step > 0:
+        store.delete_key(_copy_key(run_id, rank, step - 1))
 
 
-def _fetch(store: Any, key: str) -> dict[str, torch.Tensor]:
-    return torch.load(io.BytesIO(store.get(key)), weights_only=True)
+def _fetch(store: Any, run_id: str, rank: int, step: int) -> dict[str, torch.Tensor]:
+    """``rank``'s copy of committed ``step``, waiting for it (the rank may still be publishing)."""
+    return torch.load(io.BytesIO(store.get(_copy_key(run_id, rank, step))), weights_only=True)
 
 
 def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
@@ -472,9 +482,8 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
     records: list[dict[str, Any]] = []
     downtime: list[float] = []
     digests: dict[int, str] = {}
-    key = f"meshpact/{spec.run_id}/peer-copy/rank{me}"
     if me in victims:
-        _publish(session.store, key, job_state(model, optimizer))
+        _publish(session.store, spec.run_id, me, 0, job_state(model, optimizer))
     refused: dict[str, Any] = {}
     for step in range(int(args["steps"])):
         due = [p for p in plans if p.step == step]
@@ -503,7 +512,7 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
                 raise ExcisionError(f"step {step}: rank {due[0].rank} was killed but the step did not fail")
         if due:
             lost = due[0].rank
-            held = {lost: _fetch(session.store, f"meshpact/{spec.run_id}/peer-copy/rank{lost}")} \
+            held = {lost: _fetch(session.store, spec.run_id, lost, step)} \
                 if _holder(membership, lost) == me else {}
             generation += 1
             try:
@@ -523,7 +532,7 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
             weight.weight = share.weight
             workload.train_step(model, optimizer, share.batch)
         if me in victims:
-            _publish(session.store, key, job_state(model, optimizer))
+            _publish(session.store, spec.run_id, me, step + 1, job_state(model, optimizer))
         digests[step + 1] = digest(local_state(model, optimizer))
         with open(os.path.join(args["out_dir"], f"digests-rank{me}.txt"), "a", encoding="utf-8") as fh:
             fh.write(f"{step + 1} {membership.world} {digests[step + 1]}\n")  # kept if this rank is killed later
