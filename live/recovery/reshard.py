@@ -1,0 +1,542 @@
+"""Excision: continue training on the survivors of a lost rank, its state re-sharded over them.
+
+When a rank is lost and no replacement comes, the survivors build a smaller world and carry
+on. Nothing is reloaded from storage: each survivor holds its own FSDP2 shards (parameters
+and optimizer state), and the lost rank's shards come from a peer's host-memory copy of its
+:func:`~meshpact.live.recovery.state.local_state`. :func:`excise` runs the stages:
+
+1. *communicator* — the survivors' group: ``dist.shrink_group`` where the backend can shrink
+   (:func:`~meshpact.live.recovery.communicator.can_shrink`: NCCL >= 2.27), otherwise a new
+   group over the survivors (gloo always). Either way the survivors are renumbered
+   ``0..W'-1`` in their old order and the group becomes c10d's default, so the smaller job
+   looks like any job of ``W'`` ranks; :class:`Membership` keeps each survivor's original
+   rank (the data follows the original rank, the group rank does not).
+2. *gather* — every survivor contributes its own shards and the copies it holds of lost
+   ranks (one provider per lost rank: the first survivor holding it) in one all-gather of
+   byte buffers; each survivor then holds every tensor whole (:func:`assemble_full`: the
+   shards concatenated on dim 0 in rank order, which undoes FSDP2's sharding exactly).
+3. *rebuild* — the workload's ``build(mesh)`` on the survivors' 1-D mesh, then each tensor
+   cut again exactly as FSDP2's ``Shard(0)`` cuts it (:func:`shard_rows`: ``torch.chunk``
+   rows, the last shards short or empty; FSDP2 pads them only in its communication buffers,
+   never in the local tensor) and loaded, Adam's ``exp_avg``/``exp_avg_sq``/``step``
+   included. The generators are left as they were: ``build`` may reseed them.
+
+Same global batch (:func:`share_batch`): the global batch of a step is the concatenation of
+``batch(step, r)`` over the *original* world's ranks. After excision every survivor keeps
+its own original samples and takes a share of the departed ranks' samples: those are
+concatenated in original rank order and cut with ``torch.tensor_split`` into ``W'``
+contiguous parts, part ``j`` to the survivor of group rank ``j`` (so the first ``n mod W'``
+survivors take one more). Shares can then be unequal while FSDP2 averages gradients over
+the group, so survivor ``j`` holding ``n_j`` of ``N`` samples weights its gradient by
+``n_j * W' / N`` (:class:`GradientWeight`, a hook on the model's output gradient): the
+group average is then the mean over all ``N`` samples, as before. This holds for a loss
+that is a mean over samples of equal weight (the shipped workloads).
+
+Below ``min_ranks`` survivors nothing is trained: every survivor writes its own state, and
+the provider of each lost rank's copy writes that copy, as one complete checkpoint of the
+world before the excision (:class:`~meshpact.live.recovery.checkpoint.Checkpointer`
+layout, a file per group rank), and :class:`ExcisionRefused` says so in one line.
+
+Only a 1-D FSDP2 mesh is re-sharded (every parameter a ``Shard(0)`` DTensor); anything else
+is refused by name. Buffers and learning-rate schedulers are not in a rank's local state
+and come back as ``build`` makes them.
+
+:func:`excision_drill` is a rank worker for the launcher that trains a workload through
+planned excisions, by a real fault (the lost rank killed in the middle of a step) or as the
+reference (the lost rank handing over its copy and leaving between steps), both through
+these same functions.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from meshpact.core.errors import MeshpactError
+from meshpact.core.recovery import CommunicatorAction
+
+from . import communicator as comm
+from .checkpoint import Checkpointer, state_bytes
+from .state import capture_rng, load_local_state, restore_rng
+
+__all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "BatchShare",
+           "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise",
+           "max_abs_diff", "excision_drill"]
+
+_SHARDED = ("param/", "optim/")  # keys of local_state that are FSDP2 shards (or replicated scalars)
+
+
+class ExcisionError(MeshpactError):
+    """Excision cannot go on (a lost rank's state held by no survivor, a mesh it cannot re-shard)."""
+
+
+class ExcisionRefused(ExcisionError):
+    """Excision would leave fewer ranks than allowed; the state was flushed to a checkpoint."""
+
+    def __init__(self, message: str, checkpoint: str) -> None:
+        super().__init__(message)
+        self.checkpoint = checkpoint
+
+
+# -- who is in the job -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Membership:
+    """The ranks of the original world still in the job, in group-rank order."""
+
+    original_world: int
+    alive: tuple[int, ...]
+
+    @classmethod
+    def full(cls, world: int) -> "Membership":
+        return cls(world, tuple(range(world)))
+
+    @property
+    def world(self) -> int:
+        return len(self.alive)
+
+    @property
+    def departed(self) -> tuple[int, ...]:
+        return tuple(r for r in range(self.original_world) if r not in self.alive)
+
+    def group_rank(self, original: int) -> int:
+        return self.alive.index(original)
+
+    def without(self, lost: Sequence[int]) -> "Membership":
+        bad = sorted(set(lost) - set(self.alive))
+        if bad or not lost:
+            raise ExcisionError(f"cannot excise ranks {sorted(lost)}: the job's ranks are {list(self.alive)}")
+        return Membership(self.original_world, tuple(r for r in self.alive if r not in set(lost)))
+
+
+# -- FSDP2's Shard(0) cut ----------------------------------------------------------------------
+def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
+    """``(first row, rows)`` of ``rank``'s shard of a tensor with ``dim0`` rows over ``world``
+    ranks, as FSDP2 and DTensor's ``Shard(0)`` cut it (``torch.chunk``: chunks of
+    ``ceil(dim0 / world)`` rows, the last ones short or empty)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    chunk = -(-dim0 // world)
+    start = min(rank * chunk, dim0)
+    return start, max(0, min(chunk, dim0 - start))
+
+
+def shard_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """``rank``'s ``Shard(0)`` piece of ``full`` (a copy: the whole tensor can be freed)."""
+    start, rows = shard_rows(full.shape[0], world, rank)
+    return full.narrow(0, start, rows).clone()
+
+
+def sharded_keys(state: Mapping[str, torch.Tensor]) -> list[str]:
+    """The keys of a local state that excision re-shards: parameters and optimizer state
+    (generators and anything else stay with their rank)."""
+    return [k for k in state if k.startswith(_SHARDED)]
+
+
+def assemble_full(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Whole tensors from every rank's local state (group-rank order): shards concatenated on
+    dim 0, each checked to be the rows :func:`shard_rows` gives; 0-d tensors (Adam's ``step``)
+    are replicated and must be equal on every rank."""
+    world = len(states)
+    out: dict[str, torch.Tensor] = {}
+    for key in sharded_keys(states[0]):
+        parts = [s[key] for s in states]
+        if parts[0].dim() == 0:
+            if any(not torch.equal(p, parts[0]) for p in parts):
+                raise ExcisionError(f"{key}: the ranks disagree on a replicated value ({[p.item() for p in parts]})")
+            out[key] = parts[0].clone()
+            continue
+        full = torch.cat(parts)
+        for r, p in enumerate(parts):
+            if p.shape[0] != shard_rows(full.shape[0], world, r)[1]:
+                raise ExcisionError(f"{key}: rank {r} holds {p.shape[0]} rows, but a Shard(0) cut of "
+                                    f"{full.shape[0]} rows over {world} ranks gives it "
+                                    f"{shard_rows(full.shape[0], world, r)[1]}; only 1-D FSDP2 states are re-sharded")
+        out[key] = full
+    return out
+
+
+def max_abs_diff(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """The largest absolute difference over the floating-point tensors two states share."""
+    worst = 0.0
+    for key in a.keys() & b.keys():
+        if a[key].is_floating_point() and a[key].shape == b[key].shape:
+            worst = max(worst, float((a[key].double() - b[key].double()).abs().max()) if a[key].numel() else 0.0)
+    return worst
+
+
+# -- the record ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExcisionRecord:
+    """One excision seen by one survivor."""
+
+    step: int  # the committed step the states are from (the next step runs on the new world)
+    lost: tuple[int, ...]  # original ranks
+    old_world: int
+    new_world: int
+    action: CommunicatorAction  # SHRINK (dist.shrink_group) or REBUILD (a new group of the survivors)
+    bytes_moved: int  # payload of the gather: every shard of the old world, lost ranks' from their copies
+    communicator_s: float
+    gather_s: float
+    rebuild_s: float  # build(mesh), re-cut, load
+    max_abs_diff_from_unfailed: float | None = None  # filled in where a never-failed run is known
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "lost": list(self.lost), "action": self.action.value}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ExcisionRecord":
+        return cls(**{**d, "lost": tuple(d["lost"]), "action": CommunicatorAction(d["action"])})
+
+
+@dataclass(frozen=True)
+class Excised:
+    """What a survivor continues with: the smaller world's model, optimizer, group and mesh."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    group: dist.ProcessGroup
+    mesh: Any
+    spec: comm.GroupSpec  # this rank in the smaller world (rank = its group rank)
+    membership: Membership
+    record: ExcisionRecord
+
+
+# -- same global batch ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BatchShare:
+    """One survivor's samples of a step and the weight of its gradient (``n_j * W' / N``)."""
+
+    batch: torch.Tensor
+    weight: float
+
+
+def share_batch(batch: Callable[[int, int], torch.Tensor], step: int, membership: Membership,
+                original_rank: int) -> BatchShare:
+    """This survivor's share of the original world's global batch of ``step`` (see the module
+    docstring for the rule). Batches are tensors with samples on dim 0."""
+    own = batch(step, original_rank)
+    if not isinstance(own, torch.Tensor):
+        raise ExcisionError(f"batch({step}, {original_rank}) returned {type(own).__name__}; excision splits "
+                            "batches by sample and needs a tensor with samples on dim 0")
+    if not membership.departed:
+        return BatchShare(own, 1.0)
+    j, world = membership.group_rank(original_rank), membership.world
+    pool = torch.cat([batch(step, r) for r in membership.departed])
+    extra = torch.tensor_split(pool, world)
+    counts = [batch(step, r).shape[0] for r in membership.alive]  # drawn again: sizes may vary per rank
+    mine = own.shape[0] + extra[j].shape[0]
+    total = sum(counts) + pool.shape[0]
+    return BatchShare(torch.cat([own, extra[j]]), mine * world / total)
+
+
+class GradientWeight:
+    """Multiplies the gradient flowing into the model's outputs by :attr:`weight` (so every
+    parameter gradient, before FSDP2 reduces it); ``remove()`` takes the hook off."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.weight = 1.0
+        self._handle = model.register_forward_hook(self._on_output)
+
+    def _on_output(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if self.weight == 1.0:
+            return
+        w = self.weight
+        for t in torch.utils._pytree.tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g, w=w: g * w)
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+# -- the stages ----------------------------------------------------------------------------------
+def _survivor_group(old_group: dist.ProcessGroup | None, spec: comm.GroupSpec, store: Any, generation: int,
+                    before: Membership, after: Membership) -> tuple[dist.ProcessGroup, comm.GroupSpec,
+                                                                    CommunicatorAction]:
+    from .session import c10d_default
+
+    new_rank = after.group_rank(before.alive[spec.rank])
+    new_spec = replace(spec, rank=new_rank, world_size=after.world)
+    if old_group is not None and comm.can_shrink(old_group, spec.device):
+        lost = [before.group_rank(r) for r in before.alive if r not in after.alive]
+        pg = dist.shrink_group(lost, group=old_group)
+        action = CommunicatorAction.SHRINK
+    else:
+        pg = comm.build_group(new_spec, store, generation)
+        action = CommunicatorAction.REBUILD
+    c10d_default(pg)
+    return pg, new_spec, action
+
+
+Layout = list[tuple[str, str, tuple[int, ...]]]  # (key, dtype name, shape) of each tensor of a packed state
+
+
+def _dtype(name: str) -> torch.dtype:
+    return getattr(torch, name.removeprefix("torch."))
+
+
+def _nbytes(layout: Layout) -> int:
+    return sum(torch.Size(shape).numel() * _dtype(dtype).itemsize for _, dtype, shape in layout)
+
+
+def _pack(states: Sequence[Mapping[str, torch.Tensor]], keys: Sequence[str]) -> torch.Tensor:
+    """The bytes of ``keys`` of each state, in order, as one flat uint8 tensor (every bit kept)."""
+    parts = [s[k].detach().reshape(-1).contiguous().view(torch.uint8) for s in states for k in keys]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+
+
+def _unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
+    out, offset = {}, 0
+    for key, dtype, shape in layout:
+        n = _nbytes([(key, dtype, shape)])
+        out[key] = buf[offset:offset + n].clone().view(_dtype(dtype)).reshape(shape)
+        offset += n
+    return out
+
+
+def _gather(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]],
+            providers: Mapping[int, int], before: Membership, group: dist.ProcessGroup,
+            me: int) -> tuple[dict[str, torch.Tensor], int]:
+    """Every tensor whole on every survivor, and the payload bytes the gather carried. Each
+    survivor sends its own shards and the lost ranks' it provides, as bytes (so no dtype is
+    special and no bit changes), after a small exchange of their layouts."""
+    keys = sharded_keys(own)
+    mine = {before.alive[me]: own, **provided}
+    layout = [(r, [(k, str(mine[r][k].dtype), tuple(mine[r][k].shape)) for k in keys]) for r in sorted(mine)]
+    layouts: list[Any] = [None] * group.size()
+    dist.all_gather_object(layouts, layout, group=group)
+    sizes = [sum(_nbytes(lay) for _, lay in per_src) for per_src in layouts]
+    padded = torch.zeros(max(sizes), dtype=torch.uint8)  # gloo's all-gather takes equal sizes
+    packed = _pack([mine[r] for r in sorted(mine)], keys)
+    padded[:packed.numel()] = packed
+    bufs = [torch.empty_like(padded) for _ in range(group.size())]
+    dist.all_gather(bufs, padded, group=group)
+    states: dict[int, dict[str, torch.Tensor]] = {}
+    for src, (per_src, buf) in enumerate(zip(layouts, bufs)):
+        offset = 0
+        for r, lay in per_src:
+            n = _nbytes(lay)
+            if providers.get(r, src) == src:
+                states[r] = _unpack(buf[offset:offset + n], lay)
+            offset += n
+    return assemble_full([states[r] for r in before.alive]), sum(sizes)
+
+
+def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]], mesh: Any,
+             full: Mapping[str, torch.Tensor], world: int, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.tensor import DTensor, Shard
+
+    rng = capture_rng()
+    model, optimizer = build(mesh)
+    restore_rng(rng)
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
+            raise ExcisionError(f"parameter {name} is {type(p).__name__} placed {getattr(p, 'placements', None)}; "
+                                "excision re-shards only a 1-D FSDP2 mesh (every parameter Shard(0))")
+        if tuple(p.shape) != tuple(full[f"param/{name}"].shape):
+            raise ExcisionError(f"parameter {name}: the rebuilt model has shape {tuple(p.shape)}, the gathered state "
+                                f"{tuple(full[f'param/{name}'].shape)}")
+    load_local_state(model, optimizer, {k: shard_of(v, world, rank) if v.dim() else v.clone()
+                                        for k, v in full.items()})
+    return model, optimizer
+
+
+def _flush(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]], before: Membership,
+           me: int, step: int, directory: str, group: dist.ProcessGroup) -> str:
+    """Write the world-before-excision's state of ``step`` as one complete checkpoint."""
+    Checkpointer(directory, me, before.world, 1).save(step, own)
+    for r, state in provided.items():
+        Checkpointer(directory, before.group_rank(r), before.world, 1).save(step, state)
+    dist.barrier(group=group)
+    ckpt = Checkpointer(directory, me, before.world, 1)
+    if not ckpt.complete(step):
+        raise ExcisionError(f"the checkpoint of step {step} in {directory} is incomplete after the flush")
+    return str(ckpt.path(step).parent)
+
+
+def excise(own: Mapping[str, torch.Tensor], held: Mapping[int, Mapping[str, torch.Tensor]], before: Membership,
+           lost: Sequence[int], *, step: int, spec: comm.GroupSpec, store: Any, generation: int,
+           build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]],
+           old_group: dist.ProcessGroup | None = None, min_ranks: int = 1,
+           checkpoint_dir: str | None = None) -> Excised:
+    """Every survivor calls this with its own committed state (``local_state``; other keys such
+    as generators are kept out of the exchange) and the copies it holds of other ranks, keyed
+    by original rank (``held``, possibly empty). ``before`` is the job's membership,
+    ``spec.rank`` this rank's group rank in it, ``lost`` original ranks, ``generation`` the
+    new group's generation (fresh store namespace). Returns the smaller world's model and
+    optimizer; raises :class:`ExcisionRefused` below ``min_ranks`` (after the flush) and
+    :class:`ExcisionError` when a lost rank's state is held by no survivor or the states are
+    not of one committed step (the optimizer's replicated ``step`` disagrees)."""
+    after = before.without(lost)
+    me = spec.rank
+    if before.alive[me] in lost:
+        raise ExcisionError(f"rank {before.alive[me]} is being excised and cannot take part in its own excision")
+    t0 = time.perf_counter()
+    group, new_spec, action = _survivor_group(old_group, spec, store, generation, before, after)
+    communicator_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    holdings: list[Any] = [None] * group.size()
+    dist.all_gather_object(holdings, sorted(r for r in held if r in lost), group=group)
+    providers = {}
+    for src, rs in enumerate(holdings):
+        for r in rs:
+            providers.setdefault(r, src)
+    missing = sorted(set(lost) - set(providers))
+    if missing:
+        raise ExcisionError(f"no survivor holds a copy of the state of rank(s) {missing}: excision needs a peer copy "
+                            "(restore from a checkpoint instead)")
+    provided = {r: held[r] for r in lost if providers[r] == new_spec.rank}
+    if after.world < min_ranks:
+        if not checkpoint_dir:
+            raise ExcisionError(f"excising rank(s) {sorted(lost)} would leave {after.world} rank(s), below "
+                                f"--min-ranks {min_ranks}, and no checkpoint directory is set to flush the state to")
+        where = _flush(own, provided, before, me, step, checkpoint_dir, group)
+        raise ExcisionRefused(f"excising rank(s) {sorted(lost)} would leave {after.world} rank(s), below --min-ranks "
+                              f"{min_ranks}: stopped, the state of step {step} is flushed to {where}", where)
+    full, moved = _gather(own, provided, providers, before, group, me)
+    gather_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    from .session import mesh_from_groups
+
+    mesh = mesh_from_groups({comm.WORLD: group}, spec.device.split(":")[0], (after.world,), None)
+    model, optimizer = _rebuild(build, mesh, full, after.world, new_spec.rank)
+    del full
+    rebuild_s = time.perf_counter() - t0
+    record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,
+                            gather_s, rebuild_s)
+    return Excised(model, optimizer, group, mesh, new_spec, after, record)
+
+
+# -- a drill: train a workload through planned excisions -------------------------------------------
+@dataclass(frozen=True)
+class _Plan:
+    step: int
+    rank: int  # original rank
+
+
+def _holder(membership: Membership, lost: int) -> int:
+    """The original rank that holds ``lost``'s copy: the next alive rank after it (cyclic)."""
+    j = membership.group_rank(lost)
+    return membership.alive[(j + 1) % membership.world]
+
+
+def _copy_key(run_id: str, rank: int, step: int) -> str:
+    return f"meshpact/{run_id}/peer-copy/rank{rank}/step{step}"
+
+
+def _publish(store: Any, run_id: str, rank: int, step: int, state: Mapping[str, torch.Tensor]) -> None:
+    """Keep ``rank``'s state of committed ``step`` in the launcher's store (the simulated peer
+    copy); the previous step's copy is dropped."""
+    buf = io.BytesIO()
+    torch.save({k: v.detach().clone() for k, v in state.items()}, buf)
+    store.set(_copy_key(run_id, rank, step), buf.getvalue())
+    if step > 0:
+        store.delete_key(_copy_key(run_id, rank, step - 1))
+
+
+def _fetch(store: Any, run_id: str, rank: int, step: int) -> dict[str, torch.Tensor]:
+    """``rank``'s copy of committed ``step``, waiting for it (the rank may still be publishing)."""
+    return torch.load(io.BytesIO(store.get(_copy_key(run_id, rank, step))), weights_only=True)
+
+
+def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
+    """A launcher worker: train ``args["workload"]`` for ``steps`` steps through the planned
+    excisions ``[{"step", "rank"}]``. ``mode`` ``"fault"``: the lost rank is SIGKILLed after
+    the forward of that step and the survivors recover from the fault; ``"reference"``: it
+    leaves before the step; either way its copy is the one it published at its last commit
+    (a simulated peer copy, kept in the launcher's store). Saves each survivor's final state
+    to ``out_dir/final-rank<original>.pt`` (the last committed state where an excision was
+    refused below ``min_ranks``; a rank leaving as the reference's lost rank saves its state to
+    ``left-rank<original>.pt``), appends each committed step's digest and world size to
+    ``digests-rank<original>.txt`` and returns its records."""
+    import random
+    import sys
+
+    from .runtime import is_comm_fault
+    from .session import RecoveryConfig, start_session
+    from .state import commit_check, digest, job_state, local_state
+    from .stepreset import reset_step_state
+    from .workload import built, load_workload
+
+    torch.manual_seed(0)
+    random.seed(0)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(0)
+    world = int(os.environ["WORLD_SIZE"])
+    workload = load_workload(args["workload"], world)
+    config = RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)), vendor="cpu")
+    session = start_session(config)
+    me, mode = session.rank, args["mode"]
+    plans = sorted((_Plan(int(p["step"]), int(p["rank"])) for p in args.get("excisions", ())), key=lambda p: p.step)
+    victims = {p.rank for p in plans}
+    membership, group, spec, generation = Membership.full(world), session.group, session.spec, 0
+    model, optimizer = built(workload, session.mesh)
+    weight = GradientWeight(model)
+    records: list[dict[str, Any]] = []
+    downtime: list[float] = []
+    digests: dict[int, str] = {}
+    if me in victims:
+        _publish(session.store, spec.run_id, me, 0, job_state(model, optimizer))
+    refused: dict[str, Any] = {}
+    for step in range(int(args["steps"])):
+        due = [p for p in plans if p.step == step]
+        if due and me == due[0].rank:
+            if mode == "reference":  # hands over its copy (already published) and leaves; keeps its state to compare
+                torch.save(job_state(model, optimizer), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
+                return {"rank": me, "left_at": step}
+            model.register_forward_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+        share = share_batch(workload.batch, step, membership, me)
+        weight.weight = share.weight
+        committed, rng = commit_check(step, local_state(model, optimizer)), capture_rng()
+        faulted, t_fault = False, time.perf_counter()
+        if not due or mode == "fault":
+            try:
+                workload.train_step(model, optimizer, share.batch)
+            except Exception as exc:  # noqa: BLE001
+                if not (due and is_comm_fault(exc)):
+                    raise
+                faulted, t_fault = True, time.perf_counter()
+                comm.sever(comm.data_sockets(session.protected_sockets, session.store_ports))
+                reset_step_state(model)
+                restore_rng(rng)
+                if commit_check(step, local_state(model, optimizer)) != committed:
+                    raise ExcisionError(f"step {step}: the committed state changed in the failed step") from None
+            if due and not faulted:
+                raise ExcisionError(f"step {step}: rank {due[0].rank} was killed but the step did not fail")
+        if due:
+            lost = due[0].rank
+            held = {lost: _fetch(session.store, spec.run_id, lost, step)} \
+                if _holder(membership, lost) == me else {}
+            generation += 1
+            try:
+                out = excise(job_state(model, optimizer), held, membership, [lost], step=step, spec=spec,
+                             store=session.store, generation=generation, old_group=group,
+                             build=lambda mesh: built(workload, mesh), min_ranks=int(args.get("min_ranks", 1)),
+                             checkpoint_dir=args.get("checkpoint_dir"))
+            except ExcisionRefused as exc:
+                refused = {"refused": str(exc), "checkpoint": exc.checkpoint, "step": step}
+                break
+            weight.remove()
+            model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
+            weight = GradientWeight(model)
+            records.append(out.record.to_dict())
+            downtime.append(time.perf_counter() - t_fault)  # from the fault (or the hand-over) to the state rebuilt
+            share = share_batch(workload.batch, step, membership, me)
+            weight.weight = share.weight
+            workload.train_step(model, optimizer, share.batch)
+        if me in victims:
+            _publish(session.store, spec.run_id, me, step + 1, job_state(model, optimizer))
+        digests[step + 1] = digest(local_state(model, optimizer))
+        with open(os.path.join(args["out_dir"], f"digests-rank{me}.txt"), "a", encoding="utf-8") as fh:
+            fh.write(f"{step + 1} {membership.world} {digests[step + 1]}\n")  # kept if this rank is killed later
+    state = job_state(model, optimizer)
+    torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args["out_dir"], f"final-rank{me}.pt"))
+    return {"rank": me, "group_rank": spec.rank, "world": membership.world, "alive": list(membership.alive),
+            "records": records, "downtime_s": downtime, "digests": digests, "state_bytes": state_bytes(state), **refused}
