@@ -36,7 +36,10 @@ RECORDINGS = Path("recordings")
 FULL_SPEED = "full speed"
 PACES = [FULL_SPEED, "2 steps/s", "5 steps/s", "10 steps/s", "20 steps/s"]  # a step period under the data timeout
 STALL_S, PARTITION_S = 3.0, 3.0
-COLUMNS = [0.6, 0.9, 0.8, 1.6, 0.6, 0.8, 2.2, 0.9, 0.8, 0.8, 1.0]
+COLUMNS = [0.45, 0.75, 1.0, 1.6, 0.5, 1.0, 1.9, 0.75, 0.6, 0.65, 0.95]  # 8 cells, then kill, stall, partition
+FAULT_HELP = {FaultFromPage.KILL: "SIGKILL this rank's process; the run starts a replacement",
+              FaultFromPage.STALL: f"SIGSTOP this rank's process for {STALL_S:g} s, past the data-path timeout",
+              FaultFromPage.PARTITION: f"take this rank's host's data link down for {PARTITION_S:g} s"}
 HEADS = ["rank", "pid", "incarnation", "state", "step", "generation", "last collective #seq", "silent for"]
 
 
@@ -65,16 +68,18 @@ with st.form("live_start"):
                                "partition: link down between network namespaces (needs root and iproute2; also what "
                                "makes the partition button of a row work)")
     every = k[4].number_input("checkpoint every (steps)", 1, 400, 10)
-    o = st.columns(4)
-    hold = o[0].toggle("hold before the faulted run", value=True, key="live_hold",
+    o = st.columns([1.1, 1, 1, 1.1])
+    hold = o[0].toggle("hold before faulted run", value=True, key="live_hold",
                        help="The faulted run's ranks wait before their first step until you press Resume, "
                             "so you can inject a fault by hand first.")
     pace_label = o[1].selectbox("pace", PACES, index=1, key="live_pace_start",
                                 help="At most this many training steps a second in every run (change it while it runs).")
-    heartbeat = o[2].toggle("heartbeat hang detector", value=False, key="live_heartbeat",
+    heartbeat = o[2].toggle("heartbeat detector", value=False, key="live_heartbeat",
                             help="Find a stalled rank by heartbeat over the control channel, not by the data-path "
                                  "timeout.")
-    baselines = o[3].toggle("also measure a checkpoint restore and a cold restart", value=True, key="live_baselines")
+    baselines = o[3].toggle("checkpoint baselines", value=True, key="live_baselines",
+                            help="After the faulted run, also measure a checkpoint restore in the job and a cold "
+                                 "restart, for the downtime comparison.")
     start = st.form_submit_button("Start cluster and train", type="primary", disabled=running)
 
 if start:
@@ -178,19 +183,22 @@ def _current_phase(job: LiveJob, rank_events: list[RankEvent]) -> str:
 
 
 def _rank_table(rows: list[RankRow]) -> None:
-    head = st.columns(COLUMNS)
+    head = st.columns(COLUMNS, gap="xsmall")
     for col, name in zip(head, HEADS):
-        col.markdown(f"**{name}**")
+        col.caption(f"**{name}**")
     for row in rows:
-        cells = st.columns(COLUMNS, vertical_alignment="center")
+        cells = st.container(key=f"live_row_{row.rank}").columns(COLUMNS, gap="xsmall",
+                                                                        vertical_alignment="center")
         values = [row.rank, row.pid if row.pid is not None else "—", row.incarnation, row.state,
                   "—" if row.step is None else row.step, "—" if row.generation is None else row.generation,
                   row.collective or "—", "—" if row.silent_s is None else duration(row.silent_s)]
         for col, value in zip(cells, values):
             col.write(str(value))
+        why_not = job.partition_why_not(row.rank) if row.can_fault else None
         for col, what in zip(cells[8:], FaultFromPage):
-            if col.button(what.value, key=f"live_{what.value}_{row.rank}", disabled=not row.can_fault,
-                          help=f"{what.value} rank {row.rank} of the faulted run"):
+            off = not row.can_fault or (what is FaultFromPage.PARTITION and why_not is not None)
+            tip = why_not if what is FaultFromPage.PARTITION and why_not else FAULT_HELP[what]
+            if col.button(what.value, key=f"live_{what.value}_{row.rank}", disabled=off, help=tip):
                 _inject(job, row.rank, what)
 
 
@@ -207,15 +215,20 @@ def panel() -> None:
     rank_events: list[RankEvent] = st.session_state.setdefault(RANK_EVENTS, [])
     rank_events.extend(job.rank_logs.poll())
     phase = _current_phase(job, rank_events)
+    if not job.running and any(e.phase == "faulted" for e in rank_events):
+        phase = "faulted"  # a run that ended: the table keeps the faulted run's last word of each rank
     now = time.time()
     rows = rank_rows(job.ranks(), rank_events, phase, now, job.world_size) if phase in PHASES else []
     alive = sum(r.pid is not None for r in rows)
     steps_done = [r.step for r in rows if r.step is not None]
-    a, b, c_, d, e_ = st.columns(5)
+    generations = [r.generation for r in rows if r.generation is not None]
+    a, b, c_, d, g, e_ = st.columns(6)
     a.metric("run", "running" if job.running else f"ended ({job.returncode})")
-    b.metric("phase", phase)
+    b.metric("phase", phase if job.running else "finished")
     c_.metric("rank processes", f"{alive}/{job.world_size}" if job.running else "—")
     d.metric("committed step", min(steps_done) if steps_done else "—")
+    g.metric("generation", max(generations) if generations else "—",
+             help="Each recovery builds the job's groups anew: the generation counts them.")
     e_.metric("events", count(len(events) + len(rank_events) if job.running else len(events)))
     if job.running and job.pace is not None and job.pace.holds("faulted"):
         if phase == "faulted" and rows and all(r.state == "held" for r in rows):
@@ -223,7 +236,7 @@ def panel() -> None:
                     "row, then press **Resume** to watch the recovery.")
         else:
             st.caption("The faulted run will be held before its first step (the reference run trains first).")
-    if rows and job.running:
+    if rows:
         _rank_table(rows)
     left, right = st.columns([2, 3], gap="large")
     with left:

@@ -130,7 +130,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             t_loaded = time.time()
         for step in range(rt.committed_step, steps):
             if paced:
-                last_start = keep_pace(work, phase, step, last_start, 0.5 * config.data_timeout_s, session.emit)
+                last_start = keep_pace(work, phase, step, last_start, 0.5 * config.data_timeout_s,
+                                       lambda kind, **data: session.emit(kind, generation=session.generation, **data))
             t0 = time.perf_counter()
             batch = batches(step)
             if profile and fault_steps and step in (fault_steps[0] - 1, fault_steps[-1] + 1):
