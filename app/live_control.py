@@ -314,14 +314,15 @@ class LiveJob:
             self._note(FaultFromPage.STALL, target, seconds=seconds)
         return target
 
-    def partition_why_not(self, rank: int, phase: str = "faulted") -> str | None:
-        """Why the rank cannot be partitioned from here, or None when it can: the ranks must
-        run in network namespaces (a run whose planned fault kind is partition)."""
-        try:
-            target = self._rank(rank, phase)
-        except LookupError as exc:
-            return str(exc)
-        if not _environ(target.pid).get("MESHPACT_DATA_IFACE"):
+    def partition_why_not(self, rank: int, phase: str = "faulted", pid: int | None = None) -> str | None:
+        """Why the rank (its process ``pid``, when known) cannot be partitioned from here, or None
+        when it can: the ranks must run in network namespaces (planned fault kind partition)."""
+        if pid is None:
+            try:
+                pid = self._rank(rank, phase).pid
+            except LookupError as exc:
+                return str(exc)
+        if not _environ(pid).get("MESHPACT_DATA_IFACE"):
             return "partition needs the ranks in network namespaces: start the run with planned fault kind partition"
         if shutil.which("ip") is None:
             return "partition needs ip (iproute2)"

@@ -194,7 +194,7 @@ def _rank_table(rows: list[RankRow]) -> None:
                   row.collective or "—", "—" if row.silent_s is None else duration(row.silent_s)]
         for col, value in zip(cells, values):
             col.write(str(value))
-        why_not = job.partition_why_not(row.rank) if row.can_fault else None
+        why_not = job.partition_why_not(row.rank, pid=row.pid) if row.can_fault else None
         for col, what in zip(cells[8:], FaultFromPage):
             off = not row.can_fault or (what is FaultFromPage.PARTITION and why_not is not None)
             tip = why_not if what is FaultFromPage.PARTITION and why_not else FAULT_HELP[what]

@@ -322,3 +322,13 @@ def test_faults_sent_from_the_page_land_in_the_recording_and_its_summary(tmp_pat
     assert summary.event == EventKind.SUMMARY
     assert summary.data["faults_injected"] == 4 and summary.data["faults_from_page"] == 2
     assert add_injected(tmp_path / "missing.jsonl", faults) == 0
+
+
+def test_partition_is_refused_with_the_reason_when_ranks_share_one_network(job):
+    assert _wait(lambda: len(job.ranks()) == 2), job.log_tail()
+    why = job.partition_why_not(0)
+    assert why is not None and "network namespaces" in why
+    with pytest.raises(LookupError, match="network namespaces"):
+        job.partition_rank(0, 1.0)
+    assert job.injected == [] and not (job.work / "injected.jsonl").exists()  # nothing sent, nothing recorded
+    assert "no running process" in job.partition_why_not(5)
