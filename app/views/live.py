@@ -233,7 +233,7 @@ def panel() -> None:
     if job.running and job.pace is not None and job.pace.holds("faulted"):
         if phase == "faulted" and rows and all(r.state == "held" for r in rows):
             st.info("**The faulted run is held before its first step.** Kill, stall or partition a rank from its "
-                    "row, then press **Resume** to watch the recovery.")
+                    "row, then press **Resume** to watch the recovery (the run gives up after 5 minutes held).")
         else:
             st.caption("The faulted run will be held before its first step (the reference run trains first).")
     if rows:
