@@ -3,9 +3,10 @@
 :func:`perfetto_trace` turns the events of a recording (a live run's or a simulated one's)
 into the Chrome trace-event JSON that https://ui.perfetto.dev and ``chrome://tracing``
 open: one track (thread) per rank plus a ``job`` track for events of no rank; a recovery
-stage is a slice that ends at its event's time and lasts its measured ``seconds``; every
-other event (a fault, a checkpoint, a decision) is an instant on its rank's track. Times
-are microseconds from the recording's start.
+stage is a slice that ends at its event's time and lasts its measured ``seconds``, and so
+is a training step of a paced run (``step`` events, named ``step N`` for the step it ran);
+every other event (a fault, a checkpoint, a decision) is an instant on its rank's track.
+Times are microseconds from the recording's start.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any, Sequence
 
-from meshpact.core.recording import Event
+from meshpact.core.recording import Event, EventKind
 
 __all__ = ["perfetto_trace", "perfetto_json", "JOB_TRACK"]
 
@@ -50,10 +51,13 @@ def perfetto_trace(events: Sequence[Event], name: str = "meshpact recording") ->
         end_us = e.t * 1e6
         args = _args(e.data)
         args["event"] = e.event
-        if e.stage is not None:
+        if e.stage is not None or e.event == EventKind.STEP:
             dur = _seconds(e) * 1e6
-            out.append({"ph": "X", "pid": _PID, "tid": track, "name": e.stage.value, "cat": "recovery",
-                        "ts": round(max(end_us - dur, 0.0), 3), "dur": round(dur, 3), "args": args})
+            ran = e.data.get("step")  # the committed step after it: it ran step - 1
+            name, cat = (e.stage.value, "recovery") if e.stage is not None else (
+                f"step {int(ran) - 1}" if isinstance(ran, int) else "step", "training")
+            out.append({"ph": "X", "pid": _PID, "tid": track, "name": name, "cat": cat,
+                        "ts": round(max(end_us - dur, 0.0), 3), "dur": round(min(dur, end_us), 3), "args": args})
         else:
             out.append({"ph": "i", "s": "t", "pid": _PID, "tid": track, "name": e.event, "cat": "event",
                         "ts": round(end_us, 3), "args": args})

@@ -27,14 +27,17 @@ import time
 import uuid
 import weakref
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 from typing import Any, Sequence
 
+from meshpact.app.live_job import INJECTED_FILE, TRIAL_DIR
 from meshpact.core.errors import RecordingError
-from meshpact.core.recording import Event, partial_path
+from meshpact.core.recording import Event, EventKind, partial_path
+from meshpact.live.recovery.trialconfig import PHASES, Pace  # torch-free
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
-           "TOKEN_ENV"]
+           "TOKEN_ENV", "RankLogs", "RankEvent", "FaultFromPage"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
 
@@ -48,38 +51,114 @@ class RankProcess:
     stopped: bool  # SIGSTOPped (a stall in progress)
 
 
+class FaultFromPage(str, Enum):
+    """What the page can do to one rank of the faulted run."""
+
+    KILL = "kill"  # SIGKILL: the rank is lost (the trial starts a replacement)
+    STALL = "stall"  # SIGSTOP, then SIGCONT: the rank hangs past the data-path timeout
+    PARTITION = "partition"  # the rank's host's data link goes down for a while (network namespaces only)
+
+
+@dataclass(frozen=True)
+class RankEvent:
+    """An event of one rank process's own log: the run it belongs to and the incarnation
+    (0: first process of the rank, 1: its first replacement...). ``event.t`` is wall time."""
+
+    phase: str
+    incarnation: int
+    event: Event
+
+
 @dataclass(frozen=True)
 class RankRow:
-    """One row of the Live page's rank table: a rank process and what the recording last said of its rank."""
+    """One row of the Live page's rank table: a rank's newest process in a run and what its
+    own event log last said."""
 
     rank: int
-    pid: int
+    pid: int | None  # None: no live process (killed, not yet replaced, or finished)
     incarnation: int
     phase: str
-    state: str  # running | stopped (a stall in progress)
+    state: str  # starting | held | training | recovering: <stage> | stopped | gone | done
+    step: int | None  # committed step
+    generation: int | None
+    collective: str  # the world group of the last committed step and its sequence number
     last_event: str
-    last_event_t: float | None  # recording time of that event
+    silent_s: float | None  # seconds since the rank's last event
+
+    @property
+    def can_fault(self) -> bool:
+        """A live process of the faulted run past its start (a fault earlier would hit a rank
+        still saving its first checkpoint)."""
+        return self.pid is not None and self.phase == "faulted" and self.state in ("held", "training")
 
 
-def rank_rows(procs: Sequence[RankProcess], events: Sequence[Event], phase: str | None = None) -> list[RankRow]:
-    """A row per rank process of ``phase`` (all phases when None), newest incarnation of
-    each rank, with the latest recorded event of that rank."""
-    last: dict[int, Event] = {}
-    for e in events:
-        if e.rank is not None and (e.rank not in last or e.t >= last[e.rank].t):
-            last[e.rank] = e
+_DONE = frozenset({EventKind.RECOVERY_DONE, EventKind.FIRST_COLLECTIVE, EventKind.STEP, EventKind.CHECKPOINT})
+
+
+def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: str, now: float,
+              world_size: int) -> list[RankRow]:
+    """A row per rank of the ``phase`` run: its newest process (or none, when it is gone) and
+    its newest incarnation's events (``now``: wall time, for the silence)."""
     newest: dict[int, RankProcess] = {}
     for p in procs:
-        if phase is not None and p.phase != phase:
-            continue
-        if p.rank not in newest or p.incarnation >= newest[p.rank].incarnation:
+        if p.phase == phase and (p.rank not in newest or p.incarnation >= newest[p.rank].incarnation):
             newest[p.rank] = p
+    mine: dict[int, list[RankEvent]] = {}
+    for re in events:
+        if re.phase == phase and re.event.rank is not None:
+            mine.setdefault(re.event.rank, []).append(re)
     out = []
-    for rank in sorted(newest):
-        p, e = newest[rank], last.get(rank)
-        out.append(RankRow(rank, p.pid, p.incarnation, p.phase, "stopped" if p.stopped else "running",
-                           e.event if e else "", e.t if e else None))
+    for rank in range(world_size):
+        proc = newest.get(rank)
+        evs = mine.get(rank, [])
+        inc = max([e.incarnation for e in evs] + ([proc.incarnation] if proc else [0]))
+        evs = sorted((e.event for e in evs if e.incarnation == inc), key=lambda e: e.t)
+        step = generation = None
+        collective, state = "", "starting"
+        for e in evs:
+            if e.event in (EventKind.STEP, EventKind.CHECKPOINT, EventKind.HELD) and "step" in e.data:
+                step = int(e.data["step"])
+            if "generation" in e.data and isinstance(e.data["generation"], int):
+                generation = int(e.data["generation"])
+            if e.event == EventKind.STEP:
+                collective = f"{e.data.get('group', '?')} #{e.data.get('seq', '?')}"
+            if e.event == EventKind.HELD:
+                state = "held"
+            elif e.stage is not None:
+                state = f"recovering: {e.stage.value}"
+            elif e.event in _DONE:
+                state = "training"
+        last = evs[-1] if evs else None
+        if proc is None:
+            state = "gone" if evs else "—"
+        elif proc.stopped:
+            state = "stopped"
+        out.append(RankRow(rank, proc.pid if proc else None, proc.incarnation if proc else inc, phase, state, step,
+                           generation, collective, str(last.event) if last else "",
+                           max(now - last.t, 0.0) if last else None))
     return out
+
+
+class RankLogs:
+    """Follows every rank process's event log under a trial's work directory
+    (``<run>/events-rank<r>-<incarnation>.jsonl``), a complete line at a time."""
+
+    def __init__(self, trial_dir: Path) -> None:
+        self.trial_dir = Path(trial_dir)
+        self._offsets: dict[Path, int] = {}
+
+    def poll(self) -> list[RankEvent]:
+        """The events written since the last poll, in each file's order."""
+        out: list[RankEvent] = []
+        for phase in PHASES:
+            for path in sorted((self.trial_dir / phase).glob("events-rank*-*.jsonl")):
+                try:
+                    inc = int(path.stem.rsplit("-", 1)[1])
+                except ValueError:
+                    continue
+                new, self._offsets[path] = _read_lines(path, self._offsets.get(path, 0))
+                out.extend(RankEvent(phase, inc, e) for e in new)
+        return out
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -148,22 +227,34 @@ class LiveJob:
     """One recovery trial started from the dashboard."""
 
     def __init__(self, recording: Path, args: Sequence[str], cwd: Path | None = None,
-                 runner: Sequence[str] = ("-m", "meshpact.app.live_job"), world_size: int = 0) -> None:
+                 runner: Sequence[str] = ("-m", "meshpact.app.live_job"), world_size: int = 0,
+                 pace: Pace | None = None) -> None:
+        """``pace`` given: the trial runs in this job's work directory (``--work-dir``), its
+        ranks keep that pace and log every step, and :attr:`rank_logs` follows them."""
         self.token = uuid.uuid4().hex
         self.world_size = world_size
         self.recording = Path(recording)
-        work = Path(tempfile.mkdtemp(prefix="meshpact-live-"))  # the runner's log and result, not the recordings
-        self.result_path = work / "result.json"
-        self.log_path = work / "runner.log"
+        self.work = Path(tempfile.mkdtemp(prefix="meshpact-live-"))  # runner's log, result, trial; not the recordings
+        self.result_path = self.work / "result.json"
+        self.log_path = self.work / "runner.log"
+        self.trial_dir = self.work / TRIAL_DIR
         self.recording.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.time()
+        self.pace = pace
+        self.rank_logs = RankLogs(self.trial_dir)
+        extra: list[str] = []
+        if pace is not None:
+            self.trial_dir.mkdir()
+            pace.write(self.trial_dir)
+            extra = ["--work-dir", str(self.work)]
         env = {**os.environ, TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, *runner, "--record", str(self.recording), "--result", str(self.result_path), *args]
+        cmd = [sys.executable, *runner, "--record", str(self.recording), "--result", str(self.result_path), *args,
+               *extra]
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         self._finalizer = weakref.finalize(self, _end, self.proc, self.token)
-        weakref.finalize(self, shutil.rmtree, work, True)
+        weakref.finalize(self, shutil.rmtree, self.work, True)
         self.injected: list[dict[str, Any]] = []
 
     @property
@@ -190,22 +281,70 @@ class LiveJob:
             raise LookupError(f"rank {rank} has no running process{where} right now")
         return live[-1]
 
+    def set_pace(self, pace: Pace) -> None:
+        """Steer the ranks from their next step on (only for a job started with a pace)."""
+        if self.pace is None:
+            raise LookupError("this run was started without a pace control")
+        pace.write(self.trial_dir)
+        self.pace = pace
+
+    def _note(self, kind: FaultFromPage, target: RankProcess, **extra: Any) -> None:
+        """Keep the fault for the page and for the recording (the runner adds it at the end)."""
+        now = time.time()
+        record = {"kind": kind.value, "rank": target.rank, "pid": target.pid, "phase": target.phase,
+                  "incarnation": target.incarnation, **extra}
+        self.injected.append({"t": now - self.started, **record})
+        with open(self.work / INJECTED_FILE, "a") as fh:
+            fh.write(json.dumps({"t_wall": now, **record}) + "\n")
+
     def kill_rank(self, rank: int, phase: str | None = "faulted") -> RankProcess:
         """SIGKILL the rank's process: the fault the runtime meets as a lost rank."""
         target = self._rank(rank, phase)
-        _signal(target.pid, signal.SIGKILL)
-        self.injected.append({"t": time.time() - self.started, "kind": "kill", "rank": rank, "pid": target.pid})
+        if _signal(target.pid, signal.SIGKILL):
+            self._note(FaultFromPage.KILL, target)
         return target
 
     def stall_rank(self, rank: int, seconds: float, phase: str | None = "faulted") -> RankProcess:
         """SIGSTOP the rank's process for ``seconds``, then SIGCONT: a stall past the timeout."""
         target = self._rank(rank, phase)
-        _signal(target.pid, signal.SIGSTOP)
-        timer = threading.Timer(seconds, _signal, args=(target.pid, signal.SIGCONT))
-        timer.daemon = True
-        timer.start()
-        self.injected.append({"t": time.time() - self.started, "kind": "stall", "rank": rank, "pid": target.pid,
-                              "seconds": seconds})
+        if _signal(target.pid, signal.SIGSTOP):
+            timer = threading.Timer(seconds, _signal, args=(target.pid, signal.SIGCONT))
+            timer.daemon = True
+            timer.start()
+            self._note(FaultFromPage.STALL, target, seconds=seconds)
+        return target
+
+    def partition_why_not(self, rank: int, phase: str = "faulted", pid: int | None = None) -> str | None:
+        """Why the rank (its process ``pid``, when known) cannot be partitioned from here, or None
+        when it can: the ranks must run in network namespaces (planned fault kind partition)."""
+        if pid is None:
+            try:
+                pid = self._rank(rank, phase).pid
+            except LookupError as exc:
+                return str(exc)
+        if not _environ(pid).get("MESHPACT_DATA_IFACE"):
+            return "partition needs the ranks in network namespaces: start the run with planned fault kind partition"
+        if shutil.which("ip") is None:
+            return "partition needs ip (iproute2)"
+        return None
+
+    def partition_rank(self, rank: int, seconds: float, phase: str = "faulted") -> RankProcess:
+        """Take the data link of the rank's host (its network namespace) down for ``seconds``:
+        every rank on that side loses its peers on the other side."""
+        why = self.partition_why_not(rank, phase)
+        if why:
+            raise LookupError(why)
+        target = self._rank(rank, phase)
+        iface = _environ(target.pid)["MESHPACT_DATA_IFACE"]
+        ns = subprocess.run(["ip", "netns", "identify", str(target.pid)], capture_output=True, text=True,
+                            timeout=5).stdout.strip()
+        if not ns:
+            raise LookupError(f"rank {rank}'s network namespace has no name (ip netns identify found none)")
+        subprocess.run(["ip", "-n", ns, "link", "set", "dev", iface, "down"], check=True, timeout=5,
+                       capture_output=True)
+        subprocess.Popen(["sh", "-c", 'sleep "$0"; ip -n "$1" link set dev "$2" up', f"{seconds:.3f}", ns, iface],
+                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._note(FaultFromPage.PARTITION, target, seconds=seconds, iface=iface)
         return target
 
     def stop(self) -> None:
@@ -226,13 +365,8 @@ class LiveJob:
             return ""
 
 
-def tail_events(path: Path, offset: int = 0) -> tuple[list[Event], int]:
-    """Events appended to the recording since byte ``offset``: read from ``<path>.partial``
-    while it is written, else from the finished file. A line not yet ended is left for
-    the next call. Returns the events and the new offset."""
-    src = partial_path(path)
-    if not src.exists():
-        src = Path(path)
+def _read_lines(src: Path, offset: int) -> tuple[list[Event], int]:
+    """Events of the complete lines of ``src`` after byte ``offset``, and the new offset."""
     try:
         with open(src, "rb") as fh:
             fh.seek(offset)
@@ -250,6 +384,16 @@ def tail_events(path: Path, offset: int = 0) -> tuple[list[Event], int]:
             except (ValueError, RecordingError):  # a malformed line is skipped, not fatal to the panel
                 continue
     return events, offset + end + 1
+
+
+def tail_events(path: Path, offset: int = 0) -> tuple[list[Event], int]:
+    """Events appended to the recording since byte ``offset``: read from ``<path>.partial``
+    while it is written, else from the finished file. A line not yet ended is left for
+    the next call. Returns the events and the new offset."""
+    src = partial_path(path)
+    if not src.exists():
+        src = Path(path)
+    return _read_lines(src, offset)
 
 
 def failure_sentence(text: str) -> str:

@@ -44,6 +44,8 @@ class EventKind(str, Enum):
     FIRST_COLLECTIVE = "first_collective"  # a rank completed the first collective on a new generation's group
     RECOVERY_DONE = "recovery_done"
     CHECKPOINT = "checkpoint"
+    STEP = "step"  # a rank committed a step (paced runs: generation, world group and its sequence number)
+    HELD = "held"  # a rank waits before its next step because its run is held (paced runs)
     # the trial's parent
     REPLACEMENT_STARTED = "replacement_started"
     FAULT_INJECTED = "fault_injected"

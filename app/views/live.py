@@ -1,4 +1,12 @@
-"""Live page: a local gloo cluster trains, faults are injected, recovery is watched and judged."""
+"""Live page: an operations console for a local gloo cluster that trains, is faulted by hand, and recovers.
+
+A run here is a recovery trial (a fault-free reference, the faulted run, the checkpoint
+baselines) whose ranks keep a pace set on the page: a number of steps per second, and a
+hold before the faulted run's first step so a person can kill, stall or partition a rank
+from its row of the rank table. Each rank's own event log is followed while it runs, so
+the table and the event stream move every step; the verdict counts the faults sent from
+the page, and the finished recording opens in Replay or as a Perfetto trace.
+"""
 
 from __future__ import annotations
 
@@ -11,22 +19,39 @@ from meshpact.app.context import message_markdown, require_scenario
 from meshpact.app.exports import perfetto_json
 from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.format import clock, count, duration
-from meshpact.app.live_control import LiveJob, failure_sentence, rank_rows, tail_events
+from meshpact.app.live_control import (
+    FaultFromPage, LiveJob, RankEvent, RankRow, failure_sentence, rank_rows, tail_events,
+)
 from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
-from meshpact.core.recording import partial_path
+from meshpact.core.recording import Event, EventKind, partial_path, read_recording
 from meshpact.core.recovery import Policy, RecoveryBreakdown
 from meshpact.live.recovery.faults import FaultKind  # torch-free
+from meshpact.live.recovery.trialconfig import PHASES, Pace
 
-JOB, EVENTS, OFFSET, WAS_RUNNING = "live_job", "live_events", "live_offset", "live_was_running"
-METRICS, METRICS_ON = "live_metrics_endpoint", "live_metrics_on"
+JOB, EVENTS, RANK_EVENTS, OFFSET, WAS_RUNNING = "live_job", "live_events", "live_rank_events", "live_offset", \
+    "live_was_running"
+METRICS, METRICS_ON, PACE = "live_metrics_endpoint", "live_metrics_on", "live_pace"
 RECORDINGS = Path("recordings")
+FULL_SPEED = "full speed"
+PACES = [FULL_SPEED, "2 steps/s", "5 steps/s", "10 steps/s", "20 steps/s"]  # a step period under the data timeout
+STALL_S, PARTITION_S = 3.0, 3.0
+COLUMNS = [0.45, 0.75, 1.0, 1.6, 0.5, 1.0, 1.9, 0.75, 0.6, 0.65, 0.95]  # 8 cells, then kill, stall, partition
+FAULT_HELP = {FaultFromPage.KILL: "SIGKILL this rank's process; the run starts a replacement",
+              FaultFromPage.STALL: f"SIGSTOP this rank's process for {STALL_S:g} s, past the data-path timeout",
+              FaultFromPage.PARTITION: f"take this rank's host's data link down for {PARTITION_S:g} s"}
+HEADS = ["rank", "pid", "incarnation", "state", "step", "generation", "last collective #seq", "silent for"]
+
+
+def _steps_per_s(label: str) -> float | None:
+    return None if label == FULL_SPEED else float(label.split()[0])
+
 
 require_scenario()
 st.title("Live")
 st.caption("Real `torch.distributed` ranks on this machine (gloo on CPU, every socket on 127.0.0.1). The run trains a "
-           "fault-free reference, then the same run with faults recovered in memory, then the checkpoint baselines, "
-           "and compares every rank's parameters and optimizer state bit for bit.")
+           "fault-free reference, then the same run with faults recovered, then the checkpoint baselines, and "
+           "compares every rank's parameters and optimizer state bit for bit.")
 
 job: LiveJob | None = st.session_state.get(JOB)
 running = job is not None and job.running
@@ -36,12 +61,25 @@ with st.form("live_start"):
     k = st.columns(5)
     ranks = k[0].number_input("ranks", 2, 8, 4)
     steps = k[1].number_input("training steps", 4, 400, 40, step=4)
-    faults = k[2].number_input("planned faults", 0, 20, 2)
+    faults = k[2].number_input("planned faults", 0, 20, 0,
+                               help="Faults the run injects by itself; those you send from a rank's row come on top.")
     kind = k[3].selectbox("planned fault kind", [f.value for f in FaultKind],
                           help="collective: a collective raises; stall: a rank sleeps past the timeout; kill: SIGKILL; "
-                               "partition: link down between network namespaces (needs root and iproute2)")
+                               "partition: link down between network namespaces (needs root and iproute2; also what "
+                               "makes the partition button of a row work)")
     every = k[4].number_input("checkpoint every (steps)", 1, 400, 10)
-    baselines = st.toggle("also measure a checkpoint restore and a cold restart", value=True, key="live_baselines")
+    o = st.columns([1.1, 1, 1, 1.1])
+    hold = o[0].toggle("hold before faulted run", value=True, key="live_hold",
+                       help="The faulted run's ranks wait before their first step until you press Resume, "
+                            "so you can inject a fault by hand first.")
+    pace_label = o[1].selectbox("pace", PACES, index=1, key="live_pace_start",
+                                help="At most this many training steps a second in every run (change it while it runs).")
+    heartbeat = o[2].toggle("heartbeat detector", value=False, key="live_heartbeat",
+                            help="Find a stalled rank by heartbeat over the control channel, not by the data-path "
+                                 "timeout.")
+    baselines = o[3].toggle("checkpoint baselines", value=True, key="live_baselines",
+                            help="After the faulted run, also measure a checkpoint restore in the job and a cold "
+                                 "restart, for the downtime comparison.")
     start = st.form_submit_button("Start cluster and train", type="primary", disabled=running)
 
 if start:
@@ -49,15 +87,19 @@ if start:
         from meshpact.live.recovery.trial import TrialConfig
 
         TrialConfig(ranks=int(ranks), steps=int(steps), faults=int(faults), fault_kind=kind,
-                    checkpoint_every=int(every))  # readable errors before anything starts
+                    checkpoint_every=int(every), heartbeat=bool(heartbeat))  # readable errors before anything starts
         if job is not None:
             job.stop()
         stamp = time.strftime("%Y%m%d-%H%M%S")
+        pace = Pace(_steps_per_s(pace_label), frozenset({"faulted"}) if hold else frozenset())
         job = LiveJob(RECORDINGS / f"live-{stamp}.jsonl",
                       ["--ranks", str(ranks), "--steps", str(steps), "--faults", str(faults), "--fault-kind", kind,
-                       "--checkpoint-every", str(every), "--baselines" if baselines else "--no-baselines"],
-                      world_size=int(ranks))
+                       "--checkpoint-every", str(every), "--baselines" if baselines else "--no-baselines",
+                       "--heartbeat" if heartbeat else "--no-heartbeat"],
+                      world_size=int(ranks), pace=pace)
         st.session_state[JOB], st.session_state[EVENTS], st.session_state[OFFSET] = job, [], 0
+        st.session_state[RANK_EVENTS] = []
+        st.session_state[PACE] = pace_label
         endpoint = st.session_state.pop(METRICS, None)
         if endpoint is not None:
             endpoint.close()
@@ -70,29 +112,39 @@ if job is None:
             "or when this browser session ends.")
     st.stop()
 
-c = st.columns([1, 1, 1, 2])
-if c[0].button("Stop", disabled=not running, type="secondary"):
+
+def _set_pace() -> None:
+    """The pace picked while the run goes, sent to the ranks (they read it before each step)."""
+    assert job is not None and job.pace is not None
+    job.set_pace(Pace(_steps_per_s(st.session_state[PACE]), job.pace.hold))
+
+
+held = job.pace is not None and bool(job.pace.hold)
+c = st.columns([1, 1.3, 1.6, 4])
+if c[0].button("Stop", disabled=not running, type="secondary", key="live_stop"):
     job.stop()
     st.rerun()
-rank_to_fault = c[1].selectbox("rank", list(range(job.world_size)), key="live_fault_rank", disabled=not running)
-fault_kind = c[2].selectbox("inject", ["kill (SIGKILL)", "stall (SIGSTOP 3 s)"], key="live_fault_kind",
-                            disabled=not running)
+if c[1].button("Resume", disabled=not (running and held), type="primary", key="live_resume",
+               help="Let the held ranks start the faulted run (a fault you sent meanwhile hits them then)."):
+    assert job.pace is not None
+    job.set_pace(Pace(job.pace.steps_per_s, frozenset()))
+    st.rerun()
+if job.pace is not None:
+    c[2].selectbox("pace", PACES, key=PACE, on_change=_set_pace, disabled=not running, label_visibility="collapsed")
 
 
-def _inject(target: LiveJob, rank: int, what: str) -> None:
-    """SIGKILL a rank, or SIGSTOP it for 3 s, in the faulted run; say so, or say why not."""
+def _inject(target: LiveJob, rank: int, what: FaultFromPage) -> None:
+    """Send a fault to a rank of the faulted run; say so, or say why not."""
     try:
-        if what == "kill":
+        if what is FaultFromPage.KILL:
             target.kill_rank(rank)
+        elif what is FaultFromPage.STALL:
+            target.stall_rank(rank, STALL_S)
         else:
-            target.stall_rank(rank, 3.0)
-        st.toast(f"{what} sent to rank {rank}")
+            target.partition_rank(rank, PARTITION_S)
+        st.toast(f"{what.value} sent to rank {rank}")
     except LookupError as exc:
-        st.warning(f"{exc}. Faults go to the faulted run; wait until it is running.")
-
-
-if c[3].button("Inject fault into the faulted run", disabled=not running):
-    _inject(job, int(rank_to_fault), "kill" if fault_kind.startswith("kill") else "stall")
+        st.warning(f"Not sent: {exc}.")
 
 
 def _metrics_toggle() -> None:
@@ -107,9 +159,9 @@ def _metrics_toggle() -> None:
         st.session_state.pop(METRICS, None)
 
 
-st.toggle("serve Prometheus metrics for this run (127.0.0.1)", key=METRICS_ON, on_change=_metrics_toggle,
-          help="Recoveries by policy, stage-duration histograms and per-rank event ages, read from the recording "
-               "as it grows. Off by default; bound to loopback.")
+c[3].toggle("serve Prometheus metrics for this run (127.0.0.1)", key=METRICS_ON, on_change=_metrics_toggle,
+            help="Recoveries by policy, stage-duration histograms and per-rank event ages, read from the recording "
+                 "as it grows. Off by default; bound to loopback.")
 if st.session_state.get(METRICS) is not None:
     st.caption(f"Scrape `{st.session_state[METRICS].url}`")
 
@@ -124,77 +176,131 @@ def _open_in_replay(path: Path) -> None:
         st.session_state["replay_path"] = str(path)
 
 
+def _current_phase(job: LiveJob, rank_events: list[RankEvent]) -> str:
+    """The latest run (reference, faulted, cold) with a live rank process or a logged event."""
+    seen = {p.phase for p in job.ranks()} | {e.phase for e in rank_events}
+    return max((p for p in seen if p in PHASES), key=PHASES.index, default="starting")
+
+
+def _rank_table(rows: list[RankRow]) -> None:
+    head = st.columns(COLUMNS, gap="xsmall")
+    for col, name in zip(head, HEADS):
+        col.caption(f"**{name}**")
+    for row in rows:
+        cells = st.container(key=f"live_row_{row.rank}").columns(COLUMNS, gap="xsmall",
+                                                                        vertical_alignment="center")
+        values = [row.rank, row.pid if row.pid is not None else "—", row.incarnation, row.state,
+                  "—" if row.step is None else row.step, "—" if row.generation is None else row.generation,
+                  row.collective or "—", "—" if row.silent_s is None else duration(row.silent_s)]
+        for col, value in zip(cells, values):
+            col.write(str(value))
+        why_not = job.partition_why_not(row.rank, pid=row.pid) if row.can_fault else None
+        for col, what in zip(cells[8:], FaultFromPage):
+            off = not row.can_fault or (what is FaultFromPage.PARTITION and why_not is not None)
+            tip = why_not if what is FaultFromPage.PARTITION and why_not else FAULT_HELP[what]
+            if col.button(what.value, key=f"live_{what.value}_{row.rank}", disabled=off, help=tip):
+                _inject(job, row.rank, what)
+
+
 @st.fragment(run_every=1.0 if running else None)
 def panel() -> None:
     assert job is not None
     if st.session_state.get(WAS_RUNNING) and not job.running:
         st.session_state[WAS_RUNNING] = False
-        st.rerun(scope="app")  # the run ended by itself: Start comes back, Stop and Inject go grey
+        st.rerun(scope="app")  # the run ended by itself: Start comes back, Stop, Resume and faults go grey
     new, offset = tail_events(job.recording, st.session_state.get(OFFSET, 0))
     st.session_state[OFFSET] = offset
-    events = st.session_state.setdefault(EVENTS, [])
+    events: list[Event] = st.session_state.setdefault(EVENTS, [])
     events.extend(new)
-    procs = job.ranks()
-    phase = procs[-1].phase if procs else ("finished" if not job.running else "starting")
-    world = max([p.rank for p in procs] + [job.world_size - 1]) + 1
-    mesh = local_mesh(world)
-    alive = {p.rank for p in procs if p.phase == phase and not p.stopped}
-    a, b, c_, d = st.columns(4)
+    rank_events: list[RankEvent] = st.session_state.setdefault(RANK_EVENTS, [])
+    rank_events.extend(job.rank_logs.poll())
+    phase = _current_phase(job, rank_events)
+    if not job.running and any(e.phase == "faulted" for e in rank_events):
+        phase = "faulted"  # a run that ended: the table keeps the faulted run's last word of each rank
+    now = time.time()
+    rows = rank_rows(job.ranks(), rank_events, phase, now, job.world_size) if phase in PHASES else []
+    alive = sum(r.pid is not None for r in rows)
+    steps_done = [r.step for r in rows if r.step is not None]
+    generations = [r.generation for r in rows if r.generation is not None]
+    a, b, c_, d, g, e_ = st.columns(6)
     a.metric("run", "running" if job.running else f"ended ({job.returncode})")
-    b.metric("phase", phase)
-    c_.metric("rank processes", f"{len(alive)}/{world}" if job.running else "—")
-    d.metric("events recorded", count(len(events)))
-    rows = rank_rows(procs, events, phase) if job.running else []
+    b.metric("phase", phase if job.running else "finished")
+    c_.metric("rank processes", f"{alive}/{job.world_size}" if job.running else "—")
+    d.metric("committed step", min(steps_done) if steps_done else "—")
+    g.metric("generation", max(generations) if generations else "—",
+             help="Each recovery builds the job's groups anew: the generation counts them.")
+    e_.metric("events", count(len(events) + len(rank_events) if job.running else len(events)))
+    if job.running and job.pace is not None and job.pace.holds("faulted"):
+        if phase == "faulted" and rows and all(r.state == "held" for r in rows):
+            st.info("**The faulted run is held before its first step.** Kill, stall or partition a rank from its "
+                    "row, then press **Resume** to watch the recovery (the run gives up after 5 minutes held).")
+        else:
+            st.caption("The faulted run will be held before its first step (the reference run trains first).")
     if rows:
-        head = st.columns([1, 1.4, 1.2, 1.3, 1.3, 2.4, 1, 1.2])
-        for col, name in zip(head, ["rank", "pid", "incarnation", "phase", "state", "last event", "fault"]):
-            col.markdown(f"**{name}**")
-        for row in rows:
-            cells = st.columns([1, 1.4, 1.2, 1.3, 1.3, 2.4, 1, 1.2])
-            for col, value in zip(cells, [row.rank, row.pid, row.incarnation, row.phase, row.state,
-                                          f"{row.last_event} at {clock(row.last_event_t)}"
-                                          if row.last_event_t is not None else "—"]):
-                col.write(str(value))
-            if cells[6].button("kill", key=f"live_kill_{row.rank}", disabled=row.phase != "faulted"):
-                _inject(job, row.rank, "kill")
-            if cells[7].button("stall 3 s", key=f"live_stall_{row.rank}", disabled=row.phase != "faulted"):
-                _inject(job, row.rank, "stall")
+        _rank_table(rows)
     left, right = st.columns([2, 3], gap="large")
     with left:
-        down = sorted(set(range(world)) - alive) if job.running and procs else []
-        st.plotly_chart(mesh_figure(mesh, down), key="live_mesh")
+        down = [r.rank for r in rows if r.state in ("gone", "stopped") or r.state.startswith("recovering")]
+        st.plotly_chart(mesh_figure(local_mesh(job.world_size), down, height=260), key="live_mesh")
+        replaced = [f"rank {r.rank} (incarnation {r.incarnation})" for r in rows if r.incarnation > 0]
+        if replaced:
+            st.caption("Replaced: " + ", ".join(replaced))
+    wall0 = job.started
+    if events and isinstance(events[0].data.get("wall_time"), (int, float)):
+        wall0 = float(events[0].data["wall_time"]) - events[0].t
+    if job.running:  # each rank's own log as it goes, and the parent's replacements from the recording
+        stream = [Event(e.event.t - wall0, e.event.event, e.event.rank, e.event.stage, {**e.event.data, "run": e.phase})
+                  for e in rank_events] + [e for e in events if e.event == EventKind.REPLACEMENT_STARTED]
+    else:  # the finished recording holds all of it
+        stream = list(events)
     with right:
-        st.dataframe([{"time": clock(e.t), "event": str(e.event), "rank": "" if e.rank is None else str(e.rank),
-                       "stage": e.stage.value if e.stage else ""}
-                      for e in sorted(events, key=lambda e: e.t)[-12:]], hide_index=True, width="stretch")
+        st.dataframe([{"time": clock(e.t), "run": str(e.data.get("run", "")), "event": str(e.event),
+                       "rank": "" if e.rank is None else str(e.rank), "stage": e.stage.value if e.stage else "",
+                       "step": str(e.data.get("step", ""))}
+                      for e in sorted(stream, key=lambda e: e.t)[-14:]], hide_index=True, width="stretch",
+                     height=300)
         if job.injected:
-            st.caption("Injected from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {clock(i['t'])}"
-                                                            for i in job.injected))
-        if events:
-            st.download_button("Perfetto trace of the events so far", data=perfetto_json(events, job.recording.stem),
-                               file_name=f"{job.recording.stem}.perfetto.json", mime="application/json",
-                               key="live_perfetto")
+            st.caption("Sent from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {clock(i['t'])}"
+                                                          for i in job.injected))
     if job.running:
         return
+    _finished(job)
+
+
+def _finished(job: LiveJob) -> None:
+    """The verdict of a run that ended: a sentence, the numbers, and where its recording is."""
     kept = job.recording if job.recording.exists() else partial_path(job.recording)
     result = job.result()
+    if kept.exists():
+        try:
+            recorded = read_recording(kept)
+        except MeshpactError:
+            recorded = []
+        if recorded:
+            st.download_button("Perfetto trace of this run", data=perfetto_json(recorded, job.recording.stem),
+                               file_name=f"{job.recording.stem}.perfetto.json", mime="application/json",
+                               key="live_perfetto", icon=":material/download:",
+                               help="Open it at https://ui.perfetto.dev: a track per rank, each recovery stage a "
+                                    "slice.")
     if result is None or not result.get("ok"):
         why = failure_sentence(result.get("error", "") if result else job.log_tail())
         stopped = result is None and job.returncode is not None and job.returncode < 0
         head = "The run was stopped." if stopped else "The run failed."
         where = f" What it recorded is in `{kept}`." if kept.exists() else " It left no recording."
         st.error(f"**{head}** {why}{where}")
-        if kept.exists():
-            if st.button("Replay what it recorded", icon=":material/replay:"):
-                _open_in_replay(kept)
-                st.switch_page("views/replay.py")
+        if kept.exists() and st.button("Replay what it recorded", icon=":material/replay:", key="live_replay"):
+            _open_in_replay(kept)
+            st.switch_page("views/replay.py")
         return
     summary = result["summary"]
+    total, by_page = summary.get("faults_injected"), summary.get("faults_from_page", 0)
+    faults_text = f"{total} fault(s)" + (f", {by_page} of them sent from this page" if by_page else "")
     if summary.get("bit_identical"):
-        st.success(f"**Bit-identical:** after {summary.get('faults_injected')} fault(s), every rank's parameters and "
-                   "optimizer state equal the fault-free reference.")
+        st.success(f"**Bit-identical:** after {faults_text}, every rank's parameters and optimizer state equal the "
+                   "fault-free reference.")
     else:
-        st.error("**Not bit-identical:** " + "; ".join(summary.get("mismatches") or ["states differ"]))
+        st.error(f"**Not bit-identical** after {faults_text}: "
+                 + "; ".join(summary.get("mismatches") or ["states differ"]))
     down_s = summary.get("downtime_s") or {}
     cols = st.columns(len(down_s) or 1)
     for col, (pol, secs) in zip(cols, down_s.items()):
@@ -206,7 +312,7 @@ def panel() -> None:
         st.plotly_chart(recovery_figure(bars), key="live_stages")
         st.caption("Measured stage durations of each recovery (max over ranks).")
     st.markdown(f"Recording saved: `{kept}`.")
-    if st.button("Replay this run", icon=":material/replay:"):
+    if st.button("Replay this run", icon=":material/replay:", key="live_replay"):
         _open_in_replay(kept)
         st.switch_page("views/replay.py")
 

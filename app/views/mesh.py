@@ -144,14 +144,18 @@ def _selection_and_recovery() -> None:
                             on_select="rerun", selection_mode=("points", "box", "lasso"))
 
     with right:
+        table = pd.DataFrame([{"communicator": ("✓ " if cm.intact(state.failed) else "✗ ")
+                                               + cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
+                               "backend": cm.backend, "ranks": count(len(cm.ranks))}
+                              for cm in state.communicators])
+        # the grid draws on a canvas and cuts a long cell: the column is as wide as its longest name
+        # (about 6.8 px a character at the grid's font, plus the cell's padding), never narrower than its title
+        longest = int(table["communicator"].str.len().max()) if len(table) else 0
         st.dataframe(  # narrow enough for every column to show beside the chart at 1,400 px
-            pd.DataFrame([{"communicator": ("✓ " if cm.intact(state.failed) else "✗ ")
-                                           + cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
-                           "backend": cm.backend, "ranks": count(len(cm.ranks))}
-                          for cm in state.communicators]),
-            hide_index=True, width="stretch",
-            column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)", width=170),
-                           "backend": st.column_config.TextColumn(width=92),
+            table, hide_index=True, width="stretch",
+            column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)",
+                                                                       width=max(170, round(6.8 * longest) + 24)),
+                           "backend": st.column_config.TextColumn(width=84),
                            "ranks": st.column_config.TextColumn(width=56)},
         )
         for dom, rank in state.bridges.items():

@@ -11,6 +11,12 @@ generators) and returns a :class:`~meshpact.live.recovery.outcome.RankOutcome` a
 
 For a workload with compiled modules it profiles one step before the first fault and one
 after the last recovery and counts the compiled regions that ran in each.
+
+When the trial's work directory holds a pace file (:class:`~.trialconfig.Pace`, written by
+the dashboard), each rank reads it before every step: it waits while its run is held
+(recording one ``held`` event), keeps to the steps-per-second limit, and records a ``step``
+event per committed step (generation, the world group and its sequence number), so a
+person watching sees every rank move.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["worker", "compiled_regions"]
+__all__ = ["worker", "compiled_regions", "keep_pace"]
 
 _COMPILED_REGION = "Torch-Compiled Region"
 
@@ -40,12 +46,39 @@ def _has_compiled(model: Any) -> bool:
     return any(type(m).__name__ == "OptimizedModule" for m in model.modules())
 
 
+def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s: float, emit: Any) -> float:
+    """Before ``step``: wait while ``phase`` is held (one ``held`` event), then until a step
+    period has passed since ``last_start`` (``time.monotonic()``). The period is capped at
+    ``max_period_s`` so ranks reading a changed pace a step apart never wait on each other
+    past the data-path timeout. Returns this step's start."""
+    from meshpact.core.recording import EventKind
+
+    from .trialconfig import Pace
+
+    pace, held = Pace.read(work), False
+    while pace is not None and pace.holds(phase):
+        if not held:
+            emit(EventKind.HELD, step=step)
+            held = True
+        time.sleep(0.1)
+        pace = Pace.read(work)
+    if pace is not None and pace.steps_per_s:
+        wait = last_start + min(1.0 / pace.steps_per_s, max_period_s) - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+    return time.monotonic()
+
+
 def worker(args: dict[str, Any]) -> dict[str, Any]:
     import os
 
     import torch
 
+    from meshpact.core.recording import EventKind
+
+    from . import communicator as comm
     from .faults import Fault, FaultInjector
+    from .trialconfig import Pace
     from .outcome import Drill, FaultRecord, RankOutcome, RetiredSummary
     from .runtime import resilient
     from .config import RecoveryConfig
@@ -88,12 +121,17 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     step_s: list[float] = []
     drill: Drill | None = None
     cold_from = args.get("cold_from")
+    work, phase = out_dir.parent, os.environ.get("MESHPACT_RUN_ID", out_dir.name)
+    paced, last_start = Pace.read(work) is not None, 0.0
     with resilient(model, optimizer, session, injector, batches) as rt:
         t_loaded = None
         if cold_from is not None:
             rt.restore(int(cold_from))
             t_loaded = time.time()
         for step in range(rt.committed_step, steps):
+            if paced:
+                last_start = keep_pace(work, phase, step, last_start, 0.5 * config.data_timeout_s,
+                                       lambda kind, **data: session.emit(kind, generation=session.generation, **data))
             t0 = time.perf_counter()
             batch = batches(step)
             if profile and fault_steps and step in (fault_steps[0] - 1, fault_steps[-1] + 1):
@@ -102,6 +140,11 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             else:
                 rt.step(train_step, batch)
             step_s.append(time.perf_counter() - t0)
+            if paced:
+                world = session.group
+                session.emit(EventKind.STEP, step=rt.committed_step, generation=session.generation,
+                             group=world.group_name, seq=comm.sequence_number(comm.backend_of(world, session.spec.device)),
+                             seconds=step_s[-1])
         t_caught_up = time.time()
         if args.get("drill"):
             t0 = time.time()

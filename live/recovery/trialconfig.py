@@ -1,12 +1,20 @@
 """A recovery trial's settings: ranks, steps, faults, timeouts and the workload to train.
 
 Torch-free, so the CLI and the dashboard can check a user's settings (one clear line each)
-before anything starts.
+before anything starts. :class:`Pace` is the one control a person has over a run while it
+goes: a small JSON file (:data:`PACE_FILE`) in the trial's work directory, written by the
+dashboard and read by every rank before each step, that slows the ranks to a number of
+steps per second or holds them before their next step (for instance before the faulted
+run's first step, so a fault can be injected by hand). Without the file the ranks train at
+full speed, as they always did.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from meshpact.core.errors import MeshpactError
 
@@ -14,7 +22,10 @@ from .config import RecoveryConfig
 from .faults import FaultKind
 from .workload import DEFAULT_WORKLOAD
 
-__all__ = ["TrialConfig"]
+__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PHASES"]
+
+PACE_FILE = "pace.json"  # in the trial's work directory
+PHASES = ("reference", "faulted", "cold")  # a trial's runs, in order (each rank's MESHPACT_RUN_ID)
 
 
 @dataclass(frozen=True)
@@ -75,3 +86,43 @@ class TrialConfig:
             return self.timeout_s
         per_fault = {FaultKind.STALL: self.stall_s, FaultKind.PARTITION: self.down_s}.get(self.fault_kind, 0.0)
         return self.recovery().launcher_deadline_s(self.steps, self.faults, per_fault)
+
+
+@dataclass(frozen=True)
+class Pace:
+    """How fast the ranks of a trial may go: at most ``steps_per_s`` steps a second (None: as
+    fast as they can), and the runs (:data:`PHASES`) whose ranks wait before their next step."""
+
+    steps_per_s: float | None = None
+    hold: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hold", frozenset(self.hold))
+        unknown = sorted(self.hold - set(PHASES))
+        if unknown:
+            raise MeshpactError(f"pace: cannot hold {', '.join(unknown)}; the runs are {', '.join(PHASES)}")
+        if self.steps_per_s is not None and not self.steps_per_s > 0:
+            raise MeshpactError(f"pace: steps per second must be above 0 (or unset), got {self.steps_per_s}")
+
+    def holds(self, phase: str) -> bool:
+        return phase in self.hold
+
+    def write(self, work_dir: str | os.PathLike[str]) -> Path:
+        """Replace the pace file in ``work_dir`` in one step (a rank never reads half of it)."""
+        path = Path(work_dir) / PACE_FILE
+        tmp = path.with_name(f".{PACE_FILE}.{os.getpid()}")
+        tmp.write_text(json.dumps({"steps_per_s": self.steps_per_s, "hold": sorted(self.hold)}))
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, work_dir: str | os.PathLike[str]) -> "Pace | None":
+        """The pace in ``work_dir``, or None when there is no pace file (full speed)."""
+        try:
+            raw = json.loads((Path(work_dir) / PACE_FILE).read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise MeshpactError(f"{Path(work_dir) / PACE_FILE}: unreadable pace ({exc}); "
+                                'expected {"steps_per_s": number or null, "hold": [run names]}') from None
+        return cls(raw.get("steps_per_s"), frozenset(raw.get("hold") or ()))

@@ -168,19 +168,64 @@ def test_a_run_that_fails_by_itself_is_a_sentence_with_its_partial_recording(tmp
     job.stop()
 
 
-def test_rank_rows_take_the_newest_incarnation_and_the_last_event_of_each_rank():
-    from meshpact.app.live_control import RankProcess, rank_rows
-    from meshpact.core.recording import Event
+def test_rank_rows_follow_each_ranks_newest_incarnation_in_its_own_run():
+    from meshpact.app.live_control import RankEvent, RankProcess, rank_rows
+    from meshpact.core.recording import Event, EventKind
+    from meshpact.core.recovery import Stage
 
-    procs = [RankProcess(100, 0, "faulted", 0, False), RankProcess(101, 1, "faulted", 0, False),
-             RankProcess(105, 1, "faulted", 1, True), RankProcess(90, 0, "reference", 0, False)]
-    events = [Event(1.0, "session_start", rank=0), Event(3.0, "detected", rank=0), Event(2.0, "checkpoint", rank=0),
-              Event(4.0, "replacement_started", rank=1), Event(5.0, "summary")]
-    rows = rank_rows(procs, events, "faulted")
-    assert [(r.rank, r.pid, r.incarnation, r.state, r.last_event, r.last_event_t) for r in rows] == [
-        (0, 100, 0, "running", "detected", 3.0), (1, 105, 1, "stopped", "replacement_started", 4.0)]
-    assert [r.pid for r in rank_rows(procs, [], "reference")] == [90]
-    assert rank_rows(procs, events, "cold") == []
+    procs = [RankProcess(100, 0, "faulted", 0, False), RankProcess(105, 1, "faulted", 1, True),
+             RankProcess(90, 2, "reference", 0, False)]
+
+    def ev(phase, inc, t, kind, rank, stage=None, **data):
+        return RankEvent(phase, inc, Event(t, kind, rank, stage, data))
+
+    events = [  # written out of order, two runs, rank 1 replaced, rank 2 not (yet) in the faulted run
+        ev("faulted", 0, 12.0, EventKind.STEP, 0, step=7, generation=0, group="meshpact_data_g0", seq=41),
+        ev("faulted", 0, 11.0, EventKind.STEP, 0, step=6, generation=0, group="meshpact_data_g0", seq=35),
+        ev("faulted", 0, 13.0, EventKind.DETECTED, 0, Stage.DETECTION, step=7, generation=0),
+        ev("faulted", 0, 10.0, EventKind.STEP, 1, step=6, generation=0, group="meshpact_data_g0", seq=35),
+        ev("faulted", 1, 14.0, EventKind.SESSION_START, 1, incarnation=1),
+        ev("reference", 0, 5.0, EventKind.STEP, 2, step=39, generation=0, group="meshpact_data_g0", seq=240),
+        ev("faulted", 0, 9.0, EventKind.HELD, 3, step=0),
+    ]
+    rows = rank_rows(procs, events, "faulted", now=15.0, world_size=4)
+    got = [(r.rank, r.pid, r.incarnation, r.state, r.step, r.generation, r.collective, r.last_event, r.silent_s)
+           for r in rows]
+    assert got == [
+        (0, 100, 0, "recovering: detection", 7, 0, "meshpact_data_g0 #41", "detected", 2.0),
+        (1, 105, 1, "stopped", None, None, "", "session_start", 1.0),  # the replacement: its own log only
+        (2, None, 0, "—", None, None, "", "", None),  # its reference step is not the faulted run's
+        (3, None, 0, "gone", 0, None, "", "held", 6.0),  # held, then its process went away
+    ]
+    assert [r.can_fault for r in rows] == [False, False, False, False]
+    held = rank_rows([RankProcess(7, 3, "faulted", 0, False)], events, "faulted", now=15.0, world_size=4)
+    assert [r.can_fault for r in held] == [False, False, False, True]
+    assert [r.step for r in rank_rows(procs, events, "reference", 15.0, 4)] == [None, None, 39, None]
+
+
+def test_rank_logs_are_followed_per_file_a_line_at_a_time(tmp_path):
+    import json
+
+    from meshpact.app.live_control import RankLogs
+
+    (tmp_path / "faulted").mkdir()
+    (tmp_path / "reference").mkdir()
+    a, b = tmp_path / "faulted" / "events-rank0-0.jsonl", tmp_path / "faulted" / "events-rank0-1.jsonl"
+
+    def line(t, kind):
+        return json.dumps({"t": t, "event": kind, "rank": 0, "stage": None, "data": {}}) + "\n"
+
+    a.write_text(line(1.0, "session_start") + line(2.0, "step")[:-9])  # the second line not yet ended
+    (tmp_path / "reference" / "events-rank0-0.jsonl").write_text(line(0.5, "step"))
+    logs = RankLogs(tmp_path)
+    first = logs.poll()
+    assert sorted((e.phase, e.incarnation, e.event.event) for e in first) == [
+        ("faulted", 0, "session_start"), ("reference", 0, "step")]
+    with open(a, "a") as fh:
+        fh.write(line(2.0, "step")[-9:])
+    b.write_text(line(3.0, "session_start"))
+    assert [(e.incarnation, e.event.event, e.event.t) for e in logs.poll()] == [(0, "step", 2.0), (1, "session_start", 3.0)]
+    assert logs.poll() == []
 
 
 @pytest.mark.timeout(60)
@@ -211,3 +256,79 @@ def test_the_live_page_serves_prometheus_metrics_only_when_asked(tmp_path):
     with pytest.raises(OSError):
         urllib.request.urlopen(endpoint.url, timeout=2)
     job.stop()
+
+
+def test_pace_round_trips_and_refuses_what_a_rank_could_not_keep(tmp_path):
+    from meshpact.core.errors import MeshpactError
+    from meshpact.live.recovery.trialconfig import Pace
+
+    assert Pace.read(tmp_path) is None  # no file: full speed, as before
+    Pace(2.5, frozenset({"faulted", "cold"})).write(tmp_path)
+    assert Pace.read(tmp_path) == Pace(2.5, frozenset({"cold", "faulted"}))
+    with pytest.raises(MeshpactError, match="cannot hold warmup; the runs are reference, faulted, cold"):
+        Pace(None, frozenset({"warmup"}))
+    with pytest.raises(MeshpactError, match="steps per second must be above 0"):
+        Pace(0.0)
+    (tmp_path / "pace.json").write_text("{not json")
+    with pytest.raises(MeshpactError, match="unreadable pace"):
+        Pace.read(tmp_path)
+
+
+def test_a_held_rank_waits_records_it_once_and_goes_when_released(tmp_path):
+    import threading
+
+    from meshpact.live.recovery.rankworker import keep_pace
+    from meshpact.live.recovery.trialconfig import Pace
+
+    Pace(None, frozenset({"faulted"})).write(tmp_path)
+    seen: list = []
+    release = threading.Timer(0.6, lambda: Pace(4.0).write(tmp_path))
+    release.start()
+    t0 = time.monotonic()
+    start = keep_pace(tmp_path, "faulted", 3, t0, 0.5, lambda kind, **data: seen.append((str(kind), data)))
+    assert start - t0 >= 0.55 and seen == [("held", {"step": 3})]
+    # released at 4 steps/s: the next step starts a period (0.25 s) after this one, not before
+    nxt = keep_pace(tmp_path, "faulted", 4, start, 0.5, lambda *a, **k: seen.append(a))
+    assert nxt - start >= 0.24 and len(seen) == 1
+    # a slow pace is capped below the data-path timeout; another run is never held
+    Pace(0.1, frozenset({"faulted"})).write(tmp_path)
+    t1 = time.monotonic()
+    assert keep_pace(tmp_path, "cold", 0, t1, 0.3, lambda *a, **k: seen.append(a)) - t1 < 0.5 and len(seen) == 1
+
+
+def test_faults_sent_from_the_page_land_in_the_recording_and_its_summary(tmp_path):
+    import json
+
+    from meshpact.app.live_job import add_injected, injected_faults
+    from meshpact.core.recording import EventKind, read_recording
+
+    path = tmp_path / "r.jsonl"
+    with RecordingWriter(path, "live", ranks=4) as w:
+        wall0 = json.loads(open(partial_path(path)).readline())["data"]["wall_time"]
+        w.emit(EventKind.DETECTED, rank=0, stage="detection", t=2.0)
+        w.emit(EventKind.SUMMARY, data={"faults_injected": 2, "bit_identical": True}, t=9.0)
+    (tmp_path / "injected.jsonl").write_text(
+        json.dumps({"t_wall": wall0 + 1.5, "kind": "kill", "rank": 3, "pid": 42}) + "\n"
+        + json.dumps({"t_wall": wall0 + 4.0, "kind": "stall", "rank": 1, "pid": 43, "seconds": 3.0}) + "\n"
+        + '{"t_wall": 1')  # a line torn by a crash is left out
+    faults = injected_faults(tmp_path)
+    assert [f["rank"] for f in faults] == [3, 1]
+    assert add_injected(path, faults) == 2
+    events = read_recording(path)
+    added = [e for e in events if e.event == EventKind.FAULT_INJECTED]
+    assert [(e.rank, e.data["kind"], e.data["source"], round(e.t, 3)) for e in added] == [
+        (3, "kill", "dashboard", 1.5), (1, "stall", "dashboard", 4.0)]
+    summary = events[-1]
+    assert summary.event == EventKind.SUMMARY
+    assert summary.data["faults_injected"] == 4 and summary.data["faults_from_page"] == 2
+    assert add_injected(tmp_path / "missing.jsonl", faults) == 0
+
+
+def test_partition_is_refused_with_the_reason_when_ranks_share_one_network(job):
+    assert _wait(lambda: len(job.ranks()) == 2), job.log_tail()
+    why = job.partition_why_not(0)
+    assert why is not None and "network namespaces" in why
+    with pytest.raises(LookupError, match="network namespaces"):
+        job.partition_rank(0, 1.0)
+    assert job.injected == [] and not (job.work / "injected.jsonl").exists()  # nothing sent, nothing recorded
+    assert "no running process" in job.partition_why_not(5)

@@ -261,6 +261,8 @@ def test_live_page_runs_a_recovery_and_shows_the_verdict():
     for widget, value in zip(at.number_input, (2, 8, 1, 2)):  # ranks, steps, faults, checkpoint every
         widget.set_value(value)
     at.toggle(key="live_baselines").set_value(False)
+    at.toggle(key="live_hold").set_value(False)  # the planned fault alone, nothing sent by hand
+    at.selectbox(key="live_pace_start").set_value("full speed")
     at.button[0].click().run()  # Start cluster and train
     assert not at.error, [e.value for e in at.error]
     deadline = time.monotonic() + 200
