@@ -206,9 +206,11 @@ class Launch:
                 pass
 
     def wait(self, on_exit: Callable[["Launch", int, int], None] | None = None,
-             poll_s: float = 0.02) -> list[RankResult]:
+             poll_s: float = 0.02, on_tick: Callable[["Launch"], None] | None = None) -> list[RankResult]:
         """Wait for every rank; ``on_exit(launch, rank, returncode)`` sees each non-zero exit
-        as it happens (it may call :meth:`replace`). Kills everything at the deadline."""
+        as it happens (it may call :meth:`replace`); ``on_tick(launch)`` runs every poll (it
+        may call :meth:`kill`, e.g. for a rank the job declared lost). Kills everything at the
+        deadline."""
         seen: dict[tuple[int, int], bool] = {}
         timed_out = False
         while True:
@@ -226,6 +228,8 @@ class Launch:
                         running = True
             if not running:
                 break
+            if on_tick is not None:
+                on_tick(self)
             if time.monotonic() > self._deadline:
                 timed_out = True
                 self.kill_all()

@@ -46,7 +46,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from .faults import Fault, FaultInjector
-    from .outcome import Drill, FaultRecord, RankOutcome, RetiredSummary
+    from dataclasses import asdict
+
+    from .outcome import Drill, FaultRecord, PeerCopyReport, RankOutcome, RetiredSummary
     from .runtime import resilient
     from .config import RecoveryConfig
     from .session import start_session
@@ -63,7 +65,8 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
                             group_create_s=args["group_create_s"],
                             checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
                             count_dispatch=args.get("count_dispatch", False),
-                            restore_rng=args.get("restore_rng", True), heartbeat=args.get("heartbeat", False))
+                            restore_rng=args.get("restore_rng", True), heartbeat=args.get("heartbeat", False),
+                            peer_copies=int(args.get("peer_copies", 0)), max_rounds=int(args.get("max_rounds", 4)))
     t_start = time.time()
     session = start_session(config, workload.mesh.shape, workload.mesh.names)
     rank, steps = session.rank, int(args["steps"])
@@ -127,5 +130,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         outcome = RankOutcome(
             rank, session.incarnation, digest(state), tuple(r.to_dict() for r in rt.recoveries), counts, retired,
             tuple(sorted(g.group_name for g in session.groups.values())), tuple(step_s), session.generation, drill,
-            t_start, t_caught_up, t_loaded, regions, compiled_graphs, records)
+            t_start, t_caught_up, t_loaded, regions, compiled_graphs, records,
+            storage_bytes_read=rt.storage_bytes_read,
+            peer=PeerCopyReport(**asdict(rt.peers.counters)) if rt.peers is not None else None)
     return outcome.to_dict()
