@@ -135,10 +135,15 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
                             f"replacement; the {len(members)} others continue without them", members, missing, raw)
     if missing:
         return fallback(f"rank(s) {list(missing)} did not answer on the control channel within {timeout_s:.2f} s")
-    stale = {r: p.generation for r, p in proposals.items() if p.generation != group_generation}
+    # a rank holding state from an older generation than another's missed a recovery; ranks all at
+    # one older generation never acted on a decided round (its groups could not be built: a rank
+    # died after proposing), which leaves their states as good as they were
+    held = {p.generation for p in proposals.values() if p.intact}
+    newest = group_generation if group_generation in held or not held else max(held)
+    stale = {r: p.generation for r, p in proposals.items() if p.intact and p.generation != newest}
     if stale:
         return fallback(f"stale generation: rank(s) {stale} (rank: generation) differ from the group's "
-                        f"generation {group_generation}")
+                        f"generation {newest}")
     asked = {r: p.restore_before for r, p in proposals.items() if p.restore_before is not None}
     if asked:
         return fallback(f"rank(s) {sorted(asked)} asked for a checkpoint restore from before step "

@@ -42,6 +42,7 @@ def _has_compiled(model: Any) -> bool:
 
 def worker(args: dict[str, Any]) -> dict[str, Any]:
     import os
+    import signal
 
     import torch
 
@@ -54,6 +55,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     from .session import start_session
     from .state import digest, job_state
     from .workload import WorkloadError, built, load_workload
+    from ..launcher import await_promotion
 
     torch.manual_seed(0)  # every generator a step can draw from starts the same in every run
     random.seed(0)
@@ -61,6 +63,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         sys.modules["numpy"].random.seed(0)
     world = int(os.environ["WORLD_SIZE"])
     workload = load_workload(args["workload"], world)
+    await_promotion()  # a warm spare waits here, imports done, until it is handed a lost rank
     config = RecoveryConfig(data_timeout_s=args["data_timeout_s"], process_start_s=args["process_start_s"],
                             group_create_s=args["group_create_s"],
                             checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
@@ -92,6 +95,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     drill: Drill | None = None
     cold_from = args.get("cold_from")
     with resilient(model, optimizer, session, injector, batches) as rt:
+        if rank in args.get("die_after_proposing", ()) and session.incarnation == 0:
+            # dies once its proposal is in and the round decided: the others meet it building the groups
+            rt.on_decided = lambda decision: os.kill(os.getpid(), signal.SIGKILL)
         t_loaded = None
         if cold_from is not None:
             rt.restore(int(cold_from))

@@ -161,6 +161,7 @@ class Resilient:
             self.peers = peers.PeerCopier(session.rank, session.world_size, session.config.peer_copies,
                                           session.control, session.peer_server, session.config.peer_copy_timeout_s)
         self.storage_bytes_read = 0  # checkpoint bytes read by recoveries (drills and cold starts apart)
+        self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -337,6 +338,8 @@ class Resilient:
                          max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies,
                          replacement_rounds=s.config.replacement_rounds)
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
+        if self.on_decided is not None:
+            self.on_decided(decision)
         if decision.policy is Policy.EXCISE:
             raise RuntimeError(f"the group decided to excise ({decision.reason}); excision (live/recovery/"
                                "reshard.py) is not in this build")

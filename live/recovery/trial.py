@@ -51,15 +51,20 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             "checkpoint_dir": str(work / "checkpoints"), "out_dir": str(out_dir), "workload": workload,
             "faults": [f.to_dict() for f in faults], "count_dispatch": cfg.count_dispatch,
             "restore_rng": cfg.restore_rng, "heartbeat": cfg.heartbeat, "peer_copies": cfg.peer_copies,
-            "max_rounds": cfg.max_rounds, **extra}
+            "max_rounds": cfg.max_rounds,
+            "die_after_proposing": sorted({(f.rank + 1) % cfg.ranks for f in faults}) if cfg.die_after_proposing
+            else [], **extra}
     replacements = 0
 
     def on_exit(job: Launch, rank: int, rc: int) -> None:
         nonlocal replacements
-        if rc == -9:  # SIGKILL: start a replacement that joins the recovery in progress
+        if rc == -9:  # SIGKILL: a warm spare, else a new process, joins the recovery in progress
             replacements += 1
-            recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART, data={"returncode": rc})
-            job.replace(rank)
+            spare = job.promote(rank)
+            recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
+                           data={"returncode": rc, "warm_spare": spare})
+            if not spare:
+                job.replace(rank)
 
     control = None
     watch = None
@@ -77,7 +82,7 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
                                  "MESHPACT_CONTROL_PORT": str(control.port)})
         watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording)
     t_launch = time.time()
-    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, **kw) as job:
+    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)), **kw) as job:
         results = job.wait(on_exit=on_exit, on_tick=watch)
     bad = [r for r in results if not r.ok]
     if bad:
@@ -187,8 +192,8 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                 reference, _, _ = _run(cfg, workload, "reference", ref_dir.parent, (),
                                        {"checkpoint_dir": str(ref_dir.parent / "ref-checkpoints"),
                                         "out_dir": str(ref_dir)}, netns, stores, rec)
-            faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults, {"drill": cfg.baselines},
-                                            netns, stores, rec)
+            faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults,
+                                            {"drill": cfg.baselines, "spares": cfg.spare_ranks}, netns, stores, rec)
             if cfg.baselines:
                 drill = faulted[0].drill
                 assert drill is not None, "the faulted run ends with a drill when baselines are on"

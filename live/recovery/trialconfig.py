@@ -42,6 +42,8 @@ class TrialConfig:
     max_rounds: int = 4  # incomplete consensus rounds before a silent rank is declared lost
     kill_holders: bool = False  # a kill also kills the lost rank's K holders (its state is lost with them)
     two_hosts: bool = False  # ranks in two network namespaces (the lower half and the stores in the first)
+    spare_ranks: int = 0  # warm spare processes waiting to be promoted to a lost rank (faulted run)
+    die_after_proposing: bool = False  # the rank after each fault's dies once that recovery's round is decided
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fault_kind", FaultKind(self.fault_kind))
@@ -55,6 +57,9 @@ class TrialConfig:
                                 f"got {self.peer_copies}")
         if self.kill_holders and (self.fault_kind is not FaultKind.KILL or self.peer_copies < 1):
             raise MeshpactError("killing a rank with its holders needs --fault-kind kill and --peer-copies >= 1")
+        if self.spare_ranks < 0 or (self.spare_ranks and (self.two_hosts or self.fault_kind is FaultKind.PARTITION)):
+            raise MeshpactError(f"--spare-ranks must be 0 or more, and spares run on one host (not with two hosts "
+                                f"or partition faults), got {self.spare_ranks}")
         if self.steps < 2:
             raise MeshpactError(f"--steps must be at least 2, got {self.steps}")
         if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:

@@ -41,6 +41,9 @@ def recover(
     peer_copies: int = typer.Option(1, "--peer-copies", min=0, help="K: ranks holding each rank's committed state "
                                     "in host memory, so a lost rank's replacement takes it from a peer instead "
                                     "of storage (0: none; at most ranks - 1)."),
+    spare_ranks: int = typer.Option(0, "--spare-ranks", min=0, help="Warm spare processes started with the "
+                                    "ranks, waiting idle (imports done); a lost rank is handed to one instead of "
+                                    "a new process."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Inject faults into FSDP2 training on real ranks and recover in memory."""
@@ -50,7 +53,8 @@ def recover(
     cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
                       checkpoint_every=checkpoint_every, data_timeout_s=data_timeout,
                       stall_s=data_timeout + 0.5, down_s=2.0 * data_timeout, baselines=baselines,
-                      timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies)
+                      timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies,
+                      spare_ranks=spare_ranks)
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
     result = run_trial(cfg, recording_path=path)
     summary = result.summary()

@@ -193,3 +193,15 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
         copier.close()
     finally:
         other.close()
+
+
+def test_ranks_all_one_generation_behind_a_round_nobody_acted_on_are_not_stale():
+    """A rank died after proposing: the round was decided (the channel's generation moved) but
+    its groups were never built, so every survivor still holds the previous generation's state."""
+    props = {r: Proposal(r, 1, 9, "x", True, own_steps=(8, 9), host="h") for r in (0, 2, 3)}
+    props[1] = Proposal(1, 2, -1, "", False, incarnation=1, host="h")
+    props[0] = Proposal(0, 1, 9, "x", True, holds=((1, 9),), own_steps=(8, 9), host="h")
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.PEER_RESTORE and d.step == 9 and d.restore_from == ((1, 0),)
+    props[3] = Proposal(3, 0, 9, "x", True, own_steps=(9,), host="h")  # one rank truly behind
+    assert "stale generation: rank(s) {3: 0}" in decide(props, 4, 2, 3, _latest, peer_copies=1).reason
