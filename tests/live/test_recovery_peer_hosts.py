@@ -15,7 +15,7 @@ _WHY = netns_unavailable()
 
 
 def test_a_rank_dead_after_proposing_is_met_building_the_groups_then_replaced_from_its_peer():
-    result = trial(fault_kind="collective", die_after_proposing=True, process_start_s=8.0, group_create_s=8.0,
+    result = trial(fault_kind="collective", die_after_proposing=True, process_start_s=20.0, group_create_s=12.0,
                    **_RUN)
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]
