@@ -205,3 +205,28 @@ def test_ranks_all_one_generation_behind_a_round_nobody_acted_on_are_not_stale()
     assert d.policy is Policy.PEER_RESTORE and d.step == 9 and d.restore_from == ((1, 0),)
     props[3] = Proposal(3, 0, 9, "x", True, own_steps=(9,), host="h")  # one rank truly behind
     assert "stale generation: rank(s) {3: 0}" in decide(props, 4, 2, 3, _latest, peer_copies=1).reason
+
+
+def test_the_trial_reports_peer_copy_cost_in_async_checkpointings_terms():
+    from meshpact.live.recovery.analysis import TrialResult
+    from meshpact.live.recovery.outcome import PeerCopyReport, RankOutcome
+    from meshpact.live.recovery.trialconfig import TrialConfig
+
+    cfg = TrialConfig(ranks=2, steps=4, faults=1, fault_kind="kill", baselines=False, checkpoint_every=2)
+    ref = [RankOutcome(r, step_s=(0.2, 0.2, 0.2, 0.2)) for r in range(2)]
+    faulted = [RankOutcome(0, step_s=(0.25,) * 4, storage_bytes_read=0,
+                           peer=PeerCopyReport(commits=5, snapshot_s=0.05, ship_s=0.5, bytes_sent=5000,
+                                               host_bytes_peak=3000)),
+               RankOutcome(1, incarnation=1, step_s=(0.25,) * 3, storage_bytes_read=0,
+                           peer=PeerCopyReport(commits=4, snapshot_s=0.04, ship_s=0.4, bytes_sent=4000,
+                                               host_bytes_peak=4000))]
+    result = TrialResult(cfg, (), ref, faulted, None, {}, True, [], 1, "r.jsonl")
+    over = result.peer_copy_overhead()
+    assert over["step_latency"] == pytest.approx(0.25)
+    assert over["host_bytes_per_rank"] == 4000  # the most any rank held
+    assert over["network_bytes_per_step"] == 2000  # 1000 bytes per commit from each of the two ranks
+    assert over["network_bytes_per_hour"] == pytest.approx(2000 * 3600 / 0.25)
+    assert over["snapshot_ms_per_commit"] == pytest.approx(10.0)
+    assert result.summary()["storage_bytes_read"] == 0 and result.summary()["final_world_size"] == 2
+    none = TrialResult(cfg, (), ref, [RankOutcome(0), RankOutcome(1)], None, {}, True, [], 0, "r.jsonl")
+    assert none.peer_copy_overhead() is None
