@@ -17,8 +17,11 @@ Measures on this machine, in one run:
 Prints a table for people and one JSON line (the last line) for machines.
 - stalled ranks found by the heartbeat under a 30 s data-path timeout
   (``stall_detect_ms_p50``: injection to the first rank knowing).
+- peer copies (``peer_copy``, beside ``async_checkpoint``): killed ranks restored from a peer's
+  host memory against the same kills restored from the checkpoint (two runs, K=1 and K=0):
+  step-latency overhead, host bytes per rank, network bytes per hour, and downtime per kill.
 
-Usage: ``python bench/recovery.py [--recoveries 100] [--quick] [--commit-only] [--stall-only]``.
+Usage: ``python bench/recovery.py [--recoveries 100] [--quick] [--commit-only] [--stall-only] [--peer-only]``.
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not the numbers)")
     ap.add_argument("--commit-only", action="store_true", help="only the commit overhead by state size")
     ap.add_argument("--stall-only", action="store_true", help="only stall detection by heartbeat")
+    ap.add_argument("--peer-only", action="store_true", help="only peer copies against checkpoint restore")
     ns = ap.parse_args(argv)
     rounds = 2 if ns.quick else 6
     out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
@@ -87,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.stall_only:
         rows += stall_detection(out, 3 if ns.quick else 10)
+        _report(rows, out)
+        return 0
+    if ns.peer_only:
+        rows += peer_copies(out, 1 if ns.quick else 3)
         _report(rows, out)
         return 0
 
@@ -185,9 +193,61 @@ def main(argv: list[str] | None = None) -> int:
          f"{a['host_bytes'] / 1e6:.2f} MB / {a['storage_bytes_per_hour'] / 1e9:.1f} GB"),
     ]
 
+    rows += peer_copies(out, 1 if ns.quick else 3)
     rows += stall_detection(out, 3 if ns.quick else 10)
     _report(rows, out)
     return 0
+
+
+def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
+    """``kills`` SIGKILLed ranks at 4 ranks, twice: with one peer copy per rank (each
+    replacement fetches from a holder) and with none (each kill reloads the checkpoint on
+    every rank). Downtime per kill is the fault's injection to every rank through the new
+    group's first collective and the replay, replacement process start included in both."""
+    runs = {}
+    for k in (1, 0):
+        runs[k] = run_trial(TrialConfig(ranks=4, steps=16, faults=kills, fault_kind="kill", checkpoint_every=4,
+                                        peer_copies=k, baselines=(k == 1)))
+    peer, ckpt = runs[1], runs[0]
+
+    def per_kill(result: Any, policy: str) -> float | None:
+        vals = [r["downtime_s"] for r in result.recoveries() if r["policy"] == policy and r["downtime_s"] is not None]
+        return statistics.median(vals) if vals else None
+
+    stats = peer.peer_copy_stats()
+    baseline = peer.downtime()
+    out["peer_copy"] = {
+        "overhead": stats.overhead if stats and stats.step_s_without else None,
+        "step_ms_without": stats.step_s_without * 1e3 if stats else None,
+        "step_ms_with": stats.step_s_with * 1e3 if stats else None,
+        "host_bytes_per_rank": stats.host_bytes if stats else None,
+        "network_bytes_per_hour": stats.bytes_per_hour if stats else None,
+        "kills": kills, "bit_identical": peer.bit_identical and ckpt.bit_identical,
+        "policy_counts_k1": peer.policy_counts(), "policy_counts_k0": ckpt.policy_counts(),
+        "storage_bytes_read_k1": peer.storage_bytes_read(), "storage_bytes_read_k0": ckpt.storage_bytes_read(),
+    }
+    out["downtime_per_kill_s"] = {"peer_restore": per_kill(peer, "peer_restore"),
+                                  "checkpoint_restore": per_kill(ckpt, "checkpoint_restore"),
+                                  "checkpoint_restore_in_job_no_process_start": baseline["checkpoint_restore"],
+                                  "cold_restart": baseline["cold_restart"]}
+    p, d = out["peer_copy"], out["downtime_per_kill_s"]
+
+    def f(x: float | None, fmt: str = ".2f") -> str:
+        return "-" if x is None else format(x, fmt)
+
+    return [
+        ("peer copy (K=1) every update: step ms without / with (overhead)",
+         f"{f(p['step_ms_without'], '.1f')} / {f(p['step_ms_with'], '.1f')} "
+         f"({'-' if p['overhead'] is None else format(p['overhead'] * 100, '+.1f')}%)"),
+        ("peer copy: host memory per rank / network per hour (whole job)",
+         f"{(p['host_bytes_per_rank'] or 0) / 1e6:.2f} MB / {(p['network_bytes_per_hour'] or 0) / 1e9:.1f} GB"),
+        (f"downtime per kill, {kills} kills at 4 ranks: peer restore / checkpoint restore (s)",
+         f"{f(d['peer_restore'])} / {f(d['checkpoint_restore'])}"),
+        ("  baselines of the same run: in-job checkpoint restore (no process start) / cold restart (s)",
+         f"{f(d['checkpoint_restore_in_job_no_process_start'])} / {f(d['cold_restart'])}"),
+        ("storage read by recoveries: peer / checkpoint (bytes); bit-identical",
+         f"{p['storage_bytes_read_k1']} / {p['storage_bytes_read_k0']}; {p['bit_identical']}"),
+    ]
 
 
 def stall_detection(out: dict[str, Any], faults: int) -> list[tuple[str, str]]:

@@ -11,6 +11,11 @@ and it can start a replacement for one rank while the others keep running.
 A worker function takes one ``dict`` of JSON arguments and returns a JSON-serialisable value;
 the launcher collects each rank's value. Everything stops by itself: a deadline kills every
 child still running, and so does leaving the ``with`` block or the interpreter.
+
+Warm spares (``spares=N``): N more processes of the same target start with the ranks and wait
+idle, warmed up (imports done), in :func:`await_promotion`; when a rank dies,
+:meth:`Launch.promote` hands its rank to a waiting spare (a file in the launch's directory,
+so no network is involved) instead of starting a cold replacement.
 """
 
 from __future__ import annotations
@@ -45,10 +50,12 @@ __all__ = [
     "host_store",
     "worker_env",
     "write_result",
+    "await_promotion",
 ]
 
 RESULT_DIR_ENV = "MESHPACT_RESULT_DIR"
 ARGS_ENV = "MESHPACT_WORKER_ARGS"
+SPARE_ENV = "MESHPACT_SPARE"  # set in a warm spare: its index, until it is promoted to a rank
 
 
 class LaunchError(MeshpactError):
@@ -124,9 +131,13 @@ class Launch:
         env: Callable[[int], Mapping[str, str]] | None = None,
         prefix: Callable[[int], Sequence[str]] | None = None,
         python: str = sys.executable,
+        spares: int = 0,
     ) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
+        if spares < 0 or (spares and prefix is not None):
+            raise LaunchError(f"spares must be 0 or more and run on the launcher's own host (no prefix), got "
+                              f"{spares}{' with a prefix' if prefix is not None else ''}")
         _resolve(target)  # a bad target is reported here, not N times in the children
         self.target = target
         self.world_size = world_size
@@ -142,6 +153,8 @@ class Launch:
         self._procs: dict[int, subprocess.Popen] = {}
         self._incarnation: dict[int, int] = {}
         self._stderr: dict[int, Any] = {}
+        self.spares = spares
+        self._spares: dict[int, tuple[subprocess.Popen, Any]] = {}  # index -> waiting spare, its stderr
         self._deadline = time.monotonic() + self.timeout_s
         atexit.register(self.kill_all)
 
@@ -150,9 +163,11 @@ class Launch:
         (self._dir / "args.json").write_text(json.dumps(self.args))
         for rank in range(self.world_size):
             self._spawn(rank, incarnation=0)
+        for i in range(self.spares):
+            self._spawn(0, incarnation=0, spare=i)
         return self
 
-    def _spawn(self, rank: int, incarnation: int) -> None:
+    def _spawn(self, rank: int, incarnation: int, spare: int | None = None) -> None:
         env = dict(os.environ)
         env.update(worker_env(rank, self.world_size, self.master_addr, self.master_port))
         env[RESULT_DIR_ENV] = str(self._dir)
@@ -161,13 +176,37 @@ class Launch:
         env.setdefault("OMP_NUM_THREADS", "1")
         if self._extra_env is not None:
             env.update({k: str(v) for k, v in self._extra_env(rank).items()})
+        if spare is not None:
+            env[SPARE_ENV] = str(spare)
         cmd = [*(self._prefix(rank) if self._prefix else ()), self._python, "-m", "meshpact.live.launcher",
                "--target", self.target]
-        err = open(self._dir / f"stderr-{rank}-{incarnation}.txt", "w+b")
+        name = f"spare{spare}" if spare is not None else f"{rank}-{incarnation}"
+        err = open(self._dir / f"stderr-{name}.txt", "w+b")
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        if spare is not None:
+            self._spares[spare] = (proc, err)
+            return
         self._stderr[rank] = err
-        self._procs[rank] = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err,
-                                             start_new_session=True)
+        self._procs[rank] = proc
         self._incarnation[rank] = incarnation
+
+    def promote(self, rank: int) -> bool:
+        """Hand ``rank`` (whose process has exited) to a waiting warm spare; False if none is left."""
+        old = self._procs[rank]
+        if old.poll() is None:
+            raise LaunchError(f"rank {rank} (pid {old.pid}) is still running; kill it before replacing it")
+        for i, (proc, err) in sorted(self._spares.items()):
+            if proc.poll() is not None:
+                continue
+            del self._spares[i]
+            incarnation = self._incarnation[rank] + 1
+            path = self._dir / f"spare-{i}.json"
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps({"rank": rank, "incarnation": incarnation}))
+            os.replace(tmp, path)
+            self._procs[rank], self._stderr[rank], self._incarnation[rank] = proc, err, incarnation
+            return True
+        return False
 
     def pid(self, rank: int) -> int:
         return self._procs[rank].pid
@@ -193,22 +232,24 @@ class Launch:
             p.send_signal(sig)
 
     def kill_all(self) -> None:
-        for p in list(self._procs.values()):
+        for p in [*self._procs.values(), *(sp for sp, _ in self._spares.values())]:
             if p.poll() is None:
                 try:
                     os.killpg(p.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     p.kill()
-        for p in list(self._procs.values()):
+        for p in [*self._procs.values(), *(sp for sp, _ in self._spares.values())]:
             try:
                 p.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
 
     def wait(self, on_exit: Callable[["Launch", int, int], None] | None = None,
-             poll_s: float = 0.02) -> list[RankResult]:
+             poll_s: float = 0.02, on_tick: Callable[["Launch"], None] | None = None) -> list[RankResult]:
         """Wait for every rank; ``on_exit(launch, rank, returncode)`` sees each non-zero exit
-        as it happens (it may call :meth:`replace`). Kills everything at the deadline."""
+        as it happens (it may call :meth:`replace`); ``on_tick(launch)`` runs every poll (it
+        may call :meth:`kill`, e.g. for a rank the job declared lost). Kills everything at the
+        deadline."""
         seen: dict[tuple[int, int], bool] = {}
         timed_out = False
         while True:
@@ -226,6 +267,8 @@ class Launch:
                         running = True
             if not running:
                 break
+            if on_tick is not None:
+                on_tick(self)
             if time.monotonic() > self._deadline:
                 timed_out = True
                 self.kill_all()
@@ -252,7 +295,7 @@ class Launch:
         """Kill what still runs and remove the launch's scratch directory (results and
         stderr are read before; set ``MESHPACT_KEEP_LAUNCH_DIR=1`` to keep it for debugging)."""
         self.kill_all()
-        for err in self._stderr.values():
+        for err in [*self._stderr.values(), *(e for _, e in self._spares.values())]:
             err.close()
         self._store = None
         atexit.unregister(self.kill_all)
@@ -295,6 +338,27 @@ def write_result(value: Any) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
+
+
+def await_promotion(poll_s: float = 0.01) -> int | None:
+    """In a warm spare (:data:`SPARE_ENV` set): wait until the launcher hands it a rank, then
+    take that rank's environment (``RANK``, ``LOCAL_RANK``, ``MESHPACT_INCARNATION``) and return
+    it; elsewhere return None at once. A spare whose launcher is gone exits."""
+    index = os.environ.get(SPARE_ENV)
+    if index is None:
+        return None
+    path = Path(os.environ[RESULT_DIR_ENV]) / f"spare-{index}.json"
+    parent = os.getppid()
+    while not path.exists():
+        if os.getppid() != parent:
+            sys.exit(0)
+        time.sleep(poll_s)
+    assignment = json.loads(path.read_text())
+    rank = int(assignment["rank"])
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank),
+                       "MESHPACT_INCARNATION": str(int(assignment["incarnation"]))})
+    del os.environ[SPARE_ENV]
+    return rank
 
 
 def worker_args() -> dict:
@@ -340,10 +404,15 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 
 def echo(args: dict) -> dict:
-    """A diagnostic worker: joins the rendezvous store and reports its environment."""
+    """A diagnostic worker: joins the rendezvous store and reports its environment. A first
+    process of a rank in ``fail_ranks`` exits with 3 at once (for replacement tests)."""
     import torch.distributed as dist
 
+    await_promotion()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
+    if rank in args.get("fail_ranks", ()) and incarnation == 0:
+        sys.exit(3)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
                           timeout=timedelta(seconds=float(args.get("timeout_s", 30))))
     store.add("echo/arrived", 1)
@@ -353,7 +422,7 @@ def echo(args: dict) -> dict:
     if args.get("exit_code"):
         sys.exit(int(args["exit_code"]))
     return {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
-            "pid": os.getpid(), "args": args}
+            "pid": os.getpid(), "args": args, "incarnation": incarnation}
 
 
 if __name__ == "__main__":  # pragma: no cover

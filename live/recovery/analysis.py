@@ -122,8 +122,50 @@ class TrialResult:
         if self.cold and self.cold_launch_wall is not None:
             caught_up = max(r.t_caught_up_wall for r in self.cold)
             cold = self.outage_s(det, restart=True) + caught_up - self.cold_launch_wall
+        peer = [r["downtime_s"] for r in recs
+                if r["policy"] == Policy.PEER_RESTORE.value and r["downtime_s"] is not None]
         return {Policy.IN_MEMORY.value: statistics.median(mem) if mem else None,
+                Policy.PEER_RESTORE.value: statistics.median(peer) if peer else None,
                 Policy.CHECKPOINT_RESTORE.value: ckpt, Policy.COLD_RESTART.value: cold}
+
+    def storage_bytes_read(self) -> int:
+        """Checkpoint bytes read by the faulted run's recoveries (the drill and cold restart apart)."""
+        return sum(o.storage_bytes_read for o in self.faulted)
+
+    def peer_copy_stats(self) -> Any:
+        """What the peer copies cost, in async checkpointing's terms
+        (:class:`~meshpact.live.recovery.checkpoint.AsyncCheckpointStats`): median step without
+        (the fault-free reference, when it ran in this trial) and with copies, the most host
+        memory one rank held (own snapshots plus the copies it holds), bytes the whole job ships
+        per step, and the mean shipping time; None without peer copies."""
+        from .checkpoint import AsyncCheckpointStats
+
+        reports = [o.peer for o in self.faulted if o.peer is not None and o.peer.commits]
+        if not reports:
+            return None
+        with_ = [s for o in self.faulted for s in o.step_s]
+        without = [s for o in self.reference for s in o.step_s]
+        commits = max(p.commits for p in reports)
+        return AsyncCheckpointStats(
+            steps=commits, step_s_without=statistics.median(without) if without else 0.0,
+            step_s_with=statistics.median(with_) if with_ else 0.0,
+            host_bytes=max(p.host_bytes_peak for p in reports),
+            bytes_per_step=int(sum(p.bytes_sent / p.commits for p in reports)),
+            write_s_mean=statistics.mean(p.ship_s / p.commits for p in reports))
+
+    def peer_copy_overhead(self) -> dict[str, Any] | None:
+        """The ``--json`` view of :meth:`peer_copy_stats`."""
+        stats = self.peer_copy_stats()
+        if stats is None:
+            return None
+        reports = [o.peer for o in self.faulted if o.peer is not None and o.peer.commits]
+        return {"copies": self.config.peer_copies,
+                "step_latency": stats.overhead if stats.step_s_without else None,
+                "step_ms_without": stats.step_s_without * 1e3 or None, "step_ms_with": stats.step_s_with * 1e3,
+                "snapshot_ms_per_commit": 1e3 * statistics.mean(p.snapshot_s / p.commits for p in reports),
+                "host_bytes_per_rank": stats.host_bytes, "network_bytes_per_step": stats.bytes_per_step,
+                "network_bytes_per_hour": stats.bytes_per_hour, "ship_ms_mean": stats.write_s_mean * 1e3,
+                "copies_failed": sum(p.failed for p in reports)}
 
     def outage_s(self, detection_s: float, restart: bool) -> float:
         """How long after the fault a baseline can start its own work: detection, or longer
@@ -162,8 +204,11 @@ class TrialResult:
             "policy_counts": self.policy_counts(),
             "rebind_ms": {"median": statistics.median(rebind) if rebind else None,
                           "max": max(rebind) if rebind else None},
-            "downtime_s": {"in_memory": down["in_memory"], "checkpoint_restore": down["checkpoint_restore"],
-                           "cold_restart": down["cold_restart"]},
+            "downtime_s": {"in_memory": down["in_memory"], "peer_restore": down["peer_restore"],
+                           "checkpoint_restore": down["checkpoint_restore"], "cold_restart": down["cold_restart"]},
+            "storage_bytes_read": self.storage_bytes_read(),
+            "final_world_size": len(self.faulted),
+            "peer_copy_overhead": self.peer_copy_overhead(),
             "recording": self.recording,
             "recovery_ms": {"median": statistics.median([r["recovery_s"] * 1e3 for r in recs]) if recs else None,
                             "max": max([r["recovery_s"] * 1e3 for r in recs], default=None)},

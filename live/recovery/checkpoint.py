@@ -40,6 +40,7 @@ class Checkpointer:
         self.world_size = world_size
         self.every = every
         self.bytes_written = 0
+        self.bytes_read = 0  # by load(): what restores cost in storage reads
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -70,7 +71,9 @@ class Checkpointer:
         raise FileNotFoundError(f"no complete checkpoint at or before step {limit} in {self.directory}")
 
     def load(self, step: int) -> dict[str, torch.Tensor]:
-        return torch.load(self.path(step), weights_only=True)
+        path = self.path(step)
+        self.bytes_read += path.stat().st_size
+        return torch.load(path, weights_only=True)
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """Recovery settings: every timeout of a resilient job derived from a few stated inputs.
 
-A resilient job waits in six places: the heartbeat (a rank that stops beating), a data-path
+A resilient job waits in eight places: the heartbeat (a rank that stops beating), a data-path
 collective, a consensus round on the control channel, building a new group, the launcher's
-deadline and the bound after which a silent rank is declared lost. Each was once a constant
+deadline, the bound after which a silent rank is declared lost, the bound by which its
+replacement must join, and a peer copy's send or fetch. Each was once a constant
 picked where it was used; here each is a derived property of one :class:`RecoveryConfig`,
 from inputs a user can reason about (how long a replacement process takes to start, how long
 a group takes to connect, how long a step takes), and an ordering that cannot work is refused
@@ -66,6 +67,8 @@ class RecoveryConfig:
     restore_rng: bool = True  # restore every generator before a step is re-run (off only to prove it matters)
     vendor: str = field(default_factory=lambda: os.environ.get("MESHPACT_VENDOR", "cuda"))  # nccl where CUDA is
     prefer_reconfigure: bool = True  # use ProcessGroup.reconfigure where torch has it (2.14+)
+    peer_copies: int = 0  # K: ranks holding a copy of each rank's committed state in host memory (peers.py)
+    replacement_rounds: int = 2  # rounds waited for a replacement after a rank is declared lost
 
     def __post_init__(self) -> None:
         for name in ("data_timeout_s", "heartbeat_interval_s", "process_start_s", "group_create_s", "step_s",
@@ -73,9 +76,11 @@ class RecoveryConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise TimeoutOrderError(f"{name} must be a positive number of seconds, got {value}")
-        for name in ("heartbeat_misses", "max_rounds"):
+        for name in ("heartbeat_misses", "max_rounds", "replacement_rounds"):
             if getattr(self, name) < 1:
                 raise TimeoutOrderError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.peer_copies < 0:
+            raise TimeoutOrderError(f"peer_copies must be 0 or more, got {self.peer_copies}")
         if self.consensus_round_s < self.group_create_s:
             raise TimeoutOrderError(
                 f"the consensus round ({self.consensus_round_s:g} s) is shorter than group creation "
@@ -129,6 +134,17 @@ class RecoveryConfig:
         return self.max_rounds * self.consensus_round_s
 
     @property
+    def replacement_bound_s(self) -> float:
+        """A lost rank's replacement must join by then, or consensus gives up: the rank-loss
+        bound, then ``replacement_rounds`` more rounds (each covers a process start)."""
+        return (self.max_rounds + self.replacement_rounds) * self.consensus_round_s
+
+    @property
+    def peer_copy_timeout_s(self) -> float:
+        """Sending one peer copy, or a replacement fetching one: a connection as slow as a group's."""
+        return self.group_create_s
+
+    @property
     def recovery_bound_s(self) -> float:
         """The longest a recovery that succeeds can take: detection, one round, group creation."""
         return self.detection_bound_s + self.consensus_round_s + self.group_create_s
@@ -136,9 +152,10 @@ class RecoveryConfig:
     def launcher_deadline_s(self, steps: int, faults: int, per_fault_s: float = 0.0) -> float:
         """When the launcher stops a job of ``steps`` steps and ``faults`` faults (each lasting
         ``per_fault_s`` itself, e.g. a stall): starting, warm-up, the steps, a bounded recovery
-        per fault, and the rank-loss bound once (a lost rank ends the job)."""
+        per fault, and the replacement bound once (a rank declared lost and replaced, or the
+        job ended)."""
         return (self.store_connect_s + self.warmup_s + steps * self.step_s
-                + faults * (self.recovery_bound_s + per_fault_s) + self.rank_loss_bound_s)
+                + faults * (self.recovery_bound_s + per_fault_s) + self.replacement_bound_s)
 
     def check_deadline(self, deadline_s: float) -> None:
         """Refuse a launcher deadline shorter than the rank-loss bound."""
@@ -168,6 +185,8 @@ class RecoveryConfig:
              "max(process_start_s, group_create_s)"),
             ("group creation (connect)", self.connect_timeout_s, "group_create_s"),
             ("store connect", self.store_connect_s, "process_start_s + group_create_s"),
-            ("rank-loss bound", self.rank_loss_bound_s, "max_rounds x consensus round"),
+            ("rank-loss bound (declared lost)", self.rank_loss_bound_s, "max_rounds x consensus round"),
+            ("replacement bound", self.replacement_bound_s, "(max_rounds + replacement_rounds) x consensus round"),
+            ("peer copy send / fetch", self.peer_copy_timeout_s, "group_create_s"),
             ("one recovery, at most", self.recovery_bound_s, "detection + consensus round + group creation"),
         ]

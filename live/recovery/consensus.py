@@ -12,22 +12,34 @@ No split brain: each round's decision is written once (compare-and-set on the co
 channel); every rank adopts the stored decision, whichever rank wrote it, so two ranks
 never resume at different steps or generations. A rank's view that timed out and a view
 that saw everyone cannot both win.
+
+Rank loss. A proposal also says which peer copies the rank holds in host memory
+(:mod:`.peers`) and which of its own snapshots it keeps. When some ranks hold no intact
+state (a replacement process) the decision is ``peer_restore`` if one step is held for every
+rank (the survivors' own state or snapshot, a live holder's copy for each lost rank), naming
+the holder each replacement fetches from; ``checkpoint_restore`` if a lost rank's state went
+with all its holders; and, where the job asked to excise, ``excise`` once the lost ranks are
+declared lost with no replacement. A rank missing from ``max_rounds`` incomplete rounds in a
+row is *declared lost* (``lost/round<k>`` on the channel, which the launcher watches to kill
+and replace it); the rounds then wait ``replacement_rounds`` more for its replacement before
+giving up with :class:`ConsensusError`.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from meshpact.core.recovery import Policy
 
 from .control import ControlChannel, ControlTimeout
 
 __all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
-           "loss_bound_s"]
+           "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY"]
 
 ROUND_KEY = "round"  # the last round decided, complete or not
 GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
+LOST_KEY = "lost/round"  # lost/round<k>: the ranks declared lost in round k (the launcher replaces them)
 
 
 class ConsensusError(RuntimeError):
@@ -43,14 +55,19 @@ class Proposal:
     intact: bool  # digest equals the one taken when committed_step was committed
     incarnation: int = 0  # 0 for the first process of this rank, 1.. for replacements
     restore_before: int | None = None  # asks for a checkpoint restore from before this step (a drill)
+    holds: tuple[tuple[int, int], ...] = ()  # (source rank, step) of each peer copy held in host memory
+    own_steps: tuple[int, ...] = ()  # steps of this rank's own snapshots kept in host memory
+    host: str = ""  # the host the rank is on (peer placement prefers other hosts)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Proposal":
-        return cls(**{k: d[k] for k in ("rank", "generation", "committed_step", "digest", "intact", "incarnation",
-                                         "restore_before") if k in d})
+        kw = {k: d[k] for k in ("rank", "generation", "committed_step", "digest", "intact", "incarnation",
+                                "restore_before", "host") if k in d}
+        return cls(**kw, holds=tuple((int(a), int(b)) for a, b in d.get("holds", ())),
+                   own_steps=tuple(int(x) for x in d.get("own_steps", ())))
 
 
 @dataclass(frozen=True)
@@ -62,22 +79,29 @@ class Decision:
     members: tuple[int, ...] = ()
     missing: tuple[int, ...] = ()
     proposals: dict[int, dict[str, Any]] = field(default_factory=dict)
+    restore_from: tuple[tuple[int, int], ...] = ()  # peer_restore: (rank, the rank holding its copy at step)
 
     def to_dict(self) -> dict[str, Any]:
         return {"round": self.round, "policy": self.policy.value, "step": self.step, "reason": self.reason,
                 "members": list(self.members), "missing": list(self.missing),
-                "proposals": {str(k): v for k, v in self.proposals.items()}}
+                "proposals": {str(k): v for k, v in self.proposals.items()},
+                "restore_from": [list(p) for p in self.restore_from]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Decision":
         return cls(int(d["round"]), Policy(d["policy"]), int(d["step"]), str(d["reason"]),
                    tuple(d.get("members", ())), tuple(d.get("missing", ())),
-                   {int(k): v for k, v in d.get("proposals", {}).items()})
+                   {int(k): v for k, v in d.get("proposals", {}).items()},
+                   tuple((int(a), int(b)) for a, b in d.get("restore_from", ())))
 
     def summary(self) -> dict[str, Any]:
         """What an event records of the decision (no proposals)."""
         return {"policy": self.policy.value, "round": self.round, "step": self.step, "reason": self.reason,
-                "missing": list(self.missing)}
+                "missing": list(self.missing), "restore_from": [list(p) for p in self.restore_from]}
+
+    def holder_of(self, rank: int) -> int | None:
+        """The rank ``rank`` takes its state from in a peer restore (itself: its own snapshot)."""
+        return dict(self.restore_from).get(rank)
 
     @property
     def in_memory(self) -> bool:
@@ -85,10 +109,14 @@ class Decision:
 
 
 def decide(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
-           checkpoint_step: Callable[[int], int], timeout_s: float = 0.0) -> Decision:
+           checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, *, peer_copies: int = 0,
+           on_rank_loss: Policy = Policy.PEER_RESTORE, declared: Sequence[int] = ()) -> Decision:
     """The group's answer to one round of proposals (pure; every rank would compute the same).
 
-    ``checkpoint_step(limit)`` returns the newest complete checkpoint at or before ``limit``.
+    ``checkpoint_step(limit)`` returns the newest complete checkpoint at or before ``limit``;
+    ``peer_copies`` is K of the job's peer copies (0: none kept); ``declared`` the ranks
+    already declared lost; ``on_rank_loss`` is ``PEER_RESTORE`` (wait for a replacement) or
+    ``EXCISE`` (continue without the declared ranks).
     """
     members = tuple(sorted(proposals))
     missing = tuple(r for r in range(world_size) if r not in proposals)
@@ -100,20 +128,43 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
         limit = max(min(steps), 0) if steps else 0
         return Decision(round, Policy.CHECKPOINT_RESTORE, checkpoint_step(limit), reason, members, missing, raw)
 
+    if missing and on_rank_loss is Policy.EXCISE and set(missing) <= set(declared) and members:
+        steps = sorted({p.committed_step for p in proposals.values() if p.intact})
+        if len(steps) == 1:
+            return Decision(round, Policy.EXCISE, steps[0], f"rank(s) {list(missing)} declared lost with no "
+                            f"replacement; the {len(members)} others continue without them", members, missing, raw)
     if missing:
         return fallback(f"rank(s) {list(missing)} did not answer on the control channel within {timeout_s:.2f} s")
-    stale = {r: p.generation for r, p in proposals.items() if p.generation != group_generation}
+    # a rank holding state from an older generation than another's missed a recovery; ranks all at
+    # one older generation never acted on a decided round (its groups could not be built: a rank
+    # died after proposing), which leaves their states as good as they were
+    held = {p.generation for p in proposals.values() if p.intact}
+    newest = group_generation if group_generation in held or not held else max(held)
+    stale = {r: p.generation for r, p in proposals.items() if p.intact and p.generation != newest}
     if stale:
         return fallback(f"stale generation: rank(s) {stale} (rank: generation) differ from the group's "
-                        f"generation {group_generation}")
+                        f"generation {newest}")
     asked = {r: p.restore_before for r, p in proposals.items() if p.restore_before is not None}
     if asked:
         return fallback(f"rank(s) {sorted(asked)} asked for a checkpoint restore from before step "
                         f"{min(asked.values())} (a drill)")
-    broken = [r for r, p in proposals.items() if not p.intact]
+    broken = sorted(r for r, p in proposals.items() if not p.intact)
     if broken:
-        return fallback(f"rank(s) {broken} hold no intact state in memory (replacement process, or the "
-                        "digest differs from the one taken at the commit)")
+        why = (f"rank(s) {broken} hold no intact state in memory (replacement process, or the "
+               "digest differs from the one taken at the commit)")
+        plan = _peer_plan(proposals, world_size, broken, peer_copies)
+        if isinstance(plan, str):
+            return fallback(f"{why}; {plan}")
+        step, sources = plan
+        survivors = [r for r in members if r not in broken]
+        behind = sorted(r for r in survivors if proposals[r].committed_step > step)
+        note = (f"; rank(s) {behind} roll back to it from their own snapshot (the lost rank's newer copy was "
+                "still in flight)") if behind else ""
+        return Decision(round, Policy.PEER_RESTORE, step,
+                        f"{why}; copies at step {step} from holder(s) "
+                        + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
+                        + f"; the other {len(survivors)} rank(s) keep their state in memory{note}",
+                        members, missing, raw, sources)
     steps = {p.committed_step for p in proposals.values()}
     if len(steps) != 1:
         return fallback("committed steps differ: " + ", ".join(f"rank {r}: {p.committed_step}"
@@ -121,6 +172,53 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
     step = steps.pop()
     return Decision(round, Policy.IN_MEMORY, step, f"all {world_size} ranks alive, at generation "
                     f"{group_generation}, committed step {step}, state intact", members, missing, raw)
+
+
+def _peer_plan(proposals: dict[int, Proposal], world_size: int, broken: list[int],
+               peer_copies: int) -> tuple[int, tuple[tuple[int, int], ...]] | str:
+    """The newest step held for every rank and where each broken rank takes it from, or why none is."""
+    from .peers import placement
+
+    if peer_copies < 1:
+        return "no peer copies are kept (peer copies: 0)"
+    options: dict[int, set[int]] = {}
+    for r, p in proposals.items():
+        mine = set(p.own_steps) | ({p.committed_step} if p.intact and p.committed_step >= 0 else set())
+        options[r] = mine
+    held: dict[int, dict[int, list[int]]] = {}  # source -> step -> holders
+    for h, p in sorted(proposals.items()):
+        for src, step in p.holds:
+            held.setdefault(src, {}).setdefault(step, []).append(h)
+    hosts = [proposals[r].host for r in range(world_size)] if all(proposals[r].host for r in range(world_size)) \
+        else None
+    lost = []
+    for r in broken:
+        options[r] = options[r] | set(held.get(r, {}))
+        if not options[r]:
+            lost.append(r)
+    if lost:
+        return "; ".join(f"the state of rank {r} was lost with all its holder(s) "
+                         f"{list(placement(r, world_size, peer_copies, hosts))}" for r in lost)
+    common = set.intersection(*options.values())
+    if not common:
+        return "no step is held for every rank: " + ", ".join(f"rank {r}: {sorted(o)}"
+                                                                for r, o in sorted(options.items()))
+    step = max(common)
+    sources = tuple((r, r if step in set(proposals[r].own_steps) else held[r][step][0]) for r in broken)
+    return step, sources
+
+
+def declared_lost(channel: ControlChannel, after_round: int = 0) -> dict[int, tuple[int, ...]]:
+    """Ranks declared lost in rounds after ``after_round``: round -> ranks (what a launcher watches)."""
+    last = channel.counter(ROUND_KEY)
+    got = channel.present([f"{LOST_KEY}{k}" for k in range(after_round + 1, last + 1)])
+    return {int(k[len(LOST_KEY):]): tuple(int(r) for r in v) for k, v in got.items()}
+
+
+def give_up_bound_s(timeout_s: float, max_rounds: int = 4, replacement_rounds: int = 2) -> float:
+    """How long :func:`agree` runs at most: the rank-loss bound, then ``replacement_rounds``
+    more rounds for a replacement (plus the channel's round trips)."""
+    return (max_rounds + replacement_rounds) * timeout_s
 
 
 def loss_bound_s(timeout_s: float, max_rounds: int = 4) -> float:
@@ -131,9 +229,12 @@ def loss_bound_s(timeout_s: float, max_rounds: int = 4) -> float:
 
 
 def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], checkpoint_step: Callable[[int], int],
-          timeout_s: float | None = None, max_rounds: int = 4) -> Decision:
-    """Run rounds until the group decides with every rank present; a rank still missing after
-    ``max_rounds`` rounds (:func:`loss_bound_s`) is declared lost with :class:`ConsensusError`.
+          timeout_s: float | None = None, max_rounds: int = 4, *, peer_copies: int = 0,
+          on_rank_loss: Policy = Policy.PEER_RESTORE, replacement_rounds: int = 2) -> Decision:
+    """Run rounds until the group decides with every rank present (or, excising, without the
+    declared ranks). A rank missing from ``max_rounds`` rounds in a row is declared lost
+    (:func:`loss_bound_s`; ``lost/round<k>`` on the channel); after ``replacement_rounds``
+    more rounds without it (:func:`give_up_bound_s`) :class:`ConsensusError` names it.
 
     Rounds are numbered on the channel (``ROUND_KEY``); only a complete decision moves the
     group's generation (``GENERATION_KEY``) to its round. An incomplete round is acted on by
@@ -144,7 +245,9 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     timeout = channel.timeout_s if timeout_s is None else timeout_s
     world = channel.world_size
     last: Decision | None = None
-    for _ in range(max_rounds):
+    misses: dict[int, int] = {}
+    declared: list[int] = []
+    for _ in range(max_rounds + replacement_rounds):
         round_ = channel.counter(ROUND_KEY) + 1
         if channel.present([f"round{round_}/decision"]):  # decided without us (we were late): next round
             channel.advance(ROUND_KEY, round_)
@@ -158,13 +261,23 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         except ControlTimeout:
             got = channel.present(keys)
         proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
-        mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout)
+        mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,
+                      peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared))
         decision = Decision.from_dict(channel.set_once(f"round{round_}/decision", mine.to_dict()))
         channel.advance(ROUND_KEY, round_)
         last = decision
-        if not decision.missing:
+        if not decision.missing or decision.policy is Policy.EXCISE:
             channel.move(GENERATION_KEY, group_generation, round_)
             return decision
+        misses = {r: misses.get(r, 0) + 1 for r in decision.missing}  # in a row: a rank that answered starts over
+        newly = [r for r in decision.missing if misses[r] >= max_rounds and r not in declared]
+        if newly:
+            declared += newly
+            channel.set_once(f"{LOST_KEY}{round_}", newly)
+    lost = [r for r in (last.missing if last else ()) if r in declared]
+    if lost:
+        raise ConsensusError(f"rank(s) {lost} declared lost after {max_rounds} round(s) of {timeout:.2f} s and no "
+                             f"replacement joined within {replacement_rounds} more; {last.reason if last else ''}")
     raise ConsensusError(f"rank(s) {list(last.missing) if last else '?'} declared lost: no complete decision "
-                         f"after {max_rounds} round(s) of {timeout:.2f} s; "
+                         f"after {max_rounds + replacement_rounds} round(s) of {timeout:.2f} s; "
                          f"{last.reason if last else 'no round was decided'}")

@@ -14,6 +14,8 @@
   group would correctly refuse to resume from memory). Needs root and iproute2;
   :func:`netns_unavailable` says why not elsewhere.
 - ``kill``: the chosen rank sends itself SIGKILL; the launcher starts a replacement.
+- ``silent``: the chosen rank stops itself with SIGSTOP (alive, silent); consensus declares
+  it lost within the rank-loss bound, and the launcher kills and replaces it.
 
 Each fault fires once: the injecting rank claims ``fault/<i>`` on the control channel
 (compare-and-set) with the wall time of the injection, so a replayed step or a
@@ -45,6 +47,7 @@ class FaultKind(str, Enum):
     STALL = "stall"
     PARTITION = "partition"
     KILL = "kill"
+    SILENT = "silent"
 
 
 class CollectiveFault(RuntimeError):
@@ -129,6 +132,8 @@ class FaultInjector:
             self._partition()
         elif fault.kind is FaultKind.KILL:
             os.kill(os.getpid(), signal.SIGKILL)
+        elif fault.kind is FaultKind.SILENT:
+            os.kill(os.getpid(), signal.SIGSTOP)
         yield
 
     def _partition(self) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
-__all__ = ["RetiredSummary", "Drill", "FaultRecord", "RankOutcome"]
+__all__ = ["RetiredSummary", "Drill", "FaultRecord", "PeerCopyReport", "RankOutcome"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,18 @@ class FaultRecord:
 
 
 @dataclass(frozen=True)
+class PeerCopyReport:
+    """What keeping peer copies cost one rank over its run (see ``peers.PeerCopyCounters``)."""
+
+    commits: int = 0
+    snapshot_s: float = 0.0  # on the training thread
+    ship_s: float = 0.0  # on the background thread
+    bytes_sent: int = 0
+    failed: int = 0  # copies that did not reach a holder (a holder gone)
+    host_bytes_peak: int = 0  # own snapshots plus the copies held for others
+
+
+@dataclass(frozen=True)
 class RankOutcome:
     rank: int
     incarnation: int = 0
@@ -64,6 +76,8 @@ class RankOutcome:
     compiled_graphs: int | None = None
     fault_records: Mapping[int, FaultRecord] = field(default_factory=dict)  # rank 0 reports them
     workload_error: str | None = None
+    storage_bytes_read: int = 0  # checkpoint bytes read by this process's recoveries
+    peer: PeerCopyReport | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -82,4 +96,5 @@ class RankOutcome:
             t_loaded_wall=d.get("t_loaded_wall"), compiled_regions=dict(d.get("compiled_regions", {})),
             compiled_graphs=d.get("compiled_graphs"),
             fault_records={int(k): FaultRecord(**v) for k, v in (d.get("fault_records") or {}).items()},
-            workload_error=d.get("workload_error"))
+            workload_error=d.get("workload_error"), storage_bytes_read=int(d.get("storage_bytes_read", 0)),
+            peer=PeerCopyReport(**d["peer"]) if d.get("peer") else None)

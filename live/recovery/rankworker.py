@@ -71,6 +71,7 @@ def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s
 
 def worker(args: dict[str, Any]) -> dict[str, Any]:
     import os
+    import signal
 
     import torch
 
@@ -78,13 +79,16 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
 
     from . import communicator as comm
     from .faults import Fault, FaultInjector
+    from dataclasses import asdict
+
     from .trialconfig import Pace
-    from .outcome import Drill, FaultRecord, RankOutcome, RetiredSummary
+    from .outcome import Drill, FaultRecord, PeerCopyReport, RankOutcome, RetiredSummary
     from .runtime import resilient
     from .config import RecoveryConfig
     from .session import start_session
     from .state import digest, job_state
     from .workload import WorkloadError, built, load_workload
+    from ..launcher import await_promotion
 
     torch.manual_seed(0)  # every generator a step can draw from starts the same in every run
     random.seed(0)
@@ -92,11 +96,13 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         sys.modules["numpy"].random.seed(0)
     world = int(os.environ["WORLD_SIZE"])
     workload = load_workload(args["workload"], world)
+    await_promotion()  # a warm spare waits here, imports done, until it is handed a lost rank
     config = RecoveryConfig(data_timeout_s=args["data_timeout_s"], process_start_s=args["process_start_s"],
                             group_create_s=args["group_create_s"],
                             checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
                             count_dispatch=args.get("count_dispatch", False),
-                            restore_rng=args.get("restore_rng", True), heartbeat=args.get("heartbeat", False))
+                            restore_rng=args.get("restore_rng", True), heartbeat=args.get("heartbeat", False),
+                            peer_copies=int(args.get("peer_copies", 0)), max_rounds=int(args.get("max_rounds", 4)))
     t_start = time.time()
     session = start_session(config, workload.mesh.shape, workload.mesh.names)
     rank, steps = session.rank, int(args["steps"])
@@ -124,6 +130,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     work, phase = out_dir.parent, os.environ.get("MESHPACT_RUN_ID", out_dir.name)
     paced, last_start = Pace.read(work) is not None, 0.0
     with resilient(model, optimizer, session, injector, batches) as rt:
+        if rank in args.get("die_after_proposing", ()) and session.incarnation == 0:
+            # dies once its proposal is in and the round decided: the others meet it building the groups
+            rt.on_decided = lambda decision: os.kill(os.getpid(), signal.SIGKILL)
         t_loaded = None
         if cold_from is not None:
             rt.restore(int(cold_from))
@@ -170,5 +179,7 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
         outcome = RankOutcome(
             rank, session.incarnation, digest(state), tuple(r.to_dict() for r in rt.recoveries), counts, retired,
             tuple(sorted(g.group_name for g in session.groups.values())), tuple(step_s), session.generation, drill,
-            t_start, t_caught_up, t_loaded, regions, compiled_graphs, records)
+            t_start, t_caught_up, t_loaded, regions, compiled_graphs, records,
+            storage_bytes_read=rt.storage_bytes_read,
+            peer=PeerCopyReport(**asdict(rt.peers.counters)) if rt.peers is not None else None)
     return outcome.to_dict()

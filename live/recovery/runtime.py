@@ -16,7 +16,10 @@ step (:func:`is_comm_fault`: by type and by where it was raised, never by its wo
 4. *rebinding* — points every cached reference, by object and by name, at the new groups
    (:mod:`.rebind`) and retires the old ones;
 5. *state* — in memory: clears FSDP's half-finished step (:mod:`.stepreset`) and checks the
-   commit check; otherwise reloads the newest checkpoint (generators included);
+   commit check; after a rank loss with peer copies (:mod:`.peers`): the replacement fetches
+   the lost rank's state from a live holder's host memory and the survivors keep theirs (or
+   go back one step to their own snapshot), no storage read; otherwise reloads the newest
+   checkpoint (generators included);
 6. *replay* — re-runs the steps lost since the restored state, drawing their batches again
    from the batch source (``batches(step)``), so a restarted process needs no buffer;
 
@@ -44,6 +47,7 @@ from meshpact.core.recording import EventKind
 from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateAction
 
 from . import communicator as comm
+from . import peers
 from .consensus import Decision, Proposal, agree
 from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
@@ -152,6 +156,12 @@ class Resilient:
         self._meshes: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every mesh alive when training started
         self.max_attempts = 8  # recoveries of one step before giving up
         self.heartbeat: Heartbeat | None = None
+        self.peers: peers.PeerCopier | None = None
+        if session.peer_server is not None:
+            self.peers = peers.PeerCopier(session.rank, session.world_size, session.config.peer_copies,
+                                          session.control, session.peer_server, session.config.peer_copy_timeout_s)
+        self.storage_bytes_read = 0  # checkpoint bytes read by recoveries (drills and cold starts apart)
+        self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -159,12 +169,22 @@ class Resilient:
         # the walk takes a replacement a while under load: done before any barrier, so no peer
         # waits on a collective of the new group while this rank walks
         self._meshes = weakref.WeakSet(device_meshes())  # every mesh alive when training started
+        if self.peers is not None:
+            self._refresh_peers()
         if s.pending is not None:
             decision, s.pending = s.pending, None
             t0 = time.perf_counter()
-            self.restore(decision.step)
-            s.emit(EventKind.RELOADED, Stage.STATE, seconds=time.perf_counter() - t0,
-                   action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
+            if decision.policy is Policy.PEER_RESTORE:
+                got = self._peer_restore(decision)
+                s.emit(EventKind.RELOADED, Stage.STATE, seconds=time.perf_counter() - t0,
+                       action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
+                       holder=decision.holder_of(s.rank), bytes=got)
+            else:
+                read = self.ckpt.bytes_read if self.ckpt is not None else 0
+                self.restore(decision.step)
+                self.storage_bytes_read += (self.ckpt.bytes_read if self.ckpt is not None else 0) - read
+                s.emit(EventKind.RELOADED, Stage.STATE, seconds=time.perf_counter() - t0,
+                       action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
             s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round),
                    generation=decision.round)
             self._first_collective(decision.round)
@@ -172,6 +192,8 @@ class Resilient:
             self.ckpt.save(0, job_state(self.model, self.optimizer))
         self.start_step = self.committed_step
         self._mark_committed()
+        if self.peers is not None:  # the starting state is held by peers before the first step
+            self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
         resume_barrier(s, s.generation)
@@ -182,6 +204,8 @@ class Resilient:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.peers is not None:
+            self.peers.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
         if self.counter is not None:
@@ -255,6 +279,8 @@ class Resilient:
                 r.backend = None
         self.committed_step = step + 1
         self._mark_committed()
+        if self.peers is not None:  # a host copy now; shipped to the holders while the next step runs
+            self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
         if self.batches is None:
             self._kept.append((step, batch))
         if self.ckpt is not None and self.ckpt.due(self.committed_step):
@@ -303,12 +329,21 @@ class Resilient:
 
         def proposal(group_generation: int) -> Proposal:
             drill = self.committed_step if force is Policy.CHECKPOINT_RESTORE else None
-            return Proposal(s.rank, s.generation, self.committed_step, mine, intact, s.incarnation, drill)
+            held = s.peer_server.holds() if s.peer_server is not None else ()
+            own = self.peers.own_steps() if self.peers is not None else ()
+            return Proposal(s.rank, s.generation, self.committed_step, mine, intact, s.incarnation, drill,
+                            holds=held, own_steps=own, host=s.host)
 
         decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
-                         max_rounds=s.config.max_rounds)
+                         max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies,
+                         replacement_rounds=s.config.replacement_rounds)
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
-        if not decision.in_memory and self.ckpt is None:
+        if self.on_decided is not None:
+            self.on_decided(decision)
+        if decision.policy is Policy.EXCISE:
+            raise RuntimeError(f"the group decided to excise ({decision.reason}); excision (live/recovery/"
+                               "reshard.py) is not in this build")
+        if decision.policy is Policy.CHECKPOINT_RESTORE and self.ckpt is None:
             raise RuntimeError(f"cannot recover in memory ({decision.reason}) and no checkpoint directory is set")
 
         t0 = time.perf_counter()
@@ -362,9 +397,22 @@ class Resilient:
             lost = 0  # no barrier: building the groups already waited for every rank to connect
             t_first, t_resumed = self._first_collective(decision.round)
         else:
-            self.restore(decision.step)
-            s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
-                   action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
+            if decision.policy is Policy.PEER_RESTORE:
+                if decision.holder_of(s.rank) is None and decision.step == self.committed_step and intact:
+                    s.emit(EventKind.RETAINED, Stage.STATE, seconds=reset_s, action=StateAction.RETAIN.value,
+                           state_intact=intact, checkpoint_step=decision.step)
+                else:  # back to its own snapshot, or (state not intact) a holder's copy: memory, no storage
+                    got = self._peer_restore(decision)
+                    s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
+                           action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
+                           holder=decision.holder_of(s.rank), bytes=got)
+            else:
+                read = self.ckpt.bytes_read if self.ckpt is not None else 0
+                self.restore(decision.step)
+                if force is None:
+                    self.storage_bytes_read += (self.ckpt.bytes_read if self.ckpt is not None else 0) - read
+                s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
+                       action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
             s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round),
                    generation=decision.round)
             t_first, _ = self._first_collective(decision.round)
@@ -372,6 +420,10 @@ class Resilient:
             lost = self._replay(decision.step, step)
             s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
             t_resumed = time.time()
+            if self.peers is not None:  # holders get this generation's state (a replacement's holder included)
+                self._refresh_peers()
+                self.peers.keep_only(self.committed_step)
+                self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
         record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round, lost,
                                 rebind_s, action, force is not None)
         self.recoveries.append(record)
@@ -388,6 +440,34 @@ class Resilient:
         s.emit(EventKind.FIRST_COLLECTIVE, seconds=t_done - t_first, generation=generation,
                t_issued_wall=t_first, t_done_wall=t_done)
         return t_first, t_done
+
+    def _refresh_peers(self) -> None:
+        """Read every rank's peer address again and keep the data-path severing off the peer path."""
+        assert self.peers is not None
+        ports = {a.port for a in self.peers.refresh().values()}
+        self.session.store_ports = tuple(sorted(set(self.session.store_ports) | ports))
+
+    def _peer_restore(self, decision: Decision) -> int:
+        """Load this rank's state at ``decision.step`` from host memory: its own snapshot, or the
+        copy the decision's holder keeps. Returns the bytes fetched over the network."""
+        if self.peers is None:
+            raise RuntimeError("a peer restore was decided but this rank keeps no peer copies")
+        step, holder = decision.step, decision.holder_of(self.session.rank)
+        fetched = 0
+        if step in self.peers.own:
+            state = self.peers.own[step]
+        elif holder is None or holder == self.session.rank:
+            raise RuntimeError(f"a peer restore to step {step} was decided but rank {self.session.rank} keeps "
+                               f"only steps {self.peers.own_steps()} and was named no holder")
+        else:
+            state, fetched = peers.fetch(self.peers.addresses[holder], self.session.rank, step,
+                                         self.session.config.peer_copy_timeout_s)
+            self.peers.own[step] = state
+        load_job_state(self.model, self.optimizer, state)
+        self.committed_step = step
+        self._mark_committed()
+        self.peers.keep_only(step)
+        return fetched
 
     def restore(self, step: int) -> None:
         """Load the checkpoint of ``step`` (state and generators) and make it the committed state."""

@@ -59,6 +59,8 @@ class Session:
     store_ports: tuple[int, ...] = ()  # the rendezvous store's and the control channel's
     events: list[Event] = field(default_factory=list)
     pending: Decision | None = None  # a replacement's decision, applied when resilient() starts
+    peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
+    host: str = ""  # the host this rank is on, as peer placement sees it
     log: IO[str] | None = None  # the rank's JSONL event log (survives SIGKILL)
 
     @property
@@ -162,14 +164,24 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
                       tuple(mesh_names) if mesh_names else None,
                       protected_sockets=comm.socket_fds(),
                       store_ports=(int(os.environ["MASTER_PORT"]), control.port))
+    if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
+        from . import peers
+
+        session.peer_server = peers.PeerServer(peers.peer_address(), config.peer_copy_timeout_s)
+        session.host = os.environ.get(peers.HOST_ENV, session.peer_server.addr)
+        peers.publish(control, peers.PeerAddress(rank, session.host, session.peer_server.addr,
+                                                 session.peer_server.port, incarnation))
     session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation)
     if incarnation == 0:
         session.groups = session.build_generation(0)
-    else:  # a replacement: join the recovery in progress; its state comes from the checkpoint
+    else:  # a replacement: join the recovery in progress; its state comes from a peer or the checkpoint
         ckpt = session.checkpointer()
         t0 = time.perf_counter()
-        decision = agree(control, lambda g: Proposal(rank, g, -1, "", False, incarnation),
-                         ckpt.latest if ckpt else (lambda limit: 0), max_rounds=config.max_rounds)
+        held = session.peer_server.holds() if session.peer_server is not None else ()
+        decision = agree(control, lambda g: Proposal(rank, g, -1, "", False, incarnation, holds=held,
+                                                     host=session.host),
+                         ckpt.latest if ckpt else (lambda limit: 0), max_rounds=config.max_rounds,
+                         peer_copies=config.peer_copies, replacement_rounds=config.replacement_rounds)
         session.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
         t0 = time.perf_counter()
         session.generation = decision.round

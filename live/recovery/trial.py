@@ -28,7 +28,10 @@ from meshpact.core.recovery import Stage
 
 from ..launcher import Launch, LaunchError, host_store
 from .analysis import TrialResult, compare_final
+from .consensus import declared_lost
+from .control import ControlChannel
 from .faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
+from .peers import ADDR_ENV as PEER_ADDR_ENV
 from .outcome import RankOutcome
 from .trialconfig import TrialConfig
 from .workload import WorkloadError, check_workload
@@ -47,30 +50,40 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             "process_start_s": cfg.process_start_s, "group_create_s": cfg.group_create_s, "stall_s": cfg.stall_s, "down_s": cfg.down_s,
             "checkpoint_dir": str(work / "checkpoints"), "out_dir": str(out_dir), "workload": workload,
             "faults": [f.to_dict() for f in faults], "count_dispatch": cfg.count_dispatch,
-            "restore_rng": cfg.restore_rng, "heartbeat": cfg.heartbeat, **extra}
+            "restore_rng": cfg.restore_rng, "heartbeat": cfg.heartbeat, "peer_copies": cfg.peer_copies,
+            "max_rounds": cfg.max_rounds,
+            "die_after_proposing": sorted({(f.rank + 1) % cfg.ranks for f in faults}) if cfg.die_after_proposing
+            else [], **extra}
     replacements = 0
 
     def on_exit(job: Launch, rank: int, rc: int) -> None:
         nonlocal replacements
-        if rc == -9:  # SIGKILL: start a replacement that joins the recovery in progress
+        if rc == -9:  # SIGKILL: a warm spare, else a new process, joins the recovery in progress
             replacements += 1
-            recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART, data={"returncode": rc})
-            job.replace(rank)
+            spare = job.promote(rank)
+            recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
+                           data={"returncode": rc, "warm_spare": spare})
+            if not spare:
+                job.replace(rank)
 
     control = None
+    watch = None
     if netns is not None and stores is not None:
+        # peer copies travel on the control link (out of band: a partition of the data link spares them)
         kw: dict[str, Any] = dict(
             master_addr=netns.data_ip[0], master_port=stores["data_port"], host_stores=False,
             prefix=lambda r: netns.prefix(netns.side(r, cfg.ranks)),
             env=lambda r: {**netns.rank_env(r, cfg.ranks), "MESHPACT_RUN_ID": tag,
-                           "MESHPACT_CONTROL_PORT": str(stores["control_port"])})
+                           "MESHPACT_CONTROL_PORT": str(stores["control_port"]),
+                           PEER_ADDR_ENV: netns.ctrl_ip[netns.side(r, cfg.ranks)]})
     else:
         control = host_store("127.0.0.1", 0, cfg.ranks)
         kw = dict(env=lambda r: {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_RUN_ID": tag,
                                  "MESHPACT_CONTROL_PORT": str(control.port)})
+        watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording)
     t_launch = time.time()
-    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, **kw) as job:
-        results = job.wait(on_exit=on_exit)
+    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)), **kw) as job:
+        results = job.wait(on_exit=on_exit, on_tick=watch)
     bad = [r for r in results if not r.ok]
     if bad:
         raise LaunchError(f"{tag} run: rank {bad[0].rank} "
@@ -82,6 +95,41 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             raise WorkloadError(o.workload_error)
     del control
     return outcomes, replacements, t_launch
+
+
+class LostRankWatch:
+    """The launcher's side of a rank declared lost: consensus names it on the control channel
+    (``lost/round<k>``); the rank is killed (a silent process is stopped, not gone) and, like
+    any killed rank, replaced. Checked at most every ``every_s`` seconds."""
+
+    def __init__(self, channel: ControlChannel, recording: RecordingWriter, every_s: float = 0.25) -> None:
+        self.channel = channel
+        self.recording = recording
+        self.every_s = every_s
+        self._seen_round = 0
+        self._next = 0.0
+
+    def __call__(self, job: Launch) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        for round_, ranks in sorted(declared_lost(self.channel, self._seen_round).items()):
+            self._seen_round = max(self._seen_round, round_)
+            for r in ranks:
+                self.recording.emit(EventKind.REPLACEMENT_STARTED, rank=r, stage=Stage.RESTART,
+                                    data={"declared_lost_in_round": round_})
+                job.kill(r)
+
+
+def _with_holders(faults: tuple[Fault, ...], cfg: TrialConfig, hosts: list[str] | None) -> tuple[Fault, ...]:
+    """Each kill also kills the killed rank's holders at the same step (its state goes with them)."""
+    from .peers import placement
+
+    extra = [Fault(len(faults) + i, f.kind, f.step, h)
+             for i, (f, h) in enumerate((f, h) for f in faults
+                                        for h in placement(f.rank, cfg.ranks, cfg.peer_copies, hosts))]
+    return faults + tuple(extra)
 
 
 def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = None,
@@ -102,9 +150,9 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
 
 @contextlib.contextmanager
 def _partition_hosts(cfg: TrialConfig) -> Iterator[tuple[NetnsPair | None, dict[str, int] | None]]:
-    """For partition faults: two network namespaces and the stores served inside the first;
-    otherwise nothing. Both are torn down on leaving, whatever happened inside."""
-    if cfg.fault_kind is not FaultKind.PARTITION:
+    """For partition faults and two-host runs: two network namespaces and the stores served
+    inside the first; otherwise nothing. Both are torn down on leaving, whatever happened inside."""
+    if cfg.fault_kind is not FaultKind.PARTITION and not cfg.two_hosts:
         yield None, None
         return
     with NetnsPair() as netns:
@@ -118,15 +166,18 @@ def _partition_hosts(cfg: TrialConfig) -> Iterator[tuple[NetnsPair | None, dict[
 
 def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLike[str] | None,
                work_dir: str | os.PathLike[str] | None, reference_dir: str | os.PathLike[str] | None) -> TrialResult:
-    if cfg.fault_kind is FaultKind.PARTITION:
+    if cfg.fault_kind is FaultKind.PARTITION or cfg.two_hosts:
         why = netns_unavailable()
         if why:
-            raise MeshpactError(f"cannot inject partition faults here: {why}")
+            raise MeshpactError(f"cannot run ranks on two hosts (network namespaces) here: {why}")
     work = Path(work_dir or tempfile.mkdtemp(prefix="meshpact-trial-"))
     work.mkdir(parents=True, exist_ok=True)
     recording_path = Path(recording_path or work / "recording.jsonl")
     faults = plan_faults(cfg.fault_kind, cfg.steps, cfg.faults, cfg.ranks,
                          injector_ranks=(0,) if cfg.fault_kind is FaultKind.PARTITION else None, nth_op=cfg.nth_op)
+    if cfg.kill_holders:
+        sides = [0 if r < (cfg.ranks + 1) // 2 else 1 for r in range(cfg.ranks)]  # NetnsPair.side
+        faults = _with_holders(faults, cfg, [str(x) for x in sides] if cfg.two_hosts else None)
     cold = None
     cold_launch = None
     with RecordingWriter(recording_path, "live", kind="recovery_trial", ranks=cfg.ranks, steps=cfg.steps,
@@ -141,8 +192,8 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                 reference, _, _ = _run(cfg, workload, "reference", ref_dir.parent, (),
                                        {"checkpoint_dir": str(ref_dir.parent / "ref-checkpoints"),
                                         "out_dir": str(ref_dir)}, netns, stores, rec)
-            faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults, {"drill": cfg.baselines},
-                                            netns, stores, rec)
+            faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults,
+                                            {"drill": cfg.baselines, "spares": cfg.spare_ranks}, netns, stores, rec)
             if cfg.baselines:
                 drill = faulted[0].drill
                 assert drill is not None, "the faulted run ends with a drill when baselines are on"

@@ -49,6 +49,12 @@ class TrialConfig:
     restore_rng: bool = True  # off only to show that a re-run step needs its generators back
     heartbeat: bool = False  # find a stalled rank by heartbeat, not by the data-path timeout
     nth_op: int | None = None  # collective faults: the c10d operation of the step that raises
+    peer_copies: int = 1  # K: ranks holding each rank's committed state in host memory (0: none)
+    max_rounds: int = 4  # incomplete consensus rounds before a silent rank is declared lost
+    kill_holders: bool = False  # a kill also kills the lost rank's K holders (its state is lost with them)
+    two_hosts: bool = False  # ranks in two network namespaces (the lower half and the stores in the first)
+    spare_ranks: int = 0  # warm spare processes waiting to be promoted to a lost rank (faulted run)
+    die_after_proposing: bool = False  # the rank after each fault's dies once that recovery's round is decided
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fault_kind", FaultKind(self.fault_kind))
@@ -57,6 +63,14 @@ class TrialConfig:
             recovery.check_deadline(self.timeout_s)
         if self.ranks < 2:
             raise MeshpactError(f"--ranks must be at least 2 (a fault needs peers), got {self.ranks}")
+        if not 0 <= self.peer_copies < self.ranks:
+            raise MeshpactError(f"--peer-copies must be between 0 and --ranks - 1 ({self.ranks - 1}), "
+                                f"got {self.peer_copies}")
+        if self.kill_holders and (self.fault_kind is not FaultKind.KILL or self.peer_copies < 1):
+            raise MeshpactError("killing a rank with its holders needs --fault-kind kill and --peer-copies >= 1")
+        if self.spare_ranks < 0 or (self.spare_ranks and (self.two_hosts or self.fault_kind is FaultKind.PARTITION)):
+            raise MeshpactError(f"--spare-ranks must be 0 or more, and spares run on one host (not with two hosts "
+                                f"or partition faults), got {self.spare_ranks}")
         if self.steps < 2:
             raise MeshpactError(f"--steps must be at least 2, got {self.steps}")
         if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:
@@ -76,7 +90,8 @@ class TrialConfig:
         return RecoveryConfig(data_timeout_s=self.data_timeout_s, process_start_s=self.process_start_s,
                               group_create_s=self.group_create_s, checkpoint_dir=checkpoint_dir,
                               checkpoint_every=self.checkpoint_every, count_dispatch=self.count_dispatch,
-                              restore_rng=self.restore_rng, heartbeat=self.heartbeat)
+                              restore_rng=self.restore_rng, heartbeat=self.heartbeat,
+                              peer_copies=self.peer_copies, max_rounds=self.max_rounds)
 
     @property
     def deadline_s(self) -> float:
@@ -84,8 +99,10 @@ class TrialConfig:
         steps and the faults (each lasting its stall or its partition)."""
         if self.timeout_s is not None:
             return self.timeout_s
-        per_fault = {FaultKind.STALL: self.stall_s, FaultKind.PARTITION: self.down_s}.get(self.fault_kind, 0.0)
-        return self.recovery().launcher_deadline_s(self.steps, self.faults, per_fault)
+        recovery = self.recovery()
+        per_fault = {FaultKind.STALL: self.stall_s, FaultKind.PARTITION: self.down_s,
+                     FaultKind.SILENT: recovery.replacement_bound_s}.get(self.fault_kind, 0.0)
+        return recovery.launcher_deadline_s(self.steps, self.faults, per_fault)
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,12 @@ def recover(
                                  "optional MESH) or a shipped one: decoder, llama_hsdp, compiled."),
     heartbeat: bool = typer.Option(False, "--heartbeat/--no-heartbeat", help="Find stalled ranks by a heartbeat on "
                                    "the control channel instead of waiting for the data-path timeout (opt-in)."),
+    peer_copies: int = typer.Option(1, "--peer-copies", min=0, help="K: ranks holding each rank's committed state "
+                                    "in host memory, so a lost rank's replacement takes it from a peer instead "
+                                    "of storage (0: none; at most ranks - 1)."),
+    spare_ranks: int = typer.Option(0, "--spare-ranks", min=0, help="Warm spare processes started with the "
+                                    "ranks, waiting idle (imports done); a lost rank is handed to one instead of "
+                                    "a new process."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Inject faults into FSDP2 training on real ranks and recover in memory."""
@@ -47,7 +53,8 @@ def recover(
     cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
                       checkpoint_every=checkpoint_every, data_timeout_s=data_timeout,
                       stall_s=data_timeout + 0.5, down_s=2.0 * data_timeout, baselines=baselines,
-                      timeout_s=timeout_s, workload=workload, heartbeat=heartbeat)
+                      timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies,
+                      spare_ranks=spare_ranks)
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
     result = run_trial(cfg, recording_path=path)
     summary = result.summary()
@@ -61,7 +68,8 @@ def recover(
 
 
 JSON_KEYS = ("ranks", "steps", "fault_kind", "faults_injected", "faults_recovered", "bit_identical",
-             "policy_counts", "rebind_ms", "downtime_s", "recording")
+             "policy_counts", "rebind_ms", "downtime_s", "storage_bytes_read", "final_world_size",
+             "peer_copy_overhead", "recording")
 
 
 def json_view(summary: dict[str, Any]) -> dict[str, Any]:
@@ -84,9 +92,15 @@ def _print(result: Any, summary: dict[str, Any]) -> None:
     console.print(table(f"Recoveries ({summary['fault_kind']}, {summary['ranks']} ranks, ms)",
                         ["step", "gen", "policy", *[s.value for s in stages], "downtime"], rows))
     down = summary["downtime_s"]
-    console.print(table("Downtime per fault (s)", ["in memory", "checkpoint restore", "cold restart"],
+    console.print(table("Downtime per fault (s)", ["in memory", "peer restore", "checkpoint restore", "cold restart"],
                         [[*(("-" if down[k] is None else f"{down[k]:.3f}") for k in
-                            ("in_memory", "checkpoint_restore", "cold_restart"))]]))
+                            ("in_memory", "peer_restore", "checkpoint_restore", "cold_restart"))]]))
+    peer = summary["peer_copy_overhead"]
+    if peer is not None:
+        lat = "-" if peer["step_latency"] is None else f"{peer['step_latency'] * 100:+.1f} %"
+        console.print(f"peer copies (K={peer['copies']}): step latency {lat}, host memory per rank "
+                      f"{peer['host_bytes_per_rank'] / 2**20:.2f} MiB, network {peer['network_bytes_per_hour'] / 2**30:.2f}"
+                      f" GiB/h; storage read by recoveries: {summary['storage_bytes_read']} bytes")
     ok = "[green]yes[/green]" if summary["bit_identical"] else "[red]NO[/red]"
     console.print(f"faults injected {summary['faults_injected']}, recovered {summary['faults_recovered']}; "
                   f"bit-identical to the fault-free run: {ok}; operations on retired groups after rebind: "

@@ -151,3 +151,40 @@ def test_control_wait_names_the_missing_keys(channels):
     with pytest.raises(ControlTimeout) as err:
         channels[0].wait(["k0", "k1"], timeout_s=0.2)
     assert err.value.missing == ["k1"]
+
+
+def test_a_silent_rank_is_declared_lost_then_its_replacement_joins_and_is_restored_from_its_peer(channels):
+    """The loss path without processes: rank 2 never answers; after max_rounds rounds it is
+    declared on the channel (what the launcher watches), a replacement then proposes, and the
+    group decides a peer restore from rank 2's holder (rank 0, the next in the ring)."""
+    from meshpact.live.recovery.consensus import declared_lost
+
+    out: dict[int, object] = {}
+
+    def one(ch, make):
+        try:
+            out[ch.rank] = agree(ch, make, _latest, timeout_s=0.4, max_rounds=1, peer_copies=1,
+                                 replacement_rounds=4)
+        except Exception as exc:  # noqa: BLE001
+            out[ch.rank] = exc
+
+    survivors = [threading.Thread(target=one, args=(channels[r], lambda g, r=r: Proposal(
+        r, g, 4, "x", True, holds=((2, 4),) if r == 0 else (), own_steps=(3, 4)))) for r in (0, 1)]
+    t0 = time.monotonic()
+    for t in survivors:
+        t.start()
+    declared: dict[int, tuple[int, ...]] = {}
+    while not declared and time.monotonic() - t0 < 10:
+        declared = declared_lost(channels[2])
+        time.sleep(0.05)
+    t_declared = time.monotonic() - t0
+    replacement = threading.Thread(target=one, args=(channels[2], lambda g: Proposal(2, g, -1, "", False, 1)))
+    replacement.start()
+    for t in (*survivors, replacement):
+        t.join(30)
+    assert list(declared.values()) == [(2,)]
+    assert loss_bound_s(0.4, 1) <= t_declared < loss_bound_s(0.4, 1) + 5
+    decisions = list(out.values())
+    assert all(isinstance(d, Decision) for d in decisions), decisions
+    assert {(d.round, d.policy, d.step, d.restore_from) for d in decisions} == {
+        (decisions[0].round, Policy.PEER_RESTORE, 4, ((2, 0),))}

@@ -18,8 +18,9 @@ def test_derived_values_follow_their_formulas_for_inputs_other_than_the_defaults
     assert c.connect_timeout_s == 11.0 and c.store_connect_s == 18.0
     assert c.rank_loss_bound_s == 33.0
     assert c.recovery_bound_s == pytest.approx(0.42 + 11 + 11)
+    assert c.replacement_bound_s == (3 + 2) * 11.0 and c.peer_copy_timeout_s == 11.0
     assert c.launcher_deadline_s(steps=10, faults=2, per_fault_s=1.5) == pytest.approx(
-        18 + 9 + 20 + 2 * (22.42 + 1.5) + 33)
+        18 + 9 + 20 + 2 * (22.42 + 1.5) + 55)
     assert not c.notes
     assert [row[0] for row in c.table()][0] == "heartbeat detection bound"
 

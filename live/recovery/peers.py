@@ -1,0 +1,358 @@
+"""Peer-held state: every rank's committed state kept in the host memory of K other ranks.
+
+A killed rank's state need not come from storage. At each commit a rank snapshots its local
+state (:func:`~meshpact.live.recovery.state.job_state`: parameter shards, optimizer state and
+generators; the committed step is the data position) into host memory on the training thread,
+and a background thread ships it, overlapping the next step, to its ``K`` *holders*: the ranks
+:func:`placement` names (ring order ``rank+1, rank+2, ...``, ranks on another host first when
+the job spans hosts). The path is out of band: a small TCP server per rank (:class:`PeerServer`),
+bound to the rank's own address (loopback unless ``MESHPACT_PEER_ADDR`` names another), never
+the data path's groups and never storage.
+
+Each holder keeps, per source rank, only the newest *complete* copy (a copy replaces the
+previous one when its last byte has arrived) plus the one being received. Each rank also keeps
+its own two newest snapshots: the newest may still be in flight when the rank dies, so the
+group may have to agree on the step before it and the survivors roll back one step from their
+own memory. After a fault every rank reports what it holds in its proposal
+(:attr:`~meshpact.live.recovery.consensus.Proposal.holds`); consensus picks the step and the
+holder (:func:`~meshpact.live.recovery.consensus.decide`), and the lost rank's replacement
+fetches its state from that holder (:func:`fetch`).
+
+Addresses are published on the control channel (``peer/rank<r>``); a replacement publishes
+its own, and every rank reads them again after each recovery. :class:`PeerCopyCounters` counts what
+the copies cost (snapshot time on the training thread, bytes shipped, host bytes held), the
+numbers the trial reports beside async checkpointing's.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import queue
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stays torch-free
+    import torch
+
+__all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
+           "peer_address", "publish", "read_addresses", "HOST_ENV", "ADDR_ENV"]
+
+ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (default: loopback)
+HOST_ENV = "MESHPACT_HOST_ID"  # which host a rank is on (default: its peer address)
+_HEADER = struct.Struct("!I")
+_CHUNK = 1 << 20
+
+
+class PeerError(ConnectionError):
+    """A peer copy could not be sent or fetched (the holder is gone, or does not hold it)."""
+
+
+def placement(src: int, world_size: int, copies: int, hosts: Sequence[str] | None = None) -> tuple[int, ...]:
+    """The ``copies`` ranks holding ``src``'s state: ring order from ``src + 1``, ranks on a host
+    other than ``src``'s first (so losing a host loses no state it did not hold alone), then
+    ranks on the same host. Pure: every rank computes the same placement."""
+    if not 0 <= copies < world_size:
+        raise ValueError(f"peer copies must be between 0 and {world_size - 1} (ranks - 1), got {copies}")
+    ring = [(src + i) % world_size for i in range(1, world_size)]
+    if hosts is not None:
+        if len(hosts) != world_size:
+            raise ValueError(f"one host per rank expected, got {len(hosts)} for {world_size} ranks")
+        ring = [r for r in ring if hosts[r] != hosts[src]] + [r for r in ring if hosts[r] == hosts[src]]
+    return tuple(ring[:copies])
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    rank: int
+    host: str  # which host the rank is on (placement prefers other hosts)
+    addr: str
+    port: int
+    incarnation: int
+
+
+def peer_address() -> str:
+    return os.environ.get(ADDR_ENV, "127.0.0.1")
+
+
+def publish(channel: Any, address: PeerAddress) -> None:
+    channel.set(f"peer/rank{address.rank}", {"host": address.host, "addr": address.addr, "port": address.port,
+                                             "incarnation": address.incarnation})
+
+
+def read_addresses(channel: Any, world_size: int, timeout_s: float | None = None) -> dict[int, PeerAddress]:
+    """Every rank's peer address (waits, bounded by the channel, until all are published)."""
+    got = channel.wait([f"peer/rank{r}" for r in range(world_size)], timeout_s)
+    return {r: PeerAddress(r, v["host"], v["addr"], int(v["port"]), int(v["incarnation"]))
+            for r in range(world_size) for v in (got[f"peer/rank{r}"],)}
+
+
+# -- the wire: a length-prefixed JSON header, then the payload's bytes -------------------------
+def _send(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+    raw = json.dumps({**header, "n": len(payload)}).encode()
+    sock.sendall(_HEADER.pack(len(raw)) + raw)
+    if len(payload):
+        sock.sendall(payload)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, _CHUNK))
+        if k == 0:
+            raise PeerError(f"connection closed after {got} of {n} bytes")
+        got += k
+    return buf
+
+
+def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+    (size,) = _HEADER.unpack(bytes(_recv_exact(sock, _HEADER.size)))
+    header = json.loads(bytes(_recv_exact(sock, size)))
+    return header, _recv_exact(sock, int(header.get("n", 0)))
+
+
+def serialize(step: int, state: dict[str, torch.Tensor]) -> bytes:
+    import torch
+
+    buf = io.BytesIO()
+    torch.save({"step": step, "state": state}, buf)
+    return buf.getvalue()
+
+
+def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
+    import torch
+
+    doc = torch.load(io.BytesIO(bytes(raw)), weights_only=True)
+    return int(doc["step"]), doc["state"]
+
+
+@dataclass(frozen=True)
+class HeldCopy:
+    src: int
+    step: int
+    payload: bytes
+
+
+class PeerServer:
+    """This rank's holder side: receives copies (``put``) and hands them out (``get``) on a
+    daemon thread; keeps the newest complete copy per source rank."""
+
+    def __init__(self, addr: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+        family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        self._listener = socket.socket(family, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind((addr, 0))
+        self._listener.listen(64)
+        self.addr = addr
+        self.port = int(self._listener.getsockname()[1])
+        self.timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._copies: dict[int, HeldCopy] = {}
+        self._receiving = 0  # bytes of copies in flight
+        self.peak_bytes = 0
+        self._closed = False
+        threading.Thread(target=self._accept, name="meshpact-peer-server", daemon=True).start()
+
+    def holds(self) -> tuple[tuple[int, int], ...]:
+        """(source rank, step) of every complete copy held."""
+        with self._lock:
+            return tuple(sorted((c.src, c.step) for c in self._copies.values()))
+
+    @property
+    def held_bytes(self) -> int:
+        with self._lock:
+            return sum(len(c.payload) for c in self._copies.values()) + self._receiving
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), name="meshpact-peer-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(self.timeout_s)
+            try:
+                (size,) = _HEADER.unpack(bytes(_recv_exact(conn, _HEADER.size)))
+                header = json.loads(bytes(_recv_exact(conn, size)))
+                if header["op"] == "put":
+                    self._put(conn, header)
+                elif header["op"] == "get":
+                    with self._lock:
+                        held = self._copies.get(int(header["src"]))
+                    if held is None or held.step != int(header["step"]):
+                        _send(conn, {"ok": False, "held": None if held is None else held.step})
+                    else:
+                        _send(conn, {"ok": True, "step": held.step}, memoryview(held.payload))
+            except (OSError, PeerError, ValueError, KeyError):
+                return  # a sender that died mid-copy: its previous complete copy stays
+
+    def _put(self, conn: socket.socket, header: dict[str, Any]) -> None:
+        n = int(header["n"])
+        with self._lock:
+            self._receiving += n
+        try:
+            payload = bytes(_recv_exact(conn, n))
+        finally:
+            with self._lock:
+                self._receiving -= n
+        copy = HeldCopy(int(header["src"]), int(header["step"]), payload)
+        with self._lock:
+            self._copies[copy.src] = copy  # complete: replaces the previous copy
+            self.peak_bytes = max(self.peak_bytes, sum(len(c.payload) for c in self._copies.values()) + n)
+        _send(conn, {"ok": True})
+
+    def close(self) -> None:
+        self._closed = True
+        try:  # shutdown wakes the accept loop; a close alone would leave it listening
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+
+
+def _connect(address: PeerAddress, timeout_s: float) -> socket.socket:
+    try:
+        return socket.create_connection((address.addr, address.port), timeout=timeout_s)
+    except OSError as exc:
+        raise PeerError(f"rank {address.rank}'s peer server at {address.addr}:{address.port}: {exc}") from None
+
+
+def put(address: PeerAddress, src: int, step: int, payload: bytes, timeout_s: float) -> None:
+    with _connect(address, timeout_s) as sock:
+        try:
+            _send(sock, {"op": "put", "src": src, "step": step}, memoryview(payload))
+            header, _ = _recv(sock)
+        except OSError as exc:
+            raise PeerError(f"copy of rank {src} step {step} to rank {address.rank}: {exc}") from None
+    if not header.get("ok"):
+        raise PeerError(f"rank {address.rank} refused the copy of rank {src} step {step}")
+
+
+def fetch(address: PeerAddress, src: int, step: int, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
+    """Rank ``src``'s state at ``step`` from the holder at ``address``; returns it and the bytes read."""
+    with _connect(address, timeout_s) as sock:
+        try:
+            _send(sock, {"op": "get", "src": src, "step": step})
+            header, payload = _recv(sock)
+        except OSError as exc:
+            raise PeerError(f"fetching rank {src} step {step} from rank {address.rank}: {exc}") from None
+    if not header.get("ok"):
+        raise PeerError(f"rank {address.rank} holds no copy of rank {src} at step {step} "
+                        f"(it holds step {header.get('held')})")
+    got, state = deserialize(payload)
+    if got != step:
+        raise PeerError(f"rank {address.rank} sent rank {src}'s step {got}, not {step}")
+    return state, len(payload)
+
+
+@dataclass
+class PeerCopyCounters:
+    """What the copies cost one rank (mutable counters; :meth:`freeze` for the report)."""
+
+    commits: int = 0
+    snapshot_s: float = 0.0  # on the training thread: the host copy
+    ship_s: float = 0.0  # on the background thread
+    bytes_sent: int = 0
+    failed: int = 0
+    host_bytes_peak: int = 0
+
+
+class PeerCopier:
+    """The source side: snapshot at commit (training thread), ship in the background, one in
+    flight; keeps this rank's own two newest snapshots for a one-step rollback."""
+
+    def __init__(self, rank: int, world_size: int, copies: int, channel: Any, server: PeerServer,
+                 timeout_s: float) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.copies = copies
+        self.channel = channel
+        self.server = server
+        self.timeout_s = timeout_s
+        self.addresses: dict[int, PeerAddress] = {}
+        self.own: dict[int, dict[str, torch.Tensor]] = {}  # step -> this rank's snapshot (two newest)
+        self.counters = PeerCopyCounters()
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._shipper, name="meshpact-peer-ship", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> dict[int, PeerAddress]:
+        """Read every rank's address again (a replacement publishes a new one); on the
+        training thread only (the control channel is not shared with the shipper). Waits for
+        the copy in flight first, so the shipper never reads a half-written table."""
+        self._idle.wait(self.timeout_s)
+        self.addresses = read_addresses(self.channel, self.world_size)
+        return self.addresses
+
+    def holders(self) -> tuple[int, ...]:
+        hosts = [self.addresses[r].host for r in range(self.world_size)]
+        return placement(self.rank, self.world_size, self.copies, hosts)
+
+    def commit(self, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Snapshot ``state`` (committed at ``step``) to host memory and hand it to the shipper."""
+        t0 = time.perf_counter()
+        self._idle.wait()  # one copy in flight
+        snap = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        self.own[step] = snap
+        for old in sorted(self.own)[:-2]:
+            del self.own[old]
+        self._idle.clear()
+        self._queue.put((step, snap))
+        self.counters.commits += 1
+        self.counters.snapshot_s += time.perf_counter() - t0
+        self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())
+
+    def own_steps(self) -> tuple[int, ...]:
+        return tuple(sorted(self.own))
+
+    def keep_only(self, step: int) -> None:
+        """Drop own snapshots newer than ``step`` (the group went back to it)."""
+        for s in [s for s in self.own if s > step]:
+            del self.own[s]
+
+    def host_bytes(self) -> int:
+        own = sum(t.numel() * t.element_size() for snap in self.own.values() for t in snap.values())
+        return own + self.server.held_bytes
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until the copy in flight has been shipped (or failed)."""
+        return self._idle.wait(timeout_s)
+
+    def _shipper(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            step, snap = item
+            t0 = time.perf_counter()
+            try:
+                payload = serialize(step, snap)
+                for holder in self.holders():
+                    try:
+                        put(self.addresses[holder], self.rank, step, payload, self.timeout_s)
+                    except PeerError:  # a holder gone: this copy is one short until the next recovery
+                        self.counters.failed += 1  # reads the addresses again (:meth:`refresh`)
+                        continue
+                    self.counters.bytes_sent += len(payload)
+            except Exception:  # noqa: BLE001  (a copy that cannot be made is one copy short, not a crash)
+                self.counters.failed += 1
+            finally:
+                self.counters.ship_s += time.perf_counter() - t0
+                self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())
+                self._idle.set()
+
+    def close(self) -> None:
+        self._idle.wait(self.timeout_s)
+        self._queue.put(None)

@@ -1,0 +1,232 @@
+"""Peer-held state without rank processes: placement, the wire, and what consensus decides."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import json
+
+import pytest
+import torch
+
+from meshpact.core.recovery import Policy
+from meshpact.live.recovery.consensus import Decision, Proposal, decide
+from meshpact.live.recovery.peers import PeerAddress, PeerCopier, PeerError, PeerServer, fetch, placement, put, serialize
+
+
+# -- placement -------------------------------------------------------------------------------
+def test_placement_is_the_ring_after_the_rank():
+    assert [placement(r, 5, 1) for r in range(5)] == [(1,), (2,), (3,), (4,), (0,)]
+    assert placement(3, 5, 3) == (4, 0, 1)
+
+
+def test_placement_prefers_ranks_on_another_host_then_the_ring():
+    hosts = ["a", "a", "a", "b", "b", "b"]
+    assert placement(0, 6, 1, hosts) == (3,)
+    assert placement(0, 6, 4, hosts) == (3, 4, 5, 1)
+    assert placement(4, 6, 2, hosts) == (0, 1)
+    # every rank is held by K distinct ranks, never itself
+    for r in range(6):
+        held = placement(r, 6, 3, hosts)
+        assert len(set(held)) == 3 and r not in held
+
+
+@pytest.mark.parametrize("copies", [-1, 4, 9])
+def test_placement_refuses_impossible_copy_counts(copies):
+    with pytest.raises(ValueError, match="between 0 and 3"):
+        placement(0, 4, copies)
+
+
+# -- decide ------------------------------------------------------------------------------------
+def _latest(limit: int) -> int:
+    return (limit // 4) * 4
+
+
+def _survivor(rank: int, step: int = 9, holds=(), own=(8, 9)) -> Proposal:
+    return Proposal(rank, 2, step, f"d{rank}", True, holds=tuple(holds), own_steps=tuple(own), host="h")
+
+
+def _replacement(rank: int) -> Proposal:
+    return Proposal(rank, 2, -1, "", False, incarnation=1, host="h")
+
+
+def test_a_replaced_rank_whose_holder_has_its_newest_copy_is_restored_from_that_peer():
+    props = {0: _survivor(0, holds=[(3, 9)]), 1: _replacement(1), 2: _survivor(2, holds=[(1, 9)]),
+             3: _survivor(3, holds=[(2, 9)])}
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.PEER_RESTORE and d.step == 9
+    assert d.restore_from == ((1, 2),) and d.holder_of(1) == 2 and d.holder_of(0) is None
+    assert "rank 1 <- rank 2" in d.reason and "keep their state in memory" in d.reason
+    assert Decision.from_dict(d.to_dict()) == d
+
+
+def test_a_copy_still_in_flight_rolls_the_survivors_back_one_step_from_their_own_snapshots():
+    props = {0: _survivor(0), 1: _replacement(1), 2: _survivor(2, holds=[(1, 8)]), 3: _survivor(3)}
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.PEER_RESTORE and d.step == 8
+    assert "roll back" in d.reason and "[0, 2, 3]" in d.reason
+
+
+def test_a_survivor_without_the_needed_snapshot_forces_the_checkpoint():
+    props = {0: _survivor(0, own=(9,)), 1: _replacement(1), 2: _survivor(2, holds=[(1, 8)]), 3: _survivor(3)}
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.CHECKPOINT_RESTORE and d.step == 8
+    assert "no step is held for every rank" in d.reason and "rank 0: [9]" in d.reason
+
+
+def test_a_rank_lost_with_its_holder_is_restored_from_the_checkpoint_and_the_reason_says_so():
+    # ranks 1 and its holder 2 both replaced: rank 2's copy survives on rank 3, rank 1's is gone
+    props = {0: _survivor(0), 1: _replacement(1), 2: _replacement(2), 3: _survivor(3, holds=[(2, 9)])}
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.CHECKPOINT_RESTORE and d.step == 8
+    assert "state of rank 1 was lost with all its holder(s) [2]" in d.reason
+    assert "rank 2" not in d.reason.split("lost with")[0].split("hold no intact")[1]
+
+
+def test_without_peer_copies_a_replacement_means_a_checkpoint_restore():
+    props = {0: _survivor(0, holds=[(1, 9)]), 1: _replacement(1)}
+    d = decide(props, 2, 2, 3, _latest, peer_copies=0)
+    assert d.policy is Policy.CHECKPOINT_RESTORE and "peer copies: 0" in d.reason
+
+
+def test_placement_on_two_hosts_is_named_in_the_reason():
+    hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
+    props = {r: Proposal(r, 2, 9, "x", True, own_steps=(9,), host=hosts[r]) for r in (1, 2, 3)}
+    props[0] = Proposal(0, 2, -1, "", False, incarnation=1, host="a")
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.CHECKPOINT_RESTORE and "lost with all its holder(s) [2]" in d.reason
+
+
+def test_excise_is_decided_only_for_declared_ranks_when_the_job_asked_for_it():
+    props = {0: _survivor(0), 2: _survivor(2), 3: _survivor(3)}
+    assert decide(props, 4, 2, 3, _latest, peer_copies=1, declared=(1,)).policy is Policy.CHECKPOINT_RESTORE
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1, on_rank_loss=Policy.EXCISE, declared=(1,))
+    assert d.policy is Policy.EXCISE and d.missing == (1,) and d.members == (0, 2, 3) and d.step == 9
+    not_yet = decide(props, 4, 2, 3, _latest, peer_copies=1, on_rank_loss=Policy.EXCISE, declared=())
+    assert not_yet.policy is Policy.CHECKPOINT_RESTORE and not_yet.missing == (1,)
+
+
+# -- the wire ----------------------------------------------------------------------------------
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"param/w": torch.randn(37, 5, generator=g, dtype=torch.float64),
+            "param/h": torch.randn(300, generator=g).to(torch.bfloat16),
+            "optim/w/step": torch.tensor(7.0), "rng/torch_cpu": torch.randint(0, 255, (16,), dtype=torch.uint8,
+                                                                               generator=g),
+            "empty": torch.zeros(0, 3, dtype=torch.int32)}
+
+
+@pytest.fixture()
+def server():
+    srv = PeerServer("127.0.0.1", timeout_s=5.0)
+    yield srv
+    srv.close()
+
+
+def _addr(srv: PeerServer, rank: int = 1) -> PeerAddress:
+    return PeerAddress(rank, "h", srv.addr, srv.port, 0)
+
+
+def test_a_copy_comes_back_bit_for_bit_and_only_the_newest_complete_one_is_kept(server):
+    a, b = _state(1), _state(2)
+    put(_addr(server), 3, 5, serialize(5, a), 5.0)
+    put(_addr(server), 3, 6, serialize(6, b), 5.0)
+    assert server.holds() == ((3, 6),)
+    got, n = fetch(_addr(server), 3, 6, 5.0)
+    assert n > 0 and got.keys() == b.keys()
+    assert all(torch.equal(got[k], b[k]) and got[k].dtype == b[k].dtype for k in b)
+    with pytest.raises(PeerError, match="holds no copy of rank 3 at step 5 .*holds step 6"):
+        fetch(_addr(server), 3, 5, 5.0)
+    with pytest.raises(PeerError, match="holds no copy of rank 0"):
+        fetch(_addr(server), 0, 6, 5.0)
+
+
+def test_a_sender_dying_mid_copy_leaves_the_previous_copy(server):
+    put(_addr(server), 2, 4, serialize(4, _state(4)), 5.0)
+    payload = serialize(5, _state(5))
+    header = json.dumps({"op": "put", "src": 2, "step": 5, "n": len(payload)}).encode()
+    with socket.create_connection((server.addr, server.port)) as sock:
+        sock.sendall(struct.pack("!I", len(header)) + header + payload[: len(payload) // 2])
+    got, _ = fetch(_addr(server), 2, 4, 5.0)
+    assert server.holds() == ((2, 4),) and torch.equal(got["param/w"], _state(4)["param/w"])
+
+
+def test_a_holder_that_is_gone_is_a_peer_error_not_a_hang():
+    srv = PeerServer("127.0.0.1")
+    address = _addr(srv)
+    srv.close()
+    with pytest.raises(PeerError, match="rank 1's peer server"):
+        put(address, 0, 1, b"x", 1.0)
+
+
+class _Channel:
+    """The two calls the copier makes on the control channel, in memory."""
+
+    def __init__(self, table: dict[str, dict]) -> None:
+        self.table = table
+
+    def wait(self, keys, timeout_s=None):
+        return {k: self.table[k] for k in keys}
+
+
+def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newest(server):
+    other = PeerServer("127.0.0.1")
+    try:
+        table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
+                 for r, s in ((0, other), (1, server), (2, other))}
+        copier = PeerCopier(0, 3, 1, _Channel(table), other, timeout_s=5.0)
+        copier.refresh()
+        states = {step: _state(step) for step in (1, 2, 3)}
+        for step, st in states.items():
+            copier.commit(step, st)
+        assert copier.drain(10)
+        assert copier.own_steps() == (2, 3) and server.holds() == ((0, 3),)
+        got, _ = fetch(_addr(server), 0, 3, 5.0)
+        assert all(torch.equal(got[k], states[3][k]) for k in got)
+        c = copier.counters
+        assert c.commits == 3 and c.failed == 0 and c.bytes_sent >= 3 * len(serialize(3, states[3])) - 64
+        # the snapshot is a copy: changing the live tensors afterwards does not change it
+        states[3]["param/w"].add_(1.0)
+        assert not torch.equal(copier.own[3]["param/w"], states[3]["param/w"])
+        copier.keep_only(2)
+        assert copier.own_steps() == (2,)
+        copier.close()
+    finally:
+        other.close()
+
+
+def test_ranks_all_one_generation_behind_a_round_nobody_acted_on_are_not_stale():
+    """A rank died after proposing: the round was decided (the channel's generation moved) but
+    its groups were never built, so every survivor still holds the previous generation's state."""
+    props = {r: Proposal(r, 1, 9, "x", True, own_steps=(8, 9), host="h") for r in (0, 2, 3)}
+    props[1] = Proposal(1, 2, -1, "", False, incarnation=1, host="h")
+    props[0] = Proposal(0, 1, 9, "x", True, holds=((1, 9),), own_steps=(8, 9), host="h")
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.PEER_RESTORE and d.step == 9 and d.restore_from == ((1, 0),)
+    props[3] = Proposal(3, 0, 9, "x", True, own_steps=(9,), host="h")  # one rank truly behind
+    assert "stale generation: rank(s) {3: 0}" in decide(props, 4, 2, 3, _latest, peer_copies=1).reason
+
+
+def test_the_trial_reports_peer_copy_cost_in_async_checkpointings_terms():
+    from meshpact.live.recovery.analysis import TrialResult
+    from meshpact.live.recovery.outcome import PeerCopyReport, RankOutcome
+    from meshpact.live.recovery.trialconfig import TrialConfig
+
+    cfg = TrialConfig(ranks=2, steps=4, faults=1, fault_kind="kill", baselines=False, checkpoint_every=2)
+    ref = [RankOutcome(r, step_s=(0.2, 0.2, 0.2, 0.2)) for r in range(2)]
+    faulted = [RankOutcome(0, step_s=(0.25,) * 4, storage_bytes_read=0,
+                           peer=PeerCopyReport(commits=5, snapshot_s=0.05, ship_s=0.5, bytes_sent=5000,
+                                               host_bytes_peak=3000)),
+               RankOutcome(1, incarnation=1, step_s=(0.25,) * 3, storage_bytes_read=0,
+                           peer=PeerCopyReport(commits=4, snapshot_s=0.04, ship_s=0.4, bytes_sent=4000,
+                                               host_bytes_peak=4000))]
+    result = TrialResult(cfg, (), ref, faulted, None, {}, True, [], 1, "r.jsonl")
+    over = result.peer_copy_overhead()
+    assert over["step_latency"] == pytest.approx(0.25)
+    assert over["host_bytes_per_rank"] == 4000  # the most any rank held
+    assert over["network_bytes_per_step"] == 2000  # 1000 bytes per commit from each of the two ranks
+    assert over["network_bytes_per_hour"] == pytest.approx(2000 * 3600 / 0.25)
+    assert over["snapshot_ms_per_commit"] == pytest.approx(10.0)
+    assert result.summary()["storage_bytes_read"] == 0 and result.summary()["final_world_size"] == 2
+    none = TrialResult(cfg, (), ref, [RankOutcome(0), RankOutcome(1)], None, {}, True, [], 0, "r.jsonl")
+    assert none.peer_copy_overhead() is None

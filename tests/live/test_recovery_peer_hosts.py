@@ -1,0 +1,42 @@
+"""Rank loss across hosts: a rank dead after proposing, and peer copies between two network namespaces."""
+
+from __future__ import annotations
+
+import pytest
+
+from meshpact.live.recovery.faults import netns_unavailable
+
+from _recovery import trial
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+_RUN = dict(ranks=4, steps=16, checkpoint_every=4, baselines=False, faults=1, peer_copies=1)
+_WHY = netns_unavailable()
+
+
+def test_a_rank_dead_after_proposing_is_met_building_the_groups_then_replaced_from_its_peer():
+    result = trial(fault_kind="collective", die_after_proposing=True, process_start_s=20.0, group_create_s=12.0,
+                   **_RUN)
+    s = result.summary()
+    assert s["bit_identical"], s["mismatches"]
+    assert s["replacement_processes"] == 1 and s["storage_bytes_read"] == 0
+    dead = (result.faults[0].rank + 1) % 4
+    decided = [e.data for e in result.events() if e.event == "decided" and e.rank == 0]
+    assert decided[0]["policy"] == "in_memory" and not decided[0]["missing"]  # it had answered that round
+    peer = [r for r in result.recoveries() if r["policy"] == "peer_restore"]
+    assert len(peer) == 1 and f"rank {dead} <- rank {(dead + 1) % 4}" in peer[0]["reason"]
+    assert s["faults_recovered"] == 1
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+def test_a_rank_killed_on_one_host_takes_its_state_from_the_other_host():
+    result = trial(fault_kind="kill", two_hosts=True, **_RUN)
+    s = result.summary()
+    assert s["bit_identical"], s["mismatches"]
+    assert s["policy_counts"]["peer_restore"] == 1 and s["storage_bytes_read"] == 0
+    (rec,) = [r for r in result.recoveries() if r["policy"] == "peer_restore"]
+    killed = result.faults[0].rank
+    assert killed < 2  # the first host holds ranks 0 and 1 ...
+    holder = int(rec["reason"].split(f"rank {killed} <- rank ")[1][0])
+    assert holder >= 2  # ... and the copy came from the second
