@@ -18,8 +18,11 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import plotly.graph_objects as go
@@ -38,7 +41,6 @@ __all__ = [
     "mesh_figure",
     "Node",
     "nodes_of",
-    "node_figure",
     "MeshScene",
     "mesh_scene",
     "node_scene",
@@ -247,53 +249,6 @@ def nodes_of(mesh: Mesh, node_ranks: int = 8) -> tuple[Node, ...]:
     return tuple(out)
 
 
-def node_figure(mesh: Mesh, nodes: Sequence[Node], failed: Iterable[int] = (), height: int | None = None,
-                dragmode: str = "select") -> go.Figure:
-    """The aggregated mesh: one marker per node, laid out like ranks (a grid per domain, a
-    column per host), red with the count of failed ranks where any failed. ``customdata``
-    holds the node index, so a click or a box picks nodes to drill into."""
-    dead = frozenset(failed)
-    by_domain: dict[str, list[Node]] = {}
-    for n in nodes:
-        by_domain.setdefault(n.domain, []).append(n)
-    node_mesh = Mesh(domains=tuple(Domain(d.name, d.vendor, d.host, tuple(n.index for n in by_domain[d.name]),
-                                          d.backend) for d in mesh.domains if d.name in by_domain))
-    pos = rank_positions(node_mesh)
-    colours = domain_colours(mesh)
-    fig = go.Figure()
-
-    def cells(group: Sequence[Node]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        xs, ys = _xy([n.index for n in group], pos)
-        return xs, ys, _rank_ids([n.index for n in group])  # the node index: a click or box picks nodes
-
-    for name, group in by_domain.items():
-        ok = [n for n in group if not dead.intersection(n.ranks)]
-        xs, ys, data = cells(ok)
-        fig.add_trace(go.Scatter(
-            x=xs, y=ys, customdata=data, text=[n.label for n in ok], mode="markers", name=name,
-            marker=dict(size=7, color=colours[name], symbol="square"),
-            hovertemplate=f"%{{text}} · {name}<extra></extra>",
-        ))
-    hit = [(n, len(dead.intersection(n.ranks))) for n in nodes if dead.intersection(n.ranks)]
-    xs, ys, data = cells([n for n, _ in hit])
-    fig.add_trace(go.Scatter(
-        x=xs, y=ys, customdata=data, mode="markers", name="node with failed ranks",
-        marker=dict(size=9, color=FAILED, symbol="square"),
-        hovertext=[f"{n.label} · {n.domain}: {k} of {len(n.ranks)} failed" for n, k in hit], hoverinfo="text",
-    ))
-    for h in mesh.hosts:
-        ids = [n.index for n in nodes if n.host == h]
-        if ids:
-            xs = [pos[i][0] for i in ids]
-            fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(pos[i][1] for i in ids), yshift=18,
-                               text=f"<b>{h}</b>", showarrow=False)
-    fig.update_layout(**_LAYOUT, height=height or 520, dragmode=dragmode,
-                      legend=dict(orientation="h", yanchor="top", y=-0.02, x=0))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1)
-    return fig
-
-
 @dataclass(frozen=True)
 class MeshScene:
     """The mesh as the canvas component draws it: one cell per rank (``kind`` ``ranks``) or
@@ -315,8 +270,10 @@ class MeshScene:
     labelled: bool  # write each cell's id in it (small meshes)
     key: str
 
+    @cached_property
     def payload(self) -> JsonObject:
-        """The JSON object the component receives (coordinates to a thousandth of a unit)."""
+        """The JSON object the component receives (coordinates to a thousandth of a unit),
+        built once per scene: the page sends it on every run (treat it as read-only)."""
         return {"kind": self.kind, "key": self.key, "ids": list(self.ids),
                 "x": [round(x, 3) for x, _ in self.xy], "y": [round(y, 3) for _, y in self.xy],
                 "group": list(self.group), "groups": list(self.groups), "rings": list(self.rings),
@@ -327,9 +284,6 @@ class MeshScene:
 def _scene(kind: str, mesh: Mesh, ids: Sequence[int], groups_of: Sequence[int], pos: Mapping[int, tuple[float, float]],
            rings: Sequence[JsonObject], links: Sequence[JsonObject], text: Sequence[str], labelled: bool,
            neighbours: Sequence[Sequence[int]]) -> MeshScene:
-    import hashlib
-    import json
-
     colours = domain_colours(mesh)
     cell_of = {r: i for i, r in enumerate(ids)}
     groups = tuple({"name": d.name, "host": d.host, "label": f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
@@ -338,7 +292,7 @@ def _scene(kind: str, mesh: Mesh, ids: Sequence[int], groups_of: Sequence[int], 
                    for d in mesh.domains)
     xy = tuple((float(pos[r][0]), float(pos[r][1])) for r in ids)
     hosts = []
-    for gi, h in enumerate(mesh.hosts):
+    for h in mesh.hosts:
         cells = [i for i, g in enumerate(groups_of) if mesh.domains[g].host == h]
         if cells:
             xs = [xy[i][0] for i in cells]
@@ -373,8 +327,9 @@ def mesh_scene(mesh: Mesh, positions: Mapping[int, tuple[float, float]] | None =
 
 
 def node_scene(mesh: Mesh, nodes: Sequence[Node]) -> MeshScene:
-    """The aggregated mesh for the canvas: a cell per node, laid out as :func:`node_figure`
-    lays them out; a node's hover text names its ranks, domain and host."""
+    """The aggregated mesh for the canvas: a cell per node (consecutive ranks of a domain),
+    laid out as ranks are (a grid per domain, a column per host); a node's hover text names
+    its ranks, domain and host."""
     names = [d.name for d in mesh.domains]
     by_domain: dict[str, list[Node]] = {}
     for n in nodes:

@@ -73,7 +73,7 @@ def mesh_canvas(scene: MeshScene, selected: Iterable[int], *, key: str, ack: Ack
     """Draw ``scene`` with ``selected`` ids painted (failed ranks, or picked nodes) and return
     the canvas's last pick. ``marks`` counts failed ranks per node in a node scene;
     ``height`` is the room kept while the frame loads (it then sizes itself)."""
-    value = _COMPONENT(scene=scene.payload(), selected=sorted(int(i) for i in selected),
+    value = _COMPONENT(scene=scene.payload, selected=sorted(int(i) for i in selected),
                       ack=list(ack) if ack else None,
                       marks=[[int(i), int(k)] for i, k in sorted((marks or {}).items())],
                       caption=caption, height=height, key=key, default=None)

@@ -29,6 +29,7 @@
     drawn: false,
     kind: () => (scene ? scene.kind : null),
     selected: () => [...selected].sort((a, b) => a - b),
+    marks: () => [...marks].sort((a, b) => a[0] - b[0]),
     xy: (id) => {
       const i = cellOf.get(id);
       if (i === undefined) return null;
@@ -165,10 +166,18 @@
       }
       ctx.stroke();
     }
-    if (s.labelled && cellPx >= 12) {  // rank ids in small meshes
-      ctx.fillStyle = "#ffffff"; ctx.textAlign = "center"; ctx.textBaseline = "middle";
-      ctx.font = `${Math.min(11, Math.floor(cellPx * 0.55))}px sans-serif`;
-      for (let i = 0; i < s.ids.length; i++) if (!isMarked(i)) ctx.fillText(String(s.ids[i]), sx[i], sy[i]);
+    if (s.labelled) {  // rank ids in small meshes, in a font that fits the widest id inside its cell, or none
+      ctx.textAlign = "center"; ctx.textBaseline = "middle";
+      const widest = String(Math.max(...s.ids));
+      let px = 11;
+      for (; px >= 7; px--) {
+        ctx.font = `${px}px sans-serif`;
+        if (ctx.measureText(widest).width <= cellPx - 3) break;
+      }
+      if (px >= 7) {
+        ctx.fillStyle = "#ffffff";
+        for (let i = 0; i < s.ids.length; i++) if (!isMarked(i)) ctx.fillText(String(s.ids[i]), sx[i], sy[i]);
+      }
     }
     ctx.fillStyle = "#31333f"; ctx.font = "bold 14px sans-serif"; ctx.textBaseline = "bottom";
     for (const host of s.hosts) {  // host names above their cells, kept inside the canvas
