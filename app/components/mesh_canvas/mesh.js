@@ -20,7 +20,7 @@
   let scene = null, cellOf = new Map(), selected = new Set(), marks = new Map();
   let seq = 0, sceneSeq = 0, args = null;
   let sx = new Float32Array(0), sy = new Float32Array(0), cellPx = 6, W = 0, H = 0, maxH = 760;
-  let hover = -1, press = null, box = null, sentHeight = -1;
+  let hover = -1, press = null, box = null, sentHeight = -1, ink = "#31333f";
 
   const post = (type, data) => window.parent.postMessage(Object.assign({ isStreamlitMessage: true, type: type }, data), "*");
 
@@ -40,7 +40,12 @@
 
   window.addEventListener("message", (ev) => {
     const d = ev.data;
-    if (d && d.type === "streamlit:render") render(d.args || {});
+    if (!d || d.type !== "streamlit:render") return;
+    if (d.theme && d.theme.textColor) {  // host names, legend and caption in the app's text colour (dark themes too)
+      ink = d.theme.textColor;
+      document.body.style.color = ink;
+    }
+    render(d.args || {});
   });
   window.addEventListener("resize", () => { if (scene) { layout(); paint(); } });
 
@@ -179,7 +184,7 @@
         for (let i = 0; i < s.ids.length; i++) if (!isMarked(i)) ctx.fillText(String(s.ids[i]), sx[i], sy[i]);
       }
     }
-    ctx.fillStyle = "#31333f"; ctx.font = "bold 14px sans-serif"; ctx.textBaseline = "bottom";
+    ctx.fillStyle = ink; ctx.font = "bold 14px sans-serif"; ctx.textBaseline = "bottom";
     for (const host of s.hosts) {  // host names above their cells, kept inside the canvas
       const i = nearestTo(host.x, host.y);
       const w = ctx.measureText(host.name).width;
