@@ -7,20 +7,29 @@ planner. Each function takes core values and returns a ``plotly.graph_objects.Fi
 none touches Streamlit, so the benchmark and the tests build them directly. Traces are
 few and wide (one per domain, not one per rank) so the 1,024-rank mesh stays fast to
 build and to draw.
+
+The Mesh page draws the mesh on a canvas instead (``app/components/``): :func:`mesh_scene`
+and :func:`node_scene` give it the same picture as data (cell positions, ids, domain
+colours, rings, bridge links, host labels), built once per scenario; the browser paints
+health and selection itself, so a click changes pixels at once and sends only rank ids.
 """
 
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping, Sequence
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from meshpact.app.format import duration
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.facts import Domain, LinkClass, Mesh
 from meshpact.core.mesh import CIRCLE_MAX, bridge_links, health, native_ring, rank_positions
 from meshpact.core.plan import Plan, PlanCost, StepKind
@@ -32,7 +41,9 @@ __all__ = [
     "mesh_figure",
     "Node",
     "nodes_of",
-    "node_figure",
+    "MeshScene",
+    "mesh_scene",
+    "node_scene",
     "recovery_figure",
     "plan_figure",
     "cost_figure",
@@ -238,51 +249,101 @@ def nodes_of(mesh: Mesh, node_ranks: int = 8) -> tuple[Node, ...]:
     return tuple(out)
 
 
-def node_figure(mesh: Mesh, nodes: Sequence[Node], failed: Iterable[int] = (), height: int | None = None,
-                dragmode: str = "select") -> go.Figure:
-    """The aggregated mesh: one marker per node, laid out like ranks (a grid per domain, a
-    column per host), red with the count of failed ranks where any failed. ``customdata``
-    holds the node index, so a click or a box picks nodes to drill into."""
-    dead = frozenset(failed)
+@dataclass(frozen=True)
+class MeshScene:
+    """The mesh as the canvas component draws it: one cell per rank (``kind`` ``ranks``) or
+    per node (``nodes``), in drawing units, with the id a pick reports (a rank or a node
+    index). Health is not in it: the browser paints the failed set it is given, so one
+    scene serves every selection. ``key`` names the scene (a digest of its content), so
+    the browser re-reads positions only when it changes."""
+
+    kind: str
+    ids: tuple[int, ...]
+    xy: tuple[tuple[float, float], ...]
+    group: tuple[int, ...]  # index into ``groups`` of each cell
+    groups: tuple[JsonObject, ...]  # name, host, label, colour, bridge (cell index or -1)
+    rings: tuple[JsonObject, ...]  # group, cells in ring order, closed
+    links: tuple[JsonObject, ...]  # a, b (cell indices), colour, dash, label
+    hosts: tuple[JsonObject, ...]  # name, x, y (top centre of the host's cells)
+    text: tuple[str, ...]  # what a node's hover names it by ("ranks 8-15"); empty for ranks, named by id
+    step: float  # the smallest distance between neighbouring cells, for their size on screen
+    labelled: bool  # write each cell's id in it (small meshes)
+    key: str
+
+    @cached_property
+    def payload(self) -> JsonObject:
+        """The JSON object the component receives (coordinates to a thousandth of a unit),
+        built once per scene: the page sends it on every run (treat it as read-only)."""
+        return {"kind": self.kind, "key": self.key, "ids": list(self.ids),
+                "x": [round(x, 3) for x, _ in self.xy], "y": [round(y, 3) for _, y in self.xy],
+                "group": list(self.group), "groups": list(self.groups), "rings": list(self.rings),
+                "links": list(self.links), "hosts": list(self.hosts), "text": list(self.text), "step": self.step,
+                "labelled": self.labelled}
+
+
+def _scene(kind: str, mesh: Mesh, ids: Sequence[int], groups_of: Sequence[int], pos: Mapping[int, tuple[float, float]],
+           rings: Sequence[JsonObject], links: Sequence[JsonObject], text: Sequence[str], labelled: bool,
+           neighbours: Sequence[Sequence[int]]) -> MeshScene:
+    colours = domain_colours(mesh)
+    cell_of = {r: i for i, r in enumerate(ids)}
+    groups = tuple({"name": d.name, "host": d.host, "label": f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
+                    "colour": colours[d.name],
+                    "bridge": cell_of.get(d.bridge_rank, -1) if kind == "ranks" else -1}  # type: ignore[arg-type]
+                   for d in mesh.domains)
+    xy = tuple((float(pos[r][0]), float(pos[r][1])) for r in ids)
+    hosts = []
+    for h in mesh.hosts:
+        cells = [i for i, g in enumerate(groups_of) if mesh.domains[g].host == h]
+        if cells:
+            xs = [xy[i][0] for i in cells]
+            hosts.append({"name": h, "x": (min(xs) + max(xs)) / 2, "y": max(xy[i][1] for i in cells)})
+    steps = [math.dist(xy[a], xy[b]) for cells in neighbours for a, b in zip(cells, cells[1:])]
+    step = min((s for s in steps if s > 0), default=1.0)
+    body = (kind, ids, xy, tuple(groups_of), groups, tuple(rings), tuple(links), tuple(hosts), tuple(text))
+    key = hashlib.sha1(json.dumps(body, default=str).encode()).hexdigest()[:16]
+    return MeshScene(kind, tuple(ids), xy, tuple(groups_of), groups, tuple(rings), tuple(links), tuple(hosts),
+                     tuple(text), round(step, 4), labelled, key)
+
+
+def mesh_scene(mesh: Mesh, positions: Mapping[int, tuple[float, float]] | None = None) -> MeshScene:
+    """The rank mesh for the canvas: a cell per rank laid out as :func:`mesh_figure` lays out
+    its markers, each domain's ring (closed for a circle, open for a serpentine grid) and a
+    bridge link per pair of domains, with its link class."""
+    pos = positions if positions is not None else rank_positions(mesh)
+    ids = [r for d in mesh.domains for r in d.ranks]
+    groups_of = [gi for gi, d in enumerate(mesh.domains) for _ in d.ranks]
+    cell_of = {r: i for i, r in enumerate(ids)}
+    rings = []
+    for gi, d in enumerate(mesh.domains):
+        ring = native_ring(d)
+        rings.append({"group": gi, "cells": [cell_of[r] for r in ring], "closed": 2 < len(ring) <= CIRCLE_MAX})
+    links = []
+    for link in bridge_links(mesh):
+        colour, dash = _LINK_STYLE[link.link]
+        links.append({"a": cell_of[link.a], "b": cell_of[link.b], "colour": colour, "dash": dash,
+                      "label": f"bridge ({link.link.value.replace('_', ' ')})"})
+    return _scene("ranks", mesh, ids, groups_of, pos, rings, links, (), mesh.world_size <= 64,
+                  [ring["cells"] for ring in rings])  # type: ignore[misc]
+
+
+def node_scene(mesh: Mesh, nodes: Sequence[Node]) -> MeshScene:
+    """The aggregated mesh for the canvas: a cell per node (consecutive ranks of a domain),
+    laid out as ranks are (a grid per domain, a column per host); a node's hover text names
+    its ranks, domain and host."""
+    names = [d.name for d in mesh.domains]
     by_domain: dict[str, list[Node]] = {}
     for n in nodes:
         by_domain.setdefault(n.domain, []).append(n)
     node_mesh = Mesh(domains=tuple(Domain(d.name, d.vendor, d.host, tuple(n.index for n in by_domain[d.name]),
                                           d.backend) for d in mesh.domains if d.name in by_domain))
     pos = rank_positions(node_mesh)
-    colours = domain_colours(mesh)
-    fig = go.Figure()
-
-    def cells(group: Sequence[Node]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        xs, ys = _xy([n.index for n in group], pos)
-        return xs, ys, _rank_ids([n.index for n in group])  # the node index: a click or box picks nodes
-
-    for name, group in by_domain.items():
-        ok = [n for n in group if not dead.intersection(n.ranks)]
-        xs, ys, data = cells(ok)
-        fig.add_trace(go.Scatter(
-            x=xs, y=ys, customdata=data, text=[n.label for n in ok], mode="markers", name=name,
-            marker=dict(size=7, color=colours[name], symbol="square"),
-            hovertemplate=f"%{{text}} · {name}<extra></extra>",
-        ))
-    hit = [(n, len(dead.intersection(n.ranks))) for n in nodes if dead.intersection(n.ranks)]
-    xs, ys, data = cells([n for n, _ in hit])
-    fig.add_trace(go.Scatter(
-        x=xs, y=ys, customdata=data, mode="markers", name="node with failed ranks",
-        marker=dict(size=9, color=FAILED, symbol="square"),
-        hovertext=[f"{n.label} · {n.domain}: {k} of {len(n.ranks)} failed" for n, k in hit], hoverinfo="text",
-    ))
-    for h in mesh.hosts:
-        ids = [n.index for n in nodes if n.host == h]
-        if ids:
-            xs = [pos[i][0] for i in ids]
-            fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(pos[i][1] for i in ids), yshift=18,
-                               text=f"<b>{h}</b>", showarrow=False)
-    fig.update_layout(**_LAYOUT, height=height or 520, dragmode=dragmode,
-                      legend=dict(orientation="h", yanchor="top", y=-0.02, x=0))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1)
-    return fig
+    ids = [n.index for d in mesh.domains for n in by_domain.get(d.name, [])]
+    node = {n.index: n for n in nodes}
+    groups_of = [names.index(node[i].domain) for i in ids]
+    cell_of = {i: c for c, i in enumerate(ids)}
+    text = [node[i].label for i in ids]
+    return _scene("nodes", mesh, ids, groups_of, pos, [], [], text, False,
+                  [[cell_of[i] for i in native_ring(d)] for d in node_mesh.domains])
 
 
 def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None = None) -> go.Figure:

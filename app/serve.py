@@ -89,7 +89,9 @@ def dashboard_server(port: int = 0, timeout_s: float = 60.0, cwd: Path = ROOT) -
 SETTLED_JS = """() => !document.querySelector('[data-testid="stStatusWidget"]')
     && !document.querySelector('[data-testid="stSkeleton"]')
     && !document.querySelector('[data-stale="true"]')
-    && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => c.querySelector('.main-svg'))"""
+    && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => c.querySelector('.main-svg'))
+    && [...document.querySelectorAll('iframe[title$="mesh_canvas"]')].every(
+        f => f.contentWindow && f.contentWindow.meshpact && f.contentWindow.meshpact.drawn)"""
 
 # Text cut off by its box: metric values and labels, button and page-link labels.
 CLIPPED_JS = """() => [...document.querySelectorAll(
@@ -99,6 +101,14 @@ CLIPPED_JS = """() => [...document.querySelectorAll(
     .map(e => e.innerText)"""
 
 RANK_XY_JS = """(rank) => {
+    for (const f of [...document.querySelectorAll('iframe[title$="mesh_canvas"]')].reverse()) {  // the canvas
+        const m = f.contentWindow && f.contentWindow.meshpact;
+        if (m && m.kind() === 'ranks' && m.xy(rank)) {
+            f.scrollIntoView({block: 'center', behavior: 'instant'});
+            const box = f.getBoundingClientRect(), p = m.xy(rank);
+            return [box.left + p[0], box.top + p[1]];
+        }
+    }
     for (const gd of [...document.querySelectorAll('.js-plotly-plot')].reverse()) {
         const L = gd._fullLayout;
         for (const tr of gd._fullData || []) {

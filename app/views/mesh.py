@@ -1,10 +1,12 @@
 """Mesh page: the communicator mesh, failures by click, box or typed ranges, what recovery costs.
 
 Everything under the title is one ``st.fragment``: a click, a box, typed ranks or a
-recovery knob re-run only that part (not the router, the sidebar or the title). The
-figures and the policy comparison are cached per scenario, failed ranks and knobs
-(``st.cache_resource``, a few entries each), so a selection seen before, or a rerun that
-changed nothing they depend on, rebuilds nothing.
+recovery knob re-run only that part (not the router, the sidebar or the title). The mesh
+is drawn by the canvas component (``app/components/``), which paints a click or a box at
+once and sends back only the ranks now failed; its scene (positions, colours, labels) is
+built once per scenario, and the policy comparison is cached per scenario, failed ranks
+and knobs (``st.cache_resource``, a few entries each), so a selection seen before
+rebuilds nothing.
 """
 
 from __future__ import annotations
@@ -15,25 +17,25 @@ import pandas as pd
 import plotly.graph_objects as go
 import streamlit as st
 
+from meshpact.app.components import Ack, apply_pick, mesh_canvas, read_pick
 from meshpact.app.context import mesh_for, mesh_of, positions_for, require_scenario
-from meshpact.app.figures import Node, mesh_figure, node_figure, nodes_of, recovery_figure
+from meshpact.app.figures import MeshScene, Node, mesh_scene, node_scene, nodes_of, recovery_figure
 from meshpact.app.format import count, duration
 from meshpact.app.policies import POLICY_EXPLAINED, PolicyComparison, compare_policies, comparison_rows
-from meshpact.app.state import (
-    FAILED_KEY, SelectionState, apply_selection, clamp_failed, format_ranks, parse_ranks, ranks_in_event,
-)
+from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks, parse_ranks
 from meshpact.core.facts import Domain, Mesh
 from meshpact.core.mesh import health
 from meshpact.core.recovery import Policy
 
-TEXT_KEY, TEXT_ERROR, CHART_KEY, MEMO_KEY = "failed_ranks_text", "failed_ranks_error", "mesh_chart", "mesh_selection"
-NODES_KEY, DRILL_KEY, DRILL_MEMO = "mesh_nodes_chart", "mesh_drill", "mesh_drill_selection"
-AGGREGATE_ABOVE = 4096  # ranks: above this the chart shows one marker per node, and a drill-down
+TEXT_KEY, TEXT_ERROR = "failed_ranks_text", "failed_ranks_error"
+CANVAS_KEY, NODES_KEY, DRILL_KEY = "mesh_canvas", "mesh_nodes_canvas", "mesh_drill_canvas"
+ACKS_KEY = "mesh_canvas_acks"  # the last pick applied, per canvas
+PICKED_KEY = "mesh_drill_nodes"  # the nodes drawn rank by rank, once the user picked them or failed ranks there
+AGGREGATE_ABOVE = 4096  # ranks: above this the chart shows one cell per node, and a drill-down
 NODE_RANKS = 8  # ranks per node in the aggregated view (an 8-accelerator server)
 DRILL_MAX_NODES = 128  # at most 1,024 ranks in the drill-down chart
-DRAG_MODES = {"drag a box": "select", "click ranks": "pan"}
 
-CACHED = 24  # figures and comparisons kept per kind, shared by the server's sessions
+CACHED = 24  # scenes and comparisons kept per kind, shared by the server's sessions
 
 
 def _drill_mesh(mesh: Mesh, nodes: Sequence[Node]) -> Mesh:
@@ -47,23 +49,22 @@ def _drill_mesh(mesh: Mesh, nodes: Sequence[Node]) -> Mesh:
 
 
 @st.cache_resource(show_spinner=False, max_entries=CACHED)
-def _mesh_fig(text: str, source: str, failed: tuple[int, ...], dragmode: str) -> go.Figure:
-    return mesh_figure(mesh_for(text, source), failed, positions_for(text, source), dragmode=dragmode)
+def _scene(text: str, source: str) -> MeshScene:
+    return mesh_scene(mesh_for(text, source), positions_for(text, source))
 
 
 @st.cache_resource(show_spinner=False, max_entries=CACHED)
-def _node_fig(text: str, source: str, failed: tuple[int, ...], dragmode: str) -> go.Figure:
-    m = mesh_for(text, source)
-    return node_figure(m, nodes_of(m, NODE_RANKS), failed, dragmode=dragmode)
-
-
-@st.cache_resource(show_spinner=False, max_entries=CACHED)
-def _drill_fig(text: str, source: str, picked: tuple[int, ...], failed: tuple[int, ...], dragmode: str) -> go.Figure:
+def _nodes(text: str, source: str) -> tuple[tuple[Node, ...], MeshScene]:
     m = mesh_for(text, source)
     nodes = nodes_of(m, NODE_RANKS)
-    drill = _drill_mesh(m, [nodes[i] for i in picked])
-    shown = set(drill.ranks)
-    return mesh_figure(drill, [r for r in failed if r in shown], height=420, dragmode=dragmode)
+    return nodes, node_scene(m, nodes)
+
+
+@st.cache_resource(show_spinner=False, max_entries=CACHED)
+def _drill(text: str, source: str, picked: tuple[int, ...]) -> tuple[Mesh, MeshScene]:
+    nodes, _ = _nodes(text, source)
+    drill = _drill_mesh(mesh_for(text, source), [nodes[i] for i in picked])
+    return drill, mesh_scene(drill)
 
 
 @st.cache_resource(show_spinner=False, max_entries=CACHED)
@@ -89,25 +90,57 @@ def _typed() -> None:
         return
     st.session_state[TEXT_ERROR] = None
     st.session_state[FAILED_KEY] = sorted(ranks)
+    st.session_state.pop(PICKED_KEY, None)  # the drill-down opens on the nodes of the ranks typed
+
+
+def _new_pick(key: str, scene: MeshScene) -> frozenset[int] | None:
+    """The ids a canvas picked since the last run, once (the acknowledgement is kept per canvas)."""
+    acks: dict[str, Ack] = dict(st.session_state.get(ACKS_KEY, {}))
+    pick = read_pick(st.session_state.get(key))
+    ids = apply_pick(acks.get(key), pick, scene.key)
+    if ids is not None and pick is not None:
+        acks[key] = pick.ack
+        st.session_state[ACKS_KEY] = acks
+    return ids
+
+
+def _ack(key: str) -> Ack | None:
+    return st.session_state.get(ACKS_KEY, {}).get(key)
 
 
 @st.fragment
 def _selection_and_recovery() -> None:
     """The part of the page a selection changes: re-run alone on a click, a box, typed ranks or a knob."""
-    # Apply a new click or box on a chart to the failed ranks before anything is drawn.
-    failed_now = clamp_failed(st.session_state.get(FAILED_KEY, []), mesh.ranks)
+    # Apply a new click or box on a canvas to the failed ranks before anything is drawn.
+    before = clamp_failed(st.session_state.get(FAILED_KEY, []), mesh.ranks)
+    failed = set(before)
     aggregated = mesh.world_size > AGGREGATE_ABOVE
-    memo_key, chart_key = (DRILL_MEMO, DRILL_KEY) if aggregated else (MEMO_KEY, CHART_KEY)
-    memo: SelectionState = st.session_state.get(memo_key, SelectionState())
-    memo = apply_selection(memo, failed_now, st.session_state.get(chart_key))
-    st.session_state[memo_key] = memo
-    failed = clamp_failed(memo.failed, mesh.ranks)
-    if failed != failed_now:  # a click or a box replaces whatever was mistyped
+    if aggregated:
+        nodes, nodes_scene = _nodes(choice.text, choice.source)
+        picked_now = _new_pick(NODES_KEY, nodes_scene)
+        if picked_now:
+            st.session_state[PICKED_KEY] = sorted(picked_now)[:DRILL_MAX_NODES]
+        picked = [i for i in st.session_state.get(PICKED_KEY, []) if 0 <= i < len(nodes)]
+        if not picked:  # open on the nodes that hold failed ranks, else the first of each domain
+            hit = [n.index for n in nodes if not failed.isdisjoint(n.ranks)]
+            picked = hit[:DRILL_MAX_NODES] or [next(n.index for n in nodes if n.domain == d.name) for d in mesh.domains]
+        drill, scene = _drill(choice.text, choice.source, tuple(picked))
+        chart_key = DRILL_KEY
+    else:
+        scene, chart_key = _scene(choice.text, choice.source), CANVAS_KEY
+    shown = set(scene.ids)
+    picked_ranks = _new_pick(chart_key, scene)
+    if picked_ranks is not None:
+        failed = (failed - shown) | set(picked_ranks)
+        if aggregated:  # keep the drill-down on these nodes while ranks there are failed and healed
+            st.session_state[PICKED_KEY] = picked
+    failed_list = clamp_failed(failed, mesh.ranks)
+    if failed_list != before:  # a click or a box replaces whatever was mistyped
         st.session_state[TEXT_ERROR] = None
-    st.session_state[FAILED_KEY] = failed
+    st.session_state[FAILED_KEY] = failed_list
     if not st.session_state.get(TEXT_ERROR):
-        st.session_state[TEXT_KEY] = format_ranks(failed)
-    state = health(mesh, failed)
+        st.session_state[TEXT_KEY] = format_ranks(failed_list)
+    state = health(mesh, failed_list)
 
     m = st.columns(4)
     m[0].metric("healthy ranks", f"{count(state.healthy)}/{count(mesh.world_size)}")
@@ -121,27 +154,17 @@ def _selection_and_recovery() -> None:
                       on_change=_typed, placeholder="no rank failed")
         if st.session_state.get(TEXT_ERROR):
             st.error(st.session_state[TEXT_ERROR])
-        mode = st.radio("on the chart", list(DRAG_MODES), horizontal=True, key="mesh_drag_mode",
-                        help="drag a box: every rank inside fails; click ranks: a click fails a rank, a second click "
-                             "heals it, and a drag pans")
-        dragmode = DRAG_MODES[mode]
+        st.caption("On the chart: click a rank to fail it and again to heal it, drag a box to fail every rank inside, "
+                   "hover to see its domain and host.")
         if aggregated:
-            nodes = nodes_of(mesh, NODE_RANKS)
-            st.caption(f"{count(mesh.world_size)} ranks as {count(len(nodes))} nodes of {NODE_RANKS}: click or drag over "
-                       "nodes to draw their ranks below, then fail ranks there or by typing.")
-            ev = st.plotly_chart(_node_fig(choice.text, choice.source, tuple(failed), dragmode), key=NODES_KEY, on_select="rerun",
-                                 selection_mode=("points", "box"))
-            picked = sorted(ranks_in_event(ev))[:DRILL_MAX_NODES]
-            if not picked:  # open on the nodes that hold failed ranks, else the first of each domain
-                hit = [n.index for n in nodes if set(n.ranks) & state.failed]
-                picked = hit[:DRILL_MAX_NODES] or [next(n.index for n in nodes if n.domain == d.name) for d in mesh.domains]
-            drill = _drill_mesh(mesh, [nodes[i] for i in picked])
+            marks = {n.index: k for n in nodes if (k := len(state.failed.intersection(n.ranks)))}
+            mesh_canvas(nodes_scene, picked, key=NODES_KEY, ack=_ack(NODES_KEY), marks=marks, height=540,
+                        caption=f"{count(mesh.world_size)} ranks as {count(len(nodes))} nodes of {NODE_RANKS}: click a "
+                                "node, or drag a box over nodes, to draw their ranks below.")
             st.caption(f"Drill-down: {count(drill.world_size)} ranks ({format_ranks(drill.ranks)})")
-            st.plotly_chart(_drill_fig(choice.text, choice.source, tuple(picked), tuple(failed), dragmode),
-                            key=DRILL_KEY, on_select="rerun", selection_mode=("points", "box", "lasso"))
+            mesh_canvas(scene, state.failed.intersection(shown), key=DRILL_KEY, ack=_ack(DRILL_KEY), height=440)
         else:
-            st.plotly_chart(_mesh_fig(choice.text, choice.source, tuple(failed), dragmode), key=CHART_KEY,
-                            on_select="rerun", selection_mode=("points", "box", "lasso"))
+            mesh_canvas(scene, state.failed, key=CANVAS_KEY, ack=_ack(CANVAS_KEY), height=560)
 
     with right:
         table = pd.DataFrame([{"communicator": ("✓ " if cm.intact(state.failed) else "✗ ")

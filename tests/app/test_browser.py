@@ -3,9 +3,9 @@
 Starts ``streamlit run app/main.py`` headless on a free loopback port
 (:func:`meshpact.app.serve.dashboard_server`), drives Debian's Chromium through
 Playwright, opens every page (a screenshot each under ``test-artifacts/``), and checks
-the flows end to end: a click and a dragged box fail ranks, typed ranks are exact, the
-scenario and failures follow the user from page to page, and no metric, button or link
-label is cut off at 1,024 or 16,384 ranks.
+the flows end to end: the scenario and failures follow the user from page to page, and
+no metric, button or link label is cut off at 1,024 or 16,384 ranks (the Mesh chart's
+click, box, typed ranks and drill-down are in ``test_browser_mesh.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshpact.app.serve import (
-    CLIPPED_JS, METRIC_JS, chromium_path, click_rank, dashboard_server, go_to, metric, pick_scenario, settle,
+    CLIPPED_JS, METRIC_JS, chromium_path, dashboard_server, go_to, metric, pick_scenario, settle,
     wait_metric_change, wait_title,
 )
 
@@ -28,10 +28,6 @@ ARTIFACTS = ROOT / "test-artifacts"
 PAGES = {"replay": "replay", "mesh": "", "plans": "plans", "simulate": "simulate", "live": "live"}
 NAV = ["Mesh", "Plans", "Simulate", "Replay", "Live"]
 TITLES = {"Mesh": "Communicator mesh", "Plans": "Plans", "Simulate": "Simulate", "Replay": "Replay", "Live": "Live"}
-FAILED_RANKS_JS = """() => { const out = [];
-    for (const gd of document.querySelectorAll('.js-plotly-plot'))
-        for (const t of gd._fullData || []) if (t.name === 'failed') for (const c of t.customdata || []) out.push(typeof c === 'object' ? c[0] : c);
-    return out.sort((a, b) => a - b); }"""
 
 
 @pytest.fixture(scope="module")
@@ -97,53 +93,6 @@ def test_page_renders_without_exception(server, page, name):
     if name == "simulate":  # numbers as the charts beside them write them, not "2000.00" hours
         assert page.get_by_label("per-rank MTBF (hours)").input_value() == "2000"
         assert page.get_by_label("days", exact=True).input_value() == "7.0"
-
-
-def test_clicking_a_rank_on_the_chart_fails_it(user):
-    user.get_by_text("click ranks", exact=True).click()
-    # the mode switch re-runs the page: click only once the chart drawn has left box selection
-    user.wait_for_function("""() => [...document.querySelectorAll('.js-plotly-plot')]
-                                   .some(p => p._fullLayout && p._fullLayout.dragmode === 'pan')""", timeout=60_000)
-    settle(user)
-    click_rank(user, 5)
-    assert wait_metric_change(user, "healthy ranks", "32/32") == "31/32"
-    assert user.evaluate(FAILED_RANKS_JS) == [5]
-    user.screenshot(path=str(ARTIFACTS / "page-mesh-rank5-failed.png"), full_page=True)
-    click_rank(user, 5)  # a second click heals it
-    assert wait_metric_change(user, "healthy ranks", "31/32") == "32/32"
-    assert user.locator('[data-testid="stException"]').count() == 0
-
-
-def test_dragging_a_box_fails_every_rank_inside_it(user):
-    from meshpact.app.serve import RANK_XY_JS
-
-    a, b = user.evaluate(RANK_XY_JS, 2), user.evaluate(RANK_XY_JS, 4)  # by default a drag draws a box
-    x0, x1 = sorted([a[0], b[0]])
-    y0, y1 = sorted([a[1], b[1]])
-    user.mouse.move(x0 - 4, y0 - 4)
-    user.mouse.down()
-    user.mouse.move((x0 + x1) / 2, (y0 + y1) / 2, steps=4)
-    user.mouse.move(x1 + 4, y1 + 4, steps=4)
-    user.mouse.up()
-    wait_metric_change(user, "healthy ranks", "32/32")
-    failed = user.evaluate(FAILED_RANKS_JS)
-    assert {2, 4} <= set(failed) and len(failed) >= 3, failed
-    assert user.get_by_placeholder("no rank failed").input_value() != ""
-
-
-def test_typed_ranks_fail_exactly_those_ranks(user):
-    _type_ranks(user, "5")
-    assert metric(user, "healthy ranks") == "31/32"
-    assert user.evaluate(FAILED_RANKS_JS) == [5]  # not 5, 15 and 25
-    _type_ranks(user, "5-9, 12")
-    assert user.evaluate(FAILED_RANKS_JS) == [5, 6, 7, 8, 9, 12]
-    box = user.get_by_placeholder("no rank failed")
-    box.fill("5, 77")
-    box.press("Enter")
-    alert = user.locator('[data-testid="stAlertContentError"]').first
-    alert.wait_for(timeout=20_000)
-    assert alert.inner_text().strip() == "rank 77 is not in this mesh (ranks 0-31)"
-    assert user.evaluate(FAILED_RANKS_JS) == [5, 6, 7, 8, 9, 12]
 
 
 def test_scenario_and_failures_follow_the_user_across_pages(user):

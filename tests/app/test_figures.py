@@ -1,5 +1,5 @@
 """The mesh figures as the browser receives them: what each marker says, and a payload
-cheap to draw.
+cheap to draw; the canvas scene of the Mesh page and how its picks are applied.
 
 The figure goes through ``plotly.io.to_json`` as ``st.plotly_chart`` sends it, and is
 read back as plotly.js would see it: every rank drawn once with its own id, a click on
@@ -15,7 +15,8 @@ import json
 import numpy as np
 import plotly.io
 
-from meshpact.app.figures import mesh_figure, node_figure, nodes_of
+from meshpact.app.components import apply_pick, read_pick
+from meshpact.app.figures import mesh_figure, mesh_scene, node_scene, nodes_of
 from meshpact.app.state import ranks_in_event
 from meshpact.core.facts import Domain, Mesh
 
@@ -87,19 +88,6 @@ def test_no_marker_style_is_set_point_by_point():
             assert not isinstance(marker.get("line", {}).get("width"), (list, dict)), t.get("name")
 
 
-def test_the_node_view_picks_nodes_by_index_and_names_their_ranks():
-    nodes = nodes_of(MESH, 8)
-    spec = _sent(node_figure(MESH, nodes, failed=[9, 713]))
-    ids = sorted(i for t in spec["data"] for i in _values(t.get("customdata")))
-    assert ids == [n.index for n in nodes]
-    hit = next(t for t in spec["data"] if t["name"] == "node with failed ranks")
-    picked = {nodes[i] for i in _values(hit["customdata"])}
-    assert {r for n in picked for r in n.ranks} >= {9, 713} and len(picked) == 2
-    first = next(t for t in spec["data"] if t["name"] == "cuda@hostA")
-    assert first["text"][0] == "ranks 0-7"
-    assert next(t for t in spec["data"] if t["name"] == "cpu@hostB")["text"] == ["ranks 701-708"]  # 709-713 failed
-
-
 def test_a_failed_rank_stays_visible_among_16384_ranks():
     big = Mesh(domains=(Domain("cuda@podA", "cuda", "podA", tuple(range(8192))),
                         Domain("cann@podB", "cann", "podB", tuple(range(8192, 16384)))))
@@ -108,3 +96,68 @@ def test_a_failed_rank_stays_visible_among_16384_ranks():
     failed = next(t for t in spec["data"] if t.get("name") == "failed")
     assert _values(failed["customdata"]) == [9999]
     assert healthy <= 4 and failed["marker"]["size"] >= 10  # a cross wider than two grid cells, not a red speck
+
+
+# --- the canvas scene: the same picture as data, which the browser paints and picks from ---
+
+
+def test_the_scene_draws_every_rank_once_where_the_figure_draws_it():
+    from meshpact.core.mesh import native_ring, rank_positions
+
+    scene = mesh_scene(MESH)
+    sent = json.loads(json.dumps(scene.payload))  # what the component receives
+    assert sorted(sent["ids"]) == list(range(714))
+    pos = rank_positions(MESH)
+    for r, x, y in zip(sent["ids"], sent["x"], sent["y"]):
+        assert abs(x - pos[r][0]) <= 5e-4 and abs(y - pos[r][1]) <= 5e-4, r
+    domain_of = {r: gi for gi, d in enumerate(MESH.domains) for r in d.ranks}
+    assert [domain_of[r] for r in sent["ids"]] == sent["group"]
+    bridges = [sent["ids"][g["bridge"]] for g in sent["groups"]]
+    assert bridges == [7, 650, 701]
+    for gi, (ring, d) in enumerate(zip(sent["rings"], MESH.domains)):  # each ring in the domain's ring order
+        assert ring["group"] == gi and [sent["ids"][c] for c in ring["cells"]] == list(native_ring(d))
+        assert ring["closed"] is (d.size <= 64)  # a circle closes, a serpentine grid does not
+    linked = {frozenset((sent["ids"][link["a"]], sent["ids"][link["b"]])) for link in sent["links"]}
+    assert linked == {frozenset(p) for p in ((7, 650), (7, 701), (650, 701))}
+    assert {h["name"] for h in sent["hosts"]} == {"hostA", "hostB"}
+    top_a = max(pos[r][1] for r in MESH.domains[0].ranks)
+    assert next(h for h in sent["hosts"] if h["name"] == "hostA")["y"] == top_a
+    assert sent["labelled"] is False and 0.29 <= sent["step"] <= 0.31  # the grid's spacing (SPACING)
+
+
+def test_the_scene_key_names_its_content():
+    assert mesh_scene(MESH).key == mesh_scene(MESH).key
+    moved = Mesh(domains=(MESH.domains[1], MESH.domains[0], MESH.domains[2]))
+    fewer = Mesh(domains=MESH.domains[:2])
+    keys = {mesh_scene(m).key for m in (MESH, moved, fewer)}
+    assert len(keys) == 3
+    small = Mesh(domains=(Domain("a", "cuda", "h", (0, 1)),))
+    assert mesh_scene(small).labelled and mesh_scene(small).kind == "ranks"
+
+
+def test_the_node_scene_names_each_node_by_its_ranks():
+    nodes = nodes_of(MESH, 8)
+    scene = node_scene(MESH, nodes)
+    sent = json.loads(json.dumps(scene.payload))
+    assert sent["kind"] == "nodes" and sorted(sent["ids"]) == [n.index for n in nodes]
+    for i, text in zip(sent["ids"], sent["text"]):
+        assert text == nodes[i].label
+    assert sent["text"][sent["ids"].index(nodes[-1].index)] == "ranks 709-713"  # the short last node of cpu@hostB
+    assert sent["rings"] == [] and sent["links"] == [] and sent["step"] > 0
+    assert scene.key != mesh_scene(MESH).key
+
+
+def test_a_canvas_pick_is_applied_once_and_only_on_its_scene():
+    value = {"scene": "s1", "instance": "frameA", "seq": 3, "ids": [5, 9]}
+    pick = read_pick(value)
+    assert pick is not None and pick.ids == {5, 9}
+    assert apply_pick(None, pick, "s1") == {5, 9}
+    assert apply_pick(pick.ack, pick, "s1") is None  # the same value on the next rerun: already applied
+    assert apply_pick(None, pick, "s2") is None  # made on a scene no longer shown
+    # another frame (a page switch makes a new one) counts its own picks: the same number from it is new
+    fresh = read_pick({"scene": "s1", "instance": "frameB", "seq": 3, "ids": []})
+    assert apply_pick(pick.ack, fresh, "s1") == frozenset()
+    for bad in (None, [], "5", {"scene": "s1"}, {"scene": "s1", "instance": "a", "seq": "x", "ids": []},
+                {"scene": "s1", "instance": "a", "seq": 1, "ids": 5}, {"scene": "s1", "instance": "a", "seq": 1,
+                                                                       "ids": ["five"]}):
+        assert read_pick(bad) is None, bad
