@@ -56,6 +56,7 @@ class RecoveryConfig:
     group_create_s: float = 20.0
     max_rounds: int = 4
     heartbeat: bool = False  # run the heartbeat (live/recovery/heartbeat.py); off: hangs wait for the data path
+    standby: bool = True  # build the next generation's groups in the background (communicator.Standby)
     step_s: float = 5.0
     warmup_s: float = 120.0
     consensus_round_s_override: float | None = None
@@ -98,6 +99,13 @@ class RecoveryConfig:
         """A hang is found by whichever comes first: the heartbeat (when it runs) or the
         data-path timeout."""
         return min(self.heartbeat_detect_s, self.data_timeout_s) if self.heartbeat else self.data_timeout_s
+
+    @property
+    def standby_wait_s(self) -> float:
+        """How long a recovery waits for a standby still being built before building instead:
+        ``min(data_timeout_s, group_create_s)``. A standby still connecting after a data-path
+        timeout is waiting on a silent peer; building would wait on the same peer."""
+        return min(self.data_timeout_s, self.group_create_s)
 
     @property
     def consensus_round_s(self) -> float:
@@ -167,6 +175,7 @@ class RecoveryConfig:
             ("consensus round (control channel wait)", self.consensus_round_s,
              "max(process_start_s, group_create_s)"),
             ("group creation (connect)", self.connect_timeout_s, "group_create_s"),
+            ("wait for a standby still being built", self.standby_wait_s, "min(data_timeout_s, group_create_s)"),
             ("store connect", self.store_connect_s, "process_start_s + group_create_s"),
             ("rank-loss bound", self.rank_loss_bound_s, "max_rounds x consensus round"),
             ("one recovery, at most", self.recovery_bound_s, "detection + consensus round + group creation"),

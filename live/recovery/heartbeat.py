@@ -111,5 +111,5 @@ class Heartbeat:
             # the generation this look was made in, while the step still runs
             if stalled and self.detected_wall is None and self.watching and s.generation == generation:
                 self.detected_wall, self.stalled, self._detected_generation = time.time(), tuple(stalled), generation
-                comm.sever(comm.data_sockets(s.protected_sockets, s.store_ports))
+                comm.sever(s.data_sockets())  # the standby's sockets survive
                 still = [0] * world
