@@ -10,6 +10,8 @@ its name, and how many operations it received after the rebind (:class:`OpCounte
 :func:`torchft_probe` measures the peer on the same machine: torchft's ``ProcessGroupGloo``
 reconfigured in place (``configure`` under a fresh store prefix) plus its first collective.
 :func:`checkpoint_probe` measures per-update asynchronous checkpointing.
+:func:`false_alarm_probe` trains with no fault for a while at the default settings and counts
+every recovery (each a false alarm) and every heartbeat alarm among them.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import shutil
 import statistics
 import time
 import weakref
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe"]
+__all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe", "false_alarm_probe", "FalseAlarms"]
 
 
 def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
@@ -221,3 +224,56 @@ def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
                                  state_bytes(local_state(model, optimizer)),
                                  statistics.mean(ckpt.writes) if ckpt.writes else 0.0)
     return {"rank": session.rank, **stats.to_dict(), "file_bytes_written": ckpt.bytes_written}
+
+
+@dataclass(frozen=True)
+class FalseAlarms:
+    """One rank's fault-free run at the default settings: every recovery is a false alarm."""
+
+    rank: int
+    seconds: float
+    steps: int
+    recoveries: int  # recoveries of any cause (none is right: no fault was injected)
+    heartbeat_alarms: int  # detections made by this rank's heartbeat watch
+    heartbeat: bool  # whether the heartbeat ran (the default settings)
+    load_avg_1m: float  # at the end of the run
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def false_alarm_probe(args: dict[str, float]) -> dict[str, object]:
+    """Train the harness under :func:`~meshpact.live.recovery.runtime.resilient` for
+    ``args["seconds"]`` with no fault injected and ``RecoveryConfig()``'s defaults (the
+    heartbeat on where the default has it on; ``args["heartbeat"]`` = 1 forces it)."""
+    import torch
+    import torch.distributed as dist
+
+    from meshpact.core.recording import EventKind
+
+    from .config import RecoveryConfig
+    from .harness import ModelConfig, build, make_batch, make_train_step
+    from .runtime import resilient
+    from .session import start_session
+
+    config = RecoveryConfig()
+    if args.get("heartbeat"):
+        config = RecoveryConfig(heartbeat=True)
+    session = start_session(config)
+    cfg = ModelConfig()
+    model, optimizer = build(cfg, session.mesh)
+    train_step = make_train_step(model, optimizer)
+    seconds = float(args.get("seconds", 60.0))
+    t0 = time.time()
+    steps = 0
+    with resilient(model, optimizer, session, batches=lambda st: make_batch(cfg, st, session.rank)) as rt:
+        while True:
+            rt.step(train_step, make_batch(cfg, rt.committed_step, session.rank))
+            steps += 1
+            done = torch.tensor([1.0 if time.time() - t0 >= seconds else 0.0])
+            dist.all_reduce(done, op=dist.ReduceOp.MAX, group=session.group)  # every rank stops at one step
+            if done.item() > 0:
+                break
+    alarms = sum(1 for e in session.events if e.event == EventKind.DETECTED and e.data.get("heartbeat_stalled"))
+    return FalseAlarms(session.rank, time.time() - t0, steps, len(rt.recoveries), alarms, config.heartbeat,
+                       round(os.getloadavg()[0], 2)).to_dict()
