@@ -4,18 +4,19 @@ Each rank runs one background thread with its own connection to the control ``TC
 Every ``heartbeat_interval_s`` it does two things:
 
 - *beat*: it adds one to this rank's counter, unless the rank's main thread is inside the
-  watched training step and has not moved since the last look (same frame, same bytecode
-  offset) while not waiting in torch's communication code. A rank waiting on its peers
-  beats; a rank whose step stopped making progress outside any collective does not.
+  watched training step and has made no progress since the last look: same frame, same
+  bytecode offset, not waiting in torch's communication code, *and* no CPU time spent. A rank
+  waiting on its peers beats; a rank inside one long native operation (a big kernel, which
+  a loaded machine stretches further) spends CPU time and beats; a rank whose step stopped
+  (asleep, blocked on a lock) does not.
 - *watch*: it reads every peer's counter; a peer whose counter has not moved for
   ``heartbeat_misses`` looks is stalled. The thread then shuts down this rank's data-path
   sockets (the same severing the runtime does on a fault), so a collective waiting on the
   stalled peer fails now instead of at the data-path timeout, and the runtime recovers.
 
-The bound on finding a stall is :attr:`RecoveryConfig.heartbeat_detect_s`. A step whose
-single native operation outlasts that bound outside communication code would be taken for
-a stall (a false alarm, which costs one in-memory recovery); the heartbeat is therefore
-off unless ``RecoveryConfig.heartbeat`` is set.
+The bound on finding a stall is :attr:`RecoveryConfig.heartbeat_detect_s`. A thread busy
+without moving (a spin loop in native code) is not found by the heartbeat; the data-path
+timeout still bounds it.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from . import communicator as comm
 from .control import ControlChannel, control_address
 
 __all__ = ["Heartbeat"]
+
+_BUSY_S = 1e-4  # main-thread CPU time between two looks that counts as progress (a sleeping thread spends none)
 
 
 class Heartbeat:
@@ -67,6 +70,13 @@ class Heartbeat:
         self.detected_wall, self.stalled, self._detected_generation = None, (), None
         return out
 
+    def _main_cpu_s(self) -> float:
+        """CPU time the main thread has used (a native operation in progress spends it)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._main))  # type: ignore[arg-type]
+        except (OSError, AttributeError, TypeError):
+            return time.monotonic()  # no per-thread clock here: every look counts as progress
+
     def _main_position(self) -> tuple[int, int, bool]:
         frame = sys._current_frames().get(self._main)
         if frame is None:
@@ -85,14 +95,16 @@ class Heartbeat:
         me = self.session.rank
         keys = [f"heartbeat/rank{r}" for r in range(world)]
         last_pos = self._main_position()
+        last_cpu = self._main_cpu_s()
         seen = [-1] * world
         still = [0] * world
         while not self._stop.wait(self.interval_s):
             generation = self.session.generation
             pos = self._main_position()
-            if not self.watching or pos[2] or pos[:2] != last_pos[:2]:
+            cpu = self._main_cpu_s()
+            if not self.watching or pos[2] or pos[:2] != last_pos[:2] or cpu - last_cpu >= _BUSY_S:
                 self.channel.add(keys[me], 1)
-            last_pos = pos
+            last_pos, last_cpu = pos, cpu
             counts = [self.channel.counter(k) for k in keys]
             if not self.watching:
                 still = [0] * world
