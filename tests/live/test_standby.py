@@ -112,3 +112,12 @@ def test_the_verdict_over_every_ranks_word():
     assert comm.standby_refusal({0: ready, 1: slow}, 5, 2) == slow.reason
     # the words travel as JSON on the control channel
     assert comm.StandbyStatus.from_dict(slow.to_dict()) == slow
+
+
+def test_the_wait_for_a_standby_is_derived_and_in_the_table():
+    from meshpact.live.recovery.config import RecoveryConfig
+
+    c = RecoveryConfig(data_timeout_s=45.0, group_create_s=7.0, process_start_s=7.0)
+    assert c.standby_wait_s == 7.0  # a standby still connecting after group creation waits on a silent peer
+    assert RecoveryConfig(data_timeout_s=0.3).standby_wait_s == 0.3
+    assert ("wait for a standby still being built", 7.0, "min(data_timeout_s, group_create_s)") in c.table()
