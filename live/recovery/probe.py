@@ -352,7 +352,8 @@ class FalseAlarms:
 
 def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
     """Train the harness under :func:`~meshpact.live.recovery.runtime.resilient` for
-    ``raw["seconds"]`` with no fault injected and ``RecoveryConfig()``'s defaults."""
+    ``raw["seconds"]`` with no fault injected, ``RecoveryConfig()``'s defaults and the heartbeat
+    on (what is measured)."""
     import torch
     import torch.distributed as dist
 
@@ -363,7 +364,7 @@ def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
     from .runtime import resilient
     from .session import start_session
 
-    config = RecoveryConfig()
+    config = RecoveryConfig(heartbeat=True)
     session = start_session(config)
     cfg = ModelConfig()
     model, optimizer = build(cfg, session.mesh)

@@ -25,7 +25,7 @@ def test_derived_values_follow_their_formulas_for_inputs_other_than_the_defaults
 
 
 def test_without_the_heartbeat_the_data_path_bounds_detection():
-    c = RecoveryConfig(data_timeout_s=45.0, heartbeat=False)
+    c = RecoveryConfig(data_timeout_s=45.0)
     assert c.detection_bound_s == 45.0 and not c.notes
     with pytest.raises(Exception, match=r"stall \(1.5 s\) must outlast the data-path timeout \(45"):
         TrialConfig(fault_kind="stall", stall_s=1.5, data_timeout_s=45.0)
