@@ -3,11 +3,15 @@
 Measures on this machine, in one run:
 
 - rebuild + rebind of the data-path group on the FSDP2 harness at 2, 4 and 8 ranks
-  (``rebind_ms_by_ranks``: rebinding alone; ``rebuild_ms_by_ranks``: the new group);
-- torchft 0.2.0's in-place reconfigure of a gloo group plus its first collective at 4 and 8
-  ranks (the peer; ``pip install 'meshpact[bench]'``), when it is installed;
-- ``--recoveries`` raised-collective faults on 4 ranks recovered in memory: recovery time
-  (consensus + communicator + rebinding) p50 and max, and downtime per fault against a
+  (``rebind_ms_by_ranks``: rebinding alone, and its flatness max/min; ``rebuild_ms_by_ranks``:
+  the new group);
+- side by side, interleaved in one run (:func:`side_by_side`): meshpact's in-memory recovery
+  of ``--recoveries`` raised collectives at 2, 4 and 8 ranks (first rank knowing -> every rank
+  through the new group's first collective; the standby swapped in) and torchft 0.2.0's
+  ``configure`` + first allreduce of a gloo group at the same sizes (the peer; the optional
+  ``bench`` extra, ``pip install 'meshpact[bench]'``): p50, p99, max and the ratio per size
+  (``recovery_ms_p50``/``_p99``/``_max`` are the 4-rank numbers);
+- ``--baseline-faults`` raised collectives on 4 ranks with downtime per fault against a
   checkpoint restore in the job and a cold restart measured in the same run (ratios);
 - per-update asynchronous checkpointing: step-latency overhead, host memory, storage/hour;
 - what a commit adds to a step (``commit_overhead_ms_by_state_mb``): the commit check (O(1)
@@ -21,7 +25,11 @@ Prints a table for people and one JSON line (the last line) for machines.
   host memory against the same kills restored from the checkpoint (two runs, K=1 and K=0):
   step-latency overhead, host bytes per rank, network bytes per hour, and downtime per kill.
 
-Usage: ``python bench/recovery.py [--recoveries 100] [--quick] [--commit-only] [--stall-only] [--peer-only]``.
+- with ``--false-alarm-minutes M``: only a fault-free run of M minutes on 4 ranks at the
+  default settings, counting recoveries and heartbeat alarms (``false_alarms``).
+
+Usage: ``python bench/recovery.py [--recoveries 100] [--quick] [--commit-only] [--stall-only] [--peer-only]
+[--side-by-side-only] [--false-alarm-minutes M]``.
 """
 
 from __future__ import annotations
@@ -83,12 +91,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--commit-only", action="store_true", help="only the commit overhead by state size")
     ap.add_argument("--stall-only", action="store_true", help="only stall detection by heartbeat")
     ap.add_argument("--peer-only", action="store_true", help="only peer copies against checkpoint restore")
+    ap.add_argument("--side-by-side-only", action="store_true", help="only meshpact against torchft, 2/4/8 ranks")
+    ap.add_argument("--baseline-faults", type=int, default=20,
+                    help="faults of the 4-rank run with the checkpoint-restore and cold-restart baselines")
+    ap.add_argument("--false-alarm-minutes", type=float, default=None, metavar="M",
+                    help="only a fault-free run of M minutes on 4 ranks at the default settings")
     ns = ap.parse_args(argv)
+    if ns.recoveries < 1 or ns.baseline_faults < 1:
+        ap.error(f"--recoveries and --baseline-faults must be at least 1, got {ns.recoveries} and {ns.baseline_faults}")
+    if ns.false_alarm_minutes is not None and not 0 < ns.false_alarm_minutes <= 120:
+        ap.error(f"--false-alarm-minutes must be more than 0 and at most 120, got {ns.false_alarm_minutes}")
     rounds = 2 if ns.quick else 6
     out: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
                                        "backend": "gloo on loopback"}}
     rows: list[tuple[str, str]] = []
 
+    if ns.false_alarm_minutes is not None:
+        rows += false_alarms(out, ns.false_alarm_minutes)
+        _report(rows, out)
+        return 0
+    if ns.side_by_side_only:
+        rows += side_by_side(out, min(ns.recoveries, 5) if ns.quick else ns.recoveries, 1 if ns.quick else 2)
+        _report(rows, out)
+        return 0
     if ns.stall_only:
         rows += stall_detection(out, 3 if ns.quick else 10)
         _report(rows, out)
@@ -127,19 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(("ProcessGroup.reconfigure in this torch", "yes" if out["reconfigure_available"] else
                  "no (torch < 2.14): rebuild + rebind path measured"))
 
-    torchft: dict[int, Any] = {}
-    for ranks in (4, 8):
-        vals = _probe("meshpact.live.recovery.probe:torchft_probe", ranks, {"rounds": 3 if ns.quick else 10})
-        if "error" in vals[0]:
-            rows.append(("torchft", vals[0]["error"]))
-            break
-        times = [x for v in vals for x in v["configure_first_op_ms"][1:]]  # the first configure creates the group
-        torchft[ranks] = {"median_ms": statistics.median(times), "max_ms": max(times)}
-        rows.append((f"torchft 0.2.0 configure + first collective, {ranks} ranks (ms, median / max)",
-                     f"{torchft[ranks]['median_ms']:.1f} / {torchft[ranks]['max_ms']:.1f}"))
-    out["torchft_reconfigure_ms_by_ranks"] = torchft
+    out["rebind_flatness_max_over_min"] = max(rebind_by.values()) / min(rebind_by.values())
+    rows.append(("rebind flatness over 2-8 ranks (max / min of the medians)", f"{out['rebind_flatness_max_over_min']:.2f}"))
 
-    n = max(1, ns.recoveries if not ns.quick else min(ns.recoveries, 10))
+    rows += side_by_side(out, min(ns.recoveries, 5) if ns.quick else ns.recoveries, 1 if ns.quick else 2)
+
+    n = max(1, ns.baseline_faults if not ns.quick else min(ns.baseline_faults, 5))
     t0 = time.time()
     result = run_trial(TrialConfig(ranks=4, steps=n + 10, faults=n, fault_kind="collective", checkpoint_every=10))
     # the launcher deadline is derived (RecoveryConfig.launcher_deadline_s) from steps and faults
@@ -149,9 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     det_ms = [r["detection_s"] * 1e3 for r in recs]
     down = summary["downtime_s"]
     out.update({
-        "recoveries": len(recs), "bit_identical": summary["bit_identical"],
-        "recovery_ms_p50": statistics.median(rec_ms), "recovery_ms_max": max(rec_ms),
-        "recovery_ms_p99": _pct(rec_ms, 0.99), "detection_ms_p50": statistics.median(det_ms),
+        "baseline_recoveries": len(recs), "bit_identical": summary["bit_identical"] and out.get("bit_identical", True),
+        "baseline_recovery_ms_p50": statistics.median(rec_ms), "detection_ms_p50": statistics.median(det_ms),
         "downtime_s": down,
         "downtime_ratio_checkpoint_restore": (down["checkpoint_restore"] / down["in_memory"]
                                               if down["in_memory"] and down["checkpoint_restore"] else None),
@@ -162,9 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         "trial_wall_s": time.time() - t0,
     })
     rows += [
-        (f"in-memory recovery, 4 ranks, {len(recs)} raised collectives, first rank knowing -> every rank "
-         "through the new group's first collective (ms, p50 / p99 / max)",
-         f"{out['recovery_ms_p50']:.1f} / {out['recovery_ms_p99']:.1f} / {out['recovery_ms_max']:.1f}"),
+        (f"in-memory recovery, 4 ranks, {len(recs)} raised collectives with the baselines (ms, p50)",
+         f"{out['baseline_recovery_ms_p50']:.1f}"),
         ("detection, injection -> first rank knowing (ms, p50)", f"{out['detection_ms_p50']:.1f}"),
         ("downtime per fault: in memory / checkpoint restore / cold restart (s)",
          " / ".join("-" if down[k] is None else f"{down[k]:.3f}" for k in ("in_memory", "checkpoint_restore",
@@ -248,6 +264,91 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
         ("storage read by recoveries: peer / checkpoint (bytes); bit-identical",
          f"{p['storage_bytes_read_k1']} / {p['storage_bytes_read_k0']}; {p['bit_identical']}"),
     ]
+
+
+def side_by_side(out: dict[str, Any], faults: int, chunks: int) -> list[tuple[str, str]]:
+    """meshpact's in-memory recovery and torchft's configure + first allreduce at 2, 4 and 8
+    ranks, interleaved (``chunks`` passes over the sizes, ``faults`` split between them), so
+    both meet the same load."""
+    from meshpact.core.recording import EventKind
+
+    sizes = (2, 4, 8)
+    per_chunk = max(1, -(-faults // chunks))
+    ours: dict[int, list[float]] = {n: [] for n in sizes}
+    theirs: dict[int, list[float]] = {n: [] for n in sizes}
+    standby: dict[int, dict[str, int]] = {n: {"used": 0, "built": 0} for n in sizes}
+    torchft_error: str | None = None
+    identical = True
+    for _ in range(chunks):
+        for n in sizes:
+            result = run_trial(TrialConfig(ranks=n, steps=per_chunk + 6, faults=per_chunk, fault_kind="collective",
+                                           checkpoint_every=per_chunk + 6, baselines=False))
+            identical = identical and result.bit_identical
+            ours[n] += [r["recovery_s"] * 1e3 for r in result.recoveries() if r["policy"] == "in_memory"]
+            for e in result.events():
+                if e.event == EventKind.REBUILT and e.rank == 0 and e.data.get("standby"):
+                    standby[n]["used" if e.data["standby"] == "used" else "built"] += 1
+            if torchft_error is None:
+                vals = _probe("meshpact.live.recovery.probe:torchft_probe", n, {"rounds": per_chunk + 1})
+                if "error" in vals[0]:
+                    torchft_error = str(vals[0]["error"])
+                else:  # the first configure creates the group: not a reconfigure
+                    theirs[n] += [x for v in vals for x in v["configure_first_op_ms"][1:]]
+    rows: list[tuple[str, str]] = []
+    by_ranks: dict[int, dict[str, Any]] = {}
+    for n in sizes:
+        mine = ours[n]
+        row: dict[str, Any] = {"faults": len(mine), "p50_ms": statistics.median(mine), "p99_ms": _pct(mine, 0.99),
+                               "max_ms": max(mine), "standby_used": standby[n]["used"],
+                               "standby_built": standby[n]["built"]}
+        text = f"{row['p50_ms']:.1f} / {row['p99_ms']:.1f} / {row['max_ms']:.1f}"
+        if theirs[n]:
+            peer = theirs[n]
+            row["torchft"] = {"rounds": len(peer), "p50_ms": statistics.median(peer), "p99_ms": _pct(peer, 0.99),
+                              "max_ms": max(peer)}
+            row["ratio_p50"] = row["p50_ms"] / row["torchft"]["p50_ms"]
+            text += (f"  |  {row['torchft']['p50_ms']:.1f} / {row['torchft']['p99_ms']:.1f} / "
+                     f"{row['torchft']['max_ms']:.1f}  |  {row['ratio_p50']:.2f}")
+        by_ranks[n] = row
+        rows.append((f"{n} ranks: meshpact recovery ({len(mine)} faults; standby used {standby[n]['used']}, built "
+                     f"{standby[n]['built']}) | torchft configure + first allreduce | ratio of p50 "
+                     "(ms, p50 / p99 / max)", text))
+    if torchft_error is not None:
+        rows.append(("torchft", torchft_error))
+    four = by_ranks[4]
+    out.update({"recovery_ms_by_ranks": by_ranks, "recovery_ms_p50": four["p50_ms"], "recovery_ms_p99": four["p99_ms"],
+                "recovery_ms_max": four["max_ms"], "recoveries": four["faults"],
+                "torchft": ({n: by_ranks[n].get("torchft") for n in sizes} if torchft_error is None
+                            else None),
+                "torchft_missing_reason": torchft_error, "side_by_side_bit_identical": identical,
+                "bit_identical": identical and out.get("bit_identical", True)})
+    return rows
+
+
+def false_alarms(out: dict[str, Any], minutes: float) -> list[tuple[str, str]]:
+    """A fault-free run of ``minutes`` on 4 ranks at the default settings: every recovery is
+    a false alarm; heartbeat alarms are counted apart."""
+    from meshpact.live.launcher import host_store, launch
+
+    seconds = minutes * 60.0
+    control = host_store("127.0.0.1", 0, 4)
+    load_start = os.getloadavg()
+    results = launch("meshpact.live.recovery.probe:false_alarm_probe", 4, {"seconds": seconds},
+                     timeout_s=seconds + 600,
+                     env=lambda r: {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_CONTROL_PORT": str(control.port)})
+    vals = [r.value for r in results]
+    load_end = os.getloadavg()
+    out.update({"false_alarms": max(v["recoveries"] for v in vals),
+                "false_alarm_heartbeat_alarms": sum(v["heartbeat_alarms"] for v in vals),
+                "false_alarm_run": {"minutes": minutes, "ranks": 4, "steps": vals[0]["steps"],
+                                    "heartbeat": vals[0]["heartbeat"],
+                                    "load_avg_1m_5m_15m_at_start": [round(x, 2) for x in load_start],
+                                    "load_avg_1m_5m_15m_at_end": [round(x, 2) for x in load_end]}})
+    return [(f"false alarms, 4 ranks, {minutes:g} min with no fault, defaults (heartbeat "
+             f"{'on' if vals[0]['heartbeat'] else 'off'}; {vals[0]['steps']} steps): recoveries / heartbeat alarms",
+             f"{out['false_alarms']} / {out['false_alarm_heartbeat_alarms']}"),
+            ("load average during it (1 min at start / at end; 15 min at end)",
+             f"{load_start[0]:.2f} / {load_end[0]:.2f}; {load_end[2]:.2f}")]
 
 
 def stall_detection(out: dict[str, Any], faults: int) -> list[tuple[str, str]]:

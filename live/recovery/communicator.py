@@ -13,15 +13,24 @@ How a broken group is replaced is chosen by capability detection, never guessed:
 ``shrink_group`` applies only when ranks are dropped and the backend says
 ``supports_shrinking`` (NCCL >= 2.27); otherwise a new communicator is built (gloo always,
 NCCL when neither applies) and every cached reference is rebound (:mod:`.rebind`).
+
+A :class:`Standby` takes the building out of the recovery: a background thread builds the
+next generation's groups (every group of the job, in the agreed order, over a store
+connection of its own and under its own namespace) and exercises each with one tiny
+collective while training runs. A recovery that may use it swaps it in (installs it in
+c10d's world) instead of building; one that may not (a rank replaced, a standby not ready
+or failed, a data path gone silent) discards it and builds, and says why.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -31,7 +40,8 @@ from meshpact.core.recovery import CommunicatorAction
 
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
            "can_reconfigure", "can_shrink", "socket_fds", "data_sockets", "sever", "group_ranks", "base_name",
-           "backend_of", "sequence_number"]
+           "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan", "group_plan",
+           "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
 
 WORLD = "meshpact_data"  # the base name of the data-path group over every rank
 
@@ -72,21 +82,27 @@ def group_ranks(pg: dist.ProcessGroup) -> tuple[int, ...]:
     return tuple(g for g, _ in sorted(mapping.items(), key=lambda kv: kv[1]))
 
 
-def _tcp_table() -> dict[str, tuple[str, int, int]]:
-    """``socket:[inode]`` -> (state, local port, remote port) from /proc/net/tcp{,6}."""
-    out: dict[str, tuple[str, int, int]] = {}
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+def _tcp_ends(fd: int) -> tuple[bool, int, int] | None:
+    """(listening, local port, remote port; 0 when not connected) of a TCP socket descriptor,
+    asked of the socket itself: a few system calls, where reading ``/proc/net/tcp`` walks every
+    socket of the machine (tens of milliseconds on a busy host)."""
+    try:
+        dup = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return None
+    with dup:
+        if dup.type != socket.SOCK_STREAM or dup.family not in (socket.AF_INET, socket.AF_INET6):
+            return None
         try:
-            with open(table) as fh:
-                next(fh, None)
-                for line in fh:
-                    cols = line.split()
-                    if len(cols) > 9:
-                        local, remote = int(cols[1].rsplit(":", 1)[1], 16), int(cols[2].rsplit(":", 1)[1], 16)
-                        out[f"socket:[{cols[9]}]"] = (cols[3], local, remote)
+            listening = bool(dup.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+            local = int(dup.getsockname()[1])
         except OSError:
-            continue
-    return out
+            return None
+        try:
+            remote = int(dup.getpeername()[1])
+        except OSError:
+            remote = 0
+    return listening, local, remote
 
 
 def socket_fds() -> dict[int, str]:
@@ -107,14 +123,15 @@ def data_sockets(protected: dict[int, str], store_ports: tuple[int, ...] = ()) -
     makes its accept loop abort the process), not ``protected`` (taken before any data-path
     group existed), and not talking to or serving a store port (the rendezvous store and
     the control channel, whichever process hosts them)."""
-    table = _tcp_table()
     out = {}
     for fd, ino in socket_fds().items():
-        row = table.get(ino)
-        if row is None or protected.get(fd) == ino:
+        if protected.get(fd) == ino:
             continue
-        state, local, remote = row
-        if state == "0A" or local in store_ports or remote in store_ports:
+        ends = _tcp_ends(fd)
+        if ends is None:
+            continue
+        listening, local, remote = ends
+        if listening or not remote or local in store_ports or remote in store_ports:
             continue
         out[fd] = ino
     return out
@@ -142,13 +159,15 @@ def sever(sockets: dict[int, str]) -> int:
 
 
 def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
-                ranks: tuple[int, ...] | None = None) -> dist.ProcessGroup:
+                ranks: tuple[int, ...] | None = None, namespace: str = "", install: bool = True) -> dist.ProcessGroup:
     """A fresh data-path group for ``base`` in ``generation`` over the global ``ranks`` (default:
-    every rank), under its own store namespace, with the data-path timeout. Every member must
-    call it; members build their groups in one agreed order (sorted base names), so two groups
-    never wait on each other."""
+    every rank), under its own store namespace (``namespace`` appended: a standby's keys never
+    meet a group built in the recovery), with the data-path timeout. Every member must call
+    it; members build their groups in one agreed order (sorted base names), so two groups
+    never wait on each other. ``install=False`` leaves it out of c10d's world (a standby,
+    installed when it is swapped in)."""
     ranks = tuple(range(spec.world_size)) if ranks is None else tuple(ranks)
-    prefix = dist.PrefixStore(store_prefix(spec.run_id, generation, base), store)
+    prefix = dist.PrefixStore(store_prefix(spec.run_id, generation, base) + namespace, store)
     rank, size = ranks.index(spec.rank), len(ranks)
     timeout = timedelta(seconds=spec.timeout_s)
     connect = timedelta(seconds=max(spec.timeout_s, spec.connect_timeout_s))
@@ -171,7 +190,8 @@ def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     pg._set_group_name(group_name(generation, base))
     pg._set_group_desc(f"meshpact data path {base}, generation {generation}")
-    install_group(pg, store, spec, ranks)
+    if install:
+        install_group(pg, store, spec, ranks)
     return pg
 
 
@@ -228,3 +248,134 @@ def first_collective(pg: dist.ProcessGroup, device: str) -> None:
     issues at the same point. When it returns on every rank, the group is proven to carry
     traffic (and a backend that connects lazily has connected); a recovery ends here."""
     dist.all_reduce(torch.zeros(1, device=device), group=pg)
+
+
+def exercise(pg: dist.ProcessGroup, device: str) -> None:
+    """One tiny all-reduce on ``pg`` through the group object itself (it need not be installed
+    in c10d's world): a standby proven to carry traffic before a recovery relies on it."""
+    pg.allreduce([torch.zeros(1, device=device)]).wait()
+
+
+GroupPlan = tuple[tuple[str, tuple[int, ...]], ...]  # (base name, global ranks) of each group, sorted by base
+STANDBY_NAMESPACE = "standby/"  # appended to a standby's store prefix: never the keys of a group built in a recovery
+
+
+def group_plan(groups: dict[str, dist.ProcessGroup]) -> GroupPlan:
+    """The job's groups as a standby must rebuild them: base names and global ranks, sorted."""
+    return tuple(sorted((base, group_ranks(pg)) for base, pg in groups.items()))
+
+
+@dataclass(frozen=True)
+class StandbyStatus:
+    """What one rank says of its standby before consensus; a standby serves only when every
+    rank says ``ready`` for the decided generation."""
+
+    generation: int  # the generation the standby was built for
+    ready: bool
+    reason: str = ""  # why it cannot serve ("" when ready)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"generation": self.generation, "ready": self.ready, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> "StandbyStatus":
+        return cls(int(d["generation"]), bool(d["ready"]), str(d.get("reason", "")))  # type: ignore[arg-type]
+
+
+def standby_refusal(said: dict[int, StandbyStatus | None], generation: int, world_size: int) -> str:
+    """Why the standbys cannot serve ``generation``, from every rank's word (None: the rank
+    said nothing, e.g. a replacement process that has no standby); "" when every rank's
+    standby is ready for it. Pure: every rank reads the same words and gets the same answer."""
+    for r in range(world_size):
+        status = said.get(r)
+        if status is None:
+            return f"rank {r} has no standby (a replacement process)"
+        if status.generation != generation:
+            return f"rank {r}'s standby is for generation {status.generation}, the decision is {generation}"
+        if not status.ready:
+            return status.reason
+    return ""
+
+
+class Standby:
+    """The next generation's groups, built and exercised by a background thread.
+
+    ``connect()`` opens the thread's own connection to the rendezvous store (the training
+    thread's connection is never shared). The groups are not installed in c10d's world until
+    :meth:`take`; :meth:`discard` drops them (at once if built, when the thread ends if not).
+    ``sockets`` are the descriptors the standby opened: severing the broken data path leaves
+    them alone."""
+
+    def __init__(self, spec: GroupSpec, connect: Callable[[], Any], generation: int, plan: GroupPlan) -> None:
+        self.spec = spec
+        self.generation = generation
+        self.plan = plan
+        self.sockets: dict[int, str] = {}
+        self.error: str | None = None
+        self.build_s: float | None = None  # building and exercising every group, once done
+        self._connect = connect
+        self._store: Any = None
+        self._groups: dict[str, dist.ProcessGroup] = {}
+        self._discarded = False
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"meshpact-standby-g{generation}", daemon=True)
+
+    def start(self) -> "Standby":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            if self.spec.device.startswith("cuda"):  # the current device is per thread
+                torch.cuda.set_device(torch.device(self.spec.device))
+            before = socket_fds()
+            t0 = time.perf_counter()
+            store = self._connect()
+            groups = {base: build_group(self.spec, store, self.generation, base, ranks, STANDBY_NAMESPACE,
+                                        install=False) for base, ranks in self.plan}
+            for base, _ in self.plan:  # the same order on every member, as the building
+                exercise(groups[base], self.spec.device)
+            opened = {fd: ino for fd, ino in socket_fds().items() if before.get(fd) != ino}
+            with self._lock:
+                if not self._discarded:
+                    self._store, self._groups, self.sockets = store, groups, opened
+                    self.build_s = time.perf_counter() - t0
+            del groups, store
+        except Exception as exc:  # noqa: BLE001  (a failed standby is reported, never raised in this thread)
+            self.error = f"{type(exc).__name__}: {str(exc)[:200]}"
+        finally:
+            self._done.set()
+
+    def status(self, plan: GroupPlan, wait_s: float) -> StandbyStatus:
+        """Whether this standby can replace ``plan``'s groups, waiting at most ``wait_s`` for a
+        standby still being built."""
+        if not self._done.wait(wait_s):
+            return StandbyStatus(self.generation, False, f"still being built after {wait_s:g} s")
+        if self.error is not None:
+            return StandbyStatus(self.generation, False, f"failed its own check ({self.error})")
+        if self._discarded:
+            return StandbyStatus(self.generation, False, "discarded")
+        if plan != self.plan:
+            return StandbyStatus(self.generation, False, "the job's groups changed since it was built")
+        return StandbyStatus(self.generation, True)
+
+    def take(self, store: Any) -> dict[str, dist.ProcessGroup]:
+        """The built groups, installed in c10d's world (registered with ``store``): from now on
+        they are the data path, and this standby holds nothing."""
+        with self._lock:
+            groups, self._groups, self.sockets, self._discarded, self._store = self._groups, {}, {}, True, None
+        ranks = dict(self.plan)
+        for base, pg in groups.items():
+            install_group(pg, store, self.spec, ranks[base])
+        return groups
+
+    def discard(self) -> None:
+        """Drop the groups (a thread still building drops them when it ends)."""
+        with self._lock:
+            self._discarded, self._groups, self.sockets, self._store = True, {}, {}, None
+
+    def join(self, timeout_s: float) -> bool:
+        """Wait at most ``timeout_s`` for the thread; True when it has ended."""
+        self._thread.join(timeout=timeout_s)
+        return not self._thread.is_alive()

@@ -57,6 +57,7 @@ class RecoveryConfig:
     group_create_s: float = 20.0
     max_rounds: int = 4
     heartbeat: bool = False  # run the heartbeat (live/recovery/heartbeat.py); off: hangs wait for the data path
+    standby: bool = True  # build the next generation's groups in the background (communicator.Standby)
     step_s: float = 5.0
     warmup_s: float = 120.0
     consensus_round_s_override: float | None = None
@@ -103,6 +104,13 @@ class RecoveryConfig:
         """A hang is found by whichever comes first: the heartbeat (when it runs) or the
         data-path timeout."""
         return min(self.heartbeat_detect_s, self.data_timeout_s) if self.heartbeat else self.data_timeout_s
+
+    @property
+    def standby_wait_s(self) -> float:
+        """How long a recovery waits for a standby still being built before building instead:
+        ``min(data_timeout_s, group_create_s)``. A standby still connecting after a data-path
+        timeout is waiting on a silent peer; building would wait on the same peer."""
+        return min(self.data_timeout_s, self.group_create_s)
 
     @property
     def consensus_round_s(self) -> float:
@@ -184,6 +192,7 @@ class RecoveryConfig:
             ("consensus round (control channel wait)", self.consensus_round_s,
              "max(process_start_s, group_create_s)"),
             ("group creation (connect)", self.connect_timeout_s, "group_create_s"),
+            ("wait for a standby still being built", self.standby_wait_s, "min(data_timeout_s, group_create_s)"),
             ("store connect", self.store_connect_s, "process_start_s + group_create_s"),
             ("rank-loss bound (declared lost)", self.rank_loss_bound_s, "max_rounds x consensus round"),
             ("replacement bound", self.replacement_bound_s, "(max_rounds + replacement_rounds) x consensus round"),

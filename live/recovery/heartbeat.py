@@ -3,19 +3,25 @@
 Each rank runs one background thread with its own connection to the control ``TCPStore``.
 Every ``heartbeat_interval_s`` it does two things:
 
-- *beat*: it adds one to this rank's counter, unless the rank's main thread is inside the
-  watched training step and has not moved since the last look (same frame, same bytecode
-  offset) while not waiting in torch's communication code. A rank waiting on its peers
-  beats; a rank whose step stopped making progress outside any collective does not.
-- *watch*: it reads every peer's counter; a peer whose counter has not moved for
-  ``heartbeat_misses`` looks is stalled. The thread then shuts down this rank's data-path
-  sockets (the same severing the runtime does on a fault), so a collective waiting on the
-  stalled peer fails now instead of at the data-path timeout, and the runtime recovers.
+- *beat*: it adds to this rank's counter: one for "this thread ran", and :data:`PROGRESS`
+  more when the main thread progressed since the last look: it is outside the watched
+  training step, or waiting in torch's communication code, or moved (frame or bytecode
+  offset), or spent CPU time, or is runnable (waiting for a CPU, not for an event). A rank
+  waiting on its peers progresses; a rank inside one long native operation spends CPU time
+  or is runnable; a rank whose step stopped (asleep, blocked on a lock) does not.
+- *watch*: it reads every peer's counter (one round trip each) and judges it with
+  :func:`watch`: a peer whose thread ran without its main thread progressing, for
+  ``heartbeat_misses`` looks, is stalled. A peer whose counter did not move at all was not
+  scheduled (a loaded machine) or is frozen whole: no evidence either way, and the data-path
+  timeout bounds that case. The thread then shuts down this rank's data-path sockets (the
+  same severing the runtime does on a fault), so a collective waiting on the stalled peer
+  fails now instead of at the data-path timeout, and the runtime recovers.
 
-The bound on finding a stall is :attr:`RecoveryConfig.heartbeat_detect_s`. A step whose
-single native operation outlasts that bound outside communication code would be taken for
-a stall (a false alarm, which costs one in-memory recovery); the heartbeat is therefore
-off unless ``RecoveryConfig.heartbeat`` is set.
+The bound on finding a stall is :attr:`RecoveryConfig.heartbeat_detect_s`. Not found by the
+heartbeat (the data-path timeout still bounds them): a main thread busy without moving (a
+spin loop in native code) and a process that stops whole (every thread, e.g. SIGSTOP).
+Counting a peer that was not scheduled as silent raised false alarms on a loaded machine
+(6 in 10 minutes at load average 24 on 2 cores).
 """
 
 from __future__ import annotations
@@ -28,7 +34,21 @@ from typing import Any
 from . import communicator as comm
 from .control import ControlChannel, control_address
 
-__all__ = ["Heartbeat"]
+__all__ = ["Heartbeat", "PROGRESS", "watch"]
+
+PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
+_BUSY_S = 1e-4  # main-thread CPU time between two looks that counts as progress (a sleeping thread spends none)
+
+
+def watch(seen: int, now: int, still: int) -> int:
+    """A peer's looks without progress so far (``still``), updated from its counter at the last
+    look (``seen``) and now: back to 0 when it progressed, one more when its thread ran without
+    progress, unchanged when nothing moved (it was not scheduled: no evidence)."""
+    if now // PROGRESS > seen // PROGRESS:
+        return 0
+    if now % PROGRESS > seen % PROGRESS:
+        return still + 1
+    return still
 
 
 class Heartbeat:
@@ -49,6 +69,7 @@ class Heartbeat:
         self.stalled: tuple[int, ...] = ()
         self._detected_generation: int | None = None
         self._main = threading.main_thread().ident
+        self._main_stat = f"/proc/self/task/{threading.main_thread().native_id}/stat"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshpact-heartbeat", daemon=True)
 
@@ -66,6 +87,21 @@ class Heartbeat:
         out = (self.detected_wall, self.stalled) if self._detected_generation == self.session.generation else (None, ())
         self.detected_wall, self.stalled, self._detected_generation = None, (), None
         return out
+
+    def _main_cpu_s(self) -> float:
+        """CPU time the main thread has used (a native operation in progress spends it)."""
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(self._main))  # type: ignore[arg-type]
+        except (OSError, AttributeError, TypeError):
+            return time.monotonic()  # no per-thread clock here: every look counts as progress
+
+    def _main_runnable(self) -> bool:
+        """The main thread is running or waiting for a CPU (state R), not for an event."""
+        try:
+            with open(self._main_stat, "rb") as fh:
+                return fh.read().rpartition(b")")[2].split()[0] == b"R"
+        except (OSError, IndexError):
+            return False
 
     def _main_position(self) -> tuple[int, int, bool]:
         frame = sys._current_frames().get(self._main)
@@ -85,31 +121,29 @@ class Heartbeat:
         me = self.session.rank
         keys = [f"heartbeat/rank{r}" for r in range(world)]
         last_pos = self._main_position()
-        seen = [-1] * world
+        last_cpu = self._main_cpu_s()
+        seen: list[int] | None = None
         still = [0] * world
         while not self._stop.wait(self.interval_s):
             generation = self.session.generation
             pos = self._main_position()
-            if not self.watching or pos[2] or pos[:2] != last_pos[:2]:
-                self.channel.add(keys[me], 1)
-            last_pos = pos
+            cpu = self._main_cpu_s()
+            progressed = (not self.watching or pos[2] or pos[:2] != last_pos[:2] or cpu - last_cpu >= _BUSY_S
+                          or self._main_runnable())
+            self.channel.add(keys[me], 1 + (PROGRESS if progressed else 0))
+            last_pos, last_cpu = pos, cpu
             counts = [self.channel.counter(k) for k in keys]
-            if not self.watching:
+            if not self.watching or seen is None:
                 still = [0] * world
                 seen = counts
                 continue
-            stalled = []
-            for r in range(world):
-                if r == me:
-                    continue
-                still[r] = still[r] + 1 if counts[r] == seen[r] else 0
-                if still[r] >= self.misses:
-                    stalled.append(r)
+            still = [0 if r == me else watch(seen[r], counts[r], still[r]) for r in range(world)]
+            stalled = [r for r in range(world) if still[r] >= self.misses]
             seen = counts
             s = self.session
             # the step may have failed meanwhile and new groups be in the making: sever only
             # the generation this look was made in, while the step still runs
             if stalled and self.detected_wall is None and self.watching and s.generation == generation:
                 self.detected_wall, self.stalled, self._detected_generation = time.time(), tuple(stalled), generation
-                comm.sever(comm.data_sockets(s.protected_sockets, s.store_ports))
+                comm.sever(s.data_sockets())  # the standby's sockets survive
                 still = [0] * world

@@ -10,6 +10,8 @@ its name, and how many operations it received after the rebind (:class:`OpCounte
 :func:`torchft_probe` measures the peer on the same machine: torchft's ``ProcessGroupGloo``
 reconfigured in place (``configure`` under a fresh store prefix) plus its first collective.
 :func:`checkpoint_probe` measures per-update asynchronous checkpointing.
+:func:`false_alarm_probe` trains with no fault for a while at the default settings and counts
+every recovery (each a false alarm) and every heartbeat alarm among them.
 """
 
 from __future__ import annotations
@@ -20,13 +22,121 @@ import shutil
 import statistics
 import time
 import weakref
+from dataclasses import asdict, dataclass, field, fields
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping
 
-__all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe"]
+if TYPE_CHECKING:
+    from .checkpoint import AsyncCheckpointStats
+
+__all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe", "false_alarm_probe", "FalseAlarms",
+           "ProbeArgs", "RebindAudit", "RebindResult", "SiteAudit", "SiteAuditResult", "TorchftResult",
+           "CheckpointResult"]
+
+JsonArgs = Mapping[str, object]  # a probe's arguments as the launcher hands them over (JSON)
 
 
-def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ProbeArgs:
+    """Every probe's arguments, typed; absent ones take these defaults (each probe has its own)."""
+
+    rounds: int | None = None
+    steps: int | None = None
+    data_timeout_s: float | None = None
+    timeout_s: float | None = None
+    model: Mapping[str, object] = field(default_factory=dict)
+    skip_sites: tuple[str, ...] = ()
+    mesh_shape: tuple[int, ...] = ()
+    mesh_names: tuple[str, ...] = ()
+    dir: str | None = None
+
+    @classmethod
+    def of(cls, args: JsonArgs) -> "ProbeArgs":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise ValueError(f"unknown probe argument(s) {unknown}; expected some of {sorted(known)}")
+        seqs = {k: tuple(args[k]) for k in ("skip_sites", "mesh_shape", "mesh_names")  # type: ignore[arg-type]
+                if args.get(k) is not None}
+        return cls(**{**args, **seqs})  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class RebindAudit:
+    """One round of :func:`rebind_probe`: who referred to the old group before and after."""
+
+    old_group: str
+    new_group: str
+    references_before: list[str]
+    references_after: list[str]
+    rebound: dict[str, int]
+    old_released: bool
+    old_name_resolvable: bool
+    old_ops_after: int
+    old_seq_ops_after: int
+    new_ops: int
+
+
+@dataclass(frozen=True)
+class RebindResult:
+    rank: int
+    build_ms: list[float]
+    rebind_ms: list[float]
+    first_op_ms: list[float]
+    audits: list[RebindAudit]
+    median_rebind_ms: float
+    reconfigure_available: bool
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SiteAudit:
+    """One rebinding site skipped, then applied (see :func:`site_audit`)."""
+
+    applied: int
+    missed: list[str]
+    clean: list[str]
+    old_ops_after: int
+    new_ops: int
+
+
+@dataclass(frozen=True)
+class SiteAuditResult:
+    rank: int
+    sites: dict[str, SiteAudit]
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class TorchftResult:
+    """torchft's configure + first allreduce per round, or why it could not run."""
+
+    rank: int
+    configure_first_op_ms: list[float]
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        out = asdict(self)
+        if self.error is None:
+            del out["error"]
+        return out
+
+
+@dataclass(frozen=True)
+class CheckpointResult:
+    rank: int
+    stats: "AsyncCheckpointStats"
+    file_bytes_written: int
+
+    def to_dict(self) -> dict[str, object]:
+        return {"rank": self.rank, **self.stats.to_dict(), "file_bytes_written": self.file_bytes_written}
+
+
+def rebind_probe(raw: JsonArgs) -> dict[str, object]:
     import torch
     import torch.distributed.distributed_c10d as c10d
 
@@ -37,14 +147,17 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
     from .config import RecoveryConfig
     from .session import c10d_default, start_session
 
-    session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)),
-                                           checkpoint_dir=None))
-    cfg = ModelConfig(**args.get("model", {}))
+    args = ProbeArgs.of(raw)
+    session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 10.0, checkpoint_dir=None))
+    cfg = ModelConfig(**args.model)  # type: ignore[arg-type]
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
     counter = OpCounter()
-    rounds = int(args.get("rounds", 3))
-    out: dict[str, Any] = {"rank": session.rank, "build_ms": [], "rebind_ms": [], "first_op_ms": [], "audits": []}
+    rounds = args.rounds or 3
+    build_ms: list[float] = []
+    rebind_ms: list[float] = []
+    first_op_ms: list[float] = []
+    audits: list[RebindAudit] = []
     with counter:
         step = 0
         train_step(make_batch(cfg, step, session.rank))
@@ -55,7 +168,7 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
             t0 = time.perf_counter()
             new = comm.build_group(session.spec, session.store, gen)
             t1 = time.perf_counter()
-            report = rebind(old, new, model, optimizer, [session.mesh], skip=tuple(args.get("skip_sites", ())))
+            report = rebind(old, new, model, optimizer, [session.mesh], skip=args.skip_sites)
             c10d_default(new)
             t2 = time.perf_counter()
             session.groups[comm.WORLD] = new
@@ -79,22 +192,18 @@ def rebind_probe(args: dict[str, Any]) -> dict[str, Any]:
                 resolvable = True
             except (LookupError, RuntimeError, ValueError):
                 resolvable = False
-            out["build_ms"].append((t1 - t0) * 1e3)
-            out["rebind_ms"].append((t2 - t1) * 1e3)
-            out["first_op_ms"].append((t4 - t3) * 1e3)
-            out["audits"].append({
-                "old_group": old_name, "new_group": new.group_name, "references_before": sorted(set(before)),
-                "references_after": sorted(set(after)), "rebound": report.counts,
-                "old_released": ref() is None, "old_name_resolvable": resolvable,
-                "old_ops_after": counter.counts.get(old_name, 0) - ops_at_rebind,
-                "old_seq_ops_after": seq_after,
-                "new_ops": counter.counts.get(new.group_name, 0)})
-    out["median_rebind_ms"] = statistics.median(out["rebind_ms"])
-    out["reconfigure_available"] = comm.can_reconfigure(session.group)
-    return out
+            build_ms.append((t1 - t0) * 1e3)
+            rebind_ms.append((t2 - t1) * 1e3)
+            first_op_ms.append((t4 - t3) * 1e3)
+            audits.append(RebindAudit(
+                old_name, new.group_name, sorted(set(before)), sorted(set(after)), dict(report.counts),
+                ref() is None, resolvable, counter.counts.get(old_name, 0) - ops_at_rebind, seq_after,
+                counter.counts.get(new.group_name, 0)))
+    return RebindResult(session.rank, build_ms, rebind_ms, first_op_ms, audits, statistics.median(rebind_ms),
+                        comm.can_reconfigure(session.group)).to_dict()
 
 
-def _stale(model: Any, optimizer: Any, meshes: list[Any], old: dict[str, Any]) -> list[str]:
+def _stale(model: Any, optimizer: Any, meshes: list[Any], old: Mapping[str, object]) -> list[str]:
     """Everything that still leads to a retired group: object paths, name paths, and names c10d
     still resolves."""
     import torch.distributed.distributed_c10d as c10d
@@ -114,7 +223,7 @@ def _stale(model: Any, optimizer: Any, meshes: list[Any], old: dict[str, Any]) -
     return out
 
 
-def site_audit(args: dict[str, Any]) -> dict[str, Any]:
+def site_audit(raw: JsonArgs) -> dict[str, object]:
     """For each rebinding site in turn, on the harness sharded over ``mesh_shape``: replace every
     group of the job, rebind with that one site skipped and audit (the miss must be found, by
     object or by name), then apply the skipped site, audit again (nothing must be found) and
@@ -128,16 +237,17 @@ def site_audit(args: dict[str, Any]) -> dict[str, Any]:
     from .config import RecoveryConfig
     from .session import c10d_default, start_session
 
-    shape = tuple(args.get("mesh_shape") or ())
-    session = start_session(RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 30.0))),
-                            shape or None, tuple(args["mesh_names"]) if args.get("mesh_names") else None)
+    args = ProbeArgs.of(raw)
+    shape = args.mesh_shape
+    session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 30.0),
+                            shape or None, args.mesh_names or None)
     cfg = ModelConfig()
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
     step = 0
     train_step(make_batch(cfg, step, session.rank))
     meshes = device_meshes()
-    out: dict[str, Any] = {"rank": session.rank, "sites": {}}
+    sites: dict[str, SiteAudit] = {}
     for gen, site in enumerate(SITES, start=1):
         old = dict(session.groups)
         new = session.build_generation(gen)
@@ -155,37 +265,37 @@ def site_audit(args: dict[str, Any]) -> dict[str, Any]:
         del old
         step += 1
         train_step(make_batch(cfg, step, session.rank))
-        out["sites"][site.name] = {"applied": applied, "missed": missed, "clean": clean,
-                                   "old_ops_after": sum(comm.sequence_number(b) - s0 for b, s0 in zip(backends, seq0)),
-                                   "new_ops": sum(comm.sequence_number(comm.backend_of(g, session.spec.device))
-                                                  for g in new.values())}
+        sites[site.name] = SiteAudit(
+            applied, missed, clean, sum(comm.sequence_number(b) - s0 for b, s0 in zip(backends, seq0)),
+            sum(comm.sequence_number(comm.backend_of(g, session.spec.device)) for g in new.values()))
         del backends
-    return out
+    return SiteAuditResult(session.rank, sites).to_dict()
 
 
-def torchft_probe(args: dict[str, Any]) -> dict[str, Any]:
+def torchft_probe(raw: JsonArgs) -> dict[str, object]:
     """torchft 0.2.0's in-place reconfigure of a gloo group plus its first collective."""
     import torch
     from torch.distributed import AllreduceOptions
 
+    args = ProbeArgs.of(raw)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     try:
         from torchft.process_group import ProcessGroupGloo
     except ImportError as exc:
-        return {"error": f"torchft is not installed ({exc}); pip install 'meshpact[bench]'"}
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        return TorchftResult(rank, [], f"torchft is not installed ({exc}); pip install 'meshpact[bench]'").to_dict()
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    pg = ProcessGroupGloo(timeout=timedelta(seconds=float(args.get("timeout_s", 10.0))))
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout_s or 10.0))
     times = []
-    for i in range(int(args.get("rounds", 10))):
+    for i in range(args.rounds or 10):
         t0 = time.perf_counter()
         pg.configure(f"{host}:{port}/torchft/{i}", "replica", rank, world)
         x = torch.ones(1)
         pg.allreduce([x], AllreduceOptions()).wait()
         times.append((time.perf_counter() - t0) * 1e3)
-    return {"rank": rank, "configure_first_op_ms": times}
+    return TorchftResult(rank, times).to_dict()
 
 
-def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
+def checkpoint_probe(raw: JsonArgs) -> dict[str, object]:
     """Per-update asynchronous checkpointing: step latency with and without, host memory, bytes."""
     import tempfile
 
@@ -195,19 +305,20 @@ def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
     from .config import RecoveryConfig
     from .session import start_session
 
+    args = ProbeArgs.of(raw)
     session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None))
-    cfg = ModelConfig(**args.get("model", {}))
+    cfg = ModelConfig(**args.model)  # type: ignore[arg-type]
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
-    steps = int(args.get("steps", 20))
+    steps = args.steps or 20
     train_step(make_batch(cfg, 0, session.rank))  # warm-up (optimizer state allocated)
     plain = []
     for i in range(steps):
         t0 = time.perf_counter()
         train_step(make_batch(cfg, 1 + i, session.rank))
         plain.append(time.perf_counter() - t0)
-    scratch = None if args.get("dir") else tempfile.mkdtemp(prefix="meshpact-async-ckpt-")
-    ckpt = AsyncCheckpointer(args.get("dir") or scratch, session.rank)
+    scratch = None if args.dir else tempfile.mkdtemp(prefix="meshpact-async-ckpt-")
+    ckpt = AsyncCheckpointer(args.dir or scratch, session.rank)
     with_ckpt = []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -220,4 +331,55 @@ def checkpoint_probe(args: dict[str, Any]) -> dict[str, Any]:
     stats = AsyncCheckpointStats(steps, statistics.median(plain), statistics.median(with_ckpt), ckpt.host_bytes,
                                  state_bytes(local_state(model, optimizer)),
                                  statistics.mean(ckpt.writes) if ckpt.writes else 0.0)
-    return {"rank": session.rank, **stats.to_dict(), "file_bytes_written": ckpt.bytes_written}
+    return CheckpointResult(session.rank, stats, ckpt.bytes_written).to_dict()
+
+
+@dataclass(frozen=True)
+class FalseAlarms:
+    """One rank's fault-free run at the default settings: every recovery is a false alarm."""
+
+    rank: int
+    seconds: float
+    steps: int
+    recoveries: int  # recoveries of any cause (none is right: no fault was injected)
+    heartbeat_alarms: int  # detections made by this rank's heartbeat watch
+    heartbeat: bool  # whether the heartbeat ran (the default settings)
+    load_avg_1m: float  # at the end of the run
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
+    """Train the harness under :func:`~meshpact.live.recovery.runtime.resilient` for
+    ``raw["seconds"]`` with no fault injected, ``RecoveryConfig()``'s defaults and the heartbeat
+    on (what is measured)."""
+    import torch
+    import torch.distributed as dist
+
+    from meshpact.core.recording import EventKind
+
+    from .config import RecoveryConfig
+    from .harness import ModelConfig, build, make_batch, make_train_step
+    from .runtime import resilient
+    from .session import start_session
+
+    config = RecoveryConfig(heartbeat=True)
+    session = start_session(config)
+    cfg = ModelConfig()
+    model, optimizer = build(cfg, session.mesh)
+    train_step = make_train_step(model, optimizer)
+    seconds = float(raw.get("seconds", 60.0))  # type: ignore[arg-type]
+    t0 = time.time()
+    steps = 0
+    with resilient(model, optimizer, session, batches=lambda st: make_batch(cfg, st, session.rank)) as rt:
+        while True:
+            rt.step(train_step, make_batch(cfg, rt.committed_step, session.rank))
+            steps += 1
+            done = torch.tensor([1.0 if time.time() - t0 >= seconds else 0.0])
+            dist.all_reduce(done, op=dist.ReduceOp.MAX, group=session.group)  # every rank stops at one step
+            if done.item() > 0:
+                break
+    alarms = sum(1 for e in session.events if e.event == EventKind.DETECTED and e.data.get("heartbeat_stalled"))
+    return FalseAlarms(session.rank, time.time() - t0, steps, len(rt.recoveries), alarms, config.heartbeat,
+                       round(os.getloadavg()[0], 2)).to_dict()

@@ -10,9 +10,12 @@ step (:func:`is_comm_fault`: by type and by where it was raised, never by its wo
    waiting on this rank fail at once rather than at the data-path timeout;
 2. *consensus* — agrees with every rank, over the control channel, on generation and
    committed step (:mod:`.consensus`); in memory only if all are alive and agree;
-3. *communicator* — builds the next generation of every group of the job (the group over all
-   ranks, each mesh dimension's, the user's ``new_group`` groups), or reconfigures in place
-   where torch offers ``ProcessGroup.reconfigure``;
+3. *communicator* — swaps in the standby: the next generation of every group of the job (the
+   group over all ranks, each mesh dimension's, the user's ``new_group`` groups), built and
+   exercised in the background since the job started or the last recovery ended. Where the
+   standby cannot serve (a rank replaced, a standby not ready or failed, a data path gone
+   silent) it is discarded and the groups are built now, or reconfigured in place where torch
+   offers ``ProcessGroup.reconfigure``; the recording says which and why;
 4. *rebinding* — points every cached reference, by object and by name, at the new groups
    (:mod:`.rebind`) and retires the old ones;
 5. *state* — in memory: clears FSDP's half-finished step (:mod:`.stepreset`) and checks the
@@ -162,6 +165,7 @@ class Resilient:
                                           session.control, session.peer_server, session.config.peer_copy_timeout_s)
         self.storage_bytes_read = 0  # checkpoint bytes read by recoveries (drills and cold starts apart)
         self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
+        self._t_attempt: float | None = None  # when the running attempt of the step started
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -197,6 +201,7 @@ class Resilient:
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
         resume_barrier(s, s.generation)
+        s.start_standby(self._job_groups())  # the next generation's groups, built while training runs
         if s.config.heartbeat:
             self.heartbeat = Heartbeat(s, COMM_MODULES).start()
         if self.counter is not None:
@@ -208,6 +213,7 @@ class Resilient:
             self.peers.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        self.session.stop_standby()
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
 
@@ -249,6 +255,7 @@ class Resilient:
                         restore_rng(self._rng)
                 if self.heartbeat is not None:
                     self.heartbeat.watching = True
+                self._t_attempt = time.time()
                 try:
                     if self.injector is not None:
                         with self.injector.around_step(step):
@@ -313,7 +320,7 @@ class Resilient:
         s = self.session
         t_detect = time.time()
         t0 = time.perf_counter()
-        severed = comm.sever(comm.data_sockets(s.protected_sockets, s.store_ports))
+        severed = comm.sever(s.data_sockets())  # the standby's sockets are not the data path's
         t_beat, stalled = self.heartbeat.take() if self.heartbeat is not None else (None, ())
         if t_beat is not None:  # the heartbeat knew first (it severed the sockets that raised)
             t_detect = min(t_detect, t_beat)
@@ -334,10 +341,16 @@ class Resilient:
             return Proposal(s.rank, s.generation, self.committed_step, mine, intact, s.incarnation, drill,
                             holds=held, own_steps=own, host=s.host)
 
+        # before proposing: whether this rank's standby can serve (every rank reads every word after)
+        silent_s = t_detect - self._t_attempt if self._t_attempt is not None and force is None else None
+        s.publish_standby(self._job_groups(), silent_s)
+        t_agree = time.perf_counter()
         decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
                          max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies,
                          replacement_rounds=s.config.replacement_rounds)
-        s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
+        t_end = time.perf_counter()
+        s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - t0, agree_s=t_end - t_agree,
+               **decision.summary())
         if self.on_decided is not None:
             self.on_decided(decision)
         if decision.policy is Policy.EXCISE:
@@ -351,6 +364,9 @@ class Resilient:
         world = s.group
         action = comm.choose_action(world, s.spec.device, prefer_reconfigure=s.config.prefer_reconfigure)
         note = ""
+        standby_groups, standby = s.standby_verdict(decision.round)
+        if standby_groups is not None:  # built and exercised in the background: swapped in
+            action = CommunicatorAction.REBUILD
         new_groups = dict(old_groups)
         if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same objects, rebuilt in place
             try:
@@ -360,11 +376,14 @@ class Resilient:
                                    ranks.index(s.rank), len(ranks))
             except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
                 note, action = f"reconfigure refused ({exc}); rebuilt instead", CommunicatorAction.REBUILD
-        if action is not CommunicatorAction.RECONFIGURE:
+        if standby_groups is not None:
+            new_groups = standby_groups
+        elif action is not CommunicatorAction.RECONFIGURE:
             new_groups = {base: comm.build_group(s.spec, s.store, decision.round, base, comm.group_ranks(pg))
                           for base, pg in sorted(old_groups.items())}
         s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
-               generation=decision.round, backend=s.spec.backend, groups=len(new_groups), note=note)
+               generation=decision.round, backend=s.spec.backend, groups=len(new_groups), note=note,
+               standby=standby)
 
         t0 = time.perf_counter()
         counts: dict[str, int] = {}
@@ -428,6 +447,7 @@ class Resilient:
                                 rebind_s, action, force is not None)
         self.recoveries.append(record)
         s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
+        s.start_standby(self._job_groups())  # the generation after this one, built while training runs
         return decision
 
     def _first_collective(self, generation: int) -> tuple[float, float]:

@@ -10,6 +10,12 @@ session is returned, never kept in a module: pass it to
 
 Every event of the rank goes through :meth:`Session.emit`, which keeps it, appends it to
 the rank's JSONL log (flushed, so it survives SIGKILL) and optionally traces it.
+
+The session also holds the *standby* (:class:`~meshpact.live.recovery.communicator.Standby`):
+the next generation's groups, built in the background after the job starts and after each
+recovery. Before proposing, a recovering rank publishes what its standby can do
+(:meth:`Session.publish_standby`); after the decision every rank reads every rank's word
+(:meth:`Session.standby_verdict`), so all use the standby or all build, never a mix.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ from ..store import open_store
 from .checkpoint import Checkpointer
 from .config import RecoveryConfig
 from .consensus import Decision, Proposal, agree
-from .control import ControlChannel
+from .control import ControlChannel, ControlTimeout
 
 __all__ = ["RecoveryConfig", "Session", "start_session", "resume_barrier", "build_mesh_groups", "mesh_from_groups"]
 
@@ -62,6 +68,9 @@ class Session:
     peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
     host: str = ""  # the host this rank is on, as peer placement sees it
     log: IO[str] | None = None  # the rank's JSONL event log (survives SIGKILL)
+    store_addr: tuple[str, int] = ("127.0.0.1", 0)  # the rendezvous store (a standby connects on its own)
+    standby: comm.Standby | None = None  # the next generation's groups, built in the background
+    dropped: list[comm.Standby] = field(default_factory=list)  # discarded standbys whose thread may still run
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -88,6 +97,83 @@ class Session:
         if not self.config.checkpoint_dir:
             return None
         return Checkpointer(self.config.checkpoint_dir, self.rank, self.world_size, self.config.checkpoint_every)
+
+    # -- the standby ------------------------------------------------------------------------
+    def data_sockets(self) -> dict[int, str]:
+        """The data path's sockets to sever on a fault: never the stores', the control
+        channel's or the standby's."""
+        keep = dict(self.protected_sockets)
+        if self.standby is not None:
+            keep.update(self.standby.sockets)
+        return comm.data_sockets(keep, self.store_ports)
+
+    def start_standby(self, groups: dict[str, dist.ProcessGroup]) -> None:
+        """Start building the next generation's copy of ``groups`` (every group of the job) in
+        the background; every rank starts it at the same point of the job."""
+        if not self.config.standby:
+            return
+        self.drop_standby()
+        host, port = self.store_addr
+
+        def connect() -> Any:
+            return open_store(host, port, self.world_size, False, self.config.store_connect_s)
+
+        self.standby = comm.Standby(self.spec, connect, self.generation + 1, comm.group_plan(groups)).start()
+
+    def drop_standby(self) -> None:
+        """Discard the standby (its thread, if still running, is joined on :meth:`stop_standby`)."""
+        if self.standby is not None:
+            self.standby.discard()
+            self.dropped.append(self.standby)
+            self.standby = None
+        self.dropped = [sb for sb in self.dropped if not sb.join(0.0)]
+
+    def stop_standby(self) -> None:
+        """Discard the standby and join every standby thread (each bounded by group creation)."""
+        self.drop_standby()
+        for sb in self.dropped:
+            sb.join(self.config.connect_timeout_s)
+        self.dropped = []
+
+    def publish_standby(self, groups: dict[str, dist.ProcessGroup], silent_s: float | None) -> comm.StandbyStatus:
+        """Say on the control channel, before proposing, whether this rank's standby can replace
+        ``groups``. ``silent_s``: how long the failed step ran before the fault; a data path
+        silent for the data-path timeout may have lost a link the standby crosses too."""
+        generation = self.generation + 1
+        if self.standby is None:
+            status = comm.StandbyStatus(generation, False, "no standby" if self.config.standby else "standby off")
+        elif silent_s is not None and silent_s >= self.config.data_timeout_s:
+            status = comm.StandbyStatus(self.standby.generation, False,
+                                        f"rank {self.rank}'s data path was silent for {silent_s:.2f} s (a cut "
+                                        "link or a stalled peer: the standby's links may be cut too)")
+        else:
+            status = self.standby.status(comm.group_plan(groups), self.config.standby_wait_s)
+            if not status.ready:
+                status = comm.StandbyStatus(status.generation, False, f"rank {self.rank}'s standby {status.reason}")
+        self.control.set(f"standby/g{generation}/rank{self.rank}", status.to_dict())
+        return status
+
+    def standby_verdict(self, generation: int) -> tuple[dict[str, dist.ProcessGroup] | None, str]:
+        """After the decision on ``generation``: the standby's groups, installed, when every rank
+        said its standby is ready for that generation; else None (the standby is discarded).
+        Every rank reads the same words, so every rank gets the same answer. The note says
+        which (``used`` / ``built (why)``)."""
+        keys = [f"standby/g{generation}/rank{r}" for r in range(self.world_size)]
+        try:  # written before the proposals, so present for every rank that proposed
+            words = self.control.wait(keys, 0.001)
+        except ControlTimeout:
+            words = self.control.present(keys)
+        said = {r: comm.StandbyStatus.from_dict(words[k]) if k in words else None for r, k in enumerate(keys)}
+        why = comm.standby_refusal(said, generation, self.world_size)
+        if not why and (self.standby is None or self.standby.generation != generation):
+            why = f"rank {self.rank} holds no standby for generation {generation}"
+        if why:
+            self.drop_standby()
+            return None, f"built ({why})"
+        assert self.standby is not None
+        groups = self.standby.take(self.store)
+        self.standby = None
+        return groups, "used"
 
     def build_generation(self, generation: int) -> dict[str, dist.ProcessGroup]:
         """Build ``generation``'s world and mesh-dimension groups (every rank calls it)."""
@@ -163,7 +249,8 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     session = Session(rank, world, config, store, control, spec, {}, 0, incarnation, shape,
                       tuple(mesh_names) if mesh_names else None,
                       protected_sockets=comm.socket_fds(),
-                      store_ports=(int(os.environ["MASTER_PORT"]), control.port))
+                      store_ports=(int(os.environ["MASTER_PORT"]), control.port),
+                      store_addr=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
     if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
         from . import peers
 

@@ -1,0 +1,34 @@
+"""The heartbeat's judgement of a peer: stalled only when its thread ran and its step did not
+progress, look after look; a peer that was not scheduled at all is no evidence."""
+
+from __future__ import annotations
+
+from meshpact.live.recovery.heartbeat import PROGRESS, watch
+
+
+def _judge(beats: list[tuple[int, int]], misses: int = 3) -> list[bool]:
+    """Feed a peer's beats (thread ran, main progressed) look by look; stalled after each look?"""
+    count, still, out = 7 * PROGRESS + 11, 0, []  # a counter that already holds earlier beats
+    for ran, progressed in beats:
+        now = count + ran + progressed * PROGRESS
+        still = watch(count, now, still)
+        count = now
+        out.append(still >= misses)
+    return out
+
+
+def test_a_peer_whose_thread_beats_without_progress_is_stalled_after_the_misses():
+    assert _judge([(1, 0)] * 4) == [False, False, True, True]
+    assert _judge([(1, 0)] * 5, misses=5) == [False] * 4 + [True]
+
+
+def test_progress_resets_and_a_peer_not_scheduled_is_never_taken_for_stalled():
+    assert _judge([(1, 0), (1, 0), (1, 1), (1, 0), (1, 0)]) == [False] * 5
+    # a loaded machine: the peer's process got no CPU for 40 looks (nothing moved), then ran
+    assert not any(_judge([(0, 0)] * 40 + [(1, 1)]))
+    # starved looks neither count nor reset: two misses, a starved stretch, one more miss
+    assert _judge([(1, 0), (1, 0)] + [(0, 0)] * 10 + [(1, 0)]) == [False] * 12 + [True]
+    # several beats between two looks (the watcher was the one starved): progress among them wins
+    count = 3 * PROGRESS + 5
+    assert watch(count, count + 4 + PROGRESS, 2) == 0
+    assert watch(count, count + 4, 2) == 3
