@@ -62,6 +62,14 @@ class Session:
     peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
     host: str = ""  # the host this rank is on, as peer placement sees it
     log: IO[str] | None = None  # the rank's JSONL event log (survives SIGKILL)
+    alive: tuple[int, ...] = ()  # the original ranks still in the job (empty: all; fewer after an excision)
+    checkpoint_subdir: str = ""  # after an excision the smaller world checkpoints apart from the larger one
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The original ranks in the job now. ``rank`` stays this process's original rank
+        (control channel keys, peer copies); its rank in the data-path groups is ``spec.rank``."""
+        return self.alive or tuple(range(self.world_size))
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -87,7 +95,9 @@ class Session:
     def checkpointer(self) -> Checkpointer | None:
         if not self.config.checkpoint_dir:
             return None
-        return Checkpointer(self.config.checkpoint_dir, self.rank, self.world_size, self.config.checkpoint_every)
+        directory = os.path.join(self.config.checkpoint_dir, self.checkpoint_subdir) if self.checkpoint_subdir \
+            else self.config.checkpoint_dir
+        return Checkpointer(directory, self.spec.rank, len(self.members), self.config.checkpoint_every)
 
     def build_generation(self, generation: int) -> dict[str, dist.ProcessGroup]:
         """Build ``generation``'s world and mesh-dimension groups (every rank calls it)."""
@@ -207,5 +217,5 @@ def resume_barrier(session: Session, generation: int) -> float:
     its checkpoint) arrived would otherwise time out on the data path. Returns seconds waited."""
     t0 = time.perf_counter()
     session.control.set(f"ready/g{generation}/rank{session.rank}", True)
-    session.control.wait([f"ready/g{generation}/rank{r}" for r in range(session.world_size)])
+    session.control.wait([f"ready/g{generation}/rank{r}" for r in session.members])
     return time.perf_counter() - t0
