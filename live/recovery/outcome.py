@@ -77,7 +77,7 @@ class RankOutcome:
     t_loaded_wall: float | None = None
     compiled_regions: Mapping[str, int] = field(default_factory=dict)  # before_first_fault / after_last_recovery
     compiled_graphs: int | None = None
-    fault_records: Mapping[int, FaultRecord] = field(default_factory=dict)  # rank 0 reports them
+    fault_records: Mapping[int, FaultRecord] = field(default_factory=dict)  # every rank that finished reports them
     workload_error: str | None = None
     storage_bytes_read: int = 0  # checkpoint bytes read by this process's recoveries
     peer: PeerCopyReport | None = None

@@ -186,10 +186,9 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             from torch._dynamo.utils import counters
 
             compiled_graphs = int(counters["stats"]["unique_graphs"])
-        records = {}
-        if rank == min(session.members):  # the lowest rank still in the job reports the faults
-            claimed = session.control.present([f"fault/{f.index}" for f in faults])
-            records = {int(k.split("/")[1]): FaultRecord(**v) for k, v in claimed.items()}
+        # every rank that finished reports the faults (the trial merges them): rank 0 may have been excised
+        claimed = session.control.present([f"fault/{f.index}" for f in faults])
+        records = {int(k.split("/")[1]): FaultRecord(**v) for k, v in claimed.items()}
         outcome = RankOutcome(
             rank, session.incarnation, digest(state), tuple(r.to_dict() for r in rt.recoveries), counts, retired,
             tuple(sorted(g.group_name for g in session.groups.values())), tuple(step_s), session.generation, drill,
