@@ -69,7 +69,7 @@ from .state import capture_rng, commit_check, job_state, load_job_state, local_s
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
-           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError"]
+           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "refuse_stale"]
 
 
 class StaleModelError(MeshpactError):
@@ -135,6 +135,17 @@ class RetiredGroup:
     @property
     def alive(self) -> bool:
         return self.ref() is not None
+
+
+def refuse_stale(model: torch.nn.Module, rank: int, step: int) -> None:
+    """Make ``model`` (replaced by an excision at ``step``) raise :class:`StaleModelError` on
+    any forward: a training step that kept it would otherwise train a model nobody reduces with."""
+
+    def refuse(*_: Any) -> None:
+        raise StaleModelError(f"rank {rank}: the training step ran the model from before the excision at step "
+                              f"{step}; after an excision use rt.model and rt.optimizer")
+
+    model.register_forward_pre_hook(refuse)
 
 
 def device_meshes() -> list[Any]:
@@ -490,13 +501,8 @@ class Resilient:
         rec = out.record
         s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
                generation=decision.round, backend=s.spec.backend, groups=1, world=rec.new_world)
-        stale, rank = self.model, s.rank
-
-        def refuse(*_: Any) -> None:
-            raise StaleModelError(f"rank {rank}: the training step ran the model from before the excision at step "
-                                  f"{decision.step}; after an excision use rt.model and rt.optimizer")
-
-        stale.register_forward_pre_hook(refuse)
+        stale = self.model
+        refuse_stale(stale, s.rank, decision.step)
         if self.weight is not None:
             self.weight.remove()
         self.model, self.optimizer, self.membership = out.model, out.optimizer, out.membership

@@ -87,3 +87,42 @@ def test_a_rank_marked_gone_is_excised_in_the_first_round_without_waiting_the_ti
     assert all(isinstance(d, Decision) for d in out.values()), out
     assert {(d.policy, d.lost, d.step, d.restore_from) for d in out.values()} == {(Policy.EXCISE, (3,), 5, ((3, 0),))}
     assert elapsed < 10, elapsed  # well inside one 20 s round: the gone rank is not waited for
+
+
+def test_the_model_an_excision_replaced_refuses_a_forward_by_name_and_is_no_comm_fault():
+    import torch
+
+    from meshpact.live.recovery.runtime import StaleModelError, is_comm_fault, refuse_stale
+
+    old = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.ReLU())
+    x = torch.randn(5, 3)
+    before = old(x)
+    refuse_stale(old, rank=2, step=7)
+    with pytest.raises(StaleModelError, match=r"rank 2: .* excision at step 7; after an excision use rt.model") as got:
+        old(x)
+    assert not is_comm_fault(got.value)  # surfaces at once, never taken for a fault to recover from
+    assert before.shape == (5, 2)
+
+
+@pytest.mark.parametrize("kw, words", [
+    (dict(fault_kind="collective"), "--fault-kind other than kill"),
+    (dict(fault_kind="kill", peer_copies=0), "--peer-copies 0"),
+    (dict(fault_kind="kill", spare_ranks=1), "--spare-ranks"),
+    (dict(fault_kind="kill", faults=4), "at most --ranks - 1 (3) faults, got 4"),
+    (dict(fault_kind="kill", min_ranks=5), "--min-ranks must be between 1 and --ranks (4), got 5"),
+])
+def test_an_excising_trial_refuses_what_it_cannot_do_in_one_line(kw, words):
+    from meshpact.core.errors import MeshpactError
+    from meshpact.live.recovery.trialconfig import TrialConfig
+
+    with pytest.raises(MeshpactError) as got:
+        TrialConfig(ranks=4, steps=12, **{"faults": 2, "on_rank_loss": "excise", **kw})
+    assert words in str(got.value) and "\n" not in str(got.value)
+
+
+def test_an_unknown_rank_loss_policy_is_refused():
+    from meshpact.core.errors import MeshpactError
+    from meshpact.live.recovery.trialconfig import TrialConfig
+
+    with pytest.raises(MeshpactError, match="--on-rank-loss must be replace or excise, got 'shrink'"):
+        TrialConfig(on_rank_loss="shrink")
