@@ -19,7 +19,9 @@ state (a replacement process) the decision is ``peer_restore`` if one step is he
 rank (the survivors' own state or snapshot, a live holder's copy for each lost rank), naming
 the holder each replacement fetches from; ``checkpoint_restore`` if a lost rank's state went
 with all its holders; and, where the job asked to excise, ``excise`` once the lost ranks are
-declared lost with no replacement. A rank missing from ``max_rounds`` incomplete rounds in a
+declared lost with no replacement and a survivor holds each one's copy (:attr:`Decision.lost`,
+the step every copy is held at, the holders in ``restore_from``). A rank the launcher saw
+exit is marked gone (:func:`mark_gone`) and, excising, declared lost at once. A rank missing from ``max_rounds`` incomplete rounds in a
 row is *declared lost* (``lost/round<k>`` on the channel, which the launcher watches to kill
 and replace it); the rounds then wait ``replacement_rounds`` more for its replacement before
 giving up with :class:`ConsensusError`.

@@ -171,6 +171,9 @@ class Resilient:
             raise ValueError(f"on_rank_loss must be peer_restore (replace) or excise, got {on_rank_loss.value}")
         if on_rank_loss is Policy.EXCISE and build is None:
             raise ValueError("excising lost ranks needs build(mesh) -> (model, optimizer) for the smaller world")
+        if on_rank_loss is Policy.EXCISE and session.config.heartbeat:
+            raise ValueError("excising lost ranks does not work with the heartbeat yet (it would keep watching the "
+                             "excised ranks); turn one of them off")
         self.model = model
         self.optimizer = optimizer
         self.session = session
