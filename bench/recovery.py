@@ -23,7 +23,9 @@ Prints a table for people and one JSON line (the last line) for machines.
   (``stall_detect_ms_p50``: injection to the first rank knowing).
 - peer copies (``peer_copy``, beside ``async_checkpoint``): killed ranks restored from a peer's
   host memory against the same kills restored from the checkpoint (two runs, K=1 and K=0):
-  step-latency overhead, host bytes per rank, network bytes per hour, and downtime per kill.
+  step-latency overhead, host bytes per rank, network bytes per hour, and downtime per kill;
+  beside them the same kills excised (a third run, ``--on-rank-loss excise``, at most 3 kills
+  at 4 ranks): downtime per excision and the largest difference from the never-failed run.
 
 - with ``--false-alarm-minutes M``: only a fault-free run of M minutes on 4 ranks at the
   default settings, counting recoveries and heartbeat alarms (``false_alarms``).
@@ -225,6 +227,9 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
         runs[k] = run_trial(TrialConfig(ranks=4, steps=16, faults=kills, fault_kind="kill", checkpoint_every=4,
                                         peer_copies=k, baselines=(k == 1)))
     peer, ckpt = runs[1], runs[0]
+    excised = run_trial(TrialConfig(ranks=4, steps=16, faults=min(kills, 3), fault_kind="kill", checkpoint_every=4,
+                                    peer_copies=1, baselines=False, on_rank_loss="excise"))
+    judged = excised.excision
 
     def per_kill(result: Any, policy: str) -> float | None:
         vals = [r["downtime_s"] for r in result.recoveries() if r["policy"] == policy and r["downtime_s"] is not None]
@@ -245,7 +250,11 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
     out["downtime_per_kill_s"] = {"peer_restore": per_kill(peer, "peer_restore"),
                                   "checkpoint_restore": per_kill(ckpt, "checkpoint_restore"),
                                   "checkpoint_restore_in_job_no_process_start": baseline["checkpoint_restore"],
-                                  "cold_restart": baseline["cold_restart"]}
+                                  "cold_restart": baseline["cold_restart"],
+                                  "excise": per_kill(excised, "excise")}
+    out["excision"] = {"kills": min(kills, 3), "final_world_size": len(excised.faulted),
+                       "equal_to_excising_reference": judged.equal_to_excising_reference if judged else None,
+                       "max_abs_diff_from_unfailed": judged.max_abs_diff_from_unfailed if judged else None}
     p, d = out["peer_copy"], out["downtime_per_kill_s"]
 
     def f(x: float | None, fmt: str = ".2f") -> str:
@@ -261,6 +270,10 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
          f"{f(d['peer_restore'])} / {f(d['checkpoint_restore'])}"),
         ("  baselines of the same run: in-job checkpoint restore (no process start) / cold restart (s)",
          f"{f(d['checkpoint_restore_in_job_no_process_start'])} / {f(d['cold_restart'])}"),
+        (f"downtime per excision, {out['excision']['kills']} kills at 4 ranks -> "
+         f"{out['excision']['final_world_size']} (s); equal to the excising reference; max |diff| from never-failed",
+         f"{f(d['excise'])}; {out['excision']['equal_to_excising_reference']}; "
+         f"{f(out['excision']['max_abs_diff_from_unfailed'], '.2g')}"),
         ("storage read by recoveries: peer / checkpoint (bytes); bit-identical",
          f"{p['storage_bytes_read_k1']} / {p['storage_bytes_read_k0']}; {p['bit_identical']}"),
     ]

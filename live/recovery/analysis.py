@@ -23,7 +23,35 @@ from .faults import Fault, FaultKind
 from .outcome import FaultRecord, RankOutcome
 from .trialconfig import TrialConfig
 
-__all__ = ["TrialResult", "compare_final", "recovery_span"]
+__all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "compare_final", "recovery_span"]
+
+
+@dataclass(frozen=True)
+class ExcisionPlan:
+    """One excision a faulted run decided: the committed step the survivors went on from and
+    the original ranks that left (what the excising reference replays without a fault)."""
+
+    step: int
+    lost: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ExcisionResult:
+    """An excising trial judged: the survivors against the excising reference (bitwise) and
+    against the never-failed run (largest absolute difference of the whole tensors)."""
+
+    plan: tuple[ExcisionPlan, ...]
+    equal_to_excising_reference: bool
+    mismatches: list[str]
+    max_abs_diff_from_unfailed: float | None
+    refused: str | None  # the one-line stop below --min-ranks
+    flushed_checkpoint: str | None
+
+    def view(self) -> dict[str, Any]:
+        return {"excisions": [{"step": p.step, "lost": list(p.lost)} for p in self.plan],
+                "equal_to_excising_reference": self.equal_to_excising_reference,
+                "max_abs_diff_from_unfailed": self.max_abs_diff_from_unfailed, "refused": self.refused,
+                "flushed_checkpoint": self.flushed_checkpoint}
 
 
 @dataclass
@@ -42,6 +70,7 @@ class TrialResult:
     recording: str
     cold_launch_wall: float | None = None
     faulted_events: list[Event] = field(default_factory=list)  # t: wall time
+    excision: ExcisionResult | None = None  # --on-rank-loss excise: the judgement against the excising reference
 
     # -- the numbers ------------------------------------------------------------------------
     def events(self) -> list[Event]:
@@ -124,8 +153,10 @@ class TrialResult:
             cold = self.outage_s(det, restart=True) + caught_up - self.cold_launch_wall
         peer = [r["downtime_s"] for r in recs
                 if r["policy"] == Policy.PEER_RESTORE.value and r["downtime_s"] is not None]
+        excise = [r["downtime_s"] for r in recs if r["policy"] == Policy.EXCISE.value and r["downtime_s"] is not None]
         return {Policy.IN_MEMORY.value: statistics.median(mem) if mem else None,
                 Policy.PEER_RESTORE.value: statistics.median(peer) if peer else None,
+                Policy.EXCISE.value: statistics.median(excise) if excise else None,
                 Policy.CHECKPOINT_RESTORE.value: ckpt, Policy.COLD_RESTART.value: cold}
 
     def storage_bytes_read(self) -> int:
@@ -205,10 +236,12 @@ class TrialResult:
             "rebind_ms": {"median": statistics.median(rebind) if rebind else None,
                           "max": max(rebind) if rebind else None},
             "downtime_s": {"in_memory": down["in_memory"], "peer_restore": down["peer_restore"],
-                           "checkpoint_restore": down["checkpoint_restore"], "cold_restart": down["cold_restart"]},
+                           "excise": down["excise"], "checkpoint_restore": down["checkpoint_restore"],
+                           "cold_restart": down["cold_restart"]},
             "storage_bytes_read": self.storage_bytes_read(),
             "final_world_size": len(self.faulted),
             "peer_copy_overhead": self.peer_copy_overhead(),
+            "excision": self.excision.view() if self.excision is not None else None,
             "recording": self.recording,
             "recovery_ms": {"median": statistics.median([r["recovery_s"] * 1e3 for r in recs]) if recs else None,
                             "max": max([r["recovery_s"] * 1e3 for r in recs], default=None)},

@@ -19,7 +19,9 @@ state (a replacement process) the decision is ``peer_restore`` if one step is he
 rank (the survivors' own state or snapshot, a live holder's copy for each lost rank), naming
 the holder each replacement fetches from; ``checkpoint_restore`` if a lost rank's state went
 with all its holders; and, where the job asked to excise, ``excise`` once the lost ranks are
-declared lost with no replacement. A rank missing from ``max_rounds`` incomplete rounds in a
+declared lost with no replacement and a survivor holds each one's copy (:attr:`Decision.lost`,
+the step every copy is held at, the holders in ``restore_from``). A rank the launcher saw
+exit is marked gone (:func:`mark_gone`) and, excising, declared lost at once. A rank missing from ``max_rounds`` incomplete rounds in a
 row is *declared lost* (``lost/round<k>`` on the channel, which the launcher watches to kill
 and replace it); the rounds then wait ``replacement_rounds`` more for its replacement before
 giving up with :class:`ConsensusError`.
@@ -27,6 +29,7 @@ giving up with :class:`ConsensusError`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -35,11 +38,12 @@ from meshpact.core.recovery import Policy
 from .control import ControlChannel, ControlTimeout
 
 __all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
-           "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY"]
+           "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "mark_gone", "gone_ranks"]
 
 ROUND_KEY = "round"  # the last round decided, complete or not
 GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
 LOST_KEY = "lost/round"  # lost/round<k>: the ranks declared lost in round k (the launcher replaces them)
+GONE_KEY = "gone/rank"  # gone/rank<r>: the launcher saw rank r's process exit and starts no replacement
 
 
 class ConsensusError(RuntimeError):
@@ -79,25 +83,28 @@ class Decision:
     members: tuple[int, ...] = ()
     missing: tuple[int, ...] = ()
     proposals: dict[int, dict[str, Any]] = field(default_factory=dict)
-    restore_from: tuple[tuple[int, int], ...] = ()  # peer_restore: (rank, the rank holding its copy at step)
+    restore_from: tuple[tuple[int, int], ...] = ()  # peer_restore / excise: (rank, the rank holding its copy at step)
+    lost: tuple[int, ...] = ()  # excise: the original ranks leaving the job
 
     def to_dict(self) -> dict[str, Any]:
         return {"round": self.round, "policy": self.policy.value, "step": self.step, "reason": self.reason,
                 "members": list(self.members), "missing": list(self.missing),
                 "proposals": {str(k): v for k, v in self.proposals.items()},
-                "restore_from": [list(p) for p in self.restore_from]}
+                "restore_from": [list(p) for p in self.restore_from], "lost": list(self.lost)}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Decision":
         return cls(int(d["round"]), Policy(d["policy"]), int(d["step"]), str(d["reason"]),
                    tuple(d.get("members", ())), tuple(d.get("missing", ())),
                    {int(k): v for k, v in d.get("proposals", {}).items()},
-                   tuple((int(a), int(b)) for a, b in d.get("restore_from", ())))
+                   tuple((int(a), int(b)) for a, b in d.get("restore_from", ())),
+                   tuple(int(r) for r in d.get("lost", ())))
 
     def summary(self) -> dict[str, Any]:
         """What an event records of the decision (no proposals)."""
         return {"policy": self.policy.value, "round": self.round, "step": self.step, "reason": self.reason,
-                "missing": list(self.missing), "restore_from": [list(p) for p in self.restore_from]}
+                "missing": list(self.missing), "restore_from": [list(p) for p in self.restore_from],
+                "lost": list(self.lost)}
 
     def holder_of(self, rank: int) -> int | None:
         """The rank ``rank`` takes its state from in a peer restore (itself: its own snapshot)."""
@@ -110,16 +117,19 @@ class Decision:
 
 def decide(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
            checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, *, peer_copies: int = 0,
-           on_rank_loss: Policy = Policy.PEER_RESTORE, declared: Sequence[int] = ()) -> Decision:
+           on_rank_loss: Policy = Policy.PEER_RESTORE, declared: Sequence[int] = (),
+           alive: Sequence[int] | None = None) -> Decision:
     """The group's answer to one round of proposals (pure; every rank would compute the same).
 
     ``checkpoint_step(limit)`` returns the newest complete checkpoint at or before ``limit``;
     ``peer_copies`` is K of the job's peer copies (0: none kept); ``declared`` the ranks
     already declared lost; ``on_rank_loss`` is ``PEER_RESTORE`` (wait for a replacement) or
-    ``EXCISE`` (continue without the declared ranks).
+    ``EXCISE`` (continue without the declared ranks); ``alive`` the original ranks still in
+    the job (default: all ``world_size``; fewer after an excision).
     """
     members = tuple(sorted(proposals))
-    missing = tuple(r for r in range(world_size) if r not in proposals)
+    expected = tuple(range(world_size)) if alive is None else tuple(sorted(alive))
+    missing = tuple(r for r in expected if r not in proposals)
     raw = {r: p.to_dict() for r, p in proposals.items()}
 
     def fallback(reason: str) -> Decision:
@@ -129,10 +139,18 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
         return Decision(round, Policy.CHECKPOINT_RESTORE, checkpoint_step(limit), reason, members, missing, raw)
 
     if missing and on_rank_loss is Policy.EXCISE and set(missing) <= set(declared) and members:
-        steps = sorted({p.committed_step for p in proposals.values() if p.intact})
-        if len(steps) == 1:
-            return Decision(round, Policy.EXCISE, steps[0], f"rank(s) {list(missing)} declared lost with no "
-                            f"replacement; the {len(members)} others continue without them", members, missing, raw)
+        why = f"rank(s) {list(missing)} declared lost with no replacement (--on-rank-loss excise)"
+        plan = _excise_plan(proposals, missing, peer_copies)
+        if isinstance(plan, str):
+            return fallback(f"{why}; cannot excise: {plan}")
+        step, sources = plan
+        behind = sorted(r for r in members if proposals[r].committed_step > step)
+        note = (f"; rank(s) {behind} roll back to it from their own snapshot (a lost rank's newer copy was still "
+                "in flight)") if behind else ""
+        return Decision(round, Policy.EXCISE, step, f"{why}; copies at step {step} from holder(s) "
+                        + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
+                        + f"; the {len(members)} others continue without them{note}",
+                        members, missing, raw, sources, missing)
     if missing:
         return fallback(f"rank(s) {list(missing)} did not answer on the control channel within {timeout_s:.2f} s")
     # a rank holding state from an older generation than another's missed a recovery; ranks all at
@@ -208,6 +226,68 @@ def _peer_plan(proposals: dict[int, Proposal], world_size: int, broken: list[int
     return step, sources
 
 
+def _excise_plan(proposals: dict[int, Proposal], lost: Sequence[int],
+                 peer_copies: int) -> tuple[int, tuple[tuple[int, int], ...]] | str:
+    """The newest step every survivor can stand at (its committed state or its own snapshot)
+    for which a survivor holds a copy of each lost rank, and that holder; or why none is."""
+    if peer_copies < 1:
+        return "no peer copies are kept (peer copies: 0)"
+    broken = sorted(r for r, p in proposals.items() if not p.intact)
+    if broken:
+        return f"rank(s) {broken} hold no intact state in memory"
+    options = [set(p.own_steps) | ({p.committed_step} if p.committed_step >= 0 else set()) for p in proposals.values()]
+    held: dict[int, dict[int, int]] = {}  # lost rank -> step -> its first holder
+    for h, p in sorted(proposals.items()):
+        for src, step in p.holds:
+            if src in lost:
+                held.setdefault(src, {}).setdefault(step, h)
+    gone = [r for r in lost if r not in held]
+    if gone:
+        return f"no survivor holds a copy of the state of rank(s) {gone}"
+    common = set.intersection(*options, *(set(held[r]) for r in lost))
+    if not common:
+        return "no step is held for every rank: survivors " + ", ".join(
+            f"rank {r}: {sorted(o)}" for r, o in zip(proposals, options)) + "; lost " + ", ".join(
+            f"rank {r}: {sorted(held[r])}" for r in lost)
+    step = max(common)
+    return step, tuple((r, held[r][step]) for r in sorted(lost))
+
+
+def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: Sequence[int],
+             declared: list[int] | None, slice_s: float = 0.25) -> dict[str, Any]:
+    """The round's proposals present within ``timeout_s``. Excising (``declared`` given), the
+    wait is cut in slices and a rank the launcher marks gone meanwhile is declared lost and no
+    longer waited for."""
+    if declared is None:
+        try:
+            return channel.wait(keys, timeout_s)
+        except ControlTimeout:
+            return channel.present(keys)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        declared += [r for r in gone_ranks(channel, ranks) if r not in declared]
+        wanted = [k for k, r in zip(keys, ranks) if r not in declared]
+        left = deadline - time.monotonic()
+        try:
+            channel.wait(wanted, max(min(slice_s, left), 0.01))
+            return channel.present(keys)
+        except ControlTimeout:
+            if left <= slice_s:
+                return channel.present(keys)
+
+
+def mark_gone(channel: ControlChannel, rank: int) -> None:
+    """Say that ``rank``'s process has exited and no replacement will come (the launcher, when
+    the job excises lost ranks): consensus declares it lost in its next round."""
+    channel.set(f"{GONE_KEY}{rank}", True)
+
+
+def gone_ranks(channel: ControlChannel, ranks: Sequence[int]) -> tuple[int, ...]:
+    """Which of ``ranks`` the launcher marked gone (:func:`mark_gone`)."""
+    got = channel.present([f"{GONE_KEY}{r}" for r in ranks])
+    return tuple(sorted(int(k[len(GONE_KEY):]) for k in got))
+
+
 def declared_lost(channel: ControlChannel, after_round: int = 0) -> dict[int, tuple[int, ...]]:
     """Ranks declared lost in rounds after ``after_round``: round -> ranks (what a launcher watches)."""
     last = channel.counter(ROUND_KEY)
@@ -230,7 +310,8 @@ def loss_bound_s(timeout_s: float, max_rounds: int = 4) -> float:
 
 def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], checkpoint_step: Callable[[int], int],
           timeout_s: float | None = None, max_rounds: int = 4, *, peer_copies: int = 0,
-          on_rank_loss: Policy = Policy.PEER_RESTORE, replacement_rounds: int = 2) -> Decision:
+          on_rank_loss: Policy = Policy.PEER_RESTORE, replacement_rounds: int = 2,
+          alive: Sequence[int] | None = None) -> Decision:
     """Run rounds until the group decides with every rank present (or, excising, without the
     declared ranks). A rank missing from ``max_rounds`` rounds in a row is declared lost
     (:func:`loss_bound_s`; ``lost/round<k>`` on the channel); after ``replacement_rounds``
@@ -241,13 +322,20 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     nobody, so it makes nobody stale: a rank later than the timeout finds that round decided,
     moves to the next one and joins it, and the group can still resume from memory.
     ``make_proposal(group_generation)`` builds this rank's proposal for a round.
+
+    Excising (``on_rank_loss`` ``EXCISE``), a rank the launcher marked gone (:func:`mark_gone`:
+    its process exited) is declared lost at once and not waited for; ``alive`` names the
+    original ranks still in the job after earlier excisions.
     """
     timeout = channel.timeout_s if timeout_s is None else timeout_s
     world = channel.world_size
+    expected = list(range(world)) if alive is None else sorted(alive)
     last: Decision | None = None
     misses: dict[int, int] = {}
     declared: list[int] = []
     for _ in range(max_rounds + replacement_rounds):
+        if on_rank_loss is Policy.EXCISE:
+            declared += [r for r in gone_ranks(channel, expected) if r not in declared]
         round_ = channel.counter(ROUND_KEY) + 1
         if channel.present([f"round{round_}/decision"]):  # decided without us (we were late): next round
             channel.advance(ROUND_KEY, round_)
@@ -255,14 +343,11 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         group_generation = channel.counter(GENERATION_KEY)
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())
-        keys = [f"round{round_}/rank{r}" for r in range(world)]
-        try:
-            got = channel.wait(keys, timeout)
-        except ControlTimeout:
-            got = channel.present(keys)
+        keys = [f"round{round_}/rank{r}" for r in expected]
+        got = _collect(channel, keys, timeout, expected, declared if on_rank_loss is Policy.EXCISE else None)
         proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
         mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,
-                      peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared))
+                      peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared), alive=alive)
         decision = Decision.from_dict(channel.set_once(f"round{round_}/decision", mine.to_dict()))
         channel.advance(ROUND_KEY, round_)
         last = decision

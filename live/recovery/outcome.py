@@ -8,7 +8,10 @@ Torch-free.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:  # read back only where a rank excised (reshard imports torch)
+    from .reshard import ExcisionRecord
 
 __all__ = ["RetiredSummary", "Drill", "FaultRecord", "PeerCopyReport", "RankOutcome"]
 
@@ -74,18 +77,25 @@ class RankOutcome:
     t_loaded_wall: float | None = None
     compiled_regions: Mapping[str, int] = field(default_factory=dict)  # before_first_fault / after_last_recovery
     compiled_graphs: int | None = None
-    fault_records: Mapping[int, FaultRecord] = field(default_factory=dict)  # rank 0 reports them
+    fault_records: Mapping[int, FaultRecord] = field(default_factory=dict)  # every rank that finished reports them
     workload_error: str | None = None
     storage_bytes_read: int = 0  # checkpoint bytes read by this process's recoveries
     peer: PeerCopyReport | None = None
+    alive: tuple[int, ...] = ()  # the original ranks in the job when this rank finished (empty: all)
+    excisions: tuple[ExcisionRecord, ...] = ()  # every excision this rank took part in
+    excision_refused: str | None = None  # the one-line stop below --min-ranks
+    flushed_checkpoint: str | None = None  # ... and where the state went
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["fault_records"] = {str(k): asdict(v) for k, v in self.fault_records.items()}
+        out["excisions"] = [e.to_dict() for e in self.excisions]
         return out
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RankOutcome":
+        if d.get("excisions"):
+            from .reshard import ExcisionRecord
         return cls(
             rank=int(d["rank"]), incarnation=int(d.get("incarnation", 0)), digest=str(d.get("digest", "")),
             recoveries=tuple(d.get("recoveries", ())), op_counts=dict(d.get("op_counts", {})),
@@ -97,4 +107,7 @@ class RankOutcome:
             compiled_graphs=d.get("compiled_graphs"),
             fault_records={int(k): FaultRecord(**v) for k, v in (d.get("fault_records") or {}).items()},
             workload_error=d.get("workload_error"), storage_bytes_read=int(d.get("storage_bytes_read", 0)),
-            peer=PeerCopyReport(**d["peer"]) if d.get("peer") else None)
+            peer=PeerCopyReport(**d["peer"]) if d.get("peer") else None,
+            alive=tuple(int(r) for r in d.get("alive", ())),
+            excisions=tuple(ExcisionRecord.from_dict(e) for e in d.get("excisions", ())),
+            excision_refused=d.get("excision_refused"), flushed_checkpoint=d.get("flushed_checkpoint"))

@@ -85,11 +85,14 @@ def publish(channel: Any, address: PeerAddress) -> None:
                                              "incarnation": address.incarnation})
 
 
-def read_addresses(channel: Any, world_size: int, timeout_s: float | None = None) -> dict[int, PeerAddress]:
-    """Every rank's peer address (waits, bounded by the channel, until all are published)."""
-    got = channel.wait([f"peer/rank{r}" for r in range(world_size)], timeout_s)
+def read_addresses(channel: Any, world_size: int, timeout_s: float | None = None,
+                   ranks: Sequence[int] | None = None) -> dict[int, PeerAddress]:
+    """Every rank's peer address (waits, bounded by the channel, until all are published);
+    ``ranks``: only those (the ranks still in the job after an excision)."""
+    ranks = tuple(range(world_size)) if ranks is None else tuple(ranks)
+    got = channel.wait([f"peer/rank{r}" for r in ranks], timeout_s)
     return {r: PeerAddress(r, v["host"], v["addr"], int(v["port"]), int(v["incarnation"]))
-            for r in range(world_size) for v in (got[f"peer/rank{r}"],)}
+            for r in ranks for v in (got[f"peer/rank{r}"],)}
 
 
 # -- the wire: a length-prefixed JSON header, then the payload's bytes -------------------------
@@ -164,6 +167,23 @@ class PeerServer:
         """(source rank, step) of every complete copy held."""
         with self._lock:
             return tuple(sorted((c.src, c.step) for c in self._copies.values()))
+
+    def held(self, src: int, step: int) -> dict[str, torch.Tensor]:
+        """The copy of ``src``'s state at ``step`` this rank holds (an excision re-shards it)."""
+        with self._lock:
+            copy = self._copies.get(src)
+        if copy is None or copy.step != step:
+            raise PeerError(f"this rank holds no copy of rank {src} at step {step} "
+                            f"(it holds {None if copy is None else copy.step})")
+        got, state = deserialize(copy.payload)
+        if got != step:
+            raise PeerError(f"the copy of rank {src} held for step {step} is of step {got}")
+        return state
+
+    def forget(self, src: int) -> None:
+        """Drop the copy of ``src`` (it left the job)."""
+        with self._lock:
+            self._copies.pop(src, None)
 
     @property
     def held_bytes(self) -> int:
@@ -280,6 +300,7 @@ class PeerCopier:
         self.server = server
         self.timeout_s = timeout_s
         self.addresses: dict[int, PeerAddress] = {}
+        self.alive: tuple[int, ...] = tuple(range(world_size))  # the ranks still in the job (fewer after an excision)
         self.own: dict[int, dict[str, torch.Tensor]] = {}  # step -> this rank's snapshot (two newest)
         self.counters = PeerCopyCounters()
         self._queue: queue.Queue = queue.Queue(maxsize=1)
@@ -293,12 +314,25 @@ class PeerCopier:
         training thread only (the control channel is not shared with the shipper). Waits for
         the copy in flight first, so the shipper never reads a half-written table."""
         self._idle.wait(self.timeout_s)
-        self.addresses = read_addresses(self.channel, self.world_size)
+        self.addresses = read_addresses(self.channel, self.world_size, ranks=self.alive)
         return self.addresses
 
+    def replace_ring(self, alive: Sequence[int]) -> None:
+        """Place the copies over ``alive`` only (after an excision): the ring is recomputed over
+        the survivors, K capped at their number less one. On the training thread, like
+        :meth:`refresh`, which it calls."""
+        self._idle.wait(self.timeout_s)
+        self.alive = tuple(alive)
+        for src, _ in self.server.holds():
+            if src not in self.alive:
+                self.server.forget(src)
+        self.refresh()
+
     def holders(self) -> tuple[int, ...]:
-        hosts = [self.addresses[r].host for r in range(self.world_size)]
-        return placement(self.rank, self.world_size, self.copies, hosts)
+        """The original ranks holding this rank's copies: :func:`placement` over the ranks still in the job."""
+        hosts = [self.addresses[r].host for r in self.alive]
+        ring = placement(self.alive.index(self.rank), len(self.alive), min(self.copies, len(self.alive) - 1), hosts)
+        return tuple(self.alive[i] for i in ring)
 
     def commit(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Snapshot ``state`` (committed at ``step``) to host memory and hand it to the shipper."""

@@ -113,11 +113,11 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     except WorkloadError as exc:
         return RankOutcome(rank, workload_error=str(exc)).to_dict()
 
-    def train_step(batch: Any) -> Any:
-        return workload.train_step(model, optimizer, batch)
+    def train_step(batch: Any) -> Any:  # rt.model: after an excision the smaller world's model
+        return workload.train_step(rt.model, rt.optimizer, batch)
 
-    def batches(step: int) -> Any:
-        return workload.batch(step, rank)
+    def batches(step: int) -> Any:  # this rank's share of the global batch (its own until an excision)
+        return rt.share(workload.batch, step)
 
     faults = tuple(Fault.from_dict(f) for f in args.get("faults", ()))
     injector = FaultInjector(faults, rank, session.control, args.get("stall_s", 0.0), args.get("down_s", 0.0))
@@ -129,7 +129,15 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
     cold_from = args.get("cold_from")
     work, phase = out_dir.parent, os.environ.get("MESHPACT_RUN_ID", out_dir.name)
     paced, last_start = Pace.read(work) is not None, 0.0
-    with resilient(model, optimizer, session, injector, batches) as rt:
+    from meshpact.core.recovery import Policy
+
+    from .reshard import ExcisionRefused
+
+    excising = args.get("on_rank_loss") == Policy.EXCISE.value
+    refused: ExcisionRefused | None = None
+    with resilient(model, optimizer, session, injector, batches, on_rank_loss=Policy(args.get(
+            "on_rank_loss", Policy.PEER_RESTORE.value)), min_ranks=int(args.get("min_ranks", 1)),
+            build=(lambda mesh: built(workload, mesh)) if excising else None) as rt:
         if rank in args.get("die_after_proposing", ()) and session.incarnation == 0:
             # dies once its proposal is in and the round decided: the others meet it building the groups
             rt.on_decided = lambda decision: os.kill(os.getpid(), signal.SIGKILL)
@@ -138,16 +146,22 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             rt.restore(int(cold_from))
             t_loaded = time.time()
         for step in range(rt.committed_step, steps):
+            if refused is not None:
+                break
             if paced:
                 last_start = keep_pace(work, phase, step, last_start, 0.5 * config.data_timeout_s,
                                        lambda kind, **data: session.emit(kind, generation=session.generation, **data))
             t0 = time.perf_counter()
             batch = batches(step)
-            if profile and fault_steps and step in (fault_steps[0] - 1, fault_steps[-1] + 1):
-                key = "before_first_fault" if step < fault_steps[0] else "after_last_recovery"
-                regions[key] = compiled_regions(lambda: rt.step(train_step, batch))
-            else:
-                rt.step(train_step, batch)
+            try:
+                if profile and fault_steps and step in (fault_steps[0] - 1, fault_steps[-1] + 1):
+                    key = "before_first_fault" if step < fault_steps[0] else "after_last_recovery"
+                    regions[key] = compiled_regions(lambda: rt.step(train_step, batch))
+                else:
+                    rt.step(train_step, batch)
+            except ExcisionRefused as exc:  # below --min-ranks: stopped, the state flushed to a checkpoint
+                refused = exc
+                continue
             step_s.append(time.perf_counter() - t0)
             if paced:
                 world = session.group
@@ -155,11 +169,11 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
                              group=world.group_name, seq=comm.sequence_number(comm.backend_of(world, session.spec.device)),
                              seconds=step_s[-1])
         t_caught_up = time.time()
-        if args.get("drill"):
+        if args.get("drill") and refused is None:
             t0 = time.time()
             decision = rt.drill_checkpoint_restore()
             drill = Drill(t0, time.time(), decision.step, rt.recoveries[-1].lost_steps)
-        state = job_state(model, optimizer)
+        state = job_state(rt.model, rt.optimizer)
         torch.save({k: v.clone() for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
         counts = rt.op_counts()
         gc.collect()  # a retired group no longer referenced is released (RetiredSummary.alive is False)
@@ -172,14 +186,16 @@ def worker(args: dict[str, Any]) -> dict[str, Any]:
             from torch._dynamo.utils import counters
 
             compiled_graphs = int(counters["stats"]["unique_graphs"])
-        records = {}
-        if rank == 0:
-            claimed = session.control.present([f"fault/{f.index}" for f in faults])
-            records = {int(k.split("/")[1]): FaultRecord(**v) for k, v in claimed.items()}
+        # every rank that finished reports the faults (the trial merges them): rank 0 may have been excised
+        claimed = session.control.present([f"fault/{f.index}" for f in faults])
+        records = {int(k.split("/")[1]): FaultRecord(**v) for k, v in claimed.items()}
         outcome = RankOutcome(
             rank, session.incarnation, digest(state), tuple(r.to_dict() for r in rt.recoveries), counts, retired,
             tuple(sorted(g.group_name for g in session.groups.values())), tuple(step_s), session.generation, drill,
             t_start, t_caught_up, t_loaded, regions, compiled_graphs, records,
             storage_bytes_read=rt.storage_bytes_read,
-            peer=PeerCopyReport(**asdict(rt.peers.counters)) if rt.peers is not None else None)
+            peer=PeerCopyReport(**asdict(rt.peers.counters)) if rt.peers is not None else None,
+            alive=session.alive, excisions=tuple(rt.excisions),
+            excision_refused=str(refused) if refused is not None else None,
+            flushed_checkpoint=refused.checkpoint if refused is not None else None)
     return outcome.to_dict()

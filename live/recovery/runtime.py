@@ -26,6 +26,14 @@ step (:func:`is_comm_fault`: by type and by where it was raised, never by its wo
 6. *replay* — re-runs the steps lost since the restored state, drawing their batches again
    from the batch source (``batches(step)``), so a restarted process needs no buffer;
 
+or, where consensus decides to *excise* lost ranks (``on_rank_loss=Policy.EXCISE`` with a
+``build(mesh)`` to make the smaller world's model): the survivors re-shard the lost ranks'
+state from the peer copies over themselves (:func:`~meshpact.live.recovery.reshard.excise`),
+and ``rt.model`` / ``rt.optimizer`` become the new objects. The old model refuses any later
+forward with :class:`StaleModelError`, so a step that still holds it fails at once, by name.
+From then on every batch is this survivor's share of the original global batch
+(:meth:`Resilient.share`), its gradient weighted to keep the global mean;
+
 then restores the generators and re-runs the failed step from the same batch, so the final
 state, generators included, is bit-identical to a run without the fault. Any other
 exception surfaces at once, unretried, with its traceback.
@@ -49,6 +57,8 @@ import torch.distributed.distributed_c10d as c10d
 from meshpact.core.recording import EventKind
 from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateAction
 
+from meshpact.core.errors import MeshpactError
+
 from . import communicator as comm
 from . import peers
 from .consensus import Decision, Proposal, agree
@@ -56,12 +66,18 @@ from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .rebind import RebindReport, meshes_of, rebind
+from .reshard import ExcisionRecord, GradientWeight, Membership, excise, share_batch
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
 from .state import capture_rng, commit_check, job_state, load_job_state, local_state, restore_rng
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
-           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES"]
+           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "refuse_stale"]
+
+
+class StaleModelError(MeshpactError):
+    """A training step ran the model an excision replaced: after an excision the step must use
+    ``rt.model`` and ``rt.optimizer`` (the smaller world's), not a model kept from before."""
 
 # exceptions that are communication faults wherever they were raised
 COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistError, TimeoutError, ConnectionError)
@@ -124,6 +140,17 @@ class RetiredGroup:
         return self.ref() is not None
 
 
+def refuse_stale(model: torch.nn.Module, rank: int, step: int) -> None:
+    """Make ``model`` (replaced by an excision at ``step``) raise :class:`StaleModelError` on
+    any forward: a training step that kept it would otherwise train a model nobody reduces with."""
+
+    def refuse(*_: Any) -> None:
+        raise StaleModelError(f"rank {rank}: the training step ran the model from before the excision at step "
+                              f"{step}; after an excision use rt.model and rt.optimizer")
+
+    model.register_forward_pre_hook(refuse)
+
+
 def device_meshes() -> list[Any]:
     """Every live DeviceMesh of the process: the session's, FSDP's, DTensors' and the user's own
     (a walk of the garbage collector's objects: done once, when training starts)."""
@@ -140,7 +167,16 @@ class Resilient:
     checkpoint are kept in memory (a restarted process then cannot replay)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: Session,
-                 injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None) -> None:
+                 injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
+                 build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
+                 on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1) -> None:
+        if on_rank_loss not in (Policy.PEER_RESTORE, Policy.EXCISE):
+            raise ValueError(f"on_rank_loss must be peer_restore (replace) or excise, got {on_rank_loss.value}")
+        if on_rank_loss is Policy.EXCISE and build is None:
+            raise ValueError("excising lost ranks needs build(mesh) -> (model, optimizer) for the smaller world")
+        if on_rank_loss is Policy.EXCISE and session.config.heartbeat:
+            raise ValueError("excising lost ranks does not work with the heartbeat yet (it would keep watching the "
+                             "excised ranks); turn one of them off")
         self.model = model
         self.optimizer = optimizer
         self.session = session
@@ -166,6 +202,12 @@ class Resilient:
         self.storage_bytes_read = 0  # checkpoint bytes read by recoveries (drills and cold starts apart)
         self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
         self._t_attempt: float | None = None  # when the running attempt of the step started
+        self.build = build
+        self.on_rank_loss = on_rank_loss
+        self.min_ranks = min_ranks
+        self.membership = Membership(session.world_size, session.members)
+        self.weight: GradientWeight | None = None  # set on the model after the first excision
+        self.excisions: list[ExcisionRecord] = []
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -249,8 +291,10 @@ class Resilient:
         for _ in range(self.max_attempts):
             try:
                 if message is not None:
-                    self._recover(message, step)
+                    decision = self._recover(message, step)
                     message = None
+                    if decision.policy is Policy.EXCISE:  # this survivor's share of the step's global batch now
+                        batch = self._batch(step)
                     if self.session.config.restore_rng:
                         restore_rng(self._rng)
                 if self.heartbeat is not None:
@@ -347,15 +391,15 @@ class Resilient:
         t_agree = time.perf_counter()
         decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
                          max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies,
-                         replacement_rounds=s.config.replacement_rounds)
+                         replacement_rounds=s.config.replacement_rounds, on_rank_loss=self.on_rank_loss,
+                         alive=s.alive or None)
         t_end = time.perf_counter()
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - t0, agree_s=t_end - t_agree,
                **decision.summary())
         if self.on_decided is not None:
             self.on_decided(decision)
         if decision.policy is Policy.EXCISE:
-            raise RuntimeError(f"the group decided to excise ({decision.reason}); excision (live/recovery/"
-                               "reshard.py) is not in this build")
+            return self._excise(decision, step, t_detect, reset_s, intact)
         if decision.policy is Policy.CHECKPOINT_RESTORE and self.ckpt is None:
             raise RuntimeError(f"cannot recover in memory ({decision.reason}) and no checkpoint directory is set")
 
@@ -450,6 +494,90 @@ class Resilient:
         s.start_standby(self._job_groups())  # the generation after this one, built while training runs
         return decision
 
+    def _excise(self, decision: Decision, step: int, t_detect: float, reset_s: float, intact: bool) -> Decision:
+        """Continue without ``decision.lost``: this survivor's state (rolled back to its own
+        snapshot where the group went back a step) and the copies it holds of the lost ranks,
+        re-sharded over the survivors; the session, the peer ring and the checkpoints move to
+        the smaller world. Below ``min_ranks`` survivors :class:`ExcisionRefused` (the state
+        flushed to a checkpoint) ends the job."""
+        s = self.session
+        assert self.build is not None
+        s.drop_standby()  # built for the larger world: none serves the survivors
+        t0 = time.perf_counter()
+        if decision.step != self.committed_step or not intact:  # back to its own snapshot: memory, no storage
+            if self.peers is None or decision.step not in self.peers.own:
+                raise RuntimeError(f"excision at step {decision.step} was decided but rank {s.rank} keeps only "
+                                   f"steps {self.peers.own_steps() if self.peers else ()} and committed "
+                                   f"{self.committed_step}")
+            load_job_state(self.model, self.optimizer, self.peers.own[decision.step])  # generators included
+            self.committed_step = decision.step
+            self._mark_committed()
+        else:  # the generators as committed (the failed step may have drawn from them)
+            restore_rng(self._rng)
+        held = {r: s.peer_server.held(r, decision.step) for r, h in decision.restore_from if h == s.rank}
+        before = Membership(s.world_size, s.members)
+        old_groups = self._job_groups()
+        # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named): the caller's to report
+        out = excise(job_state(self.model, self.optimizer), held, before, decision.lost, step=decision.step,
+                     spec=s.spec, store=s.store, generation=decision.round, build=self.build,
+                     old_group=s.group, min_ranks=self.min_ranks,
+                     checkpoint_dir=str(self.ckpt.directory) if self.ckpt is not None else None)
+        rec = out.record
+        s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
+               generation=decision.round, backend=s.spec.backend, groups=1, world=rec.new_world)
+        stale = self.model
+        refuse_stale(stale, s.rank, decision.step)
+        if self.weight is not None:
+            self.weight.remove()
+        self.model, self.optimizer, self.membership = out.model, out.optimizer, out.membership
+        self.weight = GradientWeight(self.model)
+        for old in old_groups.values():
+            backend = comm.backend_of(old, s.spec.device)
+            self.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend),
+                                             None))
+        del old_groups, stale
+        s.spec, s.groups, s.mesh, s.generation = out.spec, {comm.WORLD: out.group}, out.mesh, decision.round
+        s.alive = out.membership.alive
+        s.checkpoint_subdir = f"world{out.membership.world}-from-step{decision.step}"
+        self._meshes = weakref.WeakSet([out.mesh])
+        s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + rec.gather_s + rec.rebuild_s,
+               action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
+               holder=dict(decision.restore_from), excision=rec.to_dict())
+        self.excisions.append(rec)
+        if self.ckpt is not None:  # the smaller world's own checkpoints start at the excision's step
+            self.ckpt = s.checkpointer()
+            assert self.ckpt is not None
+            self.ckpt.save(self.committed_step, job_state(self.model, self.optimizer))
+        self._check = self._commit_check()  # the generators stay as committed (build's draws undone by excise)
+        s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round), generation=decision.round)
+        t_first, _ = self._first_collective(decision.round)
+        t0 = time.perf_counter()
+        lost = self._replay(decision.step, step)
+        s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
+        t_resumed = time.time()
+        if self.peers is not None:  # the ring over the survivors; they hold this generation's state
+            self.peers.replace_ring(out.membership.alive)
+            self._refresh_peers()
+            self.peers.keep_only(self.committed_step)
+            self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
+        record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round,
+                                lost, 0.0, rec.action, False)
+        self.recoveries.append(record)
+        s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
+        return decision
+
+    def share(self, batch: Callable[[int, int], Any], step: int) -> Any:
+        """This rank's samples of ``step`` from ``batch(step, original rank)``: its own until an
+        excision, then its share of the original world's global batch (the departed ranks'
+        samples spread over the survivors, :func:`~meshpact.live.recovery.reshard.share_batch`),
+        its gradient weighted so the group's average stays the mean over every sample."""
+        if not self.membership.departed:
+            return batch(step, self.session.rank)
+        got = share_batch(batch, step, self.membership, self.session.rank)
+        assert self.weight is not None
+        self.weight.weight = got.weight
+        return got.batch
+
     def _first_collective(self, generation: int) -> tuple[float, float]:
         """Run the first collective on the new world group (every rank at the same point);
         returns the wall times it was issued and completed."""
@@ -523,6 +651,10 @@ class Resilient:
 
 
 def resilient(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: Session,
-              injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None) -> Resilient:
-    """``with resilient(model, optimizer, session, batches=source) as rt: rt.step(train_step, batch)``."""
-    return Resilient(model, optimizer, session, injector, batches)
+              injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
+              build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
+              on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1) -> Resilient:
+    """``with resilient(model, optimizer, session, batches=source) as rt: rt.step(train_step, batch)``;
+    ``on_rank_loss=Policy.EXCISE`` with ``build(mesh)`` continues on the survivors of a lost rank."""
+    return Resilient(model, optimizer, session, injector, batches, build=build, on_rank_loss=on_rank_loss,
+                     min_ranks=min_ranks)

@@ -71,6 +71,14 @@ class Session:
     store_addr: tuple[str, int] = ("127.0.0.1", 0)  # the rendezvous store (a standby connects on its own)
     standby: comm.Standby | None = None  # the next generation's groups, built in the background
     dropped: list[comm.Standby] = field(default_factory=list)  # discarded standbys whose thread may still run
+    alive: tuple[int, ...] = ()  # the original ranks still in the job (empty: all; fewer after an excision)
+    checkpoint_subdir: str = ""  # after an excision the smaller world checkpoints apart from the larger one
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The original ranks in the job now. ``rank`` stays this process's original rank
+        (control channel keys, peer copies); its rank in the data-path groups is ``spec.rank``."""
+        return self.alive or tuple(range(self.world_size))
 
     @property
     def group(self) -> dist.ProcessGroup:
@@ -96,7 +104,9 @@ class Session:
     def checkpointer(self) -> Checkpointer | None:
         if not self.config.checkpoint_dir:
             return None
-        return Checkpointer(self.config.checkpoint_dir, self.rank, self.world_size, self.config.checkpoint_every)
+        directory = os.path.join(self.config.checkpoint_dir, self.checkpoint_subdir) if self.checkpoint_subdir \
+            else self.config.checkpoint_dir
+        return Checkpointer(directory, self.spec.rank, len(self.members), self.config.checkpoint_every)
 
     # -- the standby ------------------------------------------------------------------------
     def data_sockets(self) -> dict[int, str]:
@@ -110,9 +120,9 @@ class Session:
     def start_standby(self, groups: dict[str, dist.ProcessGroup]) -> None:
         """Start building the next generation's copy of ``groups`` (every group of the job) in
         the background; every rank starts it at the same point of the job."""
-        if not self.config.standby:
-            return
         self.drop_standby()
+        if not self.config.standby or self.alive:  # after an excision the groups are built when needed
+            return
         host, port = self.store_addr
 
         def connect() -> Any:
@@ -294,5 +304,5 @@ def resume_barrier(session: Session, generation: int) -> float:
     its checkpoint) arrived would otherwise time out on the data path. Returns seconds waited."""
     t0 = time.perf_counter()
     session.control.set(f"ready/g{generation}/rank{session.rank}", True)
-    session.control.wait([f"ready/g{generation}/rank{r}" for r in range(session.world_size)])
+    session.control.wait([f"ready/g{generation}/rank{r}" for r in session.members])
     return time.perf_counter() - t0

@@ -24,11 +24,11 @@ from typing import Any, Iterator
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import Event, EventKind, RecordingWriter
-from meshpact.core.recovery import Stage
+from meshpact.core.recovery import Policy, Stage
 
 from ..launcher import Launch, LaunchError, host_store
-from .analysis import TrialResult, compare_final
-from .consensus import declared_lost
+from .analysis import ExcisionPlan, ExcisionResult, TrialResult, compare_final
+from .consensus import declared_lost, mark_gone
 from .control import ControlChannel
 from .faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
 from .peers import ADDR_ENV as PEER_ADDR_ENV
@@ -39,6 +39,7 @@ from .workload import WorkloadError, check_workload
 __all__ = ["TrialConfig", "TrialResult", "run_trial"]
 
 WORKER = "meshpact.live.recovery.rankworker:worker"
+EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excising reference
 
 
 def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: dict[str, Any],
@@ -53,12 +54,19 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             "restore_rng": cfg.restore_rng, "heartbeat": cfg.heartbeat, "peer_copies": cfg.peer_copies,
             "max_rounds": cfg.max_rounds,
             "die_after_proposing": sorted({(f.rank + 1) % cfg.ranks for f in faults}) if cfg.die_after_proposing
-            else [], **extra}
+            else [], "on_rank_loss": Policy.EXCISE.value if cfg.excising else Policy.PEER_RESTORE.value,
+            "min_ranks": cfg.min_ranks, **extra}
     replacements = 0
+    gone: set[int] = set()
 
     def on_exit(job: Launch, rank: int, rc: int) -> None:
         nonlocal replacements
-        if rc == -9:  # SIGKILL: a warm spare, else a new process, joins the recovery in progress
+        if rc == -9 and cfg.excising and watch is not None:  # no replacement: the survivors go on without it
+            gone.add(rank)
+            mark_gone(watch.channel, rank)
+            recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
+                           data={"returncode": rc, "excised": True})
+        elif rc == -9:  # SIGKILL: a warm spare, else a new process, joins the recovery in progress
             replacements += 1
             spare = job.promote(rank)
             recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
@@ -84,12 +92,12 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
     t_launch = time.time()
     with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)), **kw) as job:
         results = job.wait(on_exit=on_exit, on_tick=watch)
-    bad = [r for r in results if not r.ok]
+    bad = [r for r in results if not r.ok and r.rank not in gone]
     if bad:
         raise LaunchError(f"{tag} run: rank {bad[0].rank} "
                           f"{'timed out' if bad[0].returncode is None else f'exited with {bad[0].returncode}'}"
                           f" (limit {cfg.deadline_s:.0f} s); its stderr ends:\n{bad[0].stderr_tail}")
-    outcomes = [RankOutcome.from_dict(r.value) for r in results]
+    outcomes = [RankOutcome.from_dict(r.value) for r in results if r.rank not in gone]
     for o in outcomes:
         if o.workload_error:
             raise WorkloadError(o.workload_error)
@@ -193,15 +201,21 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                                        {"checkpoint_dir": str(ref_dir.parent / "ref-checkpoints"),
                                         "out_dir": str(ref_dir)}, netns, stores, rec)
             faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults,
-                                            {"drill": cfg.baselines, "spares": cfg.spare_ranks}, netns, stores, rec)
-            if cfg.baselines:
+                                            {"drill": cfg.baselines and not cfg.excising, "spares": cfg.spare_ranks},
+                                            netns, stores, rec)
+            excision = None
+            if cfg.excising:  # the same ranks leave at the same steps, with no fault: the excising reference
+                plan = _excisions_of(read_rank_events(work / "faulted"))
+                excision = _excising_reference(cfg, workload, work, plan, faulted, ref_dir)
+            if cfg.baselines and not cfg.excising:
                 drill = faulted[0].drill
                 assert drill is not None, "the faulted run ends with a drill when baselines are on"
                 cold, _, cold_launch = _run(cfg, workload, "cold", work, (), {"cold_from": drill.checkpoint_step},
                                             netns, stores, rec)
         fault_records = {k: v for o in faulted for k, v in o.fault_records.items()}
         faulted_events = read_rank_events(work / "faulted")
-        mismatches = compare_final(ref_dir, work / "faulted", cfg.ranks)
+        mismatches = excision.mismatches if excision is not None else compare_final(ref_dir, work / "faulted",
+                                                                                    cfg.ranks)
         if cold is not None:
             mismatches += [f"cold restart: {m}" for m in compare_final(ref_dir, work / "cold", cfg.ranks)]
         cold_events = read_rank_events(work / "cold") if cold is not None else []
@@ -217,11 +231,72 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                 rec.emit(EventKind.FAULT_INJECTED, rank=f.rank, data={**f.to_dict(), **asdict(r)},
                          t=r.t_wall - t0_wall)
         result = TrialResult(cfg, faults, reference, faulted, cold, fault_records, not mismatches, mismatches,
-                             replacements, str(recording_path), cold_launch, faulted_events)
+                             replacements, str(recording_path), cold_launch, faulted_events, excision)
         for r in result.recoveries():
             rec.emit(EventKind.RECOVERED, data=r)
         rec.emit(EventKind.SUMMARY, data=result.summary())
     return result
+
+
+def _excisions_of(events: list[Event]) -> list[ExcisionPlan]:
+    """Each excision the faulted run decided (refused ones included): the step and the lost ranks."""
+    seen: dict[int, ExcisionPlan] = {}
+    for ev in events:
+        if ev.event == EventKind.DECIDED and ev.data.get("policy") == Policy.EXCISE.value:
+            seen.setdefault(int(ev.data["round"]), ExcisionPlan(int(ev.data["step"]), tuple(ev.data["lost"])))
+    return [seen[k] for k in sorted(seen)]
+
+
+def _excising_reference(cfg: TrialConfig, workload: str, work: Path, plan: list[ExcisionPlan],
+                        survivors: list[RankOutcome], unfailed_dir: Path) -> ExcisionResult:
+    """Run :func:`~meshpact.live.recovery.reshard.excision_drill` in reference mode (no fault:
+    each lost rank hands over its copy and leaves before the step the faulted run excised it
+    at) and compare every survivor's final state with it bitwise; the survivors' whole tensors
+    are also compared with the never-failed reference (largest absolute difference)."""
+    import torch
+
+    from .reshard import assemble_full, max_abs_diff
+
+    out = work / "excising-reference"
+    out.mkdir(parents=True, exist_ok=True)
+    control = host_store("127.0.0.1", 0, cfg.ranks)
+    env = {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_CONTROL_PORT": str(control.port),
+           "MESHPACT_RUN_ID": "excising-reference", "MESHPACT_VENDOR": "cpu"}
+    args = {"workload": workload, "mode": "reference", "steps": cfg.steps, "out_dir": str(out),
+            "excisions": [{"step": p.step, "rank": r} for p in plan for r in p.lost],
+            "data_timeout_s": cfg.recovery().group_create_s, "min_ranks": cfg.min_ranks,
+            "checkpoint_dir": str(out / "checkpoints")}
+    with Launch(EXCISION_WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, env=lambda r: env) as job:
+        results = job.wait()
+    del control
+    bad = [r for r in results if not r.ok]
+    if bad:
+        raise LaunchError(f"excising reference: rank {bad[0].rank} exited with {bad[0].returncode}; its stderr ends:"
+                          f"\n{bad[0].stderr_tail}")
+    mismatches = []
+    for o in survivors:
+        a = torch.load(out / f"final-rank{o.rank}.pt", weights_only=True)
+        b = torch.load(work / "faulted" / f"final-rank{o.rank}.pt", weights_only=True)
+        if a.keys() != b.keys():
+            mismatches.append(f"rank {o.rank}: different tensors from the excising reference "
+                              f"{sorted(set(a) ^ set(b))[:3]}")
+            continue
+        mismatches += [f"rank {o.rank}: {k} differs from the excising reference" for k in a
+                       if not torch.equal(a[k], b[k])]
+    alive = survivors[0].alive or tuple(range(cfg.ranks))
+    by_rank = {o.rank: o for o in survivors}
+    diff = None
+    if set(alive) <= set(by_rank) and all((unfailed_dir / f"final-rank{r}.pt").exists() for r in range(cfg.ranks)):
+        excised = assemble_full([torch.load(work / "faulted" / f"final-rank{r}.pt", weights_only=True)
+                                 for r in alive])
+        unfailed = assemble_full([torch.load(unfailed_dir / f"final-rank{r}.pt", weights_only=True)
+                                  for r in range(cfg.ranks)])
+        diff = max_abs_diff(excised, unfailed)
+    refused = next((o for o in survivors if o.excision_refused), None)
+    if refused is not None:  # stopped before the last step: nothing to hold against the never-failed run
+        diff = None
+    return ExcisionResult(tuple(plan), not mismatches, mismatches, diff,
+                          refused.excision_refused if refused else None, refused.flushed_checkpoint if refused else None)
 
 
 def read_rank_events(out_dir: Path) -> list[Event]:

@@ -55,6 +55,8 @@ class TrialConfig:
     two_hosts: bool = False  # ranks in two network namespaces (the lower half and the stores in the first)
     spare_ranks: int = 0  # warm spare processes waiting to be promoted to a lost rank (faulted run)
     die_after_proposing: bool = False  # the rank after each fault's dies once that recovery's round is decided
+    on_rank_loss: str = "replace"  # a killed rank: "replace" (a new process or a spare) or "excise" (go on without it)
+    min_ranks: int = 1  # excising: stop (state flushed to a checkpoint) rather than go below this many ranks
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fault_kind", FaultKind(self.fault_kind))
@@ -71,6 +73,22 @@ class TrialConfig:
         if self.spare_ranks < 0 or (self.spare_ranks and (self.two_hosts or self.fault_kind is FaultKind.PARTITION)):
             raise MeshpactError(f"--spare-ranks must be 0 or more, and spares run on one host (not with two hosts "
                                 f"or partition faults), got {self.spare_ranks}")
+        if self.on_rank_loss not in ("replace", "excise"):
+            raise MeshpactError(f"--on-rank-loss must be replace or excise, got {self.on_rank_loss!r}")
+        if not 1 <= self.min_ranks <= self.ranks:
+            raise MeshpactError(f"--min-ranks must be between 1 and --ranks ({self.ranks}), got {self.min_ranks}")
+        if self.excising:
+            clash = [name for name, on in (("--fault-kind other than kill", self.fault_kind is not FaultKind.KILL),
+                                           ("--peer-copies 0", self.peer_copies < 1),
+                                           ("--spare-ranks", self.spare_ranks > 0),
+                                           ("--kill-holders", self.kill_holders), ("two hosts", self.two_hosts),
+                                           ("--heartbeat", self.heartbeat)) if on]
+            if clash:
+                raise MeshpactError(f"--on-rank-loss excise needs --fault-kind kill and --peer-copies >= 1 and takes no "
+                                    f"spares, holder kills, two hosts or heartbeat; got {', '.join(clash)}")
+            if self.faults > self.ranks - 1:
+                raise MeshpactError(f"--on-rank-loss excise kills a different rank per fault: at most --ranks - 1 "
+                                    f"({self.ranks - 1}) faults, got {self.faults}")
         if self.steps < 2:
             raise MeshpactError(f"--steps must be at least 2, got {self.steps}")
         if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:
@@ -84,6 +102,10 @@ class TrialConfig:
         if self.fault_kind is FaultKind.PARTITION and self.down_s <= self.data_timeout_s:
             raise MeshpactError(f"a partition ({self.down_s} s down) must outlast the data-path timeout "
                                 f"({self.data_timeout_s} s), or the collective simply resumes")
+
+    @property
+    def excising(self) -> bool:
+        return self.on_rank_loss == "excise"
 
     def recovery(self, checkpoint_dir: str | None = None) -> RecoveryConfig:
         """The ranks' recovery settings (every timeout derived from these inputs)."""

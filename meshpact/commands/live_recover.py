@@ -41,6 +41,11 @@ def recover(
     peer_copies: int = typer.Option(1, "--peer-copies", min=0, help="K: ranks holding each rank's committed state "
                                     "in host memory, so a lost rank's replacement takes it from a peer instead "
                                     "of storage (0: none; at most ranks - 1)."),
+    on_rank_loss: str = typer.Option("replace", "--on-rank-loss", help="A killed rank: replace (a new process or "
+                                     "a warm spare takes its state from a peer) or excise (the survivors re-shard "
+                                     "its state from the peer copy and go on, same global batch)."),
+    min_ranks: int = typer.Option(1, "--min-ranks", min=1, help="Excising: stop, with the state flushed to a "
+                                  "checkpoint, rather than go on with fewer ranks than this."),
     spare_ranks: int = typer.Option(0, "--spare-ranks", min=0, help="Warm spare processes started with the "
                                     "ranks, waiting idle (imports done); a lost rank is handed to one instead of "
                                     "a new process."),
@@ -54,7 +59,7 @@ def recover(
                       checkpoint_every=checkpoint_every, data_timeout_s=data_timeout,
                       stall_s=data_timeout + 0.5, down_s=2.0 * data_timeout, baselines=baselines,
                       timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies,
-                      spare_ranks=spare_ranks)
+                      spare_ranks=spare_ranks, on_rank_loss=on_rank_loss, min_ranks=min_ranks)
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
     result = run_trial(cfg, recording_path=path)
     summary = result.summary()
@@ -63,13 +68,18 @@ def recover(
         emit_json(out)
     else:
         _print(result, summary)
+    refused = (summary["excision"] or {}).get("refused")
+    if refused:  # below --min-ranks: stopped on purpose, nothing lost (the state is in the named checkpoint)
+        if not as_json:
+            console.print(refused)
+        raise typer.Exit(0 if summary["bit_identical"] else 1)
     if not summary["bit_identical"] or summary["faults_recovered"] != summary["faults_injected"]:
         raise typer.Exit(1)
 
 
 JSON_KEYS = ("ranks", "steps", "fault_kind", "faults_injected", "faults_recovered", "bit_identical",
              "policy_counts", "rebind_ms", "downtime_s", "storage_bytes_read", "final_world_size",
-             "peer_copy_overhead", "recording")
+             "peer_copy_overhead", "excision", "recording")
 
 
 def json_view(summary: dict[str, Any]) -> dict[str, Any]:
@@ -92,9 +102,17 @@ def _print(result: Any, summary: dict[str, Any]) -> None:
     console.print(table(f"Recoveries ({summary['fault_kind']}, {summary['ranks']} ranks, ms)",
                         ["step", "gen", "policy", *[s.value for s in stages], "downtime"], rows))
     down = summary["downtime_s"]
-    console.print(table("Downtime per fault (s)", ["in memory", "peer restore", "checkpoint restore", "cold restart"],
+    console.print(table("Downtime per fault (s)", ["in memory", "peer restore", "excise", "checkpoint restore",
+                                                   "cold restart"],
                         [[*(("-" if down[k] is None else f"{down[k]:.3f}") for k in
-                            ("in_memory", "peer_restore", "checkpoint_restore", "cold_restart"))]]))
+                            ("in_memory", "peer_restore", "excise", "checkpoint_restore", "cold_restart"))]]))
+    exc = summary["excision"]
+    if exc is not None:
+        diff = exc["max_abs_diff_from_unfailed"]
+        console.print(f"excisions {[(e['step'], e['lost']) for e in exc['excisions']]}; final world "
+                      f"{summary['final_world_size']} rank(s); bitwise equal to the excising reference: "
+                      f"{'yes' if exc['equal_to_excising_reference'] else 'NO'}; max |difference| from the "
+                      f"never-failed run: {'-' if diff is None else f'{diff:.3g}'}")
     peer = summary["peer_copy_overhead"]
     if peer is not None:
         lat = "-" if peer["step_latency"] is None else f"{peer['step_latency'] * 100:+.1f} %"

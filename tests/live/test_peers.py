@@ -98,10 +98,11 @@ def test_placement_on_two_hosts_is_named_in_the_reason():
 
 
 def test_excise_is_decided_only_for_declared_ranks_when_the_job_asked_for_it():
-    props = {0: _survivor(0), 2: _survivor(2), 3: _survivor(3)}
+    props = {0: _survivor(0), 2: _survivor(2, holds=[(1, 9)]), 3: _survivor(3)}
     assert decide(props, 4, 2, 3, _latest, peer_copies=1, declared=(1,)).policy is Policy.CHECKPOINT_RESTORE
     d = decide(props, 4, 2, 3, _latest, peer_copies=1, on_rank_loss=Policy.EXCISE, declared=(1,))
     assert d.policy is Policy.EXCISE and d.missing == (1,) and d.members == (0, 2, 3) and d.step == 9
+    assert d.lost == (1,) and d.restore_from == ((1, 2),)
     not_yet = decide(props, 4, 2, 3, _latest, peer_copies=1, on_rank_loss=Policy.EXCISE, declared=())
     assert not_yet.policy is Policy.CHECKPOINT_RESTORE and not_yet.missing == (1,)
 
