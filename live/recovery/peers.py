@@ -388,5 +388,8 @@ class PeerCopier:
                 self._idle.set()
 
     def close(self) -> None:
+        """Let the copy in flight finish, then stop the shipper and wait for it: a daemon thread
+        still inside torch's serialiser when the interpreter exits aborts the process."""
         self._idle.wait(self.timeout_s)
         self._queue.put(None)
+        self._thread.join(self.timeout_s)
