@@ -16,11 +16,14 @@ list :data:`SITES` was read off torch 2.13's source (``distributed_c10d.py``,
   ``post_forward_mesh_info`` and each ``FSDPParam``'s, and the ``_group`` of
   process-group-allocating collective helpers (``_all_gather_comm``,
   ``_reduce_scatter_comm``);
-- Python bindings: module globals (a user's ``PG = dist.new_group(...)``, a ``new_subgroups``
-  result, lists, tuples, dicts and sets of groups), function defaults evaluated at import
-  (``torch.distributed.nn.functional``'s ``group=group.WORLD`` holds whatever group was
-  c10d's default when it was first imported: the generation-0 group), and closure cells of
-  module functions and of the step function the runtime was given.
+- Python bindings: the globals of the job's own modules (any module outside ``site-packages``
+  and the standard library: a user's ``PG = dist.new_group(...)``, a ``new_subgroups`` result,
+  lists, tuples, dicts and sets of groups), their functions' defaults and closure cells, the
+  closure of the step function the runtime was given, and the defaults torch evaluates at
+  import (:data:`TORCH_IMPORT_DEFAULTS`: ``torch.distributed.nn.functional``'s
+  ``group=group.WORLD`` holds whatever group was c10d's default when it was first imported,
+  the generation-0 group). Installed packages' globals are not scanned: that would cost every
+  recovery tens of milliseconds.
 
 A group held where no code can reach it, a plain local variable of a running function (its
 frame), cannot be rebound: :func:`held_in_frames` names each such variable so the runtime can
