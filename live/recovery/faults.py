@@ -153,6 +153,14 @@ def _raise_on_collective_mode() -> type:
             self.left = nth
             self.message = message
 
+        @classmethod
+        def is_infra_mode(cls) -> bool:
+            # dynamo runs a compiled frame eagerly under any other dispatch mode, and keeps doing
+            # so after it: the injecting rank would leave compilation for good and its numbers
+            # would part from the compiled reference. An infra mode still sees every eager op
+            # (FSDP's collectives run eagerly between the compiled graphs).
+            return True
+
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
             if func.namespace == "c10d":
                 self.left -= 1

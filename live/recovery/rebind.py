@@ -15,7 +15,19 @@ list :data:`SITES` was read off torch 2.13's source (``distributed_c10d.py``,
   ``replicate_process_group``) reachable as a param group's ``mesh_info`` and
   ``post_forward_mesh_info`` and each ``FSDPParam``'s, and the ``_group`` of
   process-group-allocating collective helpers (``_all_gather_comm``,
-  ``_reduce_scatter_comm``).
+  ``_reduce_scatter_comm``);
+- Python bindings: the globals of the job's own modules (any module outside ``site-packages``
+  and the standard library: a user's ``PG = dist.new_group(...)``, a ``new_subgroups`` result,
+  lists, tuples, dicts and sets of groups), their functions' defaults and closure cells, the
+  closure of the step function the runtime was given, and the defaults torch evaluates at
+  import (:data:`TORCH_IMPORT_DEFAULTS`: ``torch.distributed.nn.functional``'s
+  ``group=group.WORLD`` holds whatever group was c10d's default when it was first imported,
+  the generation-0 group). Installed packages' globals are not scanned: that would cost every
+  recovery tens of milliseconds.
+
+A group held where no code can reach it, a plain local variable of a running function (its
+frame), cannot be rebound: :func:`held_in_frames` names each such variable so the runtime can
+say so in one line, and the group stays alive (and broken) until that variable is dropped.
 
 :func:`find_references` walks the object graph from the model, the optimizer, FSDP's
 states and c10d's world and returns the path of every process group it meets; the tests
@@ -26,18 +38,22 @@ new fails a test instead of leaving a stale reference.
 
 from __future__ import annotations
 
+import sys
+import sysconfig
 import time
 import types
+import warnings
 import weakref
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-__all__ = ["SITES", "Site", "RebindReport", "rebind", "find_references", "fsdp_states", "meshes_of",
-           "default_roots"]
+__all__ = ["SITES", "Site", "RebindReport", "rebind", "rebind_all", "find_references", "fsdp_states", "meshes_of",
+           "default_roots", "python_bindings", "held_in_frames", "TORCH_IMPORT_DEFAULTS"]
 
 _WORLD_MAPS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
                "pg_coalesce_state")
@@ -57,12 +73,20 @@ class _Context:
     model: Any
     optimizer: Any
     meshes: list[Any]
+    functions: tuple[Callable[..., Any], ...] = ()  # the step function(s) the runtime was given
+    _bindings: "list[_Slot] | None" = None  # Python places holding a group, found once per rebind_all
+
+    def bindings(self) -> "list[_Slot]":
+        if self._bindings is None:
+            self._bindings = _python_slots(self.functions)
+        return self._bindings
 
 
 @dataclass(frozen=True)
 class RebindReport:
     counts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    unrebound: tuple[str, ...] = ()  # retired groups still held where no rebind can reach (frame locals)
 
     @property
     def total(self) -> int:
@@ -208,6 +232,222 @@ def _fsdp_comms(old: dist.ProcessGroup, new: dist.ProcessGroup, ctx: _Context) -
     return n
 
 
+# -- Python bindings ------------------------------------------------------------------------
+_C10D_MODULE = c10d.__name__  # its maps are the c10d sites' (kept apart so each site's audit is its own)
+# torch 2.13's modules whose functions or methods default to ``dist.group.WORLD``, evaluated when
+# the module is first imported: whatever group was c10d's default then stays referenced
+# (distributed_c10d's own such defaults were evaluated before any group existed: None)
+TORCH_IMPORT_DEFAULTS = frozenset({"torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
+                                   "torch.distributed.fsdp.sharded_grad_scaler"})
+_LIBRARY_DIRS = ("/site-packages/", "/dist-packages/")
+_STDLIB = sysconfig.get_paths()["stdlib"]
+_MAX_ITEMS = 4096  # containers larger than this are registries, not where a job keeps its groups
+_DEPTH = 3  # nesting followed inside a container (new_subgroups: a tuple holding a list of groups)
+_OWN_DIR = str(Path(__file__).parent)  # the runtime's own frames hold retired groups on purpose
+
+
+def _group_matcher() -> Callable[[Any], bool]:
+    """``x`` is a ProcessGroup, judged by its type once per type (``isinstance`` against torch's
+    opaque types runs Python code; a scan of every global asks it tens of thousands of times)."""
+    by_type: dict[type, bool] = {}
+
+    def match(x: Any) -> bool:
+        t = type(x)
+        known = by_type.get(t)
+        if known is None:
+            known = by_type[t] = issubclass(t, dist.ProcessGroup)
+        return known
+
+    return match
+
+
+def _is_group(x: Any) -> bool:
+    return isinstance(x, dist.ProcessGroup)
+
+
+def _holds(value: Any, match: Callable[[Any], bool], depth: int = _DEPTH) -> bool:
+    """``value`` is, or contains (lists, tuples, sets, dict keys and values), something ``match``es."""
+    if match(value):
+        return True
+    if depth == 0 or not isinstance(value, (list, tuple, set, frozenset, dict)) or len(value) > _MAX_ITEMS:
+        return False
+    items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
+    return any(_holds(x, match, depth - 1) for x in items)
+
+
+def _swap(value: Any, old: Any, new: Any, depth: int = _DEPTH) -> tuple[Any, int]:
+    """``value`` with ``old`` replaced by ``new`` (lists, dicts and sets changed in place, tuples
+    rebuilt): the value to store back and how many references were replaced."""
+    if value is old:
+        return new, 1
+    if depth == 0 or not isinstance(value, (list, tuple, set, dict)) or len(value) > _MAX_ITEMS:
+        return value, 0
+    n = 0
+    if isinstance(value, list):
+        for i, x in enumerate(value):
+            y, k = _swap(x, old, new, depth - 1)
+            if k:
+                value[i], n = y, n + k
+        return value, n
+    if isinstance(value, dict):
+        for key in list(value):
+            y, k = _swap(value[key], old, new, depth - 1)
+            if k:
+                value[key], n = y, n + k
+            if key is old:
+                value[new] = value.pop(old)
+                n += 1
+        return value, n
+    if isinstance(value, set):
+        if old in value:
+            value.discard(old)
+            value.add(new)
+            n += 1
+        return value, n
+    items = [_swap(x, old, new, depth - 1) for x in value]  # a tuple: rebuilt if anything changed
+    n = sum(k for _, k in items)
+    if not n:
+        return value, 0
+    fresh = [y for y, _ in items]
+    return (type(value)._make(fresh) if hasattr(type(value), "_make") else type(value)(fresh)), n
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One Python place that holds a group (directly or in a container): read it, write it back."""
+
+    path: str
+    get: Callable[[], Any]
+    set: Callable[[Any], None]
+
+
+def _function_slots(fn: types.FunctionType, path: str, out: list[_Slot], seen: set[int],
+                    is_group: Callable[[Any], bool] = _is_group, depth: int = 4) -> None:
+    """``fn``'s defaults, keyword defaults and closure cells that hold a group; functions in its
+    closure are followed (a step function closing over the user's)."""
+    if id(fn) in seen:
+        return
+    seen.add(id(fn))
+    if fn.__defaults__ and _holds(fn.__defaults__, is_group):
+        out.append(_Slot(f"{path}.__defaults__", lambda f=fn: f.__defaults__,
+                         lambda v, f=fn: setattr(f, "__defaults__", v)))
+    if fn.__kwdefaults__ and _holds(fn.__kwdefaults__, is_group):
+        out.append(_Slot(f"{path}.__kwdefaults__", lambda f=fn: f.__kwdefaults__,
+                         lambda v, f=fn: setattr(f, "__kwdefaults__", v)))
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if _holds(value, is_group):
+            out.append(_Slot(f"{path}.<closure {name}>", lambda c=cell: c.cell_contents,
+                             lambda v, c=cell: setattr(c, "cell_contents", v)))
+        target = value.__func__ if isinstance(value, types.MethodType) else value
+        if isinstance(target, types.FunctionType) and depth > 0:
+            _function_slots(target, f"{path}.<closure {name}>", out, seen, is_group, depth - 1)
+        elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, (types.ModuleType, type)):
+            for attr, v in list(vars(value).items()):  # a holder object (e.g. a dataclass of functions)
+                if isinstance(v, types.FunctionType):
+                    _function_slots(v, f"{path}.<closure {name}>.{attr}", out, seen, is_group, depth - 1)
+
+
+def _python_slots(functions: Iterable[Callable[..., Any]] = ()) -> list[_Slot]:
+    """Every module global that is or holds a group, and every default and closure cell (of
+    module functions and of ``functions``) that does."""
+    with warnings.catch_warnings():  # reading every global touches deprecated ones (dist.reduce_op)
+        warnings.simplefilter("ignore")
+        return _scan_python_slots(functions)
+
+
+def _library(module: types.ModuleType) -> bool:
+    """An installed package or the standard library (not the job's own code)."""
+    path = getattr(module, "__file__", None)
+    return not path or any(part in path for part in _LIBRARY_DIRS) or path.startswith(_STDLIB)
+
+
+def _default_slots(fn: Any, path: str, out: list[_Slot], is_group: Callable[[Any], bool]) -> None:
+    if isinstance(fn, types.FunctionType) and (fn.__defaults__ or fn.__kwdefaults__):
+        _function_slots(fn, path, out, set(), is_group, depth=0)
+
+
+def _scan_python_slots(functions: Iterable[Callable[..., Any]]) -> list[_Slot]:
+    """The job's own modules (not installed packages) in depth, the defaults of
+    :data:`TORCH_IMPORT_DEFAULTS`' functions and methods, and the step functions' closures."""
+    out: list[_Slot] = []
+    seen: set[int] = set()
+    is_group = _group_matcher()
+    for mod_name, module in list(sys.modules.items()):
+        d = getattr(module, "__dict__", None)
+        if not isinstance(d, dict) or mod_name == _C10D_MODULE:
+            continue
+        if mod_name in TORCH_IMPORT_DEFAULTS:
+            for key, value in list(d.items()):
+                if isinstance(value, types.FunctionType):
+                    _default_slots(value, f"{mod_name}.{key}", out, is_group)
+                elif isinstance(value, type) and value.__module__ == mod_name:
+                    for attr, method in list(vars(value).items()):
+                        _default_slots(method, f"{mod_name}.{key}.{attr}", out, is_group)
+            continue
+        if _library(module):
+            continue
+        for key, value in list(d.items()):
+            if key.startswith("__") or id(value) in seen:  # __builtins__ and the like; an alias
+                continue
+            if isinstance(value, types.FunctionType):
+                if value.__defaults__ or value.__kwdefaults__ or value.__closure__:
+                    _function_slots(value, f"{mod_name}.{key}", out, seen, is_group)
+            elif _holds(value, is_group):
+                seen.add(id(value))
+                out.append(_Slot(f"{mod_name}.{key}", lambda d=d, k=key: d[k],
+                                 lambda v, d=d, k=key: d.__setitem__(k, v)))
+    for i, fn in enumerate(functions):
+        target = fn.__func__ if isinstance(fn, types.MethodType) else fn
+        if isinstance(target, types.FunctionType):
+            _function_slots(target, f"step function {i} ({target.__qualname__})", out, seen, is_group)
+    return out
+
+
+def python_bindings(functions: Iterable[Callable[..., Any]] = ()) -> dict[str, Any]:
+    """The Python places that hold a process group, path -> what they hold (an audit root)."""
+    return {slot.path: slot.get() for slot in _python_slots(functions)}
+
+
+def _python_bindings(old: dist.ProcessGroup, new: dist.ProcessGroup, ctx: _Context) -> int:
+    n = 0
+    for slot in ctx.bindings():
+        value, k = _swap(slot.get(), old, new)
+        if k:
+            slot.set(value)
+            n += k
+    return n
+
+
+def held_in_frames(groups: Iterable[dist.ProcessGroup]) -> list[str]:
+    """One line per local variable of a function running in this thread (the runtime's own
+    frames excepted) that holds one of ``groups``: no rebind reaches a frame's locals."""
+    targets = {id(g): g for g in groups}
+    out: list[str] = []
+    if not targets:
+        return out
+
+    def match(x: Any) -> bool:
+        return id(x) in targets
+
+    f: types.FrameType | None = sys._getframe(1)
+    while f is not None:
+        code = f.f_code
+        if not code.co_filename.startswith(_OWN_DIR):
+            for name, value in list(f.f_locals.items()):
+                if _holds(value, match):
+                    held = [g.group_name for g in targets.values() if _holds(value, lambda x, g=g: x is g)]
+                    out.append(f"retired group {', '.join(held)} is held by local variable {name!r} of "
+                               f"{code.co_name} ({code.co_filename}:{f.f_lineno}) and cannot be rebound; "
+                               "keep groups in a module global, a closure or session.groups")
+        f = f.f_back
+    del f
+    return out
+
+
 SITES: tuple[Site, ...] = (
     Site("c10d.world", "distributed_c10d._World: default_pg, pg_map, pg_names, pg_group_ranks, "
          "pg_backend_config, pg_to_tag, tags_to_pg, pg_coalesce_state", _c10d_world),
@@ -217,38 +457,58 @@ SITES: tuple[Site, ...] = (
     Site("fsdp.mesh_info", "FSDPMeshInfo.shard/reduce_scatter/replicate_process_group via "
          "FSDPParamGroup and FSDPParam mesh_info, post_forward_mesh_info", _fsdp_mesh_infos),
     Site("fsdp.comm", "FSDPParamGroup._all_gather_comm/_reduce_scatter_comm._group", _fsdp_comms),
+    Site("python.bindings", "module globals, function defaults (torch.distributed.nn.functional's "
+         "group=group.WORLD) and closure cells of module functions and the step function", _python_bindings),
 )
 
 
 def rebind(old: dist.ProcessGroup, new: dist.ProcessGroup, model: torch.nn.Module, optimizer: Any = None,
            meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = (),
-           only: tuple[str, ...] | None = None) -> RebindReport:
+           only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = ()) -> RebindReport:
     """Point every site that holds ``old`` (the object or its name) at ``new``; returns what was
     rebound and how long it took.
 
     ``skip`` leaves the named sites alone and ``only`` applies just those: for audits that show
     a missed site is caught, and then complete the rebind.
     """
+    return rebind_all([(old, new)], model, optimizer, meshes, skip, only, functions)
+
+
+def rebind_all(pairs: Iterable[tuple[dist.ProcessGroup, dist.ProcessGroup]], model: torch.nn.Module,
+               optimizer: Any = None, meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = (),
+               only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = ()) -> RebindReport:
+    """:func:`rebind` for every ``(old, new)`` pair of one recovery, the Python bindings found
+    once for all of them; the report's ``unrebound`` names the retired groups that local
+    variables of running functions still hold (:func:`held_in_frames`)."""
     t0 = time.perf_counter()
-    ctx = _Context(model, optimizer, list(meshes) if meshes is not None else meshes_of(model, optimizer))
-    counts = {site.name: site.apply(old, new, ctx) for site in SITES
-              if site.name not in skip and (only is None or site.name in only)}
-    return RebindReport(counts, time.perf_counter() - t0)
+    pairs = list(pairs)
+    ctx = _Context(model, optimizer, list(meshes) if meshes is not None else meshes_of(model, optimizer),
+                   tuple(functions))
+    counts: dict[str, int] = {}
+    for old, new in pairs:
+        for site in SITES:
+            if site.name not in skip and (only is None or site.name in only):
+                counts[site.name] = counts.get(site.name, 0) + site.apply(old, new, ctx)
+    unrebound = tuple(held_in_frames(old for old, _ in pairs)) if only is None else ()
+    return RebindReport(counts, time.perf_counter() - t0, unrebound)
 
 
 # -- the audit ------------------------------------------------------------------------------
 _SKIP = (types.ModuleType, type, types.BuiltinFunctionType, str, bytes, int, float, bool, type(None))
 
 
-def default_roots(model: torch.nn.Module, optimizer: Any = None) -> dict[str, Any]:
-    """Where cached references can hide: the model, optimizer, FSDP states, meshes, c10d."""
+def default_roots(model: torch.nn.Module, optimizer: Any = None,
+                  functions: Iterable[Callable[..., Any]] = ()) -> dict[str, Any]:
+    """Where cached references can hide: the model, optimizer, FSDP states, meshes, c10d, and
+    the Python bindings (module globals, defaults and closures) that hold a group."""
     from torch.distributed import _composable_state
 
     w = c10d._world  # its maps are properties over module globals: walk each one
     roots: dict[str, Any] = {"model": model, "c10d._world": w,
                              **{f"c10d._world.{m}": getattr(w, m) for m in _WORLD_MAPS},
                              "fsdp_states": fsdp_states(model), "meshes": meshes_of(model, optimizer),
-                             "composable_state": list(_composable_state._module_state_mapping.items())}
+                             "composable_state": list(_composable_state._module_state_mapping.items()),
+                             "python": python_bindings(functions)}
     if optimizer is not None:
         roots["optimizer"] = optimizer
     return roots
@@ -274,6 +534,10 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
                 yield f".<closure {i}>", cell.cell_contents
             except ValueError:
                 pass
+        if obj.__defaults__:
+            yield ".__defaults__", obj.__defaults__
+        if obj.__kwdefaults__:
+            yield ".__kwdefaults__", obj.__kwdefaults__
         return
     if hasattr(obj, "func") and hasattr(obj, "keywords") and hasattr(obj, "args"):  # functools.partial
         yield ".func", obj.func

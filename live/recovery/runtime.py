@@ -65,7 +65,7 @@ from .consensus import Decision, Proposal, agree
 from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
-from .rebind import RebindReport, meshes_of, rebind
+from .rebind import RebindReport, meshes_of, rebind_all
 from .reshard import ExcisionRecord, GradientWeight, Membership, excise, share_batch
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
 from .state import capture_rng, commit_check, job_state, load_job_state, local_state, restore_rng
@@ -433,10 +433,11 @@ class Resilient:
         counts: dict[str, int] = {}
         if action is not CommunicatorAction.RECONFIGURE:
             meshes = list({id(m): m for m in (s.mesh, *meshes_of(self.model, self.optimizer), *self._meshes)}.values())
-            for base, old in old_groups.items():
-                report: RebindReport = rebind(old, new_groups[base], self.model, self.optimizer, meshes)
-                for site, n in report.counts.items():
-                    counts[site] = counts.get(site, 0) + n
+            report: RebindReport = rebind_all([(old, new_groups[base]) for base, old in old_groups.items()],
+                                              self.model, self.optimizer, meshes, functions=(self._train_step,))
+            counts = dict(report.counts)
+            for line in report.unrebound:  # a frame's local: the user is told, by group name
+                s.emit(EventKind.REBOUND, Stage.REBINDING, warning=line)
             c10d_default(new_groups[comm.WORLD])
         rebind_s = time.perf_counter() - t0
         s.groups = {base: pg for base, pg in new_groups.items() if base in s.groups}

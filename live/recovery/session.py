@@ -270,6 +270,10 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
                                                  session.peer_server.port, incarnation))
     session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation)
     if incarnation == 0:
+        # every rank is here before any group connects: group creation bounds connecting, not a
+        # peer still starting (imports under load), which the store connect bound covers
+        control.set(f"arrived/rank{rank}", True)
+        control.wait([f"arrived/rank{r}" for r in range(world)], timeout_s=config.store_connect_s)
         session.groups = session.build_generation(0)
     else:  # a replacement: join the recovery in progress; its state comes from a peer or the checkpoint
         ckpt = session.checkpointer()

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import ast
 import functools
+import gc
+import sys
+import types
 import weakref
+from datetime import timedelta
+from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from meshpact.live.launcher import host_store, launch
-from meshpact.live.recovery.rebind import SITES, find_references
+from meshpact.live.recovery.rebind import (SITES, TORCH_IMPORT_DEFAULTS, find_references, held_in_frames,
+                                           python_bindings, rebind_all)
 
 
 class _Group:
@@ -40,6 +49,121 @@ def test_find_references_follows_dicts_closures_slots_partials_and_weakrefs():
     assert "d[0]().group" in paths
 
 
+def _group(name: str = "user_pg") -> dist.ProcessGroup:
+    """A real one-rank gloo ProcessGroup, named, in this process: what the rebind sites hold."""
+    store = dist.HashStore()
+    pg = dist.ProcessGroup(store, 0, 1)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
+                         dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5)))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._set_group_name(name)
+    return pg
+
+
+@pytest.fixture
+def user_module(tmp_path):
+    """A module of the user's (a file outside any installed package), registered like any
+    imported one, and removed after."""
+    module = types.ModuleType("meshpact_test_user_groups")
+    module.__file__ = str(tmp_path / "user_groups.py")
+    sys.modules[module.__name__] = module
+    yield module
+    del sys.modules[module.__name__]
+
+
+def test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_the_old_one_released(user_module):
+    old, other, new = _group("user_pg_g0"), _group("other_pg_g0"), _group("user_pg_g1")
+    ref = weakref.ref(old)
+
+    def metric(x, group=old):  # a default evaluated at definition, like torch.distributed.nn.functional's
+        return x, group
+
+    def make_step(pg):
+        def inner(batch):
+            return batch, pg
+        return inner
+
+    step = make_step(old)  # only the runtime knows this one: it is the step function it was given
+    user_module.PG = old
+    user_module.SUBGROUPS = (old, [old, other, None])  # what dist.new_subgroups returns
+    user_module.BY_NAME = {"pair": old, old: "key"}
+    user_module.SEEN = {old}
+    user_module.metric = metric
+    found = {p for p, v in find_references({"python": python_bindings((step,))}) if v is old}
+    assert {"python['meshpact_test_user_groups.PG']", "python['meshpact_test_user_groups.metric.__defaults__'][0]",
+            "python['step function 0 (test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_"
+            "the_old_one_released.<locals>.make_step.<locals>.inner).<closure pg>']"} <= found, found
+
+    report = rebind_all([(old, new)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), functions=(step,))
+
+    assert report.counts["python.bindings"] == 8
+    assert user_module.PG is new
+    assert user_module.SUBGROUPS[0] is new and user_module.SUBGROUPS[1][:2] == [new, other]
+    assert user_module.BY_NAME["pair"] is new and user_module.BY_NAME[new] == "key" and old not in user_module.BY_NAME
+    assert user_module.SEEN == {new}
+    assert metric(1)[1] is new and step(1)[1] is new
+    assert not [p for p, v in find_references({"python": python_bindings((step,))}) if v is old]
+    del old
+    gc.collect()
+    assert ref() is None, [type(r).__name__ for r in gc.get_referrers(ref())]
+
+
+def test_a_group_held_by_a_local_variable_is_named_since_no_rebind_can_reach_it():
+    held, free = _group("metrics_pg_g0"), _group("free_pg_g0")
+    lines = held_in_frames([held])
+    assert len(lines) == 1, lines
+    assert "metrics_pg_g0" in lines[0] and "local variable 'held'" in lines[0] and "cannot be rebound" in lines[0]
+    assert "free_pg_g0" not in lines[0]
+    del free
+    nobody = _lines_for_a_group_no_variable_holds()
+    assert nobody == [], nobody
+
+
+def _lines_for_a_group_no_variable_holds() -> list[str]:
+    return held_in_frames([_group("nobody_holds_it")])
+
+
+def _modules_with_world_defaults() -> set[str]:
+    """torch.distributed's modules with a function or method parameter defaulting to
+    ``...WORLD`` (read from the installed source, so a torch upgrade that adds one shows)."""
+    root = Path(dist.__file__).parent
+    out = set()
+    for path in root.rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        if ".WORLD" not in text:
+            continue
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                defaults = [*node.args.defaults, *(d for d in node.args.kw_defaults if d is not None)]
+                if any(isinstance(d, ast.Attribute) and d.attr == "WORLD" for d in defaults):
+                    rel = path.relative_to(root.parent.parent).with_suffix("")
+                    out.add(".".join(rel.parts))
+    return out
+
+
+def test_every_torch_module_with_an_import_time_world_default_is_scanned():
+    found = _modules_with_world_defaults()
+    assert "torch.distributed.nn.functional" in found  # the reader works
+    # distributed_c10d's own defaults are evaluated before any group exists (None)
+    assert found - {"torch.distributed.distributed_c10d"} == set(TORCH_IMPORT_DEFAULTS)
+
+
+def test_the_import_time_default_group_of_torch_distributed_nn_is_found_and_rebound():
+    """torch.distributed.nn.functional binds ``group=group.WORLD`` when first imported: the
+    default group of that moment stays referenced for the life of the process."""
+    import torch.distributed.nn.functional as fn
+
+    old, new = _group("meshpact_data_g0"), _group("meshpact_data_g1")
+    saved = fn.all_reduce.__defaults__
+    try:
+        fn.all_reduce.__defaults__ = (*saved[:-1], old)  # as if imported while ``old`` was c10d's default
+        assert "torch.distributed.nn.functional.all_reduce.__defaults__" in python_bindings()
+        report = rebind_all([(old, new)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",))
+        assert report.counts["python.bindings"] == 1 and fn.all_reduce.__defaults__[-1] is new
+    finally:
+        fn.all_reduce.__defaults__ = saved
+
+
 @pytest.mark.live
 @pytest.mark.slow
 def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations():
@@ -58,8 +182,9 @@ def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_opera
             assert audit["old_ops_after"] == 0 and audit["old_seq_ops_after"] == 0 and audit["new_ops"] > 0
             assert not audit["old_name_resolvable"]
             assert audit["rebound"]["fsdp.mesh_info"] >= 1 and audit["rebound"]["device_mesh.pg_registry"] == 1
-        # a group built by a rebuild is released outright once rebound
-        assert res.value["audits"][-1]["old_released"]
+        # every retired group is released once rebound, the generation-0 group included (torch's
+        # import-time default arguments held it until they were rebound too)
+        assert all(a["old_released"] for a in res.value["audits"]), res.value["audits"]
 
 
 @pytest.mark.live
