@@ -29,8 +29,8 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from meshpact.app.format import duration
-from meshpact.core.jsonform import JsonObject
 from meshpact.core.facts import Domain, LinkClass, Mesh
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.mesh import CIRCLE_MAX, bridge_links, health, native_ring, rank_positions
 from meshpact.core.plan import Plan, PlanCost, StepKind
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage

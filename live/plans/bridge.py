@@ -35,11 +35,11 @@ import torch.distributed as dist
 from meshpact.core.contract import Contract, compile_contract
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Edge, Mesh
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.lowerer import lower
 from meshpact.core.placement import Shard, shard_bounds
 from meshpact.core.plan import Plan, StepKind, plan_cost
 from meshpact.core.recording import RecordingWriter
-from meshpact.core.jsonform import JsonObject
 
 from .domains import RankEnv, init_domains, two_domain_mesh
 from .executor import Executor, PlanRefused

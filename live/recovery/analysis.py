@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import Event, EventKind
 from meshpact.core.recovery import Policy, Stage
 
@@ -47,7 +48,7 @@ class ExcisionResult:
     refused: str | None  # the one-line stop below --min-ranks
     flushed_checkpoint: str | None
 
-    def view(self) -> dict[str, Any]:
+    def view(self) -> JsonObject:
         return {"excisions": [{"step": p.step, "lost": list(p.lost)} for p in self.plan],
                 "equal_to_excising_reference": self.equal_to_excising_reference,
                 "max_abs_diff_from_unfailed": self.max_abs_diff_from_unfailed, "refused": self.refused,
@@ -184,7 +185,7 @@ class TrialResult:
             bytes_per_step=int(sum(p.bytes_sent / p.commits for p in reports)),
             write_s_mean=statistics.mean(p.ship_s / p.commits for p in reports))
 
-    def peer_copy_overhead(self) -> dict[str, Any] | None:
+    def peer_copy_overhead(self) -> JsonObject | None:
         """The ``--json`` view of :meth:`peer_copy_stats`."""
         stats = self.peer_copy_stats()
         if stats is None:
@@ -223,7 +224,7 @@ class TrialResult:
         that counter is on."""
         return sum((r.seq_ops_after or 0) + (r.dispatch_ops_after or 0) for res in self.faulted for r in res.retired)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JsonObject:
         recs = self.recoveries()
         rebind = sorted(r["rebind_s"] * 1e3 for r in recs)
         down = self.downtime()

@@ -33,6 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Sequence
 
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import Policy
 
 from .control import ControlChannel, ControlTimeout
@@ -63,11 +64,11 @@ class Proposal:
     own_steps: tuple[int, ...] = ()  # steps of this rank's own snapshots kept in host memory
     host: str = ""  # the host the rank is on (peer placement prefers other hosts)
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Proposal":
+    def from_dict(cls, d: JsonObject) -> "Proposal":
         kw = {k: d[k] for k in ("rank", "generation", "committed_step", "digest", "intact", "incarnation",
                                 "restore_before", "host") if k in d}
         return cls(**kw, holds=tuple((int(a), int(b)) for a, b in d.get("holds", ())),
@@ -82,25 +83,25 @@ class Decision:
     reason: str
     members: tuple[int, ...] = ()
     missing: tuple[int, ...] = ()
-    proposals: dict[int, dict[str, Any]] = field(default_factory=dict)
+    proposals: dict[int, JsonObject] = field(default_factory=dict)
     restore_from: tuple[tuple[int, int], ...] = ()  # peer_restore / excise: (rank, the rank holding its copy at step)
     lost: tuple[int, ...] = ()  # excise: the original ranks leaving the job
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"round": self.round, "policy": self.policy.value, "step": self.step, "reason": self.reason,
                 "members": list(self.members), "missing": list(self.missing),
                 "proposals": {str(k): v for k, v in self.proposals.items()},
                 "restore_from": [list(p) for p in self.restore_from], "lost": list(self.lost)}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Decision":
+    def from_dict(cls, d: JsonObject) -> "Decision":
         return cls(int(d["round"]), Policy(d["policy"]), int(d["step"]), str(d["reason"]),
                    tuple(d.get("members", ())), tuple(d.get("missing", ())),
                    {int(k): v for k, v in d.get("proposals", {}).items()},
                    tuple((int(a), int(b)) for a, b in d.get("restore_from", ())),
                    tuple(int(r) for r in d.get("lost", ())))
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> JsonObject:
         """What an event records of the decision (no proposals)."""
         return {"policy": self.policy.value, "round": self.round, "step": self.step, "reason": self.reason,
                 "missing": list(self.missing), "restore_from": [list(p) for p in self.restore_from],
@@ -254,7 +255,7 @@ def _excise_plan(proposals: dict[int, Proposal], lost: Sequence[int],
 
 
 def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: Sequence[int],
-             declared: list[int] | None, slice_s: float = 0.25) -> dict[str, Any]:
+             declared: list[int] | None, slice_s: float = 0.25) -> JsonObject:
     """The round's proposals present within ``timeout_s``. Excising (``declared`` given), the
     wait is cut in slices and a rank the launcher marks gone meanwhile is declared lost and no
     longer waited for."""

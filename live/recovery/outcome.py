@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Mapping
 
+from meshpact.core.jsonform import JsonObject
+
 if TYPE_CHECKING:  # read back only where a rank excised (reshard imports torch)
     from .reshard import ExcisionRecord
 
@@ -86,7 +88,7 @@ class RankOutcome:
     excision_refused: str | None = None  # the one-line stop below --min-ranks
     flushed_checkpoint: str | None = None  # ... and where the state went
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         out = asdict(self)
         out["fault_records"] = {str(k): asdict(v) for k, v in self.fault_records.items()}
         out["excisions"] = [e.to_dict() for e in self.excisions]

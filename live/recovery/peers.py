@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
+from meshpact.core.jsonform import JsonObject
+
 if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stays torch-free
     import torch
 
@@ -96,7 +98,7 @@ def read_addresses(channel: Any, world_size: int, timeout_s: float | None = None
 
 
 # -- the wire: a length-prefixed JSON header, then the payload's bytes -------------------------
-def _send(sock: socket.socket, header: dict[str, Any], payload: bytes | memoryview = b"") -> None:
+def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview = b"") -> None:
     raw = json.dumps({**header, "n": len(payload)}).encode()
     sock.sendall(_HEADER.pack(len(raw)) + raw)
     if len(payload):
@@ -115,7 +117,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytearray:
     return buf
 
 
-def _recv(sock: socket.socket) -> tuple[dict[str, Any], bytearray]:
+def _recv(sock: socket.socket) -> tuple[JsonObject, bytearray]:
     (size,) = _HEADER.unpack(bytes(_recv_exact(sock, _HEADER.size)))
     header = json.loads(bytes(_recv_exact(sock, size)))
     return header, _recv_exact(sock, int(header.get("n", 0)))
@@ -216,7 +218,7 @@ class PeerServer:
             except (OSError, PeerError, ValueError, KeyError):
                 return  # a sender that died mid-copy: its previous complete copy stays
 
-    def _put(self, conn: socket.socket, header: dict[str, Any]) -> None:
+    def _put(self, conn: socket.socket, header: JsonObject) -> None:
         n = int(header["n"])
         with self._lock:
             self._receiving += n

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshpact.core.jsonform import JsonObject
+
 __all__ = ["worker", "compiled_regions", "keep_pace"]
 
 _COMPILED_REGION = "Torch-Compiled Region"
@@ -69,7 +71,7 @@ def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s
     return time.monotonic()
 
 
-def worker(args: dict[str, Any]) -> dict[str, Any]:
+def worker(args: JsonObject) -> JsonObject:
     import os
     import signal
 

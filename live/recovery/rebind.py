@@ -407,7 +407,7 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]]) -> list[_Slot]:
     return out
 
 
-def python_bindings(functions: Iterable[Callable[..., Any]] = ()) -> dict[str, Any]:
+def python_bindings(functions: Iterable[Callable[..., Any]] = ()) -> dict[str, object]:
     """The Python places that hold a process group, path -> what they hold (an audit root)."""
     return {slot.path: slot.get() for slot in _python_slots(functions)}
 
@@ -498,13 +498,13 @@ _SKIP = (types.ModuleType, type, types.BuiltinFunctionType, str, bytes, int, flo
 
 
 def default_roots(model: torch.nn.Module, optimizer: Any = None,
-                  functions: Iterable[Callable[..., Any]] = ()) -> dict[str, Any]:
+                  functions: Iterable[Callable[..., Any]] = ()) -> dict[str, object]:
     """Where cached references can hide: the model, optimizer, FSDP states, meshes, c10d, and
     the Python bindings (module globals, defaults and closures) that hold a group."""
     from torch.distributed import _composable_state
 
     w = c10d._world  # its maps are properties over module globals: walk each one
-    roots: dict[str, Any] = {"model": model, "c10d._world": w,
+    roots: dict[str, object] = {"model": model, "c10d._world": w,
                              **{f"c10d._world.{m}": getattr(w, m) for m in _WORLD_MAPS},
                              "fsdp_states": fsdp_states(model), "meshes": meshes_of(model, optimizer),
                              "composable_state": list(_composable_state._module_state_mapping.items()),
@@ -558,7 +558,7 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
                 yield f".{slot}", getattr(obj, slot)
 
 
-def find_references(roots: dict[str, Any], targets: tuple[type, ...] | None = None,
+def find_references(roots: dict[str, object], targets: tuple[type, ...] | None = None,
                     limit: int = 500_000, names: frozenset[str] = frozenset()) -> list[tuple[str, Any]]:
     """Paths from ``roots`` to every object of ``targets`` (default: ProcessGroup) in the graph,
     and to every string in ``names`` (group names: caches that resolve a group by name)."""

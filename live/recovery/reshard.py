@@ -60,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import CommunicatorAction
 
 from . import communicator as comm
@@ -187,7 +188,7 @@ class ExcisionRecord:
     rebuild_s: float  # build(mesh), re-cut, load
     max_abs_diff_from_unfailed: float | None = None  # filled in where a never-failed run is known
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {**asdict(self), "lost": list(self.lost), "action": self.action.value}
 
     @classmethod
@@ -446,7 +447,7 @@ def _fetch(store: Any, run_id: str, rank: int, step: int) -> dict[str, torch.Ten
     return torch.load(io.BytesIO(store.get(_copy_key(run_id, rank, step))), weights_only=True)
 
 
-def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
+def excision_drill(args: JsonObject) -> JsonObject:
     """A launcher worker: train ``args["workload"]`` for ``steps`` steps through the planned
     excisions ``[{"step", "rank"}]``. ``mode`` ``"fault"``: the lost rank is SIGKILLed after
     the forward of that step and the survivors recover from the fault; ``"reference"``: it
@@ -479,12 +480,12 @@ def excision_drill(args: dict[str, Any]) -> dict[str, Any]:
     membership, group, spec, generation = Membership.full(world), session.group, session.spec, 0
     model, optimizer = built(workload, session.mesh)
     weight = GradientWeight(model)
-    records: list[dict[str, Any]] = []
+    records: list[JsonObject] = []
     downtime: list[float] = []
     digests: dict[int, str] = {}
     if me in victims:
         _publish(session.store, spec.run_id, me, 0, job_state(model, optimizer))
-    refused: dict[str, Any] = {}
+    refused: JsonObject = {}
     for step in range(int(args["steps"])):
         due = [p for p in plans if p.step == step]
         if due and me == due[0].rank:

@@ -58,6 +58,7 @@ from meshpact.core.recording import EventKind
 from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateAction
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.jsonform import JsonObject
 
 from . import communicator as comm
 from . import peers
@@ -119,7 +120,7 @@ class RecoveryRecord:
     action: CommunicatorAction
     drill: bool
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {**asdict(self), "policy": self.policy.value, "action": self.action.value}
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import Event, EventKind, RecordingWriter
 from meshpact.core.recovery import Policy, Stage
 
@@ -42,7 +43,7 @@ WORKER = "meshpact.live.recovery.rankworker:worker"
 EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excising reference
 
 
-def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: dict[str, Any],
+def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: JsonObject,
          netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter
          ) -> tuple[list[RankOutcome], int, float]:
     out_dir = Path(extra.get("out_dir", work / tag))
@@ -78,7 +79,7 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
     watch = None
     if netns is not None and stores is not None:
         # peer copies travel on the control link (out of band: a partition of the data link spares them)
-        kw: dict[str, Any] = dict(
+        kw: JsonObject = dict(
             master_addr=netns.data_ip[0], master_port=stores["data_port"], host_stores=False,
             prefix=lambda r: netns.prefix(netns.side(r, cfg.ranks)),
             env=lambda r: {**netns.rank_env(r, cfg.ranks), "MESHPACT_RUN_ID": tag,
