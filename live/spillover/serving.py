@@ -56,6 +56,9 @@ REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
 # model: the decoder is split by layers, host 2 holds the later ones and the LM head (.split)
 DEPLOYMENTS = ("requests", "model")
+# eager: the decoders' Python steps; aoti: their steps compiled ahead of time with AOTInductor
+# (:class:`~meshpact.live.spillover.compiled.CompiledSteps`), loaded as packages cached on disk
+COMPILE_MODES = ("eager", "aoti")
 
 @dataclass(frozen=True)
 class SpilloverConfig:
@@ -73,12 +76,16 @@ class SpilloverConfig:
     timeout_s: float = 240.0
     deployment: str = "requests"  # DEPLOYMENTS
     gamma: int = 0  # speculative decoding: draft tokens per round (0: none; the model deployment only)
+    compile: str = "eager"  # COMPILE_MODES
+    work_dir: str = ""  # where compiled packages are cached (aoti/ under it); empty: the system's temp dir
 
     def __post_init__(self) -> None:
         from .decoder import FAMILIES
 
         if self.deployment not in DEPLOYMENTS:
             raise MeshpactError(f"--deployment {self.deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+        if self.compile not in COMPILE_MODES:
+            raise MeshpactError(f"--compile {self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
         if self.gamma < 0 or self.gamma > 16:
             raise MeshpactError(f"--speculative {self.gamma}: expected 1..16 draft tokens per round (0: none)")
         if self.gamma:
@@ -108,8 +115,16 @@ class SpilloverConfig:
     def max_len(self) -> int:
         return self.prompt_tokens + self.output_tokens + 1
 
+    @property
+    def package_dir(self) -> str:
+        """Where this run's compiled decode steps are cached (shared by runs of the same shapes)."""
+        import tempfile
+
+        return os.path.join(self.work_dir or os.path.join(tempfile.gettempdir(), "meshpact-spillover"), "aoti")
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, and the package directory the hosts load compiled steps from."""
+        return {**asdict(self), "package_dir": self.package_dir}
 
 
 @dataclass(frozen=True)
@@ -142,6 +157,7 @@ class RunResult:
     remote_critical_s: float = 0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
     outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
     speculative: Mapping[str, Any] | None = None  # γ, rounds, measured α, tokens per target pass, bytes per round
+    compile_s: float = 0.0  # aoti: seconds the parent spent compiling packages not yet cached (outside the run)
 
     def percentile(self, q: float) -> float:
         import numpy as np
@@ -233,6 +249,53 @@ def worker(args: dict) -> dict:
     return _Host2(cfg, layout).run()
 
 
+def request_decoder(cfg: Mapping[str, Any], slots: int) -> Any:
+    """A host's whole decoder in the requests deployment (both hosts hold the same weights),
+    its steps compiled when the run asks for it."""
+    from .decoder import Decoder, scaled_spec
+
+    model = Decoder(scaled_spec(cfg["model"]), slots, cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
+                    seed=cfg["seed"] + 2)
+    return with_compiled(cfg, model, [(model.whole, 1)])
+
+
+def with_compiled(cfg: Mapping[str, Any], decoder: Any, parts: Sequence[tuple[Any, int]]) -> Any:
+    """``decoder``, running its steps of ``parts`` ((part, tokens per step)) from AOTInductor
+    packages when ``cfg["compile"]`` is ``aoti`` (compiled if a package is missing), eagerly
+    otherwise. Every host builds its decoders through this, and :func:`precompile` through
+    the same builders."""
+    if cfg.get("compile", "eager") == "aoti":
+        from .compiled import CompiledSteps
+
+        CompiledSteps(cfg["package_dir"]).attach(decoder, parts)
+    return decoder
+
+
+def precompile(cfg: Mapping[str, Any], package_dir: str) -> float:
+    """Compile (in this process, before the hosts start) every package the run's hosts will
+    load that is not cached yet; the seconds it took (0 when all were cached)."""
+    from .compiled import CompiledSteps
+
+    steps = CompiledSteps(package_dir)
+    args = {**cfg, "compile": "eager"}  # build the decoders plainly, then compile what they need
+    if cfg.get("gamma"):
+        from .speculative import draft_model, target_model
+
+        needs = [(draft_model(args), 1), (target_model(args), cfg["gamma"] + 1)]
+        for model, tokens in needs:
+            steps.ensure(model, model.whole, tokens)
+    elif cfg.get("deployment") == "model":
+        from .split import part_model
+
+        for index in (0, 1):
+            part, model = part_model(args, index)
+            steps.ensure(model, part, 1)
+    else:
+        model = request_decoder(args, cfg["local_slots"])
+        steps.ensure(model, model.whole, 1)
+    return steps.compile_s
+
+
 def _pin(host: int) -> None:
     """Give each host its own CPU, as two machines would have: otherwise a host that waits for
     the link lends its CPU to the other and the comparison measures that, not the link."""
@@ -253,13 +316,12 @@ class _Host2:
     def __init__(self, cfg: dict, layout: Any) -> None:
         import torch
 
-        from .decoder import Decoder, scaled_spec
+        from .decoder import scaled_spec
         from ..plans.executor import Executor
 
         self.cfg, self.layout = cfg, layout
         self.spec = scaled_spec(cfg["model"])
-        self.model = Decoder(self.spec, cfg["remote_slots"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
-                             seed=cfg["seed"] + 2)
+        self.model = request_decoder(cfg, cfg["remote_slots"])
         self.plans = ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
         self.executor = Executor(layout)
         self.cmd = torch.zeros(2 + 3 * cfg["remote_slots"], dtype=torch.long)
@@ -354,13 +416,12 @@ class _Host1:
     """The serving host: clients, local lockstep decoding, and the driver of host 2."""
 
     def __init__(self, cfg: dict, layout: Any) -> None:
-        from .decoder import Decoder, scaled_spec
+        from .decoder import scaled_spec
         from ..plans.executor import Executor
 
         self.cfg, self.layout = cfg, layout
         self.spec = scaled_spec(cfg["model"])
-        self.model = Decoder(self.spec, cfg["local_slots"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
-                             seed=cfg["seed"] + 2)
+        self.model = request_decoder(cfg, cfg["local_slots"])
         self.plans = ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
         self.executor = Executor(layout)
         self.lock = threading.Condition()
@@ -590,6 +651,7 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
     from ..launcher import Launch, LaunchError
     from ..plans.meter import CallRecord, measure
 
+    compile_s = precompile(cfg.to_dict(), cfg.package_dir) if cfg.compile == "aoti" else 0.0
     with TwoHosts(LinkShape(cfg.gbit_per_s, cfg.delay_ms)) as hosts:
         port = random.randrange(20000, 60000)  # fresh namespaces: every port is free
         with Launch("meshpact.live.spillover.serving:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
@@ -632,5 +694,5 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         local_step_s=h1["local_step_s"], remote_forward_s=h2["forward_s"], remote_project_s=h2["project_s"],
         consumer_sample_s=h1["sample_s"],
         local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
-        planned=h2["planned"], **extra,
+        planned=h2["planned"], compile_s=compile_s, **extra,
     )

@@ -101,11 +101,27 @@ def _command_size(slots: int, gamma: int) -> int:
     return 2 + slots * _words(gamma)
 
 
-def _target(cfg: Mapping[str, Any], slots: int) -> Any:
+def _plain_target(cfg: Mapping[str, Any]) -> Any:
     from .decoder import Decoder, scaled_spec
 
-    return Decoder(scaled_spec(cfg["model"]), slots, cfg["prompt_tokens"] + cfg["output_tokens"] + cfg["gamma"] + 2,
-                   seed=cfg["seed"] + 2)
+    return Decoder(scaled_spec(cfg["model"]), cfg["concurrency"],
+                   cfg["prompt_tokens"] + cfg["output_tokens"] + cfg["gamma"] + 2, seed=cfg["seed"] + 2)
+
+
+def target_model(cfg: Mapping[str, Any]) -> Any:
+    """Host 2's target, scoring ``γ + 1`` positions per pass (compiled when ``cfg`` asks for it)."""
+    from .serving import with_compiled
+
+    model = _plain_target(cfg)
+    return with_compiled(cfg, model, [(model.whole, cfg["gamma"] + 1)])
+
+
+def draft_model(cfg: Mapping[str, Any]) -> Any:
+    """Host 1's draft: the target perturbed (:data:`DRAFT_SCALE`), one token per step."""
+    from .serving import with_compiled
+
+    model = _plain_target(cfg).perturbed(DRAFT_SCALE, cfg["seed"] + 99)
+    return with_compiled(cfg, model, [(model.whole, 1)])
 
 
 # -- host 1: clients, the draft, the verification of full logits ------------------------------------
@@ -117,7 +133,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
-    draft = _target(cfg, n).perturbed(DRAFT_SCALE, cfg["seed"] + 99)
+    draft = draft_model(cfg)
     vocab = draft.spec.vocab_size
     logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
     executor = Executor(layout)
@@ -237,7 +253,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
-    target = _target(cfg, n)
+    target = target_model(cfg)
     vocab = target.spec.vocab_size
     logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
     executor = Executor(layout)
@@ -248,7 +264,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     t_prefill: list[float] = []
     planned = {"startups": 0, "payload_bytes": 0}
     handshake(1)
-    target.step([0], [0])  # warm up
+    target.score([0], torch.zeros(1, gamma + 1, dtype=torch.long), [0])  # warm up (a pass of γ + 1 positions)
     dist.barrier()
     while True:
         dist.recv(cmd, src=0)

@@ -85,16 +85,26 @@ def _command_size(slots: int) -> int:
 
 
 # -- host 1: clients, the first layers, the choice -------------------------------------------
+def part_model(cfg: Mapping[str, Any], index: int) -> tuple[Any, Any]:
+    """Host ``index``'s part of the split decoder and a decoder holding only that part's
+    weights (its steps compiled when ``cfg`` asks for it)."""
+    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
+    from .serving import with_compiled
+
+    part = split_parts(LAYERS, SPLIT_AT)[index]
+    model = Decoder(scaled_spec(cfg["model"]), cfg["concurrency"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
+                    seed=cfg["seed"] + 2)
+    model.keep_only(part)
+    return part, with_compiled(cfg, model, [(part, 1)])
+
+
 def _host_part(cfg: Mapping[str, Any], layout: Any, index: int) -> tuple[Any, Any, Any, Any, Any]:
     """Host ``index``'s share of the split decoder and the two plans every step runs:
     (spec, part, model holding only that part, boundary plans, result plans)."""
-    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
     from .serving import ResultPlans
 
-    spec = scaled_spec(cfg["model"])
-    part = split_parts(LAYERS, SPLIT_AT)[index]
-    model = Decoder(spec, cfg["concurrency"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1, seed=cfg["seed"] + 2)
-    model.keep_only(part)
+    part, model = part_model(cfg, index)
+    spec = model.spec
     return spec, part, model, _BoundaryPlans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
 
 
@@ -323,18 +333,12 @@ def reference(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]]) -> 
     chosen ids and, for ``logprob``, its log-probabilities. One thread, as the hosts run."""
     import torch
 
-    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
     from .serving import prompt_for, targets_for
     from ..plans.ops import reference_logprob
 
-    spec = scaled_spec(cfg["model"])
-    first, last = split_parts(LAYERS, SPLIT_AT)
-    n = cfg["concurrency"]
-    max_len = cfg["prompt_tokens"] + cfg["output_tokens"] + 1
-    a = Decoder(spec, n, max_len, seed=cfg["seed"] + 2)
-    a.keep_only(first)
-    b = Decoder(spec, n, max_len, seed=cfg["seed"] + 2)
-    b.keep_only(last)
+    first, a = part_model(cfg, 0)  # the same builders (and, with --compile aoti, the same packages)
+    last, b = part_model(cfg, 1)
+    spec = a.spec
     req = cfg["request"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
