@@ -48,7 +48,7 @@ from meshpact.core.scenario import SERVING_REQUESTS
 
 from ..netns import LinkShape, TwoHosts
 
-__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
+__all__ = ["SpilloverConfig", "RunResult", "Transfer", "transfers", "COMPILE_MODES", "precompile", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
            # the pieces the model-split and speculative loops share with this one
            "ResultPlans", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
 
@@ -128,6 +128,29 @@ class SpilloverConfig:
 
 
 @dataclass(frozen=True)
+class Transfer:
+    """One message across the link during serving, timed from both ends on the shared monotonic
+    clock: from the sender's call to the receiver's return (the hosts are namespaces of one kernel)."""
+
+    one_way_s: float
+    payload_bytes: int
+
+
+def transfers(sent: Sequence[Mapping[str, Any]], sender_t0: float, received: Sequence[Mapping[str, Any]],
+              receiver_t0: float) -> tuple[Transfer, ...]:
+    """Pair each send call record with the receive of the same group and sequence number:
+    the message's time in flight as the two hosts' meters saw it (start of the send to the end
+    of the receive, so a receiver that was late adds nothing: it waited before the send)."""
+    ends = {(r["group"], r["seq"]): receiver_t0 + r["t"] + r["seconds"] for r in received if r["op"] == "recv"}
+    out = []
+    for r in sent:
+        end = ends.get((r["group"], r["seq"]))
+        if r["op"] == "send" and end is not None:
+            out.append(Transfer(end - (sender_t0 + r["t"]), int(r["contributed"])))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class RunResult:
     config: SpilloverConfig
     throughput_tok_s: float
@@ -157,6 +180,7 @@ class RunResult:
     remote_critical_s: float = 0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
     outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
     speculative: Mapping[str, Any] | None = None  # γ, rounds, measured α, tokens per target pass, bytes per round
+    transfers: tuple[Transfer, ...] = ()  # model deployment: every hidden-state and result message, timed end to end
     compile_s: float = 0.0  # aoti: seconds the parent spent compiling packages not yet cached (outside the run)
 
     def percentile(self, q: float) -> float:
@@ -680,7 +704,10 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         hidden = measure([CallRecord.from_dict(d) for d in h1["hidden_records"] + h2["hidden_records"]])
         check = compare(cfg.to_dict(), h1["schedule"], {int(k): v for k, v in h1["outputs"].items()},
                         {int(k): v for k, v in h1["logprobs"].items()})
-        extra = {"hidden_bytes": hidden.payload_bytes, "boundary_s": h1["boundary_s"],
+        t0s = (h1["meter_t0"], h2["meter_t0"])
+        timed = (transfers(h1["hidden_records"], t0s[0]["hidden"], h2["hidden_records"], t0s[1]["hidden"])
+                 + transfers(h2["records"], t0s[1]["result"], h1["records"], t0s[0]["result"]))
+        extra = {"hidden_bytes": hidden.payload_bytes, "boundary_s": h1["boundary_s"], "transfers": timed,
                  "output_check": check.to_dict(), "local_critical_s": h1["critical_s"],
                  "outputs_digest": digest(h1["outputs"]),
                  "remote_critical_s": h2["critical_s"]}

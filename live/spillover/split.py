@@ -240,6 +240,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             "command_bytes": command_bytes,
             "records": [r.to_dict() for r in result_exec.meter.records],
             "hidden_records": [r.to_dict() for r in hidden_exec.meter.records],
+            "meter_t0": {"result": result_exec.meter.t0, "hidden": hidden_exec.meter.t0},
             "schedule": schedule, "outputs": {str(k): v for k, v in outputs.items()},
             "logprobs": {str(k): v for k, v in logprobs.items()} if req == "logprob" else {}}
 
@@ -310,6 +311,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
             done[s] += 1
     return {"critical_s": mean_of(critical), "records": [r.to_dict() for r in result_exec.meter.records],
             "hidden_records": [r.to_dict() for r in hidden_exec.meter.records], "steps": len(t_forward),
+            "meter_t0": {"result": result_exec.meter.t0, "hidden": hidden_exec.meter.t0},
             "forward_s": mean_of(t_forward), "project_s": mean_of(t_project), "prefill_s": mean_of(t_prefill),
             "planned": planned}
 

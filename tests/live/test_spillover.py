@@ -49,6 +49,8 @@ def test_bad_command_line_values_name_the_flag_and_the_expectation(capsys):
     assert "expected positive integers" in capsys.readouterr().err
     assert cli_main(["live", "spillover", "--request", "logits"]) == 2
     assert "expected one or more of full, logprob, token, owner_token" in capsys.readouterr().err
+    assert cli_main(["live", "spillover", "--compile", "jit"]) == 2
+    assert "--compile 'jit': expected one of eager, aoti" in capsys.readouterr().err
 
 
 def test_a_concurrency_beyond_both_hosts_slots_is_refused():
@@ -123,3 +125,32 @@ def test_rows_keep_every_pairs_throughputs_and_flag_outputs_that_depart_from_ful
     assert rows["logprob"].outputs_as_full is None  # scoring targets: its ids are not chosen
     assert rows["full"].tokens_checked == 4 and rows["full"].outputs_identical
     assert [r.request for r in mismatched(list(rows.values()))] == ["token"]
+
+
+def test_a_message_is_timed_from_its_send_to_its_receive_on_the_shared_clock():
+    from meshpact.live.spillover.serving import Transfer, transfers
+
+    sent = [{"group": "bridge:0-1", "seq": 0, "op": "send", "t": 1.0, "seconds": 0.001, "contributed": 160},
+            {"group": "bridge:0-1", "seq": 1, "op": "send", "t": 2.0, "seconds": 0.001, "contributed": 320},
+            {"group": "bridge:0-1", "seq": 2, "op": "send", "t": 3.0, "seconds": 0.001, "contributed": 8}]
+    # the receiver's meter started 10 s earlier; it waited in its first receive before the send
+    received = [{"group": "bridge:0-1", "seq": 0, "op": "recv", "t": 10.5, "seconds": 0.504, "contributed": 0},
+                {"group": "bridge:0-1", "seq": 1, "op": "recv", "t": 12.0, "seconds": 0.010, "contributed": 0}]
+    got = transfers(sent, 100.0, received, 90.0)
+    assert [t.payload_bytes for t in got] == [160, 320]  # seq 2 never received: not a transfer
+    assert [round(t.one_way_s, 6) for t in got] == [0.004, 0.010]
+    assert got[0] == Transfer(got[0].one_way_s, 160)
+
+
+def test_the_simulators_link_alpha_is_the_runs_mean_time_in_flight_less_the_payload():
+    from meshpact.live.spillover.serving import Transfer
+    from meshpact.spillover_sim import service_alpha
+
+    class Run:  # the two fields service_alpha reads
+        link_alpha_s = 1e-4
+        transfers = ()
+
+    assert service_alpha(Run(), 8e-9) == 1e-4  # no timed messages: the ping-pong's
+    run = Run()
+    run.transfers = (Transfer(0.002, 0), Transfer(0.010, 1_000_000), Transfer(0.001, 0))
+    assert service_alpha(run, 8e-9) == pytest.approx((0.002 + 0.002 + 0.001) / 3)

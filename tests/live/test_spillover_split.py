@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -121,11 +123,27 @@ _LIVE = dict(deployment="model", model="moe", requests=4, output_tokens=5, promp
 
 
 @pytest.fixture(scope="module")
-def split_runs() -> dict[tuple[str, int], RunResult]:
+def split_runs(tmp_path_factory) -> dict[tuple[str, int], RunResult]:
     if netns_unavailable():
         pytest.skip(str(netns_unavailable()))
-    return {(req, c): run_once(SpilloverConfig(request=req, concurrency=c, **_LIVE))
+    runs = {(req, c): run_once(SpilloverConfig(request=req, concurrency=c, **_LIVE))
             for req, c in (("full", 1), ("logprob", 2), ("owner_token", 2))}
+    work = tmp_path_factory.mktemp("work")
+    runs[("aoti", 2)] = run_once(SpilloverConfig(request="owner_token", concurrency=2, compile="aoti",
+                                                 work_dir=str(work), **_LIVE))
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.live
+@pytest.mark.netns
+@needs_netns
+def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_packages(split_runs):
+    aoti, eager = split_runs[("aoti", 2)], split_runs[("owner_token", 2)]
+    assert aoti.config.compile == "aoti" and aoti.compile_s > 0  # compiled in the parent, into a fresh work dir
+    assert sorted(p.name.split("-")[1] for p in (Path(aoti.config.work_dir) / "aoti").glob("*.pt2")) == ["l0", "l1"]
+    assert aoti.output_check == {"tokens": 20, "identical": True, "first_difference": None}
+    assert aoti.outputs_digest == eager.outputs_digest  # greedy ids equal to the eager decoder's
 
 
 @pytest.mark.slow
@@ -145,3 +163,7 @@ def test_every_step_crosses_both_ways_and_the_outputs_equal_the_single_process_r
     assert r.veth_bytes >= r.result_bytes and r.veth_tx_bytes >= r.hidden_bytes
     assert r.output_check == {"tokens": tokens, "identical": True, "first_difference": None}
     assert r.local_critical_s > 0 and r.remote_critical_s > 0
+    # every message of the run timed end to end: prompts and steps host 1 -> 2, results back
+    assert len(r.transfers) == r.steps["remote"] + _LIVE["requests"] + r.steps["remote"]
+    assert sum(t.payload_bytes for t in r.transfers) == r.hidden_bytes + r.result_bytes
+    assert all(0 < t.one_way_s < 5 for t in r.transfers)
