@@ -102,6 +102,7 @@ def simulated(run: RunResult) -> dict[str, Any]:
     if run.config.deployment == "model":
         split = simulate_split(p, scaled_spec(run.config.model).hidden, run.config.prompt_tokens)
         return {"throughput_tok_s": split.throughput_tok_s, "result_bytes": split.result_bytes,
+                "link_alpha_s": p.link_alpha_s,
                 "hidden_bytes": split.feedback_bytes, "latency_s": dict(split.latency_s),
                 "startups": split.startups, "per_slot_throughput_tok_s": None}
     batched = simulate_batched(p)

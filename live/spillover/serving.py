@@ -180,6 +180,7 @@ class RunResult:
     remote_critical_s: float = 0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
     outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
     speculative: Mapping[str, Any] | None = None  # γ, rounds, measured α, tokens per target pass, bytes per round
+    emitted_logprobs: tuple[tuple[float, ...], ...] = ()  # speculative logprob: per request, its tokens' log-probs
     transfers: tuple[Transfer, ...] = ()  # model deployment: every hidden-state and result message, timed end to end
     compile_s: float = 0.0  # aoti: seconds the parent spent compiling packages not yet cached (outside the run)
 
@@ -696,7 +697,8 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
 
         spec = dict(h1["speculative"])
         spec["bytes_per_round"] = measured.payload_bytes / spec["rounds"] if spec["rounds"] else 0.0
-        extra = {"outputs_digest": digest(h1["outputs"]), "speculative": spec}
+        extra = {"outputs_digest": digest(h1["outputs"]), "speculative": spec,
+                 "emitted_logprobs": tuple(tuple(v) for _, v in sorted((int(k), v) for k, v in h1["logprobs"].items()))}
     elif cfg.deployment == "model":
         from .speculative import digest
         from .split import compare

@@ -14,7 +14,14 @@ target. A round, for every sequence at once:
      sequence, and host 1 verifies (greedy: the drafts up to the first one the target
      would not have chosen are accepted, then the target's own token);
    * ``token`` (verification at the source): host 2 verifies and only the accepted
-     length and the next token cross, an int64 pair per sequence.
+     length and the next token cross, an int64 pair per sequence;
+   * ``owner_token``: the lowerer's ``owner_token`` plan over the ``γ + 1`` positions'
+     logits: the target's choice at each position is made at the source and goes to the
+     sequence's owner, ``(γ + 1)`` int64 per sequence, and host 1 verifies against them;
+   * ``logprob``: verified at the source as ``token``, and the lowerer's ``logprob`` plan
+     sends the log-probability of the target's choice at each of the ``γ + 1`` positions
+     (float32, computed at the source): host 1 keeps those of the tokens it emits (the
+     accepted drafts are the target's choices at their positions, then the next token).
 
 Both verify the same bfloat16 logits with the same rule (:func:`verify`), so the outputs
 are token-identical. Per run: the accepted length of every sequence-round, from which α
@@ -36,7 +43,9 @@ from meshpact.core.errors import MeshpactError
 __all__ = ["DRAFT_SCALE", "SPECULATIVE_REQUESTS", "verify", "acceptance", "digest", "host1", "host2"]
 
 DRAFT_SCALE = 0.05  # the draft's weights: the target's plus noise of this many standard deviations
-SPECULATIVE_REQUESTS = ("full", "token")  # logits of every position, or verified at the source
+# full: logits of every position; token: verified at the source; owner_token: the target's choices per
+# position to their owner; logprob: verified at the source with the emitted tokens' log-probabilities
+SPECULATIVE_REQUESTS = ("full", "logprob", "token", "owner_token")
 
 
 def verify(drafts: Any, chosen: Any) -> tuple[list[int], list[int]]:
@@ -136,6 +145,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     draft = draft_model(cfg)
     vocab = draft.spec.vocab_size
     logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    choice_plans = ResultPlans(req, vocab, layout.mesh)  # owner_token and logprob: the lowerer's plan per position
     executor = Executor(layout)
     alpha_link = handshake(0)
     draft.step([0], [0])  # warm up
@@ -151,6 +161,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     pos: dict[int, int] = {}  # tokens the target has accepted into each slot's cache
     feed: dict[int, list[int]] = {}  # tokens the draft still has to read before drafting
     outputs: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float]] = {}  # logprob: the emitted tokens' log-probabilities under the target
     accepted: list[int] = []
     t_draft: list[float] = []
     t_verify: list[float] = []
@@ -174,7 +185,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             tp = time.perf_counter()
             draft.prefill(s, prompt)
             t_prefill.append(time.perf_counter() - tp)
-            rid_of[s], pos[s], feed[s], outputs[rid] = rid, len(prompt) - 1, [prompt[-1]], []
+            rid_of[s], pos[s], feed[s], outputs[rid], logprobs[rid] = rid, len(prompt) - 1, [prompt[-1]], [], []
             new.append(s)
         batch = sorted(rid_of)
         t0 = time.perf_counter()
@@ -206,17 +217,35 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             t1 = time.perf_counter()
             k, nxt = verify(d, logits.argmax(dim=-1).reshape(len(batch), gamma + 1))
             t_verify.append(time.perf_counter() - t1)
+        elif req == "owner_token":
+            rows = len(batch) * (gamma + 1)
+            plan, contract = choice_plans.get(rows)
+            meta = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
+            ids = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}}).delivered.values()))
+            t1 = time.perf_counter()
+            k, nxt = verify(d, ids.reshape(len(batch), gamma + 1))
+            t_verify.append(time.perf_counter() - t1)
         else:
             plan, contract = verdict_plans.get(len(batch))
             meta = torch.empty(len(batch), 2, dtype=torch.long, device="meta")
             verdict = next(iter(executor.run(plan, contract, {0: {}, 1: {"verdict": meta}}).delivered.values()))
             k, nxt = [int(x) for x in verdict[:, 0]], [int(x) for x in verdict[:, 1]]
+            if req == "logprob":  # the ids are the target's choices, known only at the source: a stand-in here
+                rows = len(batch) * (gamma + 1)
+                plan, contract = choice_plans.get(rows)
+                meta = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
+                lp = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}},
+                                            torch.zeros(rows, dtype=torch.long)).delivered.values()))
+                lp = lp.reshape(len(batch), gamma + 1)
         finished = []
         for j, s in enumerate(batch):
             accepted.append(k[j])
             got = [*d[j, :k[j]].tolist(), nxt[j]]
             rid = rid_of[s]
-            outputs[rid] += got[: cfg["output_tokens"] - len(outputs[rid])]
+            keep = cfg["output_tokens"] - len(outputs[rid])
+            outputs[rid] += got[:keep]
+            if req == "logprob":
+                logprobs[rid] += [float(x) for x in lp[j, :k[j] + 1][:keep]]
             pos[s] += k[j] + 1
             draft.set_length(s, pos[s] if k[j] < gamma else pos[s] - 1)
             feed[s] = [nxt[j]] if k[j] < gamma else [int(d[j, gamma - 1]), nxt[j]]
@@ -239,6 +268,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             "command_bytes": rounds * _command_size(n, gamma) * 8,
             "records": [r.to_dict() for r in executor.meter.records],
             "outputs": {str(k): v for k, v in outputs.items()},
+            "logprobs": {str(k): v for k, v in logprobs.items()} if req == "logprob" else {},
             "speculative": {"gamma": gamma, "rounds": rounds, "sequence_rounds": len(accepted),
                             "accepted_draft_tokens": sum(accepted), "alpha": alpha, "tokens_per_pass": per_pass,
                             "draft_s": mean_of(t_draft)}}
@@ -256,6 +286,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     target = target_model(cfg)
     vocab = target.spec.vocab_size
     logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    choice_plans = ResultPlans(req, vocab, layout.mesh)
     executor = Executor(layout)
     cmd = torch.zeros(_command_size(n, gamma), dtype=torch.long)
     w = _words(gamma)
@@ -289,10 +320,19 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
         if req == "full":
             plan, contract = logit_plans.get(len(slots) * (gamma + 1))
             executor.run(plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}})
+        elif req == "owner_token":
+            plan, contract = choice_plans.get(len(slots) * (gamma + 1))
+            executor.run(plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}})
         else:
             k, nxt = verify(tokens[:, 1:], logits.argmax(dim=-1))
             plan, contract = verdict_plans.get(len(slots))
             executor.run(plan, contract, {0: {}, 1: {"verdict": torch.tensor([k, nxt], dtype=torch.long).T}})
+            if req == "logprob":  # the log-probability of the target's own choice at every position
+                planned["startups"] += plan.startups
+                planned["payload_bytes"] += plan.payload_bytes
+                plan, contract = choice_plans.get(len(slots) * (gamma + 1))
+                executor.run(plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}},
+                             logits.argmax(dim=-1).reshape(-1))
         planned["startups"] += plan.startups
         planned["payload_bytes"] += plan.payload_bytes
         t_forward.append(t1 - t0)

@@ -123,23 +123,22 @@ _LIVE = dict(deployment="model", model="moe", requests=4, output_tokens=5, promp
 
 
 @pytest.fixture(scope="module")
-def split_runs(tmp_path_factory) -> dict[tuple[str, int], RunResult]:
+def split_runs() -> dict[tuple[str, int], RunResult]:
     if netns_unavailable():
         pytest.skip(str(netns_unavailable()))
-    runs = {(req, c): run_once(SpilloverConfig(request=req, concurrency=c, **_LIVE))
+    return {(req, c): run_once(SpilloverConfig(request=req, concurrency=c, **_LIVE))
             for req, c in (("full", 1), ("logprob", 2), ("owner_token", 2))}
-    work = tmp_path_factory.mktemp("work")
-    runs[("aoti", 2)] = run_once(SpilloverConfig(request="owner_token", concurrency=2, compile="aoti",
-                                                 work_dir=str(work), **_LIVE))
-    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.live
 @pytest.mark.netns
 @needs_netns
-def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_packages(split_runs):
-    aoti, eager = split_runs[("aoti", 2)], split_runs[("owner_token", 2)]
+@pytest.mark.timeout(900)  # two packages compiled first: about 30 s on a quiet machine, minutes under load
+def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_packages(split_runs, tmp_path):
+    eager = split_runs[("owner_token", 2)]
+    aoti = run_once(SpilloverConfig(request="owner_token", concurrency=2, compile="aoti", work_dir=str(tmp_path),
+                                    **{**_LIVE, "timeout_s": 300}))
     assert aoti.config.compile == "aoti" and aoti.compile_s > 0  # compiled in the parent, into a fresh work dir
     assert sorted(p.name.split("-")[1] for p in (Path(aoti.config.work_dir) / "aoti").glob("*.pt2")) == ["l0", "l1"]
     assert aoti.output_check == {"tokens": 20, "identical": True, "first_difference": None}
