@@ -77,7 +77,7 @@ def sim_params(run: RunResult) -> ServingParams:
     if run.speculative is not None:
         # host 1 drafts (and, for full, verifies the logits); host 2 scores γ + 1 positions
         # (and, verified at the source, verifies); α is the run's measured acceptance
-        gamma, alpha = cfg.gamma, float(run.speculative["alpha"])
+        gamma, alpha = cfg.gamma, run.speculative.alpha
         local = run.local_step_s + (run.consumer_sample_s if cfg.request == "full" else 0.0)
         remote = run.remote_forward_s + (run.remote_project_s if cfg.request != "full" else 0.0)
     elif cfg.deployment == "model":

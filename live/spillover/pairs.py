@@ -151,12 +151,13 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
         )
         checks = [r.output_check for r in rs if r.output_check is not None]
         if checks:
-            bad = [c["first_difference"] for c in checks if not c["identical"]]
-            row = replace(row, tokens_checked=sum(int(c["tokens"]) for c in checks), outputs_identical=not bad,
+            bad = [c.first_difference for c in checks if not c.identical]
+            row = replace(row, tokens_checked=sum(c.tokens for c in checks), outputs_identical=not bad,
                           first_difference=bad[0] if bad else None)
         if rs[0].speculative is not None:
             keys = ("gamma", "alpha", "tokens_per_pass", "bytes_per_round", "rounds")
-            row = replace(row, speculative={k: statistics.median(float(r.speculative[k]) for r in rs) for k in keys})
+            row = replace(row, speculative={k: statistics.median(float(getattr(r.speculative, k)) for r in rs)
+                                            for k in keys})
         # logprob feeds the request's targets instead of the choices: its ids differ by design
         if req not in ("full", "logprob") and all(r.outputs_digest for r in rs + list(runs["full"])):
             row = replace(row, outputs_as_full=all(p.outputs_digest == f.outputs_digest

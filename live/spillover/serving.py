@@ -39,8 +39,8 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Request
@@ -48,9 +48,12 @@ from meshpact.core.scenario import SERVING_REQUESTS
 
 from ..netns import LinkShape, TwoHosts
 
-__all__ = ["SpilloverConfig", "RunResult", "Transfer", "transfers", "COMPILE_MODES", "precompile", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
+if TYPE_CHECKING:
+    from .split import OutputCheck
+
+__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "COMPILE_MODES", "precompile", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
            # the pieces the model-split and speculative loops share with this one
-           "ResultPlans", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
+           "ResultPlans", "ClosedLoop", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
 
 REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
@@ -128,6 +131,20 @@ class SpilloverConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeStats:
+    """What one speculative run measured: rounds, acceptance and the bytes each round moved."""
+
+    gamma: int  # draft tokens per round
+    rounds: int  # target passes (one per round, every sequence at once)
+    sequence_rounds: int  # rounds summed over the sequences
+    accepted_draft_tokens: int
+    alpha: float  # measured: accepted draft tokens over accepted plus rejections
+    tokens_per_pass: float  # measured tokens per sequence and target pass
+    draft_s: float  # mean time host 1 drafts a round
+    bytes_per_round: float = 0.0  # result payload per round, metered by the executor
+
+
+@dataclass(frozen=True)
 class Transfer:
     """One message across the link during serving, timed from both ends on the shared monotonic
     clock: from the sender's call to the receiver's return (the hosts are namespaces of one kernel)."""
@@ -175,11 +192,11 @@ class RunResult:
     planned: Mapping[str, int] = field(default_factory=dict)  # startups/bytes the plans predict
     hidden_bytes: int = 0  # model deployment: payload of the hidden-state plans (host 1 -> host 2)
     boundary_s: float = 0.0  # model deployment: mean time host 1 spends sending a step's hidden states
-    output_check: Mapping[str, Any] | None = None  # model deployment: live outputs against the reference
+    output_check: OutputCheck | None = None  # model deployment: live outputs against the reference
     local_critical_s: float = 0.0  # model deployment: host 1's part of a step's critical path (result in -> hidden states out)
     remote_critical_s: float = 0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
     outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
-    speculative: Mapping[str, Any] | None = None  # γ, rounds, measured α, tokens per target pass, bytes per round
+    speculative: SpeculativeStats | None = None
     emitted_logprobs: tuple[tuple[float, ...], ...] = ()  # speculative logprob: per request, its tokens' log-probs
     transfers: tuple[Transfer, ...] = ()  # model deployment: every hidden-state and result message, timed end to end
     compile_s: float = 0.0  # aoti: seconds the parent spent compiling packages not yet cached (outside the run)
@@ -205,6 +222,44 @@ def prompt_for(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
 def targets_for(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
     rng = random.Random(cfg["seed"] * 1_000_003 + rid + 500_000)
     return [rng.randrange(vocab) for _ in range(cfg["output_tokens"])]
+
+
+# -- closed-loop clients ------------------------------------------------------------------------
+class ClosedLoop:
+    """``total`` requests from closed-loop clients: :meth:`start` issues one per client, and
+    every :meth:`complete` records the request's latency and issues the next (while any is
+    left). New requests wait in :attr:`pending` for whoever places them; request ids count
+    from 0 in issue order. The caller serialises calls (one thread, or under its lock)."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.issued = self.completed = 0
+        self.arrival: dict[int, float] = {}
+        self.latencies: list[float] = []
+        self.pending: deque[int] = deque()
+
+    def start(self, clients: int) -> None:
+        for _ in range(clients):
+            self.issue()
+
+    def issue(self) -> int | None:
+        """The next request (appended to :attr:`pending`), or None when all were issued."""
+        if self.issued >= self.total:
+            return None
+        rid = self.issued
+        self.issued += 1
+        self.arrival[rid] = time.perf_counter()
+        self.pending.append(rid)
+        return rid
+
+    def complete(self, rid: int) -> None:
+        self.latencies.append(time.perf_counter() - self.arrival[rid])
+        self.completed += 1
+        self.issue()
+
+    @property
+    def finished(self) -> bool:
+        return self.completed >= self.total
 
 
 # -- the plan for one step's results ---------------------------------------------------------
@@ -450,9 +505,7 @@ class _Host1:
         self.plans = ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
         self.executor = Executor(layout)
         self.lock = threading.Condition()
-        self.issued = self.completed = 0
-        self.arrival: dict[int, float] = {}
-        self.latencies: list[float] = []
+        self.clients = ClosedLoop(cfg["requests"])  # its pending: issued, not yet placed
         self.local_pending: deque[int] = deque()
         self.remote_pending: deque[int] = deque()
         self.waiting: deque[int] = deque()
@@ -466,13 +519,9 @@ class _Host1:
         self.error: BaseException | None = None
 
     # -- clients and placement (under the lock) ------------------------------------------------
-    def _issue(self) -> None:
-        if self.issued >= self.cfg["requests"]:
-            return
-        rid = self.issued
-        self.issued += 1
-        self.arrival[rid] = time.perf_counter()
-        self._place(rid)
+    def _place_issued(self) -> None:
+        while self.clients.pending:
+            self._place(self.clients.pending.popleft())
 
     def _place(self, rid: int) -> None:
         if self.local_used < self.cfg["local_slots"]:
@@ -487,19 +536,18 @@ class _Host1:
         self.lock.notify_all()
 
     def _complete(self, rid: int, remote: bool) -> None:
-        self.latencies.append(time.perf_counter() - self.arrival[rid])
-        self.completed += 1
         if remote:
             self.remote_used -= 1
         else:
             self.local_used -= 1
         if self.waiting:
             self._place(self.waiting.popleft())
-        self._issue()
+        self.clients.complete(rid)
+        self._place_issued()
         self.lock.notify_all()
 
     def _finished(self) -> bool:
-        return self.completed >= self.cfg["requests"]
+        return self.clients.finished
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -511,8 +559,8 @@ class _Host1:
         before = veth_counters()
         t0 = time.perf_counter()
         with self.lock:
-            for _ in range(self.cfg["concurrency"]):
-                self._issue()
+            self.clients.start(self.cfg["concurrency"])
+            self._place_issued()
         driver = threading.Thread(target=self._drive_remote, name="remote-driver")
         driver.start()
         try:
@@ -523,7 +571,7 @@ class _Host1:
         after = veth_counters()
         if self.error is not None:
             raise self.error
-        return {"makespan_s": makespan, "latencies": self.latencies, "spilled": self.spilled,
+        return {"makespan_s": makespan, "latencies": self.clients.latencies, "spilled": self.spilled,
                 "remote_tokens": self.remote_tokens, "local_steps": len(self.t_local),
                 "local_step_s": mean_of(self.t_local), "local_prefill_s": mean_of(self.t_prefill),
                 "sample_s": mean_of(self.t_sample),
@@ -691,15 +739,26 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         raise LaunchError(f"spillover rank {bad[0].rank} {what}; its stderr ends:\n{bad[0].stderr_tail}")
     h1, h2 = results[0].value, results[1].value
     measured = measure([CallRecord.from_dict(d) for d in h1["records"] + h2["records"]])
-    extra: dict[str, Any] = {}
+    tokens = cfg.requests * cfg.output_tokens
+    result = RunResult(
+        config=cfg, throughput_tok_s=tokens / h1["makespan_s"], latencies_s=tuple(h1["latencies"]),
+        makespan_s=h1["makespan_s"], tokens=tokens, remote_tokens=h1["remote_tokens"], spilled=h1["spilled"],
+        result_bytes=measured.payload_bytes, veth_bytes=h1["veth_rx"], veth_tx_bytes=h1["veth_tx"],
+        command_bytes=h1["command_bytes"], startups=measured.startups,
+        steps={"local": h1["local_steps"], "remote": h2["steps"]}, link_alpha_s=h1["alpha_s"],
+        local_step_s=h1["local_step_s"], remote_forward_s=h2["forward_s"], remote_project_s=h2["project_s"],
+        consumer_sample_s=h1["sample_s"],
+        local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
+        planned=h2["planned"], compile_s=compile_s,
+    )
     if cfg.gamma:
         from .speculative import digest
 
-        spec = dict(h1["speculative"])
-        spec["bytes_per_round"] = measured.payload_bytes / spec["rounds"] if spec["rounds"] else 0.0
-        extra = {"outputs_digest": digest(h1["outputs"]), "speculative": spec,
-                 "emitted_logprobs": tuple(tuple(v) for _, v in sorted((int(k), v) for k, v in h1["logprobs"].items()))}
-    elif cfg.deployment == "model":
+        stats = SpeculativeStats(**h1["speculative"])
+        per_round = measured.payload_bytes / stats.rounds if stats.rounds else 0.0
+        return replace(result, outputs_digest=digest(h1["outputs"]), speculative=replace(stats, bytes_per_round=per_round),
+                       emitted_logprobs=tuple(tuple(v) for _, v in sorted((int(k), v) for k, v in h1["logprobs"].items())))
+    if cfg.deployment == "model":
         from .speculative import digest
         from .split import compare
 
@@ -709,19 +768,7 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         t0s = (h1["meter_t0"], h2["meter_t0"])
         timed = (transfers(h1["hidden_records"], t0s[0]["hidden"], h2["hidden_records"], t0s[1]["hidden"])
                  + transfers(h2["records"], t0s[1]["result"], h1["records"], t0s[0]["result"]))
-        extra = {"hidden_bytes": hidden.payload_bytes, "boundary_s": h1["boundary_s"], "transfers": timed,
-                 "output_check": check.to_dict(), "local_critical_s": h1["critical_s"],
-                 "outputs_digest": digest(h1["outputs"]),
-                 "remote_critical_s": h2["critical_s"]}
-    tokens = cfg.requests * cfg.output_tokens
-    return RunResult(
-        config=cfg, throughput_tok_s=tokens / h1["makespan_s"], latencies_s=tuple(h1["latencies"]),
-        makespan_s=h1["makespan_s"], tokens=tokens, remote_tokens=h1["remote_tokens"], spilled=h1["spilled"],
-        result_bytes=measured.payload_bytes, veth_bytes=h1["veth_rx"], veth_tx_bytes=h1["veth_tx"],
-        command_bytes=h1["command_bytes"], startups=measured.startups,
-        steps={"local": h1["local_steps"], "remote": h2["steps"]}, link_alpha_s=h1["alpha_s"],
-        local_step_s=h1["local_step_s"], remote_forward_s=h2["forward_s"], remote_project_s=h2["project_s"],
-        consumer_sample_s=h1["sample_s"],
-        local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
-        planned=h2["planned"], compile_s=compile_s, **extra,
-    )
+        return replace(result, hidden_bytes=hidden.payload_bytes, boundary_s=h1["boundary_s"], transfers=timed,
+                       output_check=check, local_critical_s=h1["critical_s"], outputs_digest=digest(h1["outputs"]),
+                       remote_critical_s=h2["critical_s"])
+    return result

@@ -35,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import deque
 from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
@@ -138,7 +137,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import ACTIVE, EMPTY, NEW, handshake, mean_of, prompt_for, ResultPlans, veth_counters
+    from .serving import ACTIVE, EMPTY, NEW, ClosedLoop, handshake, mean_of, prompt_for, ResultPlans, veth_counters
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
@@ -152,10 +151,8 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     dist.barrier()
     before = veth_counters()
     t_start = time.perf_counter()
-    issued = completed = 0
-    arrival: dict[int, float] = {}
-    latencies: list[float] = []
-    pending: deque[int] = deque()
+    clients = ClosedLoop(cfg["requests"])
+    pending = clients.pending
     free = list(range(n))
     rid_of: dict[int, int] = {}
     pos: dict[int, int] = {}  # tokens the target has accepted into each slot's cache
@@ -168,16 +165,8 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     t_prefill: list[float] = []
     rounds = 0
 
-    def issue() -> None:
-        nonlocal issued
-        if issued < cfg["requests"]:
-            arrival[issued] = time.perf_counter()
-            pending.append(issued)
-            issued += 1
-
-    for _ in range(n):
-        issue()
-    while completed < cfg["requests"]:
+    clients.start(n)
+    while not clients.finished:
         new = []
         while pending and free:
             s, rid = free.pop(0), pending.popleft()
@@ -253,15 +242,13 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
                 finished.append(s)
         for s in finished:
             rid = rid_of.pop(s)
-            latencies.append(time.perf_counter() - arrival[rid])
-            completed += 1
+            clients.complete(rid)
             free.append(s)
-            issue()
     dist.send(torch.zeros(_command_size(n, gamma), dtype=torch.long), dst=1)
     makespan = time.perf_counter() - t_start
     after = veth_counters()
     alpha, per_pass = acceptance(accepted, gamma)
-    return {"makespan_s": makespan, "latencies": latencies, "spilled": cfg["requests"],
+    return {"makespan_s": makespan, "latencies": clients.latencies, "spilled": cfg["requests"],
             "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": rounds,
             "local_step_s": mean_of(t_draft), "local_prefill_s": mean_of(t_prefill), "sample_s": mean_of(t_verify),
             "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha_link,

@@ -32,7 +32,6 @@ the schedule (which slots joined and ran at each step) and every chosen id (and 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -113,7 +112,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import ACTIVE, EMPTY, NEW, handshake, mean_of, prompt_for, slot_word, targets_for, veth_counters
+    from .serving import ACTIVE, EMPTY, NEW, ClosedLoop, handshake, mean_of, prompt_for, slot_word, targets_for, veth_counters
     from ..plans.executor import Executor
 
     spec, part, model, hidden_plans, result_plans = _host_part(cfg, layout, 0)
@@ -125,10 +124,8 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     dist.barrier()
     before = veth_counters()
     t_start = time.perf_counter()
-    issued = completed = 0
-    arrival: dict[int, float] = {}
-    latencies: list[float] = []
-    pending: deque[int] = deque()
+    clients = ClosedLoop(cfg["requests"])
+    pending = clients.pending
     free = list(range(n))
     rid_of: dict[int, int] = {}
     token: dict[int, int] = {}
@@ -144,18 +141,10 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     command_bytes = 0
     step = 0
 
-    def issue() -> None:
-        nonlocal issued
-        if issued < cfg["requests"]:
-            arrival[issued] = time.perf_counter()
-            pending.append(issued)
-            issued += 1
-
-    for _ in range(n):
-        issue()
+    clients.start(n)
     critical: list[float] = []
     result_end: float | None = None  # when the last step's result arrived
-    while completed < cfg["requests"]:
+    while not clients.finished:
         aside = 0.0  # prefills and their sends: the simulator charges them apart
         new: list[tuple[int, int]] = []
         while pending and free:
@@ -224,14 +213,12 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
                 finished.append(s)
         for s in finished:
             rid = rid_of.pop(s)
-            latencies.append(time.perf_counter() - arrival[rid])
-            completed += 1
+            clients.complete(rid)
             free.append(s)
-            issue()
     dist.send(torch.zeros(_command_size(n), dtype=torch.long), dst=1)
     makespan = time.perf_counter() - t_start
     after = veth_counters()
-    return {"makespan_s": makespan, "latencies": latencies, "spilled": cfg["requests"],
+    return {"makespan_s": makespan, "latencies": clients.latencies, "spilled": cfg["requests"],
             "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": len(t_step),
             "local_step_s": mean_of(t_step), "local_prefill_s": mean_of(t_prefill),
             "sample_s": mean_of(t_sample) if req == "full" else 0.0, "boundary_s": mean_of(t_boundary),

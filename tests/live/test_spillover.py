@@ -10,6 +10,7 @@ from meshpact.live.spillover.decoder import Decoder, scaled_spec
 from meshpact.live.netns import netns_unavailable
 from meshpact.live.spillover.serving import RunResult, SpilloverConfig, run_once
 from meshpact.live.spillover.pairs import pair_orders, traffic_cut
+from meshpact.live.spillover.split import OutputCheck
 from meshpact.spillover_sim import simulated
 
 needs_netns = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
@@ -106,7 +107,7 @@ def _run(request: str, thr: float, digest: str | None = None, deployment: str = 
                      command_bytes=10, startups=2, steps={"local": 2, "remote": 2}, link_alpha_s=1e-4,
                      local_step_s=0.01, remote_forward_s=0.01, remote_project_s=0.001, consumer_sample_s=0.001,
                      local_prefill_s=0.0, remote_prefill_s=0.0, outputs_digest=digest,
-                     output_check={"tokens": 2, "identical": True, "first_difference": None})
+                     output_check=OutputCheck(2, True, None))
 
 
 def test_rows_keep_every_pairs_throughputs_and_flag_outputs_that_depart_from_full():

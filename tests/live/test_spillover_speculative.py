@@ -118,19 +118,19 @@ def test_full_logits_and_source_verification_decode_the_same_tokens_and_alpha_pr
     assert full.outputs_digest != digest({0: [0]})
     sf, st = full.speculative, token.speculative
     assert sf is not None and st is not None
-    assert sf["rounds"] == st["rounds"] and sf["alpha"] == st["alpha"]  # the same verdicts, round by round
-    assert 0.0 < sf["alpha"] < 1.0 and sf["tokens_per_pass"] > 1.0
-    assert sf["tokens_per_pass"] == pytest.approx(expected_tokens_per_pass(3, sf["alpha"]), rel=0.2)
-    assert full.result_bytes == sf["sequence_rounds"] * 4 * 151936 * 2
-    assert token.result_bytes == sf["sequence_rounds"] * 16
-    assert st["bytes_per_round"] * st["rounds"] == token.result_bytes
+    assert sf.rounds == st.rounds and sf.alpha == st.alpha  # the same verdicts, round by round
+    assert 0.0 < sf.alpha < 1.0 and sf.tokens_per_pass > 1.0
+    assert sf.tokens_per_pass == pytest.approx(expected_tokens_per_pass(3, sf.alpha), rel=0.2)
+    assert full.result_bytes == sf.sequence_rounds * 4 * 151936 * 2
+    assert token.result_bytes == sf.sequence_rounds * 16
+    assert st.bytes_per_round * st.rounds == token.result_bytes
     assert simulated(full)["result_bytes"] > 1000 * simulated(token)["result_bytes"] > 0
     # the lowerer's owner_token plan per position, and the verdict with the emitted tokens' log-probs
     owner = run_once(SpilloverConfig(request="owner_token", **cfg))
     logprob = run_once(SpilloverConfig(request="logprob", **cfg))
     assert owner.outputs_digest == logprob.outputs_digest == full.outputs_digest
-    assert owner.result_bytes == sf["sequence_rounds"] * 4 * 8
-    assert logprob.result_bytes == sf["sequence_rounds"] * (16 + 4 * 4)
+    assert owner.result_bytes == sf.sequence_rounds * 4 * 8
+    assert logprob.result_bytes == sf.sequence_rounds * (16 + 4 * 4)
     # each emitted token's log-prob under the target, against a one-token-at-a-time replay in this process
     from meshpact.live.plans.ops import reference_logprob
 

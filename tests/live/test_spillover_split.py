@@ -13,7 +13,7 @@ from meshpact.core.facts import Request
 from meshpact.live.netns import netns_unavailable
 from meshpact.live.spillover.decoder import LAYERS, Decoder, scaled_spec, split_parts
 from meshpact.live.spillover.serving import RunResult, SpilloverConfig, run_once
-from meshpact.live.spillover.split import compare, reference
+from meshpact.live.spillover.split import OutputCheck, compare, reference
 from meshpact.simulator.batching import simulate_split
 from meshpact.simulator.serving import ServingParams
 
@@ -141,7 +141,7 @@ def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_
                                     **{**_LIVE, "timeout_s": 300}))
     assert aoti.config.compile == "aoti" and aoti.compile_s > 0  # compiled in the parent, into a fresh work dir
     assert sorted(p.name.split("-")[1] for p in (Path(aoti.config.work_dir) / "aoti").glob("*.pt2")) == ["l0", "l1"]
-    assert aoti.output_check == {"tokens": 20, "identical": True, "first_difference": None}
+    assert aoti.output_check == OutputCheck(20, True, None)
     assert aoti.outputs_digest == eager.outputs_digest  # greedy ids equal to the eager decoder's
 
 
@@ -160,7 +160,7 @@ def test_every_step_crosses_both_ways_and_the_outputs_equal_the_single_process_r
     assert r.hidden_bytes == (tokens + _LIVE["requests"] * (_LIVE["prompt_tokens"] - 1)) * hidden * 2
     assert r.steps["remote"] == r.steps["local"] == tokens // key[1]
     assert r.veth_bytes >= r.result_bytes and r.veth_tx_bytes >= r.hidden_bytes
-    assert r.output_check == {"tokens": tokens, "identical": True, "first_difference": None}
+    assert r.output_check == OutputCheck(tokens, True, None)
     assert r.local_critical_s > 0 and r.remote_critical_s > 0
     # every message of the run timed end to end: prompts and steps host 1 -> 2, results back
     assert len(r.transfers) == r.steps["remote"] + _LIVE["requests"] + r.steps["remote"]
