@@ -41,6 +41,22 @@ __all__ = ["StepModule", "PartStep", "CompiledSteps", "compile_step", "load_step
 BATCH_LIMIT = 256  # the dynamic batch dimension's upper bound in every package
 
 
+def exportable_mlp(spec: Any, w: Callable[[str], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """A layer's MLP without data-dependent shapes: SwiGLU, or for a routed layer every expert
+    on every row weighted by the router's renormalised top-k (zero elsewhere). ``w(name)``
+    is the layer's weight ``name``."""
+    if not spec.experts:
+        return (F.silu(x @ w("gate").T) * (x @ w("up").T)) @ w("down").T
+    weights, chosen = torch.topk(torch.softmax(x @ w("router").T, dim=-1), spec.experts_per_token)
+    weights = weights / weights.sum(-1, keepdim=True)
+    dense = torch.zeros(*x.shape[:-1], spec.experts, dtype=x.dtype).scatter(-1, chosen, weights)
+    out = torch.zeros_like(x)
+    for e in range(spec.experts):
+        y = (F.silu(x @ w("gate")[e].T) * (x @ w("up")[e].T)) @ w("down")[e].T
+        out = out + y * dense[..., e:e + 1]
+    return out
+
+
 class StepModule(torch.nn.Module):
     """One decode step of ``decoder``'s weights for ``batch`` sequences (slot ``j`` is row ``j``):
     ``forward(ids [batch], pos [batch]) -> logits [batch, vocab]`` (float32)."""
@@ -64,17 +80,7 @@ class StepModule(torch.nn.Module):
         return getattr(self, f"l{i}_{name}")
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        s = self.spec
-        if not s.experts:
-            return (F.silu(h @ self._w(i, "gate").T) * (h @ self._w(i, "up").T)) @ self._w(i, "down").T
-        probs = torch.softmax(h @ self._w(i, "router").T, dim=-1)
-        top, idx = torch.topk(probs, s.experts_per_token)
-        weights = torch.zeros_like(probs).scatter(-1, idx, top / top.sum(-1, keepdim=True))
-        out = torch.zeros_like(h)
-        for e in range(s.experts):
-            y = (F.silu(h @ self._w(i, "gate")[e].T) * (h @ self._w(i, "up")[e].T)) @ self._w(i, "down")[e].T
-            out = out + y * weights[..., e:e + 1]
-        return out
+        return exportable_mlp(self.spec, lambda name: self._w(i, name), h)
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         s = self.spec
@@ -152,18 +158,7 @@ class PartStep(torch.nn.Module):
         return getattr(self, f"l{i}_{name}")
 
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
-        s = self.spec
-        if not s.experts:
-            return (F.silu(x @ self._w(i, "gate").T) * (x @ self._w(i, "up").T)) @ self._w(i, "down").T
-        # every expert on every row, weighted by the router's top-k (zero elsewhere): no data-dependent shape
-        weights, chosen = torch.topk(torch.softmax(x @ self._w(i, "router").T, dim=-1), s.experts_per_token)
-        weights = weights / weights.sum(-1, keepdim=True)
-        dense = torch.zeros(*x.shape[:-1], s.experts, dtype=x.dtype).scatter(-1, chosen, weights)
-        out = torch.zeros_like(x)
-        for e in range(s.experts):
-            y = (F.silu(x @ self._w(i, "gate")[e].T) * (x @ self._w(i, "up")[e].T)) @ self._w(i, "down")[e].T
-            out = out + y * dense[..., e:e + 1]
-        return out
+        return exportable_mlp(self.spec, lambda name: self._w(i, name), x)
 
     def forward(self, inputs: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

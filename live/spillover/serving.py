@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 __all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "COMPILE_MODES", "precompile", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
            # the pieces the model-split and speculative loops share with this one
-           "ResultPlans", "ClosedLoop", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
+           "CheckedPlans", "ResultPlans", "ClosedLoop", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
 
 REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
@@ -262,37 +262,53 @@ class ClosedLoop:
         return self.completed >= self.total
 
 
-# -- the plan for one step's results ---------------------------------------------------------
-class ResultPlans:
-    """The lowered, checked plan per batch size (the producer tensor is ``logits [batch, vocab]``)."""
+# -- checked plans per row count ----------------------------------------------------------------
+class CheckedPlans:
+    """The lowered plan of :meth:`edge` for each row count, admitted by the checker once and
+    cached: every loop's results, hidden states and verdicts go through one of these."""
 
-    def __init__(self, request: str, vocab: int, mesh: Any) -> None:
-        self.request, self.vocab, self.mesh = Request(request), vocab, mesh
+    what = "result"  # named in the refusal
+
+    def __init__(self) -> None:
         self._cache: dict[int, tuple[Any, Any]] = {}
 
-    def get(self, batch: int) -> tuple[Any, Any]:
-        if batch not in self._cache:
+    def edge(self, rows: int) -> Any:
+        raise NotImplementedError
+
+    def get(self, rows: int) -> tuple[Any, Any]:
+        """(plan, contract) for ``rows`` rows."""
+        if rows not in self._cache:
             from meshpact.core.checker import check
             from meshpact.core.contract import compile_contract
-            from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor
             from meshpact.core.lowerer import lower
-            from meshpact.core.placement import Replicate
 
-            prod, cons = self.mesh.domains[1], self.mesh.domains[0]
-            edge = Edge(
-                f"spillover_{self.request.value}_{batch}", self.mesh,
-                ProducerTensor("logits", "lm_head", (batch, self.vocab), DType.BFLOAT16, prod.name, Replicate()),
-                Consumer("serving", cons.name, cons.ranks, self.request,
-                         owners=tuple(cons.ranks[0] for _ in range(batch))
-                         if self.request is Request.OWNER_TOKEN else None),
-                description="one step of a remote host's sequences, read by the serving host")
-            contract = compile_contract(edge)
+            contract = compile_contract(self.edge(rows))
             plan = lower(contract)
             report = check(plan, contract)
             if not report.ok:
-                raise MeshpactError(f"the lowered result plan fails the checker: {report.violations}")
-            self._cache[batch] = (plan, contract)
-        return self._cache[batch]
+                raise MeshpactError(f"the lowered {self.what} plan fails the checker: {report.violations}")
+            self._cache[rows] = (plan, contract)
+        return self._cache[rows]
+
+
+class ResultPlans(CheckedPlans):
+    """A step's results: the producer tensor is host 2's ``logits [batch, vocab]``, read by host 1."""
+
+    def __init__(self, request: str, vocab: int, mesh: Any) -> None:
+        super().__init__()
+        self.request, self.vocab, self.mesh = Request(request), vocab, mesh
+
+    def edge(self, rows: int) -> Any:
+        from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor
+        from meshpact.core.placement import Replicate
+
+        prod, cons = self.mesh.domains[1], self.mesh.domains[0]
+        return Edge(
+            f"spillover_{self.request.value}_{rows}", self.mesh,
+            ProducerTensor("logits", "lm_head", (rows, self.vocab), DType.BFLOAT16, prod.name, Replicate()),
+            Consumer("serving", cons.name, cons.ranks, self.request,
+                     owners=tuple(cons.ranks[0] for _ in range(rows)) if self.request is Request.OWNER_TOKEN else None),
+            description="one step of a remote host's sequences, read by the serving host")
 
 
 def _mesh(link_alpha_s: float, beta: float) -> Any:

@@ -72,33 +72,24 @@ def digest(outputs: Mapping[Any, Sequence[int]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class _VerdictPlans:
+def _verdict_plans(mesh: Any) -> Any:
     """The checked plan per batch for host 2's verdict ``[batch, 2]`` (accepted length, next token)."""
+    from .serving import CheckedPlans
 
-    def __init__(self, mesh: Any) -> None:
-        self.mesh = mesh
-        self._cache: dict[int, tuple[Any, Any]] = {}
+    class VerdictPlans(CheckedPlans):
+        what = "verdict"
 
-    def get(self, rows: int) -> tuple[Any, Any]:
-        if rows not in self._cache:
-            from meshpact.core.checker import check
-            from meshpact.core.contract import compile_contract
+        def edge(self, rows: int) -> Any:
             from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor, Request
-            from meshpact.core.lowerer import lower
             from meshpact.core.placement import Replicate
 
-            prod, cons = self.mesh.domains[1], self.mesh.domains[0]
-            edge = Edge(f"verdict_{rows}", self.mesh,
+            prod, cons = mesh.domains[1], mesh.domains[0]
+            return Edge(f"verdict_{rows}", mesh,
                         ProducerTensor("verdict", "verify", (rows, 2), DType.INT64, prod.name, Replicate()),
                         Consumer("drafter", cons.name, cons.ranks, Request.FULL),
                         description="accepted length and next token per sequence, verified at the source")
-            contract = compile_contract(edge)
-            plan = lower(contract)
-            report = check(plan, contract)
-            if not report.ok:
-                raise MeshpactError(f"the lowered verdict plan fails the checker: {report.violations}")
-            self._cache[rows] = (plan, contract)
-        return self._cache[rows]
+
+    return VerdictPlans()
 
 
 def _words(gamma: int) -> int:
@@ -143,7 +134,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
     draft = draft_model(cfg)
     vocab = draft.spec.vocab_size
-    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _verdict_plans(layout.mesh)
     choice_plans = ResultPlans(req, vocab, layout.mesh)  # owner_token and logprob: the lowerer's plan per position
     executor = Executor(layout)
     alpha_link = handshake(0)
@@ -198,21 +189,13 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             else:
                 words += [EMPTY] + [0] * (_words(gamma) - 1)
         dist.send(torch.tensor([1, rounds, *words], dtype=torch.long), dst=1)
-        if req == "full":
+        if req in ("full", "owner_token"):  # the logits of every position, or the target's choice at each
             rows = len(batch) * (gamma + 1)
-            plan, contract = logit_plans.get(rows)
+            plan, contract = (logit_plans if req == "full" else choice_plans).get(rows)
             meta = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
-            logits = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}}).delivered.values()))
+            got = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}}).delivered.values()))
             t1 = time.perf_counter()
-            k, nxt = verify(d, logits.argmax(dim=-1).reshape(len(batch), gamma + 1))
-            t_verify.append(time.perf_counter() - t1)
-        elif req == "owner_token":
-            rows = len(batch) * (gamma + 1)
-            plan, contract = choice_plans.get(rows)
-            meta = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
-            ids = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}}).delivered.values()))
-            t1 = time.perf_counter()
-            k, nxt = verify(d, ids.reshape(len(batch), gamma + 1))
+            k, nxt = verify(d, (got.argmax(dim=-1) if req == "full" else got).reshape(len(batch), gamma + 1))
             t_verify.append(time.perf_counter() - t1)
         else:
             plan, contract = verdict_plans.get(len(batch))
@@ -272,7 +255,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
     target = target_model(cfg)
     vocab = target.spec.vocab_size
-    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _verdict_plans(layout.mesh)
     choice_plans = ResultPlans(req, vocab, layout.mesh)
     executor = Executor(layout)
     cmd = torch.zeros(_command_size(n, gamma), dtype=torch.long)

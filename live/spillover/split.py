@@ -42,35 +42,25 @@ __all__ = ["SPLIT_AT", "host1", "host2", "reference", "compare", "OutputCheck"]
 SPLIT_AT = 1  # host 1 runs layers [0, SPLIT_AT), host 2 the rest and the head
 
 
-class _BoundaryPlans:
+def _boundary_plans(hidden: int, mesh: Any) -> Any:
     """The checked plan per row count for hidden states ``[rows, hidden]`` going host 1 → host 2."""
+    from .serving import CheckedPlans
 
-    def __init__(self, hidden: int, mesh: Any) -> None:
-        self.hidden, self.mesh = hidden, mesh
-        self._cache: dict[int, tuple[Any, Any]] = {}
+    class BoundaryPlans(CheckedPlans):
+        what = "hidden-state"
 
-    def get(self, rows: int) -> tuple[Any, Any]:
-        if rows not in self._cache:
-            from meshpact.core.checker import check
-            from meshpact.core.contract import compile_contract
+        def edge(self, rows: int) -> Any:
             from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor, Request
-            from meshpact.core.lowerer import lower
             from meshpact.core.placement import Replicate
 
-            prod, cons = self.mesh.domains[0], self.mesh.domains[1]
-            edge = Edge(
-                f"split_hidden_{rows}", self.mesh,
-                ProducerTensor("hidden", f"layer_{SPLIT_AT - 1}", (rows, self.hidden), DType.BFLOAT16, prod.name,
-                               Replicate()),
+            prod, cons = mesh.domains[0], mesh.domains[1]
+            return Edge(
+                f"split_hidden_{rows}", mesh,
+                ProducerTensor("hidden", f"layer_{SPLIT_AT - 1}", (rows, hidden), DType.BFLOAT16, prod.name, Replicate()),
                 Consumer("next_layers", cons.name, cons.ranks, Request.FULL),
                 description="hidden states at the split, read by the host holding the later layers")
-            contract = compile_contract(edge)
-            plan = lower(contract)
-            report = check(plan, contract)
-            if not report.ok:
-                raise MeshpactError(f"the lowered hidden-state plan fails the checker: {report.violations}")
-            self._cache[rows] = (plan, contract)
-        return self._cache[rows]
+
+    return BoundaryPlans()
 
 
 def _last_call(executor: Any) -> tuple[float, float]:
@@ -104,7 +94,7 @@ def _host_part(cfg: Mapping[str, Any], layout: Any, index: int) -> tuple[Any, An
 
     part, model = part_model(cfg, index)
     spec = model.spec
-    return spec, part, model, _BoundaryPlans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
+    return spec, part, model, _boundary_plans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
 
 
 def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
