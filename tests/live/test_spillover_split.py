@@ -134,7 +134,7 @@ def split_runs() -> dict[tuple[str, int], RunResult]:
 @pytest.mark.live
 @pytest.mark.netns
 @needs_netns
-@pytest.mark.timeout(900)  # two packages compiled first: about 30 s on a quiet machine, minutes under load
+@pytest.mark.timeout(1800)  # two packages compiled first: about 40 s on a quiet machine, over 10 min at load 30
 def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_packages(split_runs, tmp_path):
     eager = split_runs[("owner_token", 2)]
     aoti = run_once(SpilloverConfig(request="owner_token", concurrency=2, compile="aoti", work_dir=str(tmp_path),
