@@ -23,6 +23,7 @@ from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodp
 from meshpact.core.scenario import SERVING_REQUESTS
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recovery import RecoveryBreakdown
+from meshpact.simulator.serving import expected_tokens_per_pass
 
 choice = require_scenario()
 st.title("Simulate")
@@ -197,7 +198,7 @@ with serving:
                           column_config={"speculative gain": st.column_config.NumberColumn(format="percent")})
         st.caption(f"Speculative: γ = {int(gamma)} draft tokens per round, each accepted with probability "
                    f"{float(acceptance):.2f} (tokens per target pass (1 − α^(γ+1)) / (1 − α) = "
-                   f"{(1 - float(acceptance) ** (int(gamma) + 1)) / (1 - float(acceptance)):.2f}). `full` ships the "
+                   f"{expected_tokens_per_pass(int(gamma), float(acceptance)):.2f}). `full` ships the "
                    "target's logits for γ + 1 positions; the projected requests verify at the source.")
         st.download_button("deployments CSV", data=frame.to_csv(index=False),
                            file_name=f"{serve.name}-deployments.csv", mime="text/csv")
