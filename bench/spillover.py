@@ -10,7 +10,10 @@ every concurrency for ``--deployment model``, where every step crosses), the sim
 within 20 %, and, for the model deployment, every run's outputs equal the single-process
 reference (with ``--speculative GAMMA``: equal between full and source verification).
 Needs root, ``ip`` and ``tc``. Prints a table with the load average, then one JSON line
-(every pair's throughputs under ``throughputs_tok_s``).
+(every pair's throughputs under ``throughputs_tok_s``). ``--compile eager,aoti`` measures
+every row with the decoders' eager steps and again with their AOTInductor packages
+(compiled once, before the runs, cached under ``--work-dir``), and says for each row the
+throughput ratio and whether the two decoded the same ids.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import time
 
 from meshpact.core.scenario import SERVING_REQUESTS
 from meshpact.live.netns import netns_unavailable
-from meshpact.live.spillover.serving import SpilloverConfig
+from meshpact.live.spillover.serving import COMPILE_MODES, SpilloverConfig
 from meshpact.live.spillover.pairs import COLUMNS, Row, mismatched, table_rows
 from meshpact.spillover_sim import SPECULATIVE_COLUMNS, measure, speculative_table_rows
 
@@ -50,6 +53,25 @@ def acceptance(rows: list[Row], min_concurrency: int = 8) -> dict[str, object]:
     }
 
 
+def compiled_against_eager(rows: list[Row]) -> dict[str, object]:
+    """Each aoti row against its eager row: throughput ratio, and whether every run decoded
+    the same ids (model deployment; ``logprob`` compares the chosen ids, which are its targets)."""
+    eager = {(r.model, r.request, r.concurrency): r for r in rows if r.compile == "eager"}
+    ratios, same, differ = {}, 0, []
+    for r in rows:
+        e = eager.get((r.model, r.request, r.concurrency))
+        if r.compile != "aoti" or e is None:
+            continue
+        ratios[f"{r.model}/{r.request}/{r.concurrency}"] = round(r.throughput_tok_s / e.throughput_tok_s, 3)
+        digests = set(r.outputs_digests) | set(e.outputs_digests)
+        if "" not in digests:
+            if len(digests) == 1:
+                same += 1
+            else:
+                differ.append(f"{r.model}/{r.request}/{r.concurrency}")
+    return {"aoti_vs_eager_throughput": ratios, "aoti_rows_with_eager_ids": same, "aoti_rows_with_other_ids": differ}
+
+
 def _print(columns: tuple[str, ...], cells: list[list[str]]) -> None:
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
@@ -67,31 +89,41 @@ def main() -> int:
     ap.add_argument("--link-gbps", type=float, default=1.0)
     ap.add_argument("--deployment", choices=("requests", "model"), default="requests")
     ap.add_argument("--speculative", type=int, default=0, metavar="GAMMA")
+    ap.add_argument("--compile", default="eager", help="eager, aoti or both (eager,aoti): the decoders' steps")
+    ap.add_argument("--work-dir", default="", help="where aoti packages are cached")
     a = ap.parse_args()
+    modes = [m.strip() for m in a.compile.split(",") if m.strip()]
+    if not modes or any(m not in COMPILE_MODES for m in modes):
+        print(f"--compile {a.compile!r}: expected eager, aoti or eager,aoti", file=sys.stderr)
+        return 2
     why = netns_unavailable()
     if why:
         print(f"skipped: {why}")
         print(json.dumps({"bench": "spillover", "skipped": why}))
         return 0
     concs = [int(c) for c in a.concurrency.split(",")]
-    base = SpilloverConfig(output_tokens=a.output_tokens, gbit_per_s=a.link_gbps, deployment=a.deployment,
-                           gamma=a.speculative, request="token")
-    requests = ["full", "token"] if a.speculative else [r.value for r in SERVING_REQUESTS]
+    requests = [r.value for r in SERVING_REQUESTS]
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    rows = measure(a.models.split(","), concs, requests, a.pairs, base,
-                   a.requests_per_client, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    rows: list[Row] = []
+    for mode in modes:
+        base = SpilloverConfig(output_tokens=a.output_tokens, gbit_per_s=a.link_gbps, deployment=a.deployment,
+                               gamma=a.speculative, request="token", compile=mode, work_dir=a.work_dir)
+        rows += measure(a.models.split(","), concs, requests, a.pairs, base, a.requests_per_client,
+                        progress=lambda m, mode=mode: print(f"[{mode}] {m}", file=sys.stderr, flush=True))
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()
     _print(COLUMNS, table_rows(rows))
     if a.speculative:
         _print(SPECULATIVE_COLUMNS, speculative_table_rows(rows))
-    acc = acceptance(rows, min_concurrency=1 if a.deployment == "model" else 8)
+    acc = acceptance([r for r in rows if r.compile == modes[0]], min_concurrency=1 if a.deployment == "model" else 8)
+    if len(modes) > 1:
+        acc.update(compiled_against_eager(rows))
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after],
             "cores": os.cpu_count()}
     print(f"acceptance: {acc}  ({a.pairs} pairs per row, {wall:.0f} s, load average (1/5/15 min) "
           f"before {load['before']}, after {load['after']}, {load['cores']} cores)")
-    print(json.dumps({"bench": "spillover", "deployment": a.deployment, "speculative": a.speculative,
+    print(json.dumps({"bench": "spillover", "deployment": a.deployment, "speculative": a.speculative, "compile": modes,
                       "link_gbps": a.link_gbps, "pairs": a.pairs, "wall_s": round(wall, 1), "load_average": load,
                       **acc, "rows": [r.to_dict() for r in rows]}, separators=(",", ":")))
     return 0

@@ -9,6 +9,7 @@ serving model's :class:`~meshpact.simulator.serving.ServingParams`:
   ``MTU − 52`` bytes (IPv4 20, TCP 20, timestamps 12) in a frame of ``MTU + 14`` bytes
   (Ethernet header), and the token bucket counts frames;
 * the link's α from the run's timed ping-pong of one small message (half the round trip);
+  for the model deployment, from the messages of the run itself (:func:`service_alpha`);
 * each host's per-step compute from its timed forward passes: host 2's plus its part of
   the result plan (the source projection, before anything is sent), or for ``full`` plus
   host 1's sampling of the logits (host 2 waits for the chosen ids).
@@ -27,6 +28,7 @@ prediction beside every row.
 
 from __future__ import annotations
 
+import statistics
 from typing import Any, Callable, Sequence
 
 from meshpact.core.facts import Request
@@ -36,7 +38,7 @@ from meshpact.live.spillover.pairs import Row, measure_pairs
 from meshpact.simulator.batching import simulate_batched, simulate_split
 from meshpact.simulator.serving import ServingParams, expected_tokens_per_pass, simulate_params
 
-__all__ = ["ETHERNET_MTU", "wire_efficiency", "sim_params", "simulated", "measure", "SPECULATIVE_COLUMNS",
+__all__ = ["ETHERNET_MTU", "wire_efficiency", "service_alpha", "sim_params", "simulated", "measure", "SPECULATIVE_COLUMNS",
            "speculative_table_rows"]
 
 ETHERNET_MTU = 1500
@@ -49,6 +51,20 @@ def wire_efficiency(mtu: int = ETHERNET_MTU) -> float:
     return (mtu - _TCP_IP_HEADERS) / (mtu + _ETHERNET_HEADER)
 
 
+def service_alpha(run: RunResult, beta: float) -> float:
+    """The link's α in service: the mean over the run's timed messages of the time in flight
+    less the payload's time at ``beta``; the ping-pong's α where the run timed none.
+
+    The ping-pong runs before serving, between two idle hosts, and keeps the median of 21
+    round trips; in service each message has to wake a host blocked in its receive, and on
+    a loaded machine that host's CPU is often running other work, so a message's time in
+    flight has a long tail. The mean, not the median: the throughput is the sum of the steps,
+    and every step waits for two messages."""
+    if not run.transfers:
+        return run.link_alpha_s
+    return max(0.0, statistics.fmean(t.one_way_s - t.payload_bytes * beta for t in run.transfers))
+
+
 def sim_params(run: RunResult) -> ServingParams:
     """The serving model's parameters for ``run`` (see the module docstring)."""
     cfg = run.config
@@ -57,21 +73,23 @@ def sim_params(run: RunResult) -> ServingParams:
     project = run.remote_project_s if cfg.request != "full" else run.consumer_sample_s
     local, remote = run.local_step_s, run.remote_forward_s + project
     gamma = alpha = None
+    link_alpha = run.link_alpha_s
     if run.speculative is not None:
         # host 1 drafts (and, for full, verifies the logits); host 2 scores γ + 1 positions
         # (and, verified at the source, verifies); α is the run's measured acceptance
-        gamma, alpha = cfg.gamma, float(run.speculative["alpha"])
+        gamma, alpha = cfg.gamma, run.speculative.alpha
         local = run.local_step_s + (run.consumer_sample_s if cfg.request == "full" else 0.0)
         remote = run.remote_forward_s + (run.remote_project_s if cfg.request != "full" else 0.0)
     elif cfg.deployment == "model":
         # each host's part of a step's critical path (what the other host waits for)
         local, remote = run.local_critical_s, run.remote_critical_s
+    link_alpha = service_alpha(run, beta)
     return ServingParams(
         model=spec.source, vocab_size=spec.vocab_size, local_vendor="cuda", remote_vendor="cann",
         local_slots=cfg.local_slots, remote_slots=cfg.remote_slots,
         local_per_token_s=local, remote_per_token_s=remote,
         local_prefill_s=run.local_prefill_s, remote_prefill_s=run.remote_prefill_s,
-        link_alpha_s=run.link_alpha_s + cfg.delay_ms * 1e-3, link_beta_s_per_byte=beta,
+        link_alpha_s=link_alpha + cfg.delay_ms * 1e-3, link_beta_s_per_byte=beta,
         fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(cfg.request),
         consumer_ranks=1, producer_ranks=1, concurrency=cfg.concurrency, arrival_rate_per_s=None,
         output_tokens=cfg.output_tokens, requests=cfg.requests, seed=cfg.seed, gamma=gamma, alpha=alpha,
@@ -84,6 +102,7 @@ def simulated(run: RunResult) -> dict[str, Any]:
     if run.config.deployment == "model":
         split = simulate_split(p, scaled_spec(run.config.model).hidden, run.config.prompt_tokens)
         return {"throughput_tok_s": split.throughput_tok_s, "result_bytes": split.result_bytes,
+                "link_alpha_s": p.link_alpha_s,
                 "hidden_bytes": split.feedback_bytes, "latency_s": dict(split.latency_s),
                 "startups": split.startups, "per_slot_throughput_tok_s": None}
     batched = simulate_batched(p)

@@ -245,17 +245,27 @@ class _Pipeline(_Lockstep):
                 yield from self._hidden(rows)
             yield self.env.timeout(p.remote_per_token_s)
             self.passes += 1
+            messages: list[int] = []  # payload of each message host 2 sends back this round
             if p.gamma:
-                plan, nbytes = self._plan(rows * (p.gamma + 1)) if p.request is Request.FULL else (None, 16 * rows)
-                startups = plan.startups if plan is not None else 1
+                # token and logprob: a verdict (accepted length, next token) verified at the source;
+                # full, owner_token and logprob: the request's plan over the γ + 1 positions' logits
+                if p.request in (Request.TOKEN, Request.LOGPROB):
+                    messages.append(16 * rows)
+                    self.startups += 1
+                if p.request is not Request.TOKEN:
+                    plan, nbytes = self._plan(rows * (p.gamma + 1))
+                    messages.append(nbytes)
+                    self.startups += plan.startups
                 gained = [self._accepted() + 1 for _ in members]
             else:
                 plan, nbytes = self._plan(rows)
-                startups, gained = plan.startups, [1] * rows
-            self.sent += nbytes
-            self.startups += startups
-            yield from self.link.send(self.link.uplink, nbytes)
-            self.received += nbytes
+                messages.append(nbytes)
+                self.startups += plan.startups
+                gained = [1] * rows
+            for nbytes in messages:
+                self.sent += nbytes
+                yield from self.link.send(self.link.uplink, nbytes)
+                self.received += nbytes
             for seq, g in zip(members, gained):
                 got = min(g, seq.left)
                 self.remote_tokens += got
@@ -293,8 +303,6 @@ def simulate_split(p: ServingParams, hidden_size: int, prompt_tokens: int) -> Se
     if p.gamma is not None and (p.gamma < 1 or p.alpha is None or not 0.0 <= p.alpha <= 1.0):
         raise ScenarioError(f"speculative pipeline: gamma {p.gamma}, alpha {p.alpha}: expected gamma >= 1 and "
                             "an acceptance rate alpha in [0, 1]")
-    if p.gamma and p.request not in (Request.FULL, Request.TOKEN):
-        raise ScenarioError(f"speculative pipeline with request {p.request.value}: expected full or token")
     if p.arrival_rate_per_s:
         raise ScenarioError("the model-split pipeline runs closed-loop clients only; set arrival_rate_per_s to None")
     if hidden_size < 1 or prompt_tokens < 1:

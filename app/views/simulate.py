@@ -1,4 +1,10 @@
-"""Simulate page: what-if knobs for training with faults and serving spillover."""
+"""Simulate page: what-if knobs for training with faults and serving spillover.
+
+The serving tab sweeps the request kinds over concurrency, then puts the two deployments
+side by side (``requests``: whole requests spill to the second host; ``model``: the
+decoder is split across the hosts, so every step crosses the link), each without and with
+speculative decoding at the chosen γ and acceptance rate (a what-if: the simulator draws
+the acceptances)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodp
 from meshpact.core.scenario import SERVING_REQUESTS
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recovery import RecoveryBreakdown
+from meshpact.simulator.serving import expected_tokens_per_pass
 
 choice = require_scenario()
 st.title("Simulate")
@@ -41,6 +48,26 @@ def sweep(text: str, source: str, knob: str, values: tuple, flags: tuple) -> pd.
     from meshpact.core.scenario import parse_scenario_text
 
     return goodput_curve(parse_scenario_text(text, source), knob, values, dict(flags))
+
+
+def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma: int,
+                acceptance: float) -> pd.DataFrame:
+    """Throughput per deployment, concurrency and request, plain and speculative (γ, acceptance)."""
+    from meshpact.simulator.batching import DEPLOYMENTS, simulate_deployment
+
+    rows = []
+    for deployment in DEPLOYMENTS:
+        for c in CONCURRENCY:
+            for req in reqs:
+                flags = {"model": model, "concurrency": int(c), "request": req, "requests": n, "link_gbps": gbps}
+                plain = simulate_deployment(serve, deployment, **flags)
+                spec = simulate_deployment(serve, deployment, gamma=gamma, acceptance=acceptance, **flags)
+                rows.append({"deployment": deployment, "concurrency": int(c), "request": req,
+                             "tok/s": plain.throughput_tok_s, "tok/s speculative": spec.throughput_tok_s,
+                             "speculative gain": spec.throughput_tok_s / plain.throughput_tok_s - 1.0,
+                             "result bytes/token": plain.result_bytes / max(plain.remote_tokens, 1),
+                             "speculative result bytes/token": spec.result_bytes / max(spec.remote_tokens, 1)})
+    return pd.DataFrame(rows)
 
 
 @st.cache_data(show_spinner="Simulating this setting…", max_entries=64)
@@ -145,3 +172,36 @@ with serving:
     else:
         st.info("Press **Run serving sweep**: each request kind runs at concurrency "
                 + ", ".join(map(str, CONCURRENCY)) + ".")
+
+    st.subheader("Both deployments, and speculative decoding")
+    with st.form("deployments_form"):
+        k = st.columns(3)
+        gamma = k[0].number_input("draft tokens per round (γ)", 1, 16, 4)
+        acceptance = k[1].number_input("acceptance rate of a draft token", 0.0, 0.99, 0.7, step=0.05)
+        both = st.form_submit_button("Compare deployments", type="primary")
+    dkey = (skey, int(gamma), float(acceptance))
+    if both and reqs:
+        try:
+            with st.spinner("Simulating both deployments…"):
+                st.session_state["deployments"] = (dkey, deployments(serve, model, tuple(reqs), float(gbps), int(n),
+                                                                     int(gamma), float(acceptance)))
+        except MeshpactError as exc:
+            st.error("**The deployment comparison failed.**\n\n" + message_markdown(str(exc)))
+    kept = st.session_state.get("deployments")
+    if kept is not None and kept[0] == dkey:
+        frame = kept[1]
+        left, right = st.columns(2)
+        for col, deployment, what in ((left, "requests", "whole requests spill once host 1's slots are full"),
+                                      (right, "model", "the decoder split across the hosts: every step crosses")):
+            col.markdown(f"**{deployment}**: {what}")
+            col.dataframe(frame[frame["deployment"] == deployment].drop(columns="deployment"), hide_index=True,
+                          column_config={"speculative gain": st.column_config.NumberColumn(format="percent")})
+        st.caption(f"Speculative: γ = {int(gamma)} draft tokens per round, each accepted with probability "
+                   f"{float(acceptance):.2f} (tokens per target pass (1 − α^(γ+1)) / (1 − α) = "
+                   f"{expected_tokens_per_pass(int(gamma), float(acceptance)):.2f}). `full` ships the "
+                   "target's logits for γ + 1 positions; the projected requests verify at the source.")
+        st.download_button("deployments CSV", data=frame.to_csv(index=False),
+                           file_name=f"{serve.name}-deployments.csv", mime="text/csv")
+    else:
+        st.info("Press **Compare deployments**: the requests above at concurrency "
+                + ", ".join(map(str, CONCURRENCY)) + ", in both deployments, without and with speculation.")

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +160,9 @@ class Decoder:
         self.k = torch.zeros(s.layers, slots, s.kv_heads, max_len, s.head_dim)
         self.v = torch.zeros_like(self.k)
         self.length = torch.zeros(slots, dtype=torch.long)
+        # None: steps run eagerly; else a callable (decoder, part, inputs, slots, pos) -> output
+        # running them compiled (:meth:`meshpact.live.spillover.compiled.CompiledSteps.attach`)
+        self.compiled: Callable[..., torch.Tensor] | None = None
 
     # -- blocks -------------------------------------------------------------------------------
     def _mlp(self, layer: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -214,6 +217,11 @@ class Decoder:
         x = self._layers(x, slots, pos, part.first, part.last)
         return rms_norm(x, self.norm) if part.has_head else x.to(torch.bfloat16)
 
+    @property
+    def whole(self) -> Part:
+        """The whole decoder as one part (embedding to LM head)."""
+        return Part(0, len(self.layers), len(self.layers))
+
     def keep_only(self, part: Part) -> None:
         """Drop the weights ``part`` never reads (a host holds only its layers)."""
         if part.layers != len(self.layers):
@@ -245,9 +253,13 @@ class Decoder:
         pos = self.length[sl].clone()
         if int(pos.max()) >= self.max_len:
             raise MeshpactError(f"a sequence reached the cache length {self.max_len}")
-        h = self._forward(torch.tensor(list(tokens))[:, None], sl, pos[:, None])
+        ids = torch.tensor(list(tokens))[:, None]
+        if self.compiled is not None:
+            out = self.compiled(self, self.whole, ids, sl, pos[:, None])[:, 0]
+        else:
+            out = self._forward(ids, sl, pos[:, None])[:, 0] @ self.head.T
         self.length[sl] += 1
-        return h[:, 0] @ self.head.T
+        return out
 
     @torch.no_grad()
     def score(self, slots: Sequence[int], tokens: torch.Tensor, start: Sequence[int]) -> torch.Tensor:
@@ -259,9 +271,12 @@ class Decoder:
         pos = torch.tensor(list(start), dtype=torch.long)[:, None] + torch.arange(t)[None, :]
         if int(pos.max()) >= self.max_len:
             raise MeshpactError(f"a sequence reached the cache length {self.max_len}")
-        h = self._forward(tokens, sl, pos)
+        if self.compiled is not None:
+            out = self.compiled(self, self.whole, tokens, sl, pos)
+        else:
+            out = self._forward(tokens, sl, pos) @ self.head.T
         self.length[sl] = pos[:, -1] + 1
-        return h @ self.head.T
+        return out
 
     def set_length(self, slot: int, length: int) -> None:
         """Forget ``slot``'s cached positions from ``length`` on (they are masked until rewritten)."""
@@ -284,6 +299,7 @@ class Decoder:
                       for layer in self.layers]
         out.k, out.v = torch.zeros_like(self.k), torch.zeros_like(self.v)
         out.length = torch.zeros_like(self.length)
+        out.compiled = None  # other weights: a package of this decoder's would compute the wrong thing
         return out
 
     @torch.no_grad()
@@ -309,6 +325,10 @@ class Decoder:
         pos = self.length[sl].clone()
         if int(pos.max()) >= self.max_len:
             raise MeshpactError(f"a sequence reached the cache length {self.max_len}")
-        h = self._part(part, inputs[:, None], sl, pos[:, None])
+        if self.compiled is not None:
+            out = self.compiled(self, part, inputs[:, None], sl, pos[:, None])[:, 0]
+        else:
+            h = self._part(part, inputs[:, None], sl, pos[:, None])
+            out = h[:, 0] @ self.head.T if part.has_head else h[:, 0]
         self.length[sl] += 1
-        return h[:, 0] @ self.head.T if part.has_head else h[:, 0]
+        return out

@@ -54,6 +54,8 @@ class Row:
     pair_throughputs_tok_s: tuple[tuple[float, float], ...] = ()  # projected rows: (full, this request) per pair
     outputs_as_full: bool | None = None  # model deployment, ids chosen: every run's outputs equal its pair's full run's
     speculative: Mapping[str, float] | None = None  # medians: γ, measured α, tokens per target pass, bytes per round
+    compile: str = "eager"  # the decoders' steps: eager or AOTInductor packages
+    outputs_digests: tuple[str, ...] = ()  # model deployment: every run's output fingerprint, in pair order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -140,19 +142,22 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
             startups=int(statistics.median(r.startups for r in rs)), pairs_favouring=_favouring(runs, req),
             simulated={"throughput_tok_s": sim_thr,
                        "result_bytes": int(statistics.median(s["result_bytes"] for s in sims)),
-                       "per_slot_throughput_tok_s": _median_or_none(s["per_slot_throughput_tok_s"] for s in sims)},
+                       "per_slot_throughput_tok_s": _median_or_none(s["per_slot_throughput_tok_s"] for s in sims),
+                       "link_alpha_s": _median_or_none(s.get("link_alpha_s") for s in sims),
+                       "ping_pong_alpha_s": statistics.median(r.link_alpha_s for r in rs)},
             runs=len(rs), remote_tokens=remote_tokens,
             result_bytes_per_remote_token=result_bytes / remote_tokens if remote_tokens else None,
             sim_error=sim_thr / measured - 1.0,
         )
         checks = [r.output_check for r in rs if r.output_check is not None]
         if checks:
-            bad = [c["first_difference"] for c in checks if not c["identical"]]
-            row = replace(row, tokens_checked=sum(int(c["tokens"]) for c in checks), outputs_identical=not bad,
+            bad = [c.first_difference for c in checks if not c.identical]
+            row = replace(row, tokens_checked=sum(c.tokens for c in checks), outputs_identical=not bad,
                           first_difference=bad[0] if bad else None)
         if rs[0].speculative is not None:
             keys = ("gamma", "alpha", "tokens_per_pass", "bytes_per_round", "rounds")
-            row = replace(row, speculative={k: statistics.median(float(r.speculative[k]) for r in rs) for k in keys})
+            row = replace(row, speculative={k: statistics.median(float(getattr(r.speculative, k)) for r in rs)
+                                            for k in keys})
         # logprob feeds the request's targets instead of the choices: its ids differ by design
         if req not in ("full", "logprob") and all(r.outputs_digest for r in rs + list(runs["full"])):
             row = replace(row, outputs_as_full=all(p.outputs_digest == f.outputs_digest
@@ -161,6 +166,7 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
             row = replace(row, pair_throughputs_tok_s=tuple((f.throughput_tok_s, p.throughput_tok_s)
                                                             for f, p in zip(runs["full"], rs)))
         row = replace(row, deployment=rs[0].config.deployment, throughputs_tok_s=tuple(r.throughput_tok_s for r in rs),
+                      compile=rs[0].config.compile, outputs_digests=tuple(r.outputs_digest or "" for r in rs),
                       hidden_bytes=int(statistics.median(r.hidden_bytes for r in rs)))
         if req == "full":
             full_row = row
@@ -172,7 +178,7 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
     return out
 
 
-COLUMNS = ("model", "request", "conc", "tok/s", "sim tok/s", "sim err", "p50 s", "p99 s", "result B",
+COLUMNS = ("model", "request", "conc", "compile", "tok/s", "sim tok/s", "sim err", "p50 s", "p99 s", "result B",
            "veth B", "sim B", "cut", "veth cut", "startups", "pairs", "outputs")
 
 
@@ -182,7 +188,7 @@ def table_rows(rows: Sequence[Row]) -> list[list[str]]:
     for r in rows:
         cut, vcut = ("-" if c is None else f"{100 * c:.3f}%" for c in (r.traffic_cut_vs_full, r.veth_cut_vs_full))
         fav = " ".join(f"{k}:{v}" for k, v in r.pairs_favouring.items())
-        out.append([r.model, r.request, str(r.concurrency), f"{r.throughput_tok_s:.1f}",
+        out.append([r.model, r.request, str(r.concurrency), r.compile, f"{r.throughput_tok_s:.1f}",
                     f"{r.simulated['throughput_tok_s']:.1f}", f"{100 * r.sim_error:+.1f}%",
                     f"{r.latency_s['p50']:.3f}", f"{r.latency_s['p99']:.3f}", str(r.result_bytes), str(r.veth_bytes),
                     str(r.simulated["result_bytes"]), cut, vcut, str(r.startups), fav, _outputs_cell(r)])

@@ -39,8 +39,8 @@ import random
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Request
@@ -48,14 +48,20 @@ from meshpact.core.scenario import SERVING_REQUESTS
 
 from ..netns import LinkShape, TwoHosts
 
-__all__ = ["SpilloverConfig", "RunResult", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
+if TYPE_CHECKING:
+    from .split import OutputCheck
+
+__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "COMPILE_MODES", "precompile", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
            # the pieces the model-split and speculative loops share with this one
-           "ResultPlans", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
+           "CheckedPlans", "ResultPlans", "ClosedLoop", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
 
 REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
 # model: the decoder is split by layers, host 2 holds the later ones and the LM head (.split)
 DEPLOYMENTS = ("requests", "model")
+# eager: the decoders' Python steps; aoti: their steps compiled ahead of time with AOTInductor
+# (:class:`~meshpact.live.spillover.compiled.CompiledSteps`), loaded as packages cached on disk
+COMPILE_MODES = ("eager", "aoti")
 
 @dataclass(frozen=True)
 class SpilloverConfig:
@@ -73,12 +79,16 @@ class SpilloverConfig:
     timeout_s: float = 240.0
     deployment: str = "requests"  # DEPLOYMENTS
     gamma: int = 0  # speculative decoding: draft tokens per round (0: none; the model deployment only)
+    compile: str = "eager"  # COMPILE_MODES
+    work_dir: str = ""  # where compiled packages are cached (aoti/ under it); empty: the system's temp dir
 
     def __post_init__(self) -> None:
         from .decoder import FAMILIES
 
         if self.deployment not in DEPLOYMENTS:
             raise MeshpactError(f"--deployment {self.deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+        if self.compile not in COMPILE_MODES:
+            raise MeshpactError(f"--compile {self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
         if self.gamma < 0 or self.gamma > 16:
             raise MeshpactError(f"--speculative {self.gamma}: expected 1..16 draft tokens per round (0: none)")
         if self.gamma:
@@ -108,8 +118,53 @@ class SpilloverConfig:
     def max_len(self) -> int:
         return self.prompt_tokens + self.output_tokens + 1
 
+    @property
+    def package_dir(self) -> str:
+        """Where this run's compiled decode steps are cached (shared by runs of the same shapes)."""
+        import tempfile
+
+        return os.path.join(self.work_dir or os.path.join(tempfile.gettempdir(), "meshpact-spillover"), "aoti")
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields, and the package directory the hosts load compiled steps from."""
+        return {**asdict(self), "package_dir": self.package_dir}
+
+
+@dataclass(frozen=True)
+class SpeculativeStats:
+    """What one speculative run measured: rounds, acceptance and the bytes each round moved."""
+
+    gamma: int  # draft tokens per round
+    rounds: int  # target passes (one per round, every sequence at once)
+    sequence_rounds: int  # rounds summed over the sequences
+    accepted_draft_tokens: int
+    alpha: float  # measured: accepted draft tokens over accepted plus rejections
+    tokens_per_pass: float  # measured tokens per sequence and target pass
+    draft_s: float  # mean time host 1 drafts a round
+    bytes_per_round: float = 0.0  # result payload per round, metered by the executor
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One message across the link during serving, timed from both ends on the shared monotonic
+    clock: from the sender's call to the receiver's return (the hosts are namespaces of one kernel)."""
+
+    one_way_s: float
+    payload_bytes: int
+
+
+def transfers(sent: Sequence[Mapping[str, Any]], sender_t0: float, received: Sequence[Mapping[str, Any]],
+              receiver_t0: float) -> tuple[Transfer, ...]:
+    """Pair each send call record with the receive of the same group and sequence number:
+    the message's time in flight as the two hosts' meters saw it (start of the send to the end
+    of the receive, so a receiver that was late adds nothing: it waited before the send)."""
+    ends = {(r["group"], r["seq"]): receiver_t0 + r["t"] + r["seconds"] for r in received if r["op"] == "recv"}
+    out = []
+    for r in sent:
+        end = ends.get((r["group"], r["seq"]))
+        if r["op"] == "send" and end is not None:
+            out.append(Transfer(end - (sender_t0 + r["t"]), int(r["contributed"])))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -137,11 +192,14 @@ class RunResult:
     planned: Mapping[str, int] = field(default_factory=dict)  # startups/bytes the plans predict
     hidden_bytes: int = 0  # model deployment: payload of the hidden-state plans (host 1 -> host 2)
     boundary_s: float = 0.0  # model deployment: mean time host 1 spends sending a step's hidden states
-    output_check: Mapping[str, Any] | None = None  # model deployment: live outputs against the reference
+    output_check: OutputCheck | None = None  # model deployment: live outputs against the reference
     local_critical_s: float = 0.0  # model deployment: host 1's part of a step's critical path (result in -> hidden states out)
     remote_critical_s: float = 0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
     outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
-    speculative: Mapping[str, Any] | None = None  # γ, rounds, measured α, tokens per target pass, bytes per round
+    speculative: SpeculativeStats | None = None
+    emitted_logprobs: tuple[tuple[float, ...], ...] = ()  # speculative logprob: per request, its tokens' log-probs
+    transfers: tuple[Transfer, ...] = ()  # model deployment: every hidden-state and result message, timed end to end
+    compile_s: float = 0.0  # aoti: seconds the parent spent compiling packages not yet cached (outside the run)
 
     def percentile(self, q: float) -> float:
         import numpy as np
@@ -166,37 +224,91 @@ def targets_for(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
     return [rng.randrange(vocab) for _ in range(cfg["output_tokens"])]
 
 
-# -- the plan for one step's results ---------------------------------------------------------
-class ResultPlans:
-    """The lowered, checked plan per batch size (the producer tensor is ``logits [batch, vocab]``)."""
+# -- closed-loop clients ------------------------------------------------------------------------
+class ClosedLoop:
+    """``total`` requests from closed-loop clients: :meth:`start` issues one per client, and
+    every :meth:`complete` records the request's latency and issues the next (while any is
+    left). New requests wait in :attr:`pending` for whoever places them; request ids count
+    from 0 in issue order. The caller serialises calls (one thread, or under its lock)."""
 
-    def __init__(self, request: str, vocab: int, mesh: Any) -> None:
-        self.request, self.vocab, self.mesh = Request(request), vocab, mesh
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.issued = self.completed = 0
+        self.arrival: dict[int, float] = {}
+        self.latencies: list[float] = []
+        self.pending: deque[int] = deque()
+
+    def start(self, clients: int) -> None:
+        for _ in range(clients):
+            self.issue()
+
+    def issue(self) -> int | None:
+        """The next request (appended to :attr:`pending`), or None when all were issued."""
+        if self.issued >= self.total:
+            return None
+        rid = self.issued
+        self.issued += 1
+        self.arrival[rid] = time.perf_counter()
+        self.pending.append(rid)
+        return rid
+
+    def complete(self, rid: int) -> None:
+        self.latencies.append(time.perf_counter() - self.arrival[rid])
+        self.completed += 1
+        self.issue()
+
+    @property
+    def finished(self) -> bool:
+        return self.completed >= self.total
+
+
+# -- checked plans per row count ----------------------------------------------------------------
+class CheckedPlans:
+    """The lowered plan of :meth:`edge` for each row count, admitted by the checker once and
+    cached: every loop's results, hidden states and verdicts go through one of these."""
+
+    what = "result"  # named in the refusal
+
+    def __init__(self) -> None:
         self._cache: dict[int, tuple[Any, Any]] = {}
 
-    def get(self, batch: int) -> tuple[Any, Any]:
-        if batch not in self._cache:
+    def edge(self, rows: int) -> Any:
+        raise NotImplementedError
+
+    def get(self, rows: int) -> tuple[Any, Any]:
+        """(plan, contract) for ``rows`` rows."""
+        if rows not in self._cache:
             from meshpact.core.checker import check
             from meshpact.core.contract import compile_contract
-            from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor
             from meshpact.core.lowerer import lower
-            from meshpact.core.placement import Replicate
 
-            prod, cons = self.mesh.domains[1], self.mesh.domains[0]
-            edge = Edge(
-                f"spillover_{self.request.value}_{batch}", self.mesh,
-                ProducerTensor("logits", "lm_head", (batch, self.vocab), DType.BFLOAT16, prod.name, Replicate()),
-                Consumer("serving", cons.name, cons.ranks, self.request,
-                         owners=tuple(cons.ranks[0] for _ in range(batch))
-                         if self.request is Request.OWNER_TOKEN else None),
-                description="one step of a remote host's sequences, read by the serving host")
-            contract = compile_contract(edge)
+            contract = compile_contract(self.edge(rows))
             plan = lower(contract)
             report = check(plan, contract)
             if not report.ok:
-                raise MeshpactError(f"the lowered result plan fails the checker: {report.violations}")
-            self._cache[batch] = (plan, contract)
-        return self._cache[batch]
+                raise MeshpactError(f"the lowered {self.what} plan fails the checker: {report.violations}")
+            self._cache[rows] = (plan, contract)
+        return self._cache[rows]
+
+
+class ResultPlans(CheckedPlans):
+    """A step's results: the producer tensor is host 2's ``logits [batch, vocab]``, read by host 1."""
+
+    def __init__(self, request: str, vocab: int, mesh: Any) -> None:
+        super().__init__()
+        self.request, self.vocab, self.mesh = Request(request), vocab, mesh
+
+    def edge(self, rows: int) -> Any:
+        from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor
+        from meshpact.core.placement import Replicate
+
+        prod, cons = self.mesh.domains[1], self.mesh.domains[0]
+        return Edge(
+            f"spillover_{self.request.value}_{rows}", self.mesh,
+            ProducerTensor("logits", "lm_head", (rows, self.vocab), DType.BFLOAT16, prod.name, Replicate()),
+            Consumer("serving", cons.name, cons.ranks, self.request,
+                     owners=tuple(cons.ranks[0] for _ in range(rows)) if self.request is Request.OWNER_TOKEN else None),
+            description="one step of a remote host's sequences, read by the serving host")
 
 
 def _mesh(link_alpha_s: float, beta: float) -> Any:
@@ -233,6 +345,53 @@ def worker(args: dict) -> dict:
     return _Host2(cfg, layout).run()
 
 
+def request_decoder(cfg: Mapping[str, Any], slots: int) -> Any:
+    """A host's whole decoder in the requests deployment (both hosts hold the same weights),
+    its steps compiled when the run asks for it."""
+    from .decoder import Decoder, scaled_spec
+
+    model = Decoder(scaled_spec(cfg["model"]), slots, cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
+                    seed=cfg["seed"] + 2)
+    return with_compiled(cfg, model, [(model.whole, 1)])
+
+
+def with_compiled(cfg: Mapping[str, Any], decoder: Any, parts: Sequence[tuple[Any, int]]) -> Any:
+    """``decoder``, running its steps of ``parts`` ((part, tokens per step)) from AOTInductor
+    packages when ``cfg["compile"]`` is ``aoti`` (compiled if a package is missing), eagerly
+    otherwise. Every host builds its decoders through this, and :func:`precompile` through
+    the same builders."""
+    if cfg.get("compile", "eager") == "aoti":
+        from .compiled import CompiledSteps
+
+        CompiledSteps(cfg["package_dir"]).attach(decoder, parts)
+    return decoder
+
+
+def precompile(cfg: Mapping[str, Any], package_dir: str) -> float:
+    """Compile (in this process, before the hosts start) every package the run's hosts will
+    load that is not cached yet; the seconds it took (0 when all were cached)."""
+    from .compiled import CompiledSteps
+
+    steps = CompiledSteps(package_dir)
+    args = {**cfg, "compile": "eager"}  # build the decoders plainly, then compile what they need
+    if cfg.get("gamma"):
+        from .speculative import draft_model, target_model
+
+        needs = [(draft_model(args), 1), (target_model(args), cfg["gamma"] + 1)]
+        for model, tokens in needs:
+            steps.ensure(model, model.whole, tokens)
+    elif cfg.get("deployment") == "model":
+        from .split import part_model
+
+        for index in (0, 1):
+            part, model = part_model(args, index)
+            steps.ensure(model, part, 1)
+    else:
+        model = request_decoder(args, cfg["local_slots"])
+        steps.ensure(model, model.whole, 1)
+    return steps.compile_s
+
+
 def _pin(host: int) -> None:
     """Give each host its own CPU, as two machines would have: otherwise a host that waits for
     the link lends its CPU to the other and the comparison measures that, not the link."""
@@ -253,13 +412,12 @@ class _Host2:
     def __init__(self, cfg: dict, layout: Any) -> None:
         import torch
 
-        from .decoder import Decoder, scaled_spec
+        from .decoder import scaled_spec
         from ..plans.executor import Executor
 
         self.cfg, self.layout = cfg, layout
         self.spec = scaled_spec(cfg["model"])
-        self.model = Decoder(self.spec, cfg["remote_slots"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
-                             seed=cfg["seed"] + 2)
+        self.model = request_decoder(cfg, cfg["remote_slots"])
         self.plans = ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
         self.executor = Executor(layout)
         self.cmd = torch.zeros(2 + 3 * cfg["remote_slots"], dtype=torch.long)
@@ -354,19 +512,16 @@ class _Host1:
     """The serving host: clients, local lockstep decoding, and the driver of host 2."""
 
     def __init__(self, cfg: dict, layout: Any) -> None:
-        from .decoder import Decoder, scaled_spec
+        from .decoder import scaled_spec
         from ..plans.executor import Executor
 
         self.cfg, self.layout = cfg, layout
         self.spec = scaled_spec(cfg["model"])
-        self.model = Decoder(self.spec, cfg["local_slots"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
-                             seed=cfg["seed"] + 2)
+        self.model = request_decoder(cfg, cfg["local_slots"])
         self.plans = ResultPlans(cfg["request"], self.spec.vocab_size, layout.mesh)
         self.executor = Executor(layout)
         self.lock = threading.Condition()
-        self.issued = self.completed = 0
-        self.arrival: dict[int, float] = {}
-        self.latencies: list[float] = []
+        self.clients = ClosedLoop(cfg["requests"])  # its pending: issued, not yet placed
         self.local_pending: deque[int] = deque()
         self.remote_pending: deque[int] = deque()
         self.waiting: deque[int] = deque()
@@ -380,13 +535,9 @@ class _Host1:
         self.error: BaseException | None = None
 
     # -- clients and placement (under the lock) ------------------------------------------------
-    def _issue(self) -> None:
-        if self.issued >= self.cfg["requests"]:
-            return
-        rid = self.issued
-        self.issued += 1
-        self.arrival[rid] = time.perf_counter()
-        self._place(rid)
+    def _place_issued(self) -> None:
+        while self.clients.pending:
+            self._place(self.clients.pending.popleft())
 
     def _place(self, rid: int) -> None:
         if self.local_used < self.cfg["local_slots"]:
@@ -401,19 +552,18 @@ class _Host1:
         self.lock.notify_all()
 
     def _complete(self, rid: int, remote: bool) -> None:
-        self.latencies.append(time.perf_counter() - self.arrival[rid])
-        self.completed += 1
         if remote:
             self.remote_used -= 1
         else:
             self.local_used -= 1
         if self.waiting:
             self._place(self.waiting.popleft())
-        self._issue()
+        self.clients.complete(rid)
+        self._place_issued()
         self.lock.notify_all()
 
     def _finished(self) -> bool:
-        return self.completed >= self.cfg["requests"]
+        return self.clients.finished
 
     # -- the run ---------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -425,8 +575,8 @@ class _Host1:
         before = veth_counters()
         t0 = time.perf_counter()
         with self.lock:
-            for _ in range(self.cfg["concurrency"]):
-                self._issue()
+            self.clients.start(self.cfg["concurrency"])
+            self._place_issued()
         driver = threading.Thread(target=self._drive_remote, name="remote-driver")
         driver.start()
         try:
@@ -437,7 +587,7 @@ class _Host1:
         after = veth_counters()
         if self.error is not None:
             raise self.error
-        return {"makespan_s": makespan, "latencies": self.latencies, "spilled": self.spilled,
+        return {"makespan_s": makespan, "latencies": self.clients.latencies, "spilled": self.spilled,
                 "remote_tokens": self.remote_tokens, "local_steps": len(self.t_local),
                 "local_step_s": mean_of(self.t_local), "local_prefill_s": mean_of(self.t_prefill),
                 "sample_s": mean_of(self.t_sample),
@@ -590,6 +740,7 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
     from ..launcher import Launch, LaunchError
     from ..plans.meter import CallRecord, measure
 
+    compile_s = precompile(cfg.to_dict(), cfg.package_dir) if cfg.compile == "aoti" else 0.0
     with TwoHosts(LinkShape(cfg.gbit_per_s, cfg.delay_ms)) as hosts:
         port = random.randrange(20000, 60000)  # fresh namespaces: every port is free
         with Launch("meshpact.live.spillover.serving:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
@@ -604,26 +755,8 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         raise LaunchError(f"spillover rank {bad[0].rank} {what}; its stderr ends:\n{bad[0].stderr_tail}")
     h1, h2 = results[0].value, results[1].value
     measured = measure([CallRecord.from_dict(d) for d in h1["records"] + h2["records"]])
-    extra: dict[str, Any] = {}
-    if cfg.gamma:
-        from .speculative import digest
-
-        spec = dict(h1["speculative"])
-        spec["bytes_per_round"] = measured.payload_bytes / spec["rounds"] if spec["rounds"] else 0.0
-        extra = {"outputs_digest": digest(h1["outputs"]), "speculative": spec}
-    elif cfg.deployment == "model":
-        from .speculative import digest
-        from .split import compare
-
-        hidden = measure([CallRecord.from_dict(d) for d in h1["hidden_records"] + h2["hidden_records"]])
-        check = compare(cfg.to_dict(), h1["schedule"], {int(k): v for k, v in h1["outputs"].items()},
-                        {int(k): v for k, v in h1["logprobs"].items()})
-        extra = {"hidden_bytes": hidden.payload_bytes, "boundary_s": h1["boundary_s"],
-                 "output_check": check.to_dict(), "local_critical_s": h1["critical_s"],
-                 "outputs_digest": digest(h1["outputs"]),
-                 "remote_critical_s": h2["critical_s"]}
     tokens = cfg.requests * cfg.output_tokens
-    return RunResult(
+    result = RunResult(
         config=cfg, throughput_tok_s=tokens / h1["makespan_s"], latencies_s=tuple(h1["latencies"]),
         makespan_s=h1["makespan_s"], tokens=tokens, remote_tokens=h1["remote_tokens"], spilled=h1["spilled"],
         result_bytes=measured.payload_bytes, veth_bytes=h1["veth_rx"], veth_tx_bytes=h1["veth_tx"],
@@ -632,5 +765,26 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         local_step_s=h1["local_step_s"], remote_forward_s=h2["forward_s"], remote_project_s=h2["project_s"],
         consumer_sample_s=h1["sample_s"],
         local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
-        planned=h2["planned"], **extra,
+        planned=h2["planned"], compile_s=compile_s,
     )
+    if cfg.gamma:
+        from .speculative import digest
+
+        stats = SpeculativeStats(**h1["speculative"])
+        per_round = measured.payload_bytes / stats.rounds if stats.rounds else 0.0
+        return replace(result, outputs_digest=digest(h1["outputs"]), speculative=replace(stats, bytes_per_round=per_round),
+                       emitted_logprobs=tuple(tuple(v) for _, v in sorted((int(k), v) for k, v in h1["logprobs"].items())))
+    if cfg.deployment == "model":
+        from .speculative import digest
+        from .split import compare
+
+        hidden = measure([CallRecord.from_dict(d) for d in h1["hidden_records"] + h2["hidden_records"]])
+        check = compare(cfg.to_dict(), h1["schedule"], {int(k): v for k, v in h1["outputs"].items()},
+                        {int(k): v for k, v in h1["logprobs"].items()})
+        t0s = (h1["meter_t0"], h2["meter_t0"])
+        timed = (transfers(h1["hidden_records"], t0s[0]["hidden"], h2["hidden_records"], t0s[1]["hidden"])
+                 + transfers(h2["records"], t0s[1]["result"], h1["records"], t0s[0]["result"]))
+        return replace(result, hidden_bytes=hidden.payload_bytes, boundary_s=h1["boundary_s"], transfers=timed,
+                       output_check=check, local_critical_s=h1["critical_s"], outputs_digest=digest(h1["outputs"]),
+                       remote_critical_s=h2["critical_s"])
+    return result

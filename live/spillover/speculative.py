@@ -14,7 +14,14 @@ target. A round, for every sequence at once:
      sequence, and host 1 verifies (greedy: the drafts up to the first one the target
      would not have chosen are accepted, then the target's own token);
    * ``token`` (verification at the source): host 2 verifies and only the accepted
-     length and the next token cross, an int64 pair per sequence.
+     length and the next token cross, an int64 pair per sequence;
+   * ``owner_token``: the lowerer's ``owner_token`` plan over the ``γ + 1`` positions'
+     logits: the target's choice at each position is made at the source and goes to the
+     sequence's owner, ``(γ + 1)`` int64 per sequence, and host 1 verifies against them;
+   * ``logprob``: verified at the source as ``token``, and the lowerer's ``logprob`` plan
+     sends the log-probability of the target's choice at each of the ``γ + 1`` positions
+     (float32, computed at the source): host 1 keeps those of the tokens it emits (the
+     accepted drafts are the target's choices at their positions, then the next token).
 
 Both verify the same bfloat16 logits with the same rule (:func:`verify`), so the outputs
 are token-identical. Per run: the accepted length of every sequence-round, from which α
@@ -28,7 +35,6 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import deque
 from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
@@ -36,7 +42,9 @@ from meshpact.core.errors import MeshpactError
 __all__ = ["DRAFT_SCALE", "SPECULATIVE_REQUESTS", "verify", "acceptance", "digest", "host1", "host2"]
 
 DRAFT_SCALE = 0.05  # the draft's weights: the target's plus noise of this many standard deviations
-SPECULATIVE_REQUESTS = ("full", "token")  # logits of every position, or verified at the source
+# full: logits of every position; token: verified at the source; owner_token: the target's choices per
+# position to their owner; logprob: verified at the source with the emitted tokens' log-probabilities
+SPECULATIVE_REQUESTS = ("full", "logprob", "token", "owner_token")
 
 
 def verify(drafts: Any, chosen: Any) -> tuple[list[int], list[int]]:
@@ -64,33 +72,24 @@ def digest(outputs: Mapping[Any, Sequence[int]]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-class _VerdictPlans:
+def _verdict_plans(mesh: Any) -> Any:
     """The checked plan per batch for host 2's verdict ``[batch, 2]`` (accepted length, next token)."""
+    from .serving import CheckedPlans
 
-    def __init__(self, mesh: Any) -> None:
-        self.mesh = mesh
-        self._cache: dict[int, tuple[Any, Any]] = {}
+    class VerdictPlans(CheckedPlans):
+        what = "verdict"
 
-    def get(self, rows: int) -> tuple[Any, Any]:
-        if rows not in self._cache:
-            from meshpact.core.checker import check
-            from meshpact.core.contract import compile_contract
+        def edge(self, rows: int) -> Any:
             from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor, Request
-            from meshpact.core.lowerer import lower
             from meshpact.core.placement import Replicate
 
-            prod, cons = self.mesh.domains[1], self.mesh.domains[0]
-            edge = Edge(f"verdict_{rows}", self.mesh,
+            prod, cons = mesh.domains[1], mesh.domains[0]
+            return Edge(f"verdict_{rows}", mesh,
                         ProducerTensor("verdict", "verify", (rows, 2), DType.INT64, prod.name, Replicate()),
                         Consumer("drafter", cons.name, cons.ranks, Request.FULL),
                         description="accepted length and next token per sequence, verified at the source")
-            contract = compile_contract(edge)
-            plan = lower(contract)
-            report = check(plan, contract)
-            if not report.ok:
-                raise MeshpactError(f"the lowered verdict plan fails the checker: {report.violations}")
-            self._cache[rows] = (plan, contract)
-        return self._cache[rows]
+
+    return VerdictPlans()
 
 
 def _words(gamma: int) -> int:
@@ -101,11 +100,27 @@ def _command_size(slots: int, gamma: int) -> int:
     return 2 + slots * _words(gamma)
 
 
-def _target(cfg: Mapping[str, Any], slots: int) -> Any:
+def _plain_target(cfg: Mapping[str, Any]) -> Any:
     from .decoder import Decoder, scaled_spec
 
-    return Decoder(scaled_spec(cfg["model"]), slots, cfg["prompt_tokens"] + cfg["output_tokens"] + cfg["gamma"] + 2,
-                   seed=cfg["seed"] + 2)
+    return Decoder(scaled_spec(cfg["model"]), cfg["concurrency"],
+                   cfg["prompt_tokens"] + cfg["output_tokens"] + cfg["gamma"] + 2, seed=cfg["seed"] + 2)
+
+
+def target_model(cfg: Mapping[str, Any]) -> Any:
+    """Host 2's target, scoring ``γ + 1`` positions per pass (compiled when ``cfg`` asks for it)."""
+    from .serving import with_compiled
+
+    model = _plain_target(cfg)
+    return with_compiled(cfg, model, [(model.whole, cfg["gamma"] + 1)])
+
+
+def draft_model(cfg: Mapping[str, Any]) -> Any:
+    """Host 1's draft: the target perturbed (:data:`DRAFT_SCALE`), one token per step."""
+    from .serving import with_compiled
+
+    model = _plain_target(cfg).perturbed(DRAFT_SCALE, cfg["seed"] + 99)
+    return with_compiled(cfg, model, [(model.whole, 1)])
 
 
 # -- host 1: clients, the draft, the verification of full logits ------------------------------------
@@ -113,44 +128,36 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import ACTIVE, EMPTY, NEW, handshake, mean_of, prompt_for, ResultPlans, veth_counters
+    from .serving import ACTIVE, EMPTY, NEW, ClosedLoop, handshake, mean_of, prompt_for, ResultPlans, veth_counters
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
-    draft = _target(cfg, n).perturbed(DRAFT_SCALE, cfg["seed"] + 99)
+    draft = draft_model(cfg)
     vocab = draft.spec.vocab_size
-    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _verdict_plans(layout.mesh)
+    choice_plans = ResultPlans(req, vocab, layout.mesh)  # owner_token and logprob: the lowerer's plan per position
     executor = Executor(layout)
     alpha_link = handshake(0)
     draft.step([0], [0])  # warm up
     dist.barrier()
     before = veth_counters()
     t_start = time.perf_counter()
-    issued = completed = 0
-    arrival: dict[int, float] = {}
-    latencies: list[float] = []
-    pending: deque[int] = deque()
+    clients = ClosedLoop(cfg["requests"])
+    pending = clients.pending
     free = list(range(n))
     rid_of: dict[int, int] = {}
     pos: dict[int, int] = {}  # tokens the target has accepted into each slot's cache
     feed: dict[int, list[int]] = {}  # tokens the draft still has to read before drafting
     outputs: dict[int, list[int]] = {}
+    logprobs: dict[int, list[float]] = {}  # logprob: the emitted tokens' log-probabilities under the target
     accepted: list[int] = []
     t_draft: list[float] = []
     t_verify: list[float] = []
     t_prefill: list[float] = []
     rounds = 0
 
-    def issue() -> None:
-        nonlocal issued
-        if issued < cfg["requests"]:
-            arrival[issued] = time.perf_counter()
-            pending.append(issued)
-            issued += 1
-
-    for _ in range(n):
-        issue()
-    while completed < cfg["requests"]:
+    clients.start(n)
+    while not clients.finished:
         new = []
         while pending and free:
             s, rid = free.pop(0), pending.popleft()
@@ -158,7 +165,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             tp = time.perf_counter()
             draft.prefill(s, prompt)
             t_prefill.append(time.perf_counter() - tp)
-            rid_of[s], pos[s], feed[s], outputs[rid] = rid, len(prompt) - 1, [prompt[-1]], []
+            rid_of[s], pos[s], feed[s], outputs[rid], logprobs[rid] = rid, len(prompt) - 1, [prompt[-1]], [], []
             new.append(s)
         batch = sorted(rid_of)
         t0 = time.perf_counter()
@@ -182,25 +189,35 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             else:
                 words += [EMPTY] + [0] * (_words(gamma) - 1)
         dist.send(torch.tensor([1, rounds, *words], dtype=torch.long), dst=1)
-        if req == "full":
+        if req in ("full", "owner_token"):  # the logits of every position, or the target's choice at each
             rows = len(batch) * (gamma + 1)
-            plan, contract = logit_plans.get(rows)
+            plan, contract = (logit_plans if req == "full" else choice_plans).get(rows)
             meta = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
-            logits = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}}).delivered.values()))
+            got = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}}).delivered.values()))
             t1 = time.perf_counter()
-            k, nxt = verify(d, logits.argmax(dim=-1).reshape(len(batch), gamma + 1))
+            k, nxt = verify(d, (got.argmax(dim=-1) if req == "full" else got).reshape(len(batch), gamma + 1))
             t_verify.append(time.perf_counter() - t1)
         else:
             plan, contract = verdict_plans.get(len(batch))
             meta = torch.empty(len(batch), 2, dtype=torch.long, device="meta")
             verdict = next(iter(executor.run(plan, contract, {0: {}, 1: {"verdict": meta}}).delivered.values()))
             k, nxt = [int(x) for x in verdict[:, 0]], [int(x) for x in verdict[:, 1]]
+            if req == "logprob":  # the ids are the target's choices, known only at the source: a stand-in here
+                rows = len(batch) * (gamma + 1)
+                plan, contract = choice_plans.get(rows)
+                meta = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
+                lp = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}},
+                                            torch.zeros(rows, dtype=torch.long)).delivered.values()))
+                lp = lp.reshape(len(batch), gamma + 1)
         finished = []
         for j, s in enumerate(batch):
             accepted.append(k[j])
             got = [*d[j, :k[j]].tolist(), nxt[j]]
             rid = rid_of[s]
-            outputs[rid] += got[: cfg["output_tokens"] - len(outputs[rid])]
+            keep = cfg["output_tokens"] - len(outputs[rid])
+            outputs[rid] += got[:keep]
+            if req == "logprob":
+                logprobs[rid] += [float(x) for x in lp[j, :k[j] + 1][:keep]]
             pos[s] += k[j] + 1
             draft.set_length(s, pos[s] if k[j] < gamma else pos[s] - 1)
             feed[s] = [nxt[j]] if k[j] < gamma else [int(d[j, gamma - 1]), nxt[j]]
@@ -208,21 +225,20 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
                 finished.append(s)
         for s in finished:
             rid = rid_of.pop(s)
-            latencies.append(time.perf_counter() - arrival[rid])
-            completed += 1
+            clients.complete(rid)
             free.append(s)
-            issue()
     dist.send(torch.zeros(_command_size(n, gamma), dtype=torch.long), dst=1)
     makespan = time.perf_counter() - t_start
     after = veth_counters()
     alpha, per_pass = acceptance(accepted, gamma)
-    return {"makespan_s": makespan, "latencies": latencies, "spilled": cfg["requests"],
+    return {"makespan_s": makespan, "latencies": clients.latencies, "spilled": cfg["requests"],
             "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": rounds,
             "local_step_s": mean_of(t_draft), "local_prefill_s": mean_of(t_prefill), "sample_s": mean_of(t_verify),
             "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha_link,
             "command_bytes": rounds * _command_size(n, gamma) * 8,
             "records": [r.to_dict() for r in executor.meter.records],
             "outputs": {str(k): v for k, v in outputs.items()},
+            "logprobs": {str(k): v for k, v in logprobs.items()} if req == "logprob" else {},
             "speculative": {"gamma": gamma, "rounds": rounds, "sequence_rounds": len(accepted),
                             "accepted_draft_tokens": sum(accepted), "alpha": alpha, "tokens_per_pass": per_pass,
                             "draft_s": mean_of(t_draft)}}
@@ -237,9 +253,10 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
-    target = _target(cfg, n)
+    target = target_model(cfg)
     vocab = target.spec.vocab_size
-    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _VerdictPlans(layout.mesh)
+    logit_plans, verdict_plans = ResultPlans("full", vocab, layout.mesh), _verdict_plans(layout.mesh)
+    choice_plans = ResultPlans(req, vocab, layout.mesh)
     executor = Executor(layout)
     cmd = torch.zeros(_command_size(n, gamma), dtype=torch.long)
     w = _words(gamma)
@@ -248,7 +265,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     t_prefill: list[float] = []
     planned = {"startups": 0, "payload_bytes": 0}
     handshake(1)
-    target.step([0], [0])  # warm up
+    target.score([0], torch.zeros(1, gamma + 1, dtype=torch.long), [0])  # warm up (a pass of γ + 1 positions)
     dist.barrier()
     while True:
         dist.recv(cmd, src=0)
@@ -273,10 +290,19 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
         if req == "full":
             plan, contract = logit_plans.get(len(slots) * (gamma + 1))
             executor.run(plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}})
+        elif req == "owner_token":
+            plan, contract = choice_plans.get(len(slots) * (gamma + 1))
+            executor.run(plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}})
         else:
             k, nxt = verify(tokens[:, 1:], logits.argmax(dim=-1))
             plan, contract = verdict_plans.get(len(slots))
             executor.run(plan, contract, {0: {}, 1: {"verdict": torch.tensor([k, nxt], dtype=torch.long).T}})
+            if req == "logprob":  # the log-probability of the target's own choice at every position
+                planned["startups"] += plan.startups
+                planned["payload_bytes"] += plan.payload_bytes
+                plan, contract = choice_plans.get(len(slots) * (gamma + 1))
+                executor.run(plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}},
+                             logits.argmax(dim=-1).reshape(-1))
         planned["startups"] += plan.startups
         planned["payload_bytes"] += plan.payload_bytes
         t_forward.append(t1 - t0)

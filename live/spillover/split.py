@@ -32,7 +32,6 @@ the schedule (which slots joined and ran at each step) and every chosen id (and 
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -43,35 +42,25 @@ __all__ = ["SPLIT_AT", "host1", "host2", "reference", "compare", "OutputCheck"]
 SPLIT_AT = 1  # host 1 runs layers [0, SPLIT_AT), host 2 the rest and the head
 
 
-class _BoundaryPlans:
+def _boundary_plans(hidden: int, mesh: Any) -> Any:
     """The checked plan per row count for hidden states ``[rows, hidden]`` going host 1 → host 2."""
+    from .serving import CheckedPlans
 
-    def __init__(self, hidden: int, mesh: Any) -> None:
-        self.hidden, self.mesh = hidden, mesh
-        self._cache: dict[int, tuple[Any, Any]] = {}
+    class BoundaryPlans(CheckedPlans):
+        what = "hidden-state"
 
-    def get(self, rows: int) -> tuple[Any, Any]:
-        if rows not in self._cache:
-            from meshpact.core.checker import check
-            from meshpact.core.contract import compile_contract
+        def edge(self, rows: int) -> Any:
             from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor, Request
-            from meshpact.core.lowerer import lower
             from meshpact.core.placement import Replicate
 
-            prod, cons = self.mesh.domains[0], self.mesh.domains[1]
-            edge = Edge(
-                f"split_hidden_{rows}", self.mesh,
-                ProducerTensor("hidden", f"layer_{SPLIT_AT - 1}", (rows, self.hidden), DType.BFLOAT16, prod.name,
-                               Replicate()),
+            prod, cons = mesh.domains[0], mesh.domains[1]
+            return Edge(
+                f"split_hidden_{rows}", mesh,
+                ProducerTensor("hidden", f"layer_{SPLIT_AT - 1}", (rows, hidden), DType.BFLOAT16, prod.name, Replicate()),
                 Consumer("next_layers", cons.name, cons.ranks, Request.FULL),
                 description="hidden states at the split, read by the host holding the later layers")
-            contract = compile_contract(edge)
-            plan = lower(contract)
-            report = check(plan, contract)
-            if not report.ok:
-                raise MeshpactError(f"the lowered hidden-state plan fails the checker: {report.violations}")
-            self._cache[rows] = (plan, contract)
-        return self._cache[rows]
+
+    return BoundaryPlans()
 
 
 def _last_call(executor: Any) -> tuple[float, float]:
@@ -85,17 +74,27 @@ def _command_size(slots: int) -> int:
 
 
 # -- host 1: clients, the first layers, the choice -------------------------------------------
+def part_model(cfg: Mapping[str, Any], index: int) -> tuple[Any, Any]:
+    """Host ``index``'s part of the split decoder and a decoder holding only that part's
+    weights (its steps compiled when ``cfg`` asks for it)."""
+    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
+    from .serving import with_compiled
+
+    part = split_parts(LAYERS, SPLIT_AT)[index]
+    model = Decoder(scaled_spec(cfg["model"]), cfg["concurrency"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
+                    seed=cfg["seed"] + 2)
+    model.keep_only(part)
+    return part, with_compiled(cfg, model, [(part, 1)])
+
+
 def _host_part(cfg: Mapping[str, Any], layout: Any, index: int) -> tuple[Any, Any, Any, Any, Any]:
     """Host ``index``'s share of the split decoder and the two plans every step runs:
     (spec, part, model holding only that part, boundary plans, result plans)."""
-    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
     from .serving import ResultPlans
 
-    spec = scaled_spec(cfg["model"])
-    part = split_parts(LAYERS, SPLIT_AT)[index]
-    model = Decoder(spec, cfg["concurrency"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1, seed=cfg["seed"] + 2)
-    model.keep_only(part)
-    return spec, part, model, _BoundaryPlans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
+    part, model = part_model(cfg, index)
+    spec = model.spec
+    return spec, part, model, _boundary_plans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
 
 
 def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
@@ -103,7 +102,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import ACTIVE, EMPTY, NEW, handshake, mean_of, prompt_for, slot_word, targets_for, veth_counters
+    from .serving import ACTIVE, EMPTY, NEW, ClosedLoop, handshake, mean_of, prompt_for, slot_word, targets_for, veth_counters
     from ..plans.executor import Executor
 
     spec, part, model, hidden_plans, result_plans = _host_part(cfg, layout, 0)
@@ -115,10 +114,8 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     dist.barrier()
     before = veth_counters()
     t_start = time.perf_counter()
-    issued = completed = 0
-    arrival: dict[int, float] = {}
-    latencies: list[float] = []
-    pending: deque[int] = deque()
+    clients = ClosedLoop(cfg["requests"])
+    pending = clients.pending
     free = list(range(n))
     rid_of: dict[int, int] = {}
     token: dict[int, int] = {}
@@ -134,18 +131,10 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     command_bytes = 0
     step = 0
 
-    def issue() -> None:
-        nonlocal issued
-        if issued < cfg["requests"]:
-            arrival[issued] = time.perf_counter()
-            pending.append(issued)
-            issued += 1
-
-    for _ in range(n):
-        issue()
+    clients.start(n)
     critical: list[float] = []
     result_end: float | None = None  # when the last step's result arrived
-    while completed < cfg["requests"]:
+    while not clients.finished:
         aside = 0.0  # prefills and their sends: the simulator charges them apart
         new: list[tuple[int, int]] = []
         while pending and free:
@@ -214,14 +203,12 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
                 finished.append(s)
         for s in finished:
             rid = rid_of.pop(s)
-            latencies.append(time.perf_counter() - arrival[rid])
-            completed += 1
+            clients.complete(rid)
             free.append(s)
-            issue()
     dist.send(torch.zeros(_command_size(n), dtype=torch.long), dst=1)
     makespan = time.perf_counter() - t_start
     after = veth_counters()
-    return {"makespan_s": makespan, "latencies": latencies, "spilled": cfg["requests"],
+    return {"makespan_s": makespan, "latencies": clients.latencies, "spilled": cfg["requests"],
             "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": len(t_step),
             "local_step_s": mean_of(t_step), "local_prefill_s": mean_of(t_prefill),
             "sample_s": mean_of(t_sample) if req == "full" else 0.0, "boundary_s": mean_of(t_boundary),
@@ -230,6 +217,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
             "command_bytes": command_bytes,
             "records": [r.to_dict() for r in result_exec.meter.records],
             "hidden_records": [r.to_dict() for r in hidden_exec.meter.records],
+            "meter_t0": {"result": result_exec.meter.t0, "hidden": hidden_exec.meter.t0},
             "schedule": schedule, "outputs": {str(k): v for k, v in outputs.items()},
             "logprobs": {str(k): v for k, v in logprobs.items()} if req == "logprob" else {}}
 
@@ -300,6 +288,7 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
             done[s] += 1
     return {"critical_s": mean_of(critical), "records": [r.to_dict() for r in result_exec.meter.records],
             "hidden_records": [r.to_dict() for r in hidden_exec.meter.records], "steps": len(t_forward),
+            "meter_t0": {"result": result_exec.meter.t0, "hidden": hidden_exec.meter.t0},
             "forward_s": mean_of(t_forward), "project_s": mean_of(t_project), "prefill_s": mean_of(t_prefill),
             "planned": planned}
 
@@ -323,18 +312,12 @@ def reference(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]]) -> 
     chosen ids and, for ``logprob``, its log-probabilities. One thread, as the hosts run."""
     import torch
 
-    from .decoder import LAYERS, Decoder, scaled_spec, split_parts
     from .serving import prompt_for, targets_for
     from ..plans.ops import reference_logprob
 
-    spec = scaled_spec(cfg["model"])
-    first, last = split_parts(LAYERS, SPLIT_AT)
-    n = cfg["concurrency"]
-    max_len = cfg["prompt_tokens"] + cfg["output_tokens"] + 1
-    a = Decoder(spec, n, max_len, seed=cfg["seed"] + 2)
-    a.keep_only(first)
-    b = Decoder(spec, n, max_len, seed=cfg["seed"] + 2)
-    b.keep_only(last)
+    first, a = part_model(cfg, 0)  # the same builders (and, with --compile aoti, the same packages)
+    last, b = part_model(cfg, 1)
+    spec = a.spec
     req = cfg["request"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

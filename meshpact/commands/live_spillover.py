@@ -51,11 +51,15 @@ def spillover(
     speculative: int = typer.Option(0, "--speculative", help="GAMMA: a draft on host 1 proposes GAMMA tokens per "
                                     "round, the target on host 2 verifies (with --deployment model; requests full "
                                     "and token)."),
+    compile_mode: str = typer.Option("eager", "--compile", help="eager: the decoders' Python steps; aoti: their steps "
+                                     "compiled ahead of time with AOTInductor (packages cached under --work-dir)."),
+    work_dir: str = typer.Option("", "--work-dir", help="Where compiled packages are cached (default: the system's "
+                                 "temp dir)."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document (a list of rows) on stdout."),
 ) -> None:
     """Serve on host 1, spill to host 2 across a rate-limited veth; measure and simulate each request."""
     from meshpact.live.netns import netns_unavailable
-    from meshpact.live.spillover.serving import DEPLOYMENTS, REQUESTS, SpilloverConfig
+    from meshpact.live.spillover.serving import COMPILE_MODES, DEPLOYMENTS, REQUESTS, SpilloverConfig
     from meshpact.live.spillover.pairs import COLUMNS, mismatched, table_rows
     from meshpact.live.spillover.speculative import SPECULATIVE_REQUESTS
     from meshpact.spillover_sim import SPECULATIVE_COLUMNS, measure, speculative_table_rows
@@ -65,6 +69,8 @@ def spillover(
     reqs = parse_list(request, "--request", REQUESTS)
     if deployment not in DEPLOYMENTS:
         raise MeshpactError(f"--deployment {deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+    if compile_mode not in COMPILE_MODES:
+        raise MeshpactError(f"--compile {compile_mode!r}: expected one of {', '.join(COMPILE_MODES)}")
     if speculative:
         if request == "full,logprob,token,owner_token":  # the default: the requests speculation has
             reqs = list(SPECULATIVE_REQUESTS)
@@ -79,7 +85,7 @@ def spillover(
     base = SpilloverConfig(output_tokens=output_tokens, local_slots=local_slots, remote_slots=remote_slots,
                            gbit_per_s=link_gbps, delay_ms=link_delay_ms, concurrency=min(concs),
                            requests=requests_per_client * min(concs), deployment=deployment,
-                           gamma=speculative)
+                           gamma=speculative, compile=compile_mode, work_dir=work_dir)
     rows = measure(models, concs, reqs, pairs, base, requests_per_client,
                          progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
     if as_json:

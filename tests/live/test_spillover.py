@@ -10,6 +10,7 @@ from meshpact.live.spillover.decoder import Decoder, scaled_spec
 from meshpact.live.netns import netns_unavailable
 from meshpact.live.spillover.serving import RunResult, SpilloverConfig, run_once
 from meshpact.live.spillover.pairs import pair_orders, traffic_cut
+from meshpact.live.spillover.split import OutputCheck
 from meshpact.spillover_sim import simulated
 
 needs_netns = pytest.mark.skipif(netns_unavailable() is not None, reason=str(netns_unavailable()))
@@ -49,6 +50,8 @@ def test_bad_command_line_values_name_the_flag_and_the_expectation(capsys):
     assert "expected positive integers" in capsys.readouterr().err
     assert cli_main(["live", "spillover", "--request", "logits"]) == 2
     assert "expected one or more of full, logprob, token, owner_token" in capsys.readouterr().err
+    assert cli_main(["live", "spillover", "--compile", "jit"]) == 2
+    assert "--compile 'jit': expected one of eager, aoti" in capsys.readouterr().err
 
 
 def test_a_concurrency_beyond_both_hosts_slots_is_refused():
@@ -104,7 +107,7 @@ def _run(request: str, thr: float, digest: str | None = None, deployment: str = 
                      command_bytes=10, startups=2, steps={"local": 2, "remote": 2}, link_alpha_s=1e-4,
                      local_step_s=0.01, remote_forward_s=0.01, remote_project_s=0.001, consumer_sample_s=0.001,
                      local_prefill_s=0.0, remote_prefill_s=0.0, outputs_digest=digest,
-                     output_check={"tokens": 2, "identical": True, "first_difference": None})
+                     output_check=OutputCheck(2, True, None))
 
 
 def test_rows_keep_every_pairs_throughputs_and_flag_outputs_that_depart_from_full():
@@ -123,3 +126,32 @@ def test_rows_keep_every_pairs_throughputs_and_flag_outputs_that_depart_from_ful
     assert rows["logprob"].outputs_as_full is None  # scoring targets: its ids are not chosen
     assert rows["full"].tokens_checked == 4 and rows["full"].outputs_identical
     assert [r.request for r in mismatched(list(rows.values()))] == ["token"]
+
+
+def test_a_message_is_timed_from_its_send_to_its_receive_on_the_shared_clock():
+    from meshpact.live.spillover.serving import Transfer, transfers
+
+    sent = [{"group": "bridge:0-1", "seq": 0, "op": "send", "t": 1.0, "seconds": 0.001, "contributed": 160},
+            {"group": "bridge:0-1", "seq": 1, "op": "send", "t": 2.0, "seconds": 0.001, "contributed": 320},
+            {"group": "bridge:0-1", "seq": 2, "op": "send", "t": 3.0, "seconds": 0.001, "contributed": 8}]
+    # the receiver's meter started 10 s earlier; it waited in its first receive before the send
+    received = [{"group": "bridge:0-1", "seq": 0, "op": "recv", "t": 10.5, "seconds": 0.504, "contributed": 0},
+                {"group": "bridge:0-1", "seq": 1, "op": "recv", "t": 12.0, "seconds": 0.010, "contributed": 0}]
+    got = transfers(sent, 100.0, received, 90.0)
+    assert [t.payload_bytes for t in got] == [160, 320]  # seq 2 never received: not a transfer
+    assert [round(t.one_way_s, 6) for t in got] == [0.004, 0.010]
+    assert got[0] == Transfer(got[0].one_way_s, 160)
+
+
+def test_the_simulators_link_alpha_is_the_runs_mean_time_in_flight_less_the_payload():
+    from meshpact.live.spillover.serving import Transfer
+    from meshpact.spillover_sim import service_alpha
+
+    class Run:  # the two fields service_alpha reads
+        link_alpha_s = 1e-4
+        transfers = ()
+
+    assert service_alpha(Run(), 8e-9) == 1e-4  # no timed messages: the ping-pong's
+    run = Run()
+    run.transfers = (Transfer(0.002, 0), Transfer(0.010, 1_000_000), Transfer(0.001, 0))
+    assert service_alpha(run, 8e-9) == pytest.approx((0.002 + 0.002 + 0.001) / 3)

@@ -90,15 +90,18 @@ def test_the_speculative_pipeline_yields_the_closed_forms_tokens_per_pass_and_it
     assert full.throughput_tok_s < simulate_split(_params("token", 5, 0.8), 64, 4).throughput_tok_s
     with pytest.raises(ScenarioError, match="alpha in"):
         simulate_split(_params("token", 5, 1.5), 64, 4)
-    with pytest.raises(ScenarioError, match="expected full or token"):
-        simulate_split(_params("logprob", 5, 0.5), 64, 4)
+    # the target's choice per position to its owner; a verdict and a log-prob per position
+    owner = simulate_split(_params("owner_token", 5, 0.8), 64, 4)
+    assert owner.result_bytes % (6 * 8) == 0 and owner.result_bytes // (6 * 8) >= owner.target_passes
+    logprob = simulate_split(_params("logprob", 5, 0.8), 64, 4)
+    assert logprob.result_bytes % (16 + 6 * 4) == 0 and logprob.startups == 2 * logprob.target_passes  # two messages a round
 
 
 def test_speculation_is_refused_where_it_cannot_run(capsys):
     assert cli_main(["live", "spillover", "--speculative", "4"]) == 2
     assert "--speculative: expected --deployment model" in capsys.readouterr().err
-    assert cli_main(["live", "spillover", "--deployment", "model", "--speculative", "4", "--request", "logprob"]) == 2
-    assert "expected one of full, token" in capsys.readouterr().err
+    assert cli_main(["live", "spillover", "--deployment", "model", "--speculative", "4", "--request", "logits"]) == 2
+    assert "expected one or more of full, logprob, token, owner_token" in capsys.readouterr().err
     with pytest.raises(MeshpactError, match="expected 1..16"):
         SpilloverConfig(deployment="model", gamma=40, request="token")
 
@@ -115,10 +118,33 @@ def test_full_logits_and_source_verification_decode_the_same_tokens_and_alpha_pr
     assert full.outputs_digest != digest({0: [0]})
     sf, st = full.speculative, token.speculative
     assert sf is not None and st is not None
-    assert sf["rounds"] == st["rounds"] and sf["alpha"] == st["alpha"]  # the same verdicts, round by round
-    assert 0.0 < sf["alpha"] < 1.0 and sf["tokens_per_pass"] > 1.0
-    assert sf["tokens_per_pass"] == pytest.approx(expected_tokens_per_pass(3, sf["alpha"]), rel=0.2)
-    assert full.result_bytes == sf["sequence_rounds"] * 4 * 151936 * 2
-    assert token.result_bytes == sf["sequence_rounds"] * 16
-    assert st["bytes_per_round"] * st["rounds"] == token.result_bytes
+    assert sf.rounds == st.rounds and sf.alpha == st.alpha  # the same verdicts, round by round
+    assert 0.0 < sf.alpha < 1.0 and sf.tokens_per_pass > 1.0
+    assert sf.tokens_per_pass == pytest.approx(expected_tokens_per_pass(3, sf.alpha), rel=0.2)
+    assert full.result_bytes == sf.sequence_rounds * 4 * 151936 * 2
+    assert token.result_bytes == sf.sequence_rounds * 16
+    assert st.bytes_per_round * st.rounds == token.result_bytes
     assert simulated(full)["result_bytes"] > 1000 * simulated(token)["result_bytes"] > 0
+    # the lowerer's owner_token plan per position, and the verdict with the emitted tokens' log-probs
+    owner = run_once(SpilloverConfig(request="owner_token", **cfg))
+    logprob = run_once(SpilloverConfig(request="logprob", **cfg))
+    assert owner.outputs_digest == logprob.outputs_digest == full.outputs_digest
+    assert owner.result_bytes == sf.sequence_rounds * 4 * 8
+    assert logprob.result_bytes == sf.sequence_rounds * (16 + 4 * 4)
+    # each emitted token's log-prob under the target, against a one-token-at-a-time replay in this process
+    from meshpact.live.plans.ops import reference_logprob
+
+    assert len(logprob.emitted_logprobs) == 4 and all(len(v) == 16 for v in logprob.emitted_logprobs)
+    spec = scaled_spec("dense")
+    target = Decoder(spec, 1, 40, seed=2)  # the target: the run's seed (0) + 2
+    from meshpact.live.spillover.serving import prompt_for
+
+    prompt = prompt_for(SpilloverConfig(**cfg).to_dict(), 0, spec.vocab_size)
+    target.prefill(0, prompt)
+    token_id, replay = prompt[-1], []
+    for _ in range(16):
+        logits = target.step([0], [token_id]).to(torch.bfloat16)
+        token_id = int(logits.argmax(-1))
+        replay.append(float(reference_logprob(logits, torch.tensor([token_id]))[0]))
+    assert logprob.emitted_logprobs[0] == pytest.approx(replay, abs=0.05)
+    assert all(x <= 0 for v in logprob.emitted_logprobs for x in v)

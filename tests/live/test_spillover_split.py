@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from meshpact.core.facts import Request
 from meshpact.live.netns import netns_unavailable
 from meshpact.live.spillover.decoder import LAYERS, Decoder, scaled_spec, split_parts
 from meshpact.live.spillover.serving import RunResult, SpilloverConfig, run_once
-from meshpact.live.spillover.split import compare, reference
+from meshpact.live.spillover.split import OutputCheck, compare, reference
 from meshpact.simulator.batching import simulate_split
 from meshpact.simulator.serving import ServingParams
 
@@ -132,6 +134,21 @@ def split_runs() -> dict[tuple[str, int], RunResult]:
 @pytest.mark.live
 @pytest.mark.netns
 @needs_netns
+@pytest.mark.timeout(1800)  # two packages compiled first: about 40 s on a quiet machine, over 10 min at load 30
+def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_packages(split_runs, tmp_path):
+    eager = split_runs[("owner_token", 2)]
+    aoti = run_once(SpilloverConfig(request="owner_token", concurrency=2, compile="aoti", work_dir=str(tmp_path),
+                                    **{**_LIVE, "timeout_s": 300}))
+    assert aoti.config.compile == "aoti" and aoti.compile_s > 0  # compiled in the parent, into a fresh work dir
+    assert sorted(p.name.split("-")[1] for p in (Path(aoti.config.work_dir) / "aoti").glob("*.pt2")) == ["l0", "l1"]
+    assert aoti.output_check == OutputCheck(20, True, None)
+    assert aoti.outputs_digest == eager.outputs_digest  # greedy ids equal to the eager decoder's
+
+
+@pytest.mark.slow
+@pytest.mark.live
+@pytest.mark.netns
+@needs_netns
 @pytest.mark.parametrize("key,row_bytes", [(("full", 1), 2 * 151936), (("logprob", 2), 4),
                                            (("owner_token", 2), 8)])
 def test_every_step_crosses_both_ways_and_the_outputs_equal_the_single_process_reference(split_runs, key, row_bytes):
@@ -143,5 +160,9 @@ def test_every_step_crosses_both_ways_and_the_outputs_equal_the_single_process_r
     assert r.hidden_bytes == (tokens + _LIVE["requests"] * (_LIVE["prompt_tokens"] - 1)) * hidden * 2
     assert r.steps["remote"] == r.steps["local"] == tokens // key[1]
     assert r.veth_bytes >= r.result_bytes and r.veth_tx_bytes >= r.hidden_bytes
-    assert r.output_check == {"tokens": tokens, "identical": True, "first_difference": None}
+    assert r.output_check == OutputCheck(tokens, True, None)
     assert r.local_critical_s > 0 and r.remote_critical_s > 0
+    # every message of the run timed end to end: prompts and steps host 1 -> 2, results back
+    assert len(r.transfers) == r.steps["remote"] + _LIVE["requests"] + r.steps["remote"]
+    assert sum(t.payload_bytes for t in r.transfers) == r.hidden_bytes + r.result_bytes
+    assert all(0 < t.one_way_s < 5 for t in r.transfers)

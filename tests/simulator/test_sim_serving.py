@@ -153,3 +153,30 @@ def test_simulate_serving_refuses_a_bad_deployment_or_half_a_speculation(capsys)
 
     out = json.loads(capsys.readouterr().out)
     assert out["spilled"] == 4 and out["local_tokens"] == 0 and out["remote_tokens"] == 4 * 128
+
+
+@pytest.mark.slow
+def test_the_simulate_page_puts_both_deployments_and_speculation_side_by_side():
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    main = str(Path(__file__).resolve().parents[2] / "app" / "main.py")
+    at = AppTest.from_file(main, default_timeout=120).run()
+    at.switch_page("views/simulate.py").run()
+    compare = next(b for b in at.button if b.label == "Compare deployments")
+    compare.click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    tables = [t.value for t in at.dataframe]
+    assert len(tables) == 2
+    requests_side, model_side = tables
+    assert list(requests_side["concurrency"].unique()) == list(model_side["concurrency"].unique())
+    assert set(requests_side["request"]) == set(model_side["request"]) == {"full", "token"}
+    # requests: nothing spills at concurrency 1, so nothing crosses; model: every token crosses
+    one = requests_side[(requests_side["concurrency"] == 1) & (requests_side["request"] == "full")].iloc[0]
+    assert one["result bytes/token"] == 0
+    split = model_side[(model_side["concurrency"] == 1) & (model_side["request"] == "full")].iloc[0]
+    assert split["result bytes/token"] > 100_000
+    # speculation with verification at the source gains in the split deployment
+    tok = model_side[(model_side["concurrency"] == 1) & (model_side["request"] == "token")].iloc[0]
+    assert tok["tok/s speculative"] > tok["tok/s"]
