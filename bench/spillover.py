@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from meshpact.core.scenario import SERVING_REQUESTS
+from meshpact.core.scenario import SERVING_REQUESTS, Deployment
 from meshpact.live.netns import netns_unavailable
 from meshpact.live.spillover.serving import COMPILE_MODES, SpilloverConfig
 from meshpact.live.spillover.pairs import COLUMNS, Row, mismatched, table_rows
@@ -87,7 +87,7 @@ def main() -> int:
     ap.add_argument("--requests-per-client", type=int, default=3)
     ap.add_argument("--output-tokens", type=int, default=32)
     ap.add_argument("--link-gbps", type=float, default=1.0)
-    ap.add_argument("--deployment", choices=("requests", "model"), default="requests")
+    ap.add_argument("--deployment", choices=[d.value for d in Deployment], default=Deployment.REQUESTS.value)
     ap.add_argument("--speculative", type=int, default=0, metavar="GAMMA")
     ap.add_argument("--compile", default="eager", help="eager, aoti or both (eager,aoti): the decoders' steps")
     ap.add_argument("--work-dir", default="", help="where aoti packages are cached")

@@ -27,6 +27,8 @@ from .recovery_costs import FaultImpact, FaultScope, RecoveryCosts
 
 __all__ = [
     "SERVING_REQUESTS",
+    "Deployment",
+    "deployment_of",
     "DomainSpec",
     "LinkSpec",
     "ClusterSpec",
@@ -294,6 +296,22 @@ class SpeculativeSpec(_Strict):
 
 
 # The requests the serving deployments (simulated and live) implement: the result requests of one LM head.
+class Deployment(str, Enum):
+    """How the two serving hosts share the work (live spillover and the simulator alike)."""
+
+    REQUESTS = "requests"  # whole requests spill to host 2 once host 1's slots are full
+    MODEL = "model"  # the model split by layers: every decode step crosses the link
+
+
+def deployment_of(value: str) -> "Deployment":
+    """``value`` as a :class:`Deployment`, or a :class:`ScenarioError` naming the choices."""
+    try:
+        return Deployment(value)
+    except ValueError:
+        raise ScenarioError(f"--deployment {value!r}: expected one of "
+                            f"{', '.join(d.value for d in Deployment)}") from None
+
+
 SERVING_REQUESTS: tuple[Request, ...] = (Request.FULL, Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN)
 
 

@@ -48,9 +48,8 @@ from meshpact.core.plan import Plan
 from .serving import (DuplexLink, ServingParams, ServingResult, result_plan, serving_overrides, serving_params,
                       simulate_serving)
 
-__all__ = ["simulate_batched", "simulate_split", "simulate_deployment", "DEPLOYMENTS"]
+__all__ = ["simulate_batched", "simulate_split", "simulate_deployment"]
 
-DEPLOYMENTS = ("requests", "model")  # whole requests spill to host 2; the model is split by layers
 DEFAULT_DRAFT_COST_RATIO = 0.1  # a draft token's time over a target pass, where the scenario gives none
 
 
@@ -322,10 +321,9 @@ def simulate_deployment(scenario: Any, deployment: str = "requests", *, gamma: i
     tokens at ``draft_cost_ratio`` (the scenario's, else 0.1) of host 2's target pass each.
     """
     from meshpact.core.catalog import get_model
-    from meshpact.core.scenario import with_overrides
+    from meshpact.core.scenario import deployment_of, with_overrides
 
-    if deployment not in DEPLOYMENTS:
-        raise ScenarioError(f"--deployment {deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+    deployment = deployment_of(deployment).value
     if (gamma is None) != (acceptance is None):
         raise ScenarioError("--speculative and --acceptance: expected both (draft tokens per round and the "
                             "acceptance rate of one draft token) or neither")

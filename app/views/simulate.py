@@ -53,10 +53,11 @@ def sweep(text: str, source: str, knob: str, values: tuple, flags: tuple) -> pd.
 def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma: int,
                 acceptance: float) -> pd.DataFrame:
     """Throughput per deployment, concurrency and request, plain and speculative (γ, acceptance)."""
-    from meshpact.simulator.batching import DEPLOYMENTS, simulate_deployment
+    from meshpact.core.scenario import Deployment
+    from meshpact.simulator.batching import simulate_deployment
 
     rows = []
-    for deployment in DEPLOYMENTS:
+    for deployment in (d.value for d in Deployment):
         for c in CONCURRENCY:
             for req in reqs:
                 flags = {"model": model, "concurrency": int(c), "request": req, "requests": n, "link_gbps": gbps}

@@ -19,7 +19,7 @@ from .._lazy import lazy_face
 
 _EXPORTS = {
     "FAMILIES": "decoder", "DecoderSpec": "decoder", "Decoder": "decoder",
-    "SpilloverConfig": "serving", "RunResult": "serving", "run_once": "serving", "DEPLOYMENTS": "serving",
+    "SpilloverConfig": "serving", "RunResult": "serving", "run_once": "serving",
     "OutputCheck": "split", "SPECULATIVE_REQUESTS": "speculative", "StepModule": "compiled",
     "Row": "pairs", "measure_pairs": "pairs",
 }

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from meshpact.core.catalog import get_model
 from meshpact.core.errors import MeshpactError
+from meshpact.core.jsonform import JsonObject
 
 __all__ = ["FAMILIES", "DecoderSpec", "scaled_spec", "Decoder", "Part", "split_parts", "rms_norm", "rotary"]
 
@@ -60,7 +61,7 @@ class DecoderSpec:
     experts_per_token: int
     expert_intermediate: int
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
 

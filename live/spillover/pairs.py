@@ -19,6 +19,7 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.jsonform import JsonObject
 
 from .serving import REQUESTS, RunResult, SpilloverConfig, run_once
 
@@ -57,7 +58,7 @@ class Row:
     compile: str = "eager"  # the decoders' steps: eager or AOTInductor packages
     outputs_digests: tuple[str, ...] = ()  # model deployment: every run's output fingerprint, in pair order
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return asdict(self)
 
 

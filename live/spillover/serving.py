@@ -44,21 +44,21 @@ from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Request
-from meshpact.core.scenario import SERVING_REQUESTS
+from meshpact.core.jsonform import JsonObject
+from meshpact.core.scenario import SERVING_REQUESTS, Deployment, deployment_of
 
 from ..netns import LinkShape, TwoHosts
 
 if TYPE_CHECKING:
     from .split import OutputCheck
 
-__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "COMPILE_MODES", "precompile", "run_once", "worker", "REQUESTS", "DEPLOYMENTS",
+__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "COMPILE_MODES", "precompile", "run_once", "worker", "REQUESTS",
            # the pieces the model-split and speculative loops share with this one
            "CheckedPlans", "ResultPlans", "ClosedLoop", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
 
 REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
 # model: the decoder is split by layers, host 2 holds the later ones and the LM head (.split)
-DEPLOYMENTS = ("requests", "model")
 # eager: the decoders' Python steps; aoti: their steps compiled ahead of time with AOTInductor
 # (:class:`~meshpact.live.spillover.compiled.CompiledSteps`), loaded as packages cached on disk
 COMPILE_MODES = ("eager", "aoti")
@@ -77,7 +77,7 @@ class SpilloverConfig:
     delay_ms: float = 0.0
     seed: int = 0
     timeout_s: float = 240.0
-    deployment: str = "requests"  # DEPLOYMENTS
+    deployment: str = Deployment.REQUESTS.value  # a Deployment
     gamma: int = 0  # speculative decoding: draft tokens per round (0: none; the model deployment only)
     compile: str = "eager"  # COMPILE_MODES
     work_dir: str = ""  # where compiled packages are cached (aoti/ under it); empty: the system's temp dir
@@ -85,8 +85,7 @@ class SpilloverConfig:
     def __post_init__(self) -> None:
         from .decoder import FAMILIES
 
-        if self.deployment not in DEPLOYMENTS:
-            raise MeshpactError(f"--deployment {self.deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+        object.__setattr__(self, "deployment", deployment_of(self.deployment).value)
         if self.compile not in COMPILE_MODES:
             raise MeshpactError(f"--compile {self.compile!r}: expected one of {', '.join(COMPILE_MODES)}")
         if self.gamma < 0 or self.gamma > 16:
@@ -125,7 +124,7 @@ class SpilloverConfig:
 
         return os.path.join(self.work_dir or os.path.join(tempfile.gettempdir(), "meshpact-spillover"), "aoti")
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         """The fields, and the package directory the hosts load compiled steps from."""
         return {**asdict(self), "package_dir": self.package_dir}
 
@@ -206,7 +205,7 @@ class RunResult:
 
         return float(np.percentile(self.latencies_s, q)) if self.latencies_s else 0.0
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         d = {k: v for k, v in asdict(self).items() if k not in ("config", "latencies_s")}
         d["config"] = self.config.to_dict()
         d["latency_s"] = {"p50": self.percentile(50), "p99": self.percentile(99)}

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.jsonform import JsonObject
 
 __all__ = ["SPLIT_AT", "host1", "host2", "reference", "compare", "OutputCheck"]
 
@@ -302,7 +303,7 @@ class OutputCheck:
     identical: bool
     first_difference: str | None  # which request and position departed first, with both values
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self) -> JsonObject:
         return {"tokens": self.tokens, "identical": self.identical, "first_difference": self.first_difference}
 
 

@@ -59,7 +59,8 @@ def spillover(
 ) -> None:
     """Serve on host 1, spill to host 2 across a rate-limited veth; measure and simulate each request."""
     from meshpact.live.netns import netns_unavailable
-    from meshpact.live.spillover.serving import COMPILE_MODES, DEPLOYMENTS, REQUESTS, SpilloverConfig
+    from meshpact.core.scenario import deployment_of
+    from meshpact.live.spillover.serving import COMPILE_MODES, REQUESTS, SpilloverConfig
     from meshpact.live.spillover.pairs import COLUMNS, mismatched, table_rows
     from meshpact.live.spillover.speculative import SPECULATIVE_REQUESTS
     from meshpact.spillover_sim import SPECULATIVE_COLUMNS, measure, speculative_table_rows
@@ -67,8 +68,7 @@ def spillover(
     models = parse_list(model, "--model", _MODELS)
     concs = parse_list(concurrency, "--concurrency", integer=True)
     reqs = parse_list(request, "--request", REQUESTS)
-    if deployment not in DEPLOYMENTS:
-        raise MeshpactError(f"--deployment {deployment!r}: expected one of {', '.join(DEPLOYMENTS)}")
+    deployment = deployment_of(deployment).value
     if compile_mode not in COMPILE_MODES:
         raise MeshpactError(f"--compile {compile_mode!r}: expected one of {', '.join(COMPILE_MODES)}")
     if speculative:

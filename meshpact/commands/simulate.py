@@ -9,7 +9,7 @@ import typer
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Request
-from meshpact.core.scenario import CheckpointMode
+from meshpact.core.scenario import CheckpointMode, Deployment
 from meshpact.simulator.sweep import SweepKind
 from meshpact.commands._common import console, emit_json, err_console, table
 
@@ -149,7 +149,7 @@ def serving(
     request: Optional[Request] = typer.Option(None, "--request", help="What the consumer observes (serving takes full, logprob, token or owner_token)."),
     link_gbps: Optional[float] = typer.Option(None, "--link-gbps", help="Link bandwidth in Gbit/s."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests to complete."),
-    deployment: str = typer.Option("requests", "--deployment", help="requests (whole requests spill) or model "
+    deployment: str = typer.Option(Deployment.REQUESTS.value, "--deployment", help="requests (whole requests spill) or model "
                                    "(the model split by layers across the hosts)."),
     speculative: Optional[int] = typer.Option(None, "--speculative", help="GAMMA draft tokens per round."),
     acceptance: Optional[float] = typer.Option(None, "--acceptance", help="A: acceptance rate of one draft token."),
