@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import io
 import os
-import signal
 import time
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -449,10 +448,10 @@ def _fetch(store: Any, run_id: str, rank: int, step: int) -> dict[str, torch.Ten
 
 def excision_drill(args: JsonObject) -> JsonObject:
     """A launcher worker: train ``args["workload"]`` for ``steps`` steps through the planned
-    excisions ``[{"step", "rank"}]``. ``mode`` ``"fault"``: the lost rank is SIGKILLed after
-    the forward of that step and the survivors recover from the fault; ``"reference"``: it
-    leaves before the step; either way its copy is the one it published at its last commit
-    (a simulated peer copy, kept in the launcher's store). Saves each survivor's final state
+    excisions ``[{"step", "rank"}]``: the excising reference of a live trial, in which each lost
+    rank leaves before its step, without a fault, and its copy is the one it published at its
+    last commit (a peer copy, kept in the launcher's store). The faulted side of the comparison
+    is the runtime's own excision (``Resilient`` with ``on_rank_loss=excise``). Saves each survivor's final state
     to ``out_dir/final-rank<original>.pt`` (the last committed state where an excision was
     refused below ``min_ranks``; a rank leaving as the reference's lost rank saves its state to
     ``left-rank<original>.pt``), appends each committed step's digest and world size to
@@ -460,10 +459,8 @@ def excision_drill(args: JsonObject) -> JsonObject:
     import random
     import sys
 
-    from .runtime import is_comm_fault
     from .session import RecoveryConfig, start_session
-    from .state import commit_check, digest, job_state, local_state
-    from .stepreset import reset_step_state
+    from .state import digest, job_state, local_state
     from .workload import built, load_workload
 
     torch.manual_seed(0)
@@ -474,7 +471,7 @@ def excision_drill(args: JsonObject) -> JsonObject:
     workload = load_workload(args["workload"], world)
     config = RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)), vendor="cpu")
     session = start_session(config)
-    me, mode = session.rank, args["mode"]
+    me = session.rank
     plans = sorted((_Plan(int(p["step"]), int(p["rank"])) for p in args.get("excisions", ())), key=lambda p: p.step)
     victims = {p.rank for p in plans}
     membership, group, spec, generation = Membership.full(world), session.group, session.spec, 0
@@ -489,28 +486,14 @@ def excision_drill(args: JsonObject) -> JsonObject:
     for step in range(int(args["steps"])):
         due = [p for p in plans if p.step == step]
         if due and me == due[0].rank:
-            if mode == "reference":  # hands over its copy (already published) and leaves; keeps its state to compare
-                torch.save(job_state(model, optimizer), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
-                return {"rank": me, "left_at": step}
-            model.register_forward_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+            # hands over its copy (already published) and leaves; keeps its state to compare
+            torch.save(job_state(model, optimizer), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
+            return {"rank": me, "left_at": step}
         share = share_batch(workload.batch, step, membership, me)
         weight.weight = share.weight
-        committed, rng = commit_check(step, local_state(model, optimizer)), capture_rng()
-        faulted, t_fault = False, time.perf_counter()
-        if not due or mode == "fault":
-            try:
-                workload.train_step(model, optimizer, share.batch)
-            except Exception as exc:  # noqa: BLE001
-                if not (due and is_comm_fault(exc)):
-                    raise
-                faulted, t_fault = True, time.perf_counter()
-                comm.sever(comm.data_sockets(session.protected_sockets, session.store_ports))
-                reset_step_state(model)
-                restore_rng(rng)
-                if commit_check(step, local_state(model, optimizer)) != committed:
-                    raise ExcisionError(f"step {step}: the committed state changed in the failed step") from None
-            if due and not faulted:
-                raise ExcisionError(f"step {step}: rank {due[0].rank} was killed but the step did not fail")
+        t_fault = time.perf_counter()
+        if not due:
+            workload.train_step(model, optimizer, share.batch)
         if due:
             lost = due[0].rank
             held = {lost: _fetch(session.store, spec.run_id, lost, step)} \

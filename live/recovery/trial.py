@@ -263,7 +263,7 @@ def _excising_reference(cfg: TrialConfig, workload: str, work: Path, plan: list[
     control = host_store("127.0.0.1", 0, cfg.ranks)
     env = {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_CONTROL_PORT": str(control.port),
            "MESHPACT_RUN_ID": "excising-reference", "MESHPACT_VENDOR": "cpu"}
-    args = {"workload": workload, "mode": "reference", "steps": cfg.steps, "out_dir": str(out),
+    args = {"workload": workload, "steps": cfg.steps, "out_dir": str(out),
             "excisions": [{"step": p.step, "rank": r} for p in plan for r in p.lost],
             "data_timeout_s": cfg.recovery().group_create_s, "min_ranks": cfg.min_ranks,
             "checkpoint_dir": str(out / "checkpoints")}

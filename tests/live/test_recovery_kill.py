@@ -59,7 +59,7 @@ def test_a_rank_killed_with_its_holder_is_restored_from_the_checkpoint_and_says_
 
 def test_a_silent_rank_is_declared_lost_within_the_bound_then_replaced_from_its_peer():
     # a warm spare takes the lost rank: no process start inside the replacement rounds
-    cfg = dict(process_start_s=20.0, group_create_s=20.0, max_rounds=1, spare_ranks=1)
+    cfg = dict(process_start_s=10.0, group_create_s=10.0, max_rounds=1, spare_ranks=1)
     result = trial(faults=1, fault_kind="silent", peer_copies=1, **cfg, **_RUN)
     s = assert_recovered(result, "peer_restore")
     assert s["replacement_processes"] == 1 and s["storage_bytes_read"] == 0

@@ -20,7 +20,7 @@ def test_stalled_rank_is_detected_by_the_timeout_and_recovered_in_memory():
 
 def test_with_a_long_data_path_timeout_the_heartbeat_finds_the_stall():
     # a 30 s data path would wait out the 2 s stall and never fault: only the heartbeat can find it
-    result = trial(ranks=4, steps=12, faults=2, fault_kind="stall", checkpoint_every=4, baselines=False,
+    result = trial(ranks=4, steps=16, faults=2, fault_kind="stall", checkpoint_every=4, baselines=False,
                    data_timeout_s=30.0, stall_s=2.0, heartbeat=True)
     assert_recovered(result, "in_memory")
     stalled = {f.step: f.rank for f in result.faults}
