@@ -52,7 +52,7 @@ from __future__ import annotations
 import io
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshpact.app.serve import (
-    CLIPPED_JS, METRIC_JS, chromium_path, dashboard_server, go_to, metric, pick_scenario, settle,
+    CLIPPED_JS, METRIC_JS, go_to, metric, pick_scenario, settle,
     wait_metric_change, wait_title,
 )
 
@@ -28,25 +28,6 @@ ARTIFACTS = ROOT / "test-artifacts"
 PAGES = {"replay": "replay", "mesh": "", "plans": "plans", "simulate": "simulate", "live": "live"}
 NAV = ["Mesh", "Plans", "Simulate", "Replay", "Live"]
 TITLES = {"Mesh": "Communicator mesh", "Plans": "Plans", "Simulate": "Simulate", "Replay": "Replay", "Live": "Live"}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with dashboard_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    exe = chromium_path()
-    if exe is None:
-        pytest.skip("no Chromium found: install Debian's chromium (apt-get install chromium) or set MESHPACT_CHROMIUM")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from meshpact.app.serve import (
-    CLIPPED_JS, chromium_path, click_rank, dashboard_server, metric, pick_scenario, settle, wait_metric_change,
+    CLIPPED_JS, click_rank, metric, pick_scenario, settle, wait_metric_change,
 )
 from meshpact.app.state import parse_ranks
 
@@ -25,25 +25,6 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CANVAS = 'iframe[title$="mesh_canvas"]'
-
-
-@pytest.fixture(scope="module")
-def server():
-    with dashboard_server() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser():
-    exe = chromium_path()
-    if exe is None:
-        pytest.skip("no Chromium found: install Debian's chromium (apt-get install chromium) or set MESHPACT_CHROMIUM")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as pw:
-        b = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
-        yield b
-        b.close()
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ excising reference) are in test_recovery_excise.py."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
