@@ -19,8 +19,11 @@ simulator takes:
   injection time and the injecting rank's step start).
 
 :func:`replay_live` then simulates the same work (``work_steps`` = the run's steps) under the
-live runtime's policy (``in_memory``: a transient fault retains the state, a lost rank means
-a checkpoint restore) and reports, per fault, the simulated recovery (the sum of its stages)
+policy the live runtime decided for every fault (``in_memory`` for a transient fault; for a
+kill ``peer_restore``, a replacement taking the lost rank's state from a peer, or ``excise``;
+where the faults got different policies, ``in_memory``, on which a lost rank means a
+checkpoint restore). A fault may be answered by more than one round at its step: the first
+round's policy is the fault's, the last round's end its downtime. It reports, per fault, the simulated recovery (the sum of its stages)
 against the measured downtime, and the simulated time of the training loop against the
 measured one, both with the measured warm-up added and without the first step at all
 (``steady``). No parameter is fitted to either: the total follows from the step time, the
@@ -290,14 +293,17 @@ def replay_live(path: str | os.PathLike[str]) -> Replay:
     notes = []
     if run.unrecovered:
         notes.append(f"{run.unrecovered} injected fault(s) had no recovery at their step: not replayed")
-    if any(f.impact is FaultImpact.RANK_LOSS for f in run.faults):
-        notes.append("a lost rank's replacement start is inside the measured consensus (survivors wait there for it); "
-                     "no restart stage is added")
     decided = {f.policy for f in run.faults}
     policy = decided.pop() if len(decided) == 1 else LIVE_POLICY
     if decided:
         notes.append(f"the live runtime answered the faults with {len(decided) + 1} policies; replayed under "
                      f"{LIVE_POLICY.value}")
+    if policy is Policy.EXCISE:
+        notes.append("each lost rank is excised, not replaced: the survivors go on with the same global batch, "
+                     "the simulator's replicas one fewer per loss")
+    elif any(f.impact is FaultImpact.RANK_LOSS for f in run.faults):
+        notes.append("a lost rank's replacement start is inside the measured consensus (survivors wait there for it); "
+                     "no restart stage is added")
     # the replacement is asked for when the replayed policy's recoveries detected the loss
     detections = [st[Stage.DETECTION] for p, st in cal.measured.items() if Stage.DETECTION in st and p is policy]
     detections = detections or [st[Stage.DETECTION] for st in cal.measured.values() if Stage.DETECTION in st]
