@@ -214,6 +214,7 @@ def calibration_from_recording(
     moved: dict[int, float] = {}  # generation -> the most bytes one rank's state stage moved
     round_of: dict[int | None, int] = {}  # rank -> the generation (round) it last saw decided
     overhead: Mapping[str, Any] | None = None
+    reporting: int | None = None
     for i, ev in enumerate(iter_events(path)):
         where = f"{path}: event at t={ev.t}"
         if i == 0 and ev.event == EventKind.RECORDING_START:
@@ -227,6 +228,8 @@ def calibration_from_recording(
             seen_ranks.add(ev.rank)
         if ev.event == EventKind.SUMMARY and isinstance(ev.data.get("peer_copy_overhead"), Mapping):
             overhead = ev.data["peer_copy_overhead"]
+            if isinstance(ev.data.get("final_world_size"), int):  # the ranks whose copies were counted
+                reporting = int(ev.data["final_world_size"])
         if ev.event == EventKind.DECIDED and isinstance(ev.data.get("round"), int):
             round_of[ev.rank] = int(ev.data["round"])
         if ev.event == EventKind.RELOADED and ev.rank in round_of:
@@ -279,7 +282,7 @@ def calibration_from_recording(
     measured = {p: {s: sum(v) / len(v) for s, v in st.items()} for p, st in sums.items()}
     ranks = ranks_meta or (max(seen_ranks) + 1 if seen_ranks else 1)
     state_bytes = {p: StateTransfer(sum(v) / len(v), len(v)) for p, v in transfers.items()}
-    peer = _peer_copy(overhead, ranks, costs, str(path)) if overhead is not None else None
+    peer = _peer_copy(overhead, reporting or ranks, costs, str(path)) if overhead is not None else None
     return Calibration(source=str(path), ranks=ranks, measured=measured, recoveries=dict(count), costs=costs,
                        state_bytes=state_bytes, peer_copy=peer)
 
@@ -301,7 +304,8 @@ def _bytes_moved(ev: Event, where: str) -> float | None:
 
 def _peer_copy(o: Mapping[str, Any], ranks: int, costs: RecoveryCosts, where: str) -> PeerCopyCalibration | None:
     """The peer-copy model calibrated from a summary's ``peer_copy_overhead`` (None when it
-    shipped nothing: no copies, or every copy failed)."""
+    shipped nothing: no copies, or every copy failed). ``ranks`` are the ranks whose copies
+    the summary counts: the final world's (after an excision, the survivors)."""
     need = ("network_bytes_per_step", "ship_ms_mean", "snapshot_ms_per_commit", "step_ms_with", "copies")
     values: dict[str, float] = {}
     for key in need:
