@@ -141,3 +141,25 @@ def test_malformed_reloaded_bytes_are_refused(tmp_path):
         w.emit("recovered", data={"generation": 1, "policy": "peer_restore", "stages_s": {"state": 0.1}})
     with pytest.raises(RecordingError, match="reloaded bytes must be a number"):
         calibration_from_recording(tmp_path / "b.jsonl")
+
+
+def test_a_kill_answered_by_two_rounds_keeps_the_first_policy_and_the_last_end(tmp_path):
+    """A kill's peer restore may be followed by an in-memory round at the same step: the fault
+    was answered by the peer restore, and its downtime runs to the end of the last round."""
+    from meshpact.simulator.replay import live_run_from_recording
+
+    path = tmp_path / "k.jsonl"
+    with RecordingWriter(path, "live", kind="recovery_trial", ranks=2, steps=6, checkpoint_every=3,
+                         fault_kind="kill") as w:
+        w.emit("checkpoint", rank=0, t=0.5, data={"step": 2, "seconds": 0.05})
+        for rank in range(2):
+            w.emit("trained", rank=rank, t=9.0, data={"first_step": 0, "step_s": [0.5, 0.2, 0.2, 0.2, 0.2, 0.2],
+                                                      "incarnation": 0})
+        w.emit("fault_injected", rank=1, t=1.0, data={"index": 0, "step": 3, "kind": "kill"})
+        w.emit("recovered", data={"generation": 1, "step": 3, "policy": "peer_restore", "downtime_s": 4.0,
+                                  "stages_s": {"consensus": 3.0}})
+        w.emit("recovered", data={"generation": 2, "step": 3, "policy": "in_memory", "downtime_s": 6.5,
+                                  "stages_s": {"consensus": 0.5}})
+    (fault,) = live_run_from_recording(path).faults
+    assert fault.policy is Policy.PEER_RESTORE and fault.downtime_s == 6.5
+    assert fault.impact is FaultImpact.RANK_LOSS
