@@ -21,22 +21,130 @@ the simulator derives it from lost steps.
 The measurement is made at a few ranks; the simulator runs at thousands. Each measured
 stage therefore scales the model: at ``N`` ranks a stage lasts
 ``model(N) * measured / model(N_recorded)``, or the measured seconds where the model
-says zero.
+says zero. ``peer_restore`` and ``excise`` are decided only when a rank is lost, so their
+recorded recoveries are compared with the model of a rank loss; where the recording says how
+many bytes their state stage moved (``reloaded`` events: a replacement's ``bytes`` fetched
+from its holder, an excision's ``excision.bytes_moved`` gathered for the re-shard), the state
+stage scales with the simulated shard over those bytes instead of the model's default shard.
+:meth:`Calibration.provenance` says, per policy and stage, whether the seconds come from the
+recording or stayed the cost model's default.
+
+**Peer-copy overhead.** A live trial's ``summary`` carries ``peer_copy_overhead``: per commit
+and rank, the seconds on the training thread (``snapshot_ms_per_commit``: the host copy and
+any wait for the previous copy still in flight) and on the background thread that ships it
+(``ship_ms_mean``), the bytes the whole job ships per step, and the median step.
+:class:`PeerCopyCalibration` sets ``peer_bytes_per_s`` to one rank's bytes per commit over
+its shipping seconds and predicts, with :func:`~meshpact.core.recovery_costs.peer_copy_seconds_per_step`
+(the model's overlap unchanged), the seconds a step is stretched; the measured stretch is the
+training thread's time in the copy. Nothing is fitted to the measured stretch.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Any, Mapping
 
 from meshpact.core.errors import RecordingError
-from meshpact.core.recording import EventKind, iter_events
+from meshpact.core.jsonform import JsonObject
+from meshpact.core.recording import Event, EventKind, iter_events
 from meshpact.core.recovery import Policy, Stage
-from meshpact.core.recovery_costs import DEFAULT_RECOVERY_COSTS, RecoveryCosts, estimate_recovery
+from meshpact.core.recovery_costs import (DEFAULT_RECOVERY_COSTS, FaultImpact, RecoveryCosts, estimate_recovery,
+                                          peer_copy_seconds_per_step)
 
-__all__ = ["Calibration", "calibration_from_recording"]
+__all__ = ["Calibration", "Provenance", "StateTransfer", "PeerCopyMeasurement", "PeerCopyCalibration",
+           "calibration_from_recording", "RANK_LOSS_POLICIES"]
+
+# policies live mode decides only when a rank is lost: their recoveries are rank losses
+RANK_LOSS_POLICIES = frozenset({Policy.PEER_RESTORE, Policy.EXCISE})
+
+
+class Provenance(str, Enum):
+    """Where the seconds of one stage of one policy come from."""
+
+    RECORDING = "recording"  # measured in the live run (scaled to the simulated ranks and shard)
+    MODEL = "model"  # the cost model's default (``RecoveryCosts``)
+
+
+@dataclass(frozen=True)
+class StateTransfer:
+    """What the state stage of one policy's recoveries moved: the mean bytes of the slowest
+    rank's transfer per recovery (a replacement's fetch from its holder, an excision's gather)."""
+
+    bytes: float
+    recoveries: int
+
+    def to_dict(self) -> JsonObject:
+        return {"bytes": self.bytes, "recoveries": self.recoveries}
+
+
+@dataclass(frozen=True)
+class PeerCopyMeasurement:
+    """What keeping peer copies cost a live run (its summary's ``peer_copy_overhead``)."""
+
+    ranks: int
+    copies: int  # K holders per rank
+    bytes_per_commit: float  # one rank's copies of one commit, all K holders together
+    snapshot_s: float  # per commit, training thread: the host copy and any wait for the copy in flight
+    ship_s: float  # per commit, background thread: serialise and send to the holders
+    step_s: float  # median step of the run with copies
+    step_s_reference: float | None  # median step of the trial's fault-free reference run (it keeps copies too)
+
+    @property
+    def measured_s_per_step(self) -> float:
+        """The seconds the copy takes from each step: the training thread's time in it."""
+        return self.snapshot_s
+
+    @property
+    def compute_s(self) -> float:
+        """The step without the copy's time on the training thread."""
+        return max(self.step_s - self.snapshot_s, 0.0)
+
+    def to_dict(self) -> JsonObject:
+        return {"ranks": self.ranks, "copies": self.copies, "bytes_per_commit": self.bytes_per_commit,
+                "snapshot_s": self.snapshot_s, "ship_s": self.ship_s, "step_s": self.step_s,
+                "step_s_reference": self.step_s_reference}
+
+
+@dataclass(frozen=True)
+class PeerCopyCalibration:
+    """The peer-copy model calibrated from a measurement, and its prediction against it."""
+
+    measured: PeerCopyMeasurement
+    costs: RecoveryCosts  # ``peer_bytes_per_s`` from the measured shipping
+
+    @property
+    def predicted_s_per_step(self) -> float:
+        m = self.measured
+        return peer_copy_seconds_per_step(m.bytes_per_commit, m.compute_s, self.costs)
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Predicted step latency overhead: the stretch over the step without it."""
+        c = self.measured.compute_s
+        return self.predicted_s_per_step / c if c > 0 else 0.0
+
+    @property
+    def measured_overhead(self) -> float:
+        c = self.measured.compute_s
+        return self.measured.measured_s_per_step / c if c > 0 else 0.0
+
+    @property
+    def error(self) -> float:
+        """Predicted over measured seconds per step, minus one (inf where nothing was measured)."""
+        m = self.measured.measured_s_per_step
+        return self.predicted_s_per_step / m - 1.0 if m > 0 else math.inf
+
+    def to_dict(self) -> JsonObject:
+        return {"measured": self.measured.to_dict(), "peer_bytes_per_s": self.costs.peer_bytes_per_s,
+                "peer_copy_overlap_fraction": self.costs.peer_copy_overlap_fraction,
+                "s_per_step": {"measured": self.measured.measured_s_per_step,
+                               "predicted": self.predicted_s_per_step,
+                               "error": None if math.isinf(self.error) else self.error},
+                "step_latency": {"measured": self.measured_overhead, "predicted": self.predicted_overhead}}
 
 
 @dataclass(frozen=True)
@@ -46,25 +154,49 @@ class Calibration:
     measured: Mapping[Policy, Mapping[Stage, float]]  # mean over recoveries, seconds
     recoveries: Mapping[Policy, int]
     costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS
+    state_bytes: Mapping[Policy, StateTransfer] | None = None  # what the state stage moved, where recorded
+    peer_copy: PeerCopyCalibration | None = None
+
+    def _recorded(self, policy: Policy) -> Mapping[Stage, float]:
+        """The model's durations of ``policy`` at the recorded ranks (and shard, where recorded)."""
+        impact = FaultImpact.RANK_LOSS if policy in RANK_LOSS_POLICIES else FaultImpact.TRANSIENT
+        costs = self.costs
+        moved = (self.state_bytes or {}).get(policy)
+        if moved is not None and moved.bytes > 0:
+            costs = replace(costs, state_bytes_per_rank=moved.bytes)
+        return estimate_recovery(policy, self.ranks, costs, impact=impact, replacement_s=0.0).durations_s
 
     def adjust(self, policy: Policy, ranks: int, modelled: Mapping[Stage, float]) -> Mapping[Stage, float]:
         """Modelled durations at ``ranks`` with every measured stage of ``policy`` applied."""
-        measured = self.measured.get(Policy(policy), {})
+        policy = Policy(policy)
+        measured = self.measured.get(policy, {})
         if not measured:
             return modelled
-        at_recorded = estimate_recovery(policy, self.ranks, self.costs).durations_s
+        at_recorded = self._recorded(policy)
         out = dict(modelled)
         for stage, seconds in measured.items():
             base = at_recorded.get(stage, 0.0)
             out[stage] = modelled.get(stage, 0.0) * seconds / base if base > 0 else seconds
         return out
 
-    def to_dict(self) -> dict[str, Any]:
+    def provenance(self, policy: Policy | str) -> Mapping[Stage, Provenance]:
+        """Per stage of ``policy``'s recovery (a rank loss for ``peer_restore`` and ``excise``),
+        whether its seconds come from this recording or stayed the cost model's default."""
+        policy = Policy(policy)
+        measured = self.measured.get(policy, {})
+        stages = [s for s in self._recorded(policy) if s is not Stage.REPLAY]
+        stages += [s for s in measured if s not in stages]
+        return {s: Provenance.RECORDING if s in measured else Provenance.MODEL for s in Stage.ordered() if s in stages}
+
+    def to_dict(self) -> JsonObject:
         return {
             "source": self.source,
             "ranks": self.ranks,
             "measured_s": {p.value: {s.value: v for s, v in st.items()} for p, st in self.measured.items()},
             "recoveries": {p.value: n for p, n in self.recoveries.items()},
+            "provenance": {p.value: {s.value: v.value for s, v in self.provenance(p).items()} for p in Policy},
+            "state_bytes": {p.value: t.to_dict() for p, t in (self.state_bytes or {}).items()},
+            "peer_copy": self.peer_copy.to_dict() if self.peer_copy is not None else None,
         }
 
 
@@ -75,10 +207,14 @@ def calibration_from_recording(
     default_policy = Policy.IN_MEMORY
     ranks_meta: int | None = None
     seen_ranks: set[int] = set()
-    summaries: list[tuple[Policy | None, dict[Stage, float]]] = []
+    summaries: list[tuple[Policy | None, dict[Stage, float], int | None]] = []  # policy, stages, generation
     # recovery key -> [policy or None, stage -> slowest rank's seconds]
     grouped: dict[Any, list[Any]] = {}
     per_rank: dict[Any, tuple[int, set[Stage]]] = {}  # rank -> (index, stages seen in it)
+    moved: dict[int, float] = {}  # generation -> the most bytes one rank's state stage moved
+    round_of: dict[int | None, int] = {}  # rank -> the generation (round) it last saw decided
+    overhead: Mapping[str, Any] | None = None
+    reporting: int | None = None
     for i, ev in enumerate(iter_events(path)):
         where = f"{path}: event at t={ev.t}"
         if i == 0 and ev.event == EventKind.RECORDING_START:
@@ -90,13 +226,25 @@ def calibration_from_recording(
             continue
         if ev.rank is not None:
             seen_ranks.add(ev.rank)
+        if ev.event == EventKind.SUMMARY and isinstance(ev.data.get("peer_copy_overhead"), Mapping):
+            overhead = ev.data["peer_copy_overhead"]
+            if isinstance(ev.data.get("final_world_size"), int):  # the ranks whose copies were counted
+                reporting = int(ev.data["final_world_size"])
+        if ev.event == EventKind.DECIDED and isinstance(ev.data.get("round"), int):
+            round_of[ev.rank] = int(ev.data["round"])
+        if ev.event == EventKind.RELOADED and ev.rank in round_of:
+            n = _bytes_moved(ev, where)
+            if n is not None:
+                gen = round_of[ev.rank]
+                moved[gen] = max(moved.get(gen, 0.0), n)
         if isinstance(ev.data.get("stages_s"), Mapping):
             stages = {}
             for name, v in ev.data["stages_s"].items():
                 if name in _STAGE_NAMES and name != Stage.REPLAY.value and v is not None:
                     stages[Stage(name)] = _seconds(v, where)
             policy = _policy(ev.data["policy"], where) if ev.data.get("policy") else None
-            summaries.append((policy, stages))
+            gen = ev.data.get("generation")
+            summaries.append((policy, stages, gen if isinstance(gen, int) else None))
             continue
         if ev.stage is None or "seconds" not in ev.data:
             continue
@@ -115,7 +263,7 @@ def calibration_from_recording(
         if ev.stage is not Stage.REPLAY:
             seconds = _seconds(ev.data["seconds"], where)
             entry[1][ev.stage] = max(entry[1].get(ev.stage, 0.0), seconds)
-    recoveries = summaries or [(p, st) for p, st in grouped.values() if st]
+    recoveries = summaries or [(p, st, None) for p, st in grouped.values() if st]
     if not recoveries:
         raise RecordingError(
             f"{path}: no stage durations found; expected events with a recovery stage "
@@ -123,14 +271,58 @@ def calibration_from_recording(
         )
     sums: dict[Policy, dict[Stage, list[float]]] = defaultdict(lambda: defaultdict(list))
     count: dict[Policy, int] = defaultdict(int)
-    for policy, stages in recoveries:
+    transfers: dict[Policy, list[float]] = defaultdict(list)
+    for policy, stages, gen in recoveries:
         policy = policy or default_policy
         count[policy] += 1
         for stage, sec in stages.items():
             sums[policy][stage].append(sec)
+        if policy in RANK_LOSS_POLICIES and gen is not None and moved.get(gen, 0.0) > 0:
+            transfers[policy].append(moved[gen])
     measured = {p: {s: sum(v) / len(v) for s, v in st.items()} for p, st in sums.items()}
     ranks = ranks_meta or (max(seen_ranks) + 1 if seen_ranks else 1)
-    return Calibration(source=str(path), ranks=ranks, measured=measured, recoveries=dict(count), costs=costs)
+    state_bytes = {p: StateTransfer(sum(v) / len(v), len(v)) for p, v in transfers.items()}
+    peer = _peer_copy(overhead, reporting or ranks, costs, str(path)) if overhead is not None else None
+    return Calibration(source=str(path), ranks=ranks, measured=measured, recoveries=dict(count), costs=costs,
+                       state_bytes=state_bytes, peer_copy=peer)
+
+
+def _bytes_moved(ev: Event, where: str) -> float | None:
+    """The bytes a ``reloaded`` event moved: a replacement's fetch from its holder, or an
+    excision's gather for the re-shard; None for any other reload (a checkpoint's)."""
+    excision = ev.data.get("excision")
+    if isinstance(excision, Mapping) and "bytes_moved" in excision:
+        n = excision["bytes_moved"]
+    elif "bytes" in ev.data:
+        n = ev.data["bytes"]
+    else:
+        return None
+    if isinstance(n, bool) or not isinstance(n, (int, float)) or not n >= 0 or not math.isfinite(n):
+        raise RecordingError(f"{where}: reloaded bytes must be a number >= 0, got {n!r}")
+    return float(n)
+
+
+def _peer_copy(o: Mapping[str, Any], ranks: int, costs: RecoveryCosts, where: str) -> PeerCopyCalibration | None:
+    """The peer-copy model calibrated from a summary's ``peer_copy_overhead`` (None when it
+    shipped nothing: no copies, or every copy failed). ``ranks`` are the ranks whose copies
+    the summary counts: the final world's (after an excision, the survivors)."""
+    need = ("network_bytes_per_step", "ship_ms_mean", "snapshot_ms_per_commit", "step_ms_with", "copies")
+    values: dict[str, float] = {}
+    for key in need:
+        v = o.get(key)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or not math.isfinite(v):
+            raise RecordingError(f"{where}: summary peer_copy_overhead.{key} must be a number >= 0, got {v!r}")
+        values[key] = float(v)
+    ref = o.get("step_ms_without")
+    per_commit = values["network_bytes_per_step"] / max(ranks, 1)
+    ship_s = values["ship_ms_mean"] / 1e3
+    if per_commit <= 0 or ship_s <= 0:
+        return None
+    m = PeerCopyMeasurement(ranks=ranks, copies=int(values["copies"]), bytes_per_commit=per_commit,
+                            snapshot_s=values["snapshot_ms_per_commit"] / 1e3, ship_s=ship_s,
+                            step_s=values["step_ms_with"] / 1e3,
+                            step_s_reference=float(ref) / 1e3 if isinstance(ref, (int, float)) and ref else None)
+    return PeerCopyCalibration(m, replace(costs, peer_bytes_per_s=per_commit / ship_s))
 
 
 _STAGE_NAMES = {s.value for s in Stage}

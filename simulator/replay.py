@@ -19,8 +19,11 @@ simulator takes:
   injection time and the injecting rank's step start).
 
 :func:`replay_live` then simulates the same work (``work_steps`` = the run's steps) under the
-live runtime's policy (``in_memory``: a transient fault retains the state, a lost rank means
-a checkpoint restore) and reports, per fault, the simulated recovery (the sum of its stages)
+policy the live runtime decided for every fault (``in_memory`` for a transient fault; for a
+kill ``peer_restore``, a replacement taking the lost rank's state from a peer, or ``excise``;
+where the faults got different policies, ``in_memory``, on which a lost rank means a
+checkpoint restore). A fault may be answered by more than one round at its step: the first
+round's policy is the fault's, the last round's end its downtime. It reports, per fault, the simulated recovery (the sum of its stages)
 against the measured downtime, and the simulated time of the training loop against the
 measured one, both with the measured warm-up added and without the first step at all
 (``steady``). No parameter is fitted to either: the total follows from the step time, the
@@ -41,12 +44,13 @@ from typing import Any
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import EventKind, iter_events
 from meshpact.core.recovery import Policy, Stage
+from meshpact.core.catalog import get_model
 from meshpact.core.recovery_costs import FaultImpact, estimate_recovery
 from meshpact.core.scenario import Scenario, builtin_scenario_path, load_scenario
 
 from .calibrate import Calibration, calibration_from_recording
 from .training import StepFault, simulate_training
-from .workload import derive_workload
+from .workload import derive_workload, parameter_counts
 
 __all__ = ["LiveFault", "LiveRun", "FaultComparison", "Replay", "live_run_from_recording", "replay_live",
            "LIVE_POLICY"]
@@ -120,6 +124,7 @@ class Replay:
     simulated_wall_s: float  # the simulator's time to finish the steps
     predicted_total_s: float  # that, plus the measured warm-up (and a closing checkpoint)
     notes: tuple[str, ...]
+    policy: Policy = LIVE_POLICY  # the policy simulated: the one the live runtime decided for every fault
 
     @property
     def measured_downtime_s(self) -> float:
@@ -152,7 +157,7 @@ class Replay:
         return None if s is None else s[1] / s[0] - 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run": self.run.to_dict(), "calibration": self.calibration.to_dict(), "policy": LIVE_POLICY.value,
+        return {"run": self.run.to_dict(), "calibration": self.calibration.to_dict(), "policy": self.policy.value,
                 "faults": [{"step": f.step, "measured_s": f.measured_s, "predicted_s": f.predicted_s,
                             "error": f.error} for f in self.faults],
                 "downtime_per_fault_s": {"measured": self.measured_downtime_s, "predicted": self.predicted_downtime_s,
@@ -197,7 +202,11 @@ def _read_event(i: int, ev: Any, path: Any, header: dict[str, Any], trained: dic
         injected.append((int(ev.data["index"]), int(ev.data["step"]), int(ev.rank or 0),
                          str(ev.data.get("kind", "")), ev.t))
     elif ev.event == EventKind.RECOVERED and ev.data.get("downtime_s") is not None:
-        recovered[int(ev.data["step"])] = (Policy(ev.data["policy"]), float(ev.data["downtime_s"]))
+        # a fault may be followed by more than one round at its step (a kill: the peer restore, then an
+        # in-memory round): the first round's policy answered it, the last one's end is its downtime
+        step, policy, downtime = int(ev.data["step"]), Policy(ev.data["policy"]), float(ev.data["downtime_s"])
+        first = recovered.get(step)
+        recovered[step] = (first[0], max(first[1], downtime)) if first else (policy, downtime)
 
 
 def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, int, list[float]]],
@@ -246,13 +255,22 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
                    unrecovered=len(injected) - len(faults))
 
 
-def _scenario(run: LiveRun, detection_s: float) -> Scenario:
+def _scenario(run: LiveRun, detection_s: float, policy: Policy, shard_bytes: float | None) -> Scenario:
     """The live run as a scenario: its ranks, steps, step time, checkpoints; no random faults.
     A lost rank's replacement is asked for at the measured detection and waits no further:
-    live mode's survivors wait for it inside the consensus stage, which is measured."""
+    live mode's survivors wait for it inside the consensus stage, which is measured. Under a
+    peer policy each rank is its own failure domain (live mode's holder is another process: a
+    kill takes one), and the shard is the recorded one (``shard_bytes``, the bytes a replacement
+    fetched), so the copy the measured step already includes is not charged again."""
     from meshpact.core.scenario import with_overrides
 
     base = load_scenario(builtin_scenario_path("default"))
+    extra: dict[str, object] = {}
+    if policy in (Policy.PEER_RESTORE, Policy.EXCISE):
+        extra["faults.ranks_per_node"] = 1
+        if shard_bytes:
+            total, _ = parameter_counts(get_model(base.workload.model))
+            extra["workload.state_bytes_per_param"] = shard_bytes * max(run.ranks, 1) / total
     return with_overrides(base, {
         "workload.ranks": run.ranks, "workload.parallelism": {"tensor": 1, "pipeline": 1},
         "workload.step_seconds": run.step_s, "workload.tokens_per_step": None, "workload.step_time_cv": 0.0,
@@ -260,9 +278,10 @@ def _scenario(run: LiveRun, detection_s: float) -> Scenario:
         "faults.rank_mtbf_hours": None, "faults.rank_loss_mtbf_hours": None, "faults.hang_mtbf_hours": None,
         "faults.scripted": [], "faults.at_checkpoint_age": None, "faults.spare_ranks": 0,
         "faults.ranks_per_node": max(run.ranks, 1),
+        **extra,
         "checkpointing.every_steps": run.checkpoint_every, "checkpointing.mode": "sync",
         "checkpointing.seconds": run.checkpoint_s,
-        "recovery.policies": [LIVE_POLICY.value],
+        "recovery.policies": [policy.value],
         "recovery.costs.replacement_s": 0.0, "recovery.costs.detection_s": detection_s,
     }, source=f"{run.source} (replayed)")
 
@@ -274,15 +293,28 @@ def replay_live(path: str | os.PathLike[str]) -> Replay:
     notes = []
     if run.unrecovered:
         notes.append(f"{run.unrecovered} injected fault(s) had no recovery at their step: not replayed")
-    if any(f.impact is FaultImpact.RANK_LOSS for f in run.faults):
+    decided = {f.policy for f in run.faults}
+    policy = decided.pop() if len(decided) == 1 else LIVE_POLICY
+    if decided:
+        notes.append(f"the live runtime answered the faults with {len(decided) + 1} policies; replayed under "
+                     f"{LIVE_POLICY.value}")
+    if policy is Policy.EXCISE:
+        notes.append("each lost rank is excised, not replaced: the survivors go on with the same global batch, "
+                     "the simulator's replicas one fewer per loss")
+    elif any(f.impact is FaultImpact.RANK_LOSS for f in run.faults):
         notes.append("a lost rank's replacement start is inside the measured consensus (survivors wait there for it); "
                      "no restart stage is added")
-    detections = [st[Stage.DETECTION] for st in cal.measured.values() if Stage.DETECTION in st]
-    scenario = _scenario(run, statistics.fmean(detections) if detections else cal.costs.detection_s)
+    # the replacement is asked for when the replayed policy's recoveries detected the loss
+    detections = [st[Stage.DETECTION] for p, st in cal.measured.items() if Stage.DETECTION in st and p is policy]
+    detections = detections or [st[Stage.DETECTION] for st in cal.measured.values() if Stage.DETECTION in st]
+    moved = (cal.state_bytes or {}).get(policy)
+    scenario = _scenario(run, statistics.fmean(detections) if detections else cal.costs.detection_s, policy,
+                         moved.bytes if moved is not None else None)
     # the calibration's reference is the simulated job itself (its shard), so each measured stage is used as measured
     w = derive_workload(scenario.workload, scenario.checkpointing, run.ranks, source=scenario.name)
     cal = replace(cal, costs=replace(scenario.recovery.recovery_costs(scenario.name),
                                      state_bytes_per_rank=w.state_bytes_per_rank))
+    as_measured = replace(cal, state_bytes=None)  # the simulated job is the recorded one: no shard to scale by
     if run.warmup_s > 0:
         notes.append(f"first-step warm-up {run.warmup_s:.3f} s is measured, not simulated: added to the prediction")
     unmeasured: list[str] = []
@@ -296,9 +328,9 @@ def replay_live(path: str | os.PathLike[str]) -> Replay:
     if closing:
         notes.append("the checkpoint after the last step is added (the simulation ends at the last commit)")
     result = simulate_training(
-        scenario, adjust=cal.adjust, timeline=True,
+        scenario, adjust=as_measured.adjust, timeline=True,
         step_faults=[StepFault(f.step, f.impact, f.rank, f.offset_s) for f in run.faults])
-    r = result.policies[LIVE_POLICY]
+    r = result.policies[policy]
     recoveries: list[float] = []
     for e in r.timeline:
         if e.kind == "stage" and e.stage is not None:
@@ -310,4 +342,4 @@ def replay_live(path: str | os.PathLike[str]) -> Replay:
         notes.append(f"the simulation recovered {len(recoveries)} times for {len(run.faults)} faults")
     comparisons = tuple(FaultComparison(f.step, f.downtime_s, p) for f, p in zip(run.faults, recoveries))
     return Replay(run=run, calibration=cal, faults=comparisons, simulated_wall_s=r.wall_s,
-                  predicted_total_s=r.wall_s + run.warmup_s + closing, notes=tuple(notes))
+                  predicted_total_s=r.wall_s + run.warmup_s + closing, notes=tuple(notes), policy=policy)

@@ -108,13 +108,52 @@ def training(
              ["spares used / scheduler", *[f"{r.spares_used} / {r.scheduler_replacements}" for r in pols]]]
     console.print(table("per policy, same fault trace", ["", *[r.policy.value for r in pols]], rows))
     if cal:
-        console.print(f"stage durations calibrated from {cal.source} ({cal.ranks} ranks)")
+        _print_calibration(cal)
     if replay:
         _print_replay(replay)
     elif no_replay:
         console.print(f"no live replay: {no_replay}")
     if trace:
         console.print(f"trace: {trace} (open in https://ui.perfetto.dev)")
+
+
+def _print_calibration(cal: Any) -> None:
+    """Per policy, which stages the recording measured and which stayed the model's defaults;
+    the peer-copy model calibrated from the recorded copies, predicted against measured."""
+    from meshpact.core.recovery import Policy, Stage
+    from meshpact.simulator.calibrate import Provenance
+
+    console.print(f"stage durations calibrated from {cal.source} ({cal.ranks} ranks)")
+    pols = [p for p in Policy]
+    rows: list[list[Any]] = [["recoveries recorded", *[cal.recoveries.get(p, 0) for p in pols]]]
+    for stage in Stage.ordered():
+        if stage is Stage.REPLAY:
+            continue
+        cells = []
+        for p in pols:
+            src = cal.provenance(p).get(stage)
+            cells.append("-" if src is None else f"{cal.measured[p][stage]:.3g} s" if src is Provenance.RECORDING
+                         else "model")
+        rows.append([stage.value, *cells])
+    moved = cal.state_bytes or {}
+    rows.append(["state bytes moved (mean)", *[f"{moved[p].bytes / 1e6:.3g} MB" if p in moved else "-" for p in pols]])
+    console.print(table("calibration: measured (s) or the cost model's default", ["", *[p.value for p in pols]], rows))
+    pc = cal.peer_copy
+    if pc is None:
+        return
+    m = pc.measured
+
+    def err(x: float) -> str:
+        return "-" if x == float("inf") else f"{x:+.1%}"
+
+    console.print(f"peer copies (K={m.copies}): {m.bytes_per_commit / 1e6:.3g} MB per rank and commit, shipped in "
+                  f"{m.ship_s * 1e3:.1f} ms (calibrated peer_bytes_per_s {pc.costs.peer_bytes_per_s / 1e6:.3g} MB/s), "
+                  f"step {m.step_s * 1e3:.1f} ms; overlap fraction {pc.costs.peer_copy_overlap_fraction:g} (not fitted)")
+    console.print(table("peer-copy overhead per step: measured against the calibrated model",
+                        ["", "measured", "model", "error"],
+                        [["seconds per step", f"{m.measured_s_per_step * 1e3:.2f} ms", f"{pc.predicted_s_per_step * 1e3:.2f} ms",
+                          err(pc.error)],
+                         ["step latency", f"{pc.measured_overhead:+.2%}", f"{pc.predicted_overhead:+.2%}", ""]]))
 
 
 def _print_replay(replay: Any) -> None:
