@@ -20,7 +20,7 @@ from meshpact.app.format import count, duration
 from meshpact.app.policies import compare_policies
 from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
-from meshpact.core.scenario import SERVING_REQUESTS
+from meshpact.core.scenario import SERVING_REQUESTS, Deployment
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recovery import RecoveryBreakdown
 from meshpact.simulator.serving import expected_tokens_per_pass
@@ -53,7 +53,6 @@ def sweep(text: str, source: str, knob: str, values: tuple, flags: tuple) -> pd.
 def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma: int,
                 acceptance: float) -> pd.DataFrame:
     """Throughput per deployment, concurrency and request, plain and speculative (γ, acceptance)."""
-    from meshpact.core.scenario import Deployment
     from meshpact.simulator.batching import simulate_deployment
 
     rows = []
@@ -192,8 +191,9 @@ with serving:
     if kept is not None and kept[0] == dkey:
         frame = kept[1]
         left, right = st.columns(2)
-        for col, deployment, what in ((left, "requests", "whole requests spill once host 1's slots are full"),
-                                      (right, "model", "the decoder split across the hosts: every step crosses")):
+        for col, deployment, what in (
+                (left, Deployment.REQUESTS.value, "whole requests spill once host 1's slots are full"),
+                (right, Deployment.MODEL.value, "the decoder split across the hosts: every step crosses")):
             col.markdown(f"**{deployment}**: {what}")
             col.dataframe(frame[frame["deployment"] == deployment].drop(columns="deployment"), hide_index=True,
                           column_config={"speculative gain": st.column_config.NumberColumn(format="percent")})

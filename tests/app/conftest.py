@@ -1,11 +1,15 @@
 """What the browser tests share: the dashboard served on loopback and one headless Chromium,
-each once per test module."""
+each once per test module, and a fresh page per test."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
-from meshpact.app.serve import chromium_path, dashboard_server
+from meshpact.app.serve import chromium_path, dashboard_server, settle
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"  # screenshots
 
 
 @pytest.fixture(scope="module")
@@ -25,3 +29,14 @@ def browser():
         b = pw.chromium.launch(executable_path=exe, headless=True, args=["--no-sandbox"])
         yield b
         b.close()
+
+
+@pytest.fixture
+def user(browser, server):
+    """A fresh session at a first-time user's window size (1400x900), the page drawn."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg = browser.new_page(viewport={"width": 1400, "height": 900})
+    pg.goto(server)
+    settle(pg)
+    yield pg
+    pg.close()

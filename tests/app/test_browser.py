@@ -37,17 +37,6 @@ def page(browser):
     pg.close()
 
 
-@pytest.fixture
-def user(browser, server):
-    """A fresh browser session at a first-time user's window size (1400x900)."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    pg = browser.new_page(viewport={"width": 1400, "height": 900})
-    pg.goto(server)
-    settle(pg)
-    yield pg
-    pg.close()
-
-
 def _settle(pg) -> None:  # noqa: ANN001 (a playwright Page)
     settle(pg)
     pg.wait_for_timeout(800)

@@ -27,17 +27,6 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
 CANVAS = 'iframe[title$="mesh_canvas"]'
 
 
-@pytest.fixture
-def user(browser, server):
-    """A fresh session at a first-time user's window size (1400x900), the page drawn."""
-    ARTIFACTS.mkdir(exist_ok=True)
-    pg = browser.new_page(viewport={"width": 1400, "height": 900})
-    pg.goto(server)
-    settle(pg)
-    yield pg
-    pg.close()
-
-
 def _canvas(pg, i: int = -1):  # noqa: ANN001, ANN202 (a playwright Page and Frame)
     frames = pg.locator(CANVAS)
     handle = frames.nth(frames.count() - 1 if i < 0 else i).element_handle()
