@@ -50,23 +50,23 @@ def sweep(text: str, source: str, knob: str, values: tuple, flags: tuple) -> pd.
     return goodput_curve(parse_scenario_text(text, source), knob, values, dict(flags))
 
 
-def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma: int,
-                acceptance: float) -> pd.DataFrame:
+def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma: int, acceptance: float,
+                progress: Callable[[int, int], None]) -> pd.DataFrame:
     """Throughput per deployment, concurrency and request, plain and speculative (γ, acceptance)."""
     from meshpact.simulator.batching import simulate_deployment
 
     rows = []
-    for deployment in (d.value for d in Deployment):
-        for c in CONCURRENCY:
-            for req in reqs:
-                flags = {"model": model, "concurrency": int(c), "request": req, "requests": n, "link_gbps": gbps}
-                plain = simulate_deployment(serve, deployment, **flags)
-                spec = simulate_deployment(serve, deployment, gamma=gamma, acceptance=acceptance, **flags)
-                rows.append({"deployment": deployment, "concurrency": int(c), "request": req,
-                             "tok/s": plain.throughput_tok_s, "tok/s speculative": spec.throughput_tok_s,
-                             "speculative gain": spec.throughput_tok_s / plain.throughput_tok_s - 1.0,
-                             "result bytes/token": plain.result_bytes / max(plain.remote_tokens, 1),
-                             "speculative result bytes/token": spec.result_bytes / max(spec.remote_tokens, 1)})
+    points = [(d.value, c, r) for d in Deployment for c in CONCURRENCY for r in reqs]
+    for done, (deployment, c, req) in enumerate(points, 1):
+        flags = {"model": model, "concurrency": int(c), "request": req, "requests": n, "link_gbps": gbps}
+        plain = simulate_deployment(serve, deployment, **flags)
+        spec = simulate_deployment(serve, deployment, gamma=gamma, acceptance=acceptance, **flags)
+        rows.append({"deployment": deployment, "concurrency": int(c), "request": req,
+                     "tok/s": plain.throughput_tok_s, "tok/s speculative": spec.throughput_tok_s,
+                     "speculative gain": spec.throughput_tok_s / plain.throughput_tok_s - 1.0,
+                     "result bytes/token": plain.result_bytes / max(plain.remote_tokens, 1),
+                     "speculative result bytes/token": spec.result_bytes / max(spec.remote_tokens, 1)})
+        progress(done, len(points))
     return pd.DataFrame(rows)
 
 
@@ -182,12 +182,11 @@ with serving:
     dkey = (skey, int(gamma), float(acceptance))
     if both and reqs:
         try:
-            with st.spinner("Simulating both deployments…"):
-                st.session_state["deployments"] = (dkey, deployments(serve, model, tuple(reqs), float(gbps), int(n),
-                                                                     int(gamma), float(acceptance)))
+            cached_run("deployments", dkey, "Simulating both deployments…", lambda p: deployments(
+                serve, model, tuple(reqs), float(gbps), int(n), int(gamma), float(acceptance), p))
         except MeshpactError as exc:
             st.error("**The deployment comparison failed.**\n\n" + message_markdown(str(exc)))
-    kept = st.session_state.get("deployments")
+    kept = st.session_state.get("simulate_results", {}).get("deployments")
     if kept is not None and kept[0] == dkey:
         frame = kept[1]
         left, right = st.columns(2)
