@@ -150,7 +150,11 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
     ``reference_dir`` holding ``final-rank<r>.pt`` from an earlier fault-free run of the same
     workload, ranks and steps is compared against instead of running the reference again.
     """
-    workload = check_workload(cfg.workload, cfg.ranks).path  # one clear line before any rank starts
+    checked = check_workload(cfg.workload, cfg.ranks)  # one clear line before any rank starts
+    if cfg.on_rank_loss == "excise" and len(checked.mesh.shape) > 1:
+        raise WorkloadError(f"{checked.path}: --on-rank-loss excise re-shards a 1-D FSDP mesh only; this workload's "
+                            f"MESH is {list(checked.mesh.shape)} (use --on-rank-loss replace)")
+    workload = checked.path
     if work_dir is not None or recording_path is None:
         return _run_trial(cfg, workload, recording_path, work_dir, reference_dir)
     with tempfile.TemporaryDirectory(prefix="meshpact-trial-") as scratch:

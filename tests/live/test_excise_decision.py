@@ -126,3 +126,17 @@ def test_an_unknown_rank_loss_policy_is_refused():
 
     with pytest.raises(MeshpactError, match="--on-rank-loss must be replace or excise, got 'shrink'"):
         TrialConfig(on_rank_loss="shrink")
+
+
+def test_an_excising_trial_on_a_two_dimensional_mesh_is_refused_before_any_rank_starts():
+    from pathlib import Path
+
+    from meshpact.live.recovery.trial import run_trial
+    from meshpact.live.recovery.trialconfig import TrialConfig
+    from meshpact.live.recovery.workload import WorkloadError
+
+    hsdp = Path(__file__).resolve().parents[2] / "scenarios" / "workloads" / "llama_hsdp.py"
+    cfg = TrialConfig(ranks=4, steps=8, checkpoint_every=4, faults=1, fault_kind="kill", on_rank_loss="excise",
+                      workload=str(hsdp))
+    with pytest.raises(WorkloadError, match=r"1-D FSDP mesh only; this workload's MESH is \[2, 2\]"):
+        run_trial(cfg)
