@@ -391,7 +391,7 @@ class Resilient:
         s.publish_standby(self._job_groups(), silent_s)
         t_agree = time.perf_counter()
         decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
-                         max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies,
+                         max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies if s.peer_server is not None else 0,
                          replacement_rounds=s.config.replacement_rounds, on_rank_loss=self.on_rank_loss,
                          alive=s.alive or None)
         t_end = time.perf_counter()

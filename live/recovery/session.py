@@ -261,7 +261,9 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
                       protected_sockets=comm.socket_fds(),
                       store_ports=(int(os.environ["MASTER_PORT"]), control.port),
                       store_addr=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
-    if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
+    # peer restore is verified bit-identical on a 1-D mesh only (a 2x2 HSDP replacement restored from its
+    # peer differed): elsewhere a lost rank takes the checkpoint, which is
+    if config.peer_copies > 0 and len(session.mesh_shape) == 1:  # serving before any proposal
         from . import peers
 
         session.peer_server = peers.PeerServer(peers.peer_address(), config.peer_copy_timeout_s)
