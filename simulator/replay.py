@@ -89,7 +89,7 @@ class LiveRun:
     checkpoint_s: float
     checkpoints: int
     total_s: float  # the training loop, slowest rank: first step begun to last step committed
-    first_step_s: float  # the first step, slowest rank
+    first_step_s: float  # the first step of the rank whose loop took longest
     faults: tuple[LiveFault, ...]
     unrecovered: int = 0  # faults injected with no recovery at their step (nothing to compare; not replayed)
 
@@ -231,13 +231,16 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
     if not slowest_write:
         raise RecordingError(f"{path}: no checkpoint write times ('checkpoint' events with seconds); {need}")
     fault_steps = {step for _, step, _, _, _ in injected}
-    slowest = [max(v[2][s] for v in full.values()) for s in range(steps)]
-    clean = [slowest[s] for s in range(1, steps) if s not in fault_steps and (s + 1) % every != 0]
+    # the rank whose loop took longest sets the measured total; its own steps give the step time. A
+    # per-step maximum over ranks would not: under load each rank's descheduled steps fall on
+    # different steps, and their maxima add up to more than any rank's loop took
+    critical = max(full.values(), key=lambda v: sum(v[2]))[2]
+    clean = [critical[s] for s in range(1, steps) if s not in fault_steps and (s + 1) % every != 0]
     if not clean:
         raise RecordingError(f"{path}: no step without a fault or a checkpoint to measure the step time from; "
                              "record more steps")
     step_s = statistics.fmean(clean)
-    warmup_s = max(0.0, slowest[0] - step_s) if 0 not in fault_steps else 0.0
+    warmup_s = max(0.0, critical[0] - step_s) if 0 not in fault_steps else 0.0
     faults = []
     for index, step, rank, kind, t in sorted(injected):
         if step not in recovered:
@@ -251,7 +254,7 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
     return LiveRun(source=str(path), ranks=ranks, steps=steps, checkpoint_every=every,
                    fault_kind=str(header.get("fault_kind", "")), step_s=step_s, warmup_s=warmup_s,
                    checkpoint_s=statistics.fmean(slowest_write.values()), checkpoints=len(slowest_write),
-                   total_s=max(sum(v[2]) for v in full.values()), first_step_s=slowest[0], faults=tuple(faults),
+                   total_s=sum(critical), first_step_s=critical[0], faults=tuple(faults),
                    unrecovered=len(injected) - len(faults))
 
 

@@ -2,7 +2,7 @@
 
 :class:`TrialResult` holds what the parent collected from every rank (their results and
 their event logs, as :class:`~meshpact.core.recording.Event` records with wall times) and
-derives the numbers: one entry per recovered fault with its stage durations (slowest rank),
+derives the numbers: one entry per recovered fault with its stage durations (critical path),
 downtime per policy against the fault's own injection time, operations the retired groups
 received, and the ``--json`` summary. :func:`compare_final` is the bit-identity check: every
 tensor of every rank's final state (parameter shards, optimizer state and generators) with
@@ -23,6 +23,11 @@ from meshpact.core.recovery import Policy, Stage
 from .faults import Fault, FaultKind
 from .outcome import FaultRecord, RankOutcome
 from .trialconfig import TrialConfig
+
+# the stages a recovery's events end, after detection (measured from the injection) and before
+# any replay (derived by the simulator from the steps lost); a replacement's start is inside the
+# survivors' consensus, which waits for it
+_SEGMENT_STAGES = frozenset({Stage.CONSENSUS, Stage.COMMUNICATOR, Stage.REBINDING, Stage.STATE})
 
 __all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "compare_final", "recovery_span"]
 
@@ -79,9 +84,17 @@ class TrialResult:
         return self.faulted_events
 
     def recoveries(self) -> list[dict[str, Any]]:
-        """One entry per recovered fault: policy, downtime and stage durations (slowest rank)."""
+        """One entry per recovered fault: policy, downtime and its stages along the critical path.
+
+        Detection lasts from the injection until every survivor knew. Each later stage ends when
+        the last rank ended it: the ranks' events of one kind (decided, rebuilt, rebound,
+        retained or reloaded, ready, the first collective) end a segment at the latest of them,
+        and the segment since the previous one is that stage's. So the stages add up to the
+        downtime (less any replay, a stage of its own that the simulator derives from the steps
+        lost), and a rank that waited inside one stage for a slower rank's earlier stage is not
+        counted twice, as a sum of per-stage maxima over ranks would."""
         by_gen: dict[int, list[dict]] = {}
-        per_rank: dict[tuple[int, int, str], float] = {}
+        ends: dict[int, dict[tuple[EventKind, Stage], float]] = {}  # gen -> (event kind, stage) -> last rank's end
         gen_of: dict[tuple[int, int], int] = {}
         incarnation_of: dict[int, int] = {}
         for ev in sorted(self.faulted_events, key=lambda e: e.t):
@@ -93,13 +106,15 @@ class TrialResult:
             gen = gen_of.get(key_rank)
             if ev.event == EventKind.RECOVERY_DONE:
                 by_gen.setdefault(ev.data["generation"], []).append(dict(ev.data))
-            elif gen is not None and ev.stage is not None and "seconds" in ev.data:
-                key = (gen, ev.rank or 0, ev.stage.value)
-                per_rank[key] = per_rank.get(key, 0.0) + float(ev.data["seconds"])
-        stage_by_gen: dict[int, dict[str, float]] = {}
-        for (gen, _, stage), sec in per_rank.items():
-            d = stage_by_gen.setdefault(gen, {})
-            d[stage] = max(d.get(stage, 0.0), sec)
+            elif gen is None:
+                continue
+            elif ev.event == EventKind.FIRST_COLLECTIVE:  # part of the communicator stage (new group + first collective)
+                key = (ev.event, Stage.COMMUNICATOR)
+                t_done = float(ev.data.get("t_done_wall", ev.t))
+                ends.setdefault(gen, {})[key] = max(ends.get(gen, {}).get(key, t_done), t_done)
+            elif ev.stage in _SEGMENT_STAGES and "seconds" in ev.data:
+                key = (ev.event, ev.stage)
+                ends.setdefault(gen, {})[key] = max(ends.get(gen, {}).get(key, ev.t), ev.t)
         out = []
         for gen in sorted(by_gen):
             recs = by_gen[gen]
@@ -107,16 +122,16 @@ class TrialResult:
                 continue
             step = min(r["step"] for r in recs)
             t_inject = self._inject_time(step)
-            stages = dict(stage_by_gen.get(gen, {}))
             t_detect, t_resumed = recovery_span(recs)
-            # The detection stage lasts until every survivor knew (the stage's definition); the
-            # recovery clock below starts when the first one did.
             t_all_knew = max(r["t_detect_wall"] for r in recs)
-            stages[Stage.DETECTION.value] = max(0.0, t_all_knew - t_inject) if t_inject else 0.0
-            # A new communicator is not ready until its first collective has run on every rank: that
-            # collective is part of the communicator stage, as in the benchmark's "new group + first collective".
+            stages: dict[str, float] = {Stage.DETECTION.value: max(0.0, t_all_knew - t_inject) if t_inject else 0.0}
+            t_prev = t_all_knew
+            for (_, stage), t_end in sorted(ends.get(gen, {}).items(), key=lambda kv: kv[1]):
+                if t_end > t_resumed:  # a rank's event after this recovery ended is not part of it
+                    continue
+                stages[stage.value] = stages.get(stage.value, 0.0) + max(0.0, t_end - t_prev)
+                t_prev = max(t_prev, t_end)
             first_collective_s = max(r["t_resumed_wall"] - r["t_first_collective_wall"] for r in recs)
-            stages[Stage.COMMUNICATOR.value] = stages.get(Stage.COMMUNICATOR.value, 0.0) + first_collective_s
             out.append({"generation": gen, "step": step, "policy": recs[0]["policy"], "reason": recs[0]["reason"],
                         "stages_s": stages, "recovery_s": t_resumed - t_detect,
                         "detection_s": max(0.0, t_detect - t_inject) if t_inject else 0.0,

@@ -46,3 +46,6 @@ def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery()
         # lasts until every rank knew, so it is never shorter
         assert r["downtime_s"] == pytest.approx(r["detection_s"] + r["recovery_s"], abs=1e-6)
         assert r["stages_s"]["detection"] >= r["detection_s"]
+        # the stages follow the critical path: together they are the downtime, nothing counted twice
+        assert sum(r["stages_s"].values()) == pytest.approx(r["downtime_s"], abs=1e-6)
+        assert {"consensus", "communicator", "rebinding", "state"} <= set(r["stages_s"])
