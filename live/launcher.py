@@ -12,6 +12,10 @@ A worker function takes one ``dict`` of JSON arguments and returns a JSON-serial
 the launcher collects each rank's value. Everything stops by itself: a deadline kills every
 child still running, and so does leaving the ``with`` block or the interpreter.
 
+Warm starts (``forkserver=``, a :class:`~meshpact.live.forkserver.ForkServer`): the first
+process of each rank (and each spare) is forked from a process that imported torch once
+instead of starting a fresh interpreter; replacements always start fresh.
+
 Warm spares (``spares=N``): N more processes of the same target start with the ranks and wait
 idle, warmed up (imports done), in :func:`await_promotion`; when a rank dies,
 :meth:`Launch.promote` hands its rank to a waiting spare (a file in the launch's directory,
@@ -35,11 +39,14 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 
 from .store import host_store
+
+if TYPE_CHECKING:
+    from .forkserver import ForkedProcess, ForkServer
 
 __all__ = [
     "LaunchError",
@@ -132,6 +139,7 @@ class Launch:
         prefix: Callable[[int], Sequence[str]] | None = None,
         python: str = sys.executable,
         spares: int = 0,
+        forkserver: "ForkServer | None" = None,
     ) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
@@ -149,12 +157,13 @@ class Launch:
         self._extra_env = env
         self._prefix = prefix
         self._python = python
+        self._forkserver = forkserver
         self._dir = Path(tempfile.mkdtemp(prefix="meshpact-launch-"))
-        self._procs: dict[int, subprocess.Popen] = {}
+        self._procs: dict[int, "subprocess.Popen | ForkedProcess"] = {}
         self._incarnation: dict[int, int] = {}
         self._stderr: dict[int, Any] = {}
         self.spares = spares
-        self._spares: dict[int, tuple[subprocess.Popen, Any]] = {}  # index -> waiting spare, its stderr
+        self._spares: dict[int, tuple["subprocess.Popen | ForkedProcess", Any]] = {}  # index -> waiting spare, its stderr
         self._deadline = time.monotonic() + self.timeout_s
         atexit.register(self.kill_all)
 
@@ -182,7 +191,13 @@ class Launch:
                "--target", self.target]
         name = f"spare{spare}" if spare is not None else f"{rank}-{incarnation}"
         err = open(self._dir / f"stderr-{name}.txt", "w+b")
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        proc: "subprocess.Popen | ForkedProcess"
+        # a first process of a rank may start warm (forked); a replacement is a real new process
+        if (self._forkserver is not None and incarnation == 0 and self._prefix is None
+                and self._python == sys.executable and self._forkserver.accepts(env)):
+            proc = self._forkserver.spawn(["--target", self.target], env, str(self._dir / f"stderr-{name}.txt"))
+        else:
+            proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         if spare is not None:
             self._spares[spare] = (proc, err)
             return
@@ -421,8 +436,15 @@ def echo(args: dict) -> dict:
     store.wait(["echo/go"])
     if args.get("exit_code"):
         sys.exit(int(args["exit_code"]))
+    time.sleep(float(args.get("sleep_s", 0)))
+    if args.get("raise"):
+        raise RuntimeError(str(args["raise"]))
+    import random
+
     return {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
-            "pid": os.getpid(), "args": args, "incarnation": incarnation}
+            "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "args": args, "incarnation": incarnation,
+            "draw": random.random(), "env": {k: os.environ.get(k) for k in args.get("report_env", ())},
+            "threads": __import__("torch").get_num_threads()}
 
 
 if __name__ == "__main__":  # pragma: no cover

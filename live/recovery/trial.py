@@ -27,6 +27,7 @@ from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import Event, EventKind, RecordingWriter
 from meshpact.core.recovery import Policy, Stage
 
+from ..forkserver import ForkServer
 from ..launcher import Launch, LaunchError, host_store
 from .analysis import ExcisionPlan, ExcisionResult, TrialResult, compare_final
 from .consensus import declared_lost, mark_gone
@@ -44,8 +45,8 @@ EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excisin
 
 
 def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: JsonObject,
-         netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter
-         ) -> tuple[list[RankOutcome], int, float]:
+         netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter,
+         forkserver: ForkServer | None = None) -> tuple[list[RankOutcome], int, float]:
     out_dir = Path(extra.get("out_dir", work / tag))
     out_dir.mkdir(parents=True, exist_ok=True)
     args = {"steps": cfg.steps, "checkpoint_every": cfg.checkpoint_every, "data_timeout_s": cfg.data_timeout_s,
@@ -91,7 +92,8 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
                                  "MESHPACT_CONTROL_PORT": str(control.port)})
         watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording)
     t_launch = time.time()
-    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)), **kw) as job:
+    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
+                forkserver=forkserver, **kw) as job:
         results = job.wait(on_exit=on_exit, on_tick=watch)
     bad = [r for r in results if not r.ok and r.rank not in gone]
     if bad:
@@ -177,6 +179,18 @@ def _partition_hosts(cfg: TrialConfig) -> Iterator[tuple[NetnsPair | None, dict[
             proc.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def _warm_starts(netns: NetnsPair | None) -> Iterator[ForkServer | None]:
+    """A fork server for the runs whose rank starts are not measured (the reference, the faulted
+    run's first processes, the excising reference); none where ranks start inside network
+    namespaces (a command prefix, which a fork cannot take)."""
+    if netns is not None:
+        yield None
+        return
+    with ForkServer() as server:
+        yield server
+
+
 def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLike[str] | None,
                work_dir: str | os.PathLike[str] | None, reference_dir: str | os.PathLike[str] | None) -> TrialResult:
     if cfg.fault_kind is FaultKind.PARTITION or cfg.two_hosts:
@@ -197,22 +211,22 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                          fault_kind=cfg.fault_kind.value, faults=len(faults), workload=workload,
                          checkpoint_every=cfg.checkpoint_every) as rec:
         t0_wall = time.time() - rec.now()
-        with _partition_hosts(cfg) as (netns, stores):
+        with _partition_hosts(cfg) as (netns, stores), _warm_starts(netns) as warm:
             ref_dir = Path(reference_dir) if reference_dir else work / "reference"
             if reference_dir and all((ref_dir / f"final-rank{r}.pt").exists() for r in range(cfg.ranks)):
                 reference: list[RankOutcome] = []
             else:
                 reference, _, _ = _run(cfg, workload, "reference", ref_dir.parent, (),
                                        {"checkpoint_dir": str(ref_dir.parent / "ref-checkpoints"),
-                                        "out_dir": str(ref_dir)}, netns, stores, rec)
+                                        "out_dir": str(ref_dir)}, netns, stores, rec, warm)
             faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults,
                                             {"drill": cfg.baselines and not cfg.excising, "spares": cfg.spare_ranks},
-                                            netns, stores, rec)
+                                            netns, stores, rec, warm)
             excision = None
             if cfg.excising:  # the same ranks leave at the same steps, with no fault: the excising reference
                 plan = _excisions_of(read_rank_events(work / "faulted"))
-                excision = _excising_reference(cfg, workload, work, plan, faulted, ref_dir)
-            if cfg.baselines and not cfg.excising:
+                excision = _excising_reference(cfg, workload, work, plan, faulted, ref_dir, warm)
+            if cfg.baselines and not cfg.excising:  # a cold restart starts fresh interpreters (not warm)
                 drill = faulted[0].drill
                 assert drill is not None, "the faulted run ends with a drill when baselines are on"
                 cold, _, cold_launch = _run(cfg, workload, "cold", work, (), {"cold_from": drill.checkpoint_step},
@@ -253,7 +267,8 @@ def _excisions_of(events: list[Event]) -> list[ExcisionPlan]:
 
 
 def _excising_reference(cfg: TrialConfig, workload: str, work: Path, plan: list[ExcisionPlan],
-                        survivors: list[RankOutcome], unfailed_dir: Path) -> ExcisionResult:
+                        survivors: list[RankOutcome], unfailed_dir: Path,
+                        forkserver: ForkServer | None = None) -> ExcisionResult:
     """Run :func:`~meshpact.live.recovery.reshard.excision_drill` in reference mode (no fault:
     each lost rank hands over its copy and leaves before the step the faulted run excised it
     at) and compare every survivor's final state with it bitwise; the survivors' whole tensors
@@ -271,7 +286,8 @@ def _excising_reference(cfg: TrialConfig, workload: str, work: Path, plan: list[
             "excisions": [{"step": p.step, "rank": r} for p in plan for r in p.lost],
             "data_timeout_s": cfg.recovery().group_create_s, "min_ranks": cfg.min_ranks,
             "checkpoint_dir": str(out / "checkpoints")}
-    with Launch(EXCISION_WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, env=lambda r: env) as job:
+    with Launch(EXCISION_WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, env=lambda r: env,
+                forkserver=forkserver) as job:
         results = job.wait()
     del control
     bad = [r for r in results if not r.ok]

@@ -1,0 +1,304 @@
+"""Fork server: rank processes started warm, forked from a process that imported torch once.
+
+A rank started as a fresh interpreter spends about two seconds of CPU importing torch before
+it runs a line of the job: four ranks on a two-core machine take about four seconds to start.
+A :class:`ForkServer` is one helper process that imports the heavy, environment-independent
+modules (``torch``, ``torch.distributed`` and its FSDP and DTensor packages) once and then
+forks each rank on request, so a rank's start is a ``fork`` plus the job's own imports. Each
+child becomes what ``python -m meshpact.live.launcher --target ...`` would have been: its
+own session (``setsid``), the launcher's environment (replacing the server's wholesale), its
+stderr in the launcher's file, stdin and stdout on ``/dev/null``, Python's and NumPy's global
+generators seeded afresh from the OS as a new interpreter's are; then the launcher's
+``_main`` runs and its return code is the child's exit status.
+
+Forking is safe only from a single-threaded process: the server runs with
+``OMP_NUM_THREADS=1`` (so neither OpenMP nor OpenBLAS starts a pool at import), checks that
+it has one thread before it says ready, and serves only launches whose ranks ask for the
+same (the launcher's default). Anything else (another interpreter, a command prefix such as
+``ip netns exec``, other thread counts) starts fresh interpreters as before.
+
+Where a start must be measured as a real process start — a replacement for a killed rank, a
+cold restart — the launcher starts a fresh interpreter even when a server is at hand, so
+warm starts never flatter a recovery figure.
+
+The protocol is JSON lines on the server's stdin (requests) and stdout (replies): a request
+``{"id", "argv", "env", "cwd", "stderr"}`` is answered ``{"id", "pid"}``; each child's end
+is reported ``{"exit": pid, "rc": code}`` (``-N`` for signal ``N``, as ``subprocess``
+reports it). The server exits when its stdin closes; the children it started are the
+launcher's to stop.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Mapping, Sequence
+
+from meshpact.core.errors import MeshpactError
+
+__all__ = ["ForkServer", "ForkedProcess", "PRELOAD", "SINGLE_THREAD_ENV"]
+
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor")
+SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}  # no thread pool at import: the server may fork
+_READY = b"READY\n"
+
+
+class ForkServerError(MeshpactError):
+    """The fork server did not start or stopped answering."""
+
+
+class ForkedProcess:
+    """A rank forked by the server, with the part of :class:`subprocess.Popen`'s interface the
+    launcher uses (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``)."""
+
+    def __init__(self, server: "ForkServer", pid: int) -> None:
+        self._server = server
+        self.pid = pid
+
+    def poll(self) -> int | None:
+        return self._server.returncode(self.pid)
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while (rc := self.poll()) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(f"forked rank pid {self.pid}", timeout or 0.0)
+            self._server.wait_for_exit(0.05)
+        return rc
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkServer:
+    """The launcher's side: start the server (``with ForkServer() as fs``), then
+    :meth:`spawn` ranks. ``accepts(env)`` says whether a rank with that environment may be
+    forked (its thread settings match the server's)."""
+
+    def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout_s: float = 120.0) -> None:
+        env = {**os.environ, **SINGLE_THREAD_ENV}
+        self._proc = subprocess.Popen([sys.executable, "-m", "meshpact.live.forkserver", *preload],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      env=env, start_new_session=True)
+        assert self._proc.stdin is not None and self._proc.stdout is not None
+        self._lock = threading.Lock()
+        self._changed = threading.Condition()
+        self._replies: dict[int, int] = {}  # request id -> pid
+        self._exits: dict[int, int] = {}  # pid -> return code
+        self._next_id = 0
+        self._start_timeout_s = start_timeout_s
+        self._reader: threading.Thread | None = None  # started once the server said it is ready
+
+    def _ready(self) -> None:
+        """Wait for the server's imports (they run while the launcher does its own set-up)."""
+        if self._reader is not None:
+            return
+        assert self._proc.stdout is not None
+        ready = _read_line(self._proc.stdout, self._start_timeout_s)
+        if ready != _READY:
+            self._proc.kill()
+            err = self._proc.stderr.read().decode("utf-8", "replace") if self._proc.stderr else ""
+            raise ForkServerError(f"the fork server did not start within {self._start_timeout_s:.0f} s "
+                                  f"(it said {ready!r}); its stderr ends: {err[-2000:]}")
+        self._reader = threading.Thread(target=self._read, name="meshpact-forkserver-replies", daemon=True)
+        self._reader.start()
+
+    @staticmethod
+    def accepts(env: Mapping[str, str]) -> bool:
+        return all(env.get(k) == v for k, v in SINGLE_THREAD_ENV.items())
+
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], stderr_path: str,
+              timeout_s: float = 30.0) -> ForkedProcess:
+        """Fork one child running ``python -m meshpact.live.launcher *argv`` with ``env``."""
+        with self._lock:
+            self._ready()
+            rid = self._next_id
+            self._next_id += 1
+            line = json.dumps({"id": rid, "argv": list(argv), "env": dict(env), "cwd": os.getcwd(),
+                               "stderr": stderr_path}) + "\n"
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.write(line.encode())
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError) as exc:
+                raise ForkServerError(f"the fork server is gone ({exc})") from None
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while rid not in self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._proc.poll() is not None:
+                    raise ForkServerError(f"the fork server did not fork a rank within {timeout_s:.0f} s")
+                self._changed.wait(min(left, 0.1))
+            return ForkedProcess(self, self._replies.pop(rid))
+
+    def returncode(self, pid: int) -> int | None:
+        with self._changed:
+            return self._exits.get(pid)
+
+    def wait_for_exit(self, timeout_s: float) -> None:
+        with self._changed:
+            self._changed.wait(timeout_s)
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for raw in self._proc.stdout:
+            try:
+                msg = json.loads(raw)
+            except ValueError:
+                continue
+            with self._changed:
+                if "exit" in msg:
+                    self._exits[int(msg["exit"])] = int(msg["rc"])
+                else:
+                    self._replies[int(msg["id"])] = int(msg["pid"])
+                self._changed.notify_all()
+
+    def close(self) -> None:
+        """Stop the server (its children are the launcher's to stop)."""
+        if self._proc.poll() is None:
+            try:
+                assert self._proc.stdin is not None
+                self._proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=5)
+        for stream in (self._proc.stdout, self._proc.stderr):
+            if stream is not None:
+                stream.close()
+
+    def __enter__(self) -> "ForkServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _read_line(stream: Any, timeout_s: float) -> bytes:
+    ready, _, _ = select.select([stream], [], [], timeout_s)
+    return stream.readline() if ready else b""
+
+
+# -- the server side ------------------------------------------------------------------------
+def _child(req: Mapping[str, Any]) -> int:
+    """In the forked child: become the rank the request describes and run it."""
+    os.setsid()
+    fd = os.open(str(req["stderr"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 2)
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    for f in (fd, null):
+        os.close(f)
+    os.chdir(str(req["cwd"]))
+    os.environ.clear()
+    os.environ.update({str(k): str(v) for k, v in req["env"].items()})
+    import random
+
+    random.seed()  # a new interpreter's generators are seeded from the OS, not shared with its siblings
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    from .launcher import _main
+
+    sys.argv = ["-m meshpact.live.launcher", *req["argv"]]
+    return _main(list(req["argv"]))
+
+
+def _fork(req: Mapping[str, Any], wake: tuple[int, int]) -> int:
+    pid = os.fork()
+    if pid:
+        return pid
+    rc = 1
+    try:
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        for f in wake:
+            os.close(f)
+        rc = _child(req)
+    except SystemExit as exc:
+        if isinstance(exc.code, int) or exc.code is None:
+            rc = int(exc.code or 0)
+        else:
+            print(exc.code, file=sys.stderr)
+            rc = 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(rc)
+
+
+def _serve(preload: Sequence[str]) -> int:
+    for name in preload:
+        importlib.import_module(name)
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 1
+    if threads != 1:
+        sys.stderr.write(f"fork server: {threads} threads after importing {', '.join(preload)}; forking is unsafe\n")
+        return 3
+    wake = os.pipe()
+    os.set_blocking(wake[1], False)
+    signal.set_wakeup_fd(wake[1])
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    out = sys.stdout.buffer
+
+    def reply(msg: Mapping[str, int]) -> None:
+        out.write(json.dumps(msg).encode() + b"\n")
+        out.flush()
+
+    out.write(_READY)
+    out.flush()
+    stdin = sys.stdin.buffer.fileno()
+    pending = b""
+    while True:
+        try:
+            ready, _, _ = select.select([stdin, wake[0]], [], [])
+        except InterruptedError:
+            continue
+        if wake[0] in ready:
+            try:
+                os.read(wake[0], 4096)
+            except BlockingIOError:
+                pass
+        while True:  # reap every child that ended
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            reply({"exit": pid, "rc": os.waitstatus_to_exitcode(status)})
+        if stdin in ready:
+            data = os.read(stdin, 1 << 16)
+            if not data:
+                return 0
+            pending += data
+            while b"\n" in pending:
+                line, pending = pending.split(b"\n", 1)
+                req = json.loads(line)
+                reply({"id": int(req["id"]), "pid": _fork(req, wake)})
+
+
+if __name__ == "__main__":
+    sys.exit(_serve(sys.argv[1:] or PRELOAD))

@@ -1,0 +1,76 @@
+"""Warm starts: ranks forked from a server that imported torch once behave as fresh ones would.
+
+What a stranger to the fork server would check: the children get the launcher's environment
+(not the server's), their own session, distinct random draws, their exit codes and signals as
+``subprocess`` reports them, and their traceback in the launcher's stderr tail; a replacement
+and a rank with other thread settings start as fresh interpreters instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from meshpact.live.forkserver import ForkServer
+from meshpact.live.launcher import Launch, LaunchError, launch
+
+pytestmark = pytest.mark.live
+
+ECHO = "meshpact.live.launcher:echo"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ForkServer() as fs:
+        yield fs
+
+
+def test_forked_ranks_get_the_launchers_environment_their_own_session_and_draws(server, monkeypatch):
+    monkeypatch.setenv("MESHPACT_PROBE", "from-the-launcher")  # set after the server started: only the request carries it
+    results = launch(ECHO, 3, {"report_env": ["MESHPACT_PROBE", "RANK", "OMP_NUM_THREADS"]}, timeout_s=60,
+                     forkserver=server)
+    values = [r.value for r in results]
+    assert [v["rank"] for v in values] == [0, 1, 2]
+    assert all(v["env"]["MESHPACT_PROBE"] == "from-the-launcher" for v in values)
+    assert [v["env"]["RANK"] for v in values] == ["0", "1", "2"]
+    assert all(v["ppid"] != os.getpid() for v in values)  # forked by the server, not started here
+    assert len({v["ppid"] for v in values}) == 1
+    assert all(v["sid"] == v["pid"] for v in values)  # each its own session: killpg reaches it alone
+    assert len({v["draw"] for v in values}) == 3  # Python's generator seeded afresh in each
+    assert all(v["threads"] == 1 for v in values)
+
+
+def test_exit_codes_signals_and_tracebacks_come_back_as_from_a_fresh_process(server):
+    with pytest.raises(LaunchError, match="exited with 3"):
+        launch(ECHO, 1, {"exit_code": 3}, timeout_s=60, forkserver=server)
+    with pytest.raises(LaunchError, match="(?s)exited with 1.*RuntimeError: a bug in the worker"):
+        launch(ECHO, 1, {"raise": "a bug in the worker"}, timeout_s=60, forkserver=server)
+    with Launch(ECHO, 2, {"sleep_s": 60}, timeout_s=60, forkserver=server) as job:
+        job.kill(1, signal.SIGKILL)
+        job.kill(0, signal.SIGTERM)
+        results = job.wait()
+    assert [r.returncode for r in results] == [-signal.SIGTERM, -signal.SIGKILL]
+    with Launch(ECHO, 1, {"timeout_s": 60}, timeout_s=60, forkserver=server) as job:
+        deadline = time.monotonic() + 30
+        while job.poll()[0] is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert job.poll()[0] == 0
+
+
+def test_a_replacement_and_other_thread_settings_start_fresh_interpreters(server):
+    replaced = []
+
+    def on_exit(job, rank, rc):
+        replaced.append((rank, rc))
+        job.replace(rank)
+
+    with Launch(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server) as job:
+        results = job.wait(on_exit=on_exit)
+    assert replaced == [(1, 3)]
+    first, second = (r.value for r in results)
+    assert first["ppid"] != os.getpid() and second["incarnation"] == 1
+    assert second["ppid"] == os.getpid()  # the replacement: a real new process of the launcher
+    two = launch(ECHO, 1, {}, timeout_s=90, forkserver=server, env=lambda r: {"OMP_NUM_THREADS": "2"})
+    assert two[0].value["ppid"] == os.getpid() and two[0].value["threads"] == 2
