@@ -5,7 +5,7 @@
 - :mod:`meshpact.live.spillover` — serving across the vendor boundary over a shaped link.
 
 Shared by all three: :mod:`~meshpact.live.launcher` (local ranks with a torchrun-compatible
-environment), :mod:`~meshpact.live.store` (stores that listen where they are told),
+environment; :mod:`~meshpact.live.forkserver` starts them warm), :mod:`~meshpact.live.store` (stores that listen where they are told),
 :mod:`~meshpact.live.backends` (capability detection), :mod:`~meshpact.live.netns` (two
 hosts on one machine).
 """
