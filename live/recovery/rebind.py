@@ -22,8 +22,9 @@ list :data:`SITES` was read off torch 2.13's source (``distributed_c10d.py``,
   closure of the step function the runtime was given, and the defaults torch evaluates at
   import (:data:`TORCH_IMPORT_DEFAULTS`: ``torch.distributed.nn.functional``'s
   ``group=group.WORLD`` holds whatever group was c10d's default when it was first imported,
-  the generation-0 group). Installed packages' globals are not scanned: that would cost every
-  recovery tens of milliseconds.
+  the generation-0 group). Installed packages' globals are not scanned (judged once per
+  top-level package), nor Meshpact's own modules (their groups live in the session): either
+  would cost every recovery milliseconds for nothing.
 
 A group held where no code can reach it, a plain local variable of a running function (its
 frame), cannot be rebound: :func:`held_in_frames` names each such variable so the runtime can
@@ -365,6 +366,13 @@ def _library(module: types.ModuleType) -> bool:
     return not path or any(part in path for part in _LIBRARY_DIRS) or path.startswith(_STDLIB)
 
 
+def _runtime_module(name: str) -> bool:
+    """Meshpact's own code: it keeps its groups in the session, never in a module global, so a
+    scan of its many modules would find nothing (a workload loaded from a path is named
+    ``meshpact_workload_*`` and is scanned)."""
+    return name == "meshpact" or name.startswith("meshpact.")
+
+
 def _default_slots(fn: Any, path: str, out: list[_Slot], is_group: Callable[[Any], bool]) -> None:
     if isinstance(fn, types.FunctionType) and (fn.__defaults__ or fn.__kwdefaults__):
         _function_slots(fn, path, out, set(), is_group, depth=0)
@@ -376,9 +384,13 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]]) -> list[_Slot]:
     out: list[_Slot] = []
     seen: set[int] = set()
     is_group = _group_matcher()
+    package_is_library: dict[str, bool | None] = {}  # by top-level package; None: judge each module
     for mod_name, module in list(sys.modules.items()):
+        top = mod_name.partition(".")[0]
+        if package_is_library.get(top) and mod_name not in TORCH_IMPORT_DEFAULTS:
+            continue  # most of sys.modules: a package already judged installed
         d = getattr(module, "__dict__", None)
-        if not isinstance(d, dict) or mod_name == _C10D_MODULE:
+        if not isinstance(d, dict) or mod_name == _C10D_MODULE or _runtime_module(mod_name):
             continue
         if mod_name in TORCH_IMPORT_DEFAULTS:
             for key, value in list(d.items()):
@@ -388,7 +400,12 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]]) -> list[_Slot]:
                     for attr, method in list(vars(value).items()):
                         _default_slots(method, f"{mod_name}.{key}.{attr}", out, is_group)
             continue
-        if _library(module):
+        if top not in package_is_library:
+            package = sys.modules.get(top)
+            located = package is not None and getattr(package, "__file__", None)
+            package_is_library[top] = _library(package) if located else None
+        library = package_is_library[top]
+        if library or (library is None and _library(module)):
             continue
         for key, value in list(d.items()):
             if key.startswith("__") or id(value) in seen:  # __builtins__ and the like; an alias

@@ -71,6 +71,22 @@ def user_module(tmp_path):
     del sys.modules[module.__name__]
 
 
+def test_a_group_in_a_namespace_package_of_the_users_is_rebound(tmp_path):
+    """Installed packages are judged once per top-level package; a namespace package (no
+    ``__file__`` at its top) is judged module by module, so the user's code in it is reached."""
+    top = types.ModuleType("meshpact_test_ns")  # a namespace package: no __file__
+    sub = types.ModuleType("meshpact_test_ns.models")
+    sub.__file__ = str(tmp_path / "models.py")
+    old, new = _group("ns_pg_g0"), _group("ns_pg_g1")
+    sub.PG = old
+    sys.modules.update({top.__name__: top, sub.__name__: sub})
+    try:
+        report = rebind_all([(old, new)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",))
+        assert report.counts["python.bindings"] == 1 and sub.PG is new
+    finally:
+        del sys.modules[sub.__name__], sys.modules[top.__name__]
+
+
 def test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_the_old_one_released(user_module):
     old, other, new = _group("user_pg_g0"), _group("other_pg_g0"), _group("user_pg_g1")
     ref = weakref.ref(old)
