@@ -60,7 +60,7 @@ def killed(tmp_path_factory):
     path = tmp_path_factory.mktemp("hsdp-slow-loader") / "llama_hsdp_slow_loader.py"
     path.write_text(_SLOW_LOADER)
     result = trial(ranks=4, steps=4, checkpoint_every=3, baselines=False, workload=str(path), faults=3,
-                   fault_kind="kill", peer_copies=1, spare_ranks=3)
+                   fault_kind="kill", peer_copies=1)
     assert [(f.rank, f.step) for f in result.faults] == [(0, 1), (1, 2), (2, 3)]
     return result
 
