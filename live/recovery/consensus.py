@@ -171,7 +171,7 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
     if broken:
         why = (f"rank(s) {broken} hold no intact state in memory (replacement process, or the "
                "digest differs from the one taken at the commit)")
-        plan = _peer_plan(proposals, world_size, broken, peer_copies)
+        plan = _peer_plan(proposals, broken, peer_copies)
         if isinstance(plan, str):
             return fallback(f"{why}; {plan}")
         step, sources = plan
@@ -193,11 +193,9 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
                     f"{group_generation}, committed step {step}, state intact", members, missing, raw)
 
 
-def _peer_plan(proposals: dict[int, Proposal], world_size: int, broken: list[int],
+def _peer_plan(proposals: dict[int, Proposal], broken: list[int],
                peer_copies: int) -> tuple[int, tuple[tuple[int, int], ...]] | str:
     """The newest step held for every rank and where each broken rank takes it from, or why none is."""
-    from .peers import placement
-
     if peer_copies < 1:
         return "no peer copies are kept (peer copies: 0)"
     options: dict[int, set[int]] = {}
@@ -208,16 +206,13 @@ def _peer_plan(proposals: dict[int, Proposal], world_size: int, broken: list[int
     for h, p in sorted(proposals.items()):
         for src, step in p.holds:
             held.setdefault(src, {}).setdefault(step, []).append(h)
-    hosts = [proposals[r].host for r in range(world_size)] if all(proposals[r].host for r in range(world_size)) \
-        else None
     lost = []
     for r in broken:
         options[r] = options[r] | set(held.get(r, {}))
         if not options[r]:
             lost.append(r)
     if lost:
-        return "; ".join(f"the state of rank {r} was lost with all its holder(s) "
-                         f"{list(placement(r, world_size, peer_copies, hosts))}" for r in lost)
+        return "; ".join(_no_copy(proposals, r, peer_copies) for r in lost)
     common = set.intersection(*options.values())
     if not common:
         return "no step is held for every rank: " + ", ".join(f"rank {r}: {sorted(o)}"
@@ -225,6 +220,27 @@ def _peer_plan(proposals: dict[int, Proposal], world_size: int, broken: list[int
     step = max(common)
     sources = tuple((r, r if step in set(proposals[r].own_steps) else held[r][step][0]) for r in broken)
     return step, sources
+
+
+def _no_copy(proposals: dict[int, Proposal], src: int, peer_copies: int) -> str:
+    """Why no rank holds ``src``'s state, naming its holders as the copier placed them (the ring
+    over the ranks now in the job, K capped at their number less one, other hosts first) and what
+    became of each: a replacement process (its copies went with the process it replaced) or a
+    live rank holding no copy of it (a copy that never arrived)."""
+    from .peers import placement
+
+    ranks = sorted(proposals)
+    hosts = [proposals[r].host for r in ranks] if all(proposals[r].host for r in ranks) else None
+    ring = placement(ranks.index(src), len(ranks), min(peer_copies, len(ranks) - 1), hosts)
+    holders = [ranks[i] for i in ring]
+    if not holders:
+        return f"no rank holds a copy of the state of rank {src}: no other rank is left to hold one"
+    gone = [h for h in holders if not proposals[h].intact and proposals[h].incarnation > 0]
+    empty = [h for h in holders if h not in gone]
+    if not empty:
+        return f"the state of rank {src} was lost with all its holder(s) {gone}"
+    why = f"no rank holds a copy of the state of rank {src}: its holder(s) {empty} are alive but hold none of it"
+    return why + (f", and {gone} were lost with it" if gone else "")
 
 
 def _excise_plan(proposals: dict[int, Proposal], lost: Sequence[int],

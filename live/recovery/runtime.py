@@ -464,6 +464,10 @@ class Resilient:
         else:
             if decision.policy is Policy.PEER_RESTORE:
                 if decision.holder_of(s.rank) is None and decision.step == self.committed_step and intact:
+                    # the generators as committed: the failed step may have drawn from them (on an N-D
+                    # mesh a rank whose own shard group lives runs its forward's dropout before the lost
+                    # rank's collective fails it), and the replay below takes them as the committed ones
+                    restore_rng(self._rng)
                     s.emit(EventKind.RETAINED, Stage.STATE, seconds=reset_s, action=StateAction.RETAIN.value,
                            state_intact=intact, checkpoint_step=decision.step)
                 else:  # back to its own snapshot, or (state not intact) a holder's copy: memory, no storage

@@ -261,9 +261,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
                       protected_sockets=comm.socket_fds(),
                       store_ports=(int(os.environ["MASTER_PORT"]), control.port),
                       store_addr=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
-    # peer restore is verified bit-identical on a 1-D mesh only (a 2x2 HSDP replacement restored from its
-    # peer differed): elsewhere a lost rank takes the checkpoint, which is
-    if config.peer_copies > 0 and len(session.mesh_shape) == 1:  # serving before any proposal
+    if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
         from . import peers
 
         session.peer_server = peers.PeerServer(peers.peer_address(), config.peer_copy_timeout_s)
@@ -284,7 +282,8 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         decision = agree(control, lambda g: Proposal(rank, g, -1, "", False, incarnation, holds=held,
                                                      host=session.host),
                          ckpt.latest if ckpt else (lambda limit: 0), max_rounds=config.max_rounds,
-                         peer_copies=config.peer_copies, replacement_rounds=config.replacement_rounds)
+                         peer_copies=config.peer_copies if session.peer_server is not None else 0,
+                         replacement_rounds=config.replacement_rounds)
         session.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
         t0 = time.perf_counter()
         session.generation = decision.round

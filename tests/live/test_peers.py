@@ -89,12 +89,32 @@ def test_without_peer_copies_a_replacement_means_a_checkpoint_restore():
     assert d.policy is Policy.CHECKPOINT_RESTORE and "peer copies: 0" in d.reason
 
 
-def test_placement_on_two_hosts_is_named_in_the_reason():
+def test_placement_on_two_hosts_is_named_in_the_reason_and_a_live_holder_is_not_called_lost():
     hosts = {0: "a", 1: "a", 2: "b", 3: "b"}
     props = {r: Proposal(r, 2, 9, "x", True, own_steps=(9,), host=hosts[r]) for r in (1, 2, 3)}
     props[0] = Proposal(0, 2, -1, "", False, incarnation=1, host="a")
     d = decide(props, 4, 2, 3, _latest, peer_copies=1)
-    assert d.policy is Policy.CHECKPOINT_RESTORE and "lost with all its holder(s) [2]" in d.reason
+    # rank 0's holder is rank 2 (the other host), which is alive: its copy never arrived, it was not lost
+    assert d.policy is Policy.CHECKPOINT_RESTORE
+    assert "state of rank 0: its holder(s) [2] are alive but hold none of it" in d.reason
+    assert "lost with" not in d.reason
+
+
+def test_after_an_excision_the_reason_names_the_holder_of_the_ring_over_the_ranks_left():
+    # rank 1 was excised; rank 3's state fails its check and nobody holds a copy: the copier's ring over
+    # (0, 2, 3) puts rank 3's copy on rank 0, one of the two holders asked for (K capped at ranks - 1)
+    props = {0: _survivor(0, holds=[(2, 9)]), 2: _survivor(2, holds=[(0, 9)]),
+             3: Proposal(3, 2, 9, "d3", False, own_steps=(), host="h")}
+    d = decide(props, 4, 2, 3, _latest, peer_copies=3, alive=(0, 2, 3))
+    assert d.policy is Policy.CHECKPOINT_RESTORE and d.members == (0, 2, 3)
+    assert "state of rank 3: its holder(s) [0, 2] are alive but hold none of it" in d.reason
+
+
+def test_a_holder_replaced_with_the_lost_rank_and_a_live_one_are_each_named_for_what_they_are():
+    props = {0: _survivor(0), 1: _replacement(1), 2: _replacement(2), 3: _survivor(3, holds=[(2, 9)])}
+    d = decide(props, 4, 2, 3, _latest, peer_copies=2)  # rank 1's copies were to go to ranks 2 and 3
+    assert d.policy is Policy.CHECKPOINT_RESTORE
+    assert "state of rank 1: its holder(s) [3] are alive but hold none of it, and [2] were lost with it" in d.reason
 
 
 def test_excise_is_decided_only_for_declared_ranks_when_the_job_asked_for_it():

@@ -1,17 +1,21 @@
-"""HSDP on a 2 x 2 (replicate x shard) mesh: both dimensions' groups rebuilt and rebound."""
+"""HSDP on a 2 x 2 (replicate x shard) mesh: both dimensions' groups rebuilt and rebound, and
+ranks killed in either replicate group restored from a peer's host memory, bit-identical."""
 
 from __future__ import annotations
 
 import pytest
 
+from meshpact.core.recording import EventKind
+
 from _recovery import assert_recovered, trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
+_RUN = dict(ranks=4, steps=6, checkpoint_every=3, baselines=False, workload="llama_hsdp")
+
 
 def test_llama_hsdp_recovers_in_memory_bit_identical_with_every_group_replaced():
-    result = trial(ranks=4, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False,
-                   workload="llama_hsdp")
+    result = trial(faults=2, fault_kind="collective", **_RUN)
     assert_recovered(result, "in_memory")
     for rank in result.faulted:
         retired = {r.group.rsplit("_g", 1)[0] for r in rank.retired}
@@ -23,3 +27,62 @@ def test_llama_hsdp_recovers_in_memory_bit_identical_with_every_group_replaced()
         # every retired group is released, the generation-0 ones included, and received nothing
         assert [r.group for r in rank.retired if r.alive] == []
         assert all(r.seq_ops_after == 0 for r in rank.retired), rank.retired
+
+
+# llama_hsdp with a data loader that takes a moment: every commit's copy has reached its holder before
+# the next step starts, so a killed rank's newest copy is held and the survivors keep their state in
+# memory (no roll back to their own snapshot), even though the failed step ran forward on some of them
+_SLOW_LOADER = """
+import time
+
+from meshpact.scenarios.workloads import llama_hsdp
+
+MESH = {"shape": [2, 2], "names": ["replicate", "shard"]}
+
+
+def build(mesh):
+    return llama_hsdp.build(mesh)
+
+
+def batch(step, rank):
+    time.sleep(0.5)
+    return llama_hsdp.batch(step, rank)
+
+
+def train_step(model, optimizer, batch):
+    return llama_hsdp.train_step(model, optimizer, batch)
+"""
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory):
+    """Kills of ranks 0, 1 and 2 at steps 1, 2 and 3: 0 and 1 in replicate group 0, 2 in group 1."""
+    path = tmp_path_factory.mktemp("hsdp-slow-loader") / "llama_hsdp_slow_loader.py"
+    path.write_text(_SLOW_LOADER)
+    result = trial(ranks=4, steps=4, checkpoint_every=3, baselines=False, workload=str(path), faults=3,
+                   fault_kind="kill", peer_copies=1)
+    assert [(f.rank, f.step) for f in result.faults] == [(0, 1), (1, 2), (2, 3)]
+    return result
+
+
+def test_llama_hsdp_kills_are_restored_from_peers_without_storage_bit_identical(killed):
+    s = assert_recovered(killed, "peer_restore")
+    assert s["policy_counts"]["peer_restore"] == 3 and s["policy_counts"]["checkpoint_restore"] == 0
+    assert s["replacement_processes"] == 3 and s["storage_bytes_read"] == 0 and s["final_world_size"] == 4
+    actions = [ev.data["action"] for ev in killed.events() if ev.event in (EventKind.RELOADED, EventKind.RETAINED)]
+    assert "reload_checkpoint" not in actions and actions.count("peer_recover") == 3  # only the replacements
+
+
+def test_llama_hsdp_a_kill_in_either_replicate_group_leaves_the_other_group_its_state(killed):
+    peer = {r["step"]: r for r in killed.recoveries() if r["policy"] == "peer_restore"}
+    for f in killed.faults:  # each from the rank the ring placed its copy on; nobody rolled back
+        assert f"rank {f.rank} <- rank {f.rank + 1}" in peer[f.step]["reason"], peer[f.step]
+        assert "roll back" not in peer[f.step]["reason"], ("the killed rank's newest copy had not reached its holder "
+                                                           f"within the loader's 0.5 s: {peer[f.step]}")
+    # the survivors that kept their state at each kill: every rank but the killed one, the other
+    # replicate group's included (ranks 2 and 3 for the kills of 0 and 1, ranks 0 and 1 for the kill of 2)
+    kept: dict[int, set[int]] = {}
+    for ev in killed.events():
+        if ev.event == EventKind.RETAINED and "checkpoint_step" in ev.data:
+            kept.setdefault(ev.data["checkpoint_step"], set()).add(ev.rank)
+    assert kept == {1: {1, 2, 3}, 2: {0, 2, 3}, 3: {0, 1, 3}}, kept
