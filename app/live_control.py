@@ -78,7 +78,7 @@ class RankRow:
     pid: int | None  # None: no live process (killed, not yet replaced, or finished)
     incarnation: int
     phase: str
-    state: str  # starting | held | training | recovering: <stage> | stopped | gone | done
+    state: str  # starting | held | training | recovering: <stage> | stopped | gone | excised | done
     step: int | None  # committed step
     generation: int | None
     collective: str  # the world group of the last committed step and its sequence number
@@ -104,9 +104,12 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
         if p.phase == phase and (p.rank not in newest or p.incarnation >= newest[p.rank].incarnation):
             newest[p.rank] = p
     mine: dict[int, list[RankEvent]] = {}
+    excised: set[int] = set()  # ranks the survivors decided to go on without
     for re in events:
         if re.phase == phase and re.event.rank is not None:
             mine.setdefault(re.event.rank, []).append(re)
+            if re.event.event == EventKind.DECIDED and re.event.data.get("policy") == "excise":
+                excised.update(int(r) for r in re.event.data.get("lost", ()))
     out = []
     for rank in range(world_size):
         proc = newest.get(rank)
@@ -130,7 +133,7 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
                 state = "training"
         last = evs[-1] if evs else None
         if proc is None:
-            state = "gone" if evs else "—"
+            state = "excised" if rank in excised else ("gone" if evs else "—")
         elif proc.stopped:
             state = "stopped"
         out.append(RankRow(rank, proc.pid if proc else None, proc.incarnation if proc else inc, phase, state, step,

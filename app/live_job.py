@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--heartbeat", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--on-rank-loss", choices=["replace", "excise"], default="replace")
     ap.add_argument("--work-dir", type=Path, default=None)
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
@@ -95,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = TrialConfig(ranks=a.ranks, steps=a.steps, faults=a.faults, fault_kind=a.fault_kind,
                           checkpoint_every=a.checkpoint_every, baselines=a.baselines, timeout_s=a.timeout_s,
-                          heartbeat=a.heartbeat)
+                          heartbeat=a.heartbeat, on_rank_loss=a.on_rank_loss,
+                          # the page finds each rank process by its environment (/proc/<pid>/environ): fresh
+                          # interpreters show theirs, processes forked from a warm server would show the server's
+                          warm_starts=False)
         result = run_trial(cfg, recording_path=a.record,
                            work_dir=None if a.work_dir is None else a.work_dir / TRIAL_DIR)
         out = {"ok": True, "summary": result.summary(), "recoveries": result.recoveries()}

@@ -68,7 +68,7 @@ with st.form("live_start"):
                                "partition: link down between network namespaces (needs root and iproute2; also what "
                                "makes the partition button of a row work)")
     every = k[4].number_input("checkpoint every (steps)", 1, 400, 10)
-    o = st.columns([1.1, 1, 1, 1.1])
+    o = st.columns([1.1, 1, 1, 1.1, 1])
     hold = o[0].toggle("hold before faulted run", value=True, key="live_hold",
                        help="The faulted run's ranks wait before their first step until you press Resume, "
                             "so you can inject a fault by hand first.")
@@ -80,6 +80,10 @@ with st.form("live_start"):
     baselines = o[3].toggle("checkpoint baselines", value=True, key="live_baselines",
                             help="After the faulted run, also measure a checkpoint restore in the job and a cold "
                                  "restart, for the downtime comparison.")
+    on_loss = o[4].selectbox("on rank loss", ["replace", "excise"], key="live_on_rank_loss",
+                             help="A killed rank: replace it (a new process takes its state from a peer's copy) or "
+                                  "excise it (the survivors re-shard its state and go on with fewer ranks and the "
+                                  "same global batch).")
     start = st.form_submit_button("Start cluster and train", type="primary", disabled=running)
 
 if start:
@@ -95,7 +99,7 @@ if start:
         job = LiveJob(RECORDINGS / f"live-{stamp}.jsonl",
                       ["--ranks", str(ranks), "--steps", str(steps), "--faults", str(faults), "--fault-kind", kind,
                        "--checkpoint-every", str(every), "--baselines" if baselines else "--no-baselines",
-                       "--heartbeat" if heartbeat else "--no-heartbeat"],
+                       "--heartbeat" if heartbeat else "--no-heartbeat", "--on-rank-loss", str(on_loss)],
                       world_size=int(ranks), pace=pace)
         st.session_state[JOB], st.session_state[EVENTS], st.session_state[OFFSET] = job, [], 0
         st.session_state[RANK_EVENTS] = []
@@ -220,12 +224,14 @@ def panel() -> None:
     now = time.time()
     rows = rank_rows(job.ranks(), rank_events, phase, now, job.world_size) if phase in PHASES else []
     alive = sum(r.pid is not None for r in rows)
+    excised = [r.rank for r in rows if r.state == "excised"]
     steps_done = [r.step for r in rows if r.step is not None]
     generations = [r.generation for r in rows if r.generation is not None]
     a, b, c_, d, g, e_ = st.columns(6)
     a.metric("run", "running" if job.running else f"ended ({job.returncode})")
     b.metric("phase", phase if job.running else "finished")
-    c_.metric("rank processes", f"{alive}/{job.world_size}" if job.running else "—")
+    c_.metric("rank processes", f"{alive}/{job.world_size - len(excised)}" if job.running else "—",
+              help="Live rank processes over the ranks the job has (an excised rank has left it).")
     d.metric("committed step", min(steps_done) if steps_done else "—")
     g.metric("generation", max(generations) if generations else "—",
              help="Each recovery builds the job's groups anew: the generation counts them.")
@@ -240,11 +246,15 @@ def panel() -> None:
         _rank_table(rows)
     left, right = st.columns([2, 3], gap="large")
     with left:
-        down = [r.rank for r in rows if r.state in ("gone", "stopped") or r.state.startswith("recovering")]
+        down = [r.rank for r in rows if r.state in ("gone", "stopped", "excised") or r.state.startswith("recovering")]
         st.plotly_chart(mesh_figure(local_mesh(job.world_size), down, height=260), key="live_mesh")
         replaced = [f"rank {r.rank} (incarnation {r.incarnation})" for r in rows if r.incarnation > 0]
         if replaced:
             st.caption("Replaced: " + ", ".join(replaced))
+        if excised:
+            st.caption(f"Excised: rank{'s' if len(excised) > 1 else ''} {', '.join(map(str, excised))} — the job goes "
+                       f"on with {job.world_size - len(excised)} of {job.world_size} ranks and the same global batch "
+                       "(the lost ranks' state re-sharded over the survivors).")
     wall0 = job.started
     if events and isinstance(events[0].data.get("wall_time"), (int, float)):
         wall0 = float(events[0].data["wall_time"]) - events[0].t

@@ -180,11 +180,11 @@ def _partition_hosts(cfg: TrialConfig) -> Iterator[tuple[NetnsPair | None, dict[
 
 
 @contextlib.contextmanager
-def _warm_starts(netns: NetnsPair | None) -> Iterator[ForkServer | None]:
+def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None) -> Iterator[ForkServer | None]:
     """A fork server for the runs whose rank starts are not measured (the reference, the faulted
     run's first processes, the excising reference); none where ranks start inside network
-    namespaces (a command prefix, which a fork cannot take)."""
-    if netns is not None:
+    namespaces (a command prefix, which a fork cannot take) or ``cfg.warm_starts`` is off."""
+    if netns is not None or not cfg.warm_starts:
         yield None
         return
     with ForkServer() as server:
@@ -211,7 +211,7 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                          fault_kind=cfg.fault_kind.value, faults=len(faults), workload=workload,
                          checkpoint_every=cfg.checkpoint_every) as rec:
         t0_wall = time.time() - rec.now()
-        with _partition_hosts(cfg) as (netns, stores), _warm_starts(netns) as warm:
+        with _partition_hosts(cfg) as (netns, stores), _warm_starts(cfg, netns) as warm:
             ref_dir = Path(reference_dir) if reference_dir else work / "reference"
             if reference_dir and all((ref_dir / f"final-rank{r}.pt").exists() for r in range(cfg.ranks)):
                 reference: list[RankOutcome] = []

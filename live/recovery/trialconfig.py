@@ -57,6 +57,9 @@ class TrialConfig:
     die_after_proposing: bool = False  # the rank after each fault's dies once that recovery's round is decided
     on_rank_loss: str = "replace"  # a killed rank: "replace" (a new process or a spare) or "excise" (go on without it)
     min_ranks: int = 1  # excising: stop (state flushed to a checkpoint) rather than go below this many ranks
+    # the unmeasured runs' first rank processes forked from a server that imported torch once; off where
+    # something must find the ranks by their environment in /proc (a forked process shows the server's)
+    warm_starts: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fault_kind", FaultKind(self.fault_kind))

@@ -332,3 +332,27 @@ def test_partition_is_refused_with_the_reason_when_ranks_share_one_network(job):
         job.partition_rank(0, 1.0)
     assert job.injected == [] and not (job.work / "injected.jsonl").exists()  # nothing sent, nothing recorded
     assert "no running process" in job.partition_why_not(5)
+
+
+def test_a_rank_the_survivors_excised_reads_excised_not_gone_and_only_in_that_run():
+    from meshpact.app.live_control import RankEvent, RankProcess, rank_rows
+    from meshpact.core.recording import Event, EventKind
+    from meshpact.core.recovery import Stage
+
+    def ev(phase, t, kind, rank, stage=None, **data):
+        return RankEvent(phase, 0, Event(t, kind, rank, stage, data))
+
+    procs = [RankProcess(100 + r, r, "faulted", 0, False) for r in (0, 2)]
+    events = [ev("faulted", 1.0, EventKind.STEP, r, step=3, generation=0) for r in range(4)] + [
+        # ranks 1 and 3 killed; the survivors decided to go on without them (an in-memory round decides nothing)
+        ev("faulted", 2.0, EventKind.DECIDED, 0, Stage.CONSENSUS, policy="excise", lost=[1, 3], round=1),
+        ev("faulted", 2.1, EventKind.DECIDED, 2, Stage.CONSENSUS, policy="excise", lost=[1, 3], round=1),
+        ev("faulted", 3.0, EventKind.DECIDED, 0, Stage.CONSENSUS, policy="in_memory", lost=[], round=2),
+        ev("reference", 0.5, EventKind.DECIDED, 1, Stage.CONSENSUS, policy="excise", lost=[2], round=1),
+    ]
+    states = [r.state for r in rank_rows(procs, events, "faulted", now=4.0, world_size=4)]
+    assert states[1] == states[3] == "excised"
+    assert states[0] != "excised" and states[2] != "excised"  # alive: a process, whatever the decision says
+    # a rank that died without an excision decision (a replacement is coming) is gone, not excised
+    only_kill = [e for e in events if e.event.event != EventKind.DECIDED]
+    assert [r.state for r in rank_rows(procs, only_kill, "faulted", 4.0, 4)][1] == "gone"
