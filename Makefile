@@ -20,8 +20,11 @@ app: install
 	$(VENV)/bin/streamlit run app/main.py --server.address 127.0.0.1 --server.port $(PORT) \
 	    --server.headless true --browser.gatherUsageStats false
 
+# Two workers, a test file per worker at a time (module fixtures such as the dashboard server and
+# Chromium are set up once per file): the live tests wait on timeouts and processes as much as
+# they compute, so two cores run two files at once.
 test: install
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -n 2 --dist loadfile
 
 test-fast: install
 	$(VENV)/bin/pytest -m "not slow"
