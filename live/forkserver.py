@@ -37,6 +37,7 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -44,7 +45,7 @@ from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["ForkServer", "ForkedProcess", "PRELOAD", "SINGLE_THREAD_ENV"]
+__all__ = ["ForkServer", "ForkServerError", "ForkedProcess", "PRELOAD", "SINGLE_THREAD_ENV"]
 
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor")
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}  # no thread pool at import: the server may fork
@@ -92,8 +93,9 @@ class ForkServer:
 
     def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout_s: float = 120.0) -> None:
         env = {**os.environ, **SINGLE_THREAD_ENV}
+        self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty import can never block the server
         self._proc = subprocess.Popen([sys.executable, "-m", "meshpact.live.forkserver", *preload],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                       env=env, start_new_session=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._lock = threading.Lock()
@@ -112,7 +114,9 @@ class ForkServer:
         ready = _read_line(self._proc.stdout, self._start_timeout_s)
         if ready != _READY:
             self._proc.kill()
-            err = self._proc.stderr.read().decode("utf-8", "replace") if self._proc.stderr else ""
+            self._proc.wait(timeout=5)
+            self._stderr.seek(0)
+            err = self._stderr.read().decode("utf-8", "replace")
             raise ForkServerError(f"the fork server did not start within {self._start_timeout_s:.0f} s "
                                   f"(it said {ready!r}); its stderr ends: {err[-2000:]}")
         self._reader = threading.Thread(target=self._read, name="meshpact-forkserver-replies", daemon=True)
@@ -156,17 +160,23 @@ class ForkServer:
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
-        for raw in self._proc.stdout:
-            try:
-                msg = json.loads(raw)
-            except ValueError:
-                continue
-            with self._changed:
-                if "exit" in msg:
-                    self._exits[int(msg["exit"])] = int(msg["rc"])
-                else:
-                    self._replies[int(msg["id"])] = int(msg["pid"])
-                self._changed.notify_all()
+        try:
+            for raw in self._proc.stdout:
+                self._take(raw)
+        except (ValueError, OSError):  # the stream closed under us: the server is gone
+            return
+
+    def _take(self, raw: bytes) -> None:
+        try:
+            msg = json.loads(raw)
+        except ValueError:
+            return
+        with self._changed:
+            if "exit" in msg:
+                self._exits[int(msg["exit"])] = int(msg["rc"])
+            else:
+                self._replies[int(msg["id"])] = int(msg["pid"])
+            self._changed.notify_all()
 
     def close(self) -> None:
         """Stop the server (its children are the launcher's to stop)."""
@@ -181,9 +191,11 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=5)
-        for stream in (self._proc.stdout, self._proc.stderr):
-            if stream is not None:
-                stream.close()
+        if self._reader is not None:
+            self._reader.join(timeout=5)  # it reads to the end of the server's output, then stops
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+        self._stderr.close()
 
     def __enter__(self) -> "ForkServer":
         return self

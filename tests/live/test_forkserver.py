@@ -74,3 +74,11 @@ def test_a_replacement_and_other_thread_settings_start_fresh_interpreters(server
     assert second["ppid"] == os.getpid()  # the replacement: a real new process of the launcher
     two = launch(ECHO, 1, {}, timeout_s=90, forkserver=server, env=lambda r: {"OMP_NUM_THREADS": "2"})
     assert two[0].value["ppid"] == os.getpid() and two[0].value["threads"] == 2
+
+
+def test_a_server_that_cannot_start_says_why_at_the_first_rank():
+    from meshpact.live.forkserver import ForkServerError
+
+    with ForkServer(preload=("meshpact_no_such_module",), start_timeout_s=60) as broken:
+        with pytest.raises(ForkServerError, match="(?s)did not start.*No module named 'meshpact_no_such_module'"):
+            broken.spawn(["--target", ECHO], dict(os.environ), os.devnull)
