@@ -353,11 +353,11 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     for _ in range(max_rounds + replacement_rounds):
         if on_rank_loss is Policy.EXCISE:
             declared += [r for r in gone_ranks(channel, expected) if r not in declared]
-        round_ = channel.counter(ROUND_KEY) + 1
-        if channel.present([f"round{round_}/decision"]):  # decided without us (we were late): next round
-            channel.advance(ROUND_KEY, round_)
-            continue
-        group_generation = channel.counter(GENERATION_KEY)
+        # one round trip for both counters. A round decided without us (we read the counter before the
+        # others advanced it) needs no check of its own: our proposal was not in its decision, which
+        # set_once hands back with us missing, so we go on to the next round as every rank does
+        last_round, group_generation = channel.counters([ROUND_KEY, GENERATION_KEY])
+        round_ = last_round + 1
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())
         keys = [f"round{round_}/rank{r}" for r in expected]

@@ -55,6 +55,7 @@ class ControlChannel:
         self._store = open_store(host, port, world_size, is_host, connect_timeout_s)
         self._store.set_timeout(timedelta(seconds=self.timeout_s))
         self._ns = f"{_NAMESPACE}{run_id}/"
+        self._made: set[str] = set()  # counters known to exist (read by multi_get, which would wait for them)
 
     @classmethod
     def from_env(cls, timeout_s: float = 10.0, run_id: str = "", connect_timeout_s: float = 60.0) -> "ControlChannel":
@@ -80,6 +81,15 @@ class ControlChannel:
     def counter(self, key: str) -> int:
         """Read an integer counter in one round trip (created at 0 if absent)."""
         return int(self._store.add(self._ns + key, 0))
+
+    def counters(self, keys: list[str]) -> list[int]:
+        """Read integer counters in one round trip (each created at 0, once per channel, the
+        first time it is asked for)."""
+        for k in keys:
+            if k not in self._made:
+                self._store.add(self._ns + k, 0)
+                self._made.add(k)
+        return [int(v) for v in self._store.multi_get([self._ns + k for k in keys])]
 
     def advance(self, key: str, to: int) -> None:
         """Move an integer counter from ``to - 1`` to ``to`` in one round trip; a counter already

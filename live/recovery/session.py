@@ -39,7 +39,7 @@ from ..backends import choose_backend
 from ..store import open_store
 from .checkpoint import Checkpointer
 from .config import RecoveryConfig
-from .consensus import Decision, Proposal, agree
+from .consensus import GENERATION_KEY, ROUND_KEY, Decision, Proposal, agree
 from .control import ControlChannel, ControlTimeout
 
 __all__ = ["RecoveryConfig", "Session", "start_session", "resume_barrier", "build_mesh_groups", "mesh_from_groups"]
@@ -250,6 +250,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                        is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
     control = ControlChannel.from_env(config.control_timeout_s, run_id, connect_timeout_s=config.store_connect_s)
+    control.counters([ROUND_KEY, GENERATION_KEY])  # made now: each recovery reads both in one round trip
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
     if choice.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(choice.device))
