@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping, Sequence
 
 import hashlib
+import html
 import json
 import math
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ __all__ = [
     "mesh_scene",
     "node_scene",
     "recovery_figure",
+    "recovery_bars_html",
     "plan_figure",
     "cost_figure",
     "goodput_figure",
@@ -370,6 +372,33 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None 
     fig.update_xaxes(range=[0, max((b.total_s for b in breakdowns), default=1.0) * 1.18 or 1.0])
     fig.update_yaxes(autorange="reversed")
     return fig
+
+
+def recovery_bars_html(breakdowns: Sequence[RecoveryBreakdown]) -> str:
+    """The same stacked bars as :func:`recovery_figure`, as plain HTML: a row per policy, a
+    segment per stage as wide as its share of the longest recovery (its seconds in the
+    segment's tooltip), the total after the bar, the stages' colours in a legend row above.
+
+    For a page that redraws them on every click: a browser lays out a few dozen boxes at once,
+    where a chart library's redraw costs a tenth of a second or more."""
+    longest = max((b.total_s for b in breakdowns), default=0.0) or 1.0
+    used = [st for st in Stage.ordered() if any(b.durations_s.get(st, 0.0) > 0 for b in breakdowns)]
+    chip = ('<span style="display:inline-block;margin-right:12px;white-space:nowrap">'
+            '<span style="display:inline-block;width:10px;height:10px;background:{c};margin-right:4px"></span>{n}</span>')
+    rows = ['<div style="font-size:13px;line-height:1.5;margin:0 0 6px 0">'
+            + "".join(chip.format(c=STAGE_COLOURS[st], n=html.escape(st.value)) for st in used) + "</div>"]
+    for b in breakdowns:
+        segments = "".join(
+            f'<span title="{html.escape(st.value)}: {b.durations_s[st]:.3g} s" style="display:inline-block;height:16px;'
+            f'width:{100.0 * b.durations_s[st] / longest:.4f}%;background:{STAGE_COLOURS[st]}"></span>'
+            for st in used if b.durations_s.get(st, 0.0) > 0)
+        rows.append(
+            '<div style="display:flex;align-items:center;gap:8px;font-size:13px;margin:3px 0">'
+            f'<span style="flex:0 0 150px;text-align:right">{html.escape(b.policy.label)}</span>'
+            f'<span style="flex:1 1 auto;display:flex;align-items:center"><span style="flex:0 0 82%;display:flex;'
+            f'line-height:0">{segments}</span><span style="padding-left:6px;white-space:nowrap">'
+            f'{html.escape(duration(b.total_s))}</span></span></div>')
+    return '<div class="meshpact-recovery-bars">' + "".join(rows) + "</div>"
 
 
 def plan_figure(plan: Plan, mesh: Mesh, height: int | None = None) -> go.Figure:

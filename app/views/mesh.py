@@ -14,12 +14,11 @@ from __future__ import annotations
 from typing import Sequence
 
 import pandas as pd
-import plotly.graph_objects as go
 import streamlit as st
 
 from meshpact.app.components import Ack, apply_pick, mesh_canvas, read_pick
 from meshpact.app.context import mesh_for, mesh_of, positions_for, require_scenario
-from meshpact.app.figures import MeshScene, Node, mesh_scene, node_scene, nodes_of, recovery_figure
+from meshpact.app.figures import MeshScene, Node, mesh_scene, node_scene, nodes_of, recovery_bars_html
 from meshpact.app.format import count, duration
 from meshpact.app.policies import POLICY_EXPLAINED, PolicyComparison, compare_policies, comparison_rows
 from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks, parse_ranks
@@ -69,10 +68,10 @@ def _drill(text: str, source: str, picked: tuple[int, ...]) -> tuple[Mesh, MeshS
 
 @st.cache_resource(show_spinner=False, max_entries=CACHED)
 def _comparison(text: str, source: str, failed: tuple[int, ...], rank_loss: bool, since: int,
-                step_s: float) -> tuple[PolicyComparison, go.Figure]:
+                step_s: float) -> tuple[PolicyComparison, str]:
     cmp = compare_policies(mesh_for(text, source), frozenset(failed), rank_loss=rank_loss,
                            steps_since_checkpoint=since, step_s=step_s)
-    return cmp, recovery_figure(cmp.breakdowns)
+    return cmp, recovery_bars_html(cmp.breakdowns)
 
 
 choice = require_scenario()
@@ -204,7 +203,7 @@ def _selection_and_recovery() -> None:
         since = k2.slider("steps since the last checkpoint", 0, 500, 50, step=10)
         step_s = k3.slider("seconds per training step", 0.1, 10.0, 1.0, step=0.1)
         st.session_state["mesh_recovery_knobs"] = (rank_loss, since, step_s)  # Replay and Simulate cost the same failure
-        cmp, recovery_fig = _comparison(choice.text, choice.source, tuple(sorted(state.failed)), rank_loss, since, step_s)
+        cmp, recovery_bars = _comparison(choice.text, choice.source, tuple(sorted(state.failed)), rank_loss, since, step_s)
         if cmp.shape.lost_hosts and not rank_loss:
             st.info(f"Every rank of host **{', '.join(cmp.shape.lost_hosts)}** failed: its processes are gone with it, "
                     "so the figures count a rank loss.")
@@ -224,7 +223,8 @@ def _selection_and_recovery() -> None:
                        f"{cmp.reloaded_bytes / 1e9:,.0f} GB back")
         for policy, why in cmp.unavailable.items():
             st.warning(f"**{policy.label} cannot apply:** {why}.")
-        st.plotly_chart(recovery_fig, key="mesh_recovery")
+        # plain HTML bars: a click redraws them, and a chart library's redraw doubled a click's time
+        st.markdown(recovery_bars, unsafe_allow_html=True)
         st.markdown("\n".join(f"- **{p.label}**: {POLICY_EXPLAINED[p]}" for p in Policy))
         st.caption(f"In-memory rebind rebuilds the communicators the failed ranks belonged to "
                    f"({count(cmp.shape.rebuild_ranks)} ranks); the restores rebuild all {count(mesh.world_size)}. "

@@ -161,3 +161,23 @@ def test_a_canvas_pick_is_applied_once_and_only_on_its_scene():
                 {"scene": "s1", "instance": "a", "seq": 1, "ids": 5}, {"scene": "s1", "instance": "a", "seq": 1,
                                                                        "ids": ["five"]}):
         assert read_pick(bad) is None, bad
+
+
+def test_recovery_bars_html_are_proportional_with_tooltips_totals_and_only_the_stages_used():
+    import re
+
+    from meshpact.app.figures import recovery_bars_html
+    from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
+
+    slow = RecoveryBreakdown(Policy.COLD_RESTART, {Stage.DETECTION: 2.0, Stage.RESTART: 6.0, Stage.REPLAY: 2.0})
+    fast = RecoveryBreakdown(Policy.IN_MEMORY, {Stage.DETECTION: 2.0, Stage.CONSENSUS: 0.5, Stage.RESTART: 0.0})
+    out = recovery_bars_html([slow, fast])
+    widths = [(t, float(w)) for t, w in re.findall(r'title="([^"]+)" style="[^"]*width:([0-9.]+)%', out)]
+    assert widths == [("detection: 2 s", 20.0), ("restart: 6 s", 60.0), ("replay: 2 s", 20.0),
+                      ("detection: 2 s", 20.0), ("consensus: 0.5 s", 5.0)]  # shares of the longest, 10 s
+    legend = out.split("</div>", 1)[0]
+    assert [n for n in ("detection", "restart", "consensus", "replay", "state", "rebinding") if n in legend] == \
+        ["detection", "restart", "consensus", "replay"]  # a stage no policy spends time in is not listed
+    assert out.index(Policy.COLD_RESTART.label) < out.index(Policy.IN_MEMORY.label)
+    assert "10 s" in out and "2.5 s" in out  # each total after its bar
+    assert recovery_bars_html([]).count("<span title") == 0
