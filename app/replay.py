@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from meshpact.core.facts import Domain, Mesh
 from meshpact.core.recording import Event, EventKind
@@ -30,6 +30,7 @@ __all__ = [
     "local_mesh",
     "recording_mesh",
     "first_recovery_index",
+    "replay_frames",
 ]
 
 _KEEP_SIMULATED = frozenset({"fault", "stage", "rejoin", "degraded"})
@@ -137,6 +138,14 @@ def replay_frame(events: Sequence[ReplayEvent], index: int) -> ReplayFrame:
     if not events:
         raise ValueError("nothing to replay: the timeline has no faults or recovery stages")
     index = max(0, min(int(index), len(events) - 1))
+    for frame in replay_frames(events):
+        if frame.index == index:
+            return frame
+    raise AssertionError("unreachable: every index has a frame")
+
+
+def replay_frames(events: Sequence[ReplayEvent]) -> Iterator[ReplayFrame]:
+    """:func:`replay_frame` at every index in turn, in one pass over the events."""
     failed: set[int] = set()
     spent: dict[tuple[Stage, int | None], float] = {}  # per stage and rank: ranks run stages side by side
     recoveries, open_, stage, ends_at = 0, False, None, float("-inf")
@@ -152,7 +161,7 @@ def replay_frame(events: Sequence[ReplayEvent], index: int) -> ReplayFrame:
         nonlocal open_, spent, ends_at, policy, failed
         open_, spent, ends_at, policy, failed = True, {}, t, None, set()
 
-    for e in events[: index + 1]:
+    for i, e in enumerate(events):
         ranks_in = {r for _, r in spent}
         if e.kind == "fault":
             if open_ and spent and e.t >= ends_at:
@@ -162,7 +171,7 @@ def replay_frame(events: Sequence[ReplayEvent], index: int) -> ReplayFrame:
             if e.rank is not None:
                 failed.add(e.rank)
         elif e.kind in _NEUTRAL:
-            continue
+            pass
         elif e.stage is not None:
             if open_ and e.stage is Stage.DETECTION and (Stage.DETECTION, e.rank) in spent:
                 close()  # this rank detects again: a new recovery
@@ -175,12 +184,12 @@ def replay_frame(events: Sequence[ReplayEvent], index: int) -> ReplayFrame:
                 policy = Policy(e.data["policy"])
         elif e.rank is None or e.rank in ranks_in:
             close()  # a rank that took part went on (or the whole job did)
-    stages: dict[Stage, float] = {}
-    for (st, _), secs in spent.items():
-        stages[st] = max(stages.get(st, 0.0), secs)
-    ordered = {s: stages[s] for s in Stage.ordered() if s in stages}
-    return ReplayFrame(index=index, event=events[index], failed=frozenset(failed), stage=stage,
-                       stages_so_far=ordered, recoveries_before=recoveries, policy=policy)
+        stages: dict[Stage, float] = {}
+        for (st, _), secs in spent.items():
+            stages[st] = max(stages.get(st, 0.0), secs)
+        ordered = {s: stages[s] for s in Stage.ordered() if s in stages}
+        yield ReplayFrame(index=i, event=e, failed=frozenset(failed), stage=stage,
+                          stages_so_far=ordered, recoveries_before=recoveries, policy=policy)
 
 
 def frame_breakdown(frame: ReplayFrame, policy: Policy | str) -> RecoveryBreakdown:
@@ -213,14 +222,13 @@ def recording_mesh(meta: Mapping[str, Any], fallback: Mesh) -> Mesh:
     return fallback
 
 
-def first_recovery_index(events: Sequence[ReplayEvent], scan: int = 400) -> int:
-    """The last event of the first recovery (where its whole stage breakdown shows), or 0;
-    only the first ``scan`` events are looked at."""
+def first_recovery_index(events: Sequence[ReplayEvent]) -> int:
+    """The last event of the first recovery (where its whole stage breakdown shows), or 0:
+    one pass, however far into the run the first recovery is."""
     best = 0
-    for i in range(min(len(events), scan)):
-        frame = replay_frame(events, i)
+    for frame in replay_frames(events):
         if frame.recoveries_before > 0:
             break
         if frame.stage is not None:
-            best = i
+            best = frame.index
     return best

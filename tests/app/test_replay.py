@@ -100,3 +100,20 @@ def test_a_replay_opens_on_the_last_stage_of_its_first_recovery():
                             _sim(50.0, "fault", rank=3), _sim(50.0, "stage", "detection", 5.0)])
     assert first_recovery_index(events) == 2
     assert first_recovery_index(from_timeline([_sim(1.0, "fault")])) == 0
+
+
+def test_a_replay_finds_its_first_recovery_however_late_in_a_long_run():
+    from meshpact.app.replay import first_recovery_index, replay_frame, replay_frames
+
+    quiet = [_sim(float(t), "degraded", rank=None) for t in range(3000)]  # a long run of events before any fault
+    late = from_timeline(quiet + [_sim(4000.0, "fault"), _sim(4000.0, "stage", "detection", 5.0),
+                                  _sim(4005.0, "stage", "consensus", 1.0), _sim(4100.0, "fault", rank=3),
+                                  _sim(4100.0, "stage", "detection", 5.0)])
+    first = first_recovery_index(late)
+    assert late[first].stage is not None and late[first].stage.value == "consensus"
+    assert replay_frame(late, first).stages_so_far and replay_frame(late, first).recoveries_before == 0
+    assert len(late) > 3000 and first > 3000  # far past where the page once stopped looking (400 events)
+    frames = list(replay_frames(late))  # one pass gives what each single frame gives
+    assert len(frames) == len(late)
+    for i in (0, first, len(late) - 1):
+        assert frames[i] == replay_frame(late, i)
