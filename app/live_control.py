@@ -34,6 +34,7 @@ from typing import Any, Sequence
 from meshpact.app.live_job import INJECTED_FILE, TRIAL_DIR
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, EventKind, partial_path
+from meshpact.core.recovery import Policy
 from meshpact.live.recovery.trialconfig import PHASES, Pace  # torch-free
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
@@ -108,7 +109,7 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
     for re in events:
         if re.phase == phase and re.event.rank is not None:
             mine.setdefault(re.event.rank, []).append(re)
-            if re.event.event == EventKind.DECIDED and re.event.data.get("policy") == "excise":
+            if re.event.event == EventKind.DECIDED and re.event.data.get("policy") == Policy.EXCISE.value:
                 excised.update(int(r) for r in re.event.data.get("lost", ()))
     out = []
     for rank in range(world_size):

@@ -74,6 +74,8 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from meshpact.live.recovery.trialconfig import ON_RANK_LOSS  # torch-free
+
     ap = argparse.ArgumentParser(prog="python -m meshpact.app.live_job")
     ap.add_argument("--record", required=True, type=Path)
     ap.add_argument("--result", required=True, type=Path)
@@ -85,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--heartbeat", action=argparse.BooleanOptionalAction, default=False)
-    ap.add_argument("--on-rank-loss", choices=["replace", "excise"], default="replace")
+    ap.add_argument("--on-rank-loss", choices=list(ON_RANK_LOSS), default=ON_RANK_LOSS[0])
     ap.add_argument("--work-dir", type=Path, default=None)
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)

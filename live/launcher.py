@@ -441,10 +441,12 @@ def echo(args: dict) -> dict:
         raise RuntimeError(str(args["raise"]))
     import random
 
+    import torch
+
     return {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
             "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "args": args, "incarnation": incarnation,
             "draw": random.random(), "env": {k: os.environ.get(k) for k in args.get("report_env", ())},
-            "threads": __import__("torch").get_num_threads()}
+            "threads": torch.get_num_threads()}
 
 
 if __name__ == "__main__":  # pragma: no cover

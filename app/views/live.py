@@ -27,7 +27,7 @@ from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import Event, EventKind, partial_path, read_recording
 from meshpact.core.recovery import Policy, RecoveryBreakdown
 from meshpact.live.recovery.faults import FaultKind  # torch-free
-from meshpact.live.recovery.trialconfig import PHASES, Pace
+from meshpact.live.recovery.trialconfig import ON_RANK_LOSS, PHASES, Pace
 
 JOB, EVENTS, RANK_EVENTS, OFFSET, WAS_RUNNING = "live_job", "live_events", "live_rank_events", "live_offset", \
     "live_was_running"
@@ -80,7 +80,7 @@ with st.form("live_start"):
     baselines = o[3].toggle("checkpoint baselines", value=True, key="live_baselines",
                             help="After the faulted run, also measure a checkpoint restore in the job and a cold "
                                  "restart, for the downtime comparison.")
-    on_loss = o[4].selectbox("on rank loss", ["replace", "excise"], key="live_on_rank_loss",
+    on_loss = o[4].selectbox("on rank loss", list(ON_RANK_LOSS), key="live_on_rank_loss",
                              help="A killed rank: replace it (a new process takes its state from a peer's copy) or "
                                   "excise it (the survivors re-shard its state and go on with fewer ranks and the "
                                   "same global batch).")

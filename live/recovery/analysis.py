@@ -95,6 +95,11 @@ class TrialResult:
         counted twice, as a sum of per-stage maxima over ranks would."""
         by_gen: dict[int, list[dict]] = {}
         ends: dict[int, dict[tuple[EventKind, Stage], float]] = {}  # gen -> (event kind, stage) -> last rank's end
+
+        def ended(gen: int, key: tuple[EventKind, Stage], t: float) -> None:
+            mine = ends.setdefault(gen, {})
+            mine[key] = max(mine.get(key, t), t)
+
         gen_of: dict[tuple[int, int], int] = {}
         incarnation_of: dict[int, int] = {}
         for ev in sorted(self.faulted_events, key=lambda e: e.t):
@@ -109,12 +114,9 @@ class TrialResult:
             elif gen is None:
                 continue
             elif ev.event == EventKind.FIRST_COLLECTIVE:  # part of the communicator stage (new group + first collective)
-                key = (ev.event, Stage.COMMUNICATOR)
-                t_done = float(ev.data.get("t_done_wall", ev.t))
-                ends.setdefault(gen, {})[key] = max(ends.get(gen, {}).get(key, t_done), t_done)
+                ended(gen, (ev.event, Stage.COMMUNICATOR), float(ev.data.get("t_done_wall", ev.t)))
             elif ev.stage in _SEGMENT_STAGES and "seconds" in ev.data:
-                key = (ev.event, ev.stage)
-                ends.setdefault(gen, {})[key] = max(ends.get(gen, {}).get(key, ev.t), ev.t)
+                ended(gen, (ev.event, ev.stage), ev.t)
         out = []
         for gen in sorted(by_gen):
             recs = by_gen[gen]

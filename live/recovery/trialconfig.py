@@ -22,10 +22,13 @@ from .config import RecoveryConfig
 from .faults import FaultKind
 from .workload import DEFAULT_WORKLOAD
 
-__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PHASES"]
+__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PHASES", "ON_RANK_LOSS"]
 
 PACE_FILE = "pace.json"  # in the trial's work directory
 PHASES = ("reference", "faulted", "cold")  # a trial's runs, in order (each rank's MESHPACT_RUN_ID)
+
+
+ON_RANK_LOSS = ("replace", "excise")  # what a killed rank leads to: a replacement, or the survivors go on
 
 
 @dataclass(frozen=True)
@@ -76,7 +79,7 @@ class TrialConfig:
         if self.spare_ranks < 0 or (self.spare_ranks and (self.two_hosts or self.fault_kind is FaultKind.PARTITION)):
             raise MeshpactError(f"--spare-ranks must be 0 or more, and spares run on one host (not with two hosts "
                                 f"or partition faults), got {self.spare_ranks}")
-        if self.on_rank_loss not in ("replace", "excise"):
+        if self.on_rank_loss not in ON_RANK_LOSS:
             raise MeshpactError(f"--on-rank-loss must be replace or excise, got {self.on_rank_loss!r}")
         if not 1 <= self.min_ranks <= self.ranks:
             raise MeshpactError(f"--min-ranks must be between 1 and --ranks ({self.ranks}), got {self.min_ranks}")
