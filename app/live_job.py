@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--timeout-s", type=float, default=300.0)
     ap.add_argument("--baselines", action=argparse.BooleanOptionalAction, default=True)
-    ap.add_argument("--heartbeat", action=argparse.BooleanOptionalAction, default=False)
+    ap.add_argument("--heartbeat", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--on-rank-loss", choices=list(ON_RANK_LOSS), default=ON_RANK_LOSS[0])
     ap.add_argument("--work-dir", type=Path, default=None)
     a = ap.parse_args(argv)

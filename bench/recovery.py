@@ -20,7 +20,9 @@ Measures on this machine, in one run:
 
 Prints a table for people and one JSON line (the last line) for machines.
 - stalled ranks found by the heartbeat under a 30 s data-path timeout
-  (``stall_detect_ms_p50``: injection to the first rank knowing).
+  (``stall_detect_ms_p50``: injection to the first rank knowing), and cut data links found
+  by its quiet-data-path rule under the same timeout (``partition_detect_ms_p50``; network
+  namespaces needed).
 - peer copies (``peer_copy``, beside ``async_checkpoint``): killed ranks restored from a peer's
   host memory against the same kills restored from the checkpoint (two runs, K=1 and K=0):
   step-latency overhead, host bytes per rank, network bytes per hour, and downtime per kill;
@@ -91,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recoveries", type=int, default=100, help="raised-collective recoveries at 4 ranks")
     ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not the numbers)")
     ap.add_argument("--commit-only", action="store_true", help="only the commit overhead by state size")
-    ap.add_argument("--stall-only", action="store_true", help="only stall detection by heartbeat")
+    ap.add_argument("--stall-only", action="store_true", help="only stall and cut-link detection by heartbeat")
     ap.add_argument("--peer-only", action="store_true", help="only peer copies against checkpoint restore")
     ap.add_argument("--side-by-side-only", action="store_true", help="only meshpact against torchft, 2/4/8 ranks")
     ap.add_argument("--baseline-faults", type=int, default=20,
@@ -366,7 +368,11 @@ def false_alarms(out: dict[str, Any], minutes: float) -> list[tuple[str, str]]:
 
 def stall_detection(out: dict[str, Any], faults: int) -> list[tuple[str, str]]:
     """Stalled ranks found by the heartbeat (default interval and misses) under a 30 s data-path
-    timeout that would wait out each 2 s stall: injection -> first rank knowing."""
+    timeout that would wait out each 2 s stall: injection -> first rank knowing; then cut data
+    links (3 s each), which only the heartbeat's quiet-data-path rule can find under that
+    timeout."""
+    from meshpact.core.recording import EventKind
+
     result = run_trial(TrialConfig(ranks=4, steps=faults + 6, faults=faults, fault_kind="stall", checkpoint_every=4,
                                    baselines=False, data_timeout_s=30.0, stall_s=2.0, heartbeat=True))
     det = [r["detection_s"] * 1e3 for r in result.recoveries()]
@@ -374,8 +380,24 @@ def stall_detection(out: dict[str, Any], faults: int) -> list[tuple[str, str]]:
     out.update({"stall_detect_ms_p50": statistics.median(det), "stall_detect_ms_max": max(det),
                 "stall_detect_bound_ms": bound_ms, "stall_faults": len(det),
                 "stall_bit_identical": result.bit_identical})
-    return [(f"stall found by heartbeat, 4 ranks, {len(det)} stalls, data path 30 s (ms, p50 / max; bound)",
+    rows = [(f"stall found by heartbeat, 4 ranks, {len(det)} stalls, data path 30 s (ms, p50 / max; bound)",
              f"{statistics.median(det):.1f} / {max(det):.1f}; {bound_ms:.0f}")]
+    from meshpact.live.recovery.faults import netns_unavailable
+
+    why = netns_unavailable()
+    if why is not None:  # a cut link needs network namespaces (root, ip)
+        out["partition_detect_missing_reason"] = why
+        return rows + [("cut data link found by heartbeat", f"not measured: {why}")]
+    cuts = max(1, faults // 3)  # each cut lasts 3 s: fewer of them
+    result = run_trial(TrialConfig(ranks=4, steps=3 * cuts + 6, faults=cuts, fault_kind="partition",
+                                   checkpoint_every=4, baselines=False, data_timeout_s=30.0, down_s=3.0))
+    det = [r["detection_s"] * 1e3 for r in result.recoveries()]
+    quiet = sum(1 for e in result.events() if e.event == EventKind.DETECTED and e.data.get("heartbeat_quiet"))
+    out.update({"partition_detect_ms_p50": statistics.median(det) if det else None,
+                "partition_detect_ms_max": max(det, default=None), "partition_faults": len(det),
+                "partition_found_by_quiet_rule": quiet > 0, "partition_bit_identical": result.bit_identical})
+    return rows + [(f"cut data link found by heartbeat (quiet data path), 4 ranks, {len(det)} cuts of 3 s, data "
+                    "path 30 s (ms, p50 / max)", f"{statistics.median(det):.1f} / {max(det):.1f}" if det else "none")]
 
 
 def _report(rows: list[tuple[str, str]], out: dict[str, Any]) -> None:

@@ -141,6 +141,8 @@ class TrialResult:
                         "first_collective_s": first_collective_s,
                         "downtime_s": (t_resumed - t_inject) if t_inject else None,
                         "rebind_s": max(r["rebind_s"] for r in recs),
+                        "rebind_cpu_s": max(r.get("rebind_cpu_s", 0.0) for r in recs),
+                        "cpu_s": sum(r.get("cpu_s", 0.0) for r in recs),  # every rank's process, summed
                         "lost_steps": max(r["lost_steps"] for r in recs)})
         return out
 
@@ -253,6 +255,8 @@ class TrialResult:
             "policy_counts": self.policy_counts(),
             "rebind_ms": {"median": statistics.median(rebind) if rebind else None,
                           "max": max(rebind) if rebind else None},
+            "rebind_cpu_ms": _median_max([r["rebind_cpu_s"] * 1e3 for r in recs]),
+            "recovery_cpu_ms": _median_max([r["cpu_s"] * 1e3 for r in recs]),
             "downtime_s": {"in_memory": down["in_memory"], "peer_restore": down["peer_restore"],
                            "excise": down["excise"], "checkpoint_restore": down["checkpoint_restore"],
                            "cold_restart": down["cold_restart"]},
@@ -268,6 +272,10 @@ class TrialResult:
             "replacement_processes": self.replacements,
             "mismatches": self.mismatches[:5],
         }
+
+
+def _median_max(values: list[float]) -> JsonObject:
+    return {"median": statistics.median(values) if values else None, "max": max(values, default=None)}
 
 
 def recovery_span(records: list[dict[str, Any]]) -> tuple[float, float]:

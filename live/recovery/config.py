@@ -56,7 +56,7 @@ class RecoveryConfig:
     process_start_s: float = 20.0
     group_create_s: float = 20.0
     max_rounds: int = 4
-    heartbeat: bool = False  # run the heartbeat (live/recovery/heartbeat.py); off: hangs wait for the data path
+    heartbeat: bool = True  # run the heartbeat (live/recovery/heartbeat.py); off: hangs wait for the data path
     standby: bool = True  # build the next generation's groups in the background (communicator.Standby)
     step_s: float = 5.0
     warmup_s: float = 120.0

@@ -110,14 +110,32 @@ class ControlChannel:
         """Wait until every key exists (bounded); raise :class:`ControlTimeout` naming the missing ones."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         full = [self._ns + k for k in keys]
+        # multi_get waits for its keys within the client's timeout: one call, not a wait and a get
+        self._store.set_timeout(timedelta(seconds=max(timeout, 0.001)))
         try:
-            self._store.wait(full, timedelta(seconds=max(timeout, 0.001)))
+            values = self._store.multi_get(full)
         except (dist.DistStoreError, RuntimeError):
             pending = [k for k, f in zip(keys, full) if not self._store.check([f])]
             if pending:
                 raise ControlTimeout(pending, timeout) from None
-        values = self._store.multi_get(full)
+            values = self._store.multi_get(full)
+        finally:
+            self._store.set_timeout(timedelta(seconds=self.timeout_s))
         return {k: json.loads(v) for k, v in zip(keys, values)}
+
+    def peek(self, keys: list[str]) -> list[Any]:
+        """The values of ``keys`` in two round trips, never waiting: all None unless every key
+        exists (a value that is not JSON reads as None)."""
+        full = [self._ns + k for k in keys]
+        if not self._store.check(full):
+            return [None] * len(keys)
+        out: list[Any] = []
+        for raw in self._store.multi_get(full):
+            try:
+                out.append(json.loads(raw))
+            except ValueError:
+                out.append(None)
+        return out
 
     def present(self, keys: list[str]) -> JsonObject:
         """The values of those ``keys`` that exist now (no waiting)."""

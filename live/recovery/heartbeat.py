@@ -9,7 +9,7 @@ Every ``heartbeat_interval_s`` it does two things:
   offset), or spent CPU time, or is runnable (waiting for a CPU, not for an event). A rank
   waiting on its peers progresses; a rank inside one long native operation spends CPU time
   or is runnable; a rank whose step stopped (asleep, blocked on a lock) does not.
-- *watch*: it reads every peer's counter (one round trip each) and judges it with
+- *watch*: it reads every peer's counter (one round trip for all) and judges it with
   :func:`watch`: a peer whose thread ran without its main thread progressing, for
   ``heartbeat_misses`` looks, is stalled. A peer whose counter did not move at all was not
   scheduled (a loaded machine) or is frozen whole: no evidence either way, and the data-path
@@ -17,27 +17,90 @@ Every ``heartbeat_interval_s`` it does two things:
   same severing the runtime does on a fault), so a collective waiting on the stalled peer
   fails now instead of at the data-path timeout, and the runtime recovers.
 
-The bound on finding a stall is :attr:`RecoveryConfig.heartbeat_detect_s`. Not found by the
-heartbeat (the data-path timeout still bounds them): a main thread busy without moving (a
-spin loop in native code) and a process that stops whole (every thread, e.g. SIGSTOP).
+A partitioned data link is no stall: every rank's main thread waits in torch's
+communication code, which counts as progress. So each look also asks whether this rank's
+data path is *quiet*: the main thread waits in communication code, no thread of the process
+(but this one) is runnable, and not a byte moved on the data path's sockets since the last
+look (the kernel's per-socket counts, ``TCP_INFO``). Each rank publishes how many looks in a
+row it was quiet, with its beat number; when every rank of the job says it was quiet for
+``heartbeat_misses`` looks, and every one of those words is fresh (its beat moved since this
+rank's last look), the collective they all wait in can never finish (a cut link, or ranks
+waiting in different collectives) and the data path is severed as for a stall. A rank still
+computing, a rank whose bytes move (a large collective under way), a rank whose thread was
+not scheduled (a stale word) each keep the alarm off. Only where the data path is sockets
+(gloo); NCCL's traffic does not pass through them, so there the data-path timeout finds it.
+
+The bound on finding a stall or a quiet data path is :attr:`RecoveryConfig.heartbeat_detect_s`.
+Not found by the heartbeat (the data-path timeout still bounds them): a main thread busy
+without moving (a spin loop in native code) and a process that stops whole (every thread,
+e.g. SIGSTOP).
 Counting a peer that was not scheduled as silent raised false alarms on a loaded machine
 (6 in 10 minutes at load average 24 on 2 cores).
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from . import communicator as comm
 from .control import ControlChannel, control_address
 
-__all__ = ["Heartbeat", "PROGRESS", "watch"]
+__all__ = ["Heartbeat", "HeartbeatAlarm", "PROGRESS", "watch", "all_quiet", "QuietWord"]
 
 PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
 _BUSY_S = 1e-4  # main-thread CPU time between two looks that counts as progress (a sleeping thread spends none)
+
+
+_TCP_INFO_LEN = 232  # struct tcp_info up to tcpi_bytes_received (Linux >= 4.1)
+_BYTES_AT = 120  # tcpi_bytes_acked, then tcpi_bytes_received (two u64)
+
+
+@dataclass(frozen=True)
+class HeartbeatAlarm:
+    """What the heartbeat found: when, the stalled ranks (a stall), or that every rank's data
+    path went quiet (``data_path_quiet``: a cut link or a hang of the collective itself)."""
+
+    t_wall: float
+    stalled: tuple[int, ...] = ()
+    data_path_quiet: bool = False
+
+
+@dataclass(frozen=True)
+class QuietWord:
+    """What a rank publishes each look: its beat number, how many looks in a row its data path
+    was quiet (see the module docstring), and the generation in which it found every rank
+    quiet (-1: none). A rank that found it severs only its own sockets, and across a cut link
+    that tells nobody on the other side: they read it here and sever theirs."""
+
+    beat: int
+    quiet: int
+    hung: int = -1
+
+    def encode(self) -> str:
+        return f"{self.beat}:{self.quiet}:{self.hung}"
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> "QuietWord | None":
+        try:
+            beat, quiet, hung = (raw.decode() if isinstance(raw, bytes) else raw).split(":")
+            return cls(int(beat), int(quiet), int(hung))
+        except (ValueError, UnicodeDecodeError):
+            return None
+
+
+def all_quiet(words: dict[int, "QuietWord | None"], last_beats: dict[int, int], misses: int) -> bool:
+    """Every rank's word is fresh (its beat moved since the previous read, ``last_beats``) and
+    says its data path was quiet for at least ``misses`` looks in a row. A rank with no word,
+    one not read before, or a stale one keeps the alarm off: no evidence is no alarm."""
+    return bool(words) and all(w is not None and r in last_beats and w.beat != last_beats[r] and w.quiet >= misses
+                               for r, w in words.items())
 
 
 def watch(seen: int, now: int, still: int) -> int:
@@ -65,9 +128,12 @@ class Heartbeat:
                                       is_host=False, connect_timeout_s=cfg.store_connect_s,
                                       run_id=session.spec.run_id)
         self.watching = False  # set by the runtime while the user's step runs
-        self.detected_wall: float | None = None  # when this rank's watch found a stalled peer
-        self.stalled: tuple[int, ...] = ()
+        self.alarm: HeartbeatAlarm | None = None  # what this rank's watch found, once per generation
         self._detected_generation: int | None = None
+        # the quiet-data-path rule needs the data path's bytes in the kernel's socket counts
+        self.quiet_rule = session.spec.backend == "gloo" and hasattr(socket, "TCP_INFO")
+        self._fds: dict[int, str] = {}
+        self._fds_generation: int | None = None
         self._main = threading.main_thread().ident
         self._main_stat = f"/proc/self/task/{threading.main_thread().native_id}/stat"
         self._stop = threading.Event()
@@ -81,12 +147,48 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=max(1.0, 4 * self.interval_s))
 
-    def take(self) -> tuple[float | None, tuple[int, ...]]:
-        """This generation's detection (wall time, stalled ranks), cleared; one made for an
-        earlier generation is dropped."""
-        out = (self.detected_wall, self.stalled) if self._detected_generation == self.session.generation else (None, ())
-        self.detected_wall, self.stalled, self._detected_generation = None, (), None
+    def take(self) -> HeartbeatAlarm | None:
+        """This generation's alarm, cleared; one raised in an earlier generation is dropped."""
+        out = self.alarm if self._detected_generation == self.session.generation else None
+        self.alarm, self._detected_generation = None, None
         return out
+
+    def _data_bytes(self, generation: int) -> int | None:
+        """Bytes acknowledged plus received on the data path's sockets (None: none to read).
+        The sockets are listed once per generation (a recovery builds new ones)."""
+        if self._fds_generation != generation:
+            self._fds = self.session.data_sockets()
+            self._fds_generation = generation
+        total, read = 0, 0
+        for fd in self._fds:
+            try:
+                with socket.socket(fileno=os.dup(fd)) as dup:
+                    info = dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
+            except OSError:
+                continue
+            if len(info) >= _BYTES_AT + 16:
+                acked, received = struct.unpack_from("=QQ", info, _BYTES_AT)
+                total, read = total + acked + received, read + 1
+        return total if read else None
+
+    def _others_runnable(self) -> bool:
+        """A thread of this process other than this one is running or waiting for a CPU (it
+        may be about to send: the data path is not quiet)."""
+        me = threading.get_native_id()
+        try:
+            tasks = os.listdir("/proc/self/task")
+        except OSError:
+            return True
+        for tid in tasks:
+            if int(tid) == me:
+                continue
+            try:
+                with open(f"/proc/self/task/{tid}/stat", "rb") as fh:
+                    if fh.read().rpartition(b")")[2].split()[0] == b"R":
+                        return True
+            except (OSError, IndexError):
+                continue
+        return False
 
     def _main_cpu_s(self) -> float:
         """CPU time the main thread has used (a native operation in progress spends it)."""
@@ -117,33 +219,51 @@ class Heartbeat:
         return (id(frame.f_code), frame.f_lasti, waiting)
 
     def _run(self) -> None:
-        world = self.session.world_size
         me = self.session.rank
-        keys = [f"heartbeat/rank{r}" for r in range(world)]
         last_pos = self._main_position()
         last_cpu = self._main_cpu_s()
+        watched: tuple[int, ...] = ()
         seen: list[int] | None = None
-        still = [0] * world
+        still: list[int] = []
+        beat, quiet, last_bytes, hung_in = 0, 0, None, -1
+        last_beats: dict[int, int] = {}
         while not self._stop.wait(self.interval_s):
-            generation = self.session.generation
+            s = self.session
+            generation = s.generation
+            ranks = s.members  # the original ranks still in the job (fewer after an excision)
+            keys = [f"heartbeat/rank{r}" for r in ranks]
             pos = self._main_position()
             cpu = self._main_cpu_s()
             progressed = (not self.watching or pos[2] or pos[:2] != last_pos[:2] or cpu - last_cpu >= _BUSY_S
                           or self._main_runnable())
-            self.channel.add(keys[me], 1 + (PROGRESS if progressed else 0))
+            self.channel.add(f"heartbeat/rank{me}", 1 + (PROGRESS if progressed else 0))
             last_pos, last_cpu = pos, cpu
-            counts = [self.channel.counter(k) for k in keys]
-            if not self.watching or seen is None:
-                still = [0] * world
-                seen = counts
+            if self.quiet_rule:
+                moved = self._data_bytes(generation) if self.watching and pos[2] else None
+                still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()
+                quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
+                self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
+            counts = self.channel.counters(keys)  # one round trip for every peer
+            if not self.watching or seen is None or ranks != watched:
+                still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}
                 continue
-            still = [0 if r == me else watch(seen[r], counts[r], still[r]) for r in range(world)]
-            stalled = [r for r in range(world) if still[r] >= self.misses]
+            still = [0 if r == me else watch(seen[i], counts[i], still[i]) for i, r in enumerate(ranks)]
+            stalled = [r for i, r in enumerate(ranks) if still[i] >= self.misses]
             seen = counts
-            s = self.session
+            hung = False
+            if self.quiet_rule and quiet > 0:  # this rank is quiet: are all? (read from the first quiet look)
+                said = self.channel.peek([f"heartbeat/quiet/rank{r}" for r in ranks])
+                words = {r: QuietWord.decode(v) if isinstance(v, str) else None for r, v in zip(ranks, said)}
+                told = any(w is not None and w.hung == generation for w in words.values())  # a peer found it
+                hung = not stalled and (told or all_quiet(words, last_beats, self.misses))
+                last_beats = {r: w.beat for r, w in words.items() if w is not None}
+            else:
+                last_beats = {}
             # the step may have failed meanwhile and new groups be in the making: sever only
             # the generation this look was made in, while the step still runs
-            if stalled and self.detected_wall is None and self.watching and s.generation == generation:
-                self.detected_wall, self.stalled, self._detected_generation = time.time(), tuple(stalled), generation
+            if (stalled or hung) and self.alarm is None and self.watching and s.generation == generation:
+                self.alarm = HeartbeatAlarm(time.time(), tuple(stalled), hung)
+                self._detected_generation = generation
+                hung_in = generation if hung else hung_in
                 comm.sever(s.data_sockets())  # the standby's sockets survive
-                still = [0] * world
+                still, quiet = [0] * len(ranks), 0

@@ -380,6 +380,7 @@ def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
             dist.all_reduce(done, op=dist.ReduceOp.MAX, group=session.group)  # every rank stops at one step
             if done.item() > 0:
                 break
-    alarms = sum(1 for e in session.events if e.event == EventKind.DETECTED and e.data.get("heartbeat_stalled"))
+    alarms = sum(1 for e in session.events if e.event == EventKind.DETECTED
+                 and (e.data.get("heartbeat_stalled") or e.data.get("heartbeat_quiet")))
     return FalseAlarms(session.rank, time.time() - t0, steps, len(rt.recoveries), alarms, config.heartbeat,
                        round(os.getloadavg()[0], 2)).to_dict()

@@ -54,7 +54,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 __all__ = ["SITES", "Site", "RebindReport", "rebind", "rebind_all", "find_references", "fsdp_states", "meshes_of",
-           "default_roots", "python_bindings", "held_in_frames", "TORCH_IMPORT_DEFAULTS"]
+           "default_roots", "python_bindings", "held_in_frames", "TORCH_IMPORT_DEFAULTS", "ModuleScan"]
 
 _WORLD_MAPS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
                "pg_coalesce_state")
@@ -75,11 +75,18 @@ class _Context:
     optimizer: Any
     meshes: list[Any]
     functions: tuple[Callable[..., Any], ...] = ()  # the step function(s) the runtime was given
+    scan: "ModuleScan | None" = None  # which modules to read, kept between recoveries (None: found now)
     _bindings: "list[_Slot] | None" = None  # Python places holding a group, found once per rebind_all
+    _states: list[Any] | None = None  # the model's FSDP states, found once per rebind_all
+
+    def states(self) -> list[Any]:
+        if self._states is None:
+            self._states = fsdp_states(self.model)
+        return self._states
 
     def bindings(self) -> "list[_Slot]":
         if self._bindings is None:
-            self._bindings = _python_slots(self.functions)
+            self._bindings = _python_slots(self.functions, self.scan or ModuleScan())
         return self._bindings
 
 
@@ -88,6 +95,7 @@ class RebindReport:
     counts: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
     unrebound: tuple[str, ...] = ()  # retired groups still held where no rebind can reach (frame locals)
+    site_s: dict[str, float] = field(default_factory=dict)  # seconds per site (and "frames": the frame walk)
 
     @property
     def total(self) -> int:
@@ -107,14 +115,14 @@ def fsdp_states(model: torch.nn.Module) -> list[Any]:
     return out
 
 
-def _param_groups(model: torch.nn.Module) -> Iterator[Any]:
-    for state in fsdp_states(model):
+def _param_groups(states: list[Any]) -> Iterator[Any]:
+    for state in states:
         yield from state._fsdp_param_groups
 
 
-def _mesh_infos(model: torch.nn.Module) -> list[Any]:
+def _mesh_infos(states: list[Any]) -> list[Any]:
     seen: dict[int, Any] = {}
-    for group in _param_groups(model):
+    for group in _param_groups(states):
         holders = [group, *group.fsdp_params]
         for holder in holders:
             for attr in ("mesh_info", "post_forward_mesh_info"):
@@ -137,7 +145,7 @@ def meshes_of(model: torch.nn.Module, optimizer: Any = None) -> list[Any]:
             for sub in getattr(mesh, "_flatten_mapping", {}).values():
                 add(sub)
 
-    for info in _mesh_infos(model):
+    for info in _mesh_infos(fsdp_states(model)):
         add(info.mesh)
         add(getattr(info, "spmd_mesh", None))
     for p in model.parameters():
@@ -214,7 +222,7 @@ def _mesh_pg_registry(old: dist.ProcessGroup, new: dist.ProcessGroup, ctx: _Cont
 
 def _fsdp_mesh_infos(old: dist.ProcessGroup, new: dist.ProcessGroup, ctx: _Context) -> int:
     n = 0
-    for info in _mesh_infos(ctx.model):
+    for info in _mesh_infos(ctx.states()):
         for attr in _MESH_INFO_FIELDS:
             if getattr(info, attr, None) is old:
                 setattr(info, attr, new)
@@ -224,7 +232,7 @@ def _fsdp_mesh_infos(old: dist.ProcessGroup, new: dist.ProcessGroup, ctx: _Conte
 
 def _fsdp_comms(old: dist.ProcessGroup, new: dist.ProcessGroup, ctx: _Context) -> int:
     n = 0
-    for group in _param_groups(ctx.model):
+    for group in _param_groups(ctx.states()):
         for attr in _COMM_FIELDS:
             comm = getattr(group, attr, None)
             if comm is not None and getattr(comm, "_group", None) is old:
@@ -244,7 +252,8 @@ _LIBRARY_DIRS = ("/site-packages/", "/dist-packages/")
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _MAX_ITEMS = 4096  # containers larger than this are registries, not where a job keeps its groups
 _DEPTH = 3  # nesting followed inside a container (new_subgroups: a tuple holding a list of groups)
-_OWN_DIR = str(Path(__file__).parent)  # the runtime's own frames hold retired groups on purpose
+# the live runtime's frames (recovery, launcher, fork server) hold retired groups on purpose or hold none
+_OWN_DIR = str(Path(__file__).parents[1])
 
 
 def _group_matcher() -> Callable[[Any], bool]:
@@ -352,18 +361,22 @@ def _function_slots(fn: types.FunctionType, path: str, out: list[_Slot], seen: s
                     _function_slots(v, f"{path}.<closure {name}>.{attr}", out, seen, is_group, depth - 1)
 
 
-def _python_slots(functions: Iterable[Callable[..., Any]] = ()) -> list[_Slot]:
+def _python_slots(functions: Iterable[Callable[..., Any]], scan: "ModuleScan") -> list[_Slot]:
     """Every module global that is or holds a group, and every default and closure cell (of
     module functions and of ``functions``) that does."""
     with warnings.catch_warnings():  # reading every global touches deprecated ones (dist.reduce_op)
         warnings.simplefilter("ignore")
-        return _scan_python_slots(functions)
+        return _scan_python_slots(functions, scan)
 
 
 def _library(module: types.ModuleType) -> bool:
     """An installed package or the standard library (not the job's own code)."""
     path = getattr(module, "__file__", None)
-    return not path or any(part in path for part in _LIBRARY_DIRS) or path.startswith(_STDLIB)
+    return not path or _library_path(path)
+
+
+def _library_path(path: str) -> bool:
+    return any(part in path for part in _LIBRARY_DIRS) or path.startswith(_STDLIB)
 
 
 def _runtime_module(name: str) -> bool:
@@ -378,12 +391,42 @@ def _default_slots(fn: Any, path: str, out: list[_Slot], is_group: Callable[[Any
         _function_slots(fn, path, out, set(), is_group, depth=0)
 
 
-def _scan_python_slots(functions: Iterable[Callable[..., Any]]) -> list[_Slot]:
-    """The job's own modules (not installed packages) in depth, the defaults of
-    :data:`TORCH_IMPORT_DEFAULTS`' functions and methods, and the step functions' closures."""
-    out: list[_Slot] = []
-    seen: set[int] = set()
-    is_group = _group_matcher()
+class ModuleScan:
+    """Which modules the ``python.bindings`` site reads: the job's own modules (every global,
+    in depth, at each rebind) and the functions of :data:`TORCH_IMPORT_DEFAULTS` that have
+    defaults (each one's defaults read at each rebind). Finding them walks all of
+    ``sys.modules`` (thousands of entries, most of a recovery's rebinding time); a job keeps
+    one scan, and it walks again when ``sys.modules`` holds other module objects than at its
+    last walk, or one of those torch modules gained, lost or replaced a function."""
+
+    def __init__(self) -> None:
+        self._values: list[Any] = []
+        self.walks = 0  # how often sys.modules was walked (a test reads it)
+        self._own: list[tuple[str, dict[str, Any]]] = []
+        self._defaults: list[tuple[str, dict[str, Any], str, types.FunctionType]] = []
+        self._sizes: list[tuple[dict[str, Any], int]] = []  # each defaults holder's size at the walk
+
+    def _current(self) -> bool:
+        values = list(sys.modules.values())
+        same = values == self._values  # by identity first: the same module objects compare at once
+        self._values = values
+        return (same and all(len(d) == n for d, n in self._sizes)
+                and all(holder.get(key) is fn for _, holder, key, fn in self._defaults))
+
+    def modules(self) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, types.FunctionType]]]:
+        """(the job's modules as (name, globals), the torch functions with import-time defaults
+        as (path, function))."""
+        if not self._current():
+            self._own, self._defaults, self._sizes = _walk_modules()
+            self.walks += 1
+        return self._own, [(path, fn) for path, _, _, fn in self._defaults]
+
+
+def _walk_modules() -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, dict[str, Any], str, types.FunctionType]],
+                             list[tuple[dict[str, Any], int]]]:
+    own: list[tuple[str, dict[str, Any]]] = []
+    defaults: list[tuple[str, dict[str, Any], str, types.FunctionType]] = []
+    sizes: list[tuple[dict[str, Any], int]] = []
     package_is_library: dict[str, bool | None] = {}  # by top-level package; None: judge each module
     for mod_name, module in list(sys.modules.items()):
         top = mod_name.partition(".")[0]
@@ -393,12 +436,16 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]]) -> list[_Slot]:
         if not isinstance(d, dict) or mod_name == _C10D_MODULE or _runtime_module(mod_name):
             continue
         if mod_name in TORCH_IMPORT_DEFAULTS:
+            sizes.append((d, len(d)))
             for key, value in list(d.items()):
-                if isinstance(value, types.FunctionType):
-                    _default_slots(value, f"{mod_name}.{key}", out, is_group)
+                if isinstance(value, types.FunctionType) and (value.__defaults__ or value.__kwdefaults__):
+                    defaults.append((f"{mod_name}.{key}", d, key, value))
                 elif isinstance(value, type) and value.__module__ == mod_name:
-                    for attr, method in list(vars(value).items()):
-                        _default_slots(method, f"{mod_name}.{key}.{attr}", out, is_group)
+                    attrs = vars(value)
+                    sizes.append((attrs, len(attrs)))  # type: ignore[arg-type]
+                    defaults += [(f"{mod_name}.{key}.{attr}", attrs, attr, m)  # type: ignore[misc]
+                                 for attr, m in list(attrs.items())
+                                 if isinstance(m, types.FunctionType) and (m.__defaults__ or m.__kwdefaults__)]
             continue
         if top not in package_is_library:
             package = sys.modules.get(top)
@@ -407,8 +454,31 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]]) -> list[_Slot]:
         library = package_is_library[top]
         if library or (library is None and _library(module)):
             continue
+        own.append((mod_name, d))
+    return own, defaults, sizes
+
+
+def _rebuilt(value: Any) -> bool:
+    """A value rebinding replaces rather than changes in place (a group, a tuple): every name
+    holding it needs its own slot."""
+    return isinstance(value, tuple) or not isinstance(value, (list, dict, set, types.FunctionType))
+
+
+def _scan_python_slots(functions: Iterable[Callable[..., Any]], scan: ModuleScan) -> list[_Slot]:
+    """The job's own modules (not installed packages) in depth, the defaults of
+    :data:`TORCH_IMPORT_DEFAULTS`' functions and methods, and the step functions' closures."""
+    out: list[_Slot] = []
+    seen: set[int] = set()
+    is_group = _group_matcher()
+    own, defaults = scan.modules()
+    for path, fn in defaults:
+        _default_slots(fn, path, out, is_group)
+    for mod_name, d in own:
         for key, value in list(d.items()):
-            if key.startswith("__") or id(value) in seen:  # __builtins__ and the like; an alias
+            # __builtins__ and the like; a function or a list, dict or set seen under another name (one
+            # in-place swap serves every name). A group or a tuple held twice (``from m import PG``) is
+            # a slot per name: each name is set
+            if key.startswith("__") or (id(value) in seen and not _rebuilt(value)):
                 continue
             if isinstance(value, types.FunctionType):
                 if value.__defaults__ or value.__kwdefaults__ or value.__closure__:
@@ -426,7 +496,7 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]]) -> list[_Slot]:
 
 def python_bindings(functions: Iterable[Callable[..., Any]] = ()) -> dict[str, object]:
     """The Python places that hold a process group, path -> what they hold (an audit root)."""
-    return {slot.path: slot.get() for slot in _python_slots(functions)}
+    return {slot.path: slot.get() for slot in _python_slots(functions, ModuleScan())}
 
 
 def _python_bindings(old: dist.ProcessGroup, new: dist.ProcessGroup, ctx: _Context) -> int:
@@ -453,7 +523,7 @@ def held_in_frames(groups: Iterable[dist.ProcessGroup]) -> list[str]:
     f: types.FrameType | None = sys._getframe(1)
     while f is not None:
         code = f.f_code
-        if not code.co_filename.startswith(_OWN_DIR):
+        if not code.co_filename.startswith(_OWN_DIR) and not _library_path(code.co_filename):
             for name, value in list(f.f_locals.items()):
                 if _holds(value, match):
                     held = [g.group_name for g in targets.values() if _holds(value, lambda x, g=g: x is g)]
@@ -493,21 +563,28 @@ def rebind(old: dist.ProcessGroup, new: dist.ProcessGroup, model: torch.nn.Modul
 
 def rebind_all(pairs: Iterable[tuple[dist.ProcessGroup, dist.ProcessGroup]], model: torch.nn.Module,
                optimizer: Any = None, meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = (),
-               only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = ()) -> RebindReport:
+               only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = (),
+               scan: ModuleScan | None = None) -> RebindReport:
     """:func:`rebind` for every ``(old, new)`` pair of one recovery, the Python bindings found
-    once for all of them; the report's ``unrebound`` names the retired groups that local
-    variables of running functions still hold (:func:`held_in_frames`)."""
+    once for all of them (``scan``: the job's :class:`ModuleScan`, kept between recoveries);
+    the report's ``unrebound`` names the retired groups that local variables of running
+    functions still hold (:func:`held_in_frames`)."""
     t0 = time.perf_counter()
     pairs = list(pairs)
     ctx = _Context(model, optimizer, list(meshes) if meshes is not None else meshes_of(model, optimizer),
-                   tuple(functions))
+                   tuple(functions), scan)
     counts: dict[str, int] = {}
+    site_s: dict[str, float] = {}
     for old, new in pairs:
         for site in SITES:
             if site.name not in skip and (only is None or site.name in only):
+                t1 = time.perf_counter()
                 counts[site.name] = counts.get(site.name, 0) + site.apply(old, new, ctx)
+                site_s[site.name] = site_s.get(site.name, 0.0) + time.perf_counter() - t1
+    t1 = time.perf_counter()
     unrebound = tuple(held_in_frames(old for old, _ in pairs)) if only is None else ()
-    return RebindReport(counts, time.perf_counter() - t0, unrebound)
+    site_s["frames"] = time.perf_counter() - t1
+    return RebindReport(counts, time.perf_counter() - t0, unrebound, site_s)
 
 
 # -- the audit ------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """The live recovery runtime: ``with resilient(model, optimizer, session) as rt: rt.step(train_step, batch)``.
 
 :class:`Resilient` wraps the user's unchanged training step. At every commit it keeps what a
-re-run needs: the committed step, a commit check of the state (O(1) bytes hashed, see
-:func:`~meshpact.live.recovery.state.commit_check`) and every random-number generator
+re-run needs: the committed step, a commit mark of the state (O(1) bytes hashed, see
+:class:`~meshpact.live.recovery.state.CommitMark`) and every random-number generator
 (:class:`~meshpact.live.recovery.state.RngState`). When a communication fault escapes the
 step (:func:`is_comm_fault`: by type and by where it was raised, never by its words) it:
 
@@ -66,10 +66,10 @@ from .consensus import Decision, Proposal, agree
 from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
-from .rebind import RebindReport, meshes_of, rebind_all
+from .rebind import ModuleScan, RebindReport, meshes_of, rebind_all
 from .reshard import ExcisionRecord, GradientWeight, Membership, excise, share_batch
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
-from .state import capture_rng, commit_check, job_state, load_job_state, local_state, restore_rng
+from .state import CommitMark, capture_rng, job_state, load_job_state, restore_rng
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
@@ -119,6 +119,8 @@ class RecoveryRecord:
     rebind_s: float
     action: CommunicatorAction
     drill: bool
+    rebind_cpu_s: float = 0.0  # CPU time the main thread spent rebinding (its wall time less any wait for a core)
+    cpu_s: float = 0.0  # CPU time of this rank's process (every thread) from knowing of the fault to resuming
 
     def to_dict(self) -> JsonObject:
         return {**asdict(self), "policy": self.policy.value, "action": self.action.value}
@@ -175,9 +177,6 @@ class Resilient:
             raise ValueError(f"on_rank_loss must be peer_restore (replace) or excise, got {on_rank_loss.value}")
         if on_rank_loss is Policy.EXCISE and build is None:
             raise ValueError("excising lost ranks needs build(mesh) -> (model, optimizer) for the smaller world")
-        if on_rank_loss is Policy.EXCISE and session.config.heartbeat:
-            raise ValueError("excising lost ranks does not work with the heartbeat yet (it would keep watching the "
-                             "excised ranks); turn one of them off")
         self.model = model
         self.optimizer = optimizer
         self.session = session
@@ -189,7 +188,7 @@ class Resilient:
         self.ckpt = session.checkpointer()
         self._kept: deque[tuple[int, Any]] = deque()
         self._train_step: Callable[[Any], Any] | None = None
-        self._check = ""
+        self._mark: CommitMark | None = None  # what proves the state is the committed one (check_commits)
         self._rng = capture_rng()
         self.counter = OpCounter() if session.config.count_dispatch else None
         self.retired: list[RetiredGroup] = []
@@ -209,6 +208,7 @@ class Resilient:
         self.membership = Membership(session.world_size, session.members)
         self.weight: GradientWeight | None = None  # set on the model after the first excision
         self.excisions: list[ExcisionRecord] = []
+        self._scan = ModuleScan()  # the modules rebinding reads, walked again only when sys.modules changes
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -260,15 +260,18 @@ class Resilient:
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
 
-    def _commit_check(self) -> str:
-        if not self.session.config.check_commits:
-            return ""
-        return commit_check(self.committed_step, local_state(self.model, self.optimizer))
-
     def _mark_committed(self) -> None:
-        """What a re-run of the next step needs: the commit check and the generators."""
-        self._check = self._commit_check()
+        """What a re-run of the next step needs: the commit mark and the generators."""
+        if self.session.config.check_commits:
+            self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self._mark)
         self._rng = capture_rng()
+
+    def _state_changed(self) -> str:
+        """Why this rank's state is not the committed one ("" when it is; always "" with
+        ``check_commits`` off, which trusts the state)."""
+        if self._mark is None:
+            return ""
+        return self._mark.changed(self.committed_step, self.model, self.optimizer)
 
     @property
     def generation(self) -> int:
@@ -364,31 +367,37 @@ class Resilient:
     def _recover(self, message: str, step: int, force: Policy | None = None) -> Decision:
         s = self.session
         t_detect = time.time()
+        cpu0 = time.process_time()
         t0 = time.perf_counter()
         severed = comm.sever(s.data_sockets())  # the standby's sockets are not the data path's
-        t_beat, stalled = self.heartbeat.take() if self.heartbeat is not None else (None, ())
-        if t_beat is not None:  # the heartbeat knew first (it severed the sockets that raised)
-            t_detect = min(t_detect, t_beat)
+        alarm = self.heartbeat.take() if self.heartbeat is not None else None
+        if alarm is not None:  # the heartbeat knew first (it severed the sockets that raised)
+            t_detect = min(t_detect, alarm.t_wall)
         s.emit(EventKind.DETECTED, Stage.DETECTION, step=step, error=message, severed_sockets=severed,
-               generation=s.generation, seconds=time.perf_counter() - t0, heartbeat_stalled=list(stalled))
+               generation=s.generation, seconds=time.perf_counter() - t0,
+               heartbeat_stalled=list(alarm.stalled) if alarm else [],
+               heartbeat_quiet=bool(alarm and alarm.data_path_quiet))
 
         t0 = time.perf_counter()
         reset_step_state(self.model)  # sharded parameters back on the modules before anything reads them
         reset_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        mine = self._commit_check()
-        intact = mine == self._check
+        changed = self._state_changed()
+        intact = not changed
+        mine = self._mark.check if self._mark is not None and intact else ""
+
+        # whether this rank's standby can serve: said in the proposal, read by every rank from the decision
+        silent_s = t_detect - self._t_attempt if self._t_attempt is not None and force is None else None
+        word = s.standby_word(self._job_groups(), silent_s,
+                              quiet=bool(alarm and alarm.data_path_quiet)).to_dict()
 
         def proposal(group_generation: int) -> Proposal:
             drill = self.committed_step if force is Policy.CHECKPOINT_RESTORE else None
             held = s.peer_server.holds() if s.peer_server is not None else ()
             own = self.peers.own_steps() if self.peers is not None else ()
             return Proposal(s.rank, s.generation, self.committed_step, mine, intact, s.incarnation, drill,
-                            holds=held, own_steps=own, host=s.host)
+                            holds=held, own_steps=own, host=s.host, standby=word)
 
-        # before proposing: whether this rank's standby can serve (every rank reads every word after)
-        silent_s = t_detect - self._t_attempt if self._t_attempt is not None and force is None else None
-        s.publish_standby(self._job_groups(), silent_s)
         t_agree = time.perf_counter()
         decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
                          max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies if s.peer_server is not None else 0,
@@ -396,11 +405,11 @@ class Resilient:
                          alive=s.alive or None)
         t_end = time.perf_counter()
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - t0, agree_s=t_end - t_agree,
-               **decision.summary())
+               state_changed=changed, **decision.summary())
         if self.on_decided is not None:
             self.on_decided(decision)
         if decision.policy is Policy.EXCISE:
-            return self._excise(decision, step, t_detect, reset_s, intact)
+            return self._excise(decision, step, t_detect, reset_s, intact, cpu0)
         if decision.policy is Policy.CHECKPOINT_RESTORE and self.ckpt is None:
             raise RuntimeError(f"cannot recover in memory ({decision.reason}) and no checkpoint directory is set")
 
@@ -409,7 +418,7 @@ class Resilient:
         world = s.group
         action = comm.choose_action(world, s.spec.device, prefer_reconfigure=s.config.prefer_reconfigure)
         note = ""
-        standby_groups, standby = s.standby_verdict(decision.round)
+        standby_groups, standby = s.standby_verdict(decision)
         if standby_groups is not None:  # built and exercised in the background: swapped in
             action = CommunicatorAction.REBUILD
         new_groups = dict(old_groups)
@@ -431,16 +440,20 @@ class Resilient:
                standby=standby)
 
         t0 = time.perf_counter()
+        c0 = time.thread_time()
         counts: dict[str, int] = {}
+        site_ms: dict[str, float] = {}
         if action is not CommunicatorAction.RECONFIGURE:
             meshes = list({id(m): m for m in (s.mesh, *meshes_of(self.model, self.optimizer), *self._meshes)}.values())
             report: RebindReport = rebind_all([(old, new_groups[base]) for base, old in old_groups.items()],
-                                              self.model, self.optimizer, meshes, functions=(self._train_step,))
+                                              self.model, self.optimizer, meshes, functions=(self._train_step,),
+                                              scan=self._scan)
             counts = dict(report.counts)
+            site_ms = {k: round(v * 1e3, 3) for k, v in report.site_s.items()}
             for line in report.unrebound:  # a frame's local: the user is told, by group name
                 s.emit(EventKind.REBOUND, Stage.REBINDING, warning=line)
             c10d_default(new_groups[comm.WORLD])
-        rebind_s = time.perf_counter() - t0
+        rebind_s, rebind_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
         s.groups = {base: pg for base, pg in new_groups.items() if base in s.groups}
         s.generation = decision.round
         if action is not CommunicatorAction.RECONFIGURE:
@@ -450,7 +463,7 @@ class Resilient:
                 self.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend,
                                                  comm.sequence_number(backend),
                                                  dispatch.get(old.group_name, 0) if dispatch is not None else None))
-        s.emit(EventKind.REBOUND, Stage.REBINDING, seconds=rebind_s, references=counts,
+        s.emit(EventKind.REBOUND, Stage.REBINDING, seconds=rebind_s, references=counts, site_ms=site_ms,
                old_groups=sorted(g.group_name for g in old_groups.values()),
                new_groups=sorted(g.group_name for g in new_groups.values()))
         del old_groups, world
@@ -494,13 +507,14 @@ class Resilient:
                 self.peers.keep_only(self.committed_step)
                 self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
         record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round, lost,
-                                rebind_s, action, force is not None)
+                                rebind_s, action, force is not None, rebind_cpu_s, time.process_time() - cpu0)
         self.recoveries.append(record)
         s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
         s.start_standby(self._job_groups())  # the generation after this one, built while training runs
         return decision
 
-    def _excise(self, decision: Decision, step: int, t_detect: float, reset_s: float, intact: bool) -> Decision:
+    def _excise(self, decision: Decision, step: int, t_detect: float, reset_s: float, intact: bool,
+                cpu0: float) -> Decision:
         """Continue without ``decision.lost``: this survivor's state (rolled back to its own
         snapshot where the group went back a step) and the copies it holds of the lost ranks,
         re-sharded over the survivors; the session, the peer ring and the checkpoints move to
@@ -554,7 +568,9 @@ class Resilient:
             self.ckpt = s.checkpointer()
             assert self.ckpt is not None
             self.ckpt.save(self.committed_step, job_state(self.model, self.optimizer))
-        self._check = self._commit_check()  # the generators stay as committed (build's draws undone by excise)
+        if self.session.config.check_commits:  # a new model: its mark is taken afresh
+            self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer)
+        # the generators stay as committed (build's draws undone by excise)
         s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round), generation=decision.round)
         t_first, _ = self._first_collective(decision.round)
         t0 = time.perf_counter()
@@ -567,7 +583,7 @@ class Resilient:
             self.peers.keep_only(self.committed_step)
             self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
         record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round,
-                                lost, 0.0, rec.action, False)
+                                lost, 0.0, rec.action, False, 0.0, time.process_time() - cpu0)
         self.recoveries.append(record)
         s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
         return decision

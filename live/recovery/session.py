@@ -13,9 +13,10 @@ the rank's JSONL log (flushed, so it survives SIGKILL) and optionally traces it.
 
 The session also holds the *standby* (:class:`~meshpact.live.recovery.communicator.Standby`):
 the next generation's groups, built in the background after the job starts and after each
-recovery. Before proposing, a recovering rank publishes what its standby can do
-(:meth:`Session.publish_standby`); after the decision every rank reads every rank's word
-(:meth:`Session.standby_verdict`), so all use the standby or all build, never a mix.
+recovery. A recovering rank's proposal says what its standby can do
+(:meth:`Session.standby_word`); the decision carries every proposal, so every rank reads the
+same words from it (:meth:`Session.standby_verdict`) and all use the standby or all build,
+never a mix, at no round trip of its own.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from ..store import open_store
 from .checkpoint import Checkpointer
 from .config import RecoveryConfig
 from .consensus import GENERATION_KEY, ROUND_KEY, Decision, Proposal, agree
-from .control import ControlChannel, ControlTimeout
+from .control import ControlChannel
 
 __all__ = ["RecoveryConfig", "Session", "start_session", "resume_barrier", "build_mesh_groups", "mesh_from_groups"]
 
@@ -145,35 +146,36 @@ class Session:
             sb.join(self.config.connect_timeout_s)
         self.dropped = []
 
-    def publish_standby(self, groups: dict[str, dist.ProcessGroup], silent_s: float | None) -> comm.StandbyStatus:
-        """Say on the control channel, before proposing, whether this rank's standby can replace
-        ``groups``. ``silent_s``: how long the failed step ran before the fault; a data path
-        silent for the data-path timeout may have lost a link the standby crosses too."""
-        generation = self.generation + 1
+    def standby_word(self, groups: dict[str, dist.ProcessGroup], silent_s: float | None,
+                     quiet: bool = False) -> comm.StandbyStatus:
+        """What this rank says, in its proposal, of whether its standby can replace ``groups``.
+        ``silent_s``: how long the failed step ran before the fault; a data path silent for the
+        data-path timeout may have lost a link the standby crosses too, and so may one the
+        heartbeat found quiet on every rank (``quiet``)."""
         if self.standby is None:
-            status = comm.StandbyStatus(generation, False, "no standby" if self.config.standby else "standby off")
-        elif silent_s is not None and silent_s >= self.config.data_timeout_s:
-            status = comm.StandbyStatus(self.standby.generation, False,
-                                        f"rank {self.rank}'s data path was silent for {silent_s:.2f} s (a cut "
-                                        "link or a stalled peer: the standby's links may be cut too)")
-        else:
-            status = self.standby.status(comm.group_plan(groups), self.config.standby_wait_s)
-            if not status.ready:
-                status = comm.StandbyStatus(status.generation, False, f"rank {self.rank}'s standby {status.reason}")
-        self.control.set(f"standby/g{generation}/rank{self.rank}", status.to_dict())
+            return comm.StandbyStatus(self.generation + 1, False,
+                                      "no standby" if self.config.standby else "standby off")
+        if quiet:
+            return comm.StandbyStatus(self.standby.generation, False,
+                                      "the heartbeat found every rank's data path quiet (a cut link or a hung "
+                                      "collective: the standby's links may be cut too)")
+        if silent_s is not None and silent_s >= self.config.data_timeout_s:
+            return comm.StandbyStatus(self.standby.generation, False,
+                                      f"rank {self.rank}'s data path was silent for {silent_s:.2f} s (a cut "
+                                      "link or a stalled peer: the standby's links may be cut too)")
+        status = self.standby.status(comm.group_plan(groups), self.config.standby_wait_s)
+        if not status.ready:
+            status = comm.StandbyStatus(status.generation, False, f"rank {self.rank}'s standby {status.reason}")
         return status
 
-    def standby_verdict(self, generation: int) -> tuple[dict[str, dist.ProcessGroup] | None, str]:
-        """After the decision on ``generation``: the standby's groups, installed, when every rank
-        said its standby is ready for that generation; else None (the standby is discarded).
-        Every rank reads the same words, so every rank gets the same answer. The note says
-        which (``used`` / ``built (why)``)."""
-        keys = [f"standby/g{generation}/rank{r}" for r in range(self.world_size)]
-        try:  # written before the proposals, so present for every rank that proposed
-            words = self.control.wait(keys, 0.001)
-        except ControlTimeout:
-            words = self.control.present(keys)
-        said = {r: comm.StandbyStatus.from_dict(words[k]) if k in words else None for r, k in enumerate(keys)}
+    def standby_verdict(self, decision: Decision) -> tuple[dict[str, dist.ProcessGroup] | None, str]:
+        """After ``decision``: the standby's groups, installed, when every rank said in its
+        proposal that its standby is ready for the decided generation; else None (the standby
+        is discarded). Every rank reads the same words, so every rank gets the same answer. The
+        note says which (``used`` / ``built (why)``)."""
+        generation = decision.round
+        said = {r: comm.StandbyStatus.from_dict(p["standby"]) if isinstance(p.get("standby"), dict) else None
+                for r, p in decision.proposals.items()}
         why = comm.standby_refusal(said, generation, self.world_size)
         if not why and (self.standby is None or self.standby.generation != generation):
             why = f"rank {self.rank} holds no standby for generation {generation}"

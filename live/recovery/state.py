@@ -13,6 +13,16 @@ committed step plus a fixed sample of elements spread over the tensors (at most
 ``_SAMPLE_TENSORS`` tensors, their first, middle and last ``_SAMPLE_ELEMS`` elements),
 gathered on the tensors' device into one buffer per dtype and copied to the host once.
 :func:`digest` hashes everything and is for final comparisons only.
+
+A recovery must not pay for listing the state again either. :class:`CommitMark` keeps, from
+the commit, which tensor objects held the state (and where their storage was) and views of the
+sampled elements; :meth:`CommitMark.changed` then proves the state untouched by walking the
+owners (no ``.data``, no ``to_local``) and hashing the views, which alias the live storage. A
+tensor replaced or re-pointed since (lazy optimizer state, a storage swapped) sends it back to
+the full listing. Tensor version counters are no proof here: an in-place ``foreach`` update of
+FSDP2's sharded parameters (torch's default ``SGD``/``Adam``) leaves a ``DTensor``'s counter
+and its local tensor's unchanged. What neither check sees is a write through ``.data`` that
+misses every sampled element.
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-__all__ = ["local_state", "load_local_state", "digest", "commit_check", "RngState", "capture_rng", "restore_rng",
+__all__ = ["local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS"]
 
 ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
@@ -98,8 +108,14 @@ def commit_check(step: int, state: dict[str, torch.Tensor]) -> str:
     the state's size (see the module docstring). Equal before and after a failed step unless
     the step wrote to the sampled state (an optimizer step writes whole tensors, so their
     first, middle and last elements show it)."""
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"step={step}|n={len(state)}".encode())
+    return _hash_samples(step, len(state), _sample_views(state))
+
+
+_Samples = tuple[tuple[torch.dtype, tuple[torch.Tensor, ...]], ...]
+
+
+def _sample_views(state: dict[str, torch.Tensor]) -> _Samples:
+    """Views (aliasing the state's storage) of the elements :func:`commit_check` hashes, per dtype."""
     names = list(state)
     stride = max(1, -(-len(names) // _SAMPLE_TENSORS))
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -111,10 +127,86 @@ def commit_check(step: int, state: dict[str, torch.Tensor]) -> str:
         mid = n // 2
         parts = by_dtype.setdefault((flat.dtype, flat.device), [])
         parts += [flat[:_SAMPLE_ELEMS], flat[mid:mid + _SAMPLE_ELEMS], flat[-_SAMPLE_ELEMS:]]
-    for (dtype, _), parts in sorted(by_dtype.items(), key=lambda kv: str(kv[0])):
+    return tuple((dtype, tuple(parts)) for (dtype, _), parts in sorted(by_dtype.items(), key=lambda kv: str(kv[0])))
+
+
+def _aliased(state: dict[str, torch.Tensor], samples: _Samples) -> bool:
+    """Whether every sample view shares its tensor's storage (a non-contiguous tensor's
+    ``reshape`` copies: such a view would keep showing the committed values)."""
+    storages = {t.untyped_storage().data_ptr() for t in state.values()}
+    return all(v.untyped_storage().data_ptr() in storages for _, parts in samples for v in parts)
+
+
+def _hash_samples(step: int, count: int, samples: _Samples) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(f"step={step}|n={count}".encode())
+    for dtype, parts in samples:
         h.update(str(dtype).encode())
         h.update(torch.cat(parts).cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def _owners(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int, int], ...]:
+    """(object id, storage address, element count) of every tensor :func:`local_state` lists,
+    in its order, read without building any view."""
+    out = []
+    params = list(model.parameters())
+    for p in params:
+        local = getattr(p, "_local_tensor", p)
+        out.append((id(p), local.data_ptr(), local.numel()))
+    for p in params:
+        for _, value in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(value, torch.Tensor):
+                local = getattr(value, "_local_tensor", value)
+                out.append((id(value), local.data_ptr(), local.numel()))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CommitMark:
+    """What proves, at a recovery, that a rank's state is the one it committed at ``step``:
+    the commit check, the tensors that held the state (id, storage address, size) and views of
+    the sampled elements (see the module docstring). The views keep the committed storages
+    alive, so an address cannot be reused by a new tensor while the mark exists."""
+
+    step: int
+    check: str  # commit_check of the state at the commit
+    owners: tuple[tuple[int, int, int], ...]
+    samples: _Samples
+    count: int  # tensors in local_state
+    aliased: bool  # the views alias the live storage (else every check lists the state again)
+
+    @classmethod
+    def take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+             previous: "CommitMark | None" = None) -> "CommitMark":
+        """The mark of the state now, committed at ``step``. The listing and the views are
+        reused from ``previous`` when the same tensors, at the same storage, hold the state."""
+        owners = _owners(model, optimizer)
+        if previous is not None and previous.aliased and previous.owners == owners:
+            samples, count, aliased = previous.samples, previous.count, True
+        else:
+            state = local_state(model, optimizer)
+            samples, count = _sample_views(state), len(state)
+            aliased = _aliased(state, samples)
+        return cls(step, _hash_samples(step, count, samples), owners, samples, count, aliased)
+
+    def changed(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+        """Why the state differs from the committed one ("" when it does not): a tensor replaced,
+        added or moved since the commit, or a sampled element written, or another step."""
+        if step != self.step:
+            return f"the committed step is {step}, the mark's {self.step}"
+        owners = _owners(model, optimizer)
+        if owners != self.owners or not self.aliased:
+            check = commit_check(step, local_state(model, optimizer))
+            if check == self.check:
+                return ""  # other objects, or storage moved, holding what was committed
+            if owners == self.owners:
+                return "a sampled element of the state was written since the commit"
+            return (f"tensors holding the state changed since the commit ({len(self.owners)} then, "
+                    f"{len(owners)} now) and the sampled elements differ")
+        if _hash_samples(step, self.count, self.samples) != self.check:
+            return "a sampled element of the state was written since the commit"
+        return ""
 
 
 # -- random-number generators ---------------------------------------------------------------

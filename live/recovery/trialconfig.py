@@ -50,7 +50,7 @@ class TrialConfig:
     workload: str = DEFAULT_WORKLOAD  # a shipped workload's name or a path to a workload file
     count_dispatch: bool = False  # also count ops with a dispatch mode (turns torch.compile off)
     restore_rng: bool = True  # off only to show that a re-run step needs its generators back
-    heartbeat: bool = False  # find a stalled rank by heartbeat, not by the data-path timeout
+    heartbeat: bool = True  # find a stalled rank by heartbeat too, not only by the data-path timeout
     nth_op: int | None = None  # collective faults: the c10d operation of the step that raises
     peer_copies: int = 1  # K: ranks holding each rank's committed state in host memory (0: none)
     max_rounds: int = 4  # incomplete consensus rounds before a silent rank is declared lost
@@ -87,11 +87,11 @@ class TrialConfig:
             clash = [name for name, on in (("--fault-kind other than kill", self.fault_kind is not FaultKind.KILL),
                                            ("--peer-copies 0", self.peer_copies < 1),
                                            ("--spare-ranks", self.spare_ranks > 0),
-                                           ("--kill-holders", self.kill_holders), ("two hosts", self.two_hosts),
-                                           ("--heartbeat", self.heartbeat)) if on]
+                                           ("--kill-holders", self.kill_holders), ("two hosts", self.two_hosts))
+                     if on]
             if clash:
                 raise MeshpactError(f"--on-rank-loss excise needs --fault-kind kill and --peer-copies >= 1 and takes no "
-                                    f"spares, holder kills, two hosts or heartbeat; got {', '.join(clash)}")
+                                    f"spares, holder kills or two hosts; got {', '.join(clash)}")
             if self.faults > self.ranks - 1:
                 raise MeshpactError(f"--on-rank-loss excise kills a different rank per fault: at most --ranks - 1 "
                                     f"({self.ranks - 1}) faults, got {self.faults}")
@@ -105,9 +105,10 @@ class TrialConfig:
                                 f"({self.data_timeout_s} s)" if not self.heartbeat else
                                 f"a stall ({self.stall_s} s) must outlast the heartbeat detection bound "
                                 f"({recovery.detection_bound_s:g} s)")
-        if self.fault_kind is FaultKind.PARTITION and self.down_s <= self.data_timeout_s:
-            raise MeshpactError(f"a partition ({self.down_s} s down) must outlast the data-path timeout "
-                                f"({self.data_timeout_s} s), or the collective simply resumes")
+        if self.fault_kind is FaultKind.PARTITION and self.down_s <= recovery.detection_bound_s:
+            by = "the heartbeat" if self.heartbeat else "the data-path timeout"
+            raise MeshpactError(f"a partition ({self.down_s} s down) must outlast the hang detection bound "
+                                f"({recovery.detection_bound_s:g} s: {by}), or the collective simply resumes")
 
     @property
     def excising(self) -> bool:

@@ -36,8 +36,8 @@ def recover(
                                              "faults; never below the rank-loss bound]."),
     workload: str = typer.Option("decoder", "--workload", help="A workload file (build, batch, train_step, "
                                  "optional MESH) or a shipped one: decoder, llama_hsdp, compiled."),
-    heartbeat: bool = typer.Option(False, "--heartbeat/--no-heartbeat", help="Find stalled ranks by a heartbeat on "
-                                   "the control channel instead of waiting for the data-path timeout (opt-in)."),
+    heartbeat: bool = typer.Option(True, "--heartbeat/--no-heartbeat", help="Find stalled ranks by a heartbeat on "
+                                   "the control channel, not only by the data-path timeout (on by default)."),
     peer_copies: int = typer.Option(1, "--peer-copies", min=0, help="K: ranks holding each rank's committed state "
                                     "in host memory, so a lost rank's replacement takes it from a peer instead "
                                     "of storage (0: none; at most ranks - 1)."),

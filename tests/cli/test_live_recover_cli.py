@@ -21,7 +21,7 @@ def test_the_command_is_listed_under_live(capsys):
     assert "recover" in capsys.readouterr().out
 
 
-def test_heartbeat_is_off_unless_asked_for_and_reaches_the_trial(monkeypatch):
+def test_heartbeat_is_on_unless_turned_off_and_reaches_the_trial(monkeypatch):
     import meshpact.live.recovery.trial as trial
 
     seen = []
@@ -34,10 +34,10 @@ def test_heartbeat_is_off_unless_asked_for_and_reaches_the_trial(monkeypatch):
         raise Stop
 
     monkeypatch.setattr(trial, "run_trial", fake_run_trial)
-    for args, expected in ((["--heartbeat"], True), ([], False)):
+    for args, expected in ((["--no-heartbeat"], False), ([], True)):
         try:
             main(["live", "recover", "--ranks", "2", "--steps", "8", "--faults", "1", "--checkpoint-every", "4", *args])
         except Stop:
             pass
         assert seen[-1] is expected
-    assert seen == [True, False]
+    assert seen == [False, True]

@@ -146,11 +146,26 @@ def test_the_first_written_decision_wins_no_split_brain(channels):
     assert first == second == partial
 
 
-def test_control_wait_names_the_missing_keys(channels):
+def test_control_wait_names_the_missing_keys_within_its_bound_and_keeps_the_channel_timeout(channels):
+    import time
+
     channels[0].set("k0", 1)
+    t0 = time.monotonic()
     with pytest.raises(ControlTimeout) as err:
         channels[0].wait(["k0", "k1"], timeout_s=0.2)
     assert err.value.missing == ["k1"]
+    assert 0.15 < time.monotonic() - t0 < 5.0  # the wait's own bound, not the channel's
+    channels[1].set("k1", [2, "x"])
+    assert channels[0].wait(["k0", "k1"], timeout_s=0.2) == {"k0": 1, "k1": [2, "x"]}
+    t0 = time.monotonic()
+    with pytest.raises(ControlTimeout):
+        channels[0].wait(["k9"])  # no bound given: the channel's own
+    assert time.monotonic() - t0 >= channels[0].timeout_s * 0.75
+    # peek never waits: every value when all exist, else nothing
+    t0 = time.monotonic()
+    assert channels[2].peek(["k0", "k1"]) == [1, [2, "x"]]
+    assert channels[2].peek(["k0", "k8"]) == [None, None]
+    assert time.monotonic() - t0 < 1.0
 
 
 def test_a_silent_rank_is_declared_lost_then_its_replacement_joins_and_is_restored_from_its_peer(channels):
@@ -188,3 +203,14 @@ def test_a_silent_rank_is_declared_lost_then_its_replacement_joins_and_is_restor
     assert all(isinstance(d, Decision) for d in decisions), decisions
     assert {(d.round, d.policy, d.step, d.restore_from) for d in decisions} == {
         (decisions[0].round, Policy.PEER_RESTORE, 4, ((2, 0),))}
+
+
+def test_a_proposal_survives_a_trip_through_json_with_every_field():
+    import json
+    from dataclasses import fields
+
+    p = Proposal(3, 2, 17, "ab12", False, incarnation=1, restore_before=9, holds=((0, 16), (2, 17)),
+                 own_steps=(16, 17), host="hostB", standby={"generation": 3, "ready": True, "reason": ""})
+    d = p.to_dict()
+    assert set(d) == {f.name for f in fields(Proposal)}  # a field added later must be carried too
+    assert Proposal.from_dict(json.loads(json.dumps(d))) == p

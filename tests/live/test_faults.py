@@ -26,8 +26,13 @@ def test_too_many_faults_for_the_steps_is_refused():
 @pytest.mark.parametrize("kw, message", [
     ({"ranks": 1}, "--ranks must be at least 2"),
     ({"checkpoint_every": 0}, "--checkpoint-every must be between 1"),
-    ({"fault_kind": "stall", "stall_s": 0.5, "data_timeout_s": 1.0}, "must outlast the data-path timeout"),
-    ({"fault_kind": "partition", "down_s": 0.5, "data_timeout_s": 1.0}, "must outlast the data-path timeout"),
+    ({"fault_kind": "stall", "stall_s": 0.5, "data_timeout_s": 1.0, "heartbeat": False},
+     "must outlast the data-path timeout"),
+    ({"fault_kind": "partition", "down_s": 0.5, "data_timeout_s": 1.0, "heartbeat": False},
+     r"must outlast the hang detection bound \(1 s: the data-path timeout\)"),
+    ({"fault_kind": "stall", "stall_s": 0.15, "data_timeout_s": 30.0}, r"must outlast the heartbeat detection bound \(0.2"),
+    ({"fault_kind": "partition", "down_s": 0.15, "data_timeout_s": 30.0},
+     r"must outlast the hang detection bound \(0.2 s: the heartbeat\)"),
 ])
 def test_trial_settings_are_checked(kw, message):
     with pytest.raises(MeshpactError, match=message):

@@ -32,3 +32,30 @@ def test_progress_resets_and_a_peer_not_scheduled_is_never_taken_for_stalled():
     count = 3 * PROGRESS + 5
     assert watch(count, count + 4 + PROGRESS, 2) == 0
     assert watch(count, count + 4, 2) == 3
+
+
+# -- a quiet data path: every rank waiting in a collective, not a byte moving ----------------------------
+def test_the_alarm_needs_every_rank_quiet_for_the_misses_each_word_fresh():
+    from meshpact.live.recovery.heartbeat import QuietWord, all_quiet
+
+    last = {0: 4, 1: 9, 2: 2}
+    quiet = {0: QuietWord(5, 3), 1: QuietWord(10, 4), 2: QuietWord(3, 3)}
+    assert all_quiet(quiet, last, misses=3)
+    # one rank computing (its data path not quiet long enough) keeps it off
+    assert not all_quiet({**quiet, 1: QuietWord(10, 2)}, last, misses=3)
+    # a rank whose thread was not scheduled since the last read: its word is stale, no evidence
+    assert not all_quiet({**quiet, 2: QuietWord(2, 7)}, last, misses=3)
+    # a rank with no word yet, or one never read before (a replacement's first word)
+    assert not all_quiet({**quiet, 2: None}, last, misses=3)
+    assert not all_quiet(quiet, {0: 4, 1: 9}, misses=3)
+    assert not all_quiet({}, {}, misses=3)
+
+
+def test_a_quiet_word_survives_the_store_and_garbage_is_no_word():
+    from meshpact.live.recovery.heartbeat import QuietWord
+
+    w = QuietWord(123456789, 17, 4)
+    assert QuietWord.decode(w.encode().encode()) == w and QuietWord.decode(w.encode()) == w
+    assert QuietWord.decode(QuietWord(1, 0).encode()) == QuietWord(1, 0, -1)
+    assert QuietWord.decode(b"12") is None and QuietWord.decode(b"a:b:c") is None
+    assert QuietWord.decode(b"\xff:1:2") is None and QuietWord.decode("1:2") is None

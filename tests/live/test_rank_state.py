@@ -1,4 +1,7 @@
-"""A rank's state: generators captured and restored exactly; the commit check costs O(1) bytes."""
+"""A rank's state: generators captured and restored exactly; the commit check costs O(1) bytes;
+the commit mark proves the state untouched without listing it again, and is fooled by nothing a
+step does to it (optimizers of every kind, lazily created state, ``.data`` writes on a sampled
+element, replaced parameters, non-contiguous storage, FSDP2's sharded DTensors)."""
 
 from __future__ import annotations
 
@@ -8,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from meshpact.live.recovery.state import (capture_rng, commit_check, restore_rng, rng_from_tensors,
-                                          rng_tensors)
+from meshpact.live.recovery.state import (CommitMark, capture_rng, commit_check, local_state, restore_rng,
+                                          rng_from_tensors, rng_tensors)
 
 
 def _draws() -> tuple:
@@ -73,3 +76,121 @@ def test_commit_check_hashes_a_bounded_sample_whatever_the_state_size(monkeypatc
     commit_check(1, big)
     assert sum(hashed) <= 64 * 3 * 2 * 8 + 64  # at most 64 tensors x 3 x 2 elements x 8 bytes, plus markers
     assert small_bytes < sum(hashed)
+
+
+# -- the commit mark -----------------------------------------------------------------------------------
+def _model() -> torch.nn.Module:
+    torch.manual_seed(5)
+    return torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+
+
+def _backward(model: torch.nn.Module) -> None:
+    model(torch.randn(4, 6)).square().sum().backward()
+
+
+OPTIMIZERS = {
+    "sgd-foreach-momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, foreach=True),
+    "sgd-loop": lambda ps: torch.optim.SGD(ps, lr=0.1, foreach=False),
+    "adam-foreach": lambda ps: torch.optim.Adam(ps, lr=0.1, foreach=True),
+    "adamw-loop": lambda ps: torch.optim.AdamW(ps, lr=0.1, foreach=False),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=0.1),
+    "rmsprop": lambda ps: torch.optim.RMSprop(ps, lr=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_the_mark_sees_an_optimizer_step_after_the_commit_and_nothing_before_it(name):
+    model = _model()
+    opt = OPTIMIZERS[name](model.parameters())
+    _backward(model)
+    opt.step()  # optimizer state exists: the commit after a full step
+    opt.zero_grad()
+    mark = CommitMark.take(1, model, opt)
+    assert mark.changed(1, model, opt) == ""
+    _backward(model)  # the failed step got this far: gradients only
+    assert mark.changed(1, model, opt) == ""
+    opt.step()  # ... or further: the optimizer wrote the state
+    assert mark.changed(1, model, opt) != ""
+    assert mark.changed(2, model, opt) != ""  # another step is never the committed one
+
+
+def test_state_created_lazily_after_the_commit_is_a_change():
+    model = _model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    mark = CommitMark.take(0, model, opt)  # before the first step: no optimizer state yet
+    _backward(model)
+    with torch.no_grad():  # the optimizer's first step began, created its state, wrote nothing else
+        for p in model.parameters():
+            opt.state[p]["exp_avg"] = torch.zeros_like(p)
+    assert "changed since the commit" in mark.changed(0, model, opt)
+
+
+def test_a_data_write_on_a_sampled_element_is_seen_and_a_replaced_parameter_is_judged_by_content():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mark = CommitMark.take(3, model, opt)
+    first = model[0].weight
+    kept = first.detach()[0, 0].item()
+    first.data.view(-1)[0] = 1000.0  # through .data: no version counter moves
+    assert mark.changed(3, model, opt) == "a sampled element of the state was written since the commit"
+    first.data.view(-1)[0] = kept
+    assert mark.changed(3, model, opt) == ""
+    model[0].weight = torch.nn.Parameter(first.detach().clone())  # other object, same values
+    assert mark.changed(3, model, opt) == ""
+    model[0].weight = torch.nn.Parameter(first.detach() + 1.0)
+    assert "changed since the commit" in mark.changed(3, model, opt)
+
+
+def test_the_next_mark_reuses_the_listing_while_the_same_tensors_hold_the_state():
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    _backward(model)
+    opt.step()
+    first = CommitMark.take(1, model, opt)
+    _backward(model)
+    opt.step()
+    second = CommitMark.take(2, model, opt, first)
+    assert second.samples is first.samples and second.check != first.check
+    assert second.check == commit_check(2, local_state(model, opt))  # the same hash as a full listing
+
+
+def test_a_non_contiguous_parameter_is_listed_again_so_its_writes_are_never_missed():
+    model = _model()
+    model[0].weight = torch.nn.Parameter(torch.randn(6, 7).t())  # a transposed view: reshape copies
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mark = CommitMark.take(1, model, opt)
+    assert not mark.aliased
+    _backward(model)
+    opt.step()
+    assert mark.changed(1, model, opt) != ""
+
+
+@pytest.mark.parametrize("name", ["sgd-foreach-momentum", "adam-foreach", "adamw-loop"])
+def test_fsdp2_sharded_parameters_updated_in_place_by_foreach_optimizers_are_seen(name):
+    """torch's foreach updates leave a DTensor's version counter where it was: the mark must
+    not rely on it."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist_ = torch.distributed
+    dist_.init_process_group("fake", store=FakeStore(), rank=1, world_size=2)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,))
+        model = _model()
+        fully_shard(model, mesh=mesh)
+        opt = OPTIMIZERS[name](model.parameters())
+        _backward(model)
+        opt.step()
+        opt.zero_grad()
+        versions = [p._version for p in model.parameters()]
+        mark = CommitMark.take(1, model, opt)
+        _backward(model)
+        assert mark.changed(1, model, opt) == ""
+        opt.step()
+        assert mark.changed(1, model, opt) != ""
+        if name != "adamw-loop":  # the reason the counters are not used
+            assert [p._version for p in model.parameters()] == versions
+    finally:
+        dist_.destroy_process_group()

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from meshpact.live.launcher import host_store, launch
-from meshpact.live.recovery.rebind import (SITES, TORCH_IMPORT_DEFAULTS, find_references, held_in_frames,
-                                           python_bindings, rebind_all)
+from meshpact.live.recovery.rebind import (SITES, TORCH_IMPORT_DEFAULTS, ModuleScan, find_references,
+                                           held_in_frames, python_bindings, rebind_all)
 
 
 class _Group:
@@ -85,6 +85,49 @@ def test_a_group_in_a_namespace_package_of_the_users_is_rebound(tmp_path):
         assert report.counts["python.bindings"] == 1 and sub.PG is new
     finally:
         del sys.modules[sub.__name__], sys.modules[top.__name__]
+
+
+def test_a_kept_module_scan_walks_sys_modules_again_only_when_it_changed_and_misses_no_new_global(
+        user_module, tmp_path, monkeypatch):
+    """A job keeps one scan between recoveries: a global assigned since, a module imported
+    since, a module replaced under its name and a torch function patched by hand are all
+    reached; nothing else walks again."""
+    scan = ModuleScan()
+    g0, g1, g2, g3 = (_group(f"kept_pg_g{i}") for i in range(4))
+    user_module.PG = g0
+    rebind_all([(g0, g1)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), scan=scan)
+    assert user_module.PG is g1 and scan.walks == 1
+    user_module.LATE = g1  # assigned after the walk, in a module it already knew: one group under two names
+    user_module.PAIR = (g1, 0)  # and a tuple under two names, each rebuilt on its own
+    user_module.PAIR_TOO = user_module.PAIR
+    report = rebind_all([(g1, g2)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), scan=scan)
+    assert (user_module.PG, user_module.LATE, user_module.PAIR[0], user_module.PAIR_TOO[0]) == (g2, g2, g2, g2)
+    assert (report.counts["python.bindings"], scan.walks) == (4, 1)
+
+    later = types.ModuleType("meshpact_test_imported_later")  # imported since the walk
+    later.__file__ = str(tmp_path / "later.py")
+    later.PG = g2
+    sys.modules[later.__name__] = later
+    try:
+        rebind_all([(g2, g3)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), scan=scan)
+        assert later.PG is g3 and user_module.PG is g3 and scan.walks == 2
+        swapped = types.ModuleType(later.__name__)  # the same name, another module object (a reload by hand)
+        swapped.__file__ = later.__file__
+        swapped.PG = g3
+        sys.modules[later.__name__] = swapped
+        rebind_all([(g3, g0)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), scan=scan)
+        assert swapped.PG is g0 and scan.walks == 3
+    finally:
+        del sys.modules[later.__name__]
+
+    import torch.distributed.nn.functional as tdnf
+
+    def patched(tensor, group=g0):  # a torch function with an import-time default, patched in by hand
+        return tensor, group
+
+    monkeypatch.setattr(tdnf, "all_reduce", patched)
+    rebind_all([(g0, g1)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), scan=scan)
+    assert patched(1)[1] is g1 and scan.walks == 4
 
 
 def test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_the_old_one_released(user_module):

@@ -26,12 +26,12 @@ def test_derived_values_follow_their_formulas_for_inputs_other_than_the_defaults
 
 
 def test_without_the_heartbeat_the_data_path_bounds_detection():
-    c = RecoveryConfig(data_timeout_s=45.0)
+    c = RecoveryConfig(data_timeout_s=45.0, heartbeat=False)
     assert c.detection_bound_s == 45.0 and not c.notes
     with pytest.raises(Exception, match=r"stall \(1.5 s\) must outlast the data-path timeout \(45"):
-        TrialConfig(fault_kind="stall", stall_s=1.5, data_timeout_s=45.0)
-    ok = TrialConfig(fault_kind="stall", stall_s=1.5, data_timeout_s=45.0, heartbeat=True)
-    assert ok.recovery().detection_bound_s == pytest.approx(0.2)
+        TrialConfig(fault_kind="stall", stall_s=1.5, data_timeout_s=45.0, heartbeat=False)
+    ok = TrialConfig(fault_kind="stall", stall_s=1.5, data_timeout_s=45.0)  # the heartbeat is on by default
+    assert ok.recovery().heartbeat and ok.recovery().detection_bound_s == pytest.approx(0.2)
 
 
 def test_a_process_start_longer_than_group_creation_sets_the_round():

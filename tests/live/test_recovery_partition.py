@@ -8,6 +8,7 @@ import subprocess
 import pytest
 
 from _recovery import assert_recovered, trial
+from meshpact.core.recording import EventKind
 from meshpact.live.recovery.faults import NetnsPair, netns_unavailable
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns]
@@ -23,8 +24,9 @@ def _namespaces() -> set[str]:
 @pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 def test_data_link_down_then_up_is_recovered_in_memory_bit_identical():
     before = _namespaces()
+    # without the heartbeat: found by the data-path timeout
     result = trial(ranks=4, steps=16, faults=1, fault_kind="partition", checkpoint_every=4, baselines=False,
-                   data_timeout_s=0.5, down_s=1.0)
+                   data_timeout_s=0.5, down_s=1.0, heartbeat=False)
     assert_recovered(result, "in_memory")
     (rec,) = result.recoveries()
     assert rec["stages_s"]["detection"] >= 0.5
@@ -32,6 +34,22 @@ def test_data_link_down_then_up_is_recovered_in_memory_bit_identical():
     # are gone; other runs on the machine may come and go meanwhile
     ours = f"mph{os.getpid() % 100000}"
     assert not {n for n in _namespaces() - before if n.startswith(ours)}
+
+
+@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+def test_with_a_long_data_path_timeout_the_heartbeat_finds_the_cut_link():
+    """A 30 s data path would wait the 3 s cut out (TCP resends once the link is back) and
+    never fault: only the heartbeat's quiet-data-path rule can find it, and the standby,
+    whose links the cut crosses too, is not used."""
+    result = trial(ranks=4, steps=12, faults=1, fault_kind="partition", checkpoint_every=4, baselines=False,
+                   data_timeout_s=30.0, down_s=3.0)
+    assert_recovered(result, "in_memory")
+    (rec,) = result.recoveries()
+    assert rec["stages_s"]["detection"] < 3.0
+    events = result.events()
+    assert any(e.data.get("heartbeat_quiet") for e in events if e.event == EventKind.DETECTED)
+    rebuilt = [e for e in events if e.event == EventKind.REBUILT and e.data.get("generation") == rec["generation"]]
+    assert rebuilt and all("quiet" in str(e.data.get("standby")) for e in rebuilt), [e.data for e in rebuilt]
 
 
 @pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
