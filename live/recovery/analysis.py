@@ -214,7 +214,7 @@ class TrialResult:
                 "snapshot_ms_per_commit": 1e3 * statistics.mean(p.snapshot_s / p.commits for p in reports),
                 "host_bytes_per_rank": stats.host_bytes, "network_bytes_per_step": stats.bytes_per_step,
                 "network_bytes_per_hour": stats.bytes_per_hour, "ship_ms_mean": stats.write_s_mean * 1e3,
-                "copies_failed": sum(p.failed for p in reports)}
+                "copies_failed": sum(p.failed for p in reports), **_copy_rates(reports)}
 
     def outage_s(self, detection_s: float, restart: bool) -> float:
         """How long after the fault a baseline can start its own work: detection, or longer
@@ -268,6 +268,25 @@ class TrialResult:
             "replacement_processes": self.replacements,
             "mismatches": self.mismatches[:5],
         }
+
+
+def _copy_rates(reports: list[Any]) -> JsonObject:
+    """What the simulator's peer-copy model is calibrated from, per commit and rank (means over
+    ranks): the host copy's seconds, the CPU seconds of the ship and of receiving other ranks'
+    copies, the wait for a copy in flight, the step's own CPU seconds and the cores per rank
+    (see ``peers.PeerCopyCounters``)."""
+    from .peers import step_cpu_s
+
+    timed = [p for p in reports if p.cycles]
+    if not timed:
+        return {}
+
+    return {"host_copy_ms_per_commit": 1e3 * statistics.mean(p.host_copy_s / p.commits for p in timed),
+            "wait_ms_per_commit": 1e3 * statistics.mean(p.wait_s / p.commits for p in timed),
+            "ship_cpu_ms_per_commit": 1e3 * statistics.mean(p.ship_cpu_s / p.commits for p in timed),
+            "receive_cpu_ms_per_commit": 1e3 * statistics.mean(p.recv_cpu_s / p.commits for p in timed),
+            "step_cpu_ms": 1e3 * statistics.mean(step_cpu_s(p) for p in timed),
+            "cores_per_rank": min(p.cores_per_rank for p in timed)}
 
 
 def recovery_span(records: list[dict[str, Any]]) -> tuple[float, float]:
