@@ -67,6 +67,8 @@ class PeerCopyReport:
     cycles: int = 0
     cycle_cpu_s: float = 0.0
     cycle_s: float = 0.0
+    host_busy_s: float = 0.0
+    cores: int = 0
     cores_per_rank: float = 0.0
 
 

@@ -23,8 +23,8 @@ its own, and every rank reads them again after each recovery. :class:`PeerCopyCo
 the copies cost (snapshot time on the training thread, bytes shipped, host bytes held), the
 numbers the trial reports beside async checkpointing's, and what the simulator's peer-copy
 model is calibrated from: the host copy's seconds, the ship's seconds and CPU seconds, the
-receiving end's CPU seconds, the process's CPU seconds between commits and the host's cores
-per rank.
+receiving end's CPU seconds, the process's CPU seconds between commits, the host's cores and
+how busy the whole host was meanwhile (other jobs' load takes cores the ranks do not get).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stay
     import torch
 
 __all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
-           "peer_address", "publish", "read_addresses", "step_cpu_s", "HOST_ENV", "ADDR_ENV"]
+           "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "HOST_ENV", "ADDR_ENV"]
 
 ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (default: loopback)
 HOST_ENV = "MESHPACT_HOST_ID"  # which host a rank is on (default: its peer address)
@@ -248,6 +248,18 @@ class PeerServer:
         self._listener.close()
 
 
+def host_busy_s() -> float | None:
+    """The host's busy CPU seconds since boot, every core and process together (``/proc/stat``:
+    all but idle and I/O wait); None where there is no such file."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 def _cores() -> int:
     """The cores this process may run on."""
     try:
@@ -308,7 +320,9 @@ class PeerCopyCounters:
     cycles: int = 0  # commit-to-commit intervals counted below
     cycle_cpu_s: float = 0.0  # the process's CPU seconds over those intervals (every thread)
     cycle_s: float = 0.0  # their wall seconds
-    cores_per_rank: float = 0.0  # this host's cores (affinity) over the ranks on it (LOCAL_WORLD_SIZE)
+    host_busy_s: float = 0.0  # the whole host's busy CPU seconds over those intervals (every process; Linux)
+    cores: int = 0  # this host's cores (affinity)
+    cores_per_rank: float = 0.0  # those over the ranks on it (LOCAL_WORLD_SIZE)
 
 
 def step_cpu_s(c: PeerCopyCounters | Any) -> float:
@@ -336,8 +350,10 @@ class PeerCopier:
         self.addresses: dict[int, PeerAddress] = {}
         self.alive: tuple[int, ...] = tuple(range(world_size))  # the ranks still in the job (fewer after an excision)
         self.own: dict[int, dict[str, torch.Tensor]] = {}  # step -> this rank's snapshot (two newest)
-        self.counters = PeerCopyCounters(cores_per_rank=_cores() / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
-        self._last: tuple[float, float] | None = None  # (process CPU, wall) at the last commit
+        cores = _cores()
+        self.counters = PeerCopyCounters(cores=cores,
+                                         cores_per_rank=cores / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
+        self._last: tuple[float, float, float | None] | None = None  # (process CPU, wall, host busy) at the last commit
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
@@ -372,11 +388,13 @@ class PeerCopier:
     def commit(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Snapshot ``state`` (committed at ``step``) to host memory and hand it to the shipper."""
         t0 = time.perf_counter()
-        now = (time.process_time(), t0)
+        now = (time.process_time(), t0, host_busy_s())
         if self._last is not None:
             self.counters.cycles += 1
             self.counters.cycle_cpu_s += now[0] - self._last[0]
             self.counters.cycle_s += now[1] - self._last[1]
+            if now[2] is not None and self._last[2] is not None:
+                self.counters.host_busy_s += now[2] - self._last[2]
         self._last = now
         self._idle.wait()  # one copy in flight
         self.counters.wait_s += time.perf_counter() - t0
