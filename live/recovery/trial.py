@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -38,7 +38,7 @@ from .outcome import RankOutcome
 from .trialconfig import TrialConfig
 from .workload import WorkloadError, check_workload
 
-__all__ = ["TrialConfig", "TrialResult", "run_trial"]
+__all__ = ["TrialConfig", "TrialResult", "ReplacementSupply", "run_trial"]
 
 WORKER = "meshpact.live.recovery.rankworker:worker"
 EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excising reference
@@ -46,8 +46,8 @@ EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excisin
 
 def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: JsonObject,
          netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter,
-         forkserver: ForkServer | None = None, replacements: int | None = None,
-         announce_missing: bool = True) -> tuple[list[RankOutcome], int, float]:
+         forkserver: ForkServer | None = None, supply: ReplacementSupply | None = None
+         ) -> tuple[list[RankOutcome], int, float]:
     out_dir = Path(extra.get("out_dir", work / tag))
     out_dir.mkdir(parents=True, exist_ok=True)
     args = {"steps": cfg.steps, "checkpoint_every": cfg.checkpoint_every, "data_timeout_s": cfg.data_timeout_s,
@@ -59,18 +59,18 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             "die_after_proposing": sorted({(f.rank + 1) % cfg.ranks for f in faults}) if cfg.die_after_proposing
             else [], "on_rank_loss": Policy.EXCISE.value if cfg.excising else Policy.PEER_RESTORE.value,
             "min_ranks": cfg.min_ranks, **extra}
+    supply = supply or ReplacementSupply()
     gone: set[int] = set()
-
     started = 0
 
     def no_replacement(rank: int, rc: int, why: str) -> None:
         """``rank`` gets no process again: said on the control channel (unless the trial plays a
         launcher that never answers), so consensus excises it or ends the job rather than wait."""
         gone.add(rank)
-        if watch is not None and announce_missing:
+        if watch is not None and supply.announce_missing:
             mark_gone(watch.channel, rank)
         recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
-                       data={"returncode": rc, "started": False, "why": why, "announced": announce_missing})
+                       data={"returncode": rc, "started": False, "why": why, "announced": supply.announce_missing})
 
     def on_exit(job: Launch, rank: int, rc: int) -> None:
         nonlocal started
@@ -108,7 +108,7 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording)
     t_launch = time.time()
     with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
-                forkserver=forkserver, max_replacements=replacements, **kw) as job:
+                forkserver=forkserver, max_replacements=supply.limit, **kw) as job:
         results = job.wait(on_exit=on_exit, on_tick=watch)
     bad = [r for r in results if not r.ok and r.rank not in gone]
     if bad:
@@ -121,6 +121,16 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             raise WorkloadError(o.workload_error)
     del control
     return outcomes, started, t_launch
+
+
+@dataclass(frozen=True)
+class ReplacementSupply:
+    """What the faulted run's launcher can give a lost rank: at most ``limit`` replacement
+    processes (None: one per lost rank), and whether it tells the job when it has none
+    (``announce_missing``; off: a scheduler that never answers)."""
+
+    limit: int | None = None
+    announce_missing: bool = True
 
 
 class LostRankWatch:
@@ -181,11 +191,11 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
         raise WorkloadError(f"{checked.path}: --on-rank-loss excise re-shards a 1-D FSDP mesh only; this workload's "
                             f"MESH is {list(checked.mesh.shape)} (use --on-rank-loss replace)")
     workload = checked.path
-    launcher = {"replacements": replacements, "announce_missing": announce_missing}
+    supply = ReplacementSupply(replacements, announce_missing)
     if work_dir is not None or recording_path is None:
-        return _run_trial(cfg, workload, recording_path, work_dir, reference_dir, launcher)
+        return _run_trial(cfg, workload, recording_path, work_dir, reference_dir, supply)
     with tempfile.TemporaryDirectory(prefix="meshpact-trial-") as scratch:
-        return _run_trial(cfg, workload, recording_path, scratch, reference_dir, launcher)
+        return _run_trial(cfg, workload, recording_path, scratch, reference_dir, supply)
 
 
 @contextlib.contextmanager
@@ -218,7 +228,7 @@ def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None) -> Iterator[ForkServ
 
 def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLike[str] | None,
                work_dir: str | os.PathLike[str] | None, reference_dir: str | os.PathLike[str] | None,
-               launcher: dict[str, Any]) -> TrialResult:
+               supply: ReplacementSupply) -> TrialResult:
     if cfg.fault_kind is FaultKind.PARTITION or cfg.two_hosts:
         why = netns_unavailable()
         if why:
@@ -247,7 +257,7 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                                         "out_dir": str(ref_dir)}, netns, stores, rec, warm)
             faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults,
                                             {"drill": cfg.baselines and not cfg.excising, "spares": cfg.spare_ranks},
-                                            netns, stores, rec, warm, **launcher)
+                                            netns, stores, rec, warm, supply)
             excision = None
             plan = _excisions_of(read_rank_events(work / "faulted"))
             if cfg.excising or plan:  # the same ranks leave at the same steps, with no fault: the excising reference

@@ -9,10 +9,8 @@ naming the deadline the replacement missed.
 
 from __future__ import annotations
 
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -139,14 +137,14 @@ def test_the_launcher_starts_at_most_its_replacements_then_answers_false():
 
 @pytest.mark.live
 @pytest.mark.slow
-def test_a_replacement_that_never_arrives_is_excised_at_its_deadline_bitwise_equal_to_the_excising_reference():
+def test_a_replacement_that_never_arrives_is_excised_at_its_deadline_bitwise_equal_to_the_excising_reference(
+        tmp_path):
     from meshpact.core.recording import EventKind, read_recording
     from meshpact.live.recovery.trial import TrialConfig, run_trial
 
     cfg = TrialConfig(ranks=4, steps=8, checkpoint_every=4, faults=1, fault_kind="kill", peer_copies=1,
                       baselines=False, max_rounds=1, process_start_s=3.0, group_create_s=3.0)
-    work = Path(tempfile.mkdtemp(prefix="missed-replacement-"))
-    result = run_trial(cfg, work_dir=work, replacements=0, announce_missing=False)
+    result = run_trial(cfg, work_dir=tmp_path, replacements=0, announce_missing=False)
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]
     assert s["final_world_size"] == 3 and s["replacement_processes"] == 0 and s["storage_bytes_read"] == 0
