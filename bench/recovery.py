@@ -23,9 +23,13 @@ Prints a table for people and one JSON line (the last line) for machines.
   (``stall_detect_ms_p50``: injection to the first rank knowing), and cut data links found
   by its quiet-data-path rule under the same timeout (``partition_detect_ms_p50``; network
   namespaces needed).
-- peer copies (``peer_copy``, beside ``async_checkpoint``): killed ranks restored from a peer's
-  host memory against the same kills restored from the checkpoint (two runs, K=1 and K=0):
-  step-latency overhead, host bytes per rank, network bytes per hour, and downtime per kill;
+- peer copies (``peer_copy``, beside ``async_checkpoint``): the step-latency overhead measured
+  by fault-free trials with one peer copy per rank and with none, interleaved (K=1, K=0, ...:
+  both meet the same load), beside the simulator's model calibrated from each K=1 trial's own
+  summary (host copy, ship and step CPU seconds, bytes, cores; never its step latency) and its
+  error (``peer_copy.model``); killed ranks restored from a peer's host memory against the same
+  kills restored from the checkpoint (two runs, K=1 and K=0): host bytes per rank, network
+  bytes per hour, and downtime per kill;
   beside them the same kills excised (a third run, ``--on-rank-loss excise``, at most 3 kills
   at 4 ranks): downtime per excision and the largest difference from the never-failed run.
 
@@ -231,7 +235,7 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
     peer, ckpt = runs[1], runs[0]
     excised = run_trial(TrialConfig(ranks=4, steps=16, faults=min(kills, 3), fault_kind="kill", checkpoint_every=4,
                                     peer_copies=1, baselines=False, on_rank_loss="excise"))
-    judged = excised.excision
+    excision = excised.excision
 
     def per_kill(result: Any, policy: str) -> float | None:
         vals = [r["downtime_s"] for r in result.recoveries() if r["policy"] == policy and r["downtime_s"] is not None]
@@ -239,10 +243,10 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
 
     stats = peer.peer_copy_stats()
     baseline = peer.downtime()
+    judged = overhead_interleaved(3)
     out["peer_copy"] = {
-        "overhead": stats.overhead if stats and stats.step_s_without else None,
-        "step_ms_without": stats.step_s_without * 1e3 if stats else None,
-        "step_ms_with": stats.step_s_with * 1e3 if stats else None,
+        "overhead": judged["overhead"], "step_ms_without": judged["step_ms_without"],
+        "step_ms_with": judged["step_ms_with"], "model": judged,
         "host_bytes_per_rank": stats.host_bytes if stats else None,
         "network_bytes_per_hour": stats.bytes_per_hour if stats else None,
         "kills": kills, "bit_identical": peer.bit_identical and ckpt.bit_identical,
@@ -255,17 +259,27 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
                                   "cold_restart": baseline["cold_restart"],
                                   "excise": per_kill(excised, "excise")}
     out["excision"] = {"kills": min(kills, 3), "final_world_size": len(excised.faulted),
-                       "equal_to_excising_reference": judged.equal_to_excising_reference if judged else None,
-                       "max_abs_diff_from_unfailed": judged.max_abs_diff_from_unfailed if judged else None}
+                       "equal_to_excising_reference": excision.equal_to_excising_reference if excision else None,
+                       "max_abs_diff_from_unfailed": excision.max_abs_diff_from_unfailed if excision else None}
     p, d = out["peer_copy"], out["downtime_per_kill_s"]
 
     def f(x: float | None, fmt: str = ".2f") -> str:
         return "-" if x is None else format(x, fmt)
 
+    m = judged
     return [
-        ("peer copy (K=1) every update: step ms without / with (overhead)",
+        (f"peer copy (K=1) every update, {m['pairs']} fault-free trials each with K=1 and K=0 interleaved: "
+         "step ms without / with (overhead)",
          f"{f(p['step_ms_without'], '.1f')} / {f(p['step_ms_with'], '.1f')} "
          f"({'-' if p['overhead'] is None else format(p['overhead'] * 100, '+.1f')}%)"),
+        ("  model calibrated from each K=1 trial's copy rates: predicted / measured ms per step (error)",
+         f"{m['predicted_ms_per_step']:.1f} / {m['measured_ms_per_step']:.1f} "
+         f"({'-' if m['error'] is None else format(m['error'] * 100, '+.1f')}%)"),
+        ("  its inputs: host copy / ship / receive / step CPU ms per commit; cores per rank (other jobs' cores of "
+         "the host's); load average 1 min",
+         f"{m['host_copy_ms']:.2f} / {m['ship_cpu_ms']:.1f} / {m['receive_cpu_ms']:.1f} / {m['step_cpu_ms']:.1f}; "
+         f"{m['cores_per_rank']:.2f} ({m['external_cores']:.2f} of {m['host_cores']}); "
+         f"{m['load_avg_1m'][0]:.2f} -> {m['load_avg_1m'][1]:.2f}"),
         ("peer copy: host memory per rank / network per hour (whole job)",
          f"{(p['host_bytes_per_rank'] or 0) / 1e6:.2f} MB / {(p['network_bytes_per_hour'] or 0) / 1e9:.1f} GB"),
         (f"downtime per kill, {kills} kills at 4 ranks: peer restore / checkpoint restore (s)",
@@ -279,6 +293,53 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
         ("storage read by recoveries: peer / checkpoint (bytes); bit-identical",
          f"{p['storage_bytes_read_k1']} / {p['storage_bytes_read_k0']}; {p['bit_identical']}"),
     ]
+
+
+def overhead_interleaved(pairs: int, steps: int = 24) -> dict[str, Any]:
+    """The step-latency overhead of one peer copy per rank, measured honestly: ``pairs``
+    fault-free trials at 4 ranks with K=1 and with K=0, interleaved so both meet the same load
+    (each trial runs twice: its reference and its faulted run, both with the same K). The
+    overhead is the median step with copies less the median without. Beside it, the
+    simulator's model calibrated from each K=1 trial's summary alone (host copy, ship and
+    step CPU seconds, bytes, cores per rank: :func:`~meshpact.simulator.calibrate.peer_copy_calibration`)
+    predicts the stretch of the measured step without copies; the median prediction is
+    reported with its error."""
+    from meshpact.simulator.calibrate import peer_copy_calibration
+
+    load0 = os.getloadavg()[0]
+    steps_by_k: dict[int, list[float]] = {1: [], 0: []}
+    calibrations = []
+    external: list[float] = []
+    for _ in range(pairs):
+        for k in (1, 0):
+            result = run_trial(TrialConfig(ranks=4, steps=steps, faults=0, fault_kind="kill", checkpoint_every=steps,
+                                           peer_copies=k, baselines=False))
+            # the first step of a run builds and warms up: left out
+            steps_by_k[k] += [s for o in result.reference + result.faulted for s in o.step_s[1:]]
+            if k == 1:
+                summary = result.summary()
+                cal = peer_copy_calibration(summary["peer_copy_overhead"], summary["final_world_size"])
+                external.append(summary["peer_copy_overhead"].get("external_cores", float("nan")))
+                if cal is not None:
+                    calibrations.append(cal)
+    without, with_ = statistics.median(steps_by_k[0]), statistics.median(steps_by_k[1])
+    predicted = statistics.median(c.judge(without, with_).predicted_s_per_step for c in calibrations)
+    measured = with_ - without
+    ms = [c.measured for c in calibrations]
+    return {"pairs": pairs, "steps": steps, "ranks": 4,
+            "step_ms_without": without * 1e3, "step_ms_with": with_ * 1e3, "overhead": measured / without,
+            "measured_ms_per_step": measured * 1e3, "predicted_ms_per_step": predicted * 1e3,
+            "error": predicted / measured - 1.0 if measured > 0 else None,
+            "cpu_bound": [c.cost(without).cpu_bound for c in calibrations],
+            "host_copy_ms": 1e3 * statistics.median(m.host_copy_s or 0.0 for m in ms),
+            "ship_cpu_ms": 1e3 * statistics.median(m.ship_cpu_s or 0.0 for m in ms),
+            "receive_cpu_ms": 1e3 * statistics.median(m.receive_cpu_s or 0.0 for m in ms),
+            "ship_wall_ms": 1e3 * statistics.median(m.ship_s for m in ms),
+            "step_cpu_ms": 1e3 * statistics.median(m.step_cpu_s or 0.0 for m in ms),
+            "cores_per_rank": statistics.median(m.cores_per_rank or 0.0 for m in ms),
+            "external_cores": statistics.median(external), "host_cores": os.cpu_count(),
+            "bytes_per_commit": statistics.median(m.bytes_per_commit for m in ms),
+            "load_avg_1m": [round(load0, 2), round(os.getloadavg()[0], 2)]}
 
 
 def side_by_side(out: dict[str, Any], faults: int, chunks: int) -> list[tuple[str, str]]:

@@ -42,6 +42,8 @@ __all__ = [
     "RecoveryCosts",
     "DEFAULT_RECOVERY_COSTS",
     "communicator_seconds",
+    "PeerCopyCost",
+    "peer_copy_cost",
     "peer_copy_seconds_per_step",
     "estimate_recovery",
 ]
@@ -136,8 +138,20 @@ class RecoveryCosts:
     doubling), rebinding cached group references (10 ms), re-wrapping the model and
     optimizer in a fresh in-job restore (15 s), a replacement for a lost rank from the
     scheduler (300 s) or from a warm spare pool (``spare_join_s``, 30 s), peer state
-    transfer at 12.5 GB/s (100 Gb/s), and a peer copy hidden behind compute for half of
-    each step (``peer_copy_overlap_fraction``). ``state_bytes_per_rank`` and
+    transfer at 12.5 GB/s (100 Gb/s).
+
+    A peer copy every step (:func:`peer_copy_cost`) costs a host copy of the shard on the
+    training thread (``host_copy_bytes_per_s``, 25 GB/s device to host, PCIe 4.0 x16's 32 GB/s
+    less protocol overhead: an assumption), a
+    ship (serialise and send) on a background thread that lasts ``peer_bytes_per_s`` and
+    keeps a core busy at ``peer_cpu_bytes_per_s`` (12.5 GB/s: an assumption), and the
+    holder's receive, whose CPU work goes at ``peer_receive_bytes_per_s`` (12.5 GB/s: an
+    assumption). How much of the ship a step hides follows from the host's spare cores, never from
+    a fitted fraction: ``cores_per_rank`` (host cores over the ranks on the host; 12, a host
+    of 96 cores driving 8 accelerators: an assumption) and ``step_cores_per_rank`` (the cores
+    a step keeps busy, on average over the step: 1, the thread driving an accelerator; a
+    CPU-bound step uses every core it is given). The three peer-copy rates and core counts
+    are what ``--calibrate-from`` measures in a live run. ``state_bytes_per_rank`` and
     ``checkpoint_read_bytes_per_s`` (2 GB per rank at 2 GB/s) apply only where no workload
     is known; the simulator uses the real shard and the scenario's storage bandwidth.
     """
@@ -160,17 +174,22 @@ class RecoveryCosts:
     state_bytes_per_rank: float = 2e9
     checkpoint_read_bytes_per_s: float = 2e9
     peer_bytes_per_s: float = 12.5e9
-    peer_copy_overlap_fraction: float = 0.5
+    host_copy_bytes_per_s: float = 25e9
+    peer_cpu_bytes_per_s: float = 12.5e9
+    peer_receive_bytes_per_s: float = 12.5e9
+    cores_per_rank: float = 12.0
+    step_cores_per_rank: float = 1.0
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in self.__dict__.items() if not (v >= 0 and math.isfinite(v))}
         if bad:
             raise ValueError(f"recovery costs must be finite and >= 0, got {bad}")
-        for name in ("checkpoint_read_bytes_per_s", "peer_bytes_per_s"):
+        for name in ("checkpoint_read_bytes_per_s", "peer_bytes_per_s", "host_copy_bytes_per_s",
+                     "peer_cpu_bytes_per_s", "peer_receive_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"recovery costs: {name} must be > 0 bytes per second")
-        if self.peer_copy_overlap_fraction > 1:
-            raise ValueError("recovery costs: peer_copy_overlap_fraction must be within 0..1")
+        if self.cores_per_rank <= 0:
+            raise ValueError("recovery costs: cores_per_rank must be > 0 (host cores over the ranks on the host)")
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
@@ -189,9 +208,68 @@ def communicator_seconds(ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COS
     return costs.abort_s + costs.rendezvous_per_log2_rank_s * lg + costs.comm_init_s + costs.comm_init_per_log2_rank_s * lg
 
 
-def peer_copy_seconds_per_step(shard_bytes: float, step_s: float, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS) -> float:
-    """Time a step is stretched by copying its shard to a peer: what compute cannot hide."""
-    return max(0.0, shard_bytes / costs.peer_bytes_per_s - costs.peer_copy_overlap_fraction * step_s)
+@dataclass(frozen=True)
+class PeerCopyCost:
+    """One step with a peer copy of the shard, by :func:`peer_copy_cost` (seconds)."""
+
+    host_copy_s: float  # the host copy on the training thread: never hidden
+    ship_s: float  # serialise and send the K copies (the background thread's seconds)
+    ship_cpu_s: float  # the CPU seconds of that
+    receive_s: float  # the CPU seconds of receiving K copies from other ranks (a rank holds as many as it ships)
+    step_s: float  # the step without copies
+    cycle_s: float  # the step with them
+    cpu_bound: bool  # the host's cores, not the training thread, set the cycle
+
+    @property
+    def per_step_s(self) -> float:
+        """What the copy adds to every step."""
+        return max(self.cycle_s - self.step_s, 0.0)
+
+    @property
+    def training_thread_s(self) -> float:
+        """The training thread's time in the copy: the host copy, then any wait at the next
+        commit for a ship that outlasted the step (one copy in flight)."""
+        return self.host_copy_s + max(self.ship_s - self.step_s, 0.0)
+
+
+def peer_copy_cost(shard_bytes: float, step_s: float, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS,
+                   copies: int = 1) -> PeerCopyCost:
+    """A step of ``step_s`` (without copies) with its shard copied to ``copies`` peers.
+
+    The host copy ``H = shard / host_copy_bytes_per_s`` runs on the training thread at the
+    commit; the ship ``S = copies * shard / peer_bytes_per_s`` runs on a background thread
+    while the next step computes, and the next commit waits for it (one copy in flight),
+    keeping a core busy for ``Sc = copies * shard / peer_cpu_bytes_per_s`` of it; the rank
+    also receives as many copies as it ships, ``R = copies * shard / peer_receive_bytes_per_s``
+    CPU seconds on its server's threads. The cycle is the longer of two bounds:
+
+    * the training thread: ``H + max(step_s, S)`` (the ship hides behind the step as long
+      as a core is free for it);
+    * the host's cores: the step's CPU work ``u * step_s`` (``u = min(step_cores_per_rank,
+      cores_per_rank)``), ``H``, ``Sc`` and ``R`` all share the rank's ``cores_per_rank``
+      cores: ``(u * step_s + H + Sc + R) / cores_per_rank``. With cores to spare this bound
+      stays below the first; with fewer cores than the step keeps busy (ranks sharing cores,
+      a CPU-bound step) every second of copy work stretches the step by ``1 / cores_per_rank``.
+
+    Zero bytes cost nothing; a step of 0 s (unknown) costs ``H + S``, more where ranks share
+    cores.
+    """
+    step_s = max(float(step_s), 0.0)
+    shard_bytes = max(float(shard_bytes), 0.0)
+    host = shard_bytes / costs.host_copy_bytes_per_s
+    ship = max(int(copies), 0) * shard_bytes / costs.peer_bytes_per_s
+    ship_cpu = max(int(copies), 0) * shard_bytes / costs.peer_cpu_bytes_per_s
+    receive = max(int(copies), 0) * shard_bytes / costs.peer_receive_bytes_per_s
+    busy = min(costs.step_cores_per_rank, costs.cores_per_rank) * step_s
+    thread = host + max(step_s, ship)
+    cores = (busy + host + ship_cpu + receive) / costs.cores_per_rank
+    return PeerCopyCost(host, ship, ship_cpu, receive, step_s, max(thread, cores, step_s), cores > thread)
+
+
+def peer_copy_seconds_per_step(shard_bytes: float, step_s: float, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS,
+                               copies: int = 1) -> float:
+    """Time a step is stretched by copying its shard to peers (:func:`peer_copy_cost`)."""
+    return peer_copy_cost(shard_bytes, step_s, costs, copies).per_step_s
 
 
 def estimate_recovery(

@@ -20,6 +20,10 @@ Warm spares (``spares=N``): N more processes of the same target start with the r
 idle, warmed up (imports done), in :func:`await_promotion`; when a rank dies,
 :meth:`Launch.promote` hands its rank to a waiting spare (a file in the launch's directory,
 so no network is involved) instead of starting a cold replacement.
+
+Replacements are bounded by ``max_replacements`` (None: no bound), as a scheduler's
+capacity is: :meth:`Launch.replace` answers False once the launch has started that many, and
+the caller tells the job that no replacement comes instead of leaving it waiting.
 """
 
 from __future__ import annotations
@@ -140,12 +144,15 @@ class Launch:
         python: str = sys.executable,
         spares: int = 0,
         forkserver: "ForkServer | None" = None,
+        max_replacements: int | None = None,
     ) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
         if spares < 0 or (spares and prefix is not None):
             raise LaunchError(f"spares must be 0 or more and run on the launcher's own host (no prefix), got "
                               f"{spares}{' with a prefix' if prefix is not None else ''}")
+        if max_replacements is not None and max_replacements < 0:
+            raise LaunchError(f"max_replacements must be 0 or more (or None: no bound), got {max_replacements}")
         _resolve(target)  # a bad target is reported here, not N times in the children
         self.target = target
         self.world_size = world_size
@@ -163,6 +170,8 @@ class Launch:
         self._incarnation: dict[int, int] = {}
         self._stderr: dict[int, Any] = {}
         self.spares = spares
+        self.max_replacements = max_replacements
+        self.replacements_started = 0
         self._spares: dict[int, tuple["subprocess.Popen | ForkedProcess", Any]] = {}  # index -> waiting spare, its stderr
         self._deadline = time.monotonic() + self.timeout_s
         atexit.register(self.kill_all)
@@ -230,16 +239,25 @@ class Launch:
         """Each rank's return code (None while it runs)."""
         return {r: p.poll() for r, p in self._procs.items()}
 
-    def replace(self, rank: int, extra_env: Mapping[str, str] | None = None) -> None:
-        """Start a replacement process for ``rank`` (the old one must have exited)."""
+    def incarnation(self, rank: int) -> int:
+        """0 for the first process of ``rank``, 1.. for its replacements."""
+        return self._incarnation[rank]
+
+    def replace(self, rank: int, extra_env: Mapping[str, str] | None = None) -> bool:
+        """Start a replacement process for ``rank`` (the old one must have exited); False, and
+        nothing started, once ``max_replacements`` have been started."""
         old = self._procs[rank]
         if old.poll() is None:
             raise LaunchError(f"rank {rank} (pid {old.pid}) is still running; kill it before replacing it")
+        if self.max_replacements is not None and self.replacements_started >= self.max_replacements:
+            return False
+        self.replacements_started += 1
         if extra_env:
             prev = self._extra_env
             self._extra_env = lambda r, prev=prev, rank=rank, e=dict(extra_env): {
                 **(prev(r) if prev else {}), **(e if r == rank else {})}
         self._spawn(rank, self._incarnation[rank] + 1)
+        return True
 
     def kill(self, rank: int, sig: int = signal.SIGKILL) -> None:
         p = self._procs[rank]

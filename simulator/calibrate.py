@@ -30,13 +30,22 @@ stage scales with the simulated shard over those bytes instead of the model's de
 recording or stayed the cost model's default.
 
 **Peer-copy overhead.** A live trial's ``summary`` carries ``peer_copy_overhead``: per commit
-and rank, the seconds on the training thread (``snapshot_ms_per_commit``: the host copy and
-any wait for the previous copy still in flight) and on the background thread that ships it
-(``ship_ms_mean``), the bytes the whole job ships per step, and the median step.
-:class:`PeerCopyCalibration` sets ``peer_bytes_per_s`` to one rank's bytes per commit over
-its shipping seconds and predicts, with :func:`~meshpact.core.recovery_costs.peer_copy_seconds_per_step`
-(the model's overlap unchanged), the seconds a step is stretched; the measured stretch is the
-training thread's time in the copy. Nothing is fitted to the measured stretch.
+and rank, the training thread's seconds in the copy (``snapshot_ms_per_commit``: the host copy
+and any wait for the previous copy still in flight; ``host_copy_ms_per_commit``: the host copy
+alone), the background ship's seconds (``ship_ms_mean``; ``ship_cpu_ms_per_commit``: the CPU
+seconds of serialising and sending), the CPU seconds of
+receiving the other ranks' copies (``receive_cpu_ms_per_commit``), the step's
+own CPU seconds (``step_cpu_ms``, the process less the copy's threads), the host's cores per
+rank, the bytes the whole job ships per step, and the median step. :class:`PeerCopyCalibration`
+sets the rates of :func:`~meshpact.core.recovery_costs.peer_copy_cost` from them: the host copy
+rate from one copy's bytes over the host copy's seconds, ``peer_bytes_per_s`` from the K copies'
+bytes over the ship's seconds, ``peer_cpu_bytes_per_s`` over its CPU seconds and
+``peer_receive_bytes_per_s`` over the receive's (the ship's seconds, and the cost model's
+default, in recordings without them), the cores
+per rank as measured, and the step's busy cores from its CPU seconds. Nothing is fitted to
+the measured stretch: the model predicts the training thread's time in the copy (judged against
+``snapshot_ms_per_commit``) and the step's stretch over a step without copies (judged against
+a run without copies, :meth:`PeerCopyCalibration.judge`).
 """
 
 from __future__ import annotations
@@ -52,11 +61,11 @@ from meshpact.core.errors import RecordingError
 from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import Event, EventKind, iter_events
 from meshpact.core.recovery import Policy, Stage
-from meshpact.core.recovery_costs import (DEFAULT_RECOVERY_COSTS, FaultImpact, RecoveryCosts, estimate_recovery,
-                                          peer_copy_seconds_per_step)
+from meshpact.core.recovery_costs import (DEFAULT_RECOVERY_COSTS, FaultImpact, PeerCopyCost, RecoveryCosts,
+                                          estimate_recovery, peer_copy_cost)
 
 __all__ = ["Calibration", "Provenance", "StateTransfer", "PeerCopyMeasurement", "PeerCopyCalibration",
-           "calibration_from_recording", "RANK_LOSS_POLICIES"]
+           "PeerCopyJudgement", "calibration_from_recording", "peer_copy_calibration", "RANK_LOSS_POLICIES"]
 
 # policies live mode decides only when a rank is lost: their recoveries are rank losses
 RANK_LOSS_POLICIES = frozenset({Policy.PEER_RESTORE, Policy.EXCISE})
@@ -83,43 +92,111 @@ class StateTransfer:
 
 @dataclass(frozen=True)
 class PeerCopyMeasurement:
-    """What keeping peer copies cost a live run (its summary's ``peer_copy_overhead``)."""
+    """What keeping peer copies cost a live run (its summary's ``peer_copy_overhead``); the
+    fields after ``step_s_reference`` are None in recordings made before they were measured."""
 
     ranks: int
     copies: int  # K holders per rank
     bytes_per_commit: float  # one rank's copies of one commit, all K holders together
     snapshot_s: float  # per commit, training thread: the host copy and any wait for the copy in flight
-    ship_s: float  # per commit, background thread: serialise and send to the holders
+    ship_s: float  # per commit, background thread: serialise and send to the holders (wall)
     step_s: float  # median step of the run with copies
     step_s_reference: float | None  # median step of the trial's fault-free reference run (it keeps copies too)
+    host_copy_s: float | None = None  # per commit, training thread: the host copy alone
+    ship_cpu_s: float | None = None  # per commit: serialise and send (CPU seconds)
+    receive_cpu_s: float | None = None  # per commit: receive the other ranks' K copies (CPU seconds)
+    step_cpu_s: float | None = None  # per step: the process's CPU seconds less the copy's threads
+    cores_per_rank: float | None = None  # the host's cores over the ranks on it
 
     @property
     def measured_s_per_step(self) -> float:
-        """The seconds the copy takes from each step: the training thread's time in it."""
+        """The seconds the copy takes from each step on the training thread."""
         return self.snapshot_s
 
     @property
     def compute_s(self) -> float:
-        """The step without the copy's time on the training thread."""
+        """The step without the copy's time on the training thread (this run's own estimate
+        of a step without copies; a run without copies measures it)."""
         return max(self.step_s - self.snapshot_s, 0.0)
 
     def to_dict(self) -> JsonObject:
         return {"ranks": self.ranks, "copies": self.copies, "bytes_per_commit": self.bytes_per_commit,
                 "snapshot_s": self.snapshot_s, "ship_s": self.ship_s, "step_s": self.step_s,
-                "step_s_reference": self.step_s_reference}
+                "step_s_reference": self.step_s_reference, "host_copy_s": self.host_copy_s,
+                "ship_cpu_s": self.ship_cpu_s, "receive_cpu_s": self.receive_cpu_s, "step_cpu_s": self.step_cpu_s,
+                "cores_per_rank": self.cores_per_rank}
+
+
+@dataclass(frozen=True)
+class PeerCopyJudgement:
+    """The model against a measured stretch: the step with copies less the step without, both
+    measured in one run (interleaved), the prediction made from the rates alone."""
+
+    step_s_without: float
+    step_s_with: float
+    predicted_s_per_step: float
+
+    @property
+    def measured_s_per_step(self) -> float:
+        return self.step_s_with - self.step_s_without
+
+    @property
+    def error(self) -> float | None:
+        """Predicted over measured seconds per step, minus one (None where nothing was measured)."""
+        m = self.measured_s_per_step
+        return self.predicted_s_per_step / m - 1.0 if m > 0 else None
+
+    def to_dict(self) -> JsonObject:
+        return {"step_s_without": self.step_s_without, "step_s_with": self.step_s_with,
+                "measured_s_per_step": self.measured_s_per_step, "predicted_s_per_step": self.predicted_s_per_step,
+                "error": self.error}
 
 
 @dataclass(frozen=True)
 class PeerCopyCalibration:
-    """The peer-copy model calibrated from a measurement, and its prediction against it."""
+    """The peer-copy model calibrated from a measurement, and its predictions against it."""
 
     measured: PeerCopyMeasurement
-    costs: RecoveryCosts  # ``peer_bytes_per_s`` from the measured shipping
+    costs: RecoveryCosts  # the host copy rate, ``peer_bytes_per_s`` and the cores per rank as measured
+
+    @classmethod
+    def of(cls, m: PeerCopyMeasurement, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS) -> "PeerCopyCalibration":
+        """The rates of ``m`` (see the module): nothing from its step latency."""
+        one_copy = m.bytes_per_commit / max(m.copies, 1)
+        host = m.host_copy_s if m.host_copy_s else m.snapshot_s  # older recordings: the whole training-thread time
+        ship_cpu = m.ship_cpu_s if m.ship_cpu_s else m.ship_s
+        receive = m.bytes_per_commit / m.receive_cpu_s if m.receive_cpu_s else costs.peer_receive_bytes_per_s
+        return cls(m, replace(costs, peer_bytes_per_s=m.bytes_per_commit / m.ship_s,
+                              peer_cpu_bytes_per_s=m.bytes_per_commit / ship_cpu, peer_receive_bytes_per_s=receive,
+                              host_copy_bytes_per_s=one_copy / host if host > 0 else costs.host_copy_bytes_per_s,
+                              cores_per_rank=m.cores_per_rank or costs.cores_per_rank))
+
+    def step_cores(self, step_s: float) -> float:
+        """The cores a step of ``step_s`` keeps busy: its measured CPU seconds over ``step_s``
+        (the costs' default where not measured)."""
+        cpu = self.measured.step_cpu_s
+        return cpu / step_s if cpu is not None and step_s > 0 else self.costs.step_cores_per_rank
+
+    def cost(self, step_s: float) -> PeerCopyCost:
+        """The model at a step of ``step_s`` without copies."""
+        m = self.measured
+        costs = replace(self.costs, step_cores_per_rank=self.step_cores(step_s))
+        return peer_copy_cost(m.bytes_per_commit / max(m.copies, 1), step_s, costs, max(m.copies, 1))
+
+    def judge(self, step_s_without: float, step_s_with: float) -> PeerCopyJudgement:
+        """The predicted stretch of a step measured at ``step_s_without`` without copies,
+        against the stretch measured (``step_s_with`` in the same run with them)."""
+        return PeerCopyJudgement(step_s_without, step_s_with, self.cost(step_s_without).per_step_s)
 
     @property
     def predicted_s_per_step(self) -> float:
-        m = self.measured
-        return peer_copy_seconds_per_step(m.bytes_per_commit, m.compute_s, self.costs)
+        """The predicted stretch of this run's step (its own estimate of the step without copies)."""
+        return self.cost(self.measured.compute_s).per_step_s
+
+    @property
+    def predicted_thread_s(self) -> float:
+        """The predicted training-thread time in the copy per commit."""
+        return self.cost(self.measured.compute_s).training_thread_s
 
     @property
     def predicted_overhead(self) -> float:
@@ -129,21 +206,29 @@ class PeerCopyCalibration:
 
     @property
     def measured_overhead(self) -> float:
+        """The training thread's time in the copy over the step without it (what this run
+        alone measures; the whole stretch needs a run without copies)."""
         c = self.measured.compute_s
         return self.measured.measured_s_per_step / c if c > 0 else 0.0
 
     @property
     def error(self) -> float:
-        """Predicted over measured seconds per step, minus one (inf where nothing was measured)."""
+        """Predicted over measured training-thread seconds per commit, minus one (inf where
+        nothing was measured)."""
         m = self.measured.measured_s_per_step
-        return self.predicted_s_per_step / m - 1.0 if m > 0 else math.inf
+        return self.predicted_thread_s / m - 1.0 if m > 0 else math.inf
 
     def to_dict(self) -> JsonObject:
         return {"measured": self.measured.to_dict(), "peer_bytes_per_s": self.costs.peer_bytes_per_s,
-                "peer_copy_overlap_fraction": self.costs.peer_copy_overlap_fraction,
+                "host_copy_bytes_per_s": self.costs.host_copy_bytes_per_s,
+                "peer_cpu_bytes_per_s": self.costs.peer_cpu_bytes_per_s,
+                "peer_receive_bytes_per_s": self.costs.peer_receive_bytes_per_s,
+                "cores_per_rank": self.costs.cores_per_rank,
+                "step_cores_per_rank": self.step_cores(self.measured.compute_s),
                 "s_per_step": {"measured": self.measured.measured_s_per_step,
-                               "predicted": self.predicted_s_per_step,
+                               "predicted": self.predicted_thread_s,
                                "error": None if math.isinf(self.error) else self.error},
+                "stretch_s_per_step_predicted": self.predicted_s_per_step,
                 "step_latency": {"measured": self.measured_overhead, "predicted": self.predicted_overhead}}
 
 
@@ -282,7 +367,7 @@ def calibration_from_recording(
     measured = {p: {s: sum(v) / len(v) for s, v in st.items()} for p, st in sums.items()}
     ranks = ranks_meta or (max(seen_ranks) + 1 if seen_ranks else 1)
     state_bytes = {p: StateTransfer(sum(v) / len(v), len(v)) for p, v in transfers.items()}
-    peer = _peer_copy(overhead, reporting or ranks, costs, str(path)) if overhead is not None else None
+    peer = peer_copy_calibration(overhead, reporting or ranks, costs, str(path)) if overhead is not None else None
     return Calibration(source=str(path), ranks=ranks, measured=measured, recoveries=dict(count), costs=costs,
                        state_bytes=state_bytes, peer_copy=peer)
 
@@ -302,27 +387,43 @@ def _bytes_moved(ev: Event, where: str) -> float | None:
     return float(n)
 
 
-def _peer_copy(o: Mapping[str, Any], ranks: int, costs: RecoveryCosts, where: str) -> PeerCopyCalibration | None:
+def peer_copy_calibration(o: Mapping[str, Any], ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS,
+                          where: str = "summary") -> PeerCopyCalibration | None:
     """The peer-copy model calibrated from a summary's ``peer_copy_overhead`` (None when it
     shipped nothing: no copies, or every copy failed). ``ranks`` are the ranks whose copies
     the summary counts: the final world's (after an excision, the survivors)."""
     need = ("network_bytes_per_step", "ship_ms_mean", "snapshot_ms_per_commit", "step_ms_with", "copies")
     values: dict[str, float] = {}
     for key in need:
-        v = o.get(key)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or not math.isfinite(v):
-            raise RecordingError(f"{where}: summary peer_copy_overhead.{key} must be a number >= 0, got {v!r}")
-        values[key] = float(v)
+        values[key] = _number(o.get(key), f"{where}: summary peer_copy_overhead.{key}")
+    optional: dict[str, float | None] = {}
+    for key in ("host_copy_ms_per_commit", "ship_cpu_ms_per_commit", "receive_cpu_ms_per_commit", "step_cpu_ms",
+                "cores_per_rank"):
+        optional[key] = None if o.get(key) is None else _number(o[key], f"{where}: summary peer_copy_overhead.{key}")
     ref = o.get("step_ms_without")
     per_commit = values["network_bytes_per_step"] / max(ranks, 1)
     ship_s = values["ship_ms_mean"] / 1e3
     if per_commit <= 0 or ship_s <= 0:
         return None
+
+    def ms(key: str) -> float | None:
+        v = optional[key]
+        return None if v is None else v / 1e3
+
     m = PeerCopyMeasurement(ranks=ranks, copies=int(values["copies"]), bytes_per_commit=per_commit,
                             snapshot_s=values["snapshot_ms_per_commit"] / 1e3, ship_s=ship_s,
                             step_s=values["step_ms_with"] / 1e3,
-                            step_s_reference=float(ref) / 1e3 if isinstance(ref, (int, float)) and ref else None)
-    return PeerCopyCalibration(m, replace(costs, peer_bytes_per_s=per_commit / ship_s))
+                            step_s_reference=float(ref) / 1e3 if isinstance(ref, (int, float)) and ref else None,
+                            host_copy_s=ms("host_copy_ms_per_commit"), ship_cpu_s=ms("ship_cpu_ms_per_commit"),
+                            receive_cpu_s=ms("receive_cpu_ms_per_commit"),
+                            step_cpu_s=ms("step_cpu_ms"), cores_per_rank=optional["cores_per_rank"] or None)
+    return PeerCopyCalibration.of(m, costs)
+
+
+def _number(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0 or not math.isfinite(v):
+        raise RecordingError(f"{what} must be a number >= 0, got {v!r}")
+    return float(v)
 
 
 _STAGE_NAMES = {s.value for s in Stage}

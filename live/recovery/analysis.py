@@ -216,7 +216,7 @@ class TrialResult:
                 "snapshot_ms_per_commit": 1e3 * statistics.mean(p.snapshot_s / p.commits for p in reports),
                 "host_bytes_per_rank": stats.host_bytes, "network_bytes_per_step": stats.bytes_per_step,
                 "network_bytes_per_hour": stats.bytes_per_hour, "ship_ms_mean": stats.write_s_mean * 1e3,
-                "copies_failed": sum(p.failed for p in reports)}
+                "copies_failed": sum(p.failed for p in reports), **_copy_rates(reports)}
 
     def outage_s(self, detection_s: float, restart: bool) -> float:
         """How long after the fault a baseline can start its own work: detection, or longer
@@ -276,6 +276,38 @@ class TrialResult:
 
 def _median_max(values: list[float]) -> JsonObject:
     return {"median": statistics.median(values) if values else None, "max": max(values, default=None)}
+
+
+def _copy_rates(reports: list[Any]) -> JsonObject:
+    """What the simulator's peer-copy model is calibrated from, per commit and rank (means over
+    ranks): the host copy's seconds, the CPU seconds of the ship and of receiving other ranks'
+    copies, the wait for a copy in flight, the step's own CPU seconds, and the cores per rank
+    this job had: the host's cores less what other processes kept busy meanwhile (the host's
+    busy seconds less the ranks' own, per second; ``external_cores``), never fewer than the
+    ranks used (see ``peers.PeerCopyCounters``)."""
+    from .peers import step_cpu_s
+
+    timed = [p for p in reports if p.cycles]
+    if not timed:
+        return {}
+
+    return {"host_copy_ms_per_commit": 1e3 * statistics.mean(p.host_copy_s / p.commits for p in timed),
+            "wait_ms_per_commit": 1e3 * statistics.mean(p.wait_s / p.commits for p in timed),
+            "ship_cpu_ms_per_commit": 1e3 * statistics.mean(p.ship_cpu_s / p.commits for p in timed),
+            "receive_cpu_ms_per_commit": 1e3 * statistics.mean(p.recv_cpu_s / p.commits for p in timed),
+            "step_cpu_ms": 1e3 * statistics.mean(step_cpu_s(p) for p in timed),
+            **_cores_available(timed)}
+
+
+def _cores_available(timed: list[Any]) -> JsonObject:
+    """The host's cores, what other processes kept busy, and the cores per rank left to this job."""
+    cores = max(p.cores for p in timed)  # every rank of a trial runs on this host
+    if not cores or not all(p.host_busy_s > 0 and p.cycle_s > 0 for p in timed):
+        return {"cores_per_rank": min(p.cores_per_rank for p in timed)}  # no host counters: the host's share
+    ours = sum(p.cycle_cpu_s / p.cycle_s for p in timed)
+    external = max(statistics.mean(p.host_busy_s / p.cycle_s for p in timed) - ours, 0.0)
+    return {"host_cores": cores, "external_cores": external,
+            "cores_per_rank": max(cores - external, ours) / len(timed)}
 
 
 def recovery_span(records: list[dict[str, Any]]) -> tuple[float, float]:

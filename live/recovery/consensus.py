@@ -21,10 +21,17 @@ the holder each replacement fetches from; ``checkpoint_restore`` if a lost rank'
 with all its holders; and, where the job asked to excise, ``excise`` once the lost ranks are
 declared lost with no replacement and a survivor holds each one's copy (:attr:`Decision.lost`,
 the step every copy is held at, the holders in ``restore_from``). A rank the launcher saw
-exit is marked gone (:func:`mark_gone`) and, excising, declared lost at once. A rank missing from ``max_rounds`` incomplete rounds in a
-row is *declared lost* (``lost/round<k>`` on the channel, which the launcher watches to kill
-and replace it); the rounds then wait ``replacement_rounds`` more for its replacement before
-giving up with :class:`ConsensusError`.
+exit is marked gone (:func:`mark_gone`) and, excising, declared lost at once. A rank missing
+from ``max_rounds`` incomplete rounds in a row is *declared lost* (``lost/round<k>`` on the
+channel, which the launcher watches to kill and replace it); the rounds then wait
+``replacement_rounds`` more for its replacement: the replacement's deadline.
+
+A replacement that misses its deadline, or one the launcher says will not come (it marked the
+rank gone: no spare or replacement left, or the replacement process died), does not end the
+job where it can excise: the survivors continue without the rank, as ``excise`` decides it,
+the reason naming the missed deadline. Where the job cannot excise (``excise_refusal``: no
+smaller world to build, a mesh that is not 1-D; or no survivor holds the lost
+rank's copy) :class:`ConsensusError` names both the missing rank and why.
 """
 
 from __future__ import annotations
@@ -39,12 +46,15 @@ from meshpact.core.recovery import Policy
 from .control import ControlChannel, ControlTimeout
 
 __all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
+           "EXCISE_NOT_OFFERED",
            "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "mark_gone", "gone_ranks"]
 
 ROUND_KEY = "round"  # the last round decided, complete or not
 GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
 LOST_KEY = "lost/round"  # lost/round<k>: the ranks declared lost in round k (the launcher replaces them)
 GONE_KEY = "gone/rank"  # gone/rank<r>: the launcher saw rank r's process exit and starts no replacement
+# why a replacement policy cannot excise a rank whose replacement never came, unless the caller says it can
+EXCISE_NOT_OFFERED = "the job offers no excision (no build(mesh) for a smaller world was given)"
 
 
 class ConsensusError(RuntimeError):
@@ -125,14 +135,18 @@ class Decision:
 def decide(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
            checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, *, peer_copies: int = 0,
            on_rank_loss: Policy = Policy.PEER_RESTORE, declared: Sequence[int] = (),
-           alive: Sequence[int] | None = None) -> Decision:
+           alive: Sequence[int] | None = None, overdue: Sequence[int] = (), overdue_why: str = "",
+           excise_refusal: str | None = EXCISE_NOT_OFFERED) -> Decision:
     """The group's answer to one round of proposals (pure; every rank would compute the same).
 
     ``checkpoint_step(limit)`` returns the newest complete checkpoint at or before ``limit``;
     ``peer_copies`` is K of the job's peer copies (0: none kept); ``declared`` the ranks
     already declared lost; ``on_rank_loss`` is ``PEER_RESTORE`` (wait for a replacement) or
     ``EXCISE`` (continue without the declared ranks); ``alive`` the original ranks still in
-    the job (default: all ``world_size``; fewer after an excision).
+    the job (default: all ``world_size``; fewer after an excision). Under ``PEER_RESTORE``,
+    ``overdue`` are the lost ranks whose replacement will not come (``overdue_why`` says why:
+    the deadline it missed, or the launcher's word); when they are all that is missing the
+    survivors excise them, unless ``excise_refusal`` says why the job cannot.
     """
     members = tuple(sorted(proposals))
     expected = tuple(range(world_size)) if alive is None else tuple(sorted(alive))
@@ -145,8 +159,7 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
         limit = max(min(steps), 0) if steps else 0
         return Decision(round, Policy.CHECKPOINT_RESTORE, checkpoint_step(limit), reason, members, missing, raw)
 
-    if missing and on_rank_loss is Policy.EXCISE and set(missing) <= set(declared) and members:
-        why = f"rank(s) {list(missing)} declared lost with no replacement (--on-rank-loss excise)"
+    def excision(why: str) -> Decision:
         plan = _excise_plan(proposals, missing, peer_copies)
         if isinstance(plan, str):
             return fallback(f"{why}; cannot excise: {plan}")
@@ -158,6 +171,15 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
                         + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
                         + f"; the {len(members)} others continue without them{note}",
                         members, missing, raw, sources, missing)
+
+    if missing and on_rank_loss is Policy.EXCISE and set(missing) <= set(declared) and members:
+        return excision(f"rank(s) {list(missing)} declared lost with no replacement (--on-rank-loss excise)")
+    if missing and on_rank_loss is Policy.PEER_RESTORE and overdue and set(missing) <= set(overdue) and members:
+        why = (f"rank(s) {list(missing)} did not answer on the control channel within {timeout_s:.2f} s and "
+               f"{overdue_why or 'no replacement will come'}")
+        if excise_refusal is not None:
+            return fallback(f"{why}; cannot excise instead: {excise_refusal}")
+        return excision(f"{why}, so the survivors excise them")
     if missing:
         return fallback(f"rank(s) {list(missing)} did not answer on the control channel within {timeout_s:.2f} s")
     # a rank holding state from an older generation than another's missed a recovery; ranks all at
@@ -277,19 +299,19 @@ def _excise_plan(proposals: dict[int, Proposal], lost: Sequence[int],
 
 
 def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: Sequence[int],
-             declared: list[int] | None, slice_s: float = 0.25) -> JsonObject:
-    """The round's proposals present within ``timeout_s``. Excising (``declared`` given), the
-    wait is cut in slices and a rank the launcher marks gone meanwhile is declared lost and no
-    longer waited for."""
-    if declared is None:
+             skip: list[int] | None, slice_s: float = 0.25) -> JsonObject:
+    """The round's proposals present within ``timeout_s``. With ``skip`` given the wait is cut
+    in slices, and a rank the launcher marks gone meanwhile joins ``skip`` and is no longer
+    waited for (excising: it is declared lost; replacing: no replacement comes)."""
+    if skip is None:
         try:
             return channel.wait(keys, timeout_s)
         except ControlTimeout:
             return channel.present(keys)
     deadline = time.monotonic() + timeout_s
     while True:
-        declared += [r for r in gone_ranks(channel, ranks) if r not in declared]
-        wanted = [k for k, r in zip(keys, ranks) if r not in declared]
+        skip += [r for r in gone_ranks(channel, ranks) if r not in skip]
+        wanted = [k for k, r in zip(keys, ranks) if r not in skip]
         left = deadline - time.monotonic()
         try:
             channel.wait(wanted, max(min(slice_s, left), 0.01))
@@ -334,11 +356,16 @@ def loss_bound_s(timeout_s: float, max_rounds: int = 4) -> float:
 def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], checkpoint_step: Callable[[int], int],
           timeout_s: float | None = None, max_rounds: int = 4, *, peer_copies: int = 0,
           on_rank_loss: Policy = Policy.PEER_RESTORE, replacement_rounds: int = 2,
-          alive: Sequence[int] | None = None) -> Decision:
+          alive: Sequence[int] | None = None, excise_refusal: str | None = EXCISE_NOT_OFFERED) -> Decision:
     """Run rounds until the group decides with every rank present (or, excising, without the
     declared ranks). A rank missing from ``max_rounds`` rounds in a row is declared lost
-    (:func:`loss_bound_s`; ``lost/round<k>`` on the channel); after ``replacement_rounds``
-    more rounds without it (:func:`give_up_bound_s`) :class:`ConsensusError` names it.
+    (:func:`loss_bound_s`; ``lost/round<k>`` on the channel); its replacement has
+    ``replacement_rounds`` more rounds to join (its deadline, :func:`give_up_bound_s`).
+
+    Under ``PEER_RESTORE`` a replacement that misses its deadline, or that the launcher says
+    will not come (:func:`mark_gone`), is answered by excising the rank where the job can
+    (``excise_refusal`` None: the caller can build the smaller world); otherwise
+    :class:`ConsensusError` names the rank, the deadline and why it cannot be excised.
 
     Rounds are numbered on the channel (``ROUND_KEY``); only a complete decision moves the
     group's generation (``GENERATION_KEY``) to its round. An incomplete round is acted on by
@@ -356,9 +383,14 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     last: Decision | None = None
     misses: dict[int, int] = {}
     declared: list[int] = []
+    gone: list[int] = []  # replacing: the ranks the launcher starts no replacement for
+    excising = on_rank_loss is Policy.EXCISE
+    deadline_s = replacement_rounds * timeout
     for _ in range(max_rounds + replacement_rounds):
-        if on_rank_loss is Policy.EXCISE:
+        if excising:
             declared += [r for r in gone_ranks(channel, expected) if r not in declared]
+        else:
+            gone += [r for r in gone_ranks(channel, expected) if r not in gone]
         # one round trip for both counters. A round decided without us (we read the counter before the
         # others advanced it) needs no check of its own: our proposal was not in its decision, which
         # set_once hands back with us missing, so we go on to the next round as every rank does
@@ -367,16 +399,28 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())
         keys = [f"round{round_}/rank{r}" for r in expected]
-        got = _collect(channel, keys, timeout, expected, declared if on_rank_loss is Policy.EXCISE else None)
+        got = _collect(channel, keys, timeout, expected, declared if excising else gone)
         proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
+        absent = [r for r in expected if r not in proposals]
+        # a declared rank absent once more after replacement_rounds rounds: its replacement missed the deadline
+        expired = [r for r in absent if r in declared and misses.get(r, 0) + 1 >= max_rounds + replacement_rounds]
+        left = [r for r in absent if r in gone]
+        whys = ([f"no replacement joined within its deadline of {deadline_s:g} s ({replacement_rounds} round(s) of "
+                 f"{timeout:g} s after rank(s) {expired} were declared lost)"] if expired else [])
+        whys += [f"the launcher starts no replacement for rank(s) {left}"] if left else []
+        overdue = sorted(set(expired) | set(left))
         mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,
-                      peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared), alive=alive)
+                      peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared), alive=alive,
+                      overdue=overdue, overdue_why="; ".join(whys), excise_refusal=excise_refusal)
         decision = Decision.from_dict(channel.set_once(f"round{round_}/decision", mine.to_dict()))
         channel.advance(ROUND_KEY, round_)
         last = decision
         if not decision.missing or decision.policy is Policy.EXCISE:
             channel.move(GENERATION_KEY, group_generation, round_)
             return decision
+        if not excising and overdue and set(decision.missing) <= set(overdue):  # nothing more to wait for
+            raise ConsensusError(f"rank(s) {list(decision.missing)} declared lost, no replacement comes, and the job "
+                                 f"cannot go on without them: {decision.reason}")
         misses = {r: misses.get(r, 0) + 1 for r in decision.missing}  # in a row: a rank that answered starts over
         newly = [r for r in decision.missing if misses[r] >= max_rounds and r not in declared]
         if newly:

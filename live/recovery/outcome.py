@@ -60,6 +60,16 @@ class PeerCopyReport:
     bytes_sent: int = 0
     failed: int = 0  # copies that did not reach a holder (a holder gone)
     host_bytes_peak: int = 0  # own snapshots plus the copies held for others
+    host_copy_s: float = 0.0  # the rest: what the simulator's peer-copy model is calibrated from
+    wait_s: float = 0.0
+    ship_cpu_s: float = 0.0
+    recv_cpu_s: float = 0.0
+    cycles: int = 0
+    cycle_cpu_s: float = 0.0
+    cycle_s: float = 0.0
+    host_busy_s: float = 0.0
+    cores: int = 0
+    cores_per_rank: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,10 @@ fetches its state from that holder (:func:`fetch`).
 Addresses are published on the control channel (``peer/rank<r>``); a replacement publishes
 its own, and every rank reads them again after each recovery. :class:`PeerCopyCounters` counts what
 the copies cost (snapshot time on the training thread, bytes shipped, host bytes held), the
-numbers the trial reports beside async checkpointing's.
+numbers the trial reports beside async checkpointing's, and what the simulator's peer-copy
+model is calibrated from: the host copy's seconds, the ship's seconds and CPU seconds, the
+receiving end's CPU seconds, the process's CPU seconds between commits, the host's cores and
+how busy the whole host was meanwhile (other jobs' load takes cores the ranks do not get).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stay
     import torch
 
 __all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
-           "peer_address", "publish", "read_addresses", "HOST_ENV", "ADDR_ENV"]
+           "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "HOST_ENV", "ADDR_ENV"]
 
 ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (default: loopback)
 HOST_ENV = "MESHPACT_HOST_ID"  # which host a rank is on (default: its peer address)
@@ -162,6 +165,7 @@ class PeerServer:
         self._copies: dict[int, HeldCopy] = {}
         self._receiving = 0  # bytes of copies in flight
         self.peak_bytes = 0
+        self.recv_cpu_s = 0.0  # CPU seconds of receiving copies (the holder's side of a ship)
         self._closed = False
         threading.Thread(target=self._accept, name="meshpact-peer-server", daemon=True).start()
 
@@ -222,11 +226,13 @@ class PeerServer:
         n = int(header["n"])
         with self._lock:
             self._receiving += n
+        t0 = time.thread_time()
         try:
             payload = bytes(_recv_exact(conn, n))
         finally:
             with self._lock:
                 self._receiving -= n
+                self.recv_cpu_s += time.thread_time() - t0
         copy = HeldCopy(int(header["src"]), int(header["step"]), payload)
         with self._lock:
             self._copies[copy.src] = copy  # complete: replaces the previous copy
@@ -240,6 +246,26 @@ class PeerServer:
         except OSError:
             pass
         self._listener.close()
+
+
+def host_busy_s() -> float | None:
+    """The host's busy CPU seconds since boot, every core and process together (``/proc/stat``:
+    all but idle and I/O wait); None where there is no such file."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
 
 
 def _connect(address: PeerAddress, timeout_s: float) -> socket.socket:
@@ -282,11 +308,31 @@ class PeerCopyCounters:
     """What the copies cost one rank (mutable counters; :meth:`freeze` for the report)."""
 
     commits: int = 0
-    snapshot_s: float = 0.0  # on the training thread: the host copy
-    ship_s: float = 0.0  # on the background thread
+    snapshot_s: float = 0.0  # on the training thread: the host copy and any wait for the copy in flight
+    ship_s: float = 0.0  # on the background thread (wall)
     bytes_sent: int = 0
     failed: int = 0
     host_bytes_peak: int = 0
+    host_copy_s: float = 0.0  # the host copy alone (training thread, wall)
+    wait_s: float = 0.0  # the training thread waiting for the copy in flight (wall)
+    ship_cpu_s: float = 0.0  # serialising and sending (the shipper's CPU seconds)
+    recv_cpu_s: float = 0.0  # receiving the other ranks' copies (this rank's server, CPU seconds)
+    cycles: int = 0  # commit-to-commit intervals counted below
+    cycle_cpu_s: float = 0.0  # the process's CPU seconds over those intervals (every thread)
+    cycle_s: float = 0.0  # their wall seconds
+    host_busy_s: float = 0.0  # the whole host's busy CPU seconds over those intervals (every process; Linux)
+    cores: int = 0  # this host's cores (affinity)
+    cores_per_rank: float = 0.0  # those over the ranks on it (LOCAL_WORLD_SIZE)
+
+
+def step_cpu_s(c: PeerCopyCounters | Any) -> float:
+    """The process's CPU seconds per commit-to-commit interval less the copy's own work (host
+    copy, ship, receive): what the step itself keeps the cores busy with (``c``: the counters,
+    or a report with their fields)."""
+    if not c.cycles or not c.commits:
+        return 0.0
+    copy = (c.host_copy_s + c.ship_cpu_s + c.recv_cpu_s) / c.commits
+    return max(c.cycle_cpu_s / c.cycles - copy, 0.0)
 
 
 class PeerCopier:
@@ -304,7 +350,10 @@ class PeerCopier:
         self.addresses: dict[int, PeerAddress] = {}
         self.alive: tuple[int, ...] = tuple(range(world_size))  # the ranks still in the job (fewer after an excision)
         self.own: dict[int, dict[str, torch.Tensor]] = {}  # step -> this rank's snapshot (two newest)
-        self.counters = PeerCopyCounters()
+        cores = _cores()
+        self.counters = PeerCopyCounters(cores=cores,
+                                         cores_per_rank=cores / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
+        self._last: tuple[float, float, float | None] | None = None  # (process CPU, wall, host busy) at the last commit
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
@@ -339,8 +388,19 @@ class PeerCopier:
     def commit(self, step: int, state: dict[str, torch.Tensor]) -> None:
         """Snapshot ``state`` (committed at ``step``) to host memory and hand it to the shipper."""
         t0 = time.perf_counter()
+        now = (time.process_time(), t0, host_busy_s())
+        if self._last is not None:
+            self.counters.cycles += 1
+            self.counters.cycle_cpu_s += now[0] - self._last[0]
+            self.counters.cycle_s += now[1] - self._last[1]
+            if now[2] is not None and self._last[2] is not None:
+                self.counters.host_busy_s += now[2] - self._last[2]
+        self._last = now
         self._idle.wait()  # one copy in flight
+        self.counters.wait_s += time.perf_counter() - t0
+        c0 = time.perf_counter()
         snap = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        self.counters.host_copy_s += time.perf_counter() - c0
         self.own[step] = snap
         for old in sorted(self.own)[:-2]:
             del self.own[old]
@@ -373,6 +433,7 @@ class PeerCopier:
                 return
             step, snap = item
             t0 = time.perf_counter()
+            c0 = time.thread_time()
             try:
                 payload = serialize(step, snap)
                 for holder in self.holders():
@@ -386,6 +447,8 @@ class PeerCopier:
                 self.counters.failed += 1
             finally:
                 self.counters.ship_s += time.perf_counter() - t0
+                self.counters.ship_cpu_s += time.thread_time() - c0
+                self.counters.recv_cpu_s = self.server.recv_cpu_s
                 self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())
                 self._idle.set()
 

@@ -135,11 +135,10 @@ def worker(args: JsonObject) -> JsonObject:
 
     from .reshard import ExcisionRefused
 
-    excising = args.get("on_rank_loss") == Policy.EXCISE.value
     refused: ExcisionRefused | None = None
     with resilient(model, optimizer, session, injector, batches, on_rank_loss=Policy(args.get(
             "on_rank_loss", Policy.PEER_RESTORE.value)), min_ranks=int(args.get("min_ranks", 1)),
-            build=(lambda mesh: built(workload, mesh)) if excising else None) as rt:
+            build=lambda mesh: built(workload, mesh)) as rt:  # also when replacing: a missed replacement excises
         if rank in args.get("die_after_proposing", ()) and session.incarnation == 0:
             # dies once its proposal is in and the round decided: the others meet it building the groups
             rt.on_decided = lambda decision: os.kill(os.getpid(), signal.SIGKILL)

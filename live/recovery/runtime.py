@@ -402,7 +402,7 @@ class Resilient:
         decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
                          max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies if s.peer_server is not None else 0,
                          replacement_rounds=s.config.replacement_rounds, on_rank_loss=self.on_rank_loss,
-                         alive=s.alive or None)
+                         alive=s.alive or None, excise_refusal=self._excise_refusal())
         t_end = time.perf_counter()
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - t0, agree_s=t_end - t_agree,
                state_changed=changed, **decision.summary())
@@ -512,6 +512,15 @@ class Resilient:
         s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
         s.start_standby(self._job_groups())  # the generation after this one, built while training runs
         return decision
+
+    def _excise_refusal(self) -> str | None:
+        """Why this job cannot excise a lost rank whose replacement never came (None: it can)."""
+        if self.build is None:
+            return "no build(mesh) was given to resilient() for the smaller world"
+        shape = tuple(getattr(self.session.mesh, "shape", ()) or ())
+        if len(shape) > 1:
+            return f"excision re-shards a 1-D FSDP mesh only; this job's mesh is {list(shape)}"
+        return None
 
     def _excise(self, decision: Decision, step: int, t_detect: float, reset_s: float, intact: bool,
                 cpu0: float) -> Decision:

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -38,7 +38,7 @@ from .outcome import RankOutcome
 from .trialconfig import TrialConfig
 from .workload import WorkloadError, check_workload
 
-__all__ = ["TrialConfig", "TrialResult", "run_trial"]
+__all__ = ["TrialConfig", "TrialResult", "ReplacementSupply", "run_trial"]
 
 WORKER = "meshpact.live.recovery.rankworker:worker"
 EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excising reference
@@ -46,7 +46,8 @@ EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excisin
 
 def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: JsonObject,
          netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter,
-         forkserver: ForkServer | None = None) -> tuple[list[RankOutcome], int, float]:
+         forkserver: ForkServer | None = None, supply: ReplacementSupply | None = None
+         ) -> tuple[list[RankOutcome], int, float]:
     out_dir = Path(extra.get("out_dir", work / tag))
     out_dir.mkdir(parents=True, exist_ok=True)
     args = {"steps": cfg.steps, "checkpoint_every": cfg.checkpoint_every, "data_timeout_s": cfg.data_timeout_s,
@@ -58,23 +59,37 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             "die_after_proposing": sorted({(f.rank + 1) % cfg.ranks for f in faults}) if cfg.die_after_proposing
             else [], "on_rank_loss": Policy.EXCISE.value if cfg.excising else Policy.PEER_RESTORE.value,
             "min_ranks": cfg.min_ranks, **extra}
-    replacements = 0
+    supply = supply or ReplacementSupply()
     gone: set[int] = set()
+    started = 0
+
+    def no_replacement(rank: int, rc: int, why: str) -> None:
+        """``rank`` gets no process again: said on the control channel (unless the trial plays a
+        launcher that never answers), so consensus excises it or ends the job rather than wait."""
+        gone.add(rank)
+        if watch is not None and supply.announce_missing:
+            mark_gone(watch.channel, rank)
+        recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
+                       data={"returncode": rc, "started": False, "why": why, "announced": supply.announce_missing})
 
     def on_exit(job: Launch, rank: int, rc: int) -> None:
-        nonlocal replacements
+        nonlocal started
         if rc == -9 and cfg.excising and watch is not None:  # no replacement: the survivors go on without it
             gone.add(rank)
             mark_gone(watch.channel, rank)
             recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
                            data={"returncode": rc, "excised": True})
         elif rc == -9:  # SIGKILL: a warm spare, else a new process, joins the recovery in progress
-            replacements += 1
             spare = job.promote(rank)
-            recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
-                           data={"returncode": rc, "warm_spare": spare})
-            if not spare:
-                job.replace(rank)
+            if spare or job.replace(rank):
+                started += 1
+                recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
+                               data={"returncode": rc, "warm_spare": spare})
+            else:
+                no_replacement(rank, rc, f"no warm spare and no replacement left ({job.replacements_started} "
+                                         f"of at most {job.max_replacements} started)")
+        elif job.incarnation(rank) > 0 and rank not in gone:  # a replacement that died by itself: none again
+            no_replacement(rank, rc, f"its replacement process exited with {rc}")
 
     control = None
     watch = None
@@ -93,7 +108,7 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording)
     t_launch = time.time()
     with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
-                forkserver=forkserver, **kw) as job:
+                forkserver=forkserver, max_replacements=supply.limit, **kw) as job:
         results = job.wait(on_exit=on_exit, on_tick=watch)
     bad = [r for r in results if not r.ok and r.rank not in gone]
     if bad:
@@ -105,7 +120,17 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         if o.workload_error:
             raise WorkloadError(o.workload_error)
     del control
-    return outcomes, replacements, t_launch
+    return outcomes, started, t_launch
+
+
+@dataclass(frozen=True)
+class ReplacementSupply:
+    """What the faulted run's launcher can give a lost rank: at most ``limit`` replacement
+    processes (None: one per lost rank), and whether it tells the job when it has none
+    (``announce_missing``; off: a scheduler that never answers)."""
+
+    limit: int | None = None
+    announce_missing: bool = True
 
 
 class LostRankWatch:
@@ -145,22 +170,32 @@ def _with_holders(faults: tuple[Fault, ...], cfg: TrialConfig, hosts: list[str] 
 
 def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = None,
               work_dir: str | os.PathLike[str] | None = None,
-              reference_dir: str | os.PathLike[str] | None = None) -> TrialResult:
+              reference_dir: str | os.PathLike[str] | None = None, *, replacements: int | None = None,
+              announce_missing: bool = True) -> TrialResult:
     """Run the trial in ``work_dir``; without one, in a scratch directory that is removed after
     (kept when the recording would live in it, i.e. no ``recording_path`` either).
 
     ``reference_dir`` holding ``final-rank<r>.pt`` from an earlier fault-free run of the same
     workload, ranks and steps is compared against instead of running the reference again.
+
+    ``replacements`` bounds the replacement processes the faulted run's launcher starts (None:
+    one per lost rank, as a scheduler with room would). A lost rank that gets none, or whose
+    replacement dies by itself, is marked gone on the control channel, so the survivors excise
+    it at once (or stop, saying why they cannot); with ``announce_missing`` off the launcher
+    says nothing, as a scheduler that never answers, and the survivors excise it when its
+    replacement misses its deadline. A faulted run that excised is judged against the
+    excising reference, whatever ``--on-rank-loss`` was.
     """
     checked = check_workload(cfg.workload, cfg.ranks)  # one clear line before any rank starts
     if cfg.on_rank_loss == "excise" and len(checked.mesh.shape) > 1:
         raise WorkloadError(f"{checked.path}: --on-rank-loss excise re-shards a 1-D FSDP mesh only; this workload's "
                             f"MESH is {list(checked.mesh.shape)} (use --on-rank-loss replace)")
     workload = checked.path
+    supply = ReplacementSupply(replacements, announce_missing)
     if work_dir is not None or recording_path is None:
-        return _run_trial(cfg, workload, recording_path, work_dir, reference_dir)
+        return _run_trial(cfg, workload, recording_path, work_dir, reference_dir, supply)
     with tempfile.TemporaryDirectory(prefix="meshpact-trial-") as scratch:
-        return _run_trial(cfg, workload, recording_path, scratch, reference_dir)
+        return _run_trial(cfg, workload, recording_path, scratch, reference_dir, supply)
 
 
 @contextlib.contextmanager
@@ -192,7 +227,8 @@ def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None) -> Iterator[ForkServ
 
 
 def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLike[str] | None,
-               work_dir: str | os.PathLike[str] | None, reference_dir: str | os.PathLike[str] | None) -> TrialResult:
+               work_dir: str | os.PathLike[str] | None, reference_dir: str | os.PathLike[str] | None,
+               supply: ReplacementSupply) -> TrialResult:
     if cfg.fault_kind is FaultKind.PARTITION or cfg.two_hosts:
         why = netns_unavailable()
         if why:
@@ -221,12 +257,12 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                                         "out_dir": str(ref_dir)}, netns, stores, rec, warm)
             faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults,
                                             {"drill": cfg.baselines and not cfg.excising, "spares": cfg.spare_ranks},
-                                            netns, stores, rec, warm)
+                                            netns, stores, rec, warm, supply)
             excision = None
-            if cfg.excising:  # the same ranks leave at the same steps, with no fault: the excising reference
-                plan = _excisions_of(read_rank_events(work / "faulted"))
+            plan = _excisions_of(read_rank_events(work / "faulted"))
+            if cfg.excising or plan:  # the same ranks leave at the same steps, with no fault: the excising reference
                 excision = _excising_reference(cfg, workload, work, plan, faulted, ref_dir, warm)
-            if cfg.baselines and not cfg.excising:  # a cold restart starts fresh interpreters (not warm)
+            if cfg.baselines and not cfg.excising and not plan:  # a cold restart starts fresh interpreters (not warm)
                 drill = faulted[0].drill
                 assert drill is not None, "the faulted run ends with a drill when baselines are on"
                 cold, _, cold_launch = _run(cfg, workload, "cold", work, (), {"cold_from": drill.checkpoint_step},

@@ -148,7 +148,7 @@ def _print_calibration(cal: Any) -> None:
 
     console.print(f"peer copies (K={m.copies}): {m.bytes_per_commit / 1e6:.3g} MB per rank and commit, shipped in "
                   f"{m.ship_s * 1e3:.1f} ms (calibrated peer_bytes_per_s {pc.costs.peer_bytes_per_s / 1e6:.3g} MB/s), "
-                  f"step {m.step_s * 1e3:.1f} ms; overlap fraction {pc.costs.peer_copy_overlap_fraction:g} (not fitted)")
+                  f"step {m.step_s * 1e3:.1f} ms; {pc.costs.cores_per_rank:.3g} cores per rank (measured, not fitted)")
     console.print(table("peer-copy overhead per step: measured against the calibrated model",
                         ["", "measured", "model", "error"],
                         [["seconds per step", f"{m.measured_s_per_step * 1e3:.2f} ms", f"{pc.predicted_s_per_step * 1e3:.2f} ms",

@@ -65,15 +65,18 @@ def test_peer_restore_survives_a_node_loss_but_not_a_rack_loss(make_scenario):
     def run(scope: str):
         faults = {"scripted": [{"at_s": 500.0, "rank": 9, "impact": "rank_loss", "scope": scope}],
                   "ranks_per_node": 8, "nodes_per_rack": 2}
-        return simulate_training(_sc(make_scenario, faults=faults, ranks=32),
-                                 policies=["peer_restore", "in_memory"]).policies
+        # copies that cost next to no time (the host copy is never free): both policies step almost alike
+        return simulate_training(_sc(make_scenario, faults=faults, ranks=32), policies=["peer_restore", "in_memory"],
+                                 overrides={"recovery.costs.host_copy_bytes_per_s": 1e15}).policies
 
     node = run("node")
     # 500 s is 20 steps past the checkpoint at 457 s (durable: 200 steps)
     assert node[Policy.PEER_RESTORE].lost_steps == 0
     assert node[Policy.IN_MEMORY].lost_steps > 0  # no peer copies: the checkpoint
     rack = run("rack")  # the copies of node 1 were on node 2, in the same rack
-    assert rack[Policy.PEER_RESTORE].lost_steps == rack[Policy.IN_MEMORY].lost_steps > 0
+    # both back to the checkpoint: the steps since it agree but for the copies' microseconds per step
+    assert rack[Policy.PEER_RESTORE].lost_steps > 0 and rack[Policy.IN_MEMORY].lost_steps > 0
+    assert abs(rack[Policy.PEER_RESTORE].lost_steps - rack[Policy.IN_MEMORY].lost_steps) <= 1
 
 
 def test_peer_copies_are_paid_every_step(make_scenario):
@@ -81,7 +84,8 @@ def test_peer_copies_are_paid_every_step(make_scenario):
     r = simulate_training(sc)
     shard = r.workload.state_bytes_per_rank
     costs = RecoveryCosts()
-    extra = shard / costs.peer_bytes_per_s - costs.peer_copy_overlap_fraction * 0.2
+    # the host copy on the training thread, then whatever of the ship outlasts the step (cores to spare)
+    extra = shard / costs.host_copy_bytes_per_s + max(0.0, shard / costs.peer_bytes_per_s - 0.2)
     assert extra > 0 and peer_copy_seconds_per_step(shard, 0.2) == pytest.approx(extra)
     mem, peer = r.policies[Policy.IN_MEMORY], r.policies[Policy.PEER_RESTORE]
     assert peer.peer_copy_s_per_step == pytest.approx(extra)

@@ -1,0 +1,71 @@
+"""The peer-copy model, calibrated from a run's own copies, predicts the training thread's time in them.
+
+One rank's copier ships a 32 MB state over loopback to a second rank's server, both in this
+process; each "step" sleeps, as a host thread driving an accelerator waits for it. From each
+run's rates alone (host copy seconds, ship seconds, bytes) the model predicts the training
+thread's time per commit: with a step long enough to hide the ship, the host copy alone (a
+model without the host copy says 0); with a step shorter than the ship, the host copy and the
+wait for the copy in flight (a model that hides the ship, or has no wait, is off by it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from meshpact.core.recovery_costs import peer_copy_cost
+from meshpact.live.recovery.peers import PeerAddress, PeerCopier, PeerServer
+from meshpact.simulator.calibrate import PeerCopyCalibration, PeerCopyMeasurement
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+
+class _NoChannel:
+    """The copier reads addresses from the control channel only on refresh, which this test never calls."""
+
+
+def _copies(copier: PeerCopier, holder: PeerServer, numel: int, step_s: float, commits: int) -> PeerCopyMeasurement:
+    """``commits`` steady-state commits: the first follows a warm-up commit whose ship is still in
+    flight, as every later one follows its predecessor's; the ships counted are the warm-up's
+    and the commits' (all finished by the drain)."""
+    import torch
+
+    state = {"w": torch.randn(numel), "b": torch.randn(1024)}
+    copier.commit(0, state)
+    c = copier.counters
+    before = (c.commits, c.snapshot_s, c.host_copy_s, holder.recv_cpu_s)
+    for i in range(1, commits + 1):
+        time.sleep(step_s)
+        copier.commit(i, state)
+    assert copier.drain(60)
+    ships = commits + 1
+    assert c.failed == 0 and c.commits - before[0] == commits
+    return PeerCopyMeasurement(ranks=1, copies=1, bytes_per_commit=c.bytes_sent / ships,
+                               snapshot_s=(c.snapshot_s - before[1]) / commits, ship_s=c.ship_s / ships,
+                               step_s=step_s, step_s_reference=None, host_copy_s=(c.host_copy_s - before[2]) / commits,
+                               ship_cpu_s=c.ship_cpu_s / ships, receive_cpu_s=(holder.recv_cpu_s - before[3]) / ships,
+                               step_cpu_s=0.0, cores_per_rank=c.cores_per_rank)
+
+
+@pytest.mark.parametrize("step_s", [0.02, 1.5])
+def test_a_runs_calibrated_model_predicts_its_own_training_thread_copy_time(step_s):
+    servers = [PeerServer(), PeerServer()]
+    copier = PeerCopier(0, 2, 1, _NoChannel(), servers[0], timeout_s=30.0)
+    try:
+        copier.addresses = {r: PeerAddress(r, f"h{r}", s.addr, s.port, 0) for r, s in enumerate(servers)}
+        run = _copies(copier, servers[1], 8 << 20, step_s, 4 if step_s < 1 else 3)
+    finally:
+        copier.close()
+        for s in servers:
+            s.close()
+    cal = PeerCopyCalibration.of(run)
+    cost = peer_copy_cost(run.bytes_per_commit, step_s, replace(cal.costs, step_cores_per_rank=0.0))
+    if step_s < 1:
+        assert run.ship_s > 2 * step_s, "the short step must wait for the ship, or the wait goes untested"
+        assert cost.training_thread_s > 2 * cost.host_copy_s  # the wait, not the host copy, is most of it
+    else:
+        assert run.ship_s < step_s, "the long step must hide the ship"
+        assert cost.training_thread_s == pytest.approx(cost.host_copy_s) and cost.host_copy_s > 0
+    assert run.snapshot_s == pytest.approx(cost.training_thread_s, rel=0.25), (run, cal.costs)
