@@ -143,8 +143,9 @@ class RecoveryConfig:
 
     @property
     def replacement_bound_s(self) -> float:
-        """A lost rank's replacement must join by then, or consensus gives up: the rank-loss
-        bound, then ``replacement_rounds`` more rounds (each covers a process start)."""
+        """A lost rank's replacement must join by then, or the survivors excise the rank where
+        the job can (else consensus gives up): the rank-loss bound, then ``replacement_rounds``
+        more rounds (each covers a process start)."""
         return (self.max_rounds + self.replacement_rounds) * self.consensus_round_s
 
     @property
