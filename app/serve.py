@@ -145,6 +145,12 @@ def metric(page: object, label: str) -> str | None:
     return page.evaluate(METRIC_JS, label)  # type: ignore[attr-defined]
 
 
+def wait_metric(page: object, label: str, timeout_ms: int = 60_000) -> str:
+    """The metric ``label`` once it is drawn (a fragment may draw it after the page's run ended)."""
+    page.wait_for_function(f"() => ({METRIC_JS})({label!r}) !== null", timeout=timeout_ms)  # type: ignore[attr-defined]
+    return str(metric(page, label))
+
+
 def wait_metric_change(page: object, label: str, before: str | None, timeout_ms: int = 60_000) -> str:
     """Wait until the metric ``label`` shows something other than ``before`` and the run is over."""
     page.wait_for_function(f"(b) => ({METRIC_JS})({label!r}) !== b", arg=before,  # type: ignore[attr-defined]
