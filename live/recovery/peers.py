@@ -313,7 +313,7 @@ class PeerCopyCounters:
     bytes_sent: int = 0
     failed: int = 0
     host_bytes_peak: int = 0
-    host_copy_s: float = 0.0  # the host copy alone (training thread, wall)
+    host_copy_s: float = 0.0  # listing the state for the copy and the host copy (training thread, wall)
     wait_s: float = 0.0  # the training thread waiting for the copy in flight (wall)
     ship_cpu_s: float = 0.0  # serialising and sending (the shipper's CPU seconds)
     recv_cpu_s: float = 0.0  # receiving the other ranks' copies (this rank's server, CPU seconds)
@@ -385,8 +385,11 @@ class PeerCopier:
         ring = placement(self.alive.index(self.rank), len(self.alive), min(self.copies, len(self.alive) - 1), hosts)
         return tuple(self.alive[i] for i in ring)
 
-    def commit(self, step: int, state: dict[str, torch.Tensor]) -> None:
-        """Snapshot ``state`` (committed at ``step``) to host memory and hand it to the shipper."""
+    def commit(self, step: int, state: dict[str, torch.Tensor], listed_s: float = 0.0) -> None:
+        """Snapshot ``state`` (committed at ``step``) to host memory and hand it to the shipper.
+        ``listed_s``: what listing ``state`` took the training thread (the runtime lists it for
+        the copy alone, so it counts as the copy's host cost)."""
+        self.counters.host_copy_s += listed_s
         t0 = time.perf_counter()
         now = (time.process_time(), t0, host_busy_s())
         if self._last is not None:

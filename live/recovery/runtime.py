@@ -240,7 +240,7 @@ class Resilient:
         self.start_step = self.committed_step
         self._mark_committed()
         if self.peers is not None:  # the starting state is held by peers before the first step
-            self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
+            self._copy_to_peers()
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
         resume_barrier(s, s.generation)
@@ -335,7 +335,7 @@ class Resilient:
         self.committed_step = step + 1
         self._mark_committed()
         if self.peers is not None:  # a host copy now; shipped to the holders while the next step runs
-            self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
+            self._copy_to_peers()
         if self.batches is None:
             self._kept.append((step, batch))
         if self.ckpt is not None and self.ckpt.due(self.committed_step):
@@ -505,7 +505,7 @@ class Resilient:
             if self.peers is not None:  # holders get this generation's state (a replacement's holder included)
                 self._refresh_peers()
                 self.peers.keep_only(self.committed_step)
-                self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
+                self._copy_to_peers()
         record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round, lost,
                                 rebind_s, action, force is not None, rebind_cpu_s, time.process_time() - cpu0)
         self.recoveries.append(record)
@@ -590,7 +590,7 @@ class Resilient:
             self.peers.replace_ring(out.membership.alive)
             self._refresh_peers()
             self.peers.keep_only(self.committed_step)
-            self.peers.commit(self.committed_step, job_state(self.model, self.optimizer))
+            self._copy_to_peers()
         record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round,
                                 lost, 0.0, rec.action, False, 0.0, time.process_time() - cpu0)
         self.recoveries.append(record)
@@ -619,6 +619,14 @@ class Resilient:
         s.emit(EventKind.FIRST_COLLECTIVE, seconds=t_done - t_first, generation=generation,
                t_issued_wall=t_first, t_done_wall=t_done)
         return t_first, t_done
+
+    def _copy_to_peers(self) -> None:
+        """Hand the committed state to the peer copier, with the time its listing took (the
+        copy's cost on the training thread: the peer-copy model prices it)."""
+        assert self.peers is not None
+        t0 = time.perf_counter()
+        state = job_state(self.model, self.optimizer)
+        self.peers.commit(self.committed_step, state, listed_s=time.perf_counter() - t0)
 
     def _refresh_peers(self) -> None:
         """Read every rank's peer address again and keep the data-path severing off the peer path."""

@@ -199,8 +199,9 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
         copier.refresh()
         states = {step: _state(step) for step in (1, 2, 3)}
         for step, st in states.items():
-            copier.commit(step, st)
+            copier.commit(step, st, listed_s=0.5)  # the runtime's listing of the state, timed by it
         assert copier.drain(10)
+        assert copier.counters.host_copy_s >= 1.5  # priced as the copy's own cost on the training thread
         assert copier.own_steps() == (2, 3) and server.holds() == ((0, 3),)
         got, _ = fetch(_addr(server), 0, 3, 5.0)
         assert all(torch.equal(got[k], states[3][k]) for k in got)
