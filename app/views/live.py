@@ -74,9 +74,9 @@ with st.form("live_start"):
                             "so you can inject a fault by hand first.")
     pace_label = o[1].selectbox("pace", PACES, index=1, key="live_pace_start",
                                 help="At most this many training steps a second in every run (change it while it runs).")
-    heartbeat = o[2].toggle("heartbeat detector", value=False, key="live_heartbeat",
-                            help="Find a stalled rank by heartbeat over the control channel, not by the data-path "
-                                 "timeout.")
+    heartbeat = o[2].toggle("heartbeat detector", value=True, key="live_heartbeat",
+                            help="Find a stalled rank, or a cut data link (gloo), by heartbeat over the control "
+                                 "channel, not only by the data-path timeout (on by default).")
     baselines = o[3].toggle("checkpoint baselines", value=True, key="live_baselines",
                             help="After the faulted run, also measure a checkpoint restore in the job and a cold "
                                  "restart, for the downtime comparison.")
