@@ -37,7 +37,7 @@ Prints a table for people and one JSON line (the last line) for machines.
   default settings, counting recoveries and heartbeat alarms (``false_alarms``).
 
 Usage: ``python bench/recovery.py [--recoveries 100] [--quick] [--commit-only] [--stall-only] [--peer-only]
-[--side-by-side-only] [--false-alarm-minutes M]``.
+[--side-by-side-only] [--rebind-only] [--false-alarm-minutes M]``.
 """
 
 from __future__ import annotations
@@ -100,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stall-only", action="store_true", help="only stall and cut-link detection by heartbeat")
     ap.add_argument("--peer-only", action="store_true", help="only peer copies against checkpoint restore")
     ap.add_argument("--side-by-side-only", action="store_true", help="only meshpact against torchft, 2/4/8 ranks")
+    ap.add_argument("--rebind-only", action="store_true", help="only rebuild + rebind by ranks (2/4/8) and flatness")
     ap.add_argument("--baseline-faults", type=int, default=20,
                     help="faults of the 4-rank run with the checkpoint-restore and cold-restart baselines")
     ap.add_argument("--false-alarm-minutes", type=float, default=None, metavar="M",
@@ -130,6 +131,10 @@ def main(argv: list[str] | None = None) -> int:
         rows += peer_copies(out, 1 if ns.quick else 3)
         _report(rows, out)
         return 0
+    if ns.rebind_only:
+        rows += rebinding(out, rounds)
+        _report(rows, out)
+        return 0
 
     commit, full = commit_overhead((1, 10, 100) if ns.quick else (1, 10, 100, 1000))
     out["commit_overhead_ms_by_state_mb"] = commit
@@ -141,6 +146,16 @@ def main(argv: list[str] | None = None) -> int:
         _report(rows, out)
         return 0
 
+    rows += rebinding(out, rounds)
+    rows += side_by_side(out, min(ns.recoveries, 5) if ns.quick else ns.recoveries, 1 if ns.quick else 2)
+    rows += baselines(out, ns)
+    _report(rows, out)
+    return 0
+
+
+def rebinding(out: dict[str, Any], rounds: int) -> list[tuple[str, str]]:
+    """Rebuild + rebind of the data-path group on the FSDP2 harness at 2, 4 and 8 ranks."""
+    rows: list[tuple[str, str]] = []
     rebind_by, rebuild_by, first_by = {}, {}, {}
     for ranks in (2, 4, 8):
         vals = _probe("meshpact.live.recovery.probe:rebind_probe", ranks, {"rounds": rounds})
@@ -162,9 +177,13 @@ def main(argv: list[str] | None = None) -> int:
 
     out["rebind_flatness_max_over_min"] = max(rebind_by.values()) / min(rebind_by.values())
     rows.append(("rebind flatness over 2-8 ranks (max / min of the medians)", f"{out['rebind_flatness_max_over_min']:.2f}"))
+    return rows
 
-    rows += side_by_side(out, min(ns.recoveries, 5) if ns.quick else ns.recoveries, 1 if ns.quick else 2)
 
+def baselines(out: dict[str, Any], ns: argparse.Namespace) -> list[tuple[str, str]]:
+    """Raised collectives on 4 ranks against the checkpoint-restore and cold-restart baselines
+    of the same run, async checkpointing's cost, peer copies and stall detection."""
+    rows: list[tuple[str, str]] = []
     n = max(1, ns.baseline_faults if not ns.quick else min(ns.baseline_faults, 5))
     t0 = time.time()
     result = run_trial(TrialConfig(ranks=4, steps=n + 10, faults=n, fault_kind="collective", checkpoint_every=10))
@@ -219,8 +238,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows += peer_copies(out, 1 if ns.quick else 3)
     rows += stall_detection(out, 3 if ns.quick else 10)
-    _report(rows, out)
-    return 0
+    return rows
 
 
 def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:

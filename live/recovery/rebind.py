@@ -433,7 +433,9 @@ def _walk_modules() -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, d
         if package_is_library.get(top) and mod_name not in TORCH_IMPORT_DEFAULTS:
             continue  # most of sys.modules: a package already judged installed
         d = getattr(module, "__dict__", None)
-        if not isinstance(d, dict) or mod_name == _C10D_MODULE or _runtime_module(mod_name):
+        # a module run with ``python -m`` is __main__ under its own name (its __spec__'s)
+        own_name = getattr(getattr(module, "__spec__", None), "name", None) or mod_name
+        if not isinstance(d, dict) or mod_name == _C10D_MODULE or _runtime_module(own_name):
             continue
         if mod_name in TORCH_IMPORT_DEFAULTS:
             sizes.append((d, len(d)))
@@ -551,14 +553,15 @@ SITES: tuple[Site, ...] = (
 
 def rebind(old: dist.ProcessGroup, new: dist.ProcessGroup, model: torch.nn.Module, optimizer: Any = None,
            meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = (),
-           only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = ()) -> RebindReport:
+           only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = (),
+           scan: "ModuleScan | None" = None) -> RebindReport:
     """Point every site that holds ``old`` (the object or its name) at ``new``; returns what was
     rebound and how long it took.
 
     ``skip`` leaves the named sites alone and ``only`` applies just those: for audits that show
     a missed site is caught, and then complete the rebind.
     """
-    return rebind_all([(old, new)], model, optimizer, meshes, skip, only, functions)
+    return rebind_all([(old, new)], model, optimizer, meshes, skip, only, functions, scan)
 
 
 def rebind_all(pairs: Iterable[tuple[dist.ProcessGroup, dist.ProcessGroup]], model: torch.nn.Module,

@@ -10,6 +10,7 @@ click, box, typed ranks and drill-down are in ``test_browser_mesh.py``).
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -181,8 +182,16 @@ def test_live_console_hold_kill_from_a_row_watch_recovery_then_replay_and_perfet
     form.get_by_role("button", name="Start cluster and train").click()
     # every rank of the faulted run waits before its first step; the reference ran first
     pg.get_by_text("The faulted run is held before its first step").wait_for(timeout=300_000)
-    rows = {r: _row(pg, r) for r in range(4)}
-    assert all(cells[3] == "held" and cells[2] == "0" for cells in rows.values()), rows
+    # the page says so only when its rows say held; a fragment's rerun may still show an older
+    # copy of a row for a moment (under load it showed rank 3 "starting" once): read until settled
+    deadline = time.monotonic() + 30
+    while True:
+        rows = {r: _row(pg, r) for r in range(4)}
+        settled = all(len(cells) > 3 and cells[3] == "held" and cells[2] == "0" for cells in rows.values())
+        if settled or time.monotonic() > deadline:
+            break
+        pg.wait_for_timeout(250)
+    assert settled, rows
     killed_pid = rows[2][1]
     pg.wait_for_timeout(300)  # fonts and layout settle
     clipped = pg.evaluate(LIVE_CLIPPED_JS)

@@ -280,3 +280,23 @@ def test_skipping_any_site_that_holds_a_reference_is_caught_by_object_or_by_name
             assert sites[name]["old_ops_after"] == 0 and sites[name]["new_ops"] > 0, (name, sites[name])
         assert any("_dim_group_names" in p for p in sites["device_mesh.dim_group_names"]["missed"])
         assert any("c10d resolves" in p for p in sites["c10d.registry"]["missed"])
+
+
+def test_a_module_run_with_dash_m_is_judged_by_its_own_name(tmp_path):
+    """``python -m meshpact.live.launcher`` makes the runtime's module ``__main__``: it is the
+    runtime's (skipped), while a user's script run as ``__main__`` (no spec) is scanned."""
+    import importlib.machinery
+
+    g0, g1 = _group("main_pg_g0"), _group("main_pg_g1")
+    runtime_main = types.ModuleType("meshpact_test_main_runtime")
+    runtime_main.__file__ = str(tmp_path / "launcher.py")
+    runtime_main.__spec__ = importlib.machinery.ModuleSpec("meshpact.live.launcher", None)
+    user_main = types.ModuleType("meshpact_test_main_user")
+    user_main.__file__ = str(tmp_path / "train.py")
+    runtime_main.PG = user_main.PG = g0
+    sys.modules.update({runtime_main.__name__: runtime_main, user_main.__name__: user_main})
+    try:
+        rebind_all([(g0, g1)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",))
+        assert user_main.PG is g1 and runtime_main.PG is g0
+    finally:
+        del sys.modules[runtime_main.__name__], sys.modules[user_main.__name__]
