@@ -388,8 +388,8 @@ class Resilient:
 
         # whether this rank's standby can serve: said in the proposal, read by every rank from the decision
         silent_s = t_detect - self._t_attempt if self._t_attempt is not None and force is None else None
-        word = s.standby_word(self._job_groups(), silent_s,
-                              quiet=bool(alarm and alarm.data_path_quiet)).to_dict()
+        old_groups = self._job_groups()  # consensus builds no group: the same ones are replaced below
+        word = s.standby_word(old_groups, silent_s, quiet=bool(alarm and alarm.data_path_quiet)).to_dict()
 
         def proposal(group_generation: int) -> Proposal:
             drill = self.committed_step if force is Policy.CHECKPOINT_RESTORE else None
@@ -414,7 +414,6 @@ class Resilient:
             raise RuntimeError(f"cannot recover in memory ({decision.reason}) and no checkpoint directory is set")
 
         t0 = time.perf_counter()
-        old_groups = self._job_groups()
         world = s.group
         action = comm.choose_action(world, s.spec.device, prefer_reconfigure=s.config.prefer_reconfigure)
         note = ""

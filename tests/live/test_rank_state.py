@@ -194,3 +194,24 @@ def test_fsdp2_sharded_parameters_updated_in_place_by_foreach_optimizers_are_see
             assert [p._version for p in model.parameters()] == versions
     finally:
         dist_.destroy_process_group()
+
+
+def test_the_mark_sees_a_write_in_any_dtype_of_a_mixed_precision_model():
+    """bf16 layers beside a float32 one and an int64 buffer-like parameter: each dtype is sampled
+    in its own buffer, and a write in any one of them is seen."""
+    torch.manual_seed(2)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7).to(torch.bfloat16), torch.nn.Linear(7, 3))
+    model.register_parameter("counts", torch.nn.Parameter(torch.arange(10, dtype=torch.int64),
+                                                          requires_grad=False))
+    opt = torch.optim.SGD([p for p in model.parameters() if p.dtype.is_floating_point], lr=0.1)
+    mark = CommitMark.take(4, model, opt)
+    assert {dtype for dtype, _ in mark.samples} == {torch.bfloat16, torch.float32, torch.int64}
+    assert mark.changed(4, model, opt) == ""
+    for p in (model[0].weight, model[1].bias, model.counts):
+        kept = p.detach().reshape(-1)[-1].clone()
+        with torch.no_grad():
+            p.reshape(-1)[-1] += 1  # the last element: sampled in every tensor
+        assert mark.changed(4, model, opt) != "", p.dtype
+        with torch.no_grad():
+            p.reshape(-1)[-1] = kept
+        assert mark.changed(4, model, opt) == ""
