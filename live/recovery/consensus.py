@@ -47,12 +47,13 @@ from .control import ControlChannel, ControlTimeout
 
 __all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
            "EXCISE_NOT_OFFERED",
-           "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "mark_gone", "gone_ranks"]
+           "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "GONE_COUNT_KEY", "mark_gone", "gone_ranks"]
 
 ROUND_KEY = "round"  # the last round decided, complete or not
 GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
 LOST_KEY = "lost/round"  # lost/round<k>: the ranks declared lost in round k (the launcher replaces them)
 GONE_KEY = "gone/rank"  # gone/rank<r>: the launcher saw rank r's process exit and starts no replacement
+GONE_COUNT_KEY = "gone/count"  # how many gone/rank<r> keys exist: read with the round counters, in one round trip
 # why a replacement policy cannot excise a rank whose replacement never came, unless the caller says it can
 EXCISE_NOT_OFFERED = "the job offers no excision (no build(mesh) for a smaller world was given)"
 
@@ -302,29 +303,36 @@ def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: 
              skip: list[int] | None, slice_s: float = 0.25) -> JsonObject:
     """The round's proposals present within ``timeout_s``. With ``skip`` given the wait is cut
     in slices, and a rank the launcher marks gone meanwhile joins ``skip`` and is no longer
-    waited for (excising: it is declared lost; replacing: no replacement comes)."""
+    waited for (excising: it is declared lost; replacing: no replacement comes). When every
+    proposal waited for is there at once (the common case) this is one round trip."""
     if skip is None:
         try:
             return channel.wait(keys, timeout_s)
         except ControlTimeout:
             return channel.present(keys)
     deadline = time.monotonic() + timeout_s
+    seen_gone = len(skip)
     while True:
-        skip += [r for r in gone_ranks(channel, ranks) if r not in skip]
-        wanted = [k for k, r in zip(keys, ranks) if r not in skip]
+        wanted = [(k, r) for k, r in zip(keys, ranks) if r not in skip]
         left = deadline - time.monotonic()
         try:
-            channel.wait(wanted, max(min(slice_s, left), 0.01))
-            return channel.present(keys)
+            got = channel.wait([k for k, _ in wanted], max(min(slice_s, left), 0.01))
+            skipped = [k for k, r in zip(keys, ranks) if r in skip]
+            return {**got, **channel.present(skipped)} if skipped else got
         except ControlTimeout:
             if left <= slice_s:
                 return channel.present(keys)
+        gone_now = channel.counter(GONE_COUNT_KEY)  # one round trip; the names only when the count moved
+        if gone_now != seen_gone:
+            seen_gone = gone_now
+            skip += [r for r in gone_ranks(channel, ranks) if r not in skip]
 
 
 def mark_gone(channel: ControlChannel, rank: int) -> None:
     """Say that ``rank``'s process has exited and no replacement will come (the launcher, when
     the job excises lost ranks): consensus declares it lost in its next round."""
     channel.set(f"{GONE_KEY}{rank}", True)
+    channel.add(GONE_COUNT_KEY)  # after the key: a reader that sees the count finds the key
 
 
 def gone_ranks(channel: ControlChannel, ranks: Sequence[int]) -> tuple[int, ...]:
@@ -386,15 +394,19 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     gone: list[int] = []  # replacing: the ranks the launcher starts no replacement for
     excising = on_rank_loss is Policy.EXCISE
     deadline_s = replacement_rounds * timeout
+    gone_seen = 0  # the gone count last read: the gone ranks are listed only when it moves
     for _ in range(max_rounds + replacement_rounds):
-        if excising:
-            declared += [r for r in gone_ranks(channel, expected) if r not in declared]
-        else:
-            gone += [r for r in gone_ranks(channel, expected) if r not in gone]
-        # one round trip for both counters. A round decided without us (we read the counter before the
+        # one round trip for the counters. A round decided without us (we read the counter before the
         # others advanced it) needs no check of its own: our proposal was not in its decision, which
         # set_once hands back with us missing, so we go on to the next round as every rank does
-        last_round, group_generation = channel.counters([ROUND_KEY, GENERATION_KEY])
+        last_round, group_generation, gone_count = channel.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])
+        if gone_count != gone_seen:
+            gone_seen = gone_count
+            marked = gone_ranks(channel, expected)
+            if excising:
+                declared += [r for r in marked if r not in declared]
+            else:
+                gone += [r for r in marked if r not in gone]
         round_ = last_round + 1
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())

@@ -265,5 +265,7 @@ class Heartbeat:
                 self.alarm = HeartbeatAlarm(time.time(), tuple(stalled), hung)
                 self._detected_generation = generation
                 hung_in = generation if hung else hung_in
-                comm.sever(s.data_sockets())  # the standby's sockets survive
+                with s.sever_lock:  # the standby's sockets survive, and a swap under way is waited for
+                    if s.generation == generation:
+                        comm.sever(s.data_sockets())
                 still, quiet = [0] * len(ranks), 0

@@ -132,20 +132,25 @@ def _mesh_infos(states: list[Any]) -> list[Any]:
     return list(seen.values())
 
 
-def meshes_of(model: torch.nn.Module, optimizer: Any = None) -> list[Any]:
-    """Every DeviceMesh the model's FSDP state and DTensors refer to, with root and flattened meshes."""
+def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] | None = None) -> list[Any]:
+    """Every DeviceMesh the model's FSDP state and DTensors refer to, with root and flattened
+    meshes (``states``: the model's FSDP states when the caller has them)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     found: dict[int, Any] = {}
+    seen: set[int] = set()  # ids asked already: most parameters share one mesh
 
     def add(mesh: Any) -> None:
-        if isinstance(mesh, DeviceMesh) and id(mesh) not in found:
+        if mesh is None or id(mesh) in seen:
+            return
+        seen.add(id(mesh))
+        if isinstance(mesh, DeviceMesh):
             found[id(mesh)] = mesh
             add(getattr(mesh, "_root_mesh", None))
             for sub in getattr(mesh, "_flatten_mapping", {}).values():
                 add(sub)
 
-    for info in _mesh_infos(fsdp_states(model)):
+    for info in _mesh_infos(fsdp_states(model) if states is None else states):
         add(info.mesh)
         add(getattr(info, "spmd_mesh", None))
     for p in model.parameters():
@@ -567,15 +572,15 @@ def rebind(old: dist.ProcessGroup, new: dist.ProcessGroup, model: torch.nn.Modul
 def rebind_all(pairs: Iterable[tuple[dist.ProcessGroup, dist.ProcessGroup]], model: torch.nn.Module,
                optimizer: Any = None, meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = (),
                only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = (),
-               scan: ModuleScan | None = None) -> RebindReport:
+               scan: ModuleScan | None = None, states: list[Any] | None = None) -> RebindReport:
     """:func:`rebind` for every ``(old, new)`` pair of one recovery, the Python bindings found
     once for all of them (``scan``: the job's :class:`ModuleScan`, kept between recoveries);
     the report's ``unrebound`` names the retired groups that local variables of running
     functions still hold (:func:`held_in_frames`)."""
     t0 = time.perf_counter()
     pairs = list(pairs)
-    ctx = _Context(model, optimizer, list(meshes) if meshes is not None else meshes_of(model, optimizer),
-                   tuple(functions), scan)
+    ctx = _Context(model, optimizer, list(meshes) if meshes is not None else meshes_of(model, optimizer, states),
+                   tuple(functions), scan, _states=states)
     counts: dict[str, int] = {}
     site_s: dict[str, float] = {}
     for old, new in pairs:

@@ -66,7 +66,7 @@ from .consensus import Decision, Proposal, agree
 from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
-from .rebind import ModuleScan, RebindReport, meshes_of, rebind_all
+from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .reshard import ExcisionRecord, GradientWeight, Membership, excise, share_batch
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
 from .state import CommitMark, capture_rng, job_state, load_job_state, restore_rng
@@ -379,7 +379,8 @@ class Resilient:
                heartbeat_quiet=bool(alarm and alarm.data_path_quiet))
 
         t0 = time.perf_counter()
-        reset_step_state(self.model)  # sharded parameters back on the modules before anything reads them
+        states = fsdp_states(self.model)  # walked once per recovery: the reset, the meshes and rebinding read them
+        reset_step_state(self.model, states)  # sharded parameters back on the modules before anything reads them
         reset_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         changed = self._state_changed()
@@ -417,44 +418,48 @@ class Resilient:
         world = s.group
         action = comm.choose_action(world, s.spec.device, prefer_reconfigure=s.config.prefer_reconfigure)
         note = ""
-        standby_groups, standby = s.standby_verdict(decision)
-        if standby_groups is not None:  # built and exercised in the background: swapped in
-            action = CommunicatorAction.REBUILD
-        new_groups = dict(old_groups)
-        if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same objects, rebuilt in place
-            try:
-                for base, pg in sorted(old_groups.items()):
-                    ranks = comm.group_ranks(pg)
-                    pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.round, base), s.store),
-                                   ranks.index(s.rank), len(ranks))
-            except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
-                note, action = f"reconfigure refused ({exc}); rebuilt instead", CommunicatorAction.REBUILD
-        if standby_groups is not None:
-            new_groups = standby_groups
-        elif action is not CommunicatorAction.RECONFIGURE:
-            new_groups = {base: comm.build_group(s.spec, s.store, decision.round, base, comm.group_ranks(pg))
-                          for base, pg in sorted(old_groups.items())}
-        s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
-               generation=decision.round, backend=s.spec.backend, groups=len(new_groups), note=note,
-               standby=standby)
+        # the swap and a late sever by the heartbeat exclude each other: from the standby's sockets
+        # joining the data path until the generation moves on
+        with s.sever_lock:
+            standby_groups, standby = s.standby_verdict(decision)
+            if standby_groups is not None:  # built and exercised in the background: swapped in
+                action = CommunicatorAction.REBUILD
+            new_groups = dict(old_groups)
+            if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same objects, rebuilt in place
+                try:
+                    for base, pg in sorted(old_groups.items()):
+                        ranks = comm.group_ranks(pg)
+                        pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.round, base), s.store),
+                                       ranks.index(s.rank), len(ranks))
+                except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
+                    note, action = f"reconfigure refused ({exc}); rebuilt instead", CommunicatorAction.REBUILD
+            if standby_groups is not None:
+                new_groups = standby_groups
+            elif action is not CommunicatorAction.RECONFIGURE:
+                new_groups = {base: comm.build_group(s.spec, s.store, decision.round, base, comm.group_ranks(pg))
+                              for base, pg in sorted(old_groups.items())}
+            s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
+                   generation=decision.round, backend=s.spec.backend, groups=len(new_groups), note=note,
+                   standby=standby)
 
-        t0 = time.perf_counter()
-        c0 = time.thread_time()
-        counts: dict[str, int] = {}
-        site_ms: dict[str, float] = {}
-        if action is not CommunicatorAction.RECONFIGURE:
-            meshes = list({id(m): m for m in (s.mesh, *meshes_of(self.model, self.optimizer), *self._meshes)}.values())
-            report: RebindReport = rebind_all([(old, new_groups[base]) for base, old in old_groups.items()],
-                                              self.model, self.optimizer, meshes, functions=(self._train_step,),
-                                              scan=self._scan)
-            counts = dict(report.counts)
-            site_ms = {k: round(v * 1e3, 3) for k, v in report.site_s.items()}
-            for line in report.unrebound:  # a frame's local: the user is told, by group name
-                s.emit(EventKind.REBOUND, Stage.REBINDING, warning=line)
-            c10d_default(new_groups[comm.WORLD])
-        rebind_s, rebind_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
-        s.groups = {base: pg for base, pg in new_groups.items() if base in s.groups}
-        s.generation = decision.round
+            t0 = time.perf_counter()
+            c0 = time.thread_time()
+            counts: dict[str, int] = {}
+            site_ms: dict[str, float] = {}
+            if action is not CommunicatorAction.RECONFIGURE:
+                meshes = list({id(m): m for m in (s.mesh, *meshes_of(self.model, self.optimizer, states),
+                                                  *self._meshes)}.values())
+                report: RebindReport = rebind_all([(old, new_groups[base]) for base, old in old_groups.items()],
+                                                  self.model, self.optimizer, meshes, functions=(self._train_step,),
+                                                  scan=self._scan, states=states)
+                counts = dict(report.counts)
+                site_ms = {k: round(v * 1e3, 3) for k, v in report.site_s.items()}
+                for line in report.unrebound:  # a frame's local: the user is told, by group name
+                    s.emit(EventKind.REBOUND, Stage.REBINDING, warning=line)
+                c10d_default(new_groups[comm.WORLD])
+            rebind_s, rebind_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+            s.groups = {base: pg for base, pg in new_groups.items() if base in s.groups}
+            s.generation = decision.round
         if action is not CommunicatorAction.RECONFIGURE:
             dispatch = self.counter.counts if self.counter is not None else None
             for old in old_groups.values():
@@ -545,26 +550,27 @@ class Resilient:
         held = {r: s.peer_server.held(r, decision.step) for r, h in decision.restore_from if h == s.rank}
         before = Membership(s.world_size, s.members)
         old_groups = self._job_groups()
-        # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named): the caller's to report
-        out = excise(job_state(self.model, self.optimizer), held, before, decision.lost, step=decision.step,
-                     spec=s.spec, store=s.store, generation=decision.round, build=self.build,
-                     old_group=s.group, min_ranks=self.min_ranks,
-                     checkpoint_dir=str(self.ckpt.directory) if self.ckpt is not None else None)
-        rec = out.record
-        s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
-               generation=decision.round, backend=s.spec.backend, groups=1, world=rec.new_world)
-        stale = self.model
-        refuse_stale(stale, s.rank, decision.step)
-        if self.weight is not None:
-            self.weight.remove()
-        self.model, self.optimizer, self.membership = out.model, out.optimizer, out.membership
-        self.weight = GradientWeight(self.model)
-        for old in old_groups.values():
-            backend = comm.backend_of(old, s.spec.device)
-            self.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend),
-                                             None))
-        del old_groups, stale
-        s.spec, s.groups, s.mesh, s.generation = out.spec, {comm.WORLD: out.group}, out.mesh, decision.round
+        with s.sever_lock:  # a late sever by the heartbeat never reaches the smaller world's new group
+            # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named): the caller's to report
+            out = excise(job_state(self.model, self.optimizer), held, before, decision.lost, step=decision.step,
+                         spec=s.spec, store=s.store, generation=decision.round, build=self.build,
+                         old_group=s.group, min_ranks=self.min_ranks,
+                         checkpoint_dir=str(self.ckpt.directory) if self.ckpt is not None else None)
+            rec = out.record
+            s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
+                   generation=decision.round, backend=s.spec.backend, groups=1, world=rec.new_world)
+            stale = self.model
+            refuse_stale(stale, s.rank, decision.step)
+            if self.weight is not None:
+                self.weight.remove()
+            self.model, self.optimizer, self.membership = out.model, out.optimizer, out.membership
+            self.weight = GradientWeight(self.model)
+            for old in old_groups.values():
+                backend = comm.backend_of(old, s.spec.device)
+                self.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend),
+                                                 None))
+            del old_groups, stale
+            s.spec, s.groups, s.mesh, s.generation = out.spec, {comm.WORLD: out.group}, out.mesh, decision.round
         s.alive = out.membership.alive
         s.checkpoint_subdir = f"world{out.membership.world}-from-step{decision.step}"
         self._meshes = weakref.WeakSet([out.mesh])

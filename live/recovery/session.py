@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import threading
 import sys
 import time
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from ..backends import choose_backend
 from ..store import open_store
 from .checkpoint import Checkpointer
 from .config import RecoveryConfig
-from .consensus import GENERATION_KEY, ROUND_KEY, Decision, Proposal, agree
+from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Proposal, agree
 from .control import ControlChannel
 
 __all__ = ["RecoveryConfig", "Session", "start_session", "resume_barrier", "build_mesh_groups", "mesh_from_groups"]
@@ -64,6 +65,10 @@ class Session:
     mesh: Any = None
     protected_sockets: dict[int, str] = field(default_factory=dict)  # stores and control channel
     store_ports: tuple[int, ...] = ()  # the rendezvous store's and the control channel's
+    socket_ends: comm.SocketEnds = field(default_factory=dict)  # ends of sockets already asked (data_sockets)
+    # held while the heartbeat severs and while the runtime swaps in the next
+    # generation's groups: a late sever never reaches the new groups' sockets
+    sever_lock: threading.Lock = field(default_factory=threading.Lock)
     events: list[Event] = field(default_factory=list)
     pending: Decision | None = None  # a replacement's decision, applied when resilient() starts
     peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
@@ -116,7 +121,7 @@ class Session:
         keep = dict(self.protected_sockets)
         if self.standby is not None:
             keep.update(self.standby.sockets)
-        return comm.data_sockets(keep, self.store_ports)
+        return comm.data_sockets(keep, self.store_ports, self.socket_ends)
 
     def start_standby(self, groups: dict[str, dist.ProcessGroup]) -> None:
         """Start building the next generation's copy of ``groups`` (every group of the job) in
@@ -252,7 +257,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                        is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
     control = ControlChannel.from_env(config.control_timeout_s, run_id, connect_timeout_s=config.store_connect_s)
-    control.counters([ROUND_KEY, GENERATION_KEY])  # made now: each recovery reads both in one round trip
+    control.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])  # made now: each recovery reads them in one round trip
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
     if choice.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(choice.device))

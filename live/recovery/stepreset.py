@@ -19,13 +19,13 @@ from .rebind import fsdp_states
 __all__ = ["reset_step_state"]
 
 
-def reset_step_state(model: torch.nn.Module) -> None:
+def reset_step_state(model: torch.nn.Module, states: list[Any] | None = None) -> None:
     """Undo what a failed step left behind in FSDP2: unsharded parameters, pending
-    collectives, half-run hooks and gradients. The committed state is not touched."""
+    collectives, half-run hooks and gradients. The committed state is not touched.
+    ``states``: the model's FSDP states when the caller has them (:func:`fsdp_states`)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
-
-    for state in fsdp_states(model):
+    for state in fsdp_states(model) if states is None else states:
         ctx = state._state_ctx
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False
