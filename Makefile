@@ -22,9 +22,10 @@ app: install
 
 # Two workers, a test file per worker at a time (module fixtures such as the dashboard server and
 # Chromium are set up once per file): the live tests wait on timeouts and processes as much as
-# they compute, so two cores run two files at once.
+# they compute, so two cores run two files at once. The longest files go first
+# (tests/conftest.py), so neither worker is left alone with one at the end.
 test: install
-	$(VENV)/bin/pytest -n 2 --dist loadfile
+	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 test-fast: install
 	$(VENV)/bin/pytest -m "not slow"

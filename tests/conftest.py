@@ -1,0 +1,52 @@
+"""Settings every test file shares: the order in which ``make test``'s workers take the files.
+
+``make test`` runs two workers, each taking a whole file at a time (``--dist loadfile``,
+module fixtures such as the dashboard server, Chromium and the spillover runs set up once).
+A worker takes the next file when it is free, so a long file taken last leaves the other
+worker idle for its length: the files that take longest go first (longest processing time
+first), the rest after them in their usual order. ``--no-loadscope-reorder`` keeps this
+order (xdist's own reorders by the number of tests in a file, which put the longest files,
+each a few long tests, last).
+
+The list is measured (per-file time of one ``make test`` with ``--junitxml``, seconds, on the
+2-core machine); a file missing from it only runs later, never not at all.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+LONGEST_FIRST = (
+    "tests/app/test_browser.py",  # 214 s: Chromium through the live console, replay, scale
+    "tests/live/test_spillover_split.py",  # 119 s: every model-split run, then AOTInductor packages
+    "tests/live/test_recovery_kill.py",  # 114 s
+    "tests/live/test_recovery_compile.py",  # 80 s
+    "tests/live/test_rebind.py",  # 74 s
+    "tests/live/test_recovery_partition.py",  # 72 s
+    "tests/live/test_recovery_hsdp.py",  # 65 s
+    "tests/live/test_recovery_collective.py",  # 63 s
+    "tests/live/test_missed_replacement_excision.py",  # 56 s
+    "tests/app/test_pages.py",  # 48 s
+    "tests/live/test_recovery_peer_hosts.py",  # 48 s
+    "tests/live/test_bridge_qwen.py",  # 46 s
+    "tests/live/test_recovery_excise.py",  # 43 s
+    "tests/live/test_spillover_speculative.py",  # 42 s
+    "tests/live/test_recovery_stall.py",  # 35 s
+    "tests/live/test_recovery_standby.py",  # 33 s
+    "tests/app/test_browser_mesh.py",  # 30 s
+    "tests/live/test_spillover.py",  # 30 s
+    "tests/live/test_recovery_rng.py",  # 27 s
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    root = config.rootpath
+
+    def place(item: pytest.Item) -> int:
+        try:
+            return rank.get(item.path.relative_to(root).as_posix(), len(rank))
+        except ValueError:  # a path outside the repository
+            return len(rank)
+
+    items.sort(key=place)  # stable: within a file, and among the unlisted files, the usual order
