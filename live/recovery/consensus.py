@@ -364,7 +364,8 @@ def loss_bound_s(timeout_s: float, max_rounds: int = 4) -> float:
 def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], checkpoint_step: Callable[[int], int],
           timeout_s: float | None = None, max_rounds: int = 4, *, peer_copies: int = 0,
           on_rank_loss: Policy = Policy.PEER_RESTORE, replacement_rounds: int = 2,
-          alive: Sequence[int] | None = None, excise_refusal: str | None = EXCISE_NOT_OFFERED) -> Decision:
+          alive: Sequence[int] | None = None, excise_refusal: str | None = EXCISE_NOT_OFFERED,
+          view: tuple[int, int] | None = None, settle: list[Callable[[], None]] | None = None) -> Decision:
     """Run rounds until the group decides with every rank present (or, excising, without the
     declared ranks). A rank missing from ``max_rounds`` rounds in a row is declared lost
     (:func:`loss_bound_s`; ``lost/round<k>`` on the channel); its replacement has
@@ -381,6 +382,13 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     moves to the next one and joins it, and the group can still resume from memory.
     ``make_proposal(group_generation)`` builds this rank's proposal for a round.
 
+    Off the critical path: ``view`` (the last round decided and the generation, as this rank
+    last saw them) spares the first round its read of the counters; a view gone stale (rounds
+    decided without this rank) gets back a decision without its proposal, and the next round
+    reads the counters. ``settle`` (a list) receives the final round's two counter moves
+    instead of making them, for the caller to make once it runs again (every rank makes them,
+    idempotently; the caller makes them before its next consensus).
+
     Excising (``on_rank_loss`` ``EXCISE``), a rank the launcher marked gone (:func:`mark_gone`:
     its process exited) is declared lost at once and not waited for; ``alive`` names the
     original ranks still in the job after earlier excisions.
@@ -395,18 +403,22 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     excising = on_rank_loss is Policy.EXCISE
     deadline_s = replacement_rounds * timeout
     gone_seen = 0  # the gone count last read: the gone ranks are listed only when it moves
-    for _ in range(max_rounds + replacement_rounds):
-        # one round trip for the counters. A round decided without us (we read the counter before the
-        # others advanced it) needs no check of its own: our proposal was not in its decision, which
-        # set_once hands back with us missing, so we go on to the next round as every rank does
-        last_round, group_generation, gone_count = channel.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])
-        if gone_count != gone_seen:
-            gone_seen = gone_count
-            marked = gone_ranks(channel, expected)
-            if excising:
-                declared += [r for r in marked if r not in declared]
-            else:
-                gone += [r for r in marked if r not in gone]
+    for attempt in range(max_rounds + replacement_rounds + (view is not None)):
+        from_view = attempt == 0 and view is not None
+        if from_view:
+            last_round, group_generation = view  # type: ignore[misc]
+        else:
+            # one round trip for the counters. A round decided without us (we read the counter before the
+            # others advanced it) needs no check of its own: our proposal was not in its decision, which
+            # set_once hands back with us missing, so we go on to the next round as every rank does
+            last_round, group_generation, gone_count = channel.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])
+            if gone_count != gone_seen:
+                gone_seen = gone_count
+                marked = gone_ranks(channel, expected)
+                if excising:
+                    declared += [r for r in marked if r not in declared]
+                else:
+                    gone += [r for r in marked if r not in gone]
         round_ = last_round + 1
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())
@@ -425,9 +437,16 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
                       peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared), alive=alive,
                       overdue=overdue, overdue_why="; ".join(whys), excise_refusal=excise_refusal)
         decision = Decision.from_dict(channel.set_once(f"round{round_}/decision", mine.to_dict()))
+        if from_view and channel.rank not in decision.proposals:
+            continue  # the view was stale: that round was decided without this rank; read the counters
+        final = not decision.missing or decision.policy is Policy.EXCISE
+        if final and settle is not None:
+            settle += [lambda r=round_: channel.advance(ROUND_KEY, r),
+                       lambda g=group_generation, r=round_: channel.move(GENERATION_KEY, g, r)]
+            return decision
         channel.advance(ROUND_KEY, round_)
         last = decision
-        if not decision.missing or decision.policy is Policy.EXCISE:
+        if final:
             channel.move(GENERATION_KEY, group_generation, round_)
             return decision
         if not excising and overdue and set(decision.missing) <= set(overdue):  # nothing more to wait for

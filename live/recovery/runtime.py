@@ -209,6 +209,7 @@ class Resilient:
         self.weight: GradientWeight | None = None  # set on the model after the first excision
         self.excisions: list[ExcisionRecord] = []
         self._scan = ModuleScan()  # the modules rebinding reads, walked again only when sys.modules changes
+        self._unsettled: list[Callable[[], None]] = []  # consensus counter moves made once the job runs again
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -244,6 +245,11 @@ class Resilient:
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
         resume_barrier(s, s.generation)
+        # what exists now (torch, the model, the job's modules: most of the heap) is left out of
+        # the garbage collector's scans: a full collection over it lasts tens of milliseconds,
+        # and one that falls inside a recovery is that recovery's tail. Objects are still freed
+        # by reference counting; only cycles among them wait for unfreeze() on leaving
+        gc.freeze()
         s.start_standby(self._job_groups())  # the next generation's groups, built while training runs
         if s.config.heartbeat:
             self.heartbeat = Heartbeat(s, COMM_MODULES).start()
@@ -259,6 +265,7 @@ class Resilient:
         self.session.stop_standby()
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
+        gc.unfreeze()
 
     def _mark_committed(self) -> None:
         """What a re-run of the next step needs: the commit mark and the generators."""
@@ -400,10 +407,13 @@ class Resilient:
                             holds=held, own_steps=own, host=s.host, standby=word)
 
         t_agree = time.perf_counter()
+        self._settle()  # a recovery that failed before settling its counters settles them now
         decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
                          max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies if s.peer_server is not None else 0,
                          replacement_rounds=s.config.replacement_rounds, on_rank_loss=self.on_rank_loss,
-                         alive=s.alive or None, excise_refusal=self._excise_refusal())
+                         alive=s.alive or None, excise_refusal=self._excise_refusal(), view=s.round_view,
+                         settle=self._unsettled)
+        s.round_view = (decision.round, decision.round)
         t_end = time.perf_counter()
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - t0, agree_s=t_end - t_agree,
                state_changed=changed, **decision.summary())
@@ -510,12 +520,18 @@ class Resilient:
                 self._refresh_peers()
                 self.peers.keep_only(self.committed_step)
                 self._copy_to_peers()
+        self._settle()  # the job runs again: the round counters move now, off the recovery's path
         record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round, lost,
                                 rebind_s, action, force is not None, rebind_cpu_s, time.process_time() - cpu0)
         self.recoveries.append(record)
         s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
         s.start_standby(self._job_groups())  # the generation after this one, built while training runs
         return decision
+
+    def _settle(self) -> None:
+        """Make the consensus counter moves agree() left to this rank (see consensus.agree)."""
+        while self._unsettled:
+            self._unsettled.pop(0)()
 
     def _excise_refusal(self) -> str | None:
         """Why this job cannot excise a lost rank whose replacement never came (None: it can)."""
@@ -596,6 +612,7 @@ class Resilient:
             self._refresh_peers()
             self.peers.keep_only(self.committed_step)
             self._copy_to_peers()
+        self._settle()  # the job runs again: the round counters move now, off the recovery's path
         record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round,
                                 lost, 0.0, rec.action, False, 0.0, time.process_time() - cpu0)
         self.recoveries.append(record)

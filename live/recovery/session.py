@@ -78,6 +78,9 @@ class Session:
     standby: comm.Standby | None = None  # the next generation's groups, built in the background
     dropped: list[comm.Standby] = field(default_factory=list)  # discarded standbys whose thread may still run
     alive: tuple[int, ...] = ()  # the original ranks still in the job (empty: all; fewer after an excision)
+    # (the last round decided, the generation) as this rank last saw them: a recovery's first
+    # consensus round starts from it instead of reading the counters (consensus.agree's view)
+    round_view: tuple[int, int] | None = None
     checkpoint_subdir: str = ""  # after an excision the smaller world checkpoints apart from the larger one
 
     @property
@@ -257,7 +260,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                        is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
     control = ControlChannel.from_env(config.control_timeout_s, run_id, connect_timeout_s=config.store_connect_s)
-    control.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])  # made now: each recovery reads them in one round trip
+    last_round, generation, _ = control.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])  # made now
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
     if choice.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(choice.device))
@@ -276,6 +279,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         session.host = os.environ.get(peers.HOST_ENV, session.peer_server.addr)
         peers.publish(control, peers.PeerAddress(rank, session.host, session.peer_server.addr,
                                                  session.peer_server.port, incarnation))
+    session.round_view = (last_round, generation)
     session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation)
     if incarnation == 0:
         # every rank is here before any group connects: group creation bounds connecting, not a
@@ -295,6 +299,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         session.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
         t0 = time.perf_counter()
         session.generation = decision.round
+        session.round_view = (decision.round, decision.round)
         session.groups = session.build_generation(decision.round)
         session.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0,
                      action=CommunicatorAction.REBUILD.value, generation=decision.round)

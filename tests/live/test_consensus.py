@@ -214,3 +214,59 @@ def test_a_proposal_survives_a_trip_through_json_with_every_field():
     d = p.to_dict()
     assert set(d) == {f.name for f in fields(Proposal)}  # a field added later must be carried too
     assert Proposal.from_dict(json.loads(json.dumps(d))) == p
+
+
+def test_a_rank_with_a_current_view_skips_the_counters_and_the_moves_wait_for_settle(channels):
+    """With every rank's view current the round is the next one; the counters move only when
+    each rank settles, and settling twice (every rank does) moves them once."""
+    channels[0].counters(["round", "generation"])  # made at 0, as every session makes them at its start
+    settles: dict[int, list] = {r: [] for r in range(3)}
+    out = _agree_all(channels, {r: (lambda g, r=r: Proposal(r, g, 4, "x", True)) for r in range(3)},
+                     view=(0, 0), settle=None)
+    assert {d.round for d in out.values()} == {1}
+    assert channels[0].counters(["round", "generation"]) == [1, 1]
+
+    out = {}
+
+    def one(ch):
+        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True), _latest, view=(1, 1),
+                             settle=settles[ch.rank])
+
+    threads = [threading.Thread(target=one, args=(ch,)) for ch in channels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert {(d.round, d.policy, d.step) for d in out.values()} == {(2, Policy.IN_MEMORY, 5)}
+    assert channels[0].counters(["round", "generation"]) == [1, 1]  # nobody has settled yet
+    for r in (2, 0, 1):
+        for move in settles[r]:
+            move()
+    assert channels[1].counters(["round", "generation"]) == [2, 2]
+
+
+def test_a_rank_whose_view_went_stale_reads_the_counters_and_joins_the_round_under_way(channels):
+    """Rank 2 missed round 1 (decided without it: it was late) and still holds the view from
+    before it; its post into round 1 comes back without its proposal, so it reads the counters
+    and joins round 2 with the others, and nobody resumes from a round it was not in."""
+    channels[0].counters(["round", "generation"])  # made at 0, as every session makes them at its start
+    out: dict[int, object] = {}
+
+    def one(ch, delay):
+        time.sleep(delay)
+        try:
+            out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0,
+                                 max_rounds=4, view=(0, 0))
+        except Exception as exc:  # noqa: BLE001
+            out[ch.rank] = exc
+
+    threads = [threading.Thread(target=one, args=(ch, 1.5 if ch.rank == 2 else 0.0)) for ch in channels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    decisions = list(out.values())
+    assert all(isinstance(d, Decision) for d in decisions), decisions
+    assert {(d.round, d.policy, d.step) for d in decisions} == {(2, Policy.IN_MEMORY, 4)}
+    assert all(2 in d.proposals for d in decisions)
+    assert Decision.from_dict(channels[0].get("round1/decision")).missing == (2,)
