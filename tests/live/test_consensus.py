@@ -103,26 +103,31 @@ def test_a_silent_rank_is_declared_lost_within_the_documented_bound(channels):
     assert elapsed < loss_bound_s(0.3, 2) + 20  # and no longer than the bound plus the channel's round trips
 
 
-def test_a_rank_later_than_the_timeout_joins_the_next_round_and_the_group_resumes_in_memory(channels):
-    """The first round is decided without the late rank; nobody acted on it, so in the next
-    round nobody is stale: every rank resumes from memory at the same step."""
+def _agree_with_rank_2_late(channels, delay_s: float, **kw) -> dict[int, object]:
+    """Every rank agrees (rounds of 1 s) with its state at generation 0, as the runtime
+    proposes it; rank 2 starts ``delay_s`` late."""
     out: dict[int, object] = {}
 
-    def one(ch, delay):
-        time.sleep(delay)
+    def one(ch):
+        time.sleep(delay_s if ch.rank == 2 else 0.0)
         try:
-            # every rank's state belongs to generation 0, as the runtime proposes it
             out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0,
-                                 max_rounds=4)
+                                 max_rounds=4, **kw)
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
-    threads = [threading.Thread(target=one, args=(ch, 2.0 if ch.rank == 2 else 0.0)) for ch in channels]
+    threads = [threading.Thread(target=one, args=(ch,)) for ch in channels]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    decisions = list(out.values())
+    return out
+
+
+def test_a_rank_later_than_the_timeout_joins_the_next_round_and_the_group_resumes_in_memory(channels):
+    """The first round is decided without the late rank; nobody acted on it, so in the next
+    round nobody is stale: every rank resumes from memory at the same step."""
+    decisions = list(_agree_with_rank_2_late(channels, 2.0).values())
     assert all(isinstance(d, Decision) for d in decisions), decisions
     assert {(d.round, d.policy, d.step) for d in decisions} == {(decisions[0].round, Policy.IN_MEMORY, 4)}
     assert decisions[0].round >= 2  # round 1 was decided without rank 2 and acted on by nobody
@@ -250,22 +255,7 @@ def test_a_rank_whose_view_went_stale_reads_the_counters_and_joins_the_round_und
     before it; its post into round 1 comes back without its proposal, so it reads the counters
     and joins round 2 with the others, and nobody resumes from a round it was not in."""
     channels[0].counters(["round", "generation"])  # made at 0, as every session makes them at its start
-    out: dict[int, object] = {}
-
-    def one(ch, delay):
-        time.sleep(delay)
-        try:
-            out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0,
-                                 max_rounds=4, view=(0, 0))
-        except Exception as exc:  # noqa: BLE001
-            out[ch.rank] = exc
-
-    threads = [threading.Thread(target=one, args=(ch, 1.5 if ch.rank == 2 else 0.0)) for ch in channels]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    decisions = list(out.values())
+    decisions = list(_agree_with_rank_2_late(channels, 1.5, view=(0, 0)).values())
     assert all(isinstance(d, Decision) for d in decisions), decisions
     assert {(d.round, d.policy, d.step) for d in decisions} == {(2, Policy.IN_MEMORY, 4)}
     assert all(2 in d.proposals for d in decisions)
