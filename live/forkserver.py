@@ -174,7 +174,8 @@ class ForkServer:
         with self._changed:
             if "exit" in msg:
                 self._exits[int(msg["exit"])] = int(msg["rc"])
-            else:
+            else:  # a new child: an exit kept for an earlier child with its pid (reused) is not its own
+                self._exits.pop(int(msg["pid"]), None)
                 self._replies[int(msg["id"])] = int(msg["pid"])
             self._changed.notify_all()
 

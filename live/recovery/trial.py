@@ -171,7 +171,7 @@ def _with_holders(faults: tuple[Fault, ...], cfg: TrialConfig, hosts: list[str] 
 def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = None,
               work_dir: str | os.PathLike[str] | None = None,
               reference_dir: str | os.PathLike[str] | None = None, *, replacements: int | None = None,
-              announce_missing: bool = True) -> TrialResult:
+              announce_missing: bool = True, forkserver: ForkServer | None = None) -> TrialResult:
     """Run the trial in ``work_dir``; without one, in a scratch directory that is removed after
     (kept when the recording would live in it, i.e. no ``recording_path`` either).
 
@@ -185,6 +185,9 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
     says nothing, as a scheduler that never answers, and the survivors excise it when its
     replacement misses its deadline. A faulted run that excised is judged against the
     excising reference, whatever ``--on-rank-loss`` was.
+
+    ``forkserver``: a running :class:`ForkServer` to take the warm starts from (a caller running
+    many trials keeps one, and pays its imports once); without one, the trial starts its own.
     """
     checked = check_workload(cfg.workload, cfg.ranks)  # one clear line before any rank starts
     if cfg.on_rank_loss == "excise" and len(checked.mesh.shape) > 1:
@@ -193,9 +196,9 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
     workload = checked.path
     supply = ReplacementSupply(replacements, announce_missing)
     if work_dir is not None or recording_path is None:
-        return _run_trial(cfg, workload, recording_path, work_dir, reference_dir, supply)
+        return _run_trial(cfg, workload, recording_path, work_dir, reference_dir, supply, forkserver)
     with tempfile.TemporaryDirectory(prefix="meshpact-trial-") as scratch:
-        return _run_trial(cfg, workload, recording_path, scratch, reference_dir, supply)
+        return _run_trial(cfg, workload, recording_path, scratch, reference_dir, supply, forkserver)
 
 
 @contextlib.contextmanager
@@ -215,12 +218,16 @@ def _partition_hosts(cfg: TrialConfig) -> Iterator[tuple[NetnsPair | None, dict[
 
 
 @contextlib.contextmanager
-def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None) -> Iterator[ForkServer | None]:
+def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None, shared: ForkServer | None) -> Iterator[ForkServer | None]:
     """A fork server for the runs whose rank starts are not measured (the reference, the faulted
-    run's first processes, the excising reference); none where ranks start inside network
-    namespaces (a command prefix, which a fork cannot take) or ``cfg.warm_starts`` is off."""
+    run's first processes, the excising reference): ``shared`` when given (left running), else
+    one of the trial's own; none where ranks start inside network namespaces (a command prefix,
+    which a fork cannot take) or ``cfg.warm_starts`` is off."""
     if netns is not None or not cfg.warm_starts:
         yield None
+        return
+    if shared is not None:
+        yield shared
         return
     with ForkServer() as server:
         yield server
@@ -228,7 +235,7 @@ def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None) -> Iterator[ForkServ
 
 def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLike[str] | None,
                work_dir: str | os.PathLike[str] | None, reference_dir: str | os.PathLike[str] | None,
-               supply: ReplacementSupply) -> TrialResult:
+               supply: ReplacementSupply, forkserver: ForkServer | None = None) -> TrialResult:
     if cfg.fault_kind is FaultKind.PARTITION or cfg.two_hosts:
         why = netns_unavailable()
         if why:
@@ -247,7 +254,7 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                          fault_kind=cfg.fault_kind.value, faults=len(faults), workload=workload,
                          checkpoint_every=cfg.checkpoint_every) as rec:
         t0_wall = time.time() - rec.now()
-        with _partition_hosts(cfg) as (netns, stores), _warm_starts(cfg, netns) as warm:
+        with _partition_hosts(cfg) as (netns, stores), _warm_starts(cfg, netns, forkserver) as warm:
             ref_dir = Path(reference_dir) if reference_dir else work / "reference"
             if reference_dir and all((ref_dir / f"final-rank{r}.pt").exists() for r in range(cfg.ranks)):
                 reference: list[RankOutcome] = []

@@ -8,11 +8,23 @@ import tempfile
 from pathlib import Path
 
 from meshpact.core.recording import read_recording
+from meshpact.live.forkserver import ForkServer
 from meshpact.live.recovery.trial import TrialConfig, TrialResult, run_trial
 
 _REFERENCES: dict[tuple[str, int, int, int], Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))
 atexit.register(shutil.rmtree, _ROOT, True)
+# one fork server for every trial of this test process: its imports (torch and the runtime,
+# 2-3 s of CPU) are paid once instead of once per trial
+_FORKSERVER: list[ForkServer] = []
+
+
+def _forkserver() -> ForkServer:
+    if not _FORKSERVER:
+        server = ForkServer()
+        atexit.register(server.close)
+        _FORKSERVER.append(server)
+    return _FORKSERVER[0]
 
 
 def trial(**kw) -> TrialResult:
@@ -20,7 +32,7 @@ def trial(**kw) -> TrialResult:
     key = (cfg.workload, cfg.ranks, cfg.steps, cfg.checkpoint_every)
     ref = _REFERENCES.setdefault(key, _ROOT / f"ref-{len(_REFERENCES)}-{cfg.ranks}r-{cfg.steps}s" / "reference")
     work = Path(tempfile.mkdtemp(prefix=f"{cfg.fault_kind.value}-", dir=_ROOT))
-    return run_trial(cfg, work_dir=work, reference_dir=ref)
+    return run_trial(cfg, work_dir=work, reference_dir=ref, forkserver=_forkserver())
 
 
 def assert_recovered(result: TrialResult, policy: str) -> dict:

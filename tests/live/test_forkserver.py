@@ -82,3 +82,15 @@ def test_a_server_that_cannot_start_says_why_at_the_first_rank():
     with ForkServer(preload=("meshpact_no_such_module",), start_timeout_s=60) as broken:
         with pytest.raises(ForkServerError, match="(?s)did not start.*No module named 'meshpact_no_such_module'"):
             broken.spawn(["--target", ECHO], dict(os.environ), os.devnull)
+
+
+def test_a_server_kept_across_runs_forgets_an_exit_when_its_pid_comes_back(server):
+    """One server serves many launches (the tests keep one per process); pids wrap (32768 here),
+    so a child that gets the pid of one that exited before must not read as exited."""
+    pid = 4_000_000  # beyond any pid this machine hands out: only these messages speak of it
+    server._take(f'{{"exit": {pid}, "rc": 3}}'.encode())  # an earlier child with this pid exited
+    assert server.returncode(pid) == 3
+    server._take(f'{{"id": -1, "pid": {pid}}}'.encode())  # the server forked a new child with the same pid
+    assert server.returncode(pid) is None
+    server._take(f'{{"exit": {pid}, "rc": 0}}'.encode())  # and that child's own exit is kept
+    assert server.returncode(pid) == 0

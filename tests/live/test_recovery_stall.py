@@ -14,7 +14,11 @@ def test_stalled_rank_is_detected_by_the_timeout_and_recovered_in_memory():
     result = trial(ranks=4, steps=16, faults=2, fault_kind="stall", checkpoint_every=4, baselines=False,
                    data_timeout_s=0.5, stall_s=1.0)
     assert_recovered(result, "in_memory")
-    for r in result.recoveries():
+    # the faults' recoveries (under heavy load a 0.5 s data path may also time out on a slow step:
+    # recovered in memory too, and counted by assert_recovered, but no fault's detection)
+    stalled = [r for r in result.recoveries() if r["step"] in {f.step for f in result.faults}]
+    assert len(stalled) == len(result.faults)
+    for r in stalled:
         assert r["stages_s"]["detection"] >= 0.5  # bounded by the data-path timeout, not faster
 
 
