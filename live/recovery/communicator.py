@@ -40,9 +40,9 @@ import torch.distributed.distributed_c10d as c10d
 from meshpact.core.recovery import CommunicatorAction
 
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
-           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "group_ranks", "base_name",
-           "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan", "group_plan",
-           "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
+           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "timed_out",
+           "group_ranks", "base_name", "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan",
+           "group_plan", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
 
 WORLD = "meshpact_data"  # the base name of the data-path group over every rank
 
@@ -154,6 +154,14 @@ def data_sockets(protected: dict[int, str], store_ports: tuple[int, ...] = (),
             continue
         out[fd] = ino
     return out
+
+
+def timed_out(error: str) -> bool:
+    """Whether a data-path error says the operation waited out its timeout (gloo: "Timed out
+    waiting ..."; NCCL's watchdog: "... timeout ..."), as opposed to hearing from the data path
+    (a peer closed or reset its connection) or failing in this process (a collective raising)."""
+    text = error.lower()
+    return "timed out" in text or "timeout" in text
 
 
 def sever(sockets: dict[int, str]) -> int:

@@ -37,6 +37,11 @@ From then on every batch is this survivor's share of the original global batch
 then restores the generators and re-runs the failed step from the same batch, so the final
 state, generators included, is bit-identical to a run without the fault. Any other
 exception surfaces at once, unretried, with its traceback.
+
+What entering :class:`Resilient` does to the process: it starts the heartbeat's thread and the
+standby's builder, and it calls ``gc.freeze()`` (what exists then, most of the heap, is left
+out of the garbage collector's scans, so no full collection falls inside a recovery;
+``gc.unfreeze()`` on leaving). Objects are still freed by reference counting.
 """
 
 from __future__ import annotations
@@ -395,7 +400,10 @@ class Resilient:
         mine = self._mark.check if self._mark is not None and intact else ""
 
         # whether this rank's standby can serve: said in the proposal, read by every rank from the decision
-        silent_s = t_detect - self._t_attempt if self._t_attempt is not None and force is None else None
+        # a step that waited out the data-path timeout may have lost a link the standby crosses too;
+        # one that failed otherwise heard from its data path (or raised here), however long it ran
+        silent_s = (t_detect - self._t_attempt if self._t_attempt is not None and force is None
+                    and comm.timed_out(message) else None)
         old_groups = self._job_groups()  # consensus builds no group: the same ones are replaced below
         word = s.standby_word(old_groups, silent_s, quiet=bool(alarm and alarm.data_path_quiet)).to_dict()
 

@@ -157,9 +157,10 @@ class Session:
     def standby_word(self, groups: dict[str, dist.ProcessGroup], silent_s: float | None,
                      quiet: bool = False) -> comm.StandbyStatus:
         """What this rank says, in its proposal, of whether its standby can replace ``groups``.
-        ``silent_s``: how long the failed step ran before the fault; a data path silent for the
-        data-path timeout may have lost a link the standby crosses too, and so may one the
-        heartbeat found quiet on every rank (``quiet``)."""
+        ``silent_s``: how long the failed step ran before it timed out (None: it failed otherwise,
+        hearing from its data path); a data path silent for the data-path timeout may have lost
+        a link the standby crosses too, and so may one the heartbeat found quiet on every rank
+        (``quiet``)."""
         if self.standby is None:
             return comm.StandbyStatus(self.generation + 1, False,
                                       "no standby" if self.config.standby else "standby off")

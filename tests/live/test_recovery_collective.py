@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 
 def test_ten_raised_collectives_recover_in_memory_bit_identical_with_baselines():
-    result = trial(ranks=4, steps=16, faults=10, fault_kind="collective", checkpoint_every=4)
+    result = trial(ranks=4, steps=12, faults=10, fault_kind="collective", checkpoint_every=4)
     s = assert_recovered(result, "in_memory")
     assert s["policy_counts"]["checkpoint_restore"] == 0
     # the checkpoint-restore drill and the cold restart ran in the same job and also ended

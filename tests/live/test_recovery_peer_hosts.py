@@ -10,7 +10,7 @@ from _recovery import trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
-_RUN = dict(ranks=4, steps=16, checkpoint_every=4, baselines=False, faults=1, peer_copies=1)
+_RUN = dict(ranks=4, steps=10, checkpoint_every=4, baselines=False, faults=1, peer_copies=1)
 _WHY = netns_unavailable()
 
 

@@ -121,3 +121,22 @@ def test_the_wait_for_a_standby_is_derived_and_in_the_table():
     assert c.standby_wait_s == 7.0  # a standby still connecting after group creation waits on a silent peer
     assert RecoveryConfig(data_timeout_s=0.3).standby_wait_s == 0.3
     assert ("wait for a standby still being built", 7.0, "min(data_timeout_s, group_create_s)") in c.table()
+
+
+def test_only_an_error_that_waited_out_its_timeout_reads_as_a_silent_data_path():
+    """What gloo really says: a recv whose peer never sends waits out its timeout ("Timed out
+    waiting ..."); a recv whose peer severed the pair hears so at once ("Connection closed by
+    peer"). Only the first makes a recovery distrust the standby, however long the step ran."""
+    store = dist.HashStore()
+    pgs = _both(lambda r: dist.ProcessGroupGloo(dist.PrefixStore("silent/", store), r, 2, timedelta(seconds=0.3)))
+    with pytest.raises(RuntimeError) as waited:
+        pgs[0].recv([torch.zeros(4)], 1, 0).wait()
+    keep = comm.socket_fds()
+    pgs = _both(lambda r: dist.ProcessGroupGloo(dist.PrefixStore("severed/", store), r, 2, timedelta(seconds=30)))
+    work = pgs[0].recv([torch.zeros(4)], 1, 0)
+    assert comm.sever(comm.data_sockets(keep)) >= 2  # both ends live in this process
+    with pytest.raises(RuntimeError) as heard:
+        work.wait()
+    assert comm.timed_out(str(waited.value)), str(waited.value)
+    assert not comm.timed_out(str(heard.value)), str(heard.value)
+    assert not comm.timed_out("CollectiveFault: injected failure of c10d::allreduce_ at step 3")
