@@ -134,7 +134,8 @@ def test_only_an_error_that_waited_out_its_timeout_reads_as_a_silent_data_path()
     keep = comm.socket_fds()
     pgs = _both(lambda r: dist.ProcessGroupGloo(dist.PrefixStore("severed/", store), r, 2, timedelta(seconds=30)))
     work = pgs[0].recv([torch.zeros(4)], 1, 0)
-    assert comm.sever(comm.data_sockets(keep)) >= 2  # both ends live in this process
+    # both ends live in this process; the first shut down, gloo may close the other before its turn
+    assert comm.sever(comm.data_sockets(keep)) >= 1
     with pytest.raises(RuntimeError) as heard:
         work.wait()
     assert comm.timed_out(str(waited.value)), str(waited.value)
