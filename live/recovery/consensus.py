@@ -47,7 +47,8 @@ from .control import ControlChannel, ControlTimeout
 
 __all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
            "EXCISE_NOT_OFFERED",
-           "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "GONE_COUNT_KEY", "mark_gone", "gone_ranks"]
+           "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "GONE_COUNT_KEY", "mark_gone",
+           "gone_ranks"]
 
 ROUND_KEY = "round"  # the last round decided, complete or not
 GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
@@ -311,7 +312,7 @@ def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: 
         except ControlTimeout:
             return channel.present(keys)
     deadline = time.monotonic() + timeout_s
-    seen_gone = len(skip)
+    seen_gone: int | None = None  # the gone count at the last slice that timed out
     while True:
         wanted = [(k, r) for k, r in zip(keys, ranks) if r not in skip]
         left = deadline - time.monotonic()
