@@ -29,7 +29,6 @@ how busy the whole host was meanwhile (other jobs' load takes cores the ranks do
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import queue
@@ -126,19 +125,58 @@ def _recv(sock: socket.socket) -> tuple[JsonObject, bytearray]:
     return header, _recv_exact(sock, int(header.get("n", 0)))
 
 
+# -- a copy's bytes: a magic, a length-prefixed JSON index (the step; each tensor's name, dtype,
+# shape and byte count, in order), then each tensor's bytes as they lie in memory. torch.save
+# spent about 80 us of pickling per tensor (8 ms for a 100-tensor, 400 KB state); this is one
+# join of the tensors' buffers. Bit-exact for every dtype: the bytes are never converted.
+_MAGIC = b"MPSTATE1"
+
+
 def serialize(step: int, state: dict[str, torch.Tensor]) -> bytes:
+    """``state`` (CPU or device tensors; any dtype and layout) and ``step`` as one payload."""
     import torch
 
-    buf = io.BytesIO()
-    torch.save({"step": step, "state": state}, buf)
-    return buf.getvalue()
+    index, parts = [], []
+    for name, tensor in state.items():
+        t = tensor.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
+        index.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()])
+        parts.append(raw)
+    head = json.dumps({"step": step, "tensors": index}).encode()
+    return b"".join([_MAGIC, _HEADER.pack(len(head)), head, *parts])
 
 
 def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
+    """The step and the state of a payload :func:`serialize` made; a payload of another form or
+    length (a torn copy) raises ``ValueError`` naming what differs."""
     import torch
 
-    doc = torch.load(io.BytesIO(bytes(raw)), weights_only=True)
-    return int(doc["step"]), doc["state"]
+    view = memoryview(raw)
+    if bytes(view[:len(_MAGIC)]) != _MAGIC:
+        raise ValueError(f"not a state copy: it starts {bytes(view[:len(_MAGIC)])!r}, expected {_MAGIC!r}")
+    at = len(_MAGIC) + _HEADER.size
+    (size,) = _HEADER.unpack(view[len(_MAGIC):at])
+    doc = json.loads(bytes(view[at:at + size]))
+    at += size
+    want = at + sum(int(n) for _, _, _, n in doc["tensors"])
+    if want != len(view):
+        raise ValueError(f"a state copy of {len(view)} bytes whose index describes {want}")
+    state = {}
+    for name, dtype, shape, n in doc["tensors"]:
+        kind = getattr(torch, dtype)
+        if n:  # a fresh (aligned) buffer per tensor: the payload's offsets need not suit the dtype
+            flat = torch.frombuffer(bytearray(view[at:at + n]), dtype=torch.uint8)
+            state[name] = flat.view(kind).reshape(shape)
+        else:
+            state[name] = torch.empty(shape, dtype=kind)
+        at += n
+    return int(doc["step"]), state
 
 
 @dataclass(frozen=True)

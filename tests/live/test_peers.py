@@ -11,7 +11,8 @@ import torch
 
 from meshpact.core.recovery import Policy
 from meshpact.live.recovery.consensus import Decision, Proposal, decide
-from meshpact.live.recovery.peers import PeerAddress, PeerCopier, PeerError, PeerServer, fetch, placement, put, serialize
+from meshpact.live.recovery.peers import (PeerAddress, PeerCopier, PeerError, PeerServer, deserialize, fetch, placement,
+                                          put, serialize)
 
 
 # -- placement -------------------------------------------------------------------------------
@@ -160,6 +161,33 @@ def test_a_copy_comes_back_bit_for_bit_and_only_the_newest_complete_one_is_kept(
         fetch(_addr(server), 3, 5, 5.0)
     with pytest.raises(PeerError, match="holds no copy of rank 0"):
         fetch(_addr(server), 0, 6, 5.0)
+
+
+def _bits(t: torch.Tensor) -> bytes:
+    t = t.resolve_conj().contiguous()
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+def test_every_dtype_and_layout_comes_back_bit_for_bit_and_a_torn_copy_is_refused():
+    """The copy's bytes are the tensors' own: no value is converted (int64 past 2^53, NaN payloads,
+    -0.0, bfloat16, bool, complex under a lazy conjugate, empty, 0-d, transposed)."""
+    nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # a NaN with a payload
+    state = {"int64": torch.tensor([2**62 + 1, -(2**53) - 1], dtype=torch.int64),
+             "nan": torch.cat([nan, torch.tensor([-0.0])]), "bf16": torch.randn(7).to(torch.bfloat16),
+             "f16": torch.randn(2, 3).half(), "bool": torch.tensor([True, False]),
+             "complex": torch.randn(3, dtype=torch.complex64).conj(), "empty": torch.empty(0, 4), "scalar": torch.tensor(2.5),
+             "transposed": torch.arange(12.0).reshape(3, 4).t(), "rng/u8": torch.randint(0, 255, (17,), dtype=torch.uint8)}
+    step, got = deserialize(serialize(9, state))
+    assert step == 9 and list(got) == list(state)
+    for k, v in state.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape, k
+        assert _bits(got[k]) == _bits(v), k
+    assert torch.equal(got["transposed"], state["transposed"]) and torch.equal(got["complex"], state["complex"])
+    payload = serialize(9, state)
+    with pytest.raises(ValueError, match="index describes"):
+        deserialize(payload[:-1])
+    with pytest.raises(ValueError, match="not a state copy"):
+        deserialize(b"PK" + payload[2:])
 
 
 def test_a_sender_dying_mid_copy_leaves_the_previous_copy(server):
