@@ -377,6 +377,15 @@ class Resilient:
         return groups
 
     def _recover(self, message: str, step: int, force: Policy | None = None) -> Decision:
+        """One recovery; its events reach the rank's log after its first collective (or, off the
+        in-memory path, once decided), not on the critical path (Session.hold_log)."""
+        self.session.hold_log()
+        try:
+            return self._recover_held(message, step, force)
+        finally:
+            self.session.release_log()
+
+    def _recover_held(self, message: str, step: int, force: Policy | None) -> Decision:
         s = self.session
         t_detect = time.time()
         cpu0 = time.process_time()
@@ -425,6 +434,8 @@ class Resilient:
         t_end = time.perf_counter()
         s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - t0, agree_s=t_end - t_agree,
                state_changed=changed, **decision.summary())
+        if self.on_decided is not None or not decision.in_memory:  # a drill may end the process; a long path
+            s.release_log()
         if self.on_decided is not None:
             self.on_decided(decision)
         if decision.policy is Policy.EXCISE:
@@ -496,6 +507,7 @@ class Resilient:
                    state_intact=intact)
             lost = 0  # no barrier: building the groups already waited for every rank to connect
             t_first, t_resumed = self._first_collective(decision.round)
+            s.release_log()
         else:
             if decision.policy is Policy.PEER_RESTORE:
                 if decision.holder_of(s.rank) is None and decision.step == self.committed_step and intact:

@@ -28,7 +28,7 @@ import threading
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any
+from typing import IO, Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,6 +74,7 @@ class Session:
     peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
     host: str = ""  # the host this rank is on, as peer placement sees it
     log: IO[str] | None = None  # the rank's JSONL event log (survives SIGKILL)
+    held: list[Event] | None = None  # events not yet written to the log (hold_log)
     store_addr: tuple[str, int] = ("127.0.0.1", 0)  # the rendezvous store (a standby connects on its own)
     standby: comm.Standby | None = None  # the next generation's groups, built in the background
     dropped: list[comm.Standby] = field(default_factory=list)  # discarded standbys whose thread may still run
@@ -103,12 +104,32 @@ class Session:
     def emit(self, kind: EventKind, stage: Stage | None = None, **data: Any) -> Event:
         ev = Event(time.time(), kind, self.rank, stage, data)
         self.events.append(ev)
+        if self.held is not None:
+            self.held.append(ev)
+        else:
+            self._write((ev,))
+        return ev
+
+    def hold_log(self) -> None:
+        """Keep events out of the log (stamped and kept in :attr:`events` as ever) until
+        :meth:`release_log`: a recovery's critical path does not encode and write them. A
+        SIGKILL in between loses the held lines from the log, not from a finished run."""
+        if self.held is None:
+            self.held = []
+
+    def release_log(self) -> None:
+        """Write the held events, in order, and log each event as it comes again."""
+        held, self.held = self.held, None
+        if held:
+            self._write(held)
+
+    def _write(self, events: Sequence[Event]) -> None:
         if self.log is not None:
-            self.log.write(json.dumps(ev.to_dict(), default=str) + "\n")
+            self.log.write("".join(json.dumps(ev.to_dict(), default=str) + "\n" for ev in events))
             self.log.flush()
         if os.environ.get("MESHPACT_TRACE"):
-            print(f"[meshpact rank {self.rank}] {ev}", file=sys.stderr, flush=True)
-        return ev
+            for ev in events:
+                print(f"[meshpact rank {self.rank}] {ev}", file=sys.stderr, flush=True)
 
     def checkpointer(self) -> Checkpointer | None:
         if not self.config.checkpoint_dir:
