@@ -14,7 +14,9 @@ child still running, and so does leaving the ``with`` block or the interpreter.
 
 Warm starts (``forkserver=``, a :class:`~meshpact.live.forkserver.ForkServer`): the first
 process of each rank (and each spare) is forked from a process that imported torch once
-instead of starting a fresh interpreter; replacements always start fresh.
+instead of starting a fresh interpreter; replacements start fresh, so their start is measured
+as a real one (``warm_replacements=True`` forks them too, for callers that measure no start:
+the test suite's trials).
 
 Warm spares (``spares=N``): N more processes of the same target start with the ranks and wait
 idle, warmed up (imports done), in :func:`await_promotion`; when a rank dies,
@@ -145,6 +147,7 @@ class Launch:
         spares: int = 0,
         forkserver: "ForkServer | None" = None,
         max_replacements: int | None = None,
+        warm_replacements: bool = False,
     ) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
@@ -165,6 +168,7 @@ class Launch:
         self._prefix = prefix
         self._python = python
         self._forkserver = forkserver
+        self._warm_replacements = warm_replacements  # replacements forked too: only where no start is measured
         self._dir = Path(tempfile.mkdtemp(prefix="meshpact-launch-"))
         self._procs: dict[int, "subprocess.Popen | ForkedProcess"] = {}
         self._incarnation: dict[int, int] = {}
@@ -202,7 +206,8 @@ class Launch:
         err = open(self._dir / f"stderr-{name}.txt", "w+b")
         proc: "subprocess.Popen | ForkedProcess"
         # a first process of a rank may start warm (forked); a replacement is a real new process
-        if (self._forkserver is not None and incarnation == 0 and self._prefix is None
+        # unless the caller measures no start (warm_replacements: tests of what a replacement does)
+        if (self._forkserver is not None and (incarnation == 0 or self._warm_replacements) and self._prefix is None
                 and self._python == sys.executable and self._forkserver.accepts(env)):
             proc = self._forkserver.spawn(["--target", self.target], env, str(self._dir / f"stderr-{name}.txt"))
         else:

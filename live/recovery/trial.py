@@ -46,8 +46,8 @@ EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excisin
 
 def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: JsonObject,
          netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter,
-         forkserver: ForkServer | None = None, supply: ReplacementSupply | None = None
-         ) -> tuple[list[RankOutcome], int, float]:
+         forkserver: ForkServer | None = None, supply: ReplacementSupply | None = None,
+         warm_replacements: bool = False) -> tuple[list[RankOutcome], int, float]:
     out_dir = Path(extra.get("out_dir", work / tag))
     out_dir.mkdir(parents=True, exist_ok=True)
     args = {"steps": cfg.steps, "checkpoint_every": cfg.checkpoint_every, "data_timeout_s": cfg.data_timeout_s,
@@ -108,7 +108,8 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording)
     t_launch = time.time()
     with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
-                forkserver=forkserver, max_replacements=supply.limit, **kw) as job:
+                forkserver=forkserver, max_replacements=supply.limit, warm_replacements=warm_replacements,
+                **kw) as job:
         results = job.wait(on_exit=on_exit, on_tick=watch)
     bad = [r for r in results if not r.ok and r.rank not in gone]
     if bad:
@@ -171,7 +172,8 @@ def _with_holders(faults: tuple[Fault, ...], cfg: TrialConfig, hosts: list[str] 
 def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = None,
               work_dir: str | os.PathLike[str] | None = None,
               reference_dir: str | os.PathLike[str] | None = None, *, replacements: int | None = None,
-              announce_missing: bool = True, forkserver: ForkServer | None = None) -> TrialResult:
+              announce_missing: bool = True, forkserver: ForkServer | None = None,
+              warm_replacements: bool = False) -> TrialResult:
     """Run the trial in ``work_dir``; without one, in a scratch directory that is removed after
     (kept when the recording would live in it, i.e. no ``recording_path`` either).
 
@@ -188,6 +190,9 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
 
     ``forkserver``: a running :class:`ForkServer` to take the warm starts from (a caller running
     many trials keeps one, and pays its imports once); without one, the trial starts its own.
+    ``warm_replacements``: fork the faulted run's replacement processes from it too (for callers
+    that measure no replacement's start, such as the test suite; a downtime with a warm start
+    in it is not a real one).
     """
     checked = check_workload(cfg.workload, cfg.ranks)  # one clear line before any rank starts
     if cfg.on_rank_loss == "excise" and len(checked.mesh.shape) > 1:
@@ -196,9 +201,11 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
     workload = checked.path
     supply = ReplacementSupply(replacements, announce_missing)
     if work_dir is not None or recording_path is None:
-        return _run_trial(cfg, workload, recording_path, work_dir, reference_dir, supply, forkserver)
+        return _run_trial(cfg, workload, recording_path, work_dir, reference_dir, supply, forkserver,
+                          warm_replacements)
     with tempfile.TemporaryDirectory(prefix="meshpact-trial-") as scratch:
-        return _run_trial(cfg, workload, recording_path, scratch, reference_dir, supply, forkserver)
+        return _run_trial(cfg, workload, recording_path, scratch, reference_dir, supply, forkserver,
+                          warm_replacements)
 
 
 @contextlib.contextmanager
@@ -235,7 +242,8 @@ def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None, shared: ForkServer |
 
 def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLike[str] | None,
                work_dir: str | os.PathLike[str] | None, reference_dir: str | os.PathLike[str] | None,
-               supply: ReplacementSupply, forkserver: ForkServer | None = None) -> TrialResult:
+               supply: ReplacementSupply, forkserver: ForkServer | None = None,
+               warm_replacements: bool = False) -> TrialResult:
     if cfg.fault_kind is FaultKind.PARTITION or cfg.two_hosts:
         why = netns_unavailable()
         if why:
@@ -264,7 +272,7 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                                         "out_dir": str(ref_dir)}, netns, stores, rec, warm)
             faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults,
                                             {"drill": cfg.baselines and not cfg.excising, "spares": cfg.spare_ranks},
-                                            netns, stores, rec, warm, supply)
+                                            netns, stores, rec, warm, supply, warm_replacements)
             excision = None
             plan = _excisions_of(read_rank_events(work / "faulted"))
             if cfg.excising or plan:  # the same ranks leave at the same steps, with no fault: the excising reference

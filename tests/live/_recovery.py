@@ -19,7 +19,7 @@ atexit.register(shutil.rmtree, _ROOT, True)
 _FORKSERVER: list[ForkServer] = []
 
 
-def _forkserver() -> ForkServer:
+def shared_forkserver() -> ForkServer:
     if not _FORKSERVER:
         server = ForkServer()
         atexit.register(server.close)
@@ -32,7 +32,8 @@ def trial(**kw) -> TrialResult:
     key = (cfg.workload, cfg.ranks, cfg.steps, cfg.checkpoint_every)
     ref = _REFERENCES.setdefault(key, _ROOT / f"ref-{len(_REFERENCES)}-{cfg.ranks}r-{cfg.steps}s" / "reference")
     work = Path(tempfile.mkdtemp(prefix=f"{cfg.fault_kind.value}-", dir=_ROOT))
-    return run_trial(cfg, work_dir=work, reference_dir=ref, forkserver=_forkserver())
+    # replacements forked too: these tests judge what a replacement does, not how fast it starts
+    return run_trial(cfg, work_dir=work, reference_dir=ref, forkserver=shared_forkserver(), warm_replacements=True)
 
 
 def assert_recovered(result: TrialResult, policy: str) -> dict:
