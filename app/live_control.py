@@ -3,8 +3,10 @@
 A :class:`LiveJob` runs :mod:`meshpact.app.live_job` (one recovery trial of the live
 runtime on N local gloo ranks, everything on 127.0.0.1) in its own process group. Every
 process the trial starts inherits a job token in its environment, which is how the
-dashboard finds the rank processes (their ``RANK``, the phase in ``MESHPACT_RUN_ID`` and
-the ``MESHPACT_INCARNATION``) without any channel into the job: faults from the page
+dashboard finds the rank processes without any channel into the job (a fresh interpreter's
+environment names its ``RANK``, the phase in ``MESHPACT_RUN_ID`` and the
+``MESHPACT_INCARNATION``; a rank forked warm from the trial's fork server is named in the
+launcher's list of the processes it started, ``processes.jsonl``): faults from the page
 are real signals to a real rank process (``SIGKILL`` kills it; ``SIGSTOP`` then
 ``SIGCONT`` stalls it). :meth:`LiveJob.stop` ends the runner and every process carrying
 the token; a finalizer does the same when the job object is dropped with the session.
@@ -35,7 +37,8 @@ from meshpact.app.live_job import INJECTED_FILE, TRIAL_DIR
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, EventKind, partial_path
 from meshpact.core.recovery import Policy
-from meshpact.live.recovery.trialconfig import PHASES, Pace  # torch-free
+from meshpact.live.launcher import LaunchedProcess  # torch-free
+from meshpact.live.recovery.trialconfig import PHASES, PROCESSES_FILE, Pace  # torch-free
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
            "TOKEN_ENV", "RankLogs", "RankEvent", "FaultFromPage"]
@@ -270,12 +273,21 @@ class LiveJob:
         return self.proc.poll()
 
     def ranks(self) -> list[RankProcess]:
+        """The job's live rank processes: a fresh interpreter says who it is in its environment; a
+        rank forked from the trial's fork server shows the server's (the token, no ``RANK``), and
+        the launcher's list (:data:`PROCESSES_FILE`) says who it is. Only a process carrying the
+        token counts, so a pid reused by another process is never taken for a rank."""
+        launched = {p.pid: p for p in LaunchedProcess.read(self.trial_dir / PROCESSES_FILE) if p.rank is not None}
         out = []
         for pid, env in job_processes(self.token):
-            if "RANK" not in env or pid == self.proc.pid:
+            if pid == self.proc.pid:
                 continue
-            out.append(RankProcess(pid, int(env["RANK"]), env.get("MESHPACT_RUN_ID", "?"),
-                                   int(env.get("MESHPACT_INCARNATION", "0") or 0), _state(pid) == "T"))
+            if "RANK" in env:
+                out.append(RankProcess(pid, int(env["RANK"]), env.get("MESHPACT_RUN_ID", "?"),
+                                       int(env.get("MESHPACT_INCARNATION", "0") or 0), _state(pid) == "T"))
+            elif pid in launched:
+                p = launched[pid]
+                out.append(RankProcess(pid, int(p.rank or 0), p.run_id or "?", p.incarnation, _state(pid) == "T"))
         return sorted(out, key=lambda r: (r.phase, r.rank, r.incarnation))
 
     def _rank(self, rank: int, phase: str | None) -> RankProcess:

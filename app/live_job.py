@@ -99,9 +99,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = TrialConfig(ranks=a.ranks, steps=a.steps, faults=a.faults, fault_kind=a.fault_kind,
                           checkpoint_every=a.checkpoint_every, baselines=a.baselines, timeout_s=a.timeout_s,
                           heartbeat=a.heartbeat, on_rank_loss=a.on_rank_loss,
-                          # the page finds each rank process by its environment (/proc/<pid>/environ): fresh
-                          # interpreters show theirs, processes forked from a warm server would show the server's
-                          warm_starts=False)
+                          # ranks forked warm only where the page can read which is which (the launcher's
+                          # processes.jsonl in the work directory): a forked rank shows the server's environment
+                          warm_starts=a.work_dir is not None)
         result = run_trial(cfg, recording_path=a.record,
                            work_dir=None if a.work_dir is None else a.work_dir / TRIAL_DIR)
         out = {"ok": True, "summary": result.summary(), "recoveries": result.recoveries()}

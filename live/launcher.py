@@ -56,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "LaunchError",
+    "LaunchedProcess",
     "RankResult",
     "Launch",
     "launch",
@@ -69,6 +70,41 @@ __all__ = [
 RESULT_DIR_ENV = "MESHPACT_RESULT_DIR"
 ARGS_ENV = "MESHPACT_WORKER_ARGS"
 SPARE_ENV = "MESHPACT_SPARE"  # set in a warm spare: its index, until it is promoted to a rank
+
+
+@dataclass(frozen=True)
+class LaunchedProcess:
+    """One process a launch started, as its ``registry`` file lists it (a JSON line each): a
+    forked rank's ``/proc/<pid>/environ`` is its fork server's, so whoever looks for the ranks
+    from outside (the dashboard) learns here which rank a process is."""
+
+    pid: int
+    rank: int | None  # None: a spare not yet promoted
+    incarnation: int
+    run_id: str  # MESHPACT_RUN_ID (a trial's phase)
+    spare: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "rank": self.rank, "incarnation": self.incarnation, "run_id": self.run_id,
+                "spare": self.spare}
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> list["LaunchedProcess"]:
+        """Every complete line of ``path`` (none when it does not exist yet; a torn line is skipped)."""
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                d = json.loads(line)
+                out.append(cls(int(d["pid"]), None if d.get("rank") is None else int(d["rank"]),
+                               int(d.get("incarnation", 0)), str(d.get("run_id", "")),
+                               None if d.get("spare") is None else int(d["spare"])))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return out
 
 
 class LaunchError(MeshpactError):
@@ -148,6 +184,7 @@ class Launch:
         forkserver: "ForkServer | None" = None,
         max_replacements: int | None = None,
         warm_replacements: bool = False,
+        registry: str | os.PathLike[str] | None = None,
     ) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
@@ -169,6 +206,7 @@ class Launch:
         self._python = python
         self._forkserver = forkserver
         self._warm_replacements = warm_replacements  # replacements forked too: only where no start is measured
+        self._registry = Path(registry) if registry is not None else None
         self._dir = Path(tempfile.mkdtemp(prefix="meshpact-launch-"))
         self._procs: dict[int, "subprocess.Popen | ForkedProcess"] = {}
         self._incarnation: dict[int, int] = {}
@@ -212,6 +250,10 @@ class Launch:
             proc = self._forkserver.spawn(["--target", self.target], env, str(self._dir / f"stderr-{name}.txt"))
         else:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+        if self._registry is not None:  # who each process is, for whoever looks from outside
+            with open(self._registry, "a") as fh:
+                fh.write(json.dumps(LaunchedProcess(proc.pid, None if spare is not None else rank, incarnation,
+                                                    env.get("MESHPACT_RUN_ID", ""), spare).to_dict()) + "\n")
         if spare is not None:
             self._spares[spare] = (proc, err)
             return

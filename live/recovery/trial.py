@@ -35,7 +35,7 @@ from .control import ControlChannel
 from .faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
 from .peers import ADDR_ENV as PEER_ADDR_ENV
 from .outcome import RankOutcome
-from .trialconfig import TrialConfig
+from .trialconfig import PROCESSES_FILE, TrialConfig
 from .workload import WorkloadError, check_workload
 
 __all__ = ["TrialConfig", "TrialResult", "ReplacementSupply", "run_trial"]
@@ -109,7 +109,7 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
     t_launch = time.time()
     with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
                 forkserver=forkserver, max_replacements=supply.limit, warm_replacements=warm_replacements,
-                **kw) as job:
+                registry=work / PROCESSES_FILE, **kw) as job:
         results = job.wait(on_exit=on_exit, on_tick=watch)
     bad = [r for r in results if not r.ok and r.rank not in gone]
     if bad:

@@ -22,9 +22,10 @@ from .config import RecoveryConfig
 from .faults import FaultKind
 from .workload import DEFAULT_WORKLOAD
 
-__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PHASES", "ON_RANK_LOSS"]
+__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PROCESSES_FILE", "PHASES", "ON_RANK_LOSS"]
 
 PACE_FILE = "pace.json"  # in the trial's work directory
+PROCESSES_FILE = "processes.jsonl"  # in the trial's work directory: every rank process started (launcher.LaunchedProcess)
 PHASES = ("reference", "faulted", "cold")  # a trial's runs, in order (each rank's MESHPACT_RUN_ID)
 
 
@@ -60,8 +61,8 @@ class TrialConfig:
     die_after_proposing: bool = False  # the rank after each fault's dies once that recovery's round is decided
     on_rank_loss: str = "replace"  # a killed rank: "replace" (a new process or a spare) or "excise" (go on without it)
     min_ranks: int = 1  # excising: stop (state flushed to a checkpoint) rather than go below this many ranks
-    # the unmeasured runs' first rank processes forked from a server that imported torch once; off where
-    # something must find the ranks by their environment in /proc (a forked process shows the server's)
+    # the unmeasured runs' first rank processes forked from a server that imported torch once (a forked
+    # process shows the server's environment in /proc: PROCESSES_FILE says which rank it is)
     warm_starts: bool = True
 
     def __post_init__(self) -> None:

@@ -67,6 +67,50 @@ def test_ranks_are_found_faulted_and_everything_stops(job):
     assert _wait(lambda: not job_processes(job.token), 5)  # the rank in its own session is gone too
 
 
+FORKED_RUNNER = textwrap.dedent("""
+    import argparse, json, os, subprocess, sys, time
+    from meshpact.core.recording import RecordingWriter
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--record"); ap.add_argument("--result"); ap.add_argument("--work-dir")
+    a = ap.parse_args()
+    w = RecordingWriter(a.record, "live", kind="test")
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}  # as a fork server's: the token, no RANK
+    procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], env=env, start_new_session=True)
+             for _ in range(3)]
+    trial = os.path.join(a.work_dir, "trial")
+    os.makedirs(trial, exist_ok=True)
+    with open(os.path.join(trial, "processes.jsonl"), "a") as fh:  # the third one stays unnamed (a fork server)
+        for r, p in enumerate(procs[:2]):
+            fh.write(json.dumps({"pid": p.pid, "rank": r, "incarnation": r, "run_id": "faulted"}) + "\\n")
+        fh.write(json.dumps({"pid": 1, "rank": 7, "incarnation": 0, "run_id": "faulted"}) + "\\n")  # no token
+        fh.write('{"pid": 12, "ra')  # a line still being written
+    w.emit("cluster_started", data={"ranks": 2})
+    time.sleep(120)
+""")
+
+
+def test_ranks_forked_warm_are_named_by_the_launchers_list_and_only_with_the_token(tmp_path):
+    """A forked rank's /proc environment is its fork server's: the page names it from the
+    launcher's processes.jsonl, and only a process carrying the job's token is taken for one."""
+    from meshpact.live.recovery.trialconfig import Pace
+
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_RUNNER)
+    job = LiveJob(tmp_path / "rec.jsonl", [], runner=[str(script)], world_size=2, pace=Pace())
+    try:
+        assert _wait(lambda: len(job.ranks()) == 2), job.log_tail()
+        ranks = job.ranks()
+        assert [(r.rank, r.phase, r.incarnation) for r in ranks] == [(0, "faulted", 0), (1, "faulted", 1)]
+        assert all(r.pid != 1 for r in ranks)
+        assert len(job_processes(job.token)) == 4  # the runner and the three children carry the token
+        killed = job.kill_rank(1)
+        assert _wait(lambda: [r.rank for r in job.ranks()] == [0], 5)
+        assert job.injected[-1]["pid"] == killed.pid == ranks[1].pid
+    finally:
+        job.stop()
+    assert _wait(lambda: not job_processes(job.token), 5)  # the unnamed one is stopped too
+
+
 def test_recording_is_followed_while_it_is_written(job):
     assert _wait(lambda: partial_path(job.recording).exists())
     events: list = []
