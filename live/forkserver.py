@@ -14,8 +14,10 @@ generators seeded afresh from the OS as a new interpreter's are; then the launch
 Forking is safe only from a single-threaded process: the server runs with
 ``OMP_NUM_THREADS=1`` (so neither OpenMP nor OpenBLAS starts a pool at import), checks that
 it has one thread before it says ready, and serves only launches whose ranks ask for the
-same (the launcher's default). Anything else (another interpreter, a command prefix such as
-``ip netns exec``, other thread counts) starts fresh interpreters as before.
+same (the launcher's default). Anything else (another interpreter, other thread counts, a
+command prefix such as ``ip netns exec`` other than the one the server itself was started
+under) starts fresh interpreters as before. A trial whose ranks run in two network
+namespaces starts one server in each.
 
 Where a start must be measured as a real process start — a replacement for a killed rank, a
 cold restart — the launcher starts a fresh interpreter even when a server is at hand, so
@@ -91,10 +93,14 @@ class ForkServer:
     :meth:`spawn` ranks. ``accepts(env)`` says whether a rank with that environment may be
     forked (its thread settings match the server's)."""
 
-    def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout_s: float = 120.0) -> None:
+    def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout_s: float = 120.0,
+                 prefix: Sequence[str] = ()) -> None:
+        """``prefix``: a command the server runs under (``ip netns exec NS``: its children are
+        forked inside that network namespace, as ranks started with the same prefix would run)."""
         env = {**os.environ, **SINGLE_THREAD_ENV}
+        self.prefix = tuple(prefix)
         self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty import can never block the server
-        self._proc = subprocess.Popen([sys.executable, "-m", "meshpact.live.forkserver", *preload],
+        self._proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "meshpact.live.forkserver", *preload],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                       env=env, start_new_session=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None

@@ -12,11 +12,12 @@ A worker function takes one ``dict`` of JSON arguments and returns a JSON-serial
 the launcher collects each rank's value. Everything stops by itself: a deadline kills every
 child still running, and so does leaving the ``with`` block or the interpreter.
 
-Warm starts (``forkserver=``, a :class:`~meshpact.live.forkserver.ForkServer`): the first
-process of each rank (and each spare) is forked from a process that imported torch once
-instead of starting a fresh interpreter; replacements start fresh, so their start is measured
-as a real one (``warm_replacements=True`` forks them too, for callers that measure no start:
-the test suite's trials).
+Warm starts (``forkserver=``, a :class:`~meshpact.live.forkserver.ForkServer`, or a function
+giving each rank's): the first process of each rank (and each spare) is forked from a process
+that imported torch once instead of starting a fresh interpreter (a rank with a command
+``prefix`` only by a server started under the same prefix, e.g. in its network namespace);
+replacements start fresh, so their start is measured as a real one (``warm_replacements=True``
+forks them too, for callers that measure no start: the test suite's trials).
 
 Warm spares (``spares=N``): N more processes of the same target start with the ranks and wait
 idle, warmed up (imports done), in :func:`await_promotion`; when a rank dies,
@@ -181,7 +182,7 @@ class Launch:
         prefix: Callable[[int], Sequence[str]] | None = None,
         python: str = sys.executable,
         spares: int = 0,
-        forkserver: "ForkServer | None" = None,
+        forkserver: "ForkServer | Callable[[int], ForkServer | None] | None" = None,
         max_replacements: int | None = None,
         warm_replacements: bool = False,
         registry: str | os.PathLike[str] | None = None,
@@ -245,9 +246,12 @@ class Launch:
         proc: "subprocess.Popen | ForkedProcess"
         # a first process of a rank may start warm (forked); a replacement is a real new process
         # unless the caller measures no start (warm_replacements: tests of what a replacement does)
-        if (self._forkserver is not None and (incarnation == 0 or self._warm_replacements) and self._prefix is None
-                and self._python == sys.executable and self._forkserver.accepts(env)):
-            proc = self._forkserver.spawn(["--target", self.target], env, str(self._dir / f"stderr-{name}.txt"))
+        # a server forks only under the rank's own command prefix (one started under it, e.g. in its namespace)
+        server = self._forkserver(rank) if callable(self._forkserver) else self._forkserver
+        prefix = tuple(self._prefix(rank)) if self._prefix else ()
+        if (server is not None and (incarnation == 0 or self._warm_replacements) and server.prefix == prefix
+                and self._python == sys.executable and server.accepts(env)):
+            proc = server.spawn(["--target", self.target], env, str(self._dir / f"stderr-{name}.txt"))
         else:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         if self._registry is not None:  # who each process is, for whoever looks from outside

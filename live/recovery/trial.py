@@ -20,7 +20,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.jsonform import JsonObject
@@ -46,7 +46,7 @@ EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excisin
 
 def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: JsonObject,
          netns: NetnsPair | None, stores: dict[str, int] | None, recording: RecordingWriter,
-         forkserver: ForkServer | None = None, supply: ReplacementSupply | None = None,
+         forkserver: ForkServer | Callable[[int], ForkServer] | None = None, supply: ReplacementSupply | None = None,
          warm_replacements: bool = False) -> tuple[list[RankOutcome], int, float]:
     out_dir = Path(extra.get("out_dir", work / tag))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -225,13 +225,18 @@ def _partition_hosts(cfg: TrialConfig) -> Iterator[tuple[NetnsPair | None, dict[
 
 
 @contextlib.contextmanager
-def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None, shared: ForkServer | None) -> Iterator[ForkServer | None]:
+def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None, shared: ForkServer | None
+                 ) -> Iterator[ForkServer | Callable[[int], ForkServer] | None]:
     """A fork server for the runs whose rank starts are not measured (the reference, the faulted
     run's first processes, the excising reference): ``shared`` when given (left running), else
-    one of the trial's own; none where ranks start inside network namespaces (a command prefix,
-    which a fork cannot take) or ``cfg.warm_starts`` is off."""
-    if netns is not None or not cfg.warm_starts:
+    one of the trial's own; where ranks run in two network namespaces, one server started in
+    each (its children are forked there); none where ``cfg.warm_starts`` is off."""
+    if not cfg.warm_starts:
         yield None
+        return
+    if netns is not None:
+        with ForkServer(prefix=netns.prefix(0)) as first, ForkServer(prefix=netns.prefix(1)) as second:
+            yield lambda r: (first, second)[netns.side(r, cfg.ranks)]
         return
     if shared is not None:
         yield shared
@@ -319,7 +324,7 @@ def _excisions_of(events: list[Event]) -> list[ExcisionPlan]:
 
 def _excising_reference(cfg: TrialConfig, workload: str, work: Path, plan: list[ExcisionPlan],
                         survivors: list[RankOutcome], unfailed_dir: Path,
-                        forkserver: ForkServer | None = None) -> ExcisionResult:
+                        forkserver: ForkServer | Callable[[int], ForkServer] | None = None) -> ExcisionResult:
     """Run :func:`~meshpact.live.recovery.reshard.excision_drill` in reference mode (no fault:
     each lost rank hands over its copy and leaves before the step the faulted run excised it
     at) and compare every survivor's final state with it bitwise; the survivors' whole tensors

@@ -76,6 +76,26 @@ def test_a_replacement_and_other_thread_settings_start_fresh_interpreters(server
     assert two[0].value["ppid"] == os.getpid() and two[0].value["threads"] == 2
 
 
+def test_replacements_are_forked_only_when_the_caller_asks(server):
+    """warm_replacements: for callers that measure no replacement's start (the test suite)."""
+    with Launch(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, warm_replacements=True) as job:
+        results = job.wait(on_exit=lambda job, rank, rc: job.replace(rank))
+    second = results[1].value
+    assert second["incarnation"] == 1 and second["ppid"] != os.getpid()
+
+
+def test_a_prefixed_rank_is_forked_only_by_a_server_started_under_its_prefix(server):
+    """A rank run under a command prefix (``ip netns exec NS`` in a two-host trial; ``env`` here)
+    starts fresh beside a plain server, and forked by one started under the same prefix."""
+    fresh = launch(ECHO, 1, {}, timeout_s=90, forkserver=server, prefix=lambda r: ["env"])
+    assert fresh[0].value["ppid"] == os.getpid()
+    with ForkServer(prefix=["env"]) as under:
+        mixed = launch(ECHO, 2, {}, timeout_s=90, forkserver=lambda r: under if r == 0 else server,
+                       prefix=lambda r: ["env"])
+    assert mixed[0].value["ppid"] != os.getpid()  # forked by the server under the same prefix
+    assert mixed[1].value["ppid"] == os.getpid()  # the plain server does not take a prefixed rank
+
+
 def test_a_server_that_cannot_start_says_why_at_the_first_rank():
     from meshpact.live.forkserver import ForkServerError
 
