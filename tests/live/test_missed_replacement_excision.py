@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from _recovery import shared_forkserver
 from meshpact.core.recovery import Policy
 from meshpact.live.launcher import Launch, host_store
 from meshpact.live.recovery.consensus import (EXCISE_NOT_OFFERED, ConsensusError, Decision, Proposal, agree, decide,
@@ -144,7 +145,7 @@ def test_a_replacement_that_never_arrives_is_excised_at_its_deadline_bitwise_equ
 
     cfg = TrialConfig(ranks=4, steps=8, checkpoint_every=4, faults=1, fault_kind="kill", peer_copies=1,
                       baselines=False, max_rounds=1, process_start_s=3.0, group_create_s=3.0)
-    result = run_trial(cfg, work_dir=tmp_path, replacements=0, announce_missing=False)
+    result = run_trial(cfg, work_dir=tmp_path, replacements=0, announce_missing=False, forkserver=shared_forkserver())
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]
     assert s["final_world_size"] == 3 and s["replacement_processes"] == 0 and s["storage_bytes_read"] == 0
