@@ -244,9 +244,8 @@ class Launch:
         name = f"spare{spare}" if spare is not None else f"{rank}-{incarnation}"
         err = open(self._dir / f"stderr-{name}.txt", "w+b")
         proc: "subprocess.Popen | ForkedProcess"
-        # a first process of a rank may start warm (forked); a replacement is a real new process
-        # unless the caller measures no start (warm_replacements: tests of what a replacement does)
-        # a server forks only under the rank's own command prefix (one started under it, e.g. in its namespace)
+        # a first process may start warm (forked), a replacement only with warm_replacements (else a
+        # real new process); and only from a server started under the rank's own command prefix
         server = self._forkserver(rank) if callable(self._forkserver) else self._forkserver
         prefix = tuple(self._prefix(rank)) if self._prefix else ()
         if (server is not None and (incarnation == 0 or self._warm_replacements) and server.prefix == prefix

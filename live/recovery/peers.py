@@ -30,6 +30,7 @@ how busy the whole host was meanwhile (other jobs' load takes cores the ranks do
 from __future__ import annotations
 
 import json
+import math
 import os
 import queue
 import socket
@@ -169,7 +170,13 @@ def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
         raise ValueError(f"a state copy of {len(view)} bytes whose index describes {want}")
     state = {}
     for name, dtype, shape, n in doc["tensors"]:
-        kind = getattr(torch, dtype)
+        kind = getattr(torch, str(dtype), None)
+        if not isinstance(kind, torch.dtype):
+            raise ValueError(f"a state copy names {dtype!r} as the dtype of {name!r}: not a torch dtype")
+        numel = math.prod(int(d) for d in shape)
+        if numel * kind.itemsize != n:
+            raise ValueError(f"a state copy gives {name!r} {n} bytes; its shape {list(shape)} of {dtype} "
+                             f"needs {numel * kind.itemsize}")
         if n:  # a fresh (aligned) buffer per tensor: the payload's offsets need not suit the dtype
             flat = torch.frombuffer(bytearray(view[at:at + n]), dtype=torch.uint8)
             state[name] = flat.view(kind).reshape(shape)

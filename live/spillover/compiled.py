@@ -41,7 +41,7 @@ __all__ = ["StepModule", "PartStep", "CompiledSteps", "compile_step", "load_step
 BATCH_LIMIT = 256  # the dynamic batch dimension's upper bound in every package
 # AOTInductor's precompiled headers pay off over many builds sharing one cache; a run builds a
 # package or two, each from a cold cache on a fresh machine: the two packages of the split run
-# took 54 s to build without them and 66 s with them (2 cores, quiet). The code built is the same.
+# took 54-58 s to build without them and 66 s with them (2 cores, quiet). The code built is the same.
 _BUILD = {"aot_inductor.precompile_headers": False}
 
 

@@ -188,6 +188,12 @@ def test_every_dtype_and_layout_comes_back_bit_for_bit_and_a_torn_copy_is_refuse
         deserialize(payload[:-1])
     with pytest.raises(ValueError, match="not a state copy"):
         deserialize(b"PK" + payload[2:])
+    # an index that does not describe its own bytes: refused by name, never read as something else
+    bad = serialize(9, {"w": torch.zeros(4)})
+    for old, new, why in ((b'"float32"', b'"float64"', "needs 32"), (b'"float32"', b'"matmul!"', "not a torch dtype"),
+                          (b"[4]", b"[5]", "needs 20")):
+        with pytest.raises(ValueError, match=why):
+            deserialize(bad.replace(old, new, 1))
 
 
 def test_a_sender_dying_mid_copy_leaves_the_previous_copy(server):
