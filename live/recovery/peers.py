@@ -101,11 +101,14 @@ def read_addresses(channel: Any, world_size: int, timeout_s: float | None = None
 
 
 # -- the wire: a length-prefixed JSON header, then the payload's bytes -------------------------
-def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview = b"") -> None:
-    raw = json.dumps({**header, "n": len(payload)}).encode()
+def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview | Sequence[Any] = b"") -> None:
+    """``header`` then ``payload``: bytes, or a sequence of buffers sent one after another as one payload."""
+    parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+    raw = json.dumps({**header, "n": sum(len(p) for p in parts)}).encode()
     sock.sendall(_HEADER.pack(len(raw)) + raw)
-    if len(payload):
-        sock.sendall(payload)
+    for part in parts:
+        if len(part):
+            sock.sendall(part)
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytearray:
@@ -126,31 +129,85 @@ def _recv(sock: socket.socket) -> tuple[JsonObject, bytearray]:
     return header, _recv_exact(sock, int(header.get("n", 0)))
 
 
-# -- a copy's bytes: a magic, a length-prefixed JSON index (the step; each tensor's name, dtype,
-# shape and byte count, in order), then each tensor's bytes as they lie in memory. torch.save
-# spent about 80 us of pickling per tensor (8 ms for a 100-tensor, 400 KB state); this is one
-# join of the tensors' buffers. Bit-exact for every dtype: the bytes are never converted.
-_MAGIC = b"MPSTATE1"
+# -- a copy's bytes: a magic, a length-prefixed JSON index (the step, the body's length; each
+# tensor's name, dtype, shape, byte count and offset in the body), then the body: each tensor's
+# bytes as they lie in memory, at an offset aligned for any dtype. A rank's commit copies its
+# state into such a body in one call (:class:`Slab`, views made once per layout) and the
+# shipper sends the body as it lies: no per-tensor work on either side. Bit-exact for every
+# dtype: the bytes are never converted.
+_MAGIC = b"MPSTATE2"
+_ALIGN = 64  # each tensor's bytes start at a multiple of this: a view of any dtype is aligned
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor of a state lies in a copy's body (the state's order), and the copy's
+    JSON index, written once per layout."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[Any, ...]
+    shapes: tuple[Any, ...]
+    nbytes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    total: int
+    index: str
+
+    @classmethod
+    def of(cls, state: dict[str, torch.Tensor]) -> "Layout":
+        names, dtypes, shapes, nbytes, offsets, at = [], [], [], [], [], 0
+        for name, t in state.items():
+            n = t.numel() * t.element_size()
+            names.append(name), dtypes.append(t.dtype), shapes.append(t.shape), nbytes.append(n), offsets.append(at)
+            at += -(-n // _ALIGN) * _ALIGN
+        index = json.dumps([[k, str(d).removeprefix("torch."), list(sh), n, o]
+                            for k, d, sh, n, o in zip(names, dtypes, shapes, nbytes, offsets)])
+        return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(nbytes), tuple(offsets), at, index)
+
+    def fits(self, state: dict[str, torch.Tensor], tensors: list[torch.Tensor]) -> bool:
+        """Whether ``state`` (its ``tensors``, listed) has this layout's names, dtypes and shapes."""
+        return (len(tensors) == len(self.names) and tuple(state) == self.names
+                and [t.dtype for t in tensors] == list(self.dtypes) and [t.shape for t in tensors] == list(self.shapes))
+
+    def header(self, step: int) -> bytes:
+        """The copy's bytes before its body, for ``step``."""
+        head = ('{"step": %d, "bytes": %d, "tensors": %s}' % (step, self.total, self.index)).encode()
+        return _MAGIC + _HEADER.pack(len(head)) + head
+
+
+class Slab:
+    """One host buffer laid out by a :class:`Layout`, with a view per tensor (``state``: made
+    once, since making them costs more than the copy); :meth:`fill` copies a state into it."""
+
+    def __init__(self, layout: Layout) -> None:
+        import torch
+
+        self.layout = layout
+        self.flat = torch.empty(layout.total, dtype=torch.uint8)
+        self.views = [self.flat[o:o + n].view(d).view(sh)
+                      for d, sh, n, o in zip(layout.dtypes, layout.shapes, layout.nbytes, layout.offsets)]
+        self.state = dict(zip(layout.names, self.views))
+
+    def fill(self, tensors: list[torch.Tensor]) -> None:
+        """Copy ``tensors`` (the layout's, in its order; any device, any strides, lazy conjugates
+        and negations resolved) into the views."""
+        import torch
+
+        with torch.no_grad():
+            if all(t.device.type == "cpu" for t in tensors):
+                torch._foreach_copy_(self.views, tensors)
+            else:
+                for view, t in zip(self.views, tensors):
+                    view.copy_(t)
+
+    def body(self) -> memoryview:
+        return memoryview(self.flat.numpy())
 
 
 def serialize(step: int, state: dict[str, torch.Tensor]) -> bytes:
     """``state`` (CPU or device tensors; any dtype and layout) and ``step`` as one payload."""
-    import torch
-
-    index, parts = [], []
-    for name, tensor in state.items():
-        t = tensor.detach()
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
-        if t.device.type != "cpu":
-            t = t.cpu()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else b""
-        index.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.numel() * t.element_size()])
-        parts.append(raw)
-    head = json.dumps({"step": step, "tensors": index}).encode()
-    return b"".join([_MAGIC, _HEADER.pack(len(head)), head, *parts])
+    slab = Slab(Layout.of(state))
+    slab.fill(list(state.values()))
+    return slab.layout.header(step) + bytes(slab.body())
 
 
 def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
@@ -163,13 +220,15 @@ def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
         raise ValueError(f"not a state copy: it starts {bytes(view[:len(_MAGIC)])!r}, expected {_MAGIC!r}")
     at = len(_MAGIC) + _HEADER.size
     (size,) = _HEADER.unpack(view[len(_MAGIC):at])
-    doc = json.loads(bytes(view[at:at + size]))
+    try:
+        doc = json.loads(bytes(view[at:at + size]))
+    except ValueError as exc:
+        raise ValueError(f"a state copy whose index is not JSON ({exc})") from None
     at += size
-    want = at + sum(int(n) for _, _, _, n in doc["tensors"])
-    if want != len(view):
-        raise ValueError(f"a state copy of {len(view)} bytes whose index describes {want}")
-    state = {}
-    for name, dtype, shape, n in doc["tensors"]:
+    if at + int(doc["bytes"]) != len(view):
+        raise ValueError(f"a state copy of {len(view)} bytes whose index describes {at + int(doc['bytes'])}")
+    state, end = {}, 0
+    for name, dtype, shape, n, offset in doc["tensors"]:
         kind = getattr(torch, str(dtype), None)
         if not isinstance(kind, torch.dtype):
             raise ValueError(f"a state copy names {dtype!r} as the dtype of {name!r}: not a torch dtype")
@@ -177,12 +236,15 @@ def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
         if numel * kind.itemsize != n:
             raise ValueError(f"a state copy gives {name!r} {n} bytes; its shape {list(shape)} of {dtype} "
                              f"needs {numel * kind.itemsize}")
-        if n:  # a fresh (aligned) buffer per tensor: the payload's offsets need not suit the dtype
-            flat = torch.frombuffer(bytearray(view[at:at + n]), dtype=torch.uint8)
+        if offset < end or offset + n > int(doc["bytes"]):
+            raise ValueError(f"a state copy places {name!r} at bytes {offset}..{offset + n} of its "
+                             f"{doc['bytes']}-byte body, overlapping the tensor before it or past the end")
+        end = offset + n
+        if n:  # a fresh (aligned) buffer per tensor, its own to write
+            flat = torch.frombuffer(bytearray(view[at + offset:at + offset + n]), dtype=torch.uint8)
             state[name] = flat.view(kind).reshape(shape)
         else:
             state[name] = torch.empty(shape, dtype=kind)
-        at += n
     return int(doc["step"]), state
 
 
@@ -320,10 +382,12 @@ def _connect(address: PeerAddress, timeout_s: float) -> socket.socket:
         raise PeerError(f"rank {address.rank}'s peer server at {address.addr}:{address.port}: {exc}") from None
 
 
-def put(address: PeerAddress, src: int, step: int, payload: bytes, timeout_s: float) -> None:
+def put(address: PeerAddress, src: int, step: int, payload: bytes | Sequence[Any], timeout_s: float) -> None:
+    """Send a copy (a payload, or its parts: a header and a body) to the holder at ``address``."""
     with _connect(address, timeout_s) as sock:
         try:
-            _send(sock, {"op": "put", "src": src, "step": step}, memoryview(payload))
+            _send(sock, {"op": "put", "src": src, "step": step},
+                  memoryview(payload) if isinstance(payload, (bytes, bytearray)) else payload)
             header, _ = _recv(sock)
         except OSError as exc:
             raise PeerError(f"copy of rank {src} step {step} to rank {address.rank}: {exc}") from None
@@ -395,6 +459,8 @@ class PeerCopier:
         self.addresses: dict[int, PeerAddress] = {}
         self.alive: tuple[int, ...] = tuple(range(world_size))  # the ranks still in the job (fewer after an excision)
         self.own: dict[int, dict[str, torch.Tensor]] = {}  # step -> this rank's snapshot (two newest)
+        self._slabs: dict[int, Slab] = {}  # step -> the slab its own snapshot lies in
+        self._free: list[Slab] = []  # slabs no snapshot lies in: the next commits copy into them
         cores = _cores()
         self.counters = PeerCopyCounters(cores=cores,
                                          cores_per_rank=cores / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
@@ -444,19 +510,38 @@ class PeerCopier:
             if now[2] is not None and self._last[2] is not None:
                 self.counters.host_busy_s += now[2] - self._last[2]
         self._last = now
-        self._idle.wait()  # one copy in flight
+        self._idle.wait()  # one copy in flight: no slab is being sent while one is filled
         self.counters.wait_s += time.perf_counter() - t0
         c0 = time.perf_counter()
-        snap = {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+        tensors = list(state.values())
+        slab = self._slab(state, tensors)
+        slab.fill(tensors)
         self.counters.host_copy_s += time.perf_counter() - c0
-        self.own[step] = snap
+        self.own[step], self._slabs[step] = slab.state, slab
         for old in sorted(self.own)[:-2]:
-            del self.own[old]
+            self._drop(old)
         self._idle.clear()
-        self._queue.put((step, snap))
+        self._queue.put((step, slab))
         self.counters.commits += 1
         self.counters.snapshot_s += time.perf_counter() - t0
         self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())
+
+    def _slab(self, state: dict[str, torch.Tensor], tensors: list[torch.Tensor]) -> Slab:
+        """A free slab laid out as ``state`` is (one made when none is: the first commits, or
+        after the state's shapes changed, as an excision changes them)."""
+        while self._free:
+            slab = self._free.pop()
+            if slab.layout.fits(state, tensors):
+                return slab
+        layout = next((s.layout for s in self._slabs.values() if s.layout.fits(state, tensors)), None)
+        return Slab(layout or Layout.of(state))
+
+    def _drop(self, step: int) -> None:
+        """Forget the own snapshot of ``step``; its slab (if it lies in one) takes the next copies."""
+        snap = self.own.pop(step)
+        slab = self._slabs.pop(step, None)
+        if slab is not None and slab.state is snap:
+            self._free.append(slab)
 
     def own_steps(self) -> tuple[int, ...]:
         return tuple(sorted(self.own))
@@ -464,10 +549,11 @@ class PeerCopier:
     def keep_only(self, step: int) -> None:
         """Drop own snapshots newer than ``step`` (the group went back to it)."""
         for s in [s for s in self.own if s > step]:
-            del self.own[s]
+            self._drop(s)
 
     def host_bytes(self) -> int:
-        own = sum(t.numel() * t.element_size() for snap in self.own.values() for t in snap.values())
+        own = sum(self._slabs[s].layout.total if s in self._slabs and self._slabs[s].state is snap
+                  else sum(t.numel() * t.element_size() for t in snap.values()) for s, snap in self.own.items())
         return own + self.server.held_bytes
 
     def drain(self, timeout_s: float | None = None) -> bool:
@@ -479,18 +565,18 @@ class PeerCopier:
             item = self._queue.get()
             if item is None:
                 return
-            step, snap = item
+            step, slab = item
             t0 = time.perf_counter()
             c0 = time.thread_time()
             try:
-                payload = serialize(step, snap)
+                payload = (slab.layout.header(step), slab.body())
                 for holder in self.holders():
                     try:
                         put(self.addresses[holder], self.rank, step, payload, self.timeout_s)
                     except PeerError:  # a holder gone: this copy is one short until the next recovery
                         self.counters.failed += 1  # reads the addresses again (:meth:`refresh`)
                         continue
-                    self.counters.bytes_sent += len(payload)
+                    self.counters.bytes_sent += len(payload[0]) + len(payload[1])
             except Exception:  # noqa: BLE001  (a copy that cannot be made is one copy short, not a crash)
                 self.counters.failed += 1
             finally:

@@ -74,7 +74,7 @@ from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .reshard import ExcisionRecord, GradientWeight, Membership, excise, share_batch
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
-from .state import CommitMark, capture_rng, job_state, load_job_state, restore_rng
+from .state import CommitMark, capture_rng, job_state, load_job_state, local_state, restore_rng, rng_tensors
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
@@ -322,6 +322,13 @@ class Resilient:
                             out = train_step(batch)
                     else:
                         out = train_step(batch)
+                    if step == 0 and self.session.generation == 0:
+                        # the first step's tail is uneven (each rank's first optimizer step fills
+                        # its sharding caches: 0.3-1 s here, apart by up to 0.3 s between ranks);
+                        # the ranks leave it together, so a fault in the next step is not met by
+                        # a rank still finishing this one. Every rank of generation 0 runs step 0;
+                        # through torch's dist API, so a wait and a failure here read as the data path's
+                        comm.first_collective(self.session.group, self.session.spec.device)
                 finally:
                     if self.heartbeat is not None:
                         self.heartbeat.watching = False
@@ -347,7 +354,7 @@ class Resilient:
         self.committed_step = step + 1
         self._mark_committed()
         if self.peers is not None:  # a host copy now; shipped to the holders while the next step runs
-            self._copy_to_peers()
+            self._copy_to_peers(just_marked=True)
         if self.batches is None:
             self._kept.append((step, batch))
         if self.ckpt is not None and self.ckpt.due(self.committed_step):
@@ -662,12 +669,14 @@ class Resilient:
                t_issued_wall=t_first, t_done_wall=t_done)
         return t_first, t_done
 
-    def _copy_to_peers(self) -> None:
+    def _copy_to_peers(self, just_marked: bool = False) -> None:
         """Hand the committed state to the peer copier, with the time its listing took (the
-        copy's cost on the training thread: the peer-copy model prices it)."""
+        copy's cost on the training thread: the peer-copy model prices it). ``just_marked``: the
+        generators were captured by the commit mark a moment ago, nothing drawn since."""
         assert self.peers is not None
         t0 = time.perf_counter()
-        state = job_state(self.model, self.optimizer)
+        rng = self._rng if just_marked else capture_rng()
+        state = {**local_state(self.model, self.optimizer), **rng_tensors(rng)}
         self.peers.commit(self.committed_step, state, listed_s=time.perf_counter() - t0)
 
     def _refresh_peers(self) -> None:

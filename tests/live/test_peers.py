@@ -11,7 +11,7 @@ import torch
 
 from meshpact.core.recovery import Policy
 from meshpact.live.recovery.consensus import Decision, Proposal, decide
-from meshpact.live.recovery.peers import (PeerAddress, PeerCopier, PeerError, PeerServer, deserialize, fetch, placement,
+from meshpact.live.recovery.peers import (Layout, PeerAddress, PeerCopier, PeerError, PeerServer, Slab, deserialize, fetch, placement,
                                           put, serialize)
 
 
@@ -189,11 +189,26 @@ def test_every_dtype_and_layout_comes_back_bit_for_bit_and_a_torn_copy_is_refuse
     with pytest.raises(ValueError, match="not a state copy"):
         deserialize(b"PK" + payload[2:])
     # an index that does not describe its own bytes: refused by name, never read as something else
-    bad = serialize(9, {"w": torch.zeros(4)})
+    bad = serialize(9, {"w": torch.zeros(4), "v": torch.ones(2, dtype=torch.int64)})
     for old, new, why in ((b'"float32"', b'"float64"', "needs 32"), (b'"float32"', b'"matmul!"', "not a torch dtype"),
-                          (b"[4]", b"[5]", "needs 20")):
+                          (b"[4]", b"[5]", "needs 20"), (b"16, 64]", b"16, 12]", "overlapping"),
+                          (b"16, 64]", b"16, 120]", "index is not JSON")):
         with pytest.raises(ValueError, match=why):
             deserialize(bad.replace(old, new, 1))
+
+
+def test_each_tensor_of_a_copy_lies_aligned_for_its_dtype():
+    """Every tensor's bytes start at an offset any dtype can be viewed at, so a commit copies
+    into views of one buffer: a 1-byte tensor first must not misalign the float64 after it."""
+    state = {"u8": torch.tensor([7], dtype=torch.uint8), "f64": torch.randn(3, dtype=torch.float64),
+             "c128": torch.randn(2, dtype=torch.complex128), "b": torch.tensor([True])}
+    layout = Layout.of(state)
+    assert all(o % 16 == 0 for o in layout.offsets) and layout.offsets == tuple(sorted(layout.offsets))
+    slab = Slab(layout)
+    slab.fill(list(state.values()))
+    assert all(torch.equal(slab.state[k], v) for k, v in state.items())
+    assert not layout.fits(state | {"f64": torch.randn(4, dtype=torch.float64)}, [*state.values()][:1]
+                           + [torch.randn(4, dtype=torch.float64)] + [*state.values()][2:])
 
 
 def test_a_sender_dying_mid_copy_leaves_the_previous_copy(server):
@@ -246,6 +261,23 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
         assert not torch.equal(copier.own[3]["param/w"], states[3]["param/w"])
         copier.keep_only(2)
         assert copier.own_steps() == (2,)
+        # commits reuse the buffers of snapshots no longer kept: every kept snapshot stays its step's
+        more = {2: states[2], **{step: _state(step) for step in range(3, 12)}}
+        for step, st in list(more.items())[1:]:
+            copier.commit(step, st)
+            for kept in copier.own_steps():
+                assert all(torch.equal(copier.own[kept][k], more[kept][k]) for k in st), (step, kept)
+        assert copier.drain(10) and server.holds() == ((0, 11),)
+        got, _ = fetch(_addr(server), 0, 11, 5.0)
+        assert all(torch.equal(got[k], more[11][k]) for k in got)
+        # the state's shapes change (an excision reshards it): the copies follow the new shapes
+        wider = {k: torch.cat([v, v]) if v.dim() else v for k, v in _state(12).items()}
+        copier.commit(12, wider)
+        assert all(torch.equal(copier.own[12][k], wider[k]) for k in wider)
+        assert all(torch.equal(copier.own[11][k], more[11][k]) for k in wider)
+        assert copier.drain(10)
+        got, _ = fetch(_addr(server), 0, 12, 5.0)
+        assert all(got[k].shape == wider[k].shape and torch.equal(got[k], wider[k]) for k in got)
         copier.close()
     finally:
         other.close()
