@@ -11,7 +11,13 @@ restoring the newest checkpoint no later than the oldest committed step.
 No split brain: each round's decision is written once (compare-and-set on the control
 channel); every rank adopts the stored decision, whichever rank wrote it, so two ranks
 never resume at different steps or generations. A rank's view that timed out and a view
-that saw everyone cannot both win.
+that saw everyone cannot both win. One rank decides each round for everyone (the *decider*:
+the lowest rank expected, not gone, that answered every earlier round of this agreement); the
+others wait for the decision it copies to ``round<k>/adopted`` instead of reading every
+proposal and deciding too, so after a fault three of four ranks spend no CPU on deciding while
+the cores are short. A decider that does not decide within the round's timeout, or that the
+launcher marks gone, is not waited for: the others decide as before, and the first decision
+written stands.
 
 Rank loss. A proposal also says which peer copies the rank holds in host memory
 (:mod:`.peers`) and which of its own snapshots it keeps. When some ranks hold no intact
@@ -54,6 +60,7 @@ ROUND_KEY = "round"  # the last round decided, complete or not
 GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
 LOST_KEY = "lost/round"  # lost/round<k>: the ranks declared lost in round k (the launcher replaces them)
 GONE_KEY = "gone/rank"  # gone/rank<r>: the launcher saw rank r's process exit and starts no replacement
+ADOPTED = "adopted"  # round<k>/adopted: the decision that stands, copied there by the round's decider
 GONE_COUNT_KEY = "gone/count"  # how many gone/rank<r> keys exist: read with the round counters, in one round trip
 # why a replacement policy cannot excise a rank whose replacement never came, unless the caller says it can
 EXCISE_NOT_OFFERED = "the job offers no excision (no build(mesh) for a smaller world was given)"
@@ -329,6 +336,37 @@ def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: 
             skip += [r for r in gone_ranks(channel, ranks) if r not in skip]
 
 
+def _decider(expected: Sequence[int], skip: Sequence[int], misses: dict[int, int]) -> int | None:
+    """The rank that decides a round for everyone: the lowest one expected that is not known
+    gone or declared lost and answered every earlier round of this agreement."""
+    return next((r for r in sorted(expected) if r not in skip and not misses.get(r)), None)
+
+
+def _await_decision(channel: ControlChannel, key: str, timeout_s: float, decider: int | None,
+                    ranks: Sequence[int], skip: list[int], slice_s: float = 0.25) -> JsonObject | None:
+    """The round's decision once the decider has written it; None when it has not within
+    ``timeout_s`` (the proposals' own bound) or the launcher marked the decider gone meanwhile:
+    then this rank decides, and the first decision written stands either way. Ranks marked
+    gone meanwhile join ``skip``, as :func:`_collect` adds them."""
+    if decider is None:
+        return None
+    deadline = time.monotonic() + timeout_s
+    seen_gone: int | None = None
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            return channel.wait([key], max(min(slice_s, left), 0.01))[key]
+        except ControlTimeout:
+            if left <= slice_s:
+                return None
+        gone_now = channel.counter(GONE_COUNT_KEY)
+        if gone_now != seen_gone:
+            seen_gone = gone_now
+            skip += [r for r in gone_ranks(channel, ranks) if r not in skip]
+            if decider in skip:
+                return None
+
+
 def mark_gone(channel: ControlChannel, rank: int) -> None:
     """Say that ``rank``'s process has exited and no replacement will come (the launcher, when
     the job excises lost ranks): consensus declares it lost in its next round."""
@@ -404,6 +442,17 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     excising = on_rank_loss is Policy.EXCISE
     deadline_s = replacement_rounds * timeout
     gone_seen = 0  # the gone count last read: the gone ranks are listed only when it moves
+
+    def overdue_of(absent: list[int]) -> tuple[list[int], list[str]]:
+        """Of the ranks absent from a round, those not to wait for any longer, and why."""
+        # a declared rank absent once more after replacement_rounds rounds: its replacement missed the deadline
+        expired = [r for r in absent if r in declared and misses.get(r, 0) + 1 >= max_rounds + replacement_rounds]
+        left = [r for r in absent if r in gone]
+        whys = ([f"no replacement joined within its deadline of {deadline_s:g} s ({replacement_rounds} round(s) of "
+                 f"{timeout:g} s after rank(s) {expired} were declared lost)"] if expired else [])
+        whys += [f"the launcher starts no replacement for rank(s) {left}"] if left else []
+        return sorted(set(expired) | set(left)), whys
+
     for attempt in range(max_rounds + replacement_rounds + (view is not None)):
         from_view = attempt == 0 and view is not None
         if from_view:
@@ -424,20 +473,25 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())
         keys = [f"round{round_}/rank{r}" for r in expected]
-        got = _collect(channel, keys, timeout, expected, declared if excising else gone)
-        proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
-        absent = [r for r in expected if r not in proposals]
-        # a declared rank absent once more after replacement_rounds rounds: its replacement missed the deadline
-        expired = [r for r in absent if r in declared and misses.get(r, 0) + 1 >= max_rounds + replacement_rounds]
-        left = [r for r in absent if r in gone]
-        whys = ([f"no replacement joined within its deadline of {deadline_s:g} s ({replacement_rounds} round(s) of "
-                 f"{timeout:g} s after rank(s) {expired} were declared lost)"] if expired else [])
-        whys += [f"the launcher starts no replacement for rank(s) {left}"] if left else []
-        overdue = sorted(set(expired) | set(left))
-        mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,
-                      peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared), alive=alive,
-                      overdue=overdue, overdue_why="; ".join(whys), excise_refusal=excise_refusal)
-        decision = Decision.from_dict(channel.set_once(f"round{round_}/decision", mine.to_dict()))
+        skip = declared if excising else gone
+        decider = _decider(expected, skip, misses)
+        t_round = time.monotonic()
+        stored = (_await_decision(channel, f"round{round_}/{ADOPTED}", timeout, decider, expected, skip)
+                  if decider != channel.rank else None)
+        if stored is None:  # the decider, or its decision did not come: decide, the first writer's stands
+            got = _collect(channel, keys, max(timeout - (time.monotonic() - t_round), 0.01), expected, skip)
+            proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
+            overdue, whys = overdue_of([r for r in expected if r not in proposals])
+            mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,
+                          peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared), alive=alive,
+                          overdue=overdue, overdue_why="; ".join(whys), excise_refusal=excise_refusal)
+            stored = channel.set_once(f"round{round_}/decision", mine.to_dict())
+            if channel.rank == decider:  # the decision that stands, where the others wait for it (a plain
+                channel.set(f"round{round_}/{ADOPTED}", stored)  # set: a compare-and-set does not wake them)
+        decision = Decision.from_dict(stored)
+        if decision.missing:  # another rank's decision may rest on a gone mark this rank has not read yet
+            skip += [r for r in gone_ranks(channel, expected) if r not in skip]
+        overdue, _ = overdue_of(list(decision.missing))
         if from_view and channel.rank not in decision.proposals:
             continue  # the view was stale: that round was decided without this rank; read the counters
         final = not decision.missing or decision.policy is Policy.EXCISE

@@ -135,6 +135,64 @@ def test_a_rank_later_than_the_timeout_joins_the_next_round_and_the_group_resume
     assert first.missing == (2,) and first.policy is Policy.CHECKPOINT_RESTORE
 
 
+class _Counting:
+    """A control channel that counts which keys this rank wrote once (``set_once``)."""
+
+    def __init__(self, channel: ControlChannel) -> None:
+        self._ch = channel
+        self.wrote: list[str] = []
+
+    def set_once(self, key, value):
+        self.wrote.append(key)
+        return self._ch.set_once(key, value)
+
+    def __getattr__(self, name):
+        return getattr(self._ch, name)
+
+
+def test_one_rank_decides_a_complete_round_and_the_others_adopt_its_decision(channels):
+    """The lowest rank decides for everyone (the others wait for its decision, not for every
+    proposal), so only it writes the decision; every rank acts on the same one."""
+    counted = [_Counting(ch) for ch in channels]
+    out: dict[int, object] = {}
+
+    def one(ch):
+        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=5.0)
+
+    threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert {(d.round, d.policy, d.step, d.members) for d in out.values()} == {(1, Policy.IN_MEMORY, 4, (0, 1, 2))}
+    assert [c.wrote for c in counted] == [["round1/decision"], [], []]
+
+
+def test_a_silent_decider_costs_the_others_one_round_then_the_next_rank_decides(channels):
+    """Rank 0 (the decider) starts later than the round's timeout: the others decide that round
+    themselves without it, the next round's decider is rank 1, and once rank 0 joins every rank
+    resumes from memory at the same step."""
+    counted = [_Counting(ch) for ch in channels]
+    out: dict[int, object] = {}
+
+    def one(ch):
+        time.sleep(1.6 if ch.rank == 0 else 0.0)
+        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0,
+                             max_rounds=4)
+
+    threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    decisions = list(out.values())
+    assert len(decisions) == 3 and all(isinstance(d, Decision) for d in decisions), out
+    assert {(d.round, d.policy, d.step) for d in decisions} == {(decisions[0].round, Policy.IN_MEMORY, 4)}
+    first = Decision.from_dict(channels[1].get("round1/decision"))
+    assert first.missing == (0,)
+    assert "round2/decision" in counted[1].wrote and "round2/decision" not in counted[2].wrote
+
+
 def test_a_rank_that_dies_after_proposing_still_counts_as_answered_in_that_round():
     """Its proposal is on the channel, so the round is complete; the rank's death is then met
     on the data path when the group is built, which bounds it by the connect timeout."""

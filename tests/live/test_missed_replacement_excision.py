@@ -108,6 +108,15 @@ def test_rounds_excise_at_once_a_rank_the_launcher_says_gets_no_replacement():
     assert elapsed < 10.0, elapsed  # inside one 20 s round: nothing to wait for
 
 
+def test_a_gone_decider_is_not_waited_for():
+    """Rank 0 decides rounds for everyone; when the launcher marks it gone the others decide
+    the round themselves at once, not at the round's 20 s timeout."""
+    out, elapsed = _rounds(3, 0, 20.0, refusal=None, mark=True)
+    assert all(isinstance(d, Decision) for d in out.values()), out
+    assert {(d.policy, d.lost) for d in out.values()} == {(Policy.EXCISE, (0,))}
+    assert elapsed < 10.0, elapsed
+
+
 def test_rounds_that_cannot_excise_end_with_a_consensus_error_naming_both_reasons():
     out, elapsed = _rounds(3, 2, 20.0, refusal="excision re-shards a 1-D FSDP mesh only", mark=True)
     assert all(isinstance(e, ConsensusError) for e in out.values()), out
