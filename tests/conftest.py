@@ -17,25 +17,26 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FIRST = (
-    "tests/app/test_browser.py",  # 196 s: Chromium through the live console, replay, scale
-    "tests/live/test_recovery_kill.py",  # 87 s
-    "tests/live/test_spillover_split.py",  # 85 s: every model-split run, then AOTInductor packages
-    "tests/live/test_recovery_partition.py",  # 82 s
-    "tests/live/test_recovery_peer_hosts.py",  # 67 s
-    "tests/live/test_recovery_hsdp.py",  # 67 s
-    "tests/live/test_missed_replacement_excision.py",  # 64 s
-    "tests/live/test_recovery_compile.py",  # 63 s
-    "tests/live/test_rebind.py",  # 59 s
-    "tests/live/test_recovery_collective.py",  # 55 s
-    "tests/app/test_pages.py",  # 54 s
-    "tests/live/test_bridge_qwen.py",  # 54 s
-    "tests/live/test_spillover_speculative.py",  # 45 s
-    "tests/live/test_recovery_excise.py",  # 40 s
-    "tests/app/test_browser_mesh.py",  # 32 s
-    "tests/live/test_spillover.py",  # 28 s
-    "tests/live/test_recovery_stall.py",  # 25 s
-    "tests/live/test_recovery_standby.py",  # 23 s
-    "tests/simulator/test_sim_live_replay.py",  # 18 s
+    "tests/live/test_spillover_split.py",  # 152 s: every model-split run, then AOTInductor packages
+    "tests/app/test_browser.py",  # 140 s: Chromium through the live console, replay, scale
+    "tests/live/test_recovery_compile.py",  # 112 s: torch.compile on every rank, cold cache first
+    "tests/live/test_recovery_kill.py",  # 70 s
+    "tests/live/test_rebind.py",  # 58 s
+    "tests/live/test_missed_replacement_excision.py",  # 50 s
+    "tests/app/test_pages.py",  # 50 s
+    "tests/live/test_recovery_partition.py",  # 45 s
+    "tests/live/test_spillover_speculative.py",  # 44 s
+    "tests/live/test_recovery_collective.py",  # 44 s
+    "tests/live/test_bridge_qwen.py",  # 43 s
+    "tests/live/test_spillover.py",  # 40 s
+    "tests/live/test_recovery_hsdp.py",  # 39 s
+    "tests/live/test_recovery_peer_hosts.py",  # 38 s
+    "tests/app/test_browser_mesh.py",  # 34 s
+    "tests/live/test_recovery_excise.py",  # 32 s
+    "tests/live/test_forkserver.py",  # 22 s
+    "tests/live/test_recovery_stall.py",  # 20 s
+    "tests/simulator/test_sim_live_replay.py",  # 20 s
+    "tests/live/test_spillover_compiled.py",  # 12 s
 )
 
 

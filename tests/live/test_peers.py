@@ -207,6 +207,11 @@ def test_each_tensor_of_a_copy_lies_aligned_for_its_dtype():
     slab = Slab(layout)
     slab.fill(list(state.values()))
     assert all(torch.equal(slab.state[k], v) for k, v in state.items())
+    # a parameter that requires grad is copied as it is, and the copy records no autograd graph
+    w = torch.nn.Parameter(torch.randn(5))
+    param = Slab(Layout.of({"w": w}))
+    param.fill([w])
+    assert torch.equal(param.state["w"], w.detach()) and not param.state["w"].requires_grad
     assert not layout.fits(state | {"f64": torch.randn(4, dtype=torch.float64)}, [*state.values()][:1]
                            + [torch.randn(4, dtype=torch.float64)] + [*state.values()][2:])
 
