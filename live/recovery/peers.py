@@ -552,9 +552,11 @@ class PeerCopier:
             self._drop(s)
 
     def host_bytes(self) -> int:
+        """Host memory the copies take on this rank: its own snapshots, the buffer kept for the
+        next commit, and the copies it holds for others."""
         own = sum(self._slabs[s].layout.total if s in self._slabs and self._slabs[s].state is snap
                   else sum(t.numel() * t.element_size() for t in snap.values()) for s, snap in self.own.items())
-        return own + self.server.held_bytes
+        return own + sum(slab.layout.total for slab in self._free) + self.server.held_bytes
 
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until the copy in flight has been shipped (or failed)."""

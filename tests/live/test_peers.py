@@ -273,6 +273,8 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
             for kept in copier.own_steps():
                 assert all(torch.equal(copier.own[kept][k], more[kept][k]) for k in st), (step, kept)
         assert copier.drain(10) and server.holds() == ((0, 11),)
+        # the host memory counted is every buffer kept: two snapshots and the next commit's
+        assert copier.host_bytes() == 3 * Layout.of(more[11]).total + other.held_bytes
         got, _ = fetch(_addr(server), 0, 11, 5.0)
         assert all(torch.equal(got[k], more[11][k]) for k in got)
         # the state's shapes change (an excision reshards it): the copies follow the new shapes
