@@ -262,9 +262,10 @@ def rng_tensors(state: RngState) -> dict[str, torch.Tensor]:
     """The generators as tensors (for checkpoints and bit-identity checks), keys ``rng/...``."""
     version, words, gauss = state.python
     # array('q') and astype convert the 625 words in C: torch.tensor over a list of ints took
-    # half a millisecond a commit
+    # half a millisecond a commit. Cloned: the tensor owns its memory, nothing shares the array's
+    words_q = array("q", (version, *words))
     out = {"rng/torch_cpu": state.torch_cpu.clone(),
-           "rng/python": torch.frombuffer(array("q", (version, *words)), dtype=torch.int64),
+           "rng/python": torch.frombuffer(words_q, dtype=torch.int64).clone(),
            "rng/python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64)}
     for name, states in state.devices:
         for i, s in enumerate(states):
@@ -272,7 +273,7 @@ def rng_tensors(state: RngState) -> dict[str, torch.Tensor]:
     if state.numpy is not None:
         kind, keys, pos, has_gauss, cached = state.numpy
         np = sys.modules["numpy"]
-        out["rng/numpy"] = torch.from_numpy(np.concatenate([np.asarray(keys, dtype=np.int64), [pos, has_gauss]]))
+        out["rng/numpy"] = torch.from_numpy(np.concatenate([np.asarray(keys, dtype=np.int64), [pos, has_gauss]])).clone()
         out["rng/numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
     return out
 
