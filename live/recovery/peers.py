@@ -228,7 +228,13 @@ def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
     if at + int(doc["bytes"]) != len(view):
         raise ValueError(f"a state copy of {len(view)} bytes whose index describes {at + int(doc['bytes'])}")
     state, end = {}, 0
-    for name, dtype, shape, n, offset in doc["tensors"]:
+    for entry in doc["tensors"]:
+        try:
+            name, dtype, shape, n, offset = entry
+            n, offset, shape = int(n), int(offset), [int(d) for d in shape]
+        except (TypeError, ValueError):
+            raise ValueError(f"a state copy's index entry {str(entry)[:120]} is not [name, dtype, shape, "
+                             "bytes, offset]") from None
         kind = getattr(torch, str(dtype), None)
         if not isinstance(kind, torch.dtype):
             raise ValueError(f"a state copy names {dtype!r} as the dtype of {name!r}: not a torch dtype")
@@ -386,8 +392,7 @@ def put(address: PeerAddress, src: int, step: int, payload: bytes | Sequence[Any
     """Send a copy (a payload, or its parts: a header and a body) to the holder at ``address``."""
     with _connect(address, timeout_s) as sock:
         try:
-            _send(sock, {"op": "put", "src": src, "step": step},
-                  memoryview(payload) if isinstance(payload, (bytes, bytearray)) else payload)
+            _send(sock, {"op": "put", "src": src, "step": step}, payload)
             header, _ = _recv(sock)
         except OSError as exc:
             raise PeerError(f"copy of rank {src} step {step} to rank {address.rank}: {exc}") from None

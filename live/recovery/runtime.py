@@ -74,7 +74,7 @@ from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .reshard import ExcisionRecord, GradientWeight, Membership, excise, share_batch
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
-from .state import CommitMark, capture_rng, job_state, load_job_state, local_state, restore_rng, rng_tensors
+from .state import CommitMark, capture_rng, job_state, load_job_state, restore_rng
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
@@ -323,8 +323,8 @@ class Resilient:
                     else:
                         out = train_step(batch)
                     if step == 0 and self.session.generation == 0:
-                        # the first step's tail is uneven (each rank's first optimizer step fills
-                        # its sharding caches: 0.3-1 s here, apart by up to 0.3 s between ranks);
+                        # the first step's tail is uneven (each rank's first optimizer step on the
+                        # decoder took 0.8-1.1 s, ending up to 0.3 s apart between ranks);
                         # the ranks leave it together, so a fault in the next step is not met by
                         # a rank still finishing this one. Every rank of generation 0 runs step 0;
                         # through torch's dist API, so a wait and a failure here read as the data path's
@@ -675,8 +675,7 @@ class Resilient:
         generators were captured by the commit mark a moment ago, nothing drawn since."""
         assert self.peers is not None
         t0 = time.perf_counter()
-        rng = self._rng if just_marked else capture_rng()
-        state = {**local_state(self.model, self.optimizer), **rng_tensors(rng)}
+        state = job_state(self.model, self.optimizer, self._rng if just_marked else None)
         self.peers.commit(self.committed_step, state, listed_s=time.perf_counter() - t0)
 
     def _refresh_peers(self) -> None:

@@ -298,9 +298,10 @@ def rng_from_tensors(tensors: dict[str, torch.Tensor]) -> RngState:
                     (int(py[0]), tuple(int(w) for w in py[1:]), gauss if has_gauss else None), np_state)
 
 
-def job_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """What a checkpoint holds and bit-identity compares: :func:`local_state` and the generators."""
-    return {**local_state(model, optimizer), **rng_tensors(capture_rng())}
+def job_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng: RngState | None = None) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds and bit-identity compares: :func:`local_state` and the generators
+    (``rng``: as the caller captured them a moment ago, nothing drawn since; default: now)."""
+    return {**local_state(model, optimizer), **rng_tensors(capture_rng() if rng is None else rng)}
 
 
 def load_job_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:

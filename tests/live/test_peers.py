@@ -192,7 +192,8 @@ def test_every_dtype_and_layout_comes_back_bit_for_bit_and_a_torn_copy_is_refuse
     bad = serialize(9, {"w": torch.zeros(4), "v": torch.ones(2, dtype=torch.int64)})
     for old, new, why in ((b'"float32"', b'"float64"', "needs 32"), (b'"float32"', b'"matmul!"', "not a torch dtype"),
                           (b"[4]", b"[5]", "needs 20"), (b"16, 64]", b"16, 12]", "overlapping"),
-                          (b"16, 64]", b"16, 120]", "index is not JSON")):
+                          (b"16, 64]", b"16, 120]", "index is not JSON"), (b"16, 64]", b'16,"x"]', "is not \\[name"),
+                          (b'[2], 16, 64]', b'[2], 16]    ', "is not \\[name")):
         with pytest.raises(ValueError, match=why):
             deserialize(bad.replace(old, new, 1))
 
