@@ -3,7 +3,7 @@
 A rank started as a fresh interpreter spends about two seconds of CPU importing torch before
 it runs a line of the job: four ranks on a two-core machine take about four seconds to start.
 A :class:`ForkServer` is one helper process that imports the heavy, environment-independent
-modules (``torch``, ``torch.distributed`` and its FSDP and DTensor packages) once and then
+modules (``torch``, ``torch.distributed`` and its FSDP and DTensor packages, dynamo) once and then
 forks each rank on request, so a rank's start is a ``fork`` plus the job's own imports. Each
 child becomes what ``python -m meshpact.live.launcher --target ...`` would have been: its
 own session (``setsid``), the launcher's environment (replacing the server's wholesale), its
@@ -14,7 +14,9 @@ generators seeded afresh from the OS as a new interpreter's are; then the launch
 Forking is safe only from a single-threaded process: the server runs with
 ``OMP_NUM_THREADS=1`` (so neither OpenMP nor OpenBLAS starts a pool at import), checks that
 it has one thread before it says ready, and serves only launches whose ranks ask for the
-same (the launcher's default). Anything else (another interpreter, other thread counts, a
+same (the launcher's default) and whose other variables read at import (torch's, dynamo's and
+inductor's settings: :data:`IMPORT_TIME_ENV`) are the server's, the same set with the same
+values. Anything else (another interpreter, other thread counts or torch settings, a
 command prefix such as ``ip netns exec`` other than the one the server itself was started
 under) starts fresh interpreters as before. A trial whose ranks run in two network
 namespaces starts one server in each.
@@ -49,8 +51,20 @@ from meshpact.core.errors import MeshpactError
 
 __all__ = ["ForkServer", "ForkServerError", "ForkedProcess", "PRELOAD", "SINGLE_THREAD_ENV"]
 
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor")
+# torch._dynamo too: FSDP2's first shard imports it in every rank (0.8 s of CPU each on the
+# two-core machine), and it brings torch._inductor's configuration with it
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo")
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}  # no thread pool at import: the server may fork
+# torch, dynamo and inductor read their settings from these variables when they are imported,
+# the thread pools theirs when they start: a child forked after the imports has the server's.
+# TORCHELASTIC_* are read when a group is made (the launcher sets one for every rank).
+IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_")
+READ_WHEN_USED_ENV = ("TORCHELASTIC_",)
+
+
+def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
+    """The part of ``env`` a preloaded module may have read at import (see IMPORT_TIME_ENV)."""
+    return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(READ_WHEN_USED_ENV)}
 _READY = b"READY\n"
 
 
@@ -91,7 +105,7 @@ class ForkedProcess:
 class ForkServer:
     """The launcher's side: start the server (``with ForkServer() as fs``), then
     :meth:`spawn` ranks. ``accepts(env)`` says whether a rank with that environment may be
-    forked (its thread settings match the server's)."""
+    forked (what the preloaded modules read at import, thread settings included, matches)."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout_s: float = 120.0,
                  prefix: Sequence[str] = ()) -> None:
@@ -99,6 +113,7 @@ class ForkServer:
         forked inside that network namespace, as ranks started with the same prefix would run)."""
         env = {**os.environ, **SINGLE_THREAD_ENV}
         self.prefix = tuple(prefix)
+        self._import_env = import_time_env(env)
         self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty import can never block the server
         self._proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "meshpact.live.forkserver", *preload],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
@@ -128,9 +143,10 @@ class ForkServer:
         self._reader = threading.Thread(target=self._read, name="meshpact-forkserver-replies", daemon=True)
         self._reader.start()
 
-    @staticmethod
-    def accepts(env: Mapping[str, str]) -> bool:
-        return all(env.get(k) == v for k, v in SINGLE_THREAD_ENV.items())
+    def accepts(self, env: Mapping[str, str]) -> bool:
+        """A rank with ``env`` may be forked: every variable read at import (IMPORT_TIME_ENV) is
+        as the server had it, the same set with the same values; else it starts fresh."""
+        return import_time_env(env) == self._import_env
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], stderr_path: str,
               timeout_s: float = 30.0) -> ForkedProcess:

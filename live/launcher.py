@@ -511,10 +511,15 @@ def echo(args: dict) -> dict:
 
     import torch
 
+    inductor = None
+    if args.get("report_inductor"):  # a setting inductor read from the environment at its import
+        import torch._inductor.config
+
+        inductor = getattr(torch._inductor.config, str(args["report_inductor"]))
     return {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
             "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "args": args, "incarnation": incarnation,
             "draw": random.random(), "env": {k: os.environ.get(k) for k in args.get("report_env", ())},
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "inductor": inductor}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -27,7 +27,7 @@ from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import Event, EventKind, RecordingWriter
 from meshpact.core.recovery import Policy, Stage
 
-from ..forkserver import ForkServer
+from ..forkserver import PRELOAD, ForkServer
 from ..launcher import Launch, LaunchError, host_store
 from .analysis import ExcisionPlan, ExcisionResult, TrialResult, compare_final
 from .consensus import declared_lost, mark_gone
@@ -38,10 +38,14 @@ from .outcome import RankOutcome
 from .trialconfig import PROCESSES_FILE, TrialConfig
 from .workload import WorkloadError, check_workload
 
-__all__ = ["TrialConfig", "TrialResult", "ReplacementSupply", "run_trial"]
+__all__ = ["TrialConfig", "TrialResult", "ReplacementSupply", "run_trial", "RANK_PRELOAD"]
 
 WORKER = "meshpact.live.recovery.rankworker:worker"
 EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excising reference
+# what a trial's fork server imports before it forks ranks: torch's packages, then the rank's own
+# modules (0.2 s of CPU a rank; none reads the environment or starts a thread at import)
+RANK_PRELOAD = (*PRELOAD, WORKER.split(":")[0], EXCISION_WORKER.split(":")[0], "meshpact.live.recovery.runtime",
+                "meshpact.live.recovery.session")
 
 
 def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fault, ...], extra: JsonObject,
@@ -235,13 +239,14 @@ def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None, shared: ForkServer |
         yield None
         return
     if netns is not None:
-        with ForkServer(prefix=netns.prefix(0)) as first, ForkServer(prefix=netns.prefix(1)) as second:
+        with (ForkServer(RANK_PRELOAD, prefix=netns.prefix(0)) as first,
+              ForkServer(RANK_PRELOAD, prefix=netns.prefix(1)) as second):
             yield lambda r: (first, second)[netns.side(r, cfg.ranks)]
         return
     if shared is not None:
         yield shared
         return
-    with ForkServer() as server:
+    with ForkServer(RANK_PRELOAD) as server:
         yield server
 
 

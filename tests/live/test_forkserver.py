@@ -76,6 +76,21 @@ def test_a_replacement_and_other_thread_settings_start_fresh_interpreters(server
     assert two[0].value["ppid"] == os.getpid() and two[0].value["threads"] == 2
 
 
+def test_a_rank_whose_torch_settings_differ_from_the_servers_starts_fresh_and_sees_them(server):
+    """inductor reads TORCHINDUCTOR_* when it is imported, which the server did: a child forked
+    with another value would run with the server's, so that rank starts as a fresh interpreter
+    and its inductor has the value it was given. A variable read when a group is made
+    (TORCHELASTIC_*) leaves the rank forked."""
+    asked = {"report_env": ["TORCHINDUCTOR_COMPILE_THREADS"], "report_inductor": "compile_threads"}
+    other = launch(ECHO, 1, asked, timeout_s=90, forkserver=server,
+                   env=lambda r: {"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    assert other[0].value["ppid"] == os.getpid()
+    assert other[0].value["inductor"] == 1
+    same = launch(ECHO, 1, asked, timeout_s=90, forkserver=server,
+                  env=lambda r: {"TORCHELASTIC_RUN_ID": "any"})
+    assert same[0].value["ppid"] != os.getpid()
+
+
 def test_replacements_are_forked_only_when_the_caller_asks(server):
     """warm_replacements: for callers that measure no replacement's start (the test suite)."""
     with Launch(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, warm_replacements=True) as job:
