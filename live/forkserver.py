@@ -21,6 +21,11 @@ command prefix such as ``ip netns exec`` other than the one the server itself wa
 under) starts fresh interpreters as before. A trial whose ranks run in two network
 namespaces starts one server in each.
 
+A warm rank differs from a fresh one in one way a test can see: what the server preloaded was
+imported before any process group existed, so a module that captures c10d's default group at
+import (``torch.distributed.nn.functional``'s default arguments) holds none. The rebinding
+audits, which look for exactly those references, start fresh interpreters.
+
 Where a start must be measured as a real process start — a replacement for a killed rank, a
 cold restart — the launcher starts a fresh interpreter even when a server is at hand, so
 warm starts never flatter a recovery figure.

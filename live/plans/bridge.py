@@ -27,7 +27,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -45,6 +45,9 @@ from .domains import RankEnv, init_domains, two_domain_mesh
 from .executor import Executor, PlanRefused
 from .meter import CallRecord, Meter, measure
 from .workloads import TORCH_DTYPE, LiveRequest, get_preset, logprob_ids, producer_local, workload_edge
+
+if TYPE_CHECKING:
+    from ..forkserver import ForkServer
 
 __all__ = ["Job", "run_bridge", "worker", "plan_for", "initial_shapes", "job_summary"]
 
@@ -238,8 +241,11 @@ def _record_job(writer: RecordingWriter, k: int, entry: dict, per_rank: dict, pl
 
 
 def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2,
-               recording: str | os.PathLike[str] | None = None, timeout_s: float = 240.0) -> dict:
+               recording: str | os.PathLike[str] | None = None, timeout_s: float = 240.0,
+               forkserver: "ForkServer | None" = None) -> dict:
     """Start ``2 * per_domain`` ranks on loopback, run ``jobs``, return rank 0's report.
+    ``forkserver`` (a :class:`~meshpact.live.forkserver.ForkServer`): the ranks are forked
+    from it where it accepts their environment, warm, instead of started as fresh interpreters.
 
     The rendezvous store listens on 127.0.0.1 and gloo's sockets on the loopback interface
     (``GLOO_SOCKET_IFNAME=lo`` unless the environment names another).
@@ -251,7 +257,7 @@ def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2
             "recording": str(Path(recording).resolve()) if recording else None}
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
     results = launch("meshpact.live.plans.bridge:worker", 2 * per_domain, args, timeout_s=timeout_s,
-                     master_addr="127.0.0.1", env=lambda rank: {"GLOO_SOCKET_IFNAME": ifname})
+                     master_addr="127.0.0.1", env=lambda rank: {"GLOO_SOCKET_IFNAME": ifname}, forkserver=forkserver)
     report = results[0].value
     if not isinstance(report, dict) or "jobs" not in report:
         raise MeshpactError(f"rank 0 returned no report: {report!r}")

@@ -7,24 +7,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from _warm import shared_forkserver
 from meshpact.core.recording import read_recording
-from meshpact.live.forkserver import ForkServer
-from meshpact.live.recovery.trial import RANK_PRELOAD, TrialConfig, TrialResult, run_trial
+from meshpact.live.recovery.trial import TrialConfig, TrialResult, run_trial
 
 _REFERENCES: dict[tuple[str, int, int, int], Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))
 atexit.register(shutil.rmtree, _ROOT, True)
-# one fork server for every trial of this test process: its imports (torch and the runtime,
-# 3-4 s of CPU) are paid once instead of once per trial
-_FORKSERVER: list[ForkServer] = []
-
-
-def shared_forkserver() -> ForkServer:
-    if not _FORKSERVER:
-        server = ForkServer(RANK_PRELOAD)
-        atexit.register(server.close)
-        _FORKSERVER.append(server)
-    return _FORKSERVER[0]
 
 
 def trial(**kw) -> TrialResult:

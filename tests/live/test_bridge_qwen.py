@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from _warm import shared_forkserver
 from meshpact.live.plans.bridge import Job, run_bridge
 from meshpact.live.plans.workloads import LiveRequest, get_preset
 
@@ -13,7 +14,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def report():
-    return run_bridge([Job(r) for r in LiveRequest], "qwen3-14b", timeout_s=290)
+    return run_bridge([Job(r) for r in LiveRequest], "qwen3-14b", timeout_s=290, forkserver=shared_forkserver())
 
 
 def test_qwen3_14b_preset_has_the_published_dimensions():

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from _warm import shared_forkserver
 from meshpact.core.contract import compile_contract
 from meshpact.core.lowerer import lower
 from meshpact.core.plan import Plan, Step
@@ -61,7 +62,7 @@ def run(tmp_path_factory):
              Job(LiveRequest.MLP, _unreduced_mlp_plan().to_json(), "unreduced"),
              Job(LiveRequest.TOKEN, _misdeclared_token_plan().to_json(), "misdeclared")]
     path = tmp_path_factory.mktemp("bridge") / "bridge.jsonl"
-    report = run_bridge(jobs, "tiny", recording=path, timeout_s=240)
+    report = run_bridge(jobs, "tiny", recording=path, timeout_s=240, forkserver=shared_forkserver())
     return report, {j["label"]: j for j in report["jobs"]}
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from _recovery import shared_forkserver
+from _warm import shared_forkserver
 from meshpact.core.recovery import Policy
 from meshpact.live.launcher import Launch, host_store
 from meshpact.live.recovery.consensus import (EXCISE_NOT_OFFERED, ConsensusError, Decision, Proposal, agree, decide,

@@ -223,6 +223,9 @@ def test_the_import_time_default_group_of_torch_distributed_nn_is_found_and_rebo
         fn.all_reduce.__defaults__ = saved
 
 
+# The probes below start as fresh interpreters, never forked warm: a module torch imports after
+# the group exists (torch.distributed.nn.functional, whose defaults then hold it) is imported
+# before any group in a fork server, and those references are what these tests look for.
 @pytest.mark.live
 @pytest.mark.slow
 def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations():
