@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from _warm import shared_forkserver
-from meshpact.core.recording import read_recording
+from meshpact.core.recording import EventKind, read_recording
 from meshpact.live.recovery.trial import TrialConfig, TrialResult, run_trial
 
 _REFERENCES: dict[tuple[str, int, int, int], Path] = {}
@@ -23,6 +23,19 @@ def trial(**kw) -> TrialResult:
     work = Path(tempfile.mkdtemp(prefix=f"{cfg.fault_kind.value}-", dir=_ROOT))
     # replacements forked too: these tests judge what a replacement does, not how fast it starts
     return run_trial(cfg, work_dir=work, reference_dir=ref, forkserver=shared_forkserver(), warm_replacements=True)
+
+
+def recoveries_told(result: TrialResult) -> str:
+    """Every recovery of the run, one line each: the step, the policy and why, and what each
+    rank that detected the fault was told (for a failure message: an unexpected recovery says
+    here what started it)."""
+    errors: dict[int, list[str]] = {}
+    for e in result.events():
+        if e.event == EventKind.DETECTED:
+            errors.setdefault(int(e.data.get("generation", -1)), []).append(f"rank {e.rank}: {str(e.data.get('error'))[:160]}")
+    return "\n".join(f"step {r['step']} gen {r['generation']} {r['policy']}: {r['reason'][:200]} | detected at "
+                     f"generation {r['generation'] - 1}: {errors.get(r['generation'] - 1, ['?'])}"
+                     for r in result.recoveries() if r.get("rank", 0) == 0)
 
 
 def assert_recovered(result: TrialResult, policy: str) -> dict:

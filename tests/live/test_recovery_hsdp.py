@@ -7,7 +7,7 @@ import pytest
 
 from meshpact.core.recording import EventKind
 
-from _recovery import assert_recovered, trial
+from _recovery import assert_recovered, recoveries_told, trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -67,7 +67,8 @@ def killed(tmp_path_factory):
 
 def test_llama_hsdp_kills_are_restored_from_peers_without_storage_bit_identical(killed):
     s = assert_recovered(killed, "peer_restore")
-    assert s["policy_counts"]["peer_restore"] == 3 and s["policy_counts"]["checkpoint_restore"] == 0
+    assert s["policy_counts"]["peer_restore"] == 3 and s["policy_counts"]["checkpoint_restore"] == 0, \
+        recoveries_told(killed)
     assert s["replacement_processes"] == 3 and s["storage_bytes_read"] == 0 and s["final_world_size"] == 4
     actions = [ev.data["action"] for ev in killed.events() if ev.event in (EventKind.RELOADED, EventKind.RETAINED)]
     assert "reload_checkpoint" not in actions and actions.count("peer_recover") == 3  # only the replacements
