@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import faulthandler
 import importlib
 import json
 import os
@@ -478,6 +479,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     if missing:
         sys.stderr.write(f"error: missing torchrun environment {missing}; run under torchrun or the launcher\n")
         return 2
+    # a rank that dies of a fatal signal (a native crash, an abort on a corrupted heap) leaves
+    # every thread's Python stack in its stderr, which the launcher's error names
+    faulthandler.enable(all_threads=True)
     fn = _resolve(ns.target)
     args = json.loads(ns.args) if ns.args else worker_args()
     value = fn(args)
@@ -504,6 +508,8 @@ def echo(args: dict) -> dict:
     store.wait(["echo/go"])
     if args.get("exit_code"):
         sys.exit(int(args["exit_code"]))
+    if args.get("abort"):  # a native crash: SIGABRT, as glibc raises on a corrupted heap
+        os.abort()
     time.sleep(float(args.get("sleep_s", 0)))
     if args.get("raise"):
         raise RuntimeError(str(args["raise"]))

@@ -21,6 +21,13 @@ def test_failed_rank_is_reported_with_its_exit_code():
         launch("meshpact.live.launcher:echo", 1, {"exit_code": 3}, timeout_s=60)
 
 
+def test_a_rank_that_crashes_natively_leaves_its_python_stack_in_the_error():
+    """A native abort (glibc's answer to a corrupted heap) prints no Python traceback by itself:
+    the launcher's fault handler puts the rank's stack in its stderr, which the error quotes."""
+    with pytest.raises(LaunchError, match=r"(?s)exited with -6.*Fatal Python error: Aborted.*in echo"):
+        launch("meshpact.live.launcher:echo", 1, {"abort": True}, timeout_s=60)
+
+
 def test_bad_target_is_refused_before_any_process_starts():
     with pytest.raises(LaunchError, match="not 'package.module:function'"):
         Launch("no_colon_here", 2)
