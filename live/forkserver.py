@@ -62,9 +62,12 @@ PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distri
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}  # no thread pool at import: the server may fork
 # torch, dynamo and inductor read their settings from these variables when they are imported,
 # the thread pools theirs when they start: a child forked after the imports has the server's.
-# TORCHELASTIC_* are read when a group is made (the launcher sets one for every rank).
+# Read when used, so not compared: TORCHELASTIC_* (when a group is made; the launcher sets one
+# for every rank) and TORCHINDUCTOR_CACHE_DIR (at each cache lookup; inductor also writes it into
+# the environment at its first compile, so a launcher that compiled anything would otherwise
+# start every later rank fresh).
 IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_")
-READ_WHEN_USED_ENV = ("TORCHELASTIC_",)
+READ_WHEN_USED_ENV = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def import_time_env(env: Mapping[str, str]) -> dict[str, str]:

@@ -91,6 +91,16 @@ def test_a_rank_whose_torch_settings_differ_from_the_servers_starts_fresh_and_se
     assert same[0].value["ppid"] != os.getpid()
 
 
+def test_a_launcher_that_compiled_something_still_forks_its_ranks(server, monkeypatch, tmp_path):
+    """inductor writes its cache directory into the environment at the first compile
+    (``cache_dir_utils.cache_dir``; it reads it again at each lookup): a launcher that compiled
+    after its server started, as a test worker does, keeps forking its ranks. (Before this was
+    known, every later trial of such a worker started its ranks as fresh interpreters.)"""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # what the first compile leaves
+    forked = launch(ECHO, 1, {}, timeout_s=90, forkserver=server)
+    assert forked[0].value["ppid"] != os.getpid()
+
+
 def test_replacements_are_forked_only_when_the_caller_asks(server):
     """warm_replacements: for callers that measure no replacement's start (the test suite)."""
     with Launch(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, warm_replacements=True) as job:
