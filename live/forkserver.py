@@ -54,7 +54,8 @@ from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["ForkServer", "ForkServerError", "ForkedProcess", "PRELOAD", "SINGLE_THREAD_ENV"]
+__all__ = ["ForkServer", "ForkServerError", "ForkedProcess", "PRELOAD", "SINGLE_THREAD_ENV", "IMPORT_TIME_ENV",
+           "import_time_env"]
 
 # torch._dynamo too: FSDP2's first shard imports it in every rank (0.8 s of CPU each on the
 # two-core machine), and it brings torch._inductor's configuration with it
@@ -73,6 +74,8 @@ READ_WHEN_USED_ENV = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
 def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
     """The part of ``env`` a preloaded module may have read at import (see IMPORT_TIME_ENV)."""
     return {k: v for k, v in env.items() if k.startswith(IMPORT_TIME_ENV) and not k.startswith(READ_WHEN_USED_ENV)}
+
+
 _READY = b"READY\n"
 
 
