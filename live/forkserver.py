@@ -154,10 +154,14 @@ class ForkServer:
         self._reader = threading.Thread(target=self._read, name="meshpact-forkserver-replies", daemon=True)
         self._reader.start()
 
+    def differs(self, env: Mapping[str, str]) -> list[str]:
+        """The variables read at import (IMPORT_TIME_ENV) that ``env`` sets otherwise than the
+        server had them, set or unset, by name: a rank with any of them starts fresh."""
+        mine = import_time_env(env)
+        return sorted(k for k in mine.keys() | self._import_env.keys() if mine.get(k) != self._import_env.get(k))
+
     def accepts(self, env: Mapping[str, str]) -> bool:
-        """A rank with ``env`` may be forked: every variable read at import (IMPORT_TIME_ENV) is
-        as the server had it, the same set with the same values; else it starts fresh."""
-        return import_time_env(env) == self._import_env
+        return not self.differs(env)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], stderr_path: str,
               timeout_s: float = 30.0) -> ForkedProcess:

@@ -249,10 +249,16 @@ class Launch:
         # real new process); and only from a server started under the rank's own command prefix
         server = self._forkserver(rank) if callable(self._forkserver) else self._forkserver
         prefix = tuple(self._prefix(rank)) if self._prefix else ()
-        if (server is not None and (incarnation == 0 or self._warm_replacements) and server.prefix == prefix
-                and self._python == sys.executable and server.accepts(env)):
+        eligible = (server is not None and (incarnation == 0 or self._warm_replacements) and server.prefix == prefix
+                    and self._python == sys.executable)
+        differs = server.differs(env) if eligible and server is not None else []
+        if eligible and server is not None and not differs:
             proc = server.spawn(["--target", self.target], env, str(self._dir / f"stderr-{name}.txt"))
         else:
+            if differs:  # said where a reader of the rank's stderr finds it: a cold start costs seconds
+                err.write(f"meshpact launcher: started as a fresh interpreter, not forked: {', '.join(differs)} "
+                          "differ(s) from the fork server's, which read them at import\n".encode())
+                err.flush()
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
         if self._registry is not None:  # who each process is, for whoever looks from outside
             with open(self._registry, "a") as fh:

@@ -35,7 +35,7 @@ def recoveries_told(result: TrialResult) -> str:
             errors.setdefault(int(e.data.get("generation", -1)), []).append(f"rank {e.rank}: {str(e.data.get('error'))[:160]}")
     return "\n".join(f"step {r['step']} gen {r['generation']} {r['policy']}: {r['reason'][:200]} | detected at "
                      f"generation {r['generation'] - 1}: {errors.get(r['generation'] - 1, ['?'])}"
-                     for r in result.recoveries() if r.get("rank", 0) == 0)
+                     for r in result.recoveries())
 
 
 def assert_recovered(result: TrialResult, policy: str) -> dict:

@@ -86,6 +86,7 @@ def test_a_rank_whose_torch_settings_differ_from_the_servers_starts_fresh_and_se
                    env=lambda r: {"TORCHINDUCTOR_COMPILE_THREADS": "1"})
     assert other[0].value["ppid"] == os.getpid()
     assert other[0].value["inductor"] == 1
+    assert "not forked: TORCHINDUCTOR_COMPILE_THREADS differ(s)" in other[0].stderr_tail  # said, not silent
     same = launch(ECHO, 1, asked, timeout_s=90, forkserver=server,
                   env=lambda r: {"TORCHELASTIC_RUN_ID": "any"})
     assert same[0].value["ppid"] != os.getpid()
@@ -98,7 +99,7 @@ def test_a_launcher_that_compiled_something_still_forks_its_ranks(server, monkey
     known, every later trial of such a worker started its ranks as fresh interpreters.)"""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # what the first compile leaves
     forked = launch(ECHO, 1, {}, timeout_s=90, forkserver=server)
-    assert forked[0].value["ppid"] != os.getpid()
+    assert forked[0].value["ppid"] != os.getpid() and "not forked" not in forked[0].stderr_tail
 
 
 def test_replacements_are_forked_only_when_the_caller_asks(server):
