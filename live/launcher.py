@@ -367,17 +367,21 @@ class Launch:
         results = [self._result(rank, killed=timed_out) for rank in sorted(self._procs)]
         return results
 
+    def stderr_tail(self, rank: int, limit: int = 4000) -> str:
+        """The last ``limit`` bytes of the stderr of ``rank``'s current process."""
+        err = self._stderr[rank]
+        err.flush()
+        err.seek(0, os.SEEK_END)
+        size = err.tell()
+        err.seek(max(0, size - limit))
+        return err.read().decode("utf-8", "replace")
+
     def _result(self, rank: int, killed: bool) -> RankResult:
         p = self._procs[rank]
         inc = self._incarnation[rank]
         path = self._dir / f"result-{rank}.json"
         value = json.loads(path.read_text()) if path.exists() else None
-        err = self._stderr[rank]
-        err.flush()
-        err.seek(0, os.SEEK_END)
-        size = err.tell()
-        err.seek(max(0, size - 4000))
-        tail = err.read().decode("utf-8", "replace")
+        tail = self.stderr_tail(rank)
         rc = p.poll()
         return RankResult(rank, None if (killed and rc in (None, -9)) else rc, value, tail, inc)
 
@@ -498,7 +502,8 @@ def _main(argv: Sequence[str] | None = None) -> int:
 
 def echo(args: dict) -> dict:
     """A diagnostic worker: joins the rendezvous store and reports its environment. A first
-    process of a rank in ``fail_ranks`` exits with 3 at once (for replacement tests)."""
+    process of a rank in ``fail_ranks`` exits with 3 at once, and a replacement process raises
+    ``raise_in_replacement`` when given (for replacement tests)."""
     import torch.distributed as dist
 
     await_promotion()
@@ -519,6 +524,8 @@ def echo(args: dict) -> dict:
     time.sleep(float(args.get("sleep_s", 0)))
     if args.get("raise"):
         raise RuntimeError(str(args["raise"]))
+    if args.get("raise_in_replacement") and incarnation > 0:
+        raise RuntimeError(str(args["raise_in_replacement"]))
     import random
 
     import torch

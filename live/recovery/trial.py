@@ -65,12 +65,14 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             "min_ranks": cfg.min_ranks, **extra}
     supply = supply or ReplacementSupply()
     gone: set[int] = set()
+    gone_why: dict[int, str] = {}  # why a rank got no process again (named if the job then fails)
     started = 0
 
     def no_replacement(rank: int, rc: int, why: str) -> None:
         """``rank`` gets no process again: said on the control channel (unless the trial plays a
         launcher that never answers), so consensus excises it or ends the job rather than wait."""
         gone.add(rank)
+        gone_why[rank] = why
         if watch is not None and supply.announce_missing:
             mark_gone(watch.channel, rank)
         recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
@@ -93,7 +95,8 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
                 no_replacement(rank, rc, f"no warm spare and no replacement left ({job.replacements_started} "
                                          f"of at most {job.max_replacements} started)")
         elif job.incarnation(rank) > 0 and rank not in gone:  # a replacement that died by itself: none again
-            no_replacement(rank, rc, f"its replacement process exited with {rc}")
+            no_replacement(rank, rc, f"its replacement process exited with {rc}; its stderr ends:\n"
+                                     f"{job.stderr_tail(rank, 2000)}")
 
     control = None
     watch = None
@@ -117,9 +120,10 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         results = job.wait(on_exit=on_exit, on_tick=watch)
     bad = [r for r in results if not r.ok and r.rank not in gone]
     if bad:
+        told = "".join(f"\nrank {r} was given no further process: {why}" for r, why in sorted(gone_why.items()))
         raise LaunchError(f"{tag} run: rank {bad[0].rank} "
                           f"{'timed out' if bad[0].returncode is None else f'exited with {bad[0].returncode}'}"
-                          f" (limit {cfg.deadline_s:.0f} s); its stderr ends:\n{bad[0].stderr_tail}")
+                          f" (limit {cfg.deadline_s:.0f} s); its stderr ends:\n{bad[0].stderr_tail}{told}")
     outcomes = [RankOutcome.from_dict(r.value) for r in results if r.rank not in gone]
     for o in outcomes:
         if o.workload_error:

@@ -45,3 +45,22 @@ def test_a_killed_rank_can_be_replaced_and_the_deadline_kills_stragglers():
         results = job.wait(on_exit=on_exit)
     assert replaced == [-9]
     assert all(r.ok for r in results) and results[1].incarnation == 1
+
+
+def test_a_replacement_that_fails_leaves_its_own_stderr_to_name_why():
+    """What a trial quotes when a replacement dies by itself (the rank then gets no process
+    again): that process's stderr, not its predecessor's."""
+    seen: dict[int, tuple[int, str]] = {}
+
+    def on_exit(job: Launch, rank: int, rc: int) -> None:
+        if job.incarnation(rank) == 0:
+            assert job.replace(rank)
+        else:
+            seen[rank] = (rc, job.stderr_tail(rank))
+
+    with Launch("meshpact.live.launcher:echo", 2, {"fail_ranks": [1], "raise_in_replacement": "the replacement broke",
+                                                   "timeout_s": 60}, timeout_s=60) as job:
+        results = job.wait(on_exit=on_exit)
+    rc, tail = seen[1]
+    assert rc == 1 and "RuntimeError: the replacement broke" in tail
+    assert results[0].ok and results[1].incarnation == 1 and not results[1].ok
