@@ -206,8 +206,8 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
                         f"{min(asked.values())} (a drill)")
     broken = sorted(r for r, p in proposals.items() if not p.intact)
     if broken:
-        why = (f"rank(s) {broken} hold no intact state in memory (replacement process, or the "
-               "digest differs from the one taken at the commit)")
+        why = (f"rank(s) {broken} hold no intact state in memory (a replacement process, a state written "
+               "since the commit, or an optimizer step begun before the fault)")
         plan = _peer_plan(proposals, broken, peer_copies)
         if isinstance(plan, str):
             return fallback(f"{why}; {plan}")

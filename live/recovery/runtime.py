@@ -110,6 +110,17 @@ def is_comm_fault(exc: BaseException) -> bool:
 
 
 @dataclass(frozen=True)
+class _OptimizerHook:
+    """The step pre-hook on one optimizer (its handle, to remove it)."""
+
+    optimizer: torch.optim.Optimizer
+    handle: Any
+
+    def remove(self) -> None:
+        self.handle.remove()
+
+
+@dataclass(frozen=True)
 class RecoveryRecord:
     """One recovery of one rank."""
 
@@ -182,6 +193,9 @@ class Resilient:
             raise ValueError(f"on_rank_loss must be peer_restore (replace) or excise, got {on_rank_loss.value}")
         if on_rank_loss is Policy.EXCISE and build is None:
             raise ValueError("excising lost ranks needs build(mesh) -> (model, optimizer) for the smaller world")
+        if not callable(getattr(optimizer, "register_step_pre_hook", None)):
+            raise TypeError(f"resilient() needs a torch.optim.Optimizer (its step hook says when a step began), got "
+                            f"{type(optimizer).__name__}")
         self.model = model
         self.optimizer = optimizer
         self.session = session
@@ -215,6 +229,10 @@ class Resilient:
         self.excisions: list[ExcisionRecord] = []
         self._scan = ModuleScan()  # the modules rebinding reads, walked again only when sys.modules changes
         self._unsettled: list[Callable[[], None]] = []  # consensus counter moves made once the job runs again
+        # the optimizer's step began since the last commit: its state may be written in part
+        # (an optimizer that all-reduces inside step(), after writing some tensors, fails there)
+        self._optimizer_began = False
+        self._optimizer_hook: Any = None
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -263,6 +281,8 @@ class Resilient:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
         if self.peers is not None:
             self.peers.close()
         if self.heartbeat is not None:
@@ -277,12 +297,33 @@ class Resilient:
         if self.session.config.check_commits:
             self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self._mark)
         self._rng = capture_rng()
+        self._watch_optimizer()
+
+    def _watch_optimizer(self) -> None:
+        """Note when the optimizer's step begins (from the commit on; hooked again when an
+        excision brings a new optimizer)."""
+        self._optimizer_began = False
+        if self._optimizer_hook is not None and self._optimizer_hook.optimizer is self.optimizer:
+            return
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+
+        def began(*_: Any) -> None:
+            self._optimizer_began = True
+
+        self._optimizer_hook = _OptimizerHook(self.optimizer, self.optimizer.register_step_pre_hook(began))
 
     def _state_changed(self) -> str:
         """Why this rank's state is not the committed one ("" when it is; always "" with
-        ``check_commits`` off, which trusts the state)."""
+        ``check_commits`` off, which trusts the state). An optimizer step begun since the commit
+        counts as a change whatever the commit check says: it samples at most 64 tensors, and an
+        optimizer that failed part-way (a collective inside its step) may have written only
+        tensors it does not sample."""
         if self._mark is None:
             return ""
+        if self._optimizer_began:
+            return ("the optimizer's step began after the commit (a fault inside or after it: its state may be "
+                    "written in part)")
         return self._mark.changed(self.committed_step, self.model, self.optimizer)
 
     @property
@@ -627,6 +668,7 @@ class Resilient:
             self.ckpt.save(self.committed_step, job_state(self.model, self.optimizer))
         if self.session.config.check_commits:  # a new model: its mark is taken afresh
             self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer)
+        self._watch_optimizer()  # and its optimizer watched
         # the generators stay as committed (build's draws undone by excise)
         s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round), generation=decision.round)
         t_first, _ = self._first_collective(decision.round)
