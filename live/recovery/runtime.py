@@ -78,12 +78,18 @@ from .state import CommitMark, capture_rng, job_state, load_job_state, restore_r
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
-           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "refuse_stale"]
+           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "CarriedGradientsError", "refuse_stale"]
 
 
 class StaleModelError(MeshpactError):
     """A training step ran the model an excision replaced: after an excision the step must use
     ``rt.model`` and ``rt.optimizer`` (the smaller world's), not a model kept from before."""
+
+
+class CarriedGradientsError(MeshpactError):
+    """A step left gradients for the next one without stepping the optimizer (gradients
+    accumulated over several ``rt.step`` calls): no commit, peer copy or checkpoint holds them,
+    so a recovery would resume without them and train on part of the batch, silently."""
 
 # exceptions that are communication faults wherever they were raised
 COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistError, TimeoutError, ConnectionError)
@@ -157,6 +163,19 @@ class RetiredGroup:
     @property
     def alive(self) -> bool:
         return self.ref() is not None
+
+
+def _carried_gradients(model: torch.nn.Module, most: int = 16) -> list[str]:
+    """Parameters with a nonzero gradient (the first, middle and last elements of at most
+    ``most`` of them, on this rank): free when every gradient is None, as ``zero_grad()`` leaves them."""
+    present = [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
+    out = []
+    for name, grad in present[:most]:
+        flat = getattr(grad, "_local_tensor", grad).detach().reshape(-1)
+        n = flat.numel()
+        if n and bool(torch.stack([flat[0], flat[n // 2], flat[n - 1]]).ne(0).any()):
+            out.append(name)
+    return out
 
 
 def refuse_stale(model: torch.nn.Module, rank: int, step: int) -> None:
@@ -386,6 +405,14 @@ class Resilient:
         return out
 
     def _commit(self, step: int, batch: Any) -> None:
+        if not self._optimizer_began:
+            carried = _carried_gradients(self.model)
+            if carried:
+                raise CarriedGradientsError(
+                    f"step {step} left nonzero gradients for the next rt.step call without an optimizer step (on "
+                    f"{', '.join(carried)}): gradients accumulated over several calls are in no commit, peer copy or "
+                    "checkpoint, so a recovery would drop them. Accumulate the micro-batches inside one train_step, "
+                    "or zero the gradients before it returns")
         # a full step has run since these groups were retired: count their operations, let them go
         # (no gc.collect() on the step path: a full collection can outlast the data-path timeout)
         for r in self.retired:

@@ -215,3 +215,20 @@ def test_the_mark_sees_a_write_in_any_dtype_of_a_mixed_precision_model():
         with torch.no_grad():
             p.reshape(-1)[-1] = kept
         assert mark.changed(4, model, opt) == ""
+
+
+def test_gradients_carried_past_a_commit_are_told_from_zeroed_ones():
+    """What the runtime refuses at a commit (gradients left for the next step without an optimizer
+    step) against what it must let pass: gradients zeroed in place or set to None."""
+    from meshpact.live.recovery.runtime import _carried_gradients
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert _carried_gradients(model) == []
+    model(torch.randn(5, 4)).sum().backward()
+    assert _carried_gradients(model) == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    opt.zero_grad(set_to_none=False)
+    assert _carried_gradients(model) == []
+    model(torch.randn(5, 4)).sum().backward()
+    opt.zero_grad()
+    assert _carried_gradients(model) == []

@@ -8,7 +8,12 @@ the optimizer's all-reduce leaves every rank with a parameter stepped once too o
 the commit check's sample does not include: the runtime knows the optimizer's step began and
 restores each rank's own snapshot from host memory. Either way the final state is bitwise the
 reference's (before this guard, the second fault was "recovered in memory, state intact" and
-diverged).
+diverged). The loop zeroes its gradients at the start of the step, so they outlive each
+commit, already applied.
+
+A loop that accumulates gradients over several ``rt.step`` calls leaves them for the next
+call; no commit, copy or checkpoint holds them, and a recovery dropped them and went on,
+bit-for-bit wrong. It is refused at its first commit, in one line.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import textwrap
 import pytest
 
 from _recovery import recoveries_told, trial
+from meshpact.live.recovery.workload import WorkloadError
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -66,6 +72,7 @@ def batch(step, rank):
 
 
 def train_step(model, optimizer, batch):
+    optimizer.zero_grad()  # at the start, as many loops do: the gradients outlive the step, already applied
     loss = model(batch).pow(2).mean()
     loss.backward()
     grads = torch.cat([w.grad.reshape(-1) for w in model.ws])
@@ -74,8 +81,31 @@ def train_step(model, optimizer, batch):
     for w, g in zip(model.ws, grads.split(8)):
         w.grad.copy_(g)
     optimizer.step()
-    optimizer.zero_grad()
     return float(loss)
+''')
+
+ACCUMULATING_WORKLOAD = textwrap.dedent('''
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+
+    def build(mesh):
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        fully_shard(model, mesh=mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+    def batch(step, rank):
+        return step, torch.randn(8, 16, generator=torch.Generator().manual_seed(97 * step + rank))
+
+
+    def train_step(model, optimizer, batch):
+        step, x = batch
+        model(x).pow(2).mean().backward()  # two calls per optimizer step: a micro-batch each
+        if step % 2 == 1:
+            optimizer.step()
+            optimizer.zero_grad()
 ''')
 
 
@@ -96,3 +126,14 @@ def test_a_fault_inside_the_optimizers_step_restores_the_snapshot_and_one_before
     assert s["storage_bytes_read"] == 0  # each rank's own snapshot, in host memory
     told = [e.data["state_changed"] for e in result.events() if e.event == "decided" and e.data.get("state_changed")]
     assert told and all("optimizer's step began" in t for t in told)
+
+
+def test_gradients_accumulated_over_several_calls_are_refused_at_the_first_commit(tmp_path):
+    path = tmp_path / "accumulating.py"
+    path.write_text(ACCUMULATING_WORKLOAD)
+    with pytest.raises(WorkloadError) as err:
+        trial(ranks=2, steps=9, faults=2, fault_kind="collective", checkpoint_every=4, baselines=False,
+              workload=str(path))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("step 0 left nonzero gradients for the next rt.step call")
+    assert "0.weight" in line and "Accumulate the micro-batches inside one train_step" in line
