@@ -176,7 +176,7 @@ def worker(args: JsonObject) -> JsonObject:
             t0 = time.time()
             decision = rt.drill_checkpoint_restore()
             drill = Drill(t0, time.time(), decision.step, rt.recoveries[-1].lost_steps)
-        state = job_state(rt.model, rt.optimizer)
+        state = rt.state()
         torch.save({k: v.clone() for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
         counts = rt.op_counts()
         gc.collect()  # a retired group no longer referenced is released (RetiredSummary.alive is False)

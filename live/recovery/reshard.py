@@ -348,6 +348,17 @@ def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer
     return model, optimizer
 
 
+def carry_schedule(schedule: Any, optimizer: torch.optim.Optimizer) -> list[Any]:
+    """Give a rebuilt optimizer (an excision's) the schedule the survivor committed: its param
+    groups' settings and its LR schedulers' state, the schedulers ``build`` made for it found
+    anew. Returns those schedulers."""
+    from .state import restore_schedule, schedulers_of
+
+    schedulers = schedulers_of(optimizer)
+    restore_schedule(optimizer, schedulers, schedule)
+    return schedulers
+
+
 def _flush(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]], before: Membership,
            me: int, step: int, directory: str, group: dist.ProcessGroup) -> str:
     """Write the world-before-excision's state of ``step`` as one complete checkpoint."""
@@ -460,7 +471,7 @@ def excision_drill(args: JsonObject) -> JsonObject:
     import sys
 
     from .session import RecoveryConfig, start_session
-    from .state import digest, job_state, local_state
+    from .state import capture_schedule, digest, job_state, local_state, schedulers_of
     from .workload import built, load_workload
 
     torch.manual_seed(0)
@@ -476,18 +487,23 @@ def excision_drill(args: JsonObject) -> JsonObject:
     victims = {p.rank for p in plans}
     membership, group, spec, generation = Membership.full(world), session.group, session.spec, 0
     model, optimizer = built(workload, session.mesh)
+    schedulers = schedulers_of(optimizer)
+
+    def state_now() -> dict[str, torch.Tensor]:
+        return job_state(model, optimizer, schedulers=schedulers)
+
     weight = GradientWeight(model)
     records: list[JsonObject] = []
     downtime: list[float] = []
     digests: dict[int, str] = {}
     if me in victims:
-        _publish(session.store, spec.run_id, me, 0, job_state(model, optimizer))
+        _publish(session.store, spec.run_id, me, 0, state_now())
     refused: JsonObject = {}
     for step in range(int(args["steps"])):
         due = [p for p in plans if p.step == step]
         if due and me == due[0].rank:
             # hands over its copy (already published) and leaves; keeps its state to compare
-            torch.save(job_state(model, optimizer), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
+            torch.save(state_now(), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
             return {"rank": me, "left_at": step}
         share = share_batch(workload.batch, step, membership, me)
         weight.weight = share.weight
@@ -499,8 +515,9 @@ def excision_drill(args: JsonObject) -> JsonObject:
             held = {lost: _fetch(session.store, spec.run_id, lost, step)} \
                 if _holder(membership, lost) == me else {}
             generation += 1
+            committed = capture_schedule(optimizer, schedulers)
             try:
-                out = excise(job_state(model, optimizer), held, membership, [lost], step=step, spec=spec,
+                out = excise(state_now(), held, membership, [lost], step=step, spec=spec,
                              store=session.store, generation=generation, old_group=group,
                              build=lambda mesh: built(workload, mesh), min_ranks=int(args.get("min_ranks", 1)),
                              checkpoint_dir=args.get("checkpoint_dir"))
@@ -509,6 +526,7 @@ def excision_drill(args: JsonObject) -> JsonObject:
                 break
             weight.remove()
             model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
+            schedulers = carry_schedule(committed, optimizer)
             weight = GradientWeight(model)
             records.append(out.record.to_dict())
             downtime.append(time.perf_counter() - t_fault)  # from the fault (or the hand-over) to the state rebuilt
@@ -516,11 +534,11 @@ def excision_drill(args: JsonObject) -> JsonObject:
             weight.weight = share.weight
             workload.train_step(model, optimizer, share.batch)
         if me in victims:
-            _publish(session.store, spec.run_id, me, step + 1, job_state(model, optimizer))
+            _publish(session.store, spec.run_id, me, step + 1, state_now())
         digests[step + 1] = digest(local_state(model, optimizer))
         with open(os.path.join(args["out_dir"], f"digests-rank{me}.txt"), "a", encoding="utf-8") as fh:
             fh.write(f"{step + 1} {membership.world} {digests[step + 1]}\n")  # kept if this rank is killed later
-    state = job_state(model, optimizer)
+    state = state_now()
     torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args["out_dir"], f"final-rank{me}.pt"))
     return {"rank": me, "group_rank": spec.rank, "world": membership.world, "alive": list(membership.alive),
             "records": records, "downtime_s": downtime, "digests": digests, "state_bytes": state_bytes(state), **refused}

@@ -2,8 +2,9 @@
 
 :class:`Resilient` wraps the user's unchanged training step. At every commit it keeps what a
 re-run needs: the committed step, a commit mark of the state (O(1) bytes hashed, see
-:class:`~meshpact.live.recovery.state.CommitMark`) and every random-number generator
-(:class:`~meshpact.live.recovery.state.RngState`). When a communication fault escapes the
+:class:`~meshpact.live.recovery.state.CommitMark`), every random-number generator
+(:class:`~meshpact.live.recovery.state.RngState`) and the optimizer's schedule (its param
+groups' settings and its LR schedulers' state, :class:`~meshpact.live.recovery.state.Schedule`). When a communication fault escapes the
 step (:func:`is_comm_fault`: by type and by where it was raised, never by its words) it:
 
 1. *detection* — notes the fault and severs the data path's sockets, so peers still
@@ -72,9 +73,10 @@ from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
-from .reshard import ExcisionRecord, GradientWeight, Membership, excise, share_batch
+from .reshard import ExcisionRecord, GradientWeight, Membership, carry_schedule, excise, share_batch
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
-from .state import CommitMark, capture_rng, job_state, load_job_state, restore_rng
+from .state import (CommitMark, capture_rng, capture_schedule, job_state, load_job_state, restore_rng,
+                    restore_schedule, schedulers_of)
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
@@ -189,12 +191,13 @@ def refuse_stale(model: torch.nn.Module, rank: int, step: int) -> None:
     model.register_forward_pre_hook(refuse)
 
 
-def device_meshes() -> list[Any]:
-    """Every live DeviceMesh of the process: the session's, FSDP's, DTensors' and the user's own
-    (a walk of the garbage collector's objects: done once, when training starts)."""
+def device_meshes(objects: list[Any] | None = None) -> list[Any]:
+    """Every live DeviceMesh of the process among ``objects`` (default: a walk of the garbage
+    collector's objects, done once, when training starts): the session's, FSDP's, DTensors' and
+    the user's own."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return [o for o in gc.get_objects() if isinstance(o, DeviceMesh)]
+    return [o for o in (gc.get_objects() if objects is None else objects) if isinstance(o, DeviceMesh)]
 
 
 class Resilient:
@@ -228,6 +231,8 @@ class Resilient:
         self._train_step: Callable[[Any], Any] | None = None
         self._mark: CommitMark | None = None  # what proves the state is the committed one (check_commits)
         self._rng = capture_rng()
+        self.schedulers: list[Any] = []  # the LR schedulers on the optimizer when training started
+        self._schedule = capture_schedule(optimizer)
         self.counter = OpCounter() if session.config.count_dispatch else None
         self.retired: list[RetiredGroup] = []
         self._meshes: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every mesh alive when training started
@@ -258,7 +263,10 @@ class Resilient:
         s = self.session
         # the walk takes a replacement a while under load: done before any barrier, so no peer
         # waits on a collective of the new group while this rank walks
-        self._meshes = weakref.WeakSet(device_meshes())  # every mesh alive when training started
+        objects = gc.get_objects()  # one walk: every mesh and every LR scheduler alive when training started
+        self._meshes = weakref.WeakSet(device_meshes(objects))
+        self.schedulers = schedulers_of(self.optimizer, objects)
+        del objects
         if self.peers is not None:
             self._refresh_peers()
         if s.pending is not None:
@@ -279,7 +287,7 @@ class Resilient:
                    generation=decision.round)
             self._first_collective(decision.round)
         elif self.ckpt is not None and self.committed_step == 0 and not self.ckpt.complete(0):
-            self.ckpt.save(0, job_state(self.model, self.optimizer))
+            self.ckpt.save(0, self.state())
         self.start_step = self.committed_step
         self._mark_committed()
         if self.peers is not None:  # the starting state is held by peers before the first step
@@ -316,7 +324,13 @@ class Resilient:
         if self.session.config.check_commits:
             self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self._mark)
         self._rng = capture_rng()
+        self._schedule = capture_schedule(self.optimizer, self.schedulers)
         self._watch_optimizer()
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """This rank's job state now (:func:`~meshpact.live.recovery.state.job_state`: parameter
+        shards, optimizer state, generators and the optimizer's schedule)."""
+        return job_state(self.model, self.optimizer, schedulers=self.schedulers)
 
     def _watch_optimizer(self) -> None:
         """Note when the optimizer's step begins (from the commit on; hooked again when an
@@ -373,6 +387,8 @@ class Resilient:
                         batch = self._batch(step)
                     if self.session.config.restore_rng:
                         restore_rng(self._rng)
+                    # a scheduler stepped before the fault (or the optimizer's settings changed) goes back too
+                    restore_schedule(self.optimizer, self.schedulers, self._schedule)
                 if self.heartbeat is not None:
                     self.heartbeat.watching = True
                 self._t_attempt = time.time()
@@ -427,7 +443,7 @@ class Resilient:
             self._kept.append((step, batch))
         if self.ckpt is not None and self.ckpt.due(self.committed_step):
             t0 = time.perf_counter()
-            written = self.ckpt.save(self.committed_step, job_state(self.model, self.optimizer))
+            written = self.ckpt.save(self.committed_step, self.state())
             self.session.emit(EventKind.CHECKPOINT, step=self.committed_step, seconds=time.perf_counter() - t0,
                               bytes=written)
         if self.ckpt is not None and self._kept:
@@ -653,7 +669,7 @@ class Resilient:
                 raise RuntimeError(f"excision at step {decision.step} was decided but rank {s.rank} keeps only "
                                    f"steps {self.peers.own_steps() if self.peers else ()} and committed "
                                    f"{self.committed_step}")
-            load_job_state(self.model, self.optimizer, self.peers.own[decision.step])  # generators included
+            load_job_state(self.model, self.optimizer, self.peers.own[decision.step], self.schedulers)  # generators included
             self.committed_step = decision.step
             self._mark_committed()
         else:  # the generators as committed (the failed step may have drawn from them)
@@ -663,7 +679,7 @@ class Resilient:
         old_groups = self._job_groups()
         with s.sever_lock:  # a late sever by the heartbeat never reaches the smaller world's new group
             # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named): the caller's to report
-            out = excise(job_state(self.model, self.optimizer), held, before, decision.lost, step=decision.step,
+            out = excise(self.state(), held, before, decision.lost, step=decision.step,
                          spec=s.spec, store=s.store, generation=decision.round, build=self.build,
                          old_group=s.group, min_ranks=self.min_ranks,
                          checkpoint_dir=str(self.ckpt.directory) if self.ckpt is not None else None)
@@ -675,6 +691,7 @@ class Resilient:
             if self.weight is not None:
                 self.weight.remove()
             self.model, self.optimizer, self.membership = out.model, out.optimizer, out.membership
+            self.schedulers = carry_schedule(self._schedule, self.optimizer)  # the survivor's, as committed
             self.weight = GradientWeight(self.model)
             for old in old_groups.values():
                 backend = comm.backend_of(old, s.spec.device)
@@ -692,7 +709,7 @@ class Resilient:
         if self.ckpt is not None:  # the smaller world's own checkpoints start at the excision's step
             self.ckpt = s.checkpointer()
             assert self.ckpt is not None
-            self.ckpt.save(self.committed_step, job_state(self.model, self.optimizer))
+            self.ckpt.save(self.committed_step, self.state())
         if self.session.config.check_commits:  # a new model: its mark is taken afresh
             self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer)
         self._watch_optimizer()  # and its optimizer watched
@@ -744,7 +761,8 @@ class Resilient:
         generators were captured by the commit mark a moment ago, nothing drawn since."""
         assert self.peers is not None
         t0 = time.perf_counter()
-        state = job_state(self.model, self.optimizer, self._rng if just_marked else None)
+        state = (job_state(self.model, self.optimizer, self._rng, schedule=self._schedule) if just_marked
+                 else self.state())
         self.peers.commit(self.committed_step, state, listed_s=time.perf_counter() - t0)
 
     def _refresh_peers(self) -> None:
@@ -769,7 +787,7 @@ class Resilient:
             state, fetched = peers.fetch(self.peers.addresses[holder], self.session.rank, step,
                                          self.session.config.peer_copy_timeout_s)
             self.peers.own[step] = state
-        load_job_state(self.model, self.optimizer, state)
+        load_job_state(self.model, self.optimizer, state, self.schedulers)
         self.committed_step = step
         self._mark_committed()
         self.peers.keep_only(step)
@@ -779,7 +797,7 @@ class Resilient:
         """Load the checkpoint of ``step`` (state and generators) and make it the committed state."""
         if self.ckpt is None:
             raise RuntimeError("no checkpoint directory is set: nothing to restore from")
-        load_job_state(self.model, self.optimizer, self.ckpt.load(step))
+        load_job_state(self.model, self.optimizer, self.ckpt.load(step), self.schedulers)
         self.committed_step = step
         self._mark_committed()
 

@@ -1,4 +1,5 @@
-"""A rank's state: parameter shards, optimizer state and every random-number generator.
+"""A rank's state: parameter shards, optimizer state, every random-number generator and the
+optimizer's schedule (param group settings, LR schedulers: :class:`Schedule`).
 
 :func:`local_state` lists every tensor a rank holds (its parameter shards, then optimizer
 state) in one fixed order; checkpoints, the final comparison and the commit check all read
@@ -27,18 +28,22 @@ misses every sampled element.
 
 from __future__ import annotations
 
+import copy
+import gc
 import hashlib
+import pickle
 import random
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.nn as nn
 
 __all__ = ["local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
-           "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS"]
+           "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
+           "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY"]
 
 ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
 _SAMPLE_TENSORS = 64
@@ -298,13 +303,86 @@ def rng_from_tensors(tensors: dict[str, torch.Tensor]) -> RngState:
                     (int(py[0]), tuple(int(w) for w in py[1:]), gauss if has_gauss else None), np_state)
 
 
-def job_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng: RngState | None = None) -> dict[str, torch.Tensor]:
-    """What a checkpoint holds and bit-identity compares: :func:`local_state` and the generators
-    (``rng``: as the caller captured them a moment ago, nothing drawn since; default: now)."""
-    return {**local_state(model, optimizer), **rng_tensors(capture_rng() if rng is None else rng)}
+# -- the optimizer's schedule ----------------------------------------------------------------
+SCHEDULE_KEY = "schedule/state"  # in a job state: the Schedule, pickled into bytes
+_SCHEDULE_PAD = 256  # its bytes are padded to a multiple of this: a peer copy's layout stays put
 
 
-def load_job_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
-    load_local_state(model, optimizer, {k: v for k, v in state.items() if not k.startswith("rng/")})
+@dataclass(frozen=True)
+class Schedule:
+    """What changes an optimizer's hyperparameters as the steps go by, as it was at one moment:
+    every param group's settings (all but its parameters: ``lr``, ``betas``, a scheduler's
+    ``initial_lr``...) and the state of each LR scheduler on the optimizer (its ``state_dict``)."""
+
+    groups: tuple[dict[str, Any], ...]
+    schedulers: tuple[tuple[str, dict[str, Any]], ...]  # (type name, state_dict), in schedulers_of order
+
+
+def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | None = None) -> list[Any]:
+    """The LR schedulers stepping ``optimizer`` among ``objects`` (default: a walk of the garbage
+    collector's objects, done when training starts), each once: one inside a ``SequentialLR`` or
+    ``ChainedScheduler`` is restored by it. Ordered by type name, then as found."""
+    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+    found = [o for o in (gc.get_objects() if objects is None else objects)
+             if isinstance(o, (LRScheduler, ReduceLROnPlateau)) and getattr(o, "optimizer", None) is optimizer]
+    inner = {id(x) for o in found for x in getattr(o, "_schedulers", ())}
+    return sorted((o for o in found if id(o) not in inner), key=lambda o: type(o).__qualname__)
+
+
+def capture_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any] = ()) -> Schedule:
+    return Schedule(tuple(copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups),
+                    tuple((type(s).__qualname__, copy.deepcopy(s.state_dict())) for s in schedulers))
+
+
+def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], schedule: Schedule) -> None:
+    """Put the param groups' settings and the schedulers back as ``schedule`` has them; a
+    schedule of other groups or schedulers (a replacement built another optimizer) is refused."""
+    kinds = tuple(type(s).__qualname__ for s in schedulers)
+    if len(schedule.groups) != len(optimizer.param_groups) or kinds != tuple(k for k, _ in schedule.schedulers):
+        raise ValueError(f"the committed schedule has {len(schedule.groups)} param group(s) and schedulers "
+                         f"{[k for k, _ in schedule.schedulers]}; this optimizer has {len(optimizer.param_groups)} "
+                         f"and {list(kinds)}")
+    for group, saved in zip(optimizer.param_groups, schedule.groups):
+        group.update(copy.deepcopy(saved))
+    for sched, (_, saved) in zip(schedulers, schedule.schedulers):
+        sched.load_state_dict(copy.deepcopy(saved))
+
+
+def _schedule_tensor(schedule: Schedule) -> torch.Tensor:
+    try:
+        raw = pickle.dumps(schedule, protocol=4)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        kinds = [k for k, _ in schedule.schedulers]
+        raise ValueError(f"the optimizer's schedule (param group settings, schedulers {kinds}) cannot be saved with "
+                         f"the state: {exc}; keep functions out of a scheduler's attributes (LambdaLR's lr_lambdas "
+                         "are left out by its state_dict)") from None
+    size = 8 + len(raw)
+    buf = bytearray(8 + len(raw) + (-size) % _SCHEDULE_PAD)
+    buf[:8] = len(raw).to_bytes(8, "little")
+    buf[8:8 + len(raw)] = raw
+    return torch.frombuffer(buf, dtype=torch.uint8).clone()
+
+
+def _schedule_from(t: torch.Tensor) -> Schedule:
+    raw = t.numpy().tobytes()
+    return pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])  # the job's own copies and checkpoints
+
+
+def job_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng: RngState | None = None, *,
+              schedule: Schedule | None = None, schedulers: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds and bit-identity compares: :func:`local_state`, the generators
+    (``rng``: as the caller captured them a moment ago, nothing drawn since; default: now) and
+    the optimizer's schedule (``schedule``, likewise; default: now, with ``schedulers``)."""
+    sched = capture_schedule(optimizer, schedulers) if schedule is None else schedule
+    return {**local_state(model, optimizer), **rng_tensors(capture_rng() if rng is None else rng),
+            SCHEDULE_KEY: _schedule_tensor(sched)}
+
+
+def load_job_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor],
+                   schedulers: Sequence[Any] = ()) -> None:
+    load_local_state(model, optimizer, {k: v for k, v in state.items() if not k.startswith(("rng/", "schedule/"))})
     if "rng/torch_cpu" in state:
         restore_rng(rng_from_tensors(state))
+    if SCHEDULE_KEY in state:
+        restore_schedule(optimizer, schedulers, _schedule_from(state[SCHEDULE_KEY]))
