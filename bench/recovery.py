@@ -367,8 +367,10 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int) -> list[tuple[st
     from meshpact.core.recording import EventKind
 
     sizes = (2, 4, 8)
+    cores = os.cpu_count() or 1
     per_chunk = max(1, -(-faults // chunks))
     ours: dict[int, list[float]] = {n: [] for n in sizes}
+    cpu: dict[int, list[float]] = {n: [] for n in sizes}  # every rank's process CPU in each recovery, summed
     firsts: dict[int, list[float]] = {n: [] for n in sizes}  # each trial's first fault (lands at step 1)
     theirs: dict[int, list[float]] = {n: [] for n in sizes}
     standby: dict[int, dict[str, int]] = {n: {"used": 0, "built": 0} for n in sizes}
@@ -381,6 +383,7 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int) -> list[tuple[st
             identical = identical and result.bit_identical
             mine = [r for r in result.recoveries() if r["policy"] == "in_memory"]
             ours[n] += [r["recovery_s"] * 1e3 for r in mine]
+            cpu[n] += [r["cpu_s"] * 1e3 for r in mine]
             first = min((r["generation"] for r in mine), default=None)
             firsts[n] += [r["recovery_s"] * 1e3 for r in mine if r["generation"] == first]
             for e in result.events():
@@ -404,8 +407,13 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int) -> list[tuple[st
                                "standby_built": standby[n]["built"],
                                # the first fault of each trial lands in its second step, on the first
                                # step's start-up work; shown apart, never left out of the figures above
-                               "first_fault_ms": firsts[n], "max_ms_after_first_fault": max(later, default=None)}
-        text = f"{row['p50_ms']:.1f} / {row['p99_ms']:.1f} / {row['max_ms']:.1f}"
+                               "first_fault_ms": firsts[n], "max_ms_after_first_fault": max(later, default=None),
+                               # the CPU the ranks spend on a recovery, and the least wall time the host's
+                               # cores could give it were that work spread over them perfectly
+                               "ranks_per_core": n / cores, "cpu_ms_all_ranks_p50": statistics.median(cpu[n]),
+                               "cpu_floor_ms_p50": statistics.median(cpu[n]) / min(n, cores)}
+        text = (f"{row['p50_ms']:.1f} / {row['p99_ms']:.1f} / {row['max_ms']:.1f}  |  CPU {row['cpu_ms_all_ranks_p50']:.1f}"
+                f" ms over {n} ranks on {cores} cores: at least {row['cpu_floor_ms_p50']:.1f} ms")
         if theirs[n]:
             peer = theirs[n]
             row["torchft"] = {"rounds": len(peer), "p50_ms": statistics.median(peer), "p99_ms": _pct(peer, 0.99),
@@ -415,8 +423,8 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int) -> list[tuple[st
                      f"{row['torchft']['max_ms']:.1f}  |  {row['ratio_p50']:.2f}")
         by_ranks[n] = row
         rows.append((f"{n} ranks: meshpact recovery ({len(mine)} faults; standby used {standby[n]['used']}, built "
-                     f"{standby[n]['built']}) | torchft configure + first allreduce | ratio of p50 "
-                     "(ms, p50 / p99 / max)", text))
+                     f"{standby[n]['built']}) | its CPU, all ranks (p50), and the wall time that CPU needs at "
+                     "least | torchft configure + first allreduce | ratio of p50 (ms, p50 / p99 / max)", text))
     if torchft_error is not None:
         rows.append(("torchft", torchft_error))
     four = by_ranks[4]
