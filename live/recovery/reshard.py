@@ -64,7 +64,7 @@ from meshpact.core.recovery import CommunicatorAction
 
 from . import communicator as comm
 from .checkpoint import Checkpointer, state_bytes
-from .state import capture_rng, load_local_state, restore_rng
+from .state import capture_rng, load_buffers, load_local_state, restore_rng
 
 __all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "BatchShare",
            "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise",
@@ -418,6 +418,7 @@ def excise(own: Mapping[str, torch.Tensor], held: Mapping[int, Mapping[str, torc
 
     mesh = mesh_from_groups({comm.WORLD: group}, spec.device.split(":")[0], (after.world,), None)
     model, optimizer = _rebuild(build, mesh, full, after.world, new_spec.rank)
+    load_buffers(model, own)  # buffers are each rank's own (BatchNorm's statistics): the survivor keeps its
     del full
     rebuild_s = time.perf_counter() - t0
     record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,

@@ -3,8 +3,9 @@
 :class:`Resilient` wraps the user's unchanged training step. At every commit it keeps what a
 re-run needs: the committed step, a commit mark of the state (O(1) bytes hashed, see
 :class:`~meshpact.live.recovery.state.CommitMark`), every random-number generator
-(:class:`~meshpact.live.recovery.state.RngState`) and the optimizer's schedule (its param
-groups' settings and its LR schedulers' state, :class:`~meshpact.live.recovery.state.Schedule`). When a communication fault escapes the
+(:class:`~meshpact.live.recovery.state.RngState`), the optimizer's schedule (its param
+groups' settings and its LR schedulers' state, :class:`~meshpact.live.recovery.state.Schedule`)
+and the model's persistent buffers (BatchNorm's statistics, which a failed forward moved). When a communication fault escapes the
 step (:func:`is_comm_fault`: by type and by where it was raised, never by its words) it:
 
 1. *detection* — notes the fault and severs the data path's sockets, so peers still
@@ -75,8 +76,8 @@ from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .reshard import ExcisionRecord, GradientWeight, Membership, carry_schedule, excise, share_batch
 from .session import RecoveryConfig, Session, c10d_default, resume_barrier
-from .state import (CommitMark, capture_rng, capture_schedule, job_state, load_job_state, restore_rng,
-                    restore_schedule, schedulers_of)
+from .state import (CommitMark, capture_rng, capture_schedule, job_state, load_buffers, load_job_state, model_buffers,
+                    restore_rng, restore_schedule, schedulers_of)
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
@@ -231,6 +232,7 @@ class Resilient:
         self._train_step: Callable[[Any], Any] | None = None
         self._mark: CommitMark | None = None  # what proves the state is the committed one (check_commits)
         self._rng = capture_rng()
+        self._buffers: dict[str, torch.Tensor] = {}
         self.schedulers: list[Any] = []  # the LR schedulers on the optimizer when training started
         self._schedule = capture_schedule(optimizer)
         self.counter = OpCounter() if session.config.count_dispatch else None
@@ -325,6 +327,8 @@ class Resilient:
             self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self._mark)
         self._rng = capture_rng()
         self._schedule = capture_schedule(self.optimizer, self.schedulers)
+        # the persistent buffers as committed: a failed forward may have moved BatchNorm's statistics
+        self._buffers = {f"buffer/{k}": v.detach().clone() for k, v in model_buffers(self.model).items()}
         self._watch_optimizer()
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -387,8 +391,10 @@ class Resilient:
                         batch = self._batch(step)
                     if self.session.config.restore_rng:
                         restore_rng(self._rng)
-                    # a scheduler stepped before the fault (or the optimizer's settings changed) goes back too
+                    # a scheduler stepped before the fault (or the optimizer's settings changed) goes back too,
+                    # and so do buffers the failed attempt's forward moved (BatchNorm's running statistics)
                     restore_schedule(self.optimizer, self.schedulers, self._schedule)
+                    load_buffers(self.model, self._buffers)
                 if self.heartbeat is not None:
                     self.heartbeat.watching = True
                 self._t_attempt = time.time()

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 __all__ = ["local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
-           "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY"]
+           "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "model_buffers", "load_buffers"]
 
 ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
 _SAMPLE_TENSORS = 64
@@ -60,8 +60,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local().detach() if hasattr(t, "to_local") else t.detach()
 
 
-def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """Every tensor this rank holds, parameter shards then optimizer state, in a fixed order."""
+def model_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers by name (what its ``state_dict`` holds besides parameters:
+    BatchNorm's running statistics and batch count...); non-persistent ones (caches a module
+    rebuilds) are not state."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def local_state(model: nn.Module, optimizer: torch.optim.Optimizer, buffers: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor this rank holds, parameter shards, optimizer state, then (``buffers``) the
+    model's persistent buffers, in a fixed order."""
     out: dict[str, torch.Tensor] = {}
     params = dict(model.named_parameters())
     for name, p in params.items():
@@ -70,12 +83,25 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
         for key, value in sorted(optimizer.state.get(p, {}).items()):
             if isinstance(value, torch.Tensor):
                 out[f"optim/{name}/{key}"] = _local(value)
+    if buffers:
+        for name, buf in model_buffers(model).items():
+            out[f"buffer/{name}"] = _local(buf)
     return out
+
+
+def load_buffers(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy the ``buffer/...`` entries of ``state`` into the model's buffers in place (those it has)."""
+    with torch.no_grad():
+        for name, buf in model_buffers(model).items():
+            saved = state.get(f"buffer/{name}")
+            if saved is not None:
+                _local(buf).copy_(saved)
 
 
 def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
     """Copy ``state`` (as :func:`local_state` gives it) back into the model and optimizer in place."""
     params = dict(model.named_parameters())
+    load_buffers(model, state)
     with torch.no_grad():
         for name, p in params.items():
             _local(p.data).copy_(state[f"param/{name}"])
@@ -197,7 +223,7 @@ class CommitMark:
         if previous is not None and previous.aliased and previous.owners == owners:
             samples, count, aliased = previous.samples, previous.count, True
         else:
-            state = local_state(model, optimizer)
+            state = local_state(model, optimizer, buffers=False)
             samples, count = _sample_views(state), len(state)
             aliased = _aliased(state, samples)
         return cls(step, _hash_samples(step, count, samples), owners, samples, count, aliased)
@@ -209,7 +235,7 @@ class CommitMark:
             return f"the committed step is {step}, the mark's {self.step}"
         owners = _owners(model, optimizer)
         if owners != self.owners or not self.aliased:
-            check = commit_check(step, local_state(model, optimizer))
+            check = commit_check(step, local_state(model, optimizer, buffers=False))
             if check == self.check:
                 return ""  # other objects, or storage moved, holding what was committed
             if owners == self.owners:
