@@ -16,6 +16,13 @@ _ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))
 atexit.register(shutil.rmtree, _ROOT, True)
 
 
+def workload_file(tmp_path_factory, name: str, text: str) -> str:
+    """A workload written as a user would (``text``), saved as ``<name>.py`` for a module's trials."""
+    path = tmp_path_factory.mktemp(name) / f"{name}.py"
+    path.write_text(text)
+    return str(path)
+
+
 def trial(**kw) -> TrialResult:
     cfg = TrialConfig(**kw)
     key = (cfg.workload, cfg.ranks, cfg.steps, cfg.checkpoint_every)

@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-from _recovery import assert_recovered, trial
+from _recovery import assert_recovered, trial, workload_file
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -43,9 +43,7 @@ DROPOUT_WORKLOAD = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
-    path = tmp_path_factory.mktemp("workload") / "dropout.py"
-    path.write_text(DROPOUT_WORKLOAD)
-    return str(path)
+    return workload_file(tmp_path_factory, "dropout", DROPOUT_WORKLOAD)
 
 
 def test_restored_generators_make_a_rerun_dropout_step_bit_identical(workload):

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from _recovery import recoveries_told, trial
+from _recovery import recoveries_told, trial, workload_file
 from meshpact.live.recovery.state import Schedule, capture_schedule, restore_schedule
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
@@ -63,9 +63,7 @@ USER_LOOP_WORKLOAD = textwrap.dedent('''
 
 @pytest.fixture(scope="module")
 def workload(tmp_path_factory):
-    path = tmp_path_factory.mktemp("user_loop") / "user_loop.py"
-    path.write_text(USER_LOOP_WORKLOAD)
-    return str(path)
+    return workload_file(tmp_path_factory, "user_loop", USER_LOOP_WORKLOAD)
 
 
 def test_a_replacement_a_checkpoint_restore_and_a_cold_restart_take_the_schedule_with_the_state(workload):
