@@ -7,8 +7,9 @@ thread's time per commit: with a step long enough to hide the ship, the host cop
 model without the host copy says 0); with a step shorter than the ship, the host copy and the
 wait for the copy in flight (a model that hides the ship, or has no wait, is off by it). The
 ship rate is taken over the ships the measured commits waited for, and the step is the one each
-sleep really lasted, so a slow ship or an overslept step (the machine is shared: in the suite a
-20 ms sleep lasted about 50) moves the prediction and the measurement alike.
+sleep really lasted, so a slow ship or an overslept step (the machine is shared: a 20 ms sleep
+lasts 28-30 ms here when quiet, 64-73 ms beside three busy loops) moves the prediction and the
+measurement alike.
 """
 
 from __future__ import annotations
