@@ -25,7 +25,8 @@ def recover(
     steps: int = typer.Option(40, "--steps", min=2, help="Training steps."),
     faults: int = typer.Option(10, "--faults", min=0, help="Faults to inject, at distinct steps."),
     fault_kind: FaultKind = typer.Option(FaultKind.COLLECTIVE, "--fault-kind", help="How the fault is injected."),
-    checkpoint_every: int = typer.Option(10, "--checkpoint-every", min=1, help="Checkpoint interval K (steps)."),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint interval K "
+                                                   "(steps) [default: 10, or --steps when that is fewer]."),
     data_timeout: float = typer.Option(1.0, "--data-timeout", min=0.1, help="Data-path timeout (seconds)."),
     record: Optional[Path] = typer.Option(None, "--record", help="JSONL recording path "
                                           "[default: recordings/recover-<kind>-<ranks>r.jsonl]"),
@@ -56,7 +57,8 @@ def recover(
     from meshpact.live.recovery.trialconfig import TrialConfig
 
     cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
-                      checkpoint_every=checkpoint_every, data_timeout_s=data_timeout,
+                      checkpoint_every=min(10, steps) if checkpoint_every is None else checkpoint_every,
+                      data_timeout_s=data_timeout,
                       stall_s=data_timeout + 0.5, down_s=2.0 * data_timeout, baselines=baselines,
                       timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies,
                       spare_ranks=spare_ranks, on_rank_loss=on_rank_loss, min_ranks=min_ranks)
