@@ -21,7 +21,8 @@ def test_the_command_is_listed_under_live(capsys):
     assert "recover" in capsys.readouterr().out
 
 
-def test_heartbeat_is_on_unless_turned_off_and_reaches_the_trial(monkeypatch):
+def _configs(monkeypatch, *argvs: list[str]) -> list:
+    """The TrialConfig each ``meshpact live recover <argv>`` hands to the trial (which is not run)."""
     import meshpact.live.recovery.trial as trial
 
     seen = []
@@ -30,37 +31,25 @@ def test_heartbeat_is_on_unless_turned_off_and_reaches_the_trial(monkeypatch):
         pass
 
     def fake_run_trial(cfg, recording_path):
-        seen.append(cfg.heartbeat)
+        seen.append(cfg)
         raise Stop
 
     monkeypatch.setattr(trial, "run_trial", fake_run_trial)
-    for args, expected in ((["--no-heartbeat"], False), ([], True)):
+    for argv in argvs:
         try:
-            main(["live", "recover", "--ranks", "2", "--steps", "8", "--faults", "1", "--checkpoint-every", "4", *args])
+            main(["live", "recover", "--ranks", "2", "--faults", "1", *argv])
         except Stop:
             pass
-        assert seen[-1] is expected
-    assert seen == [False, True]
+    return seen
+
+
+def test_heartbeat_is_on_unless_turned_off_and_reaches_the_trial(monkeypatch):
+    base = ["--steps", "8", "--checkpoint-every", "4"]
+    assert [c.heartbeat for c in _configs(monkeypatch, [*base, "--no-heartbeat"], base)] == [False, True]
 
 
 def test_a_short_run_without_an_interval_checkpoints_at_its_end_instead_of_refusing(monkeypatch):
     """The default interval (10) is for runs of 10 steps or more: a shorter run gets one at its
     last step, where a flag the user never gave used to be refused; a given interval is kept."""
-    import meshpact.live.recovery.trial as trial
-
-    seen = []
-
-    class Stop(Exception):
-        pass
-
-    def fake_run_trial(cfg, recording_path):
-        seen.append(cfg.checkpoint_every)
-        raise Stop
-
-    monkeypatch.setattr(trial, "run_trial", fake_run_trial)
-    for args in (["--steps", "6"], ["--steps", "40"], ["--steps", "6", "--checkpoint-every", "2"]):
-        try:
-            main(["live", "recover", "--ranks", "2", "--faults", "1", *args])
-        except Stop:
-            pass
-    assert seen == [6, 10, 2]
+    configs = _configs(monkeypatch, ["--steps", "6"], ["--steps", "40"], ["--steps", "6", "--checkpoint-every", "2"])
+    assert [c.checkpoint_every for c in configs] == [6, 10, 2]
