@@ -492,6 +492,7 @@ def _main(argv: Sequence[str] | None = None) -> int:
     # a rank that dies of a fatal signal (a native crash, an abort on a corrupted heap) leaves
     # every thread's Python stack in its stderr, which the launcher's error names
     faulthandler.enable(all_threads=True)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks on demand: kill -USR1 <pid>
     fn = _resolve(ns.target)
     args = json.loads(ns.args) if ns.args else worker_args()
     value = fn(args)

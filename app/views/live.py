@@ -129,7 +129,8 @@ if c[0].button("Stop", disabled=not running, type="secondary", key="live_stop"):
     job.stop()
     st.rerun()
 if c[1].button("Resume", disabled=not (running and held), type="primary", key="live_resume",
-               help="Let the held ranks start the faulted run (a fault you sent meanwhile hits them then)."):
+               help="Let the held ranks start the faulted run (a stall or partition sent meanwhile hits them then; a "
+                    "killed rank was already recovered from while held)."):
     assert job.pace is not None
     job.set_pace(Pace(job.pace.steps_per_s, frozenset()))
     st.rerun()
@@ -234,12 +235,14 @@ def panel() -> None:
               help="Live rank processes over the ranks the job has (an excised rank has left it).")
     d.metric("committed step", min(steps_done) if steps_done else "—")
     g.metric("generation", max(generations) if generations else "—",
-             help="Each recovery builds the job's groups anew: the generation counts them.")
+             help="Each recovery builds the job's groups anew, numbered by the consensus round that decided it.")
     e_.metric("events", count(len(events) + len(rank_events) if job.running else len(events)))
     if job.running and job.pace is not None and job.pace.holds("faulted"):
         if phase == "faulted" and rows and all(r.state == "held" for r in rows):
             st.info("**The faulted run is held before its first step.** Kill, stall or partition a rank from its "
-                    "row, then press **Resume** to watch the recovery (the run gives up after 5 minutes held).")
+                    "row, then press **Resume**. A killed rank is recovered from while the run is held (its "
+                    "replacement and the held survivors agree, and every row moves to the next generation); a "
+                    "stall or a partition meets the ranks once they train. The run gives up after 5 minutes held.")
         else:
             st.caption("The faulted run will be held before its first step (the reference run trains first).")
     if rows:

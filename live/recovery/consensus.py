@@ -54,7 +54,7 @@ from .control import ControlChannel, ControlTimeout
 __all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
            "EXCISE_NOT_OFFERED",
            "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "GONE_COUNT_KEY", "mark_gone",
-           "gone_ranks"]
+           "gone_ranks", "open_round"]
 
 ROUND_KEY = "round"  # the last round decided, complete or not
 GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
@@ -166,7 +166,11 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
         steps = [p.committed_step for p in proposals.values() if p.intact and p.committed_step >= 0]
         steps += [p.restore_before - 1 for p in proposals.values() if p.restore_before is not None]
         limit = max(min(steps), 0) if steps else 0
-        return Decision(round, Policy.CHECKPOINT_RESTORE, checkpoint_step(limit), reason, members, missing, raw)
+        try:
+            step = checkpoint_step(limit)
+        except FileNotFoundError as exc:  # a round still missing ranks goes on; a complete one is refused where
+            step, reason = -1, f"{reason}; no checkpoint to restore ({exc})"  # it is acted on (step -1)
+        return Decision(round, Policy.CHECKPOINT_RESTORE, step, reason, members, missing, raw)
 
     def excision(why: str) -> Decision:
         plan = _excise_plan(proposals, missing, peer_copies)
@@ -378,6 +382,16 @@ def gone_ranks(channel: ControlChannel, ranks: Sequence[int]) -> tuple[int, ...]
     """Which of ``ranks`` the launcher marked gone (:func:`mark_gone`)."""
     got = channel.present([f"{GONE_KEY}{r}" for r in ranks])
     return tuple(sorted(int(k[len(GONE_KEY):]) for k in got))
+
+
+def open_round(channel: ControlChannel, ranks: Sequence[int]) -> int | None:
+    """The round a peer has proposed in and this rank has not (None: no round is open). A rank
+    meets a fault only inside a collective; one idling between steps (a long evaluation, a
+    held run) learns here that its peers are recovering, instead of being waited for round
+    after round and declared lost. A round trip for the counter and one per peer looked at."""
+    nxt = channel.counter(ROUND_KEY) + 1
+    keys = [f"round{nxt}/rank{r}" for r in ranks if r != channel.rank]
+    return nxt if channel.any_present(keys) else None
 
 
 def declared_lost(channel: ControlChannel, after_round: int = 0) -> dict[int, tuple[int, ...]]:

@@ -137,6 +137,10 @@ class ControlChannel:
                 out.append(None)
         return out
 
+    def any_present(self, keys: list[str]) -> bool:
+        """Whether any of ``keys`` exists now (no waiting): one round trip per key looked at."""
+        return any(self._store.check([self._ns + k]) for k in keys)
+
     def present(self, keys: list[str]) -> JsonObject:
         """The values of those ``keys`` that exist now (no waiting): two round trips when all
         exist, else two per key."""

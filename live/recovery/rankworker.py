@@ -48,11 +48,14 @@ def _has_compiled(model: Any) -> bool:
     return any(type(m).__name__ == "OptimizedModule" for m in model.modules())
 
 
-def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s: float, emit: Any) -> float:
-    """Before ``step``: wait while ``phase`` is held (one ``held`` event), then until a step
-    period has passed since ``last_start`` (``time.monotonic()``). The period is capped at
-    ``max_period_s`` so ranks reading a changed pace a step apart never wait on each other
-    past the data-path timeout. Returns this step's start."""
+def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s: float, emit: Any,
+              idle: Any = None) -> float:
+    """Before ``step``: wait while ``phase`` is held (a ``held`` event), calling ``idle()``
+    every look (the runtime's ``join_recovery``: a peer lost meanwhile is recovered from while
+    held, not after the rank-loss bound), then until a step period has passed since
+    ``last_start`` (``time.monotonic()``). The period is capped at ``max_period_s`` so ranks
+    reading a changed pace a step apart never wait on each other past the data-path timeout.
+    Returns this step's start."""
     from meshpact.core.recording import EventKind
 
     from .trialconfig import Pace
@@ -62,6 +65,8 @@ def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s
         if not held:
             emit(EventKind.HELD, step=step)
             held = True
+        if idle is not None and idle() is not None:
+            held = False  # recovered while held: a held event again, on the new generation
         time.sleep(0.1)
         pace = Pace.read(work)
     if pace is not None and pace.steps_per_s:
@@ -149,12 +154,13 @@ def worker(args: JsonObject) -> JsonObject:
         for step in range(rt.committed_step, steps):
             if refused is not None:
                 break
-            if paced:
-                last_start = keep_pace(work, phase, step, last_start, 0.5 * config.data_timeout_s,
-                                       lambda kind, **data: session.emit(kind, generation=session.generation, **data))
-            t0 = time.perf_counter()
-            batch = batches(step)
             try:
+                if paced:  # a held rank joins a recovery its peers opened meanwhile (an excision may refuse)
+                    last_start = keep_pace(work, phase, step, last_start, 0.5 * config.data_timeout_s,
+                                           lambda kind, **data: session.emit(kind, generation=session.generation,
+                                                                             **data), rt.join_recovery)
+                t0 = time.perf_counter()
+                batch = batches(step)
                 if profile and fault_steps and step in (fault_steps[0] - 1, fault_steps[-1] + 1):
                     key = "before_first_fault" if step < fault_steps[0] else "after_last_recovery"
                     regions[key] = compiled_regions(lambda: rt.step(train_step, batch))

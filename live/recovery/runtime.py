@@ -69,7 +69,7 @@ from meshpact.core.jsonform import JsonObject
 
 from . import communicator as comm
 from . import peers
-from .consensus import Decision, Proposal, agree
+from .consensus import Decision, Proposal, agree, open_round
 from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
@@ -426,6 +426,23 @@ class Resilient:
         self._commit(step, batch)
         return out
 
+    def join_recovery(self) -> Decision | None:
+        """Between steps: join a recovery this rank's peers opened, now (None: none is open).
+
+        A rank meets a fault only inside a collective. One that idles between steps (an
+        evaluation, waiting for data, a held run) while a peer is lost leaves the replacement
+        and the survivors waiting round after round for its proposal, and after the rank-loss
+        bound they declare it lost and its process is replaced. A loop with such idle phases
+        calls this in them, as often as it likes (a few control-channel round trips when no
+        round is open). Nothing ran since the commit, so the state goes into the round as
+        committed; the step after it starts on the new generation's groups."""
+        s = self.session
+        nxt = open_round(s.control, s.members)
+        if nxt is None:
+            return None
+        return self._recover(f"peers opened recovery round {nxt} while this rank was between steps",
+                             self.committed_step)
+
     def _commit(self, step: int, batch: Any) -> None:
         if not self._optimizer_began:
             carried = _carried_gradients(self.model)
@@ -537,8 +554,9 @@ class Resilient:
             self.on_decided(decision)
         if decision.policy is Policy.EXCISE:
             return self._excise(decision, step, t_detect, reset_s, intact, cpu0)
-        if decision.policy is Policy.CHECKPOINT_RESTORE and self.ckpt is None:
-            raise RuntimeError(f"cannot recover in memory ({decision.reason}) and no checkpoint directory is set")
+        if decision.policy is Policy.CHECKPOINT_RESTORE and (self.ckpt is None or decision.step < 0):
+            why = "no checkpoint directory is set" if self.ckpt is None else "no complete checkpoint exists"
+            raise RuntimeError(f"cannot recover in memory ({decision.reason}) and {why}")
 
         t0 = time.perf_counter()
         world = s.group
@@ -803,6 +821,8 @@ class Resilient:
         """Load the checkpoint of ``step`` (state and generators) and make it the committed state."""
         if self.ckpt is None:
             raise RuntimeError("no checkpoint directory is set: nothing to restore from")
+        if step < 0:  # a decision made when none was complete (consensus.decide)
+            raise RuntimeError("no complete checkpoint exists to restore from")
         load_job_state(self.model, self.optimizer, self.ckpt.load(step), self.schedulers)
         self.committed_step = step
         self._mark_committed()

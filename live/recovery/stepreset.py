@@ -26,6 +26,8 @@ def reset_step_state(model: torch.nn.Module, states: list[Any] | None = None) ->
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     for state in fsdp_states(model) if states is None else states:
+        if not hasattr(state._comm_ctx, "reduce_scatter_states"):
+            continue  # never lazily initialized: no step ran through it (a recovery before the first step)
         ctx = state._state_ctx
         ctx.iter_forward_root = None
         ctx.post_backward_final_callback_queued = False

@@ -167,8 +167,9 @@ def _click(pg, key: str) -> None:  # noqa: ANN001
 @pytest.mark.timeout(600)
 def test_live_console_hold_kill_from_a_row_watch_recovery_then_replay_and_perfetto(user):
     """The issue's done-when, as a person does it: 4 ranks, held before the faulted run, rank 2
-    killed from its row, Resume, the replacement and the new generation show in the table,
-    the verdict counts the fault, and the same run opens in Replay and as a Perfetto trace."""
+    killed from its row, the replacement and the new generation show in the table while the
+    run is still held, Resume, the verdict counts the fault, and the same run opens in Replay
+    and as a Perfetto trace."""
     import json
 
     pg = user
@@ -200,12 +201,20 @@ def test_live_console_hold_kill_from_a_row_watch_recovery_then_replay_and_perfet
     _click(pg, "live_kill_2")
     pg.wait_for_function("() => document.body.innerText.includes('Sent from this page: kill rank 2')",
                          timeout=60_000)
+    # the held ranks recover with the replacement before anyone presses Resume (Resilient.join_recovery):
+    # rank 2 comes back as a new process, every rank held again on generation 1
+    deadline = time.monotonic() + 240
+    while True:
+        rows = {r: _row(pg, r) for r in range(4)}
+        settled = (all(len(cells) > 5 and cells[3] == "held" and cells[5] == "1" for cells in rows.values())
+                   and rows[2][2] == "1")
+        if settled or time.monotonic() > deadline:
+            break
+        pg.wait_for_timeout(500)
+    assert settled, rows
+    assert rows[2][1] != killed_pid
+    pg.screenshot(path=str(ARTIFACTS / "live-console-recovered-while-held.png"), full_page=True)
     _click(pg, "live_resume")
-    # the recovery streams in: rank 2 comes back as a new process, every rank on generation 1
-    pg.wait_for_function("""() => { const r = document.querySelector('.st-key-live_row_2');
-        if (!r) return false; const c = r.innerText.split('\\n').map(s => s.trim()).filter(Boolean);
-        return c[2] === '1' && c[5] === '1'; }""", timeout=300_000)
-    assert _row(pg, 2)[1] != killed_pid
     verdict = pg.locator('[data-testid="stAlertContentSuccess"]', has_text="Bit-identical")
     verdict.wait_for(timeout=300_000)
     assert "1 of them sent from this page" in verdict.inner_text()

@@ -318,3 +318,32 @@ def test_a_rank_whose_view_went_stale_reads_the_counters_and_joins_the_round_und
     assert {(d.round, d.policy, d.step) for d in decisions} == {(2, Policy.IN_MEMORY, 4)}
     assert all(2 in d.proposals for d in decisions)
     assert Decision.from_dict(channels[0].get("round1/decision")).missing == (2,)
+
+
+def test_a_round_a_peer_opened_is_seen_by_a_rank_between_steps_and_not_its_own(channels):
+    """open_round is how an idle rank learns its peers are recovering: nothing open at first;
+    a rank's own proposal opens nothing for itself; a peer's does, at the round after the last
+    decided one, and the next round is what is looked at once that one is decided."""
+    from meshpact.live.recovery.consensus import ROUND_KEY, open_round
+
+    a, b, _ = channels
+    assert open_round(a, [0, 1, 2]) is None and open_round(b, [0, 1, 2]) is None
+    b.set("round1/rank1", Proposal(1, 0, -1, "", False, 1).to_dict())  # a replacement proposing
+    assert open_round(a, [0, 1, 2]) == 1
+    assert open_round(b, [0, 1, 2]) is None  # its own proposal
+    assert open_round(a, [0, 2]) is None  # rank 1 not a member (excised): its keys are not looked at
+    a.advance(ROUND_KEY, 1)  # round 1 decided
+    assert open_round(a, [0, 1, 2]) is None
+    b.set("round2/rank1", Proposal(1, 1, 3, "x", True).to_dict())
+    assert open_round(a, [0, 1, 2]) == 2
+
+
+def test_a_round_missing_ranks_with_no_checkpoint_yet_is_decided_not_raised():
+    """Before the first checkpoint a round still missing ranks is decided (and not acted on:
+    agree goes to the next round); its step says no checkpoint exists and its reason names why."""
+    def none_yet(limit: int) -> int:
+        raise FileNotFoundError(f"no complete checkpoint at or before step {limit}")
+
+    d = decide({2: Proposal(2, 0, -1, "", False, 1)}, 4, 0, 1, none_yet, timeout_s=30.0)
+    assert d.policy is Policy.CHECKPOINT_RESTORE and d.missing == (0, 1, 3) and d.step == -1
+    assert "did not answer" in d.reason and "no checkpoint to restore" in d.reason
