@@ -35,6 +35,7 @@ LONGEST_FIRST = (
     "tests/live/test_recovery_excise.py",  # 32 s
     "tests/live/test_forkserver.py",  # 22 s
     "tests/live/test_recovery_stall.py",  # 20 s
+    "tests/live/test_recovery_held.py",  # 20 s
     "tests/simulator/test_sim_live_replay.py",  # 20 s
     "tests/live/test_spillover_compiled.py",  # 12 s
 )
