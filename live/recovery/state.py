@@ -338,20 +338,25 @@ _SCHEDULE_PAD = 256  # its bytes are padded to a multiple of this: a peer copy's
 class Schedule:
     """What changes an optimizer's hyperparameters as the steps go by, as it was at one moment:
     every param group's settings (all but its parameters: ``lr``, ``betas``, a scheduler's
-    ``initial_lr``...) and the state of each LR scheduler on the optimizer (its ``state_dict``)."""
+    ``initial_lr``...), the state of each LR scheduler on the optimizer and of each gradient
+    scaler (its loss scale and growth tracker), as their ``state_dict`` has it."""
 
     groups: tuple[dict[str, Any], ...]
     schedulers: tuple[tuple[str, dict[str, Any]], ...]  # (type name, state_dict), in schedulers_of order
 
 
 def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | None = None) -> list[Any]:
-    """The LR schedulers stepping ``optimizer`` among ``objects`` (default: a walk of the garbage
-    collector's objects, done when training starts), each once: one inside a ``SequentialLR`` or
-    ``ChainedScheduler`` is restored by it. Ordered by type name, then as found."""
+    """The LR schedulers stepping ``optimizer`` and the gradient scalers (``torch.amp.GradScaler``,
+    which ``scaler.step(optimizer)`` takes as an argument: every one found) among ``objects``
+    (default: a walk of the garbage collector's objects, done when training starts), each once:
+    a scheduler inside a ``SequentialLR`` or ``ChainedScheduler`` is restored by it. Ordered by
+    type name, then as found."""
+    from torch.amp import GradScaler
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
     found = [o for o in (gc.get_objects() if objects is None else objects)
-             if isinstance(o, (LRScheduler, ReduceLROnPlateau)) and getattr(o, "optimizer", None) is optimizer]
+             if (isinstance(o, (LRScheduler, ReduceLROnPlateau)) and getattr(o, "optimizer", None) is optimizer)
+             or isinstance(o, GradScaler)]
     inner = {id(x) for o in found for x in getattr(o, "_schedulers", ())}
     return sorted((o for o in found if id(o) not in inner), key=lambda o: type(o).__qualname__)
 
@@ -373,6 +378,9 @@ def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any]
         group.update(copy.deepcopy(saved))
     for sched, (_, saved) in zip(schedulers, schedule.schedulers):
         sched.load_state_dict(copy.deepcopy(saved))
+        per_optimizer = getattr(sched, "_per_optimizer_states", None)  # a GradScaler's, reset by its update()
+        if per_optimizer is not None:  # an attempt that failed after unscale_ would refuse the re-run's
+            per_optimizer.clear()
 
 
 def _schedule_tensor(schedule: Schedule) -> torch.Tensor:

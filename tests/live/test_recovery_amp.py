@@ -1,0 +1,100 @@
+"""A stranger's mixed-precision loop: a ``torch.amp.GradScaler`` in a module global.
+
+The scaler's loss scale and growth tracker change every step, and its per-optimizer record
+(whether ``unscale_`` ran, the inf found) lives between ``scaler.step`` and ``scaler.update``.
+The workload starts the scale near the top of float32 and grows it every step until the
+scaled loss overflows; that step is skipped and the scale backs off, so the scale decides
+which steps apply. Before the scaler was part of the committed schedule, recovery was wrong
+both ways and said nothing: a replacement process began from the initial scale, and faults
+in the step, recovered "in memory, state intact", re-ran it with the failed attempt's
+per-optimizer record (``unscale_`` already done), stepping with scaled gradients. Bit-identity
+covers the scaler (its ``state_dict`` in ``schedule/state``) and every parameter.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from _recovery import recoveries_told, trial, workload_file
+from meshpact.live.recovery.state import capture_schedule, restore_schedule, schedulers_of
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+AMP_WORKLOAD = textwrap.dedent('''
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    SCALER = None
+
+
+    def build(mesh):
+        global SCALER
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16))
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+        # grows every step until the scaled loss overflows float32 (from about 2**115 here): that step
+        # is skipped and the scale halves, so from step 5 on every other step is skipped
+        SCALER = torch.amp.GradScaler("cpu", init_scale=2.0 ** 110, growth_factor=2.0, backoff_factor=0.5,
+                                      growth_interval=1)
+        return model, optimizer
+
+
+    def batch(step, rank):
+        return torch.randn(8, 16, generator=torch.Generator().manual_seed(31 * step + rank))
+
+
+    def train_step(model, optimizer, batch):
+        loss = model(batch).pow(2).sum() * 1e3
+        SCALER.scale(loss).backward()
+        SCALER.step(optimizer)
+        SCALER.update()
+        optimizer.zero_grad()
+        logged = torch.stack([loss.detach(), SCALER.get_scale() * torch.ones(())])
+        dist.all_reduce(logged)  # the loss and the scale for the log, after the update
+        return float(logged[0])
+''')
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    return workload_file(tmp_path_factory, "amp_loop", AMP_WORKLOAD)
+
+
+def test_a_replacement_takes_the_loss_scale_with_the_state(workload):
+    result = trial(ranks=2, steps=10, faults=1, fault_kind="kill", checkpoint_every=4, baselines=False,
+                   workload=workload)
+    s = result.summary()
+    assert s["bit_identical"], (s["mismatches"], recoveries_told(result))
+    assert s["policy_counts"]["peer_restore"] == 1 and s["replacement_processes"] == 1, recoveries_told(result)
+
+
+def test_faults_inside_the_scaled_step_re_run_it_from_the_committed_scale(workload):
+    result = trial(ranks=2, steps=10, faults=4, fault_kind="collective", checkpoint_every=4, baselines=False,
+                   workload=workload)
+    s = result.summary()
+    assert s["bit_identical"], (s["mismatches"], recoveries_told(result))
+    assert s["faults_recovered"] == 4, recoveries_told(result)
+
+
+def test_the_scaler_is_found_and_goes_back_with_its_per_optimizer_record_cleared():
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
+    found = schedulers_of(opt)
+    assert scaler in found
+    saved = capture_schedule(opt, found)
+    for _ in range(3):  # three applied steps: the scale grows each time
+        scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+    scaler.unscale_(opt)  # an attempt that failed between unscale_ and update
+    assert scaler.get_scale() == 8192.0
+    restore_schedule(opt, found, saved)
+    assert scaler.get_scale() == 1024.0 and scaler.state_dict()["_growth_tracker"] == 0
+    scaler.unscale_(opt)  # the re-run's: refused ("already been called") had the record stayed
