@@ -90,7 +90,7 @@ def worker(args: JsonObject) -> JsonObject:
 
     from .trialconfig import Pace
     from .outcome import Drill, FaultRecord, PeerCopyReport, RankOutcome, RetiredSummary
-    from .runtime import CarriedGradientsError, resilient
+    from .runtime import UnsafeLoopError, resilient
     from .config import RecoveryConfig
     from .session import start_session
     from .state import digest, job_state
@@ -169,7 +169,7 @@ def worker(args: JsonObject) -> JsonObject:
             except ExcisionRefused as exc:  # below --min-ranks: stopped, the state flushed to a checkpoint
                 refused = exc
                 continue
-            except CarriedGradientsError as exc:  # the workload's loop, refused at its first commit: one line
+            except UnsafeLoopError as exc:  # the workload's loop, refused at the commit that found it: one line
                 return RankOutcome(rank, workload_error=str(exc)).to_dict()
             step_s.append(time.perf_counter() - t0)
             if paced:

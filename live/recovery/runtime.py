@@ -81,7 +81,8 @@ from .state import (CommitMark, capture_rng, capture_schedule, job_state, load_b
 from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
-           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "CarriedGradientsError", "refuse_stale"]
+           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "CarriedGradientsError", "refuse_stale",
+           "UnsafeLoopError", "LateSchedulerError"]
 
 
 class StaleModelError(MeshpactError):
@@ -89,10 +90,21 @@ class StaleModelError(MeshpactError):
     ``rt.model`` and ``rt.optimizer`` (the smaller world's), not a model kept from before."""
 
 
-class CarriedGradientsError(MeshpactError):
+class UnsafeLoopError(MeshpactError):
+    """The training loop keeps state that no commit, peer copy or checkpoint holds, so a
+    recovery would resume without it, silently: refused at the commit that finds it."""
+
+
+class CarriedGradientsError(UnsafeLoopError):
     """A step left gradients for the next one without stepping the optimizer (gradients
-    accumulated over several ``rt.step`` calls): no commit, peer copy or checkpoint holds them,
-    so a recovery would resume without them and train on part of the batch, silently."""
+    accumulated over several ``rt.step`` calls): a recovery would resume without them and
+    train on part of the batch."""
+
+
+class LateSchedulerError(UnsafeLoopError):
+    """An LR scheduler or gradient scaler was made after ``resilient()`` was entered: its state
+    is in no commit, so a recovery would leave it where the failed attempt put it and a
+    replacement would start it anew."""
 
 # exceptions that are communication faults wherever they were raised
 COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistError, TimeoutError, ConnectionError)
@@ -259,6 +271,7 @@ class Resilient:
         # (an optimizer that all-reduces inside step(), after writing some tensors, fails there)
         self._optimizer_began = False
         self._optimizer_hook: Any = None
+        self._first_step = True  # schedulers and scalers made after __enter__, before the first step, are refused then
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -381,6 +394,8 @@ class Resilient:
         """Run one training step; on a communication fault recover and run it again."""
         step = self.committed_step
         self._train_step = train_step
+        if self._first_step:
+            self._find_late_schedules()
         message: str | None = None
         for _ in range(self.max_attempts):
             try:
@@ -426,6 +441,34 @@ class Resilient:
         self._commit(step, batch)
         return out
 
+    def _find_late_schedules(self) -> None:
+        """Before the first step: an LR scheduler or gradient scaler made between ``__enter__``
+        and it is refused. Its state would be in no peer copy or checkpoint of step 0, and a
+        replacement or a restart (which builds and enters before any step) could not load one
+        that has it. The walk sees only what was made since ``__enter__`` froze the heap."""
+        self._first_step = False
+        known = {id(x) for x in self.schedulers}
+        late = [x for x in schedulers_of(self.optimizer, gc.get_objects()) if id(x) not in known]
+        if late:
+            raise LateSchedulerError(
+                f"{', '.join(type(x).__qualname__ for x in late)} made after resilient() was entered: its state is "
+                "in no commit, peer copy or checkpoint of step 0, and a replacement or a restart could not load one "
+                "that has it. Make LR schedulers and gradient scalers before entering resilient() (in build)")
+
+    def _refuse_late_scheduler(self, step: int) -> None:
+        """An LR scheduler records ``initial_lr`` in every param group it drives: one there with
+        none known was made after training started (a dict lookup per group, each commit)."""
+        from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+        if any(isinstance(x, (LRScheduler, ReduceLROnPlateau)) for x in self.schedulers):
+            return
+        if any("initial_lr" in g for g in self.optimizer.param_groups):
+            raise LateSchedulerError(
+                f"step {step}: the optimizer's param groups carry initial_lr, an LR scheduler's mark, but no scheduler "
+                "on this optimizer existed when training started: its state is in no commit, peer copy or "
+                "checkpoint, so a recovery would leave it where a failed attempt put it. Make the scheduler before "
+                "entering resilient() (in build)")
+
     def join_recovery(self) -> Decision | None:
         """Between steps: join a recovery this rank's peers opened, now (None: none is open).
 
@@ -444,6 +487,7 @@ class Resilient:
                              self.committed_step)
 
     def _commit(self, step: int, batch: Any) -> None:
+        self._refuse_late_scheduler(step)
         if not self._optimizer_began:
             carried = _carried_gradients(self.model)
             if carried:

@@ -106,3 +106,61 @@ def test_the_schedule_goes_back_exactly_and_another_optimizers_is_refused():
     with pytest.raises(ValueError, match=r"schedulers \['StepLR'\]; this optimizer has 1 and \[\]"):
         restore_schedule(opt, [], saved)
     assert isinstance(saved, Schedule)
+
+
+LATE_SCHEDULER_WORKLOAD = textwrap.dedent('''
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    OPT, SCHED, WHERE = None, None, "{where}"
+
+
+    def build(mesh):
+        global OPT
+        torch.manual_seed(5)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        fully_shard(model, mesh=mesh)
+        OPT = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, OPT
+
+
+    def _late():
+        global SCHED
+        if SCHED is None and OPT is not None:  # made lazily, once training is under way
+            SCHED = torch.optim.lr_scheduler.StepLR(OPT, step_size=2, gamma=0.5)
+
+
+    def batch(step, rank):
+        if WHERE == "batch":  # after resilient() was entered, before the first step
+            _late()
+        return torch.randn(8, 16, generator=torch.Generator().manual_seed(97 * step + rank))
+
+
+    def train_step(model, optimizer, batch):
+        if WHERE == "step":  # inside the first step
+            _late()
+        model(batch).pow(2).mean().backward()
+        optimizer.step()
+        if SCHED is not None:
+            SCHED.step()
+        optimizer.zero_grad()
+''')
+
+
+@pytest.mark.parametrize("where, says", [
+    ("batch", "StepLR made after resilient() was entered"),
+    ("step", "step 0: the optimizer's param groups carry initial_lr, an LR scheduler's mark"),
+])
+def test_a_scheduler_made_once_training_is_under_way_is_refused_with_one_line(tmp_path, where, says):
+    """A scheduler made lazily after resilient() was entered would be in no commit, peer copy or
+    checkpoint: a recovery would leave it where the failed attempt put it, a replacement would
+    start it anew. Refused at the first step (made before it) or the first commit (made in it)."""
+    from meshpact.live.recovery.workload import WorkloadError
+
+    path = tmp_path / f"late_{where}.py"
+    path.write_text(LATE_SCHEDULER_WORKLOAD.replace("{where}", where))
+    with pytest.raises(WorkloadError) as err:
+        trial(ranks=2, steps=4, faults=1, fault_kind="collective", checkpoint_every=2, baselines=False,
+              workload=str(path))
+    line = str(err.value)
+    assert "\n" not in line and says in line and "Make " in line, line
