@@ -137,6 +137,10 @@ class ControlChannel:
                 out.append(None)
         return out
 
+    def all_present(self, keys: list[str]) -> bool:
+        """Whether every one of ``keys`` exists now (no waiting): one round trip."""
+        return bool(self._store.check([self._ns + k for k in keys]))
+
     def any_present(self, keys: list[str]) -> bool:
         """Whether any of ``keys`` exists now (no waiting): one round trip per key looked at."""
         return any(self._store.check([self._ns + k]) for k in keys)
