@@ -45,6 +45,17 @@ def recoveries_told(result: TrialResult) -> str:
                      for r in result.recoveries())
 
 
+def assert_identical(result: TrialResult, faults_recovered: int | None = None, **policies: int) -> dict:
+    """The run ended bit-identical with its reference, with ``faults_recovered`` faults recovered
+    and each policy's count as given; a failure says what each recovery was told."""
+    s = result.summary()
+    told = recoveries_told(result)
+    assert s["bit_identical"], (s["mismatches"], told)
+    assert faults_recovered is None or s["faults_recovered"] == faults_recovered, told
+    assert {p: s["policy_counts"][p] for p in policies} == policies, told
+    return s
+
+
 def assert_recovered(result: TrialResult, policy: str) -> dict:
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]

@@ -18,7 +18,7 @@ import textwrap
 import pytest
 import torch
 
-from _recovery import recoveries_told, trial, workload_file
+from _recovery import assert_identical, trial, workload_file
 from meshpact.live.recovery.state import capture_schedule, restore_schedule, schedulers_of
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
@@ -65,20 +65,15 @@ def workload(tmp_path_factory):
     return workload_file(tmp_path_factory, "amp_loop", AMP_WORKLOAD)
 
 
-def test_a_replacement_takes_the_loss_scale_with_the_state(workload):
-    result = trial(ranks=2, steps=10, faults=1, fault_kind="kill", checkpoint_every=4, baselines=False,
+@pytest.mark.parametrize("kind, faults, policies", [
+    ("kill", 1, {"peer_restore": 1}),  # a replacement takes the loss scale with the state
+    ("collective", 4, {}),  # faults inside the scaled step re-run it from the committed scale and record
+])
+def test_a_recovered_mixed_precision_loop_ends_bit_identical(workload, kind, faults, policies):
+    result = trial(ranks=2, steps=10, faults=faults, fault_kind=kind, checkpoint_every=4, baselines=False,
                    workload=workload)
-    s = result.summary()
-    assert s["bit_identical"], (s["mismatches"], recoveries_told(result))
-    assert s["policy_counts"]["peer_restore"] == 1 and s["replacement_processes"] == 1, recoveries_told(result)
-
-
-def test_faults_inside_the_scaled_step_re_run_it_from_the_committed_scale(workload):
-    result = trial(ranks=2, steps=10, faults=4, fault_kind="collective", checkpoint_every=4, baselines=False,
-                   workload=workload)
-    s = result.summary()
-    assert s["bit_identical"], (s["mismatches"], recoveries_told(result))
-    assert s["faults_recovered"] == 4, recoveries_told(result)
+    s = assert_identical(result, faults_recovered=faults, **policies)
+    assert s["replacement_processes"] == (1 if kind == "kill" else 0)
 
 
 def test_the_scaler_is_found_and_goes_back_with_its_per_optimizer_record_cleared():

@@ -20,7 +20,7 @@ import textwrap
 import pytest
 import torch
 
-from _recovery import recoveries_told, trial, workload_file
+from _recovery import assert_identical, trial, workload_file
 from meshpact.live.recovery.state import Schedule, capture_schedule, restore_schedule
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
@@ -71,9 +71,7 @@ def test_a_replacement_takes_the_schedule_and_the_statistics_with_the_state(work
     # restart load a checkpoint (the same call; the checkpoint is the same dict on disk)
     result = trial(ranks=2, steps=8, faults=1, fault_kind="kill", checkpoint_every=3, baselines=False,
                    workload=workload)
-    s = result.summary()
-    assert s["bit_identical"], (s["mismatches"], recoveries_told(result))
-    assert s["policy_counts"]["peer_restore"] == 1 and s["replacement_processes"] == 1, recoveries_told(result)
+    assert assert_identical(result, peer_restore=1)["replacement_processes"] == 1
 
 
 def test_faults_before_and_after_the_optimizer_put_the_statistics_and_the_schedule_back(workload):
@@ -84,10 +82,7 @@ def test_faults_before_and_after_the_optimizer_put_the_statistics_and_the_schedu
     # dispatch mode does not see it: it is not among the three
     result = trial(ranks=2, steps=8, faults=3, fault_kind="collective", checkpoint_every=3, baselines=False,
                    workload=workload)
-    s = result.summary()
-    assert s["bit_identical"], (s["mismatches"], recoveries_told(result))
-    assert s["faults_recovered"] == 3, recoveries_told(result)
-    assert s["policy_counts"]["in_memory"] == 2 and s["policy_counts"]["peer_restore"] == 1, recoveries_told(result)
+    assert_identical(result, faults_recovered=3, in_memory=2, peer_restore=1)
 
 
 def test_the_schedule_goes_back_exactly_and_another_optimizers_is_refused():
