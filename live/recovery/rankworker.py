@@ -26,7 +26,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from meshpact.core.jsonform import JsonObject
 
@@ -49,7 +49,7 @@ def _has_compiled(model: Any) -> bool:
 
 
 def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s: float, emit: Any,
-              idle: Any = None) -> float:
+              idle: Callable[[], object] | None = None) -> float:
     """Before ``step``: wait while ``phase`` is held (a ``held`` event), calling ``idle()``
     every look (the runtime's ``join_recovery``: a peer lost meanwhile is recovered from while
     held, not after the rank-loss bound), then until a step period has passed since

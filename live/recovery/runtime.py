@@ -75,7 +75,7 @@ from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .reshard import ExcisionRecord, GradientWeight, Membership, carry_schedule, excise, share_batch
-from .session import RecoveryConfig, Session, c10d_default, resume_barrier
+from .session import RecoveryConfig, Session, c10d_default, resume_barrier, start_barrier
 from .state import (CommitMark, capture_rng, capture_schedule, job_state, load_buffers, load_job_state, model_buffers,
                     restore_rng, restore_schedule, schedulers_of)
 from .stepreset import reset_step_state
@@ -309,7 +309,7 @@ class Resilient:
             self._copy_to_peers()
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
-        joined = self._start_barrier()
+        joined = start_barrier(s, self.join_recovery)  # a rank lost during start-up: its replacement's round
         # what exists now (torch, the model, the job's modules: most of the heap) is left out of
         # the garbage collector's scans: a full collection over it lasts tens of milliseconds,
         # and one that falls inside a recovery is that recovery's tail. Objects are still freed
@@ -441,27 +441,6 @@ class Resilient:
             raise RuntimeError(f"step {step} failed {self.max_attempts} times; last: {message}")
         self._commit(step, batch)
         return out
-
-    def _start_barrier(self) -> bool:
-        """Every rank at the start of training before any issues a collective. A rank lost before
-        it got here (during start-up) is replaced, and its replacement opens a round: the ranks
-        waiting here join it (:meth:`join_recovery`) rather than time out. Returns whether they
-        did; one that never comes is named, with what it means, after the control channel's bound."""
-        s = self.session
-        keys = [f"ready/g{s.generation}/rank{r}" for r in s.members]
-        s.control.set(keys[s.members.index(s.rank)], True)
-        deadline = time.monotonic() + s.control.timeout_s
-        while not s.control.all_present(keys):  # polled (a store wait that times out logs a warning each time)
-            if self.join_recovery() is not None:
-                return True
-            if time.monotonic() > deadline:
-                ranks = [r for r, k in zip(s.members, keys) if not s.control.all_present([k])]
-                raise RuntimeError(
-                    f"rank(s) {ranks} did not reach the start of training within {s.control.timeout_s:g} s and no "
-                    "replacement opened a recovery round (a rank lost during start-up is recovered only through "
-                    "its replacement)")
-            time.sleep(0.05)
-        return False
 
     def _find_late_schedules(self) -> None:
         """Before the first step: an LR scheduler or gradient scaler made between ``__enter__``

@@ -28,7 +28,7 @@ import threading
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Sequence
+from typing import IO, Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,7 +44,7 @@ from .config import RecoveryConfig
 from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Proposal, agree
 from .control import ControlChannel
 
-__all__ = ["RecoveryConfig", "Session", "start_session", "resume_barrier", "build_mesh_groups", "mesh_from_groups"]
+__all__ = ["RecoveryConfig", "Session", "start_session", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
 
 
 @dataclass
@@ -343,6 +343,32 @@ def resume_barrier(session: Session, generation: int) -> float:
     a rank that issued its first collective before a slower peer (a replacement still loading
     its checkpoint) arrived would otherwise time out on the data path. Returns seconds waited."""
     t0 = time.perf_counter()
-    session.control.set(f"ready/g{generation}/rank{session.rank}", True)
-    session.control.wait([f"ready/g{generation}/rank{r}" for r in session.members])
+    session.control.set(_ready_key(generation, session.rank), True)
+    session.control.wait([_ready_key(generation, r) for r in session.members])
     return time.perf_counter() - t0
+
+
+def start_barrier(session: Session, idle: Callable[[], object]) -> bool:
+    """:func:`resume_barrier` at the start of training, for a rank lost before it got there:
+    its replacement opens a recovery round, and ``idle()`` (the runtime's ``join_recovery``),
+    called between looks, joins it. Returns whether it did (the recovery's own barrier then
+    stood in for this one); a rank that never comes is named after the control channel's bound.
+    Polled: a store wait that times out logs a c10d warning each time."""
+    keys = [_ready_key(session.generation, r) for r in session.members]
+    session.control.set(_ready_key(session.generation, session.rank), True)
+    deadline = time.monotonic() + session.control.timeout_s
+    while not session.control.all_present(keys):
+        if idle() is not None:
+            return True
+        if time.monotonic() > deadline:
+            ranks = [r for r, k in zip(session.members, keys) if not session.control.all_present([k])]
+            raise RuntimeError(
+                f"rank(s) {ranks} did not reach the start of training within {session.control.timeout_s:g} s and "
+                "no replacement opened a recovery round (a rank lost during start-up is recovered only through its "
+                "replacement)")
+        time.sleep(0.05)
+    return False
+
+
+def _ready_key(generation: int, rank: int) -> str:
+    return f"ready/g{generation}/rank{rank}"
