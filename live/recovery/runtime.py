@@ -210,7 +210,8 @@ def device_meshes(objects: list[Any] | None = None) -> list[Any]:
     the user's own."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return [o for o in (gc.get_objects() if objects is None else objects) if isinstance(o, DeviceMesh)]
+    # by type(), not isinstance, as in state.schedulers_of: a dead weakref.proxy in the heap raises on isinstance
+    return [o for o in (gc.get_objects() if objects is None else objects) if issubclass(type(o), DeviceMesh)]
 
 
 class Resilient:

@@ -354,9 +354,11 @@ def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | Non
     from torch.amp import GradScaler
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+    # by type(), not isinstance: isinstance asks a weakref.proxy its __class__, and a dead proxy in the
+    # heap raises ReferenceError (a stranger's process had one; another object warned on the question)
     found = [o for o in (gc.get_objects() if objects is None else objects)
-             if (isinstance(o, (LRScheduler, ReduceLROnPlateau)) and getattr(o, "optimizer", None) is optimizer)
-             or isinstance(o, GradScaler)]
+             if (issubclass(type(o), (LRScheduler, ReduceLROnPlateau)) and getattr(o, "optimizer", None) is optimizer)
+             or issubclass(type(o), GradScaler)]
     inner = {id(x) for o in found for x in getattr(o, "_schedulers", ())}
     return sorted((o for o in found if id(o) not in inner), key=lambda o: type(o).__qualname__)
 

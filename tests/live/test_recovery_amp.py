@@ -93,3 +93,24 @@ def test_the_scaler_is_found_and_goes_back_with_its_per_optimizer_record_cleared
     restore_schedule(opt, found, saved)
     assert scaler.get_scale() == 1024.0 and scaler.state_dict()["_growth_tracker"] == 0
     scaler.unscale_(opt)  # the re-run's: refused ("already been called") had the record stayed
+
+
+def test_a_dead_weak_proxy_in_the_heap_does_not_stop_the_walks():
+    """isinstance asks a weakref.proxy its __class__, and a dead one raises ReferenceError: the
+    walks at resilient()'s entry (meshes, schedulers and scalers) met one in a pytest worker."""
+    import weakref
+
+    from meshpact.live.recovery.runtime import device_meshes
+
+    class Held:
+        pass
+
+    target = Held()
+    dead = [weakref.proxy(target)]
+    del target
+    with pytest.raises(ReferenceError):
+        isinstance(dead[0], int)  # what the walks must not ask
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    assert schedulers_of(opt, [dead[0], scaler]) == [scaler]
+    assert device_meshes([dead[0], scaler]) == []
