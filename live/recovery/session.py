@@ -357,8 +357,10 @@ def start_barrier(session: Session, idle: Callable[[], object]) -> bool:
     keys = [_ready_key(session.generation, r) for r in session.members]
     session.control.set(_ready_key(session.generation, session.rank), True)
     deadline = time.monotonic() + session.control.timeout_s
-    while not session.control.all_present(keys):
-        if idle() is not None:
+    looks = 0
+    while not session.control.all_present(keys):  # every 10 ms: the ranks leave within about that of each other
+        looks += 1
+        if looks % 10 == 0 and idle() is not None:  # every 100 ms: a round is opened seconds after a loss
             return True
         if time.monotonic() > deadline:
             ranks = [r for r, k in zip(session.members, keys) if not session.control.all_present([k])]
@@ -366,7 +368,7 @@ def start_barrier(session: Session, idle: Callable[[], object]) -> bool:
                 f"rank(s) {ranks} did not reach the start of training within {session.control.timeout_s:g} s and "
                 "no replacement opened a recovery round (a rank lost during start-up is recovered only through its "
                 "replacement)")
-        time.sleep(0.05)
+        time.sleep(0.01)
     return False
 
 
