@@ -38,7 +38,7 @@ from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, EventKind, partial_path
 from meshpact.core.recovery import Policy
 from meshpact.live.launcher import LaunchedProcess  # torch-free
-from meshpact.live.recovery.trialconfig import PHASES, PROCESSES_FILE, Pace  # torch-free
+from meshpact.live.trials.trialconfig import PHASES, PROCESSES_FILE, Pace  # torch-free
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
            "TOKEN_ENV", "RankLogs", "RankEvent", "FaultFromPage"]

@@ -1,12 +1,12 @@
 """The dashboard's live runner: one recovery trial, results as JSON (``python -m``).
 
-Runs :func:`meshpact.live.recovery.trial.run_trial` (a fault-free reference, the faulted run on
+Runs :func:`meshpact.live.trials.trial.run_trial` (a fault-free reference, the faulted run on
 the in-memory recovery runtime, and the checkpoint baselines, on local gloo ranks bound
 to 127.0.0.1), writes the recording as it goes and the trial's summary to ``--result``.
 SIGTERM ends it cleanly, so the launcher's own clean-up stops every rank it started.
 
 With ``--work-dir`` the trial runs there, so the dashboard can follow every rank's event
-log and steer the ranks through the pace file (:class:`~meshpact.live.recovery.trialconfig.Pace`).
+log and steer the ranks through the pace file (:class:`~meshpact.live.trials.trialconfig.Pace`).
 The faults the dashboard injected by hand (kill, stall, partition: one JSON line each in
 ``<work-dir>/injected.jsonl``) are added to the recording as ``fault_injected`` events and
 counted in the summary when the run ends, however it ends.
@@ -74,7 +74,7 @@ def _terminate(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from meshpact.live.recovery.trialconfig import ON_RANK_LOSS  # torch-free
+    from meshpact.live.trials.trialconfig import ON_RANK_LOSS  # torch-free
 
     ap = argparse.ArgumentParser(prog="python -m meshpact.app.live_job")
     ap.add_argument("--record", required=True, type=Path)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
 
     from meshpact.core.errors import MeshpactError
-    from meshpact.live.recovery.trial import TrialConfig, run_trial
+    from meshpact.live.trials.trial import TrialConfig, run_trial
 
     try:
         cfg = TrialConfig(ranks=a.ranks, steps=a.steps, faults=a.faults, fault_kind=a.fault_kind,

@@ -51,7 +51,7 @@ import time
 from typing import Any
 
 from meshpact.live.launcher import host_store, launch
-from meshpact.live.recovery.trial import TrialConfig, run_trial
+from meshpact.live.trials.trial import TrialConfig, run_trial
 
 
 def _probe(target: str, ranks: int, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -158,7 +158,7 @@ def rebinding(out: dict[str, Any], rounds: int) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     rebind_by, rebuild_by, first_by = {}, {}, {}
     for ranks in (2, 4, 8):
-        vals = _probe("meshpact.live.recovery.probe:rebind_probe", ranks, {"rounds": rounds})
+        vals = _probe("meshpact.live.trials.probe:rebind_probe", ranks, {"rounds": rounds})
         rebind = [x for v in vals for x in v["rebind_ms"]]
         build = [x for v in vals for x in v["build_ms"]]
         first = [x for v in vals for x in v["first_op_ms"]]
@@ -218,7 +218,7 @@ def baselines(out: dict[str, Any], ns: argparse.Namespace) -> list[tuple[str, st
          f"{summary['bit_identical']}; {summary['old_group_ops_after_rebind']}"),
     ]
 
-    ck = _probe("meshpact.live.recovery.probe:checkpoint_probe", 4, {"steps": 8 if ns.quick else 30})
+    ck = _probe("meshpact.live.trials.probe:checkpoint_probe", 4, {"steps": 8 if ns.quick else 30})
     step_without = statistics.median(v["step_ms_without"] for v in ck)
     step_with = statistics.median(v["step_ms_with"] for v in ck)
     file_bytes_per_step = sum(v["file_bytes_written"] for v in ck) / ck[0]["steps"]
@@ -390,7 +390,7 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int) -> list[tuple[st
                 if e.event == EventKind.REBUILT and e.rank == 0 and e.data.get("standby"):
                     standby[n]["used" if e.data["standby"] == "used" else "built"] += 1
             if torchft_error is None:
-                vals = _probe("meshpact.live.recovery.probe:torchft_probe", n, {"rounds": per_chunk + 1})
+                vals = _probe("meshpact.live.trials.probe:torchft_probe", n, {"rounds": per_chunk + 1})
                 if "error" in vals[0]:
                     torchft_error = str(vals[0]["error"])
                 else:  # the first configure creates the group: not a reconfigure
@@ -445,7 +445,7 @@ def false_alarms(out: dict[str, Any], minutes: float) -> list[tuple[str, str]]:
     seconds = minutes * 60.0
     control = host_store("127.0.0.1", 0, 4)
     load_start = os.getloadavg()
-    results = launch("meshpact.live.recovery.probe:false_alarm_probe", 4, {"seconds": seconds},
+    results = launch("meshpact.live.trials.probe:false_alarm_probe", 4, {"seconds": seconds},
                      timeout_s=seconds + 600,
                      env=lambda r: {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_CONTROL_PORT": str(control.port)})
     vals = [r.value for r in results]

@@ -27,7 +27,7 @@ from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import Event, EventKind, partial_path, read_recording
 from meshpact.core.recovery import Policy, RecoveryBreakdown
 from meshpact.live.recovery.faults import FaultKind  # torch-free
-from meshpact.live.recovery.trialconfig import ON_RANK_LOSS, PHASES, Pace
+from meshpact.live.trials.trialconfig import ON_RANK_LOSS, PHASES, Pace
 
 JOB, EVENTS, RANK_EVENTS, OFFSET, WAS_RUNNING = "live_job", "live_events", "live_rank_events", "live_offset", \
     "live_was_running"
@@ -88,7 +88,7 @@ with st.form("live_start"):
 
 if start:
     try:
-        from meshpact.live.recovery.trial import TrialConfig
+        from meshpact.live.trials.trial import TrialConfig
 
         TrialConfig(ranks=int(ranks), steps=int(steps), faults=int(faults), fault_kind=kind,
                     checkpoint_every=int(every), heartbeat=bool(heartbeat))  # readable errors before anything starts

@@ -15,13 +15,8 @@
 | ``opcount`` | operations counted per group: proof that a rebind took effect |
 | ``faults`` | fault injection (raised collective, stall, partition, kill) |
 | ``checkpoint`` | checkpoints: the baselines in-memory recovery is measured against |
-| ``harness`` | the built-in FSDP2 decoder (the ``decoder`` workload's model) |
-| ``trialconfig`` | a trial's settings (torch-free) |
-| ``rankworker`` | the rank side of a trial |
-| ``trial`` | a recovery trial from the parent: reference run, faulted run, baselines |
-| ``analysis`` | a trial's numbers and the bit-identity check |
-| ``outcome`` | what one rank process reports back (typed) |
-| ``probe`` | probes of the communicator path alone, for the benchmark |
+
+The trial bench that drives this library from outside is :mod:`meshpact.live.trials`.
 
 Names are imported lazily, so ``from meshpact.live.recovery import FaultKind`` needs no torch.
 """
@@ -44,7 +39,6 @@ _EXPORTS = {
     "FaultKind": "faults", "Fault": "faults", "FaultInjector": "faults", "CollectiveFault": "faults",
     "plan_faults": "faults",
     "Checkpointer": "checkpoint", "AsyncCheckpointer": "checkpoint",
-    "TrialConfig": "trialconfig", "TrialResult": "analysis", "run_trial": "trial", "RankOutcome": "outcome",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

@@ -41,10 +41,8 @@ Only a 1-D FSDP2 mesh is re-sharded (every parameter a ``Shard(0)`` DTensor); an
 is refused by name. Buffers and learning-rate schedulers are not in a rank's local state
 and come back as ``build`` makes them.
 
-:func:`excision_drill` is a rank worker for the launcher that trains a workload through
-planned excisions, by a real fault (the lost rank killed in the middle of a step) or as the
-reference (the lost rank handing over its copy and leaving between steps), both through
-these same functions.
+The excising reference a trial compares against (:mod:`meshpact.live.trials.drills`) runs
+these same functions with no fault.
 """
 
 from __future__ import annotations
@@ -68,7 +66,7 @@ from .state import capture_rng, load_buffers, load_local_state, restore_rng
 
 __all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "BatchShare",
            "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise",
-           "max_abs_diff", "excision_drill"]
+           "max_abs_diff"]
 
 _SHARDED = ("param/", "optim/")  # keys of local_state that are FSDP2 shards (or replicated scalars)
 
@@ -424,122 +422,3 @@ def excise(own: Mapping[str, torch.Tensor], held: Mapping[int, Mapping[str, torc
     record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,
                             gather_s, rebuild_s)
     return Excised(model, optimizer, group, mesh, new_spec, after, record)
-
-
-# -- a drill: train a workload through planned excisions -------------------------------------------
-@dataclass(frozen=True)
-class _Plan:
-    step: int
-    rank: int  # original rank
-
-
-def _holder(membership: Membership, lost: int) -> int:
-    """The original rank that holds ``lost``'s copy: the next alive rank after it (cyclic)."""
-    j = membership.group_rank(lost)
-    return membership.alive[(j + 1) % membership.world]
-
-
-def _copy_key(run_id: str, rank: int, step: int) -> str:
-    return f"meshpact/{run_id}/peer-copy/rank{rank}/step{step}"
-
-
-def _publish(store: Any, run_id: str, rank: int, step: int, state: Mapping[str, torch.Tensor]) -> None:
-    """Keep ``rank``'s state of committed ``step`` in the launcher's store (the simulated peer
-    copy); the previous step's copy is dropped."""
-    buf = io.BytesIO()
-    torch.save({k: v.detach().clone() for k, v in state.items()}, buf)
-    store.set(_copy_key(run_id, rank, step), buf.getvalue())
-    if step > 0:
-        store.delete_key(_copy_key(run_id, rank, step - 1))
-
-
-def _fetch(store: Any, run_id: str, rank: int, step: int) -> dict[str, torch.Tensor]:
-    """``rank``'s copy of committed ``step``, waiting for it (the rank may still be publishing)."""
-    return torch.load(io.BytesIO(store.get(_copy_key(run_id, rank, step))), weights_only=True)
-
-
-def excision_drill(args: JsonObject) -> JsonObject:
-    """A launcher worker: train ``args["workload"]`` for ``steps`` steps through the planned
-    excisions ``[{"step", "rank"}]``: the excising reference of a live trial, in which each lost
-    rank leaves before its step, without a fault, and its copy is the one it published at its
-    last commit (a peer copy, kept in the launcher's store). The faulted side of the comparison
-    is the runtime's own excision (``Resilient`` with ``on_rank_loss=excise``). Saves each survivor's final state
-    to ``out_dir/final-rank<original>.pt`` (the last committed state where an excision was
-    refused below ``min_ranks``; a rank leaving as the reference's lost rank saves its state to
-    ``left-rank<original>.pt``), appends each committed step's digest and world size to
-    ``digests-rank<original>.txt`` and returns its records."""
-    import random
-    import sys
-
-    from .session import RecoveryConfig, start_session
-    from .state import capture_schedule, digest, job_state, local_state, schedulers_of
-    from .workload import built, load_workload
-
-    torch.manual_seed(0)
-    random.seed(0)
-    if "numpy" in sys.modules:
-        sys.modules["numpy"].random.seed(0)
-    world = int(os.environ["WORLD_SIZE"])
-    workload = load_workload(args["workload"], world)
-    config = RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)), vendor="cpu")
-    session = start_session(config)
-    me = session.rank
-    plans = sorted((_Plan(int(p["step"]), int(p["rank"])) for p in args.get("excisions", ())), key=lambda p: p.step)
-    victims = {p.rank for p in plans}
-    membership, group, spec, generation = Membership.full(world), session.group, session.spec, 0
-    model, optimizer = built(workload, session.mesh)
-    schedulers = schedulers_of(optimizer)
-
-    def state_now() -> dict[str, torch.Tensor]:
-        return job_state(model, optimizer, schedulers=schedulers)
-
-    weight = GradientWeight(model)
-    records: list[JsonObject] = []
-    downtime: list[float] = []
-    digests: dict[int, str] = {}
-    if me in victims:
-        _publish(session.store, spec.run_id, me, 0, state_now())
-    refused: JsonObject = {}
-    for step in range(int(args["steps"])):
-        due = [p for p in plans if p.step == step]
-        if due and me == due[0].rank:
-            # hands over its copy (already published) and leaves; keeps its state to compare
-            torch.save(state_now(), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
-            return {"rank": me, "left_at": step}
-        share = share_batch(workload.batch, step, membership, me)
-        weight.weight = share.weight
-        t_fault = time.perf_counter()
-        if not due:
-            workload.train_step(model, optimizer, share.batch)
-        if due:
-            lost = due[0].rank
-            held = {lost: _fetch(session.store, spec.run_id, lost, step)} \
-                if _holder(membership, lost) == me else {}
-            generation += 1
-            committed = capture_schedule(optimizer, schedulers)
-            try:
-                out = excise(state_now(), held, membership, [lost], step=step, spec=spec,
-                             store=session.store, generation=generation, old_group=group,
-                             build=lambda mesh: built(workload, mesh), min_ranks=int(args.get("min_ranks", 1)),
-                             checkpoint_dir=args.get("checkpoint_dir"))
-            except ExcisionRefused as exc:
-                refused = {"refused": str(exc), "checkpoint": exc.checkpoint, "step": step}
-                break
-            weight.remove()
-            model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
-            schedulers = carry_schedule(committed, optimizer)
-            weight = GradientWeight(model)
-            records.append(out.record.to_dict())
-            downtime.append(time.perf_counter() - t_fault)  # from the fault (or the hand-over) to the state rebuilt
-            share = share_batch(workload.batch, step, membership, me)
-            weight.weight = share.weight
-            workload.train_step(model, optimizer, share.batch)
-        if me in victims:
-            _publish(session.store, spec.run_id, me, step + 1, state_now())
-        digests[step + 1] = digest(local_state(model, optimizer))
-        with open(os.path.join(args["out_dir"], f"digests-rank{me}.txt"), "a", encoding="utf-8") as fh:
-            fh.write(f"{step + 1} {membership.world} {digests[step + 1]}\n")  # kept if this rank is killed later
-    state = state_now()
-    torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args["out_dir"], f"final-rank{me}.pt"))
-    return {"rank": me, "group_rank": spec.rank, "world": membership.world, "alive": list(membership.alive),
-            "records": records, "downtime_s": downtime, "digests": digests, "state_bytes": state_bytes(state), **refused}

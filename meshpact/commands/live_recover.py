@@ -53,8 +53,8 @@ def recover(
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
 ) -> None:
     """Inject faults into FSDP2 training on real ranks and recover in memory."""
-    from meshpact.live.recovery.trial import run_trial
-    from meshpact.live.recovery.trialconfig import TrialConfig
+    from meshpact.live.trials.trial import run_trial
+    from meshpact.live.trials.trialconfig import TrialConfig
 
     cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
                       checkpoint_every=min(10, steps) if checkpoint_every is None else checkpoint_every,

@@ -1,6 +1,6 @@
 """Workload: the built-in GPT-style decoder, FSDP2 over a 1-D mesh of all ranks, AdamW.
 
-The model, its sharding and its data are :mod:`meshpact.live.recovery.harness`'s; this file
+The model, its sharding and its data are :mod:`meshpact.live.trials.harness`'s; this file
 is the workload interface around them (``build``, ``batch``, ``train_step``). No ``MESH``:
 the default 1-D mesh over every rank.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from meshpact.live.recovery.harness import ModelConfig, build as build_decoder, make_batch
+from meshpact.live.trials.harness import ModelConfig, build as build_decoder, make_batch
 
 CONFIG = ModelConfig()
 

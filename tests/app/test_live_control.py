@@ -92,7 +92,7 @@ FORKED_RUNNER = textwrap.dedent("""
 def test_ranks_forked_warm_are_named_by_the_launchers_list_and_only_with_the_token(tmp_path):
     """A forked rank's /proc environment is its fork server's: the page names it from the
     launcher's processes.jsonl, and only a process carrying the job's token is taken for one."""
-    from meshpact.live.recovery.trialconfig import Pace
+    from meshpact.live.trials.trialconfig import Pace
 
     script = tmp_path / "forked.py"
     script.write_text(FORKED_RUNNER)
@@ -304,7 +304,7 @@ def test_the_live_page_serves_prometheus_metrics_only_when_asked(tmp_path):
 
 def test_pace_round_trips_and_refuses_what_a_rank_could_not_keep(tmp_path):
     from meshpact.core.errors import MeshpactError
-    from meshpact.live.recovery.trialconfig import Pace
+    from meshpact.live.trials.trialconfig import Pace
 
     assert Pace.read(tmp_path) is None  # no file: full speed, as before
     Pace(2.5, frozenset({"faulted", "cold"})).write(tmp_path)
@@ -321,8 +321,8 @@ def test_pace_round_trips_and_refuses_what_a_rank_could_not_keep(tmp_path):
 def test_a_held_rank_waits_records_it_once_and_goes_when_released(tmp_path):
     import threading
 
-    from meshpact.live.recovery.rankworker import keep_pace
-    from meshpact.live.recovery.trialconfig import Pace
+    from meshpact.live.trials.rankworker import keep_pace
+    from meshpact.live.trials.trialconfig import Pace
 
     Pace(None, frozenset({"faulted"})).write(tmp_path)
     seen: list = []

@@ -23,7 +23,7 @@ def test_the_command_is_listed_under_live(capsys):
 
 def _configs(monkeypatch, *argvs: list[str]) -> list:
     """The TrialConfig each ``meshpact live recover <argv>`` hands to the trial (which is not run)."""
-    import meshpact.live.recovery.trial as trial
+    import meshpact.live.trials.trial as trial
 
     seen = []
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from _warm import shared_forkserver
 from meshpact.core.recording import EventKind, read_recording
-from meshpact.live.recovery.trial import TrialConfig, TrialResult, run_trial
+from meshpact.live.trials.trial import TrialConfig, TrialResult, run_trial
 
 _REFERENCES: dict[tuple[str, int, int, int], Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import atexit
 
 from meshpact.live.forkserver import ForkServer
-from meshpact.live.recovery.trial import RANK_PRELOAD
+from meshpact.live.trials.trial import RANK_PRELOAD
 
 _FORKSERVER: list[ForkServer] = []
 

@@ -113,7 +113,7 @@ def test_the_model_an_excision_replaced_refuses_a_forward_by_name_and_is_no_comm
 ])
 def test_an_excising_trial_refuses_what_it_cannot_do_in_one_line(kw, words):
     from meshpact.core.errors import MeshpactError
-    from meshpact.live.recovery.trialconfig import TrialConfig
+    from meshpact.live.trials.trialconfig import TrialConfig
 
     with pytest.raises(MeshpactError) as got:
         TrialConfig(ranks=4, steps=12, **{"faults": 2, "on_rank_loss": "excise", **kw})
@@ -122,7 +122,7 @@ def test_an_excising_trial_refuses_what_it_cannot_do_in_one_line(kw, words):
 
 def test_an_unknown_rank_loss_policy_is_refused():
     from meshpact.core.errors import MeshpactError
-    from meshpact.live.recovery.trialconfig import TrialConfig
+    from meshpact.live.trials.trialconfig import TrialConfig
 
     with pytest.raises(MeshpactError, match="--on-rank-loss must be replace or excise, got 'shrink'"):
         TrialConfig(on_rank_loss="shrink")
@@ -131,8 +131,8 @@ def test_an_unknown_rank_loss_policy_is_refused():
 def test_an_excising_trial_on_a_two_dimensional_mesh_is_refused_before_any_rank_starts():
     from pathlib import Path
 
-    from meshpact.live.recovery.trial import run_trial
-    from meshpact.live.recovery.trialconfig import TrialConfig
+    from meshpact.live.trials.trial import run_trial
+    from meshpact.live.trials.trialconfig import TrialConfig
     from meshpact.live.recovery.workload import WorkloadError
 
     hsdp = Path(__file__).resolve().parents[2] / "scenarios" / "workloads" / "llama_hsdp.py"

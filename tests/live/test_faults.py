@@ -8,7 +8,7 @@ import torch.distributed as dist
 from meshpact.core.errors import MeshpactError
 from meshpact.live.recovery.faults import CollectiveFault, FaultInjector, FaultKind, plan_faults
 from meshpact.live.recovery.runtime import COMM_MODULES, is_comm_fault
-from meshpact.live.recovery.trial import TrialConfig
+from meshpact.live.trials.trial import TrialConfig
 
 
 def test_faults_land_on_distinct_steps_with_rotating_ranks():

@@ -150,7 +150,7 @@ def test_the_launcher_starts_at_most_its_replacements_then_answers_false():
 def test_a_replacement_that_never_arrives_is_excised_at_its_deadline_bitwise_equal_to_the_excising_reference(
         tmp_path):
     from meshpact.core.recording import EventKind, read_recording
-    from meshpact.live.recovery.trial import TrialConfig, run_trial
+    from meshpact.live.trials.trial import TrialConfig, run_trial
 
     cfg = TrialConfig(ranks=4, steps=8, checkpoint_every=4, faults=1, fault_kind="kill", peer_copies=1,
                       baselines=False, max_rounds=1, process_start_s=3.0, group_create_s=3.0)

@@ -304,9 +304,9 @@ def test_ranks_all_one_generation_behind_a_round_nobody_acted_on_are_not_stale()
 
 
 def test_the_trial_reports_peer_copy_cost_in_async_checkpointings_terms():
-    from meshpact.live.recovery.analysis import TrialResult
-    from meshpact.live.recovery.outcome import PeerCopyReport, RankOutcome
-    from meshpact.live.recovery.trialconfig import TrialConfig
+    from meshpact.live.trials.analysis import TrialResult
+    from meshpact.live.trials.outcome import PeerCopyReport, RankOutcome
+    from meshpact.live.trials.trialconfig import TrialConfig
 
     cfg = TrialConfig(ranks=2, steps=4, faults=1, fault_kind="kill", baselines=False, checkpoint_every=2)
     ref = [RankOutcome(r, step_s=(0.2, 0.2, 0.2, 0.2)) for r in range(2)]

@@ -230,7 +230,7 @@ def test_the_import_time_default_group_of_torch_distributed_nn_is_found_and_rebo
 @pytest.mark.slow
 def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations():
     control = host_store("127.0.0.1", 0, 2)
-    results = launch("meshpact.live.recovery.probe:rebind_probe", 2, {"rounds": 2}, timeout_s=120,
+    results = launch("meshpact.live.trials.probe:rebind_probe", 2, {"rounds": 2}, timeout_s=120,
                      env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
     for res in results:
         for audit in res.value["audits"]:
@@ -255,7 +255,7 @@ def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_work
     """An old gloo group that was never rebound keeps working and gives the same numbers;
     only the per-group counts and the reference walk show the rebind did not take."""
     control = host_store("127.0.0.1", 0, 2)
-    results = launch("meshpact.live.recovery.probe:rebind_probe", 2, {"rounds": 1, "skip_sites": ["fsdp.mesh_info"]},
+    results = launch("meshpact.live.trials.probe:rebind_probe", 2, {"rounds": 1, "skip_sites": ["fsdp.mesh_info"]},
                      timeout_s=120, env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
     audit = results[0].value["audits"][0]
     assert audit["old_ops_after"] > 0 and audit["old_seq_ops_after"] > 0
@@ -268,7 +268,7 @@ def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_work
                          ids=["1-D", "2-D HSDP"])
 def test_skipping_any_site_that_holds_a_reference_is_caught_by_object_or_by_name(ranks, mesh):
     control = host_store("127.0.0.1", 0, ranks)
-    results = launch("meshpact.live.recovery.probe:site_audit", ranks, mesh, timeout_s=240,
+    results = launch("meshpact.live.trials.probe:site_audit", ranks, mesh, timeout_s=240,
                      env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
     for res in results:
         sites = res.value["sites"]

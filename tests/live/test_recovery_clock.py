@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshpact.live.recovery.analysis import recovery_span
+from meshpact.live.trials.analysis import recovery_span
 
 
 def _rec(detect: float, first: float, resumed: float) -> dict:

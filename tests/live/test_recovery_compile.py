@@ -12,7 +12,7 @@ import pytest
 
 from _recovery import assert_recovered, trial
 from meshpact.live.recovery.faults import _RaiseOnCollective, netns_unavailable
-from meshpact.live.recovery.rankworker import compiled_regions
+from meshpact.live.trials.rankworker import compiled_regions
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

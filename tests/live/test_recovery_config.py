@@ -6,7 +6,7 @@ import pytest
 
 from meshpact.cli import main
 from meshpact.live.recovery.config import RecoveryConfig, TimeoutOrderError
-from meshpact.live.recovery.trialconfig import TrialConfig
+from meshpact.live.trials.trialconfig import TrialConfig
 
 
 def test_derived_values_follow_their_formulas_for_inputs_other_than_the_defaults():

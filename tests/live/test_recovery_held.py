@@ -20,7 +20,7 @@ import pytest
 
 from meshpact.app.live_control import LiveJob
 from meshpact.core.recording import read_recording
-from meshpact.live.recovery.trialconfig import Pace
+from meshpact.live.trials.trialconfig import Pace
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshpact.live.recovery.trial import TrialConfig, TrialResult
+from meshpact.live.trials.trial import TrialConfig, TrialResult
 
 
 def _result(kind: str) -> TrialResult:

@@ -200,7 +200,7 @@ def test_cli_prints_the_comparison_or_why_there_is_none(tmp_path):
 @pytest.mark.slow
 @pytest.mark.live
 def test_calibrated_simulation_reproduces_a_fresh_live_run(tmp_path):
-    from meshpact.live.recovery.trial import TrialConfig, run_trial
+    from meshpact.live.trials.trial import TrialConfig, run_trial
 
     path = tmp_path / "live.jsonl"
     result = run_trial(TrialConfig(ranks=2, steps=16, faults=2, fault_kind="collective", baselines=False),

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from meshpact.core.jsonform import JsonObject
 
 if TYPE_CHECKING:  # read back only where a rank excised (reshard imports torch)
-    from .reshard import ExcisionRecord
+    from ..recovery.reshard import ExcisionRecord
 
 __all__ = ["RetiredSummary", "Drill", "FaultRecord", "PeerCopyReport", "RankOutcome"]
 
@@ -107,7 +107,7 @@ class RankOutcome:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "RankOutcome":
         if d.get("excisions"):
-            from .reshard import ExcisionRecord
+            from ..recovery.reshard import ExcisionRecord
         return cls(
             rank=int(d["rank"]), incarnation=int(d.get("incarnation", 0)), digest=str(d.get("digest", "")),
             recoveries=tuple(d.get("recoveries", ())), op_counts=dict(d.get("op_counts", {})),

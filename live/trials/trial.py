@@ -3,10 +3,10 @@
 :func:`run_trial` checks the workload file (one clear line, before any rank starts), then
 drives one whole comparison: the reference, the faulted run (starting a replacement for any
 rank killed with SIGKILL), and, with baselines, a checkpoint restore in the job (the drill)
-and a cold restart. Each rank runs :func:`~meshpact.live.recovery.rankworker.worker`. The
+and a cold restart. Each rank runs :func:`~meshpact.live.trials.rankworker.worker`. The
 final state of every rank (parameter shards, optimizer state, generators) is compared with
 ``torch.equal`` against the reference, and every stage event goes to one JSONL recording;
-:class:`~meshpact.live.recovery.analysis.TrialResult` holds the numbers.
+:class:`~meshpact.live.trials.analysis.TrialResult` holds the numbers.
 """
 
 from __future__ import annotations
@@ -30,18 +30,18 @@ from meshpact.core.recovery import Policy, Stage
 from ..forkserver import PRELOAD, ForkServer
 from ..launcher import Launch, LaunchError, host_store
 from .analysis import ExcisionPlan, ExcisionResult, TrialResult, compare_final
-from .consensus import declared_lost, mark_gone
-from .control import ControlChannel
-from .faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
-from .peers import ADDR_ENV as PEER_ADDR_ENV
+from ..recovery.consensus import declared_lost, mark_gone
+from ..recovery.control import ControlChannel
+from ..recovery.faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
+from ..recovery.peers import ADDR_ENV as PEER_ADDR_ENV
 from .outcome import RankOutcome
 from .trialconfig import PROCESSES_FILE, TrialConfig
-from .workload import WorkloadError, check_workload
+from ..recovery.workload import WorkloadError, check_workload
 
 __all__ = ["TrialConfig", "TrialResult", "ReplacementSupply", "run_trial", "RANK_PRELOAD"]
 
-WORKER = "meshpact.live.recovery.rankworker:worker"
-EXCISION_WORKER = "meshpact.live.recovery.reshard:excision_drill"  # the excising reference
+WORKER = "meshpact.live.trials.rankworker:worker"
+EXCISION_WORKER = "meshpact.live.trials.drills:excision_drill"  # the excising reference
 # what a trial's fork server imports before it forks ranks: torch's packages, then the rank's own
 # modules (0.2 s of CPU a rank; none reads the environment or starts a thread at import)
 RANK_PRELOAD = (*PRELOAD, WORKER.split(":")[0], EXCISION_WORKER.split(":")[0], "meshpact.live.recovery.runtime",
@@ -169,7 +169,7 @@ class LostRankWatch:
 
 def _with_holders(faults: tuple[Fault, ...], cfg: TrialConfig, hosts: list[str] | None) -> tuple[Fault, ...]:
     """Each kill also kills the killed rank's holders at the same step (its state goes with them)."""
-    from .peers import placement
+    from ..recovery.peers import placement
 
     extra = [Fault(len(faults) + i, f.kind, f.step, h)
              for i, (f, h) in enumerate((f, h) for f in faults
@@ -334,13 +334,13 @@ def _excisions_of(events: list[Event]) -> list[ExcisionPlan]:
 def _excising_reference(cfg: TrialConfig, workload: str, work: Path, plan: list[ExcisionPlan],
                         survivors: list[RankOutcome], unfailed_dir: Path,
                         forkserver: ForkServer | Callable[[int], ForkServer] | None = None) -> ExcisionResult:
-    """Run :func:`~meshpact.live.recovery.reshard.excision_drill` in reference mode (no fault:
+    """Run :func:`~meshpact.live.trials.drills.excision_drill` in reference mode (no fault:
     each lost rank hands over its copy and leaves before the step the faulted run excised it
     at) and compare every survivor's final state with it bitwise; the survivors' whole tensors
     are also compared with the never-failed reference (largest absolute difference)."""
     import torch
 
-    from .reshard import assemble_full, max_abs_diff
+    from ..recovery.reshard import assemble_full, max_abs_diff
 
     out = work / "excising-reference"
     out.mkdir(parents=True, exist_ok=True)

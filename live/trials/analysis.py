@@ -20,7 +20,7 @@ from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import Event, EventKind
 from meshpact.core.recovery import Policy, Stage
 
-from .faults import Fault, FaultKind
+from ..recovery.faults import Fault, FaultKind
 from .outcome import FaultRecord, RankOutcome
 from .trialconfig import TrialConfig
 
@@ -189,7 +189,7 @@ class TrialResult:
         (the fault-free reference, when it ran in this trial) and with copies, the most host
         memory one rank held (own snapshots plus the copies it holds), bytes the whole job ships
         per step, and the mean shipping time; None without peer copies."""
-        from .checkpoint import AsyncCheckpointStats
+        from ..recovery.checkpoint import AsyncCheckpointStats
 
         reports = [o.peer for o in self.faulted if o.peer is not None and o.peer.commits]
         if not reports:
@@ -285,7 +285,7 @@ def _copy_rates(reports: list[Any]) -> JsonObject:
     this job had: the host's cores less what other processes kept busy meanwhile (the host's
     busy seconds less the ranks' own, per second; ``external_cores``), never fewer than the
     ranks used (see ``peers.PeerCopyCounters``)."""
-    from .peers import step_cpu_s
+    from ..recovery.peers import step_cpu_s
 
     timed = [p for p in reports if p.cycles]
     if not timed:

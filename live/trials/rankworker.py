@@ -7,7 +7,7 @@ optimizer, and trains for the trial's steps under
 batches come from the workload's ``batch(step, rank)``, so any lost step is drawn again.
 It can finish with a real checkpoint restore in the job (the *drill*) or start as a *cold
 restart* from a checkpoint. It saves its final state (parameter shards, optimizer state and
-generators) and returns a :class:`~meshpact.live.recovery.outcome.RankOutcome` as JSON.
+generators) and returns a :class:`~meshpact.live.trials.outcome.RankOutcome` as JSON.
 
 For a workload with compiled modules it profiles one step before the first fault and one
 after the last recovery and counts the compiled regions that ran in each.
@@ -84,17 +84,17 @@ def worker(args: JsonObject) -> JsonObject:
 
     from meshpact.core.recording import EventKind
 
-    from . import communicator as comm
-    from .faults import Fault, FaultInjector
+    from ..recovery import communicator as comm
+    from ..recovery.faults import Fault, FaultInjector
     from dataclasses import asdict
 
     from .trialconfig import Pace
     from .outcome import Drill, FaultRecord, PeerCopyReport, RankOutcome, RetiredSummary
-    from .runtime import UnsafeLoopError, resilient
-    from .config import RecoveryConfig
-    from .session import start_session
-    from .state import digest, job_state
-    from .workload import WorkloadError, built, load_workload
+    from ..recovery.runtime import UnsafeLoopError, resilient
+    from ..recovery.config import RecoveryConfig
+    from ..recovery.session import start_session
+    from ..recovery.state import digest, job_state
+    from ..recovery.workload import WorkloadError, built, load_workload
     from ..launcher import await_promotion
 
     torch.manual_seed(0)  # every generator a step can draw from starts the same in every run
@@ -138,7 +138,7 @@ def worker(args: JsonObject) -> JsonObject:
     paced, last_start = Pace.read(work) is not None, 0.0
     from meshpact.core.recovery import Policy
 
-    from .reshard import ExcisionRefused
+    from ..recovery.reshard import ExcisionRefused
 
     refused: ExcisionRefused | None = None
     with resilient(model, optimizer, session, injector, batches, on_rank_loss=Policy(args.get(

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
 if TYPE_CHECKING:
-    from .checkpoint import AsyncCheckpointStats
+    from ..recovery.checkpoint import AsyncCheckpointStats
 
 __all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe", "false_alarm_probe", "FalseAlarms",
            "ProbeArgs", "RebindAudit", "RebindResult", "SiteAudit", "SiteAuditResult", "TorchftResult",
@@ -140,12 +140,12 @@ def rebind_probe(raw: JsonArgs) -> dict[str, object]:
     import torch
     import torch.distributed.distributed_c10d as c10d
 
-    from . import communicator as comm
+    from ..recovery import communicator as comm
     from .harness import ModelConfig, build, make_batch, make_train_step
-    from .opcount import OpCounter
-    from .rebind import ModuleScan, default_roots, find_references, rebind
-    from .config import RecoveryConfig
-    from .session import c10d_default, start_session
+    from ..recovery.opcount import OpCounter
+    from ..recovery.rebind import ModuleScan, default_roots, find_references, rebind
+    from ..recovery.config import RecoveryConfig
+    from ..recovery.session import c10d_default, start_session
 
     args = ProbeArgs.of(raw)
     session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 10.0, checkpoint_dir=None))
@@ -210,7 +210,7 @@ def _stale(model: Any, optimizer: Any, meshes: list[Any], old: Mapping[str, obje
     still resolves."""
     import torch.distributed.distributed_c10d as c10d
 
-    from .rebind import default_roots, find_references
+    from ..recovery.rebind import default_roots, find_references
 
     old_ids = {id(g) for g in old.values()}
     old_names = frozenset(g.group_name for g in old.values())
@@ -232,12 +232,12 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
     train a step (the retired groups must receive no operation)."""
     import torch
 
-    from . import communicator as comm
+    from ..recovery import communicator as comm
     from .harness import ModelConfig, build, make_batch, make_train_step
-    from .rebind import SITES, rebind
-    from .runtime import device_meshes
-    from .config import RecoveryConfig
-    from .session import c10d_default, start_session
+    from ..recovery.rebind import SITES, rebind
+    from ..recovery.runtime import device_meshes
+    from ..recovery.config import RecoveryConfig
+    from ..recovery.session import c10d_default, start_session
 
     args = ProbeArgs.of(raw)
     shape = args.mesh_shape
@@ -301,11 +301,11 @@ def checkpoint_probe(raw: JsonArgs) -> dict[str, object]:
     """Per-update asynchronous checkpointing: step latency with and without, host memory, bytes."""
     import tempfile
 
-    from .checkpoint import AsyncCheckpointer, AsyncCheckpointStats, state_bytes
+    from ..recovery.checkpoint import AsyncCheckpointer, AsyncCheckpointStats, state_bytes
     from .harness import ModelConfig, build, make_batch, make_train_step
-    from .state import local_state
-    from .config import RecoveryConfig
-    from .session import start_session
+    from ..recovery.state import local_state
+    from ..recovery.config import RecoveryConfig
+    from ..recovery.session import start_session
 
     args = ProbeArgs.of(raw)
     session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None))
@@ -361,10 +361,10 @@ def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
 
     from meshpact.core.recording import EventKind
 
-    from .config import RecoveryConfig
+    from ..recovery.config import RecoveryConfig
     from .harness import ModelConfig, build, make_batch, make_train_step
-    from .runtime import resilient
-    from .session import start_session
+    from ..recovery.runtime import resilient
+    from ..recovery.session import start_session
 
     config = RecoveryConfig(heartbeat=True)
     session = start_session(config)

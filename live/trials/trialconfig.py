@@ -18,9 +18,9 @@ from pathlib import Path
 
 from meshpact.core.errors import MeshpactError
 
-from .config import RecoveryConfig
-from .faults import FaultKind
-from .workload import DEFAULT_WORKLOAD
+from ..recovery.config import RecoveryConfig
+from ..recovery.faults import FaultKind
+from ..recovery.workload import DEFAULT_WORKLOAD
 
 __all__ = ["TrialConfig", "Pace", "PACE_FILE", "PROCESSES_FILE", "PHASES", "ON_RANK_LOSS"]
 
