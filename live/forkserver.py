@@ -266,7 +266,7 @@ def _child(req: Mapping[str, Any]) -> int:
     random.seed()  # a new interpreter's generators are seeded from the OS, not shared with its siblings
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
-    from .launcher import _main
+    from .worker import _main
 
     sys.argv = ["-m meshpact.live.launcher", *req["argv"]]
     return _main(list(req["argv"]))

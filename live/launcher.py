@@ -31,10 +31,7 @@ the caller tells the job that no replacement comes instead of leaving it waiting
 
 from __future__ import annotations
 
-import argparse
 import atexit
-import faulthandler
-import importlib
 import json
 import os
 import shutil
@@ -49,9 +46,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from meshpact.core.errors import MeshpactError
-
 from .store import host_store
+from .worker import ARGS_ENV, RESULT_DIR_ENV, SPARE_ENV, LaunchError, _main, _resolve, await_promotion, write_result
 
 if TYPE_CHECKING:
     from .forkserver import ForkedProcess, ForkServer
@@ -69,9 +65,6 @@ __all__ = [
     "await_promotion",
 ]
 
-RESULT_DIR_ENV = "MESHPACT_RESULT_DIR"
-ARGS_ENV = "MESHPACT_WORKER_ARGS"
-SPARE_ENV = "MESHPACT_SPARE"  # set in a warm spare: its index, until it is promoted to a rank
 
 
 @dataclass(frozen=True)
@@ -109,10 +102,6 @@ class LaunchedProcess:
         return out
 
 
-class LaunchError(MeshpactError):
-    """A worker failed, timed out, or was given a target that cannot be run."""
-
-
 @dataclass(frozen=True)
 class RankResult:
     rank: int
@@ -145,19 +134,6 @@ def worker_env(rank: int, world_size: int, master_addr: str, master_port: int,
         "MASTER_PORT": str(master_port),
         "TORCHELASTIC_USE_AGENT_STORE": "True",  # the store is hosted outside the ranks, as under torchrun
     }
-
-
-def _resolve(target: str) -> Callable[[dict], Any]:
-    module, sep, name = target.partition(":")
-    if not sep or not module or not name:
-        raise LaunchError(f"worker target {target!r} is not 'package.module:function'")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise LaunchError(f"worker target {target!r} cannot be loaded: {exc}") from None
-    if not callable(fn):
-        raise LaunchError(f"worker target {target!r} is not callable")
-    return fn
 
 
 class Launch:
@@ -419,86 +395,6 @@ def launch(target: str, world_size: int, args: Mapping[str, Any] | None = None, 
             raise LaunchError(f"rank {first.rank} of {target} {what} (limit {timeout_s:.0f} s); "
                               f"its stderr ends:\n{first.stderr_tail}")
     return results
-
-
-# -- the worker side ------------------------------------------------------------------------
-def write_result(value: Any) -> None:
-    """Write this rank's result where the launcher collects it (atomic rename)."""
-    out = os.environ.get(RESULT_DIR_ENV)
-    if not out:
-        return
-    rank = os.environ.get("RANK", "0")
-    path = Path(out) / f"result-{rank}.json"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(value))
-    os.replace(tmp, path)
-
-
-def await_promotion(poll_s: float = 0.01) -> int | None:
-    """In a warm spare (:data:`SPARE_ENV` set): wait until the launcher hands it a rank, then
-    take that rank's environment (``RANK``, ``LOCAL_RANK``, ``MESHPACT_INCARNATION``) and return
-    it; elsewhere return None at once. A spare whose launcher is gone exits."""
-    index = os.environ.get(SPARE_ENV)
-    if index is None:
-        return None
-    path = Path(os.environ[RESULT_DIR_ENV]) / f"spare-{index}.json"
-    parent = os.getppid()
-    while not path.exists():
-        if os.getppid() != parent:
-            sys.exit(0)
-        time.sleep(poll_s)
-    assignment = json.loads(path.read_text())
-    rank = int(assignment["rank"])
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "MESHPACT_INCARNATION": str(int(assignment["incarnation"]))})
-    del os.environ[SPARE_ENV]
-    return rank
-
-
-def worker_args() -> dict:
-    """The JSON arguments the launcher handed this worker (``{}`` under plain torchrun)."""
-    path = os.environ.get(ARGS_ENV)
-    return json.loads(Path(path).read_text()) if path and Path(path).exists() else {}
-
-
-def _serve_stores(addresses: Sequence[str]) -> int:
-    stores = []
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        stores.append(host_store(host, int(port or 0)))
-    sys.stdout.write("PORTS " + " ".join(str(s.port) for s in stores) + "\n")
-    sys.stdout.flush()
-    sys.stdin.read()  # until the parent closes our stdin or dies
-    return 0
-
-
-def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshpact.live.launcher",
-                                     description="Run one rank of a Meshpact worker (torchrun-compatible).")
-    parser.add_argument("--target", help="package.module:function taking a dict of arguments")
-    parser.add_argument("--args", default=None, help="JSON arguments (overrides the launcher's)")
-    parser.add_argument("--serve-stores", nargs="+", metavar="HOST:PORT",
-                        help="host TCPStores (port 0: the kernel picks), print 'PORTS p1 p2 ...', "
-                             "serve until stdin closes")
-    ns = parser.parse_args(argv)
-    if ns.serve_stores:
-        return _serve_stores(ns.serve_stores)
-    if not ns.target:
-        parser.error("--target is required")
-    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
-    if missing:
-        sys.stderr.write(f"error: missing torchrun environment {missing}; run under torchrun or the launcher\n")
-        return 2
-    # a rank that dies of a fatal signal (a native crash, an abort on a corrupted heap) leaves
-    # every thread's Python stack in its stderr, which the launcher's error names
-    faulthandler.enable(all_threads=True)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # a hung rank's stacks on demand: kill -USR1 <pid>
-    fn = _resolve(ns.target)
-    args = json.loads(ns.args) if ns.args else worker_args()
-    value = fn(args)
-    write_result(value)
-    return 0
-
 
 
 def echo(args: dict) -> dict:
