@@ -1,4 +1,5 @@
-"""The direction of imports: core imports nothing of the others and no torch."""
+"""The direction of imports: core imports nothing of the others and no torch; live/ has no import
+circle, and the trial bench is a client of the recovery library that the library never imports."""
 
 from __future__ import annotations
 
@@ -56,3 +57,108 @@ def test_each_live_room_exports_names_its_modules_define_and_loads_no_torch_to_l
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False", "ok"]
+
+
+def _module_name(root: pathlib.Path, path: pathlib.Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return "meshpact." + ".".join(parts)
+
+
+def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Module -> the modules of the same tree it imports, as ``meshpact.<dir>.<...>`` names: every
+    import statement counts, at module level, inside functions or under ``TYPE_CHECKING``,
+    relative or absolute; ``from pkg import name`` counts as importing ``pkg.name`` when that is
+    a module of the tree, else ``pkg``."""
+    modules = {_module_name(root, p): p for p in root.rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        deps: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            else:
+                continue
+            deps.update(t for t in targets if t in modules and t != name)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def test_the_import_graph_sees_function_level_relative_and_absolute_imports(tmp_path):
+    pkg = tmp_path / "live"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .sub import b\n")
+    (pkg / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..c import X\n")
+    (pkg / "c.py").write_text("import meshpact.live.a\nfrom meshpact.live.sub.b import Y\n")
+    graph = import_graph(pkg)
+    assert graph["meshpact.live.a"] == {"meshpact.live.sub.b"}
+    assert graph["meshpact.live.sub.b"] == {"meshpact.live.c"}
+    assert graph["meshpact.live.c"] == {"meshpact.live.a", "meshpact.live.sub.b"}
+    assert circles(graph) == [["meshpact.live.a", "meshpact.live.c", "meshpact.live.sub.b"]]
+
+
+def test_no_import_circle_among_the_modules_of_live():
+    graph = import_graph(ROOT / "live")
+    assert "meshpact.live.worker" in graph["meshpact.live.forkserver"]  # the graph reads function-level imports
+    assert circles(graph) == []
+
+
+def test_the_trial_bench_is_a_client_of_the_recovery_library_that_the_library_never_imports():
+    graph = import_graph(ROOT / "live")
+    recovery = {m for m in graph if m.startswith("meshpact.live.recovery")}
+    trials = {m for m in graph if m.startswith("meshpact.live.trials")}
+    assert recovery and trials
+    assert {(m, d) for m in recovery for d in graph[m] if d in trials} == set()
+    assert any(d in recovery for m in trials for d in graph[m])

@@ -3,7 +3,8 @@
 | module | concept |
 |---|---|
 | ``decoder`` | small decoders with the real vocabularies of three model families |
-| ``serving`` | the serving loop: host 1's local slots, host 2's overflow, results as checked plans |
+| ``serving`` | the entry point of every run, and the requests deployment: host 1's local slots, host 2's overflow, results as checked plans |
+| ``loop`` | what the three loops share: requests' tokens, closed-loop clients, checked plans, the link's probes |
 | ``split`` | the model deployment: the decoder split by layers, outputs checked against a replay |
 | ``speculative`` | a draft on host 1, the target on host 2: full logits or verification at the source |
 | ``compiled`` | an exportable decode step, compiled ahead of time with AOTInductor |

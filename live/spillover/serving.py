@@ -40,21 +40,21 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
-from meshpact.core.facts import Request
 from meshpact.core.jsonform import JsonObject
 from meshpact.core.scenario import SERVING_REQUESTS, Deployment, deployment_of
 
 from ..netns import LinkShape, TwoHosts
+from . import speculative, split
+from .loop import (ACTIVE, EMPTY, NEW, ClosedLoop, ResultPlans, handshake, mean_of, prompt_for, slot_word, targets_for,
+                   veth_counters, with_compiled)
+from .speculative import SPECULATIVE_REQUESTS, digest
+from .split import OutputCheck, compare
 
-if TYPE_CHECKING:
-    from .split import OutputCheck
-
-__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "COMPILE_MODES", "precompile", "run_once", "worker", "REQUESTS",
-           # the pieces the model-split and speculative loops share with this one
-           "CheckedPlans", "ResultPlans", "ClosedLoop", "handshake", "prompt_for", "targets_for", "slot_word", "veth_counters", "mean_of"]
+__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "COMPILE_MODES", "precompile",
+           "run_once", "worker", "REQUESTS"]
 
 REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
@@ -91,8 +91,6 @@ class SpilloverConfig:
         if self.gamma < 0 or self.gamma > 16:
             raise MeshpactError(f"--speculative {self.gamma}: expected 1..16 draft tokens per round (0: none)")
         if self.gamma:
-            from .speculative import SPECULATIVE_REQUESTS
-
             if self.deployment != "model":
                 raise MeshpactError("--speculative: expected --deployment model (a draft on host 1, the target on "
                                     "host 2)")
@@ -212,104 +210,6 @@ class RunResult:
         return d
 
 
-# -- requests: prompts and targets both hosts derive from the request id ---------------------
-def prompt_for(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
-    rng = random.Random(cfg["seed"] * 1_000_003 + rid)
-    return [rng.randrange(vocab) for _ in range(cfg["prompt_tokens"])]
-
-
-def targets_for(cfg: Mapping[str, Any], rid: int, vocab: int) -> list[int]:
-    rng = random.Random(cfg["seed"] * 1_000_003 + rid + 500_000)
-    return [rng.randrange(vocab) for _ in range(cfg["output_tokens"])]
-
-
-# -- closed-loop clients ------------------------------------------------------------------------
-class ClosedLoop:
-    """``total`` requests from closed-loop clients: :meth:`start` issues one per client, and
-    every :meth:`complete` records the request's latency and issues the next (while any is
-    left). New requests wait in :attr:`pending` for whoever places them; request ids count
-    from 0 in issue order. The caller serialises calls (one thread, or under its lock)."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.issued = self.completed = 0
-        self.arrival: dict[int, float] = {}
-        self.latencies: list[float] = []
-        self.pending: deque[int] = deque()
-
-    def start(self, clients: int) -> None:
-        for _ in range(clients):
-            self.issue()
-
-    def issue(self) -> int | None:
-        """The next request (appended to :attr:`pending`), or None when all were issued."""
-        if self.issued >= self.total:
-            return None
-        rid = self.issued
-        self.issued += 1
-        self.arrival[rid] = time.perf_counter()
-        self.pending.append(rid)
-        return rid
-
-    def complete(self, rid: int) -> None:
-        self.latencies.append(time.perf_counter() - self.arrival[rid])
-        self.completed += 1
-        self.issue()
-
-    @property
-    def finished(self) -> bool:
-        return self.completed >= self.total
-
-
-# -- checked plans per row count ----------------------------------------------------------------
-class CheckedPlans:
-    """The lowered plan of :meth:`edge` for each row count, admitted by the checker once and
-    cached: every loop's results, hidden states and verdicts go through one of these."""
-
-    what = "result"  # named in the refusal
-
-    def __init__(self) -> None:
-        self._cache: dict[int, tuple[Any, Any]] = {}
-
-    def edge(self, rows: int) -> Any:
-        raise NotImplementedError
-
-    def get(self, rows: int) -> tuple[Any, Any]:
-        """(plan, contract) for ``rows`` rows."""
-        if rows not in self._cache:
-            from meshpact.core.checker import check
-            from meshpact.core.contract import compile_contract
-            from meshpact.core.lowerer import lower
-
-            contract = compile_contract(self.edge(rows))
-            plan = lower(contract)
-            report = check(plan, contract)
-            if not report.ok:
-                raise MeshpactError(f"the lowered {self.what} plan fails the checker: {report.violations}")
-            self._cache[rows] = (plan, contract)
-        return self._cache[rows]
-
-
-class ResultPlans(CheckedPlans):
-    """A step's results: the producer tensor is host 2's ``logits [batch, vocab]``, read by host 1."""
-
-    def __init__(self, request: str, vocab: int, mesh: Any) -> None:
-        super().__init__()
-        self.request, self.vocab, self.mesh = Request(request), vocab, mesh
-
-    def edge(self, rows: int) -> Any:
-        from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor
-        from meshpact.core.placement import Replicate
-
-        prod, cons = self.mesh.domains[1], self.mesh.domains[0]
-        return Edge(
-            f"spillover_{self.request.value}_{rows}", self.mesh,
-            ProducerTensor("logits", "lm_head", (rows, self.vocab), DType.BFLOAT16, prod.name, Replicate()),
-            Consumer("serving", cons.name, cons.ranks, self.request,
-                     owners=tuple(cons.ranks[0] for _ in range(rows)) if self.request is Request.OWNER_TOKEN else None),
-            description="one step of a remote host's sequences, read by the serving host")
-
-
 def _mesh(link_alpha_s: float, beta: float) -> Any:
     from meshpact.core.facts import Domain, LinkClass, LinkParams, Mesh, Vendor
 
@@ -332,12 +232,8 @@ def worker(args: dict) -> dict:
     mesh = _mesh(5e-5, 8.0 / (cfg["gbit_per_s"] * 1e9))
     layout = init_domains(mesh, env, timeout_s=cfg["timeout_s"])
     if cfg.get("gamma"):
-        from . import speculative
-
         return (speculative.host1 if env.rank == 0 else speculative.host2)(cfg, layout)
     if cfg.get("deployment") == "model":
-        from . import split
-
         return (split.host1 if env.rank == 0 else split.host2)(cfg, layout)
     if env.rank == 0:
         return _Host1(cfg, layout).run()
@@ -354,18 +250,6 @@ def request_decoder(cfg: Mapping[str, Any], slots: int) -> Any:
     return with_compiled(cfg, model, [(model.whole, 1)])
 
 
-def with_compiled(cfg: Mapping[str, Any], decoder: Any, parts: Sequence[tuple[Any, int]]) -> Any:
-    """``decoder``, running its steps of ``parts`` ((part, tokens per step)) from AOTInductor
-    packages when ``cfg["compile"]`` is ``aoti`` (compiled if a package is missing), eagerly
-    otherwise. Every host builds its decoders through this, and :func:`precompile` through
-    the same builders."""
-    if cfg.get("compile", "eager") == "aoti":
-        from .compiled import CompiledSteps
-
-        CompiledSteps(cfg["package_dir"]).attach(decoder, parts)
-    return decoder
-
-
 def precompile(cfg: Mapping[str, Any], package_dir: str) -> float:
     """Compile (in this process, before the hosts start) every package the run's hosts will
     load that is not cached yet; the seconds it took (0 when all were cached)."""
@@ -374,16 +258,12 @@ def precompile(cfg: Mapping[str, Any], package_dir: str) -> float:
     steps = CompiledSteps(package_dir)
     args = {**cfg, "compile": "eager"}  # build the decoders plainly, then compile what they need
     if cfg.get("gamma"):
-        from .speculative import draft_model, target_model
-
-        needs = [(draft_model(args), 1), (target_model(args), cfg["gamma"] + 1)]
+        needs = [(speculative.draft_model(args), 1), (speculative.target_model(args), cfg["gamma"] + 1)]
         for model, tokens in needs:
             steps.ensure(model, model.whole, tokens)
     elif cfg.get("deployment") == "model":
-        from .split import part_model
-
         for index in (0, 1):
-            part, model = part_model(args, index)
+            part, model = split.part_model(args, index)
             steps.ensure(model, part, 1)
     else:
         model = request_decoder(args, cfg["local_slots"])
@@ -396,13 +276,6 @@ def _pin(host: int) -> None:
     the link lends its CPU to the other and the comparison measures that, not the link."""
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cpus[host % len(cpus)]})
-
-
-def slot_word(state: int, rid: int, token: int) -> list[int]:
-    return [state, rid, token]
-
-
-EMPTY, ACTIVE, NEW = 0, 1, 2
 
 
 class _Host2:
@@ -482,29 +355,6 @@ def _sent_buffer(plan: Any) -> str:
     from meshpact.core.plan import StepKind
 
     return next(s.inputs[0] for s in plan.steps if s.kind is StepKind.SEND)
-
-
-def mean_of(xs: Sequence[float]) -> float:
-    return sum(xs) / len(xs) if xs else 0.0
-
-
-def handshake(rank: int, rounds: int = 21) -> float:
-    """Half the median round trip of one small message between the hosts (the link's α)."""
-    import torch
-    import torch.distributed as dist
-
-    buf = torch.zeros(1, dtype=torch.long)
-    rtts = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(buf, dst=1)
-            dist.recv(buf, src=1)
-        else:
-            dist.recv(buf, src=0)
-            dist.send(buf, dst=0)
-        rtts.append(time.perf_counter() - t0)
-    return sorted(rtts)[len(rtts) // 2] / 2
 
 
 class _Host1:
@@ -723,16 +573,6 @@ class _Host1:
                     self._complete(rid_of.pop(s), remote=True)
 
 
-def veth_counters() -> tuple[int, int]:
-    """(rx, tx) bytes of this host's veth end, from the kernel's statistics (0, 0 without one)."""
-    dev = os.environ.get("MESHPACT_VETH")
-    if not dev:
-        return 0, 0
-    base = f"/sys/class/net/{dev}/statistics"
-    with open(f"{base}/rx_bytes") as rx, open(f"{base}/tx_bytes") as tx:
-        return int(rx.read()), int(tx.read())
-
-
 # -- the parent: one run on two fresh hosts ------------------------------------------------------
 def run_once(cfg: SpilloverConfig) -> RunResult:
     """Build two hosts, start one rank on each, serve ``cfg``'s requests, tear everything down."""
@@ -767,16 +607,11 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
         planned=h2["planned"], compile_s=compile_s,
     )
     if cfg.gamma:
-        from .speculative import digest
-
         stats = SpeculativeStats(**h1["speculative"])
         per_round = measured.payload_bytes / stats.rounds if stats.rounds else 0.0
         return replace(result, outputs_digest=digest(h1["outputs"]), speculative=replace(stats, bytes_per_round=per_round),
                        emitted_logprobs=tuple(tuple(v) for _, v in sorted((int(k), v) for k, v in h1["logprobs"].items())))
     if cfg.deployment == "model":
-        from .speculative import digest
-        from .split import compare
-
         hidden = measure([CallRecord.from_dict(d) for d in h1["hidden_records"] + h2["hidden_records"]])
         check = compare(cfg.to_dict(), h1["schedule"], {int(k): v for k, v in h1["outputs"].items()},
                         {int(k): v for k, v in h1["logprobs"].items()})

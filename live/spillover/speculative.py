@@ -37,7 +37,9 @@ import json
 import time
 from typing import Any, Mapping, Sequence
 
-from meshpact.core.errors import MeshpactError
+
+from .loop import (ACTIVE, EMPTY, NEW, CheckedPlans, ClosedLoop, ResultPlans, handshake, mean_of, prompt_for,
+                   veth_counters, with_compiled)
 
 __all__ = ["DRAFT_SCALE", "SPECULATIVE_REQUESTS", "verify", "acceptance", "digest", "host1", "host2"]
 
@@ -74,8 +76,6 @@ def digest(outputs: Mapping[Any, Sequence[int]]) -> str:
 
 def _verdict_plans(mesh: Any) -> Any:
     """The checked plan per batch for host 2's verdict ``[batch, 2]`` (accepted length, next token)."""
-    from .serving import CheckedPlans
-
     class VerdictPlans(CheckedPlans):
         what = "verdict"
 
@@ -109,16 +109,12 @@ def _plain_target(cfg: Mapping[str, Any]) -> Any:
 
 def target_model(cfg: Mapping[str, Any]) -> Any:
     """Host 2's target, scoring ``γ + 1`` positions per pass (compiled when ``cfg`` asks for it)."""
-    from .serving import with_compiled
-
     model = _plain_target(cfg)
     return with_compiled(cfg, model, [(model.whole, cfg["gamma"] + 1)])
 
 
 def draft_model(cfg: Mapping[str, Any]) -> Any:
     """Host 1's draft: the target perturbed (:data:`DRAFT_SCALE`), one token per step."""
-    from .serving import with_compiled
-
     model = _plain_target(cfg).perturbed(DRAFT_SCALE, cfg["seed"] + 99)
     return with_compiled(cfg, model, [(model.whole, 1)])
 
@@ -128,7 +124,6 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import ACTIVE, EMPTY, NEW, ClosedLoop, handshake, mean_of, prompt_for, ResultPlans, veth_counters
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]
@@ -249,7 +244,6 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import EMPTY, NEW, handshake, mean_of, prompt_for, ResultPlans
     from ..plans.executor import Executor
 
     gamma, n, req = cfg["gamma"], cfg["concurrency"], cfg["request"]

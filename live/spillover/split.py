@@ -35,8 +35,10 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from meshpact.core.errors import MeshpactError
 from meshpact.core.jsonform import JsonObject
+
+from .loop import (ACTIVE, EMPTY, NEW, CheckedPlans, ClosedLoop, ResultPlans, handshake, mean_of, prompt_for, slot_word,
+                   targets_for, veth_counters, with_compiled)
 
 __all__ = ["SPLIT_AT", "host1", "host2", "reference", "compare", "OutputCheck"]
 
@@ -45,8 +47,6 @@ SPLIT_AT = 1  # host 1 runs layers [0, SPLIT_AT), host 2 the rest and the head
 
 def _boundary_plans(hidden: int, mesh: Any) -> Any:
     """The checked plan per row count for hidden states ``[rows, hidden]`` going host 1 → host 2."""
-    from .serving import CheckedPlans
-
     class BoundaryPlans(CheckedPlans):
         what = "hidden-state"
 
@@ -79,7 +79,6 @@ def part_model(cfg: Mapping[str, Any], index: int) -> tuple[Any, Any]:
     """Host ``index``'s part of the split decoder and a decoder holding only that part's
     weights (its steps compiled when ``cfg`` asks for it)."""
     from .decoder import LAYERS, Decoder, scaled_spec, split_parts
-    from .serving import with_compiled
 
     part = split_parts(LAYERS, SPLIT_AT)[index]
     model = Decoder(scaled_spec(cfg["model"]), cfg["concurrency"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
@@ -91,8 +90,6 @@ def part_model(cfg: Mapping[str, Any], index: int) -> tuple[Any, Any]:
 def _host_part(cfg: Mapping[str, Any], layout: Any, index: int) -> tuple[Any, Any, Any, Any, Any]:
     """Host ``index``'s share of the split decoder and the two plans every step runs:
     (spec, part, model holding only that part, boundary plans, result plans)."""
-    from .serving import ResultPlans
-
     part, model = part_model(cfg, index)
     spec = model.spec
     return spec, part, model, _boundary_plans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
@@ -103,7 +100,6 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import ACTIVE, EMPTY, NEW, ClosedLoop, handshake, mean_of, prompt_for, slot_word, targets_for, veth_counters
     from ..plans.executor import Executor
 
     spec, part, model, hidden_plans, result_plans = _host_part(cfg, layout, 0)
@@ -229,7 +225,6 @@ def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
-    from .serving import EMPTY, NEW, handshake, mean_of, targets_for
     from ..plans.executor import Executor
 
     spec, part, model, hidden_plans, result_plans = _host_part(cfg, layout, 1)
@@ -313,7 +308,6 @@ def reference(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]]) -> 
     chosen ids and, for ``logprob``, its log-probabilities. One thread, as the hosts run."""
     import torch
 
-    from .serving import prompt_for, targets_for
     from ..plans.ops import reference_logprob
 
     first, a = part_model(cfg, 0)  # the same builders (and, with --compile aoti, the same packages)
