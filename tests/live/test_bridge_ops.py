@@ -177,9 +177,12 @@ def test_owner_scope_check_finds_a_non_owner_holding_another_owners_tokens():
     leaky = {2: [(4, "all", all_tokens)], 3: [(6, "mine", own3)]}
     (leak,) = owner_scope_leaks(LiveRequest.OWNER_TOKEN, "tiny", edge, leaky)
     assert "rank 2" in leak and "holds 4 rows, owns 2" in leak
+    # rank 2 holding rank 3's tokens: the preset's rows choose different tokens (asserted, so a
+    # preset where they coincide fails here instead of hiding the case), and only rank 2 leaks
+    assert not torch.equal(own2, own3)
     swapped = {2: [(4, "mine", own3)], 3: [(6, "mine", own3)]}
-    if not torch.equal(own2, own3):
-        assert any("rank 2" in x for x in owner_scope_leaks(LiveRequest.OWNER_TOKEN, "tiny", edge, swapped))
+    (leak,) = owner_scope_leaks(LiveRequest.OWNER_TOKEN, "tiny", edge, swapped)
+    assert leak.startswith("rank 2 step 4 buffer 'mine': token ids") and str(own3.tolist()) in leak
 
 
 def test_bitwise_comparison_sees_one_ulp_and_tolerance_does_not():

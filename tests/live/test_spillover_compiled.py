@@ -30,9 +30,21 @@ def test_the_step_module_matches_the_decoder_step_by_step_at_every_row(family):
     assert not torch.allclose(module(ids, torch.zeros(3, dtype=torch.long)), dec.step([0, 1, 2], ids.tolist()))
 
 
-def test_latency_is_timed_over_the_positions_asked_for():
+def test_latency_is_the_mean_over_the_timed_steps_without_the_warmup(monkeypatch):
+    from types import SimpleNamespace
+
+    from meshpact.live.spillover import compiled
+
+    clock = [0.0]
     seen = []
-    assert step_latency(lambda ids, pos: seen.append(int(pos[0])), 2, 10, steps=4, warmup=2) >= 0
+
+    def step(ids, pos):  # a step at position p takes p seconds on the module's clock
+        assert ids.shape == (2,) and 0 <= int(ids.min()) and int(ids.max()) < 10
+        seen.append(int(pos[0]))
+        clock[0] += float(pos[0])
+
+    monkeypatch.setattr(compiled, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    assert step_latency(step, 2, 10, steps=4, warmup=2) == (2 + 3 + 4 + 5) / 4
     assert seen == [0, 1, 2, 3, 4, 5]
 
 
