@@ -1,37 +1,139 @@
-"""Checkpoints: the baselines in-memory recovery is measured against.
+"""Checkpoints in ``torch.distributed.checkpoint`` (DCP) format: the baselines in-memory
+recovery is measured against, the state an excision below ``min_ranks`` flushes, and what a
+replacement falls back to.
 
-:class:`Checkpointer` writes every rank's local state (its parameter shards and optimizer
-state, as :func:`meshpact.live.recovery.state.job_state` lists them, generators included) every K steps, one file per
-rank under ``step<N>/``, each written to a temporary name and renamed, so a checkpoint is
-complete exactly when all ranks' files exist. Restoring in the job reloads the newest
-complete checkpoint and replays the steps after it; a cold restart starts new processes
-that do the same.
+:class:`Checkpointer` writes every rank's job state (:func:`~meshpact.live.recovery.state.job_state`:
+parameter shards, optimizer state, generators, schedule, buffers) every K steps. A step's
+directory is one DCP checkpoint:
+
+====================================  ==================================================================
+``step<N>/rank<r>/``                  rank ``r``'s *part*: its state as a DCP checkpoint of its own, and
+                                      ``chunks.json``, where its sharded tensors lie in the whole ones
+``step<N>/groups.distcp``             each parameter's param-group settings (``lr``, ``betas``...)
+``step<N>/.metadata``                 the merged metadata: its presence makes the checkpoint complete
+====================================  ==================================================================
+
+The merged metadata names every tensor twice, over the same bytes:
+
+- ``meshpact.rank<r>.<key>``: rank ``r``'s state exactly as it was (what a restore reads: bit
+  for bit, generators and schedule included);
+- the names torch's own loops use, so a plain FSDP2 or torchtitan loop of any world size loads
+  the model and the optimizer with ``dcp.load`` (DCP re-shards by chunk): ``model.<fqn>`` for
+  parameters (every rank's chunk) and buffers (rank 0's), ``optim.state.<fqn>.<k>`` and
+  ``optim.param_groups.<fqn>.<k>`` for the optimizer, the layout of
+  ``get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``.
+
+Nothing here is a collective. Each rank writes its part into a temporary directory renamed
+into place; whoever then finds every part present merges the metadata (the last writer always
+does; two racing write the same bytes, each by an atomic rename). So a survivor can write a
+lost rank's part (an excision's flush) and no working process group is needed. Where a part
+says nothing of its chunks (``save`` without ``chunks``), tensors are taken as a 1-D FSDP2
+``Shard(0)`` cut (``torch.chunk`` rows in rank order), which the merge checks; a cut it cannot
+confirm leaves those tensors under their ``meshpact.`` names only.
+
+:meth:`Checkpointer.load` reads this rank's own part; given ``like`` (the state it expects) it
+also reads a checkpoint a plain loop wrote with ``dcp.save({"model": ..., "optim": ...})``,
+each tensor's chunk of this rank (``chunks``) or the whole of it.
 
 :class:`AsyncCheckpointer` measures the alternative of checkpointing after *every* update
-without stalling the step: the state is copied into host buffers on the training thread
-and written by a background thread. It reports the step-latency overhead, the host memory
-the buffers take, and the storage written per hour at the measured step rate.
+without stalling the step: the state is copied into host buffers on the training thread and
+a background thread writes them as a DCP part. It reports the step-latency overhead, the host
+memory the buffers take, and the storage written per hour at the measured step rate.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
 import os
+import pickle
 import queue
+import shutil
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Mapping
 
 import torch
 
-__all__ = ["Checkpointer", "AsyncCheckpointer", "AsyncCheckpointStats", "state_bytes"]
+from .state import SCHEDULE_KEY, Chunk
+
+__all__ = ["Checkpointer", "AsyncCheckpointer", "AsyncCheckpointStats", "state_bytes", "global_name", "PRIVATE"]
+
+PRIVATE = "meshpact"  # the merged metadata's prefix for each rank's own state
+_CHUNKS = "chunks.json"
+_GROUPS = "groups.distcp"
+_METADATA = ".metadata"
 
 
-def state_bytes(state: dict[str, torch.Tensor]) -> int:
+def state_bytes(state: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
+def _plain_fqn(name: str) -> str:
+    """A parameter's name as torch's state-dict helpers give it (no compile or activation-checkpoint wrappers)."""
+    return name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+
+
+def global_name(key: str) -> str | None:
+    """The name a plain loop's DCP state dict gives a job-state key (``param/w`` -> ``model.w``,
+    ``optim/w/exp_avg`` -> ``optim.state.w.exp_avg``, ``buffer/b`` -> ``model.b``); None for
+    what only Meshpact keeps (generators, schedule)."""
+    kind, _, rest = key.partition("/")
+    if kind in ("param", "buffer"):
+        return f"model.{_plain_fqn(rest)}"
+    if kind == "optim":
+        fqn, _, slot = rest.rpartition("/")
+        return f"optim.state.{_plain_fqn(fqn)}.{slot}"
+    return None
+
+
+def _dcp_quietly(fn: Any, *args: Any, **kw: Any) -> Any:
+    """``dcp.save``/``dcp.load`` of one process (``no_dist``), without its warning that no group is used."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to (save|load) in a single process.*")
+        return fn(*args, no_dist=True, **kw)
+
+
+def write_part(directory: Path, state: Mapping[str, torch.Tensor], chunks: Mapping[str, Chunk] | None) -> int:
+    """Write ``state`` as a DCP checkpoint of its own at ``directory`` (replaced whole, by a
+    rename), with its chunks; returns the bytes written."""
+    import torch.distributed.checkpoint as dcp
+
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    # the tensors as they are: DCP serialises each to the file, no copy of the state is made first
+    _dcp_quietly(dcp.save, {k: v.detach() for k, v in state.items()}, storage_writer=dcp.FileSystemWriter(tmp))
+    if chunks is not None:
+        (tmp / _CHUNKS).write_text(json.dumps({k: [list(c.global_shape), list(c.offsets)] for k, c in chunks.items()}))
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.{os.getpid()}.old")
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, directory)
+    return sum(f.stat().st_size for f in directory.iterdir())
+
+
+def _read_part(directory: Path, keys: set[str] | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of a part (``keys``: only those), each in a buffer of its own."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = dcp.FileSystemReader(directory).read_metadata()
+    out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+           if keys is None or k in keys}
+    _dcp_quietly(dcp.load, out, storage_reader=dcp.FileSystemReader(directory))
+    return out
+
+
 class Checkpointer:
+    """One rank's side of the periodic DCP checkpoints (see the module docstring)."""
+
     def __init__(self, directory: str | os.PathLike[str], rank: int, world_size: int, every: int) -> None:
         if every < 1:
             raise ValueError(f"checkpoint interval must be >= 1 step, got {every}")
@@ -45,22 +147,33 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         return step % self.every == 0
 
-    def path(self, step: int, rank: int | None = None) -> Path:
-        return self.directory / f"step{step:08d}" / f"rank{self.rank if rank is None else rank}.pt"
+    def step_dir(self, step: int) -> Path:
+        return self.directory / f"step{step:08d}"
 
-    def save(self, step: int, state: dict[str, torch.Tensor]) -> int:
-        """Write this rank's ``state`` for ``step`` atomically; returns the bytes written."""
-        path = self.path(step)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        torch.save({k: v.detach().clone() for k, v in state.items()}, tmp)
-        os.replace(tmp, path)
-        size = path.stat().st_size
+    def path(self, step: int, rank: int | None = None) -> Path:
+        """The directory of one rank's part of the checkpoint of ``step``."""
+        return self.step_dir(step) / f"rank{self.rank if rank is None else rank}"
+
+    def save(self, step: int, state: Mapping[str, torch.Tensor], chunks: Mapping[str, Chunk] | None = None) -> int:
+        """Write this rank's ``state`` for ``step`` as its part (``chunks``: where its sharded
+        tensors lie, :func:`~meshpact.live.recovery.state.global_chunks`), and the merged
+        metadata if every part is there now; returns the bytes written."""
+        (self.step_dir(step) / _METADATA).unlink(missing_ok=True)  # a part rewritten: merged again below
+        size = write_part(self.path(step), state, chunks)
         self.bytes_written += size
+        self.complete(step)
         return size
 
     def complete(self, step: int) -> bool:
-        return all(self.path(step, r).exists() for r in range(self.world_size))
+        """Whether the checkpoint of ``step`` is complete (merging its metadata when every part
+        is there and nobody has yet)."""
+        top = self.step_dir(step)
+        if (top / _METADATA).exists():
+            return True
+        if not all((self.path(step, r) / _METADATA).exists() for r in range(self.world_size)):
+            return False
+        _merge(top, self.world_size)
+        return True
 
     def latest(self, limit: int) -> int:
         """The newest complete checkpoint at or before ``limit`` (step 0 is always written first)."""
@@ -70,12 +183,198 @@ class Checkpointer:
                 return step
         raise FileNotFoundError(f"no complete checkpoint at or before step {limit} in {self.directory}")
 
-    def load(self, step: int) -> dict[str, torch.Tensor]:
-        path = self.path(step)
-        self.bytes_read += path.stat().st_size
-        return torch.load(path, weights_only=True)
+    def load(self, step: int, like: Mapping[str, torch.Tensor] | None = None,
+             chunks: Mapping[str, Chunk] | None = None) -> dict[str, torch.Tensor]:
+        """This rank's state at ``step``: its own part, bit for bit. A checkpoint without parts
+        (a plain loop's) is read by the names ``like``'s keys have there (:func:`global_name`),
+        each key's chunk (``chunks``) or whole, with the optimizer state the checkpoint holds for
+        each of ``like``'s parameters (cut as the parameter is: ``like`` may come from an optimizer
+        that has not stepped); generators and schedule are left out."""
+        part = self.path(step)
+        if (part / _METADATA).exists():
+            self.bytes_read += sum(f.stat().st_size for f in part.iterdir())
+            return _read_part(part)
+        top = self.step_dir(step)
+        if like is None or not (top / _METADATA).exists():
+            raise FileNotFoundError(f"no part of rank {self.rank} in {top}" +
+                                    ("" if like is None else " and no DCP metadata there"))
+        state, read = _read_global(top, like, chunks or {})
+        self.bytes_read += read
+        return state
 
 
+# -- the merge ---------------------------------------------------------------------------------
+def _part_chunks(part: Path) -> dict[str, Chunk] | None:
+    path = part / _CHUNKS
+    if not path.exists():
+        return None
+    return {k: Chunk(tuple(g), tuple(o)) for k, (g, o) in json.loads(path.read_text()).items()}
+
+
+def _inferred_chunks(metas: list[Any]) -> dict[int, dict[str, Chunk]]:
+    """The 1-D FSDP2 ``Shard(0)`` reading of every part's parameters and optimizer state (rows in
+    rank order, as ``torch.chunk`` cuts them); keys whose rows do not fit that cut are left out."""
+    from .reshard import shard_rows
+
+    world = len(metas)
+    out: dict[int, dict[str, Chunk]] = {r: {} for r in range(world)}
+    for key, m in metas[0].state_dict_metadata.items():
+        if not key.startswith(("param/", "optim/")) or len(m.size) == 0:
+            continue
+        sizes = [tuple(md.state_dict_metadata[key].size) if key in md.state_dict_metadata else None for md in metas]
+        if any(s is None or len(s) != len(m.size) or s[1:] != tuple(m.size)[1:] for s in sizes):
+            continue
+        rows = sum(s[0] for s in sizes)
+        if any(s[0] != shard_rows(rows, world, r)[1] for r, s in enumerate(sizes)):
+            continue
+        for r in range(world):
+            out[r][key] = Chunk((rows, *tuple(m.size)[1:]), (shard_rows(rows, world, r)[0],) + (0,) * (len(m.size) - 1))
+    return out
+
+
+def _merge(top: Path, world: int) -> None:
+    """Write ``top/.metadata``: every part's tensors under their ``meshpact.`` names and, where
+    their chunks tile the whole tensor, under a plain loop's names (module docstring)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
+                                                       MetadataIndex, TensorStorageMetadata)
+
+    metas = [dcp.FileSystemReader(top / f"rank{r}").read_metadata() for r in range(world)]
+    given = [_part_chunks(top / f"rank{r}") for r in range(world)]
+    explicit = all(c is not None for c in given)
+    chunks = {r: c for r, c in enumerate(given)} if explicit else _inferred_chunks(metas)
+    sd_meta: dict[str, Any] = {}
+    storage: dict[Any, Any] = {}
+    whole: dict[str, list[Any]] = {}  # a plain loop's name -> [metadata, elements covered]
+    for r, meta in enumerate(metas):
+        where = {idx.fqn: info for idx, info in meta.storage_data.items()}
+        for key, m in meta.state_dict_metadata.items():
+            info = dataclasses.replace(where[key], relative_path=f"rank{r}/{where[key].relative_path}")
+            private = f"{PRIVATE}.rank{r}.{key}"
+            sd_meta[private] = m
+            storage[MetadataIndex(private, torch.Size([0] * len(m.size)))] = info
+            name = global_name(key)
+            chunk = chunks[r].get(key)
+            if name is None or (chunk is None and r != 0):
+                continue
+            if chunk is None and not explicit and key.startswith(("param/", "optim/")) and len(m.size):
+                continue  # a cut the 1-D reading could not confirm
+            if chunk is None:
+                chunk = Chunk(tuple(m.size), (0,) * len(m.size))
+            offsets = torch.Size(chunk.offsets)
+            entry = whole.setdefault(name, [TensorStorageMetadata(m.properties, torch.Size(chunk.global_shape), []), 0])
+            if MetadataIndex(name, offsets) in storage or torch.Size(m.size).numel() == 0:
+                continue  # a replica of a chunk already named (HSDP), or an empty shard
+            entry[0].chunks.append(ChunkStorageMetadata(offsets, torch.Size(m.size)))
+            entry[1] += torch.Size(m.size).numel()
+            storage[MetadataIndex(name, offsets)] = info
+    for name, (m, covered) in whole.items():
+        if covered == m.size.numel():
+            sd_meta[name] = m
+        else:  # chunks that do not tile the tensor: no plain loop could read it right
+            for idx in [i for i in storage if i.fqn == name]:
+                del storage[idx]
+    groups = _param_groups(top, sd_meta)
+    if groups:
+        buf = io.BytesIO()
+        for name, value in groups.items():
+            at = buf.tell()
+            torch.save(value, buf)
+            sd_meta[name] = BytesStorageMetadata()
+            storage[MetadataIndex(name)] = dataclasses.replace(next(iter(storage.values())), relative_path=_GROUPS,
+                                                               offset=at, length=buf.tell() - at)
+        _atomic_write(top / _GROUPS, buf.getvalue())
+    merged = Metadata(sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
+                      version=metas[0].version)
+    _atomic_write(top / _METADATA, pickle.dumps(merged))
+
+
+def _param_groups(top: Path, sd_meta: Mapping[str, Any]) -> dict[str, Any]:
+    """``optim.param_groups.<fqn>.<setting>`` for every parameter of the model, from rank 0's
+    committed schedule; empty where the optimizer has more than one param group (which
+    parameter is in which is not part of the state)."""
+    from .state import _schedule_from
+
+    part = top / "rank0"
+    if f"{PRIVATE}.rank0.{SCHEDULE_KEY}" not in sd_meta:
+        return {}
+    schedule = _schedule_from(_read_part(part, {SCHEDULE_KEY})[SCHEDULE_KEY])
+    if len(schedule.groups) != 1:
+        return {}
+    fqns = sorted({_plain_fqn(k[len(f"{PRIVATE}.rank0.param/"):]) for k in sd_meta
+                   if k.startswith(f"{PRIVATE}.rank0.param/")})
+    return {f"optim.param_groups.{fqn}.{k}": v for fqn in fqns for k, v in schedule.groups[0].items()}
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# -- reading a plain loop's checkpoint ----------------------------------------------------------
+def _read_global(top: Path, like: Mapping[str, torch.Tensor], chunks: Mapping[str, Chunk]) -> tuple[dict[str, torch.Tensor], int]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    reader = dcp.FileSystemReader(top)
+    meta = reader.read_metadata()
+    names = {k: global_name(k) for k in like if not k.startswith("optim/")}
+    shapes = {k: tuple(like[k].shape) for k in names}
+    dtypes = {k: like[k].dtype for k in names}
+    slots: dict[str, list[str]] = {}  # a parameter's plain name -> the optimizer slots the checkpoint has for it
+    for name in meta.state_dict_metadata:
+        if name.startswith("optim.state."):
+            fqn, _, slot = name[len("optim.state."):].rpartition(".")
+            slots.setdefault(fqn, []).append(slot)
+    chunks = dict(chunks)
+    for key in [k for k in like if k.startswith("param/")]:
+        fqn = _plain_fqn(key[len("param/"):])
+        for slot in slots.get(fqn, ()):  # the optimizer's state, as the checkpoint has it (a fresh optimizer has none)
+            okey, name = f"optim/{key[len('param/'):]}/{slot}", f"optim.state.{fqn}.{slot}"
+            m = meta.state_dict_metadata[name]
+            names[okey], dtypes[okey] = name, m.properties.dtype
+            same = key in chunks and tuple(m.size) == chunks[key].global_shape
+            shapes[okey] = shapes[key] if same else tuple(m.size)
+            if same:
+                chunks[okey] = chunks[key]
+    missing = [n for k, n in names.items() if n is not None and n not in meta.state_dict_metadata]
+    if missing:
+        raise KeyError(f"the checkpoint in {top} has no {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
+                       "it was written for another model")
+    out = {n: torch.empty(shapes[k], dtype=dtypes[k]) for k, n in names.items() if n is not None}
+
+    class _ChunkPlanner(DefaultLoadPlanner):
+        """Reads each tensor's chunk of this rank (offsets from ``chunks``; the whole tensor
+        where none is given) into a plain tensor of the chunk's shape."""
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for key, name in names.items():
+                if name is None:
+                    continue
+                shape = out[name].shape
+                offsets = chunks[key].offsets if key in chunks else (0,) * len(shape)
+                items += create_read_items_for_chunk_list(
+                    name, self.metadata.state_dict_metadata[name],
+                    [ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape))])
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item: Any) -> torch.Tensor:
+            target = self.state_dict[read_item.dest_index.fqn]
+            for dim, (at, n) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                target = target.narrow(dim, at, n)
+            return target
+
+    _dcp_quietly(dcp.load, out, storage_reader=reader, planner=_ChunkPlanner(flatten_state_dict=False))
+    read = sum(t.numel() * t.element_size() for t in out.values())
+    return {k: out[n] for k, n in names.items() if n is not None}, read
+
+
+# -- checkpointing every update, in the background -----------------------------------------------
 @dataclass(frozen=True)
 class AsyncCheckpointStats:
     steps: int
@@ -101,7 +400,8 @@ class AsyncCheckpointStats:
 
 
 class AsyncCheckpointer:
-    """Snapshot to host buffers on the training thread, write in the background (one in flight)."""
+    """Snapshot to host buffers on the training thread, write them in the background as a DCP
+    part (``<directory>/latest/rank<r>``, replaced by each write; one in flight)."""
 
     def __init__(self, directory: str | os.PathLike[str], rank: int) -> None:
         self.directory = Path(directory)
@@ -120,7 +420,12 @@ class AsyncCheckpointer:
     def host_bytes(self) -> int:
         return state_bytes(self._buffers)
 
-    def snapshot(self, step: int, state: dict[str, torch.Tensor]) -> None:
+    @property
+    def path(self) -> Path:
+        """The part the newest write lies in."""
+        return self.directory / "latest" / f"rank{self.rank}"
+
+    def snapshot(self, step: int, state: Mapping[str, torch.Tensor]) -> None:
         self._idle.wait()  # one snapshot in flight: the buffers are reused
         self._idle.clear()
         for k, v in state.items():
@@ -136,13 +441,11 @@ class AsyncCheckpointer:
             if step is None:
                 return
             t0 = time.perf_counter()
-            path = self.directory / f"rank{self.rank}-latest.pt"
-            tmp = path.with_name(path.name + ".tmp")
-            torch.save(self._buffers, tmp)
-            os.replace(tmp, path)
-            self.bytes_written += path.stat().st_size
-            self.writes.append(time.perf_counter() - t0)
-            self._idle.set()
+            try:
+                self.bytes_written += write_part(self.path, self._buffers, None)
+                self.writes.append(time.perf_counter() - t0)
+            finally:
+                self._idle.set()
 
     def close(self) -> None:
         self._idle.wait()

@@ -43,7 +43,8 @@ import torch.nn as nn
 
 __all__ = ["local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
-           "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "model_buffers", "load_buffers"]
+           "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "model_buffers", "load_buffers",
+           "Chunk", "global_chunks"]
 
 ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
 _SAMPLE_TENSORS = 64
@@ -86,6 +87,36 @@ def local_state(model: nn.Module, optimizer: torch.optim.Optimizer, buffers: boo
     if buffers:
         for name, buf in model_buffers(model).items():
             out[f"buffer/{name}"] = _local(buf)
+    return out
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Where a rank's local tensor lies in the whole one: the whole tensor's shape and the
+    local tensor's offset in each dimension (DCP's chunk metadata)."""
+
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def global_chunks(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Chunk]:
+    """The :class:`Chunk` of every sharded tensor :func:`local_state` lists (a ``DTensor``
+    parameter and the optimizer state shaped like it), keyed as there; tensors left out are
+    whole on every rank. A checkpoint writes these so that a loop of any other world size
+    reads the model and the optimizer back (DCP re-shards by chunk)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    out: dict[str, Chunk] = {}
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        chunk = Chunk(tuple(p.shape), tuple(int(o) for o in offsets))
+        out[f"param/{name}"] = chunk
+        for key, value in optimizer.state.get(p, {}).items():
+            if isinstance(value, DTensor) and tuple(value.shape) == chunk.global_shape:
+                out[f"optim/{name}/{key}"] = chunk
     return out
 
 

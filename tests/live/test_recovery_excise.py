@@ -54,4 +54,4 @@ def test_excising_below_min_ranks_stops_with_one_line_and_a_complete_checkpoint(
     assert exc["excisions"][-1]["step"] == step and str(flushed) in exc["refused"]
     # the world of three before the refused excision, every group rank's file (the lost rank's from its copy)
     assert Checkpointer(flushed.parent, 0, 3, 1).complete(step)
-    assert sorted(p.name for p in flushed.glob("rank*.pt")) == ["rank0.pt", "rank1.pt", "rank2.pt"]
+    assert sorted(p.name for p in flushed.glob("rank*")) == ["rank0", "rank1", "rank2"]
