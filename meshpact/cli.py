@@ -9,6 +9,8 @@ listed once in :data:`COMMANDS`; help listings show the first line of its docstr
 the command it names: ``meshpact plan ...`` never imports the simulator or torch, and
 ``meshpact --help`` imports no command module at all (the listing reads each command's
 docstring from its source). User errors print their message and exit with status 2; no traceback.
+A value Click refuses (an enum option, a number out of range, a missing option) is reported
+the same way, as one line naming the option, the value and what it expects (:func:`usage_error_line`).
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ from __future__ import annotations
 import ast
 import sys
 from dataclasses import dataclass
+from enum import Enum
 from importlib import import_module
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Sequence
+from types import UnionType
+from typing import Any, Literal, Sequence, Union, get_args, get_origin
 
 import typer
 
 from meshpact import __version__
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["CommandSpec", "COMMANDS", "GROUP_HELP", "Groups", "build", "main"]
+__all__ = ["CommandSpec", "COMMANDS", "GROUP_HELP", "Groups", "build", "main", "usage_error_line", "choices_of"]
 
 
 @dataclass(frozen=True)
@@ -132,17 +136,115 @@ def build(argv: Sequence[str] = ()) -> typer.Typer:
     return groups.root
 
 
+# The exception classes of the Click that parses our command lines (Typer's own copy of Click
+# in newer releases, Click itself in older ones), found from a public name of either.
+_click_errors = sys.modules[typer.BadParameter.__module__]
+_CLICK_ERROR: type[Exception] = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
+def _argument_value(param: Any, args: Sequence[str]) -> str | None:
+    """The value given to ``param`` on the command line (its last occurrence), or None."""
+    names = [*param.opts, *getattr(param, "secondary_opts", ())]
+    value = None
+    for i, arg in enumerate(args):
+        if arg in names and i + 1 < len(args):
+            value = args[i + 1]
+        for name in names:
+            if name.startswith("--") and arg.startswith(name + "="):
+                value = arg[len(name) + 1:]
+    return value
+
+
+def _declared_type(param: Any) -> Any:
+    """The Python annotation a parameter was declared with (Optional unwrapped), or None."""
+    annotation = getattr(getattr(param, "type_descriptor", None), "annotation", None)
+    if get_origin(annotation) in (Union, UnionType):
+        inner = [a for a in get_args(annotation) if a is not type(None)]
+        annotation = inner[0] if len(inner) == 1 else annotation
+    return annotation
+
+
+def choices_of(param: Any) -> tuple[str, ...] | None:
+    """The values an option accepts when it is declared as an Enum, a Literal or a Choice."""
+    annotation = _declared_type(param)
+    if isinstance(annotation, type) and issubclass(annotation, Enum):
+        return tuple(str(m.value) for m in annotation)
+    if get_origin(annotation) is Literal:
+        return tuple(str(v) for v in get_args(annotation))
+    choices = getattr(getattr(param, "type", None), "choices", None)
+    return tuple(str(getattr(c, "value", c)) for c in choices) if choices else None
+
+
+def _number_words(param: Any) -> str | None:
+    """'an integer from 2 to 16', 'a number of at least 0.1', ... from the declared type and bounds."""
+    annotation = _declared_type(param)
+    low = getattr(param, "min", None)
+    high = getattr(param, "max", None)
+    if low is None and high is None:
+        kind = getattr(param, "type", None)
+        low, high = getattr(kind, "min", None), getattr(kind, "max", None)
+        annotation = annotation or {"INT": int, "FLOAT": float}.get(getattr(kind, "name", "").upper())
+    if annotation not in (int, float):
+        return None
+    what = "an integer" if annotation is int else "a number"
+    if low is not None and high is not None:
+        return f"{what} from {low} to {high}"
+    if low is not None:
+        return f"{what} of at least {low}"
+    if high is not None:
+        return f"{what} of at most {high}"
+    return what
+
+
+def usage_error_line(exc: Exception, args: Sequence[str]) -> str:
+    """One line for a command line that Click refused: the option, the value given and what it
+    expects, in the words of the project's own errors (``--name 'value': expected ...``)."""
+    ctx = getattr(exc, "ctx", None)
+    invoked = _invoked(args)
+    command = ctx.command_path if ctx is not None else " ".join(["meshpact", *(invoked[0].path if invoked else ())])
+    see = f"; see '{command} --help'"
+    param = getattr(exc, "param", None)
+    if isinstance(exc, _click_errors.MissingParameter) and param is not None:
+        name = "/".join(param.opts) if param.param_type_name == "option" else param.human_readable_name
+        return f"{name} is required{see}"
+    if isinstance(exc, _click_errors.BadParameter) and param is not None:
+        name = max(param.opts, key=len) if param.param_type_name == "option" else param.human_readable_name
+        given = _argument_value(param, args)
+        choices = choices_of(param)
+        expected = f"one of {', '.join(choices)}" if choices else _number_words(param)
+        if expected is None:
+            return f"{name}: {' '.join(exc.message.split())}"
+        return f"{name} {given!r}: expected {expected}" if given is not None else f"{name}: expected {expected}"
+    if isinstance(exc, _click_errors.NoSuchOption):
+        maybe = f" (did you mean {' or '.join(sorted(exc.possibilities))}?)" if exc.possibilities else ""
+        return f"{exc.option_name}: no such option{maybe}{see}"
+    if isinstance(exc, _click_errors.BadOptionUsage):
+        message = " ".join(exc.message.split()).rstrip(".").replace(f"Option '{exc.option_name}' ", "")
+        return f"{exc.option_name}: {message}{see}"
+    return " ".join(exc.format_message().split()).rstrip(".") + see
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run one command line; user errors (ours and Click's alike) print one line and give 2."""
     args = list(sys.argv[1:] if argv is None else argv)
     cli = build(args)
     try:
-        cli(args=args, standalone_mode=True)
+        rv = cli(args=args, prog_name="meshpact", standalone_mode=False)
     except MeshpactError as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 2
-    except SystemExit as exc:  # typer's normal exit path
+    except _click_errors.NoArgsIsHelpError:  # a group named alone: its help, as before
+        cli(args=[*args, "--help"], prog_name="meshpact", standalone_mode=False)
+        return 2
+    except _CLICK_ERROR as exc:
+        sys.stderr.write(f"error: {usage_error_line(exc, args)}\n")
+        return 2
+    except typer.Abort:
+        sys.stderr.write("aborted\n")
+        return 1
+    except SystemExit as exc:
         return int(exc.code or 0) if not isinstance(exc.code, str) else 1
-    return 0
+    return rv if isinstance(rv, int) else 0  # typer.Exit(code) comes back as its code
 
 
 if __name__ == "__main__":  # pragma: no cover

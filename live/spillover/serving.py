@@ -40,6 +40,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from enum import Enum
 from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
@@ -53,15 +54,23 @@ from .loop import (ACTIVE, EMPTY, NEW, ClosedLoop, ResultPlans, handshake, mean_
 from .speculative import SPECULATIVE_REQUESTS, digest
 from .split import OutputCheck, compare
 
-__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "COMPILE_MODES", "precompile",
+__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "CompileMode", "COMPILE_MODES", "precompile",
            "run_once", "worker", "REQUESTS"]
 
 REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
 # model: the decoder is split by layers, host 2 holds the later ones and the LM head (.split)
-# eager: the decoders' Python steps; aoti: their steps compiled ahead of time with AOTInductor
-# (:class:`~meshpact.live.spillover.compiled.CompiledSteps`), loaded as packages cached on disk
-COMPILE_MODES = ("eager", "aoti")
+
+
+class CompileMode(str, Enum):
+    """How the hosts run their decode steps."""
+
+    EAGER = "eager"  # the decoders' Python steps
+    AOTI = "aoti"  # compiled ahead of time with AOTInductor (.compiled.CompiledSteps), packages cached on disk
+
+
+COMPILE_MODES = tuple(m.value for m in CompileMode)
+
 
 @dataclass(frozen=True)
 class SpilloverConfig:

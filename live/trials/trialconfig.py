@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from meshpact.core.errors import MeshpactError
@@ -22,14 +23,21 @@ from ..recovery.config import RecoveryConfig
 from ..recovery.faults import FaultKind
 from ..recovery.workload import DEFAULT_WORKLOAD
 
-__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PROCESSES_FILE", "PHASES", "ON_RANK_LOSS"]
+__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PROCESSES_FILE", "PHASES", "ON_RANK_LOSS", "OnRankLoss"]
 
 PACE_FILE = "pace.json"  # in the trial's work directory
 PROCESSES_FILE = "processes.jsonl"  # in the trial's work directory: every rank process started (launcher.LaunchedProcess)
 PHASES = ("reference", "faulted", "cold")  # a trial's runs, in order (each rank's MESHPACT_RUN_ID)
 
 
-ON_RANK_LOSS = ("replace", "excise")  # what a killed rank leads to: a replacement, or the survivors go on
+class OnRankLoss(str, Enum):
+    """What a killed rank leads to."""
+
+    REPLACE = "replace"  # a new process or a warm spare takes its state from a peer
+    EXCISE = "excise"  # the survivors re-shard its state from the peer copy and go on
+
+
+ON_RANK_LOSS = tuple(p.value for p in OnRankLoss)
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import typer
 
 from meshpact.commands._common import console, emit_json, table
 from meshpact.live.recovery.faults import FaultKind  # torch-free: keeps --help instant
+from meshpact.live.trials.trialconfig import OnRankLoss  # torch-free
 
 __all__ = ["register", "json_view", "JSON_KEYS"]
 
@@ -42,7 +43,7 @@ def recover(
     peer_copies: int = typer.Option(1, "--peer-copies", min=0, help="K: ranks holding each rank's committed state "
                                     "in host memory, so a lost rank's replacement takes it from a peer instead "
                                     "of storage (0: none; at most ranks - 1)."),
-    on_rank_loss: str = typer.Option("replace", "--on-rank-loss", help="A killed rank: replace (a new process or "
+    on_rank_loss: OnRankLoss = typer.Option(OnRankLoss.REPLACE, "--on-rank-loss", help="A killed rank: replace (a new process or "
                                      "a warm spare takes its state from a peer) or excise (the survivors re-shard "
                                      "its state from the peer copy and go on, same global batch)."),
     min_ranks: int = typer.Option(1, "--min-ranks", min=1, help="Excising: stop, with the state flushed to a "
@@ -61,7 +62,7 @@ def recover(
                       data_timeout_s=data_timeout,
                       stall_s=data_timeout + 0.5, down_s=2.0 * data_timeout, baselines=baselines,
                       timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies,
-                      spare_ranks=spare_ranks, on_rank_loss=on_rank_loss, min_ranks=min_ranks)
+                      spare_ranks=spare_ranks, on_rank_loss=on_rank_loss.value, min_ranks=min_ranks)
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
     result = run_trial(cfg, recording_path=path)
     summary = result.summary()

@@ -7,6 +7,8 @@ from typing import Any
 import typer
 
 from meshpact.core.errors import MeshpactError
+from meshpact.core.scenario import Deployment
+from meshpact.live.spillover.serving import CompileMode  # torch-free
 from meshpact.commands._common import console, emit_json, err_console, table
 
 __all__ = ["register", "parse_list"]
@@ -45,13 +47,13 @@ def spillover(
     output_tokens: int = typer.Option(32, "--output-tokens", min=1, help="Tokens decoded per request."),
     local_slots: int = typer.Option(4, "--local-slots", min=1, help="Sequences host 1 decodes at once."),
     remote_slots: int = typer.Option(12, "--remote-slots", min=1, help="Sequences host 2 decodes at once."),
-    deployment: str = typer.Option("requests", "--deployment",
+    deployment: Deployment = typer.Option(Deployment.REQUESTS, "--deployment",
                                    help="requests: host 1 spills whole requests to host 2; model: the decoder is "
                                         "split by layers and every step crosses the link."),
     speculative: int = typer.Option(0, "--speculative", help="GAMMA: a draft on host 1 proposes GAMMA tokens per "
                                     "round, the target on host 2 verifies (with --deployment model; requests full "
                                     "and token)."),
-    compile_mode: str = typer.Option("eager", "--compile", help="eager: the decoders' Python steps; aoti: their steps "
+    compile_mode: CompileMode = typer.Option(CompileMode.EAGER, "--compile", help="eager: the decoders' Python steps; aoti: their steps "
                                      "compiled ahead of time with AOTInductor (packages cached under --work-dir)."),
     work_dir: str = typer.Option("", "--work-dir", help="Where compiled packages are cached (default: the system's "
                                  "temp dir)."),
@@ -59,8 +61,7 @@ def spillover(
 ) -> None:
     """Serve on host 1, spill to host 2 across a rate-limited veth; measure and simulate each request."""
     from meshpact.live.netns import netns_unavailable
-    from meshpact.core.scenario import deployment_of
-    from meshpact.live.spillover.serving import COMPILE_MODES, REQUESTS, SpilloverConfig
+    from meshpact.live.spillover.serving import REQUESTS, SpilloverConfig
     from meshpact.live.spillover.pairs import COLUMNS, mismatched, table_rows
     from meshpact.live.spillover.speculative import SPECULATIVE_REQUESTS
     from meshpact.spillover_sim import SPECULATIVE_COLUMNS, measure, speculative_table_rows
@@ -68,9 +69,7 @@ def spillover(
     models = parse_list(model, "--model", _MODELS)
     concs = parse_list(concurrency, "--concurrency", integer=True)
     reqs = parse_list(request, "--request", REQUESTS)
-    deployment = deployment_of(deployment).value
-    if compile_mode not in COMPILE_MODES:
-        raise MeshpactError(f"--compile {compile_mode!r}: expected one of {', '.join(COMPILE_MODES)}")
+    deployment, compile_mode = deployment.value, compile_mode.value
     if speculative:
         if request == "full,logprob,token,owner_token":  # the default: the requests speculation has
             reqs = list(SPECULATIVE_REQUESTS)

@@ -188,7 +188,7 @@ def serving(
     request: Optional[Request] = typer.Option(None, "--request", help="What the consumer observes (serving takes full, logprob, token or owner_token)."),
     link_gbps: Optional[float] = typer.Option(None, "--link-gbps", help="Link bandwidth in Gbit/s."),
     requests: Optional[int] = typer.Option(None, "--requests", min=1, help="Requests to complete."),
-    deployment: str = typer.Option(Deployment.REQUESTS.value, "--deployment", help="requests (whole requests spill) or model "
+    deployment: Deployment = typer.Option(Deployment.REQUESTS, "--deployment", help="requests (whole requests spill) or model "
                                    "(the model split by layers across the hosts)."),
     speculative: Optional[int] = typer.Option(None, "--speculative", help="GAMMA draft tokens per round."),
     acceptance: Optional[float] = typer.Option(None, "--acceptance", help="A: acceptance rate of one draft token."),
@@ -198,7 +198,7 @@ def serving(
     from meshpact.simulator.batching import simulate_deployment
 
     r = simulate_deployment(
-        _scenario(scenario), deployment, gamma=speculative, acceptance=acceptance,
+        _scenario(scenario), deployment.value, gamma=speculative, acceptance=acceptance,
         model=model, concurrency=concurrency,
         request=request.value if request else None, requests=requests, link_gbps=link_gbps,
     )
@@ -207,7 +207,7 @@ def serving(
         return
     p = r.params
     console.print(f"{p.model}: {p.request.value} request, concurrency {p.concurrency}, link {p.link_gbit_per_s:g} Gbit/s, "
-                  f"{deployment} deployment" + (f", speculative gamma {p.gamma} alpha {p.alpha:g}" if p.gamma else ""))
+                  f"{deployment.value} deployment" + (f", speculative gamma {p.gamma} alpha {p.alpha:g}" if p.gamma else ""))
     d = r.to_dict()
     rows = [["throughput (tok/s)", f"{r.throughput_tok_s:.1f}"], ["latency p50 (s)", f"{r.latency_s['p50']:.3f}"],
             ["latency p99 (s)", f"{r.latency_s['p99']:.3f}"], ["result bytes", r.result_bytes],
