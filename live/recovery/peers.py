@@ -171,6 +171,7 @@ class Layout:
     def header(self, step: int) -> bytes:
         """The copy's bytes before its body, for ``step``."""
         head = ('{"step": %d, "bytes": %d, "tensors": %s}' % (step, self.total, self.index)).encode()
+        head += b" " * (-(len(_MAGIC) + _HEADER.size + len(head)) % _ALIGN)  # the body starts aligned
         return _MAGIC + _HEADER.pack(len(head)) + head
 
 
@@ -212,10 +213,13 @@ def serialize(step: int, state: dict[str, torch.Tensor]) -> bytes:
 
 def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
     """The step and the state of a payload :func:`serialize` made; a payload of another form or
-    length (a torn copy) raises ``ValueError`` naming what differs."""
+    length (a torn copy) raises ``ValueError`` naming what differs. The tensors of a
+    ``bytearray`` payload are views of it (no copy: the caller's memory stays one copy's; the
+    payload lives as long as they do), those of ``bytes`` copies."""
     import torch
 
     view = memoryview(raw)
+    writable = not view.readonly
     if bytes(view[:len(_MAGIC)]) != _MAGIC:
         raise ValueError(f"not a state copy: it starts {bytes(view[:len(_MAGIC)])!r}, expected {_MAGIC!r}")
     at = len(_MAGIC) + _HEADER.size
@@ -246,8 +250,10 @@ def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
             raise ValueError(f"a state copy places {name!r} at bytes {offset}..{offset + n} of its "
                              f"{doc['bytes']}-byte body, overlapping the tensor before it or past the end")
         end = offset + n
-        if n:  # a fresh (aligned) buffer per tensor, its own to write
-            flat = torch.frombuffer(bytearray(view[at + offset:at + offset + n]), dtype=torch.uint8)
+        if n:
+            part = view[at + offset:at + offset + n]
+            aligned = writable and (at + offset) % kind.itemsize == 0
+            flat = torch.frombuffer(part if aligned else bytearray(part), dtype=torch.uint8)
             state[name] = flat.view(kind).reshape(shape)
         else:
             state[name] = torch.empty(shape, dtype=kind)
@@ -258,7 +264,7 @@ def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
 class HeldCopy:
     src: int
     step: int
-    payload: bytes
+    payload: bytearray  # as received: the one buffer a copy takes (states handed out are views of it)
 
 
 class PeerServer:
@@ -341,7 +347,7 @@ class PeerServer:
             self._receiving += n
         t0 = time.thread_time()
         try:
-            payload = bytes(_recv_exact(conn, n))
+            payload = _recv_exact(conn, n)
         finally:
             with self._lock:
                 self._receiving -= n
@@ -451,7 +457,8 @@ def step_cpu_s(c: PeerCopyCounters | Any) -> float:
 
 class PeerCopier:
     """The source side: snapshot at commit (training thread), ship in the background, one in
-    flight; keeps this rank's own two newest snapshots for a one-step rollback."""
+    flight; keeps this rank's own two newest snapshots for a one-step rollback, in two host
+    buffers (the older one's is filled by the next commit)."""
 
     def __init__(self, rank: int, world_size: int, copies: int, channel: Any, server: PeerServer,
                  timeout_s: float) -> None:
@@ -519,12 +526,13 @@ class PeerCopier:
         self.counters.wait_s += time.perf_counter() - t0
         c0 = time.perf_counter()
         tensors = list(state.values())
+        kept = max((s for s in self.own if s < step), default=None)
+        for old in [s for s in self.own if s != kept]:  # what this commit replaces frees its slab first:
+            self._drop(old)  # two slabs in all, never a third
         slab = self._slab(state, tensors)
         slab.fill(tensors)
         self.counters.host_copy_s += time.perf_counter() - c0
         self.own[step], self._slabs[step] = slab.state, slab
-        for old in sorted(self.own)[:-2]:
-            self._drop(old)
         self._idle.clear()
         self._queue.put((step, slab))
         self.counters.commits += 1

@@ -11,15 +11,20 @@ and optimizer state), and the lost rank's shards come from a peer's host-memory 
    ``0..W'-1`` in their old order and the group becomes c10d's default, so the smaller job
    looks like any job of ``W'`` ranks; :class:`Membership` keeps each survivor's original
    rank (the data follows the original rank, the group rank does not).
-2. *gather* — every survivor contributes its own shards and the copies it holds of lost
-   ranks (one provider per lost rank: the first survivor holding it) in one all-gather of
-   byte buffers; each survivor then holds every tensor whole (:func:`assemble_full`: the
-   shards concatenated on dim 0 in rank order, which undoes FSDP2's sharding exactly).
-3. *rebuild* — the workload's ``build(mesh)`` on the survivors' 1-D mesh, then each tensor
-   cut again exactly as FSDP2's ``Shard(0)`` cuts it (:func:`shard_rows`: ``torch.chunk``
+2. *redistribute* — shard to shard, never a whole tensor on any rank. The old shards lie
+   in rank order along dim 0 (FSDP2's ``Shard(0)`` cut, :func:`shard_rows`: ``torch.chunk``
    rows, the last shards short or empty; FSDP2 pads them only in its communication buffers,
-   never in the local tensor) and loaded, Adam's ``exp_avg``/``exp_avg_sq``/``step``
-   included. The generators are left as they were: ``build`` may reseed them.
+   never in the local tensor); the new world's cut of the same rows says which rows each
+   survivor needs. Every survivor sends, from its own shards and the copies it provides of
+   lost ranks (one provider per lost rank: the first survivor holding it), exactly the rows
+   each other survivor's new shard takes from them, in one ``all_to_all_single`` of byte
+   buffers after a small exchange of the layouts. A survivor's memory for it is its send
+   buffer (what it holds) and its receive buffer (its new shard): a shard's multiple, not
+   the model's.
+3. *rebuild* — the workload's ``build(mesh)`` on the survivors' 1-D mesh, its shapes checked
+   against the old shards', and the new shards loaded, Adam's
+   ``exp_avg``/``exp_avg_sq``/``step`` included. The generators are left as they were:
+   ``build`` may reseed them.
 
 Same global batch (:func:`share_batch`): the global batch of a step is the concatenation of
 ``batch(step, r)`` over the *original* world's ranks. After excision every survivor keeps
@@ -179,9 +184,9 @@ class ExcisionRecord:
     old_world: int
     new_world: int
     action: CommunicatorAction  # SHRINK (dist.shrink_group) or REBUILD (a new group of the survivors)
-    bytes_moved: int  # payload of the gather: every shard of the old world, lost ranks' from their copies
+    bytes_moved: int  # payload of the redistribution: the rows that change rank, lost ranks' from their copies
     communicator_s: float
-    gather_s: float
+    gather_s: float  # the redistribution (layouts exchanged, rows sent shard to shard)
     rebuild_s: float  # build(mesh), re-cut, load
     max_abs_diff_from_unfailed: float | None = None  # filled in where a never-failed run is known
 
@@ -299,36 +304,108 @@ def _unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     return out
 
 
-def _gather(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]],
-            providers: Mapping[int, int], before: Membership, group: dist.ProcessGroup,
-            me: int) -> tuple[dict[str, torch.Tensor], int]:
-    """Every tensor whole on every survivor, and the payload bytes the gather carried. Each
-    survivor sends its own shards and the lost ranks' it provides, as bytes (so no dtype is
-    special and no bit changes), after a small exchange of their layouts."""
+def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]],
+                  providers: Mapping[int, int], before: Membership, after: Membership, group: dist.ProcessGroup,
+                  me: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], int]:
+    """This survivor's (group rank ``me`` in ``before``) shards in the new world (every sharded key), the whole tensors' shapes,
+    and the payload bytes the redistribution carried over the group (module docstring)."""
+    import hashlib
+
     keys = sharded_keys(own)
     mine = {before.alive[me]: own, **provided}
-    layout = [(r, [(k, str(mine[r][k].dtype), tuple(mine[r][k].shape)) for k in keys]) for r in sorted(mine)]
+    me = after.group_rank(before.alive[me])  # from here on: the rank in the new world
+    replicated = [k for k in keys if own[k].dim() == 0]
+    rows_keys = [k for k in keys if own[k].dim() > 0]
+    scalar_bytes = hashlib.blake2b(b"".join(own[k].detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+                                            for k in replicated), digest_size=16).hexdigest()
+    layout = {r: [(k, str(mine[r][k].dtype), tuple(mine[r][k].shape)) for k in rows_keys] for r in sorted(mine)}
     layouts: list[Any] = [None] * group.size()
-    dist.all_gather_object(layouts, layout, group=group)
-    sizes = [sum(_nbytes(lay) for _, lay in per_src) for per_src in layouts]
-    padded = torch.zeros(max(sizes), dtype=torch.uint8)  # gloo's all-gather takes equal sizes
-    packed = _pack([mine[r] for r in sorted(mine)], keys)
-    padded[:packed.numel()] = packed
-    bufs = [torch.empty_like(padded) for _ in range(group.size())]
-    dist.all_gather(bufs, padded, group=group)
-    states: dict[int, dict[str, torch.Tensor]] = {}
-    for src, (per_src, buf) in enumerate(zip(layouts, bufs)):
-        offset = 0
-        for r, lay in per_src:
-            n = _nbytes(lay)
-            if providers.get(r, src) == src:
-                states[r] = _unpack(buf[offset:offset + n], lay)
-            offset += n
-    return assemble_full([states[r] for r in before.alive]), sum(sizes)
+    dist.all_gather_object(layouts, (layout, scalar_bytes), group=group)
+    if len({digest for _, digest in layouts}) > 1:
+        raise ExcisionError(f"the survivors disagree on the replicated values {replicated[:4]} (Adam's step): "
+                            "their states are not of one committed step")
+    holder = {r: after.group_rank(r) for r in before.alive if r in after.alive}
+    holder.update(providers)
+    shapes: dict[int, dict[str, tuple[str, tuple[int, ...]]]] = {}
+    for per_src, _ in layouts:
+        for r, lay in per_src.items():
+            shapes[int(r)] = {k: (dtype, shape) for k, dtype, shape in lay}
+    # where each old rank's rows lie in the whole tensor, and each new rank's
+    offsets: dict[str, list[int]] = {}
+    totals: dict[str, int] = {}
+    for k in rows_keys:
+        at, offs = 0, []
+        for i, r in enumerate(before.alive):
+            rows = shapes[r][k][1][0]
+            total_rows = sum(shapes[q][k][1][0] for q in before.alive)
+            if rows != shard_rows(total_rows, before.world, i)[1]:
+                raise ExcisionError(f"{k}: rank {r} holds {rows} rows, but a Shard(0) cut of {total_rows} rows over "
+                                    f"{before.world} ranks gives it {shard_rows(total_rows, before.world, i)[1]}; "
+                                    "only 1-D FSDP2 states are re-sharded")
+            offs.append(at)
+            at += rows
+        offsets[k], totals[k] = offs, at
+
+    def piece(r: int, k: str, j: int) -> tuple[int, int]:
+        """Rows ``[a, b)`` of old rank ``r``'s local tensor ``k`` that new rank ``j`` takes."""
+        start, n = shard_rows(totals[k], after.world, j)
+        off = offsets[k][before.alive.index(r)]
+        a, b = max(start, off), min(start + n, off + shapes[r][k][1][0])
+        return (a - off, b - off) if a < b else (0, 0)
+
+    def nbytes(r: int, k: str, rows: int) -> int:
+        dtype, shape = shapes[r][k]
+        return rows * torch.Size(shape[1:]).numel() * _dtype(dtype).itemsize
+
+    world = after.world
+    order = list(before.alive)  # sources in old rank order: a new shard's rows come in this order
+    send_parts: list[torch.Tensor] = []
+    send_sizes = [0] * world
+    for j in range(world):
+        for r in order:
+            if holder[r] != me:
+                continue
+            for k in rows_keys:
+                a, b = piece(r, k, j)
+                if b > a:
+                    send_parts.append(mine[r][k].detach().narrow(0, a, b - a).contiguous().reshape(-1).view(torch.uint8))
+                    send_sizes[j] += send_parts[-1].numel()
+    recv_sizes = [sum(nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, me))) for r in order if holder[r] == i
+                      for k in rows_keys) for i in range(world)]
+    send = torch.cat(send_parts) if send_parts else torch.zeros(0, dtype=torch.uint8)
+    del send_parts
+    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
+    del send
+    # the received pieces, by sending rank, each in (source, key) order; a new shard is its pieces in source order
+    pieces: dict[tuple[int, str], torch.Tensor] = {}
+    at_by_sender = [sum(recv_sizes[:i]) for i in range(world)]
+    for r in order:
+        i = holder[r]
+        for k in rows_keys:
+            a, b = piece(r, k, me)
+            n = nbytes(r, k, b - a)
+            if n:
+                dtype, shape = shapes[r][k]
+                pieces[(r, k)] = recv[at_by_sender[i]:at_by_sender[i] + n].view(_dtype(dtype)).reshape(b - a, *shape[1:])
+                at_by_sender[i] += n
+    out: dict[str, torch.Tensor] = {}
+    for k in rows_keys:
+        dtype, shape = shapes[order[0]][k]
+        parts = [pieces[(r, k)] for r in order if (r, k) in pieces]
+        out[k] = torch.cat(parts) if parts else torch.empty((0, *shape[1:]), dtype=_dtype(dtype))
+    for k in replicated:
+        out[k] = own[k].detach().clone()
+    moved = sum(nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, j))) for r in order for k in rows_keys
+                for j in range(world) if holder[r] != j)
+    whole = {k: (totals[k], *shapes[order[0]][k][1][1:]) for k in rows_keys}
+    whole.update({k: () for k in replicated})
+    return out, whole, moved
 
 
 def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]], mesh: Any,
-             full: Mapping[str, torch.Tensor], world: int, rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+             shards: Mapping[str, torch.Tensor], whole: Mapping[str, tuple[int, ...]]) -> tuple[torch.nn.Module,
+                                                                                         torch.optim.Optimizer]:
     from torch.distributed.tensor import DTensor, Shard
 
     rng = capture_rng()
@@ -338,11 +415,10 @@ def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer
         if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
             raise ExcisionError(f"parameter {name} is {type(p).__name__} placed {getattr(p, 'placements', None)}; "
                                 "excision re-shards only a 1-D FSDP2 mesh (every parameter Shard(0))")
-        if tuple(p.shape) != tuple(full[f"param/{name}"].shape):
-            raise ExcisionError(f"parameter {name}: the rebuilt model has shape {tuple(p.shape)}, the gathered state "
-                                f"{tuple(full[f'param/{name}'].shape)}")
-    load_local_state(model, optimizer, {k: shard_of(v, world, rank) if v.dim() else v.clone()
-                                        for k, v in full.items()})
+        if tuple(p.shape) != tuple(whole[f"param/{name}"]):
+            raise ExcisionError(f"parameter {name}: the rebuilt model has shape {tuple(p.shape)}, the old shards "
+                                f"make {tuple(whole[f'param/{name}'])}")
+    load_local_state(model, optimizer, shards)
     return model, optimizer
 
 
@@ -409,15 +485,15 @@ def excise(own: Mapping[str, torch.Tensor], held: Mapping[int, Mapping[str, torc
         where = _flush(own, provided, before, me, step, checkpoint_dir, group)
         raise ExcisionRefused(f"excising rank(s) {sorted(lost)} would leave {after.world} rank(s), below --min-ranks "
                               f"{min_ranks}: stopped, the state of step {step} is flushed to {where}", where)
-    full, moved = _gather(own, provided, providers, before, group, me)
+    shards, whole, moved = _redistribute(own, provided, providers, before, after, group, me)
     gather_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     from .session import mesh_from_groups
 
     mesh = mesh_from_groups({comm.WORLD: group}, spec.device.split(":")[0], (after.world,), None)
-    model, optimizer = _rebuild(build, mesh, full, after.world, new_spec.rank)
+    model, optimizer = _rebuild(build, mesh, shards, whole)
     load_buffers(model, own)  # buffers are each rank's own (BatchNorm's statistics): the survivor keeps its
-    del full
+    del shards
     rebuild_s = time.perf_counter() - t0
     record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,
                             gather_s, rebuild_s)
