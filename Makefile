@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.meshpact-installed
 PORT   ?= 8501
 
-.PHONY: install app test test-fast bench clean
+.PHONY: install app test test-fast bench docs clean
 
 install: $(STAMP)
 
@@ -32,6 +32,19 @@ test-fast: install
 
 bench: install
 	@set -e; for b in bench/*.py; do echo "== $$b"; $(PY) $$b; done
+
+# The docs site: docs/results.md rendered from bench/results/*.json, then mkdocs-material with
+# --strict (a broken link or a missing page fails) into site/. Installs the docs extra first.
+DOCS_STAMP := $(VENV)/.meshpact-docs-installed
+
+$(DOCS_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	$(PY) scripts/render_results.py
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -19,13 +19,14 @@ then one JSON line with the machine's load average.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
 import time
 from pathlib import Path
 from typing import Any
+
+from _results import emit
 
 MAIN = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
 PAGES = ("mesh", "plans", "simulate", "replay", "live")
@@ -145,7 +146,7 @@ def main() -> dict:
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(load_start, 2),
                     "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
     }
-    print(json.dumps(out))
+    emit("app", out)
     return out
 
 

@@ -11,7 +11,6 @@ one JSON line.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import torch
 
 from meshpact.live.spillover.compiled import StepModule, compile_step, load_step, step_latency
 from meshpact.live.spillover.decoder import FAMILIES, Decoder, scaled_spec
+from _results import emit
 
 
 def main() -> int:
@@ -60,7 +60,7 @@ def main() -> int:
     load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()],
             "cores": os.cpu_count()}
     print(f"load average (1/5/15 min) before {load['before']}, after {load['after']}, {load['cores']} cores")
-    print(json.dumps({"bench": "decode_step", "load_average": load, "rows": rows}, separators=(",", ":")))
+    emit("decode_step", {"bench": "decode_step", "load_average": load, "rows": rows})
     return 0
 
 

@@ -13,7 +13,6 @@ table, then one JSON line.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -25,6 +24,7 @@ from meshpact.core.facts import Consumer, DType, Edge, ProducerTensor, Request
 from meshpact.core.lowerer import lower
 from meshpact.core.placement import Partial
 from meshpact.core.transitions import enumerate_transitions
+from _results import emit
 
 PLAN_GOAL_US, GRAPH_GOAL_S = 200.0, 0.5
 LAYERS, HIDDEN, TOKENS, GRAPH_EDGES = 80, 8192, 2048, 1000
@@ -86,7 +86,7 @@ def main() -> int:
     print(f"\nplans timed: {len(rows)} (126 transitions + {len(EDGES)} edges), median {median_us:.1f} µs "
           f"(goal < {PLAN_GOAL_US:.0f}), p90 {statistics.quantiles(per, n=10)[-1]:.1f} µs")
     print(f"{GRAPH_EDGES}-edge graph ({LAYERS} layers): {graph_s:.3f} s (goal < {GRAPH_GOAL_S} s), best of 3")
-    print(json.dumps({
+    emit("planner", {
         "bench": "planner",
         "plans": len(rows),
         "median_us_per_plan": round(median_us, 1),
@@ -96,7 +96,7 @@ def main() -> int:
         "graph_1000_edges_s": round(graph_s, 4),
         "plan_goal_met": median_us < PLAN_GOAL_US,
         "graph_goal_met": graph_s < GRAPH_GOAL_S,
-    }))
+    })
     return 0
 
 

@@ -43,7 +43,6 @@ Usage: ``python bench/recovery.py [--recoveries 100] [--quick] [--commit-only] [
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -52,6 +51,7 @@ from typing import Any
 
 from meshpact.live.launcher import host_store, launch
 from meshpact.live.trials.trial import TrialConfig, run_trial
+from _results import emit
 
 
 def _probe(target: str, ranks: int, args: dict[str, Any]) -> list[dict[str, Any]]:
@@ -503,7 +503,7 @@ def _report(rows: list[tuple[str, str]], out: dict[str, Any]) -> None:
     print("Meshpact live recovery benchmark")
     for k, v in rows:
         print(f"  {k.ljust(width)}  {v}")
-    print(json.dumps(out, sort_keys=True, default=str))
+    emit("recovery", out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Run as a script (``python bench/simulator.py``): Dask starts its workers from th
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -21,6 +20,7 @@ from meshpact.core.recovery import Policy
 from meshpact.core.scenario import builtin_scenario_path, load_scenario
 from meshpact.simulator.sweep import run_sweep
 from meshpact.simulator.training import simulate_training
+from _results import emit
 
 CASES = (
     ("r1024_d7_s", "whatif_1024", {"ranks": 1024, "days": 7}),
@@ -75,7 +75,7 @@ def main(repeats: int = 3) -> dict[str, object]:
           f"rows equal: {sweep['sweep_dask_equals_pool']}")
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     doc = {"bench": "simulator", "policies": len(Policy), **out, **sweep, "loadavg_1m": round(load[0], 2)}
-    print(json.dumps(doc))
+    emit("simulator", doc)
     return doc
 
 

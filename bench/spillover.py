@@ -29,6 +29,7 @@ from meshpact.live.netns import netns_unavailable
 from meshpact.live.spillover.serving import COMPILE_MODES, SpilloverConfig
 from meshpact.live.spillover.pairs import COLUMNS, Row, mismatched, table_rows
 from meshpact.spillover_sim import SPECULATIVE_COLUMNS, measure, speculative_table_rows
+from _results import emit
 
 
 def acceptance(rows: list[Row], min_concurrency: int = 8) -> dict[str, object]:
@@ -123,9 +124,10 @@ def main() -> int:
             "cores": os.cpu_count()}
     print(f"acceptance: {acc}  ({a.pairs} pairs per row, {wall:.0f} s, load average (1/5/15 min) "
           f"before {load['before']}, after {load['after']}, {load['cores']} cores)")
-    print(json.dumps({"bench": "spillover", "deployment": a.deployment, "speculative": a.speculative, "compile": modes,
-                      "link_gbps": a.link_gbps, "pairs": a.pairs, "wall_s": round(wall, 1), "load_average": load,
-                      **acc, "rows": [r.to_dict() for r in rows]}, separators=(",", ":")))
+    emit(f"spillover-{a.deployment}" + (f"-speculative{a.speculative}" if a.speculative else ""),
+         {"bench": "spillover", "deployment": a.deployment, "speculative": a.speculative, "compile": modes,
+          "link_gbps": a.link_gbps, "pairs": a.pairs, "wall_s": round(wall, 1), "load_average": load,
+          **acc, "rows": [r.to_dict() for r in rows]})
     return 0
 
 
