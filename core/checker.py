@@ -7,7 +7,8 @@ obligation with the step, the rank and a reason a person can read:
 
 * a native collective spanning two domains (``cross_domain_collective``);
 * a step whose input is not present on that rank (``missing_input``), or whose
-  arguments or shapes cannot work (``malformed_step``);
+  arguments or shapes cannot work (``malformed_step``), a bridge message over the staging
+  buffer (:data:`~meshpact.core.planbuild.CHUNK_BYTES`) not declared in chunks included;
 * a partial sum reduced twice (``reduced_twice``) or not at all (``never_reduced``);
 * a projection applied to partials (``projection_of_partial``): the argmax of one
   addend is not the argmax of the sum;
@@ -249,7 +250,11 @@ class _Checker(PieceAlgebra):
             return
         self.declared(k, step, src, buf.nbytes)
         chunks, staging = step.arg("chunks"), step.arg("staging_bytes")
-        if chunks is not None or staging is not None:
+        if chunks is None and staging is None and step.payload_bytes > CHUNK_BYTES:
+            self.flag(ViolationKind.MALFORMED_STEP, k, src,
+                      f"send of {step.payload_bytes} bytes as one message; a message passes through a staging "
+                      f"buffer of at most {CHUNK_BYTES} bytes, so it needs ceil(payload / staging) chunks")
+        elif chunks is not None or staging is not None:
             if (not isinstance(chunks, int) or not isinstance(staging, int) or chunks < 1 or staging < 1
                     or staging > CHUNK_BYTES or chunks != -(-step.payload_bytes // staging)):
                 self.flag(ViolationKind.MALFORMED_STEP, k, src,
