@@ -4,7 +4,9 @@
 |---|---|
 | ``config`` | `RecoveryConfig`: every timeout derived from a few inputs, orderings checked |
 | ``session`` | one rank's place in the job: stores, control channel, groups, mesh |
+| ``generation`` | `Generation`: one set of data-path groups, mesh and members, as a value |
 | ``runtime`` | ``resilient(model, optimizer, session)`` and the resilient step |
+| ``pipeline`` | a recovery's six stages: detect, agree, rebuild, rebind, restore, resume |
 | ``stepreset`` | undo a half-run FSDP2 step |
 | ``state`` | a rank's state: shards, optimizer state, generators; the O(1) commit check |
 | ``workload`` | the user's training loop as a file: ``build``, ``batch``, ``train_step``, ``MESH`` |
@@ -26,7 +28,7 @@ from __future__ import annotations
 from .._lazy import lazy_face
 
 _EXPORTS = {
-    "RecoveryConfig": "config", "TimeoutOrderError": "config", "Session": "session", "start_session": "session",
+    "RecoveryConfig": "config", "TimeoutOrderError": "config", "Session": "session", "start_session": "session", "Generation": "generation",
     "Resilient": "runtime", "resilient": "runtime", "is_comm_fault": "runtime", "RecoveryRecord": "runtime",
     "RngState": "state", "capture_rng": "state", "restore_rng": "state", "commit_check": "state",
     "Workload": "workload", "WorkloadError": "workload", "MeshSpec": "workload", "check_workload": "workload",

@@ -51,7 +51,7 @@ from meshpact.core.recovery import Policy
 
 from .control import ControlChannel, ControlTimeout
 
-__all__ = ["Proposal", "Decision", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
+__all__ = ["Proposal", "Decision", "Agreement", "CounterMoves", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
            "EXCISE_NOT_OFFERED",
            "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "GONE_COUNT_KEY", "mark_gone",
            "gone_ranks", "open_round"]
@@ -132,6 +132,11 @@ class Decision:
                 "missing": list(self.missing), "restore_from": [list(p) for p in self.restore_from],
                 "lost": list(self.lost)}
 
+    @property
+    def generation(self) -> int:
+        """The generation the decision makes: the number of the round that decided it."""
+        return self.round
+
     def holder_of(self, rank: int) -> int | None:
         """The rank ``rank`` takes its state from in a peer restore (itself: its own snapshot)."""
         return dict(self.restore_from).get(rank)
@@ -139,6 +144,27 @@ class Decision:
     @property
     def in_memory(self) -> bool:
         return self.policy is Policy.IN_MEMORY
+
+
+@dataclass(frozen=True)
+class CounterMoves:
+    """The two counter moves that end a decided round: the round counter to the round, the
+    generation counter from the group's generation to it. Idempotent: every rank makes them."""
+
+    round: int
+    from_generation: int
+
+    def make(self, channel: ControlChannel) -> None:
+        channel.advance(ROUND_KEY, self.round)
+        channel.move(GENERATION_KEY, self.from_generation, self.round)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """What :func:`agree` decided, and the counter moves it left to the caller (None: made)."""
+
+    decision: Decision
+    counters: CounterMoves | None = None
 
 
 def decide(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
@@ -241,8 +267,7 @@ def _peer_plan(proposals: dict[int, Proposal], broken: list[int],
         return "no peer copies are kept (peer copies: 0)"
     options: dict[int, set[int]] = {}
     for r, p in proposals.items():
-        mine = set(p.own_steps) | ({p.committed_step} if p.intact and p.committed_step >= 0 else set())
-        options[r] = mine
+        options[r] = set(p.own_steps) | ({p.committed_step} if p.intact and p.committed_step >= 0 else set())
     held: dict[int, dict[int, list[int]]] = {}  # source -> step -> holders
     for h, p in sorted(proposals.items()):
         for src, step in p.holds:
@@ -418,7 +443,7 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
           timeout_s: float | None = None, max_rounds: int = 4, *, peer_copies: int = 0,
           on_rank_loss: Policy = Policy.PEER_RESTORE, replacement_rounds: int = 2,
           alive: Sequence[int] | None = None, excise_refusal: str | None = EXCISE_NOT_OFFERED,
-          view: tuple[int, int] | None = None, settle: list[Callable[[], None]] | None = None) -> Decision:
+          view: tuple[int, int] | None = None, defer_counters: bool = False) -> "Agreement":
     """Run rounds until the group decides with every rank present (or, excising, without the
     declared ranks). A rank missing from ``max_rounds`` rounds in a row is declared lost
     (:func:`loss_bound_s`; ``lost/round<k>`` on the channel); its replacement has
@@ -438,8 +463,8 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     Off the critical path: ``view`` (the last round decided and the generation, as this rank
     last saw them) spares the first round its read of the counters; a view gone stale (rounds
     decided without this rank) gets back a decision without its proposal, and the next round
-    reads the counters. ``settle`` (a list) receives the final round's two counter moves
-    instead of making them, for the caller to make once it runs again (every rank makes them,
+    reads the counters. ``defer_counters`` leaves the final round's two counter moves to the
+    caller (:attr:`Agreement.counters`), to make once it runs again (every rank makes them,
     idempotently; the caller makes them before its next consensus).
 
     Excising (``on_rank_loss`` ``EXCISE``), a rank the launcher marked gone (:func:`mark_gone`:
@@ -496,10 +521,10 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
             got = _collect(channel, keys, max(timeout - (time.monotonic() - t_round), 0.01), expected, skip)
             proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
             overdue, whys = overdue_of([r for r in expected if r not in proposals])
-            mine = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,
+            ours = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,
                           peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared), alive=alive,
                           overdue=overdue, overdue_why="; ".join(whys), excise_refusal=excise_refusal)
-            stored = channel.set_once(f"round{round_}/decision", mine.to_dict())
+            stored = channel.set_once(f"round{round_}/decision", ours.to_dict())
             if channel.rank == decider:  # the decision that stands, where the others wait for it (a plain
                 channel.set(f"round{round_}/{ADOPTED}", stored)  # set: a compare-and-set does not wake them)
         decision = Decision.from_dict(stored)
@@ -509,15 +534,14 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         if from_view and channel.rank not in decision.proposals:
             continue  # the view was stale: that round was decided without this rank; read the counters
         final = not decision.missing or decision.policy is Policy.EXCISE
-        if final and settle is not None:
-            settle += [lambda r=round_: channel.advance(ROUND_KEY, r),
-                       lambda g=group_generation, r=round_: channel.move(GENERATION_KEY, g, r)]
-            return decision
+        if final:
+            counters = CounterMoves(round_, group_generation)
+            if defer_counters:
+                return Agreement(decision, counters)
+            counters.make(channel)
+            return Agreement(decision, None)
         channel.advance(ROUND_KEY, round_)
         last = decision
-        if final:
-            channel.move(GENERATION_KEY, group_generation, round_)
-            return decision
         if not excising and overdue and set(decision.missing) <= set(overdue):  # nothing more to wait for
             raise ConsensusError(f"rank(s) {list(decision.missing)} declared lost, no replacement comes, and the job "
                                  f"cannot go on without them: {decision.reason}")

@@ -5,40 +5,21 @@ re-run needs: the committed step, a commit mark of the state (O(1) bytes hashed,
 :class:`~meshpact.live.recovery.state.CommitMark`), every random-number generator
 (:class:`~meshpact.live.recovery.state.RngState`), the optimizer's schedule (its param
 groups' settings and its LR schedulers' state, :class:`~meshpact.live.recovery.state.Schedule`)
-and the model's persistent buffers (BatchNorm's statistics, which a failed forward moved). When a communication fault escapes the
-step (:func:`is_comm_fault`: by type and by where it was raised, never by its words) it:
+and the model's persistent buffers (BatchNorm's statistics, which a failed forward moved).
 
-1. *detection* — notes the fault and severs the data path's sockets, so peers still
-   waiting on this rank fail at once rather than at the data-path timeout;
-2. *consensus* — agrees with every rank, over the control channel, on generation and
-   committed step (:mod:`.consensus`); in memory only if all are alive and agree;
-3. *communicator* — swaps in the standby: the next generation of every group of the job (the
-   group over all ranks, each mesh dimension's, the user's ``new_group`` groups), built and
-   exercised in the background since the job started or the last recovery ended. Where the
-   standby cannot serve (a rank replaced, a standby not ready or failed, a data path gone
-   silent) it is discarded and the groups are built now, or reconfigured in place where torch
-   offers ``ProcessGroup.reconfigure``; the recording says which and why;
-4. *rebinding* — points every cached reference, by object and by name, at the new groups
-   (:mod:`.rebind`) and retires the old ones;
-5. *state* — in memory: clears FSDP's half-finished step (:mod:`.stepreset`) and checks the
-   commit check; after a rank loss with peer copies (:mod:`.peers`): the replacement fetches
-   the lost rank's state from a live holder's host memory and the survivors keep theirs (or
-   go back one step to their own snapshot), no storage read; otherwise reloads the newest
-   checkpoint (generators included);
-6. *replay* — re-runs the steps lost since the restored state, drawing their batches again
-   from the batch source (``batches(step)``), so a restarted process needs no buffer;
+When a communication fault escapes the step (:func:`is_comm_fault`: by type and by where it
+was raised, never by its words) it recovers through the stages of :mod:`.pipeline` — detect,
+agree, rebuild, rebind, restore, resume — whose result is the session's next generation; or,
+where consensus decides to *excise* lost ranks (``on_rank_loss=Policy.EXCISE`` with a
+``build(mesh)`` to make the smaller world's model), the survivors re-shard the lost ranks'
+state from the peer copies over themselves and ``rt.model`` / ``rt.optimizer`` become the new
+objects. The old model refuses any later forward with :class:`StaleModelError`. From then on
+every batch is this survivor's share of the original global batch (:meth:`Resilient.share`),
+its gradient weighted to keep the global mean.
 
-or, where consensus decides to *excise* lost ranks (``on_rank_loss=Policy.EXCISE`` with a
-``build(mesh)`` to make the smaller world's model): the survivors re-shard the lost ranks'
-state from the peer copies over themselves (:func:`~meshpact.live.recovery.reshard.excise`),
-and ``rt.model`` / ``rt.optimizer`` become the new objects. The old model refuses any later
-forward with :class:`StaleModelError`, so a step that still holds it fails at once, by name.
-From then on every batch is this survivor's share of the original global batch
-(:meth:`Resilient.share`), its gradient weighted to keep the global mean;
-
-then restores the generators and re-runs the failed step from the same batch, so the final
-state, generators included, is bit-identical to a run without the fault. Any other
-exception surfaces at once, unretried, with its traceback.
+Then it restores the generators and re-runs the failed step from the same batch, so the final
+state, generators included, is bit-identical to a run without the fault. Any other exception
+surfaces at once, unretried, with its traceback.
 
 What entering :class:`Resilient` does to the process: it starts the heartbeat's thread and the
 standby's builder, and it calls ``gc.freeze()`` (what exists then, most of the heap, is left
@@ -62,23 +43,23 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from meshpact.core.recording import EventKind
-from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateAction
+from meshpact.core.recovery import CommunicatorAction, Policy
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.jsonform import JsonObject
 
 from . import communicator as comm
-from . import peers
-from .consensus import Decision, Proposal, agree, open_round
+from . import peers, pipeline
+from .consensus import CounterMoves, Decision, open_round
 from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
-from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
-from .reshard import ExcisionRecord, GradientWeight, Membership, carry_schedule, excise, share_batch
-from .session import RecoveryConfig, Session, c10d_default, resume_barrier, start_barrier
+from .pipeline import Cause, RetiredGroup
+from .rebind import ModuleScan
+from .reshard import ExcisionRecord, GradientWeight, Membership, share_batch
+from .session import RecoveryConfig, Session, start_barrier
 from .state import (CommitMark, capture_rng, capture_schedule, job_state, load_buffers, load_job_state, model_buffers,
                     restore_rng, restore_schedule, schedulers_of)
-from .stepreset import reset_step_state
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
            "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "CarriedGradientsError", "refuse_stale",
@@ -163,23 +144,6 @@ class RecoveryRecord:
         return {**asdict(self), "policy": self.policy.value, "action": self.action.value}
 
 
-@dataclass
-class RetiredGroup:
-    """A group replaced in a recovery: its name, and the backend's sequence number when it was
-    retired (the backend is kept only until the next commit, then released)."""
-
-    name: str
-    ref: "weakref.ref[dist.ProcessGroup]"
-    backend: Any
-    seq_at_retirement: int
-    dispatch_ops_at_retirement: int | None
-    seq_ops_after: int | None = None
-
-    @property
-    def alive(self) -> bool:
-        return self.ref() is not None
-
-
 def _carried_gradients(model: torch.nn.Module, most: int = 16) -> list[str]:
     """Parameters with a nonzero gradient (the first, middle and last elements of at most
     ``most`` of them, on this rank): free when every gradient is None, as ``zero_grad()`` leaves them."""
@@ -242,15 +206,15 @@ class Resilient:
         self.recoveries: list[RecoveryRecord] = []
         self.ckpt = session.checkpointer()
         self._kept: deque[tuple[int, Any]] = deque()
-        self._train_step: Callable[[Any], Any] | None = None
-        self._mark: CommitMark | None = None  # what proves the state is the committed one (check_commits)
-        self._rng = capture_rng()
+        self.train_step_fn: Callable[[Any], Any] | None = None
+        self.mark: CommitMark | None = None  # what proves the state is the committed one (check_commits)
+        self.rng = capture_rng()
         self._buffers: dict[str, torch.Tensor] = {}
         self.schedulers: list[Any] = []  # the LR schedulers on the optimizer when training started
-        self._schedule = capture_schedule(optimizer)
+        self.schedule = capture_schedule(optimizer)
         self.counter = OpCounter() if session.config.count_dispatch else None
         self.retired: list[RetiredGroup] = []
-        self._meshes: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every mesh alive when training started
+        self.meshes: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every mesh alive when training started
         self.max_attempts = 8  # recoveries of one step before giving up
         self.heartbeat: Heartbeat | None = None
         self.peers: peers.PeerCopier | None = None
@@ -259,15 +223,15 @@ class Resilient:
                                           session.control, session.peer_server, session.config.peer_copy_timeout_s)
         self.storage_bytes_read = 0  # checkpoint bytes read by recoveries (drills and cold starts apart)
         self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
-        self._t_attempt: float | None = None  # when the running attempt of the step started
+        self.t_attempt: float | None = None  # when the running attempt of the step started
         self.build = build
         self.on_rank_loss = on_rank_loss
         self.min_ranks = min_ranks
         self.membership = Membership(session.world_size, session.members)
         self.weight: GradientWeight | None = None  # set on the model after the first excision
         self.excisions: list[ExcisionRecord] = []
-        self._scan = ModuleScan()  # the modules rebinding reads, walked again only when sys.modules changes
-        self._unsettled: list[Callable[[], None]] = []  # consensus counter moves made once the job runs again
+        self.scan = ModuleScan()  # the modules rebinding reads, walked again only when sys.modules changes
+        self.counters: CounterMoves | None = None  # consensus counter moves made once the job runs again
         # the optimizer's step began since the last commit: its state may be written in part
         # (an optimizer that all-reduces inside step(), after writing some tensors, fails there)
         self._optimizer_began = False
@@ -280,44 +244,31 @@ class Resilient:
         # the walk takes a replacement a while under load: done before any barrier, so no peer
         # waits on a collective of the new group while this rank walks
         objects = gc.get_objects()  # one walk: every mesh and every LR scheduler alive when training started
-        self._meshes = weakref.WeakSet(device_meshes(objects))
+        self.meshes = weakref.WeakSet(device_meshes(objects))
         self.schedulers = schedulers_of(self.optimizer, objects)
         del objects
         if self.peers is not None:
-            self._refresh_peers()
-        if s.pending is not None:
-            decision, s.pending = s.pending, None
-            t0 = time.perf_counter()
-            if decision.policy is Policy.PEER_RESTORE:
-                got = self._peer_restore(decision)
-                s.emit(EventKind.RELOADED, Stage.STATE, seconds=time.perf_counter() - t0,
-                       action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
-                       holder=decision.holder_of(s.rank), bytes=got)
-            else:
-                read = self.ckpt.bytes_read if self.ckpt is not None else 0
-                self.restore(decision.step)
-                self.storage_bytes_read += (self.ckpt.bytes_read if self.ckpt is not None else 0) - read
-                s.emit(EventKind.RELOADED, Stage.STATE, seconds=time.perf_counter() - t0,
-                       action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
-            s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round),
-                   generation=decision.round)
-            self._first_collective(decision.round)
+            self.refresh_peers()
+        joined = s.joined.take()  # a replacement process: the recovery it joined at start-up
+        if joined is not None:
+            pipeline.load_decided(self, joined)
+            pipeline.rejoin(self, joined.generation)
         elif self.ckpt is not None and self.committed_step == 0 and not self.ckpt.complete(0):
             self.ckpt.save(0, self.state())
         self.start_step = self.committed_step
-        self._mark_committed()
+        self.mark_committed()
         if self.peers is not None:  # the starting state is held by peers before the first step
-            self._copy_to_peers()
+            self.copy_to_peers()
         # the checkpoint and the walk above take a rank a while under load; no rank issues its
         # first collective before every rank is here, or a slow one would look like a fault
-        joined = start_barrier(s, self.join_recovery)  # a rank lost during start-up: its replacement's round
+        met = start_barrier(s, self.join_recovery)  # a rank lost during start-up: its replacement's round
         # what exists now (torch, the model, the job's modules: most of the heap) is left out of
         # the garbage collector's scans: a full collection over it lasts tens of milliseconds,
         # and one that falls inside a recovery is that recovery's tail. Objects are still freed
         # by reference counting; only cycles among them wait for unfreeze() on leaving
         gc.freeze()
-        if not joined:  # a recovery joined at the barrier started its own
-            s.start_standby(self._job_groups())  # the next generation's groups, built while training runs
+        if not met:  # a recovery joined at the barrier started its own
+            s.start_standby(self.job_groups())  # the next generation's groups, built while training runs
         if s.config.heartbeat:
             self.heartbeat = Heartbeat(s, COMM_MODULES).start()
         if self.counter is not None:
@@ -336,22 +287,22 @@ class Resilient:
             self.counter.__exit__(None, None, None)
         gc.unfreeze()
 
-    def _mark_committed(self) -> None:
+    def mark_committed(self) -> None:
         """What a re-run of the next step needs: the commit mark and the generators."""
         if self.session.config.check_commits:
-            self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self._mark)
-        self._rng = capture_rng()
-        self._schedule = capture_schedule(self.optimizer, self.schedulers)
+            self.mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self.mark)
+        self.rng = capture_rng()
+        self.schedule = capture_schedule(self.optimizer, self.schedulers)
         # the persistent buffers as committed: a failed forward may have moved BatchNorm's statistics
         self._buffers = {f"buffer/{k}": v.detach().clone() for k, v in model_buffers(self.model).items()}
-        self._watch_optimizer()
+        self.watch_optimizer()
 
     def state(self) -> dict[str, torch.Tensor]:
         """This rank's job state now (:func:`~meshpact.live.recovery.state.job_state`: parameter
         shards, optimizer state, generators and the optimizer's schedule)."""
         return job_state(self.model, self.optimizer, schedulers=self.schedulers)
 
-    def _watch_optimizer(self) -> None:
+    def watch_optimizer(self) -> None:
         """Note when the optimizer's step begins (from the commit on; hooked again when an
         excision brings a new optimizer)."""
         self._optimizer_began = False
@@ -365,18 +316,18 @@ class Resilient:
 
         self._optimizer_hook = _OptimizerHook(self.optimizer, self.optimizer.register_step_pre_hook(began))
 
-    def _state_changed(self) -> str:
+    def state_changed(self) -> str:
         """Why this rank's state is not the committed one ("" when it is; always "" with
         ``check_commits`` off, which trusts the state). An optimizer step begun since the commit
         counts as a change whatever the commit check says: it samples at most 64 tensors, and an
         optimizer that failed part-way (a collective inside its step) may have written only
         tensors it does not sample."""
-        if self._mark is None:
+        if self.mark is None:
             return ""
         if self._optimizer_began:
             return ("the optimizer's step began after the commit (a fault inside or after it: its state may be "
                     "written in part)")
-        return self._mark.changed(self.committed_step, self.model, self.optimizer)
+        return self.mark.changed(self.committed_step, self.model, self.optimizer)
 
     @property
     def generation(self) -> int:
@@ -395,26 +346,26 @@ class Resilient:
     def step(self, train_step: Callable[[Any], Any], batch: Any) -> Any:
         """Run one training step; on a communication fault recover and run it again."""
         step = self.committed_step
-        self._train_step = train_step
+        self.train_step_fn = train_step
         if self._first_step:
             self._find_late_schedules()
         message: str | None = None
         for _ in range(self.max_attempts):
             try:
                 if message is not None:
-                    decision = self._recover(message, step)
+                    decision = self._recover(Cause(message, step))
                     message = None
                     if decision.policy is Policy.EXCISE:  # this survivor's share of the step's global batch now
                         batch = self._batch(step)
                     if self.session.config.restore_rng:
-                        restore_rng(self._rng)
+                        restore_rng(self.rng)
                     # a scheduler stepped before the fault (or the optimizer's settings changed) goes back too,
                     # and so do buffers the failed attempt's forward moved (BatchNorm's running statistics)
-                    restore_schedule(self.optimizer, self.schedulers, self._schedule)
+                    restore_schedule(self.optimizer, self.schedulers, self.schedule)
                     load_buffers(self.model, self._buffers)
                 if self.heartbeat is not None:
                     self.heartbeat.watching = True
-                self._t_attempt = time.time()
+                self.t_attempt = time.time()
                 try:
                     if self.injector is not None:
                         with self.injector.around_step(step):
@@ -485,8 +436,8 @@ class Resilient:
         nxt = open_round(s.control, s.members)
         if nxt is None:
             return None
-        return self._recover(f"peers opened recovery round {nxt} while this rank was between steps",
-                             self.committed_step)
+        return self._recover(Cause(f"peers opened recovery round {nxt} while this rank was between steps",
+                                   self.committed_step))
 
     def _commit(self, step: int, batch: Any) -> None:
         self._refuse_late_scheduler(step)
@@ -505,9 +456,9 @@ class Resilient:
                 r.seq_ops_after = comm.sequence_number(r.backend) - r.seq_at_retirement
                 r.backend = None
         self.committed_step = step + 1
-        self._mark_committed()
+        self.mark_committed()
         if self.peers is not None:  # a host copy now; shipped to the holders while the next step runs
-            self._copy_to_peers(just_marked=True)
+            self.copy_to_peers(just_marked=True)
         if self.batches is None:
             self._kept.append((step, batch))
         if self.ckpt is not None and self.ckpt.due(self.committed_step):
@@ -525,7 +476,7 @@ class Resilient:
                 self._kept.popleft()
 
     # -- recovery --------------------------------------------------------------------------
-    def _job_groups(self) -> dict[str, dist.ProcessGroup]:
+    def job_groups(self) -> dict[str, dist.ProcessGroup]:
         """Every group of the job this rank belongs to, by base name: the session's and any the
         user made (``new_group``, ``new_subgroups``, ``init_device_mesh``)."""
         groups = dict(self.session.groups)
@@ -536,185 +487,36 @@ class Resilient:
                 groups[comm.base_name(pg.group_name)] = pg
         return groups
 
-    def _recover(self, message: str, step: int, force: Policy | None = None) -> Decision:
-        """One recovery; its events reach the rank's log after its first collective (or, off the
-        in-memory path, once decided), not on the critical path (Session.hold_log)."""
-        self.session.hold_log()
-        try:
-            return self._recover_held(message, step, force)
-        finally:
-            self.session.release_log()
-
-    def _recover_held(self, message: str, step: int, force: Policy | None) -> Decision:
+    def _recover(self, cause: Cause) -> Decision:
+        """One recovery, stage by stage (:mod:`.pipeline`). Its events reach the rank's log after
+        its first collective (or, off the in-memory path, once decided), not on the critical path."""
         s = self.session
-        t_detect = time.time()
-        cpu0 = time.process_time()
-        t0 = time.perf_counter()
-        severed = comm.sever(s.data_sockets())  # the standby's sockets are not the data path's
-        alarm = self.heartbeat.take() if self.heartbeat is not None else None
-        if alarm is not None:  # the heartbeat knew first (it severed the sockets that raised)
-            t_detect = min(t_detect, alarm.t_wall)
-        s.emit(EventKind.DETECTED, Stage.DETECTION, step=step, error=message, severed_sockets=severed,
-               generation=s.generation, seconds=time.perf_counter() - t0,
-               heartbeat_stalled=list(alarm.stalled) if alarm else [],
-               heartbeat_quiet=bool(alarm and alarm.data_path_quiet))
-
-        t0 = time.perf_counter()
-        states = fsdp_states(self.model)  # walked once per recovery: the reset, the meshes and rebinding read them
-        reset_step_state(self.model, states)  # sharded parameters back on the modules before anything reads them
-        reset_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        changed = self._state_changed()
-        intact = not changed
-        mine = self._mark.check if self._mark is not None and intact else ""
-
-        # whether this rank's standby can serve: said in the proposal, read by every rank from the decision
-        # a step that waited out the data-path timeout may have lost a link the standby crosses too;
-        # one that failed otherwise heard from its data path (or raised here), however long it ran
-        silent_s = (t_detect - self._t_attempt if self._t_attempt is not None and force is None
-                    and comm.timed_out(message) else None)
-        old_groups = self._job_groups()  # consensus builds no group: the same ones are replaced below
-        word = s.standby_word(old_groups, silent_s, quiet=bool(alarm and alarm.data_path_quiet)).to_dict()
-
-        def proposal(group_generation: int) -> Proposal:
-            drill = self.committed_step if force is Policy.CHECKPOINT_RESTORE else None
-            held = s.peer_server.holds() if s.peer_server is not None else ()
-            own = self.peers.own_steps() if self.peers is not None else ()
-            return Proposal(s.rank, s.generation, self.committed_step, mine, intact, s.incarnation, drill,
-                            holds=held, own_steps=own, host=s.host, standby=word)
-
-        t_agree = time.perf_counter()
-        self._settle()  # a recovery that failed before settling its counters settles them now
-        decision = agree(s.control, proposal, self.ckpt.latest if self.ckpt else (lambda limit: 0),
-                         max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies if s.peer_server is not None else 0,
-                         replacement_rounds=s.config.replacement_rounds, on_rank_loss=self.on_rank_loss,
-                         alive=s.alive or None, excise_refusal=self._excise_refusal(), view=s.round_view,
-                         settle=self._unsettled)
-        s.round_view = (decision.round, decision.round)
-        t_end = time.perf_counter()
-        s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - t0, agree_s=t_end - t_agree,
-               state_changed=changed, **decision.summary())
-        if self.on_decided is not None or not decision.in_memory:  # a drill may end the process; a long path
-            s.release_log()
-        if self.on_decided is not None:
-            self.on_decided(decision)
-        if decision.policy is Policy.EXCISE:
-            return self._excise(decision, step, t_detect, reset_s, intact, cpu0)
-        if decision.policy is Policy.CHECKPOINT_RESTORE and (self.ckpt is None or decision.step < 0):
-            why = "no checkpoint directory is set" if self.ckpt is None else "no complete checkpoint exists"
-            raise RuntimeError(f"cannot recover in memory ({decision.reason}) and {why}")
-
-        t0 = time.perf_counter()
-        world = s.group
-        action = comm.choose_action(world, s.spec.device, prefer_reconfigure=s.config.prefer_reconfigure)
-        note = ""
-        # the swap and a late sever by the heartbeat exclude each other: from the standby's sockets
-        # joining the data path until the generation moves on
-        with s.sever_lock:
-            standby_groups, standby = s.standby_verdict(decision)
-            if standby_groups is not None:  # built and exercised in the background: swapped in
-                action = CommunicatorAction.REBUILD
-            new_groups = dict(old_groups)
-            if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same objects, rebuilt in place
-                try:
-                    for base, pg in sorted(old_groups.items()):
-                        ranks = comm.group_ranks(pg)
-                        pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.round, base), s.store),
-                                       ranks.index(s.rank), len(ranks))
-                except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
-                    note, action = f"reconfigure refused ({exc}); rebuilt instead", CommunicatorAction.REBUILD
-            if standby_groups is not None:
-                new_groups = standby_groups
-            elif action is not CommunicatorAction.RECONFIGURE:
-                new_groups = {base: comm.build_group(s.spec, s.store, decision.round, base, comm.group_ranks(pg))
-                              for base, pg in sorted(old_groups.items())}
-            s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
-                   generation=decision.round, backend=s.spec.backend, groups=len(new_groups), note=note,
-                   standby=standby)
-
-            t0 = time.perf_counter()
-            c0 = time.thread_time()
-            counts: dict[str, int] = {}
-            site_ms: dict[str, float] = {}
-            if action is not CommunicatorAction.RECONFIGURE:
-                meshes = list({id(m): m for m in (s.mesh, *meshes_of(self.model, self.optimizer, states),
-                                                  *self._meshes)}.values())
-                report: RebindReport = rebind_all([(old, new_groups[base]) for base, old in old_groups.items()],
-                                                  self.model, self.optimizer, meshes, functions=(self._train_step,),
-                                                  scan=self._scan, states=states)
-                counts = dict(report.counts)
-                site_ms = {k: round(v * 1e3, 3) for k, v in report.site_s.items()}
-                for line in report.unrebound:  # a frame's local: the user is told, by group name
-                    s.emit(EventKind.REBOUND, Stage.REBINDING, warning=line)
-                c10d_default(new_groups[comm.WORLD])
-            rebind_s, rebind_cpu_s = time.perf_counter() - t0, time.thread_time() - c0
-            s.groups = {base: pg for base, pg in new_groups.items() if base in s.groups}
-            s.generation = decision.round
-        if action is not CommunicatorAction.RECONFIGURE:
-            dispatch = self.counter.counts if self.counter is not None else None
-            for old in old_groups.values():
-                backend = comm.backend_of(old, s.spec.device)
-                self.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend,
-                                                 comm.sequence_number(backend),
-                                                 dispatch.get(old.group_name, 0) if dispatch is not None else None))
-        s.emit(EventKind.REBOUND, Stage.REBINDING, seconds=rebind_s, references=counts, site_ms=site_ms,
-               old_groups=sorted(g.group_name for g in old_groups.values()),
-               new_groups=sorted(g.group_name for g in new_groups.values()))
-        del old_groups, world
-
-        t0 = time.perf_counter()
-        if decision.in_memory:
-            s.emit(EventKind.RETAINED, Stage.STATE, seconds=reset_s, action=StateAction.RETAIN.value,
-                   state_intact=intact)
-            lost = 0  # no barrier: building the groups already waited for every rank to connect
-            t_first, t_resumed = self._first_collective(decision.round)
-            s.release_log()
-        else:
-            if decision.policy is Policy.PEER_RESTORE:
-                if decision.holder_of(s.rank) is None and decision.step == self.committed_step and intact:
-                    # the generators as committed: the failed step may have drawn from them (on an N-D
-                    # mesh a rank whose own shard group lives runs its forward's dropout before the lost
-                    # rank's collective fails it), and the replay below takes them as the committed ones
-                    restore_rng(self._rng)
-                    s.emit(EventKind.RETAINED, Stage.STATE, seconds=reset_s, action=StateAction.RETAIN.value,
-                           state_intact=intact, checkpoint_step=decision.step)
-                else:  # back to its own snapshot, or (state not intact) a holder's copy: memory, no storage
-                    got = self._peer_restore(decision)
-                    s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
-                           action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
-                           holder=decision.holder_of(s.rank), bytes=got)
+        with s.log.deferred():
+            d = pipeline.detect(self, cause)
+            decision = pipeline.agree_on(self, d)
+            if self.on_decided is not None or not decision.in_memory:  # a drill may end the process; a long path
+                s.log.flush()
+            if self.on_decided is not None:
+                self.on_decided(decision)
+            if decision.policy is Policy.EXCISE:
+                rebound = pipeline.excise_lost(self, d, decision)
             else:
-                read = self.ckpt.bytes_read if self.ckpt is not None else 0
-                self.restore(decision.step)
-                if force is None:
-                    self.storage_bytes_read += (self.ckpt.bytes_read if self.ckpt is not None else 0) - read
-                s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + time.perf_counter() - t0,
-                       action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
-            s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round),
-                   generation=decision.round)
-            t_first, _ = self._first_collective(decision.round)
-            t0 = time.perf_counter()
-            lost = self._replay(decision.step, step)
-            s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
-            t_resumed = time.time()
-            if self.peers is not None:  # holders get this generation's state (a replacement's holder included)
-                self._refresh_peers()
-                self.peers.keep_only(self.committed_step)
-                self._copy_to_peers()
-        self._settle()  # the job runs again: the round counters move now, off the recovery's path
-        record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round, lost,
-                                rebind_s, action, force is not None, rebind_cpu_s, time.process_time() - cpu0)
-        self.recoveries.append(record)
-        s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
-        s.start_standby(self._job_groups())  # the generation after this one, built while training runs
+                if decision.policy is Policy.CHECKPOINT_RESTORE and (self.ckpt is None or decision.step < 0):
+                    why = "no checkpoint directory is set" if self.ckpt is None else "no complete checkpoint exists"
+                    raise RuntimeError(f"cannot recover in memory ({decision.reason}) and {why}")
+                with s.sever_lock:  # from the standby's sockets joining the data path until the generation moves on
+                    rebound = pipeline.rebind(self, d, decision, pipeline.rebuild(self, d, decision))
+                pipeline.restore(self, d, decision)
+            pipeline.resume(self, d, decision, rebound)
         return decision
 
-    def _settle(self) -> None:
-        """Make the consensus counter moves agree() left to this rank (see consensus.agree)."""
-        while self._unsettled:
-            self._unsettled.pop(0)()
+    def settle_counters(self) -> None:
+        """Make the consensus counter moves the last agreement left to this rank (see consensus.agree)."""
+        if self.counters is not None:
+            counters, self.counters = self.counters, None
+            counters.make(self.session.control)
 
-    def _excise_refusal(self) -> str | None:
+    def excise_refusal(self) -> str | None:
         """Why this job cannot excise a lost rank whose replacement never came (None: it can)."""
         if self.build is None:
             return "no build(mesh) was given to resilient() for the smaller world"
@@ -723,84 +525,14 @@ class Resilient:
             return f"excision re-shards a 1-D FSDP mesh only; this job's mesh is {list(shape)}"
         return None
 
-    def _excise(self, decision: Decision, step: int, t_detect: float, reset_s: float, intact: bool,
-                cpu0: float) -> Decision:
-        """Continue without ``decision.lost``: this survivor's state (rolled back to its own
-        snapshot where the group went back a step) and the copies it holds of the lost ranks,
-        re-sharded over the survivors; the session, the peer ring and the checkpoints move to
-        the smaller world. Below ``min_ranks`` survivors :class:`ExcisionRefused` (the state
-        flushed to a checkpoint) ends the job."""
-        s = self.session
-        assert self.build is not None
-        s.drop_standby()  # built for the larger world: none serves the survivors
-        t0 = time.perf_counter()
-        if decision.step != self.committed_step or not intact:  # back to its own snapshot: memory, no storage
-            if self.peers is None or decision.step not in self.peers.own:
-                raise RuntimeError(f"excision at step {decision.step} was decided but rank {s.rank} keeps only "
-                                   f"steps {self.peers.own_steps() if self.peers else ()} and committed "
-                                   f"{self.committed_step}")
-            load_job_state(self.model, self.optimizer, self.peers.own[decision.step], self.schedulers)  # generators included
-            self.committed_step = decision.step
-            self._mark_committed()
-        else:  # the generators as committed (the failed step may have drawn from them)
-            restore_rng(self._rng)
-        held = {r: s.peer_server.held(r, decision.step) for r, h in decision.restore_from if h == s.rank}
-        before = Membership(s.world_size, s.members)
-        old_groups = self._job_groups()
-        with s.sever_lock:  # a late sever by the heartbeat never reaches the smaller world's new group
-            # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named): the caller's to report
-            out = excise(self.state(), held, before, decision.lost, step=decision.step,
-                         spec=s.spec, store=s.store, generation=decision.round, build=self.build,
-                         old_group=s.group, min_ranks=self.min_ranks,
-                         checkpoint_dir=str(self.ckpt.directory) if self.ckpt is not None else None)
-            rec = out.record
-            s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
-                   generation=decision.round, backend=s.spec.backend, groups=1, world=rec.new_world)
-            stale = self.model
-            refuse_stale(stale, s.rank, decision.step)
-            if self.weight is not None:
-                self.weight.remove()
-            self.model, self.optimizer, self.membership = out.model, out.optimizer, out.membership
-            self.schedulers = carry_schedule(self._schedule, self.optimizer)  # the survivor's, as committed
-            self.weight = GradientWeight(self.model)
-            for old in old_groups.values():
-                backend = comm.backend_of(old, s.spec.device)
-                self.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend),
-                                                 None))
-            del old_groups, stale
-            s.spec, s.groups, s.mesh, s.generation = out.spec, {comm.WORLD: out.group}, out.mesh, decision.round
-        s.alive = out.membership.alive
-        s.checkpoint_subdir = f"world{out.membership.world}-from-step{decision.step}"
-        self._meshes = weakref.WeakSet([out.mesh])
-        s.emit(EventKind.RELOADED, Stage.STATE, seconds=reset_s + rec.gather_s + rec.rebuild_s,
-               action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
-               holder=dict(decision.restore_from), excision=rec.to_dict())
-        self.excisions.append(rec)
-        if self.ckpt is not None:  # the smaller world's own checkpoints start at the excision's step
-            self.ckpt = s.checkpointer()
-            assert self.ckpt is not None
-            self.ckpt.save(self.committed_step, self.state())
-        if self.session.config.check_commits:  # a new model: its mark is taken afresh
-            self._mark = CommitMark.take(self.committed_step, self.model, self.optimizer)
-        self._watch_optimizer()  # and its optimizer watched
-        # the generators stay as committed (build's draws undone by excise)
-        s.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(s, decision.round), generation=decision.round)
-        t_first, _ = self._first_collective(decision.round)
-        t0 = time.perf_counter()
-        lost = self._replay(decision.step, step)
-        s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
-        t_resumed = time.time()
-        if self.peers is not None:  # the ring over the survivors; they hold this generation's state
-            self.peers.replace_ring(out.membership.alive)
-            self._refresh_peers()
-            self.peers.keep_only(self.committed_step)
-            self._copy_to_peers()
-        self._settle()  # the job runs again: the round counters move now, off the recovery's path
-        record = RecoveryRecord(step, t_detect, t_first, t_resumed, decision.policy, decision.reason, decision.round,
-                                lost, 0.0, rec.action, False, 0.0, time.process_time() - cpu0)
-        self.recoveries.append(record)
-        s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
-        return decision
+    def replace_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        """After an excision at ``step``: the smaller world's model and optimizer; the old model
+        refuses any later forward, and the new one's gradients are weighted per batch share."""
+        refuse_stale(self.model, self.session.rank, step)
+        if self.weight is not None:
+            self.weight.remove()
+        self.model, self.optimizer = model, optimizer
+        self.weight = GradientWeight(self.model)
 
     def share(self, batch: Callable[[int, int], Any], step: int) -> Any:
         """This rank's samples of ``step`` from ``batch(step, original rank)``: its own until an
@@ -814,54 +546,20 @@ class Resilient:
         self.weight.weight = got.weight
         return got.batch
 
-    def _first_collective(self, generation: int) -> tuple[float, float]:
-        """Run the first collective on the new world group (every rank at the same point);
-        returns the wall times it was issued and completed."""
-        s = self.session
-        t_first = time.time()
-        comm.first_collective(s.group, s.spec.device)
-        t_done = time.time()
-        s.emit(EventKind.FIRST_COLLECTIVE, seconds=t_done - t_first, generation=generation,
-               t_issued_wall=t_first, t_done_wall=t_done)
-        return t_first, t_done
-
-    def _copy_to_peers(self, just_marked: bool = False) -> None:
+    def copy_to_peers(self, just_marked: bool = False) -> None:
         """Hand the committed state to the peer copier, with the time its listing took (the
         copy's cost on the training thread: the peer-copy model prices it). ``just_marked``: the
         generators were captured by the commit mark a moment ago, nothing drawn since."""
         assert self.peers is not None
         t0 = time.perf_counter()
-        state = (job_state(self.model, self.optimizer, self._rng, schedule=self._schedule) if just_marked
+        state = (job_state(self.model, self.optimizer, self.rng, schedule=self.schedule) if just_marked
                  else self.state())
         self.peers.commit(self.committed_step, state, listed_s=time.perf_counter() - t0)
 
-    def _refresh_peers(self) -> None:
+    def refresh_peers(self) -> None:
         """Read every rank's peer address again and keep the data-path severing off the peer path."""
         assert self.peers is not None
-        ports = {a.port for a in self.peers.refresh().values()}
-        self.session.store_ports = tuple(sorted(set(self.session.store_ports) | ports))
-
-    def _peer_restore(self, decision: Decision) -> int:
-        """Load this rank's state at ``decision.step`` from host memory: its own snapshot, or the
-        copy the decision's holder keeps. Returns the bytes fetched over the network."""
-        if self.peers is None:
-            raise RuntimeError("a peer restore was decided but this rank keeps no peer copies")
-        step, holder = decision.step, decision.holder_of(self.session.rank)
-        fetched = 0
-        if step in self.peers.own:
-            state = self.peers.own[step]
-        elif holder is None or holder == self.session.rank:
-            raise RuntimeError(f"a peer restore to step {step} was decided but rank {self.session.rank} keeps "
-                               f"only steps {self.peers.own_steps()} and was named no holder")
-        else:
-            state, fetched = peers.fetch(self.peers.addresses[holder], self.session.rank, step,
-                                         self.session.config.peer_copy_timeout_s)
-            self.peers.own[step] = state
-        load_job_state(self.model, self.optimizer, state, self.schedulers)
-        self.committed_step = step
-        self._mark_committed()
-        self.peers.keep_only(step)
-        return fetched
+        self.session.data_path.protect_ports(a.port for a in self.peers.refresh().values())
 
     def restore(self, step: int) -> None:
         """Load the checkpoint of ``step`` (state and generators) and make it the committed state."""
@@ -871,7 +569,7 @@ class Resilient:
             raise RuntimeError("no complete checkpoint exists to restore from")
         load_job_state(self.model, self.optimizer, self.ckpt.load(step), self.schedulers)
         self.committed_step = step
-        self._mark_committed()
+        self.mark_committed()
 
     def _batch(self, step: int) -> Any:
         if self.batches is not None:
@@ -882,20 +580,20 @@ class Resilient:
         raise RuntimeError(f"cannot replay step {step}: its batch is gone (pass batches=... to resilient() so "
                            "lost steps are drawn again from their source)")
 
-    def _replay(self, from_step: int, to_step: int) -> int:
+    def replay(self, from_step: int, to_step: int) -> int:
         """Re-run steps ``[from_step, to_step)`` (the ones lost to the restore)."""
-        if to_step > from_step and self._train_step is None:
+        if to_step > from_step and self.train_step_fn is None:
             raise RuntimeError("cannot replay: no step has run in this process yet")
         for st in range(from_step, to_step):
-            assert self._train_step is not None
-            self._train_step(self._batch(st))
+            assert self.train_step_fn is not None
+            self.train_step_fn(self._batch(st))
             self.committed_step = st + 1
-        self._mark_committed()
+        self.mark_committed()
         return to_step - from_step
 
     def drill_checkpoint_restore(self) -> Decision:
         """A real checkpoint restore in this job, now: consensus, new groups, reload, replay."""
-        return self._recover("drill: checkpoint restore in job", self.committed_step, force=Policy.CHECKPOINT_RESTORE)
+        return self._recover(Cause("drill: checkpoint restore in job", self.committed_step, drill=True))
 
 
 def resilient(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: Session,

@@ -21,14 +21,15 @@ never a mix, at no round trip of its own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
-import threading
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
-from typing import IO, Any, Callable, Sequence
+from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -43,139 +44,255 @@ from .checkpoint import Checkpointer
 from .config import RecoveryConfig
 from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Proposal, agree
 from .control import ControlChannel
+from .generation import Generation
 
-__all__ = ["RecoveryConfig", "Session", "start_session", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
+__all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
+
+
+class EventLog:
+    """A rank's events: kept in memory, appended to its JSONL log (flushed line by line, so the
+    log survives SIGKILL) and optionally traced to stderr. Inside :meth:`deferred` events are
+    stamped and kept as ever but written only at :meth:`flush` (or when the block ends): a
+    recovery's critical path does not encode and write them. A SIGKILL in between loses the
+    deferred lines from the log, not from a finished run."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.events: list[Event] = []
+        self._file: IO[str] | None = None
+        self._deferred: list[Event] | None = None  # events not yet written (inside deferred())
+
+    def attach(self, path: str | os.PathLike[str]) -> None:
+        """Write every event so far, and each one from now on, to ``path``."""
+        self._file = open(path, "a", encoding="utf-8")
+        self._write(self.events)
+
+    def emit(self, kind: EventKind, stage: Stage | None = None, **data: Any) -> Event:
+        ev = Event(time.time(), kind, self.rank, stage, data)
+        self.events.append(ev)
+        if self._deferred is not None:
+            self._deferred.append(ev)
+        else:
+            self._write((ev,))
+        return ev
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator["EventLog"]:
+        """Hold events back from the log until :meth:`flush` or the end of the block."""
+        if self._deferred is None:
+            self._deferred = []
+        try:
+            yield self
+        finally:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the deferred events, in order, and write each event as it comes again."""
+        deferred, self._deferred = self._deferred, None
+        if deferred:
+            self._write(deferred)
+
+    def _write(self, events: Sequence[Event]) -> None:
+        if self._file is not None and events:
+            self._file.write("".join(json.dumps(ev.to_dict(), default=str) + "\n" for ev in events))
+            self._file.flush()
+        if os.environ.get("MESHPACT_TRACE"):
+            for ev in events:
+                print(f"[meshpact rank {self.rank}] {ev}", file=sys.stderr, flush=True)
 
 
 @dataclass
-class Session:
-    """One rank's place in the job: stores, control channel, current data-path groups and mesh."""
+class DataPath:
+    """Which sockets are the data path's (severed on a fault) and which are not: the stores', the
+    control channel's and the peer servers' ports, the sockets open before any group existed,
+    and the ends of sockets already asked (:func:`~.communicator.data_sockets`)."""
 
-    rank: int
-    world_size: int
-    config: RecoveryConfig
-    store: Any
-    control: ControlChannel
-    spec: comm.GroupSpec
-    groups: dict[str, dist.ProcessGroup]  # base name -> this generation's group (this rank a member)
-    generation: int
-    incarnation: int
-    mesh_shape: tuple[int, ...]
-    mesh_names: tuple[str, ...] | None
-    mesh: Any = None
-    protected_sockets: dict[int, str] = field(default_factory=dict)  # stores and control channel
-    store_ports: tuple[int, ...] = ()  # the rendezvous store's and the control channel's
-    socket_ends: comm.SocketEnds = field(default_factory=dict)  # ends of sockets already asked (data_sockets)
-    # held while the heartbeat severs and while the runtime swaps in the next
-    # generation's groups: a late sever never reaches the new groups' sockets
-    sever_lock: threading.Lock = field(default_factory=threading.Lock)
-    events: list[Event] = field(default_factory=list)
-    pending: Decision | None = None  # a replacement's decision, applied when resilient() starts
-    peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
-    host: str = ""  # the host this rank is on, as peer placement sees it
-    log: IO[str] | None = None  # the rank's JSONL event log (survives SIGKILL)
-    held: list[Event] | None = None  # events not yet written to the log (hold_log)
-    store_addr: tuple[str, int] = ("127.0.0.1", 0)  # the rendezvous store (a standby connects on its own)
-    standby: comm.Standby | None = None  # the next generation's groups, built in the background
-    dropped: list[comm.Standby] = field(default_factory=list)  # discarded standbys whose thread may still run
-    alive: tuple[int, ...] = ()  # the original ranks still in the job (empty: all; fewer after an excision)
-    # (the last round decided, the generation) as this rank last saw them: a recovery's first
-    # consensus round starts from it instead of reading the counters (consensus.agree's view)
-    round_view: tuple[int, int] | None = None
-    checkpoint_subdir: str = ""  # after an excision the smaller world checkpoints apart from the larger one
+    protected: dict[int, str]  # fd -> socket name, taken before any data-path group existed
+    ports: tuple[int, ...]  # the rendezvous store's, the control channel's, the peer servers'
+    ends: comm.SocketEnds = field(default_factory=dict)
+
+    def protect_ports(self, ports: Iterable[int]) -> None:
+        """Never sever a socket to or from one of ``ports`` (the peers' servers, once known)."""
+        self.ports = tuple(sorted(set(self.ports) | set(ports)))
+
+    def sockets(self, keep: dict[int, str]) -> dict[int, str]:
+        return comm.data_sockets({**self.protected, **keep}, self.ports, self.ends)
+
+
+@dataclass
+class Standbys:
+    """The standby being built (the next generation's groups) and those discarded whose thread
+    may still run."""
+
+    building: comm.Standby | None = None
+    discarded: list[comm.Standby] = field(default_factory=list)
+
+
+class Joined:
+    """The recovery a replacement process joined at start-up, handed once to the first
+    ``resilient()`` that enters (which loads the decided state)."""
+
+    def __init__(self, decision: Decision | None) -> None:
+        self._decision = decision
+
+    def take(self) -> Decision | None:
+        decision, self._decision = self._decision, None
+        return decision
+
+
+class Session:
+    """One rank's place in the job: its identity, the stores, the control channel, and the
+    current :class:`~.generation.Generation` of data-path groups.
+
+    After :func:`start_session` returns, the session's fields are fixed but one: ``current``,
+    which :meth:`advance` replaces when a recovery makes the next generation. The event log,
+    the standby and the socket lists are objects of their own that change inside."""
+
+    _sealed = False
+
+    def __init__(self, rank: int, world_size: int, incarnation: int, config: RecoveryConfig, store: Any,
+                 store_addr: tuple[str, int], control: ControlChannel, mesh_shape: tuple[int, ...],
+                 mesh_names: tuple[str, ...] | None, data_path: DataPath) -> None:
+        self.rank = rank  # this process's original rank: control-channel keys, peer copies, logs
+        self.world_size = world_size  # the original world
+        self.incarnation = incarnation  # 0: the rank's first process; 1..: replacements
+        self.config = config
+        self.store = store
+        self.store_addr = store_addr  # the rendezvous store (a standby connects on its own)
+        self.control = control
+        self.mesh_shape = mesh_shape
+        self.mesh_names = mesh_names
+        self.data_path = data_path
+        self.log = EventLog(rank)
+        self.standbys = Standbys()
+        # held while the heartbeat severs and while the runtime swaps in the next generation's
+        # groups: a late sever never reaches the new groups' sockets
+        self.sever_lock = threading.Lock()
+        self.peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
+        self.host = ""  # the host this rank is on, as peer placement sees it
+        self.joined = Joined(None)  # a replacement's decision: the recovery it joined at start-up
+        self.start_view: tuple[int, int] = (0, 0)  # (last round decided, generation) when the rank started
+        self.current: Generation | None = None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if self._sealed:
+            raise AttributeError(f"Session.{name} is fixed once the session has started (a recovery replaces "
+                                 "only the current generation, through Session.advance)")
+        object.__setattr__(self, name, value)
+
+    def seal(self) -> None:
+        object.__setattr__(self, "_sealed", True)
+
+    def advance(self, generation: Generation) -> None:
+        """Make ``generation`` the current one (the only write a recovery makes to the session)."""
+        if self.current is not None and generation.number <= self.current.number:
+            raise ValueError(f"generation {generation.number} does not follow generation {self.current.number}")
+        object.__setattr__(self, "current", generation)
+
+    # -- the current generation ---------------------------------------------------------------
+    @property
+    def gen(self) -> Generation:
+        assert self.current is not None, "the session has no generation yet"
+        return self.current
+
+    @property
+    def generation(self) -> int:
+        return self.gen.number
+
+    @property
+    def spec(self) -> comm.GroupSpec:
+        return self.gen.spec
+
+    @property
+    def groups(self) -> Mapping[str, dist.ProcessGroup]:
+        return self.gen.groups
+
+    @property
+    def mesh(self) -> Any:
+        return self.gen.mesh
 
     @property
     def members(self) -> tuple[int, ...]:
         """The original ranks in the job now. ``rank`` stays this process's original rank
         (control channel keys, peer copies); its rank in the data-path groups is ``spec.rank``."""
-        return self.alive or tuple(range(self.world_size))
+        return self.gen.members
+
+    @property
+    def excised(self) -> bool:
+        """Whether an excision left the job with fewer ranks than it started with."""
+        return len(self.gen.members) < self.world_size
 
     @property
     def group(self) -> dist.ProcessGroup:
         """The data-path group over every rank."""
-        return self.groups[comm.WORLD]
+        return self.gen.group
+
+    @property
+    def view(self) -> tuple[int, int]:
+        """(the last round decided, the generation) as this rank last saw them: a recovery's first
+        consensus round starts from it instead of reading the counters (consensus.agree's view)."""
+        return self.start_view if self.gen.number == 0 else (self.gen.number, self.gen.number)
+
+    # -- the event log ------------------------------------------------------------------------
+    @property
+    def events(self) -> list[Event]:
+        return self.log.events
 
     def attach_log(self, path: str | os.PathLike[str]) -> None:
-        self.log = open(path, "a", encoding="utf-8")
-        for ev in self.events:
-            self.log.write(json.dumps(ev.to_dict(), default=str) + "\n")
-        self.log.flush()
+        self.log.attach(path)
 
     def emit(self, kind: EventKind, stage: Stage | None = None, **data: Any) -> Event:
-        ev = Event(time.time(), kind, self.rank, stage, data)
-        self.events.append(ev)
-        if self.held is not None:
-            self.held.append(ev)
-        else:
-            self._write((ev,))
-        return ev
-
-    def hold_log(self) -> None:
-        """Keep events out of the log (stamped and kept in :attr:`events` as ever) until
-        :meth:`release_log`: a recovery's critical path does not encode and write them. A
-        SIGKILL in between loses the held lines from the log, not from a finished run."""
-        if self.held is None:
-            self.held = []
-
-    def release_log(self) -> None:
-        """Write the held events, in order, and log each event as it comes again."""
-        held, self.held = self.held, None
-        if held:
-            self._write(held)
-
-    def _write(self, events: Sequence[Event]) -> None:
-        if self.log is not None:
-            self.log.write("".join(json.dumps(ev.to_dict(), default=str) + "\n" for ev in events))
-            self.log.flush()
-        if os.environ.get("MESHPACT_TRACE"):
-            for ev in events:
-                print(f"[meshpact rank {self.rank}] {ev}", file=sys.stderr, flush=True)
+        return self.log.emit(kind, stage, **data)
 
     def checkpointer(self) -> Checkpointer | None:
         if not self.config.checkpoint_dir:
             return None
-        directory = os.path.join(self.config.checkpoint_dir, self.checkpoint_subdir) if self.checkpoint_subdir \
-            else self.config.checkpoint_dir
-        return Checkpointer(directory, self.spec.rank, len(self.members), self.config.checkpoint_every)
+        cur = self.current  # None while a replacement joins: the original world's checkpoints
+        sub = cur.checkpoint_subdir if cur is not None else ""
+        rank, world = (cur.spec.rank, len(cur.members)) if cur is not None else (self.rank, self.world_size)
+        directory = os.path.join(self.config.checkpoint_dir, sub) if sub else self.config.checkpoint_dir
+        return Checkpointer(directory, rank, world, self.config.checkpoint_every)
 
     # -- the standby ------------------------------------------------------------------------
+    @property
+    def standby(self) -> comm.Standby | None:
+        return self.standbys.building
+
     def data_sockets(self) -> dict[int, str]:
         """The data path's sockets to sever on a fault: never the stores', the control
-        channel's or the standby's."""
-        keep = dict(self.protected_sockets)
-        if self.standby is not None:
-            keep.update(self.standby.sockets)
-        return comm.data_sockets(keep, self.store_ports, self.socket_ends)
+        channel's, the peer servers' or the standby's."""
+        return self.data_path.sockets(self.standby.sockets if self.standby is not None else {})
 
-    def start_standby(self, groups: dict[str, dist.ProcessGroup]) -> None:
+    def start_standby(self, groups: Mapping[str, dist.ProcessGroup]) -> None:
         """Start building the next generation's copy of ``groups`` (every group of the job) in
         the background; every rank starts it at the same point of the job."""
         self.drop_standby()
-        if not self.config.standby or self.alive:  # after an excision the groups are built when needed
+        if not self.config.standby or self.excised:  # after an excision the groups are built when needed
             return
         host, port = self.store_addr
 
         def connect() -> Any:
             return open_store(host, port, self.world_size, False, self.config.store_connect_s)
 
-        self.standby = comm.Standby(self.spec, connect, self.generation + 1, comm.group_plan(groups)).start()
+        self.standbys.building = comm.Standby(self.spec, connect, self.generation + 1, comm.group_plan(groups)).start()
 
     def drop_standby(self) -> None:
         """Discard the standby (its thread, if still running, is joined on :meth:`stop_standby`)."""
-        if self.standby is not None:
-            self.standby.discard()
-            self.dropped.append(self.standby)
-            self.standby = None
-        self.dropped = [sb for sb in self.dropped if not sb.join(0.0)]
+        slot = self.standbys
+        if slot.building is not None:
+            slot.building.discard()
+            slot.discarded.append(slot.building)
+            slot.building = None
+        slot.discarded = [sb for sb in slot.discarded if not sb.join(0.0)]
 
     def stop_standby(self) -> None:
         """Discard the standby and join every standby thread (each bounded by group creation)."""
         self.drop_standby()
-        for sb in self.dropped:
+        for sb in self.standbys.discarded:
             sb.join(self.config.connect_timeout_s)
-        self.dropped = []
+        self.standbys.discarded = []
 
-    def standby_word(self, groups: dict[str, dist.ProcessGroup], silent_s: float | None,
+    def standby_word(self, groups: Mapping[str, dist.ProcessGroup], silent_s: float | None,
                      quiet: bool = False) -> comm.StandbyStatus:
         """What this rank says, in its proposal, of whether its standby can replace ``groups``.
         ``silent_s``: how long the failed step ran before it timed out (None: it failed otherwise,
@@ -193,7 +310,7 @@ class Session:
             return comm.StandbyStatus(self.standby.generation, False,
                                       f"rank {self.rank}'s data path was silent for {silent_s:.2f} s (a cut "
                                       "link or a stalled peer: the standby's links may be cut too)")
-        status = self.standby.status(comm.group_plan(groups), self.config.standby_wait_s)
+        status = self.standby.status(comm.group_plan(dict(groups)), self.config.standby_wait_s)
         if not status.ready:
             status = comm.StandbyStatus(status.generation, False, f"rank {self.rank}'s standby {status.reason}")
         return status
@@ -203,7 +320,7 @@ class Session:
         proposal that its standby is ready for the decided generation; else None (the standby
         is discarded). Every rank reads the same words, so every rank gets the same answer. The
         note says which (``used`` / ``built (why)``)."""
-        generation = decision.round
+        generation = decision.generation
         said = {r: comm.StandbyStatus.from_dict(p["standby"]) if isinstance(p.get("standby"), dict) else None
                 for r, p in decision.proposals.items()}
         why = comm.standby_refusal(said, generation, self.world_size)
@@ -214,14 +331,20 @@ class Session:
             return None, f"built ({why})"
         assert self.standby is not None
         groups = self.standby.take(self.store)
-        self.standby = None
+        self.standbys.building = None
         return groups, "used"
 
-    def build_generation(self, generation: int) -> dict[str, dist.ProcessGroup]:
+    def build_groups(self, generation: int) -> dict[str, dist.ProcessGroup]:
         """Build ``generation``'s world and mesh-dimension groups (every rank calls it)."""
-        groups = {comm.WORLD: comm.build_group(self.spec, self.store, generation)}
-        groups.update(build_mesh_groups(self.spec, self.store, generation, self.mesh_shape, self.mesh_names))
-        return groups
+        return build_groups(self.spec, self.store, generation, self.mesh_shape, self.mesh_names)
+
+    def generation_of(self, number: int, groups: Mapping[str, dist.ProcessGroup]) -> Generation:
+        """The generation ``number`` over ``groups`` (this job's mesh shape; the members and
+        the checkpoint folder of the current generation)."""
+        device = self.spec.device.split(":")[0]
+        mesh = mesh_from_groups(groups, device, self.mesh_shape, self.mesh_names)
+        cur = self.gen
+        return Generation(number, cur.spec, dict(groups), mesh, cur.members, cur.checkpoint_subdir)
 
 
 def _mesh_ranks(shape: tuple[int, ...]) -> torch.Tensor:
@@ -231,6 +354,14 @@ def _mesh_ranks(shape: tuple[int, ...]) -> torch.Tensor:
 def _dim_base(names: tuple[str, ...] | None, dim: int, ranks: tuple[int, ...]) -> str:
     label = names[dim] if names else f"dim{dim}"
     return f"meshpact_{label}_{'-'.join(map(str, ranks))}"
+
+
+def build_groups(spec: comm.GroupSpec, store: Any, generation: int, shape: tuple[int, ...],
+                 names: tuple[str, ...] | None) -> dict[str, dist.ProcessGroup]:
+    """Build ``generation``'s world and mesh-dimension groups (every rank calls it)."""
+    groups = {comm.WORLD: comm.build_group(spec, store, generation)}
+    groups.update(build_mesh_groups(spec, store, generation, shape, names))
+    return groups
 
 
 def build_mesh_groups(spec: comm.GroupSpec, store: Any, generation: int, shape: tuple[int, ...],
@@ -252,7 +383,7 @@ def build_mesh_groups(spec: comm.GroupSpec, store: Any, generation: int, shape: 
     return out
 
 
-def mesh_from_groups(groups: dict[str, dist.ProcessGroup], device_type: str, shape: tuple[int, ...],
+def mesh_from_groups(groups: Mapping[str, dist.ProcessGroup], device_type: str, shape: tuple[int, ...],
                      names: tuple[str, ...] | None) -> Any:
     """The DeviceMesh over this generation's groups (its dimensions in order)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -277,10 +408,11 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     shape = tuple(mesh_shape) if mesh_shape else (world,)
     if math.prod(shape) != world:
         raise ValueError(f"a mesh of shape {list(shape)} needs {math.prod(shape)} ranks, the job has {world}")
+    names = tuple(mesh_names) if mesh_names else None
     run_id = os.environ.get("MESHPACT_RUN_ID", "")
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
-    store = open_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                       is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
+    store_addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    store = open_store(*store_addr, world, is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
     control = ControlChannel.from_env(config.control_timeout_s, run_id, connect_timeout_s=config.store_connect_s)
     last_round, generation, _ = control.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])  # made now
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
@@ -289,11 +421,9 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     spec = comm.GroupSpec(choice.backend.value, choice.device, rank, world, config.data_timeout_s,
                           connect_timeout_s=config.connect_timeout_s, run_id=run_id)
     incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
-    session = Session(rank, world, config, store, control, spec, {}, 0, incarnation, shape,
-                      tuple(mesh_names) if mesh_names else None,
-                      protected_sockets=comm.socket_fds(),
-                      store_ports=(int(os.environ["MASTER_PORT"]), control.port),
-                      store_addr=(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])))
+    session = Session(rank, world, incarnation, config, store, store_addr, control, shape, names,
+                      DataPath(comm.socket_fds(), (store_addr[1], control.port)))
+    session.start_view = (last_round, generation)
     if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
         from . import peers
 
@@ -301,14 +431,13 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         session.host = os.environ.get(peers.HOST_ENV, session.peer_server.addr)
         peers.publish(control, peers.PeerAddress(rank, session.host, session.peer_server.addr,
                                                  session.peer_server.port, incarnation))
-    session.round_view = (last_round, generation)
     session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation)
     if incarnation == 0:
         # every rank is here before any group connects: group creation bounds connecting, not a
         # peer still starting (imports under load), which the store connect bound covers
         control.set(f"arrived/rank{rank}", True)
         control.wait([f"arrived/rank{r}" for r in range(world)], timeout_s=config.store_connect_s)
-        session.groups = session.build_generation(0)
+        number = 0
     else:  # a replacement: join the recovery in progress; its state comes from a peer or the checkpoint
         ckpt = session.checkpointer()
         t0 = time.perf_counter()
@@ -317,17 +446,19 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
                                                      host=session.host),
                          ckpt.latest if ckpt else (lambda limit: 0), max_rounds=config.max_rounds,
                          peer_copies=config.peer_copies if session.peer_server is not None else 0,
-                         replacement_rounds=config.replacement_rounds)
+                         replacement_rounds=config.replacement_rounds).decision
         session.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
-        t0 = time.perf_counter()
-        session.generation = decision.round
-        session.round_view = (decision.round, decision.round)
-        session.groups = session.build_generation(decision.round)
+        session.joined = Joined(decision)
+        number = decision.generation
+    t0 = time.perf_counter()
+    groups = build_groups(spec, store, number, shape, names)
+    if incarnation > 0:
         session.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0,
-                     action=CommunicatorAction.REBUILD.value, generation=decision.round)
-        session.pending = decision
-    c10d_default(session.group)
-    session.mesh = mesh_from_groups(session.groups, choice.device.split(":")[0], shape, session.mesh_names)
+                     action=CommunicatorAction.REBUILD.value, generation=number)
+    c10d_default(groups[comm.WORLD])  # the mesh asks c10d's default group for this rank
+    mesh = mesh_from_groups(groups, choice.device.split(":")[0], shape, names)
+    session.advance(Generation(number, spec, groups, mesh, tuple(range(world))))
+    session.seal()
     return session
 
 

@@ -22,7 +22,7 @@ import shutil
 import statistics
 import time
 import weakref
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -252,7 +252,7 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
     sites: dict[str, SiteAudit] = {}
     for gen, site in enumerate(SITES, start=1):
         old = dict(session.groups)
-        new = session.build_generation(gen)
+        new = session.build_groups(gen)
         rebound = 0
         for base in old:
             rebound += rebind(old[base], new[base], model, optimizer, meshes, skip=(site.name,)).total
@@ -263,7 +263,7 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
         clean = _stale(model, optimizer, meshes, old)
         backends = [comm.backend_of(g, session.spec.device) for g in old.values()]
         seq0 = [comm.sequence_number(b) for b in backends]
-        session.groups, session.generation = new, gen
+        session.advance(replace(session.current, number=gen, groups=new))
         del old
         step += 1
         train_step(make_batch(cfg, step, session.rank))

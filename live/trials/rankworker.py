@@ -204,7 +204,7 @@ def worker(args: JsonObject) -> JsonObject:
             t_start, t_caught_up, t_loaded, regions, compiled_graphs, records,
             storage_bytes_read=rt.storage_bytes_read,
             peer=PeerCopyReport(**asdict(rt.peers.counters)) if rt.peers is not None else None,
-            alive=session.alive, excisions=tuple(rt.excisions),
+            alive=session.members if session.excised else (), excisions=tuple(rt.excisions),
             excision_refused=str(refused) if refused is not None else None,
             flushed_checkpoint=refused.checkpoint if refused is not None else None)
     return outcome.to_dict()

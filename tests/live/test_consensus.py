@@ -72,7 +72,7 @@ def _agree_all(channels, proposals, **kw):
 
     def one(ch):
         try:
-            out[ch.rank] = agree(ch, lambda g, r=ch.rank: proposals[r](g), _latest, **kw)
+            out[ch.rank] = agree(ch, lambda g, r=ch.rank: proposals[r](g), _latest, **kw).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
@@ -112,7 +112,7 @@ def _agree_with_rank_2_late(channels, delay_s: float, **kw) -> dict[int, object]
         time.sleep(delay_s if ch.rank == 2 else 0.0)
         try:
             out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0,
-                                 max_rounds=4, **kw)
+                                 max_rounds=4, **kw).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
@@ -157,7 +157,7 @@ def test_one_rank_decides_a_complete_round_and_the_others_adopt_its_decision(cha
     out: dict[int, object] = {}
 
     def one(ch):
-        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=5.0)
+        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=5.0).decision
 
     threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
     for t in threads:
@@ -178,7 +178,7 @@ def test_a_silent_decider_costs_the_others_one_round_then_the_next_rank_decides(
     def one(ch):
         time.sleep(1.6 if ch.rank == 0 else 0.0)
         out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0,
-                             max_rounds=4)
+                             max_rounds=4).decision
 
     threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
     for t in threads:
@@ -242,7 +242,7 @@ def test_a_silent_rank_is_declared_lost_then_its_replacement_joins_and_is_restor
     def one(ch, make):
         try:
             out[ch.rank] = agree(ch, make, _latest, timeout_s=0.4, max_rounds=1, peer_copies=1,
-                                 replacement_rounds=4)
+                                 replacement_rounds=4).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
@@ -279,32 +279,33 @@ def test_a_proposal_survives_a_trip_through_json_with_every_field():
     assert Proposal.from_dict(json.loads(json.dumps(d))) == p
 
 
-def test_a_rank_with_a_current_view_skips_the_counters_and_the_moves_wait_for_settle(channels):
-    """With every rank's view current the round is the next one; the counters move only when
-    each rank settles, and settling twice (every rank does) moves them once."""
+def test_a_rank_with_a_current_view_skips_the_counters_and_the_moves_wait_for_the_caller(channels):
+    """With every rank's view current the round is the next one; with the counter moves
+    deferred the counters move only when each rank makes the moves agree() handed back, and
+    making them twice (every rank does) moves them once."""
     channels[0].counters(["round", "generation"])  # made at 0, as every session makes them at its start
-    settles: dict[int, list] = {r: [] for r in range(3)}
     out = _agree_all(channels, {r: (lambda g, r=r: Proposal(r, g, 4, "x", True)) for r in range(3)},
-                     view=(0, 0), settle=None)
+                     view=(0, 0))
     assert {d.round for d in out.values()} == {1}
     assert channels[0].counters(["round", "generation"]) == [1, 1]
 
-    out = {}
+    got = {}
 
     def one(ch):
-        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True), _latest, view=(1, 1),
-                             settle=settles[ch.rank])
+        got[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True), _latest, view=(1, 1),
+                             defer_counters=True)
 
     threads = [threading.Thread(target=one, args=(ch,)) for ch in channels]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert {(d.round, d.policy, d.step) for d in out.values()} == {(2, Policy.IN_MEMORY, 5)}
-    assert channels[0].counters(["round", "generation"]) == [1, 1]  # nobody has settled yet
+    assert {(a.decision.round, a.decision.policy, a.decision.step) for a in got.values()} == {(2, Policy.IN_MEMORY, 5)}
+    assert channels[0].counters(["round", "generation"]) == [1, 1]  # nobody has made the moves yet
     for r in (2, 0, 1):
-        for move in settles[r]:
-            move()
+        moves = got[r].counters
+        assert moves is not None and (moves.round, moves.from_generation) == (2, 1)
+        moves.make(channels[r])
     assert channels[1].counters(["round", "generation"]) == [2, 2]
 
 

@@ -71,7 +71,7 @@ def test_a_rank_marked_gone_is_excised_in_the_first_round_without_waiting_the_ti
         try:
             out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True, holds=((3, 5),) if r == 0
                                                                     else (), own_steps=(5,)),
-                                 _latest, peer_copies=1, on_rank_loss=Policy.EXCISE)
+                                 _latest, peer_copies=1, on_rank_loss=Policy.EXCISE).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 

@@ -74,7 +74,7 @@ def _rounds(world: int, silent: int, timeout_s: float, *, refusal: str | None, m
         held = ((silent, 5),) if ch.rank == holder and holder_has_copy else ()
         try:
             out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True, holds=held, own_steps=(5,)),
-                                 _latest, max_rounds=1, replacement_rounds=2, peer_copies=1, excise_refusal=refusal)
+                                 _latest, max_rounds=1, replacement_rounds=2, peer_copies=1, excise_refusal=refusal).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 

@@ -1,0 +1,407 @@
+"""A recovery as a pipeline: six typed steps whose result is the next generation.
+
+Each step is a function of the runtime (:class:`~meshpact.live.recovery.runtime.Resilient`)
+and of what the steps before it returned; :meth:`Resilient._recover` calls them in this order:
+
+| step | takes | returns | what it does |
+|---|---|---|---|
+| :func:`detect` | :class:`Cause` | :class:`Detection` | severs the data path's sockets (peers still waiting on this rank fail at once), takes the heartbeat's alarm, puts FSDP's half-run step back, checks the state against its commit, says what the standby can do |
+| :func:`agree_on` | :class:`Detection` | :class:`~.consensus.Decision` | consensus over the control channel on the generation, the step and the policy (:mod:`.consensus`) |
+| :func:`rebuild` | the decision | :class:`Rebuilt` | the next generation's groups: the standby swapped in, or built now, or reconfigured in place |
+| :func:`rebind` | :class:`Rebuilt` | :class:`Rebound` | every cached reference pointed at the new groups (:mod:`.rebind`), the old ones retired, the session advanced to the new generation |
+| :func:`restore` | the decision | — | the state: kept in memory, or a peer's copy of it, or the newest checkpoint |
+| :func:`resume` | all of the above | :class:`~.runtime.RecoveryRecord` | every rank ready on the new groups, the first collective, the lost steps replayed, the peer copies refreshed |
+
+Excision (:func:`excise_lost`) stands in for *rebuild*, *rebind* and *restore* when consensus
+decides to continue without lost ranks: the survivors re-shard the lost ranks' state from
+the peer copies over themselves, and the same :func:`resume` follows. A replacement process
+that joined a recovery at start-up runs :func:`load_decided` and :func:`rejoin`, the tail of
+the same path.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch.distributed as dist
+
+from meshpact.core.recording import EventKind
+from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateAction
+
+from . import communicator as comm
+from . import peers
+from .consensus import Decision, Proposal, agree
+from .generation import Generation
+from .heartbeat import HeartbeatAlarm
+from .rebind import RebindReport, fsdp_states, meshes_of, rebind_all
+from .reshard import Membership, carry_schedule, excise
+from .session import c10d_default, resume_barrier
+from .state import CommitMark, load_job_state, restore_rng
+from .stepreset import reset_step_state
+
+if TYPE_CHECKING:
+    from .runtime import RecoveryRecord, Resilient
+
+__all__ = ["Cause", "Detection", "Rebuilt", "Rebound", "detect", "agree_on", "rebuild", "rebind", "restore",
+           "resume", "excise_lost", "load_decided", "rejoin", "first_collective", "RetiredGroup"]
+
+
+@dataclass(frozen=True)
+class Cause:
+    """What started a recovery: a fault escaping ``step``, or a drill asked for by name."""
+
+    message: str
+    step: int  # the step that failed: run again once recovered
+    drill: bool = False  # a checkpoint-restore drill: not a fault, and its storage reads are not the job's
+
+
+@dataclass(frozen=True)
+class Detection:
+    """What this rank knew once it stopped: when, what the heartbeat saw, its state's condition."""
+
+    cause: Cause
+    t_detect: float  # wall time this rank knew of the fault (the heartbeat's, if it knew first)
+    cpu0: float  # process CPU time then
+    t_check: float  # perf counter when the state check began (the consensus stage's start)
+    alarm: HeartbeatAlarm | None
+    states: tuple[Any, ...]  # the model's FSDP states, walked once per recovery
+    reset_s: float  # seconds putting FSDP's half-run step back
+    changed: str  # why the state is not the committed one ("" when it is)
+    old_groups: Mapping[str, dist.ProcessGroup]  # every group of the job, by base name
+    standby: comm.StandbyStatus  # this rank's word on its standby, carried in its proposal
+
+    @property
+    def intact(self) -> bool:
+        return not self.changed
+
+
+@dataclass(frozen=True)
+class Rebuilt:
+    """The next generation's groups, by base name, and how they were made."""
+
+    groups: Mapping[str, dist.ProcessGroup]
+    action: CommunicatorAction
+
+
+@dataclass(frozen=True)
+class Rebound:
+    """What rebinding cost the training thread (zero where nothing was rebound)."""
+
+    seconds: float
+    cpu_s: float
+    action: CommunicatorAction
+
+
+@dataclass
+class RetiredGroup:
+    """A group replaced in a recovery: its name, and the backend's sequence number when it was
+    retired (the backend is kept only until the next commit, then released)."""
+
+    name: str
+    ref: "weakref.ref[dist.ProcessGroup]"
+    backend: Any
+    seq_at_retirement: int
+    dispatch_ops_at_retirement: int | None
+    seq_ops_after: int | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.ref() is not None
+
+
+# -- detect ----------------------------------------------------------------------------------
+def detect(rt: Resilient, cause: Cause) -> Detection:
+    s = rt.session
+    t_detect, cpu0, t0 = time.time(), time.process_time(), time.perf_counter()
+    severed = comm.sever(s.data_sockets())  # the standby's sockets are not the data path's
+    alarm = rt.heartbeat.take() if rt.heartbeat is not None else None
+    if alarm is not None:  # the heartbeat knew first (it severed the sockets that raised)
+        t_detect = min(t_detect, alarm.t_wall)
+    s.emit(EventKind.DETECTED, Stage.DETECTION, step=cause.step, error=cause.message, severed_sockets=severed,
+           generation=s.generation, seconds=time.perf_counter() - t0,
+           heartbeat_stalled=list(alarm.stalled) if alarm else [],
+           heartbeat_quiet=bool(alarm and alarm.data_path_quiet))
+    t0 = time.perf_counter()
+    states = fsdp_states(rt.model)  # the reset, the meshes and rebinding read them
+    reset_step_state(rt.model, states)  # sharded parameters back on the modules before anything reads them
+    reset_s = time.perf_counter() - t0
+    t_check = time.perf_counter()
+    changed = rt.state_changed()
+    # a step that waited out the data-path timeout may have lost a link the standby crosses too;
+    # one that failed otherwise heard from its data path (or raised here), however long it ran
+    silent_s = (t_detect - rt.t_attempt if rt.t_attempt is not None and not cause.drill
+                and comm.timed_out(cause.message) else None)
+    old_groups = rt.job_groups()  # consensus builds no group: the same ones are replaced after it
+    word = s.standby_word(old_groups, silent_s, quiet=bool(alarm and alarm.data_path_quiet))
+    return Detection(cause, t_detect, cpu0, t_check, alarm, tuple(states), reset_s, changed, old_groups, word)
+
+
+# -- agree -----------------------------------------------------------------------------------
+def agree_on(rt: Resilient, d: Detection) -> Decision:
+    """Consensus; the round's counter moves are left to :meth:`Resilient.settle_counters`, made
+    once the job runs again (off the recovery's path)."""
+    s = rt.session
+    commit_check = rt.mark.check if rt.mark is not None and d.intact else ""
+    standby = d.standby.to_dict()
+
+    def proposal(group_generation: int) -> Proposal:
+        held = s.peer_server.holds() if s.peer_server is not None else ()
+        own = rt.peers.own_steps() if rt.peers is not None else ()
+        return Proposal(s.rank, s.generation, rt.committed_step, commit_check, d.intact, s.incarnation,
+                        rt.committed_step if d.cause.drill else None, holds=held, own_steps=own, host=s.host,
+                        standby=standby)
+
+    t_agree = time.perf_counter()
+    rt.settle_counters()  # a recovery that failed before settling its counters settles them now
+    got = agree(s.control, proposal, rt.ckpt.latest if rt.ckpt else (lambda limit: 0),
+                max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies if s.peer_server is not None else 0,
+                replacement_rounds=s.config.replacement_rounds, on_rank_loss=rt.on_rank_loss,
+                alive=s.members if s.excised else None, excise_refusal=rt.excise_refusal(), view=s.view,
+                defer_counters=True)
+    rt.counters = got.counters
+    t_end = time.perf_counter()
+    s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - d.t_check, agree_s=t_end - t_agree,
+           state_changed=d.changed, **got.decision.summary())
+    return got.decision
+
+
+# -- rebuild ---------------------------------------------------------------------------------
+def rebuild(rt: Resilient, d: Detection, decision: Decision) -> Rebuilt:
+    """The next generation's groups: the standby's where every rank's is ready, else built now
+    (or reconfigured in place where torch offers ``ProcessGroup.reconfigure``). Called under
+    the session's sever lock, with :func:`rebind`."""
+    s = rt.session
+    t0 = time.perf_counter()
+    action = comm.choose_action(s.group, s.spec.device, prefer_reconfigure=s.config.prefer_reconfigure)
+    note = ""
+    standby_groups, standby = s.standby_verdict(decision)
+    if standby_groups is not None:  # built and exercised in the background: swapped in
+        action = CommunicatorAction.REBUILD
+    groups: Mapping[str, dist.ProcessGroup] = d.old_groups
+    if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same objects, rebuilt in place
+        try:
+            for base, pg in sorted(d.old_groups.items()):
+                ranks = comm.group_ranks(pg)
+                pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.generation, base), s.store),
+                               ranks.index(s.rank), len(ranks))
+        except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
+            note, action = f"reconfigure refused ({exc}); rebuilt instead", CommunicatorAction.REBUILD
+    if standby_groups is not None:
+        groups = standby_groups
+    elif action is not CommunicatorAction.RECONFIGURE:
+        groups = {base: comm.build_group(s.spec, s.store, decision.generation, base, comm.group_ranks(pg))
+                  for base, pg in sorted(d.old_groups.items())}
+    s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
+           generation=decision.generation, backend=s.spec.backend, groups=len(groups), note=note, standby=standby)
+    return Rebuilt(groups, action)
+
+
+# -- rebind ----------------------------------------------------------------------------------
+def rebind(rt: Resilient, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebound:
+    """Point every cached reference at the new groups and advance the session to the new
+    generation (under the sever lock, with :func:`rebuild`); the old groups are retired."""
+    s = rt.session
+    t0, c0 = time.perf_counter(), time.thread_time()
+    counts: dict[str, int] = {}
+    site_ms: dict[str, float] = {}
+    reconfigured = rebuilt.action is CommunicatorAction.RECONFIGURE
+    if not reconfigured:
+        meshes = list({id(m): m for m in (s.mesh, *meshes_of(rt.model, rt.optimizer, list(d.states)),
+                                          *rt.meshes)}.values())
+        report: RebindReport = rebind_all([(old, rebuilt.groups[base]) for base, old in d.old_groups.items()],
+                                          rt.model, rt.optimizer, meshes, functions=(rt.train_step_fn,),
+                                          scan=rt.scan, states=list(d.states))
+        counts = dict(report.counts)
+        site_ms = {k: round(v * 1e3, 3) for k, v in report.site_s.items()}
+        for line in report.unrebound:  # a frame's local: the user is told, by group name
+            s.emit(EventKind.REBOUND, Stage.REBINDING, warning=line)
+        c10d_default(rebuilt.groups[comm.WORLD])
+    seconds, cpu_s = time.perf_counter() - t0, time.thread_time() - c0
+    # the session's own groups, now the new ones; the mesh object is the same, rebound in place
+    s.advance(replace(s.gen, number=decision.generation,
+                      groups={base: pg for base, pg in rebuilt.groups.items() if base in s.groups}))
+    if not reconfigured:
+        dispatch = rt.counter.counts if rt.counter is not None else None
+        for old in d.old_groups.values():
+            retire(rt, old, dispatch.get(old.group_name, 0) if dispatch is not None else None)
+    s.emit(EventKind.REBOUND, Stage.REBINDING, seconds=seconds, references=counts, site_ms=site_ms,
+           old_groups=sorted(g.group_name for g in d.old_groups.values()),
+           new_groups=sorted(g.group_name for g in rebuilt.groups.values()))
+    return Rebound(seconds, cpu_s, rebuilt.action)
+
+
+def retire(rt: Resilient, old: dist.ProcessGroup, dispatch_ops: int | None) -> None:
+    """Keep a replaced group's backend and its operation count until the next commit."""
+    backend = comm.backend_of(old, rt.session.spec.device)
+    rt.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend),
+                                   dispatch_ops))
+
+
+# -- restore ---------------------------------------------------------------------------------
+def restore(rt: Resilient, d: Detection, decision: Decision) -> None:
+    """This rank's state at the decided step: kept in memory where it is the committed one, else
+    from host memory (its own snapshot or a holder's copy), else from the newest checkpoint."""
+    s = rt.session
+    if decision.in_memory:
+        s.emit(EventKind.RETAINED, Stage.STATE, seconds=d.reset_s, action=StateAction.RETAIN.value,
+               state_intact=d.intact)
+    elif (decision.policy is Policy.PEER_RESTORE and decision.holder_of(s.rank) is None
+          and decision.step == rt.committed_step and d.intact):
+        # the generators as committed: the failed step may have drawn from them (on an N-D mesh a
+        # rank whose own shard group lives runs its forward's dropout before the lost rank's
+        # collective fails it), and the replay takes them as the committed ones
+        restore_rng(rt.rng)
+        s.emit(EventKind.RETAINED, Stage.STATE, seconds=d.reset_s, action=StateAction.RETAIN.value,
+               state_intact=d.intact, checkpoint_step=decision.step)
+    else:
+        load_decided(rt, decision, counts_as_read=not d.cause.drill, spent_s=d.reset_s)
+
+
+def load_decided(rt: Resilient, decision: Decision, counts_as_read: bool = True, spent_s: float = 0.0) -> None:
+    """Load the state the decision names: a peer restore from host memory, or the checkpoint
+    (its bytes counted as the job's storage reads unless ``counts_as_read`` is off: a drill)."""
+    s = rt.session
+    t0 = time.perf_counter()
+    if decision.policy is Policy.PEER_RESTORE:
+        got = peer_restore(rt, decision)
+        s.emit(EventKind.RELOADED, Stage.STATE, seconds=spent_s + time.perf_counter() - t0,
+               action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
+               holder=decision.holder_of(s.rank), bytes=got)
+        return
+    read = rt.ckpt.bytes_read if rt.ckpt is not None else 0
+    rt.restore(decision.step)
+    if counts_as_read:
+        rt.storage_bytes_read += (rt.ckpt.bytes_read if rt.ckpt is not None else 0) - read
+    s.emit(EventKind.RELOADED, Stage.STATE, seconds=spent_s + time.perf_counter() - t0,
+           action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
+
+
+def peer_restore(rt: Resilient, decision: Decision) -> int:
+    """Load this rank's state at ``decision.step`` from host memory: its own snapshot, or the
+    copy the decision's holder keeps. Returns the bytes fetched over the network."""
+    s = rt.session
+    if rt.peers is None:
+        raise RuntimeError("a peer restore was decided but this rank keeps no peer copies")
+    step, holder = decision.step, decision.holder_of(s.rank)
+    fetched = 0
+    if step in rt.peers.own:
+        state = rt.peers.own[step]
+    elif holder is None or holder == s.rank:
+        raise RuntimeError(f"a peer restore to step {step} was decided but rank {s.rank} keeps "
+                           f"only steps {rt.peers.own_steps()} and was named no holder")
+    else:
+        state, fetched = peers.fetch(rt.peers.addresses[holder], s.rank, step, s.config.peer_copy_timeout_s)
+        rt.peers.own[step] = state
+    load_job_state(rt.model, rt.optimizer, state, rt.schedulers)
+    rt.committed_step = step
+    rt.mark_committed()
+    rt.peers.keep_only(step)
+    return fetched
+
+
+# -- excise: rebuild, rebind and restore for a smaller world -----------------------------------
+def excise_lost(rt: Resilient, d: Detection, decision: Decision) -> Rebound:
+    """Continue without ``decision.lost``: this survivor's state (rolled back to its own
+    snapshot where the group went back a step) and the copies it holds of the lost ranks,
+    re-sharded over the survivors; the session advances to the smaller world, whose
+    checkpoints start at the excision's step. Below ``min_ranks`` survivors
+    :class:`~.reshard.ExcisionRefused` (the state flushed to a checkpoint) ends the job."""
+    s = rt.session
+    assert rt.build is not None
+    s.drop_standby()  # built for the larger world: none serves the survivors
+    if decision.step != rt.committed_step or not d.intact:  # back to its own snapshot: memory, no storage
+        if rt.peers is None or decision.step not in rt.peers.own:
+            raise RuntimeError(f"excision at step {decision.step} was decided but rank {s.rank} keeps only "
+                               f"steps {rt.peers.own_steps() if rt.peers else ()} and committed {rt.committed_step}")
+        load_job_state(rt.model, rt.optimizer, rt.peers.own[decision.step], rt.schedulers)  # generators included
+        rt.committed_step = decision.step
+        rt.mark_committed()
+    else:  # the generators as committed (the failed step may have drawn from them)
+        restore_rng(rt.rng)
+    held = {r: s.peer_server.held(r, decision.step) for r, h in decision.restore_from if h == s.rank}
+    with s.sever_lock:  # a late sever by the heartbeat never reaches the smaller world's new group
+        # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named): the caller's to report
+        out = excise(rt.state(), held, Membership(s.world_size, s.members), decision.lost, step=decision.step,
+                     spec=s.spec, store=s.store, generation=decision.generation, build=rt.build,
+                     old_group=s.group, min_ranks=rt.min_ranks,
+                     checkpoint_dir=str(rt.ckpt.directory) if rt.ckpt is not None else None)
+        rec = out.record
+        s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
+               generation=decision.generation, backend=s.spec.backend, groups=1, world=rec.new_world)
+        rt.replace_model(out.model, out.optimizer, decision.step)
+        rt.membership = out.membership
+        rt.schedulers = carry_schedule(rt.schedule, rt.optimizer)  # the survivor's, as committed
+        for old in d.old_groups.values():
+            retire(rt, old, None)
+        s.advance(Generation(decision.generation, out.spec, {comm.WORLD: out.group}, out.mesh,
+                             out.membership.alive, f"world{out.membership.world}-from-step{decision.step}"))
+    rt.meshes = weakref.WeakSet([out.mesh])
+    s.emit(EventKind.RELOADED, Stage.STATE, seconds=d.reset_s + rec.gather_s + rec.rebuild_s,
+           action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
+           holder=dict(decision.restore_from), excision=rec.to_dict())
+    rt.excisions.append(rec)
+    if rt.ckpt is not None:  # the smaller world's own checkpoints start at the excision's step
+        rt.ckpt = s.checkpointer()
+        assert rt.ckpt is not None
+        rt.ckpt.save(rt.committed_step, rt.state())
+    if s.config.check_commits:  # a new model: its mark is taken afresh
+        rt.mark = CommitMark.take(rt.committed_step, rt.model, rt.optimizer)
+    rt.watch_optimizer()  # and its optimizer watched; the generators stay as committed (excise undid build's draws)
+    return Rebound(0.0, 0.0, rec.action)
+
+
+# -- resume ----------------------------------------------------------------------------------
+def resume(rt: Resilient, d: Detection, decision: Decision, rebound: Rebound) -> RecoveryRecord:
+    """Back to training: the first collective on the new groups (after every rank is ready,
+    where a state was loaded), the lost steps replayed, the peer copies refreshed, the
+    consensus counters moved; the recovery's record."""
+    from .runtime import RecoveryRecord
+
+    s = rt.session
+    if decision.in_memory:
+        lost = 0  # no barrier: building the groups already waited for every rank to connect
+        t_first, t_resumed = first_collective(rt, decision.generation)
+        s.log.flush()
+    else:
+        t_first, _ = rejoin(rt, decision.generation)
+        t0 = time.perf_counter()
+        lost = rt.replay(decision.step, d.cause.step)
+        s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
+        t_resumed = time.time()
+        if rt.peers is not None:  # holders get this generation's state (a replacement's holder included)
+            if decision.policy is Policy.EXCISE:  # the ring over the survivors
+                rt.peers.replace_ring(s.members)
+            rt.refresh_peers()
+            rt.peers.keep_only(rt.committed_step)
+            rt.copy_to_peers()
+    rt.settle_counters()  # the job runs again: the round counters move now, off the recovery's path
+    record = RecoveryRecord(d.cause.step, d.t_detect, t_first, t_resumed, decision.policy, decision.reason,
+                            decision.generation, lost, rebound.seconds, rebound.action, d.cause.drill, rebound.cpu_s,
+                            time.process_time() - d.cpu0)
+    rt.recoveries.append(record)
+    s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
+    s.start_standby(rt.job_groups())  # the generation after this one, built while training runs
+    return record
+
+
+def rejoin(rt: Resilient, generation: int) -> tuple[float, float]:
+    """Wait until every rank is ready on ``generation``'s groups, then run the first collective
+    on them (a rank that issued it before a slower peer finished loading its state would time out)."""
+    rt.session.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(rt.session, generation),
+                    generation=generation)
+    return first_collective(rt, generation)
+
+
+def first_collective(rt: Resilient, generation: int) -> tuple[float, float]:
+    """Run the first collective on the new world group (every rank at the same point); returns
+    the wall times it was issued and completed."""
+    s = rt.session
+    t_first = time.time()
+    comm.first_collective(s.group, s.spec.device)
+    t_done = time.time()
+    s.emit(EventKind.FIRST_COLLECTIVE, seconds=t_done - t_first, generation=generation,
+           t_issued_wall=t_first, t_done_wall=t_done)
+    return t_first, t_done
