@@ -59,7 +59,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .state import SCHEDULE_KEY, Chunk
+from .state import SCHEDULE_KEY, Chunk, shard_rows
 
 __all__ = ["Checkpointer", "AsyncCheckpointer", "AsyncCheckpointStats", "state_bytes", "global_name", "PRIVATE"]
 
@@ -214,7 +214,6 @@ def _part_chunks(part: Path) -> dict[str, Chunk] | None:
 def _inferred_chunks(metas: list[Any]) -> dict[int, dict[str, Chunk]]:
     """The 1-D FSDP2 ``Shard(0)`` reading of every part's parameters and optimizer state (rows in
     rank order, as ``torch.chunk`` cuts them); keys whose rows do not fit that cut are left out."""
-    from .reshard import shard_rows
 
     world = len(metas)
     out: dict[int, dict[str, Chunk]] = {r: {} for r in range(world)}

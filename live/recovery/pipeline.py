@@ -1,6 +1,6 @@
 """A recovery as a pipeline: six typed steps whose result is the next generation.
 
-Each step is a function of the runtime (:class:`~meshpact.live.recovery.runtime.Resilient`)
+Each step is a function of the job (:class:`Job`: the runtime, :class:`~meshpact.live.recovery.runtime.Resilient`)
 and of what the steps before it returned; :meth:`Resilient._recover` calls them in this order:
 
 | step | takes | returns | what it does |
@@ -10,7 +10,7 @@ and of what the steps before it returned; :meth:`Resilient._recover` calls them 
 | :func:`rebuild` | the decision | :class:`Rebuilt` | the next generation's groups: the standby swapped in, or built now, or reconfigured in place |
 | :func:`rebind` | :class:`Rebuilt` | :class:`Rebound` | every cached reference pointed at the new groups (:mod:`.rebind`), the old ones retired, the session advanced to the new generation |
 | :func:`restore` | the decision | — | the state: kept in memory, or a peer's copy of it, or the newest checkpoint |
-| :func:`resume` | all of the above | :class:`~.runtime.RecoveryRecord` | every rank ready on the new groups, the first collective, the lost steps replayed, the peer copies refreshed |
+| :func:`resume` | all of the above | :class:`RecoveryRecord` | every rank ready on the new groups, the first collective, the lost steps replayed, the peer copies refreshed |
 
 Excision (:func:`excise_lost`) stands in for *rebuild*, *rebind* and *restore* when consensus
 decides to continue without lost ranks: the survivors re-shard the lost ranks' state from
@@ -23,30 +23,98 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, Callable, Mapping, Protocol
 
+import torch
 import torch.distributed as dist
 
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import EventKind
 from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateAction
 
 from . import communicator as comm
 from . import peers
-from .consensus import Decision, Proposal, agree
+from .checkpoint import Checkpointer
+from .consensus import CounterMoves, Decision, Proposal, agree
 from .generation import Generation
-from .heartbeat import HeartbeatAlarm
-from .rebind import RebindReport, fsdp_states, meshes_of, rebind_all
-from .reshard import Membership, carry_schedule, excise
-from .session import c10d_default, resume_barrier
-from .state import CommitMark, load_job_state, restore_rng
+from .heartbeat import Heartbeat, HeartbeatAlarm
+from .opcount import OpCounter
+from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
+from .reshard import ExcisionRecord, Membership, carry_schedule, excise
+from .session import Session, c10d_default, resume_barrier
+from .state import CommitMark, RngState, Schedule, load_job_state, restore_rng
 from .stepreset import reset_step_state
 
-if TYPE_CHECKING:
-    from .runtime import RecoveryRecord, Resilient
 
-__all__ = ["Cause", "Detection", "Rebuilt", "Rebound", "detect", "agree_on", "rebuild", "rebind", "restore",
+__all__ = ["Job", "RecoveryRecord", "Cause", "Detection", "Rebuilt", "Rebound", "detect", "agree_on", "rebuild", "rebind", "restore",
            "resume", "excise_lost", "load_decided", "rejoin", "first_collective", "RetiredGroup"]
+
+
+class Job(Protocol):
+    """What the pipeline reads and moves of a training job: the runtime
+    (:class:`~meshpact.live.recovery.runtime.Resilient`) is one."""
+
+    session: Session
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    schedulers: list[Any]
+    build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None
+    min_ranks: int
+    on_rank_loss: Policy
+    membership: Membership
+    heartbeat: Heartbeat | None
+    peers: peers.PeerCopier | None
+    ckpt: Checkpointer | None
+    counter: OpCounter | None
+    committed_step: int
+    mark: CommitMark | None  # what proves the state is the committed one
+    rng: RngState  # the generators as committed
+    schedule: Schedule  # the optimizer's schedule as committed
+    t_attempt: float | None  # when the failed attempt of the step started
+    train_step_fn: Callable[[Any], Any] | None
+    meshes: Any  # every DeviceMesh alive when training started (a WeakSet)
+    scan: ModuleScan
+    counters: CounterMoves | None
+    storage_bytes_read: int
+    retired: list[RetiredGroup]
+    recoveries: list[RecoveryRecord]
+    excisions: list[ExcisionRecord]
+
+    def state(self) -> dict[str, torch.Tensor]: ...
+    def state_changed(self) -> str: ...
+    def job_groups(self) -> dict[str, dist.ProcessGroup]: ...
+    def excise_refusal(self) -> str | None: ...
+    def settle_counters(self) -> None: ...
+    def mark_committed(self) -> None: ...
+    def watch_optimizer(self) -> None: ...
+    def restore(self, step: int) -> None: ...
+    def replay(self, from_step: int, to_step: int) -> int: ...
+    def refresh_peers(self) -> None: ...
+    def copy_to_peers(self, just_marked: bool = False) -> None: ...
+    def replace_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None: ...
+
+
+@dataclass(frozen=True)
+class RecoveryRecord:
+    """One recovery of one rank."""
+
+    step: int
+    t_detect_wall: float  # this rank knew of the fault
+    t_first_collective_wall: float  # this rank issued the first collective on the new group
+    t_resumed_wall: float  # ... and completed it (after any replay): this rank runs on the new group
+    policy: Policy
+    reason: str
+    generation: int
+    lost_steps: int
+    rebind_s: float
+    action: CommunicatorAction
+    drill: bool
+    rebind_cpu_s: float = 0.0  # CPU time the main thread spent rebinding (its wall time less any wait for a core)
+    cpu_s: float = 0.0  # CPU time of this rank's process (every thread) from knowing of the fault to resuming
+
+    def to_dict(self) -> JsonObject:
+        return {**asdict(self), "policy": self.policy.value, "action": self.action.value}
 
 
 @dataclass(frozen=True)
@@ -113,7 +181,7 @@ class RetiredGroup:
 
 
 # -- detect ----------------------------------------------------------------------------------
-def detect(rt: Resilient, cause: Cause) -> Detection:
+def detect(rt: Job, cause: Cause) -> Detection:
     s = rt.session
     t_detect, cpu0, t0 = time.time(), time.process_time(), time.perf_counter()
     severed = comm.sever(s.data_sockets())  # the standby's sockets are not the data path's
@@ -140,7 +208,7 @@ def detect(rt: Resilient, cause: Cause) -> Detection:
 
 
 # -- agree -----------------------------------------------------------------------------------
-def agree_on(rt: Resilient, d: Detection) -> Decision:
+def agree_on(rt: Job, d: Detection) -> Decision:
     """Consensus; the round's counter moves are left to :meth:`Resilient.settle_counters`, made
     once the job runs again (off the recovery's path)."""
     s = rt.session
@@ -169,7 +237,7 @@ def agree_on(rt: Resilient, d: Detection) -> Decision:
 
 
 # -- rebuild ---------------------------------------------------------------------------------
-def rebuild(rt: Resilient, d: Detection, decision: Decision) -> Rebuilt:
+def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
     """The next generation's groups: the standby's where every rank's is ready, else built now
     (or reconfigured in place where torch offers ``ProcessGroup.reconfigure``). Called under
     the session's sever lock, with :func:`rebind`."""
@@ -200,7 +268,7 @@ def rebuild(rt: Resilient, d: Detection, decision: Decision) -> Rebuilt:
 
 
 # -- rebind ----------------------------------------------------------------------------------
-def rebind(rt: Resilient, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebound:
+def rebind(rt: Job, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebound:
     """Point every cached reference at the new groups and advance the session to the new
     generation (under the sever lock, with :func:`rebuild`); the old groups are retired."""
     s = rt.session
@@ -233,7 +301,7 @@ def rebind(rt: Resilient, d: Detection, decision: Decision, rebuilt: Rebuilt) ->
     return Rebound(seconds, cpu_s, rebuilt.action)
 
 
-def retire(rt: Resilient, old: dist.ProcessGroup, dispatch_ops: int | None) -> None:
+def retire(rt: Job, old: dist.ProcessGroup, dispatch_ops: int | None) -> None:
     """Keep a replaced group's backend and its operation count until the next commit."""
     backend = comm.backend_of(old, rt.session.spec.device)
     rt.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend),
@@ -241,7 +309,7 @@ def retire(rt: Resilient, old: dist.ProcessGroup, dispatch_ops: int | None) -> N
 
 
 # -- restore ---------------------------------------------------------------------------------
-def restore(rt: Resilient, d: Detection, decision: Decision) -> None:
+def restore(rt: Job, d: Detection, decision: Decision) -> None:
     """This rank's state at the decided step: kept in memory where it is the committed one, else
     from host memory (its own snapshot or a holder's copy), else from the newest checkpoint."""
     s = rt.session
@@ -260,7 +328,7 @@ def restore(rt: Resilient, d: Detection, decision: Decision) -> None:
         load_decided(rt, decision, counts_as_read=not d.cause.drill, spent_s=d.reset_s)
 
 
-def load_decided(rt: Resilient, decision: Decision, counts_as_read: bool = True, spent_s: float = 0.0) -> None:
+def load_decided(rt: Job, decision: Decision, counts_as_read: bool = True, spent_s: float = 0.0) -> None:
     """Load the state the decision names: a peer restore from host memory, or the checkpoint
     (its bytes counted as the job's storage reads unless ``counts_as_read`` is off: a drill)."""
     s = rt.session
@@ -279,7 +347,7 @@ def load_decided(rt: Resilient, decision: Decision, counts_as_read: bool = True,
            action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
 
 
-def peer_restore(rt: Resilient, decision: Decision) -> int:
+def peer_restore(rt: Job, decision: Decision) -> int:
     """Load this rank's state at ``decision.step`` from host memory: its own snapshot, or the
     copy the decision's holder keeps. Returns the bytes fetched over the network."""
     s = rt.session
@@ -303,7 +371,7 @@ def peer_restore(rt: Resilient, decision: Decision) -> int:
 
 
 # -- excise: rebuild, rebind and restore for a smaller world -----------------------------------
-def excise_lost(rt: Resilient, d: Detection, decision: Decision) -> Rebound:
+def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
     """Continue without ``decision.lost``: this survivor's state (rolled back to its own
     snapshot where the group went back a step) and the copies it holds of the lost ranks,
     re-sharded over the survivors; the session advances to the smaller world, whose
@@ -354,12 +422,10 @@ def excise_lost(rt: Resilient, d: Detection, decision: Decision) -> Rebound:
 
 
 # -- resume ----------------------------------------------------------------------------------
-def resume(rt: Resilient, d: Detection, decision: Decision, rebound: Rebound) -> RecoveryRecord:
+def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> RecoveryRecord:
     """Back to training: the first collective on the new groups (after every rank is ready,
     where a state was loaded), the lost steps replayed, the peer copies refreshed, the
     consensus counters moved; the recovery's record."""
-    from .runtime import RecoveryRecord
-
     s = rt.session
     if decision.in_memory:
         lost = 0  # no barrier: building the groups already waited for every rank to connect
@@ -387,7 +453,7 @@ def resume(rt: Resilient, d: Detection, decision: Decision, rebound: Rebound) ->
     return record
 
 
-def rejoin(rt: Resilient, generation: int) -> tuple[float, float]:
+def rejoin(rt: Job, generation: int) -> tuple[float, float]:
     """Wait until every rank is ready on ``generation``'s groups, then run the first collective
     on them (a rank that issued it before a slower peer finished loading its state would time out)."""
     rt.session.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(rt.session, generation),
@@ -395,7 +461,7 @@ def rejoin(rt: Resilient, generation: int) -> tuple[float, float]:
     return first_collective(rt, generation)
 
 
-def first_collective(rt: Resilient, generation: int) -> tuple[float, float]:
+def first_collective(rt: Job, generation: int) -> tuple[float, float]:
     """Run the first collective on the new world group (every rank at the same point); returns
     the wall times it was issued and completed."""
     s = rt.session

@@ -52,8 +52,6 @@ these same functions with no fault.
 
 from __future__ import annotations
 
-import io
-import os
 import time
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Mapping, Sequence
@@ -66,8 +64,8 @@ from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import CommunicatorAction
 
 from . import communicator as comm
-from .checkpoint import Checkpointer, state_bytes
-from .state import capture_rng, load_buffers, load_local_state, restore_rng
+from .checkpoint import Checkpointer
+from .state import capture_rng, load_buffers, load_local_state, restore_rng, shard_rows
 
 __all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "BatchShare",
            "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise",
@@ -119,17 +117,6 @@ class Membership:
 
 
 # -- FSDP2's Shard(0) cut ----------------------------------------------------------------------
-def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
-    """``(first row, rows)`` of ``rank``'s shard of a tensor with ``dim0`` rows over ``world``
-    ranks, as FSDP2 and DTensor's ``Shard(0)`` cut it (``torch.chunk``: chunks of
-    ``ceil(dim0 / world)`` rows, the last ones short or empty)."""
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a world of {world}")
-    chunk = -(-dim0 // world)
-    start = min(rank * chunk, dim0)
-    return start, max(0, min(chunk, dim0 - start))
-
-
 def shard_of(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     """``rank``'s ``Shard(0)`` piece of ``full`` (a copy: the whole tensor can be freed)."""
     start, rows = shard_rows(full.shape[0], world, rank)

@@ -34,7 +34,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -43,10 +43,9 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from meshpact.core.recording import EventKind
-from meshpact.core.recovery import CommunicatorAction, Policy
+from meshpact.core.recovery import Policy
 
 from meshpact.core.errors import MeshpactError
-from meshpact.core.jsonform import JsonObject
 
 from . import communicator as comm
 from . import peers, pipeline
@@ -54,7 +53,7 @@ from .consensus import CounterMoves, Decision, open_round
 from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
-from .pipeline import Cause, RetiredGroup
+from .pipeline import Cause, RecoveryRecord, RetiredGroup
 from .rebind import ModuleScan
 from .reshard import ExcisionRecord, GradientWeight, Membership, share_batch
 from .session import RecoveryConfig, Session, start_barrier
@@ -120,28 +119,6 @@ class _OptimizerHook:
 
     def remove(self) -> None:
         self.handle.remove()
-
-
-@dataclass(frozen=True)
-class RecoveryRecord:
-    """One recovery of one rank."""
-
-    step: int
-    t_detect_wall: float  # this rank knew of the fault
-    t_first_collective_wall: float  # this rank issued the first collective on the new group
-    t_resumed_wall: float  # ... and completed it (after any replay): this rank runs on the new group
-    policy: Policy
-    reason: str
-    generation: int
-    lost_steps: int
-    rebind_s: float
-    action: CommunicatorAction
-    drill: bool
-    rebind_cpu_s: float = 0.0  # CPU time the main thread spent rebinding (its wall time less any wait for a core)
-    cpu_s: float = 0.0  # CPU time of this rank's process (every thread) from knowing of the fault to resuming
-
-    def to_dict(self) -> JsonObject:
-        return {**asdict(self), "policy": self.policy.value, "action": self.action.value}
 
 
 def _carried_gradients(model: torch.nn.Module, most: int = 16) -> list[str]:

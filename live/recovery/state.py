@@ -41,7 +41,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
+__all__ = ["shard_rows", "local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
            "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "model_buffers", "load_buffers",
            "Chunk", "global_chunks"]
@@ -453,3 +453,14 @@ def load_job_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: di
         restore_rng(rng_from_tensors(state))
     if SCHEDULE_KEY in state:
         restore_schedule(optimizer, schedulers, _schedule_from(state[SCHEDULE_KEY]))
+
+
+def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:
+    """``(first row, rows)`` of ``rank``'s shard of a tensor with ``dim0`` rows over ``world``
+    ranks, as FSDP2 and DTensor's ``Shard(0)`` cut it (``torch.chunk``: chunks of
+    ``ceil(dim0 / world)`` rows, the last ones short or empty)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is not in a world of {world}")
+    chunk = -(-dim0 // world)
+    start = min(rank * chunk, dim0)
+    return start, max(0, min(chunk, dim0 - start))
