@@ -4,11 +4,17 @@ Each rank runs one background thread with its own connection to the control ``TC
 Every ``heartbeat_interval_s`` it does two things:
 
 - *beat*: it adds to this rank's counter: one for "this thread ran", and :data:`PROGRESS`
-  more when the main thread progressed since the last look: it is outside the watched
-  training step, or waiting in torch's communication code, or moved (frame or bytecode
-  offset), or spent CPU time, or is runnable (waiting for a CPU, not for an event). A rank
-  waiting on its peers progresses; a rank inside one long native operation spends CPU time
-  or is runnable; a rank whose step stopped (asleep, blocked on a lock) does not.
+  more when the main thread progressed since the last look (:func:`progressed`): it is
+  outside the watched training step, or waiting in torch's communication code, or moved
+  (frame or bytecode offset), or spent CPU time, or is runnable (waiting for a CPU) or in
+  the kernel's uninterruptible wait (faulting pages in, reclaiming memory), or it is in
+  torch's code while the process's native threads (torch's intra-op pool, the communication
+  library's) spent CPU time: it waits for them. Native CPU time while the main thread is in
+  the user's own code (asleep in ``time.sleep``, on a lock) is not its work. A rank waiting on its peers progresses; a rank inside one
+  long native operation spends CPU time on its own thread or on its pool's; a rank whose
+  step stopped (asleep, blocked on a lock) does none of these. At real sizes a step's
+  optimizer update runs for seconds on the intra-op pool while the main thread sleeps: a
+  healthy rank in a long step, which a main-thread-only rule called stalled.
 - *watch*: it reads every peer's counter (one round trip for all) and judges it with
   :func:`watch`: a peer whose thread ran without its main thread progressing, for
   ``heartbeat_misses`` looks, is stalled. A peer whose counter did not move at all was not
@@ -49,12 +55,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from . import communicator as comm
 from .control import ControlChannel, control_address
 
-__all__ = ["Heartbeat", "HeartbeatAlarm", "PROGRESS", "watch", "all_quiet", "QuietWord"]
+__all__ = ["Heartbeat", "HeartbeatAlarm", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed"]
 
 PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # torch's own code: an op the main thread waits in
 _BUSY_S = 1e-4  # main-thread CPU time between two looks that counts as progress (a sleeping thread spends none)
 
 
@@ -101,6 +110,25 @@ def all_quiet(words: dict[int, "QuietWord | None"], last_beats: dict[int, int], 
     one not read before, or a stale one keeps the alarm off: no evidence is no alarm."""
     return bool(words) and all(w is not None and r in last_beats and w.beat != last_beats[r] and w.quiet >= misses
                                for r, w in words.items())
+
+
+@dataclass(frozen=True)
+class Look:
+    """What one look saw of the main thread (and the threads working for it) since the last."""
+
+    watching: bool  # the user's step runs
+    in_comm: bool  # the main thread's stack is in torch's communication code
+    moved: bool  # its frame or bytecode offset changed
+    main_cpu_s: float  # CPU seconds the main thread spent
+    state: str  # its scheduler state now (R running or runnable, S sleeping, D uninterruptible...)
+    native_cpu_s: float  # CPU seconds the process's threads not run by Python spent
+    in_torch: bool = False  # the main thread's innermost frame is torch's code (an op the pool may run)
+
+
+def progressed(look: Look) -> bool:
+    """Whether the main thread progressed since the last look (the module docstring's rule)."""
+    return (not look.watching or look.in_comm or look.moved or look.main_cpu_s >= _BUSY_S or look.state in ("R", "D")
+            or (look.in_torch and look.native_cpu_s >= _BUSY_S))
 
 
 def watch(seen: int, now: int, still: int) -> int:
@@ -197,18 +225,33 @@ class Heartbeat:
         except (OSError, AttributeError, TypeError):
             return time.monotonic()  # no per-thread clock here: every look counts as progress
 
-    def _main_runnable(self) -> bool:
-        """The main thread is running or waiting for a CPU (state R), not for an event."""
+    def _main_state(self) -> str:
+        """The main thread's scheduler state (``R``: running or waiting for a CPU; ``D``: an
+        uninterruptible wait in the kernel; ``S``: asleep, waiting for an event)."""
         try:
             with open(self._main_stat, "rb") as fh:
-                return fh.read().rpartition(b")")[2].split()[0] == b"R"
-        except (OSError, IndexError):
-            return False
+                return fh.read().rpartition(b")")[2].split()[0].decode()
+        except (OSError, IndexError, UnicodeDecodeError):
+            return "?"
 
-    def _main_position(self) -> tuple[int, int, bool]:
+    @staticmethod
+    def _native_cpu_s() -> float:
+        """CPU seconds of the process's threads that Python does not run (torch's intra-op pool,
+        the communication library's threads): the process's less each Python thread's."""
+        total = time.process_time()
+        for t in threading.enumerate():
+            try:
+                total -= time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
+            except (OSError, AttributeError, TypeError, OverflowError):
+                continue
+        return total
+
+    def _main_position(self) -> tuple[int, int, bool, bool]:
+        """(code object id, bytecode offset, waiting in communication code, innermost frame in torch)."""
         frame = sys._current_frames().get(self._main)
         if frame is None:
-            return (0, 0, True)
+            return (0, 0, True, False)
+        in_torch = frame.f_code.co_filename.startswith(_TORCH_DIR)
         waiting = False
         f: Any = frame
         while f is not None:
@@ -216,12 +259,13 @@ class Heartbeat:
                 waiting = True
                 break
             f = f.f_back
-        return (id(frame.f_code), frame.f_lasti, waiting)
+        return (id(frame.f_code), frame.f_lasti, waiting, in_torch)
 
     def _run(self) -> None:
         me = self.session.rank
         last_pos = self._main_position()
         last_cpu = self._main_cpu_s()
+        last_native = self._native_cpu_s()
         watched: tuple[int, ...] = ()
         seen: list[int] | None = None
         still: list[int] = []
@@ -234,10 +278,11 @@ class Heartbeat:
             keys = [f"heartbeat/rank{r}" for r in ranks]
             pos = self._main_position()
             cpu = self._main_cpu_s()
-            progressed = (not self.watching or pos[2] or pos[:2] != last_pos[:2] or cpu - last_cpu >= _BUSY_S
-                          or self._main_runnable())
-            self.channel.add(f"heartbeat/rank{me}", 1 + (PROGRESS if progressed else 0))
-            last_pos, last_cpu = pos, cpu
+            native = self._native_cpu_s()
+            look = Look(self.watching, pos[2], pos[:2] != last_pos[:2], cpu - last_cpu, self._main_state(),
+                        native - last_native, pos[3])
+            self.channel.add(f"heartbeat/rank{me}", 1 + (PROGRESS if progressed(look) else 0))
+            last_pos, last_cpu, last_native = pos, cpu, native
             if self.quiet_rule:
                 moved = self._data_bytes(generation) if self.watching and pos[2] else None
                 still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()

@@ -59,3 +59,38 @@ def test_a_quiet_word_survives_the_store_and_garbage_is_no_word():
     assert QuietWord.decode(QuietWord(1, 0).encode()) == QuietWord(1, 0, -1)
     assert QuietWord.decode(b"12") is None and QuietWord.decode(b"a:b:c") is None
     assert QuietWord.decode(b"\xff:1:2") is None and QuietWord.decode("1:2") is None
+
+
+def test_a_main_thread_asleep_while_the_intra_op_pool_works_has_progressed():
+    from meshpact.live.recovery.heartbeat import Look, progressed
+
+    asleep = Look(watching=True, in_comm=False, moved=False, main_cpu_s=0.0, state="S", native_cpu_s=0.0)
+    assert not progressed(asleep)  # a stall: asleep, nothing working for it
+    assert progressed(Look(True, False, False, 0.0, "S", native_cpu_s=0.03, in_torch=True))  # an optimizer step on the pool
+    assert not progressed(Look(True, False, False, 0.0, "S", native_cpu_s=0.03))  # asleep in the user's code
+    assert progressed(Look(True, False, False, 0.0, "D", 0.0))  # faulting in a large tensor's pages
+    assert progressed(Look(False, False, False, 0.0, "S", 0.0))  # between steps nothing is judged
+
+
+def test_a_busy_python_thread_is_not_counted_as_native_work():
+    import threading
+    import time
+
+    from meshpact.live.recovery.heartbeat import Heartbeat
+
+    go, done = threading.Event(), threading.Event()
+
+    def spin() -> None:  # a peer server's receive, say: Python's own thread, not working for the step
+        go.wait()
+        while not done.is_set():
+            pass
+
+    t = threading.Thread(target=spin)
+    t.start()
+    before = Heartbeat._native_cpu_s()
+    go.set()
+    time.sleep(0.2)
+    during = Heartbeat._native_cpu_s() - before  # measured while the thread is alive
+    done.set()
+    t.join()
+    assert during < 0.02, during
