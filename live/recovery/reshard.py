@@ -350,15 +350,15 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
     send_sizes = [0] * world
     for j in range(world):
         for r in order:
-            if holder[r] != me:
+            if holder[r] != me or j == me:  # rows that stay on this rank are never packed
                 continue
             for k in rows_keys:
                 a, b = piece(r, k, j)
                 if b > a:
                     send_parts.append(mine[r][k].detach().narrow(0, a, b - a).contiguous().reshape(-1).view(torch.uint8))
                     send_sizes[j] += send_parts[-1].numel()
-    recv_sizes = [sum(nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, me))) for r in order if holder[r] == i
-                      for k in rows_keys) for i in range(world)]
+    recv_sizes = [0 if i == me else sum(nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, me)))
+                                        for r in order if holder[r] == i for k in rows_keys) for i in range(world)]
     send = torch.cat(send_parts) if send_parts else torch.zeros(0, dtype=torch.uint8)
     del send_parts
     recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
@@ -372,7 +372,9 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
         for k in rows_keys:
             a, b = piece(r, k, me)
             n = nbytes(r, k, b - a)
-            if n:
+            if n and i == me:
+                pieces[(r, k)] = mine[r][k].detach().narrow(0, a, b - a)
+            elif n:
                 dtype, shape = shapes[r][k]
                 pieces[(r, k)] = recv[at_by_sender[i]:at_by_sender[i] + n].view(_dtype(dtype)).reshape(b - a, *shape[1:])
                 at_by_sender[i] += n
@@ -381,6 +383,7 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
         dtype, shape = shapes[order[0]][k]
         parts = [pieces[(r, k)] for r in order if (r, k) in pieces]
         out[k] = torch.cat(parts) if parts else torch.empty((0, *shape[1:]), dtype=_dtype(dtype))
+    del pieces, recv  # the new shards are copies: the receive buffer goes now, not after the rebuild
     for k in replicated:
         out[k] = own[k].detach().clone()
     moved = sum(nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, j))) for r in order for k in rows_keys
