@@ -18,7 +18,13 @@ The orderings:
   consensus was about to name a lost rank in;
 - a heartbeat detection bound longer than the data-path timeout is allowed (the data path
   then finds hangs first) but reported in :attr:`RecoveryConfig.notes`: the heartbeat adds
-  nothing there.
+  nothing there;
+- the data-path timeout must cover what the job's own steps take: :meth:`RecoveryConfig.fit`
+  takes the longest step measured in the first steps (a step bounds every collective in it)
+  and returns the config whose timeout is ``data_timeout_margin`` times that where the set
+  one is shorter (``data_timeout_follows``, the default), or refuses with one line naming
+  both values. The heartbeat's bound needs no such fit: it judges progress, not time (a
+  rank in a step of any length, working or waiting on its peers, progresses).
 
 Torch-free: the CLI checks a user's settings before anything starts.
 """
@@ -26,7 +32,7 @@ Torch-free: the CLI checks a user's settings before anything starts.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from meshpact.core.errors import MeshpactError
 
@@ -70,6 +76,8 @@ class RecoveryConfig:
     prefer_reconfigure: bool = True  # use ProcessGroup.reconfigure where torch has it (2.14+)
     peer_copies: int = 0  # K: ranks holding a copy of each rank's committed state in host memory (peers.py)
     replacement_rounds: int = 2  # rounds waited for a replacement after a rank is declared lost
+    data_timeout_margin: float = 4.0  # the data-path timeout is at least this many times the longest step measured
+    data_timeout_follows: bool = True  # raise the data-path timeout to that (off: refuse a shorter one)
 
     def __post_init__(self) -> None:
         for name in ("data_timeout_s", "heartbeat_interval_s", "process_start_s", "group_create_s", "step_s",
@@ -80,6 +88,9 @@ class RecoveryConfig:
         for name in ("heartbeat_misses", "max_rounds", "replacement_rounds"):
             if getattr(self, name) < 1:
                 raise TimeoutOrderError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not self.data_timeout_margin >= 1.0:
+            raise TimeoutOrderError(f"data_timeout_margin must be at least 1 (times the longest step), "
+                                    f"got {self.data_timeout_margin}")
         if self.peer_copies < 0:
             raise TimeoutOrderError(f"peer_copies must be 0 or more, got {self.peer_copies}")
         if self.consensus_round_s < self.group_create_s:
@@ -165,6 +176,21 @@ class RecoveryConfig:
         job ended)."""
         return (self.store_connect_s + self.warmup_s + steps * self.step_s
                 + faults * (self.recovery_bound_s + per_fault_s) + self.replacement_bound_s)
+
+    def fit(self, longest_step_s: float) -> "RecoveryConfig":
+        """This config with a data-path timeout that covers the job's own steps: ``longest_step_s``
+        (measured over the first steps, each bounding every collective in it) times
+        ``data_timeout_margin``. Unchanged when the set timeout already covers it; raised to it
+        where ``data_timeout_follows``; else refused in one line naming both values."""
+        need = self.data_timeout_margin * longest_step_s
+        if need <= self.data_timeout_s:
+            return self
+        if not self.data_timeout_follows:
+            raise TimeoutOrderError(
+                f"the data-path timeout ({self.data_timeout_s:g} s) is shorter than {self.data_timeout_margin:g} x the "
+                f"longest step measured ({longest_step_s:.3g} s = {need:.3g} s): a normal step would time out; "
+                "raise it or let it follow the job")
+        return replace(self, data_timeout_s=need)
 
     def check_deadline(self, deadline_s: float) -> None:
         """Refuse a launcher deadline shorter than the rank-loss bound."""
