@@ -94,7 +94,7 @@ class FaultInjector:
 
     def __init__(self, faults: tuple[Fault, ...], rank: int, channel: Any, stall_s: float = 0.0,
                  down_s: float = 0.0, data_iface: str | None = None) -> None:
-        self.mine = {f.step: f for f in faults if f.rank == rank}
+        self.own = {f.step: f for f in faults if f.rank == rank}  # this rank's faults, by step
         self.partitions = {f.step: f for f in faults if f.kind is FaultKind.PARTITION}
         self.rank = rank
         self.channel = channel
@@ -115,7 +115,7 @@ class FaultInjector:
         cut = self.partitions.get(step)
         if cut is not None:  # every rank says it has entered the step (see the module docstring)
             self.channel.set(f"arrived/{cut.index}/rank{self.rank}", True)
-        fault = self.mine.get(step)
+        fault = self.own.get(step)
         if fault is not None and fault.kind is FaultKind.PARTITION:  # claimed (and timed) once all are in
             self.channel.wait([f"arrived/{fault.index}/rank{r}" for r in range(self.channel.world_size)])
         if fault is None or not self._claim(fault):

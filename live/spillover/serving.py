@@ -241,12 +241,12 @@ def worker(args: dict) -> dict:
     mesh = _mesh(5e-5, 8.0 / (cfg["gbit_per_s"] * 1e9))
     layout = init_domains(mesh, env, timeout_s=cfg["timeout_s"])
     if cfg.get("gamma"):
-        return (speculative.host1 if env.rank == 0 else speculative.host2)(cfg, layout)
+        return (speculative.serve if env.rank == 0 else speculative.spill)(cfg, layout)
     if cfg.get("deployment") == "model":
-        return (split.host1 if env.rank == 0 else split.host2)(cfg, layout)
+        return (split.serve if env.rank == 0 else split.spill)(cfg, layout)
     if env.rank == 0:
-        return _Host1(cfg, layout).run()
-    return _Host2(cfg, layout).run()
+        return _ServingHost(cfg, layout).run()
+    return _SpillHost(cfg, layout).run()
 
 
 def request_decoder(cfg: Mapping[str, Any], slots: int) -> Any:
@@ -287,7 +287,7 @@ def _pin(host: int) -> None:
     os.sched_setaffinity(0, {cpus[host % len(cpus)]})
 
 
-class _Host2:
+class _SpillHost:
     """Decodes spilled requests in lockstep, one command per step, results as the plan says."""
 
     def __init__(self, cfg: dict, layout: Any) -> None:
@@ -366,7 +366,7 @@ def _sent_buffer(plan: Any) -> str:
     return next(s.inputs[0] for s in plan.steps if s.kind is StepKind.SEND)
 
 
-class _Host1:
+class _ServingHost:
     """The serving host: clients, local lockstep decoding, and the driver of host 2."""
 
     def __init__(self, cfg: dict, layout: Any) -> None:

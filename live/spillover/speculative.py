@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 from .loop import (ACTIVE, EMPTY, NEW, CheckedPlans, ClosedLoop, ResultPlans, handshake, mean_of, prompt_for,
                    veth_counters, with_compiled)
 
-__all__ = ["DRAFT_SCALE", "SPECULATIVE_REQUESTS", "verify", "acceptance", "digest", "host1", "host2"]
+__all__ = ["DRAFT_SCALE", "SPECULATIVE_REQUESTS", "verify", "acceptance", "digest", "serve", "spill"]
 
 DRAFT_SCALE = 0.05  # the draft's weights: the target's plus noise of this many standard deviations
 # full: logits of every position; token: verified at the source; owner_token: the target's choices per
@@ -120,7 +120,7 @@ def draft_model(cfg: Mapping[str, Any]) -> Any:
 
 
 # -- host 1: clients, the draft, the verification of full logits ------------------------------------
-def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
+def serve(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -240,7 +240,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
 
 
 # -- host 2: the target scores every position, and verifies at the source -----------------------------
-def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
+def spill(cfg: Mapping[str, Any], layout: Any) -> dict:
     import torch
     import torch.distributed as dist
 

@@ -40,7 +40,7 @@ from meshpact.core.jsonform import JsonObject
 from .loop import (ACTIVE, EMPTY, NEW, CheckedPlans, ClosedLoop, ResultPlans, handshake, mean_of, prompt_for, slot_word,
                    targets_for, veth_counters, with_compiled)
 
-__all__ = ["SPLIT_AT", "host1", "host2", "reference", "compare", "OutputCheck"]
+__all__ = ["SPLIT_AT", "serve", "spill", "reference", "compare", "OutputCheck"]
 
 SPLIT_AT = 1  # host 1 runs layers [0, SPLIT_AT), host 2 the rest and the head
 
@@ -95,7 +95,7 @@ def _host_part(cfg: Mapping[str, Any], layout: Any, index: int) -> tuple[Any, An
     return spec, part, model, _boundary_plans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
 
 
-def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
+def serve(cfg: Mapping[str, Any], layout: Any) -> dict:
     """Serve ``cfg["requests"]`` closed-loop requests from ``cfg["concurrency"]`` clients."""
     import torch
     import torch.distributed as dist
@@ -220,7 +220,7 @@ def host1(cfg: Mapping[str, Any], layout: Any) -> dict:
 
 
 # -- host 2: the later layers, the head, the result plan --------------------------------------
-def host2(cfg: Mapping[str, Any], layout: Any) -> dict:
+def spill(cfg: Mapping[str, Any], layout: Any) -> dict:
     """Run the later layers and the LM head for every step host 1 commands."""
     import torch
     import torch.distributed as dist
