@@ -61,6 +61,7 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec(None, "plan", "plan", "plan"),
     CommandSpec(None, "edges", "plan", "edges"),
     CommandSpec(None, "transitions", "plan", "transitions"),
+    CommandSpec(None, "launch", "launch", "launch"),
     CommandSpec("live", "bridge", "live_bridge", "bridge"),
     CommandSpec("live", "recover", "live_recover", "recover"),
     CommandSpec("live", "spillover", "live_spillover", "spillover"),

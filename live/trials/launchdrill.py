@@ -1,0 +1,149 @@
+"""Drills for ``meshpact launch``: a job of the example script, a worker killed mid-run, what each rank ended with.
+
+The tests and ``bench/launch.py`` share these: :class:`Job` starts one launcher command (``meshpact
+launch`` or plain ``torchrun``, optionally inside a network namespace) on
+``examples/resilient_train.py``; :meth:`Job.kill_rank` SIGKILLs one rank's process once the
+rank has reported a step; :func:`read_finals` reads what every rank wrote at the end (process,
+incarnation, digest of its whole state).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+__all__ = ["EXAMPLE", "Progress", "Final", "Job", "read_finals", "read_progress"]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resilient_train.py"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A rank's last report (``progress-rank<r>.json``)."""
+
+    rank: int
+    step: int
+    pid: int
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class Final:
+    """What a rank wrote when training ended (``rank<r>.json``)."""
+
+    rank: int
+    pid: int
+    incarnation: int
+    digest: str
+
+
+def read_progress(out: Path, rank: int) -> Progress | None:
+    try:
+        d = json.loads((out / f"progress-rank{rank}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return Progress(rank, int(d["step"]), int(d["pid"]), int(d["incarnation"]))
+
+
+def read_finals(out: Path, ranks: int) -> dict[int, Final]:
+    finals = {}
+    for r in range(ranks):
+        try:
+            d = json.loads((out / f"rank{r}.json").read_text())
+        except (OSError, ValueError):
+            continue
+        finals[r] = Final(r, int(d["pid"]), int(d["incarnation"]), str(d["digest"]))
+    return finals
+
+
+def _is_worker(pid: int, out: Path) -> bool:
+    """Whether ``pid`` still runs the example with ``out`` (a pid the kernel handed on is left alone)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return False
+    return str(out) in cmdline or "meshpact.live.warmspare" in cmdline  # a promoted spare runs the script in itself
+
+
+class Job:
+    """One launcher process running the example script; use as a context manager (killed on exit)."""
+
+    def __init__(self, launcher: Sequence[str], out: Path, steps: int, step_s: float = 0.0,
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        self.log = out / "launcher.log"
+        cmd = [*prefix, *launcher, str(EXAMPLE), "--steps", str(steps), "--step-s", str(step_s), "--out", str(out)]
+        self._log = open(self.log, "w")
+        self.t0 = time.monotonic()
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+    @staticmethod
+    def meshpact(*flags: str) -> list[str]:
+        return [sys.executable, "-m", "meshpact.launch", *flags]
+
+    @staticmethod
+    def torchrun(*flags: str) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", *flags]
+
+    def wait_for_step(self, rank: int, step: int, timeout_s: float) -> Progress:
+        """The rank's report once it has committed ``step`` (raises if the job ends or time runs out)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            p = read_progress(self.out, rank)
+            if p is not None and p.step >= step:
+                return p
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the launcher exited with {self.proc.returncode} before rank {rank} reached step "
+                                   f"{step}; its log ends:\n{self.tail()}")
+            time.sleep(0.02)
+        raise TimeoutError(f"rank {rank} did not reach step {step} within {timeout_s:.0f} s; log:\n{self.tail()}")
+
+    def kill_rank(self, rank: int, after_step: int, timeout_s: float = 120.0) -> Progress:
+        """SIGKILL ``rank``'s process once it has committed ``after_step``; returns the report it was killed at."""
+        p = self.wait_for_step(rank, after_step, timeout_s)
+        os.kill(p.pid, signal.SIGKILL)
+        return p
+
+    def wait(self, timeout_s: float) -> int:
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise TimeoutError(f"the launcher did not finish within {timeout_s:.0f} s; log:\n{self.tail()}") from None
+
+    def tail(self, limit: int = 6000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        text = self.log.read_text(errors="replace")
+        return text[-limit:]
+
+    def close(self) -> None:
+        """Stop the launcher (SIGTERM: it stops its workers, as torchrun's agent does; SIGKILL after 10 s)
+        and any worker of this job still running (a launcher killed outright leaves its workers)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        for rank in range(64):
+            p = read_progress(self.out, rank)
+            if p is not None and _is_worker(p.pid, self.out):
+                os.kill(p.pid, signal.SIGKILL)
+        self._log.close()
+
+    def __enter__(self) -> "Job":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

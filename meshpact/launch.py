@@ -1,0 +1,11 @@
+"""``python -m meshpact.launch``: the same as ``meshpact launch`` (torchrun's command line; see
+:mod:`meshpact.live.elastic`)."""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":
+    from meshpact.live.elastic import main
+
+    sys.exit(main())
