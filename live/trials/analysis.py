@@ -3,8 +3,9 @@
 :class:`TrialResult` holds what the parent collected from every rank (their results and
 their event logs, as :class:`~meshpact.core.recording.Event` records with wall times) and
 derives the numbers: one entry per recovered fault with its stage durations (critical path),
-downtime per policy against the fault's own injection time, operations the retired groups
-received, and the ``--json`` summary. :func:`compare_final` is the bit-identity check: every
+downtime per policy against the fault's own injection time and what each figure includes
+(:meth:`TrialResult.downtime_includes`), operations the retired groups received, and the
+``--json`` summary. :func:`compare_final` is the bit-identity check: every
 tensor of every rank's final state (parameter shards, optimizer state and generators) with
 ``torch.equal``.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +31,15 @@ from .trialconfig import TrialConfig
 # survivors' consensus, which waits for it
 _SEGMENT_STAGES = frozenset({Stage.CONSENSUS, Stage.COMMUNICATOR, Stage.REBINDING, Stage.STATE})
 
-__all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "compare_final", "recovery_span"]
+__all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "ReplacementStart", "compare_final", "recovery_span"]
+
+
+class ReplacementStart(str, Enum):
+    """How a lost rank's replacement process starts (the same in every run of one trial)."""
+
+    FRESH = "a new process, a fresh interpreter that imports torch"
+    WARM_SPARE = "a warm spare, its imports done before the fault"
+    FORKED = "a process forked from a server that imported torch, no real start"
 
 
 @dataclass(frozen=True)
@@ -77,6 +87,11 @@ class TrialResult:
     cold_launch_wall: float | None = None
     faulted_events: list[Event] = field(default_factory=list)  # t: wall time
     excision: ExcisionResult | None = None  # --on-rank-loss excise: the judgement against the excising reference
+    # a trial whose faults cost a process: the checkpoint-restore baseline measured on the same losses (the same
+    # faults, no peer copies, the replacement started the same way), as a result of its own; None: the drill
+    checkpoint_baseline: "TrialResult | None" = None
+    cold_replays: int | None = None  # steps the cold restart replays to catch up (None: to the end of the run)
+    replacement_start: ReplacementStart = ReplacementStart.FRESH
 
     # -- the numbers ------------------------------------------------------------------------
     def events(self) -> list[Event]:
@@ -165,11 +180,16 @@ class TrialResult:
         detection = [r["stages_s"][Stage.DETECTION.value] for r in recs]
         det = statistics.median(detection) if detection else 0.0
         drills = [res.drill for res in self.faulted if res.drill is not None]
-        ckpt = (self.outage_s(det, restart=False) + max(d.t_end_wall for d in drills)
-                - min(d.t_start_wall for d in drills)) if drills else None
+        if self.checkpoint_baseline is not None:  # the same losses, restored from the checkpoint
+            same = [r["downtime_s"] for r in self.checkpoint_baseline.recoveries()
+                    if r["policy"] == Policy.CHECKPOINT_RESTORE.value and r["downtime_s"] is not None]
+            ckpt = statistics.median(same) if same else None
+        else:
+            ckpt = (self.outage_s(det, restart=False) + max(d.t_end_wall for d in drills)
+                    - min(d.t_start_wall for d in drills)) if drills else None
         cold = None
         if self.cold and self.cold_launch_wall is not None:
-            caught_up = max(r.t_caught_up_wall for r in self.cold)
+            caught_up = max(self._caught_up(r) for r in self.cold)
             cold = self.outage_s(det, restart=True) + caught_up - self.cold_launch_wall
         peer = [r["downtime_s"] for r in recs
                 if r["policy"] == Policy.PEER_RESTORE.value and r["downtime_s"] is not None]
@@ -178,6 +198,51 @@ class TrialResult:
                 Policy.PEER_RESTORE.value: statistics.median(peer) if peer else None,
                 Policy.EXCISE.value: statistics.median(excise) if excise else None,
                 Policy.CHECKPOINT_RESTORE.value: ckpt, Policy.COLD_RESTART.value: cold}
+
+    def _caught_up(self, cold: RankOutcome) -> float:
+        """When a cold-restarted rank had replayed :attr:`cold_replays` steps (its loop's end when
+        that is None): its checkpoint loaded, then that many of its measured steps."""
+        if self.cold_replays is None or cold.t_loaded_wall is None:
+            return cold.t_caught_up_wall
+        return cold.t_loaded_wall + sum(cold.step_s[:self.cold_replays])
+
+    def checkpoint_replays(self) -> int | None:
+        """Steps the checkpoint-restore baseline replayed (the median over its restores)."""
+        if self.checkpoint_baseline is not None:
+            lost = [r["lost_steps"] for r in self.checkpoint_baseline.recoveries()
+                    if r["policy"] == Policy.CHECKPOINT_RESTORE.value]
+            return int(statistics.median(lost)) if lost else None
+        drills = [res.drill for res in self.faulted if res.drill is not None]
+        return drills[0].lost_steps if drills else None
+
+    def downtime_includes(self) -> dict[str, str | None]:
+        """What each figure of :meth:`downtime` covers, per policy (None where there is no figure):
+        beside each other they compare like with like only where they lose the same process."""
+        down = self.downtime()
+        kind = self.config.fault_kind
+        start = self.replacement_start.value
+        lost = "the lost rank" if kind is FaultKind.SILENT else "the killed rank"
+        replays = self.checkpoint_replays()
+        replay = f"the replay of {replays} lost step(s)" if replays is not None else "the replay of the lost steps"
+        cleared = {FaultKind.PARTITION: "detection or the data link back up, whichever is later",
+                   FaultKind.STALL: "detection or the stalled rank awake, whichever is later"}.get(kind, "detection")
+        texts = {
+            Policy.IN_MEMORY.value: "detection, consensus, new communicators, rebinding, the first collective; "
+                                    "no process lost, no state moved",
+            Policy.PEER_RESTORE.value: f"detection, {lost}'s replacement ({start}), consensus, new communicators, "
+                                       "its state from a peer's copy, the first collective",
+            Policy.EXCISE.value: f"detection, consensus, the survivors' new communicators and re-sharded state, the "
+                                 f"first collective; {lost} is not replaced",
+            Policy.CHECKPOINT_RESTORE.value: (
+                f"the same loss as peer restore: detection, {lost}'s replacement ({start}), consensus, new "
+                f"communicators, every rank reloading the last checkpoint, {replay}"
+                if self.checkpoint_baseline is not None else
+                f"{cleared}, then a restore in the same job with no process lost: consensus, new communicators, "
+                f"every rank reloading the last checkpoint, {replay}"),
+            Policy.COLD_RESTART.value: f"{cleared if kind is not FaultKind.STALL else 'detection'}, every rank's "
+                                       f"process started anew (fresh interpreters), the checkpoint loaded, {replay}",
+        }
+        return {policy: (texts[policy] if down[policy] is not None else None) for policy in down}
 
     def storage_bytes_read(self) -> int:
         """Checkpoint bytes read by the faulted run's recoveries (the drill and cold restart apart)."""
@@ -260,6 +325,7 @@ class TrialResult:
             "downtime_s": {"in_memory": down["in_memory"], "peer_restore": down["peer_restore"],
                            "excise": down["excise"], "checkpoint_restore": down["checkpoint_restore"],
                            "cold_restart": down["cold_restart"]},
+            "downtime_includes": self.downtime_includes(),
             "storage_bytes_read": self.storage_bytes_read(),
             "final_world_size": len(self.faulted),
             "peer_copy_overhead": self.peer_copy_overhead(),

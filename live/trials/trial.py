@@ -2,8 +2,12 @@
 
 :func:`run_trial` checks the workload file (one clear line, before any rank starts), then
 drives one whole comparison: the reference, the faulted run (starting a replacement for any
-rank killed with SIGKILL), and, with baselines, a checkpoint restore in the job (the drill)
-and a cold restart. Each rank runs :func:`~meshpact.live.trials.rankworker.worker`. The
+rank killed with SIGKILL), and, with baselines, a checkpoint restore and a cold restart. Where
+the faults cost processes (kill, silent) the checkpoint restore is a run of its own that loses
+the same processes at the same steps, their replacements started the same way, with no peer
+copies; otherwise it is a restore in the job at the end of the faulted run (the drill). The
+cold restart loads the checkpoint the restore loaded and is timed to the step it caught up to.
+Each rank runs :func:`~meshpact.live.trials.rankworker.worker`. The
 final state of every rank (parameter shards, optimizer state, generators) is compared with
 ``torch.equal`` against the reference, and every stage event goes to one JSONL recording;
 :class:`~meshpact.live.trials.analysis.TrialResult` holds the numbers.
@@ -29,7 +33,7 @@ from meshpact.core.recovery import Policy, Stage
 
 from ..forkserver import PRELOAD, ForkServer
 from ..launcher import Launch, LaunchError, host_store
-from .analysis import ExcisionPlan, ExcisionResult, TrialResult, compare_final
+from .analysis import ExcisionPlan, ExcisionResult, ReplacementStart, TrialResult, compare_final
 from ..recovery.consensus import declared_lost, mark_gone
 from ..recovery.control import ControlChannel
 from ..recovery.faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
@@ -272,6 +276,8 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
         faults = _with_holders(faults, cfg, [str(x) for x in sides] if cfg.two_hosts else None)
     cold = None
     cold_launch = None
+    cold_replays: int | None = None
+    ckpt_baseline: TrialResult | None = None
     with RecordingWriter(recording_path, "live", kind="recovery_trial", ranks=cfg.ranks, steps=cfg.steps,
                          fault_kind=cfg.fault_kind.value, faults=len(faults), workload=workload,
                          checkpoint_every=cfg.checkpoint_every) as rec:
@@ -284,24 +290,43 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                 reference, _, _ = _run(cfg, workload, "reference", ref_dir.parent, (),
                                        {"checkpoint_dir": str(ref_dir.parent / "ref-checkpoints"),
                                         "out_dir": str(ref_dir)}, netns, stores, rec, warm)
+            # where a fault costs a process, the checkpoint baseline loses the same one (a run of its own
+            # below); otherwise it is a drill at the end of the faulted run, in a job where nothing died
+            same_loss = cfg.baselines and not cfg.excising and cfg.loses_process and bool(faults)
             faulted, replacements, _ = _run(cfg, workload, "faulted", work, faults,
-                                            {"drill": cfg.baselines and not cfg.excising, "spares": cfg.spare_ranks},
+                                            {"drill": cfg.baselines and not cfg.excising and not same_loss,
+                                             "spares": cfg.spare_ranks},
                                             netns, stores, rec, warm, supply, warm_replacements)
             excision = None
             plan = _excisions_of(read_rank_events(work / "faulted"))
             if cfg.excising or plan:  # the same ranks leave at the same steps, with no fault: the excising reference
                 excision = _excising_reference(cfg, workload, work, plan, faulted, ref_dir, warm)
-            if cfg.baselines and not cfg.excising and not plan:  # a cold restart starts fresh interpreters (not warm)
+            cold_from: JsonObject | None = None
+            if same_loss and not plan:
+                ckpt_baseline = (_same_loss_baseline(cfg, faults, faulted, replacements, work / "faulted")
+                                 if cfg.peer_copies == 0 else
+                                 _checkpoint_run(cfg, workload, work, faults, netns, stores, rec, warm, supply,
+                                                 warm_replacements))
+                first = next((r for r in ckpt_baseline.recoveries() if r["policy"] == Policy.CHECKPOINT_RESTORE.value),
+                             None)
+                if first is not None:  # from the same checkpoint, up to where the fault struck
+                    cold_from = {"cold_from": first["step"] - first["lost_steps"],
+                                 "checkpoint_dir": str(_checkpoint_dir(cfg, work))}
+                    cold_replays = first["lost_steps"]
+            elif cfg.baselines and not cfg.excising and not plan:
                 drill = faulted[0].drill
                 assert drill is not None, "the faulted run ends with a drill when baselines are on"
-                cold, _, cold_launch = _run(cfg, workload, "cold", work, (), {"cold_from": drill.checkpoint_step},
-                                            netns, stores, rec)
+                cold_from, cold_replays = {"cold_from": drill.checkpoint_step}, None
+            if cold_from is not None:  # a cold restart starts fresh interpreters (not warm)
+                cold, _, cold_launch = _run(cfg, workload, "cold", work, (), cold_from, netns, stores, rec)
         fault_records = {k: v for o in faulted for k, v in o.fault_records.items()}
         faulted_events = read_rank_events(work / "faulted")
         mismatches = excision.mismatches if excision is not None else compare_final(ref_dir, work / "faulted",
                                                                                     cfg.ranks)
         if cold is not None:
             mismatches += [f"cold restart: {m}" for m in compare_final(ref_dir, work / "cold", cfg.ranks)]
+        if ckpt_baseline is not None and cfg.peer_copies > 0:
+            mismatches += [f"checkpoint restore: {m}" for m in compare_final(ref_dir, work / "checkpoint", cfg.ranks)]
         cold_events = read_rank_events(work / "cold") if cold is not None else []
         for ev in sorted(faulted_events + cold_events, key=lambda e: e.t):
             rec.emit(ev.event, rank=ev.rank, stage=ev.stage, data=ev.data, t=ev.t - t0_wall)
@@ -315,11 +340,47 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                 rec.emit(EventKind.FAULT_INJECTED, rank=f.rank, data={**f.to_dict(), **asdict(r)},
                          t=r.t_wall - t0_wall)
         result = TrialResult(cfg, faults, reference, faulted, cold, fault_records, not mismatches, mismatches,
-                             replacements, str(recording_path), cold_launch, faulted_events, excision)
+                             replacements, str(recording_path), cold_launch, faulted_events, excision,
+                             ckpt_baseline, cold_replays if cold is not None else None,
+                             _replacement_start(cfg, warm_replacements))
         for r in result.recoveries():
             rec.emit(EventKind.RECOVERED, data=r)
         rec.emit(EventKind.SUMMARY, data=result.summary())
     return result
+
+
+def _replacement_start(cfg: TrialConfig, warm_replacements: bool) -> ReplacementStart:
+    if cfg.spare_ranks:
+        return ReplacementStart.WARM_SPARE
+    return ReplacementStart.FORKED if warm_replacements and cfg.warm_starts else ReplacementStart.FRESH
+
+
+def _checkpoint_dir(cfg: TrialConfig, work: Path) -> Path:
+    """Where the checkpoint baseline's checkpoints are: its own run's, or the faulted run's when that
+    run kept no peer copies (it was the baseline)."""
+    return work / ("checkpoints" if cfg.peer_copies == 0 else "checkpoint-run-checkpoints")
+
+
+def _same_loss_baseline(cfg: TrialConfig, faults: tuple[Fault, ...], outcomes: list[RankOutcome], started: int,
+                        out_dir: Path) -> TrialResult:
+    """One run's outcomes and events as a result of their own (for their recoveries and downtime)."""
+    records = {k: v for o in outcomes for k, v in o.fault_records.items()}
+    return TrialResult(cfg, faults, [], outcomes, None, records, True, [], started, "",
+                       faulted_events=read_rank_events(out_dir))
+
+
+def _checkpoint_run(cfg: TrialConfig, workload: str, work: Path, faults: tuple[Fault, ...],
+                    netns: NetnsPair | None, stores: dict[str, int] | None, rec: RecordingWriter,
+                    warm: ForkServer | Callable[[int], ForkServer] | None, supply: ReplacementSupply,
+                    warm_replacements: bool) -> TrialResult:
+    """The checkpoint-restore baseline of a trial whose faults cost processes: the same faults at
+    the same steps, the replacements started as in the faulted run (warm spares or not), but no
+    peer copies, so every lost rank's state comes back from the last checkpoint."""
+    outcomes, started, _ = _run(cfg, workload, "checkpoint", work, faults,
+                                {"peer_copies": 0, "spares": cfg.spare_ranks,
+                                 "checkpoint_dir": str(_checkpoint_dir(cfg, work))},
+                                netns, stores, rec, warm, supply, warm_replacements)
+    return _same_loss_baseline(cfg, faults, outcomes, started, work / "checkpoint")
 
 
 def _excisions_of(events: list[Event]) -> list[ExcisionPlan]:

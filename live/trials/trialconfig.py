@@ -54,7 +54,7 @@ class TrialConfig:
     group_create_s: float = 20.0
     stall_s: float = 1.5  # a stalled rank sleeps this long (past the data-path timeout)
     down_s: float = 2.0  # a partitioned data link stays down this long
-    baselines: bool = True  # drill a checkpoint restore and a cold restart in the same run
+    baselines: bool = True  # also measure a checkpoint restore (on the same lost processes) and a cold restart
     timeout_s: float | None = None  # the launcher deadline; None: derived (RecoveryConfig.launcher_deadline_s)
     workload: str = DEFAULT_WORKLOAD  # a shipped workload's name or a path to a workload file
     count_dispatch: bool = False  # also count ops with a dispatch mode (turns torch.compile off)
@@ -122,6 +122,11 @@ class TrialConfig:
     @property
     def excising(self) -> bool:
         return self.on_rank_loss == "excise"
+
+    @property
+    def loses_process(self) -> bool:
+        """Whether each fault costs a rank its process (killed, or declared lost and then killed)."""
+        return self.fault_kind in (FaultKind.KILL, FaultKind.SILENT)
 
     def recovery(self, checkpoint_dir: str | None = None) -> RecoveryConfig:
         """The ranks' recovery settings (every timeout derived from these inputs)."""

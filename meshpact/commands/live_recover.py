@@ -81,7 +81,7 @@ def recover(
 
 
 JSON_KEYS = ("ranks", "steps", "fault_kind", "faults_injected", "faults_recovered", "bit_identical",
-             "policy_counts", "rebind_ms", "downtime_s", "storage_bytes_read", "final_world_size",
+             "policy_counts", "rebind_ms", "downtime_s", "downtime_includes", "storage_bytes_read", "final_world_size",
              "peer_copy_overhead", "excision", "recording")
 
 
@@ -109,6 +109,9 @@ def _print(result: Any, summary: dict[str, Any]) -> None:
                                                    "cold restart"],
                         [[*(("-" if down[k] is None else f"{down[k]:.3f}") for k in
                             ("in_memory", "peer_restore", "excise", "checkpoint_restore", "cold_restart"))]]))
+    includes = summary["downtime_includes"]
+    console.print(table("What each downtime includes", ["policy", "includes"],
+                        [[k.replace("_", " "), v] for k, v in includes.items() if v is not None]))
     exc = summary["excision"]
     if exc is not None:
         diff = exc["max_abs_diff_from_unfailed"]

@@ -22,7 +22,8 @@ def test_ten_raised_collectives_recover_in_memory_bit_identical_with_baselines()
     assert all(r["reason"].startswith("all 4 ranks alive") for r in result.recoveries())
     view = json_view(s)
     assert list(view) == ["ranks", "steps", "fault_kind", "faults_injected", "faults_recovered", "bit_identical",
-                          "policy_counts", "rebind_ms", "downtime_s", "storage_bytes_read", "final_world_size",
+                          "policy_counts", "rebind_ms", "downtime_s", "downtime_includes", "storage_bytes_read",
+                          "final_world_size",
                           "peer_copy_overhead", "excision", "recording"]
     assert set(view["downtime_s"]) == {"in_memory", "peer_restore", "excise", "checkpoint_restore", "cold_restart"}
     assert view["storage_bytes_read"] == 0 and view["final_world_size"] == 4  # the drill's reads are apart
