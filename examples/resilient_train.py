@@ -7,7 +7,7 @@ Each rank keeps a copy of a peer's committed state in host memory (``peer_copies
 rank whose process dies is restored from its peer by the process that replaces it (under
 ``meshpact launch``). With ``--out`` each rank writes ``rank<r>.json`` at the end: its process,
 incarnation, last step and a digest of every byte of its state (parameter shards, optimizer
-state, generators), and ``progress-rank<r>.json`` (step, process, incarnation) after each step.
+state, generators), the recoveries it took part in, and ``progress-rank<r>.json`` (step, process, incarnation) after each step.
 """
 
 from __future__ import annotations
@@ -69,11 +69,13 @@ def main() -> None:
                        {"step": step, "pid": os.getpid(), "incarnation": session.incarnation})
             time.sleep(args.step_s)
         state = rt.state()  # what a recovery restores and bit-identity compares
+        recoveries = [{"policy": r.policy.value, "step": r.step, "reason": r.reason, "detected": r.t_detect_wall,
+                       "resumed": r.t_resumed_wall} for r in rt.recoveries]
     if out is not None:
         torch.save(state, out / f"state-rank{session.rank}.pt")
         _write(out / f"rank{session.rank}.json", {"rank": session.rank, "pid": os.getpid(),
                                                     "incarnation": session.incarnation, "digest": digest(state),
-                                                    "steps": args.steps})
+                                                    "steps": args.steps, "recoveries": recoveries})
 
 
 def _write(path: Path, record: dict) -> None:

@@ -187,6 +187,9 @@ class ReplacingAgent(SimpleElasticAgent):
         }
         env.setdefault(ADDR_ENV, os.environ.get(ADDR_ENV) or _bind_address(self._node_addr()))
         env.setdefault(HOST_ENV, os.environ.get(HOST_ENV) or f"node{wg.group_rank}:{self._node_addr()}")
+        iface = _iface_of(spec.local_addr) if spec.local_addr and "GLOO_SOCKET_IFNAME" not in os.environ else None
+        if iface is not None:  # gloo finds its address from the host name otherwise: loopback on many hosts
+            env["GLOO_SOCKET_IFNAME"] = iface
         for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):
             if name in os.environ:
                 env[name] = os.environ[name]
@@ -360,6 +363,28 @@ def _bind_address(node_addr: str) -> str:
         return socket.gethostbyname(node_addr)
     except OSError:
         return "127.0.0.1"
+
+
+def _iface_of(addr: str) -> str | None:
+    """The network interface that holds the IPv4 address ``addr`` (None: loopback, or none holds it)."""
+    import fcntl
+    import struct
+
+    try:
+        ip = socket.gethostbyname(addr)
+    except OSError:
+        return None
+    if ip.startswith("127."):
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _, name in socket.if_nameindex():
+            try:
+                raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            except OSError:
+                continue
+            if socket.inet_ntoa(raw[20:24]) == ip:
+                return name
+    return None
 
 
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:

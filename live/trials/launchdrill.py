@@ -42,6 +42,11 @@ class Final:
     pid: int
     incarnation: int
     digest: str
+    recoveries: tuple[dict, ...] = ()  # policy, step, reason, detected and resumed (wall times)
+
+    @property
+    def policies(self) -> tuple[str, ...]:
+        return tuple(str(r["policy"]) for r in self.recoveries)
 
 
 def read_progress(out: Path, rank: int) -> Progress | None:
@@ -59,7 +64,7 @@ def read_finals(out: Path, ranks: int) -> dict[int, Final]:
             d = json.loads((out / f"rank{r}.json").read_text())
         except (OSError, ValueError):
             continue
-        finals[r] = Final(r, int(d["pid"]), int(d["incarnation"]), str(d["digest"]))
+        finals[r] = Final(r, int(d["pid"]), int(d["incarnation"]), str(d["digest"]), tuple(d.get("recoveries", ())))
     return finals
 
 
@@ -76,10 +81,11 @@ class Job:
     """One launcher process running the example script; use as a context manager (killed on exit)."""
 
     def __init__(self, launcher: Sequence[str], out: Path, steps: int, step_s: float = 0.0,
-                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None, name: str = "launcher") -> None:
+        """``out``: the ranks' folder (several launchers of one job share it); ``name`` this launcher's log."""
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
-        self.log = out / "launcher.log"
+        self.log = out / f"{name}.log"
         cmd = [*prefix, *launcher, str(EXAMPLE), "--steps", str(steps), "--step-s", str(step_s), "--out", str(out)]
         self._log = open(self.log, "w")
         self.t0 = time.monotonic()

@@ -1,0 +1,52 @@
+"""``meshpact launch`` on two nodes (network namespaces joined by veth), one agent each.
+
+Node 0 hosts elastic's c10d rendezvous; each node runs two workers of the example script. Rank
+3, on node 1, is SIGKILLed: node 1's agent replaces it alone (a warm spare), its state comes
+from the copy node 0's rank 0 holds in host memory (no checkpoint exists to read), and the job
+ends bit-identical to plain ``torchrun`` on one node without a fault.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from meshpact.live.netns import TwoHosts, netns_unavailable
+from meshpact.live.trials.launchdrill import Job, read_finals
+
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns,
+              pytest.mark.skipif(netns_unavailable(shaped=False) is not None,
+                                 reason=str(netns_unavailable(shaped=False)))]
+
+STEPS, PORT = 10, 29400
+
+
+def node_flags(hosts: TwoHosts, node: int, *extra: str) -> list[str]:
+    return Job.meshpact("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                        "--rdzv-endpoint", f"{hosts.addr[0]}:{PORT}", "--rdzv-id", f"drill{hosts.tag}",
+                        "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", hosts.addr[node], *extra)
+
+
+def test_a_worker_killed_on_node_1_is_replaced_there_from_node_0s_peer_copy(tmp_path):
+    out = tmp_path / "faulted"
+    with TwoHosts(link=None) as hosts, \
+            Job(Job.torchrun("--standalone", "--nproc-per-node", "4"), tmp_path / "reference", STEPS) as ref, \
+            Job(node_flags(hosts, 0, "--max-restarts", "1"), out, STEPS, step_s=0.05, prefix=hosts.prefix(0),
+                name="node0") as node0, \
+            Job(node_flags(hosts, 1, "--max-restarts", "1", "--spare-ranks-per-node", "1"), out, STEPS,
+                step_s=0.05, prefix=hosts.prefix(1), name="node1") as node1:
+        others = {r: node1.wait_for_step(r, 0, 150) for r in (0, 1, 2)}
+        killed = node1.kill_rank(3, after_step=3)
+        assert node1.wait(180) == 0, node1.tail()
+        assert node0.wait(60) == 0, node0.tail()
+        assert ref.wait(180) == 0, ref.tail()
+    reference, faulted = read_finals(ref.out, 4), read_finals(out, 4)
+    assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
+    assert all(faulted[r].pid == p.pid and faulted[r].incarnation == 0 for r, p in others.items())
+    assert faulted[3].incarnation == 1 and faulted[3].pid != killed.pid
+    # restored from a peer's host memory (the job keeps no checkpoint: nothing in storage to read)
+    survivors = [faulted[r] for r in (0, 1, 2)]
+    assert all(f.policies == ("peer_restore",) for f in survivors), [f.recoveries for f in survivors]
+    assert all("rank 3 <- rank 0" in f.recoveries[0]["reason"] for f in survivors)  # node 0's copy
+    log = node1.log.read_text()
+    assert f"rank 3 (pid {killed.pid}) exited with -9" in log and "a warm spare" in log
+    assert "exited with" not in node0.log.read_text()
