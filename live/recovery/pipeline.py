@@ -363,7 +363,7 @@ def peer_restore(rt: Job, decision: Decision) -> int:
     else:
         state, fetched = peers.fetch(rt.peers.addresses[holder], s.rank, step, s.config.peer_copy_timeout_s)
         rt.peers.own[step] = state
-    load_job_state(rt.model, rt.optimizer, state, rt.schedulers)
+    load_job_state(rt.model, rt.optimizer, state, rt.schedulers, rt.objects)
     rt.committed_step = step
     rt.mark_committed()
     rt.peers.keep_only(step)
@@ -384,7 +384,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
         if rt.peers is None or decision.step not in rt.peers.own:
             raise RuntimeError(f"excision at step {decision.step} was decided but rank {s.rank} keeps only "
                                f"steps {rt.peers.own_steps() if rt.peers else ()} and committed {rt.committed_step}")
-        load_job_state(rt.model, rt.optimizer, rt.peers.own[decision.step], rt.schedulers)  # generators included
+        load_job_state(rt.model, rt.optimizer, rt.peers.own[decision.step], rt.schedulers, rt.objects)  # generators included
         rt.committed_step = decision.step
         rt.mark_committed()
     else:  # the generators as committed (the failed step may have drawn from them)

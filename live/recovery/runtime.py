@@ -36,7 +36,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -57,8 +57,8 @@ from .pipeline import Cause, RecoveryRecord, RetiredGroup
 from .rebind import ModuleScan
 from .reshard import ExcisionRecord, GradientWeight, Membership, share_batch
 from .session import RecoveryConfig, Session, start_barrier
-from .state import (CommitMark, capture_rng, capture_schedule, job_state, load_buffers, load_job_state, model_buffers,
-                    restore_rng, restore_schedule, schedulers_of)
+from .state import (CommitMark, capture_objects, capture_rng, capture_schedule, check_stateful, job_state, load_buffers,
+                    load_job_state, model_buffers, restore_objects, restore_rng, restore_schedule, schedulers_of)
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
            "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "CarriedGradientsError", "refuse_stale",
@@ -165,7 +165,8 @@ class Resilient:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: Session,
                  injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
                  build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
-                 on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1) -> None:
+                 on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1,
+                 state: Mapping[str, Any] | None = None) -> None:
         if on_rank_loss not in (Policy.PEER_RESTORE, Policy.EXCISE):
             raise ValueError(f"on_rank_loss must be peer_restore (replace) or excise, got {on_rank_loss.value}")
         if on_rank_loss is Policy.EXCISE and build is None:
@@ -188,7 +189,8 @@ class Resilient:
         self.rng = capture_rng()
         self._buffers: dict[str, torch.Tensor] = {}
         self.schedulers: list[Any] = []  # the LR schedulers on the optimizer when training started
-        self.schedule = capture_schedule(optimizer)
+        self.objects = check_stateful(state or {})  # the user's Stateful objects, by name: committed with the step
+        self.schedule = capture_schedule(optimizer, (), self.objects)
         self.counter = OpCounter() if session.config.count_dispatch else None
         self.retired: list[RetiredGroup] = []
         self.meshes: "weakref.WeakSet[Any]" = weakref.WeakSet()  # every mesh alive when training started
@@ -269,7 +271,7 @@ class Resilient:
         if self.session.config.check_commits:
             self.mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self.mark)
         self.rng = capture_rng()
-        self.schedule = capture_schedule(self.optimizer, self.schedulers)
+        self.schedule = capture_schedule(self.optimizer, self.schedulers, self.objects)
         # the persistent buffers as committed: a failed forward may have moved BatchNorm's statistics
         self._buffers = {f"buffer/{k}": v.detach().clone() for k, v in model_buffers(self.model).items()}
         self.watch_optimizer()
@@ -277,7 +279,7 @@ class Resilient:
     def state(self) -> dict[str, torch.Tensor]:
         """This rank's job state now (:func:`~meshpact.live.recovery.state.job_state`: parameter
         shards, optimizer state, generators and the optimizer's schedule)."""
-        return job_state(self.model, self.optimizer, schedulers=self.schedulers)
+        return job_state(self.model, self.optimizer, schedulers=self.schedulers, objects=self.objects)
 
     def watch_optimizer(self) -> None:
         """Note when the optimizer's step begins (from the commit on; hooked again when an
@@ -326,6 +328,9 @@ class Resilient:
         self.train_step_fn = train_step
         if self._first_step:
             self._find_late_schedules()
+        # the registered objects as this step found them: a data loader has drawn the batch in hand
+        # (the commit has the position before it), an EMA is as committed
+        began = capture_objects(self.objects) if self.objects else ()
         message: str | None = None
         for _ in range(self.max_attempts):
             try:
@@ -339,6 +344,8 @@ class Resilient:
                     # a scheduler stepped before the fault (or the optimizer's settings changed) goes back too,
                     # and so do buffers the failed attempt's forward moved (BatchNorm's running statistics)
                     restore_schedule(self.optimizer, self.schedulers, self.schedule)
+                    if self.objects:  # as the step found them, whichever state the recovery restored
+                        restore_objects(self.objects, began)
                     load_buffers(self.model, self._buffers)
                 if self.heartbeat is not None:
                     self.heartbeat.watching = True
@@ -544,7 +551,7 @@ class Resilient:
             raise RuntimeError("no checkpoint directory is set: nothing to restore from")
         if step < 0:  # a decision made when none was complete (consensus.decide)
             raise RuntimeError("no complete checkpoint exists to restore from")
-        load_job_state(self.model, self.optimizer, self.ckpt.load(step), self.schedulers)
+        load_job_state(self.model, self.optimizer, self.ckpt.load(step), self.schedulers, self.objects)
         self.committed_step = step
         self.mark_committed()
 
@@ -576,8 +583,11 @@ class Resilient:
 def resilient(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: Session,
               injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
               build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
-              on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1) -> Resilient:
+              on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1,
+              state: Mapping[str, Any] | None = None) -> Resilient:
     """``with resilient(model, optimizer, session, batches=source) as rt: rt.step(train_step, batch)``;
-    ``on_rank_loss=Policy.EXCISE`` with ``build(mesh)`` continues on the survivors of a lost rank."""
+    ``on_rank_loss=Policy.EXCISE`` with ``build(mesh)`` continues on the survivors of a lost rank.
+    ``state={"data": loader, "ema": ema}``: objects with ``state_dict``/``load_state_dict``,
+    committed with each step, in the peer copies and checkpoints, restored on every path."""
     return Resilient(model, optimizer, session, injector, batches, build=build, on_rank_loss=on_rank_loss,
-                     min_ranks=min_ranks)
+                     min_ranks=min_ranks, state=state)

@@ -36,7 +36,7 @@ import random
 import sys
 from array import array
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn as nn
@@ -44,7 +44,7 @@ import torch.nn as nn
 __all__ = ["shard_rows", "local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
            "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "model_buffers", "load_buffers",
-           "Chunk", "global_chunks"]
+           "Chunk", "global_chunks", "check_stateful", "capture_objects", "restore_objects"]
 
 ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
 _SAMPLE_TENSORS = 64
@@ -370,10 +370,14 @@ class Schedule:
     """What changes an optimizer's hyperparameters as the steps go by, as it was at one moment:
     every param group's settings (all but its parameters: ``lr``, ``betas``, a scheduler's
     ``initial_lr``...), the state of each LR scheduler on the optimizer and of each gradient
-    scaler (its loss scale and growth tracker), as their ``state_dict`` has it."""
+    scaler (its loss scale and growth tracker), as their ``state_dict`` has it; and the state
+    of every object the job registered by name (``resilient(..., state={"data": loader})``:
+    anything with DCP's ``Stateful`` protocol, ``state_dict``/``load_state_dict``), so it is
+    committed, copied to peers, checkpointed and restored wherever the schedule is."""
 
     groups: tuple[dict[str, Any], ...]
     schedulers: tuple[tuple[str, dict[str, Any]], ...]  # (type name, state_dict), in schedulers_of order
+    objects: tuple[tuple[str, Any], ...] = ()  # (name, state_dict) of each registered object, by name
 
 
 def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | None = None) -> list[Any]:
@@ -394,14 +398,76 @@ def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | Non
     return sorted((o for o in found if id(o) not in inner), key=lambda o: type(o).__qualname__)
 
 
-def capture_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any] = ()) -> Schedule:
+def check_stateful(objects: Mapping[str, Any]) -> dict[str, Any]:
+    """The objects a job registers as state, checked: each has ``state_dict`` and
+    ``load_state_dict`` (DCP's ``Stateful`` protocol); one line names any that has not."""
+    bad = [f"{name!r} ({type(o).__name__})" for name, o in objects.items()
+           if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+    if bad:
+        raise TypeError(f"state={{...}} takes objects with state_dict() and load_state_dict() (DCP's Stateful); "
+                        f"{', '.join(bad)} has not")
+    return dict(objects)
+
+
+def capture_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any] = (),
+                     objects: Mapping[str, Any] | None = None) -> Schedule:
     return Schedule(tuple(copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups),
-                    tuple((type(s).__qualname__, copy.deepcopy(s.state_dict())) for s in schedulers))
+                    tuple((type(s).__qualname__, copy.deepcopy(s.state_dict())) for s in schedulers),
+                    capture_objects(objects or {}))
 
 
-def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], schedule: Schedule) -> None:
-    """Put the param groups' settings and the schedulers back as ``schedule`` has them; a
-    schedule of other groups or schedulers (a replacement built another optimizer) is refused."""
+@dataclass(frozen=True)
+class _Raw:
+    """A tensor inside an object's state, as its bytes: pickled, equal tensors give equal bytes
+    (a tensor's own pickle does not: two equal generator states pickled differently)."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    data: bytes
+
+
+def _encode(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        t = x.detach().to("cpu").contiguous()
+        return _Raw(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    if isinstance(x, dict):
+        return {k: _encode(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(_encode(v) for v in x)
+    return copy.deepcopy(x)
+
+
+def _decode(x: Any) -> Any:
+    if isinstance(x, _Raw):
+        flat = torch.frombuffer(bytearray(x.data), dtype=torch.uint8) if x.data else torch.empty(0, dtype=torch.uint8)
+        return flat.view(getattr(torch, x.dtype)).reshape(x.shape)
+    if isinstance(x, dict):
+        return {k: _decode(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
+        return type(x)(_decode(v) for v in x)
+    return copy.deepcopy(x)
+
+
+def capture_objects(objects: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """(name, a copy of its ``state_dict()``, tensors as their bytes) of each registered object, by name."""
+    return tuple((name, _encode(o.state_dict())) for name, o in sorted(objects.items()))
+
+
+def restore_objects(objects: Mapping[str, Any], saved: tuple[tuple[str, Any], ...]) -> None:
+    """Put each registered object back as ``saved`` (:func:`capture_objects`) has it; a record of
+    other names is refused."""
+    if tuple(sorted(objects)) != tuple(name for name, _ in saved):
+        raise ValueError(f"the committed state holds objects {[n for n, _ in saved]}; this job registered "
+                         f"{sorted(objects)}")
+    for name, state in saved:
+        objects[name].load_state_dict(_decode(state))
+
+
+def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], schedule: Schedule,
+                     objects: Mapping[str, Any] | None = None) -> None:
+    """Put the param groups' settings, the schedulers and (unless ``objects`` is None) the
+    registered objects back as ``schedule`` has them; a schedule of other groups, schedulers or
+    objects (a replacement built another optimizer) is refused."""
     kinds = tuple(type(s).__qualname__ for s in schedulers)
     if len(schedule.groups) != len(optimizer.param_groups) or kinds != tuple(k for k, _ in schedule.schedulers):
         raise ValueError(f"the committed schedule has {len(schedule.groups)} param group(s) and schedulers "
@@ -414,6 +480,8 @@ def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any]
         per_optimizer = getattr(sched, "_per_optimizer_states", None)  # a GradScaler's, reset by its update()
         if per_optimizer is not None:  # an attempt that failed after unscale_ would refuse the re-run's
             per_optimizer.clear()
+    if objects is not None:
+        restore_objects(objects, schedule.objects)
 
 
 def _schedule_tensor(schedule: Schedule) -> torch.Tensor:
@@ -437,22 +505,24 @@ def _schedule_from(t: torch.Tensor) -> Schedule:
 
 
 def job_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng: RngState | None = None, *,
-              schedule: Schedule | None = None, schedulers: Sequence[Any] = ()) -> dict[str, torch.Tensor]:
+              schedule: Schedule | None = None, schedulers: Sequence[Any] = (),
+              objects: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
     """What a checkpoint holds and bit-identity compares: :func:`local_state`, the generators
     (``rng``: as the caller captured them a moment ago, nothing drawn since; default: now) and
-    the optimizer's schedule (``schedule``, likewise; default: now, with ``schedulers``)."""
-    sched = capture_schedule(optimizer, schedulers) if schedule is None else schedule
+    the optimizer's schedule with the registered objects (``schedule``, likewise; default:
+    now, with ``schedulers`` and ``objects``)."""
+    sched = capture_schedule(optimizer, schedulers, objects) if schedule is None else schedule
     return {**local_state(model, optimizer), **rng_tensors(capture_rng() if rng is None else rng),
             SCHEDULE_KEY: _schedule_tensor(sched)}
 
 
 def load_job_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor],
-                   schedulers: Sequence[Any] = ()) -> None:
+                   schedulers: Sequence[Any] = (), objects: Mapping[str, Any] | None = None) -> None:
     load_local_state(model, optimizer, {k: v for k, v in state.items() if not k.startswith(("rng/", "schedule/"))})
     if "rng/torch_cpu" in state:
         restore_rng(rng_from_tensors(state))
     if SCHEDULE_KEY in state:
-        restore_schedule(optimizer, schedulers, _schedule_from(state[SCHEDULE_KEY]))
+        restore_schedule(optimizer, schedulers, _schedule_from(state[SCHEDULE_KEY]), objects)
 
 
 def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:

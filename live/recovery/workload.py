@@ -8,6 +8,9 @@ A workload file defines three functions and, optionally, the mesh it wants::
     def batch(step, rank):                # -> the batch of ``step`` on ``rank``: a pure function,
                                           #    so a restarted process can draw it again
     def train_step(model, optimizer, batch):   # -> the loss; forward, backward, optimizer step
+    def state(rank):                      # optional -> {name: object with state_dict/load_state_dict}:
+                                          #    registered with resilient(state=...), so batch may draw
+                                          #    from them (a StatefulDataLoader) instead of being pure
 
 :func:`check_workload` reads the file without running it (syntax, the three functions and
 their parameters, ``MESH`` against the number of ranks, imports that cannot be found) and
@@ -64,6 +67,7 @@ class Workload:
     build: Callable[[Any], tuple[Any, Any]]
     batch: Callable[[int, int], Any]
     train_step: Callable[[Any, Any, Any], Any]
+    state: Callable[[int], dict[str, Any]] | None = None  # the objects a rank registers as state
 
 
 def _workloads_dir() -> Path:
@@ -189,7 +193,8 @@ def _load(path: Path, mesh: MeshSpec) -> Workload:
     for name in _FUNCTIONS:
         if not callable(getattr(module, name, None)):
             raise WorkloadError(f"{path}: {name} is not a function after import")
-    return Workload(str(path), mesh, module.build, module.batch, module.train_step)
+    state = getattr(module, "state", None)
+    return Workload(str(path), mesh, module.build, module.batch, module.train_step, state if callable(state) else None)
 
 
 def load_workload(path: str | Path, ranks: int) -> Workload:

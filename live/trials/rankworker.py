@@ -143,7 +143,8 @@ def worker(args: JsonObject) -> JsonObject:
     refused: ExcisionRefused | None = None
     with resilient(model, optimizer, session, injector, batches, on_rank_loss=Policy(args.get(
             "on_rank_loss", Policy.PEER_RESTORE.value)), min_ranks=int(args.get("min_ranks", 1)),
-            build=lambda mesh: built(workload, mesh)) as rt:  # also when replacing: a missed replacement excises
+            build=lambda mesh: built(workload, mesh),
+            state=workload.state(rank) if workload.state is not None else None) as rt:  # also when replacing: a missed replacement excises
         if rank in args.get("die_after_proposing", ()) and session.incarnation == 0:
             # dies once its proposal is in and the round decided: the others meet it building the groups
             rt.on_decided = lambda decision: os.kill(os.getpid(), signal.SIGKILL)
