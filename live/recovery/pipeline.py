@@ -414,7 +414,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
     if rt.ckpt is not None:  # the smaller world's own checkpoints start at the excision's step
         rt.ckpt = s.checkpointer()
         assert rt.ckpt is not None
-        rt.ckpt.save(rt.committed_step, rt.state())
+        rt.ckpt.save(rt.committed_step, rt.state(), rt.chunks())
     if s.config.check_commits:  # a new model: its mark is taken afresh
         rt.mark = CommitMark.take(rt.committed_step, rt.model, rt.optimizer)
     rt.watch_optimizer()  # and its optimizer watched; the generators stay as committed (excise undid build's draws)

@@ -58,7 +58,8 @@ from .rebind import ModuleScan
 from .reshard import ExcisionRecord, GradientWeight, Membership, share_batch
 from .session import RecoveryConfig, Session, start_barrier
 from .state import (CommitMark, capture_objects, capture_rng, capture_schedule, check_stateful, job_state, load_buffers,
-                    load_job_state, model_buffers, restore_objects, restore_rng, restore_schedule, schedulers_of)
+                    load_job_state, model_buffers, restore_objects, restore_rng, restore_schedule, schedulers_of,
+                    Chunk, global_chunks)
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
            "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "CarriedGradientsError", "refuse_stale",
@@ -233,7 +234,7 @@ class Resilient:
             pipeline.load_decided(self, joined)
             pipeline.rejoin(self, joined.generation)
         elif self.ckpt is not None and self.committed_step == 0 and not self.ckpt.complete(0):
-            self.ckpt.save(0, self.state())
+            self.ckpt.save(0, self.state(), self.chunks())
         self.start_step = self.committed_step
         self.mark_committed()
         if self.peers is not None:  # the starting state is held by peers before the first step
@@ -280,6 +281,11 @@ class Resilient:
         """This rank's job state now (:func:`~meshpact.live.recovery.state.job_state`: parameter
         shards, optimizer state, generators and the optimizer's schedule)."""
         return job_state(self.model, self.optimizer, schedulers=self.schedulers, objects=self.objects)
+
+    def chunks(self) -> dict[str, Chunk]:
+        """Where this rank's sharded tensors lie in the whole ones (a checkpoint names them so
+        any loop, any mesh, reads the model and optimizer back)."""
+        return global_chunks(self.model, self.optimizer)
 
     def watch_optimizer(self) -> None:
         """Note when the optimizer's step begins (from the commit on; hooked again when an
@@ -447,7 +453,7 @@ class Resilient:
             self._kept.append((step, batch))
         if self.ckpt is not None and self.ckpt.due(self.committed_step):
             t0 = time.perf_counter()
-            written = self.ckpt.save(self.committed_step, self.state())
+            written = self.ckpt.save(self.committed_step, self.state(), self.chunks())
             self.session.emit(EventKind.CHECKPOINT, step=self.committed_step, seconds=time.perf_counter() - t0,
                               bytes=written)
         if self.ckpt is not None and self._kept:
