@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
+from meshpact.core.recovery import Policy
 from meshpact.live.recovery import RecoveryConfig, resilient, start_session
 from meshpact.live.recovery.state import digest
 
@@ -55,15 +56,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each step (a slower job, for drills)")
     p.add_argument("--out", default=None, help="a folder for each rank's final digest and progress")
+    p.add_argument("--excise-to", type=int, default=0, metavar="MIN_RANKS",
+                   help="a rank that gets no replacement (its node lost) is excised while MIN_RANKS or more remain")
     args = p.parse_args()
     session = start_session(RecoveryConfig(peer_copies=1))
     random.seed(session.rank)  # every generator the state holds is seeded: two runs compare bit for bit
     numpy.random.seed(session.rank)
     model, optimizer = build(session.mesh)
     out = Path(args.out) if args.out else None
-    with resilient(model, optimizer, session, batches=lambda step: batch(step, session.rank)) as rt:
+    excise = dict(build=build, on_rank_loss=Policy.EXCISE, min_ranks=args.excise_to) if args.excise_to else {}
+    with resilient(model, optimizer, session, batches=lambda step: batch(step, session.rank), **excise) as rt:
         for step in range(rt.start_step, args.steps):
-            rt.step(lambda b: train_step(model, optimizer, b), batch(step, session.rank))
+            # rt.model and rt.optimizer: after an excision, the smaller world's (build(mesh) made them)
+            rt.step(lambda b: train_step(rt.model, rt.optimizer, b), batch(step, session.rank))
             if out is not None:
                 _write(out / f"progress-rank{session.rank}.json",
                        {"step": step, "pid": os.getpid(), "incarnation": session.incarnation})

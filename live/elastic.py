@@ -65,7 +65,7 @@ from .recovery.peers import ADDR_ENV, HOST_ENV
 from .store import host_store
 from .warmspare import Assignment, assign
 
-__all__ = ["LaunchOptions", "ReplacingAgent", "LaunchRefused", "parser", "main", "CONTROL_KEY"]
+__all__ = ["LaunchOptions", "NodeLoss", "ReplacingAgent", "LaunchRefused", "parser", "main", "CONTROL_KEY"]
 
 logger = logging.getLogger("meshpact.launch")
 
@@ -82,11 +82,29 @@ class LaunchOptions:
     """What ``meshpact launch`` adds to torchrun's command line."""
 
     spare_ranks_per_node: int = 0
-    loss_watch_s: float = 0.25  # how often the agent reads which ranks the job declared lost
+    node_loss_s: float = 5.0  # a node whose agent has not beaten on the control channel for this long is lost
+    loss_watch_s: float = 0.25  # how often the agent reads which ranks the job declared lost, and beats
 
     def __post_init__(self) -> None:
         if self.spare_ranks_per_node < 0:
             raise LaunchRefused(f"--spare-ranks-per-node {self.spare_ranks_per_node}: expected 0 or more")
+        if not self.node_loss_s > 4 * self.loss_watch_s:
+            raise LaunchRefused(f"--node-loss-s {self.node_loss_s}: expected more than {4 * self.loss_watch_s:g} s "
+                                f"(four of the agents' beats, one every {self.loss_watch_s:g} s)")
+
+
+@dataclass(frozen=True)
+class NodeLoss:
+    """Group rank 0's verdict on a node whose agent fell silent: which ranks went with it, and why."""
+
+    group_rank: int
+    ranks: tuple[int, ...]
+    silent_s: float
+
+    def describe(self) -> str:
+        return (f"node {self.group_rank} (ranks {list(self.ranks)}) is lost: its agent has not beaten on the "
+                f"control channel for {self.silent_s:.1f} s; the job is told its ranks are gone (it excises them "
+                f"where it can, above its min_ranks, or ends naming why)")
 
 
 @dataclass
@@ -137,6 +155,8 @@ class ReplacingAgent(SimpleElasticAgent):
         self._spare_dir = Path(tempfile.mkdtemp(prefix="meshpact-spares-"))
         self._streams: dict[int, tuple[str, str]] = {}  # local rank -> (stdout, stderr) of its first process
         self._next_watch = 0.0
+        self._beats: dict[int, tuple[int, float]] = {}  # group rank -> (its beat count, when it last moved)
+        self.lost_nodes: list[NodeLoss] = []
         self._seen_round = 0
 
     # -- addresses and the control channel ------------------------------------------
@@ -291,6 +311,7 @@ class ReplacingAgent(SimpleElasticAgent):
             return
         self._next_watch = now + self._options.loss_watch_s
         try:
+            self._beat_and_watch_nodes(wg, now)
             lost = declared_lost(self._channel, self._seen_round)
         except Exception as exc:  # the channel's host (node 0) gone: nothing to learn from it now
             logger.warning("meshpact launch: cannot read the control channel (%s)", exc)
@@ -306,6 +327,38 @@ class ReplacingAgent(SimpleElasticAgent):
                 if running.handler.proc.poll() is None:
                     _say(f"rank {rank} (pid {running.pid}) was declared lost by the job in round {round_}: killed")
                     _kill(running.handler.proc)
+
+    def _beat_and_watch_nodes(self, wg: WorkerGroup, now: float) -> None:
+        """Beat on the control channel; group rank 0 also watches the other agents' beats and tells the
+        job the ranks of a node whose agent fell silent are gone (an agent that finished says so first)."""
+        assert self._channel is not None
+        self._channel.add(f"agent/beat{wg.group_rank}")
+        if wg.group_rank != 0:
+            return
+        others = [g for g in range(1, wg.group_world_size) if g not in {n.group_rank for n in self.lost_nodes}]
+        if not others:
+            return
+        counts = self._channel.counters([f"agent/beat{g}" for g in others])
+        done = self._channel.present([f"agent/done{g}" for g in others])
+        for g, count in zip(others, counts):
+            seen, since = self._beats.get(g, (-1, now))
+            if count != seen:
+                self._beats[g] = (count, now)
+            elif f"agent/done{g}" not in done and now - since > self._options.node_loss_s:
+                n = wg.spec.local_world_size
+                loss = NodeLoss(g, tuple(range(g * n, (g + 1) * n)), now - since)
+                self.lost_nodes.append(loss)
+                _say(loss.describe())
+                for rank in loss.ranks:
+                    mark_gone(self._channel, rank)
+
+    def _exit_barrier(self) -> None:
+        if self._channel is not None:
+            self._channel.set(f"agent/done{self._worker_group.group_rank}", True)
+        if self.lost_nodes:  # a lost node's agent never arrives: elastic's barrier would wait out its timeout
+            _say(f"not waiting for the agents of lost node(s) {[n.group_rank for n in self.lost_nodes]} at exit")
+            return
+        super()._exit_barrier()
 
     # -- elastic's hooks ------------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:
@@ -415,6 +468,9 @@ def parser() -> ArgumentParser:
                      "worker keeps running.")
     p.add_argument("--spare-ranks-per-node", "--spare_ranks_per_node", type=int, default=0,
                    help="Warm spares per node: interpreters with torch imported, promoted to a failed worker's rank.")
+    p.add_argument("--node-loss-s", "--node_loss_s", type=float, default=LaunchOptions.node_loss_s,
+                   help="A node whose agent is silent this long on the control channel is lost: its ranks are "
+                        "announced gone to the job.")
     return p
 
 
@@ -432,7 +488,7 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     :class:`LaunchRefused` names a bad flag in one line."""
     p = parser()
     args = p.parse_args(list(argv))
-    options = LaunchOptions(spare_ranks_per_node=args.spare_ranks_per_node)
+    options = LaunchOptions(spare_ranks_per_node=args.spare_ranks_per_node, node_loss_s=args.node_loss_s)
     if options.spare_ranks_per_node and (args.no_python or args.run_path):
         raise LaunchRefused("--spare-ranks-per-node: a warm spare runs a Python script or module; it cannot be "
                             "used with --no-python or --run-path")

@@ -81,12 +81,14 @@ class Job:
     """One launcher process running the example script; use as a context manager (killed on exit)."""
 
     def __init__(self, launcher: Sequence[str], out: Path, steps: int, step_s: float = 0.0,
-                 prefix: Sequence[str] = (), env: dict[str, str] | None = None, name: str = "launcher") -> None:
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None, name: str = "launcher",
+                 script_args: Sequence[str] = ()) -> None:
         """``out``: the ranks' folder (several launchers of one job share it); ``name`` this launcher's log."""
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         self.log = out / f"{name}.log"
-        cmd = [*prefix, *launcher, str(EXAMPLE), "--steps", str(steps), "--step-s", str(step_s), "--out", str(out)]
+        cmd = [*prefix, *launcher, str(EXAMPLE), "--steps", str(steps), "--step-s", str(step_s), "--out", str(out),
+               *script_args]
         self._log = open(self.log, "w")
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -118,6 +120,13 @@ class Job:
         p = self.wait_for_step(rank, after_step, timeout_s)
         os.kill(p.pid, signal.SIGKILL)
         return p
+
+    def kill_agent_and(self, workers: Sequence[Progress]) -> None:
+        """A node lost whole: SIGKILL this launcher and ``workers`` at once (nothing stops anything)."""
+        os.kill(self.proc.pid, signal.SIGKILL)
+        for p in workers:
+            os.kill(p.pid, signal.SIGKILL)
+        self.proc.wait(10)
 
     def wait(self, timeout_s: float) -> int:
         try:

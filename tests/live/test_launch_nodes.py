@@ -50,3 +50,22 @@ def test_a_worker_killed_on_node_1_is_replaced_there_from_node_0s_peer_copy(tmp_
     log = node1.log.read_text()
     assert f"rank 3 (pid {killed.pid}) exited with -9" in log and "a warm spare" in log
     assert "exited with" not in node0.log.read_text()
+
+
+def test_node_1_lost_with_its_agent_is_excised_by_the_survivors_within_the_node_loss_bound(tmp_path):
+    out = tmp_path / "faulted"
+    with TwoHosts(link=None) as hosts, \
+            Job(node_flags(hosts, 0, "--node-loss-s", "3"), out, STEPS, step_s=0.05, prefix=hosts.prefix(0),
+                name="node0", script_args=("--excise-to", "2")) as node0, \
+            Job(node_flags(hosts, 1, "--node-loss-s", "3"), out, STEPS, step_s=0.05, prefix=hosts.prefix(1),
+                name="node1", script_args=("--excise-to", "2")) as node1:
+        survivors = {r: node0.wait_for_step(r, 0, 150) for r in (0, 1)}
+        lost = [node1.wait_for_step(r, 3, 120) for r in (2, 3)]
+        node1.kill_agent_and(lost)
+        assert node0.wait(120) == 0, node0.tail()
+    finals = read_finals(out, 4)
+    assert sorted(finals) == [0, 1]  # ranks 2 and 3 went with their node
+    assert all(finals[r].pid == p.pid and finals[r].incarnation == 0 for r, p in survivors.items())
+    assert all(f.policies == ("excise",) for f in finals.values()), [f.recoveries for f in finals.values()]
+    log = node0.log.read_text()
+    assert "node 1 (ranks [2, 3]) is lost" in log and "not waiting for the agents of lost node(s) [1]" in log
