@@ -10,10 +10,11 @@ Measures on this machine, in one run:
   a kill excised (``--on-rank-loss excise``), one peer copy per rank, each judged
   bit-identical against its reference, with the recoveries nobody planned counted
   (``unplanned_recoveries``: recoveries beyond the faults injected);
-- ``recovery_ms_p50_by_state_mb``: the in-memory recovery (first rank knowing -> every rank
-  through the new group's first collective), p50 per workload keyed by the rank's state in
-  MB, and the ratio large / tiny; the skew of ranks reaching the failed collective is
-  ``detection_ms_p50`` beside it, apart from the recovery;
+- ``recovery_ms_p50_by_state_mb``: the in-memory recovery itself (every rank knowing -> every
+  rank through the new group's first collective: consensus, communicator, rebinding, state),
+  p50 per workload keyed by the rank's state in MB, and the ratio large / tiny; the skew of
+  ranks reaching the failed collective (first rank knowing -> every rank knowing, the
+  detection stage) is ``skew_ms_p50_by_state_mb`` beside it, apart from the recovery;
 - ``extra_rss_per_rank_over_state`` per path: the largest peak resident memory of a rank of
   the faulted run (``VmHWM``, read from ``/proc`` while it runs) less the plain run's largest,
   over one rank's state bytes;
@@ -49,7 +50,7 @@ POLICY = {"collective": "in_memory", "stall": "in_memory", "kill": "peer_restore
 
 
 # -- the plain loop (one torchrun rank) ------------------------------------------------------------
-def plain_rank(workload: str, steps: int) -> None:
+def plain_rank(workload: str, steps: int, out_dir: str) -> None:
     import resource
 
     import torch.distributed as dist
@@ -67,8 +68,9 @@ def plain_rank(workload: str, steps: int) -> None:
         wl.train_step(model, optimizer, wl.batch(step, rank))
         step_s.append(time.perf_counter() - t0)
     state = sum(t.numel() * t.element_size() for t in _local_tensors(model, optimizer))
-    print(json.dumps({"rank": rank, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                      "state_bytes": state, "step_s": step_s}), flush=True)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
+        {"rank": rank, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+         "state_bytes": state, "step_s": step_s}))
     dist.destroy_process_group()
 
 
@@ -86,10 +88,11 @@ class PlainRun:
 
 
 def run_plain(workload: str, ranks: int, steps: int) -> PlainRun:
+    out_dir = tempfile.mkdtemp(prefix="meshpact-bench-plain-")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
-           "--plain", workload, "--steps", str(steps)]
+           "--plain", workload, "--steps", str(steps), "--out", out_dir]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
-    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    rows = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     if len(rows) != ranks:
         raise RuntimeError(f"the plain run of {workload} ended with {len(rows)} of {ranks} ranks reporting:\n"
                            f"{out.stderr[-2000:]}")
@@ -147,12 +150,14 @@ class PathRun:
     policy_count: int
     faults_injected: int
     recoveries: int
-    recovery_ms: list[float]
+    recovery_ms: list[float]  # first rank knowing -> every rank through the first collective
     detection_ms: list[float]
     peak_rss_bytes: int  # the faulted run's largest rank
     commit_ms: float | None
     step_latency: float | None
     error: str | None = None
+    stages_ms: dict[str, float] = field(default_factory=dict)  # the first recovery's stages, first collective apart
+    skew_ms: list[float] = field(default_factory=list)  # the detection stage: first rank knowing -> every rank knowing
 
     @property
     def unplanned(self) -> int:
@@ -181,7 +186,10 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
     return PathRun(workload, path, bool(s["bit_identical"]), int(s["policy_counts"][POLICY[path]]),
                    int(s["faults_injected"]), len(recs), [r["recovery_s"] * 1e3 for r in recs],
                    [r["detection_s"] * 1e3 for r in recs], watch.peak("faulted"),
-                   overhead.get("snapshot_ms_per_commit"), overhead.get("step_latency"))
+                   overhead.get("snapshot_ms_per_commit"), overhead.get("step_latency"),
+                   stages_ms={**{k: v * 1e3 for k, v in recs[0]["stages_s"].items()},
+                              "first_collective": recs[0]["first_collective_s"] * 1e3} if recs else {},
+                   skew_ms=[r["stages_s"].get("detection", 0.0) * 1e3 for r in recs])
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -192,6 +200,7 @@ def _p50(values: list[float]) -> float | None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plain", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--tiny", default="decoder")
@@ -201,7 +210,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--paths", default=",".join(PATHS))
     args = parser.parse_args(argv)
     if args.plain:
-        plain_rank(args.plain, args.steps)
+        plain_rank(args.plain, args.steps, args.out)
         return {}
     paths = [p for p in args.paths.split(",") if p]
     bad = [p for p in paths if p not in PATHS]
@@ -216,9 +225,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root))
             print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
     state_mb = {w: plain[w].state_bytes / 2**20 for w in plain}
-    rec = {w: _p50([ms for r in runs if r.workload == w and r.path == "collective" for ms in r.recovery_ms])
-           for w in plain}
-    det = {w: _p50([ms for r in runs if r.workload == w and r.path == "collective" for ms in r.detection_ms])
+    rec = {w: _p50([ms - skew for r in runs if r.workload == w and r.path == "collective"
+                    for ms, skew in zip(r.recovery_ms, r.skew_ms)]) for w in plain}
+    det = {w: _p50([ms for r in runs if r.workload == w and r.path == "collective" for ms in r.skew_ms])
            for w in plain}
     extra = {f"{r.workload}/{r.path}": ((r.peak_rss_bytes - plain[r.workload].peak_rss_bytes)
                                         / plain[r.workload].state_bytes if r.peak_rss_bytes else None) for r in runs}
@@ -228,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "state_mb_per_rank": {w: round(v, 3) for w, v in state_mb.items()},
         "recovery_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": rec[w] for w in plain},
         "recovery_ratio_large_over_tiny": (rec[args.large] / rec[args.tiny]) if rec[args.large] and rec[args.tiny] else None,
-        "detection_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": det[w] for w in plain},
+        "skew_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": det[w] for w in plain},
         "plain_peak_rss_mb": {w: plain[w].peak_rss_bytes / 2**20 for w in plain},
         "plain_step_s_p50": {w: plain[w].step_s_p50 for w in plain},
         "extra_rss_per_rank_over_state": extra,
@@ -236,20 +245,25 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "peer_copy_step_latency": {f"{r.workload}/{r.path}": r.step_latency for r in runs if r.path == "collective"},
         "paths": {f"{r.workload}/{r.path}": {"bit_identical": r.bit_identical, "recovered_by_policy": r.policy_count,
                                              "unplanned_recoveries": r.unplanned, "peak_rss_mb": r.peak_rss_bytes / 2**20,
-                                             "recovery_ms": r.recovery_ms, "error": r.error} for r in runs},
+                                             "recovery_ms": r.recovery_ms, "skew_ms": r.skew_ms,
+                                             "stages_ms": r.stages_ms,
+                                             "error": r.error} for r in runs},
     }
-    print(f"{'workload/path':<22} {'bit-id':>6} {'policy':>6} {'unplanned':>9} {'recovery ms':>12} "
+    print(f"{'workload/path':<22} {'bit-id':>6} {'policy':>6} {'unplanned':>9} {'recovery ms':>12} {'skew ms':>8} "
           f"{'peak RSS MB':>11} {'extra/state':>11}")
     for r in runs:
         key = f"{r.workload}/{r.path}"
         x = extra[key]
+        own = _p50([ms - skew for ms, skew in zip(r.recovery_ms, r.skew_ms)])
         print(f"{key:<22} {str(r.bit_identical):>6} {r.policy_count:>6} {r.unplanned:>9} "
-              f"{(_p50(r.recovery_ms) or float('nan')):>12.1f} {r.peak_rss_bytes / 2**20:>11.0f} "
+              f"{(own if own is not None else float('nan')):>12.1f} {(_p50(r.skew_ms) or float('nan')):>8.1f} "
+              f"{r.peak_rss_bytes / 2**20:>11.0f} "
               f"{(x if x is not None else float('nan')):>11.2f}" + (f"  {r.error}" if r.error else ""))
     for w in plain:
         print(f"plain {w}: peak RSS {plain[w].peak_rss_bytes / 2**20:.0f} MB, state {state_mb[w]:.1f} MB per rank, "
               f"step {plain[w].step_s_p50:.2f} s")
-    print(f"recovery p50 large/tiny: {result['recovery_ratio_large_over_tiny']}; load average {os.getloadavg()}")
+    print(f"in-memory recovery p50 (skew apart): {rec}; skew p50: {det}; large/tiny: "
+          f"{result['recovery_ratio_large_over_tiny']}; load average {os.getloadavg()}")
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(result) + "\n")
     print(json.dumps(result))

@@ -16,7 +16,7 @@ from _warm import shared_forkserver
 from meshpact.live.recovery.checkpoint import Checkpointer
 from meshpact.live.trials.trial import TrialConfig, run_trial
 
-pytestmark = pytest.mark.live
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 _RANKS, _STEPS, _EVERY = 2, 4, 2
 

@@ -11,7 +11,7 @@ from _recovery import assert_identical, trial
 
 from meshpact.live.recovery.state import SCHEDULE_KEY, _schedule_from
 
-pytestmark = [pytest.mark.live, pytest.mark.filterwarnings("ignore::UserWarning")]
+pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.filterwarnings("ignore::UserWarning")]
 
 
 def _position(result, rank: int) -> dict:
