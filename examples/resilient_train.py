@@ -56,22 +56,29 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--step-s", type=float, default=0.0, help="sleep after each step (a slower job, for drills)")
     p.add_argument("--out", default=None, help="a folder for each rank's final digest and progress")
+    p.add_argument("--checkpoint-dir", default=None, help="a DCP checkpoint every --checkpoint-every steps")
+    p.add_argument("--checkpoint-every", type=int, default=5)
     p.add_argument("--excise-to", type=int, default=0, metavar="MIN_RANKS",
                    help="a rank that gets no replacement (its node lost) is excised while MIN_RANKS or more remain")
     args = p.parse_args()
-    session = start_session(RecoveryConfig(peer_copies=1))
+    session = start_session(RecoveryConfig(peer_copies=1, checkpoint_dir=args.checkpoint_dir,
+                                           checkpoint_every=args.checkpoint_every))
     random.seed(session.rank)  # every generator the state holds is seeded: two runs compare bit for bit
     numpy.random.seed(session.rank)
     model, optimizer = build(session.mesh)
     out = Path(args.out) if args.out else None
     excise = dict(build=build, on_rank_loss=Policy.EXCISE, min_ranks=args.excise_to) if args.excise_to else {}
     with resilient(model, optimizer, session, batches=lambda step: batch(step, session.rank), **excise) as rt:
-        for step in range(rt.start_step, args.steps):
+        if rt.ckpt is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+            rt.restore(rt.ckpt.latest(args.steps))  # torchrun restarted every worker: the newest checkpoint
+        for step in range(rt.committed_step, args.steps):
             # rt.model and rt.optimizer: after an excision, the smaller world's (build(mesh) made them)
             rt.step(lambda b: train_step(rt.model, rt.optimizer, b), batch(step, session.rank))
             if out is not None:
                 _write(out / f"progress-rank{session.rank}.json",
                        {"step": step, "pid": os.getpid(), "incarnation": session.incarnation})
+                with open(out / f"steps-rank{session.rank}.log", "a") as log:  # when each step was committed
+                    log.write(f"{step} {time.time():.6f}\n")
             time.sleep(args.step_s)
         state = rt.state()  # what a recovery restores and bit-identity compares
         recoveries = [{"policy": r.policy.value, "step": r.step, "reason": r.reason, "detected": r.t_detect_wall,
@@ -80,7 +87,8 @@ def main() -> None:
         torch.save(state, out / f"state-rank{session.rank}.pt")
         _write(out / f"rank{session.rank}.json", {"rank": session.rank, "pid": os.getpid(),
                                                     "incarnation": session.incarnation, "digest": digest(state),
-                                                    "steps": args.steps, "recoveries": recoveries})
+                                                    "steps": args.steps, "recoveries": recoveries,
+                                                    "storage_bytes_read": rt.ckpt.bytes_read if rt.ckpt else 0})
 
 
 def _write(path: Path, record: dict) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["EXAMPLE", "Progress", "Final", "Job", "read_finals", "read_progress"]
+__all__ = ["EXAMPLE", "Progress", "Final", "Job", "read_finals", "read_progress", "resumed_at"]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resilient_train.py"
 
@@ -43,6 +43,7 @@ class Final:
     incarnation: int
     digest: str
     recoveries: tuple[dict, ...] = ()  # policy, step, reason, detected and resumed (wall times)
+    storage_bytes_read: int = 0  # checkpoint bytes this process read
 
     @property
     def policies(self) -> tuple[str, ...]:
@@ -64,7 +65,8 @@ def read_finals(out: Path, ranks: int) -> dict[int, Final]:
             d = json.loads((out / f"rank{r}.json").read_text())
         except (OSError, ValueError):
             continue
-        finals[r] = Final(r, int(d["pid"]), int(d["incarnation"]), str(d["digest"]), tuple(d.get("recoveries", ())))
+        finals[r] = Final(r, int(d["pid"]), int(d["incarnation"]), str(d["digest"]), tuple(d.get("recoveries", ())),
+                          int(d.get("storage_bytes_read", 0)))
     return finals
 
 
@@ -75,6 +77,23 @@ def _is_worker(pid: int, out: Path) -> bool:
     except OSError:
         return False
     return str(out) in cmdline or "meshpact.live.warmspare" in cmdline  # a promoted spare runs the script in itself
+
+
+def resumed_at(out: Path, ranks: Sequence[int], step: int, after: float) -> float | None:
+    """When every rank of ``ranks`` had committed ``step`` again after wall time ``after`` (from
+    ``steps-rank<r>.log``); None if one never did. ``resumed_at(...) - after`` is a fault's downtime
+    as the job's progress shows it, whatever recovered it."""
+    times = []
+    for r in ranks:
+        try:
+            lines = (out / f"steps-rank{r}.log").read_text().split("\n")
+        except OSError:
+            return None
+        hits = [float(t) for s, t in (ln.split() for ln in lines if ln.strip()) if int(s) == step and float(t) > after]
+        if not hits:
+            return None
+        times.append(min(hits))
+    return max(times)
 
 
 class Job:

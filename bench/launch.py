@@ -1,0 +1,147 @@
+"""``meshpact launch`` against ``torchrun --max-restarts 1`` on two namespace nodes x two ranks.
+
+One run, side by side, on two network namespaces joined by veth (one launcher per node, node 0
+hosting elastic's c10d rendezvous), each case a fresh job of ``examples/resilient_train.py``:
+
+| case | launcher | fault (after rank 3 committed step KILL_AT) |
+|---|---|---|
+| ``worker_kill_warm_spare`` | meshpact launch, ``--spare-ranks-per-node 1`` | SIGKILL rank 3 (node 1) |
+| ``worker_kill_cold`` | meshpact launch | SIGKILL rank 3 |
+| ``node_kill`` | meshpact launch, ``--excise-to 2`` in the script | SIGKILL node 1's agent and both its workers |
+| ``torchrun_restart`` | torchrun ``--max-restarts 1``, a checkpoint every 5 steps | SIGKILL rank 3: torchrun restarts every worker, which load the newest checkpoint |
+
+Downtime is read from the job's own progress: from the kill until every remaining rank has
+committed the step after the one rank 3 had committed (``steps-rank<r>.log``), so it counts
+detection, recovery, any process start and one step, whatever the launcher did. Bit-identity
+compares every rank's final state digest with plain torchrun on one node without a fault
+(excision leaves a smaller world: its state is not the four-rank run's, so it is not compared).
+Storage bytes read are the checkpoint bytes the job's processes read. ``survivor_pids_kept``:
+every rank not killed ended in the process it started in.
+
+    python bench/launch.py            # table + one JSON line, also bench/results/launch.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _results import emit  # noqa: E402
+
+from meshpact.live.netns import TwoHosts, netns_unavailable  # noqa: E402
+from meshpact.live.trials.launchdrill import Job, read_finals, resumed_at  # noqa: E402
+
+STEPS, STEP_S, KILL_AT, KILLED = 16, 0.05, 5, 3
+CASES = ("worker_kill_warm_spare", "worker_kill_cold", "node_kill", "torchrun_restart")
+
+
+def _flags(hosts: TwoHosts, node: int, port: int, run: str) -> list[str]:
+    return ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            f"{hosts.addr[0]}:{port}", "--rdzv-id", run, "--rdzv-conf", f"is_host={int(node == 0)}",
+            "--local-addr", hosts.addr[node]]
+
+
+def run_case(case: str, hosts: TwoHosts, work: Path, port: int, reference: dict[int, str]) -> dict[str, Any]:
+    out = work / case
+    torchrun = case == "torchrun_restart"
+    script: tuple[str, ...] = ("--excise-to", "2") if case == "node_kill" else ()
+    if torchrun:
+        script = ("--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-every", "5")
+    jobs = []
+    for node in (0, 1):
+        flags = _flags(hosts, node, port, f"{case}{hosts.tag}")
+        if torchrun:
+            launcher = Job.torchrun(*flags, "--max-restarts", "1")
+            # what meshpact launch sets by itself; and a store of each attempt's own (rank 0 hosts it): in
+            # the agents' shared store a restarted attempt would meet the last one's group addresses
+            env = {"GLOO_SOCKET_IFNAME": hosts.iface[node], "MESHPACT_PEER_ADDR": hosts.addr[node],
+                   "MESHPACT_HOST_ID": f"node{node}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        else:
+            extra = ["--spare-ranks-per-node", "1"] if case == "worker_kill_warm_spare" and node == 1 else []
+            launcher = Job.meshpact(*flags, "--max-restarts", "1", "--node-loss-s", "3", *extra)
+            env = {}
+        jobs.append(Job(launcher, out, STEPS, STEP_S, prefix=hosts.prefix(node), env=env, name=f"node{node}",
+                        script_args=script))
+    node0, node1 = jobs
+    try:
+        first = {r: (node0 if r < 2 else node1).wait_for_step(r, 0, 300) for r in range(4)}
+        victim = node1.wait_for_step(KILLED, KILL_AT, 300)
+        if case == "node_kill":
+            node1.kill_agent_and([node1.wait_for_step(r, KILL_AT, 60) for r in (2, 3)])
+        else:
+            node1.kill_rank(KILLED, KILL_AT)
+        t_kill = time.time()
+        rc0 = node0.wait(300)
+        rc1 = 0 if case == "node_kill" else node1.wait(300)
+    finally:
+        for job in jobs:
+            job.close()
+    remaining = (0, 1) if case == "node_kill" else (0, 1, 2, 3)
+    finals = read_finals(out, 4)
+    at = resumed_at(out, remaining, victim.step + 1, t_kill)
+    survivors = [r for r in remaining if r != KILLED]
+    identical = (None if case == "node_kill" else
+                 sorted(finals) == sorted(reference) and all(finals[r].digest == reference[r] for r in finals))
+    return {
+        "ok": rc0 == 0 and rc1 == 0,
+        "downtime_s": None if at is None else round(at - t_kill, 3),
+        "storage_bytes_read": sum(f.storage_bytes_read for f in finals.values()),
+        "bit_identical": identical,
+        "survivor_pids_kept": all(r in finals and finals[r].pid == first[r].pid and finals[r].incarnation == 0
+                                  for r in survivors),
+        "policies": sorted({p for f in finals.values() for p in f.policies}),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", default=",".join(CASES), help=f"a comma list of {', '.join(CASES)}")
+    p.add_argument("--keep", default=None, metavar="DIR", help="keep every job's logs and outputs under DIR")
+    args = p.parse_args()
+    cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not cases or any(c not in CASES for c in cases):
+        sys.stderr.write(f"error: --cases {args.cases!r}: expected a comma list of {', '.join(CASES)}\n")
+        return 2
+    why = netns_unavailable(shaped=False)
+    if why:
+        sys.stderr.write(f"error: bench/launch.py needs network namespaces: {why}\n")
+        return 2
+    with tempfile.TemporaryDirectory(prefix="meshpact-bench-launch-") as tmp:
+        work = Path(args.keep) if args.keep else Path(tmp)
+        with Job(Job.torchrun("--standalone", "--nproc-per-node", "4"), work / "reference", STEPS) as ref:
+            if ref.wait(300) != 0:
+                sys.stderr.write(f"error: the fault-free reference failed:\n{ref.tail()}\n")
+                return 1
+        reference = {r: f.digest for r, f in read_finals(work / "reference", 4).items()}
+        results = {}
+        with TwoHosts(link=None) as hosts:
+            for i, case in enumerate(cases):
+                results[case] = run_case(case, hosts, work, 29400 + i, reference)
+    print(f"{'case':<24} {'ok':<5} {'downtime s':>10} {'storage B read':>15} {'bit-identical':>14} "
+          f"{'survivor pids kept':>19}  policies")
+    for case, r in results.items():
+        print(f"{case:<24} {str(r['ok']):<5} {str(r['downtime_s']):>10} {r['storage_bytes_read']:>15} "
+              f"{str(r['bit_identical']):>14} {str(r['survivor_pids_kept']):>19}  {', '.join(r['policies'])}")
+    spare = results.get("worker_kill_warm_spare", {}).get("downtime_s")
+    restart = results.get("torchrun_restart", {}).get("downtime_s")
+    emit("launch", {
+        "nodes": 2, "ranks_per_node": 2, "steps": STEPS, "kill_after_step": KILL_AT, "step_sleep_s": STEP_S,
+        "downtime_s_by_case": {c: r["downtime_s"] for c, r in results.items()},
+        "storage_bytes_read_by_case": {c: r["storage_bytes_read"] for c, r in results.items()},
+        "bit_identical_by_case": {c: r["bit_identical"] for c, r in results.items()},
+        "survivor_pids_kept": {c: r["survivor_pids_kept"] for c, r in results.items()},
+        "ok_by_case": {c: r["ok"] for c, r in results.items()},
+        "policies_by_case": {c: r["policies"] for c, r in results.items()},
+        "warm_spare_over_torchrun_restart": round(spare / restart, 3) if spare and restart else None,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
