@@ -263,6 +263,14 @@ class LiveJob:
         self._finalizer = weakref.finalize(self, _end, self.proc, self.token)
         weakref.finalize(self, shutil.rmtree, self.work, True)
         self.injected: list[dict[str, Any]] = []
+        self.stopped = False  # True once stop() was called: the run's end was asked for, not a failure
+
+    @property
+    def status(self) -> str:
+        """What the page says of the run: running, stopped (by stop()) or ended (<exit status>)."""
+        if self.running:
+            return "running"
+        return "stopped" if self.stopped else f"ended ({self.returncode})"
 
     @property
     def running(self) -> bool:
@@ -364,6 +372,8 @@ class LiveJob:
         return target
 
     def stop(self) -> None:
+        """End the run and every process it started; the run then reads as stopped, not failed."""
+        self.stopped = True
         self._finalizer()
         if not self._log.closed:
             self._log.close()

@@ -229,7 +229,7 @@ def panel() -> None:
     steps_done = [r.step for r in rows if r.step is not None]
     generations = [r.generation for r in rows if r.generation is not None]
     a, b, c_, d, g, e_ = st.columns(6)
-    a.metric("run", "running" if job.running else f"ended ({job.returncode})")
+    a.metric("run", job.status)
     b.metric("phase", phase if job.running else "finished")
     c_.metric("rank processes", f"{alive}/{job.world_size - len(excised)}" if job.running else "—",
               help="Live rank processes over the ranks the job has (an excised rank has left it).")
@@ -297,10 +297,11 @@ def _finished(job: LiveJob) -> None:
                                     "slice.")
     if result is None or not result.get("ok"):
         why = failure_sentence(result.get("error", "") if result else job.log_tail())
-        stopped = result is None and job.returncode is not None and job.returncode < 0
-        head = "The run was stopped." if stopped else "The run failed."
         where = f" What it recorded is in `{kept}`." if kept.exists() else " It left no recording."
-        st.error(f"**{head}** {why}{where}")
+        if job.stopped or (result is None and job.returncode is not None and job.returncode < 0):
+            st.info(f"**The run was stopped.**{where}")
+        else:
+            st.error(f"**The run failed.** {why}{where}")
         if kept.exists() and st.button("Replay what it recorded", icon=":material/replay:", key="live_replay"):
             _open_in_replay(kept)
             st.switch_page("views/replay.py")

@@ -53,6 +53,7 @@ def job(tmp_path):
 
 def test_ranks_are_found_faulted_and_everything_stops(job):
     assert _wait(lambda: len(job.ranks()) == 2), job.log_tail()
+    assert job.status == "running"
     assert [(r.rank, r.phase) for r in job.ranks()] == [(0, "faulted"), (1, "faulted")]
     job.stall_rank(0, 0.4)
     assert _wait(lambda: any(r.rank == 0 and r.stopped for r in job.ranks()), 3)
@@ -64,6 +65,7 @@ def test_ranks_are_found_faulted_and_everything_stops(job):
         job.kill_rank(1)
     job.stop()
     assert not job.running
+    assert job.status == "stopped"  # asked for, so never read as a failure whatever the exit status
     assert _wait(lambda: not job_processes(job.token), 5)  # the rank in its own session is gone too
 
 
@@ -210,6 +212,24 @@ def test_a_run_that_fails_by_itself_is_a_sentence_with_its_partial_recording(tmp
     assert [e.value for e in at.error] == [], [e.value for e in at.error]
     assert any(m.value.startswith("**Event 3/3:** detection rank 0") for m in at.markdown)  # that recording
     job.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_run_reads_stopped_never_failed(job):
+    from pathlib import Path
+
+    from streamlit.testing.v1 import AppTest
+
+    assert _wait(lambda: len(job.ranks()) == 2), job.log_tail()
+    job.stop()  # SIGTERM: the runner exits with a status, which is not a failure
+    at = AppTest.from_file(str(Path(__file__).resolve().parents[2] / "app" / "main.py"), default_timeout=60).run()
+    at.switch_page("views/live.py").run()
+    at.session_state["live_job"] = job
+    at.run()
+    assert not at.exception
+    assert [e.value for e in at.error] == []
+    assert any(i.value.startswith("**The run was stopped.**") for i in at.info), [i.value for i in at.info]
+    assert next(m for m in at.metric if m.label == "run").value == "stopped"
 
 
 def test_rank_rows_follow_each_ranks_newest_incarnation_in_its_own_run():
