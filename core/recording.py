@@ -170,8 +170,13 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
         p = partial_path(p)
     if not p.exists():
         raise RecordingError(f"recording {path} does not exist")
-    with open(p, encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
+    with open(p, "rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise RecordingError(f"{p}:{lineno}: not UTF-8 text; expected a .jsonl recording, "
+                                     "one JSON event per line") from None
             if not line.strip():
                 continue
             try:

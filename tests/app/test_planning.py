@@ -106,3 +106,14 @@ def test_a_padded_vocabulary_is_planned_with_its_padding_masked(mesh):
     assert e.producer.shape == (8, 1024) and e.producer.vocab_size == 1000
     lowered = next(o for o in judge(e).outcomes if o.planner == "meshpact lowerer")
     assert lowered.ok and any(s.arg("valid") == 1000 for s in lowered.plan.steps)
+
+
+@pytest.mark.parametrize("name,content", [("v.npy", b"\x89PNG\r\n\x1a\n\x00\xff"), ("v.npy", b""),
+                                          ("v.json", b"\xff\xfe\x00"), ("v.json", b"")])
+def test_any_uploaded_values_file_is_one_line(mesh, name, content):
+    from meshpact.app.planning import run_uploaded
+
+    with pytest.raises(MeshpactError) as info:
+        run_uploaded(_edge(mesh), name, content)
+    text = str(info.value)
+    assert "\n" not in text and text.startswith(name) and "allow_pickle" not in text

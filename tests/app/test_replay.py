@@ -117,3 +117,14 @@ def test_a_replay_finds_its_first_recovery_however_late_in_a_long_run():
     assert len(frames) == len(late)
     for i in (0, first, len(late) - 1):
         assert frames[i] == replay_frame(late, i)
+
+
+@pytest.mark.parametrize("content", [b"\x89PNG\r\n\x1a\n\x00\xff\xfe", b"", b"\x00" * 70_000])
+def test_any_file_given_as_a_recording_is_one_line(tmp_path, content):
+    from meshpact.core.errors import MeshpactError
+
+    p = tmp_path / "picture.jsonl"
+    p.write_bytes(content)
+    with pytest.raises(MeshpactError) as info:
+        read_recording(p)
+    assert "\n" not in str(info.value) and str(p) in str(info.value)
