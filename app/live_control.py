@@ -438,3 +438,16 @@ def failure_sentence(text: str) -> str:
         last = lines[-1][:300].rstrip(".")
         return f"{last[:1].upper()}{last[1:]}."
     return "The run ended without saying why (no error message and an empty log)."
+
+
+def form_problem(ranks: int, faults: int, fault_kind: str, on_rank_loss: str) -> str | None:
+    """What is wrong with the Live page's start form, in the page's own words (its field names,
+    not the CLI's flags), or None when the trial can start."""
+    if on_rank_loss == "excise":
+        if fault_kind != "kill":
+            return (f"**on rank loss: excise** goes on without a killed rank, so the **planned fault kind** must be "
+                    f"**kill**, not **{fault_kind}**.")
+        if faults > ranks - 1:
+            return (f"**on rank loss: excise** removes a different rank per fault: at most {ranks - 1} **planned "
+                    f"faults** with {ranks} **ranks**, not {faults}.")
+    return None

@@ -20,7 +20,7 @@ from meshpact.app.exports import perfetto_json
 from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.format import clock, count, duration
 from meshpact.app.live_control import (
-    FaultFromPage, LiveJob, RankEvent, RankRow, failure_sentence, rank_rows, tail_events,
+    FaultFromPage, LiveJob, RankEvent, RankRow, failure_sentence, form_problem, rank_rows, tail_events,
 )
 from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
@@ -86,7 +86,10 @@ with st.form("live_start"):
                                   "same global batch).")
     start = st.form_submit_button("Start cluster and train", type="primary", disabled=running)
 
-if start:
+problem = form_problem(int(ranks), int(faults), kind, str(on_loss)) if start else None
+if problem:
+    st.error("**Cannot start this run.** " + problem)
+elif start:
     try:
         from meshpact.live.trials.trial import TrialConfig
 

@@ -420,3 +420,13 @@ def test_a_rank_the_survivors_excised_reads_excised_not_gone_and_only_in_that_ru
     # a rank that died without an excision decision (a replacement is coming) is gone, not excised
     only_kill = [e for e in events if e.event.event != EventKind.DECIDED]
     assert [r.state for r in rank_rows(procs, only_kill, "faulted", 4.0, 4)][1] == "gone"
+
+
+def test_the_start_form_is_checked_in_the_pages_own_words():
+    from meshpact.app.live_control import form_problem
+
+    assert form_problem(4, 0, "kill", "excise") is None and form_problem(4, 2, "collective", "replace") is None
+    wrong_kind = form_problem(4, 0, "collective", "excise")
+    assert "planned fault kind" in wrong_kind and "kill" in wrong_kind and "--" not in wrong_kind
+    too_many = form_problem(4, 4, "kill", "excise")
+    assert "at most 3 **planned faults**" in too_many and "--" not in too_many
