@@ -246,7 +246,7 @@ def panel() -> None:
                     "row, then press **Resume**. A killed rank is recovered from while the run is held (its "
                     "replacement and the held survivors agree, and every row moves to the next generation); a "
                     "stall or a partition meets the ranks once they train. The run gives up after 5 minutes held.")
-        else:
+        elif phase != "faulted":
             st.caption("The faulted run will be held before its first step (the reference run trains first).")
     if rows:
         _rank_table(rows)
