@@ -36,6 +36,12 @@ computing, a rank whose bytes move (a large collective under way), a rank whose 
 not scheduled (a stale word) each keep the alarm off. Only where the data path is sockets
 (gloo); NCCL's traffic does not pass through them, so there the data-path timeout finds it.
 
+A rank that starts a recovery bumps a counter for its generation (:func:`recovering_key`);
+the watch reads it in the same round trip as the beats, and a rank still in the step severs its
+data path at its next look. Without it a rank blocked on a pair nobody severs (a send to a third
+rank, which is itself blocked) would wait out the data-path timeout: a second by default, minutes
+where NCCL-length timeouts are set.
+
 The bound on finding a stall or a quiet data path is :attr:`RecoveryConfig.heartbeat_detect_s`.
 Not found by the heartbeat (the data-path timeout still bounds them): a main thread busy
 without moving (a spin loop in native code) and a process that stops whole (every thread,
@@ -60,7 +66,7 @@ import torch
 from . import communicator as comm
 from .control import ControlChannel, control_address
 
-__all__ = ["Heartbeat", "HeartbeatAlarm", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed"]
+__all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed"]
 
 PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # torch's own code: an op the main thread waits in
@@ -73,8 +79,9 @@ _BYTES_AT = 120  # tcpi_bytes_acked, then tcpi_bytes_received (two u64)
 
 @dataclass(frozen=True)
 class HeartbeatAlarm:
-    """What the heartbeat found: when, the stalled ranks (a stall), or that every rank's data
-    path went quiet (``data_path_quiet``: a cut link or a hang of the collective itself)."""
+    """What the heartbeat found: when, the stalled ranks (a stall), that every rank's data path
+    went quiet (``data_path_quiet``: a cut link or a hang of the collective itself), or neither:
+    a peer opened a recovery while this rank was still in the step."""
 
     t_wall: float
     stalled: tuple[int, ...] = ()
@@ -142,6 +149,12 @@ def watch(seen: int, now: int, still: int) -> int:
     return still
 
 
+def recovering_key(generation: int) -> str:
+    """The control-channel counter a rank bumps when it starts a recovery out of ``generation``:
+    every heartbeat reads it with the beats, and a rank still in the step severs its data path."""
+    return f"recovering/g{generation}"
+
+
 class Heartbeat:
     """One rank's beating and watching thread (see the module docstring)."""
 
@@ -180,6 +193,15 @@ class Heartbeat:
         out = self.alarm if self._detected_generation == self.session.generation else None
         self.alarm, self._detected_generation = None, None
         return out
+
+    def _raise(self, alarm: HeartbeatAlarm, generation: int) -> None:
+        """Keep ``alarm`` for the runtime and sever the data path of ``generation`` (unless the
+        generation moved on meanwhile), so the step in flight fails at once."""
+        s = self.session
+        self.alarm, self._detected_generation = alarm, generation
+        with s.sever_lock:  # the standby's sockets survive, and a swap under way is waited for
+            if s.generation == generation:
+                comm.sever(s.data_sockets())
 
     def _data_bytes(self, generation: int) -> int | None:
         """Bytes acknowledged plus received on the data path's sockets (None: none to read).
@@ -288,7 +310,12 @@ class Heartbeat:
                 still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()
                 quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
                 self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
-            counts = self.channel.counters(keys)  # one round trip for every peer
+            # one round trip for every peer, and for whether a rank opened a recovery of this generation
+            counts = self.channel.counters([*keys, recovering_key(generation)])
+            if counts.pop() and self.watching and self.alarm is None and s.generation == generation:
+                # a peer is recovering while this rank is still in the step: it may be blocked on a
+                # pair nobody severs (a send to a third rank), which only the data-path timeout ends
+                self._raise(HeartbeatAlarm(time.time(), ()), generation)
             if not self.watching or seen is None or ranks != watched:
                 still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}
                 continue
@@ -307,10 +334,6 @@ class Heartbeat:
             # the step may have failed meanwhile and new groups be in the making: sever only
             # the generation this look was made in, while the step still runs
             if (stalled or hung) and self.alarm is None and self.watching and s.generation == generation:
-                self.alarm = HeartbeatAlarm(time.time(), tuple(stalled), hung)
-                self._detected_generation = generation
+                self._raise(HeartbeatAlarm(time.time(), tuple(stalled), hung), generation)
                 hung_in = generation if hung else hung_in
-                with s.sever_lock:  # the standby's sockets survive, and a swap under way is waited for
-                    if s.generation == generation:
-                        comm.sever(s.data_sockets())
                 still, quiet = [0] * len(ranks), 0

@@ -38,7 +38,7 @@ from . import peers
 from .checkpoint import Checkpointer
 from .consensus import CounterMoves, Decision, Proposal, agree
 from .generation import Generation
-from .heartbeat import Heartbeat, HeartbeatAlarm
+from .heartbeat import Heartbeat, HeartbeatAlarm, recovering_key
 from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .reshard import ExcisionRecord, Membership, carry_schedule, excise
@@ -185,9 +185,13 @@ def detect(rt: Job, cause: Cause) -> Detection:
     s = rt.session
     t_detect, cpu0, t0 = time.time(), time.process_time(), time.perf_counter()
     severed = comm.sever(s.data_sockets())  # the standby's sockets are not the data path's
+    if rt.heartbeat is not None and not cause.drill:  # peers still in the step sever theirs on their next look
+        s.control.add(recovering_key(s.generation))
     alarm = rt.heartbeat.take() if rt.heartbeat is not None else None
-    if alarm is not None:  # the heartbeat knew first (it severed the sockets that raised)
-        t_detect = min(t_detect, alarm.t_wall)
+    if alarm is not None and (alarm.stalled or alarm.data_path_quiet):  # the heartbeat knew first
+        t_detect = min(t_detect, alarm.t_wall)  # (it severed the sockets that raised)
+    # a peer's recovery told this rank's heartbeat to sever: the rank knew when its step raised
+    # (at once where it waited on the data path; on waking where it was stalled itself)
     s.emit(EventKind.DETECTED, Stage.DETECTION, step=cause.step, error=cause.message, severed_sockets=severed,
            generation=s.generation, seconds=time.perf_counter() - t0,
            heartbeat_stalled=list(alarm.stalled) if alarm else [],

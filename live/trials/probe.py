@@ -386,3 +386,43 @@ def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
                  and (e.data.get("heartbeat_stalled") or e.data.get("heartbeat_quiet")))
     return FalseAlarms(session.rank, time.time() - t0, steps, len(rt.recoveries), alarms, config.heartbeat,
                        round(os.getloadavg()[0], 2)).to_dict()
+
+
+def stuck_send_probe(raw: JsonArgs) -> dict[str, object]:
+    """Three ranks and a pair nobody severs: in step 1 rank 0's step raises a communication
+    fault while ranks 1 and 2 each wait to receive from the other. Rank 0 severs only its own
+    sockets, so ranks 1 and 2 learn of the recovery from the control channel (the heartbeat
+    reads the counter rank 0 bumps) or, without that, at the data-path timeout. Returns each
+    rank's recovery records and how long its failed attempt ran before it knew."""
+    import torch
+    import torch.distributed as dist
+
+    from meshpact.core.recording import EventKind
+
+    from ..recovery.config import RecoveryConfig
+    from ..recovery.faults import CollectiveFault
+    from ..recovery.runtime import resilient
+    from ..recovery.session import start_session
+
+    session = start_session(RecoveryConfig(data_timeout_s=float(raw["data_timeout_s"]), vendor="cpu"))
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    attempts: list[int] = []
+    began: list[float] = []
+
+    def train_step(step: int) -> None:
+        attempts.append(step)
+        if step == 1 and attempts.count(1) == 1:  # the first attempt of step 1
+            began.append(time.time())
+            if session.rank == 0:
+                raise CollectiveFault("rank 0's collective failed")
+            dist.recv(torch.zeros(1), group=session.group, group_src=3 - session.rank)  # the peer waits on us too
+        dist.all_reduce(torch.ones(1), group=session.group)
+
+    with resilient(model, optimizer, session, batches=lambda step: step) as rt:
+        for step in range(3):
+            rt.step(train_step, step)
+    detected = [e for e in session.events if e.event == EventKind.DETECTED]
+    return {"rank": session.rank, "recoveries": [r.to_dict() for r in rt.recoveries],
+            "knew_after_s": [r.t_detect_wall - began[0] for r in rt.recoveries],
+            "errors": [str(e.data.get("error", "")) for e in detected], "steps": rt.committed_step}
