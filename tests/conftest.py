@@ -21,6 +21,12 @@ LONGEST_FIRST = (
     "tests/app/test_browser.py",  # 140 s: Chromium through the live console, replay, scale
     "tests/live/test_recovery_compile.py",  # 112 s: torch.compile on every rank, cold cache first
     "tests/live/test_recovery_kill.py",  # 70 s
+    "tests/live/test_launch_nodes.py",  # 50 s: two namespace nodes, each an elastic agent and its workers
+    "tests/live/test_trial_baselines.py",  # 30-80 s under load: a kill trial with its baselines
+    "tests/live/test_launch.py",  # 30 s
+    "tests/live/test_recovery_stateful.py",  # 30-70 s
+    "tests/live/test_recovery_stuck_send.py",  # 12-30 s
+    "tests/live/test_checkpoint_dcp.py",  # 16 s
     "tests/live/test_rebind.py",  # 58 s
     "tests/live/test_missed_replacement_excision.py",  # 50 s
     "tests/app/test_pages.py",  # 50 s
