@@ -338,14 +338,6 @@ class Session:
         """Build ``generation``'s world and mesh-dimension groups (every rank calls it)."""
         return build_groups(self.spec, self.store, generation, self.mesh_shape, self.mesh_names)
 
-    def generation_of(self, number: int, groups: Mapping[str, dist.ProcessGroup]) -> Generation:
-        """The generation ``number`` over ``groups`` (this job's mesh shape; the members and
-        the checkpoint folder of the current generation)."""
-        device = self.spec.device.split(":")[0]
-        mesh = mesh_from_groups(groups, device, self.mesh_shape, self.mesh_names)
-        cur = self.gen
-        return Generation(number, cur.spec, dict(groups), mesh, cur.members, cur.checkpoint_subdir)
-
 
 def _mesh_ranks(shape: tuple[int, ...]) -> torch.Tensor:
     return torch.arange(math.prod(shape)).reshape(shape)
