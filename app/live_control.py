@@ -9,14 +9,19 @@ environment names its ``RANK``, the phase in ``MESHPACT_RUN_ID`` and the
 launcher's list of the processes it started, ``processes.jsonl``): faults from the page
 are real signals to a real rank process (``SIGKILL`` kills it; ``SIGSTOP`` then
 ``SIGCONT`` stalls it). :meth:`LiveJob.stop` ends the runner and every process carrying
-the token; a finalizer does the same when the job object is dropped with the session.
-:func:`tail_events` reads the recording as it grows, a complete line at a time;
+the token; so does the job's watcher once the browser session that started it is gone,
+the runner itself once the dashboard's process is gone (its lease), and a finalizer when
+the job object is dropped. :func:`tail_events` reads the recording as it grows, a complete
+line at a time; :class:`JobEvents` follows a job's rank logs and its parent's own events,
+each event once, and :func:`rank_rows` turns them into the rank table (with
+:func:`committed_step` and :func:`down_ranks` for the figures above and beside it);
 :func:`failure_sentence` turns what a failed run left behind (an error message, a
 traceback, a log) into one plain sentence for the page.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,7 +36,7 @@ import weakref
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from meshpact.app.live_job import INJECTED_FILE, TRIAL_DIR
 from meshpact.core.errors import RecordingError
@@ -41,9 +46,13 @@ from meshpact.live.launcher import LaunchedProcess  # torch-free
 from meshpact.live.trials.trialconfig import PHASES, PROCESSES_FILE, Pace  # torch-free
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
-           "TOKEN_ENV", "RankLogs", "RankEvent", "FaultFromPage"]
+           "TOKEN_ENV", "LEASE_ENV", "RankLogs", "RankEvent", "FaultFromPage", "JobEvent", "JobEvents", "job_stream",
+           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
+# set: the runner ends itself (SIGTERM) once its stdin reaches end of file, i.e. once the process that started it
+# is gone or let go of the job (see live_job.stop_when_parent_goes)
+LEASE_ENV = "MESHPACT_DASHBOARD_LEASE"
 
 
 @dataclass(frozen=True)
@@ -97,23 +106,39 @@ class RankRow:
 
 
 _DONE = frozenset({EventKind.RECOVERY_DONE, EventKind.FIRST_COLLECTIVE, EventKind.STEP, EventKind.CHECKPOINT})
+# what the trial's parent writes into the recording itself; every other event of a recording is a copy of a rank
+# process's own log, made when the run ends
+PARENT_EVENTS = frozenset({EventKind.RECORDING_START, EventKind.REPLACEMENT_STARTED, EventKind.FAULT_INJECTED,
+                           EventKind.RECOVERED, EventKind.TRAINED, EventKind.SUMMARY})
+# a rank without a process: out of the job (excised), finished (done), or lost and not (yet) replaced (dead)
+OUT_OF_JOB = frozenset({"excised", "dead", "—"})
+DOWN = frozenset({"excised", "dead", "stopped"})  # what the mesh marks failed: a recovering survivor is not
+
+
+def excised_ranks(events: Sequence[RankEvent], phase: str) -> set[int]:
+    """The ranks the survivors of ``phase`` decided to go on without: every excision a rank's
+    ``decided`` event names (the trial's own judgement reads the same events the same way)."""
+    return {int(r) for re in events if re.phase == phase and re.event.event == EventKind.DECIDED
+            and re.event.data.get("policy") == Policy.EXCISE.value for r in re.event.data.get("lost", ())}
 
 
 def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: str, now: float,
-              world_size: int) -> list[RankRow]:
+              world_size: int, steps: int | None = None, finished: bool = False) -> list[RankRow]:
     """A row per rank of the ``phase`` run: its newest process (or none, when it is gone) and
-    its newest incarnation's events (``now``: wall time, for the silence)."""
+    its newest incarnation's events (``now``: wall time, for the silence).
+
+    A rank with no process is *excised* when the survivors decided to go on without it, *done*
+    when its newest incarnation committed the run's last step (``steps``) or the whole run
+    ended well (``finished``), and otherwise *dead*: lost, its replacement not (yet) running."""
     newest: dict[int, RankProcess] = {}
     for p in procs:
         if p.phase == phase and (p.rank not in newest or p.incarnation >= newest[p.rank].incarnation):
             newest[p.rank] = p
     mine: dict[int, list[RankEvent]] = {}
-    excised: set[int] = set()  # ranks the survivors decided to go on without
     for re in events:
         if re.phase == phase and re.event.rank is not None:
             mine.setdefault(re.event.rank, []).append(re)
-            if re.event.event == EventKind.DECIDED and re.event.data.get("policy") == Policy.EXCISE.value:
-                excised.update(int(r) for r in re.event.data.get("lost", ()))
+    excised = excised_ranks(events, phase)
     out = []
     for rank in range(world_size):
         proc = newest.get(rank)
@@ -121,10 +146,11 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
         inc = max([e.incarnation for e in evs] + ([proc.incarnation] if proc else [0]))
         evs = sorted((e.event for e in evs if e.incarnation == inc), key=lambda e: e.t)
         step = generation = None
-        collective, state = "", "starting"
+        collective, state, last_step = "", "starting", False
         for e in evs:
             if e.event in (EventKind.STEP, EventKind.CHECKPOINT, EventKind.HELD) and "step" in e.data:
                 step = int(e.data["step"])
+                last_step = last_step or (e.event == EventKind.STEP and steps is not None and step >= steps)
             if "generation" in e.data and isinstance(e.data["generation"], int):
                 generation = int(e.data["generation"])
             if e.event == EventKind.STEP:
@@ -137,13 +163,31 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
                 state = "training"
         last = evs[-1] if evs else None
         if proc is None:
-            state = "excised" if rank in excised else ("gone" if evs else "—")
+            if rank in excised:
+                state = "excised"
+            elif evs and (last_step or finished):
+                state = "done"
+            else:
+                state = "dead" if evs else "—"
         elif proc.stopped:
             state = "stopped"
         out.append(RankRow(rank, proc.pid if proc else None, proc.incarnation if proc else inc, phase, state, step,
                            generation, collective, str(last.event) if last else "",
                            max(now - last.t, 0.0) if last else None))
     return out
+
+
+def committed_step(rows: Sequence[RankRow]) -> int | None:
+    """The job's committed step: the least step committed by the ranks still in the job (an
+    excised rank's, or a dead one's, last step is not the job's)."""
+    steps = [r.step for r in rows if r.step is not None and r.state not in OUT_OF_JOB]
+    return min(steps) if steps else None
+
+
+def down_ranks(rows: Sequence[RankRow]) -> list[int]:
+    """The ranks the mesh draws as failed: dead, excised or stopped; never a survivor that is
+    recovering, nor a rank that finished."""
+    return [r.rank for r in rows if r.state in DOWN]
 
 
 class RankLogs:
@@ -166,6 +210,102 @@ class RankLogs:
                 new, self._offsets[path] = _read_lines(path, self._offsets.get(path, 0))
                 out.extend(RankEvent(phase, inc, e) for e in new)
         return out
+
+
+@dataclass(frozen=True)
+class JobEvent:
+    """One event of a dashboard job's stream: ``run`` is the trial's run it belongs to (for the
+    parent's own events, the run going on when it was written; "" before any); ``event.t`` is
+    seconds since the recording began."""
+
+    run: str
+    event: Event
+
+
+class JobEvents:
+    """A job's events as they are written, each once: every rank process's own log (all runs,
+    :class:`RankLogs`) and the trial parent's own events from the recording
+    (:data:`PARENT_EVENTS`); the recording's copies of the rank logs, written when the run ends,
+    are left out, so a count never drops when the run ends. Without ``trial_dir`` (a job that
+    keeps no rank logs) the recording is the whole stream.
+
+    :attr:`rank_events` and :attr:`parent_events` hold everything read so far. The finished
+    recording (written whole, then perhaps rewritten with the faults sent from the page) is
+    read whole each time it changes and replaces what the growing one gave."""
+
+    def __init__(self, recording: Path, trial_dir: Path | None = None) -> None:
+        self.recording = Path(recording)
+        self.rank_logs = RankLogs(trial_dir) if trial_dir is not None else None
+        self.wall0: float | None = None  # the recording's start, wall time
+        self.rank_events: list[RankEvent] = []  # t: wall time
+        self.parent_events: list[Event] = []  # t: seconds since the recording began
+        self._offset = 0
+        self._finished: tuple[int, int, int] | None = None  # the finished recording's inode, size, mtime
+
+    def _mine(self, events: list[Event]) -> list[Event]:
+        return events if self.rank_logs is None else [e for e in events if e.event in PARENT_EVENTS]
+
+    def poll(self) -> tuple[list[RankEvent], list[Event]]:
+        """The events written since the last poll: rank events (``t`` wall time) and the parent's
+        own (``t`` since the recording began)."""
+        rank_new = self.rank_logs.poll() if self.rank_logs is not None else []
+        self.rank_events.extend(rank_new)
+        if partial_path(self.recording).exists() or not self.recording.exists():
+            new, self._offset = tail_events(self.recording, self._offset)
+            new = self._mine(new)
+            self.parent_events.extend(new)
+        else:
+            new = self._reread()
+        first = self.parent_events[0] if self.parent_events else None
+        if self.wall0 is None and first is not None and isinstance(first.data.get("wall_time"), (int, float)):
+            self.wall0 = float(first.data["wall_time"]) - first.t
+        return rank_new, new
+
+    def _reread(self) -> list[Event]:
+        """The finished recording, read whole when it changed: it replaces the parent events read
+        so far; returns those not read before (the same time, kind, rank and stage)."""
+        try:
+            st = self.recording.stat()
+        except OSError:
+            return []
+        sig = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if sig == self._finished:
+            return []
+        whole, _ = _read_lines(self.recording, 0)
+        whole = self._mine(whole)
+        self._finished = sig
+        seen: dict[tuple[object, ...], int] = {}
+        for e in self.parent_events:
+            seen[_key(e)] = seen.get(_key(e), 0) + 1
+        new = []
+        for e in whole:
+            if seen.get(_key(e), 0):
+                seen[_key(e)] -= 1
+            else:
+                new.append(e)
+        self.parent_events = whole
+        return new
+
+
+def _key(e: Event) -> tuple[object, ...]:
+    return round(e.t, 6), str(e.event), e.rank, e.stage
+
+
+def job_stream(rank_events: Sequence[RankEvent], parent_events: Sequence[Event], wall0: float) -> list[JobEvent]:
+    """One time-ordered stream of a job's events (``wall0``: the recording's start, wall time):
+    each rank event under its run, each parent event under the run of the rank event before it."""
+    ranked = [JobEvent(e.phase, Event(e.event.t - wall0, e.event.event, e.event.rank, e.event.stage, e.event.data))
+              for e in rank_events]
+    merged = sorted([(e.event.t, 0, e) for e in ranked] + [(e.t, 1, JobEvent("", e)) for e in parent_events],
+                    key=lambda x: (x[0], x[1]))
+    out, run = [], ""
+    for _, _, je in merged:
+        if je.run:
+            run = je.run
+            out.append(je)
+        else:
+            out.append(JobEvent(str(je.event.data.get("phase") or run), je.event))
+    return out
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -211,7 +351,11 @@ def _signal(pid: int, sig: int) -> bool:
 
 
 def _end(proc: subprocess.Popen, token: str) -> None:
-    """Stop the runner's process group, then anything else still carrying the token."""
+    """Stop the runner's process group (its lease let go first: a runner that watches it ends
+    its ranks itself), wait for it (no zombie), then kill anything still carrying the token."""
+    if proc.stdin is not None and not proc.stdin.closed:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
     if proc.poll() is None:
         try:
             os.killpg(proc.pid, signal.SIGTERM)
@@ -225,9 +369,35 @@ def _end(proc: subprocess.Popen, token: str) -> None:
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait(timeout=5)
+    _sweep(token)
+
+
+def _sweep(token: str) -> None:
+    """Kill every process still carrying ``token`` (a stopped one is woken to die)."""
     for pid, _ in job_processes(token):
         _signal(pid, signal.SIGCONT)
         _signal(pid, signal.SIGKILL)
+
+
+def _watch(proc: subprocess.Popen, token: str, alive: Callable[[], bool] | None, grace_s: float,
+           every_s: float = 0.25) -> None:
+    """Until the runner exits: once ``alive()`` (the browser session that started the job is
+    still connected) has said no for ``grace_s`` seconds, end the job. However the runner ends,
+    it is reaped here and anything it left carrying the token is killed."""
+    lost_since: float | None = None
+    while proc.poll() is None:
+        if alive is not None:
+            try:
+                ok = bool(alive())
+            except Exception:  # noqa: BLE001 - a runtime being torn down: the session is over
+                ok = False
+            now = time.monotonic()
+            lost_since = None if ok else (lost_since if lost_since is not None else now)
+            if lost_since is not None and now - lost_since >= grace_s:
+                _end(proc, token)
+                return
+        time.sleep(every_s)
+    _sweep(token)
 
 
 class LiveJob:
@@ -235,11 +405,19 @@ class LiveJob:
 
     def __init__(self, recording: Path, args: Sequence[str], cwd: Path | None = None,
                  runner: Sequence[str] = ("-m", "meshpact.app.live_job"), world_size: int = 0,
-                 pace: Pace | None = None) -> None:
+                 pace: Pace | None = None, steps: int | None = None, session_alive: Callable[[], bool] | None = None,
+                 grace_s: float = 2.0) -> None:
         """``pace`` given: the trial runs in this job's work directory (``--work-dir``), its
-        ranks keep that pace and log every step, and :attr:`rank_logs` follows them."""
+        ranks keep that pace and log every step, and :attr:`events` follows their logs beside the
+        recording (without one, :attr:`events` follows the recording alone).
+
+        The job ends with whoever started it: ``session_alive`` (the browser session still
+        connected) saying no for ``grace_s`` seconds ends it, from a thread that also reaps the
+        runner; and the runner holds a lease on this process (its stdin, see
+        :data:`LEASE_ENV`), so it ends its ranks itself when this process goes, however it goes."""
         self.token = uuid.uuid4().hex
         self.world_size = world_size
+        self.steps = steps
         self.recording = Path(recording)
         self.work = Path(tempfile.mkdtemp(prefix="meshpact-live-"))  # runner's log, result, trial; not the recordings
         self.result_path = self.work / "result.json"
@@ -248,19 +426,22 @@ class LiveJob:
         self.recording.parent.mkdir(parents=True, exist_ok=True)
         self.started = time.time()
         self.pace = pace
-        self.rank_logs = RankLogs(self.trial_dir)
+        self.events = JobEvents(self.recording, self.trial_dir if pace is not None else None)
         extra: list[str] = []
         if pace is not None:
             self.trial_dir.mkdir()
             pace.write(self.trial_dir)
             extra = ["--work-dir", str(self.work)]
-        env = {**os.environ, TOKEN_ENV: self.token, "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, TOKEN_ENV: self.token, LEASE_ENV: "stdin", "OMP_NUM_THREADS": "1"}
         cmd = [sys.executable, *runner, "--record", str(self.recording), "--result", str(self.result_path), *args,
                *extra]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
         self._finalizer = weakref.finalize(self, _end, self.proc, self.token)
+        self.watcher = threading.Thread(target=_watch, args=(self.proc, self.token, session_alive, grace_s),
+                                        name=f"meshpact-live-job-{self.token[:8]}", daemon=True)
+        self.watcher.start()
         weakref.finalize(self, shutil.rmtree, self.work, True)
         self.injected: list[dict[str, Any]] = []
         self.stopped = False  # True once stop() was called: the run's end was asked for, not a failure

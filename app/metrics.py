@@ -1,10 +1,14 @@
-"""Prometheus metrics of a live run, read from its recording as the recording grows.
+"""Prometheus metrics of a live run, read from its records as they are written.
 
-:class:`RecordingMetrics` tails a recording (the ``.partial`` file while the run writes
-it, then the finished one) and keeps, in its own registry: recoveries by the policy the
-ranks decided on, the duration of every recovery stage as a histogram per stage,
-recorded events by kind, each rank's seconds since its last recorded event, and the
-heartbeat age a rank reported where an event carries one (``heartbeat_age_s``).
+:class:`RecordingMetrics` follows a run's events the way the Live page does
+(:class:`~meshpact.app.live_control.JobEvents`): every rank process's own log as the rank
+writes it, and the trial parent's own events from the recording (the ``.partial`` file while
+the run writes it, then the finished one); given only a recording, the recording. It keeps,
+in its own registry: recoveries by the policy the ranks decided on (as each is decided),
+the duration of every recovery stage as a histogram per stage (as each stage ends), events
+by kind, each rank's committed step and generation in the run it is in, each rank's seconds
+since its last event, and the heartbeat age a rank reported where an event carries one
+(``heartbeat_age_s``).
 :class:`MetricsEndpoint` serves that registry over HTTP for Prometheus to scrape; it is
 off until the Live page turns it on, binds to 127.0.0.1 unless told otherwise, and
 re-reads the recording on every scrape, so the numbers are as fresh as the file.
@@ -22,8 +26,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from meshpact.app.live_control import tail_events
-from meshpact.core.recording import Event
+from meshpact.app.live_control import JobEvents
+from meshpact.core.recording import Event, EventKind
 
 __all__ = ["RecordingMetrics", "MetricsEndpoint", "STAGE_BUCKETS_S"]
 
@@ -38,6 +42,16 @@ class _RankAges(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         self.owner.poll()
+        step = GaugeMetricFamily("meshpact_committed_step", "The step a rank last committed, in the run it is in",
+                                 labels=["run", "rank"])
+        generation = GaugeMetricFamily("meshpact_generation", "The generation a rank's latest event names, in the "
+                                       "run it is in", labels=["run", "rank"])
+        for (run, rank), value in sorted(self.owner.step.items()):
+            step.add_metric([run, str(rank)], value)
+        for (run, rank), value in sorted(self.owner.generation.items()):
+            generation.add_metric([run, str(rank)], value)
+        yield step
+        yield generation
         last = GaugeMetricFamily("meshpact_rank_last_event_age_seconds",
                                  "Seconds since the rank's last recorded event (wall clock)", labels=["rank"])
         now = time.time()
@@ -53,10 +67,12 @@ class _RankAges(Collector):
 
 
 class RecordingMetrics:
-    """The metrics of one recording; :meth:`feed` takes events, :meth:`poll` reads new ones from the file."""
+    """The metrics of one run; :meth:`feed` takes events, :meth:`poll` reads new ones from its
+    records (``trial_dir``: where the rank processes write their logs, when they do)."""
 
-    def __init__(self, recording: Path) -> None:
+    def __init__(self, recording: Path, trial_dir: Path | None = None) -> None:
         self.recording = Path(recording)
+        self.source = JobEvents(self.recording, trial_dir)
         self.registry = CollectorRegistry()
         self.registry.register(_RankAges(self))  # first: a scrape reads the file before any metric is collected
         self.recoveries = Counter("meshpact_recoveries", "Recoveries, by the policy the ranks decided on",
@@ -66,45 +82,56 @@ class RecordingMetrics:
         self.events = Counter("meshpact_events", "Recorded events, by kind", ["event"], registry=self.registry)
         self.last_event_wall: dict[int, float] = {}
         self.heartbeat_age: dict[int, float] = {}
+        self.step: dict[tuple[str, int], int] = {}  # (run, rank) -> committed step
+        self.generation: dict[tuple[str, int], int] = {}
         self._decisions: set[tuple[object, ...]] = set()
-        self._wall_start: float | None = None
-        self._offset = 0
         self._lock = threading.Lock()
 
-    def feed(self, events: Iterable[Event]) -> None:
+    def feed(self, events: Iterable[Event], run: str = "", wall0: float | None = None, wall_clock: bool = False) -> None:
+        """Count ``events``: their ``t`` is wall time (``wall_clock``, as in a rank's own log) or
+        seconds since ``wall0`` (a recording's, learnt from its first event when not given; unknown:
+        now); ``run``: the trial's run they belong to where the events do not say."""
         for e in events:
             self.events.labels(event=e.event).inc()
-            if e.event == "recording_start" and isinstance(e.data.get("wall_time"), (int, float)):
-                self._wall_start = float(e.data["wall_time"]) - e.t
+            if e.event == EventKind.RECORDING_START and isinstance(e.data.get("wall_time"), (int, float)):
+                wall0 = float(e.data["wall_time"]) - e.t
+            their_run = str(e.data.get("run") or run)
             if e.rank is not None:
-                self.last_event_wall[e.rank] = (self._wall_start + e.t) if self._wall_start is not None else time.time()
+                self.last_event_wall[e.rank] = (e.t if wall_clock else e.t + wall0 if wall0 is not None
+                                                else time.time())
                 age = e.data.get("heartbeat_age_s")
                 if isinstance(age, (int, float)) and not isinstance(age, bool):
                     self.heartbeat_age[e.rank] = float(age)
+                if e.event in (EventKind.STEP, EventKind.HELD) and isinstance(e.data.get("step"), int):
+                    self.step[(their_run, e.rank)] = int(e.data["step"])
+                if isinstance(e.data.get("generation"), int) and not isinstance(e.data.get("generation"), bool):
+                    self.generation[(their_run, e.rank)] = int(e.data["generation"])
             secs = e.data.get("seconds")
             if e.stage is not None and isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs >= 0:
                 self.stage_seconds.labels(stage=e.stage.value).observe(float(secs))
             policy = e.data.get("policy")
-            if e.event == "decided" and isinstance(policy, str):
-                # every rank records the same decision: count it once per (round, step, policy, session)
-                key = (policy, e.data.get("round"), e.data.get("step"), e.data.get("generation"), e.data.get("run"))
+            if e.event == EventKind.DECIDED and isinstance(policy, str):
+                # every rank records the same decision: count it once per (run, round, step, policy, session)
+                key = (their_run, policy, e.data.get("round"), e.data.get("step"), e.data.get("generation"))
                 if key not in self._decisions:
                     self._decisions.add(key)
                     self.recoveries.labels(policy=policy).inc()
 
     def poll(self) -> int:
-        """Read the events appended since the last poll; returns how many."""
+        """Read the events written since the last poll; returns how many."""
         with self._lock:
-            new, self._offset = tail_events(self.recording, self._offset)
-            self.feed(new)
-            return len(new)
+            rank_events, parent = self.source.poll()
+            self.feed(parent, wall0=self.source.wall0)
+            for re in rank_events:
+                self.feed([re.event], run=re.phase, wall_clock=True)
+            return len(rank_events) + len(parent)
 
 
 class MetricsEndpoint:
     """An HTTP endpoint serving a recording's metrics at ``http://<addr>:<port>/metrics``."""
 
-    def __init__(self, recording: Path, port: int = 0, addr: str = "127.0.0.1") -> None:
-        self.metrics = RecordingMetrics(recording)
+    def __init__(self, recording: Path, port: int = 0, addr: str = "127.0.0.1", trial_dir: Path | None = None) -> None:
+        self.metrics = RecordingMetrics(recording, trial_dir)
         self.metrics.poll()
         self._server, self._thread = start_http_server(int(port), addr=addr, registry=self.metrics.registry)
         self.addr, self.port = addr, int(self._server.server_port)

@@ -83,3 +83,45 @@ def test_a_dropped_endpoint_frees_its_port(tmp_path):
     except OSError:
         return
     raise AssertionError("an endpoint nobody holds still answers")
+
+
+def test_metrics_follow_the_rank_logs_while_the_run_goes(tmp_path):
+    """Mid-run the recording holds only its start: the step, generation, a recovery and its
+    stages come from the ranks' own logs as they write them, and the finished recording's
+    copies of those logs are not counted again."""
+    import os
+
+    rec, trial = tmp_path / "live.jsonl", tmp_path / "trial"
+    (trial / "faulted").mkdir(parents=True)
+    partial_path(rec).write_text(_line(0.0, "recording_start", source="live", wall_time=1000.0))
+    logs = [trial / "faulted" / f"events-rank{r}-0.jsonl" for r in range(2)]
+    for r, log in enumerate(logs):
+        log.write_text(_line(1001.0, "step", r, step=3, generation=0))
+    ep = MetricsEndpoint(rec, trial_dir=trial)
+    try:
+        m = _scrape(ep.url)
+        assert m['meshpact_committed_step{rank="1",run="faulted"}'] == 3.0
+        assert not any(k.startswith("meshpact_recoveries_total") for k in m)
+        for r, log in enumerate(logs):  # rank 1's peer died: both ranks detect, decide, and go on
+            with open(log, "a") as fh:
+                fh.write(_line(1002.0, "detected", r, "detection", seconds=0.2, step=4, generation=0))
+                fh.write(_line(1002.5, "decided", r, "consensus", seconds=0.4, policy="peer_restore", round=1,
+                               step=4, generation=0))
+                fh.write(_line(1003.0, "step", r, step=5, generation=1))
+        m = _scrape(ep.url)
+        assert m['meshpact_recoveries_total{policy="peer_restore"}'] == 1.0
+        assert m['meshpact_stage_seconds_count{stage="consensus"}'] == 2.0
+        assert m['meshpact_committed_step{rank="0",run="faulted"}'] == 5.0
+        assert m['meshpact_generation{rank="0",run="faulted"}'] == 1.0
+        events = m['meshpact_events_total{event="detected"}']
+        with open(partial_path(rec), "a") as fh:  # the run ends: the parent copies the logs, then its summary
+            for r in range(2):
+                fh.write(_line(2.0, "detected", r, "detection", seconds=0.2))
+            fh.write(_line(4.0, "summary", faults_injected=0))
+        os.replace(partial_path(rec), rec)
+        m = _scrape(ep.url)
+        assert m['meshpact_events_total{event="detected"}'] == events == 2.0
+        assert m['meshpact_events_total{event="summary"}'] == 1.0
+        assert m['meshpact_stage_seconds_count{stage="detection"}'] == 2.0
+    finally:
+        ep.close()
