@@ -9,7 +9,15 @@ With ``--work-dir`` the trial runs there, so the dashboard can follow every rank
 log and steer the ranks through the pace file (:class:`~meshpact.live.trials.trialconfig.Pace`).
 The faults the dashboard injected by hand (kill, stall, partition: one JSON line each in
 ``<work-dir>/injected.jsonl``) are added to the recording as ``fault_injected`` events and
-counted in the summary when the run ends, however it ends.
+counted in the summary when the run ends, however it ends. Each is handed to the trial's own
+analysis as the fault of the first recovery its ranks detected after it
+(:func:`attribute_page_faults`), so the summary's downtime, detection and recovered faults
+cover the recoveries a person caused, computed where the CLI's are.
+
+Started by the dashboard (``MESHPACT_DASHBOARD_LEASE=stdin``), the runner holds a lease on
+the dashboard's process: its stdin, a pipe whose other end the dashboard keeps. End of file
+there (the dashboard let go of the job, or its process is gone, however it went) ends the run
+as SIGTERM does (:func:`stop_when_parent_goes`).
 """
 
 from __future__ import annotations
@@ -19,8 +27,12 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
-from typing import Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshpact.live.trials.analysis import TrialResult
 
 INJECTED_FILE = "injected.jsonl"  # in the work directory: one line per fault injected from the page
 TRIAL_DIR = "trial"  # under the work directory: the trial's own work directory (rank logs, pace file)
@@ -41,10 +53,41 @@ def injected_faults(work_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def add_injected(recording: Path, injected: list[dict[str, Any]]) -> int:
+def attribute_page_faults(result: "TrialResult", injected: list[dict[str, Any]]) -> int:
+    """Hand the faulted run's faults sent from the page to the trial's analysis: each (in the
+    order sent) is the fault of the first recovery of that run, not already a planned fault's,
+    that its ranks detected after it was sent; it gets that recovery's step and its own wall
+    time, as a planned fault's record has. A fault no recovery followed stays out. Returns how
+    many were attributed."""
+    from meshpact.live.recovery.faults import Fault, FaultKind
+    from meshpact.live.trials.outcome import FaultRecord
+
+    planned_steps = {r.step for r in result.fault_records.values()}
+    free = sorted((r for r in result.recoveries() if r["step"] not in planned_steps),
+                  key=lambda r: r["t_first_knew_wall"])
+    faults, records = list(result.faults), dict(result.fault_records)
+    added = 0
+    for f in sorted((f for f in injected if f.get("phase", "faulted") == "faulted"), key=lambda f: f["t_wall"]):
+        rec = next((r for r in free if r["t_first_knew_wall"] >= float(f["t_wall"])), None)
+        if rec is None:
+            continue
+        free.remove(rec)
+        index = max([x.index for x in faults] + list(records), default=-1) + 1
+        faults.append(Fault(index, FaultKind(f["kind"]), int(rec["step"]), int(f["rank"])))
+        records[index] = FaultRecord(int(f["rank"]), int(rec["step"]), str(f["kind"]), float(f["t_wall"]),
+                                     nonce="dashboard")
+        added += 1
+    result.faults, result.fault_records = tuple(faults), records
+    return added
+
+
+def add_injected(recording: Path, injected: list[dict[str, Any]], summary: dict[str, Any] | None = None,
+                 recoveries: list[dict[str, Any]] | None = None) -> int:
     """Write ``injected`` into the finished ``recording`` as ``fault_injected`` events (at their
     time since the recording began) and count them in its summary event; one atomic
-    replace. Returns how many were added."""
+    replace. With ``summary`` and ``recoveries`` (the trial's, recomputed with the faults from
+    the page attributed) the recording's summary and ``recovered`` events become those. Returns
+    how many were added."""
     from meshpact.core.recording import Event, EventKind
 
     if not injected or not recording.exists():
@@ -56,17 +99,37 @@ def add_injected(recording: Path, injected: list[dict[str, Any]]) -> int:
                    data={**{k: v for k, v in f.items() if k != "t_wall"}, "source": "dashboard"}) for f in injected]
     out = []
     for e in events:
+        if e.event == EventKind.RECOVERED and recoveries is not None:
+            continue  # written anew before the summary
         if e.event == EventKind.SUMMARY:
             out.extend(added)
             added = []
-            e = Event(e.t, e.event, e.rank, e.stage, {**e.data, "faults_injected": int(e.data.get("faults_injected") or 0)
-                                                      + len(injected), "faults_from_page": len(injected)})
+            if recoveries is not None:
+                out.extend(Event(e.t, EventKind.RECOVERED, data=r) for r in recoveries)
+            data = summary if summary is not None else {
+                **e.data, "faults_injected": int(e.data.get("faults_injected") or 0) + len(injected),
+                "faults_from_page": len(injected)}
+            e = Event(e.t, e.event, e.rank, e.stage, data)
         out.append(e)
     out.extend(added)  # a run that ended before its summary
     tmp = recording.with_name(recording.name + ".tmp")
-    tmp.write_text("".join(json.dumps(e.to_dict(), sort_keys=True) + "\n" for e in out))
+    tmp.write_text("".join(json.dumps(e.to_dict(), sort_keys=True, default=str) + "\n" for e in out))
     os.replace(tmp, recording)
     return len(injected)
+
+
+def stop_when_parent_goes(lease: IO[bytes]) -> threading.Thread:
+    """End this process as SIGTERM does once ``lease`` (the stdin pipe from the dashboard)
+    reaches end of file: the dashboard let go of the job, or its process is gone."""
+
+    def hold() -> None:
+        while lease.read(4096):
+            pass
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    thread = threading.Thread(target=hold, name="meshpact-lease", daemon=True)
+    thread.start()
+    return thread
 
 
 def _terminate(signum: int, frame: object) -> None:
@@ -91,10 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None)
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    if os.environ.get("MESHPACT_DASHBOARD_LEASE") == "stdin":
+        stop_when_parent_goes(sys.stdin.buffer)
 
     from meshpact.core.errors import MeshpactError
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
+    out: dict[str, Any] = {"ok": False, "error": "the run was stopped"}  # what a stop leaves
     try:
         cfg = TrialConfig(ranks=a.ranks, steps=a.steps, faults=a.faults, fault_kind=a.fault_kind,
                           checkpoint_every=a.checkpoint_every, baselines=a.baselines, timeout_s=a.timeout_s,
@@ -104,17 +170,21 @@ def main(argv: list[str] | None = None) -> int:
                           warm_starts=a.work_dir is not None)
         result = run_trial(cfg, recording_path=a.record,
                            work_dir=None if a.work_dir is None else a.work_dir / TRIAL_DIR)
-        out = {"ok": True, "summary": result.summary(), "recoveries": result.recoveries()}
+        page = injected_faults(a.work_dir) if a.work_dir is not None else []
+        attributed = attribute_page_faults(result, page)
+        summary = result.summary()
+        if page:
+            summary["faults_injected"] += len(page) - attributed  # sent, but no recovery followed
+            summary["faults_from_page"] = len(page)
+        out = {"ok": True, "summary": summary, "recoveries": result.recoveries()}
     except MeshpactError as exc:
         out = {"ok": False, "error": str(exc)}
     except Exception as exc:  # noqa: BLE001 - the page shows the reason as a sentence, never a traceback
         out = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
     finally:
         injected = injected_faults(a.work_dir) if a.work_dir is not None else []
-        add_injected(a.record, injected)
-    if out["ok"] and injected:
-        out["summary"]["faults_injected"] = int(out["summary"].get("faults_injected") or 0) + len(injected)
-        out["summary"]["faults_from_page"] = len(injected)
+        ok = bool(out["ok"])
+        add_injected(a.record, injected, out["summary"] if ok else None, out["recoveries"] if ok else None)
     a.result.write_text(json.dumps(out, default=str, indent=1))
     print(json.dumps({"ok": out["ok"]}), flush=True)
     return 0 if out["ok"] else 2

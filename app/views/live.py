@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Callable
 
 import streamlit as st
 
@@ -20,7 +21,8 @@ from meshpact.app.exports import perfetto_json
 from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.format import clock, count, duration
 from meshpact.app.live_control import (
-    FaultFromPage, LiveJob, RankEvent, RankRow, failure_sentence, form_problem, rank_rows, tail_events,
+    FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, failure_sentence, form_problem, job_stream,
+    rank_rows,
 )
 from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
@@ -29,8 +31,7 @@ from meshpact.core.recovery import Policy, RecoveryBreakdown
 from meshpact.live.recovery.faults import FaultKind  # torch-free
 from meshpact.live.trials.trialconfig import ON_RANK_LOSS, PHASES, Pace
 
-JOB, EVENTS, RANK_EVENTS, OFFSET, WAS_RUNNING = "live_job", "live_events", "live_rank_events", "live_offset", \
-    "live_was_running"
+JOB, WAS_RUNNING = "live_job", "live_was_running"
 METRICS, METRICS_ON, PACE = "live_metrics_endpoint", "live_metrics_on", "live_pace"
 RECORDINGS = Path("recordings")
 FULL_SPEED = "full speed"
@@ -45,6 +46,21 @@ HEADS = ["rank", "pid", "incarnation", "state", "step", "generation", "last coll
 
 def _steps_per_s(label: str) -> float | None:
     return None if label == FULL_SPEED else float(label.split()[0])
+
+
+def _session_alive() -> Callable[[], bool] | None:
+    """Whether this browser session is still connected, asked from any thread (None where the
+    app runs without Streamlit's server, as under AppTest: nothing to watch)."""
+    from streamlit.runtime import Runtime
+    from streamlit.runtime.scriptrunner import get_script_run_ctx
+
+    ctx = get_script_run_ctx()
+    if ctx is None or not Runtime.exists():
+        return None
+    runtime, session = Runtime.instance(), ctx.session_id
+    if not runtime.is_active_session(session):
+        return None
+    return lambda: runtime.is_active_session(session)
 
 
 require_scenario()
@@ -103,9 +119,8 @@ elif start:
                       ["--ranks", str(ranks), "--steps", str(steps), "--faults", str(faults), "--fault-kind", kind,
                        "--checkpoint-every", str(every), "--baselines" if baselines else "--no-baselines",
                        "--heartbeat" if heartbeat else "--no-heartbeat", "--on-rank-loss", str(on_loss)],
-                      world_size=int(ranks), pace=pace)
-        st.session_state[JOB], st.session_state[EVENTS], st.session_state[OFFSET] = job, [], 0
-        st.session_state[RANK_EVENTS] = []
+                      world_size=int(ranks), pace=pace, steps=int(steps), session_alive=_session_alive())
+        st.session_state[JOB] = job
         st.session_state[PACE] = pace_label
         endpoint = st.session_state.pop(METRICS, None)
         if endpoint is not None:
@@ -116,7 +131,7 @@ elif start:
 
 if job is None:
     st.info("Start a cluster to watch a recovery happen. Processes started here stop when you press **Stop** "
-            "or when this browser session ends.")
+            "or within seconds of this browser session ending (tab closed or reloaded, or the app stopped).")
     st.stop()
 
 
@@ -161,15 +176,17 @@ def _metrics_toggle() -> None:
 
     endpoint = st.session_state.get(METRICS)
     if st.session_state.get(METRICS_ON) and endpoint is None:
-        st.session_state[METRICS] = MetricsEndpoint(job.recording)
+        st.session_state[METRICS] = MetricsEndpoint(job.recording,
+                                                    trial_dir=job.trial_dir if job.pace is not None else None)
     elif not st.session_state.get(METRICS_ON) and endpoint is not None:
         endpoint.close()
         st.session_state.pop(METRICS, None)
 
 
 c[3].toggle("serve Prometheus metrics for this run (127.0.0.1)", key=METRICS_ON, on_change=_metrics_toggle,
-            help="Recoveries by policy, stage-duration histograms and per-rank event ages, read from the recording "
-                 "as it grows. Off by default; bound to loopback.")
+            help="Each rank's committed step and generation, recoveries by policy and stage-duration histograms as "
+                 "they happen, and per-rank event ages, read from the ranks' own logs and the recording as they "
+                 "grow. Off by default; bound to loopback.")
 if st.session_state.get(METRICS) is not None:
     st.caption(f"Scrape `{st.session_state[METRICS].url}`")
 
@@ -216,30 +233,32 @@ def panel() -> None:
     if st.session_state.get(WAS_RUNNING) and not job.running:
         st.session_state[WAS_RUNNING] = False
         st.rerun(scope="app")  # the run ended by itself: Start comes back, Stop, Resume and faults go grey
-    new, offset = tail_events(job.recording, st.session_state.get(OFFSET, 0))
-    st.session_state[OFFSET] = offset
-    events: list[Event] = st.session_state.setdefault(EVENTS, [])
-    events.extend(new)
-    rank_events: list[RankEvent] = st.session_state.setdefault(RANK_EVENTS, [])
-    rank_events.extend(job.rank_logs.poll())
+    job.events.poll()
+    events, rank_events = job.events.parent_events, job.events.rank_events
     phase = _current_phase(job, rank_events)
     if not job.running and any(e.phase == "faulted" for e in rank_events):
         phase = "faulted"  # a run that ended: the table keeps the faulted run's last word of each rank
     now = time.time()
-    rows = rank_rows(job.ranks(), rank_events, phase, now, job.world_size) if phase in PHASES else []
+    result = None if job.running else job.result()
+    finished = bool(result and result.get("ok"))
+    rows = (rank_rows(job.ranks(), rank_events, phase, now, job.world_size, job.steps, finished)
+            if phase in PHASES else [])
     alive = sum(r.pid is not None for r in rows)
     excised = [r.rank for r in rows if r.state == "excised"]
-    steps_done = [r.step for r in rows if r.step is not None]
+    step = committed_step(rows)
     generations = [r.generation for r in rows if r.generation is not None]
+    wall0 = job.events.wall0 if job.events.wall0 is not None else job.started
+    stream = job_stream(rank_events, events, wall0)
     a, b, c_, d, g, e_ = st.columns(6)
     a.metric("run", job.status)
     b.metric("phase", phase if job.running else "finished")
     c_.metric("rank processes", f"{alive}/{job.world_size - len(excised)}" if job.running else "—",
               help="Live rank processes over the ranks the job has (an excised rank has left it).")
-    d.metric("committed step", min(steps_done) if steps_done else "—")
+    d.metric("committed step", "—" if step is None else step,
+             help="The least step committed by the ranks still in the job (an excised or dead rank's is not).")
     g.metric("generation", max(generations) if generations else "—",
              help="Each recovery builds the job's groups anew, numbered by the consensus round that decided it.")
-    e_.metric("events", count(len(events) + len(rank_events) if job.running else len(events)))
+    e_.metric("events", count(len(stream)), help="Every rank process's own events, in every run, and the run's own.")
     if job.running and job.pace is not None and job.pace.holds("faulted"):
         if phase == "faulted" and rows and all(r.state == "held" for r in rows):
             st.info("**The faulted run is held before its first step.** Kill, stall or partition a rank from its "
@@ -252,8 +271,8 @@ def panel() -> None:
         _rank_table(rows)
     left, right = st.columns([2, 3], gap="large")
     with left:
-        down = [r.rank for r in rows if r.state in ("gone", "stopped", "excised") or r.state.startswith("recovering")]
-        st.plotly_chart(mesh_figure(local_mesh(job.world_size), down, height=260), key="live_mesh")
+        st.plotly_chart(mesh_figure(local_mesh(job.world_size), down_ranks(rows), height=260), key="live_mesh")
+        st.caption("Marked failed: a dead rank (lost, not yet replaced), an excised one, a stopped one.")
         replaced = [f"rank {r.rank} (incarnation {r.incarnation})" for r in rows if r.incarnation > 0]
         if replaced:
             st.caption("Replaced: " + ", ".join(replaced))
@@ -261,20 +280,11 @@ def panel() -> None:
             st.caption(f"Excised: rank{'s' if len(excised) > 1 else ''} {', '.join(map(str, excised))} — the job goes "
                        f"on with {job.world_size - len(excised)} of {job.world_size} ranks and the same global batch "
                        "(the lost ranks' state re-sharded over the survivors).")
-    wall0 = job.started
-    if events and isinstance(events[0].data.get("wall_time"), (int, float)):
-        wall0 = float(events[0].data["wall_time"]) - events[0].t
-    if job.running:  # each rank's own log as it goes, and the parent's replacements from the recording
-        stream = [Event(e.event.t - wall0, e.event.event, e.event.rank, e.event.stage, {**e.event.data, "run": e.phase})
-                  for e in rank_events] + [e for e in events if e.event == EventKind.REPLACEMENT_STARTED]
-    else:  # the finished recording holds all of it
-        stream = list(events)
     with right:
-        st.dataframe([{"time": clock(e.t), "run": str(e.data.get("run", "")), "event": str(e.event),
-                       "rank": "" if e.rank is None else str(e.rank), "stage": e.stage.value if e.stage else "",
-                       "step": str(e.data.get("step", ""))}
-                      for e in sorted(stream, key=lambda e: e.t)[-14:]], hide_index=True, width="stretch",
-                     height=300)
+        st.dataframe([{"time": clock(e.event.t), "run": e.run, "event": str(e.event.event),
+                       "rank": "" if e.event.rank is None else str(e.event.rank),
+                       "stage": e.event.stage.value if e.event.stage else "", "step": str(e.event.data.get("step", ""))}
+                      for e in stream[-14:]], hide_index=True, width="stretch", height=300)
         if job.injected:
             st.caption("Sent from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {clock(i['t'])}"
                                                           for i in job.injected))
@@ -318,10 +328,24 @@ def _finished(job: LiveJob) -> None:
     else:
         st.error(f"**Not bit-identical** after {faults_text}: "
                  + "; ".join(summary.get("mismatches") or ["states differ"]))
-    down_s = summary.get("downtime_s") or {}
-    cols = st.columns(len(down_s) or 1)
-    for col, (pol, secs) in zip(cols, down_s.items()):
-        col.metric(f"downtime: {Policy(pol).label}", "—" if secs is None else duration(secs))
+    down_s = {pol: secs for pol, secs in (summary.get("downtime_s") or {}).items() if secs is not None}
+    if down_s:
+        cols = st.columns(len(down_s))
+        for col, (pol, secs) in zip(cols, down_s.items()):
+            col.metric(f"downtime: {Policy(pol).label}", duration(secs),
+                       help=(summary.get("downtime_includes") or {}).get(pol))
+    missing = [Policy(p).label for p in (summary.get("downtime_s") or {}) if p not in down_s]
+    if missing:
+        st.caption("Not measured in this run: " + ", ".join(missing) + ".")
+    recs = result.get("recoveries") or []
+    if recs:
+        st.dataframe([{"step": r["step"], "generation": r["generation"], "policy": Policy(r["policy"]).label,
+                       "downtime": "—" if r.get("downtime_s") is None else duration(r["downtime_s"]),
+                       "detection": duration(r["stages_s"].get("detection") or 0.0),
+                       "recovery": duration(r["recovery_s"])} for r in recs],
+                     hide_index=True, key="live_recoveries")
+        st.caption(f"{summary.get('faults_recovered', 0)} of {total} fault(s) recovered; each recovery's downtime runs "
+                   "from its fault to the last rank's first collective after it.")
     recs = result.get("recoveries") or []
     if recs:
         bars = [RecoveryBreakdown(Policy(r["policy"]), {k: v for k, v in r["stages_s"].items() if v is not None})

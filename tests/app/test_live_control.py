@@ -259,7 +259,7 @@ def test_rank_rows_follow_each_ranks_newest_incarnation_in_its_own_run():
         (0, 100, 0, "recovering: detection", 7, 0, "meshpact_data_g0 #41", "detected", 2.0),
         (1, 105, 1, "stopped", None, None, "", "session_start", 1.0),  # the replacement: its own log only
         (2, None, 0, "—", None, None, "", "", None),  # its reference step is not the faulted run's
-        (3, None, 0, "gone", 0, None, "", "held", 6.0),  # held, then its process went away
+        (3, None, 0, "dead", 0, None, "", "held", 6.0),  # held, then its process went away
     ]
     assert [r.can_fault for r in rows] == [False, False, False, False]
     held = rank_rows([RankProcess(7, 3, "faulted", 0, False)], events, "faulted", now=15.0, world_size=4)
@@ -417,9 +417,9 @@ def test_a_rank_the_survivors_excised_reads_excised_not_gone_and_only_in_that_ru
     states = [r.state for r in rank_rows(procs, events, "faulted", now=4.0, world_size=4)]
     assert states[1] == states[3] == "excised"
     assert states[0] != "excised" and states[2] != "excised"  # alive: a process, whatever the decision says
-    # a rank that died without an excision decision (a replacement is coming) is gone, not excised
+    # a rank that died without an excision decision (a replacement is coming) is dead, not excised
     only_kill = [e for e in events if e.event.event != EventKind.DECIDED]
-    assert [r.state for r in rank_rows(procs, only_kill, "faulted", 4.0, 4)][1] == "gone"
+    assert [r.state for r in rank_rows(procs, only_kill, "faulted", 4.0, 4)][1] == "dead"
 
 
 def test_the_start_form_is_checked_in_the_pages_own_words():
@@ -430,3 +430,254 @@ def test_the_start_form_is_checked_in_the_pages_own_words():
     assert "planned fault kind" in wrong_kind and "kill" in wrong_kind and "--" not in wrong_kind
     too_many = form_problem(4, 4, "kill", "excise")
     assert "at most 3 **planned faults**" in too_many and "--" not in too_many
+
+
+# --- the page's figures from the run's records -------------------------------------------------------------------
+
+def _rank_ev(phase, inc, t, kind, rank, stage=None, **data):
+    from meshpact.app.live_control import RankEvent
+    from meshpact.core.recording import Event
+
+    return RankEvent(phase, inc, Event(t, kind, rank, stage, data))
+
+
+def test_an_excise_run_counts_the_survivors_step_and_marks_only_the_excised_rank():
+    """Rank 3 killed while held at step 0; the survivors excise it and train to step 12: the
+    committed step is theirs (12, not the dead rank's 0) and only rank 3 is drawn failed."""
+    from meshpact.app.live_control import RankProcess, committed_step, down_ranks, rank_rows
+    from meshpact.core.recording import EventKind
+    from meshpact.core.recovery import Stage
+
+    events = [_rank_ev("faulted", 0, 1.0, EventKind.HELD, r, step=0, generation=0) for r in range(4)]
+    recovering = events + [_rank_ev("faulted", 0, 2.0, EventKind.DETECTED, r, Stage.DETECTION, step=0)
+                           for r in range(3)]
+    alive = [RankProcess(100 + r, r, "faulted", 0, False) for r in range(3)]
+    rows = rank_rows(alive, recovering, "faulted", now=3.0, world_size=4, steps=12)
+    assert [r.state for r in rows] == ["recovering: detection"] * 3 + ["dead"]
+    assert down_ranks(rows) == [3]  # the survivors recovering are not failed
+    decided = recovering + [_rank_ev("faulted", 0, 3.0, EventKind.DECIDED, r, Stage.CONSENSUS, policy="excise",
+                                     lost=[3], round=1, step=0) for r in range(3)]
+    trained = decided + [_rank_ev("faulted", 0, 4.0 + s, EventKind.STEP, r, step=s, generation=1)
+                         for s in range(1, 13) for r in range(3)]
+    rows = rank_rows(alive, trained, "faulted", now=20.0, world_size=4, steps=12)
+    assert [r.state for r in rows] == ["training"] * 3 + ["excised"]
+    assert committed_step(rows) == 12 and down_ranks(rows) == [3]
+    ended = rank_rows([], trained, "faulted", now=30.0, world_size=4, steps=12)  # every process exited
+    assert [r.state for r in ended] == ["done"] * 3 + ["excised"]
+    assert committed_step(ended) == 12 and down_ranks(ended) == [3]
+
+
+def test_a_clean_finish_marks_no_rank_failed_and_a_replaced_rank_reads_its_replacement():
+    from meshpact.app.live_control import RankProcess, committed_step, down_ranks, rank_rows
+    from meshpact.core.recording import EventKind
+
+    events = [_rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0)
+              for s in range(1, 5) for r in range(4)]
+    # rank 2 killed at step 4; its replacement (incarnation 1) restored and went on to the last step
+    events += [_rank_ev("faulted", 1, 9.0, EventKind.SESSION_START, 2, incarnation=1)]
+    procs = [RankProcess(100 + r, r, "faulted", 0, False) for r in (0, 1, 3)]
+    waiting = rank_rows(procs + [RankProcess(200, 2, "faulted", 1, False)], events, "faulted", now=9.5,
+                        world_size=4, steps=8)
+    assert [r.state for r in waiting][2] == "starting" and down_ranks(waiting) == []
+    lost = rank_rows(procs, [e for e in events if e.incarnation == 0], "faulted", now=9.5, world_size=4, steps=8)
+    assert lost[2].state == "dead" and down_ranks(lost) == [2] and committed_step(lost) == 4
+    events += [_rank_ev("faulted", 1 if r == 2 else 0, 10.0 + s, EventKind.STEP, r, step=s, generation=1)
+               for s in range(5, 9) for r in range(4)]
+    done = rank_rows([], events, "faulted", now=30.0, world_size=4, steps=8)
+    assert [r.state for r in done] == ["done"] * 4 and down_ranks(done) == []
+    assert committed_step(done) == 8 and done[2].incarnation == 1
+    # a run stopped early: without its last step and without a good end, a rank with no process is dead
+    early = [e for e in events if e.event.data.get("step", 0) < 6]
+    assert [r.state for r in rank_rows([], early, "faulted", 30.0, 4, steps=8)] == ["dead"] * 4
+    assert [r.state for r in rank_rows([], early, "faulted", 30.0, 4, steps=8, finished=True)] == ["done"] * 4
+
+
+def _recording_line(t, event, rank=None, stage=None, **data):
+    import json
+
+    return json.dumps({"t": t, "event": event, "rank": rank, "stage": stage, "data": data}) + "\n"
+
+
+def test_the_event_count_never_drops_when_the_run_ends_and_every_row_names_its_run(tmp_path):
+    """While the run goes the stream is the rank logs and the parent's own events; the finished
+    recording adds copies of the rank logs, which are not counted again."""
+    import json
+    import os
+
+    from meshpact.app.live_control import JobEvents, job_stream
+
+    rec, trial = tmp_path / "live.jsonl", tmp_path / "trial"
+    for phase in ("reference", "faulted"):
+        (trial / phase).mkdir(parents=True)
+    wall0 = 1000.0
+    partial = partial_path(rec)
+    partial.write_text(_recording_line(0.0, "recording_start", wall_time=wall0))
+    logs = {("reference", 0): [(1.0, "session_start"), (2.0, "step")], ("faulted", 0): [(3.0, "session_start"),
+                                                                                          (4.0, "step")],
+            ("faulted", 1): [(3.1, "session_start"), (4.1, "detected")]}
+    for (phase, rank), evs in logs.items():
+        (trial / phase / f"events-rank{rank}-0.jsonl").write_text(
+            "".join(_recording_line(wall0 + t, kind, rank) for t, kind in evs))
+    with open(partial, "a") as fh:
+        fh.write(_recording_line(4.5, "replacement_started", 1, "restart", returncode=-9))
+    events = JobEvents(rec, trial)
+    events.poll()
+    running = job_stream(events.rank_events, events.parent_events, events.wall0)
+    assert len(running) == 8
+    assert [(e.run, str(e.event.event)) for e in running][-2:] == [("faulted", "detected"),
+                                                                    ("faulted", "replacement_started")]
+    assert all(e.run for e in running[1:])  # only the recording's start precedes every run
+    # the run ends: the parent copies the faulted run's rank logs into the recording, adds its own, renames it
+    with open(partial, "a") as fh:
+        for (phase, rank), evs in logs.items():
+            if phase == "faulted":
+                fh.writelines(_recording_line(t, kind, rank) for t, kind in evs)
+        fh.write(_recording_line(5.0, "recovered", step=1))
+        fh.write(_recording_line(5.0, "summary", faults_injected=0))
+    os.replace(partial, rec)
+    _, new = events.poll()
+    assert [str(e.event) for e in new] == ["recovered", "summary"]
+    ended = job_stream(events.rank_events, events.parent_events, events.wall0)
+    assert len(ended) == 10 and all(e.run for e in ended[1:])
+    # the finished recording rewritten with a fault sent from the page: only that one is new
+    lines = rec.read_text().splitlines(keepends=True)
+    lines.insert(-2, _recording_line(3.5, "fault_injected", 1, kind="kill", phase="faulted", source="dashboard"))
+    rec.write_text("".join(lines))
+    os.utime(rec, ns=(rec.stat().st_atime_ns, rec.stat().st_mtime_ns + 1_000_000))
+    _, new = events.poll()
+    assert [str(e.event) for e in new] == ["fault_injected"]
+    assert len(job_stream(events.rank_events, events.parent_events, events.wall0)) == 11
+    assert json.loads(rec.read_text().splitlines()[0])["event"] == "recording_start"
+
+
+def _recovery_done(rank, t_detect, t_resumed, step, generation, policy="peer_restore"):
+    return {"step": step, "t_detect_wall": t_detect, "t_first_collective_wall": t_resumed - 0.1,
+            "t_resumed_wall": t_resumed, "policy": policy, "reason": "rank lost", "generation": generation,
+            "lost_steps": 0, "rebind_s": 0.001, "action": "rebuild", "drill": False}
+
+
+def test_a_fault_sent_from_the_page_gets_its_recovery_s_downtime_in_the_trials_own_summary():
+    """The trial knows only its planned faults; a kill sent from the page is handed to its analysis
+    as the fault of the next recovery detected after it, so downtime and recovered faults count it."""
+    from meshpact.app.live_job import attribute_page_faults
+    from meshpact.core.recording import Event, EventKind
+    from meshpact.live.recovery.faults import Fault, FaultKind
+    from meshpact.live.trials.analysis import TrialResult
+    from meshpact.live.trials.outcome import FaultRecord
+    from meshpact.live.trials.trialconfig import TrialConfig
+
+    cfg = TrialConfig(ranks=3, steps=12, faults=1, fault_kind="kill", baselines=False, on_rank_loss="excise")
+    events = []
+    for gen, (t_detect, t_resumed, step) in enumerate([(100.4, 101.5, 0), (110.2, 111.0, 6)], start=1):
+        for r in (0, 1):
+            events.append(Event(t_detect + 0.05 * r, EventKind.DETECTED, r, None, {}))
+            events.append(Event(t_resumed, EventKind.RECOVERY_DONE, r, None,
+                                _recovery_done(r, t_detect + 0.05 * r, t_resumed, step, gen, "excise")))
+    planned = (Fault(0, FaultKind.KILL, 6, 2),)
+    result = TrialResult(cfg, planned, [], [], None, {0: FaultRecord(2, 6, "kill", 110.0)}, True, [], 0, "",
+                         faulted_events=events)
+    assert result.recoveries()[0]["downtime_s"] is None  # the page's kill is unknown to the trial
+    assert result.summary()["faults_recovered"] == 1
+    page = [{"t_wall": 100.0, "kind": "kill", "rank": 1, "phase": "faulted"},
+            {"t_wall": 120.0, "kind": "stall", "rank": 0, "phase": "faulted"}]  # no recovery followed this one
+    assert attribute_page_faults(result, page) == 1
+    recs = result.recoveries()
+    assert abs(recs[0]["downtime_s"] - 1.5) < 1e-9 and abs(recs[0]["stages_s"]["detection"] - 0.45) < 1e-9
+    assert abs(recs[1]["downtime_s"] - 1.0) < 1e-9  # the planned fault keeps its own recovery
+    summary = result.summary()
+    assert summary["faults_recovered"] == 2 and summary["faults_injected"] == 2
+    assert abs(summary["downtime_s"]["excise"] - 1.25) < 1e-9  # the median of both
+
+
+def _zombies_of(parent: int) -> list[int]:
+    from pathlib import Path
+
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] == "Z" and int(fields[1]) == parent:
+            out.append(int(entry.name))
+    return out
+
+
+def test_closing_the_session_ends_the_job_and_reaps_the_runner(tmp_path):
+    """The session watcher: once the browser session says it is gone (past the grace), the
+    runner and every process carrying the token stop, and the runner is reaped (no zombie)."""
+    import os
+    import threading
+
+    script = tmp_path / "runner.py"
+    script.write_text(RUNNER)
+    connected = threading.Event()
+    connected.set()
+    job = LiveJob(tmp_path / "rec.jsonl", [], runner=[str(script)], world_size=2, session_alive=connected.is_set,
+                  grace_s=0.5)
+    try:
+        assert _wait(lambda: len(job.ranks()) == 2), job.log_tail()
+        time.sleep(1.0)
+        assert job.running  # connected: nothing stops it
+        pids = [job.proc.pid] + [r.pid for r in job.ranks()]
+        connected.clear()
+        t0 = time.monotonic()
+        assert _wait(lambda: not job_processes(job.token), 10)
+        assert time.monotonic() - t0 < 8
+        job.watcher.join(5)
+        assert not job.watcher.is_alive()
+        with pytest.raises(FileNotFoundError):  # the runner reaped: no zombie under this process
+            open(f"/proc/{pids[0]}/stat").read()
+        assert not _zombies_of(os.getpid())
+    finally:
+        job.stop()
+
+
+LEASED_RUNNER = textwrap.dedent("""
+    import argparse, os, subprocess, sys, time
+    from meshpact.app.live_job import stop_when_parent_goes
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--record"); ap.add_argument("--result")
+    a = ap.parse_args()
+    rank = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    def end(signum, frame):  # as the launcher's clean-up does
+        rank.kill(); rank.wait(); sys.exit(128 + signum)
+    import signal; signal.signal(signal.SIGTERM, end)
+    if os.environ.get("MESHPACT_DASHBOARD_LEASE") == "stdin":
+        stop_when_parent_goes(sys.stdin.buffer)
+    print("RANK", rank.pid, flush=True)
+    time.sleep(120)
+""")
+
+DASHBOARD = textwrap.dedent("""
+    import sys, time
+    from meshpact.app.live_control import LiveJob
+    job = LiveJob(sys.argv[1], [], runner=[sys.argv[2]], world_size=1)
+    print(job.token, job.proc.pid, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_a_runner_ends_what_it_started_when_the_dashboard_process_dies(tmp_path):
+    """The app's process killed outright (no finalizer, no watcher runs): the runner's lease ends,
+    and the runner stops its ranks itself."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    (tmp_path / "runner.py").write_text(LEASED_RUNNER)
+    (tmp_path / "dash.py").write_text(DASHBOARD)
+    dash = subprocess.Popen([sys.executable, str(tmp_path / "dash.py"), str(tmp_path / "r.jsonl"),
+                             str(tmp_path / "runner.py")], stdout=subprocess.PIPE, text=True)
+    try:
+        token, runner = dash.stdout.readline().split()
+        assert _wait(lambda: len(job_processes(token)) == 2), "the runner and its rank"
+        dash.kill()
+        dash.wait()
+        assert _wait(lambda: not job_processes(token), 10), job_processes(token)
+    finally:
+        if dash.poll() is None:
+            dash.kill()
+        for pid, _ in job_processes(token if "token" in locals() else "-"):
+            os.kill(pid, signal.SIGKILL)
