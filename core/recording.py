@@ -46,6 +46,7 @@ class EventKind(str, Enum):
     CHECKPOINT = "checkpoint"
     STEP = "step"  # a rank committed a step (paced runs: generation, world group and its sequence number)
     HELD = "held"  # a rank waits before its next step because its run is held (paced runs)
+    TIMEOUT_FITTED = "timeout_fitted"  # a rank set its data-path timeout from its measured steps
     # the trial's parent
     REPLACEMENT_STARTED = "replacement_started"
     FAULT_INJECTED = "fault_injected"

@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from meshpact.core.recovery import CommunicatorAction
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
            "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "timed_out",
            "group_ranks", "base_name", "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan",
-           "group_plan", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
+           "group_plan", "set_data_timeout", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
 
 WORLD = "meshpact_data"  # the base name of the data-path group over every rank
 
@@ -227,6 +227,18 @@ def install_group(pg: dist.ProcessGroup, store: Any, spec: GroupSpec, ranks: tup
     c10d._register_pg_in_world(pg, spec.backend, store, pg.group_name,
                                f"{spec.device.split(':')[0]}:{spec.backend}",
                                rank_mapping={g: i for i, g in enumerate(ranks)})
+
+
+def set_data_timeout(groups: Iterable[dist.ProcessGroup], spec: GroupSpec) -> None:
+    """Let every backend of ``groups`` wait up to ``spec.timeout_s`` from its next collective
+    (gloo and NCCL read the timeout when an operation starts)."""
+    timeout = timedelta(seconds=spec.timeout_s)
+    devices = {torch.device(spec.device), torch.device("cpu")}
+    for pg in groups:
+        for device in devices:
+            backend = backend_of(pg, str(device))
+            if backend is not None:
+                backend._set_default_timeout(timeout)
 
 
 def backend_of(pg: dist.ProcessGroup, device: str) -> Any:

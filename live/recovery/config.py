@@ -19,12 +19,15 @@ The orderings:
 - a heartbeat detection bound longer than the data-path timeout is allowed (the data path
   then finds hangs first) but reported in :attr:`RecoveryConfig.notes`: the heartbeat adds
   nothing there;
-- the data-path timeout must cover what the job's own steps take: :meth:`RecoveryConfig.fit`
-  takes the longest step measured in the first steps (a step bounds every collective in it)
-  and returns the config whose timeout is ``data_timeout_margin`` times that where the set
-  one is shorter (``data_timeout_follows``, the default), or refuses with one line naming
-  both values. The heartbeat's bound needs no such fit: it judges progress, not time (a
-  rank in a step of any length, working or waiting on its peers, progresses).
+- the data-path timeout must cover what the job's own steps take. Left unset (the default) it
+  follows the job: the first groups wait up to the warm-up bound (``warmup_s``: building,
+  compiling, the first optimizer step), and once a step has been measured the runtime sets
+  ``data_timeout_margin`` times the longest step measured (a step bounds every collective in
+  it), never under ``data_timeout_floor_s``, on the live groups and every later generation
+  (:meth:`RecoveryConfig.timeout_for`). A set value is used from the first step; a measured
+  step that needs more raises it (``data_timeout_follows``, the default) or is refused in one
+  line naming both values. The heartbeat's bound needs no such fit: it judges progress, not
+  time (a rank in a step of any length, working or waiting on its peers, progresses).
 
 Torch-free: the CLI checks a user's settings before anything starts.
 """
@@ -47,8 +50,8 @@ class TimeoutOrderError(MeshpactError):
 class RecoveryConfig:
     """The settings of a resilient job; every timeout is a property derived from the inputs.
 
-    Inputs (seconds unless said): ``data_timeout_s`` (a data-path operation; as long as the
-    job's collectives need), ``heartbeat_interval_s`` and ``heartbeat_misses`` (a rank is
+    Inputs (seconds unless said): ``data_timeout_s`` (a data-path operation; None, the default:
+    follow the job's measured steps, see the module docstring), ``heartbeat_interval_s`` and ``heartbeat_misses`` (a rank is
     stalled after this many intervals without a beat), ``process_start_s`` (a replacement
     process starting and reaching the control channel), ``group_create_s`` (every member of a
     new group connecting), ``max_rounds`` (incomplete consensus rounds before a silent rank is
@@ -56,7 +59,7 @@ class RecoveryConfig:
     building and compiling: only the launcher deadline uses them). ``consensus_round_s``
     overrides the derived round (refused when it cannot work)."""
 
-    data_timeout_s: float = 1.0
+    data_timeout_s: float | None = None  # None: follow the job (warm-up bound, then margin x the longest step)
     heartbeat_interval_s: float = 0.05
     heartbeat_misses: int = 3
     process_start_s: float = 20.0
@@ -77,13 +80,16 @@ class RecoveryConfig:
     peer_copies: int = 0  # K: ranks holding a copy of each rank's committed state in host memory (peers.py)
     replacement_rounds: int = 2  # rounds waited for a replacement after a rank is declared lost
     data_timeout_margin: float = 4.0  # the data-path timeout is at least this many times the longest step measured
-    data_timeout_follows: bool = True  # raise the data-path timeout to that (off: refuse a shorter one)
+    data_timeout_follows: bool = True  # raise a set data-path timeout to that (off: refuse a shorter one)
+    data_timeout_floor_s: float = 1.0  # a followed data-path timeout is never shorter than this
 
     def __post_init__(self) -> None:
         for name in ("data_timeout_s", "heartbeat_interval_s", "process_start_s", "group_create_s", "step_s",
-                     "warmup_s"):
+                     "warmup_s", "data_timeout_floor_s"):
             value = getattr(self, name)
-            if not value > 0:
+            if value is None and name == "data_timeout_s":
+                continue
+            if not (isinstance(value, (int, float)) and value > 0):
                 raise TimeoutOrderError(f"{name} must be a positive number of seconds, got {value}")
         for name in ("heartbeat_misses", "max_rounds", "replacement_rounds"):
             if getattr(self, name) < 1:
@@ -104,6 +110,21 @@ class RecoveryConfig:
 
     # -- derived ---------------------------------------------------------------------------
     @property
+    def data_timeout_start_s(self) -> float:
+        """The data-path timeout of the first groups, before any step is measured: the set one,
+        or (following the job) the warm-up bound, which covers a first step's building and
+        compiling (``max(warmup_s, data_timeout_floor_s)``)."""
+        if self.data_timeout_s is not None:
+            return float(self.data_timeout_s)
+        return max(self.warmup_s, self.data_timeout_floor_s)
+
+    @property
+    def data_timeout_least_s(self) -> float:
+        """The shortest the data-path timeout can be once steps are measured: the set one, or the
+        floor when it follows the job."""
+        return float(self.data_timeout_s) if self.data_timeout_s is not None else self.data_timeout_floor_s
+
+    @property
     def heartbeat_detect_s(self) -> float:
         """The longest a stalled rank goes unnoticed by its peers' heartbeat watch: its last beat
         may come just before the stall, then ``misses`` whole intervals pass, then the watcher's
@@ -114,14 +135,16 @@ class RecoveryConfig:
     def detection_bound_s(self) -> float:
         """A hang is found by whichever comes first: the heartbeat (when it runs) or the
         data-path timeout."""
-        return min(self.heartbeat_detect_s, self.data_timeout_s) if self.heartbeat else self.data_timeout_s
+        if self.heartbeat:
+            return min(self.heartbeat_detect_s, self.data_timeout_start_s)
+        return self.data_timeout_start_s
 
     @property
     def standby_wait_s(self) -> float:
         """How long a recovery waits for a standby still being built before building instead:
-        ``min(data_timeout_s, group_create_s)``. A standby still connecting after a data-path
+        ``min(data_timeout_least_s, group_create_s)``. A standby still connecting after a data-path
         timeout is waiting on a silent peer; building would wait on the same peer."""
-        return min(self.data_timeout_s, self.group_create_s)
+        return min(self.data_timeout_least_s, self.group_create_s)
 
     @property
     def consensus_round_s(self) -> float:
@@ -177,20 +200,27 @@ class RecoveryConfig:
         return (self.store_connect_s + self.warmup_s + steps * self.step_s
                 + faults * (self.recovery_bound_s + per_fault_s) + self.replacement_bound_s)
 
-    def fit(self, longest_step_s: float) -> "RecoveryConfig":
-        """This config with a data-path timeout that covers the job's own steps: ``longest_step_s``
-        (measured over the first steps, each bounding every collective in it) times
-        ``data_timeout_margin``. Unchanged when the set timeout already covers it; raised to it
-        where ``data_timeout_follows``; else refused in one line naming both values."""
+    def timeout_for(self, longest_step_s: float) -> float:
+        """The data-path timeout for a job whose longest measured step took ``longest_step_s``
+        (each step bounds every collective in it): ``data_timeout_margin`` times it, never under
+        :attr:`data_timeout_least_s`. A set timeout that does not follow and is shorter is
+        refused in one line naming both values."""
         need = self.data_timeout_margin * longest_step_s
-        if need <= self.data_timeout_s:
-            return self
-        if not self.data_timeout_follows:
+        least = self.data_timeout_least_s
+        if need <= least:
+            return least
+        if self.data_timeout_s is not None and not self.data_timeout_follows:
             raise TimeoutOrderError(
-                f"the data-path timeout ({self.data_timeout_s:g} s) is shorter than {self.data_timeout_margin:g} x the "
+                f"the data-path timeout ({least:g} s) is shorter than {self.data_timeout_margin:g} x the "
                 f"longest step measured ({longest_step_s:.3g} s = {need:.3g} s): a normal step would time out; "
                 "raise it or let it follow the job")
-        return replace(self, data_timeout_s=need)
+        return need
+
+    def fit(self, longest_step_s: float) -> "RecoveryConfig":
+        """This config with the data-path timeout :meth:`timeout_for` gives (itself when the set
+        timeout already covers the steps)."""
+        timeout = self.timeout_for(longest_step_s)
+        return self if timeout == self.data_timeout_s else replace(self, data_timeout_s=timeout)
 
     def check_deadline(self, deadline_s: float) -> None:
         """Refuse a launcher deadline shorter than the rank-loss bound."""
@@ -204,9 +234,9 @@ class RecoveryConfig:
     def notes(self) -> tuple[str, ...]:
         """Orderings that work but are probably not meant (one line each, both values named)."""
         out = []
-        if self.heartbeat and self.heartbeat_detect_s > self.data_timeout_s:
+        if self.heartbeat and self.heartbeat_detect_s > self.data_timeout_least_s:
             out.append(f"the heartbeat detection bound ({self.heartbeat_detect_s:g} s) is longer than the "
-                       f"data-path timeout ({self.data_timeout_s:g} s): the data path finds hangs first and "
+                       f"data-path timeout ({self.data_timeout_least_s:g} s): the data path finds hangs first and "
                        "the heartbeat adds nothing")
         return tuple(out)
 
@@ -214,12 +244,17 @@ class RecoveryConfig:
         """(derived value, seconds, formula) for each derived timeout: the README's table."""
         return [
             ("heartbeat detection bound", self.heartbeat_detect_s, "heartbeat_interval_s x (heartbeat_misses + 1)"),
+            ("data-path timeout, first steps", self.data_timeout_start_s,
+             "data_timeout_s, or max(warmup_s, data_timeout_floor_s) while it follows the job"),
+            ("data-path timeout, once a step is measured", self.data_timeout_least_s,
+             "at least this: max(data_timeout_s or data_timeout_floor_s, data_timeout_margin x longest step)"),
             ("hang detection bound", self.detection_bound_s,
-             "min(heartbeat bound, data_timeout_s) with the heartbeat on, else data_timeout_s"),
+             "min(heartbeat bound, first-steps data-path timeout) with the heartbeat on, else that timeout"),
             ("consensus round (control channel wait)", self.consensus_round_s,
              "max(process_start_s, group_create_s)"),
             ("group creation (connect)", self.connect_timeout_s, "group_create_s"),
-            ("wait for a standby still being built", self.standby_wait_s, "min(data_timeout_s, group_create_s)"),
+            ("wait for a standby still being built", self.standby_wait_s,
+             "min(data_timeout_s or data_timeout_floor_s, group_create_s)"),
             ("store connect", self.store_connect_s, "process_start_s + group_create_s"),
             ("rank-loss bound (declared lost)", self.rank_loss_bound_s, "max_rounds x consensus round"),
             ("replacement bound", self.replacement_bound_s, "(max_rounds + replacement_rounds) x consensus round"),

@@ -217,6 +217,8 @@ class Resilient:
         self._optimizer_began = False
         self._optimizer_hook: Any = None
         self._first_step = True  # schedulers and scalers made after __enter__, before the first step, are refused then
+        self.steps_run = 0  # steps this process ran to their end (a re-run after a recovery counts once)
+        self.longest_step_s = 0.0  # the longest of them, the process's first apart (building, compiling)
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -372,6 +374,7 @@ class Resilient:
                 finally:
                     if self.heartbeat is not None:
                         self.heartbeat.watching = False
+                self._measure(step, time.time() - self.t_attempt)
                 break
             except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
                 if not is_comm_fault(exc):
@@ -380,9 +383,32 @@ class Resilient:
                 traceback.clear_frames(exc.__traceback__)
                 del exc
         else:
-            raise RuntimeError(f"step {step} failed {self.max_attempts} times; last: {message}")
+            hint = ""
+            if message is not None and comm.timed_out(message) and self.session.config.data_timeout_s is not None:
+                hint = (f" (the data-path timeout is set to {self.session.spec.timeout_s:g} s: leave "
+                        "RecoveryConfig.data_timeout_s unset to follow the job's steps)")
+            raise RuntimeError(f"step {step} failed {self.max_attempts} times; last: {message}{hint}")
         self._commit(step, batch)
         return out
+
+    def _measure(self, step: int, took_s: float) -> None:
+        """Count a step that ran to its end and fit the data-path timeout to the longest one
+        (:meth:`RecoveryConfig.timeout_for`): from the process's second step on, the groups wait
+        ``data_timeout_margin`` times the longest step measured (never under the set timeout or
+        the floor) instead of the warm-up bound the first step needed. The longest only grows,
+        so after the first fit the timeout only rises. A set timeout that may not follow and is
+        too short is refused here, naming both values."""
+        self.steps_run += 1
+        if self.steps_run == 1 or took_s <= self.longest_step_s:
+            return
+        self.longest_step_s = took_s
+        s = self.session
+        timeout = s.config.timeout_for(took_s)
+        if timeout != s.spec.timeout_s:
+            before = s.spec.timeout_s
+            s.fit_data_timeout(timeout)
+            s.emit(EventKind.TIMEOUT_FITTED, step=step, generation=s.generation, longest_step_s=took_s,
+                   seconds=timeout, before_s=before)
 
     def _find_late_schedules(self) -> None:
         """Before the first step: an LR scheduler or gradient scaler made between ``__enter__``

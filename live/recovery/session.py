@@ -28,7 +28,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import IO, Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -184,10 +184,24 @@ class Session:
         object.__setattr__(self, "_sealed", True)
 
     def advance(self, generation: Generation) -> None:
-        """Make ``generation`` the current one (the only write a recovery makes to the session)."""
+        """Make ``generation`` the current one (the only write a recovery makes to the session).
+        Its groups wait up to its spec's data-path timeout (a standby built before the timeout
+        was fitted to the job's steps gets the fitted one here)."""
         if self.current is not None and generation.number <= self.current.number:
             raise ValueError(f"generation {generation.number} does not follow generation {self.current.number}")
+        comm.set_data_timeout(generation.groups.values(), generation.spec)
         object.__setattr__(self, "current", generation)
+
+    def fit_data_timeout(self, seconds: float) -> None:
+        """The data-path timeout fitted to the job's measured steps (the runtime's one other
+        write): the current generation's groups wait up to ``seconds`` from their next
+        operation, and every later generation is built with it."""
+        gen = self.gen
+        if seconds == gen.spec.timeout_s:
+            return
+        fitted = replace(gen, spec=replace(gen.spec, timeout_s=seconds))
+        comm.set_data_timeout(fitted.groups.values(), fitted.spec)
+        object.__setattr__(self, "current", fitted)
 
     # -- the current generation ---------------------------------------------------------------
     @property
@@ -306,7 +320,7 @@ class Session:
             return comm.StandbyStatus(self.standby.generation, False,
                                       "the heartbeat found every rank's data path quiet (a cut link or a hung "
                                       "collective: the standby's links may be cut too)")
-        if silent_s is not None and silent_s >= self.config.data_timeout_s:
+        if silent_s is not None and silent_s >= self.spec.timeout_s:
             return comm.StandbyStatus(self.standby.generation, False,
                                       f"rank {self.rank}'s data path was silent for {silent_s:.2f} s (a cut "
                                       "link or a stalled peer: the standby's links may be cut too)")
@@ -410,7 +424,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
     if choice.device.startswith("cuda"):
         torch.cuda.set_device(torch.device(choice.device))
-    spec = comm.GroupSpec(choice.backend.value, choice.device, rank, world, config.data_timeout_s,
+    spec = comm.GroupSpec(choice.backend.value, choice.device, rank, world, config.data_timeout_start_s,
                           connect_timeout_s=config.connect_timeout_s, run_id=run_id)
     incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
     session = Session(rank, world, incarnation, config, store, store_addr, control, shape, names,

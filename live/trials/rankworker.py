@@ -157,7 +157,7 @@ def worker(args: JsonObject) -> JsonObject:
                 break
             try:
                 if paced:  # a held rank joins a recovery its peers opened meanwhile (an excision may refuse)
-                    last_start = keep_pace(work, phase, step, last_start, 0.5 * config.data_timeout_s,
+                    last_start = keep_pace(work, phase, step, last_start, 0.5 * session.spec.timeout_s,
                                            lambda kind, **data: session.emit(kind, generation=session.generation,
                                                                              **data), rt.join_recovery)
                 t0 = time.perf_counter()

@@ -49,7 +49,7 @@ class TrialConfig:
     faults: int = 10
     fault_kind: FaultKind = FaultKind.COLLECTIVE
     checkpoint_every: int = 10
-    data_timeout_s: float = 1.0
+    data_timeout_s: float | None = None  # None: follow the job's measured steps (RecoveryConfig)
     process_start_s: float = 30.0  # a replacement process starting under load (sets the consensus round)
     group_create_s: float = 20.0
     stall_s: float = 1.5  # a stalled rank sleeps this long (past the data-path timeout)
@@ -109,6 +109,10 @@ class TrialConfig:
         if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:
             raise MeshpactError(f"--checkpoint-every must be between 1 and --steps ({self.steps}), "
                                 f"got {self.checkpoint_every}")
+        if not self.heartbeat and self.data_timeout_s is None and self.fault_kind in (FaultKind.STALL,
+                                                                                      FaultKind.PARTITION):
+            raise MeshpactError(f"without the heartbeat a {self.fault_kind.value} is found by the data-path timeout "
+                                "alone: set --data-timeout (shorter than the stall or the partition)")
         if self.fault_kind is FaultKind.STALL and self.stall_s <= recovery.detection_bound_s:
             raise MeshpactError(f"a stall ({self.stall_s} s) must outlast the data-path timeout "
                                 f"({self.data_timeout_s} s)" if not self.heartbeat else

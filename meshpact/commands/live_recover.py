@@ -28,7 +28,9 @@ def recover(
     fault_kind: FaultKind = typer.Option(FaultKind.COLLECTIVE, "--fault-kind", help="How the fault is injected."),
     checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=1, help="Checkpoint interval K "
                                                    "(steps) [default: 10, or --steps when that is fewer]."),
-    data_timeout: float = typer.Option(1.0, "--data-timeout", min=0.1, help="Data-path timeout (seconds)."),
+    data_timeout: Optional[float] = typer.Option(None, "--data-timeout", min=0.1, help="Data-path timeout "
+                                                 "(seconds) [default: follow the job: the warm-up bound for the "
+                                                 "first step, then 4 x the longest step, at least 1 s]."),
     record: Optional[Path] = typer.Option(None, "--record", help="JSONL recording path "
                                           "[default: recordings/recover-<kind>-<ranks>r.jsonl]"),
     baselines: bool = typer.Option(True, "--baselines/--no-baselines",
@@ -60,7 +62,7 @@ def recover(
     cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
                       checkpoint_every=min(10, steps) if checkpoint_every is None else checkpoint_every,
                       data_timeout_s=data_timeout,
-                      stall_s=data_timeout + 0.5, down_s=2.0 * data_timeout, baselines=baselines,
+                      baselines=baselines, **_fault_lengths(data_timeout),
                       timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies,
                       spare_ranks=spare_ranks, on_rank_loss=on_rank_loss.value, min_ranks=min_ranks)
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
@@ -78,6 +80,14 @@ def recover(
         raise typer.Exit(0 if summary["bit_identical"] else 1)
     if not summary["bit_identical"] or summary["faults_recovered"] != summary["faults_injected"]:
         raise typer.Exit(1)
+
+
+def _fault_lengths(data_timeout: float | None) -> dict[str, float]:
+    """A stall and a partition that outlast a set data-path timeout (the trial's own lengths,
+    past the heartbeat's bound, when the timeout follows the job)."""
+    if data_timeout is None:
+        return {}
+    return {"stall_s": data_timeout + 0.5, "down_s": 2.0 * data_timeout}
 
 
 JSON_KEYS = ("ranks", "steps", "fault_kind", "faults_injected", "faults_recovered", "bit_identical",

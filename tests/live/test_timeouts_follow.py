@@ -1,0 +1,69 @@
+"""With no data-path timeout set, a job whose first step outlasts the old fixed second trains,
+and every rank fits its timeout to its measured steps (live)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from _recovery import assert_identical, trial, workload_file
+from meshpact.core.recording import EventKind
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+FIRST_STEP_S, STEP_S = 2.5, 0.35
+
+# the shipped decoder, with rank 1 working (a busy loop: CPU spent, as a real long step spends
+# it) 2.5 s in its first step and 0.35 s in every later one; rank 0 waits in the step's collectives
+SLOW_RANK_WORKLOAD = textwrap.dedent(f'''
+    import os
+    import time
+
+    from meshpact.live.trials.harness import ModelConfig, build as build_decoder, make_batch
+
+    CONFIG = ModelConfig()
+    RAN = []
+
+
+    def build(mesh):
+        return build_decoder(CONFIG, mesh)
+
+
+    def batch(step, rank):
+        return make_batch(CONFIG, step, rank)
+
+
+    def train_step(model, optimizer, batch):
+        import torch
+
+        if os.environ["RANK"] == "1":
+            end = time.perf_counter() + ({FIRST_STEP_S} if not RAN else {STEP_S})
+            while time.perf_counter() < end:
+                pass
+        RAN.append(1)
+        logits = model(batch[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+''')
+
+
+def test_a_first_step_past_a_second_trains_and_the_timeout_follows_the_longest_step(tmp_path_factory):
+    workload = workload_file(tmp_path_factory, "slow_rank", SLOW_RANK_WORKLOAD)
+    result = trial(ranks=2, steps=6, faults=1, fault_kind="collective", checkpoint_every=6, baselines=False,
+                   workload=workload)
+    # rank 0 waited 2.5 s in step 0's collectives: a fixed 1 s timeout failed that step on every attempt
+    assert_identical(result, faults_recovered=1, in_memory=1)
+    fitted = [e for e in result.events() if e.event == EventKind.TIMEOUT_FITTED]
+    for rank in (0, 1):
+        mine = [e.data for e in fitted if e.rank == rank]
+        assert mine, f"rank {rank} never fitted its data-path timeout"
+        first, last = mine[0], mine[-1]
+        assert first["step"] == 1 and first["before_s"] == 120.0  # the warm-up bound, until a step is measured
+        # from then on: 4 x the longest step (each at least the slow rank's 0.35 s), never under 1 s
+        assert last["seconds"] == pytest.approx(max(1.0, 4 * last["longest_step_s"]))
+        assert last["longest_step_s"] >= STEP_S and last["seconds"] >= 4 * STEP_S
+        assert all(b["seconds"] > a["seconds"] for a, b in zip(mine, mine[1:]))  # only rises after the first fit
