@@ -9,11 +9,12 @@ the job spans hosts). The path is out of band: a small TCP server per rank (:cla
 bound to the rank's own address (loopback unless ``MESHPACT_PEER_ADDR`` names another), never
 the data path's groups and never storage.
 
-Each holder keeps, per source rank, only the newest *complete* copy (a copy replaces the
-previous one when its last byte has arrived) plus the one being received. Each rank also keeps
+Each holder keeps, per source rank, the two newest *complete* copies (a copy displaces the
+oldest when its last byte has arrived) plus the one being received. Each rank also keeps
 its own two newest snapshots: the newest may still be in flight when the rank dies, so the
 group may have to agree on the step before it and the survivors roll back one step from their
-own memory. After a fault every rank reports what it holds in its proposal
+own memory. Ranks lost together (a node) may die with their newest copies at different steps,
+one landed and one in flight: the step before is then still held for both. After a fault every rank reports what it holds in its proposal
 (:attr:`~meshpact.live.recovery.consensus.Proposal.holds`); consensus picks the step and the
 holder (:func:`~meshpact.live.recovery.consensus.decide`), and the lost rank's replacement
 fetches its state from that holder (:func:`fetch`).
@@ -269,7 +270,7 @@ class HeldCopy:
 
 class PeerServer:
     """This rank's holder side: receives copies (``put``) and hands them out (``get``) on a
-    daemon thread; keeps the newest complete copy per source rank."""
+    daemon thread; keeps the two newest complete copies per source rank."""
 
     def __init__(self, addr: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
@@ -281,7 +282,7 @@ class PeerServer:
         self.port = int(self._listener.getsockname()[1])
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._copies: dict[int, HeldCopy] = {}
+        self._copies: dict[int, dict[int, HeldCopy]] = {}  # source rank -> step -> copy (the two newest)
         self._receiving = 0  # bytes of copies in flight
         self.peak_bytes = 0
         self.recv_cpu_s = 0.0  # CPU seconds of receiving copies (the holder's side of a ship)
@@ -291,15 +292,16 @@ class PeerServer:
     def holds(self) -> tuple[tuple[int, int], ...]:
         """(source rank, step) of every complete copy held."""
         with self._lock:
-            return tuple(sorted((c.src, c.step) for c in self._copies.values()))
+            return tuple(sorted((src, step) for src, by_step in self._copies.items() for step in by_step))
 
     def held(self, src: int, step: int) -> dict[str, torch.Tensor]:
         """The copy of ``src``'s state at ``step`` this rank holds (an excision re-shards it)."""
         with self._lock:
-            copy = self._copies.get(src)
-        if copy is None or copy.step != step:
+            by_step = dict(self._copies.get(src, {}))
+        copy = by_step.get(step)
+        if copy is None:
             raise PeerError(f"this rank holds no copy of rank {src} at step {step} "
-                            f"(it holds {None if copy is None else copy.step})")
+                            f"(it holds {sorted(by_step) or None})")
         got, state = deserialize(copy.payload)
         if got != step:
             raise PeerError(f"the copy of rank {src} held for step {step} is of step {got}")
@@ -313,7 +315,10 @@ class PeerServer:
     @property
     def held_bytes(self) -> int:
         with self._lock:
-            return sum(len(c.payload) for c in self._copies.values()) + self._receiving
+            return self._kept_bytes() + self._receiving
+
+    def _kept_bytes(self) -> int:
+        return sum(len(c.payload) for by_step in self._copies.values() for c in by_step.values())
 
     def _accept(self) -> None:
         while not self._closed:
@@ -333,9 +338,11 @@ class PeerServer:
                     self._put(conn, header)
                 elif header["op"] == "get":
                     with self._lock:
-                        held = self._copies.get(int(header["src"]))
-                    if held is None or held.step != int(header["step"]):
-                        _send(conn, {"ok": False, "held": None if held is None else held.step})
+                        by_step = self._copies.get(int(header["src"]), {})
+                        held = by_step.get(int(header["step"]))
+                        newest = max(by_step, default=None)
+                    if held is None:
+                        _send(conn, {"ok": False, "held": newest})
                     else:
                         _send(conn, {"ok": True, "step": held.step}, memoryview(held.payload))
             except (OSError, PeerError, ValueError, KeyError):
@@ -354,8 +361,11 @@ class PeerServer:
                 self.recv_cpu_s += time.thread_time() - t0
         copy = HeldCopy(int(header["src"]), int(header["step"]), payload)
         with self._lock:
-            self._copies[copy.src] = copy  # complete: replaces the previous copy
-            self.peak_bytes = max(self.peak_bytes, sum(len(c.payload) for c in self._copies.values()) + n)
+            by_step = self._copies.setdefault(copy.src, {})
+            by_step[copy.step] = copy  # complete: displaces the oldest of the two kept
+            for old in sorted(by_step)[:-2]:
+                del by_step[old]
+            self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + n)
         _send(conn, {"ok": True})
 
     def close(self) -> None:

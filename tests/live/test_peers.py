@@ -149,15 +149,17 @@ def _addr(srv: PeerServer, rank: int = 1) -> PeerAddress:
     return PeerAddress(rank, "h", srv.addr, srv.port, 0)
 
 
-def test_a_copy_comes_back_bit_for_bit_and_only_the_newest_complete_one_is_kept(server):
-    a, b = _state(1), _state(2)
+def test_a_copy_comes_back_bit_for_bit_and_only_the_two_newest_complete_ones_are_kept(server):
+    a, b, c = _state(1), _state(2), _state(3)
     put(_addr(server), 3, 5, serialize(5, a), 5.0)
     put(_addr(server), 3, 6, serialize(6, b), 5.0)
-    assert server.holds() == ((3, 6),)
+    assert server.holds() == ((3, 5), (3, 6))  # the step before stays: a node's other rank may not have 6 out
+    put(_addr(server), 3, 7, serialize(7, c), 5.0)
+    assert server.holds() == ((3, 6), (3, 7))
     got, n = fetch(_addr(server), 3, 6, 5.0)
     assert n > 0 and got.keys() == b.keys()
     assert all(torch.equal(got[k], b[k]) and got[k].dtype == b[k].dtype for k in b)
-    with pytest.raises(PeerError, match="holds no copy of rank 3 at step 5 .*holds step 6"):
+    with pytest.raises(PeerError, match="holds no copy of rank 3 at step 5 .*holds step 7"):
         fetch(_addr(server), 3, 5, 5.0)
     with pytest.raises(PeerError, match="holds no copy of rank 0"):
         fetch(_addr(server), 0, 6, 5.0)
@@ -257,7 +259,7 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
             copier.commit(step, st, listed_s=0.5)  # the runtime's listing of the state, timed by it
         assert copier.drain(10)
         assert copier.counters.host_copy_s >= 1.5  # priced as the copy's own cost on the training thread
-        assert copier.own_steps() == (2, 3) and server.holds() == ((0, 3),)
+        assert copier.own_steps() == (2, 3) and server.holds() == ((0, 2), (0, 3))
         got, _ = fetch(_addr(server), 0, 3, 5.0)
         assert all(torch.equal(got[k], states[3][k]) for k in got)
         c = copier.counters
@@ -273,7 +275,7 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
             copier.commit(step, st)
             for kept in copier.own_steps():
                 assert all(torch.equal(copier.own[kept][k], more[kept][k]) for k in st), (step, kept)
-        assert copier.drain(10) and server.holds() == ((0, 11),)
+        assert copier.drain(10) and server.holds() == ((0, 10), (0, 11))
         # the host memory counted is every buffer kept: the two snapshots, the older one's buffer
         # taking the next commit (never a third)
         assert copier.host_bytes() == 2 * Layout.of(more[11]).total + other.held_bytes
