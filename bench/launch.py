@@ -19,11 +19,19 @@ Storage bytes read are the checkpoint bytes the job's processes read. ``survivor
 every rank not killed ended in the process it started in.
 
     python bench/launch.py            # table + one JSON line, also bench/results/launch.json
+    python bench/launch.py --repeat 5 --busy-loops 2 --cases worker_kill_warm_spare,worker_kill_cold,node_kill
+
+``--repeat N`` runs every case N times in a row (the figures are the runs' medians, and
+``passed_by_case`` counts the runs that ended well: every launcher exited 0, bit-identical where
+compared, the survivors' processes kept); ``--busy-loops K`` keeps K processes spinning
+(``while 1: pass``) beside the jobs for the whole run, as a loaded machine would.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +46,7 @@ from meshpact.live.netns import TwoHosts, netns_unavailable  # noqa: E402
 from meshpact.live.trials.launchdrill import Job, read_finals, resumed_at  # noqa: E402
 
 STEPS, STEP_S, KILL_AT, KILLED = 16, 0.05, 5, 3
+SPARE_READY = "is ready ("  # the launcher's line once a warm spare has imported what it preloads
 CASES = ("worker_kill_warm_spare", "worker_kill_cold", "node_kill", "torchrun_restart")
 
 
@@ -71,6 +80,8 @@ def run_case(case: str, hosts: TwoHosts, work: Path, port: int, reference: dict[
     node0, node1 = jobs
     try:
         first = {r: (node0 if r < 2 else node1).wait_for_step(r, 0, 300) for r in range(4)}
+        if case == "worker_kill_warm_spare":  # killed once the spare is warm: its imports done
+            node1.wait_for_log(SPARE_READY, 300)
         victim = node1.wait_for_step(KILLED, KILL_AT, 300)
         if case == "node_kill":
             node1.kill_agent_and([node1.wait_for_step(r, KILL_AT, 60) for r in (2, 3)])
@@ -99,14 +110,41 @@ def run_case(case: str, hosts: TwoHosts, work: Path, port: int, reference: dict[
     }
 
 
+def _passed(r: dict[str, Any]) -> bool:
+    return bool(r["ok"] and r["bit_identical"] is not False and r["survivor_pids_kept"] is not False
+                and r["downtime_s"] is not None)
+
+
+def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One case over its runs: the medians, every run's downtime, how many passed, and the worst of the rest."""
+    downtimes = [r["downtime_s"] for r in runs if r["downtime_s"] is not None]
+    return {
+        "ok": all(r["ok"] for r in runs),
+        "passed": sum(_passed(r) for r in runs),
+        "downtime_s": round(statistics.median(downtimes), 3) if downtimes else None,
+        "downtime_s_runs": [r["downtime_s"] for r in runs],
+        "storage_bytes_read": max(r["storage_bytes_read"] for r in runs),
+        "bit_identical": (None if all(r["bit_identical"] is None for r in runs)
+                          else all(r["bit_identical"] for r in runs)),
+        "survivor_pids_kept": all(r["survivor_pids_kept"] for r in runs),
+        "policies": sorted({p for r in runs for p in r["policies"]}),
+    }
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", default=",".join(CASES), help=f"a comma list of {', '.join(CASES)}")
     p.add_argument("--keep", default=None, metavar="DIR", help="keep every job's logs and outputs under DIR")
+    p.add_argument("--repeat", type=int, default=1, help="runs of every case, one after another")
+    p.add_argument("--busy-loops", type=int, default=0, help="processes spinning beside the jobs (load)")
     args = p.parse_args()
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if not cases or any(c not in CASES for c in cases):
         sys.stderr.write(f"error: --cases {args.cases!r}: expected a comma list of {', '.join(CASES)}\n")
+        return 2
+    if args.repeat < 1 or args.busy_loops < 0:
+        sys.stderr.write(f"error: --repeat {args.repeat} --busy-loops {args.busy_loops}: expected a repeat of 1 "
+                         "or more and 0 or more busy loops\n")
         return 2
     why = netns_unavailable(shaped=False)
     if why:
@@ -119,10 +157,21 @@ def main() -> int:
                 sys.stderr.write(f"error: the fault-free reference failed:\n{ref.tail()}\n")
                 return 1
         reference = {r: f.digest for r, f in read_finals(work / "reference", 4).items()}
-        results = {}
-        with TwoHosts(link=None) as hosts:
-            for i, case in enumerate(cases):
-                results[case] = run_case(case, hosts, work, 29400 + i, reference)
+        runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
+        busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.busy_loops)]
+        try:
+            with TwoHosts(link=None) as hosts:
+                for n in range(args.repeat):
+                    for i, case in enumerate(cases):
+                        r = run_case(case, hosts, work / f"run{n}", 29400 + (n * len(cases) + i) % 500, reference)
+                        runs[case].append(r)
+                        if args.repeat > 1:
+                            sys.stderr.write(f"run {n + 1}/{args.repeat} {case}: {r}\n")
+        finally:
+            for proc in busy:
+                proc.kill()
+                proc.wait()
+        results = {c: _summary(rs) for c, rs in runs.items()}
     print(f"{'case':<24} {'ok':<5} {'downtime s':>10} {'storage B read':>15} {'bit-identical':>14} "
           f"{'survivor pids kept':>19}  policies")
     for case, r in results.items():
@@ -131,6 +180,9 @@ def main() -> int:
     spare = results.get("worker_kill_warm_spare", {}).get("downtime_s")
     restart = results.get("torchrun_restart", {}).get("downtime_s")
     emit("launch", {
+        "runs": args.repeat, "busy_loops": args.busy_loops,
+        "passed_by_case": {c: r["passed"] for c, r in results.items()},
+        "downtime_s_runs_by_case": {c: r["downtime_s_runs"] for c, r in results.items()},
         "nodes": 2, "ranks_per_node": 2, "steps": STEPS, "kill_after_step": KILL_AT, "step_sleep_s": STEP_S,
         "downtime_s_by_case": {c: r["downtime_s"] for c, r in results.items()},
         "storage_bytes_read_by_case": {c: r["storage_bytes_read"] for c, r in results.items()},

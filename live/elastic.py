@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -63,7 +64,7 @@ from .recovery.consensus import declared_lost, mark_gone
 from .recovery.control import ControlChannel
 from .recovery.peers import ADDR_ENV, HOST_ENV
 from .store import host_store
-from .warmspare import Assignment, assign
+from .warmspare import Assignment, assign, ready_path
 
 __all__ = ["LaunchOptions", "NodeLoss", "ReplacingAgent", "LaunchRefused", "parser", "main", "CONTROL_KEY"]
 
@@ -115,16 +116,33 @@ class _Running:
     incarnation: int
     error_file: str
     warm: bool = False
+    _pidfd: int | None = field(default=None, repr=False)
 
     @property
     def pid(self) -> int:
         return int(self.handler.proc.pid)
+
+    def pidfd(self) -> int | None:
+        """A descriptor that turns readable when the process exits (None where the kernel has no pidfds)."""
+        if self._pidfd is None and hasattr(os, "pidfd_open"):
+            try:
+                self._pidfd = os.pidfd_open(self.pid)
+            except OSError:  # already reaped, or no pidfd support
+                return None
+        return self._pidfd
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
 
 @dataclass
 class _Spare:
     handler: Any
     assignment: Path
+    started: float  # monotonic time it was started
+    ready: bool = False  # its imports are done (:func:`~meshpact.live.warmspare.ready_path` exists)
 
 
 @dataclass
@@ -238,7 +256,7 @@ class ReplacingAgent(SimpleElasticAgent):
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         handler = get_subprocess_handler(sys.executable, ("-u", "-m", "meshpact.live.warmspare", str(path)), env,
                                          "", "", index, None)
-        self._spares.append(_Spare(handler, path))
+        self._spares.append(_Spare(handler, path, time.monotonic()))
 
     def _files_of(self, local_rank: int, incarnation: int) -> tuple[str, str, str]:
         """(stdout, stderr, error file) of a replacement: beside the first process's, in ``<rank>.<k>/``."""
@@ -256,7 +274,8 @@ class ReplacingAgent(SimpleElasticAgent):
         env = self._env(wg, local_rank, incarnation)
         out, err, error_file = self._files_of(local_rank, incarnation)
         env["TORCHELASTIC_ERROR_FILE"] = "" if error_file == os.devnull else error_file
-        spare = next((s for s in self._spares if s.handler.proc.poll() is None), None)
+        alive = [s for s in self._spares if s.handler.proc.poll() is None]
+        spare = next((s for s in alive if s.ready or ready_path(s.assignment).exists()), alive[0] if alive else None)
         if spare is not None:
             self._spares.remove(spare)
             assign(spare.assignment, Assignment(env, tuple(str(a) for a in spec.args), out, err))
@@ -280,8 +299,10 @@ class ReplacingAgent(SimpleElasticAgent):
             if rc is None:
                 continue
             if rc == 0:
+                running.close()
                 ledger.finished.add(lr)
                 continue
+            running.close()
             failure = ProcessFailure(lr, running.pid, rc, running.error_file)
             rank = wg.workers[lr].global_rank
             if self._remaining_restarts > 0:
@@ -296,6 +317,7 @@ class ReplacingAgent(SimpleElasticAgent):
                 _say(f"rank {rank} (pid {failure.pid}) exited with {rc} and no replacement is left "
                      f"(--max-restarts {wg.spec.max_restarts}): the job is told it is gone")
         self._kill_declared_lost(wg)
+        self._note_ready_spares()
         if len(ledger.finished) + len(ledger.gone) < len(wg.workers):
             return None
         if ledger.finished:
@@ -303,6 +325,14 @@ class ReplacingAgent(SimpleElasticAgent):
                              return_values={wg.workers[lr].global_rank: None for lr in sorted(ledger.finished)})
         return RunResult(state=WorkerState.FAILED,
                          failures={wg.workers[lr].global_rank: f for lr, f in ledger.gone.items()})
+
+    def _note_ready_spares(self) -> None:
+        """Say once when each spare has finished importing (from then on a promotion starts the script at once)."""
+        for s in self._spares:
+            if not s.ready and ready_path(s.assignment).exists():
+                s.ready = True
+                _say(f"warm spare pid {s.handler.proc.pid} is ready ({time.monotonic() - s.started:.1f} s after its "
+                     "start)")
 
     def _kill_declared_lost(self, wg: WorkerGroup) -> None:
         """A rank the job declared lost (silent for the rank-loss bound) is killed; the next look replaces it."""
@@ -369,7 +399,7 @@ class ReplacingAgent(SimpleElasticAgent):
                 signal.signal(sig, _terminate_process_handler)
         self._initialize_workers(wg)
         while True:
-            time.sleep(wg.spec.monitor_interval)
+            self._wait_for_exit(wg.spec.monitor_interval)
             result = self._watch(wg)
             if result is None:
                 continue
@@ -379,6 +409,24 @@ class ReplacingAgent(SimpleElasticAgent):
             else:
                 self._stop_workers(wg)
             return result
+
+    def _wait_for_exit(self, timeout_s: float) -> None:
+        """Sleep ``timeout_s``, or less: until a worker's process exits (its pidfd turns readable), so a
+        death is acted on when it happens rather than at the next look."""
+        live = {lr: r for lr, r in self._ledger.running.items()
+                if lr not in self._ledger.finished and lr not in self._ledger.gone}
+        fds = {}
+        for lr, running in live.items():
+            fd = running.pidfd()
+            if fd is not None:
+                fds[fd] = lr
+        if not fds:
+            time.sleep(timeout_s)
+            return
+        poller = select.poll()
+        for fd in fds:
+            poller.register(fd, select.POLLIN)
+        poller.poll(timeout_s * 1000)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         return self._watch(worker_group) or RunResult(state=WorkerState.HEALTHY)
@@ -397,8 +445,11 @@ class ReplacingAgent(SimpleElasticAgent):
                 proc.wait(max(deadline - time.monotonic(), 0.01))
             except subprocess.TimeoutExpired:
                 _kill(proc)
+        for running in self._ledger.running.values():
+            running.close()
         for s in self._spares:
             s.assignment.unlink(missing_ok=True)
+            ready_path(s.assignment).unlink(missing_ok=True)
         self._spares = []
         if self._channel is not None:
             self._channel = None

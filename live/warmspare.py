@@ -2,7 +2,7 @@
 
 ``python -u -m meshpact.live.warmspare ASSIGNMENT`` imports what every rank of a training job
 imports first (:data:`~meshpact.live.forkserver.PRELOAD`: torch, torch.distributed, FSDP,
-DTensor, dynamo) and then waits for the file ``ASSIGNMENT`` to appear. The launcher writes it
+DTensor, dynamo; and Meshpact's recovery runtime, :data:`RUNTIME`) and then waits for the file ``ASSIGNMENT`` to appear. The launcher writes it
 (atomically) when a worker of its node has died: the lost rank's whole worker environment
 (``RANK``, ``LOCAL_RANK``, ``MESHPACT_INCARNATION``, ``TORCHELASTIC_ERROR_FILE``, ...), the
 worker's command line (``-u script.py args`` or ``-u -m module args``, as torchrun builds it)
@@ -13,11 +13,13 @@ interpreter's and torch's.
 
 On a GPU the spare also makes its device's context (``LOCAL_RANK``'s device is known only at
 promotion, so it is made for the device the spare was started beside,
-``MESHPACT_SPARE_DEVICE``, when set). A spare whose launcher is gone exits.
+``MESHPACT_SPARE_DEVICE``, when set). Once loaded it creates ``ASSIGNMENT`` with the suffix
+``.ready`` (:func:`ready_path`), which the launcher reports. A spare whose launcher is gone exits.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
@@ -28,7 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["Assignment", "assign", "main"]
+__all__ = ["Assignment", "assign", "ready_path", "main", "RUNTIME"]
+
+# what a Meshpact job imports on top of torch: a promoted spare starts its script with them loaded
+RUNTIME = ("numpy", "meshpact.live.recovery.session", "meshpact.live.recovery.runtime",
+           "meshpact.live.recovery.state", "meshpact.live.recovery.peers")
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,11 @@ def assign(path: str | os.PathLike[str], assignment: Assignment) -> None:
     tmp = target.with_suffix(".tmp")
     tmp.write_text(json.dumps(assignment.to_dict()))
     os.replace(tmp, target)
+
+
+def ready_path(assignment: str | os.PathLike[str]) -> Path:
+    """The file a spare waiting on ``assignment`` creates once its imports are done."""
+    return Path(assignment).with_suffix(".ready")
 
 
 def _redirect(path: str, fd: int) -> None:
@@ -96,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in RUNTIME:
+        try:
+            importlib.import_module(name)
+        except ImportError:  # not installed here: the script imports what it needs when it runs
+            pass
     device = os.environ.get("MESHPACT_SPARE_DEVICE")
     if device is not None:
         import torch
@@ -103,6 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(device))
             torch.cuda.init()
+    # what is loaded now (torch and the runtime: most of the heap) is left out of the garbage
+    # collector's scans, as the runtime does once training starts: the job's first walk of the
+    # heap for its meshes and schedulers (all made by the script, after this) then skips it
+    gc.freeze()
+    ready_path(path).touch()
     parent = os.getppid()
     while not path.exists():
         if os.getppid() != parent:  # the launcher is gone: nobody will promote this spare

@@ -134,6 +134,18 @@ class Job:
             time.sleep(0.02)
         raise TimeoutError(f"rank {rank} did not reach step {step} within {timeout_s:.0f} s; log:\n{self.tail()}")
 
+    def wait_for_log(self, text: str, timeout_s: float) -> None:
+        """Until the launcher's log holds ``text`` (raises if the launcher ends or time runs out first)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if text in self.tail(1 << 20):
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the launcher exited with {self.proc.returncode} before its log said {text!r}; "
+                                   f"its log ends:\n{self.tail()}")
+            time.sleep(0.05)
+        raise TimeoutError(f"the launcher's log did not say {text!r} within {timeout_s:.0f} s; log:\n{self.tail()}")
+
     def kill_rank(self, rank: int, after_step: int, timeout_s: float = 120.0) -> Progress:
         """SIGKILL ``rank``'s process once it has committed ``after_step``; returns the report it was killed at."""
         p = self.wait_for_step(rank, after_step, timeout_s)
