@@ -14,8 +14,28 @@ import streamlit as st
 
 from meshpact.app.state import carry_widget_state
 
+# The layout at 1,024 px and wider: a row of columns wraps instead of cutting what it holds. A
+# column holding a metric, a widget or a table is never narrower than its content (a metric's
+# value is never cut, its label and a widget's label wrap between words, a select is as wide
+# as the value it shows), so a row too narrow for all of them goes on below; and a narrow
+# window gives the page more of its width.
+LAYOUT_CSS = """
+[data-testid="stHorizontalBlock"] { flex-wrap: wrap; }
+[data-testid="stColumn"]:has([data-testid="stMetric"], [data-testid="stDataFrame"], [data-testid="stWidgetLabel"],
+    [data-testid="stButton"], [data-testid="stDownloadButton"]) { min-width: min-content; }
+[data-testid="stMetricValue"] > div { overflow: visible !important; text-overflow: clip !important; }
+[data-testid="stMetricLabel"], [data-testid="stMetricLabel"] *, [data-testid="stWidgetLabel"],
+[data-testid="stWidgetLabel"] *, [data-testid="stCheckbox"] label * {
+    white-space: normal !important; overflow: visible !important; text-overflow: clip !important; }
+[data-baseweb="select"] input { field-sizing: content; min-width: 2ch; }
+@media (max-width: 1280px) {
+    [data-testid="stMainBlockContainer"] { padding-left: 2rem; padding-right: 2rem; }
+}
+"""
+
 st.set_page_config(page_title="Meshpact", page_icon=":material/hub:", layout="wide")
 carry_widget_state(st.session_state)  # the scenario and replay pickers follow the user from page to page
+st.html(f"<style>{LAYOUT_CSS}</style>")
 
 PAGES = [
     st.Page("views/mesh.py", title="Mesh", icon=":material/hub:", default=True),

@@ -173,8 +173,8 @@ def _selection_and_recovery() -> None:
         # the grid draws on a canvas and cuts a long cell: the column is as wide as its longest name
         # (about 6.8 px a character at the grid's font, plus the cell's padding), never narrower than its title
         longest = int(table["communicator"].str.len().max()) if len(table) else 0
-        st.dataframe(  # narrow enough for every column to show beside the chart at 1,400 px
-            table, hide_index=True, width="stretch",
+        st.dataframe(  # as wide as its columns: beside the chart where it fits, below it where not
+            table, hide_index=True, width="content",
             column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)",
                                                                        width=max(170, round(6.8 * longest) + 24)),
                            "backend": st.column_config.TextColumn(width=84),

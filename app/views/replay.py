@@ -155,8 +155,8 @@ def player() -> None:
             st.plotly_chart(recovery_figure([frame_breakdown(frame, frame.policy or policy)]),
                             key="replay_stages")
         lo = max(0, idx - 3)
-        st.dataframe([{"#": i + 1, "time": clock(e.t), "event": e.label, "now": "◀" if i == idx else ""}
-                      for i, e in enumerate(events[lo: lo + 8], start=lo)], hide_index=True, width="stretch")
+        st.dataframe([{"#": f"▶ {i + 1}" if i == idx else str(i + 1), "time": clock(e.t), "event": e.label}
+                      for i, e in enumerate(events[lo: lo + 8], start=lo)], hide_index=True, width="content")
 
 
 player()

@@ -70,6 +70,19 @@ def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma:
     return pd.DataFrame(rows)
 
 
+# The deployment tables' columns, titled short enough for both tables to show whole at 1,024 px.
+DEPLOYMENT_COLUMNS = {
+    "tok/s": st.column_config.NumberColumn("tok/s", format="%.0f"),
+    "tok/s speculative": st.column_config.NumberColumn("tok/s spec.", format="%.0f",
+                                                       help="tokens per second with speculative decoding"),
+    "speculative gain": st.column_config.NumberColumn("spec. gain", format="percent"),
+    "result bytes/token": st.column_config.NumberColumn("bytes/token", format="%.0f",
+                                                        help="result bytes over the link per remote token"),
+    "speculative result bytes/token": st.column_config.NumberColumn(
+        "bytes/token spec.", format="%.0f", help="result bytes over the link per remote token, speculative"),
+}
+
+
 @st.cache_data(show_spinner="Simulating this setting…", max_entries=64)
 def this_setting(text: str, source: str, flags: tuple) -> Any:
     from meshpact.core.scenario import parse_scenario_text
@@ -189,13 +202,12 @@ with serving:
     kept = st.session_state.get("simulate_results", {}).get("deployments")
     if kept is not None and kept[0] == dkey:
         frame = kept[1]
-        left, right = st.columns(2)
-        for col, deployment, what in (
-                (left, Deployment.REQUESTS.value, "whole requests spill once host 1's slots are full"),
-                (right, Deployment.MODEL.value, "the decoder split across the hosts: every step crosses")):
-            col.markdown(f"**{deployment}**: {what}")
-            col.dataframe(frame[frame["deployment"] == deployment].drop(columns="deployment"), hide_index=True,
-                          column_config={"speculative gain": st.column_config.NumberColumn(format="percent")})
+        for deployment, what in (
+                (Deployment.REQUESTS.value, "whole requests spill once host 1's slots are full"),
+                (Deployment.MODEL.value, "the decoder split across the hosts: every step crosses")):
+            st.markdown(f"**{deployment}**: {what}")
+            st.dataframe(frame[frame["deployment"] == deployment].drop(columns="deployment"), hide_index=True,
+                         width="content", column_config=DEPLOYMENT_COLUMNS)
         st.caption(f"Speculative: γ = {int(gamma)} draft tokens per round, each accepted with probability "
                    f"{float(acceptance):.2f} (tokens per target pass (1 − α^(γ+1)) / (1 − α) = "
                    f"{expected_tokens_per_pass(int(gamma), float(acceptance)):.2f}). `full` ships the "
