@@ -9,8 +9,9 @@ the job spans hosts). The path is out of band: a small TCP server per rank (:cla
 bound to the rank's own address (loopback unless ``MESHPACT_PEER_ADDR`` names another), never
 the data path's groups and never storage.
 
-Each holder keeps, per source rank, the two newest *complete* copies (a copy displaces the
-oldest when its last byte has arrived) plus the one being received. Each rank also keeps
+Each holder keeps, per source rank, the two newest *complete* copies; the next copy arrives
+into the oldest one's buffer (that copy is dropped when the next begins to arrive, not when it
+ends), so a source's copies take two buffers, never three. Each rank also keeps
 its own two newest snapshots: the newest may still be in flight when the rank dies, so the
 group may have to agree on the step before it and the survivors roll back one step from their
 own memory. Ranks lost together (a node) may die with their newest copies at different steps,
@@ -112,8 +113,9 @@ def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview |
             sock.sendall(part)
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
+def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
+    """``n`` bytes from ``sock``, into ``into`` (exactly ``n`` long) where given, else a new buffer."""
+    buf = bytearray(n) if into is None else into
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -283,6 +285,7 @@ class PeerServer:
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
         self._copies: dict[int, dict[int, HeldCopy]] = {}  # source rank -> step -> copy (the two newest)
+        self._lent: dict[int, int] = {}  # id of a copy's buffer -> gets sending it now (never overwritten meanwhile)
         self._receiving = 0  # bytes of copies in flight
         self.peak_bytes = 0
         self.recv_cpu_s = 0.0  # CPU seconds of receiving copies (the holder's side of a ship)
@@ -341,20 +344,37 @@ class PeerServer:
                         by_step = self._copies.get(int(header["src"]), {})
                         held = by_step.get(int(header["step"]))
                         newest = max(by_step, default=None)
+                        if held is not None:
+                            self._lent[id(held.payload)] = self._lent.get(id(held.payload), 0) + 1
                     if held is None:
                         _send(conn, {"ok": False, "held": newest})
                     else:
-                        _send(conn, {"ok": True, "step": held.step}, memoryview(held.payload))
+                        try:
+                            _send(conn, {"ok": True, "step": held.step}, memoryview(held.payload))
+                        finally:
+                            with self._lock:
+                                left = self._lent.pop(id(held.payload)) - 1
+                                if left:
+                                    self._lent[id(held.payload)] = left
             except (OSError, PeerError, ValueError, KeyError):
                 return  # a sender that died mid-copy: its previous complete copy stays
 
     def _put(self, conn: socket.socket, header: JsonObject) -> None:
-        n = int(header["n"])
+        n, src = int(header["n"]), int(header["src"])
         with self._lock:
+            # the next copy arrives into the oldest of the two kept (same size, nobody sending it):
+            # that copy is no longer held from now on, and a source's copies take two buffers
+            by_step = self._copies.get(src, {})
+            into = None
+            if len(by_step) >= 2:
+                oldest = min(by_step)
+                if len(by_step[oldest].payload) == n and id(by_step[oldest].payload) not in self._lent:
+                    into = by_step.pop(oldest).payload
             self._receiving += n
+            self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + self._receiving)
         t0 = time.thread_time()
         try:
-            payload = _recv_exact(conn, n)
+            payload = _recv_exact(conn, n, into)
         finally:
             with self._lock:
                 self._receiving -= n
@@ -365,7 +385,7 @@ class PeerServer:
             by_step[copy.step] = copy  # complete: displaces the oldest of the two kept
             for old in sorted(by_step)[:-2]:
                 del by_step[old]
-            self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + n)
+            self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + self._receiving)
         _send(conn, {"ok": True})
 
     def close(self) -> None:

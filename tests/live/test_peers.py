@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 import json
 
 import pytest
@@ -227,6 +228,53 @@ def test_a_sender_dying_mid_copy_leaves_the_previous_copy(server):
         sock.sendall(struct.pack("!I", len(header)) + header + payload[: len(payload) // 2])
     got, _ = fetch(_addr(server), 2, 4, 5.0)
     assert server.holds() == ((2, 4),) and torch.equal(got["param/w"], _state(4)["param/w"])
+
+
+def test_a_copy_arrives_into_the_oldest_ones_buffer_two_buffers_per_source(server):
+    """The third copy overwrites the oldest as it arrives: a source's copies never take a third
+    buffer, and a sender dying mid-copy leaves the newer complete one, bit for bit."""
+    put(_addr(server), 2, 4, serialize(4, _state(4)), 5.0)
+    put(_addr(server), 2, 5, serialize(5, _state(5)), 5.0)
+    n = len(serialize(6, _state(6)))
+    put(_addr(server), 2, 6, serialize(6, _state(6)), 5.0)
+    assert server.holds() == ((2, 5), (2, 6)) and server.peak_bytes == 2 * n
+    payload = serialize(7, _state(7))
+    header = json.dumps({"op": "put", "src": 2, "step": 7, "n": len(payload)}).encode()
+    with socket.create_connection((server.addr, server.port)) as sock:  # dies half-way into step 5's buffer
+        sock.sendall(struct.pack("!I", len(header)) + header + payload[: len(payload) // 2])
+    deadline = time.monotonic() + 5.0
+    while server.holds() != ((2, 6),) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    got, _ = fetch(_addr(server), 2, 6, 5.0)
+    assert server.holds() == ((2, 6),) and torch.equal(got["param/w"], _state(6)["param/w"])
+
+
+def test_a_copy_being_sent_is_never_overwritten_by_one_arriving(server):
+    """A replacement still reading the oldest copy while the source's next one arrives reads
+    the bytes it asked for: the arriving copy takes a buffer of its own."""
+    big = {"param/w": torch.arange(4 << 20, dtype=torch.float32)}  # 16 MB: the send blocks on an unread socket
+    put(_addr(server), 2, 4, serialize(4, big), 5.0)
+    put(_addr(server), 2, 5, serialize(5, {"param/w": big["param/w"] + 1}), 5.0)
+    header = json.dumps({"op": "get", "src": 2, "step": 4}).encode()
+    with socket.create_connection((server.addr, server.port)) as reader:
+        reader.sendall(struct.pack("!I", len(header)) + header)
+        time.sleep(0.3)  # the server is inside sendall of step 4's buffer, blocked on this unread socket
+        put(_addr(server), 2, 6, serialize(6, {"param/w": big["param/w"] + 2}), 5.0)
+        assert server.holds() == ((2, 5), (2, 6))
+        reader.settimeout(5.0)
+        (size,) = struct.unpack("!I", _read(reader, 4))
+        reply = json.loads(_read(reader, size))
+        _, got = deserialize(_read(reader, len(serialize(4, big))))
+    assert reply["ok"] and reply["step"] == 4 and torch.equal(got["param/w"], big["param/w"])
+
+
+def _read(sock: socket.socket, n: int) -> bytes:
+    out = bytearray()
+    while len(out) < n:
+        chunk = sock.recv(n - len(out))
+        assert chunk, f"closed after {len(out)} of {n} bytes"
+        out += chunk
+    return bytes(out)
 
 
 def test_a_holder_that_is_gone_is_a_peer_error_not_a_hang():
