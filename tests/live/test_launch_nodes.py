@@ -1,12 +1,17 @@
 """``meshpact launch`` on two nodes (network namespaces joined by veth), one agent each.
 
-Node 0 hosts elastic's c10d rendezvous; each node runs two workers of the example script. Rank
-3, on node 1, is SIGKILLed: node 1's agent replaces it alone (a warm spare), its state comes
-from the copy node 0's rank 0 holds in host memory (no checkpoint exists to read), and the job
-ends bit-identical to plain ``torchrun`` on one node without a fault.
+Node 0 hosts elastic's c10d rendezvous; each node runs two workers of the example script. Node
+1's link is cut for 3 s (every connection to it: data, stores, control channel) and the job
+recovers in memory; then rank 3, on node 1, is SIGKILLed: node 1's agent replaces it alone (a
+warm spare), its state comes from the copy node 0's rank 0 holds in host memory (no checkpoint
+exists to read), and the job ends bit-identical to plain ``torchrun`` on one node without a fault.
+One job takes both faults: each is checked by what it leaves in the ranks' records.
 """
 
 from __future__ import annotations
+
+import subprocess
+import time
 
 import pytest
 
@@ -17,7 +22,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns,
               pytest.mark.skipif(netns_unavailable(shaped=False) is not None,
                                  reason=str(netns_unavailable(shaped=False)))]
 
-STEPS, PORT = 10, 29400
+STEPS, PORT, CUT_S = 10, 29400, 3.0
 
 
 def node_flags(hosts: TwoHosts, node: int, *extra: str) -> list[str]:
@@ -26,7 +31,17 @@ def node_flags(hosts: TwoHosts, node: int, *extra: str) -> list[str]:
                         "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", hosts.addr[node], *extra)
 
 
-def test_a_worker_killed_on_node_1_is_replaced_there_from_node_0s_peer_copy(tmp_path):
+def cut_link(hosts: TwoHosts, node: int, seconds: float) -> None:
+    """Node ``node``'s end of the link down for ``seconds``, then up again."""
+    link = ["ip", "-n", hosts.ns[node], "link", "set", "dev", hosts.iface[node]]
+    subprocess.run([*link, "down"], check=True)
+    try:
+        time.sleep(seconds)
+    finally:
+        subprocess.run([*link, "up"], check=True)
+
+
+def test_node_1s_link_cut_and_then_a_worker_killed_there_are_both_recovered_in_memory(tmp_path):
     out = tmp_path / "faulted"
     with TwoHosts(link=None) as hosts, \
             Job(Job.torchrun("--standalone", "--nproc-per-node", "4"), tmp_path / "reference", STEPS) as ref, \
@@ -35,7 +50,9 @@ def test_a_worker_killed_on_node_1_is_replaced_there_from_node_0s_peer_copy(tmp_
             Job(node_flags(hosts, 1, "--max-restarts", "1", "--spare-ranks-per-node", "1"), out, STEPS,
                 step_s=0.05, prefix=hosts.prefix(1), name="node1") as node1:
         others = {r: node1.wait_for_step(r, 0, 150) for r in (0, 1, 2)}
-        killed = node1.kill_rank(3, after_step=3)
+        node1.wait_for_step(3, 1, 120)
+        cut_link(hosts, 1, CUT_S)
+        killed = node1.kill_rank(3, after_step=5)
         assert node1.wait(180) == 0, node1.tail()
         assert node0.wait(60) == 0, node0.tail()
         assert ref.wait(180) == 0, ref.tail()
@@ -43,10 +60,13 @@ def test_a_worker_killed_on_node_1_is_replaced_there_from_node_0s_peer_copy(tmp_
     assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
     assert all(faulted[r].pid == p.pid and faulted[r].incarnation == 0 for r, p in others.items())
     assert faulted[3].incarnation == 1 and faulted[3].pid != killed.pid
-    # restored from a peer's host memory (the job keeps no checkpoint: nothing in storage to read)
+    # the cut: recovered in memory by the same processes, no node declared lost; the kill: restored
+    # from a peer's host memory (the job keeps no checkpoint: nothing in storage to read)
     survivors = [faulted[r] for r in (0, 1, 2)]
-    assert all(f.policies == ("peer_restore",) for f in survivors), [f.recoveries for f in survivors]
-    assert all("rank 3 <- rank 0" in f.recoveries[0]["reason"] for f in survivors)  # node 0's copy
+    assert all(f.policies == ("in_memory", "peer_restore") for f in survivors), [f.recoveries for f in survivors]
+    assert all("rank 3 <- rank 0" in f.recoveries[-1]["reason"] for f in survivors)  # node 0's copy
+    assert all(f.storage_bytes_read == 0 for f in faulted.values())
+    assert "is lost" not in node0.log.read_text()
     log = node1.log.read_text()
     assert f"rank 3 (pid {killed.pid}) exited with -9" in log and "a warm spare" in log
     assert "exited with" not in node0.log.read_text()
