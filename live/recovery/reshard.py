@@ -394,8 +394,10 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
 
 
 def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]], mesh: Any,
-             shards: Mapping[str, torch.Tensor], whole: Mapping[str, tuple[int, ...]]) -> tuple[torch.nn.Module,
-                                                                                         torch.optim.Optimizer]:
+             shards: dict[str, torch.Tensor], whole: Mapping[str, tuple[int, ...]]) -> tuple[torch.nn.Module,
+                                                                                      torch.optim.Optimizer]:
+    """The smaller world's model and optimizer from ``build``, loaded from ``shards``, which
+    are given away: the dict is empty after, and no shard is held twice while loading."""
     from torch.distributed.tensor import DTensor, Shard
 
     rng = capture_rng()
@@ -408,7 +410,7 @@ def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer
         if tuple(p.shape) != tuple(whole[f"param/{name}"]):
             raise ExcisionError(f"parameter {name}: the rebuilt model has shape {tuple(p.shape)}, the old shards "
                                 f"make {tuple(whole[f'param/{name}'])}")
-    load_local_state(model, optimizer, shards)
+    load_local_state(model, optimizer, shards, take=True)  # each shard leaves ``shards`` as it is loaded
     return model, optimizer
 
 
@@ -436,14 +438,15 @@ def _flush(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, 
     return str(ckpt.path(step).parent)
 
 
-def excise(own: Mapping[str, torch.Tensor], held: Mapping[int, Mapping[str, torch.Tensor]], before: Membership,
+def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.Tensor]], before: Membership,
            lost: Sequence[int], *, step: int, spec: comm.GroupSpec, store: Any, generation: int,
            build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]],
            old_group: dist.ProcessGroup | None = None, min_ranks: int = 1,
            checkpoint_dir: str | None = None) -> Excised:
     """Every survivor calls this with its own committed state (``local_state``; other keys such
     as generators are kept out of the exchange) and the copies it holds of other ranks, keyed
-    by original rank (``held``, possibly empty). ``before`` is the job's membership,
+    by original rank (``held``, possibly empty; emptied once re-sharded, so the copies can be
+    freed before the new model is built). ``before`` is the job's membership,
     ``spec.rank`` this rank's group rank in it, ``lost`` original ranks, ``generation`` the
     new group's generation (fresh store namespace). Returns the smaller world's model and
     optimizer; raises :class:`ExcisionRefused` below ``min_ranks`` (after the flush) and
@@ -476,6 +479,10 @@ def excise(own: Mapping[str, torch.Tensor], held: Mapping[int, Mapping[str, torc
         raise ExcisionRefused(f"excising rank(s) {sorted(lost)} would leave {after.world} rank(s), below --min-ranks "
                               f"{min_ranks}: stopped, the state of step {step} is flushed to {where}", where)
     shards, whole, moved = _redistribute(own, provided, providers, before, after, group, me)
+    # the lost ranks' copies are in the new shards now: let them go before the new model is built
+    # (the caller's dict too; its holder forgets them), so the rebuild never holds them and the shards at once
+    provided.clear()
+    held.clear()
     gather_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     from .session import mesh_from_groups

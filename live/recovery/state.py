@@ -129,13 +129,18 @@ def load_buffers(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
                 _local(buf).copy_(saved)
 
 
-def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor]) -> None:
-    """Copy ``state`` (as :func:`local_state` gives it) back into the model and optimizer in place."""
+def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor],
+                     take: bool = False) -> None:
+    """Copy ``state`` (as :func:`local_state` gives it) back into the model and optimizer in place.
+    ``take``: ``state``'s tensors are the caller's to give away (an excision's new shards): each
+    entry leaves ``state`` once loaded, and optimizer slots the optimizer does not have yet are
+    the given tensors themselves, not copies, so loading never holds the state twice."""
     params = dict(model.named_parameters())
     load_buffers(model, state)
+    get = state.pop if take else state.__getitem__
     with torch.no_grad():
         for name, p in params.items():
-            _local(p.data).copy_(state[f"param/{name}"])
+            _local(p.data).copy_(get(f"param/{name}"))
             p.grad = None
         for name, p in params.items():
             prefix = f"optim/{name}/"
@@ -145,19 +150,20 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
                 continue
             slot = optimizer.state.setdefault(p, {})
             for key in keys:
+                value = get(prefix + key)
                 if key in slot and isinstance(slot[key], torch.Tensor):
-                    _local(slot[key]).copy_(state[prefix + key])
-                elif p.data.__class__ is not torch.Tensor and state[prefix + key].dim() > 0:
-                    slot[key] = _like(p.data, state[prefix + key])
+                    _local(slot[key]).copy_(value)
+                elif p.data.__class__ is not torch.Tensor and value.dim() > 0:
+                    slot[key] = _like(p.data, value, copy=not take)
                 else:
-                    slot[key] = state[prefix + key].clone()
+                    slot[key] = value if take else value.clone()
 
 
-def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-    """A DTensor with ``param``'s mesh and placements holding ``local``."""
+def _like(param: torch.Tensor, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """A DTensor with ``param``'s mesh and placements holding ``local`` (a copy of it unless ``copy`` is off)."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local.clone(), param.device_mesh, param.placements, run_check=False,
+    return DTensor.from_local(local.clone() if copy else local, param.device_mesh, param.placements, run_check=False,
                               shape=param.shape, stride=param.stride())
 
 
