@@ -10,7 +10,7 @@ Measures on this machine, in one run:
   a kill excised (``--on-rank-loss excise``), one peer copy per rank, each judged
   bit-identical against its reference, with the recoveries nobody planned counted
   (``unplanned_recoveries``: recoveries beyond the faults injected);
-- ``recovery_ms_p50_by_state_mb``: the in-memory recovery itself (the stages after every rank
+- ``recovery_ms_p50_by_state_mb``: the in-memory recoveries (collective and stall) themselves (the stages after every rank
   knew: consensus, communicator, rebinding, state),
   p50 per workload keyed by the rank's state in MB, and the ratio large / tiny; the skew of
   ranks reaching the failed collective (first rank knowing -> every rank knowing, the
@@ -24,7 +24,11 @@ Measures on this machine, in one run:
 Prints a table for people and one JSON line (the last line) for machines, also written to
 ``bench/results/scale.json`` with the load average and date.
 
-Usage: ``python bench/scale.py [--steps 4] [--ranks 4] [--data-timeout 120] [--paths collective,stall,kill,excise]``.
+The trials run with the default settings (the data-path timeout follows the job) unless
+``--data-timeout`` sets one. The in-memory paths (collective, stall) inject ``--faults`` faults
+each, so the p50 is over several recoveries.
+
+Usage: ``python bench/scale.py [--steps 8] [--faults 3] [--ranks 4] [--data-timeout S] [--paths collective,stall,kill,excise]``.
 Under ``torchrun`` with ``--plain WORKLOAD`` it is the plain loop itself (one rank).
 """
 
@@ -158,7 +162,7 @@ class PathRun:
     commit_ms: float | None
     step_latency: float | None
     error: str | None = None
-    stages_ms: dict[str, float] = field(default_factory=dict)  # the first recovery's stages, first collective apart
+    stages_ms: dict[str, float] = field(default_factory=dict)  # each stage's p50 over the recoveries, first collective apart
     skew_ms: list[float] = field(default_factory=list)  # the detection stage: until every rank knew
     own_ms: list[float] = field(default_factory=list)  # the recovery itself: every stage after detection
 
@@ -168,11 +172,12 @@ class PathRun:
 
 
 def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: float | None, ref: Path,
-             root: Path) -> PathRun:
+             root: Path, faults: int = 1) -> PathRun:
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
     kind, on_loss = PATHS[path]
-    kw: dict[str, Any] = {"ranks": ranks, "steps": steps, "faults": 1, "fault_kind": kind, "on_rank_loss": on_loss,
+    faults = faults if POLICY[path] == "in_memory" else 1
+    kw: dict[str, Any] = {"ranks": ranks, "steps": steps, "faults": faults, "fault_kind": kind, "on_rank_loss": on_loss,
                           "checkpoint_every": steps, "baselines": False, "peer_copies": 1, "workload": workload}
     if data_timeout_s is not None:
         kw["data_timeout_s"] = data_timeout_s
@@ -182,7 +187,7 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
         with RssWatch(work) as watch:
             result = run_trial(cfg, work_dir=work, reference_dir=ref if on_loss == "replace" else None)
     except Exception as exc:  # noqa: BLE001  (one path failing is a row of the table, not the end of the bench)
-        return PathRun(workload, path, False, 0, 1, 0, [], [], 0, None, None, str(exc).splitlines()[0][:300])
+        return PathRun(workload, path, False, 0, faults, 0, [], [], 0, None, None, str(exc).splitlines()[0][:300])
     finally:  # a large workload's checkpoints and final states are gigabytes a path: kept only as numbers
         for sub in ("checkpoints", "faulted", "excising-reference", "ref-checkpoints"):
             shutil.rmtree(work / sub, ignore_errors=True)
@@ -193,10 +198,18 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
                    int(s["faults_injected"]), len(recs), [r["recovery_s"] * 1e3 for r in recs],
                    [r["detection_s"] * 1e3 for r in recs], watch.peak("faulted"),
                    overhead.get("snapshot_ms_per_commit"), overhead.get("step_latency"),
-                   stages_ms={**{k: v * 1e3 for k, v in recs[0]["stages_s"].items()},
-                              "first_collective": recs[0]["first_collective_s"] * 1e3} if recs else {},
+                   stages_ms={k: statistics.median(v) for k, v in _stage_lists(recs).items()},
                    skew_ms=[r["stages_s"].get("detection", 0.0) * 1e3 for r in recs],
                    own_ms=[sum(v for k, v in r["stages_s"].items() if k != "detection") * 1e3 for r in recs])
+
+
+def _stage_lists(recs: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each stage's milliseconds over ``recs`` (the first collective on the new groups apart)."""
+    out: dict[str, list[float]] = {}
+    for r in recs:
+        for k, v in {**r["stages_s"], "first_collective": r["first_collective_s"]}.items():
+            out.setdefault(k, []).append(v * 1e3)
+    return out
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -208,7 +221,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plain", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--faults", type=int, default=3, help="faults per in-memory path (collective, stall)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--tiny", default="decoder")
     parser.add_argument("--large", default="gpt100m")
@@ -229,18 +243,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for w in (args.tiny, args.large):
         ref = root / f"ref-{w}" / "reference"
         for path in paths:
-            runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root))
+            runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root, args.faults))
             print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
     state_mb = {w: plain[w].state_bytes / 2**20 for w in plain}
-    rec = {w: _p50([ms for r in runs if r.workload == w and r.path == "collective" for ms in r.own_ms])
-           for w in plain}
-    det = {w: _p50([ms for r in runs if r.workload == w and r.path == "collective" for ms in r.skew_ms])
-           for w in plain}
+    in_memory = [p for p in paths if POLICY[p] == "in_memory"]
+    rec = {w: _p50([ms for r in runs if r.workload == w and r.path in in_memory for ms in r.own_ms]) for w in plain}
+    det = {w: _p50([ms for r in runs if r.workload == w and r.path in in_memory for ms in r.skew_ms]) for w in plain}
     extra = {f"{r.workload}/{r.path}": ((r.peak_rss_bytes - plain[r.workload].peak_rss_bytes)
                                         / plain[r.workload].state_bytes if r.peak_rss_bytes else None) for r in runs}
     result = {
         "bench": "scale", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg": os.getloadavg(),
-        "ranks": args.ranks, "steps": args.steps, "data_timeout_s": args.data_timeout,
+        "ranks": args.ranks, "steps": args.steps, "faults_per_in_memory_path": args.faults,
+        "data_timeout_s": args.data_timeout,
         "state_mb_per_rank": {w: round(v, 3) for w, v in state_mb.items()},
         "recovery_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": rec[w] for w in plain},
         "recovery_ratio_large_over_tiny": (rec[args.large] / rec[args.tiny]) if rec[args.large] and rec[args.tiny] else None,
