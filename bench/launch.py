@@ -13,8 +13,10 @@ hosting elastic's c10d rendezvous), each case a fresh job of ``examples/resilien
 Downtime is read from the job's own progress: from the kill until every remaining rank has
 committed the step after the one rank 3 had committed (``steps-rank<r>.log``), so it counts
 detection, recovery, any process start and one step, whatever the launcher did. Bit-identity
-compares every rank's final state digest with plain torchrun on one node without a fault
-(excision leaves a smaller world: its state is not the four-rank run's, so it is not compared).
+compares every rank's final state digest with plain torchrun on one node without a fault; an
+excision leaves a smaller world, so the node kill's survivors are compared with the excising
+reference instead (:mod:`meshpact.live.trials.launchref`: the same job with ranks 2 and 3
+leaving at the step the survivors excised them, no fault, under plain torchrun).
 Storage bytes read are the checkpoint bytes the job's processes read. ``survivor_pids_kept``:
 every rank not killed ended in the process it started in.
 
@@ -43,7 +45,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _results import emit  # noqa: E402
 
 from meshpact.live.netns import TwoHosts, netns_unavailable  # noqa: E402
-from meshpact.live.trials.launchdrill import Job, read_finals, resumed_at  # noqa: E402
+from meshpact.live.trials.launchdrill import Job, excised_at, excising_reference, read_finals, resumed_at  # noqa: E402
 
 STEPS, STEP_S, KILL_AT, KILLED = 16, 0.05, 5, 3
 SPARE_READY = "is ready ("  # the launcher's line once a warm spare has imported what it preloads
@@ -97,8 +99,15 @@ def run_case(case: str, hosts: TwoHosts, work: Path, port: int, reference: dict[
     finals = read_finals(out, 4)
     at = resumed_at(out, remaining, victim.step + 1, t_kill)
     survivors = [r for r in remaining if r != KILLED]
-    identical = (None if case == "node_kill" else
-                 sorted(finals) == sorted(reference) and all(finals[r].digest == reference[r] for r in finals))
+    if case == "node_kill":
+        at_step = {excised_at(finals[r]) for r in remaining if r in finals}
+        identical = False
+        if sorted(finals) == list(remaining) and len(at_step) == 1 and None not in at_step:
+            excised = excising_reference(out / "reference", STEPS, at_step.pop(), 4, len(remaining))
+            identical = all(finals[r].digest == excised[r].digest for r in remaining if r in excised) \
+                and sorted(excised) == list(remaining)
+    else:
+        identical = sorted(finals) == sorted(reference) and all(finals[r].digest == reference[r] for r in finals)
     return {
         "ok": rc0 == 0 and rc1 == 0,
         "downtime_s": None if at is None else round(at - t_kill, 3),
@@ -111,8 +120,7 @@ def run_case(case: str, hosts: TwoHosts, work: Path, port: int, reference: dict[
 
 
 def _passed(r: dict[str, Any]) -> bool:
-    return bool(r["ok"] and r["bit_identical"] is not False and r["survivor_pids_kept"] is not False
-                and r["downtime_s"] is not None)
+    return bool(r["ok"] and r["bit_identical"] and r["survivor_pids_kept"] is not False and r["downtime_s"] is not None)
 
 
 def _summary(runs: list[dict[str, Any]]) -> dict[str, Any]:

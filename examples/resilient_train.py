@@ -81,8 +81,8 @@ def main() -> None:
                     log.write(f"{step} {time.time():.6f}\n")
             time.sleep(args.step_s)
         state = rt.state()  # what a recovery restores and bit-identity compares
-        recoveries = [{"policy": r.policy.value, "step": r.step, "reason": r.reason, "detected": r.t_detect_wall,
-                       "resumed": r.t_resumed_wall} for r in rt.recoveries]
+        recoveries = [{"policy": r.policy.value, "step": r.step, "lost_steps": r.lost_steps, "reason": r.reason,
+                       "detected": r.t_detect_wall, "resumed": r.t_resumed_wall} for r in rt.recoveries]
     if out is not None:
         torch.save(state, out / f"state-rank{session.rank}.pt")
         _write(out / f"rank{session.rank}.json", {"rank": session.rank, "pid": os.getpid(),

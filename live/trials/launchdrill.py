@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["EXAMPLE", "Progress", "Final", "Job", "read_finals", "read_progress", "resumed_at"]
+__all__ = ["EXAMPLE", "Progress", "Final", "Job", "read_finals", "read_progress", "resumed_at", "excised_at",
+           "excising_reference"]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resilient_train.py"
 
@@ -48,6 +49,30 @@ class Final:
     @property
     def policies(self) -> tuple[str, ...]:
         return tuple(str(r["policy"]) for r in self.recoveries)
+
+
+def excised_at(final: Final) -> int | None:
+    """The step a survivor's excision took effect at: its failed step less the steps it replayed
+    in the smaller world (None: it excised nothing)."""
+    steps = [int(r["step"]) - int(r.get("lost_steps", 0)) for r in final.recoveries if r["policy"] == "excise"]
+    return steps[0] if len(steps) == 1 else None
+
+
+def excising_reference(out: Path, steps: int, excise_at: int, world: int, survivors: int,
+                       timeout_s: float = 300.0) -> dict[int, Final]:
+    """The example's job with ranks ``survivors..world-1`` leaving before ``excise_at``, no fault
+    (:mod:`meshpact.live.trials.launchref`, under plain torchrun): what each survivor ends with."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m",
+           "meshpact.live.trials.launchref", "--steps", str(steps), "--excise-at", str(excise_at), "--survivors",
+           str(survivors), "--out", str(out)]
+    with open(out / "launcher.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    if rc != 0:
+        raise RuntimeError(f"the excising reference exited with {rc}; its log ends:\n"
+                           f"{(out / 'launcher.log').read_text(errors='replace')[-4000:]}")
+    return read_finals(out, survivors)
 
 
 def read_progress(out: Path, rank: int) -> Progress | None:

@@ -5,7 +5,10 @@ Node 0 hosts elastic's c10d rendezvous; each node runs two workers of the exampl
 recovers in memory; then rank 3, on node 1, is SIGKILLed: node 1's agent replaces it alone (a
 warm spare), its state comes from the copy node 0's rank 0 holds in host memory (no checkpoint
 exists to read), and the job ends bit-identical to plain ``torchrun`` on one node without a fault.
-One job takes both faults: each is checked by what it leaves in the ranks' records.
+One job takes both faults: each is checked by what it leaves in the ranks' records. Node 1's
+agent and both its workers SIGKILLed together: node 0's agent announces the node lost, the
+survivors excise its ranks and end bit-identical to the excising reference
+(:mod:`meshpact.live.trials.launchref`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import time
 import pytest
 
 from meshpact.live.netns import TwoHosts, netns_unavailable
-from meshpact.live.trials.launchdrill import Job, read_finals
+from meshpact.live.trials.launchdrill import Job, excised_at, excising_reference, read_finals
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns,
               pytest.mark.skipif(netns_unavailable(shaped=False) is not None,
@@ -72,7 +75,7 @@ def test_node_1s_link_cut_and_then_a_worker_killed_there_are_both_recovered_in_m
     assert "exited with" not in node0.log.read_text()
 
 
-def test_node_1_lost_with_its_agent_is_excised_by_the_survivors_within_the_node_loss_bound(tmp_path):
+def test_node_1_lost_with_its_agent_is_excised_by_the_survivors_bit_identical_to_its_excising_reference(tmp_path):
     out = tmp_path / "faulted"
     with TwoHosts(link=None) as hosts, \
             Job(node_flags(hosts, 0, "--node-loss-s", "3"), out, STEPS, step_s=0.05, prefix=hosts.prefix(0),
@@ -87,5 +90,10 @@ def test_node_1_lost_with_its_agent_is_excised_by_the_survivors_within_the_node_
     assert sorted(finals) == [0, 1]  # ranks 2 and 3 went with their node
     assert all(finals[r].pid == p.pid and finals[r].incarnation == 0 for r, p in survivors.items())
     assert all(f.policies == ("excise",) for f in finals.values()), [f.recoveries for f in finals.values()]
+    # bit for bit the job in which ranks 2 and 3 left at that step without a fault (plain torchrun)
+    step = excised_at(finals[0])
+    assert step is not None and excised_at(finals[1]) == step
+    reference = excising_reference(tmp_path / "reference", STEPS, step, 4, 2)
+    assert {r: f.digest for r, f in finals.items()} == {r: f.digest for r, f in reference.items()}
     log = node0.log.read_text()
     assert "node 1 (ranks [2, 3]) is lost" in log and "not waiting for the agents of lost node(s) [1]" in log
