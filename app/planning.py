@@ -156,8 +156,6 @@ def run_uploaded(edge: Edge, name: str, content: bytes) -> RunReport:
     from meshpact.core.contract import compile_contract
     from meshpact.core.runvalues import parse_values, run_values, values_from
 
-    if name.endswith(".npy") and not content.startswith(b"\x93NUMPY"):
-        raise MeshpactError(f"{name}: not a .npy array (no NumPy header); expected an array saved by numpy.save")
     contract = compile_contract(edge)
     inputs = values_from(parse_values(name, content), contract, name)
     return run_values(planner_named("meshpact").plan(contract), contract, inputs)

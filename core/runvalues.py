@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import io
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -68,15 +69,41 @@ def _read(path: Path) -> np.ndarray | list[Any]:
     if path.stat().st_size > MAX_ELEMENTS * 8 + 4096:
         raise FactError(f"{path}: larger than {MAX_ELEMENTS:,} values; expected a tensor that fits a test")
     if path.suffix == ".npy":
-        try:
-            return np.load(path, allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise FactError(f"{path}: not a readable .npy array ({exc})") from None
+        with path.open("rb") as fh:
+            return _load_npy(fh, path)
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise FactError(f"{path}: not valid JSON ({exc}); expected a nested array of numbers") from None
     return data
+
+
+def _load_npy(fh: BinaryIO, name: str | Path) -> np.ndarray:
+    """A ``.npy`` array of numbers, its header read first: a file without NumPy's header, an
+    array of Python objects (which only unpickling would load; never done) or one larger than
+    :data:`MAX_ELEMENTS` is refused in one line before any of its data is read."""
+    expected = "expected an array of numbers saved by numpy.save"
+    try:
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f"format version {version[0]}.{version[1]}")
+    except (ValueError, OSError, EOFError, SyntaxError):
+        raise FactError(f"{name}: not a .npy array (no readable NumPy header); {expected}") from None
+    if dtype.hasobject:
+        raise FactError(f"{name}: holds Python objects ({dtype}), which are never loaded from a values file; "
+                        f"{expected}")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise FactError(f"{name}: {list(shape)} is more than {MAX_ELEMENTS:,} values; expected a tensor that fits "
+                        "a test")
+    fh.seek(0)
+    try:
+        return np.load(fh, allow_pickle=False)
+    except (ValueError, OSError, EOFError) as exc:
+        raise FactError(f"{name}: not a readable .npy array ({exc}); {expected}") from None
 
 
 def _array(data: Any, path: Path, what: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -102,10 +129,7 @@ def parse_values(name: str, content: bytes) -> np.ndarray | list[Any]:
     if len(content) > MAX_ELEMENTS * 8 + 4096:
         raise FactError(f"{name}: larger than {MAX_ELEMENTS:,} values; expected a tensor that fits a test")
     if name.endswith(".npy"):
-        try:
-            return np.load(io.BytesIO(content), allow_pickle=False)
-        except (ValueError, OSError) as exc:
-            raise FactError(f"{name}: not a readable .npy array ({exc})") from None
+        return _load_npy(io.BytesIO(content), name)
     try:
         return json.loads(content.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -108,8 +108,26 @@ def test_a_padded_vocabulary_is_planned_with_its_padding_masked(mesh):
     assert lowered.ok and any(s.arg("valid") == 1000 for s in lowered.plan.steps)
 
 
+def _npy(header: dict | None = None) -> bytes:
+    """A .npy file with a valid header: an array of Python objects (pickled), or a bare ``header``
+    with no data after it."""
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    if header is not None:
+        np.lib.format.write_array_header_1_0(buf, header)
+    else:
+        np.save(buf, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    return buf.getvalue()
+
+
 @pytest.mark.parametrize("name,content", [("v.npy", b"\x89PNG\r\n\x1a\n\x00\xff"), ("v.npy", b""),
-                                          ("v.json", b"\xff\xfe\x00"), ("v.json", b"")])
+                                          ("v.json", b"\xff\xfe\x00"), ("v.json", b""),
+                                          ("v.npy", _npy()),
+                                          ("v.npy", _npy(header={"descr": "<f4", "fortran_order": False,
+                                                                 "shape": (100_000, 100_000)}))])
 def test_any_uploaded_values_file_is_one_line(mesh, name, content):
     from meshpact.app.planning import run_uploaded
 
