@@ -25,6 +25,7 @@ IDX, PLAY = "replay_index", "replay_playing"  # IDX holds the 1-based event numb
 SIMULATED, RECORDING, FROM_MESH = "simulated run of this scenario", "recording", "failures picked on Mesh"
 MESH_KNOBS = "mesh_recovery_knobs"  # (rank_loss, steps since checkpoint, step seconds) as last set on Mesh
 ANOTHER = "another file…"
+MAX_RECORDING_BYTES = 256 << 20  # a larger file is refused unread (a line-less binary would be read whole)
 # Live runs from the Live page (relative to where the app runs), and the recordings shipped with the scenarios.
 RECORDING_ROOTS = (Path("recordings"), Path(str(resources.files("meshpact.scenarios").joinpath("recordings"))))
 
@@ -76,7 +77,13 @@ try:
         p = Path(path).expanduser()
         if not p.is_file():
             raise MeshpactError(f"{p}: no such recording; expected a .jsonl file written by a live or simulated run")
-        events, meta, raw_events = recorded(str(p), p.stat().st_mtime)
+        if p.stat().st_size > MAX_RECORDING_BYTES:
+            raise MeshpactError(f"{p}: {p.stat().st_size:,} bytes is more than a recording this page replays (at most "
+                                f"{MAX_RECORDING_BYTES:,}); expected a .jsonl file written by a live or simulated run")
+        try:
+            events, meta, raw_events = recorded(str(p), p.stat().st_mtime)
+        except OSError as exc:
+            raise MeshpactError(f"{p}: cannot read the recording ({exc.strerror or exc})") from None
         trace_name = p.stem
         st.caption(f"{p.name} · source: {meta.get('source', 'unknown')} · {count(len(events))} events")
         run_mesh = recording_mesh(meta, mesh)
