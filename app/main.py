@@ -30,6 +30,7 @@ LAYOUT_CSS = """
 [data-baseweb="select"] input { field-sizing: content; min-width: 2ch; }
 @media (max-width: 1280px) {
     [data-testid="stMainBlockContainer"] { padding-left: 2rem; padding-right: 2rem; }
+    [data-testid="stMetricValue"] { font-size: 1.75rem; }
 }
 """
 

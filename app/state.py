@@ -12,6 +12,11 @@ selection, so an event must be applied once, not on every rerun: :func:`apply_se
 compares it with the last one applied. A single clicked rank toggles; a box or lasso
 over several ranks fails them all. These functions are pure so they can be tested
 without a browser.
+
+The scenario and the failed ranks are also written into the page's link (its query
+parameters ``scenario`` and ``failed``, :func:`link_params`), so a reload or a shared link
+opens on them; a link's values are read by :func:`scenario_from_link` and
+:func:`failed_from_link`, which turn a bad value into one line and the default.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from typing import Any, Collection, Iterable, Mapping, MutableMapping
 __all__ = [
     "SelectionState", "selected_points", "ranks_in_event", "apply_selection", "clamp_failed", "parse_ranks",
     "format_ranks", "carry_widget_state", "FAILED_KEY", "KEPT_WIDGETS", "KEPT_STORE",
+    "LINK_SCENARIO", "LINK_FAILED", "scenario_from_link", "failed_from_link", "link_params",
 ]
 
 FAILED_KEY = "failed_ranks"  # sorted list of failed rank ids; not a widget key, so it outlives page switches
@@ -176,3 +182,41 @@ def carry_widget_state(session: MutableMapping[str, Any], keys: Iterable[str] = 
         if key in kept:
             session[key] = kept[key]
     session[store] = kept
+
+
+LINK_SCENARIO, LINK_FAILED = "scenario", "failed"  # the link's query parameters
+
+
+def scenario_from_link(value: str | None, names: Collection[str]) -> tuple[str | None, str | None]:
+    """The built-in scenario a link names, and one line saying why not where it names none of them
+    (``(None, None)`` when the link has no scenario)."""
+    if value is None or not value.strip():
+        return None, None
+    name = value.strip()
+    if name in names:
+        return name, None
+    shown = name if len(name) <= 40 else name[:40] + "…"
+    return None, (f"The link's scenario {shown!r} is not a built-in scenario ({', '.join(sorted(names))}): "
+                  "the default scenario is shown.")
+
+
+def failed_from_link(text: str | None, valid: Collection[int]) -> tuple[list[int], str | None]:
+    """The failed ranks a link names (sorted), or none and one line saying what was wrong."""
+    if text is None or not text.strip():
+        return [], None
+    try:
+        return sorted(parse_ranks(text, valid)), None
+    except ValueError as exc:
+        return [], f"The link's failed ranks are not used: {exc}."
+
+
+def link_params(scenario: str | None, failed: Iterable[int]) -> dict[str, str]:
+    """The query parameters that keep a built-in scenario (``None``: a file, which a link cannot
+    carry) and the failed ranks, written as :func:`format_ranks` writes them."""
+    out = {}
+    if scenario is not None:
+        out[LINK_SCENARIO] = scenario
+    ranks = format_ranks(failed)
+    if ranks:
+        out[LINK_FAILED] = ranks
+    return out

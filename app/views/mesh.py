@@ -17,7 +17,7 @@ import pandas as pd
 import streamlit as st
 
 from meshpact.app.components import Ack, apply_pick, mesh_canvas, read_pick
-from meshpact.app.context import mesh_for, mesh_of, positions_for, require_scenario
+from meshpact.app.context import keep_in_link, mesh_for, mesh_of, positions_for, require_scenario
 from meshpact.app.figures import MeshScene, Node, mesh_scene, node_scene, nodes_of, recovery_bars_html
 from meshpact.app.format import count, duration
 from meshpact.app.policies import POLICY_EXPLAINED, PolicyComparison, compare_policies, comparison_rows
@@ -137,6 +137,7 @@ def _selection_and_recovery() -> None:
     if failed_list != before:  # a click or a box replaces whatever was mistyped
         st.session_state[TEXT_ERROR] = None
     st.session_state[FAILED_KEY] = failed_list
+    keep_in_link(choice, failed_list)  # a reload or a shared link opens on these failures
     if not st.session_state.get(TEXT_ERROR):
         st.session_state[TEXT_KEY] = format_ranks(failed_list)
     state = health(mesh, failed_list)
@@ -170,15 +171,9 @@ def _selection_and_recovery() -> None:
                                                + cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
                                "backend": cm.backend, "ranks": count(len(cm.ranks))}
                               for cm in state.communicators])
-        # the grid draws on a canvas and cuts a long cell: the column is as wide as its longest name
-        # (about 6.8 px a character at the grid's font, plus the cell's padding), never narrower than its title
-        longest = int(table["communicator"].str.len().max()) if len(table) else 0
-        st.dataframe(  # as wide as its columns: beside the chart where it fits, below it where not
-            table, hide_index=True, width="content",
-            column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)",
-                                                                       width=max(170, round(6.8 * longest) + 24)),
-                           "backend": st.column_config.TextColumn(width=84),
-                           "ranks": st.column_config.TextColumn(width=56)},
+        st.dataframe(  # as wide as its columns (the grid sizes each to its longest cell): beside the chart
+            table, hide_index=True, width="content",  # where it fits, below it where not
+            column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)")},
         )
         for dom, rank in state.bridges.items():
             if rank is None:

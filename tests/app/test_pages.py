@@ -289,3 +289,81 @@ def test_picking_a_model_sets_the_columns_of_a_hand_built_edge():
     at.selectbox(key="plans_model").set_value("MiniMaxAI/MiniMax-M2").run()
     assert at.number_input(key="plans_cols").value == 200064  # its vocab_size
     assert not at.exception
+
+
+def test_the_link_opens_on_its_scenario_and_failed_ranks_and_keeps_up_with_them():
+    at = AppTest.from_file(MAIN, default_timeout=60)
+    at.query_params["scenario"] = "whatif_1024"
+    at.query_params["failed"] = "5,600-603"
+    at.run()
+    assert not at.exception and not at.warning
+    assert at.selectbox(key="scenario_builtin").value == "whatif_1024"
+    assert _metric(at, "healthy ranks") == "1,019/1,024"
+    assert at.query_params["failed"] == "5, 600-603"  # written back as the text box writes it
+    _fail(at, "7-9")
+    assert at.query_params["failed"] == "7-9" and at.query_params["scenario"] == "whatif_1024"
+    _fail(at, "")
+    assert "failed" not in at.query_params
+    at.switch_page("views/replay.py").run()  # another page keeps them in its link too
+    assert at.query_params["scenario"] == "whatif_1024"
+
+
+def test_a_bad_link_is_one_line_per_value_and_the_defaults():
+    at = AppTest.from_file(MAIN, default_timeout=60)
+    at.query_params["scenario"] = "no_such_scenario"
+    at.query_params["failed"] = "5,x-"
+    at.run()
+    assert not at.exception
+    lines = [w.value for w in at.warning]
+    assert len(lines) == 2 and all("\n" not in w for w in lines), lines
+    assert "no_such_scenario" in lines[0] and "'x-' is not a rank or a range" in lines[1]
+    assert _metric(at, "healthy ranks") == "32/32"
+    assert at.query_params["scenario"] == "default" and "failed" not in at.query_params
+    at.run()
+    assert not at.warning  # said once
+
+
+def _one_line(errors) -> str:  # noqa: ANN001 (AppTest's error elements)
+    """The one error the page shows, past its bold heading; it must be one line."""
+    assert len(errors) == 1, [e.value for e in errors]
+    text = errors[0].value.split("\n\n")[1 if errors[0].value.startswith("**") else 0]
+    assert "\n" not in text.strip() and "Traceback" not in text, errors[0].value
+    return text.replace("\\", "")  # Markdown escapes
+
+
+def _files(tmp_path: Path) -> dict[str, Path]:
+    """A binary file, an empty one, a huge one (sparse: no disk), a directory and a NumPy array."""
+    import numpy as np
+
+    out = {"binary": tmp_path / "bin.dat", "empty": tmp_path / "empty.yaml", "huge": tmp_path / "huge.jsonl",
+           "directory": tmp_path, "npy": tmp_path / "v.npy"}
+    out["binary"].write_bytes(bytes(range(256)) * 8)
+    out["empty"].write_bytes(b"")
+    with out["huge"].open("wb") as fh:
+        fh.truncate(1 << 30)
+    np.save(out["npy"], np.zeros(4))
+    return out
+
+
+def test_any_file_in_the_scenario_path_box_is_one_line(tmp_path):
+    at = _app()
+    at.radio(key="scenario_source").set_value("path").run()
+    for what, path in _files(tmp_path).items():
+        at.text_input(key="scenario_path").input(str(path)).run()
+        assert not at.exception, what
+        text = _one_line(at.error)
+        assert path.name in text and "expected a YAML scenario" in text or "directory" in text, (what, text)
+
+
+def test_any_file_in_the_replay_path_box_is_one_line(tmp_path):
+    at = _app()
+    at.switch_page("views/replay.py").run()
+    at.radio(key="replay_source").set_value("recording").run()
+    at.selectbox(key="replay_recording").set_value("another file…").run()
+    for what, path in _files(tmp_path).items():
+        at.text_input(key="replay_path").input(str(path)).run()
+        assert not at.exception, what
+        text = _one_line(at.error)
+        assert path.name in text and ("recording" in text or "event" in text), (what, text)
+        if what == "huge":
+            assert "at most" in text  # refused by its size, unread

@@ -131,3 +131,35 @@ def test_carry_widget_state_puts_back_what_a_page_switch_dropped():
     del session["scenario_builtin"]
     carry_widget_state(session, ["scenario_builtin"])
     assert session["scenario_builtin"] == "default"
+
+
+def test_a_link_names_a_builtin_scenario_or_says_in_one_line_why_the_default_is_shown():
+    from meshpact.app.state import scenario_from_link
+
+    names = ["default", "whatif_1024"]
+    assert scenario_from_link("whatif_1024", names) == ("whatif_1024", None)
+    assert scenario_from_link(None, names) == (None, None) and scenario_from_link(" ", names) == (None, None)
+    for bad in ("nosuch", "../etc/passwd", "x" * 5000):
+        name, problem = scenario_from_link(bad, names)
+        assert name is None and "\n" not in problem and "default scenario is shown" in problem
+        assert len(problem) < 200  # a long value is shortened, not echoed whole
+
+
+def test_a_links_failed_ranks_are_read_exactly_or_none_with_one_line():
+    from meshpact.app.state import failed_from_link
+
+    assert failed_from_link("5, 600-603", range(1024)) == ([5, 600, 601, 602, 603], None)
+    assert failed_from_link(None, range(8)) == ([], None)
+    for bad in ("5,x-", "9-2", "2000", "1-99999999999"):
+        ranks, problem = failed_from_link(bad, range(1024))
+        assert ranks == [] and "\n" not in problem and problem.startswith("The link's failed ranks are not used")
+
+
+def test_link_params_round_trip_through_the_readers():
+    from meshpact.app.state import failed_from_link, link_params, scenario_from_link
+
+    params = link_params("whatif_1024", [603, 5, 600, 601, 602])
+    assert params == {"scenario": "whatif_1024", "failed": "5, 600-603"}
+    assert scenario_from_link(params["scenario"], ["whatif_1024"])[0] == "whatif_1024"
+    assert failed_from_link(params["failed"], range(1024))[0] == [5, 600, 601, 602, 603]
+    assert link_params(None, []) == {}  # an uploaded scenario and no failures: nothing to keep
