@@ -24,9 +24,10 @@ every rank not killed ended in the process it started in.
     python bench/launch.py --repeat 5 --busy-loops 2 --cases worker_kill_warm_spare,worker_kill_cold,node_kill
 
 ``--repeat N`` runs every case N times in a row (the figures are the runs' medians, and
-``passed_by_case`` counts the runs that ended well: every launcher exited 0, bit-identical where
-compared, the survivors' processes kept); ``--busy-loops K`` keeps K processes spinning
-(``while 1: pass``) beside the jobs for the whole run, as a loaded machine would.
+``passed_by_case`` counts the runs that ended well: every launcher exited 0, bit-identical, the
+survivors' processes kept); ``--busy-loops K`` keeps K processes spinning (``while 1: pass``)
+beside the jobs for the whole run, as a loaded machine would. Such a run is written to
+``bench/results/launch-load.json``, beside the plain run's.
 """
 
 from __future__ import annotations
@@ -187,7 +188,8 @@ def main() -> int:
               f"{str(r['bit_identical']):>14} {str(r['survivor_pids_kept']):>19}  {', '.join(r['policies'])}")
     spare = results.get("worker_kill_warm_spare", {}).get("downtime_s")
     restart = results.get("torchrun_restart", {}).get("downtime_s")
-    emit("launch", {
+    # a run under load (or repeated) is a result of its own: bench/results/launch-load.json
+    emit("launch" if args.repeat == 1 and args.busy_loops == 0 else "launch-load", {
         "runs": args.repeat, "busy_loops": args.busy_loops,
         "passed_by_case": {c: r["passed"] for c, r in results.items()},
         "downtime_s_runs_by_case": {c: r["downtime_s_runs"] for c, r in results.items()},
