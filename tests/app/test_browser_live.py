@@ -1,0 +1,211 @@
+"""The Live page in a real browser: what it shows is what the run recorded, and it stops what it started.
+
+Lean runs (2 ranks, a few steps, no checkpoint baselines, full speed): the faulted run is held
+before its first step, a rank is killed from its row, and once the run is over the page's
+downtime, committed step and per-rank states are checked against the run's JSON summary (the
+summary event of its recording, the same document ``meshpact live recover --json`` prints).
+While the replace run is held, its Prometheus endpoint is scraped: the step, and the
+recovery once the page shows it.
+Then Stop reads stopped, and closing the tab ends every process the page started, counted by
+PID among the dashboard server's descendants.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from meshpact.app.format import duration
+from meshpact.app.serve import go_to, metric, wait_metric
+from meshpact.core.recovery import Policy
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.live]
+
+ROOT = Path(__file__).resolve().parents[2]
+RANKS, STEPS = 2, 4
+
+
+def _row(pg, rank: int) -> list[str]:  # noqa: ANN001 (a playwright Page)
+    box = pg.locator(f".st-key-live_row_{rank}")
+    return [c.strip() for c in box.first.inner_text().split("\n") if c.strip()] if box.count() else []
+
+
+def _rows_until(pg, ok, timeout_s: float) -> dict[int, list[str]]:  # noqa: ANN001
+    """The rank table once ``ok(rows)`` holds (a fragment's rerun may show an older row for a moment)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = {r: _row(pg, r) for r in range(RANKS)}
+        if all(len(c) > 5 for c in rows.values()) and ok(rows):
+            return rows
+        errors = pg.locator('[data-testid="stAlertContentError"]').all_inner_texts()
+        assert not errors, errors
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the rank table never settled: {rows}")
+        pg.wait_for_timeout(250)
+
+
+def _click(pg, key: str, timeout_ms: int = 120_000) -> None:  # noqa: ANN001
+    pg.wait_for_function("(k) => { const b = document.querySelector(`.st-key-${k} button`); return b && !b.disabled; }",
+                         arg=key, timeout=timeout_ms)
+    pg.locator(f".st-key-{key} button").first.click()
+
+
+def _start(pg, on_rank_loss: str = "replace") -> None:  # noqa: ANN001
+    go_to(pg, "Live", "Live")
+    form = pg.locator('[data-testid="stForm"]')
+    form.get_by_label("ranks", exact=True).fill(str(RANKS))
+    form.get_by_label("training steps").fill(str(STEPS))
+    form.get_by_label("checkpoint every (steps)").fill(str(STEPS))
+    form.get_by_text("checkpoint baselines", exact=True).click()  # off: the run is the reference and the faulted one
+    pg.locator(".st-key-live_pace_start input").click()
+    pg.get_by_role("option", name="full speed", exact=True).click()
+    if on_rank_loss != "replace":  # excision goes on without a killed rank: the planned kind is kill (none planned)
+        form.locator('[data-testid="stSelectbox"]', has_text="planned fault kind").locator("input").click()
+        pg.get_by_role("option", name="kill", exact=True).click()
+        pg.locator(".st-key-live_on_rank_loss input").click()
+        pg.get_by_role("option", name=on_rank_loss, exact=True).click()
+    form.get_by_role("button", name="Start cluster and train").click()
+
+
+def _scrape(url: str) -> dict[str, float]:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as r:
+        lines = r.read().decode().splitlines()
+    return {name: float(value) for name, _, value in (ln.rpartition(" ") for ln in lines if ln.startswith("meshpact_"))}
+
+
+def _summary(pg) -> dict:  # noqa: ANN001
+    """The run's JSON summary: the summary event of the recording the page names."""
+    saved = pg.locator("p", has_text="Recording saved:").locator("code").first.inner_text().strip()
+    path = ROOT / saved
+    try:
+        lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    finally:
+        path.unlink(missing_ok=True)
+    return next(ln["data"] for ln in lines if ln["event"] == "summary")
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("on_rank_loss", ["replace", "excise"])
+def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_loss):
+    pg = user
+    _start(pg, on_rank_loss)
+    _rows_until(pg, lambda rows: all(c[3] == "held" for c in rows.values()), 240)
+    if on_rank_loss == "replace":
+        pg.locator(".st-key-live_metrics_on label").first.click()
+        url = pg.locator("p", has_text="Scrape").locator("code").first.inner_text(timeout=30_000).strip()
+        assert _scrape(url)['meshpact_committed_step{rank="0",run="faulted"}'] == 0.0  # held at its first step
+    _click(pg, "live_kill_1")
+    if on_rank_loss == "replace":  # recovered while held (the replacement joins the held survivor): generation 1
+        _rows_until(pg, lambda rows: rows[0][5] == "1" and rows[0][3] == "held", 180)
+        t0 = time.monotonic()
+        scraped = _scrape(url)  # mid-run: the recovery is there as soon as the ranks' logs say so
+        assert time.monotonic() - t0 < 2.0
+        assert scraped['meshpact_recoveries_total{policy="peer_restore"}'] == 1.0, scraped
+        assert scraped['meshpact_generation{rank="0",run="faulted"}'] == 1.0
+        assert scraped['meshpact_stage_seconds_count{stage="consensus"}'] >= 1.0
+    _click(pg, "live_resume")
+    verdict = pg.locator('[data-testid="stAlertContentSuccess"]', has_text="Bit-identical")
+    verdict.wait_for(timeout=240_000)
+    assert pg.locator('[data-testid="stException"]').count() == 0
+    summary = _summary(pg)
+    policy = Policy.PEER_RESTORE if on_rank_loss == "replace" else Policy.EXCISE
+    assert summary["faults_injected"] == summary["faults_recovered"] == 1
+    assert summary["downtime_s"][policy.value] is not None
+    assert wait_metric(pg, f"downtime: {policy.label}") == duration(summary["downtime_s"][policy.value])
+    shown = {p.label for p in Policy if metric(pg, f"downtime: {p.label}") is not None}
+    assert shown == {Policy(p).label for p, s in summary["downtime_s"].items() if s is not None}
+    assert metric(pg, "committed step") == str(summary["steps"])  # every rank still in the job finished
+    rows = _rows_until(pg, lambda rows: all(c[3] in ("done", "excised") for c in rows.values()), 30)
+    if on_rank_loss == "excise":
+        lost = {r for e in summary["excision"]["excisions"] for r in e["lost"]}
+        assert lost == {1}
+        assert {r for r, c in rows.items() if c[3] == "excised"} == lost
+        assert sum(c[3] == "done" for c in rows.values()) == summary["final_world_size"] == RANKS - 1
+    else:
+        assert [c[3] for c in rows.values()] == ["done"] * RANKS
+        assert summary["final_world_size"] == RANKS
+        assert [r for r, c in rows.items() if c[2] != "0"] == [1] == [1] * summary["replacement_processes"]
+
+
+def _children() -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            out.setdefault(ppid, []).append(int(entry.name))
+    return out
+
+
+def _server_pid(url: str) -> int:
+    """The dashboard server: the streamlit process serving ``url``'s port."""
+    port = url.rsplit(":", 1)[1]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(c.endswith(b"streamlit") for c in cmd) and port.encode() in cmd:
+                return int(entry.name)
+    raise LookupError(f"no streamlit process serves {url}")
+
+
+def _descendants(pid: int) -> set[int]:
+    tree, out, todo = _children(), set(), [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    """Those of ``pids`` still running or left unreaped (a zombie)."""
+    return {p for p in pids if Path(f"/proc/{p}").exists()}
+
+
+def _started_by_the_page(server: str, at_least: int, timeout_s: float = 120) -> set[int]:
+    """The server's descendants once the run has its runner, fork server and ranks."""
+    pid = _server_pid(server)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        procs = _descendants(pid)
+        if len(procs) >= at_least or time.monotonic() > deadline:
+            return procs
+        time.sleep(0.25)
+
+
+@pytest.mark.timeout(240)
+def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_started(browser, server):
+    pg = browser.new_page(viewport={"width": 1400, "height": 900})
+    pg.goto(server)
+    _start(pg)
+    assert len(_started_by_the_page(server, 2)) >= 2  # the runner and its fork server at least
+    _click(pg, "live_stop")
+    pg.wait_for_function("() => document.body.innerText.includes('The run was stopped.')", timeout=60_000)
+    assert metric(pg, "run") == "stopped"
+    assert pg.locator('[data-testid="stAlertContentError"]').count() == 0
+    pg.wait_for_function("() => !document.querySelector('.st-key-live_stop button') "
+                         "|| document.querySelector('.st-key-live_stop button').disabled", timeout=30_000)
+    pg.close()
+
+    pg = browser.new_page(viewport={"width": 1400, "height": 900})
+    pg.goto(server)
+    _start(pg)
+    started = _started_by_the_page(server, RANKS + 2)  # the runner, its fork server and the reference run's ranks
+    assert len(started) >= RANKS + 2, started
+    pg.close()  # the tab goes; nothing else is done
+    t0 = time.monotonic()
+    while _alive(started) and time.monotonic() - t0 < 10:
+        time.sleep(0.2)
+    left = _alive(started)
+    assert not left, {p: Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in left if Path(f"/proc/{p}").exists()}
+    assert not _descendants(_server_pid(server))
