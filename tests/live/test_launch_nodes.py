@@ -26,6 +26,10 @@ pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns,
                                  reason=str(netns_unavailable(shaped=False)))]
 
 STEPS, PORT, CUT_S = 10, 29400, 3.0
+# node 1's agent is silent for the cut and then until TCP retransmits its beat: Linux doubles the
+# retransmission timeout from 0.2 s, so a segment lost at the cut is sent again 0.2, 0.6, 1.4, 3.0
+# and 6.2 s after it. A cut of 3 s can hold the beats back 6.2 s: past the default 5 s bound
+CUT_NODE_LOSS_S = "10"
 
 
 def node_flags(hosts: TwoHosts, node: int, *extra: str) -> list[str]:
@@ -48,9 +52,10 @@ def test_node_1s_link_cut_and_then_a_worker_killed_there_are_both_recovered_in_m
     out = tmp_path / "faulted"
     with TwoHosts(link=None) as hosts, \
             Job(Job.torchrun("--standalone", "--nproc-per-node", "4"), tmp_path / "reference", STEPS) as ref, \
-            Job(node_flags(hosts, 0, "--max-restarts", "1"), out, STEPS, step_s=0.05, prefix=hosts.prefix(0),
-                name="node0") as node0, \
-            Job(node_flags(hosts, 1, "--max-restarts", "1", "--spare-ranks-per-node", "1"), out, STEPS,
+            Job(node_flags(hosts, 0, "--max-restarts", "1", "--node-loss-s", CUT_NODE_LOSS_S), out, STEPS,
+                step_s=0.05, prefix=hosts.prefix(0), name="node0") as node0, \
+            Job(node_flags(hosts, 1, "--max-restarts", "1", "--node-loss-s", CUT_NODE_LOSS_S,
+                           "--spare-ranks-per-node", "1"), out, STEPS,
                 step_s=0.05, prefix=hosts.prefix(1), name="node1") as node1:
         others = {r: node1.wait_for_step(r, 0, 150) for r in (0, 1, 2)}
         node1.wait_for_step(3, 1, 120)
