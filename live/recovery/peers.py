@@ -594,6 +594,14 @@ class PeerCopier:
         for s in [s for s in self.own if s > step]:
             self._drop(s)
 
+    def release_own(self) -> None:
+        """Drop every own snapshot and the buffers kept for the next ones (an excision re-shards
+        the state, and the next commit copies a new layout): their memory goes back now, not
+        after the rebuild. A snapshot still being shipped is freed when its ship ends."""
+        self.own.clear()
+        self._slabs.clear()
+        self._free.clear()
+
     def host_bytes(self) -> int:
         """Host memory the copies take on this rank: its own snapshots, the buffer kept for the
         next commit, and the copies it holds for others."""

@@ -92,6 +92,7 @@ class Job(Protocol):
     def replay(self, from_step: int, to_step: int) -> int: ...
     def refresh_peers(self) -> None: ...
     def copy_to_peers(self, just_marked: bool = False) -> None: ...
+    def adopt_departed(self, departed: Mapping[int, torch.Tensor]) -> None: ...
     def replace_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None: ...
 
 
@@ -394,6 +395,13 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
     else:  # the generators as committed (the failed step may have drawn from them)
         restore_rng(rt.rng)
     held = {r: s.peer_server.held(r, decision.step) for r, h in decision.restore_from if h == s.rank}
+    # nothing held for the larger world is needed past this point: the lost ranks' copies live on in
+    # ``held`` until re-sharded, the others' and this rank's own snapshots are of the old layout
+    # (new ones follow the first commit): their memory goes back before the new model is built
+    for src, _ in s.peer_server.holds():
+        s.peer_server.forget(src)
+    if rt.peers is not None:
+        rt.peers.release_own()
     with s.sever_lock:  # a late sever by the heartbeat never reaches the smaller world's new group
         # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named): the caller's to report
         out = excise(rt.state(), held, Membership(s.world_size, s.members), decision.lost, step=decision.step,
@@ -406,6 +414,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
         rt.replace_model(out.model, out.optimizer, decision.step)
         rt.membership = out.membership
         rt.schedulers = carry_schedule(rt.schedule, rt.optimizer)  # the survivor's, as committed
+        rt.adopt_departed(out.departed)  # the lost ranks' registered objects (data positions) continue here
         for old in d.old_groups.values():
             retire(rt, old, None)
         s.advance(Generation(decision.generation, out.spec, {comm.WORLD: out.group}, out.mesh,

@@ -53,7 +53,7 @@ these same functions with no fault.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -65,11 +65,12 @@ from meshpact.core.recovery import CommunicatorAction
 
 from . import communicator as comm
 from .checkpoint import Checkpointer
-from .state import capture_rng, load_buffers, load_local_state, restore_rng, shard_rows
+from .state import (SCHEDULE_KEY, capture_rng, load_buffers, load_local_state, restore_objects, restore_rng,
+                    saved_objects, shard_rows)
 
 __all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "BatchShare",
            "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise",
-           "max_abs_diff"]
+           "adopt_objects", "max_abs_diff"]
 
 _SHARDED = ("param/", "optim/")  # keys of local_state that are FSDP2 shards (or replicated scalars)
 
@@ -196,6 +197,9 @@ class Excised:
     spec: comm.GroupSpec  # this rank in the smaller world (rank = its group rank)
     membership: Membership
     record: ExcisionRecord
+    # each lost rank's committed schedule (its registered objects: a data loader's position), on
+    # every survivor: the survivors draw the lost ranks' samples from those objects from now on
+    departed: Mapping[int, torch.Tensor] = field(default_factory=dict)
 
 
 # -- same global batch ---------------------------------------------------------------------------
@@ -208,9 +212,13 @@ class BatchShare:
 
 
 def share_batch(batch: Callable[[int, int], torch.Tensor], step: int, membership: Membership,
-                original_rank: int) -> BatchShare:
+                original_rank: int, drawn_once: bool = False) -> BatchShare:
     """This survivor's share of the original world's global batch of ``step`` (see the module
-    docstring for the rule). Batches are tensors with samples on dim 0."""
+    docstring for the rule). Batches are tensors with samples on dim 0. The gradient's weight
+    needs every survivor's sample count: drawn again from ``batch`` (a pure function of the step
+    may give ranks batches of other sizes), or with ``drawn_once`` (a stateful source, such as a
+    data loader, whose batches cannot be drawn twice) taken to be this rank's; each rank's batch
+    and each lost rank's are then drawn exactly once per step."""
     own = batch(step, original_rank)
     if not isinstance(own, torch.Tensor):
         raise ExcisionError(f"batch({step}, {original_rank}) returned {type(own).__name__}; excision splits "
@@ -220,7 +228,8 @@ def share_batch(batch: Callable[[int, int], torch.Tensor], step: int, membership
     j, world = membership.group_rank(original_rank), membership.world
     pool = torch.cat([batch(step, r) for r in membership.departed])
     extra = torch.tensor_split(pool, world)
-    counts = [batch(step, r).shape[0] for r in membership.alive]  # drawn again: sizes may vary per rank
+    counts = ([own.shape[0]] * world if drawn_once
+              else [batch(step, r).shape[0] for r in membership.alive])  # drawn again: sizes may vary per rank
     mine = own.shape[0] + extra[j].shape[0]
     total = sum(counts) + pool.shape[0]
     return BatchShare(torch.cat([own, extra[j]]), mine * world / total)
@@ -460,12 +469,17 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
     group, new_spec, action = _survivor_group(old_group, spec, store, generation, before, after)
     communicator_s = time.perf_counter() - t0
     t0 = time.perf_counter()
+    # what each survivor holds of the lost ranks, with each lost rank's committed schedule (small:
+    # the param groups' settings and its registered objects), which every survivor takes
     holdings: list[Any] = [None] * group.size()
-    dist.all_gather_object(holdings, sorted(r for r in held if r in lost), group=group)
-    providers = {}
+    dist.all_gather_object(holdings, {r: _schedule_bytes(held[r]) for r in sorted(held) if r in lost}, group=group)
+    providers: dict[int, int] = {}
+    departed: dict[int, torch.Tensor] = {}
     for src, rs in enumerate(holdings):
-        for r in rs:
+        for r, schedule in rs.items():
             providers.setdefault(r, src)
+            if schedule is not None:
+                departed.setdefault(r, torch.frombuffer(bytearray(schedule), dtype=torch.uint8))
     missing = sorted(set(lost) - set(providers))
     if missing:
         raise ExcisionError(f"no survivor holds a copy of the state of rank(s) {missing}: excision needs a peer copy "
@@ -494,4 +508,29 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
     rebuild_s = time.perf_counter() - t0
     record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,
                             gather_s, rebuild_s)
-    return Excised(model, optimizer, group, mesh, new_spec, after, record)
+    return Excised(model, optimizer, group, mesh, new_spec, after, record, departed)
+
+
+def adopt_objects(objects: dict[str, Any], departed: Mapping[int, torch.Tensor],
+                  state_of: Callable[[int], Mapping[str, Any]]) -> None:
+    """Add each lost rank's registered objects to a survivor's ``objects``: made here by
+    ``state_of(rank)``, put at the positions its committed schedule (``departed``, by original
+    rank) holds, registered as ``<name>@rank<r>``. A lost rank's own adopted objects pass on
+    under their first owner's rank. Every survivor adopts every lost rank's objects: each draws
+    the lost ranks' samples of a step (:func:`share_batch`) and keeps its part."""
+    for r in sorted(departed):
+        adopted: dict[str, Any] = {}
+        saved = []
+        for name, state in saved_objects(departed[r]):
+            base, _, origin = name.partition("@rank")
+            owner = int(origin) if origin else r
+            adopted[f"{base}@rank{owner}"] = state_of(owner)[base]
+            saved.append((f"{base}@rank{owner}", state))
+        restore_objects(adopted, tuple(sorted(saved)))
+        objects.update(adopted)
+
+
+def _schedule_bytes(state: Mapping[str, torch.Tensor]) -> bytes | None:
+    """A held copy's committed schedule as bytes (None for a copy without one)."""
+    t = state.get(SCHEDULE_KEY)
+    return None if t is None else t.detach().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -34,7 +34,7 @@ import time
 import traceback
 import weakref
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -55,7 +55,7 @@ from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .pipeline import Cause, RecoveryRecord, RetiredGroup
 from .rebind import ModuleScan
-from .reshard import ExcisionRecord, GradientWeight, Membership, share_batch
+from .reshard import ExcisionRecord, GradientWeight, Membership, adopt_objects, share_batch
 from .session import RecoveryConfig, Session, start_barrier
 from .state import (CommitMark, capture_objects, capture_rng, capture_schedule, check_stateful, job_state, load_buffers,
                     load_job_state, model_buffers, restore_objects, restore_rng, restore_schedule, schedulers_of,
@@ -167,11 +167,15 @@ class Resilient:
                  injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
                  build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
                  on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1,
-                 state: Mapping[str, Any] | None = None) -> None:
+                 state: Mapping[str, Any] | None = None,
+                 state_of: Callable[[int], Mapping[str, Any]] | None = None) -> None:
         if on_rank_loss not in (Policy.PEER_RESTORE, Policy.EXCISE):
             raise ValueError(f"on_rank_loss must be peer_restore (replace) or excise, got {on_rank_loss.value}")
         if on_rank_loss is Policy.EXCISE and build is None:
             raise ValueError("excising lost ranks needs build(mesh) -> (model, optimizer) for the smaller world")
+        if on_rank_loss is Policy.EXCISE and state and state_of is None:
+            raise ValueError(f"excising lost ranks with registered objects ({', '.join(sorted(state))}) needs "
+                             "state_of=lambda rank: {...}: the survivors draw a lost rank's samples from its objects")
         if not callable(getattr(optimizer, "register_step_pre_hook", None)):
             raise TypeError(f"resilient() needs a torch.optim.Optimizer (its step hook says when a step began), got "
                             f"{type(optimizer).__name__}")
@@ -191,6 +195,7 @@ class Resilient:
         self._buffers: dict[str, torch.Tensor] = {}
         self.schedulers: list[Any] = []  # the LR schedulers on the optimizer when training started
         self.objects = check_stateful(state or {})  # the user's Stateful objects, by name: committed with the step
+        self.state_of = state_of  # another rank's objects, made here (an excision continues a lost rank's)
         self.schedule = capture_schedule(optimizer, (), self.objects)
         self.counter = OpCounter() if session.config.count_dispatch else None
         self.retired: list[RetiredGroup] = []
@@ -346,7 +351,8 @@ class Resilient:
                     decision = self._recover(Cause(message, step))
                     message = None
                     if decision.policy is Policy.EXCISE:  # this survivor's share of the step's global batch now
-                        batch = self._batch(step)
+                        batch = self._batch(step)  # drawn from the objects as committed, the lost ranks' too
+                        began = capture_objects(self.objects) if self.objects else ()
                     if self.session.config.restore_rng:
                         restore_rng(self.rng)
                     # a scheduler stepped before the fault (or the optimizer's settings changed) goes back too,
@@ -536,10 +542,27 @@ class Resilient:
         """Why this job cannot excise a lost rank whose replacement never came (None: it can)."""
         if self.build is None:
             return "no build(mesh) was given to resilient() for the smaller world"
+        if self.objects and self.state_of is None:
+            return (f"the registered objects ({', '.join(sorted(self.objects))}) of a lost rank cannot be continued: "
+                    "no state_of=lambda rank: {...} was given to resilient()")
         shape = tuple(getattr(self.session.mesh, "shape", ()) or ())
         if len(shape) > 1:
             return f"excision re-shards a 1-D FSDP mesh only; this job's mesh is {list(shape)}"
         return None
+
+    def adopt_departed(self, departed: Mapping[int, torch.Tensor]) -> None:
+        """After an excision: the registered objects go back to the committed step (the failed
+        attempt drew its batch from them), and each lost rank's objects, made here by
+        ``state_of``, take the positions its committed schedule (``departed``, by original rank)
+        holds. They are registered as ``<name>@rank<r>``, so the survivors draw the lost ranks'
+        samples where those left off, and commit, copy and checkpoint them with their own; a
+        lost rank's own adopted objects pass on under their first owner's rank."""
+        if not self.objects:
+            return
+        restore_objects(self.objects, self.schedule.objects)
+        assert self.state_of is not None, "excise_refusal() lets no job with objects excise without state_of"
+        adopt_objects(self.objects, departed, self.state_of)
+        self.schedule = replace(self.schedule, objects=capture_objects(self.objects))
 
     def replace_model(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
         """After an excision at ``step``: the smaller world's model and optimizer; the old model
@@ -557,7 +580,7 @@ class Resilient:
         its gradient weighted so the group's average stays the mean over every sample."""
         if not self.membership.departed:
             return batch(step, self.session.rank)
-        got = share_batch(batch, step, self.membership, self.session.rank)
+        got = share_batch(batch, step, self.membership, self.session.rank, drawn_once=bool(self.objects))
         assert self.weight is not None
         self.weight.weight = got.weight
         return got.batch
@@ -616,10 +639,13 @@ def resilient(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session:
               injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
               build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
               on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1,
-              state: Mapping[str, Any] | None = None) -> Resilient:
+              state: Mapping[str, Any] | None = None,
+              state_of: Callable[[int], Mapping[str, Any]] | None = None) -> Resilient:
     """``with resilient(model, optimizer, session, batches=source) as rt: rt.step(train_step, batch)``;
     ``on_rank_loss=Policy.EXCISE`` with ``build(mesh)`` continues on the survivors of a lost rank.
     ``state={"data": loader, "ema": ema}``: objects with ``state_dict``/``load_state_dict``,
-    committed with each step, in the peer copies and checkpoints, restored on every path."""
+    committed with each step, in the peer copies and checkpoints, restored on every path.
+    ``state_of(rank)``: any rank's objects (as ``state`` has this rank's), which an excision
+    needs: the survivors continue a lost rank's objects from its committed copy."""
     return Resilient(model, optimizer, session, injector, batches, build=build, on_rank_loss=on_rank_loss,
-                     min_ranks=min_ranks, state=state)
+                     min_ranks=min_ranks, state=state, state_of=state_of)

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 __all__ = ["shard_rows", "local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
-           "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "model_buffers", "load_buffers",
+           "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "saved_objects", "model_buffers", "load_buffers",
            "Chunk", "global_chunks", "check_stateful", "capture_objects", "restore_objects"]
 
 ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
@@ -457,6 +457,12 @@ def _decode(x: Any) -> Any:
 def capture_objects(objects: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     """(name, a copy of its ``state_dict()``, tensors as their bytes) of each registered object, by name."""
     return tuple((name, _encode(o.state_dict())) for name, o in sorted(objects.items()))
+
+
+def saved_objects(schedule: torch.Tensor) -> tuple[tuple[str, Any], ...]:
+    """The registered objects' states a committed schedule (a job state's ``SCHEDULE_KEY``) holds,
+    as :func:`capture_objects` gives them."""
+    return _schedule_from(schedule).objects
 
 
 def restore_objects(objects: Mapping[str, Any], saved: tuple[tuple[str, Any], ...]) -> None:

@@ -18,7 +18,8 @@ import torch
 from meshpact.core.jsonform import JsonObject
 
 from ..recovery.checkpoint import state_bytes
-from ..recovery.reshard import ExcisionRefused, GradientWeight, Membership, carry_schedule, excise, share_batch
+from ..recovery.reshard import (ExcisionRefused, GradientWeight, Membership, adopt_objects, carry_schedule, excise,
+                                share_batch)
 
 @dataclass(frozen=True)
 class _Plan:
@@ -83,8 +84,10 @@ def excision_drill(args: JsonObject) -> JsonObject:
     model, optimizer = built(workload, session.mesh)
     schedulers = schedulers_of(optimizer)
 
+    objects = dict(workload.state(me)) if workload.state is not None else {}  # a data loader's position...
+
     def state_now() -> dict[str, torch.Tensor]:
-        return job_state(model, optimizer, schedulers=schedulers)
+        return job_state(model, optimizer, schedulers=schedulers, objects=objects)
 
     weight = GradientWeight(model)
     records: list[JsonObject] = []
@@ -99,10 +102,10 @@ def excision_drill(args: JsonObject) -> JsonObject:
             # hands over its copy (already published) and leaves; keeps its state to compare
             torch.save(state_now(), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
             return {"rank": me, "left_at": step}
-        share = share_batch(workload.batch, step, membership, me)
-        weight.weight = share.weight
         t_fault = time.perf_counter()
-        if not due:
+        if not due:  # (at an excision the step's batch is drawn once, from the smaller world's shares)
+            share = share_batch(workload.batch, step, membership, me, drawn_once=bool(objects))
+            weight.weight = share.weight
             workload.train_step(model, optimizer, share.batch)
         if due:
             lost = due[0].rank
@@ -121,10 +124,12 @@ def excision_drill(args: JsonObject) -> JsonObject:
             weight.remove()
             model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
             schedulers = carry_schedule(committed, optimizer)
+            if objects:  # the lost rank's objects continue here, from its copy's positions
+                adopt_objects(objects, out.departed, workload.state)
             weight = GradientWeight(model)
             records.append(out.record.to_dict())
             downtime.append(time.perf_counter() - t_fault)  # from the fault (or the hand-over) to the state rebuilt
-            share = share_batch(workload.batch, step, membership, me)
+            share = share_batch(workload.batch, step, membership, me, drawn_once=bool(objects))
             weight.weight = share.weight
             workload.train_step(model, optimizer, share.batch)
         if me in victims:

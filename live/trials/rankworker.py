@@ -93,7 +93,7 @@ def worker(args: JsonObject) -> JsonObject:
     from ..recovery.runtime import UnsafeLoopError, resilient
     from ..recovery.config import RecoveryConfig
     from ..recovery.session import start_session
-    from ..recovery.state import digest, job_state
+    from ..recovery.state import digest
     from ..recovery.workload import WorkloadError, built, load_workload
     from ..launcher import await_promotion
 
@@ -144,7 +144,7 @@ def worker(args: JsonObject) -> JsonObject:
     with resilient(model, optimizer, session, injector, batches, on_rank_loss=Policy(args.get(
             "on_rank_loss", Policy.PEER_RESTORE.value)), min_ranks=int(args.get("min_ranks", 1)),
             build=lambda mesh: built(workload, mesh),
-            state=workload.state(rank) if workload.state is not None else None) as rt:  # also when replacing: a missed replacement excises
+            state=workload.state(rank) if workload.state is not None else None, state_of=workload.state) as rt:  # also when replacing: a missed replacement excises
         if rank in args.get("die_after_proposing", ()) and session.incarnation == 0:
             # dies once its proposal is in and the round decided: the others meet it building the groups
             rt.on_decided = lambda decision: os.kill(os.getpid(), signal.SIGKILL)

@@ -71,3 +71,45 @@ def test_registering_other_objects_than_were_committed_is_refused_and_a_non_stat
         load_job_state(model, opt, state, objects={"ema": Ema(model)})
     with pytest.raises(TypeError, match="'loss' \\(float\\) has not"):
         check_stateful({"data": _loader(), "loss": 0.5})
+
+
+class _Stream:
+    """A rank's loader and the iterator reading it (as the shipped ``streamed`` workload keeps one)."""
+
+    def __init__(self, rank: int) -> None:
+        self.loader, self._it = _loader(seed=100 + rank), None
+
+    def next(self) -> torch.Tensor:
+        if self._it is None:
+            self._it = iter(self.loader)
+        return next(self._it)
+
+    def state_dict(self) -> dict:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loader.load_state_dict(state)
+        self._it = None
+
+
+def test_an_excisions_survivors_continue_a_lost_ranks_loader_where_it_left_off():
+    from meshpact.live.recovery.reshard import adopt_objects
+    from meshpact.live.recovery.state import SCHEDULE_KEY
+
+    model, opt = _job()
+    lost = _Stream(0)
+    for _ in range(3):
+        lost.next()
+    committed = job_state(model, opt, objects={"data": lost})[SCHEDULE_KEY]  # its copy, at its last commit
+    expected = [lost.next() for _ in range(4)]  # what rank 0 would have read next
+    survivor: dict = {"data": _Stream(1)}
+    adopt_objects(survivor, {0: committed}, lambda rank: {"data": _Stream(rank)})
+    assert sorted(survivor) == ["data", "data@rank0"]
+    got = [survivor["data@rank0"].next() for _ in range(2)]
+    assert all(torch.equal(a, b) for a, b in zip(got, expected[:2]))
+    # that survivor lost in turn: the next one takes rank 0's loader under rank 0's name, and its own
+    carried = job_state(model, opt, objects=survivor)[SCHEDULE_KEY]
+    last: dict = {"data": _Stream(2)}
+    adopt_objects(last, {1: carried}, lambda rank: {"data": _Stream(rank)})
+    assert sorted(last) == ["data", "data@rank0", "data@rank1"]
+    assert all(torch.equal(last["data@rank0"].next(), b) for b in expected[2:3])
