@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pandas as pd
 import streamlit as st
 
 from meshpact.app.context import mesh_of, message_markdown, require_scenario
@@ -108,9 +109,10 @@ for col, out in zip(columns, result.outcomes):
                         f"**{out.cost.time_s * 1e3:.3g} ms** α-β time",
                         help=f"{out.cost.payload_bytes:,} payload bytes; by link: "
                              + ", ".join(f"{k} {v:,} B" for k, v in out.cost.bytes_by_link.items()))
-            with st.expander(f"{len(out.plan.steps)} steps"):
-                st.dataframe(steps_rows(out.plan), hide_index=True)
 plotted = [o for o in result.outcomes if o.plan is not None]
+for out in plotted:  # the page's width, a cell wrapping where it must: every column of a step shows
+    with st.expander(f"{out.planner}: {len(out.plan.steps)} steps"):
+        st.table(pd.DataFrame(steps_rows(out.plan)).set_index("#"))
 for tab, out in zip(st.tabs([f"diagram: {o.planner}" for o in plotted]), plotted):
     with tab:
         st.plotly_chart(plan_figure(out.plan, edge.mesh), key=f"plan_{out.planner}")
