@@ -29,7 +29,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from meshpact.live.trials.analysis import TrialResult
@@ -118,12 +118,16 @@ def add_injected(recording: Path, injected: list[dict[str, Any]], summary: dict[
     return len(injected)
 
 
-def stop_when_parent_goes(lease: IO[bytes]) -> threading.Thread:
-    """End this process as SIGTERM does once ``lease`` (the stdin pipe from the dashboard)
-    reaches end of file: the dashboard let go of the job, or its process is gone."""
+def stop_when_parent_goes(lease_fd: int) -> threading.Thread:
+    """End this process as SIGTERM does once the file descriptor ``lease_fd`` (the stdin pipe
+    from the dashboard) reaches end of file: the dashboard let go of the job, or its process
+    is gone. Read unbuffered, so the thread holds no lock the interpreter's exit waits for."""
 
     def hold() -> None:
-        while lease.read(4096):
+        try:
+            while os.read(lease_fd, 4096):
+                pass
+        except OSError:
             pass
         os.kill(os.getpid(), signal.SIGTERM)
 
@@ -155,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
     if os.environ.get("MESHPACT_DASHBOARD_LEASE") == "stdin":
-        stop_when_parent_goes(sys.stdin.buffer)
+        stop_when_parent_goes(sys.stdin.fileno())
 
     from meshpact.core.errors import MeshpactError
     from meshpact.live.trials.trial import TrialConfig, run_trial

@@ -112,6 +112,7 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
     verdict = pg.locator('[data-testid="stAlertContentSuccess"]', has_text="Bit-identical")
     verdict.wait_for(timeout=240_000)
     assert pg.locator('[data-testid="stException"]').count() == 0
+    assert metric(pg, "run") == "ended (0)"
     summary = _summary(pg)
     policy = Policy.PEER_RESTORE if on_rank_loss == "replace" else Policy.EXCISE
     assert summary["faults_injected"] == summary["faults_recovered"] == 1

@@ -644,7 +644,7 @@ LEASED_RUNNER = textwrap.dedent("""
         rank.kill(); rank.wait(); sys.exit(128 + signum)
     import signal; signal.signal(signal.SIGTERM, end)
     if os.environ.get("MESHPACT_DASHBOARD_LEASE") == "stdin":
-        stop_when_parent_goes(sys.stdin.buffer)
+        stop_when_parent_goes(sys.stdin.fileno())
     print("RANK", rank.pid, flush=True)
     time.sleep(120)
 """)
