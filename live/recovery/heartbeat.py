@@ -171,6 +171,10 @@ class Heartbeat:
         self.watching = False  # set by the runtime while the user's step runs
         self.alarm: HeartbeatAlarm | None = None  # what this rank's watch found, once per generation
         self._detected_generation: int | None = None
+        self._alarm_lock = threading.Lock()  # an alarm is kept only while the step it ends still runs
+        self.last_look_wall = 0.0  # when the thread last looked (a recovery says how long ago)
+        self.failed_looks = 0  # looks that raised (each is skipped; the thread goes on)
+        self.last_failure = ""
         # the quiet-data-path rule needs the data path's bytes in the kernel's socket counts
         self.quiet_rule = session.spec.backend == "gloo" and hasattr(socket, "TCP_INFO")
         self._fds: dict[int, str] = {}
@@ -190,15 +194,26 @@ class Heartbeat:
 
     def take(self) -> HeartbeatAlarm | None:
         """This generation's alarm, cleared; one raised in an earlier generation is dropped."""
-        out = self.alarm if self._detected_generation == self.session.generation else None
-        self.alarm, self._detected_generation = None, None
+        with self._alarm_lock:
+            out = self.alarm if self._detected_generation == self.session.generation else None
+            self.alarm, self._detected_generation = None, None
         return out
+
+    def _alarmed(self, generation: int) -> bool:
+        """Whether an alarm of ``generation`` waits to be taken (one of an earlier generation, kept
+        because its step ended before it was raised, counts as none: it must not keep this
+        generation's alarm from being raised)."""
+        return self.alarm is not None and self._detected_generation == generation
 
     def _raise(self, alarm: HeartbeatAlarm, generation: int) -> None:
         """Keep ``alarm`` for the runtime and sever the data path of ``generation`` (unless the
-        generation moved on meanwhile), so the step in flight fails at once."""
+        generation moved on meanwhile), so the step in flight fails at once. A step that ended
+        since this look began (its recovery may have taken the alarms already) keeps none."""
         s = self.session
-        self.alarm, self._detected_generation = alarm, generation
+        with self._alarm_lock:
+            if not self.watching:
+                return
+            self.alarm, self._detected_generation = alarm, generation
         with s.sever_lock:  # the standby's sockets survive, and a swap under way is waited for
             if s.generation == generation:
                 comm.sever(s.data_sockets())
@@ -294,46 +309,53 @@ class Heartbeat:
         beat, quiet, last_bytes, hung_in = 0, 0, None, -1
         last_beats: dict[int, int] = {}
         while not self._stop.wait(self.interval_s):
-            s = self.session
-            generation = s.generation
-            ranks = s.members  # the original ranks still in the job (fewer after an excision)
-            keys = [f"heartbeat/rank{r}" for r in ranks]
-            pos = self._main_position()
-            cpu = self._main_cpu_s()
-            native = self._native_cpu_s()
-            look = Look(self.watching, pos[2], pos[:2] != last_pos[:2], cpu - last_cpu, self._main_state(),
-                        native - last_native, pos[3])
-            self.channel.add(f"heartbeat/rank{me}", 1 + (PROGRESS if progressed(look) else 0))
-            last_pos, last_cpu, last_native = pos, cpu, native
-            if self.quiet_rule:
-                moved = self._data_bytes(generation) if self.watching and pos[2] else None
-                still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()
-                quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
-                self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
-            # one round trip for every peer, and for whether a rank opened a recovery of this generation
-            counts = self.channel.counters([*keys, recovering_key(generation)])
-            if counts.pop() and self.watching and self.alarm is None and s.generation == generation:
-                # a peer is recovering while this rank is still in the step: it may be blocked on a
-                # pair nobody severs (a send to a third rank), which only the data-path timeout ends
-                self._raise(HeartbeatAlarm(time.time(), ()), generation)
-            if not self.watching or seen is None or ranks != watched:
-                still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}
-                continue
-            still = [0 if r == me else watch(seen[i], counts[i], still[i]) for i, r in enumerate(ranks)]
-            stalled = [r for i, r in enumerate(ranks) if still[i] >= self.misses]
-            seen = counts
-            hung = False
-            if self.quiet_rule and quiet > 0:  # this rank is quiet: are all? (read from the first quiet look)
-                said = self.channel.peek([f"heartbeat/quiet/rank{r}" for r in ranks])
-                words = {r: QuietWord.decode(v) if isinstance(v, str) else None for r, v in zip(ranks, said)}
-                told = any(w is not None and w.hung == generation for w in words.values())  # a peer found it
-                hung = not stalled and (told or all_quiet(words, last_beats, self.misses))
-                last_beats = {r: w.beat for r, w in words.items() if w is not None}
-            else:
-                last_beats = {}
-            # the step may have failed meanwhile and new groups be in the making: sever only
-            # the generation this look was made in, while the step still runs
-            if (stalled or hung) and self.alarm is None and self.watching and s.generation == generation:
-                self._raise(HeartbeatAlarm(time.time(), tuple(stalled), hung), generation)
-                hung_in = generation if hung else hung_in
-                still, quiet = [0] * len(ranks), 0
+            try:
+                self.last_look_wall = time.time()
+                s = self.session
+                generation = s.generation
+                ranks = s.members  # the original ranks still in the job (fewer after an excision)
+                keys = [f"heartbeat/rank{r}" for r in ranks]
+                pos = self._main_position()
+                cpu = self._main_cpu_s()
+                native = self._native_cpu_s()
+                look = Look(self.watching, pos[2], pos[:2] != last_pos[:2], cpu - last_cpu, self._main_state(),
+                            native - last_native, pos[3])
+                self.channel.add(f"heartbeat/rank{me}", 1 + (PROGRESS if progressed(look) else 0))
+                last_pos, last_cpu, last_native = pos, cpu, native
+                if self.quiet_rule:
+                    moved = self._data_bytes(generation) if self.watching and pos[2] else None
+                    still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()
+                    quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
+                    self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
+                # one round trip for every peer, and for whether a rank opened a recovery of this generation
+                counts = self.channel.counters([*keys, recovering_key(generation)])
+                if counts.pop() and self.watching and not self._alarmed(generation) and s.generation == generation:
+                    # a peer is recovering while this rank is still in the step: it may be blocked on a
+                    # pair nobody severs (a send to a third rank), which only the data-path timeout ends
+                    self._raise(HeartbeatAlarm(time.time(), ()), generation)
+                if not self.watching or seen is None or ranks != watched:
+                    still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}
+                    continue
+                still = [0 if r == me else watch(seen[i], counts[i], still[i]) for i, r in enumerate(ranks)]
+                stalled = [r for i, r in enumerate(ranks) if still[i] >= self.misses]
+                seen = counts
+                hung = False
+                if self.quiet_rule and quiet > 0:  # this rank is quiet: are all? (read from the first quiet look)
+                    said = self.channel.peek([f"heartbeat/quiet/rank{r}" for r in ranks])
+                    words = {r: QuietWord.decode(v) if isinstance(v, str) else None for r, v in zip(ranks, said)}
+                    told = any(w is not None and w.hung == generation for w in words.values())  # a peer found it
+                    hung = not stalled and (told or all_quiet(words, last_beats, self.misses))
+                    last_beats = {r: w.beat for r, w in words.items() if w is not None}
+                else:
+                    last_beats = {}
+                # the step may have failed meanwhile and new groups be in the making: sever only
+                # the generation this look was made in, while the step still runs
+                if (stalled or hung) and not self._alarmed(generation) and self.watching and s.generation == generation:
+                    self._raise(HeartbeatAlarm(time.time(), tuple(stalled), hung), generation)
+                    hung_in = generation if hung else hung_in
+                    still, quiet = [0] * len(ranks), 0
+            except Exception as exc:  # noqa: BLE001  (a look that failed, e.g. a control-channel
+                # round trip past its timeout under load, must not end the thread: the next look runs)
+                self.failed_looks += 1
+                self.last_failure = f"{type(exc).__name__}: {str(exc)[:200]}"
+                seen = None

@@ -94,3 +94,39 @@ def test_a_busy_python_thread_is_not_counted_as_native_work():
     done.set()
     t.join()
     assert during < 0.02, during
+
+
+# -- the alarm: kept only for the step it ends, never held back by an earlier generation's ---------------
+def _heartbeat(generation: int, watching: bool):
+    import threading
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery.heartbeat import Heartbeat
+
+    hb = Heartbeat.__new__(Heartbeat)  # no thread, no control channel: the alarm's bookkeeping alone
+    severed: list[int] = []
+    hb.session = SimpleNamespace(generation=generation, sever_lock=threading.Lock(),
+                                 data_sockets=lambda: severed.append(generation) or {})
+    hb.watching, hb.alarm, hb._detected_generation, hb._alarm_lock = watching, None, None, threading.Lock()
+    return hb, severed
+
+
+def test_an_alarm_raised_once_its_step_ended_is_not_kept_for_a_later_generation():
+    from meshpact.live.recovery.heartbeat import HeartbeatAlarm
+
+    hb, severed = _heartbeat(4, watching=False)  # the step raised on its own and its recovery took the alarms
+    hb._raise(HeartbeatAlarm(1.0), 4)
+    assert hb.alarm is None and severed == []
+    hb.watching = True
+    hb._raise(HeartbeatAlarm(2.0), 4)
+    assert hb._alarmed(4) and severed == [4] and hb.take() == HeartbeatAlarm(2.0) and hb.alarm is None
+
+
+def test_an_alarm_left_from_an_earlier_generation_does_not_hold_back_this_ones():
+    from meshpact.live.recovery.heartbeat import HeartbeatAlarm
+
+    hb, severed = _heartbeat(7, watching=True)
+    hb.alarm, hb._detected_generation = HeartbeatAlarm(1.0), 6  # raised in generation 6, never taken
+    assert not hb._alarmed(7)  # so a peer's recovery of generation 7 still severs this rank's blocked step
+    hb._raise(HeartbeatAlarm(3.0), 7)
+    assert severed == [7] and hb.take() == HeartbeatAlarm(3.0)
