@@ -105,18 +105,33 @@ class EventLog:
 class DataPath:
     """Which sockets are the data path's (severed on a fault) and which are not: the stores', the
     control channel's and the peer servers' ports, the sockets open before any group existed,
-    and the ends of sockets already asked (:func:`~.communicator.data_sockets`)."""
+    and the ends of sockets already asked (:func:`~.communicator.data_sockets`).
+
+    Listing them reads every descriptor of the process; :meth:`remember` lists them once for a
+    generation, at a moment no standby is being built (a recovery's end, the session's start),
+    and :meth:`sockets` hands that list back while the generation, its groups and the protected
+    ports are what they were then (``key``), so a fault severs without listing."""
 
     protected: dict[int, str]  # fd -> socket name, taken before any data-path group existed
     ports: tuple[int, ...]  # the rendezvous store's, the control channel's, the peer servers'
     ends: comm.SocketEnds = field(default_factory=dict)
+    remembered: tuple[Any, dict[int, str]] | None = None  # (key, the data path's sockets then)
 
     def protect_ports(self, ports: Iterable[int]) -> None:
         """Never sever a socket to or from one of ``ports`` (the peers' servers, once known)."""
         self.ports = tuple(sorted(set(self.ports) | set(ports)))
 
-    def sockets(self, keep: dict[int, str]) -> dict[int, str]:
+    def sockets(self, keep: dict[int, str], key: Any = None) -> dict[int, str]:
+        """The data path's sockets, less ``keep`` (the standby's)."""
+        got = self.remembered
+        if key is not None and got is not None and got[0] == (key, self.ports):
+            return {fd: ino for fd, ino in got[1].items() if keep.get(fd) != ino}
         return comm.data_sockets({**self.protected, **keep}, self.ports, self.ends)
+
+    def remember(self, key: Any) -> None:
+        """List the data path's sockets now, for as long as ``key`` holds (no standby may be
+        building: its sockets would be listed as the data path's)."""
+        self.remembered = ((key, self.ports), comm.data_sockets(dict(self.protected), self.ports, self.ends))
 
 
 @dataclass
@@ -275,7 +290,22 @@ class Session:
     def data_sockets(self) -> dict[int, str]:
         """The data path's sockets to sever on a fault: never the stores', the control
         channel's, the peer servers' or the standby's."""
-        return self.data_path.sockets(self.standby.sockets if self.standby is not None else {})
+        return self.data_path.sockets(self.standby.sockets if self.standby is not None else {}, self._data_path_key())
+
+    def remember_data_path(self) -> None:
+        """List this generation's data-path sockets now, so a fault severs them without listing
+        (called where no standby is being built: a recovery's end, the session's start)."""
+        self.data_path.remember(self._data_path_key())
+
+    def _data_path_key(self) -> Any:
+        """What the data path's sockets follow: the generation and every group installed in c10d
+        (a user's new group adds sockets). None where gloo connects its pairs lazily
+        (``TORCH_GLOO_LAZY_INIT``): a pair's socket may appear at any collective."""
+        if self.current is None or os.environ.get("TORCH_GLOO_LAZY_INIT", "").lower() in ("1", "true"):
+            return None
+        import torch.distributed.distributed_c10d as c10d
+
+        return (self.current.number, tuple(sorted(pg.group_name for pg in list(c10d._world.pg_map))))
 
     def start_standby(self, groups: Mapping[str, dist.ProcessGroup]) -> None:
         """Start building the next generation's copy of ``groups`` (every group of the job) in
@@ -464,6 +494,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     c10d_default(groups[comm.WORLD])  # the mesh asks c10d's default group for this rank
     mesh = mesh_from_groups(groups, choice.device.split(":")[0], shape, names)
     session.advance(Generation(number, spec, groups, mesh, tuple(range(world))))
+    session.remember_data_path()  # before any standby is built
     session.seal()
     return session
 
