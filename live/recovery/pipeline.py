@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Mapping, Protocol
 
 import torch
@@ -47,7 +47,7 @@ from .state import CommitMark, RngState, Schedule, load_job_state, restore_rng
 from .stepreset import reset_step_state
 
 
-__all__ = ["Job", "RecoveryRecord", "Cause", "Detection", "Rebuilt", "Rebound", "detect", "agree_on", "rebuild", "rebind", "restore",
+__all__ = ["Job", "RecoveryRecord", "StageClock", "Cause", "Detection", "Rebuilt", "Rebound", "detect", "agree_on", "rebuild", "rebind", "restore",
            "resume", "excise_lost", "load_decided", "rejoin", "first_collective", "RetiredGroup"]
 
 
@@ -113,9 +113,39 @@ class RecoveryRecord:
     drill: bool
     rebind_cpu_s: float = 0.0  # CPU time the main thread spent rebinding (its wall time less any wait for a core)
     cpu_s: float = 0.0  # CPU time of this rank's process (every thread) from knowing of the fault to resuming
+    # cpu_s by pipeline step (they add up to it), and the main thread's share of each
+    cpu_s_by_stage: Mapping[str, float] = field(default_factory=dict)
+    thread_cpu_s_by_stage: Mapping[str, float] = field(default_factory=dict)
+    # CPU of what the recovery leaves to the job once it runs again (its events written, the
+    # consensus counters moved, peer copies refreshed): after t_resumed_wall, not in cpu_s
+    after_resume_cpu_s: float = 0.0
 
     def to_dict(self) -> JsonObject:
-        return {**asdict(self), "policy": self.policy.value, "action": self.action.value}
+        return {**asdict(self), "policy": self.policy.value, "action": self.action.value,
+                "cpu_s_by_stage": dict(self.cpu_s_by_stage), "thread_cpu_s_by_stage": dict(self.thread_cpu_s_by_stage)}
+
+
+class StageClock:
+    """The CPU a recovery spends in each pipeline step, on this rank: the process's (every
+    thread: the heartbeat's, gloo's, a standby's) and the main thread's. Each step ends with
+    :meth:`lap`, which charges it everything since the previous lap, so the steps add up to
+    the whole recovery's CPU whatever runs between them."""
+
+    def __init__(self) -> None:
+        self._cpu = time.process_time()
+        self._thread = time.thread_time()
+        self.cpu_s: dict[str, float] = {}
+        self.thread_cpu_s: dict[str, float] = {}
+
+    def lap(self, step: str) -> None:
+        cpu, thread = time.process_time(), time.thread_time()
+        self.cpu_s[step] = self.cpu_s.get(step, 0.0) + cpu - self._cpu
+        self.thread_cpu_s[step] = self.thread_cpu_s.get(step, 0.0) + thread - self._thread
+        self._cpu, self._thread = cpu, thread
+
+    def since_lap(self) -> float:
+        """The process's CPU seconds since the last lap (charged to no step)."""
+        return time.process_time() - self._cpu
 
 
 @dataclass(frozen=True)
@@ -133,10 +163,11 @@ class Detection:
 
     cause: Cause
     t_detect: float  # wall time this rank knew of the fault (the heartbeat's, if it knew first)
-    cpu0: float  # process CPU time then
+    clock: StageClock  # the CPU spent so far, by pipeline step
     t_check: float  # perf counter when the state check began (the consensus stage's start)
     alarm: HeartbeatAlarm | None
     states: tuple[Any, ...]  # the model's FSDP states, walked once per recovery
+    params: tuple[Any, ...]  # the model's parameters after the reset (sharded), walked once per recovery
     reset_s: float  # seconds putting FSDP's half-run step back
     changed: str  # why the state is not the committed one ("" when it is)
     old_groups: Mapping[str, dist.ProcessGroup]  # every group of the job, by base name
@@ -184,7 +215,8 @@ class RetiredGroup:
 # -- detect ----------------------------------------------------------------------------------
 def detect(rt: Job, cause: Cause) -> Detection:
     s = rt.session
-    t_detect, cpu0, t0 = time.time(), time.process_time(), time.perf_counter()
+    clock = StageClock()
+    t_detect, t0 = time.time(), time.perf_counter()
     severed = comm.sever(s.data_sockets())  # the standby's sockets are not the data path's
     if rt.heartbeat is not None and not cause.drill:  # peers still in the step sever theirs on their next look
         s.control.add(recovering_key(s.generation))
@@ -196,10 +228,12 @@ def detect(rt: Job, cause: Cause) -> Detection:
     s.emit(EventKind.DETECTED, Stage.DETECTION, step=cause.step, error=cause.message, severed_sockets=severed,
            generation=s.generation, seconds=time.perf_counter() - t0,
            heartbeat_stalled=list(alarm.stalled) if alarm else [],
-           heartbeat_quiet=bool(alarm and alarm.data_path_quiet))
+           heartbeat_quiet=bool(alarm and alarm.data_path_quiet), heartbeat_alarm=alarm is not None,
+           heartbeat_look_age_s=t_detect - rt.heartbeat.last_look_wall if rt.heartbeat is not None else None,
+           heartbeat_failed_looks=rt.heartbeat.failed_looks if rt.heartbeat is not None else 0)
     t0 = time.perf_counter()
     states = fsdp_states(rt.model)  # the reset, the meshes and rebinding read them
-    reset_step_state(rt.model, states)  # sharded parameters back on the modules before anything reads them
+    params = reset_step_state(rt.model, states)  # sharded parameters back on the modules before anything reads them
     reset_s = time.perf_counter() - t0
     t_check = time.perf_counter()
     changed = rt.state_changed()
@@ -209,7 +243,9 @@ def detect(rt: Job, cause: Cause) -> Detection:
                 and comm.timed_out(cause.message) else None)
     old_groups = rt.job_groups()  # consensus builds no group: the same ones are replaced after it
     word = s.standby_word(old_groups, silent_s, quiet=bool(alarm and alarm.data_path_quiet))
-    return Detection(cause, t_detect, cpu0, t_check, alarm, tuple(states), reset_s, changed, old_groups, word)
+    clock.lap("detect")
+    return Detection(cause, t_detect, clock, t_check, alarm, tuple(states), tuple(params), reset_s, changed,
+                     old_groups, word)
 
 
 # -- agree -----------------------------------------------------------------------------------
@@ -238,6 +274,7 @@ def agree_on(rt: Job, d: Detection) -> Decision:
     t_end = time.perf_counter()
     s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - d.t_check, agree_s=t_end - t_agree,
            state_changed=d.changed, **got.decision.summary())
+    d.clock.lap("agree_on")
     return got.decision
 
 
@@ -269,6 +306,7 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
                   for base, pg in sorted(d.old_groups.items())}
     s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
            generation=decision.generation, backend=s.spec.backend, groups=len(groups), note=note, standby=standby)
+    d.clock.lap("rebuild")
     return Rebuilt(groups, action)
 
 
@@ -282,7 +320,7 @@ def rebind(rt: Job, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebou
     site_ms: dict[str, float] = {}
     reconfigured = rebuilt.action is CommunicatorAction.RECONFIGURE
     if not reconfigured:
-        meshes = list({id(m): m for m in (s.mesh, *meshes_of(rt.model, rt.optimizer, list(d.states)),
+        meshes = list({id(m): m for m in (s.mesh, *meshes_of(rt.model, rt.optimizer, list(d.states), d.params),
                                           *rt.meshes)}.values())
         report: RebindReport = rebind_all([(old, rebuilt.groups[base]) for base, old in d.old_groups.items()],
                                           rt.model, rt.optimizer, meshes, functions=(rt.train_step_fn,),
@@ -303,6 +341,7 @@ def rebind(rt: Job, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebou
     s.emit(EventKind.REBOUND, Stage.REBINDING, seconds=seconds, references=counts, site_ms=site_ms,
            old_groups=sorted(g.group_name for g in d.old_groups.values()),
            new_groups=sorted(g.group_name for g in rebuilt.groups.values()))
+    d.clock.lap("rebind")
     return Rebound(seconds, cpu_s, rebuilt.action)
 
 
@@ -331,6 +370,7 @@ def restore(rt: Job, d: Detection, decision: Decision) -> None:
                state_intact=d.intact, checkpoint_step=decision.step)
     else:
         load_decided(rt, decision, counts_as_read=not d.cause.drill, spent_s=d.reset_s)
+    d.clock.lap("restore")
 
 
 def load_decided(rt: Job, decision: Decision, counts_as_read: bool = True, spent_s: float = 0.0) -> None:
@@ -431,6 +471,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
     if s.config.check_commits:  # a new model: its mark is taken afresh
         rt.mark = CommitMark.take(rt.committed_step, rt.model, rt.optimizer)
     rt.watch_optimizer()  # and its optimizer watched; the generators stay as committed (excise undid build's draws)
+    d.clock.lap("excise_lost")
     return Rebound(0.0, 0.0, rec.action)
 
 
@@ -443,6 +484,7 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
     if decision.in_memory:
         lost = 0  # no barrier: building the groups already waited for every rank to connect
         t_first, t_resumed = first_collective(rt, decision.generation)
+        d.clock.lap("resume")
         s.log.flush()
     else:
         t_first, _ = rejoin(rt, decision.generation)
@@ -450,6 +492,7 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
         lost = rt.replay(decision.step, d.cause.step)
         s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
         t_resumed = time.time()
+        d.clock.lap("resume")
         if rt.peers is not None:  # holders get this generation's state (a replacement's holder included)
             if decision.policy is Policy.EXCISE:  # the ring over the survivors
                 rt.peers.replace_ring(s.members)
@@ -457,9 +500,11 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
             rt.peers.keep_only(rt.committed_step)
             rt.copy_to_peers()
     rt.settle_counters()  # the job runs again: the round counters move now, off the recovery's path
+    s.remember_data_path()  # this generation's sockets, listed before its standby starts building
     record = RecoveryRecord(d.cause.step, d.t_detect, t_first, t_resumed, decision.policy, decision.reason,
                             decision.generation, lost, rebound.seconds, rebound.action, d.cause.drill, rebound.cpu_s,
-                            time.process_time() - d.cpu0)
+                            sum(d.clock.cpu_s.values()), dict(d.clock.cpu_s), dict(d.clock.thread_cpu_s),
+                            d.clock.since_lap())
     rt.recoveries.append(record)
     s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
     s.start_standby(rt.job_groups())  # the generation after this one, built while training runs

@@ -103,7 +103,23 @@ class RebindReport:
 
 
 def fsdp_states(model: torch.nn.Module) -> list[Any]:
-    """The FSDP2 state of every ``fully_shard``-ed module in ``model``, root first."""
+    """The FSDP2 state of every ``fully_shard``-ed module in ``model``, root first. Where
+    ``model`` is the FSDP root and has run (lazily initialized), that is the list the root
+    keeps of its tree's states (``_state_ctx.all_states``, walked by FSDP in this order) and
+    no module is walked; otherwise the modules are."""
+    from torch.distributed._composable_state import _get_module_state
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
+    root = _get_module_state(model)
+    if isinstance(root, FSDPState) and root._is_root:
+        known = getattr(getattr(root, "_state_ctx", None), "all_states", None)
+        if known:
+            return list(known)
+    return _walk_states(model)
+
+
+def _walk_states(model: torch.nn.Module) -> list[Any]:
+    """:func:`fsdp_states` by walking every module (any model, lazily initialized or not)."""
     from torch.distributed._composable_state import _get_module_state
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
@@ -132,9 +148,11 @@ def _mesh_infos(states: list[Any]) -> list[Any]:
     return list(seen.values())
 
 
-def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] | None = None) -> list[Any]:
+def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] | None = None,
+              params: Iterable[torch.nn.Parameter] | None = None) -> list[Any]:
     """Every DeviceMesh the model's FSDP state and DTensors refer to, with root and flattened
-    meshes (``states``: the model's FSDP states when the caller has them)."""
+    meshes (``states`` and ``params``: the model's FSDP states and parameters when the caller
+    has them)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     found: dict[int, Any] = {}
@@ -153,7 +171,7 @@ def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] |
     for info in _mesh_infos(fsdp_states(model) if states is None else states):
         add(info.mesh)
         add(getattr(info, "spmd_mesh", None))
-    for p in model.parameters():
+    for p in model.parameters() if params is None else params:
         add(getattr(p, "device_mesh", None))
     if optimizer is not None:
         for slot in optimizer.state.values():
@@ -381,7 +399,7 @@ def _library(module: types.ModuleType) -> bool:
 
 
 def _library_path(path: str) -> bool:
-    return any(part in path for part in _LIBRARY_DIRS) or path.startswith(_STDLIB)
+    return any(part in path for part in _LIBRARY_DIRS) or path.startswith((_STDLIB, "<frozen "))
 
 
 def _runtime_module(name: str) -> bool:

@@ -19,10 +19,11 @@ from .rebind import fsdp_states
 __all__ = ["reset_step_state"]
 
 
-def reset_step_state(model: torch.nn.Module, states: list[Any] | None = None) -> None:
+def reset_step_state(model: torch.nn.Module, states: list[Any] | None = None) -> list[torch.nn.Parameter]:
     """Undo what a failed step left behind in FSDP2: unsharded parameters, pending
     collectives, half-run hooks and gradients. The committed state is not touched.
-    ``states``: the model's FSDP states when the caller has them (:func:`fsdp_states`)."""
+    ``states``: the model's FSDP states when the caller has them (:func:`fsdp_states`).
+    Returns the model's parameters as they stand after it (the sharded ones on the modules)."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
     for state in fsdp_states(model) if states is None else states:
@@ -51,8 +52,10 @@ def reset_step_state(model: torch.nn.Module, states: list[Any] | None = None) ->
                 unsharded = getattr(fp, "_unsharded_param", None)
                 if unsharded is not None:
                     unsharded.grad = None
-    for p in model.parameters():
+    params = list(model.parameters())
+    for p in params:
         p.grad = None
+    return params
 
 
 def _to_sharded(group: Any) -> None:

@@ -50,3 +50,13 @@ def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery()
         # the stages follow the critical path: together they are the downtime, nothing counted twice
         assert sum(r["stages_s"].values()) == pytest.approx(r["downtime_s"], abs=1e-6)
         assert {"consensus", "communicator", "rebinding", "state"} <= set(r["stages_s"])
+    # each rank's recovery CPU, by pipeline step: the six steps, adding up to the whole, the main
+    # thread's share of each no more than the process's; what follows the resumption kept apart
+    done = [e.data for e in result.events() if e.event == EventKind.RECOVERY_DONE]
+    assert len(done) == 4
+    for d in done:
+        by_stage, main = d["cpu_s_by_stage"], d["thread_cpu_s_by_stage"]
+        assert list(by_stage) == ["detect", "agree_on", "rebuild", "rebind", "restore", "resume"]
+        assert all(v >= 0 for v in by_stage.values()) and sum(by_stage.values()) == pytest.approx(d["cpu_s"])
+        assert all(main[k] <= by_stage[k] + 1e-3 for k in by_stage)
+        assert d["cpu_s"] > 0 and d["after_resume_cpu_s"] >= 0
