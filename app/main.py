@@ -28,9 +28,15 @@ LAYOUT_CSS = """
 [data-testid="stWidgetLabel"] *, [data-testid="stCheckbox"] label * {
     white-space: normal !important; overflow: visible !important; text-overflow: clip !important; }
 [data-baseweb="select"] input { field-sizing: content; min-width: 2ch; }
+[data-testid="stHorizontalBlock"]:has(> [data-testid="stColumn"]:nth-child(9)) { flex-wrap: nowrap; }
+[data-testid="stHorizontalBlock"]:has(> [data-testid="stColumn"]:nth-child(9)) > [data-testid="stColumn"] {
+    min-width: 0; }
+[data-testid="stHorizontalBlock"]:has(> [data-testid="stColumn"]:nth-child(9)) button {
+    padding: 0.125rem 0.25rem; min-height: 2rem; }
 @media (max-width: 1280px) {
     [data-testid="stMainBlockContainer"] { padding-left: 2rem; padding-right: 2rem; }
     [data-testid="stMetricValue"] { font-size: 1.75rem; }
+    [data-testid="stHorizontalBlock"]:has(> [data-testid="stColumn"]:nth-child(9)) * { font-size: 0.75rem; }
 }
 """
 

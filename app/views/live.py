@@ -37,7 +37,7 @@ RECORDINGS = Path("recordings")
 FULL_SPEED = "full speed"
 PACES = [FULL_SPEED, "2 steps/s", "5 steps/s", "10 steps/s", "20 steps/s"]  # a step period under the data timeout
 STALL_S, PARTITION_S = 3.0, 3.0
-COLUMNS = [0.45, 0.75, 1.0, 1.6, 0.5, 1.0, 1.9, 0.75, 0.6, 0.65, 0.95]  # 8 cells, then kill, stall, partition
+COLUMNS = [0.55, 0.75, 1.2, 1.5, 0.5, 1.0, 1.65, 0.75, 0.6, 0.65, 0.95]  # 8 cells, then kill, stall, partition
 FAULT_HELP = {FaultFromPage.KILL: "SIGKILL this rank's process; the run starts a replacement",
               FaultFromPage.STALL: f"SIGSTOP this rank's process for {STALL_S:g} s, past the data-path timeout",
               FaultFromPage.PARTITION: f"take this rank's host's data link down for {PARTITION_S:g} s"}
