@@ -190,7 +190,7 @@ def main() -> int:
     restart = results.get("torchrun_restart", {}).get("downtime_s")
     # a run under load (or repeated) is a result of its own: bench/results/launch-load.json
     emit("launch" if args.repeat == 1 and args.busy_loops == 0 else "launch-load", {
-        "runs": args.repeat, "busy_loops": args.busy_loops,
+        "bench": "launch", "runs": args.repeat, "busy_loops": args.busy_loops,
         "passed_by_case": {c: r["passed"] for c, r in results.items()},
         "downtime_s_runs_by_case": {c: r["downtime_s_runs"] for c, r in results.items()},
         "nodes": 2, "ranks_per_node": 2, "steps": STEPS, "kill_after_step": KILL_AT, "step_sleep_s": STEP_S,
