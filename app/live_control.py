@@ -493,9 +493,10 @@ class LiveJob:
         pace.write(self.trial_dir)
         self.pace = pace
 
-    def _note(self, kind: FaultFromPage, target: RankProcess, **extra: Any) -> None:
-        """Keep the fault for the page and for the recording (the runner adds it at the end)."""
-        now = time.time()
+    def _note(self, kind: FaultFromPage, target: RankProcess, now: float, **extra: Any) -> None:
+        """Keep the fault sent at wall time ``now`` for the page and for the recording (the runner
+        adds it at the end). ``now`` is read before the signal goes: a rank may know of the fault
+        before the call that sent it returns, and its recovery is the one detected after it."""
         record = {"kind": kind.value, "rank": target.rank, "pid": target.pid, "phase": target.phase,
                   "incarnation": target.incarnation, **extra}
         self.injected.append({"t": now - self.started, **record})
@@ -505,18 +506,20 @@ class LiveJob:
     def kill_rank(self, rank: int, phase: str | None = "faulted") -> RankProcess:
         """SIGKILL the rank's process: the fault the runtime meets as a lost rank."""
         target = self._rank(rank, phase)
+        now = time.time()
         if _signal(target.pid, signal.SIGKILL):
-            self._note(FaultFromPage.KILL, target)
+            self._note(FaultFromPage.KILL, target, now)
         return target
 
     def stall_rank(self, rank: int, seconds: float, phase: str | None = "faulted") -> RankProcess:
         """SIGSTOP the rank's process for ``seconds``, then SIGCONT: a stall past the timeout."""
         target = self._rank(rank, phase)
+        now = time.time()
         if _signal(target.pid, signal.SIGSTOP):
             timer = threading.Timer(seconds, _signal, args=(target.pid, signal.SIGCONT))
             timer.daemon = True
             timer.start()
-            self._note(FaultFromPage.STALL, target, seconds=seconds)
+            self._note(FaultFromPage.STALL, target, now, seconds=seconds)
         return target
 
     def partition_why_not(self, rank: int, phase: str = "faulted", pid: int | None = None) -> str | None:
@@ -545,11 +548,12 @@ class LiveJob:
                             timeout=5).stdout.strip()
         if not ns:
             raise LookupError(f"rank {rank}'s network namespace has no name (ip netns identify found none)")
+        now = time.time()
         subprocess.run(["ip", "-n", ns, "link", "set", "dev", iface, "down"], check=True, timeout=5,
                        capture_output=True)
         subprocess.Popen(["sh", "-c", 'sleep "$0"; ip -n "$1" link set dev "$2" up', f"{seconds:.3f}", ns, iface],
                          start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self._note(FaultFromPage.PARTITION, target, seconds=seconds, iface=iface)
+        self._note(FaultFromPage.PARTITION, target, now, seconds=seconds, iface=iface)
         return target
 
     def stop(self) -> None:

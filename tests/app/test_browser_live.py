@@ -25,6 +25,7 @@ from meshpact.core.recovery import Policy
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.live]
 
 ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts"  # screenshots
 RANKS, STEPS = 2, 4
 
 
@@ -115,13 +116,17 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
     assert metric(pg, "run") == "ended (0)"
     summary = _summary(pg)
     policy = Policy.PEER_RESTORE if on_rank_loss == "replace" else Policy.EXCISE
-    assert summary["faults_injected"] == summary["faults_recovered"] == 1
-    assert summary["downtime_s"][policy.value] is not None
+    assert summary["faults_injected"] == summary["faults_recovered"] == 1, summary
+    assert summary["downtime_s"][policy.value] is not None, summary
     assert wait_metric(pg, f"downtime: {policy.label}") == duration(summary["downtime_s"][policy.value])
     shown = {p.label for p in Policy if metric(pg, f"downtime: {p.label}") is not None}
     assert shown == {Policy(p).label for p, s in summary["downtime_s"].items() if s is not None}
     assert metric(pg, "committed step") == str(summary["steps"])  # every rank still in the job finished
     rows = _rows_until(pg, lambda rows: all(c[3] in ("done", "excised") for c in rows.values()), 30)
+    ARTIFACTS.mkdir(exist_ok=True)
+    pg.set_viewport_size({"width": 1400, "height": 2600})  # the app scrolls inside its own box: all of it in view
+    pg.wait_for_timeout(500)
+    pg.screenshot(path=str(ARTIFACTS / f"live-{on_rank_loss}-verdict.png"))
     if on_rank_loss == "excise":
         lost = {r for e in summary["excision"]["excisions"] for r in e["lost"]}
         assert lost == {1}
