@@ -38,7 +38,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from meshpact.app.live_job import INJECTED_FILE, TRIAL_DIR
+from meshpact.app.live_job import INJECTED_FILE, LEASE_ENV, TRIAL_DIR
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, EventKind, partial_path
 from meshpact.core.recovery import Policy
@@ -50,9 +50,6 @@ __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job
            "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
-# set: the runner ends itself (SIGTERM) once its stdin reaches end of file, i.e. once the process that started it
-# is gone or let go of the job (see live_job.stop_when_parent_goes)
-LEASE_ENV = "MESHPACT_DASHBOARD_LEASE"
 
 
 @dataclass(frozen=True)
@@ -110,7 +107,7 @@ _DONE = frozenset({EventKind.RECOVERY_DONE, EventKind.FIRST_COLLECTIVE, EventKin
 # process's own log, made when the run ends
 PARENT_EVENTS = frozenset({EventKind.RECORDING_START, EventKind.REPLACEMENT_STARTED, EventKind.FAULT_INJECTED,
                            EventKind.RECOVERED, EventKind.TRAINED, EventKind.SUMMARY})
-# a rank without a process: out of the job (excised), finished (done), or lost and not (yet) replaced (dead)
+# ranks whose step is not the job's: excised, lost and not (yet) replaced, or never seen in this run
 OUT_OF_JOB = frozenset({"excised", "dead", "—"})
 DOWN = frozenset({"excised", "dead", "stopped"})  # what the mesh marks failed: a recovering survivor is not
 

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshpact.live.trials.analysis import TrialResult
 
+# set to "stdin" by the dashboard: the runner's stdin is its lease on the dashboard's process
+LEASE_ENV = "MESHPACT_DASHBOARD_LEASE"
 INJECTED_FILE = "injected.jsonl"  # in the work directory: one line per fault injected from the page
 TRIAL_DIR = "trial"  # under the work directory: the trial's own work directory (rank logs, pace file)
 
@@ -158,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None)
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
-    if os.environ.get("MESHPACT_DASHBOARD_LEASE") == "stdin":
+    if os.environ.get(LEASE_ENV) == "stdin":
         stop_when_parent_goes(sys.stdin.fileno())
 
     from meshpact.core.errors import MeshpactError

@@ -26,7 +26,7 @@ from meshpact.app.live_control import (
 )
 from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
-from meshpact.core.recording import Event, EventKind, partial_path, read_recording
+from meshpact.core.recording import partial_path, read_recording
 from meshpact.core.recovery import Policy, RecoveryBreakdown
 from meshpact.live.recovery.faults import FaultKind  # torch-free
 from meshpact.live.trials.trialconfig import ON_RANK_LOSS, PHASES, Pace
