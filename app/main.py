@@ -22,11 +22,13 @@ from meshpact.app.state import carry_widget_state
 LAYOUT_CSS = """
 [data-testid="stHorizontalBlock"] { flex-wrap: wrap; }
 [data-testid="stColumn"]:has([data-testid="stMetric"], [data-testid="stDataFrame"], [data-testid="stWidgetLabel"],
-    [data-testid="stButton"], [data-testid="stDownloadButton"]) { min-width: min-content; }
+    [data-testid="stCheckbox"], [data-testid="stButton"], [data-testid="stDownloadButton"]) { min-width: min-content; }
 [data-testid="stMetricValue"] > div { overflow: visible !important; text-overflow: clip !important; }
 [data-testid="stMetricLabel"], [data-testid="stMetricLabel"] *, [data-testid="stWidgetLabel"],
 [data-testid="stWidgetLabel"] *, [data-testid="stCheckbox"] label * {
-    white-space: normal !important; overflow: visible !important; text-overflow: clip !important; }
+    white-space: normal !important; overflow: visible !important; text-overflow: clip !important;
+    overflow-wrap: normal !important; word-break: normal !important; }
+[data-testid="stWidgetLabel"], [data-testid="stWidgetLabel"] > div { min-width: min-content !important; }
 [data-baseweb="select"] input { field-sizing: content; min-width: 2ch; }
 [data-testid="stHorizontalBlock"]:has(> [data-testid="stColumn"]:nth-child(9)) { flex-wrap: nowrap; }
 [data-testid="stHorizontalBlock"]:has(> [data-testid="stColumn"]:nth-child(9)) > [data-testid="stColumn"] {
