@@ -78,6 +78,9 @@ class RecoveryConfig:
     vendor: str = field(default_factory=lambda: os.environ.get("MESHPACT_VENDOR", "cuda"))  # nccl where CUDA is
     prefer_reconfigure: bool = True  # use ProcessGroup.reconfigure where torch has it (2.14+)
     peer_copies: int = 0  # K: ranks holding a copy of each rank's committed state in host memory (peers.py)
+    # committed steps kept of each: 2 (own snapshots and held copies: a one-step rollback when a rank dies with
+    # its newest copy in flight) or 1 (half the host memory; that case restores from the checkpoint)
+    peer_copy_depth: int = 2
     replacement_rounds: int = 2  # rounds waited for a replacement after a rank is declared lost
     data_timeout_margin: float = 4.0  # the data-path timeout is at least this many times the longest step measured
     data_timeout_follows: bool = True  # raise a set data-path timeout to that (off: refuse a shorter one)
@@ -99,6 +102,8 @@ class RecoveryConfig:
                                     f"got {self.data_timeout_margin}")
         if self.peer_copies < 0:
             raise TimeoutOrderError(f"peer_copies must be 0 or more, got {self.peer_copies}")
+        if self.peer_copy_depth not in (1, 2):
+            raise TimeoutOrderError(f"peer_copy_depth must be 1 or 2 (committed steps kept), got {self.peer_copy_depth}")
         if self.consensus_round_s < self.group_create_s:
             raise TimeoutOrderError(
                 f"the consensus round ({self.consensus_round_s:g} s) is shorter than group creation "

@@ -15,7 +15,16 @@ ends), so a source's copies take two buffers, never three. Each rank also keeps
 its own two newest snapshots: the newest may still be in flight when the rank dies, so the
 group may have to agree on the step before it and the survivors roll back one step from their
 own memory. Ranks lost together (a node) may die with their newest copies at different steps,
-one landed and one in flight: the step before is then still held for both. After a fault every rank reports what it holds in its proposal
+one landed and one in flight: the step before is then still held for both.
+
+That is depth 2 (``RecoveryConfig.peer_copy_depth``, the default): four buffers of a rank's
+state per rank (two own snapshots, two held copies). Depth 1 keeps one of each, half the host
+memory, and gives up the one-step rollback: a commit waits for its copy to land before the
+next step begins (the ship no longer overlaps the step), and a rank lost after its peers
+committed a step it did not (in its optimizer step or its commit) has no copy of a step the
+survivors hold, so consensus decides a checkpoint restore and names why.
+
+After a fault every rank reports what it holds in its proposal
 (:attr:`~meshpact.live.recovery.consensus.Proposal.holds`); consensus picks the step and the
 holder (:func:`~meshpact.live.recovery.consensus.decide`), and the lost rank's replacement
 fetches its state from that holder (:func:`fetch`).
@@ -272,9 +281,12 @@ class HeldCopy:
 
 class PeerServer:
     """This rank's holder side: receives copies (``put``) and hands them out (``get``) on a
-    daemon thread; keeps the two newest complete copies per source rank."""
+    daemon thread; keeps the ``depth`` newest complete copies per source rank (the next one
+    arrives into the oldest one's buffer)."""
 
-    def __init__(self, addr: str = "127.0.0.1", timeout_s: float = 10.0) -> None:
+    def __init__(self, addr: str = "127.0.0.1", timeout_s: float = 10.0, depth: int = 2) -> None:
+        if depth < 1:
+            raise ValueError(f"a holder keeps at least one copy per source, got depth {depth}")
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -284,7 +296,8 @@ class PeerServer:
         self.port = int(self._listener.getsockname()[1])
         self.timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._copies: dict[int, dict[int, HeldCopy]] = {}  # source rank -> step -> copy (the two newest)
+        self.depth = depth
+        self._copies: dict[int, dict[int, HeldCopy]] = {}  # source rank -> step -> copy (the depth newest)
         self._lent: dict[int, int] = {}  # id of a copy's buffer -> gets sending it now (never overwritten meanwhile)
         self._receiving = 0  # bytes of copies in flight
         self.peak_bytes = 0
@@ -366,7 +379,7 @@ class PeerServer:
             # that copy is no longer held from now on, and a source's copies take two buffers
             by_step = self._copies.get(src, {})
             into = None
-            if len(by_step) >= 2:
+            if len(by_step) >= self.depth:
                 oldest = min(by_step)
                 if len(by_step[oldest].payload) == n and id(by_step[oldest].payload) not in self._lent:
                     into = by_step.pop(oldest).payload
@@ -383,7 +396,7 @@ class PeerServer:
         with self._lock:
             by_step = self._copies.setdefault(copy.src, {})
             by_step[copy.step] = copy  # complete: displaces the oldest of the two kept
-            for old in sorted(by_step)[:-2]:
+            for old in sorted(by_step)[:-self.depth]:
                 del by_step[old]
             self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + self._receiving)
         _send(conn, {"ok": True})
@@ -487,11 +500,11 @@ def step_cpu_s(c: PeerCopyCounters | Any) -> float:
 
 class PeerCopier:
     """The source side: snapshot at commit (training thread), ship in the background, one in
-    flight; keeps this rank's own two newest snapshots for a one-step rollback, in two host
-    buffers (the older one's is filled by the next commit)."""
+    flight; keeps this rank's own ``depth`` newest snapshots (two: a one-step rollback), in
+    ``depth`` host buffers (the oldest one's is filled by the next commit)."""
 
     def __init__(self, rank: int, world_size: int, copies: int, channel: Any, server: PeerServer,
-                 timeout_s: float) -> None:
+                 timeout_s: float, depth: int = 2) -> None:
         self.rank = rank
         self.world_size = world_size
         self.copies = copies
@@ -500,7 +513,8 @@ class PeerCopier:
         self.timeout_s = timeout_s
         self.addresses: dict[int, PeerAddress] = {}
         self.alive: tuple[int, ...] = tuple(range(world_size))  # the ranks still in the job (fewer after an excision)
-        self.own: dict[int, dict[str, torch.Tensor]] = {}  # step -> this rank's snapshot (two newest)
+        self.depth = depth  # own snapshots kept: the newest and depth - 1 before it
+        self.own: dict[int, dict[str, torch.Tensor]] = {}  # step -> this rank's snapshot (the depth newest)
         self._slabs: dict[int, Slab] = {}  # step -> the slab its own snapshot lies in
         self._free: list[Slab] = []  # slabs no snapshot lies in: the next commits copy into them
         cores = _cores()
@@ -556,15 +570,18 @@ class PeerCopier:
         self.counters.wait_s += time.perf_counter() - t0
         c0 = time.perf_counter()
         tensors = list(state.values())
-        kept = max((s for s in self.own if s < step), default=None)
-        for old in [s for s in self.own if s != kept]:  # what this commit replaces frees its slab first:
-            self._drop(old)  # two slabs in all, never a third
+        older = sorted(s for s in self.own if s < step)
+        kept = older[max(len(older) - (self.depth - 1), 0):]  # the depth - 1 newest before this one
+        for old in [s for s in self.own if s not in kept]:  # what this commit replaces frees its slab first:
+            self._drop(old)  # depth slabs in all, never one more
         slab = self._slab(state, tensors)
         slab.fill(tensors)
         self.counters.host_copy_s += time.perf_counter() - c0
         self.own[step], self._slabs[step] = slab.state, slab
         self._idle.clear()
         self._queue.put((step, slab))
+        if self.depth == 1:  # no older snapshot to roll back to: the copy lands before the next step begins
+            self._idle.wait(self.timeout_s)
         self.counters.commits += 1
         self.counters.snapshot_s += time.perf_counter() - t0
         self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())

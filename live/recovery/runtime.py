@@ -205,7 +205,8 @@ class Resilient:
         self.peers: peers.PeerCopier | None = None
         if session.peer_server is not None:
             self.peers = peers.PeerCopier(session.rank, session.world_size, session.config.peer_copies,
-                                          session.control, session.peer_server, session.config.peer_copy_timeout_s)
+                                          session.control, session.peer_server, session.config.peer_copy_timeout_s,
+                                          session.config.peer_copy_depth)
         self.storage_bytes_read = 0  # checkpoint bytes read by recoveries (drills and cold starts apart)
         self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
         self.t_attempt: float | None = None  # when the running attempt of the step started

@@ -109,7 +109,8 @@ def worker(args: JsonObject) -> JsonObject:
                             checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
                             count_dispatch=args.get("count_dispatch", False),
                             restore_rng=args.get("restore_rng", True), heartbeat=args.get("heartbeat", False),
-                            peer_copies=int(args.get("peer_copies", 0)), max_rounds=int(args.get("max_rounds", 4)))
+                            peer_copies=int(args.get("peer_copies", 0)), max_rounds=int(args.get("max_rounds", 4)),
+                            peer_copy_depth=int(args.get("peer_copy_depth", 2)))
     t_start = time.time()
     session = start_session(config, workload.mesh.shape, workload.mesh.names)
     rank, steps = session.rank, int(args["steps"])

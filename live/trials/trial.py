@@ -63,6 +63,7 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             "checkpoint_dir": str(work / "checkpoints"), "out_dir": str(out_dir), "workload": workload,
             "faults": [f.to_dict() for f in faults], "count_dispatch": cfg.count_dispatch,
             "restore_rng": cfg.restore_rng, "heartbeat": cfg.heartbeat, "peer_copies": cfg.peer_copies,
+            "peer_copy_depth": cfg.peer_copy_depth,
             "max_rounds": cfg.max_rounds,
             "die_after_proposing": sorted({(f.rank + 1) % cfg.ranks for f in faults}) if cfg.die_after_proposing
             else [], "on_rank_loss": Policy.EXCISE.value if cfg.excising else Policy.PEER_RESTORE.value,

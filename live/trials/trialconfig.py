@@ -62,6 +62,7 @@ class TrialConfig:
     heartbeat: bool = True  # find a stalled rank by heartbeat too, not only by the data-path timeout
     nth_op: int | None = None  # collective faults: the c10d operation of the step that raises
     peer_copies: int = 1  # K: ranks holding each rank's committed state in host memory (0: none)
+    peer_copy_depth: int = 2  # committed steps kept of each copy and own snapshot (1: half the memory, no rollback)
     max_rounds: int = 4  # incomplete consensus rounds before a silent rank is declared lost
     kill_holders: bool = False  # a kill also kills the lost rank's K holders (its state is lost with them)
     two_hosts: bool = False  # ranks in two network namespaces (the lower half and the stores in the first)
@@ -135,6 +136,7 @@ class TrialConfig:
     def recovery(self, checkpoint_dir: str | None = None) -> RecoveryConfig:
         """The ranks' recovery settings (every timeout derived from these inputs)."""
         return RecoveryConfig(data_timeout_s=self.data_timeout_s, process_start_s=self.process_start_s,
+                              peer_copy_depth=self.peer_copy_depth,
                               group_create_s=self.group_create_s, checkpoint_dir=checkpoint_dir,
                               checkpoint_every=self.checkpoint_every, count_dispatch=self.count_dispatch,
                               restore_rng=self.restore_rng, heartbeat=self.heartbeat,

@@ -45,6 +45,10 @@ def recover(
     peer_copies: int = typer.Option(1, "--peer-copies", min=0, help="K: ranks holding each rank's committed state "
                                     "in host memory, so a lost rank's replacement takes it from a peer instead "
                                     "of storage (0: none; at most ranks - 1)."),
+    peer_copy_depth: int = typer.Option(2, "--peer-copy-depth", min=1, max=2, help="Committed steps each holder "
+                                        "keeps of a rank's copy, and each rank of its own snapshots: 2 rolls back "
+                                        "one step in memory when a rank dies with its newest copy in flight; 1 "
+                                        "takes half the host memory and restores from the checkpoint then."),
     on_rank_loss: OnRankLoss = typer.Option(OnRankLoss.REPLACE, "--on-rank-loss", help="A killed rank: replace (a new process or "
                                      "a warm spare takes its state from a peer) or excise (the survivors re-shard "
                                      "its state from the peer copy and go on, same global batch)."),
@@ -63,7 +67,7 @@ def recover(
                       checkpoint_every=min(10, steps) if checkpoint_every is None else checkpoint_every,
                       data_timeout_s=data_timeout,
                       baselines=baselines, **_fault_lengths(data_timeout),
-                      timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies,
+                      timeout_s=timeout_s, workload=workload, heartbeat=heartbeat, peer_copies=peer_copies, peer_copy_depth=peer_copy_depth,
                       spare_ranks=spare_ranks, on_rank_loss=on_rank_loss.value, min_ranks=min_ranks)
     path = record or Path("recordings") / f"recover-{fault_kind.value}-{ranks}r.jsonl"
     result = run_trial(cfg, recording_path=path)

@@ -277,6 +277,39 @@ def _read(sock: socket.socket, n: int) -> bytes:
     return bytes(out)
 
 
+def test_at_depth_one_each_side_keeps_one_buffer_and_a_copy_in_flight_holds_none():
+    """peer_copy_depth=1: one own snapshot and one held copy per source, each the newest; the
+    next copy arrives into the held one's buffer, so while it arrives (and after its sender
+    dies mid-copy) nothing of that source is held: consensus then restores from the checkpoint."""
+    holder, other = PeerServer("127.0.0.1", timeout_s=5.0, depth=1), PeerServer("127.0.0.1")
+    try:
+        table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
+                 for r, s in ((0, other), (1, holder))}
+        copier = PeerCopier(0, 2, 1, _Channel(table), other, timeout_s=5.0, depth=1)
+        copier.refresh()
+        states = {step: _state(step) for step in (1, 2, 3)}
+        for step, st in states.items():
+            copier.commit(step, st)
+            assert copier.drain(10) and copier.own_steps() == (step,) and holder.holds() == ((0, step),)
+            assert all(torch.equal(copier.own[step][k], st[k]) for k in st)
+        n = len(serialize(3, states[3]))
+        assert copier.host_bytes() == Layout.of(states[3]).total + other.held_bytes and holder.peak_bytes == n
+        payload = serialize(4, _state(4))
+        header = json.dumps({"op": "put", "src": 0, "step": 4, "n": len(payload)}).encode()
+        with socket.create_connection((holder.addr, holder.port)) as sock:
+            sock.sendall(struct.pack("!I", len(header)) + header + payload[: len(payload) // 2])
+        deadline = time.monotonic() + 5.0
+        while holder.holds() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert holder.holds() == ()
+        copier.close()
+    finally:
+        holder.close()
+        other.close()
+    with pytest.raises(ValueError, match="at least one copy"):
+        PeerServer("127.0.0.1", depth=0)
+
+
 def test_a_holder_that_is_gone_is_a_peer_error_not_a_hang():
     srv = PeerServer("127.0.0.1")
     address = _addr(srv)
