@@ -22,13 +22,17 @@ Measures on this machine, in one run:
   ``peer_copy_step_latency`` (step-latency overhead of the copies) at both sizes.
 
 Prints a table for people and one JSON line (the last line) for machines, also written to
-``bench/results/scale.json`` with the load average and date.
+``bench/results/scale.json`` with the load average, date, machine and commit (``bench/_results.py``).
 
 The trials run with the default settings (the data-path timeout follows the job) unless
 ``--data-timeout`` sets one. The in-memory paths (collective, stall) inject ``--faults`` faults
 each, so the p50 is over several recoveries.
 
-Usage: ``python bench/scale.py [--steps 8] [--faults 3] [--ranks 4] [--data-timeout S] [--paths collective,stall,kill,excise]``.
+With ``--peer-copy-depth 1`` (one own snapshot and one held copy per source instead of two of
+each) the run is written to ``bench/results/scale-depth1.json`` instead.
+
+Usage: ``python bench/scale.py [--steps 8] [--faults 3] [--ranks 4] [--data-timeout S] [--peer-copy-depth 2]
+[--paths collective,stall,kill,excise]``.
 Under ``torchrun`` with ``--plain WORKLOAD`` it is the plain loop itself (one rank).
 """
 
@@ -48,7 +52,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).parent / "results" / "scale.json"
+from _results import emit
+
 PATHS = {"collective": ("collective", "replace"), "stall": ("stall", "replace"), "kill": ("kill", "replace"),
          "excise": ("kill", "excise")}
 POLICY = {"collective": "in_memory", "stall": "in_memory", "kill": "peer_restore", "excise": "excise"}
@@ -172,13 +177,14 @@ class PathRun:
 
 
 def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: float | None, ref: Path,
-             root: Path, faults: int = 1) -> PathRun:
+             root: Path, faults: int = 1, depth: int = 2) -> PathRun:
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
     kind, on_loss = PATHS[path]
     faults = faults if POLICY[path] == "in_memory" else 1
     kw: dict[str, Any] = {"ranks": ranks, "steps": steps, "faults": faults, "fault_kind": kind, "on_rank_loss": on_loss,
-                          "checkpoint_every": steps, "baselines": False, "peer_copies": 1, "workload": workload}
+                          "checkpoint_every": steps, "baselines": False, "peer_copies": 1, "workload": workload,
+                          "peer_copy_depth": depth}
     if data_timeout_s is not None:
         kw["data_timeout_s"] = data_timeout_s
     work = Path(tempfile.mkdtemp(prefix=f"{Path(workload).stem}-{path}-", dir=root))
@@ -229,6 +235,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--data-timeout", type=float, default=None,
                         help="the data-path timeout of the trials (default: the trials' own)")
     parser.add_argument("--paths", default=",".join(PATHS))
+    parser.add_argument("--peer-copy-depth", type=int, default=2, choices=(1, 2),
+                        help="committed steps kept of each peer copy and own snapshot")
     args = parser.parse_args(argv)
     if args.plain:
         plain_rank(args.plain, args.steps, args.out)
@@ -243,7 +251,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for w in (args.tiny, args.large):
         ref = root / f"ref-{w}" / "reference"
         for path in paths:
-            runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root, args.faults))
+            runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root, args.faults,
+                                 args.peer_copy_depth))
             print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
     state_mb = {w: plain[w].state_bytes / 2**20 for w in plain}
     in_memory = [p for p in paths if POLICY[p] == "in_memory"]
@@ -252,8 +261,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     extra = {f"{r.workload}/{r.path}": ((r.peak_rss_bytes - plain[r.workload].peak_rss_bytes)
                                         / plain[r.workload].state_bytes if r.peak_rss_bytes else None) for r in runs}
     result = {
-        "bench": "scale", "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "loadavg": os.getloadavg(),
+        "bench": "scale",
         "ranks": args.ranks, "steps": args.steps, "faults_per_in_memory_path": args.faults,
+        "peer_copy_depth": args.peer_copy_depth,
         "data_timeout_s": args.data_timeout,
         "state_mb_per_rank": {w: round(v, 3) for w, v in state_mb.items()},
         "recovery_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": rec[w] for w in plain},
@@ -286,9 +296,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"in-memory recovery p50 (skew apart): {rec}; skew p50: {det}; large/tiny: "
           f"{result['recovery_ratio_large_over_tiny']}; load average {os.getloadavg()}")
     shutil.rmtree(root, ignore_errors=True)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result) + "\n")
-    print(json.dumps(result))
+    emit("scale" if args.peer_copy_depth == 2 else f"scale-depth{args.peer_copy_depth}", result)
     return result
 
 
