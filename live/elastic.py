@@ -413,13 +413,9 @@ class ReplacingAgent(SimpleElasticAgent):
     def _wait_for_exit(self, timeout_s: float) -> None:
         """Sleep ``timeout_s``, or less: until a worker's process exits (its pidfd turns readable), so a
         death is acted on when it happens rather than at the next look."""
-        live = {lr: r for lr, r in self._ledger.running.items()
-                if lr not in self._ledger.finished and lr not in self._ledger.gone}
-        fds = {}
-        for lr, running in live.items():
-            fd = running.pidfd()
-            if fd is not None:
-                fds[fd] = lr
+        ledger = self._ledger
+        fds = [fd for lr, r in ledger.running.items() if lr not in ledger.finished and lr not in ledger.gone
+               if (fd := r.pidfd()) is not None]
         if not fds:
             time.sleep(timeout_s)
             return
