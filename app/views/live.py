@@ -284,7 +284,7 @@ def panel() -> None:
         st.dataframe([{"time": clock(e.event.t), "run": e.run, "event": str(e.event.event),
                        "rank": "" if e.event.rank is None else str(e.event.rank),
                        "stage": e.event.stage.value if e.event.stage else "", "step": str(e.event.data.get("step", ""))}
-                      for e in stream[-14:]], hide_index=True, width="stretch", height=300)
+                      for e in stream[-14:]], hide_index=True, width="content", height=300)
         if job.injected:
             st.caption("Sent from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {clock(i['t'])}"
                                                           for i in job.injected))
