@@ -121,6 +121,18 @@ CUT_JS = r"""() => {
             }
         });
     }
+    // A chart's tick labels, annotations, legend and titles: inside the chart.
+    for (const plot of document.querySelectorAll('.js-plotly-plot')) {
+        const svg = plot.querySelector('.main-svg');
+        if (!svg || !shown(plot)) continue;
+        const box = svg.getBoundingClientRect();
+        for (const t of plot.querySelectorAll('.main-svg text')) {
+            const r = t.getBoundingClientRect(), label = (t.textContent || '').trim();
+            if (label && r.width && (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1
+                                     || r.bottom > box.bottom + 1))
+                cut.push(`chart text: ${label.slice(0, 60)} (outside its chart)`);
+        }
+    }
     for (const e of document.querySelectorAll('[data-testid="stException"]'))
         cut.push(`exception: ${text(e).slice(0, 200)}`);
     return cut;
