@@ -42,6 +42,15 @@ data path at its next look. Without it a rank blocked on a pair nobody severs (a
 rank, which is itself blocked) would wait out the data-path timeout: a second by default, minutes
 where NCCL-length timeouts are set.
 
+Not ended by any sever: a send that gloo's TCP transport queued on its pair because the kernel
+refused it (a full send buffer, or a peer that had closed: EAGAIN, EPIPE, ECONNRESET) and that
+the pair then fails. ``Pair::signalException`` fails the queued sends of bound buffers only
+(gloo, ``gloo/transport/tcp/pair.cc``), so a collective's send, an unbound buffer's, waits out
+its timeout whatever becomes of the socket. ``bench/recovery.py`` lists each such recovery
+(``over_100_ms``: the last rank's error is gloo's "Timed out waiting ... for send operation",
+with its heartbeat's alarm raised): 1 to 4 in 100 faults at 4 and 8 ranks on a loaded 2-core
+machine. ``ProcessGroupGloo.abort`` and ``shutdown`` do not end such a wait either.
+
 The bound on finding a stall or a quiet data path is :attr:`RecoveryConfig.heartbeat_detect_s`.
 Not found by the heartbeat (the data-path timeout still bounds them): a main thread busy
 without moving (a spin loop in native code) and a process that stops whole (every thread,
