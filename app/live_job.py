@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -120,10 +121,11 @@ def add_injected(recording: Path, injected: list[dict[str, Any]], summary: dict[
     return len(injected)
 
 
-def stop_when_parent_goes(lease_fd: int) -> threading.Thread:
+def stop_when_parent_goes(lease_fd: int, gone: threading.Event | None = None) -> threading.Thread:
     """End this process as SIGTERM does once the file descriptor ``lease_fd`` (the stdin pipe
     from the dashboard) reaches end of file: the dashboard let go of the job, or its process
-    is gone. Read unbuffered, so the thread holds no lock the interpreter's exit waits for."""
+    is gone (``gone`` is set first). Read unbuffered, so the thread holds no lock the
+    interpreter's exit waits for."""
 
     def hold() -> None:
         try:
@@ -131,6 +133,8 @@ def stop_when_parent_goes(lease_fd: int) -> threading.Thread:
                 pass
         except OSError:
             pass
+        if gone is not None:
+            gone.set()
         os.kill(os.getpid(), signal.SIGTERM)
 
     thread = threading.Thread(target=hold, name="meshpact-lease", daemon=True)
@@ -160,9 +164,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-dir", type=Path, default=None)
     a = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _terminate)
+    gone = threading.Event()
     if os.environ.get(LEASE_ENV) == "stdin":
-        stop_when_parent_goes(sys.stdin.fileno())
+        stop_when_parent_goes(sys.stdin.fileno(), gone)
+    try:
+        return _trial(a)
+    finally:
+        if gone.is_set() and a.work_dir is not None:  # nobody is left to read the work directory
+            shutil.rmtree(a.work_dir, ignore_errors=True)
 
+
+def _trial(a: argparse.Namespace) -> int:
+    """Run the trial ``a`` describes; write its result and, with page faults, its recording anew."""
     from meshpact.core.errors import MeshpactError
     from meshpact.live.trials.trial import TrialConfig, run_trial
 

@@ -82,17 +82,30 @@ def _scrape(url: str) -> dict[str, float]:
 def _summary(pg) -> dict:  # noqa: ANN001
     """The run's JSON summary: the summary event of the recording the page names."""
     saved = pg.locator("p", has_text="Recording saved:").locator("code").first.inner_text().strip()
-    path = ROOT / saved
-    try:
-        lines = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
-    finally:
-        path.unlink(missing_ok=True)
+    lines = [json.loads(ln) for ln in (ROOT / saved).read_text().splitlines() if ln.strip()]
     return next(ln["data"] for ln in lines if ln["event"] == "summary")
+
+
+@pytest.fixture
+def its_recordings():
+    """Removes, after the test, the recordings its runs began (a run this file starts: these ranks
+    and steps) and left in the dashboard's recordings folder."""
+    folder, t0 = ROOT / "recordings", time.time()
+    yield
+    for path in folder.glob("live-*.jsonl*"):
+        try:
+            if path.stat().st_mtime < t0:
+                continue
+            start = json.loads(path.read_text().splitlines()[0])["data"]
+        except (OSError, ValueError, IndexError, KeyError):
+            continue
+        if (start.get("ranks"), start.get("steps")) == (RANKS, STEPS):
+            path.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("on_rank_loss", ["replace", "excise"])
-def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_loss):
+def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_loss, its_recordings):
     pg = user
     _start(pg, on_rank_loss)
     _rows_until(pg, lambda rows: all(c[3] == "held" for c in rows.values()), 240)
@@ -101,6 +114,9 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
         url = pg.locator("p", has_text="Scrape").locator("code").first.inner_text(timeout=30_000).strip()
         assert _scrape(url)['meshpact_committed_step{rank="0",run="faulted"}'] == 0.0  # held at its first step
     _click(pg, "live_kill_1")
+    # sent before Resume is pressed: a click while the page still runs the kill's rerun would interrupt it
+    pg.wait_for_function("() => document.body.innerText.includes('Sent from this page: kill rank 1')",
+                         timeout=60_000)
     if on_rank_loss == "replace":  # recovered while held (the replacement joins the held survivor): generation 1
         _rows_until(pg, lambda rows: rows[0][5] == "1" and rows[0][3] == "held", 180)
         t0 = time.monotonic()
@@ -190,7 +206,7 @@ def _started_by_the_page(server: str, at_least: int, timeout_s: float = 120) -> 
 
 
 @pytest.mark.timeout(240)
-def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_started(browser, server):
+def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_started(browser, server, its_recordings):
     pg = browser.new_page(viewport={"width": 1400, "height": 900})
     pg.goto(server)
     _start(pg)

@@ -653,7 +653,7 @@ DASHBOARD = textwrap.dedent("""
     import sys, time
     from meshpact.app.live_control import LiveJob
     job = LiveJob(sys.argv[1], [], runner=[sys.argv[2]], world_size=1)
-    print(job.token, job.proc.pid, flush=True)
+    print(job.token, job.work, flush=True)
     time.sleep(120)
 """)
 
@@ -662,6 +662,7 @@ def test_a_runner_ends_what_it_started_when_the_dashboard_process_dies(tmp_path)
     """The app's process killed outright (no finalizer, no watcher runs): the runner's lease ends,
     and the runner stops its ranks itself."""
     import os
+    import shutil
     import signal
     import subprocess
     import sys
@@ -671,7 +672,7 @@ def test_a_runner_ends_what_it_started_when_the_dashboard_process_dies(tmp_path)
     dash = subprocess.Popen([sys.executable, str(tmp_path / "dash.py"), str(tmp_path / "r.jsonl"),
                              str(tmp_path / "runner.py")], stdout=subprocess.PIPE, text=True)
     try:
-        token, runner = dash.stdout.readline().split()
+        token, work = dash.stdout.readline().split()
         assert _wait(lambda: len(job_processes(token)) == 2), "the runner and its rank"
         dash.kill()
         dash.wait()
@@ -681,3 +682,5 @@ def test_a_runner_ends_what_it_started_when_the_dashboard_process_dies(tmp_path)
             dash.kill()
         for pid, _ in job_processes(token if "token" in locals() else "-"):
             os.kill(pid, signal.SIGKILL)
+        if "work" in locals():  # the job's scratch directory, which the killed process could not remove
+            shutil.rmtree(work, ignore_errors=True)
