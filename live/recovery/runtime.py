@@ -225,6 +225,7 @@ class Resilient:
         self._first_step = True  # schedulers and scalers made after __enter__, before the first step, are refused then
         self.steps_run = 0  # steps this process ran to their end (a re-run after a recovery counts once)
         self.longest_step_s = 0.0  # the longest of them, the process's first apart (building, compiling)
+        self._last_start: tuple[int, float, int] | None = None  # (step, its start, recoveries then) of the last step
 
     # -- context ---------------------------------------------------------------------------
     def __enter__(self) -> "Resilient":
@@ -381,7 +382,7 @@ class Resilient:
                 finally:
                     if self.heartbeat is not None:
                         self.heartbeat.watching = False
-                self._measure(step, time.time() - self.t_attempt)
+                took_s = time.time() - self.t_attempt
                 break
             except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
                 if not is_comm_fault(exc):
@@ -395,17 +396,28 @@ class Resilient:
                 hint = (f" (the data-path timeout is set to {self.session.spec.timeout_s:g} s: leave "
                         "RecoveryConfig.data_timeout_s unset to follow the job's steps)")
             raise RuntimeError(f"step {step} failed {self.max_attempts} times; last: {message}{hint}")
+        t_commit = time.time()
         self._commit(step, batch)
+        self._measure(step, took_s, time.time() - t_commit)
         return out
 
-    def _measure(self, step: int, took_s: float) -> None:
-        """Count a step that ran to its end and fit the data-path timeout to the longest one
-        (:meth:`RecoveryConfig.timeout_for`): from the process's second step on, the groups wait
-        ``data_timeout_margin`` times the longest step measured (never under the set timeout or
-        the floor) instead of the warm-up bound the first step needed. The longest only grows,
-        so after the first fit the timeout only rises. A set timeout that may not follow and is
-        too short is refused here, naming both values."""
+    def _measure(self, step: int, took_s: float, commit_s: float) -> None:
+        """Count a step that ran to its end and fit the data-path timeout to the longest wait a
+        collective of the job can meet (:meth:`RecoveryConfig.timeout_for`): a collective waits
+        for its slowest peer, which may still be in its step, its commit (a checkpoint, a peer
+        copy) or whatever the loop does between steps, so what is measured is the longest of
+        the step (``took_s``), its commit (``commit_s``) and the period from the previous step's
+        start to this one's (consecutive steps, no recovery between). From the process's
+        second step on the groups wait ``data_timeout_margin`` times that (never under the set
+        timeout or the floor) instead of the warm-up bound the first step needed. The longest
+        only grows, so after the first fit the timeout only rises. A set timeout that may not
+        follow and is too short is refused here, naming both values."""
         self.steps_run += 1
+        start, prev = self.t_attempt or 0.0, self._last_start
+        self._last_start = (step, start, len(self.recoveries))
+        period = (start - prev[1] if prev is not None and prev[0] == step - 1 and prev[2] == len(self.recoveries)
+                  and self.steps_run > 2 else 0.0)  # the first step's period holds its building and compiling
+        took_s = max(took_s, commit_s, period)
         if self.steps_run == 1 or took_s <= self.longest_step_s:
             return
         self.longest_step_s = took_s
