@@ -7,8 +7,10 @@ the run writes it, then the finished one); given only a recording, the recording
 in its own registry: recoveries by the policy the ranks decided on (as each is decided),
 the duration of every recovery stage as a histogram per stage (as each stage ends), events
 by kind, each rank's committed step and generation in the run it is in, each rank's seconds
-since its last event, and the heartbeat age a rank reported where an event carries one
-(``heartbeat_age_s``).
+since its last event, and each rank's heartbeat age (seconds since its heartbeat counter on
+the control channel last moved) as the trial parent keeps it while the run runs
+(:data:`~meshpact.live.trials.trialconfig.HEARTBEATS_FILE` in the run's folder): a rank that
+stalls ages there at once, whatever it writes.
 :class:`MetricsEndpoint` serves that registry over HTTP for Prometheus to scrape; it is
 off until the Live page turns it on, binds to 127.0.0.1 unless told otherwise, and
 re-reads the recording on every scrape, so the numbers are as fresh as the file.
@@ -16,6 +18,7 @@ re-reads the recording on every scrape, so the numbers are as fresh as the file.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 import weakref
@@ -28,6 +31,7 @@ from prometheus_client.registry import Collector
 
 from meshpact.app.live_control import JobEvents
 from meshpact.core.recording import Event, EventKind
+from meshpact.live.trials.trialconfig import HEARTBEATS_FILE  # torch-free
 
 __all__ = ["RecordingMetrics", "MetricsEndpoint", "STAGE_BUCKETS_S"]
 
@@ -35,7 +39,7 @@ STAGE_BUCKETS_S = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 
 
 class _RankAges(Collector):
-    """Gauges computed when scraped: seconds since each rank's last event, and reported heartbeat ages."""
+    """Gauges computed when scraped: each rank's step and generation, seconds since its last event, and its heartbeat age."""
 
     def __init__(self, owner: "RecordingMetrics") -> None:
         self.owner = owner
@@ -59,10 +63,10 @@ class _RankAges(Collector):
             last.add_metric([str(rank)], max(now - wall, 0.0))
         yield last
         beat = GaugeMetricFamily("meshpact_heartbeat_age_seconds",
-                                 "Heartbeat age a rank reported in its latest event that carries one",
-                                 labels=["rank"])
-        for rank, age in sorted(self.owner.heartbeat_age.items()):
-            beat.add_metric([str(rank)], age)
+                                 "Seconds since the rank's heartbeat counter on the control channel last moved",
+                                 labels=["run", "rank"])
+        for (run, rank), age in sorted(self.owner.heartbeat_ages().items()):
+            beat.add_metric([run, str(rank)], age)
         yield beat
 
 
@@ -73,6 +77,7 @@ class RecordingMetrics:
     def __init__(self, recording: Path, trial_dir: Path | None = None) -> None:
         self.recording = Path(recording)
         self.source = JobEvents(self.recording, trial_dir)
+        self.trial_dir = Path(trial_dir) if trial_dir is not None else None
         self.registry = CollectorRegistry()
         self.registry.register(_RankAges(self))  # first: a scrape reads the file before any metric is collected
         self.recoveries = Counter("meshpact_recoveries", "Recoveries, by the policy the ranks decided on",
@@ -81,7 +86,6 @@ class RecordingMetrics:
                                        ["stage"], buckets=STAGE_BUCKETS_S, registry=self.registry)
         self.events = Counter("meshpact_events", "Recorded events, by kind", ["event"], registry=self.registry)
         self.last_event_wall: dict[int, float] = {}
-        self.heartbeat_age: dict[int, float] = {}
         self.step: dict[tuple[str, int], int] = {}  # (run, rank) -> committed step
         self.generation: dict[tuple[str, int], int] = {}
         self._decisions: set[tuple[object, ...]] = set()
@@ -99,9 +103,6 @@ class RecordingMetrics:
             if e.rank is not None:
                 self.last_event_wall[e.rank] = (e.t if wall_clock else e.t + wall0 if wall0 is not None
                                                 else time.time())
-                age = e.data.get("heartbeat_age_s")
-                if isinstance(age, (int, float)) and not isinstance(age, bool):
-                    self.heartbeat_age[e.rank] = float(age)
                 if e.event in (EventKind.STEP, EventKind.HELD) and isinstance(e.data.get("step"), int):
                     self.step[(their_run, e.rank)] = int(e.data["step"])
                 if isinstance(e.data.get("generation"), int) and not isinstance(e.data.get("generation"), bool):
@@ -116,6 +117,23 @@ class RecordingMetrics:
                 if key not in self._decisions:
                     self._decisions.add(key)
                     self.recoveries.labels(policy=policy).inc()
+
+    def heartbeat_ages(self) -> dict[tuple[str, int], float]:
+        """(run, rank) -> seconds since the rank's heartbeat last moved, now: the age the trial
+        parent wrote plus the time since it wrote it (a parent that stopped writing ages them all)."""
+        out: dict[tuple[str, int], float] = {}
+        if self.trial_dir is None:
+            return out
+        now = time.time()
+        for path in sorted(self.trial_dir.glob(f"*/{HEARTBEATS_FILE}")):
+            try:
+                doc = json.loads(path.read_text())
+                written, ages = float(doc["t"]), dict(doc["ages_s"])
+                for rank, age in ages.items():
+                    out[(path.parent.name, int(rank))] = max(float(age) + now - written, 0.0)
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # being replaced, or not one of ours: the next scrape reads it
+        return out
 
     def poll(self) -> int:
         """Read the events written since the last poll; returns how many."""

@@ -158,6 +158,12 @@ def watch(seen: int, now: int, still: int) -> int:
     return still
 
 
+def beat_key(rank: int) -> str:
+    """The control-channel counter ``rank``'s heartbeat adds to at every look (an observer
+    reading it sees the rank beat when it moves)."""
+    return f"heartbeat/rank{rank}"
+
+
 def recovering_key(generation: int) -> str:
     """The control-channel counter a rank bumps when it starts a recovery out of ``generation``:
     every heartbeat reads it with the beats, and a rank still in the step severs its data path."""
@@ -323,13 +329,13 @@ class Heartbeat:
                 s = self.session
                 generation = s.generation
                 ranks = s.members  # the original ranks still in the job (fewer after an excision)
-                keys = [f"heartbeat/rank{r}" for r in ranks]
+                keys = [beat_key(r) for r in ranks]
                 pos = self._main_position()
                 cpu = self._main_cpu_s()
                 native = self._native_cpu_s()
                 look = Look(self.watching, pos[2], pos[:2] != last_pos[:2], cpu - last_cpu, self._main_state(),
                             native - last_native, pos[3])
-                self.channel.add(f"heartbeat/rank{me}", 1 + (PROGRESS if progressed(look) else 0))
+                self.channel.add(beat_key(me), 1 + (PROGRESS if progressed(look) else 0))
                 last_pos, last_cpu, last_native = pos, cpu, native
                 if self.quiet_rule:
                     moved = self._data_bytes(generation) if self.watching and pos[2] else None

@@ -39,7 +39,7 @@ from ..recovery.control import ControlChannel
 from ..recovery.faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
 from ..recovery.peers import ADDR_ENV as PEER_ADDR_ENV
 from .outcome import RankOutcome
-from .trialconfig import PROCESSES_FILE, TrialConfig
+from .trialconfig import HEARTBEATS_FILE, PROCESSES_FILE, TrialConfig
 from ..recovery.workload import WorkloadError, check_workload
 
 __all__ = ["TrialConfig", "TrialResult", "ReplacementSupply", "run_trial", "RANK_PRELOAD"]
@@ -117,7 +117,8 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         control = host_store("127.0.0.1", 0, cfg.ranks)
         kw = dict(env=lambda r: {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_RUN_ID": tag,
                                  "MESHPACT_CONTROL_PORT": str(control.port)})
-        watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording)
+        watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording,
+                              ages_file=out_dir / HEARTBEATS_FILE)
     t_launch = time.time()
     with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
                 forkserver=forkserver, max_replacements=supply.limit, warm_replacements=warm_replacements,
@@ -150,26 +151,52 @@ class ReplacementSupply:
 class LostRankWatch:
     """The launcher's side of a rank declared lost: consensus names it on the control channel
     (``lost/round<k>``); the rank is killed (a silent process is stopped, not gone) and, like
-    any killed rank, replaced. Checked at most every ``every_s`` seconds."""
+    any killed rank, replaced. Checked at most every ``every_s`` seconds.
 
-    def __init__(self, channel: ControlChannel, recording: RecordingWriter, every_s: float = 0.25) -> None:
+    With ``ages_file`` it also reads every rank's heartbeat counter in the same look and keeps
+    each rank's heartbeat age (seconds since its counter last moved, as this observer saw it)
+    in that file, rewritten whole (:data:`HEARTBEATS_FILE`: what the dashboard's metrics read)."""
+
+    def __init__(self, channel: ControlChannel, recording: RecordingWriter, every_s: float = 0.25,
+                 ages_file: Path | None = None) -> None:
         self.channel = channel
         self.recording = recording
         self.every_s = every_s
+        self.ages_file = ages_file
         self._seen_round = 0
         self._next = 0.0
+        self._beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, wall time it last moved)
 
     def __call__(self, job: Launch) -> None:
         now = time.monotonic()
         if now < self._next:
             return
         self._next = now + self.every_s
+        if self.ages_file is not None:
+            self.write_ages()
         for round_, ranks in sorted(declared_lost(self.channel, self._seen_round).items()):
             self._seen_round = max(self._seen_round, round_)
             for r in ranks:
                 self.recording.emit(EventKind.REPLACEMENT_STARTED, rank=r, stage=Stage.RESTART,
                                     data={"declared_lost_in_round": round_})
                 job.kill(r)
+
+
+    def write_ages(self) -> None:
+        """Read every rank's heartbeat counter (one round trip) and write each rank's age."""
+        from ..recovery.heartbeat import beat_key
+
+        assert self.ages_file is not None
+        ranks = range(self.channel.world_size)
+        counts = self.channel.counters([beat_key(r) for r in ranks])
+        wall = time.time()
+        for r, n in zip(ranks, counts):
+            if n and self._beats.get(r, (0, 0.0))[0] != n:
+                self._beats[r] = (n, wall)
+        doc = {"t": wall, "ages_s": {str(r): round(wall - t, 3) for r, (_, t) in sorted(self._beats.items())}}
+        partial = self.ages_file.with_name(self.ages_file.name + ".partial")
+        partial.write_text(json.dumps(doc))
+        os.replace(partial, self.ages_file)
 
 
 def _with_holders(faults: tuple[Fault, ...], cfg: TrialConfig, hosts: list[str] | None) -> tuple[Fault, ...]:

@@ -23,10 +23,11 @@ from ..recovery.config import RecoveryConfig
 from ..recovery.faults import FaultKind
 from ..recovery.workload import DEFAULT_WORKLOAD
 
-__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PROCESSES_FILE", "PHASES", "ON_RANK_LOSS", "OnRankLoss"]
+__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PROCESSES_FILE", "HEARTBEATS_FILE", "PHASES", "ON_RANK_LOSS", "OnRankLoss"]
 
 PACE_FILE = "pace.json"  # in the trial's work directory
 PROCESSES_FILE = "processes.jsonl"  # in the trial's work directory: every rank process started (launcher.LaunchedProcess)
+HEARTBEATS_FILE = "heartbeats.json"  # in a run's folder: each rank's heartbeat age as the trial parent saw it
 PHASES = ("reference", "faulted", "cold")  # a trial's runs, in order (each rank's MESHPACT_RUN_ID)
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 from meshpact.app.metrics import MetricsEndpoint
 from meshpact.core.recording import partial_path
+from meshpact.live.trials.trialconfig import HEARTBEATS_FILE
 
 
 def _line(t, event, rank=None, stage=None, **data) -> str:
@@ -38,8 +40,7 @@ def test_metrics_follow_the_partial_recording_as_it_grows(tmp_path):
         with open(partial, "a") as fh:  # the run goes on: a recovery decided by all three ranks
             for rank in range(3):
                 fh.write(_line(5.0, "detected", rank, "detection", seconds=0.02 * (rank + 1)))
-                fh.write(_line(5.5, "decided", rank, "consensus", seconds=0.3, policy="in_memory", round=1, step=6,
-                               heartbeat_age_s=0.5 + rank))
+                fh.write(_line(5.5, "decided", rank, "consensus", seconds=0.3, policy="in_memory", round=1, step=6))
             fh.write(_line(9.0, "decided", 1, "consensus", seconds=0.1, policy="checkpoint_restore", round=2,
                            step=8))
             fh.write('{"t": 9.5, "event": "half a li')  # a line still being written is not read
@@ -49,7 +50,6 @@ def test_metrics_follow_the_partial_recording_as_it_grows(tmp_path):
         assert m['meshpact_stage_seconds_count{stage="detection"}'] == 3.0
         assert abs(m['meshpact_stage_seconds_sum{stage="detection"}'] - 0.12) < 1e-9
         assert m['meshpact_stage_seconds_bucket{le="0.05",stage="detection"}'] == 2.0
-        assert m['meshpact_heartbeat_age_seconds{rank="2"}'] == 2.5
         assert 'meshpact_rank_last_event_age_seconds{rank="1"}' in m
         assert m['meshpact_events_total{event="decided"}'] == 4.0
     finally:
@@ -99,8 +99,13 @@ def test_metrics_follow_the_rank_logs_while_the_run_goes(tmp_path):
         log.write_text(_line(1001.0, "step", r, step=3, generation=0))
     ep = MetricsEndpoint(rec, trial_dir=trial)
     try:
+        (trial / "faulted" / HEARTBEATS_FILE).write_text(json.dumps({"t": time.time() - 1.0,
+                                                                     "ages_s": {"0": 0.1, "1": 4.0}}))
         m = _scrape(ep.url)
         assert m['meshpact_committed_step{rank="1",run="faulted"}'] == 3.0
+        # as the trial parent last wrote them, aged by the second since: rank 1's heartbeat stopped
+        assert 1.1 <= m['meshpact_heartbeat_age_seconds{rank="0",run="faulted"}'] < 1.5
+        assert 5.0 <= m['meshpact_heartbeat_age_seconds{rank="1",run="faulted"}'] < 5.5
         assert not any(k.startswith("meshpact_recoveries_total") for k in m)
         for r, log in enumerate(logs):  # rank 1's peer died: both ranks detect, decide, and go on
             with open(log, "a") as fh:
