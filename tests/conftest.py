@@ -17,15 +17,18 @@ from __future__ import annotations
 import pytest
 
 LONGEST_FIRST = (
+    "tests/app/test_browser_live.py",  # 180 s: Chromium runs a kill with replace and with excise from the Live page
     "tests/live/test_spillover_split.py",  # 152 s: every model-split run, then AOTInductor packages
-    "tests/app/test_browser.py",  # 140 s: Chromium through the live console, replay, scale
+    "tests/app/test_browser_layout.py",  # 130 s: every page at 1,024 and 1,400 px, and at scale
+    "tests/live/test_recovery_stateful.py",  # 90-150 s: a loader through in-memory, peer restore and excision
     "tests/live/test_recovery_compile.py",  # 112 s: torch.compile on every rank, cold cache first
-    "tests/live/test_recovery_kill.py",  # 70 s
+    "tests/live/test_recovery_kill.py",  # 110 s
+    "tests/app/test_browser.py",  # 90 s: Chromium through every page, replay, scenario errors
     "tests/live/test_launch_nodes.py",  # 50 s: two namespace nodes, each an elastic agent and its workers
     "tests/live/test_trial_baselines.py",  # 30-80 s under load: a kill trial with its baselines
     "tests/live/test_launch.py",  # 30 s
-    "tests/live/test_recovery_stateful.py",  # 30-70 s
     "tests/live/test_recovery_stuck_send.py",  # 12-30 s
+    "tests/live/test_timeouts_follow.py",  # 20-40 s
     "tests/live/test_checkpoint_dcp.py",  # 16 s
     "tests/live/test_rebind.py",  # 58 s
     "tests/live/test_missed_replacement_excision.py",  # 50 s

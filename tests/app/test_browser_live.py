@@ -5,7 +5,7 @@ before its first step, a rank is killed from its row, and once the run is over t
 downtime, committed step and per-rank states are checked against the run's JSON summary (the
 summary event of its recording, the same document ``meshpact live recover --json`` prints).
 While the replace run is held, its Prometheus endpoint is scraped: the step, and the
-recovery once the page shows it.
+recovery once the page shows it; once it is over it opens as a Perfetto trace and in Replay.
 Then Stop reads stopped, and closing the tab ends every process the page started, counted by
 PID among the dashboard server's descendants.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from meshpact.app.format import duration
-from meshpact.app.serve import go_to, metric, wait_metric
+from meshpact.app.serve import CLIPPED_JS, go_to, metric, wait_metric, wait_title
 from meshpact.core.recovery import Policy
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.live]
@@ -27,6 +27,10 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.live]
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"  # screenshots
 RANKS, STEPS = 2, 4
+# every metric and button, and besides them the widget labels and the rank table's cells
+LIVE_CLIPPED_JS = CLIPPED_JS.replace("'[data-testid=\"stMetricValue\"] div,", "'[data-testid=\"stWidgetLabel\"] p, "
+                                     "[class*=\"st-key-live_row_\"] p, [data-testid=\"stMetricValue\"] div,")
+assert LIVE_CLIPPED_JS != CLIPPED_JS, "the selector list of CLIPPED_JS changed: widen LIVE_CLIPPED_JS again"
 
 
 def _row(pg, rank: int) -> list[str]:  # noqa: ANN001 (a playwright Page)
@@ -110,6 +114,8 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
     _start(pg, on_rank_loss)
     _rows_until(pg, lambda rows: all(c[3] == "held" for c in rows.values()), 240)
     if on_rank_loss == "replace":
+        pg.wait_for_timeout(300)  # fonts and layout settle
+        assert pg.evaluate(LIVE_CLIPPED_JS) == [], "the Live console, held, cuts what a user reads"
         pg.locator(".st-key-live_metrics_on label").first.click()
         url = pg.locator("p", has_text="Scrape").locator("code").first.inner_text(timeout=30_000).strip()
         assert _scrape(url)['meshpact_committed_step{rank="0",run="faulted"}'] == 0.0  # held at its first step
@@ -152,6 +158,29 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
         assert [c[3] for c in rows.values()] == ["done"] * RANKS
         assert summary["final_world_size"] == RANKS
         assert [r for r, c in rows.items() if c[2] != "0"] == [1] == [1] * summary["replacement_processes"]
+        _the_run_opens_as_a_trace_and_in_replay(pg)
+
+
+def _the_run_opens_as_a_trace_and_in_replay(pg) -> None:  # noqa: ANN001
+    """The finished run as a Perfetto trace (a track per rank, the kill sent from the page on
+    rank 1's, the recovery's stages), and the same run in Replay giving the same trace."""
+    saved = pg.locator("p", has_text="Recording saved:").locator("code").first.inner_text().strip()
+    with pg.expect_download(timeout=60_000) as dl:
+        pg.locator(".st-key-live_perfetto button").first.click()
+    trace = json.loads(Path(dl.value.path()).read_text())["traceEvents"]
+    tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
+    assert {f"rank {r}" for r in range(RANKS)} <= set(tracks)
+    assert any(e["name"] == "fault_injected" and e["tid"] == tracks["rank 1"] and e["args"].get("source") == "dashboard"
+               for e in trace)
+    assert {e["name"] for e in trace if e.get("cat") == "recovery"} >= {"consensus", "communicator", "state"}
+    _click(pg, "live_replay")
+    wait_title(pg, "Replay")
+    assert Path(saved).name in pg.locator(".st-key-replay_recording input").first.input_value()
+    with pg.expect_download(timeout=60_000) as dl2:
+        pg.get_by_role("button", name="Perfetto trace (a track per rank)").click()
+    again = json.loads(Path(dl2.value.path()).read_text())["traceEvents"]
+    assert [e for e in again if e["name"] == "fault_injected"] == [e for e in trace if e["name"] == "fault_injected"]
+    assert pg.locator('[data-testid="stException"]').count() == 0
 
 
 def _children() -> dict[int, list[int]]:
