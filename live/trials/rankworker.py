@@ -185,7 +185,10 @@ def worker(args: JsonObject) -> JsonObject:
             decision = rt.drill_checkpoint_restore()
             drill = Drill(t0, time.time(), decision.step, rt.recoveries[-1].lost_steps)
         state = rt.state()
-        torch.save({k: v.clone() for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
+        # a view of a much larger storage is saved compact; the rest as they are (a clone of everything
+        # would hold the state twice as the run ends, counted in the run's peak memory)
+        torch.save({k: v.clone() if v.untyped_storage().nbytes() > 2 * v.numel() * v.element_size() + 4096 else v
+                    for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
         counts = rt.op_counts()
         gc.collect()  # a retired group no longer referenced is released (RetiredSummary.alive is False)
         retired = tuple(RetiredSummary(
