@@ -186,9 +186,30 @@ VISITS = (
 )
 
 
+NAV = ["Mesh", "Plans", "Simulate", "Replay", "Live"]
+
+
+def _routed(pg, name: str) -> list[str]:  # noqa: ANN001
+    """What is wrong with a page opened straight from its link: it must still be routed by
+    app/main.py's navigation (a title, the sidebar's page set), and Simulate's inputs read as
+    the charts beside them write numbers (not "2000.00" hours)."""
+    out = []
+    links = [t.split("\n")[-1] for t in pg.locator('[data-testid="stSidebarNavLink"]').all_inner_texts()]
+    if links != NAV:
+        out.append(f"{name}: the sidebar lists {links}, not {NAV}")
+    if not pg.locator("h1").first.inner_text().strip():
+        out.append(f"{name}: no title")
+    if name == "simulate":
+        shown = (pg.get_by_label("per-rank MTBF (hours)").input_value(), pg.get_by_label("days", exact=True).input_value())
+        if "." in shown[0] or shown[1] != "7.0":
+            out.append(f"simulate: MTBF and days read {shown}: whole hours and one decimal of days expected")
+    return out
+
+
 def test_no_page_cuts_what_a_user_reads_at_1024_or_1400_px(server, browser):
     """Each page is drawn once at 1,024 px, then looked at again at 1,400 px (the layout reflows
-    without a rerun)."""
+    without a rerun). Each is opened straight from its link, the first request to its server
+    included, and must be routed as from the sidebar."""
     ARTIFACTS.mkdir(exist_ok=True)
     pg = browser.new_page()
     problems = []
@@ -197,6 +218,7 @@ def test_no_page_cuts_what_a_user_reads_at_1024_or_1400_px(server, browser):
             pg.set_viewport_size({"width": SIZES[0][0], "height": SIZES[0][1]})
             pg.goto(f"{server}/{link}")
             settle(pg)
+            problems += _routed(pg, name)
             if act is not None:
                 act(pg)
             for width, height in SIZES:
