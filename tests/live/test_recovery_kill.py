@@ -46,8 +46,8 @@ def test_three_kills_are_each_restored_from_a_peer_without_reading_storage():
 def test_at_peer_copy_depth_one_a_kill_is_still_restored_from_a_peer():
     """Half the host memory (one own snapshot, one held copy): the copy lands before the next
     step begins, so a rank killed as a step begins is restored from its peer, bit-identical."""
-    result = trial(ranks=2, steps=6, faults=1, fault_kind="kill", peer_copies=1, peer_copy_depth=1,
-                   checkpoint_every=6, baselines=False)
+    result = trial(ranks=2, steps=4, faults=1, fault_kind="kill", peer_copies=1, peer_copy_depth=1,
+                   checkpoint_every=4, baselines=False)
     s = assert_recovered(result, "peer_restore")
     assert s["storage_bytes_read"] == 0 and s["policy_counts"]["checkpoint_restore"] == 0
 

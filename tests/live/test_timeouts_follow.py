@@ -53,8 +53,8 @@ SLOW_RANK_WORKLOAD = textwrap.dedent(f'''
 
 def test_a_first_step_past_a_second_trains_and_the_timeout_follows_the_longest_step(tmp_path_factory):
     workload = workload_file(tmp_path_factory, "slow_rank", SLOW_RANK_WORKLOAD)
-    result = trial(ranks=2, steps=6, faults=1, fault_kind="collective", checkpoint_every=6, baselines=False,
-                   workload=workload)
+    result = trial(ranks=2, steps=4, faults=1, fault_kind="collective", checkpoint_every=4, baselines=False,
+                   workload=workload)  # the fault in step 2: after every rank's first fit
     # rank 0 waited 2.5 s in step 0's collectives: a fixed 1 s timeout failed that step on every attempt
     assert_identical(result, faults_recovered=1, in_memory=1)
     fitted = [e for e in result.events() if e.event == EventKind.TIMEOUT_FITTED]
