@@ -20,34 +20,27 @@ SLOW_RANK_WORKLOAD = textwrap.dedent(f'''
     import os
     import time
 
-    from meshpact.live.trials.harness import ModelConfig, build as build_decoder, make_batch
+    from meshpact.live.recovery.workload import load_workload
 
-    CONFIG = ModelConfig()
+    DECODER = load_workload("decoder", 1)  # the shipped one (no MESH: the rank count only checks one)
     RAN = []
 
 
     def build(mesh):
-        return build_decoder(CONFIG, mesh)
+        return DECODER.build(mesh)
 
 
     def batch(step, rank):
-        return make_batch(CONFIG, step, rank)
+        return DECODER.batch(step, rank)
 
 
     def train_step(model, optimizer, batch):
-        import torch
-
         if os.environ["RANK"] == "1":
             end = time.perf_counter() + ({FIRST_STEP_S} if not RAN else {STEP_S})
             while time.perf_counter() < end:
                 pass
         RAN.append(1)
-        logits = model(batch[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return float(loss.detach())
+        return DECODER.train_step(model, optimizer, batch)
 ''')
 
 
