@@ -110,8 +110,12 @@ class FaultInjector:
                   "nonce": nonce}
         return self.channel.set_once(f"fault/{fault.index}", record)["nonce"] == nonce
 
-    @contextlib.contextmanager
-    def around_step(self, step: int) -> Iterator[None]:
+    def arm(self, step: int) -> Fault | None:
+        """The injector's own part of ``step``, run before the runtime watches the step: a
+        partition's arrivals, the claim, and the cut itself. It is not the user's step, and a
+        rank waiting here for the others to arrive (asleep on the control channel) would read
+        as stalled to the heartbeat if it were watched. Returns the fault :meth:`fire` brings
+        into the step (None: none, or it fired already)."""
         cut = self.partitions.get(step)
         if cut is not None:  # every rank says it has entered the step (see the module docstring)
             self.channel.set(f"arrived/{cut.index}/rank{self.rank}", True)
@@ -119,22 +123,36 @@ class FaultInjector:
         if fault is not None and fault.kind is FaultKind.PARTITION:  # claimed (and timed) once all are in
             self.channel.wait([f"arrived/{fault.index}/rank{r}" for r in range(self.channel.world_size)])
         if fault is None or not self._claim(fault):
+            return None
+        if fault.kind is FaultKind.PARTITION:
+            self._partition()
+            return None
+        return fault
+
+    @contextlib.contextmanager
+    def fire(self, fault: Fault | None) -> Iterator[None]:
+        """The armed fault inside the watched step: a collective that raises, a stall, a kill."""
+        if fault is None:
             yield
             return
         if fault.kind is FaultKind.COLLECTIVE:
             with _RaiseOnCollective(fault.nth_op, f"injected fault {fault.index}: collective raised on rank "
-                                    f"{self.rank} at step {step}"):
+                                    f"{self.rank} at step {fault.step}"):
                 yield
             return
         if fault.kind is FaultKind.STALL:
             time.sleep(self.stall_s)
-        elif fault.kind is FaultKind.PARTITION:
-            self._partition()
         elif fault.kind is FaultKind.KILL:
             os.kill(os.getpid(), signal.SIGKILL)
         elif fault.kind is FaultKind.SILENT:
             os.kill(os.getpid(), signal.SIGSTOP)
         yield
+
+    @contextlib.contextmanager
+    def around_step(self, step: int) -> Iterator[None]:
+        """:meth:`arm` and :meth:`fire` together (where nothing watches the step)."""
+        with self.fire(self.arm(step)):
+            yield
 
     def _partition(self) -> None:
         if not self.data_iface:

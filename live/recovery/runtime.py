@@ -363,12 +363,13 @@ class Resilient:
                     if self.objects:  # as the step found them, whichever state the recovery restored
                         restore_objects(self.objects, began)
                     load_buffers(self.model, self._buffers)
+                armed = self.injector.arm(step) if self.injector is not None else None
                 if self.heartbeat is not None:
                     self.heartbeat.watching = True
                 self.t_attempt = time.time()
                 try:
                     if self.injector is not None:
-                        with self.injector.around_step(step):
+                        with self.injector.fire(armed):
                             out = train_step(batch)
                     else:
                         out = train_step(batch)

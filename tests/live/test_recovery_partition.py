@@ -47,7 +47,8 @@ def test_with_a_long_data_path_timeout_the_heartbeat_finds_the_cut_link():
     (rec,) = result.recoveries()
     assert rec["stages_s"]["detection"] < 3.0
     events = result.events()
-    assert any(e.data.get("heartbeat_quiet") for e in events if e.event == EventKind.DETECTED)
+    detected = [e.data for e in events if e.event == EventKind.DETECTED]
+    assert any(d.get("heartbeat_quiet") for d in detected), detected
     rebuilt = [e for e in events if e.event == EventKind.REBUILT and e.data.get("generation") == rec["generation"]]
     assert rebuilt and all("quiet" in str(e.data.get("standby")) for e in rebuilt), [e.data for e in rebuilt]
 
