@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = [
-    "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "settle", "metric",
+    "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "settle", "metric", "wait_metric_is",
     "wait_metric_change", "click_rank", "pick_scenario", "go_to", "wait_title",
 ]
 
@@ -149,6 +149,20 @@ def wait_metric(page: object, label: str, timeout_ms: int = 60_000) -> str:
     """The metric ``label`` once it is drawn (a fragment may draw it after the page's run ended)."""
     page.wait_for_function(f"() => ({METRIC_JS})({label!r}) !== null", timeout=timeout_ms)  # type: ignore[attr-defined]
     return str(metric(page, label))
+
+
+def wait_metric_is(page: object, label: str, want: str, timeout_ms: int = 30_000) -> str | None:
+    """The metric ``label`` once it shows ``want`` and the run is over, or what it shows when ``timeout_ms`` ran out.
+
+    A click starts the app's rerun a moment later, so a page that looks settled right after a click may still
+    show the figure from before it."""
+    try:
+        page.wait_for_function(f"(w) => ({METRIC_JS})({label!r}) === w", arg=want,  # type: ignore[attr-defined]
+                               timeout=timeout_ms)
+        settle(page, timeout_ms)
+    except Exception:  # noqa: BLE001 (playwright's TimeoutError): the caller's assertion names what it saw
+        pass
+    return metric(page, label)
 
 
 def wait_metric_change(page: object, label: str, before: str | None, timeout_ms: int = 60_000) -> str:

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from meshpact.app.serve import metric, settle, wait_title
+from meshpact.app.serve import metric, settle, wait_metric_is, wait_title
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -268,7 +268,7 @@ def test_a_reload_and_a_shared_link_keep_the_scenario_and_the_failed_ranks(serve
             if how == "another page":
                 wait_title(pg, "Replay")
                 _click_text(pg, '[data-testid="stMain"]', "failures picked on Mesh")
-                assert metric(pg, "failed ranks") == "5 ranks", how
+                assert wait_metric_is(pg, "failed ranks", "5 ranks") == "5 ranks", how
             else:
                 pg.wait_for_function("() => { const b = document.querySelector('input[placeholder=\"no rank failed\"]');"
                                      " return b && b.value === '5, 600-603'; }", timeout=30_000)
