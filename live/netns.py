@@ -20,6 +20,10 @@ count of the link's traffic would include them. Leaving the
 while the hosts exist, where no other handler was set) deletes both namespaces, and the
 veth pair with them. :func:`netns_unavailable` says what is missing where this cannot run:
 root, ``ip``, ``tc``, or the kernel's ``tbf``/``netem`` queueing disciplines.
+
+:class:`Hosts` is the same resource for three hosts or more: each namespace joined by a veth
+pair to a Linux bridge in a hub namespace (unshaped; :func:`bridge_unavailable` says what is
+missing where it cannot be built).
 """
 
 from __future__ import annotations
@@ -41,7 +45,8 @@ from typing import Any, Sequence
 
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["NetnsError", "LinkShape", "IfaceCounters", "TwoHosts", "netns_unavailable", "netem_unavailable"]
+__all__ = ["NetnsError", "LinkShape", "IfaceCounters", "TwoHosts", "Hosts", "netns_unavailable", "netem_unavailable",
+           "bridge_unavailable"]
 
 
 class NetnsError(MeshpactError):
@@ -332,3 +337,133 @@ class TwoHosts:
     def qdisc(self, host: int) -> str:
         """``tc qdisc show`` of ``host``'s veth end, for reports."""
         return _run(["tc", "-n", self.ns[host], "qdisc", "show", "dev", self.iface[host]], "show the qdisc").strip()
+
+
+@lru_cache(maxsize=1)
+def bridge_unavailable() -> str | None:
+    """Why :class:`Hosts` cannot be built here (veth links or a Linux bridge missing), or None if
+    they can (probed once)."""
+    why = netns_unavailable(shaped=False)
+    if why:
+        return why
+    ns = f"mpq{_fresh_tag()}"
+    made = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
+    try:
+        r = subprocess.run(["ip", "-n", ns, "link", "add", "name", "mpbr", "type", "bridge"], capture_output=True, text=True)
+        if r.returncode != 0:
+            return f"the kernel refused a bridge ({r.stderr.strip()}); three or more hosts need CONFIG_BRIDGE"
+        return None
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+class Hosts:
+    """``n`` network namespaces (the "hosts") on one unshaped link layer: each joined by a veth
+    pair to a bridge in a hub namespace of its own, so every host reaches every other and a
+    host's end can be cut (``ip -n ns[i] link set iface[i] down``) without touching the others.
+
+    Use as a context manager; ``ns``, ``iface`` and ``addr`` are indexed by host (0..n-1), the
+    addresses ``10.<a>.<b>.<i+1>/24`` drawn from the tag. Teardown is :class:`TwoHosts`'s: every
+    process left in a namespace is killed and every namespace deleted (the veth pairs and the
+    bridge with them) on leaving the block, at the interpreter's exit or on SIGTERM.
+    """
+
+    def __init__(self, n: int = 3) -> None:
+        if not 2 <= n <= 8:
+            raise NetnsError(f"hosts: expected 2 to 8, got {n}")
+        self.n = n
+        self._name(_fresh_tag())
+        self._made: list[str] = []
+        self._up = False
+        self._sigterm_was: Any = None
+
+    def _name(self, tag: str) -> None:
+        self.tag = tag
+        self.hub = f"mpn{tag}h"
+        self.ns = tuple(f"mpn{tag}{i}" for i in range(self.n))
+        self.iface = tuple(f"mpe{tag}{i}" for i in range(self.n))
+        self._hub_iface = tuple(f"mpp{tag}{i}" for i in range(self.n))
+        h = random.Random(tag)
+        a, b = h.randrange(16, 250), h.randrange(0, 256)
+        self.addr = tuple(f"10.{a}.{b}.{i + 1}" for i in range(self.n))
+
+    def _add_namespaces(self) -> None:
+        """Create the hub and every host; a name another run holds already is drawn again."""
+        for _ in range(8):
+            made: list[str] = []
+            for ns in (self.hub, *self.ns):
+                r = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+                if r.returncode != 0:
+                    for m in made:
+                        subprocess.run(["ip", "netns", "del", m], capture_output=True)
+                    if "exists" in r.stderr:
+                        break
+                    raise NetnsError(f"create a host namespace: `ip netns add {ns}` failed: "
+                                     f"{r.stderr.strip() or r.returncode}")
+                made.append(ns)
+            else:
+                self._made = made
+                return
+            self._name(_fresh_tag())
+        raise NetnsError("create the host namespaces: every name drawn was taken")
+
+    def __enter__(self) -> "Hosts":
+        why = bridge_unavailable()
+        if why:
+            raise NetnsError(why)
+        atexit.register(self.close)
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._sigterm_was = signal.SIG_DFL
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        self._up = True
+        try:
+            self._add_namespaces()
+            bridge = f"mpr{self.tag}"
+            _run(["ip", "-n", self.hub, "link", "add", "name", bridge, "type", "bridge"], "create the bridge")
+            _quiet_ipv6(self.hub)
+            _run(["ip", "-n", self.hub, "link", "set", bridge, "up"], "bring the bridge up")
+            for i, ns in enumerate(self.ns):
+                _run(["ip", "-n", ns, "link", "set", "lo", "up"], "bring loopback up")
+                _quiet_ipv6(ns)
+                _run(["ip", "link", "add", self.iface[i], "netns", ns, "type", "veth", "peer", "name",
+                      self._hub_iface[i], "netns", self.hub], "create a veth pair")
+                _run(["ip", "-n", self.hub, "link", "set", self._hub_iface[i], "master", bridge, "up"],
+                     "attach the veth end to the bridge")
+                _run(["ip", "-n", ns, "addr", "add", f"{self.addr[i]}/24", "dev", self.iface[i]],
+                     "address the veth end")
+                _run(["ip", "-n", ns, "link", "set", self.iface[i], "up"], "bring the veth end up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Kill what still runs inside the namespaces and delete them (idempotent)."""
+        if not self._up:
+            return
+        self._up = False
+        for ns in self._made:
+            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+                with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self._made = []
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
+        if self._sigterm_was is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_was)
+            self._sigterm_was = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def exists(self) -> bool:
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        return any(ns in listed for ns in (self.hub, *self.ns))
+
+    def prefix(self, host: int) -> list[str]:
+        """Command prefix that runs a program on ``host``."""
+        return ["ip", "netns", "exec", self.ns[host]]
