@@ -46,7 +46,7 @@ from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Prop
 from .control import ControlChannel
 from .generation import Generation
 
-__all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
+__all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "run_id_of", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
 
 
 class EventLog:
@@ -432,6 +432,18 @@ def mesh_from_groups(groups: Mapping[str, dist.ProcessGroup], device_type: str, 
                                  mesh_dim_names=names or tuple(f"dim{d}" for d in range(len(shape))))
 
 
+def run_id_of(env: Mapping[str, str]) -> str:
+    """What this process's store keys are kept apart by: ``MESHPACT_RUN_ID`` (set by ``meshpact
+    launch`` and the trials), else torchrun's run id and restart count. Under plain ``torchrun
+    --max-restarts`` every attempt's workers share the agent's store (``TORCHELASTIC_USE_AGENT_STORE``),
+    and a restarted attempt must not read the group addresses and counters the last one left there."""
+    if env.get("MESHPACT_RUN_ID"):
+        return env["MESHPACT_RUN_ID"]
+    if env.get("TORCHELASTIC_RUN_ID"):
+        return f"{env['TORCHELASTIC_RUN_ID']}.attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return ""
+
+
 def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, ...] | None = None,
                   mesh_names: tuple[str, ...] | None = None) -> Session:
     """Join the job described by torchrun's environment and build (or join) the data path.
@@ -445,7 +457,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     if math.prod(shape) != world:
         raise ValueError(f"a mesh of shape {list(shape)} needs {math.prod(shape)} ranks, the job has {world}")
     names = tuple(mesh_names) if mesh_names else None
-    run_id = os.environ.get("MESHPACT_RUN_ID", "")
+    run_id = run_id_of(os.environ)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store_addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     store = open_store(*store_addr, world, is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
