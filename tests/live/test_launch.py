@@ -32,4 +32,3 @@ def test_a_killed_worker_is_replaced_alone_and_the_job_ends_bit_identical_to_one
     assert all(faulted[r].pid == p.pid and faulted[r].incarnation == 0 for r, p in others.items())
     assert faulted[2].incarnation == 1 and faulted[2].pid != killed.pid
     assert f"rank 2 (pid {killed.pid}) exited with -9" in job.log.read_text()
-
