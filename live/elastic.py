@@ -27,12 +27,24 @@ with the reason instead of waiting.
 Warm spares (``--spare-ranks-per-node N``): N interpreters per node with torch imported
 (:mod:`~meshpact.live.warmspare`), each promoted to a failed worker's rank by one file.
 
+A lost node (its agent silent for ``--node-loss-s``) is announced by group rank 0's agent. A
+*spare node* (``meshpact launch --spare``, :class:`SpareAgent`) can take its place: it joins no
+rendezvous round (the job's world size is what its nodes make), but reads the control channel's
+address from the rendezvous endpoint's store (group rank 0 writes it there under
+:func:`standby_key`), registers on the channel and beats there. Group rank 0's verdict on a lost
+node (:func:`choose_spare`) hands the node's group rank to a live spare node with the same
+``--nproc-per-node`` instead of announcing its ranks gone; the spare starts the node's workers
+from the worker environment every agent publishes (:class:`NodeEnv`), with incarnations above
+the lost processes' and its own address, and from then on is that node's agent.
+
 Plain ``torchrun`` keeps working with the same scripts: without ``MESHPACT_CONTROL_PORT`` rank 0
 hosts the control channel, and a kill ends the job as torchrun decides.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import os
 import select
@@ -46,31 +58,36 @@ import uuid
 from argparse import ArgumentParser, Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Collection, Sequence
 
 from torch.distributed.elastic import events, metrics
-from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import (RunResult, SimpleElasticAgent, Worker, WorkerGroup, WorkerSpec,
+                                                         WorkerState)
 from torch.distributed.elastic.multiprocessing.api import SignalException, _terminate_process_handler
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure, record
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.api import RendezvousError, RendezvousGracefulExitError
 from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from meshpact.core.errors import MeshpactError
 
-from .recovery.consensus import declared_lost, mark_gone
+from .recovery.consensus import ROUND_KEY, declared_lost, mark_gone
 from .recovery.control import ControlChannel
 from .recovery.peers import ADDR_ENV, HOST_ENV
 from .store import host_store
 from .warmspare import Assignment, assign, ready_path
 
-__all__ = ["LaunchOptions", "NodeLoss", "ReplacingAgent", "LaunchRefused", "parser", "main", "CONTROL_KEY"]
+__all__ = ["LaunchOptions", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "choose_spare", "ReplacingAgent",
+           "SpareAgent", "StandbyRendezvous", "standby_key", "LaunchRefused", "parser", "main", "CONTROL_KEY"]
 
 logger = logging.getLogger("meshpact.launch")
 
 CONTROL_KEY = "meshpact/control"  # in the rendezvous store: "host:port" of the control channel
+SPARE_COUNT_KEY = "spare/count"  # on the control channel: how many spare nodes registered (each takes the next number)
+JOB_ENDED_KEY = "agent/ended"  # on the control channel: group rank 0 passed its exit barrier (spare nodes leave)
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 
 
@@ -83,6 +100,7 @@ class LaunchOptions:
     """What ``meshpact launch`` adds to torchrun's command line."""
 
     spare_ranks_per_node: int = 0
+    spare: bool = False  # this agent is a spare node: it stands by to take a lost node's ranks
     node_loss_s: float = 5.0  # a node whose agent has not beaten on the control channel for this long is lost
     loss_watch_s: float = 0.25  # how often the agent reads which ranks the job declared lost, and beats
 
@@ -103,9 +121,118 @@ class NodeLoss:
     silent_s: float
 
     def describe(self) -> str:
+        return (f"{self.what()}; the job is told its ranks are gone (it excises them where it can, above its "
+                f"min_ranks, or ends naming why)")
+
+    def what(self) -> str:
         return (f"node {self.group_rank} (ranks {list(self.ranks)}) is lost: its agent has not beaten on the "
-                f"control channel for {self.silent_s:.1f} s; the job is told its ranks are gone (it excises them "
-                f"where it can, above its min_ranks, or ends naming why)")
+                f"control channel for {self.silent_s:.1f} s")
+
+
+@dataclass(frozen=True)
+class NodeEnv:
+    """The worker environment of one node's group rank, less what is each process's own (incarnation,
+    node address, error file): what its agent publishes on the control channel (``agent/node<g>``) at
+    start, so a spare node that takes the group rank starts the same workers."""
+
+    group_rank: int
+    group_world_size: int
+    role: str
+    ranks: tuple[int, ...]  # the global rank of each local rank
+    role_ranks: tuple[int, ...]
+    world_size: int
+    role_world_size: int
+    master_addr: str
+    master_port: int
+    run_id: str  # TORCHELASTIC_RUN_ID: the rendezvous id
+    use_agent_store: bool
+
+    @classmethod
+    def of(cls, wg: WorkerGroup) -> "NodeEnv":
+        spec = wg.spec
+        return cls(wg.group_rank, wg.group_world_size, spec.role, tuple(w.global_rank for w in wg.workers),
+                   tuple(w.role_rank for w in wg.workers), wg.workers[0].world_size, wg.workers[0].role_world_size,
+                   str(wg.master_addr), int(wg.master_port), str(spec.rdzv_handler.get_run_id()),
+                   bool(spec.rdzv_handler.use_agent_store))
+
+    def workers(self) -> list[Worker]:
+        return [Worker(lr, r, rr, self.world_size, self.role_world_size)
+                for lr, (r, rr) in enumerate(zip(self.ranks, self.role_ranks))]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"group_rank": self.group_rank, "group_world_size": self.group_world_size, "role": self.role,
+                "ranks": list(self.ranks), "role_ranks": list(self.role_ranks), "world_size": self.world_size,
+                "role_world_size": self.role_world_size, "master_addr": self.master_addr,
+                "master_port": self.master_port, "run_id": self.run_id, "use_agent_store": self.use_agent_store}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "NodeEnv":
+        return cls(int(d["group_rank"]), int(d["group_world_size"]), str(d["role"]), tuple(int(r) for r in d["ranks"]),
+                   tuple(int(r) for r in d["role_ranks"]), int(d["world_size"]), int(d["role_world_size"]),
+                   str(d["master_addr"]), int(d["master_port"]), str(d["run_id"]), bool(d["use_agent_store"]))
+
+
+@dataclass(frozen=True)
+class SpareNode:
+    """A spare node's registration on the control channel (``spare/node<id>``)."""
+
+    spare_id: int  # its number among the job's spare nodes, from 1 (the channel's ``spare/count``)
+    addr: str  # the node's address (--local-addr)
+    nproc_per_node: int
+    pid: int  # its agent's process
+
+    def __str__(self) -> str:
+        return f"spare node {self.spare_id} at {self.addr}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"spare_id": self.spare_id, "addr": self.addr, "nproc_per_node": self.nproc_per_node, "pid": self.pid}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "SpareNode":
+        return cls(int(d["spare_id"]), str(d["addr"]), int(d["nproc_per_node"]), int(d["pid"]))
+
+
+@dataclass(frozen=True)
+class NodeVerdict:
+    """What group rank 0's agent does with a lost node: hand its group rank to ``spare``, or (None)
+    announce its ranks gone; ``passed_over`` names each registered spare node not used, and why."""
+
+    loss: NodeLoss
+    spare: SpareNode | None
+    passed_over: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        others = f" ({'; '.join(self.passed_over)})" if self.passed_over else ""
+        if self.spare is not None:
+            return f"{self.loss.what()}; {self.spare} takes its ranks{others}"
+        why = (f"no registered spare node can take its ranks{others}" if self.passed_over
+               else "no spare node is registered")
+        return f"{self.loss.what()}; {why}; the job is told its ranks are gone (it excises them where it can, above " \
+               "its min_ranks, or ends naming why)"
+
+
+def choose_spare(loss: NodeLoss, nproc_per_node: int, spares: Sequence[SpareNode], live: Collection[int],
+                 node_loss_s: float) -> NodeVerdict:
+    """The verdict on ``loss``: the first registered spare node (lowest number) that is ``live``
+    (beating within ``node_loss_s``) and runs ``nproc_per_node`` workers; every other one is named
+    with the reason it was not used."""
+    chosen: SpareNode | None = None
+    passed: list[str] = []
+    for spare in sorted(spares, key=lambda s: s.spare_id):
+        if spare.nproc_per_node != nproc_per_node:
+            passed.append(f"{spare} runs {spare.nproc_per_node} worker(s) per node, the job {nproc_per_node}")
+        elif spare.spare_id not in live:
+            passed.append(f"{spare} has not beaten within {node_loss_s:g} s")
+        elif chosen is None:
+            chosen = spare
+    return NodeVerdict(loss, chosen, tuple(passed))
+
+
+def standby_key(rdzv_id: str) -> str:
+    """The key, in the rendezvous endpoint's own store (under no prefix of elastic's), where group
+    rank 0's agent names the control channel for spare nodes: a JSON ``{"control": "host:port",
+    "run_id": ...}``."""
+    return f"meshpact/standby/{rdzv_id}"
 
 
 @dataclass
@@ -146,6 +273,18 @@ class _Spare:
 
 
 @dataclass
+class _SpareWatch:
+    """Group rank 0's view of one registered spare node: its beat count and when it last moved."""
+
+    node: SpareNode
+    beats: int
+    moved: float | None = None  # monotonic time its beat last moved while watched (None: not yet)
+
+    def live(self, now: float, node_loss_s: float) -> bool:
+        return self.moved is not None and now - self.moved <= node_loss_s
+
+
+@dataclass
 class _Ledger:
     """The agent's record of its workers: what each runs, which finished, which are gone."""
 
@@ -174,7 +313,11 @@ class ReplacingAgent(SimpleElasticAgent):
         self._streams: dict[int, tuple[str, str]] = {}  # local rank -> (stdout, stderr) of its first process
         self._next_watch = 0.0
         self._beats: dict[int, tuple[int, float]] = {}  # group rank -> (its beat count, when it last moved)
-        self.lost_nodes: list[NodeLoss] = []
+        self._node: NodeEnv | None = None  # the worker environment of this agent's group rank
+        self._spare_nodes: dict[int, _SpareWatch] = {}  # group rank 0: spare nodes registered and not yet used
+        self._spare_nodes_seen = 0  # group rank 0: the spare count last read
+        self.lost_nodes: list[NodeLoss] = []  # nodes whose ranks were announced gone
+        self.takeovers: list[NodeVerdict] = []  # nodes whose group rank went to a spare node
         self._seen_round = 0
 
     # -- addresses and the control channel ------------------------------------------
@@ -187,7 +330,10 @@ class ReplacingAgent(SimpleElasticAgent):
             return
         if wg.group_rank == 0:
             self._control_server = host_store(wg.master_addr, 0, wg.workers[0].world_size)
-            wg.store.set(CONTROL_KEY, f"{wg.master_addr}:{self._control_server.port}")
+            address = f"{wg.master_addr}:{self._control_server.port}"
+            wg.store.set(CONTROL_KEY, address)
+            standby = {"control": address, "run_id": self._run_id()}  # for spare nodes, outside elastic's prefix
+            _root_store(wg.store).set(standby_key(str(wg.spec.rdzv_handler.get_run_id())), json.dumps(standby))
         host, _, port = wg.store.get(CONTROL_KEY).decode().rpartition(":")
         self._control = (host, int(port))
         self._channel = ControlChannel(host, int(port), wg.group_rank, wg.workers[0].world_size, 5.0,
@@ -200,6 +346,7 @@ class ReplacingAgent(SimpleElasticAgent):
     def _env(self, wg: WorkerGroup, local_rank: int, incarnation: int) -> dict[str, str]:
         spec = wg.spec
         worker = wg.workers[local_rank]
+        node = self._node or NodeEnv.of(wg)
         host, port = self._control
         env = {
             "RANK": str(worker.global_rank),
@@ -215,8 +362,8 @@ class ReplacingAgent(SimpleElasticAgent):
             "MASTER_PORT": str(wg.master_port),
             "TORCHELASTIC_RESTART_COUNT": "0",  # the group is never restarted: replacements count below
             "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
-            "TORCHELASTIC_RUN_ID": str(spec.rdzv_handler.get_run_id()),
-            "TORCHELASTIC_USE_AGENT_STORE": str(spec.rdzv_handler.use_agent_store),
+            "TORCHELASTIC_RUN_ID": node.run_id,
+            "TORCHELASTIC_USE_AGENT_STORE": str(node.use_agent_store),
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.getenv("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             "MESHPACT_INCARNATION": str(incarnation),
             "MESHPACT_RUN_ID": self._run_id(),
@@ -237,19 +384,39 @@ class ReplacingAgent(SimpleElasticAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         spec = worker_group.spec
         self._open_control(worker_group)
-        envs = {w.local_rank: self._env(worker_group, w.local_rank, 0) for w in worker_group.workers}
+        if self._node is None:  # a member of the rendezvous: its node's environment, for a spare node to take
+            self._node = NodeEnv.of(worker_group)
+            assert self._channel is not None
+            self._channel.set(f"agent/node{worker_group.group_rank}", self._node.to_dict())
+        first = {w.local_rank: self._first_incarnation(w.local_rank) for w in worker_group.workers}
+        envs = {w.local_rank: self._env(worker_group, w.local_rank, first[w.local_rank]) for w in worker_group.workers}
         dest = self._logs_specs.reify(envs)  # error files (TORCHELASTIC_ERROR_FILE) and log files, elastic's layout
         first_error = dest.error_files.get(0, os.devnull)
         self._attempt_dir = Path(first_error).parent.parent if first_error != os.devnull else None
         for w in worker_group.workers:
             lr = w.local_rank
             self._streams[lr] = (dest.stdouts.get(lr, ""), dest.stderrs.get(lr, ""))
+            if first[lr]:
+                self._note_incarnation(w.global_rank, first[lr])
             handler = get_subprocess_handler(spec.entrypoint, tuple(spec.args), envs[lr], self._streams[lr][0],
                                              self._streams[lr][1], lr, spec.numa_options)
-            self._ledger.running[lr] = _Running(handler, 0, dest.error_files.get(lr, os.devnull))
+            self._ledger.running[lr] = _Running(handler, first[lr], dest.error_files.get(lr, os.devnull))
         for i in range(self._options.spare_ranks_per_node):
             self._start_spare(i)
         return {lr: r.pid for lr, r in self._ledger.running.items()}
+
+    def _first_incarnation(self, local_rank: int) -> int:
+        """The incarnation of the first process this agent starts for ``local_rank`` (0: the rank's first)."""
+        return 0
+
+    def _note_incarnation(self, rank: int, incarnation: int) -> None:
+        """Say on the control channel that ``rank`` runs at ``incarnation`` now (before the process starts),
+        so a spare node that takes this node starts the rank above it."""
+        try:
+            assert self._channel is not None
+            self._channel.set(f"agent/incarnation/rank{rank}", incarnation)
+        except (RuntimeError, OSError) as exc:  # the channel's host gone: the job is ending, no spare reads this
+            logger.warning("meshpact launch: cannot write rank %d's incarnation (%s)", rank, exc)
 
     def _start_spare(self, index: int) -> None:
         path = self._spare_dir / f"spare-{index}.json"
@@ -271,6 +438,7 @@ class ReplacingAgent(SimpleElasticAgent):
         """Start a process for ``local_rank`` (its old one has exited): a warm spare if one waits."""
         spec = wg.spec
         incarnation = self._ledger.running[local_rank].incarnation + 1
+        self._note_incarnation(wg.workers[local_rank].global_rank, incarnation)
         env = self._env(wg, local_rank, incarnation)
         out, err, error_file = self._files_of(local_rank, incarnation)
         env["TORCHELASTIC_ERROR_FILE"] = "" if error_file == os.devnull else error_file
@@ -368,7 +536,10 @@ class ReplacingAgent(SimpleElasticAgent):
         others = [g for g in range(1, wg.group_world_size) if g not in {n.group_rank for n in self.lost_nodes}]
         if not others:
             return
-        counts = self._channel.counters([f"agent/beat{g}" for g in others])
+        spare_ids = sorted(self._spare_nodes)
+        counts = self._channel.counters([f"agent/beat{g}" for g in others] + [SPARE_COUNT_KEY] +
+                                        [f"spare/beat{i}" for i in spare_ids])
+        self._watch_spare_nodes(counts[len(others)], dict(zip(spare_ids, counts[len(others) + 1:])), now)
         done = self._channel.present([f"agent/done{g}" for g in others])
         for g, count in zip(others, counts):
             seen, since = self._beats.get(g, (-1, now))
@@ -376,19 +547,73 @@ class ReplacingAgent(SimpleElasticAgent):
                 self._beats[g] = (count, now)
             elif f"agent/done{g}" not in done and now - since > self._options.node_loss_s:
                 n = wg.spec.local_world_size
-                loss = NodeLoss(g, tuple(range(g * n, (g + 1) * n)), now - since)
-                self.lost_nodes.append(loss)
-                _say(loss.describe())
-                for rank in loss.ranks:
-                    mark_gone(self._channel, rank)
+                self._node_lost(NodeLoss(g, tuple(range(g * n, (g + 1) * n)), now - since), n, count, now)
+
+    def _watch_spare_nodes(self, registered: int, beats: dict[int, int], now: float) -> None:
+        """Group rank 0: read the spare nodes registered since the last look, and note whose beat moved."""
+        assert self._channel is not None
+        if registered > self._spare_nodes_seen:
+            new = range(self._spare_nodes_seen + 1, registered + 1)
+            got = self._channel.present([f"spare/node{i}" for i in new])
+            for i in new:
+                if f"spare/node{i}" not in got:  # a spare writes its record just after taking its number
+                    break
+                node = SpareNode.from_dict(got[f"spare/node{i}"])
+                self._spare_nodes[i] = _SpareWatch(node, -1)
+                self._spare_nodes_seen = i
+                _say(f"{node} registered ({node.nproc_per_node} worker(s) per node, agent pid {node.pid})")
+        for i, count in beats.items():
+            watch = self._spare_nodes.get(i)
+            if watch is not None and count != watch.beats:
+                if watch.beats >= 0:
+                    watch.moved = now
+                watch.beats = count
+
+    def _node_lost(self, loss: NodeLoss, nproc_per_node: int, beats: int, now: float) -> None:
+        """Group rank 0's verdict on a lost node: its group rank to a live spare node, or its ranks gone."""
+        assert self._channel is not None
+        live = {i for i, w in self._spare_nodes.items() if w.live(now, self._options.node_loss_s)}
+        verdict = choose_spare(loss, nproc_per_node, [w.node for w in self._spare_nodes.values()], live,
+                               self._options.node_loss_s)
+        _say(verdict.describe())
+        if verdict.spare is not None:
+            del self._spare_nodes[verdict.spare.spare_id]
+            self._channel.set(f"spare/assign{verdict.spare.spare_id}", {"group_rank": loss.group_rank})
+            self.takeovers.append(verdict)
+            self._beats[loss.group_rank] = (beats, now)  # the spare beats as the node from now: node_loss_s to start
+            return
+        self.lost_nodes.append(loss)
+        for rank in loss.ranks:
+            mark_gone(self._channel, rank)
 
     def _exit_barrier(self) -> None:
         if self._channel is not None:
             self._channel.set(f"agent/done{self._worker_group.group_rank}", True)
-        if self.lost_nodes:  # a lost node's agent never arrives: elastic's barrier would wait out its timeout
-            _say(f"not waiting for the agents of lost node(s) {[n.group_rank for n in self.lost_nodes]} at exit")
+        if not (self.lost_nodes or self.takeovers):
+            super()._exit_barrier()
+            self._end_standby()
             return
-        super()._exit_barrier()
+        # a lost node's agent never arrives: elastic's barrier would wait out its timeout
+        lost = sorted({n.group_rank for n in self.lost_nodes})
+        if lost:
+            _say(f"not waiting for the agents of lost node(s) {lost} at exit")
+        taken = sorted({v.loss.group_rank for v in self.takeovers} - set(lost))
+        if taken:  # a spare node is in no elastic barrier: it says it is done on the control channel
+            _say(f"waiting for the spare node(s) acting as node(s) {taken} to finish (this agent hosts their "
+                 "control channel and store)")
+            assert self._channel is not None
+            try:
+                self._channel.wait([f"agent/done{g}" for g in taken], self._exit_barrier_timeout)
+            except (RuntimeError, OSError) as exc:
+                _say(f"the spare node(s) acting as node(s) {taken} did not finish within "
+                     f"{self._exit_barrier_timeout:g} s ({exc}); leaving")
+        self._end_standby()
+
+    def _end_standby(self) -> None:
+        """Group rank 0: tell the spare nodes still standing by that the job is over (they leave)."""
+        if self._channel is not None and self._worker_group.group_rank == 0:
+            with contextlib.suppress(Exception):
+                self._channel.set(JOB_ENDED_KEY, True)
 
     # -- elastic's hooks ------------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:
@@ -456,6 +681,145 @@ class ReplacingAgent(SimpleElasticAgent):
         return self._ledger
 
 
+class StandbyRendezvous(RendezvousHandler):
+    """A spare node's side of elastic's rendezvous: it joins no round (the job's world size is what its
+    nodes make), and reads from the rendezvous endpoint's own store where group rank 0's agent hosts
+    the control channel (:func:`standby_key`). The c10d backend keeps that store at ``--rdzv-endpoint``."""
+
+    def __init__(self, endpoint: str, run_id: str, join_timeout_s: float) -> None:
+        from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+        self.endpoint = parse_rendezvous_endpoint(endpoint, default_port=29400)
+        self._run_id = run_id
+        self.join_timeout_s = join_timeout_s
+        self._store: Any = None
+
+    def job(self) -> tuple[str, int, str]:
+        """(host, port, run id of its keys) of the job's control channel, once group rank 0 has named it
+        (waits up to the join timeout; a store that never answers raises ``DistStoreError``)."""
+        from datetime import timedelta
+
+        from torch.distributed import TCPStore
+
+        if self._store is None:
+            self._store = TCPStore(self.endpoint[0], self.endpoint[1], is_master=False, wait_for_workers=False,
+                                   timeout=timedelta(seconds=self.join_timeout_s))
+        record = json.loads(self._store.get(standby_key(self._run_id)))
+        host, _, port = str(record["control"]).rpartition(":")
+        return host, int(port), str(record["run_id"])
+
+    def get_backend(self) -> str:
+        return "standby"
+
+    def next_rendezvous(self) -> Any:
+        raise RendezvousError("a spare node joins no rendezvous round: its agent (SpareAgent) waits on the job's "
+                              "control channel to be given a lost node's group rank")
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        pass
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        self._store = None
+        return True
+
+
+class SpareAgent(ReplacingAgent):
+    """A spare node's agent (``meshpact launch --spare``): it registers on the job's control channel as
+    a standby node and beats there; when group rank 0's agent hands it a lost node's group rank
+    (:func:`choose_spare`) it starts that node's workers from the node's published environment
+    (:class:`NodeEnv`) with incarnations above the lost processes' and this node's own address, and is
+    that node's agent from then on (it replaces failed workers, beats as the group rank, and says it
+    is done on the channel at the end, where group rank 0 waits for it). A job that ends without
+    needing it, or whose control channel is gone, ends it too (exit 0)."""
+
+    def __init__(self, spec: WorkerSpec, logs_specs: Any, options: LaunchOptions, standby: StandbyRendezvous,
+                 shutdown_timeout: int = 30) -> None:
+        super().__init__(spec, logs_specs, options, shutdown_timeout=shutdown_timeout)
+        self._standby = standby
+        self._job_run_id = ""
+        self._first: dict[int, int] = {}  # local rank -> the incarnation its first process here starts at
+        self.me: SpareNode | None = None
+
+    def _run_id(self) -> str:
+        return self._job_run_id
+
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """Instead of a rendezvous round: register as a spare node, stand by, take the group rank given."""
+        host, port, self._job_run_id = self._standby.job()
+        self._control = (host, port)
+        channel = self._channel = ControlChannel(host, port, -1, 1, 5.0, run_id=self._job_run_id)
+        me = self.me = SpareNode(channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size,
+                                 os.getpid())
+        channel.set(f"spare/node{me.spare_id}", me.to_dict())
+        _say(f"{me} registered with the job (run {self._job_run_id}, control channel {host}:{port}); standing by")
+        g = self._stand_by(me)
+        node = NodeEnv.from_dict(channel.wait([f"agent/node{g}"])[f"agent/node{g}"])
+        held = channel.present([f"agent/incarnation/rank{r}" for r in node.ranks])
+        self._first = {lr: int(held.get(f"agent/incarnation/rank{r}", 0)) + 1 for lr, r in enumerate(node.ranks)}
+        self._seen_round = channel.counter(ROUND_KEY)  # rounds decided before now named the lost processes
+        self._node = node
+        worker_group.workers = node.workers()
+        worker_group.group_rank = node.group_rank
+        worker_group.group_world_size = node.group_world_size
+        worker_group.master_addr = node.master_addr
+        worker_group.master_port = node.master_port
+        worker_group.store = None
+        _say(f"{me} takes node {g}: ranks {list(node.ranks)} start here at incarnation(s) "
+             f"{[self._first[lr] for lr in range(len(node.ranks))]}")
+
+    def _stand_by(self, me: SpareNode) -> int:
+        """Beat on the control channel until group rank 0 assigns a group rank (returned); a job that
+        ended, or a channel gone with its host, ends the standby (elastic's graceful exit)."""
+        assert self._channel is not None
+        assign = f"spare/assign{me.spare_id}"
+        while True:
+            try:
+                self._channel.add(f"spare/beat{me.spare_id}")
+                got = self._channel.present([assign, JOB_ENDED_KEY])
+            except (RuntimeError, OSError) as exc:
+                _say(f"{me}: the job's control channel is gone ({exc}); leaving")
+                raise RendezvousGracefulExitError("the job's control channel is gone") from None
+            if assign in got:
+                return int(got[assign]["group_rank"])
+            if JOB_ENDED_KEY in got:
+                _say(f"{me}: the job ended without needing a spare node; leaving")
+                raise RendezvousGracefulExitError("the job ended")
+            time.sleep(self._options.loss_watch_s)
+
+    def _first_incarnation(self, local_rank: int) -> int:
+        return self._first.get(local_rank, 1)
+
+    def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
+        pids = super()._start_workers(worker_group)
+        _say(f"{self.me} started rank(s) {[w.global_rank for w in worker_group.workers]} as pid(s) "
+             f"{[pids[w.local_rank] for w in worker_group.workers]}")
+        return pids
+
+    def _exit_barrier(self) -> None:
+        """In no elastic barrier (group rank 0 waits for this node's ``agent/done<g>`` on the channel)."""
+        with contextlib.suppress(RuntimeError, OSError):
+            if self._channel is not None:
+                self._channel.set(f"agent/done{self._worker_group.group_rank}", True)
+
+
+
+def _root_store(store: Any) -> Any:
+    """The store under every ``PrefixStore`` elastic wrapped around it (the rendezvous endpoint's own)."""
+    from torch.distributed import PrefixStore
+
+    while isinstance(store, PrefixStore):
+        store = store.underlying_store
+    return store
+
 
 def _bind_address(node_addr: str) -> str:
     """The address this node's peer servers bind to: the node's own, resolved (loopback stays loopback)."""
@@ -515,6 +879,9 @@ def parser() -> ArgumentParser:
                      "worker keeps running.")
     p.add_argument("--spare-ranks-per-node", "--spare_ranks_per_node", type=int, default=0,
                    help="Warm spares per node: interpreters with torch imported, promoted to a failed worker's rank.")
+    p.add_argument("--spare", action="store_true",
+                   help="Stand by as a spare node: join no rendezvous round, register with the job at "
+                        "--rdzv-endpoint and take the group rank of a node the job loses.")
     p.add_argument("--node-loss-s", "--node_loss_s", type=float, default=LaunchOptions.node_loss_s,
                    help="A node whose agent is silent this long on the control channel is lost: its ranks are "
                         "announced gone to the job.")
@@ -535,10 +902,19 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     :class:`LaunchRefused` names a bad flag in one line."""
     p = parser()
     args = p.parse_args(list(argv))
-    options = LaunchOptions(spare_ranks_per_node=args.spare_ranks_per_node, node_loss_s=args.node_loss_s)
+    options = LaunchOptions(spare_ranks_per_node=args.spare_ranks_per_node, spare=args.spare,
+                            node_loss_s=args.node_loss_s)
     if options.spare_ranks_per_node and (args.no_python or args.run_path):
         raise LaunchRefused("--spare-ranks-per-node: a warm spare runs a Python script or module; it cannot be "
                             "used with --no-python or --run-path")
+    if args.spare:
+        if args.standalone:
+            raise LaunchRefused("--spare: a spare node stands by for a job of several nodes; --standalone runs one "
+                                "node with nothing to take over (drop one of the two)")
+        if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+            raise LaunchRefused(f"--spare: expected --rdzv-backend c10d and the job's --rdzv-endpoint (a spare node "
+                                f"finds the job in the store there), got --rdzv-backend {args.rdzv_backend} "
+                                f"--rdzv-endpoint {args.rdzv_endpoint or '(none)'}")
     if args.standalone:
         _standalone(args)
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
@@ -566,18 +942,29 @@ def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> d
     params = RendezvousParameters(backend=cfg.rdzv_backend, endpoint=cfg.rdzv_endpoint, run_id=cfg.run_id,
                                   min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, local_addr=cfg.local_addr,
                                   **cfg.rdzv_configs)
-    master_addr, master_port = _get_addr_and_port(params)
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = cfg.signals_to_handle
+    standby: StandbyRendezvous | None = None
+    if options.spare:  # no rendezvous handler: a spare node must neither host nor join elastic's store's rounds
+        standby = StandbyRendezvous(cfg.rdzv_endpoint, cfg.run_id, float(cfg.rdzv_configs.get("join_timeout", 600)))
+        handler: RendezvousHandler = standby
+        master_addr, master_port = None, None
+    else:
+        handler = rdzv_registry.get_rendezvous_handler(params)
+        master_addr, master_port = _get_addr_and_port(params)
     spec = WorkerSpec(role=cfg.role, local_world_size=cfg.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
-                      rdzv_handler=rdzv_registry.get_rendezvous_handler(params), max_restarts=cfg.max_restarts,
+                      rdzv_handler=handler, max_restarts=cfg.max_restarts,
                       monitor_interval=cfg.monitor_interval, master_addr=master_addr, master_port=master_port,
                       local_addr=cfg.local_addr, event_log_handler=cfg.event_log_handler,
                       numa_options=cfg.numa_options)
-    agent = ReplacingAgent(spec, cfg.logs_specs, options, shutdown_timeout=cfg.shutdown_timeout)
+    agent = (SpareAgent(spec, cfg.logs_specs, options, standby, shutdown_timeout=cfg.shutdown_timeout)
+             if standby is not None else ReplacingAgent(spec, cfg.logs_specs, options,
+                                                        shutdown_timeout=cfg.shutdown_timeout))
     shutdown_rdzv = True
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(cfg.metrics_cfg))
         result = agent.run()
+        if result is None:  # a spare node the job did not need (elastic's graceful exit from its rendezvous)
+            return {}
         events.record(agent.get_event_succeeded(), cfg.event_log_handler)
         if result.is_failed():
             raise ChildFailedError(name=os.path.basename(cmd_args[1] if len(cmd_args) > 1 else cmd),

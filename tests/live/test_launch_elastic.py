@@ -1,0 +1,99 @@
+"""Group rank 0's verdict on a lost node, without processes: the agent's watch over a control channel on
+loopback (a ``TCPStore`` in this process), driven with chosen clock readings.
+
+A live spare node with the job's ``--nproc-per-node`` is given the lost node's group rank and the
+ranks are not announced gone; with none registered, or only one that runs another number of
+workers (named, with why), the ranks are announced gone as before. ``--spare`` with
+``--standalone`` is refused in one line.
+"""
+
+from __future__ import annotations
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+
+from meshpact.live.elastic import (JOB_ENDED_KEY, SPARE_COUNT_KEY, LaunchOptions, NodeLoss, ReplacingAgent,
+                                   SpareNode, StandbyRendezvous, choose_spare, main)
+from meshpact.live.recovery.consensus import gone_ranks
+from meshpact.live.recovery.control import ControlChannel
+from meshpact.live.store import host_store
+
+SILENT_S = 3.0
+
+
+def _agent_on_channel():
+    """Group rank 0's agent of a 2-node x 2-worker job, its channel, and a second client (the other nodes)."""
+    server = host_store("127.0.0.1", 0)
+    spec = WorkerSpec(role="default", local_world_size=2, rdzv_handler=StandbyRendezvous("127.0.0.1:1", "t", 1.0),
+                      entrypoint="train.py")
+    agent = ReplacingAgent(spec, None, LaunchOptions(node_loss_s=SILENT_S))
+    agent._channel = ControlChannel("127.0.0.1", server.port, 0, 4, 5.0, run_id="t")
+    wg = agent.get_worker_group()
+    wg.group_rank, wg.group_world_size = 0, 2
+    return server, agent, wg, ControlChannel("127.0.0.1", server.port, -1, 4, 5.0, run_id="t")
+
+
+def _register(others: ControlChannel, nproc: int) -> SpareNode:
+    node = SpareNode(others.add(SPARE_COUNT_KEY), "10.0.0.3", nproc, 4242)
+    others.set(f"spare/node{node.spare_id}", node.to_dict())
+    return node
+
+
+def _lose_node_1(agent, wg, others: ControlChannel, spare: SpareNode | None) -> None:
+    """Node 1 beats once, then falls silent past the bound while the spare (if any) keeps beating."""
+    others.add("agent/beat1")
+    for now in (0.0, 0.5, 1.0, 2.0, 4.5):
+        if spare is not None:
+            others.add(f"spare/beat{spare.spare_id}")
+        agent._beat_and_watch_nodes(wg, now)
+
+
+def test_a_live_spare_node_with_the_same_workers_per_node_is_given_the_lost_node(capsys):
+    server, agent, wg, others = _agent_on_channel()
+    spare = _register(others, 2)
+    _lose_node_1(agent, wg, others, spare)
+    assert others.get(f"spare/assign{spare.spare_id}") == {"group_rank": 1}
+    assert gone_ranks(others, range(4)) == ()  # the survivors wait for replacements instead of excising
+    assert [v.spare for v in agent.takeovers] == [spare] and agent.lost_nodes == []
+    err = capsys.readouterr().err
+    assert "node 1 (ranks [2, 3]) is lost: its agent has not beaten on the control channel for 4.5 s; " \
+           "spare node 1 at 10.0.0.3 takes its ranks" in err
+    agent._beat_and_watch_nodes(wg, 5.0)  # the spare has the bound anew to beat as node 1: not lost again
+    assert len(agent.takeovers) == 1 and agent.lost_nodes == []
+    del server
+
+
+def test_without_a_spare_node_the_lost_nodes_ranks_are_announced_gone(capsys):
+    server, agent, wg, others = _agent_on_channel()
+    _lose_node_1(agent, wg, others, None)
+    assert gone_ranks(others, range(4)) == (2, 3)
+    assert [n.group_rank for n in agent.lost_nodes] == [1] and agent.takeovers == []
+    assert "no spare node is registered; the job is told its ranks are gone" in capsys.readouterr().err
+    agent._end_standby()
+    assert others.get(JOB_ENDED_KEY) is True  # a spare node that comes late leaves when the job ends
+    del server
+
+
+def test_a_spare_node_with_other_workers_per_node_is_not_used_and_named(capsys):
+    server, agent, wg, others = _agent_on_channel()
+    spare = _register(others, 4)
+    _lose_node_1(agent, wg, others, spare)
+    assert others.get(f"spare/assign{spare.spare_id}") is None
+    assert gone_ranks(others, range(4)) == (2, 3)
+    assert "no registered spare node can take its ranks (spare node 1 at 10.0.0.3 runs 4 worker(s) per node, " \
+           "the job 2); the job is told its ranks are gone" in capsys.readouterr().err
+    del server
+
+
+def test_the_first_live_spare_node_is_chosen_and_a_silent_one_is_named():
+    loss = NodeLoss(1, (2, 3), 3.2)
+    silent, live, later = (SpareNode(i, f"10.0.0.{i + 2}", 2, 100 + i) for i in (1, 2, 3))
+    verdict = choose_spare(loss, 2, [later, live, silent], live={2, 3}, node_loss_s=SILENT_S)
+    assert verdict.spare == live
+    assert verdict.passed_over == ("spare node 1 at 10.0.0.3 has not beaten within 3 s",)
+    assert choose_spare(loss, 2, [silent], live=set(), node_loss_s=SILENT_S).spare is None
+
+
+def test_spare_with_standalone_is_refused_in_one_line(capsys):
+    assert main(["--spare", "--standalone", "--nproc-per-node", "2", "train.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --spare:") and "--standalone" in err
