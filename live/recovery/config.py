@@ -26,8 +26,10 @@ The orderings:
   it), never under ``data_timeout_floor_s``, on the live groups and every later generation
   (:meth:`RecoveryConfig.timeout_for`). A set value is used from the first step; a measured
   step that needs more raises it (``data_timeout_follows``, the default) or is refused in one
-  line naming both values. The heartbeat's bound needs no such fit: it judges progress, not
-  time (a rank in a step of any length, working or waiting on its peers, progresses).
+  line naming both values. The heartbeat judges progress, not time (a rank in a step of any
+  length, working or waiting on its peers, progresses); a step that waits on something else (a
+  queue, a disk) pauses, and that bound follows the job too: ``stall_margin`` times the longest
+  pause a completed step made, at least ``heartbeat_misses`` looks (heartbeat.py).
 
 Torch-free: the CLI checks a user's settings before anything starts.
 """
@@ -85,6 +87,8 @@ class RecoveryConfig:
     data_timeout_margin: float = 4.0  # the data-path timeout is at least this many times the longest step measured
     data_timeout_follows: bool = True  # raise a set data-path timeout to that (off: refuse a shorter one)
     data_timeout_floor_s: float = 1.0  # a followed data-path timeout is never shorter than this
+    # a rank is stalled after this many times the longest pause its own completed steps made (heartbeat.py)
+    stall_margin: float = 4.0
 
     def __post_init__(self) -> None:
         for name in ("data_timeout_s", "heartbeat_interval_s", "process_start_s", "group_create_s", "step_s",
@@ -100,6 +104,9 @@ class RecoveryConfig:
         if not self.data_timeout_margin >= 1.0:
             raise TimeoutOrderError(f"data_timeout_margin must be at least 1 (times the longest step), "
                                     f"got {self.data_timeout_margin}")
+        if not self.stall_margin >= 1.0:
+            raise TimeoutOrderError(f"stall_margin must be at least 1 (times the longest pause of a completed step), "
+                                    f"got {self.stall_margin}")
         if self.peer_copies < 0:
             raise TimeoutOrderError(f"peer_copies must be 0 or more, got {self.peer_copies}")
         if self.peer_copy_depth not in (1, 2):

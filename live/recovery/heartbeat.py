@@ -16,12 +16,21 @@ Every ``heartbeat_interval_s`` it does two things:
   optimizer update runs for seconds on the intra-op pool while the main thread sleeps: a
   healthy rank in a long step, which a main-thread-only rule called stalled.
 - *watch*: it reads every peer's counter (one round trip for all) and judges it with
-  :func:`watch`: a peer whose thread ran without its main thread progressing, for
-  ``heartbeat_misses`` looks, is stalled. A peer whose counter did not move at all was not
+  :func:`watch`: a peer whose thread ran without its main thread progressing, for more looks
+  than the job's own steps show (:func:`stall_bound`), is stalled. A peer whose counter did not move at all was not
   scheduled (a loaded machine) or is frozen whole: no evidence either way, and the data-path
   timeout bounds that case. The thread then shuts down this rank's data-path sockets (the
   same severing the runtime does on a fault), so a collective waiting on the stalled peer
   fails now instead of at the data-path timeout, and the runtime recovers.
+
+A step may wait on something that is not communication and still be healthy: a queue its data
+comes from, a disk, a rate limit. Such a wait does not progress by the rule above, so the bound
+follows the job as the data-path timeout does: each rank counts the longest run of looks without
+progress inside a step that then completed (its *usual pause*) and publishes it when it grows; a
+peer is stalled after ``max(heartbeat_misses, stall_margin x usual pause)`` looks, and not before
+its first completed step (no evidence: the first step's data-path timeout, the warm-up bound,
+covers it). A step that waited 0.4 s on a queue, judged by a fixed three looks, was severed on
+every attempt until the job gave up.
 
 A partitioned data link is no stall: every rank's main thread waits in torch's
 communication code, which counts as progress. So each look also asks whether this rank's
@@ -61,6 +70,7 @@ Counting a peer that was not scheduled as silent raised false alarms on a loaded
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import struct
@@ -75,7 +85,8 @@ import torch
 from . import communicator as comm
 from .control import ControlChannel, control_address
 
-__all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed"]
+__all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed",
+           "stall_bound", "pause_key"]
 
 PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # torch's own code: an op the main thread waits in
@@ -158,6 +169,19 @@ def watch(seen: int, now: int, still: int) -> int:
     return still
 
 
+def stall_bound(usual_pause: int | None, misses: int, margin: float) -> int | None:
+    """Looks without progress after which a rank whose completed steps paused at most
+    ``usual_pause`` looks in a row is stalled (None: it completed no step yet; no alarm)."""
+    if usual_pause is None:
+        return None
+    return max(misses, math.ceil(margin * usual_pause))
+
+
+def pause_key(rank: int) -> str:
+    """Where ``rank`` publishes its usual pause (see the module docstring)."""
+    return f"heartbeat/pause/rank{rank}"
+
+
 def beat_key(rank: int) -> str:
     """The control-channel counter ``rank``'s heartbeat adds to at every look (an observer
     reading it sees the rank beat when it moves)."""
@@ -178,6 +202,11 @@ class Heartbeat:
         self.session = session
         self.interval_s = cfg.heartbeat_interval_s
         self.misses = cfg.heartbeat_misses
+        self.stall_margin = cfg.stall_margin
+        self._pause = 0  # looks in a row the main thread has not progressed, in the step under way
+        self._step_pause = 0  # the longest such run in the step under way
+        self.usual_pause: int | None = None  # the longest in a step that completed (None: none completed yet)
+        self._peer_pause: dict[int, int] = {}  # the peers' usual pauses as last read
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
         host, port, _ = control_address()
         self.channel = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
@@ -206,6 +235,28 @@ class Heartbeat:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=max(1.0, 4 * self.interval_s))
+
+    def step_begins(self) -> None:
+        """The runtime is about to run a step (or run it again): its pauses are counted afresh."""
+        self._pause = self._step_pause = 0
+
+    def step_completed(self) -> None:
+        """The step ran to its end: its longest pause is one a healthy step of this job makes."""
+        self.usual_pause = max(self.usual_pause or 0, self._step_pause)
+
+    def _stalled(self, ranks: tuple[int, ...], still: list[int]) -> list[int]:
+        """The ranks whose looks without progress (``still``) passed their bound; a peer's usual
+        pause is read again only when its count reaches the bound last read (or none was)."""
+        ask = [r for i, r in enumerate(ranks)
+               if still[i] >= stall_bound(self._peer_pause.get(r, 0), self.misses, self.stall_margin)]  # type: ignore[operator]
+        if not ask:
+            return []
+        for r, raw in zip(ask, self.channel.peek([pause_key(r) for r in ask])):
+            if raw is not None:
+                self._peer_pause[r] = int(raw)
+        at = {r: i for i, r in enumerate(ranks)}
+        return [r for r in ask if (bound := stall_bound(self._peer_pause.get(r), self.misses, self.stall_margin))
+                is not None and still[at[r]] >= bound]
 
     def take(self) -> HeartbeatAlarm | None:
         """This generation's alarm, cleared; one raised in an earlier generation is dropped."""
@@ -322,6 +373,7 @@ class Heartbeat:
         seen: list[int] | None = None
         still: list[int] = []
         beat, quiet, last_bytes, hung_in = 0, 0, None, -1
+        published: int | None = None  # the usual pause this rank last published
         last_beats: dict[int, int] = {}
         while not self._stop.wait(self.interval_s):
             try:
@@ -335,8 +387,16 @@ class Heartbeat:
                 native = self._native_cpu_s()
                 look = Look(self.watching, pos[2], pos[:2] != last_pos[:2], cpu - last_cpu, self._main_state(),
                             native - last_native, pos[3])
-                self.channel.add(beat_key(me), 1 + (PROGRESS if progressed(look) else 0))
+                moving = progressed(look)
+                self.channel.add(beat_key(me), 1 + (PROGRESS if moving else 0))
                 last_pos, last_cpu, last_native = pos, cpu, native
+                if look.watching:
+                    self._pause = 0 if moving else self._pause + 1
+                    self._step_pause = max(self._step_pause, self._pause)
+                usual = self.usual_pause
+                if usual is not None and usual != published:
+                    self.channel.set(pause_key(me), str(usual))
+                    published = usual
                 if self.quiet_rule:
                     moved = self._data_bytes(generation) if self.watching and pos[2] else None
                     still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()
@@ -352,7 +412,7 @@ class Heartbeat:
                     still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}
                     continue
                 still = [0 if r == me else watch(seen[i], counts[i], still[i]) for i, r in enumerate(ranks)]
-                stalled = [r for i, r in enumerate(ranks) if still[i] >= self.misses]
+                stalled = self._stalled(ranks, still)
                 seen = counts
                 hung = False
                 if self.quiet_rule and quiet > 0:  # this rank is quiet: are all? (read from the first quiet look)

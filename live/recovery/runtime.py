@@ -365,6 +365,7 @@ class Resilient:
                     load_buffers(self.model, self._buffers)
                 armed = self.injector.arm(step) if self.injector is not None else None
                 if self.heartbeat is not None:
+                    self.heartbeat.step_begins()
                     self.heartbeat.watching = True
                 self.t_attempt = time.time()
                 try:
@@ -384,6 +385,8 @@ class Resilient:
                     if self.heartbeat is not None:
                         self.heartbeat.watching = False
                 took_s = time.time() - self.t_attempt
+                if self.heartbeat is not None:
+                    self.heartbeat.step_completed()
                 break
             except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
                 if not is_comm_fault(exc):

@@ -130,3 +130,37 @@ def test_an_alarm_left_from_an_earlier_generation_does_not_hold_back_this_ones()
     assert not hb._alarmed(7)  # so a peer's recovery of generation 7 still severs this rank's blocked step
     hb._raise(HeartbeatAlarm(3.0), 7)
     assert severed == [7] and hb.take() == HeartbeatAlarm(3.0)
+
+
+# -- the stall bound follows the job's own pauses ------------------------------------------------------
+def test_the_stall_bound_is_the_margin_times_the_usual_pause_never_under_the_misses():
+    from meshpact.live.recovery.heartbeat import stall_bound
+
+    assert stall_bound(None, 3, 4.0) is None  # no completed step yet: no evidence, no alarm
+    assert stall_bound(0, 3, 4.0) == stall_bound(0, 3, 1.0) == 3
+    assert stall_bound(8, 3, 4.0) == 32 and stall_bound(3, 3, 1.5) == 5  # rounded up
+
+
+def test_a_peer_is_stalled_only_past_the_bound_its_own_published_pause_gives():
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery.heartbeat import Heartbeat, pause_key
+
+    published = {pause_key(1): "8", pause_key(2): "0"}  # rank 3 has completed no step
+    reads: list[list[str]] = []
+
+    def peek(keys):
+        reads.append(list(keys))
+        return [published.get(k) for k in keys]
+
+    hb = Heartbeat.__new__(Heartbeat)
+    hb.misses, hb.stall_margin, hb._peer_pause = 3, 4.0, {}
+    hb.channel = SimpleNamespace(peek=peek)
+    ranks = (0, 1, 2, 3)
+    assert hb._stalled(ranks, [0, 2, 2, 2]) == [] and reads == []  # under the least bound: nothing read
+    assert hb._stalled(ranks, [0, 3, 3, 40]) == [2]  # rank 1 pauses 8 looks in a healthy step: 32 allowed
+    before = len(reads)
+    assert hb._stalled(ranks, [0, 31, 0, 0]) == [] and len(reads) == before  # under its bound as read: no read
+    published[pause_key(1)] = "9"  # its pauses grew since: read again once the old bound is reached
+    assert hb._stalled(ranks, [0, 32, 0, 0]) == [] and hb._peer_pause[1] == 9
+    assert hb._stalled(ranks, [0, 36, 0, 0]) == [1]
