@@ -255,7 +255,8 @@ class RecoveryConfig:
     def table(self) -> list[tuple[str, float, str]]:
         """(derived value, seconds, formula) for each derived timeout: the README's table."""
         return [
-            ("heartbeat detection bound", self.heartbeat_detect_s, "heartbeat_interval_s x (heartbeat_misses + 1)"),
+            ("heartbeat detection bound", self.heartbeat_detect_s,
+             "heartbeat_interval_s x (heartbeat_misses + 1), at the least: a job whose steps pause allows stall_margin x the longest pause"),
             ("data-path timeout, first steps", self.data_timeout_start_s,
              "data_timeout_s, or max(warmup_s, data_timeout_floor_s) while it follows the job"),
             ("data-path timeout, once a step is measured", self.data_timeout_least_s,
