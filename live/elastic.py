@@ -95,6 +95,10 @@ class LaunchRefused(MeshpactError):
     """A command line ``meshpact launch`` cannot run; the message names the flag and what it expects."""
 
 
+class NoJobFound(MeshpactError):
+    """A spare node found no job at its ``--rdzv-endpoint`` under its ``--rdzv-id`` within the join timeout."""
+
+
 @dataclass(frozen=True)
 class LaunchOptions:
     """What ``meshpact launch`` adds to torchrun's command line."""
@@ -754,7 +758,14 @@ class SpareAgent(ReplacingAgent):
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
         """Instead of a rendezvous round: register as a spare node, stand by, take the group rank given."""
-        host, port, self._job_run_id = self._standby.job()
+        try:
+            host, port, self._job_run_id = self._standby.job()
+        except (RuntimeError, OSError) as exc:  # the store's DistStoreError is a RuntimeError
+            h, p = self._standby.endpoint
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise NoJobFound(f"--spare: no job with --rdzv-id {self._standby.get_run_id()} named its control channel "
+                             f"at {h}:{p} within {self._standby.join_timeout_s:g} s (give the spare the job's "
+                             f"--rdzv-endpoint and --rdzv-id; {first})") from None
         self._control = (host, port)
         channel = self._channel = ControlChannel(host, port, -1, 1, 5.0, run_id=self._job_run_id)
         me = self.me = SpareNode(channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size,
@@ -994,5 +1005,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         run()
     except ChildFailedError:
+        return 1
+    except NoJobFound as exc:
+        sys.stderr.write(f"error: {exc}\n")
         return 1
     return 0

@@ -4,15 +4,18 @@ loopback (a ``TCPStore`` in this process), driven with chosen clock readings.
 A live spare node with the job's ``--nproc-per-node`` is given the lost node's group rank and the
 ranks are not announced gone; with none registered, or only one that runs another number of
 workers (named, with why), the ranks are announced gone as before. ``--spare`` with
-``--standalone`` is refused in one line.
+``--standalone`` is refused in one line, and a spare node that finds no job at its endpoint says
+so in one line.
 """
 
 from __future__ import annotations
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 
-from meshpact.live.elastic import (JOB_ENDED_KEY, SPARE_COUNT_KEY, LaunchOptions, NodeLoss, ReplacingAgent,
-                                   SpareNode, StandbyRendezvous, choose_spare, main)
+import pytest
+
+from meshpact.live.elastic import (JOB_ENDED_KEY, SPARE_COUNT_KEY, LaunchOptions, NodeLoss, NoJobFound, ReplacingAgent,
+                                   SpareAgent, SpareNode, StandbyRendezvous, choose_spare, main)
 from meshpact.live.recovery.consensus import gone_ranks
 from meshpact.live.recovery.control import ControlChannel
 from meshpact.live.store import host_store
@@ -97,3 +100,16 @@ def test_spare_with_standalone_is_refused_in_one_line(capsys):
     assert main(["--spare", "--standalone", "--nproc-per-node", "2", "train.py"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --spare:") and "--standalone" in err
+
+
+def test_a_spare_node_that_finds_no_job_under_its_id_says_so_in_one_line():
+    server = host_store("127.0.0.1", 0)  # a rendezvous store where no job named its control channel
+    standby = StandbyRendezvous(f"127.0.0.1:{server.port}", "other", 0.5)
+    spec = WorkerSpec(role="default", local_world_size=2, rdzv_handler=standby, entrypoint="train.py",
+                      local_addr="127.0.0.1")
+    agent = SpareAgent(spec, None, LaunchOptions(spare=True), standby)
+    with pytest.raises(NoJobFound) as err:
+        agent._rendezvous(agent.get_worker_group())
+    assert str(err.value).startswith(f"--spare: no job with --rdzv-id other named its control channel at "
+                                     f"127.0.0.1:{server.port} within 0.5 s")
+    assert "\n" not in str(err.value)
