@@ -140,8 +140,10 @@ def _print(result: Any, summary: dict[str, Any]) -> None:
                       f"{peer['host_bytes_per_rank'] / 2**20:.2f} MiB, network {peer['network_bytes_per_hour'] / 2**30:.2f}"
                       f" GiB/h; storage read by recoveries: {summary['storage_bytes_read']} bytes")
     ok = "[green]yes[/green]" if summary["bit_identical"] else "[red]NO[/red]"
+    # an excising run is judged against the run in which its ranks left at that step without a fault
+    against = "the excising reference" if exc is not None else "the fault-free run"
     console.print(f"faults injected {summary['faults_injected']}, recovered {summary['faults_recovered']}; "
-                  f"bit-identical to the fault-free run: {ok}; operations on retired groups after rebind: "
+                  f"bit-identical to {against}: {ok}; operations on retired groups after rebind: "
                   f"{summary['old_group_ops_after_rebind']}; replacement processes: "
                   f"{summary['replacement_processes']}")
     for m in summary["mismatches"]:
