@@ -35,7 +35,9 @@ address from the rendezvous endpoint's store (group rank 0 writes it there under
 node (:func:`choose_spare`) hands the node's group rank to a live spare node with the same
 ``--nproc-per-node`` instead of announcing its ranks gone; the spare starts the node's workers
 from the worker environment every agent publishes (:class:`NodeEnv`), with incarnations above
-the lost processes' and its own address, and from then on is that node's agent.
+the lost processes' and its own address, and from then on is that node's agent. While it stands by
+it keeps one warm interpreter per worker (as ``--spare-ranks-per-node`` does), promoted to the
+node's ranks on the takeover.
 
 Plain ``torchrun`` keeps working with the same scripts: without ``MESHPACT_CONTROL_PORT`` rank 0
 hosts the control channel, and a kill ends the job as torchrun decides.
@@ -309,6 +311,7 @@ class ReplacingAgent(SimpleElasticAgent):
         self._options = options
         self._ledger = _Ledger()
         self._spares: list[_Spare] = []
+        self._spares_started = 0
         self._control_server: Any = None
         self._channel: ControlChannel | None = None
         self._control: tuple[str, int] = ("", 0)  # the control channel's address
@@ -402,12 +405,28 @@ class ReplacingAgent(SimpleElasticAgent):
             self._streams[lr] = (dest.stdouts.get(lr, ""), dest.stderrs.get(lr, ""))
             if first[lr]:
                 self._note_incarnation(w.global_rank, first[lr])
-            handler = get_subprocess_handler(spec.entrypoint, tuple(spec.args), envs[lr], self._streams[lr][0],
-                                             self._streams[lr][1], lr, spec.numa_options)
-            self._ledger.running[lr] = _Running(handler, first[lr], dest.error_files.get(lr, os.devnull))
-        for i in range(self._options.spare_ranks_per_node):
-            self._start_spare(i)
+            self._ledger.running[lr] = self._launch(spec, lr, envs[lr], self._streams[lr],
+                                                    dest.error_files.get(lr, os.devnull), first[lr],
+                                                    warm=self.warm_first)
+        for _ in range(self._options.spare_ranks_per_node):
+            self._start_spare()
         return {lr: r.pid for lr, r in self._ledger.running.items()}
+
+    warm_first = False  # whether a first process is a warm spare's promotion where one is alive (a spare node's)
+
+    def _launch(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
+                error_file: str, incarnation: int, warm: bool) -> _Running:
+        """Start ``local_rank``'s process: a warm spare promoted (``warm``, and one is alive, the ready first),
+        else a new process."""
+        alive = [s for s in self._spares if s.handler.proc.poll() is None] if warm else []
+        spare = next((s for s in alive if s.ready or ready_path(s.assignment).exists()), alive[0] if alive else None)
+        if spare is not None:
+            self._spares.remove(spare)
+            assign(spare.assignment, Assignment(env, tuple(str(a) for a in spec.args), *streams))
+            return _Running(spare.handler, incarnation, error_file, warm=True)
+        handler = get_subprocess_handler(spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank,
+                                         spec.numa_options)
+        return _Running(handler, incarnation, error_file)
 
     def _first_incarnation(self, local_rank: int) -> int:
         """The incarnation of the first process this agent starts for ``local_rank`` (0: the rank's first)."""
@@ -422,7 +441,9 @@ class ReplacingAgent(SimpleElasticAgent):
         except (RuntimeError, OSError) as exc:  # the channel's host gone: the job is ending, no spare reads this
             logger.warning("meshpact launch: cannot write rank %d's incarnation (%s)", rank, exc)
 
-    def _start_spare(self, index: int) -> None:
+    def _start_spare(self) -> None:
+        index = self._spares_started
+        self._spares_started += 1
         path = self._spare_dir / f"spare-{index}.json"
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         handler = get_subprocess_handler(sys.executable, ("-u", "-m", "meshpact.live.warmspare", str(path)), env,
@@ -446,16 +467,7 @@ class ReplacingAgent(SimpleElasticAgent):
         env = self._env(wg, local_rank, incarnation)
         out, err, error_file = self._files_of(local_rank, incarnation)
         env["TORCHELASTIC_ERROR_FILE"] = "" if error_file == os.devnull else error_file
-        alive = [s for s in self._spares if s.handler.proc.poll() is None]
-        spare = next((s for s in alive if s.ready or ready_path(s.assignment).exists()), alive[0] if alive else None)
-        if spare is not None:
-            self._spares.remove(spare)
-            assign(spare.assignment, Assignment(env, tuple(str(a) for a in spec.args), out, err))
-            running = _Running(spare.handler, incarnation, error_file, warm=True)
-        else:
-            handler = get_subprocess_handler(spec.entrypoint, tuple(spec.args), env, out, err, local_rank,
-                                             spec.numa_options)
-            running = _Running(handler, incarnation, error_file)
+        running = self._launch(spec, local_rank, env, (out, err), error_file, incarnation, warm=True)
         self._ledger.running[local_rank] = running
         self._ledger.replaced += 1
         return running
@@ -771,7 +783,11 @@ class SpareAgent(ReplacingAgent):
         me = self.me = SpareNode(channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size,
                                  os.getpid())
         channel.set(f"spare/node{me.spare_id}", me.to_dict())
-        _say(f"{me} registered with the job (run {self._job_run_id}, control channel {host}:{port}); standing by")
+        warm = worker_group.spec.entrypoint == sys.executable  # a Python script or module: warm interpreters
+        for _ in range(worker_group.spec.local_world_size if warm else 0):
+            self._start_spare()
+        _say(f"{me} registered with the job (run {self._job_run_id}, control channel {host}:{port}); standing by"
+             + (f" with {len(self._spares)} warm interpreter(s)" if warm else ""))
         g = self._stand_by(me)
         node = NodeEnv.from_dict(channel.wait([f"agent/node{g}"])[f"agent/node{g}"])
         held = channel.present([f"agent/incarnation/rank{r}" for r in node.ranks])
@@ -791,28 +807,32 @@ class SpareAgent(ReplacingAgent):
         """Beat on the control channel until group rank 0 assigns a group rank (returned); a job that
         ended, or a channel gone with its host, ends the standby (elastic's graceful exit)."""
         assert self._channel is not None
-        assign = f"spare/assign{me.spare_id}"
+        key = f"spare/assign{me.spare_id}"
         while True:
             try:
                 self._channel.add(f"spare/beat{me.spare_id}")
-                got = self._channel.present([assign, JOB_ENDED_KEY])
+                got = self._channel.present([key, JOB_ENDED_KEY])
             except (RuntimeError, OSError) as exc:
                 _say(f"{me}: the job's control channel is gone ({exc}); leaving")
                 raise RendezvousGracefulExitError("the job's control channel is gone") from None
-            if assign in got:
-                return int(got[assign]["group_rank"])
+            self._note_ready_spares()
+            if key in got:
+                return int(got[key]["group_rank"])
             if JOB_ENDED_KEY in got:
                 _say(f"{me}: the job ended without needing a spare node; leaving")
                 raise RendezvousGracefulExitError("the job ended")
             time.sleep(self._options.loss_watch_s)
+
+    warm_first = True  # the interpreters started while standing by become the node's workers
 
     def _first_incarnation(self, local_rank: int) -> int:
         return self._first.get(local_rank, 1)
 
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
+        warm = sum(r.warm for r in self._ledger.running.values())
         _say(f"{self.me} started rank(s) {[w.global_rank for w in worker_group.workers]} as pid(s) "
-             f"{[pids[w.local_rank] for w in worker_group.workers]}")
+             f"{[pids[w.local_rank] for w in worker_group.workers]} ({warm} of them warm interpreter(s))")
         return pids
 
     def _exit_barrier(self) -> None:

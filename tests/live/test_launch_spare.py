@@ -4,9 +4,9 @@ Three network namespaces on one bridge (:class:`~meshpact.live.netns.Hosts`): no
 elastic's c10d rendezvous, nodes 0 and 1 run two workers each of the example script, and a third
 node runs a spare agent that joins no rendezvous round. Node 1's agent and both its workers are
 SIGKILLed together: node 0's agent finds the node silent for ``--node-loss-s``, hands its group
-rank to the spare node, whose agent starts ranks 2 and 3 there as replacements (incarnation 1),
-restored from the copies node 0's ranks hold in host memory; the job ends bit-identical to plain
-``torchrun`` on one node without a fault.
+rank to the spare node, whose agent promotes the two warm interpreters it kept while standing by
+to ranks 2 and 3 (incarnation 1), restored from the copies node 0's ranks hold in host memory;
+the job ends bit-identical to plain ``torchrun`` on one node without a fault.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def test_node_1_lost_with_its_agent_is_taken_by_the_spare_node_and_the_job_ends_
     assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
     assert all(faulted[r].pid == p.pid and faulted[r].incarnation == 0 for r, p in survivors.items())
     spare_log = spare.log.read_text()
-    started = f"spare node 1 at {hosts.addr[SPARE]} started rank(s) [2, 3] as pid(s) {[faulted[2].pid, faulted[3].pid]}"
+    started = (f"spare node 1 at {hosts.addr[SPARE]} started rank(s) [2, 3] as pid(s) "
+               f"{[faulted[2].pid, faulted[3].pid]} (2 of them warm interpreter(s))")  # made while it stood by
     assert started in spare_log, spare_log[-3000:]
     assert all(faulted[p.rank].incarnation >= 1 and faulted[p.rank].pid != p.pid for p in lost)
     # ranks 2 and 3 restored from the copies node 0's ranks hold in host memory: no checkpoint to read
