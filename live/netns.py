@@ -351,7 +351,8 @@ def bridge_unavailable() -> str | None:
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
     try:
-        r = subprocess.run(["ip", "-n", ns, "link", "add", "name", "mpbr", "type", "bridge"], capture_output=True, text=True)
+        r = subprocess.run(["ip", "-n", ns, "link", "add", "name", "mpbr", "type", "bridge"], capture_output=True,
+                           text=True)
         if r.returncode != 0:
             return f"the kernel refused a bridge ({r.stderr.strip()}); three or more hosts need CONFIG_BRIDGE"
         return None
