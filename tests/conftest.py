@@ -24,7 +24,7 @@ LONGEST_FIRST = (
     "tests/live/test_recovery_compile.py",  # 112 s: torch.compile on every rank, cold cache first
     "tests/live/test_recovery_kill.py",  # 110 s
     "tests/app/test_browser.py",  # 90 s: Chromium through every page, replay, scenario errors
-    "tests/live/test_launch_spare.py",  # 50-110 s beside two busy loops: three namespace nodes, one a spare node
+    "tests/live/test_launch_spare.py",  # 45-110 s beside two busy loops: three namespace nodes, one a spare node
     "tests/live/test_launch_nodes.py",  # 50 s: two namespace nodes, each an elastic agent and its workers
     "tests/live/test_trial_baselines.py",  # 30-80 s under load: a kill trial with its baselines
     "tests/live/test_launch.py",  # 30 s
