@@ -13,6 +13,7 @@ from __future__ import annotations
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 
 import pytest
+from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
 from meshpact.live.elastic import (JOB_ENDED_KEY, SPARE_COUNT_KEY, LaunchOptions, NodeLoss, NoJobFound, ReplacingAgent,
                                    SpareAgent, SpareNode, StandbyRendezvous, choose_spare, main)
@@ -113,3 +114,20 @@ def test_a_spare_node_that_finds_no_job_under_its_id_says_so_in_one_line():
     assert str(err.value).startswith(f"--spare: no job with --rdzv-id other named its control channel at "
                                      f"127.0.0.1:{server.port} within 0.5 s")
     assert "\n" not in str(err.value)
+
+
+def test_a_standing_spare_node_takes_the_group_rank_it_is_given_or_leaves_when_the_job_ends(capsys):
+    server = host_store("127.0.0.1", 0)
+    standby = StandbyRendezvous(f"127.0.0.1:{server.port}", "t", 1.0)
+    spec = WorkerSpec(role="default", local_world_size=2, rdzv_handler=standby, entrypoint="train.py")
+    agent = SpareAgent(spec, None, LaunchOptions(spare=True), standby)
+    agent._channel = ControlChannel("127.0.0.1", server.port, -1, 4, 5.0, run_id="t")
+    others = ControlChannel("127.0.0.1", server.port, 0, 4, 5.0, run_id="t")
+    me = SpareNode(1, "10.0.0.3", 2, 4242)
+    others.set("spare/assign1", {"group_rank": 1})
+    assert agent._stand_by(me) == 1
+    assert others.counter("spare/beat1") == 1  # it beat before it looked
+    others.set(JOB_ENDED_KEY, True)
+    with pytest.raises(RendezvousGracefulExitError):  # elastic's way out of a rendezvous: exit status 0
+        agent._stand_by(SpareNode(2, "10.0.0.4", 2, 4243))
+    assert "spare node 2 at 10.0.0.4: the job ended without needing a spare node; leaving" in capsys.readouterr().err
