@@ -87,6 +87,7 @@ __all__ = ["LaunchOptions", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "
 
 logger = logging.getLogger("meshpact.launch")
 
+NODES_CHANGED_KEY = "agent/nodes_changed"  # on the control channel: group rank 0 lost a node or gave it to a spare
 CONTROL_KEY = "meshpact/control"  # in the rendezvous store: "host:port" of the control channel
 SPARE_COUNT_KEY = "spare/count"  # on the control channel: how many spare nodes registered (each takes the next number)
 JOB_ENDED_KEY = "agent/ended"  # on the control channel: group rank 0 passed its exit barrier (spare nodes leave)
@@ -592,6 +593,7 @@ class ReplacingAgent(SimpleElasticAgent):
         verdict = choose_spare(loss, nproc_per_node, [w.node for w in self._spare_nodes.values()], live,
                                self._options.node_loss_s)
         _say(verdict.describe())
+        self._channel.set(NODES_CHANGED_KEY, True)  # the other agents' exit barrier would wait for it
         if verdict.spare is not None:
             del self._spare_nodes[verdict.spare.spare_id]
             self._channel.set(f"spare/assign{verdict.spare.spare_id}", {"group_rank": loss.group_rank})
@@ -606,6 +608,11 @@ class ReplacingAgent(SimpleElasticAgent):
         if self._channel is not None:
             self._channel.set(f"agent/done{self._worker_group.group_rank}", True)
         if not (self.lost_nodes or self.takeovers):
+            if self._worker_group.group_rank != 0 and self._nodes_changed():
+                # group rank 0 lost a node (or gave it to a spare node, which is in no elastic barrier):
+                # elastic's barrier would wait its whole timeout for an agent that never arrives
+                _say("a node of the job was lost: not waiting at elastic's exit barrier")
+                return
             super()._exit_barrier()
             self._end_standby()
             return
@@ -624,6 +631,15 @@ class ReplacingAgent(SimpleElasticAgent):
                 _say(f"the spare node(s) acting as node(s) {taken} did not finish within "
                      f"{self._exit_barrier_timeout:g} s ({exc}); leaving")
         self._end_standby()
+
+    def _nodes_changed(self) -> bool:
+        """Whether group rank 0 said a node of the job was lost (see :meth:`_node_lost`)."""
+        if self._channel is None:
+            return False
+        try:
+            return bool(self._channel.present([NODES_CHANGED_KEY]))
+        except (RuntimeError, OSError):  # the channel's host gone: the barrier's store with it
+            return True
 
     def _end_standby(self) -> None:
         """Group rank 0: tell the spare nodes still standing by that the job is over (they leave)."""

@@ -10,7 +10,7 @@ so in one line.
 
 from __future__ import annotations
 
-from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
@@ -131,3 +131,20 @@ def test_a_standing_spare_node_takes_the_group_rank_it_is_given_or_leaves_when_t
     with pytest.raises(RendezvousGracefulExitError):  # elastic's way out of a rendezvous: exit status 0
         agent._stand_by(SpareNode(2, "10.0.0.4", 2, 4243))
     assert "spare node 2 at 10.0.0.4: the job ended without needing a spare node; leaving" in capsys.readouterr().err
+
+
+def test_once_a_node_is_lost_the_other_agents_do_not_wait_at_elastics_exit_barrier(capsys, monkeypatch):
+    """In a job of three or more nodes an agent other than group rank 0 would wait the barrier's whole
+    timeout for the lost agent (or for a spare node, which is in no elastic barrier)."""
+    server, agent, wg, others = _agent_on_channel()
+    node2 = ReplacingAgent(agent.get_worker_group().spec, None, LaunchOptions(node_loss_s=SILENT_S))
+    node2._channel = ControlChannel("127.0.0.1", server.port, 2, 4, 5.0, run_id="t")
+    node2.get_worker_group().group_rank = 2
+    barriers = []
+    monkeypatch.setattr(SimpleElasticAgent, "_exit_barrier", lambda self: barriers.append(self))
+    node2._exit_barrier()
+    assert barriers == [node2]  # nothing lost yet: elastic's barrier, as torchrun's agents do
+    _lose_node_1(agent, wg, others, None)
+    node2._exit_barrier()
+    assert barriers == [node2] and "a node of the job was lost" in capsys.readouterr().err
+    del server
