@@ -17,14 +17,18 @@ and optimizer state), and the lost rank's shards come from a peer's host-memory 
    never in the local tensor); the new world's cut of the same rows says which rows each
    survivor needs. Every survivor sends, from its own shards and the copies it provides of
    lost ranks (one provider per lost rank: the first survivor holding it), exactly the rows
-   each other survivor's new shard takes from them, in one ``all_to_all_single`` of byte
-   buffers after a small exchange of the layouts. A survivor's memory for it is its send
-   buffer (what it holds) and its receive buffer (its new shard): a shard's multiple, not
-   the model's.
+   each other survivor's new shard takes from them, in ``all_to_all_single`` rounds of byte
+   buffers after a small exchange of the layouts (:func:`plan_rounds`: consecutive tensors
+   share a round while no survivor sends and receives more than ``ROUND_BYTES`` in it). Each
+   arriving piece is copied into its place in the new shard, which is made once, empty, and
+   filled first with the rows the survivor holds already. A survivor's memory for it is its
+   new shard and one round's buffers: never a whole tensor, nor a second copy of its shard.
 3. *rebuild* — the workload's ``build(mesh)`` on the survivors' 1-D mesh, its shapes checked
    against the old shards', and the new shards loaded, Adam's
    ``exp_avg``/``exp_avg_sq``/``step`` included. The generators are left as they were:
-   ``build`` may reseed them.
+   ``build`` may reseed them. Then the old shards' memory is freed (:func:`release_shards`):
+   the old model lingers (the caller's references, cycles among FSDP's modules) but holds
+   none of it.
 
 Same global batch (:func:`share_batch`): the global batch of a step is the concatenation of
 ``batch(step, r)`` over the *original* world's ranks. After excision every survivor keeps
@@ -69,10 +73,12 @@ from .state import (SCHEDULE_KEY, capture_rng, load_buffers, load_local_state, r
                     saved_objects, shard_rows)
 
 __all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "BatchShare",
-           "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise",
+           "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise", "plan_rounds",
+           "release_shards",
            "adopt_objects", "max_abs_diff"]
 
 _SHARDED = ("param/", "optim/")  # keys of local_state that are FSDP2 shards (or replicated scalars)
+ROUND_BYTES = 32 << 20  # what one survivor sends and receives in one round of the redistribution, at most
 
 
 class ExcisionError(MeshpactError):
@@ -300,11 +306,31 @@ def _unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     return out
 
 
+def plan_rounds(costs: Sequence[Sequence[int]], bound: int) -> list[list[int]]:
+    """The rounds of a redistribution: ``costs[k][i]`` is what rank ``i`` sends and receives of
+    key ``k`` (bytes); consecutive keys share a round while no rank's sum for the round passes
+    ``bound``, and a key costing more than ``bound`` on some rank is a round of its own. Returns
+    the keys' indices, round by round. Pure: every rank computes the same rounds."""
+    rounds: list[list[int]] = []
+    load: list[int] = []
+    for k, cost in enumerate(costs):
+        if rounds and all(x + c <= bound for x, c in zip(load, cost)):
+            rounds[-1].append(k)
+            load = [x + c for x, c in zip(load, cost)]
+        else:
+            rounds.append([k])
+            load = list(cost)
+    return rounds
+
+
 def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]],
                   providers: Mapping[int, int], before: Membership, after: Membership, group: dist.ProcessGroup,
-                  me: int) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], int]:
+                  me: int, round_bytes: int = ROUND_BYTES) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], int]:
     """This survivor's (group rank ``me`` in ``before``) shards in the new world (every sharded key), the whole tensors' shapes,
-    and the payload bytes the redistribution carried over the group (module docstring)."""
+    and the payload bytes the redistribution carried over the group (module docstring). The rows
+    go in rounds (:func:`plan_rounds`): a round's send and receive buffers take at most
+    ``round_bytes`` on any rank (or one key's rows, where those are more), and each arriving
+    piece is copied straight into its place in the new shard."""
     import hashlib
 
     keys = sharded_keys(own)
@@ -312,7 +338,8 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
     me = after.group_rank(before.alive[me])  # from here on: the rank in the new world
     replicated = [k for k in keys if own[k].dim() == 0]
     rows_keys = [k for k in keys if own[k].dim() > 0]
-    scalar_bytes = hashlib.blake2b(b"".join(own[k].detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+    # hashed from copies: numpy over a tensor's own storage would pin it (no longer resizable or freed)
+    scalar_bytes = hashlib.blake2b(b"".join(own[k].detach().reshape(-1).clone().view(torch.uint8).numpy().tobytes()
                                             for k in replicated), digest_size=16).hexdigest()
     layout = {r: [(k, str(mine[r][k].dtype), tuple(mine[r][k].shape)) for k in rows_keys] for r in sorted(mine)}
     layouts: list[Any] = [None] * group.size()
@@ -355,44 +382,66 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
 
     world = after.world
     order = list(before.alive)  # sources in old rank order: a new shard's rows come in this order
-    send_parts: list[torch.Tensor] = []
-    send_sizes = [0] * world
-    for j in range(world):
-        for r in order:
-            if holder[r] != me or j == me:  # rows that stay on this rank are never packed
-                continue
-            for k in rows_keys:
-                a, b = piece(r, k, j)
-                if b > a:
-                    send_parts.append(mine[r][k].detach().narrow(0, a, b - a).contiguous().reshape(-1).view(torch.uint8))
-                    send_sizes[j] += send_parts[-1].numel()
-    recv_sizes = [0 if i == me else sum(nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, me)))
-                                        for r in order if holder[r] == i for k in rows_keys) for i in range(world)]
-    send = torch.cat(send_parts) if send_parts else torch.zeros(0, dtype=torch.uint8)
-    del send_parts
-    recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
-    del send
-    # the received pieces, by sending rank, each in (source, key) order; a new shard is its pieces in source order
-    pieces: dict[tuple[int, str], torch.Tensor] = {}
-    at_by_sender = [sum(recv_sizes[:i]) for i in range(world)]
-    for r in order:
-        i = holder[r]
-        for k in rows_keys:
-            a, b = piece(r, k, me)
-            n = nbytes(r, k, b - a)
-            if n and i == me:
-                pieces[(r, k)] = mine[r][k].detach().narrow(0, a, b - a)
-            elif n:
-                dtype, shape = shapes[r][k]
-                pieces[(r, k)] = recv[at_by_sender[i]:at_by_sender[i] + n].view(_dtype(dtype)).reshape(b - a, *shape[1:])
-                at_by_sender[i] += n
+
+    def rows(p: tuple[int, int]) -> int:
+        return p[1] - p[0]
+
+    def first_row(k: str, j: int) -> int:
+        return shard_rows(totals[k], world, j)[0]
+
+    # the new shards, filled in place: the rows this rank holds now first, then each round's
     out: dict[str, torch.Tensor] = {}
     for k in rows_keys:
         dtype, shape = shapes[order[0]][k]
-        parts = [pieces[(r, k)] for r in order if (r, k) in pieces]
-        out[k] = torch.cat(parts) if parts else torch.empty((0, *shape[1:]), dtype=_dtype(dtype))
-    del pieces, recv  # the new shards are copies: the receive buffer goes now, not after the rebuild
+        out[k] = torch.empty((shard_rows(totals[k], world, me)[1], *shape[1:]), dtype=_dtype(dtype))
+    for r in order:
+        if holder[r] != me:
+            continue
+        for k in rows_keys:
+            a, b = piece(r, k, me)
+            if b > a:
+                at = offsets[k][before.alive.index(r)] + a - first_row(k, me)
+                out[k].narrow(0, at, b - a).copy_(mine[r][k].detach().narrow(0, a, b - a))
+    # every rank's round buffers per key (what it sends plus what it receives), the same table on every rank
+    costs = [[sum(nbytes(r, k, rows(piece(r, k, j))) for r in order if holder[r] == i for j in range(world) if j != i)
+              + sum(nbytes(r, k, rows(piece(r, k, i))) for r in order if holder[r] != i) for i in range(world)]
+             for k in rows_keys]
+    for keys in plan_rounds(costs, round_bytes):
+        batch = [rows_keys[x] for x in keys]
+        send_parts: list[torch.Tensor] = []
+        send_sizes = [0] * world
+        for j in range(world):
+            for r in order:
+                if holder[r] != me or j == me:  # rows that stay on this rank were copied above
+                    continue
+                for k in batch:
+                    a, b = piece(r, k, j)
+                    if b > a:
+                        send_parts.append(mine[r][k].detach().narrow(0, a, b - a).contiguous().reshape(-1)
+                                          .view(torch.uint8))
+                        send_sizes[j] += send_parts[-1].numel()
+        recv_sizes = [0 if i == me else sum(nbytes(r, k, rows(piece(r, k, me))) for r in order if holder[r] == i
+                                            for k in batch) for i in range(world)]
+        send = torch.cat(send_parts) if send_parts else torch.zeros(0, dtype=torch.uint8)
+        del send_parts
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
+        del send
+        at_by_sender = [sum(recv_sizes[:i]) for i in range(world)]
+        for r in order:  # each sender's pieces in (source, key) order, as it packed them
+            i = holder[r]
+            if i == me:
+                continue
+            for k in batch:
+                a, b = piece(r, k, me)
+                n = nbytes(r, k, b - a)
+                if n:
+                    dtype, shape = shapes[r][k]
+                    at = offsets[k][before.alive.index(r)] + a - first_row(k, me)
+                    out[k].narrow(0, at, b - a).copy_(
+                        recv[at_by_sender[i]:at_by_sender[i] + n].view(_dtype(dtype)).reshape(b - a, *shape[1:]))
+                    at_by_sender[i] += n
+        del recv  # the round's buffers go before the next round's are made
     for k in replicated:
         out[k] = own[k].detach().clone()
     moved = sum(nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, j))) for r in order for k in rows_keys
@@ -421,6 +470,21 @@ def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer
                                 f"make {tuple(whole[f'param/{name}'])}")
     load_local_state(model, optimizer, shards, take=True)  # each shard leaves ``shards`` as it is loaded
     return model, optimizer
+
+
+def release_shards(state: Mapping[str, torch.Tensor]) -> int:
+    """Free the memory of the old world's shards (``state``'s parameters and optimizer state, as
+    :func:`excise` got them) once the new model holds them; returns the bytes freed. The old
+    model may outlive the excision (the caller's references to it, which refuse any forward, or
+    reference cycles among its modules that a frozen garbage collector never visits): it keeps
+    none of its shards' memory, so a survivor never holds the old world's shards beside the new."""
+    freed = 0
+    for key in sharded_keys(state):
+        storage = state[key].untyped_storage()
+        if storage.nbytes() and storage.resizable():
+            freed += storage.nbytes()
+            storage.resize_(0)
+    return freed
 
 
 def carry_schedule(schedule: Any, optimizer: torch.optim.Optimizer) -> list[Any]:
@@ -453,7 +517,8 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
            old_group: dist.ProcessGroup | None = None, min_ranks: int = 1,
            checkpoint_dir: str | None = None) -> Excised:
     """Every survivor calls this with its own committed state (``local_state``; other keys such
-    as generators are kept out of the exchange) and the copies it holds of other ranks, keyed
+    as generators are kept out of the exchange; its parameters' and optimizer state's memory is
+    freed once the new model holds them, :func:`release_shards`) and the copies it holds of other ranks, keyed
     by original rank (``held``, possibly empty; emptied once re-sharded, so the copies can be
     freed before the new model is built). ``before`` is the job's membership,
     ``spec.rank`` this rank's group rank in it, ``lost`` original ranks, ``generation`` the
@@ -505,6 +570,7 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
     model, optimizer = _rebuild(build, mesh, shards, whole)
     load_buffers(model, own)  # buffers are each rank's own (BatchNorm's statistics): the survivor keeps its
     del shards
+    release_shards(own)
     rebuild_s = time.perf_counter() - t0
     record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,
                             gather_s, rebuild_s)

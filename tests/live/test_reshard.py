@@ -223,12 +223,16 @@ def test_the_lone_survivor_rebuilds_the_whole_model_and_adam_state_from_its_shar
     own["rng/torch_cpu"] = torch.zeros(3, dtype=torch.uint8)  # kept out of the exchange
     torch.manual_seed(77)
     draw_before = torch.get_rng_state()
-    out = excise(own, {1: copy}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1,
+    whole = assemble_full([own, copy])
+    held = {1: copy}
+    out = excise(own, held, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1,
                  build=_one_rank_build)
     assert torch.equal(torch.get_rng_state(), draw_before)
     assert (out.membership.alive, out.spec.rank, out.spec.world_size, out.group.size()) == ((0,), 0, 1, 1)
     assert out.record.action is CommunicatorAction.REBUILD and out.record.new_world == 1
-    whole = assemble_full([own, copy])
+    # the old shards' memory went back once the new model held them, the copy was let go
+    assert {k: n for k in own if k.startswith(("param/", "optim/")) for n in [own[k].untyped_storage().nbytes()] if n} == {}
+    assert own["rng/torch_cpu"].untyped_storage().nbytes() == 3 and held == {}
     got = local_state(out.model, out.optimizer)
     assert got.keys() == whole.keys()
     for k in whole:
@@ -296,3 +300,110 @@ def test_shrink_is_chosen_where_the_backend_can_shrink_and_is_told_group_ranks(m
     pg, new_spec, action = reshard._survivor_group(old, spec, None, 2, before, before.without([3]))
     assert (pg, action, calls) == (shrunk, CommunicatorAction.SHRINK, [([2], old)])
     assert (new_spec.rank, new_spec.world_size) == (1, 2)
+
+
+# -- the redistribution in rounds ------------------------------------------------------------------
+def test_rounds_group_consecutive_keys_while_no_rank_passes_the_bound():
+    from meshpact.live.recovery.reshard import plan_rounds
+
+    costs = [[10, 0, 5], [10, 30, 0], [0, 15, 5], [50, 0, 0], [1, 1, 1], [0, 0, 0]]
+    rounds = plan_rounds(costs, 40)
+    assert rounds == [[0, 1], [2], [3], [4, 5]]  # 2 would put rank 1 at 30 + 15; 3 alone: 50 passes the bound
+    for keys in rounds:
+        if len(keys) > 1:
+            assert all(sum(costs[k][i] for k in keys) <= 40 for i in range(3))
+    assert [k for keys in rounds for k in keys] == list(range(len(costs)))  # every key once, in order
+    assert plan_rounds([], 40) == []
+
+
+class _Hub:
+    """In-memory collectives for survivors running as threads of one process."""
+
+    def __init__(self, world: int) -> None:
+        import threading
+
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=20)
+        self.slots: list = [None] * world
+        self.round_bytes: list[int] = []  # per all_to_all_single call and rank: send + receive buffer bytes
+
+    def exchange(self, rank: int, value):
+        self.slots[rank] = value
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+
+class _Group:
+    def __init__(self, hub: _Hub, rank: int) -> None:
+        self.hub, self.rank = hub, rank
+
+    def size(self) -> int:
+        return self.hub.world
+
+
+def _fake_all_gather_object(out, obj, group):
+    out[:] = group.hub.exchange(group.rank, obj)
+
+
+def _fake_all_to_all_single(out, inp, output_split_sizes, input_split_sizes, group):
+    group.hub.round_bytes.append(inp.numel() + out.numel())
+    got = group.hub.exchange(group.rank, list(torch.split(inp, input_split_sizes)))
+    out.copy_(torch.cat([got[i][group.rank] for i in range(group.hub.world)]))
+
+
+def test_survivors_redistribute_shard_to_shard_in_bounded_rounds_bit_for_bit(monkeypatch):
+    """Four ranks' states, rank 3 lost and its copy held by rank 0: three survivors (threads, with
+    in-memory collectives) re-shard in rounds of at most 256 bytes each (a larger tensor alone), and
+    every new shard is the Shard(0) cut of the whole tensor over three ranks, every bit kept."""
+    import threading
+
+    from meshpact.live.recovery import reshard
+
+    gen = torch.Generator().manual_seed(5)
+    whole = {"param/a": torch.randn(13, 7, generator=gen),
+             "optim/a/exp_avg": torch.randn(13, 7, generator=gen),
+             "optim/a/step": torch.tensor(4.0),
+             "param/b": torch.randn(9, generator=gen).to(torch.bfloat16),
+             "param/c": torch.randint(-2**40, 2**40, (2, 3), generator=gen),  # ranks 2 and 3 hold no rows
+             "param/d": torch.tensor([[-0.0, float("nan")], [1e-40, -3.5], [7.0, 8.0]]),
+             "param/e": torch.randn(40, 5, generator=gen)}  # 800 bytes: a round of its own below
+    states = [{k: shard_of(v, 4, r) if v.dim() else v.clone() for k, v in whole.items()} for r in range(4)]
+    before, lost = Membership.full(4), 3
+    after = before.without([lost])
+    hub = _Hub(after.world)
+    monkeypatch.setattr(reshard.dist, "all_gather_object", _fake_all_gather_object)
+    monkeypatch.setattr(reshard.dist, "all_to_all_single", _fake_all_to_all_single)
+    results: dict[int, dict[str, torch.Tensor]] = {}
+    errors: list[BaseException] = []
+
+    def survivor(rank: int) -> None:
+        try:
+            provided = {lost: states[lost]} if rank == 0 else {}
+            out, shapes, _ = reshard._redistribute(states[rank], provided, {lost: 0}, before, after,
+                                                   _Group(hub, rank), rank, round_bytes=256)
+            results[rank] = out
+            assert shapes["param/a"] == (13, 7) and shapes["optim/a/step"] == ()
+        except BaseException as exc:  # noqa: BLE001  (reported by the test thread)
+            errors.append(exc)
+            hub.barrier.abort()
+
+    threads = [threading.Thread(target=survivor, args=(r,)) for r in after.alive]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    for j in range(after.world):
+        for k, v in whole.items():
+            want = shard_of(v, after.world, j) if v.dim() else v
+            got = results[after.alive[j]][k]
+            assert got.dtype == want.dtype and got.shape == want.shape, k
+            assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), (j, k)
+    rounds = len(hub.round_bytes) // after.world
+    assert rounds > 1  # the rows went in several rounds, not one exchange of everything
+    single = max(v.numel() * v.element_size() for v in whole.values())  # one key alone may pass the bound
+    assert max(hub.round_bytes) <= max(256, single)
+    moved = sum(v.numel() * v.element_size() for v in states[lost].values() if v.dim())
+    assert sum(hub.round_bytes) >= 2 * moved  # the lost rank's rows were all sent and received
