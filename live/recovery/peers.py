@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import queue
 import socket
@@ -57,12 +58,13 @@ if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stay
     import torch
 
 __all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
-           "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "HOST_ENV", "ADDR_ENV"]
+           "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "host_buffer", "HOST_ENV", "ADDR_ENV"]
 
 ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (default: loopback)
 HOST_ENV = "MESHPACT_HOST_ID"  # which host a rank is on (default: its peer address)
 _HEADER = struct.Struct("!I")
 _CHUNK = 1 << 20
+_MAPPED_MIN = 1 << 20  # buffers at least this long are mapped from the kernel (:func:`host_buffer`)
 
 
 class PeerError(ConnectionError):
@@ -122,9 +124,20 @@ def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview |
             sock.sendall(part)
 
 
-def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> bytearray:
-    """``n`` bytes from ``sock``, into ``into`` (exactly ``n`` long) where given, else a new buffer."""
-    buf = bytearray(n) if into is None else into
+def host_buffer(n: int) -> bytearray | mmap.mmap:
+    """A writable host buffer of ``n`` bytes. From a megabyte up it is an anonymous mapping of
+    its own (``mmap``), outside malloc's heaps: a copy's buffer is never carved out of the free
+    space the training step's tensors left in a heap (where it would pin that heap's pages, and
+    the next step's tensors would grow the heap again around it), and its pages go back to the
+    kernel the moment its last view goes, not when a heap happens to shrink. A peer copy's and
+    a snapshot's memory is then its size, whatever the allocator held before."""
+    return bytearray(n) if n < _MAPPED_MIN else mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
+
+
+def _recv_exact(sock: socket.socket, n: int, into: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap:
+    """``n`` bytes from ``sock``, into ``into`` (exactly ``n`` long) where given, else a new
+    buffer (:func:`host_buffer`)."""
+    buf = host_buffer(n) if into is None else into
     view = memoryview(buf)
     got = 0
     while got < n:
@@ -135,7 +148,7 @@ def _recv_exact(sock: socket.socket, n: int, into: bytearray | None = None) -> b
     return buf
 
 
-def _recv(sock: socket.socket) -> tuple[JsonObject, bytearray]:
+def _recv(sock: socket.socket) -> tuple[JsonObject, bytearray | mmap.mmap]:
     (size,) = _HEADER.unpack(bytes(_recv_exact(sock, _HEADER.size)))
     header = json.loads(bytes(_recv_exact(sock, size)))
     return header, _recv_exact(sock, int(header.get("n", 0)))
@@ -188,14 +201,15 @@ class Layout:
 
 
 class Slab:
-    """One host buffer laid out by a :class:`Layout`, with a view per tensor (``state``: made
+    """One host buffer (:func:`host_buffer`) laid out by a :class:`Layout`, with a view per tensor (``state``: made
     once, since making them costs more than the copy); :meth:`fill` copies a state into it."""
 
     def __init__(self, layout: Layout) -> None:
         import torch
 
         self.layout = layout
-        self.flat = torch.empty(layout.total, dtype=torch.uint8)
+        self.flat = (torch.frombuffer(host_buffer(layout.total), dtype=torch.uint8) if layout.total
+                     else torch.empty(0, dtype=torch.uint8))
         self.views = [self.flat[o:o + n].view(d).view(sh)
                       for d, sh, n, o in zip(layout.dtypes, layout.shapes, layout.nbytes, layout.offsets)]
         self.state = dict(zip(layout.names, self.views))
@@ -223,10 +237,10 @@ def serialize(step: int, state: dict[str, torch.Tensor]) -> bytes:
     return slab.layout.header(step) + bytes(slab.body())
 
 
-def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
+def deserialize(raw: bytes | bytearray | mmap.mmap) -> tuple[int, dict[str, torch.Tensor]]:
     """The step and the state of a payload :func:`serialize` made; a payload of another form or
-    length (a torn copy) raises ``ValueError`` naming what differs. The tensors of a
-    ``bytearray`` payload are views of it (no copy: the caller's memory stays one copy's; the
+    length (a torn copy) raises ``ValueError`` naming what differs. The tensors of a writable
+    payload (a ``bytearray``, a :func:`host_buffer`) are views of it (no copy: the caller's memory stays one copy's; the
     payload lives as long as they do), those of ``bytes`` copies."""
     import torch
 
@@ -276,7 +290,7 @@ def deserialize(raw: bytes | bytearray) -> tuple[int, dict[str, torch.Tensor]]:
 class HeldCopy:
     src: int
     step: int
-    payload: bytearray  # as received: the one buffer a copy takes (states handed out are views of it)
+    payload: bytearray | mmap.mmap  # as received (:func:`host_buffer`): the one buffer a copy takes (states handed out are views of it)
 
 
 class PeerServer:
