@@ -3,8 +3,8 @@
 Measures on this machine, in one run:
 
 - the same large workload (``gpt100m``: 110 M parameters, float32, AdamW, FSDP2 over 4 ranks)
-  trained under plain ``torchrun`` without Meshpact: each rank's peak resident memory
-  (``ru_maxrss``) and step time, the baseline the extra memory is counted against;
+  trained under plain ``torchrun`` without Meshpact, writing no checkpoint: each rank's peak
+  resident memory and step time, the baseline the extra memory is counted against;
 - Meshpact trials of the tiny (``decoder``) and the large workload on every recovery path: a
   collective fault (in-memory), a stall (found by the heartbeat), a kill (peer restore), and
   a kill excised (``--on-rank-loss excise``), one peer copy per rank, each judged
@@ -16,8 +16,24 @@ Measures on this machine, in one run:
   ranks reaching the failed collective (first rank knowing -> every rank knowing, the
   detection stage) is ``skew_ms_p50_by_state_mb`` beside it, apart from the recovery;
 - ``extra_rss_per_rank_over_state`` per path: the largest peak resident memory of a rank of
-  the faulted run (``VmHWM``, read from ``/proc`` while it runs) less the plain run's largest,
-  over one rank's state bytes;
+  the faulted run less the plain run's largest, over one rank's state bytes
+  (``extra_rss_mb_per_rank``: the same difference in MB). Both runs' ranks are watched the same
+  way (``VmHWM``, the kernel's exact peak, read from ``/proc`` every 20 ms while they run; the
+  sampled peak of anonymous memory, ``RssAnon``, beside it as ``extra_anon_per_rank_over_state``).
+  Where a workload's state per rank is under ``RATIO_MIN_STATE_MB`` the ratio is None and only
+  the MB are given: the tiny workload's 0.3 MB would turn the few MB by which any two Python
+  processes differ (a trial's ranks are forked from a server with torch imported, the plain
+  ranks start afresh) into ratios of hundreds;
+- for the excision, beside it, the same against the plain loop on the world the excision
+  leaves (``ranks - 1``: every survivor's shard is ``ranks / (ranks - 1)`` of before, in this
+  job or any other that goes on without a rank): ``extra_rss_excised_over_state_vs_survivor_world``;
+- the allocator, held equal: every process of both runs starts with glibc's mmap threshold
+  fixed (``--mmap-threshold``, 1 MiB; ``MALLOC_MMAP_THRESHOLD_``), so a tensor of a megabyte or
+  more is mapped and unmapped whole and a run's peak is what it holds. With glibc's default
+  (a threshold that rises to 32 MiB as large blocks are freed) both runs keep 1-2 GB of freed
+  tensors in the heap, and how much varies run to run by about the state of a rank: the plain
+  run of ``gpt100m`` peaked at 2.16-2.32 GB per rank in three runs, 1.01 GB in every rank with
+  the threshold fixed. ``--mmap-threshold 0`` measures with glibc's default;
 - ``commit_overhead_ms`` (the training thread's snapshot at each commit) and
   ``peer_copy_step_latency`` (step-latency overhead of the copies) at both sizes.
 
@@ -32,7 +48,7 @@ With ``--peer-copy-depth 1`` (one own snapshot and one held copy per source inst
 each) the run is written to ``bench/results/scale-depth1.json`` instead.
 
 Usage: ``python bench/scale.py [--steps 8] [--faults 3] [--ranks 4] [--data-timeout S] [--peer-copy-depth 2]
-[--paths collective,stall,kill,excise]``.
+[--paths collective,stall,kill,excise] [--mmap-threshold BYTES]``.
 Under ``torchrun`` with ``--plain WORKLOAD`` it is the plain loop itself (one rank).
 """
 
@@ -50,9 +66,12 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from _results import emit
+
+MMAP_THRESHOLD = 1 << 20  # bytes: glibc's mmap threshold in every process of both runs (0: glibc's own, dynamic)
+RATIO_MIN_STATE_MB = 64.0  # below this much state per rank the extra memory is given in MB only, not as a ratio
 
 PATHS = {"collective": ("collective", "replace"), "stall": ("stall", "replace"), "kill": ("kill", "replace"),
          "excise": ("kill", "excise")}
@@ -70,6 +89,7 @@ def plain_rank(workload: str, steps: int, out_dir: str) -> None:
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    Path(out_dir, f"pid{rank}").write_text(str(os.getpid()))  # the bench watches this process as it watches a trial's
     wl = load_workload(workload, world)
     model, optimizer = wl.build(init_device_mesh("cpu", (world,)))
     step_s = []
@@ -92,7 +112,8 @@ def _local_tensors(model: Any, optimizer: Any) -> list[Any]:
 
 @dataclass(frozen=True)
 class PlainRun:
-    peak_rss_bytes: int  # the largest rank's
+    peak_rss_bytes: int  # the largest rank's (VmHWM, watched as a trial's ranks are)
+    peak_anon_bytes: int  # the largest rank's sampled peak of anonymous memory (RssAnon)
     state_bytes: int  # the largest rank's own state
     step_s_p50: float
 
@@ -101,24 +122,52 @@ def run_plain(workload: str, ranks: int, steps: int) -> PlainRun:
     out_dir = tempfile.mkdtemp(prefix="meshpact-bench-plain-")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
            "--plain", workload, "--steps", str(steps), "--out", out_dir]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
+    with RssWatch(lambda: _plain_pids(Path(out_dir))) as watch:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     rows = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     shutil.rmtree(out_dir, ignore_errors=True)
     if len(rows) != ranks:
         raise RuntimeError(f"the plain run of {workload} ended with {len(rows)} of {ranks} ranks reporting:\n"
                            f"{out.stderr[-2000:]}")
     steps_s = [s for r in rows for s in r["step_s"][1:]] or [s for r in rows for s in r["step_s"]]
-    return PlainRun(max(r["peak_rss_bytes"] for r in rows), max(r["state_bytes"] for r in rows),
+    own = max(r["peak_rss_bytes"] for r in rows)  # ru_maxrss: only where the watch saw no rank
+    return PlainRun(watch.peak("plain") or own, watch.peak("plain", anon=True), max(r["state_bytes"] for r in rows),
                     statistics.median(steps_s))
+
+
+def _plain_pids(out_dir: Path) -> list[tuple[tuple[str, int, int], int]]:
+    """(("plain", rank, 0), pid) of each plain rank that has written its pid so far."""
+    out = []
+    for p in out_dir.glob("pid*"):
+        try:
+            out.append((("plain", int(p.name[3:]), 0), int(p.read_text())))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _trial_pids(work: Path) -> list[tuple[tuple[str, int, int], int]]:
+    """((run, rank, incarnation), pid) of every rank process a trial's registry lists so far."""
+    from meshpact.live.trials.trialconfig import PROCESSES_FILE
+
+    try:
+        rows = [json.loads(line) for line in (work / PROCESSES_FILE).read_text().splitlines() if line]
+    except (OSError, ValueError):
+        return []
+    return [((row["run_id"], int(row["rank"]), int(row["incarnation"])), int(row["pid"]))
+            for row in rows if row.get("rank") is not None]
 
 
 # -- Meshpact trials, their processes' peak memory watched ---------------------------------------------
 @dataclass
 class RssWatch:
-    """Polls ``VmHWM`` (peak resident memory) of every process a trial's registry lists."""
+    """Polls ``/proc/<pid>/status`` of every process ``pids()`` lists, the plain run's ranks and a
+    trial's alike: ``VmHWM`` (the kernel's peak resident memory, exact) and ``RssAnon`` (anonymous
+    memory, its peak as sampled every 20 ms)."""
 
-    work: Path
+    pids: Callable[[], list[tuple[tuple[str, int, int], int]]]  # ((run, rank, incarnation), pid)
     peaks: dict[tuple[str, int, int], int] = field(default_factory=dict)  # (run, rank, incarnation) -> bytes
+    anon: dict[tuple[str, int, int], int] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __enter__(self) -> "RssWatch":
@@ -131,26 +180,19 @@ class RssWatch:
         self._thread.join()
 
     def _run(self) -> None:
-        from meshpact.live.trials.trialconfig import PROCESSES_FILE
-
-        while not self._stop.wait(0.1):
-            try:
-                rows = [json.loads(line) for line in (self.work / PROCESSES_FILE).read_text().splitlines() if line]
-            except (OSError, ValueError):
-                continue
-            for row in rows:
-                if row.get("rank") is None:
-                    continue
+        while not self._stop.wait(0.02):
+            for key, pid in self.pids():
                 try:
-                    status = Path(f"/proc/{row['pid']}/status").read_text()
+                    status = Path(f"/proc/{pid}/status").read_text()
                 except OSError:
                     continue
-                hwm = next((int(line.split()[1]) * 1024 for line in status.splitlines() if line.startswith("VmHWM:")), 0)
-                key = (row["run_id"], int(row["rank"]), int(row["incarnation"]))
-                self.peaks[key] = max(self.peaks.get(key, 0), hwm)
+                kb = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
+                      if line.startswith(("VmHWM:", "RssAnon:"))}
+                self.peaks[key] = max(self.peaks.get(key, 0), kb.get("VmHWM", 0) * 1024)
+                self.anon[key] = max(self.anon.get(key, 0), kb.get("RssAnon", 0) * 1024)
 
-    def peak(self, run: str) -> int:
-        return max((v for (r, _, _), v in self.peaks.items() if r == run), default=0)
+    def peak(self, run: str, anon: bool = False) -> int:
+        return max((v for (r, _, _), v in (self.anon if anon else self.peaks).items() if r == run), default=0)
 
 
 @dataclass(frozen=True)
@@ -163,7 +205,8 @@ class PathRun:
     recoveries: int
     recovery_ms: list[float]  # first rank knowing -> every rank through the first collective
     detection_ms: list[float]
-    peak_rss_bytes: int  # the faulted run's largest rank
+    peak_rss_bytes: int  # the faulted run's largest rank (VmHWM)
+    peak_anon_bytes: int  # the faulted run's largest rank's sampled peak of RssAnon
     commit_ms: float | None
     step_latency: float | None
     error: str | None = None
@@ -190,10 +233,10 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
     work = Path(tempfile.mkdtemp(prefix=f"{Path(workload).stem}-{path}-", dir=root))
     try:
         cfg = TrialConfig(**kw)
-        with RssWatch(work) as watch:
+        with RssWatch(lambda: _trial_pids(work)) as watch:
             result = run_trial(cfg, work_dir=work, reference_dir=ref if on_loss == "replace" else None)
     except Exception as exc:  # noqa: BLE001  (one path failing is a row of the table, not the end of the bench)
-        return PathRun(workload, path, False, 0, faults, 0, [], [], 0, None, None, str(exc).splitlines()[0][:300])
+        return PathRun(workload, path, False, 0, faults, 0, [], [], 0, 0, None, None, str(exc).splitlines()[0][:300])
     finally:  # a large workload's checkpoints and final states are gigabytes a path: kept only as numbers
         for sub in ("checkpoints", "faulted", "excising-reference", "ref-checkpoints"):
             shutil.rmtree(work / sub, ignore_errors=True)
@@ -202,7 +245,7 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
     overhead = s.get("peer_copy_overhead") or {}
     return PathRun(workload, path, bool(s["bit_identical"]), int(s["policy_counts"][POLICY[path]]),
                    int(s["faults_injected"]), len(recs), [r["recovery_s"] * 1e3 for r in recs],
-                   [r["detection_s"] * 1e3 for r in recs], watch.peak("faulted"),
+                   [r["detection_s"] * 1e3 for r in recs], watch.peak("faulted"), watch.peak("faulted", anon=True),
                    overhead.get("snapshot_ms_per_commit"), overhead.get("step_latency"),
                    stages_ms={k: statistics.median(v) for k, v in _stage_lists(recs).items()},
                    skew_ms=[r["stages_s"].get("detection", 0.0) * 1e3 for r in recs],
@@ -237,6 +280,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--peer-copy-depth", type=int, default=2, choices=(1, 2),
                         help="committed steps kept of each peer copy and own snapshot")
+    parser.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
+                        help="glibc's mmap threshold in bytes for every process of both runs (0: glibc's default)")
     args = parser.parse_args(argv)
     if args.plain:
         plain_rank(args.plain, args.steps, args.out)
@@ -245,8 +290,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bad = [p for p in paths if p not in PATHS]
     if bad:
         parser.error(f"--paths takes {', '.join(PATHS)}; got {', '.join(bad)}")
+    if args.mmap_threshold:  # read by glibc as each process starts: the plain ranks, the fork server, replacements
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
+    else:
+        os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     root = Path(tempfile.mkdtemp(prefix="meshpact-bench-scale-"))
     plain = {w: run_plain(w, args.ranks, args.steps) for w in (args.tiny, args.large)}
+    # the world an excision leaves: each survivor's shard is ranks / (ranks - 1) of before, in any job that goes on
+    survivors = run_plain(args.large, args.ranks - 1, args.steps) if "excise" in paths and args.ranks > 2 else None
     runs: list[PathRun] = []
     for w in (args.tiny, args.large):
         ref = root / f"ref-{w}" / "reference"
@@ -258,37 +309,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     in_memory = [p for p in paths if POLICY[p] == "in_memory"]
     rec = {w: _p50([ms for r in runs if r.workload == w and r.path in in_memory for ms in r.own_ms]) for w in plain}
     det = {w: _p50([ms for r in runs if r.workload == w and r.path in in_memory for ms in r.skew_ms]) for w in plain}
-    extra = {f"{r.workload}/{r.path}": ((r.peak_rss_bytes - plain[r.workload].peak_rss_bytes)
-                                        / plain[r.workload].state_bytes if r.peak_rss_bytes else None) for r in runs}
+    extra_mb = {f"{r.workload}/{r.path}": ((r.peak_rss_bytes - plain[r.workload].peak_rss_bytes) / 2**20
+                                           if r.peak_rss_bytes else None) for r in runs}
+    extra_anon_mb = {f"{r.workload}/{r.path}": ((r.peak_anon_bytes - plain[r.workload].peak_anon_bytes) / 2**20
+                                                if r.peak_anon_bytes else None) for r in runs}
+
+    def over_state(mb: dict[str, float | None]) -> dict[str, float | None]:
+        """Each path's extra over its workload's state per rank; None where that state is under
+        RATIO_MIN_STATE_MB (a few MB of noise in a process's memory would be a ratio of hundreds)."""
+        return {k: (v / state_mb[k.split("/")[0]] if v is not None and state_mb[k.split("/")[0]] >= RATIO_MIN_STATE_MB
+                    else None) for k, v in mb.items()}
+
+    extra, extra_anon = over_state(extra_mb), over_state(extra_anon_mb)
+    excise_vs_survivors = {f"{r.workload}/{r.path}": (r.peak_rss_bytes - survivors.peak_rss_bytes) / plain[r.workload].state_bytes
+                           for r in runs if survivors is not None and r.workload == args.large and r.path == "excise"
+                           and r.peak_rss_bytes and state_mb[r.workload] >= RATIO_MIN_STATE_MB}
     result = {
         "bench": "scale",
         "ranks": args.ranks, "steps": args.steps, "faults_per_in_memory_path": args.faults,
         "peer_copy_depth": args.peer_copy_depth,
         "data_timeout_s": args.data_timeout,
+        "mmap_threshold_bytes": args.mmap_threshold or None,
+        "ratio_min_state_mb": RATIO_MIN_STATE_MB,
         "state_mb_per_rank": {w: round(v, 3) for w, v in state_mb.items()},
         "recovery_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": rec[w] for w in plain},
         "recovery_ratio_large_over_tiny": (rec[args.large] / rec[args.tiny]) if rec[args.large] and rec[args.tiny] else None,
         "skew_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": det[w] for w in plain},
         "plain_peak_rss_mb": {w: plain[w].peak_rss_bytes / 2**20 for w in plain},
+        "plain_peak_anon_mb": {w: plain[w].peak_anon_bytes / 2**20 for w in plain},
         "plain_step_s_p50": {w: plain[w].step_s_p50 for w in plain},
         "extra_rss_per_rank_over_state": extra,
+        "extra_rss_mb_per_rank": extra_mb,
+        "extra_anon_per_rank_over_state": extra_anon,
+        # the excised run against the plain loop on the survivors' world (ranks - 1), over the same state bytes
+        "plain_peak_rss_mb_survivor_world": survivors.peak_rss_bytes / 2**20 if survivors is not None else None,
+        "extra_rss_excised_over_state_vs_survivor_world": excise_vs_survivors,
         "commit_overhead_ms": {f"{r.workload}/{r.path}": r.commit_ms for r in runs if r.path == "collective"},
         "peer_copy_step_latency": {f"{r.workload}/{r.path}": r.step_latency for r in runs if r.path == "collective"},
         "paths": {f"{r.workload}/{r.path}": {"bit_identical": r.bit_identical, "recovered_by_policy": r.policy_count,
                                              "unplanned_recoveries": r.unplanned, "peak_rss_mb": r.peak_rss_bytes / 2**20,
+                                             "peak_anon_mb": r.peak_anon_bytes / 2**20,
                                              "recovery_ms": r.recovery_ms, "own_ms": r.own_ms, "skew_ms": r.skew_ms,
                                              "stages_ms": r.stages_ms,
                                              "error": r.error} for r in runs},
     }
     print(f"{'workload/path':<22} {'bit-id':>6} {'policy':>6} {'unplanned':>9} {'recovery ms':>12} {'skew ms':>8} "
-          f"{'peak RSS MB':>11} {'extra/state':>11}")
+          f"{'peak RSS MB':>11} {'extra MB':>9} {'extra/state':>11}")
     for r in runs:
         key = f"{r.workload}/{r.path}"
         x = extra[key]
         own = _p50(r.own_ms)
         print(f"{key:<22} {str(r.bit_identical):>6} {r.policy_count:>6} {r.unplanned:>9} "
               f"{(own if own is not None else float('nan')):>12.1f} {(_p50(r.skew_ms) or float('nan')):>8.1f} "
-              f"{r.peak_rss_bytes / 2**20:>11.0f} "
+              f"{r.peak_rss_bytes / 2**20:>11.0f} {(extra_mb[key] if extra_mb[key] is not None else float('nan')):>9.0f} "
               f"{(x if x is not None else float('nan')):>11.2f}" + (f"  {r.error}" if r.error else ""))
     for w in plain:
         print(f"plain {w}: peak RSS {plain[w].peak_rss_bytes / 2**20:.0f} MB, state {state_mb[w]:.1f} MB per rank, "
