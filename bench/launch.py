@@ -1,13 +1,15 @@
 """``meshpact launch`` against ``torchrun --max-restarts 1`` on two namespace nodes x two ranks.
 
-One run, side by side, on two network namespaces joined by veth (one launcher per node, node 0
-hosting elastic's c10d rendezvous), each case a fresh job of ``examples/resilient_train.py``:
+One run, side by side, on network namespaces on one bridge (:class:`~meshpact.live.netns.Hosts`:
+one launcher per node, node 0 hosting elastic's c10d rendezvous, a third namespace for the spare
+node), each case a fresh job of ``examples/resilient_train.py``:
 
 | case | launcher | fault (after rank 3 committed step KILL_AT) |
 |---|---|---|
 | ``worker_kill_warm_spare`` | meshpact launch, ``--spare-ranks-per-node 1`` | SIGKILL rank 3 (node 1) |
 | ``worker_kill_cold`` | meshpact launch | SIGKILL rank 3 |
 | ``node_kill`` | meshpact launch, ``--excise-to 2`` in the script | SIGKILL node 1's agent and both its workers |
+| ``node_kill_spare_node`` | meshpact launch, a third node's agent started with ``--spare`` | SIGKILL node 1's agent and both its workers: the spare node takes ranks 2 and 3 |
 | ``torchrun_restart`` | torchrun ``--max-restarts 1``, a checkpoint every 5 steps | SIGKILL rank 3: torchrun restarts every worker, which load the newest checkpoint |
 
 Downtime is read from the job's own progress: from the kill until every remaining rank has
@@ -45,21 +47,23 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _results import emit  # noqa: E402
 
-from meshpact.live.netns import TwoHosts, netns_unavailable  # noqa: E402
+from meshpact.live.netns import Hosts, bridge_unavailable  # noqa: E402
 from meshpact.live.trials.launchdrill import Job, excised_at, excising_reference, read_finals, resumed_at  # noqa: E402
 
 STEPS, STEP_S, KILL_AT, KILLED = 16, 0.05, 5, 3
 SPARE_READY = "is ready ("  # the launcher's line once a warm spare has imported what it preloads
-CASES = ("worker_kill_warm_spare", "worker_kill_cold", "node_kill", "torchrun_restart")
+CASES = ("worker_kill_warm_spare", "worker_kill_cold", "node_kill", "node_kill_spare_node", "torchrun_restart")
+NODE_KILLS = ("node_kill", "node_kill_spare_node")
+SPARE_HOST = 2
 
 
-def _flags(hosts: TwoHosts, node: int, port: int, run: str) -> list[str]:
+def _flags(hosts: Hosts, node: int, port: int, run: str) -> list[str]:
     return ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             f"{hosts.addr[0]}:{port}", "--rdzv-id", run, "--rdzv-conf", f"is_host={int(node == 0)}",
             "--local-addr", hosts.addr[node]]
 
 
-def run_case(case: str, hosts: TwoHosts, work: Path, port: int, reference: dict[int, str]) -> dict[str, Any]:
+def run_case(case: str, hosts: Hosts, work: Path, port: int, reference: dict[int, str]) -> dict[str, Any]:
     out = work / case
     torchrun = case == "torchrun_restart"
     script: tuple[str, ...] = ("--excise-to", "2") if case == "node_kill" else ()
@@ -70,36 +74,41 @@ def run_case(case: str, hosts: TwoHosts, work: Path, port: int, reference: dict[
         flags = _flags(hosts, node, port, f"{case}{hosts.tag}")
         if torchrun:
             launcher = Job.torchrun(*flags, "--max-restarts", "1")
-            # what meshpact launch sets by itself; and a store of each attempt's own (rank 0 hosts it): in
-            # the agents' shared store a restarted attempt would meet the last one's group addresses
+            # what meshpact launch sets by itself (each attempt keeps its own keys in the agents' shared
+            # store by itself: session.run_id_of)
             env = {"GLOO_SOCKET_IFNAME": hosts.iface[node], "MESHPACT_PEER_ADDR": hosts.addr[node],
-                   "MESHPACT_HOST_ID": f"node{node}", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+                   "MESHPACT_HOST_ID": f"node{node}"}
         else:
             extra = ["--spare-ranks-per-node", "1"] if case == "worker_kill_warm_spare" and node == 1 else []
             launcher = Job.meshpact(*flags, "--max-restarts", "1", "--node-loss-s", "3", *extra)
             env = {}
         jobs.append(Job(launcher, out, STEPS, STEP_S, prefix=hosts.prefix(node), env=env, name=f"node{node}",
                         script_args=script))
-    node0, node1 = jobs
+    if case == "node_kill_spare_node":
+        jobs.append(Job(Job.meshpact(*_flags(hosts, SPARE_HOST, port, f"{case}{hosts.tag}"), "--node-loss-s", "3",
+                                     "--spare"), out, STEPS, STEP_S, prefix=hosts.prefix(SPARE_HOST), name="spare"))
+    node0, node1 = jobs[:2]
     try:
         first = {r: (node0 if r < 2 else node1).wait_for_step(r, 0, 300) for r in range(4)}
         if case == "worker_kill_warm_spare":  # killed once the spare is warm: its imports done
             node1.wait_for_log(SPARE_READY, 300)
+        if case == "node_kill_spare_node":  # killed once node 0 knows the spare node
+            node0.wait_for_log(f"at {hosts.addr[SPARE_HOST]} registered", 300)
         victim = node1.wait_for_step(KILLED, KILL_AT, 300)
-        if case == "node_kill":
+        if case in NODE_KILLS:
             node1.kill_agent_and([node1.wait_for_step(r, KILL_AT, 60) for r in (2, 3)])
         else:
             node1.kill_rank(KILLED, KILL_AT)
         t_kill = time.time()
         rc0 = node0.wait(300)
-        rc1 = 0 if case == "node_kill" else node1.wait(300)
+        rc1 = node1.wait(300) if case not in NODE_KILLS else jobs[2].wait(300) if len(jobs) > 2 else 0
     finally:
         for job in jobs:
             job.close()
-    remaining = (0, 1) if case == "node_kill" else (0, 1, 2, 3)
+    remaining = (0, 1) if case == "node_kill" else (0, 1, 2, 3)  # the spare node's ranks 2 and 3 remain
     finals = read_finals(out, 4)
     at = resumed_at(out, remaining, victim.step + 1, t_kill)
-    survivors = [r for r in remaining if r != KILLED]
+    survivors = [r for r in remaining if r != KILLED and not (case in NODE_KILLS and r >= 2)]
     if case == "node_kill":
         at_step = {excised_at(finals[r]) for r in remaining if r in finals}
         identical = False
@@ -157,7 +166,7 @@ def main() -> int:
         sys.stderr.write(f"error: --repeat {args.repeat} --busy-loops {args.busy_loops}: expected a repeat of 1 "
                          "or more and 0 or more busy loops\n")
         return 2
-    why = netns_unavailable(shaped=False)
+    why = bridge_unavailable()
     if why:
         sys.stderr.write(f"error: bench/launch.py needs network namespaces: {why}\n")
         return 2
@@ -171,7 +180,7 @@ def main() -> int:
         runs: dict[str, list[dict[str, Any]]] = {c: [] for c in cases}
         busy = [subprocess.Popen([sys.executable, "-c", "while 1: pass"]) for _ in range(args.busy_loops)]
         try:
-            with TwoHosts(link=None) as hosts:
+            with Hosts(3) as hosts:
                 for n in range(args.repeat):
                     for i, case in enumerate(cases):
                         r = run_case(case, hosts, work / f"run{n}", 29400 + (n * len(cases) + i) % 500, reference)

@@ -101,6 +101,11 @@ class ControlChannel:
         holds ``expected`` (another rank may have moved it already)."""
         self._store.compare_set(self._ns + key, str(expected), str(to))
 
+    def rescope(self, run_id: str) -> None:
+        """Keep this channel's keys under ``run_id`` from now on (see :func:`~.session.start_session`)."""
+        self._ns = f"{_NAMESPACE}{run_id}/"
+        self._made = set()
+
     def set_once(self, key: str, value: Any) -> Any:
         """Write ``value`` unless the key exists; return what the key holds now (the first writer's)."""
         raw = self._store.compare_set(self._ns + key, "", json.dumps(value))

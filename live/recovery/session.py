@@ -25,6 +25,7 @@ import contextlib
 import json
 import math
 import os
+import secrets
 import sys
 import threading
 import time
@@ -46,7 +47,7 @@ from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Prop
 from .control import ControlChannel
 from .generation import Generation
 
-__all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "run_id_of", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
+__all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "run_id_of", "attempt_scope", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
 
 
 class EventLog:
@@ -432,16 +433,31 @@ def mesh_from_groups(groups: Mapping[str, dist.ProcessGroup], device_type: str, 
                                  mesh_dim_names=names or tuple(f"dim{d}" for d in range(len(shape))))
 
 
+ATTEMPT_KEY = "attempt"  # plain torchrun: the word that names this attempt of the job (start_session)
+
+
 def run_id_of(env: Mapping[str, str]) -> str:
     """What this process's store keys are kept apart by: ``MESHPACT_RUN_ID`` (set by ``meshpact
-    launch`` and the trials), else torchrun's run id and restart count. Under plain ``torchrun
-    --max-restarts`` every attempt's workers share the agent's store (``TORCHELASTIC_USE_AGENT_STORE``),
-    and a restarted attempt must not read the group addresses and counters the last one left there."""
-    if env.get("MESHPACT_RUN_ID"):
-        return env["MESHPACT_RUN_ID"]
-    if env.get("TORCHELASTIC_RUN_ID"):
-        return f"{env['TORCHELASTIC_RUN_ID']}.attempt{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return ""
+    launch`` and the trials), else torchrun's run id (plain ``torchrun``; :func:`start_session`
+    adds a word per attempt where the agents share their store), else nothing."""
+    return env.get("MESHPACT_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or ""
+
+
+def attempt_scope(run_id: str, control: Any, env: Mapping[str, str]) -> str:
+    """``run_id``, and under plain ``torchrun`` whose workers share the agents' store
+    (``TORCHELASTIC_USE_AGENT_STORE``) a word drawn once per attempt: every attempt after
+    ``--max-restarts`` restarted the job meets the keys the last one left in that store (group
+    addresses, counters). Torchrun's restart count cannot name the attempt: an agent whose own
+    workers were healthy restarts them for a node that left without counting a restart, so two
+    nodes of one attempt disagree. The control channel is hosted anew by each attempt's rank 0,
+    so the first word written there is the attempt's, and every rank reads it."""
+    if (env.get("MESHPACT_RUN_ID") or env.get("MESHPACT_CONTROL_PORT")  # a channel that outlives the attempt
+            or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"):
+        return run_id
+    word = control.set_once(ATTEMPT_KEY, secrets.token_hex(6))
+    scoped = f"{run_id}.{word}"
+    control.rescope(scoped)
+    return scoped
 
 
 def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, ...] | None = None,
@@ -462,6 +478,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     store_addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     store = open_store(*store_addr, world, is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
     control = ControlChannel.from_env(config.control_timeout_s, run_id, connect_timeout_s=config.store_connect_s)
+    run_id = attempt_scope(run_id, control, os.environ)
     last_round, generation, _ = control.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])  # made now
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
     if choice.device.startswith("cuda"):
