@@ -69,7 +69,7 @@ def main() -> None:
     out = Path(args.out) if args.out else None
     excise = dict(build=build, on_rank_loss=Policy.EXCISE, min_ranks=args.excise_to) if args.excise_to else {}
     with resilient(model, optimizer, session, batches=lambda step: batch(step, session.rank), **excise) as rt:
-        if rt.ckpt is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        if rt.ckpt is not None and session.job_restarts > 0:
             rt.restore(rt.ckpt.latest(args.steps))  # torchrun restarted every worker: the newest checkpoint
         for step in range(rt.committed_step, args.steps):
             # rt.model and rt.optimizer: after an excision, the smaller world's (build(mesh) made them)

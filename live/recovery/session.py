@@ -188,6 +188,10 @@ class Session:
         self.host = ""  # the host this rank is on, as peer placement sees it
         self.joined = Joined(None)  # a replacement's decision: the recovery it joined at start-up
         self.start_view: tuple[int, int] = (0, 0)  # (last round decided, generation) when the rank started
+        # the most restarts any rank's agent counted at the start (torchrun's TORCHELASTIC_RESTART_COUNT): above 0,
+        # torchrun restarted the whole job and its state is in the newest checkpoint. One rank's own count is not
+        # enough: an agent restarting healthy workers for a node that left counts no restart
+        self.job_restarts = 0
         self.current: Generation | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -500,8 +504,9 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     if incarnation == 0:
         # every rank is here before any group connects: group creation bounds connecting, not a
         # peer still starting (imports under load), which the store connect bound covers
-        control.set(f"arrived/rank{rank}", True)
-        control.wait([f"arrived/rank{r}" for r in range(world)], timeout_s=config.store_connect_s)
+        control.set(f"arrived/rank{rank}", int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+        arrived = control.wait([f"arrived/rank{r}" for r in range(world)], timeout_s=config.store_connect_s)
+        session.job_restarts = max(int(v) for v in arrived.values())
         number = 0
     else:  # a replacement: join the recovery in progress; its state comes from a peer or the checkpoint
         ckpt = session.checkpointer()
