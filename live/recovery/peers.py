@@ -125,12 +125,12 @@ def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview |
 
 
 def host_buffer(n: int) -> bytearray | mmap.mmap:
-    """A writable host buffer of ``n`` bytes. From a megabyte up it is an anonymous mapping of
-    its own (``mmap``), outside malloc's heaps: a copy's buffer is never carved out of the free
-    space the training step's tensors left in a heap (where it would pin that heap's pages, and
-    the next step's tensors would grow the heap again around it), and its pages go back to the
-    kernel the moment its last view goes, not when a heap happens to shrink. A peer copy's and
-    a snapshot's memory is then its size, whatever the allocator held before."""
+    """A writable host buffer of ``n`` bytes. From a megabyte up it is an anonymous private
+    mapping of its own (``mmap``), outside malloc's heaps: a copy's buffer is never carved out
+    of the free space the training step's tensors left in a heap (glibc serves a large request
+    from free heap memory before it maps any), and its pages go back to the kernel the moment
+    its last view goes, not when a heap happens to shrink. A peer copy's and a snapshot's
+    memory is then its size, whatever the allocator does with the step's tensors."""
     return bytearray(n) if n < _MAPPED_MIN else mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
 
 

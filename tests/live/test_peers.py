@@ -310,6 +310,49 @@ def test_at_depth_one_each_side_keeps_one_buffer_and_a_copy_in_flight_holds_none
         PeerServer("127.0.0.1", depth=0)
 
 
+def _mapping_of(address: int) -> str | None:
+    """The line of /proc/self/maps whose mapping holds ``address`` (None: nothing is mapped there)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return line
+    return None
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/maps"), reason="reads /proc/self/maps (Linux)")
+def test_snapshots_and_held_copies_of_a_megabyte_or_more_are_mappings_of_their_own_freed_when_dropped(server):
+    """An own snapshot's slab and a received copy's buffer lie each in an anonymous mapping of
+    their own (never in malloc's heap, whose freed space would otherwise take them), unmapped as
+    soon as the last view of it goes."""
+    import gc
+    import mmap
+
+    from meshpact.live.recovery.peers import host_buffer
+
+    assert isinstance(host_buffer(1 << 20), mmap.mmap) and isinstance(host_buffer(1000), bytearray)
+    state = {"w": torch.randn(600, 1000), "b": torch.arange(7, dtype=torch.int64)}  # 2.4 MB
+    slab = Slab(Layout.of(state))
+    slab.fill(list(state.values()))
+    start = slab.flat.data_ptr()
+    assert start % mmap.PAGESIZE == 0 and "[heap]" not in _mapping_of(start)  # a mapping's first byte
+    del slab
+    gc.collect()
+    assert _mapping_of(start) is None
+    addr = PeerAddress(1, "h", server.addr, server.port, 0)
+    put(addr, 0, 5, serialize(5, state), timeout_s=5.0)
+    held = server.held(0, 5)
+    assert torch.equal(held["w"], state["w"])
+    payload = server._copies[0][5].payload
+    assert isinstance(payload, mmap.mmap) and len(payload) == len(serialize(5, state))
+    at = held["w"].data_ptr()
+    assert "[heap]" not in _mapping_of(at)
+    del held, payload
+    server.forget(0)
+    gc.collect()
+    assert _mapping_of(at) is None
+
+
 def test_a_holder_that_is_gone_is_a_peer_error_not_a_hang():
     srv = PeerServer("127.0.0.1")
     address = _addr(srv)
