@@ -23,7 +23,7 @@ Storage bytes read are the checkpoint bytes the job's processes read. ``survivor
 every rank not killed ended in the process it started in.
 
     python bench/launch.py            # table + one JSON line, also bench/results/launch.json
-    python bench/launch.py --repeat 5 --busy-loops 2 --cases worker_kill_warm_spare,worker_kill_cold,node_kill
+    python bench/launch.py --repeat 5 --busy-loops 2 --cases worker_kill_warm_spare,worker_kill_cold,node_kill,node_kill_spare_node
 
 ``--repeat N`` runs every case N times in a row (the figures are the runs' medians, and
 ``passed_by_case`` counts the runs that ended well: every launcher exited 0, bit-identical, the
