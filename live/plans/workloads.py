@@ -21,9 +21,15 @@ ranks' and a bitwise comparison is meaningful.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import inspect
 import math
+import os
+import tempfile
 from contextlib import contextmanager
 from functools import lru_cache
+from pathlib import Path
 from typing import Iterator
 
 import torch
@@ -123,8 +129,31 @@ def producer_local(request: str, preset_name: str, parts: int, index: int) -> to
 @lru_cache(maxsize=8)
 def _producer_local(lm_head: bool, preset_name: str, parts: int, index: int) -> torch.Tensor:
     preset = get_preset(preset_name)
+    path = _cached_path(lm_head, preset, parts, index)
+    if path.is_file():
+        try:
+            return torch.load(path, weights_only=True)
+        except Exception:  # noqa: BLE001 (a file cut short by a full disk: computed again, written again)
+            pass
     with _one_thread():
-        return _lm_head_shard(preset, parts, index) if lm_head else _mlp_partial(preset, parts, index)
+        value = _lm_head_shard(preset, parts, index) if lm_head else _mlp_partial(preset, parts, index)
+    with contextlib.suppress(OSError):  # an unwritable temp dir only costs the next process the same work
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        torch.save(value, tmp)
+        os.replace(tmp, path)  # whole or absent: a concurrent rank never reads half a file
+    return value
+
+
+def _cached_path(lm_head: bool, preset: Preset, parts: int, index: int) -> Path:
+    """Where a producer piece is kept between processes. The piece is small (a few rows of logits or
+    of an MLP output) but its weights are not: a Qwen3-14B vocabulary shard is 0.4-0.8 G values drawn
+    on one thread, again in every rank process and in the verifying parent of every job. The name
+    holds everything the value follows from: the preset's fields, the split, torch's version, and
+    the source of the functions that compute it (an edited generator is never served stale)."""
+    code = "".join(inspect.getsource(f) for f in (_randn, _hidden_states, _lm_head_shard, _mlp_partial))
+    key = hashlib.sha256(f"{preset!r}|{parts}|{index}|{lm_head}|{torch.__version__}|{code}".encode()).hexdigest()[:24]
+    return Path(tempfile.gettempdir()) / "meshpact-producer-pieces" / f"{preset.name}-{key}.pt"
 
 
 def reference_producer(request: str, preset_name: str, parts: int) -> torch.Tensor:
