@@ -90,7 +90,9 @@ def test_a_runs_calibrated_model_predicts_its_own_training_thread_copy_time(step
     cost = peer_copy_cost(run.bytes_per_commit, run.step_s, replace(cal.costs, step_cores_per_rank=0.0))
     if step_s < 0.5:
         assert run.ship_s > 1.5 * run.step_s, "the short step must wait for the ship, or the wait goes untested"
-        assert cost.training_thread_s > 2 * cost.host_copy_s  # the wait, not the host copy, is most of it
+        # the model has the training thread wait for the ship beyond its host copy (a loaded machine slows the
+        # copy itself several times over: at load 10 it took 0.10 s of the 0.17 s, so no share is asserted)
+        assert cost.training_thread_s - cost.host_copy_s > run.step_s / 2
     else:
         assert run.ship_s < run.step_s, "the long step must hide the ship"
         assert cost.training_thread_s == pytest.approx(cost.host_copy_s) and cost.host_copy_s > 0
