@@ -206,7 +206,7 @@ class Heartbeat:
         self._pause = 0  # looks in a row the main thread has not progressed, in the step under way
         self._step_pause = 0  # the longest such run in the step under way
         self.usual_pause: int | None = None  # the longest in a step that completed (None: none completed yet)
-        self._peer_pause: dict[int, int] = {}  # the peers' usual pauses as last read
+        self.allowance = 0  # the longest pause of the failed attempt of the step being run again
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
         host, port, _ = control_address()
         self.channel = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
@@ -236,27 +236,36 @@ class Heartbeat:
         self._stop.set()
         self._thread.join(timeout=max(1.0, 4 * self.interval_s))
 
-    def step_begins(self) -> None:
-        """The runtime is about to run a step (or run it again): its pauses are counted afresh."""
+    def step_begins(self, again: bool = False) -> None:
+        """The runtime is about to run a step, or (``again``) run it again after a recovery: its
+        pauses are counted afresh, and a step run again may pause as long as its failed attempt
+        did. A pause that belongs to the step (an evaluation inside it) comes back in every run of
+        it and would be called a stall on each; a stall does not (its attempt is not run again
+        with it), and the allowance ends with the step."""
+        self.allowance = max(self.allowance, self._step_pause) if again else 0
         self._pause = self._step_pause = 0
 
     def step_completed(self) -> None:
         """The step ran to its end: its longest pause is one a healthy step of this job makes."""
         self.usual_pause = max(self.usual_pause or 0, self._step_pause)
+        self.allowance = 0
+
+    def pause_word(self) -> int | None:
+        """What this rank publishes: the longest pause a peer is to allow it now (None: no step
+        completed yet, no alarm)."""
+        return None if self.usual_pause is None else max(self.usual_pause, self.allowance)
 
     def _stalled(self, ranks: tuple[int, ...], still: list[int]) -> list[int]:
-        """The ranks whose looks without progress (``still``) passed their bound; a peer's usual
-        pause is read again only when its count reaches the bound last read (or none was)."""
-        ask = [r for i, r in enumerate(ranks)
-               if still[i] >= stall_bound(self._peer_pause.get(r, 0), self.misses, self.stall_margin)]  # type: ignore[operator]
+        """The ranks whose looks without progress (``still``) passed their bound: each rank with at
+        least ``heartbeat_misses`` of them has its pause word read (one round trip for all), as it
+        is now (a word can shrink: a step run again allows more until it ends)."""
+        ask = [r for i, r in enumerate(ranks) if still[i] >= self.misses]
         if not ask:
             return []
-        for r, raw in zip(ask, self.channel.peek([pause_key(r) for r in ask])):
-            if raw is not None:
-                self._peer_pause[r] = int(raw)
         at = {r: i for i, r in enumerate(ranks)}
-        return [r for r in ask if (bound := stall_bound(self._peer_pause.get(r), self.misses, self.stall_margin))
-                is not None and still[at[r]] >= bound]
+        words = self.channel.peek([pause_key(r) for r in ask])
+        return [r for r, raw in zip(ask, words) if raw is not None
+                and still[at[r]] >= stall_bound(int(raw), self.misses, self.stall_margin)]  # type: ignore[operator]
 
     def take(self) -> HeartbeatAlarm | None:
         """This generation's alarm, cleared; one raised in an earlier generation is dropped."""
@@ -373,7 +382,7 @@ class Heartbeat:
         seen: list[int] | None = None
         still: list[int] = []
         beat, quiet, last_bytes, hung_in = 0, 0, None, -1
-        published: int | None = None  # the usual pause this rank last published
+        published: int | None = None  # the pause word this rank last published
         last_beats: dict[int, int] = {}
         while not self._stop.wait(self.interval_s):
             try:
@@ -393,10 +402,10 @@ class Heartbeat:
                 if look.watching:
                     self._pause = 0 if moving else self._pause + 1
                     self._step_pause = max(self._step_pause, self._pause)
-                usual = self.usual_pause
-                if usual is not None and usual != published:
-                    self.channel.set(pause_key(me), str(usual))
-                    published = usual
+                word = self.pause_word()
+                if word is not None and word != published:
+                    self.channel.set(pause_key(me), str(word))
+                    published = word
                 if self.quiet_rule:
                     moved = self._data_bytes(generation) if self.watching and pos[2] else None
                     still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()

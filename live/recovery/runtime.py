@@ -347,11 +347,15 @@ class Resilient:
         # (the commit has the position before it), an EMA is as committed
         began = capture_objects(self.objects) if self.objects else ()
         message: str | None = None
-        for _ in range(self.max_attempts):
+        widened = False  # the data-path timeout was raised for this step's next run (_widen)
+        for attempt in range(self.max_attempts):
             try:
                 if message is not None:
+                    timed_out = comm.timed_out(message)
                     decision = self._recover(Cause(message, step))
                     message = None
+                    if timed_out:
+                        widened = self._widen(step) or widened
                     if decision.policy is Policy.EXCISE:  # this survivor's share of the step's global batch now
                         batch = self._batch(step)  # drawn from the objects as committed, the lost ranks' too
                         began = capture_objects(self.objects) if self.objects else ()
@@ -365,7 +369,7 @@ class Resilient:
                     load_buffers(self.model, self._buffers)
                 armed = self.injector.arm(step) if self.injector is not None else None
                 if self.heartbeat is not None:
-                    self.heartbeat.step_begins()
+                    self.heartbeat.step_begins(again=attempt > 0)
                     self.heartbeat.watching = True
                 self.t_attempt = time.time()
                 try:
@@ -403,7 +407,32 @@ class Resilient:
         t_commit = time.time()
         self._commit(step, batch)
         self._measure(step, took_s, time.time() - t_commit)
+        if widened:  # back to what the measured steps need (this one included, if it was longer)
+            s = self.session
+            fitted = s.config.timeout_for(self.longest_step_s) if self.steps_run > 1 else s.config.data_timeout_start_s
+            if fitted != s.spec.timeout_s:
+                s.emit(EventKind.TIMEOUT_FITTED, step=step, generation=s.generation, longest_step_s=self.longest_step_s,
+                       seconds=fitted, before_s=s.spec.timeout_s)
+                s.fit_data_timeout(fitted)
         return out
+
+    def _widen(self, step: int) -> bool:
+        """A step whose collective timed out runs again with twice the wait (at most the warm-up
+        bound), where the timeout follows the job: a step that is just longer than any measured
+        before (an evaluation inside it) would otherwise time out on every run of it until the
+        attempts ran out. Once it completes, the timeout is fitted to the measured steps again,
+        so a stall found by the timeout leaves no wider timeout behind. Whether it was widened."""
+        s = self.session
+        if not s.config.data_timeout_follows:
+            return False
+        now = s.spec.timeout_s
+        wider = min(2 * now, max(s.config.data_timeout_start_s, now))
+        if wider <= now:
+            return False
+        s.emit(EventKind.TIMEOUT_FITTED, step=step, generation=s.generation, longest_step_s=self.longest_step_s,
+               seconds=wider, before_s=now, widened=True)
+        s.fit_data_timeout(wider)
+        return True
 
     def _measure(self, step: int, took_s: float, commit_s: float) -> None:
         """Count a step that ran to its end and fit the data-path timeout to the longest wait a

@@ -154,13 +154,36 @@ def test_a_peer_is_stalled_only_past_the_bound_its_own_published_pause_gives():
         return [published.get(k) for k in keys]
 
     hb = Heartbeat.__new__(Heartbeat)
-    hb.misses, hb.stall_margin, hb._peer_pause = 3, 4.0, {}
+    hb.misses, hb.stall_margin = 3, 4.0
     hb.channel = SimpleNamespace(peek=peek)
     ranks = (0, 1, 2, 3)
     assert hb._stalled(ranks, [0, 2, 2, 2]) == [] and reads == []  # under the least bound: nothing read
     assert hb._stalled(ranks, [0, 3, 3, 40]) == [2]  # rank 1 pauses 8 looks in a healthy step: 32 allowed
-    before = len(reads)
-    assert hb._stalled(ranks, [0, 31, 0, 0]) == [] and len(reads) == before  # under its bound as read: no read
-    published[pause_key(1)] = "9"  # its pauses grew since: read again once the old bound is reached
-    assert hb._stalled(ranks, [0, 32, 0, 0]) == [] and hb._peer_pause[1] == 9
-    assert hb._stalled(ranks, [0, 36, 0, 0]) == [1]
+    assert reads[-1] == [pause_key(1), pause_key(2), pause_key(3)]  # one round trip for every candidate
+    assert hb._stalled(ranks, [0, 31, 0, 0]) == []
+    published[pause_key(1)] = "2"  # its word shrank (a step run again ended): read as it is now
+    assert hb._stalled(ranks, [0, 9, 0, 0]) == [1]
+
+
+def test_a_step_run_again_may_pause_as_long_as_its_failed_attempt_until_it_completes():
+    from meshpact.live.recovery.heartbeat import Heartbeat
+
+    hb = Heartbeat.__new__(Heartbeat)
+    hb.usual_pause, hb.allowance, hb._pause, hb._step_pause = None, 0, 0, 0
+    hb.step_begins()
+    hb._step_pause = 2
+    hb.step_completed()
+    assert hb.pause_word() == 2
+    hb.step_begins()
+    hb._step_pause = 30  # an evaluation inside the step, or a stall: the peers sever it
+    hb.step_begins(again=True)  # the recovered step runs again: its pause comes back with it, if it is its own
+    assert hb.pause_word() == 30 and hb._step_pause == 0
+    hb._step_pause = 1  # a stall does not come back: the step ends without it
+    hb.step_completed()
+    assert hb.pause_word() == 2  # the allowance ended with the step; the usual pause is as before
+    hb.step_begins()
+    hb._step_pause = 30
+    hb.step_begins(again=True)
+    hb._step_pause = 30  # the evaluation again: this time the step completes, and its pause is a usual one
+    hb.step_completed()
+    assert hb.pause_word() == 30

@@ -63,3 +63,48 @@ def test_a_first_step_past_a_second_trains_and_the_timeout_follows_the_longest_s
         assert last["seconds"] == pytest.approx(max(1.0, 4 * last["longest_step_s"]))
         assert last["longest_step_s"] >= STEP_S and last["seconds"] >= 4 * STEP_S
         assert all(b["seconds"] > a["seconds"] for a, b in zip(mine, mine[1:]))  # only rises after the first fit
+
+
+# rank 1's step 2 waits 1.3 s (an evaluation inside the step, every time that step runs), where no step before it
+# waited more than a few milliseconds: past the heartbeat's bound and the fitted 1 s data-path timeout both
+EVAL_PAUSE_WORKLOAD = textwrap.dedent('''
+    import os
+    import time
+
+    from meshpact.live.recovery.workload import load_workload
+
+    DECODER = load_workload("decoder", 1)
+    DONE = []
+
+
+    def build(mesh):
+        return DECODER.build(mesh)
+
+
+    def batch(step, rank):
+        return DECODER.batch(step, rank)
+
+
+    def train_step(model, optimizer, batch):
+        if os.environ["RANK"] == "1" and len(DONE) == 2:
+            time.sleep(1.3)
+        out = DECODER.train_step(model, optimizer, batch)
+        DONE.append(1)
+        return out
+''')
+
+
+def test_a_step_longer_than_any_before_it_is_run_again_with_room_and_the_job_goes_on(tmp_path_factory):
+    """Its first run is taken for a stall or a timeout (no step before it says otherwise) and recovered in
+    memory; each run again allows it more (its own pause, twice the wait), so it completes instead of
+    failing every attempt, and the timeout then follows it."""
+    workload = workload_file(tmp_path_factory, "eval_pause", EVAL_PAUSE_WORKLOAD)
+    result = trial(ranks=2, steps=4, faults=0, fault_kind="collective", checkpoint_every=4, baselines=False,
+                   workload=workload)
+    s = result.summary()
+    assert s["bit_identical"], s["mismatches"]
+    recoveries = result.recoveries()
+    assert recoveries and all(r["step"] == 2 and r["policy"] == "in_memory" for r in recoveries)
+    assert len(recoveries) <= 3, recoveries  # a stall, a timeout, and the run that completes
+    fitted = [e.data for e in result.events() if e.event == EventKind.TIMEOUT_FITTED and e.rank == 0]
+    assert fitted[-1]["seconds"] >= 4 * 1.3  # the data path now waits for that step with the margin
