@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from meshpact.app.format import duration
-from meshpact.app.serve import CLIPPED_JS, go_to, metric, wait_metric, wait_title
+from meshpact.app.serve import CLIPPED_JS, go_to, metric, wait_metric, wait_metric_is, wait_title
 from meshpact.core.recovery import Policy
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.live]
@@ -135,7 +135,8 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
     verdict = pg.locator('[data-testid="stAlertContentSuccess"]', has_text="Bit-identical")
     verdict.wait_for(timeout=240_000)
     assert pg.locator('[data-testid="stException"]').count() == 0
-    assert metric(pg, "run") == "ended (0)"
+    # the verdict is drawn from the run's summary as soon as it is written; the runner's exit a moment later
+    assert wait_metric_is(pg, "run", "ended (0)") == "ended (0)"
     summary = _summary(pg)
     policy = Policy.PEER_RESTORE if on_rank_loss == "replace" else Policy.EXCISE
     assert summary["faults_injected"] == summary["faults_recovered"] == 1, summary
