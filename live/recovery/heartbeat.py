@@ -5,7 +5,8 @@ Every ``heartbeat_interval_s`` it does two things:
 
 - *beat*: it adds to this rank's counter: one for "this thread ran", and :data:`PROGRESS`
   more when the main thread progressed since the last look (:func:`progressed`): it is
-  outside the watched training step, or waiting in torch's communication code, or moved
+  outside the watched training step, or waiting in torch's communication code, or waiting for
+  torch's compiler (its worker processes, the C++ compiler it runs), or moved
   (frame or bytecode offset), or spent CPU time, or is runnable (waiting for a CPU) or in
   the kernel's uninterruptible wait (faulting pages in, reclaiming memory), or it is in
   torch's code while the process's native threads (torch's intra-op pool, the communication
@@ -28,8 +29,8 @@ comes from, a disk, a rate limit. Such a wait does not progress by the rule abov
 follows the job as the data-path timeout does: each rank counts the longest run of looks without
 progress inside a step that then completed (its *usual pause*) and publishes it when it grows; a
 peer is stalled after ``max(heartbeat_misses, stall_margin x usual pause)`` looks, and not before
-its first completed step (no evidence: the first step's data-path timeout, the warm-up bound,
-covers it). A step that waited 0.4 s on a queue, judged by a fixed three looks, was severed on
+the process's second completed step (the first, the warm-up, builds and compiles: no evidence; the
+first steps' data-path timeout, the warm-up bound, covers them). A step that waited 0.4 s on a queue, judged by a fixed three looks, was severed on
 every attempt until the job gave up.
 
 A partitioned data link is no stall: every rank's main thread waits in torch's
@@ -90,6 +91,10 @@ __all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch",
 
 PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # torch's own code: an op the main thread waits in
+# where a main thread waits for torch's compiler working on its behalf: the compile workers' futures, and the C++
+# compiler inductor runs as a child process (the work is done, but in other processes: no CPU of this one moves)
+_COMPILE_WAITS = tuple(os.path.join(_TORCH_DIR, "_inductor", m) for m in (
+    "async_compile.py", "codecache.py", "cpp_builder.py", "compile_worker" + os.sep))
 _BUSY_S = 1e-4  # main-thread CPU time between two looks that counts as progress (a sleeping thread spends none)
 
 
@@ -150,12 +155,13 @@ class Look:
     state: str  # its scheduler state now (R running or runnable, S sleeping, D uninterruptible...)
     native_cpu_s: float  # CPU seconds the process's threads not run by Python spent
     in_torch: bool = False  # the main thread's innermost frame is torch's code (an op the pool may run)
+    compiling: bool = False  # it waits for torch's compiler (its worker processes, the C++ compiler it runs)
 
 
 def progressed(look: Look) -> bool:
     """Whether the main thread progressed since the last look (the module docstring's rule)."""
-    return (not look.watching or look.in_comm or look.moved or look.main_cpu_s >= _BUSY_S or look.state in ("R", "D")
-            or (look.in_torch and look.native_cpu_s >= _BUSY_S))
+    return (not look.watching or look.in_comm or look.compiling or look.moved or look.main_cpu_s >= _BUSY_S
+            or look.state in ("R", "D") or (look.in_torch and look.native_cpu_s >= _BUSY_S))
 
 
 def watch(seen: int, now: int, still: int) -> int:
@@ -207,6 +213,7 @@ class Heartbeat:
         self._step_pause = 0  # the longest such run in the step under way
         self.usual_pause: int | None = None  # the longest in a step that completed (None: none completed yet)
         self.allowance = 0  # the longest pause of the failed attempt of the step being run again
+        self.steps_completed = 0  # by this process (its first, the warm-up, teaches no usual pause)
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
         host, port, _ = control_address()
         self.channel = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
@@ -246,8 +253,12 @@ class Heartbeat:
         self._pause = self._step_pause = 0
 
     def step_completed(self) -> None:
-        """The step ran to its end: its longest pause is one a healthy step of this job makes."""
-        self.usual_pause = max(self.usual_pause or 0, self._step_pause)
+        """The step ran to its end: its longest pause is one a healthy step of this job makes. The
+        process's first step is not counted (building, compiling, a loader's workers starting: its
+        waits are the warm-up's, as the data-path timeout's fit leaves it out too)."""
+        self.steps_completed += 1
+        if self.steps_completed > 1:
+            self.usual_pause = max(self.usual_pause or 0, self._step_pause)
         self.allowance = 0
 
     def pause_word(self) -> int | None:
@@ -358,20 +369,23 @@ class Heartbeat:
                 continue
         return total
 
-    def _main_position(self) -> tuple[int, int, bool, bool]:
-        """(code object id, bytecode offset, waiting in communication code, innermost frame in torch)."""
+    def _main_position(self) -> tuple[int, int, bool, bool, bool]:
+        """(code object id, bytecode offset, waiting in communication code, innermost frame in torch,
+        waiting for torch's compiler)."""
         frame = sys._current_frames().get(self._main)
         if frame is None:
-            return (0, 0, True, False)
+            return (0, 0, True, False, False)
         in_torch = frame.f_code.co_filename.startswith(_TORCH_DIR)
-        waiting = False
+        waiting = compiling = False
         f: Any = frame
         while f is not None:
-            if f.f_code.co_filename.startswith(self.modules):
+            name = f.f_code.co_filename
+            if name.startswith(self.modules):
                 waiting = True
                 break
+            compiling = compiling or name.startswith(_COMPILE_WAITS)
             f = f.f_back
-        return (id(frame.f_code), frame.f_lasti, waiting, in_torch)
+        return (id(frame.f_code), frame.f_lasti, waiting, in_torch, compiling)
 
     def _run(self) -> None:
         me = self.session.rank
@@ -395,7 +409,7 @@ class Heartbeat:
                 cpu = self._main_cpu_s()
                 native = self._native_cpu_s()
                 look = Look(self.watching, pos[2], pos[:2] != last_pos[:2], cpu - last_cpu, self._main_state(),
-                            native - last_native, pos[3])
+                            native - last_native, pos[3], pos[4])
                 moving = progressed(look)
                 self.channel.add(beat_key(me), 1 + (PROGRESS if moving else 0))
                 last_pos, last_cpu, last_native = pos, cpu, native

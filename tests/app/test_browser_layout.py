@@ -141,6 +141,7 @@ CUT_JS = r"""() => {
 
 def _click_text(pg, where: str, label: str) -> None:  # noqa: ANN001 (a playwright Page)
     pg.locator(where).get_by_text(label, exact=True).first.click()
+    pg.wait_for_timeout(1000)  # the click's rerun starts a moment later: a page settled at once may not have begun it
     settle(pg)
 
 
@@ -223,7 +224,7 @@ def test_no_page_cuts_what_a_user_reads_at_1024_or_1400_px(server, browser):
                 act(pg)
             for width, height in SIZES:
                 pg.set_viewport_size({"width": width, "height": height})
-                pg.wait_for_timeout(300)  # the layout, the charts and the grids' columns follow the new width
+                pg.wait_for_timeout(600)  # the layout, the charts and the grids' columns follow the new width
                 found = pg.evaluate(CUT_JS)
                 if found:
                     pg.screenshot(path=str(ARTIFACTS / f"cut-{name}-{width}.png"), full_page=True)

@@ -169,7 +169,11 @@ def test_a_step_run_again_may_pause_as_long_as_its_failed_attempt_until_it_compl
     from meshpact.live.recovery.heartbeat import Heartbeat
 
     hb = Heartbeat.__new__(Heartbeat)
-    hb.usual_pause, hb.allowance, hb._pause, hb._step_pause = None, 0, 0, 0
+    hb.usual_pause, hb.allowance, hb._pause, hb._step_pause, hb.steps_completed = None, 0, 0, 0, 0
+    hb.step_begins()
+    hb._step_pause = 60  # the process's first step: building, compiling, a loader starting
+    hb.step_completed()
+    assert hb.pause_word() is None  # the warm-up teaches nothing, and nothing is judged yet
     hb.step_begins()
     hb._step_pause = 2
     hb.step_completed()
@@ -187,3 +191,12 @@ def test_a_step_run_again_may_pause_as_long_as_its_failed_attempt_until_it_compl
     hb._step_pause = 30  # the evaluation again: this time the step completes, and its pause is a usual one
     hb.step_completed()
     assert hb.pause_word() == 30
+
+
+def test_waiting_for_torchs_compiler_is_progress_but_not_a_quiet_data_path():
+    from meshpact.live.recovery.heartbeat import Look, progressed
+
+    waiting = Look(watching=True, in_comm=False, moved=False, main_cpu_s=0.0, state="S", native_cpu_s=0.0)
+    assert not progressed(waiting)  # asleep, on nothing of torch's: a pause
+    assert progressed(Look(watching=True, in_comm=False, moved=False, main_cpu_s=0.0, state="S", native_cpu_s=0.0,
+                           compiling=True))  # its compile workers or the C++ compiler work for it
