@@ -178,6 +178,15 @@ def _quiet_ipv6(ns: str) -> None:
         subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-q", "-w", f"{path}=1"], capture_output=True)
 
 
+def _delete_namespaces(names: Sequence[str]) -> None:
+    """Kill what still runs inside each namespace of ``names`` and delete it (its veth ends go with it)."""
+    for ns in names:
+        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
+                os.kill(int(pid), signal.SIGKILL)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
 def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
@@ -287,12 +296,7 @@ class TwoHosts:
         if not self._up:
             return
         self._up = False
-        for ns in self._made:
-            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _delete_namespaces(self._made)
         self._made = []
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
@@ -446,11 +450,7 @@ class Hosts:
         if not self._up:
             return
         self._up = False
-        for ns in self._made:
-            for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-                with contextlib.suppress(ProcessLookupError, ValueError, PermissionError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        _delete_namespaces(self._made)
         self._made = []
         with contextlib.suppress(Exception):
             atexit.unregister(self.close)
