@@ -419,10 +419,7 @@ class Hosts:
         if why:
             raise NetnsError(why)
         atexit.register(self.close)
-        if threading.current_thread() is threading.main_thread() and \
-                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._sigterm_was = signal.SIG_DFL
-            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        self._watch_sigterm()
         self._up = True
         try:
             self._add_namespaces()
@@ -445,21 +442,10 @@ class Hosts:
             raise
         return self
 
-    def close(self) -> None:
-        """Kill what still runs inside the namespaces and delete them (idempotent)."""
-        if not self._up:
-            return
-        self._up = False
-        _delete_namespaces(self._made)
-        self._made = []
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.close)
-        if self._sigterm_was is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._sigterm_was)
-            self._sigterm_was = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    # the same teardown as a pair's: every process left in a namespace killed, every namespace deleted
+    _watch_sigterm = TwoHosts._watch_sigterm
+    close = TwoHosts.close
+    __exit__ = TwoHosts.__exit__
 
     def exists(self) -> bool:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
