@@ -24,9 +24,12 @@ or failed, a data path gone silent) discards it and builds, and says why.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import stat
+import struct
+import termios
 import threading
 import time
 from dataclasses import dataclass
@@ -40,11 +43,17 @@ import torch.distributed.distributed_c10d as c10d
 from meshpact.core.recovery import CommunicatorAction
 
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
-           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "timed_out",
+           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "timed_out", "SeveredSockets",
            "group_ranks", "base_name", "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan",
            "group_plan", "set_data_timeout", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
 
-WORLD = "meshpact_data"  # the base name of the data-path group over every rank
+WORLD = "meshpact_data"
+# a sever waits for what its sockets still send (see _flush) while the queue moves, at most this long
+# without moving and this long in all
+FLUSH_STALL_S = 0.1
+FLUSH_MOST_S = 5.0
+FLUSH_SETTLE_S = 0.05
+_TCP_INFO_ACKED = 120  # offset of tcpi_bytes_acked in struct tcp_info (linux/include/uapi/linux/tcp.h)  # the base name of the data-path group over every rank
 
 
 @dataclass(frozen=True)
@@ -164,25 +173,171 @@ def timed_out(error: str) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def sever(sockets: dict[int, str]) -> int:
-    """Shut down a broken group's sockets (both directions) without closing its descriptors.
+class SeveredSockets:
+    """Sockets :func:`sever` shut down for reading, kept open until :meth:`release`.
+
+    Once gloo has let go of one (it closes its descriptor when it reads the end of the stream), a
+    thread reads and drops whatever the peer still sends on it: a peer part way through a large
+    send finishes it instead of meeting a full buffer (its send would then wait on a pair that
+    fails before it completes, see :func:`sever`). A socket the peer closed is closed here too."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[socket.socket, int, str]] = []  # (our socket, gloo's descriptor, its name)
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._held)
+
+    def hold(self, sock: socket.socket, fd: int, inode: str) -> None:
+        sock.setblocking(False)
+        with self._lock:
+            self._held.append((sock, fd, inode))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._drain, name="meshpact-severed-drain", daemon=True)
+                self._thread.start()
+
+    def release(self) -> None:
+        """Close every held socket (every rank has left their generation)."""
+        with self._lock:
+            held, self._held = self._held, []
+        for sock, _, _ in held:
+            sock.close()
+
+    def _drain(self) -> None:
+        # a socket shut down for reading always reads as ready and its recv returns b"" once its queue
+        # is empty: what is queued is asked of the kernel, and the peer's end from the TCP state
+        while True:
+            with self._lock:
+                if not self._held:
+                    self._thread = None
+                    return
+                ready = [h for h in self._held if not _names(h[1], h[2])]  # gloo closed its descriptor
+            moved, gone = False, []
+            for sock, _, _ in ready:
+                try:
+                    queued = _queued(sock)
+                    while queued > 0:
+                        got = len(sock.recv(min(queued, 1 << 20)))
+                        if not got:
+                            break
+                        moved, queued = True, queued - got
+                    if _tcp_state(sock) in _PEER_ENDED:
+                        gone.append(sock)
+                except BlockingIOError:
+                    continue
+                except OSError:  # closed by release(), or reset by the peer
+                    gone.append(sock)
+            if gone:
+                with self._lock:
+                    self._held = [h for h in self._held if h[0] not in gone]
+                for sock in gone:
+                    sock.close()
+            time.sleep(0.0005 if moved else 0.005)
+
+
+_PEER_ENDED = (7, 8, 9)  # TCP_CLOSE, TCP_CLOSE_WAIT, TCP_LAST_ACK (linux/include/net/tcp_states.h)
+
+
+def _queued(sock: socket.socket) -> int:
+    """Bytes received on ``sock`` and not yet read."""
+    return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    """The socket's TCP state (``tcpi_state``, the first byte of ``TCP_INFO``)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+def _names(fd: int, inode: str) -> bool:
+    """Whether descriptor ``fd`` still names socket ``inode``."""
+    try:
+        return f"socket:[{os.fstat(fd).st_ino}]" == inode
+    except OSError:
+        return False
+
+
+def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> int:
+    """End a broken group's operations by shutting its sockets down, without closing its descriptors.
 
     gloo's ``abort`` does not unblock an operation in flight, and a group cannot be destroyed
-    while FSDP still holds it; shutting its sockets down is what makes every peer still
-    waiting on this rank fail at once ("connection closed by peer") instead of at its
-    timeout. Only descriptors that still name the same socket (inode) are touched.
+    while FSDP still holds it: a shut-down socket is what makes gloo fail the operations waiting
+    on it. Only descriptors that still name the same socket (inode) are touched.
+
+    gloo's TCP transport never fails a collective's send (an unbound buffer's) that it queued on a
+    pair because the kernel refused it, nor a receive it was part way through, when the pair then
+    fails (``Pair::signalException``, ``gloo/transport/tcp/pair.cc``): such an operation waits out
+    its whole timeout. A peer's write is refused once this end has sent a FIN and stopped reading
+    (the kernel answers the data with a reset), has closed with data unread, or is full.
+
+    With ``held`` (the peers learn of the recovery over the control channel): each socket is shut
+    down for reading only and kept in ``held``, which drains it once gloo lets go. This rank's waits
+    fail at once (gloo reads the end of the stream); the peer is sent nothing, and its writes keep
+    succeeding, so this sever leaves no peer in that wait. Without ``held`` (nobody would tell the
+    peers otherwise): both directions are shut down and the peers' reads end at once, their sends
+    exposed to a reset as above.
     """
-    n = 0
+    opened: list[tuple[socket.socket, int, str]] = []
     for fd, inode in sockets.items():
+        if not _names(fd, inode):
+            continue
         try:
-            if f"socket:[{os.fstat(fd).st_ino}]" != inode:
-                continue
-            with socket.socket(fileno=os.dup(fd)) as s:
-                s.shutdown(socket.SHUT_RDWR)
-            n += 1
+            opened.append((socket.socket(fileno=os.dup(fd)), fd, inode))
         except OSError:
             continue
+    if held is not None:
+        _flush([s for s, _, _ in opened])
+    n = 0
+    for s, fd, inode in opened:
+        try:
+            s.shutdown(socket.SHUT_RD if held is not None else socket.SHUT_RDWR)
+        except OSError:
+            s.close()
+            continue
+        n += 1
+        if held is not None:
+            held.hold(s, fd, inode)
+        else:
+            s.close()
     return n
+
+
+def _sending(sock: socket.socket) -> tuple[int, int]:
+    """(bytes given to the kernel on ``sock`` and not yet acknowledged, bytes the peer acknowledged
+    in all: ``tcpi_bytes_acked``); zeros where the kernel does not say."""
+    try:
+        unsent = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_ACKED + 8)
+    except OSError:
+        return 0, 0
+    acked = struct.unpack_from("=Q", info, _TCP_INFO_ACKED)[0] if len(info) >= _TCP_INFO_ACKED + 8 else 0
+    return unsent, acked
+
+
+def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: float = FLUSH_MOST_S) -> float:
+    """Wait until the kernel has sent, and the peers acknowledged, what these sockets were given:
+    a send gloo has part written (the rest queued in the process, written as the socket's buffer
+    frees) goes on and ends before the pair fails. Sockets with nothing in flight at the first two
+    looks (a millisecond apart) are done at once; once bytes were seen moving, the queue must be
+    empty and nothing more written for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's writer
+    unscheduled while the peer empties the buffer). Bounded: bytes not moving for ``stall_s`` (a
+    peer that stopped reading, a cut link), or ``most_s`` in all. Seconds waited."""
+    t0 = time.monotonic()
+    first = [_sending(s) for s in socks]
+    last, moved, active = first, t0, any(q for q, _ in first)
+    while True:
+        time.sleep(0.001)
+        now = time.monotonic()
+        seen = [_sending(s) for s in socks]
+        if seen != last:
+            active = active or any(a != b for (_, a), (_, b) in zip(seen, last)) or any(q for q, _ in seen)
+            last, moved = seen, now
+        empty = not any(q for q, _ in seen)
+        if empty and (not active or now - moved >= FLUSH_SETTLE_S):
+            return now - t0
+        if (not empty and now - moved > stall_s) or now - t0 > most_s:
+            return now - t0
 
 
 def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
@@ -418,3 +573,4 @@ class Standby:
         """Wait at most ``timeout_s`` for the thread; True when it has ended."""
         self._thread.join(timeout=timeout_s)
         return not self._thread.is_alive()
+

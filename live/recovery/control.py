@@ -69,6 +69,12 @@ class ControlChannel:
     def set(self, key: str, value: Any) -> None:
         self._store.set(self._ns + key, json.dumps(value))
 
+    def set_many(self, keys: list[str], value: Any) -> None:
+        """Write ``value`` under every one of ``keys`` in one round trip."""
+        if keys:
+            raw = json.dumps(value)
+            self._store.multi_set([self._ns + k for k in keys], [raw] * len(keys))
+
     def get(self, key: str, default: Any = None) -> Any:
         k = self._ns + key
         if not self._store.check([k]):

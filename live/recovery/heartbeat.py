@@ -46,20 +46,24 @@ computing, a rank whose bytes move (a large collective under way), a rank whose 
 not scheduled (a stale word) each keep the alarm off. Only where the data path is sockets
 (gloo); NCCL's traffic does not pass through them, so there the data-path timeout finds it.
 
-A rank that starts a recovery bumps a counter for its generation (:func:`recovering_key`);
-the watch reads it in the same round trip as the beats, and a rank still in the step severs its
-data path at its next look. Without it a rank blocked on a pair nobody severs (a send to a third
-rank, which is itself blocked) would wait out the data-path timeout: a second by default, minutes
-where NCCL-length timeouts are set.
+A rank that starts a recovery shuts down only its own reading (:func:`~.communicator.sever`): its
+peers hear nothing on their sockets, so it sets a key on the control channel for each of them
+(:func:`recovering_key`). Each rank's listener thread waits on its own key (one blocking wait on a
+connection of its own) and, the moment it is set, severs this rank's data path once the rank is in
+a step: a rank blocked in a collective on any pair, a send to a third rank included, fails then,
+not at the data-path timeout (a second by default, minutes where NCCL-length timeouts are set).
 
-Not ended by any sever: a send that gloo's TCP transport queued on its pair because the kernel
-refused it (a full send buffer, or a peer that had closed: EAGAIN, EPIPE, ECONNRESET) and that
-the pair then fails. ``Pair::signalException`` fails the queued sends of bound buffers only
-(gloo, ``gloo/transport/tcp/pair.cc``), so a collective's send, an unbound buffer's, waits out
-its timeout whatever becomes of the socket. ``bench/recovery.py`` lists each such recovery
-(``over_100_ms``: the last rank's error is gloo's "Timed out waiting ... for send operation",
-with its heartbeat's alarm raised): 1 to 4 in 100 faults at 4 and 8 ranks on a loaded 2-core
-machine. ``ProcessGroupGloo.abort`` and ``shutdown`` do not end such a wait either.
+Why not shut both directions down and let the peers read the end of the stream, as a killed
+rank's kernel does: gloo's TCP transport never fails a collective's send (an unbound buffer's)
+that it queued on a pair because the kernel refused it, nor a receive it was part way through,
+when the pair then fails (``Pair::signalException``, ``gloo/transport/tcp/pair.cc``); such an
+operation waits out its whole timeout, and ``ProcessGroupGloo.abort`` and ``shutdown`` do not end
+it. A peer's write is refused once this end has sent a FIN and stopped reading (the kernel answers
+the data with a reset): 1 to 4 recoveries in 100 at 4 and 8 ranks waited out the timeout that way
+on a loaded 2-core machine. A sever that only stops this rank's reading, waits for what its own
+sockets are still sending, and drains what the peers still send, leaves no rank in that wait.
+Not avoided: a receive a rank was part way through when its own sever came (its step was already
+failing), and a send part way through to a rank that was killed.
 
 The bound on finding a stall or a quiet data path is :attr:`RecoveryConfig.heartbeat_detect_s`.
 Not found by the heartbeat (the data-path timeout still bounds them): a main thread busy
@@ -83,8 +87,7 @@ from typing import Any
 
 import torch
 
-from . import communicator as comm
-from .control import ControlChannel, control_address
+from .control import ControlChannel, ControlTimeout, control_address
 
 __all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed",
            "stall_bound", "pause_key"]
@@ -194,10 +197,14 @@ def beat_key(rank: int) -> str:
     return f"heartbeat/rank{rank}"
 
 
-def recovering_key(generation: int) -> str:
-    """The control-channel counter a rank bumps when it starts a recovery out of ``generation``:
-    every heartbeat reads it with the beats, and a rank still in the step severs its data path."""
-    return f"recovering/g{generation}"
+_LISTEN_S = 3600.0  # one wait on the control channel (renewed; ended by a recovery or by stop)
+_LISTEN_POLL_S = 0.002  # how often a rank heard of a recovery checks whether its step began
+
+
+def recovering_key(generation: int, rank: int) -> str:
+    """The control-channel key a rank that starts a recovery out of ``generation`` sets for each
+    member ``rank``: the rank's heartbeat waits on it and severs its data path the moment it is set."""
+    return f"recovering/g{generation}/rank{rank}"
 
 
 class Heartbeat:
@@ -232,16 +239,27 @@ class Heartbeat:
         self._fds_generation: int | None = None
         self._main = threading.main_thread().ident
         self._main_stat = f"/proc/self/task/{threading.main_thread().native_id}/stat"
+        self.listener = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
+                                       is_host=False, connect_timeout_s=cfg.store_connect_s,
+                                       run_id=session.spec.run_id)
+        self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshpact-heartbeat", daemon=True)
+        self._listener = threading.Thread(target=self._listen, name="meshpact-recovery-listener", daemon=True)
 
     def start(self) -> "Heartbeat":
         self._thread.start()
+        self._listener.start()
         return self
 
     def stop(self) -> None:
         self._stop.set()
+        try:  # end the listener's wait (it stops on its own key; nobody else reads it)
+            self.channel.set(recovering_key(self.session.generation, self.session.rank), -1)
+        except Exception:  # noqa: BLE001 (the control channel is gone: so is the listener's wait)
+            pass
         self._thread.join(timeout=max(1.0, 4 * self.interval_s))
+        self._listener.join(timeout=max(1.0, 4 * self.interval_s))
 
     def step_begins(self, again: bool = False) -> None:
         """The runtime is about to run a step, or (``again``) run it again after a recovery: its
@@ -302,7 +320,31 @@ class Heartbeat:
             self.alarm, self._detected_generation = alarm, generation
         with s.sever_lock:  # the standby's sockets survive, and a swap under way is waited for
             if s.generation == generation:
-                comm.sever(s.data_sockets())
+                s.sever_data_path(tell_peers=False)
+
+    def _listen(self) -> None:
+        """Wait on the control channel (a connection of its own) for a peer opening a recovery of
+        this rank's generation (:func:`recovering_key`), and sever this rank's data path the moment
+        one does, once the rank is in a step: a rank blocked in a collective whose peers shut down
+        only their reading hears nothing on its sockets. Ends with the job's control channel or
+        with :meth:`stop` (which sets this rank's own key)."""
+        s = self.session
+        while not self._stop.is_set():
+            generation = s.generation
+            try:
+                self.listener.wait([recovering_key(generation, s.rank)], timeout_s=_LISTEN_S)
+            except ControlTimeout:
+                continue
+            except Exception:  # noqa: BLE001 (the control channel is gone: the job is ending)
+                return
+            self.opened_wall = time.time()
+            while not self._stop.is_set() and s.generation == generation and not self._alarmed(generation):
+                if self.watching:  # a step of this generation runs: it may be blocked on a pair nobody severs
+                    self._raise(HeartbeatAlarm(time.time(), ()), generation)
+                    break
+                time.sleep(_LISTEN_POLL_S)  # between steps: the next one begins soon, or this rank's recovery
+            while not self._stop.is_set() and s.generation == generation:
+                time.sleep(_LISTEN_POLL_S)
 
     def _data_bytes(self, generation: int) -> int | None:
         """Bytes acknowledged plus received on the data path's sockets (None: none to read).
@@ -425,12 +467,7 @@ class Heartbeat:
                     still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()
                     quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
                     self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
-                # one round trip for every peer, and for whether a rank opened a recovery of this generation
-                counts = self.channel.counters([*keys, recovering_key(generation)])
-                if counts.pop() and self.watching and not self._alarmed(generation) and s.generation == generation:
-                    # a peer is recovering while this rank is still in the step: it may be blocked on a
-                    # pair nobody severs (a send to a third rank), which only the data-path timeout ends
-                    self._raise(HeartbeatAlarm(time.time(), ()), generation)
+                counts = self.channel.counters(keys)  # one round trip for every peer
                 if not self.watching or seen is None or ranks != watched:
                     still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}
                     continue

@@ -217,9 +217,10 @@ def detect(rt: Job, cause: Cause) -> Detection:
     s = rt.session
     clock = StageClock()
     t_detect, t0 = time.time(), time.perf_counter()
-    severed = comm.sever(s.data_sockets())  # the standby's sockets are not the data path's
-    if rt.heartbeat is not None and not cause.drill:  # peers still in the step sever theirs on their next look
-        s.control.add(recovering_key(s.generation))
+    told = rt.heartbeat is not None and not cause.drill  # peers still in the step hear it from the control channel
+    severed = s.sever_data_path(tell_peers=not told)  # the standby's sockets are not the data path's
+    if told:
+        s.control.set_many([recovering_key(s.generation, r) for r in s.members if r != s.rank], s.rank)
     alarm = rt.heartbeat.take() if rt.heartbeat is not None else None
     if alarm is not None and (alarm.stalled or alarm.data_path_quiet):  # the heartbeat knew first
         t_detect = min(t_detect, alarm.t_wall)  # (it severed the sockets that raised)

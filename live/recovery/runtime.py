@@ -272,6 +272,7 @@ class Resilient:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.session.stop_standby()
+        self.session.release_severed()
         if self.counter is not None:
             self.counter.__exit__(None, None, None)
         gc.unfreeze()
@@ -523,6 +524,8 @@ class Resilient:
             if r.backend is not None:
                 r.seq_ops_after = comm.sequence_number(r.backend) - r.seq_at_retirement
                 r.backend = None
+        if self.session.severed:
+            self.session.release_severed()
         self.committed_step = step + 1
         self.mark_committed()
         if self.peers is not None:  # a host copy now; shipped to the holders while the next step runs

@@ -184,6 +184,9 @@ class Session:
         # held while the heartbeat severs and while the runtime swaps in the next generation's
         # groups: a late sever never reaches the new groups' sockets
         self.sever_lock = threading.Lock()
+        # sockets this rank shut down for reading, kept open until every rank has left their generation
+        # (closing one with data unread would reset the peer's connection: see communicator.sever)
+        self.severed = comm.SeveredSockets()
         self.peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
         self.host = ""  # the host this rank is on, as peer placement sees it
         self.joined = Joined(None)  # a replacement's decision: the recovery it joined at start-up
@@ -296,6 +299,17 @@ class Session:
         """The data path's sockets to sever on a fault: never the stores', the control
         channel's, the peer servers' or the standby's."""
         return self.data_path.sockets(self.standby.sockets if self.standby is not None else {}, self._data_path_key())
+
+    def sever_data_path(self, tell_peers: bool) -> int:
+        """Make every operation of this generation's data path fail (:func:`~.communicator.sever`).
+        ``tell_peers``: the peers learn from these sockets (both directions shut down), where no
+        heartbeat hears the recovery opened on the control channel for them; else only this
+        rank's reading is shut down and the sockets are held until :meth:`release_severed`."""
+        return comm.sever(self.data_sockets(), None if tell_peers else self.severed)
+
+    def release_severed(self) -> None:
+        """Close the sockets severed in generations every rank has left (a full step ran since)."""
+        self.severed.release()
 
     def remember_data_path(self) -> None:
         """List this generation's data-path sockets now, so a fault severs them without listing

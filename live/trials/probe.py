@@ -426,3 +426,51 @@ def stuck_send_probe(raw: JsonArgs) -> dict[str, object]:
     return {"rank": session.rank, "recoveries": [r.to_dict() for r in rt.recoveries],
             "knew_after_s": [r.t_detect_wall - began[0] for r in rt.recoveries],
             "errors": [str(e.data.get("error", "")) for e in detected], "steps": rt.committed_step}
+
+
+def large_send_probe(raw: JsonArgs) -> dict[str, object]:
+    """Two ranks and a large send in flight when the receiver's recovery severs its data path: in
+    step 1 rank 1 sends ``send_mb`` MB to rank 0, and rank 0's step raises a communication fault
+    once the transfer is under way. Returns each rank's recovery records, how long its failed
+    attempt ran before it knew, and how long rank 1's send took to end."""
+    import torch
+    import torch.distributed as dist
+
+    from meshpact.core.recording import EventKind
+
+    from ..recovery.config import RecoveryConfig
+    from ..recovery.faults import CollectiveFault
+    from ..recovery.runtime import resilient
+    from ..recovery.session import start_session
+
+    session = start_session(RecoveryConfig(data_timeout_s=float(raw["data_timeout_s"]), vendor="cpu"))
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    payload = torch.ones(int(float(raw["send_mb"]) * 2**20) // 4)
+    attempts: list[int] = []
+    began: list[float] = []
+    send_s: list[float] = []
+    pending: list[Any] = []  # rank 0's receive, left in flight when its step raises
+
+    def train_step(step: int) -> None:
+        attempts.append(step)
+        if step == 1 and attempts.count(1) == 1:  # the first attempt of step 1
+            began.append(time.time())
+            if session.rank == 0:
+                pending.append(dist.irecv(payload, group=session.group, group_src=1))
+                time.sleep(float(raw["raise_after_s"]))  # the transfer is under way
+                raise CollectiveFault("rank 0's collective failed during a large receive")
+            t0 = time.perf_counter()
+            try:
+                dist.send(payload, group=session.group, group_dst=0)
+            finally:
+                send_s.append(time.perf_counter() - t0)
+        dist.all_reduce(torch.ones(1), group=session.group)
+
+    with resilient(model, optimizer, session, batches=lambda step: step) as rt:
+        for step in range(3):
+            rt.step(train_step, step)
+    detected = [e for e in session.events if e.event == EventKind.DETECTED]
+    return {"rank": session.rank, "recoveries": [r.to_dict() for r in rt.recoveries],
+            "knew_after_s": [r.t_detect_wall - began[0] for r in rt.recoveries], "send_s": send_s,
+            "errors": [str(e.data.get("error", "")) for e in detected], "steps": rt.committed_step}

@@ -106,7 +106,7 @@ def _heartbeat(generation: int, watching: bool):
     hb = Heartbeat.__new__(Heartbeat)  # no thread, no control channel: the alarm's bookkeeping alone
     severed: list[int] = []
     hb.session = SimpleNamespace(generation=generation, sever_lock=threading.Lock(),
-                                 data_sockets=lambda: severed.append(generation) or {})
+                                 sever_data_path=lambda tell_peers: severed.append(generation) or 0)
     hb.watching, hb.alarm, hb._detected_generation, hb._alarm_lock = watching, None, None, threading.Lock()
     return hb, severed
 
