@@ -24,6 +24,14 @@ next step begins (the ship no longer overlaps the step), and a rank lost after i
 committed a step it did not (in its optimizer step or its commit) has no copy of a step the
 survivors hold, so consensus decides a checkpoint restore and names why.
 
+A recovery is not kept waiting by a ship: from the moment a rank knows of a fault until it runs
+again (:meth:`PeerCopier.pause`, :meth:`PeerCopier.resume`) its shipper sends nothing more of the
+copy in flight (it looks between pieces of ``_SHIP_PIECE`` bytes), so a depth-2 ship overlapping
+the failed step does not take the cores the recovery's stages need (four ranks each sending and
+receiving a third of a gigabyte over loopback, for ``gpt100m``). The pause is bounded
+(``timeout_s / 2``: the holder's wait for the next bytes is ``timeout_s``), so a recovery that
+never resumes the shipper leaves it late, never stuck.
+
 After a fault every rank reports what it holds in its proposal
 (:attr:`~meshpact.live.recovery.consensus.Proposal.holds`); consensus picks the step and the
 holder (:func:`~meshpact.live.recovery.consensus.decide`), and the lost rank's replacement
@@ -50,7 +58,7 @@ import struct
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from meshpact.core.jsonform import JsonObject
 
@@ -64,6 +72,7 @@ ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (de
 HOST_ENV = "MESHPACT_HOST_ID"  # which host a rank is on (default: its peer address)
 _HEADER = struct.Struct("!I")
 _CHUNK = 1 << 20
+_SHIP_PIECE = 4 << 20  # a ship sends a copy's body this much at a time, looking at its gate between pieces
 _MAPPED_MIN = 1 << 20  # buffers at least this long are mapped from the kernel (:func:`host_buffer`)
 
 
@@ -114,14 +123,22 @@ def read_addresses(channel: Any, world_size: int, timeout_s: float | None = None
 
 
 # -- the wire: a length-prefixed JSON header, then the payload's bytes -------------------------
-def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview | Sequence[Any] = b"") -> None:
-    """``header`` then ``payload``: bytes, or a sequence of buffers sent one after another as one payload."""
+def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview | Sequence[Any] = b"",
+          gate: Callable[[], None] | None = None) -> None:
+    """``header`` then ``payload``: bytes, or a sequence of buffers sent one after another as one
+    payload. ``gate``: called before each piece of ``_SHIP_PIECE`` bytes (it may wait)."""
     parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
     raw = json.dumps({**header, "n": sum(len(p) for p in parts)}).encode()
     sock.sendall(_HEADER.pack(len(raw)) + raw)
     for part in parts:
-        if len(part):
-            sock.sendall(part)
+        if gate is None:
+            if len(part):
+                sock.sendall(part)
+            continue
+        view = memoryview(part).cast("B")
+        for at in range(0, len(view), _SHIP_PIECE):
+            gate()
+            sock.sendall(view[at:at + _SHIP_PIECE])
 
 
 def host_buffer(n: int) -> bytearray | mmap.mmap:
@@ -451,11 +468,13 @@ def _connect(address: PeerAddress, timeout_s: float) -> socket.socket:
         raise PeerError(f"rank {address.rank}'s peer server at {address.addr}:{address.port}: {exc}") from None
 
 
-def put(address: PeerAddress, src: int, step: int, payload: bytes | Sequence[Any], timeout_s: float) -> None:
-    """Send a copy (a payload, or its parts: a header and a body) to the holder at ``address``."""
+def put(address: PeerAddress, src: int, step: int, payload: bytes | Sequence[Any], timeout_s: float,
+        gate: Callable[[], None] | None = None) -> None:
+    """Send a copy (a payload, or its parts: a header and a body) to the holder at ``address``
+    (``gate``: see :func:`_send`)."""
     with _connect(address, timeout_s) as sock:
         try:
-            _send(sock, {"op": "put", "src": src, "step": step}, payload)
+            _send(sock, {"op": "put", "src": src, "step": step}, payload, gate)
             header, _ = _recv(sock)
         except OSError as exc:
             raise PeerError(f"copy of rank {src} step {step} to rank {address.rank}: {exc}") from None
@@ -538,6 +557,9 @@ class PeerCopier:
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
         self._idle.set()
+        self._go = threading.Event()  # clear while a recovery runs: the shipper waits between pieces
+        self._go.set()
+        self._pause_until = 0.0  # monotonic time the pause ends by itself
         self._thread = threading.Thread(target=self._shipper, name="meshpact-peer-ship", daemon=True)
         self._thread.start()
 
@@ -640,6 +662,24 @@ class PeerCopier:
                   else sum(t.numel() * t.element_size() for t in snap.values()) for s, snap in self.own.items())
         return own + sum(slab.layout.total for slab in self._free) + self.server.held_bytes
 
+    def pause(self) -> None:
+        """Hold the copy in flight where it is (a recovery began on this rank) until :meth:`resume`,
+        or for ``timeout_s / 2`` at most; see the module docstring."""
+        self._pause_until = time.monotonic() + self.timeout_s / 2
+        self._go.clear()
+
+    def resume(self) -> None:
+        """Let the copy in flight go on (the recovery is over)."""
+        self._go.set()
+
+    @property
+    def paused(self) -> bool:
+        return not self._go.is_set()
+
+    def _gate(self) -> None:
+        if not self._go.wait(max(self._pause_until - time.monotonic(), 0.0)):
+            self._go.set()  # the pause outlived its bound: the ship goes on
+
     def drain(self, timeout_s: float | None = None) -> bool:
         """Wait until the copy in flight has been shipped (or failed)."""
         return self._idle.wait(timeout_s)
@@ -656,7 +696,7 @@ class PeerCopier:
                 payload = (slab.layout.header(step), slab.body())
                 for holder in self.holders():
                     try:
-                        put(self.addresses[holder], self.rank, step, payload, self.timeout_s)
+                        put(self.addresses[holder], self.rank, step, payload, self.timeout_s, self._gate)
                     except PeerError:  # a holder gone: this copy is one short until the next recovery
                         self.counters.failed += 1  # reads the addresses again (:meth:`refresh`)
                         continue

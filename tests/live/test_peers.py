@@ -453,3 +453,30 @@ def test_the_trial_reports_peer_copy_cost_in_async_checkpointings_terms():
     assert result.summary()["storage_bytes_read"] == 0 and result.summary()["final_world_size"] == 2
     none = TrialResult(cfg, (), ref, [RankOutcome(0), RankOutcome(1)], None, {}, True, [], 0, "r.jsonl")
     assert none.peer_copy_overhead() is None
+
+
+def test_a_paused_ship_sends_nothing_more_until_resumed_and_a_forgotten_pause_ends_by_itself(server):
+    """A recovery pauses the copy in flight (the cores are the recovery's): the holder gets none
+    of its body until the copier resumes; a pause nobody lifts ends after ``timeout_s / 2``."""
+    other = PeerServer("127.0.0.1")
+    try:
+        table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
+                 for r, s in ((0, other), (1, server))}
+        copier = PeerCopier(0, 2, 1, _Channel(table), other, timeout_s=2.0)
+        copier.refresh()
+        big = {f"param/{i}": torch.full((1 << 20,), float(i)) for i in range(3)}  # 12 MB: three pieces
+        copier.pause()
+        copier.commit(1, big)
+        assert not copier.drain(0.3) and copier.paused and server.holds() == ()
+        copier.resume()
+        assert copier.drain(10) and server.holds() == ((0, 1),)
+        got, _ = fetch(_addr(server), 0, 1, 5.0)
+        assert all(torch.equal(got[k], big[k]) for k in big)
+        t0 = time.monotonic()
+        copier.pause()
+        copier.commit(2, big)
+        assert copier.drain(10) and time.monotonic() - t0 >= 0.9 and not copier.paused
+        assert server.holds() == ((0, 1), (0, 2))
+        copier.close()
+    finally:
+        other.close()
