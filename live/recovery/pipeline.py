@@ -44,7 +44,7 @@ from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .reshard import ExcisionRecord, Membership, carry_schedule, excise
 from .session import Session, c10d_default, resume_barrier
 from .state import CommitMark, RngState, Schedule, load_job_state, restore_rng
-from .stepreset import reset_step_state
+from .stepreset import Leftovers, reset_step_state
 
 
 __all__ = ["Job", "RecoveryRecord", "StageClock", "Cause", "Detection", "Rebuilt", "Rebound", "detect", "agree_on", "rebuild", "rebind", "restore",
@@ -172,6 +172,7 @@ class Detection:
     changed: str  # why the state is not the committed one ("" when it is)
     old_groups: Mapping[str, dist.ProcessGroup]  # every group of the job, by base name
     standby: comm.StandbyStatus  # this rank's word on its standby, carried in its proposal
+    leftovers: Leftovers = field(default_factory=Leftovers)  # the failed attempt's buffers: let go once running again
 
     @property
     def intact(self) -> bool:
@@ -232,9 +233,12 @@ def detect(rt: Job, cause: Cause) -> Detection:
            heartbeat_quiet=bool(alarm and alarm.data_path_quiet), heartbeat_alarm=alarm is not None,
            heartbeat_look_age_s=t_detect - rt.heartbeat.last_look_wall if rt.heartbeat is not None else None,
            heartbeat_failed_looks=rt.heartbeat.failed_looks if rt.heartbeat is not None else 0)
+    if rt.peers is not None:  # the copy in flight waits: the cores are the recovery's (until let_go)
+        rt.peers.pause()
     t0 = time.perf_counter()
     states = fsdp_states(rt.model)  # the reset, the meshes and rebinding read them
-    params = reset_step_state(rt.model, states)  # sharded parameters back on the modules before anything reads them
+    leftovers = Leftovers()  # nothing freed on the recovery's path (until let_go)
+    params = reset_step_state(rt.model, states, leftovers)  # sharded parameters back on the modules before anything reads them
     reset_s = time.perf_counter() - t0
     t_check = time.perf_counter()
     changed = rt.state_changed()
@@ -246,7 +250,16 @@ def detect(rt: Job, cause: Cause) -> Detection:
     word = s.standby_word(old_groups, silent_s, quiet=bool(alarm and alarm.data_path_quiet))
     clock.lap("detect")
     return Detection(cause, t_detect, clock, t_check, alarm, tuple(states), tuple(params), reset_s, changed,
-                     old_groups, word)
+                     old_groups, word, leftovers)
+
+
+def let_go(rt: Job, d: Detection, model_replaced: bool = False) -> None:
+    """What :func:`detect` held back from the recovery's path goes now: the failed attempt's
+    buffers are freed and the paused peer copy ships on (``model_replaced``: an excision's new
+    model, so the old one's kept unsharded buffers are freed too)."""
+    d.leftovers.release(model_replaced)
+    if rt.peers is not None:
+        rt.peers.resume()
 
 
 # -- agree -----------------------------------------------------------------------------------
@@ -425,6 +438,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
     :class:`~.reshard.ExcisionRefused` (the state flushed to a checkpoint) ends the job."""
     s = rt.session
     assert rt.build is not None
+    let_go(rt, d, model_replaced=True)  # a re-shard is work per byte anyway: nothing is held through it
     s.drop_standby()  # built for the larger world: none serves the survivors
     if decision.step != rt.committed_step or not d.intact:  # back to its own snapshot: memory, no storage
         if rt.peers is None or decision.step not in rt.peers.own:
@@ -486,9 +500,11 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
         lost = 0  # no barrier: building the groups already waited for every rank to connect
         t_first, t_resumed = first_collective(rt, decision.generation)
         d.clock.lap("resume")
+        let_go(rt, d)
         s.log.flush()
     else:
         t_first, _ = rejoin(rt, decision.generation)
+        let_go(rt, d)
         t0 = time.perf_counter()
         lost = rt.replay(decision.step, d.cause.step)
         s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
