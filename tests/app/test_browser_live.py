@@ -13,20 +13,24 @@ PID among the dashboard server's descendants.
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 import pytest
 
 from meshpact.app.format import duration
+from meshpact.app.live_job import TRIAL_DIR
 from meshpact.app.serve import CLIPPED_JS, go_to, metric, wait_metric, wait_metric_is, wait_title
 from meshpact.core.recovery import Policy
+from meshpact.live.trials.trialconfig import PROCESSES_FILE
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.live]
 
 ROOT = Path(__file__).resolve().parents[2]
 ARTIFACTS = ROOT / "test-artifacts"  # screenshots
 RANKS, STEPS = 2, 4
+RUNNER = "meshpact.app.live_job"  # the page's runner: python -m meshpact.app.live_job
 # every metric and button, and besides them the widget labels and the rank table's cells
 LIVE_CLIPPED_JS = CLIPPED_JS.replace("'[data-testid=\"stMetricValue\"] div,", "'[data-testid=\"stWidgetLabel\"] p, "
                                      "[class*=\"st-key-live_row_\"] p, [data-testid=\"stMetricValue\"] div,")
@@ -196,18 +200,27 @@ def _children() -> dict[int, list[int]]:
     return out
 
 
-def _server_pid(url: str) -> int:
-    """The dashboard server: the streamlit process serving ``url``'s port."""
-    port = url.rsplit(":", 1)[1]
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(c.endswith(b"streamlit") for c in cmd) and port.encode() in cmd:
-                return int(entry.name)
-    raise LookupError(f"no streamlit process serves {url}")
+def _server_pid(url: str, timeout_s: float = 5.0) -> int:
+    """The dashboard server: the streamlit process serving ``url``'s port that this process (the
+    ``server`` fixture) started. A process the server has just forked to start a runner shows the
+    server's command line until it execs, and once the PID counter has wrapped (32,768 here, every
+    few minutes under load) its PID is lower than the server's, so it comes first in /proc: the
+    command line alone can name the runner, whose descendants are then counted without it."""
+    port, me = url.rsplit(":", 1)[1].encode(), os.getpid()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    cmd = (entry / "cmdline").read_bytes().split(b"\0")
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                if ppid == me and any(c.endswith(b"streamlit") for c in cmd) and port in cmd:
+                    return int(entry.name)
+        if time.monotonic() > deadline:
+            raise LookupError(f"no streamlit process started by this one serves {url}")
+        time.sleep(0.1)
 
 
 def _descendants(pid: int) -> set[int]:
@@ -224,12 +237,84 @@ def _alive(pids: set[int]) -> set[int]:
     return {p for p in pids if Path(f"/proc/{p}").exists()}
 
 
-def _started_by_the_page(server: str, at_least: int, timeout_s: float = 120) -> set[int]:
-    """The server's descendants once the run has its runner, fork server and ranks."""
-    pid = _server_pid(server)
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "(gone)"
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "gone"
+
+
+class Seen:
+    """What the test saw of the page's processes while it waited, for an assertion to tell: each
+    descendant of the dashboard server, its command line, when it was first and last seen; the
+    runner's work directory once a runner showed (its log, the launcher's list of the processes
+    it started, the rank logs); and the page."""
+
+    def __init__(self, server_pid: int) -> None:
+        self.server_pid = server_pid
+        self.t0 = time.monotonic()
+        self.first: dict[int, float] = {}
+        self.last: dict[int, float] = {}
+        self.cmd: dict[int, str] = {}
+        self.most = 0
+        self.work: list[Path] = []
+
+    def look(self) -> set[int]:
+        procs = _descendants(self.server_pid)
+        now = time.monotonic() - self.t0
+        for p in procs:
+            self.first.setdefault(p, now)
+            self.last[p] = now
+            cmd = _cmdline(p)  # read again each look: a process forked a moment ago may not have exec'd yet
+            if cmd != "(gone)":
+                self.cmd[p] = cmd
+            self.cmd.setdefault(p, cmd)
+            args = self.cmd[p].split()
+            if RUNNER in args and "--result" in args:
+                work = Path(args[args.index("--result") + 1]).parent
+                if work not in self.work:
+                    self.work.append(work)
+        self.most = max(self.most, len(procs))
+        return procs
+
+    def runners(self, pids: set[int]) -> list[int]:
+        return [p for p in pids if RUNNER in self.cmd.get(p, "").split()]
+
+    def story(self, pg=None) -> str:  # noqa: ANN001 (a playwright Page)
+        lines = [f"dashboard server {self.server_pid}; after {time.monotonic() - self.t0:.1f} s, at most {self.most} "
+                 "of its descendants at once; seen (pid [state] first-last seen: command line):"]
+        lines += [f"  {p} [{_state(p)}] {self.first[p]:.1f}-{self.last[p]:.1f} s: {self.cmd[p][:160]}"
+                  for p in sorted(self.first, key=self.first.__getitem__)]
+        for work in self.work:
+            for name in ("runner.log", f"{TRIAL_DIR}/{PROCESSES_FILE}", "result.json"):
+                try:
+                    text = (work / name).read_text(errors="replace")[-2500:]
+                except OSError as exc:
+                    text = f"({exc.strerror})"
+                lines.append(f"{work / name}:\n{text}")
+            for log in sorted((work / TRIAL_DIR).glob("*/events-rank*.jsonl")):
+                events = log.read_text(errors="replace").splitlines()
+                lines.append(f"{log}: {len(events)} events, the last: {events[-1:]}")
+        if pg is not None:
+            try:
+                lines.append("the page: " + pg.locator('[data-testid="stMain"]').first.inner_text(timeout=5_000)[:1500])
+            except Exception as exc:  # noqa: BLE001 (playwright's errors): the story says what it could not read
+                lines.append(f"the page could not be read: {exc}")
+        return "\n".join(lines)
+
+
+def _started_by_the_page(seen: Seen, at_least: int, timeout_s: float = 120) -> set[int]:
+    """The server's descendants once there are ``at_least`` of them (or when ``timeout_s`` ran out)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        procs = _descendants(pid)
+        procs = seen.look()
         if len(procs) >= at_least or time.monotonic() > deadline:
             return procs
         time.sleep(0.25)
@@ -237,10 +322,12 @@ def _started_by_the_page(server: str, at_least: int, timeout_s: float = 120) -> 
 
 @pytest.mark.timeout(240)
 def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_started(browser, server, its_recordings):
+    server_pid = _server_pid(server)
     pg = browser.new_page(viewport={"width": 1400, "height": 900})
     pg.goto(server)
     _start(pg)
-    assert len(_started_by_the_page(server, 2)) >= 2  # the runner and its fork server at least
+    seen = Seen(server_pid)
+    assert len(_started_by_the_page(seen, 2)) >= 2, seen.story(pg)  # the runner and its fork server at least
     _click(pg, "live_stop")
     pg.wait_for_function("() => document.body.innerText.includes('The run was stopped.')", timeout=60_000)
     assert metric(pg, "run") == "stopped"
@@ -252,12 +339,14 @@ def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_star
     pg = browser.new_page(viewport={"width": 1400, "height": 900})
     pg.goto(server)
     _start(pg)
-    started = _started_by_the_page(server, RANKS + 2)  # the runner, its fork server and the reference run's ranks
-    assert len(started) >= RANKS + 2, started
+    seen = Seen(server_pid)
+    started = _started_by_the_page(seen, RANKS + 2)  # the runner, its fork server and the reference run's ranks
+    assert len(started) >= RANKS + 2 and len(seen.runners(started)) == 1, seen.story(pg)
     pg.close()  # the tab goes; nothing else is done
     t0 = time.monotonic()
     while _alive(started) and time.monotonic() - t0 < 10:
         time.sleep(0.2)
     left = _alive(started)
-    assert not left, {p: Path(f"/proc/{p}/cmdline").read_bytes()[:80] for p in left if Path(f"/proc/{p}").exists()}
-    assert not _descendants(_server_pid(server))
+    assert not left, {p: _cmdline(p)[:80] for p in left}
+    assert _server_pid(server) == server_pid
+    assert not _descendants(server_pid), seen.story()
