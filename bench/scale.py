@@ -12,7 +12,9 @@ Measures on this machine, in one run:
   (``unplanned_recoveries``: recoveries beyond the faults injected);
 - ``recovery_ms_p50_by_state_mb``: the in-memory recoveries (collective and stall) themselves (the stages after every rank
   knew: consensus, communicator, rebinding, state),
-  p50 per workload keyed by the rank's state in MB, and the ratio large / tiny; the skew of
+  p50 per workload keyed by the rank's state in MB, and the ratio large / tiny (a recovery of those paths that consensus
+  decided otherwise, such as a checkpoint restore where a rank's optimizer had stepped, is left out: each
+  path's ``policies`` lists what every recovery was); the skew of
   ranks reaching the failed collective (first rank knowing -> every rank knowing, the
   detection stage) is ``skew_ms_p50_by_state_mb`` beside it, apart from the recovery;
 - ``extra_rss_per_rank_over_state`` per path: the largest peak resident memory of a rank of
@@ -213,6 +215,7 @@ class PathRun:
     stages_ms: dict[str, float] = field(default_factory=dict)  # each stage's p50 over the recoveries, first collective apart
     skew_ms: list[float] = field(default_factory=list)  # the detection stage: until every rank knew
     own_ms: list[float] = field(default_factory=list)  # the recovery itself: every stage after detection
+    policies: list[str] = field(default_factory=list)  # each recovery's policy, in the order of the lists above
 
     @property
     def unplanned(self) -> int:
@@ -249,7 +252,8 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
                    overhead.get("snapshot_ms_per_commit"), overhead.get("step_latency"),
                    stages_ms={k: statistics.median(v) for k, v in _stage_lists(recs).items()},
                    skew_ms=[r["stages_s"].get("detection", 0.0) * 1e3 for r in recs],
-                   own_ms=[sum(v for k, v in r["stages_s"].items() if k != "detection") * 1e3 for r in recs])
+                   own_ms=[sum(v for k, v in r["stages_s"].items() if k != "detection") * 1e3 for r in recs],
+                   policies=[r["policy"] for r in recs])
 
 
 def _stage_lists(recs: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -307,8 +311,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
     state_mb = {w: plain[w].state_bytes / 2**20 for w in plain}
     in_memory = [p for p in paths if POLICY[p] == "in_memory"]
-    rec = {w: _p50([ms for r in runs if r.workload == w and r.path in in_memory for ms in r.own_ms]) for w in plain}
-    det = {w: _p50([ms for r in runs if r.workload == w and r.path in in_memory for ms in r.skew_ms]) for w in plain}
+    def in_memory_ms(w: str, attr: str) -> list[float]:
+        return [ms for r in runs if r.workload == w and r.path in in_memory
+                for ms, policy in zip(getattr(r, attr), r.policies) if policy == "in_memory"]
+
+    rec = {w: _p50(in_memory_ms(w, "own_ms")) for w in plain}
+    det = {w: _p50(in_memory_ms(w, "skew_ms")) for w in plain}
     extra_mb = {f"{r.workload}/{r.path}": ((r.peak_rss_bytes - plain[r.workload].peak_rss_bytes) / 2**20
                                            if r.peak_rss_bytes else None) for r in runs}
     extra_anon_mb = {f"{r.workload}/{r.path}": ((r.peak_anon_bytes - plain[r.workload].peak_anon_bytes) / 2**20
@@ -350,6 +358,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                              "unplanned_recoveries": r.unplanned, "peak_rss_mb": r.peak_rss_bytes / 2**20,
                                              "peak_anon_mb": r.peak_anon_bytes / 2**20,
                                              "recovery_ms": r.recovery_ms, "own_ms": r.own_ms, "skew_ms": r.skew_ms,
+                                             "policies": r.policies,
                                              "stages_ms": r.stages_ms,
                                              "error": r.error} for r in runs},
     }
