@@ -203,9 +203,9 @@ def _children() -> dict[int, list[int]]:
 def _server_pid(url: str, timeout_s: float = 5.0) -> int:
     """The dashboard server: the streamlit process serving ``url``'s port that this process (the
     ``server`` fixture) started. A process the server has just forked to start a runner shows the
-    server's command line until it execs, and once the PID counter has wrapped (32,768 here, every
-    few minutes under load) its PID is lower than the server's, so it comes first in /proc: the
-    command line alone can name the runner, whose descendants are then counted without it."""
+    server's command line until it execs, and once the PID counter has wrapped (at 32,768 here, every
+    10 to 20 minutes under load) its PID is lower than the server's, so it comes first in /proc:
+    the command line alone can name the runner, whose descendants are then counted without it."""
     port, me = url.rsplit(":", 1)[1].encode(), os.getpid()
     deadline = time.monotonic() + timeout_s
     while True:
