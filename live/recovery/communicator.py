@@ -53,7 +53,8 @@ WORLD = "meshpact_data"
 FLUSH_STALL_S = 0.1
 FLUSH_MOST_S = 5.0
 FLUSH_SETTLE_S = 0.05
-_TCP_INFO_ACKED = 120  # offset of tcpi_bytes_acked in struct tcp_info (linux/include/uapi/linux/tcp.h)  # the base name of the data-path group over every rank
+FLUSH_LARGE_BYTES = 64 * 1024
+_TCP_INFO_BYTES = 120  # offset of tcpi_bytes_acked, then tcpi_bytes_received, in struct tcp_info (linux/include/uapi/linux/tcp.h)  # the base name of the data-path group over every rank
 
 
 @dataclass(frozen=True)
@@ -303,40 +304,49 @@ def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> int:
     return n
 
 
-def _sending(sock: socket.socket) -> tuple[int, int]:
-    """(bytes given to the kernel on ``sock`` and not yet acknowledged, bytes the peer acknowledged
-    in all: ``tcpi_bytes_acked``); zeros where the kernel does not say."""
+def _traffic(sock: socket.socket) -> tuple[int, int, int]:
+    """(bytes given to the kernel on ``sock`` and not yet acknowledged, bytes received and not yet
+    read, bytes moved in all: ``tcpi_bytes_acked`` + ``tcpi_bytes_received``); zeros where the
+    kernel does not say."""
     try:
         unsent = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"))[0]
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_ACKED + 8)
+        unread = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_BYTES + 16)
     except OSError:
-        return 0, 0
-    acked = struct.unpack_from("=Q", info, _TCP_INFO_ACKED)[0] if len(info) >= _TCP_INFO_ACKED + 8 else 0
-    return unsent, acked
+        return 0, 0, 0
+    moved = sum(struct.unpack_from("=QQ", info, _TCP_INFO_BYTES)) if len(info) >= _TCP_INFO_BYTES + 16 else 0
+    return unsent, unread, moved
 
 
 def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: float = FLUSH_MOST_S) -> float:
-    """Wait until the kernel has sent, and the peers acknowledged, what these sockets were given:
-    a send gloo has part written (the rest queued in the process, written as the socket's buffer
-    frees) goes on and ends before the pair fails. Sockets with nothing in flight at the first two
-    looks (a millisecond apart) are done at once; once bytes were seen moving, the queue must be
-    empty and nothing more written for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's writer
-    unscheduled while the peer empties the buffer). Bounded: bytes not moving for ``stall_s`` (a
-    peer that stopped reading, a cut link), or ``most_s`` in all. Seconds waited."""
+    """Wait while a large message is part way through one of these sockets, so that it ends before
+    the pair fails: gloo writes a message the kernel cannot take whole from its own queue as the
+    socket's buffer frees, and reads one in pieces as they arrive; either, cut short, waits out its
+    timeout. Only a message of more than ``FLUSH_LARGE_BYTES`` can be part way (a smaller one fits
+    the free buffer whole, and is read whole): with none in sight (queued either way, or moved
+    within a millisecond) this returns at once. Once one was seen, it waits until the sockets'
+    queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
+    writer unscheduled while the peer empties the buffer). Bounded: a queue not moving for
+    ``stall_s`` (a peer that stopped reading, a cut link), or ``most_s`` in all. Seconds waited."""
     t0 = time.monotonic()
-    first = [_sending(s) for s in socks]
-    last, moved, active = first, t0, any(q for q, _ in first)
+    last = [_traffic(s) for s in socks]
+    large = any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES for q, r, _ in last)
+    moved_at = t0
     while True:
         time.sleep(0.001)
         now = time.monotonic()
-        seen = [_sending(s) for s in socks]
-        if seen != last:
-            active = active or any(a != b for (_, a), (_, b) in zip(seen, last)) or any(q for q, _ in seen)
-            last, moved = seen, now
-        empty = not any(q for q, _ in seen)
-        if empty and (not active or now - moved >= FLUSH_SETTLE_S):
+        seen = [_traffic(s) for s in socks]
+        delta = sum(b[2] - a[2] for a, b in zip(last, seen))
+        large = large or delta > FLUSH_LARGE_BYTES or any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES
+                                                          for q, r, _ in seen)
+        if not large:
             return now - t0
-        if (not empty and now - moved > stall_s) or now - t0 > most_s:
+        if seen != last:
+            last, moved_at = seen, now
+        queued = any(q or r for q, r, _ in seen)
+        if not queued and now - moved_at >= FLUSH_SETTLE_S:
+            return now - t0
+        if (queued and now - moved_at > stall_s) or now - t0 > most_s:
             return now - t0
 
 
