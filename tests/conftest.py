@@ -28,7 +28,7 @@ LONGEST_FIRST = (
     "tests/live/test_launch_nodes.py",  # 50 s: two namespace nodes, each an elastic agent and its workers
     "tests/live/test_trial_baselines.py",  # 30-80 s under load: a kill trial with its baselines
     "tests/live/test_launch.py",  # 30 s
-    "tests/live/test_recovery_large_send.py",  # 40 s: a 256 MB send in flight when a recovery starts
+    "tests/live/test_recovery_large_send.py",  # 10-30 s: a 128 MB send in flight when a recovery starts
     "tests/live/test_recovery_stuck_send.py",  # 12-30 s
     "tests/live/test_timeouts_follow.py",  # 20-40 s
     "tests/live/test_checkpoint_dcp.py",  # 16 s

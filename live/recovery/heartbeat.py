@@ -75,6 +75,7 @@ Counting a peer that was not scheduled as silent raised false alarms on a loaded
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import socket
@@ -243,6 +244,7 @@ class Heartbeat:
                                        is_host=False, connect_timeout_s=cfg.store_connect_s,
                                        run_id=session.spec.run_id)
         self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of
+        self._listening = session.generation  # the generation whose key the listener waits on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshpact-heartbeat", daemon=True)
         self._listener = threading.Thread(target=self._listen, name="meshpact-recovery-listener", daemon=True)
@@ -250,12 +252,19 @@ class Heartbeat:
     def start(self) -> "Heartbeat":
         self._thread.start()
         self._listener.start()
+        # the listener waits inside the store client's native code: the interpreter must not
+        # finalize while it does (a thread coming back then is ended mid-stack and aborts the
+        # process), so an exit that skipped stop() ends it first
+        atexit.register(self.stop)
         return self
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         self._stop.set()
+        rank = self.session.rank
         try:  # end the listener's wait (it stops on its own key; nobody else reads it)
-            self.channel.set(recovering_key(self.session.generation, self.session.rank), -1)
+            self.channel.set_many(sorted({recovering_key(g, rank) for g in (self._listening, self.session.generation)}),
+                                  -1)
         except Exception:  # noqa: BLE001 (the control channel is gone: so is the listener's wait)
             pass
         self._thread.join(timeout=max(1.0, 4 * self.interval_s))
@@ -330,7 +339,7 @@ class Heartbeat:
         with :meth:`stop` (which sets this rank's own key)."""
         s = self.session
         while not self._stop.is_set():
-            generation = s.generation
+            generation = self._listening = s.generation
             try:
                 self.listener.wait([recovering_key(generation, s.rank)], timeout_s=_LISTEN_S)
             except ControlTimeout:
