@@ -397,11 +397,8 @@ def stuck_send_probe(raw: JsonArgs) -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from meshpact.core.recording import EventKind
-
     from ..recovery.config import RecoveryConfig
     from ..recovery.faults import CollectiveFault
-    from ..recovery.runtime import resilient
     from ..recovery.session import start_session
 
     session = start_session(RecoveryConfig(data_timeout_s=float(raw["data_timeout_s"]), vendor="cpu"))
@@ -418,6 +415,16 @@ def stuck_send_probe(raw: JsonArgs) -> dict[str, object]:
                 raise CollectiveFault("rank 0's collective failed")
             dist.recv(torch.zeros(1), group=session.group, group_src=3 - session.rank)  # the peer waits on us too
         dist.all_reduce(torch.ones(1), group=session.group)
+
+    return _three_steps(session, model, optimizer, train_step, began)
+
+
+def _three_steps(session: Any, model: Any, optimizer: Any, train_step: Any, began: list[float]) -> dict[str, object]:
+    """Run steps 0-2 under ``resilient``; each rank's recovery records, how long after its failed
+    attempt began (``began[0]``) it knew of each, and the errors it detected."""
+    from meshpact.core.recording import EventKind
+
+    from ..recovery.runtime import resilient
 
     with resilient(model, optimizer, session, batches=lambda step: step) as rt:
         for step in range(3):
@@ -436,11 +443,8 @@ def large_send_probe(raw: JsonArgs) -> dict[str, object]:
     import torch
     import torch.distributed as dist
 
-    from meshpact.core.recording import EventKind
-
     from ..recovery.config import RecoveryConfig
     from ..recovery.faults import CollectiveFault
-    from ..recovery.runtime import resilient
     from ..recovery.session import start_session
 
     session = start_session(RecoveryConfig(data_timeout_s=float(raw["data_timeout_s"]), vendor="cpu"))
@@ -467,10 +471,4 @@ def large_send_probe(raw: JsonArgs) -> dict[str, object]:
                 send_s.append(time.perf_counter() - t0)
         dist.all_reduce(torch.ones(1), group=session.group)
 
-    with resilient(model, optimizer, session, batches=lambda step: step) as rt:
-        for step in range(3):
-            rt.step(train_step, step)
-    detected = [e for e in session.events if e.event == EventKind.DETECTED]
-    return {"rank": session.rank, "recoveries": [r.to_dict() for r in rt.recoveries],
-            "knew_after_s": [r.t_detect_wall - began[0] for r in rt.recoveries], "send_s": send_s,
-            "errors": [str(e.data.get("error", "")) for e in detected], "steps": rt.committed_step}
+    return {**_three_steps(session, model, optimizer, train_step, began), "send_s": send_s}
