@@ -39,7 +39,7 @@ from meshpact.core.jsonform import JsonObject
 
 from .. import netns
 
-__all__ = ["FaultKind", "Fault", "CollectiveFault", "plan_faults", "FaultInjector", "NetnsPair", "netns_unavailable"]
+__all__ = ["FaultKind", "Fault", "CollectiveFault", "plan_faults", "first_fault_step", "FaultInjector", "NetnsPair", "netns_unavailable"]
 
 
 class FaultKind(str, Enum):
@@ -70,16 +70,32 @@ class Fault:
         return cls(int(d["index"]), FaultKind(d["kind"]), int(d["step"]), int(d["rank"]), int(d.get("nth_op", 1)))
 
 
-def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, first_step: int = 1,
+FIRST_STEP = 1  # no fault in step 0: the warm-up (building, compiling) is no step to recover
+# a stall is a fault only where something can tell it from a slow step: the heartbeat judges a rank
+# once it has a usual pause, from its second completed step on (the first, the warm-up, teaches
+# none), and the data-path timeout of the first steps is fitted to the warm-up, seconds long. A
+# stall in step 1 is a slow step to every rank (nothing recovers, and nothing should).
+FIRST_STALL_STEP = 2
+
+
+def first_fault_step(kind: FaultKind | str) -> int:
+    """The first step a fault of ``kind`` is placed at (see :data:`FIRST_STALL_STEP`)."""
+    return FIRST_STALL_STEP if FaultKind(kind) is FaultKind.STALL else FIRST_STEP
+
+
+def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, first_step: int | None = None,
                 injector_ranks: tuple[int, ...] | None = None, nth_op: int | None = None) -> tuple[Fault, ...]:
     """``count`` faults of ``kind`` at distinct steps spread over ``[first_step, steps)``, ranks
-    rotating; a collective fault raises at the ``nth_op``-th operation of its step (default:
-    the first, second and third in turn)."""
+    rotating (``first_step`` by default: :func:`first_fault_step`, 2 for a stall, 1 otherwise); a
+    collective fault raises at the ``nth_op``-th operation of its step (default: the first, second
+    and third in turn). More faults than those steps is refused in one line."""
     kind = FaultKind(kind)
+    first_step = first_fault_step(kind) if first_step is None else first_step
     span = steps - first_step
     if count < 0 or count > span:
-        raise MeshpactError(f"cannot place {count} fault(s) at distinct steps in [{first_step}, {steps}); "
-                            f"use at most {max(span, 0)} faults or more steps")
+        why = " (a stall is placed from step 2, where the heartbeat judges it)" if kind is FaultKind.STALL else ""
+        raise MeshpactError(f"cannot place {count} fault(s) ({kind.value}) at distinct steps in [{first_step}, {steps})"
+                            f"{why}; use at most {max(span, 0)} faults or more steps")
     ranks = injector_ranks or tuple(range(world_size))
     stride = span / max(count, 1)
     out = []

@@ -18,6 +18,16 @@ def test_faults_land_on_distinct_steps_with_rotating_ranks():
     assert all(f.kind is FaultKind.COLLECTIVE for f in faults)
 
 
+def test_stalls_are_placed_where_the_heartbeat_judges_them():
+    # a rank's first completed step (the warm-up) teaches the heartbeat no usual pause: a stall in
+    # step 1 would pass as a slow step, so three stalls in six steps go to steps 2..5
+    stalls = plan_faults("stall", steps=6, count=3, world_size=4)
+    assert len({f.step for f in stalls}) == 3 and min(f.step for f in stalls) >= 2
+    assert min(f.step for f in plan_faults("collective", steps=6, count=3, world_size=4)) == 1
+    with pytest.raises(MeshpactError, match=r"cannot place 5 fault\(s\) \(stall\) .* from step 2"):
+        plan_faults("stall", steps=6, count=5, world_size=4)
+
+
 def test_too_many_faults_for_the_steps_is_refused():
     with pytest.raises(MeshpactError, match="cannot place 12 fault"):
         plan_faults("stall", steps=10, count=12, world_size=2)
