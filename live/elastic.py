@@ -332,13 +332,19 @@ class ReplacingAgent(SimpleElasticAgent):
     def _node_addr(self) -> str:
         return self._worker_group.spec.local_addr or socket.getfqdn()
 
+    given_control: tuple[str, int] | None = None  # a control channel hosted by whoever runs the agent
+
     def _open_control(self, wg: WorkerGroup) -> None:
-        """Group rank 0 hosts the control channel and names it in the rendezvous store."""
+        """Group rank 0 hosts the control channel (or takes :attr:`given_control`) and names it in the
+        rendezvous store."""
         if self._channel is not None:
             return
         if wg.group_rank == 0:
-            self._control_server = host_store(wg.master_addr, 0, wg.workers[0].world_size)
-            address = f"{wg.master_addr}:{self._control_server.port}"
+            if self.given_control is not None:
+                address = "{}:{}".format(*self.given_control)
+            else:
+                self._control_server = host_store(wg.master_addr, 0, wg.workers[0].world_size)
+                address = f"{wg.master_addr}:{self._control_server.port}"
             wg.store.set(CONTROL_KEY, address)
             standby = {"control": address, "run_id": self._run_id()}  # for spare nodes, outside elastic's prefix
             _root_store(wg.store).set(standby_key(str(wg.spec.rdzv_handler.get_run_id())), json.dumps(standby))
@@ -386,7 +392,12 @@ class ReplacingAgent(SimpleElasticAgent):
         for name in ("OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES"):
             if name in os.environ:
                 env[name] = os.environ[name]
+        env.update(self._worker_env(worker.global_rank))
         return env
+
+    def _worker_env(self, rank: int) -> dict[str, str]:
+        """What an agent run inside another program adds to ``rank``'s environment (nothing here)."""
+        return {}
 
     # -- starting ------------------------------------------------------------------------
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
@@ -425,9 +436,13 @@ class ReplacingAgent(SimpleElasticAgent):
             self._spares.remove(spare)
             assign(spare.assignment, Assignment(env, tuple(str(a) for a in spec.args), *streams))
             return _Running(spare.handler, incarnation, error_file, warm=True)
-        handler = get_subprocess_handler(spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank,
-                                         spec.numa_options)
-        return _Running(handler, incarnation, error_file)
+        return _Running(self._start_process(spec, local_rank, env, streams, incarnation), incarnation, error_file)
+
+    def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
+                       incarnation: int) -> Any:
+        """A new process for ``local_rank`` (elastic's subprocess handler: ``.proc`` and ``.close``)."""
+        return get_subprocess_handler(spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank,
+                                      spec.numa_options)
 
     def _first_incarnation(self, local_rank: int) -> int:
         """The incarnation of the first process this agent starts for ``local_rank`` (0: the rank's first)."""
@@ -477,6 +492,7 @@ class ReplacingAgent(SimpleElasticAgent):
     def _watch(self, wg: WorkerGroup) -> RunResult | None:
         """One look at the workers: replace the failed, kill the declared lost; the group's end, or None."""
         ledger = self._ledger
+        self._tick()
         for lr, running in list(ledger.running.items()):
             if lr in ledger.finished or lr in ledger.gone:
                 continue
@@ -493,23 +509,35 @@ class ReplacingAgent(SimpleElasticAgent):
             if self._remaining_restarts > 0:
                 self._remaining_restarts -= 1
                 new = self._replace(wg, lr)
+                self._replaced(rank, rc, new)
                 _say(f"rank {rank} (pid {failure.pid}) exited with {rc}: {failure.message or 'no error file'}; "
                      f"replaced by pid {new.pid} ({'a warm spare' if new.warm else 'a new process'}, "
                      f"incarnation {new.incarnation}; {self._remaining_restarts} replacement(s) left on this node)")
             else:
                 ledger.gone[lr] = failure
-                mark_gone(self._channel, rank)
+                self._left_gone(rank, rc)
                 _say(f"rank {rank} (pid {failure.pid}) exited with {rc} and no replacement is left "
                      f"(--max-restarts {wg.spec.max_restarts}): the job is told it is gone")
         self._kill_declared_lost(wg)
         self._note_ready_spares()
         if len(ledger.finished) + len(ledger.gone) < len(wg.workers):
             return None
-        if ledger.finished:
+        if ledger.finished:  # the gone ranks' failures too: elastic's records name every worker of the group
             return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values={wg.workers[lr].global_rank: None for lr in sorted(ledger.finished)})
+                             return_values={wg.workers[lr].global_rank: None for lr in sorted(ledger.finished)},
+                             failures={wg.workers[lr].global_rank: f for lr, f in ledger.gone.items()})
         return RunResult(state=WorkerState.FAILED,
                          failures={wg.workers[lr].global_rank: f for lr, f in ledger.gone.items()})
+
+    def _tick(self) -> None:
+        """Every look at the workers, before it (an agent run inside another program does its own part here)."""
+
+    def _replaced(self, rank: int, returncode: int, new: _Running) -> None:
+        """``rank``'s process exited with ``returncode`` and ``new`` runs it now."""
+
+    def _left_gone(self, rank: int, returncode: int) -> None:
+        """``rank``'s process exited with ``returncode`` and no replacement is left: the job is told it is gone."""
+        mark_gone(self._channel, rank)
 
     def _note_ready_spares(self) -> None:
         """Say once when each spare has finished importing (from then on a promotion starts the script at once)."""
@@ -650,10 +678,7 @@ class ReplacingAgent(SimpleElasticAgent):
     # -- elastic's hooks ------------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:
         wg = self._worker_group
-        for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(_SIGNALS)).split(","):
-            sig = getattr(signal, name.strip(), None)
-            if sig is not None:
-                signal.signal(sig, _terminate_process_handler)
+        self._handle_signals()
         self._initialize_workers(wg)
         while True:
             self._wait_for_exit(wg.spec.monitor_interval)
@@ -666,6 +691,13 @@ class ReplacingAgent(SimpleElasticAgent):
             else:
                 self._stop_workers(wg)
             return result
+
+    def _handle_signals(self) -> None:
+        """As torchrun's agent: a death signal to the agent ends its workers (elastic's SignalException)."""
+        for name in os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE", ",".join(_SIGNALS)).split(","):
+            sig = getattr(signal, name.strip(), None)
+            if sig is not None:
+                signal.signal(sig, _terminate_process_handler)
 
     def _wait_for_exit(self, timeout_s: float) -> None:
         """Sleep ``timeout_s``, or less: until a worker's process exits (its pidfd turns readable), so a

@@ -64,11 +64,12 @@ SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}  # no thread pool at import: the se
 # torch, dynamo and inductor read their settings from these variables when they are imported,
 # the thread pools theirs when they start: a child forked after the imports has the server's.
 # Read when used, so not compared: TORCHELASTIC_* (when a group is made; the launcher sets one
-# for every rank) and TORCHINDUCTOR_CACHE_DIR (at each cache lookup; inductor also writes it into
-# the environment at its first compile, so a launcher that compiled anything would otherwise
-# start every later rank fresh).
+# for every rank), TORCH_NCCL_* (when an NCCL group is made; elastic's agent sets
+# TORCH_NCCL_ASYNC_ERROR_HANDLING for every worker) and TORCHINDUCTOR_CACHE_DIR (at each cache
+# lookup; inductor also writes it into the environment at its first compile, so a launcher that
+# compiled anything would otherwise start every later rank fresh).
 IMPORT_TIME_ENV = ("TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "OPENBLAS_")
-READ_WHEN_USED_ENV = ("TORCHELASTIC_", "TORCHINDUCTOR_CACHE_DIR")
+READ_WHEN_USED_ENV = ("TORCHELASTIC_", "TORCH_NCCL_", "TORCHINDUCTOR_CACHE_DIR")
 
 
 def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
@@ -137,6 +138,11 @@ class ForkServer:
         self._next_id = 0
         self._start_timeout_s = start_timeout_s
         self._reader: threading.Thread | None = None  # started once the server said it is ready
+
+    @property
+    def pid(self) -> int:
+        """The server's process: the parent of every rank it forks."""
+        return int(self._proc.pid)
 
     def _ready(self) -> None:
         """Wait for the server's imports (they run while the launcher does its own set-up)."""

@@ -379,14 +379,29 @@ class Launch:
         self.close()
 
 
+_AGENT_KW = {"env", "forkserver"}  # what an AgentJob takes of Launch's arguments
+
+
 def launch(target: str, world_size: int, args: Mapping[str, Any] | None = None, *, timeout_s: float = 120.0,
            check: bool = True, **kw: Any) -> list[RankResult]:
     """Run ``target`` on ``world_size`` ranks and return every rank's result.
 
+    The ranks run under ``meshpact launch``'s agent (:class:`~meshpact.live.agentjob.AgentJob`,
+    on loopback, in this process; no rank is replaced), unless ``kw`` asks for what only
+    :class:`Launch` does (a command prefix, stores hosted elsewhere, another address).
     With ``check`` a failed or timed-out rank raises :class:`LaunchError` with its stderr.
     """
-    with Launch(target, world_size, args, timeout_s=timeout_s, **kw) as job:
-        results = job.wait()
+    agent = set(kw) <= _AGENT_KW | {"master_addr"} and kw.get("master_addr", "127.0.0.1") == "127.0.0.1"
+    if agent:
+        from .agentjob import AgentJob
+
+        server = kw.get("forkserver")
+        with AgentJob(target, world_size, args, timeout_s=timeout_s, env=kw.get("env"),
+                      forkserver=server(0) if callable(server) else server) as agent_job:
+            results = agent_job.run().results
+    else:
+        with Launch(target, world_size, args, timeout_s=timeout_s, **kw) as job:
+            results = job.wait()
     if check:
         bad = [r for r in results if not r.ok]
         if bad:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.jsonform import JsonObject
@@ -32,9 +32,10 @@ from meshpact.core.recording import Event, EventKind, RecordingWriter
 from meshpact.core.recovery import Policy, Stage
 
 from ..forkserver import PRELOAD, ForkServer
+from ..agentjob import AgentJob
 from ..launcher import Launch, LaunchError, host_store
 from .analysis import ExcisionPlan, ExcisionResult, ReplacementStart, TrialResult, compare_final
-from ..recovery.consensus import declared_lost, mark_gone
+from ..recovery.consensus import declared_lost
 from ..recovery.control import ControlChannel
 from ..recovery.faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
 from ..recovery.peers import ADDR_ENV as PEER_ADDR_ENV
@@ -69,28 +70,73 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             else [], "on_rank_loss": Policy.EXCISE.value if cfg.excising else Policy.PEER_RESTORE.value,
             "min_ranks": cfg.min_ranks, **extra}
     supply = supply or ReplacementSupply()
+    if netns is not None and stores is not None:
+        return _run_in_namespaces(cfg, tag, args, faults, extra, netns, stores, recording, forkserver, supply,
+                                  warm_replacements, work)
+    gone: dict[int, int] = {}  # rank -> the return code of the process it was left without a replacement after
+
+    def replaced(rank: int, rc: int, warm: bool) -> None:
+        recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
+                       data={"returncode": rc, "warm_spare": warm})
+
+    def left_gone(rank: int, rc: int) -> None:
+        gone[rank] = rc
+        data: JsonObject = ({"returncode": rc, "excised": True} if cfg.excising else
+                            {"returncode": rc, "started": False, "announced": supply.announce_missing,
+                             "why": f"no replacement left (at most {limit} started)"})
+        recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART, data=data)
+
+    # the ranks run under meshpact launch's agent (in this process): it replaces a killed rank, kills and
+    # replaces a rank the job declares lost, and tells the job a rank is gone when none is left; an
+    # excising trial gives none, so the survivors go on without it
+    limit = 0 if cfg.excising else (supply.limit if supply.limit is not None else len(faults) + cfg.ranks)
+    control = host_store("127.0.0.1", 0, cfg.ranks)
+    watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording,
+                          ages_file=out_dir / HEARTBEATS_FILE, kills=False)
+    server = forkserver(0) if callable(forkserver) else forkserver
+    t_launch = time.time()
+    with AgentJob(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
+                  max_replacements=limit, control=("127.0.0.1", control.port), run_id=tag, forkserver=server,
+                  warm_replacements=warm_replacements, registry=work / PROCESSES_FILE, on_replaced=replaced,
+                  on_gone=left_gone, on_tick=watch, announce_gone=supply.announce_missing) as job:
+        ran = job.run()
+    # a rank left without a replacement is expected where it was killed (a fault, or declared lost) or where
+    # a replacement of it died again; a first process that failed by itself is the workload's error
+    failed = [r for r in ran.results if not r.ok and (r.rank not in gone or (gone[r.rank] != -9 and r.incarnation == 0))]
+    if failed:
+        bad = failed[0]
+        told = "".join(f"\nrank {r} was given no further process after exiting with {rc}" for r, rc in sorted(gone.items())
+                       if r != bad.rank)
+        raise LaunchError(f"{tag} run: rank {bad.rank} "
+                          f"{'timed out' if bad.returncode is None else f'exited with {bad.returncode}'}"
+                          f" (limit {cfg.deadline_s:.0f} s); its stderr ends:\n{bad.stderr_tail}{told}")
+    outcomes = [RankOutcome.from_dict(r.value) for r in ran.results if r.rank not in gone]
+    for o in outcomes:
+        if o.workload_error:
+            raise WorkloadError(o.workload_error)
+    del control
+    return outcomes, ran.replacements, t_launch
+
+
+def _run_in_namespaces(cfg: TrialConfig, tag: str, args: JsonObject, faults: tuple[Fault, ...], extra: JsonObject,
+                       netns: NetnsPair, stores: dict[str, int], recording: RecordingWriter,
+                       forkserver: ForkServer | Callable[[int], ForkServer] | None, supply: ReplacementSupply,
+                       warm_replacements: bool, work: Path) -> tuple[list[RankOutcome], int, float]:
+    """A run whose ranks live in two network namespaces (partition faults, two hosts): one launch of this
+    process's own, each rank started under its namespace's prefix, the stores served in the first."""
     gone: set[int] = set()
     gone_why: dict[int, str] = {}  # why a rank got no process again (named if the job then fails)
     started = 0
 
     def no_replacement(rank: int, rc: int, why: str) -> None:
-        """``rank`` gets no process again: said on the control channel (unless the trial plays a
-        launcher that never answers), so consensus excises it or ends the job rather than wait."""
         gone.add(rank)
         gone_why[rank] = why
-        if watch is not None and supply.announce_missing:
-            mark_gone(watch.channel, rank)
         recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
-                       data={"returncode": rc, "started": False, "why": why, "announced": supply.announce_missing})
+                       data={"returncode": rc, "started": False, "why": why, "announced": False})
 
     def on_exit(job: Launch, rank: int, rc: int) -> None:
         nonlocal started
-        if rc == -9 and cfg.excising and watch is not None:  # no replacement: the survivors go on without it
-            gone.add(rank)
-            mark_gone(watch.channel, rank)
-            recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
-                           data={"returncode": rc, "excised": True})
-        elif rc == -9:  # SIGKILL: a warm spare, else a new process, joins the recovery in progress
+        if rc == -9:  # SIGKILL: a warm spare, else a new process, joins the recovery
             spare = job.promote(rank)
             if spare or job.replace(rank):
                 started += 1
@@ -103,27 +149,16 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             no_replacement(rank, rc, f"its replacement process exited with {rc}; its stderr ends:\n"
                                      f"{job.stderr_tail(rank, 2000)}")
 
-    control = None
-    watch = None
-    if netns is not None and stores is not None:
-        # peer copies travel on the control link (out of band: a partition of the data link spares them)
-        kw: JsonObject = dict(
-            master_addr=netns.data_ip[0], master_port=stores["data_port"], host_stores=False,
-            prefix=lambda r: netns.prefix(netns.side(r, cfg.ranks)),
-            env=lambda r: {**netns.rank_env(r, cfg.ranks), "MESHPACT_RUN_ID": tag,
-                           "MESHPACT_CONTROL_PORT": str(stores["control_port"]),
-                           PEER_ADDR_ENV: netns.ctrl_ip[netns.side(r, cfg.ranks)]})
-    else:
-        control = host_store("127.0.0.1", 0, cfg.ranks)
-        kw = dict(env=lambda r: {"MESHPACT_CONTROL_ADDR": "127.0.0.1", "MESHPACT_RUN_ID": tag,
-                                 "MESHPACT_CONTROL_PORT": str(control.port)})
-        watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording,
-                              ages_file=out_dir / HEARTBEATS_FILE)
+    # peer copies travel on the control link (out of band: a partition of the data link spares them)
     t_launch = time.time()
     with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
                 forkserver=forkserver, max_replacements=supply.limit, warm_replacements=warm_replacements,
-                registry=work / PROCESSES_FILE, **kw) as job:
-        results = job.wait(on_exit=on_exit, on_tick=watch)
+                registry=work / PROCESSES_FILE, master_addr=netns.data_ip[0], master_port=stores["data_port"],
+                host_stores=False, prefix=lambda r: netns.prefix(netns.side(r, cfg.ranks)),
+                env=lambda r: {**netns.rank_env(r, cfg.ranks), "MESHPACT_RUN_ID": tag,
+                               "MESHPACT_CONTROL_PORT": str(stores["control_port"]),
+                               PEER_ADDR_ENV: netns.ctrl_ip[netns.side(r, cfg.ranks)]}) as job:
+        results = job.wait(on_exit=on_exit)
     bad = [r for r in results if not r.ok and r.rank not in gone]
     if bad:
         told = "".join(f"\nrank {r} was given no further process: {why}" for r, why in sorted(gone_why.items()))
@@ -134,7 +169,6 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
     for o in outcomes:
         if o.workload_error:
             raise WorkloadError(o.workload_error)
-    del control
     return outcomes, started, t_launch
 
 
@@ -151,15 +185,17 @@ class ReplacementSupply:
 class LostRankWatch:
     """The launcher's side of a rank declared lost: consensus names it on the control channel
     (``lost/round<k>``); the rank is killed (a silent process is stopped, not gone) and, like
-    any killed rank, replaced. Checked at most every ``every_s`` seconds.
+    any killed rank, replaced. Checked at most every ``every_s`` seconds. With ``kills`` off the
+    agent that runs the ranks kills it (it reads the same channel); this watch records it.
 
     With ``ages_file`` it also reads every rank's heartbeat counter in the same look and keeps
     each rank's heartbeat age (seconds since its counter last moved, as this observer saw it)
     in that file, rewritten whole (:data:`HEARTBEATS_FILE`: what the dashboard's metrics read)."""
 
     def __init__(self, channel: ControlChannel, recording: RecordingWriter, every_s: float = 0.25,
-                 ages_file: Path | None = None) -> None:
+                 ages_file: Path | None = None, kills: bool = True) -> None:
         self.channel = channel
+        self.kills = kills
         self.recording = recording
         self.every_s = every_s
         self.ages_file = ages_file
@@ -167,7 +203,7 @@ class LostRankWatch:
         self._next = 0.0
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, wall time it last moved)
 
-    def __call__(self, job: Launch) -> None:
+    def __call__(self, job: Launch | None = None) -> None:
         now = time.monotonic()
         if now < self._next:
             return
@@ -179,7 +215,8 @@ class LostRankWatch:
             for r in ranks:
                 self.recording.emit(EventKind.REPLACEMENT_STARTED, rank=r, stage=Stage.RESTART,
                                     data={"declared_lost_in_round": round_})
-                job.kill(r)
+                if self.kills and job is not None:
+                    job.kill(r)
 
 
     def write_ages(self) -> None:
@@ -440,9 +477,10 @@ def _excising_reference(cfg: TrialConfig, workload: str, work: Path, plan: list[
             "excisions": [{"step": p.step, "rank": r} for p in plan for r in p.lost],
             "data_timeout_s": cfg.recovery().group_create_s, "min_ranks": cfg.min_ranks,
             "checkpoint_dir": str(out / "checkpoints")}
-    with Launch(EXCISION_WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, env=lambda r: env,
-                forkserver=forkserver) as job:
-        results = job.wait()
+    server = forkserver(0) if callable(forkserver) else forkserver
+    with AgentJob(EXCISION_WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, env=lambda r: env,
+                  control=("127.0.0.1", control.port), run_id="excising-reference", forkserver=server) as job:
+        results = job.run().results
     del control
     bad = [r for r in results if not r.ok]
     if bad:

@@ -1,0 +1,276 @@
+"""One node's job under ``meshpact launch``'s agent, run inside the calling program.
+
+``meshpact live recover``, the dashboard's Live page and the test suite start their ranks here:
+:class:`AgentJob` runs :class:`~meshpact.live.elastic.ReplacingAgent` — the agent ``meshpact
+launch`` runs on every node, with elastic's rendezvous (``c10d`` on loopback, one node), worker
+environment, error files and log layout — in this process, on a worker target
+(``package.module:function``, run by ``python -m meshpact.live.launcher --target``). Every
+decision about a worker's process is the agent's: a failed rank is replaced alone, in place (same
+rank, next incarnation), a warm spare first (``spares``); a rank the job declares lost is killed and
+replaced; a rank with no replacement left (``max_replacements``) is announced gone to the job,
+which excises it or ends naming why. The caller adds what a program that runs trials needs:
+
+- the control channel it hosts (``control``): consensus, fault records and heartbeats are read there
+  by the caller too, and it outlives every rank;
+- warm first starts (``forkserver``): a rank's first process is forked from a
+  :class:`~meshpact.live.forkserver.ForkServer` that imported torch once, where its environment
+  allows; a replacement starts a fresh interpreter (its start is measured) unless
+  ``warm_replacements`` (callers that measure no start: the test suite);
+- the process registry (``registry``, :class:`~meshpact.live.launcher.LaunchedProcess` lines), so
+  whoever looks from outside learns which process is which rank;
+- a deadline (``timeout_s``) after which every process is killed and each rank still running is
+  reported as timed out;
+- ``on_replaced(rank, returncode, warm)`` and ``on_gone(rank, returncode)`` as the agent acts, and
+  ``on_tick()`` at each of its looks;
+- ``announce_gone`` off: a rank left without a replacement is not announced to the job (a
+  scheduler that never answers; the survivors excise it when its replacement misses its deadline).
+
+Each rank's result is what its worker function returned (:func:`~meshpact.live.worker.write_result`),
+collected as :class:`~meshpact.live.launcher.RankResult`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+
+from .elastic import LaunchOptions, ReplacingAgent, _Running, _say, _signal_group
+from .forkserver import ForkServer
+from .launcher import LaunchedProcess, LaunchError, RankResult
+from .worker import ARGS_ENV, RESULT_DIR_ENV, _resolve
+
+__all__ = ["AgentJob", "AgentJobResult"]
+
+
+@dataclass(frozen=True)
+class AgentJobResult:
+    """Every rank's result, the ranks the agent announced gone, and how many replacements it started."""
+
+    results: list[RankResult]
+    gone: dict[int, int] = field(default_factory=dict)  # rank -> the return code its last process exited with
+    replacements: int = 0
+    timed_out: bool = False
+
+
+class _Deadline(Exception):
+    """The job ran past its deadline (raised out of the agent's loop, which then stops every worker)."""
+
+
+class _Forked:
+    """A rank forked by the fork server, as elastic's subprocess handler (``proc`` and ``close``)."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        if self.proc.poll() is None:
+            _signal_group(self.proc, death_sig or signal.SIGTERM)
+
+
+class _JobAgent(ReplacingAgent):
+    """The agent with the calling program's parts (see the module docstring)."""
+
+    def __init__(self, spec: WorkerSpec, logs_specs: Any, job: "AgentJob") -> None:
+        super().__init__(spec, logs_specs, LaunchOptions(spare_ranks_per_node=job.spares), exit_barrier_timeout=30,
+                         shutdown_timeout=5)
+        self._job = job
+        self.given_control = job.control
+        self.stderr_files: dict[int, str] = {}  # rank -> its current process's stderr file
+
+    def _run_id(self) -> str:
+        return self._job.run_id
+
+    def _handle_signals(self) -> None:  # the calling program keeps its own signal handling
+        return
+
+    def _worker_env(self, rank: int) -> dict[str, str]:
+        return self._job.worker_env(rank)
+
+    def _launch(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
+                error_file: str, incarnation: int, warm: bool) -> _Running:
+        self.stderr_files[self._job.first_rank + local_rank] = streams[1]
+        return super()._launch(spec, local_rank, env, streams, error_file, incarnation, warm)
+
+    def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
+                       incarnation: int) -> Any:
+        rank = self._job.first_rank + local_rank
+        server = self._job.forkserver
+        # a server started under a command prefix (a network namespace) forks its children there: not for these
+        if server is not None and not server.prefix and (incarnation == 0 or self._job.warm_replacements):
+            full = {**os.environ, **env}
+            differs = server.differs(full)
+            if not differs:
+                handler: Any = _Forked(server.spawn(["--target", self._job.target], full, streams[1]))
+                self._job.register(handler.proc.pid, rank, incarnation)
+                return handler
+            # said where a reader of the rank's output looks: a fresh start costs seconds
+            self._job.notes[rank] = (f"meshpact launch: rank {rank} started as a fresh interpreter, not forked: "
+                                     f"{', '.join(differs)} differ(s) from the fork server's, which read them at "
+                                     "import\n")
+            _say(self._job.notes[rank].partition(": ")[2].rstrip())
+        handler = super()._start_process(spec, local_rank, env, streams, incarnation)
+        self._job.register(handler.proc.pid, rank, incarnation)
+        return handler
+
+    def _tick(self) -> None:
+        self._job.tick()
+
+    def _replaced(self, rank: int, returncode: int, new: _Running) -> None:
+        if new.warm:  # a promoted spare: it was registered as a spare, it is the rank now
+            self._job.register(new.pid, rank, new.incarnation)
+        self._job.replaced(rank, returncode, new.warm)
+
+    def _left_gone(self, rank: int, returncode: int) -> None:
+        if self._job.announce_gone:
+            super()._left_gone(rank, returncode)
+        self._job.left_gone(rank, returncode)
+
+    def _start_spare(self) -> None:
+        super()._start_spare()
+        self._job.register(self._spares[-1].handler.proc.pid, None, 0, spare=self._spares_started - 1)
+
+
+class AgentJob:
+    """``world_size`` ranks of ``target`` on this node under the elastic agent (see the module docstring)."""
+
+    def __init__(self, target: str, world_size: int, args: Mapping[str, Any] | None = None, *,
+                 timeout_s: float = 120.0, spares: int = 0, max_replacements: int = 0,
+                 control: tuple[str, int] | None = None, env: Callable[[int], Mapping[str, str]] | None = None,
+                 run_id: str | None = None, forkserver: ForkServer | None = None, warm_replacements: bool = False,
+                 registry: str | os.PathLike[str] | None = None,
+                 on_replaced: Callable[[int, int, bool], None] | None = None,
+                 on_gone: Callable[[int, int], None] | None = None,
+                 on_tick: Callable[[], None] | None = None, announce_gone: bool = True) -> None:
+        if world_size < 1:
+            raise LaunchError(f"world_size must be >= 1, got {world_size}")
+        if spares < 0 or max_replacements < 0:
+            raise LaunchError(f"spares and max_replacements must be 0 or more, got {spares} and {max_replacements}")
+        _resolve(target)  # a bad target is reported here, not once per rank
+        self.target = target
+        self.world_size = world_size
+        self.args = dict(args or {})
+        self.timeout_s = float(timeout_s)
+        self.spares = spares
+        self.max_replacements = max_replacements
+        self.control = control
+        self.run_id = run_id or uuid.uuid4().hex[:12]
+        self.forkserver = forkserver
+        self.warm_replacements = warm_replacements
+        self.first_rank = 0  # one node: its local ranks are the job's ranks
+        self.announce_gone = announce_gone  # off: the agent plays a scheduler that never says a rank is gone
+        self._env = env
+        self._registry = Path(registry) if registry is not None else None
+        self._on_replaced = on_replaced
+        self._on_gone = on_gone
+        self._on_tick = on_tick
+        self._deadline = 0.0
+        self._gone: dict[int, int] = {}
+        self.pids: dict[int, int] = {}  # rank -> the process it runs as now
+        self.notes: dict[int, str] = {}  # rank -> what the agent said about how it started it (heads its stderr)
+        self._dir = Path(tempfile.mkdtemp(prefix="meshpact-agentjob-"))
+
+    # -- the agent's callbacks --------------------------------------------------------------
+    def worker_env(self, rank: int) -> dict[str, str]:
+        env = {RESULT_DIR_ENV: str(self._dir), ARGS_ENV: str(self._dir / "args.json"),
+               "MESHPACT_RUN_ID": self.run_id, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        if self.control is not None:
+            env.update({"MESHPACT_CONTROL_ADDR": self.control[0], "MESHPACT_CONTROL_PORT": str(self.control[1])})
+        if self._env is not None:
+            env.update({k: str(v) for k, v in self._env(rank).items()})
+        return env
+
+    def register(self, pid: int, rank: int | None, incarnation: int, spare: int | None = None) -> None:
+        if rank is not None:
+            self.pids[rank] = pid
+        if self._registry is not None:
+            with open(self._registry, "a") as fh:
+                fh.write(json.dumps(LaunchedProcess(pid, rank, incarnation, self.run_id, spare).to_dict()) + "\n")
+
+    def tick(self) -> None:
+        if self._on_tick is not None:
+            self._on_tick()
+        if time.monotonic() > self._deadline:
+            raise _Deadline()
+
+    def replaced(self, rank: int, returncode: int, warm: bool) -> None:
+        if self._on_replaced is not None:
+            self._on_replaced(rank, returncode, warm)
+
+    def left_gone(self, rank: int, returncode: int) -> None:
+        self._gone[rank] = returncode
+        if self._on_gone is not None:
+            self._on_gone(rank, returncode)
+
+    # -- running ------------------------------------------------------------------------------
+    def _agent(self) -> _JobAgent:
+        params = RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0", run_id=self.run_id, min_nodes=1,
+                                      max_nodes=1, local_addr="127.0.0.1")
+        spec = WorkerSpec(role="default", local_world_size=self.world_size, entrypoint=sys.executable,
+                          args=("-u", "-m", "meshpact.live.launcher", "--target", self.target),
+                          rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+                          max_restarts=self.max_replacements, monitor_interval=0.05, local_addr="127.0.0.1")
+        logs = DefaultLogsSpecs(log_dir=str(self._dir / "logs"), redirects=Std.ALL)
+        return _JobAgent(spec, logs, self)
+
+    def run(self) -> AgentJobResult:
+        """Start every rank, let the agent run the job to its end (or the deadline), collect the results."""
+        (self._dir / "args.json").write_text(json.dumps(self.args))
+        self._deadline = time.monotonic() + self.timeout_s
+        agent = self._agent()
+        timed_out = False
+        try:
+            agent.run()
+        except _Deadline:  # elastic's run() stopped every worker on the way out
+            timed_out = True
+        finally:
+            agent._worker_group.spec.rdzv_handler.shutdown()
+        ledger = agent.ledger
+        results = []
+        for lr, running in sorted(ledger.running.items()):
+            rank = self.first_rank + lr
+            path = self._dir / f"result-{rank}.json"
+            value = json.loads(path.read_text()) if path.exists() else None
+            rc = running.handler.proc.poll()
+            if timed_out and lr not in ledger.finished:
+                rc = None
+            results.append(RankResult(rank, rc, value, self.notes.get(rank, "") +
+                                      _tail(agent.stderr_files.get(rank, "")), running.incarnation))
+        return AgentJobResult(results, dict(self._gone), ledger.replaced, timed_out)
+
+    def close(self) -> None:
+        """Remove the job's scratch directory (results and logs are read before; ``MESHPACT_KEEP_LAUNCH_DIR=1``
+        keeps it)."""
+        if not os.environ.get("MESHPACT_KEEP_LAUNCH_DIR"):
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "AgentJob":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _tail(path: str, limit: int = 4000) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - limit))
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""

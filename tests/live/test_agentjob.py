@@ -1,0 +1,88 @@
+"""AgentJob: a worker target's ranks under meshpact launch's agent, inside the calling process.
+
+What the trials, the CLI and the dashboard rely on: elastic's worker environment, the agent's
+replacement of a failed rank alone (next incarnation, the others untouched), the rank announced
+gone on the caller's control channel when no replacement is left (or not, where asked), first
+processes forked from the fork server and replacements started fresh, the process registry, and
+the deadline.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from meshpact.live.agentjob import AgentJob
+from meshpact.live.launcher import LaunchedProcess, LaunchError, host_store
+from meshpact.live.recovery.consensus import gone_ranks
+from meshpact.live.recovery.control import ControlChannel
+
+from _warm import shared_forkserver
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+ECHO = "meshpact.live.launcher:echo"
+
+
+def test_ranks_get_elastic_environment_and_fork_from_the_server(tmp_path):
+    server = shared_forkserver()
+    registry = tmp_path / "processes.jsonl"
+    with AgentJob(ECHO, 2, {"report_env": ["GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
+                                           "MESHPACT_RUN_ID", "MESHPACT_INCARNATION"]},
+                  timeout_s=90, run_id="phase-a", forkserver=server, registry=registry) as job:
+        ran = job.run()
+    assert [r.rank for r in ran.results] == [0, 1] and all(r.ok for r in ran.results)
+    for r in ran.results:
+        env = r.value["env"]
+        assert env["GROUP_RANK"] == "0" and env["MESHPACT_RUN_ID"] == "phase-a" and env["MESHPACT_INCARNATION"] == "0"
+        assert env["TORCHELASTIC_RUN_ID"] == "phase-a"  # elastic's rendezvous id is the job's run id
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith("error.json")  # elastic's @record writes there
+        assert r.value["ppid"] == server.pid  # forked from the server, not a fresh interpreter
+    listed = LaunchedProcess.read(registry)
+    assert sorted((p.rank, p.incarnation, p.run_id) for p in listed) == [(0, 0, "phase-a"), (1, 0, "phase-a")]
+    assert {p.pid for p in listed} == {r.value["pid"] for r in ran.results}
+    assert ran.replacements == 0 and not ran.gone and not ran.timed_out
+
+
+def test_failed_rank_is_replaced_alone_and_fresh(tmp_path):
+    seen: list[tuple[int, int, bool]] = []
+    server = shared_forkserver()
+    with AgentJob(ECHO, 2, {"fail_ranks": [1]}, timeout_s=120, max_replacements=1, forkserver=server,
+                  on_replaced=lambda rank, rc, warm: seen.append((rank, rc, warm))) as job:
+        ran = job.run()
+    assert seen == [(1, 3, False)]  # the first process exited 3; a new process, not a spare
+    first, second = ran.results
+    assert first.ok and first.incarnation == 0 and first.value["ppid"] == server.pid
+    assert second.ok and second.incarnation == 1 and second.value["incarnation"] == 1
+    assert second.value["ppid"] == os.getpid()  # a replacement is a real start, not forked
+    assert ran.replacements == 1
+
+
+@pytest.mark.parametrize("announce", [True, False])
+def test_rank_without_replacement_is_announced_gone_or_not(tmp_path, announce):
+    store = host_store("127.0.0.1", 0, 2)
+    gone: list[tuple[int, int]] = []
+    with AgentJob(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, max_replacements=0, run_id="g",
+                  control=("127.0.0.1", store.port), forkserver=shared_forkserver(), announce_gone=announce,
+                  on_gone=lambda rank, rc: gone.append((rank, rc))) as job:
+        ran = job.run()
+    assert gone == [(1, 3)] and ran.gone == {1: 3}
+    assert ran.results[0].ok and ran.results[1].returncode == 3
+    channel = ControlChannel("127.0.0.1", store.port, 0, 2, 5.0, run_id="g")
+    assert gone_ranks(channel, [0, 1]) == ((1,) if announce else ())
+
+
+def test_deadline_stops_every_rank_and_says_so():
+    with AgentJob(ECHO, 2, {"sleep_s": 60}, timeout_s=6, forkserver=shared_forkserver()) as job:
+        ran = job.run()
+    assert ran.timed_out
+    assert [r.returncode for r in ran.results] == [None, None]
+    assert sorted(job.pids) == [0, 1]
+    for pid in job.pids.values():  # nothing of the job is left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bad_target_is_one_line_before_any_rank_starts():
+    with pytest.raises(LaunchError, match="cannot be loaded"):
+        AgentJob("meshpact.no_such_module:worker", 2)
