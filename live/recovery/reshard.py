@@ -26,9 +26,10 @@ and optimizer state), and the lost rank's shards come from a peer's host-memory 
 3. *rebuild* — the workload's ``build(mesh)`` on the survivors' 1-D mesh, its shapes checked
    against the old shards', and the new shards loaded, Adam's
    ``exp_avg``/``exp_avg_sq``/``step`` included. The generators are left as they were:
-   ``build`` may reseed them. Then the old shards' memory is freed (:func:`release_shards`):
-   the old model lingers (the caller's references, cycles among FSDP's modules) but holds
-   none of it.
+   ``build`` may reseed them. The old shards' memory is freed (:func:`release_shards`) before
+   ``build`` runs, once the new shards hold every row (``gpt100m``'s build makes the model whole
+   before sharding it: 1.4 shards of the old world on every rank, for a moment): the old model
+   lingers (the caller's references, cycles among FSDP's modules) but holds none of it.
 
 Same global batch (:func:`share_batch`): the global batch of a step is the concatenation of
 ``batch(step, r)`` over the *original* world's ranks. After excision every survivor keeps
@@ -518,7 +519,7 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
            checkpoint_dir: str | None = None) -> Excised:
     """Every survivor calls this with its own committed state (``local_state``; other keys such
     as generators are kept out of the exchange; its parameters' and optimizer state's memory is
-    freed once the new model holds them, :func:`release_shards`) and the copies it holds of other ranks, keyed
+    freed once the new shards hold them, before the new model is built, :func:`release_shards`) and the copies it holds of other ranks, keyed
     by original rank (``held``, possibly empty; emptied once re-sharded, so the copies can be
     freed before the new model is built). ``before`` is the job's membership,
     ``spec.rank`` this rank's group rank in it, ``lost`` original ranks, ``generation`` the
@@ -567,10 +568,12 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
     from .session import mesh_from_groups
 
     mesh = mesh_from_groups({comm.WORLD: group}, spec.device.split(":")[0], (after.world,), None)
+    # the new shards hold every row now: the old world's go before ``build`` allocates the new model (a
+    # workload's build may make it whole before sharding it), so the rebuild never holds old shards beside new
+    release_shards(own)
     model, optimizer = _rebuild(build, mesh, shards, whole)
     load_buffers(model, own)  # buffers are each rank's own (BatchNorm's statistics): the survivor keeps its
     del shards
-    release_shards(own)
     rebuild_s = time.perf_counter() - t0
     record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,
                             gather_s, rebuild_s)
