@@ -44,13 +44,17 @@ Prints a table for people and one JSON line (the last line) for machines, also w
 
 The trials run with the default settings (the data-path timeout follows the job) unless
 ``--data-timeout`` sets one. The in-memory paths (collective, stall) inject ``--faults`` faults
-each, so the p50 is over several recoveries.
+each, so the p50 is over several recoveries: a collective fault from step 1 on, a stall from step
+2 on (``faults.first_fault_step``: the heartbeat judges a rank from its second completed step, and
+a stall in step 1 is only a slow step); more faults than ``--steps`` holds is refused in one line
+before anything runs. ``--logs DIR`` keeps each path's rank logs and recording (what detected
+each recovery: a fault's collective, the heartbeat, a timeout).
 
 With ``--peer-copy-depth 1`` (one own snapshot and one held copy per source instead of two of
 each) the run is written to ``bench/results/scale-depth1.json`` instead.
 
 Usage: ``python bench/scale.py [--steps 8] [--faults 3] [--ranks 4] [--data-timeout S] [--peer-copy-depth 2]
-[--paths collective,stall,kill,excise] [--mmap-threshold BYTES]``.
+[--paths collective,stall,kill,excise] [--mmap-threshold BYTES] [--logs DIR]``.
 Under ``torchrun`` with ``--plain WORKLOAD`` it is the plain loop itself (one rank).
 """
 
@@ -223,7 +227,7 @@ class PathRun:
 
 
 def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: float | None, ref: Path,
-             root: Path, faults: int = 1, depth: int = 2) -> PathRun:
+             root: Path, faults: int = 1, depth: int = 2, logs: str | None = None) -> PathRun:
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
     kind, on_loss = PATHS[path]
@@ -241,6 +245,11 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
     except Exception as exc:  # noqa: BLE001  (one path failing is a row of the table, not the end of the bench)
         return PathRun(workload, path, False, 0, faults, 0, [], [], 0, 0, None, None, str(exc).splitlines()[0][:300])
     finally:  # a large workload's checkpoints and final states are gigabytes a path: kept only as numbers
+        if logs is not None:  # the ranks' own logs and the recording: what each recovery's detection saw
+            keep = Path(logs) / f"{Path(workload).stem}-{path}"
+            keep.mkdir(parents=True, exist_ok=True)
+            for f in [*(work / "faulted").glob("*.jsonl"), *work.glob("*.jsonl")]:
+                shutil.copy2(f, keep / f.name)
         for sub in ("checkpoints", "faulted", "excising-reference", "ref-checkpoints"):
             shutil.rmtree(work / sub, ignore_errors=True)
     s = result.summary()
@@ -284,9 +293,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--peer-copy-depth", type=int, default=2, choices=(1, 2),
                         help="committed steps kept of each peer copy and own snapshot")
+    parser.add_argument("--logs", default=None,
+                        help="keep each path's rank logs and recording under this folder (what detected each recovery)")
     parser.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
                         help="glibc's mmap threshold in bytes for every process of both runs (0: glibc's default)")
     args = parser.parse_args(argv)
+    from meshpact.core.errors import MeshpactError
+    from meshpact.live.recovery.faults import plan_faults
+
     if args.plain:
         plain_rank(args.plain, args.steps, args.out)
         return {}
@@ -294,6 +308,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bad = [p for p in paths if p not in PATHS]
     if bad:
         parser.error(f"--paths takes {', '.join(PATHS)}; got {', '.join(bad)}")
+    for p in paths:  # every fault asked for is placed, or the bench says in one line why it cannot be
+        try:
+            plan_faults(PATHS[p][0], args.steps, args.faults if POLICY[p] == "in_memory" else 1, args.ranks)
+        except MeshpactError as exc:
+            parser.error(f"the {p} path: {exc}")
     if args.mmap_threshold:  # read by glibc as each process starts: the plain ranks, the fork server, replacements
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(args.mmap_threshold)
     else:
@@ -307,7 +326,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ref = root / f"ref-{w}" / "reference"
         for path in paths:
             runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root, args.faults,
-                                 args.peer_copy_depth))
+                                 args.peer_copy_depth, args.logs))
             print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
     state_mb = {w: plain[w].state_bytes / 2**20 for w in plain}
     in_memory = [p for p in paths if POLICY[p] == "in_memory"]
