@@ -36,8 +36,9 @@ every attempt until the job gave up.
 A partitioned data link is no stall: every rank's main thread waits in torch's
 communication code, which counts as progress. So each look also asks whether this rank's
 data path is *quiet*: the main thread waits in communication code, no thread of the process
-(but this one) is runnable, and not a byte moved on the data path's sockets since the last
-look (the kernel's per-socket counts, ``TCP_INFO``). Each rank publishes how many looks in a
+(but this one) is running, runnable or in the kernel's uninterruptible wait (faulting a buffer's
+pages in, reclaiming memory: it is about to move bytes), and not a byte moved on the data path's
+sockets since the last look (the kernel's per-socket counts, ``TCP_INFO``). Each rank publishes how many looks in a
 row it was quiet, with its beat number; when every rank of the job says it was quiet for
 ``heartbeat_misses`` looks, and every one of those words is fresh (its beat moved since this
 rank's last look), the collective they all wait in can never finish (a cut link, or ranks
@@ -115,6 +116,7 @@ class HeartbeatAlarm:
     t_wall: float
     stalled: tuple[int, ...] = ()
     data_path_quiet: bool = False
+    detail: str = ""  # what the look saw (each stalled rank's looks and bound, each rank's quiet word)
 
 
 @dataclass(frozen=True)
@@ -222,6 +224,7 @@ class Heartbeat:
         self.usual_pause: int | None = None  # the longest in a step that completed (None: none completed yet)
         self.allowance = 0  # the longest pause of the failed attempt of the step being run again
         self.steps_completed = 0  # by this process (its first, the warm-up, teaches no usual pause)
+        self._stall_detail = ""  # what the last look found stalled, for the alarm's record
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
         host, port, _ = control_address()
         self.channel = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
@@ -302,8 +305,12 @@ class Heartbeat:
             return []
         at = {r: i for i, r in enumerate(ranks)}
         words = self.channel.peek([pause_key(r) for r in ask])
-        return [r for r, raw in zip(ask, words) if raw is not None
-                and still[at[r]] >= stall_bound(int(raw), self.misses, self.stall_margin)]  # type: ignore[operator]
+        bounds = {r: stall_bound(int(raw), self.misses, self.stall_margin) for r, raw in zip(ask, words)
+                  if raw is not None}
+        out = [r for r, b in bounds.items() if b is not None and still[at[r]] >= b]
+        self._stall_detail = "; ".join(f"rank {r}: {still[at[r]]} looks without progress, bound {bounds[r]} "
+                                       f"(usual pause {int(words[ask.index(r)])})" for r in out)
+        return out
 
     def take(self) -> HeartbeatAlarm | None:
         """This generation's alarm, cleared; one raised in an earlier generation is dropped."""
@@ -349,7 +356,8 @@ class Heartbeat:
             self.opened_wall = time.time()
             while not self._stop.is_set() and s.generation == generation and not self._alarmed(generation):
                 if self.watching:  # a step of this generation runs: it may be blocked on a pair nobody severs
-                    self._raise(HeartbeatAlarm(time.time(), ()), generation)
+                    self._raise(HeartbeatAlarm(time.time(), (), detail=f"a peer opened a recovery of generation "
+                                               f"{generation}"), generation)
                     break
                 time.sleep(_LISTEN_POLL_S)  # between steps: the next one begins soon, or this rank's recovery
             while not self._stop.is_set() and s.generation == generation:
@@ -373,9 +381,11 @@ class Heartbeat:
                 total, read = total + acked + received, read + 1
         return total if read else None
 
-    def _others_runnable(self) -> bool:
-        """A thread of this process other than this one is running or waiting for a CPU (it
-        may be about to send: the data path is not quiet)."""
+    def _others_working(self) -> bool:
+        """A thread of this process other than this one is running or waiting for a CPU, or in
+        the kernel's uninterruptible wait (faulting in the pages of a buffer it is about to send
+        or receive into, reclaiming memory, waiting on a write-back): it may be about to move
+        bytes, so the data path is not quiet. A thread asleep (waiting on a socket, a lock) is not."""
         me = threading.get_native_id()
         try:
             tasks = os.listdir("/proc/self/task")
@@ -386,7 +396,7 @@ class Heartbeat:
                 continue
             try:
                 with open(f"/proc/self/task/{tid}/stat", "rb") as fh:
-                    if fh.read().rpartition(b")")[2].split()[0] == b"R":
+                    if fh.read().rpartition(b")")[2].split()[0] in (b"R", b"D"):
                         return True
             except (OSError, IndexError):
                 continue
@@ -473,7 +483,7 @@ class Heartbeat:
                     published = word
                 if self.quiet_rule:
                     moved = self._data_bytes(generation) if self.watching and pos[2] else None
-                    still_quiet = moved is not None and moved == last_bytes and not self._others_runnable()
+                    still_quiet = moved is not None and moved == last_bytes and not self._others_working()
                     quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
                     self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
                 counts = self.channel.counters(keys)  # one round trip for every peer
@@ -483,19 +493,24 @@ class Heartbeat:
                 still = [0 if r == me else watch(seen[i], counts[i], still[i]) for i, r in enumerate(ranks)]
                 stalled = self._stalled(ranks, still)
                 seen = counts
-                hung = False
+                hung, heard = False, ""
                 if self.quiet_rule and quiet > 0:  # this rank is quiet: are all? (read from the first quiet look)
                     said = self.channel.peek([f"heartbeat/quiet/rank{r}" for r in ranks])
                     words = {r: QuietWord.decode(v) if isinstance(v, str) else None for r, v in zip(ranks, said)}
                     told = any(w is not None and w.hung == generation for w in words.values())  # a peer found it
                     hung = not stalled and (told or all_quiet(words, last_beats, self.misses))
+                    heard = ("quiet words (rank: looks quiet, beat, generation found hung): "
+                             + ", ".join(f"{r}: {w.quiet} {w.beat} {w.hung}" if w else f"{r}: none"
+                                         for r, w in words.items())
+                             + (f"; a peer found generation {generation} hung" if told else ""))
                     last_beats = {r: w.beat for r, w in words.items() if w is not None}
                 else:
                     last_beats = {}
                 # the step may have failed meanwhile and new groups be in the making: sever only
                 # the generation this look was made in, while the step still runs
                 if (stalled or hung) and not self._alarmed(generation) and self.watching and s.generation == generation:
-                    self._raise(HeartbeatAlarm(time.time(), tuple(stalled), hung), generation)
+                    self._raise(HeartbeatAlarm(time.time(), tuple(stalled), hung,
+                                               self._stall_detail if stalled else heard), generation)
                     hung_in = generation if hung else hung_in
                     still, quiet = [0] * len(ranks), 0
             except Exception as exc:  # noqa: BLE001  (a look that failed, e.g. a control-channel

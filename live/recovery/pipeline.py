@@ -231,6 +231,7 @@ def detect(rt: Job, cause: Cause) -> Detection:
            generation=s.generation, seconds=time.perf_counter() - t0,
            heartbeat_stalled=list(alarm.stalled) if alarm else [],
            heartbeat_quiet=bool(alarm and alarm.data_path_quiet), heartbeat_alarm=alarm is not None,
+           heartbeat_detail=alarm.detail if alarm else "",
            heartbeat_look_age_s=t_detect - rt.heartbeat.last_look_wall if rt.heartbeat is not None else None,
            heartbeat_failed_looks=rt.heartbeat.failed_looks if rt.heartbeat is not None else 0)
     if rt.peers is not None:  # the copy in flight waits: the cores are the recovery's (until let_go)

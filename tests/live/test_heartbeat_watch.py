@@ -3,6 +3,8 @@ progress, look after look; a peer that was not scheduled at all is no evidence."
 
 from __future__ import annotations
 
+import pytest
+
 from meshpact.live.recovery.heartbeat import PROGRESS, watch
 
 
@@ -159,6 +161,7 @@ def test_a_peer_is_stalled_only_past_the_bound_its_own_published_pause_gives():
     ranks = (0, 1, 2, 3)
     assert hb._stalled(ranks, [0, 2, 2, 2]) == [] and reads == []  # under the least bound: nothing read
     assert hb._stalled(ranks, [0, 3, 3, 40]) == [2]  # rank 1 pauses 8 looks in a healthy step: 32 allowed
+    assert hb._stall_detail == "rank 2: 3 looks without progress, bound 3 (usual pause 0)"  # the alarm's record
     assert reads[-1] == [pause_key(1), pause_key(2), pause_key(3)]  # one round trip for every candidate
     assert hb._stalled(ranks, [0, 31, 0, 0]) == []
     published[pause_key(1)] = "2"  # its word shrank (a step run again ended): read as it is now
@@ -200,3 +203,19 @@ def test_waiting_for_torchs_compiler_is_progress_but_not_a_quiet_data_path():
     assert not progressed(waiting)  # asleep, on nothing of torch's: a pause
     assert progressed(Look(watching=True, in_comm=False, moved=False, main_cpu_s=0.0, state="S", native_cpu_s=0.0,
                            compiling=True))  # its compile workers or the C++ compiler work for it
+
+
+@pytest.mark.parametrize("state, working", [(b"R", True), (b"D", True), (b"S", False)])
+def test_a_thread_in_an_uninterruptible_wait_keeps_the_data_path_from_reading_quiet(monkeypatch, state, working):
+    # a gloo thread faulting in the pages of a buffer it is about to send (or reclaiming memory) is in the
+    # kernel's D state: its bytes have not moved yet, but they will; only threads asleep leave a rank quiet
+    import io
+    import threading
+
+    from meshpact.live.recovery import heartbeat as hbmod
+
+    me = threading.get_native_id()
+    monkeypatch.setattr(hbmod.os, "listdir", lambda path: [str(me), "999999"])
+    monkeypatch.setattr(hbmod, "open", lambda path, mode="r": io.BytesIO(b"999999 (pt_main (x)) " + state + b" 1 2 3"),
+                        raising=False)
+    assert hbmod.Heartbeat.__new__(hbmod.Heartbeat)._others_working() is working
