@@ -39,7 +39,8 @@ from meshpact.core.jsonform import JsonObject
 
 from .. import netns
 
-__all__ = ["FaultKind", "Fault", "CollectiveFault", "plan_faults", "first_fault_step", "FaultInjector", "NetnsPair", "netns_unavailable"]
+__all__ = ["FaultKind", "Fault", "CollectiveFault", "plan_faults", "first_fault_step", "FaultInjector", "NetnsPair",
+           "netns_unavailable"]
 
 
 class FaultKind(str, Enum):

@@ -33,6 +33,9 @@ def _holder(membership: Membership, lost: int) -> int:
     return membership.alive[(j + 1) % membership.world]
 
 
+_STORE_PIECE = 4 << 20  # bytes of a published copy per store value
+
+
 def _copy_key(run_id: str, rank: int, step: int) -> str:
     return f"meshpact/{run_id}/peer-copy/rank{rank}/step{step}"
 
@@ -42,14 +45,23 @@ def _publish(store: Any, run_id: str, rank: int, step: int, state: Mapping[str, 
     copy); the previous step's copy is dropped."""
     buf = io.BytesIO()
     torch.save({k: v.detach().clone() for k, v in state.items()}, buf)
-    store.set(_copy_key(run_id, rank, step), buf.getvalue())
+    data, key = buf.getvalue(), _copy_key(run_id, rank, step)
+    pieces = range(0, len(data), _STORE_PIECE)  # a libuv store refuses a value over 8 MiB
+    for i, at in enumerate(pieces):
+        store.set(f"{key}/{i}", data[at:at + _STORE_PIECE])
+    store.set(key, str(len(pieces)))  # last: a reader waiting on it finds every piece there
     if step > 0:
-        store.delete_key(_copy_key(run_id, rank, step - 1))
+        old = _copy_key(run_id, rank, step - 1)
+        for i in range(int(store.get(old))):
+            store.delete_key(f"{old}/{i}")
+        store.delete_key(old)
 
 
 def _fetch(store: Any, run_id: str, rank: int, step: int) -> dict[str, torch.Tensor]:
     """``rank``'s copy of committed ``step``, waiting for it (the rank may still be publishing)."""
-    return torch.load(io.BytesIO(store.get(_copy_key(run_id, rank, step))), weights_only=True)
+    key = _copy_key(run_id, rank, step)
+    data = b"".join(store.get(f"{key}/{i}") for i in range(int(store.get(key))))
+    return torch.load(io.BytesIO(data), weights_only=True)
 
 
 def excision_drill(args: JsonObject) -> JsonObject:
