@@ -54,6 +54,11 @@ FLUSH_STALL_S = 0.1
 FLUSH_MOST_S = 5.0
 FLUSH_SETTLE_S = 0.05
 FLUSH_LARGE_BYTES = 64 * 1024
+# the drain of severed sockets (SeveredSockets): its first look after a sever, while bytes move, and at
+# most between looks once they stopped
+DRAIN_FIRST_S = 0.005
+DRAIN_MOVING_S = 0.0005
+DRAIN_IDLE_MOST_S = 0.05
 _TCP_INFO_BYTES = 120  # offset of tcpi_bytes_acked, then tcpi_bytes_received, in struct tcp_info (linux/include/uapi/linux/tcp.h)  # the base name of the data-path group over every rank
 
 
@@ -180,21 +185,34 @@ class SeveredSockets:
     Once gloo has let go of one (it closes its descriptor when it reads the end of the stream), a
     thread reads and drops whatever the peer still sends on it: a peer part way through a large
     send finishes it instead of meeting a full buffer (its send would then wait on a pair that
-    fails before it completes, see :func:`sever`). A socket the peer closed is closed here too."""
+    fails before it completes, see :func:`sever`). A socket the peer closed is closed here too.
+
+    The thread is started by the first socket held and then waits, costing nothing, while none
+    is: a recovery starts no thread. It first looks ``DRAIN_FIRST_S`` after a socket is held
+    (gloo is still letting go of it), then every ``DRAIN_MOVING_S`` while bytes arrive, and
+    otherwise less and less often, down to every ``DRAIN_IDLE_MOST_S``: a peer's send that
+    starts after a quiet spell waits at most that long for its first bytes to be read."""
 
     def __init__(self) -> None:
         self._held: list[tuple[socket.socket, int, str]] = []  # (our socket, gloo's descriptor, its name)
         self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)  # a socket was held
         self._thread: threading.Thread | None = None
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._held)
 
+    def holds(self, fd: int, inode: str) -> bool:
+        """Whether descriptor ``fd``'s socket ``inode`` is held already (shut down for reading)."""
+        with self._lock:
+            return any(f == fd and i == inode for _, f, i in self._held)
+
     def hold(self, sock: socket.socket, fd: int, inode: str) -> None:
         sock.setblocking(False)
         with self._lock:
             self._held.append((sock, fd, inode))
+            self._cond.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="meshpact-severed-drain", daemon=True)
                 self._thread.start()
@@ -209,11 +227,14 @@ class SeveredSockets:
     def _drain(self) -> None:
         # a socket shut down for reading always reads as ready and its recv returns b"" once its queue
         # is empty: what is queued is asked of the kernel, and the peer's end from the TCP state
+        delay = DRAIN_FIRST_S
         while True:
             with self._lock:
                 if not self._held:
-                    self._thread = None
-                    return
+                    self._cond.wait_for(lambda: bool(self._held))
+                    delay = DRAIN_FIRST_S
+            time.sleep(delay)
+            with self._lock:
                 ready = [h for h in self._held if not _names(h[1], h[2])]  # gloo closed its descriptor
             moved, gone = False, []
             for sock, _, _ in ready:
@@ -235,7 +256,7 @@ class SeveredSockets:
                     self._held = [h for h in self._held if h[0] not in gone]
                 for sock in gone:
                     sock.close()
-            time.sleep(0.0005 if moved else 0.005)
+            delay = DRAIN_MOVING_S if moved else min(max(delay, DRAIN_FIRST_S) * 2, DRAIN_IDLE_MOST_S)
 
 
 _PEER_ENDED = (7, 8, 9)  # TCP_CLOSE, TCP_CLOSE_WAIT, TCP_LAST_ACK (linux/include/net/tcp_states.h)
@@ -281,13 +302,13 @@ def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> int:
     """
     opened: list[tuple[socket.socket, int, str]] = []
     for fd, inode in sockets.items():
-        if not _names(fd, inode):
-            continue
+        if not _names(fd, inode) or (held is not None and held.holds(fd, inode)):
+            continue  # gone, or shut down for reading already (the heartbeat's listener severed first)
         try:
             opened.append((socket.socket(fileno=os.dup(fd)), fd, inode))
         except OSError:
             continue
-    if held is not None:
+    if held is not None and opened:
         _flush([s for s, _, _ in opened])
     n = 0
     for s, fd, inode in opened:
@@ -450,8 +471,10 @@ def choose_action(pg: Any, device: str, dropped_ranks: int = 0, prefer_reconfigu
 def first_collective(pg: dist.ProcessGroup, device: str) -> None:
     """The first collective on a new generation's group: a one-element all-reduce every member
     issues at the same point. When it returns on every rank, the group is proven to carry
-    traffic (and a backend that connects lazily has connected); a recovery ends here."""
-    dist.all_reduce(torch.zeros(1, device=device), group=pg)
+    traffic (and a backend that connects lazily has connected); a recovery ends here. Issued on
+    the group object itself, as ``dist.all_reduce`` issues it (the same ``c10d::`` operation,
+    failing the same way) without that wrapper's checks, half the CPU of the call."""
+    pg.allreduce([torch.zeros(1, device=device)]).wait()
 
 
 def exercise(pg: dist.ProcessGroup, device: str) -> None:

@@ -202,6 +202,7 @@ def beat_key(rank: int) -> str:
 
 _LISTEN_S = 3600.0  # one wait on the control channel (renewed; ended by a recovery or by stop)
 _LISTEN_POLL_S = 0.002  # how often a rank heard of a recovery checks whether its step began
+_LISTEN_STOP_S = 0.05  # how often, waiting for its recovery to end, the listener looks whether it is stopped
 
 
 def recovering_key(generation: int, rank: int) -> str:
@@ -253,6 +254,7 @@ class Heartbeat:
         self._listener = threading.Thread(target=self._listen, name="meshpact-recovery-listener", daemon=True)
 
     def start(self) -> "Heartbeat":
+        self.clear_pause_word()
         self._thread.start()
         self._listener.start()
         # the listener waits inside the store client's native code: the interpreter must not
@@ -272,6 +274,14 @@ class Heartbeat:
             pass
         self._thread.join(timeout=max(1.0, 4 * self.interval_s))
         self._listener.join(timeout=max(1.0, 4 * self.interval_s))
+
+    def clear_pause_word(self) -> None:
+        """Publish "no usual pause" for this rank before it runs a step: the word a process that
+        held this rank before (a killed one, replaced) published lives on in the store, and peers
+        judged the replacement's first steps (building, its first all-gathers) by the old
+        process's steady pauses. Its warm-up teaches no usual pause, and until it completes a
+        second step no bound applies to it (``peek`` reads the null as no word)."""
+        self.channel.set(pause_key(self.session.rank), None)
 
     def step_begins(self, again: bool = False) -> None:
         """The runtime is about to run a step, or (``again``) run it again after a recovery: its
@@ -361,7 +371,7 @@ class Heartbeat:
                     break
                 time.sleep(_LISTEN_POLL_S)  # between steps: the next one begins soon, or this rank's recovery
             while not self._stop.is_set() and s.generation == generation:
-                time.sleep(_LISTEN_POLL_S)
+                s.wait_past(generation, _LISTEN_STOP_S)  # asleep through the recovery: woken as it advances
 
     def _data_bytes(self, generation: int) -> int | None:
         """Bytes acknowledged plus received on the data path's sockets (None: none to read).
