@@ -419,28 +419,38 @@ class ModuleScan:
     in depth, at each rebind) and the functions of :data:`TORCH_IMPORT_DEFAULTS` that have
     defaults (each one's defaults read at each rebind). Finding them walks all of
     ``sys.modules`` (thousands of entries, most of a recovery's rebinding time); a job keeps
-    one scan, and it walks again when ``sys.modules`` holds other module objects than at its
-    last walk, or one of those torch modules gained, lost or replaced a function."""
+    one scan, and it walks again when ``sys.modules`` gained or lost entries since its last
+    walk, one of the modules it reads is no longer the module under its name, or one of those
+    torch modules gained, lost or replaced a function. Telling so never touches the other
+    modules (asking each of thousands whether it is the same object reads each one's memory: a
+    tenth of a millisecond of every recovery, the caches cold from training). Not seen: a
+    module put by hand under the name of one that is not read (an installed package's) while
+    another left ``sys.modules``."""
 
     def __init__(self) -> None:
-        self._values: list[Any] = []
+        self._count = -1  # len(sys.modules) at the walk
         self.walks = 0  # how often sys.modules was walked (a test reads it)
         self._own: list[tuple[str, dict[str, Any]]] = []
         self._defaults: list[tuple[str, dict[str, Any], str, types.FunctionType]] = []
         self._sizes: list[tuple[dict[str, Any], int]] = []  # each defaults holder's size at the walk
+        self._read: list[tuple[str, dict[str, Any]]] = []  # every module read: its name and its globals
 
     def _current(self) -> bool:
-        values = list(sys.modules.values())
-        same = values == self._values  # by identity first: the same module objects compare at once
-        self._values = values
-        return (same and all(len(d) == n for d, n in self._sizes)
+        modules = sys.modules
+        return (len(modules) == self._count
+                and all(getattr(modules.get(name), "__dict__", None) is d for name, d in self._read)
+                and all(len(d) == n for d, n in self._sizes)
                 and all(holder.get(key) is fn for _, holder, key, fn in self._defaults))
 
     def modules(self) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, types.FunctionType]]]:
         """(the job's modules as (name, globals), the torch functions with import-time defaults
         as (path, function))."""
         if not self._current():
+            self._count = len(sys.modules)
             self._own, self._defaults, self._sizes = _walk_modules()
+            self._read = [(name, d) for name, d in self._own]
+            self._read += [(name, sys.modules[name].__dict__) for name in sorted(TORCH_IMPORT_DEFAULTS)
+                           if isinstance(getattr(sys.modules.get(name), "__dict__", None), dict)]
             self.walks += 1
         return self._own, [(path, fn) for path, _, _, fn in self._defaults]
 
