@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 import weakref
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,7 +82,7 @@ class Job(Protocol):
     excisions: list[ExcisionRecord]
 
     def state(self) -> dict[str, torch.Tensor]: ...
-    def state_changed(self) -> str: ...
+    def state_changed(self, params: Sequence[torch.nn.Parameter] | None = None) -> str: ...
     def job_groups(self) -> dict[str, dist.ProcessGroup]: ...
     def excise_refusal(self) -> str | None: ...
     def settle_counters(self) -> None: ...
@@ -242,7 +242,7 @@ def detect(rt: Job, cause: Cause) -> Detection:
     params = reset_step_state(rt.model, states, leftovers)  # sharded parameters back on the modules before anything reads them
     reset_s = time.perf_counter() - t0
     t_check = time.perf_counter()
-    changed = rt.state_changed()
+    changed = rt.state_changed(params)
     # a step that waited out the data-path timeout may have lost a link the standby crosses too;
     # one that failed otherwise heard from its data path (or raised here), however long it ran
     silent_s = (t_detect - rt.t_attempt if rt.t_attempt is not None and not cause.drill

@@ -36,7 +36,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -311,18 +311,19 @@ class Resilient:
 
         self._optimizer_hook = _OptimizerHook(self.optimizer, self.optimizer.register_step_pre_hook(began))
 
-    def state_changed(self) -> str:
+    def state_changed(self, params: Sequence[torch.nn.Parameter] | None = None) -> str:
         """Why this rank's state is not the committed one ("" when it is; always "" with
         ``check_commits`` off, which trusts the state). An optimizer step begun since the commit
         counts as a change whatever the commit check says: it samples at most 64 tensors, and an
         optimizer that failed part-way (a collective inside its step) may have written only
-        tensors it does not sample."""
+        tensors it does not sample. ``params``: the model's parameters as they stand now, where
+        the caller listed them already (a recovery's detect: the model is walked once)."""
         if self.mark is None:
             return ""
         if self._optimizer_began:
             return ("the optimizer's step began after the commit (a fault inside or after it: its state may be "
                     "written in part)")
-        return self.mark.changed(self.committed_step, self.model, self.optimizer)
+        return self.mark.changed(self.committed_step, self.model, self.optimizer, params)
 
     @property
     def generation(self) -> int:

@@ -221,11 +221,13 @@ def _hash_samples(step: int, count: int, samples: _Samples) -> str:
     return h.hexdigest()
 
 
-def _owners(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[tuple[int, int, int], ...]:
+def _owners(model: nn.Module, optimizer: torch.optim.Optimizer,
+            params: Sequence[torch.Tensor] | None = None) -> tuple[tuple[int, int, int], ...]:
     """(object id, storage address, element count) of every tensor :func:`local_state` lists,
-    in its order, read without building any view."""
+    in its order, read without building any view (``params``: ``model.parameters()`` listed
+    already by the caller)."""
     out = []
-    params = list(model.parameters())
+    params = list(model.parameters()) if params is None else params
     for p in params:
         local = getattr(p, "_local_tensor", p)
         out.append((id(p), local.data_ptr(), local.numel()))
@@ -265,12 +267,15 @@ class CommitMark:
             aliased = _aliased(state, samples)
         return cls(step, _hash_samples(step, count, samples), owners, samples, count, aliased)
 
-    def changed(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    def changed(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                params: Sequence[torch.Tensor] | None = None) -> str:
         """Why the state differs from the committed one ("" when it does not): a tensor replaced,
-        added or moved since the commit, or a sampled element written, or another step."""
+        added or moved since the commit, or a sampled element written, or another step
+        (``params``: the model's parameters as ``model.parameters()`` lists them now, where the
+        caller has them)."""
         if step != self.step:
             return f"the committed step is {step}, the mark's {self.step}"
-        owners = _owners(model, optimizer)
+        owners = _owners(model, optimizer, params)
         if owners != self.owners or not self.aliased:
             check = commit_check(step, local_state(model, optimizer, buffers=False))
             if check == self.check:
