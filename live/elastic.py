@@ -98,6 +98,11 @@ class LaunchRefused(MeshpactError):
     """A command line ``meshpact launch`` cannot run; the message names the flag and what it expects."""
 
 
+class HostNodeLost(MeshpactError):
+    """The node of group rank 0 (its agent hosts the job's rendezvous store and control channel) is gone:
+    the other nodes cannot go on without those stores, and say so instead of waiting."""
+
+
 class NoJobFound(MeshpactError):
     """A spare node found no job at its ``--rdzv-endpoint`` under its ``--rdzv-id`` within the join timeout."""
 
@@ -327,6 +332,7 @@ class ReplacingAgent(SimpleElasticAgent):
         self.lost_nodes: list[NodeLoss] = []  # nodes whose ranks were announced gone
         self.takeovers: list[NodeVerdict] = []  # nodes whose group rank went to a spare node
         self._seen_round = 0
+        self._channel_down_since: float | None = None  # when the control channel last stopped answering
 
     # -- addresses and the control channel ------------------------------------------
     def _node_addr(self) -> str:
@@ -522,6 +528,12 @@ class ReplacingAgent(SimpleElasticAgent):
         self._note_ready_spares()
         if len(ledger.finished) + len(ledger.gone) < len(wg.workers):
             return None
+        if not ledger.finished and wg.group_rank != 0 and self.given_control is None and self._channel is not None:
+            try:  # every worker failed: where node 0's channel is gone, that is why (said in one line)
+                self._channel.counter(ROUND_KEY)
+            except (RuntimeError, OSError) as exc:
+                since = self._channel_down_since
+                raise self._host_node_lost(0.0 if since is None else time.monotonic() - since, exc) from None
         if ledger.finished:  # the gone ranks' failures too: elastic's records name every worker of the group
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={wg.workers[lr].global_rank: None for lr in sorted(ledger.finished)},
@@ -537,7 +549,11 @@ class ReplacingAgent(SimpleElasticAgent):
 
     def _left_gone(self, rank: int, returncode: int) -> None:
         """``rank``'s process exited with ``returncode`` and no replacement is left: the job is told it is gone."""
-        mark_gone(self._channel, rank)
+        try:
+            mark_gone(self._channel, rank)
+        except (RuntimeError, OSError) as exc:  # the channel's host gone: the next look says what that means
+            _say(f"cannot tell the job that rank {rank} is gone: the control channel did not answer "
+                 f"({str(exc).splitlines()[0]})")
 
     def _note_ready_spares(self) -> None:
         """Say once when each spare has finished importing (from then on a promotion starts the script at once)."""
@@ -557,8 +573,9 @@ class ReplacingAgent(SimpleElasticAgent):
             self._beat_and_watch_nodes(wg, now)
             lost = declared_lost(self._channel, self._seen_round)
         except Exception as exc:  # the channel's host (node 0) gone: nothing to learn from it now
-            logger.warning("meshpact launch: cannot read the control channel (%s)", exc)
+            self._channel_unreachable(wg, now, exc)
             return
+        self._channel_down_since = None
         mine = {w.global_rank: w.local_rank for w in wg.workers}
         for round_, ranks in sorted(lost.items()):
             self._seen_round = max(self._seen_round, round_)
@@ -570,6 +587,25 @@ class ReplacingAgent(SimpleElasticAgent):
                 if running.handler.proc.poll() is None:
                     _say(f"rank {rank} (pid {running.pid}) was declared lost by the job in round {round_}: killed")
                     _kill(running.handler.proc)
+
+    def _channel_unreachable(self, wg: WorkerGroup, now: float, exc: Exception) -> None:
+        """The control channel did not answer. Hosted by group rank 0's agent: once it has not answered for
+        ``--node-loss-s``, that node is lost, and with it the job's stores (group rank 0 is not replaced:
+        its agent hosts them), so this node ends its workers and says why in one line."""
+        if self._channel_down_since is None:
+            self._channel_down_since = now
+            logger.warning("meshpact launch: cannot read the control channel (%s)", exc)
+        silent = now - self._channel_down_since
+        if wg.group_rank != 0 and self.given_control is None and silent > self._options.node_loss_s:
+            raise self._host_node_lost(silent, exc)
+
+    def _host_node_lost(self, silent: float, exc: Exception) -> HostNodeLost:
+        host, port = self._control
+        return HostNodeLost(
+            f"node 0 is lost: the control channel its agent hosts at {host}:{port} has not answered for "
+            f"{silent:.1f} s (last: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}). "
+            "Node 0 hosts the job's rendezvous store and control channel, which no other node can take over: "
+            "this node's workers are stopped; start the job again (it resumes from its newest checkpoint)")
 
     def _beat_and_watch_nodes(self, wg: WorkerGroup, now: float) -> None:
         """Beat on the control channel; group rank 0 also watches the other agents' beats and tells the
@@ -1075,7 +1111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run()
     except ChildFailedError:
         return 1
-    except NoJobFound as exc:
+    except (NoJobFound, HostNodeLost) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
     return 0

@@ -102,3 +102,23 @@ def test_node_1_lost_with_its_agent_is_excised_by_the_survivors_bit_identical_to
     assert {r: f.digest for r, f in finals.items()} == {r: f.digest for r, f in reference.items()}
     log = node0.log.read_text()
     assert "node 1 (ranks [2, 3]) is lost" in log and "not waiting for the agents of lost node(s) [1]" in log
+
+
+def test_node_0_lost_with_its_agent_ends_node_1_with_one_line_naming_it(tmp_path):
+    """Node 0's agent hosts the job's stores, which no other node takes over: node 1 must not hang nor die
+    with its agent's traceback, but stop its workers and say what was lost and what to do."""
+    out = tmp_path / "faulted"
+    with TwoHosts(link=None) as hosts, \
+            Job(node_flags(hosts, 0, "--node-loss-s", "3"), out, STEPS, step_s=0.05, prefix=hosts.prefix(0),
+                name="node0") as node0, \
+            Job(node_flags(hosts, 1, "--node-loss-s", "3"), out, STEPS, step_s=0.05, prefix=hosts.prefix(1),
+                name="node1") as node1:
+        lost = [node0.wait_for_step(r, 3, 150) for r in (0, 1)]
+        node0.kill_agent_and(lost)
+        assert node1.wait(90) == 1, node1.tail()
+    log = node1.log.read_text()
+    said = [line for line in log.splitlines() if line.startswith("error: node 0 is lost")]
+    assert len(said) == 1, node1.tail()
+    assert "hosts the job's rendezvous store and control channel" in said[0] and "start the job again" in said[0]
+    assert "meshpact/launch.py" not in log  # no traceback from the agent itself
+    assert not (out / "rank2.json").exists() and not (out / "rank3.json").exists()  # nothing claims to have finished
