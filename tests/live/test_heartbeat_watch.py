@@ -219,3 +219,25 @@ def test_a_thread_in_an_uninterruptible_wait_keeps_the_data_path_from_reading_qu
     monkeypatch.setattr(hbmod, "open", lambda path, mode="r": io.BytesIO(b"999999 (pt_main (x)) " + state + b" 1 2 3"),
                         raising=False)
     assert hbmod.Heartbeat.__new__(hbmod.Heartbeat)._others_working() is working
+
+
+def test_a_replacement_is_not_judged_by_the_pause_its_killed_predecessor_published():
+    # the killed process of rank 1 published a usual pause of 0 looks; its replacement, in its first step,
+    # must not be called stalled after 3 looks: it clears the word as its heartbeat starts
+    import json
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery.heartbeat import Heartbeat, pause_key
+
+    store = {pause_key(0): json.dumps("0"), pause_key(1): json.dumps("0")}
+    channel = SimpleNamespace(set=lambda k, v: store.__setitem__(k, json.dumps(v)),
+                              peek=lambda keys: [json.loads(store[k]) if k in store else None for k in keys])
+    peer = Heartbeat.__new__(Heartbeat)
+    peer.misses, peer.stall_margin, peer.channel = 3, 4.0, channel
+    assert peer._stalled((0, 1), [0, 3]) == [1]  # the stale word would call it stalled
+    replacement = Heartbeat.__new__(Heartbeat)
+    replacement.channel, replacement.session = channel, SimpleNamespace(rank=1)
+    replacement.clear_pause_word()
+    assert peer._stalled((0, 1), [0, 30]) == []  # no word: no evidence, no alarm
+    store[pause_key(1)] = json.dumps("2")  # it completed its second step and published
+    assert peer._stalled((0, 1), [0, 8]) == [1]
