@@ -122,3 +122,33 @@ def test_node_0_lost_with_its_agent_ends_node_1_with_one_line_naming_it(tmp_path
     assert "hosts the job's rendezvous store and control channel" in said[0] and "start the job again" in said[0]
     assert "meshpact/launch.py" not in log  # no traceback from the agent itself
     assert not (out / "rank2.json").exists() and not (out / "rank3.json").exists()  # nothing claims to have finished
+
+
+def test_plain_torchrun_on_two_nodes_restarts_the_job_from_its_checkpoint_bit_identical(tmp_path):
+    """What plain torchrun gives (the docs' table): a killed worker ends the attempt on every node, the
+    agents restart every worker (--max-restarts 1), each loads the newest checkpoint itself and the job
+    ends bit for bit as the run without a fault; every process is a new one."""
+    out = tmp_path / "faulted"
+    ckpt = ("--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "3")
+
+    def node(hosts: TwoHosts, n: int) -> Job:
+        flags = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                 f"{hosts.addr[0]}:{PORT}", "--rdzv-id", f"plain{hosts.tag}", "--rdzv-conf", f"is_host={int(n == 0)}",
+                 "--local-addr", hosts.addr[n], "--max-restarts", "1"]
+        env = {"GLOO_SOCKET_IFNAME": hosts.iface[n], "MESHPACT_PEER_ADDR": hosts.addr[n], "MESHPACT_HOST_ID": f"node{n}"}
+        return Job(Job.torchrun(*flags), out, STEPS, step_s=0.05, prefix=hosts.prefix(n), env=env, name=f"node{n}",
+                   script_args=ckpt)
+
+    with TwoHosts(link=None) as hosts, \
+            Job(Job.torchrun("--standalone", "--nproc-per-node", "4"), tmp_path / "reference", STEPS) as ref, \
+            node(hosts, 0) as node0, node(hosts, 1) as node1:
+        first = {r: (node0 if r < 2 else node1).wait_for_step(r, 0, 150) for r in range(4)}
+        node1.kill_rank(3, after_step=5)
+        assert node0.wait(240) == 0, node0.tail()
+        assert node1.wait(240) == 0, node1.tail()
+        assert ref.wait(180) == 0, ref.tail()
+    reference, faulted = read_finals(ref.out, 4), read_finals(out, 4)
+    assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
+    assert all(faulted[r].pid != p.pid for r, p in first.items())  # torchrun restarted every worker
+    assert sum(f.storage_bytes_read for f in faulted.values()) > 0  # from the checkpoint, not a peer
+    assert all(f.policies == () for f in faulted.values()), [f.recoveries for f in faulted.values()]
