@@ -298,14 +298,21 @@ def _is_group(x: Any) -> bool:
     return isinstance(x, dist.ProcessGroup)
 
 
+_ATOMS = frozenset({int, float, complex, bool, str, bytes, type(None)})  # never a group, never holding one
+
+
 def _holds(value: Any, match: Callable[[Any], bool], depth: int = _DEPTH) -> bool:
-    """``value`` is, or contains (lists, tuples, sets, dict keys and values), something ``match``es."""
+    """``value`` is, or contains (lists, tuples, sets, dict keys and values), something ``match``es
+    (``match`` is never asked of a number, a string or None: none is a group)."""
     if match(value):
         return True
     if depth == 0 or not isinstance(value, (list, tuple, set, frozenset, dict)) or len(value) > _MAX_ITEMS:
         return False
-    items = [*value.keys(), *value.values()] if isinstance(value, dict) else list(value)
-    return any(_holds(x, match, depth - 1) for x in items)
+    for items in ((value.keys(), value.values()) if isinstance(value, dict) else (value,)):
+        for x in items:
+            if type(x) not in _ATOMS and _holds(x, match, depth - 1):
+                return True
+    return False
 
 
 def _swap(value: Any, old: Any, new: Any, depth: int = _DEPTH) -> tuple[Any, int]:
@@ -375,13 +382,13 @@ def _function_slots(fn: types.FunctionType, path: str, out: list[_Slot], seen: s
         if _holds(value, is_group):
             out.append(_Slot(f"{path}.<closure {name}>", lambda c=cell: c.cell_contents,
                              lambda v, c=cell: setattr(c, "cell_contents", v)))
-        target = value.__func__ if isinstance(value, types.MethodType) else value
-        if isinstance(target, types.FunctionType) and depth > 0:
+        target = value.__func__ if type(value) is types.MethodType else value  # (neither type has subclasses)
+        if type(target) is types.FunctionType and depth > 0:
             _function_slots(target, f"{path}.<closure {name}>", out, seen, is_group, depth - 1)
         elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, (types.ModuleType, type)):
-            for attr, v in list(vars(value).items()):  # a holder object (e.g. a dataclass of functions)
-                if isinstance(v, types.FunctionType):
-                    _function_slots(v, f"{path}.<closure {name}>.{attr}", out, seen, is_group, depth - 1)
+            # a holder object (e.g. a dataclass of functions)
+            for attr, v in [(a, v) for a, v in vars(value).items() if type(v) is types.FunctionType]:
+                _function_slots(v, f"{path}.<closure {name}>.{attr}", out, seen, is_group, depth - 1)
 
 
 def _python_slots(functions: Iterable[Callable[..., Any]], scan: "ModuleScan") -> list[_Slot]:
