@@ -13,7 +13,9 @@ Measures on this machine, in one run:
   ``bench`` extra, ``pip install 'meshpact[bench]'``): p50, p99, max and the ratio per size
   (``recovery_ms_p50``/``_p99``/``_max`` are the 4-rank numbers at the first timeout); each
   recovery's CPU, every rank's process summed, by pipeline step (``cpu_ms_by_stage_p50``,
-  ``cpu_ms_all_ranks_p50``), and every recovery over 100 ms with how its last rank learned of
+  ``cpu_ms_all_ranks_p50``) and each rank's own by step (``cpu_ms_by_rank_by_stage_p50``: where
+  each rank's CPU goes, read from its process CPU clock, so load matters less than in wall
+  time), and every recovery over 100 ms with how its last rank learned of
   the fault (``over_100_ms``);
 - ``--baseline-faults`` raised collectives on 4 ranks with downtime per fault against a
   checkpoint restore in the job and a cold restart measured in the same run (ratios);
@@ -51,6 +53,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from meshpact.live.launcher import host_store, launch
@@ -115,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="faults of the 4-rank run with the checkpoint-restore and cold-restart baselines")
     ap.add_argument("--false-alarm-minutes", type=float, default=None, metavar="M",
                     help="only a fault-free run of M minutes on 4 ranks at the default settings")
+    ap.add_argument("--results-dir", default=None, metavar="DIR",
+                    help="write recovery.json there instead of bench/results/ (a reduced run that must not "
+                         "replace the published numbers)")
     ns = ap.parse_args(argv)
     if ns.recoveries < 1 or ns.baseline_faults < 1:
         ap.error(f"--recoveries and --baseline-faults must be at least 1, got {ns.recoveries} and {ns.baseline_faults}")
@@ -135,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if ns.false_alarm_minutes is not None:
         rows += false_alarms(out, ns.false_alarm_minutes)
-        _report(rows, out)
+        _report(rows, out, ns.results_dir)
         return 0
     if ns.side_by_side_only or ns.rebind_only:  # either, or both in one run and one JSON line
         if ns.rebind_only:
@@ -143,15 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         if ns.side_by_side_only:
             rows += side_by_side(out, min(ns.recoveries, 5) if ns.quick else ns.recoveries, 1 if ns.quick else 2,
                                  timeouts, sizes)
-        _report(rows, out)
+        _report(rows, out, ns.results_dir)
         return 0
     if ns.stall_only:
         rows += stall_detection(out, 3 if ns.quick else 10)
-        _report(rows, out)
+        _report(rows, out, ns.results_dir)
         return 0
     if ns.peer_only:
         rows += peer_copies(out, 1 if ns.quick else 3)
-        _report(rows, out)
+        _report(rows, out, ns.results_dir)
         return 0
 
     commit, full = commit_overhead((1, 10, 100) if ns.quick else (1, 10, 100, 1000))
@@ -161,14 +167,14 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f"commit overhead, {mb} MB of state (ms; a full digest instead)",
                      f"{commit[mb]:.3f} ({full[mb]:.1f})"))
     if ns.commit_only:
-        _report(rows, out)
+        _report(rows, out, ns.results_dir)
         return 0
 
     rows += rebinding(out, rounds)
     rows += side_by_side(out, min(ns.recoveries, 5) if ns.quick else ns.recoveries, 1 if ns.quick else 2,
                              timeouts, sizes)
     rows += baselines(out, ns)
-    _report(rows, out)
+    _report(rows, out, ns.results_dir)
     return 0
 
 
@@ -387,8 +393,9 @@ TAIL_MS = 100.0  # a recovery longer than this is listed with how its last rank 
 
 
 def _recovery_cpu(result: Any, generations: set[int]) -> dict[int, dict[str, Any]]:
-    """Per recovery (generation): every rank's CPU by pipeline step, summed over the ranks, and
-    the CPU the ranks spent after resuming (left to the job; not in the recovery's)."""
+    """Per recovery (generation): every rank's CPU by pipeline step, summed over the ranks and
+    each rank's own (``by_rank``), and the CPU the ranks spent after resuming (left to the job;
+    not in the recovery's)."""
     from meshpact.core.recording import EventKind
 
     out: dict[int, dict[str, Any]] = {}
@@ -397,12 +404,26 @@ def _recovery_cpu(result: Any, generations: set[int]) -> dict[int, dict[str, Any
         if e.event != EventKind.RECOVERY_DONE or gen not in generations:
             continue
         row = out.setdefault(gen, {"by_stage": dict.fromkeys(STAGES, 0.0), "main_by_stage": dict.fromkeys(STAGES, 0.0),
-                                   "after_resume": 0.0})
+                                   "after_resume": 0.0, "by_rank": {}})
         for stage, sec in (e.data.get("cpu_s_by_stage") or {}).items():
             row["by_stage"][stage] = row["by_stage"].get(stage, 0.0) + sec * 1e3
+            row["by_rank"].setdefault(e.rank, {})[stage] = sec * 1e3
         for stage, sec in (e.data.get("thread_cpu_s_by_stage") or {}).items():
             row["main_by_stage"][stage] = row["main_by_stage"].get(stage, 0.0) + sec * 1e3
         row["after_resume"] += e.data.get("after_resume_cpu_s", 0.0) * 1e3
+    return out
+
+
+def _by_rank_p50(spent: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Each rank's CPU by pipeline step (ms), the median over the recoveries (a step a rank did
+    not record counts 0), and its total."""
+    ranks = sorted({r for c in spent for r in c["by_rank"] if r is not None})
+    out: dict[int, dict[str, float]] = {}
+    for r in ranks:
+        mine = [c["by_rank"].get(r, {}) for c in spent]
+        row = {s: round(statistics.median(m.get(s, 0.0) for m in mine), 3) for s in STAGES}
+        row["total"] = round(statistics.median(sum(m.values()) for m in mine), 3)
+        out[r] = row
     return out
 
 
@@ -506,6 +527,9 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
                                    "cpu_ms_by_stage_p50": {s: round(statistics.median(c["by_stage"].get(s, 0.0)
                                                                                         for c in spent), 3)
                                                            for s in STAGES} if spent else {},
+                                   # where each rank's CPU goes: its own process CPU by step (p50 over
+                                   # the recoveries), beside the sum over the ranks above
+                                   "cpu_ms_by_rank_by_stage_p50": _by_rank_p50(spent),
                                    "main_thread_cpu_ms_by_stage_p50": {
                                        s: round(statistics.median(c["main_by_stage"].get(s, 0.0) for c in spent), 3)
                                        for s in STAGES} if spent else {},
@@ -534,6 +558,9 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
                              + " / ".join(STAGES) + "; after resuming, apart)",
                              " / ".join(f"{row['cpu_ms_by_stage_p50'][s]:.2f}" for s in STAGES)
                              + f"; {row['after_resume_cpu_ms_p50']:.2f}"))
+                for r, mine in row["cpu_ms_by_rank_by_stage_p50"].items():
+                    rows.append((f"    rank {r}: CPU by step (ms, p50, same order; its total)",
+                                 " / ".join(f"{mine[s]:.2f}" for s in STAGES) + f"; {mine['total']:.2f}"))
         by_timeout[label] = by_ranks
     if torchft_error is not None:
         rows.append(("torchft", torchft_error))
@@ -614,13 +641,16 @@ def stall_detection(out: dict[str, Any], faults: int) -> list[tuple[str, str]]:
                     "path 30 s (ms, p50 / max)", f"{statistics.median(det):.1f} / {max(det):.1f}" if det else "none")]
 
 
-def _report(rows: list[tuple[str, str]], out: dict[str, Any]) -> None:
+def _report(rows: list[tuple[str, str]], out: dict[str, Any], results_dir: str | None = None) -> None:
     out["machine"]["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     width = max(len(k) for k, _ in rows)
     print("Meshpact live recovery benchmark")
     for k, v in rows:
         print(f"  {k.ljust(width)}  {v}")
-    emit("recovery", out)
+    if results_dir is None:
+        emit("recovery", out)
+    else:
+        emit("recovery", out, Path(results_dir))
 
 
 if __name__ == "__main__":
