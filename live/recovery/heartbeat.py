@@ -226,6 +226,7 @@ class Heartbeat:
         self.allowance = 0  # the longest pause of the failed attempt of the step being run again
         self.steps_completed = 0  # by this process (its first, the warm-up, teaches no usual pause)
         self._stall_detail = ""  # what the last look found stalled, for the alarm's record
+        self._forget_word = False  # set by warm_up_again: the thread publishes "no word" at its next look
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
         host, port, _ = control_address()
         self.channel = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
@@ -282,6 +283,18 @@ class Heartbeat:
         process's steady pauses. Its warm-up teaches no usual pause, and until it completes a
         second step no bound applies to it (``peek`` reads the null as no word)."""
         self.channel.set(pause_key(self.session.rank), None)
+
+    def warm_up_again(self) -> None:
+        """The rank's model was built anew (an excision's smaller world: ``build(mesh)``, FSDP's
+        lazy initialisation and buffers of the new sizes, a compiled step compiled again): its
+        next step is a warm-up, as the process's first was. What its old model's steps paused
+        bounds nothing now; peers judge it again from its second completed step on the new model.
+        The word it published is replaced by "no word" at the thread's next look (the thread is
+        the one writer of it, so no look of its own can put the old word back)."""
+        self.steps_completed = 0
+        self.usual_pause = None
+        self.allowance = 0
+        self._forget_word = True
 
     def step_begins(self, again: bool = False) -> None:
         """The runtime is about to run a step, or (``again``) run it again after a recovery: its
@@ -487,6 +500,10 @@ class Heartbeat:
                 if look.watching:
                     self._pause = 0 if moving else self._pause + 1
                     self._step_pause = max(self._step_pause, self._pause)
+                if self._forget_word:  # warm_up_again: no bound applies to this rank until it publishes anew
+                    self._forget_word = False
+                    self.channel.set(pause_key(me), None)
+                    published = None
                 word = self.pause_word()
                 if word is not None and word != published:
                     self.channel.set(pause_key(me), str(word))

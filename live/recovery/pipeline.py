@@ -468,6 +468,8 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
         s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
                generation=decision.generation, backend=s.spec.backend, groups=1, world=rec.new_world)
         rt.replace_model(out.model, out.optimizer, decision.step)
+        if rt.heartbeat is not None:  # a model built anew warms up again: no stall bound from the old one's steps
+            rt.heartbeat.warm_up_again()
         rt.membership = out.membership
         rt.schedulers = carry_schedule(rt.schedule, rt.optimizer)  # the survivor's, as committed
         rt.adopt_departed(out.departed)  # the lost ranks' registered objects (data positions) continue here

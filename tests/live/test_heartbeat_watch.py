@@ -241,3 +241,26 @@ def test_a_replacement_is_not_judged_by_the_pause_its_killed_predecessor_publish
     assert peer._stalled((0, 1), [0, 30]) == []  # no word: no evidence, no alarm
     store[pause_key(1)] = json.dumps("2")  # it completed its second step and published
     assert peer._stalled((0, 1), [0, 8]) == [1]
+
+
+def test_a_model_built_anew_by_an_excision_warms_up_again_before_any_bound_applies():
+    from meshpact.live.recovery.heartbeat import Heartbeat
+
+    hb = Heartbeat.__new__(Heartbeat)
+    hb.usual_pause, hb.allowance, hb._pause, hb._step_pause, hb.steps_completed = None, 0, 0, 0, 0
+    hb._forget_word = False
+    for pause in (40, 1):  # the warm-up, then a steady step
+        hb.step_begins()
+        hb._step_pause = pause
+        hb.step_completed()
+    assert hb.pause_word() == 1
+    hb.warm_up_again()  # the excision's rebuilt model: its first step lazily initialises, allocates the new sizes
+    assert hb.pause_word() is None and hb._forget_word  # the thread publishes "no word" at its next look
+    hb.step_begins(again=True)
+    hb._step_pause = 12
+    hb.step_completed()
+    assert hb.pause_word() is None  # the new model's warm-up teaches no usual pause
+    hb.step_begins()
+    hb._step_pause = 2
+    hb.step_completed()
+    assert hb.pause_word() == 2  # judged again from its second completed step on the new model
