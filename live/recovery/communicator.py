@@ -56,7 +56,7 @@ FLUSH_SETTLE_S = 0.05
 FLUSH_LARGE_BYTES = 64 * 1024
 # the drain of severed sockets (SeveredSockets): its first look after a sever, while bytes move, and at
 # most between looks once they stopped
-DRAIN_FIRST_S = 0.005
+DRAIN_FIRST_S = 0.02
 DRAIN_MOVING_S = 0.0005
 DRAIN_IDLE_MOST_S = 0.05
 _TCP_INFO_BYTES = 120  # offset of tcpi_bytes_acked, then tcpi_bytes_received, in struct tcp_info (linux/include/uapi/linux/tcp.h)  # the base name of the data-path group over every rank

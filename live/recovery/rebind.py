@@ -39,6 +39,7 @@ new fails a test instead of leaving a stale reference.
 
 from __future__ import annotations
 
+import functools
 import sys
 import sysconfig
 import time
@@ -409,6 +410,14 @@ def _library_path(path: str) -> bool:
     return any(part in path for part in _LIBRARY_DIRS) or path.startswith((_STDLIB, "<frozen "))
 
 
+@functools.lru_cache(maxsize=4096)
+def _user_file(path: str) -> bool:
+    """Code from ``path`` is the user's: neither the live runtime's own nor an installed
+    package's or the standard library's (a pure function of the name, remembered: the frame walk
+    of every recovery asks it of the same few dozen files)."""
+    return not path.startswith(_OWN_DIR) and not _library_path(path)
+
+
 def _runtime_module(name: str) -> bool:
     """Meshpact's own code: it keeps its groups in the session, never in a module global, so a
     scan of its many modules would find nothing (a workload loaded from a path is named
@@ -565,7 +574,7 @@ def held_in_frames(groups: Iterable[dist.ProcessGroup]) -> list[str]:
     f: types.FrameType | None = sys._getframe(1)
     while f is not None:
         code = f.f_code
-        if not code.co_filename.startswith(_OWN_DIR) and not _library_path(code.co_filename):
+        if _user_file(code.co_filename):
             for name, value in list(f.f_locals.items()):
                 if _holds(value, match):
                     held = [g.group_name for g in targets.values() if _holds(value, lambda x, g=g: x is g)]

@@ -231,8 +231,11 @@ def _owners(model: nn.Module, optimizer: torch.optim.Optimizer,
     for p in params:
         local = getattr(p, "_local_tensor", p)
         out.append((id(p), local.data_ptr(), local.numel()))
+    # the optimizer's state by parameter identity, as its dict finds them (a tensor's hash is its
+    # id), without asking Python for each parameter's hash
+    by_id = {id(k): v for k, v in optimizer.state.items()}
     for p in params:
-        for _, value in sorted(optimizer.state.get(p, {}).items()):
+        for _, value in sorted(by_id.get(id(p), {}).items()):
             if isinstance(value, torch.Tensor):
                 local = getattr(value, "_local_tensor", value)
                 out.append((id(value), local.data_ptr(), local.numel()))
