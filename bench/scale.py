@@ -9,7 +9,8 @@ Measures on this machine, in one run:
   collective fault (in-memory), a stall (found by the heartbeat), a kill (peer restore), and
   a kill excised (``--on-rank-loss excise``), one peer copy per rank, each judged
   bit-identical against its reference, with the recoveries nobody planned counted
-  (``unplanned_recoveries``: recoveries beyond the faults injected);
+  (``unplanned_recoveries``: recoveries beyond the faults injected at their step, a false alarm
+  each; ``unrecovered_faults``: faults injected at a step no recovery was for, a fault missed);
 - ``recovery_ms_p50_by_state_mb``: the in-memory recoveries (collective and stall) themselves (the stages after every rank
   knew: consensus, communicator, rebinding, state),
   p50 per workload keyed by the rank's state in MB, and the ratio large / tiny (a recovery of those paths that consensus
@@ -220,10 +221,25 @@ class PathRun:
     skew_ms: list[float] = field(default_factory=list)  # the detection stage: until every rank knew
     own_ms: list[float] = field(default_factory=list)  # the recovery itself: every stage after detection
     policies: list[str] = field(default_factory=list)  # each recovery's policy, in the order of the lists above
+    recovery_steps: list[int] = field(default_factory=list)  # the step each recovery was for
+    fault_steps: list[int] = field(default_factory=list)  # the step of each fault injected
+
+    def _by_step(self, sign: int) -> int:
+        """Per step, recoveries less faults (``sign`` 1) or faults less recoveries (-1), summed
+        where positive: a recovery at a step no fault was injected at is a false alarm, even
+        where another step's fault went unrecovered."""
+        steps = set(self.recovery_steps) | set(self.fault_steps)
+        return sum(max(sign * (self.recovery_steps.count(st) - self.fault_steps.count(st)), 0) for st in steps)
 
     @property
     def unplanned(self) -> int:
-        return max(self.recoveries - self.faults_injected, 0)
+        if not self.recovery_steps and not self.fault_steps:  # a path that failed: only the counts
+            return max(self.recoveries - self.faults_injected, 0)
+        return self._by_step(1)
+
+    @property
+    def unrecovered(self) -> int:
+        return self._by_step(-1) if self.recovery_steps or self.fault_steps else 0
 
 
 def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: float | None, ref: Path,
@@ -262,7 +278,8 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
                    stages_ms={k: statistics.median(v) for k, v in _stage_lists(recs).items()},
                    skew_ms=[r["stages_s"].get("detection", 0.0) * 1e3 for r in recs],
                    own_ms=[sum(v for k, v in r["stages_s"].items() if k != "detection") * 1e3 for r in recs],
-                   policies=[r["policy"] for r in recs])
+                   policies=[r["policy"] for r in recs], recovery_steps=[int(r["step"]) for r in recs],
+                   fault_steps=sorted(rec.step for rec in result.fault_records.values()))
 
 
 def _stage_lists(recs: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -374,20 +391,22 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "commit_overhead_ms": {f"{r.workload}/{r.path}": r.commit_ms for r in runs if r.path == "collective"},
         "peer_copy_step_latency": {f"{r.workload}/{r.path}": r.step_latency for r in runs if r.path == "collective"},
         "paths": {f"{r.workload}/{r.path}": {"bit_identical": r.bit_identical, "recovered_by_policy": r.policy_count,
-                                             "unplanned_recoveries": r.unplanned, "peak_rss_mb": r.peak_rss_bytes / 2**20,
+                                             "unplanned_recoveries": r.unplanned, "unrecovered_faults": r.unrecovered,
+                                             "recovery_steps": r.recovery_steps, "fault_steps": r.fault_steps,
+                                             "peak_rss_mb": r.peak_rss_bytes / 2**20,
                                              "peak_anon_mb": r.peak_anon_bytes / 2**20,
                                              "recovery_ms": r.recovery_ms, "own_ms": r.own_ms, "skew_ms": r.skew_ms,
                                              "policies": r.policies,
                                              "stages_ms": r.stages_ms,
                                              "error": r.error} for r in runs},
     }
-    print(f"{'workload/path':<22} {'bit-id':>6} {'policy':>6} {'unplanned':>9} {'recovery ms':>12} {'skew ms':>8} "
+    print(f"{'workload/path':<22} {'bit-id':>6} {'policy':>6} {'unplanned':>9} {'missed':>6} {'recovery ms':>12} {'skew ms':>8} "
           f"{'peak RSS MB':>11} {'extra MB':>9} {'extra/state':>11}")
     for r in runs:
         key = f"{r.workload}/{r.path}"
         x = extra[key]
         own = _p50(r.own_ms)
-        print(f"{key:<22} {str(r.bit_identical):>6} {r.policy_count:>6} {r.unplanned:>9} "
+        print(f"{key:<22} {str(r.bit_identical):>6} {r.policy_count:>6} {r.unplanned:>9} {r.unrecovered:>6} "
               f"{(own if own is not None else float('nan')):>12.1f} {(_p50(r.skew_ms) or float('nan')):>8.1f} "
               f"{r.peak_rss_bytes / 2**20:>11.0f} {(extra_mb[key] if extra_mb[key] is not None else float('nan')):>9.0f} "
               f"{(x if x is not None else float('nan')):>11.2f}" + (f"  {r.error}" if r.error else ""))
