@@ -471,10 +471,12 @@ def choose_action(pg: Any, device: str, dropped_ranks: int = 0, prefer_reconfigu
 def first_collective(pg: dist.ProcessGroup, device: str) -> None:
     """The first collective on a new generation's group: a one-element all-reduce every member
     issues at the same point. When it returns on every rank, the group is proven to carry
-    traffic (and a backend that connects lazily has connected); a recovery ends here. Issued on
-    the group object itself, as ``dist.all_reduce`` issues it (the same ``c10d::`` operation,
-    failing the same way) without that wrapper's checks, half the CPU of the call."""
-    pg.allreduce([torch.zeros(1, device=device)]).wait()
+    traffic (and a backend that connects lazily has connected); a recovery ends here. Issued through
+    ``dist.all_reduce``, not the group object's own ``allreduce().wait()``: a backend's plain
+    ``RuntimeError`` is a data-path fault when it is raised from torch's communication code
+    (``is_comm_fault``), and from the group object it is raised from this file, so a peer dying during
+    a recovery's first collective ended the rank instead of starting the next recovery."""
+    dist.all_reduce(torch.zeros(1, device=device), group=pg)
 
 
 def exercise(pg: dist.ProcessGroup, device: str) -> None:
