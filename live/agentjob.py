@@ -50,8 +50,7 @@ from torch.distributed.elastic.rendezvous import registry as rdzv_registry
 
 from .elastic import LaunchOptions, ReplacingAgent, _Running, _say, _signal_group
 from .forkserver import ForkServer
-from .launcher import LaunchedProcess, LaunchError, RankResult
-from .worker import ARGS_ENV, RESULT_DIR_ENV, _resolve
+from .worker import ARGS_ENV, RESULT_DIR_ENV, LaunchedProcess, LaunchError, RankResult, _resolve
 
 __all__ = ["AgentJob", "AgentJobResult"]
 

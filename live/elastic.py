@@ -1048,6 +1048,12 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
         raise LaunchRefused(f"{exc}") from None
     if not isinstance(cmd, str):
         raise LaunchRefused("--run-path is not supported by meshpact launch: name the script (python) or use -m")
+    if cfg.nproc_per_node < 1:
+        raise LaunchRefused(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more workers per node")
+    script = args.training_script
+    if not args.no_python and not args.module and not Path(script).is_file():
+        raise LaunchRefused(f"{script}: no such script (expected a Python file to run on every worker, or -m "
+                            "and a module name)")
     return cfg, cmd, cmd_args, options
 
 
@@ -1076,6 +1082,11 @@ def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> d
              if standby is not None else ReplacingAgent(spec, cfg.logs_specs, options,
                                                         shutdown_timeout=cfg.shutdown_timeout))
     shutdown_rdzv = True
+    if cfg.max_nodes > 1 and not options.spare:  # it may wait a while for the others: said, not silent
+        named = "" if cfg.rdzv_backend == "static" else f" {cfg.run_id}"
+        _say(f"joining the {cfg.rdzv_backend} rendezvous{named} at {cfg.rdzv_endpoint or 'MASTER_ADDR:MASTER_PORT'}"
+             f" for {cfg.min_nodes}{'' if cfg.min_nodes == cfg.max_nodes else f'-{cfg.max_nodes}'} node(s) "
+             f"(waits up to the rendezvous join_timeout, {cfg.rdzv_configs.get('join_timeout', 600)} s, for the others)")
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(cfg.metrics_cfg))
         result = agent.run()
@@ -1114,4 +1125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (NoJobFound, HostNodeLost) as exc:
         sys.stderr.write(f"error: {exc}\n")
         return 1
+    except SignalException as exc:  # as torchrun: the workers were stopped on the way out; said in one line
+        sys.stderr.write(f"meshpact launch: stopped by {exc.sigval.name}; this node's workers were stopped\n")
+        return 128 + int(exc.sigval)
     return 0

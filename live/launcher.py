@@ -41,13 +41,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .store import host_store
-from .worker import ARGS_ENV, RESULT_DIR_ENV, SPARE_ENV, LaunchError, _main, _resolve, await_promotion, write_result
+from .worker import (ARGS_ENV, RESULT_DIR_ENV, SPARE_ENV, LaunchedProcess, LaunchError, RankResult, _main, _resolve,
+                     await_promotion, write_result)
 
 if TYPE_CHECKING:
     from .forkserver import ForkedProcess, ForkServer
@@ -65,54 +65,6 @@ __all__ = [
     "await_promotion",
 ]
 
-
-
-@dataclass(frozen=True)
-class LaunchedProcess:
-    """One process a launch started, as its ``registry`` file lists it (a JSON line each): a
-    forked rank's ``/proc/<pid>/environ`` is its fork server's, so whoever looks for the ranks
-    from outside (the dashboard) learns here which rank a process is."""
-
-    pid: int
-    rank: int | None  # None: a spare not yet promoted
-    incarnation: int
-    run_id: str  # MESHPACT_RUN_ID (a trial's phase)
-    spare: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "rank": self.rank, "incarnation": self.incarnation, "run_id": self.run_id,
-                "spare": self.spare}
-
-    @classmethod
-    def read(cls, path: str | os.PathLike[str]) -> list["LaunchedProcess"]:
-        """Every complete line of ``path`` (none when it does not exist yet; a torn line is skipped)."""
-        try:
-            lines = Path(path).read_text().splitlines()
-        except OSError:
-            return []
-        out = []
-        for line in lines:
-            try:
-                d = json.loads(line)
-                out.append(cls(int(d["pid"]), None if d.get("rank") is None else int(d["rank"]),
-                               int(d.get("incarnation", 0)), str(d.get("run_id", "")),
-                               None if d.get("spare") is None else int(d["spare"])))
-            except (ValueError, TypeError, KeyError):
-                continue
-        return out
-
-
-@dataclass(frozen=True)
-class RankResult:
-    rank: int
-    returncode: int | None  # None: killed at the deadline
-    value: Any  # what the worker function returned (None if it did not finish)
-    stderr_tail: str = ""
-    incarnation: int = 0  # 0 for the first process of this rank, 1.. for replacements
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -16,13 +16,14 @@ import signal
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from meshpact.core.errors import MeshpactError
 
 from .store import host_store
 
-__all__ = ["LaunchError", "write_result", "await_promotion", "worker_args"]
+__all__ = ["LaunchError", "LaunchedProcess", "RankResult", "write_result", "await_promotion", "worker_args"]
 
 RESULT_DIR_ENV = "MESHPACT_RESULT_DIR"
 ARGS_ENV = "MESHPACT_WORKER_ARGS"
@@ -31,6 +32,54 @@ SPARE_ENV = "MESHPACT_SPARE"  # set in a warm spare: its index, until it is prom
 
 class LaunchError(MeshpactError):
     """A worker failed, timed out, or was given a target that cannot be run."""
+
+
+@dataclass(frozen=True)
+class LaunchedProcess:
+    """One process a launch started, as its ``registry`` file lists it (a JSON line each): a
+    forked rank's ``/proc/<pid>/environ`` is its fork server's, so whoever looks for the ranks
+    from outside (the dashboard) learns here which rank a process is."""
+
+    pid: int
+    rank: int | None  # None: a spare not yet promoted
+    incarnation: int
+    run_id: str  # MESHPACT_RUN_ID (a trial's phase)
+    spare: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "rank": self.rank, "incarnation": self.incarnation, "run_id": self.run_id,
+                "spare": self.spare}
+
+    @classmethod
+    def read(cls, path: str | os.PathLike[str]) -> list["LaunchedProcess"]:
+        """Every complete line of ``path`` (none when it does not exist yet; a torn line is skipped)."""
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            return []
+        out = []
+        for line in lines:
+            try:
+                d = json.loads(line)
+                out.append(cls(int(d["pid"]), None if d.get("rank") is None else int(d["rank"]),
+                               int(d.get("incarnation", 0)), str(d.get("run_id", "")),
+                               None if d.get("spare") is None else int(d["spare"])))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return out
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    value: Any  # what the worker function returned (None if it did not finish)
+    stderr_tail: str = ""
+    incarnation: int = 0  # 0 for the first process of this rank, 1.. for replacements
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
 
 
 def _resolve(target: str) -> Callable[[dict], Any]:

@@ -55,7 +55,8 @@ def test_a_live_spare_node_with_the_same_workers_per_node_is_given_the_lost_node
     server, agent, wg, others = _agent_on_channel()
     spare = _register(others, 2)
     _lose_node_1(agent, wg, others, spare)
-    assert others.get(f"spare/assign{spare.spare_id}") == {"group_rank": 1}
+    # a store's set is not answered: read on another connection, it is waited for, not raced
+    assert others.wait([f"spare/assign{spare.spare_id}"], 5.0)[f"spare/assign{spare.spare_id}"] == {"group_rank": 1}
     assert gone_ranks(others, range(4)) == ()  # the survivors wait for replacements instead of excising
     assert [v.spare for v in agent.takeovers] == [spare] and agent.lost_nodes == []
     err = capsys.readouterr().err
@@ -73,7 +74,7 @@ def test_without_a_spare_node_the_lost_nodes_ranks_are_announced_gone(capsys):
     assert [n.group_rank for n in agent.lost_nodes] == [1] and agent.takeovers == []
     assert "no spare node is registered; the job is told its ranks are gone" in capsys.readouterr().err
     agent._end_standby()
-    assert others.get(JOB_ENDED_KEY) is True  # a spare node that comes late leaves when the job ends
+    assert others.wait([JOB_ENDED_KEY], 5.0)[JOB_ENDED_KEY] is True  # a spare node that comes late leaves when the job ends
     del server
 
 
