@@ -20,7 +20,7 @@ which excises it or ends naming why. The caller adds what a program that runs tr
   whoever looks from outside learns which process is which rank;
 - a deadline (``timeout_s``) after which every process is killed and each rank still running is
   reported as timed out;
-- ``on_replaced(rank, returncode, warm)`` and ``on_gone(rank, returncode)`` as the agent acts, and
+- ``on_replaced(rank, returncode, warm, stderr_tail)`` (the end of what the exited process wrote) and ``on_gone(rank, returncode)`` as the agent acts, and
   ``on_tick()`` at each of its looks;
 - ``announce_gone`` off: a rank left without a replacement is not announced to the job (a
   scheduler that never answers; the survivors excise it when its replacement misses its deadline).
@@ -89,6 +89,7 @@ class _JobAgent(ReplacingAgent):
         self._job = job
         self.given_control = job.control
         self.stderr_files: dict[int, str] = {}  # rank -> its current process's stderr file
+        self.exited_tails: dict[int, str] = {}  # rank -> the end of the stderr of its last process that exited
 
     def _run_id(self) -> str:
         return self._job.run_id
@@ -101,7 +102,10 @@ class _JobAgent(ReplacingAgent):
 
     def _launch(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
                 error_file: str, incarnation: int, warm: bool) -> _Running:
-        self.stderr_files[self._job.first_rank + local_rank] = streams[1]
+        rank = self._job.first_rank + local_rank
+        if rank in self.stderr_files:  # what the exited process said, for whoever is told of its replacement
+            self.exited_tails[rank] = _tail(self.stderr_files[rank])
+        self.stderr_files[rank] = streams[1]
         return super()._launch(spec, local_rank, env, streams, error_file, incarnation, warm)
 
     def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
@@ -131,7 +135,7 @@ class _JobAgent(ReplacingAgent):
     def _replaced(self, rank: int, returncode: int, new: _Running) -> None:
         if new.warm:  # a promoted spare: it was registered as a spare, it is the rank now
             self._job.register(new.pid, rank, new.incarnation)
-        self._job.replaced(rank, returncode, new.warm)
+        self._job.replaced(rank, returncode, new.warm, self.exited_tails.get(rank, ""))
 
     def _left_gone(self, rank: int, returncode: int) -> None:
         if self._job.announce_gone:
@@ -151,7 +155,7 @@ class AgentJob:
                  control: tuple[str, int] | None = None, env: Callable[[int], Mapping[str, str]] | None = None,
                  run_id: str | None = None, forkserver: ForkServer | None = None, warm_replacements: bool = False,
                  registry: str | os.PathLike[str] | None = None,
-                 on_replaced: Callable[[int, int, bool], None] | None = None,
+                 on_replaced: Callable[[int, int, bool, str], None] | None = None,
                  on_gone: Callable[[int, int], None] | None = None,
                  on_tick: Callable[[], None] | None = None, announce_gone: bool = True) -> None:
         if world_size < 1:
@@ -205,9 +209,9 @@ class AgentJob:
         if time.monotonic() > self._deadline:
             raise _Deadline()
 
-    def replaced(self, rank: int, returncode: int, warm: bool) -> None:
+    def replaced(self, rank: int, returncode: int, warm: bool, stderr_tail: str) -> None:
         if self._on_replaced is not None:
-            self._on_replaced(rank, returncode, warm)
+            self._on_replaced(rank, returncode, warm, stderr_tail)
 
     def left_gone(self, rank: int, returncode: int) -> None:
         self._gone[rank] = returncode

@@ -74,8 +74,11 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         return _run_in_namespaces(cfg, tag, args, faults, extra, netns, stores, recording, forkserver, supply,
                                   warm_replacements, work)
     gone: dict[int, int] = {}  # rank -> the return code of the process it was left without a replacement after
+    crashed: list[tuple[int, int, str]] = []  # (rank, return code, stderr tail) of processes that failed by themselves
 
-    def replaced(rank: int, rc: int, warm: bool) -> None:
+    def replaced(rank: int, rc: int, warm: bool, stderr_tail: str) -> None:
+        if rc != -9:  # a trial's faults end a process with SIGKILL (and the agent kills one declared lost)
+            crashed.append((rank, rc, stderr_tail))
         recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
                        data={"returncode": rc, "warm_spare": warm})
 
@@ -102,6 +105,10 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         ran = job.run()
     # a rank left without a replacement is expected where it was killed (a fault, or declared lost) or where
     # a replacement of it died again; a first process that failed by itself is the workload's error
+    if crashed:  # the agent replaced it, as it would any failed worker; in a trial that is the error to report
+        rank, rc, tail = crashed[0]
+        raise LaunchError(f"{tag} run: rank {rank} exited with {rc} by itself (no fault kills that way; the agent "
+                          f"replaced it); its stderr ends:\n{tail}")
     failed = [r for r in ran.results if not r.ok and (r.rank not in gone or (gone[r.rank] != -9 and r.incarnation == 0))]
     if failed:
         bad = failed[0]
