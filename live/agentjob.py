@@ -2,9 +2,10 @@
 
 ``meshpact live recover``, the dashboard's Live page and the test suite start their ranks here:
 :class:`AgentJob` runs :class:`~meshpact.live.elastic.ReplacingAgent` — the agent ``meshpact
-launch`` runs on every node, with elastic's rendezvous (``c10d`` on loopback, one node), worker
-environment, error files and log layout — in this process, on a worker target
-(``package.module:function``, run by ``python -m meshpact.live.launcher --target``). Every
+launch`` runs on every node, with elastic's rendezvous interface, worker environment, error files
+and log layout — in this process, on a worker target
+(``package.module:function``, run by ``python -m meshpact.live.launcher --target``); its rendezvous
+is one round of one node that hosts the job's store on loopback (:class:`_OneNode`). Every
 decision about a worker's process is the agent's: a failed rank is replaced alone, in place (same
 rank, next incarnation), a warm spare first (``spares``); a rank the job declares lost is killed and
 replaced; a rank with no replacement left (``max_replacements``) is announced gone to the job,
@@ -45,11 +46,12 @@ from typing import Any, Callable, Mapping
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
-from torch.distributed.elastic.rendezvous import RendezvousParameters
-from torch.distributed.elastic.rendezvous import registry as rdzv_registry
+from torch.distributed import PrefixStore
+from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo, RendezvousStoreInfo)
 
 from .elastic import LaunchOptions, ReplacingAgent, _Running, _say, _signal_group
 from .forkserver import ForkServer
+from .store import host_store
 from .worker import ARGS_ENV, RESULT_DIR_ENV, LaunchedProcess, LaunchError, RankResult, _resolve
 
 __all__ = ["AgentJob", "AgentJobResult"]
@@ -63,6 +65,47 @@ class AgentJobResult:
     gone: dict[int, int] = field(default_factory=dict)  # rank -> the return code its last process exited with
     replacements: int = 0
     timed_out: bool = False
+
+
+class _OneNode(RendezvousHandler):
+    """Elastic's rendezvous for a job of one node in this process: it hosts the job's store (on loopback,
+    the workers connect as clients, as ``--standalone`` has them do) and is the whole round at once.
+    ``c10d``'s handler would do the same after a random pause of up to 0.3 s (for nodes joining together)
+    that a one-node job spends on every run."""
+
+    def __init__(self, run_id: str, world_size: int) -> None:
+        self._run_id = run_id
+        self._world_size = world_size
+        self._store: Any = None
+
+    def get_backend(self) -> str:
+        return "one-node"
+
+    @property
+    def use_agent_store(self) -> bool:
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        if self._store is None:
+            self._store = host_store("127.0.0.1", 0, self._world_size)
+        return RendezvousInfo(PrefixStore(self._run_id, self._store), 0, 1,
+                              RendezvousStoreInfo("127.0.0.1", int(self._store.port)))
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        return None
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        self._store = None
+        return True
 
 
 class _Deadline(Exception):
@@ -220,11 +263,9 @@ class AgentJob:
 
     # -- running ------------------------------------------------------------------------------
     def _agent(self) -> _JobAgent:
-        params = RendezvousParameters(backend="c10d", endpoint="127.0.0.1:0", run_id=self.run_id, min_nodes=1,
-                                      max_nodes=1, local_addr="127.0.0.1")
         spec = WorkerSpec(role="default", local_world_size=self.world_size, entrypoint=sys.executable,
                           args=("-u", "-m", "meshpact.live.launcher", "--target", self.target),
-                          rdzv_handler=rdzv_registry.get_rendezvous_handler(params),
+                          rdzv_handler=_OneNode(self.run_id, self.world_size),
                           max_restarts=self.max_replacements, monitor_interval=0.05, local_addr="127.0.0.1")
         logs = DefaultLogsSpecs(log_dir=str(self._dir / "logs"), redirects=Std.ALL)
         return _JobAgent(spec, logs, self)
