@@ -25,7 +25,8 @@ LONGEST_FIRST = (
     "tests/live/test_recovery_kill.py",  # 110 s
     "tests/app/test_browser.py",  # 90 s: Chromium through every page, replay, scenario errors
     "tests/live/test_launch_spare.py",  # 45-110 s beside two busy loops: three namespace nodes, one a spare node
-    "tests/live/test_launch_nodes.py",  # 50 s: two namespace nodes, each an elastic agent and its workers
+    "tests/live/test_launch_nodes.py",  # 120 s: two namespace nodes, each an elastic agent and its workers; node 0
+    # lost; plain torchrun restarting from a checkpoint
     "tests/live/test_trial_baselines.py",  # 30-80 s under load: a kill trial with its baselines
     "tests/live/test_launch.py",  # 30 s
     "tests/live/test_recovery_large_send.py",  # 10-30 s: a 128 MB send in flight when a recovery starts
@@ -45,6 +46,7 @@ LONGEST_FIRST = (
     "tests/app/test_browser_mesh.py",  # 34 s
     "tests/live/test_recovery_excise.py",  # 32 s
     "tests/live/test_forkserver.py",  # 22 s
+    "tests/live/test_agentjob.py",  # 17 s
     "tests/live/test_recovery_stall.py",  # 20 s
     "tests/live/test_recovery_held.py",  # 20 s
     "tests/simulator/test_sim_live_replay.py",  # 20 s
