@@ -50,6 +50,7 @@ class ControlChannel:
                  is_host: bool = False, connect_timeout_s: float = 60.0, run_id: str = "") -> None:
         self.rank = rank
         self.world_size = world_size
+        self.host = host
         self.port = port
         self.timeout_s = float(timeout_s)
         self._store = open_store(host, port, world_size, is_host, connect_timeout_s)
@@ -74,6 +75,14 @@ class ControlChannel:
         if keys:
             raw = json.dumps(value)
             self._store.multi_set([self._ns + k for k in keys], [raw] * len(keys))
+
+    def answers(self) -> bool:
+        """Whether the channel's host answers one read now (False: its process, or its node, is gone)."""
+        try:
+            self._store.check([self._ns + "answers"])
+        except (RuntimeError, OSError):
+            return False
+        return True
 
     def get(self, key: str, default: Any = None) -> Any:
         k = self._ns + key

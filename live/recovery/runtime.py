@@ -401,6 +401,11 @@ class Resilient:
                 traceback.clear_frames(exc.__traceback__)
                 del exc
         else:
+            control = self.session.control
+            if not control.answers():  # no recovery can be agreed: say what is gone, not the last symptom
+                raise RuntimeError(f"step {step} cannot be recovered: the control channel at {control.host}:"
+                                   f"{control.port} does not answer (its host, the launcher's agent on node 0 or "
+                                   f"rank 0 under plain torchrun, is gone); last: {message}")
             hint = ""
             if message is not None and comm.timed_out(message) and self.session.config.data_timeout_s is not None:
                 hint = (f" (the data-path timeout is set to {self.session.spec.timeout_s:g} s: leave "

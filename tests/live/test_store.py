@@ -36,3 +36,18 @@ def test_a_taken_port_is_reported_with_what_to_do():
     store = host_store("127.0.0.1", 0, timeout_s=5)
     with pytest.raises(OSError, match="pick a free port"):
         host_store("127.0.0.1", store.port, timeout_s=5)
+
+
+def test_a_control_channel_says_whether_its_host_still_answers():
+    """What a rank's last word on a step it cannot recover rests on: a live host answers; once the host
+    process's store is gone (the launcher's agent on node 0, or rank 0), the channel says so at once."""
+    import gc
+
+    from meshpact.live.recovery.control import ControlChannel
+
+    store = host_store("127.0.0.1", 0, world_size=2, timeout_s=10)
+    channel = ControlChannel("127.0.0.1", store.port, 1, 2, 2.0, run_id="t")
+    assert channel.answers() and (channel.host, channel.port) == ("127.0.0.1", store.port)
+    del store
+    gc.collect()
+    assert not channel.answers()
