@@ -23,6 +23,8 @@ which excises it or ends naming why. The caller adds what a program that runs tr
   reported as timed out;
 - ``on_replaced(rank, returncode, warm, stderr_tail)`` (the end of what the exited process wrote) and ``on_gone(rank, returncode)`` as the agent acts, and
   ``on_tick()`` at each of its looks;
+- ``replace_only_killed``: only a process killed with SIGKILL is replaced (a trial's faults end processes
+  that way, and the agent kills a rank declared lost so); one that failed by itself is left gone;
 - ``announce_gone`` off: a rank left without a replacement is not announced to the job (a
   scheduler that never answers; the survivors excise it when its replacement misses its deadline).
 
@@ -175,6 +177,17 @@ class _JobAgent(ReplacingAgent):
     def _tick(self) -> None:
         self._job.tick()
 
+    def _should_replace(self, rank: int, returncode: int) -> bool:
+        return self._job.replace_only_killed is False or returncode == -signal.SIGKILL
+
+    def _shutdown(self, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        super()._shutdown(death_sig, timeout)
+        for pid in self._job.all_pids:  # one started but not yet in the ledger when an exception came
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def _replaced(self, rank: int, returncode: int, new: _Running) -> None:
         if new.warm:  # a promoted spare: it was registered as a spare, it is the rank now
             self._job.register(new.pid, rank, new.incarnation)
@@ -200,7 +213,8 @@ class AgentJob:
                  registry: str | os.PathLike[str] | None = None,
                  on_replaced: Callable[[int, int, bool, str], None] | None = None,
                  on_gone: Callable[[int, int], None] | None = None,
-                 on_tick: Callable[[], None] | None = None, announce_gone: bool = True) -> None:
+                 on_tick: Callable[[], None] | None = None, announce_gone: bool = True,
+                 replace_only_killed: bool = False) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
         if spares < 0 or max_replacements < 0:
@@ -218,6 +232,8 @@ class AgentJob:
         self.warm_replacements = warm_replacements
         self.first_rank = 0  # one node: its local ranks are the job's ranks
         self.announce_gone = announce_gone  # off: the agent plays a scheduler that never says a rank is gone
+        self.replace_only_killed = replace_only_killed  # a process that failed by itself is left gone (trials)
+        self.all_pids: list[int] = []  # every process started (each leads its own process group)
         self._env = env
         self._registry = Path(registry) if registry is not None else None
         self._on_replaced = on_replaced
@@ -240,6 +256,8 @@ class AgentJob:
         return env
 
     def register(self, pid: int, rank: int | None, incarnation: int, spare: int | None = None) -> None:
+        if pid not in self.all_pids:
+            self.all_pids.append(pid)
         if rank is not None:
             self.pids[rank] = pid
         if self._registry is not None:
@@ -282,6 +300,8 @@ class AgentJob:
             timed_out = True
         finally:
             agent._worker_group.spec.rdzv_handler.shutdown()
+            agent._store = agent._worker_group.store = None  # the job's store stops listening with its last reference
+            shutil.rmtree(agent._spare_dir, ignore_errors=True)
         ledger = agent.ledger
         results = []
         for lr, running in sorted(ledger.running.items()):
@@ -289,7 +309,7 @@ class AgentJob:
             path = self._dir / f"result-{rank}.json"
             value = json.loads(path.read_text()) if path.exists() else None
             rc = running.handler.proc.poll()
-            if timed_out and lr not in ledger.finished:
+            if timed_out and lr not in ledger.finished and lr not in ledger.gone:  # still running at the deadline
                 rc = None
             results.append(RankResult(rank, rc, value, self.notes.get(rank, "") +
                                       _tail(agent.stderr_files.get(rank, "")), running.incarnation))

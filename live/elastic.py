@@ -498,7 +498,6 @@ class ReplacingAgent(SimpleElasticAgent):
     def _watch(self, wg: WorkerGroup) -> RunResult | None:
         """One look at the workers: replace the failed, kill the declared lost; the group's end, or None."""
         ledger = self._ledger
-        self._tick()
         for lr, running in list(ledger.running.items()):
             if lr in ledger.finished or lr in ledger.gone:
                 continue
@@ -512,7 +511,7 @@ class ReplacingAgent(SimpleElasticAgent):
             running.close()
             failure = ProcessFailure(lr, running.pid, rc, running.error_file)
             rank = wg.workers[lr].global_rank
-            if self._remaining_restarts > 0:
+            if self._remaining_restarts > 0 and self._should_replace(rank, rc):
                 self._remaining_restarts -= 1
                 new = self._replace(wg, lr)
                 self._replaced(rank, rc, new)
@@ -522,24 +521,32 @@ class ReplacingAgent(SimpleElasticAgent):
             else:
                 ledger.gone[lr] = failure
                 self._left_gone(rank, rc)
-                _say(f"rank {rank} (pid {failure.pid}) exited with {rc} and no replacement is left "
-                     f"(--max-restarts {wg.spec.max_restarts}): the job is told it is gone")
+                _say(f"rank {rank} (pid {failure.pid}) exited with {rc} and no replacement is "
+                     f"{'left (--max-restarts ' + str(wg.spec.max_restarts) + ')' if self._remaining_restarts <= 0 else 'started for this exit'}"
+                     ": the job is told it is gone")
         self._kill_declared_lost(wg)
         self._note_ready_spares()
         if len(ledger.finished) + len(ledger.gone) < len(wg.workers):
+            self._tick()  # after the exits are collected: a job that just ended is not past its deadline
             return None
-        if not ledger.finished and wg.group_rank != 0 and self.given_control is None and self._channel is not None:
-            try:  # every worker failed: where node 0's channel is gone, that is why (said in one line)
-                self._channel.counter(ROUND_KEY)
-            except (RuntimeError, OSError) as exc:
-                since = self._channel_down_since
-                raise self._host_node_lost(0.0 if since is None else time.monotonic() - since, exc) from None
+        if (not ledger.finished and wg.group_rank != 0 and self.given_control is None and self._channel is not None
+                and not self._channel.answers()):
+            # every worker failed and node 0's channel does not answer: node 0's agent is gone (its node lost,
+            # or its own workers failed first and it ended); said beside elastic's record of the failures
+            host, port = self._control
+            _say(f"the control channel node 0's agent hosts at {host}:{port} does not answer: node 0's agent is gone "
+                 "(its node lost, or its job ended there: see node 0's log); no other node can take its stores over")
         if ledger.finished:  # the gone ranks' failures too: elastic's records name every worker of the group
             return RunResult(state=WorkerState.SUCCEEDED,
                              return_values={wg.workers[lr].global_rank: None for lr in sorted(ledger.finished)},
                              failures={wg.workers[lr].global_rank: f for lr, f in ledger.gone.items()})
         return RunResult(state=WorkerState.FAILED,
                          failures={wg.workers[lr].global_rank: f for lr, f in ledger.gone.items()})
+
+    def _should_replace(self, rank: int, returncode: int) -> bool:
+        """Whether a failed worker gets a replacement while some are left (here: any failure, as a job's
+        workers fail in many ways; an agent run by a trial replaces only the processes its faults kill)."""
+        return True
 
     def _tick(self) -> None:
         """Every look at the workers, before it (an agent run inside another program does its own part here)."""
@@ -572,7 +579,7 @@ class ReplacingAgent(SimpleElasticAgent):
         try:
             self._beat_and_watch_nodes(wg, now)
             lost = declared_lost(self._channel, self._seen_round)
-        except Exception as exc:  # the channel's host (node 0) gone: nothing to learn from it now
+        except (RuntimeError, OSError) as exc:  # the channel's host (node 0) gone: nothing to learn from it now
             self._channel_unreachable(wg, now, exc)
             return
         self._channel_down_since = None
@@ -602,7 +609,7 @@ class ReplacingAgent(SimpleElasticAgent):
     def _host_node_lost(self, silent: float, exc: Exception) -> HostNodeLost:
         host, port = self._control
         return HostNodeLost(
-            f"node 0 is lost: the control channel its agent hosts at {host}:{port} has not answered for "
+            f"node 0 is lost: the control channel node 0's agent hosts at {host}:{port} has not answered for "
             f"{silent:.1f} s (last: {str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__}). "
             "Node 0 hosts the job's rendezvous store and control channel, which no other node can take over: "
             "this node's workers are stopped; start the job again (it resumes from its newest checkpoint)")
@@ -747,7 +754,8 @@ class ReplacingAgent(SimpleElasticAgent):
         poller = select.poll()
         for fd in fds:
             poller.register(fd, select.POLLIN)
-        poller.poll(timeout_s * 1000)
+        if poller.poll(timeout_s * 1000):  # an exit: a forked worker's is known once its server reports it
+            time.sleep(0.002)
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         return self._watch(worker_group) or RunResult(state=WorkerState.HEALTHY)
@@ -1051,7 +1059,7 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     if cfg.nproc_per_node < 1:
         raise LaunchRefused(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more workers per node")
     script = args.training_script
-    if not args.no_python and not args.module and not Path(script).is_file():
+    if not args.no_python and not args.module and not Path(script).exists():
         raise LaunchRefused(f"{script}: no such script (expected a Python file to run on every worker, or -m "
                             "and a module name)")
     return cfg, cmd, cmd_args, options

@@ -74,24 +74,23 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         return _run_in_namespaces(cfg, tag, args, faults, extra, netns, stores, recording, forkserver, supply,
                                   warm_replacements, work)
     gone: dict[int, int] = {}  # rank -> the return code of the process it was left without a replacement after
-    crashed: list[tuple[int, int, str]] = []  # (rank, return code, stderr tail) of processes that failed by themselves
 
     def replaced(rank: int, rc: int, warm: bool, stderr_tail: str) -> None:
-        if rc != -9:  # a trial's faults end a process with SIGKILL (and the agent kills one declared lost)
-            crashed.append((rank, rc, stderr_tail))
         recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
                        data={"returncode": rc, "warm_spare": warm})
 
     def left_gone(rank: int, rc: int) -> None:
         gone[rank] = rc
-        data: JsonObject = ({"returncode": rc, "excised": True} if cfg.excising else
-                            {"returncode": rc, "started": False, "announced": supply.announce_missing,
-                             "why": f"no replacement left (at most {limit} started)"})
+        data: JsonObject = ({"returncode": rc, "excised": True} if cfg.excising and rc == -9 else
+                            {"returncode": rc, "started": False, "announced": supply.announce_missing or cfg.excising,
+                             "why": f"no replacement left (at most {limit} started)" if rc == -9 else
+                             f"exited with {rc} by itself (a trial replaces only the processes its faults kill)"})
         recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART, data=data)
 
     # the ranks run under meshpact launch's agent (in this process): it replaces a killed rank, kills and
     # replaces a rank the job declares lost, and tells the job a rank is gone when none is left; an
-    # excising trial gives none, so the survivors go on without it
+    # excising trial gives none, so the survivors go on without it; a process that failed by itself is
+    # not replaced (a first one is the error the trial reports, a replacement's is left gone, as announced)
     limit = 0 if cfg.excising else (supply.limit if supply.limit is not None else len(faults) + cfg.ranks)
     control = host_store("127.0.0.1", 0, cfg.ranks)
     watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording,
@@ -101,14 +100,11 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
     with AgentJob(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
                   max_replacements=limit, control=("127.0.0.1", control.port), run_id=tag, forkserver=server,
                   warm_replacements=warm_replacements, registry=work / PROCESSES_FILE, on_replaced=replaced,
-                  on_gone=left_gone, on_tick=watch, announce_gone=supply.announce_missing) as job:
+                  on_gone=left_gone, on_tick=watch, announce_gone=supply.announce_missing or cfg.excising,
+                  replace_only_killed=True) as job:
         ran = job.run()
     # a rank left without a replacement is expected where it was killed (a fault, or declared lost) or where
     # a replacement of it died again; a first process that failed by itself is the workload's error
-    if crashed:  # the agent replaced it, as it would any failed worker; in a trial that is the error to report
-        rank, rc, tail = crashed[0]
-        raise LaunchError(f"{tag} run: rank {rank} exited with {rc} by itself (no fault kills that way; the agent "
-                          f"replaced it); its stderr ends:\n{tail}")
     failed = [r for r in ran.results if not r.ok and (r.rank not in gone or (gone[r.rank] != -9 and r.incarnation == 0))]
     if failed:
         bad = failed[0]
