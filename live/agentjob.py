@@ -49,9 +49,9 @@ from typing import Any, Callable, Mapping
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed import PrefixStore
-from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo, RendezvousStoreInfo)
+from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
 
-from .elastic import LaunchOptions, ReplacingAgent, _Running, _say, _signal_group
+from .elastic import FixedRendezvous, LaunchOptions, ReplacingAgent, _Running, _say, _signal_group
 from .forkserver import ForkServer
 from .store import host_store
 from .worker import ARGS_ENV, RESULT_DIR_ENV, LaunchedProcess, LaunchError, RankResult, _resolve
@@ -69,16 +69,15 @@ class AgentJobResult:
     timed_out: bool = False
 
 
-class _OneNode(RendezvousHandler):
+class _OneNode(FixedRendezvous):
     """Elastic's rendezvous for a job of one node in this process: it hosts the job's store (on loopback,
     the workers connect as clients, as ``--standalone`` has them do) and is the whole round at once.
     ``c10d``'s handler would do the same after a random pause of up to 0.3 s (for nodes joining together)
     that a one-node job spends on every run."""
 
     def __init__(self, run_id: str, world_size: int) -> None:
-        self._run_id = run_id
+        super().__init__(run_id)
         self._world_size = world_size
-        self._store: Any = None
 
     def get_backend(self) -> str:
         return "one-node"
@@ -92,22 +91,6 @@ class _OneNode(RendezvousHandler):
             self._store = host_store("127.0.0.1", 0, self._world_size)
         return RendezvousInfo(PrefixStore(self._run_id, self._store), 0, 1,
                               RendezvousStoreInfo("127.0.0.1", int(self._store.port)))
-
-    def is_closed(self) -> bool:
-        return False
-
-    def set_closed(self) -> None:
-        return None
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return self._run_id
-
-    def shutdown(self) -> bool:
-        self._store = None
-        return True
 
 
 class _Deadline(Exception):

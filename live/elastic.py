@@ -82,7 +82,7 @@ from .recovery.peers import ADDR_ENV, HOST_ENV
 from .store import host_store
 from .warmspare import Assignment, assign, ready_path
 
-__all__ = ["LaunchOptions", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "choose_spare", "ReplacingAgent",
+__all__ = ["FixedRendezvous", "LaunchOptions", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "choose_spare", "ReplacingAgent",
            "SpareAgent", "StandbyRendezvous", "standby_key", "LaunchRefused", "parser", "main", "CONTROL_KEY"]
 
 logger = logging.getLogger("meshpact.launch")
@@ -789,7 +789,32 @@ class ReplacingAgent(SimpleElasticAgent):
         return self._ledger
 
 
-class StandbyRendezvous(RendezvousHandler):
+class FixedRendezvous(RendezvousHandler):
+    """What a rendezvous with no rounds to re-run answers elastic (a spare node's standby, a one-node job
+    run in another program): never closed, nobody waiting, and a store of its own dropped at shutdown."""
+
+    def __init__(self, run_id: str) -> None:
+        self._run_id = run_id
+        self._store: Any = None
+
+    def is_closed(self) -> bool:
+        return False
+
+    def set_closed(self) -> None:
+        return None
+
+    def num_nodes_waiting(self) -> int:
+        return 0
+
+    def get_run_id(self) -> str:
+        return self._run_id
+
+    def shutdown(self) -> bool:
+        self._store = None
+        return True
+
+
+class StandbyRendezvous(FixedRendezvous):
     """A spare node's side of elastic's rendezvous: it joins no round (the job's world size is what its
     nodes make), and reads from the rendezvous endpoint's own store where group rank 0's agent hosts
     the control channel (:func:`standby_key`). The c10d backend keeps that store at ``--rdzv-endpoint``."""
@@ -797,10 +822,9 @@ class StandbyRendezvous(RendezvousHandler):
     def __init__(self, endpoint: str, run_id: str, join_timeout_s: float) -> None:
         from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+        super().__init__(run_id)
         self.endpoint = parse_rendezvous_endpoint(endpoint, default_port=29400)
-        self._run_id = run_id
         self.join_timeout_s = join_timeout_s
-        self._store: Any = None
 
     def job(self) -> tuple[str, int, str]:
         """(host, port, run id of its keys) of the job's control channel, once group rank 0 has named it
@@ -822,22 +846,6 @@ class StandbyRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> Any:
         raise RendezvousError("a spare node joins no rendezvous round: its agent (SpareAgent) waits on the job's "
                               "control channel to be given a lost node's group rank")
-
-    def is_closed(self) -> bool:
-        return False
-
-    def set_closed(self) -> None:
-        pass
-
-    def num_nodes_waiting(self) -> int:
-        return 0
-
-    def get_run_id(self) -> str:
-        return self._run_id
-
-    def shutdown(self) -> bool:
-        self._store = None
-        return True
 
 
 class SpareAgent(ReplacingAgent):
