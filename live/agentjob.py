@@ -21,7 +21,7 @@ which excises it or ends naming why. The caller adds what a program that runs tr
   whoever looks from outside learns which process is which rank;
 - a deadline (``timeout_s``) after which every process is killed and each rank still running is
   reported as timed out;
-- ``on_replaced(rank, returncode, warm, stderr_tail)`` (the end of what the exited process wrote) and ``on_gone(rank, returncode)`` as the agent acts, and
+- ``on_replaced(rank, returncode, warm)`` and ``on_gone(rank, returncode)`` as the agent acts, and
   ``on_tick()`` at each of its looks;
 - ``replace_only_killed``: only a process killed with SIGKILL is replaced (a trial's faults end processes
   that way, and the agent kills a rank declared lost so); one that failed by itself is left gone;
@@ -117,7 +117,6 @@ class _JobAgent(ReplacingAgent):
         self._job = job
         self.given_control = job.control
         self.stderr_files: dict[int, str] = {}  # rank -> its current process's stderr file
-        self.exited_tails: dict[int, str] = {}  # rank -> the end of the stderr of its last process that exited
 
     def _run_id(self) -> str:
         return self._job.run_id
@@ -130,15 +129,12 @@ class _JobAgent(ReplacingAgent):
 
     def _launch(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
                 error_file: str, incarnation: int, warm: bool) -> _Running:
-        rank = self._job.first_rank + local_rank
-        if rank in self.stderr_files:  # what the exited process said, for whoever is told of its replacement
-            self.exited_tails[rank] = _tail(self.stderr_files[rank])
-        self.stderr_files[rank] = streams[1]
+        self.stderr_files[local_rank] = streams[1]  # one node: a local rank is the job's rank
         return super()._launch(spec, local_rank, env, streams, error_file, incarnation, warm)
 
     def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
                        incarnation: int) -> Any:
-        rank = self._job.first_rank + local_rank
+        rank = local_rank
         server = self._job.forkserver
         # a server started under a command prefix (a network namespace) forks its children there: not for these
         if server is not None and not server.prefix and (incarnation == 0 or self._job.warm_replacements):
@@ -174,7 +170,7 @@ class _JobAgent(ReplacingAgent):
     def _replaced(self, rank: int, returncode: int, new: _Running) -> None:
         if new.warm:  # a promoted spare: it was registered as a spare, it is the rank now
             self._job.register(new.pid, rank, new.incarnation)
-        self._job.replaced(rank, returncode, new.warm, self.exited_tails.get(rank, ""))
+        self._job.replaced(rank, returncode, new.warm)
 
     def _left_gone(self, rank: int, returncode: int) -> None:
         if self._job.announce_gone:
@@ -194,7 +190,7 @@ class AgentJob:
                  control: tuple[str, int] | None = None, env: Callable[[int], Mapping[str, str]] | None = None,
                  run_id: str | None = None, forkserver: ForkServer | None = None, warm_replacements: bool = False,
                  registry: str | os.PathLike[str] | None = None,
-                 on_replaced: Callable[[int, int, bool, str], None] | None = None,
+                 on_replaced: Callable[[int, int, bool], None] | None = None,
                  on_gone: Callable[[int, int], None] | None = None,
                  on_tick: Callable[[], None] | None = None, announce_gone: bool = True,
                  replace_only_killed: bool = False) -> None:
@@ -213,7 +209,6 @@ class AgentJob:
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.forkserver = forkserver
         self.warm_replacements = warm_replacements
-        self.first_rank = 0  # one node: its local ranks are the job's ranks
         self.announce_gone = announce_gone  # off: the agent plays a scheduler that never says a rank is gone
         self.replace_only_killed = replace_only_killed  # a process that failed by itself is left gone (trials)
         self.all_pids: list[int] = []  # every process started (each leads its own process group)
@@ -223,7 +218,6 @@ class AgentJob:
         self._on_gone = on_gone
         self._on_tick = on_tick
         self._deadline = 0.0
-        self._gone: dict[int, int] = {}
         self.pids: dict[int, int] = {}  # rank -> the process it runs as now
         self.notes: dict[int, str] = {}  # rank -> what the agent said about how it started it (heads its stderr)
         self._dir = Path(tempfile.mkdtemp(prefix="meshpact-agentjob-"))
@@ -253,12 +247,11 @@ class AgentJob:
         if time.monotonic() > self._deadline:
             raise _Deadline()
 
-    def replaced(self, rank: int, returncode: int, warm: bool, stderr_tail: str) -> None:
+    def replaced(self, rank: int, returncode: int, warm: bool) -> None:
         if self._on_replaced is not None:
-            self._on_replaced(rank, returncode, warm, stderr_tail)
+            self._on_replaced(rank, returncode, warm)
 
     def left_gone(self, rank: int, returncode: int) -> None:
-        self._gone[rank] = returncode
         if self._on_gone is not None:
             self._on_gone(rank, returncode)
 
@@ -287,16 +280,16 @@ class AgentJob:
             shutil.rmtree(agent._spare_dir, ignore_errors=True)
         ledger = agent.ledger
         results = []
-        for lr, running in sorted(ledger.running.items()):
-            rank = self.first_rank + lr
+        for rank, running in sorted(ledger.running.items()):  # one node: a local rank is the job's rank
             path = self._dir / f"result-{rank}.json"
             value = json.loads(path.read_text()) if path.exists() else None
             rc = running.handler.proc.poll()
-            if timed_out and lr not in ledger.finished and lr not in ledger.gone:  # still running at the deadline
+            if timed_out and rank not in ledger.finished and rank not in ledger.gone:  # running at the deadline
                 rc = None
             results.append(RankResult(rank, rc, value, self.notes.get(rank, "") +
                                       _tail(agent.stderr_files.get(rank, "")), running.incarnation))
-        return AgentJobResult(results, dict(self._gone), ledger.replaced, timed_out)
+        gone = {rank: int(failure.exitcode) for rank, failure in ledger.gone.items()}
+        return AgentJobResult(results, gone, ledger.replaced, timed_out)
 
     def close(self) -> None:
         """Remove the job's scratch directory (results and logs are read before; ``MESHPACT_KEEP_LAUNCH_DIR=1``

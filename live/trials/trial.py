@@ -75,7 +75,7 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
                                   warm_replacements, work)
     gone: dict[int, int] = {}  # rank -> the return code of the process it was left without a replacement after
 
-    def replaced(rank: int, rc: int, warm: bool, stderr_tail: str) -> None:
+    def replaced(rank: int, rc: int, warm: bool) -> None:
         recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
                        data={"returncode": rc, "warm_spare": warm})
 
