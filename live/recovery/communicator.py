@@ -54,6 +54,10 @@ FLUSH_STALL_S = 0.1
 FLUSH_MOST_S = 5.0
 FLUSH_SETTLE_S = 0.05
 FLUSH_LARGE_BYTES = 64 * 1024
+# how long a sever looks at its sockets before judging that no large message moves through them: on a
+# loopback or a NIC a message under way moves FLUSH_LARGE_BYTES in tens of microseconds, and this wait
+# lies on every recovery's path twice (the rank that knew first, then each peer's listener)
+FLUSH_LOOK_S = 0.00025
 # the drain of severed sockets (SeveredSockets): its first look after a sever, while bytes move, and at
 # most between looks once they stopped
 DRAIN_FIRST_S = 0.02
@@ -345,7 +349,7 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     socket's buffer frees, and reads one in pieces as they arrive; either, cut short, waits out its
     timeout. Only a message of more than ``FLUSH_LARGE_BYTES`` can be part way (a smaller one fits
     the free buffer whole, and is read whole): with none in sight (queued either way, or moved
-    within a millisecond) this returns at once. Once one was seen, it waits until the sockets'
+    within ``FLUSH_LOOK_S``) this returns then. Once one was seen, it waits until the sockets'
     queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
     writer unscheduled while the peer empties the buffer). Bounded: a queue not moving for
     ``stall_s`` (a peer that stopped reading, a cut link), or ``most_s`` in all. Seconds waited."""
@@ -353,8 +357,10 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     last = [_traffic(s) for s in socks]
     large = any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES for q, r, _ in last)
     moved_at = t0
+    look = FLUSH_LOOK_S
     while True:
-        time.sleep(0.001)
+        time.sleep(look)
+        look = 0.001  # once a message is seen under way, its end is waited for in milliseconds
         now = time.monotonic()
         seen = [_traffic(s) for s in socks]
         delta = sum(b[2] - a[2] for a, b in zip(last, seen))

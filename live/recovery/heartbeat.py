@@ -120,6 +120,17 @@ class HeartbeatAlarm:
 
 
 @dataclass(frozen=True)
+class SeverTiming:
+    """When a heartbeat's sever of the data path ended, how long it waited for the session's sever
+    lock (a recovery's rebuild holds it) and how long the sever itself took (its flush of a large
+    message part way included): what a rank that learned of a fault late spent it on."""
+
+    t_wall: float = 0.0
+    lock_wait_s: float = 0.0
+    sever_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class QuietWord:
     """What a rank publishes each look: its beat number, how many looks in a row its data path
     was quiet (see the module docstring), and the generation in which it found every rank
@@ -249,6 +260,7 @@ class Heartbeat:
                                        is_host=False, connect_timeout_s=cfg.store_connect_s,
                                        run_id=session.spec.run_id)
         self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of
+        self.last_sever = SeverTiming()  # how the last sever by this thread spent its time
         self._listening = session.generation  # the generation whose key the listener waits on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshpact-heartbeat", daemon=True)
@@ -357,9 +369,12 @@ class Heartbeat:
             if not self.watching:
                 return
             self.alarm, self._detected_generation = alarm, generation
+        t0 = time.perf_counter()
         with s.sever_lock:  # the standby's sockets survive, and a swap under way is waited for
+            t1 = time.perf_counter()
             if s.generation == generation:
                 s.sever_data_path(tell_peers=False)
+            self.last_sever = SeverTiming(time.time(), t1 - t0, time.perf_counter() - t1)
 
     def _listen(self) -> None:
         """Wait on the control channel (a connection of its own) for a peer opening a recovery of

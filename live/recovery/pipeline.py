@@ -214,6 +214,18 @@ class RetiredGroup:
 
 
 # -- detect ----------------------------------------------------------------------------------
+def _sever_timing(hb: Any, alarm: Any) -> dict[str, float]:
+    """Where a rank told by its heartbeat spent the time from hearing of the fault to its step
+    failing: the listener hearing of a peer's recovery (or the watch's look), the wait for the
+    sever lock, the sever itself (a flush included), and the step's error reaching this thread."""
+    sever = hb.last_sever
+    if sever.t_wall < alarm.t_wall:  # this alarm severed nothing (its generation had moved on)
+        return {}
+    return {"heartbeat_lock_wait_ms": round(sever.lock_wait_s * 1e3, 3), "heartbeat_sever_ms": round(sever.sever_s * 1e3, 3),
+            "heartbeat_alarm_to_severed_ms": round((sever.t_wall - alarm.t_wall) * 1e3, 3),
+            "heartbeat_severed_to_raised_ms": round((time.time() - sever.t_wall) * 1e3, 3)}
+
+
 def detect(rt: Job, cause: Cause) -> Detection:
     s = rt.session
     clock = StageClock()
@@ -233,7 +245,8 @@ def detect(rt: Job, cause: Cause) -> Detection:
            heartbeat_quiet=bool(alarm and alarm.data_path_quiet), heartbeat_alarm=alarm is not None,
            heartbeat_detail=alarm.detail if alarm else "",
            heartbeat_look_age_s=t_detect - rt.heartbeat.last_look_wall if rt.heartbeat is not None else None,
-           heartbeat_failed_looks=rt.heartbeat.failed_looks if rt.heartbeat is not None else 0)
+           heartbeat_failed_looks=rt.heartbeat.failed_looks if rt.heartbeat is not None else 0,
+           **(_sever_timing(rt.heartbeat, alarm) if alarm is not None and rt.heartbeat is not None else {}))
     if rt.peers is not None:  # the copy in flight waits: the cores are the recovery's (until let_go)
         rt.peers.pause()
     t0 = time.perf_counter()
