@@ -27,9 +27,12 @@ Measures on this machine, in one run:
   the MB are given: the tiny workload's 0.3 MB would turn the few MB by which any two Python
   processes differ (a trial's ranks are forked from a server with torch imported, the plain
   ranks start afresh) into ratios of hundreds;
-- for the excision, beside it, the same against the plain loop on the world the excision
-  leaves (``ranks - 1``: every survivor's shard is ``ranks / (ranks - 1)`` of before, in this
-  job or any other that goes on without a rank): ``extra_rss_excised_over_state_vs_survivor_world``;
+- for the excision, beside it, the same on the world the excision leaves (``ranks - 1``: every
+  survivor's shard is ``ranks / (ranks - 1)`` of before, in this job or any other that goes on
+  without a rank): the peak less the plain loop's on ``ranks - 1`` ranks, over a survivor's own
+  state there (the plain loop's on ``ranks - 1``), ``extra_rss_excised_over_own_state``. The
+  excised run's peak comes in the steps after the excision, on the larger shard;
+  ``extra_rss_per_rank_over_state`` counts it against the start's world and shard;
 - the allocator, held equal: every process of both runs starts with glibc's mmap threshold
   fixed (``--mmap-threshold``, 1 MiB; ``MALLOC_MMAP_THRESHOLD_``), so a tensor of a megabyte or
   more is mapped and unmapped whole and a run's peak is what it holds. With glibc's default
@@ -365,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     else None) for k, v in mb.items()}
 
     extra, extra_anon = over_state(extra_mb), over_state(extra_anon_mb)
-    excise_vs_survivors = {f"{r.workload}/{r.path}": (r.peak_rss_bytes - survivors.peak_rss_bytes) / plain[r.workload].state_bytes
+    excise_vs_survivors = {f"{r.workload}/{r.path}": (r.peak_rss_bytes - survivors.peak_rss_bytes) / survivors.state_bytes
                            for r in runs if survivors is not None and r.workload == args.large and r.path == "excise"
                            and r.peak_rss_bytes and state_mb[r.workload] >= RATIO_MIN_STATE_MB}
     result = {
@@ -385,9 +388,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "extra_rss_per_rank_over_state": extra,
         "extra_rss_mb_per_rank": extra_mb,
         "extra_anon_per_rank_over_state": extra_anon,
-        # the excised run against the plain loop on the survivors' world (ranks - 1), over the same state bytes
+        # the excised run against the plain loop on the survivors' world (ranks - 1), over a survivor's own state there
         "plain_peak_rss_mb_survivor_world": survivors.peak_rss_bytes / 2**20 if survivors is not None else None,
-        "extra_rss_excised_over_state_vs_survivor_world": excise_vs_survivors,
+        "state_mb_per_rank_survivor_world": survivors.state_bytes / 2**20 if survivors is not None else None,
+        "extra_rss_excised_over_own_state": excise_vs_survivors,
         "commit_overhead_ms": {f"{r.workload}/{r.path}": r.commit_ms for r in runs if r.path == "collective"},
         "peer_copy_step_latency": {f"{r.workload}/{r.path}": r.step_latency for r in runs if r.path == "collective"},
         "paths": {f"{r.workload}/{r.path}": {"bit_identical": r.bit_identical, "recovered_by_policy": r.policy_count,
