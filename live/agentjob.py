@@ -5,7 +5,8 @@
 launch`` runs on every node, with elastic's rendezvous interface, worker environment, error files
 and log layout — in this process, on a worker target
 (``package.module:function``, run by ``python -m meshpact.live.launcher --target``); its rendezvous
-is one round of one node that hosts the job's store on loopback (:class:`_OneNode`). Every
+is one round of one node that hosts the job's store on loopback (:class:`_OneNode`), or names to the
+ranks a store hosted elsewhere (``master``). Every
 decision about a worker's process is the agent's: a failed rank is replaced alone, in place (same
 rank, next incarnation), a warm spare first (``spares``); a rank the job declares lost is killed and
 replaced; a rank with no replacement left (``max_replacements``) is announced gone to the job,
@@ -13,10 +14,16 @@ which excises it or ends naming why. The caller adds what a program that runs tr
 
 - the control channel it hosts (``control``): consensus, fault records and heartbeats are read there
   by the caller too, and it outlives every rank;
-- warm first starts (``forkserver``): a rank's first process is forked from a
-  :class:`~meshpact.live.forkserver.ForkServer` that imported torch once, where its environment
-  allows; a replacement starts a fresh interpreter (its start is measured) unless
-  ``warm_replacements`` (callers that measure no start: the test suite);
+- ranks placed on other hosts of this machine (network namespaces): a command ``prefix`` per rank
+  (``ip netns exec NS``), an environment per rank (``env``), and the store the ranks rendezvous at
+  (``master``, served where they reach it). The agent's own connections (the control channel) are
+  made where the calling thread is: a caller whose stores live inside a namespace runs the job with
+  its thread entered there (:func:`~meshpact.live.netns.entered`);
+- warm first starts (``forkserver``, one server, or one per rank's host): a rank's first process is
+  forked from a :class:`~meshpact.live.forkserver.ForkServer` that imported torch once, where its
+  environment allows and the server was started under the rank's own prefix; a replacement starts a
+  fresh interpreter (its start is measured) unless ``warm_replacements`` (callers that measure no
+  start: the test suite);
 - the process registry (``registry``, :class:`~meshpact.live.launcher.LaunchedProcess` lines), so
   whoever looks from outside learns which process is which rank;
 - a deadline (``timeout_s``) after which every process is killed and each rank still running is
@@ -44,10 +51,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
 
@@ -71,7 +79,9 @@ class AgentJobResult:
 
 class _OneNode(FixedRendezvous):
     """Elastic's rendezvous for a job of one node in this process: it hosts the job's store (on loopback,
-    the workers connect as clients, as ``--standalone`` has them do) and is the whole round at once.
+    the workers connect as clients, as ``--standalone`` has them do; where the job names a store hosted
+    elsewhere, the ranks are given that one and this one keeps the agent's keys alone) and is the whole
+    round at once.
     ``c10d``'s handler would do the same after a random pause of up to 0.3 s (for nodes joining together)
     that a one-node job spends on every run."""
 
@@ -135,9 +145,10 @@ class _JobAgent(ReplacingAgent):
     def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
                        incarnation: int) -> Any:
         rank = local_rank
-        server = self._job.forkserver
-        # a server started under a command prefix (a network namespace) forks its children there: not for these
-        if server is not None and not server.prefix and (incarnation == 0 or self._job.warm_replacements):
+        server = self._job.server_of(rank)
+        prefix = self._job.prefix_of(rank)
+        # a server forks its children where it runs: only a rank started under the server's own prefix is forked
+        if server is not None and server.prefix == prefix and (incarnation == 0 or self._job.warm_replacements):
             full = {**os.environ, **env}
             differs = server.differs(full)
             if not differs:
@@ -149,7 +160,11 @@ class _JobAgent(ReplacingAgent):
                                      f"{', '.join(differs)} differ(s) from the fork server's, which read them at "
                                      "import\n")
             _say(self._job.notes[rank].partition(": ")[2].rstrip())
-        handler = super()._start_process(spec, local_rank, env, streams, incarnation)
+        if prefix:  # the command under the rank's prefix (``ip netns exec NS``, which execs it: the same pid)
+            handler = get_subprocess_handler(prefix[0], (*prefix[1:], spec.entrypoint, *spec.args), env, streams[0],
+                                             streams[1], local_rank, spec.numa_options)
+        else:
+            handler = super()._start_process(spec, local_rank, env, streams, incarnation)
         self._job.register(handler.proc.pid, rank, incarnation)
         return handler
 
@@ -188,7 +203,9 @@ class AgentJob:
     def __init__(self, target: str, world_size: int, args: Mapping[str, Any] | None = None, *,
                  timeout_s: float = 120.0, spares: int = 0, max_replacements: int = 0,
                  control: tuple[str, int] | None = None, env: Callable[[int], Mapping[str, str]] | None = None,
-                 run_id: str | None = None, forkserver: ForkServer | None = None, warm_replacements: bool = False,
+                 prefix: Callable[[int], Sequence[str]] | None = None, master: tuple[str, int] | None = None,
+                 run_id: str | None = None, forkserver: ForkServer | Callable[[int], ForkServer | None] | None = None,
+                 warm_replacements: bool = False,
                  registry: str | os.PathLike[str] | None = None,
                  on_replaced: Callable[[int, int, bool], None] | None = None,
                  on_gone: Callable[[int, int], None] | None = None,
@@ -198,6 +215,9 @@ class AgentJob:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
         if spares < 0 or max_replacements < 0:
             raise LaunchError(f"spares and max_replacements must be 0 or more, got {spares} and {max_replacements}")
+        if spares and prefix is not None:
+            raise LaunchError(f"spares={spares}: a warm spare starts on the agent's own host, not under a rank's "
+                              "command prefix (another host)")
         _resolve(target)  # a bad target is reported here, not once per rank
         self.target = target
         self.world_size = world_size
@@ -208,6 +228,8 @@ class AgentJob:
         self.control = control
         self.run_id = run_id or uuid.uuid4().hex[:12]
         self.forkserver = forkserver
+        self.master = master  # the ranks' store, hosted elsewhere (None: the job hosts it on loopback)
+        self._prefix = prefix
         self.warm_replacements = warm_replacements
         self.announce_gone = announce_gone  # off: the agent plays a scheduler that never says a rank is gone
         self.replace_only_killed = replace_only_killed  # a process that failed by itself is left gone (trials)
@@ -231,6 +253,14 @@ class AgentJob:
         if self._env is not None:
             env.update({k: str(v) for k, v in self._env(rank).items()})
         return env
+
+    def prefix_of(self, rank: int) -> tuple[str, ...]:
+        """The command ``rank``'s processes start under (empty: none)."""
+        return tuple(self._prefix(rank)) if self._prefix is not None else ()
+
+    def server_of(self, rank: int) -> ForkServer | None:
+        """The fork server for ``rank``'s host (None: none)."""
+        return self.forkserver(rank) if callable(self.forkserver) else self.forkserver
 
     def register(self, pid: int, rank: int | None, incarnation: int, spare: int | None = None) -> None:
         if pid not in self.all_pids:
@@ -260,7 +290,9 @@ class AgentJob:
         spec = WorkerSpec(role="default", local_world_size=self.world_size, entrypoint=sys.executable,
                           args=("-u", "-m", "meshpact.live.launcher", "--target", self.target),
                           rdzv_handler=_OneNode(self.run_id, self.world_size),
-                          max_restarts=self.max_replacements, monitor_interval=0.05, local_addr="127.0.0.1")
+                          max_restarts=self.max_replacements, monitor_interval=0.05, local_addr="127.0.0.1",
+                          master_addr=self.master[0] if self.master else None,
+                          master_port=self.master[1] if self.master else None)
         logs = DefaultLogsSpecs(log_dir=str(self._dir / "logs"), redirects=Std.ALL)
         return _JobAgent(spec, logs, self)
 

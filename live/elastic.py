@@ -15,7 +15,7 @@ writes). It differs from torchrun's agent in one decision:
 | ``--max-restarts`` | group restarts | replacement processes, on this node |
 | none left | the job fails | the rank is announced gone to the job (it excises, or ends naming why) |
 
-The recovery runtime learns of the loss as under the project's own launcher: its survivors meet
+The recovery runtime learns of the loss from the job itself: its survivors meet
 the dead peer in a collective, agree over the control channel (which this agent hosts, on the
 node of group rank 0, so a dead rank 0 takes nothing with it) and the replacement joins the
 recovery as a process with ``MESHPACT_INCARNATION`` above 0 (:func:`~.recovery.session.start_session`).

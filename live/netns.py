@@ -21,6 +21,11 @@ while the hosts exist, where no other handler was set) deletes both namespaces, 
 veth pair with them. :func:`netns_unavailable` says what is missing where this cannot run:
 root, ``ip``, ``tc``, or the kernel's ``tbf``/``netem`` queueing disciplines.
 
+A program reaches an address that exists only inside a host (a store served on its veth end)
+by running a block with its thread there (:func:`entered`, :meth:`TwoHosts.inside`): what the
+thread opens, and the processes it starts, live in that namespace; the rest of the program
+stays where it is.
+
 :class:`Hosts` is the same resource for three hosts or more: each namespace joined by a veth
 pair to a Linux bridge in a hub namespace (unshaped; :func:`bridge_unavailable` says what is
 missing where it cannot be built).
@@ -41,12 +46,12 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["NetnsError", "LinkShape", "IfaceCounters", "TwoHosts", "Hosts", "netns_unavailable", "netem_unavailable",
-           "bridge_unavailable"]
+__all__ = ["NetnsError", "LinkShape", "IfaceCounters", "TwoHosts", "Hosts", "entered", "netns_unavailable",
+           "netem_unavailable", "bridge_unavailable"]
 
 
 class NetnsError(MeshpactError):
@@ -191,6 +196,45 @@ def _exit_on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(128 + signum)
 
 
+_CLONE_NEWNET = 0x40000000
+
+
+def _setns(fd: int, what: str) -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.setns(fd, _CLONE_NEWNET) != 0:
+        raise NetnsError(f"{what}: setns failed: {os.strerror(ctypes.get_errno())}")
+
+
+@contextlib.contextmanager
+def entered(ns: str) -> Iterator[None]:
+    """The calling thread inside the network namespace ``ns`` (an ``ip netns`` name) for the block.
+
+    What the thread opens there, and the processes it starts, live there (a socket keeps its
+    namespace after the thread leaves): a program reaches addresses that exist only inside ``ns``
+    (a store served on a host's veth address) without moving its other threads. The thread is
+    back in its own namespace after the block, whatever happened inside; leave the block before
+    the namespace is deleted (its teardown kills every process whose main thread is inside)."""
+    own = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
+    try:
+        try:
+            there = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+        except FileNotFoundError:
+            raise NetnsError(f"enter the network namespace {ns}: there is none of that name (`ip netns list` "
+                             "names those that exist)") from None
+        try:
+            _setns(there, f"enter the network namespace {ns}")
+        finally:
+            os.close(there)
+        try:
+            yield
+        finally:
+            _setns(own, f"leave the network namespace {ns}")
+    finally:
+        os.close(own)
+
+
 class TwoHosts:
     """Two network namespaces joined by veth links (see the module docstring).
 
@@ -315,6 +359,10 @@ class TwoHosts:
     def prefix(self, host: int) -> list[str]:
         """Command prefix that runs a program on ``host`` (0 or 1)."""
         return ["ip", "netns", "exec", self.ns[host]]
+
+    def inside(self, host: int) -> contextlib.AbstractContextManager[None]:
+        """The calling thread on ``host`` (0 or 1) for a ``with`` block (:func:`entered`)."""
+        return entered(self.ns[host])
 
     def counters(self, host: int) -> IfaceCounters:
         """Kernel statistics of ``host``'s veth end (``ip -s -j link``)."""

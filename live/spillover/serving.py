@@ -585,18 +585,20 @@ class _ServingHost:
 # -- the parent: one run on two fresh hosts ------------------------------------------------------
 def run_once(cfg: SpilloverConfig) -> RunResult:
     """Build two hosts, start one rank on each, serve ``cfg``'s requests, tear everything down."""
-    from ..launcher import Launch, LaunchError
+    from ..agentjob import AgentJob
+    from ..launcher import LaunchError
     from ..plans.meter import CallRecord, measure
 
     compile_s = precompile(cfg.to_dict(), cfg.package_dir) if cfg.compile == "aoti" else 0.0
-    with TwoHosts(LinkShape(cfg.gbit_per_s, cfg.delay_ms)) as hosts:
+    # rank r on host r, rank 0 hosting the job's store on its end of the link; the agent runs with this
+    # thread on host 0, where that address (and the control channel it hosts beside it) is reached
+    with TwoHosts(LinkShape(cfg.gbit_per_s, cfg.delay_ms)) as hosts, hosts.inside(0):
         port = random.randrange(20000, 60000)  # fresh namespaces: every port is free
-        with Launch("meshpact.live.spillover.serving:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
-                    master_addr=hosts.addr[0], master_port=port, host_stores=False,
-                    prefix=hosts.prefix,
-                    env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r], "MESHPACT_VETH": hosts.iface[r],
-                                   "TORCHELASTIC_USE_AGENT_STORE": "False", "OMP_NUM_THREADS": "1"}) as job:
-            results = job.wait()
+        with AgentJob("meshpact.live.spillover.serving:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
+                      master=(hosts.addr[0], port), prefix=hosts.prefix,
+                      env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r], "MESHPACT_VETH": hosts.iface[r],
+                                     "TORCHELASTIC_USE_AGENT_STORE": "False", "OMP_NUM_THREADS": "1"}) as job:
+            results = job.run().results
     bad = [r for r in results if not r.ok]
     if bad:
         what = "timed out" if bad[0].returncode is None else f"exited with {bad[0].returncode}"

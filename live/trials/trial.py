@@ -33,12 +33,14 @@ from meshpact.core.recovery import Policy, Stage
 
 from ..forkserver import PRELOAD, ForkServer
 from ..agentjob import AgentJob
-from ..launcher import Launch, LaunchError, host_store
+from ..launcher import LaunchError, host_store
+from ..netns import entered
 from .analysis import ExcisionPlan, ExcisionResult, ReplacementStart, TrialResult, compare_final
 from ..recovery.consensus import declared_lost
 from ..recovery.control import ControlChannel
 from ..recovery.faults import Fault, FaultKind, NetnsPair, netns_unavailable, plan_faults
 from ..recovery.peers import ADDR_ENV as PEER_ADDR_ENV
+from ..recovery.peers import HOST_ENV as PEER_HOST_ENV
 from .outcome import RankOutcome
 from .trialconfig import HEARTBEATS_FILE, PROCESSES_FILE, TrialConfig
 from ..recovery.workload import WorkloadError, check_workload
@@ -70,9 +72,6 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
             else [], "on_rank_loss": Policy.EXCISE.value if cfg.excising else Policy.PEER_RESTORE.value,
             "min_ranks": cfg.min_ranks, **extra}
     supply = supply or ReplacementSupply()
-    if netns is not None and stores is not None:
-        return _run_in_namespaces(cfg, tag, args, faults, extra, netns, stores, recording, forkserver, supply,
-                                  warm_replacements, work)
     gone: dict[int, int] = {}  # rank -> the return code of the process it was left without a replacement after
 
     def replaced(rank: int, rc: int, warm: bool) -> None:
@@ -92,17 +91,21 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
     # excising trial gives none, so the survivors go on without it; a process that failed by itself is
     # not replaced (a first one is the error the trial reports, a replacement's is left gone, as announced)
     limit = 0 if cfg.excising else (supply.limit if supply.limit is not None else len(faults) + cfg.ranks)
-    control = host_store("127.0.0.1", 0, cfg.ranks)
-    watch = LostRankWatch(ControlChannel("127.0.0.1", control.port, 0, cfg.ranks, 5.0, run_id=tag), recording,
-                          ages_file=out_dir / HEARTBEATS_FILE, kills=False)
-    server = forkserver(0) if callable(forkserver) else forkserver
+    if netns is not None and stores is not None:
+        hosts, control = _Hosts.namespaces(netns, stores, cfg.ranks), None
+    else:
+        control = host_store("127.0.0.1", 0, cfg.ranks)
+        hosts = _Hosts(("127.0.0.1", control.port))
     t_launch = time.time()
-    with AgentJob(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
-                  max_replacements=limit, control=("127.0.0.1", control.port), run_id=tag, forkserver=server,
-                  warm_replacements=warm_replacements, registry=work / PROCESSES_FILE, on_replaced=replaced,
-                  on_gone=left_gone, on_tick=watch, announce_gone=supply.announce_missing or cfg.excising,
-                  replace_only_killed=True) as job:
-        ran = job.run()
+    with hosts.entered():  # the agent's connections (and the watch's) are made where the stores are
+        watch = LostRankWatch(ControlChannel(*hosts.control, 0, cfg.ranks, 5.0, run_id=tag), recording,
+                              ages_file=out_dir / HEARTBEATS_FILE)
+        with AgentJob(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
+                      max_replacements=limit, control=hosts.control, master=hosts.master, prefix=hosts.prefix,
+                      env=hosts.env, run_id=tag, forkserver=forkserver, warm_replacements=warm_replacements,
+                      registry=work / PROCESSES_FILE, on_replaced=replaced, on_gone=left_gone, on_tick=watch,
+                      announce_gone=supply.announce_missing or cfg.excising, replace_only_killed=True) as job:
+            ran = job.run()
     # a rank left without a replacement is expected where it was killed (a fault, or declared lost) or where
     # a replacement of it died again; a first process that failed by itself is the workload's error
     failed = [r for r in ran.results if not r.ok and (r.rank not in gone or (gone[r.rank] != -9 and r.incarnation == 0))]
@@ -121,58 +124,33 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
     return outcomes, ran.replacements, t_launch
 
 
-def _run_in_namespaces(cfg: TrialConfig, tag: str, args: JsonObject, faults: tuple[Fault, ...], extra: JsonObject,
-                       netns: NetnsPair, stores: dict[str, int], recording: RecordingWriter,
-                       forkserver: ForkServer | Callable[[int], ForkServer] | None, supply: ReplacementSupply,
-                       warm_replacements: bool, work: Path) -> tuple[list[RankOutcome], int, float]:
-    """A run whose ranks live in two network namespaces (partition faults, two hosts): one launch of this
-    process's own, each rank started under its namespace's prefix, the stores served in the first."""
-    gone: set[int] = set()
-    gone_why: dict[int, str] = {}  # why a rank got no process again (named if the job then fails)
-    started = 0
+@dataclass(frozen=True)
+class _Hosts:
+    """Where a run's ranks and stores are: this machine's loopback (the run hosts its control channel, the
+    agent the ranks' store), or two network namespaces (:meth:`namespaces`)."""
 
-    def no_replacement(rank: int, rc: int, why: str) -> None:
-        gone.add(rank)
-        gone_why[rank] = why
-        recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
-                       data={"returncode": rc, "started": False, "why": why, "announced": False})
+    control: tuple[str, int]
+    master: tuple[str, int] | None = None  # the ranks' store, served elsewhere (None: the agent hosts it)
+    prefix: Callable[[int], list[str]] | None = None  # the command a rank starts under (its host)
+    env: Callable[[int], dict[str, str]] | None = None
+    netns: str | None = None  # the namespace the stores are reached from (None: this thread's own)
 
-    def on_exit(job: Launch, rank: int, rc: int) -> None:
-        nonlocal started
-        if rc == -9:  # SIGKILL: a warm spare, else a new process, joins the recovery
-            spare = job.promote(rank)
-            if spare or job.replace(rank):
-                started += 1
-                recording.emit(EventKind.REPLACEMENT_STARTED, rank=rank, stage=Stage.RESTART,
-                               data={"returncode": rc, "warm_spare": spare})
-            else:
-                no_replacement(rank, rc, f"no warm spare and no replacement left ({job.replacements_started} "
-                                         f"of at most {job.max_replacements} started)")
-        elif job.incarnation(rank) > 0 and rank not in gone:  # a replacement that died by itself: none again
-            no_replacement(rank, rc, f"its replacement process exited with {rc}; its stderr ends:\n"
-                                     f"{job.stderr_tail(rank, 2000)}")
+    @classmethod
+    def namespaces(cls, netns: NetnsPair, stores: dict[str, int], ranks: int) -> "_Hosts":
+        """Ranks split between two namespaces, each under its side's ``ip netns exec``, with its side's
+        interfaces and its peer copies served on the control link (out of band: a partition of the data
+        link spares them); the stores served in the first (:func:`_serve_stores_in`)."""
 
-    # peer copies travel on the control link (out of band: a partition of the data link spares them)
-    t_launch = time.time()
-    with Launch(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
-                forkserver=forkserver, max_replacements=supply.limit, warm_replacements=warm_replacements,
-                registry=work / PROCESSES_FILE, master_addr=netns.data_ip[0], master_port=stores["data_port"],
-                host_stores=False, prefix=lambda r: netns.prefix(netns.side(r, cfg.ranks)),
-                env=lambda r: {**netns.rank_env(r, cfg.ranks), "MESHPACT_RUN_ID": tag,
-                               "MESHPACT_CONTROL_PORT": str(stores["control_port"]),
-                               PEER_ADDR_ENV: netns.ctrl_ip[netns.side(r, cfg.ranks)]}) as job:
-        results = job.wait(on_exit=on_exit)
-    bad = [r for r in results if not r.ok and r.rank not in gone]
-    if bad:
-        told = "".join(f"\nrank {r} was given no further process: {why}" for r, why in sorted(gone_why.items()))
-        raise LaunchError(f"{tag} run: rank {bad[0].rank} "
-                          f"{'timed out' if bad[0].returncode is None else f'exited with {bad[0].returncode}'}"
-                          f" (limit {cfg.deadline_s:.0f} s); its stderr ends:\n{bad[0].stderr_tail}{told}")
-    outcomes = [RankOutcome.from_dict(r.value) for r in results if r.rank not in gone]
-    for o in outcomes:
-        if o.workload_error:
-            raise WorkloadError(o.workload_error)
-    return outcomes, started, t_launch
+        def env(rank: int) -> dict[str, str]:  # a rank's host is its side's control address, as its peers see it
+            addr = netns.ctrl_ip[netns.side(rank, ranks)]
+            return {**netns.rank_env(rank, ranks), PEER_ADDR_ENV: addr, PEER_HOST_ENV: addr}
+
+        return cls((netns.ctrl_ip[0], stores["control_port"]), (netns.data_ip[0], stores["data_port"]),
+                   lambda r: netns.prefix(netns.side(r, ranks)), env, netns.ns[0])
+
+    def entered(self) -> contextlib.AbstractContextManager[None]:
+        """This thread where the stores are reached (in the first namespace), or where it is."""
+        return entered(self.netns) if self.netns is not None else contextlib.nullcontext()
 
 
 @dataclass(frozen=True)
@@ -186,19 +164,18 @@ class ReplacementSupply:
 
 
 class LostRankWatch:
-    """The launcher's side of a rank declared lost: consensus names it on the control channel
-    (``lost/round<k>``); the rank is killed (a silent process is stopped, not gone) and, like
-    any killed rank, replaced. Checked at most every ``every_s`` seconds. With ``kills`` off the
-    agent that runs the ranks kills it (it reads the same channel); this watch records it.
+    """The trial's record of a rank declared lost: consensus names it on the control channel
+    (``lost/round<k>``); the agent that runs the ranks reads the same channel, kills the rank (a
+    silent process is stopped, not gone) and, like any killed rank, replaces it; this watch,
+    called at each of the agent's looks, records it. Checked at most every ``every_s`` seconds.
 
     With ``ages_file`` it also reads every rank's heartbeat counter in the same look and keeps
     each rank's heartbeat age (seconds since its counter last moved, as this observer saw it)
     in that file, rewritten whole (:data:`HEARTBEATS_FILE`: what the dashboard's metrics read)."""
 
     def __init__(self, channel: ControlChannel, recording: RecordingWriter, every_s: float = 0.25,
-                 ages_file: Path | None = None, kills: bool = True) -> None:
+                 ages_file: Path | None = None) -> None:
         self.channel = channel
-        self.kills = kills
         self.recording = recording
         self.every_s = every_s
         self.ages_file = ages_file
@@ -206,7 +183,7 @@ class LostRankWatch:
         self._next = 0.0
         self._beats: dict[int, tuple[int, float]] = {}  # rank -> (its counter, wall time it last moved)
 
-    def __call__(self, job: Launch | None = None) -> None:
+    def __call__(self) -> None:
         now = time.monotonic()
         if now < self._next:
             return
@@ -218,9 +195,6 @@ class LostRankWatch:
             for r in ranks:
                 self.recording.emit(EventKind.REPLACEMENT_STARTED, rank=r, stage=Stage.RESTART,
                                     data={"declared_lost_in_round": round_})
-                if self.kills and job is not None:
-                    job.kill(r)
-
 
     def write_ages(self) -> None:
         """Read every rank's heartbeat counter (one round trip) and write each rank's age."""

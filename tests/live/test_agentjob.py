@@ -3,8 +3,9 @@
 What the trials, the CLI and the dashboard rely on: elastic's worker environment, the agent's
 replacement of a failed rank alone (next incarnation, the others untouched), the rank announced
 gone on the caller's control channel when no replacement is left (or not, where asked), first
-processes forked from the fork server and replacements started fresh, the process registry, and
-the deadline.
+processes forked from the fork server and replacements started fresh, the process registry, the
+deadline, and ranks placed on two hosts (network namespaces): each under its host's command prefix,
+forked by its host's server, meeting at a store served there.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import os
 import pytest
 
 from meshpact.live.agentjob import AgentJob
+from meshpact.live.forkserver import ForkServer
 from meshpact.live.launcher import LaunchedProcess, LaunchError, host_store
+from meshpact.live.netns import TwoHosts, netns_unavailable
 from meshpact.live.recovery.consensus import GONE_KEY, gone_ranks
 from meshpact.live.recovery.control import ControlChannel
 
@@ -85,6 +88,56 @@ def test_deadline_stops_every_rank_and_says_so():
             os.kill(pid, 0)
 
 
+def test_a_replacement_that_fails_leaves_its_own_stderr_to_name_why():
+    """What a trial quotes when a replacement dies by itself (the rank then gets no process
+    again): that process's stderr, not its predecessor's."""
+    gone: list[tuple[int, int]] = []
+    with AgentJob(ECHO, 1, {"fail_ranks": [0], "raise_in_replacement": "the replacement broke", "timeout_s": 60},
+                  timeout_s=90, max_replacements=1, forkserver=shared_forkserver(),
+                  on_gone=lambda rank, rc: gone.append((rank, rc))) as job:
+        ran = job.run()
+    (only,) = ran.results
+    assert gone == [(0, 1)] and only.incarnation == 1 and only.returncode == 1
+    assert "RuntimeError: the replacement broke" in only.stderr_tail
+
+
 def test_bad_target_is_one_line_before_any_rank_starts():
     with pytest.raises(LaunchError, match="cannot be loaded"):
         AgentJob("meshpact.no_such_module:worker", 2)
+
+
+def test_spares_are_refused_where_ranks_run_under_a_prefix():
+    with pytest.raises(LaunchError, match="a warm spare starts on the agent's own host"):
+        AgentJob(ECHO, 2, spares=1, prefix=lambda r: ["env"])
+
+
+_NO_NETNS = netns_unavailable(shaped=False)
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")
+def test_ranks_on_two_hosts_start_under_their_prefix_and_meet_at_a_store_served_there(tmp_path):
+    """Rank r on host r (``ip netns exec``), forked by the server started on its host; the store is
+    served on host 0's end of the link, an address this machine's own namespace cannot reach: the
+    job runs with the calling thread on host 0. Rank 1's first process fails; its replacement starts
+    fresh under the same prefix and reaches the store too."""
+    own = os.readlink("/proc/thread-self/ns/net")
+    with TwoHosts(link=None) as hosts:
+        with ForkServer(prefix=hosts.prefix(0)) as first, ForkServer(prefix=hosts.prefix(1)) as second:
+            with hosts.inside(0):
+                store = host_store(hosts.addr[0], 0, 2)
+                with AgentJob(ECHO, 2, {"fail_ranks": [1], "timeout_s": 60, "report_env": ["MASTER_ADDR", "GLOO_SOCKET_IFNAME"]},
+                              timeout_s=120, max_replacements=1, prefix=hosts.prefix,
+                              master=(hosts.addr[0], int(store.port)), forkserver=lambda r: (first, second)[r],
+                              env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r]}) as job:
+                    ran = job.run()
+                arrived = store.add("echo/arrived", 0)
+            assert os.readlink("/proc/thread-self/ns/net") == own  # the thread is back where it was
+            servers = (first.pid, second.pid)
+    assert all(r.ok for r in ran.results), [r.stderr_tail for r in ran.results]
+    zero, one = (r.value for r in ran.results)
+    assert zero["env"]["MASTER_ADDR"] == hosts.addr[0] and zero["env"]["GLOO_SOCKET_IFNAME"] == hosts.iface[0]
+    assert one["env"]["GLOO_SOCKET_IFNAME"] == hosts.iface[1]
+    assert zero["ppid"] == servers[0]  # forked on host 0 by host 0's server
+    assert one["incarnation"] == 1 and one["ppid"] == os.getpid()  # the replacement: a fresh start
+    assert arrived == 2 and ran.replacements == 1  # both ranks reached the store across the link

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 
 import pytest
 
+from meshpact.live.agentjob import AgentJob
 from meshpact.live.forkserver import ForkServer
-from meshpact.live.launcher import Launch, LaunchError, launch
+from meshpact.live.launcher import LaunchError, launch
 
 pytestmark = pytest.mark.live
 
@@ -47,27 +47,26 @@ def test_exit_codes_signals_and_tracebacks_come_back_as_from_a_fresh_process(ser
         launch(ECHO, 1, {"exit_code": 3}, timeout_s=60, forkserver=server)
     with pytest.raises(LaunchError, match="(?s)exited with 1.*RuntimeError: a bug in the worker"):
         launch(ECHO, 1, {"raise": "a bug in the worker"}, timeout_s=60, forkserver=server)
-    with Launch(ECHO, 2, {"sleep_s": 60}, timeout_s=60, forkserver=server) as job:
-        job.kill(1, signal.SIGKILL)
-        job.kill(0, signal.SIGTERM)
-        results = job.wait()
-    assert [r.returncode for r in results] == [-signal.SIGTERM, -signal.SIGKILL]
-    with Launch(ECHO, 1, {"timeout_s": 60}, timeout_s=60, forkserver=server) as job:
-        deadline = time.monotonic() + 30
-        while job.poll()[0] is None and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert job.poll()[0] == 0
+    signalled: list[int] = []
+
+    def signal_both() -> None:  # at the agent's first look with both ranks started
+        if not signalled and len(job.pids) == 2:
+            os.kill(job.pids[1], signal.SIGKILL)
+            os.kill(job.pids[0], signal.SIGTERM)
+            signalled.extend(job.pids.values())
+
+    with AgentJob(ECHO, 2, {"sleep_s": 60}, timeout_s=60, forkserver=server, on_tick=signal_both) as job:
+        ran = job.run()
+    assert [r.returncode for r in ran.results] == [-signal.SIGTERM, -signal.SIGKILL]
+    assert ran.gone == {0: -signal.SIGTERM, 1: -signal.SIGKILL} and not ran.timed_out
+    assert [r.returncode for r in launch(ECHO, 1, {"timeout_s": 60}, timeout_s=60, forkserver=server)] == [0]
 
 
 def test_a_replacement_and_other_thread_settings_start_fresh_interpreters(server):
-    replaced = []
-
-    def on_exit(job, rank, rc):
-        replaced.append((rank, rc))
-        job.replace(rank)
-
-    with Launch(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server) as job:
-        results = job.wait(on_exit=on_exit)
+    replaced: list[tuple[int, int]] = []
+    with AgentJob(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, max_replacements=1,
+                  on_replaced=lambda rank, rc, warm: replaced.append((rank, rc))) as job:
+        results = job.run().results
     assert replaced == [(1, 3)]
     first, second = (r.value for r in results)
     assert first["ppid"] != os.getpid() and second["incarnation"] == 1
@@ -104,8 +103,9 @@ def test_a_launcher_that_compiled_something_still_forks_its_ranks(server, monkey
 
 def test_replacements_are_forked_only_when_the_caller_asks(server):
     """warm_replacements: for callers that measure no replacement's start (the test suite)."""
-    with Launch(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, warm_replacements=True) as job:
-        results = job.wait(on_exit=lambda job, rank, rc: job.replace(rank))
+    with AgentJob(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, max_replacements=1,
+                  warm_replacements=True) as job:
+        results = job.run().results
     second = results[1].value
     assert second["incarnation"] == 1 and second["ppid"] != os.getpid()
 

@@ -16,9 +16,10 @@ import pytest
 
 from _warm import shared_forkserver
 from meshpact.core.recovery import Policy
-from meshpact.live.launcher import Launch, host_store
-from meshpact.live.recovery.consensus import (EXCISE_NOT_OFFERED, ConsensusError, Decision, Proposal, agree, decide,
-                                              mark_gone)
+from meshpact.live.agentjob import AgentJob
+from meshpact.live.launcher import host_store
+from meshpact.live.recovery.consensus import (EXCISE_NOT_OFFERED, GONE_KEY, ConsensusError, Decision, Proposal, agree,
+                                              decide, gone_ranks, mark_gone)
 from meshpact.live.recovery.control import ControlChannel
 
 
@@ -127,22 +128,24 @@ def test_rounds_that_cannot_excise_end_with_a_consensus_error_naming_both_reason
 
 @pytest.mark.live
 @pytest.mark.slow
-def test_the_launcher_starts_at_most_its_replacements_then_answers_false():
-    """Ranks 1 and 2 die at start; the launcher has one replacement: whichever died first gets it."""
-    with Launch("meshpact.live.launcher:echo", 3, {"fail_ranks": [1, 2], "timeout_s": 30}, timeout_s=90,
-                max_replacements=1) as job:
-        answers: dict[int, bool] = {}
-
-        def on_exit(j: Launch, rank: int, rc: int) -> None:
-            if j.incarnation(rank) == 0:
-                answers[rank] = j.replace(rank)
-
-        results = job.wait(on_exit=on_exit)
-    assert sorted(answers) == [1, 2] and sorted(answers.values()) == [False, True] and job.replacements_started == 1
-    (got,) = [r for r, yes in answers.items() if yes]
-    (none,) = [r for r, yes in answers.items() if not yes]
-    assert [(r.rank, r.incarnation, r.returncode) for r in results] == sorted(
+def test_the_launcher_starts_at_most_its_replacements_then_announces_the_rank_gone():
+    """Ranks 1 and 2 die at start; the agent has one replacement: whichever death it sees first gets
+    it, the other rank is announced gone on the job's control channel."""
+    control = host_store("127.0.0.1", 0, 3)
+    replaced: list[int] = []
+    gone: list[int] = []
+    with AgentJob("meshpact.live.launcher:echo", 3, {"fail_ranks": [1, 2], "timeout_s": 30}, timeout_s=90,
+                  max_replacements=1, control=("127.0.0.1", control.port), run_id="budget",
+                  forkserver=shared_forkserver(), on_replaced=lambda rank, rc, warm: replaced.append(rank),
+                  on_gone=lambda rank, rc: gone.append(rank)) as job:
+        ran = job.run()
+    assert sorted(replaced + gone) == [1, 2] and len(replaced) == 1 and ran.replacements == 1
+    (got,), (none,) = replaced, gone
+    assert [(r.rank, r.incarnation, r.returncode) for r in ran.results] == sorted(
         [(0, 0, 0), (got, 1, 0), (none, 0, 3)])
+    channel = ControlChannel("127.0.0.1", control.port, 0, 3, 5.0, run_id="budget")
+    channel.wait([f"{GONE_KEY}{none}"], 5.0)  # a store's set is not answered: the agent's write is waited for
+    assert gone_ranks(channel, [0, 1, 2]) == (none,)  # the survivors learn it at once (see the rounds above)
 
 
 @pytest.mark.live
