@@ -78,7 +78,6 @@ def echo(args: dict) -> dict:
     ``raise_in_replacement`` when given (for replacement tests)."""
     import torch.distributed as dist
 
-    await_promotion()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
     if rank in args.get("fail_ranks", ()) and incarnation == 0:
