@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from .store import host_store
-from .worker import LaunchedProcess, LaunchError, RankResult, _main, await_promotion, write_result
+from .worker import LaunchedProcess, LaunchError, RankResult, _main, write_result
 
 if TYPE_CHECKING:
     from .forkserver import ForkServer
@@ -35,7 +35,6 @@ __all__ = [
     "launch",
     "host_store",
     "write_result",
-    "await_promotion",
 ]
 
 

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -23,11 +22,10 @@ from meshpact.core.errors import MeshpactError
 
 from .store import host_store
 
-__all__ = ["LaunchError", "LaunchedProcess", "RankResult", "write_result", "await_promotion", "worker_args"]
+__all__ = ["LaunchError", "LaunchedProcess", "RankResult", "write_result", "worker_args"]
 
 RESULT_DIR_ENV = "MESHPACT_RESULT_DIR"
 ARGS_ENV = "MESHPACT_WORKER_ARGS"
-SPARE_ENV = "MESHPACT_SPARE"  # set in a warm spare: its index, until it is promoted to a rank
 
 
 class LaunchError(MeshpactError):
@@ -105,27 +103,6 @@ def write_result(value: Any) -> None:
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(value))
     os.replace(tmp, path)
-
-
-def await_promotion(poll_s: float = 0.01) -> int | None:
-    """In a warm spare (:data:`SPARE_ENV` set): wait until the launcher hands it a rank, then
-    take that rank's environment (``RANK``, ``LOCAL_RANK``, ``MESHPACT_INCARNATION``) and return
-    it; elsewhere return None at once. A spare whose launcher is gone exits."""
-    index = os.environ.get(SPARE_ENV)
-    if index is None:
-        return None
-    path = Path(os.environ[RESULT_DIR_ENV]) / f"spare-{index}.json"
-    parent = os.getppid()
-    while not path.exists():
-        if os.getppid() != parent:
-            sys.exit(0)
-        time.sleep(poll_s)
-    assignment = json.loads(path.read_text())
-    rank = int(assignment["rank"])
-    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank),
-                       "MESHPACT_INCARNATION": str(int(assignment["incarnation"]))})
-    del os.environ[SPARE_ENV]
-    return rank
 
 
 def worker_args() -> dict:

@@ -95,7 +95,6 @@ def worker(args: JsonObject) -> JsonObject:
     from ..recovery.session import start_session
     from ..recovery.state import digest
     from ..recovery.workload import WorkloadError, built, load_workload
-    from ..launcher import await_promotion
 
     torch.manual_seed(0)  # every generator a step can draw from starts the same in every run
     random.seed(0)
@@ -103,7 +102,6 @@ def worker(args: JsonObject) -> JsonObject:
         sys.modules["numpy"].random.seed(0)
     world = int(os.environ["WORLD_SIZE"])
     workload = load_workload(args["workload"], world)
-    await_promotion()  # a warm spare waits here, imports done, until it is handed a lost rank
     config = RecoveryConfig(data_timeout_s=args["data_timeout_s"], process_start_s=args["process_start_s"],
                             group_create_s=args["group_create_s"],
                             checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
