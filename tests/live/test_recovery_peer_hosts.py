@@ -40,3 +40,23 @@ def test_a_rank_killed_on_one_host_takes_its_state_from_the_other_host():
     assert killed < 2  # the first host holds ranks 0 and 1 ...
     holder = int(rec["reason"].split(f"rank {killed} <- rank ")[1][0])
     assert holder >= 2  # ... and the copy came from the second
+
+
+
+@pytest.mark.netns
+@pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
+def test_a_rank_killed_on_one_host_with_no_replacement_left_is_announced_gone_and_excised_across_hosts(tmp_path):
+    # the agent that runs both hosts' ranks has no replacement to give: it tells the job the rank is gone,
+    # and the survivors on both hosts excise it, bit for bit the excising reference
+    from meshpact.live.trials.trial import TrialConfig, run_trial
+
+    cfg = TrialConfig(fault_kind="kill", two_hosts=True, **_RUN)
+    result = run_trial(cfg, work_dir=tmp_path, replacements=0)
+    s = result.summary()
+    assert s["bit_identical"], s["mismatches"]
+    assert s["policy_counts"]["excise"] == 1 and s["final_world_size"] == 3 and s["replacement_processes"] == 0
+    assert s["storage_bytes_read"] == 0 and s["excision"]["equal_to_excising_reference"]
+    (killed,) = [f.rank for f in result.faults]
+    assert sorted(o.rank for o in result.faulted) == sorted(set(range(4)) - {killed})
+    (rec,) = [r for r in result.recoveries() if r["policy"] == "excise"]
+    assert f"the launcher starts no replacement for rank(s) [{killed}]" in rec["reason"], rec["reason"]
