@@ -55,6 +55,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from argparse import ArgumentParser, Namespace
@@ -335,6 +336,28 @@ class ReplacingAgent(SimpleElasticAgent):
         self._channel_down_since: float | None = None  # when the control channel last stopped answering
 
     # -- addresses and the control channel ------------------------------------------
+    def _rendezvous(self, worker_group: WorkerGroup) -> None:
+        """elastic's rendezvous, waited for from a thread of its own so that the node stays stoppable:
+        the static backend waits for the other nodes inside the store's native code, where Python
+        runs no signal handler until it returns (SIGTERM or Ctrl-C was held until the join timeout,
+        600 s by default). The main thread looks every 0.2 s; a signal ends the agent as at any
+        other point, and the waiting thread goes with the process."""
+        done: list[BaseException | None] = []
+
+        def join() -> None:
+            try:
+                super(ReplacingAgent, self)._rendezvous(worker_group)
+                done.append(None)
+            except BaseException as exc:  # noqa: BLE001 (re-raised on the agent's own thread)
+                done.append(exc)
+
+        waiter = threading.Thread(target=join, name="meshpact-rendezvous", daemon=True)
+        waiter.start()
+        while waiter.is_alive():
+            waiter.join(0.2)
+        if done and done[0] is not None:
+            raise done[0]
+
     def _node_addr(self) -> str:
         return self._worker_group.spec.local_addr or socket.getfqdn()
 

@@ -5,7 +5,8 @@ A live spare node with the job's ``--nproc-per-node`` is given the lost node's g
 ranks are not announced gone; with none registered, or only one that runs another number of
 workers (named, with why), the ranks are announced gone as before. ``--spare`` with
 ``--standalone`` is refused in one line, and a spare node that finds no job at its endpoint says
-so in one line.
+so in one line. A node waiting for the others in a static rendezvous (in the store's native code)
+still stops on SIGTERM, in one line.
 """
 
 from __future__ import annotations
@@ -149,3 +150,34 @@ def test_once_a_node_is_lost_the_other_agents_do_not_wait_at_elastics_exit_barri
     node2._exit_barrier()
     assert barriers == [node2] and "a node of the job was lost" in capsys.readouterr().err
     del server
+
+
+def test_a_node_waiting_for_the_others_in_a_static_rendezvous_stops_on_sigterm_with_one_line(tmp_path):
+    # the static backend waits for the other nodes in the store's native code; the agent must still
+    # hear a scheduler's SIGTERM there, not hold it until the join timeout (600 s by default)
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text("print('never started')\n")
+    proc = subprocess.Popen([sys.executable, "-m", "meshpact.launch", "--nnodes", "2", "--node-rank", "0",
+                             "--nproc-per-node", "1", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+                             "--master-port", str(port), str(script)], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        assert "joining the static rendezvous" in line, line
+        time.sleep(1.0)  # inside the store's wait for node 1
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=60)
+        err = proc.stderr.read()
+    finally:
+        proc.kill()
+    assert rc != 0
+    assert "stopped by SIGTERM" in err and "Traceback" not in err, err
