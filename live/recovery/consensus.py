@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import Policy
@@ -349,16 +349,18 @@ def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: 
             return channel.present(keys)
     deadline = time.monotonic() + timeout_s
     seen_gone: int | None = None  # the gone count at the last slice that timed out
+    wait = channel.wait  # the first slice blocks in the store (the common case: answered at once) ...
     while True:
         wanted = [(k, r) for k, r in zip(keys, ranks) if r not in skip]
         left = deadline - time.monotonic()
         try:
-            got = channel.wait([k for k, _ in wanted], max(min(slice_s, left), 0.01))
+            got = wait([k for k, _ in wanted], max(min(slice_s, left), 0.01))
             skipped = [k for k, r in zip(keys, ranks) if r in skip]
             return {**got, **channel.present(skipped)} if skipped else got
         except ControlTimeout:
             if left <= slice_s:
                 return channel.present(keys)
+        wait = channel.wait_quietly  # ... the later ones, waiting on a slow rank, ask without a timed-out wait's log
         gone_now = channel.counter(GONE_COUNT_KEY)  # one round trip; the names only when the count moved
         if gone_now != seen_gone:
             seen_gone = gone_now
@@ -381,13 +383,15 @@ def _await_decision(channel: ControlChannel, key: str, timeout_s: float, decider
         return None
     deadline = time.monotonic() + timeout_s
     seen_gone: int | None = None
+    wait = channel.wait  # as in _collect: a timed-out slice's log only once
     while True:
         left = deadline - time.monotonic()
         try:
-            return channel.wait([key], max(min(slice_s, left), 0.01))[key]
+            return wait([key], max(min(slice_s, left), 0.01))[key]
         except ControlTimeout:
             if left <= slice_s:
                 return None
+        wait = channel.wait_quietly
         gone_now = channel.counter(GONE_COUNT_KEY)
         if gone_now != seen_gone:
             seen_gone = gone_now

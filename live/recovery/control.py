@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -142,6 +143,20 @@ class ControlChannel:
         finally:
             self._store.set_timeout(timedelta(seconds=self.timeout_s))
         return {k: json.loads(v) for k, v in zip(keys, values)}
+
+    def wait_quietly(self, keys: list[str], timeout_s: float, every_s: float = 0.005) -> JsonObject:
+        """:meth:`wait` for a wait expected to run long (a slice after the first of a consensus
+        wait for a replacement that starts in seconds): it asks whether the keys exist every
+        ``every_s`` instead of blocking in the store's client, whose timed-out wait writes two
+        warning lines (``waitForInput ... likely a timeout``) to the worker's stderr, which
+        ``meshpact launch`` shows the user: a few dozen for one replacement."""
+        full = [self._ns + k for k in keys]
+        deadline = time.monotonic() + timeout_s
+        while not self._store.check(full):
+            if time.monotonic() >= deadline:
+                raise ControlTimeout([k for k, f in zip(keys, full) if not self._store.check([f])], timeout_s)
+            time.sleep(every_s)
+        return {k: json.loads(v) for k, v in zip(keys, self._store.multi_get(full))}
 
     def peek(self, keys: list[str]) -> list[Any]:
         """The values of ``keys`` in two round trips, never waiting: all None unless every key

@@ -51,3 +51,26 @@ def test_a_control_channel_says_whether_its_host_still_answers():
     del store
     gc.collect()
     assert not channel.answers()
+
+
+def test_a_quiet_wait_returns_what_arrives_late_and_names_what_never_came():
+    """The wait a consensus round falls back to after its first slice: the values once every key
+    exists (written by another client while it asks), else a ControlTimeout naming the missing keys."""
+    import threading
+    import time
+
+    from meshpact.live.recovery.control import ControlChannel, ControlTimeout
+
+    store = host_store("127.0.0.1", 0, world_size=2, timeout_s=10)
+    waiter = ControlChannel("127.0.0.1", store.port, 1, 2, 2.0, run_id="q")
+    writer = ControlChannel("127.0.0.1", store.port, 0, 2, 2.0, run_id="q")
+    writer.set("a", {"x": 1})
+    late = threading.Timer(0.2, lambda: writer.set("b", [2, 3]))
+    late.start()
+    t0 = time.monotonic()
+    assert waiter.wait_quietly(["a", "b"], timeout_s=10.0) == {"a": {"x": 1}, "b": [2, 3]}
+    assert time.monotonic() - t0 >= 0.15  # it waited for the late key rather than returning part of them
+    late.join()
+    with pytest.raises(ControlTimeout) as missing:
+        waiter.wait_quietly(["a", "never"], timeout_s=0.2)
+    assert "never" in str(missing.value) and "'a'" not in str(missing.value)
