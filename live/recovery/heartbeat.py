@@ -125,6 +125,7 @@ class SeverTiming:
     lock (a recovery's rebuild holds it) and how long the sever itself took (its flush of a large
     message part way included): what a rank that learned of a fault late spent it on."""
 
+    alarm: "HeartbeatAlarm | None" = None  # the alarm this sever was for
     t_wall: float = 0.0
     lock_wait_s: float = 0.0
     sever_s: float = 0.0
@@ -260,7 +261,7 @@ class Heartbeat:
                                        is_host=False, connect_timeout_s=cfg.store_connect_s,
                                        run_id=session.spec.run_id)
         self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of
-        self.last_sever = SeverTiming()  # how the last sever by this thread spent its time
+        self.last_sever = SeverTiming()  # how the last sever by an alarm (the watch's or the listener's) spent its time
         self._listening = session.generation  # the generation whose key the listener waits on
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="meshpact-heartbeat", daemon=True)
@@ -366,7 +367,7 @@ class Heartbeat:
         since this look began (its recovery may have taken the alarms already) keeps none."""
         s = self.session
         with self._alarm_lock:
-            if not self.watching:
+            if not self.watching or self._alarmed(generation):  # the other thread (watch, listener) raised first
                 return
             self.alarm, self._detected_generation = alarm, generation
         t0 = time.perf_counter()
@@ -374,7 +375,7 @@ class Heartbeat:
             t1 = time.perf_counter()
             if s.generation == generation:
                 s.sever_data_path(tell_peers=False)
-            self.last_sever = SeverTiming(time.time(), t1 - t0, time.perf_counter() - t1)
+                self.last_sever = SeverTiming(alarm, time.time(), t1 - t0, time.perf_counter() - t1)
 
     def _listen(self) -> None:
         """Wait on the control channel (a connection of its own) for a peer opening a recovery of

@@ -218,8 +218,9 @@ def _sever_timing(hb: Any, alarm: Any) -> dict[str, float]:
     """Where a rank told by its heartbeat spent the time from hearing of the fault to its step
     failing: the listener hearing of a peer's recovery (or the watch's look), the wait for the
     sever lock, the sever itself (a flush included), and the step's error reaching this thread."""
-    sever = hb.last_sever
-    if sever.t_wall < alarm.t_wall:  # this alarm severed nothing (its generation had moved on)
+    with hb.session.sever_lock:  # a sever under way (its sockets shut: the step failed) has written its record
+        sever = hb.last_sever
+    if sever.alarm is not alarm:  # this alarm severed nothing (its generation had moved on)
         return {}
     return {"heartbeat_lock_wait_ms": round(sever.lock_wait_s * 1e3, 3), "heartbeat_sever_ms": round(sever.sever_s * 1e3, 3),
             "heartbeat_alarm_to_severed_ms": round((sever.t_wall - alarm.t_wall) * 1e3, 3),
@@ -231,9 +232,9 @@ def detect(rt: Job, cause: Cause) -> Detection:
     clock = StageClock()
     t_detect, t0 = time.time(), time.perf_counter()
     told = rt.heartbeat is not None and not cause.drill  # peers still in the step hear it from the control channel
-    severed = s.sever_data_path(tell_peers=not told)  # the standby's sockets are not the data path's
-    if told:
+    if told:  # first: each peer's sever (its look for a message under way) runs beside this rank's own
         s.control.set_many([recovering_key(s.generation, r) for r in s.members if r != s.rank], s.rank)
+    severed = s.sever_data_path(tell_peers=not told)  # the standby's sockets are not the data path's
     alarm = rt.heartbeat.take() if rt.heartbeat is not None else None
     if alarm is not None and (alarm.stalled or alarm.data_path_quiet):  # the heartbeat knew first
         t_detect = min(t_detect, alarm.t_wall)  # (it severed the sockets that raised)
