@@ -31,7 +31,8 @@ Measures on this machine, in one run:
   survivor's shard is ``ranks / (ranks - 1)`` of before, in this job or any other that goes on
   without a rank): the peak less the plain loop's on ``ranks - 1`` ranks, over a survivor's own
   state there (the plain loop's on ``ranks - 1``), ``extra_rss_excised_over_own_state``. The
-  excised run's peak comes in the steps after the excision, on the larger shard;
+  excised run's peak comes at or after the excision, on the larger shard (a probe in an earlier
+  run placed it in the steps after; this bench does not time it);
   ``extra_rss_per_rank_over_state`` counts it against the start's world and shard;
 - the allocator, held equal: every process of both runs starts with glibc's mmap threshold
   fixed (``--mmap-threshold``, 1 MiB; ``MALLOC_MMAP_THRESHOLD_``), so a tensor of a megabyte or

@@ -61,7 +61,7 @@ import uuid
 from argparse import ArgumentParser, Namespace
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Collection, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 from torch.distributed.elastic import events, metrics
 from torch.distributed.elastic.agent.server.api import (RunResult, SimpleElasticAgent, Worker, WorkerGroup, WorkerSpec,
@@ -307,6 +307,29 @@ class _Ledger:
     replaced: int = 0
 
 
+def _stoppable(wait: Callable[[], None]) -> None:
+    """Run ``wait`` (a rendezvous, a spare node's standing by) on a thread of its own and look every
+    0.2 s whether it ended, so that the agent stays stoppable: a store waits in native code, where
+    Python runs no signal handler until it returns (SIGTERM or Ctrl-C was held until the join
+    timeout, 600 s by default). A signal ends the agent as at any other point, and the waiting
+    thread goes with the process; what ``wait`` raised is raised here."""
+    done: list[BaseException | None] = []
+
+    def run() -> None:
+        try:
+            wait()
+            done.append(None)
+        except BaseException as exc:  # noqa: BLE001 (re-raised on the agent's own thread)
+            done.append(exc)
+
+    waiter = threading.Thread(target=run, name="meshpact-rendezvous", daemon=True)
+    waiter.start()
+    while waiter.is_alive():
+        waiter.join(0.2)
+    if done and done[0] is not None:
+        raise done[0]
+
+
 class ReplacingAgent(SimpleElasticAgent):
     """torch.distributed.elastic's agent for one node, replacing a failed worker alone (see the module
     docstring); the rendezvous, rank assignment, exit barrier and error records are elastic's own."""
@@ -337,26 +360,8 @@ class ReplacingAgent(SimpleElasticAgent):
 
     # -- addresses and the control channel ------------------------------------------
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        """elastic's rendezvous, waited for from a thread of its own so that the node stays stoppable:
-        the static backend waits for the other nodes inside the store's native code, where Python
-        runs no signal handler until it returns (SIGTERM or Ctrl-C was held until the join timeout,
-        600 s by default). The main thread looks every 0.2 s; a signal ends the agent as at any
-        other point, and the waiting thread goes with the process."""
-        done: list[BaseException | None] = []
-
-        def join() -> None:
-            try:
-                super(ReplacingAgent, self)._rendezvous(worker_group)
-                done.append(None)
-            except BaseException as exc:  # noqa: BLE001 (re-raised on the agent's own thread)
-                done.append(exc)
-
-        waiter = threading.Thread(target=join, name="meshpact-rendezvous", daemon=True)
-        waiter.start()
-        while waiter.is_alive():
-            waiter.join(0.2)
-        if done and done[0] is not None:
-            raise done[0]
+        """elastic's rendezvous, waited for on a thread of its own (:func:`_stoppable`)."""
+        _stoppable(lambda: super(ReplacingAgent, self)._rendezvous(worker_group))
 
     def _node_addr(self) -> str:
         return self._worker_group.spec.local_addr or socket.getfqdn()
@@ -892,7 +897,14 @@ class SpareAgent(ReplacingAgent):
         return self._job_run_id
 
     def _rendezvous(self, worker_group: WorkerGroup) -> None:
-        """Instead of a rendezvous round: register as a spare node, stand by, take the group rank given."""
+        """Instead of a rendezvous round: register as a spare node, stand by, take the group rank given
+        (on a thread of its own, :func:`_stoppable`: the waits for the job and for a node are the store's)."""
+        _stoppable(lambda: self._take_a_node(worker_group))
+
+    def _take_a_node(self, worker_group: WorkerGroup) -> None:
+        h, p = self._standby.endpoint
+        _say(f"spare node: waiting for job {self._standby.get_run_id()} to name its control channel at {h}:{p} "
+             f"(up to the rendezvous join_timeout, {self._standby.join_timeout_s:g} s)")
         try:
             host, port, self._job_run_id = self._standby.job()
         except (RuntimeError, OSError) as exc:  # the store's DistStoreError is a RuntimeError

@@ -5,11 +5,13 @@ A live spare node with the job's ``--nproc-per-node`` is given the lost node's g
 ranks are not announced gone; with none registered, or only one that runs another number of
 workers (named, with why), the ranks are announced gone as before. ``--spare`` with
 ``--standalone`` is refused in one line, and a spare node that finds no job at its endpoint says
-so in one line. A node waiting for the others in a static rendezvous (in the store's native code)
-still stops on SIGTERM, in one line.
+so in one line. A node waiting in the store's native code (node 0 of a static rendezvous waiting for
+the others, a spare node waiting for its job) still stops on SIGTERM, in one line.
 """
 
 from __future__ import annotations
+
+import socket
 
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
 
@@ -152,28 +154,33 @@ def test_once_a_node_is_lost_the_other_agents_do_not_wait_at_elastics_exit_barri
     del server
 
 
-def test_a_node_waiting_for_the_others_in_a_static_rendezvous_stops_on_sigterm_with_one_line(tmp_path):
-    # the static backend waits for the other nodes in the store's native code; the agent must still
-    # hear a scheduler's SIGTERM there, not hold it until the join timeout (600 s by default)
+@pytest.mark.parametrize("role", ["static", "spare"])
+def test_a_node_waiting_in_the_store_stops_on_sigterm_with_one_line(tmp_path, role):
+    # node 0 of a static rendezvous waits for the other nodes, and a spare node for a job to name its
+    # control channel, in the store's native code; the agent must still hear a scheduler's SIGTERM
+    # there, not hold it until the join timeout (600 s by default)
     import signal
-    import socket
     import subprocess
     import sys
     import time
 
+    served = host_store("127.0.0.1", 0)  # the spare's endpoint: a store where no job has named its channel
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     script = tmp_path / "train.py"
     script.write_text("print('never started')\n")
-    proc = subprocess.Popen([sys.executable, "-m", "meshpact.launch", "--nnodes", "2", "--node-rank", "0",
-                             "--nproc-per-node", "1", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-                             "--master-port", str(port), str(script)], stderr=subprocess.PIPE, text=True)
+    flags = (["--nnodes", "2", "--node-rank", "0", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
+              "--master-port", str(port)] if role == "static" else
+             ["--spare", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{served.port}",
+              "--rdzv-id", "nojob"])
+    proc = subprocess.Popen([sys.executable, "-m", "meshpact.launch", "--nproc-per-node", "1", *flags, str(script)],
+                            stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()
-        assert "joining the static rendezvous" in line, line
-        time.sleep(1.0)  # inside the store's wait for node 1
+        assert ("joining the static rendezvous" if role == "static" else "spare node: waiting for job nojob") in line, line
+        time.sleep(1.0)  # inside the store's wait
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)
         err = proc.stderr.read()
