@@ -440,7 +440,8 @@ def _tail(result: Any, rec: dict[str, Any]) -> dict[str, Any]:
                 "error": str(last.data.get("error", ""))[:160], "heartbeat_alarm": last.data.get("heartbeat_alarm"),
                 "heartbeat_failed_looks": last.data.get("heartbeat_failed_looks"),
                 **{k: last.data[k] for k in ("heartbeat_lock_wait_ms", "heartbeat_sever_ms", "heartbeat_alarm_to_severed_ms",
-                                             "heartbeat_severed_to_raised_ms") if k in last.data}}}
+                                             "heartbeat_severed_to_raised_ms", "heartbeat_flush_end",
+                                             "heartbeat_flush_unsent", "heartbeat_flush_unread") if k in last.data}}}
 
 
 def _timeouts_used(result: Any, asked_s: float) -> list[float]:

@@ -32,7 +32,7 @@ import struct
 import termios
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any, Callable, Iterable
 
@@ -43,7 +43,7 @@ import torch.distributed.distributed_c10d as c10d
 from meshpact.core.recovery import CommunicatorAction
 
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
-           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "timed_out", "SeveredSockets",
+           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "Severance", "timed_out", "SeveredSockets",
            "group_ranks", "base_name", "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan",
            "group_plan", "set_data_timeout", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
 
@@ -285,7 +285,21 @@ def _names(fd: int, inode: str) -> bool:
         return False
 
 
-def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> int:
+@dataclass(frozen=True)
+class Severance:
+    """What one :func:`sever` did: the sockets it shut down, and how its wait for a message under
+    way ended (``flush_end``: ``none`` seen, ``settled`` once it ended, ``stalled``: a queue stopped
+    moving for ``FLUSH_STALL_S``, ``most``: ``FLUSH_MOST_S`` ran out, or ``""``: no wait), with the
+    bytes still queued then, this end's unsent and unread summed over the sockets."""
+
+    sockets: int
+    flush_s: float = 0.0
+    flush_end: str = ""
+    unsent: int = 0
+    unread: int = 0
+
+
+def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> Severance:
     """End a broken group's operations by shutting its sockets down, without closing its descriptors.
 
     gloo's ``abort`` does not unblock an operation in flight, and a group cannot be destroyed
@@ -313,8 +327,7 @@ def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> int:
             opened.append((socket.socket(fileno=os.dup(fd)), fd, inode))
         except OSError:
             continue
-    if held is not None and opened:
-        _flush([s for s, _, _ in opened])
+    flushed = _flush([s for s, _, _ in opened]) if held is not None and opened else None
     n = 0
     for s, fd, inode in opened:
         try:
@@ -327,7 +340,7 @@ def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> int:
             held.hold(s, fd, inode)
         else:
             s.close()
-    return n
+    return Severance(n) if flushed is None else replace(flushed, sockets=n)
 
 
 def _traffic(sock: socket.socket) -> tuple[int, int, int]:
@@ -344,7 +357,7 @@ def _traffic(sock: socket.socket) -> tuple[int, int, int]:
     return unsent, unread, moved
 
 
-def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: float = FLUSH_MOST_S) -> float:
+def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: float = FLUSH_MOST_S) -> Severance:
     """Wait while a large message is part way through one of these sockets, so that it ends before
     the pair fails: gloo writes a message the kernel cannot take whole from its own queue as the
     socket's buffer frees, and reads one in pieces as they arrive; either, cut short, waits out its
@@ -353,7 +366,8 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     within ``FLUSH_LOOK_S``) this returns then. Once one was seen, it waits until the sockets'
     queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
     writer unscheduled while the peer empties the buffer). Bounded: a queue not moving for
-    ``stall_s`` (a peer that stopped reading, a cut link), or ``most_s`` in all. Seconds waited."""
+    ``stall_s`` (a peer that stopped reading, a cut link), or ``most_s`` in all. How it ended
+    (:class:`Severance`, its socket count left to the caller)."""
     t0 = time.monotonic()
     last = [_traffic(s) for s in socks]
     large = any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES for q, r, _ in last)
@@ -366,14 +380,15 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
         large = large or delta > FLUSH_LARGE_BYTES or any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES
                                                           for q, r, _ in seen)
         if not large:
-            return now - t0
+            return Severance(0, now - t0, "none")
         if seen != last:
             last, moved_at = seen, now
         queued = any(q or r for q, r, _ in seen)
         if not queued and now - moved_at >= FLUSH_SETTLE_S:
-            return now - t0
+            return Severance(0, now - t0, "settled")
         if (queued and now - moved_at > stall_s) or now - t0 > most_s:
-            return now - t0
+            return Severance(0, now - t0, "most" if now - t0 > most_s else "stalled",
+                             sum(q for q, _, _ in seen), sum(r for _, r, _ in seen))
 
 
 def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,

@@ -84,11 +84,12 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from .communicator import Severance
 from .control import ControlChannel, ControlTimeout, control_address
 
 __all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed",
@@ -129,6 +130,7 @@ class SeverTiming:
     t_wall: float = 0.0
     lock_wait_s: float = 0.0
     sever_s: float = 0.0
+    severance: Severance = field(default_factory=lambda: Severance(0))  # the sever's own record: how its flush ended
 
 
 @dataclass(frozen=True)
@@ -374,8 +376,8 @@ class Heartbeat:
         with s.sever_lock:  # the standby's sockets survive, and a swap under way is waited for
             t1 = time.perf_counter()
             if s.generation == generation:
-                s.sever_data_path(tell_peers=False)
-                self.last_sever = SeverTiming(alarm, time.time(), t1 - t0, time.perf_counter() - t1)
+                severance = s.sever_data_path(tell_peers=False)
+                self.last_sever = SeverTiming(alarm, time.time(), t1 - t0, time.perf_counter() - t1, severance)
 
     def _listen(self) -> None:
         """Wait on the control channel (a connection of its own) for a peer opening a recovery of

@@ -310,7 +310,7 @@ class Session:
         channel's, the peer servers' or the standby's."""
         return self.data_path.sockets(self.standby.sockets if self.standby is not None else {}, self._data_path_key())
 
-    def sever_data_path(self, tell_peers: bool) -> int:
+    def sever_data_path(self, tell_peers: bool) -> comm.Severance:
         """Make every operation of this generation's data path fail (:func:`~.communicator.sever`).
         ``tell_peers``: the peers learn from these sockets (both directions shut down), where no
         heartbeat hears the recovery opened on the control channel for them; else only this

@@ -54,3 +54,26 @@ def test_a_port_protected_after_the_list_was_remembered_is_never_severed_from_it
     path.remember("g1")
     path.protect_ports([accepted.getsockname()[1]])  # a peer server's port, learned late
     assert set(path.sockets({}, "g1")) == set()
+
+
+def test_a_sever_says_how_its_wait_for_a_message_under_way_ended(pairs):
+    """Idle sockets: no message under way, no wait. A large message the peer never reads: the wait
+    gives up once the queue has not moved for FLUSH_STALL_S and says what was left queued (what a
+    recovery's record names when a sever took a tenth of a second)."""
+    idle, _ = pairs()
+    quiet = comm._flush([idle])
+    assert quiet.flush_end == "none" and quiet.unsent == quiet.unread == 0
+    writer, reader = pairs()
+    writer.setblocking(False)
+    sent = 0
+    try:
+        while True:  # fill both ends' buffers: the reader never reads
+            sent += writer.send(b"\0" * 65536)
+    except BlockingIOError:
+        pass
+    assert sent > comm.FLUSH_LARGE_BYTES
+    stuck = comm._flush([writer])
+    assert stuck.flush_end == "stalled" and stuck.unsent > comm.FLUSH_LARGE_BYTES and stuck.unread == 0
+    assert stuck.flush_s >= comm.FLUSH_STALL_S
+    unread = comm._flush([reader])  # the other end: bytes received and never read
+    assert unread.flush_end == "stalled" and unread.unread > comm.FLUSH_LARGE_BYTES

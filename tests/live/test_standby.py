@@ -67,7 +67,7 @@ def test_a_standby_is_built_exercised_and_carries_traffic_after_the_data_path_is
     keep = {fd: ino for sb in standbys for fd, ino in sb.sockets.items()}
     assert keep, "the standby opened no socket"
     # detection severs every connected data socket except the standby's
-    severed = comm.sever(comm.data_sockets(keep))
+    severed = comm.sever(comm.data_sockets(keep)).sockets
     assert severed >= 1  # one end each; a loopback peer end already shut down may refuse a second shutdown
     with pytest.raises(RuntimeError):
         _both(lambda r: _all_reduce_sum(data[r], 1.0))
@@ -135,7 +135,7 @@ def test_only_an_error_that_waited_out_its_timeout_reads_as_a_silent_data_path()
     pgs = _both(lambda r: dist.ProcessGroupGloo(dist.PrefixStore("severed/", store), r, 2, timedelta(seconds=30)))
     work = pgs[0].recv([torch.zeros(4)], 1, 0)
     # both ends live in this process; the first shut down, gloo may close the other before its turn
-    assert comm.sever(comm.data_sockets(keep)) >= 1
+    assert comm.sever(comm.data_sockets(keep)).sockets >= 1
     with pytest.raises(RuntimeError) as heard:
         work.wait()
     assert comm.timed_out(str(waited.value)), str(waited.value)
