@@ -337,7 +337,7 @@ def _excise_plan(proposals: dict[int, Proposal], lost: Sequence[int],
 
 
 def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: Sequence[int],
-             skip: list[int] | None, slice_s: float = 0.25) -> JsonObject:
+             skip: list[int] | None, slice_s: float = 0.25, quiet: bool = False) -> JsonObject:
     """The round's proposals present within ``timeout_s``. With ``skip`` given the wait is cut
     in slices, and a rank the launcher marks gone meanwhile joins ``skip`` and is no longer
     waited for (excising: it is declared lost; replacing: no replacement comes). When every
@@ -349,7 +349,9 @@ def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: 
             return channel.present(keys)
     deadline = time.monotonic() + timeout_s
     seen_gone: int | None = None  # the gone count at the last slice that timed out
-    wait = channel.wait  # the first slice blocks in the store (the common case: answered at once) ...
+    # the first slice of an agreement's first round blocks in the store (the common case: answered at once);
+    # the rest, waiting on a slow rank, ask without a timed-out wait's two warning lines each (wait_quietly)
+    wait = channel.wait_quietly if quiet else channel.wait
     while True:
         wanted = [(k, r) for k, r in zip(keys, ranks) if r not in skip]
         left = deadline - time.monotonic()
@@ -360,7 +362,7 @@ def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: 
         except ControlTimeout:
             if left <= slice_s:
                 return channel.present(keys)
-        wait = channel.wait_quietly  # ... the later ones, waiting on a slow rank, ask without a timed-out wait's log
+        wait = channel.wait_quietly
         gone_now = channel.counter(GONE_COUNT_KEY)  # one round trip; the names only when the count moved
         if gone_now != seen_gone:
             seen_gone = gone_now
@@ -374,7 +376,7 @@ def _decider(expected: Sequence[int], skip: Sequence[int], misses: dict[int, int
 
 
 def _await_decision(channel: ControlChannel, key: str, timeout_s: float, decider: int | None,
-                    ranks: Sequence[int], skip: list[int], slice_s: float = 0.25) -> JsonObject | None:
+                    ranks: Sequence[int], skip: list[int], slice_s: float = 0.25, quiet: bool = False) -> JsonObject | None:
     """The round's decision once the decider has written it; None when it has not within
     ``timeout_s`` (the proposals' own bound) or the launcher marked the decider gone meanwhile:
     then this rank decides, and the first decision written stands either way. Ranks marked
@@ -383,7 +385,7 @@ def _await_decision(channel: ControlChannel, key: str, timeout_s: float, decider
         return None
     deadline = time.monotonic() + timeout_s
     seen_gone: int | None = None
-    wait = channel.wait  # as in _collect: a timed-out slice's log only once
+    wait = channel.wait_quietly if quiet else channel.wait  # as in _collect
     while True:
         left = deadline - time.monotonic()
         try:
@@ -519,10 +521,12 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         skip = declared if excising else gone
         decider = _decider(expected, skip, misses)
         t_round = time.monotonic()
-        stored = (_await_decision(channel, f"round{round_}/{ADOPTED}", timeout, decider, expected, skip)
+        quiet = attempt > (view is not None)  # a round after the first: some rank was missing, a slow path
+        stored = (_await_decision(channel, f"round{round_}/{ADOPTED}", timeout, decider, expected, skip, quiet=quiet)
                   if decider != channel.rank else None)
         if stored is None:  # the decider, or its decision did not come: decide, the first writer's stands
-            got = _collect(channel, keys, max(timeout - (time.monotonic() - t_round), 0.01), expected, skip)
+            got = _collect(channel, keys, max(timeout - (time.monotonic() - t_round), 0.01), expected, skip,
+                           quiet=quiet)
             proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
             overdue, whys = overdue_of([r for r in expected if r not in proposals])
             ours = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,

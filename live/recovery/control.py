@@ -145,8 +145,8 @@ class ControlChannel:
         return {k: json.loads(v) for k, v in zip(keys, values)}
 
     def wait_quietly(self, keys: list[str], timeout_s: float, every_s: float = 0.005) -> JsonObject:
-        """:meth:`wait` for a wait expected to run long (a slice after the first of a consensus
-        wait for a replacement that starts in seconds): it asks whether the keys exist every
+        """:meth:`wait` for a wait expected to run long (a consensus wait past its agreement's first
+        slice: a replacement that starts in seconds, a rank that missed a round): it asks whether the keys exist every
         ``every_s`` instead of blocking in the store's client, whose timed-out wait writes two
         warning lines (``waitForInput ... likely a timeout``) to the worker's stderr, which
         ``meshpact launch`` shows the user: a few dozen for one replacement."""

@@ -60,7 +60,8 @@ def test_two_nodes_in_a_static_rendezvous_replace_a_worker_alone_from_the_other_
     assert faulted[3].incarnation == 1 and faulted[3].pid != killed.pid
     assert all(f.storage_bytes_read == 0 for f in faulted.values())
     assert [f.policies for r, f in sorted(faulted.items()) if r != 3] == [("peer_restore",)] * 3
-    # waiting seconds for the replacement, a survivor's consensus writes the store client's timed-out-wait
-    # warning once (its first slice), not once per slice
-    for node, ranks in ((node0, 2), (node1, 1)):
-        assert node.log.read_text().count("likely a timeout") <= ranks, node.log.read_text()[-3000:]
+    # waiting seconds for the replacement (over several consensus rounds under load), each process writes the
+    # store client's timed-out-wait warning at most once (its agreement's first slice), not once per 0.25 s
+    # slice: node 0 runs ranks 0 and 1, node 1 rank 2 and rank 3's replacement
+    for node in (node0, node1):
+        assert node.log.read_text().count("likely a timeout") <= 2, node.log.read_text()[-3000:]
