@@ -7,13 +7,17 @@ timeout, separate from the data path's.
 
 Who hosts it: the launcher (as torchrun's agent hosts the rendezvous store), named by
 ``MESHPACT_CONTROL_ADDR`` and ``MESHPACT_CONTROL_PORT``; under plain ``torchrun`` without
-those, rank 0 hosts it on ``MASTER_PORT + 1``.
+those, rank 0 hosts it on ``MASTER_ADDR`` at a port the kernel picks, and tells the other
+ranks where in the job's own store (:func:`join`). A port of its own choosing (once
+``MASTER_PORT + 1``) can be taken by anything else on the host.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
+import socket
 import time
 from datetime import timedelta
 from typing import Any
@@ -24,9 +28,11 @@ from meshpact.core.jsonform import JsonObject
 
 from ..store import open_store
 
-__all__ = ["ControlChannel", "ControlTimeout", "control_address"]
+__all__ = ["ControlChannel", "ControlTimeout", "join", "ATTEMPT_KEY"]
 
 _NAMESPACE = "meshpact/control/"
+_ADDRESS_KEY = "meshpact/control-address/"  # in the job's store: where rank 0 hosts the channel (join)
+ATTEMPT_KEY = "attempt"  # the word rank 0 drew for this attempt's channel (join, session.attempt_scope)
 
 
 class ControlTimeout(TimeoutError):
@@ -38,14 +44,6 @@ class ControlTimeout(TimeoutError):
         self.timeout_s = timeout_s
 
 
-def control_address() -> tuple[str, int, bool]:
-    """``(host, port, host_it_here)`` from the environment (see the module docstring)."""
-    if os.environ.get("MESHPACT_CONTROL_PORT"):
-        return (os.environ.get("MESHPACT_CONTROL_ADDR", "127.0.0.1"), int(os.environ["MESHPACT_CONTROL_PORT"]), False)
-    return (os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"]) + 1,
-            int(os.environ.get("RANK", "0")) == 0)
-
-
 class ControlChannel:
     def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 10.0,
                  is_host: bool = False, connect_timeout_s: float = 60.0, run_id: str = "") -> None:
@@ -55,17 +53,14 @@ class ControlChannel:
         self.port = port
         self.timeout_s = float(timeout_s)
         self._store = open_store(host, port, world_size, is_host, connect_timeout_s)
+        self.port = int(self._store.port)  # the kernel's pick where port was 0
         self._store.set_timeout(timedelta(seconds=self.timeout_s))
         self._ns = f"{_NAMESPACE}{run_id}/"
         self._made: set[str] = set()  # counters known to exist (read by multi_get, which would wait for them)
 
-    @classmethod
-    def from_env(cls, timeout_s: float = 10.0, run_id: str = "", connect_timeout_s: float = 60.0) -> "ControlChannel":
-        """The channel named by the environment (see the module docstring); ``run_id`` keeps
-        this run's keys apart from other runs sharing the store."""
-        host, port, here = control_address()
-        return cls(host, port, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), timeout_s, is_host=here,
-                   connect_timeout_s=connect_timeout_s, run_id=run_id)
+    def close(self) -> None:
+        """Drop this end's connection (a channel found to be another attempt's, :func:`join`)."""
+        del self._store
 
     # -- values ----------------------------------------------------------------------------
     def set(self, key: str, value: Any) -> None:
@@ -193,3 +188,66 @@ class ControlChannel:
             if self._store.check([f]):
                 out[k] = json.loads(self._store.get(f))
         return out
+
+
+def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, connect_timeout_s: float,
+         env: Any = None) -> ControlChannel:
+    """This rank's end of the job's control channel.
+
+    Named by ``MESHPACT_CONTROL_ADDR``/``MESHPACT_CONTROL_PORT`` (``meshpact launch``, the
+    trial command): a client of that. Otherwise (plain ``torchrun``) rank 0 hosts it on
+    ``MASTER_ADDR`` at a port the kernel picks, writes a word of its own drawing there
+    (``ATTEMPT_KEY``), and publishes address, port and word under ``run_id`` in ``store``, the
+    job's store; every other rank reads that record, connects, and keeps the channel only if
+    it holds the record's word. Under ``torchrun --max-restarts`` the job's store is the
+    agents' and outlives an attempt, so a record can be the last attempt's: its host is gone
+    (the connect is refused) or its port now serves something else (the word differs), and
+    the rank reads the record again until this attempt's rank 0 has written its own, within
+    ``connect_timeout_s``."""
+    env = os.environ if env is None else env
+    if env.get("MESHPACT_CONTROL_PORT"):
+        return ControlChannel(env.get("MESHPACT_CONTROL_ADDR", "127.0.0.1"), int(env["MESHPACT_CONTROL_PORT"]), rank,
+                              world_size, timeout_s, connect_timeout_s=connect_timeout_s, run_id=run_id)
+    key = _ADDRESS_KEY + run_id
+    if rank == 0:
+        host = env.get("MASTER_ADDR", "127.0.0.1")
+        channel = ControlChannel(host, 0, rank, world_size, timeout_s, is_host=True,
+                                 connect_timeout_s=connect_timeout_s, run_id=run_id)
+        word = channel.set_once(ATTEMPT_KEY, secrets.token_hex(6))
+        store.set(key, json.dumps({"host": host, "port": channel.port, "word": word}))
+        return channel
+    deadline = time.monotonic() + connect_timeout_s
+    last = ""
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"rank {rank}: rank 0 did not publish this attempt's control channel within "
+                               f"{connect_timeout_s:.0f} s (last address read: {last or 'none'})")
+        try:  # asked every 10 ms: a timed-out wait in the store's client writes warnings to stderr
+            record = json.loads(store.get(key)) if store.check([key]) else None
+        except (RuntimeError, dist.DistStoreError, ValueError):
+            record = None
+        if record is None:
+            time.sleep(0.01)
+            continue
+        last = f"{record['host']}:{record['port']}"
+        if _listening(record["host"], int(record["port"]), min(left, 1.0)):
+            try:
+                channel = ControlChannel(record["host"], int(record["port"]), rank, world_size, timeout_s,
+                                         connect_timeout_s=min(max(left, 0.1), 2.0), run_id=run_id)
+            except (RuntimeError, OSError, dist.DistStoreError):
+                channel = None
+            if channel is not None:
+                if channel.get(ATTEMPT_KEY) == record["word"]:
+                    return channel
+                channel.close()
+        time.sleep(0.02)
+
+
+def _listening(host: str, port: int, timeout_s: float) -> bool:
+    """Whether something accepts a connection at ``host:port`` now (a refusal is answered at once)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False

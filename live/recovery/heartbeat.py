@@ -90,7 +90,7 @@ from typing import Any
 import torch
 
 from .communicator import Severance
-from .control import ControlChannel, ControlTimeout, control_address
+from .control import ControlChannel, ControlTimeout
 
 __all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed",
            "stall_bound", "pause_key"]
@@ -242,8 +242,7 @@ class Heartbeat:
         self._stall_detail = ""  # what the last look found stalled, for the alarm's record
         self._forget_word = False  # set by warm_up_again: the thread publishes "no word" at its next look
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
-        host, port, _ = control_address()
-        self.channel = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
+        self.channel = ControlChannel(session.control.host, session.control.port, session.rank, session.world_size, cfg.control_timeout_s,
                                       is_host=False, connect_timeout_s=cfg.store_connect_s,
                                       run_id=session.spec.run_id)
         self.watching = False  # set by the runtime while the user's step runs
@@ -259,7 +258,7 @@ class Heartbeat:
         self._fds_generation: int | None = None
         self._main = threading.main_thread().ident
         self._main_stat = f"/proc/self/task/{threading.main_thread().native_id}/stat"
-        self.listener = ControlChannel(host, port, session.rank, session.world_size, cfg.control_timeout_s,
+        self.listener = ControlChannel(session.control.host, session.control.port, session.rank, session.world_size, cfg.control_timeout_s,
                                        is_host=False, connect_timeout_s=cfg.store_connect_s,
                                        run_id=session.spec.run_id)
         self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of

@@ -44,7 +44,8 @@ from ..store import open_store
 from .checkpoint import Checkpointer
 from .config import RecoveryConfig
 from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Proposal, agree
-from .control import ControlChannel
+from .control import ATTEMPT_KEY, ControlChannel
+from .control import join as join_control
 from .generation import Generation
 
 __all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "run_id_of", "attempt_scope", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
@@ -461,7 +462,6 @@ def mesh_from_groups(groups: Mapping[str, dist.ProcessGroup], device_type: str, 
                                  mesh_dim_names=names or tuple(f"dim{d}" for d in range(len(shape))))
 
 
-ATTEMPT_KEY = "attempt"  # plain torchrun: the word that names this attempt of the job (start_session)
 
 
 def run_id_of(env: Mapping[str, str]) -> str:
@@ -478,7 +478,7 @@ def attempt_scope(run_id: str, control: Any, env: Mapping[str, str]) -> str:
     addresses, counters). Torchrun's restart count cannot name the attempt: an agent whose own
     workers were healthy restarts them for a node that left without counting a restart, so two
     nodes of one attempt disagree. The control channel is hosted anew by each attempt's rank 0,
-    so the first word written there is the attempt's, and every rank reads it."""
+    which writes the attempt's word there first (:func:`~.control.join`), and every rank reads it."""
     if (env.get("MESHPACT_RUN_ID") or env.get("MESHPACT_CONTROL_PORT")  # a channel that outlives the attempt
             or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"):
         return run_id
@@ -505,7 +505,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store_addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     store = open_store(*store_addr, world, is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
-    control = ControlChannel.from_env(config.control_timeout_s, run_id, connect_timeout_s=config.store_connect_s)
+    control = join_control(store, rank, world, config.control_timeout_s, run_id, config.store_connect_s)
     run_id = attempt_scope(run_id, control, os.environ)
     last_round, generation, _ = control.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])  # made now
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))

@@ -59,9 +59,11 @@ def assert_identical(result: TrialResult, faults_recovered: int | None = None, *
 def assert_recovered(result: TrialResult, policy: str) -> dict:
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]
-    assert s["faults_injected"] == result.config.faults
-    assert s["faults_recovered"] == s["faults_injected"]
-    assert s["policy_counts"][policy] >= s["faults_injected"]
+    fired = {i: (rec.step, rec.rank) for i, rec in result.fault_records.items()}
+    said = f"faults fired (step, rank): {fired}; recoveries:\n{recoveries_told(result)}"
+    assert s["faults_injected"] == result.config.faults, said
+    assert s["faults_recovered"] == s["faults_injected"], said
+    assert s["policy_counts"][policy] >= s["faults_injected"], said
     assert s["old_group_ops_after_rebind"] == 0
     events = read_recording(s["recording"])
     stages = {e.stage.value for e in events if e.stage is not None}

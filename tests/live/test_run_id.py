@@ -40,3 +40,49 @@ def test_no_word_is_drawn_where_the_store_is_the_attempts_own_or_the_channel_out
                 {**PLAIN, "MESHPACT_RUN_ID": "job7"}, {**PLAIN, "MESHPACT_CONTROL_PORT": "7000"}):
         assert attempt_scope("rdzv", ch, env) == "rdzv"
     del server
+
+
+def test_plain_torchrun_ranks_find_the_channel_rank_0_hosts_at_a_port_the_kernel_picked():
+    """No port is guessed (``MASTER_PORT + 1`` could be taken): rank 0 publishes its channel's
+    address and word in the job's store; a record the last attempt left there (its host gone,
+    or its port now another attempt's channel) is passed over until this attempt's is written."""
+    import json
+    import threading
+
+    from meshpact.live.recovery.control import ATTEMPT_KEY, join
+
+    env = {"MASTER_ADDR": "127.0.0.1"}
+    job_store = host_store("127.0.0.1", 0)
+    gone = host_store("127.0.0.1", 0)
+    gone_port = gone.port
+    del gone  # the last attempt's rank 0: its port refuses now
+    job_store.set("meshpact/control-address/rdzv", json.dumps({"host": "127.0.0.1", "port": gone_port, "word": "old"}))
+    other = host_store("127.0.0.1", 0)  # a live channel with another attempt's word
+    ControlChannel("127.0.0.1", other.port, 0, 2, 5.0, run_id="rdzv").set(ATTEMPT_KEY, "older")
+    joined: list[ControlChannel] = []
+    one = threading.Thread(target=lambda: joined.append(join(job_store, 1, 2, 5.0, "rdzv", 10.0, env)))
+    one.start()
+    one.join(0.3)
+    assert one.is_alive()  # still looking: the stale record's host refuses
+    job_store.set("meshpact/control-address/rdzv", json.dumps({"host": "127.0.0.1", "port": other.port, "word": "old"}))
+    one.join(0.3)
+    assert one.is_alive()  # a channel answers there, but not with the record's word
+    zero = join(job_store, 0, 2, 5.0, "rdzv", 10.0, env)
+    one.join(5.0)
+    assert not one.is_alive() and joined[0].port == zero.port != other.port
+    zero.set("k", 7)
+    assert joined[0].get("k") == 7 and joined[0].get(ATTEMPT_KEY) == zero.get(ATTEMPT_KEY) != "older"
+
+
+def test_a_rank_whose_rank_0_never_publishes_is_told_so_within_its_bound():
+    import time
+
+    import pytest
+
+    from meshpact.live.recovery.control import join
+
+    job_store = host_store("127.0.0.1", 0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="rank 3: rank 0 did not publish"):
+        join(job_store, 3, 4, 5.0, "rdzv", 0.5, {"MASTER_ADDR": "127.0.0.1"})
+    assert time.monotonic() - start < 3.0
