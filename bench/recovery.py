@@ -441,7 +441,33 @@ def _tail(result: Any, rec: dict[str, Any]) -> dict[str, Any]:
                 "heartbeat_failed_looks": last.data.get("heartbeat_failed_looks"),
                 **{k: last.data[k] for k in ("heartbeat_lock_wait_ms", "heartbeat_sever_ms", "heartbeat_alarm_to_severed_ms",
                                              "heartbeat_severed_to_raised_ms", "heartbeat_flush_end",
-                                             "heartbeat_flush_unsent", "heartbeat_flush_unread") if k in last.data}}}
+                                             "heartbeat_flush_unsent", "heartbeat_flush_unread", "heartbeat_flush_ms",
+                                             "heartbeat_flush_gap_ms", "flush_end", "flush_ms", "flush_gap_ms")
+                   if k in last.data}}}
+
+
+def _flush_of(data: dict[str, Any]) -> dict[str, Any]:
+    """How one rank's sever of a recovery waited for a message under way: its own sever's, or the
+    sever its heartbeat made when a peer's recovery was heard (that one cut the step short)."""
+    if data.get("heartbeat_flush_end"):
+        return {"end": data["heartbeat_flush_end"], "ms": data.get("heartbeat_flush_ms", 0.0),
+                "gap_ms": data.get("heartbeat_flush_gap_ms", 0.0)}
+    return {"end": data.get("flush_end") or "no wait", "ms": data.get("flush_ms", 0.0),
+            "gap_ms": data.get("flush_gap_ms", 0.0)}
+
+
+def _flush_summary(flushes: list[dict[str, Any]]) -> dict[str, Any]:
+    """The severs of every recovery at one size: how many ended each way, and for those that saw a
+    message under way and waited for it, the wait's p50 and max and the longest quiet spell between
+    two of its movements (what the settle after it must outlast: ``FLUSH_SETTLE_S``)."""
+    ends: dict[str, int] = {}
+    for f in flushes:
+        ends[f["end"]] = ends.get(f["end"], 0) + 1
+    waited = [f for f in flushes if f["end"] in ("settled", "stalled", "most")]
+    if not waited:
+        return {"by_end": ends}
+    return {"by_end": ends, "waited_ms_p50": statistics.median(f["ms"] for f in waited),
+            "waited_ms_max": max(f["ms"] for f in waited), "gap_ms_max": max(f["gap_ms"] for f in waited)}
 
 
 def _timeouts_used(result: Any, asked_s: float) -> list[float]:
@@ -473,6 +499,7 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
     used: dict[tuple[float, int], set[float]] = {k: set() for k in keys}
     theirs: dict[int, list[float]] = {n: [] for n in sizes}
     standby: dict[tuple[float, int], dict[str, int]] = {k: {"used": 0, "built": 0} for k in keys}
+    flushes: dict[tuple[float, int], list[dict[str, Any]]] = {k: [] for k in keys}  # every rank's sever of a recovery
     torchft_error: str | None = None
     identical = True
     load = [round(os.getloadavg()[0], 2)]
@@ -495,6 +522,8 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
                 for e in result.events():
                     if e.event == EventKind.REBUILT and e.rank == 0 and e.data.get("standby"):
                         standby[(t, n)]["used" if e.data["standby"] == "used" else "built"] += 1
+                    if e.event == EventKind.DETECTED:
+                        flushes[(t, n)].append(_flush_of(e.data))
                 if t == timeouts[0] and torchft_error is None:
                     vals = _probe("meshpact.live.trials.probe:torchft_probe", n, {"rounds": per_chunk + 1})
                     if "error" in vals[0]:
@@ -538,7 +567,7 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
                                        for s in STAGES} if spent else {},
                                    "after_resume_cpu_ms_p50": (statistics.median(c["after_resume"] for c in spent)
                                                                if spent else None),
-                                   "over_100_ms": tails[k]}
+                                   "over_100_ms": tails[k], "flush": _flush_summary(flushes[k])}
             text = f"{row['p50_ms']:.1f} / {row['p99_ms']:.1f} / {row['max_ms']:.1f}"
             if total:
                 text += (f"  |  CPU {row['cpu_ms_all_ranks_p50']:.1f} ms over {n} ranks on {cores} cores: at least "

@@ -52,6 +52,11 @@ WORLD = "meshpact_data"
 # without moving and this long in all
 FLUSH_STALL_S = 0.1
 FLUSH_MOST_S = 5.0
+# once a large message was seen and the queues are empty, the quiet a sever waits for before judging it
+# ended: longer than the longest quiet spell a message under way was seen to take between two of its
+# movements (a writer or reader left unscheduled), 36-45 ms at 4 and 8 ranks on 2 cores (bench/recovery.py's
+# ``flush`` record); a shorter settle cuts such a message part way, and its operation waits out the
+# data-path timeout
 FLUSH_SETTLE_S = 0.05
 FLUSH_LARGE_BYTES = 64 * 1024
 # how long a sever looks at its sockets before judging that no large message moves through them: a
@@ -297,6 +302,7 @@ class Severance:
     flush_end: str = ""
     unsent: int = 0
     unread: int = 0
+    gap_s: float = 0.0  # the longest quiet spell between two movements the flush saw (see FLUSH_SETTLE_S)
 
 
 def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> Severance:
@@ -365,13 +371,14 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     the free buffer whole, and is read whole): with none in sight (queued either way, or moved
     within ``FLUSH_LOOK_S``) this returns then. Once one was seen, it waits until the sockets'
     queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
-    writer unscheduled while the peer empties the buffer). Bounded: a queue not moving for
+    writer unscheduled while the peer empties the buffer; the longest such quiet spell it saw
+    between two movements is ``gap_s``). Bounded: a queue not moving for
     ``stall_s`` (a peer that stopped reading, a cut link), or ``most_s`` in all. How it ended
     (:class:`Severance`, its socket count left to the caller)."""
     t0 = time.monotonic()
     last = [_traffic(s) for s in socks]
     large = any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES for q, r, _ in last)
-    moved_at = t0
+    moved_at, gap = t0, 0.0
     while True:
         time.sleep(FLUSH_LOOK_S)
         now = time.monotonic()
@@ -382,13 +389,14 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
         if not large:
             return Severance(0, now - t0, "none")
         if seen != last:
+            gap = max(gap, now - moved_at) if moved_at > t0 else gap
             last, moved_at = seen, now
         queued = any(q or r for q, r, _ in seen)
         if not queued and now - moved_at >= FLUSH_SETTLE_S:
-            return Severance(0, now - t0, "settled")
+            return Severance(0, now - t0, "settled", gap_s=gap)
         if (queued and now - moved_at > stall_s) or now - t0 > most_s:
             return Severance(0, now - t0, "most" if now - t0 > most_s else "stalled",
-                             sum(q for q, _, _ in seen), sum(r for _, r, _ in seen))
+                             sum(q for q, _, _ in seen), sum(r for _, r, _ in seen), gap)
 
 
 def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,

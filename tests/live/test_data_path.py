@@ -77,3 +77,43 @@ def test_a_sever_says_how_its_wait_for_a_message_under_way_ended(pairs):
     assert stuck.flush_s >= comm.FLUSH_STALL_S
     unread = comm._flush([reader])  # the other end: bytes received and never read
     assert unread.flush_end == "stalled" and unread.unread > comm.FLUSH_LARGE_BYTES
+
+
+def test_a_sever_waits_through_a_writers_pauses_and_says_the_longest(pairs):
+    """A large message written in pieces with a pause between each (a writer the machine leaves
+    unscheduled): the flush on the receiving end, watching while a reader drains it, waits through
+    every pause shorter than FLUSH_SETTLE_S, ends only after the last piece, and says the longest
+    quiet spell it saw (what a bench reads to tell whether the settle outlasts this machine's)."""
+    import threading
+    import time
+
+    writer, reader = pairs()
+    piece, pieces, pause = b"\1" * (8 * comm.FLUSH_LARGE_BYTES), 6, 0.004
+    last_sent, first_sent = [], threading.Event()
+
+    def write() -> None:
+        for i in range(pieces):
+            writer.sendall(piece)
+            first_sent.set()  # the sever comes while the message moves
+            if i < pieces - 1:
+                time.sleep(pause)
+        last_sent.append(time.monotonic())
+
+    def read() -> None:  # slow through the first piece (the sever's first look finds it queued), then at once
+        got = 0
+        while got < pieces * len(piece):
+            got += len(reader.recv(comm.FLUSH_LARGE_BYTES // 4 if got < len(piece) else 1 << 20))
+            if got < len(piece):
+                time.sleep(0.0002)
+
+    threads = [threading.Thread(target=write), threading.Thread(target=read)]
+    for t in threads:
+        t.start()
+    assert first_sent.wait(10)
+    ended = comm._flush([reader])
+    done = time.monotonic()
+    for t in threads:
+        t.join(10)
+    assert ended.flush_end == "settled", ended
+    assert last_sent and done > last_sent[0]  # it did not judge the message over in a pause
+    assert pause / 2 <= ended.gap_s < comm.FLUSH_SETTLE_S
