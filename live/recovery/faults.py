@@ -13,7 +13,10 @@
   may still be receiving (that would leave the ranks one committed step apart, and the
   group would correctly refuse to resume from memory). Needs root and iproute2;
   :func:`netns_unavailable` says why not elsewhere.
-- ``kill``: the chosen rank sends itself SIGKILL; the launcher starts a replacement.
+- ``kill``: the chosen rank sends itself SIGKILL; the launcher starts a replacement. Kills
+  planned at one step (a rank and its holders, ``--kill-holders``) land together: each rank
+  posts its arrival at the step and dies once all of them have, so none of them can learn of
+  another's death first and be restored from (or by) a rank that was meant to die with it.
 - ``silent``: the chosen rank stops itself with SIGSTOP (alive, silent); consensus declares
   it lost within the rank-loss bound, and the launcher kills and replaces it.
 
@@ -113,6 +116,11 @@ class FaultInjector:
                  down_s: float = 0.0, data_iface: str | None = None) -> None:
         self.own = {f.step: f for f in faults if f.rank == rank}  # this rank's faults, by step
         self.partitions = {f.step: f for f in faults if f.kind is FaultKind.PARTITION}
+        kills: dict[int, list[int]] = {}
+        for f in faults:
+            if f.kind is FaultKind.KILL:
+                kills.setdefault(f.step, []).append(f.rank)
+        self.kills_together = {step: ranks for step, ranks in kills.items() if len(ranks) > 1}  # step -> ranks
         self.rank = rank
         self.channel = channel
         self.stall_s = stall_s
@@ -139,6 +147,13 @@ class FaultInjector:
         fault = self.own.get(step)
         if fault is not None and fault.kind is FaultKind.PARTITION:  # claimed (and timed) once all are in
             self.channel.wait([f"arrived/{fault.index}/rank{r}" for r in range(self.channel.world_size)])
+        together = self.kills_together.get(step, []) if fault is not None and fault.kind is FaultKind.KILL else []
+        if together:  # every rank of the kill is in the step before any dies (see the module docstring)
+            self.channel.set(f"arrived/kill{step}/rank{self.rank}", True)
+            try:
+                self.channel.wait([f"arrived/kill{step}/rank{r}" for r in together])
+            except TimeoutError:  # a partner that never comes (gone already): this rank dies alone
+                pass
         if fault is None or not self._claim(fault):
             return None
         if fault.kind is FaultKind.PARTITION:

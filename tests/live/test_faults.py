@@ -130,3 +130,34 @@ def test_a_partition_is_cut_only_once_every_rank_has_entered_the_step(monkeypatc
     assert injector0.arm(step) is None
     assert channel.log[-1] == ("cut",)
     assert channel.log[-2] == ("wait", ("arrived/0/rank0", "arrived/0/rank1"))
+
+
+
+def test_a_rank_and_its_holders_killed_at_one_step_die_only_once_all_of_them_are_in_it():
+    """Each kill of a group at one step waits for the others' arrival before it fires: a holder still
+    in the last step's tail would otherwise learn of the first death, restore the rank from its
+    copy and die after, and the trial meant to lose the state with its holders would not."""
+    import threading
+
+    from meshpact.live.recovery.control import ControlChannel
+    from meshpact.live.recovery.faults import Fault
+    from meshpact.live.store import host_store
+
+    faults = (Fault(0, FaultKind.KILL, 3, 0), Fault(1, FaultKind.KILL, 3, 1), Fault(2, FaultKind.KILL, 5, 2))
+    server = host_store("127.0.0.1", 0)
+    lost, holder, alone = (FaultInjector(faults, r, ControlChannel("127.0.0.1", server.port, r, 3, 5.0)) for r in range(3))
+    assert lost.kills_together == {3: [0, 1]}
+    armed: list = []
+    first = threading.Thread(target=lambda: armed.append(lost.arm(3)))
+    first.start()
+    first.join(0.5)
+    assert first.is_alive() and not armed  # the holder is not in step 3 yet: rank 0 does not die
+    assert holder.arm(3) == faults[1]
+    first.join(5.0)
+    assert armed == [faults[0]]  # both fire now, together
+    assert alone.arm(5) == faults[2]  # a kill of its own waits for nobody
+    # a partner that never comes (gone already) leaves the rank to die alone once the channel's bound ran out
+    channel = _Channel()
+    assert FaultInjector(faults, 0, channel).arm(3) == faults[0]
+    assert ("wait", ("arrived/kill3/rank0", "arrived/kill3/rank1")) in channel.log
+    del server

@@ -11,7 +11,7 @@ import pytest
 from meshpact.core.recording import EventKind, read_recording
 from meshpact.live.recovery.consensus import loss_bound_s
 
-from _recovery import assert_recovered, trial
+from _recovery import assert_recovered, recoveries_told, trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -56,8 +56,9 @@ def test_a_rank_killed_with_its_holder_is_restored_from_the_checkpoint_and_says_
     result = trial(faults=1, fault_kind="kill", peer_copies=1, kill_holders=True, **_RUN)
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]
-    assert s["faults_injected"] == 2 and s["faults_recovered"] == 2  # the rank and its holder, at one step
-    assert s["policy_counts"]["checkpoint_restore"] >= 1 and s["policy_counts"]["peer_restore"] == 0
+    told = recoveries_told(result)
+    assert s["faults_injected"] == 2 and s["faults_recovered"] == 2, told  # the rank and its holder, at one step
+    assert s["policy_counts"]["checkpoint_restore"] >= 1 and s["policy_counts"]["peer_restore"] == 0, told
     assert s["replacement_processes"] == 2 and s["storage_bytes_read"] > 0
     (rec,) = [r for r in result.recoveries() if r["policy"] == "checkpoint_restore"]
     lost, holder = result.faults[0].rank, result.faults[1].rank
