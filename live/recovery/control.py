@@ -18,6 +18,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -203,7 +204,10 @@ def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, 
     agents' and outlives an attempt, so a record can be the last attempt's: its host is gone
     (the connect is refused) or its port now serves something else (the word differs), and
     the rank reads the record again until this attempt's rank 0 has written its own, within
-    ``connect_timeout_s``."""
+    ``connect_timeout_s``. Not told apart: the last attempt's rank 0 still alive and serving its
+    channel (an agent killed outright leaves its workers running, in a session of their own),
+    whose word is its own record's; a rank that reads that record first joins the wrong channel
+    and learns so only when the consensus times out."""
     env = os.environ if env is None else env
     if env.get("MESHPACT_CONTROL_PORT"):
         return ControlChannel(env.get("MESHPACT_CONTROL_ADDR", "127.0.0.1"), int(env["MESHPACT_CONTROL_PORT"]), rank,
@@ -217,31 +221,55 @@ def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, 
         store.set(key, json.dumps({"host": host, "port": channel.port, "word": word}))
         return channel
     deadline = time.monotonic() + connect_timeout_s
-    last = ""
+    last, passed_over = "", ""  # the address read last; the record found not to be this attempt's
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(f"rank {rank}: rank 0 did not publish this attempt's control channel within "
-                               f"{connect_timeout_s:.0f} s (last address read: {last or 'none'})")
+            said = f"its record names {last}, which did not answer with it" if last else "no record"
+            raise TimeoutError(f"rank {rank}: rank 0's control channel for this attempt was not reached within "
+                               f"{connect_timeout_s:.0f} s ({said})")
         try:  # asked every 10 ms: a timed-out wait in the store's client writes warnings to stderr
-            record = json.loads(store.get(key)) if store.check([key]) else None
+            raw = store.get(key) if store.check([key]) else None
+            record = json.loads(raw) if raw is not None else None
         except (RuntimeError, dist.DistStoreError, ValueError):
-            record = None
-        if record is None:
+            raw = record = None
+        if record is None or raw == passed_over:  # none yet, or one known stale: read again
             time.sleep(0.01)
             continue
         last = f"{record['host']}:{record['port']}"
-        if _listening(record["host"], int(record["port"]), min(left, 1.0)):
-            try:
-                channel = ControlChannel(record["host"], int(record["port"]), rank, world_size, timeout_s,
-                                         connect_timeout_s=min(max(left, 0.1), 2.0), run_id=run_id)
-            except (RuntimeError, OSError, dist.DistStoreError):
-                channel = None
-            if channel is not None:
-                if channel.get(ATTEMPT_KEY) == record["word"]:
-                    return channel
-                channel.close()
+        channel = _client(record["host"], int(record["port"]), rank, world_size, timeout_s, run_id, min(left, 2.0))
+        try:
+            if channel is not None and channel.get(ATTEMPT_KEY) == record["word"]:
+                return channel
+        except (RuntimeError, OSError, dist.DistStoreError, ValueError):
+            pass
+        if channel is not None:
+            channel.close()
+        passed_over = raw
         time.sleep(0.02)
+
+
+def _client(host: str, port: int, rank: int, world_size: int, timeout_s: float, run_id: str,
+            within_s: float) -> ControlChannel | None:
+    """A client of the channel a record names, or None if it did not connect within ``within_s``.
+    A refusal is answered at once; a listener that accepts and never answers would hold a store
+    client's handshake past any timeout (torch 2.13), so the client is made on a thread of its
+    own and left behind (at most one per record passed over) when it does not answer in time."""
+    if not _listening(host, port, within_s):
+        return None
+    made: list[ControlChannel] = []
+
+    def connect() -> None:
+        try:
+            made.append(ControlChannel(host, port, rank, world_size, timeout_s, connect_timeout_s=within_s,
+                                       run_id=run_id))
+        except (RuntimeError, OSError, dist.DistStoreError):
+            pass
+
+    thread = threading.Thread(target=connect, name="meshpact-control-connect", daemon=True)
+    thread.start()
+    thread.join(within_s)
+    return made[0] if made else None
 
 
 def _listening(host: str, port: int, timeout_s: float) -> bool:

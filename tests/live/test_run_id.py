@@ -47,6 +47,7 @@ def test_plain_torchrun_ranks_find_the_channel_rank_0_hosts_at_a_port_the_kernel
     address and word in the job's store; a record the last attempt left there (its host gone,
     or its port now another attempt's channel) is passed over until this attempt's is written."""
     import json
+    import socket
     import threading
 
     from meshpact.live.recovery.control import ATTEMPT_KEY, join
@@ -67,11 +68,17 @@ def test_plain_torchrun_ranks_find_the_channel_rank_0_hosts_at_a_port_the_kernel
     job_store.set("meshpact/control-address/rdzv", json.dumps({"host": "127.0.0.1", "port": other.port, "word": "old"}))
     one.join(0.3)
     assert one.is_alive()  # a channel answers there, but not with the record's word
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog) and never answers
+    job_store.set("meshpact/control-address/rdzv",
+                  json.dumps({"host": "127.0.0.1", "port": silent.getsockname()[1], "word": "old"}))
+    one.join(0.5)
+    assert one.is_alive()
     zero = join(job_store, 0, 2, 5.0, "rdzv", 10.0, env)
-    one.join(5.0)
+    one.join(8.0)  # the silent listener is given up on within 2 s
     assert not one.is_alive() and joined[0].port == zero.port != other.port
     zero.set("k", 7)
     assert joined[0].get("k") == 7 and joined[0].get(ATTEMPT_KEY) == zero.get(ATTEMPT_KEY) != "older"
+    silent.close()
 
 
 def test_a_rank_whose_rank_0_never_publishes_is_told_so_within_its_bound():
@@ -83,6 +90,6 @@ def test_a_rank_whose_rank_0_never_publishes_is_told_so_within_its_bound():
 
     job_store = host_store("127.0.0.1", 0)
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match="rank 3: rank 0 did not publish"):
+    with pytest.raises(TimeoutError, match="rank 3: rank 0.s control channel for this attempt was not reached"):
         join(job_store, 3, 4, 5.0, "rdzv", 0.5, {"MASTER_ADDR": "127.0.0.1"})
     assert time.monotonic() - start < 3.0
