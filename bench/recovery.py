@@ -442,7 +442,8 @@ def _tail(result: Any, rec: dict[str, Any]) -> dict[str, Any]:
                 **{k: last.data[k] for k in ("heartbeat_lock_wait_ms", "heartbeat_sever_ms", "heartbeat_alarm_to_severed_ms",
                                              "heartbeat_severed_to_raised_ms", "heartbeat_flush_end",
                                              "heartbeat_flush_unsent", "heartbeat_flush_unread", "heartbeat_flush_ms",
-                                             "heartbeat_flush_gap_ms", "flush_end", "flush_ms", "flush_gap_ms")
+                                             "heartbeat_flush_gap_ms", "heartbeat_flush_wake_ms", "flush_end",
+                                             "flush_ms", "flush_gap_ms", "flush_wake_ms")
                    if k in last.data}}}
 
 
@@ -451,15 +452,16 @@ def _flush_of(data: dict[str, Any]) -> dict[str, Any]:
     sever its heartbeat made when a peer's recovery was heard (that one cut the step short)."""
     if data.get("heartbeat_flush_end"):
         return {"end": data["heartbeat_flush_end"], "ms": data.get("heartbeat_flush_ms", 0.0),
-                "gap_ms": data.get("heartbeat_flush_gap_ms", 0.0)}
+                "gap_ms": data.get("heartbeat_flush_gap_ms", 0.0), "wake_ms": data.get("heartbeat_flush_wake_ms", 0.0)}
     return {"end": data.get("flush_end") or "no wait", "ms": data.get("flush_ms", 0.0),
-            "gap_ms": data.get("flush_gap_ms", 0.0)}
+            "gap_ms": data.get("flush_gap_ms", 0.0), "wake_ms": data.get("flush_wake_ms", 0.0)}
 
 
 def _flush_summary(flushes: list[dict[str, Any]]) -> dict[str, Any]:
     """The severs of every recovery at one size: how many ended each way, and for those that saw a
     message under way and waited for it, the wait's p50 and max and the longest quiet spell between
-    two of its movements (what the settle after it must outlast: ``FLUSH_SETTLE_S``)."""
+    two of its movements (what the settle after it must outlast: ``FLUSH_SETTLE_S``; a lower bound), beside
+    the longest time the flushing thread itself took between two looks (its own late wake-ups)."""
     ends: dict[str, int] = {}
     for f in flushes:
         ends[f["end"]] = ends.get(f["end"], 0) + 1
@@ -467,7 +469,8 @@ def _flush_summary(flushes: list[dict[str, Any]]) -> dict[str, Any]:
     if not waited:
         return {"by_end": ends}
     return {"by_end": ends, "waited_ms_p50": statistics.median(f["ms"] for f in waited),
-            "waited_ms_max": max(f["ms"] for f in waited), "gap_ms_max": max(f["gap_ms"] for f in waited)}
+            "waited_ms_max": max(f["ms"] for f in waited), "gap_ms_max": max(f["gap_ms"] for f in waited),
+            "look_interval_ms_max": max(f.get("wake_ms", 0.0) for f in waited)}
 
 
 def _timeouts_used(result: Any, asked_s: float) -> list[float]:

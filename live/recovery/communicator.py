@@ -53,10 +53,9 @@ WORLD = "meshpact_data"
 FLUSH_STALL_S = 0.1
 FLUSH_MOST_S = 5.0
 # once a large message was seen and the queues are empty, the quiet a sever waits for before judging it
-# ended: longer than the longest quiet spell a message under way was seen to take between two of its
-# movements (a writer or reader left unscheduled), 36-45 ms at 4 and 8 ranks on 2 cores (bench/recovery.py's
-# ``flush`` record); a shorter settle cuts such a message part way, and its operation waits out the
-# data-path timeout
+# ended: longer than any quiet spell a message under way takes between two of its movements (a writer or
+# reader left unscheduled; bench/recovery.py's ``flush`` record says the longest it saw); a shorter
+# settle cuts such a message part way, and its operation waits out the data-path timeout
 FLUSH_SETTLE_S = 0.05
 FLUSH_LARGE_BYTES = 64 * 1024
 # how long a sever looks at its sockets before judging that no large message moves through them: a
@@ -302,7 +301,10 @@ class Severance:
     flush_end: str = ""
     unsent: int = 0
     unread: int = 0
-    gap_s: float = 0.0  # the longest quiet spell between two movements the flush saw (see FLUSH_SETTLE_S)
+    # the longest quiet spell between two movements the flush saw, as a lower bound: from the look that
+    # saw a movement to the last look before the next one that saw nothing (see FLUSH_SETTLE_S)
+    gap_s: float = 0.0
+    wake_s: float = 0.0  # the longest time between two of its looks (this thread's own wake-ups, late on a busy host)
 
 
 def sever(sockets: dict[int, str], held: SeveredSockets | None = None) -> Severance:
@@ -372,31 +374,34 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     within ``FLUSH_LOOK_S``) this returns then. Once one was seen, it waits until the sockets'
     queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
     writer unscheduled while the peer empties the buffer; the longest such quiet spell it saw
-    between two movements is ``gap_s``). Bounded: a queue not moving for
+    between two movements is ``gap_s``, its own longest wait between two looks ``wake_s``). Bounded: a queue not moving for
     ``stall_s`` (a peer that stopped reading, a cut link), or ``most_s`` in all. How it ended
     (:class:`Severance`, its socket count left to the caller)."""
     t0 = time.monotonic()
     last = [_traffic(s) for s in socks]
     large = any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES for q, r, _ in last)
-    moved_at, gap = t0, 0.0
+    moved_at, gap, wake, looked = t0, 0.0, 0.0, t0
     while True:
         time.sleep(FLUSH_LOOK_S)
         now = time.monotonic()
+        wake, prev, looked = max(wake, now - looked), looked, now
         seen = [_traffic(s) for s in socks]
         delta = sum(b[2] - a[2] for a, b in zip(last, seen))
         large = large or delta > FLUSH_LARGE_BYTES or any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES
                                                           for q, r, _ in seen)
         if not large:
-            return Severance(0, now - t0, "none")
+            return Severance(0, now - t0, "none", wake_s=wake)
         if seen != last:
-            gap = max(gap, now - moved_at) if moved_at > t0 else gap
+            # quiet at least from the look that saw the last movement to the look before this one (a
+            # late look of this thread's own is not a pause of the message's)
+            gap = max(gap, prev - moved_at) if moved_at > t0 else gap
             last, moved_at = seen, now
         queued = any(q or r for q, r, _ in seen)
         if not queued and now - moved_at >= FLUSH_SETTLE_S:
-            return Severance(0, now - t0, "settled", gap_s=gap)
+            return Severance(0, now - t0, "settled", gap_s=gap, wake_s=wake)
         if (queued and now - moved_at > stall_s) or now - t0 > most_s:
             return Severance(0, now - t0, "most" if now - t0 > most_s else "stalled",
-                             sum(q for q, _, _ in seen), sum(r for _, r, _ in seen), gap)
+                             sum(q for q, _, _ in seen), sum(r for _, r, _ in seen), gap, wake)
 
 
 def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,

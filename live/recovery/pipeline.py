@@ -226,7 +226,7 @@ def _sever_timing(hb: Any, alarm: Any) -> dict[str, float]:
     return {"heartbeat_lock_wait_ms": round(sever.lock_wait_s * 1e3, 3), "heartbeat_sever_ms": round(sever.sever_s * 1e3, 3),
             "heartbeat_flush_end": flush.flush_end, "heartbeat_flush_unsent": flush.unsent,
             "heartbeat_flush_unread": flush.unread, "heartbeat_flush_ms": round(flush.flush_s * 1e3, 3),
-            "heartbeat_flush_gap_ms": round(flush.gap_s * 1e3, 3),
+            "heartbeat_flush_gap_ms": round(flush.gap_s * 1e3, 3), "heartbeat_flush_wake_ms": round(flush.wake_s * 1e3, 3),
             "heartbeat_alarm_to_severed_ms": round((sever.t_wall - alarm.t_wall) * 1e3, 3),
             "heartbeat_severed_to_raised_ms": round((time.time() - sever.t_wall) * 1e3, 3)}
 
@@ -246,7 +246,7 @@ def detect(rt: Job, cause: Cause) -> Detection:
     # (at once where it waited on the data path; on waking where it was stalled itself)
     s.emit(EventKind.DETECTED, Stage.DETECTION, step=cause.step, error=cause.message, severed_sockets=severed.sockets,
            flush_end=severed.flush_end, flush_ms=round(severed.flush_s * 1e3, 3),
-           flush_gap_ms=round(severed.gap_s * 1e3, 3),
+           flush_gap_ms=round(severed.gap_s * 1e3, 3), flush_wake_ms=round(severed.wake_s * 1e3, 3),
            generation=s.generation, seconds=time.perf_counter() - t0,
            heartbeat_stalled=list(alarm.stalled) if alarm else [],
            heartbeat_quiet=bool(alarm and alarm.data_path_quiet), heartbeat_alarm=alarm is not None,

@@ -116,4 +116,51 @@ def test_a_sever_waits_through_a_writers_pauses_and_says_the_longest(pairs):
         t.join(10)
     assert ended.flush_end == "settled", ended
     assert last_sent and done > last_sent[0]  # it did not judge the message over in a pause
-    assert pause / 2 <= ended.gap_s < comm.FLUSH_SETTLE_S
+    assert ended.gap_s < ended.flush_s
+
+
+class _Clock:
+    """A clock for :func:`comm._flush` that moves only when it sleeps: each sleep lasts the next of
+    ``late`` (a look that wakes late) or the asked time."""
+
+    def __init__(self, late: dict[int, float] | None = None) -> None:
+        self.t = 0.0
+        self.sleeps = 0
+        self.late = late or {}
+
+    def monotonic(self) -> float:
+        return self.t
+
+    def sleep(self, s: float) -> None:
+        self.sleeps += 1
+        self.t += self.late.get(self.sleeps, s)
+
+
+def _stream(clock: _Clock, moving: list[tuple[float, float]], rate: float = 1e9):
+    """``_traffic`` of one socket whose bytes move at ``rate`` during the ``moving`` spans, its queues empty."""
+    def traffic(_sock):
+        moved = sum(max(0.0, min(clock.t, b) - a) for a, b in moving)
+        return 0, 0, int(moved * rate)
+    return traffic
+
+
+def test_a_flushs_own_late_look_is_not_counted_as_a_pause_of_the_message(monkeypatch):
+    """A stream that never stops, watched by a flush whose one look wakes 40 ms late: no pause of the
+    message is recorded (every look saw it move), the late look is (``wake_s``), and the flush
+    settles FLUSH_SETTLE_S after the stream ends."""
+    clock = _Clock(late={10: 0.040})
+    monkeypatch.setattr(comm, "time", clock)
+    monkeypatch.setattr(comm, "_traffic", _stream(clock, [(0.0, 0.1)]))
+    ended = comm._flush([object()])
+    assert ended.flush_end == "settled" and ended.gap_s == 0.0
+    assert ended.wake_s == pytest.approx(0.040)
+    assert 0.1 + comm.FLUSH_SETTLE_S <= ended.flush_s < 0.1 + comm.FLUSH_SETTLE_S + 0.003
+
+
+def test_a_real_pause_of_the_message_is_recorded_at_no_more_than_its_length(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(comm, "time", clock)
+    monkeypatch.setattr(comm, "_traffic", _stream(clock, [(0.0, 0.010), (0.030, 0.040)]))
+    ended = comm._flush([object()])
+    assert ended.flush_end == "settled"
+    assert 0.018 <= ended.gap_s <= 0.020 + 1e-9 and ended.wake_s == pytest.approx(comm.FLUSH_LOOK_S)
