@@ -365,13 +365,26 @@ def _traffic(sock: socket.socket) -> tuple[int, int, int]:
     return unsent, unread, moved
 
 
+def _quick_acks(socks: list[socket.socket]) -> None:
+    """Have the kernel acknowledge what these sockets receive at once (``TCP_QUICKACK``, which it
+    drops again by itself), not after its delayed-ACK timer (40 ms at least on Linux): a peer whose
+    send waits for this end's acknowledgement would otherwise pause its message that long, and a
+    flush on either end waits the pause out. Asked again at every look."""
+    for s in socks:
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+        except OSError:
+            pass
+
+
 def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: float = FLUSH_MOST_S) -> Severance:
     """Wait while a large message is part way through one of these sockets, so that it ends before
     the pair fails: gloo writes a message the kernel cannot take whole from its own queue as the
     socket's buffer frees, and reads one in pieces as they arrive; either, cut short, waits out its
     timeout. Only a message of more than ``FLUSH_LARGE_BYTES`` can be part way (a smaller one fits
     the free buffer whole, and is read whole): with none in sight (queued either way, or moved
-    within ``FLUSH_LOOK_S``) this returns then. Once one was seen, it waits until the sockets'
+    within ``FLUSH_LOOK_S``) this returns then. While it looks, the sockets acknowledge what they
+    receive at once (:func:`_quick_acks`). Once one was seen, it waits until the sockets'
     queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
     writer unscheduled while the peer empties the buffer; the longest such quiet spell it saw
     between two movements is ``gap_s``, its own longest wait between two looks ``wake_s``). Bounded: a queue not moving for
@@ -382,6 +395,7 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     large = any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES for q, r, _ in last)
     moved_at, gap, wake, looked = t0, 0.0, 0.0, t0
     while True:
+        _quick_acks(socks)
         time.sleep(FLUSH_LOOK_S)
         now = time.monotonic()
         wake, prev, looked = max(wake, now - looked), looked, now

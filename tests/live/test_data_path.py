@@ -119,6 +119,16 @@ def test_a_sever_waits_through_a_writers_pauses_and_says_the_longest(pairs):
     assert ended.gap_s < ended.flush_s
 
 
+class _Sock:
+    """A socket for :func:`comm._flush` whose traffic a test makes up: it keeps the options asked of it."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[int, int, int]] = []
+
+    def setsockopt(self, level: int, name: int, value: int) -> None:
+        self.asked.append((level, name, value))
+
+
 class _Clock:
     """A clock for :func:`comm._flush` that moves only when it sleeps: each sleep lasts the next of
     ``late`` (a look that wakes late) or the asked time."""
@@ -151,7 +161,7 @@ def test_a_flushs_own_late_look_is_not_counted_as_a_pause_of_the_message(monkeyp
     clock = _Clock(late={10: 0.040})
     monkeypatch.setattr(comm, "time", clock)
     monkeypatch.setattr(comm, "_traffic", _stream(clock, [(0.0, 0.1)]))
-    ended = comm._flush([object()])
+    ended = comm._flush([_Sock()])  # type: ignore[list-item]
     assert ended.flush_end == "settled" and ended.gap_s == 0.0
     assert ended.wake_s == pytest.approx(0.040)
     assert 0.1 + comm.FLUSH_SETTLE_S <= ended.flush_s < 0.1 + comm.FLUSH_SETTLE_S + 0.003
@@ -161,6 +171,21 @@ def test_a_real_pause_of_the_message_is_recorded_at_no_more_than_its_length(monk
     clock = _Clock()
     monkeypatch.setattr(comm, "time", clock)
     monkeypatch.setattr(comm, "_traffic", _stream(clock, [(0.0, 0.010), (0.030, 0.040)]))
-    ended = comm._flush([object()])
+    ended = comm._flush([_Sock()])  # type: ignore[list-item]
     assert ended.flush_end == "settled"
     assert 0.018 <= ended.gap_s <= 0.020 + 1e-9 and ended.wake_s == pytest.approx(comm.FLUSH_LOOK_S)
+
+
+def test_a_flush_has_its_sockets_acknowledge_at_once_at_every_look(monkeypatch):
+    """A peer whose send waits on this end's acknowledgement would pause its message for the
+    kernel's delayed-ACK timer (40 ms at least), and the flush would wait the pause out: every look
+    asks for quick acknowledgements again, on every socket it watches (the kernel drops the mode
+    by itself)."""
+    clock = _Clock()
+    monkeypatch.setattr(comm, "time", clock)
+    monkeypatch.setattr(comm, "_traffic", _stream(clock, [(0.0, 0.010)]))
+    socks = [_Sock(), _Sock()]
+    ended = comm._flush(socks)  # type: ignore[arg-type]
+    assert ended.flush_end == "settled"
+    for s in socks:
+        assert set(s.asked) == {(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)} and len(s.asked) == clock.sleeps
