@@ -217,6 +217,9 @@ def beat_key(rank: int) -> str:
 _LISTEN_S = 3600.0  # one wait on the control channel (renewed; ended by a recovery or by stop)
 _LISTEN_POLL_S = 0.002  # how often a rank heard of a recovery checks whether its step began
 _LISTEN_STOP_S = 0.05  # how often, waiting for its recovery to end, the listener looks whether it is stopped
+# a rank told of a recovery while still in the step before the failed one lets that step finish (see
+# _listen), at most this long: the ranks' last collective of a step ends at different times on each
+_BEHIND_MOST_S = 1.0
 
 
 def recovering_key(generation: int, rank: int) -> str:
@@ -246,6 +249,7 @@ class Heartbeat:
                                       is_host=False, connect_timeout_s=cfg.store_connect_s,
                                       run_id=session.spec.run_id)
         self.watching = False  # set by the runtime while the user's step runs
+        self.running_step = -1  # the step the runtime runs (or ran last), set with step_begins
         self.alarm: HeartbeatAlarm | None = None  # what this rank's watch found, once per generation
         self._detected_generation: int | None = None
         self._alarm_lock = threading.Lock()  # an alarm is kept only while the step it ends still runs
@@ -310,7 +314,7 @@ class Heartbeat:
         self.allowance = 0
         self._forget_word = True
 
-    def step_begins(self, again: bool = False) -> None:
+    def step_begins(self, again: bool = False, step: int = -1) -> None:
         """The runtime is about to run a step, or (``again``) run it again after a recovery: its
         pauses are counted afresh, and a step run again may pause as long as its failed attempt
         did. A pause that belongs to the step (an evaluation inside it) comes back in every run of
@@ -318,6 +322,7 @@ class Heartbeat:
         with it), and the allowance ends with the step."""
         self.allowance = max(self.allowance, self._step_pause) if again else 0
         self._pause = self._step_pause = 0
+        self.running_step = step
 
     def step_completed(self) -> None:
         """The step ran to its end: its longest pause is one a healthy step of this job makes. The
@@ -382,24 +387,35 @@ class Heartbeat:
         """Wait on the control channel (a connection of its own) for a peer opening a recovery of
         this rank's generation (:func:`recovering_key`), and sever this rank's data path the moment
         one does, once the rank is in a step: a rank blocked in a collective whose peers shut down
-        only their reading hears nothing on its sockets. Ends with the job's control channel or
-        with :meth:`stop` (which sets this rank's own key)."""
+        only their reading hears nothing on its sockets.
+
+        The key says at which step the peer failed. A rank still in the step before it (the
+        step's last collective ends at different times on each rank: the peer finished it and
+        began the next, this rank is still receiving its last pieces) lets that step finish
+        first, at most ``_BEHIND_MOST_S``, and severs once it runs the failed step: cut, its
+        step would fail one step behind the others, the ranks' committed steps would differ, and
+        the job would restore its checkpoint instead of resuming from memory. Ends with the
+        job's control channel or with :meth:`stop` (which sets this rank's own key)."""
         s = self.session
         while not self._stop.is_set():
             generation = self._listening = s.generation
+            key = recovering_key(generation, s.rank)
             try:
-                self.listener.wait([recovering_key(generation, s.rank)], timeout_s=_LISTEN_S)
+                told = self.listener.wait([key], timeout_s=_LISTEN_S)[key]
             except ControlTimeout:
                 continue
             except Exception:  # noqa: BLE001 (the control channel is gone: the job is ending)
                 return
             self.opened_wall = time.time()
+            failed_step = told.get("step") if isinstance(told, dict) else None
             while not self._stop.is_set() and s.generation == generation and not self._alarmed(generation):
-                if self.watching:  # a step of this generation runs: it may be blocked on a pair nobody severs
+                behind = (failed_step is not None and self.running_step < failed_step
+                          and time.time() - self.opened_wall < _BEHIND_MOST_S)
+                if self.watching and not behind:  # a step of this generation runs: it may be blocked on a pair nobody severs
                     self._raise(HeartbeatAlarm(time.time(), (), detail=f"a peer opened a recovery of generation "
                                                f"{generation}"), generation)
                     break
-                time.sleep(_LISTEN_POLL_S)  # between steps: the next one begins soon, or this rank's recovery
+                time.sleep(_LISTEN_POLL_S)  # between steps, or finishing the one before the failed one
             while not self._stop.is_set() and s.generation == generation:
                 s.wait_past(generation, _LISTEN_STOP_S)  # asleep through the recovery: woken as it advances
 

@@ -237,7 +237,8 @@ def detect(rt: Job, cause: Cause) -> Detection:
     t_detect, t0 = time.time(), time.perf_counter()
     told = rt.heartbeat is not None and not cause.drill  # peers still in the step hear it from the control channel
     if told:  # first: each peer's sever (its look for a message under way) runs beside this rank's own
-        s.control.set_many([recovering_key(s.generation, r) for r in s.members if r != s.rank], s.rank)
+        s.control.set_many([recovering_key(s.generation, r) for r in s.members if r != s.rank],
+                           {"rank": s.rank, "step": cause.step})
     severed = s.sever_data_path(tell_peers=not told)  # the standby's sockets are not the data path's
     alarm = rt.heartbeat.take() if rt.heartbeat is not None else None
     if alarm is not None and (alarm.stalled or alarm.data_path_quiet):  # the heartbeat knew first

@@ -371,7 +371,7 @@ class Resilient:
                     load_buffers(self.model, self._buffers)
                 armed = self.injector.arm(step) if self.injector is not None else None
                 if self.heartbeat is not None:
-                    self.heartbeat.step_begins(again=attempt > 0)
+                    self.heartbeat.step_begins(again=attempt > 0, step=step)
                     self.heartbeat.watching = True
                 self.t_attempt = time.time()
                 try:

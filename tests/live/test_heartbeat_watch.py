@@ -264,3 +264,72 @@ def test_a_model_built_anew_by_an_excision_warms_up_again_before_any_bound_appli
     hb._step_pause = 2
     hb.step_completed()
     assert hb.pause_word() == 2  # judged again from its second completed step on the new model
+
+
+def _listening_heartbeat(told: object, running_step: int) -> tuple[object, list[float], object]:
+    """A heartbeat whose listener hears ``told`` under its key while its rank runs ``running_step``;
+    each raise is recorded (its time) and ends the generation."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery.heartbeat import Heartbeat
+
+    raised: list[float] = []
+    hb = Heartbeat.__new__(Heartbeat)
+    hb._stop = threading.Event()
+    hb.session = SimpleNamespace(generation=3, rank=2, wait_past=lambda generation, s: time.sleep(s))
+    hb.alarm, hb._detected_generation = None, None
+    hb.watching, hb.running_step = True, running_step
+    heard = iter([told])
+
+    def wait(keys, timeout_s=None):
+        try:
+            return {keys[0]: next(heard)}
+        except StopIteration:
+            raise RuntimeError("the channel is gone") from None  # the listener returns
+
+    def raise_(alarm, generation):
+        raised.append(time.monotonic())
+        hb.session.generation += 1
+
+    hb.listener = SimpleNamespace(wait=wait)
+    hb._raise = raise_
+    thread = threading.Thread(target=hb._listen, daemon=True)
+    return hb, raised, thread
+
+
+def test_a_rank_still_in_the_step_before_the_failed_one_finishes_it_before_its_sever():
+    """A peer failed in step 5 while this rank still receives the last pieces of step 4 (a step's last
+    collective ends at different times on each rank): cut now, this rank would fail one committed
+    step behind the others and the job would restore its checkpoint. Its listener lets step 4 end
+    and severs once step 5 runs; a rank in the failed step, or told without a step, is severed at once."""
+    import time
+
+    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=4)
+    thread.start()
+    time.sleep(0.3)
+    assert raised == []  # step 4 still runs: not cut
+    began = time.monotonic()
+    hb.running_step = 5  # step 4 ended and was committed; step 5 begins (it waits on the failed peer)
+    thread.join(5.0)
+    assert len(raised) == 1 and raised[0] - began < 1.0
+    for told, step in (({"rank": 0, "step": 5}, 5), (0, 4)):
+        hb, raised, thread = _listening_heartbeat(told, running_step=step)
+        start = time.monotonic()
+        thread.start()
+        thread.join(5.0)
+        assert len(raised) == 1 and raised[0] - start < 1.0
+
+
+def test_a_rank_whose_step_before_the_failed_one_never_ends_is_severed_within_the_bound(monkeypatch):
+    import time
+
+    from meshpact.live.recovery import heartbeat
+
+    monkeypatch.setattr(heartbeat, "_BEHIND_MOST_S", 0.3)
+    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=4)
+    start = time.monotonic()
+    thread.start()
+    thread.join(5.0)
+    assert len(raised) == 1 and 0.3 <= raised[0] - start < 1.5
