@@ -52,7 +52,8 @@ peers hear nothing on their sockets, so it sets a key on the control channel for
 (:func:`recovering_key`). Each rank's listener thread waits on its own key (one blocking wait on a
 connection of its own) and, the moment it is set, severs this rank's data path once the rank is in
 a step: a rank blocked in a collective on any pair, a send to a third rank included, fails then,
-not at the data-path timeout (a second by default, minutes where NCCL-length timeouts are set).
+not at the data-path timeout (a second by default, minutes where NCCL-length timeouts are set). A
+rank still in the step before the failed one (the key names it) finishes that step first.
 
 Why not shut both directions down and let the peers read the end of the stream, as a killed
 rank's kernel does: gloo's TCP transport never fails a collective's send (an unbound buffer's)
