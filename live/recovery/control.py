@@ -51,7 +51,6 @@ class ControlChannel:
         self.rank = rank
         self.world_size = world_size
         self.host = host
-        self.port = port
         self.timeout_s = float(timeout_s)
         self._store = open_store(host, port, world_size, is_host, connect_timeout_s)
         self.port = int(self._store.port)  # the kernel's pick where port was 0

@@ -53,7 +53,8 @@ peers hear nothing on their sockets, so it sets a key on the control channel for
 connection of its own) and, the moment it is set, severs this rank's data path once the rank is in
 a step: a rank blocked in a collective on any pair, a send to a third rank included, fails then,
 not at the data-path timeout (a second by default, minutes where NCCL-length timeouts are set). A
-rank still in the step before the failed one (the key names it) finishes that step first.
+rank still in the step before the failed one (the key names it) finishes that step first, while
+its data path moves.
 
 Why not shut both directions down and let the peers read the end of the stream, as a killed
 rank's kernel does: gloo's TCP transport never fails a collective's send (an unbound buffer's)
@@ -218,9 +219,10 @@ def beat_key(rank: int) -> str:
 _LISTEN_S = 3600.0  # one wait on the control channel (renewed; ended by a recovery or by stop)
 _LISTEN_POLL_S = 0.002  # how often a rank heard of a recovery checks whether its step began
 _LISTEN_STOP_S = 0.05  # how often, waiting for its recovery to end, the listener looks whether it is stopped
-# a rank told of a recovery while still in the step before the failed one lets that step finish (see
-# _listen), at most this long: the ranks' last collective of a step ends at different times on each
-_BEHIND_MOST_S = 1.0
+# a rank told of a recovery while still in the step before the failed one lets that step finish while
+# its data path moves (see _listen); nothing moved this long, it is severed (the step waits on a rank
+# that is gone, or only computes now)
+_BEHIND_QUIET_S = 0.02
 
 
 def recovering_key(generation: int, rank: int) -> str:
@@ -393,9 +395,12 @@ class Heartbeat:
         The key says at which step the peer failed. A rank still in the step before it (the
         step's last collective ends at different times on each rank: the peer finished it and
         began the next, this rank is still receiving its last pieces) lets that step finish
-        first, at most ``_BEHIND_MOST_S``, and severs once it runs the failed step: cut, its
-        step would fail one step behind the others, the ranks' committed steps would differ, and
-        the job would restore its checkpoint instead of resuming from memory. Ends with the
+        while its data path moves, and severs once it runs the failed step: cut, its step would
+        fail one step behind the others, the ranks' committed steps would differ, and the job
+        would restore its checkpoint instead of resuming from memory. It is severed as before
+        once its data path moved nothing for ``_BEHIND_QUIET_S`` (its step waits on a rank that
+        is gone: a kill's survivors are not held), after the data-path timeout in all, or at
+        once where the data path's bytes cannot be read (:meth:`_data_bytes`). Ends with the
         job's control channel or with :meth:`stop` (which sets this rank's own key)."""
         s = self.session
         while not self._stop.is_set():
@@ -409,9 +414,15 @@ class Heartbeat:
                 return
             self.opened_wall = time.time()
             failed_step = told.get("step") if isinstance(told, dict) else None
+            moved, moved_at, held_at = None, time.monotonic(), time.monotonic()
             while not self._stop.is_set() and s.generation == generation and not self._alarmed(generation):
-                behind = (failed_step is not None and self.running_step < failed_step
-                          and time.time() - self.opened_wall < _BEHIND_MOST_S)
+                behind = self.watching and failed_step is not None and self.running_step < failed_step
+                if behind:  # finishing the step before the failed one: held while its bytes move
+                    now, seen = time.monotonic(), self._data_bytes(generation)
+                    if seen != moved:
+                        moved, moved_at = seen, now
+                    behind = (seen is not None and now - moved_at < _BEHIND_QUIET_S
+                              and now - held_at < s.spec.timeout_s)
                 if self.watching and not behind:  # a step of this generation runs: it may be blocked on a pair nobody severs
                     self._raise(HeartbeatAlarm(time.time(), (), detail=f"a peer opened a recovery of generation "
                                                f"{generation}"), generation)

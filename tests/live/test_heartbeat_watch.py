@@ -266,9 +266,12 @@ def test_a_model_built_anew_by_an_excision_warms_up_again_before_any_bound_appli
     assert hb.pause_word() == 2  # judged again from its second completed step on the new model
 
 
-def _listening_heartbeat(told: object, running_step: int) -> tuple[object, list[float], object]:
-    """A heartbeat whose listener hears ``told`` under its key while its rank runs ``running_step``;
-    each raise is recorded (its time) and ends the generation."""
+
+def _listening_heartbeat(told: object, running_step: int, data: object = None,
+                         data_timeout_s: float = 30.0) -> tuple[object, list[float], object]:
+    """A heartbeat whose listener hears ``told`` under its key while its rank runs ``running_step``,
+    its data path's byte count read from ``data()`` (None: none to read); each raise is recorded
+    (its time) and ends the generation."""
     import threading
     import time
     from types import SimpleNamespace
@@ -278,9 +281,11 @@ def _listening_heartbeat(told: object, running_step: int) -> tuple[object, list[
     raised: list[float] = []
     hb = Heartbeat.__new__(Heartbeat)
     hb._stop = threading.Event()
-    hb.session = SimpleNamespace(generation=3, rank=2, wait_past=lambda generation, s: time.sleep(s))
+    hb.session = SimpleNamespace(generation=3, rank=2, wait_past=lambda generation, s: time.sleep(s),
+                                 spec=SimpleNamespace(timeout_s=data_timeout_s))
     hb.alarm, hb._detected_generation = None, None
     hb.watching, hb.running_step = True, running_step
+    hb._data_bytes = lambda generation: data() if data is not None else None
     heard = iter([told])
 
     def wait(keys, timeout_s=None):
@@ -299,37 +304,53 @@ def _listening_heartbeat(told: object, running_step: int) -> tuple[object, list[
     return hb, raised, thread
 
 
+def _moving() -> object:
+    """A data path whose byte count grows at every read (a collective's last pieces arriving)."""
+    import itertools
+
+    count = itertools.count(0, 4096)
+    return lambda: next(count)
+
+
 def test_a_rank_still_in_the_step_before_the_failed_one_finishes_it_before_its_sever():
     """A peer failed in step 5 while this rank still receives the last pieces of step 4 (a step's last
     collective ends at different times on each rank): cut now, this rank would fail one committed
     step behind the others and the job would restore its checkpoint. Its listener lets step 4 end
-    and severs once step 5 runs; a rank in the failed step, or told without a step, is severed at once."""
+    while its bytes move and severs once step 5 runs; a rank in the failed step, told without a
+    step, or whose data path cannot be read, is severed at once."""
     import time
 
-    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=4)
+    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=4, data=_moving())
     thread.start()
     time.sleep(0.3)
-    assert raised == []  # step 4 still runs: not cut
+    assert raised == []  # step 4 still moves its bytes: not cut
     began = time.monotonic()
     hb.running_step = 5  # step 4 ended and was committed; step 5 begins (it waits on the failed peer)
     thread.join(5.0)
     assert len(raised) == 1 and raised[0] - began < 1.0
-    for told, step in (({"rank": 0, "step": 5}, 5), (0, 4)):
-        hb, raised, thread = _listening_heartbeat(told, running_step=step)
+    for told, step, data in (({"rank": 0, "step": 5}, 5, _moving()), (0, 4, _moving()), ({"rank": 0, "step": 5}, 4, None)):
+        hb, raised, thread = _listening_heartbeat(told, running_step=step, data=data)
         start = time.monotonic()
         thread.start()
         thread.join(5.0)
         assert len(raised) == 1 and raised[0] - start < 1.0
 
 
-def test_a_rank_whose_step_before_the_failed_one_never_ends_is_severed_within_the_bound(monkeypatch):
+def test_a_rank_one_step_behind_whose_data_path_stops_or_never_ends_is_severed():
+    """Its step waits on a rank that is gone (a kill's survivor): nothing moves, and it is cut after
+    the quiet bound, not held. A step behind whose bytes move on and on is cut at the data-path timeout."""
     import time
 
     from meshpact.live.recovery import heartbeat
 
-    monkeypatch.setattr(heartbeat, "_BEHIND_MOST_S", 0.3)
-    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=4)
+    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=4, data=lambda: 7)
     start = time.monotonic()
     thread.start()
     thread.join(5.0)
-    assert len(raised) == 1 and 0.3 <= raised[0] - start < 1.5
+    assert len(raised) == 1 and heartbeat._BEHIND_QUIET_S <= raised[0] - start < 1.0
+    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=4, data=_moving(),
+                                              data_timeout_s=0.4)
+    start = time.monotonic()
+    thread.start()
+    thread.join(5.0)
+    assert len(raised) == 1 and 0.4 <= raised[0] - start < 2.0
