@@ -54,7 +54,12 @@ connection of its own) and, the moment it is set, severs this rank's data path o
 a step: a rank blocked in a collective on any pair, a send to a third rank included, fails then,
 not at the data-path timeout (a second by default, minutes where NCCL-length timeouts are set). A
 rank still in the step before the failed one (the key names it) finishes that step first, while
-its data path moves.
+its data path moves. A rank told so has every member told already (the first rank sets every
+member's key at once), so it tells nobody itself; a rank that tells sets its own key with the
+others', so its own listener stops waiting on the generation it leaves. Through the rank's own
+recovery the listener sleeps, and it waits on the next generation's key once that recovery ended
+(:meth:`Heartbeat.recovery_begins`, :meth:`Heartbeat.recovery_ends`): a peer's key set meanwhile
+is found at once then.
 
 Why not shut both directions down and let the peers read the end of the stream, as a killed
 rank's kernel does: gloo's TCP transport never fails a collective's send (an unbound buffer's)
@@ -269,6 +274,9 @@ class Heartbeat:
                                        is_host=False, connect_timeout_s=cfg.store_connect_s,
                                        run_id=session.spec.run_id)
         self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of
+        self._told: int | None = None  # the generation a peer's recovery was heard of in (it told every member)
+        self._recovering: int | None = None  # the generation this rank's own recovery leaves, while it runs
+        self._recovered = threading.Event()  # set when this rank's recovery ends: the listener waits again
         self.last_sever = SeverTiming()  # how the last sever by an alarm (the watch's or the listener's) spent its time
         self._listening = session.generation  # the generation whose key the listener waits on
         self._stop = threading.Event()
@@ -357,6 +365,22 @@ class Heartbeat:
                                        f"(usual pause {int(words[ask.index(r)])})" for r in out)
         return out
 
+    def recovery_begins(self, generation: int) -> None:
+        """This rank starts a recovery out of ``generation``: its listener, told or told later,
+        severs nothing and sleeps until :meth:`recovery_ends`."""
+        self._recovering = generation
+
+    def recovery_ends(self) -> None:
+        """This rank's recovery ended (resumed, or failed into the next one): the listener waits
+        on the key of the generation the rank is in now."""
+        self._recovering = None
+        self._recovered.set()
+
+    def told_of(self, generation: int) -> bool:
+        """Whether a peer's recovery of ``generation`` reached this rank's listener: that peer
+        set every member's key, so this rank need tell nobody."""
+        return self._told == generation
+
     def take(self) -> HeartbeatAlarm | None:
         """This generation's alarm, cleared; one raised in an earlier generation is dropped."""
         with self._alarm_lock:
@@ -413,9 +437,13 @@ class Heartbeat:
             except Exception:  # noqa: BLE001 (the control channel is gone: the job is ending)
                 return
             self.opened_wall = time.time()
+            self._recovered.clear()  # set when the recovery out of this generation ends
+            if isinstance(told, dict) and told.get("rank") != s.rank:  # (its own key: this rank told the others)
+                self._told = generation
             failed_step = told.get("step") if isinstance(told, dict) else None
             moved, moved_at, held_at = None, time.monotonic(), time.monotonic()
-            while not self._stop.is_set() and s.generation == generation and not self._alarmed(generation):
+            while (not self._stop.is_set() and s.generation == generation and not self._alarmed(generation)
+                   and self._recovering != generation):  # (recovering already: its step has failed)
                 behind = self.watching and failed_step is not None and self.running_step < failed_step
                 if behind:  # finishing the step before the failed one: held while its bytes move
                     now, seen = time.monotonic(), self._data_bytes(generation)
@@ -428,8 +456,11 @@ class Heartbeat:
                                                f"{generation}"), generation)
                     break
                 time.sleep(_LISTEN_POLL_S)  # between steps, or finishing the one before the failed one
-            while not self._stop.is_set() and s.generation == generation:
-                s.wait_past(generation, _LISTEN_STOP_S)  # asleep through the recovery: woken as it advances
+            # asleep through the recovery, woken once it ended (its first collective ran), not as it
+            # advances: a thread woken in the middle of a recovery takes CPU and the GIL from it
+            while not self._stop.is_set() and (s.generation == generation or self._recovering is not None):
+                if self._recovered.wait(_LISTEN_STOP_S):
+                    self._recovered.clear()  # a recovery that failed before it advanced: the next one ends it
 
     def _data_bytes(self, generation: int) -> int | None:
         """Bytes acknowledged plus received on the data path's sockets (None: none to read).
@@ -526,6 +557,10 @@ class Heartbeat:
         still: list[int] = []
         beat, quiet, last_bytes, hung_in = 0, 0, None, -1
         published: int | None = None  # the pause word this rank last published
+        # the quiet word's (looks quiet, generation found hung) as last published: a word with no
+        # quiet look is published once, not at every look (read by a peer, stale or not, it keeps
+        # the alarm off: all_quiet needs every word fresh and quiet)
+        said: tuple[int, int] | None = None
         last_beats: dict[int, int] = {}
         while not self._stop.wait(self.interval_s):
             try:
@@ -557,7 +592,9 @@ class Heartbeat:
                     moved = self._data_bytes(generation) if self.watching and pos[2] else None
                     still_quiet = moved is not None and moved == last_bytes and not self._others_working()
                     quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
-                    self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
+                    if quiet or (quiet, hung_in) != said:  # a word saying "not quiet" holds until it changes
+                        self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
+                        said = (quiet, hung_in)
                 counts = self.channel.counters(keys)  # one round trip for every peer
                 if not self.watching or seen is None or ranks != watched:
                     still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}

@@ -567,6 +567,13 @@ class Resilient:
     def _recover(self, cause: Cause) -> Decision:
         """One recovery, stage by stage (:mod:`.pipeline`). Its events reach the rank's log after
         its first collective (or, off the in-memory path, once decided), not on the critical path."""
+        try:
+            return self._run_pipeline(cause)
+        finally:  # resumed, or failed into the next attempt: the listener waits on the generation now
+            if self.heartbeat is not None:
+                self.heartbeat.recovery_ends()
+
+    def _run_pipeline(self, cause: Cause) -> Decision:
         s = self.session
         with s.log.deferred():
             d = pipeline.detect(self, cause)

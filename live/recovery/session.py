@@ -188,7 +188,6 @@ class Session:
         # sockets this rank shut down for reading, kept open until every rank has left their generation
         # (closing one with data unread would reset the peer's connection: see communicator.sever)
         self.severed = comm.SeveredSockets()
-        self.advanced = threading.Condition()  # notified by advance: a thread waits for the next generation
         self.peer_server: Any = None  # peers.PeerServer: holds other ranks' copies (peer_copies > 0)
         self.host = ""  # the host this rank is on, as peer placement sees it
         self.joined = Joined(None)  # a replacement's decision: the recovery it joined at start-up
@@ -215,16 +214,7 @@ class Session:
         if self.current is not None and generation.number <= self.current.number:
             raise ValueError(f"generation {generation.number} does not follow generation {self.current.number}")
         comm.set_data_timeout(generation.groups.values(), generation.spec)
-        with self.advanced:
-            object.__setattr__(self, "current", generation)
-            self.advanced.notify_all()
-
-    def wait_past(self, generation: int, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s`` for the session to leave ``generation`` (a recovery's
-        :meth:`advance`), asleep meanwhile; returns whether it has."""
-        with self.advanced:
-            return self.advanced.wait_for(lambda: self.current is None or self.current.number != generation,
-                                          timeout_s)
+        object.__setattr__(self, "current", generation)
 
     def fit_data_timeout(self, seconds: float) -> None:
         """The data-path timeout fitted to the job's measured steps (the runtime's one other

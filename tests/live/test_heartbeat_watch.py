@@ -281,14 +281,17 @@ def _listening_heartbeat(told: object, running_step: int, data: object = None,
     raised: list[float] = []
     hb = Heartbeat.__new__(Heartbeat)
     hb._stop = threading.Event()
-    hb.session = SimpleNamespace(generation=3, rank=2, wait_past=lambda generation, s: time.sleep(s),
+    hb.session = SimpleNamespace(generation=3, rank=2,
                                  spec=SimpleNamespace(timeout_s=data_timeout_s))
     hb.alarm, hb._detected_generation = None, None
     hb.watching, hb.running_step = True, running_step
+    hb._told, hb._recovering, hb._recovered = None, None, threading.Event()
     hb._data_bytes = lambda generation: data() if data is not None else None
-    heard = iter([told])
+    heard = iter(told if isinstance(told, list) else [told])
+    hb.asked = []  # the keys the listener waited on, in order
 
     def wait(keys, timeout_s=None):
+        hb.asked.append(keys[0])
         try:
             return {keys[0]: next(heard)}
         except StopIteration:
@@ -336,6 +339,30 @@ def test_a_rank_still_in_the_step_before_the_failed_one_finishes_it_before_its_s
         assert len(raised) == 1 and raised[0] - start < 1.0
 
 
+def test_a_listener_told_during_its_own_ranks_recovery_severs_nothing_and_waits_again_once_it_ends():
+    """The rank already recovers out of generation 3 (its own step failed first) when a peer's key
+    comes: the listener severs nothing, sleeps through the recovery, and waits on generation 4's
+    key only once the recovery ended (its first collective ran): a peer's key set meanwhile is
+    found at once then. A peer's key marks the rank told (it tells nobody); its own key does not."""
+    import time
+
+    from meshpact.live.recovery.heartbeat import recovering_key
+
+    for teller, told in ((0, True), (2, False)):
+        hb, raised, thread = _listening_heartbeat([{"rank": teller, "step": 5}], running_step=5)
+        hb.watching = False  # a recovery runs no step
+        hb.recovery_begins(3)
+        thread.start()
+        time.sleep(0.1)
+        assert hb.told_of(3) is told and not hb.told_of(4)
+        hb.session.generation = 4  # the recovery rebound its groups: its first collective still runs
+        time.sleep(0.2)
+        assert raised == [] and hb.asked == [recovering_key(3, 2)]
+        hb.recovery_ends()
+        thread.join(5.0)  # the fake channel ends once asked again
+        assert raised == [] and hb.asked == [recovering_key(3, 2), recovering_key(4, 2)]
+
+
 def test_a_rank_one_step_behind_whose_data_path_stops_or_never_ends_is_severed():
     """Its step waits on a rank that is gone (a kill's survivor): nothing moves, and it is cut after
     the quiet bound, not held. A step behind whose bytes move on and on is cut at the data-path timeout."""
@@ -354,3 +381,43 @@ def test_a_rank_one_step_behind_whose_data_path_stops_or_never_ends_is_severed()
     thread.start()
     thread.join(5.0)
     assert len(raised) == 1 and 0.4 <= raised[0] - start < 2.0
+
+
+def test_a_quiet_word_is_published_when_it_changes_and_at_every_quiet_look_not_at_every_look():
+    """Each look's word costs a round trip to the control channel's host at every rank. A word
+    saying "not quiet" stays true until the rank is quiet again, and a peer reading it (stale or
+    not) keeps the alarm off, so it is published once; every quiet look is published (its beat
+    makes it fresh), and so is the return to "not quiet"."""
+    import threading
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery.heartbeat import Heartbeat, QuietWord
+
+    moved = iter([1, 2, 3, 3, 3, 4, 5, 6])  # the data path's bytes at each look: quiet twice, then moving
+    published: list[QuietWord] = []
+    looks = [0]
+    hb = Heartbeat.__new__(Heartbeat)
+    hb._stop = threading.Event()
+
+    def counters(keys):
+        looks[0] += 1
+        if looks[0] == 8:
+            hb._stop.set()
+        return [looks[0]] * len(keys)
+
+    hb.channel = SimpleNamespace(add=lambda k, n: None, peek=lambda keys: [None] * len(keys), counters=counters,
+                                 set=lambda k, v: published.append(QuietWord.decode(v)) if "quiet" in k else None)
+    hb.session = SimpleNamespace(rank=0, generation=1, members=(0, 1))
+    hb.interval_s, hb.misses, hb.quiet_rule, hb.watching = 0.001, 3, True, True
+    hb._pause = hb._step_pause = 0
+    hb._forget_word, hb.usual_pause, hb.allowance = False, None, 0
+    hb.alarm, hb._detected_generation, hb.failed_looks = None, None, 0
+    hb._main_position = lambda: (1, 1, True, True, False)  # waiting in communication code
+    hb._main_cpu_s = hb._native_cpu_s = lambda: 0.0
+    hb._main_state = lambda: "S"
+    hb._others_working = lambda: False
+    hb._data_bytes = lambda generation: next(moved)
+    hb._stalled = lambda ranks, still: []
+    hb._run()
+    assert hb.failed_looks == 0
+    assert [(w.beat, w.quiet) for w in published] == [(1, 0), (4, 1), (5, 2), (6, 0)]
