@@ -64,7 +64,7 @@ FLUSH_LARGE_BYTES = 64 * 1024
 # about 0.5 Gbit/s even this look misses some)
 FLUSH_LOOK_S = 0.001
 # the drain of severed sockets (SeveredSockets): its first look after a sever, while bytes move, and at
-# most between looks once they stopped
+# most between looks once they stopped (see drain_delay)
 DRAIN_FIRST_S = 0.02
 DRAIN_MOVING_S = 0.0005
 DRAIN_IDLE_MOST_S = 0.05
@@ -197,10 +197,10 @@ class SeveredSockets:
     fails before it completes, see :func:`sever`). A socket the peer closed is closed here too.
 
     The thread is started by the first socket held and then waits, costing nothing, while none
-    is: a recovery starts no thread. It first looks ``DRAIN_FIRST_S`` after a socket is held
-    (gloo is still letting go of it), then every ``DRAIN_MOVING_S`` while bytes arrive, and
-    otherwise less and less often, down to every ``DRAIN_IDLE_MOST_S``: a peer's send that
-    starts after a quiet spell waits at most that long for its first bytes to be read."""
+    is: a recovery starts no thread. It looks as :func:`drain_delay` says: first
+    ``DRAIN_FIRST_S`` after a socket is held (gloo is still letting go of it), then every
+    ``DRAIN_MOVING_S`` while bytes arrive, and less and less often once they stop, down to every
+    ``DRAIN_IDLE_MOST_S``."""
 
     def __init__(self) -> None:
         self._held: list[tuple[socket.socket, int, str]] = []  # (our socket, gloo's descriptor, its name)
@@ -265,7 +265,17 @@ class SeveredSockets:
                     self._held = [h for h in self._held if h[0] not in gone]
                 for sock in gone:
                     sock.close()
-            delay = DRAIN_MOVING_S if moved else min(max(delay, DRAIN_FIRST_S) * 2, DRAIN_IDLE_MOST_S)
+            delay = drain_delay(delay, moved)
+
+
+def drain_delay(delay: float, moved: bool) -> float:
+    """The drain's wait before its next look, after a look that waited ``delay`` and saw bytes
+    move (``moved``) or none: ``DRAIN_MOVING_S`` while they move, then doubling from there, at
+    most ``DRAIN_IDLE_MOST_S``. A peer's send that resumes after a pause of ``p`` is read within
+    about ``2 p`` (a sender whose buffer is full waits for this look): doubling from
+    ``DRAIN_FIRST_S`` after a movement made a pause of a few milliseconds in a large message
+    one of 40 ms, the pause the slowest recoveries' flushes waited through."""
+    return DRAIN_MOVING_S if moved else min(delay * 2, DRAIN_IDLE_MOST_S)
 
 
 _PEER_ENDED = (7, 8, 9)  # TCP_CLOSE, TCP_CLOSE_WAIT, TCP_LAST_ACK (linux/include/net/tcp_states.h)

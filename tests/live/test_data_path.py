@@ -189,3 +189,25 @@ def test_a_flush_has_its_sockets_acknowledge_at_once_at_every_look(monkeypatch):
     assert ended.flush_end == "settled"
     for s in socks:
         assert set(s.asked) == {(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)} and len(s.asked) == clock.sleeps
+
+
+def test_a_drain_reads_a_send_resuming_after_a_pause_within_about_the_pause_again():
+    """A peer whose large send pauses (unscheduled a few milliseconds) and resumes into a full
+    buffer waits for the drain's next look: after bytes moved, the looks come every
+    ``DRAIN_MOVING_S`` and then twice as far apart each time, so a pause of ``p`` costs at most
+    about ``p`` more, never the 40 ms a jump back to the idle cadence cost. With nothing
+    moving the drain backs off to ``DRAIN_IDLE_MOST_S`` and never past it."""
+    from meshpact.live.recovery.communicator import (DRAIN_FIRST_S, DRAIN_IDLE_MOST_S, DRAIN_MOVING_S,
+                                                     drain_delay)
+
+    for pause in (0.0007, 0.002, 0.003, 0.006, 0.011, 0.025):
+        t, delay = 0.0, drain_delay(DRAIN_FIRST_S, True)  # the look at t=0 read bytes; none until `pause`
+        while t < pause:
+            t += delay
+            delay = drain_delay(delay, False)
+        assert t - pause <= pause + DRAIN_MOVING_S, (pause, t)
+    delay, waits = DRAIN_FIRST_S, []
+    for _ in range(8):  # held, nothing ever arrives
+        delay = drain_delay(delay, False)
+        waits.append(delay)
+    assert waits[0] > DRAIN_FIRST_S and max(waits) == DRAIN_IDLE_MOST_S
