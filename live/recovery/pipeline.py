@@ -43,7 +43,7 @@ from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .reshard import ExcisionRecord, Membership, carry_schedule, excise
 from .session import Session, c10d_default, resume_barrier
-from .state import CommitMark, RngState, Schedule, load_job_state, restore_rng
+from .state import CommitMark, RngState, Schedule, StateCheck, load_job_state, restore_rng
 from .stepreset import Leftovers, reset_step_state
 
 
@@ -82,7 +82,7 @@ class Job(Protocol):
     excisions: list[ExcisionRecord]
 
     def state(self) -> dict[str, torch.Tensor]: ...
-    def state_changed(self, params: Sequence[torch.nn.Parameter] | None = None) -> str: ...
+    def check_state(self, params: Sequence[torch.nn.Parameter] | None = None) -> StateCheck: ...
     def job_groups(self) -> dict[str, dist.ProcessGroup]: ...
     def excise_refusal(self) -> str | None: ...
     def settle_counters(self) -> None: ...
@@ -170,6 +170,7 @@ class Detection:
     params: tuple[Any, ...]  # the model's parameters after the reset (sharded), walked once per recovery
     reset_s: float  # seconds putting FSDP's half-run step back
     changed: str  # why the state is not the committed one ("" when it is)
+    tensor_meshes: tuple[Any, ...] | None  # the meshes of the state's DTensors, where the commit's tensors hold it
     old_groups: Mapping[str, dist.ProcessGroup]  # every group of the job, by base name
     standby: comm.StandbyStatus  # this rank's word on its standby, carried in its proposal
     leftovers: Leftovers = field(default_factory=Leftovers)  # the failed attempt's buffers: let go once running again
@@ -267,7 +268,7 @@ def detect(rt: Job, cause: Cause) -> Detection:
     params = reset_step_state(rt.model, states, leftovers)  # sharded parameters back on the modules before anything reads them
     reset_s = time.perf_counter() - t0
     t_check = time.perf_counter()
-    changed = rt.state_changed(params)
+    checked = rt.check_state(params)
     # a step that waited out the data-path timeout may have lost a link the standby crosses too;
     # one that failed otherwise heard from its data path (or raised here), however long it ran
     silent_s = (t_detect - rt.t_attempt if rt.t_attempt is not None and not cause.drill
@@ -275,8 +276,8 @@ def detect(rt: Job, cause: Cause) -> Detection:
     old_groups = rt.job_groups()  # consensus builds no group: the same ones are replaced after it
     word = s.standby_word(old_groups, silent_s, quiet=bool(alarm and alarm.data_path_quiet))
     clock.lap("detect")
-    return Detection(cause, t_detect, clock, t_check, alarm, tuple(states), tuple(params), reset_s, changed,
-                     old_groups, word, leftovers)
+    return Detection(cause, t_detect, clock, t_check, alarm, tuple(states), tuple(params), reset_s, checked.changed,
+                     checked.meshes, old_groups, word, leftovers)
 
 
 def let_go(rt: Job, d: Detection, model_replaced: bool = False) -> None:
@@ -360,8 +361,8 @@ def rebind(rt: Job, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebou
     site_ms: dict[str, float] = {}
     reconfigured = rebuilt.action is CommunicatorAction.RECONFIGURE
     if not reconfigured:
-        meshes = list({id(m): m for m in (s.mesh, *meshes_of(rt.model, rt.optimizer, list(d.states), d.params),
-                                          *rt.meshes)}.values())
+        meshes = list({id(m): m for m in (s.mesh, *meshes_of(rt.model, rt.optimizer, list(d.states), d.params,
+                                                             d.tensor_meshes), *rt.meshes)}.values())
         report: RebindReport = rebind_all([(old, rebuilt.groups[base]) for base, old in d.old_groups.items()],
                                           rt.model, rt.optimizer, meshes, functions=(rt.train_step_fn,),
                                           scan=rt.scan, states=list(d.states))

@@ -150,10 +150,12 @@ def _mesh_infos(states: list[Any]) -> list[Any]:
 
 
 def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] | None = None,
-              params: Iterable[torch.nn.Parameter] | None = None) -> list[Any]:
+              params: Iterable[torch.nn.Parameter] | None = None,
+              tensor_meshes: Iterable[Any] | None = None) -> list[Any]:
     """Every DeviceMesh the model's FSDP state and DTensors refer to, with root and flattened
     meshes (``states`` and ``params``: the model's FSDP states and parameters when the caller
-    has them)."""
+    has them; ``tensor_meshes``: the DTensors' own meshes where the caller knows them, as a
+    recovery does from its state check: the parameters and the optimizer state are not walked)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     found: dict[int, Any] = {}
@@ -172,6 +174,10 @@ def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] |
     for info in _mesh_infos(fsdp_states(model) if states is None else states):
         add(info.mesh)
         add(getattr(info, "spmd_mesh", None))
+    if tensor_meshes is not None:
+        for mesh in tensor_meshes:
+            add(mesh)
+        return list(found.values())
     for p in model.parameters() if params is None else params:
         add(getattr(p, "device_mesh", None))
     if optimizer is not None:

@@ -57,7 +57,7 @@ from .pipeline import Cause, RecoveryRecord, RetiredGroup
 from .rebind import ModuleScan
 from .reshard import ExcisionRecord, GradientWeight, Membership, adopt_objects, share_batch
 from .session import RecoveryConfig, Session, start_barrier
-from .state import (CommitMark, capture_objects, capture_rng, capture_schedule, check_stateful, job_state, load_buffers,
+from .state import (CommitMark, StateCheck, capture_objects, capture_rng, capture_schedule, check_stateful, job_state, load_buffers,
                     load_job_state, model_buffers, restore_objects, restore_rng, restore_schedule, schedulers_of,
                     Chunk, global_chunks)
 
@@ -311,19 +311,20 @@ class Resilient:
 
         self._optimizer_hook = _OptimizerHook(self.optimizer, self.optimizer.register_step_pre_hook(began))
 
-    def state_changed(self, params: Sequence[torch.nn.Parameter] | None = None) -> str:
+    def check_state(self, params: Sequence[torch.nn.Parameter] | None = None) -> StateCheck:
         """Why this rank's state is not the committed one ("" when it is; always "" with
-        ``check_commits`` off, which trusts the state). An optimizer step begun since the commit
-        counts as a change whatever the commit check says: it samples at most 64 tensors, and an
-        optimizer that failed part-way (a collective inside its step) may have written only
-        tensors it does not sample. ``params``: the model's parameters as they stand now, where
-        the caller listed them already (a recovery's detect: the model is walked once)."""
+        ``check_commits`` off, which trusts the state), and the meshes of its tensors where the
+        commit's own tensors still hold it. An optimizer step begun since the commit counts as a
+        change whatever the commit check says: it samples at most 64 tensors, and an optimizer
+        that failed part-way (a collective inside its step) may have written only tensors it does
+        not sample. ``params``: the model's parameters as they stand now, where the caller listed
+        them already (a recovery's detect: the model is walked once)."""
         if self.mark is None:
-            return ""
+            return StateCheck("")
         if self._optimizer_began:
-            return ("the optimizer's step began after the commit (a fault inside or after it: its state may be "
-                    "written in part)")
-        return self.mark.changed(self.committed_step, self.model, self.optimizer, params)
+            return StateCheck("the optimizer's step began after the commit (a fault inside or after it: its state "
+                              "may be written in part)")
+        return self.mark.verify(self.committed_step, self.model, self.optimizer, params)
 
     @property
     def generation(self) -> int:

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["shard_rows", "local_state", "load_local_state", "digest", "commit_check", "CommitMark", "RngState", "capture_rng", "restore_rng",
+__all__ = ["shard_rows", "local_state", "load_local_state", "digest", "commit_check", "CommitMark", "StateCheck", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
            "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "saved_objects", "model_buffers", "load_buffers",
            "Chunk", "global_chunks", "check_stateful", "capture_objects", "restore_objects"]
@@ -221,33 +221,59 @@ def _hash_samples(step: int, count: int, samples: _Samples) -> str:
     return h.hexdigest()
 
 
-def _owners(model: nn.Module, optimizer: torch.optim.Optimizer,
-            params: Sequence[torch.Tensor] | None = None) -> tuple[tuple[int, int, int], ...]:
-    """(object id, storage address, element count) of every tensor :func:`local_state` lists,
-    in its order, read without building any view (``params``: ``model.parameters()`` listed
-    already by the caller)."""
-    out = []
+def _listing(model: nn.Module, optimizer: torch.optim.Optimizer,
+             params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """Every tensor :func:`local_state` lists, as objects (parameters, then each one's optimizer
+    state), read without building any view (``params``: ``model.parameters()`` listed already
+    by the caller)."""
     params = list(model.parameters()) if params is None else params
-    for p in params:
-        local = getattr(p, "_local_tensor", p)
-        out.append((id(p), local.data_ptr(), local.numel()))
     # the optimizer's state by parameter identity, as its dict finds them (a tensor's hash is its
     # id), without asking Python for each parameter's hash
     by_id = {id(k): v for k, v in optimizer.state.items()}
+    out = list(params)
     for p in params:
         for _, value in sorted(by_id.get(id(p), {}).items()):
             if isinstance(value, torch.Tensor):
-                local = getattr(value, "_local_tensor", value)
-                out.append((id(value), local.data_ptr(), local.numel()))
+                out.append(value)
+    return out
+
+
+def _owners(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, int, int], ...]:
+    """(object id, storage address, element count) of each tensor of a :func:`_listing`."""
+    out = []
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        out.append((id(t), local.data_ptr(), local.numel()))
     return tuple(out)
+
+
+def _meshes(tensors: Sequence[torch.Tensor]) -> tuple[Any, ...]:
+    """The DeviceMeshes that the DTensors among ``tensors`` live on, each once."""
+    found: dict[int, Any] = {}
+    for t in tensors:
+        mesh = getattr(t, "device_mesh", None)
+        if mesh is not None:
+            found.setdefault(id(mesh), mesh)
+    return tuple(found.values())
+
+
+@dataclass(frozen=True)
+class StateCheck:
+    """What :meth:`CommitMark.verify` found: why the state is not the committed one ("" when it
+    is), and, where the very tensors of the commit still hold it, the meshes they live on (a
+    recovery's rebinding reads them instead of walking the state again; None: walk it)."""
+
+    changed: str
+    meshes: tuple[Any, ...] | None = None
 
 
 @dataclass(frozen=True)
 class CommitMark:
     """What proves, at a recovery, that a rank's state is the one it committed at ``step``:
-    the commit check, the tensors that held the state (id, storage address, size) and views of
-    the sampled elements (see the module docstring). The views keep the committed storages
-    alive, so an address cannot be reused by a new tensor while the mark exists."""
+    the commit check, the tensors that held the state (id, storage address, size), the meshes
+    they live on, and views of the sampled elements (see the module docstring). The views keep
+    the committed storages alive, so an address cannot be reused by a new tensor while the mark
+    exists."""
 
     step: int
     check: str  # commit_check of the state at the commit
@@ -255,20 +281,24 @@ class CommitMark:
     samples: _Samples
     count: int  # tensors in local_state
     aliased: bool  # the views alias the live storage (else every check lists the state again)
+    meshes: tuple[Any, ...] = ()  # the DeviceMeshes of the state's DTensors
 
     @classmethod
     def take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
              previous: "CommitMark | None" = None) -> "CommitMark":
-        """The mark of the state now, committed at ``step``. The listing and the views are
-        reused from ``previous`` when the same tensors, at the same storage, hold the state."""
-        owners = _owners(model, optimizer)
+        """The mark of the state now, committed at ``step``. The views and the meshes are reused
+        from ``previous`` when the same tensors, at the same storage, hold the state."""
+        tensors = _listing(model, optimizer)
+        owners = _owners(tensors)
         if previous is not None and previous.aliased and previous.owners == owners:
-            samples, count, aliased = previous.samples, previous.count, True
+            samples, count, aliased, meshes = previous.samples, previous.count, True, previous.meshes
         else:
             state = local_state(model, optimizer, buffers=False)
             samples, count = _sample_views(state), len(state)
+            # (every optimizer state's: one may hold parameters the model does not)
             aliased = _aliased(state, samples)
-        return cls(step, _hash_samples(step, count, samples), owners, samples, count, aliased)
+            meshes = _meshes([*tensors, *(v for slot in optimizer.state.values() for v in slot.values())])
+        return cls(step, _hash_samples(step, count, samples), owners, samples, count, aliased, meshes)
 
     def changed(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                 params: Sequence[torch.Tensor] | None = None) -> str:
@@ -276,20 +306,25 @@ class CommitMark:
         added or moved since the commit, or a sampled element written, or another step
         (``params``: the model's parameters as ``model.parameters()`` lists them now, where the
         caller has them)."""
+        return self.verify(step, model, optimizer, params).changed
+
+    def verify(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+               params: Sequence[torch.Tensor] | None = None) -> StateCheck:
+        """:meth:`changed`, and the meshes where the tensors of the commit hold the state still."""
         if step != self.step:
-            return f"the committed step is {step}, the mark's {self.step}"
-        owners = _owners(model, optimizer, params)
+            return StateCheck(f"the committed step is {step}, the mark's {self.step}")
+        owners = _owners(_listing(model, optimizer, params))
         if owners != self.owners or not self.aliased:
             check = commit_check(step, local_state(model, optimizer, buffers=False))
             if check == self.check:
-                return ""  # other objects, or storage moved, holding what was committed
+                return StateCheck("")  # other objects, or storage moved, holding what was committed
             if owners == self.owners:
-                return "a sampled element of the state was written since the commit"
-            return (f"tensors holding the state changed since the commit ({len(self.owners)} then, "
-                    f"{len(owners)} now) and the sampled elements differ")
+                return StateCheck("a sampled element of the state was written since the commit")
+            return StateCheck(f"tensors holding the state changed since the commit ({len(self.owners)} then, "
+                              f"{len(owners)} now) and the sampled elements differ")
         if _hash_samples(step, self.count, self.samples) != self.check:
-            return "a sampled element of the state was written since the commit"
-        return ""
+            return StateCheck("a sampled element of the state was written since the commit", self.meshes)
+        return StateCheck("", self.meshes)
 
 
 # -- random-number generators ---------------------------------------------------------------

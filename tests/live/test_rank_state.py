@@ -196,6 +196,43 @@ def test_fsdp2_sharded_parameters_updated_in_place_by_foreach_optimizers_are_see
         dist_.destroy_process_group()
 
 
+def test_a_check_hands_a_recovery_the_meshes_only_while_the_commits_own_tensors_hold_the_state():
+    """Rebinding needs every mesh the state's DTensors live on; the check already walked those
+    tensors, so it hands the commit's meshes on while the very tensors of the commit hold the
+    state (its meshes: the same objects), and nothing once one was replaced: the recovery then
+    walks the state for them. What it hands on is what the full walk finds."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from meshpact.live.recovery.rebind import meshes_of
+
+    dist_ = torch.distributed
+    dist_.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2,))
+        model = _model()
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        _backward(model)
+        opt.step()
+        mark = CommitMark.take(1, model, opt)
+        checked = mark.verify(1, model, opt)
+        assert checked.changed == "" and checked.meshes == (mesh,)
+        assert meshes_of(model, opt, tensor_meshes=checked.meshes) == meshes_of(model, opt)
+        _backward(model)
+        opt.step()  # the same tensors, written: changed, and still the commit's meshes
+        checked = mark.verify(1, model, opt)
+        assert checked.changed != "" and checked.meshes == (mesh,)
+        first = model[0].weight
+        model[0].weight = torch.nn.Parameter(first.detach().clone())  # another tensor holds a parameter
+        assert mark.verify(1, model, opt).meshes is None
+        assert mark.verify(2, model, opt).meshes is None  # another step: nothing is known of it
+    finally:
+        dist_.destroy_process_group()
+
+
 def test_the_mark_sees_a_write_in_any_dtype_of_a_mixed_precision_model():
     """bf16 layers beside a float32 one and an int64 buffer-like parameter: each dtype is sampled
     in its own buffer, and a write in any one of them is seen."""
