@@ -154,8 +154,9 @@ def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] |
               tensor_meshes: Iterable[Any] | None = None) -> list[Any]:
     """Every DeviceMesh the model's FSDP state and DTensors refer to, with root and flattened
     meshes (``states`` and ``params``: the model's FSDP states and parameters when the caller
-    has them; ``tensor_meshes``: the DTensors' own meshes where the caller knows them, as a
-    recovery does from its state check: the parameters and the optimizer state are not walked)."""
+    has them; ``tensor_meshes``: the meshes of the parameters and of their optimizer state where
+    the caller knows them, as a recovery does from its state check: those are not walked, only
+    optimizer state of parameters the model does not hold)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     found: dict[int, Any] = {}
@@ -174,16 +175,20 @@ def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] |
     for info in _mesh_infos(fsdp_states(model) if states is None else states):
         add(info.mesh)
         add(getattr(info, "spmd_mesh", None))
+    params = list(model.parameters() if params is None else params)
+    known: set[int] = set()  # parameters whose optimizer state's meshes are in tensor_meshes
     if tensor_meshes is not None:
         for mesh in tensor_meshes:
             add(mesh)
-        return list(found.values())
-    for p in model.parameters() if params is None else params:
-        add(getattr(p, "device_mesh", None))
+        known = {id(p) for p in params}
+    else:
+        for p in params:
+            add(getattr(p, "device_mesh", None))
     if optimizer is not None:
-        for slot in optimizer.state.values():
-            for v in slot.values():
-                add(getattr(v, "device_mesh", None))
+        for p, slot in optimizer.state.items():
+            if id(p) not in known:
+                for v in slot.values():
+                    add(getattr(v, "device_mesh", None))
     return list(found.values())
 
 

@@ -281,7 +281,7 @@ class CommitMark:
     samples: _Samples
     count: int  # tensors in local_state
     aliased: bool  # the views alias the live storage (else every check lists the state again)
-    meshes: tuple[Any, ...] = ()  # the DeviceMeshes of the state's DTensors
+    meshes: tuple[Any, ...] = ()  # the DeviceMeshes of the listed tensors (the model's parameters and their optimizer state)
 
     @classmethod
     def take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -295,9 +295,7 @@ class CommitMark:
         else:
             state = local_state(model, optimizer, buffers=False)
             samples, count = _sample_views(state), len(state)
-            # (every optimizer state's: one may hold parameters the model does not)
-            aliased = _aliased(state, samples)
-            meshes = _meshes([*tensors, *(v for slot in optimizer.state.values() for v in slot.values())])
+            aliased, meshes = _aliased(state, samples), _meshes(tensors)
         return cls(step, _hash_samples(step, count, samples), owners, samples, count, aliased, meshes)
 
     def changed(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,

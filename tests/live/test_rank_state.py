@@ -211,24 +211,35 @@ def test_a_check_hands_a_recovery_the_meshes_only_while_the_commits_own_tensors_
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh("cpu", (2,))
+        from torch.distributed.tensor import Shard, distribute_tensor
+
+        mesh, other = init_device_mesh("cpu", (2,)), init_device_mesh("cpu", (2,))
+        assert other is not mesh
         model = _model()
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.Adam(model.parameters(), lr=0.1)
+        # the optimizer also steps a parameter the model does not hold, on a mesh of its own
+        extra = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), other, [Shard(0)]))
+        opt = torch.optim.Adam([*model.parameters(), extra], lr=0.1)
+        _backward(model)
+        extra.grad = distribute_tensor(torch.ones(4, 3), other, [Shard(0)])
+        opt.step()
+        first = CommitMark.take(1, model, opt)
         _backward(model)
         opt.step()
-        mark = CommitMark.take(1, model, opt)
-        checked = mark.verify(1, model, opt)
+        mark = CommitMark.take(2, model, opt, first)  # the same tensors: the listing and its meshes kept
+        assert mark.samples is first.samples and mark.meshes == (mesh,)
+        checked = mark.verify(2, model, opt)
         assert checked.changed == "" and checked.meshes == (mesh,)
-        assert meshes_of(model, opt, tensor_meshes=checked.meshes) == meshes_of(model, opt)
+        handed = meshes_of(model, opt, params=list(model.parameters()), tensor_meshes=checked.meshes)
+        assert {id(m) for m in handed} == {id(m) for m in meshes_of(model, opt)} and other in handed
         _backward(model)
         opt.step()  # the same tensors, written: changed, and still the commit's meshes
-        checked = mark.verify(1, model, opt)
+        checked = mark.verify(2, model, opt)
         assert checked.changed != "" and checked.meshes == (mesh,)
         first = model[0].weight
-        model[0].weight = torch.nn.Parameter(first.detach().clone())  # another tensor holds a parameter
-        assert mark.verify(1, model, opt).meshes is None
-        assert mark.verify(2, model, opt).meshes is None  # another step: nothing is known of it
+        model[0].weight = torch.nn.Parameter(model[0].weight.detach().clone())  # another tensor holds a parameter
+        assert mark.verify(2, model, opt).meshes is None
+        assert mark.verify(3, model, opt).meshes is None  # another step: nothing is known of it
     finally:
         dist_.destroy_process_group()
 
