@@ -55,11 +55,11 @@ a step: a rank blocked in a collective on any pair, a send to a third rank inclu
 not at the data-path timeout (a second by default, minutes where NCCL-length timeouts are set). A
 rank still in the step before the failed one (the key names it) finishes that step first, while
 its data path moves. A rank told so has every member told already (the first rank sets every
-member's key at once), so it tells nobody itself; a rank that tells sets its own key with the
-others', so its own listener stops waiting on the generation it leaves. Through the rank's own
-recovery the listener sleeps, and it waits on the next generation's key once that recovery ended
+member's key at once), so it tells nobody itself. Through the rank's own recovery the listener
+sleeps, and it waits on the next generation's key once that recovery ended
 (:meth:`Heartbeat.recovery_begins`, :meth:`Heartbeat.recovery_ends`): a peer's key set meanwhile
-is found at once then.
+is found at once then. A listener nobody told (its rank told the others) is ended then by the
+rank setting its own key.
 
 Why not shut both directions down and let the peers read the end of the stream, as a killed
 rank's kernel does: gloo's TCP transport never fails a collective's send (an unbound buffer's)
@@ -232,7 +232,9 @@ _BEHIND_QUIET_S = 0.02
 
 def recovering_key(generation: int, rank: int) -> str:
     """The control-channel key a rank that starts a recovery out of ``generation`` sets for each
-    member ``rank``: the rank's heartbeat waits on it and severs its data path the moment it is set."""
+    other member ``rank`` (a rank told of it already sets none, a drill none): the rank's
+    heartbeat waits on it and severs its data path the moment it is set. A rank whose listener
+    still waits on it once its recovery ended sets its own (:meth:`Heartbeat.recovery_ends`)."""
     return f"recovering/g{generation}/rank{rank}"
 
 
@@ -275,6 +277,7 @@ class Heartbeat:
                                        run_id=session.spec.run_id)
         self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of
         self._told: int | None = None  # the generation a peer's recovery was heard of in (it told every member)
+        self._heard: int | None = None  # the generation whose key the listener last heard (a peer's or its own)
         self._recovering: int | None = None  # the generation this rank's own recovery leaves, while it runs
         self._recovered = threading.Event()  # set when this rank's recovery ends: the listener waits again
         self.last_sever = SeverTiming()  # how the last sever by an alarm (the watch's or the listener's) spent its time
@@ -372,9 +375,18 @@ class Heartbeat:
 
     def recovery_ends(self) -> None:
         """This rank's recovery ended (resumed, or failed into the next one): the listener waits
-        on the key of the generation the rank is in now."""
+        on the key of the generation the rank is in now. One still waiting on the key of a
+        generation the rank has left (nobody told this rank: it told the others) is ended by
+        this rank setting its own key, here, after the first collective: set as the recovery
+        began, it woke the listener in the middle of it."""
         self._recovering = None
         self._recovered.set()
+        waiting = self._listening
+        if self._heard != waiting and waiting != self.session.generation:
+            try:
+                self.session.control.set(recovering_key(waiting, self.session.rank), {"rank": self.session.rank})
+            except Exception:  # noqa: BLE001 (the control channel is gone: the job is ending, the listener with it)
+                pass
 
     def told_of(self, generation: int) -> bool:
         """Whether a peer's recovery of ``generation`` reached this rank's listener: that peer
@@ -436,7 +448,7 @@ class Heartbeat:
                 continue
             except Exception:  # noqa: BLE001 (the control channel is gone: the job is ending)
                 return
-            self.opened_wall = time.time()
+            self.opened_wall, self._heard = time.time(), generation
             self._recovered.clear()  # set when the recovery out of this generation ends
             if isinstance(told, dict) and told.get("rank") != s.rank:  # (its own key: this rank told the others)
                 self._told = generation
@@ -454,7 +466,10 @@ class Heartbeat:
                 if self.watching and not behind:  # a step of this generation runs: it may be blocked on a pair nobody severs
                     self._raise(HeartbeatAlarm(time.time(), (), detail=f"a peer opened a recovery of generation "
                                                f"{generation}"), generation)
-                    break
+                    if self._alarmed(generation) or self._recovering == generation:
+                        break  # (raised, or its step failed meanwhile)
+                    # the step ended as the alarm was raised (nothing severed, no alarm kept): the next
+                    # step of this generation waits on the recovering peer, and is severed once it runs
                 time.sleep(_LISTEN_POLL_S)  # between steps, or finishing the one before the failed one
             # asleep through the recovery, woken once it ended (its first collective ran), not as it
             # advances: a thread woken in the middle of a recovery takes CPU and the GIL from it
@@ -560,7 +575,7 @@ class Heartbeat:
         # the quiet word's (looks quiet, generation found hung) as last published: a word with no
         # quiet look is published once, not at every look (read by a peer, stale or not, it keeps
         # the alarm off: all_quiet needs every word fresh and quiet)
-        said: tuple[int, int] | None = None
+        said_quiet: tuple[int, int] | None = None
         last_beats: dict[int, int] = {}
         while not self._stop.wait(self.interval_s):
             try:
@@ -592,9 +607,9 @@ class Heartbeat:
                     moved = self._data_bytes(generation) if self.watching and pos[2] else None
                     still_quiet = moved is not None and moved == last_bytes and not self._others_working()
                     quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
-                    if quiet or (quiet, hung_in) != said:  # a word saying "not quiet" holds until it changes
+                    if quiet or (quiet, hung_in) != said_quiet:  # a word saying "not quiet" holds until it changes
                         self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
-                        said = (quiet, hung_in)
+                        said_quiet = (quiet, hung_in)
                 counts = self.channel.counters(keys)  # one round trip for every peer
                 if not self.watching or seen is None or ranks != watched:
                     still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}

@@ -239,10 +239,9 @@ def detect(rt: Job, cause: Cause) -> Detection:
     told = rt.heartbeat is not None and not cause.drill  # peers still in the step hear it from the control channel
     if rt.heartbeat is not None:
         rt.heartbeat.recovery_begins(s.generation)  # its listener sleeps through this recovery
-        if not rt.heartbeat.told_of(s.generation):  # (a peer that told this rank told every member)
-            # first: each peer's sever (its look for a message under way) runs beside this rank's own;
-            # this rank's own key ends its listener's wait on the generation it leaves (a drill's too)
-            s.control.set_many([recovering_key(s.generation, r) for r in s.members if told or r == s.rank],
+        if told and not rt.heartbeat.told_of(s.generation):  # (a peer that told this rank told every member)
+            # first: each peer's sever (its look for a message under way) runs beside this rank's own
+            s.control.set_many([recovering_key(s.generation, r) for r in s.members if r != s.rank],
                                {"rank": s.rank, "step": cause.step})
     severed = s.sever_data_path(tell_peers=not told)  # the standby's sockets are not the data path's
     alarm = rt.heartbeat.take() if rt.heartbeat is not None else None

@@ -285,7 +285,7 @@ def _listening_heartbeat(told: object, running_step: int, data: object = None,
                                  spec=SimpleNamespace(timeout_s=data_timeout_s))
     hb.alarm, hb._detected_generation = None, None
     hb.watching, hb.running_step = True, running_step
-    hb._told, hb._recovering, hb._recovered = None, None, threading.Event()
+    hb._told, hb._recovering, hb._recovered, hb.opened_wall, hb._heard = None, None, threading.Event(), 0.0, None
     hb._data_bytes = lambda generation: data() if data is not None else None
     heard = iter(told if isinstance(told, list) else [told])
     hb.asked = []  # the keys the listener waited on, in order
@@ -353,14 +353,79 @@ def test_a_listener_told_during_its_own_ranks_recovery_severs_nothing_and_waits_
         hb.watching = False  # a recovery runs no step
         hb.recovery_begins(3)
         thread.start()
-        time.sleep(0.1)
+        deadline = time.monotonic() + 5.0
+        while not hb.opened_wall and time.monotonic() < deadline:  # the key was heard
+            time.sleep(0.005)
         assert hb.told_of(3) is told and not hb.told_of(4)
         hb.session.generation = 4  # the recovery rebound its groups: its first collective still runs
-        time.sleep(0.2)
+        time.sleep(0.2)  # (long enough to see it wait again too early, were it to)
         assert raised == [] and hb.asked == [recovering_key(3, 2)]
         hb.recovery_ends()
         thread.join(5.0)  # the fake channel ends once asked again
         assert raised == [] and hb.asked == [recovering_key(3, 2), recovering_key(4, 2)]
+
+
+def test_a_rank_that_told_the_others_ends_its_own_listeners_wait_once_its_recovery_ended():
+    """Rank 2 failed first and told every other rank; nobody tells it, so its listener still waits
+    on generation 3's key when the recovery has moved the rank to generation 4. The rank sets
+    that key itself once the recovery ended (not as it began: the listener woken then took
+    CPU in the middle of the recovery), and the listener waits on generation 4's."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery.heartbeat import recovering_key
+
+    keys: dict[str, object] = {}
+    changed = threading.Condition()
+    hb, raised, thread = _listening_heartbeat([], running_step=5)
+
+    def wait(asked, timeout_s=None):
+        hb.asked.append(asked[0])
+        with changed:
+            if not changed.wait_for(lambda: asked[0] in keys, timeout=2.0):
+                raise RuntimeError("the channel is gone")  # the listener returns
+            return {asked[0]: keys[asked[0]]}
+
+    def set_(key, value):
+        with changed:
+            keys[key] = value
+            changed.notify_all()
+
+    hb.listener = SimpleNamespace(wait=wait)
+    hb.session.control = SimpleNamespace(set=set_)
+    thread.start()
+    hb.recovery_begins(3)
+    hb.watching = False
+    hb.session.generation = 4  # rebound; the first collective runs
+    time.sleep(0.2)  # (long enough to see the key set too early, were it to be)
+    assert keys == {} and hb.asked == [recovering_key(3, 2)]
+    hb.recovery_ends()
+    thread.join(5.0)
+    assert list(keys) == [recovering_key(3, 2)] and hb.asked == [recovering_key(3, 2), recovering_key(4, 2)]
+    assert raised == [] and not hb.told_of(3)
+
+
+def test_a_listener_whose_alarm_came_as_the_step_ended_severs_the_next_step():
+    """The rank was in the failed step's generation when told, but its step ended between the
+    listener's look and its raise (nothing severed, no alarm kept). Its next step waits on the
+    recovering peer, which hears nothing from it: the listener keeps looking and severs that
+    step, instead of sleeping through the generation while the step waits out its timeout."""
+    import time
+
+    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=5)
+    tries: list[float] = []
+
+    def raise_(alarm, generation):
+        tries.append(time.monotonic())
+        if len(tries) > 1:  # the first came as step 5 ended; the second meets step 6 running
+            raised.append(time.monotonic())
+            hb.session.generation += 1
+
+    hb._raise = raise_
+    thread.start()
+    thread.join(5.0)
+    assert len(tries) == 2 and len(raised) == 1
 
 
 def test_a_rank_one_step_behind_whose_data_path_stops_or_never_ends_is_severed():
