@@ -581,6 +581,10 @@ class Heartbeat:
             try:
                 self.last_look_wall = time.time()
                 s = self.session
+                if self._recovering is not None:  # this rank's own recovery runs: it beats, and judges nothing
+                    self.channel.add(beat_key(s.rank), 1 + PROGRESS)  # (no step is watched, here or at a peer)
+                    seen, quiet, last_bytes = None, 0, None  # judged afresh from the next step's looks
+                    continue
                 generation = s.generation
                 ranks = s.members  # the original ranks still in the job (fewer after an excision)
                 keys = [beat_key(r) for r in ranks]

@@ -453,36 +453,63 @@ def test_a_quiet_word_is_published_when_it_changes_and_at_every_quiet_look_not_a
     saying "not quiet" stays true until the rank is quiet again, and a peer reading it (stale or
     not) keeps the alarm off, so it is published once; every quiet look is published (its beat
     makes it fresh), and so is the return to "not quiet"."""
+    from meshpact.live.recovery.heartbeat import QuietWord
+
+    hb, calls = _looking_heartbeat([1, 2, 3, 3, 3, 4, 5, 6])  # the data path's bytes at each look: quiet twice, then moving
+    hb._run()
+    assert hb.failed_looks == 0
+    published = [QuietWord.decode(v) for name, k, v in calls if name == "set" and "quiet" in k]
+    assert [(w.beat, w.quiet) for w in published] == [(1, 0), (4, 1), (5, 2), (6, 0)]
+
+
+def test_a_look_during_the_ranks_own_recovery_beats_and_reads_nothing_else():
+    """Looks that land in the rank's own recovery judge nothing (no step is watched, here or at a
+    peer): one beat each, no reads of the peers' counters or of the process, which would take CPU
+    from the recovery; the first look after it judges afresh."""
+    from meshpact.live.recovery.heartbeat import PROGRESS
+
+    hb, calls = _looking_heartbeat([1, 2, 3], looks=5)
+    hb._recovering = 3
+    seen_process = []
+    hb._main_position = lambda: seen_process.append(1) or (1, 1, True, True, False)
+    hb._run()
+    assert hb.failed_looks == 0 and seen_process == [1]  # the thread's start only
+    assert [c[0] for c in calls] == ["add"] * 5 and all(c[2] == 1 + PROGRESS for c in calls)
+
+
+def _looking_heartbeat(moved: list[int], looks: int = 8) -> tuple[object, list[tuple[str, object, object]]]:
+    """A heartbeat whose thread runs ``looks`` looks (then stops) on a rank waiting in communication
+    code, its data path's bytes read from ``moved``, its control channel calls recorded."""
     import threading
     from types import SimpleNamespace
 
-    from meshpact.live.recovery.heartbeat import Heartbeat, QuietWord
+    from meshpact.live.recovery.heartbeat import Heartbeat
 
-    moved = iter([1, 2, 3, 3, 3, 4, 5, 6])  # the data path's bytes at each look: quiet twice, then moving
-    published: list[QuietWord] = []
-    looks = [0]
+    data = iter(moved)
+    calls: list[tuple[str, object, object]] = []
     hb = Heartbeat.__new__(Heartbeat)
     hb._stop = threading.Event()
 
-    def counters(keys):
-        looks[0] += 1
-        if looks[0] == 8:
+    def add(key, n):
+        calls.append(("add", key, n))
+        if sum(1 for c in calls if c[0] == "add") == looks:
             hb._stop.set()
-        return [looks[0]] * len(keys)
 
-    hb.channel = SimpleNamespace(add=lambda k, n: None, peek=lambda keys: [None] * len(keys), counters=counters,
-                                 set=lambda k, v: published.append(QuietWord.decode(v)) if "quiet" in k else None)
+    def counters(keys):
+        calls.append(("counters", keys, None))
+        return [len(calls)] * len(keys)
+
+    hb.channel = SimpleNamespace(add=add, peek=lambda keys: [None] * len(keys), counters=counters,
+                                 set=lambda k, v: calls.append(("set", k, v)))
     hb.session = SimpleNamespace(rank=0, generation=1, members=(0, 1))
     hb.interval_s, hb.misses, hb.quiet_rule, hb.watching = 0.001, 3, True, True
     hb._pause = hb._step_pause = 0
     hb._forget_word, hb.usual_pause, hb.allowance = False, None, 0
-    hb.alarm, hb._detected_generation, hb.failed_looks = None, None, 0
+    hb.alarm, hb._detected_generation, hb.failed_looks, hb._recovering = None, None, 0, None
     hb._main_position = lambda: (1, 1, True, True, False)  # waiting in communication code
     hb._main_cpu_s = hb._native_cpu_s = lambda: 0.0
     hb._main_state = lambda: "S"
     hb._others_working = lambda: False
-    hb._data_bytes = lambda generation: next(moved)
+    hb._data_bytes = lambda generation: next(data)
     hb._stalled = lambda ranks, still: []
-    hb._run()
-    assert hb.failed_looks == 0
-    assert [(w.beat, w.quiet) for w in published] == [(1, 0), (4, 1), (5, 2), (6, 0)]
+    return hb, calls
