@@ -203,8 +203,8 @@ class SeveredSockets:
     is: a recovery starts no thread. It looks as :func:`drain_delay` says: first
     ``DRAIN_FIRST_S`` after a socket is held, then every ``DRAIN_MOVING_S`` while bytes arrive,
     and less and less often once they stop (or none came), down to every ``DRAIN_IDLE_MOST_S``;
-    a socket gloo still holds is gloo's to read. The sockets it reads acknowledge at once
-    (:func:`_quick_acks`)."""
+    a socket gloo still holds is gloo's to read. Every socket held acknowledges what it receives
+    at once (:func:`_quick_acks`, asked again at every look)."""
 
     def __init__(self) -> None:
         self._held: list[tuple[socket.socket, int, str]] = []  # (our socket, gloo's descriptor, its name)
@@ -248,10 +248,12 @@ class SeveredSockets:
                     delay = DRAIN_FIRST_S
             time.sleep(delay)
             with self._lock:
-                ready = [h for h in self._held if not _names(h[1], h[2])]  # gloo closed its descriptor
+                held = list(self._held)
+            # a peer's send waits on no delayed acknowledgement, whoever reads it (the kernel drops
+            # quick mode by itself after a few segments: asked again at every look)
+            _quick_acks([sock for sock, _, _ in held])
+            ready = [h for h in held if not _names(h[1], h[2])]  # gloo closed its descriptor
             moved, gone = False, []
-            if ready:
-                _quick_acks([sock for sock, _, _ in ready])  # a peer's send waits on no delayed acknowledgement
             for sock, _, _ in ready:
                 try:
                     queued = _queued(sock)
@@ -264,7 +266,7 @@ class SeveredSockets:
                         gone.append(sock)
                 except BlockingIOError:
                     continue
-                except OSError:  # closed by release(), or reset by the peer
+                except (OSError, ValueError):  # closed by release() (its descriptor -1 now), or reset by the peer
                     gone.append(sock)
             if gone:
                 with self._lock:

@@ -211,3 +211,46 @@ def test_a_drain_reads_a_send_resuming_after_a_pause_within_about_the_pause_agai
         delay = drain_delay(delay, False)
         waits.append(delay)
     assert waits[0] > DRAIN_FIRST_S and max(waits) == DRAIN_IDLE_MOST_S
+
+
+def test_a_held_socket_is_drained_and_asked_for_quick_acknowledgements_at_every_look(pairs, monkeypatch):
+    """A severed socket held for the drain: what the peer still sends is read and dropped once gloo
+    let go of it, and every look, whoever reads the socket (gloo still holds the other one), asks
+    the kernel to acknowledge at once: a peer's send waiting on a delayed acknowledgement paused 40 ms."""
+    import os
+    import time
+
+    asked: list[set[int]] = []
+    monkeypatch.setattr(comm, "_quick_acks", lambda socks: asked.append({s.fileno() for s in socks}))
+    held = comm.SeveredSockets()
+    sender, receiver = pairs()
+    other_sender, other_receiver = pairs()
+    sender.sendall(b"x" * 200_000)
+    gone = os.dup(receiver.fileno())  # gloo's descriptor, closed: gloo let go of the socket
+    inode = f"socket:[{os.fstat(gone).st_ino}]"
+    os.close(gone)
+    receiver.shutdown(socket.SHUT_RD)
+    other_receiver.shutdown(socket.SHUT_RD)
+    held.hold(receiver, gone, inode)
+    held.hold(other_receiver, other_receiver.fileno(), f"socket:[{os.fstat(other_receiver.fileno()).st_ino}]")
+    deadline = time.monotonic() + 5.0
+    while comm._queued(receiver) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert comm._queued(receiver) == 0  # drained
+    while len(asked) < 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(asked) >= 3 and all(a == {receiver.fileno(), other_receiver.fileno()} for a in asked[1:])
+    for _ in range(20):  # released while the drain looks (every rank left the generation): it drains the next
+        held.release()
+        time.sleep(0.0005)
+    sender, receiver = pairs()
+    sender.sendall(b"y" * 100_000)
+    receiver.shutdown(socket.SHUT_RD)
+    gone = os.dup(receiver.fileno())
+    inode = f"socket:[{os.fstat(gone).st_ino}]"
+    os.close(gone)
+    held.hold(receiver, gone, inode)
+    while comm._queued(receiver) and time.monotonic() < deadline + 5.0:
+        time.sleep(0.005)
+    assert comm._queued(receiver) == 0
+    held.release()
