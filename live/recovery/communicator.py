@@ -208,9 +208,12 @@ class SeveredSockets:
 
     def __init__(self) -> None:
         self._held: list[tuple[socket.socket, int, str]] = []  # (our socket, gloo's descriptor, its name)
+        self._closing: list[socket.socket] = []  # released: closed by the drain thread, between its looks
+        self._fresh = False  # a socket was held since the drain's last look
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)  # a socket was held
+        self._cond = threading.Condition(self._lock)  # a socket was held or released
         self._thread: threading.Thread | None = None
+        self.failed_looks = 0  # looks that raised (each is skipped; the thread goes on)
 
     def __len__(self) -> int:
         with self._lock:
@@ -225,55 +228,87 @@ class SeveredSockets:
         sock.setblocking(False)
         with self._lock:
             self._held.append((sock, fd, inode))
+            self._fresh = True
             self._cond.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="meshpact-severed-drain", daemon=True)
                 self._thread.start()
 
     def release(self) -> None:
-        """Close every held socket (every rank has left their generation)."""
+        """Close every held socket (every rank has left their generation). The drain thread closes
+        them between two of its looks: closed while it reads one, the descriptor could be reused
+        by a socket of the new groups, and the drain would read and drop that socket's bytes."""
         with self._lock:
             held, self._held = self._held, []
+            if self._thread is not None:
+                self._closing += [sock for sock, _, _ in held]
+                self._cond.notify()
+                return
         for sock, _, _ in held:
             sock.close()
+
+    def _wait(self, delay: float) -> list[tuple[socket.socket, int, str]]:
+        """Wait for the next look: ``delay``, or ``DRAIN_FIRST_S`` after a socket held meanwhile;
+        close what was released; the sockets to look at."""
+        with self._lock:
+            deadline = time.monotonic() + delay
+            while True:
+                for sock in self._closing:
+                    sock.close()
+                self._closing = []
+                if not self._held:
+                    self._cond.wait_for(lambda: bool(self._held) or bool(self._closing))
+                    deadline = time.monotonic() + DRAIN_FIRST_S
+                    continue
+                if self._fresh:
+                    self._fresh = False
+                    deadline = min(deadline, time.monotonic() + DRAIN_FIRST_S)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return list(self._held)
+                self._cond.wait(timeout=left)
 
     def _drain(self) -> None:
         # a socket shut down for reading always reads as ready and its recv returns b"" once its queue
         # is empty: what is queued is asked of the kernel, and the peer's end from the TCP state
         delay = DRAIN_FIRST_S
         while True:
-            with self._lock:
-                if not self._held:
-                    self._cond.wait_for(lambda: bool(self._held))
-                    delay = DRAIN_FIRST_S
-            time.sleep(delay)
-            with self._lock:
-                held = list(self._held)
-            # a peer's send waits on no delayed acknowledgement, whoever reads it (the kernel drops
-            # quick mode by itself after a few segments: asked again at every look)
-            _quick_acks([sock for sock, _, _ in held])
-            ready = [h for h in held if not _names(h[1], h[2])]  # gloo closed its descriptor
-            moved, gone = False, []
-            for sock, _, _ in ready:
-                try:
-                    queued = _queued(sock)
-                    while queued > 0:
-                        got = len(sock.recv(min(queued, 1 << 20)))
-                        if not got:
-                            break
-                        moved, queued = True, queued - got
-                    if _tcp_state(sock) in _PEER_ENDED:
-                        gone.append(sock)
-                except BlockingIOError:
-                    continue
-                except (OSError, ValueError):  # closed by release() (its descriptor -1 now), or reset by the peer
-                    gone.append(sock)
-            if gone:
-                with self._lock:
-                    self._held = [h for h in self._held if h[0] not in gone]
-                for sock in gone:
-                    sock.close()
+            held = self._wait(delay)
+            try:
+                moved = self._look(held)
+            except Exception:  # noqa: BLE001 (a look that failed is skipped: a thread that ended drains nothing again)
+                self.failed_looks += 1
+                moved = False
             delay = drain_delay(delay, moved)
+
+    def _look(self, held: list[tuple[socket.socket, int, str]]) -> bool:
+        """Read and drop what the held sockets gloo let go of have queued; drop those whose peer
+        ended. Whether bytes moved."""
+        # a peer's send waits on no delayed acknowledgement, whoever reads it (the kernel drops
+        # quick mode by itself after a few segments: asked again at every look)
+        _quick_acks([sock for sock, _, _ in held])
+        ready = [h for h in held if not _names(h[1], h[2])]  # gloo closed its descriptor
+        moved, gone = False, []
+        for sock, _, _ in ready:
+            try:
+                queued = _queued(sock)
+                while queued > 0:
+                    got = len(sock.recv(min(queued, 1 << 20)))
+                    if not got:
+                        break
+                    moved, queued = True, queued - got
+                if _tcp_state(sock) in _PEER_ENDED:
+                    gone.append(sock)
+            except BlockingIOError:
+                continue
+            except OSError:  # reset by the peer
+                gone.append(sock)
+        if gone:
+            with self._lock:
+                self._held = [h for h in self._held if h[0] not in gone]
+            for sock in gone:
+                sock.close()
+        return moved
 
 
 def drain_delay(delay: float, moved: bool) -> float:

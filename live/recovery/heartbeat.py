@@ -379,12 +379,15 @@ class Heartbeat:
         generation the rank has left (nobody told this rank: it told the others) is ended by
         this rank setting its own key, here, after the first collective: set as the recovery
         began, it woke the listener in the middle of it."""
-        self._recovering = None
+        left, self._recovering = self._recovering, None
         self._recovered.set()
-        waiting = self._listening
-        if self._heard != waiting and waiting != self.session.generation:
+        # the generation it left, and the one the listener waits on (it may not have stored the
+        # generation it read yet: both), unless heard already or still the rank's
+        stale = {g for g in (left, self._listening) if g is not None and g not in (self._heard, self.session.generation)}
+        if stale:
+            rank = self.session.rank
             try:
-                self.session.control.set(recovering_key(waiting, self.session.rank), {"rank": self.session.rank})
+                self.session.control.set_many([recovering_key(g, rank) for g in sorted(stale)], {"rank": rank})
             except Exception:  # noqa: BLE001 (the control channel is gone: the job is ending, the listener with it)
                 pass
 

@@ -254,3 +254,39 @@ def test_a_held_socket_is_drained_and_asked_for_quick_acknowledgements_at_every_
         time.sleep(0.005)
     assert comm._queued(receiver) == 0
     held.release()
+
+
+def test_a_socket_held_while_the_drain_waits_long_is_looked_at_after_the_first_delay(pairs):
+    """The drain idles down to a look every 50 ms; a socket severed meanwhile (the next recovery)
+    gets its first look ``DRAIN_FIRST_S`` after it is held, not at the idle look's time. A released
+    socket is closed by the drain between its looks (closed while a look reads it, its
+    descriptor could be reused by a new group's socket, whose bytes the drain would drop)."""
+    import threading
+    import time
+
+    held = comm.SeveredSockets()
+    held._thread = threading.current_thread()  # this test plays the drain thread: hold() starts none
+    first, _ = pairs()
+    second, _ = pairs()
+    held.hold(first, -1, "")
+    assert held._wait(0.0) == [(first, -1, "")]
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append((held._wait(30.0), time.monotonic())))
+    waiter.start()
+    time.sleep(0.05)
+    t_held = time.monotonic()
+    held.hold(second, -1, "")
+    waiter.join(10.0)
+    (looked_at, t_look), = got
+    assert [s for s, _, _ in looked_at] == [first, second] and t_look - t_held < 5.0  # not the 30 s asked
+    held.release()
+    assert first.fileno() != -1  # still open: the drain closes it, between two looks
+    again, _ = pairs()
+    held.hold(again, -1, "")
+    assert held._wait(0.0) == [(again, -1, "")]
+    assert first.fileno() == -1 and second.fileno() == -1 and again.fileno() != -1
+    idle = comm.SeveredSockets()  # no drain thread ever started: closed at once
+    third, _ = pairs()
+    idle._held.append((third, -1, ""))
+    idle.release()
+    assert third.fileno() == -1

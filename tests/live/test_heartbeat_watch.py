@@ -393,7 +393,7 @@ def test_a_rank_that_told_the_others_ends_its_own_listeners_wait_once_its_recove
             changed.notify_all()
 
     hb.listener = SimpleNamespace(wait=wait)
-    hb.session.control = SimpleNamespace(set=set_)
+    hb.session.control = SimpleNamespace(set_many=lambda ks, value: [set_(k, value) for k in ks])
     thread.start()
     hb.recovery_begins(3)
     hb.watching = False
