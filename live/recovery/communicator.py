@@ -228,8 +228,9 @@ class SeveredSockets:
         sock.setblocking(False)
         with self._lock:
             self._held.append((sock, fd, inode))
-            self._fresh = True
-            self._cond.notify()
+            if not self._fresh:  # (the first of a sever's sockets wakes the drain; the rest go with it)
+                self._fresh = True
+                self._cond.notify()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._drain, name="meshpact-severed-drain", daemon=True)
                 self._thread.start()
