@@ -64,10 +64,8 @@ FLUSH_LARGE_BYTES = 64 * 1024
 # about 0.5 Gbit/s even this look misses some)
 FLUSH_LOOK_S = 0.001
 # the drain of severed sockets (SeveredSockets): its first look after a sever, while bytes move, and at
-# most between looks once they stopped (see drain_delay). A first look 20 ms after the sever (then 40 ms
-# more where gloo had not let go yet) left a peer's large send into a full buffer pausing 17-42 ms, and
-# its flush waited that out before its 50 ms settle: 2 of 236 recoveries at 4 ranks over 100 ms, none
-# with 2 ms (pauses at most 19.5 ms)
+# most between looks once they stopped (see drain_delay). A peer's large send into a severed socket's
+# full buffer waits for the first look, and the peer's flush waits that pause out before its settle
 DRAIN_FIRST_S = 0.002
 DRAIN_MOVING_S = 0.0005
 DRAIN_IDLE_MOST_S = 0.05
@@ -213,7 +211,6 @@ class SeveredSockets:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # a socket was held or released
         self._thread: threading.Thread | None = None
-        self.failed_looks = 0  # looks that raised (each is skipped; the thread goes on)
 
     def __len__(self) -> int:
         with self._lock:
@@ -248,25 +245,25 @@ class SeveredSockets:
         for sock, _, _ in held:
             sock.close()
 
-    def _wait(self, delay: float) -> list[tuple[socket.socket, int, str]]:
+    def _wait(self, delay: float) -> tuple[list[tuple[socket.socket, int, str]], bool]:
         """Wait for the next look: ``delay``, or ``DRAIN_FIRST_S`` after a socket held meanwhile;
-        close what was released; the sockets to look at."""
+        close what was released. The sockets to look at, and whether one was held meanwhile."""
         with self._lock:
-            deadline = time.monotonic() + delay
+            deadline, fresh = time.monotonic() + delay, False
             while True:
                 for sock in self._closing:
                     sock.close()
                 self._closing = []
                 if not self._held:
                     self._cond.wait_for(lambda: bool(self._held) or bool(self._closing))
-                    deadline = time.monotonic() + DRAIN_FIRST_S
+                    deadline = float("inf")  # (its first look: DRAIN_FIRST_S after the socket was held)
                     continue
                 if self._fresh:
-                    self._fresh = False
+                    self._fresh, fresh = False, True
                     deadline = min(deadline, time.monotonic() + DRAIN_FIRST_S)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return list(self._held)
+                    return list(self._held), fresh
                 self._cond.wait(timeout=left)
 
     def _drain(self) -> None:
@@ -274,13 +271,13 @@ class SeveredSockets:
         # is empty: what is queued is asked of the kernel, and the peer's end from the TCP state
         delay = DRAIN_FIRST_S
         while True:
-            held = self._wait(delay)
+            held, fresh = self._wait(delay)
             try:
                 moved = self._look(held)
             except Exception:  # noqa: BLE001 (a look that failed is skipped: a thread that ended drains nothing again)
-                self.failed_looks += 1
                 moved = False
-            delay = drain_delay(delay, moved)
+            # a socket held since the last look backs off from the first look's delay, not the idle one's
+            delay = drain_delay(DRAIN_FIRST_S if fresh else delay, moved)
 
     def _look(self, held: list[tuple[socket.socket, int, str]]) -> bool:
         """Read and drop what the held sockets gloo let go of have queued; drop those whose peer
@@ -317,9 +314,8 @@ def drain_delay(delay: float, moved: bool) -> float:
     move (``moved``) or none: ``DRAIN_MOVING_S`` while they move, then doubling from there, at
     most ``DRAIN_IDLE_MOST_S``. A peer's send that resumes after a pause of ``p`` is read within
     about ``2 p``, or ``p + DRAIN_IDLE_MOST_S`` past 30 ms (a sender whose buffer is full waits
-    for this look): doubling from
-    ``DRAIN_FIRST_S`` after a movement made a pause of a few milliseconds in a large message
-    one of 40 ms, the pause the slowest recoveries' flushes waited through."""
+    for this look): doubling from ``DRAIN_FIRST_S`` after a movement made a pause of a few
+    milliseconds in a large message one of 40 ms."""
     return DRAIN_MOVING_S if moved else min(delay * 2, DRAIN_IDLE_MOST_S)
 
 

@@ -269,7 +269,7 @@ def test_a_socket_held_while_the_drain_waits_long_is_looked_at_after_the_first_d
     first, _ = pairs()
     second, _ = pairs()
     held.hold(first, -1, "")
-    assert held._wait(0.0) == [(first, -1, "")]
+    assert held._wait(0.0) == ([(first, -1, "")], True)
     got: list[object] = []
     waiter = threading.Thread(target=lambda: got.append((held._wait(30.0), time.monotonic())))
     waiter.start()
@@ -277,13 +277,13 @@ def test_a_socket_held_while_the_drain_waits_long_is_looked_at_after_the_first_d
     t_held = time.monotonic()
     held.hold(second, -1, "")
     waiter.join(10.0)
-    (looked_at, t_look), = got
-    assert [s for s, _, _ in looked_at] == [first, second] and t_look - t_held < 5.0  # not the 30 s asked
+    ((looked_at, fresh), t_look), = got
+    assert [s for s, _, _ in looked_at] == [first, second] and fresh and t_look - t_held < 5.0  # not the 30 s asked
     held.release()
     assert first.fileno() != -1  # still open: the drain closes it, between two looks
     again, _ = pairs()
     held.hold(again, -1, "")
-    assert held._wait(0.0) == [(again, -1, "")]
+    assert held._wait(0.0) == ([(again, -1, "")], True)
     assert first.fileno() == -1 and second.fileno() == -1 and again.fileno() != -1
     idle = comm.SeveredSockets()  # no drain thread ever started: closed at once
     third, _ = pairs()
