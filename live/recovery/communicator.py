@@ -282,8 +282,9 @@ class SeveredSockets:
     def _look(self, held: list[tuple[socket.socket, int, str]]) -> bool:
         """Read and drop what the held sockets gloo let go of have queued; drop those whose peer
         ended. Whether bytes moved."""
-        # a peer's send waits on no delayed acknowledgement, whoever reads it (the kernel drops
-        # quick mode by itself after a few segments: asked again at every look)
+        # a peer's send waits on no delayed acknowledgement, whoever reads the socket: asked before
+        # this look reads, so only of sockets with nothing queued since (see _quick_acks; asked just
+        # after a read, bytes arriving meanwhile make the acknowledgement offer a narrow window)
         _quick_acks([sock for sock, _, _ in held])
         ready = [h for h in held if not _names(h[1], h[2])]  # gloo closed its descriptor
         moved, gone = False, []
@@ -417,13 +418,20 @@ def _traffic(sock: socket.socket) -> tuple[int, int, int]:
 
 
 def _quick_acks(socks: list[socket.socket]) -> None:
-    """Have the kernel acknowledge what these sockets receive at once (``TCP_QUICKACK``, which it
-    drops again by itself), not after its delayed-ACK timer (40 ms at least on Linux): a peer whose
-    send waits for this end's acknowledgement would otherwise pause its message that long, and a
-    flush on either end waits the pause out. Asked again at every look."""
+    """Send the acknowledgement the kernel holds back for its delayed-ACK timer (40 ms at least on
+    Linux) at once (``TCP_QUICKACK``), on those of these sockets whose received bytes were all
+    read: a peer whose send waits on it would pause its message that long, and a flush on either
+    end waits the pause out.
+
+    Never on a socket with bytes still unread: the acknowledgement would then offer the peer the
+    window those bytes leave, none once the buffer is full, and a socket shut down for reading
+    (a severed one) never offers a wider one when it is read (Linux sends no window update once
+    a socket's receiving is shut down, ``tcp_cleanup_rbuf``): the peer's send then waits for its
+    zero-window probe, 200 ms and doubling. Asked again at every look."""
     for s in socks:
         try:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+            if not _queued(s):
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
         except OSError:
             pass
 

@@ -122,8 +122,9 @@ def test_a_sever_waits_through_a_writers_pauses_and_says_the_longest(pairs):
 class _Sock:
     """A socket for :func:`comm._flush` whose traffic a test makes up: it keeps the options asked of it."""
 
-    def __init__(self) -> None:
+    def __init__(self, unread: int = 0) -> None:
         self.asked: list[tuple[int, int, int]] = []
+        self.unread = unread  # bytes received and not read (what ``comm._queued`` says of it)
 
     def setsockopt(self, level: int, name: int, value: int) -> None:
         self.asked.append((level, name, value))
@@ -146,6 +147,14 @@ class _Clock:
         self.t += self.late.get(self.sleeps, s)
 
 
+def _fake_flush(monkeypatch, clock: _Clock, moving: list[tuple[float, float]]) -> None:
+    """Have :func:`comm._flush` run on ``clock`` over :class:`_Sock` sockets whose bytes move during
+    the ``moving`` spans (:func:`_stream`)."""
+    monkeypatch.setattr(comm, "time", clock)
+    monkeypatch.setattr(comm, "_traffic", _stream(clock, moving))
+    monkeypatch.setattr(comm, "_queued", lambda sock: sock.unread)
+
+
 def _stream(clock: _Clock, moving: list[tuple[float, float]], rate: float = 1e9):
     """``_traffic`` of one socket whose bytes move at ``rate`` during the ``moving`` spans, its queues empty."""
     def traffic(_sock):
@@ -159,8 +168,7 @@ def test_a_flushs_own_late_look_is_not_counted_as_a_pause_of_the_message(monkeyp
     message is recorded (every look saw it move), the late look is (``wake_s``), and the flush
     settles FLUSH_SETTLE_S after the stream ends."""
     clock = _Clock(late={10: 0.040})
-    monkeypatch.setattr(comm, "time", clock)
-    monkeypatch.setattr(comm, "_traffic", _stream(clock, [(0.0, 0.1)]))
+    _fake_flush(monkeypatch, clock, [(0.0, 0.1)])
     ended = comm._flush([_Sock()])  # type: ignore[list-item]
     assert ended.flush_end == "settled" and ended.gap_s == 0.0
     assert ended.wake_s == pytest.approx(0.040)
@@ -169,26 +177,27 @@ def test_a_flushs_own_late_look_is_not_counted_as_a_pause_of_the_message(monkeyp
 
 def test_a_real_pause_of_the_message_is_recorded_at_no_more_than_its_length(monkeypatch):
     clock = _Clock()
-    monkeypatch.setattr(comm, "time", clock)
-    monkeypatch.setattr(comm, "_traffic", _stream(clock, [(0.0, 0.010), (0.030, 0.040)]))
+    _fake_flush(monkeypatch, clock, [(0.0, 0.010), (0.030, 0.040)])
     ended = comm._flush([_Sock()])  # type: ignore[list-item]
     assert ended.flush_end == "settled"
     assert 0.018 <= ended.gap_s <= 0.020 + 1e-9 and ended.wake_s == pytest.approx(comm.FLUSH_LOOK_S)
 
 
-def test_a_flush_has_its_sockets_acknowledge_at_once_at_every_look(monkeypatch):
+def test_a_flush_has_its_read_sockets_acknowledge_at_once_at_every_look(monkeypatch):
     """A peer whose send waits on this end's acknowledgement would pause its message for the
     kernel's delayed-ACK timer (40 ms at least), and the flush would wait the pause out: every look
-    asks for quick acknowledgements again, on every socket it watches (the kernel drops the mode
-    by itself)."""
+    asks for quick acknowledgements again, on every socket it watches whose bytes were all read.
+    One with bytes unread is never asked: its acknowledgement would offer the peer the narrow
+    window they leave, and the sever that follows shuts its reading down, after which no reading
+    widens the window again (test_drain_window)."""
     clock = _Clock()
-    monkeypatch.setattr(comm, "time", clock)
-    monkeypatch.setattr(comm, "_traffic", _stream(clock, [(0.0, 0.010)]))
-    socks = [_Sock(), _Sock()]
+    _fake_flush(monkeypatch, clock, [(0.0, 0.010)])
+    socks = [_Sock(), _Sock(), _Sock(unread=4096)]
     ended = comm._flush(socks)  # type: ignore[arg-type]
     assert ended.flush_end == "settled"
-    for s in socks:
+    for s in socks[:2]:
         assert set(s.asked) == {(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)} and len(s.asked) == clock.sleeps
+    assert socks[2].asked == []
 
 
 def test_a_drain_reads_a_send_resuming_after_a_pause_within_about_the_pause_again():
@@ -213,10 +222,11 @@ def test_a_drain_reads_a_send_resuming_after_a_pause_within_about_the_pause_agai
     assert waits[0] > DRAIN_FIRST_S and max(waits) == DRAIN_IDLE_MOST_S
 
 
-def test_a_held_socket_is_drained_and_asked_for_quick_acknowledgements_at_every_look(pairs, monkeypatch):
+def test_a_held_socket_is_drained_and_offered_for_quick_acknowledgements_at_every_look(pairs, monkeypatch):
     """A severed socket held for the drain: what the peer still sends is read and dropped once gloo
-    let go of it, and every look, whoever reads the socket (gloo still holds the other one), asks
-    the kernel to acknowledge at once: a peer's send waiting on a delayed acknowledgement paused 40 ms."""
+    let go of it, and every look, whoever reads the socket (gloo still holds the other one), hands
+    every held socket to :func:`comm._quick_acks` before it reads (a peer's send waiting on a
+    delayed acknowledgement paused 40 ms; which sockets are asked is its test's)."""
     import os
     import time
 
@@ -290,3 +300,38 @@ def test_a_socket_held_while_the_drain_waits_long_is_looked_at_after_the_first_d
     idle._held.append((third, -1, ""))
     idle.release()
     assert third.fileno() == -1
+
+
+def test_quick_acknowledgements_are_asked_only_of_sockets_whose_bytes_were_all_read(pairs):
+    """On real sockets: one with bytes unread is not asked (its acknowledgement would offer a window
+    narrowed by them, and a severed socket never widens it again when read); one read to the end
+    is, and so is it again once its bytes are read."""
+    import os
+    import time
+
+    class Spy(socket.socket):
+        def __init__(self, fd: int) -> None:
+            super().__init__(fileno=fd)
+            self.asked = 0
+
+        def setsockopt(self, *args) -> None:  # type: ignore[override]
+            self.asked += 1
+            super().setsockopt(*args)
+
+    sender, receiver = pairs()
+    other_sender, other_receiver = pairs()
+    sender.sendall(b"x" * 10_000)
+    spies = [Spy(os.dup(receiver.fileno())), Spy(os.dup(other_receiver.fileno()))]
+    try:
+        deadline = time.monotonic() + 5.0
+        while comm._queued(spies[0]) < 10_000 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        comm._quick_acks(spies)
+        assert [s.asked for s in spies] == [0, 1]
+        while comm._queued(spies[0]):
+            spies[0].recv(65536)
+        comm._quick_acks(spies)
+        assert [s.asked for s in spies] == [1, 2]
+    finally:
+        for s in spies:
+            s.close()
