@@ -432,7 +432,7 @@ def _quick_acks(socks: list[socket.socket]) -> None:
         try:
             if not _queued(s):
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-        except OSError:
+        except (OSError, ValueError):  # (closed meanwhile: its descriptor is -1)
             pass
 
 
