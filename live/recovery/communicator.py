@@ -65,10 +65,13 @@ FLUSH_LARGE_BYTES = 64 * 1024
 FLUSH_LOOK_S = 0.001
 # the drain of severed sockets (SeveredSockets): its first look after a sever, while bytes move, and at
 # most between looks once they stopped (see drain_delay). A peer's large send into a severed socket's
-# full buffer waits for the first look, and the peer's flush waits that pause out before its settle
+# full buffer waits for the first look, and the peer's flush waits that pause out before its settle.
+# The most is well under the kernel's delayed-ACK timer (40 ms on Linux): a full buffer still unread
+# when the timer sends its acknowledgement offers the peer a zero window, which a severed socket never
+# widens by itself (see _quick_acks)
 DRAIN_FIRST_S = 0.002
 DRAIN_MOVING_S = 0.0005
-DRAIN_IDLE_MOST_S = 0.05
+DRAIN_IDLE_MOST_S = 0.02
 _TCP_INFO_BYTES = 120  # offset of tcpi_bytes_acked, then tcpi_bytes_received, in struct tcp_info (linux/include/uapi/linux/tcp.h)  # the base name of the data-path group over every rank
 
 
@@ -201,8 +204,8 @@ class SeveredSockets:
     is: a recovery starts no thread. It looks as :func:`drain_delay` says: first
     ``DRAIN_FIRST_S`` after a socket is held, then every ``DRAIN_MOVING_S`` while bytes arrive,
     and less and less often once they stop (or none came), down to every ``DRAIN_IDLE_MOST_S``;
-    a socket gloo still holds is gloo's to read. Every socket held acknowledges what it receives
-    at once (:func:`_quick_acks`, asked again at every look)."""
+    a socket gloo still holds is gloo's to read. A held socket whose queue a look finds empty
+    sends the acknowledgement the kernel holds back at once (:func:`_quick_ack`)."""
 
     def __init__(self) -> None:
         self._held: list[tuple[socket.socket, int, str]] = []  # (our socket, gloo's descriptor, its name)
@@ -282,15 +285,18 @@ class SeveredSockets:
     def _look(self, held: list[tuple[socket.socket, int, str]]) -> bool:
         """Read and drop what the held sockets gloo let go of have queued; drop those whose peer
         ended. Whether bytes moved."""
-        # a peer's send waits on no delayed acknowledgement, whoever reads the socket: asked before
-        # this look reads, so only of sockets with nothing queued since (see _quick_acks; asked just
-        # after a read, bytes arriving meanwhile make the acknowledgement offer a narrow window)
-        _quick_acks([sock for sock, _, _ in held])
-        ready = [h for h in held if not _names(h[1], h[2])]  # gloo closed its descriptor
         moved, gone = False, []
-        for sock, _, _ in ready:
+        for sock, fd, inode in held:
             try:
                 queued = _queued(sock)
+                if not queued:
+                    # nothing arrived since the last look: the acknowledgement of a message's tail
+                    # goes now, whoever reads the socket. While bytes stream in, the kernel's own
+                    # acknowledgements pace the peer (asked after every read instead, in a loopback
+                    # trial, they stalled a peer's sends of 200 KB and more for 200 ms)
+                    _quick_ack(sock)
+                if _names(fd, inode):
+                    continue  # gloo still holds its descriptor: gloo's to read
                 while queued > 0:
                     got = len(sock.recv(min(queued, 1 << 20)))
                     if not got:
@@ -314,7 +320,7 @@ def drain_delay(delay: float, moved: bool) -> float:
     """The drain's wait before its next look, after a look that waited ``delay`` and saw bytes
     move (``moved``) or none: ``DRAIN_MOVING_S`` while they move, then doubling from there, at
     most ``DRAIN_IDLE_MOST_S``. A peer's send that resumes after a pause of ``p`` is read within
-    about ``2 p``, or ``p + DRAIN_IDLE_MOST_S`` past 30 ms (a sender whose buffer is full waits
+    about ``2 p``, or ``p + DRAIN_IDLE_MOST_S`` past about 15 ms (a sender whose buffer is full waits
     for this look): doubling from ``DRAIN_FIRST_S`` after a movement made a pause of a few
     milliseconds in a large message one of 40 ms."""
     return DRAIN_MOVING_S if moved else min(delay * 2, DRAIN_IDLE_MOST_S)
@@ -417,23 +423,33 @@ def _traffic(sock: socket.socket) -> tuple[int, int, int]:
     return unsent, unread, moved
 
 
-def _quick_acks(socks: list[socket.socket]) -> None:
+def _quick_ack(sock: socket.socket) -> None:
     """Send the acknowledgement the kernel holds back for its delayed-ACK timer (40 ms at least on
-    Linux) at once (``TCP_QUICKACK``), on those of these sockets whose received bytes were all
-    read: a peer whose send waits on it would pause its message that long, and a flush on either
-    end waits the pause out.
+    Linux) at once (``TCP_QUICKACK``): a peer whose send waits on it would pause its message that
+    long, and a flush on either end waits the pause out. Asked only of a socket whose queue was
+    just seen empty (:func:`_quick_acks`, ``SeveredSockets._look``).
 
-    Never on a socket with bytes still unread: the acknowledgement would then offer the peer the
-    window those bytes leave, none once the buffer is full, and a socket shut down for reading
-    (a severed one) never offers a wider one when it is read (Linux sends no window update once
-    a socket's receiving is shut down, ``tcp_cleanup_rbuf``): the peer's send then waits for its
-    zero-window probe, 200 ms and doubling. Asked again at every look."""
+    Asked of a socket with bytes unread, the acknowledgement would offer the peer the window those
+    bytes leave, none once the buffer is full; and a socket shut down for reading (a severed one)
+    sends no window update of its own when it is read (Linux, ``tcp_cleanup_rbuf``): only an
+    acknowledgement already pending, sent later, carries the wider window. Where none is, the
+    peer's send waits for its zero-window probe, 200 ms and doubling."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
+    except OSError:
+        pass
+
+
+def _quick_acks(socks: list[socket.socket]) -> None:
+    """:func:`_quick_ack` on those of ``socks`` whose received bytes were all read (asked again at
+    every look: the kernel drops the mode by itself)."""
     for s in socks:
         try:
-            if not _queued(s):
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_QUICKACK, 1)
-        except (OSError, ValueError):  # (closed meanwhile: its descriptor is -1)
-            pass
+            queued = _queued(s)
+        except OSError:
+            continue
+        if not queued:
+            _quick_ack(s)
 
 
 def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: float = FLUSH_MOST_S) -> Severance:
@@ -442,8 +458,8 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     socket's buffer frees, and reads one in pieces as they arrive; either, cut short, waits out its
     timeout. Only a message of more than ``FLUSH_LARGE_BYTES`` can be part way (a smaller one fits
     the free buffer whole, and is read whole): with none in sight (queued either way, or moved
-    within ``FLUSH_LOOK_S``) this returns then. While it looks, the sockets acknowledge what they
-    receive at once (:func:`_quick_acks`). Once one was seen, it waits until the sockets'
+    within ``FLUSH_LOOK_S``) this returns then. At each look, the sockets whose queue is empty
+    send the acknowledgement the kernel holds back at once (:func:`_quick_acks`). Once one was seen, it waits until the sockets'
     queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
     writer unscheduled while the peer empties the buffer; the longest such quiet spell it saw
     between two movements is ``gap_s``, its own longest wait between two looks ``wake_s``). Bounded: a queue not moving for
