@@ -469,9 +469,12 @@ class ModuleScan:
                 and all(len(d) == n for d, n in self._sizes)
                 and all(holder.get(key) is fn for _, holder, key, fn in self._defaults))
 
-    def modules(self) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, types.FunctionType]]]:
-        """(the job's modules as (name, globals), the torch functions with import-time defaults
-        as (path, function))."""
+    def refresh(self) -> None:
+        """Walk ``sys.modules`` now if it changed since the last walk (or none was made), else
+        nothing (a few microseconds). A job calls it at each commit, off the recovery's path: the
+        first walk, otherwise made by the first recovery's rebinding, costs milliseconds (more on a
+        loaded host); where a step imported modules (torch imports lazily while the first steps
+        run), the walk they call for is made at the next commit too."""
         if not self._current():
             self._count = len(sys.modules)
             self._own, self._defaults, self._sizes = _walk_modules()
@@ -479,6 +482,11 @@ class ModuleScan:
             self._read += [(name, sys.modules[name].__dict__) for name in sorted(TORCH_IMPORT_DEFAULTS)
                            if isinstance(getattr(sys.modules.get(name), "__dict__", None), dict)]
             self.walks += 1
+
+    def modules(self) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, types.FunctionType]]]:
+        """(the job's modules as (name, globals), the torch functions with import-time defaults
+        as (path, function)), walking ``sys.modules`` again first if it changed (:meth:`refresh`)."""
+        self.refresh()
         return self._own, [(path, fn) for path, _, _, fn in self._defaults]
 
 

@@ -286,6 +286,7 @@ class Resilient:
         # the persistent buffers as committed: a failed forward may have moved BatchNorm's statistics
         self._buffers = {f"buffer/{k}": v.detach().clone() for k, v in model_buffers(self.model).items()}
         self.watch_optimizer()
+        self.scan.refresh()  # the modules rebinding reads, walked here where they changed, not in a recovery
 
     def state(self) -> dict[str, torch.Tensor]:
         """This rank's job state now (:func:`~meshpact.live.recovery.state.job_state`: parameter

@@ -130,6 +130,29 @@ def test_a_kept_module_scan_walks_sys_modules_again_only_when_it_changed_and_mis
     assert patched(1)[1] is g1 and scan.walks == 4
 
 
+def test_a_scan_refreshed_at_each_commit_walks_only_when_sys_modules_changed_and_leaves_rebinding_no_walk(
+        user_module, tmp_path):
+    """A job refreshes its scan at each commit: the first walk, and one called for by a module a
+    step imported, happen there; the recovery's rebinding that follows walks nothing and still
+    reaches the new module's group."""
+    scan = ModuleScan()
+    scan.refresh()
+    scan.refresh()
+    assert scan.walks == 1
+    g0, g1 = _group("refreshed_pg_g0"), _group("refreshed_pg_g1")
+    later = types.ModuleType("meshpact_test_imported_by_a_step")
+    later.__file__ = str(tmp_path / "step_import.py")
+    later.PG = g0
+    sys.modules[later.__name__] = later
+    try:
+        scan.refresh()
+        assert scan.walks == 2
+        rebind_all([(g0, g1)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), scan=scan)
+        assert later.PG is g1 and scan.walks == 2
+    finally:
+        del sys.modules[later.__name__]
+
+
 def test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_the_old_one_released(user_module):
     old, other, new = _group("user_pg_g0"), _group("other_pg_g0"), _group("user_pg_g1")
     ref = weakref.ref(old)
