@@ -47,7 +47,7 @@ __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "
            "group_ranks", "base_name", "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan",
            "group_plan", "set_data_timeout", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
 
-WORLD = "meshpact_data"
+WORLD = "meshpact_data"  # the base name of the data-path group over every rank
 # a sever waits for what its sockets still send (see _flush) while the queue moves, at most this long
 # without moving and this long in all
 FLUSH_STALL_S = 0.1
@@ -67,12 +67,12 @@ FLUSH_LOOK_S = 0.001
 # most between looks once they stopped (see drain_delay). A peer's large send into a severed socket's
 # full buffer waits for the first look, and the peer's flush waits that pause out before its settle.
 # The most is well under the kernel's delayed-ACK timer (40 ms on Linux): a full buffer still unread
-# when the timer sends its acknowledgement offers the peer a zero window, which a severed socket never
-# widens by itself (see _quick_acks)
+# when the timer sends its acknowledgement offers the peer a zero window, and a severed socket sends no
+# window update of its own when read (see _quick_ack)
 DRAIN_FIRST_S = 0.002
 DRAIN_MOVING_S = 0.0005
 DRAIN_IDLE_MOST_S = 0.02
-_TCP_INFO_BYTES = 120  # offset of tcpi_bytes_acked, then tcpi_bytes_received, in struct tcp_info (linux/include/uapi/linux/tcp.h)  # the base name of the data-path group over every rank
+_TCP_INFO_BYTES = 120  # offset of tcpi_bytes_acked, then tcpi_bytes_received, in struct tcp_info (linux/include/uapi/linux/tcp.h)
 
 
 @dataclass(frozen=True)
@@ -459,8 +459,8 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     timeout. Only a message of more than ``FLUSH_LARGE_BYTES`` can be part way (a smaller one fits
     the free buffer whole, and is read whole): with none in sight (queued either way, or moved
     within ``FLUSH_LOOK_S``) this returns then. At each look, the sockets whose queue is empty
-    send the acknowledgement the kernel holds back at once (:func:`_quick_acks`). Once one was seen, it waits until the sockets'
-    queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
+    send the acknowledgement the kernel holds back at once (:func:`_quick_acks`). Once one was
+    seen, it waits until the sockets' queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
     writer unscheduled while the peer empties the buffer; the longest such quiet spell it saw
     between two movements is ``gap_s``, its own longest wait between two looks ``wake_s``). Bounded: a queue not moving for
     ``stall_s`` (a peer that stopped reading, a cut link), or ``most_s`` in all. How it ended
