@@ -211,6 +211,7 @@ class SeveredSockets:
         self._held: list[tuple[socket.socket, int, str]] = []  # (our socket, gloo's descriptor, its name)
         self._closing: list[socket.socket] = []  # released: closed by the drain thread, between its looks
         self._fresh = False  # a socket was held since the drain's last look
+        self._let_go: set[str] = set()  # held sockets gloo let go of (it never takes one back): the drain's alone
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)  # a socket was held or released
         self._thread: threading.Thread | None = None
@@ -258,6 +259,7 @@ class SeveredSockets:
                     sock.close()
                 self._closing = []
                 if not self._held:
+                    self._let_go.clear()
                     self._cond.wait_for(lambda: bool(self._held) or bool(self._closing))
                     deadline = float("inf")  # (its first look: DRAIN_FIRST_S after the socket was held)
                     continue
@@ -295,8 +297,10 @@ class SeveredSockets:
                     # acknowledgements pace the peer (asked after every read instead, in a loopback
                     # trial, they stalled a peer's sends of 200 KB and more for 200 ms)
                     _quick_ack(sock)
-                if _names(fd, inode):
-                    continue  # gloo still holds its descriptor: gloo's to read
+                if inode not in self._let_go:
+                    if _names(fd, inode):
+                        continue  # gloo still holds its descriptor: gloo's to read
+                    self._let_go.add(inode)
                 while queued > 0:
                     got = len(sock.recv(min(queued, 1 << 20)))
                     if not got:

@@ -48,7 +48,8 @@ from .stepreset import Leftovers, reset_step_state
 
 
 __all__ = ["Job", "RecoveryRecord", "StageClock", "Cause", "Detection", "Rebuilt", "Rebound", "detect", "agree_on", "rebuild", "rebind", "restore",
-           "resume", "excise_lost", "load_decided", "rejoin", "first_collective", "RetiredGroup"]
+           "resume", "excise_lost", "load_decided", "rejoin", "first_collective", "RetiredGroup",
+           "retire_replaced"]
 
 
 class Job(Protocol):
@@ -190,11 +191,14 @@ class Rebuilt:
 
 @dataclass(frozen=True)
 class Rebound:
-    """What rebinding cost the training thread (zero where nothing was rebound)."""
+    """What rebinding cost the training thread (zero where nothing was rebound), and the groups
+    it replaced: retired (:func:`retire_replaced`) once the recovery resumed or failed, off its
+    path (nothing reads their operation counts before the next commit)."""
 
     seconds: float
     cpu_s: float
     action: CommunicatorAction
+    replaced: tuple[dist.ProcessGroup, ...] = ()
 
 
 @dataclass
@@ -374,19 +378,24 @@ def rebind(rt: Job, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebou
     # the session's own groups, now the new ones; the mesh object is the same, rebound in place
     s.advance(replace(s.gen, number=decision.generation,
                       groups={base: pg for base, pg in rebuilt.groups.items() if base in s.groups}))
-    if not reconfigured:
-        dispatch = rt.counter.counts if rt.counter is not None else None
-        for old in d.old_groups.values():
-            retire(rt, old, dispatch.get(old.group_name, 0) if dispatch is not None else None)
     s.emit(EventKind.REBOUND, Stage.REBINDING, seconds=seconds, references=counts, site_ms=site_ms,
            old_groups=sorted(g.group_name for g in d.old_groups.values()),
            new_groups=sorted(g.group_name for g in rebuilt.groups.values()))
     d.clock.lap("rebind")
-    return Rebound(seconds, cpu_s, rebuilt.action)
+    return Rebound(seconds, cpu_s, rebuilt.action, () if reconfigured else tuple(d.old_groups.values()))
+
+
+def retire_replaced(rt: Job, rebound: Rebound) -> None:
+    """Retire the groups a recovery replaced, once it resumed or failed (no operation reached
+    them since rebinding: their counts are as they were then)."""
+    dispatch = rt.counter.counts if rt.counter is not None else None
+    for old in rebound.replaced:
+        retire(rt, old, dispatch.get(old.group_name, 0) if dispatch is not None else None)
 
 
 def retire(rt: Job, old: dist.ProcessGroup, dispatch_ops: int | None) -> None:
-    """Keep a replaced group's backend and its operation count until the next commit."""
+    """Keep a replaced group's backend and its operation count until the next commit (which
+    reads how many operations it issued after this)."""
     backend = comm.backend_of(old, rt.session.spec.device)
     rt.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend),
                                    dispatch_ops))

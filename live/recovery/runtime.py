@@ -592,8 +592,12 @@ class Resilient:
                     raise RuntimeError(f"cannot recover in memory ({decision.reason}) and {why}")
                 with s.sever_lock:  # from the standby's sockets joining the data path until the generation moves on
                     rebound = pipeline.rebind(self, d, decision, pipeline.rebuild(self, d, decision))
-                pipeline.restore(self, d, decision)
-            pipeline.resume(self, d, decision, rebound)
+            try:
+                if decision.policy is not Policy.EXCISE:
+                    pipeline.restore(self, d, decision)
+                pipeline.resume(self, d, decision, rebound)
+            finally:  # resumed, or failing into the next recovery: kept until a commit either way
+                pipeline.retire_replaced(self, rebound)
         return decision
 
     def settle_counters(self) -> None:

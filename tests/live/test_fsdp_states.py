@@ -158,3 +158,24 @@ def _cut_and_reset(model, leftovers) -> list[int]:
     assert root.is_sharded and model[4].weight is next(fp.sharded_param for fp in root.fsdp_params
                                                       if fp._module_info.param_name == "weight")
     return _root_buffer_sizes(model)
+
+
+def test_the_resets_parameter_listing_keeps_torchs_order_and_de_duplication():
+    """Tied weights, a module registered under two names, a parameter set to None and a frozen
+    one: the reset lists exactly what ``model.parameters()`` does, in its order."""
+    from meshpact.live.recovery.stepreset import parameters
+
+    torch.manual_seed(0)
+    shared = torch.nn.Linear(3, 3)
+    model = torch.nn.Module()
+    model.emb = torch.nn.Embedding(5, 3)
+    model.body = torch.nn.Sequential(shared, torch.nn.ReLU(), shared)  # one module twice
+    model.again = shared  # and under another name
+    model.head = torch.nn.Linear(3, 5, bias=False)
+    model.head.weight = model.emb.weight  # tied
+    model.register_parameter("unused", None)
+    model.frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    want = list(model.parameters())
+    got = parameters(model)
+    assert [id(p) for p in got] == [id(p) for p in want]
+    assert len(got) == 4  # emb/head weight once, the shared layer's two once, frozen once
