@@ -15,7 +15,9 @@ Measures on this machine, in one run:
   recovery's CPU, every rank's process summed, by pipeline step (``cpu_ms_by_stage_p50``,
   ``cpu_ms_all_ranks_p50``) and each rank's own by step (``cpu_ms_by_rank_by_stage_p50``: where
   each rank's CPU goes, read from its process CPU clock, so load matters less than in wall
-  time), and every recovery over 100 ms with how its last rank learned of
+  time) beside torchft's configure + first allreduce measured the same way in the same run
+  (``cpu_ratio_p50_vs_torchft``: a shared machine's speed moves both), and every recovery
+  over 100 ms with how its last rank learned of
   the fault (``over_100_ms``);
 - ``--baseline-faults`` raised collectives on 4 ranks with downtime per fault against a
   checkpoint restore in the job and a cold restart measured in the same run (ratios);
@@ -501,6 +503,7 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
     tails: dict[tuple[float, int], list[dict[str, Any]]] = {k: [] for k in keys}
     used: dict[tuple[float, int], set[float]] = {k: set() for k in keys}
     theirs: dict[int, list[float]] = {n: [] for n in sizes}
+    theirs_cpu: dict[int, list[float]] = {n: [] for n in sizes}  # per round: every rank's process CPU, summed
     standby: dict[tuple[float, int], dict[str, int]] = {k: {"used": 0, "built": 0} for k in keys}
     flushes: dict[tuple[float, int], list[dict[str, Any]]] = {k: [] for k in keys}  # every rank's sever of a recovery
     torchft_error: str | None = None
@@ -533,6 +536,8 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
                         torchft_error = str(vals[0]["error"])
                     else:  # the first configure creates the group: not a reconfigure
                         theirs[n] += [x for v in vals for x in v["configure_first_op_ms"][1:]]
+                        rounds = zip(*(v.get("configure_first_op_cpu_ms", [])[1:] for v in vals))
+                        theirs_cpu[n] += [sum(r) for r in rounds]
                 load.append(round(os.getloadavg()[0], 2))
     rows: list[tuple[str, str]] = []
     by_timeout: dict[str, dict[int, dict[str, Any]]] = {}
@@ -580,13 +585,20 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
                 row["torchft"] = {"rounds": len(peer), "p50_ms": statistics.median(peer), "p99_ms": _pct(peer, 0.99),
                                   "max_ms": max(peer)}
                 row["ratio_p50"] = row["p50_ms"] / row["torchft"]["p50_ms"]
+                if theirs_cpu[n] and total:  # the same measure of CPU, on the same machine at the same time
+                    row["torchft"]["cpu_ms_all_ranks_p50"] = statistics.median(theirs_cpu[n])
+                    row["cpu_ratio_p50"] = row["cpu_ms_all_ranks_p50"] / row["torchft"]["cpu_ms_all_ranks_p50"]
                 text += (f"  |  {row['torchft']['p50_ms']:.1f} / {row['torchft']['p99_ms']:.1f} / "
                          f"{row['torchft']['max_ms']:.1f}  |  {row['ratio_p50']:.2f}")
+                if "cpu_ratio_p50" in row:
+                    text += (f"  |  CPU {row['cpu_ms_all_ranks_p50']:.1f} against torchft's "
+                             f"{row['torchft']['cpu_ms_all_ranks_p50']:.1f}: {row['cpu_ratio_p50']:.2f}")
             by_ranks[n] = row
             rows.append((f"{n} ranks, data path {t:g} s (ran with {', '.join(f'{x:g}' for x in sorted(used[k]))} s): "
                          f"meshpact recovery ({len(mine)} faults; standby used {standby[k]['used']}, built "
                          f"{standby[k]['built']}) | its CPU, all ranks (p50), and the wall time that CPU needs at "
-                         "least" + (" | torchft configure + first allreduce | ratio of p50" if t == timeouts[0] else "")
+                         "least" + (" | torchft configure + first allreduce | ratio of p50 | CPU, all ranks (p50), "
+                                    "against torchft's and their ratio" if t == timeouts[0] else "")
                          + " (ms, p50 / p99 / max)", text))
             if spent:
                 rows.append((f"  CPU by step, all {n} ranks (ms, p50: "
@@ -604,6 +616,7 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
     out.update({"recovery_ms_by_ranks": head, "recovery_ms_p50": four["p50_ms"], "recovery_ms_p99": four["p99_ms"],
                 "recovery_ms_max": four["max_ms"], "recoveries": four["faults"],
                 "cpu_ms_all_ranks_p50": four["cpu_ms_all_ranks_p50"], "cpu_ms_by_stage_p50": four["cpu_ms_by_stage_p50"],
+                "cpu_ratio_p50_vs_torchft": four.get("cpu_ratio_p50"),
                 "recovery_ms_by_timeout": {label: {n: {k: r[k] for k in ("faults", "p50_ms", "p99_ms", "max_ms",
                                                                          "data_timeouts_s", "over_100_ms")}
                                                    for n, r in rows_.items()} for label, rows_ in by_timeout.items()},

@@ -113,11 +113,13 @@ class SiteAuditResult:
 
 @dataclass(frozen=True)
 class TorchftResult:
-    """torchft's configure + first allreduce per round, or why it could not run."""
+    """torchft's configure + first allreduce per round (wall time, and the process's CPU over
+    every thread: the measure a recovery's ``cpu_s`` takes), or why it could not run."""
 
     rank: int
     configure_first_op_ms: list[float]
     error: str | None = None
+    configure_first_op_cpu_ms: list[float] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, object]:
         out = asdict(self)
@@ -287,14 +289,15 @@ def torchft_probe(raw: JsonArgs) -> dict[str, object]:
         return TorchftResult(rank, [], f"torchft is not installed ({exc}); pip install 'meshpact[bench]'").to_dict()
     host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     pg = ProcessGroupGloo(timeout=timedelta(seconds=args.timeout_s or 10.0))
-    times = []
+    times, cpu = [], []
     for i in range(args.rounds or 10):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         pg.configure(f"{host}:{port}/torchft/{i}", "replica", rank, world)
         x = torch.ones(1)
         pg.allreduce([x], AllreduceOptions()).wait()
         times.append((time.perf_counter() - t0) * 1e3)
-    return TorchftResult(rank, times).to_dict()
+        cpu.append((time.process_time() - c0) * 1e3)
+    return TorchftResult(rank, times, configure_first_op_cpu_ms=cpu).to_dict()
 
 
 def checkpoint_probe(raw: JsonArgs) -> dict[str, object]:
