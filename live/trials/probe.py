@@ -232,8 +232,6 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
     group of the job, rebind with that one site skipped and audit (the miss must be found, by
     object or by name), then apply the skipped site, audit again (nothing must be found) and
     train a step (the retired groups must receive no operation)."""
-    import torch
-
     from ..recovery import communicator as comm
     from .harness import ModelConfig, build, make_batch, make_train_step
     from ..recovery.rebind import SITES, rebind
