@@ -269,6 +269,38 @@ def test_a_held_socket_is_drained_and_asks_for_quick_acknowledgements_once_its_q
     held.release()
 
 
+def test_a_socket_gloo_lets_go_of_only_after_the_drains_first_looks_is_drained_from_then_on(pairs):
+    """The drain asks gloo's hold of a socket only until gloo let go of it: one gloo still holds
+    through several looks is left unread, and once gloo closes its descriptor (here while the
+    peer keeps sending, and with that descriptor number taken again by another socket at once,
+    as a new group's connection may take it) the drain reads it to the end."""
+    import os
+    import time
+
+    held = comm.SeveredSockets()
+    sender, receiver = pairs()
+    sender.sendall(b"x" * 50_000)
+    receiver.shutdown(socket.SHUT_RD)
+    glooed = os.dup(receiver.fileno())  # gloo's descriptor, still open
+    inode = f"socket:[{os.fstat(glooed).st_ino}]"
+    held.hold(receiver, glooed, inode)
+    time.sleep(0.1)  # several looks (2 ms, then doubling to 20 ms) while gloo holds it
+    assert comm._queued(receiver) == 50_000  # gloo's to read: untouched
+    stranger, _ = pairs()  # another connection, given gloo's number once gloo closes it
+    os.close(glooed)
+    os.dup2(stranger.fileno(), glooed)  # the number now names another socket
+    try:
+        sender.settimeout(5.0)  # (a drain that never read would fail it here, not hang)
+        sender.sendall(b"y" * 150_000)  # the peer still sends
+        deadline = time.monotonic() + 5.0
+        while comm._queued(receiver) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert comm._queued(receiver) == 0  # let go: drained, the later bytes too
+    finally:
+        os.close(glooed)
+        held.release()
+
+
 def test_a_socket_held_while_the_drain_waits_long_is_looked_at_after_the_first_delay(pairs):
     """The drain idles down to a look every ``DRAIN_IDLE_MOST_S``; a socket severed meanwhile (the next recovery)
     gets its first look ``DRAIN_FIRST_S`` after it is held, not at the idle look's time. A released
