@@ -72,7 +72,8 @@ FLUSH_LOOK_S = 0.001
 DRAIN_FIRST_S = 0.002
 DRAIN_MOVING_S = 0.0005
 DRAIN_IDLE_MOST_S = 0.02
-_TCP_INFO_BYTES = 120  # offset of tcpi_bytes_acked, then tcpi_bytes_received, in struct tcp_info (linux/include/uapi/linux/tcp.h)
+# offset of tcpi_bytes_acked, then tcpi_bytes_received, in struct tcp_info (linux/include/uapi/linux/tcp.h)
+_TCP_INFO_BYTES = 120
 
 
 @dataclass(frozen=True)
@@ -464,10 +465,11 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
     the free buffer whole, and is read whole): with none in sight (queued either way, or moved
     within ``FLUSH_LOOK_S``) this returns then. At each look, the sockets whose queue is empty
     send the acknowledgement the kernel holds back at once (:func:`_quick_acks`). Once one was
-    seen, it waits until the sockets' queues are empty and nothing moved for ``FLUSH_SETTLE_S`` (a loaded machine may leave gloo's
-    writer unscheduled while the peer empties the buffer; the longest such quiet spell it saw
-    between two movements is ``gap_s``, its own longest wait between two looks ``wake_s``). Bounded: a queue not moving for
-    ``stall_s`` (a peer that stopped reading, a cut link), or ``most_s`` in all. How it ended
+    seen, it waits until the sockets' queues are empty and nothing moved for ``FLUSH_SETTLE_S``
+    (a loaded machine may leave gloo's writer unscheduled while the peer empties the buffer; the
+    longest such quiet spell it saw between two movements is ``gap_s``, its own longest wait
+    between two looks ``wake_s``). Bounded: a queue not moving for ``stall_s`` (a peer that
+    stopped reading, a cut link), or ``most_s`` in all. How it ended
     (:class:`Severance`, its socket count left to the caller)."""
     t0 = time.monotonic()
     last = [_traffic(s) for s in socks]
