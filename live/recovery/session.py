@@ -46,6 +46,7 @@ from .config import RecoveryConfig
 from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Proposal, agree
 from .control import ATTEMPT_KEY, ControlChannel
 from .control import join as join_control
+from . import jobkey
 from .generation import Generation
 
 __all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "run_id_of", "attempt_scope", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
@@ -197,6 +198,8 @@ class Session:
         # enough: an agent restarting healthy workers for a node that left counts no restart
         self.job_restarts = 0
         self.current: Generation | None = None
+        # the job's secret (jobkey.load); None only where the user opted out by name
+        self.job_key: jobkey.JobKey | None = None
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._sealed:
@@ -478,6 +481,14 @@ def attempt_scope(run_id: str, control: Any, env: Mapping[str, str]) -> str:
     return scoped
 
 
+def job_key_of(env: Mapping[str, str], run_id: str, world: int) -> jobkey.JobKey | None:
+    """This rank's job key (:func:`~.jobkey.load`): the job is named on its host by its run id and
+    rendezvous address, and spans hosts where torchrun's ``LOCAL_WORLD_SIZE`` is below the world."""
+    identity = f"{run_id}@{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
+    local = int(env.get("LOCAL_WORLD_SIZE") or world)
+    return jobkey.load(env, identity, multi_host=local < world)
+
+
 def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, ...] | None = None,
                   mesh_names: tuple[str, ...] | None = None) -> Session:
     """Join the job described by torchrun's environment and build (or join) the data path.
@@ -492,6 +503,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         raise ValueError(f"a mesh of shape {list(shape)} needs {math.prod(shape)} ranks, the job has {world}")
     names = tuple(mesh_names) if mesh_names else None
     run_id = run_id_of(os.environ)
+    key = job_key_of(os.environ, run_id, world)
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store_addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     store = open_store(*store_addr, world, is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
@@ -507,6 +519,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     session = Session(rank, world, incarnation, config, store, store_addr, control, shape, names,
                       DataPath(comm.socket_fds(), (store_addr[1], control.port)))
     session.start_view = (last_round, generation)
+    session.job_key = key
     if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
         from . import peers
 
