@@ -1,0 +1,295 @@
+"""The device side of a recovery: what a GPU job needs that a CPU job does not.
+
+On gloo and the CPU, host order is device order: a collective that fails raises on the
+training thread, a tensor copied is copied, and the process's CPU time is its progress. On
+CUDA none of that holds. NCCL kernels run on streams the host only enqueues to; a failed
+collective leaves a kernel spinning on the device while the host runs ahead; a ``.cpu()`` on
+the default stream waits behind that kernel; and NCCL traffic never passes through a socket
+that the gloo path's sever could shut down. Each primitive here is the device-correct form of
+a step the runtime already takes, chosen by capability detection (:func:`device_ops`):
+
+| step | CPU / gloo | CUDA / NCCL |
+|---|---|---|
+| sever a broken data path | shut down its sockets (:mod:`.communicator`) | :func:`abort_groups`: the process group's ``abort()``, the process kept |
+| the watchdog on a timeout | none | ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: abort the communicator, keep the process (:func:`nccl_worker_env`) |
+| retire a replaced group | drop the reference | :func:`abort_groups` (a NCCL communicator's destructor does not abort) |
+| know a step's device work is done | it is, when the host returns | :class:`StepFence`: an event recorded after the optimizer step, queried, never a device synchronize |
+| snapshot for peer copies | ``torch._foreach_copy_`` into host buffers | :class:`PinnedSnapshot`: pinned buffers, async copies on a side stream after the fence |
+| heartbeat progress | the process's CPU time | :class:`DeviceProgress`: fences completed |
+| bit-identical replay | deterministic already | :func:`deterministic`: deterministic algorithms and the cuBLAS workspace setting |
+
+None of the CUDA column has run on a GPU in this project's tests: each branch is reached on the
+CPU through :class:`DeviceOps` with fake events and streams that record the calls and their
+order (``tests/live/test_device.py``), and ``bench/gpu_check.py`` measures them on one GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DeviceOps", "HostOps", "CudaOps", "device_ops", "StepFence", "PinnedSnapshot", "DeviceProgress",
+           "abort_groups", "nccl_worker_env", "deterministic", "Determinism", "NCCL_ABORT_ONLY",
+           "CUBLAS_WORKSPACE"]
+
+# TORCH_NCCL_ASYNC_ERROR_HANDLING=2: "only abort NCCL communicator" on an error the watchdog sees
+# (PyTorch's ProcessGroupNCCL environment variables, docs/source/torch_nccl_environment_variables.md);
+# 1, torchrun's default, also tears the process down, and with it the peer copies it holds
+NCCL_ABORT_ONLY = "2"
+# cuBLAS is deterministic only with a fixed workspace (CUDA's cuBLAS documentation, "Results
+# reproducibility"; PyTorch's torch.use_deterministic_algorithms names the same setting)
+CUBLAS_WORKSPACE = ":4096:8"
+
+
+class Event(Protocol):
+    def record(self, stream: Any = None) -> None: ...
+    def query(self) -> bool: ...
+
+
+class DeviceOps(Protocol):
+    """What the runtime asks of a device. :class:`HostOps` on the CPU, :class:`CudaOps` on CUDA;
+    a test passes one that records the calls."""
+
+    kind: str
+
+    def event(self) -> Event: ...
+    def side_stream(self) -> Any: ...
+    def current_stream(self) -> Any: ...
+    def stream_context(self, stream: Any) -> Any: ...
+    def wait_event(self, stream: Any, event: Event) -> None: ...
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor: ...
+
+
+class _DoneEvent:
+    """The CPU's event: the host's work is the device's, so it is complete once recorded."""
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _NoStream:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+@dataclass
+class HostOps:
+    kind: str = "cpu"
+
+    def event(self) -> Event:
+        return _DoneEvent()
+
+    def side_stream(self) -> Any:
+        return None
+
+    def current_stream(self) -> Any:
+        return None
+
+    def stream_context(self, stream: Any) -> Any:
+        return _NoStream()
+
+    def wait_event(self, stream: Any, event: Event) -> None:
+        return None
+
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype)
+
+
+@dataclass
+class CudaOps:
+    """CUDA through ``torch.cuda`` (or a module of the same shape, in a test)."""
+
+    cuda: Any = None
+    kind: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.cuda is None:
+            self.cuda = torch.cuda
+
+    def event(self) -> Event:
+        return self.cuda.Event()
+
+    def side_stream(self) -> Any:
+        return self.cuda.Stream()
+
+    def current_stream(self) -> Any:
+        return self.cuda.current_stream()
+
+    def stream_context(self, stream: Any) -> Any:
+        return self.cuda.stream(stream)
+
+    def wait_event(self, stream: Any, event: Event) -> None:
+        stream.wait_event(event)
+
+    def host_buffer(self, like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
+
+
+def device_ops(device: str | torch.device) -> DeviceOps:
+    """The ops for ``device`` ("cpu", "cuda:0", ...): chosen by what the device is, never guessed."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"device {device!s} asked for, but torch.cuda finds no CUDA device; a GPU job needs "
+                               "a CUDA build of torch and a visible device (CUDA_VISIBLE_DEVICES)")
+        return CudaOps()
+    return HostOps(kind=kind)
+
+
+class StepFence:
+    """Whether a step's device work has completed, asked without waiting for the device.
+
+    The runtime records the fence after the optimizer step (:meth:`record`) and commits the step
+    only once :meth:`done` is true: a step whose collective was aborted leaves its kernels unfinished
+    (or failed) and is never committed. :meth:`wait` polls, so a hung kernel costs the caller its
+    bound and nothing more; nothing here synchronizes the device."""
+
+    def __init__(self, ops: DeviceOps) -> None:
+        self.ops = ops
+        self.event: Event | None = None
+        self.step = -1
+
+    def record(self, step: int) -> None:
+        self.event = self.ops.event()
+        self.event.record(self.ops.current_stream())
+        self.step = step
+
+    def done(self) -> bool:
+        return self.event is not None and bool(self.event.query())
+
+    def wait(self, timeout_s: float, poll_s: float = 0.0005) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self.done():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
+
+@dataclass
+class PinnedSnapshot:
+    """A step's state copied to host buffers for peer copies, off the training thread's path.
+
+    The buffers are allocated once per layout (pinned on CUDA); :meth:`start` enqueues the copies on
+    a side stream that first waits on the step's fence, so the training thread only enqueues;
+    :meth:`ready` says whether they landed (an event, not a synchronize), and the shipper sends the
+    buffers once it is true."""
+
+    ops: DeviceOps
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    stream: Any = None
+    copied: Event | None = None
+    step: int = -1
+
+    def _fit(self, tensors: Sequence[torch.Tensor]) -> None:
+        if len(self.buffers) != len(tensors) or any(b.shape != t.shape or b.dtype != t.dtype
+                                                    for b, t in zip(self.buffers, tensors)):
+            self.buffers = [self.ops.host_buffer(t) for t in tensors]
+
+    def start(self, step: int, tensors: Sequence[torch.Tensor], fence: StepFence) -> None:
+        if fence.event is None or fence.step != step:
+            raise RuntimeError(f"snapshot of step {step} started before that step's fence was recorded "
+                               f"(the fence holds step {fence.step}): its copies could read a step still running")
+        self._fit(tensors)
+        if self.stream is None:
+            self.stream = self.ops.side_stream()
+        self.ops.wait_event(self.stream, fence.event)
+        with self.ops.stream_context(self.stream):
+            if self.ops.kind == "cuda":
+                for b, t in zip(self.buffers, tensors):
+                    b.copy_(t.detach(), non_blocking=True)
+            elif self.buffers:
+                torch._foreach_copy_(self.buffers, [t.detach() for t in tensors])
+            self.copied = self.ops.event()
+            self.copied.record(self.stream)
+        self.step = step
+
+    def ready(self) -> bool:
+        return self.copied is not None and bool(self.copied.query())
+
+
+class DeviceProgress:
+    """The heartbeat's progress count on a device: steps whose device work completed.
+
+    A rank spinning in a CUDA call behind a hung kernel uses CPU time but completes no fence; the
+    heartbeat reads :meth:`count`, which moves only when a recorded fence is found done."""
+
+    def __init__(self) -> None:
+        self._fences: list[StepFence] = []
+        self.completed = 0
+
+    def track(self, fence: StepFence) -> None:
+        self._fences.append(fence)
+
+    def count(self) -> int:
+        still = []
+        for f in self._fences:
+            if f.done():
+                self.completed += 1
+            else:
+                still.append(f)
+        self._fences = still
+        return self.completed
+
+
+def abort_groups(groups: Iterable[dist.ProcessGroup], backend: str,
+                 abort: Callable[[dist.ProcessGroup], None] | None = None) -> int:
+    """Abort every group in ``groups`` where the backend's traffic passes no socket the sever could
+    shut down (NCCL): each group's communicators are aborted, the process and its memory kept.
+    Returns how many were aborted; on gloo none (its sever and drain end the traffic)."""
+    if backend != "nccl":
+        return 0
+    act = abort or (lambda pg: pg.abort())
+    n = 0
+    for pg in groups:
+        act(pg)
+        n += 1
+    return n
+
+
+def nccl_worker_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a worker's NCCL needs for a recovery that keeps the process: the watchdog
+    aborts a failed communicator but does not tear the process down. A value the user set is kept
+    unless it is the tear-down one, which would lose the peer copies the process holds."""
+    current = (env or {}).get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "")
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": current if current in ("0", NCCL_ABORT_ONLY) else NCCL_ABORT_ONLY}
+
+
+@dataclass(frozen=True)
+class Determinism:
+    on: bool
+    said: str
+
+
+def deterministic(bit_identical: bool, device_type: str, env: MutableMapping[str, str] | None = None,
+                  cuda_initialized: Callable[[], bool] | None = None) -> Determinism:
+    """Turn on deterministic algorithms where the job asks for bit-identical recovery, and say so.
+
+    On CUDA the cuBLAS workspace must be fixed before cuBLAS starts: where the process already
+    initialized CUDA without it, this refuses in one line rather than claim a bit-identity it
+    cannot give."""
+    env = os.environ if env is None else env
+    if not bit_identical:
+        return Determinism(False, "bit-identical recovery not asked for: deterministic algorithms left as they are")
+    if device_type != "cuda":
+        return Determinism(True, f"{device_type}: the kernels a replay runs are the same kernels in the same order; "
+                                 "nothing to turn on")
+    if env.get("CUBLAS_WORKSPACE_CONFIG") not in (CUBLAS_WORKSPACE, ":16:8"):
+        if (cuda_initialized or torch.cuda.is_initialized)():
+            raise RuntimeError("bit-identical recovery on CUDA needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before "
+                               "CUDA starts; set it in the launch environment, or start the session first")
+        env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
+    torch.use_deterministic_algorithms(True)
+    return Determinism(True, f"deterministic algorithms on (cuda, CUBLAS_WORKSPACE_CONFIG="
+                             f"{env['CUBLAS_WORKSPACE_CONFIG']}) for bit-identical recovery")

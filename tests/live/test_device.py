@@ -1,0 +1,227 @@
+"""The device primitives' CUDA branches, reached on the CPU through a fake ``torch.cuda`` that
+records every call in order and refuses the one call a recovery must never make on the hot
+path: a device synchronize (a hung NCCL kernel would hold it forever)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from meshpact.live.recovery import device
+from meshpact.live.recovery.device import CudaOps, DeviceProgress, HostOps, PinnedSnapshot, StepFence
+
+
+class FakeCuda:
+    """``torch.cuda``'s shape: events complete when the test says, streams are names."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.done_after: dict[int, int] = {}  # event id -> queries before it reports done
+        self.streams = 0
+        self.current = "default"
+
+    def synchronize(self, *a):  # pragma: no cover - the test fails if it is reached
+        raise AssertionError("a device synchronize on the recovery's path")
+
+    def Event(self):
+        cuda = self
+
+        class Ev:
+            def __init__(self) -> None:
+                self.id = len(cuda.calls)
+                self.queries = 0
+
+            def record(self, stream=None):
+                cuda.calls.append(("record", self.id, stream))
+
+            def query(self):
+                self.queries += 1
+                cuda.calls.append(("query", self.id))
+                return self.queries > cuda.done_after.get(self.id, 0)
+
+            def synchronize(self):  # pragma: no cover
+                raise AssertionError("an event synchronize on the recovery's path")
+
+        return Ev()
+
+    def Stream(self):
+        self.streams += 1
+        name = f"side{self.streams}"
+        self.calls.append(("stream", name))
+        return FakeStream(self, name)
+
+    def current_stream(self):
+        return self.current
+
+    def stream(self, s):
+        cuda = self
+
+        class Ctx:
+            def __enter__(self):
+                cuda.calls.append(("enter", s.name))
+                cuda.current, self.was = s.name, cuda.current
+
+            def __exit__(self, *e):
+                cuda.calls.append(("exit", s.name))
+                cuda.current = self.was
+
+        return Ctx()
+
+
+class FakeStream:
+    def __init__(self, cuda: FakeCuda, name: str) -> None:
+        self.cuda, self.name = cuda, name
+
+    def wait_event(self, ev):
+        self.cuda.calls.append(("wait_event", self.name, ev.id))
+
+
+class FakeCudaOps(CudaOps):
+    """CudaOps over the fake; host buffers are plain (pinning needs a CUDA build)."""
+
+    def host_buffer(self, like):
+        self.cuda.calls.append(("host_buffer", tuple(like.shape)))
+        return torch.empty(like.shape, dtype=like.dtype)
+
+
+def test_a_fence_is_recorded_on_the_training_stream_and_queried_never_synchronized():
+    cuda = FakeCuda()
+    fence = StepFence(FakeCudaOps(cuda))
+    fence.record(7)
+    ev = fence.event.id
+    cuda.done_after[ev] = 3
+    assert ("record", ev, "default") in cuda.calls
+    assert fence.done() is False
+    assert fence.wait(timeout_s=1.0, poll_s=0.0) is True
+    assert fence.step == 7
+
+
+def test_a_fence_behind_a_hung_kernel_costs_its_bound_and_says_not_done():
+    cuda = FakeCuda()
+    fence = StepFence(FakeCudaOps(cuda))
+    fence.record(1)
+    cuda.done_after[fence.event.id] = 10**9  # a kernel that never ends
+    t0 = time.monotonic()
+    assert fence.wait(timeout_s=0.05) is False
+    assert time.monotonic() - t0 < 1.0
+
+
+def test_an_unrecorded_fence_is_not_done():
+    assert StepFence(HostOps()).done() is False
+
+
+def test_a_snapshot_waits_on_the_fence_on_its_side_stream_before_any_copy():
+    cuda = FakeCuda()
+    ops = FakeCudaOps(cuda)
+    fence = StepFence(ops)
+    fence.record(4)
+    snap = PinnedSnapshot(ops)
+    src = [torch.arange(6.0).reshape(2, 3), torch.ones(5)]
+    snap.start(4, src, fence)
+    names = [c[0] for c in cuda.calls]
+    wait = names.index("wait_event")
+    enter = names.index("enter")
+    assert cuda.calls[wait] == ("wait_event", "side1", fence.event.id)  # the side stream waits on the step's fence
+    assert wait < enter  # before the copies are enqueued on it
+    record_copied = [c for c in cuda.calls if c[0] == "record" and getattr(c[2], "name", c[2]) == "side1"]
+    assert len(record_copied) == 1 and names.index("exit") > cuda.calls.index(record_copied[0])
+    assert all(torch.equal(b, t) for b, t in zip(snap.buffers, src))
+    assert snap.step == 4 and snap.ready()
+
+
+def test_a_snapshot_reuses_its_buffers_and_side_stream_across_steps():
+    cuda = FakeCuda()
+    ops = FakeCudaOps(cuda)
+    fence, snap = StepFence(ops), PinnedSnapshot(ops)
+    for step in range(3):
+        fence.record(step)
+        snap.start(step, [torch.full((4,), float(step))], fence)
+    assert sum(1 for c in cuda.calls if c[0] == "host_buffer") == 1
+    assert cuda.streams == 1
+    assert torch.equal(snap.buffers[0], torch.full((4,), 2.0))
+
+
+def test_a_snapshot_of_a_step_whose_fence_was_not_recorded_is_refused():
+    ops = FakeCudaOps(FakeCuda())
+    fence = StepFence(ops)
+    fence.record(3)
+    with pytest.raises(RuntimeError, match="before that step's fence was recorded"):
+        PinnedSnapshot(ops).start(4, [torch.ones(2)], fence)
+
+
+def test_the_host_snapshot_copies_at_once():
+    ops = HostOps()
+    fence = StepFence(ops)
+    fence.record(0)
+    snap = PinnedSnapshot(ops)
+    t = torch.randn(3, 3)
+    snap.start(0, [t], fence)
+    t.add_(1)  # the copy is the step's value, not a view of the live tensor
+    assert snap.ready() and not torch.equal(snap.buffers[0], t)
+
+
+def test_progress_moves_only_with_fences_completed():
+    cuda = FakeCuda()
+    ops = FakeCudaOps(cuda)
+    progress = DeviceProgress()
+    fences = []
+    for step in range(3):
+        f = StepFence(ops)
+        f.record(step)
+        progress.track(f)
+        fences.append(f)
+    cuda.done_after[fences[2].event.id] = 10**9  # the last step's kernel hangs
+    assert progress.count() == 2
+    assert progress.count() == 2  # a host spinning in a sync behind it adds nothing
+
+
+def test_nccl_groups_are_aborted_each_and_gloo_groups_are_left_to_the_sever():
+    aborted: list[object] = []
+    groups = [object(), object()]
+    assert device.abort_groups(groups, "nccl", abort=aborted.append) == 2
+    assert aborted == groups
+    assert device.abort_groups(groups, "gloo", abort=aborted.append) == 0
+    assert aborted == groups
+
+
+def test_the_worker_environment_aborts_without_tearing_down():
+    assert device.nccl_worker_env({}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert device.nccl_worker_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
+    assert device.nccl_worker_env({"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}) == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0"}
+
+
+def test_determinism_on_cuda_sets_the_cublas_workspace_and_refuses_once_cuda_started(monkeypatch):
+    turned: list[bool] = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on: turned.append(on))
+    env: dict[str, str] = {}
+    said = device.deterministic(True, "cuda", env, cuda_initialized=lambda: False)
+    assert env["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and turned == [True] and "CUBLAS_WORKSPACE_CONFIG" in said.said
+    with pytest.raises(RuntimeError, match="before CUDA starts"):
+        device.deterministic(True, "cuda", {}, cuda_initialized=lambda: True)
+    assert device.deterministic(False, "cuda", {}).on is False
+    assert device.deterministic(True, "cpu", {}).on is True and turned == [True]
+
+
+def test_device_ops_are_chosen_by_the_device():
+    assert isinstance(device.device_ops("cpu"), HostOps)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="finds no CUDA device"):
+            device.device_ops("cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: the check would measure it")
+def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_writes_nothing():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    before = set((root / "bench" / "results").iterdir())
+    out = subprocess.run([sys.executable, str(root / "bench" / "gpu_check.py")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0
+    assert out.stdout.strip().splitlines() == [
+        "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing measured, nothing written"]
+    assert set((root / "bench" / "results").iterdir()) == before
