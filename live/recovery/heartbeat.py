@@ -16,7 +16,9 @@ Every ``heartbeat_interval_s`` it does two things:
   step stopped (asleep, blocked on a lock) does none of these. At real sizes a step's
   optimizer update runs for seconds on the intra-op pool while the main thread sleeps: a
   healthy rank in a long step, which a main-thread-only rule called stalled.
-- *watch*: it reads every peer's counter (one round trip for all) and judges it with
+- *watch*: it reads the counters of the few peers it watches (:func:`watched_peers`: its next
+  :data:`WATCH_FANOUT` members on the ring, one round trip; every rank is watched by as many, so
+  a look's store work does not grow with the job) and judges each with
   :func:`watch`: a peer whose thread ran without its main thread progressing, for more looks
   than the job's own steps show (:func:`stall_bound`), is stalled. A peer whose counter did not move at all was not
   scheduled (a loaded machine) or is frozen whole: no evidence either way, and the data-path
@@ -39,10 +41,13 @@ data path is *quiet*: the main thread waits in communication code, no thread of 
 (but this one) is running, runnable or in the kernel's uninterruptible wait (faulting a buffer's
 pages in, reclaiming memory: it is about to move bytes), and not a byte moved on the data path's
 sockets since the last look (the kernel's per-socket counts, ``TCP_INFO``). Each rank publishes how many looks in a
-row it was quiet, with its beat number; when every rank of the job says it was quiet for
-``heartbeat_misses`` looks, and every one of those words is fresh (its beat moved since this
-rank's last look), the collective they all wait in can never finish (a cut link, or ranks
-waiting in different collectives) and the data path is severed as for a stall. A rank still
+row it was quiet, with its beat number. One rank, the *quiet judge* (:func:`quiet_judge`), reads
+every word while it is quiet itself; when every rank of the job says it was quiet for
+``heartbeat_misses`` looks, and every one of those words is fresh (its beat moved since the
+judge's last look), the collective they all wait in can never finish (a cut link, or ranks
+waiting in different collectives): the judge severs its data path as for a stall and says so
+in its own word at once, and every other quiet rank, which reads only the judge's word, severs
+its own at its next look. A rank still
 computing, a rank whose bytes move (a large collective under way), a rank whose thread was
 not scheduled (a stale word) each keep the alarm off. Only where the data path is sockets
 (gloo); NCCL's traffic does not pass through them, so there the data-path timeout finds it.
@@ -92,7 +97,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -100,7 +105,7 @@ from .communicator import Severance
 from .control import ControlChannel, ControlTimeout
 
 __all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed",
-           "stall_bound", "pause_key"]
+           "stall_bound", "pause_key", "watched_peers", "quiet_judge", "quiet_key", "WATCH_FANOUT"]
 
 PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # torch's own code: an op the main thread waits in
@@ -208,6 +213,36 @@ def stall_bound(usual_pause: int | None, misses: int, margin: float) -> int | No
     if usual_pause is None:
         return None
     return max(misses, math.ceil(margin * usual_pause))
+
+
+# how many ring successors each rank watches: every rank is watched by as many, so a stall is seen
+# as soon as before, and a look reads WATCH_FANOUT counters whatever the job's size
+WATCH_FANOUT = 2
+
+
+def watched_peers(me: int, members: Sequence[int], fanout: int = WATCH_FANOUT) -> tuple[int, ...]:
+    """The peers ``me`` watches: the next ``fanout`` members after it on the ring of ``members``
+    (every other member where there are no more). Each member is watched by ``fanout`` others, so
+    the watch stays a few counters a look at any scale, and a stalled rank is still seen by
+    ``fanout`` peers, each of which severs and starts the recovery that tells every member."""
+    ring = sorted(members)
+    if me not in ring:
+        return tuple(r for r in ring if r != me)[:fanout]
+    at = ring.index(me)
+    n = min(fanout, len(ring) - 1)
+    return tuple(ring[(at + 1 + i) % len(ring)] for i in range(n))
+
+
+def quiet_judge(members: Sequence[int]) -> int:
+    """The rank that reads every rank's quiet word and judges whether all are quiet (the lowest
+    member); the others read only its word, whose ``hung`` names a generation it found hung. The
+    store work of the quiet rule is then one word a look for each rank and the job's size for one."""
+    return min(members)
+
+
+def quiet_key(rank: int) -> str:
+    """Where ``rank`` publishes its :class:`QuietWord`."""
+    return f"heartbeat/quiet/rank{rank}"
 
 
 def pause_key(rank: int) -> str:
@@ -590,7 +625,8 @@ class Heartbeat:
                     continue
                 generation = s.generation
                 ranks = s.members  # the original ranks still in the job (fewer after an excision)
-                keys = [beat_key(r) for r in ranks]
+                peers = watched_peers(me, ranks)
+                keys = [beat_key(r) for r in peers]
                 pos = self._main_position()
                 cpu = self._main_cpu_s()
                 native = self._native_cpu_s()
@@ -615,21 +651,23 @@ class Heartbeat:
                     still_quiet = moved is not None and moved == last_bytes and not self._others_working()
                     quiet, last_bytes, beat = (quiet + 1 if still_quiet else 0), moved, beat + 1
                     if quiet or (quiet, hung_in) != said_quiet:  # a word saying "not quiet" holds until it changes
-                        self.channel.set(f"heartbeat/quiet/rank{me}", QuietWord(beat, quiet, hung_in).encode())
+                        self.channel.set(quiet_key(me), QuietWord(beat, quiet, hung_in).encode())
                         said_quiet = (quiet, hung_in)
-                counts = self.channel.counters(keys)  # one round trip for every peer
-                if not self.watching or seen is None or ranks != watched:
-                    still, seen, watched, last_beats = [0] * len(ranks), counts, ranks, {}
+                counts = self.channel.counters(keys)  # one round trip for the peers this rank watches
+                if not self.watching or seen is None or peers != watched:
+                    still, seen, watched, last_beats = [0] * len(peers), counts, peers, {}
                     continue
-                still = [0 if r == me else watch(seen[i], counts[i], still[i]) for i, r in enumerate(ranks)]
-                stalled = self._stalled(ranks, still)
+                still = [watch(seen[i], counts[i], still[i]) for i in range(len(peers))]
+                stalled = self._stalled(peers, still)
                 seen = counts
                 hung, heard = False, ""
                 if self.quiet_rule and quiet > 0:  # this rank is quiet: are all? (read from the first quiet look)
-                    said = self.channel.peek([f"heartbeat/quiet/rank{r}" for r in ranks])
-                    words = {r: QuietWord.decode(v) if isinstance(v, str) else None for r, v in zip(ranks, said)}
+                    judge = quiet_judge(ranks)
+                    asked = ranks if me == judge else (judge,)  # the judge reads every word; the others its own
+                    said = self.channel.peek([quiet_key(r) for r in asked])
+                    words = {r: QuietWord.decode(v) if isinstance(v, str) else None for r, v in zip(asked, said)}
                     told = any(w is not None and w.hung == generation for w in words.values())  # a peer found it
-                    hung = not stalled and (told or all_quiet(words, last_beats, self.misses))
+                    hung = not stalled and (told or (me == judge and all_quiet(words, last_beats, self.misses)))
                     heard = ("quiet words (rank: looks quiet, beat, generation found hung): "
                              + ", ".join(f"{r}: {w.quiet} {w.beat} {w.hung}" if w else f"{r}: none"
                                          for r, w in words.items())
@@ -642,8 +680,11 @@ class Heartbeat:
                 if (stalled or hung) and not self._alarmed(generation) and self.watching and s.generation == generation:
                     self._raise(HeartbeatAlarm(time.time(), tuple(stalled), hung,
                                                self._stall_detail if stalled else heard), generation)
+                    if hung and hung_in != generation:  # the ranks that read only the judge's word learn it now
+                        self.channel.set(quiet_key(me), QuietWord(beat, 0, generation).encode())
+                        said_quiet = (0, generation)
                     hung_in = generation if hung else hung_in
-                    still, quiet = [0] * len(ranks), 0
+                    still, quiet = [0] * len(peers), 0
             except Exception as exc:  # noqa: BLE001  (a look that failed, e.g. a control-channel
                 # round trip past its timeout under load, must not end the thread: the next look runs)
                 self.failed_looks += 1

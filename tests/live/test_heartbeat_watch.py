@@ -513,3 +513,68 @@ def _looking_heartbeat(moved: list[int], looks: int = 8) -> tuple[object, list[t
     hb._data_bytes = lambda generation: next(data)
     hb._stalled = lambda ranks, still: []
     return hb, calls
+
+
+def test_each_rank_watches_its_next_members_on_the_ring_and_is_watched_by_as_many():
+    from collections import Counter
+
+    from meshpact.live.recovery.heartbeat import WATCH_FANOUT, watched_peers
+
+    members = (0, 2, 3, 5, 8, 9)  # an excised job's members are not 0..n-1
+    assert watched_peers(8, members) == (9, 0)
+    assert watched_peers(9, members) == (0, 2)
+    watchers = Counter(p for r in members for p in watched_peers(r, members))
+    assert set(watchers) == set(members) and set(watchers.values()) == {WATCH_FANOUT}
+    assert all(r not in watched_peers(r, members) for r in members)
+    assert watched_peers(1, (0, 1)) == (0,)  # two ranks: each the other's only watcher
+    assert watched_peers(0, (0,)) == ()
+
+
+@pytest.mark.parametrize("world", [4, 4096])
+def test_a_looks_store_reads_do_not_grow_with_the_job(world):
+    """A rank that is not the quiet judge reads WATCH_FANOUT counters and one quiet word a look,
+    whatever the job's size; the judge alone reads every word."""
+    from meshpact.live.recovery.heartbeat import WATCH_FANOUT
+
+    for rank, words in ((1, 1), (0, world)):
+        hb, calls = _looking_heartbeat([1, 1, 1, 1, 1, 1, 1, 1])  # quiet from the second look on
+        hb.session.rank, hb.session.members = rank, tuple(range(world))
+        peeked: list[int] = []
+        hb.channel.peek = lambda keys: peeked.append(len(keys)) or [None] * len(keys)
+        hb._run()
+        assert hb.failed_looks == 0
+        assert {len(keys) for name, keys, _ in calls if name == "counters"} == {WATCH_FANOUT}
+        assert peeked and set(peeked) == {words}
+
+
+def test_the_judge_finds_every_rank_quiet_says_so_at_once_and_a_rank_reading_its_word_severs():
+    from meshpact.live.recovery.heartbeat import QuietWord, quiet_key
+
+    raised: list[tuple[int, object]] = []
+
+    def judged(rank, peek):
+        hb, calls = _looking_heartbeat([1] * 8)
+        hb.session.rank, hb.session.members = rank, (0, 1, 2)
+        hb.channel.peek = peek
+        hb._alarmed = lambda generation: any(r == rank for r, _ in raised)
+        hb._raise = lambda alarm, generation: raised.append((rank, alarm))
+        hb._run()
+        return calls
+
+    beats = iter(range(100, 10_000))
+
+    def all_quiet_words(keys):  # every rank quiet for many looks, each word fresh at every read
+        return [QuietWord(next(beats), 9).encode() for _ in keys]
+
+    calls = judged(0, all_quiet_words)
+    assert [r for r, _ in raised] == [0] and raised[0][1].data_path_quiet
+    said = [QuietWord.decode(v) for name, k, v in calls if name == "set" and k == quiet_key(0)]
+    assert said[-1].hung == 1  # the generation it found hung, published in the look that raised
+
+    raised.clear()
+    judged(2, lambda keys: [QuietWord(5, 0, hung=1).encode()] * len(keys))  # a rank reading the judge's word
+    assert [r for r, _ in raised] == [2] and raised[0][1].data_path_quiet
+
+    raised.clear()
+    judged(2, all_quiet_words)  # a rank that is not the judge never judges every rank quiet itself
+    assert raised == []
