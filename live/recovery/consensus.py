@@ -51,7 +51,7 @@ from meshpact.core.recovery import Policy
 
 from .control import ControlChannel, ControlTimeout
 
-__all__ = ["Proposal", "Decision", "Agreement", "CounterMoves", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
+__all__ = ["Proposal", "Decision", "Agreement", "rank_runs", "from_runs", "CounterMoves", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
            "EXCISE_NOT_OFFERED",
            "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "GONE_COUNT_KEY", "mark_gone",
            "gone_ranks", "open_round"]
@@ -100,31 +100,68 @@ class Proposal:
                    own_steps=tuple(int(x) for x in d.get("own_steps", ())))
 
 
+def rank_runs(ranks: Sequence[int]) -> list[list[int]]:
+    """``ranks`` as inclusive runs ``[first, last]``: a job's members are a few runs whatever its size."""
+    runs: list[list[int]] = []
+    for r in sorted(ranks):
+        if runs and r == runs[-1][1] + 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    return runs
+
+
+def from_runs(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    return tuple(r for a, b in runs for r in range(int(a), int(b) + 1))
+
+
+def _grouped(words: dict[int, JsonObject | None]) -> tuple[tuple[JsonObject | None, tuple[int, ...]], ...]:
+    """Each distinct word and the ranks that said it, in the order first said."""
+    out: list[tuple[JsonObject | None, list[int]]] = []
+    for r in sorted(words):
+        for word, ranks in out:
+            if word == words[r]:
+                ranks.append(r)
+                break
+        else:
+            out.append((words[r], [r]))
+    return tuple((w, tuple(rs)) for w, rs in out)
+
+
 @dataclass(frozen=True)
 class Decision:
+    """What a round decided, as every rank reads it. It names what changed (the ranks missing,
+    lost, restored from whom) and not every rank's proposal: its size on the channel does not
+    grow with the job (members as runs of ranks, the standbys' words grouped by word), so the
+    ranks of a large job each read a few hundred bytes, not every proposal."""
+
     round: int  # the new generation
     policy: Policy
     step: int  # the step every rank resumes from
     reason: str
-    members: tuple[int, ...] = ()
+    members: tuple[int, ...] = ()  # the ranks whose proposals the decision rests on
     missing: tuple[int, ...] = ()
-    proposals: dict[int, JsonObject] = field(default_factory=dict)
+    standby: tuple[tuple[JsonObject | None, tuple[int, ...]], ...] = ()  # each rank's word on its standby, grouped
     restore_from: tuple[tuple[int, int], ...] = ()  # peer_restore / excise: (rank, the rank holding its copy at step)
     lost: tuple[int, ...] = ()  # excise: the original ranks leaving the job
 
     def to_dict(self) -> JsonObject:
         return {"round": self.round, "policy": self.policy.value, "step": self.step, "reason": self.reason,
-                "members": list(self.members), "missing": list(self.missing),
-                "proposals": {str(k): v for k, v in self.proposals.items()},
+                "members": rank_runs(self.members), "missing": list(self.missing),
+                "standby": [[w, rank_runs(rs)] for w, rs in self.standby],
                 "restore_from": [list(p) for p in self.restore_from], "lost": list(self.lost)}
 
     @classmethod
     def from_dict(cls, d: JsonObject) -> "Decision":
         return cls(int(d["round"]), Policy(d["policy"]), int(d["step"]), str(d["reason"]),
-                   tuple(d.get("members", ())), tuple(d.get("missing", ())),
-                   {int(k): v for k, v in d.get("proposals", {}).items()},
+                   from_runs(d.get("members", ())), tuple(d.get("missing", ())),
+                   tuple((w, from_runs(runs)) for w, runs in d.get("standby", ())),
                    tuple((int(a), int(b)) for a, b in d.get("restore_from", ())),
                    tuple(int(r) for r in d.get("lost", ())))
+
+    def standby_words(self) -> dict[int, JsonObject | None]:
+        """Each member's word on its standby (None: it has none)."""
+        return {r: w for w, rs in self.standby for r in rs}
 
     def summary(self) -> JsonObject:
         """What an event records of the decision (no proposals)."""
@@ -186,7 +223,7 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
     members = tuple(sorted(proposals))
     expected = tuple(range(world_size)) if alive is None else tuple(sorted(alive))
     missing = tuple(r for r in expected if r not in proposals)
-    raw = {r: p.to_dict() for r, p in proposals.items()}
+    standby = _grouped({r: p.standby for r, p in proposals.items()})
 
     def fallback(reason: str) -> Decision:
         steps = [p.committed_step for p in proposals.values() if p.intact and p.committed_step >= 0]
@@ -196,7 +233,7 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
             step = checkpoint_step(limit)
         except FileNotFoundError as exc:  # a round still missing ranks goes on; a complete one is refused where
             step, reason = -1, f"{reason}; no checkpoint to restore ({exc})"  # it is acted on (step -1)
-        return Decision(round, Policy.CHECKPOINT_RESTORE, step, reason, members, missing, raw)
+        return Decision(round, Policy.CHECKPOINT_RESTORE, step, reason, members, missing, standby)
 
     def excision(why: str) -> Decision:
         plan = _excise_plan(proposals, missing, peer_copies)
@@ -209,7 +246,7 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
         return Decision(round, Policy.EXCISE, step, f"{why}; copies at step {step} from holder(s) "
                         + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
                         + f"; the {len(members)} others continue without them{note}",
-                        members, missing, raw, sources, missing)
+                        members, missing, standby, sources, missing)
 
     if missing and on_rank_loss is Policy.EXCISE and set(missing) <= set(declared) and members:
         return excision(f"rank(s) {list(missing)} declared lost with no replacement (--on-rank-loss excise)")
@@ -250,14 +287,14 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
                         f"{why}; copies at step {step} from holder(s) "
                         + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
                         + f"; the other {len(survivors)} rank(s) keep their state in memory{note}",
-                        members, missing, raw, sources)
+                        members, missing, standby, sources)
     steps = {p.committed_step for p in proposals.values()}
     if len(steps) != 1:
         return fallback("committed steps differ: " + ", ".join(f"rank {r}: {p.committed_step}"
                                                                 for r, p in sorted(proposals.items())))
     step = steps.pop()
     return Decision(round, Policy.IN_MEMORY, step, f"all {world_size} ranks alive, at generation "
-                    f"{group_generation}, committed step {step}, state intact", members, missing, raw)
+                    f"{group_generation}, committed step {step}, state intact", members, missing, standby)
 
 
 def _peer_plan(proposals: dict[int, Proposal], broken: list[int],
@@ -539,7 +576,7 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         if decision.missing:  # another rank's decision may rest on a gone mark this rank has not read yet
             skip += [r for r in gone_ranks(channel, expected) if r not in skip]
         overdue, _ = overdue_of(list(decision.missing))
-        if from_view and channel.rank not in decision.proposals:
+        if from_view and channel.rank not in decision.members:
             continue  # the view was stale: that round was decided without this rank; read the counters
         final = not decision.missing or decision.policy is Policy.EXCISE
         if final:

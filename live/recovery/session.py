@@ -388,8 +388,8 @@ class Session:
         is discarded). Every rank reads the same words, so every rank gets the same answer. The
         note says which (``used`` / ``built (why)``)."""
         generation = decision.generation
-        said = {r: comm.StandbyStatus.from_dict(p["standby"]) if isinstance(p.get("standby"), dict) else None
-                for r, p in decision.proposals.items()}
+        said = {r: comm.StandbyStatus.from_dict(w) if isinstance(w, dict) else None
+                for r, w in decision.standby_words().items()}
         why = comm.standby_refusal(said, generation, self.world_size)
         if not why and (self.standby is None or self.standby.generation != generation):
             why = f"rank {self.rank} holds no standby for generation {generation}"

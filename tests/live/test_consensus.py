@@ -317,7 +317,7 @@ def test_a_rank_whose_view_went_stale_reads_the_counters_and_joins_the_round_und
     decisions = list(_agree_with_rank_2_late(channels, 1.5, view=(0, 0)).values())
     assert all(isinstance(d, Decision) for d in decisions), decisions
     assert {(d.round, d.policy, d.step) for d in decisions} == {(2, Policy.IN_MEMORY, 4)}
-    assert all(2 in d.proposals for d in decisions)
+    assert all(2 in d.members for d in decisions)
     assert Decision.from_dict(channels[0].get("round1/decision")).missing == (2,)
 
 
@@ -348,3 +348,28 @@ def test_a_round_missing_ranks_with_no_checkpoint_yet_is_decided_not_raised():
     d = decide({2: Proposal(2, 0, -1, "", False, 1)}, 4, 0, 1, none_yet, timeout_s=30.0)
     assert d.policy is Policy.CHECKPOINT_RESTORE and d.missing == (0, 1, 3) and d.step == -1
     assert "did not answer" in d.reason and "no checkpoint to restore" in d.reason
+
+
+@pytest.mark.parametrize("world", [8, 4096])
+def test_a_decision_on_the_channel_does_not_grow_with_the_job(world):
+    """Every rank reads the decision: carrying every proposal made it the job's size at every
+    rank (the job's size squared through one store). It names what changed instead."""
+    import json
+
+    ready = {"generation": 3, "ready": True, "reason": ""}
+    proposals = {r: Proposal(r, 2, 9, f"digest{r}", True, standby=ready) for r in range(world)}
+    proposals[5] = Proposal(5, 2, 9, "digest5", True, standby={"generation": 3, "ready": False, "reason": "late"})
+    d = decide(proposals, world, 2, 3, lambda limit: 0)
+    wire = json.dumps(d.to_dict())
+    assert len(wire) < 600
+    back = Decision.from_dict(json.loads(wire))
+    assert back == d and back.members == tuple(range(world))
+    assert back.standby_words()[5]["reason"] == "late" and back.standby_words()[world - 1] == ready
+
+
+def test_rank_runs_round_trip_any_set_of_ranks():
+    from meshpact.live.recovery.consensus import from_runs, rank_runs
+
+    for ranks in ((), (4,), (0, 1, 2, 7, 9, 10), tuple(range(0, 50, 2))):
+        assert from_runs(rank_runs(ranks)) == tuple(sorted(ranks))
+    assert rank_runs(range(4096)) == [[0, 4095]]
