@@ -337,7 +337,8 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
     groups: Mapping[str, dist.ProcessGroup] = d.old_groups
     if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same objects, rebuilt in place
         try:
-            for base, pg in sorted(d.old_groups.items()):
+            for base in comm.build_order(d.old_groups, s.groups):
+                pg = d.old_groups[base]
                 ranks = comm.group_ranks(pg)
                 pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.generation, base), s.store),
                                ranks.index(s.rank), len(ranks))
@@ -346,8 +347,9 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
     if standby_groups is not None:
         groups = standby_groups
     elif action is not CommunicatorAction.RECONFIGURE:
-        groups = {base: comm.build_group(s.spec, s.store, decision.generation, base, comm.group_ranks(pg))
-                  for base, pg in sorted(d.old_groups.items())}
+        # in the order a replacement builds them: its session's at start-up, then the user's (comm.build_order)
+        groups = {base: comm.build_group(s.spec, s.store, decision.generation, base, comm.group_ranks(d.old_groups[base]))
+                  for base in comm.build_order(d.old_groups, s.groups)}
     s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
            generation=decision.generation, backend=s.spec.backend, groups=len(groups), note=note, standby=standby)
     d.clock.lap("rebuild")

@@ -48,6 +48,7 @@ from .control import ATTEMPT_KEY, ControlChannel
 from .control import join as join_control
 from . import jobkey
 from .generation import Generation
+from .usergroups import UserGroups, route_group_creation
 
 __all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "run_id_of", "attempt_scope", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
 
@@ -200,6 +201,8 @@ class Session:
         self.current: Generation | None = None
         # the job's secret (jobkey.load); None only where the user opted out by name
         self.job_key: jobkey.JobKey | None = None
+        # the groups the job's code makes after start_session, in creation order (matched by a replacement)
+        self.user_groups = UserGroups(lambda: (self.spec, self.store, self.control, self.generation))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._sealed:
@@ -549,13 +552,15 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         number = decision.generation
     t0 = time.perf_counter()
     groups = build_groups(spec, store, number, shape, names)
-    if incarnation > 0:
+    if incarnation > 0:  # then the user's groups, in the order the survivors rebuild them (comm.build_order)
+        made = session.user_groups.prebuild(spec, store, control, number)
         session.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0,
-                     action=CommunicatorAction.REBUILD.value, generation=number)
+                     action=CommunicatorAction.REBUILD.value, generation=number, user_groups=made)
     c10d_default(groups[comm.WORLD])  # the mesh asks c10d's default group for this rank
     mesh = mesh_from_groups(groups, choice.device.split(":")[0], shape, names)
     session.advance(Generation(number, spec, groups, mesh, tuple(range(world))))
     session.remember_data_path()  # before any standby is built
+    route_group_creation(session.user_groups, spec.backend)  # the job's own groups, made from here on
     session.seal()
     return session
 

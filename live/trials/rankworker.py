@@ -45,7 +45,8 @@ def compiled_regions(run: Any) -> int:
 
 
 def _has_compiled(model: Any) -> bool:
-    return any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+    parts = model if isinstance(model, list) else [model]  # a list of model parts (pipeline parallel)
+    return any(type(m).__name__ == "OptimizedModule" for part in parts for m in part.modules())
 
 
 def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s: float, emit: Any,
