@@ -650,9 +650,16 @@ class Resilient:
         if self.objects and self.state_of is None:
             return (f"the registered objects ({', '.join(sorted(self.objects))}) of a lost rank cannot be continued: "
                     "no state_of=lambda rank: {...} was given to resilient()")
+        if isinstance(self.model, ModelParts):
+            return "excision re-shards one model; this job's model is a list of parts (pipeline stages)"
         shape = tuple(getattr(self.session.mesh, "shape", ()) or ())
-        if len(shape) > 1:
-            return f"excision re-shards a 1-D FSDP mesh only; this job's mesh is {list(shape)}"
+        if len(shape) > 2:
+            return f"excision re-shards a 1-D FSDP mesh or drops replicas of a 2-D HSDP one; this job's mesh is {list(shape)}"
+        if len(shape) == 2 and self.objects:
+            return (f"an HSDP excision drops whole replicas, and their ranks' registered objects "
+                    f"({', '.join(sorted(self.objects))}) are not carried over: register none to excise replicas")
+        if len(shape) == 2 and shape[0] < 2:
+            return f"this job's HSDP mesh {list(shape)} has one replica left: losing a rank of it leaves none whole"
         return None
 
     def adopt_departed(self, departed: Mapping[int, torch.Tensor]) -> None:
