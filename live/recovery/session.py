@@ -4,8 +4,11 @@
 rendezvous store and the control channel, builds the generation-0 data-path groups (the
 group over every rank and, for an N-D mesh, each dimension's groups) and the
 :class:`DeviceMesh` over them. A replacement process instead joins the recovery in
-progress: it takes part in consensus and builds the decided generation's groups. The
-session is returned, never kept in a module: pass it to
+progress: it takes part in consensus and builds the decided generation's groups, the
+session's and then those the job's code made after ``start_session`` (:mod:`.usergroups`:
+torch's group creation is routed through the session from then on, so a replacement's script
+is handed the groups built for it, matched by creation order). The session is returned, never
+kept in a module: pass it to
 :func:`~meshpact.live.recovery.runtime.resilient`.
 
 Every event of the rank goes through :meth:`Session.emit`, which keeps it, appends it to
@@ -165,7 +168,7 @@ class Session:
 
     After :func:`start_session` returns, the session's fields are fixed but one: ``current``,
     which :meth:`advance` replaces when a recovery makes the next generation. The event log,
-    the standby and the socket lists are objects of their own that change inside."""
+    the standby, the socket lists and the user's groups are objects of their own that change inside."""
 
     _sealed = False
 

@@ -20,7 +20,10 @@ the survivors never wait for a script still importing, building its model or loa
 
 Not routed (torch's own path, not matched for a replacement): a group with
 ``use_local_synchronization`` (only its members make it, so it has no job-wide order), with
-backend options or a tag of its own, or on a backend the session does not build.
+``sort_ranks=False``, with backend options or a tag of its own, or on a backend the session
+does not build. A group the job destroyed is still built for a replacement (its ranks stay on
+the control channel), where no survivor builds it: the replacement's start then fails after
+the group-connect bound.
 """
 
 from __future__ import annotations
