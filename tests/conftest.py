@@ -34,6 +34,7 @@ LONGEST_FIRST = (
     "tests/live/test_timeouts_follow.py",  # 20-40 s
     "tests/live/test_checkpoint_dcp.py",  # 16 s
     "tests/live/test_rebind.py",  # 58 s
+    "tests/live/test_recovery_hsdp.py",  # 39 s, and 17 s (load average 21) for a replica excised
     "tests/live/test_missed_replacement_excision.py",  # 50 s
     "tests/app/test_pages.py",  # 50 s
     "tests/live/test_recovery_partition.py",  # 45 s
@@ -41,10 +42,10 @@ LONGEST_FIRST = (
     "tests/live/test_recovery_collective.py",  # 44 s
     "tests/live/test_bridge_qwen.py",  # 43 s
     "tests/live/test_spillover.py",  # 40 s
-    "tests/live/test_recovery_hsdp.py",  # 39 s
     "tests/live/test_recovery_peer_hosts.py",  # 38 s
     "tests/app/test_browser_mesh.py",  # 34 s
     "tests/live/test_recovery_excise.py",  # 32 s
+    "tests/live/test_recovery_user_groups.py",  # 21-34 s: two kills, each replacement joining the user's groups
     "tests/live/test_forkserver.py",  # 22 s
     "tests/live/test_agentjob.py",  # 17 s
     "tests/live/test_recovery_stall.py",  # 20 s

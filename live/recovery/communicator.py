@@ -45,9 +45,11 @@ from meshpact.core.recovery import CommunicatorAction
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
            "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "Severance", "timed_out", "SeveredSockets",
            "group_ranks", "base_name", "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan",
-           "group_plan", "set_data_timeout", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal"]
+           "group_plan", "set_data_timeout", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal",
+           "USER_BASE", "user_base", "user_ordinal", "build_order"]
 
 WORLD = "meshpact_data"  # the base name of the data-path group over every rank
+USER_BASE = "user"  # the base names of the groups the job's code makes after start_session: user0, user1, ...
 # a sever waits for what its sockets still send (see _flush) while the queue moves, at most this long
 # without moving and this long in all
 FLUSH_STALL_S = 0.1
@@ -97,6 +99,30 @@ def base_name(name: str) -> str:
     this module did not give (a user's ``new_group``) is its own base."""
     head, sep, tail = name.rpartition("_g")
     return head if sep and tail.isdigit() else name
+
+
+def user_base(ordinal: int) -> str:
+    """The base name of the ``ordinal``-th group the job's code made after ``start_session``
+    (``user0``, ``user1``, ...: the same on every rank, and for a replacement's script that
+    makes its groups in the same order, :mod:`.usergroups`)."""
+    return f"{USER_BASE}{ordinal}"
+
+
+def user_ordinal(base: str) -> int | None:
+    """The creation ordinal in a user group's base name (None for any other group)."""
+    head, tail = base[:len(USER_BASE)], base[len(USER_BASE):]
+    return int(tail) if head == USER_BASE and tail.isdigit() else None
+
+
+def build_order(groups: Iterable[str], first: Iterable[str]) -> list[str]:
+    """The order every member builds a generation's groups in: ``first`` (the session's groups,
+    in the order ``start_session`` builds them), then the user's groups in creation order, then
+    any other by name. A replacement builds its groups in this order too (its session's at
+    start-up, then the user's it is a member of), so no member of a group waits in another
+    group's building while the group's other members wait in this one's."""
+    names, lead = set(groups), [b for b in first]
+    rest = sorted((b for b in names if b not in lead), key=lambda b: (user_ordinal(b) is None, user_ordinal(b) or 0, b))
+    return [b for b in lead if b in names] + rest
 
 
 def store_prefix(run_id: str, generation: int, base: str = WORLD) -> str:
@@ -504,7 +530,7 @@ def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
     """A fresh data-path group for ``base`` in ``generation`` over the global ``ranks`` (default:
     every rank), under its own store namespace (``namespace`` appended: a standby's keys never
     meet a group built in the recovery), with the data-path timeout. Every member must call
-    it; members build their groups in one agreed order (sorted base names), so two groups
+    it; members build their groups in one agreed order (:func:`build_order`), so two groups
     never wait on each other. ``install=False`` leaves it out of c10d's world (a standby,
     installed when it is swapped in)."""
     ranks = tuple(range(spec.world_size)) if ranks is None else tuple(ranks)

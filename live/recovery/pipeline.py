@@ -41,7 +41,7 @@ from .generation import Generation
 from .heartbeat import Heartbeat, HeartbeatAlarm, recovering_key
 from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
-from .reshard import ExcisionRecord, Membership, carry_schedule, excise
+from .reshard import ExcisionRecord, LeftWithReplica, Membership, carry_schedule, excise
 from .session import Session, c10d_default, resume_barrier
 from .state import CommitMark, RngState, Schedule, StateCheck, load_job_state, restore_rng
 from .stepreset import Leftovers, reset_step_state
@@ -337,7 +337,8 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
     groups: Mapping[str, dist.ProcessGroup] = d.old_groups
     if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same objects, rebuilt in place
         try:
-            for base, pg in sorted(d.old_groups.items()):
+            for base in comm.build_order(d.old_groups, s.groups):
+                pg = d.old_groups[base]
                 ranks = comm.group_ranks(pg)
                 pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.generation, base), s.store),
                                ranks.index(s.rank), len(ranks))
@@ -346,8 +347,9 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
     if standby_groups is not None:
         groups = standby_groups
     elif action is not CommunicatorAction.RECONFIGURE:
-        groups = {base: comm.build_group(s.spec, s.store, decision.generation, base, comm.group_ranks(pg))
-                  for base, pg in sorted(d.old_groups.items())}
+        # in the order a replacement builds them: its session's at start-up, then the user's (comm.build_order)
+        groups = {base: comm.build_group(s.spec, s.store, decision.generation, base, comm.group_ranks(d.old_groups[base]))
+                  for base in comm.build_order(d.old_groups, s.groups)}
     s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
            generation=decision.generation, backend=s.spec.backend, groups=len(groups), note=note, standby=standby)
     d.clock.lap("rebuild")
@@ -492,15 +494,24 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
         s.peer_server.forget(src)
     if rt.peers is not None:
         rt.peers.release_own()
+    shape = tuple(getattr(s.mesh, "shape", ()) or ())  # a 2-D (HSDP) mesh is excised by whole replicas
     with s.sever_lock:  # a late sever by the heartbeat never reaches the smaller world's new group
-        # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named): the caller's to report
-        out = excise(rt.state(), held, Membership(s.world_size, s.members), decision.lost, step=decision.step,
-                     spec=s.spec, store=s.store, generation=decision.generation, build=rt.build,
-                     old_group=s.group, min_ranks=rt.min_ranks,
-                     checkpoint_dir=str(rt.ckpt.directory) if rt.ckpt is not None else None)
+        # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named), and on a rank
+        # of a replica that leaves LeftWithReplica: the caller's to report
+        try:
+            out = excise(rt.state(), held, Membership(s.world_size, s.members), decision.lost, step=decision.step,
+                         spec=s.spec, store=s.store, generation=decision.generation, build=rt.build,
+                         old_group=s.group, min_ranks=rt.min_ranks,
+                         checkpoint_dir=str(rt.ckpt.directory) if rt.ckpt is not None else None,
+                         shape=shape, names=s.mesh_names if len(shape) > 1 else None)
+        except LeftWithReplica as exc:  # this rank builds no group: it leaves, the other replicas go on
+            s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, generation=decision.generation, groups=0, world=0,
+                   left_with_replica=str(exc))
+            raise
         rec = out.record
         s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
-               generation=decision.generation, backend=s.spec.backend, groups=1, world=rec.new_world)
+               generation=decision.generation, backend=s.spec.backend, groups=len(out.groups), world=rec.new_world,
+               mesh=list(out.shape))
         rt.replace_model(out.model, out.optimizer, decision.step)
         if rt.heartbeat is not None:  # a model built anew warms up again: no stall bound from the old one's steps
             rt.heartbeat.warm_up_again()
@@ -509,7 +520,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
         rt.adopt_departed(out.departed)  # the lost ranks' registered objects (data positions) continue here
         for old in d.old_groups.values():
             retire(rt, old, None)
-        s.advance(Generation(decision.generation, out.spec, {comm.WORLD: out.group}, out.mesh,
+        s.advance(Generation(decision.generation, out.spec, dict(out.groups), out.mesh,
                              out.membership.alive, f"world{out.membership.world}-from-step{decision.step}"))
     rt.meshes = weakref.WeakSet([out.mesh])
     s.emit(EventKind.RELOADED, Stage.STATE, seconds=d.reset_s + rec.gather_s + rec.rebuild_s,

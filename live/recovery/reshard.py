@@ -47,9 +47,14 @@ the provider of each lost rank's copy writes that copy, as one complete checkpoi
 world before the excision (:class:`~meshpact.live.recovery.checkpoint.Checkpointer`
 layout, a file per group rank), and :class:`ExcisionRefused` says so in one line.
 
-Only a 1-D FSDP2 mesh is re-sharded (every parameter a ``Shard(0)`` DTensor); anything else
-is refused by name. Buffers and learning-rate schedulers are not in a rank's local state
-and come back as ``build`` makes them.
+Only a 1-D FSDP2 mesh is re-sharded (every parameter a ``Shard(0)`` DTensor). An HSDP mesh
+(2-D: ``replicate`` x ``shard``, dimension 0 the replicas) is not re-sharded at all: every
+replica holds the whole state, so a lost rank takes its whole replica out of the job
+(:func:`replica_of`; its other ranks leave, :class:`LeftWithReplica`) and the other replicas
+go on as they are, each shard group its size, the mesh one replica shorter: the survivors
+build the smaller mesh's groups, ``build(mesh)`` on it, and load their own shards unmoved.
+Anything else is refused by name. Buffers and learning-rate schedulers are not in a rank's
+local state and come back as ``build`` makes them.
 
 The excising reference a trial compares against (:mod:`meshpact.live.trials.drills`) runs
 these same functions with no fault.
@@ -73,7 +78,8 @@ from .checkpoint import Checkpointer
 from .state import (SCHEDULE_KEY, capture_rng, load_buffers, load_local_state, restore_objects, restore_rng,
                     saved_objects, shard_rows)
 
-__all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "BatchShare",
+__all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "LeftWithReplica",
+           "replica_of", "BatchShare",
            "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise", "plan_rounds",
            "release_shards",
            "adopt_objects", "max_abs_diff"]
@@ -92,6 +98,21 @@ class ExcisionRefused(ExcisionError):
     def __init__(self, message: str, checkpoint: str) -> None:
         super().__init__(message)
         self.checkpoint = checkpoint
+
+
+class LeftWithReplica(ExcisionError):
+    """This rank is alive but its HSDP replica lost a rank: it leaves the job with its replica,
+    and the other replicas go on (raised on this rank only; nothing is wrong with the job)."""
+
+
+def replica_of(shape: Sequence[int], ranks: Sequence[int]) -> tuple[int, ...]:
+    """Every rank (group ranks of a mesh of ``shape``, dimension 0 the replicas) in a replica
+    that holds one of ``ranks``, sorted: what an HSDP excision of ``ranks`` takes out."""
+    size = 1
+    for n in shape[1:]:
+        size *= int(n)
+    replicas = sorted({int(r) // size for r in ranks})
+    return tuple(q for i in replicas for q in range(i * size, (i + 1) * size))
 
 
 # -- who is in the job -----------------------------------------------------------------------
@@ -204,6 +225,9 @@ class Excised:
     spec: comm.GroupSpec  # this rank in the smaller world (rank = its group rank)
     membership: Membership
     record: ExcisionRecord
+    # every group of the smaller world by base name (the world group and, on an HSDP mesh, each dimension's)
+    groups: Mapping[str, dist.ProcessGroup] = field(default_factory=dict)
+    shape: tuple[int, ...] = ()  # the smaller world's mesh
     # each lost rank's committed schedule (its registered objects: a data loader's position), on
     # every survivor: the survivors draw the lost ranks' samples from those objects from now on
     departed: Mapping[int, torch.Tensor] = field(default_factory=dict)
@@ -453,16 +477,23 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
 
 
 def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]], mesh: Any,
-             shards: dict[str, torch.Tensor], whole: Mapping[str, tuple[int, ...]]) -> tuple[torch.nn.Module,
-                                                                                      torch.optim.Optimizer]:
+             shards: dict[str, torch.Tensor], whole: Mapping[str, tuple[int, ...]],
+             unmoved: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The smaller world's model and optimizer from ``build``, loaded from ``shards``, which
-    are given away: the dict is empty after, and no shard is held twice while loading."""
+    are given away: the dict is empty after, and no shard is held twice while loading.
+    ``unmoved``: an HSDP excision's shards, each parameter's local shard as it was (checked)."""
     from torch.distributed.tensor import DTensor, Shard
 
     rng = capture_rng()
     model, optimizer = build(mesh)
     restore_rng(rng)
     for name, p in model.named_parameters():
+        if unmoved:
+            local = tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
+            if local != tuple(shards[f"param/{name}"].shape):
+                raise ExcisionError(f"parameter {name}: the smaller mesh's shard has shape {local}, this rank held "
+                                    f"{tuple(shards[f'param/{name}'].shape)}; an HSDP excision keeps every shard as it is")
+            continue
         if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
             raise ExcisionError(f"parameter {name} is {type(p).__name__} placed {getattr(p, 'placements', None)}; "
                                 "excision re-shards only a 1-D FSDP2 mesh (every parameter Shard(0))")
@@ -516,7 +547,7 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
            lost: Sequence[int], *, step: int, spec: comm.GroupSpec, store: Any, generation: int,
            build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]],
            old_group: dist.ProcessGroup | None = None, min_ranks: int = 1,
-           checkpoint_dir: str | None = None) -> Excised:
+           checkpoint_dir: str | None = None, shape: tuple[int, ...] = (), names: tuple[str, ...] | None = None) -> Excised:
     """Every survivor calls this with its own committed state (``local_state``; other keys such
     as generators are kept out of the exchange; its parameters' and optimizer state's memory is
     freed once the new shards hold them, before the new model is built, :func:`release_shards`) and the copies it holds of other ranks, keyed
@@ -526,7 +557,16 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
     new group's generation (fresh store namespace). Returns the smaller world's model and
     optimizer; raises :class:`ExcisionRefused` below ``min_ranks`` (after the flush) and
     :class:`ExcisionError` when a lost rank's state is held by no survivor or the states are
-    not of one committed step (the optimizer's replicated ``step`` disagrees)."""
+    not of one committed step (the optimizer's replicated ``step`` disagrees). ``shape`` (and
+    ``names``): the job's mesh; a 2-D one is HSDP's, excised by whole replicas
+    (:func:`_excise_replicas`)."""
+    if len(shape) == 2:
+        return _excise_replicas(own, before, lost, step=step, spec=spec, store=store, generation=generation,
+                                build=build, min_ranks=min_ranks, checkpoint_dir=checkpoint_dir, shape=shape,
+                                names=names)
+    if len(shape) > 2:
+        raise ExcisionError(f"excision re-shards a 1-D FSDP mesh or drops replicas of a 2-D HSDP one; this job's "
+                            f"mesh is {list(shape)}")
     after = before.without(lost)
     me = spec.rank
     if before.alive[me] in lost:
@@ -577,7 +617,58 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
     rebuild_s = time.perf_counter() - t0
     record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,
                             gather_s, rebuild_s)
-    return Excised(model, optimizer, group, mesh, new_spec, after, record, departed)
+    return Excised(model, optimizer, group, mesh, new_spec, after, record, groups={comm.WORLD: group},
+                   shape=(after.world,), departed=departed)
+
+
+def _excise_replicas(own: Mapping[str, torch.Tensor], before: Membership, lost: Sequence[int], *, step: int,
+                     spec: comm.GroupSpec, store: Any, generation: int,
+                     build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]], min_ranks: int,
+                     checkpoint_dir: str | None, shape: tuple[int, ...], names: tuple[str, ...] | None) -> Excised:
+    """HSDP: the replicas holding a ``lost`` rank leave whole, the others go on with their own
+    shards unmoved, on a mesh one replica shorter per replica lost (module docstring). A rank
+    of a leaving replica gets :class:`LeftWithReplica`; the state of a replica is every
+    replica's, so no copy is needed and none is moved."""
+    from .session import build_groups, c10d_default, mesh_from_groups
+
+    if before.world != shape[0] * shape[1]:
+        raise ExcisionError(f"an HSDP mesh {list(shape)} needs {shape[0] * shape[1]} ranks, the job has {before.world}")
+    leaving = tuple(before.alive[q] for q in replica_of(shape, [before.group_rank(r) for r in lost]))
+    me = before.alive[spec.rank]
+    if me in lost:
+        raise ExcisionError(f"rank {me} is being excised and cannot take part in its own excision")
+    if me in leaving:
+        raise LeftWithReplica(f"rank {me} leaves the job with its replica {list(leaving)} (rank(s) {sorted(lost)} "
+                              f"lost): the HSDP job goes on on the other {shape[0] - len(leaving) // shape[1]} "
+                              "replica(s)")
+    after = before.without(leaving)
+    if after.world == 0:
+        raise ExcisionError(f"losing rank(s) {sorted(lost)} leaves no whole replica of the HSDP mesh {list(shape)}")
+    new_shape = (after.world // shape[1], shape[1])
+    new_spec = replace(spec, rank=after.group_rank(me), world_size=after.world)
+    t0 = time.perf_counter()
+    groups = build_groups(new_spec, store, generation, new_shape, names)
+    group = groups[comm.WORLD]
+    c10d_default(group)
+    communicator_s = time.perf_counter() - t0
+    if after.world < min_ranks:
+        if not checkpoint_dir:
+            raise ExcisionError(f"excising rank(s) {sorted(lost)} with their replica would leave {after.world} "
+                                f"rank(s), below --min-ranks {min_ranks}, and no checkpoint directory is set")
+        where = _flush(own, {}, after, new_spec.rank, step, checkpoint_dir, group)
+        raise ExcisionRefused(f"excising rank(s) {sorted(lost)} with their replica would leave {after.world} rank(s), "
+                              f"below --min-ranks {min_ranks}: stopped, the state of step {step} is flushed to "
+                              f"{where}", where)
+    t0 = time.perf_counter()
+    mesh = mesh_from_groups(groups, spec.device.split(":")[0], new_shape, names)
+    shards = {k: own[k] for k in sharded_keys(own)}
+    whole = {k: tuple(v.shape) for k, v in shards.items()}
+    model, optimizer = _rebuild(build, mesh, shards, whole, unmoved=True)
+    load_buffers(model, own)
+    rebuild_s = time.perf_counter() - t0
+    record = ExcisionRecord(step, leaving, before.world, after.world, CommunicatorAction.REBUILD, 0, communicator_s,
+                            0.0, rebuild_s)
+    return Excised(model, optimizer, group, mesh, new_spec, after, record, groups=groups, shape=new_shape)
 
 
 def adopt_objects(objects: dict[str, Any], departed: Mapping[int, torch.Tensor],

@@ -63,7 +63,7 @@ from .state import (CommitMark, StateCheck, capture_objects, capture_rng, captur
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
            "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "CarriedGradientsError", "refuse_stale",
-           "UnsafeLoopError", "LateSchedulerError"]
+           "UnsafeLoopError", "LateSchedulerError", "ModelParts", "model_of"]
 
 
 class StaleModelError(MeshpactError):
@@ -86,6 +86,37 @@ class LateSchedulerError(UnsafeLoopError):
     """An LR scheduler or gradient scaler was made after ``resilient()`` was entered: its state
     is in no commit, so a recovery would leave it where the failed attempt put it and a
     replacement would start it anew."""
+
+
+class ModelParts(torch.nn.ModuleList):
+    """A pipeline stage's model parts as one module for the runtime (``rt.model``): the state,
+    the commit mark, the peer copies and the checkpoints take every part's parameters, named
+    ``<part>.<name>``; ``rt.model[i]`` is part ``i``, the user's own object."""
+
+
+def model_of(model: torch.nn.Module | Sequence[torch.nn.Module]) -> torch.nn.Module:
+    """What the runtime keeps as the model: ``model`` itself, or a list of model parts (pipeline
+    parallel's stages on this rank) as :class:`ModelParts`; anything else is refused in one line
+    naming why."""
+    if isinstance(model, torch.nn.Module):
+        return model
+    if not isinstance(model, (list, tuple)):
+        raise TypeError(f"resilient() takes a torch.nn.Module or a list of model parts (torch.nn.Module each), "
+                        f"got {type(model).__name__}")
+    if not model:
+        raise ValueError("resilient() got an empty list of model parts: pass this rank's parts (at least one)")
+    for i, part in enumerate(model):
+        if not isinstance(part, torch.nn.Module):
+            raise TypeError(f"model part {i} is {type(part).__name__}, not a torch.nn.Module")
+    owner: dict[int, int] = {}
+    for i, part in enumerate(model):
+        for p in part.parameters():
+            j = owner.setdefault(id(p), i)
+            if j != i:
+                raise ValueError(f"model parts {j} and {i} share a parameter (the same part twice, one part inside "
+                                 "another, or tied weights across parts): each parameter must belong to one part, "
+                                 "or its state would be kept twice and restored once")
+    return ModelParts(model)
 
 # exceptions that are communication faults wherever they were raised
 COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistError, TimeoutError, ConnectionError)
@@ -163,7 +194,8 @@ class Resilient:
     steps' batches from it again. Without one, the batches since the second-newest
     checkpoint are kept in memory (a restarted process then cannot replay)."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: Session,
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer,
+                 session: Session,
                  injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
                  build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
                  on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1,
@@ -176,6 +208,11 @@ class Resilient:
         if on_rank_loss is Policy.EXCISE and state and state_of is None:
             raise ValueError(f"excising lost ranks with registered objects ({', '.join(sorted(state))}) needs "
                              "state_of=lambda rank: {...}: the survivors draw a lost rank's samples from its objects")
+        model = model_of(model)
+        if isinstance(model, ModelParts) and on_rank_loss is Policy.EXCISE:
+            raise ValueError("excising lost ranks re-shards one model's Shard(0) parameters over the survivors; "
+                             "model parts are pipeline stages (other layers on other ranks): use "
+                             "on_rank_loss=Policy.PEER_RESTORE with model parts")
         if not callable(getattr(optimizer, "register_step_pre_hook", None)):
             raise TypeError(f"resilient() needs a torch.optim.Optimizer (its step hook says when a step began), got "
                             f"{type(optimizer).__name__}")
@@ -613,9 +650,16 @@ class Resilient:
         if self.objects and self.state_of is None:
             return (f"the registered objects ({', '.join(sorted(self.objects))}) of a lost rank cannot be continued: "
                     "no state_of=lambda rank: {...} was given to resilient()")
+        if isinstance(self.model, ModelParts):
+            return "excision re-shards one model; this job's model is a list of parts (pipeline stages)"
         shape = tuple(getattr(self.session.mesh, "shape", ()) or ())
-        if len(shape) > 1:
-            return f"excision re-shards a 1-D FSDP mesh only; this job's mesh is {list(shape)}"
+        if len(shape) > 2:
+            return f"excision re-shards a 1-D FSDP mesh or drops replicas of a 2-D HSDP one; this job's mesh is {list(shape)}"
+        if len(shape) == 2 and self.objects:
+            return (f"an HSDP excision drops whole replicas, and their ranks' registered objects "
+                    f"({', '.join(sorted(self.objects))}) are not carried over: register none to excise replicas")
+        if len(shape) == 2 and shape[0] < 2:
+            return f"this job's HSDP mesh {list(shape)} has one replica left: losing a rank of it leaves none whole"
         return None
 
     def adopt_departed(self, departed: Mapping[int, torch.Tensor]) -> None:
@@ -703,14 +747,17 @@ class Resilient:
         return self._recover(Cause("drill: checkpoint restore in job", self.committed_step, drill=True))
 
 
-def resilient(model: torch.nn.Module, optimizer: torch.optim.Optimizer, session: Session,
+def resilient(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer, session: Session,
               injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
               build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
               on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1,
               state: Mapping[str, Any] | None = None,
               state_of: Callable[[int], Mapping[str, Any]] | None = None) -> Resilient:
     """``with resilient(model, optimizer, session, batches=source) as rt: rt.step(train_step, batch)``;
-    ``on_rank_loss=Policy.EXCISE`` with ``build(mesh)`` continues on the survivors of a lost rank.
+    ``model``: one module, or a list of this rank's model parts (pipeline parallel's stages),
+    kept as one :class:`ModelParts` (``rt.model``; a list the runtime cannot keep whole is refused
+    in one line). ``on_rank_loss=Policy.EXCISE`` with ``build(mesh)`` continues on the survivors
+    of a lost rank (one model, not parts).
     ``state={"data": loader, "ema": ema}``: objects with ``state_dict``/``load_state_dict``,
     committed with each step, in the peer copies and checkpoints, restored on every path.
     ``state_of(rank)``: any rank's objects (as ``state`` has this rank's), which an excision

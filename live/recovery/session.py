@@ -4,8 +4,11 @@
 rendezvous store and the control channel, builds the generation-0 data-path groups (the
 group over every rank and, for an N-D mesh, each dimension's groups) and the
 :class:`DeviceMesh` over them. A replacement process instead joins the recovery in
-progress: it takes part in consensus and builds the decided generation's groups. The
-session is returned, never kept in a module: pass it to
+progress: it takes part in consensus and builds the decided generation's groups, the
+session's and then those the job's code made after ``start_session`` (:mod:`.usergroups`:
+torch's group creation is routed through the session from then on, so a replacement's script
+is handed the groups built for it, matched by creation order). The session is returned, never
+kept in a module: pass it to
 :func:`~meshpact.live.recovery.runtime.resilient`.
 
 Every event of the rank goes through :meth:`Session.emit`, which keeps it, appends it to
@@ -48,6 +51,7 @@ from .control import ATTEMPT_KEY, ControlChannel
 from .control import join as join_control
 from . import jobkey
 from .generation import Generation
+from .usergroups import UserGroups, route_group_creation
 
 __all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "run_id_of", "attempt_scope", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
 
@@ -164,7 +168,7 @@ class Session:
 
     After :func:`start_session` returns, the session's fields are fixed but one: ``current``,
     which :meth:`advance` replaces when a recovery makes the next generation. The event log,
-    the standby and the socket lists are objects of their own that change inside."""
+    the standby, the socket lists and the user's groups are objects of their own that change inside."""
 
     _sealed = False
 
@@ -200,6 +204,8 @@ class Session:
         self.current: Generation | None = None
         # the job's secret (jobkey.load); None only where the user opted out by name
         self.job_key: jobkey.JobKey | None = None
+        # the groups the job's code makes after start_session, in creation order (matched by a replacement)
+        self.user_groups = UserGroups(lambda: (self.spec, self.store, self.control, self.generation))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._sealed:
@@ -549,13 +555,15 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         number = decision.generation
     t0 = time.perf_counter()
     groups = build_groups(spec, store, number, shape, names)
-    if incarnation > 0:
+    if incarnation > 0:  # then the user's groups, in the order the survivors rebuild them (comm.build_order)
+        made = session.user_groups.prebuild(spec, store, control, number)
         session.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0,
-                     action=CommunicatorAction.REBUILD.value, generation=number)
+                     action=CommunicatorAction.REBUILD.value, generation=number, user_groups=made)
     c10d_default(groups[comm.WORLD])  # the mesh asks c10d's default group for this rank
     mesh = mesh_from_groups(groups, choice.device.split(":")[0], shape, names)
     session.advance(Generation(number, spec, groups, mesh, tuple(range(world))))
     session.remember_data_path()  # before any standby is built
+    route_group_creation(session.user_groups, spec.backend)  # the job's own groups, made from here on
     session.seal()
     return session
 

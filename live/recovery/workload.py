@@ -204,13 +204,16 @@ def load_workload(path: str | Path, ranks: int) -> Workload:
 
 
 def built(workload: Workload, mesh: Any) -> tuple[Any, Any]:
-    """``workload.build(mesh)``, checked: a ``torch.nn.Module`` and a ``torch.optim.Optimizer``."""
+    """``workload.build(mesh)``, checked: a ``torch.nn.Module`` (or a list of them: pipeline
+    parallel's model parts on this rank) and a ``torch.optim.Optimizer``."""
     import torch
 
     out = workload.build(mesh)
-    if (not isinstance(out, tuple) or len(out) != 2 or not isinstance(out[0], torch.nn.Module)
+    model = out[0] if isinstance(out, tuple) and out else None
+    parts = model if isinstance(model, list) and model else [model]
+    if (not isinstance(out, tuple) or len(out) != 2 or not all(isinstance(m, torch.nn.Module) for m in parts)
             or not isinstance(out[1], torch.optim.Optimizer)):
         got = type(out).__name__ if not isinstance(out, tuple) else f"({', '.join(type(x).__name__ for x in out)})"
         raise WorkloadError(f"{workload.path}: build(mesh) returned {got}; expected (model, optimizer): a "
-                            "torch.nn.Module and a torch.optim.Optimizer")
+                            "torch.nn.Module (or a list of model parts) and a torch.optim.Optimizer")
     return out

@@ -19,7 +19,7 @@ from meshpact.core.jsonform import JsonObject
 
 from ..recovery.checkpoint import state_bytes
 from ..recovery.reshard import (ExcisionRefused, GradientWeight, Membership, adopt_objects, carry_schedule, excise,
-                                share_batch)
+                                replica_of, share_batch)
 
 @dataclass(frozen=True)
 class _Plan:
@@ -88,7 +88,8 @@ def excision_drill(args: JsonObject) -> JsonObject:
     world = int(os.environ["WORLD_SIZE"])
     workload = load_workload(args["workload"], world)
     config = RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)), vendor="cpu")
-    session = start_session(config)
+    session = start_session(config, workload.mesh.shape, workload.mesh.names)
+    shape = tuple(workload.mesh.shape)  # a 2-D (HSDP) mesh loses whole replicas: one shorter per replica lost
     me = session.rank
     plans = sorted((_Plan(int(p["step"]), int(p["rank"])) for p in args.get("excisions", ())), key=lambda p: p.step)
     victims = {p.rank for p in plans}
@@ -110,7 +111,9 @@ def excision_drill(args: JsonObject) -> JsonObject:
     refused: JsonObject = {}
     for step in range(int(args["steps"])):
         due = [p for p in plans if p.step == step]
-        if due and me == due[0].rank:
+        leaving = ({membership.alive[q] for q in replica_of(shape, [membership.group_rank(due[0].rank)])}
+                   if due and len(shape) == 2 else {due[0].rank} if due else set())
+        if me in leaving:
             # hands over its copy (already published) and leaves; keeps its state to compare
             torch.save(state_now(), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
             return {"rank": me, "left_at": step}
@@ -129,12 +132,14 @@ def excision_drill(args: JsonObject) -> JsonObject:
                 out = excise(state_now(), held, membership, [lost], step=step, spec=spec,
                              store=session.store, generation=generation, old_group=group,
                              build=lambda mesh: built(workload, mesh), min_ranks=int(args.get("min_ranks", 1)),
-                             checkpoint_dir=args.get("checkpoint_dir"))
+                             checkpoint_dir=args.get("checkpoint_dir"), shape=shape,
+                             names=workload.mesh.names if len(shape) == 2 else None)
             except ExcisionRefused as exc:
                 refused = {"refused": str(exc), "checkpoint": exc.checkpoint, "step": step}
                 break
             weight.remove()
             model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
+            shape = out.shape
             schedulers = carry_schedule(committed, optimizer)
             if objects:  # the lost rank's objects continue here, from its copy's positions
                 adopt_objects(objects, out.departed, workload.state)

@@ -97,6 +97,7 @@ class RankOutcome:
     excisions: tuple[ExcisionRecord, ...] = ()  # every excision this rank took part in
     excision_refused: str | None = None  # the one-line stop below --min-ranks
     flushed_checkpoint: str | None = None  # ... and where the state went
+    left_with_replica: str | None = None  # the one line of a rank that left with its HSDP replica (not a survivor)
 
     def to_dict(self) -> JsonObject:
         out = asdict(self)
@@ -122,4 +123,5 @@ class RankOutcome:
             peer=PeerCopyReport(**d["peer"]) if d.get("peer") else None,
             alive=tuple(int(r) for r in d.get("alive", ())),
             excisions=tuple(ExcisionRecord.from_dict(e) for e in d.get("excisions", ())),
-            excision_refused=d.get("excision_refused"), flushed_checkpoint=d.get("flushed_checkpoint"))
+            excision_refused=d.get("excision_refused"), flushed_checkpoint=d.get("flushed_checkpoint"),
+            left_with_replica=d.get("left_with_replica"))

@@ -45,7 +45,8 @@ def compiled_regions(run: Any) -> int:
 
 
 def _has_compiled(model: Any) -> bool:
-    return any(type(m).__name__ == "OptimizedModule" for m in model.modules())
+    parts = model if isinstance(model, list) else [model]  # a list of model parts (pipeline parallel)
+    return any(type(m).__name__ == "OptimizedModule" for part in parts for m in part.modules())
 
 
 def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s: float, emit: Any,
@@ -137,9 +138,10 @@ def worker(args: JsonObject) -> JsonObject:
     paced, last_start = Pace.read(work) is not None, 0.0
     from meshpact.core.recovery import Policy
 
-    from ..recovery.reshard import ExcisionRefused
+    from ..recovery.reshard import ExcisionRefused, LeftWithReplica
 
     refused: ExcisionRefused | None = None
+    left: LeftWithReplica | None = None  # this rank's HSDP replica was excised: it left the job
     with resilient(model, optimizer, session, injector, batches, on_rank_loss=Policy(args.get(
             "on_rank_loss", Policy.PEER_RESTORE.value)), min_ranks=int(args.get("min_ranks", 1)),
             build=lambda mesh: built(workload, mesh),
@@ -169,6 +171,9 @@ def worker(args: JsonObject) -> JsonObject:
             except ExcisionRefused as exc:  # below --min-ranks: stopped, the state flushed to a checkpoint
                 refused = exc
                 continue
+            except LeftWithReplica as exc:  # its replica lost a rank: the other replicas go on without it
+                left = exc
+                break
             except UnsafeLoopError as exc:  # the workload's loop, refused at the commit that found it: one line
                 return RankOutcome(rank, workload_error=str(exc)).to_dict()
             step_s.append(time.perf_counter() - t0)
@@ -178,7 +183,7 @@ def worker(args: JsonObject) -> JsonObject:
                              group=world.group_name, seq=comm.sequence_number(comm.backend_of(world, session.spec.device)),
                              seconds=step_s[-1])
         t_caught_up = time.time()
-        if args.get("drill") and refused is None:
+        if args.get("drill") and refused is None and left is None:
             t0 = time.time()
             decision = rt.drill_checkpoint_restore()
             drill = Drill(t0, time.time(), decision.step, rt.recoveries[-1].lost_steps)
@@ -209,5 +214,6 @@ def worker(args: JsonObject) -> JsonObject:
             peer=PeerCopyReport(**asdict(rt.peers.counters)) if rt.peers is not None else None,
             alive=session.members if session.excised else (), excisions=tuple(rt.excisions),
             excision_refused=str(refused) if refused is not None else None,
-            flushed_checkpoint=refused.checkpoint if refused is not None else None)
+            flushed_checkpoint=refused.checkpoint if refused is not None else None,
+            left_with_replica=str(left) if left is not None else None)
     return outcome.to_dict()

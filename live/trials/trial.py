@@ -249,9 +249,9 @@ def run_trial(cfg: TrialConfig, recording_path: str | os.PathLike[str] | None = 
     in it is not a real one).
     """
     checked = check_workload(cfg.workload, cfg.ranks)  # one clear line before any rank starts
-    if cfg.on_rank_loss == "excise" and len(checked.mesh.shape) > 1:
-        raise WorkloadError(f"{checked.path}: --on-rank-loss excise re-shards a 1-D FSDP mesh only; this workload's "
-                            f"MESH is {list(checked.mesh.shape)} (use --on-rank-loss replace)")
+    if cfg.on_rank_loss == "excise" and len(checked.mesh.shape) > 2:
+        raise WorkloadError(f"{checked.path}: --on-rank-loss excise re-shards a 1-D FSDP mesh or drops replicas of a "
+                            f"2-D HSDP one; this workload's MESH is {list(checked.mesh.shape)} (use --on-rank-loss replace)")
     workload = checked.path
     supply = ReplacementSupply(replacements, announce_missing)
     if work_dir is not None or recording_path is None:
@@ -339,6 +339,7 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                                             {"drill": cfg.baselines and not cfg.excising and not same_loss,
                                              "spares": cfg.spare_ranks},
                                             netns, stores, rec, warm, supply, warm_replacements)
+            faulted = [o for o in faulted if o.left_with_replica is None]  # ranks that left with their HSDP replica
             excision = None
             plan = _excisions_of(read_rank_events(work / "faulted"))
             if cfg.excising or plan:  # the same ranks leave at the same steps, with no fault: the excising reference

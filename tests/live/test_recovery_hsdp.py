@@ -90,3 +90,33 @@ def test_llama_hsdp_a_kill_in_either_replicate_group_leaves_the_other_group_its_
         if ev.event == EventKind.RETAINED and "checkpoint_step" in ev.data:
             kept.setdefault(ev.data["checkpoint_step"], set()).add(ev.rank)
     assert kept == {1: {1, 2, 3}, 2: {0, 2, 3}, 3: {0, 1, 3}}, kept
+
+
+def test_llama_hsdp_losing_a_rank_goes_on_on_the_other_replica_bit_identical_to_the_excising_reference():
+    """A kill with no replacement: the killed rank's replica leaves whole (its other rank too),
+    the other replica goes on with its shards unmoved on a 1 x 2 mesh (the shard group keeps
+    its size), the same global batch shared over it, equal bit for bit to the excising
+    reference (no fault, the same replica leaving at the same step, the same smaller world)."""
+    result = trial(faults=1, fault_kind="kill", peer_copies=1, on_rank_loss="excise", **_RUN)  # _RUN's reference
+    s = result.summary()
+    assert s["bit_identical"], (s["mismatches"], recoveries_told(result))
+    exc = s["excision"]
+    assert exc["equal_to_excising_reference"] and exc["refused"] is None, exc
+    assert s["policy_counts"]["excise"] == 1 and s["faults_recovered"] == 1 and s["storage_bytes_read"] == 0
+    killed = result.faults[0].rank
+    replica = {2 * (killed // 2), 2 * (killed // 2) + 1}
+    assert sorted(o.rank for o in result.faulted) == sorted(set(range(4)) - replica)
+    assert s["final_world_size"] == 2
+    for o in result.faulted:
+        (rec,) = o.excisions
+        assert set(rec.lost) == replica and (rec.old_world, rec.new_world) == (4, 2) and rec.bytes_moved == 0, rec
+        bases = {g.rsplit("_g", 1)[0] for g in o.current_groups}
+        # the smaller world's own mesh: one replica of the same two-rank shard group
+        assert bases == {"meshpact_data", "meshpact_replicate_0", "meshpact_replicate_1", "meshpact_shard_0-1"} - \
+            {f"meshpact_replicate_{1 - o.alive.index(o.rank)}"}, o.current_groups
+    # the rank that lived through it left with its replica, and said why in one line
+    (partner,) = replica - {killed}
+    left = [e.data["left_with_replica"] for e in result.events()
+            if e.event == EventKind.REBUILT and "left_with_replica" in e.data]
+    assert left == [f"rank {partner} leaves the job with its replica {sorted(replica)} (rank(s) [{killed}] lost): the "
+                    "HSDP job goes on on the other 1 replica(s)"], left
