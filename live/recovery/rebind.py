@@ -58,7 +58,8 @@ from .communicator import base_name
 
 __all__ = ["SITES", "Site", "RebindReport", "rebind", "rebind_all", "find_references", "fsdp_states", "meshes_of",
            "default_roots", "python_bindings", "held_in_frames", "TORCH_IMPORT_DEFAULTS", "ModuleScan",
-           "ObjectScan", "ObjectWalk", "walk_objects", "UnreachableGroupWarning", "module_groups"]
+           "ObjectScan", "ObjectWalk", "walk_objects", "UnreachableGroupWarning", "module_groups",
+           "function_key"]
 
 _WORLD_MAPS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
                "pg_coalesce_state")
@@ -585,6 +586,20 @@ def _filled(cell: Any) -> bool:
     except ValueError:
         return False
     return True
+
+
+def function_key(fn: Callable[..., Any] | None) -> tuple[int, ...]:
+    """What a step function reaches, for telling whether an object walk from it is current: its code
+    and the objects its closure, defaults and ``self`` hold. A loop that passes a new lambda each
+    step (``rt.step(lambda b: train_step(model, b), batch)``) reaches the same objects each time."""
+    if fn is None:
+        return ()
+    target = getattr(fn, "__func__", fn)
+    code = getattr(target, "__code__", None)
+    held = [c.cell_contents for c in (getattr(target, "__closure__", None) or ()) if _filled(c)]
+    held += list(getattr(target, "__defaults__", None) or ())
+    return (id(code) if code is not None else id(target), id(getattr(fn, "__self__", None)),
+            *(id(x) for x in held if type(x) not in _ATOMS))
 
 
 class ObjectScan:

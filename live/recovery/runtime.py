@@ -56,7 +56,7 @@ from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .pipeline import Cause, RecoveryRecord, RetiredGroup
-from .rebind import ModuleScan, meshes_of, module_groups as _groups_held
+from .rebind import ModuleScan, function_key, meshes_of, module_groups as _groups_held
 from .reshard import ExcisionRecord, GradientWeight, Membership, adopt_objects, share_batch
 from .session import RecoveryConfig, Session, start_barrier
 from .state import (CommitMark, StateCheck, capture_objects, capture_rng, capture_schedule, check_stateful, job_state, load_buffers,
@@ -337,7 +337,8 @@ class Resilient:
         function. A group c10d knows that nothing rebinding reads holds is warned of once (and
         logged). Returns those warnings."""
         groups = {pg.group_name: pg for pg in list(c10d._world.pg_map)}
-        key = (tuple(sorted(groups)), id(self.model), id(self.train_step_fn), tuple(id(o) for o in self.objects.values()))
+        key = (tuple(sorted(groups)), id(self.model), function_key(self.train_step_fn),
+               tuple(id(o) for o in self.objects.values()))
 
         def roots() -> list[tuple[str, Any]]:
             own, _ = self.scan.modules()

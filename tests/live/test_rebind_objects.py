@@ -170,3 +170,17 @@ def test_a_group_no_place_reaches_is_warned_once_with_where_it_was_last_seen(use
         assert scan.objects.refresh(4, lambda: [], lambda: ({"mesh_pg_g0": never}, {"mesh_pg_g0"})) == []
     finally:
         del argparse._meshpact_test_reducer
+
+
+def test_a_new_lambda_each_step_over_the_same_objects_keeps_the_walk_current():
+    from meshpact.live.recovery.rebind import function_key
+
+    reducer, other = MetricsReducer.__new__(MetricsReducer), MetricsReducer.__new__(MetricsReducer)
+    keys = {function_key(lambda batch, step=step: (reducer, batch, step)) for step in range(5)}
+    assert len(keys) == 1  # the loop's usual rt.step(lambda b: ..., batch): no walk per step
+
+    def step_over(holder):
+        return lambda batch: (holder, batch)
+
+    assert function_key(step_over(reducer)) == function_key(step_over(reducer))
+    assert function_key(step_over(other)) != function_key(step_over(reducer))  # another object: walk again

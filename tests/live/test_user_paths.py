@@ -22,6 +22,8 @@ from meshpact.live.recovery.faults import CollectiveFault, _RaiseOnCollective
 from meshpact.live.recovery.runtime import GuardedBlockLost, resilient
 from meshpact.live.recovery.session import Session, start_session
 
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
 
 class Echo:
     """A loopback echo server on a thread of its own, and connections to it."""
