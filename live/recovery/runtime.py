@@ -334,8 +334,9 @@ class Resilient:
         """Walk the job's objects for attributes holding a group (:class:`~.rebind.ObjectScan`),
         where a group was made or dropped or a root changed since the last walk: from the job's
         module globals, the model's modules, the objects registered with ``state=`` and the step
-        function. A group c10d knows that nothing rebinding reads holds is warned of once (and
-        logged). Returns those warnings."""
+        function (at each commit, and before a step whose function reaches other objects: a few
+        microseconds when nothing changed). Once the step function is known, a group c10d knows
+        that nothing rebinding reads holds is warned of once (and logged). Returns those warnings."""
         groups = {pg.group_name: pg for pg in list(c10d._world.pg_map)}
         key = (tuple(sorted(groups)), id(self.model), function_key(self.train_step_fn),
                tuple(id(o) for o in self.objects.values()))
@@ -350,6 +351,8 @@ class Resilient:
             return out
 
         def known() -> tuple[dict[str, Any], set[str]]:
+            if self.train_step_fn is None:  # before the first step: what the step reaches is not known yet
+                return {}, set()
             own = {pg.group_name for pg in self.session.groups.values()}
             retired = {r.name for r in self.retired}
             reached = {slot_group.group_name for slot_group in _groups_held(self.scan)}
@@ -419,6 +422,7 @@ class Resilient:
         """Run one training step; on a communication fault recover and run it again."""
         step = self.committed_step
         self.train_step_fn = train_step
+        self.refresh_objects()  # a step function reaching other objects: walked now, before a fault can need it
         if self._first_step:
             self._find_late_schedules()
         # the registered objects as this step found them: a data loader has drawn the batch in hand
