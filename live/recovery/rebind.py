@@ -505,8 +505,9 @@ def _slot_attr(obj: Any, name: str, path: str) -> _Slot:
 def walk_objects(roots: Iterable[tuple[str, Any]], is_group: Callable[[Any], bool] | None = None,
                  most: int = _MAX_OBJECTS) -> ObjectWalk:
     """Every attribute (``__dict__`` entry or ``__slots__`` member) of an object reachable from
-    ``roots`` that is, or holds in a list, tuple, dict or set, a process group, as slots rebinding
-    reads and writes. Followed, as deep as they go: containers, functions (closure cells and
+    ``roots``, and every closure cell and defaults tuple of a function of the job's reachable so,
+    that is, or holds in a list, tuple, dict or set, a process group, as slots rebinding reads
+    and writes. Followed, as deep as they go: containers, functions (closure cells and
     defaults), bound methods, ``functools.partial`` and instances of the job's own classes; an
     installed library's instance (a ``torch.nn.Linear``, a ``PipelineStage``) is read one level
     and not followed, nor is a tensor. Bounded: each object once, ``most`` objects in all."""
@@ -545,9 +546,19 @@ def walk_objects(roots: Iterable[tuple[str, Any]], is_group: Callable[[Any], boo
             continue
         if t is types.FunctionType:
             if _user_file(obj.__code__.co_filename):
-                stack.extend((f"{path}.<closure {name}>", cell.cell_contents)
-                             for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ())
-                             if _filled(cell))
+                for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+                    if not _filled(cell):
+                        continue
+                    where = f"{path}.<closure {name}>"
+                    if _holds(cell.cell_contents, match):  # a reducer made as a closure over its group
+                        slots.append(_Slot(where, lambda c=cell: c.cell_contents,
+                                           lambda v, c=cell: setattr(c, "cell_contents", v)))
+                        note(cell.cell_contents, where)
+                    stack.append((where, cell.cell_contents))
+                if obj.__defaults__ and _holds(obj.__defaults__, match):
+                    slots.append(_Slot(f"{path}.__defaults__", lambda f=obj: f.__defaults__,
+                                       lambda v, f=obj: setattr(f, "__defaults__", v)))
+                    note(obj.__defaults__, f"{path}.__defaults__")
                 stack.extend((f"{path}.__defaults__[{i}]", x) for i, x in enumerate(obj.__defaults__ or ()))
             continue
         if isinstance(obj, functools.partial):

@@ -355,7 +355,7 @@ class Resilient:
                 return {}, set()
             own = {pg.group_name for pg in self.session.groups.values()}
             retired = {r.name for r in self.retired}
-            reached = {slot_group.group_name for slot_group in _groups_held(self.scan)}
+            reached = {g.group_name for g in _groups_held(self.scan, (self.train_step_fn,))}
             for mesh in [*self.meshes, *meshes_of(self.model)]:
                 reached.update(getattr(mesh, "_dim_group_names", None) or ())
             return {n: pg for n, pg in groups.items() if n not in own and n not in retired}, reached

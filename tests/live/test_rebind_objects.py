@@ -184,3 +184,26 @@ def test_a_new_lambda_each_step_over_the_same_objects_keeps_the_walk_current():
 
     assert function_key(step_over(reducer)) == function_key(step_over(reducer))
     assert function_key(step_over(other)) != function_key(step_over(reducer))  # another object: walk again
+
+
+def test_a_closure_over_a_group_kept_on_an_object_is_rebound_and_counts_as_reached(user_module):
+    old, new = _group("closure_pg_g0"), _group("closure_pg_g1")
+
+    def make_reduce(group):
+        def reduce(x, group_default=group):
+            return x, group
+        return reduce
+
+    holder = MetricsReducer(_group("other_pg_g0"))
+    holder.reduce = make_reduce(old)  # a reducer made as a closure, kept on an object
+    user_module.HOLDER = holder
+    scan = ModuleScan()
+    own, _ = scan.modules()
+    groups = {"closure_pg_g0": old}
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        scan.objects.refresh(1, lambda: list(own), lambda: (groups, set()))
+    assert not [w for w in got if issubclass(w.category, UnreachableGroupWarning)]
+    report = rebind_all([(old, new)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), scan=scan)
+    assert holder.reduce(1)[1] is new and holder.reduce.__defaults__[0] is new
+    assert report.counts["python.bindings"] == 2
