@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import sys
 import time
 import traceback
 import weakref
