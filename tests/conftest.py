@@ -23,6 +23,8 @@ LONGEST_FIRST = (
     "tests/live/test_recovery_stateful.py",  # 90-150 s: a loader through in-memory, peer restore and excision
     "tests/live/test_recovery_compile.py",  # 112 s: torch.compile on every rank, cold cache first
     "tests/live/test_recovery_kill.py",  # 110 s
+    "tests/live/test_recovery_user_paths.py",  # 80-130 s: a reference under torchrun, then a raised and a stalled
+    # collective under meshpact launch (the kill case too, once replacements join user groups)
     "tests/app/test_browser.py",  # 90 s: Chromium through every page, replay, scenario errors
     "tests/live/test_launch_spare.py",  # 45-110 s beside two busy loops: three namespace nodes, one a spare node
     "tests/live/test_launch_nodes.py",  # 120 s: two namespace nodes, each an elastic agent and its workers; node 0

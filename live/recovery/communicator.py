@@ -43,7 +43,7 @@ import torch.distributed.distributed_c10d as c10d
 from meshpact.core.recovery import CommunicatorAction
 
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
-           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "sever", "Severance", "timed_out", "SeveredSockets",
+           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "gloo_pairs", "opened_since", "sever", "Severance", "timed_out", "SeveredSockets",
            "group_ranks", "base_name", "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan",
            "group_plan", "set_data_timeout", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal",
            "USER_BASE", "user_base", "user_ordinal", "build_order"]
@@ -179,12 +179,49 @@ def socket_fds() -> dict[int, str]:
 SocketEnds = dict[str, tuple[bool, int, int]]  # socket:[inode] -> (listening, local port, remote port)
 
 
+def _nodelay(fd: int) -> bool:
+    """Whether ``TCP_NODELAY`` is set on descriptor ``fd``'s socket: gloo sets it on every pair it
+    connects or accepts (``gloo/transport/tcp``); a socket's default, and its listener's, is off."""
+    try:
+        with socket.socket(fileno=os.dup(fd)) as dup:
+            return bool(dup.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+    except OSError:
+        return False
+
+
+def opened_since(before: dict[int, str]) -> dict[int, str]:
+    """The socket descriptors open now that were not (or named another socket) in ``before``."""
+    return {fd: ino for fd, ino in socket_fds().items() if before.get(fd) != ino}
+
+
+def gloo_pairs(opened: dict[int, str], store_ports: tuple[int, ...] = ()) -> dict[int, str]:
+    """Of ``opened``, the sockets of gloo pairs: connected TCP sockets with ``TCP_NODELAY`` set
+    (as gloo sets it on each pair), neither end on a store port (a ``TCPStore`` connection, which
+    sets it too). ``opened`` are the sockets that appeared while the job's groups were built, so
+    what this keeps are those groups' pairs: a socket the user opened before or after, on this
+    thread or another, is not among them, unless another thread of the user's opened one with
+    ``TCP_NODELAY`` while a group was being built."""
+    out = {}
+    for fd, ino in opened.items():
+        ends = _tcp_ends(fd)
+        if ends is None:
+            continue
+        listening, local, remote = ends
+        if listening or not remote or local in store_ports or remote in store_ports or not _nodelay(fd):
+            continue
+        out[fd] = ino
+    return out
+
+
 def data_sockets(protected: dict[int, str], store_ports: tuple[int, ...] = (),
                  known: SocketEnds | None = None) -> dict[int, str]:
-    """The data path's connected TCP sockets: not listening (shutting down a gloo listener
-    makes its accept loop abort the process), not ``protected`` (taken before any data-path
-    group existed), and not talking to or serving a store port (the rendezvous store and
-    the control channel, whichever process hosts them).
+    """Where gloo connects its pairs lazily (``TORCH_GLOO_LAZY_INIT``, a pair's socket may appear
+    at any collective, so no build tells them): the connected TCP sockets with gloo's
+    ``TCP_NODELAY`` set, not listening (shutting down a gloo listener makes its accept loop abort
+    the process), not ``protected`` (taken before any data-path group existed), and not talking
+    to or serving a store port (the rendezvous store and the control channel, whichever process
+    hosts them). Otherwise the data path's sockets are those its groups opened as they were
+    built (:func:`gloo_pairs`).
 
     ``known`` keeps the ends of sockets already asked (a connected or listening socket's ends
     never change), so a recovery asks only of sockets that are new since the last call;
@@ -205,7 +242,7 @@ def data_sockets(protected: dict[int, str], store_ports: tuple[int, ...] = (),
             if known is not None and (ends[0] or ends[2]):
                 known[ino] = ends
         listening, local, remote = ends
-        if listening or not remote or local in store_ports or remote in store_ports:
+        if listening or not remote or local in store_ports or remote in store_ports or not _nodelay(fd):
             continue
         out[fd] = ino
     return out

@@ -348,8 +348,10 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
         groups = standby_groups
     elif action is not CommunicatorAction.RECONFIGURE:
         # in the order a replacement builds them: its session's at start-up, then the user's (comm.build_order)
+        before = comm.socket_fds()  # what gloo opens while building them is the new data path's
         groups = {base: comm.build_group(s.spec, s.store, decision.generation, base, comm.group_ranks(d.old_groups[base]))
                   for base in comm.build_order(d.old_groups, s.groups)}
+        s.data_path.record((pg.group_name for pg in groups.values()), comm.opened_since(before))
     s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
            generation=decision.generation, backend=s.spec.backend, groups=len(groups), note=note, standby=standby)
     d.clock.lap("rebuild")

@@ -54,8 +54,12 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .communicator import base_name
+
 __all__ = ["SITES", "Site", "RebindReport", "rebind", "rebind_all", "find_references", "fsdp_states", "meshes_of",
-           "default_roots", "python_bindings", "held_in_frames", "TORCH_IMPORT_DEFAULTS", "ModuleScan"]
+           "default_roots", "python_bindings", "held_in_frames", "TORCH_IMPORT_DEFAULTS", "ModuleScan",
+           "ObjectScan", "ObjectWalk", "walk_objects", "UnreachableGroupWarning", "module_groups",
+           "function_key"]
 
 _WORLD_MAPS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
                "pg_coalesce_state")
@@ -441,6 +445,221 @@ def _default_slots(fn: Any, path: str, out: list[_Slot], is_group: Callable[[Any
         _function_slots(fn, path, out, set(), is_group, depth=0)
 
 
+class UnreachableGroupWarning(UserWarning):
+    """A process group c10d knows that no place rebinding reads holds: after a recovery, whatever
+    holds it keeps the old, broken group."""
+
+
+_MAX_OBJECTS = 200_000  # objects one walk reads at most (a graph larger than this is cut, and said so)
+
+
+@dataclass(frozen=True)
+class ObjectWalk:
+    """What one walk of the job's objects found: the slots holding a group, where each group
+    (by name) was seen, and whether the walk stopped at :data:`_MAX_OBJECTS`."""
+
+    slots: tuple[_Slot, ...]
+    seen: dict[str, str]  # group name -> the first path that holds it
+    objects: int
+    cut: bool
+
+
+def _walked_type(t: type) -> bool:
+    """Instances of ``t`` are followed into their attributes: the job's own classes, and classes
+    made from one (``fully_shard`` gives a module the class ``FSDP<its class>``, made in torch). A
+    library's instances are read one level (a ``PipelineStage.group``) but not followed: their
+    internals hold no group of the job's but in the places :data:`SITES` know."""
+    return any(_user_type(c) for c in t.__mro__[:-1])
+
+
+def _groups_in(value: Any, match: Callable[[Any], bool]) -> list[Any]:
+    """The groups ``value`` is or holds (in containers, as :func:`_holds` looks)."""
+    found: list[Any] = []
+
+    def collect(x: Any) -> bool:
+        if match(x):
+            found.append(x)
+        return False
+
+    _holds(value, collect)
+    return found
+
+
+@functools.lru_cache(maxsize=4096)
+def _user_type(t: type) -> bool:
+    module = sys.modules.get(t.__module__)
+    path = getattr(module, "__file__", None)
+    if t.__module__ == "__main__" or (path is None and module is not None and t.__module__ != "builtins"):
+        return True
+    return bool(path) and not _library_path(path) and not _runtime_module(t.__module__)
+
+
+def _attr_slot(holder: dict[str, Any], key: str, path: str) -> _Slot:
+    return _Slot(path, lambda d=holder, k=key: d[k], lambda v, d=holder, k=key: d.__setitem__(k, v))
+
+
+def _slot_attr(obj: Any, name: str, path: str) -> _Slot:
+    return _Slot(path, lambda o=obj, n=name: getattr(o, n), lambda v, o=obj, n=name: object.__setattr__(o, n, v))
+
+
+def walk_objects(roots: Iterable[tuple[str, Any]], is_group: Callable[[Any], bool] | None = None,
+                 most: int = _MAX_OBJECTS) -> ObjectWalk:
+    """Every attribute (``__dict__`` entry or ``__slots__`` member) of an object reachable from
+    ``roots``, and every closure cell and defaults tuple of a function of the job's reachable so,
+    that is, or holds in a list, tuple, dict or set, a process group, as slots rebinding reads
+    and writes. Followed, as deep as they go: containers, functions (closure cells and
+    defaults), bound methods, ``functools.partial`` and instances of the job's own classes; an
+    installed library's instance (a ``torch.nn.Linear``, a ``PipelineStage``) is read one level
+    and not followed, nor is a tensor. Bounded: each object once, ``most`` objects in all."""
+    match = is_group or _group_matcher()
+    slots: list[_Slot] = []
+    seen_groups: dict[str, str] = {}
+    visited: set[int] = set()
+    stack: list[tuple[str, Any]] = list(roots)
+    stack.reverse()
+    cut = False
+
+    def note(value: Any, path: str) -> None:
+        for g in _groups_in(value, match):
+            seen_groups.setdefault(g.group_name, path)
+
+    while stack:
+        path, obj = stack.pop()
+        t = type(obj)
+        if t in _ATOMS or id(obj) in visited or isinstance(obj, (types.ModuleType, type, torch.Tensor)) or match(obj):
+            continue
+        if len(visited) >= most:
+            cut = True
+            break
+        visited.add(id(obj))
+        if isinstance(obj, (list, tuple, set, frozenset)) or t.__name__ == "deque":
+            if len(obj) <= _MAX_ITEMS:
+                stack.extend((f"{path}[{i}]", x) for i, x in enumerate(list(obj)))
+            continue
+        if isinstance(obj, dict):
+            if len(obj) <= _MAX_ITEMS:
+                stack.extend((f"{path}[{k!r}]", v) for k, v in list(obj.items()))
+            continue
+        if t is types.MethodType:
+            stack.append((f"{path}.__self__", obj.__self__))
+            stack.append((path, obj.__func__))
+            continue
+        if t is types.FunctionType:
+            if _user_file(obj.__code__.co_filename):
+                for name, cell in zip(obj.__code__.co_freevars, obj.__closure__ or ()):
+                    if not _filled(cell):
+                        continue
+                    where = f"{path}.<closure {name}>"
+                    if _holds(cell.cell_contents, match):  # a reducer made as a closure over its group
+                        slots.append(_Slot(where, lambda c=cell: c.cell_contents,
+                                           lambda v, c=cell: setattr(c, "cell_contents", v)))
+                        note(cell.cell_contents, where)
+                    stack.append((where, cell.cell_contents))
+                if obj.__defaults__ and _holds(obj.__defaults__, match):
+                    slots.append(_Slot(f"{path}.__defaults__", lambda f=obj: f.__defaults__,
+                                       lambda v, f=obj: setattr(f, "__defaults__", v)))
+                    note(obj.__defaults__, f"{path}.__defaults__")
+                stack.extend((f"{path}.__defaults__[{i}]", x) for i, x in enumerate(obj.__defaults__ or ()))
+            continue
+        if isinstance(obj, functools.partial):
+            stack.append((f"{path}.func", obj.func))
+            stack.extend((f"{path}.args[{i}]", x) for i, x in enumerate(obj.args))
+            stack.extend((f"{path}.keywords[{k!r}]", v) for k, v in obj.keywords.items())
+            continue
+        deeper = _walked_type(t)
+        d = getattr(obj, "__dict__", None)
+        if isinstance(d, dict):
+            for key, value in list(d.items()):
+                if type(value) in _ATOMS:
+                    continue
+                if _holds(value, match):
+                    slots.append(_attr_slot(d, key, f"{path}.{key}"))
+                    note(value, f"{path}.{key}")
+                if deeper:
+                    stack.append((f"{path}.{key}", value))
+        if deeper:
+            for cls in t.__mro__:
+                for name in getattr(cls, "__slots__", ()) or ():
+                    if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
+                        value = getattr(obj, name, None)
+                        if type(value) in _ATOMS:
+                            continue
+                        if _holds(value, match):
+                            slots.append(_slot_attr(obj, name, f"{path}.{name}"))
+                            note(value, f"{path}.{name}")
+                        stack.append((f"{path}.{name}", value))
+    return ObjectWalk(tuple(slots), seen_groups, len(visited), cut)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def function_key(fn: Callable[..., Any] | None) -> tuple[int, ...]:
+    """What a step function reaches, for telling whether an object walk from it is current: its code
+    and the objects its closure, defaults and ``self`` hold. A loop that passes a new lambda each
+    step (``rt.step(lambda b: train_step(model, b), batch)``) reaches the same objects each time."""
+    if fn is None:
+        return ()
+    target = getattr(fn, "__func__", fn)
+    code = getattr(target, "__code__", None)
+    held = [c.cell_contents for c in (getattr(target, "__closure__", None) or ()) if _filled(c)]
+    held += list(getattr(target, "__defaults__", None) or ())
+    return (id(code) if code is not None else id(target), id(getattr(fn, "__self__", None)),
+            *(id(x) for x in held if type(x) not in _ATOMS))
+
+
+class ObjectScan:
+    """The attributes of the job's objects that hold a group (:func:`walk_objects`), kept between
+    recoveries: a recovery reads and writes these slots and walks no object graph. The runtime
+    refreshes it at commits; it walks again only when what it walked from may have changed: a
+    group was made or dropped (c10d's groups), or the step function, the model or the registered
+    objects are other objects. Each walk also names, in one :class:`UnreachableGroupWarning` per
+    group, the groups c10d knows that nothing rebinding reads holds."""
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self.walks = 0
+        self.last_seen: dict[str, str] = {}  # base group name -> where a walk last found it
+        self.warned: set[str] = set()  # base names warned of (once each)
+        self.cut = False
+        self._key: Any = None
+
+    def refresh(self, key: Any, roots: Callable[[], list[tuple[str, Any]]],
+                known: Callable[[], tuple[dict[str, Any], set[str]]]) -> list[str]:
+        """Walk ``roots()`` again if ``key`` changed since the last walk. ``known()`` gives the
+        groups c10d knows (name -> group, the session's own left out) and the names reached by
+        the other sites (meshes, FSDP, module globals): those none reaches are warned of. Returns
+        the warnings made now."""
+        if key == self._key:
+            return []
+        walk = walk_objects(roots())
+        self.slots, self.cut, self._key = list(walk.slots), walk.cut, key
+        self.walks += 1
+        for name, path in walk.seen.items():
+            self.last_seen[base_name(name)] = path
+        groups, reached = known()
+        lines = []
+        for name, pg in sorted(groups.items()):
+            base = base_name(name)
+            if name in walk.seen or name in reached or base in self.warned:
+                continue
+            self.warned.add(base)
+            where = self.last_seen.get(base)
+            lines.append(f"process group {name!r} ({pg.size()} ranks) is held nowhere a recovery rebinds (module "
+                         "globals, closures, the model's modules, the objects registered with state=, the step "
+                         "function, and the attributes of the objects they reach): "
+                         + (f"last seen at {where}; " if where else "never seen there; ")
+                         + "whatever holds it keeps the old, broken group after a recovery")
+        for line in lines:
+            warnings.warn(line, UnreachableGroupWarning, stacklevel=2)
+        return lines
+
+
 class ModuleScan:
     """Which modules the ``python.bindings`` site reads: the job's own modules (every global,
     in depth, at each rebind) and the functions of :data:`TORCH_IMPORT_DEFAULTS` that have
@@ -455,6 +674,7 @@ class ModuleScan:
     another left ``sys.modules``."""
 
     def __init__(self) -> None:
+        self.objects = ObjectScan()  # the attributes of the job's objects that hold a group
         self._count = -1  # len(sys.modules) at the walk
         self.walks = 0  # how often sys.modules was walked (a test reads it)
         self._own: list[tuple[str, dict[str, Any]]] = []
@@ -534,7 +754,7 @@ def _rebuilt(value: Any) -> bool:
     return isinstance(value, tuple) or not isinstance(value, (list, dict, set, types.FunctionType))
 
 
-def _scan_python_slots(functions: Iterable[Callable[..., Any]], scan: ModuleScan) -> list[_Slot]:
+def _scan_python_slots(functions: Iterable[Callable[..., Any]], scan: ModuleScan, objects: bool = True) -> list[_Slot]:
     """The job's own modules (not installed packages) in depth, the defaults of
     :data:`TORCH_IMPORT_DEFAULTS`' functions and methods, and the step functions' closures."""
     out: list[_Slot] = []
@@ -561,7 +781,19 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]], scan: ModuleScan
         target = fn.__func__ if isinstance(fn, types.MethodType) else fn
         if isinstance(target, types.FunctionType):
             _function_slots(target, f"step function {i} ({target.__qualname__})", out, seen, is_group)
+    if objects:
+        out += scan.objects.slots  # attributes of the objects the job holds, found at a commit (ObjectScan)
     return out
+
+
+def module_groups(scan: "ModuleScan", functions: Iterable[Callable[..., Any]] = ()) -> list[Any]:
+    """The groups the job's module globals, module functions' defaults and closures and
+    ``functions``' closures hold (what the ``python.bindings`` site reads, the object slots apart)."""
+    match = _group_matcher()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        slots = _scan_python_slots(functions, scan, objects=False)
+    return [g for slot in slots for g in _groups_in(slot.get(), match)]
 
 
 def python_bindings(functions: Iterable[Callable[..., Any]] = ()) -> dict[str, object]:

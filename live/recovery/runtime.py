@@ -29,6 +29,7 @@ out of the garbage collector's scans, so no full collection falls inside a recov
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import traceback
@@ -36,14 +37,14 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from meshpact.core.recording import EventKind
-from meshpact.core.recovery import Policy
+from meshpact.core.recovery import Policy, Stage
 
 from meshpact.core.errors import MeshpactError
 
@@ -54,7 +55,7 @@ from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .pipeline import Cause, RecoveryRecord, RetiredGroup
-from .rebind import ModuleScan
+from .rebind import ModuleScan, function_key, meshes_of, module_groups as _groups_held
 from .reshard import ExcisionRecord, GradientWeight, Membership, adopt_objects, share_batch
 from .session import RecoveryConfig, Session, start_barrier
 from .state import (CommitMark, StateCheck, capture_objects, capture_rng, capture_schedule, check_stateful, job_state, load_buffers,
@@ -62,8 +63,11 @@ from .state import (CommitMark, StateCheck, capture_objects, capture_rng, captur
                     Chunk, global_chunks)
 
 __all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
-           "RetiredGroup", "COMM_FAULT_TYPES", "COMM_MODULES", "StaleModelError", "CarriedGradientsError", "refuse_stale",
-           "UnsafeLoopError", "LateSchedulerError", "ModelParts", "model_of"]
+           "RetiredGroup", "COMM_FAULT_TYPES", "RAISED_IN_COMM_TYPES", "COMM_MODULES", "GuardedBlockLost", "StaleModelError",
+           "CarriedGradientsError", "refuse_stale", "UnsafeLoopError", "LateSchedulerError", "ModelParts", "model_of"]
+
+
+T = TypeVar("T")
 
 
 class StaleModelError(MeshpactError):
@@ -80,6 +84,13 @@ class CarriedGradientsError(UnsafeLoopError):
     """A step left gradients for the next one without stepping the optimizer (gradients
     accumulated over several ``rt.step`` calls): a recovery would resume without them and
     train on part of the batch."""
+
+
+class GuardedBlockLost(MeshpactError):
+    """A collective between steps (:meth:`Resilient.run`, :meth:`Resilient.guard`) failed and the
+    job recovered, but the block cannot be run again on every rank: a rank was replaced (its new
+    process resumes at the next ``rt.step``, not inside the block) or the block was a ``with``
+    block. The block's result is lost on every rank alike; catch this to go on without it."""
 
 
 class LateSchedulerError(UnsafeLoopError):
@@ -118,28 +129,56 @@ def model_of(model: torch.nn.Module | Sequence[torch.nn.Module]) -> torch.nn.Mod
                                  "or its state would be kept twice and restored once")
     return ModelParts(model)
 
-# exceptions that are communication faults wherever they were raised
-COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistError, TimeoutError, ConnectionError)
-# backends raise a plain RuntimeError from a collective's wait: a fault when raised in these
+
+# exceptions that are communication faults wherever they were raised: torch's own distributed errors
+# (a backend's, the network's, the store's) and the injector's
+COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistError)
+# exceptions that are communication faults when raised in torch's communication code (a backend's plain
+# RuntimeError from a collective's wait); raised anywhere else (the user's data fetch, an HTTP client) they
+# are the user's own
+RAISED_IN_COMM_TYPES: tuple[type[BaseException], ...] = (RuntimeError, TimeoutError, ConnectionError)
 _TORCH_DIST = str(Path(dist.__file__).parent)
 COMM_MODULES: tuple[str, ...] = tuple(f"{_TORCH_DIST}/{m}" for m in (
     "distributed_c10d.py", "_functional_collectives.py", "_functional_collectives_impl.py", "fsdp/",
     "_composable/", "device_mesh.py", "tensor/_collective_utils.py", "tensor/_redistribute.py"))
+_CHAIN_MOST = 8  # causes followed from an exception to the one it was raised from
 
 
-def is_comm_fault(exc: BaseException) -> bool:
-    """A failure of the data path, as opposed to a bug in the step: a backend, store, network
-    or timeout error type, the injector's fault, or a plain ``RuntimeError`` raised from a
-    collective's wait in torch's communication code (:data:`COMM_MODULES`). Never judged by
-    the words of the message."""
-    if isinstance(exc, COMM_FAULT_TYPES):
-        return True
-    if type(exc) is not RuntimeError or exc.__traceback__ is None:
-        return False
+def _raised_in_comm(exc: BaseException) -> bool:
+    """``exc``'s innermost frame is in torch's communication code (:data:`COMM_MODULES`)."""
     tb = exc.__traceback__
+    if tb is None:
+        return False
     while tb.tb_next is not None:
         tb = tb.tb_next
     return tb.tb_frame.f_code.co_filename.startswith(COMM_MODULES)
+
+
+def is_comm_fault(exc: BaseException) -> bool:
+    """A failure of the data path, as opposed to the user's own error: decided by construction,
+    never by the words of the message. It is one when ``exc`` (or an exception it was raised from
+    or while handling, a user's wrapper of a failed collective) is of :data:`COMM_FAULT_TYPES`
+    wherever it was raised, or of :data:`RAISED_IN_COMM_TYPES` raised in torch's communication
+    code (:data:`COMM_MODULES`). A ``TimeoutError`` or ``ConnectionError`` the user's own code
+    raises (a data fetch, a metrics client) is not: it propagates unchanged and no recovery starts."""
+    seen: set[int] = set()
+    at: BaseException | None = exc
+    while at is not None and id(at) not in seen and len(seen) < _CHAIN_MOST:
+        seen.add(id(at))
+        if isinstance(at, COMM_FAULT_TYPES):
+            return True
+        if isinstance(at, RAISED_IN_COMM_TYPES) and _raised_in_comm(at):
+            return True
+        at = at.__cause__ or at.__context__
+    return False
+
+
+def unprotected_note(step: int) -> str:
+    """The line added to a communication fault that left the ``with resilient(...)`` block: it was
+    raised outside ``rt.step`` (an evaluation or logging collective between steps), where nothing
+    recovers it."""
+    return (f"meshpact: a collective failed outside rt.step at committed step {step}, where no recovery runs: "
+            "protect collectives between steps with rt.run(fn) or `with rt.guard():`")
 
 
 @dataclass(frozen=True)
@@ -301,7 +340,9 @@ class Resilient:
             self.counter.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None and not isinstance(exc, MeshpactError) and is_comm_fault(exc):
+            exc.add_note(unprotected_note(self.committed_step))
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
         if self.peers is not None:
@@ -324,6 +365,42 @@ class Resilient:
         self._buffers = {f"buffer/{k}": v.detach().clone() for k, v in model_buffers(self.model).items()}
         self.watch_optimizer()
         self.scan.refresh()  # the modules rebinding reads, walked here where they changed, not in a recovery
+        self.refresh_objects()
+
+    def refresh_objects(self) -> list[str]:
+        """Walk the job's objects for attributes holding a group (:class:`~.rebind.ObjectScan`),
+        where a group was made or dropped or a root changed since the last walk: from the job's
+        module globals, the model's modules, the objects registered with ``state=`` and the step
+        function (at each commit, and before a step whose function reaches other objects: a few
+        microseconds when nothing changed). Once the step function is known, a group c10d knows
+        that nothing rebinding reads holds is warned of once (and logged). Returns those warnings."""
+        groups = {pg.group_name: pg for pg in list(c10d._world.pg_map)}
+        key = (tuple(sorted(groups)), id(self.model), function_key(self.train_step_fn),
+               tuple(id(o) for o in self.objects.values()))
+
+        def roots() -> list[tuple[str, Any]]:
+            own, _ = self.scan.modules()
+            out: list[tuple[str, Any]] = [(name, d) for name, d in own]
+            out += [(f"model.{name}" if name else "model", m) for name, m in self.model.named_modules()]
+            out += [(f"state[{name!r}]", obj) for name, obj in self.objects.items()]
+            if self.train_step_fn is not None:
+                out.append(("step function", self.train_step_fn))
+            return out
+
+        def known() -> tuple[dict[str, Any], set[str]]:
+            if self.train_step_fn is None:  # before the first step: what the step reaches is not known yet
+                return {}, set()
+            own = {pg.group_name for pg in self.session.groups.values()}
+            retired = {r.name for r in self.retired}
+            reached = {g.group_name for g in _groups_held(self.scan, (self.train_step_fn,))}
+            for mesh in [*self.meshes, *meshes_of(self.model)]:
+                reached.update(getattr(mesh, "_dim_group_names", None) or ())
+            return {n: pg for n, pg in groups.items() if n not in own and n not in retired}, reached
+
+        lines = self.scan.objects.refresh(key, roots, known)
+        for line in lines:
+            self.session.emit(EventKind.REBOUND, Stage.REBINDING, warning=line)
+        return lines
 
     def state(self) -> dict[str, torch.Tensor]:
         """This rank's job state now (:func:`~meshpact.live.recovery.state.job_state`: parameter
@@ -382,6 +459,7 @@ class Resilient:
         """Run one training step; on a communication fault recover and run it again."""
         step = self.committed_step
         self.train_step_fn = train_step
+        self.refresh_objects()  # a step function reaching other objects: walked now, before a fault can need it
         if self._first_step:
             self._find_late_schedules()
         # the registered objects as this step found them: a data loader has drawn the batch in hand
@@ -461,6 +539,73 @@ class Resilient:
                        seconds=fitted, before_s=s.spec.timeout_s)
                 s.fit_data_timeout(fitted)
         return out
+
+    # -- collectives between steps ----------------------------------------------------------
+    def run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, an evaluation or a logging collective between steps, protected
+        as a step is: on a communication fault the job recovers (the committed state is unchanged,
+        nothing to restore) and ``fn`` runs again from the generators it started with, up to
+        ``max_attempts`` times. Where the recovery replaced a rank, whose new process resumes at
+        the next ``rt.step``, ``fn`` is not run again on any rank: :class:`GuardedBlockLost`."""
+        rng = capture_rng() if self.session.config.restore_rng else None
+        message: str | None = None
+        for _ in range(self.max_attempts):
+            if message is not None:
+                decision = self._recover(Cause(message, self.committed_step))
+                message = None
+                if decision.missing or decision.policy is Policy.EXCISE:
+                    raise GuardedBlockLost(
+                        f"a collective between steps failed at step {self.committed_step} and rank(s) "
+                        f"{list(decision.missing)} were replaced: their new processes resume at the next rt.step, "
+                        f"so {getattr(fn, '__qualname__', 'the block')} is not run again on any rank")
+                if rng is not None:
+                    restore_rng(rng)
+            try:
+                with self._watched():
+                    return fn(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
+                if not is_comm_fault(exc):
+                    raise
+                message = f"{type(exc).__name__}: {str(exc)[:300]}"
+                traceback.clear_frames(exc.__traceback__)
+                del exc
+        raise RuntimeError(f"a collective between steps at step {self.committed_step} failed {self.max_attempts} "
+                           f"times; last: {message}")
+
+    @contextlib.contextmanager
+    def guard(self) -> Iterator[None]:
+        """``with rt.guard(): ...``: a block of collectives between steps whose communication fault
+        the job recovers from, as a step's. A ``with`` block cannot be run again, so once the job
+        has recovered it raises :class:`GuardedBlockLost` (on every rank alike: each rank's block
+        failed or was severed by the recovery); :meth:`run` runs the block again instead."""
+        try:
+            with self._watched():
+                yield
+        except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
+            if not is_comm_fault(exc):
+                raise
+            message = f"{type(exc).__name__}: {str(exc)[:300]}"
+            traceback.clear_frames(exc.__traceback__)
+            del exc
+            self._recover(Cause(message, self.committed_step))
+            raise GuardedBlockLost(f"a collective in a guarded block failed at step {self.committed_step} "
+                                   f"({message}); the job recovered, and the block's result is lost on every rank: "
+                                   "use rt.run(fn) to run it again after a recovery") from None
+
+    @contextlib.contextmanager
+    def _watched(self) -> Iterator[None]:
+        """The heartbeat watches the block as a step of ``committed_step`` (a peer's recovery
+        severs this rank's data path while the block waits on it)."""
+        hb = self.heartbeat
+        if hb is None:
+            yield
+            return
+        hb.running_step = self.committed_step
+        hb.watching = True
+        try:
+            yield
+        finally:
+            hb.watching = False
 
     def _widen(self, step: int) -> bool:
         """A step whose collective timed out runs again with twice the wait (at most the warm-up

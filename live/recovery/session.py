@@ -110,35 +110,72 @@ class EventLog:
 
 @dataclass
 class DataPath:
-    """Which sockets are the data path's (severed on a fault) and which are not: the stores', the
-    control channel's and the peer servers' ports, the sockets open before any group existed,
-    and the ends of sockets already asked (:func:`~.communicator.data_sockets`).
+    """Which sockets are the data path's (severed on a fault): those gloo opened while the job's
+    groups were built, told by construction, never by elimination, so the user's own connections
+    (opened before or after :func:`start_session`) are never touched.
 
-    Listing them reads every descriptor of the process; :meth:`remember` lists them once for a
-    generation, at a moment no standby is being built (a recovery's end, the session's start),
-    and :meth:`sockets` hands that list back while the generation, its groups and the protected
-    ports are what they were then (``key``), so a fault severs without listing."""
+    Every group's sockets are recorded under its name when it is built: a standby's as its thread
+    builds them (:meth:`record`, once it is swapped in), a recovery's from the sockets that
+    appeared while it built them. A group the job made itself (``dist.new_group``,
+    ``init_device_mesh``) is told from the sockets that appeared since the last look
+    (:meth:`look`: the session's start, each recovery's end) once c10d knows a group that is not
+    recorded; of those only gloo's pairs count (:func:`~.communicator.gloo_pairs`). Where gloo
+    connects lazily (``TORCH_GLOO_LAZY_INIT``) no build tells them, and the connected sockets with
+    gloo's options opened after ``protected`` that no store or peer port ends are listed instead
+    (:func:`~.communicator.data_sockets`)."""
 
     protected: dict[int, str]  # fd -> socket name, taken before any data-path group existed
     ports: tuple[int, ...]  # the rendezvous store's, the control channel's, the peer servers'
     ends: comm.SocketEnds = field(default_factory=dict)
-    remembered: tuple[Any, dict[int, str]] | None = None  # (key, the data path's sockets then)
+    built: dict[frozenset[str], dict[int, str]] = field(default_factory=dict)  # group names -> their sockets
+    since: dict[int, str] | None = None  # the descriptors at the last look (None: ``protected``)
+    lazy: bool = field(default_factory=lambda: os.environ.get("TORCH_GLOO_LAZY_INIT", "").lower() in ("1", "true"))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def protect_ports(self, ports: Iterable[int]) -> None:
         """Never sever a socket to or from one of ``ports`` (the peers' servers, once known)."""
         self.ports = tuple(sorted(set(self.ports) | set(ports)))
 
-    def sockets(self, keep: dict[int, str], key: Any = None) -> dict[int, str]:
-        """The data path's sockets, less ``keep`` (the standby's)."""
-        got = self.remembered
-        if key is not None and got is not None and got[0] == (key, self.ports):
-            return {fd: ino for fd, ino in got[1].items() if keep.get(fd) != ino}
-        return comm.data_sockets({**self.protected, **keep}, self.ports, self.ends)
+    def record(self, names: Iterable[str], opened: dict[int, str]) -> None:
+        """The groups ``names`` were built while the sockets ``opened`` appeared: their gloo pairs
+        are those groups' data path."""
+        pairs = comm.gloo_pairs(opened, self.ports)
+        with self._lock:
+            self.built[frozenset(names)] = pairs
 
-    def remember(self, key: Any) -> None:
-        """List the data path's sockets now, for as long as ``key`` holds (no standby may be
-        building: its sockets would be listed as the data path's)."""
-        self.remembered = ((key, self.ports), comm.data_sockets(dict(self.protected), self.ports, self.ends))
+    def recorded(self) -> set[str]:
+        with self._lock:
+            return {name for names in self.built for name in names}
+
+    def look(self, live: Iterable[str]) -> None:
+        """Tell the sockets of the ``live`` groups (c10d's, the session's) not recorded yet from
+        those that appeared since the last look, forget groups no longer live, and look again
+        from now (called where no standby is being built: a recovery's end, the session's start)."""
+        live = set(live)
+        with self._lock:
+            self._tell(live)
+            self.built = {names: socks for names, socks in self.built.items() if names & live}
+            self.since = comm.socket_fds()
+
+    def _tell(self, live: set[str]) -> None:
+        known = {name for names in self.built for name in names}
+        fresh = live - known
+        if fresh and not self.lazy:
+            opened = comm.opened_since(self.protected if self.since is None else self.since)
+            self.built[frozenset(fresh)] = comm.gloo_pairs(opened, self.ports)
+
+    def sockets(self, keep: dict[int, str], live: Iterable[str]) -> dict[int, str]:
+        """The data path's sockets: those of the ``live`` groups, less ``keep`` (the standby's)."""
+        live = set(live)
+        if self.lazy:
+            return comm.data_sockets({**self.protected, **keep}, self.ports, self.ends)
+        with self._lock:
+            self._tell(live)
+            out: dict[int, str] = {}
+            for names, socks in self.built.items():
+                if names & live:
+                    out.update(socks)
+        return {fd: ino for fd, ino in out.items() if keep.get(fd) != ino}
 
 
 @dataclass
@@ -306,9 +343,10 @@ class Session:
         return self.standbys.building
 
     def data_sockets(self) -> dict[int, str]:
-        """The data path's sockets to sever on a fault: never the stores', the control
-        channel's, the peer servers' or the standby's."""
-        return self.data_path.sockets(self.standby.sockets if self.standby is not None else {}, self._data_path_key())
+        """The data path's sockets to sever on a fault: those the job's live groups opened as they
+        were built (:class:`DataPath`), never the stores', the control channel's, the peer
+        servers', the standby's or the user's own."""
+        return self.data_path.sockets(self.standby.sockets if self.standby is not None else {}, self.live_groups())
 
     def sever_data_path(self, tell_peers: bool) -> comm.Severance:
         """Make every operation of this generation's data path fail (:func:`~.communicator.sever`).
@@ -322,19 +360,19 @@ class Session:
         self.severed.release()
 
     def remember_data_path(self) -> None:
-        """List this generation's data-path sockets now, so a fault severs them without listing
-        (called where no standby is being built: a recovery's end, the session's start)."""
-        self.data_path.remember(self._data_path_key())
+        """Tell the sockets of groups built since the last look (this generation's, a group the
+        user made), and look again from now (called where no standby is being built: a
+        recovery's end, the session's start)."""
+        self.data_path.look(self.live_groups())
 
-    def _data_path_key(self) -> Any:
-        """What the data path's sockets follow: the generation and every group installed in c10d
-        (a user's new group adds sockets). None where gloo connects its pairs lazily
-        (``TORCH_GLOO_LAZY_INIT``): a pair's socket may appear at any collective."""
-        if self.current is None or os.environ.get("TORCH_GLOO_LAZY_INIT", "").lower() in ("1", "true"):
-            return None
+    def live_groups(self) -> set[str]:
+        """The names of the job's data-path groups now: c10d's and the current generation's."""
         import torch.distributed.distributed_c10d as c10d
 
-        return (self.current.number, tuple(sorted(pg.group_name for pg in list(c10d._world.pg_map))))
+        names = {pg.group_name for pg in list(c10d._world.pg_map)}
+        if self.current is not None:
+            names.update(pg.group_name for pg in self.current.groups.values())
+        return names
 
     def start_standby(self, groups: Mapping[str, dist.ProcessGroup]) -> None:
         """Start building the next generation's copy of ``groups`` (every group of the job) in
@@ -403,7 +441,9 @@ class Session:
             self.drop_standby()
             return None, f"built ({why})"
         assert self.standby is not None
+        opened = dict(self.standby.sockets)
         groups = self.standby.take(self.store)
+        self.data_path.record((pg.group_name for pg in groups.values()), opened)
         self.standbys.building = None
         return groups, "used"
 

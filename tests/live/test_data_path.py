@@ -1,5 +1,5 @@
-"""The data path's sockets, listed once per generation: a fault severs the remembered list while
-the generation, its groups and the protected ports hold, and lists afresh when one changed."""
+"""The data path's sockets, told by construction: those gloo opened while the job's groups were
+built; a fault severs them and nothing else, and waits for a message under way to end first."""
 
 from __future__ import annotations
 
@@ -33,27 +33,118 @@ def _fds(*socks: socket.socket) -> set[int]:
     return {s.fileno() for s in socks}
 
 
-def test_a_remembered_list_is_handed_back_while_its_key_holds_and_listed_afresh_when_it_changed(pairs):
-    path = DataPath(comm.socket_fds(), ())  # what was open before: protected, as at a session's start
-    first = pairs()
-    path.remember(("g1", ("meshpact_data_g1",)))
-    assert set(path.sockets({}, ("g1", ("meshpact_data_g1",)))) == _fds(*first)
-    later = pairs()  # a socket opened since (a standby's, say) is not in the remembered list
-    assert set(path.sockets({}, ("g1", ("meshpact_data_g1",)))) == _fds(*first)
-    # a new generation or group, or no key at all: the descriptors are read again
-    assert set(path.sockets({}, ("g2", ("meshpact_data_g2",)))) == _fds(*first, *later)
-    assert set(path.sockets({}, None)) == _fds(*first, *later)
-    # the standby's sockets are kept out of the remembered list too
-    keep = {fd: ino for fd, ino in comm.socket_fds().items() if fd == first[0].fileno()}
-    assert set(path.sockets(keep, ("g1", ("meshpact_data_g1",)))) == {first[1].fileno()}
+def _gloo_like(*socks: socket.socket) -> None:
+    for s in socks:  # gloo's option on every pair it connects or accepts
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def test_a_port_protected_after_the_list_was_remembered_is_never_severed_from_it(pairs):
+def test_the_data_path_is_the_sockets_its_groups_opened_as_they_were_built_never_the_users(pairs):
+    path = DataPath(comm.socket_fds(), ())  # what was open before: as at a session's start
+    users_before = pairs()
+    path.look({"meshpact_data_g0"})  # the start's look: no group socket yet
+    before = comm.socket_fds()
+    built = pairs()
+    _gloo_like(*built)
+    path.record(["meshpact_data_g1"], comm.opened_since(before))
+    users_after = pairs()
+    _gloo_like(users_after[0])  # the user's own, opened after the build: not the data path's whatever its options
+    assert set(path.sockets({}, {"meshpact_data_g1"})) == _fds(*built)
+    # the standby's sockets are kept out; a group no longer live is not the data path
+    keep = {fd: ino for fd, ino in comm.socket_fds().items() if fd == built[0].fileno()}
+    assert set(path.sockets(keep, {"meshpact_data_g1"})) == {built[1].fileno()}
+    assert set(path.sockets({}, {"meshpact_data_g0"})) == set()
+    assert not _fds(*users_before, *users_after) & set(path.sockets({}, {"meshpact_data_g0", "meshpact_data_g1"}))
+
+
+def test_a_group_the_user_made_is_told_from_the_gloo_sockets_opened_since_the_last_look(pairs):
     path = DataPath(comm.socket_fds(), ())
+    path.look({"meshpact_data_g0"})
+    echo = pairs()  # the user's connection, opened after the look
+    theirs = pairs()  # and the user's new_group's pair, with gloo's options
+    _gloo_like(*theirs)
+    assert set(path.sockets({}, {"meshpact_data_g0", "metrics"})) == _fds(*theirs)
+    path.look({"meshpact_data_g0", "metrics"})
+    later = pairs()
+    _gloo_like(*later)  # opened after the group was told: not that group's
+    assert set(path.sockets({}, {"meshpact_data_g0", "metrics"})) == _fds(*theirs)
+    assert not _fds(*echo) & set(path.sockets({}, {"meshpact_data_g0", "metrics"}))
+
+
+def test_a_port_protected_is_never_severed(pairs):
+    path = DataPath(comm.socket_fds(), ())
+    before = comm.socket_fds()
     client, accepted = pairs()
-    path.remember("g1")
-    path.protect_ports([accepted.getsockname()[1]])  # a peer server's port, learned late
-    assert set(path.sockets({}, "g1")) == set()
+    _gloo_like(client, accepted)
+    path.protect_ports([accepted.getsockname()[1]])  # a peer server's port, or a store's
+    path.record(["g"], comm.opened_since(before))
+    assert set(path.sockets({}, {"g"})) == set()
+
+
+def test_severing_a_real_gloo_groups_sockets_fails_its_collective_and_leaves_the_users_connections_working():
+    """Two ranks of one gloo group in this process, built while a thread of the user's opens a
+    connection to its own echo server: the group's sockets are its two pair ends, exactly; severed,
+    the group's all-reduce fails and the user's connections, opened before and during, still echo."""
+    import threading
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def echo() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            threading.Thread(target=lambda c=conn: [c.sendall(b) for b in iter(lambda: c.recv(64), b"")],
+                             daemon=True).start()
+
+    threading.Thread(target=echo, daemon=True).start()
+    user_before = socket.create_connection(server.getsockname())
+    path = DataPath(comm.socket_fds(), ())
+    store = dist.HashStore()
+    groups: dict[int, dist.ProcessGroup] = {}
+    user_during: list[socket.socket] = []
+    before = comm.socket_fds()
+
+    def build(rank: int) -> None:
+        if rank == 0:
+            user_during.append(socket.create_connection(server.getsockname()))
+        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("g/", store), rank, 2, timedelta(seconds=5))
+
+    threads = [threading.Thread(target=build, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    path.record(["g"], comm.opened_since(before))
+    got = path.sockets({}, {"g"})
+    assert len(got) == 2  # one pair, both its ends in this process
+    users = [user_before, *user_during]
+    assert not {s.fileno() for s in users} & set(got)
+    assert comm.sever(got).sockets == 2
+    failed: list[BaseException] = []
+
+    def reduce(rank: int) -> None:
+        try:
+            groups[rank].allreduce([torch.ones(1)]).wait()
+        except RuntimeError as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=reduce, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(failed) == 2
+    for s in users:
+        s.settimeout(5)
+        s.sendall(b"ping")
+        assert s.recv(4) == b"ping"
+        s.close()
+    server.close()
 
 
 def test_a_sever_says_how_its_wait_for_a_message_under_way_ended(pairs):

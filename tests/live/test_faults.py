@@ -67,10 +67,36 @@ def _raised_in(filename: str, exc: BaseException) -> BaseException:
 
 @pytest.mark.parametrize("exc", [
     CollectiveFault("anything"), dist.DistBackendError("x"), dist.DistNetworkError("x"), dist.DistStoreError("x"),
-    TimeoutError("x"), ConnectionResetError("x"), BrokenPipeError("x"),
 ])
-def test_backend_network_timeout_and_injected_errors_are_comm_faults_by_type(exc):
+def test_torchs_distributed_errors_and_injected_faults_are_comm_faults_by_type(exc):
     assert is_comm_fault(exc)
+
+
+@pytest.mark.parametrize("exc", [TimeoutError("x"), ConnectionResetError("x"), BrokenPipeError("x"), OSError("x")])
+def test_a_timeout_or_connection_error_is_the_users_unless_raised_in_torch_communication_code(exc):
+    """A flaky data fetch or metrics client raises these in the user's code: no recovery for it."""
+    assert not is_comm_fault(exc)
+    assert not is_comm_fault(_raised_in("/home/user/data.py", type(exc)("x")))
+    if type(exc) is not OSError:
+        assert is_comm_fault(_raised_in(COMM_MODULES[0], type(exc)("x")))
+
+
+def test_a_users_error_raised_from_a_failed_collective_is_a_comm_fault():
+    """The user wrapped a collective's failure in an error of their own: the data path is still broken."""
+    try:
+        try:
+            raise dist.DistBackendError("Connection closed by peer")
+        except dist.DistBackendError as inner:
+            raise ValueError("evaluation failed") from inner
+    except ValueError as outer:
+        assert is_comm_fault(outer)
+    try:
+        try:
+            raise KeyError("missing sample")
+        except KeyError:
+            raise TimeoutError("data server")  # raised while handling the user's own error
+    except TimeoutError as outer:
+        assert not is_comm_fault(outer)
 
 
 def test_a_plain_runtime_error_is_a_comm_fault_only_when_raised_in_torch_communication_code():

@@ -1,0 +1,124 @@
+"""A user's own group, connection and errors under ``meshpact launch``, through faults of each kind.
+
+The script (``_user_paths_job.py``) makes a metrics reducer whose ``self.pg`` is a ``new_group``
+made after ``start_session``, talks to an echo service of the test's every step, and its data
+fetch raises ``TimeoutError`` once on one rank. Faulted runs end bit-identical to a fault-free run
+of the same script under plain ``torchrun``; the echo connection answered every step on every
+rank; the user's ``TimeoutError`` reached the user's loop with no recovery started anywhere.
+
+The fault count per kind is a parameter (``MESHPACT_USER_PATHS_FAULTS``, default 1 in the
+suite, where time is short). A killed rank's replacement re-runs the start-up code, whose
+``new_group`` after ``start_session`` is matched to the survivors' generation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+RANKS = 3
+JOB = Path(__file__).with_name("_user_paths_job.py")
+FAULTS = int(os.environ.get("MESHPACT_USER_PATHS_FAULTS", "1"))
+TIMEOUT_STEP, TIMEOUT_RANK = 1, 1  # no fault is placed at this step
+
+
+class EchoService:
+    """A loopback echo server on a thread of the test's: the user's own service."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
+
+    @staticmethod
+    def _echo(conn: socket.socket) -> None:
+        with conn:
+            try:
+                for data in iter(lambda: conn.recv(256), b""):
+                    conn.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.server.close()
+
+
+def _plan(kinds: list[str], per_kind: int) -> tuple[int, list[str]]:
+    """Faults of each kind at distinct steps from step 2 (a stall is judged from there), never at the
+    step of the user's TimeoutError; ranks and collectives in turn. Returns the steps and the specs."""
+    specs, step = [], 2
+    for i in range(per_kind):
+        for kind in kinds:
+            rank = (i + len(specs)) % RANKS
+            nth = 1 + len(specs) % 3
+            specs.append(f"{kind}:{step}:{rank}:{nth}" if kind == "collective" else f"{kind}:{step}:{rank}")
+            step += 2
+    return step + 1, specs
+
+
+def _run(launcher: list[str], out: Path, steps: int, echo: EchoService, faults: list[str], timeout_s: float) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [*launcher, str(JOB), "--steps", str(steps), "--out", str(out), "--echo", str(echo.port),
+           "--fetch-timeout", f"{TIMEOUT_STEP}:{TIMEOUT_RANK}", "--faults", ",".join(faults)]
+    with open(out / "launcher.log", "w") as log:
+        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, start_new_session=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+    tail = (out / "launcher.log").read_text(errors="replace")[-5000:]
+    assert rc == 0, tail
+    finals = {}
+    for r in range(RANKS):
+        finals[r] = json.loads((out / f"rank{r}.json").read_text())
+    return finals
+
+
+def _check(reference: dict, faulted: dict, out: Path, steps: int, faults: int) -> None:
+    assert {r: f["digest"] for r, f in faulted.items()} == {r: f["digest"] for r, f in reference.items()}
+    recovered = {(x["step"]) for f in faulted.values() for x in f["recoveries"]}
+    assert len(recovered) == faults, faulted  # every fault recovered, each once (ranks agree on the step)
+    assert TIMEOUT_STEP not in recovered  # the user's error started no recovery on any rank
+    for r, f in faulted.items():
+        assert f["answered"] == steps - f["first_step"], f  # the echo connection answered every step
+        assert f["evaluations"] == [sum(range(RANKS)) / RANKS] * (steps - f["first_step"])
+    assert "UnreachableGroupWarning" not in (out / "launcher.log").read_text(errors="replace")  # self.pg is reached
+    [timeout] = [json.loads(line) for path in sorted(out.glob("timeouts-rank*.jsonl"))
+                 for line in path.read_text().splitlines()]
+    assert timeout["rank"] == TIMEOUT_RANK and timeout["step"] == TIMEOUT_STEP
+    assert timeout["type"] == "TimeoutError" and "did not answer" in timeout["message"]
+    assert timeout["recoveries_before"] == timeout["recoveries_after"] == 0 and timeout["generation"] == 0
+
+
+@pytest.fixture(scope="module")
+def echo():
+    service = EchoService()
+    yield service
+    service.close()
+
+
+def test_a_users_group_connection_and_error_survive_raised_stalled_and_killed_ranks(tmp_path, echo):
+    """One faulted run carries every kind (a kill among them: its replacement re-runs the user's
+    start-up code, whose new_group after start_session joins the survivors' generation)."""
+    steps, faults = _plan(["collective", "stall", "kill"], FAULTS)
+    kills = sum(1 for f in faults if f.startswith("kill"))
+    budget = 120 + 60 * len(faults)
+    reference = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)],
+                     tmp_path / "reference", steps, echo, [], budget)
+    faulted = _run([sys.executable, "-m", "meshpact.launch", "--standalone", "--nproc-per-node", str(RANKS),
+                    "--max-restarts", str(kills)], tmp_path / "faulted", steps, echo, faults, budget)
+    _check(reference, faulted, tmp_path / "faulted", steps, len(faults))
