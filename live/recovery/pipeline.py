@@ -34,7 +34,7 @@ from meshpact.core.recording import EventKind
 from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateAction
 
 from . import communicator as comm
-from . import peers
+from . import device, peers
 from .checkpoint import Checkpointer
 from .consensus import CounterMoves, Decision, Proposal, agree
 from .generation import Generation
@@ -395,6 +395,8 @@ def retire_replaced(rt: Job, rebound: Rebound) -> None:
     dispatch = rt.counter.counts if rt.counter is not None else None
     for old in rebound.replaced:
         retire(rt, old, dispatch.get(old.group_name, 0) if dispatch is not None else None)
+    # a NCCL communicator's destructor does not abort it: a replaced one would keep its device memory and threads
+    device.abort_groups(rebound.replaced, rt.session.spec.backend)
 
 
 def retire(rt: Job, old: dist.ProcessGroup, dispatch_ops: int | None) -> None:

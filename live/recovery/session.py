@@ -49,7 +49,7 @@ from .config import RecoveryConfig
 from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Proposal, agree
 from .control import ATTEMPT_KEY, ControlChannel
 from .control import join as join_control
-from . import jobkey
+from . import device, jobkey
 from .generation import Generation
 from .usergroups import UserGroups, route_group_creation
 
@@ -353,6 +353,8 @@ class Session:
         ``tell_peers``: the peers learn from these sockets (both directions shut down), where no
         heartbeat hears the recovery opened on the control channel for them; else only this
         rank's reading is shut down and the sockets are held until :meth:`release_severed`."""
+        if self.spec.backend == "nccl":  # NCCL's traffic passes no socket of ours: abort its communicators
+            device.abort_groups(self.groups.values(), "nccl")
         return comm.sever(self.data_sockets(), None if tell_peers else self.severed)
 
     def release_severed(self) -> None:
@@ -558,7 +560,13 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     last_round, generation, _ = control.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])  # made now
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))
     if choice.device.startswith("cuda"):
+        # before CUDA and NCCL start: the cuBLAS workspace for bit-identity, and a watchdog that aborts a
+        # failed communicator but keeps the process (and the peer copies it holds)
+        session_said = device.deterministic(True, "cuda").said
+        os.environ.update(device.nccl_worker_env(os.environ))
         torch.cuda.set_device(torch.device(choice.device))
+    else:
+        session_said = ""
     spec = comm.GroupSpec(choice.backend.value, choice.device, rank, world, config.data_timeout_start_s,
                           connect_timeout_s=config.connect_timeout_s, run_id=run_id)
     incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
@@ -573,7 +581,8 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         session.host = os.environ.get(peers.HOST_ENV, session.peer_server.addr)
         peers.publish(control, peers.PeerAddress(rank, session.host, session.peer_server.addr,
                                                  session.peer_server.port, incarnation))
-    session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation)
+    session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation,
+                 **({"device": session_said} if session_said else {}))
     if incarnation == 0:
         # every rank is here before any group connects: group creation bounds connecting, not a
         # peer still starting (imports under load), which the store connect bound covers

@@ -225,3 +225,44 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_writes_nothing():
     assert out.stdout.strip().splitlines() == [
         "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing measured, nothing written"]
     assert set((root / "bench" / "results").iterdir()) == before
+
+
+class _Group:
+    def __init__(self, name: str, log: list) -> None:
+        self.group_name, self.log = name, log
+
+    def abort(self) -> None:
+        self.log.append(("abort", self.group_name))
+
+
+def test_a_nccl_sever_aborts_every_group_of_the_generation_before_its_sockets(monkeypatch):
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery import session as session_mod
+
+    log: list = []
+    monkeypatch.setattr(session_mod.comm, "sever", lambda socks, held: log.append(("sever sockets", len(socks))))
+    for backend, aborted in (("nccl", ["g_world", "g_dim0"]), ("gloo", [])):
+        log.clear()
+        fake = SimpleNamespace(spec=SimpleNamespace(backend=backend), data_sockets=lambda: {},
+                               groups={"world": _Group("g_world", log), "dim0": _Group("g_dim0", log)}, severed=None)
+        session_mod.Session.sever_data_path(fake, tell_peers=False)
+        assert [n for k, n in log if k == "abort"] == aborted
+        assert log[-1][0] == "sever sockets"  # the aborts come first
+
+
+def test_replaced_nccl_groups_are_retired_by_abort(monkeypatch):
+    from types import SimpleNamespace
+
+    from meshpact.core.recovery import CommunicatorAction
+    from meshpact.live.recovery import pipeline
+
+    log: list = []
+    monkeypatch.setattr(pipeline, "retire", lambda rt, old, ops: log.append(("retire", old.group_name)))
+    old = (_Group("a_g0", log), _Group("b_g0", log))
+    for backend, want in (("nccl", [("retire", "a_g0"), ("retire", "b_g0"), ("abort", "a_g0"), ("abort", "b_g0")]),
+                          ("gloo", [("retire", "a_g0"), ("retire", "b_g0")])):
+        log.clear()
+        rt = SimpleNamespace(counter=None, session=SimpleNamespace(spec=SimpleNamespace(backend=backend)))
+        pipeline.retire_replaced(rt, pipeline.Rebound(0.0, 0.0, CommunicatorAction.REBUILD, old))
+        assert log == want
