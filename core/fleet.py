@@ -161,19 +161,22 @@ AIRESIM_IGNORED = frozenset({"seed", "num_replications", "adaptive_replications"
                              "relative_accuracy", "max_replications"})
 
 
-def _fmt_errors(source: str, exc: ValidationError, names: Mapping[str, str] | None = None) -> str:
+def _fmt_errors(source: str, exc: ValidationError, names: Mapping[str, str] | None = None,
+                given: Mapping[str, Any] | None = None) -> str:
+    """Every error on one line; ``names`` and ``given`` put back a foreign file's names and values."""
     parts = []
     for err in exc.errors():
         loc = [str(p) for p in err["loc"]]
-        if loc and names and loc[0] in names:
-            loc[0] = f"{names[loc[0]]} ({loc[0]})"
-        where = ".".join(loc) or "(top level)"
         got = err.get("input")
+        if loc and names and loc[0] in names:
+            got = (given or {}).get(names[loc[0]], got)
+            loc[0] = names[loc[0]]
+        where = ".".join(loc)
         got_text = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown field; check its spelling against the documented fields"
-        parts.append(f"{where}: {msg}{got_text}")
+        parts.append(f"{where}: {msg}{got_text}" if where else f"{msg}{got_text}")
     return f"{source}: " + "; ".join(parts)
 
 
@@ -231,7 +234,11 @@ def fleet_from_airesim(path: str | Path) -> FleetSpec:
         out[field] = value
     if regen and "bad_regeneration_days" not in out:
         out["bad_regeneration_days"] = 30.0  # AIReSim's default interval
+    pool, job, standbys = (out.get(k, FleetSpec.model_fields[k].default) for k in ("working_pool", "job_servers", "warm_standbys"))
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (pool, job, standbys)) and pool < job + standbys:
+        raise ScenarioError(f"{p}: working_pool_size {pool} is smaller than job_size + warm_standbys = {job + standbys}; "
+                            "expected a working pool at least that large")
     try:
         return FleetSpec.model_validate(out)
     except ValidationError as exc:
-        raise ScenarioError(_fmt_errors(str(p), exc, names)) from None
+        raise ScenarioError(_fmt_errors(str(p), exc, names, data)) from None

@@ -53,7 +53,8 @@ from meshpact.core.recovery_costs import (
 
 from .workload import Workload
 
-__all__ = ["FleetCharge", "FleetRun", "Estimate", "FleetResult", "fleet_charge", "run_fleet", "replicate",
+__all__ = ["FleetCharge", "FleetRun", "Estimate", "FleetResult", "FleetComparison", "fleet_charge", "run_fleet",
+           "replicate", "simulate_fleet", "combine_adjust",
            "t_quantile", "check_fleet_bounds", "MAX_FLEET_FAILURES", "MAX_REPLICATIONS"]
 
 MAX_FLEET_FAILURES = 2_000_000  # expected failures of one replication, checked before it runs
@@ -199,7 +200,10 @@ def fleet_charge(policy: Policy | str, fleet: FleetSpec, workload: Workload | No
     d = dict(estimate_recovery(policy, ranks, costs, impact=FaultImpact.RANK_LOSS, step_s=workload.step_s,
                                replacement_s=0.0).durations_s)
     if adjust is not None:
+        reload = d.get(Stage.STATE) if model.from_checkpoint(FaultImpact.RANK_LOSS) else None
         d.update({s: v for s, v in adjust(policy, ranks, d).items() if s is not Stage.REPLAY})
+        if reload is not None:  # a recording of a transient fault measured no checkpoint reload
+            d[Stage.STATE] = reload
     downtime = sum(v for s, v in d.items() if s is not Stage.REPLAY)
     rollback = workload.checkpoint_every * workload.step_s if model.from_checkpoint(FaultImpact.RANK_LOSS) else None
     slowdown = (peer_copy_seconds_per_step(workload.state_bytes_per_rank, workload.step_s, costs) / workload.step_s
@@ -567,3 +571,58 @@ def replicate(fleet: FleetSpec, charge: FleetCharge, *, confidence: float = 0.95
             progress(len(runs), res)
         if (ok and len(runs) >= min_runs) or len(runs) >= max_runs:
             return res
+
+
+@dataclass(frozen=True)
+class FleetComparison:
+    """Every policy of a scenario on its fleet, each replicated to the same interval."""
+
+    scenario: str
+    fleet: FleetSpec
+    results: Mapping[Policy, FleetResult]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scenario": self.scenario, "fleet": self.fleet.model_dump(mode="json"),
+                "policies": {p.value: r.to_dict() for p, r in self.results.items()}}
+
+
+def combine_adjust(*adjusts: tuple[Sequence[Policy], StageAdjust]) -> StageAdjust:
+    """One stage adjustment from several, each applied to the policies it measured."""
+    def adjust(policy: Policy, ranks: int, d: Mapping[Stage, float]) -> Mapping[Stage, float]:
+        for policies, fn in adjusts:
+            if policy in policies:
+                return fn(policy, ranks, d)
+        return d
+    return adjust
+
+
+def simulate_fleet(scenario: Any, *, fleet: FleetSpec | None = None, policies: Sequence[Policy | str] | None = None,
+                   adjust: StageAdjust | None = None, confidence: float = 0.95, tolerance: float = 0.01,
+                   min_runs: int = 5, max_runs: int = 200, seed: int = 0,
+                   progress: Callable[[Policy, int, FleetResult], None] | None = None) -> FleetComparison:
+    """Replicate ``scenario``'s fleet (or ``fleet``) under each policy (default: the scenario's).
+
+    The scenario's workload (at ``job_servers * ranks_per_server`` ranks), checkpointing and
+    recovery costs price the policies other than cold restart. Every input is checked before
+    the first replication runs.
+    """
+    from .workload import derive_workload
+
+    fleet = fleet or scenario.fleet
+    if fleet is None:
+        raise ScenarioError(f"{scenario.name}: no fleet section; add one (see docs/simulator.md) or give --from-airesim FILE")
+    pols = [Policy(p) for p in dict.fromkeys(policies or scenario.recovery.policies)]
+    workload = None
+    if any(p is not Policy.COLD_RESTART for p in pols):
+        workload = derive_workload(scenario.workload, scenario.checkpointing, fleet.job_servers * fleet.ranks_per_server,
+                                   source=scenario.name)
+    costs = scenario.recovery.recovery_costs(scenario.name)
+    charges = [fleet_charge(p, fleet, workload, costs, adjust) for p in pols]
+    for c in charges:
+        check_fleet_bounds(fleet, c, scenario.name)
+    results: dict[Policy, FleetResult] = {}
+    for c in charges:
+        cb = (lambda n, r, p=c.policy: progress(p, n, r)) if progress else None
+        results[c.policy] = replicate(fleet, c, confidence=confidence, tolerance=tolerance, min_runs=min_runs,
+                                      max_runs=max_runs, seed=seed, progress=cb)
+    return FleetComparison(scenario.name, fleet, results)
