@@ -112,14 +112,42 @@ class FleetRun:
         return d
 
 
+def _t_central(t: float, df: int) -> float:
+    """P(|T| <= t) for Student's T with ``df`` degrees of freedom (Abramowitz and Stegun 26.7.3-4)."""
+    theta = math.atan(t / math.sqrt(df))
+    s, c2 = math.sin(theta), math.cos(theta) ** 2
+    if df % 2 == 0:
+        term = total = 1.0
+        for k in range(2, df - 1, 2):
+            term *= c2 * (k - 1) / k
+            total += term
+        return s * total
+    if df == 1:
+        return 2 * theta / math.pi
+    term = total = 1.0
+    for k in range(3, df - 1, 2):
+        term *= c2 * (k - 1) / k
+        total += term
+    return 2 / math.pi * (theta + s * math.cos(theta) * total)
+
+
 def t_quantile(p: float, df: int) -> float:
-    """Student t quantile (Cornish-Fisher expansion about the normal; error under 1e-3 for df >= 5)."""
-    if df < 1:
-        raise ValueError("t_quantile: df must be >= 1")
+    """Student t quantile for ``p`` in (0.5, 1): exact by bisection up to 200 degrees of freedom,
+    above them the Cornish-Fisher expansion about the normal (error under 1e-6)."""
+    if df < 1 or not 0.5 < p < 1:
+        raise ValueError("t_quantile: expected df >= 1 and p in (0.5, 1)")
     z = _NORMAL.inv_cdf(p)
-    z3, z5, z7 = z ** 3, z ** 5, z ** 7
-    return (z + (z3 + z) / (4 * df) + (5 * z5 + 16 * z3 + 3 * z) / (96 * df ** 2)
-            + (3 * z7 + 19 * z5 + 17 * z3 - 15 * z) / (384 * df ** 3))
+    if df > 200:
+        z3, z5, z7 = z ** 3, z ** 5, z ** 7
+        return (z + (z3 + z) / (4 * df) + (5 * z5 + 16 * z3 + 3 * z) / (96 * df ** 2)
+                + (3 * z7 + 19 * z5 + 17 * z3 - 15 * z) / (384 * df ** 3))
+    lo, hi, want = z, max(2 * z, 1.0), 2 * p - 1
+    while _t_central(hi, df) < want:
+        hi *= 2
+    for _ in range(80):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_central(mid, df) < want else (lo, mid)
+    return (lo + hi) / 2
 
 
 @dataclass(frozen=True)
