@@ -609,6 +609,19 @@ class FleetComparison:
     fleet: FleetSpec
     results: Mapping[Policy, FleetResult]
 
+    def to_frame(self) -> Any:
+        """One row per policy: its charge, replications, and both estimates with their half-widths."""
+        import pandas as pd
+
+        return pd.DataFrame([{
+            "policy": p.value, "recovery_s": r.charge.downtime_s, "rollback_every_s": r.charge.rollback_every_s,
+            "slowdown": r.charge.slowdown, "replications": len(r.runs), "converged": r.converged,
+            "finish_h": r.finish_h.mean, "finish_h_half_width": r.finish_h.half_width,
+            "effective_training_ratio": r.effective_training_ratio.mean,
+            "effective_training_ratio_half_width": r.effective_training_ratio.half_width,
+            "failures": fmean(x.failures for x in r.runs), "depleted": sum(x.depleted for x in r.runs),
+        } for p, r in self.results.items()])
+
     def to_dict(self) -> dict[str, Any]:
         return {"scenario": self.scenario, "fleet": self.fleet.model_dump(mode="json"),
                 "policies": {p.value: r.to_dict() for p, r in self.results.items()}}
