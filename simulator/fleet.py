@@ -240,16 +240,24 @@ def fleet_charge(policy: Policy | str, fleet: FleetSpec, workload: Workload | No
 
 
 def check_fleet_bounds(fleet: FleetSpec, charge: FleetCharge, source: str = "fleet") -> None:
-    """Refuse a replication whose expected failures would make it unbounded in practice."""
-    rate_per_min = fleet.failures_per_server_day / 1440.0
-    bad_share = max(fleet.bad_fraction, 0.1 if fleet.bad_regeneration_days else 0.0)
-    per_server = rate_per_min * (1.0 + fleet.bad_multiplier * min(1.0, bad_share * 2))
-    expected = fleet.job_servers * per_server * fleet.work_days * 1440.0 * (1.0 + charge.slowdown)
+    """Refuse a replication whose failures would make it unbounded in practice: too many
+    expected failures, or checkpoints so far apart that a rollback policy seldom finishes one."""
+    per_min = fleet.failures_per_server_day / 1440.0
+    bad = 1.0 if fleet.bad_regeneration_days else fleet.bad_fraction  # regeneration may turn every server bad
+    job_rate = fleet.job_servers * per_min * (1.0 + fleet.bad_multiplier * bad)  # failures per job minute, at most
+    expected = job_rate * fleet.work_days * 1440.0 * (1.0 + charge.slowdown)
     if expected > MAX_FLEET_FAILURES:
         raise ScenarioError(
             f"{source}: failures_per_server_day: {fleet.failures_per_server_day:g} on {fleet.job_servers} servers for "
-            f"{fleet.work_days:g} days gives about {expected:.3g} failures, over the limit of {MAX_FLEET_FAILURES:,}; "
+            f"{fleet.work_days:g} days gives up to {expected:.3g} failures, over the limit of {MAX_FLEET_FAILURES:,}; "
             "lower the rate, the servers or the work")
+    if charge.rollback_every_s is not None:
+        per_interval = job_rate * charge.rollback_every_s / 60.0 * (1.0 + charge.slowdown)
+        if per_interval > 8.0:  # an interval survives with probability about e^-8: thousands of tries each
+            raise ScenarioError(
+                f"{source}: {charge.policy.value} rolls back to a checkpoint every {charge.rollback_every_s:g} s of work, "
+                f"but the job fails about {per_interval:.3g} times in that long, so it would seldom finish one; "
+                "checkpoint more often (checkpointing.every_steps) or lower the failure rate")
 
 
 class _Bag:
@@ -538,6 +546,9 @@ class _Fleet:
                 assert who is not None
                 if self.score_on:
                     self._credit(ttf, who)
+                if self.n["failures"] >= MAX_FLEET_FAILURES:
+                    raise ScenarioError(f"fleet: {MAX_FLEET_FAILURES:,} failures before the work was done; the job "
+                                        "cannot finish at this failure rate: lower it or shorten the work")
                 leaves = self._failed(who)
                 yield env.timeout(downtime)
                 self.t["recovery"] += downtime

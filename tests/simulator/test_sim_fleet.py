@@ -222,3 +222,11 @@ def test_cli_runs_an_airesim_file_and_refuses_a_bad_one_before_any_work(tmp_path
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "systematic_failure_fraction" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_unbounded_fleets_refused_before_any_work():
+    with pytest.raises(ScenarioError, match="over the limit"):
+        run_fleet(FleetSpec(job_servers=100_000, working_pool=100_016, failures_per_server_day=100.0, work_days=3650), COLD)
+    far_apart = FleetCharge(Policy.IN_MEMORY, 1.0, rollback_every_s=36_000.0)
+    with pytest.raises(ScenarioError, match="seldom finish one"):
+        replicate(small(failures_per_server_day=1.0), far_apart)
