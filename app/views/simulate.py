@@ -247,21 +247,21 @@ with fleet_tab:
         standbys = k[1].number_input("warm standbys", 0, 1 << 20, base.warm_standbys)
         pool = k[2].number_input("working pool", 1, 1 << 20, base.working_pool)
         spare = k[3].number_input("spare pool", 0, 1 << 20, base.spare_pool)
-        work = k[4].number_input("work (days)", 1.0, 3650.0, base.work_days, step=1.0)
+        work = k[4].number_input("work (days)", 0.01, 3650.0, base.work_days, step=1.0)
         k = st.columns(5)
-        rate = k[0].number_input("failures per server-day", 0.0, 10.0, base.failures_per_server_day, step=0.001,
+        rate = k[0].number_input("failures per server-day", 0.0, 1000.0, base.failures_per_server_day, step=0.001,
                                  format="%.4f")
         bad = k[1].number_input("bad-server fraction", 0.0, 1.0, base.bad_fraction, step=0.05)
-        mult = k[2].number_input("bad multiplier (on top of the base)", 0.0, 1000.0, base.bad_multiplier, step=0.5)
+        mult = k[2].number_input("bad multiplier (on top of the base)", 0.0, 1e6, base.bad_multiplier, step=0.5)
         dist = k[3].selectbox("time to failure", [d.value for d in FailureDistribution],
                               index=[d.value for d in FailureDistribution].index(base.distribution.value))
         shape = k[4].number_input("Weibull shape / lognormal sigma", 0.0, 100.0,
                                   base.weibull_shape if dist == "weibull" else base.lognormal_sigma, step=0.1,
                                   help="0 is refused: the shape must be > 0")
         k = st.columns(5)
-        recovery = k[0].number_input("recovery (min)", 0.0, 1e5, base.recovery_minutes, step=1.0)
-        auto = k[1].number_input("automatic repair (min)", 0.0, 1e6, base.auto_repair_minutes, step=10.0)
-        manual = k[2].number_input("manual repair (min)", 0.0, 1e6, base.manual_repair_minutes, step=60.0)
+        recovery = k[0].number_input("recovery (min)", 0.0, 1e6, base.recovery_minutes, step=1.0)
+        auto = k[1].number_input("automatic repair (min)", 0.0, 1e7, base.auto_repair_minutes, step=10.0)
+        manual = k[2].number_input("manual repair (min)", 0.0, 1e7, base.manual_repair_minutes, step=60.0)
         escalate = k[3].number_input("P(escalate to manual)", 0.0, 1.0, base.escalate_probability, step=0.05)
         diagnose = k[4].number_input("P(diagnosed)", 0.0, 1.0, base.diagnosis_probability, step=0.05)
         k = st.columns(4)
