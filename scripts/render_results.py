@@ -151,7 +151,7 @@ def _fleet_policy_figure(rows: Any) -> list[str]:
     finish and effective training ratio per policy, each bar with its 95 % interval."""
     if not _is_records(rows) or not all({"policy", "finish_h", "effective_training_ratio"} <= set(r) for r in rows):
         return []
-    w, bar, gap, left, panel = 760, 22, 10, 150, 260
+    w, bar, gap, left, panel = 900, 22, 10, 150, 260
     h = 40 + len(rows) * (bar + gap)
     top_h = max(r["finish_h"] + r.get("finish_h_half_width", 0.0) for r in rows) * 1.1
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
