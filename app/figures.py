@@ -51,6 +51,7 @@ __all__ = [
     "cost_figure",
     "goodput_figure",
     "serving_figure",
+    "fleet_figure",
 ]
 
 FAILED = "#d62728"
@@ -541,4 +542,27 @@ def serving_figure(frame: Any, height: int = 340) -> go.Figure:
                      ticktext=[str(v) for v in values])
     fig.update_yaxes(title="tokens/s", tickformat=",.0f", row=1, col=1)
     fig.update_yaxes(type="log", title="bytes", exponentformat="SI", ticksuffix="B", row=1, col=2)  # 1GB, not "1B"
+    return fig
+
+
+def fleet_figure(frame: Any, height: int = 330) -> go.Figure:
+    """Time to finish and effective training ratio of each policy on a fleet, with their
+    intervals as error bars (``frame``: policy, finish_h, finish_h_half_width,
+    effective_training_ratio, effective_training_ratio_half_width)."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("time to finish (h)", "effective training ratio"))
+    for policy in Policy:
+        rows = frame[frame["policy"] == policy.value]
+        if rows.empty:
+            continue
+        for col, key in ((1, "finish_h"), (2, "effective_training_ratio")):
+            fig.add_trace(go.Bar(
+                x=[policy.label], y=rows[key], name=policy.label, showlegend=False,
+                marker_color=POLICY_COLOURS[policy],
+                error_y=dict(type="data", array=rows[f"{key}_half_width"], visible=True, color="#444"),
+                hovertemplate=f"{policy.label}: %{{y:,.4g}} ± %{{error_y.array:,.3g}}<extra></extra>",
+            ), row=1, col=col)
+    fig.update_layout(**_LAYOUT, height=height)
+    fig.update_yaxes(tickformat=".0%", row=1, col=2, range=[0, 1])
     return fig

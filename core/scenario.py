@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
 from .catalog import get_model
 from .errors import FactError, ScenarioError
+from .fleet import FleetSpec
 from .facts import DEFAULT_LINKS, Domain, LinkClass, LinkParams, Mesh, Request, Vendor
 from .recovery import Policy, Stage
 from .recovery_costs import FaultImpact, FaultScope, RecoveryCosts
@@ -363,6 +364,7 @@ class Scenario(_Strict):
     checkpointing: CheckpointSpec = Field(default_factory=CheckpointSpec)
     recovery: RecoverySpec = Field(default_factory=RecoverySpec)
     serving: ServingSpec | None = None
+    fleet: FleetSpec | None = Field(None, description="the servers the job draws from (AIReSim's cluster model)")
 
     @model_validator(mode="before")
     @classmethod

@@ -141,7 +141,39 @@ def render_one(name: str, doc: dict[str, Any]) -> list[str]:
         lines += ["", *_table(["result", "value"], [[f"`{k}`", _cell(v)] for k, v in scalars.items()])]
     for key, records in tables.items():
         lines += ["", f"`{key}`:", "", *_records_table(records)]
+    if name == "simulator":
+        lines += _fleet_policy_figure(doc.get("airesim_table1_policies"))
     return lines + [""]
+
+
+def _fleet_policy_figure(rows: Any) -> list[str]:
+    """An inline SVG of the simulator's policy comparison on AIReSim's Table 1 cluster: time to
+    finish and effective training ratio per policy, each bar with its 95 % interval."""
+    if not _is_records(rows) or not all({"policy", "finish_h", "effective_training_ratio"} <= set(r) for r in rows):
+        return []
+    w, bar, gap, left, panel = 900, 22, 10, 150, 260
+    h = 40 + len(rows) * (bar + gap)
+    top_h = max(r["finish_h"] + r.get("finish_h_half_width", 0.0) for r in rows) * 1.1
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+           'role="img" aria-label="time to finish and effective training ratio by policy" font-size="12" '
+           'font-family="sans-serif">',
+           f'<text x="{left}" y="16">time to finish (h)</text>',
+           f'<text x="{left + panel + 90}" y="16">effective training ratio</text>']
+    for i, r in enumerate(rows):
+        y = 28 + i * (bar + gap)
+        out.append(f'<text x="{left - 8}" y="{y + bar * 0.7:.1f}" text-anchor="end">{r["policy"]}</text>')
+        for x0, value, half, scale, text in (
+                (left, r["finish_h"], r.get("finish_h_half_width", 0.0), panel / top_h, f'{r["finish_h"]:,.0f} h'),
+                (left + panel + 90, r["effective_training_ratio"], r.get("effective_training_ratio_half_width", 0.0),
+                 panel, f'{r["effective_training_ratio"]:.1%}')):
+            x1, lo, hi = x0 + value * scale, x0 + (value - half) * scale, x0 + (value + half) * scale
+            out += [f'<rect x="{x0}" y="{y}" width="{value * scale:.1f}" height="{bar}" fill="#4c78a8"/>',
+                    f'<line x1="{lo:.1f}" x2="{hi:.1f}" y1="{y + bar / 2}" y2="{y + bar / 2}" stroke="#222"/>',
+                    f'<line x1="{lo:.1f}" x2="{lo:.1f}" y1="{y + 5}" y2="{y + bar - 5}" stroke="#222"/>',
+                    f'<line x1="{hi:.1f}" x2="{hi:.1f}" y1="{y + 5}" y2="{y + bar - 5}" stroke="#222"/>',
+                    f'<text x="{max(x1, hi) + 4:.1f}" y="{y + bar * 0.7:.1f}">{text}</text>']
+    out.append("</svg>")
+    return ["", "`airesim_table1_policies` as a figure (bars: means; whiskers: 95 % intervals):", "", "".join(out)]
 
 
 def render(results: Path = RESULTS) -> str:

@@ -1,4 +1,8 @@
-"""Simulate page: what-if knobs for training with faults and serving spillover.
+"""Simulate page: what-if knobs for training with faults, a job on a fleet of servers, and serving spillover.
+
+The fleet tab runs AIReSim's cluster model (:mod:`meshpact.core.fleet`): every input is
+checked by the fleet's schema before anything runs, and each policy is replicated until the
+95 % interval of its time to finish and effective training ratio is within the tolerance.
 
 The serving tab sweeps the request kinds over concurrency, then puts the two deployments
 side by side (``requests``: whole requests spill to the second host; ``model``: the
@@ -15,13 +19,15 @@ import pandas as pd
 import streamlit as st
 
 from meshpact.app.context import mesh_of, message_markdown, require_scenario
-from meshpact.app.figures import goodput_figure, recovery_figure, serving_figure
+from meshpact.app.figures import fleet_figure, goodput_figure, recovery_figure, serving_figure
 from meshpact.app.format import count, duration
 from meshpact.app.policies import compare_policies
 from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
 from meshpact.core.scenario import SERVING_REQUESTS, Deployment
-from meshpact.core.errors import MeshpactError
+from meshpact.core.errors import MeshpactError, ScenarioError
+from meshpact.core.fleet import FailureDistribution, FleetSpec, parse_fleet
+from meshpact.core.recovery import Policy
 from meshpact.core.recovery import RecoveryBreakdown
 from meshpact.simulator.serving import expected_tokens_per_pass
 
@@ -91,7 +97,18 @@ def this_setting(text: str, source: str, flags: tuple) -> Any:
     return simulate_training(parse_scenario_text(text, source), **dict(flags))
 
 
-training, serving = st.tabs(["Training with faults", "Serving spillover"])
+@st.cache_data(show_spinner="Replicating the fleet under each policy…", max_entries=32)
+def fleet_runs(text: str, source: str, fleet_json: str, policies: tuple, tolerance: float) -> pd.DataFrame:
+    from meshpact.core.fleet import FleetSpec
+    from meshpact.core.scenario import parse_scenario_text
+    from meshpact.simulator.fleet import simulate_fleet
+
+    fleet = FleetSpec.model_validate_json(fleet_json)
+    return simulate_fleet(parse_scenario_text(text, source), fleet=fleet, policies=list(policies), tolerance=tolerance,
+                          max_runs=50).to_frame()
+
+
+training, serving, fleet_tab = st.tabs(["Training with faults", "Serving spillover", "Fleet (AIReSim's cluster)"])
 
 with training:
     w, f, c = scenario.workload, scenario.faults, scenario.checkpointing
@@ -99,7 +116,7 @@ with training:
                "scenario; change them here. Every policy replays the same fault trace.")
     k = st.columns(5)
     # Written as the charts write them: whole hours ("2000", not "2000.00"), days to the half day.
-    days = k[0].number_input("days", 0.5, 60.0, float(w.days), step=0.5, format="%.1f")
+    days = k[0].number_input("days", 0.5, 60.0, min(float(w.days), 60.0), step=0.5, format="%.1f")
     mtbf = k[1].number_input("per-rank MTBF (hours)", 10.0, 1e6, float(f.rank_mtbf_hours or 2000.0), step=100.0,
                              format="%.0f")
     every = k[2].number_input("checkpoint every (steps)", 1, 100_000, int(c.every_steps), step=50)
@@ -217,3 +234,76 @@ with serving:
     else:
         st.info("Press **Compare deployments**: the requests above at concurrency "
                 + ", ".join(map(str, CONCURRENCY)) + ", in both deployments, without and with speculation.")
+
+with fleet_tab:
+    base = scenario.fleet or FleetSpec()
+    origin = "the scenario's fleet section" if scenario.fleet else "AIReSim's Table 1 (the scenario has no fleet section)"
+    st.caption(f"Starting from {origin}: a job on a working pool with warm standbys and a spare pool; bad servers fail at a multiple of the "
+               "base rate; failed servers go through automatic, then manual repair. Cold restart is the fleet's "
+               "recovery time; the other policies are priced from this scenario's workload and recovery costs.")
+    with st.form("fleet_form"):
+        k = st.columns(5)
+        job = k[0].number_input("job servers", 1, 1 << 20, base.job_servers)
+        standbys = k[1].number_input("warm standbys", 0, 1 << 20, base.warm_standbys)
+        pool = k[2].number_input("working pool", 1, 1 << 20, base.working_pool)
+        spare = k[3].number_input("spare pool", 0, 1 << 20, base.spare_pool)
+        work = k[4].number_input("work (days)", 0.01, 3650.0, base.work_days, step=1.0)
+        k = st.columns(5)
+        rate = k[0].number_input("failures per server-day", 0.0, 1000.0, base.failures_per_server_day, step=0.001,
+                                 format="%.4f")
+        bad = k[1].number_input("bad-server fraction", 0.0, 1.0, base.bad_fraction, step=0.05)
+        mult = k[2].number_input("bad multiplier (on top of the base)", 0.0, 1e6, base.bad_multiplier, step=0.5)
+        dist = k[3].selectbox("time to failure", [d.value for d in FailureDistribution],
+                              index=[d.value for d in FailureDistribution].index(base.distribution.value))
+        shape = k[4].number_input("Weibull shape / lognormal sigma", 0.0, 100.0,
+                                  base.weibull_shape if dist == "weibull" else base.lognormal_sigma, step=0.1,
+                                  help="0 is refused: the shape must be > 0")
+        k = st.columns(5)
+        recovery = k[0].number_input("recovery (min)", 0.0, 1e6, base.recovery_minutes, step=1.0)
+        auto = k[1].number_input("automatic repair (min)", 0.0, 1e7, base.auto_repair_minutes, step=10.0)
+        manual = k[2].number_input("manual repair (min)", 0.0, 1e7, base.manual_repair_minutes, step=60.0)
+        escalate = k[3].number_input("P(escalate to manual)", 0.0, 1.0, base.escalate_probability, step=0.05)
+        diagnose = k[4].number_input("P(diagnosed)", 0.0, 1.0, base.diagnosis_probability, step=0.05)
+        k = st.columns(4)
+        auto_false = k[0].number_input("P(automatic repair claims success, fault remains)", 0.0, 1.0,
+                                       base.auto_false_success, step=0.05)
+        manual_false = k[1].number_input("P(manual repair claims success, fault remains)", 0.0, 1.0,
+                                         base.manual_false_success, step=0.05)
+        wrong = k[2].number_input("P(wrong server blamed)", 0.0, 1.0, base.diagnosis_uncertainty, step=0.05)
+        tolerance = k[3].number_input("interval within ± (of the mean)", 0.005, 0.2, 0.02, step=0.005, format="%.3f")
+        pols = st.multiselect("policies", [p.value for p in Policy],
+                              default=[p.value for p in Policy if p is not Policy.CHECKPOINT_RESTORE])
+        go_fleet = st.form_submit_button("Run the fleet", type="primary")
+    fields = {**base.model_dump(), "job_servers": int(job), "warm_standbys": int(standbys), "working_pool": int(pool),
+              "spare_pool": int(spare), "work_days": float(work), "failures_per_server_day": float(rate),
+              "bad_fraction": float(bad), "bad_multiplier": float(mult), "distribution": dist,
+              "recovery_minutes": float(recovery), "auto_repair_minutes": float(auto),
+              "manual_repair_minutes": float(manual), "escalate_probability": float(escalate),
+              "diagnosis_probability": float(diagnose), "auto_false_success": float(auto_false),
+              "manual_false_success": float(manual_false), "diagnosis_uncertainty": float(wrong)}
+    fields["weibull_shape" if dist == "weibull" else "lognormal_sigma"] = float(shape)
+    fkey = (choice.text, json.dumps(fields, sort_keys=True, default=str), tuple(pols), float(tolerance))
+    if go_fleet:
+        try:
+            checked = parse_fleet(fields, "fleet")
+            if not pols:
+                raise ScenarioError("policies: pick at least one policy")
+            frame = fleet_runs(choice.text, choice.source, checked.model_dump_json(), tuple(pols), float(tolerance))
+            st.session_state.setdefault("simulate_results", {})["fleet"] = (fkey, frame)
+        except MeshpactError as exc:
+            st.error("**The fleet cannot run.**\n\n" + message_markdown(str(exc)))
+    kept = st.session_state.get("simulate_results", {}).get("fleet")
+    if kept is not None and kept[0] == fkey:
+        frame = kept[1]
+        st.plotly_chart(fleet_figure(frame), key="fleet_by_policy")
+        st.dataframe(frame, hide_index=True, column_config={
+            "finish_h": st.column_config.NumberColumn("time to finish (h)", format="%.0f"),
+            "finish_h_half_width": st.column_config.NumberColumn("± (h)", format="%.1f"),
+            "effective_training_ratio": st.column_config.NumberColumn("effective training ratio", format="%.4f"),
+            "effective_training_ratio_half_width": st.column_config.NumberColumn("±", format="%.4f")})
+        st.caption(f"Means over the replications with their 95 % intervals (the error bars); each policy ran until "
+                   f"both intervals were within ±{float(tolerance):.1%} of the mean, or 50 replications.")
+        st.download_button("fleet CSV", data=frame.to_csv(index=False), file_name=f"{scenario.name}-fleet.csv",
+                           mime="text/csv")
+    else:
+        st.info("Press **Run the fleet**: each policy is replicated until its interval is within the tolerance.")

@@ -40,7 +40,8 @@ def _policies(value: str) -> list[str] | None:
 
 
 def training(
-    scenario: str = typer.Option("default", "--scenario", help="Scenario file or built-in name."),
+    scenario: Optional[str] = typer.Option(
+        None, "--scenario", help="Scenario file or built-in name (default: default; airesim_table1 with --from-airesim)."),
     ranks: Optional[int] = typer.Option(None, "--ranks", help="Ranks simulated."),
     days: Optional[float] = typer.Option(None, "--days", help="Wall-clock days."),
     step_seconds: Optional[float] = typer.Option(None, "--step-seconds", help="Seconds per step (replaces the cost model)."),
@@ -56,8 +57,27 @@ def training(
         "recording is also replayed and predicted against what it measured."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     trace: Optional[Path] = typer.Option(None, "--trace", help="Write a Chrome trace (Perfetto) here."),
+    from_airesim: Optional[Path] = typer.Option(
+        None, "--from-airesim", help="An AIReSim parameter file (YAML or JSON, AIReSim's names): run its cluster as "
+        "the scenario's fleet."),
+    tolerance: float = typer.Option(0.01, "--tolerance", help="Fleet runs: replicate until the 95 % interval of the "
+                                    "time to finish and of the effective training ratio is within this fraction of the mean."),
+    max_replications: int = typer.Option(200, "--max-replications", help="Fleet runs: at most this many replications."),
 ) -> None:
-    """Training with faults: every policy on the same fault trace."""
+    """Training with faults: every policy on the same fault trace; or, on a fleet of servers
+    (a scenario's fleet section or --from-airesim), every policy replicated to an interval."""
+    step_flags = {"--ranks": ranks, "--days": days, "--step-seconds": step_seconds, "--rank-mtbf-hours": rank_mtbf_hours,
+                  "--checkpoint-every": checkpoint_every, "--checkpoint-seconds": checkpoint_seconds,
+                  "--checkpoint-mode": checkpoint_mode, "--work-steps": work_steps, "--trace": trace}
+    sc_name = scenario or ("airesim_table1" if from_airesim else "default")
+    if from_airesim is not None or (scenario is not None and _scenario(sc_name).fleet is not None):
+        used = [k for k, v in step_flags.items() if v is not None]
+        if used:
+            raise MeshpactError(f"{used[0]}: does not apply to a fleet run (a scenario with a fleet section or "
+                                "--from-airesim); set the fleet's fields instead")
+        _fleet(sc_name, from_airesim, policy, seed, calibrate_from, tolerance, max_replications, as_json)
+        return
+    scenario = sc_name
     from meshpact.core.errors import RecordingError
     from meshpact.simulator.calibrate import calibration_from_recording
     from meshpact.simulator.replay import replay_live
@@ -115,6 +135,53 @@ def training(
         console.print(f"no live replay: {no_replay}")
     if trace:
         console.print(f"trace: {trace} (open in https://ui.perfetto.dev)")
+
+
+def _fleet(scenario: str, from_airesim: Path | None, policy: str, seed: int | None, calibrate_from: Path | None,
+           tolerance: float, max_replications: int, as_json: bool) -> None:
+    """A fleet run: every policy replicated until its interval is within ``tolerance``."""
+    from meshpact.core.fleet import fleet_from_airesim
+    from meshpact.simulator.calibrate import calibration_from_recording
+    from meshpact.simulator.fleet import MAX_REPLICATIONS, simulate_fleet
+
+    if not 0 < tolerance < 1:
+        raise MeshpactError(f"--tolerance {tolerance}: expected a fraction of the mean in (0, 1), e.g. 0.01")
+    if not 5 <= max_replications <= MAX_REPLICATIONS:
+        raise MeshpactError(f"--max-replications {max_replications}: expected 5..{MAX_REPLICATIONS}")
+    fleet = fleet_from_airesim(from_airesim) if from_airesim else None
+    sc = _scenario(scenario)
+    cal = calibration_from_recording(calibrate_from, sc.recovery.recovery_costs()) if calibrate_from else None
+    with_progress = not as_json
+
+    def progress(p: Any, n: int, r: Any) -> None:
+        if with_progress:
+            err_console.print(f"{p.value}: {n} replications, time to finish {r.finish_h.mean:,.0f} h "
+                              f"± {r.finish_h.relative_half_width:.2%}", highlight=False)
+
+    comp = simulate_fleet(sc, fleet=fleet, policies=_policies(policy), adjust=cal.adjust if cal else None,
+                          tolerance=tolerance, max_runs=max_replications, seed=seed or 0, progress=progress)
+    if as_json:
+        doc = comp.to_dict()
+        if cal:
+            doc["calibration"] = cal.to_dict()
+        emit_json(doc)
+        return
+    f = comp.fleet
+    console.print(f"{from_airesim or comp.scenario}: {f.job_servers} servers + {f.warm_standbys} standbys on a working pool "
+                  f"of {f.working_pool} (spare {f.spare_pool}), {f.work_days:g} days of work, "
+                  f"{f.failures_per_server_day:g} failures per server-day, {f.bad_fraction:.0%} bad at "
+                  f"{1 + f.bad_multiplier:g}x", highlight=False)
+    res = list(comp.results.values())
+    rows = [
+        ["recovery per failure (s)", *[f"{r.charge.downtime_s:.1f}" for r in res]],
+        ["replications", *[f"{len(r.runs)}" + ("" if r.converged else " (cap)") for r in res]],
+        ["time to finish (h)", *[f"{r.finish_h.mean:,.0f} ± {r.finish_h.half_width:,.0f}" for r in res]],
+        ["effective training ratio", *[f"{r.effective_training_ratio.mean:.4f} ± {r.effective_training_ratio.half_width:.4f}"
+                                       for r in res]],
+        ["failures (mean)", *[f"{sum(x.failures for x in r.runs) / len(r.runs):,.0f}" for r in res]],
+        ["depleted runs", *[sum(x.depleted for x in r.runs) for r in res]],
+    ]
+    console.print(table("per policy, 95 % intervals", ["", *[r.charge.policy.value for r in res]], rows))
 
 
 def _print_calibration(cal: Any) -> None:
