@@ -72,6 +72,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stay
     import torch
 
 __all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
+           "fetch_first", "put", "copy_digest", "MAX_HEADER", "PENDING_MAX", "SERVING_MAX",
            "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "host_buffer", "HOST_ENV", "ADDR_ENV"]
 
 ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (default: loopback)
@@ -86,6 +87,10 @@ _NONCE = 32
 _MIN_RATE = 16 << 20  # bytes per second a frame's body must arrive at, at least: its deadline follows from it
 PENDING_MAX = 32  # connections not yet authenticated, at most: the oldest is closed to let a new one in
 SERVING_MAX = 64  # authenticated connections served at once, at most: more are refused
+# a held copy is at most this many times the holder's own copy, plus _COPY_BYTES_SLACK: every rank's
+# copy is its part of one job's state (uneven shards, a pipeline stage holding the embeddings)
+COPY_BYTES_FACTOR = 4
+_COPY_BYTES_SLACK = 64 << 20
 _UNKEYED = bytes(TAG_BYTES)  # the tag sent where the job runs unauthenticated (MESHPACT_UNAUTHENTICATED=1)
 _log = logging.getLogger(__name__)
 
@@ -453,6 +458,7 @@ class PeerServer:
         self._pending: OrderedDict[int, socket.socket] = OrderedDict()  # connections not yet authenticated, oldest first
         self._serving = 0  # authenticated connections being served
         self._horizon: int | None = None  # the newest step a put may carry (None: any, before this rank's first commit)
+        self._max_bytes: int | None = None  # the largest copy a put may carry (None: before this rank's first commit)
         self.refused: list[str] = []  # why each of the last refused frames was refused (newest last)
         self.peak_bytes = 0
         self.recv_cpu_s = 0.0  # CPU seconds of receiving copies (the holder's side of a ship)
@@ -464,12 +470,14 @@ class PeerServer:
         with self._lock:
             return tuple(sorted((src, step) for src, by_step in self._copies.items() for step in by_step))
 
-    def admit_through(self, step: int) -> None:
-        """Accept puts of steps up to ``step`` from now on: this rank committed ``step - 1`` and no
-        source commits further ahead than the step it is running (every step's collectives take
-        this rank too). A put past it could only evict genuine copies."""
+    def admit_through(self, step: int, max_bytes: int | None = None) -> None:
+        """Accept puts of steps up to ``step`` from now on, each of at most ``max_bytes`` (None: as
+        before): this rank committed ``step - 1`` and no source commits further ahead than the step
+        it is running (every step's collectives take this rank too). A put past it could only evict
+        genuine copies."""
         with self._lock:
             self._horizon = step
+            self._max_bytes = self._max_bytes if max_bytes is None else max_bytes
 
     def held(self, src: int, step: int) -> dict[str, torch.Tensor]:
         """The copy of ``src``'s state at ``step`` this rank holds (an excision re-shards it),
@@ -591,10 +599,13 @@ class PeerServer:
         src, step = _field(header, "src", 0, 1 << 31), _field(header, "step", 0, 1 << 62)
         n, digest = header["n"], _hex(header, "digest", 32).hex()
         with self._lock:
-            horizon = self._horizon
+            horizon, limit = self._horizon, self._max_bytes
         if horizon is not None and step > horizon:
             raise _Refused(f"a copy of rank {src} at step {step}: past step {horizon}, the newest a source can "
                            "have committed while this rank runs")
+        if limit is not None and n > limit:
+            raise _Refused(f"a copy of rank {src} at step {step} of {n} bytes: more than the {limit} this holder takes "
+                           f"(a multiple of its own copy's size, COPY_BYTES_FACTOR)")
         with self._lock:
             # the next copy arrives into the oldest of those kept (same size, nobody sending it), never into
             # the only one: the newest stays held until its successor is complete and verified
@@ -744,6 +755,25 @@ def fetch(address: PeerAddress, src: int, step: int, timeout_s: float, *,
     return state, len(payload)
 
 
+def fetch_first(addresses: dict[int, PeerAddress], src: int, step: int, holders: Sequence[int], timeout_s: float, *,
+                key: JobKey | None) -> tuple[dict[str, torch.Tensor], int, int, tuple[str, ...]]:
+    """Rank ``src``'s state at ``step`` from the first of ``holders`` whose copy passes
+    (:func:`fetch`): the state, the bytes read, that holder, and why each one before it was
+    refused ("rank h: why"). PeerError naming every refusal where none passes."""
+    refused: list[str] = []
+    for h in holders:
+        if h not in addresses:
+            refused.append(f"rank {h}: no peer address is known for it")
+            continue
+        try:
+            state, n = fetch(addresses[h], src, step, timeout_s, key=key)
+        except PeerError as exc:
+            refused.append(f"rank {h}: {exc}")
+            continue
+        return state, n, h, tuple(refused)
+    raise PeerError(f"no holder gave rank {src}'s copy of step {step}: " + ("; ".join(refused) or "none is held"))
+
+
 @dataclass
 class PeerCopyCounters:
     """What the copies cost one rank (mutable counters; :meth:`freeze` for the report)."""
@@ -860,7 +890,7 @@ class PeerCopier:
         slab.fill(tensors)
         self.counters.host_copy_s += time.perf_counter() - c0
         self.own[step], self._slabs[step] = slab.state, slab
-        self.server.admit_through(step + 1)
+        self.server.admit_through(step + 1, self._copy_bound(slab.layout.total))
         self._idle.clear()
         self._queue.put((step, slab))
         if self.depth == 1:  # no older snapshot to roll back to: the copy lands before the next step begins
@@ -868,6 +898,11 @@ class PeerCopier:
         self.counters.commits += 1
         self.counters.snapshot_s += time.perf_counter() - t0
         self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())
+
+    @staticmethod
+    def _copy_bound(own_bytes: int) -> int:
+        """The largest copy of another rank this rank's server takes, from its own copy's bytes."""
+        return COPY_BYTES_FACTOR * own_bytes + _COPY_BYTES_SLACK
 
     def _slab(self, state: dict[str, torch.Tensor], tensors: list[torch.Tensor]) -> Slab:
         """A free slab laid out as ``state`` is (one made when none is: the first commits, or
@@ -893,7 +928,9 @@ class PeerCopier:
         """Drop own snapshots newer than ``step`` (the group went back to it)."""
         for s in [s for s in self.own if s > step]:
             self._drop(s)
-        self.server.admit_through(step + 1)
+        kept = self.own.get(step)
+        self.server.admit_through(step + 1, None if kept is None else
+                                  self._copy_bound(sum(t.numel() * t.element_size() for t in kept.values())))
 
     def release_own(self) -> None:
         """Drop every own snapshot and the buffers kept for the next ones (an excision re-shards

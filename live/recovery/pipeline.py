@@ -476,18 +476,10 @@ def peer_restore(rt: Job, decision: Decision) -> PeerRestored:
         raise RuntimeError(f"a peer restore to step {step} was decided but rank {s.rank} keeps "
                            f"only steps {rt.peers.own_steps()} and was named no holder")
     else:
-        refused: list[str] = []
-        for h in holders_in_order(decision, s.rank, step):
-            try:
-                state, fetched = peers.fetch(rt.peers.addresses[h], s.rank, step, s.config.peer_copy_timeout_s,
-                                             key=rt.peers.key)
-            except peers.PeerError as exc:
-                refused.append(f"rank {h}: {exc}")
-                continue
-            got = PeerRestored(h, fetched, tuple(refused))
-            break
-        else:
-            raise peers.PeerError(f"no holder gave rank {s.rank}'s copy of step {step}: " + "; ".join(refused))
+        state, fetched, holder, refused = peers.fetch_first(rt.peers.addresses, s.rank, step,
+                                                            holders_in_order(decision, s.rank, step),
+                                                            s.config.peer_copy_timeout_s, key=rt.peers.key)
+        got = PeerRestored(holder, fetched, refused)
         rt.peers.own[step] = state
     load_job_state(rt.model, rt.optimizer, state, rt.schedulers, rt.objects,
                    source=f"rank {s.rank}'s copy of step {step} from rank {got.holder}")
