@@ -18,8 +18,9 @@ own memory. Ranks lost together (a node) may die with their newest copies at dif
 one landed and one in flight: the step before is then still held for both.
 
 That is depth 2 (``RecoveryConfig.peer_copy_depth``, the default): four buffers of a rank's
-state per rank (two own snapshots, two held copies). Depth 1 keeps one of each, half the host
-memory, and gives up the one-step rollback: a commit waits for its copy to land before the
+state per rank (two own snapshots, two held copies). Depth 1 keeps one of each, about half the
+host memory (a holder takes a second buffer while a copy arrives: the one it holds is kept until
+its successor is complete and verified), and gives up the one-step rollback: a commit waits for its copy to land before the
 next step begins (the ship no longer overlaps the step), and a rank lost after its peers
 committed a step it did not (in its optimizer step or its commit) has no copy of a step the
 survivors hold, so consensus decides a checkpoint restore and names why.
@@ -36,6 +37,18 @@ After a fault every rank reports what it holds in its proposal
 (:attr:`~meshpact.live.recovery.consensus.Proposal.holds`); consensus picks the step and the
 holder (:func:`~meshpact.live.recovery.consensus.decide`), and the lost rank's replacement
 fetches its state from that holder (:func:`fetch`).
+
+The path is safe on a shared network. Every connection is authenticated with the job's key
+(:mod:`~meshpact.live.recovery.jobkey`, purpose ``"peer"``): the server opens with a fresh nonce,
+and each frame's header carries an HMAC bound to it (a reply's to the client's nonce too), checked
+before anything past the header is read; a client without the key gets nothing and puts
+nothing. Each copy travels with the SHA-256 digest its source computed on the shipper thread
+right after the snapshot; the holder checks it on receipt (with the copy's index, and the step
+against the newest its source can have committed: :meth:`PeerServer.admit_through`), the
+fetcher again before the restore (:func:`fetch`), and a copy that fails is refused: the restore
+takes the next holder's (:func:`fetch_first`) and names the refusal. Input is bounded: headers of
+``MAX_HEADER``, a deadline per frame, ``PENDING_MAX`` unauthenticated and ``SERVING_MAX``
+authenticated connections, copies of at most ``COPY_BYTES_FACTOR`` times the holder's own.
 
 Addresses are published on the control channel (``peer/rank<r>``); a replacement publishes
 its own, and every rank reads them again after each recovery. :class:`PeerCopyCounters` counts what
@@ -460,6 +473,7 @@ class PeerServer:
         self._horizon: int | None = None  # the newest step a put may carry (None: any, before this rank's first commit)
         self._max_bytes: int | None = None  # the largest copy a put may carry (None: before this rank's first commit)
         self.refused: list[str] = []  # why each of the last refused frames was refused (newest last)
+        self._dropped: tuple[tuple[int, int], ...] = ()  # (source, step) of held copies dropped: they failed their digest
         self.peak_bytes = 0
         self.recv_cpu_s = 0.0  # CPU seconds of receiving copies (the holder's side of a ship)
         self._closed = False
@@ -469,6 +483,12 @@ class PeerServer:
         """(source rank, step) of every complete copy held."""
         with self._lock:
             return tuple(sorted((src, step) for src, by_step in self._copies.items() for step in by_step))
+
+    def dropped(self) -> tuple[tuple[int, int], ...]:
+        """(source rank, step) of the copies this rank held and dropped since they failed their
+        digest (a proposal names them: the decision then says why no copy is left)."""
+        with self._lock:
+            return self._dropped
 
     def admit_through(self, step: int, max_bytes: int | None = None) -> None:
         """Accept puts of steps up to ``step`` from now on, each of at most ``max_bytes`` (None: as
@@ -490,8 +510,12 @@ class PeerServer:
             raise PeerError(f"this rank holds no copy of rank {src} at step {step} "
                             f"(it holds {sorted(by_step) or None})")
         if copy_digest([copy.payload]) != copy.digest:
+            with self._lock:  # no longer offered: the next round's proposal leaves it out and names it
+                if self._copies.get(src, {}).get(step) is copy:
+                    del self._copies[src][step]
+                self._dropped = (*self._dropped[-15:], (src, step))
             raise PeerError(f"the copy of rank {src} at step {step} held here fails its digest (its bytes changed "
-                            "since the source's snapshot): refused")
+                            "since the source's snapshot): refused and dropped")
         try:
             got, state = deserialize(copy.payload)
         except ValueError as exc:
@@ -593,6 +617,7 @@ class PeerServer:
             with self._lock:
                 if self._copies.get(src, {}).get(step) is held:
                     del self._copies[src][step]
+                self._dropped = (*self._dropped[-15:], (src, step))
             self._refuse(f"the copy of rank {src} at step {step} held here failed its digest: dropped")
 
     def _put(self, conn: socket.socket, header: JsonObject, context: tuple[bytes, ...]) -> None:

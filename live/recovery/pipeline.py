@@ -303,9 +303,10 @@ def agree_on(rt: Job, d: Detection) -> Decision:
     def proposal(group_generation: int) -> Proposal:
         held = s.peer_server.holds() if s.peer_server is not None else ()
         own = rt.peers.own_steps() if rt.peers is not None else ()
+        refused = s.peer_server.dropped() if s.peer_server is not None else ()
         return Proposal(s.rank, s.generation, rt.committed_step, commit_check, d.intact, s.incarnation,
                         rt.committed_step if d.cause.drill else None, holds=held, own_steps=own, host=s.host,
-                        standby=standby)
+                        standby=standby, refused=refused)
 
     t_agree = time.perf_counter()
     rt.settle_counters()  # a recovery that failed before settling its counters settles them now

@@ -186,10 +186,12 @@ def test_one_flipped_bit_in_a_held_copy_is_refused_and_the_next_holder_gives_it(
         while first.holds() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert first.holds() == () and second.holds() == ((0, 5),)
+        assert first.dropped() == ((0, 5),)  # the next round's proposal names it
         with pytest.raises(PeerError, match="fails its digest"):  # an excision's own held copy: checked too
             second._copies[0][5].payload[-40] ^= 0x01
             second.held(0, 5)
-        with pytest.raises(PeerError, match="no holder gave rank 0's copy of step 5: rank 1: .*rank 2: .*digest"):
+        assert second.holds() == () and second.dropped() == ((0, 5),)
+        with pytest.raises(PeerError, match="no holder gave rank 0's copy of step 5: rank 1: .*rank 2: .*holds no copy"):
             fetch_first(addresses, 0, 5, (1, 2), 5.0, key=KEY)
     finally:
         first.close()

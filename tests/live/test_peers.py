@@ -122,6 +122,18 @@ def test_a_holder_replaced_with_the_lost_rank_and_a_live_one_are_each_named_for_
     assert "state of rank 1: its holder(s) [3] are alive but hold none of it, and [2] were lost with it" in d.reason
 
 
+def test_a_copy_every_holder_refused_sends_the_job_to_the_checkpoint_and_the_reason_names_the_refusals():
+    """Holders that dropped a copy failing its digest hold none of it any more; the decision says so."""
+    props = {0: _survivor(0, holds=[(3, 9)]), 1: _replacement(1),
+             2: Proposal(2, 2, 9, "d2", True, holds=(), own_steps=(8, 9), host="h", refused=((1, 9),)),
+             3: _survivor(3, holds=[(2, 9)])}
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.CHECKPOINT_RESTORE
+    assert ("state of rank 1: its holder(s) [2] are alive but hold none of it; rank 2 refused its copy of step 9 "
+            "(it failed its digest)") in d.reason
+    assert Proposal.from_dict(props[2].to_dict()) == props[2]
+
+
 def test_excise_is_decided_only_for_declared_ranks_when_the_job_asked_for_it():
     props = {0: _survivor(0), 2: _survivor(2, holds=[(1, 9)]), 3: _survivor(3)}
     assert decide(props, 4, 2, 3, _latest, peer_copies=1, declared=(1,)).policy is Policy.CHECKPOINT_RESTORE
