@@ -20,10 +20,10 @@ one landed and one in flight: the step before is then still held for both.
 That is depth 2 (``RecoveryConfig.peer_copy_depth``, the default): four buffers of a rank's
 state per rank (two own snapshots, two held copies). Depth 1 keeps one of each, about half the
 host memory (a holder takes a second buffer while a copy arrives: the one it holds is kept until
-its successor is complete and verified), and gives up the one-step rollback: a commit waits for its copy to land before the
-next step begins (the ship no longer overlaps the step), and a rank lost after its peers
-committed a step it did not (in its optimizer step or its commit) has no copy of a step the
-survivors hold, so consensus decides a checkpoint restore and names why.
+its successor is complete and verified), and gives up the one-step rollback: a commit waits for
+its copy to land before the next step begins (the ship no longer overlaps the step), and a
+rank lost after its peers committed a step it did not (in its optimizer step or its commit) has
+no copy of a step the survivors hold, so consensus decides a checkpoint restore and names why.
 
 A recovery is not kept waiting by a ship: from the moment a rank knows of a fault until it runs
 again (:meth:`PeerCopier.pause`, :meth:`PeerCopier.resume`) its shipper sends nothing more of the
@@ -571,6 +571,7 @@ class PeerServer:
                     serving = self._serving < SERVING_MAX
                     self._serving += serving
                 context = (b"reply", nonce, _hex(header, "nonce", _NONCE))
+                conn.settimeout(self.timeout_s)  # a reply's send gets the whole timeout, not the header's leftover
                 if not serving:
                     raise _Refused(f"{SERVING_MAX} connections are being served already")
                 try:
