@@ -1,13 +1,15 @@
 """A real job's peer servers under attack, and a held copy corrupted before a kill.
 
-One short run (3 ranks, 4 steps, each rank's copies on both others, rank 0 killed at step 2)
-serves every assertion. Its workload is the user's loop with two additions, run inside the
-rank processes: rank 2, as a client without the job key, attacks every rank's peer server at
-step 1 (reads with step -1 and at the real steps, a put at the real step whose schedule is a
-pickle that would write a file, puts at far-future steps); rank 1 flips one bit of every copy
-of rank 0 it keeps, after the copy arrived and passed its digest, as failing memory would.
-The killed rank's replacement must refuse rank 1's copy, take rank 2's, and end bit-identical
-to the fault-free run; no attack may read a byte or change what any server holds.
+One short trial (3 ranks, 4 steps, each rank's copies on both others, rank 0 killed at step 2;
+its fault-free reference run and its faulted run) serves every assertion. The workload is the
+user's loop with two additions, run inside the rank processes: rank 2, as a client without
+the job key, attacks every rank's peer server at step 1 of each run (reads with step -1 and at
+the real steps, puts at the real step whose schedule is a pickle that would write a file, puts
+at far-future steps); rank 1 flips one bit of every copy of rank 0 it keeps, after the copy
+arrived and passed its digest, as failing memory would. The killed rank's replacement must
+refuse rank 1's copy, take rank 2's, and end bit-identical to the fault-free run; no attack may
+read a byte or change what any server holds. At depth 1 a commit's copy lands on both holders
+before the next step begins, so the kill never races the copy rank 2 is to give.
 """
 
 from __future__ import annotations
@@ -96,7 +98,9 @@ WORKLOAD = textwrap.dedent('''
                 except PeerError:
                     refused += 1
             report[r] = {"bytes_read": got, "library_refused": refused}
-        (OUT / "attack.json").write_text(json.dumps({"report": report, "before": before, "after": server.holds()}))
+        run = os.environ.get("MESHPACT_RUN_ID", "run")
+        (OUT / f"attack-{run}.json").write_text(json.dumps({"report": report, "before": before,
+                                                            "after": server.holds()}))
 
     def _corrupt_copies_of(src):
         """Flip one bit of each copy of ``src`` this rank's server keeps, once it is kept (verified)."""
@@ -123,7 +127,8 @@ WORKLOAD = textwrap.dedent('''
         if rank == 1 and first and not hasattr(server, "_test_flipping"):
             server._test_flipping = True
             _corrupt_copies_of(0)
-        if rank == 2 and first and batch["step"] == 1 and not (OUT / "attack.json").exists():
+        run = os.environ.get("MESHPACT_RUN_ID", "run")
+        if rank == 2 and first and batch["step"] == 1 and not (OUT / f"attack-{run}.json").exists():
             _attack(batch["step"])
         loss = model(batch["x"]).pow(2).mean()
         loss.backward()
@@ -137,25 +142,29 @@ def test_a_stranger_reads_and_changes_nothing_and_a_corrupted_copy_falls_back_to
         tmp_path_factory):
     out = tmp_path_factory.mktemp("attack")
     workload = workload_file(tmp_path_factory, "attacked", WORKLOAD.replace("__OUT__", repr(str(out))))
-    result = trial(ranks=3, steps=4, faults=1, fault_kind="kill", peer_copies=2, checkpoint_every=4,
-                   baselines=False, workload=workload)
+    result = trial(ranks=3, steps=4, faults=1, fault_kind="kill", peer_copies=2, peer_copy_depth=1,
+                   checkpoint_every=4, baselines=False, workload=workload)
     assert [(f.rank, f.step) for f in result.faults] == [(0, 2)]
     assert_identical(result, faults_recovered=1, peer_restore=1)
 
     # (a) no byte of state left any server, nothing was put, no payload ran
-    attack = json.loads((out / "attack.json").read_text())
-    assert sorted(attack["report"]) == ["0", "1", "2"]
-    for r, seen in attack["report"].items():
-        assert seen["bytes_read"] == [0] * 18 and seen["library_refused"] == 3, (r, seen)
-    # rank 2's own server during the attack: the genuine copies it held stay, those arriving meanwhile are the
-    # sources' real commits (steps 0 and 1), and nothing the attack sent was kept
-    before, after = ({tuple(h) for h in attack[k]} for k in ("before", "after"))
-    assert before and before <= after <= {(src, s) for src in (0, 1) for s in (0, 1)}, attack
+    attacks = [json.loads(p.read_text()) for p in sorted(out.glob("attack-*.json"))]
+    assert len(attacks) == 2  # the reference run's and the faulted run's
+    for attack in attacks:
+        assert sorted(attack["report"]) == ["0", "1", "2"]
+        for r, seen in attack["report"].items():
+            assert seen["bytes_read"] == [0] * 18 and seen["library_refused"] == 3, (r, seen)
+        # rank 2's own server during the attack: what it held stays held (or is replaced by the source's next
+        # genuine copy, landing meanwhile), and nothing the attack sent was kept
+        before, after = ({tuple(h) for h in attack[k]} for k in ("before", "after"))
+        assert before and after <= {(src, s) for src in (0, 1) for s in (0, 1)}, attack
+        assert all(any(a == src and t >= s for a, t in after) for src, s in before), attack
     assert not (out / "pwned").exists()
     for path in out.glob("holds-rank*.jsonl"):
         for line in path.read_text().splitlines():
             held = json.loads(line)
-            assert all(src in (0, 1, 2) and 0 <= step <= 4 for src, step in held["holds"]), (path.name, held)
+            assert all(src in (0, 1, 2) and held["step"] - 1 <= step <= held["step"]
+                       for src, step in held["holds"]), (path.name, held)
 
     # (c) rank 1's copies were corrupted; the replacement refused rank 1's and restored from rank 2's
     assert (out / "flipped.txt").read_text().split()
