@@ -9,7 +9,8 @@ at far-future steps); rank 1 flips one bit of every copy of rank 0 it keeps, aft
 arrived and passed its digest, as failing memory would. The killed rank's replacement must
 refuse rank 1's copy, take rank 2's, and end bit-identical to the fault-free run; no attack may
 read a byte or change what any server holds. At depth 1 a commit's copy lands on both holders
-before the next step begins, so the kill never races the copy rank 2 is to give.
+before the next step begins, so the kill never races the copy rank 2 is to give; the run is
+also the depth-1 kill (half the host memory): restored from a peer, nothing read from storage.
 """
 
 from __future__ import annotations
@@ -145,7 +146,8 @@ def test_a_stranger_reads_and_changes_nothing_and_a_corrupted_copy_falls_back_to
     result = trial(ranks=3, steps=4, faults=1, fault_kind="kill", peer_copies=2, peer_copy_depth=1,
                    checkpoint_every=4, baselines=False, workload=workload)
     assert [(f.rank, f.step) for f in result.faults] == [(0, 2)]
-    assert_identical(result, faults_recovered=1, peer_restore=1)
+    s = assert_identical(result, faults_recovered=1, peer_restore=1, checkpoint_restore=0)
+    assert s["storage_bytes_read"] == 0
 
     # (a) no byte of state left any server, nothing was put, no payload ran
     attacks = [json.loads(p.read_text()) for p in sorted(out.glob("attack-*.json"))]
