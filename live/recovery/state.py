@@ -33,6 +33,7 @@ import gc
 import hashlib
 import json
 import math
+import numbers
 import random
 import sys
 from array import array
@@ -579,8 +580,12 @@ class _Wire:
             raise ScheduleError(f"the schedule nests deeper than {_DEPTH} levels at {where}")
         if x is None or type(x) in (bool, int, str):
             return x
-        if type(x) is float:
-            return x if math.isfinite(x) else {"$f": repr(x)}
+        if isinstance(x, numbers.Integral) and not isinstance(x, bool):  # NumPy's ints too: the int they equal
+            return int(x)
+        if isinstance(x, numbers.Real):  # NumPy's floats too: the float they equal
+            return float(x) if math.isfinite(x) else {"$f": repr(float(x))}
+        if isinstance(x, str):
+            return str(x)
         if type(x) is bytes:
             return {"$b": self._put(x)}
         if isinstance(x, torch.Tensor):

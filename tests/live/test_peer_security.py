@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from meshpact.live.recovery.jobkey import draw
 from meshpact.live.recovery.peers import (MAX_HEADER, PENDING_MAX, PeerAddress, PeerError, PeerServer, fetch,
                                           fetch_first, put, serialize)
-from meshpact.live.recovery.state import SCHEDULE_KEY, ScheduleError, job_state, load_job_state
+from meshpact.live.recovery.state import SCHEDULE_KEY, ScheduleError
 
 KEY = draw().derive("peer")
 _CHALLENGE = 40  # the server's first bytes: an 8-byte magic, then its 32-byte nonce
@@ -199,13 +199,13 @@ def test_one_flipped_bit_in_a_held_copy_is_refused_and_the_next_holder_gives_it(
 
 
 def test_a_schedule_that_is_a_pickle_is_refused_unread_naming_its_source(tmp_path):
-    model = torch.nn.Linear(4, 4)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    state = job_state(model, opt)
-    state[SCHEDULE_KEY] = torch.frombuffer(bytearray(pickle.dumps(_WritesFile(str(tmp_path / "pwned")))),
-                                           dtype=torch.uint8)
-    with pytest.raises(ScheduleError, match="^rank 1's copy of step 3 from rank 2: its schedule starts .* refused unread$"):
-        load_job_state(model, opt, state, source="rank 1's copy of step 3 from rank 2")
+    """The restore's decoder (peer restore, checkpoint load) and the excision's (adopted objects)."""
+    from meshpact.live.recovery.state import _schedule_from, saved_objects
+
+    pickled = torch.frombuffer(bytearray(pickle.dumps(_WritesFile(str(tmp_path / "pwned")))), dtype=torch.uint8)
+    for decode, source in ((_schedule_from, "rank 1's copy of step 3 from rank 2"), (saved_objects, "rank 1's held copy")):
+        with pytest.raises(ScheduleError, match=f"^{source}: its schedule starts .* refused unread$"):
+            decode(pickled, source)
     assert not (tmp_path / "pwned").exists()
 
 
@@ -293,3 +293,51 @@ def test_hostile_frames_are_each_refused_and_the_genuine_copy_is_still_served(ho
             sock.close()
     assert _genuine(holder) and holder.holds() == ((0, 3),)
     assert _rss_kib() - rss0 < 64 << 10, "resident memory grew by more than 64 MiB"
+
+
+# -- the schedule's data-only encoding ---------------------------------------------------------------
+def _encoded(doc: dict, blob: bytes = b"") -> torch.Tensor:
+    """A schedule tensor holding ``doc`` as its JSON and ``blob`` as its bytes, as a forger would write it."""
+    raw = json.dumps(doc).encode()
+    data = b"MPSCHED1" + len(raw).to_bytes(8, "little") + len(blob).to_bytes(8, "little") + raw + blob
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def test_a_schedule_round_trips_bit_for_bit_and_forged_encodings_are_refused_in_one_line():
+    import numpy as np
+
+    from meshpact.live.recovery.state import Schedule, _Raw, _schedule_from, _schedule_tensor
+
+    state = {"best": float("inf"), "worse": -float("inf"), "nan": float("nan"), "zero": -0.0, 1: (0.9, 0.999),
+             (2, "k"): [None, True, b"\x00\xff"], "lr": torch.tensor(3e-4, dtype=torch.float64),
+             "gen": _Raw("uint8", (5,), bytes(range(5))), "np": np.float64(0.5), "empty": torch.empty(0, 3)}
+    sched = Schedule(({"lr": 0.1, "betas": (0.9, 0.99), "foreach": None},), (("StepLR", {"last_epoch": 3}),),
+                     (("data", state),))
+    t = _schedule_tensor(sched)
+    back = _schedule_from(t)
+    assert torch.equal(_schedule_tensor(back), t)  # bit-identity of the committed schedule
+    got = dict(back.objects)["data"]
+    assert got[1] == (0.9, 0.999) and got[(2, "k")] == [None, True, b"\x00\xff"] and got["gen"] == state["gen"]
+    assert got["best"] == float("inf") and got["nan"] != got["nan"] and str(got["zero"]) == "-0.0"
+    assert got["lr"].dtype == torch.float64 and torch.equal(got["lr"], state["lr"]) and got["empty"].shape == (0, 3)
+    with pytest.raises(ScheduleError, match=r"holds a set at state\['data'\]\['s'\]"):
+        _schedule_tensor(Schedule((), (), (("data", {"s": {1, 2}}),)))
+    empty = {"groups": [], "schedulers": [], "objects": []}
+    forged = {
+        "Infinity": _encoded({**empty, "groups": [{"$d": [["lr", float("inf")]]}]}),
+        "nests deeper than 64": _encoded({**empty, "groups": json.loads("[" * 100 + "]" * 100)}),
+        "not valid JSON": torch.frombuffer(bytearray(b"MPSCHED1" + (200_000).to_bytes(8, "little") + bytes(8)
+                                                     + b"[" * 100_000 + b"]" * 100_000), dtype=torch.uint8),
+        "tagged objects": _encoded({**empty, "groups": [{"__class__": "os.system"}]}),
+        "not a torch dtype": _encoded({**empty, "objects": [["x", {"$tensor": ["Tensor", [1], 0, 4]}]]}, b"abcd"),
+        "non-negative": _encoded({**empty, "objects": [["x", {"$tensor": ["float32", [-1, -1], 0, 4]}]]}, b"abcd"),
+        "-byte blob": _encoded({**empty, "objects": [["x", {"$b": [0, 1 << 40]}]]}),
+        "not hashable": _encoded({**empty, "objects": [["x", {"$d": [[[1, 2], 3]]}]]}),
+        "expected groups": _encoded({"groups": []}),
+        "claims": torch.frombuffer(bytearray(b"MPSCHED1" + (1 << 60).to_bytes(8, "little") + bytes(8)),
+                                   dtype=torch.uint8),
+    }
+    for why, tensor in forged.items():
+        with pytest.raises(ScheduleError, match=why) as err:
+            _schedule_from(tensor, "a checkpoint's rank 3")
+        assert str(err.value).startswith("a checkpoint's rank 3: ") and "\n" not in str(err.value)
