@@ -31,6 +31,7 @@ LONGEST_FIRST = (
     # lost; plain torchrun restarting from a checkpoint
     "tests/live/test_trial_baselines.py",  # 30-80 s under load: a kill trial with its baselines
     "tests/live/test_launch.py",  # 30 s
+    "tests/live/test_peer_security_live.py",  # 41-80 s under load 15-18: 3 ranks attacked, one killed at depth 1
     "tests/live/test_recovery_large_send.py",  # 10-30 s: a 128 MB send in flight when a recovery starts
     "tests/live/test_recovery_stuck_send.py",  # 12-30 s
     "tests/live/test_timeouts_follow.py",  # 20-40 s

@@ -88,6 +88,7 @@ class Proposal:
     own_steps: tuple[int, ...] = ()  # steps of this rank's own snapshots kept in host memory
     host: str = ""  # the host the rank is on (peer placement prefers other hosts)
     standby: JsonObject | None = None  # what the rank's standby can do (communicator.StandbyStatus); None: none
+    refused: tuple[tuple[int, int], ...] = ()  # (source rank, step) of copies this rank dropped: they failed their digest
 
     def to_dict(self) -> JsonObject:
         # by hand: dataclasses.asdict deep-copies every field, a millisecond of each recovery
@@ -95,14 +96,16 @@ class Proposal:
                 "digest": self.digest, "intact": self.intact, "incarnation": self.incarnation,
                 "restore_before": self.restore_before, "holds": [list(h) for h in self.holds],
                 "own_steps": list(self.own_steps), "host": self.host,
-                "standby": dict(self.standby) if self.standby is not None else None}
+                "standby": dict(self.standby) if self.standby is not None else None,
+                "refused": [list(r) for r in self.refused]}
 
     @classmethod
     def from_dict(cls, d: JsonObject) -> "Proposal":
         kw = {k: d[k] for k in ("rank", "generation", "committed_step", "digest", "intact", "incarnation",
                                 "restore_before", "host", "standby") if k in d}
         return cls(**kw, holds=tuple((int(a), int(b)) for a, b in d.get("holds", ())),
-                   own_steps=tuple(int(x) for x in d.get("own_steps", ())))
+                   own_steps=tuple(int(x) for x in d.get("own_steps", ())),
+                   refused=tuple((int(a), int(b)) for a, b in d.get("refused", ())))
 
 
 def rank_runs(ranks: Sequence[int]) -> list[list[int]]:
@@ -348,7 +351,9 @@ def _no_copy(proposals: dict[int, Proposal], src: int, peer_copies: int) -> str:
     if not empty:
         return f"the state of rank {src} was lost with all its holder(s) {gone}"
     why = f"no rank holds a copy of the state of rank {src}: its holder(s) {empty} are alive but hold none of it"
-    return why + (f", and {gone} were lost with it" if gone else "")
+    refused = [f"rank {h} refused its copy of step {step} (it failed its digest)"
+               for h in empty for s, step in proposals[h].refused if s == src]
+    return why + (f", and {gone} were lost with it" if gone else "") + (f"; {', '.join(refused)}" if refused else "")
 
 
 def _excise_plan(proposals: dict[int, Proposal], lost: Sequence[int],

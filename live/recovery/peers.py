@@ -18,11 +18,12 @@ own memory. Ranks lost together (a node) may die with their newest copies at dif
 one landed and one in flight: the step before is then still held for both.
 
 That is depth 2 (``RecoveryConfig.peer_copy_depth``, the default): four buffers of a rank's
-state per rank (two own snapshots, two held copies). Depth 1 keeps one of each, half the host
-memory, and gives up the one-step rollback: a commit waits for its copy to land before the
-next step begins (the ship no longer overlaps the step), and a rank lost after its peers
-committed a step it did not (in its optimizer step or its commit) has no copy of a step the
-survivors hold, so consensus decides a checkpoint restore and names why.
+state per rank (two own snapshots, two held copies). Depth 1 keeps one of each, about half the
+host memory (a holder takes a second buffer while a copy arrives: the one it holds is kept until
+its successor is complete and verified), and gives up the one-step rollback: a commit waits for
+its copy to land before the next step begins (the ship no longer overlaps the step), and a
+rank lost after its peers committed a step it did not (in its optimizer step or its commit) has
+no copy of a step the survivors hold, so consensus decides a checkpoint restore and names why.
 
 A recovery is not kept waiting by a ship: from the moment a rank knows of a fault until it runs
 again (:meth:`PeerCopier.pause`, :meth:`PeerCopier.resume`) its shipper sends nothing more of the
@@ -37,6 +38,18 @@ After a fault every rank reports what it holds in its proposal
 holder (:func:`~meshpact.live.recovery.consensus.decide`), and the lost rank's replacement
 fetches its state from that holder (:func:`fetch`).
 
+The path is safe on a shared network. Every connection is authenticated with the job's key
+(:mod:`~meshpact.live.recovery.jobkey`, purpose ``"peer"``): the server opens with a fresh nonce,
+and each frame's header carries an HMAC bound to it (a reply's to the client's nonce too), checked
+before anything past the header is read; a client without the key gets nothing and puts
+nothing. Each copy travels with the SHA-256 digest its source computed on the shipper thread
+right after the snapshot; the holder checks it on receipt (with the copy's index, and the step
+against the newest its source can have committed: :meth:`PeerServer.admit_through`), the
+fetcher again before the restore (:func:`fetch`), and a copy that fails is refused: the restore
+takes the next holder's (:func:`fetch_first`) and names the refusal. Input is bounded: headers of
+``MAX_HEADER``, a deadline per frame, ``PENDING_MAX`` unauthenticated and ``SERVING_MAX``
+authenticated connections, copies of at most ``COPY_BYTES_FACTOR`` times the holder's own.
+
 Addresses are published on the control channel (``peer/rank<r>``); a replacement publishes
 its own, and every rank reads them again after each recovery. :class:`PeerCopyCounters` counts what
 the copies cost (snapshot time on the training thread, bytes shipped, host bytes held), the
@@ -48,24 +61,31 @@ how busy the whole host was meanwhile (other jobs' load takes cores the ranks do
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import math
 import mmap
 import os
 import queue
+import secrets
 import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from meshpact.core.jsonform import JsonObject
 
+from .jobkey import TAG_BYTES, JobKey
+
 if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stays torch-free
     import torch
 
 __all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
+           "fetch_first", "put", "copy_digest", "MAX_HEADER", "PENDING_MAX", "SERVING_MAX",
            "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "host_buffer", "HOST_ENV", "ADDR_ENV"]
 
 ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (default: loopback)
@@ -74,10 +94,33 @@ _HEADER = struct.Struct("!I")
 _CHUNK = 1 << 20
 _SHIP_PIECE = 4 << 20  # a ship sends a copy's body this much at a time, looking at its gate between pieces
 _MAPPED_MIN = 1 << 20  # buffers at least this long are mapped from the kernel (:func:`host_buffer`)
+MAX_HEADER = 64 << 10  # a frame's JSON header, at most
+_CHALLENGE = b"MPPEER1\n"  # then the server's nonce: the first bytes a peer server sends on a connection
+_NONCE = 32
+_MIN_RATE = 16 << 20  # bytes per second a frame's body must arrive at, at least: its deadline follows from it
+PENDING_MAX = 32  # connections not yet authenticated, at most: the oldest is closed to let a new one in
+SERVING_MAX = 64  # authenticated connections served at once, at most: more are refused
+# a held copy is at most this many times the holder's own copy, plus _COPY_BYTES_SLACK: every rank's
+# copy is its part of one job's state (uneven shards, a pipeline stage holding the embeddings)
+COPY_BYTES_FACTOR = 4
+_COPY_BYTES_SLACK = 64 << 20
+_UNKEYED = bytes(TAG_BYTES)  # the tag sent where the job runs unauthenticated (MESHPACT_UNAUTHENTICATED=1)
+_log = logging.getLogger(__name__)
 
 
 class PeerError(ConnectionError):
-    """A peer copy could not be sent or fetched (the holder is gone, or does not hold it)."""
+    """A peer copy could not be sent or fetched: the holder is gone or does not hold it, a frame
+    was malformed, unauthenticated or late, or a copy failed its digest. The one kind of error
+    the peer path raises; the message says which."""
+
+
+def copy_digest(parts: Sequence[bytes | bytearray | memoryview | mmap.mmap]) -> str:
+    """The digest a copy travels with (SHA-256 of its bytes, hex): the source computes it from
+    its snapshot, the holder checks it on receipt, the fetcher before it restores the copy."""
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()
 
 
 def placement(src: int, world_size: int, copies: int, hosts: Sequence[str] | None = None) -> tuple[int, ...]:
@@ -122,14 +165,26 @@ def read_addresses(channel: Any, world_size: int, timeout_s: float | None = None
             for r in ranks for v in (got[f"peer/rank{r}"],)}
 
 
-# -- the wire: a length-prefixed JSON header, then the payload's bytes -------------------------
-def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview | Sequence[Any] = b"",
-          gate: Callable[[], None] | None = None) -> None:
-    """``header`` then ``payload``: bytes, or a sequence of buffers sent one after another as one
-    payload. ``gate``: called before each piece of ``_SHIP_PIECE`` bytes (it may wait)."""
+# -- the wire ----------------------------------------------------------------------------------
+# A connection opens with the server's challenge (``_CHALLENGE`` and a fresh nonce). Every frame
+# after it is a 4-byte length, a JSON header (at most ``MAX_HEADER`` bytes; its ``n`` is the
+# length of the body that follows), the HMAC of the header under the job's peer key (bound to
+# the server's nonce, and for a reply to the client's), then the body. A put's header carries the
+# copy's digest, so the tag covers the body too; the tag is checked before the header is parsed,
+# and a client without the key is sent nothing more. Each frame has one deadline, whatever the
+# pace of its bytes: ``timeout_s``, plus the body's length at ``_MIN_RATE``.
+def _tag(key: JobKey | None, context: Sequence[bytes], raw: bytes) -> bytes:
+    return _UNKEYED if key is None else key.mac(*context, raw)
+
+
+def _send(sock: socket.socket, key: JobKey | None, context: Sequence[bytes], header: JsonObject,
+          payload: bytes | memoryview | Sequence[Any] = b"", gate: Callable[[], None] | None = None) -> None:
+    """One frame: ``header`` (tagged under ``key`` bound to ``context``), then ``payload``: bytes, or
+    a sequence of buffers sent one after another as one payload. ``gate``: called before each
+    piece of ``_SHIP_PIECE`` bytes (it may wait)."""
     parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
     raw = json.dumps({**header, "n": sum(len(p) for p in parts)}).encode()
-    sock.sendall(_HEADER.pack(len(raw)) + raw)
+    sock.sendall(_HEADER.pack(len(raw)) + raw + _tag(key, context, raw))
     for part in parts:
         if gate is None:
             if len(part):
@@ -139,6 +194,53 @@ def _send(sock: socket.socket, header: JsonObject, payload: bytes | memoryview |
         for at in range(0, len(view), _SHIP_PIECE):
             gate()
             sock.sendall(view[at:at + _SHIP_PIECE])
+
+
+def _deadline(timeout_s: float, n: int = 0) -> float:
+    """When a frame of an ``n``-byte body must have arrived by (monotonic seconds)."""
+    return time.monotonic() + timeout_s + n / _MIN_RATE
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _recv_header(sock: socket.socket, key: JobKey | None, context: Sequence[bytes], deadline: float) -> JsonObject:
+    """A frame's header, its tag checked before it is parsed; PeerError names what was wrong."""
+    (size,) = _HEADER.unpack(bytes(_recv_exact(sock, _HEADER.size, deadline=deadline)))
+    if size > MAX_HEADER:
+        raise PeerError(f"a frame header of {size} bytes (at most {MAX_HEADER})")
+    got = bytes(_recv_exact(sock, size + TAG_BYTES, deadline=deadline))
+    raw, tag = got[:size], got[size:]
+    if key is not None and not key.verify(tag, *context, raw):
+        raise PeerError("a frame whose tag is not the job key's (a client without the key, or a forged frame)")
+    try:
+        header = json.loads(raw, parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise PeerError(f"a frame header that is not JSON ({str(exc)[:80]})") from None
+    if type(header) is not dict:
+        raise PeerError(f"a frame header that is a {type(header).__name__}, not an object")
+    _field(header, "n", 0, 1 << 62)
+    return header
+
+
+def _field(header: JsonObject, name: str, lo: int, hi: int) -> int:
+    """``header[name]``, an int in ``lo..hi``; PeerError naming it otherwise."""
+    v = header.get(name)
+    if type(v) is not int or not lo <= v <= hi:
+        raise PeerError(f"a frame header whose {name!r} is {str(v)[:40]}, expected an int in {lo}..{hi}")
+    return v
+
+
+def _hex(header: JsonObject, name: str, nbytes: int) -> bytes:
+    v = header.get(name)
+    try:
+        raw = bytes.fromhex(v) if type(v) is str else b""
+    except ValueError:
+        raw = b""
+    if len(raw) != nbytes:
+        raise PeerError(f"a frame header whose {name!r} is {str(v)[:40]!r}, expected {2 * nbytes} hex digits")
+    return raw
 
 
 def host_buffer(n: int) -> bytearray | mmap.mmap:
@@ -151,24 +253,29 @@ def host_buffer(n: int) -> bytearray | mmap.mmap:
     return bytearray(n) if n < _MAPPED_MIN else mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
 
 
-def _recv_exact(sock: socket.socket, n: int, into: bytearray | mmap.mmap | None = None) -> bytearray | mmap.mmap:
-    """``n`` bytes from ``sock``, into ``into`` (exactly ``n`` long) where given, else a new
-    buffer (:func:`host_buffer`)."""
+def _recv_exact(sock: socket.socket, n: int, into: bytearray | mmap.mmap | None = None, *, deadline: float,
+                hasher: Any = None) -> bytearray | mmap.mmap:
+    """``n`` bytes from ``sock`` by ``deadline`` (monotonic: the frame's, not each ``recv``'s),
+    into ``into`` (exactly ``n`` long) where given, else a new buffer (:func:`host_buffer`);
+    ``hasher`` is fed the bytes as they come."""
     buf = host_buffer(n) if into is None else into
     view = memoryview(buf)
     got = 0
     while got < n:
-        k = sock.recv_into(view[got:], min(n - got, _CHUNK))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PeerError(f"a frame not complete by its deadline ({got} of {n} bytes)")
+        sock.settimeout(left)
+        try:
+            k = sock.recv_into(view[got:], min(n - got, _CHUNK))
+        except socket.timeout:
+            raise PeerError(f"a frame not complete by its deadline ({got} of {n} bytes)") from None
         if k == 0:
             raise PeerError(f"connection closed after {got} of {n} bytes")
+        if hasher is not None:
+            hasher.update(view[got:got + k])
         got += k
     return buf
-
-
-def _recv(sock: socket.socket) -> tuple[JsonObject, bytearray | mmap.mmap]:
-    (size,) = _HEADER.unpack(bytes(_recv_exact(sock, _HEADER.size)))
-    header = json.loads(bytes(_recv_exact(sock, size)))
-    return header, _recv_exact(sock, int(header.get("n", 0)))
 
 
 # -- a copy's bytes: a magic, a length-prefixed JSON index (the step, the body's length; each
@@ -256,9 +363,17 @@ def serialize(step: int, state: dict[str, torch.Tensor]) -> bytes:
 
 def deserialize(raw: bytes | bytearray | mmap.mmap) -> tuple[int, dict[str, torch.Tensor]]:
     """The step and the state of a payload :func:`serialize` made; a payload of another form or
-    length (a torn copy) raises ``ValueError`` naming what differs. The tensors of a writable
-    payload (a ``bytearray``, a :func:`host_buffer`) are views of it (no copy: the caller's memory stays one copy's; the
-    payload lives as long as they do), those of ``bytes`` copies."""
+    length (a torn or forged copy) raises ``ValueError`` naming what differs, whatever its
+    index holds. The tensors of a writable payload (a ``bytearray``, a :func:`host_buffer`) are
+    views of it (no copy: the caller's memory stays one copy's; the payload lives as long as
+    they do), those of ``bytes`` copies."""
+    try:
+        return _deserialize(raw)
+    except (TypeError, KeyError, IndexError, OverflowError, RuntimeError, RecursionError, struct.error) as exc:
+        raise ValueError(f"a malformed state copy ({type(exc).__name__}: {str(exc)[:120]})") from None
+
+
+def _deserialize(raw: bytes | bytearray | mmap.mmap) -> tuple[int, dict[str, torch.Tensor]]:
     import torch
 
     view = memoryview(raw)
@@ -268,30 +383,37 @@ def deserialize(raw: bytes | bytearray | mmap.mmap) -> tuple[int, dict[str, torc
     at = len(_MAGIC) + _HEADER.size
     (size,) = _HEADER.unpack(view[len(_MAGIC):at])
     try:
-        doc = json.loads(bytes(view[at:at + size]))
+        doc = json.loads(bytes(view[at:at + size]), parse_constant=_refuse_constant)
     except ValueError as exc:
         raise ValueError(f"a state copy whose index is not JSON ({exc})") from None
+    if (type(doc) is not dict or type(doc.get("step")) is not int or type(doc.get("bytes")) is not int
+            or doc["bytes"] < 0 or type(doc.get("tensors")) is not list):
+        raise ValueError(f"a state copy whose index {str(doc)[:80]} is not {{step, bytes, tensors}}")
     at += size
-    if at + int(doc["bytes"]) != len(view):
-        raise ValueError(f"a state copy of {len(view)} bytes whose index describes {at + int(doc['bytes'])}")
+    if at + doc["bytes"] != len(view):
+        raise ValueError(f"a state copy of {len(view)} bytes whose index describes {at + doc['bytes']}")
     state, end = {}, 0
     for entry in doc["tensors"]:
         try:
             name, dtype, shape, n, offset = entry
-            n, offset, shape = int(n), int(offset), [int(d) for d in shape]
+            if not (type(name) is str and type(dtype) is str and type(n) is int and type(offset) is int
+                    and type(shape) is list and all(type(d) is int and d >= 0 for d in shape) and len(shape) <= 64):
+                raise TypeError
         except (TypeError, ValueError):
-            raise ValueError(f"a state copy's index entry {str(entry)[:120]} is not [name, dtype, shape, "
-                             "bytes, offset]") from None
-        kind = getattr(torch, str(dtype), None)
+            raise ValueError(f"a state copy's index entry {str(entry)[:120]} is not [name, dtype, shape "
+                             "(non-negative ints), bytes, offset]") from None
+        kind = getattr(torch, dtype, None)
         if not isinstance(kind, torch.dtype):
             raise ValueError(f"a state copy names {dtype!r} as the dtype of {name!r}: not a torch dtype")
-        numel = math.prod(int(d) for d in shape)
+        numel = math.prod(shape)
         if numel * kind.itemsize != n:
             raise ValueError(f"a state copy gives {name!r} {n} bytes; its shape {list(shape)} of {dtype} "
                              f"needs {numel * kind.itemsize}")
-        if offset < end or offset + n > int(doc["bytes"]):
+        if offset < end or offset + n > doc["bytes"]:
             raise ValueError(f"a state copy places {name!r} at bytes {offset}..{offset + n} of its "
                              f"{doc['bytes']}-byte body, overlapping the tensor before it or past the end")
+        if name in state:
+            raise ValueError(f"a state copy names {name!r} twice")
         end = offset + n
         if n:
             part = view[at + offset:at + offset + n]
@@ -300,7 +422,7 @@ def deserialize(raw: bytes | bytearray | mmap.mmap) -> tuple[int, dict[str, torc
             state[name] = flat.view(kind).reshape(shape)
         else:
             state[name] = torch.empty(shape, dtype=kind)
-    return int(doc["step"]), state
+    return doc["step"], state
 
 
 @dataclass(frozen=True)
@@ -308,16 +430,30 @@ class HeldCopy:
     src: int
     step: int
     payload: bytearray | mmap.mmap  # as received (:func:`host_buffer`): the one buffer a copy takes (states handed out are views of it)
+    digest: str  # the source's (:func:`copy_digest`), checked on receipt; a fetcher checks it again
 
 
 class PeerServer:
     """This rank's holder side: receives copies (``put``) and hands them out (``get``) on a
     daemon thread; keeps the ``depth`` newest complete copies per source rank (the next one
-    arrives into the oldest one's buffer)."""
+    arrives into the oldest one's buffer; at depth 1 into a buffer of its own, so the copy
+    held stays until its successor is complete and verified).
 
-    def __init__(self, addr: str = "127.0.0.1", timeout_s: float = 10.0, depth: int = 2) -> None:
+    ``key``: the job's peer key (``JobKey.derive("peer")``); every connection proves it (see
+    the wire's comment) before anything is read past its header. None runs unauthenticated,
+    where the user opted out by name (``MESHPACT_UNAUTHENTICATED=1``): one warning is logged.
+    A put is kept only when its digest matches its bytes, its index describes them, and its
+    step is one the source could have committed (:meth:`admit_through`); connections are
+    capped (``PENDING_MAX`` unauthenticated, the oldest closed for a new one; ``SERVING_MAX``
+    authenticated). Malformed input ends its connection (:class:`PeerError`), never the server."""
+
+    def __init__(self, addr: str = "127.0.0.1", timeout_s: float = 10.0, depth: int = 2, *,
+                 key: JobKey | None) -> None:
         if depth < 1:
             raise ValueError(f"a holder keeps at least one copy per source, got depth {depth}")
+        if key is None:
+            _log.warning("peer copies run unauthenticated (MESHPACT_UNAUTHENTICATED=1): anyone who reaches "
+                         "this rank's peer server can read and replace the state it holds")
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -326,11 +462,18 @@ class PeerServer:
         self.addr = addr
         self.port = int(self._listener.getsockname()[1])
         self.timeout_s = timeout_s
+        self.key = key
         self._lock = threading.Lock()
         self.depth = depth
         self._copies: dict[int, dict[int, HeldCopy]] = {}  # source rank -> step -> copy (the depth newest)
         self._lent: dict[int, int] = {}  # id of a copy's buffer -> gets sending it now (never overwritten meanwhile)
         self._receiving = 0  # bytes of copies in flight
+        self._pending: OrderedDict[int, socket.socket] = OrderedDict()  # connections not yet authenticated, oldest first
+        self._serving = 0  # authenticated connections being served
+        self._horizon: int | None = None  # the newest step a put may carry (None: any, before this rank's first commit)
+        self._max_bytes: int | None = None  # the largest copy a put may carry (None: before this rank's first commit)
+        self.refused: list[str] = []  # why each of the last refused frames was refused (newest last)
+        self._dropped: tuple[tuple[int, int], ...] = ()  # (source, step) of held copies dropped: they failed their digest
         self.peak_bytes = 0
         self.recv_cpu_s = 0.0  # CPU seconds of receiving copies (the holder's side of a ship)
         self._closed = False
@@ -341,15 +484,42 @@ class PeerServer:
         with self._lock:
             return tuple(sorted((src, step) for src, by_step in self._copies.items() for step in by_step))
 
+    def dropped(self) -> tuple[tuple[int, int], ...]:
+        """(source rank, step) of the copies this rank held and dropped since they failed their
+        digest (a proposal names them: the decision then says why no copy is left)."""
+        with self._lock:
+            return self._dropped
+
+    def admit_through(self, step: int, max_bytes: int | None = None) -> None:
+        """Accept puts of steps up to ``step`` from now on, each of at most ``max_bytes`` (None: as
+        before): this rank committed ``step - 1`` and no source commits further ahead than the step
+        it is running (every step's collectives take this rank too). A put past it could only evict
+        genuine copies."""
+        with self._lock:
+            self._horizon = step
+            self._max_bytes = self._max_bytes if max_bytes is None else max_bytes
+
     def held(self, src: int, step: int) -> dict[str, torch.Tensor]:
-        """The copy of ``src``'s state at ``step`` this rank holds (an excision re-shards it)."""
+        """The copy of ``src``'s state at ``step`` this rank holds (an excision re-shards it),
+        its digest checked first: a copy whose bytes changed since the source's snapshot raises
+        PeerError."""
         with self._lock:
             by_step = dict(self._copies.get(src, {}))
         copy = by_step.get(step)
         if copy is None:
             raise PeerError(f"this rank holds no copy of rank {src} at step {step} "
                             f"(it holds {sorted(by_step) or None})")
-        got, state = deserialize(copy.payload)
+        if copy_digest([copy.payload]) != copy.digest:
+            with self._lock:  # no longer offered: the next round's proposal leaves it out and names it
+                if self._copies.get(src, {}).get(step) is copy:
+                    del self._copies[src][step]
+                self._dropped = (*self._dropped[-15:], (src, step))
+            raise PeerError(f"the copy of rank {src} at step {step} held here fails its digest (its bytes changed "
+                            "since the source's snapshot): refused and dropped")
+        try:
+            got, state = deserialize(copy.payload)
+        except ValueError as exc:
+            raise PeerError(f"the copy of rank {src} held for step {step}: {exc}") from None
         if got != step:
             raise PeerError(f"the copy of rank {src} held for step {step} is of step {got}")
         return state
@@ -372,65 +542,131 @@ class PeerServer:
             try:
                 conn, _ = self._listener.accept()
             except OSError:
-                return
+                if self._closed:
+                    return
+                time.sleep(0.01)  # out of descriptors, a connection reset before accept: the server goes on
+                continue
+            with self._lock:
+                self._pending[id(conn)] = conn
+                evicted = [self._pending.popitem(last=False)[1] for _ in range(len(self._pending) - PENDING_MAX)]
+            for old in evicted:
+                _shut(old)
             threading.Thread(target=self._serve, args=(conn,), name="meshpact-peer-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            conn.settimeout(self.timeout_s)
-            try:
-                (size,) = _HEADER.unpack(bytes(_recv_exact(conn, _HEADER.size)))
-                header = json.loads(bytes(_recv_exact(conn, size)))
-                if header["op"] == "put":
-                    self._put(conn, header)
-                elif header["op"] == "get":
-                    with self._lock:
-                        by_step = self._copies.get(int(header["src"]), {})
-                        held = by_step.get(int(header["step"]))
-                        newest = max(by_step, default=None)
-                        if held is not None:
-                            self._lent[id(held.payload)] = self._lent.get(id(held.payload), 0) + 1
-                    if held is None:
-                        _send(conn, {"ok": False, "held": newest})
-                    else:
-                        try:
-                            _send(conn, {"ok": True, "step": held.step}, memoryview(held.payload))
-                        finally:
-                            with self._lock:
-                                left = self._lent.pop(id(held.payload)) - 1
-                                if left:
-                                    self._lent[id(held.payload)] = left
-            except (OSError, PeerError, ValueError, KeyError):
-                return  # a sender that died mid-copy: its previous complete copy stays
-
-    def _put(self, conn: socket.socket, header: JsonObject) -> None:
-        n, src = int(header["n"]), int(header["src"])
+    def _refuse(self, why: str) -> None:
         with self._lock:
-            # the next copy arrives into the oldest of the two kept (same size, nobody sending it):
-            # that copy is no longer held from now on, and a source's copies take two buffers
+            self.refused = [*self.refused[-15:], why]
+
+    def _serve(self, conn: socket.socket) -> None:
+        serving = False
+        with conn:
+            try:
+                nonce = secrets.token_bytes(_NONCE)
+                conn.settimeout(self.timeout_s)
+                conn.sendall(_CHALLENGE + nonce)
+                header = _recv_header(conn, self.key, (b"request", nonce), _deadline(self.timeout_s))
+                with self._lock:
+                    if self._pending.pop(id(conn), None) is None:
+                        raise PeerError("a connection closed to let a newer one in")
+                    serving = self._serving < SERVING_MAX
+                    self._serving += serving
+                context = (b"reply", nonce, _hex(header, "nonce", _NONCE))
+                conn.settimeout(self.timeout_s)  # a reply's send gets the whole timeout, not the header's leftover
+                if not serving:
+                    raise _Refused(f"{SERVING_MAX} connections are being served already")
+                try:
+                    if header.get("op") == "put":
+                        self._put(conn, header, context)
+                    elif header.get("op") == "get":
+                        self._get(conn, header, context)
+                    else:
+                        raise PeerError(f"a frame whose op is {str(header.get('op'))[:20]!r}, expected put or get")
+                except _Refused as exc:
+                    self._refuse(str(exc))
+                    _send(conn, self.key, context, {"ok": False, "why": str(exc)})
+            except (OSError, PeerError, ValueError) as exc:  # a sender that died mid-copy: its previous copy stays
+                self._refuse(str(exc))
+            except Exception as exc:  # noqa: BLE001  (no input ends the server; the connection goes)
+                self._refuse(f"{type(exc).__name__}: {str(exc)[:120]}")
+            finally:
+                with self._lock:
+                    self._pending.pop(id(conn), None)
+                    self._serving -= serving
+
+    def _get(self, conn: socket.socket, header: JsonObject, context: tuple[bytes, ...]) -> None:
+        src, step = _field(header, "src", 0, 1 << 31), _field(header, "step", -1, 1 << 62)
+        with self._lock:
+            by_step = self._copies.get(src, {})
+            held = by_step.get(step)
+            newest = max(by_step, default=None)
+            if held is not None:
+                self._lent[id(held.payload)] = self._lent.get(id(held.payload), 0) + 1
+        if held is None:
+            raise _Refused(f"this rank holds no copy of rank {src} at step {step} (it holds step {newest})")
+        try:
+            _send(conn, self.key, context, {"ok": True, "step": held.step, "digest": held.digest},
+                  memoryview(held.payload))
+            # the fetcher checks the digest and refuses a changed copy; this rank checks it too, after
+            # the send (off the fetcher's path), and stops offering it, so the next round's holds omit it
+            intact = copy_digest([held.payload]) == held.digest
+        finally:
+            with self._lock:
+                left = self._lent.pop(id(held.payload)) - 1
+                if left:
+                    self._lent[id(held.payload)] = left
+        if not intact:
+            with self._lock:
+                if self._copies.get(src, {}).get(step) is held:
+                    del self._copies[src][step]
+                self._dropped = (*self._dropped[-15:], (src, step))
+            self._refuse(f"the copy of rank {src} at step {step} held here failed its digest: dropped")
+
+    def _put(self, conn: socket.socket, header: JsonObject, context: tuple[bytes, ...]) -> None:
+        src, step = _field(header, "src", 0, 1 << 31), _field(header, "step", 0, 1 << 62)
+        n, digest = header["n"], _hex(header, "digest", 32).hex()
+        with self._lock:
+            horizon, limit = self._horizon, self._max_bytes
+        if horizon is not None and step > horizon:
+            raise _Refused(f"a copy of rank {src} at step {step}: past step {horizon}, the newest a source can "
+                           "have committed while this rank runs")
+        if limit is not None and n > limit:
+            raise _Refused(f"a copy of rank {src} at step {step} of {n} bytes: more than the {limit} this holder takes "
+                           f"(a multiple of its own copy's size, COPY_BYTES_FACTOR)")
+        with self._lock:
+            # the next copy arrives into the oldest of those kept (same size, nobody sending it), never into
+            # the only one: the newest stays held until its successor is complete and verified
             by_step = self._copies.get(src, {})
             into = None
-            if len(by_step) >= self.depth:
+            if len(by_step) >= self.depth > 1:
                 oldest = min(by_step)
                 if len(by_step[oldest].payload) == n and id(by_step[oldest].payload) not in self._lent:
                     into = by_step.pop(oldest).payload
             self._receiving += n
             self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + self._receiving)
         t0 = time.thread_time()
+        hasher = hashlib.sha256()
         try:
-            payload = _recv_exact(conn, n, into)
+            payload = _recv_exact(conn, n, into, deadline=_deadline(self.timeout_s, n), hasher=hasher)
         finally:
             with self._lock:
                 self._receiving -= n
                 self.recv_cpu_s += time.thread_time() - t0
-        copy = HeldCopy(int(header["src"]), int(header["step"]), payload)
+        if hasher.hexdigest() != digest:
+            raise _Refused(f"the copy of rank {src} at step {step} fails its digest: refused")
+        try:
+            got, _ = deserialize(payload)
+        except ValueError as exc:
+            raise _Refused(f"the copy of rank {src} at step {step}: {exc}") from None
+        if got != step:
+            raise _Refused(f"a copy sent as rank {src}'s step {step} is of step {got}")
+        copy = HeldCopy(src, step, payload, digest)
         with self._lock:
             by_step = self._copies.setdefault(copy.src, {})
-            by_step[copy.step] = copy  # complete: displaces the oldest of the two kept
+            by_step[copy.step] = copy  # complete and verified: displaces the oldest kept
             for old in sorted(by_step)[:-self.depth]:
                 del by_step[old]
             self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + self._receiving)
-        _send(conn, {"ok": True})
+        _send(conn, self.key, context, {"ok": True})
 
     def close(self) -> None:
         self._closed = True
@@ -439,6 +675,17 @@ class PeerServer:
         except OSError:
             pass
         self._listener.close()
+
+
+class _Refused(PeerError):
+    """A request an authenticated client is answered no to, with why."""
+
+
+def _shut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def host_busy_s() -> float | None:
@@ -461,42 +708,96 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def _connect(address: PeerAddress, timeout_s: float) -> socket.socket:
+def _connect(address: PeerAddress, timeout_s: float) -> tuple[socket.socket, bytes]:
+    """A connection to ``address``'s peer server and the server's nonce (its challenge)."""
     try:
-        return socket.create_connection((address.addr, address.port), timeout=timeout_s)
+        sock = socket.create_connection((address.addr, address.port), timeout=timeout_s)
     except OSError as exc:
         raise PeerError(f"rank {address.rank}'s peer server at {address.addr}:{address.port}: {exc}") from None
+    try:
+        got = bytes(_recv_exact(sock, len(_CHALLENGE) + _NONCE, deadline=_deadline(timeout_s)))
+    except (OSError, PeerError) as exc:
+        sock.close()
+        raise PeerError(f"rank {address.rank}'s peer server at {address.addr}:{address.port} sent no challenge: "
+                        f"{exc}") from None
+    if not got.startswith(_CHALLENGE):
+        sock.close()
+        raise PeerError(f"{address.addr}:{address.port} is not a Meshpact peer server (it sent {got[:8]!r})")
+    return sock, got[len(_CHALLENGE):]
+
+
+def _ask(address: PeerAddress, key: JobKey | None, timeout_s: float, header: JsonObject,
+         payload: bytes | Sequence[Any] = b"", gate: Callable[[], None] | None = None,
+         what: str = "") -> tuple[JsonObject, bytearray | mmap.mmap]:
+    """One request to ``address``'s peer server and its reply (header, body); the reply's tag and
+    the body's digest (where the reply names one) are checked. PeerError names ``what`` failed."""
+    sock, nonce = _connect(address, timeout_s)
+    mine = secrets.token_bytes(_NONCE)
+    with sock:
+        try:
+            sock.settimeout(timeout_s)
+            _send(sock, key, (b"request", nonce), {**header, "nonce": mine.hex()}, payload, gate)
+            reply = _recv_header(sock, key, (b"reply", nonce, mine), _deadline(timeout_s))
+            if not reply.get("ok"):
+                raise PeerError(f"rank {address.rank} refused: {str(reply.get('why'))[:300]}")
+            hasher = hashlib.sha256() if "digest" in reply else None
+            body = _recv_exact(sock, reply["n"], deadline=_deadline(timeout_s, reply["n"]), hasher=hasher)
+        except OSError as exc:
+            raise PeerError(f"{what} with rank {address.rank}: {exc}") from None
+        except PeerError as exc:
+            raise PeerError(f"{what} with rank {address.rank}: {exc}") from None
+    if hasher is not None and hasher.hexdigest() != reply["digest"]:
+        raise PeerError(f"{what} from rank {address.rank}: the copy fails its digest (its bytes changed since the "
+                        "source's snapshot): refused")
+    return reply, body
 
 
 def put(address: PeerAddress, src: int, step: int, payload: bytes | Sequence[Any], timeout_s: float,
-        gate: Callable[[], None] | None = None) -> None:
+        gate: Callable[[], None] | None = None, *, key: JobKey | None, digest: str | None = None) -> None:
     """Send a copy (a payload, or its parts: a header and a body) to the holder at ``address``
-    (``gate``: see :func:`_send`)."""
-    with _connect(address, timeout_s) as sock:
-        try:
-            _send(sock, {"op": "put", "src": src, "step": step}, payload, gate)
-            header, _ = _recv(sock)
-        except OSError as exc:
-            raise PeerError(f"copy of rank {src} step {step} to rank {address.rank}: {exc}") from None
-    if not header.get("ok"):
-        raise PeerError(f"rank {address.rank} refused the copy of rank {src} step {step}")
+    (``gate``: see :func:`_send`; ``digest``: the payload's :func:`copy_digest`, computed here
+    where not given)."""
+    parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+    digest = copy_digest(parts) if digest is None else digest
+    _ask(address, key, timeout_s, {"op": "put", "src": src, "step": step, "digest": digest}, parts, gate,
+         f"copy of rank {src} step {step}")
 
 
-def fetch(address: PeerAddress, src: int, step: int, timeout_s: float) -> tuple[dict[str, torch.Tensor], int]:
-    """Rank ``src``'s state at ``step`` from the holder at ``address``; returns it and the bytes read."""
-    with _connect(address, timeout_s) as sock:
-        try:
-            _send(sock, {"op": "get", "src": src, "step": step})
-            header, payload = _recv(sock)
-        except OSError as exc:
-            raise PeerError(f"fetching rank {src} step {step} from rank {address.rank}: {exc}") from None
-    if not header.get("ok"):
-        raise PeerError(f"rank {address.rank} holds no copy of rank {src} at step {step} "
-                        f"(it holds step {header.get('held')})")
-    got, state = deserialize(payload)
+def fetch(address: PeerAddress, src: int, step: int, timeout_s: float, *,
+          key: JobKey | None) -> tuple[dict[str, torch.Tensor], int]:
+    """Rank ``src``'s state at ``step`` from the holder at ``address``, its digest checked;
+    returns it and the bytes read. PeerError says why none came (a copy failing its digest
+    included)."""
+    reply, payload = _ask(address, key, timeout_s, {"op": "get", "src": src, "step": step},
+                          what=f"fetching rank {src} step {step}")
+    if "digest" not in reply:
+        raise PeerError(f"rank {address.rank} sent rank {src}'s step {step} without its digest")
+    try:
+        got, state = deserialize(payload)
+    except ValueError as exc:
+        raise PeerError(f"rank {address.rank} sent rank {src}'s step {step}: {exc}") from None
     if got != step:
         raise PeerError(f"rank {address.rank} sent rank {src}'s step {got}, not {step}")
     return state, len(payload)
+
+
+def fetch_first(addresses: dict[int, PeerAddress], src: int, step: int, holders: Sequence[int], timeout_s: float, *,
+                key: JobKey | None) -> tuple[dict[str, torch.Tensor], int, int, tuple[str, ...]]:
+    """Rank ``src``'s state at ``step`` from the first of ``holders`` whose copy passes
+    (:func:`fetch`): the state, the bytes read, that holder, and why each one before it was
+    refused ("rank h: why"). PeerError naming every refusal where none passes."""
+    refused: list[str] = []
+    for h in holders:
+        if h not in addresses:
+            refused.append(f"rank {h}: no peer address is known for it")
+            continue
+        try:
+            state, n = fetch(addresses[h], src, step, timeout_s, key=key)
+        except PeerError as exc:
+            refused.append(f"rank {h}: {exc}")
+            continue
+        return state, n, h, tuple(refused)
+    raise PeerError(f"no holder gave rank {src}'s copy of step {step}: " + ("; ".join(refused) or "none is held"))
 
 
 @dataclass
@@ -538,6 +839,7 @@ class PeerCopier:
 
     def __init__(self, rank: int, world_size: int, copies: int, channel: Any, server: PeerServer,
                  timeout_s: float, depth: int = 2) -> None:
+        self.key = server.key  # the job's peer key: the copier proves it to every holder, as its server asks of them
         self.rank = rank
         self.world_size = world_size
         self.copies = copies
@@ -614,6 +916,7 @@ class PeerCopier:
         slab.fill(tensors)
         self.counters.host_copy_s += time.perf_counter() - c0
         self.own[step], self._slabs[step] = slab.state, slab
+        self.server.admit_through(step + 1, self._copy_bound(slab.layout.total))
         self._idle.clear()
         self._queue.put((step, slab))
         if self.depth == 1:  # no older snapshot to roll back to: the copy lands before the next step begins
@@ -621,6 +924,11 @@ class PeerCopier:
         self.counters.commits += 1
         self.counters.snapshot_s += time.perf_counter() - t0
         self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())
+
+    @staticmethod
+    def _copy_bound(own_bytes: int) -> int:
+        """The largest copy of another rank this rank's server takes, from its own copy's bytes."""
+        return COPY_BYTES_FACTOR * own_bytes + _COPY_BYTES_SLACK
 
     def _slab(self, state: dict[str, torch.Tensor], tensors: list[torch.Tensor]) -> Slab:
         """A free slab laid out as ``state`` is (one made when none is: the first commits, or
@@ -646,6 +954,9 @@ class PeerCopier:
         """Drop own snapshots newer than ``step`` (the group went back to it)."""
         for s in [s for s in self.own if s > step]:
             self._drop(s)
+        kept = self.own.get(step)
+        self.server.admit_through(step + 1, None if kept is None else
+                                  self._copy_bound(sum(t.numel() * t.element_size() for t in kept.values())))
 
     def release_own(self) -> None:
         """Drop every own snapshot and the buffers kept for the next ones (an excision re-shards
@@ -694,9 +1005,11 @@ class PeerCopier:
             c0 = time.thread_time()
             try:
                 payload = (slab.layout.header(step), slab.body())
+                digest = copy_digest(payload)  # here, off the training thread: the slab holds still until idle
                 for holder in self.holders():
                     try:
-                        put(self.addresses[holder], self.rank, step, payload, self.timeout_s, self._gate)
+                        put(self.addresses[holder], self.rank, step, payload, self.timeout_s, self._gate,
+                            key=self.key, digest=digest)
                     except PeerError:  # a holder gone: this copy is one short until the next recovery
                         self.counters.failed += 1  # reads the addresses again (:meth:`refresh`)
                         continue

@@ -303,9 +303,10 @@ def agree_on(rt: Job, d: Detection) -> Decision:
     def proposal(group_generation: int) -> Proposal:
         held = s.peer_server.holds() if s.peer_server is not None else ()
         own = rt.peers.own_steps() if rt.peers is not None else ()
+        refused = s.peer_server.dropped() if s.peer_server is not None else ()
         return Proposal(s.rank, s.generation, rt.committed_step, commit_check, d.intact, s.incarnation,
                         rt.committed_step if d.cause.drill else None, holds=held, own_steps=own, host=s.host,
-                        standby=standby)
+                        standby=standby, refused=refused)
 
     t_agree = time.perf_counter()
     rt.settle_counters()  # a recovery that failed before settling its counters settles them now
@@ -437,7 +438,7 @@ def load_decided(rt: Job, decision: Decision, counts_as_read: bool = True, spent
         got = peer_restore(rt, decision)
         s.emit(EventKind.RELOADED, Stage.STATE, seconds=spent_s + time.perf_counter() - t0,
                action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
-               holder=decision.holder_of(s.rank), bytes=got)
+               holder=got.holder, bytes=got.bytes, refused=list(got.refused))
         return
     read = rt.ckpt.bytes_read if rt.ckpt is not None else 0
     rt.restore(decision.step)
@@ -447,27 +448,52 @@ def load_decided(rt: Job, decision: Decision, counts_as_read: bool = True, spent
            action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
 
 
-def peer_restore(rt: Job, decision: Decision) -> int:
+@dataclass(frozen=True)
+class PeerRestored:
+    """Where a peer restore took this rank's state from: ``holder`` (this rank: its own snapshot),
+    the bytes fetched over the network, and each copy refused before it (holder and why)."""
+
+    holder: int
+    bytes: int = 0
+    refused: tuple[str, ...] = ()
+
+
+def holders_in_order(decision: Decision, rank: int, step: int) -> tuple[int, ...]:
+    """The ranks holding ``rank``'s copy of ``step``, as their proposals said: the one the decision
+    names first, then the others in rank order (a copy refused falls back to the next)."""
+    named = decision.holder_of(rank)
+    others = sorted(h for h, p in decision.proposals.items()
+                    if h != named and [rank, step] in [list(x) for x in p.get("holds", ())])
+    return tuple([named] if named is not None else []) + tuple(others)
+
+
+def peer_restore(rt: Job, decision: Decision) -> PeerRestored:
     """Load this rank's state at ``decision.step`` from host memory: its own snapshot, or the
-    copy the decision's holder keeps. Returns the bytes fetched over the network."""
+    copy the decision's holder keeps; a copy refused (its digest fails, it is malformed, its
+    holder is gone) falls back to the next holder, and :class:`~.peers.PeerError` naming every
+    refusal is raised when none is left (the next round finds no copy and restores the checkpoint)."""
     s = rt.session
     if rt.peers is None:
         raise RuntimeError("a peer restore was decided but this rank keeps no peer copies")
     step, holder = decision.step, decision.holder_of(s.rank)
-    fetched = 0
+    got = PeerRestored(s.rank)
     if step in rt.peers.own:
         state = rt.peers.own[step]
     elif holder is None or holder == s.rank:
         raise RuntimeError(f"a peer restore to step {step} was decided but rank {s.rank} keeps "
                            f"only steps {rt.peers.own_steps()} and was named no holder")
     else:
-        state, fetched = peers.fetch(rt.peers.addresses[holder], s.rank, step, s.config.peer_copy_timeout_s)
+        state, fetched, holder, refused = peers.fetch_first(rt.peers.addresses, s.rank, step,
+                                                            holders_in_order(decision, s.rank, step),
+                                                            s.config.peer_copy_timeout_s, key=rt.peers.key)
+        got = PeerRestored(holder, fetched, refused)
         rt.peers.own[step] = state
-    load_job_state(rt.model, rt.optimizer, state, rt.schedulers, rt.objects)
+    load_job_state(rt.model, rt.optimizer, state, rt.schedulers, rt.objects,
+                   source=f"rank {s.rank}'s copy of step {step} from rank {got.holder}")
     rt.committed_step = step
     rt.mark_committed()
     rt.peers.keep_only(step)
-    return fetched
+    return got
 
 
 # -- excise: rebuild, rebind and restore for a smaller world -----------------------------------

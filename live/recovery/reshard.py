@@ -681,7 +681,7 @@ def adopt_objects(objects: dict[str, Any], departed: Mapping[int, torch.Tensor],
     for r in sorted(departed):
         adopted: dict[str, Any] = {}
         saved = []
-        for name, state in saved_objects(departed[r]):
+        for name, state in saved_objects(departed[r], f"rank {r}'s held copy"):
             base, _, origin = name.partition("@rank")
             owner = int(origin) if origin else r
             adopted[f"{base}@rank{owner}"] = state_of(owner)[base]

@@ -577,7 +577,8 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
         from . import peers
 
-        session.peer_server = peers.PeerServer(peers.peer_address(), config.peer_copy_timeout_s, config.peer_copy_depth)
+        session.peer_server = peers.PeerServer(peers.peer_address(), config.peer_copy_timeout_s, config.peer_copy_depth,
+                                               key=key.derive("peer") if key is not None else None)
         session.host = os.environ.get(peers.HOST_ENV, session.peer_server.addr)
         peers.publish(control, peers.PeerAddress(rank, session.host, session.peer_server.addr,
                                                  session.peer_server.port, incarnation))

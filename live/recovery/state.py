@@ -31,7 +31,9 @@ from __future__ import annotations
 import copy
 import gc
 import hashlib
-import pickle
+import json
+import math
+import numbers
 import random
 import sys
 from array import array
@@ -44,7 +46,7 @@ import torch.nn as nn
 __all__ = ["shard_rows", "local_state", "load_local_state", "digest", "commit_check", "CommitMark", "StateCheck", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
            "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "saved_objects", "model_buffers", "load_buffers",
-           "Chunk", "global_chunks", "check_stateful", "capture_objects", "restore_objects"]
+           "Chunk", "global_chunks", "check_stateful", "capture_objects", "restore_objects", "ScheduleError"]
 
 ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
 _SAMPLE_TENSORS = 64
@@ -408,7 +410,7 @@ def rng_from_tensors(tensors: dict[str, torch.Tensor]) -> RngState:
 
 
 # -- the optimizer's schedule ----------------------------------------------------------------
-SCHEDULE_KEY = "schedule/state"  # in a job state: the Schedule, pickled into bytes
+SCHEDULE_KEY = "schedule/state"  # in a job state: the Schedule, in its data-only encoding (_Wire)
 _SCHEDULE_PAD = 256  # its bytes are padded to a multiple of this: a peer copy's layout stays put
 
 
@@ -465,8 +467,9 @@ def capture_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any]
 
 @dataclass(frozen=True)
 class _Raw:
-    """A tensor inside an object's state, as its bytes: pickled, equal tensors give equal bytes
-    (a tensor's own pickle does not: two equal generator states pickled differently)."""
+    """A tensor inside an object's state, as its bytes: equal tensors give equal bytes in the
+    encoded schedule (a tensor's own pickle does not: two equal generator states pickled
+    differently), and it comes back as the tensor it was (:func:`_decode`)."""
 
     dtype: str
     shape: tuple[int, ...]
@@ -500,10 +503,10 @@ def capture_objects(objects: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
     return tuple((name, _encode(o.state_dict())) for name, o in sorted(objects.items()))
 
 
-def saved_objects(schedule: torch.Tensor) -> tuple[tuple[str, Any], ...]:
+def saved_objects(schedule: torch.Tensor, source: str = "the committed state") -> tuple[tuple[str, Any], ...]:
     """The registered objects' states a committed schedule (a job state's ``SCHEDULE_KEY``) holds,
-    as :func:`capture_objects` gives them."""
-    return _schedule_from(schedule).objects
+    as :func:`capture_objects` gives them (``source``: where the schedule came from, for an error)."""
+    return _schedule_from(schedule, source).objects
 
 
 def restore_objects(objects: Mapping[str, Any], saved: tuple[tuple[str, Any], ...]) -> None:
@@ -537,24 +540,177 @@ def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any]
         restore_objects(objects, schedule.objects)
 
 
+_SCHEDULE_MAGIC = b"MPSCHED1"
+_DEPTH = 64  # nesting a schedule may have; deeper is refused, never recursed into
+_TAGS = ("$d", "$t", "$f", "$b", "$tensor", "$raw")
+
+
+class ScheduleError(ValueError):
+    """A committed schedule that cannot be saved (a value of a kind the data-only encoding does
+    not carry) or read back (not Meshpact's encoding, or malformed): the message names where."""
+
+
+class _Wire:
+    """The data-only encoding of a :class:`Schedule`: JSON in which dicts, tuples, non-finite
+    floats, bytes and tensors are tagged objects, and the bytes of tensors (and of ``bytes``)
+    follow in one blob. Nothing in it names a type to build or a function to call: decoding
+    makes only dicts, lists, tuples, numbers, strings, bytes and tensors.
+
+    | value | JSON |
+    |---|---|
+    | None, bool, int, str, finite float, list | itself |
+    | dict (any hashable keys, order kept) | ``{"$d": [[key, value], ...]}`` |
+    | tuple | ``{"$t": [...]}`` |
+    | inf, -inf, nan | ``{"$f": "inf"}`` ... |
+    | bytes | ``{"$b": [offset, length]}`` into the blob |
+    | tensor | ``{"$tensor": [dtype, shape, offset, length]}`` |
+    | a registered object's tensor (:class:`_Raw`) | ``{"$raw": [dtype, shape, offset, length]}`` |
+    """
+
+    def __init__(self) -> None:
+        self.blob = bytearray()
+
+    def _put(self, data: bytes) -> list[int]:
+        at = len(self.blob)
+        self.blob += data
+        return [at, len(data)]
+
+    def encode(self, x: Any, where: str, depth: int = 0) -> Any:
+        if depth > _DEPTH:
+            raise ScheduleError(f"the schedule nests deeper than {_DEPTH} levels at {where}")
+        if x is None or type(x) in (bool, int, str):
+            return x
+        if isinstance(x, numbers.Integral) and not isinstance(x, bool):  # NumPy's ints too: the int they equal
+            return int(x)
+        if isinstance(x, numbers.Real):  # NumPy's floats too: the float they equal
+            return float(x) if math.isfinite(x) else {"$f": repr(float(x))}
+        if isinstance(x, str):
+            return str(x)
+        if type(x) is bytes:
+            return {"$b": self._put(x)}
+        if isinstance(x, torch.Tensor):
+            t = x.detach().to("cpu").contiguous()
+            return {"$tensor": [str(t.dtype).removeprefix("torch."), list(t.shape),
+                                *self._put(t.reshape(-1).view(torch.uint8).numpy().tobytes())]}
+        if type(x) is _Raw:
+            return {"$raw": [x.dtype, list(x.shape), *self._put(x.data)]}
+        if type(x) is list:
+            return [self.encode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]
+        if type(x) is tuple:
+            return {"$t": [self.encode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]}
+        if isinstance(x, dict):
+            return {"$d": [[self.encode(k, f"{where} key {k!r}", depth + 1), self.encode(v, f"{where}[{k!r}]", depth + 1)]
+                           for k, v in x.items()]}
+        raise ScheduleError(f"the schedule holds a {type(x).__qualname__} at {where}: only None, bool, int, float, str, "
+                            "bytes, list, tuple, dict and tensors are saved with the state; give its state_dict() "
+                            "plain values")
+
+    def decode(self, x: Any, source: str, depth: int = 0) -> Any:
+        if depth > _DEPTH:
+            raise ScheduleError(f"{source}: its schedule nests deeper than {_DEPTH} levels")
+        if x is None or type(x) in (bool, int, str, float):
+            return x
+        if type(x) is list:
+            return [self.decode(v, source, depth + 1) for v in x]
+        if type(x) is not dict or len(x) != 1 or next(iter(x)) not in _TAGS:
+            raise ScheduleError(f"{source}: its schedule holds {str(x)[:80]!r}, expected a value or one of the "
+                                f"tagged objects {list(_TAGS)}")
+        (tag, v), = x.items()
+        if tag == "$d" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
+            out = {}
+            for k, val in v:
+                key = self.decode(k, source, depth + 1)
+                try:
+                    out[key] = self.decode(val, source, depth + 1)
+                except TypeError:
+                    raise ScheduleError(f"{source}: its schedule has a dict key {str(k)[:80]} that is not "
+                                        "hashable") from None
+            return out
+        if tag == "$t" and type(v) is list:
+            return tuple(self.decode(e, source, depth + 1) for e in v)
+        if tag == "$f" and v in ("inf", "-inf", "nan"):
+            return float(v)
+        if tag == "$b" and type(v) is list and len(v) == 2:
+            return bytes(self._span(v[0], v[1], source))
+        if tag in ("$tensor", "$raw") and type(v) is list and len(v) == 4:
+            dtype, shape, at, n = v
+            kind = getattr(torch, dtype, None) if type(dtype) is str else None
+            if not isinstance(kind, torch.dtype):
+                raise ScheduleError(f"{source}: its schedule names {str(dtype)[:40]!r} as a dtype: not a torch dtype")
+            if (type(shape) is not list or len(shape) > _DEPTH
+                    or not all(type(d) is int and d >= 0 for d in shape)):
+                raise ScheduleError(f"{source}: its schedule gives a tensor the shape {str(shape)[:80]}: expected "
+                                    "a list of non-negative ints")
+            data = self._span(at, n, source)
+            if math.prod(shape) * kind.itemsize != len(data):
+                raise ScheduleError(f"{source}: its schedule gives a {dtype} tensor of shape {shape} "
+                                    f"{len(data)} bytes")
+            if tag == "$raw":
+                return _Raw(dtype, tuple(shape), bytes(data))
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            return flat.view(kind).reshape(shape)
+        raise ScheduleError(f"{source}: its schedule's {tag} holds {str(v)[:80]!r}, not what that tag carries")
+
+    def _span(self, at: Any, n: Any, source: str) -> memoryview:
+        if type(at) is not int or type(n) is not int or at < 0 or n < 0 or at + n > len(self.blob):
+            raise ScheduleError(f"{source}: its schedule points at bytes {at!r}+{n!r} of a {len(self.blob)}-byte blob")
+        return memoryview(self.blob)[at:at + n]
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"the JSON constant {name} (non-finite floats are tagged)")
+
+
 def _schedule_tensor(schedule: Schedule) -> torch.Tensor:
-    try:
-        raw = pickle.dumps(schedule, protocol=4)
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        kinds = [k for k, _ in schedule.schedulers]
-        raise ValueError(f"the optimizer's schedule (param group settings, schedulers {kinds}) cannot be saved with "
-                         f"the state: {exc}; keep functions out of a scheduler's attributes (LambdaLR's lr_lambdas "
-                         "are left out by its state_dict)") from None
-    size = 8 + len(raw)
-    buf = bytearray(8 + len(raw) + (-size) % _SCHEDULE_PAD)
-    buf[:8] = len(raw).to_bytes(8, "little")
-    buf[8:8 + len(raw)] = raw
+    """``schedule`` in the data-only encoding (:class:`_Wire`): a magic, the JSON's length, the
+    JSON, the blob; padded so a peer copy's layout stays put from commit to commit."""
+    wire = _Wire()
+    doc = {"groups": wire.encode(list(schedule.groups), "param_groups"),
+           "schedulers": [[k, wire.encode(sd, f"scheduler {k}")] for k, sd in schedule.schedulers],
+           "objects": [[k, wire.encode(st, f"state[{k!r}]")] for k, st in schedule.objects]}
+    raw = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
+    size = len(_SCHEDULE_MAGIC) + 16 + len(raw) + len(wire.blob)
+    buf = bytearray(size + (-size) % _SCHEDULE_PAD)
+    at = len(_SCHEDULE_MAGIC)
+    buf[:at] = _SCHEDULE_MAGIC
+    buf[at:at + 16] = len(raw).to_bytes(8, "little") + len(wire.blob).to_bytes(8, "little")
+    buf[at + 16:size] = raw + wire.blob
     return torch.frombuffer(buf, dtype=torch.uint8).clone()
 
 
-def _schedule_from(t: torch.Tensor) -> Schedule:
-    raw = t.numpy().tobytes()
-    return pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])  # the job's own copies and checkpoints
+def _schedule_from(t: torch.Tensor, source: str = "the committed state") -> Schedule:
+    """The :class:`Schedule` a :func:`_schedule_tensor` made; anything else (a pickle, a torn or
+    forged encoding) raises :class:`ScheduleError` in one line naming ``source`` (where the
+    bytes came from: a peer copy, a checkpoint). Decoding runs no code and builds no type it names."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
+        raise ScheduleError(f"{source}: its schedule is not a uint8 tensor")
+    raw = t.detach().reshape(-1).numpy().tobytes()
+    at = len(_SCHEDULE_MAGIC)
+    if raw[:at] != _SCHEDULE_MAGIC:
+        raise ScheduleError(f"{source}: its schedule starts {raw[:at]!r}, not {_SCHEDULE_MAGIC!r} (Meshpact's data-only "
+                            "encoding); refused unread")
+    n_doc, n_blob = int.from_bytes(raw[at:at + 8], "little"), int.from_bytes(raw[at + 8:at + 16], "little")
+    if at + 16 + n_doc + n_blob > len(raw):
+        raise ScheduleError(f"{source}: its schedule claims {n_doc + n_blob} bytes, {len(raw) - at - 16} follow")
+    wire = _Wire()
+    wire.blob = bytearray(raw[at + 16 + n_doc:at + 16 + n_doc + n_blob])
+    try:
+        doc = json.loads(raw[at + 16:at + 16 + n_doc], parse_constant=_refuse_constant)
+    except (ValueError, RecursionError) as exc:
+        raise ScheduleError(f"{source}: its schedule is not valid JSON ({str(exc)[:120]})") from None
+    if type(doc) is not dict or set(doc) != {"groups", "schedulers", "objects"}:
+        raise ScheduleError(f"{source}: its schedule has fields {sorted(doc) if type(doc) is dict else type(doc).__name__}, "
+                            "expected groups, schedulers and objects")
+    groups = wire.decode(doc["groups"], source)
+
+    def named(entries: Any, what: str) -> tuple[tuple[str, Any], ...]:
+        if type(entries) is not list or not all(type(e) is list and len(e) == 2 and type(e[0]) is str for e in entries):
+            raise ScheduleError(f"{source}: its schedule's {what} are not [name, state] pairs")
+        return tuple((k, wire.decode(v, source)) for k, v in entries)
+
+    if type(groups) is not list or not all(type(g) is dict for g in groups):
+        raise ScheduleError(f"{source}: its schedule's param groups are not a list of dicts")
+    return Schedule(tuple(groups), named(doc["schedulers"], "schedulers"), named(doc["objects"], "objects"))
 
 
 def job_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng: RngState | None = None, *,
@@ -570,12 +726,15 @@ def job_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng: RngState 
 
 
 def load_job_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor],
-                   schedulers: Sequence[Any] = (), objects: Mapping[str, Any] | None = None) -> None:
+                   schedulers: Sequence[Any] = (), objects: Mapping[str, Any] | None = None,
+                   source: str = "the committed state") -> None:
+    """Put ``state`` (:func:`job_state`'s) back; ``source`` names where it came from (a peer copy,
+    a checkpoint) in the one line a schedule that is not Meshpact's encoding is refused with."""
     load_local_state(model, optimizer, {k: v for k, v in state.items() if not k.startswith(("rng/", "schedule/"))})
     if "rng/torch_cpu" in state:
         restore_rng(rng_from_tensors(state))
     if SCHEDULE_KEY in state:
-        restore_schedule(optimizer, schedulers, _schedule_from(state[SCHEDULE_KEY]), objects)
+        restore_schedule(optimizer, schedulers, _schedule_from(state[SCHEDULE_KEY], source), objects)
 
 
 def shard_rows(dim0: int, world: int, rank: int) -> tuple[int, int]:

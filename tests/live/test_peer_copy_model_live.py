@@ -20,8 +20,11 @@ from dataclasses import replace
 import pytest
 
 from meshpact.core.recovery_costs import peer_copy_cost
+from meshpact.live.recovery.jobkey import draw
 from meshpact.live.recovery.peers import PeerAddress, PeerCopier, PeerCopyCounters, PeerServer
 from meshpact.simulator.calibrate import PeerCopyCalibration, PeerCopyMeasurement
+
+KEY = draw().derive("peer")
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -75,7 +78,7 @@ def _copies(copier: PeerCopier, holder: PeerServer, numel: int, step_s: float, c
 
 @pytest.mark.parametrize("step_s", [0.02, 0.8])
 def test_a_runs_calibrated_model_predicts_its_own_training_thread_copy_time(step_s):
-    servers = [PeerServer(), PeerServer()]
+    servers = [PeerServer(key=KEY), PeerServer(key=KEY)]
     copier = PeerCopier(0, 2, 1, _NoChannel(), servers[0], timeout_s=30.0)
     try:
         copier.addresses = {r: PeerAddress(r, f"h{r}", s.addr, s.port, 0) for r, s in enumerate(servers)}

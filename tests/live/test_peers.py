@@ -12,8 +12,11 @@ import torch
 
 from meshpact.core.recovery import Policy
 from meshpact.live.recovery.consensus import Decision, Proposal, decide
+from meshpact.live.recovery.jobkey import draw
 from meshpact.live.recovery.peers import (Layout, PeerAddress, PeerCopier, PeerError, PeerServer, Slab, deserialize, fetch, placement,
                                           put, serialize)
+
+KEY = draw().derive("peer")  # the job's peer key, as start_session derives it
 
 
 # -- placement -------------------------------------------------------------------------------
@@ -119,6 +122,18 @@ def test_a_holder_replaced_with_the_lost_rank_and_a_live_one_are_each_named_for_
     assert "state of rank 1: its holder(s) [3] are alive but hold none of it, and [2] were lost with it" in d.reason
 
 
+def test_a_copy_every_holder_refused_sends_the_job_to_the_checkpoint_and_the_reason_names_the_refusals():
+    """Holders that dropped a copy failing its digest hold none of it any more; the decision says so."""
+    props = {0: _survivor(0, holds=[(3, 9)]), 1: _replacement(1),
+             2: Proposal(2, 2, 9, "d2", True, holds=(), own_steps=(8, 9), host="h", refused=((1, 9),)),
+             3: _survivor(3, holds=[(2, 9)])}
+    d = decide(props, 4, 2, 3, _latest, peer_copies=1)
+    assert d.policy is Policy.CHECKPOINT_RESTORE
+    assert ("state of rank 1: its holder(s) [2] are alive but hold none of it; rank 2 refused its copy of step 9 "
+            "(it failed its digest)") in d.reason
+    assert Proposal.from_dict(props[2].to_dict()) == props[2]
+
+
 def test_excise_is_decided_only_for_declared_ranks_when_the_job_asked_for_it():
     props = {0: _survivor(0), 2: _survivor(2, holds=[(1, 9)]), 3: _survivor(3)}
     assert decide(props, 4, 2, 3, _latest, peer_copies=1, declared=(1,)).policy is Policy.CHECKPOINT_RESTORE
@@ -141,7 +156,7 @@ def _state(seed: int) -> dict[str, torch.Tensor]:
 
 @pytest.fixture()
 def server():
-    srv = PeerServer("127.0.0.1", timeout_s=5.0)
+    srv = PeerServer("127.0.0.1", timeout_s=5.0, key=KEY)
     yield srv
     srv.close()
 
@@ -152,18 +167,18 @@ def _addr(srv: PeerServer, rank: int = 1) -> PeerAddress:
 
 def test_a_copy_comes_back_bit_for_bit_and_only_the_two_newest_complete_ones_are_kept(server):
     a, b, c = _state(1), _state(2), _state(3)
-    put(_addr(server), 3, 5, serialize(5, a), 5.0)
-    put(_addr(server), 3, 6, serialize(6, b), 5.0)
+    put(_addr(server), 3, 5, serialize(5, a), 5.0, key=KEY)
+    put(_addr(server), 3, 6, serialize(6, b), 5.0, key=KEY)
     assert server.holds() == ((3, 5), (3, 6))  # the step before stays: a node's other rank may not have 6 out
-    put(_addr(server), 3, 7, serialize(7, c), 5.0)
+    put(_addr(server), 3, 7, serialize(7, c), 5.0, key=KEY)
     assert server.holds() == ((3, 6), (3, 7))
-    got, n = fetch(_addr(server), 3, 6, 5.0)
+    got, n = fetch(_addr(server), 3, 6, 5.0, key=KEY)
     assert n > 0 and got.keys() == b.keys()
     assert all(torch.equal(got[k], b[k]) and got[k].dtype == b[k].dtype for k in b)
     with pytest.raises(PeerError, match="holds no copy of rank 3 at step 5 .*holds step 7"):
-        fetch(_addr(server), 3, 5, 5.0)
+        fetch(_addr(server), 3, 5, 5.0, key=KEY)
     with pytest.raises(PeerError, match="holds no copy of rank 0"):
-        fetch(_addr(server), 0, 6, 5.0)
+        fetch(_addr(server), 0, 6, 5.0, key=KEY)
 
 
 def _bits(t: torch.Tensor) -> bytes:
@@ -221,31 +236,29 @@ def test_each_tensor_of_a_copy_lies_aligned_for_its_dtype():
 
 
 def test_a_sender_dying_mid_copy_leaves_the_previous_copy(server):
-    put(_addr(server), 2, 4, serialize(4, _state(4)), 5.0)
+    put(_addr(server), 2, 4, serialize(4, _state(4)), 5.0, key=KEY)
     payload = serialize(5, _state(5))
-    header = json.dumps({"op": "put", "src": 2, "step": 5, "n": len(payload)}).encode()
-    with socket.create_connection((server.addr, server.port)) as sock:
-        sock.sendall(struct.pack("!I", len(header)) + header + payload[: len(payload) // 2])
-    got, _ = fetch(_addr(server), 2, 4, 5.0)
+    with _put_header(server, 2, 5, payload) as sock:
+        sock.sendall(payload[: len(payload) // 2])
+    got, _ = fetch(_addr(server), 2, 4, 5.0, key=KEY)
     assert server.holds() == ((2, 4),) and torch.equal(got["param/w"], _state(4)["param/w"])
 
 
 def test_a_copy_arrives_into_the_oldest_ones_buffer_two_buffers_per_source(server):
     """The third copy overwrites the oldest as it arrives: a source's copies never take a third
     buffer, and a sender dying mid-copy leaves the newer complete one, bit for bit."""
-    put(_addr(server), 2, 4, serialize(4, _state(4)), 5.0)
-    put(_addr(server), 2, 5, serialize(5, _state(5)), 5.0)
+    put(_addr(server), 2, 4, serialize(4, _state(4)), 5.0, key=KEY)
+    put(_addr(server), 2, 5, serialize(5, _state(5)), 5.0, key=KEY)
     n = len(serialize(6, _state(6)))
-    put(_addr(server), 2, 6, serialize(6, _state(6)), 5.0)
+    put(_addr(server), 2, 6, serialize(6, _state(6)), 5.0, key=KEY)
     assert server.holds() == ((2, 5), (2, 6)) and server.peak_bytes == 2 * n
     payload = serialize(7, _state(7))
-    header = json.dumps({"op": "put", "src": 2, "step": 7, "n": len(payload)}).encode()
-    with socket.create_connection((server.addr, server.port)) as sock:  # dies half-way into step 5's buffer
-        sock.sendall(struct.pack("!I", len(header)) + header + payload[: len(payload) // 2])
+    with _put_header(server, 2, 7, payload) as sock:  # dies half-way into step 5's buffer
+        sock.sendall(payload[: len(payload) // 2])
     deadline = time.monotonic() + 5.0
     while server.holds() != ((2, 6),) and time.monotonic() < deadline:
         time.sleep(0.01)
-    got, _ = fetch(_addr(server), 2, 6, 5.0)
+    got, _ = fetch(_addr(server), 2, 6, 5.0, key=KEY)
     assert server.holds() == ((2, 6),) and torch.equal(got["param/w"], _state(6)["param/w"])
 
 
@@ -253,19 +266,35 @@ def test_a_copy_being_sent_is_never_overwritten_by_one_arriving(server):
     """A replacement still reading the oldest copy while the source's next one arrives reads
     the bytes it asked for: the arriving copy takes a buffer of its own."""
     big = {"param/w": torch.arange(4 << 20, dtype=torch.float32)}  # 16 MB: the send blocks on an unread socket
-    put(_addr(server), 2, 4, serialize(4, big), 5.0)
-    put(_addr(server), 2, 5, serialize(5, {"param/w": big["param/w"] + 1}), 5.0)
-    header = json.dumps({"op": "get", "src": 2, "step": 4}).encode()
-    with socket.create_connection((server.addr, server.port)) as reader:
-        reader.sendall(struct.pack("!I", len(header)) + header)
+    put(_addr(server), 2, 4, serialize(4, big), 5.0, key=KEY)
+    put(_addr(server), 2, 5, serialize(5, {"param/w": big["param/w"] + 1}), 5.0, key=KEY)
+    with _authenticated(server, {"op": "get", "src": 2, "step": 4, "n": 0}) as reader:
         time.sleep(0.3)  # the server is inside sendall of step 4's buffer, blocked on this unread socket
-        put(_addr(server), 2, 6, serialize(6, {"param/w": big["param/w"] + 2}), 5.0)
+        put(_addr(server), 2, 6, serialize(6, {"param/w": big["param/w"] + 2}), 5.0, key=KEY)
         assert server.holds() == ((2, 5), (2, 6))
         reader.settimeout(5.0)
         (size,) = struct.unpack("!I", _read(reader, 4))
         reply = json.loads(_read(reader, size))
+        _read(reader, 32)  # the reply's tag
         _, got = deserialize(_read(reader, len(serialize(4, big))))
     assert reply["ok"] and reply["step"] == 4 and torch.equal(got["param/w"], big["param/w"])
+
+
+def _authenticated(server: PeerServer, header: dict) -> socket.socket:
+    """A connection to ``server`` that has sent ``header`` as a frame tagged with the job key (any
+    body is the caller's to send)."""
+    sock = socket.create_connection((server.addr, server.port), timeout=5.0)
+    nonce = _read(sock, 40)[8:]  # the challenge: a magic, then the server's nonce
+    raw = json.dumps({**header, "nonce": "00" * 32}).encode()
+    sock.sendall(struct.pack("!I", len(raw)) + raw + KEY.mac(b"request", nonce, raw))
+    return sock
+
+
+def _put_header(server: PeerServer, src: int, step: int, payload: bytes) -> socket.socket:
+    import hashlib
+
+    return _authenticated(server, {"op": "put", "src": src, "step": step, "n": len(payload),
+                                   "digest": hashlib.sha256(payload).hexdigest()})
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
@@ -279,9 +308,9 @@ def _read(sock: socket.socket, n: int) -> bytes:
 
 def test_at_depth_one_each_side_keeps_one_buffer_and_a_copy_in_flight_holds_none():
     """peer_copy_depth=1: one own snapshot and one held copy per source, each the newest; the
-    next copy arrives into the held one's buffer, so while it arrives (and after its sender
-    dies mid-copy) nothing of that source is held: consensus then restores from the checkpoint."""
-    holder, other = PeerServer("127.0.0.1", timeout_s=5.0, depth=1), PeerServer("127.0.0.1")
+    next copy arrives into a buffer of its own and displaces the held one only once it is
+    complete and verified, so a sender dying mid-copy leaves the held copy as it was."""
+    holder, other = PeerServer("127.0.0.1", timeout_s=5.0, depth=1, key=KEY), PeerServer("127.0.0.1", key=KEY)
     try:
         table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
                  for r, s in ((0, other), (1, holder))}
@@ -293,21 +322,20 @@ def test_at_depth_one_each_side_keeps_one_buffer_and_a_copy_in_flight_holds_none
             assert copier.drain(10) and copier.own_steps() == (step,) and holder.holds() == ((0, step),)
             assert all(torch.equal(copier.own[step][k], st[k]) for k in st)
         n = len(serialize(3, states[3]))
-        assert copier.host_bytes() == Layout.of(states[3]).total + other.held_bytes and holder.peak_bytes == n
+        assert copier.host_bytes() == Layout.of(states[3]).total + other.held_bytes and holder.peak_bytes == 2 * n
         payload = serialize(4, _state(4))
-        header = json.dumps({"op": "put", "src": 0, "step": 4, "n": len(payload)}).encode()
-        with socket.create_connection((holder.addr, holder.port)) as sock:
-            sock.sendall(struct.pack("!I", len(header)) + header + payload[: len(payload) // 2])
-        deadline = time.monotonic() + 5.0
-        while holder.holds() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert holder.holds() == ()
+        with _put_header(holder, 0, 4, payload) as sock:
+            sock.sendall(payload[: len(payload) // 2])
+        time.sleep(0.2)  # the holder sees the sender gone: the copy it held is still the one held
+        assert holder.holds() == ((0, 3),) and holder.peak_bytes == 2 * n
+        got, _ = fetch(_addr(holder), 0, 3, 5.0, key=KEY)
+        assert all(torch.equal(got[k], states[3][k]) for k in got)
         copier.close()
     finally:
         holder.close()
         other.close()
     with pytest.raises(ValueError, match="at least one copy"):
-        PeerServer("127.0.0.1", depth=0)
+        PeerServer("127.0.0.1", depth=0, key=KEY)
 
 
 def _mapping_of(address: int) -> str | None:
@@ -340,7 +368,7 @@ def test_snapshots_and_held_copies_of_a_megabyte_or_more_are_mappings_of_their_o
     gc.collect()
     assert _mapping_of(start) is None
     addr = PeerAddress(1, "h", server.addr, server.port, 0)
-    put(addr, 0, 5, serialize(5, state), timeout_s=5.0)
+    put(addr, 0, 5, serialize(5, state), timeout_s=5.0, key=KEY)
     held = server.held(0, 5)
     assert torch.equal(held["w"], state["w"])
     payload = server._copies[0][5].payload
@@ -354,11 +382,11 @@ def test_snapshots_and_held_copies_of_a_megabyte_or_more_are_mappings_of_their_o
 
 
 def test_a_holder_that_is_gone_is_a_peer_error_not_a_hang():
-    srv = PeerServer("127.0.0.1")
+    srv = PeerServer("127.0.0.1", key=KEY)
     address = _addr(srv)
     srv.close()
     with pytest.raises(PeerError, match="rank 1's peer server"):
-        put(address, 0, 1, b"x", 1.0)
+        put(address, 0, 1, b"x", 1.0, key=KEY)
 
 
 class _Channel:
@@ -372,7 +400,7 @@ class _Channel:
 
 
 def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newest(server):
-    other = PeerServer("127.0.0.1")
+    other = PeerServer("127.0.0.1", key=KEY)
     try:
         table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
                  for r, s in ((0, other), (1, server), (2, other))}
@@ -384,7 +412,7 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
         assert copier.drain(10)
         assert copier.counters.host_copy_s >= 1.5  # priced as the copy's own cost on the training thread
         assert copier.own_steps() == (2, 3) and server.holds() == ((0, 2), (0, 3))
-        got, _ = fetch(_addr(server), 0, 3, 5.0)
+        got, _ = fetch(_addr(server), 0, 3, 5.0, key=KEY)
         assert all(torch.equal(got[k], states[3][k]) for k in got)
         c = copier.counters
         assert c.commits == 3 and c.failed == 0 and c.bytes_sent >= 3 * len(serialize(3, states[3])) - 64
@@ -403,7 +431,7 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
         # the host memory counted is every buffer kept: the two snapshots, the older one's buffer
         # taking the next commit (never a third)
         assert copier.host_bytes() == 2 * Layout.of(more[11]).total + other.held_bytes
-        got, _ = fetch(_addr(server), 0, 11, 5.0)
+        got, _ = fetch(_addr(server), 0, 11, 5.0, key=KEY)
         assert all(torch.equal(got[k], more[11][k]) for k in got)
         # the state's shapes change (an excision reshards it): the copies follow the new shapes
         wider = {k: torch.cat([v, v]) if v.dim() else v for k, v in _state(12).items()}
@@ -411,7 +439,7 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
         assert all(torch.equal(copier.own[12][k], wider[k]) for k in wider)
         assert all(torch.equal(copier.own[11][k], more[11][k]) for k in wider)
         assert copier.drain(10)
-        got, _ = fetch(_addr(server), 0, 12, 5.0)
+        got, _ = fetch(_addr(server), 0, 12, 5.0, key=KEY)
         assert all(got[k].shape == wider[k].shape and torch.equal(got[k], wider[k]) for k in got)
         copier.close()
     finally:
@@ -458,7 +486,7 @@ def test_the_trial_reports_peer_copy_cost_in_async_checkpointings_terms():
 def test_a_paused_ship_sends_nothing_more_until_resumed_and_a_forgotten_pause_ends_by_itself(server):
     """A recovery pauses the copy in flight (the cores are the recovery's): the holder gets none
     of its body until the copier resumes; a pause nobody lifts ends after ``timeout_s / 2``."""
-    other = PeerServer("127.0.0.1")
+    other = PeerServer("127.0.0.1", key=KEY)
     try:
         table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
                  for r, s in ((0, other), (1, server))}
@@ -470,7 +498,7 @@ def test_a_paused_ship_sends_nothing_more_until_resumed_and_a_forgotten_pause_en
         assert not copier.drain(0.3) and copier.paused and server.holds() == ()
         copier.resume()
         assert copier.drain(10) and server.holds() == ((0, 1),)
-        got, _ = fetch(_addr(server), 0, 1, 5.0)
+        got, _ = fetch(_addr(server), 0, 1, 5.0, key=KEY)
         assert all(torch.equal(got[k], big[k]) for k in big)
         t0 = time.monotonic()
         copier.pause()

@@ -43,15 +43,6 @@ def test_three_kills_are_each_restored_from_a_peer_without_reading_storage():
     assert s["downtime_s"]["peer_restore"] is not None
 
 
-def test_at_peer_copy_depth_one_a_kill_is_still_restored_from_a_peer():
-    """Half the host memory (one own snapshot, one held copy): the copy lands before the next
-    step begins, so a rank killed as a step begins is restored from its peer, bit-identical."""
-    result = trial(ranks=2, steps=4, faults=1, fault_kind="kill", peer_copies=1, peer_copy_depth=1,
-                   checkpoint_every=4, baselines=False)
-    s = assert_recovered(result, "peer_restore")
-    assert s["storage_bytes_read"] == 0 and s["policy_counts"]["checkpoint_restore"] == 0
-
-
 def test_a_rank_killed_with_its_holder_is_restored_from_the_checkpoint_and_says_why():
     result = trial(faults=1, fault_kind="kill", peer_copies=1, kill_holders=True, **_RUN)
     s = result.summary()
