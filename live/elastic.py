@@ -59,9 +59,9 @@ import threading
 import time
 import uuid
 from argparse import ArgumentParser, Namespace
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from torch.distributed.elastic import events, metrics
 from torch.distributed.elastic.agent.server.api import (RunResult, SimpleElasticAgent, Worker, WorkerGroup, WorkerSpec,
@@ -78,13 +78,14 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 from meshpact.core.errors import MeshpactError
 
 from .recovery.consensus import ROUND_KEY, declared_lost, mark_gone
+from .recovery import jobkey
 from .recovery.control import ControlChannel
 from .recovery.peers import ADDR_ENV, HOST_ENV
 from .store import host_store
 from .warmspare import Assignment, assign, ready_path
 
 __all__ = ["FixedRendezvous", "LaunchOptions", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "choose_spare", "ReplacingAgent",
-           "SpareAgent", "StandbyRendezvous", "standby_key", "LaunchRefused", "parser", "main", "CONTROL_KEY"]
+           "SpareAgent", "StandbyRendezvous", "standby_key", "LaunchRefused", "parser", "main", "CONTROL_KEY", "launch_key"]
 
 logger = logging.getLogger("meshpact.launch")
 
@@ -116,6 +117,9 @@ class LaunchOptions:
     spare: bool = False  # this agent is a spare node: it stands by to take a lost node's ranks
     node_loss_s: float = 5.0  # a node whose agent has not beaten on the control channel for this long is lost
     loss_watch_s: float = 0.25  # how often the agent reads which ranks the job declared lost, and beats
+    # the job key its workers get in their environment and its control channel signs with (None: the job
+    # opted out, MESHPACT_UNAUTHENTICATED=1); see launch_key
+    job_key: jobkey.JobKey | None = None
 
     def __post_init__(self) -> None:
         if self.spare_ranks_per_node < 0:
@@ -385,7 +389,7 @@ class ReplacingAgent(SimpleElasticAgent):
         host, _, port = wg.store.get(CONTROL_KEY).decode().rpartition(":")
         self._control = (host, int(port))
         self._channel = ControlChannel(host, int(port), wg.group_rank, wg.workers[0].world_size, 5.0,
-                                       run_id=self._run_id())
+                                       run_id=self._run_id(), key=self._options.job_key)
 
     def _run_id(self) -> str:
         return os.environ.get("MESHPACT_RUN_ID") or str(self._worker_group.spec.rdzv_handler.get_run_id())
@@ -418,6 +422,9 @@ class ReplacingAgent(SimpleElasticAgent):
             "MESHPACT_CONTROL_ADDR": host,
             "MESHPACT_CONTROL_PORT": str(port),
         }
+        key = self._options.job_key
+        # the key goes to the workers in their environment (readable by this user alone), never through a store
+        env.update({jobkey.KEY_ENV: key.secret.hex()} if key is not None else {jobkey.UNAUTHENTICATED_ENV: "1"})
         env.setdefault(ADDR_ENV, os.environ.get(ADDR_ENV) or _bind_address(self._node_addr()))
         env.setdefault(HOST_ENV, os.environ.get(HOST_ENV) or f"node{wg.group_rank}:{self._node_addr()}")
         iface = _iface_of(spec.local_addr) if spec.local_addr and "GLOO_SOCKET_IFNAME" not in os.environ else None
@@ -915,7 +922,8 @@ class SpareAgent(ReplacingAgent):
                              f"--rdzv-endpoint and --rdzv-id; {first})") from None
         self._control = (host, port)
         # rank -1: the channel's rank names consensus keys, which an agent never writes (its keys name its group rank)
-        channel = self._channel = ControlChannel(host, port, -1, 1, 5.0, run_id=self._job_run_id)
+        channel = self._channel = ControlChannel(host, port, -1, 1, 5.0, run_id=self._job_run_id,
+                                                 key=self._options.job_key)
         me = self.me = SpareNode(channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size,
                                  os.getpid())
         channel.set(f"spare/node{me.spare_id}", me.to_dict())
@@ -1064,6 +1072,26 @@ def _standalone(args: Namespace) -> None:
         args.local_addr = "127.0.0.1"
 
 
+def launch_key(env: Mapping[str, str], max_nodes: int) -> jobkey.JobKey | None:
+    """The job key ``meshpact launch`` hands its workers: the user's (``MESHPACT_JOB_KEY`` or
+    ``MESHPACT_JOB_KEY_FILE``) where set; else, for a job of one node, one drawn here; a job of
+    several nodes needs the user's, the same on every node (:class:`LaunchRefused` otherwise),
+    unless it opted out with ``MESHPACT_UNAUTHENTICATED=1`` (None)."""
+    given = env.get(jobkey.KEY_ENV) or env.get(jobkey.KEY_FILE_ENV) or env.get(jobkey.UNAUTHENTICATED_ENV) == "1"
+    if not given:
+        if max_nodes <= 1:
+            return jobkey.draw("drawn by meshpact launch")
+        raise LaunchRefused(f"a job of several nodes needs one job key on every node and none was given: set "
+                            f"{jobkey.KEY_ENV} (64 hex digits, e.g. from `python -c 'import secrets; "
+                            f"print(secrets.token_hex(32))'`) or {jobkey.KEY_FILE_ENV} (a 0600 file holding them) in "
+                            f"every node's environment, or {jobkey.UNAUTHENTICATED_ENV}=1 to run without "
+                            "authentication on a trusted network")
+    try:
+        return jobkey.load(env, "", multi_host=True)
+    except jobkey.JobKeyError as exc:
+        raise LaunchRefused(str(exc)) from None
+
+
 def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     """torchrun's LaunchConfig, command and arguments for ``argv``, and Meshpact's options;
     :class:`LaunchRefused` names a bad flag in one line."""
@@ -1099,6 +1127,7 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
         raise LaunchRefused(f"{exc}") from None
     if not isinstance(cmd, str):
         raise LaunchRefused("--run-path is not supported by meshpact launch: name the script (python) or use -m")
+    options = replace(options, job_key=launch_key(os.environ, 2 if options.spare else cfg.max_nodes))
     if cfg.nproc_per_node < 1:
         raise LaunchRefused(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more workers per node")
     script = args.training_script

@@ -45,10 +45,10 @@ def test_two_nodes_in_a_static_rendezvous_replace_a_worker_alone_from_the_other_
         port = s.getsockname()[1]
     nodes = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
              "--master-port", str(port), "--max-restarts", "1")
-    out = tmp_path / "faulted"
+    out, key = tmp_path / "faulted", Job.key_env()
     with Job(Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)), tmp_path / "reference", STEPS) as ref, \
-            Job(Job.meshpact("--node-rank", "0", *nodes), out, STEPS, step_s=0.05, name="node0") as node0, \
-            Job(Job.meshpact("--node-rank", "1", *nodes), out, STEPS, step_s=0.05, name="node1") as node1:
+            Job(Job.meshpact("--node-rank", "0", *nodes), out, STEPS, step_s=0.05, env=key, name="node0") as node0, \
+            Job(Job.meshpact("--node-rank", "1", *nodes), out, STEPS, step_s=0.05, env=key, name="node1") as node1:
         others = {r: node0.wait_for_step(r, 0, 120) for r in range(3)}
         killed = node1.kill_rank(3, after_step=3)
         assert node0.wait(180) == 0, node0.tail()
