@@ -60,6 +60,7 @@ import time
 import uuid
 from argparse import ArgumentParser, Namespace
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Collection, Mapping, Sequence
 
@@ -1137,6 +1138,45 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     return cfg, cmd, cmd_args, options
 
 
+def rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Elastic's rendezvous handler for ``params``, with every store this agent hosts listening on
+    the address it is named by alone (:func:`~meshpact.live.store.host_store`): torch's TCPStore
+    listens on every interface whatever host it is given. The c10d backend's store (on the node
+    whose address the ``--rdzv-endpoint`` names; ``--standalone``: loopback) and the store it
+    shares with the workers (on the node's ``--local-addr``), and the static backend's store on
+    ``--master-addr``. Other backends (etcd) are elastic's own."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous, static_tcp_rendezvous
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    if params.backend == "static":
+        handler = static_tcp_rendezvous.create_rdzv_handler(params)
+        if handler.rank == 0:  # the store it would make at its first round, made here on the named address
+            handler._store = host_store(handler.master_addr, handler.master_port, handler.world_size,
+                                        handler.timeout.total_seconds())
+        return handler
+    if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
+        return rdzv_registry.get_rendezvous_handler(params)
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=c10d_rendezvous_backend.DEFAULT_PORT)
+    is_host = params.get_as_bool("is_host")
+    timeout_s = float(params.get_as_int("read_timeout", 60) or 60)
+    store: Any = None
+    if is_host is not False and (is_host or _matches_machine_hostname(host)):
+        try:
+            store = host_store(host, port, 1, timeout_s)
+        except OSError:
+            if is_host:  # said so by the user: the port must be ours
+                raise
+            # guessed from the host name: another agent of this machine hosts it (as elastic's own fallback)
+    if store is None:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), multi_tenant=True)
+    handler = dynamic_rendezvous.create_handler(store, c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id),
+                                                params)
+    # the store group rank 0's agent shares with its workers: on the node's address alone
+    handler._create_tcp_store_server = lambda addr, port: host_store(addr, port, 1, timeout_s)  # type: ignore[method-assign]
+    return handler
+
+
 def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> dict[int, Any]:
     """Run one node's agent to the end (elastic's ``launch_agent``, with :class:`ReplacingAgent`)."""
     if not cfg.run_id:
@@ -1151,7 +1191,7 @@ def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> d
         handler: RendezvousHandler = standby
         master_addr, master_port = None, None
     else:
-        handler = rdzv_registry.get_rendezvous_handler(params)
+        handler = rendezvous_handler(params)
         master_addr, master_port = _get_addr_and_port(params)
     spec = WorkerSpec(role=cfg.role, local_world_size=cfg.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
                       rdzv_handler=handler, max_restarts=cfg.max_restarts,
