@@ -9,59 +9,14 @@ address): a worker killed on node 1 is replaced there from node 0's copy.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 
+from _sockets import listeners
 from meshpact.live.trials.launchdrill import Job, read_finals
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 RANKS, STEPS = 4, 10
-
-
-class Listener(tuple):
-    """One listening TCP socket (``/proc/net/tcp{,6}``) and the process that holds it."""
-
-    @property
-    def wildcard(self) -> bool:
-        return set(self[1]) == {"0"}  # 0.0.0.0 or ::, as /proc writes them (hex)
-
-
-def listeners(root: int) -> list[Listener]:
-    """Every TCP socket listening in ``root``'s process tree: (pid, local address in hex, port)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except (OSError, ValueError):
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
-    tree, todo = set(), [root]
-    while todo:
-        pid = todo.pop()
-        tree.add(pid)
-        todo += children.get(pid, [])
-    owner: dict[int, int] = {}  # socket inode -> pid
-    for pid in tree:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                if link.startswith("socket:["):
-                    owner[int(link[8:-1])] = pid
-        except OSError:  # a process that ended meanwhile
-            continue
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            addr, port = fields[1].split(":")
-            if fields[3] == "0A" and int(fields[9]) in owner:  # 0A: LISTEN
-                found.append(Listener((owner[int(fields[9])], addr, int(port, 16))))
-    return found
 
 
 def test_a_killed_worker_is_replaced_alone_and_the_job_ends_bit_identical_to_one_without_a_fault(tmp_path):
