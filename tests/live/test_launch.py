@@ -3,7 +3,8 @@
 The example script (``examples/resilient_train.py``, the README's ``resilient()`` loop) runs
 twice side by side: under plain ``torchrun`` without a fault (the reference, and proof that
 the script runs under torchrun unchanged) and under ``meshpact launch`` with rank 2 SIGKILLed
-after its third step. Then two nodes as a Slurm script starts them (the static backend on node 0's
+after its third step; while it runs, no process of the job listens on every interface
+(``/proc/net/tcp{,6}``). Then two nodes as a Slurm script starts them (the static backend on node 0's
 address): a worker killed on node 1 is replaced there from node 0's copy.
 """
 

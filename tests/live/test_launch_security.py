@@ -1,10 +1,19 @@
-"""The job key ``meshpact launch`` hands its workers (:func:`~meshpact.live.elastic.launch_key`)."""
+"""What ``meshpact launch`` does for a job's security: the job key it hands its workers
+(:func:`~meshpact.live.elastic.launch_key`) and the addresses its rendezvous stores listen on
+(:func:`~meshpact.live.elastic.rendezvous_handler`)."""
 
 from __future__ import annotations
 
-import pytest
+import json
+import os
+import socket
+import uuid
 
-from meshpact.live.elastic import LaunchRefused, launch_key, main
+import pytest
+from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from _sockets import listeners
+from meshpact.live.elastic import LaunchRefused, launch_key, main, rendezvous_handler
 from meshpact.live.recovery.jobkey import KEY_ENV, KEY_FILE_ENV, UNAUTHENTICATED_ENV, draw, write_key_file
 
 
@@ -49,3 +58,36 @@ def test_meshpact_launch_on_two_nodes_without_a_key_says_so_in_one_line(tmp_path
                "--master-port", "1", str(script)])
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: a job of several nodes needs one job key"), lines
+
+
+def _listening(port: int) -> list:
+    return [ln for ln in listeners(os.getpid()) if ln[2] == port]
+
+
+def test_the_static_rendezvous_store_of_node_0_listens_on_master_addr_alone():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    handler = rendezvous_handler(RendezvousParameters("static", f"127.0.0.1:{port}", uuid.uuid4().hex, 2, 2, rank=0))
+    assert [ln.wildcard for ln in _listening(port)] == [False]  # before: torch's TCPStore on 0.0.0.0
+    del handler
+
+
+def test_the_c10d_rendezvous_store_and_the_store_shared_with_the_workers_listen_on_loopback_under_standalone():
+    params = RendezvousParameters("c10d", "localhost:0", uuid.uuid4().hex, 1, 1, local_addr="127.0.0.1")
+    before = {ln[2] for ln in listeners(os.getpid())}
+    handler = rendezvous_handler(params)
+    made = [ln for ln in listeners(os.getpid()) if ln[2] not in before]
+    shared = handler._create_tcp_store_server("127.0.0.1", 0)  # what group rank 0 makes at its first round
+    made += _listening(shared.port)
+    assert len(made) == 2 and not [ln for ln in made if ln.wildcard], made
+    del handler, shared
+
+
+def test_a_warm_spares_assignment_which_carries_the_job_key_is_readable_by_its_user_alone(tmp_path):
+    from meshpact.live.warmspare import Assignment, assign
+
+    target = tmp_path / "spare-0.json"
+    assign(target, Assignment({"MESHPACT_JOB_KEY": "00" * 32}, ("-m", "x"), "", ""))
+    assert target.stat().st_mode & 0o777 == 0o600
+    assert Assignment.from_dict(json.loads(target.read_text())).env["MESHPACT_JOB_KEY"] == "00" * 32
