@@ -35,6 +35,7 @@ class ControlAttacker(threading.Thread):
         self._server.settimeout(0.05)
         self._done = threading.Event()
         self._clients: dict[int, Any] = {}
+        self._not_stores: set[int] = set()  # listening ports that did not answer as a store
 
     def stop(self) -> None:
         self._done.set()
@@ -66,13 +67,14 @@ class ControlAttacker(threading.Thread):
 
         found = []
         for _, _, port in listeners(os.getpid()):
-            if port == self._server.getsockname()[1]:
+            if port == self._server.getsockname()[1] or port in self._not_stores:
                 continue
             if port not in self._clients:
                 try:
                     self._clients[port] = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2),
                                                    wait_for_workers=False)
                 except (RuntimeError, OSError):
+                    self._not_stores.add(port)  # not asked again
                     continue
             try:
                 keys = self._clients[port].list_keys()
