@@ -86,7 +86,8 @@ from .store import host_store
 from .warmspare import Assignment, assign, ready_path
 
 __all__ = ["FixedRendezvous", "LaunchOptions", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "choose_spare", "ReplacingAgent",
-           "SpareAgent", "StandbyRendezvous", "standby_key", "LaunchRefused", "parser", "main", "CONTROL_KEY", "launch_key"]
+           "SpareAgent", "StandbyRendezvous", "standby_key", "LaunchRefused", "parser", "main", "CONTROL_KEY", "launch_key",
+           "rendezvous_handler"]
 
 logger = logging.getLogger("meshpact.launch")
 
@@ -1170,10 +1171,11 @@ def rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
             # guessed from the host name: another agent of this machine hosts it (as elastic's own fallback)
     if store is None:
         store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), multi_tenant=True)
-    handler = dynamic_rendezvous.create_handler(store, c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id),
-                                                params)
+    backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)
+    handler = dynamic_rendezvous.create_handler(store, backend, params)
     # the store group rank 0's agent shares with its workers: on the node's address alone
-    handler._create_tcp_store_server = lambda addr, port: host_store(addr, port, 1, timeout_s)  # type: ignore[method-assign]
+    handler._create_tcp_store_server = (  # type: ignore[method-assign]
+        lambda addr, port: host_store(addr, port, 1, timeout_s))
     return handler
 
 
