@@ -103,8 +103,8 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         watch = LostRankWatch(ControlChannel(*hosts.control, 0, cfg.ranks, 5.0, run_id=tag, key=key), recording,
                               ages_file=out_dir / HEARTBEATS_FILE)
         with AgentJob(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
-                      job_key=key, max_replacements=limit, control=hosts.control, master=hosts.master, prefix=hosts.prefix,
-                      env=hosts.env, run_id=tag, forkserver=forkserver, warm_replacements=warm_replacements,
+                      job_key=key, max_replacements=limit, control=hosts.control, master=hosts.master,
+                      prefix=hosts.prefix, env=hosts.env, run_id=tag, forkserver=forkserver, warm_replacements=warm_replacements,
                       registry=work / PROCESSES_FILE, on_replaced=replaced, on_gone=left_gone, on_tick=watch,
                       announce_gone=supply.announce_missing or cfg.excising, replace_only_killed=True) as job:
             ran = job.run()
