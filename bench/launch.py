@@ -69,7 +69,7 @@ def run_case(case: str, hosts: Hosts, work: Path, port: int, reference: dict[int
     script: tuple[str, ...] = ("--excise-to", "2") if case == "node_kill" else ()
     if torchrun:
         script = ("--checkpoint-dir", str(work / "checkpoints"), "--checkpoint-every", "5")
-    jobs = []
+    jobs, key = [], Job.key_env()  # one key for the job's nodes (and its spare node)
     for node in (0, 1):
         flags = _flags(hosts, node, port, f"{case}{hosts.tag}")
         if torchrun:
@@ -77,16 +77,17 @@ def run_case(case: str, hosts: Hosts, work: Path, port: int, reference: dict[int
             # what meshpact launch sets by itself (each attempt keeps its own keys in the agents' shared
             # store by itself: session.run_id_of)
             env = {"GLOO_SOCKET_IFNAME": hosts.iface[node], "MESHPACT_PEER_ADDR": hosts.addr[node],
-                   "MESHPACT_HOST_ID": f"node{node}"}
+                   "MESHPACT_HOST_ID": f"node{node}", **key}
         else:
             extra = ["--spare-ranks-per-node", "1"] if case == "worker_kill_warm_spare" and node == 1 else []
             launcher = Job.meshpact(*flags, "--max-restarts", "1", "--node-loss-s", "3", *extra)
-            env = {}
+            env = dict(key)
         jobs.append(Job(launcher, out, STEPS, STEP_S, prefix=hosts.prefix(node), env=env, name=f"node{node}",
                         script_args=script))
     if case == "node_kill_spare_node":
         jobs.append(Job(Job.meshpact(*_flags(hosts, SPARE_HOST, port, f"{case}{hosts.tag}"), "--node-loss-s", "3",
-                                     "--spare"), out, STEPS, STEP_S, prefix=hosts.prefix(SPARE_HOST), name="spare"))
+                                     "--spare"), out, STEPS, STEP_S, prefix=hosts.prefix(SPARE_HOST), env=key,
+                        name="spare"))
     node0, node1 = jobs[:2]
     try:
         first = {r: (node0 if r < 2 else node1).wait_for_step(r, 0, 300) for r in range(4)}

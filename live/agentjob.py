@@ -13,7 +13,8 @@ replaced; a rank with no replacement left (``max_replacements``) is announced go
 which excises it or ends naming why. The caller adds what a program that runs trials needs:
 
 - the control channel it hosts (``control``): consensus, fault records and heartbeats are read there
-  by the caller too, and it outlives every rank;
+  by the caller too, and it outlives every rank; the caller reads it with the job's key (``job_key``,
+  drawn for the job unless given), which the ranks get in their environment;
 - ranks placed on other hosts of this machine (network namespaces): a command ``prefix`` per rank
   (``ip netns exec NS``), an environment per rank (``env``), and the store the ranks rendezvous at
   (``master``, served where they reach it). The agent's own connections (the control channel) are
@@ -61,6 +62,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStore
 
 from .elastic import FixedRendezvous, LaunchOptions, ReplacingAgent, _Running, _say, _signal_group
 from .forkserver import ForkServer
+from .recovery.jobkey import JobKey, draw
 from .store import host_store
 from .worker import ARGS_ENV, RESULT_DIR_ENV, LaunchedProcess, LaunchError, RankResult, _resolve
 
@@ -122,7 +124,8 @@ class _JobAgent(ReplacingAgent):
     """The agent with the calling program's parts (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec, logs_specs: Any, job: "AgentJob") -> None:
-        super().__init__(spec, logs_specs, LaunchOptions(spare_ranks_per_node=job.spares), exit_barrier_timeout=30,
+        super().__init__(spec, logs_specs, LaunchOptions(spare_ranks_per_node=job.spares, job_key=job.job_key),
+                         exit_barrier_timeout=30,
                          shutdown_timeout=5)
         self._job = job
         self.given_control = job.control
@@ -210,7 +213,7 @@ class AgentJob:
                  on_replaced: Callable[[int, int, bool], None] | None = None,
                  on_gone: Callable[[int, int], None] | None = None,
                  on_tick: Callable[[], None] | None = None, announce_gone: bool = True,
-                 replace_only_killed: bool = False) -> None:
+                 replace_only_killed: bool = False, job_key: JobKey | None = None) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
         if spares < 0 or max_replacements < 0:
@@ -227,6 +230,8 @@ class AgentJob:
         self.max_replacements = max_replacements
         self.control = control
         self.run_id = run_id or uuid.uuid4().hex[:12]
+        # the ranks' job key (drawn here unless given): the caller signs with it on the channel it hosts
+        self.job_key = job_key if job_key is not None else draw("drawn for this AgentJob")
         self.forkserver = forkserver
         self.master = master  # the ranks' store, hosted elsewhere (None: the job hosts it on loopback)
         self._prefix = prefix

@@ -59,9 +59,10 @@ import threading
 import time
 import uuid
 from argparse import ArgumentParser, Namespace
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable, Collection, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 from torch.distributed.elastic import events, metrics
 from torch.distributed.elastic.agent.server.api import (RunResult, SimpleElasticAgent, Worker, WorkerGroup, WorkerSpec,
@@ -78,13 +79,15 @@ from torch.distributed.run import config_from_args, get_args_parser, parse_min_m
 from meshpact.core.errors import MeshpactError
 
 from .recovery.consensus import ROUND_KEY, declared_lost, mark_gone
+from .recovery import jobkey
 from .recovery.control import ControlChannel
 from .recovery.peers import ADDR_ENV, HOST_ENV
 from .store import host_store
 from .warmspare import Assignment, assign, ready_path
 
 __all__ = ["FixedRendezvous", "LaunchOptions", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "choose_spare", "ReplacingAgent",
-           "SpareAgent", "StandbyRendezvous", "standby_key", "LaunchRefused", "parser", "main", "CONTROL_KEY"]
+           "SpareAgent", "StandbyRendezvous", "standby_key", "LaunchRefused", "parser", "main", "CONTROL_KEY", "launch_key",
+           "rendezvous_handler"]
 
 logger = logging.getLogger("meshpact.launch")
 
@@ -116,6 +119,9 @@ class LaunchOptions:
     spare: bool = False  # this agent is a spare node: it stands by to take a lost node's ranks
     node_loss_s: float = 5.0  # a node whose agent has not beaten on the control channel for this long is lost
     loss_watch_s: float = 0.25  # how often the agent reads which ranks the job declared lost, and beats
+    # the job key its workers get in their environment and its control channel signs with (None: the job
+    # opted out, MESHPACT_UNAUTHENTICATED=1); see launch_key
+    job_key: jobkey.JobKey | None = None
 
     def __post_init__(self) -> None:
         if self.spare_ranks_per_node < 0:
@@ -385,7 +391,7 @@ class ReplacingAgent(SimpleElasticAgent):
         host, _, port = wg.store.get(CONTROL_KEY).decode().rpartition(":")
         self._control = (host, int(port))
         self._channel = ControlChannel(host, int(port), wg.group_rank, wg.workers[0].world_size, 5.0,
-                                       run_id=self._run_id())
+                                       run_id=self._run_id(), key=self._options.job_key)
 
     def _run_id(self) -> str:
         return os.environ.get("MESHPACT_RUN_ID") or str(self._worker_group.spec.rdzv_handler.get_run_id())
@@ -418,6 +424,9 @@ class ReplacingAgent(SimpleElasticAgent):
             "MESHPACT_CONTROL_ADDR": host,
             "MESHPACT_CONTROL_PORT": str(port),
         }
+        key = self._options.job_key
+        # the key goes to the workers in their environment (readable by this user alone), never through a store
+        env.update({jobkey.KEY_ENV: key.secret.hex()} if key is not None else {jobkey.UNAUTHENTICATED_ENV: "1"})
         env.setdefault(ADDR_ENV, os.environ.get(ADDR_ENV) or _bind_address(self._node_addr()))
         env.setdefault(HOST_ENV, os.environ.get(HOST_ENV) or f"node{wg.group_rank}:{self._node_addr()}")
         iface = _iface_of(spec.local_addr) if spec.local_addr and "GLOO_SOCKET_IFNAME" not in os.environ else None
@@ -915,7 +924,8 @@ class SpareAgent(ReplacingAgent):
                              f"--rdzv-endpoint and --rdzv-id; {first})") from None
         self._control = (host, port)
         # rank -1: the channel's rank names consensus keys, which an agent never writes (its keys name its group rank)
-        channel = self._channel = ControlChannel(host, port, -1, 1, 5.0, run_id=self._job_run_id)
+        channel = self._channel = ControlChannel(host, port, -1, 1, 5.0, run_id=self._job_run_id,
+                                                 key=self._options.job_key)
         me = self.me = SpareNode(channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size,
                                  os.getpid())
         channel.set(f"spare/node{me.spare_id}", me.to_dict())
@@ -1064,6 +1074,26 @@ def _standalone(args: Namespace) -> None:
         args.local_addr = "127.0.0.1"
 
 
+def launch_key(env: Mapping[str, str], max_nodes: int) -> jobkey.JobKey | None:
+    """The job key ``meshpact launch`` hands its workers: the user's (``MESHPACT_JOB_KEY`` or
+    ``MESHPACT_JOB_KEY_FILE``) where set; else, for a job of one node, one drawn here; a job of
+    several nodes needs the user's, the same on every node (:class:`LaunchRefused` otherwise),
+    unless it opted out with ``MESHPACT_UNAUTHENTICATED=1`` (None)."""
+    given = env.get(jobkey.KEY_ENV) or env.get(jobkey.KEY_FILE_ENV) or env.get(jobkey.UNAUTHENTICATED_ENV) == "1"
+    if not given:
+        if max_nodes <= 1:
+            return jobkey.draw("drawn by meshpact launch")
+        raise LaunchRefused(f"a job of several nodes needs one job key on every node and none was given: set "
+                            f"{jobkey.KEY_ENV} (64 hex digits, e.g. from `python -c 'import secrets; "
+                            f"print(secrets.token_hex(32))'`) or {jobkey.KEY_FILE_ENV} (a 0600 file holding them) in "
+                            f"every node's environment, or {jobkey.UNAUTHENTICATED_ENV}=1 to run without "
+                            "authentication on a trusted network")
+    try:
+        return jobkey.load(env, "", multi_host=True)
+    except jobkey.JobKeyError as exc:
+        raise LaunchRefused(str(exc)) from None
+
+
 def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     """torchrun's LaunchConfig, command and arguments for ``argv``, and Meshpact's options;
     :class:`LaunchRefused` names a bad flag in one line."""
@@ -1099,6 +1129,7 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
         raise LaunchRefused(f"{exc}") from None
     if not isinstance(cmd, str):
         raise LaunchRefused("--run-path is not supported by meshpact launch: name the script (python) or use -m")
+    options = replace(options, job_key=launch_key(os.environ, 2 if options.spare else cfg.max_nodes))
     if cfg.nproc_per_node < 1:
         raise LaunchRefused(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more workers per node")
     script = args.training_script
@@ -1106,6 +1137,46 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
         raise LaunchRefused(f"{script}: no such script (expected a Python file to run on every worker, or -m "
                             "and a module name)")
     return cfg, cmd, cmd_args, options
+
+
+def rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """Elastic's rendezvous handler for ``params``, with every store this agent hosts listening on
+    the address it is named by alone (:func:`~meshpact.live.store.host_store`): torch's TCPStore
+    listens on every interface whatever host it is given. The c10d backend's store (on the node
+    whose address the ``--rdzv-endpoint`` names; ``--standalone``: loopback) and the store it
+    shares with the workers (on the node's ``--local-addr``), and the static backend's store on
+    ``--master-addr``. Other backends (etcd) are elastic's own."""
+    from torch.distributed import TCPStore
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous, static_tcp_rendezvous
+    from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
+
+    if params.backend == "static":
+        handler = static_tcp_rendezvous.create_rdzv_handler(params)
+        if handler.rank == 0:  # the store it would make at its first round, made here on the named address
+            handler._store = host_store(handler.master_addr, handler.master_port, handler.world_size,
+                                        handler.timeout.total_seconds())
+        return handler
+    if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
+        return rdzv_registry.get_rendezvous_handler(params)
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=c10d_rendezvous_backend.DEFAULT_PORT)
+    is_host = params.get_as_bool("is_host")
+    timeout_s = float(params.get_as_int("read_timeout", 60) or 60)
+    store: Any = None
+    if is_host is not False and (is_host or _matches_machine_hostname(host)):
+        try:
+            store = host_store(host, port, 1, timeout_s)
+        except OSError:
+            if is_host:  # said so by the user: the port must be ours
+                raise
+            # guessed from the host name: another agent of this machine hosts it (as elastic's own fallback)
+    if store is None:
+        store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), multi_tenant=True)
+    backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)
+    handler = dynamic_rendezvous.create_handler(store, backend, params)
+    # the store group rank 0's agent shares with its workers: on the node's address alone
+    handler._create_tcp_store_server = (  # type: ignore[method-assign]
+        lambda addr, port: host_store(addr, port, 1, timeout_s))
+    return handler
 
 
 def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> dict[int, Any]:
@@ -1122,7 +1193,7 @@ def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> d
         handler: RendezvousHandler = standby
         master_addr, master_port = None, None
     else:
-        handler = rdzv_registry.get_rendezvous_handler(params)
+        handler = rendezvous_handler(params)
         master_addr, master_port = _get_addr_and_port(params)
     spec = WorkerSpec(role=cfg.role, local_world_size=cfg.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
                       rdzv_handler=handler, max_restarts=cfg.max_restarts,

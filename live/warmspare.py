@@ -59,10 +59,13 @@ class Assignment:
 
 
 def assign(path: str | os.PathLike[str], assignment: Assignment) -> None:
-    """Hand ``assignment`` to the spare waiting on ``path`` (an atomic rename: it never reads half)."""
+    """Hand ``assignment`` to the spare waiting on ``path`` (an atomic rename: it never reads half),
+    readable by this user alone: the environment carries the job key."""
     target = Path(path)
     tmp = target.with_suffix(".tmp")
-    tmp.write_text(json.dumps(assignment.to_dict()))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(json.dumps(assignment.to_dict()))
     os.replace(tmp, target)
 
 

@@ -292,7 +292,7 @@ class Heartbeat:
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
         self.channel = ControlChannel(session.control.host, session.control.port, session.rank, session.world_size, cfg.control_timeout_s,
                                       is_host=False, connect_timeout_s=cfg.store_connect_s,
-                                      run_id=session.spec.run_id)
+                                      run_id=session.spec.run_id, key=session.control.key)
         self.watching = False  # set by the runtime while the user's step runs
         self.running_step = -1  # the step the runtime runs (or ran last), set with step_begins
         self.alarm: HeartbeatAlarm | None = None  # what this rank's watch found, once per generation
@@ -309,7 +309,7 @@ class Heartbeat:
         self._main_stat = f"/proc/self/task/{threading.main_thread().native_id}/stat"
         self.listener = ControlChannel(session.control.host, session.control.port, session.rank, session.world_size, cfg.control_timeout_s,
                                        is_host=False, connect_timeout_s=cfg.store_connect_s,
-                                       run_id=session.spec.run_id)
+                                       run_id=session.spec.run_id, key=session.control.key)
         self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of
         self._told: int | None = None  # the generation a peer's recovery was heard of in (it told every member)
         self._heard: int | None = None  # the generation whose key the listener last heard (a peer's or its own)

@@ -555,7 +555,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store_addr = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     store = open_store(*store_addr, world, is_host=(rank == 0 and not agent_store), timeout_s=config.store_connect_s)
-    control = join_control(store, rank, world, config.control_timeout_s, run_id, config.store_connect_s)
+    control = join_control(store, rank, world, config.control_timeout_s, run_id, config.store_connect_s, key=key)
     run_id = attempt_scope(run_id, control, os.environ)
     last_round, generation, _ = control.counters([ROUND_KEY, GENERATION_KEY, GONE_COUNT_KEY])  # made now
     choice = choose_backend(config.vendor, int(os.environ.get("LOCAL_RANK", rank)))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from ..recovery.jobkey import KEY_ENV, draw
+
 __all__ = ["EXAMPLE", "Progress", "Final", "Job", "read_finals", "read_progress", "resumed_at", "excised_at",
            "excising_reference"]
 
@@ -137,6 +139,12 @@ class Job:
         self.t0 = time.monotonic()
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                      env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+    @staticmethod
+    def key_env() -> dict[str, str]:
+        """A job key drawn for one job of several launchers, as the environment each of them is given
+        (a job of several nodes needs the same key on every node: ``meshpact launch`` draws none)."""
+        return {KEY_ENV: draw("drawn for a launch drill").secret.hex()}
 
     @staticmethod
     def meshpact(*flags: str) -> list[str]:

@@ -31,7 +31,7 @@ def test_ranks_get_elastic_environment_and_fork_from_the_server(tmp_path):
     server = shared_forkserver()
     registry = tmp_path / "processes.jsonl"
     with AgentJob(ECHO, 2, {"report_env": ["GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-                                           "MESHPACT_RUN_ID", "MESHPACT_INCARNATION"]},
+                                           "MESHPACT_RUN_ID", "MESHPACT_INCARNATION", "MESHPACT_JOB_KEY"]},
                   timeout_s=90, run_id="phase-a", forkserver=server, registry=registry) as job:
         ran = job.run()
     assert [r.rank for r in ran.results] == [0, 1] and all(r.ok for r in ran.results)
@@ -40,6 +40,7 @@ def test_ranks_get_elastic_environment_and_fork_from_the_server(tmp_path):
         assert env["GROUP_RANK"] == "0" and env["MESHPACT_RUN_ID"] == "phase-a" and env["MESHPACT_INCARNATION"] == "0"
         assert env["TORCHELASTIC_RUN_ID"] == "phase-a"  # elastic's rendezvous id is the job's run id
         assert env["TORCHELASTIC_ERROR_FILE"].endswith("error.json")  # elastic's @record writes there
+        assert env["MESHPACT_JOB_KEY"] == job.job_key.secret.hex()  # the agent's key, in the environment alone
         assert r.value["ppid"] == server.pid  # forked from the server, not a fresh interpreter
     listed = LaunchedProcess.read(registry)
     assert sorted((p.rank, p.incarnation, p.run_id) for p in listed) == [(0, 0, "phase-a"), (1, 0, "phase-a")]
@@ -71,7 +72,7 @@ def test_rank_without_replacement_is_announced_gone_or_not(tmp_path, announce):
         ran = job.run()
     assert gone == [(1, 3)] and ran.gone == {1: 3}
     assert ran.results[0].ok and ran.results[1].returncode == 3
-    channel = ControlChannel("127.0.0.1", store.port, 0, 2, 5.0, run_id="g")
+    channel = ControlChannel("127.0.0.1", store.port, 0, 2, 5.0, run_id="g", key=job.job_key)
     if announce:  # a store's set is not answered: the agent's write is waited for on this connection
         channel.wait([f"{GONE_KEY}1"], 5.0)
     assert gone_ranks(channel, [0, 1]) == ((1,) if announce else ())

@@ -11,6 +11,9 @@ from meshpact.core.recovery import Policy
 from meshpact.live.recovery.consensus import ConsensusError, Decision, Proposal, agree, decide, loss_bound_s
 from meshpact.live.recovery.control import ControlChannel, ControlTimeout
 from meshpact.live.launcher import host_store
+from meshpact.live.recovery.jobkey import draw
+
+KEY = draw("a test's job key")  # the job key the channels of this file sign with
 
 
 def _p(rank: int, step: int = 7, gen: int = 2, intact: bool = True, **kw) -> Proposal:
@@ -62,7 +65,7 @@ def test_decision_round_trips_through_json():
 @pytest.fixture()
 def channels():
     server = host_store("127.0.0.1", 0, 4)
-    made = [ControlChannel("127.0.0.1", server.port, r, 3, timeout_s=2.0) for r in range(3)]
+    made = [ControlChannel("127.0.0.1", server.port, r, 3, timeout_s=2.0, key=KEY) for r in range(3)]
     yield made
     del server
 

@@ -11,6 +11,9 @@ from meshpact.core.recovery import Policy
 from meshpact.live.launcher import host_store
 from meshpact.live.recovery.consensus import Decision, Proposal, agree, decide, mark_gone
 from meshpact.live.recovery.control import ControlChannel
+from meshpact.live.recovery.jobkey import draw
+
+KEY = draw("a test's job key")  # the job key the channels of this file sign with
 
 
 def _p(rank: int, step: int = 7, holds=(), own=(6, 7), intact: bool = True) -> Proposal:
@@ -64,7 +67,7 @@ def test_a_replacement_policy_never_excises():
 
 def test_a_rank_marked_gone_is_excised_in_the_first_round_without_waiting_the_timeout():
     server = host_store("127.0.0.1", 0, 4)
-    chans = [ControlChannel("127.0.0.1", server.port, r, 4, timeout_s=20.0) for r in range(4)]
+    chans = [ControlChannel("127.0.0.1", server.port, r, 4, timeout_s=20.0, key=KEY) for r in range(4)]
     out: dict[int, object] = {}
 
     def one(ch):

@@ -9,6 +9,9 @@ from meshpact.core.errors import MeshpactError
 from meshpact.live.recovery.faults import CollectiveFault, FaultInjector, FaultKind, plan_faults
 from meshpact.live.recovery.runtime import COMM_MODULES, is_comm_fault
 from meshpact.live.trials.trial import TrialConfig
+from meshpact.live.recovery.jobkey import draw
+
+KEY = draw("a test's job key")  # the job key the channels of this file sign with
 
 
 def test_faults_land_on_distinct_steps_with_rotating_ranks():
@@ -171,7 +174,8 @@ def test_a_rank_and_its_holders_killed_at_one_step_die_only_once_all_of_them_are
 
     faults = (Fault(0, FaultKind.KILL, 3, 0), Fault(1, FaultKind.KILL, 3, 1), Fault(2, FaultKind.KILL, 5, 2))
     server = host_store("127.0.0.1", 0)
-    lost, holder, alone = (FaultInjector(faults, r, ControlChannel("127.0.0.1", server.port, r, 3, 5.0)) for r in range(3))
+    lost, holder, alone = (FaultInjector(faults, r, ControlChannel("127.0.0.1", server.port, r, 3, 5.0, key=KEY))
+                           for r in range(3))
     assert lost.kills_together == {3: [0, 1]}
     armed: list = []
     first = threading.Thread(target=lambda: armed.append(lost.arm(3)))

@@ -12,12 +12,15 @@ from meshpact.live.recovery.control import ControlChannel
 from meshpact.live.recovery.heartbeat import beat_key
 from meshpact.live.trials.trial import LostRankWatch
 from meshpact.live.trials.trialconfig import HEARTBEATS_FILE
+from meshpact.live.recovery.jobkey import draw
+
+KEY = draw("a test's job key")  # the job key the channels of this file sign with
 
 
 def test_a_rank_whose_heartbeat_stops_ages_and_one_that_beats_stays_young(tmp_path):
     server = host_store("127.0.0.1", 0, 3)
-    ranks = [ControlChannel("127.0.0.1", server.port, r, 2, timeout_s=2.0, run_id="faulted") for r in range(2)]
-    observer = ControlChannel("127.0.0.1", server.port, 0, 2, timeout_s=2.0, run_id="faulted")
+    ranks = [ControlChannel("127.0.0.1", server.port, r, 2, timeout_s=2.0, run_id="faulted", key=KEY) for r in range(2)]
+    observer = ControlChannel("127.0.0.1", server.port, 0, 2, timeout_s=2.0, run_id="faulted", key=KEY)
     ages = tmp_path / HEARTBEATS_FILE
     watch = LostRankWatch(observer, RecordingWriter(tmp_path / "r.jsonl", "live"), ages_file=ages)
     for ch in ranks:
@@ -33,7 +36,7 @@ def test_a_rank_whose_heartbeat_stops_ages_and_one_that_beats_stays_young(tmp_pa
     assert doc["ages_s"]["0"] < 0.2 and doc["ages_s"]["1"] >= 0.8
     assert not ages.with_name(ages.name + ".partial").exists()
     # a rank that never beat has no age yet (not an age since the epoch)
-    other = LostRankWatch(ControlChannel("127.0.0.1", server.port, 0, 3, timeout_s=2.0, run_id="fresh"),
+    other = LostRankWatch(ControlChannel("127.0.0.1", server.port, 0, 3, timeout_s=2.0, run_id="fresh", key=KEY),
                           RecordingWriter(tmp_path / "s.jsonl", "live"), ages_file=tmp_path / "fresh.json")
     other.write_ages()
     assert json.loads((tmp_path / "fresh.json").read_text())["ages_s"] == {}

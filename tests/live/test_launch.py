@@ -3,7 +3,8 @@
 The example script (``examples/resilient_train.py``, the README's ``resilient()`` loop) runs
 twice side by side: under plain ``torchrun`` without a fault (the reference, and proof that
 the script runs under torchrun unchanged) and under ``meshpact launch`` with rank 2 SIGKILLed
-after its third step. Then two nodes as a Slurm script starts them (the static backend on node 0's
+after its third step; while it runs, no process of the job listens on every interface
+(``/proc/net/tcp{,6}``). Then two nodes as a Slurm script starts them (the static backend on node 0's
 address): a worker killed on node 1 is replaced there from node 0's copy.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 
+from _sockets import listeners
 from meshpact.live.trials.launchdrill import Job, read_finals
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
@@ -23,6 +25,11 @@ def test_a_killed_worker_is_replaced_alone_and_the_job_ends_bit_identical_to_one
             Job(Job.meshpact("--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "1"),
                 tmp_path / "faulted", STEPS, step_s=0.05) as job:
         others = {r: job.wait_for_step(r, 0, 120) for r in range(RANKS) if r != 2}
+        # no process of the job listens on every interface: the rendezvous stores, the control channel,
+        # the peer servers and the data path are all on loopback
+        listening = listeners(job.proc.pid)
+        assert len(listening) >= 3 + 2 * RANKS, listening  # two stores, the channel; each rank's peer server and gloo
+        assert not [ln for ln in listening if ln.wildcard], listening
         killed = job.kill_rank(2, after_step=3)
         assert job.wait(180) == 0, job.tail()
         assert ref.wait(180) == 0, ref.tail()
@@ -45,10 +52,10 @@ def test_two_nodes_in_a_static_rendezvous_replace_a_worker_alone_from_the_other_
         port = s.getsockname()[1]
     nodes = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
              "--master-port", str(port), "--max-restarts", "1")
-    out = tmp_path / "faulted"
+    out, key = tmp_path / "faulted", Job.key_env()
     with Job(Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)), tmp_path / "reference", STEPS) as ref, \
-            Job(Job.meshpact("--node-rank", "0", *nodes), out, STEPS, step_s=0.05, name="node0") as node0, \
-            Job(Job.meshpact("--node-rank", "1", *nodes), out, STEPS, step_s=0.05, name="node1") as node1:
+            Job(Job.meshpact("--node-rank", "0", *nodes), out, STEPS, step_s=0.05, env=key, name="node0") as node0, \
+            Job(Job.meshpact("--node-rank", "1", *nodes), out, STEPS, step_s=0.05, env=key, name="node1") as node1:
         others = {r: node0.wait_for_step(r, 0, 120) for r in range(3)}
         killed = node1.kill_rank(3, after_step=3)
         assert node0.wait(180) == 0, node0.tail()

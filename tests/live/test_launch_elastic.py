@@ -11,6 +11,7 @@ the others, a spare node waiting for its job) still stops on SIGTERM, in one lin
 
 from __future__ import annotations
 
+import os
 import socket
 
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
@@ -23,6 +24,9 @@ from meshpact.live.elastic import (JOB_ENDED_KEY, SPARE_COUNT_KEY, LaunchOptions
 from meshpact.live.recovery.consensus import gone_ranks
 from meshpact.live.recovery.control import ControlChannel
 from meshpact.live.store import host_store
+from meshpact.live.recovery.jobkey import KEY_ENV, draw
+
+KEY = draw("a test's job key")  # the job key the channels of this file sign with
 
 SILENT_S = 3.0
 
@@ -33,10 +37,10 @@ def _agent_on_channel():
     spec = WorkerSpec(role="default", local_world_size=2, rdzv_handler=StandbyRendezvous("127.0.0.1:1", "t", 1.0),
                       entrypoint="train.py")
     agent = ReplacingAgent(spec, None, LaunchOptions(node_loss_s=SILENT_S))
-    agent._channel = ControlChannel("127.0.0.1", server.port, 0, 4, 5.0, run_id="t")
+    agent._channel = ControlChannel("127.0.0.1", server.port, 0, 4, 5.0, run_id="t", key=KEY)
     wg = agent.get_worker_group()
     wg.group_rank, wg.group_world_size = 0, 2
-    return server, agent, wg, ControlChannel("127.0.0.1", server.port, -1, 4, 5.0, run_id="t")
+    return server, agent, wg, ControlChannel("127.0.0.1", server.port, -1, 4, 5.0, run_id="t", key=KEY)
 
 
 def _register(others: ControlChannel, nproc: int) -> SpareNode:
@@ -125,8 +129,8 @@ def test_a_standing_spare_node_takes_the_group_rank_it_is_given_or_leaves_when_t
     standby = StandbyRendezvous(f"127.0.0.1:{server.port}", "t", 1.0)
     spec = WorkerSpec(role="default", local_world_size=2, rdzv_handler=standby, entrypoint="train.py")
     agent = SpareAgent(spec, None, LaunchOptions(spare=True), standby)
-    agent._channel = ControlChannel("127.0.0.1", server.port, -1, 4, 5.0, run_id="t")
-    others = ControlChannel("127.0.0.1", server.port, 0, 4, 5.0, run_id="t")
+    agent._channel = ControlChannel("127.0.0.1", server.port, -1, 4, 5.0, run_id="t", key=KEY)
+    others = ControlChannel("127.0.0.1", server.port, 0, 4, 5.0, run_id="t", key=KEY)
     me = SpareNode(1, "10.0.0.3", 2, 4242)
     others.set("spare/assign1", {"group_rank": 1})
     assert agent._stand_by(me) == 1
@@ -142,7 +146,7 @@ def test_once_a_node_is_lost_the_other_agents_do_not_wait_at_elastics_exit_barri
     timeout for the lost agent (or for a spare node, which is in no elastic barrier)."""
     server, agent, wg, others = _agent_on_channel()
     node2 = ReplacingAgent(agent.get_worker_group().spec, None, LaunchOptions(node_loss_s=SILENT_S))
-    node2._channel = ControlChannel("127.0.0.1", server.port, 2, 4, 5.0, run_id="t")
+    node2._channel = ControlChannel("127.0.0.1", server.port, 2, 4, 5.0, run_id="t", key=KEY)
     node2.get_worker_group().group_rank = 2
     barriers = []
     monkeypatch.setattr(SimpleElasticAgent, "_exit_barrier", lambda self: barriers.append(self))
@@ -175,7 +179,7 @@ def test_a_node_waiting_in_the_store_stops_on_sigterm_with_one_line(tmp_path, ro
              ["--spare", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{served.port}",
               "--rdzv-id", "nojob"])
     proc = subprocess.Popen([sys.executable, "-m", "meshpact.launch", "--nproc-per-node", "1", *flags, str(script)],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, KEY_ENV: KEY.secret.hex()})
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()

@@ -32,12 +32,12 @@ def node_flags(hosts: Hosts, host: int, *extra: str) -> list[str]:
 
 
 def test_node_1_lost_with_its_agent_is_taken_by_the_spare_node_and_the_job_ends_bit_identical(tmp_path):
-    out = tmp_path / "faulted"
+    out, key = tmp_path / "faulted", Job.key_env()
     with Hosts(3) as hosts, \
             Job(Job.torchrun("--standalone", "--nproc-per-node", "4"), tmp_path / "reference", STEPS) as ref, \
-            Job(node_flags(hosts, 0), out, STEPS, step_s=0.05, prefix=hosts.prefix(0), name="node0") as node0, \
-            Job(node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), name="node1") as node1, \
-            Job(node_flags(hosts, SPARE, "--spare"), out, STEPS, step_s=0.05, prefix=hosts.prefix(SPARE),
+            Job(node_flags(hosts, 0), out, STEPS, step_s=0.05, prefix=hosts.prefix(0), env=key, name="node0") as node0, \
+            Job(node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key, name="node1") as node1, \
+            Job(node_flags(hosts, SPARE, "--spare"), out, STEPS, step_s=0.05, prefix=hosts.prefix(SPARE), env=key,
                 name="spare") as spare:
         survivors = {r: node0.wait_for_step(r, 0, 150) for r in (0, 1)}
         node0.wait_for_log(f"spare node 1 at {hosts.addr[SPARE]} registered", 120)

@@ -21,6 +21,9 @@ from meshpact.live.launcher import host_store
 from meshpact.live.recovery.consensus import (EXCISE_NOT_OFFERED, GONE_KEY, ConsensusError, Decision, Proposal, agree,
                                               decide, gone_ranks, mark_gone)
 from meshpact.live.recovery.control import ControlChannel
+from meshpact.live.recovery.jobkey import draw
+
+KEY = draw("a test's job key")  # the job key the channels of this file sign with
 
 
 def _p(rank: int, step: int = 7, holds=(), own=(6, 7)) -> Proposal:
@@ -67,7 +70,7 @@ def _rounds(world: int, silent: int, timeout_s: float, *, refusal: str | None, m
     """Every rank but ``silent`` runs agree under PEER_RESTORE; the silent rank's copy is held
     by the rank after it; with ``mark`` the launcher marks it gone after 0.3 s."""
     server = host_store("127.0.0.1", 0, world)
-    chans = [ControlChannel("127.0.0.1", server.port, r, world, timeout_s=timeout_s) for r in range(world)]
+    chans = [ControlChannel("127.0.0.1", server.port, r, world, timeout_s=timeout_s, key=KEY) for r in range(world)]
     holder = (silent + 1) % world
     out: dict[int, object] = {}
 
@@ -143,7 +146,7 @@ def test_the_launcher_starts_at_most_its_replacements_then_announces_the_rank_go
     (got,), (none,) = replaced, gone
     assert [(r.rank, r.incarnation, r.returncode) for r in ran.results] == sorted(
         [(0, 0, 0), (got, 1, 0), (none, 0, 3)])
-    channel = ControlChannel("127.0.0.1", control.port, 0, 3, 5.0, run_id="budget")
+    channel = ControlChannel("127.0.0.1", control.port, 0, 3, 5.0, run_id="budget", key=job.job_key)
     channel.wait([f"{GONE_KEY}{none}"], 5.0)  # a store's set is not answered: the agent's write is waited for
     assert gone_ranks(channel, [0, 1, 2]) == (none,)  # the survivors learn it at once (see the rounds above)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from _attacker import ControlAttacker
 from _recovery import assert_recovered, trial
 from meshpact.commands.live_recover import json_view
 from meshpact.core.recording import EventKind
@@ -32,10 +33,21 @@ def test_ten_raised_collectives_recover_in_memory_bit_identical_with_baselines()
 
 
 def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery():
-    result = trial(ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False)
-    assert_recovered(result, "in_memory")
-    firsts = [e for e in result.events() if e.event == EventKind.FIRST_COLLECTIVE]
+    # the same run is attacked on its control channel by a client without the job key (_attacker):
+    # nothing it wrote first (decisions, lost, gone, recovering, readiness, peer addresses) is acted on
+    attacker = ControlAttacker(ranks=2)
+    attacker.start()
+    try:
+        result = trial(ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False)
+    finally:
+        attacker.stop()
+    s = assert_recovered(result, "in_memory")
     recs = result.recoveries()
+    assert {f"round{r['generation']}/decision" for r in recs} | {"lost/round1", "gone/rank1"} <= attacker.landed
+    assert {f"recovering/g{r['generation'] - 1}/rank{k}" for r in recs for k in (0, 1)} & attacker.landed
+    assert s["policy_counts"]["excise"] == s["policy_counts"]["checkpoint_restore"] == 0 and s["final_world_size"] == 2
+    assert attacker.connections == 0  # no copy or fetch went to the forged peer address
+    firsts = [e for e in result.events() if e.event == EventKind.FIRST_COLLECTIVE]
     assert len(recs) == 2
     for r in recs:
         mine = [e for e in firsts if e.data["generation"] == r["generation"]]

@@ -7,6 +7,9 @@ import pathlib
 import pytest
 
 from meshpact.live.store import host_store, open_store
+from meshpact.live.recovery.jobkey import draw
+
+KEY = draw("a test's job key")  # the job key the channels of this file sign with
 
 
 def _listening_addresses(port: int) -> set[str]:
@@ -46,7 +49,7 @@ def test_a_control_channel_says_whether_its_host_still_answers():
     from meshpact.live.recovery.control import ControlChannel
 
     store = host_store("127.0.0.1", 0, world_size=2, timeout_s=10)
-    channel = ControlChannel("127.0.0.1", store.port, 1, 2, 2.0, run_id="t")
+    channel = ControlChannel("127.0.0.1", store.port, 1, 2, 2.0, run_id="t", key=KEY)
     assert channel.answers() and (channel.host, channel.port) == ("127.0.0.1", store.port)
     del store
     gc.collect()
@@ -62,8 +65,8 @@ def test_a_quiet_wait_returns_what_arrives_late_and_names_what_never_came():
     from meshpact.live.recovery.control import ControlChannel, ControlTimeout
 
     store = host_store("127.0.0.1", 0, world_size=2, timeout_s=10)
-    waiter = ControlChannel("127.0.0.1", store.port, 1, 2, 2.0, run_id="q")
-    writer = ControlChannel("127.0.0.1", store.port, 0, 2, 2.0, run_id="q")
+    waiter = ControlChannel("127.0.0.1", store.port, 1, 2, 2.0, run_id="q", key=KEY)
+    writer = ControlChannel("127.0.0.1", store.port, 0, 2, 2.0, run_id="q", key=KEY)
     writer.set("a", {"x": 1})
     late = threading.Timer(0.2, lambda: writer.set("b", [2, 3]))
     late.start()
