@@ -80,9 +80,12 @@ def _cpu_s(pid: int) -> float:
 
 def _worker(port: int, world: int, ranks: list[int], beat_s: float, watch_all: bool, timeout_s: float) -> None:
     """A process of light ranks: one thread each; prints one JSON line per rank at the end."""
+    from meshpact.live.recovery import jobkey
     from meshpact.live.recovery.consensus import Proposal, agree
     from meshpact.live.recovery.control import ControlChannel
     from meshpact.live.recovery.heartbeat import PROGRESS, beat_key, watched_peers
+
+    key = jobkey.load(os.environ, RUN_ID, multi_host=True)  # the bench's key, from its environment
 
     threading.stack_size(512 * 1024)
     members = tuple(range(world))
@@ -90,7 +93,7 @@ def _worker(port: int, world: int, ranks: list[int], beat_s: float, watch_all: b
 
     def rank_main(me: int) -> None:
         ch = ControlChannel("127.0.0.1", port, me, world, timeout_s, is_host=False, connect_timeout_s=timeout_s,
-                            run_id=RUN_ID)
+                            run_id=RUN_ID, key=key)
         counted = Counted(ch._store)
         ch._store = counted
         ch.add("ready")
@@ -131,8 +134,11 @@ def run_size(world: int, procs: int, beat_s: float, watch_all: bool, timeout_s: 
     """One N: a server process, ``procs`` processes of light ranks, both phases."""
     import tempfile
 
+    from meshpact.live.recovery import jobkey
     from meshpact.live.recovery.control import ControlChannel
 
+    key = jobkey.draw()  # signed values, as a job's: the light ranks get it through their environment
+    env = {**os.environ, jobkey.KEY_ENV: key.secret.hex()}
     with tempfile.TemporaryDirectory() as tmp:
         port_file = Path(tmp) / "port"
         server = subprocess.Popen([sys.executable, __file__, "--server", str(port_file)], stdin=subprocess.PIPE)
@@ -144,12 +150,12 @@ def run_size(world: int, procs: int, beat_s: float, watch_all: bool, timeout_s: 
                     raise RuntimeError("the control channel server did not start")
                 time.sleep(0.05)
             port = int(port_file.read_text())
-            lead = ControlChannel("127.0.0.1", port, -1, world, timeout_s, is_host=False, run_id=RUN_ID)
+            lead = ControlChannel("127.0.0.1", port, -1, world, timeout_s, is_host=False, run_id=RUN_ID, key=key)
             slices = [list(range(world))[i::procs] for i in range(procs)]
             flag = ["--watch-all"] if watch_all else []
             workers = [subprocess.Popen([sys.executable, __file__, "--worker", str(port), str(world),
                                          ",".join(map(str, s)), str(beat_s), str(timeout_s), *flag],
-                                        stdout=subprocess.PIPE, text=True) for s in slices]
+                                        stdout=subprocess.PIPE, text=True, env=env) for s in slices]
             deadline = time.monotonic() + timeout_s
             while lead.counter("ready") < world:
                 if time.monotonic() > deadline:
