@@ -108,6 +108,14 @@ class Proposal:
                    refused=tuple((int(a), int(b)) for a, b in d.get("refused", ())))
 
 
+def _alternates(proposals: dict[int, "Proposal"], sources: Sequence[tuple[int, int]],
+                step: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """For each (rank, named holder) of a restore: the other ranks whose proposals say they hold
+    that rank's copy of ``step``, in rank order (a copy refused at the named holder falls back to them)."""
+    return tuple((r, tuple(h for h in sorted(proposals) if h not in (r, named) and (r, step) in proposals[h].holds))
+                 for r, named in sources)
+
+
 def rank_runs(ranks: Sequence[int]) -> list[list[int]]:
     """``ranks`` as inclusive runs ``[first, last]``: a job's members are a few runs whatever its size."""
     runs: list[list[int]] = []
@@ -152,12 +160,15 @@ class Decision:
     standby: tuple[tuple[JsonObject | None, tuple[int, ...]], ...] = ()  # each rank's word on its standby, grouped
     restore_from: tuple[tuple[int, int], ...] = ()  # peer_restore / excise: (rank, the rank holding its copy at step)
     lost: tuple[int, ...] = ()  # excise: the original ranks leaving the job
+    # peer_restore / excise: (rank, the other ranks holding its copy at step) where the named holder's is refused
+    alternates: tuple[tuple[int, tuple[int, ...]], ...] = ()
 
     def to_dict(self) -> JsonObject:
         return {"round": self.round, "policy": self.policy.value, "step": self.step, "reason": self.reason,
                 "members": rank_runs(self.members), "missing": list(self.missing),
                 "standby": [[w, rank_runs(rs)] for w, rs in self.standby],
-                "restore_from": [list(p) for p in self.restore_from], "lost": list(self.lost)}
+                "restore_from": [list(p) for p in self.restore_from], "lost": list(self.lost),
+                "alternates": [[r, list(hs)] for r, hs in self.alternates]}
 
     @classmethod
     def from_dict(cls, d: JsonObject) -> "Decision":
@@ -165,7 +176,8 @@ class Decision:
                    from_runs(d.get("members", ())), tuple(d.get("missing", ())),
                    tuple((w, from_runs(runs)) for w, runs in d.get("standby", ())),
                    tuple((int(a), int(b)) for a, b in d.get("restore_from", ())),
-                   tuple(int(r) for r in d.get("lost", ())))
+                   tuple(int(r) for r in d.get("lost", ())),
+                   tuple((int(r), tuple(int(h) for h in hs)) for r, hs in d.get("alternates", ())))
 
     def standby_words(self) -> dict[int, JsonObject | None]:
         """Each member's word on its standby (None: it has none)."""
@@ -254,7 +266,7 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
         return Decision(round, Policy.EXCISE, step, f"{why}; copies at step {step} from holder(s) "
                         + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
                         + f"; the {len(members)} others continue without them{note}",
-                        members, missing, standby, sources, missing)
+                        members, missing, standby, sources, missing, _alternates(proposals, sources, step))
 
     if missing and on_rank_loss is Policy.EXCISE and set(missing) <= set(declared) and members:
         return excision(f"rank(s) {list(missing)} declared lost with no replacement (--on-rank-loss excise)")
@@ -295,7 +307,7 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
                         f"{why}; copies at step {step} from holder(s) "
                         + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
                         + f"; the other {len(survivors)} rank(s) keep their state in memory{note}",
-                        members, missing, standby, sources)
+                        members, missing, standby, sources, alternates=_alternates(proposals, sources, step))
     steps = {p.committed_step for p in proposals.values()}
     if len(steps) != 1:
         return fallback("committed steps differ: " + ", ".join(f"rank {r}: {p.committed_step}"

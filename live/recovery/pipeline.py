@@ -462,9 +462,8 @@ def holders_in_order(decision: Decision, rank: int, step: int) -> tuple[int, ...
     """The ranks holding ``rank``'s copy of ``step``, as their proposals said: the one the decision
     names first, then the others in rank order (a copy refused falls back to the next)."""
     named = decision.holder_of(rank)
-    others = sorted(h for h, p in decision.proposals.items()
-                    if h != named and [rank, step] in [list(x) for x in p.get("holds", ())])
-    return tuple([named] if named is not None else []) + tuple(others)
+    others = dict(decision.alternates).get(rank, ()) if step == decision.step else ()
+    return tuple([named] if named is not None else []) + tuple(h for h in others if h != named)
 
 
 def peer_restore(rt: Job, decision: Decision) -> PeerRestored:

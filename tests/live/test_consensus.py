@@ -376,3 +376,22 @@ def test_rank_runs_round_trip_any_set_of_ranks():
     for ranks in ((), (4,), (0, 1, 2, 7, 9, 10), tuple(range(0, 50, 2))):
         assert from_runs(rank_runs(ranks)) == tuple(sorted(ranks))
     assert rank_runs(range(4096)) == [[0, 4095]]
+
+
+def test_a_peer_restore_names_every_other_holder_of_the_lost_ranks_copy_on_the_wire():
+    """A copy refused at the named holder (its digest fails) falls back to the next holder: the
+    decision every rank reads carries them, though it no longer carries the proposals."""
+    import json
+
+    from meshpact.live.recovery.pipeline import holders_in_order
+
+    proposals = {0: Proposal(0, 1, 6, "a", True, holds=((2, 6), (3, 6))),
+                 1: Proposal(1, 1, 6, "b", True, holds=((2, 6),)),
+                 2: Proposal(2, 1, -1, "", False, incarnation=1),
+                 3: Proposal(3, 1, 6, "d", True, holds=((2, 6), (2, 5)))}
+    d = Decision.from_dict(json.loads(json.dumps(decide(proposals, 4, 1, 2, lambda limit: 0, peer_copies=2).to_dict())))
+    assert d.policy is Policy.PEER_RESTORE and d.step == 6
+    named = d.holder_of(2)
+    assert holders_in_order(d, 2, 6)[0] == named
+    assert sorted(holders_in_order(d, 2, 6)) == [0, 1, 3]
+    assert holders_in_order(d, 2, 5) == (named,)  # another step's copies are not this decision's
