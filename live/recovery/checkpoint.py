@@ -72,7 +72,7 @@ from typing import Any, Mapping
 import torch
 
 from .manifest import (MANIFEST, CheckpointCorrupt, FileDigest, clean_dead_temps, damage, digest_file,
-                       durable_write, fsync_dir, read_manifest, temp_path, write_manifest, write_synced)
+                       digest_and_sync, durable_write, fsync_dir, read_manifest, temp_path, write_manifest, write_synced)
 from .state import SCHEDULE_KEY, Chunk, shard_rows
 
 __all__ = ["Checkpointer", "CheckpointStep", "CheckpointCorrupt", "AsyncCheckpointer", "AsyncCheckpointStats",
@@ -124,16 +124,14 @@ def write_part(directory: Path, state: Mapping[str, torch.Tensor], chunks: Mappi
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_path(directory, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    # the tensors as they are: DCP serialises each to the file (and fsyncs it), no copy of the state is made first
+    # the tensors as they are: DCP serialises each to the file, no copy of the state is made first
     _dcp_quietly(dcp.save, {k: v.detach() for k, v in state.items()},
-                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=True))
+                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=False))
     files: dict[str, FileDigest] = {}
     if chunks is not None:
         body = json.dumps({k: [list(c.global_shape), list(c.offsets)] for k, c in chunks.items()}).encode()
         files[_CHUNKS] = write_synced(tmp / _CHUNKS, body)
-    for f in tmp.iterdir():
-        if f.name not in files:
-            files[f.name] = digest_file(f)
+    files.update(digest_and_sync([f for f in tmp.iterdir() if f.name not in files]))
     write_manifest(tmp, files)
     if directory.exists():
         old = temp_path(directory, "old")

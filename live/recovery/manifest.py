@@ -32,7 +32,7 @@ from typing import Iterable, Mapping
 from meshpact.core.errors import MeshpactError
 
 __all__ = ["MANIFEST", "DIGEST", "FileDigest", "CheckpointCorrupt", "digest_file", "digest_bytes", "read_manifest",
-           "write_manifest", "damage", "write_synced", "durable_write", "fsync_dir", "temp_path", "clean_dead_temps"]
+           "write_manifest", "damage", "write_synced", "durable_write", "fsync_dir", "fsync_file", "digest_and_sync", "temp_path", "clean_dead_temps"]
 
 MANIFEST = "manifest.json"
 DIGEST = "sha256"
@@ -129,6 +129,38 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def digest_and_sync(paths: list[Path]) -> dict[str, FileDigest]:
+    """Each file's digest, by name, and each file fsynced. The digests are read from the page
+    cache while another thread waits on storage for the same files, so this costs about the
+    longer of the two rather than their sum; a failed fsync is raised here."""
+    failed: list[OSError] = []
+
+    def sync() -> None:
+        try:
+            for p in paths:
+                fsync_file(p)
+        except OSError as exc:
+            failed.append(exc)
+
+    syncing = threading.Thread(target=sync, name="meshpact-ckpt-fsync", daemon=True)
+    syncing.start()
+    try:
+        digests = {p.name: digest_file(p) for p in paths}
+    finally:
+        syncing.join()
+    if failed:
+        raise failed[0]
+    return digests
 
 
 def write_synced(path: Path, data: bytes) -> FileDigest:
