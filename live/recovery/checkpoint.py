@@ -29,10 +29,12 @@ The merged metadata names every tensor twice, over the same bytes:
 Nothing here is a collective. Each rank writes its part into a temporary directory, fsyncs
 its files and the directory, renames it into place and fsyncs the step's directory; whoever
 then finds every part present merges the metadata (the last writer always does; two racing
-write the same bytes, each by an atomic rename). A save killed at any point leaves a step
-without its manifest, which :meth:`Checkpointer.latest` never picks, and a temporary directory
-that the next :class:`Checkpointer` on that host removes (:mod:`.manifest`). So a survivor can write a
-lost rank's part (an excision's flush) and no working process group is needed. Where a part
+write the same bytes, each by an atomic rename). So a survivor can write a lost rank's part
+(an excision's flush) and no working process group is needed. A save killed before its part is
+in place leaves the step as it was (without that part, or with the part's earlier whole copy)
+and a temporary directory the next :class:`Checkpointer` on that host removes
+(:mod:`.manifest`); killed after, its part is whole and the step is merged by whoever next
+finds every part. Where a part
 says nothing of its chunks (``save`` without ``chunks``), tensors are taken as a 1-D FSDP2
 ``Shard(0)`` cut (``torch.chunk`` rows in rank order), which the merge checks; a cut it cannot
 confirm leaves those tensors under their ``meshpact.`` names only.
@@ -42,8 +44,8 @@ manifest (size and digest): a torn, truncated or flipped one is passed over, nam
 logged line and in the answer (:class:`CheckpointStep`), for the newest older complete one.
 :meth:`Checkpointer.load` checks this rank's part against its manifest before reading it, and
 refuses a damaged one (:class:`~meshpact.live.recovery.manifest.CheckpointCorrupt`, which also
-stands for DCP's ``CheckpointException``, a ``BaseException``). Given ``like`` (the state it expects) it
-also reads a checkpoint a plain loop wrote with ``dcp.save({"model": ..., "optim": ...})``,
+stands for DCP's ``CheckpointException``, a ``BaseException``). Given ``like`` (the state it
+expects) it also reads a checkpoint a plain loop wrote with ``dcp.save({"model": ..., "optim": ...})``,
 each tensor's chunk of this rank (``chunks``) or the whole of it.
 
 :class:`AsyncCheckpointer` measures the alternative of checkpointing after *every* update
@@ -71,8 +73,9 @@ from typing import Any, Mapping
 
 import torch
 
-from .manifest import (MANIFEST, CheckpointCorrupt, FileDigest, clean_dead_temps, damage, digest_file,
-                       digest_and_sync, durable_write, fsync_dir, read_manifest, temp_path, write_manifest, write_synced)
+from .manifest import (MANIFEST, CheckpointCorrupt, FileDigest, clean_dead_temps, damage, digest_and_sync,
+                       digest_file, durable_write, fsync_dir, read_manifest, temp_path, write_manifest,
+                       write_synced)
 from .state import SCHEDULE_KEY, Chunk, shard_rows
 
 __all__ = ["Checkpointer", "CheckpointStep", "CheckpointCorrupt", "AsyncCheckpointer", "AsyncCheckpointStats",

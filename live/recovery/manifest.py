@@ -31,8 +31,9 @@ from typing import Iterable, Mapping
 
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["MANIFEST", "DIGEST", "FileDigest", "CheckpointCorrupt", "digest_file", "digest_bytes", "read_manifest",
-           "write_manifest", "damage", "write_synced", "durable_write", "fsync_dir", "fsync_file", "digest_and_sync", "temp_path", "clean_dead_temps"]
+__all__ = ["MANIFEST", "DIGEST", "FileDigest", "CheckpointCorrupt", "digest_file", "digest_bytes", "digest_and_sync",
+           "read_manifest", "write_manifest", "damage", "write_synced", "durable_write", "fsync_dir", "fsync_file",
+           "temp_path", "clean_dead_temps"]
 
 MANIFEST = "manifest.json"
 DIGEST = "sha256"
@@ -80,9 +81,10 @@ def read_manifest(folder: Path) -> dict[str, FileDigest]:
             raise CheckpointCorrupt(f"{path} is {size} bytes, more than a manifest's {_MANIFEST_MAX_BYTES}")
         body = json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise CheckpointCorrupt(f"{path} is missing (a save that did not finish, or not a Meshpact checkpoint)") from None
-    except (OSError, ValueError) as exc:
-        raise CheckpointCorrupt(f"{path} cannot be read as a manifest ({exc})") from None
+        raise CheckpointCorrupt(f"{path} is missing (a save that did not finish, or not a Meshpact "
+                                "checkpoint)") from None
+    except (OSError, ValueError, RecursionError) as exc:
+        raise CheckpointCorrupt(f"{path} cannot be read as a manifest ({str(exc)[:200]})") from None
     files = body.get("files") if isinstance(body, dict) and body.get("format") == _FORMAT else None
     if not isinstance(files, dict):
         raise CheckpointCorrupt(f"{path} is not a {_FORMAT} manifest")

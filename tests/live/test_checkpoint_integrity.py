@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -43,12 +44,21 @@ def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
         and a[k].reshape(-1).view(torch.uint8).equal(b[k].reshape(-1).view(torch.uint8)) for k in a)
 
 
-def _saved(tmp_path: Path, steps=(0, 5, 10)) -> list[Checkpointer]:
-    ranks = [Checkpointer(tmp_path, r, _WORLD, every=5) for r in range(_WORLD)]
-    for step in steps:
+@pytest.fixture(scope="module")
+def _pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Steps 0, 5 and 10 of two ranks, written once for the module (each test damages a copy)."""
+    root = tmp_path_factory.mktemp("pristine")
+    ranks = [Checkpointer(root, r, _WORLD, every=5) for r in range(_WORLD)]
+    for step in (0, 5, 10):
         for c in ranks:
             c.save(step, _state(step, c.rank))
-    return ranks
+    return root
+
+
+@pytest.fixture
+def saved(tmp_path: Path, _pristine: Path) -> Path:
+    shutil.copytree(_pristine, tmp_path, dirs_exist_ok=True)
+    return tmp_path
 
 
 def _data_file(part: Path) -> Path:
@@ -80,8 +90,8 @@ def _restores_older_step(tmp_path: Path, broken: str, caplog: pytest.LogCaptureF
 
 
 @pytest.mark.parametrize("target", ["rank1/data", "rank0/.metadata", ".metadata", "rank0/manifest.json"])
-def test_a_flipped_bit_anywhere_is_refused_and_the_older_step_restores_bit_identical(tmp_path, caplog, target):
-    _saved(tmp_path)
+def test_a_flipped_bit_anywhere_is_refused_and_the_older_step_restores_bit_identical(saved, caplog, target):
+    tmp_path = saved
     step = tmp_path / "step00000010"
     path = _data_file(step / "rank1") if target == "rank1/data" else step / target
     _flip_one_bit(path, random.Random(target))
@@ -97,8 +107,8 @@ def test_a_flipped_bit_anywhere_is_refused_and_the_older_step_restores_bit_ident
 
 
 @pytest.mark.parametrize("cut", ["one byte", "half", "gone"])
-def test_a_truncated_or_missing_file_is_refused_and_the_older_step_restores_bit_identical(tmp_path, caplog, cut):
-    _saved(tmp_path)
+def test_a_truncated_or_missing_file_is_refused_and_the_older_step_restores_bit_identical(saved, caplog, cut):
+    tmp_path = saved
     path = _data_file(tmp_path / "step00000010" / "rank0")
     size = path.stat().st_size
     if cut == "gone":
@@ -111,8 +121,8 @@ def test_a_truncated_or_missing_file_is_refused_and_the_older_step_restores_bit_
         Checkpointer(tmp_path, 0, _WORLD, 5).load(10)
 
 
-def test_a_recovery_decision_names_the_checkpoint_it_passed_over(tmp_path):
-    _saved(tmp_path)
+def test_a_recovery_decision_names_the_checkpoint_it_passed_over(saved):
+    tmp_path = saved
     _flip_one_bit(_data_file(tmp_path / "step00000010" / "rank1"), random.Random(3))
     props = {r: Proposal(r, 2, 11, f"c{r}", True) for r in range(_WORLD)}
     props[1] = Proposal(1, 2, -1, "", False, incarnation=1)  # a replacement: nothing in memory
@@ -129,13 +139,14 @@ def test_a_recovery_decision_names_the_checkpoint_it_passed_over(tmp_path):
     assert d.step == -1 and "no checkpoint to restore" in d.reason and "no finished part of rank(s) [1]" in d.reason
 
 
-def test_storage_that_dcp_cannot_read_is_one_clear_error_not_a_checkpoint_exception(tmp_path):
+def test_storage_that_dcp_cannot_read_is_one_clear_error_not_a_checkpoint_exception(saved):
     """DCP's ``CheckpointException`` is a ``BaseException``: ``except Exception`` misses it."""
     from torch.distributed.checkpoint.api import CheckpointException
 
+    tmp_path = saved
     assert not issubclass(CheckpointException, Exception)
-    ranks = _saved(tmp_path, steps=(0,))
-    part = ranks[0].path(0)
+    rank0 = Checkpointer(tmp_path, 0, _WORLD, 5)
+    part = rank0.path(0)
     data = _data_file(part)
     data.write_bytes(b"\0" * data.stat().st_size)  # a file DCP cannot read, its manifest rewritten to match
     from meshpact.live.recovery.manifest import digest_file, read_manifest, write_manifest
@@ -144,7 +155,7 @@ def test_storage_that_dcp_cannot_read_is_one_clear_error_not_a_checkpoint_except
     files[data.name] = digest_file(data)
     write_manifest(part, files)
     with pytest.raises(CheckpointCorrupt, match="cannot be read back") as info:
-        ranks[0].load(0)
+        rank0.load(0)
     assert isinstance(info.value, MeshpactError) and "\n" not in str(info.value)
     # a plain loop's checkpoint (no manifest to check) torn: the same one line
     plain = tmp_path / "plain" / "step00000003"
@@ -198,8 +209,8 @@ def _killed_save(tmp_path: Path, step: int, at: str) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the save was not killed ({status})"
 
 
-@pytest.mark.parametrize("at", ["mid-write", "part manifest", "merge", "step manifest"])
-@pytest.mark.parametrize("rewrite", [False, True], ids=["new step", "rewritten step"])
+@pytest.mark.parametrize(("at", "rewrite"), [(at, False) for at in ("mid-write", "part manifest", "merge", "step manifest")]
+                         + [("mid-write", True), ("part manifest", True)])
 def test_a_save_killed_at_any_point_leaves_nothing_torn_for_latest_and_the_next_start_cleans_up(tmp_path, at, rewrite):
     """Killed before its part is in place, the save is as if it never began: a new step is not
     picked, a rewritten one keeps its earlier whole part. Killed after, the part is whole and
@@ -230,3 +241,21 @@ def test_a_live_writers_temporary_folder_is_left_alone(tmp_path):
     other_host = step / ".rank0~elsewhere.example~1~1~tmp"
     other_host.mkdir()
     assert Checkpointer(tmp_path, 0, 2, 1).cleaned == [] and live.exists() and other_host.exists()
+
+
+@pytest.mark.parametrize("body", [b"", b"not json", b"[" * 100_000 + b"]" * 100_000, b'{"format": "other", "files": {}}',
+                                  b'{"format": "meshpact-checkpoint-manifest/1", "files": {"../../etc/passwd": [1, "'
+                                  + b"0" * 64 + b'"]}}',
+                                  b'{"format": "meshpact-checkpoint-manifest/1", "files": {"a": [-1, "' + b"0" * 64 + b'"]}}',
+                                  b'{"format": "meshpact-checkpoint-manifest/1", "files": {"a": [1e309, "x"]}}'],
+                         ids=["empty", "not json", "deep nesting", "other format", "outside the folder", "negative size",
+                              "infinite size"])
+def test_a_hostile_manifest_is_one_line_refusal_and_the_step_is_passed_over(saved, body):
+    tmp_path = saved
+    (tmp_path / "step00000005" / "manifest.json").write_bytes(body)
+    found = Checkpointer(tmp_path, 0, _WORLD, 5).latest(9)
+    assert found == 0 and "manifest" in found.passed_over[0] and "\n" not in found.passed_over[0]
+    (tmp_path / "step00000005" / "rank1" / "manifest.json").write_bytes(body)
+    with pytest.raises(CheckpointCorrupt, match="manifest") as info:
+        Checkpointer(tmp_path, 1, _WORLD, 5).load(5)
+    assert "\n" not in str(info.value)
