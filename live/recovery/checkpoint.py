@@ -7,10 +7,13 @@ parameter shards, optimizer state, generators, schedule, buffers) every K steps.
 directory is one DCP checkpoint:
 
 ====================================  ==================================================================
-``step<N>/rank<r>/``                  rank ``r``'s *part*: its state as a DCP checkpoint of its own, and
-                                      ``chunks.json``, where its sharded tensors lie in the whole ones
+``step<N>/rank<r>/``                  rank ``r``'s *part*: its state as a DCP checkpoint of its own,
+                                      ``chunks.json``, where its sharded tensors lie in the whole ones,
+                                      and ``manifest.json``, every file's size and digest (written last)
 ``step<N>/groups.distcp``             each parameter's param-group settings (``lr``, ``betas``...)
-``step<N>/.metadata``                 the merged metadata: its presence makes the checkpoint complete
+``step<N>/.metadata``                 the merged metadata
+``step<N>/manifest.json``             every file of the step, parts included, with its size and digest:
+                                      written last, its presence makes the checkpoint complete
 ====================================  ==================================================================
 
 The merged metadata names every tensor twice, over the same bytes:
@@ -23,16 +26,26 @@ The merged metadata names every tensor twice, over the same bytes:
   ``optim.param_groups.<fqn>.<k>`` for the optimizer, the layout of
   ``get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))``.
 
-Nothing here is a collective. Each rank writes its part into a temporary directory renamed
-into place; whoever then finds every part present merges the metadata (the last writer always
-does; two racing write the same bytes, each by an atomic rename). So a survivor can write a
-lost rank's part (an excision's flush) and no working process group is needed. Where a part
+Nothing here is a collective. Each rank writes its part into a temporary directory, fsyncs
+its files and the directory, renames it into place and fsyncs the step's directory; whoever
+then finds every part present merges the metadata (the last writer always does; two racing
+write the same bytes, each by an atomic rename). So a survivor can write a lost rank's part
+(an excision's flush) and no working process group is needed. A save killed before its part is
+in place leaves the step as it was (without that part, or with the part's earlier whole copy)
+and a temporary directory the next :class:`Checkpointer` on that host removes
+(:mod:`.manifest`); killed after, its part is whole and the step is merged by whoever next
+finds every part. Where a part
 says nothing of its chunks (``save`` without ``chunks``), tensors are taken as a 1-D FSDP2
 ``Shard(0)`` cut (``torch.chunk`` rows in rank order), which the merge checks; a cut it cannot
 confirm leaves those tensors under their ``meshpact.`` names only.
 
-:meth:`Checkpointer.load` reads this rank's own part; given ``like`` (the state it expects) it
-also reads a checkpoint a plain loop wrote with ``dcp.save({"model": ..., "optim": ...})``,
+:meth:`Checkpointer.latest` picks the newest checkpoint whose every file matches the step's
+manifest (size and digest): a torn, truncated or flipped one is passed over, named in one
+logged line and in the answer (:class:`CheckpointStep`), for the newest older complete one.
+:meth:`Checkpointer.load` checks this rank's part against its manifest before reading it, and
+refuses a damaged one (:class:`~meshpact.live.recovery.manifest.CheckpointCorrupt`, which also
+stands for DCP's ``CheckpointException``, a ``BaseException``). Given ``like`` (the state it
+expects) it also reads a checkpoint a plain loop wrote with ``dcp.save({"model": ..., "optim": ...})``,
 each tensor's chunk of this rank (``chunks``) or the whole of it.
 
 :class:`AsyncCheckpointer` measures the alternative of checkpointing after *every* update
@@ -46,6 +59,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import logging
 import os
 import pickle
 import queue
@@ -59,9 +73,15 @@ from typing import Any, Mapping
 
 import torch
 
+from .manifest import (MANIFEST, CheckpointCorrupt, FileDigest, clean_dead_temps, damage, digest_and_sync,
+                       digest_file, durable_write, fsync_dir, read_manifest, temp_path, write_manifest,
+                       write_synced)
 from .state import SCHEDULE_KEY, Chunk, shard_rows
 
-__all__ = ["Checkpointer", "AsyncCheckpointer", "AsyncCheckpointStats", "state_bytes", "global_name", "PRIVATE"]
+__all__ = ["Checkpointer", "CheckpointStep", "CheckpointCorrupt", "AsyncCheckpointer", "AsyncCheckpointStats",
+           "state_bytes", "global_name", "PRIVATE"]
+
+_log = logging.getLogger(__name__)
 
 PRIVATE = "meshpact"  # the merged metadata's prefix for each rank's own state
 _CHUNKS = "chunks.json"
@@ -100,39 +120,75 @@ def _dcp_quietly(fn: Any, *args: Any, **kw: Any) -> Any:
 
 def write_part(directory: Path, state: Mapping[str, torch.Tensor], chunks: Mapping[str, Chunk] | None) -> int:
     """Write ``state`` as a DCP checkpoint of its own at ``directory`` (replaced whole, by a
-    rename), with its chunks; returns the bytes written."""
+    rename), with its chunks and its manifest, durably (module docstring); returns the bytes
+    written."""
     import torch.distributed.checkpoint as dcp
 
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = directory.with_name(f".{directory.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp = temp_path(directory, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     # the tensors as they are: DCP serialises each to the file, no copy of the state is made first
-    _dcp_quietly(dcp.save, {k: v.detach() for k, v in state.items()}, storage_writer=dcp.FileSystemWriter(tmp))
+    _dcp_quietly(dcp.save, {k: v.detach() for k, v in state.items()},
+                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=False))
+    files: dict[str, FileDigest] = {}
     if chunks is not None:
-        (tmp / _CHUNKS).write_text(json.dumps({k: [list(c.global_shape), list(c.offsets)] for k, c in chunks.items()}))
+        body = json.dumps({k: [list(c.global_shape), list(c.offsets)] for k, c in chunks.items()}).encode()
+        files[_CHUNKS] = write_synced(tmp / _CHUNKS, body)
+    files.update(digest_and_sync([f for f in tmp.iterdir() if f.name not in files]))
+    write_manifest(tmp, files)
     if directory.exists():
-        old = directory.with_name(f".{directory.name}.{os.getpid()}.old")
+        old = temp_path(directory, "old")
         os.replace(directory, old)
         os.replace(tmp, directory)
+        fsync_dir(directory.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, directory)
+        fsync_dir(directory.parent)
+    fsync_dir(directory.parent.parent)  # the step's own entry, where this save made its directory
     return sum(f.stat().st_size for f in directory.iterdir())
+
+
+def _unreadable(where: Path, exc: BaseException) -> CheckpointCorrupt:
+    """DCP's refusal to read (``CheckpointException``, a ``BaseException``, or a torn pickle) as one line."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return CheckpointCorrupt(f"{where} cannot be read back: {first[:300]}")
 
 
 def _read_part(directory: Path, keys: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a part (``keys``: only those), each in a buffer of its own."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
-    meta = dcp.FileSystemReader(directory).read_metadata()
-    out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-           if keys is None or k in keys}
-    _dcp_quietly(dcp.load, out, storage_reader=dcp.FileSystemReader(directory))
+    try:
+        meta = dcp.FileSystemReader(directory).read_metadata()
+        out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
+               if keys is None or k in keys}
+        _dcp_quietly(dcp.load, out, storage_reader=dcp.FileSystemReader(directory))
+    except (CheckpointException, Exception) as exc:  # noqa: BLE001  (whatever storage hands back is refused)
+        raise _unreadable(directory, exc) from exc
     return out
 
 
+class CheckpointStep(int):
+    """The step :meth:`Checkpointer.latest` found (an ``int``), with the newer checkpoints it
+    passed over and why (``passed_over``: one entry per step, newest first)."""
+
+    passed_over: tuple[str, ...]
+
+    def __new__(cls, step: int, passed_over: tuple[str, ...] = ()) -> "CheckpointStep":
+        found = super().__new__(cls, step)
+        found.passed_over = passed_over
+        return found
+
+    def note(self) -> str:
+        """One line for a log or a decision's reason; empty where nothing was passed over."""
+        return f"passed over {'; '.join(self.passed_over)}; using step {int(self)}" if self.passed_over else ""
+
+
 class Checkpointer:
-    """One rank's side of the periodic DCP checkpoints (see the module docstring)."""
+    """One rank's side of the periodic DCP checkpoints (see the module docstring). Making one
+    removes what saves that died on this host left in the directory's steps."""
 
     def __init__(self, directory: str | os.PathLike[str], rank: int, world_size: int, every: int) -> None:
         if every < 1:
@@ -143,6 +199,10 @@ class Checkpointer:
         self.every = every
         self.bytes_written = 0
         self.bytes_read = 0  # by load(): what restores cost in storage reads
+        self.cleaned = clean_dead_temps(self._steps_dirs())  # what a killed save left: nobody will finish it
+
+    def _steps_dirs(self) -> list[Path]:
+        return [p for p in self.directory.glob("step*") if p.name[4:].isdigit() and p.is_dir()]
 
     def due(self, step: int) -> bool:
         return step % self.every == 0
@@ -158,46 +218,94 @@ class Checkpointer:
         """Write this rank's ``state`` for ``step`` as its part (``chunks``: where its sharded
         tensors lie, :func:`~meshpact.live.recovery.state.global_chunks`), and the merged
         metadata if every part is there now; returns the bytes written."""
-        (self.step_dir(step) / _METADATA).unlink(missing_ok=True)  # a part rewritten: merged again below
+        top = self.step_dir(step)
+        if top.exists():  # a part rewritten: the step is incomplete until merged again below
+            (top / MANIFEST).unlink(missing_ok=True)
+            (top / _METADATA).unlink(missing_ok=True)
+            fsync_dir(top)
         size = write_part(self.path(step), state, chunks)
         self.bytes_written += size
         self.complete(step)
         return size
 
     def complete(self, step: int) -> bool:
-        """Whether the checkpoint of ``step`` is complete (merging its metadata when every part
-        is there and nobody has yet)."""
-        top = self.step_dir(step)
-        if (top / _METADATA).exists():
-            return True
-        if not all((self.path(step, r) / _METADATA).exists() for r in range(self.world_size)):
-            return False
-        _merge(top, self.world_size)
-        return True
+        """Whether the checkpoint of ``step`` is complete: its manifest written (merging its
+        metadata when every part is there and nobody has yet). Nothing is read or digested."""
+        return self._incomplete(step) is None
 
-    def latest(self, limit: int) -> int:
-        """The newest complete checkpoint at or before ``limit`` (step 0 is always written first)."""
-        steps = sorted((int(p.name[4:]) for p in self.directory.glob("step*") if p.name[4:].isdigit()), reverse=True)
+    def _incomplete(self, step: int) -> str | None:
+        """Why the checkpoint of ``step`` is not complete (one line), or None when it is."""
+        top = self.step_dir(step)
+        if (top / MANIFEST).exists():
+            return None
+        absent = [r for r in range(self.world_size) if not (self.path(step, r) / MANIFEST).exists()]
+        if absent:
+            return f"no finished part of rank(s) {absent[:8]}{' ...' if len(absent) > 8 else ''}"
+        try:
+            _merge(top, self.world_size)
+        except CheckpointCorrupt as exc:
+            return str(exc)
+        return None
+
+    def verify(self, step: int) -> str | None:
+        """What is wrong with the complete checkpoint of ``step`` (one line: a file missing, torn,
+        or not matching its digest), or None when every file matches the step's manifest."""
+        top = self.step_dir(step)
+        try:
+            return damage(top, read_manifest(top))
+        except CheckpointCorrupt as exc:
+            return str(exc)
+
+    def latest(self, limit: int, verify: bool = True) -> CheckpointStep:
+        """The newest complete checkpoint at or before ``limit`` whose files all match their
+        manifest (``verify`` off: complete only, nothing read; for bookkeeping, never for a
+        restore). Newer ones passed over are named in the answer and in one logged line."""
+        steps = sorted((int(p.name[4:]) for p in self._steps_dirs()), reverse=True)
+        passed: list[str] = []
         for step in steps:
-            if step <= limit and self.complete(step):
-                return step
-        raise FileNotFoundError(f"no complete checkpoint at or before step {limit} in {self.directory}")
+            if step > limit:
+                continue
+            why = self._incomplete(step)
+            if why is None and verify:
+                why = self.verify(step)
+            if why is None:
+                found = CheckpointStep(step, tuple(passed))
+                if passed and verify:
+                    _log.warning("checkpoints in %s: %s", self.directory, found.note())
+                return found
+            passed.append(f"step {step} ({why})")
+        raise FileNotFoundError(f"no complete checkpoint at or before step {limit} in {self.directory}"
+                                + (f"; passed over {'; '.join(passed)}" if passed else ""))
 
     def load(self, step: int, like: Mapping[str, torch.Tensor] | None = None,
              chunks: Mapping[str, Chunk] | None = None) -> dict[str, torch.Tensor]:
-        """This rank's state at ``step``: its own part, bit for bit. A checkpoint without parts
-        (a plain loop's) is read by the names ``like``'s keys have there (:func:`global_name`),
+        """This rank's state at ``step``: its own part, bit for bit, once its files match their
+        manifest (:class:`CheckpointCorrupt` names the file that does not). A checkpoint without
+        parts (a plain loop's) is read by the names ``like``'s keys have there (:func:`global_name`),
         each key's chunk (``chunks``) or whole, with the optimizer state the checkpoint holds for
         each of ``like``'s parameters (cut as the parameter is: ``like`` may come from an optimizer
-        that has not stepped); generators and schedule are left out."""
+        that has not stepped); generators and schedule are left out. A plain loop's checkpoint
+        has no manifest to check it against: DCP's own reading is all that stands behind it."""
         part = self.path(step)
-        if (part / _METADATA).exists():
+        top = self.step_dir(step)
+        if part.exists():
+            try:
+                why = damage(part, read_manifest(part))
+            except CheckpointCorrupt as exc:
+                why = str(exc)
+            if why is not None:
+                raise CheckpointCorrupt(f"refusing rank {self.rank}'s part of the checkpoint of step {step} in "
+                                        f"{top}: {why}; restore an older step (Checkpointer.latest passes over "
+                                        "this one)")
             self.bytes_read += sum(f.stat().st_size for f in part.iterdir())
             return _read_part(part)
-        top = self.step_dir(step)
         if like is None or not (top / _METADATA).exists():
             raise FileNotFoundError(f"no part of rank {self.rank} in {top}" +
                                     ("" if like is None else " and no DCP metadata there"))
+        if (top / MANIFEST).exists():
+            why = self.verify(step)
+            if why is not None:
+                raise CheckpointCorrupt(f"refusing the checkpoint of step {step} in {top}: {why}")
         state, read = _read_global(top, like, chunks or {})
         self.bytes_read += read
         return state
@@ -231,14 +339,35 @@ def _inferred_chunks(metas: list[Any]) -> dict[int, dict[str, Chunk]]:
     return out
 
 
+def _part_manifests(top: Path, world: int) -> dict[str, FileDigest]:
+    """Every part's files, named from ``top``, once each part's small files (its DCP metadata,
+    its chunks, which the merge reads) match their digests and its large ones their sizes."""
+    files: dict[str, FileDigest] = {}
+    for r in range(world):
+        part = top / f"rank{r}"
+        own = read_manifest(part)
+        small = {n: d for n, d in own.items() if n in (_METADATA, _CHUNKS)}
+        why = damage(part, own, digests=False) or damage(part, small)
+        if why is not None:
+            raise CheckpointCorrupt(f"rank {r}'s part in {top}: {why}")
+        files.update({f"rank{r}/{n}": d for n, d in own.items()})
+        files[f"rank{r}/{MANIFEST}"] = digest_file(part / MANIFEST)
+    return files
+
+
 def _merge(top: Path, world: int) -> None:
     """Write ``top/.metadata``: every part's tensors under their ``meshpact.`` names and, where
-    their chunks tile the whole tensor, under a plain loop's names (module docstring)."""
+    their chunks tile the whole tensor, under a plain loop's names (module docstring); then the
+    step's manifest, which makes it complete."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
                                                        MetadataIndex, TensorStorageMetadata)
 
-    metas = [dcp.FileSystemReader(top / f"rank{r}").read_metadata() for r in range(world)]
+    files = _part_manifests(top, world)
+    try:
+        metas = [dcp.FileSystemReader(top / f"rank{r}").read_metadata() for r in range(world)]
+    except Exception as exc:  # noqa: BLE001  (a metadata file matching its digest that DCP cannot read)
+        raise _unreadable(top, exc) from exc
     given = [_part_chunks(top / f"rank{r}") for r in range(world)]
     explicit = all(c is not None for c in given)
     chunks = {r: c for r, c in enumerate(given)} if explicit else _inferred_chunks(metas)
@@ -282,10 +411,11 @@ def _merge(top: Path, world: int) -> None:
             sd_meta[name] = BytesStorageMetadata()
             storage[MetadataIndex(name)] = dataclasses.replace(next(iter(storage.values())), relative_path=_GROUPS,
                                                                offset=at, length=buf.tell() - at)
-        _atomic_write(top / _GROUPS, buf.getvalue())
+        files[_GROUPS] = durable_write(top / _GROUPS, buf.getvalue())
     merged = Metadata(sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
                       version=metas[0].version)
-    _atomic_write(top / _METADATA, pickle.dumps(merged))
+    files[_METADATA] = durable_write(top / _METADATA, pickle.dumps(merged))  # DCP's own format: a pickle
+    write_manifest(top, files)
 
 
 def _param_groups(top: Path, sd_meta: Mapping[str, Any]) -> dict[str, Any]:
@@ -305,14 +435,18 @@ def _param_groups(top: Path, sd_meta: Mapping[str, Any]) -> dict[str, Any]:
     return {f"optim.param_groups.{fqn}.{k}": v for fqn in fqns for k, v in schedule.groups[0].items()}
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 # -- reading a plain loop's checkpoint ----------------------------------------------------------
 def _read_global(top: Path, like: Mapping[str, torch.Tensor], chunks: Mapping[str, Chunk]) -> tuple[dict[str, torch.Tensor], int]:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return _read_global_unchecked(top, like, chunks)
+    except (CheckpointException, EOFError, pickle.UnpicklingError, OSError) as exc:
+        raise _unreadable(top, exc) from exc
+
+
+def _read_global_unchecked(top: Path, like: Mapping[str, torch.Tensor],
+                           chunks: Mapping[str, Chunk]) -> tuple[dict[str, torch.Tensor], int]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -405,6 +539,7 @@ class AsyncCheckpointer:
     def __init__(self, directory: str | os.PathLike[str], rank: int) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
+        clean_dead_temps([self.directory / "latest"])  # a write that died with its process
         self.rank = rank
         self._buffers: dict[str, torch.Tensor] = {}
         self._queue: queue.Queue = queue.Queue(maxsize=1)

@@ -250,7 +250,10 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
         steps += [p.restore_before - 1 for p in proposals.values() if p.restore_before is not None]
         limit = max(min(steps), 0) if steps else 0
         try:
-            step = checkpoint_step(limit)
+            found = checkpoint_step(limit)
+            step = int(found)
+            passed = found.note() if hasattr(found, "note") else ""  # a Checkpointer's: newer damaged ones, named
+            reason = f"{reason}; checkpoints {passed}" if passed else reason
         except FileNotFoundError as exc:  # a round still missing ranks goes on; a complete one is refused where
             step, reason = -1, f"{reason}; no checkpoint to restore ({exc})"  # it is acted on (step -1)
         return Decision(round, Policy.CHECKPOINT_RESTORE, step, reason, members, missing, standby)

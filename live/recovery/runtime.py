@@ -729,8 +729,8 @@ class Resilient:
                               bytes=written)
         if self.ckpt is not None and self._kept:
             try:  # keep batches since the checkpoint before the newest complete one
-                newest = self.ckpt.latest(self.committed_step)
-                keep_from = self.ckpt.latest(newest - 1) if newest > 0 else 0
+                newest = self.ckpt.latest(self.committed_step, verify=False)
+                keep_from = self.ckpt.latest(newest - 1, verify=False) if newest > 0 else 0
             except FileNotFoundError:
                 keep_from = 0
             while self._kept and self._kept[0][0] < keep_from:

@@ -1,6 +1,8 @@
 """A Meshpact job's checkpoints are DCP checkpoints: a plain FSDP2 loop loads one with torch's own
 ``get_state_dict``/``dcp.load``/``set_state_dict`` and goes on training, and a checkpoint that
-loop writes with ``dcp.save`` restores into a Meshpact rank's state."""
+loop writes with ``dcp.save`` restores into a Meshpact rank's state. The job that writes them
+loses a rank whose state only a checkpoint holds, and the newest checkpoint has a flipped bit:
+the recovery passes it over by name and restores the older one, bit for bit."""
 
 from __future__ import annotations
 
@@ -19,6 +21,36 @@ from meshpact.live.trials.trial import TrialConfig, run_trial
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
 
 _RANKS, _STEPS, _EVERY = 2, 4, 2
+_FAULT_STEP = 2  # plan_faults: one kill in [1, 4), at 1 + 3 // 2, of rank 0
+
+# the decoder, as a user's workload, whose rank 0 flips one bit of its own part of the newest
+# checkpoint (step 2, written at the commit before) as it draws step 2's batch, just before it is
+# killed in that step: it comes back from a checkpoint, and step 2's is damaged
+_FLIPPING = """
+from pathlib import Path
+
+from meshpact.scenarios.workloads import decoder
+
+PART, DONE = Path({part!r}), Path({done!r})
+
+
+def build(mesh):
+    return decoder.build(mesh)
+
+
+def train_step(model, optimizer, batch):
+    return decoder.train_step(model, optimizer, batch)
+
+
+def batch(step, rank):
+    if step == {step} and rank == 0 and PART.exists() and not DONE.exists():
+        data = next(PART.glob("*.distcp"))
+        raw = bytearray(data.read_bytes())
+        raw[len(raw) // 2] ^= 0x10
+        data.write_bytes(bytes(raw))
+        DONE.write_text(data.name)
+    return decoder.batch(step, rank)
+"""
 
 
 def _sharded(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -67,10 +99,23 @@ def _plain_rank(rank: int, init: str, ckpt_dir: str, final_dir: str, errors: mp.
 
 
 def test_a_meshpact_checkpoint_loads_in_a_plain_fsdp2_loop_and_back(tmp_path: Path):
-    cfg = TrialConfig(ranks=_RANKS, steps=_STEPS, faults=1, checkpoint_every=_EVERY, baselines=False)
-    result = run_trial(cfg, work_dir=tmp_path / "trial", forkserver=shared_forkserver(), warm_replacements=True)
-    assert result.summary()["bit_identical"]
     ckpt_dir = tmp_path / "trial" / "checkpoints"
+    workload = tmp_path / "flipping.py"
+    workload.write_text(_FLIPPING.format(part=str(ckpt_dir / f"step{_FAULT_STEP:08d}" / "rank0"),
+                                         done=str(tmp_path / "flipped"), step=_FAULT_STEP))
+    cfg = TrialConfig(ranks=_RANKS, steps=_STEPS, faults=1, fault_kind="kill", checkpoint_every=_EVERY,
+                      peer_copies=0, baselines=False, workload=str(workload))
+    result = run_trial(cfg, work_dir=tmp_path / "trial", forkserver=shared_forkserver(), warm_replacements=True)
+    assert (tmp_path / "flipped").exists(), "the workload never flipped the checkpoint's bit"
+    summary = result.summary()
+    (restore,) = result.recoveries()
+    assert restore["policy"] == "checkpoint_restore" and restore["lost_steps"] == _FAULT_STEP, restore
+    # the choice is bounded by the survivor's committed step (2) where it kept its state intact, and
+    # then the damaged step 2 is named; a survivor caught mid-update bounds it at 0, before the damage
+    if "rank(s) [0, 1] hold no intact state" not in restore["reason"]:
+        assert f"passed over step {_FAULT_STEP} (rank0/" in restore["reason"], restore["reason"]
+        assert "sha256 digest" in restore["reason"] and restore["reason"].endswith("using step 0"), restore["reason"]
+    assert summary["bit_identical"], (summary["mismatches"], restore["reason"])
     assert Checkpointer(ckpt_dir, 0, _RANKS, _EVERY).latest(_STEPS) == _STEPS
     # one process, no group at all: the whole model from the chunks every rank wrote
     import torch.distributed.checkpoint as dcp
