@@ -121,6 +121,29 @@ def test_a_container_of_the_users_own_is_found_and_its_schedulers_paired_by_plac
     assert sum(k.startswith("optim/0.") for k in listed) == 2  # SGD's momentum for both of the first layer's
 
 
+class _Counting(torch.optim.SGD):
+    """torch's layout with a number in each parameter's state (as LBFGS keeps its counters)."""
+
+    def step(self, closure: Any = None) -> None:
+        super().step()
+        for p in self.param_groups[0]["params"]:
+            self.state[p]["seen"] = self.state[p].get("seen", 0) + 1
+
+
+def test_a_number_in_an_optimizers_state_is_committed_with_the_schedule_and_put_back():
+    model = torch.nn.Linear(4, 2)
+    opt = _Counting(model.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        _loss(model)
+        opt.step()
+    committed = capture_schedule(opt)
+    assert sorted(v for _, v in committed.values) == [2, 2]
+    opt.step()  # a failed attempt counted once more
+    restore_schedule(opt, [], committed)
+    assert [s["seen"] for s in opt.state.values()] == [2, 2]
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate parameters")
 def test_a_parameter_held_by_two_inner_optimizers_is_refused():
     model = torch.nn.Linear(4, 2)
     opt = _Pair(list(model.parameters()), list(model.parameters()))
