@@ -3,7 +3,12 @@ optimizer's schedule (param group settings, LR schedulers: :class:`Schedule`).
 
 :func:`local_state` lists every tensor a rank holds (its parameter shards, then optimizer
 state) in one fixed order; checkpoints, the final comparison and the commit check all read
-it. Random-number generators are state too: a step with dropout re-run from a different
+it. The optimizer state is read where the optimizer keeps it (:func:`optimizer_parts`): its
+own ``state``, its inner optimizers' where it is a container (torchtitan's
+``OptimizersContainer``), or its ``state_dict()`` where it keeps torch's layout nowhere; what
+cannot be read is refused (:class:`OptimizerStateError`), never left out.
+
+Random-number generators are state too: a step with dropout re-run from a different
 generator state ends with different parameters, so :class:`RngState` captures every
 generator a step can draw from (torch's CPU default generator, each accelerator's device
 generators where that accelerator is present and initialised, Python's ``random`` and
@@ -84,12 +89,13 @@ class OptimizerParts:
     """The optimizers that hold an optimizer's state, as it says so itself.
 
     ``by_param`` keep torch's layout: ``state`` keyed by parameter, settings in ``param_groups``.
-    That is the optimizer itself, or, for a *container* (an optimizer that holds others: torchtitan's
-    ``OptimizersContainer`` keeps one per model part and optimizer kind in ``.optimizers``, its own
-    ``state`` empty), the inner optimizers found in its attributes (an optimizer, or a list, tuple or
-    dict of them), in attribute order, depth first; a container's own state, where it has any, comes
-    first. ``by_state_dict`` are optimizers that override ``state_dict`` and hold no inner
-    optimizer: their state is read through ``state_dict()`` and put back with ``load_state_dict()``."""
+    That is the optimizer itself and, for a *container* (an optimizer that holds others:
+    torchtitan's ``OptimizersContainer`` keeps one per model part and optimizer kind in
+    ``.optimizers``, its own ``state`` empty), the inner optimizers found in its attributes (an
+    optimizer, or a list, tuple or dict of them), in attribute order, depth first, after it.
+    ``by_state_dict`` are optimizers that override ``state_dict`` and hold no inner optimizer:
+    their state is read through ``state_dict()`` and put back with ``load_state_dict()``. The
+    parts of an optimizer do not change as it trains (state made lazily changes no part)."""
 
     by_param: tuple[torch.optim.Optimizer, ...]
     by_state_dict: tuple[torch.optim.Optimizer, ...] = ()
@@ -120,13 +126,12 @@ def optimizer_parts(optimizer: torch.optim.Optimizer) -> OptimizerParts:
         if id(o) in seen:
             return
         seen.add(id(o))
-        inner = _inner_optimizers(o)
+        inner = [x for x in _inner_optimizers(o) if id(x) not in seen]  # a reference back to a container is none
         if not inner:
             own_layout = type(o).state_dict is torch.optim.Optimizer.state_dict
             (by_param if own_layout else by_state_dict).append(o)
             return
-        if o.state:
-            by_param.append(o)
+        by_param.append(o)  # a container: its own state (torchtitan's is empty), then its inner optimizers'
         for x in inner:
             visit(x)
 
@@ -294,6 +299,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
     the given tensors themselves, not copies, so loading never holds the state twice."""
     params = dict(model.named_parameters())
     parts = optimizer_parts(optimizer)
+    # a parameter's optimizer: the innermost one listing it (a container lists every parameter too)
     owner = {id(p): o for o in parts.by_param for g in o.param_groups for p in g["params"]}
     holder = {id(p): o for o in parts.by_param for p in o.state}  # a frozen parameter's state: where it is
     load_buffers(model, state)
