@@ -13,7 +13,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test]'
+	$(PY) -m pip install --quiet --constraint constraints.txt --editable '.[test,torchtitan]'
 	touch $(STAMP)
 
 app: install

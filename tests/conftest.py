@@ -19,6 +19,7 @@ import pytest
 LONGEST_FIRST = (
     "tests/app/test_browser_live.py",  # 180 s: Chromium runs a kill with replace and with excise from the Live page
     "tests/live/test_spillover_split.py",  # 152 s: every model-split run, then AOTInductor packages
+    "tests/live/test_torchtitan.py",  # 150 s at load 19: three torchtitan runs side by side, a replacement's import
     "tests/app/test_browser_layout.py",  # 130 s: every page at 1,024 and 1,400 px, and at scale
     "tests/live/test_recovery_stateful.py",  # 90-150 s: a loader through in-memory, peer restore and excision
     "tests/live/test_recovery_compile.py",  # 112 s: torch.compile on every rank, cold cache first

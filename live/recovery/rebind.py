@@ -189,10 +189,13 @@ def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] |
         for p in params:
             add(getattr(p, "device_mesh", None))
     if optimizer is not None:
-        for p, slot in optimizer.state.items():
-            if id(p) not in known:
-                for v in slot.values():
-                    add(getattr(v, "device_mesh", None))
+        from .state import optimizer_parts
+
+        for o in optimizer_parts(optimizer).all:  # a container's state lies in its inner optimizers
+            for p, slot in o.state.items():
+                if id(p) not in known:
+                    for v in slot.values():
+                        add(getattr(v, "device_mesh", None))
     return list(found.values())
 
 

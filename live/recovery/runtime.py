@@ -58,7 +58,8 @@ from .pipeline import Cause, RecoveryRecord, RetiredGroup
 from .rebind import ModuleScan, function_key, meshes_of, module_groups as _groups_held
 from .reshard import ExcisionRecord, GradientWeight, Membership, adopt_objects, share_batch
 from .session import RecoveryConfig, Session, start_barrier
-from .state import (CommitMark, StateCheck, capture_objects, capture_rng, capture_schedule, check_stateful, job_state, load_buffers,
+from .state import (CommitMark, StateCheck, capture_objects, capture_rng, capture_schedule, check_optimizer, check_stateful,
+                    job_state, load_buffers, param_groups_of,
                     load_job_state, model_buffers, restore_objects, restore_rng, restore_schedule, schedulers_of,
                     Chunk, global_chunks)
 
@@ -255,6 +256,7 @@ class Resilient:
         if not callable(getattr(optimizer, "register_step_pre_hook", None)):
             raise TypeError(f"resilient() needs a torch.optim.Optimizer (its step hook says when a step began), got "
                             f"{type(optimizer).__name__}")
+        check_optimizer(optimizer)  # a state that cannot be read is refused here, in one line
         self.model = model
         self.optimizer = optimizer
         self.session = session
@@ -674,7 +676,7 @@ class Resilient:
 
         if any(isinstance(x, (LRScheduler, ReduceLROnPlateau)) for x in self.schedulers):
             return
-        if any("initial_lr" in g for g in self.optimizer.param_groups):
+        if any("initial_lr" in g for g in param_groups_of(self.optimizer)):
             raise LateSchedulerError(
                 f"step {step}: the optimizer's param groups carry initial_lr, an LR scheduler's mark, but no scheduler "
                 "on this optimizer existed when training started: its state is in no commit, peer copy or "

@@ -3,7 +3,12 @@ optimizer's schedule (param group settings, LR schedulers: :class:`Schedule`).
 
 :func:`local_state` lists every tensor a rank holds (its parameter shards, then optimizer
 state) in one fixed order; checkpoints, the final comparison and the commit check all read
-it. Random-number generators are state too: a step with dropout re-run from a different
+it. The optimizer state is read where the optimizer keeps it (:func:`optimizer_parts`): its
+own ``state``, its inner optimizers' where it is a container (torchtitan's
+``OptimizersContainer``), or its ``state_dict()`` where it keeps torch's layout nowhere; what
+cannot be read is refused (:class:`OptimizerStateError`), never left out.
+
+Random-number generators are state too: a step with dropout re-run from a different
 generator state ends with different parameters, so :class:`RngState` captures every
 generator a step can draw from (torch's CPU default generator, each accelerator's device
 generators where that accelerator is present and initialised, Python's ``random`` and
@@ -43,7 +48,8 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-__all__ = ["shard_rows", "local_state", "load_local_state", "digest", "commit_check", "CommitMark", "StateCheck", "RngState", "capture_rng", "restore_rng",
+__all__ = ["shard_rows", "local_state", "OptimizerParts", "OptimizerStateError", "optimizer_parts", "param_groups_of",
+           "check_optimizer", "load_local_state", "digest", "commit_check", "CommitMark", "StateCheck", "RngState", "capture_rng", "restore_rng",
            "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
            "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "saved_objects", "model_buffers", "load_buffers",
            "Chunk", "global_chunks", "check_stateful", "capture_objects", "restore_objects", "ScheduleError"]
@@ -75,17 +81,171 @@ def model_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+# -- what an optimizer says its state is ----------------------------------------------------
+class OptimizerStateError(TypeError):
+    """An optimizer whose state cannot be read whole: the one line names the optimizer and why."""
+
+
+@dataclass(frozen=True)
+class OptimizerParts:
+    """The optimizers that hold an optimizer's state, as it says so itself.
+
+    ``by_param`` keep torch's layout: ``state`` keyed by parameter, settings in ``param_groups``.
+    That is the optimizer itself and, for a *container* (an optimizer that holds others:
+    torchtitan's ``OptimizersContainer`` keeps one per model part and optimizer kind in
+    ``.optimizers``, its own ``state`` empty), the inner optimizers found in its attributes (an
+    optimizer, or a list, tuple or dict of them), in attribute order, depth first, after it.
+    ``by_state_dict`` are optimizers that override ``state_dict`` and hold no inner optimizer:
+    their state is read through ``state_dict()`` and put back with ``load_state_dict()``. The
+    parts of an optimizer do not change as it trains (state made lazily changes no part)."""
+
+    by_param: tuple[torch.optim.Optimizer, ...]
+    by_state_dict: tuple[torch.optim.Optimizer, ...] = ()
+
+    @property
+    def all(self) -> tuple[torch.optim.Optimizer, ...]:
+        return self.by_param + self.by_state_dict
+
+
+def _inner_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The optimizers ``optimizer``'s own attributes hold (an optimizer, or a list, tuple or dict of them)."""
+    out: list[torch.optim.Optimizer] = []
+    for name, value in vars(optimizer).items():
+        if name in ("state", "param_groups", "defaults"):
+            continue
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
+        out += [x for x in items if isinstance(x, torch.optim.Optimizer) and x is not optimizer]
+    return out
+
+
+def optimizer_parts(optimizer: torch.optim.Optimizer) -> OptimizerParts:
+    """The :class:`OptimizerParts` of ``optimizer`` (a container's inner optimizers need no registration)."""
+    by_param: list[torch.optim.Optimizer] = []
+    by_state_dict: list[torch.optim.Optimizer] = []
+    seen: set[int] = set()
+
+    def visit(o: torch.optim.Optimizer) -> None:
+        if id(o) in seen:
+            return
+        seen.add(id(o))
+        inner = [x for x in _inner_optimizers(o) if id(x) not in seen]  # a reference back to a container is none
+        if not inner:
+            own_layout = type(o).state_dict is torch.optim.Optimizer.state_dict
+            (by_param if own_layout else by_state_dict).append(o)
+            return
+        by_param.append(o)  # a container: its own state (torchtitan's is empty), then its inner optimizers'
+        for x in inner:
+            visit(x)
+
+    visit(optimizer)
+    return OptimizerParts(tuple(by_param), tuple(by_state_dict))
+
+
+def param_groups_of(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Every param group of the optimizers holding ``optimizer``'s state, in :class:`OptimizerParts` order."""
+    return [g for o in optimizer_parts(optimizer).all for g in o.param_groups]
+
+
+def _param_slots(parts: OptimizerParts) -> dict[int, Mapping[str, Any]]:
+    """Each parameter's optimizer state by the parameter's id, over every ``by_param`` optimizer. A
+    parameter held by two of them is refused: one of its states would be in no copy."""
+    by_id: dict[int, Mapping[str, Any]] = {}
+    held = 0
+    for o in parts.by_param:
+        held += len(o.state)
+        by_id.update((id(k), v) for k, v in o.state.items())
+    if len(by_id) != held:
+        raise OptimizerStateError(f"{held - len(by_id)} parameter(s) have state in two of the optimizers "
+                                  f"{[type(o).__qualname__ for o in parts.by_param]}; give each parameter to one")
+    return by_id
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _walk_state_dict(o: torch.optim.Optimizer) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, Any]]]:
+    """The tensors and the plain values of ``o.state_dict()``, each with its path (keys and list
+    indices joined by ``/``); anything else in it is refused."""
+    kind = type(o).__qualname__
+    try:
+        sd = o.state_dict()
+    except Exception as exc:  # noqa: BLE001 - the user's own optimizer: any failure is reported in one line
+        raise OptimizerStateError(f"{kind}.state_dict() failed ({type(exc).__name__}: {exc}); Meshpact reads that "
+                                  "optimizer's state only through it") from None
+    if not isinstance(sd, Mapping):
+        raise OptimizerStateError(f"{kind}.state_dict() returned {type(sd).__name__}, not a dict: its state cannot be read")
+    tensors: list[tuple[str, torch.Tensor]] = []
+    values: list[tuple[str, Any]] = []
+
+    def walk(x: Any, path: str) -> None:
+        if isinstance(x, torch.Tensor):
+            tensors.append((path, x))
+        elif isinstance(x, Mapping):
+            for k in sorted(x, key=str):
+                walk(x[k], f"{path}/{k}" if path else str(k))
+        elif type(x) in (list, tuple):
+            if all(isinstance(v, _PLAIN) for v in x):
+                values.append((path, x))
+            else:
+                for i, v in enumerate(x):
+                    walk(v, f"{path}/{i}")
+        elif isinstance(x, _PLAIN):
+            values.append((path, x))
+        else:
+            raise OptimizerStateError(f"{kind}.state_dict() holds a {type(x).__name__} at {path!r}: only tensors, "
+                                      "numbers, strings and lists or dicts of them can be copied and compared")
+
+    walk(sd, "")
+    return tensors, values
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> OptimizerParts:
+    """``optimizer``'s parts, each one's state read once, so a state that cannot be read is refused
+    when training starts (one line, :class:`OptimizerStateError`), not at the first copy."""
+    parts = optimizer_parts(optimizer)
+    for o in parts.by_state_dict:
+        _walk_state_dict(o)
+    return parts
+
+
+def _put(sd: Any, path: str, value: Any, kind: str) -> None:
+    """Set the entry of ``sd`` (a state dict as ``state_dict()`` gives it) at ``path`` to ``value``."""
+    keys = path.split("/")
+    node = sd
+    for depth, key in enumerate(keys):
+        if isinstance(node, dict):
+            match = next((k for k in node if str(k) == key), None)
+        elif type(node) is list and key.isdigit() and int(key) < len(node):
+            match = int(key)
+        else:
+            match = None
+        if match is None:
+            raise OptimizerStateError(f"the saved state of {kind} has {path!r}, which {kind}.state_dict() does not "
+                                      "have (now): make its state before training, the same on every rank")
+        if depth == len(keys) - 1:
+            node[match] = value
+        else:
+            node = node[match]
+
+
 def local_state(model: nn.Module, optimizer: torch.optim.Optimizer, buffers: bool = True) -> dict[str, torch.Tensor]:
-    """Every tensor this rank holds, parameter shards, optimizer state, then (``buffers``) the
-    model's persistent buffers, in a fixed order."""
+    """Every tensor this rank holds, parameter shards, optimizer state (``optim/<param>/<key>``, from
+    each optimizer of :func:`optimizer_parts` that keeps torch's layout; ``optim_sd/<i>/<path>``,
+    from the ``state_dict()`` of each that does not), then (``buffers``) the model's persistent
+    buffers, in a fixed order."""
     out: dict[str, torch.Tensor] = {}
     params = dict(model.named_parameters())
+    parts = optimizer_parts(optimizer)
+    by_id = _param_slots(parts)
     for name, p in params.items():
         out[f"param/{name}"] = _local(p)
     for name, p in params.items():
-        for key, value in sorted(optimizer.state.get(p, {}).items()):
+        for key, value in sorted(by_id.get(id(p), {}).items()):
             if isinstance(value, torch.Tensor):
                 out[f"optim/{name}/{key}"] = _local(value)
+    for i, o in enumerate(parts.by_state_dict):
+        for path, value in _walk_state_dict(o)[0]:
+            out[f"optim_sd/{i}/{path}"] = _local(value)
     if buffers:
         for name, buf in model_buffers(model).items():
             out[f"buffer/{name}"] = _local(buf)
@@ -110,13 +270,15 @@ def global_chunks(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     out: dict[str, Chunk] = {}
-    for name, p in model.named_parameters():
+    named = dict(model.named_parameters())
+    by_id = _param_slots(optimizer_parts(optimizer))
+    for name, p in named.items():
         if not isinstance(p, DTensor):
             continue
         _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
         chunk = Chunk(tuple(p.shape), tuple(int(o) for o in offsets))
         out[f"param/{name}"] = chunk
-        for key, value in optimizer.state.get(p, {}).items():
+        for key, value in by_id.get(id(p), {}).items():
             if isinstance(value, DTensor) and tuple(value.shape) == chunk.global_shape:
                 out[f"optim/{name}/{key}"] = chunk
     return out
@@ -138,6 +300,10 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
     entry leaves ``state`` once loaded, and optimizer slots the optimizer does not have yet are
     the given tensors themselves, not copies, so loading never holds the state twice."""
     params = dict(model.named_parameters())
+    parts = optimizer_parts(optimizer)
+    # a parameter's optimizer: the innermost one listing it (a container lists every parameter too)
+    owner = {id(p): o for o in parts.by_param for g in o.param_groups for p in g["params"]}
+    holder = {id(p): o for o in parts.by_param for p in o.state}  # a frozen parameter's state: where it is
     load_buffers(model, state)
     get = state.pop if take else state.__getitem__
     with torch.no_grad():
@@ -147,10 +313,15 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
         for name, p in params.items():
             prefix = f"optim/{name}/"
             keys = [k[len(prefix):] for k in state if k.startswith(prefix)]
+            o = holder.get(id(p), owner.get(id(p)))
             if not keys:
-                optimizer.state.pop(p, None)
+                if o is not None:
+                    o.state.pop(p, None)
                 continue
-            slot = optimizer.state.setdefault(p, {})
+            if o is None:
+                raise OptimizerStateError(f"the saved state has optimizer state for parameter {name!r}, which no "
+                                          "optimizer of this job optimizes")
+            slot = o.state.setdefault(p, {})
             for key in keys:
                 value = get(prefix + key)
                 if key in slot and isinstance(slot[key], torch.Tensor):
@@ -159,6 +330,14 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
                     slot[key] = _like(p.data, value, copy=not take)
                 else:
                     slot[key] = value if take else value.clone()
+    for i, o in enumerate(parts.by_state_dict):
+        prefix = f"optim_sd/{i}/"
+        saved = {k[len(prefix):]: k for k in state if k.startswith(prefix)}
+        if saved:
+            sd = o.state_dict()
+            for path, key in saved.items():
+                _put(sd, path, get(key), type(o).__qualname__)
+            o.load_state_dict(sd)
 
 
 def _like(param: torch.Tensor, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
@@ -229,14 +408,15 @@ def _listing(model: nn.Module, optimizer: torch.optim.Optimizer,
     state), read without building any view (``params``: ``model.parameters()`` listed already
     by the caller)."""
     params = list(model.parameters()) if params is None else params
-    # the optimizer's state by parameter identity, as its dict finds them (a tensor's hash is its
-    # id), without asking Python for each parameter's hash
-    by_id = {id(k): v for k, v in optimizer.state.items()}
+    parts = optimizer_parts(optimizer)
+    by_id = _param_slots(parts)
     out = list(params)
     for p in params:
         for _, value in sorted(by_id.get(id(p), {}).items()):
             if isinstance(value, torch.Tensor):
                 out.append(value)
+    for o in parts.by_state_dict:
+        out += [t for _, t in _walk_state_dict(o)[0]]
     return out
 
 
@@ -418,33 +598,46 @@ _SCHEDULE_PAD = 256  # its bytes are padded to a multiple of this: a peer copy's
 class Schedule:
     """What changes an optimizer's hyperparameters as the steps go by, as it was at one moment:
     every param group's settings (all but its parameters: ``lr``, ``betas``, a scheduler's
-    ``initial_lr``...), the state of each LR scheduler on the optimizer and of each gradient
-    scaler (its loss scale and growth tracker), as their ``state_dict`` has it; and the state
-    of every object the job registered by name (``resilient(..., state={"data": loader})``:
-    anything with DCP's ``Stateful`` protocol, ``state_dict``/``load_state_dict``), so it is
-    committed, copied to peers, checkpointed and restored wherever the schedule is."""
+    ``initial_lr``...) of every optimizer holding the state (:func:`optimizer_parts`: a
+    container's inner ones), the state of each LR scheduler on them and of each gradient
+    scaler (its loss scale and growth tracker), as their ``state_dict`` has it; the optimizer
+    state that is no tensor (a step count kept as a number, LBFGS's counters), which
+    :func:`local_state` leaves out; and the state of every object the job registered by name
+    (``resilient(..., state={"data": loader})``: anything with DCP's ``Stateful`` protocol,
+    ``state_dict``/``load_state_dict``), so it is committed, copied to peers, checkpointed and
+    restored wherever the schedule is."""
 
     groups: tuple[dict[str, Any], ...]
     schedulers: tuple[tuple[str, dict[str, Any]], ...]  # (type name, state_dict), in schedulers_of order
     objects: tuple[tuple[str, Any], ...] = ()  # (name, state_dict) of each registered object, by name
+    # (where, value) of each optimizer state entry that is no tensor: "<part>/<param>/<key>" for a part
+    # keeping torch's layout (the parameter's place in its param groups), "sd/<part>/<path>" for the others
+    values: tuple[tuple[str, Any], ...] = ()
 
 
 def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | None = None) -> list[Any]:
-    """The LR schedulers stepping ``optimizer`` and the gradient scalers (``torch.amp.GradScaler``,
-    which ``scaler.step(optimizer)`` takes as an argument: every one found) among ``objects``
-    (default: a walk of the garbage collector's objects, done when training starts), each once:
-    a scheduler inside a ``SequentialLR`` or ``ChainedScheduler`` is restored by it. Ordered by
-    type name, then as found."""
+    """The LR schedulers stepping ``optimizer`` or one of its :func:`optimizer_parts` (a container's
+    inner optimizers: torchtitan's ``LRSchedulersContainer`` holds a ``LambdaLR`` per inner
+    optimizer) and the gradient scalers (``torch.amp.GradScaler``, which
+    ``scaler.step(optimizer)`` takes as an argument: every one found) among ``objects`` (default:
+    a walk of the garbage collector's objects, done when training starts), each once: a
+    scheduler inside a ``SequentialLR`` or ``ChainedScheduler`` is restored by it. Ordered by
+    type name, then by the place of the optimizer it steps, then as found, so every process
+    pairs the same scheduler with the same saved state."""
     from torch.amp import GradScaler
     from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+    place = {id(optimizer): 0}
+    for i, o in enumerate(optimizer_parts(optimizer).all):
+        place.setdefault(id(o), i + 1)
     # by type(), not isinstance: isinstance asks a weakref.proxy its __class__, and a dead proxy in the
     # heap raises ReferenceError (a stranger's process had one; another object warned on the question)
     found = [o for o in (gc.get_objects() if objects is None else objects)
-             if (issubclass(type(o), (LRScheduler, ReduceLROnPlateau)) and getattr(o, "optimizer", None) is optimizer)
+             if (issubclass(type(o), (LRScheduler, ReduceLROnPlateau)) and id(getattr(o, "optimizer", None)) in place)
              or issubclass(type(o), GradScaler)]
     inner = {id(x) for o in found for x in getattr(o, "_schedulers", ())}
-    return sorted((o for o in found if id(o) not in inner), key=lambda o: type(o).__qualname__)
+    return sorted((o for o in found if id(o) not in inner),
+                  key=lambda o: (type(o).__qualname__, place.get(id(getattr(o, "optimizer", None)), 0)))
 
 
 def check_stateful(objects: Mapping[str, Any]) -> dict[str, Any]:
@@ -458,11 +651,28 @@ def check_stateful(objects: Mapping[str, Any]) -> dict[str, Any]:
     return dict(objects)
 
 
+def _state_values(parts: OptimizerParts) -> tuple[tuple[str, Any], ...]:
+    """The :attr:`Schedule.values` of ``parts`` now."""
+    out: list[tuple[str, Any]] = []
+    for i, o in enumerate(parts.by_param):
+        plain = [(p, key, value) for p, slot in o.state.items() for key, value in slot.items()
+                 if not isinstance(value, torch.Tensor)]
+        if not plain:  # torch's own optimizers keep tensors only (an SGD without momentum: nothing)
+            continue
+        place = {id(p): j for j, p in enumerate(p for g in o.param_groups for p in g["params"])}
+        out += sorted((f"{i}/{place[id(p)]}/{key}", copy.deepcopy(value)) for p, key, value in plain if id(p) in place)
+    for i, o in enumerate(parts.by_state_dict):
+        out += [(f"sd/{i}/{path}", copy.deepcopy(v)) for path, v in _walk_state_dict(o)[1]]
+    return tuple(out)
+
+
 def capture_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any] = (),
                      objects: Mapping[str, Any] | None = None) -> Schedule:
-    return Schedule(tuple(copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups),
+    parts = optimizer_parts(optimizer)
+    return Schedule(tuple(copy.deepcopy({k: v for k, v in g.items() if k != "params"})
+                          for o in parts.all for g in o.param_groups),
                     tuple((type(s).__qualname__, copy.deepcopy(s.state_dict())) for s in schedulers),
-                    capture_objects(objects or {}))
+                    capture_objects(objects or {}), _state_values(parts))
 
 
 @dataclass(frozen=True)
@@ -525,12 +735,15 @@ def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any]
     registered objects back as ``schedule`` has them; a schedule of other groups, schedulers or
     objects (a replacement built another optimizer) is refused."""
     kinds = tuple(type(s).__qualname__ for s in schedulers)
-    if len(schedule.groups) != len(optimizer.param_groups) or kinds != tuple(k for k, _ in schedule.schedulers):
+    parts = optimizer_parts(optimizer)
+    groups = [g for o in parts.all for g in o.param_groups]
+    if len(schedule.groups) != len(groups) or kinds != tuple(k for k, _ in schedule.schedulers):
         raise ValueError(f"the committed schedule has {len(schedule.groups)} param group(s) and schedulers "
-                         f"{[k for k, _ in schedule.schedulers]}; this optimizer has {len(optimizer.param_groups)} "
+                         f"{[k for k, _ in schedule.schedulers]}; this optimizer has {len(groups)} "
                          f"and {list(kinds)}")
-    for group, saved in zip(optimizer.param_groups, schedule.groups):
+    for group, saved in zip(groups, schedule.groups):
         group.update(copy.deepcopy(saved))
+    _restore_values(parts, schedule.values)
     for sched, (_, saved) in zip(schedulers, schedule.schedulers):
         sched.load_state_dict(copy.deepcopy(saved))
         per_optimizer = getattr(sched, "_per_optimizer_states", None)  # a GradScaler's, reset by its update()
@@ -661,13 +874,41 @@ def _refuse_constant(name: str) -> Any:
     raise ValueError(f"the JSON constant {name} (non-finite floats are tagged)")
 
 
+def _restore_values(parts: OptimizerParts, values: tuple[tuple[str, Any], ...]) -> None:
+    """Put :attr:`Schedule.values` back into ``parts``' state."""
+    by_sd: dict[int, list[tuple[str, Any]]] = {}
+    listed: dict[int, list[torch.Tensor]] = {}
+    for where, value in values:
+        head, _, rest = where.partition("/")
+        if head == "sd":
+            i, _, path = rest.partition("/")
+            by_sd.setdefault(int(i), []).append((path, value))
+            continue
+        i, j, key = int(head), *rest.split("/", 1)
+        o = parts.by_param[i] if i < len(parts.by_param) else None
+        if o is None:
+            raise ValueError(f"the committed schedule has optimizer state {where!r}; this optimizer has "
+                             f"{len(parts.by_param)} part(s)")
+        params = listed.setdefault(i, [p for g in o.param_groups for p in g["params"]])
+        slot = o.state.get(params[int(j)]) if int(j) < len(params) else None
+        if slot:  # a slot made here would stop the optimizer's own lazy initialisation of the rest
+            slot[key] = copy.deepcopy(value)
+    for i, saved in by_sd.items():
+        o = parts.by_state_dict[i]
+        sd = o.state_dict()
+        for path, value in saved:
+            _put(sd, path, copy.deepcopy(value), type(o).__qualname__)
+        o.load_state_dict(sd)
+
+
 def _schedule_tensor(schedule: Schedule) -> torch.Tensor:
     """``schedule`` in the data-only encoding (:class:`_Wire`): a magic, the JSON's length, the
     JSON, the blob; padded so a peer copy's layout stays put from commit to commit."""
     wire = _Wire()
     doc = {"groups": wire.encode(list(schedule.groups), "param_groups"),
            "schedulers": [[k, wire.encode(sd, f"scheduler {k}")] for k, sd in schedule.schedulers],
-           "objects": [[k, wire.encode(st, f"state[{k!r}]")] for k, st in schedule.objects]}
+           "objects": [[k, wire.encode(st, f"state[{k!r}]")] for k, st in schedule.objects],
+           "values": [[k, wire.encode(v, f"optimizer state {k}")] for k, v in schedule.values]}
     raw = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
     size = len(_SCHEDULE_MAGIC) + 16 + len(raw) + len(wire.blob)
     buf = bytearray(size + (-size) % _SCHEDULE_PAD)
@@ -698,9 +939,9 @@ def _schedule_from(t: torch.Tensor, source: str = "the committed state") -> Sche
         doc = json.loads(raw[at + 16:at + 16 + n_doc], parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
         raise ScheduleError(f"{source}: its schedule is not valid JSON ({str(exc)[:120]})") from None
-    if type(doc) is not dict or set(doc) != {"groups", "schedulers", "objects"}:
+    if type(doc) is not dict or set(doc) != {"groups", "schedulers", "objects", "values"}:
         raise ScheduleError(f"{source}: its schedule has fields {sorted(doc) if type(doc) is dict else type(doc).__name__}, "
-                            "expected groups, schedulers and objects")
+                            "expected groups, schedulers, objects and values")
     groups = wire.decode(doc["groups"], source)
 
     def named(entries: Any, what: str) -> tuple[tuple[str, Any], ...]:
@@ -710,7 +951,8 @@ def _schedule_from(t: torch.Tensor, source: str = "the committed state") -> Sche
 
     if type(groups) is not list or not all(type(g) is dict for g in groups):
         raise ScheduleError(f"{source}: its schedule's param groups are not a list of dicts")
-    return Schedule(tuple(groups), named(doc["schedulers"], "schedulers"), named(doc["objects"], "objects"))
+    return Schedule(tuple(groups), named(doc["schedulers"], "schedulers"), named(doc["objects"], "objects"),
+                    named(doc["values"], "optimizer state values"))
 
 
 def job_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng: RngState | None = None, *,

@@ -128,12 +128,13 @@ class Job:
 
     def __init__(self, launcher: Sequence[str], out: Path, steps: int, step_s: float = 0.0,
                  prefix: Sequence[str] = (), env: dict[str, str] | None = None, name: str = "launcher",
-                 script_args: Sequence[str] = ()) -> None:
-        """``out``: the ranks' folder (several launchers of one job share it); ``name`` this launcher's log."""
+                 script_args: Sequence[str] = (), script: Path = EXAMPLE) -> None:
+        """``out``: the ranks' folder (several launchers of one job share it); ``name`` this launcher's log;
+        ``script``: another training script taking ``--steps``, ``--step-s`` and ``--out``."""
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         self.log = out / f"{name}.log"
-        cmd = [*prefix, *launcher, str(EXAMPLE), "--steps", str(steps), "--step-s", str(step_s), "--out", str(out),
+        cmd = [*prefix, *launcher, str(script), "--steps", str(steps), "--step-s", str(step_s), "--out", str(out),
                *script_args]
         self._log = open(self.log, "w")
         self.t0 = time.monotonic()
