@@ -322,7 +322,7 @@ def test_a_schedule_round_trips_bit_for_bit_and_forged_encodings_are_refused_in_
     assert got["lr"].dtype == torch.float64 and torch.equal(got["lr"], state["lr"]) and got["empty"].shape == (0, 3)
     with pytest.raises(ScheduleError, match=r"holds a set at state\['data'\]\['s'\]"):
         _schedule_tensor(Schedule((), (), (("data", {"s": {1, 2}}),)))
-    empty = {"groups": [], "schedulers": [], "objects": []}
+    empty = {"groups": [], "schedulers": [], "objects": [], "values": []}
     forged = {
         "Infinity": _encoded({**empty, "groups": [{"$d": [["lr", float("inf")]]}]}),
         "nests deeper than 64": _encoded({**empty, "groups": json.loads("[" * 100 + "]" * 100)}),
