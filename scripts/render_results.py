@@ -206,15 +206,19 @@ def _run(doc: Mapping[str, Json]) -> Mapping[str, Json]:
 # --- the generic section, for any file without a section function of its own ---------------
 
 def _scalars(doc: Mapping[str, Json]) -> list[tuple[str, Json]]:
-    """Top-level values, and one level into objects whose values are all scalars."""
+    """Top-level values, and one level into objects that hold no deeper object or records."""
     rows: list[tuple[str, Json]] = []
     for key, value in doc.items():
         if isinstance(value, Mapping):
-            if value and all(not isinstance(v, (Mapping, list)) for v in value.values()):
+            if value and not any(isinstance(v, Mapping) or _records(v) for v in value.values()):
                 rows += [(f"`{key}.{k}`", v) for k, v in value.items()]
-        elif not (isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value)):
+        elif not _records(value):
             rows.append((f"`{key}`", value))
     return rows
+
+
+def _records(value: Json) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
 
 
 def generic(result: Result) -> Section:
@@ -226,7 +230,7 @@ def generic(result: Result) -> Section:
         notes.append(f"{len(rows) - GENERIC_ROWS} more values are in the full JSON.")
     tables: list[tuple[str, Sequence[str], Sequence[Sequence[Json]]]] = []
     for key, value in body.items():
-        if not (isinstance(value, list) and value and all(isinstance(v, Mapping) for v in value)):
+        if not _records(value):
             continue
         columns: list[str] = []
         for record in value:
