@@ -35,7 +35,7 @@ import shutil
 import statistics
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -132,7 +132,7 @@ class Section:
     headline: Sequence[tuple[str, Json]] = ()
     tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[Json]]]] = ()
     figures: Sequence[Figure] = ()
-    notes: Sequence[str] = field(default_factory=tuple)
+    notes: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -251,7 +251,7 @@ def _draw_recovery(fig: Any, data: Json) -> None:
     ax = fig.add_subplot()
     ranks = data["ranks"]
     xs = range(len(ranks))
-    for offset, (label, colour) in zip((-0.2, 0.2), (("meshpact", "#3f51b5"), ("torchft", "#e67e22"))):
+    for offset, (label, colour) in zip((-0.2, 0.2), (("meshpact", "#3f51b5"), ("torchft", "#e67e22")), strict=True):
         series = data.get(label)
         if not series:
             continue
@@ -277,7 +277,7 @@ def _draw_stages(fig: Any, data: Json) -> None:
     for stage in data["stages"]:
         values = data["by_stage"][stage]
         ax.bar([str(r) for r in ranks], values, bottom=bottom, label=stage, width=0.5)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xlabel("ranks")
     ax.set_ylabel("CPU ms, all ranks (p50 of each stage)")
     ax.set_title("where a recovery's CPU time goes")
@@ -299,7 +299,8 @@ def recovery(result: Result) -> Section:
              theirs["p50"][i] if theirs else None, theirs["p99"][i] if theirs else None,
              theirs["max"][i] if theirs else None,
              ours["p50"][i] / theirs["p50"][i] if theirs else None,
-             by_ranks[r].get("cpu_ratio_p50") if isinstance(by_ranks[r], Mapping) else None] for i, r in enumerate(ranks)]
+             by_ranks[r].get("cpu_ratio_p50") if isinstance(by_ranks[r], Mapping) else None]
+            for i, r in enumerate(ranks)]
     stages = {s: [result.number(f"recovery_ms_by_ranks.{r}.cpu_ms_by_stage_p50.{s}") for r in ranks]
               for s in STAGES}
     figures = [
@@ -309,10 +310,11 @@ def recovery(result: Result) -> Section:
         Figure("recovery-cpu-stages", "CPU time of a recovery by stage, per size",
                {"ranks": [int(r) for r in ranks], "stages": list(STAGES), "by_stage": stages}, _draw_stages),
     ]
-    notes = [] if theirs else [f"torchft was not measured: {result.doc.get('torchft_missing_reason') or 'no reason given'}."]
+    why = result.doc.get("torchft_missing_reason") or "no reason given"
+    notes = [] if theirs else [f"torchft was not measured: {why}."]
     return Section(
-        headline=[("recoveries per size", recoveries), ("state bit-identical after every recovery", result.get("bit_identical")),
-                  ("bit-identical to torchft's run", result.doc.get("side_by_side_bit_identical")),
+        headline=[("recoveries per size", recoveries),
+                  ("state bit-identical to a fault-free run after every recovery", result.get("bit_identical")),
                   ("rebind ms, slowest size over fastest", result.doc.get("rebind_flatness_max_over_min"))],
         tables=[(f"Recovery time (ms) at data timeout {timeout}, and all ranks' CPU time against torchft's",
                  ["ranks", "p50", "p99", "max", "torchft p50", "torchft p99", "torchft max", "p50 / torchft's",
@@ -327,7 +329,7 @@ def _draw_launch(fig: Any, data: Json) -> None:
     cases = data["cases"]
     ys = range(len(cases))
     ax.barh(list(ys), [c["downtime_s"] for c in cases], color="#3f51b5", alpha=0.8, height=0.5, label="median")
-    for y, case in zip(ys, cases):
+    for y, case in zip(ys, cases, strict=True):
         ax.scatter(case["runs"], [y] * len(case["runs"]), color="black", s=12, zorder=3)
     ax.scatter([], [], color="black", s=12, label="each run")
     ax.set_yticks(list(ys), [c["case"].replace("_", " ") for c in cases])
@@ -445,13 +447,15 @@ def spillover(result: Result) -> Section:
     points = [{"request": str(r["request"]), "measured": float(r["throughput_tok_s"]),
                "simulated": float(r["simulated"]["throughput_tok_s"])} for r in rows]
     requests = list(dict.fromkeys(p["request"] for p in points))
+    from_concurrency = result.doc.get("projected_faster_from_concurrency", "-")
     return Section(
-        headline=[("configurations measured", len(rows)), ("runs per configuration", result.doc.get("pairs")),
+        headline=[("configurations measured", len(rows)), ("paired runs per configuration", result.doc.get("pairs")),
                   ("link (Gbit/s)", result.doc.get("link_gbps")),
                   ("largest simulator error", result.doc.get("max_abs_sim_error")),
                   ("simulator within 20% everywhere", result.doc.get("sim_within_20pct")),
                   ("smallest traffic cut against full results", result.doc.get("min_traffic_cut")),
-                  ("projected results faster", result.doc.get("projected_faster_count")),
+                  (f"projected results faster than full ones, from concurrency {from_concurrency}",
+                   result.doc.get("projected_faster_count")),
                   ("wall time (s)", result.doc.get("wall_s"))],
         figures=[Figure(f"{result.name}-simulator", "simulated against measured throughput",
                         {"points": points, "requests": requests}, _draw_spillover, size=(5.5, 4.5))])
@@ -524,8 +528,9 @@ def render(results: Path = RESULTS) -> Rendered:
         try:
             section = make(result)
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
-            raise ResultShapeError(f"bench/results/{result.name}.json does not have the shape the `{make.__name__}` "
-                                   f"section reads ({type(exc).__name__}: {exc}); update the file or the section") from None
+            raise ResultShapeError(
+                f"bench/results/{result.name}.json does not have the shape the `{make.__name__}` section reads "
+                f"({type(exc).__name__}: {exc}); update the file or the section") from None
         figures += section.figures
         lines += _section_lines(result, section)
     names = [f.name for f in figures]
@@ -580,19 +585,23 @@ def draw(figure: Figure, out: Path) -> None:
 
 
 def write(rendered: Rendered, docs: Path = DOCS) -> int:
-    """Write the page, copy the JSON, draw each figure not already current; the number drawn."""
+    """Write the page, copy the JSON, draw each figure not already current; the number drawn.
+
+    Raises ImportError before writing anything when a figure must be drawn and matplotlib is
+    missing, so a failed render leaves the docs as they were.
+    """
+    todo = [f for f in rendered.figures if _svg_digest(docs / f.file) != f.digest()]
+    if todo:
+        import matplotlib  # noqa: F401  (fail before writing anything)
     (docs / DATA).mkdir(parents=True, exist_ok=True)
     (docs / PAGE).write_text(rendered.page)
     for source in rendered.sources:
         shutil.copyfile(source, docs / DATA / source.name)
-    drawn = 0
-    for figure in rendered.figures:
-        if _svg_digest(docs / figure.file) != figure.digest():
-            draw(figure, docs / figure.file)
-            drawn += 1
+    for figure in todo:
+        draw(figure, docs / figure.file)
     for stale in _stale(rendered, docs):
         stale.unlink()
-    return drawn
+    return len(todo)
 
 
 def main(argv: list[str] | None = None) -> int:
