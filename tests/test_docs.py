@@ -144,6 +144,24 @@ def test_a_changed_result_marks_the_page_and_only_its_own_figure_out_of_date(tmp
     assert len(err) == len(found) and all(line.startswith("render_results: ") for line in err)
 
 
+def test_a_write_with_every_figure_current_restores_the_copies_and_removes_what_no_result_makes(tmp_path, capsys):
+    render = _renderer()
+    results, docs = _results_copy(tmp_path)
+    (docs / "figures" / "old-bench.svg").write_text("<svg/>")
+    (docs / "figures" / "data" / "planner.json").write_text("{}")
+    (docs / "results.md").write_text("# Results\n\nedited by hand\n")
+    assert render.main(["--results", str(results), "--docs", str(docs)]) == 0
+    assert "drew 0 of " in capsys.readouterr().out
+    assert render.problems(render.render(results), docs) == []
+    assert not (docs / "figures" / "old-bench.svg").exists()
+
+
+def test_a_results_folder_that_is_not_there_is_one_line(tmp_path, capsys):
+    assert _renderer().main(["--results", str(tmp_path / "nowhere"), "--docs", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere is not a folder; expected the benchmarks' results folder" in err
+
+
 def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_and_small_tables(tmp_path, capsys):
     results = _script(ROOT / "bench" / "_results.py")
     doc = {"bench": "gpu", "median_us_per_plan": 150.5, "goal_met": True, "note": "a | b",
