@@ -168,6 +168,13 @@ def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
+def _percent(value: Json, digits: int) -> Json:
+    """A fraction as a percentage with ``digits`` decimals (a 0.99997 cut must not read as 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return f"{value * 100:.{digits}f} %"
+
+
 def _median(values: Sequence[float]) -> float | None:
     return statistics.median(values) if values else None
 
@@ -451,9 +458,9 @@ def spillover(result: Result) -> Section:
     return Section(
         headline=[("configurations measured", len(rows)), ("paired runs per configuration", result.doc.get("pairs")),
                   ("link (Gbit/s)", result.doc.get("link_gbps")),
-                  ("largest simulator error", result.doc.get("max_abs_sim_error")),
+                  ("largest simulator error", _percent(result.doc.get("max_abs_sim_error"), 1)),
                   ("simulator within 20% everywhere", result.doc.get("sim_within_20pct")),
-                  ("smallest traffic cut against full results", result.doc.get("min_traffic_cut")),
+                  ("smallest traffic cut against full results", _percent(result.doc.get("min_traffic_cut"), 3)),
                   (f"projected results faster than full ones, from concurrency {from_concurrency}",
                    result.doc.get("projected_faster_count")),
                   ("wall time (s)", result.doc.get("wall_s"))],

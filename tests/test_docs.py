@@ -225,6 +225,15 @@ def test_recovery_without_torchft_is_drawn_alone_and_says_why(tmp_path):
     assert time.data["meshpact"]["p50"][0] == doc["recovery_ms_by_timeout"]["1s"]["2"]["p50_ms"]
 
 
+def test_a_traffic_cut_just_under_one_is_not_rounded_to_one(tmp_path):
+    doc = json.loads((ROOT / "bench" / "results" / "spillover-requests.json").read_text())
+    doc["min_traffic_cut"], doc["max_abs_sim_error"] = 0.9999736, 0.1431
+    (tmp_path / "spillover-requests.json").write_text(json.dumps(doc))
+    page = _renderer().render(tmp_path).page
+    assert "| smallest traffic cut against full results | 99.997 % |" in page
+    assert "| largest simulator error | 14.3 % |" in page
+
+
 @pytest.mark.slow  # importing matplotlib takes 1-5 s depending on the machine's load
 def test_a_figure_drawn_twice_is_the_same_svg_bytes_carrying_its_digest_and_no_date(tmp_path):
     pytest.importorskip("matplotlib", reason="drawing needs the docs extra; make docs installs it and draws all")
