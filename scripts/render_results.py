@@ -217,11 +217,16 @@ def _scalars(doc: Mapping[str, Json]) -> list[tuple[str, Json]]:
     rows: list[tuple[str, Json]] = []
     for key, value in doc.items():
         if isinstance(value, Mapping):
-            if value and not any(isinstance(v, Mapping) or _records(v) for v in value.values()):
-                rows += [(f"`{key}.{k}`", v) for k, v in value.items()]
+            if not _nested(value):
+                rows += [(f"`{key}.{k}`", v) for k, v in value.items()] if value else [(f"`{key}`", None)]
         elif not _records(value):
             rows.append((f"`{key}`", value))
     return rows
+
+
+def _nested(value: Json) -> bool:
+    """An object holding an object or a list of records: too deep for the generic table."""
+    return isinstance(value, Mapping) and any(isinstance(v, Mapping) or _records(v) for v in value.values())
 
 
 def _records(value: Json) -> bool:
@@ -235,6 +240,9 @@ def generic(result: Result) -> Section:
     notes: list[str] = []
     if len(rows) > GENERIC_ROWS:
         notes.append(f"{len(rows) - GENERIC_ROWS} more values are in the full JSON.")
+    deep = [f"`{k}`" for k, v in body.items() if _nested(v)]
+    if deep:
+        notes.append(f"Also in the full JSON, nested too deep for this table: {', '.join(deep)}.")
     tables: list[tuple[str, Sequence[str], Sequence[Sequence[Json]]]] = []
     for key, value in body.items():
         if not _records(value):

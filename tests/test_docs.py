@@ -167,7 +167,7 @@ def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_a
     doc = {"bench": "gpu", "median_us_per_plan": 150.5, "goal_met": True, "note": "a | b",
            "load": {"before": [1.0, 2.0, 3.0]}, "nested": {"deep": {"x": 1}},
            "rows": [{"model": "dense", "ms": 8.25}, {"model": "moe", "ms": 7.5}],
-           "runs": [{f"k{i}": i for i in range(9)}], "samples": list(range(40))}
+           "runs": [{f"k{i}": i for i in range(9)}], "samples": list(range(40)), "empty": {}}
     path = results.emit("gpu", doc, results=tmp_path)
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads(path.read_text()) == line and line["median_us_per_plan"] == 150.5
@@ -185,7 +185,9 @@ def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_a
     assert f"{run['machine']['cpus']} × " in section
     assert "| `median_us_per_plan` | 150.5 |" in section and "| `goal_met` | yes |" in section
     assert "| `note` | a \\| b |" in section and "| `load.before` | 1, 2, 3 |" in section
-    assert "| `samples` | 0, 1, 2, 3, 4, 5, … (40 in all) |" in section and "nested" not in section
+    assert "| `samples` | 0, 1, 2, 3, 4, 5, … (40 in all) |" in section and "| `empty` | - |" in section
+    assert "Also in the full JSON, nested too deep for this table: `nested`." in section
+    assert "`nested.deep`" not in section and "x: 1" not in section
     assert "| `model` | `ms` |" in section and "| dense | 8.25 |" in section and "| moe | 7.5 |" in section
     assert "`runs` holds 1 records of 9 fields, in the full JSON." in section and "`k8`" not in section
     assert "[gpu.json](figures/data/gpu.json)" in section
