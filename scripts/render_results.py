@@ -50,6 +50,7 @@ GENERIC_ROWS = 12
 GENERIC_RECORDS = 12
 GENERIC_COLUMNS = 8
 LIST_CELLS = 6
+PURPOSE_CHARS = 240
 
 HEADER = """# Results
 
@@ -153,6 +154,8 @@ def _cell(value: Json) -> str:
         text = f"{value:,}"
     elif isinstance(value, float):
         text = f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+    elif isinstance(value, (list, tuple)) and not value:
+        text = "-"
     elif isinstance(value, (list, tuple)):
         shown = ", ".join(_cell(v) for v in value[:LIST_CELLS])
         text = shown + (f", … ({len(value)} in all)" if len(value) > LIST_CELLS else "")
@@ -180,16 +183,19 @@ def _median(values: Sequence[float]) -> float | None:
 
 
 def _purpose(bench: str | None) -> str | None:
-    """The first line of the benchmark script's docstring, read without importing it."""
+    """The title of the benchmark script's docstring (its first paragraph), read without importing it."""
     script = ROOT / "bench" / f"{bench}.py"
     if not bench or not script.is_file():
         return None
     doc = ast.get_docstring(ast.parse(script.read_text()))
-    return doc.splitlines()[0].strip() if doc else None
+    title = " ".join(doc.split("\n\n")[0].split()) if doc else ""
+    return (title if len(title) <= PURPOSE_CHARS else title[:PURPOSE_CHARS - 1] + "…") or None
 
 
 def _machine(run: Mapping[str, Json]) -> str:
-    m = run.get("machine") or {}
+    m = run.get("machine")
+    if not isinstance(m, Mapping) or not m:
+        return "-"
     parts = [f"{m.get('cpus', '?')} × {m.get('cpu') or 'CPU'}"]
     if m.get("memory_gib") is not None:
         parts.append(f"{m['memory_gib']} GiB")
