@@ -74,30 +74,35 @@ class ResultShapeError(ValueError):
 
 @dataclass(frozen=True)
 class Result:
-    """One benchmark's result file: its stem and the parsed JSON object."""
+    """One benchmark's result file: its stem, the parsed JSON object, where it was read from."""
 
     name: str
     doc: Mapping[str, Json]
+    path: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.path or f"{self.source}"
 
     def get(self, dotted: str) -> Json:
         """The value at ``a.b.c``; a missing key is a :class:`ResultShapeError` naming it."""
         value: Json = self.doc
         for part in dotted.split("."):
             if not isinstance(value, Mapping) or part not in value:
-                raise ResultShapeError(f"bench/results/{self.name}.json has no `{dotted}`")
+                raise ResultShapeError(f"{self.source} has no `{dotted}`")
             value = value[part]
         return value
 
     def number(self, dotted: str) -> float:
         value = self.get(dotted)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ResultShapeError(f"bench/results/{self.name}.json: `{dotted}` is {value!r}, expected a number")
+            raise ResultShapeError(f"{self.source}: `{dotted}` is {value!r}, expected a number")
         return float(value)
 
     def mapping(self, dotted: str) -> Mapping[str, Json]:
         value = self.get(dotted)
         if not isinstance(value, Mapping) or not value:
-            raise ResultShapeError(f"bench/results/{self.name}.json: `{dotted}` is {value!r}, expected an object")
+            raise ResultShapeError(f"{self.source}: `{dotted}` is {value!r}, expected an object")
         return value
 
 
@@ -464,7 +469,7 @@ def _draw_spillover(fig: Any, data: Json) -> None:
 def spillover(result: Result) -> Section:
     rows = result.get("rows")
     if not isinstance(rows, list) or not rows:
-        raise ResultShapeError(f"bench/results/{result.name}.json: `rows` is empty, expected the measured runs")
+        raise ResultShapeError(f"{result.source}: `rows` is empty, expected the measured runs")
     points = [{"request": str(r["request"]), "measured": float(r["throughput_tok_s"]),
                "simulated": float(r["simulated"]["throughput_tok_s"])} for r in rows]
     requests = list(dict.fromkeys(p["request"] for p in points))
@@ -501,7 +506,7 @@ def _load(path: Path) -> Result:
         raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
     if not isinstance(doc, dict):
         raise ValueError(f"{path}: expected one JSON object, got {type(doc).__name__}")
-    return Result(path.stem, doc)
+    return Result(path.stem, doc, str(path))
 
 
 def _section_lines(result: Result, section: Section) -> list[str]:
@@ -550,7 +555,7 @@ def render(results: Path = RESULTS) -> Rendered:
             section = make(result)
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ResultShapeError(
-                f"bench/results/{result.name}.json does not have the shape the `{make.__name__}` section reads "
+                f"{result.source} does not have the shape the `{make.__name__}` section reads "
                 f"({type(exc).__name__}: {exc}); update the file or the section") from None
         figures += section.figures
         lines += _section_lines(result, section)

@@ -199,10 +199,10 @@ def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_a
 @pytest.mark.parametrize(("name", "text", "expected"), [
     ("gpu", "[1, 2]", "gpu.json: expected one JSON object, got list"),
     ("gpu", "{\"a\": ", "gpu.json: not JSON (Expecting value at line 1)"),
-    ("recovery", "{\"recoveries\": 100}", "bench/results/recovery.json has no `recovery_ms_by_ranks`"),
+    ("recovery", "{\"recoveries\": 100}", "/recovery.json has no `recovery_ms_by_ranks`"),
     ("launch", json.dumps({"downtime_s_by_case": {"a": 1.0}, "downtime_s_runs_by_case": {"a": [1.0]}, "nodes": 2,
                            "ranks_per_node": 2, "runs": 1, "policies_by_case": 3}),
-     "bench/results/launch.json does not have the shape the `launch` section reads (AttributeError"),
+     "/launch.json does not have the shape the `launch` section reads (AttributeError"),
     ("spillover-requests", json.dumps({"rows": [{"request": "full"}]}),
      "the `spillover` section reads (KeyError: 'throughput_tok_s')"),
 ])
@@ -213,6 +213,17 @@ def test_a_result_file_of_the_wrong_shape_stops_the_render_with_one_line_naming_
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("render_results: ") and expected in err, err
     assert not (tmp_path / "docs").exists()
+
+
+def test_every_registered_section_refuses_a_file_without_its_keys_by_name(tmp_path):
+    render = _renderer()
+    assert {"recovery", "launch", "launch-load", "scale", "scale-depth1", "spillover-requests"} <= set(render.SECTIONS)
+    for name in render.SECTIONS:
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / f"{name}.json").write_text(json.dumps({"bench": name, "rows": [{"other": 1}], "paths": {"a/b": 1}}))
+        with pytest.raises(render.ResultShapeError, match=rf"^{re.escape(str(folder / name))}\.json "):
+            render.render(folder)
 
 
 def test_recovery_without_torchft_is_drawn_alone_and_says_why(tmp_path):
