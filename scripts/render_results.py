@@ -111,8 +111,8 @@ class Figure:
     """One SVG under ``docs/figures/``: the data it plots and the function that draws it.
 
     ``draw(fig, data)`` receives a fresh ``matplotlib.figure.Figure`` and must draw only from
-    ``data``, so that the digest of ``data`` and of ``draw``'s source says whether the file
-    on disk is current.
+    ``data``, so that the digest of ``data``, of ``draw``'s source and of the module's
+    :func:`draw` (the SVG settings) says whether the file on disk is current.
     """
 
     name: str
@@ -126,8 +126,8 @@ class Figure:
         return f"{FIGURES}/{self.name}.svg"
 
     def digest(self) -> str:
-        payload = json.dumps({"data": self.data, "draw": inspect.getsource(self.draw), "size": self.size},
-                             sort_keys=True, separators=(",", ":"))
+        code = inspect.getsource(self.draw) + inspect.getsource(draw)  # the figure's drawing and the SVG settings
+        payload = json.dumps({"data": self.data, "code": code, "size": self.size}, sort_keys=True, separators=(",", ":"))
         return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
 
 
