@@ -1,27 +1,56 @@
-"""Render docs/results.md from the benchmarks' JSON files under bench/results/.
+"""Render the docs' results page and its figures from the benchmarks' JSON files.
 
 Every benchmark writes its last run to ``bench/results/<name>.json`` (``bench/_results.py``);
-this script turns each file into a section of the docs' results page: when it was measured,
-the load average, the machine, the command and the commit, then the numbers (scalars in one
-table, each list of records in a table of its own). The page is generated, never edited:
-``make docs`` runs this first, and ``tests/test_docs.py`` fails when the page differs from
-what this script makes of the files now.
+this script turns each file into a section of ``docs/results.md``: when it was measured, the
+load average, the machine, the command and the commit, then the few numbers a reader wants,
+the figures that show them, and a link to the whole file (copied to ``docs/figures/data/`` so
+the site carries it). The page and the figures are generated, never edited: ``make docs``
+runs this first, and ``tests/test_docs.py`` fails when either differs from what this script
+makes of the files now.
 
-Usage: ``python scripts/render_results.py [--results DIR] [--out FILE] [--check]``.
+A benchmark gets a section of its own by adding a *section function* to ``SECTIONS``, keyed
+by the result file's stem: it takes the :class:`Result` and returns a :class:`Section` (the
+headline table's rows, any lists of records worth a table, the figures). A file with no
+entry (a new benchmark) gets the generic section: its top-level numbers, capped, and small
+tables of records. A section function that misses a key it needs stops the render with one
+line naming the file and the key, rather than drawing a wrong figure.
+
+Figures are SVG drawn with matplotlib (the ``docs`` extra), made deterministic: a fixed
+``svg.hashsalt``, no date, text as paths. Each SVG carries, as its description, a digest of
+the data it plots and of the code that draws it, so the page and the figures can be checked
+against the results without matplotlib and without drawing (``--check``); a figure whose
+digest is current is not redrawn.
+
+Usage: ``python scripts/render_results.py [--results DIR] [--docs DIR] [--check]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
+import inspect
 import json
+import shutil
+import statistics
 import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-PAGE = ROOT / "docs" / "results.md"
+DOCS = ROOT / "docs"
+PAGE = "results.md"
+FIGURES = "figures"
+DATA = "figures/data"
+SVG_SALT = "meshpact-results"
+GENERIC_ROWS = 12
+GENERIC_RECORDS = 12
+GENERIC_COLUMNS = 8
+LIST_CELLS = 6
+PURPOSE_CHARS = 240
 
 HEADER = """# Results
 
@@ -29,14 +58,99 @@ HEADER = """# Results
 
 Each benchmark under `bench/` prints a table for people and one JSON line for machines, and
 keeps that line in `bench/results/<name>.json`. This page is rendered from those files by
-`scripts/render_results.py` (`make docs` runs it). Every section says when, at which load
-average and on which machine its numbers were taken: on a shared machine a number is only as
-good as its load, so compare rows of one run, not runs of different days. To refresh a
-section, run its command and rebuild the docs.
+`scripts/render_results.py` (`make docs` runs it): for each benchmark, when, at which load
+average and on which machine it ran, the numbers a reader looks for first, figures, and a
+link to the whole file. On a shared machine a number is only as good as its load, so compare
+rows of one run, not runs of different days. To refresh a section, run its command and
+rebuild the docs.
 """
 
+Json = Any
 
-def _cell(value: Any) -> str:
+
+class ResultShapeError(ValueError):
+    """A result file lacks a key its section function needs."""
+
+
+@dataclass(frozen=True)
+class Result:
+    """One benchmark's result file: its stem, the parsed JSON object, where it was read from."""
+
+    name: str
+    doc: Mapping[str, Json]
+    path: str = ""
+
+    @property
+    def source(self) -> str:
+        return self.path or f"{self.source}"
+
+    def get(self, dotted: str) -> Json:
+        """The value at ``a.b.c``; a missing key is a :class:`ResultShapeError` naming it."""
+        value: Json = self.doc
+        for part in dotted.split("."):
+            if not isinstance(value, Mapping) or part not in value:
+                raise ResultShapeError(f"{self.source} has no `{dotted}`")
+            value = value[part]
+        return value
+
+    def number(self, dotted: str) -> float:
+        value = self.get(dotted)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ResultShapeError(f"{self.source}: `{dotted}` is {value!r}, expected a number")
+        return float(value)
+
+    def mapping(self, dotted: str) -> Mapping[str, Json]:
+        value = self.get(dotted)
+        if not isinstance(value, Mapping) or not value:
+            raise ResultShapeError(f"{self.source}: `{dotted}` is {value!r}, expected an object")
+        return value
+
+
+@dataclass(frozen=True)
+class Figure:
+    """One SVG under ``docs/figures/``: the data it plots and the function that draws it.
+
+    ``draw(fig, data)`` receives a fresh ``matplotlib.figure.Figure`` and must draw only from
+    ``data``, so that the digest of ``data``, of ``draw``'s source and of the module's
+    :func:`draw` (the SVG settings) says whether the file on disk is current.
+    """
+
+    name: str
+    alt: str
+    data: Json
+    draw: Callable[[Any, Json], None]
+    size: tuple[float, float] = (7.0, 3.6)
+
+    @property
+    def file(self) -> str:
+        return f"{FIGURES}/{self.name}.svg"
+
+    def digest(self) -> str:
+        code = inspect.getsource(self.draw) + inspect.getsource(draw)  # the figure's drawing and the SVG settings
+        payload = json.dumps({"data": self.data, "code": code, "size": self.size}, sort_keys=True, separators=(",", ":"))
+        return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Section:
+    """What a section function returns: headline rows, tables of records, figures, notes."""
+
+    headline: Sequence[tuple[str, Json]] = ()
+    tables: Sequence[tuple[str, Sequence[str], Sequence[Sequence[Json]]]] = ()
+    figures: Sequence[Figure] = ()
+    notes: Sequence[str] = ()
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The page's text and every figure it shows."""
+
+    page: str
+    figures: tuple[Figure, ...]
+    sources: tuple[Path, ...]
+
+
+def _cell(value: Json) -> str:
     if value is None:
         text = "-"
     elif isinstance(value, bool):
@@ -45,60 +159,48 @@ def _cell(value: Any) -> str:
         text = f"{value:,}"
     elif isinstance(value, float):
         text = f"{value:,.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
+    elif isinstance(value, (list, tuple)) and not value:
+        text = "-"
     elif isinstance(value, (list, tuple)):
-        text = ", ".join(_cell(v) for v in value)
-    elif isinstance(value, dict):
+        shown = ", ".join(_cell(v) for v in value[:LIST_CELLS])
+        text = shown + (f", … ({len(value)} in all)" if len(value) > LIST_CELLS else "")
+    elif isinstance(value, Mapping):
         text = ", ".join(f"{k}: {_cell(v)}" for k, v in value.items())
     else:
         text = str(value)
     return text.replace("|", "\\|").replace("\n", " ")
 
 
-def _is_records(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(v, dict) for v in value)
-
-
-def _flatten(doc: dict[str, Any], prefix: str = "") -> tuple[dict[str, Any], dict[str, list[dict[str, Any]]]]:
-    """Scalars (and lists of scalars) by dotted key, and every list of records by dotted key."""
-    scalars: dict[str, Any] = {}
-    tables: dict[str, list[dict[str, Any]]] = {}
-    for key, value in doc.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            inner, inner_tables = _flatten(value, f"{name}.")
-            scalars.update(inner)
-            tables.update(inner_tables)
-        elif _is_records(value):
-            tables[name] = value
-        else:
-            scalars[name] = value
-    return scalars, tables
-
-
-def _table(columns: list[str], rows: list[list[str]]) -> list[str]:
+def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
-def _records_table(records: list[dict[str, Any]]) -> list[str]:
-    flat = [_flatten(r)[0] for r in records]
-    columns: list[str] = []
-    for row in flat:
-        columns += [k for k in row if k not in columns]
-    return _table([f"`{c}`" for c in columns], [[_cell(row.get(c)) for c in columns] for row in flat])
+def _percent(value: Json, digits: int) -> Json:
+    """A fraction as a percentage with ``digits`` decimals (a 0.99997 cut must not read as 1)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
+    return f"{value * 100:.{digits}f} %"
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def _purpose(bench: str | None) -> str | None:
-    """The first line of the benchmark script's docstring, read without importing it."""
+    """The title of the benchmark script's docstring (its first paragraph), read without importing it."""
     script = ROOT / "bench" / f"{bench}.py"
     if not bench or not script.is_file():
         return None
     doc = ast.get_docstring(ast.parse(script.read_text()))
-    return doc.splitlines()[0].strip() if doc else None
+    title = " ".join(doc.split("\n\n")[0].split()) if doc else ""
+    return (title if len(title) <= PURPOSE_CHARS else title[:PURPOSE_CHARS - 1] + "…") or None
 
 
-def _machine(run: dict[str, Any]) -> str:
-    m = run.get("machine") or {}
+def _machine(run: Mapping[str, Json]) -> str:
+    m = run.get("machine")
+    if not isinstance(m, Mapping) or not m:
+        return "-"
     parts = [f"{m.get('cpus', '?')} × {m.get('cpu') or 'CPU'}"]
     if m.get("memory_gib") is not None:
         parts.append(f"{m['memory_gib']} GiB")
@@ -110,22 +212,355 @@ def _machine(run: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
-def _load(path: Path) -> dict[str, Any]:
-    doc = json.loads(path.read_text())
-    if not isinstance(doc, dict):
-        raise ValueError(f"{path}: expected one JSON object, got {type(doc).__name__}")
-    return doc
-
-
-def _date(run: dict[str, Any]) -> str:
+def _date(run: Mapping[str, Json]) -> str:
     return _cell(str(run.get("date", "-")).replace("T", " ").replace("+00:00", ""))
 
 
-def render_one(name: str, doc: dict[str, Any]) -> list[str]:
-    run = doc.get("run") or {}
-    body = {k: v for k, v in doc.items() if k not in ("run", "bench")}
-    lines = [f"## {name}", ""]
-    purpose = _purpose(doc.get("bench") if isinstance(doc.get("bench"), str) else name)
+def _run(doc: Mapping[str, Json]) -> Mapping[str, Json]:
+    run = doc.get("run")
+    return run if isinstance(run, Mapping) else {}
+
+
+# --- the generic section, for any file without a section function of its own ---------------
+
+def _scalars(doc: Mapping[str, Json]) -> list[tuple[str, Json]]:
+    """Top-level values, and one level into objects that hold no deeper object or records."""
+    rows: list[tuple[str, Json]] = []
+    for key, value in doc.items():
+        if isinstance(value, Mapping):
+            if not _nested(value):
+                rows += [(f"`{key}.{k}`", v) for k, v in value.items()] if value else [(f"`{key}`", None)]
+        elif not _records(value):
+            rows.append((f"`{key}`", value))
+    return rows
+
+
+def _nested(value: Json) -> bool:
+    """An object holding an object or a list of records: too deep for the generic table."""
+    return isinstance(value, Mapping) and any(isinstance(v, Mapping) or _records(v) for v in value.values())
+
+
+def _records(value: Json) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, Mapping) for v in value)
+
+
+def generic(result: Result) -> Section:
+    """Up to ``GENERIC_ROWS`` top-level numbers, and each small list of records as a table."""
+    body = {k: v for k, v in result.doc.items() if k not in ("run", "bench")}
+    rows = _scalars(body)
+    notes: list[str] = []
+    if len(rows) > GENERIC_ROWS:
+        notes.append(f"{len(rows) - GENERIC_ROWS} more values are in the full JSON.")
+    deep = [f"`{k}`" for k, v in body.items() if _nested(v)]
+    if deep:
+        notes.append(f"Also in the full JSON, nested too deep for this table: {', '.join(deep)}.")
+    tables: list[tuple[str, Sequence[str], Sequence[Sequence[Json]]]] = []
+    for key, value in body.items():
+        if not _records(value):
+            continue
+        columns: list[str] = []
+        for record in value:
+            columns += [k for k in record if k not in columns]
+        if len(value) > GENERIC_RECORDS or len(columns) > GENERIC_COLUMNS:
+            notes.append(f"`{key}` holds {len(value)} records of {len(columns)} fields, in the full JSON.")
+            continue
+        tables.append((f"`{key}`", [f"`{c}`" for c in columns], [[r.get(c) for c in columns] for r in value]))
+    return Section(headline=rows[:GENERIC_ROWS], tables=tables, notes=notes)
+
+
+# --- recovery: recovery time per size beside torchft's ------------------------------------
+
+STAGES = ("detect", "agree_on", "rebuild", "rebind", "restore", "resume")
+
+
+def _draw_recovery(fig: Any, data: Json) -> None:
+    ax = fig.add_subplot()
+    ranks = data["ranks"]
+    xs = range(len(ranks))
+    for offset, (label, colour) in zip((-0.2, 0.2), (("meshpact", "#3f51b5"), ("torchft", "#e67e22")), strict=True):
+        series = data.get(label)
+        if not series:
+            continue
+        at = [x + offset for x in xs]
+        ax.bar(at, series["p50"], width=0.36, color=colour, alpha=0.85, label=f"{label} p50")
+        ax.vlines(at, series["p50"], series["p99"], color="black", linewidth=1)
+        ax.scatter(at, series["p99"], marker="_", s=160, color="black")
+        ax.scatter(at, series["max"], marker="x", s=30, color=colour)
+    ax.scatter([], [], marker="_", color="black", label="p99")
+    ax.scatter([], [], marker="x", color="grey", label="max")
+    ax.set_yscale("log")
+    ax.set_xticks(list(xs), [f"{r} ranks" for r in ranks])
+    ax.set_ylabel("recovery time (ms, log scale)")
+    ax.set_title(f"{data['recoveries']} recoveries per size, data timeout {data['timeout']}")
+    ax.legend(fontsize="small", ncols=2)
+    ax.grid(axis="y", which="both", alpha=0.3)
+
+
+def _draw_stages(fig: Any, data: Json) -> None:
+    ax = fig.add_subplot()
+    ranks = data["ranks"]
+    bottom = [0.0] * len(ranks)
+    for stage in data["stages"]:
+        values = data["by_stage"][stage]
+        ax.bar([str(r) for r in ranks], values, bottom=bottom, label=stage, width=0.5)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("CPU ms, all ranks (p50 of each stage)")
+    ax.set_title("where a recovery's CPU time goes")
+    ax.legend(fontsize="small", loc="upper left")
+    ax.grid(axis="y", alpha=0.3)
+
+
+def recovery(result: Result) -> Section:
+    by_ranks = result.mapping("recovery_ms_by_ranks")
+    ranks = sorted(by_ranks, key=int)
+    timeout = min(result.mapping("recovery_ms_by_timeout"), key=lambda t: float(t.rstrip("s")))
+    ours = {q: [result.number(f"recovery_ms_by_timeout.{timeout}.{r}.{q}_ms") for r in ranks]
+            for q in ("p50", "p99", "max")}
+    ft = result.doc.get("torchft") or {}
+    theirs = ({q: [float(ft[r][f"{q}_ms"]) for r in ranks] for q in ("p50", "p99", "max")}
+              if all(r in ft for r in ranks) else None)
+    recoveries = int(result.number("recoveries"))
+    rows = [[int(r), ours["p50"][i], ours["p99"][i], ours["max"][i],
+             theirs["p50"][i] if theirs else None, theirs["p99"][i] if theirs else None,
+             theirs["max"][i] if theirs else None,
+             ours["p50"][i] / theirs["p50"][i] if theirs else None,
+             by_ranks[r].get("cpu_ratio_p50") if isinstance(by_ranks[r], Mapping) else None]
+            for i, r in enumerate(ranks)]
+    stages = {s: [result.number(f"recovery_ms_by_ranks.{r}.cpu_ms_by_stage_p50.{s}") for r in ranks]
+              for s in STAGES}
+    figures = [
+        Figure("recovery-time", "recovery time per size, meshpact beside torchft",
+               {"ranks": [int(r) for r in ranks], "meshpact": ours, "torchft": theirs,
+                "recoveries": recoveries, "timeout": timeout}, _draw_recovery),
+        Figure("recovery-cpu-stages", "CPU time of a recovery by stage, per size",
+               {"ranks": [int(r) for r in ranks], "stages": list(STAGES), "by_stage": stages}, _draw_stages),
+    ]
+    why = result.doc.get("torchft_missing_reason") or "no reason given"
+    notes = [] if theirs else [f"torchft was not measured: {why}."]
+    return Section(
+        headline=[("recoveries per size", recoveries),
+                  ("state bit-identical to a fault-free run after every recovery", result.get("bit_identical")),
+                  ("rebind ms, slowest size over fastest", result.doc.get("rebind_flatness_max_over_min"))],
+        tables=[(f"Recovery time (ms) at data timeout {timeout}, and all ranks' CPU time against torchft's",
+                 ["ranks", "p50", "p99", "max", "torchft p50", "torchft p99", "torchft max", "p50 / torchft's",
+                  "CPU p50 / torchft's"], rows)],
+        figures=figures, notes=notes)
+
+
+# --- launch and launch-load: downtime per case ---------------------------------------------
+
+def _draw_launch(fig: Any, data: Json) -> None:
+    ax = fig.add_subplot()
+    cases = data["cases"]
+    ys = range(len(cases))
+    ax.barh(list(ys), [c["downtime_s"] for c in cases], color="#3f51b5", alpha=0.8, height=0.5, label="median")
+    for y, case in zip(ys, cases, strict=True):
+        ax.scatter(case["runs"], [y] * len(case["runs"]), color="black", s=12, zorder=3)
+    ax.scatter([], [], color="black", s=12, label="each run")
+    ax.set_yticks(list(ys), [c["case"].replace("_", " ") for c in cases])
+    ax.invert_yaxis()
+    ax.set_xlabel("downtime (s): from the kill until training resumes")
+    ax.set_title(f"{data['nodes']} nodes × {data['ranks_per_node']} ranks, {data['runs']} run(s) per case, "
+                 f"{data['busy_loops']} busy loop(s)")
+    ax.legend(fontsize="small", loc="upper right")
+    ax.grid(axis="x", alpha=0.3)
+
+
+def launch(result: Result) -> Section:
+    downtime = result.mapping("downtime_s_by_case")
+    runs = result.mapping("downtime_s_runs_by_case")
+    cases = sorted(downtime, key=lambda c: float(downtime[c]))
+    policies = result.doc.get("policies_by_case") or {}
+    kept = result.doc.get("survivor_pids_kept") or {}
+    read = result.doc.get("storage_bytes_read_by_case") or {}
+    same = result.doc.get("bit_identical_by_case") or {}
+    passed = result.doc.get("passed_by_case") or {}
+    data = {"cases": [{"case": c, "downtime_s": result.number(f"downtime_s_by_case.{c}"),
+                       "runs": [float(x) for x in runs.get(c, [])]} for c in cases],
+            "nodes": result.get("nodes"), "ranks_per_node": result.get("ranks_per_node"),
+            "runs": result.get("runs"), "busy_loops": result.doc.get("busy_loops", 0)}
+    rows = [[f"`{c}`", downtime[c], f"{passed.get(c, '-')} / {len(runs.get(c, []))}",
+             ", ".join(policies.get(c) or []) or "restart", kept.get(c), read.get(c), same.get(c)] for c in cases]
+    return Section(
+        headline=[("nodes × ranks per node", f"{data['nodes']} × {data['ranks_per_node']}"),
+                  ("killed after step", result.doc.get("kill_after_step")), ("runs per case", data["runs"]),
+                  ("busy loops beside the job", data["busy_loops"]),
+                  ("warm spare's downtime / torchrun restart's", result.doc.get("warm_spare_over_torchrun_restart"))],
+        tables=[("Per case (median downtime)",
+                 ["case", "downtime s", "passed", "policy", "survivors keep their PIDs", "storage bytes read",
+                  "state bit-identical"], rows)],
+        figures=[Figure(f"{result.name}-downtime", f"downtime per launch case ({result.name})", data, _draw_launch)])
+
+
+# --- scale and scale-depth1: recovery and memory against state size ------------------------
+
+def _draw_scale(fig: Any, data: Json) -> None:
+    left, right = fig.subplots(1, 2)
+    for kind, points in data["recovery_ms"].items():
+        left.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=kind)
+    for kind, points in data["peak_rss_mb"].items():
+        right.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=kind)
+    right.plot([p[0] for p in data["plain_rss_mb"]], [p[1] for p in data["plain_rss_mb"]],
+               color="black", linestyle="--", marker="s", label="no peer copies")
+    for ax, ylabel in ((left, "recovery (ms, median)"), (right, "peak RSS per rank (MB)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("state per rank (MB, log)")
+        ax.set_ylabel(ylabel)
+        ax.grid(which="both", alpha=0.3)
+        ax.legend(fontsize="x-small")
+    fig.suptitle(f"{data['ranks']} ranks, peer copy depth {data['depth']}")
+
+
+def scale(result: Result) -> Section:
+    state = result.mapping("state_mb_per_rank")
+    paths = result.mapping("paths")
+    plain = result.mapping("plain_peak_rss_mb")
+    over_state = result.doc.get("extra_rss_per_rank_over_state") or {}
+    recovery_ms: dict[str, list[list[float]]] = {}
+    peak_rss: dict[str, list[list[float]]] = {}
+    rows = []
+    for path in sorted(paths, key=lambda p: (p.split("/")[1], float(state[p.split("/")[0]]))):
+        model, kind = path.split("/", 1)
+        mb = result.number(f"state_mb_per_rank.{model}")
+        record = result.mapping(f"paths.{path}")
+        median = _median([float(x) for x in record.get("recovery_ms") or []])
+        if median is not None:
+            recovery_ms.setdefault(kind, []).append([mb, median])
+        peak_rss.setdefault(kind, []).append([mb, result.number(f"paths.{path}.peak_rss_mb")])
+        rows.append([f"`{path}`", mb, ", ".join(sorted(set(record.get("policies") or []))) or "-",
+                     len(record.get("recovery_ms") or []), median, record.get("peak_rss_mb"),
+                     over_state.get(path), record.get("bit_identical") if not record.get("error") else record["error"]])
+    data = {"recovery_ms": recovery_ms, "peak_rss_mb": peak_rss,
+            "plain_rss_mb": sorted([result.number(f"state_mb_per_rank.{m}"), float(v)] for m, v in plain.items()),
+            "ranks": result.get("ranks"), "depth": result.get("peer_copy_depth")}
+    return Section(
+        headline=[("ranks", data["ranks"]), ("peer copy depth", data["depth"]),
+                  ("state per rank (MB)", dict(state)),
+                  ("recovery p50, largest state over smallest", result.doc.get("recovery_ratio_large_over_tiny")),
+                  ("commit overhead (ms)", result.doc.get("commit_overhead_ms"))],
+        tables=[("Per model and fault",
+                 ["path", "state MB", "policy", "faults", "recovery ms (median)", "peak RSS MB",
+                  "extra RSS / state", "state bit-identical"], rows)],
+        figures=[Figure(f"{result.name}-state", f"recovery time and memory against state size ({result.name})",
+                        data, _draw_scale, size=(8.0, 3.6))])
+
+
+# --- spillover: the simulator against the measured runs ------------------------------------
+
+def _draw_spillover(fig: Any, data: Json) -> None:
+    ax = fig.add_subplot()
+    top = max(max(p["measured"], p["simulated"]) for p in data["points"]) * 1.1
+    ax.plot([0, top], [0, top], color="black", linewidth=1, label="simulated = measured")
+    ax.fill_between([0, top], [0, top * 0.8], [0, top * 1.2], color="grey", alpha=0.15, label="within 20%")
+    for request in data["requests"]:
+        points = [p for p in data["points"] if p["request"] == request]
+        ax.scatter([p["measured"] for p in points], [p["simulated"] for p in points], s=18, label=request)
+    ax.set_xlim(0, top)
+    ax.set_ylim(0, top)
+    ax.set_xlabel("measured throughput (tokens/s)")
+    ax.set_ylabel("simulated throughput (tokens/s)")
+    ax.set_title("the simulator against each measured configuration")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+
+
+def spillover(result: Result) -> Section:
+    rows = result.get("rows")
+    if not isinstance(rows, list) or not rows:
+        raise ResultShapeError(f"{result.source}: `rows` is empty, expected the measured runs")
+    points = [{"request": str(r["request"]), "measured": float(r["throughput_tok_s"]),
+               "simulated": float(r["simulated"]["throughput_tok_s"])} for r in rows]
+    requests = list(dict.fromkeys(p["request"] for p in points))
+    from_concurrency = result.doc.get("projected_faster_from_concurrency", "-")
+    return Section(
+        headline=[("configurations measured", len(rows)), ("paired runs per configuration", result.doc.get("pairs")),
+                  ("link (Gbit/s)", result.doc.get("link_gbps")),
+                  ("largest simulator error", _percent(result.doc.get("max_abs_sim_error"), 1)),
+                  ("simulator within 20% everywhere", result.doc.get("sim_within_20pct")),
+                  ("smallest traffic cut against full results", _percent(result.doc.get("min_traffic_cut"), 3)),
+                  (f"projected results faster than full ones, from concurrency {from_concurrency}",
+                   result.doc.get("projected_faster_count")),
+                  ("wall time (s)", result.doc.get("wall_s"))],
+        figures=[Figure(f"{result.name}-simulator", "simulated against measured throughput",
+                        {"points": points, "requests": requests}, _draw_spillover, size=(5.5, 4.5))])
+
+
+def _draw_fleet(fig: Any, data: Json) -> None:
+    rows = data["rows"]
+    names = [r["policy"] for r in rows]
+    for i, (key, label, fmt) in enumerate((("finish_h", "time to finish (h)", "{:,.0f}"),
+                                           ("effective_training_ratio", "effective training ratio", "{:.1%}"))):
+        ax = fig.add_subplot(1, 2, i + 1)
+        values = [r[key] for r in rows]
+        ax.barh(names, values, xerr=[r.get(f"{key}_half_width", 0.0) for r in rows], color="#4c78a8", capsize=3)
+        for y, v in enumerate(values):
+            ax.text(v, y, " " + fmt.format(v), va="center", fontsize="small")
+        ax.set_xlabel(label)
+        ax.set_xlim(0, max(values) * 1.3)
+        if i:
+            ax.set_yticklabels([])
+        ax.grid(axis="x", alpha=0.3)
+    fig.suptitle("the policies on AIReSim's Table 1 cluster (bars: means; whiskers: 95% intervals)", fontsize="medium")
+
+
+def simulator(result: Result) -> Section:
+    agreement = result.mapping("airesim_table1")
+    ours, published = result.mapping("airesim_table1.ours"), result.mapping("airesim_table1.published.paper")
+    speed = result.doc.get("airesim_table1_speed") or {}
+    rows = result.get("airesim_table1_policies")
+    if not isinstance(rows, list) or not rows:
+        raise ResultShapeError(f"{result.source}: `airesim_table1_policies` is empty, expected one row per policy")
+    keep = ("policy", "finish_h", "finish_h_half_width", "effective_training_ratio", "effective_training_ratio_half_width")
+    data = {"rows": [{k: r[k] for k in keep if k in r} for r in rows]}
+    err = agreement.get("error_vs_published", {}).get("paper", {}) if isinstance(agreement.get("error_vs_published"), Mapping) else {}
+    return Section(
+        headline=[("AIReSim Table 1, time to finish: ours / published (h)",
+                   f"{ours['finish_h']['mean']:,.0f} ± {ours['finish_h']['half_width']:.0f} / {published['finish_h']:,.0f}"),
+                  ("effective training ratio: ours / published",
+                   f"{ours['effective_training_ratio']['mean']:.4f} ± {ours['effective_training_ratio']['half_width']:.4f}"
+                   f" / {published['effective_training_ratio']}"),
+                  ("error against the paper: finish / ratio", f"{_percent(err.get('finish_h'), 2)} / "
+                                                              f"{_percent(err.get('effective_training_ratio'), 2)}"),
+                  ("replications (95% interval within ±1%)", ours["finish_h"]["n"]),
+                  ("one replication, ours / AIReSim's, same run (s)",
+                   f"{speed.get('ours_s_per_replication', '-')} / {speed.get('airesim_s_per_replication', '-')}"),
+                  ("16,384 ranks x 30 days (s)", result.doc.get("r16384_d30_s"))],
+        tables=[("policies on the same cluster", ["policy", "time to finish (h)", "effective training ratio"],
+                 [[r["policy"], r["finish_h"], r["effective_training_ratio"]] for r in data["rows"]])],
+        figures=[Figure("simulator-fleet-policies", "time to finish and effective training ratio by policy", data,
+                        _draw_fleet, size=(8.0, 3.2))])
+
+
+SECTIONS: Mapping[str, Callable[[Result], Section]] = {
+    "simulator": simulator,
+    "recovery": recovery,
+    "launch": launch,
+    "launch-load": launch,
+    "scale": scale,
+    "scale-depth1": scale,
+    "spillover-requests": spillover,
+}
+
+
+# --- the page ------------------------------------------------------------------------------
+
+def _load(path: Path) -> Result:
+    try:
+        doc = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"{path}: expected one JSON object, got {type(doc).__name__}")
+    return Result(path.stem, doc, str(path))
+
+
+def _section_lines(result: Result, section: Section) -> list[str]:
+    run = _run(result.doc)
+    bench = result.doc.get("bench")
+    lines = [f"## {result.name}", ""]
+    purpose = _purpose(bench if isinstance(bench, str) else result.name)
     if purpose:
         lines += [purpose, ""]
     load = run.get("load_average")
@@ -136,79 +571,138 @@ def render_one(name: str, doc: dict[str, Any]) -> list[str]:
         f"`{run['command']}`" if run.get("command") else "-",
         f"`{run['commit']}`" if run.get("commit") else "-",
     ]])
-    scalars, tables = _flatten(body)
-    if scalars:
-        lines += ["", *_table(["result", "value"], [[f"`{k}`", _cell(v)] for k, v in scalars.items()])]
-    for key, records in tables.items():
-        lines += ["", f"`{key}`:", "", *_records_table(records)]
-    if name == "simulator":
-        lines += _fleet_policy_figure(doc.get("airesim_table1_policies"))
-    return lines + [""]
+    if section.headline:
+        lines += ["", *_table(["result", "value"], [[k.replace("|", "\\|"), _cell(v)] for k, v in section.headline])]
+    for figure in section.figures:
+        lines += ["", f"![{figure.alt}]({figure.file})"]
+    for title, columns, rows in section.tables:
+        lines += ["", f"{title}:", "",
+                  *_table(columns, [[_cell(v) for v in row] for row in rows])]
+    for note in section.notes:
+        lines += ["", note]
+    lines += ["", f"The whole result: [{result.name}.json]({DATA}/{result.name}.json).", ""]
+    return lines
 
 
-def _fleet_policy_figure(rows: Any) -> list[str]:
-    """An inline SVG of the simulator's policy comparison on AIReSim's Table 1 cluster: time to
-    finish and effective training ratio per policy, each bar with its 95 % interval."""
-    if not _is_records(rows) or not all({"policy", "finish_h", "effective_training_ratio"} <= set(r) for r in rows):
-        return []
-    w, bar, gap, left, panel = 900, 22, 10, 150, 260
-    h = 40 + len(rows) * (bar + gap)
-    top_h = max(r["finish_h"] + r.get("finish_h_half_width", 0.0) for r in rows) * 1.1
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-           'role="img" aria-label="time to finish and effective training ratio by policy" font-size="12" '
-           'font-family="sans-serif">',
-           f'<text x="{left}" y="16">time to finish (h)</text>',
-           f'<text x="{left + panel + 90}" y="16">effective training ratio</text>']
-    for i, r in enumerate(rows):
-        y = 28 + i * (bar + gap)
-        out.append(f'<text x="{left - 8}" y="{y + bar * 0.7:.1f}" text-anchor="end">{r["policy"]}</text>')
-        for x0, value, half, scale, text in (
-                (left, r["finish_h"], r.get("finish_h_half_width", 0.0), panel / top_h, f'{r["finish_h"]:,.0f} h'),
-                (left + panel + 90, r["effective_training_ratio"], r.get("effective_training_ratio_half_width", 0.0),
-                 panel, f'{r["effective_training_ratio"]:.1%}')):
-            x1, lo, hi = x0 + value * scale, x0 + (value - half) * scale, x0 + (value + half) * scale
-            out += [f'<rect x="{x0}" y="{y}" width="{value * scale:.1f}" height="{bar}" fill="#4c78a8"/>',
-                    f'<line x1="{lo:.1f}" x2="{hi:.1f}" y1="{y + bar / 2}" y2="{y + bar / 2}" stroke="#222"/>',
-                    f'<line x1="{lo:.1f}" x2="{lo:.1f}" y1="{y + 5}" y2="{y + bar - 5}" stroke="#222"/>',
-                    f'<line x1="{hi:.1f}" x2="{hi:.1f}" y1="{y + 5}" y2="{y + bar - 5}" stroke="#222"/>',
-                    f'<text x="{max(x1, hi) + 4:.1f}" y="{y + bar * 0.7:.1f}">{text}</text>']
-    out.append("</svg>")
-    return ["", "`airesim_table1_policies` as a figure (bars: means; whiskers: 95 % intervals):", "", "".join(out)]
+def render(results: Path = RESULTS) -> Rendered:
+    """The page, its figures and the files they came from, for the JSON files in ``results``."""
+    sources = tuple(sorted(results.glob("*.json")))
+    loaded = [_load(p) for p in sources]
+    if not loaded:
+        page = HEADER + "\nNo results yet: run a benchmark (`python bench/planner.py`, ...).\n"
+        return Rendered(page, (), ())
+    lines = [HEADER, *_table(["benchmark", "measured (UTC)", "load average (1 min)", "commit"], [[
+        f"[{r.name}](#{r.name})", _date(_run(r.doc)), _cell((_run(r.doc).get("load_average") or ["-"])[0]),
+        f"`{_run(r.doc)['commit']}`" if _run(r.doc).get("commit") else "-",
+    ] for r in loaded]), ""]
+    figures: list[Figure] = []
+    for result in loaded:
+        make = SECTIONS.get(result.name, generic)
+        try:
+            section = make(result)
+        except (KeyError, IndexError, TypeError, AttributeError) as exc:
+            raise ResultShapeError(
+                f"{result.source} does not have the shape the `{make.__name__}` section reads "
+                f"({type(exc).__name__}: {exc}); update the file or the section") from None
+        figures += section.figures
+        lines += _section_lines(result, section)
+    names = [f.name for f in figures]
+    if len(names) != len(set(names)):
+        raise ValueError(f"two figures share a name: {sorted(n for n in names if names.count(n) > 1)}")
+    return Rendered("\n".join(lines).rstrip("\n") + "\n", tuple(figures), sources)
 
 
-def render(results: Path = RESULTS) -> str:
-    """The whole results page for the JSON files in ``results`` (sorted by name)."""
-    docs = {f.stem: _load(f) for f in sorted(results.glob("*.json"))}
-    if not docs:
-        return HEADER + "\nNo results yet: run a benchmark (`python bench/planner.py`, ...).\n"
-    lines = [HEADER, *_table(["benchmark", "measured (UTC)", "load average (1 min)"], [[
-        f"[{name}](#{name})", _date(d.get("run") or {}), _cell(((d.get("run") or {}).get("load_average") or ["-"])[0]),
-    ] for name, d in docs.items()]), ""]
-    for name, d in docs.items():
-        lines += render_one(name, d)
-    return "\n".join(lines).rstrip("\n") + "\n"
+def _svg_digest(path: Path) -> str | None:
+    """The digest a figure was drawn from, read back from the SVG's description."""
+    if not path.is_file():
+        return None
+    text = path.read_text(errors="replace")
+    start = text.find("<dc:description>")
+    end = text.find("</dc:description>", start)
+    return text[start + len("<dc:description>"):end].strip() if start >= 0 and end > start else None
+
+
+def problems(rendered: Rendered, docs: Path = DOCS) -> list[str]:
+    """Every way the page, the figures or the copied JSON differ from ``rendered``; no drawing."""
+    found: list[str] = []
+    page = docs / PAGE
+    if not page.is_file() or page.read_text() != rendered.page:
+        found.append(f"{page} differs from bench/results/*.json")
+    for figure in rendered.figures:
+        if _svg_digest(docs / figure.file) != figure.digest():
+            found.append(f"{docs / figure.file} is missing or was drawn from other data or code")
+    for source in rendered.sources:
+        copy = docs / DATA / source.name
+        if not copy.is_file() or copy.read_bytes() != source.read_bytes():
+            found.append(f"{copy} is missing or differs from {source.name}")
+    found += [f"{p} is no longer made from any result" for p in _stale(rendered, docs)]
+    return found
+
+
+def _stale(rendered: Rendered, docs: Path) -> list[Path]:
+    """Files under ``docs/figures/`` that no current result makes (a benchmark renamed or gone)."""
+    expected = {docs / f.file for f in rendered.figures} | {docs / DATA / s.name for s in rendered.sources}
+    return sorted(p for p in (docs / FIGURES).rglob("*") if p.is_file() and p not in expected)
+
+
+def draw(figure: Figure, out: Path) -> None:
+    """Draw ``figure`` into ``out`` as SVG whose bytes depend only on its data and code."""
+    import matplotlib
+    from matplotlib.figure import Figure as MplFigure
+
+    with matplotlib.rc_context({"svg.hashsalt": SVG_SALT, "svg.fonttype": "path", "font.size": 9}):
+        fig = MplFigure(figsize=figure.size, layout="constrained")
+        figure.draw(fig, figure.data)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, format="svg", metadata={"Date": None, "Creator": None, "Description": figure.digest()})
+
+
+def write(rendered: Rendered, docs: Path = DOCS) -> int:
+    """Write the page, copy the JSON, draw each figure not already current; the number drawn.
+
+    Raises ImportError before writing anything when a figure must be drawn and matplotlib is
+    missing, so a failed render leaves the docs as they were.
+    """
+    todo = [f for f in rendered.figures if _svg_digest(docs / f.file) != f.digest()]
+    if todo:
+        import matplotlib  # noqa: F401  (fail before writing anything)
+    (docs / DATA).mkdir(parents=True, exist_ok=True)
+    (docs / PAGE).write_text(rendered.page)
+    for source in rendered.sources:
+        shutil.copyfile(source, docs / DATA / source.name)
+    for figure in todo:
+        draw(figure, docs / figure.file)
+    for stale in _stale(rendered, docs):
+        stale.unlink()
+    return len(todo)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", type=Path, default=RESULTS)
-    ap.add_argument("--out", type=Path, default=PAGE)
-    ap.add_argument("--check", action="store_true", help="exit 1 if the page differs from the files, write nothing")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--results", type=Path, default=RESULTS, help="the benchmarks' JSON files (default bench/results)")
+    ap.add_argument("--docs", type=Path, default=DOCS, help="the docs folder to write into (default docs)")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page or a figure is out of date; write nothing")
     a = ap.parse_args(argv)
+    if not a.results.is_dir():
+        print(f"render_results: {a.results} is not a folder; expected the benchmarks' results folder", file=sys.stderr)
+        return 2
     try:
-        page = render(a.results)
+        rendered = render(a.results)
     except (OSError, ValueError) as exc:
-        print(f"render_results: cannot read {a.results}: {exc}", file=sys.stderr)
+        print(f"render_results: {exc}", file=sys.stderr)
         return 2
     if a.check:
-        current = a.out.read_text() if a.out.is_file() else None
-        if current != page:
-            print(f"{a.out} is out of date: run python scripts/render_results.py", file=sys.stderr)
-            return 1
-        return 0
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(page)
-    print(f"wrote {a.out} from {len(list(a.results.glob('*.json')))} result file(s)")
+        found = problems(rendered, a.docs)
+        for line in found:
+            print(f"render_results: {line}: run python scripts/render_results.py", file=sys.stderr)
+        return 1 if found else 0
+    try:
+        drawn = write(rendered, a.docs)
+    except ImportError:
+        print("render_results: drawing the figures needs matplotlib: pip install -e '.[docs]'", file=sys.stderr)
+        return 2
+    print(f"wrote {a.docs / PAGE} from {len(rendered.sources)} result file(s); "
+          f"drew {drawn} of {len(rendered.figures)} figure(s)")
     return 0
 
 
