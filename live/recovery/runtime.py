@@ -135,7 +135,8 @@ def model_of(model: torch.nn.Module | Sequence[torch.nn.Module]) -> torch.nn.Mod
 COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistError)
 # exceptions that are communication faults when raised in torch's communication code (a backend's plain
 # RuntimeError from a collective's wait); raised anywhere else (the user's data fetch, an HTTP client) they
-# are the user's own
+# are the user's own. RuntimeError counts as that type alone: its subclasses name failures of their own
+# (torch.OutOfMemoryError in FSDP2's all-gather buffers, NotImplementedError, RecursionError)
 RAISED_IN_COMM_TYPES: tuple[type[BaseException], ...] = (RuntimeError, TimeoutError, ConnectionError)
 _TORCH_DIST = str(Path(dist.__file__).parent)
 COMM_MODULES: tuple[str, ...] = tuple(f"{_TORCH_DIST}/{m}" for m in (
@@ -154,11 +155,16 @@ def _raised_in_comm(exc: BaseException) -> bool:
     return tb.tb_frame.f_code.co_filename.startswith(COMM_MODULES)
 
 
+def _of_comm_type(exc: BaseException) -> bool:
+    """``exc`` is of :data:`RAISED_IN_COMM_TYPES` (a plain ``RuntimeError``, not a subclass of it)."""
+    return type(exc) is RuntimeError or isinstance(exc, tuple(t for t in RAISED_IN_COMM_TYPES if t is not RuntimeError))
+
+
 def is_comm_fault(exc: BaseException) -> bool:
     """A failure of the data path, as opposed to the user's own error: decided by construction,
     never by the words of the message. It is one when ``exc`` (or an exception it was raised from
     or while handling, a user's wrapper of a failed collective) is of :data:`COMM_FAULT_TYPES`
-    wherever it was raised, or of :data:`RAISED_IN_COMM_TYPES` raised in torch's communication
+    wherever it was raised, or of :data:`RAISED_IN_COMM_TYPES` (a plain ``RuntimeError``) raised in torch's communication
     code (:data:`COMM_MODULES`). A ``TimeoutError`` or ``ConnectionError`` the user's own code
     raises (a data fetch, a metrics client) is not: it propagates unchanged and no recovery starts."""
     seen: set[int] = set()
@@ -167,7 +173,7 @@ def is_comm_fault(exc: BaseException) -> bool:
         seen.add(id(at))
         if isinstance(at, COMM_FAULT_TYPES):
             return True
-        if isinstance(at, RAISED_IN_COMM_TYPES) and _raised_in_comm(at):
+        if _of_comm_type(at) and _raised_in_comm(at):
             return True
         at = at.__cause__ or at.__context__
     return False
