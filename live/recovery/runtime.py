@@ -305,6 +305,7 @@ class Resilient:
         self._optimizer_began = False
         self._optimizer_hook: Any = None
         self._first_step = True  # schedulers and scalers made after __enter__, before the first step, are refused then
+        self._in_step = False  # rt.step runs: rt.run and rt.guard inside it leave a fault to the step
         self.steps_run = 0  # steps this process ran to their end (a re-run after a recovery counts once)
         self.longest_step_s = 0.0  # the longest of them, the process's first apart (building, compiling)
         self._last_start: tuple[int, float, int] | None = None  # (step, its start, recoveries then) of the last step
@@ -463,6 +464,9 @@ class Resilient:
     # -- the step --------------------------------------------------------------------------
     def step(self, train_step: Callable[[Any], Any], batch: Any) -> Any:
         """Run one training step; on a communication fault recover and run it again."""
+        if self._in_step:
+            raise UnsafeLoopError("rt.step was called inside a step: call the inner step function directly "
+                                  "(the outer step recovers its collectives)")
         step = self.committed_step
         self.train_step_fn = train_step
         self.refresh_objects()  # a step function reaching other objects: walked now, before a fault can need it
@@ -471,6 +475,13 @@ class Resilient:
         # the registered objects as this step found them: a data loader has drawn the batch in hand
         # (the commit has the position before it), an EMA is as committed
         began = capture_objects(self.objects) if self.objects else ()
+        self._in_step = True
+        try:
+            return self._step(step, train_step, batch, began)
+        finally:
+            self._in_step = False
+
+    def _step(self, step: int, train_step: Callable[[Any], Any], batch: Any, began: Any) -> Any:
         message: str | None = None
         widened = False  # the data-path timeout was raised for this step's next run (_widen)
         for attempt in range(self.max_attempts):
@@ -552,7 +563,10 @@ class Resilient:
         as a step is: on a communication fault the job recovers (the committed state is unchanged,
         nothing to restore) and ``fn`` runs again from the generators it started with, up to
         ``max_attempts`` times. Where the recovery replaced a rank, whose new process resumes at
-        the next ``rt.step``, ``fn`` is not run again on any rank: :class:`GuardedBlockLost`."""
+        the next ``rt.step``, ``fn`` is not run again on any rank: :class:`GuardedBlockLost`.
+        Called inside a step, ``fn`` is the step's: it runs once, and its fault re-runs the step."""
+        if self._in_step:
+            return fn(*args, **kwargs)
         rng = capture_rng() if self.session.config.restore_rng else None
         message: str | None = None
         for _ in range(self.max_attempts):
@@ -583,7 +597,11 @@ class Resilient:
         """``with rt.guard(): ...``: a block of collectives between steps whose communication fault
         the job recovers from, as a step's. A ``with`` block cannot be run again, so once the job
         has recovered it raises :class:`GuardedBlockLost` (on every rank alike: each rank's block
-        failed or was severed by the recovery); :meth:`run` runs the block again instead."""
+        failed or was severed by the recovery); :meth:`run` runs the block again instead. Inside
+        a step the block is the step's: its fault re-runs the step."""
+        if self._in_step:
+            yield
+            return
         try:
             with self._watched():
                 yield
