@@ -20,8 +20,8 @@ the survivors never wait for a script still importing, building its model or loa
 
 Not routed (torch's own path, not matched for a replacement): a group with
 ``use_local_synchronization`` (only its members make it, so it has no job-wide order), with
-``sort_ranks=False``, with backend options or a tag of its own, or on a backend the session
-does not build. A group the job destroyed is still built for a replacement (its ranks stay on
+``sort_ranks=False``, with backend options or a tag of its own, or on another backend than the
+session's (a GPU job's ``new_group(backend="gloo")`` for CPU tensors: built by torch as asked). A group the job destroyed is still built for a replacement (its ranks stay on
 the control channel), where no survivor builds it: the replacement's start then fails after
 the group-connect bound.
 """
@@ -136,7 +136,7 @@ class GroupCreation:
                  pg_tag: Any = None, use_local_synchronization: bool = False, group_desc: Any = None,
                  device_id: Any = None, sort_ranks: bool = True) -> Any:
         ours = (not use_local_synchronization and backend_options is None and pg_tag is None and sort_ranks
-                and (backend is None or str(backend).lower() in (self.backend, "gloo")))
+                and (backend is None or str(backend).lower() == self.backend))
         before = comm.socket_fds() if self.groups.record is not None else {}
         if not ours:
             pg = self.original(ranks, timeout, backend, backend_options, pg_tag,
