@@ -42,6 +42,7 @@ rank's copy) :class:`ConsensusError` names both the missing rank and why.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -133,15 +134,27 @@ def from_runs(runs: Sequence[Sequence[int]]) -> tuple[int, ...]:
 
 def _grouped(words: dict[int, JsonObject | None]) -> tuple[tuple[JsonObject | None, tuple[int, ...]], ...]:
     """Each distinct word and the ranks that said it, in the order first said."""
-    out: list[tuple[JsonObject | None, list[int]]] = []
+    out: dict[str, tuple[JsonObject | None, list[int]]] = {}
     for r in sorted(words):
-        for word, ranks in out:
-            if word == words[r]:
-                ranks.append(r)
-                break
-        else:
-            out.append((words[r], [r]))
-    return tuple((w, tuple(rs)) for w, rs in out)
+        out.setdefault(json.dumps(words[r], sort_keys=True), (words[r], []))[1].append(r)
+    return tuple((w, tuple(rs)) for w, rs in out.values())
+
+
+def _standby_said(words: dict[int, JsonObject | None], generation: int) -> dict[int, JsonObject | None]:
+    """The standby words a decision of ``generation`` carries: every rank's, in rank order, up to
+    the first that cannot serve it (no word, not ready, or built for another generation), whose
+    word every later rank carries too. The verdict (:func:`~.communicator.standby_refusal`, the
+    first refusing rank's reason) is the one all words give, and the words are a few whatever
+    the job's size: a data path silent on every rank makes each rank's reason its own."""
+    out: dict[int, JsonObject | None] = {}
+    refusing: JsonObject | None = None
+    for r in sorted(words):
+        w = words[r]
+        if refusing is None and not (isinstance(w, dict) and w.get("ready") and w.get("generation") == generation):
+            refusing = w if w is not None else {"generation": generation, "ready": False,
+                                                "reason": f"rank {r} has no standby (a replacement process)"}
+        out[r] = w if refusing is None else refusing
+    return out
 
 
 @dataclass(frozen=True)
@@ -243,7 +256,7 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
     members = tuple(sorted(proposals))
     expected = tuple(range(world_size)) if alive is None else tuple(sorted(alive))
     missing = tuple(r for r in expected if r not in proposals)
-    standby = _grouped({r: p.standby for r, p in proposals.items()})
+    standby = _grouped(_standby_said({r: p.standby for r, p in proposals.items()}, round))
 
     def fallback(reason: str) -> Decision:
         steps = [p.committed_step for p in proposals.values() if p.intact and p.committed_step >= 0]

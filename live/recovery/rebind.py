@@ -604,10 +604,14 @@ def _filled(cell: Any) -> bool:
 
 def function_key(fn: Callable[..., Any] | None) -> tuple[int, ...]:
     """What a step function reaches, for telling whether an object walk from it is current: its code
-    and the objects its closure, defaults and ``self`` hold. A loop that passes a new lambda each
-    step (``rt.step(lambda b: train_step(model, b), batch)``) reaches the same objects each time."""
+    and the objects its closure, defaults and ``self`` hold (a ``functools.partial``: what it wraps
+    and the objects its arguments are). A loop that passes a new lambda or partial each step
+    (``rt.step(lambda b: train_step(model, b), batch)``) reaches the same objects each time."""
     if fn is None:
         return ()
+    if isinstance(fn, functools.partial):  # a partial made anew each step: what it wraps and holds
+        held = [*fn.args, *fn.keywords.values()]
+        return (*function_key(fn.func), -1, *(id(x) for x in held if type(x) not in _ATOMS))
     target = getattr(fn, "__func__", fn)
     code = getattr(target, "__code__", None)
     held = [c.cell_contents for c in (getattr(target, "__closure__", None) or ()) if _filled(c)]

@@ -637,13 +637,14 @@ def _excise_replicas(own: Mapping[str, torch.Tensor], before: Membership, lost: 
     me = before.alive[spec.rank]
     if me in lost:
         raise ExcisionError(f"rank {me} is being excised and cannot take part in its own excision")
+    if len(leaving) == before.world:  # a rank lost in every replica: none goes on, whichever rank this is
+        raise ExcisionError(f"losing rank(s) {sorted(lost)} leaves no whole replica of the HSDP mesh {list(shape)}: "
+                            "each replica lost a rank, so no replica can go on (restore a checkpoint)")
     if me in leaving:
         raise LeftWithReplica(f"rank {me} leaves the job with its replica {list(leaving)} (rank(s) {sorted(lost)} "
                               f"lost): the HSDP job goes on on the other {shape[0] - len(leaving) // shape[1]} "
                               "replica(s)")
     after = before.without(leaving)
-    if after.world == 0:
-        raise ExcisionError(f"losing rank(s) {sorted(lost)} leaves no whole replica of the HSDP mesh {list(shape)}")
     new_shape = (after.world // shape[1], shape[1])
     new_spec = replace(spec, rank=after.group_rank(me), world_size=after.world)
     t0 = time.perf_counter()

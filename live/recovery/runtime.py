@@ -136,7 +136,8 @@ def model_of(model: torch.nn.Module | Sequence[torch.nn.Module]) -> torch.nn.Mod
 COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistError)
 # exceptions that are communication faults when raised in torch's communication code (a backend's plain
 # RuntimeError from a collective's wait); raised anywhere else (the user's data fetch, an HTTP client) they
-# are the user's own
+# are the user's own. RuntimeError counts as that type alone: its subclasses name failures of their own
+# (torch.OutOfMemoryError in FSDP2's all-gather buffers, NotImplementedError, RecursionError)
 RAISED_IN_COMM_TYPES: tuple[type[BaseException], ...] = (RuntimeError, TimeoutError, ConnectionError)
 _TORCH_DIST = str(Path(dist.__file__).parent)
 COMM_MODULES: tuple[str, ...] = tuple(f"{_TORCH_DIST}/{m}" for m in (
@@ -155,11 +156,16 @@ def _raised_in_comm(exc: BaseException) -> bool:
     return tb.tb_frame.f_code.co_filename.startswith(COMM_MODULES)
 
 
+def _of_comm_type(exc: BaseException) -> bool:
+    """``exc`` is of :data:`RAISED_IN_COMM_TYPES` (a plain ``RuntimeError``, not a subclass of it)."""
+    return type(exc) is RuntimeError or isinstance(exc, tuple(t for t in RAISED_IN_COMM_TYPES if t is not RuntimeError))
+
+
 def is_comm_fault(exc: BaseException) -> bool:
     """A failure of the data path, as opposed to the user's own error: decided by construction,
     never by the words of the message. It is one when ``exc`` (or an exception it was raised from
     or while handling, a user's wrapper of a failed collective) is of :data:`COMM_FAULT_TYPES`
-    wherever it was raised, or of :data:`RAISED_IN_COMM_TYPES` raised in torch's communication
+    wherever it was raised, or of :data:`RAISED_IN_COMM_TYPES` (a plain ``RuntimeError``) raised in torch's communication
     code (:data:`COMM_MODULES`). A ``TimeoutError`` or ``ConnectionError`` the user's own code
     raises (a data fetch, a metrics client) is not: it propagates unchanged and no recovery starts."""
     seen: set[int] = set()
@@ -168,7 +174,7 @@ def is_comm_fault(exc: BaseException) -> bool:
         seen.add(id(at))
         if isinstance(at, COMM_FAULT_TYPES):
             return True
-        if isinstance(at, RAISED_IN_COMM_TYPES) and _raised_in_comm(at):
+        if _of_comm_type(at) and _raised_in_comm(at):
             return True
         at = at.__cause__ or at.__context__
     return False
@@ -301,6 +307,7 @@ class Resilient:
         self._optimizer_began = False
         self._optimizer_hook: Any = None
         self._first_step = True  # schedulers and scalers made after __enter__, before the first step, are refused then
+        self._in_step = False  # rt.step runs: rt.run and rt.guard inside it leave a fault to the step
         self.steps_run = 0  # steps this process ran to their end (a re-run after a recovery counts once)
         self.longest_step_s = 0.0  # the longest of them, the process's first apart (building, compiling)
         self._last_start: tuple[int, float, int] | None = None  # (step, its start, recoveries then) of the last step
@@ -459,6 +466,9 @@ class Resilient:
     # -- the step --------------------------------------------------------------------------
     def step(self, train_step: Callable[[Any], Any], batch: Any) -> Any:
         """Run one training step; on a communication fault recover and run it again."""
+        if self._in_step:
+            raise UnsafeLoopError("rt.step was called inside a step: call the inner step function directly "
+                                  "(the outer step recovers its collectives)")
         step = self.committed_step
         self.train_step_fn = train_step
         self.refresh_objects()  # a step function reaching other objects: walked now, before a fault can need it
@@ -467,6 +477,13 @@ class Resilient:
         # the registered objects as this step found them: a data loader has drawn the batch in hand
         # (the commit has the position before it), an EMA is as committed
         began = capture_objects(self.objects) if self.objects else ()
+        self._in_step = True
+        try:
+            return self._step(step, train_step, batch, began)
+        finally:
+            self._in_step = False
+
+    def _step(self, step: int, train_step: Callable[[Any], Any], batch: Any, began: Any) -> Any:
         message: str | None = None
         widened = False  # the data-path timeout was raised for this step's next run (_widen)
         for attempt in range(self.max_attempts):
@@ -548,7 +565,10 @@ class Resilient:
         as a step is: on a communication fault the job recovers (the committed state is unchanged,
         nothing to restore) and ``fn`` runs again from the generators it started with, up to
         ``max_attempts`` times. Where the recovery replaced a rank, whose new process resumes at
-        the next ``rt.step``, ``fn`` is not run again on any rank: :class:`GuardedBlockLost`."""
+        the next ``rt.step``, ``fn`` is not run again on any rank: :class:`GuardedBlockLost`.
+        Called inside a step, ``fn`` is the step's: it runs once, and its fault re-runs the step."""
+        if self._in_step:
+            return fn(*args, **kwargs)
         rng = capture_rng() if self.session.config.restore_rng else None
         message: str | None = None
         for _ in range(self.max_attempts):
@@ -579,7 +599,11 @@ class Resilient:
         """``with rt.guard(): ...``: a block of collectives between steps whose communication fault
         the job recovers from, as a step's. A ``with`` block cannot be run again, so once the job
         has recovered it raises :class:`GuardedBlockLost` (on every rank alike: each rank's block
-        failed or was severed by the recovery); :meth:`run` runs the block again instead."""
+        failed or was severed by the recovery); :meth:`run` runs the block again instead. Inside
+        a step the block is the step's: its fault re-runs the step."""
+        if self._in_step:
+            yield
+            return
         try:
             with self._watched():
                 yield

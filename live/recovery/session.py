@@ -117,9 +117,11 @@ class DataPath:
     Every group's sockets are recorded under its name when it is built: a standby's as its thread
     builds them (:meth:`record`, once it is swapped in), a recovery's from the sockets that
     appeared while it built them. A group the job made itself (``dist.new_group``,
-    ``init_device_mesh``) is told from the sockets that appeared since the last look
-    (:meth:`look`: the session's start, each recovery's end) once c10d knows a group that is not
-    recorded; of those only gloo's pairs count (:func:`~.communicator.gloo_pairs`). Where gloo
+    ``init_device_mesh``) is recorded as torch's group creation makes it (:mod:`.usergroups`
+    routes it here), so a connection the user opened before it, ``TCP_NODELAY`` or not, is not
+    its; a group c10d knows that no build recorded is told from the sockets that appeared since
+    the last look (:meth:`look`: the session's start, each recovery's end). Of those only gloo's
+    pairs count (:func:`~.communicator.gloo_pairs`). Where gloo
     connects lazily (``TORCH_GLOO_LAZY_INIT``) no build tells them, and the connected sockets with
     gloo's options opened after ``protected`` that no store or peer port ends are listed instead
     (:func:`~.communicator.data_sockets`)."""
@@ -242,7 +244,8 @@ class Session:
         # the job's secret (jobkey.load); None only where the user opted out by name
         self.job_key: jobkey.JobKey | None = None
         # the groups the job's code makes after start_session, in creation order (matched by a replacement)
-        self.user_groups = UserGroups(lambda: (self.spec, self.store, self.control, self.generation))
+        self.user_groups = UserGroups(lambda: (self.spec, self.store, self.control, self.generation),
+                                      lambda names, opened: self.data_path.record(names, opened))
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._sealed:

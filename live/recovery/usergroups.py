@@ -20,8 +20,8 @@ the survivors never wait for a script still importing, building its model or loa
 
 Not routed (torch's own path, not matched for a replacement): a group with
 ``use_local_synchronization`` (only its members make it, so it has no job-wide order), with
-``sort_ranks=False``, with backend options or a tag of its own, or on a backend the session
-does not build. A group the job destroyed is still built for a replacement (its ranks stay on
+``sort_ranks=False``, with backend options or a tag of its own, or on another backend than the
+session's (a GPU job's ``new_group(backend="gloo")`` for CPU tensors: built by torch as asked). A group the job destroyed is still built for a replacement (its ranks stay on
 the control channel), where no survivor builds it: the replacement's start then fails after
 the group-connect bound.
 """
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
@@ -67,10 +67,15 @@ class UserGroups:
     """The groups this process's code asked for since ``start_session``, in creation order.
 
     ``where()`` gives the session's current ``(spec, store, control, generation)``: a group is
-    built for the generation the job is in when it is asked for."""
+    built for the generation the job is in when it is asked for. ``record(names, opened)`` is
+    told the sockets that appeared while each group was made (the session's
+    :meth:`~.session.DataPath.record`): they are its data path, and a connection the user opened
+    before, with whatever options, is not."""
 
-    def __init__(self, where: Callable[[], tuple[comm.GroupSpec, Any, Any, int]]) -> None:
+    def __init__(self, where: Callable[[], tuple[comm.GroupSpec, Any, Any, int]],
+                 record: Callable[[Iterable[str], dict[int, str]], None] | None = None) -> None:
         self._where = where
+        self.record = record
         self.made: list[UserGroup] = []
         self._prebuilt: dict[int, tuple[tuple[int, ...], dist.ProcessGroup | None]] = {}
 
@@ -131,12 +136,18 @@ class GroupCreation:
                  pg_tag: Any = None, use_local_synchronization: bool = False, group_desc: Any = None,
                  device_id: Any = None, sort_ranks: bool = True) -> Any:
         ours = (not use_local_synchronization and backend_options is None and pg_tag is None and sort_ranks
-                and (backend is None or str(backend).lower() in (self.backend, "gloo")))
+                and (backend is None or str(backend).lower() == self.backend))
+        before = comm.socket_fds() if self.groups.record is not None else {}
         if not ours:
-            return self.original(ranks, timeout, backend, backend_options, pg_tag,
-                                 use_local_synchronization=use_local_synchronization, group_desc=group_desc,
-                                 device_id=device_id, sort_ranks=sort_ranks)
-        return self.groups.create(ranks, group_desc)
+            pg = self.original(ranks, timeout, backend, backend_options, pg_tag,
+                               use_local_synchronization=use_local_synchronization, group_desc=group_desc,
+                               device_id=device_id, sort_ranks=sort_ranks)
+        else:
+            pg = self.groups.create(ranks, group_desc)
+        name = getattr(pg, "group_name", None)
+        if self.groups.record is not None and isinstance(name, str):
+            self.groups.record([name], comm.opened_since(before))
+        return pg
 
 
 def route_group_creation(groups: UserGroups, backend: str) -> GroupCreation:

@@ -367,7 +367,34 @@ def test_a_decision_on_the_channel_does_not_grow_with_the_job(world):
     assert len(wire) < 600
     back = Decision.from_dict(json.loads(wire))
     assert back == d and back.members == tuple(range(world))
-    assert back.standby_words()[5]["reason"] == "late" and back.standby_words()[world - 1] == ready
+    assert back.standby_words()[5]["reason"] == "late" and back.standby_words()[4] == ready
+
+
+@pytest.mark.parametrize("first_refusing", [0, 5, 4095])
+def test_a_decision_stays_small_when_every_ranks_standby_word_differs(first_refusing):
+    """A data path silent on every rank: each rank's word names itself and how long it waited,
+    so no two are alike. The decision carries what the standby verdict reads (every rank's word
+    up to the first that refuses), and every rank's verdict is the one all words would give."""
+    import json
+
+    from meshpact.live.recovery import communicator as comm
+
+    world, ready = 4096, {"generation": 3, "ready": True, "reason": ""}
+    words = {r: ready if r < first_refusing else
+             {"generation": 3, "ready": False, "reason": f"rank {r}'s data path was silent for {1 + r / 1e4:.4f} s"}
+             for r in range(world)}
+    proposals = {r: Proposal(r, 2, 9, f"digest{r}", True, standby=words[r]) for r in range(world)}
+    d = decide(proposals, world, 2, 3, lambda limit: 0)
+    wire = json.dumps(d.to_dict())
+    assert len(wire) < 800, len(wire)
+    back = Decision.from_dict(json.loads(wire))
+
+    def verdict(said: dict) -> str:
+        return comm.standby_refusal({r: comm.StandbyStatus.from_dict(w) if isinstance(w, dict) else None
+                                     for r, w in said.items()}, back.generation, world)
+
+    assert verdict(back.standby_words()) == verdict(words) == words[first_refusing]["reason"]
+    assert set(back.standby_words()) == set(range(world))
 
 
 def test_rank_runs_round_trip_any_set_of_ranks():

@@ -461,3 +461,40 @@ def test_quick_acknowledgements_are_asked_only_of_sockets_whose_bytes_were_all_r
     finally:
         for s in spies:
             s.close()
+
+
+def test_a_users_nodelay_connection_opened_before_they_make_a_group_is_not_that_groups(pairs, monkeypatch):
+    """An HTTP client (urllib3 sets TCP_NODELAY on every connection it opens), a gRPC or Redis
+    client: opened after the session started and before the job's code made a group of its own,
+    it is the user's, not the group's; the group's sockets are those its build opened."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from meshpact.live.recovery.usergroups import UserGroups, route_group_creation
+
+    class _Default:
+        def size(self) -> int:
+            return 1
+
+        def rank(self) -> int:
+            return 0
+
+    monkeypatch.setattr(c10d, "_get_default_group", lambda: _Default())
+    monkeypatch.setattr(c10d, "_new_group_with_tag", c10d._new_group_with_tag)  # the routing undone after
+    spec = comm.GroupSpec("gloo", "cpu", 0, 1, 5.0, connect_timeout_s=5.0, run_id="nodelay")
+    store = dist.HashStore()
+    path = DataPath(comm.socket_fds(), ())
+    path.look({"meshpact_data_g0"})  # the session's start
+    client = pairs()
+    _gloo_like(client[0])  # urllib3's default socket options
+    control = type("Control", (), {"set": lambda self, k, v: None, "get": lambda self, k, d=None: d})()
+    groups = UserGroups(lambda: (spec, store, control, 0), path.record)
+    routed = route_group_creation(groups, "gloo")
+    made = c10d._new_group_with_tag([0])  # the user's metrics reducer: dist.new_group([0]) reaches this
+    # and one torch builds itself (local synchronization is not matched): its build is recorded too
+    routed.original = lambda *a, **kw: type("PG", (), {"group_name": "torchs_own"})()
+    theirs = c10d._new_group_with_tag([0], use_local_synchronization=True)
+    live = {"meshpact_data_g0", made.group_name, theirs.group_name}
+    assert not _fds(*client) & set(path.sockets({}, live))
+    path.look(live)
+    assert not _fds(*client) & set(path.sockets({}, live))

@@ -131,7 +131,9 @@ def test_an_unknown_rank_loss_policy_is_refused():
         TrialConfig(on_rank_loss="shrink")
 
 
-def test_an_excising_trial_on_a_two_dimensional_mesh_is_refused_before_any_rank_starts():
+def test_an_excising_trial_on_a_three_dimensional_mesh_is_refused_before_any_rank_starts(tmp_path):
+    """A 2-D (HSDP) mesh is excised by replicas (tests/live/test_recovery_hsdp.py); one of more
+    dimensions is refused in one line, before any rank starts."""
     from pathlib import Path
 
     from meshpact.live.trials.trial import run_trial
@@ -139,7 +141,11 @@ def test_an_excising_trial_on_a_two_dimensional_mesh_is_refused_before_any_rank_
     from meshpact.live.recovery.workload import WorkloadError
 
     hsdp = Path(__file__).resolve().parents[2] / "scenarios" / "workloads" / "llama_hsdp.py"
+    text = hsdp.read_text()
+    three = tmp_path / "llama_3d.py"
+    three.write_text(text.replace('MESH = {"shape": [2, 2], "names": ["replicate", "shard"]}',
+                                  'MESH = {"shape": [2, 1, 2], "names": ["replicate", "pipe", "shard"]}'))
     cfg = TrialConfig(ranks=4, steps=8, checkpoint_every=4, faults=1, fault_kind="kill", on_rank_loss="excise",
-                      workload=str(hsdp))
-    with pytest.raises(WorkloadError, match=r"1-D FSDP mesh only; this workload's MESH is \[2, 2\]"):
+                      workload=str(three))
+    with pytest.raises(WorkloadError, match=r"or drops replicas of a 2-D HSDP one; this workload's MESH is \[2, 1, 2\]"):
         run_trial(cfg)

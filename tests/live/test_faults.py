@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from meshpact.core.errors import MeshpactError
@@ -113,6 +114,20 @@ def test_a_plain_runtime_error_is_a_comm_fault_only_when_raised_in_torch_communi
     # another type raised in c10d is not a transport failure
     assert not is_comm_fault(_raised_in(c10d_file, ValueError("Invalid rank")))
     assert not is_comm_fault(_raised_in(c10d_file, KeyError("peer")))
+
+
+@pytest.mark.parametrize("exc", [
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    NotImplementedError("reduce_scatter_tensor is not implemented for this dtype"),
+    RecursionError("maximum recursion depth exceeded"),
+])
+def test_a_runtime_errors_subclass_raised_in_communication_code_is_not_a_fault(exc):
+    """FSDP2's all-gather allocates its buffers in its collectives' code: running out of memory
+    there, or an operation torch does not implement, is no broken data path. Recovered, it would
+    fail again at every attempt and end in a checkpoint restore; it must reach the user at once."""
+    fsdp_file = COMM_MODULES[3] + "_fully_shard/_fsdp_collectives.py"
+    assert not is_comm_fault(_raised_in(fsdp_file, exc))
+    assert not is_comm_fault(_raised_in(COMM_MODULES[0], type(exc)("x")))
 
 
 class _Channel:

@@ -207,3 +207,20 @@ def test_a_closure_over_a_group_kept_on_an_object_is_rebound_and_counts_as_reach
     report = rebind_all([(old, new)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), scan=scan)
     assert holder.reduce(1)[1] is new and holder.reduce.__defaults__[0] is new
     assert report.counts["python.bindings"] == 2
+
+
+def test_a_new_partial_or_bound_method_each_step_over_the_same_objects_keeps_the_walk_current():
+    """``rt.step(functools.partial(train_step, model, optimizer), batch)`` each step, or a bound
+    method looked up anew: the same objects reached, so no walk of the job's objects per step."""
+    from meshpact.live.recovery.rebind import function_key
+
+    reducer, other = MetricsReducer.__new__(MetricsReducer), MetricsReducer.__new__(MetricsReducer)
+
+    def train_step(holder, batch, scale=1.0):
+        return holder, batch, scale
+
+    keys = {function_key(functools.partial(train_step, reducer, scale=float(step))) for step in range(5)}
+    assert len(keys) == 1
+    assert function_key(functools.partial(train_step, other)) != function_key(functools.partial(train_step, reducer))
+    nested = {function_key(functools.partial(functools.partial(train_step, reducer), scale=2.0)) for _ in range(3)}
+    assert len(nested) == 1

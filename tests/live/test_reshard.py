@@ -407,3 +407,18 @@ def test_survivors_redistribute_shard_to_shard_in_bounded_rounds_bit_for_bit(mon
     assert max(hub.round_bytes) <= max(256, single)
     moved = sum(v.numel() * v.element_size() for v in states[lost].values() if v.dim())
     assert sum(hub.round_bytes) >= 2 * moved  # the lost rank's rows were all sent and received
+
+
+@pytest.mark.parametrize("me", [0, 2])
+def test_an_hsdp_excision_that_leaves_no_whole_replica_is_refused_on_every_survivor(me):
+    """Ranks lost in every replica at once (a node holding a shard of each): no replica goes on.
+    Each survivor must say so, not leave quietly 'with its replica' as if the others went on."""
+    from meshpact.live.recovery.communicator import GroupSpec
+    from meshpact.live.recovery.reshard import LeftWithReplica, excise
+
+    spec = GroupSpec("gloo", "cpu", me, 4, timeout_s=10.0)
+    with pytest.raises(ExcisionError) as info:
+        excise({}, {}, Membership.full(4), [1, 3], step=3, spec=spec, store=dist.HashStore(), generation=1,
+               build=_one_rank_build, shape=(2, 2), names=("replicate", "shard"))
+    assert not isinstance(info.value, LeftWithReplica)
+    assert "leaves no whole replica of the HSDP mesh [2, 2]" in str(info.value) and "\n" not in str(info.value)

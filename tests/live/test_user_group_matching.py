@@ -143,3 +143,19 @@ def test_excising_model_parts_is_refused_before_anything_starts():
     with pytest.raises(ValueError, match=r"model parts are pipeline stages .* use on_rank_loss=Policy.PEER_RESTORE"):
         Resilient(parts, optimizer, None, build=lambda mesh: (parts, optimizer),  # type: ignore[arg-type]
                   on_rank_loss=Policy.EXCISE)
+
+
+def test_a_group_of_another_backend_than_the_sessions_is_left_to_torch(four_ranks, monkeypatch):
+    """A GPU job's CPU-side group (``new_group(backend="gloo")`` beside an NCCL session, as a
+    metrics or checkpoint barrier on CPU tensors) must be a gloo group: routed, it would be built
+    with the session's backend."""
+    spec, store = four_ranks
+    asked: list[tuple] = []
+    monkeypatch.setattr(c10d, "_new_group_with_tag", lambda *a, **kw: asked.append((a, kw)) or "torch's")
+    groups = UserGroups(lambda: (spec, store, _Control(), 0))
+    route_group_creation(groups, "nccl")
+    assert c10d._new_group_with_tag([2, 3], backend="gloo") == "torch's"
+    assert c10d._new_group_with_tag([2, 3], backend=dist.Backend.GLOO) == "torch's"
+    assert len(asked) == 2 and groups.made == []
+    assert c10d._new_group_with_tag([2, 3], backend="nccl") is c10d.GroupMember.NON_GROUP_MEMBER  # the session's own
+    assert [g.ranks for g in groups.made] == [(2, 3)]

@@ -19,7 +19,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from meshpact.live.recovery.config import RecoveryConfig
 from meshpact.live.recovery.faults import CollectiveFault, _RaiseOnCollective
-from meshpact.live.recovery.runtime import GuardedBlockLost, resilient
+from meshpact.live.recovery.runtime import GuardedBlockLost, UnsafeLoopError, resilient
 from meshpact.live.recovery.session import Session, start_session
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
@@ -188,3 +188,41 @@ def test_an_unprotected_collective_failing_between_steps_says_how_to_protect_it(
         with resilient(model, optimizer, session):
             raise ValueError("bad config")
     assert not getattr(other.value, "__notes__", [])
+
+
+def test_run_inside_a_step_leaves_the_fault_to_the_step_which_runs_again_whole(one_rank):
+    """A logging helper wrapped in rt.run and called from the step too (a loss all-reduce for
+    clipping): inside a step it is the step's collective. Its fault re-runs the whole step from
+    the committed state, and the heartbeat keeps watching the rest of the step after it returns."""
+    session, _, _ = one_rank
+    model, optimizer, train_step = _job(session)
+    ran: list[int] = []
+    watched: list[bool] = []
+    reduced: list[int] = []
+
+    def global_loss(loss: torch.Tensor) -> torch.Tensor:
+        reduced.append(1)
+        if len(reduced) == 1:
+            with _RaiseOnCollective(1, "injected: the step's loss all-reduce"):
+                dist.all_reduce(loss)
+        else:
+            dist.all_reduce(loss)
+        return loss
+
+    with resilient(model, optimizer, session) as rt:
+        rt.step(train_step, torch.ones(3, 4))
+
+        def step_with_logging(batch: torch.Tensor) -> None:
+            ran.append(1)
+            rt.run(global_loss, model(batch).sum().detach())
+            watched.append(rt.heartbeat is None or rt.heartbeat.watching)
+            train_step(batch)
+
+        generation = session.generation
+        rt.step(step_with_logging, torch.ones(3, 4))
+        assert len(ran) == 2 and len(rt.recoveries) == 1 and session.generation == generation + 1
+        assert rt.committed_step == 2 and len(reduced) == 2 and watched == [True]
+        with pytest.raises(UnsafeLoopError, match="inside a step"):  # a step in a step: refused, the outer one ends
+            rt.step(lambda batch: rt.step(train_step, batch), torch.ones(3, 4))
+        rt.step(train_step, torch.ones(3, 4))
+        assert rt.committed_step == 3
