@@ -22,8 +22,9 @@ from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.format import clock, count, duration
 from meshpact.app.live_control import (
     FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, failure_sentence, form_problem, job_stream,
-    rank_rows,
+    planned_fault_kind, rank_rows, sent_caption,
 )
+from meshpact.app.verdict import Tone, downtime_notes, run_verdict
 from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import partial_path, read_recording
@@ -103,6 +104,7 @@ with st.form("live_start"):
     start = st.form_submit_button("Start cluster and train", type="primary", disabled=running)
 
 problem = form_problem(int(ranks), int(faults), kind, str(on_loss)) if start else None
+kind = planned_fault_kind(int(faults), kind, str(on_loss))
 if problem:
     st.error("**Cannot start this run.** " + problem)
 elif start:
@@ -241,8 +243,8 @@ def panel() -> None:
     now = time.time()
     result = None if job.running else job.result()
     finished = bool(result and result.get("ok"))
-    rows = (rank_rows(job.ranks(), rank_events, phase, now, job.world_size, job.steps, finished)
-            if phase in PHASES else [])
+    rows = (rank_rows(job.ranks(), rank_events, phase, now, job.world_size, job.steps, finished,
+                      stopped=job.stopped and not job.running) if phase in PHASES else [])
     alive = sum(r.pid is not None for r in rows)
     excised = [r.rank for r in rows if r.state == "excised"]
     step = committed_step(rows)
@@ -251,7 +253,7 @@ def panel() -> None:
     stream = job_stream(rank_events, events, wall0)
     a, b, c_, d, g, e_ = st.columns(6)
     a.metric("run", job.status)
-    b.metric("phase", phase if job.running else "finished")
+    b.metric("phase", phase if job.running else ("stopped" if job.stopped else "finished"))
     c_.metric("rank processes", f"{alive}/{job.world_size - len(excised)}" if job.running else "—",
               help="Live rank processes over the ranks the job has (an excised rank has left it).")
     d.metric("committed step", "—" if step is None else step,
@@ -260,10 +262,11 @@ def panel() -> None:
              help="Each recovery builds the job's groups anew, numbered by the consensus round that decided it.")
     e_.metric("events", count(len(stream)), help="Every rank process's own events, in every run, and the run's own.")
     if job.running and job.pace is not None and job.pace.holds("faulted"):
-        if phase == "faulted" and rows and all(r.state == "held" for r in rows):
-            st.info("**The faulted run is held before its first step.** Kill, stall or partition a rank from its "
-                    "row, then press **Resume**. A killed rank is recovered from while the run is held (its "
-                    "replacement and the held survivors agree, and every row moves to the next generation); a "
+        if phase == "faulted" and rows and all(r.state in ("held", "excised") for r in rows):
+            st.info("**The faulted run is held before its next step.** Kill, stall or partition a rank from its "
+                    "row, then press **Resume**. A killed rank is recovered from while the run is held: replaced, "
+                    "its replacement and the held survivors agree; excised, the survivors run one step to meet the "
+                    "loss, go on without it and hold again. Either way every row moves to the next generation. A "
                     "stall or a partition meets the ranks once they train. The run gives up after 5 minutes held.")
         elif phase != "faulted":
             st.caption("The faulted run will be held before its first step (the reference run trains first).")
@@ -272,7 +275,8 @@ def panel() -> None:
     left, right = st.columns([2, 3], gap="large")
     with left:
         st.plotly_chart(mesh_figure(local_mesh(job.world_size), down_ranks(rows), height=260), key="live_mesh")
-        st.caption("Marked failed: a dead rank (lost, not yet replaced), an excised one, a stopped one.")
+        st.caption("Marked failed: a dead rank (lost, not yet replaced), an excised one, a stalled one. A rank the "
+                   "Stop button ended is not failed: its row reads stopped, with its last committed step.")
         replaced = [f"rank {r.rank} (incarnation {r.incarnation})" for r in rows if r.incarnation > 0]
         if replaced:
             st.caption("Replaced: " + ", ".join(replaced))
@@ -286,8 +290,7 @@ def panel() -> None:
                        "stage": e.event.stage.value if e.event.stage else "", "step": str(e.event.data.get("step", ""))}
                       for e in stream[-14:]], hide_index=True, width="content", height=300)
         if job.injected:
-            st.caption("Sent from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {clock(i['t'])}"
-                                                          for i in job.injected))
+            st.caption(sent_caption(job.injected, wall0) + " (times since the recording began, as the events)")
     if job.running:
         return
     _finished(job)
@@ -320,23 +323,16 @@ def _finished(job: LiveJob) -> None:
             st.switch_page("views/replay.py")
         return
     summary = result["summary"]
-    total, by_page = summary.get("faults_injected"), summary.get("faults_from_page", 0)
-    faults_text = f"{total} fault(s)" + (f", {by_page} of them sent from this page" if by_page else "")
-    if summary.get("bit_identical"):
-        st.success(f"**Bit-identical:** after {faults_text}, every rank's parameters and optimizer state equal the "
-                   "fault-free reference.")
-    else:
-        st.error(f"**Not bit-identical** after {faults_text}: "
-                 + "; ".join(summary.get("mismatches") or ["states differ"]))
+    total = summary.get("faults_injected")
+    verdict = run_verdict(summary)
+    (st.success if verdict.tone is Tone.SUCCESS else st.error)(verdict.text)
     down_s = {pol: secs for pol, secs in (summary.get("downtime_s") or {}).items() if secs is not None}
     if down_s:
         cols = st.columns(len(down_s))
         for col, (pol, secs) in zip(cols, down_s.items()):
-            col.metric(f"downtime: {Policy(pol).label}", duration(secs),
-                       help=(summary.get("downtime_includes") or {}).get(pol))
-    missing = [Policy(p).label for p in (summary.get("downtime_s") or {}) if p not in down_s]
-    if missing:
-        st.caption("Not measured in this run: " + ", ".join(missing) + ".")
+            col.metric(f"downtime: {Policy(pol).label}", duration(secs))
+    for note in downtime_notes(summary, baselines_asked="--baselines" in job.args):
+        st.caption(note)
     recs = result.get("recoveries") or []
     if recs:
         st.dataframe([{"step": r["step"], "generation": r["generation"], "policy": Policy(r["policy"]).label,
@@ -351,7 +347,9 @@ def _finished(job: LiveJob) -> None:
         bars = [RecoveryBreakdown(Policy(r["policy"]), {k: v for k, v in r["stages_s"].items() if v is not None})
                 for r in recs[:6]]
         st.plotly_chart(recovery_figure(bars), key="live_stages")
-        st.caption("Measured stage durations of each recovery (max over ranks).")
+        st.caption("Measured stage durations of each recovery along its critical path: each stage ends when the "
+                   "last rank ends it and begins where the one before ended, so the stages add up to the recovery. "
+                   "Prometheus's `meshpact_stage_seconds` counts each rank's own stage durations instead.")
     st.markdown(f"Recording saved: `{kept}`.")
     if st.button("Replay this run", icon=":material/replay:", key="live_replay"):
         _open_in_replay(kept)
