@@ -40,6 +40,8 @@ __all__ = [
     "domain_colours",
     "STAGE_COLOURS",
     "mesh_figure",
+    "live_mesh_figure",
+    "LIVE_LABEL_PX",
     "Node",
     "nodes_of",
     "MeshScene",
@@ -137,6 +139,9 @@ def mesh_figure(
     positions: Mapping[int, tuple[float, float]] | None = None,
     height: int | None = None,
     dragmode: str = "select",
+    marker_px: int | None = None,
+    label_px: int = 8,
+    landscape: bool = True,
 ) -> go.Figure:
     """The mesh: one marker trace per domain (healthy ranks), one for failed ranks, a ring
     per domain (grey and dashed once a member failed) and the bridge links between
@@ -153,7 +158,8 @@ def mesh_figure(
     colours = domain_colours(mesh)
     broken = {c.name for c in state.broken}
     labelled = mesh.world_size <= 64
-    size = 14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else (6 if mesh.world_size <= 4096 else 3))
+    size = marker_px or (14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else
+                                                           (6 if mesh.world_size <= 4096 else 3)))
     # Beyond a few thousand points SVG gets slow in the browser; WebGL keeps panning and selection smooth.
     Trace = go.Scattergl if mesh.world_size > GL_ABOVE else go.Scatter
     traces: list[go.BaseTraceType] = []
@@ -182,7 +188,7 @@ def mesh_figure(
             x=xs, y=ys, customdata=_rank_ids(alive),
             mode="markers+text" if labelled else "markers",
             text=[str(r) for r in alive] if labelled else None,
-            textposition="middle center", textfont=dict(size=8, color="white"),
+            textposition="middle center", textfont=dict(size=label_px, color="white"),
             marker=dict(size=size, color=colours[d.name]),
             name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
             hovertemplate=f"rank %{{customdata}}<br>{d.name} · {d.host}<extra></extra>",
@@ -210,7 +216,7 @@ def mesh_figure(
     # A mesh that is a line or a point (two ranks) gets a landscape frame, not a tall sliver.
     cx, cy = (max(xs_all) + min(xs_all)) / 2, (max(ys_all) + min(ys_all)) / 2
     pad_y = span_y / 2 + 0.8
-    pad_x = max(span_x / 2 + 0.8, 2 * pad_y)
+    pad_x = max(span_x / 2 + 0.8, 2 * pad_y if landscape else pad_y)
     if height is None:  # about 700 px wide in the page: keep the aspect without empty bands
         height = int(min(820, max(340, 700 * pad_y / pad_x + 130)))
     for h in mesh.hosts:
@@ -225,6 +231,26 @@ def mesh_figure(
     fig.update_xaxes(visible=False, range=[cx - pad_x, cx + pad_x])
     fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1, range=[cy - pad_y, cy + pad_y])
     return fig
+
+
+LIVE_LABEL_PX = 11  # the smallest rank label the Live mesh draws (px)
+
+
+def live_mesh_figure(mesh: Mesh, failed: Iterable[int] = ()) -> go.Figure:
+    """The Live page's mesh, read at a glance while a run goes: every rank's label in type a
+    person reads (:data:`LIVE_LABEL_PX` and up) on a marker it fits in, neighbouring markers
+    apart, in a square frame as tall as that needs (a ring of up to 64 ranks), so it never
+    shrinks to a sliver in a narrow column."""
+    pos = rank_positions(mesh)
+    small = mesh.world_size <= 16
+    marker, label = (32, 14) if small else (18, LIVE_LABEL_PX)
+    ring = native_ring(mesh.domains[0]) if len(mesh.domains) == 1 else list(pos)
+    gaps = [math.dist(pos[a], pos[b]) for a, b in zip(ring, ring[1:])] or [1.0]
+    ys = [p[1] for p in pos.values()]
+    span = 2 * ((max(ys) - min(ys)) / 2 + 0.8)
+    px_per_unit = 1.2 * marker / max(min(gaps), 1e-6)  # neighbours apart by a fifth of a marker
+    height = int(min(620, max(300, span * px_per_unit + 60)))
+    return mesh_figure(mesh, failed, pos, height=height, marker_px=marker, label_px=label, landscape=False)
 
 
 @dataclass(frozen=True)

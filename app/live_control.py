@@ -48,7 +48,7 @@ from meshpact.live.trials.trialconfig import PHASES, PROCESSES_FILE, Pace  # tor
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
            "TOKEN_ENV", "LEASE_ENV", "RankLogs", "RankEvent", "FaultFromPage", "JobEvent", "JobEvents", "job_stream",
-           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS", "SentFault", "sent_caption", "form_problem",
+           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS", "SentFault", "sent_caption", "form_problem", "stream_rows",
            "planned_fault_kind"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
@@ -327,6 +327,15 @@ def job_stream(rank_events: Sequence[RankEvent], parent_events: Sequence[Event],
         else:
             out.append(JobEvent(str(je.event.data.get("phase") or run), je.event))
     return out
+
+
+def stream_rows(stream: Sequence[JobEvent]) -> list[dict[str, str]]:
+    """The page's event table: a row per event, every cell filled (the trial's own events before
+    any run began, such as ``recording_start``, under the run "trial")."""
+    return [{"time": clock(e.event.t), "run": e.run or "trial", "event": str(e.event.event),
+             "rank": "" if e.event.rank is None else str(e.event.rank),
+             "stage": e.event.stage.value if e.event.stage else "", "step": str(e.event.data.get("step", ""))}
+            for e in stream]
 
 
 def _environ(pid: int) -> dict[str, str]:

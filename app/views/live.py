@@ -18,11 +18,11 @@ import streamlit as st
 
 from meshpact.app.context import message_markdown, require_scenario
 from meshpact.app.exports import perfetto_json
-from meshpact.app.figures import mesh_figure, recovery_figure
-from meshpact.app.format import clock, count, duration
+from meshpact.app.figures import live_mesh_figure, recovery_figure
+from meshpact.app.format import count, duration
 from meshpact.app.live_control import (
     FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, failure_sentence, form_problem, job_stream,
-    planned_fault_kind, rank_rows, sent_caption,
+    planned_fault_kind, rank_rows, sent_caption, stream_rows,
 )
 from meshpact.app.verdict import Tone, downtime_notes, run_verdict
 from meshpact.app.replay import find_recordings, local_mesh
@@ -272,25 +272,19 @@ def panel() -> None:
             st.caption("The faulted run will be held before its first step (the reference run trains first).")
     if rows:
         _rank_table(rows)
-    left, right = st.columns([2, 3], gap="large")
-    with left:
-        st.plotly_chart(mesh_figure(local_mesh(job.world_size), down_ranks(rows), height=260), key="live_mesh")
-        st.caption("Marked failed: a dead rank (lost, not yet replaced), an excised one, a stalled one. A rank the "
-                   "Stop button ended is not failed: its row reads stopped, with its last committed step.")
-        replaced = [f"rank {r.rank} (incarnation {r.incarnation})" for r in rows if r.incarnation > 0]
-        if replaced:
-            st.caption("Replaced: " + ", ".join(replaced))
-        if excised:
-            st.caption(f"Excised: rank{'s' if len(excised) > 1 else ''} {', '.join(map(str, excised))} — the job goes "
-                       f"on with {job.world_size - len(excised)} of {job.world_size} ranks and the same global batch "
-                       "(the lost ranks' state re-sharded over the survivors).")
-    with right:
-        st.dataframe([{"time": clock(e.event.t), "run": e.run, "event": str(e.event.event),
-                       "rank": "" if e.event.rank is None else str(e.event.rank),
-                       "stage": e.event.stage.value if e.event.stage else "", "step": str(e.event.data.get("step", ""))}
-                      for e in stream[-14:]], hide_index=True, width="content", height=300)
-        if job.injected:
-            st.caption(sent_caption(job.injected, wall0) + " (times since the recording began, as the events)")
+    st.plotly_chart(live_mesh_figure(local_mesh(job.world_size), down_ranks(rows)), key="live_mesh")
+    st.caption("Marked failed: a dead rank (lost, not yet replaced), an excised one, a stalled one. A rank the "
+               "Stop button ended is not failed: its row reads stopped, with its last committed step.")
+    replaced = [f"rank {r.rank} (incarnation {r.incarnation})" for r in rows if r.incarnation > 0]
+    if replaced:
+        st.caption("Replaced: " + ", ".join(replaced))
+    if excised:
+        st.caption(f"Excised: rank{'s' if len(excised) > 1 else ''} {', '.join(map(str, excised))} — the job goes "
+                   f"on with {job.world_size - len(excised)} of {job.world_size} ranks and the same global batch "
+                   "(the lost ranks' state re-sharded over the survivors).")
+    st.dataframe(stream_rows(stream[-14:]), hide_index=True, width="content", height=300)
+    if job.injected:
+        st.caption(sent_caption(job.injected, wall0) + " (times since the recording began, as the events')")
     if job.running:
         return
     _finished(job)

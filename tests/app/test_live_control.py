@@ -389,6 +389,20 @@ def test_the_faults_sent_from_the_page_read_on_the_event_streams_clock():
     assert line == "Sent from this page: kill rank 3 at 0:00:29.4; stall rank 1 at 0:01:01.0"
 
 
+def test_every_cell_of_the_event_table_is_filled_the_trials_own_first_events_included():
+    from meshpact.app.live_control import RankEvent, job_stream, stream_rows
+    from meshpact.core.recording import Event, EventKind
+
+    wall0 = 500.0
+    parent = [Event(0.0, EventKind.RECORDING_START, data={"wall_time": wall0})]
+    ranked = [RankEvent("reference", 0, Event(wall0 + 1.5, EventKind.STEP, 0, data={"step": 0}))]
+    rows = stream_rows(job_stream(ranked, parent, wall0))
+    assert rows == [{"time": "0:00:00.0", "run": "trial", "event": "recording_start", "rank": "", "stage": "",
+                     "step": ""},
+                    {"time": "0:00:01.5", "run": "reference", "event": "step", "rank": "0", "stage": "",
+                     "step": "0"}]
+
+
 def test_faults_sent_from_the_page_land_in_the_recording_and_its_summary(tmp_path):
     import json
 
