@@ -108,7 +108,7 @@ class RankRow:
     phase: str
     state: str  # starting | held | training | recovering: <stage> | stalled | dead | excised | done | stopped
     step: int | None  # committed step
-    generation: int | None
+    generation: int | None  # the generation its last step (or hold) ran in
     collective: str  # the world group of the last committed step and its sequence number
     last_event: str
     silent_s: float | None  # seconds since the rank's last event
@@ -120,6 +120,9 @@ class RankRow:
         return self.pid is not None and self.phase == "faulted" and self.state in ("held", "training")
 
 
+# the events that say which generation a rank trains (or waits, held) in; a recovery's own events name the
+# generation it builds, and the in-job checkpoint baseline's drill after the last step builds one nobody trains in
+_TRAINS_IN = frozenset({EventKind.STEP, EventKind.HELD})
 _DONE = frozenset({EventKind.RECOVERY_DONE, EventKind.FIRST_COLLECTIVE, EventKind.STEP, EventKind.CHECKPOINT})
 # what the trial's parent writes into the recording itself; every other event of a recording is a copy of a rank
 # process's own log, made when the run ends
@@ -170,7 +173,7 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
             if e.event in (EventKind.STEP, EventKind.CHECKPOINT, EventKind.HELD) and "step" in e.data:
                 step = int(e.data["step"])
                 last_step = last_step or (e.event == EventKind.STEP and steps is not None and step >= steps)
-            if "generation" in e.data and isinstance(e.data["generation"], int):
+            if e.event in _TRAINS_IN and isinstance(e.data.get("generation"), int):
                 generation = int(e.data["generation"])
             if e.event == EventKind.STEP:
                 collective = f"{e.data.get('group', '?')} #{e.data.get('seq', '?')}"

@@ -343,7 +343,8 @@ def _finished(job: LiveJob) -> None:
         st.plotly_chart(recovery_figure(bars), key="live_stages")
         st.caption("Measured stage durations of each recovery along its critical path: each stage ends when the "
                    "last rank ends it and begins where the one before ended, so the stages add up to the recovery. "
-                   "Prometheus's `meshpact_stage_seconds` counts each rank's own stage durations instead.")
+                   "Prometheus's `meshpact_stage_seconds` holds these same figures; "
+                   "`meshpact_rank_stage_seconds` holds each rank's own.")
     st.markdown(f"Recording saved: `{kept}`.")
     if st.button("Replay this run", icon=":material/replay:", key="live_replay"):
         _open_in_replay(kept)

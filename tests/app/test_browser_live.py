@@ -155,7 +155,7 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
         assert time.monotonic() - t0 < 2.0
         assert scraped['meshpact_recoveries_total{policy="peer_restore"}'] == 1.0, scraped
         assert scraped['meshpact_generation{rank="0",run="faulted"}'] == 1.0
-        assert scraped['meshpact_stage_seconds_count{stage="consensus"}'] >= 1.0
+        assert scraped['meshpact_rank_stage_seconds_count{stage="consensus"}'] >= 1.0
     _click(pg, "live_resume")
     verdict = pg.locator('[data-testid="stAlertContentSuccess"]', has_text="Bit-identical")
     verdict.wait_for(timeout=240_000)
@@ -191,6 +191,12 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
         assert "An excising run measures no checkpoint baseline" not in pg.locator("body").inner_text()  # none asked
     else:
         assert said.startswith("Bit-identical to the fault-free reference") and summary["excision"] is None
+        # Prometheus's stage figures are the page's: each recovery's critical path, from the run's own analysis
+        recs = [e["data"] for e in recorded if e["event"] == "recovered"]
+        scraped = _scrape(url)
+        for stage in ("detection", "consensus", "state"):
+            want = sum(r["stages_s"][stage] or 0.0 for r in recs)
+            assert abs(scraped.get(f'meshpact_stage_seconds_sum{{stage="{stage}"}}', 0.0) - want) < 1e-6, (stage, recs)
     ARTIFACTS.mkdir(exist_ok=True)
     pg.set_viewport_size({"width": 1400, "height": 2600})  # the app scrolls inside its own box: all of it in view
     pg.wait_for_timeout(500)

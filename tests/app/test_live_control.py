@@ -548,6 +548,20 @@ def test_a_clean_finish_marks_no_rank_failed_and_a_replaced_rank_reads_its_repla
     assert [r.state for r in rank_rows([], early, "faulted", 30.0, 4, steps=8, finished=True)] == ["done"] * 4
 
 
+def test_the_generation_is_the_one_a_rank_trains_in_not_the_checkpoint_baselines_drill_after_the_last_step():
+    from meshpact.app.live_control import rank_rows
+    from meshpact.core.recording import EventKind
+    from meshpact.core.recovery import Stage
+
+    events = [_rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0 if s < 3 else 1)
+              for s in range(1, 9) for r in range(2)]
+    # the in-job checkpoint baseline: a drill's recovery after the last step builds generation 2
+    events += [_rank_ev("faulted", 0, 20.0, EventKind.DECIDED, r, Stage.CONSENSUS, policy="checkpoint_restore",
+                        generation=2) for r in range(2)]
+    rows = rank_rows([], events, "faulted", now=30.0, world_size=2, steps=8)
+    assert [r.generation for r in rows] == [1, 1] and [r.state for r in rows] == ["done", "done"]
+
+
 def test_a_run_stopped_from_the_page_reads_stopped_with_each_ranks_last_step_never_as_lost():
     from meshpact.app.live_control import RankProcess, committed_step, down_ranks, rank_rows
     from meshpact.core.recording import EventKind

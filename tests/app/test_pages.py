@@ -249,7 +249,7 @@ def test_replay_of_a_missing_recording_is_a_readable_error(tmp_path):
     at.selectbox(key="replay_recording").set_value("another file…").run()
     at.text_input(key="replay_path").input(str(tmp_path / "nope.jsonl")).run()
     assert not at.exception
-    assert any("no such recording" in e.value for e in at.error)
+    assert any("no such file" in e.value for e in at.error)
 
 
 @pytest.mark.slow
