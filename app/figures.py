@@ -508,8 +508,20 @@ _POLICY_DASH = {Policy.COLD_RESTART: "solid", Policy.CHECKPOINT_RESTORE: "dash",
                 Policy.PEER_RESTORE: "dashdot", Policy.EXCISE: "dot"}  # lines that coincide stay distinguishable
 
 
+_LEGEND_ROW_PX = 21  # one row of a horizontal legend
+
+
+def _legend_band(rows: int, top: int = 40) -> dict[str, Any]:
+    """Layout that gives a horizontal legend its own band at the bottom of the figure, under the x-axis
+    title, with room for ``rows`` rows (as many as the narrowest column the figure is drawn in wraps it
+    to): anchored to the figure's edge in pixels, not to the plot, so it never prints over the axis."""
+    band = rows * _LEGEND_ROW_PX
+    return dict(margin=dict(l=10, r=10, t=top, b=50 + band),
+                legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, traceorder="normal"))
+
+
 def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None, log_x: bool = True,
-                   height: int = 330, current: float | None = None) -> go.Figure:
+                   height: int = 400, current: float | None = None) -> go.Figure:
     """Goodput of each policy (one line each) against one knob of a training sweep; a
     vertical line marks ``current``, the knob's value in the page's setting."""
     fig = go.Figure()
@@ -524,8 +536,10 @@ def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None
             hovertemplate="%{x}: goodput %{y:.2%}<br>downtime %{customdata[0]:,.0f} s, lost steps %{customdata[1]}"
                           f"<extra>{policy.label}</extra>",
         ))
-    fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".2~%", yaxis_title="goodput",
-                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0))
+    # five policy names wrap to four rows in a column half as wide as a 1,024 px page
+    top = 40 if current is None or current <= 0 or min(frame[knob]) <= current <= max(frame[knob]) else 60
+    fig.update_layout(**{**_LAYOUT, **_legend_band(4, top)}, height=height, title=title, yaxis_tickformat=".2~%",
+                      yaxis_title="goodput")
     values = sorted(set(frame[knob]))
     fig.update_xaxes(type="log" if log_x else "linear", title=x_title or knob.replace("_", " "), tickmode="array",
                      tickvals=values, ticktext=[f"{v:,g}" for v in values])
@@ -536,12 +550,11 @@ def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None
                                text=f"this setting: {current:,g}", showarrow=False, font=dict(size=11))
         else:
             fig.update_layout(title=dict(text=title, subtitle=dict(text=f"this setting, {current:,g}, is outside "
-                                                                         "the sweep")),
-                              margin=dict(l=10, r=10, t=60, b=10))
+                                                                         "the sweep")))
     return fig
 
 
-def serving_figure(frame: Any, height: int = 340) -> go.Figure:
+def serving_figure(frame: Any, height: int = 380) -> go.Figure:
     """Throughput and result traffic over the link against concurrency, one line per request."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "result bytes over the link"))
     palette = {"full": "#d55e00", "logprob": "#e69f00", "token": "#2ca02c", "owner_token": "#1f77b4"}
@@ -561,7 +574,7 @@ def serving_figure(frame: Any, height: int = 340) -> go.Figure:
                                  marker=dict(symbol=symbol, size=7 + width), legendgroup=str(req), showlegend=False,
                                  hovertemplate="concurrency %{x}: %{y:,.0f} B<extra>" + str(req) + "</extra>"),
                       row=1, col=2)
-    fig.update_layout(**_LAYOUT, height=height, legend=dict(orientation="h", yanchor="top", y=-0.18, x=0))
+    fig.update_layout(**{**_LAYOUT, **_legend_band(2)}, height=height)
     values = sorted(set(frame["concurrency"]))
     fig.update_xaxes(type="log", title="concurrency (requests in flight)", tickmode="array", tickvals=values,
                      ticktext=[str(v) for v in values])

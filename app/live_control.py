@@ -48,7 +48,7 @@ from meshpact.live.trials.trialconfig import PHASES, PROCESSES_FILE, Pace  # tor
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
            "TOKEN_ENV", "LEASE_ENV", "RankLogs", "RankEvent", "FaultFromPage", "JobEvent", "JobEvents", "job_stream",
-           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS", "SentFault", "sent_caption", "form_problem", "stream_rows",
+           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS", "SentFault", "sent_caption", "form_problem", "stream_rows", "RUN_LINK", "earlier_run_notice",
            "planned_fault_kind"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
@@ -678,3 +678,27 @@ def planned_fault_kind(faults: int, fault_kind: str, on_rank_loss: str) -> str:
     """The fault kind the run is started with: the form's, except an excising run with no planned
     faults, whose only faults are the page's kills (the form's kind plays no part in it)."""
     return "kill" if on_rank_loss == "excise" and faults == 0 else fault_kind
+
+
+RUN_LINK = "run"  # the Live page's query parameter: the recording (its name) of the run this tab started
+
+
+def earlier_run_notice(name: str | None, folder: Path) -> str | None:
+    """What became of the run a reloaded (or reopened) Live page had started, named in its link
+    (``name``: the recording's stem under ``folder``): a run lasts as long as the browser session
+    that started it, so a reload stops it. None for no name, or one that is no run of this page's."""
+    import re
+
+    if not name or not re.fullmatch(r"live-[0-9]{8}-[0-9]{6}", name):
+        return None
+    final, partial = folder / f"{name}.jsonl", partial_path(folder / f"{name}.jsonl")
+    try:
+        finished = final.is_file() and '"summary"' in final.read_text(errors="replace")[-200_000:]
+    except OSError:
+        finished = False
+    if finished:
+        return f"The run **{name}** that this tab started has finished; its recording is `{final}`."
+    kept = final if final.is_file() else partial if partial.is_file() else None
+    where = f" What it recorded is in `{kept}`." if kept else " It had recorded nothing yet."
+    return (f"The run **{name}** that this tab started was stopped when the page was reloaded or its tab closed: a "
+            f"run lasts as long as the browser session that started it.{where}")

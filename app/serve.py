@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = [
-    "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "MESH_READABLE_JS", "settle", "metric", "wait_metric_is",
+    "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "MESH_READABLE_JS", "LEGEND_OVER_AXIS_JS", "settle", "metric", "wait_metric_is",
     "wait_metric_change", "click_rank", "pick_scenario", "go_to", "wait_title",
 ]
 
@@ -117,6 +117,25 @@ MESH_READABLE_JS = """(root) => {
         if (d >= 1 && d < (a.width + b.width) / 2 - 2) overlaps++;  // d < 1: a ring drawn over its own marker
     }
     return {width: plot.getBoundingClientRect().width, labels: labels, markers: boxes.length, overlaps: overlaps};
+}"""
+
+# every chart whose legend is drawn over an axis title or tick label: "title of the chart: the text it covers"
+LEGEND_OVER_AXIS_JS = """() => {
+    const out = [];
+    const meet = (a, b) => Math.min(a.right, b.right) - Math.max(a.left, b.left) > 1
+        && Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 1;
+    for (const plot of document.querySelectorAll('.js-plotly-plot')) {
+        if (plot.offsetParent === null) continue;
+        const legend = plot.querySelector('.legend .bg');
+        if (!legend) continue;
+        const box = legend.getBoundingClientRect();
+        if (box.width === 0) continue;
+        const title = (plot.querySelector('.gtitle') || {}).textContent || '(untitled)';
+        for (const t of plot.querySelectorAll('.g-xtitle text, .g-ytitle text, .xtick text, .ytick text')) {
+            if (t.textContent.trim() && meet(box, t.getBoundingClientRect())) out.push(title + ': ' + t.textContent);
+        }
+    }
+    return out;
 }"""
 
 RANK_XY_JS = """(rank) => {

@@ -21,10 +21,11 @@ from meshpact.app.exports import perfetto_json
 from meshpact.app.figures import live_mesh_figure, recovery_figure
 from meshpact.app.format import count, duration
 from meshpact.app.live_control import (
-    FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, failure_sentence, form_problem, job_stream,
-    planned_fault_kind, rank_rows, sent_caption, stream_rows,
+    RUN_LINK, FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, earlier_run_notice,
+    failure_sentence, form_problem, job_stream, planned_fault_kind, rank_rows, sent_caption, stream_rows,
 )
 from meshpact.app.verdict import Tone, downtime_notes, run_verdict
+from meshpact.app.widgets import read_number
 from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import partial_path, read_recording
@@ -38,6 +39,8 @@ RECORDINGS = Path("recordings")
 FULL_SPEED = "full speed"
 PACES = [FULL_SPEED, "2 steps/s", "5 steps/s", "10 steps/s", "20 steps/s"]  # a step period under the data timeout
 STALL_S, PARTITION_S = 3.0, 3.0
+BOUNDS = {"ranks": (2, 8), "training steps": (4, 400), "planned faults": (0, 20),
+          "checkpoint every (steps)": (1, 400)}  # the start form's whole numbers, in the form's order
 COLUMNS = [0.55, 0.75, 1.2, 1.5, 0.5, 1.0, 1.65, 0.75, 0.6, 0.65, 0.95]  # 8 cells, then kill, stall, partition
 FAULT_HELP = {FaultFromPage.KILL: "SIGKILL this rank's process; the run starts a replacement",
               FaultFromPage.STALL: f"SIGSTOP this rank's process for {STALL_S:g} s, past the data-path timeout",
@@ -76,15 +79,17 @@ st.session_state[WAS_RUNNING] = running
 
 with st.form("live_start"):
     k = st.columns(5)
-    ranks = k[0].number_input("ranks", 2, 8, 4)
-    steps = k[1].number_input("training steps", 4, 400, 40, step=4)
-    faults = k[2].number_input("planned faults", 0, 20, 0,
-                               help="Faults the run injects by itself; those you send from a rank's row come on top.")
+    typed = {"ranks": k[0].text_input("ranks", "4", key="live_ranks", help="2 to 8 rank processes"),
+             "training steps": k[1].text_input("training steps", "40", key="live_steps", help="4 to 400"),
+             "planned faults": k[2].text_input(
+                 "planned faults", "0", key="live_faults",
+                 help="0 to 20 faults the run injects by itself; those you send from a rank's row come on top.")}
     kind = k[3].selectbox("planned fault kind", [f.value for f in FaultKind],
                           help="collective: a collective raises; stall: a rank sleeps past the timeout; kill: SIGKILL; "
                                "partition: link down between network namespaces (needs root and iproute2; also what "
                                "makes the partition button of a row work)")
-    every = k[4].number_input("checkpoint every (steps)", 1, 400, 10)
+    typed["checkpoint every (steps)"] = k[4].text_input("checkpoint every (steps)", "10", key="live_every",
+                                                        help="1 to the number of training steps")
     o = st.columns([1.1, 1, 1, 1.1, 1])
     hold = o[0].toggle("hold before faulted run", value=True, key="live_hold",
                        help="The faulted run's ranks wait before their first step until you press Resume, "
@@ -103,7 +108,11 @@ with st.form("live_start"):
                                   "same global batch).")
     start = st.form_submit_button("Start cluster and train", type="primary", disabled=running)
 
-problem = form_problem(int(ranks), int(faults), kind, str(on_loss)) if start else None
+numbers = {name: read_number(text, name, *BOUNDS[name], whole=True) for name, text in typed.items()}
+ranks, steps, faults, every = (numbers[name][0] or 0 for name in BOUNDS)
+problem = None
+if start:
+    problem = " ".join(p for _, p in numbers.values() if p) or form_problem(int(ranks), int(faults), kind, str(on_loss))
 kind = planned_fault_kind(int(faults), kind, str(on_loss))
 if problem:
     st.error("**Cannot start this run.** " + problem)
@@ -124,6 +133,7 @@ elif start:
                       world_size=int(ranks), pace=pace, steps=int(steps), session_alive=_session_alive())
         st.session_state[JOB] = job
         st.session_state[PACE] = pace_label
+        st.query_params[RUN_LINK] = job.recording.stem  # a reload stops the run: the page that opens says so
         endpoint = st.session_state.pop(METRICS, None)
         if endpoint is not None:
             endpoint.close()
@@ -132,6 +142,9 @@ elif start:
         st.error("**Cannot start this run.**\n\n" + message_markdown(str(exc)))
 
 if job is None:
+    earlier = earlier_run_notice(st.query_params.get(RUN_LINK), RECORDINGS)
+    if earlier:
+        st.warning(earlier)
     st.info("Start a cluster to watch a recovery happen. Processes started here stop when you press **Stop** "
             "or within seconds of this browser session ending (tab closed or reloaded, or the app stopped).")
     st.stop()

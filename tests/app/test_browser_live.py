@@ -6,8 +6,9 @@ downtime, committed step and per-rank states are checked against the run's JSON 
 summary event of its recording, the same document ``meshpact live recover --json`` prints).
 While the replace run is held, its Prometheus endpoint is scraped: the step, and the
 recovery once the page shows it; once it is over it opens as a Perfetto trace and in Replay.
-Then Stop reads stopped, and closing the tab ends every process the page started, counted by
-PID among the dashboard server's descendants.
+Then Stop reads stopped (every rank stopped with its last step, none failed), and reloading
+the page ends every process the page started, counted by PID among the dashboard server's
+descendants, and says so on the page that opens.
 """
 
 from __future__ import annotations
@@ -368,10 +369,15 @@ def _started_by_the_page(seen: Seen, at_least: int, timeout_s: float = 120) -> s
 
 
 @pytest.mark.timeout(240)
-def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_started(browser, server, its_recordings):
+def test_stop_reads_stopped_and_a_reload_ends_every_process_the_page_started(browser, server, its_recordings):
     server_pid = _server_pid(server)
     pg = browser.new_page(viewport={"width": 1400, "height": 900})
     pg.goto(server)
+    go_to(pg, "Live", "Live")  # a number the form does not take: refused in words, nothing started
+    pg.locator('[data-testid="stForm"]').get_by_label("ranks", exact=True).fill("2.5")
+    pg.locator('[data-testid="stForm"]').get_by_role("button", name="Start cluster and train").click()
+    pg.locator('[data-testid="stAlertContentError"]', has_text="2.5 is not a whole number").wait_for(timeout=30_000)
+    assert not _descendants(server_pid)
     _start(pg)
     seen = Seen(server_pid)
     assert len(_started_by_the_page(seen, 2)) >= 2, seen.story(pg)  # the runner and its fork server at least
@@ -397,7 +403,11 @@ def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_star
     seen = Seen(server_pid)
     started = _started_by_the_page(seen, RANKS + 2)  # the runner, its fork server and the reference run's ranks
     assert len(started) >= RANKS + 2 and len(seen.runners(started)) == 1, seen.story(pg)
-    pg.close()  # the tab goes; nothing else is done
+    name = Path(seen.cmd[seen.runners(started)[0]].split("--record")[1].split()[0]).stem
+    pg.reload()  # the session that started the run goes (as when its tab closes); the page that opens says so
+    pg.locator('[data-testid="stAlertContentWarning"]', has_text=f"The run {name} that this tab started was "
+               "stopped when the page was reloaded").wait_for(timeout=30_000)
+    pg.close()
     t0 = time.monotonic()
     while _alive(started) and time.monotonic() - t0 < 10:
         time.sleep(0.2)

@@ -60,7 +60,8 @@ def test_ranks_are_found_faulted_and_everything_stops(job):
     assert _wait(lambda: not any(r.stalled for r in job.ranks()), 5)
     killed = job.kill_rank(1)
     assert _wait(lambda: [r.rank for r in job.ranks()] == [0], 5)
-    assert job.injected[-1] == {**job.injected[-1], "kind": "kill", "rank": 1, "pid": killed.pid}
+    assert (job.injected[-1].kind.value, job.injected[-1].rank) == ("kill", 1)
+    assert '"pid": %d' % killed.pid in (job.work / "injected.jsonl").read_text().splitlines()[-1]
     with pytest.raises(LookupError, match="rank 1 has no running process in the faulted run"):
         job.kill_rank(1)
     job.stop()
@@ -107,7 +108,7 @@ def test_ranks_forked_warm_are_named_by_the_launchers_list_and_only_with_the_tok
         assert len(job_processes(job.token)) == 4  # the runner and the three children carry the token
         killed = job.kill_rank(1)
         assert _wait(lambda: [r.rank for r in job.ranks()] == [0], 5)
-        assert job.injected[-1]["pid"] == killed.pid == ranks[1].pid
+        assert job.injected[-1].rank == killed.rank == 1 and killed.pid == ranks[1].pid
     finally:
         job.stop()
     assert _wait(lambda: not job_processes(job.token), 5)  # the unnamed one is stopped too
@@ -314,7 +315,7 @@ def test_the_live_page_serves_prometheus_metrics_only_when_asked(tmp_path):
     assert endpoint.addr == "127.0.0.1" and any(endpoint.url in c.value for c in at.caption)
     with urllib.request.urlopen(endpoint.url, timeout=5) as r:
         text = r.read().decode()
-    assert 'meshpact_stage_seconds_count{stage="detection"} 1.0' in text
+    assert 'meshpact_rank_stage_seconds_count{stage="detection"} 1.0' in text
     at.toggle(key="live_metrics_on").set_value(False).run()
     assert "live_metrics_endpoint" not in at.session_state
     with pytest.raises(OSError):
@@ -773,3 +774,17 @@ def test_a_runner_ends_what_it_started_when_the_dashboard_process_dies(tmp_path)
             os.kill(pid, signal.SIGKILL)
         if "work" in locals():  # the job's scratch directory, which the killed process could not remove
             shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_reloaded_live_page_says_what_became_of_the_run_its_tab_started(tmp_path):
+    from meshpact.app.live_control import earlier_run_notice
+
+    name = "live-20261206-230931"
+    assert earlier_run_notice(None, tmp_path) is None
+    assert earlier_run_notice("../../etc/passwd", tmp_path) is None and earlier_run_notice("live-x", tmp_path) is None
+    assert "It had recorded nothing yet" in earlier_run_notice(name, tmp_path)
+    partial_path(tmp_path / f"{name}.jsonl").write_text('{"event": "recording_start"}\n')
+    said = earlier_run_notice(name, tmp_path)
+    assert "was stopped when the page was reloaded" in said and f"{name}.jsonl.partial" in said
+    (tmp_path / f"{name}.jsonl").write_text('{"event": "recording_start"}\n{"event": "summary"}\n')
+    assert "has finished" in earlier_run_notice(name, tmp_path)
