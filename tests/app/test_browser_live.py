@@ -69,8 +69,8 @@ def _start(pg, on_rank_loss: str = "replace") -> None:  # noqa: ANN001
     go_to(pg, "Live", "Live")
     form = pg.locator('[data-testid="stForm"]')
     form.get_by_label("ranks", exact=True).fill(str(RANKS))
-    form.get_by_label("training steps").fill(str(STEPS))
-    form.get_by_label("checkpoint every (steps)").fill(str(STEPS))
+    form.get_by_label("training steps", exact=True).fill(str(STEPS))
+    form.get_by_label("checkpoint every (steps)", exact=True).fill(str(STEPS))
     form.get_by_text("checkpoint baselines", exact=True).click()  # off: the run is the reference and the faulted one
     pg.locator(".st-key-live_pace_start input").click()
     pg.get_by_role("option", name="full speed", exact=True).click()
