@@ -24,9 +24,9 @@ from meshpact.app.live_control import (
     RUN_LINK, FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, earlier_run_notice,
     failure_sentence, form_problem, job_stream, planned_fault_kind, rank_rows, sent_caption, stream_rows,
 )
+from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.app.verdict import Tone, downtime_notes, run_verdict
 from meshpact.app.widgets import read_number
-from meshpact.app.replay import find_recordings, local_mesh
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import partial_path, read_recording
 from meshpact.core.recovery import Policy, RecoveryBreakdown
