@@ -479,6 +479,7 @@ class LiveJob:
         weakref.finalize(self, shutil.rmtree, self.work, True)
         self.injected: list[SentFault] = []
         self.stopped = False  # True once stop() was called: the run's end was asked for, not a failure
+        self.phases_seen: set[str] = set()  # the runs whose rank processes ranks() has found, gone ones included
 
     @property
     def status(self) -> str:
@@ -511,6 +512,7 @@ class LiveJob:
             elif pid in launched:
                 p = launched[pid]
                 out.append(RankProcess(pid, int(p.rank or 0), p.run_id or "?", p.incarnation, _state(pid) == "T"))
+        self.phases_seen.update(r.phase for r in out)
         return sorted(out, key=lambda r: (r.phase, r.rank, r.incarnation))
 
     def _rank(self, rank: int, phase: str | None) -> RankProcess:

@@ -217,8 +217,9 @@ def _open_in_replay(path: Path) -> None:
 
 
 def _current_phase(job: LiveJob, rank_events: list[RankEvent]) -> str:
-    """The latest run (reference, faulted, cold) with a live rank process or a logged event."""
-    seen = {p.phase for p in job.ranks()} | {e.phase for e in rank_events}
+    """The latest run (reference, faulted, cold) with a rank process (live now, or seen before: a
+    stopped run keeps its table) or a logged event."""
+    seen = {p.phase for p in job.ranks()} | job.phases_seen | {e.phase for e in rank_events}
     return max((p for p in seen if p in PHASES), key=PHASES.index, default="starting")
 
 

@@ -67,6 +67,7 @@ def test_ranks_are_found_faulted_and_everything_stops(job):
     job.stop()
     assert not job.running
     assert job.status == "stopped"  # asked for, so never read as a failure whatever the exit status
+    assert job.ranks() == [] and job.phases_seen == {"faulted"}  # a stopped run keeps the run its table showed
     assert _wait(lambda: not job_processes(job.token), 5)  # the rank in its own session is gone too
 
 
