@@ -20,7 +20,8 @@ from typing import Iterable
 import streamlit as st
 
 from meshpact.app.state import (
-    FAILED_KEY, LINK_FAILED, LINK_SCENARIO, clamp_failed, failed_from_link, link_params, scenario_from_link,
+    FAILED_KEY, LINK_FAILED, LINK_SCENARIO, carried_failures_notice, clamp_failed, failed_from_link, link_params,
+    scenario_from_link,
 )
 from meshpact.core.errors import MeshpactError, ScenarioError
 from meshpact.core.facts import Mesh
@@ -186,11 +187,28 @@ def require_scenario() -> ScenarioChoice:
     if first:
         _read_link_failed(choice)
         st.session_state[LINK_READ_KEY] = True
+    _say_carried_failures(choice)
     for problem in st.session_state.get(LINK_PROBLEMS_KEY) or []:
         st.warning(problem)
     st.session_state[LINK_PROBLEMS_KEY] = []  # said once: the page's next run shows the defaults without it
     keep_in_link(choice, st.session_state.get(FAILED_KEY, []))
     return choice
+
+
+FAILED_ON_KEY = "failed_ranks_scenario"  # the scenario the failed ranks were last shown on
+
+
+def _say_carried_failures(choice: ScenarioChoice) -> None:
+    """Once, on the first run after the scenario changed: which failed ranks came along (and which
+    were dropped, outside the new mesh)."""
+    name = choice.scenario.name
+    before = st.session_state.get(FAILED_ON_KEY)
+    st.session_state[FAILED_ON_KEY] = name
+    failed = st.session_state.get(FAILED_KEY, [])
+    kept = clamp_failed(failed, mesh_of(choice).ranks)
+    notice = carried_failures_notice(before, name, kept, set(failed) - set(kept))
+    if notice:
+        st.info(notice)
 
 
 def _read_link_scenario() -> None:

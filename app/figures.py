@@ -40,6 +40,8 @@ __all__ = [
     "domain_colours",
     "STAGE_COLOURS",
     "mesh_figure",
+    "live_mesh_figure",
+    "LIVE_LABEL_PX",
     "Node",
     "nodes_of",
     "MeshScene",
@@ -138,6 +140,9 @@ def mesh_figure(
     positions: Mapping[int, tuple[float, float]] | None = None,
     height: int | None = None,
     dragmode: str = "select",
+    marker_px: int | None = None,
+    label_px: int = 8,
+    landscape: bool = True,
 ) -> go.Figure:
     """The mesh: one marker trace per domain (healthy ranks), one for failed ranks, a ring
     per domain (grey and dashed once a member failed) and the bridge links between
@@ -154,7 +159,8 @@ def mesh_figure(
     colours = domain_colours(mesh)
     broken = {c.name for c in state.broken}
     labelled = mesh.world_size <= 64
-    size = 14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else (6 if mesh.world_size <= 4096 else 3))
+    size = marker_px or (14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else
+                                                           (6 if mesh.world_size <= 4096 else 3)))
     # Beyond a few thousand points SVG gets slow in the browser; WebGL keeps panning and selection smooth.
     Trace = go.Scattergl if mesh.world_size > GL_ABOVE else go.Scatter
     traces: list[go.BaseTraceType] = []
@@ -183,7 +189,7 @@ def mesh_figure(
             x=xs, y=ys, customdata=_rank_ids(alive),
             mode="markers+text" if labelled else "markers",
             text=[str(r) for r in alive] if labelled else None,
-            textposition="middle center", textfont=dict(size=8, color="white"),
+            textposition="middle center", textfont=dict(size=label_px, color="white"),
             marker=dict(size=size, color=colours[d.name]),
             name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
             hovertemplate=f"rank %{{customdata}}<br>{d.name} · {d.host}<extra></extra>",
@@ -211,7 +217,7 @@ def mesh_figure(
     # A mesh that is a line or a point (two ranks) gets a landscape frame, not a tall sliver.
     cx, cy = (max(xs_all) + min(xs_all)) / 2, (max(ys_all) + min(ys_all)) / 2
     pad_y = span_y / 2 + 0.8
-    pad_x = max(span_x / 2 + 0.8, 2 * pad_y)
+    pad_x = max(span_x / 2 + 0.8, 2 * pad_y if landscape else pad_y)
     if height is None:  # about 700 px wide in the page: keep the aspect without empty bands
         height = int(min(820, max(340, 700 * pad_y / pad_x + 130)))
     for h in mesh.hosts:
@@ -226,6 +232,26 @@ def mesh_figure(
     fig.update_xaxes(visible=False, range=[cx - pad_x, cx + pad_x])
     fig.update_yaxes(visible=False, scaleanchor="x", scaleratio=1, range=[cy - pad_y, cy + pad_y])
     return fig
+
+
+LIVE_LABEL_PX = 11  # the smallest rank label the Live mesh draws (px)
+
+
+def live_mesh_figure(mesh: Mesh, failed: Iterable[int] = ()) -> go.Figure:
+    """The Live page's mesh, read at a glance while a run goes: every rank's label in type a
+    person reads (:data:`LIVE_LABEL_PX` and up) on a marker it fits in, neighbouring markers
+    apart, in a square frame as tall as that needs (a ring of up to 64 ranks), so it never
+    shrinks to a sliver in a narrow column."""
+    pos = rank_positions(mesh)
+    small = mesh.world_size <= 16
+    marker, label = (32, 14) if small else (18, LIVE_LABEL_PX)
+    ring = native_ring(mesh.domains[0]) if len(mesh.domains) == 1 else list(pos)
+    gaps = [math.dist(pos[a], pos[b]) for a, b in zip(ring, ring[1:])] or [1.0]
+    ys = [p[1] for p in pos.values()]
+    span = 2 * ((max(ys) - min(ys)) / 2 + 0.8)
+    px_per_unit = 1.2 * marker / max(min(gaps), 1e-6)  # neighbours apart by a fifth of a marker
+    height = int(min(620, max(300, span * px_per_unit + 60)))
+    return mesh_figure(mesh, failed, pos, height=height, marker_px=marker, label_px=label, landscape=False)
 
 
 @dataclass(frozen=True)
@@ -483,8 +509,20 @@ _POLICY_DASH = {Policy.COLD_RESTART: "solid", Policy.CHECKPOINT_RESTORE: "dash",
                 Policy.PEER_RESTORE: "dashdot", Policy.EXCISE: "dot"}  # lines that coincide stay distinguishable
 
 
+_LEGEND_ROW_PX = 21  # one row of a horizontal legend
+
+
+def _legend_band(rows: int, top: int = 40) -> dict[str, Any]:
+    """Layout that gives a horizontal legend its own band at the bottom of the figure, under the x-axis
+    title, with room for ``rows`` rows (as many as the narrowest column the figure is drawn in wraps it
+    to): anchored to the figure's edge in pixels, not to the plot, so it never prints over the axis."""
+    band = rows * _LEGEND_ROW_PX
+    return dict(margin=dict(l=10, r=10, t=top, b=50 + band),
+                legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, traceorder="normal"))
+
+
 def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None, log_x: bool = True,
-                   height: int = 330, current: float | None = None) -> go.Figure:
+                   height: int = 400, current: float | None = None) -> go.Figure:
     """Goodput of each policy (one line each) against one knob of a training sweep; a
     vertical line marks ``current``, the knob's value in the page's setting."""
     fig = go.Figure()
@@ -499,8 +537,10 @@ def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None
             hovertemplate="%{x}: goodput %{y:.2%}<br>downtime %{customdata[0]:,.0f} s, lost steps %{customdata[1]}"
                           f"<extra>{policy.label}</extra>",
         ))
-    fig.update_layout(**_LAYOUT, height=height, title=title, yaxis_tickformat=".2~%", yaxis_title="goodput",
-                      legend=dict(orientation="h", yanchor="top", y=-0.22, x=0))
+    # five policy names wrap to four rows in a column half as wide as a 1,024 px page
+    top = 40 if current is None or current <= 0 or min(frame[knob]) <= current <= max(frame[knob]) else 60
+    fig.update_layout(**{**_LAYOUT, **_legend_band(4, top)}, height=height, title=title, yaxis_tickformat=".2~%",
+                      yaxis_title="goodput")
     values = sorted(set(frame[knob]))
     fig.update_xaxes(type="log" if log_x else "linear", title=x_title or knob.replace("_", " "), tickmode="array",
                      tickvals=values, ticktext=[f"{v:,g}" for v in values])
@@ -511,12 +551,11 @@ def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None
                                text=f"this setting: {current:,g}", showarrow=False, font=dict(size=11))
         else:
             fig.update_layout(title=dict(text=title, subtitle=dict(text=f"this setting, {current:,g}, is outside "
-                                                                         "the sweep")),
-                              margin=dict(l=10, r=10, t=60, b=10))
+                                                                         "the sweep")))
     return fig
 
 
-def serving_figure(frame: Any, height: int = 340) -> go.Figure:
+def serving_figure(frame: Any, height: int = 380) -> go.Figure:
     """Throughput and result traffic over the link against concurrency, one line per request."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("throughput (tokens/s)", "result bytes over the link"))
     palette = {"full": "#d55e00", "logprob": "#e69f00", "token": "#2ca02c", "owner_token": "#1f77b4"}
@@ -536,7 +575,7 @@ def serving_figure(frame: Any, height: int = 340) -> go.Figure:
                                  marker=dict(symbol=symbol, size=7 + width), legendgroup=str(req), showlegend=False,
                                  hovertemplate="concurrency %{x}: %{y:,.0f} B<extra>" + str(req) + "</extra>"),
                       row=1, col=2)
-    fig.update_layout(**_LAYOUT, height=height, legend=dict(orientation="h", yanchor="top", y=-0.18, x=0))
+    fig.update_layout(**{**_LAYOUT, **_legend_band(2)}, height=height)
     values = sorted(set(frame["concurrency"]))
     fig.update_xaxes(type="log", title="concurrency (requests in flight)", tickmode="array", tickvals=values,
                      ticktext=[str(v) for v in values])

@@ -38,6 +38,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from meshpact.app.format import clock
 from meshpact.app.live_job import INJECTED_FILE, LEASE_ENV, TRIAL_DIR
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, EventKind, partial_path
@@ -47,7 +48,8 @@ from meshpact.live.trials.trialconfig import PHASES, PROCESSES_FILE, Pace  # tor
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
            "TOKEN_ENV", "LEASE_ENV", "RankLogs", "RankEvent", "FaultFromPage", "JobEvent", "JobEvents", "job_stream",
-           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS"]
+           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS", "SentFault", "sent_caption", "form_problem", "stream_rows", "RUN_LINK", "earlier_run_notice",
+           "planned_fault_kind"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
 
@@ -58,7 +60,7 @@ class RankProcess:
     rank: int
     phase: str  # reference | faulted | cold (the trial's run id)
     incarnation: int
-    stopped: bool  # SIGSTOPped (a stall in progress)
+    stalled: bool  # SIGSTOPped (a stall sent from the page, in progress)
 
 
 class FaultFromPage(str, Enum):
@@ -67,6 +69,22 @@ class FaultFromPage(str, Enum):
     KILL = "kill"  # SIGKILL: the rank is lost (the trial starts a replacement)
     STALL = "stall"  # SIGSTOP, then SIGCONT: the rank hangs past the data-path timeout
     PARTITION = "partition"  # the rank's host's data link goes down for a while (network namespaces only)
+
+
+@dataclass(frozen=True)
+class SentFault:
+    """A fault sent from the page: what, to which rank, and when (wall time, read before the signal)."""
+
+    kind: FaultFromPage
+    rank: int
+    t_wall: float
+
+
+def sent_caption(sent: Sequence[SentFault], wall0: float) -> str:
+    """The page's line of the faults it sent, each at its time on the event stream's clock (``wall0``:
+    the recording's start, wall time, the zero of every other time on the page)."""
+    return "Sent from this page: " + "; ".join(f"{f.kind.value} rank {f.rank} at {clock(f.t_wall - wall0)}"
+                                              for f in sent)
 
 
 @dataclass(frozen=True)
@@ -88,9 +106,9 @@ class RankRow:
     pid: int | None  # None: no live process (killed, not yet replaced, or finished)
     incarnation: int
     phase: str
-    state: str  # starting | held | training | recovering: <stage> | stopped | gone | excised | done
+    state: str  # starting | held | training | recovering: <stage> | stalled | dead | excised | done | stopped
     step: int | None  # committed step
-    generation: int | None
+    generation: int | None  # the generation its last step (or hold) ran in
     collective: str  # the world group of the last committed step and its sequence number
     last_event: str
     silent_s: float | None  # seconds since the rank's last event
@@ -102,6 +120,9 @@ class RankRow:
         return self.pid is not None and self.phase == "faulted" and self.state in ("held", "training")
 
 
+# the events that say which generation a rank trains (or waits, held) in; a recovery's own events name the
+# generation it builds, and the in-job checkpoint baseline's drill after the last step builds one nobody trains in
+_TRAINS_IN = frozenset({EventKind.STEP, EventKind.HELD})
 _DONE = frozenset({EventKind.RECOVERY_DONE, EventKind.FIRST_COLLECTIVE, EventKind.STEP, EventKind.CHECKPOINT})
 # what the trial's parent writes into the recording itself; every other event of a recording is a copy of a rank
 # process's own log, made when the run ends
@@ -109,7 +130,8 @@ PARENT_EVENTS = frozenset({EventKind.RECORDING_START, EventKind.REPLACEMENT_STAR
                            EventKind.RECOVERED, EventKind.TRAINED, EventKind.SUMMARY})
 # ranks whose step is not the job's: excised, lost and not (yet) replaced, or never seen in this run
 OUT_OF_JOB = frozenset({"excised", "dead", "—"})
-DOWN = frozenset({"excised", "dead", "stopped"})  # what the mesh marks failed: a recovering survivor is not
+DOWN = frozenset({"excised", "dead", "stalled"})  # what the mesh marks failed: a recovering survivor is not, nor a
+# rank the page's Stop ended
 
 
 def excised_ranks(events: Sequence[RankEvent], phase: str) -> set[int]:
@@ -120,13 +142,16 @@ def excised_ranks(events: Sequence[RankEvent], phase: str) -> set[int]:
 
 
 def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: str, now: float,
-              world_size: int, steps: int | None = None, finished: bool = False) -> list[RankRow]:
+              world_size: int, steps: int | None = None, finished: bool = False,
+              stopped: bool = False) -> list[RankRow]:
     """A row per rank of the ``phase`` run: its newest process (or none, when it is gone) and
     its newest incarnation's events (``now``: wall time, for the silence).
 
     A rank with no process is *excised* when the survivors decided to go on without it, *done*
     when its newest incarnation committed the run's last step (``steps``) or the whole run
-    ended well (``finished``), and otherwise *dead*: lost, its replacement not (yet) running."""
+    ended well (``finished``), *stopped* when the run was stopped from the page (``stopped``:
+    its process was ended, not lost; its row keeps its last committed step), and otherwise
+    *dead*: lost, its replacement not (yet) running."""
     newest: dict[int, RankProcess] = {}
     for p in procs:
         if p.phase == phase and (p.rank not in newest or p.incarnation >= newest[p.rank].incarnation):
@@ -148,7 +173,7 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
             if e.event in (EventKind.STEP, EventKind.CHECKPOINT, EventKind.HELD) and "step" in e.data:
                 step = int(e.data["step"])
                 last_step = last_step or (e.event == EventKind.STEP and steps is not None and step >= steps)
-            if "generation" in e.data and isinstance(e.data["generation"], int):
+            if e.event in _TRAINS_IN and isinstance(e.data.get("generation"), int):
                 generation = int(e.data["generation"])
             if e.event == EventKind.STEP:
                 collective = f"{e.data.get('group', '?')} #{e.data.get('seq', '?')}"
@@ -164,10 +189,12 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
                 state = "excised"
             elif evs and (last_step or finished):
                 state = "done"
+            elif stopped:
+                state = "stopped"
             else:
                 state = "dead" if evs else "—"
-        elif proc.stopped:
-            state = "stopped"
+        elif proc.stalled:
+            state = "stalled"
         out.append(RankRow(rank, proc.pid if proc else None, proc.incarnation if proc else inc, phase, state, step,
                            generation, collective, str(last.event) if last else "",
                            max(now - last.t, 0.0) if last else None))
@@ -182,8 +209,8 @@ def committed_step(rows: Sequence[RankRow]) -> int | None:
 
 
 def down_ranks(rows: Sequence[RankRow]) -> list[int]:
-    """The ranks the mesh draws as failed: dead, excised or stopped; never a survivor that is
-    recovering, nor a rank that finished."""
+    """The ranks the mesh draws as failed: dead, excised or stalled; never a survivor that is
+    recovering, a rank that finished, nor one the page's Stop ended."""
     return [r.rank for r in rows if r.state in DOWN]
 
 
@@ -305,6 +332,15 @@ def job_stream(rank_events: Sequence[RankEvent], parent_events: Sequence[Event],
     return out
 
 
+def stream_rows(stream: Sequence[JobEvent]) -> list[dict[str, str]]:
+    """The page's event table: a row per event, every cell filled (the trial's own events before
+    any run began, such as ``recording_start``, under the run "trial")."""
+    return [{"time": clock(e.event.t), "run": e.run or "trial", "event": str(e.event.event),
+             "rank": "" if e.event.rank is None else str(e.event.rank),
+             "stage": e.event.stage.value if e.event.stage else "", "step": str(e.event.data.get("step", ""))}
+            for e in stream]
+
+
 def _environ(pid: int) -> dict[str, str]:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -413,6 +449,7 @@ class LiveJob:
         runner; and the runner holds a lease on this process (its stdin, see
         :data:`LEASE_ENV`), so it ends its ranks itself when this process goes, however it goes."""
         self.token = uuid.uuid4().hex
+        self.args = tuple(args)  # the runner's arguments, as the page gave them
         self.world_size = world_size
         self.steps = steps
         self.recording = Path(recording)
@@ -440,8 +477,9 @@ class LiveJob:
                                         name=f"meshpact-live-job-{self.token[:8]}", daemon=True)
         self.watcher.start()
         weakref.finalize(self, shutil.rmtree, self.work, True)
-        self.injected: list[dict[str, Any]] = []
+        self.injected: list[SentFault] = []
         self.stopped = False  # True once stop() was called: the run's end was asked for, not a failure
+        self.phases_seen: set[str] = set()  # the runs whose rank processes ranks() has found, gone ones included
 
     @property
     def status(self) -> str:
@@ -474,6 +512,7 @@ class LiveJob:
             elif pid in launched:
                 p = launched[pid]
                 out.append(RankProcess(pid, int(p.rank or 0), p.run_id or "?", p.incarnation, _state(pid) == "T"))
+        self.phases_seen.update(r.phase for r in out)
         return sorted(out, key=lambda r: (r.phase, r.rank, r.incarnation))
 
     def _rank(self, rank: int, phase: str | None) -> RankProcess:
@@ -496,7 +535,7 @@ class LiveJob:
         before the call that sent it returns, and its recovery is the one detected after it."""
         record = {"kind": kind.value, "rank": target.rank, "pid": target.pid, "phase": target.phase,
                   "incarnation": target.incarnation, **extra}
-        self.injected.append({"t": now - self.started, **record})
+        self.injected.append(SentFault(kind, target.rank, now))
         with open(self.work / INJECTED_FILE, "a") as fh:
             fh.write(json.dumps({"t_wall": now, **record}) + "\n")
 
@@ -624,12 +663,44 @@ def failure_sentence(text: str) -> str:
 
 def form_problem(ranks: int, faults: int, fault_kind: str, on_rank_loss: str) -> str | None:
     """What is wrong with the Live page's start form, in the page's own words (its field names,
-    not the CLI's flags), or None when the trial can start."""
+    not the CLI's flags), or None when the trial can start. The planned fault kind matters only
+    with planned faults: an excising run with none starts whatever kind the box shows."""
     if on_rank_loss == "excise":
-        if fault_kind != "kill":
-            return (f"**on rank loss: excise** goes on without a killed rank, so the **planned fault kind** must be "
-                    f"**kill**, not **{fault_kind}**.")
+        if faults > 0 and fault_kind != "kill":
+            return (f"**on rank loss: excise** goes on without a killed rank, so with **planned faults** the **planned "
+                    f"fault kind** must be **kill**, not **{fault_kind}** (or set **planned faults** to 0 and kill "
+                    "ranks from their rows).")
         if faults > ranks - 1:
             return (f"**on rank loss: excise** removes a different rank per fault: at most {ranks - 1} **planned "
                     f"faults** with {ranks} **ranks**, not {faults}.")
     return None
+
+
+def planned_fault_kind(faults: int, fault_kind: str, on_rank_loss: str) -> str:
+    """The fault kind the run is started with: the form's, except an excising run with no planned
+    faults, whose only faults are the page's kills (the form's kind plays no part in it)."""
+    return "kill" if on_rank_loss == "excise" and faults == 0 else fault_kind
+
+
+RUN_LINK = "run"  # the Live page's query parameter: the recording (its name) of the run this tab started
+
+
+def earlier_run_notice(name: str | None, folder: Path) -> str | None:
+    """What became of the run a reloaded (or reopened) Live page had started, named in its link
+    (``name``: the recording's stem under ``folder``): a run lasts as long as the browser session
+    that started it, so a reload stops it. None for no name, or one that is no run of this page's."""
+    import re
+
+    if not name or not re.fullmatch(r"live-[0-9]{8}-[0-9]{6}", name):
+        return None
+    final, partial = folder / f"{name}.jsonl", partial_path(folder / f"{name}.jsonl")
+    try:
+        finished = final.is_file() and '"summary"' in final.read_text(errors="replace")[-200_000:]
+    except OSError:
+        finished = False
+    if finished:
+        return f"The run **{name}** that this tab started has finished; its recording is `{final}`."
+    kept = final if final.is_file() else partial if partial.is_file() else None
+    where = f" What it recorded is in `{kept}`." if kept else " It had recorded nothing yet."
+    return (f"The run **{name}** that this tab started was stopped when the page was reloaded or its tab closed: a "
+            f"run lasts as long as the browser session that started it.{where}")

@@ -5,7 +5,9 @@
 writes it, and the trial parent's own events from the recording (the ``.partial`` file while
 the run writes it, then the finished one); given only a recording, the recording. It keeps,
 in its own registry: recoveries by the policy the ranks decided on (as each is decided),
-the duration of every recovery stage as a histogram per stage (as each stage ends), events
+each recovery's stage durations along its critical path as a histogram per stage (once the
+trial's analysis writes its ``recovered`` events: the same figures the Live page draws), each
+rank's own stage durations as another (as each stage ends on that rank), events
 by kind, each rank's committed step and generation in the run it is in, each rank's seconds
 since its last event, and each rank's heartbeat age (seconds since its heartbeat counter on
 the control channel last moved) as the trial parent keeps it while the run runs
@@ -70,6 +72,10 @@ class _RankAges(Collector):
         yield beat
 
 
+def _seconds(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
 class RecordingMetrics:
     """The metrics of one run; :meth:`feed` takes events, :meth:`poll` reads new ones from its
     records (``trial_dir``: where the rank processes write their logs, when they do)."""
@@ -82,8 +88,13 @@ class RecordingMetrics:
         self.registry.register(_RankAges(self))  # first: a scrape reads the file before any metric is collected
         self.recoveries = Counter("meshpact_recoveries", "Recoveries, by the policy the ranks decided on",
                                   ["policy"], registry=self.registry)
-        self.stage_seconds = Histogram("meshpact_stage_seconds", "Duration of a recovery stage on one rank",
-                                       ["stage"], buckets=STAGE_BUCKETS_S, registry=self.registry)
+        self.stage_seconds = Histogram(
+            "meshpact_stage_seconds", "Duration of a recovery's stage along its critical path (each stage ends when "
+            "the last rank ends it), once per recovery: the figures the Live page draws", ["stage"],
+            buckets=STAGE_BUCKETS_S, registry=self.registry)
+        self.rank_stage_seconds = Histogram("meshpact_rank_stage_seconds", "Duration of a recovery stage on one rank, "
+                                            "as the rank measured it", ["stage"], buckets=STAGE_BUCKETS_S,
+                                            registry=self.registry)
         self.events = Counter("meshpact_events", "Recorded events, by kind", ["event"], registry=self.registry)
         self.last_event_wall: dict[int, float] = {}
         self.step: dict[tuple[str, int], int] = {}  # (run, rank) -> committed step
@@ -108,8 +119,13 @@ class RecordingMetrics:
                 if isinstance(e.data.get("generation"), int) and not isinstance(e.data.get("generation"), bool):
                     self.generation[(their_run, e.rank)] = int(e.data["generation"])
             secs = e.data.get("seconds")
-            if e.stage is not None and isinstance(secs, (int, float)) and not isinstance(secs, bool) and secs >= 0:
-                self.stage_seconds.labels(stage=e.stage.value).observe(float(secs))
+            if e.stage is not None and _seconds(secs):
+                self.rank_stage_seconds.labels(stage=e.stage.value).observe(float(secs))
+            stages = e.data.get("stages_s")
+            if e.event == EventKind.RECOVERED and isinstance(stages, dict):  # the trial's analysis, once per recovery
+                for stage, value in stages.items():
+                    if _seconds(value):
+                        self.stage_seconds.labels(stage=str(stage)).observe(float(value))
             policy = e.data.get("policy")
             if e.event == EventKind.DECIDED and isinstance(policy, str):
                 # every rank records the same decision: count it once per (run, round, step, policy, session)

@@ -19,6 +19,8 @@ from meshpact.core.recording import Event, EventKind
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 
 __all__ = [
+    "recording_problem",
+    "MAX_RECORDING_BYTES",
     "ReplayEvent",
     "ReplayFrame",
     "from_timeline",
@@ -232,3 +234,40 @@ def first_recovery_index(events: Sequence[ReplayEvent]) -> int:
         if frame.stage is not None:
             best = frame.index
     return best
+
+
+MAX_RECORDING_BYTES = 256 << 20  # a larger file is refused unread (a line-less binary would be read whole)
+_EXPECTED = "expected a .jsonl file written by a live or simulated run (one JSON event per line, the first "\
+            "'recording_start')"
+
+
+def recording_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be replayed, in one line that names it and what was expected, before it is
+    parsed (None: it looks like a recording; reading it may still find a bad line further on). Reads
+    at most its first line."""
+    import json
+
+    if path.is_dir():
+        return f"{path}: is a folder, not a recording; {_EXPECTED}"
+    if not path.is_file():
+        return f"{path}: no such file; {_EXPECTED}"
+    size = path.stat().st_size
+    if size == 0:
+        return f"{path}: the file is empty; {_EXPECTED}"
+    if size > MAX_RECORDING_BYTES:
+        return f"{path}: {size:,} bytes is more than a recording this page replays (at most {MAX_RECORDING_BYTES:,}); "\
+               f"{_EXPECTED}"
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(1 << 20).decode("utf-8", errors="replace").strip()
+    except OSError as exc:
+        return f"{path}: cannot read it ({exc.strerror or exc}); {_EXPECTED}"
+    try:
+        obj = json.loads(first)
+    except ValueError:
+        return None if not first else f"{path}: line 1 is not one JSON event; {_EXPECTED}"
+    if not isinstance(obj, dict) or not {"t", "event"} <= set(obj):
+        return f"{path}: line 1 is not an event (a JSON object with t, event, rank, stage and data); {_EXPECTED}"
+    if obj["event"] != EventKind.RECORDING_START.value:
+        return f"{path}: line 1 is a {obj['event']!r} event, not 'recording_start'; {_EXPECTED}"
+    return None

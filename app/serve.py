@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 __all__ = [
-    "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "settle", "metric", "wait_metric_is",
+    "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "MESH_READABLE_JS", "LEGEND_OVER_AXIS_JS", "settle", "metric", "wait_metric_is",
     "wait_metric_change", "click_rank", "pick_scenario", "go_to", "wait_title",
 ]
 
@@ -99,6 +99,44 @@ CLIPPED_JS = """() => [...document.querySelectorAll(
         + ' [data-testid="stPageLink"] p, [data-testid="stBaseButton-secondary"] p, [data-testid="stBaseButton-primary"] p')]
     .filter(e => e.offsetParent !== null && e.scrollWidth > e.clientWidth + 1)
     .map(e => e.innerText)"""
+
+# how a drawn mesh reads, inside the element matching the selector given: the plot's width, its rank labels
+# (each with its font size) and how many pairs of rank markers overlap (one drawn over another by more than 2 px)
+MESH_READABLE_JS = """(root) => {
+    const plot = document.querySelector(root + ' .js-plotly-plot');
+    if (!plot) return null;
+    const px = e => parseFloat(e.style.fontSize || getComputedStyle(e).fontSize);
+    const labels = [...plot.querySelectorAll('.textpoint text')].map(e => [e.textContent, px(e)]);
+    const boxes = [...plot.querySelectorAll('.scatterlayer .points path')].map(e => e.getBoundingClientRect())
+        .filter(b => b.width > 0);
+    let overlaps = 0;
+    for (let i = 0; i < boxes.length; i++) for (let j = i + 1; j < boxes.length; j++) {
+        const a = boxes[i], b = boxes[j];  // round markers: apart when their centres are a radius and a radius apart
+        const dx = (a.left + a.right - b.left - b.right) / 2, dy = (a.top + a.bottom - b.top - b.bottom) / 2;
+        const d = Math.hypot(dx, dy);
+        if (d >= 1 && d < (a.width + b.width) / 2 - 2) overlaps++;  // d < 1: a ring drawn over its own marker
+    }
+    return {width: plot.getBoundingClientRect().width, labels: labels, markers: boxes.length, overlaps: overlaps};
+}"""
+
+# every chart whose legend is drawn over an axis title or tick label: "title of the chart: the text it covers"
+LEGEND_OVER_AXIS_JS = """() => {
+    const out = [];
+    const meet = (a, b) => Math.min(a.right, b.right) - Math.max(a.left, b.left) > 1
+        && Math.min(a.bottom, b.bottom) - Math.max(a.top, b.top) > 1;
+    for (const plot of document.querySelectorAll('.js-plotly-plot')) {
+        if (plot.offsetParent === null) continue;
+        const legend = plot.querySelector('.legend .bg');
+        if (!legend) continue;
+        const box = legend.getBoundingClientRect();
+        if (box.width === 0) continue;
+        const title = (plot.querySelector('.gtitle') || {}).textContent || '(untitled)';
+        for (const t of plot.querySelectorAll('.g-xtitle text, .g-ytitle text, .xtick text, .ytick text')) {
+            if (t.textContent.trim() && meet(box, t.getBoundingClientRect())) out.push(title + ': ' + t.textContent);
+        }
+    }
+    return out;
+}"""
 
 RANK_XY_JS = """(rank) => {
     for (const f of [...document.querySelectorAll('iframe[title$="mesh_canvas"]')].reverse()) {  // the canvas

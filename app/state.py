@@ -27,7 +27,8 @@ from typing import Any, Collection, Iterable, Mapping, MutableMapping
 __all__ = [
     "SelectionState", "selected_points", "ranks_in_event", "apply_selection", "clamp_failed", "parse_ranks",
     "format_ranks", "carry_widget_state", "FAILED_KEY", "KEPT_WIDGETS", "KEPT_STORE",
-    "LINK_SCENARIO", "LINK_FAILED", "scenario_from_link", "failed_from_link", "link_params",
+    "LINK_SCENARIO", "LINK_FAILED", "REPLAY_LINK", "replay_source_from_link", "replay_link_word",
+    "carried_failures_notice", "scenario_from_link", "failed_from_link", "link_params",
 ]
 
 FAILED_KEY = "failed_ranks"  # sorted list of failed rank ids; not a widget key, so it outlives page switches
@@ -220,3 +221,32 @@ def link_params(scenario: str | None, failed: Iterable[int]) -> dict[str, str]:
     if ranks:
         out[LINK_FAILED] = ranks
     return out
+
+
+REPLAY_LINK = "replay"  # the Replay page's query parameter: which source it replays (a short word, kept on reload)
+REPLAY_SOURCES = {"simulated": "simulated run of this scenario", "recording": "recording",
+                  "mesh": "failures picked on Mesh"}  # the link's word -> the page's source
+
+
+def replay_source_from_link(value: str | None) -> str | None:
+    """The Replay source a link names (None: none, or a word the page does not know)."""
+    return REPLAY_SOURCES.get(value or "")
+
+
+def replay_link_word(source: str) -> str | None:
+    """The link's word for a Replay source (None: not one of the page's)."""
+    return next((word for word, s in REPLAY_SOURCES.items() if s == source), None)
+
+
+def carried_failures_notice(picked_on: str | None, scenario: str, failed: Iterable[int],
+                            dropped: Iterable[int] = ()) -> str | None:
+    """One line telling the user that the failed ranks picked on scenario ``picked_on`` were carried
+    to ``scenario`` (and which were dropped, outside its mesh); None when nothing was carried (the
+    same scenario, none picked before, or no failed rank)."""
+    kept, lost = sorted(set(failed)), sorted(set(dropped))
+    if picked_on is None or picked_on == scenario or not (kept or lost):
+        return None
+    line = f"Failed ranks carried over from **{picked_on}**: {format_ranks(kept) or 'none'}"
+    if lost:
+        line += f" ({format_ranks(lost)} dropped: not in this mesh)"
+    return line + ". Clear or change them on the Mesh page."

@@ -18,13 +18,15 @@ import streamlit as st
 
 from meshpact.app.context import message_markdown, require_scenario
 from meshpact.app.exports import perfetto_json
-from meshpact.app.figures import mesh_figure, recovery_figure
-from meshpact.app.format import clock, count, duration
+from meshpact.app.figures import live_mesh_figure, recovery_figure
+from meshpact.app.format import count, duration
 from meshpact.app.live_control import (
-    FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, failure_sentence, form_problem, job_stream,
-    rank_rows,
+    RUN_LINK, FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, earlier_run_notice,
+    failure_sentence, form_problem, job_stream, planned_fault_kind, rank_rows, sent_caption, stream_rows,
 )
 from meshpact.app.replay import find_recordings, local_mesh
+from meshpact.app.verdict import Tone, downtime_notes, run_verdict
+from meshpact.app.widgets import read_number
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import partial_path, read_recording
 from meshpact.core.recovery import Policy, RecoveryBreakdown
@@ -37,6 +39,8 @@ RECORDINGS = Path("recordings")
 FULL_SPEED = "full speed"
 PACES = [FULL_SPEED, "2 steps/s", "5 steps/s", "10 steps/s", "20 steps/s"]  # a step period under the data timeout
 STALL_S, PARTITION_S = 3.0, 3.0
+BOUNDS = {"ranks": (2, 8), "training steps": (4, 400), "planned faults": (0, 20),
+          "checkpoint every (steps)": (1, 400)}  # the start form's whole numbers, in the form's order
 COLUMNS = [0.55, 0.75, 1.2, 1.5, 0.5, 1.0, 1.65, 0.75, 0.6, 0.65, 0.95]  # 8 cells, then kill, stall, partition
 FAULT_HELP = {FaultFromPage.KILL: "SIGKILL this rank's process; the run starts a replacement",
               FaultFromPage.STALL: f"SIGSTOP this rank's process for {STALL_S:g} s, past the data-path timeout",
@@ -75,15 +79,17 @@ st.session_state[WAS_RUNNING] = running
 
 with st.form("live_start"):
     k = st.columns(5)
-    ranks = k[0].number_input("ranks", 2, 8, 4)
-    steps = k[1].number_input("training steps", 4, 400, 40, step=4)
-    faults = k[2].number_input("planned faults", 0, 20, 0,
-                               help="Faults the run injects by itself; those you send from a rank's row come on top.")
+    typed = {"ranks": k[0].text_input("ranks", "4", key="live_ranks", help="2 to 8 rank processes"),
+             "training steps": k[1].text_input("training steps", "40", key="live_steps", help="4 to 400"),
+             "planned faults": k[2].text_input(
+                 "planned faults", "0", key="live_faults",
+                 help="0 to 20 faults the run injects by itself; those you send from a rank's row come on top.")}
     kind = k[3].selectbox("planned fault kind", [f.value for f in FaultKind],
                           help="collective: a collective raises; stall: a rank sleeps past the timeout; kill: SIGKILL; "
                                "partition: link down between network namespaces (needs root and iproute2; also what "
                                "makes the partition button of a row work)")
-    every = k[4].number_input("checkpoint every (steps)", 1, 400, 10)
+    typed["checkpoint every (steps)"] = k[4].text_input("checkpoint every (steps)", "10", key="live_every",
+                                                        help="1 to the number of training steps")
     o = st.columns([1.1, 1, 1, 1.1, 1])
     hold = o[0].toggle("hold before faulted run", value=True, key="live_hold",
                        help="The faulted run's ranks wait before their first step until you press Resume, "
@@ -102,7 +108,12 @@ with st.form("live_start"):
                                   "same global batch).")
     start = st.form_submit_button("Start cluster and train", type="primary", disabled=running)
 
-problem = form_problem(int(ranks), int(faults), kind, str(on_loss)) if start else None
+numbers = {name: read_number(text, name, *BOUNDS[name], whole=True) for name, text in typed.items()}
+ranks, steps, faults, every = (numbers[name][0] or 0 for name in BOUNDS)
+problem = None
+if start:
+    problem = " ".join(p for _, p in numbers.values() if p) or form_problem(int(ranks), int(faults), kind, str(on_loss))
+kind = planned_fault_kind(int(faults), kind, str(on_loss))
 if problem:
     st.error("**Cannot start this run.** " + problem)
 elif start:
@@ -122,6 +133,7 @@ elif start:
                       world_size=int(ranks), pace=pace, steps=int(steps), session_alive=_session_alive())
         st.session_state[JOB] = job
         st.session_state[PACE] = pace_label
+        st.query_params[RUN_LINK] = job.recording.stem  # a reload stops the run: the page that opens says so
         endpoint = st.session_state.pop(METRICS, None)
         if endpoint is not None:
             endpoint.close()
@@ -130,6 +142,9 @@ elif start:
         st.error("**Cannot start this run.**\n\n" + message_markdown(str(exc)))
 
 if job is None:
+    earlier = earlier_run_notice(st.query_params.get(RUN_LINK), RECORDINGS)
+    if earlier:
+        st.warning(earlier)
     st.info("Start a cluster to watch a recovery happen. Processes started here stop when you press **Stop** "
             "or within seconds of this browser session ending (tab closed or reloaded, or the app stopped).")
     st.stop()
@@ -202,8 +217,9 @@ def _open_in_replay(path: Path) -> None:
 
 
 def _current_phase(job: LiveJob, rank_events: list[RankEvent]) -> str:
-    """The latest run (reference, faulted, cold) with a live rank process or a logged event."""
-    seen = {p.phase for p in job.ranks()} | {e.phase for e in rank_events}
+    """The latest run (reference, faulted, cold) with a rank process (live now, or seen before: a
+    stopped run keeps its table) or a logged event."""
+    seen = {p.phase for p in job.ranks()} | job.phases_seen | {e.phase for e in rank_events}
     return max((p for p in seen if p in PHASES), key=PHASES.index, default="starting")
 
 
@@ -241,8 +257,8 @@ def panel() -> None:
     now = time.time()
     result = None if job.running else job.result()
     finished = bool(result and result.get("ok"))
-    rows = (rank_rows(job.ranks(), rank_events, phase, now, job.world_size, job.steps, finished)
-            if phase in PHASES else [])
+    rows = (rank_rows(job.ranks(), rank_events, phase, now, job.world_size, job.steps, finished,
+                      stopped=job.stopped and not job.running) if phase in PHASES else [])
     alive = sum(r.pid is not None for r in rows)
     excised = [r.rank for r in rows if r.state == "excised"]
     step = committed_step(rows)
@@ -251,7 +267,7 @@ def panel() -> None:
     stream = job_stream(rank_events, events, wall0)
     a, b, c_, d, g, e_ = st.columns(6)
     a.metric("run", job.status)
-    b.metric("phase", phase if job.running else "finished")
+    b.metric("phase", phase if job.running else ("stopped" if job.stopped else "finished"))
     c_.metric("rank processes", f"{alive}/{job.world_size - len(excised)}" if job.running else "—",
               help="Live rank processes over the ranks the job has (an excised rank has left it).")
     d.metric("committed step", "—" if step is None else step,
@@ -260,34 +276,29 @@ def panel() -> None:
              help="Each recovery builds the job's groups anew, numbered by the consensus round that decided it.")
     e_.metric("events", count(len(stream)), help="Every rank process's own events, in every run, and the run's own.")
     if job.running and job.pace is not None and job.pace.holds("faulted"):
-        if phase == "faulted" and rows and all(r.state == "held" for r in rows):
-            st.info("**The faulted run is held before its first step.** Kill, stall or partition a rank from its "
-                    "row, then press **Resume**. A killed rank is recovered from while the run is held (its "
-                    "replacement and the held survivors agree, and every row moves to the next generation); a "
+        if phase == "faulted" and rows and all(r.state in ("held", "excised") for r in rows):
+            st.info("**The faulted run is held before its next step.** Kill, stall or partition a rank from its "
+                    "row, then press **Resume**. A killed rank is recovered from while the run is held: replaced, "
+                    "its replacement and the held survivors agree; excised, the survivors run one step to meet the "
+                    "loss, go on without it and hold again. Either way every row moves to the next generation. A "
                     "stall or a partition meets the ranks once they train. The run gives up after 5 minutes held.")
         elif phase != "faulted":
             st.caption("The faulted run will be held before its first step (the reference run trains first).")
     if rows:
         _rank_table(rows)
-    left, right = st.columns([2, 3], gap="large")
-    with left:
-        st.plotly_chart(mesh_figure(local_mesh(job.world_size), down_ranks(rows), height=260), key="live_mesh")
-        st.caption("Marked failed: a dead rank (lost, not yet replaced), an excised one, a stopped one.")
-        replaced = [f"rank {r.rank} (incarnation {r.incarnation})" for r in rows if r.incarnation > 0]
-        if replaced:
-            st.caption("Replaced: " + ", ".join(replaced))
-        if excised:
-            st.caption(f"Excised: rank{'s' if len(excised) > 1 else ''} {', '.join(map(str, excised))} — the job goes "
-                       f"on with {job.world_size - len(excised)} of {job.world_size} ranks and the same global batch "
-                       "(the lost ranks' state re-sharded over the survivors).")
-    with right:
-        st.dataframe([{"time": clock(e.event.t), "run": e.run, "event": str(e.event.event),
-                       "rank": "" if e.event.rank is None else str(e.event.rank),
-                       "stage": e.event.stage.value if e.event.stage else "", "step": str(e.event.data.get("step", ""))}
-                      for e in stream[-14:]], hide_index=True, width="content", height=300)
-        if job.injected:
-            st.caption("Sent from this page: " + "; ".join(f"{i['kind']} rank {i['rank']} at {clock(i['t'])}"
-                                                          for i in job.injected))
+    st.plotly_chart(live_mesh_figure(local_mesh(job.world_size), down_ranks(rows)), key="live_mesh")
+    st.caption("Marked failed: a dead rank (lost, not yet replaced), an excised one, a stalled one. A rank the "
+               "Stop button ended is not failed: its row reads stopped, with its last committed step.")
+    replaced = [f"rank {r.rank} (incarnation {r.incarnation})" for r in rows if r.incarnation > 0]
+    if replaced:
+        st.caption("Replaced: " + ", ".join(replaced))
+    if excised:
+        st.caption(f"Excised: rank{'s' if len(excised) > 1 else ''} {', '.join(map(str, excised))} — the job goes "
+                   f"on with {job.world_size - len(excised)} of {job.world_size} ranks and the same global batch "
+                   "(the lost ranks' state re-sharded over the survivors).")
+    st.dataframe(stream_rows(stream[-14:]), hide_index=True, width="content", height=300)
+    if job.injected:
+        st.caption(sent_caption(job.injected, wall0) + " (times since the recording began, as the events')")
     if job.running:
         return
     _finished(job)
@@ -320,23 +331,16 @@ def _finished(job: LiveJob) -> None:
             st.switch_page("views/replay.py")
         return
     summary = result["summary"]
-    total, by_page = summary.get("faults_injected"), summary.get("faults_from_page", 0)
-    faults_text = f"{total} fault(s)" + (f", {by_page} of them sent from this page" if by_page else "")
-    if summary.get("bit_identical"):
-        st.success(f"**Bit-identical:** after {faults_text}, every rank's parameters and optimizer state equal the "
-                   "fault-free reference.")
-    else:
-        st.error(f"**Not bit-identical** after {faults_text}: "
-                 + "; ".join(summary.get("mismatches") or ["states differ"]))
+    total = summary.get("faults_injected")
+    verdict = run_verdict(summary)
+    (st.success if verdict.tone is Tone.SUCCESS else st.error)(verdict.text)
     down_s = {pol: secs for pol, secs in (summary.get("downtime_s") or {}).items() if secs is not None}
     if down_s:
         cols = st.columns(len(down_s))
         for col, (pol, secs) in zip(cols, down_s.items()):
-            col.metric(f"downtime: {Policy(pol).label}", duration(secs),
-                       help=(summary.get("downtime_includes") or {}).get(pol))
-    missing = [Policy(p).label for p in (summary.get("downtime_s") or {}) if p not in down_s]
-    if missing:
-        st.caption("Not measured in this run: " + ", ".join(missing) + ".")
+            col.metric(f"downtime: {Policy(pol).label}", duration(secs))
+    for note in downtime_notes(summary, baselines_asked="--baselines" in job.args):
+        st.caption(note)
     recs = result.get("recoveries") or []
     if recs:
         st.dataframe([{"step": r["step"], "generation": r["generation"], "policy": Policy(r["policy"]).label,
@@ -351,7 +355,10 @@ def _finished(job: LiveJob) -> None:
         bars = [RecoveryBreakdown(Policy(r["policy"]), {k: v for k, v in r["stages_s"].items() if v is not None})
                 for r in recs[:6]]
         st.plotly_chart(recovery_figure(bars), key="live_stages")
-        st.caption("Measured stage durations of each recovery (max over ranks).")
+        st.caption("Measured stage durations of each recovery along its critical path: each stage ends when the "
+                   "last rank ends it and begins where the one before ended, so the stages add up to the recovery. "
+                   "Prometheus's `meshpact_stage_seconds` holds these same figures; "
+                   "`meshpact_rank_stage_seconds` holds each rank's own.")
     st.markdown(f"Recording saved: `{kept}`.")
     if st.button("Replay this run", icon=":material/replay:", key="live_replay"):
         _open_in_replay(kept)

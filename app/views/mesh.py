@@ -167,13 +167,12 @@ def _selection_and_recovery() -> None:
             mesh_canvas(scene, state.failed, key=CANVAS_KEY, ack=_ack(CANVAS_KEY), height=560)
 
     with right:
-        table = pd.DataFrame([{"communicator": ("✓ " if cm.intact(state.failed) else "✗ ")
-                                               + cm.name.removeprefix("bridge ").replace(" <-> ", " ↔ "),
+        table = pd.DataFrame([{"communicator": cm.name.removeprefix("bridge "),
+                               "state": "intact" if cm.intact(state.failed) else "broken",
                                "backend": cm.backend, "ranks": count(len(cm.ranks))}
                               for cm in state.communicators])
         st.dataframe(  # as wide as its columns (the grid sizes each to its longest cell): beside the chart
             table, hide_index=True, width="content",  # where it fits, below it where not
-            column_config={"communicator": st.column_config.TextColumn("communicator (✓ intact)")},
         )
         for dom, rank in state.bridges.items():
             if rank is None:

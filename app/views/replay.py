@@ -14,18 +14,19 @@ from meshpact.app.format import clock, count
 from meshpact.app.policies import compare_policies
 from meshpact.app.replay import (
     ReplayEvent, find_recordings, first_recovery_index, frame_breakdown, from_breakdown, from_recording,
-    from_timeline, recording_mesh, replay_frame,
+    from_timeline, recording_mesh, recording_problem, replay_frame,
 )
-from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
+from meshpact.app.state import (
+    FAILED_KEY, REPLAY_LINK, REPLAY_SOURCES, clamp_failed, format_ranks, replay_link_word, replay_source_from_link,
+)
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import Event, read_recording
 from meshpact.core.recovery import Policy
 
 IDX, PLAY = "replay_index", "replay_playing"  # IDX holds the 1-based event number the slider shows
-SIMULATED, RECORDING, FROM_MESH = "simulated run of this scenario", "recording", "failures picked on Mesh"
+SIMULATED, RECORDING, FROM_MESH = (REPLAY_SOURCES[w] for w in ("simulated", "recording", "mesh"))
 MESH_KNOBS = "mesh_recovery_knobs"  # (rank_loss, steps since checkpoint, step seconds) as last set on Mesh
 ANOTHER = "another file…"
-MAX_RECORDING_BYTES = 256 << 20  # a larger file is refused unread (a line-less binary would be read whole)
 # Live runs from the Live page (relative to where the app runs), and the recordings shipped with the scenarios.
 RECORDING_ROOTS = (Path("recordings"), Path(str(resources.files("meshpact.scenarios").joinpath("recordings"))))
 
@@ -56,8 +57,14 @@ def _policy_picker(options: list[Policy]) -> Policy:
                                format_func=lambda v: Policy(v).label))
 
 
+if "replay_source" not in st.session_state:  # a reload or a shared link: the source it names
+    linked = replay_source_from_link(st.query_params.get(REPLAY_LINK))
+    if linked is not None:
+        st.session_state["replay_source"] = linked
 source = st.radio("replay", [SIMULATED, RECORDING, FROM_MESH], horizontal=True, key="replay_source",
                   label_visibility="collapsed")
+if st.query_params.get(REPLAY_LINK) != replay_link_word(source):  # a reload opens on this source again
+    st.query_params[REPLAY_LINK] = replay_link_word(source) or ""
 policy = Policy.IN_MEMORY
 positions = positions_of(choice)
 raw_events: list[Event] | None = None
@@ -75,11 +82,9 @@ try:
             st.info("No recording chosen. Live runs save theirs under `recordings/`; give a path to replay another.")
             st.stop()
         p = Path(path).expanduser()
-        if not p.is_file():
-            raise MeshpactError(f"{p}: no such recording; expected a .jsonl file written by a live or simulated run")
-        if p.stat().st_size > MAX_RECORDING_BYTES:
-            raise MeshpactError(f"{p}: {p.stat().st_size:,} bytes is more than a recording this page replays (at most "
-                                f"{MAX_RECORDING_BYTES:,}); expected a .jsonl file written by a live or simulated run")
+        problem = recording_problem(p)
+        if problem:
+            raise MeshpactError(problem)
         try:
             events, meta, raw_events = recorded(str(p), p.stat().st_mtime)
         except OSError as exc:
@@ -125,7 +130,8 @@ if st.session_state.get("replay_key") != replay_key or not 1 <= st.session_state
     st.session_state["replay_key"] = replay_key  # a new replay opens on its first recovery, all stages shown
     st.session_state[IDX] = first_recovery_index(events) + 1
 playing = bool(st.session_state.get(PLAY))
-if st.button("⏸ pause" if playing else "▶ play", type="primary"):
+if st.button("pause" if playing else "play", type="primary", key="replay_play",
+             icon=":material/pause:" if playing else ":material/play_arrow:"):
     st.session_state[PLAY] = not playing
     if not playing and st.session_state.get(IDX, 1) >= n:
         st.session_state[IDX] = 1
@@ -162,7 +168,7 @@ def player() -> None:
             st.plotly_chart(recovery_figure([frame_breakdown(frame, frame.policy or policy)]),
                             key="replay_stages")
         lo = max(0, idx - 3)
-        st.dataframe([{"#": f"▶ {i + 1}" if i == idx else str(i + 1), "time": clock(e.t), "event": e.label}
+        st.dataframe([{"#": f"» {i + 1}" if i == idx else str(i + 1), "time": clock(e.t), "event": e.label}
                       for i, e in enumerate(events[lo: lo + 8], start=lo)], hide_index=True, width="content")
 
 

@@ -50,13 +50,17 @@ def _has_compiled(model: Any) -> bool:
 
 
 def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s: float, emit: Any,
-              idle: Callable[[], object] | None = None) -> float:
+              idle: Callable[[], object] | None = None, gone: Callable[[], bool] | None = None) -> float:
     """Before ``step``: wait while ``phase`` is held (a ``held`` event), calling ``idle()``
     every look (the runtime's ``join_recovery``: a peer lost meanwhile is recovered from while
     held, not after the rank-loss bound), then until a step period has passed since
     ``last_start`` (``time.monotonic()``). The period is capped at ``max_period_s`` so ranks
     reading a changed pace a step apart never wait on each other past the data-path timeout.
-    Returns this step's start."""
+
+    A peer whose process the launcher says is gone for good (``gone()``: no replacement will
+    come, the job excises) opens no recovery round for ``idle`` to join: the hold is left for
+    this one step, whose collectives meet the loss, and the next step holds again. Returns this
+    step's start."""
     from meshpact.core.recording import EventKind
 
     from .trialconfig import Pace
@@ -68,6 +72,8 @@ def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s
             held = True
         if idle is not None and idle() is not None:
             held = False  # recovered while held: a held event again, on the new generation
+        elif gone is not None and gone():
+            break
         time.sleep(0.1)
         pace = Pace.read(work)
     if pace is not None and pace.steps_per_s:
@@ -138,6 +144,7 @@ def worker(args: JsonObject) -> JsonObject:
     paced, last_start = Pace.read(work) is not None, 0.0
     from meshpact.core.recovery import Policy
 
+    from ..recovery.consensus import gone_ranks
     from ..recovery.reshard import ExcisionRefused, LeftWithReplica
 
     refused: ExcisionRefused | None = None
@@ -160,7 +167,9 @@ def worker(args: JsonObject) -> JsonObject:
                 if paced:  # a held rank joins a recovery its peers opened meanwhile (an excision may refuse)
                     last_start = keep_pace(work, phase, step, last_start, 0.5 * session.spec.timeout_s,
                                            lambda kind, **data: session.emit(kind, generation=session.generation,
-                                                                             **data), rt.join_recovery)
+                                                                             **data), rt.join_recovery,
+                                           lambda: bool(gone_ranks(session.control,
+                                                                   [r for r in session.members if r != rank])))
                 t0 = time.perf_counter()
                 batch = batches(step)
                 if profile and fault_steps and step in (fault_steps[0] - 1, fault_steps[-1] + 1):

@@ -61,6 +61,28 @@ def test_scenario_and_failures_follow_the_user_across_pages(user):
     wait_title(user, "Replay")
     # the player fragment draws its metrics after the page's run: wait for it (under load it came late)
     assert wait_metric(user, "failed ranks") == "5 ranks"  # the ids are in its help; "ranks 5, 600-603" is too wide
+    user.reload()  # a reload opens on the same source, scenario and failures (all in the link)
+    wait_title(user, "Replay")
+    assert wait_metric(user, "failed ranks") == "5 ranks"
+    # another scenario: the failed ranks that come along are announced, those outside its mesh too
+    user.set_viewport_size({"width": 1024, "height": 768})
+    pick_scenario(user, "default")
+    notice = user.locator('[data-testid="stAlertContentInfo"]', has_text="Failed ranks carried over from whatif_1024")
+    notice.wait_for(timeout=30_000)
+    assert "600-603 dropped" in notice.inner_text()
+
+
+def _drawn_with_shipped_fonts(page, label: str) -> None:  # noqa: ANN001 (a playwright Page)
+    """The play/pause button reads ``label`` in plain characters, its symbol drawn by the icon font the
+    app ships (Material Symbols), not by a system font that may lack it (a missing-glyph box)."""
+    page.wait_for_function("(l) => { const b = document.querySelector('.st-key-replay_play button');"
+                           " return b && b.innerText.trim().endsWith(l); }", arg=label, timeout=20_000)
+    drawn = page.evaluate("""() => { const b = document.querySelector('.st-key-replay_play button');
+        const icon = b.querySelector('[data-testid="stIconMaterial"]');
+        const text = [...b.querySelectorAll('p')].map(e => e.innerText).join('');
+        return [text, icon ? getComputedStyle(icon).fontFamily : null]; }""")
+    assert drawn[0] == label and all(ord(ch) < 128 for ch in drawn[0]), drawn
+    assert drawn[1] is not None and "Material Symbols" in drawn[1], drawn
 
 
 def test_play_advances_the_replay(server, page):
@@ -73,12 +95,14 @@ def test_play_advances_the_replay(server, page):
         return int(text.split()[1].split("/")[0])
 
     before = event_no()
-    page.get_by_role("button", name="▶ play").click()
+    _drawn_with_shipped_fonts(page, "play")
+    page.locator(".st-key-replay_play button").first.click()
     page.wait_for_function(r"""(before) => [...document.querySelectorAll('strong')].some(e => {
         const m = e.innerText.match(/^Event (\d+)\//);
         return m && parseInt(m[1]) > before + 1;
     })""", arg=before, timeout=20_000)
-    page.get_by_role("button", name="⏸ pause").click()
+    _drawn_with_shipped_fonts(page, "pause")
+    page.locator(".st-key-replay_play button").first.click()
     _settle(page)
     assert event_no() > before + 1
     assert page.locator('[data-testid="stException"]').count() == 0
@@ -97,3 +121,29 @@ def test_uploading_a_bad_scenario_shows_a_readable_error(server, page, tmp_path)
     assert "typo.yaml" in text and "rankz" in text and "unknown field" in text
     assert page.locator('[data-testid="stException"]').count() == 0
     page.screenshot(path=str(ARTIFACTS / "scenario-upload-error.png"), full_page=True)
+
+
+def test_a_path_that_is_no_recording_is_one_line_saying_what_it_is(server, browser, tmp_path):
+    """Replay given a folder, an empty file and a JSON object that is no event: each is one error naming
+    the path and what it is (at 1,024 x 768, the narrower width), never a traceback."""
+    import json
+
+    empty, obj = tmp_path / "empty.jsonl", tmp_path / "obj.jsonl"
+    empty.write_text("")
+    obj.write_text(json.dumps({"name": "not a recording"}) + "\n")
+    pg = browser.new_page(viewport={"width": 1024, "height": 768})
+    pg.goto(f"{server}/replay")
+    settle(pg)
+    pg.get_by_text("recording", exact=True).first.click()
+    pg.locator(".st-key-replay_recording input").click()
+    pg.get_by_role("option", name="another file…", exact=True).click()
+    for path, said in ((tmp_path, "is a folder, not a recording"), (empty, "the file is empty"),
+                       (obj, "line 1 is not an event")):
+        box = pg.get_by_label("path of a recording (.jsonl)")
+        box.fill(str(path))
+        box.press("Enter")
+        alert = pg.locator('[data-testid="stAlertContentError"]', has_text=said)
+        alert.wait_for(timeout=20_000)
+        assert str(path) in alert.inner_text() and "expected a .jsonl file" in alert.inner_text()
+        assert pg.locator('[data-testid="stException"]').count() == 0
+    pg.close()

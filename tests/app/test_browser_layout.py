@@ -4,7 +4,8 @@ One Chromium, one page, both window sizes, every page of the dashboard (Live in 
 state), each in the states that draw the most: failures on the mesh, the hand-built edge on
 Plans (every planner's steps open), the serving sweep and both deployment tables on
 Simulate, Mesh failures on Replay, and Mesh and Replay again at 16,384 ranks.
-A page fails on an exception box or on any text cut by its box (:data:`CUT_JS`): metric
+A page fails on an exception box, on a chart legend drawn over an axis title or tick label
+(:data:`~meshpact.app.serve.LEGEND_OVER_AXIS_JS`), or on any text cut by its box (:data:`CUT_JS`): metric
 values and labels, buttons and links, widget labels, select values and tags, toggles,
 radios and tabs, input values, expander titles, HTML table cells, and the data grids'
 headers and cells, which the grid paints on a canvas (there the text is measured with the
@@ -20,7 +21,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from meshpact.app.serve import metric, settle, wait_metric_is, wait_title
+from meshpact.app.serve import LEGEND_OVER_AXIS_JS, metric, settle, wait_metric_is, wait_title
 
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
@@ -225,7 +226,7 @@ def test_no_page_cuts_what_a_user_reads_at_1024_or_1400_px(server, browser):
             for width, height in SIZES:
                 pg.set_viewport_size({"width": width, "height": height})
                 pg.wait_for_timeout(600)  # the layout, the charts and the grids' columns follow the new width
-                found = pg.evaluate(CUT_JS)
+                found = pg.evaluate(CUT_JS) + [f"legend over an axis: {t}" for t in pg.evaluate(LEGEND_OVER_AXIS_JS)]
                 if found:
                     pg.screenshot(path=str(ARTIFACTS / f"cut-{name}-{width}.png"), full_page=True)
                 problems += [f"{width}px {name}: {p}" for p in found]
@@ -275,7 +276,8 @@ def test_a_reload_and_a_shared_link_keep_the_scenario_and_the_failed_ranks(serve
                                      " return b && b.value === '5, 600-603'; }", timeout=30_000)
                 assert metric(pg, "healthy ranks") == "1,019/1,024", how
             assert "whatif_1024" in pg.locator('[data-testid="stSidebar"]').inner_text(), how
-            assert _params(pg) == {"scenario": ["whatif_1024"], "failed": ["5, 600-603"]}, how
+            replay = {"replay": ["mesh"]} if how == "another page" else {}  # Replay keeps its source in the link
+            assert _params(pg) == {"scenario": ["whatif_1024"], "failed": ["5, 600-603"], **replay}, how
             assert pg.locator('[data-testid="stException"]').count() == 0, how
     finally:
         pg.close()

@@ -6,8 +6,9 @@ downtime, committed step and per-rank states are checked against the run's JSON 
 summary event of its recording, the same document ``meshpact live recover --json`` prints).
 While the replace run is held, its Prometheus endpoint is scraped: the step, and the
 recovery once the page shows it; once it is over it opens as a Perfetto trace and in Replay.
-Then Stop reads stopped, and closing the tab ends every process the page started, counted by
-PID among the dashboard server's descendants.
+Then Stop reads stopped (every rank stopped with its last step, none failed), and reloading
+the page ends every process the page started, counted by PID among the dashboard server's
+descendants, and says so on the page that opens.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import pytest
 
 from meshpact.app.format import duration
 from meshpact.app.live_job import TRIAL_DIR
-from meshpact.app.serve import CLIPPED_JS, go_to, metric, wait_metric, wait_metric_is, wait_title
+from meshpact.app.figures import LIVE_LABEL_PX
+from meshpact.app.format import clock
+from meshpact.app.serve import CLIPPED_JS, MESH_READABLE_JS, go_to, metric, wait_metric, wait_metric_is, wait_title
 from meshpact.core.recovery import Policy
 from meshpact.live.trials.trialconfig import PROCESSES_FILE
 
@@ -66,14 +69,12 @@ def _start(pg, on_rank_loss: str = "replace") -> None:  # noqa: ANN001
     go_to(pg, "Live", "Live")
     form = pg.locator('[data-testid="stForm"]')
     form.get_by_label("ranks", exact=True).fill(str(RANKS))
-    form.get_by_label("training steps").fill(str(STEPS))
-    form.get_by_label("checkpoint every (steps)").fill(str(STEPS))
+    form.get_by_label("training steps", exact=True).fill(str(STEPS))
+    form.get_by_label("checkpoint every (steps)", exact=True).fill(str(STEPS))
     form.get_by_text("checkpoint baselines", exact=True).click()  # off: the run is the reference and the faulted one
     pg.locator(".st-key-live_pace_start input").click()
     pg.get_by_role("option", name="full speed", exact=True).click()
-    if on_rank_loss != "replace":  # excision goes on without a killed rank: the planned kind is kill (none planned)
-        form.locator('[data-testid="stSelectbox"]', has_text="planned fault kind").locator("input").click()
-        pg.get_by_role("option", name="kill", exact=True).click()
+    if on_rank_loss != "replace":  # the planned fault kind left at its default: no fault is planned
         pg.locator(".st-key-live_on_rank_loss input").click()
         pg.get_by_role("option", name=on_rank_loss, exact=True).click()
     form.get_by_role("button", name="Start cluster and train").click()
@@ -87,11 +88,30 @@ def _scrape(url: str) -> dict[str, float]:
     return {name: float(value) for name, _, value in (ln.rpartition(" ") for ln in lines if ln.startswith("meshpact_"))}
 
 
+def _recorded(pg) -> list[dict]:  # noqa: ANN001
+    """The events of the recording the page names."""
+    saved = pg.locator("p", has_text="Recording saved:").locator("code").first.inner_text().strip()
+    return [json.loads(ln) for ln in (ROOT / saved).read_text().splitlines() if ln.strip()]
+
+
 def _summary(pg) -> dict:  # noqa: ANN001
     """The run's JSON summary: the summary event of the recording the page names."""
-    saved = pg.locator("p", has_text="Recording saved:").locator("code").first.inner_text().strip()
-    lines = [json.loads(ln) for ln in (ROOT / saved).read_text().splitlines() if ln.strip()]
-    return next(ln["data"] for ln in lines if ln["event"] == "summary")
+    return next(ln["data"] for ln in _recorded(pg) if ln["event"] == "summary")
+
+
+VIEWPORTS = ({"width": 1400, "height": 900}, {"width": 1024, "height": 768})
+
+
+def _mesh_reads(pg, failed: set[int]) -> None:  # noqa: ANN001
+    """The Live mesh at this width: every rank that is not failed labelled in type a person reads, no
+    marker over another, the plot not a sliver."""
+    pg.locator(".st-key-live_mesh").scroll_into_view_if_needed()
+    pg.wait_for_timeout(300)  # plotly redraws at the new width
+    seen = pg.evaluate(MESH_READABLE_JS, ".st-key-live_mesh")
+    assert seen is not None and seen["width"] >= 300, seen
+    labels = dict(seen["labels"])
+    assert set(labels) == {str(r) for r in range(RANKS) if r not in failed}, seen
+    assert min(labels.values()) >= LIVE_LABEL_PX and seen["overlaps"] == 0, seen
 
 
 @pytest.fixture
@@ -127,6 +147,8 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
     # sent before Resume is pressed: a click while the page still runs the kill's rerun would interrupt it
     pg.wait_for_function("() => document.body.innerText.includes('Sent from this page: kill rank 1')",
                          timeout=60_000)
+    if on_rank_loss == "excise":  # no replacement comes: the held survivor meets the loss itself, excises, holds again
+        _rows_until(pg, lambda rows: rows[0][5] == "1" and rows[0][3] == "held" and rows[1][3] == "excised", 120)
     if on_rank_loss == "replace":  # recovered while held (the replacement joins the held survivor): generation 1
         _rows_until(pg, lambda rows: rows[0][5] == "1" and rows[0][3] == "held", 180)
         t0 = time.monotonic()
@@ -134,10 +156,11 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
         assert time.monotonic() - t0 < 2.0
         assert scraped['meshpact_recoveries_total{policy="peer_restore"}'] == 1.0, scraped
         assert scraped['meshpact_generation{rank="0",run="faulted"}'] == 1.0
-        assert scraped['meshpact_stage_seconds_count{stage="consensus"}'] >= 1.0
+        assert scraped['meshpact_rank_stage_seconds_count{stage="consensus"}'] >= 1.0
     _click(pg, "live_resume")
     verdict = pg.locator('[data-testid="stAlertContentSuccess"]', has_text="Bit-identical")
     verdict.wait_for(timeout=240_000)
+    said = verdict.first.inner_text()
     assert pg.locator('[data-testid="stException"]').count() == 0
     # the verdict is drawn from the run's summary as soon as it is written; the runner's exit a moment later
     assert wait_metric_is(pg, "run", "ended (0)") == "ended (0)"
@@ -150,6 +173,31 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
     assert shown == {Policy(p).label for p, s in summary["downtime_s"].items() if s is not None}
     assert metric(pg, "committed step") == str(summary["steps"])  # every rank still in the job finished
     rows = _rows_until(pg, lambda rows: all(c[3] in ("done", "excised") for c in rows.values()), 30)
+    recorded = _recorded(pg)
+    kill = next(e for e in recorded if e["event"] == "fault_injected" and e["data"].get("source") == "dashboard")
+    # one clock: the fault sent from the page reads at its time on the recording, as every event does
+    assert pg.locator("p", has_text=f"Sent from this page: kill rank 1 at {clock(kill['t'])} ").count() == 1
+    includes = summary["downtime_includes"][policy.value]
+    assert pg.locator("p", has_text=f"{policy.label} includes {includes}").count() == 1  # on the page itself
+    for viewport in VIEWPORTS:
+        pg.set_viewport_size(viewport)
+        _mesh_reads(pg, {1} if on_rank_loss == "excise" else set())
+        pg.wait_for_timeout(300)
+        assert pg.evaluate(LIVE_CLIPPED_JS) == [], f"the finished Live page cuts what a user reads at {viewport}"
+    if on_rank_loss == "excise":  # judged against the excising reference, its difference from the unfailed run said
+        excision = summary["excision"]
+        assert said.startswith("Bit-identical to the excising reference") and excision["equal_to_excising_reference"]
+        assert "without rank 1 from step" in said and "equal the fault-free" not in said
+        assert f"{excision['max_abs_diff_from_unfailed']:.3g}" in said, (said, excision)
+        assert "An excising run measures no checkpoint baseline" not in pg.locator("body").inner_text()  # none asked
+    else:
+        assert said.startswith("Bit-identical to the fault-free reference") and summary["excision"] is None
+        # Prometheus's stage figures are the page's: each recovery's critical path, from the run's own analysis
+        recs = [e["data"] for e in recorded if e["event"] == "recovered"]
+        scraped = _scrape(url)
+        for stage in ("detection", "consensus", "state"):
+            want = sum(r["stages_s"][stage] or 0.0 for r in recs)
+            assert abs(scraped.get(f'meshpact_stage_seconds_sum{{stage="{stage}"}}', 0.0) - want) < 1e-6, (stage, recs)
     ARTIFACTS.mkdir(exist_ok=True)
     pg.set_viewport_size({"width": 1400, "height": 2600})  # the app scrolls inside its own box: all of it in view
     pg.wait_for_timeout(500)
@@ -321,17 +369,30 @@ def _started_by_the_page(seen: Seen, at_least: int, timeout_s: float = 120) -> s
 
 
 @pytest.mark.timeout(240)
-def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_started(browser, server, its_recordings):
+def test_stop_reads_stopped_and_a_reload_ends_every_process_the_page_started(browser, server, its_recordings):
     server_pid = _server_pid(server)
     pg = browser.new_page(viewport={"width": 1400, "height": 900})
     pg.goto(server)
+    go_to(pg, "Live", "Live")  # a number the form does not take: refused in words, nothing started
+    pg.locator('[data-testid="stForm"]').get_by_label("ranks", exact=True).fill("2.5")
+    pg.locator('[data-testid="stForm"]').get_by_role("button", name="Start cluster and train").click()
+    pg.locator('[data-testid="stAlertContentError"]', has_text="2.5 is not a whole number").wait_for(timeout=30_000)
+    assert not _descendants(server_pid)
     _start(pg)
     seen = Seen(server_pid)
     assert len(_started_by_the_page(seen, 2)) >= 2, seen.story(pg)  # the runner and its fork server at least
+    _rows_until(pg, lambda rows: True, 120)  # the reference run's ranks are up
     _click(pg, "live_stop")
     pg.wait_for_function("() => document.body.innerText.includes('The run was stopped.')", timeout=60_000)
-    assert metric(pg, "run") == "stopped"
+    assert metric(pg, "run") == "stopped" and metric(pg, "phase") == "stopped"
     assert pg.locator('[data-testid="stAlertContentError"]').count() == 0
+    # a stop loses no rank: every row reads stopped with its last step, the mesh marks none failed
+    rows = _rows_until(pg, lambda rows: all(c[3] == "stopped" for c in rows.values()), 30)
+    steps = [int(c[4]) for c in rows.values() if c[4].isdigit()]
+    assert metric(pg, "committed step") == (str(min(steps)) if steps else "—"), rows
+    for viewport in VIEWPORTS:
+        pg.set_viewport_size(viewport)
+        _mesh_reads(pg, set())
     pg.wait_for_function("() => !document.querySelector('.st-key-live_stop button') "
                          "|| document.querySelector('.st-key-live_stop button').disabled", timeout=30_000)
     pg.close()
@@ -342,7 +403,11 @@ def test_stop_reads_stopped_and_closing_the_tab_ends_every_process_the_page_star
     seen = Seen(server_pid)
     started = _started_by_the_page(seen, RANKS + 2)  # the runner, its fork server and the reference run's ranks
     assert len(started) >= RANKS + 2 and len(seen.runners(started)) == 1, seen.story(pg)
-    pg.close()  # the tab goes; nothing else is done
+    name = Path(seen.cmd[seen.runners(started)[0]].split("--record")[1].split()[0]).stem
+    pg.reload()  # the session that started the run goes (as when its tab closes); the page that opens says so
+    pg.locator('[data-testid="stAlertContentWarning"]', has_text=f"The run {name} that this tab started was "
+               "stopped when the page was reloaded").wait_for(timeout=30_000)
+    pg.close()
     t0 = time.monotonic()
     while _alive(started) and time.monotonic() - t0 < 10:
         time.sleep(0.2)

@@ -56,16 +56,18 @@ def test_ranks_are_found_faulted_and_everything_stops(job):
     assert job.status == "running"
     assert [(r.rank, r.phase) for r in job.ranks()] == [(0, "faulted"), (1, "faulted")]
     job.stall_rank(0, 0.4)
-    assert _wait(lambda: any(r.rank == 0 and r.stopped for r in job.ranks()), 3)
-    assert _wait(lambda: not any(r.stopped for r in job.ranks()), 5)
+    assert _wait(lambda: any(r.rank == 0 and r.stalled for r in job.ranks()), 3)
+    assert _wait(lambda: not any(r.stalled for r in job.ranks()), 5)
     killed = job.kill_rank(1)
     assert _wait(lambda: [r.rank for r in job.ranks()] == [0], 5)
-    assert job.injected[-1] == {**job.injected[-1], "kind": "kill", "rank": 1, "pid": killed.pid}
+    assert (job.injected[-1].kind.value, job.injected[-1].rank) == ("kill", 1)
+    assert '"pid": %d' % killed.pid in (job.work / "injected.jsonl").read_text().splitlines()[-1]
     with pytest.raises(LookupError, match="rank 1 has no running process in the faulted run"):
         job.kill_rank(1)
     job.stop()
     assert not job.running
     assert job.status == "stopped"  # asked for, so never read as a failure whatever the exit status
+    assert job.ranks() == [] and job.phases_seen == {"faulted"}  # a stopped run keeps the run its table showed
     assert _wait(lambda: not job_processes(job.token), 5)  # the rank in its own session is gone too
 
 
@@ -107,7 +109,7 @@ def test_ranks_forked_warm_are_named_by_the_launchers_list_and_only_with_the_tok
         assert len(job_processes(job.token)) == 4  # the runner and the three children carry the token
         killed = job.kill_rank(1)
         assert _wait(lambda: [r.rank for r in job.ranks()] == [0], 5)
-        assert job.injected[-1]["pid"] == killed.pid == ranks[1].pid
+        assert job.injected[-1].rank == killed.rank == 1 and killed.pid == ranks[1].pid
     finally:
         job.stop()
     assert _wait(lambda: not job_processes(job.token), 5)  # the unnamed one is stopped too
@@ -257,7 +259,7 @@ def test_rank_rows_follow_each_ranks_newest_incarnation_in_its_own_run():
            for r in rows]
     assert got == [
         (0, 100, 0, "recovering: detection", 7, 0, "meshpact_data_g0 #41", "detected", 2.0),
-        (1, 105, 1, "stopped", None, None, "", "session_start", 1.0),  # the replacement: its own log only
+        (1, 105, 1, "stalled", None, None, "", "session_start", 1.0),  # the replacement: its own log only
         (2, None, 0, "—", None, None, "", "", None),  # its reference step is not the faulted run's
         (3, None, 0, "dead", 0, None, "", "held", 6.0),  # held, then its process went away
     ]
@@ -314,7 +316,7 @@ def test_the_live_page_serves_prometheus_metrics_only_when_asked(tmp_path):
     assert endpoint.addr == "127.0.0.1" and any(endpoint.url in c.value for c in at.caption)
     with urllib.request.urlopen(endpoint.url, timeout=5) as r:
         text = r.read().decode()
-    assert 'meshpact_stage_seconds_count{stage="detection"} 1.0' in text
+    assert 'meshpact_rank_stage_seconds_count{stage="detection"} 1.0' in text
     at.toggle(key="live_metrics_on").set_value(False).run()
     assert "live_metrics_endpoint" not in at.session_state
     with pytest.raises(OSError):
@@ -358,6 +360,49 @@ def test_a_held_rank_waits_records_it_once_and_goes_when_released(tmp_path):
     Pace(0.1, frozenset({"faulted"})).write(tmp_path)
     t1 = time.monotonic()
     assert keep_pace(tmp_path, "cold", 0, t1, 0.3, lambda *a, **k: seen.append(a)) - t1 < 0.5 and len(seen) == 1
+
+
+def test_a_held_rank_leaves_the_hold_for_one_step_once_a_peer_is_gone_for_good(tmp_path):
+    """An excising job's held survivors: a killed peer gets no replacement, so no recovery round opens for
+    them to join; once the launcher marks it gone the rank runs the step (its collectives meet the loss) and
+    the next step holds again."""
+    import threading
+
+    from meshpact.live.trials.rankworker import keep_pace
+    from meshpact.live.trials.trialconfig import Pace
+
+    Pace(None, frozenset({"faulted"})).write(tmp_path)
+    marked = threading.Event()
+    threading.Timer(0.4, marked.set).start()
+    seen: list = []
+    t0 = time.monotonic()
+    keep_pace(tmp_path, "faulted", 0, t0, 0.5, lambda kind, **data: seen.append(str(kind)), lambda: None,
+              marked.is_set)
+    assert 0.35 <= time.monotonic() - t0 < 3.0 and seen == ["held"]  # held, then left while the pace still holds
+    assert Pace.read(tmp_path).holds("faulted")
+
+
+def test_the_faults_sent_from_the_page_read_on_the_event_streams_clock():
+    from meshpact.app.live_control import FaultFromPage, SentFault, sent_caption
+
+    wall0 = 1_000_000.0  # the recording began here; the job started 1.6 s earlier
+    line = sent_caption([SentFault(FaultFromPage.KILL, 3, wall0 + 29.39),
+                         SentFault(FaultFromPage.STALL, 1, wall0 + 61.0)], wall0)
+    assert line == "Sent from this page: kill rank 3 at 0:00:29.4; stall rank 1 at 0:01:01.0"
+
+
+def test_every_cell_of_the_event_table_is_filled_the_trials_own_first_events_included():
+    from meshpact.app.live_control import RankEvent, job_stream, stream_rows
+    from meshpact.core.recording import Event, EventKind
+
+    wall0 = 500.0
+    parent = [Event(0.0, EventKind.RECORDING_START, data={"wall_time": wall0})]
+    ranked = [RankEvent("reference", 0, Event(wall0 + 1.5, EventKind.STEP, 0, data={"step": 0}))]
+    rows = stream_rows(job_stream(ranked, parent, wall0))
+    assert rows == [{"time": "0:00:00.0", "run": "trial", "event": "recording_start", "rank": "", "stage": "",
+                     "step": ""},
+                    {"time": "0:00:01.5", "run": "reference", "event": "step", "rank": "0", "stage": "",
+                     "step": "0"}]
 
 
 def test_faults_sent_from_the_page_land_in_the_recording_and_its_summary(tmp_path):
@@ -426,10 +471,23 @@ def test_the_start_form_is_checked_in_the_pages_own_words():
     from meshpact.app.live_control import form_problem
 
     assert form_problem(4, 0, "kill", "excise") is None and form_problem(4, 2, "collective", "replace") is None
-    wrong_kind = form_problem(4, 0, "collective", "excise")
+    wrong_kind = form_problem(4, 1, "collective", "excise")
     assert "planned fault kind" in wrong_kind and "kill" in wrong_kind and "--" not in wrong_kind
     too_many = form_problem(4, 4, "kill", "excise")
     assert "at most 3 **planned faults**" in too_many and "--" not in too_many
+
+
+def test_the_excise_form_starts_from_its_own_defaults():
+    """The form's defaults (4 ranks, 40 steps, no planned fault, kind collective) with excise picked
+    pass the page's check and the trial's own: with no planned fault the kind plays no part."""
+    from meshpact.app.live_control import form_problem, planned_fault_kind
+    from meshpact.live.trials.trialconfig import TrialConfig
+
+    assert form_problem(4, 0, "collective", "excise") is None
+    kind = planned_fault_kind(0, "collective", "excise")
+    TrialConfig(ranks=4, steps=40, faults=0, fault_kind=kind, checkpoint_every=10, on_rank_loss="excise")
+    assert planned_fault_kind(2, "collective", "replace") == "collective"
+    assert planned_fault_kind(1, "stall", "excise") == "stall"  # refused by form_problem, never rewritten
 
 
 # --- the page's figures from the run's records -------------------------------------------------------------------
@@ -490,6 +548,39 @@ def test_a_clean_finish_marks_no_rank_failed_and_a_replaced_rank_reads_its_repla
     early = [e for e in events if e.event.data.get("step", 0) < 6]
     assert [r.state for r in rank_rows([], early, "faulted", 30.0, 4, steps=8)] == ["dead"] * 4
     assert [r.state for r in rank_rows([], early, "faulted", 30.0, 4, steps=8, finished=True)] == ["done"] * 4
+
+
+def test_the_generation_is_the_one_a_rank_trains_in_not_the_checkpoint_baselines_drill_after_the_last_step():
+    from meshpact.app.live_control import rank_rows
+    from meshpact.core.recording import EventKind
+    from meshpact.core.recovery import Stage
+
+    events = [_rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0 if s < 3 else 1)
+              for s in range(1, 9) for r in range(2)]
+    # the in-job checkpoint baseline: a drill's recovery after the last step builds generation 2
+    events += [_rank_ev("faulted", 0, 20.0, EventKind.DECIDED, r, Stage.CONSENSUS, policy="checkpoint_restore",
+                        generation=2) for r in range(2)]
+    rows = rank_rows([], events, "faulted", now=30.0, world_size=2, steps=8)
+    assert [r.generation for r in rows] == [1, 1] and [r.state for r in rows] == ["done", "done"]
+
+
+def test_a_run_stopped_from_the_page_reads_stopped_with_each_ranks_last_step_never_as_lost():
+    from meshpact.app.live_control import RankProcess, committed_step, down_ranks, rank_rows
+    from meshpact.core.recording import EventKind
+
+    events = [_rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0)
+              for s in range(1, 8) for r in range(4) if not (r == 3 and s == 7)]  # rank 3 one step behind
+    events += [_rank_ev("faulted", 0, 0.5, EventKind.DECIDED, 0, policy="excise", lost=[2])]
+    stopped = rank_rows([], events, "faulted", now=30.0, world_size=4, steps=40, stopped=True)
+    assert [r.state for r in stopped] == ["stopped", "stopped", "excised", "stopped"]
+    assert [r.step for r in stopped] == [7, 7, 7, 6]
+    assert down_ranks(stopped) == [2]  # the excised rank only: a stop loses no rank
+    assert committed_step(stopped) == 6  # the least over the ranks still in the job
+    # a stalled rank (SIGSTOPped from the page) is marked failed while it lasts; the stop leaves it stopped
+    stalled = rank_rows([RankProcess(100 + r, r, "faulted", 0, r == 1) for r in (0, 1, 3)], events, "faulted",
+                        now=9.0, world_size=4, steps=40)
+    assert [r.state for r in stalled] == ["training", "stalled", "excised", "training"]
+    assert down_ranks(stalled) == [1, 2]
 
 
 def _recording_line(t, event, rank=None, stage=None, **data):
@@ -684,3 +775,17 @@ def test_a_runner_ends_what_it_started_when_the_dashboard_process_dies(tmp_path)
             os.kill(pid, signal.SIGKILL)
         if "work" in locals():  # the job's scratch directory, which the killed process could not remove
             shutil.rmtree(work, ignore_errors=True)
+
+
+def test_a_reloaded_live_page_says_what_became_of_the_run_its_tab_started(tmp_path):
+    from meshpact.app.live_control import earlier_run_notice
+
+    name = "live-20261206-230931"
+    assert earlier_run_notice(None, tmp_path) is None
+    assert earlier_run_notice("../../etc/passwd", tmp_path) is None and earlier_run_notice("live-x", tmp_path) is None
+    assert "It had recorded nothing yet" in earlier_run_notice(name, tmp_path)
+    partial_path(tmp_path / f"{name}.jsonl").write_text('{"event": "recording_start"}\n')
+    said = earlier_run_notice(name, tmp_path)
+    assert "was stopped when the page was reloaded" in said and f"{name}.jsonl.partial" in said
+    (tmp_path / f"{name}.jsonl").write_text('{"event": "recording_start"}\n{"event": "summary"}\n')
+    assert "has finished" in earlier_run_notice(name, tmp_path)

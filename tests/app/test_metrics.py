@@ -47,9 +47,10 @@ def test_metrics_follow_the_partial_recording_as_it_grows(tmp_path):
         m = _scrape(ep.url)
         assert m['meshpact_recoveries_total{policy="in_memory"}'] == 1.0  # three ranks, one decision
         assert m['meshpact_recoveries_total{policy="checkpoint_restore"}'] == 1.0
-        assert m['meshpact_stage_seconds_count{stage="detection"}'] == 3.0
-        assert abs(m['meshpact_stage_seconds_sum{stage="detection"}'] - 0.12) < 1e-9
-        assert m['meshpact_stage_seconds_bucket{le="0.05",stage="detection"}'] == 2.0
+        assert m['meshpact_rank_stage_seconds_count{stage="detection"}'] == 3.0
+        assert abs(m['meshpact_rank_stage_seconds_sum{stage="detection"}'] - 0.12) < 1e-9
+        assert m['meshpact_rank_stage_seconds_bucket{le="0.05",stage="detection"}'] == 2.0
+        assert not any(k.startswith("meshpact_stage_seconds_count") for k in m)  # no recovery analysed yet
         assert 'meshpact_rank_last_event_age_seconds{rank="1"}' in m
         assert m['meshpact_events_total{event="decided"}'] == 4.0
     finally:
@@ -115,18 +116,25 @@ def test_metrics_follow_the_rank_logs_while_the_run_goes(tmp_path):
                 fh.write(_line(1003.0, "step", r, step=5, generation=1))
         m = _scrape(ep.url)
         assert m['meshpact_recoveries_total{policy="peer_restore"}'] == 1.0
-        assert m['meshpact_stage_seconds_count{stage="consensus"}'] == 2.0
+        assert m['meshpact_rank_stage_seconds_count{stage="consensus"}'] == 2.0
         assert m['meshpact_committed_step{rank="0",run="faulted"}'] == 5.0
         assert m['meshpact_generation{rank="0",run="faulted"}'] == 1.0
         events = m['meshpact_events_total{event="detected"}']
         with open(partial_path(rec), "a") as fh:  # the run ends: the parent copies the logs, then its summary
             for r in range(2):
                 fh.write(_line(2.0, "detected", r, "detection", seconds=0.2))
+            fh.write(_line(3.5, "recovered", step=4, generation=1, policy="peer_restore",
+                           stages_s={"detection": 0.25, "consensus": 0.5, "communicator": 0.125, "state": None}))
             fh.write(_line(4.0, "summary", faults_injected=0))
         os.replace(partial_path(rec), rec)
         m = _scrape(ep.url)
         assert m['meshpact_events_total{event="detected"}'] == events == 2.0
         assert m['meshpact_events_total{event="summary"}'] == 1.0
-        assert m['meshpact_stage_seconds_count{stage="detection"}'] == 2.0
+        assert m['meshpact_rank_stage_seconds_count{stage="detection"}'] == 2.0
+        # the recovery as the page draws it: one observation per stage, its critical-path figure
+        assert m['meshpact_stage_seconds_count{stage="consensus"}'] == 1.0
+        assert m['meshpact_stage_seconds_sum{stage="consensus"}'] == 0.5
+        assert m['meshpact_stage_seconds_sum{stage="detection"}'] == 0.25
+        assert 'meshpact_stage_seconds_count{stage="state"}' not in m  # not measured: no observation
     finally:
         ep.close()

@@ -249,7 +249,7 @@ def test_replay_of_a_missing_recording_is_a_readable_error(tmp_path):
     at.selectbox(key="replay_recording").set_value("another file…").run()
     at.text_input(key="replay_path").input(str(tmp_path / "nope.jsonl")).run()
     assert not at.exception
-    assert any("no such recording" in e.value for e in at.error)
+    assert any("no such file" in e.value for e in at.error)
 
 
 @pytest.mark.slow
@@ -258,8 +258,13 @@ def test_replay_of_a_missing_recording_is_a_readable_error(tmp_path):
 def test_live_page_runs_a_recovery_and_shows_the_verdict():
     at = _app()
     at.switch_page("views/live.py").run()
-    for widget, value in zip(at.number_input, (2, 8, 1, 2)):  # ranks, steps, faults, checkpoint every
-        widget.set_value(value)
+    for key, value in (("live_ranks", "2.5"), ("live_steps", "8"), ("live_faults", "1"), ("live_every", "2")):
+        at.text_input(key=key).set_value(value)
+    at.button[0].click().run()  # a number the box does not take is refused in words, nothing started
+    assert any("**ranks**: 2.5 is not a whole number; expected a whole number from 2 to 8" in e.value
+               for e in at.error), [e.value for e in at.error]
+    assert "live_job" not in at.session_state
+    at.text_input(key="live_ranks").set_value("2")
     at.toggle(key="live_baselines").set_value(False)
     at.toggle(key="live_hold").set_value(False)  # the planned fault alone, nothing sent by hand
     at.selectbox(key="live_pace_start").set_value("full speed")

@@ -128,3 +128,23 @@ def test_any_file_given_as_a_recording_is_one_line(tmp_path, content):
     with pytest.raises(MeshpactError) as info:
         read_recording(p)
     assert "\n" not in str(info.value) and str(p) in str(info.value)
+
+
+def test_a_file_that_is_no_recording_is_refused_with_what_it_is_and_what_was_expected(tmp_path):
+    import json
+
+    from meshpact.app.replay import recording_problem
+
+    empty, obj, other = tmp_path / "empty.jsonl", tmp_path / "obj.json", tmp_path / "late.jsonl"
+    empty.write_text("")
+    obj.write_text(json.dumps({"name": "not a recording", "ranks": 4}) + "\n")
+    other.write_text(json.dumps({"t": 0.0, "event": "step", "rank": 0, "stage": None, "data": {}}) + "\n")
+    said = {p.name: recording_problem(p) for p in (tmp_path, empty, obj, other, tmp_path / "gone.jsonl")}
+    assert "is a folder, not a recording" in said[tmp_path.name]
+    assert "the file is empty" in said["empty.jsonl"]
+    assert "line 1 is not an event (a JSON object with t, event" in said["obj.json"]
+    assert "line 1 is a 'step' event, not 'recording_start'" in said["late.jsonl"]
+    assert "no such file" in said["gone.jsonl"]
+    assert all(s.count("\n") == 0 and "expected a .jsonl file" in s for s in said.values())
+    shipped = Path(__file__).resolve().parents[2] / "scenarios" / "recordings" / "live-trial-2-ranks.jsonl"
+    assert recording_problem(shipped) is None

@@ -163,3 +163,24 @@ def test_link_params_round_trip_through_the_readers():
     assert scenario_from_link(params["scenario"], ["whatif_1024"])[0] == "whatif_1024"
     assert failed_from_link(params["failed"], range(1024))[0] == [5, 600, 601, 602, 603]
     assert link_params(None, []) == {}  # an uploaded scenario and no failures: nothing to keep
+
+
+def test_failed_ranks_carried_to_another_scenario_are_announced_with_those_dropped():
+    from meshpact.app.state import carried_failures_notice
+
+    said = carried_failures_notice("whatif_1024", "default", [5, 6, 7, 8, 9, 12], dropped=[600, 601, 602, 603])
+    assert said == ("Failed ranks carried over from **whatif_1024**: 5-9, 12 (600-603 dropped: not in this mesh). "
+                    "Clear or change them on the Mesh page.")
+    assert carried_failures_notice("default", "default", [5]) is None  # the same scenario
+    assert carried_failures_notice(None, "default", [5]) is None  # the first scenario of the session
+    assert carried_failures_notice("whatif_1024", "default", []) is None  # nothing to carry
+    assert "carried over" in carried_failures_notice("a", "b", [], dropped=[70])  # every one dropped: still said
+
+
+def test_the_replay_source_travels_in_the_link_by_a_short_word_and_back():
+    from meshpact.app.state import REPLAY_SOURCES, replay_link_word, replay_source_from_link
+
+    for word, source in REPLAY_SOURCES.items():
+        assert replay_link_word(source) == word and replay_source_from_link(word) == source
+    assert replay_source_from_link("failures picked on Mesh") is None and replay_source_from_link(None) is None
+    assert replay_link_word("something else") is None
