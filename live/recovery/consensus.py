@@ -63,10 +63,12 @@ LOST_KEY = "lost/round"  # lost/round<k>: the ranks declared lost in round k (th
 GONE_KEY = "gone/rank"  # gone/rank<r>: the launcher saw rank r's process exit and starts no replacement
 ADOPTED = "adopted"  # round<k>/adopted: the decision that stands, copied there by the round's decider
 GONE_COUNT_KEY = "gone/count"  # how many gone/rank<r> keys exist: read with the round counters, in one round trip
-# the first slice of a round's wait blocks in the store, which wakes the waiter when its keys are set: no
-# round trip until then, however many ranks wait. A decision that takes longer than a quarter second to
-# come (a large job's decider reads every proposal) must not turn every waiting rank into a poller: at
-# 1,024 light ranks, polling from 0.25 s on kept the control channel's host busy for 15 s of CPU
+# the first slice of a wait for the round's decision blocks in the store, which wakes the waiter when the
+# decision is set: no round trip until then, however many ranks wait. A decision that takes longer than a
+# quarter second to come (a large job's decider reads every proposal) must not turn every waiting rank into
+# a poller: at 1,024 light ranks, polling from 0.25 s on kept the control channel's host busy for 15 s of
+# CPU. The decider's own wait for the proposals keeps quarter-second slices: one rank polls there, and a
+# rank the launcher marks gone (a kill, when excising) is read at the first slice's end
 FIRST_SLICE_S = 1.0
 # why a replacement policy cannot excise a rank whose replacement never came, unless the caller says it can
 EXCISE_NOT_OFFERED = "the job offers no excision (no build(mesh) for a smaller world was given)"
@@ -427,18 +429,17 @@ def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: 
     # the first slice of an agreement's first round blocks in the store (the common case: answered at once);
     # the rest, waiting on a slow rank, ask without a timed-out wait's two warning lines each (wait_quietly)
     wait = channel.wait_quietly if quiet else channel.wait
-    first = not quiet
     while True:
         wanted = [(k, r) for k, r in zip(keys, ranks) if r not in skip]
         left = deadline - time.monotonic()
         try:
-            got = wait([k for k, _ in wanted], max(min(FIRST_SLICE_S if first else slice_s, left), 0.01))
+            got = wait([k for k, _ in wanted], max(min(slice_s, left), 0.01))
             skipped = [k for k, r in zip(keys, ranks) if r in skip]
             return {**got, **channel.present(skipped)} if skipped else got
         except ControlTimeout:
-            if left <= (FIRST_SLICE_S if first else slice_s):
+            if left <= slice_s:
                 return channel.present(keys)
-        wait, first = channel.wait_quietly, False
+        wait = channel.wait_quietly
         gone_now = channel.counter(GONE_COUNT_KEY)  # one round trip; the names only when the count moved
         if gone_now != seen_gone:
             seen_gone = gone_now

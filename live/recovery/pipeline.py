@@ -338,11 +338,13 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
     groups: Mapping[str, dist.ProcessGroup] = d.old_groups
     if action is CommunicatorAction.RECONFIGURE:  # torch 2.14+: same objects, rebuilt in place
         try:
+            before = comm.socket_fds()  # the same groups, new sockets: theirs from now on
             for base in comm.build_order(d.old_groups, s.groups):
                 pg = d.old_groups[base]
                 ranks = comm.group_ranks(pg)
                 pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.generation, base), s.store),
                                ranks.index(s.rank), len(ranks))
+            s.data_path.record((pg.group_name for pg in d.old_groups.values()), comm.opened_since(before))
         except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
             note, action = f"reconfigure refused ({exc}); rebuilt instead", CommunicatorAction.REBUILD
     if standby_groups is not None:
@@ -527,6 +529,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
     with s.sever_lock:  # a late sever by the heartbeat never reaches the smaller world's new group
         # below min_ranks this raises ExcisionRefused (one line, the flushed checkpoint named), and on a rank
         # of a replica that leaves LeftWithReplica: the caller's to report
+        before = comm.socket_fds()  # what the smaller world's groups open is its data path, nothing else
         try:
             out = excise(rt.state(), held, Membership(s.world_size, s.members), decision.lost, step=decision.step,
                          spec=s.spec, store=s.store, generation=decision.generation, build=rt.build,
@@ -537,6 +540,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
             s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, generation=decision.generation, groups=0, world=0,
                    left_with_replica=str(exc))
             raise
+        s.data_path.record((pg.group_name for pg in out.groups.values()), comm.opened_since(before))
         rec = out.record
         s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
                generation=decision.generation, backend=s.spec.backend, groups=len(out.groups), world=rec.new_world,
@@ -549,6 +553,7 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
         rt.adopt_departed(out.departed)  # the lost ranks' registered objects (data positions) continue here
         for old in d.old_groups.values():
             retire(rt, old, None)
+        device.abort_groups(d.old_groups.values(), s.spec.backend)  # on NCCL: as retire_replaced does
         s.advance(Generation(decision.generation, out.spec, dict(out.groups), out.mesh,
                              out.membership.alive, f"world{out.membership.world}-from-step{decision.step}"))
     rt.meshes = weakref.WeakSet([out.mesh])
