@@ -23,6 +23,7 @@ from meshpact.app.figures import fleet_figure, goodput_figure, recovery_figure, 
 from meshpact.app.format import count, duration
 from meshpact.app.policies import compare_policies
 from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
+from meshpact.app.widgets import number_box
 from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
 from meshpact.core.scenario import SERVING_REQUESTS, Deployment
 from meshpact.core.errors import MeshpactError, ScenarioError
@@ -115,13 +116,16 @@ with training:
     st.caption(f"{scenario.name}: {w.model}, {w.ranks or 'all'} ranks, faults, checkpoints and recovery from the "
                "scenario; change them here. Every policy replays the same fault trace.")
     k = st.columns(5)
-    # Written as the charts write them: whole hours ("2000", not "2000.00"), days to the half day.
-    days = k[0].number_input("days", 0.5, 60.0, min(float(w.days), 60.0), step=0.5, format="%.1f")
-    mtbf = k[1].number_input("per-rank MTBF (hours)", 10.0, 1e6, float(f.rank_mtbf_hours or 2000.0), step=100.0,
-                             format="%.0f")
-    every = k[2].number_input("checkpoint every (steps)", 1, 100_000, int(c.every_steps), step=50)
+    # Typed, not stepped: a value out of range is refused under its box in words, and no figure is drawn
+    # for a setting the page does not hold (the figures never stay on an old value beside a new one)
+    days = number_box(k[0], "days", 0.5, 60.0, min(float(w.days), 60.0), key="sim_days")
+    mtbf = number_box(k[1], "per-rank MTBF (hours)", 10.0, 1e6, float(f.rank_mtbf_hours or 2000.0), key="sim_mtbf")
+    every = number_box(k[2], "checkpoint every (steps)", 1, 100_000, int(c.every_steps), key="sim_every", whole=True)
     mode = k[3].selectbox("checkpoint mode", ["sync", "async"], index=0 if c.mode.value == "sync" else 1)
-    seed = k[4].number_input("fault seed", 0, 10_000, int(f.seed))
+    seed = number_box(k[4], "fault seed", 0, 10_000, int(f.seed), key="sim_seed", whole=True)
+    if days is None or mtbf is None or every is None or seed is None:
+        st.info("The figures wait for every box above to hold a number it takes.")
+        st.stop()
     flags = {"days": days, "rank_mtbf_hours": mtbf, "checkpoint_every": int(every), "checkpoint_mode": mode,
              "seed": int(seed)}
     key = (choice.text, tuple(sorted(flags.items())))

@@ -203,8 +203,8 @@ def _routed(pg, name: str) -> list[str]:  # noqa: ANN001
         out.append(f"{name}: no title")
     if name == "simulate":
         shown = (pg.get_by_label("per-rank MTBF (hours)").input_value(), pg.get_by_label("days", exact=True).input_value())
-        if "." in shown[0] or shown[1] != "7.0":
-            out.append(f"simulate: MTBF and days read {shown}: whole hours and one decimal of days expected")
+        if "." in shown[0] or shown[1] != "7":
+            out.append(f"simulate: MTBF and days read {shown}: whole hours and whole days as typed expected")
     return out
 
 

@@ -160,6 +160,20 @@ def test_simulate_shows_goodput_per_policy_and_runs_the_serving_sweep():
     assert len(at.get("plotly_chart")) == charts + 1
 
 
+def test_simulate_refuses_a_number_out_of_range_in_words_and_draws_no_figure_for_it():
+    """days = 0.2 once left the figures on the old value while the box showed 0.2, with a red "!"."""
+    at = _app()
+    at.switch_page("views/simulate.py").run()
+    before = len(at.get("plotly_chart"))
+    at.text_input(key="sim_days").input("0.2").run()
+    assert not at.exception
+    said = [e.value for e in at.error]
+    assert any("**days**" in e and "0.2" in e and "from 0.5 to 60" in e for e in said), said
+    assert before > 0 and len(at.get("plotly_chart")) == 0 and not at.metric
+    at.text_input(key="sim_days").input("3").run()
+    assert not at.exception and len(at.get("plotly_chart")) == before
+
+
 # The planners the Plans page compares, as a user reads them: a planner dropped from the
 # registry must fail this test, not shrink it.
 PLANNER_HEADINGS = {"meshpact lowerer", "layout-only", "byte-only"}
