@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.meshpact-installed
 PORT   ?= 8501
 
-.PHONY: install app test test-fast bench docs clean
+.PHONY: install app test test-fast lint bench docs clean
 
 install: $(STAMP)
 
@@ -26,6 +26,10 @@ app: install
 # (tests/conftest.py), so neither worker is left alone with one at the end.
 test: install
 	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
+
+# pyflakes and pycodestyle over the whole tree (pyproject.toml's [tool.ruff]); .ci/run runs it first
+lint: install
+	$(VENV)/bin/ruff check .
 
 test-fast: install
 	$(VENV)/bin/pytest -m "not slow"

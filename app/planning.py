@@ -20,7 +20,6 @@ from meshpact.core.plan import Plan, PlanCost, plan_cost
 from meshpact.core.checker import Violation
 from meshpact.core.planners import planner_named, planners
 from meshpact.core.runvalues import RunReport
-from meshpact.core.units import human_bytes
 
 __all__ = [
     "PlannerOutcome",

@@ -26,7 +26,6 @@ in one line and the bench still measures meshpact's.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess

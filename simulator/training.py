@@ -596,12 +596,12 @@ def check_bounds(scenario: Scenario, w: Workload, ranks: int, horizon_s: float) 
             f"({w.step_s:.3g} s each) in {horizon_s / 86400:g} days exceed the limit of {MAX_CHECKPOINT_INTERVALS:,}; "
             "raise checkpointing.every_steps, the step time, or shorten workload.days")
     f = scenario.faults
-    for field, mtbf in (("faults.rank_mtbf_hours", f.rank_mtbf_hours), ("faults.rank_loss_mtbf_hours", f.rank_loss_mtbf_hours),
-                        ("faults.hang_mtbf_hours", f.hang_mtbf_hours)):
+    for name, mtbf in (("faults.rank_mtbf_hours", f.rank_mtbf_hours), ("faults.rank_loss_mtbf_hours", f.rank_loss_mtbf_hours),
+                       ("faults.hang_mtbf_hours", f.hang_mtbf_hours)):
         expected = cluster_rate_per_s(mtbf, ranks) * horizon_s
         if expected > MAX_FAULTS:
             raise ScenarioError(
-                f"{src}: {field}: {mtbf:g} h per rank on {ranks} ranks gives {expected:.3g} faults in "
+                f"{src}: {name}: {mtbf:g} h per rank on {ranks} ranks gives {expected:.3g} faults in "
                 f"{horizon_s / 86400:g} days, over the limit of {MAX_FAULTS:,}; raise the MTBF or shorten workload.days")
 
 

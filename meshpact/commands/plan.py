@@ -201,7 +201,6 @@ def _run_values(edge: Any, values: Path, as_json: bool) -> None:
 
 def edges(as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout.")) -> None:
     """Summarise the nine real edges: startups, payload bytes and verdicts of the three planners."""
-    from meshpact.core.edges import EDGES
 
     docs = edges_document()
     if as_json:

@@ -41,8 +41,8 @@ def test_native_ring_starts_at_the_bridge_rank_and_covers_the_domain():
     m = _three_domains()
     assert native_ring(m.domain("cann@hostA")) == (6, 7, 4, 5)
     links = native_ring_links(m.domain("cuda@hostA"))
-    assert [(l.a, l.b) for l in links] == [(0, 1), (1, 2), (2, 3), (3, 0)]
-    assert all(l.link is LinkClass.FABRIC for l in links)
+    assert [(ln.a, ln.b) for ln in links] == [(0, 1), (1, 2), (2, 3), (3, 0)]
+    assert all(ln.link is LinkClass.FABRIC for ln in links)
 
 
 def test_two_rank_ring_is_one_link_and_one_rank_ring_none():
@@ -51,7 +51,7 @@ def test_two_rank_ring_is_one_link_and_one_rank_ring_none():
 
 
 def test_bridge_links_join_bridge_ranks_with_the_right_link_class():
-    links = {(l.a, l.b): l.link for l in bridge_links(_three_domains())}
+    links = {(ln.a, ln.b): ln.link for ln in bridge_links(_three_domains())}
     assert links == {(0, 6): LinkClass.HOST_BRIDGE, (0, 8): LinkClass.ETHERNET, (6, 8): LinkClass.ETHERNET}
 
 

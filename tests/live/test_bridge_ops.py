@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from meshpact.core.baselines import byte_only_candidates, layout_only
-from meshpact.core.checker import check
 from meshpact.core.contract import compile_contract
 from meshpact.core.edges import EDGES, miniature
 from meshpact.core.errors import MeshpactError, PlanError

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from meshpact.core.errors import MeshpactError
-from meshpact.simulator.sweep import check_scheduler, run_sweep
+from meshpact.simulator.sweep import check_scheduler
 
 
 @pytest.mark.parametrize("address", ["tcp://127.0.0.1:8786", "tcp://sched.example:1", "tcp://[::1]:8786", "local"])

@@ -11,7 +11,7 @@ import pytest
 
 from meshpact.core.recovery import Policy, Stage
 from meshpact.core.recovery_costs import (
-    POLICY_MODELS, FaultImpact, RecoveryCosts, estimate_recovery, peer_copy_seconds_per_step,
+    POLICY_MODELS, RecoveryCosts, estimate_recovery, peer_copy_seconds_per_step,
 )
 from meshpact.simulator.faults import fault_trace
 from meshpact.simulator.training import simulate_training
