@@ -6,13 +6,13 @@ One run on this machine, side by side:
 | side | how it trains | the fault |
 |---|---|---|
 | meshpact | ``torchrun --standalone``, ``start_session`` + ``resilient`` around FSDP2 (``fully_shard`` over the world) | at step ``--fault-step``, rank 1's first collective raises (``FaultInjector``, kind ``collective``) |
-| torchft | torchft 0.2.0's ``Manager`` with one replica group per rank (its Lighthouse on loopback, ``ProcessGroupGloo``), its ``DistributedDataParallel`` averaging the gradients | at step ``--fault-step``, replica 1's gradient allreduce fails (its ``FakeProcessGroupWrapper.report_future_error``) |
+| torchft | torchft 0.2.0's ``Manager`` with one replica group per rank (its Lighthouse on loopback, ``ProcessGroupGloo``), its ``DistributedDataParallel`` averaging the gradients | at step ``--fault-step``, replica 1's gradient allreduce raises before it reaches gloo, as meshpact's does (``torchft``); and, apart, torchft's own injection, which lets the allreduce complete on the wire and fails only replica 1's future (``torchft_error_after_wire``: the peers never wait) |
 
 Both train the same model from the same seed on the same batches (``batch(step, rank)``), each
 with AdamW. Each rank writes the wall time of every committed step; **fault to running** is
 the time from the injection until every rank has committed a step after it (meshpact runs the
 failed step again; torchft's other replicas commit it, and the failed one heals from a peer and
-commits the next). Each side also runs once without the fault: ``state_equal`` says whether
+commits the next). Both sides' data paths time out after 10 s. Each side also runs once without the fault: ``state_equal`` says whether
 every rank's final parameters equal that run's, bit for bit; ``world_after`` how many ranks the
 job ends with. Every figure is a median over ``--repeat`` runs.
 
@@ -102,7 +102,7 @@ def meshpact_rank(out: Path, steps: int, fault_step: int | None) -> None:
 
 
 def torchft_replica(out: Path, replica: int, replicas: int, lighthouse: str, steps: int,
-                    fault_step: int | None) -> None:
+                    fault_step: int | None, before_backend: bool = True) -> None:
     """One replica group of one rank: torchft's Manager, its DDP, the allreduce error at ``fault_step``."""
     from datetime import timedelta
 
@@ -139,7 +139,18 @@ def torchft_replica(out: Path, replica: int, replicas: int, lighthouse: str, ste
             if fault_step is not None and replica == 1 and step == fault_step and not fired:
                 fired = True
                 rows.append({"fault_t": time.time()})
-                pg.report_future_error(RuntimeError("injected allreduce error"))
+                if before_backend:  # the next allreduce raises before gloo sees it: the peers wait in theirs
+                    inner, armed = pg.allreduce, [True]
+
+                    def allreduce(tensors: Any, opts: Any, inner: Any = inner, armed: list[bool] = armed) -> Any:
+                        if armed[0]:
+                            armed[0] = False
+                            raise RuntimeError("injected: allreduce raised before reaching the backend")
+                        return inner(tensors, opts)
+
+                    pg.allreduce = allreduce  # type: ignore[method-assign]
+                else:
+                    pg.report_future_error(RuntimeError("injected allreduce error"))
             loss = _loss(ddp, _batch(step, replica))
             loss.backward()
             if manager.should_commit():
@@ -188,7 +199,8 @@ def run_meshpact(n: int, steps: int, fault_step: int | None, timeout_s: float) -
         return _read(Path(tmp), n)
 
 
-def run_torchft(n: int, steps: int, fault_step: int | None, timeout_s: float) -> list[dict[str, Any]]:
+def run_torchft(n: int, steps: int, fault_step: int | None, timeout_s: float,
+                before_backend: bool = True) -> list[dict[str, Any]]:
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=n, join_timeout_ms=100)
@@ -196,7 +208,8 @@ def run_torchft(n: int, steps: int, fault_step: int | None, timeout_s: float) ->
         with tempfile.TemporaryDirectory() as tmp:
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             procs = [subprocess.Popen([sys.executable, __file__, "--torchft-replica", tmp, str(r), str(n),
-                                       lighthouse.address(), str(steps), str(-1 if fault_step is None else fault_step)],
+                                       lighthouse.address(), str(steps), str(-1 if fault_step is None else fault_step),
+                                       "before" if before_backend else "after"],
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                      for r in range(n)]
             deadline = time.monotonic() + timeout_s
@@ -217,7 +230,9 @@ def run_torchft(n: int, steps: int, fault_step: int | None, timeout_s: float) ->
 
 
 def side(name: str, n: int, steps: int, fault_step: int, repeat: int, timeout_s: float) -> dict[str, Any]:
-    runner = run_meshpact if name == "meshpact" else run_torchft
+    runners = {"meshpact": run_meshpact, "torchft": run_torchft,
+               "torchft_error_after_wire": lambda *a: run_torchft(*a, before_backend=False)}
+    runner = runners[name]
     reference = runner(n, steps, None, timeout_s)
     downs, equal, worlds = [], [], []
     for _ in range(repeat):
@@ -239,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[:1] == ["--torchft-replica"]:
         fault = int(argv[6])
-        torchft_replica(Path(argv[1]), int(argv[2]), int(argv[3]), argv[4], int(argv[5]), None if fault < 0 else fault)
+        torchft_replica(Path(argv[1]), int(argv[2]), int(argv[3]), argv[4], int(argv[5]), None if fault < 0 else fault,
+                        argv[7] == "before")
         return 0
     parser = argparse.ArgumentParser(description="fault to fault against torchft: an injected allreduce error")
     parser.add_argument("--ranks", type=int, default=4)
@@ -264,11 +280,13 @@ def main(argv: list[str] | None = None) -> int:
         doc["torchft"] = {"error": f"torchft is not installed ({exc}); pip install -e '.[bench]'"}
     else:
         doc["torchft"] = side("torchft", args.ranks, args.steps, args.fault_step, args.repeat, args.timeout_s)
+        doc["torchft_error_after_wire"] = side("torchft_error_after_wire", args.ranks, args.steps, args.fault_step,
+                                               args.repeat, args.timeout_s)
     m, t = doc["meshpact"].get("fault_to_running_ms_p50"), doc["torchft"].get("fault_to_running_ms_p50")
     doc["ratio_fault_to_running_p50"] = round(m / t, 3) if m and t else None
     print("| side | fault to running p50 (ms) | runs | state equal to fault-free | ranks after |\n|---|---|---|---|---|")
-    for name in ("meshpact", "torchft"):
-        s = doc[name]
+    for name in ("meshpact", "torchft", "torchft_error_after_wire"):
+        s = doc.get(name, {})
         print(f"| {name} | {s.get('fault_to_running_ms_p50')} | {s.get('fault_to_running_ms_runs', s.get('error'))} | "
               f"{s.get('state_equal_runs')} | {s.get('world_after')} |")
     print(f"ratio meshpact / torchft: {doc['ratio_fault_to_running_p50']}")
