@@ -101,6 +101,27 @@ def meshpact_rank(out: Path, steps: int, fault_step: int | None) -> None:
     _write(out, session.rank, rows + [{"world": len(session.members)}], full)
 
 
+def _FailedWork(message: str) -> Any:
+    """A collective's handle that failed before any byte left: its future holds the error (torchft's Manager
+    reads collectives' outcomes through their futures)."""
+    import torch
+    import torch.distributed as dist
+
+    class Failed(dist._Work):
+        def __init__(self) -> None:
+            super().__init__()
+            self.future_: Any = torch.futures.Future()
+            self.future_.set_exception(RuntimeError(message))
+
+        def wait(self, timeout: Any = None) -> bool:
+            raise RuntimeError(message)
+
+        def get_future(self) -> Any:
+            return self.future_
+
+    return Failed()
+
+
 def torchft_replica(out: Path, replica: int, replicas: int, lighthouse: str, steps: int,
                     fault_step: int | None, before_backend: bool = True) -> None:
     """One replica group of one rank: torchft's Manager, its DDP, the allreduce error at ``fault_step``."""
@@ -139,13 +160,13 @@ def torchft_replica(out: Path, replica: int, replicas: int, lighthouse: str, ste
             if fault_step is not None and replica == 1 and step == fault_step and not fired:
                 fired = True
                 rows.append({"fault_t": time.time()})
-                if before_backend:  # the next allreduce raises before gloo sees it: the peers wait in theirs
+                if before_backend:  # the next allreduce fails before gloo sees it: the peers wait in theirs
                     inner, armed = pg.allreduce, [True]
 
                     def allreduce(tensors: Any, opts: Any, inner: Any = inner, armed: list[bool] = armed) -> Any:
                         if armed[0]:
                             armed[0] = False
-                            raise RuntimeError("injected: allreduce raised before reaching the backend")
+                            return _FailedWork("injected: allreduce failed before reaching the backend")
                         return inner(tensors, opts)
 
                     pg.allreduce = allreduce  # type: ignore[method-assign]
@@ -235,15 +256,21 @@ def side(name: str, n: int, steps: int, fault_step: int, repeat: int, timeout_s:
     runner = runners[name]
     reference = runner(n, steps, None, timeout_s)
     downs, equal, worlds = [], [], []
+    failed: list[str] = []
     for _ in range(repeat):
-        ranks = runner(n, steps, fault_step, timeout_s)
+        try:
+            ranks = runner(n, steps, fault_step, timeout_s)
+        except (RuntimeError, subprocess.TimeoutExpired) as exc:  # the job did not survive the fault: data, not a crash
+            failed.append(str(exc)[:300])
+            continue
         downs.append(_fault_to_running(ranks))
         equal.append(_equal(ranks, reference))
         worlds.append(min(row["world"] for r in ranks for row in r["rows"] if "world" in row))
     ok = [d for d in downs if d is not None]
     return {"fault_to_running_ms_p50": round(statistics.median(ok), 1) if ok else None,
             "fault_to_running_ms_runs": [None if d is None else round(d, 1) for d in downs],
-            "state_equal_runs": equal, "world_after": min(worlds), "ranks": n}
+            "state_equal_runs": equal, "world_after": min(worlds) if worlds else None, "ranks": n,
+            "runs_failed": failed}
 
 
 def main(argv: list[str] | None = None) -> int:
