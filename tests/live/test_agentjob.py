@@ -14,9 +14,9 @@ import os
 
 import pytest
 
-from meshpact.live.agentjob import AgentJob
-from meshpact.live.forkserver import ForkServer
-from meshpact.live.launcher import LaunchedProcess, LaunchError, host_store
+from meshpact.live.launch.agentjob import AgentJob
+from meshpact.live.launch.forkserver import ForkServer
+from meshpact.live.launch.launcher import LaunchedProcess, LaunchError, host_store
 from meshpact.live.netns import TwoHosts, netns_unavailable
 from meshpact.live.recovery.consensus import GONE_KEY, gone_ranks
 from meshpact.live.recovery.control import ControlChannel
@@ -24,7 +24,7 @@ from meshpact.live.recovery.control import ControlChannel
 from _warm import shared_forkserver
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
-ECHO = "meshpact.live.launcher:echo"
+ECHO = "meshpact.live.launch.launcher:echo"
 
 
 def test_ranks_get_elastic_environment_and_fork_from_the_server(tmp_path):
