@@ -32,12 +32,21 @@ from .processes import say
 from .rendezvous import StandbyRendezvous, rendezvous_handler
 from .spareagent import NoJobFound, SpareAgent
 
-__all__ = ["parser", "config", "launch_key", "launch", "main"]
+__all__ = ["parser", "config", "launch_key", "launch", "main", "DEFAULT_REPLACEMENTS"]
+
+# --max-restarts when not given: replacement processes per node (torchrun's 0 would end the job at the first
+# killed worker). A few: a worker that fails by itself again and again is not restarted for ever.
+DEFAULT_REPLACEMENTS = 3
 
 
 def parser() -> ArgumentParser:
     """torchrun's own parser (torch.distributed.run.get_args_parser), with Meshpact's flags added."""
     p = get_args_parser()
+    for action in p._actions:  # torchrun's flag, with this launcher's meaning and default
+        if action.dest == "max_restarts":
+            action.default = DEFAULT_REPLACEMENTS
+            action.help = (f"Replacement processes per node (default {DEFAULT_REPLACEMENTS}): a failed worker is "
+                           "replaced alone while any are left; 0: none, the rank is announced gone to the job.")
     p.prog = "meshpact launch"
     p.description = ("torchrun's command line; a failed worker is replaced alone, in place, while every other "
                      "worker keeps running.")

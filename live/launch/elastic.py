@@ -60,6 +60,7 @@ from meshpact.core.errors import MeshpactError
 
 from ..recovery import jobkey
 from ..recovery.control import ControlChannel
+from ..recovery.refusal import REFUSAL_FILE_ENV, REFUSAL_LINE
 from .gone import GoneRanks
 from .nodes import NodeEnv, NodeWatch
 from .processes import Running, handle_death_signals, kill, say, stop, stoppable, wait_any
@@ -145,6 +146,7 @@ class ReplacingAgent(SimpleElasticAgent):
     def _env(self, wg: WorkerGroup, local_rank: int, incarnation: int) -> dict[str, str]:
         env = worker_environment(wg, local_rank, incarnation, self._node or NodeEnv.of(wg), self._control,
                                  self._run_id(), self._options.job_key, self._node_addr())
+        env[REFUSAL_FILE_ENV] = str(self.replacements.marker_of(local_rank, incarnation))
         env.update(self._worker_env(wg.workers[local_rank].global_rank))
         return env
 
@@ -223,7 +225,14 @@ class ReplacingAgent(SimpleElasticAgent):
         """One look at the workers: replace the failed, kill the declared lost; the group's end, or None."""
         for lr, failure in self.replacements.exits():
             rank, rc = wg.workers[lr].global_rank, failure.exitcode
-            if self.replacements.allowed() and self._should_replace(rank, rc):
+            refused = self.replacements.refusal(lr)
+            if refused is not None:
+                self.replacements.left_gone(lr, failure)
+                self._left_gone(rank, rc)
+                say(f"rank {rank} (pid {failure.pid}) exited with {rc}, refusing a recovery that cannot happen "
+                    f"({refused.removeprefix(REFUSAL_LINE)}); no replacement is started for it: the job is told "
+                    "it is gone")
+            elif self.replacements.allowed() and self._should_replace(rank, rc):
                 new = self._replace(wg, lr)
                 self._replaced(rank, rc, new)
                 say(f"rank {rank} (pid {failure.pid}) exited with {rc}: {failure.message or 'no error file'}; "
@@ -336,5 +345,6 @@ class ReplacingAgent(SimpleElasticAgent):
         for running in self.ledger.running.values():
             running.close()
         self.spares.clear()
+        self.replacements.close()
         self._channel = None
         self._control_server = None

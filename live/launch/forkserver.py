@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
@@ -295,8 +294,8 @@ def _fork(req: Mapping[str, Any], wake: tuple[int, int]) -> int:
         else:
             print(exc.code, file=sys.stderr)
             rc = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # as a fresh interpreter's: the process's hook says it (refusal's one line)
+        sys.excepthook(*sys.exc_info())
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

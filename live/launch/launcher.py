@@ -73,8 +73,9 @@ def launch(target: str, world_size: int, args: Mapping[str, Any] | None = None, 
 
 def echo(args: dict) -> dict:
     """A diagnostic worker: joins the rendezvous store and reports its environment. A first
-    process of a rank in ``fail_ranks`` exits with 3 at once, and a replacement process raises
-    ``raise_in_replacement`` when given (for replacement tests)."""
+    process of a rank in ``fail_ranks`` exits with 3 at once, a replacement process raises
+    ``raise_in_replacement`` when given, and a rank in ``refuse_ranks`` refuses a recovery (for
+    replacement tests)."""
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -94,6 +95,11 @@ def echo(args: dict) -> dict:
     time.sleep(float(args.get("sleep_s", 0)))
     if args.get("raise"):
         raise RuntimeError(str(args["raise"]))
+    if rank in args.get("refuse_ranks", ()):  # a recovery that cannot happen, said as start_session's ranks say it
+        from ..recovery.refusal import RecoveryImpossible, install
+
+        install()
+        raise RecoveryImpossible(str(args.get("refuse_why", "no copy, no checkpoint, no excision")))
     if args.get("raise_in_replacement") and incarnation > 0:
         raise RuntimeError(str(args["raise_in_replacement"]))
     import random

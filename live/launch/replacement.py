@@ -3,7 +3,9 @@
 A worker that exits 0 has finished. A worker that exits with an error is replaced alone, in place
 (same rank, the next incarnation), while a replacement is left on this node (``--max-restarts``
 replacement processes per node; torchrun's agent counts restarts of the whole group instead) and
-the agent's own rule allows it; else it is left gone and the job is told so
+the agent's own rule allows it, and it did not refuse a recovery that cannot happen (it left
+a marker, :mod:`~meshpact.live.recovery.refusal`: a new process would hold nothing and decide
+the same); else it is left gone and the job is told so
 (:class:`~meshpact.live.launch.gone.GoneRanks`). A replacement's output and error file go
 beside its first process's, in ``<local rank>.<incarnation>/``. The group's end is when every
 worker has finished or is gone: succeeded where any finished (elastic's records name the gone
@@ -13,12 +15,15 @@ ones' failures), failed otherwise.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
+from ..recovery.refusal import read_refusal
 from .processes import Running
 
 __all__ = ["Ledger", "Replacements"]
@@ -47,6 +52,7 @@ class Replacements:
         self.ledger = Ledger()
         self.attempt_dir: Path | None = None  # elastic's log folder of this attempt (None: no files kept)
         self.streams: dict[int, tuple[str, str]] = {}  # local rank -> (stdout, stderr) of its first process
+        self._markers: Path | None = None  # the folder of the processes' refusal markers (made when first named)
 
     def exits(self) -> list[tuple[int, ProcessFailure]]:
         """Collect the workers that exited since the last look: a 0 is recorded finished; each failure is
@@ -62,6 +68,23 @@ class Replacements:
             else:
                 failed.append((lr, ProcessFailure(lr, running.pid, rc, running.error_file)))
         return failed
+
+    def marker_of(self, local_rank: int, incarnation: int) -> Path:
+        """Where ``local_rank``'s process of ``incarnation`` leaves its refusal, if it refuses a recovery
+        that cannot happen (:mod:`~meshpact.live.recovery.refusal`)."""
+        if self._markers is None:
+            self._markers = Path(tempfile.mkdtemp(prefix="meshpact-refusals-"))
+        return self._markers / f"{local_rank}.{incarnation}"
+
+    def refusal(self, local_rank: int) -> str | None:
+        """The line ``local_rank``'s last process left refusing a recovery (None: it failed otherwise)."""
+        running = self.ledger.running[local_rank]
+        return read_refusal(self.marker_of(local_rank, running.incarnation))
+
+    def close(self) -> None:
+        if self._markers is not None:
+            shutil.rmtree(self._markers, ignore_errors=True)
+            self._markers = None
 
     def allowed(self) -> bool:
         return self.remaining > 0

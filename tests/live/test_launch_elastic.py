@@ -19,7 +19,7 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, Worke
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
-from meshpact.live.launch.command import main
+from meshpact.live.launch.command import DEFAULT_REPLACEMENTS, config, main, parser
 from meshpact.live.launch.elastic import LaunchOptions, ReplacingAgent
 from meshpact.live.launch.nodes import JOB_ENDED_KEY, SPARE_COUNT_KEY, NodeLoss, SpareNode, choose_spare
 from meshpact.live.launch.rendezvous import StandbyRendezvous
@@ -106,6 +106,18 @@ def test_the_first_live_spare_node_is_chosen_and_a_silent_one_is_named():
     assert verdict.spare == live
     assert verdict.passed_over == ("spare node 1 at 10.0.0.3 has not beaten within 3 s",)
     assert choose_spare(loss, 2, [silent], live=set(), node_loss_s=SILENT_S).spare is None
+
+
+def test_a_failed_worker_is_replaced_by_default_and_max_restarts_0_turns_it_off(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    one_node = ["--standalone", "--nproc-per-node", "2"]
+    assert config([*one_node, str(script)])[0].max_restarts == DEFAULT_REPLACEMENTS == 3  # torchrun's is 0
+    assert config([*one_node, "--max-restarts", "0", str(script)])[0].max_restarts == 0
+    assert config([*one_node, "--max_restarts=1", str(script)])[0].max_restarts == 1
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--help"])
+    assert "Replacement processes per node (default 3)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_spare_with_standalone_is_refused_in_one_line(capsys):
