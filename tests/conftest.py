@@ -26,12 +26,12 @@ LONGEST_FIRST = (
     "tests/live/test_recovery_kill.py",  # 110 s
     "tests/live/test_recovery_user_paths.py",  # 80-130 s: a reference under torchrun, then a raised and a stalled
     # collective under meshpact launch (the kill case too, once replacements join user groups)
-    "tests/live/test_launch.py",  # 100 s at load 10: the README's loop three ways at once (torchrun, a kill under
-    # the defaults, a kill that cannot be recovered), then two nodes
     "tests/app/test_browser.py",  # 90 s: Chromium through every page, replay, scenario errors
     "tests/live/test_launch_spare.py",  # 45-110 s beside two busy loops: three namespace nodes, one a spare node
     "tests/live/test_launch_nodes.py",  # 120 s: two namespace nodes, each an elastic agent and its workers; node 0
     # lost; plain torchrun restarting from a checkpoint
+    "tests/live/test_launch.py",  # 70 s at load 10: the README's loop three ways at once (torchrun, a kill under
+    # the defaults, a kill that cannot be recovered), then two nodes
     "tests/live/test_trial_baselines.py",  # 30-80 s under load: a kill trial with its baselines
     "tests/live/test_checkpoint_dcp.py",  # 36-68 s at load 10-17 (32 s before, same load): a kill restored past a
     # checkpoint with a flipped bit, then a plain FSDP2 loop on the job's checkpoints
