@@ -43,7 +43,7 @@ from meshpact.app.live_job import INJECTED_FILE, LEASE_ENV, TRIAL_DIR
 from meshpact.core.errors import RecordingError
 from meshpact.core.recording import Event, EventKind, partial_path
 from meshpact.core.recovery import Policy
-from meshpact.live.launcher import LaunchedProcess  # torch-free
+from meshpact.live.launch.launcher import LaunchedProcess  # torch-free
 from meshpact.live.trials.trialconfig import PHASES, PROCESSES_FILE, Pace  # torch-free
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",

@@ -75,7 +75,7 @@ def meshpact_rank(out: Path, steps: int, fault_step: int | None) -> None:
     from meshpact.live.recovery.config import RecoveryConfig
     from meshpact.live.recovery.faults import Fault, FaultInjector, FaultKind
 
-    session = start_session(RecoveryConfig(data_timeout_s=10.0, checkpoint_dir=None))
+    session = start_session(RecoveryConfig(data_timeout_s=10.0, checkpoint_dir=None, peer_copies=0))
     model = _model()
     fully_shard(model, mesh=session.mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)

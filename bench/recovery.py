@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshpact.live.launcher import host_store, launch
+from meshpact.live.launch.launcher import host_store, launch
 from meshpact.live.trials.trial import TrialConfig, run_trial
 from _results import emit
 
@@ -632,7 +632,7 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
 def false_alarms(out: dict[str, Any], minutes: float) -> list[tuple[str, str]]:
     """A fault-free run of ``minutes`` on 4 ranks at the default settings: every recovery is
     a false alarm; heartbeat alarms are counted apart."""
-    from meshpact.live.launcher import host_store, launch
+    from meshpact.live.launch.launcher import host_store, launch
 
     seconds = minutes * 60.0
     control = host_store("127.0.0.1", 0, 4)

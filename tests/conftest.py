@@ -30,10 +30,11 @@ LONGEST_FIRST = (
     "tests/live/test_launch_spare.py",  # 45-110 s beside two busy loops: three namespace nodes, one a spare node
     "tests/live/test_launch_nodes.py",  # 120 s: two namespace nodes, each an elastic agent and its workers; node 0
     # lost; plain torchrun restarting from a checkpoint
+    "tests/live/test_launch.py",  # 70 s at load 10: the README's loop three ways at once (torchrun, a kill under
+    # the defaults, a kill that cannot be recovered), then two nodes
     "tests/live/test_trial_baselines.py",  # 30-80 s under load: a kill trial with its baselines
     "tests/live/test_checkpoint_dcp.py",  # 36-68 s at load 10-17 (32 s before, same load): a kill restored past a
     # checkpoint with a flipped bit, then a plain FSDP2 loop on the job's checkpoints
-    "tests/live/test_launch.py",  # 30 s
     "tests/live/test_peer_security_live.py",  # 41-80 s under load 15-18: 3 ranks attacked, one killed at depth 1
     "tests/live/test_recovery_large_send.py",  # 10-30 s: a 128 MB send in flight when a recovery starts
     "tests/live/test_recovery_stuck_send.py",  # 12-30 s

@@ -1,7 +1,7 @@
 """A live bridge run: plans executed across two native domains, verified and metered.
 
 :func:`run_bridge` starts the ranks (2 + 2 by default) once through
-:mod:`meshpact.live.launcher` and runs every job in one go. Each rank executes
+:mod:`meshpact.live.launch.launcher` and runs every job in one go. Each rank executes
 :func:`worker`: it joins its domain group and its bridges, compiles each job's contract from
 the workload's facts, lowers it (or takes the job's own plan), and runs it through the
 :class:`~meshpact.live.plans.executor.Executor`, which admits only checked, domain-local plans.
@@ -12,7 +12,7 @@ startups and bytes, and writes the run as a JSONL recording.
 
 Under ``torchrun`` the same worker runs unchanged, and rank 0 prints one JSON line per job::
 
-    torchrun --nproc-per-node 4 -m meshpact.live.launcher --target meshpact.live.plans.bridge:worker \\
+    torchrun --nproc-per-node 4 -m meshpact.live.launch.launcher --target meshpact.live.plans.bridge:worker \\
         --args '{"jobs": [{"request": "full"}], "preset": "tiny", "recording": "bridge.jsonl"}'
 
 Worker arguments: ``jobs`` (``request``, optional ``plan`` JSON and ``label``), ``preset``,
@@ -47,7 +47,7 @@ from .meter import CallRecord, Meter, measure
 from .workloads import TORCH_DTYPE, LiveRequest, get_preset, logprob_ids, producer_local, workload_edge
 
 if TYPE_CHECKING:
-    from ..forkserver import ForkServer
+    from ..launch.forkserver import ForkServer
 
 __all__ = ["Job", "run_bridge", "worker", "plan_for", "initial_shapes", "job_summary"]
 
@@ -244,13 +244,13 @@ def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2
                recording: str | os.PathLike[str] | None = None, timeout_s: float = 240.0,
                forkserver: "ForkServer | None" = None) -> dict:
     """Start ``2 * per_domain`` ranks on loopback, run ``jobs``, return rank 0's report.
-    ``forkserver`` (a :class:`~meshpact.live.forkserver.ForkServer`): the ranks are forked
+    ``forkserver`` (a :class:`~meshpact.live.launch.forkserver.ForkServer`): the ranks are forked
     from it where it accepts their environment, warm, instead of started as fresh interpreters.
 
     The rendezvous store listens on 127.0.0.1 and gloo's sockets on the loopback interface
     (``GLOO_SOCKET_IFNAME=lo`` unless the environment names another).
     """
-    from ..launcher import launch
+    from ..launch.launcher import launch
 
     get_preset(preset)
     args = {"jobs": [j.to_dict() for j in jobs], "preset": preset, "timeout_s": min(60.0, timeout_s),

@@ -13,7 +13,7 @@ it, so a CUDA host never constructs an Ascend communicator or the reverse.
 
 Processes start with torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``), so the same worker runs under ``torchrun`` across
-hosts or under :mod:`meshpact.live.launcher` on one machine.
+hosts or under :mod:`meshpact.live.launch.launcher` on one machine.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Domain, Mesh, Vendor
 
 from ..backends import BackendChoice, choose_backend
-from ..launcher import LaunchError
+from ..launch.launcher import LaunchError
 
 __all__ = [
     "RankEnv",

@@ -11,6 +11,7 @@
 | ``state`` | a rank's state: shards, optimizer state, generators; the O(1) commit check |
 | ``workload`` | the user's training loop as a file: ``build``, ``batch``, ``train_step``, ``MESH`` |
 | ``consensus`` | agreement on generation and committed step: pure ``decide``, transport ``agree`` |
+| ``refusal`` | a recovery that cannot happen: one line on every rank, and no replacement for it |
 | ``control`` | the out-of-band control channel (a TCPStore the data path never touches) |
 | ``communicator`` | data-path groups, one per generation, and how to replace one |
 | ``rebind`` | every cached process-group reference pointed at the replacement |
@@ -35,7 +36,7 @@ _EXPORTS = {
     "Workload": "workload", "WorkloadError": "workload", "MeshSpec": "workload", "check_workload": "workload",
     "load_workload": "workload", "shipped_workloads": "workload",
     "Proposal": "consensus", "Decision": "consensus", "decide": "consensus", "agree": "consensus",
-    "ConsensusError": "consensus",
+    "ConsensusError": "consensus", "RecoveryImpossible": "refusal",
     "ControlChannel": "control", "ControlTimeout": "control",
     "find_references": "rebind", "RebindReport": "rebind", "UnreachableGroupWarning": "rebind",
     "OpCounter": "opcount",

@@ -79,7 +79,9 @@ class RecoveryConfig:
     restore_rng: bool = True  # restore every generator before a step is re-run (off only to prove it matters)
     vendor: str = field(default_factory=lambda: os.environ.get("MESHPACT_VENDOR", "cuda"))  # nccl where CUDA is
     prefer_reconfigure: bool = True  # use ProcessGroup.reconfigure where torch has it (2.14+)
-    peer_copies: int = 0  # K: ranks holding a copy of each rank's committed state in host memory (peers.py)
+    # K: ranks holding a copy of each rank's committed state in host memory (peers.py); None (the default):
+    # 1 where the job has more than one rank (for_world), 0 turns them off
+    peer_copies: int | None = None
     # committed steps kept of each: 2 (own snapshots and held copies: a one-step rollback when a rank dies with
     # its newest copy in flight) or 1 (half the host memory; that case restores from the checkpoint)
     peer_copy_depth: int = 2
@@ -107,8 +109,8 @@ class RecoveryConfig:
         if not self.stall_margin >= 1.0:
             raise TimeoutOrderError(f"stall_margin must be at least 1 (times the longest pause of a completed step), "
                                     f"got {self.stall_margin}")
-        if self.peer_copies < 0:
-            raise TimeoutOrderError(f"peer_copies must be 0 or more, got {self.peer_copies}")
+        if self.peer_copies is not None and not (isinstance(self.peer_copies, int) and self.peer_copies >= 0):
+            raise TimeoutOrderError(f"peer_copies must be 0 or more (0: none kept), got {self.peer_copies!r}")
         if self.peer_copy_depth not in (1, 2):
             raise TimeoutOrderError(f"peer_copy_depth must be 1 or 2 (committed steps kept), got {self.peer_copy_depth}")
         if self.consensus_round_s < self.group_create_s:
@@ -119,6 +121,14 @@ class RecoveryConfig:
             raise TimeoutOrderError(
                 f"the consensus round ({self.consensus_round_s:g} s) is shorter than a process start "
                 f"({self.process_start_s:g} s): a replacement could never join a round")
+
+    def for_world(self, world: int) -> "RecoveryConfig":
+        """These settings for a job of ``world`` ranks, with the peer copies settled: as set, or by
+        default K = 1 where the job has more than one rank (a killed rank's state then comes from a
+        peer's host memory) and 0 for a job of one rank (nobody to hold a copy)."""
+        if self.peer_copies is not None:
+            return self
+        return replace(self, peer_copies=1 if world > 1 else 0)
 
     # -- derived ---------------------------------------------------------------------------
     @property

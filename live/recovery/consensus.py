@@ -51,6 +51,7 @@ from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import Policy
 
 from .control import ControlChannel, ControlTimeout
+from .refusal import RecoveryImpossible
 
 __all__ = ["Proposal", "Decision", "Agreement", "rank_runs", "from_runs", "CounterMoves", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
            "EXCISE_NOT_OFFERED",
@@ -74,8 +75,9 @@ FIRST_SLICE_S = 1.0
 EXCISE_NOT_OFFERED = "the job offers no excision (no build(mesh) for a smaller world was given)"
 
 
-class ConsensusError(RuntimeError):
-    """No decision the group can act on (e.g. a rank stayed silent through every round)."""
+class ConsensusError(RecoveryImpossible):
+    """No decision the group can act on (e.g. a rank stayed silent through every round): a recovery
+    that cannot happen (:mod:`.refusal`)."""
 
 
 @dataclass(frozen=True)

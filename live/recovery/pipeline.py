@@ -41,6 +41,7 @@ from .generation import Generation
 from .heartbeat import Heartbeat, HeartbeatAlarm, recovering_key
 from .opcount import OpCounter
 from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
+from .refusal import without_checkpoint
 from .reshard import ExcisionRecord, LeftWithReplica, Membership, carry_schedule, excise
 from .session import Session, c10d_default, resume_barrier
 from .state import CommitMark, RngState, Schedule, StateCheck, load_job_state, restore_rng
@@ -442,10 +443,12 @@ def load_decided(rt: Job, decision: Decision, counts_as_read: bool = True, spent
                action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
                holder=got.holder, bytes=got.bytes, refused=list(got.refused))
         return
-    read = rt.ckpt.bytes_read if rt.ckpt is not None else 0
+    if rt.ckpt is None or decision.step < 0:  # a replacement says what the survivors say
+        raise without_checkpoint(decision.reason, rt.ckpt is not None)
+    read = rt.ckpt.bytes_read
     rt.restore(decision.step)
     if counts_as_read:
-        rt.storage_bytes_read += (rt.ckpt.bytes_read if rt.ckpt is not None else 0) - read
+        rt.storage_bytes_read += rt.ckpt.bytes_read - read
     s.emit(EventKind.RELOADED, Stage.STATE, seconds=spent_s + time.perf_counter() - t0,
            action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
 

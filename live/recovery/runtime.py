@@ -56,6 +56,7 @@ from .heartbeat import Heartbeat
 from .opcount import OpCounter
 from .pipeline import Cause, RecoveryRecord, RetiredGroup
 from .rebind import ModuleScan, function_key, meshes_of, module_groups as _groups_held
+from .refusal import RecoveryImpossible, without_checkpoint
 from .reshard import ExcisionRecord, GradientWeight, Membership, adopt_objects, share_batch
 from .session import RecoveryConfig, Session, start_barrier
 from .state import (CommitMark, StateCheck, capture_objects, capture_rng, capture_schedule, check_optimizer, check_stateful,
@@ -167,7 +168,10 @@ def is_comm_fault(exc: BaseException) -> bool:
     or while handling, a user's wrapper of a failed collective) is of :data:`COMM_FAULT_TYPES`
     wherever it was raised, or of :data:`RAISED_IN_COMM_TYPES` (a plain ``RuntimeError``) raised in torch's communication
     code (:data:`COMM_MODULES`). A ``TimeoutError`` or ``ConnectionError`` the user's own code
-    raises (a data fetch, a metrics client) is not: it propagates unchanged and no recovery starts."""
+    raises (a data fetch, a metrics client) is not: it propagates unchanged and no recovery starts.
+    Nor is a refusal (:class:`~.refusal.RecoveryImpossible`): another recovery would decide the same."""
+    if isinstance(exc, RecoveryImpossible):
+        return False
     seen: set[int] = set()
     at: BaseException | None = exc
     while at is not None and id(at) not in seen and len(seen) < _CHAIN_MOST:
@@ -796,8 +800,7 @@ class Resilient:
                 rebound = pipeline.excise_lost(self, d, decision)
             else:
                 if decision.policy is Policy.CHECKPOINT_RESTORE and (self.ckpt is None or decision.step < 0):
-                    why = "no checkpoint directory is set" if self.ckpt is None else "no complete checkpoint exists"
-                    raise RuntimeError(f"cannot recover in memory ({decision.reason}) and {why}")
+                    raise without_checkpoint(decision.reason, self.ckpt is not None)
                 with s.sever_lock:  # from the standby's sockets joining the data path until the generation moves on
                     rebound = pipeline.rebind(self, d, decision, pipeline.rebuild(self, d, decision))
             try:

@@ -49,7 +49,7 @@ from .config import RecoveryConfig
 from .consensus import GENERATION_KEY, GONE_COUNT_KEY, ROUND_KEY, Decision, Proposal, agree
 from .control import ATTEMPT_KEY, ControlChannel
 from .control import join as join_control
-from . import device, jobkey
+from . import device, jobkey, refusal
 from .generation import Generation
 from .usergroups import UserGroups, route_group_creation
 
@@ -547,8 +547,9 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     ``mesh_shape`` (default: all ranks in one dimension) and ``mesh_names`` describe the
     DeviceMesh; the environment is read here and nowhere deeper (``MESHPACT_RUN_ID`` names
     this run's store keys, ``MESHPACT_INCARNATION`` a replacement process)."""
-    config = config or RecoveryConfig()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    config = (config or RecoveryConfig()).for_world(world)  # peer copies on by default where there are peers
+    refusal.install()  # a recovery that cannot happen: one line, and the launcher starts no replacement for it
     shape = tuple(mesh_shape) if mesh_shape else (world,)
     if math.prod(shape) != world:
         raise ValueError(f"a mesh of shape {list(shape)} needs {math.prod(shape)} ranks, the job has {world}")

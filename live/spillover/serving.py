@@ -585,8 +585,8 @@ class _ServingHost:
 # -- the parent: one run on two fresh hosts ------------------------------------------------------
 def run_once(cfg: SpilloverConfig) -> RunResult:
     """Build two hosts, start one rank on each, serve ``cfg``'s requests, tear everything down."""
-    from ..agentjob import AgentJob
-    from ..launcher import LaunchError
+    from ..launch.agentjob import AgentJob
+    from ..launch.launcher import LaunchError
     from ..plans.meter import CallRecord, measure
 
     compile_s = precompile(cfg.to_dict(), cfg.package_dir) if cfg.compile == "aoti" else 0.0

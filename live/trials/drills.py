@@ -87,7 +87,8 @@ def excision_drill(args: JsonObject) -> JsonObject:
         sys.modules["numpy"].random.seed(0)
     world = int(os.environ["WORLD_SIZE"])
     workload = load_workload(args["workload"], world)
-    config = RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)), vendor="cpu")
+    config = RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)), vendor="cpu",
+                            peer_copies=0)  # the copies a reference re-shards from are kept in the store
     session = start_session(config, workload.mesh.shape, workload.mesh.names)
     shape = tuple(workload.mesh.shape)  # a 2-D (HSDP) mesh loses whole replicas: one shorter per replica lost
     me = session.rank

@@ -103,7 +103,7 @@ def _is_worker(pid: int, out: Path) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
-    return str(out) in cmdline or "meshpact.live.warmspare" in cmdline  # a promoted spare runs the script in itself
+    return str(out) in cmdline or "meshpact.live.launch.warmspare" in cmdline  # a promoted spare runs the script in itself
 
 
 def resumed_at(out: Path, ranks: Sequence[int], step: int, after: float) -> float | None:

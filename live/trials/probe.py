@@ -150,7 +150,7 @@ def rebind_probe(raw: JsonArgs) -> dict[str, object]:
     from ..recovery.session import c10d_default, start_session
 
     args = ProbeArgs.of(raw)
-    session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 10.0, checkpoint_dir=None))
+    session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 10.0, checkpoint_dir=None, peer_copies=0))
     cfg = ModelConfig(**args.model)  # type: ignore[arg-type]
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
@@ -241,7 +241,7 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
 
     args = ProbeArgs.of(raw)
     shape = args.mesh_shape
-    session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 30.0),
+    session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 30.0, peer_copies=0),
                             shape or None, args.mesh_names or None)
     cfg = ModelConfig()
     model, optimizer = build(cfg, session.mesh)
@@ -309,7 +309,7 @@ def checkpoint_probe(raw: JsonArgs) -> dict[str, object]:
     from ..recovery.session import start_session
 
     args = ProbeArgs.of(raw)
-    session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None))
+    session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None, peer_copies=0))
     cfg = ModelConfig(**args.model)  # type: ignore[arg-type]
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
@@ -356,7 +356,7 @@ class FalseAlarms:
 def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
     """Train the harness under :func:`~meshpact.live.recovery.runtime.resilient` for
     ``raw["seconds"]`` with no fault injected, ``RecoveryConfig()``'s defaults and the heartbeat
-    on (what is measured)."""
+    on (what is measured), peer copies off (they are not)."""
     import torch
     import torch.distributed as dist
 
@@ -367,7 +367,7 @@ def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
     from ..recovery.runtime import resilient
     from ..recovery.session import start_session
 
-    config = RecoveryConfig(heartbeat=True)
+    config = RecoveryConfig(heartbeat=True, peer_copies=0)
     session = start_session(config)
     cfg = ModelConfig()
     model, optimizer = build(cfg, session.mesh)
@@ -402,7 +402,7 @@ def stuck_send_probe(raw: JsonArgs) -> dict[str, object]:
     from ..recovery.faults import CollectiveFault
     from ..recovery.session import start_session
 
-    session = start_session(RecoveryConfig(data_timeout_s=float(raw["data_timeout_s"]), vendor="cpu"))
+    session = start_session(RecoveryConfig(data_timeout_s=float(raw["data_timeout_s"]), vendor="cpu", peer_copies=0))
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     attempts: list[int] = []
@@ -448,7 +448,7 @@ def large_send_probe(raw: JsonArgs) -> dict[str, object]:
     from ..recovery.faults import CollectiveFault
     from ..recovery.session import start_session
 
-    session = start_session(RecoveryConfig(data_timeout_s=float(raw["data_timeout_s"]), vendor="cpu"))
+    session = start_session(RecoveryConfig(data_timeout_s=float(raw["data_timeout_s"]), vendor="cpu", peer_copies=0))
     model = torch.nn.Linear(4, 4)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     payload = torch.ones(int(float(raw["send_mb"]) * 2**20) // 4)

@@ -31,9 +31,9 @@ from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import Event, EventKind, RecordingWriter
 from meshpact.core.recovery import Policy, Stage
 
-from ..forkserver import PRELOAD, ForkServer
-from ..agentjob import AgentJob
-from ..launcher import LaunchError, host_store
+from ..launch.forkserver import PRELOAD, ForkServer
+from ..launch.agentjob import AgentJob
+from ..launch.launcher import LaunchError, host_store
 from ..netns import entered
 from .analysis import ExcisionPlan, ExcisionResult, ReplacementStart, TrialResult, compare_final
 from ..recovery.consensus import declared_lost
@@ -504,7 +504,7 @@ def read_rank_events(out_dir: Path) -> list[Event]:
 
 def _serve_stores_in(netns: NetnsPair) -> tuple[subprocess.Popen, dict[str, int]]:
     """Host the rendezvous and control stores inside the first namespace, on their own links."""
-    cmd = [*netns.prefix(0), sys.executable, "-m", "meshpact.live.launcher", "--serve-stores",
+    cmd = [*netns.prefix(0), sys.executable, "-m", "meshpact.live.launch.launcher", "--serve-stores",
            f"{netns.data_ip[0]}:0", f"{netns.ctrl_ip[0]}:0"]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline().split() if proc.stdout else []

@@ -9,7 +9,7 @@ __all__ = ["register", "launch"]
 
 def launch(ctx: typer.Context) -> None:
     """Start this node's workers with torchrun's command line; a failed one is replaced alone, in place."""
-    from meshpact.live.elastic import main
+    from meshpact.live.launch.command import main
 
     raise typer.Exit(main(list(ctx.args)))
 

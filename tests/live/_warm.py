@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import atexit
 
-from meshpact.live.forkserver import ForkServer
+from meshpact.live.launch.forkserver import ForkServer
 from meshpact.live.trials.trial import RANK_PRELOAD
 
 _FORKSERVER: list[ForkServer] = []

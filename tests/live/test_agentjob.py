@@ -14,17 +14,18 @@ import os
 
 import pytest
 
-from meshpact.live.agentjob import AgentJob
-from meshpact.live.forkserver import ForkServer
-from meshpact.live.launcher import LaunchedProcess, LaunchError, host_store
+from meshpact.live.launch.agentjob import AgentJob
+from meshpact.live.launch.forkserver import ForkServer
+from meshpact.live.launch.launcher import LaunchedProcess, LaunchError, host_store
 from meshpact.live.netns import TwoHosts, netns_unavailable
 from meshpact.live.recovery.consensus import GONE_KEY, gone_ranks
 from meshpact.live.recovery.control import ControlChannel
+from meshpact.live.recovery.refusal import REFUSAL_LINE
 
 from _warm import shared_forkserver
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
-ECHO = "meshpact.live.launcher:echo"
+ECHO = "meshpact.live.launch.launcher:echo"
 
 
 def test_ranks_get_elastic_environment_and_fork_from_the_server(tmp_path):
@@ -142,3 +143,20 @@ def test_ranks_on_two_hosts_start_under_their_prefix_and_meet_at_a_store_served_
     assert zero["ppid"] == servers[0]  # forked on host 0 by host 0's server
     assert one["incarnation"] == 1 and one["ppid"] == os.getpid()  # the replacement: a fresh start
     assert arrived == 2 and ran.replacements == 1  # both ranks reached the store across the link
+
+
+def test_a_rank_refusing_a_recovery_that_cannot_happen_says_one_line_and_gets_no_replacement(tmp_path):
+    """A refusal is decided by the whole group: a new process would hold nothing and decide the same, so the
+    agent leaves the rank gone however many replacements are left; the other rank is replaced as before."""
+    why = "no peer copies are kept (peer copies: 0) and no checkpoint directory is set"
+    replaced: list[int] = []
+    with AgentJob(ECHO, 3, {"refuse_ranks": [1], "refuse_why": why, "fail_ranks": [2]}, timeout_s=120,
+                  max_replacements=3, forkserver=shared_forkserver(),
+                  on_replaced=lambda rank, rc, warm: replaced.append(rank)) as job:
+        ran = job.run()
+    assert replaced == [2] and ran.replacements == 1  # the rank that exited 3 is replaced, the refusing one not
+    assert ran.gone == {1: 1}
+    refused = ran.results[1]
+    assert refused.incarnation == 0
+    lines = [ln for ln in refused.stderr_tail.splitlines() if ln.strip()]
+    assert lines == [f"{REFUSAL_LINE}{why}"]  # the one line, no traceback

@@ -7,7 +7,7 @@ import pytest
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import LinkClass
 from meshpact.live.plans.domains import RankEnv, bridge_pairs, designated_bridge_pairs, two_domain_mesh
-from meshpact.live.launcher import LaunchError
+from meshpact.live.launch.launcher import LaunchError
 
 
 def test_two_domains_of_two_ranks_with_the_first_of_each_as_bridge_rank():

@@ -10,7 +10,7 @@ import pytest
 from meshpact.core.recovery import Policy
 from meshpact.live.recovery.consensus import ConsensusError, Decision, Proposal, agree, decide, loss_bound_s
 from meshpact.live.recovery.control import ControlChannel, ControlTimeout
-from meshpact.live.launcher import host_store
+from meshpact.live.launch.launcher import host_store
 from meshpact.live.recovery.jobkey import draw
 
 KEY = draw("a test's job key")  # the job key the channels of this file sign with

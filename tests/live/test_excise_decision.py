@@ -8,7 +8,7 @@ import time
 import pytest
 
 from meshpact.core.recovery import Policy
-from meshpact.live.launcher import host_store
+from meshpact.live.launch.launcher import host_store
 from meshpact.live.recovery.consensus import Decision, Proposal, agree, decide, mark_gone
 from meshpact.live.recovery.control import ControlChannel
 from meshpact.live.recovery.jobkey import draw

@@ -12,13 +12,13 @@ import signal
 
 import pytest
 
-from meshpact.live.agentjob import AgentJob
-from meshpact.live.forkserver import ForkServer
-from meshpact.live.launcher import LaunchError, launch
+from meshpact.live.launch.agentjob import AgentJob
+from meshpact.live.launch.forkserver import ForkServer
+from meshpact.live.launch.launcher import LaunchError, launch
 
 pytestmark = pytest.mark.live
 
-ECHO = "meshpact.live.launcher:echo"
+ECHO = "meshpact.live.launch.launcher:echo"
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def test_a_prefixed_rank_is_forked_only_by_a_server_started_under_its_prefix(ser
 
 
 def test_a_server_that_cannot_start_says_why_at_the_first_rank():
-    from meshpact.live.forkserver import ForkServerError
+    from meshpact.live.launch.forkserver import ForkServerError
 
     with ForkServer(preload=("meshpact_no_such_module",), start_timeout_s=60) as broken:
         with pytest.raises(ForkServerError, match="(?s)did not start.*No module named 'meshpact_no_such_module'"):

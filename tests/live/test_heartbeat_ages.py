@@ -7,7 +7,7 @@ import json
 import time
 
 from meshpact.core.recording import RecordingWriter
-from meshpact.live.launcher import host_store
+from meshpact.live.launch.launcher import host_store
 from meshpact.live.recovery.control import ControlChannel
 from meshpact.live.recovery.heartbeat import beat_key
 from meshpact.live.trials.trial import LostRankWatch

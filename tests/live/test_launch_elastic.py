@@ -19,8 +19,11 @@ from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, Worke
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
-from meshpact.live.elastic import (JOB_ENDED_KEY, SPARE_COUNT_KEY, LaunchOptions, NodeLoss, NoJobFound, ReplacingAgent,
-                                   SpareAgent, SpareNode, StandbyRendezvous, choose_spare, main)
+from meshpact.live.launch.command import DEFAULT_REPLACEMENTS, config, main, parser
+from meshpact.live.launch.elastic import LaunchOptions, ReplacingAgent
+from meshpact.live.launch.nodes import JOB_ENDED_KEY, SPARE_COUNT_KEY, NodeLoss, SpareNode, choose_spare
+from meshpact.live.launch.rendezvous import StandbyRendezvous
+from meshpact.live.launch.spareagent import NoJobFound, SpareAgent
 from meshpact.live.recovery.consensus import gone_ranks
 from meshpact.live.recovery.control import ControlChannel
 from meshpact.live.store import host_store
@@ -55,7 +58,7 @@ def _lose_node_1(agent, wg, others: ControlChannel, spare: SpareNode | None) -> 
     for now in (0.0, 0.5, 1.0, 2.0, 4.5):
         if spare is not None:
             others.add(f"spare/beat{spare.spare_id}")
-        agent._beat_and_watch_nodes(wg, now)
+        agent.nodes.look(agent._channel, wg, now)
 
 
 def test_a_live_spare_node_with_the_same_workers_per_node_is_given_the_lost_node(capsys):
@@ -65,12 +68,12 @@ def test_a_live_spare_node_with_the_same_workers_per_node_is_given_the_lost_node
     # a store's set is not answered: read on another connection, it is waited for, not raced
     assert others.wait([f"spare/assign{spare.spare_id}"], 5.0)[f"spare/assign{spare.spare_id}"] == {"group_rank": 1}
     assert gone_ranks(others, range(4)) == ()  # the survivors wait for replacements instead of excising
-    assert [v.spare for v in agent.takeovers] == [spare] and agent.lost_nodes == []
+    assert [v.spare for v in agent.nodes.takeovers] == [spare] and agent.nodes.lost_nodes == []
     err = capsys.readouterr().err
     assert "node 1 (ranks [2, 3]) is lost: its agent has not beaten on the control channel for 4.5 s; " \
            "spare node 1 at 10.0.0.3 takes its ranks" in err
-    agent._beat_and_watch_nodes(wg, 5.0)  # the spare has the bound anew to beat as node 1: not lost again
-    assert len(agent.takeovers) == 1 and agent.lost_nodes == []
+    agent.nodes.look(agent._channel, wg, 5.0)  # the spare has the bound anew to beat as node 1: not lost again
+    assert len(agent.nodes.takeovers) == 1 and agent.nodes.lost_nodes == []
     del server
 
 
@@ -78,9 +81,9 @@ def test_without_a_spare_node_the_lost_nodes_ranks_are_announced_gone(capsys):
     server, agent, wg, others = _agent_on_channel()
     _lose_node_1(agent, wg, others, None)
     assert gone_ranks(others, range(4)) == (2, 3)
-    assert [n.group_rank for n in agent.lost_nodes] == [1] and agent.takeovers == []
+    assert [n.group_rank for n in agent.nodes.lost_nodes] == [1] and agent.nodes.takeovers == []
     assert "no spare node is registered; the job is told its ranks are gone" in capsys.readouterr().err
-    agent._end_standby()
+    agent.nodes.end_standby(agent._channel, 0)
     assert others.wait([JOB_ENDED_KEY], 5.0)[JOB_ENDED_KEY] is True  # a spare node that comes late leaves when the job ends
     del server
 
@@ -103,6 +106,18 @@ def test_the_first_live_spare_node_is_chosen_and_a_silent_one_is_named():
     assert verdict.spare == live
     assert verdict.passed_over == ("spare node 1 at 10.0.0.3 has not beaten within 3 s",)
     assert choose_spare(loss, 2, [silent], live=set(), node_loss_s=SILENT_S).spare is None
+
+
+def test_a_failed_worker_is_replaced_by_default_and_max_restarts_0_turns_it_off(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    one_node = ["--standalone", "--nproc-per-node", "2"]
+    assert config([*one_node, str(script)])[0].max_restarts == DEFAULT_REPLACEMENTS == 3  # torchrun's is 0
+    assert config([*one_node, "--max-restarts", "0", str(script)])[0].max_restarts == 0
+    assert config([*one_node, "--max_restarts=1", str(script)])[0].max_restarts == 1
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--help"])
+    assert "Replacement processes per node (default 3)" in " ".join(capsys.readouterr().out.split())
 
 
 def test_spare_with_standalone_is_refused_in_one_line(capsys):

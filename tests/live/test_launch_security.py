@@ -1,6 +1,6 @@
 """What ``meshpact launch`` does for a job's security: the job key it hands its workers
-(:func:`~meshpact.live.elastic.launch_key`) and the addresses its rendezvous stores listen on
-(:func:`~meshpact.live.elastic.rendezvous_handler`)."""
+(:func:`~meshpact.live.launch.command.launch_key`) and the addresses its rendezvous stores listen on
+(:func:`~meshpact.live.launch.rendezvous.rendezvous_handler`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from _sockets import listeners
-from meshpact.live.elastic import LaunchRefused, launch_key, main, rendezvous_handler
+from meshpact.live.launch.command import launch_key, main
+from meshpact.live.launch.elastic import LaunchRefused
+from meshpact.live.launch.rendezvous import rendezvous_handler
 from meshpact.live.recovery.jobkey import KEY_ENV, KEY_FILE_ENV, UNAUTHENTICATED_ENV, draw, write_key_file
 
 
@@ -85,7 +87,7 @@ def test_the_c10d_rendezvous_store_and_the_store_shared_with_the_workers_listen_
 
 
 def test_a_warm_spares_assignment_which_carries_the_job_key_is_readable_by_its_user_alone(tmp_path):
-    from meshpact.live.warmspare import Assignment, assign
+    from meshpact.live.launch.warmspare import Assignment, assign
 
     target = tmp_path / "spare-0.json"
     assign(target, Assignment({"MESHPACT_JOB_KEY": "00" * 32}, ("-m", "x"), "", ""))

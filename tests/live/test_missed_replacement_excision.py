@@ -16,8 +16,8 @@ import pytest
 
 from _warm import shared_forkserver
 from meshpact.core.recovery import Policy
-from meshpact.live.agentjob import AgentJob
-from meshpact.live.launcher import host_store
+from meshpact.live.launch.agentjob import AgentJob
+from meshpact.live.launch.launcher import host_store
 from meshpact.live.recovery.consensus import (EXCISE_NOT_OFFERED, GONE_KEY, ConsensusError, Decision, Proposal, agree,
                                               decide, gone_ranks, mark_gone)
 from meshpact.live.recovery.control import ControlChannel
@@ -137,7 +137,7 @@ def test_the_launcher_starts_at_most_its_replacements_then_announces_the_rank_go
     control = host_store("127.0.0.1", 0, 3)
     replaced: list[int] = []
     gone: list[int] = []
-    with AgentJob("meshpact.live.launcher:echo", 3, {"fail_ranks": [1, 2], "timeout_s": 30}, timeout_s=90,
+    with AgentJob("meshpact.live.launch.launcher:echo", 3, {"fail_ranks": [1, 2], "timeout_s": 30}, timeout_s=90,
                   max_replacements=1, control=("127.0.0.1", control.port), run_id="budget",
                   forkserver=shared_forkserver(), on_replaced=lambda rank, rc, warm: replaced.append(rank),
                   on_gone=lambda rank, rc: gone.append(rank)) as job:

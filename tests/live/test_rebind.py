@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshpact.live.launcher import host_store, launch
+from meshpact.live.launch.launcher import host_store, launch
 from meshpact.live.recovery.rebind import (SITES, TORCH_IMPORT_DEFAULTS, ModuleScan, find_references,
                                            held_in_frames, python_bindings, rebind_all)
 
@@ -309,14 +309,14 @@ def test_skipping_any_site_that_holds_a_reference_is_caught_by_object_or_by_name
 
 
 def test_a_module_run_with_dash_m_is_judged_by_its_own_name(tmp_path):
-    """``python -m meshpact.live.launcher`` makes the runtime's module ``__main__``: it is the
+    """``python -m meshpact.live.launch.launcher`` makes the runtime's module ``__main__``: it is the
     runtime's (skipped), while a user's script run as ``__main__`` (no spec) is scanned."""
     import importlib.machinery
 
     g0, g1 = _group("main_pg_g0"), _group("main_pg_g1")
     runtime_main = types.ModuleType("meshpact_test_main_runtime")
     runtime_main.__file__ = str(tmp_path / "launcher.py")
-    runtime_main.__spec__ = importlib.machinery.ModuleSpec("meshpact.live.launcher", None)
+    runtime_main.__spec__ = importlib.machinery.ModuleSpec("meshpact.live.launch.launcher", None)
     user_main = types.ModuleType("meshpact_test_main_user")
     user_main.__file__ = str(tmp_path / "train.py")
     runtime_main.PG = user_main.PG = g0

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshpact.live.launcher import launch
+from meshpact.live.launch.launcher import launch
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

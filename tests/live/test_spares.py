@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshpact.live.agentjob import AgentJob
-from meshpact.live.launcher import LaunchedProcess
+from meshpact.live.launch.agentjob import AgentJob
+from meshpact.live.launch.launcher import LaunchedProcess
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.live, pytest.mark.slow]
 def test_a_dead_rank_is_handed_to_a_waiting_spare_and_a_second_death_gets_a_new_process(tmp_path):
     replaced: list[tuple[int, int, bool]] = []
     registry = tmp_path / "processes.jsonl"
-    with AgentJob("meshpact.live.launcher:echo", 3, {"fail_ranks": [1, 2], "timeout_s": 60}, timeout_s=120,
+    with AgentJob("meshpact.live.launch.launcher:echo", 3, {"fail_ranks": [1, 2], "timeout_s": 60}, timeout_s=120,
                   spares=1, max_replacements=2, registry=registry,
                   on_replaced=lambda rank, rc, warm: replaced.append((rank, rc, warm))) as job:
         ran = job.run()

@@ -1,7 +1,7 @@
 """The worker side of a launch: what runs inside each rank process.
 
-``python -m meshpact.live.launcher --target module:function`` (a fresh interpreter) and a
-:class:`~meshpact.live.forkserver.ForkServer`'s forked child both enter a rank through
+``python -m meshpact.live.launch.launcher --target module:function`` (a fresh interpreter) and a
+:class:`~meshpact.live.launch.forkserver.ForkServer`'s forked child both enter a rank through
 :func:`_main`; the launcher and the fork server import it from here, so neither imports the other.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 
 from meshpact.core.errors import MeshpactError
 
-from .store import host_store
+from ..store import host_store
 
 __all__ = ["LaunchError", "LaunchedProcess", "RankResult", "write_result", "worker_args"]
 
@@ -123,7 +123,7 @@ def _serve_stores(addresses: Sequence[str]) -> int:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshpact.live.launcher",
+    parser = argparse.ArgumentParser(prog="python -m meshpact.live.launch.launcher",
                                      description="Run one rank of a Meshpact worker (torchrun-compatible).")
     parser.add_argument("--target", help="package.module:function taking a dict of arguments")
     parser.add_argument("--args", default=None, help="JSON arguments (overrides the launcher's)")

@@ -1,10 +1,10 @@
 """One node's job under ``meshpact launch``'s agent, run inside the calling program.
 
 ``meshpact live recover``, the dashboard's Live page and the test suite start their ranks here:
-:class:`AgentJob` runs :class:`~meshpact.live.elastic.ReplacingAgent` — the agent ``meshpact
+:class:`AgentJob` runs :class:`~meshpact.live.launch.elastic.ReplacingAgent` — the agent ``meshpact
 launch`` runs on every node, with elastic's rendezvous interface, worker environment, error files
 and log layout — in this process, on a worker target
-(``package.module:function``, run by ``python -m meshpact.live.launcher --target``); its rendezvous
+(``package.module:function``, run by ``python -m meshpact.live.launch.launcher --target``); its rendezvous
 is one round of one node that hosts the job's store on loopback (:class:`_OneNode`), or names to the
 ranks a store hosted elsewhere (``master``). Every
 decision about a worker's process is the agent's: a failed rank is replaced alone, in place (same
@@ -21,11 +21,11 @@ which excises it or ends naming why. The caller adds what a program that runs tr
   made where the calling thread is: a caller whose stores live inside a namespace runs the job with
   its thread entered there (:func:`~meshpact.live.netns.entered`);
 - warm first starts (``forkserver``, one server, or one per rank's host): a rank's first process is
-  forked from a :class:`~meshpact.live.forkserver.ForkServer` that imported torch once, where its
+  forked from a :class:`~meshpact.live.launch.forkserver.ForkServer` that imported torch once, where its
   environment allows and the server was started under the rank's own prefix; a replacement starts a
   fresh interpreter (its start is measured) unless ``warm_replacements`` (callers that measure no
   start: the test suite);
-- the process registry (``registry``, :class:`~meshpact.live.launcher.LaunchedProcess` lines), so
+- the process registry (``registry``, :class:`~meshpact.live.launch.launcher.LaunchedProcess` lines), so
   whoever looks from outside learns which process is which rank;
 - a deadline (``timeout_s``) after which every process is killed and each rank still running is
   reported as timed out;
@@ -36,8 +36,8 @@ which excises it or ends naming why. The caller adds what a program that runs tr
 - ``announce_gone`` off: a rank left without a replacement is not announced to the job (a
   scheduler that never answers; the survivors excise it when its replacement misses its deadline).
 
-Each rank's result is what its worker function returned (:func:`~meshpact.live.worker.write_result`),
-collected as :class:`~meshpact.live.launcher.RankResult`.
+Each rank's result is what its worker function returned (:func:`~meshpact.live.launch.worker.write_result`),
+collected as :class:`~meshpact.live.launch.launcher.RankResult`.
 """
 
 from __future__ import annotations
@@ -60,10 +60,12 @@ from torch.distributed.elastic.multiprocessing.subprocess_handler import get_sub
 from torch.distributed import PrefixStore
 from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStoreInfo
 
-from .elastic import FixedRendezvous, LaunchOptions, ReplacingAgent, _Running, _say, _signal_group
+from .elastic import LaunchOptions, ReplacingAgent
 from .forkserver import ForkServer
-from .recovery.jobkey import JobKey, draw
-from .store import host_store
+from .processes import Running, say, signal_group
+from ..recovery.jobkey import JobKey, draw
+from ..store import host_store
+from .rendezvous import FixedRendezvous
 from .worker import ARGS_ENV, RESULT_DIR_ENV, LaunchedProcess, LaunchError, RankResult, _resolve
 
 __all__ = ["AgentJob", "AgentJobResult"]
@@ -117,7 +119,7 @@ class _Forked:
 
     def close(self, death_sig: signal.Signals | None = None) -> None:
         if self.proc.poll() is None:
-            _signal_group(self.proc, death_sig or signal.SIGTERM)
+            signal_group(self.proc, death_sig or signal.SIGTERM)
 
 
 class _JobAgent(ReplacingAgent):
@@ -141,7 +143,7 @@ class _JobAgent(ReplacingAgent):
         return self._job.worker_env(rank)
 
     def _launch(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
-                error_file: str, incarnation: int, warm: bool) -> _Running:
+                error_file: str, incarnation: int, warm: bool) -> Running:
         self.stderr_files[local_rank] = streams[1]  # one node: a local rank is the job's rank
         return super()._launch(spec, local_rank, env, streams, error_file, incarnation, warm)
 
@@ -162,7 +164,7 @@ class _JobAgent(ReplacingAgent):
             self._job.notes[rank] = (f"meshpact launch: rank {rank} started as a fresh interpreter, not forked: "
                                      f"{', '.join(differs)} differ(s) from the fork server's, which read them at "
                                      "import\n")
-            _say(self._job.notes[rank].partition(": ")[2].rstrip())
+            say(self._job.notes[rank].partition(": ")[2].rstrip())
         if prefix:  # the command under the rank's prefix (``ip netns exec NS``, which execs it: the same pid)
             handler = get_subprocess_handler(prefix[0], (*prefix[1:], spec.entrypoint, *spec.args), env, streams[0],
                                              streams[1], local_rank, spec.numa_options)
@@ -185,7 +187,7 @@ class _JobAgent(ReplacingAgent):
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def _replaced(self, rank: int, returncode: int, new: _Running) -> None:
+    def _replaced(self, rank: int, returncode: int, new: Running) -> None:
         if new.warm:  # a promoted spare: it was registered as a spare, it is the rank now
             self._job.register(new.pid, rank, new.incarnation)
         self._job.replaced(rank, returncode, new.warm)
@@ -195,9 +197,10 @@ class _JobAgent(ReplacingAgent):
             super()._left_gone(rank, returncode)
         self._job.left_gone(rank, returncode)
 
-    def _start_spare(self) -> None:
-        super()._start_spare()
-        self._job.register(self._spares[-1].handler.proc.pid, None, 0, spare=self._spares_started - 1)
+    def _start_spare(self) -> int:
+        pid = super()._start_spare()
+        self._job.register(pid, None, 0, spare=self.spares.started - 1)
+        return pid
 
 
 class AgentJob:
@@ -293,7 +296,7 @@ class AgentJob:
     # -- running ------------------------------------------------------------------------------
     def _agent(self) -> _JobAgent:
         spec = WorkerSpec(role="default", local_world_size=self.world_size, entrypoint=sys.executable,
-                          args=("-u", "-m", "meshpact.live.launcher", "--target", self.target),
+                          args=("-u", "-m", "meshpact.live.launch.launcher", "--target", self.target),
                           rdzv_handler=_OneNode(self.run_id, self.world_size),
                           max_restarts=self.max_replacements, monitor_interval=0.05, local_addr="127.0.0.1",
                           master_addr=self.master[0] if self.master else None,
@@ -314,7 +317,7 @@ class AgentJob:
         finally:
             agent._worker_group.spec.rdzv_handler.shutdown()
             agent._store = agent._worker_group.store = None  # the job's store stops listening with its last reference
-            shutil.rmtree(agent._spare_dir, ignore_errors=True)
+            shutil.rmtree(agent.spares.dir, ignore_errors=True)
         ledger = agent.ledger
         results = []
         for rank, running in sorted(ledger.running.items()):  # one node: a local rank is the job's rank

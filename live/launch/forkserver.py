@@ -5,7 +5,7 @@ it runs a line of the job: four ranks on a two-core machine take about four seco
 A :class:`ForkServer` is one helper process that imports the heavy, environment-independent
 modules (``torch``, ``torch.distributed`` and its FSDP and DTensor packages, dynamo) once and then
 forks each rank on request, so a rank's start is a ``fork`` plus the job's own imports. Each
-child becomes what ``python -m meshpact.live.launcher --target ...`` would have been: its
+child becomes what ``python -m meshpact.live.launch.launcher --target ...`` would have been: its
 own session (``setsid``), the launcher's environment (replacing the server's wholesale), its
 stderr in the launcher's file, stdin and stdout on ``/dev/null``, Python's and NumPy's global
 generators seeded afresh from the OS as a new interpreter's are; then the launcher's
@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
@@ -127,7 +126,7 @@ class ForkServer:
         self.prefix = tuple(prefix)
         self._import_env = import_time_env(env)
         self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty import can never block the server
-        self._proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "meshpact.live.forkserver", *preload],
+        self._proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "meshpact.live.launch.forkserver", *preload],
                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
                                       env=env, start_new_session=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None
@@ -171,7 +170,7 @@ class ForkServer:
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], stderr_path: str,
               timeout_s: float = 30.0) -> ForkedProcess:
-        """Fork one child running ``python -m meshpact.live.launcher *argv`` with ``env``."""
+        """Fork one child running ``python -m meshpact.live.launch.launcher *argv`` with ``env``."""
         with self._lock:
             self._ready()
             rid = self._next_id
@@ -274,7 +273,7 @@ def _child(req: Mapping[str, Any]) -> int:
         sys.modules["numpy.random"].seed()
     from .worker import _main
 
-    sys.argv = ["-m meshpact.live.launcher", *req["argv"]]
+    sys.argv = ["-m meshpact.live.launch.launcher", *req["argv"]]
     return _main(list(req["argv"]))
 
 
@@ -295,8 +294,8 @@ def _fork(req: Mapping[str, Any], wake: tuple[int, int]) -> int:
         else:
             print(exc.code, file=sys.stderr)
             rc = 1
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # as a fresh interpreter's: the process's hook says it (refusal's one line)
+        sys.excepthook(*sys.exc_info())
     finally:
         for stream in (sys.stdout, sys.stderr):
             try:

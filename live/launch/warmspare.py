@@ -1,7 +1,7 @@
 """A warm spare for any torchrun worker command: an interpreter with torch imported, waiting for a rank.
 
-``python -u -m meshpact.live.warmspare ASSIGNMENT`` imports what every rank of a training job
-imports first (:data:`~meshpact.live.forkserver.PRELOAD`: torch, torch.distributed, FSDP,
+``python -u -m meshpact.live.launch.warmspare ASSIGNMENT`` imports what every rank of a training job
+imports first (:data:`~meshpact.live.launch.forkserver.PRELOAD`: torch, torch.distributed, FSDP,
 DTensor, dynamo; and Meshpact's recovery runtime, :data:`RUNTIME`) and then waits for the file ``ASSIGNMENT`` to appear. The launcher writes it
 (atomically) when a worker of its node has died: the lost rank's whole worker environment
 (``RANK``, ``LOCAL_RANK``, ``MESHPACT_INCARNATION``, ``TORCHELASTIC_ERROR_FILE``, ...), the
@@ -103,7 +103,7 @@ def _run(argv: Sequence[str]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        sys.stderr.write("usage: python -m meshpact.live.warmspare ASSIGNMENT_FILE\n")
+        sys.stderr.write("usage: python -m meshpact.live.launch.warmspare ASSIGNMENT_FILE\n")
         return 2
     path = Path(args[0])
     from .forkserver import PRELOAD

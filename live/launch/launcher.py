@@ -1,13 +1,13 @@
 """Launcher: run a worker function on N ranks, each a real process with torchrun's environment.
 
-Each rank is a Python process running ``python -m meshpact.live.launcher --target
+Each rank is a Python process running ``python -m meshpact.live.launch.launcher --target
 module:function``. The environment is the one ``torchrun`` gives (``RANK``, ``WORLD_SIZE``,
 ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...), so the same entry
-point runs unchanged under ``torchrun --nproc-per-node N -m meshpact.live.launcher --target
+point runs unchanged under ``torchrun --nproc-per-node N -m meshpact.live.launch.launcher --target
 ...`` or ``meshpact launch`` on one host or many.
 
 :func:`launch` runs the ranks under ``meshpact launch``'s agent in this process
-(:class:`~meshpact.live.agentjob.AgentJob`, which hosts the rendezvous ``TCPStore`` itself, as
+(:class:`~meshpact.live.launch.agentjob.AgentJob`, which hosts the rendezvous ``TCPStore`` itself, as
 torchrun's agent does: the workers connect as clients, so a rank that dies takes no store with
 it) and collects each rank's value. A worker function takes one ``dict`` of JSON arguments and
 returns a JSON-serialisable value. Everything stops by itself: a deadline kills every child still
@@ -22,7 +22,7 @@ import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
-from .store import host_store
+from ..store import host_store
 from .worker import LaunchedProcess, LaunchError, RankResult, _main, write_result
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ def launch(target: str, world_size: int, args: Mapping[str, Any] | None = None, 
            master_port: int | None = None) -> list[RankResult]:
     """Run ``target`` on ``world_size`` ranks and return every rank's result.
 
-    The ranks run under ``meshpact launch``'s agent (:class:`~meshpact.live.agentjob.AgentJob`, in
+    The ranks run under ``meshpact launch``'s agent (:class:`~meshpact.live.launch.agentjob.AgentJob`, in
     this process; no rank is replaced). ``env(rank)``: more environment for a rank; ``prefix(rank)``:
     a command a rank starts under (``ip netns exec NS``); ``forkserver``: warm first starts (one
     server, or one per rank). The job hosts the ranks' store on loopback, unless ``master_port``
@@ -73,8 +73,9 @@ def launch(target: str, world_size: int, args: Mapping[str, Any] | None = None, 
 
 def echo(args: dict) -> dict:
     """A diagnostic worker: joins the rendezvous store and reports its environment. A first
-    process of a rank in ``fail_ranks`` exits with 3 at once, and a replacement process raises
-    ``raise_in_replacement`` when given (for replacement tests)."""
+    process of a rank in ``fail_ranks`` exits with 3 at once, a replacement process raises
+    ``raise_in_replacement`` when given, and a rank in ``refuse_ranks`` refuses a recovery (for
+    replacement tests)."""
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -94,6 +95,11 @@ def echo(args: dict) -> dict:
     time.sleep(float(args.get("sleep_s", 0)))
     if args.get("raise"):
         raise RuntimeError(str(args["raise"]))
+    if rank in args.get("refuse_ranks", ()):  # a recovery that cannot happen, said as start_session's ranks say it
+        from ..recovery.refusal import RecoveryImpossible, install
+
+        install()
+        raise RecoveryImpossible(str(args.get("refuse_why", "no copy, no checkpoint, no excision")))
     if args.get("raise_in_replacement") and incarnation > 0:
         raise RuntimeError(str(args["raise_in_replacement"]))
     import random
