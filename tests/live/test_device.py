@@ -53,7 +53,7 @@ class FakeCuda:
         return FakeStream(self, name)
 
     def current_stream(self):
-        return self.current
+        return FakeStream(self, self.current)
 
     def stream(self, s):
         cuda = self
@@ -73,6 +73,12 @@ class FakeCuda:
 class FakeStream:
     def __init__(self, cuda: FakeCuda, name: str) -> None:
         self.cuda, self.name = cuda, name
+
+    def __eq__(self, other: object) -> bool:  # a stream reads as its name in the call log
+        return getattr(other, "name", other) == self.name
+
+    def __hash__(self) -> int:
+        return hash(self.name)
 
     def wait_event(self, ev):
         self.cuda.calls.append(("wait_event", self.name, ev.id))
@@ -228,11 +234,12 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_writes_nothing():
 
 
 class _Group:
-    def __init__(self, name: str, log: list) -> None:
-        self.group_name, self.log = name, log
+    def __init__(self, name: str, log: list, fence: StepFence | None = None) -> None:
+        self.group_name, self.log, self.fence = name, log, fence
 
     def abort(self) -> None:
-        self.log.append(("abort", self.group_name))
+        self.log.append(("abort", self.group_name) if self.fence is None else
+                        ("abort", self.group_name, self.fence.failed))
 
 
 def test_a_nccl_sever_aborts_every_group_of_the_generation_before_its_sockets(monkeypatch):
@@ -244,11 +251,21 @@ def test_a_nccl_sever_aborts_every_group_of_the_generation_before_its_sockets(mo
     monkeypatch.setattr(session_mod.comm, "sever", lambda socks, held: log.append(("sever sockets", len(socks))))
     for backend, aborted in (("nccl", ["g_world", "g_dim0"]), ("gloo", [])):
         log.clear()
-        fake = SimpleNamespace(spec=SimpleNamespace(backend=backend), data_sockets=lambda: {},
-                               groups={"world": _Group("g_world", log), "dim0": _Group("g_dim0", log)}, severed=None)
+        cuda = FakeCuda()
+        fence, progress = StepFence(FakeCudaOps(cuda)), DeviceProgress()
+        fence.record(5)
+        cuda.done_after[fence.event.id] = 10**9  # the step's collective hangs when the sever comes
+        progress.track(fence)
+        groups = {"world": _Group("g_world", log, fence), "dim0": _Group("g_dim0", log, fence)}
+        fake = SimpleNamespace(spec=SimpleNamespace(backend=backend), data_sockets=lambda: {}, groups=groups,
+                               severed=None, progress=progress)
         session_mod.Session.sever_data_path(fake, tell_peers=False)
-        assert [n for k, n in log if k == "abort"] == aborted
+        assert [e[1] for e in log if e[0] == "abort"] == aborted
         assert log[-1][0] == "sever sockets"  # the aborts come first
+        # on NCCL the running step's fence is failed before any abort (an aborted kernel returns and the
+        # fence behind it would then read done); on gloo the sever leaves it (a severed collective raises)
+        assert all(e[2] for e in log if e[0] == "abort")
+        assert fence.failed is (backend == "nccl")
 
 
 def test_replaced_nccl_groups_are_retired_by_abort(monkeypatch):
@@ -266,3 +283,130 @@ def test_replaced_nccl_groups_are_retired_by_abort(monkeypatch):
         rt = SimpleNamespace(counter=None, session=SimpleNamespace(spec=SimpleNamespace(backend=backend)))
         pipeline.retire_replaced(rt, pipeline.Rebound(0.0, 0.0, CommunicatorAction.REBUILD, old))
         assert log == want
+
+
+# -- the runtime wired through the primitives ------------------------------------------------
+class _Never(dict):
+    """``done_after`` for a device whose kernels never end (a hung collective)."""
+
+    def get(self, key, default=None):
+        return 10**9
+
+
+class _LoggedSGD(torch.optim.SGD):
+    """SGD whose update is written in the fake device's call log, where the device would run it."""
+
+    def __init__(self, params, cuda: FakeCuda) -> None:
+        super().__init__(params, lr=0.1)
+        self.cuda = cuda
+
+    def step(self, closure=None):
+        self.cuda.calls.append(("update", self.cuda.current))
+        return super().step(closure)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _runtime(cuda: FakeCuda, peers=None, buffers: bool = False):
+    """A Resilient with only what ``step`` and the optimizer hooks read: no session, no groups."""
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery.runtime import Resilient
+
+    model = torch.nn.Linear(3, 2)
+    rt = Resilient.__new__(Resilient)
+    rt.session = SimpleNamespace(ops=FakeCudaOps(cuda), progress=DeviceProgress(), spec=SimpleNamespace(timeout_s=0.05),
+                                 generation=1, config=SimpleNamespace(restore_rng=False))
+    rt.model, rt.optimizer, rt.peers = model, _LoggedSGD(model.parameters(), cuda), peers
+    rt.committed_step, rt.heartbeat, rt.injector, rt.objects, rt.fence = 0, None, None, {}, None
+    rt._optimizer_hook, rt._first_step, rt.max_attempts = None, False, 2
+    rt._buffers = {"buffer/running_mean": torch.zeros(2)} if buffers else {}
+    rt.refresh_objects = lambda: []
+    rt.commits, rt.causes = [], []
+    rt._commit = lambda step, batch: rt.commits.append(step)
+    rt._measure = lambda *a: None
+
+    def recover(cause):
+        rt.causes.append(cause.message)
+        raise _Stop
+
+    rt._recover = recover
+    rt.watch_optimizer()
+    return rt
+
+
+def _train(rt):
+    def train_step(batch):
+        rt.optimizer.zero_grad()
+        rt.model(batch).sum().backward()
+        rt.optimizer.step()
+
+    return train_step
+
+
+def test_a_step_is_committed_only_once_its_fence_recorded_after_the_optimizer_step_is_done():
+    cuda = FakeCuda()
+    rt = _runtime(cuda)
+    rt.step(_train(rt), torch.ones(4, 3))
+    assert rt.commits == [0]
+    names = [c[0] for c in cuda.calls]
+    fence = rt.fence.event.id
+    assert names.index("update") < cuda.calls.index(("record", fence, "default"))  # after the update
+    assert ("query", fence) in cuda.calls and rt.session.progress.count() == 1  # queried, and the heartbeat sees it
+
+
+def test_a_step_whose_device_work_hangs_is_recovered_and_never_committed():
+    cuda = FakeCuda()
+    cuda.done_after = _Never()
+    rt = _runtime(cuda)
+    t0 = time.monotonic()
+    with pytest.raises(_Stop):
+        rt.step(_train(rt), torch.ones(4, 3))
+    assert time.monotonic() - t0 < 5.0  # the fence's bound, the data-path timeout, not the hung kernel
+    assert rt.commits == [] and "did not complete within 0.05 s" in rt.causes[0]
+
+
+def test_a_step_whose_data_path_was_aborted_is_never_committed_though_its_fence_then_completes():
+    cuda = FakeCuda()
+    rt = _runtime(cuda)
+    train = _train(rt)
+
+    def aborted_under_it(batch):
+        train(batch)
+        rt.session.progress.fail_running()  # the heartbeat's sever aborts the groups before the fence was seen
+        cuda.done_after.clear()  # the aborted kernels return: the event itself would now read done
+
+    cuda.done_after = _Never()
+    with pytest.raises(_Stop):
+        rt.step(aborted_under_it, torch.ones(4, 3))
+    assert rt.commits == [] and "aborted" in rt.causes[0]
+
+
+def test_the_next_optimizer_update_waits_on_the_devices_copy_of_the_last_snapshot():
+    from types import SimpleNamespace
+
+    cuda = FakeCuda()
+    rt = _runtime(cuda, peers=SimpleNamespace(protect=lambda: cuda.calls.append(("protect", cuda.current))))
+    rt.step(_train(rt), torch.ones(4, 3))
+    names = [c[0] for c in cuda.calls]
+    assert names.count("protect") == 1 and names.index("protect") < names.index("update")
+    # a model with buffers its forward updates: the wait comes before the forward too
+    cuda = FakeCuda()
+    rt = _runtime(cuda, peers=SimpleNamespace(protect=lambda: cuda.calls.append(("protect", cuda.current))),
+                  buffers=True)
+    rt.step(_train(rt), torch.ones(4, 3))
+    assert [c[0] for c in cuda.calls][0] == "protect"
+
+
+def test_a_snapshots_copies_hold_the_training_streams_next_writes_once():
+    cuda = FakeCuda()
+    ops = FakeCudaOps(cuda)
+    fence, snap = StepFence(ops), PinnedSnapshot(ops)
+    fence.record(2)
+    snap.start(2, [torch.ones(3)], fence)
+    snap.protect()
+    snap.protect()
+    waits = [c for c in cuda.calls if c[0] == "wait_event" and c[1] == "default"]
+    assert waits == [("wait_event", "default", snap.copied.id)]
