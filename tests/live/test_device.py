@@ -293,6 +293,13 @@ class _Never(dict):
         return 10**9
 
 
+class _Slow(dict):
+    """``done_after`` for a device whose work completes on the third query."""
+
+    def get(self, key, default=None):
+        return 2
+
+
 class _LoggedSGD(torch.optim.SGD):
     """SGD whose update is written in the fake device's call log, where the device would run it."""
 
@@ -410,3 +417,118 @@ def test_a_snapshots_copies_hold_the_training_streams_next_writes_once():
     snap.protect()
     waits = [c for c in cuda.calls if c[0] == "wait_event" and c[1] == "default"]
     assert waits == [("wait_event", "default", snap.copied.id)]
+
+
+class _TrainingStreamRefused(torch.overrides.TorchFunctionMode):
+    """Refuses, while the fake device's current stream is the training stream, every call that
+    computes on the state or copies it to the host: behind a hung kernel each would wait forever."""
+
+    WORK = {"cpu", "to", "cat", "stack", "copy_", "clone", "contiguous", "numpy", "item", "tolist", "ne", "eq"}
+
+    def __init__(self, cuda: FakeCuda) -> None:
+        super().__init__()
+        self.cuda = cuda
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if self.cuda.current == "default" and name in self.WORK:
+            raise AssertionError(f"{name} enqueued on the training stream")
+        return func(*args, **(kwargs or {}))
+
+
+def test_detection_reads_the_state_on_a_side_stream_and_never_waits_for_the_training_stream():
+    from meshpact.live.recovery.state import CommitMark
+
+    cuda = FakeCuda()
+    ops = FakeCudaOps(cuda)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    opt.step()
+    with _TrainingStreamRefused(cuda):
+        mark = CommitMark.take(1, model, opt, ops=ops)  # at a commit: after the step's work (its fence is done)
+    take = [c for c in cuda.calls if c[0] == "wait_event"]
+    assert len(take) == 1 and take[0][1] == ops.reader  # the reader waited for what the step wrote
+    cuda.calls.clear()
+    with _TrainingStreamRefused(cuda):
+        assert mark.verify(1, model, opt, ops=ops).changed == ""
+        with torch.no_grad():
+            next(model.parameters()).view(-1)[0] += 1.0  # the failed step's update (the test's own write)
+        assert "written" in mark.verify(1, model, opt, ops=ops).changed
+        opt.state.clear()  # optimizer state gone: the full listing, read on the side stream too
+        assert mark.verify(1, model, opt, ops=ops).changed
+    # after the abort nothing orders the reads behind the training stream: no wait on it at all
+    assert not [c for c in cuda.calls if c[0] == "wait_event"]
+    assert {c[1] for c in cuda.calls if c[0] == "enter"} == {ops.reader.name}
+
+
+def test_on_cuda_a_commit_only_enqueues_pinned_copies_and_never_waits_for_the_ship_in_flight(monkeypatch):
+    import threading
+
+    from meshpact.live.recovery import peers
+    from meshpact.live.recovery.jobkey import draw
+
+    key = draw().derive("peer")
+    cuda = FakeCuda()
+    cuda.done_after = _Slow()  # every copy lands on the third look
+    ops = FakeCudaOps(cuda)
+    release, shipped = threading.Event(), []
+
+    def slow_put(address, src, step, payload, timeout_s, gate=None, *, key=None, digest=None):
+        assert digest == peers.copy_digest(payload)  # the digest is of the landed copy
+        shipped.append((step, bytes(payload[1])))
+        cuda.calls.append(("put", step))
+        release.wait(10)
+
+    monkeypatch.setattr(peers, "put", slow_put)
+    server, holder = peers.PeerServer("127.0.0.1", key=key), peers.PeerServer("127.0.0.1", key=key)
+    table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
+             for r, s in ((0, server), (1, holder))}
+
+    class Channel:
+        def wait(self, keys, timeout_s=None):
+            return {k: table[k] for k in keys}
+
+    copier = peers.PeerCopier(0, 2, 1, Channel(), server, timeout_s=5.0, ops=ops)
+    try:
+        copier.refresh()
+        states = {s: {"param/w": torch.full((64,), float(s)), "optim/w/step": torch.tensor(float(s))} for s in (1, 2, 3)}
+        copier.commit(1, states[1])
+        deadline = time.monotonic() + 5
+        while not shipped and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert [s for s, _ in shipped] == [1]  # step 1's ship is under way, held by the slow holder
+        in_flight = copier._slabs[1]
+        ended = threading.Event()
+
+        def commits() -> None:
+            copier.commit(2, states[2])
+            copier.commit(3, states[3])
+            ended.set()
+
+        threading.Thread(target=commits, daemon=True).start()
+        assert ended.wait(3.0), "a commit waited for the ship in flight"
+        assert copier.own_steps() == (2, 3) and copier._slabs[3] is not in_flight  # the slab in flight not refilled
+        release.set()
+        assert copier.drain(5)
+        assert [s for s, _ in shipped] == [1, 3] and copier.counters.superseded == 1  # step 2 was superseded
+        layout = copier._slabs[3].layout
+        body = shipped[1][1]
+        for name, n, at in zip(layout.names, layout.nbytes, layout.offsets):
+            assert torch.equal(torch.frombuffer(bytearray(body[at:at + n]), dtype=torch.float32), states[3][name].reshape(-1))
+        copied = copier._slabs[3].snapshot.copied.id
+        assert cuda.calls.index(("put", 3)) > max(i for i, c in enumerate(cuda.calls) if c == ("query", copied))
+        assert sum(1 for c in cuda.calls if c == ("query", copied)) == 3  # shipped once the copies landed, not before
+        hosts = [c for c in cuda.calls if c[0] == "host_buffer"]
+        assert hosts and all(len(h[1]) == 1 for h in hosts)  # each slab one pinned buffer
+        # every snapshot's side stream waited on an event of the training stream before its copies
+        names = [c[0] for c in cuda.calls]
+        assert names.count("enter") == 3
+        for i, c in enumerate(cuda.calls):
+            if c[0] == "enter":
+                assert cuda.calls[i - 1][0] == "wait_event" and cuda.calls[i - 1][1] == c[1] != "default"
+    finally:
+        release.set()
+        copier.close()
+        server.close()
+        holder.close()
