@@ -532,3 +532,57 @@ def test_on_cuda_a_commit_only_enqueues_pinned_copies_and_never_waits_for_the_sh
         copier.close()
         server.close()
         holder.close()
+
+
+def test_on_a_device_the_heartbeat_counts_fences_completed_not_a_host_spinning_in_a_sync():
+    from meshpact.live.recovery.heartbeat import Look, device_moved, progressed
+
+    cuda = FakeCuda()
+    ops = FakeCudaOps(cuda)
+    progress = DeviceProgress()
+    fence = StepFence(ops)
+    fence.record(0)
+    cuda.done_after[fence.event.id] = 1  # done from its second query on
+    progress.track(fence)
+    moved, seen = device_moved(progress, 0)
+    assert (moved, seen) == (False, 0)
+    # the host spins in a CUDA call: its frame, CPU time and scheduler state all say busy
+    spinning = dict(watching=True, in_comm=False, moved=True, main_cpu_s=0.5, state="R", native_cpu_s=0.5,
+                    in_torch=True)
+    assert progressed(Look(**spinning)) is True  # the CPU's rule (device_moved None) calls that progress
+    assert progressed(Look(**spinning, device_moved=moved)) is False
+    moved, seen = device_moved(progress, seen)
+    assert (moved, seen) == (True, 1) and progressed(Look(**spinning, device_moved=moved)) is True
+    assert device_moved(None, 7) == (None, 7)  # on the CPU nothing is counted
+    # waiting on its peers in torch's communication code is progress on a device too, as on the CPU
+    assert progressed(Look(**{**spinning, "in_comm": True}, device_moved=False)) is True
+
+
+def test_on_nccl_the_standby_is_built_between_steps_on_the_training_thread_on_gloo_beside_it(monkeypatch):
+    import threading
+    from types import SimpleNamespace
+
+    from meshpact.live.recovery.communicator import Standby
+
+    ran: list[str] = []
+
+    def build(self) -> None:  # what _run does, less the groups: where it runs
+        ran.append(threading.current_thread().name)
+        self._done.set()
+
+    monkeypatch.setattr(Standby, "_run", build)
+    for backend in ("nccl", "gloo"):
+        ran.clear()
+        sb = Standby(SimpleNamespace(backend=backend, device="cpu"), lambda: None, 1, ())
+        sb.start()
+        if backend == "nccl":
+            assert ran == [] and not sb.status((), 0.0).ready  # nothing built beside the training thread's step
+            assert "between steps" in sb.status((), 0.0).reason and sb.join(0.0)
+            assert sb.build_between_steps() is True and ran == [threading.current_thread().name]
+            assert sb.build_between_steps() is False and len(ran) == 1  # once
+        else:
+            assert sb.join(5.0) and ran and ran[0] != threading.current_thread().name
+            assert sb.build_between_steps() is False and len(ran) == 1
+    discarded = Standby(SimpleNamespace(backend="nccl", device="cpu"), lambda: None, 1, ())
+    discarded.discard()
+    assert discarded.build_between_steps() is False
