@@ -294,6 +294,9 @@ def recovering_key(generation: int, rank: int) -> str:
 class Heartbeat:
     """One rank's beating and watching thread (see the module docstring)."""
 
+    # on a device (CUDA): the fences of the rank's steps, whose completion is its progress (None: the CPU's rule)
+    device_progress: DeviceProgress | None = None
+
     def __init__(self, session: Any, modules: tuple[str, ...]) -> None:
         cfg = session.config
         self.session = session
@@ -308,6 +311,8 @@ class Heartbeat:
         self._stall_detail = ""  # what the last look found stalled, for the alarm's record
         self._forget_word = False  # set by warm_up_again: the thread publishes "no word" at its next look
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
+        if session.ops.kind == "cuda":
+            self.device_progress = session.progress
         self.channel = ControlChannel(session.control.host, session.control.port, session.rank, session.world_size, cfg.control_timeout_s,
                                       is_host=False, connect_timeout_s=cfg.store_connect_s,
                                       run_id=session.spec.run_id, key=session.control.key)
@@ -623,7 +628,7 @@ class Heartbeat:
         last_pos = self._main_position()
         last_cpu = self._main_cpu_s()
         last_native = self._native_cpu_s()
-        progress = self.session.progress if self.session.ops.kind == "cuda" else None
+        progress = self.device_progress
         fences = 0  # the device's fences completed at the last look
         watched: tuple[int, ...] = ()
         seen: list[int] | None = None
