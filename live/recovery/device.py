@@ -14,6 +14,7 @@ a step the runtime already takes, chosen by capability detection (:func:`device_
 | the watchdog on a timeout | none | ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: abort the communicator, keep the process (:func:`nccl_worker_env`) |
 | retire a replaced group | drop the reference | :func:`abort_groups` (a NCCL communicator's destructor does not abort) |
 | know a step's device work is done | it is, when the host returns | :class:`StepFence`: an event recorded after the optimizer step, queried, never a device synchronize |
+| read the state (a commit mark, a detection's check) | on the host | :func:`on_side_stream`: a side stream, never behind the training stream's queue |
 | snapshot for peer copies | ``torch._foreach_copy_`` into host buffers | :class:`PinnedSnapshot`: pinned buffers, async copies on a side stream after the fence |
 | heartbeat progress | the process's CPU time | :class:`DeviceProgress`: fences completed |
 | bit-identical replay | deterministic already | :func:`deterministic`: deterministic algorithms and the cuBLAS workspace setting |
