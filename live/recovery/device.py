@@ -283,19 +283,25 @@ class DeviceProgress:
         self.completed = 0
 
     def track(self, fence: StepFence) -> None:
+        """Track ``fence``; those found done or failed meanwhile are let go here too, so the list
+        stays as short as the steps in flight where nothing else counts (no heartbeat, the CPU)."""
         with self._lock:
+            self._sweep()
             self._fences.append(fence)
 
     def count(self) -> int:
         with self._lock:
-            still = []
-            for f in self._fences:
-                if f.done():
-                    self.completed += 1
-                elif not f.failed:
-                    still.append(f)
-            self._fences = still
+            self._sweep()
             return self.completed
+
+    def _sweep(self) -> None:
+        still = []
+        for f in self._fences:
+            if f.done():
+                self.completed += 1
+            elif not f.failed:
+                still.append(f)
+        self._fences = still
 
     def fail_running(self) -> int:
         """Mark every tracked fence not found done as failed (called before the data path is

@@ -586,3 +586,12 @@ def test_on_nccl_the_standby_is_built_between_steps_on_the_training_thread_on_gl
     discarded = Standby(SimpleNamespace(backend="nccl", device="cpu"), lambda: None, 1, ())
     discarded.discard()
     assert discarded.build_between_steps() is False
+
+
+def test_progress_holds_only_the_fences_still_running():
+    progress = DeviceProgress()
+    for step in range(1000):  # the CPU's fences, done at once: none is kept, however long the job
+        f = StepFence(HostOps())
+        f.record(step)
+        progress.track(f)
+    assert len(progress._fences) == 1 and progress.count() == 1000
