@@ -815,7 +815,6 @@ class PeerCopyCounters:
     ship_s: float = 0.0  # on the background thread (wall)
     bytes_sent: int = 0
     failed: int = 0
-    superseded: int = 0  # commits replaced by a newer one before their ship began (CUDA: commits do not wait)
     host_bytes_peak: int = 0
     host_copy_s: float = 0.0  # listing the state for the copy and the host copy (training thread, wall)
     wait_s: float = 0.0  # the training thread waiting for the copy in flight (wall)
@@ -883,6 +882,7 @@ class PeerCopier:
         self._handoff = threading.Lock()  # a commit's hand-over against the shipper's end of a ship
         self._in_flight: set[int] = set()  # ids of the slabs waiting to be shipped or being shipped
         self._latest: PinnedSnapshot | None = None  # the newest snapshot's copies: the next writes wait on them
+        self.superseded = 0  # commits replaced by a newer one before their ship began (CUDA: commits do not wait)
         self._thread = threading.Thread(target=self._shipper, name="meshpact-peer-ship", daemon=True)
         self._thread.start()
 
@@ -951,7 +951,7 @@ class PeerCopier:
                     waiting = None
                 if waiting is not None:
                     self._in_flight.discard(id(waiting[1]))
-                    self.counters.superseded += 1
+                    self.superseded += 1
             self._idle.clear()
             self._in_flight.add(id(slab))
             self._queue.put((step, slab))
