@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["DeviceOps", "HostOps", "CudaOps", "device_ops", "StepFence", "StepAborted", "PinnedSnapshot",
-           "DeviceProgress", "on_side_stream", "abort_groups", "nccl_worker_env", "deterministic", "Determinism", "NCCL_ABORT_ONLY",
+           "DeviceProgress", "on_side_stream", "training_now", "abort_groups", "nccl_worker_env", "deterministic", "Determinism", "NCCL_ABORT_ONLY",
            "CUBLAS_WORKSPACE"]
 
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=2: "only abort NCCL communicator" on an error the watchdog sees
@@ -139,24 +139,29 @@ class CudaOps:
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
 
 
-def on_side_stream(ops: DeviceOps, after_training: bool = False) -> Any:
+def on_side_stream(ops: DeviceOps, after: Event | None = None) -> Any:
     """A context in which the work the host enqueues goes to a side stream of ``ops``'s own (made
     once, kept on ``ops``), never the training stream: a detection's read of the state there does
-    not queue behind a kernel hung on the training stream. ``after_training``: the side stream
-    first waits for what the training stream holds now (a commit mark: the state as the step left
-    it; at a commit the step's fence is done, so the wait costs nothing). On the CPU a context that
-    does nothing."""
+    not queue behind a kernel hung on the training stream. ``after``: an event of the training
+    stream the side stream first waits for (a commit mark: the step's fence, so the read sees the
+    state as the optimizer step left it and never waits for a collective enqueued after it). On
+    the CPU a context that does nothing."""
     if ops.kind != "cuda":
         return _NoStream()
     reader = getattr(ops, "reader", None)
     if reader is None:
         reader = ops.side_stream()
         setattr(ops, "reader", reader)
-    if after_training:
-        written = ops.event()
-        written.record(ops.current_stream())
-        ops.wait_event(reader, written)
+    if after is not None:
+        ops.wait_event(reader, after)
     return ops.stream_context(reader)
+
+
+def training_now(ops: DeviceOps) -> Event:
+    """An event recorded on the training stream now: what the host enqueued so far comes before it."""
+    event = ops.event()
+    event.record(ops.current_stream())
+    return event
 
 
 def device_ops(device: str | torch.device) -> DeviceOps:

@@ -367,7 +367,9 @@ class Resilient:
     def mark_committed(self) -> None:
         """What a re-run of the next step needs: the commit mark and the generators."""
         if self.session.config.check_commits:
-            self.mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self.mark, self.session.ops)
+            fence = self.fence if self.fence is not None and self.fence.step == self.committed_step - 1 else None
+            self.mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self.mark, self.session.ops,
+                                        fence.event if fence is not None else None)
         self.rng = capture_rng()
         self.schedule = capture_schedule(self.optimizer, self.schedulers, self.objects)
         # the persistent buffers as committed: a failed forward may have moved BatchNorm's statistics

@@ -50,7 +50,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from .device import DeviceOps, HostOps, on_side_stream
+from .device import DeviceOps, Event, HostOps, on_side_stream, training_now
 
 __all__ = ["shard_rows", "local_state", "OptimizerParts", "OptimizerStateError", "optimizer_parts", "param_groups_of",
            "check_optimizer", "load_local_state", "digest", "commit_check", "CommitMark", "StateCheck", "RngState", "capture_rng", "restore_rng",
@@ -471,12 +471,14 @@ class CommitMark:
 
     @classmethod
     def take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             previous: "CommitMark | None" = None, ops: DeviceOps | None = None) -> "CommitMark":
+             previous: "CommitMark | None" = None, ops: DeviceOps | None = None,
+             after: Event | None = None) -> "CommitMark":
         """The mark of the state now, committed at ``step``. The views and the meshes are reused
         from ``previous`` when the same tensors, at the same storage, hold the state. ``ops``: the
         device's (:func:`~.device.on_side_stream`: on CUDA the samples are read on a side stream,
-        once the step's fence is done, never behind the training stream's queue)."""
-        with on_side_stream(ops or HostOps(), after_training=True):
+        after ``after``, the step's fence, or where none is given after all the host enqueued)."""
+        ops = ops or HostOps()
+        with on_side_stream(ops, after if after is not None or ops.kind != "cuda" else training_now(ops)):
             return cls._take(step, model, optimizer, previous)
 
     @classmethod

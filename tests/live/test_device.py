@@ -445,10 +445,14 @@ def test_detection_reads_the_state_on_a_side_stream_and_never_waits_for_the_trai
     opt = torch.optim.Adam(model.parameters())
     model(torch.ones(2, 4)).sum().backward()
     opt.step()
+    fence = StepFence(ops)
+    fence.record(0)
+    cuda.calls.append(("logging all-reduce", "default"))  # enqueued after the optimizer step, before the commit
     with _TrainingStreamRefused(cuda):
-        mark = CommitMark.take(1, model, opt, ops=ops)  # at a commit: after the step's work (its fence is done)
+        mark = CommitMark.take(1, model, opt, ops=ops, after=fence.event)  # at a commit: its fence is done
     take = [c for c in cuda.calls if c[0] == "wait_event"]
-    assert len(take) == 1 and take[0][1] == ops.reader  # the reader waited for what the step wrote
+    # the reader waited for the state as the optimizer step left it, not for the collective after it
+    assert take == [("wait_event", ops.reader, fence.event.id)]
     cuda.calls.clear()
     with _TrainingStreamRefused(cuda):
         assert mark.verify(1, model, opt, ops=ops).changed == ""
