@@ -58,6 +58,7 @@ class DeviceOps(Protocol):
     a test passes one that records the calls."""
 
     kind: str
+    reader: Any  # the side stream reads of the state go to (:func:`on_side_stream`), made there once
 
     def event(self) -> Event: ...
     def side_stream(self) -> Any: ...
@@ -88,6 +89,7 @@ class _NoStream:
 @dataclass
 class HostOps:
     kind: str = "cpu"
+    reader: Any = None
 
     def event(self) -> Event:
         return _DoneEvent()
@@ -148,13 +150,11 @@ def on_side_stream(ops: DeviceOps, after: Event | None = None) -> Any:
     the CPU a context that does nothing."""
     if ops.kind != "cuda":
         return _NoStream()
-    reader = getattr(ops, "reader", None)
-    if reader is None:
-        reader = ops.side_stream()
-        setattr(ops, "reader", reader)
+    if ops.reader is None:
+        ops.reader = ops.side_stream()
     if after is not None:
-        ops.wait_event(reader, after)
-    return ops.stream_context(reader)
+        ops.wait_event(ops.reader, after)
+    return ops.stream_context(ops.reader)
 
 
 def training_now(ops: DeviceOps) -> Event:

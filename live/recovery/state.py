@@ -483,7 +483,7 @@ class CommitMark:
 
     @classmethod
     def _take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-              previous: "CommitMark | None") -> "CommitMark":
+              previous: CommitMark | None) -> CommitMark:
         tensors = _listing(model, optimizer)
         owners = _owners(tensors)
         if previous is not None and previous.aliased and previous.owners == owners:

@@ -330,7 +330,7 @@ def _runtime(cuda: FakeCuda, peers=None, buffers: bool = False):
     rt.committed_step, rt.heartbeat, rt.injector, rt.objects, rt.fence = 0, None, None, {}, None
     rt._optimizer_hook, rt._first_step, rt.max_attempts = None, False, 2
     rt._buffers = {"buffer/running_mean": torch.zeros(2)} if buffers else {}
-    rt.refresh_objects = lambda: []
+    rt.refresh_objects = list
     rt.commits, rt.causes = [], []
     rt._commit = lambda step, batch: rt.commits.append(step)
     rt._measure = lambda *a: None
@@ -404,7 +404,7 @@ def test_the_next_optimizer_update_waits_on_the_devices_copy_of_the_last_snapsho
     rt = _runtime(cuda, peers=SimpleNamespace(protect=lambda: cuda.calls.append(("protect", cuda.current))),
                   buffers=True)
     rt.step(_train(rt), torch.ones(4, 3))
-    assert [c[0] for c in cuda.calls][0] == "protect"
+    assert cuda.calls[0][0] == "protect"
 
 
 def test_a_snapshots_copies_hold_the_training_streams_next_writes_once():
@@ -423,7 +423,7 @@ class _TrainingStreamRefused(torch.overrides.TorchFunctionMode):
     """Refuses, while the fake device's current stream is the training stream, every call that
     computes on the state or copies it to the host: behind a hung kernel each would wait forever."""
 
-    WORK = {"cpu", "to", "cat", "stack", "copy_", "clone", "contiguous", "numpy", "item", "tolist", "ne", "eq"}
+    WORK = frozenset({"cpu", "to", "cat", "stack", "copy_", "clone", "contiguous", "numpy", "item", "tolist", "ne", "eq"})
 
     def __init__(self, cuda: FakeCuda) -> None:
         super().__init__()
@@ -551,8 +551,8 @@ def test_on_a_device_the_heartbeat_counts_fences_completed_not_a_host_spinning_i
     moved, seen = device_moved(progress, 0)
     assert (moved, seen) == (False, 0)
     # the host spins in a CUDA call: its frame, CPU time and scheduler state all say busy
-    spinning = dict(watching=True, in_comm=False, moved=True, main_cpu_s=0.5, state="R", native_cpu_s=0.5,
-                    in_torch=True)
+    spinning = {"watching": True, "in_comm": False, "moved": True, "main_cpu_s": 0.5, "state": "R",
+                "native_cpu_s": 0.5, "in_torch": True}
     assert progressed(Look(**spinning)) is True  # the CPU's rule (device_moved None) calls that progress
     assert progressed(Look(**spinning, device_moved=moved)) is False
     moved, seen = device_moved(progress, seen)
