@@ -724,7 +724,13 @@ class Standby:
     thread's connection is never shared). The groups are not installed in c10d's world until
     :meth:`take`; :meth:`discard` drops them (at once if built, when the thread ends if not).
     ``sockets`` are the descriptors the standby opened: severing the broken data path leaves
-    them alone."""
+    them alone.
+
+    On NCCL the groups are built between steps instead (``between_steps``): NCCL documents that
+    operations on separate communicators issued concurrently can deadlock, and building a
+    communicator (``ncclCommInitRank``, the first all-reduce) beside the training thread's
+    collectives is such a pair. :meth:`start` then starts nothing, and the training thread calls
+    :meth:`build_between_steps` after a commit, at the same point of the job on every rank."""
 
     def __init__(self, spec: GroupSpec, connect: Callable[[], Any], generation: int, plan: GroupPlan) -> None:
         self.spec = spec
@@ -740,10 +746,23 @@ class Standby:
         self._lock = threading.Lock()
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"meshpact-standby-g{generation}", daemon=True)
+        self.between_steps = spec.backend == "nccl"
+        self._started = False
 
     def start(self) -> "Standby":
-        self._thread.start()
+        if not self.between_steps:
+            self._started = True
+            self._thread.start()
         return self
+
+    def build_between_steps(self) -> bool:
+        """Build the groups here, on the calling (training) thread between two steps, where this
+        standby waits for that (NCCL) and has not been built or discarded. Whether it built now."""
+        if not self.between_steps or self._started or self._discarded:
+            return False
+        self._started = True
+        self._run()
+        return True
 
     def _run(self) -> None:
         try:
@@ -770,6 +789,9 @@ class Standby:
     def status(self, plan: GroupPlan, wait_s: float) -> StandbyStatus:
         """Whether this standby can replace ``plan``'s groups, waiting at most ``wait_s`` for a
         standby still being built."""
+        if self.between_steps and not self._started:
+            return StandbyStatus(self.generation, False, "not built yet (on NCCL it is built between steps, and no "
+                                                         "step ended since it was asked for)")
         if not self._done.wait(wait_s):
             return StandbyStatus(self.generation, False, f"still being built after {wait_s:g} s")
         if self.error is not None:
@@ -796,7 +818,9 @@ class Standby:
             self._discarded, self._groups, self.sockets, self._store = True, {}, {}, None
 
     def join(self, timeout_s: float) -> bool:
-        """Wait at most ``timeout_s`` for the thread; True when it has ended."""
+        """Wait at most ``timeout_s`` for the thread; True when it has ended (or never started)."""
+        if not self._thread.is_alive():
+            return True
         self._thread.join(timeout=timeout_s)
         return not self._thread.is_alive()
 

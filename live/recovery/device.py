@@ -14,6 +14,7 @@ a step the runtime already takes, chosen by capability detection (:func:`device_
 | the watchdog on a timeout | none | ``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``: abort the communicator, keep the process (:func:`nccl_worker_env`) |
 | retire a replaced group | drop the reference | :func:`abort_groups` (a NCCL communicator's destructor does not abort) |
 | know a step's device work is done | it is, when the host returns | :class:`StepFence`: an event recorded after the optimizer step, queried, never a device synchronize |
+| read the state (a commit mark, a detection's check) | on the host | :func:`on_side_stream`: a side stream, never behind the training stream's queue |
 | snapshot for peer copies | ``torch._foreach_copy_`` into host buffers | :class:`PinnedSnapshot`: pinned buffers, async copies on a side stream after the fence |
 | heartbeat progress | the process's CPU time | :class:`DeviceProgress`: fences completed |
 | bit-identical replay | deterministic already | :func:`deterministic`: deterministic algorithms and the cuBLAS workspace setting |
@@ -26,6 +27,7 @@ order (``tests/live/test_device.py``), and ``bench/gpu_check.py`` measures them 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, Sequence
@@ -33,8 +35,8 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, S
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceOps", "HostOps", "CudaOps", "device_ops", "StepFence", "PinnedSnapshot", "DeviceProgress",
-           "abort_groups", "nccl_worker_env", "deterministic", "Determinism", "NCCL_ABORT_ONLY",
+__all__ = ["DeviceOps", "HostOps", "CudaOps", "device_ops", "StepFence", "StepAborted", "PinnedSnapshot",
+           "DeviceProgress", "on_side_stream", "training_now", "abort_groups", "nccl_worker_env", "deterministic", "Determinism", "NCCL_ABORT_ONLY",
            "CUBLAS_WORKSPACE"]
 
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=2: "only abort NCCL communicator" on an error the watchdog sees
@@ -56,6 +58,7 @@ class DeviceOps(Protocol):
     a test passes one that records the calls."""
 
     kind: str
+    reader: Any  # the side stream reads of the state go to (:func:`on_side_stream`), made there once
 
     def event(self) -> Event: ...
     def side_stream(self) -> Any: ...
@@ -86,6 +89,7 @@ class _NoStream:
 @dataclass
 class HostOps:
     kind: str = "cpu"
+    reader: Any = None
 
     def event(self) -> Event:
         return _DoneEvent()
@@ -112,6 +116,7 @@ class CudaOps:
 
     cuda: Any = None
     kind: str = "cuda"
+    reader: Any = None  # the side stream reads of the state go to (on_side_stream)
 
     def __post_init__(self) -> None:
         if self.cuda is None:
@@ -136,6 +141,29 @@ class CudaOps:
         return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
 
 
+def on_side_stream(ops: DeviceOps, after: Event | None = None) -> Any:
+    """A context in which the work the host enqueues goes to a side stream of ``ops``'s own (made
+    once, kept on ``ops``), never the training stream: a detection's read of the state there does
+    not queue behind a kernel hung on the training stream. ``after``: an event of the training
+    stream the side stream first waits for (a commit mark: the step's fence, so the read sees the
+    state as the optimizer step left it and never waits for a collective enqueued after it). On
+    the CPU a context that does nothing."""
+    if ops.kind != "cuda":
+        return _NoStream()
+    if ops.reader is None:
+        ops.reader = ops.side_stream()
+    if after is not None:
+        ops.wait_event(ops.reader, after)
+    return ops.stream_context(ops.reader)
+
+
+def training_now(ops: DeviceOps) -> Event:
+    """An event recorded on the training stream now: what the host enqueued so far comes before it."""
+    event = ops.event()
+    event.record(ops.current_stream())
+    return event
+
+
 def device_ops(device: str | torch.device) -> DeviceOps:
     """The ops for ``device`` ("cpu", "cuda:0", ...): chosen by what the device is, never guessed."""
     kind = torch.device(device).type
@@ -147,31 +175,43 @@ def device_ops(device: str | torch.device) -> DeviceOps:
     return HostOps(kind=kind)
 
 
+class StepAborted(dist.DistError):
+    """A step's device work was not known complete within its bound, or the data path was
+    aborted under it: a communication fault (its step is recovered and run again, never
+    committed)."""
+
+
 class StepFence:
     """Whether a step's device work has completed, asked without waiting for the device.
 
     The runtime records the fence after the optimizer step (:meth:`record`) and commits the step
     only once :meth:`done` is true: a step whose collective was aborted leaves its kernels unfinished
-    (or failed) and is never committed. :meth:`wait` polls, so a hung kernel costs the caller its
-    bound and nothing more; nothing here synchronizes the device."""
+    or is marked :meth:`fail`-ed by the abort (an aborted NCCL kernel returns, and an event recorded
+    behind it would then complete), and is never committed. :meth:`wait` polls, so a hung kernel
+    costs the caller its bound and nothing more; nothing here synchronizes the device."""
 
     def __init__(self, ops: DeviceOps) -> None:
         self.ops = ops
         self.event: Event | None = None
         self.step = -1
+        self.failed = False
 
     def record(self, step: int) -> None:
         self.event = self.ops.event()
         self.event.record(self.ops.current_stream())
         self.step = step
 
+    def fail(self) -> None:
+        """The data path was aborted before this fence was found done: it never counts as done."""
+        self.failed = True
+
     def done(self) -> bool:
-        return self.event is not None and bool(self.event.query())
+        return not self.failed and self.event is not None and bool(self.event.query())
 
     def wait(self, timeout_s: float, poll_s: float = 0.0005) -> bool:
         deadline = time.monotonic() + timeout_s
         while not self.done():
-            if time.monotonic() >= deadline:
+            if self.failed or time.monotonic() >= deadline:
                 return False
             time.sleep(poll_s)
         return True
@@ -184,13 +224,18 @@ class PinnedSnapshot:
     The buffers are allocated once per layout (pinned on CUDA); :meth:`start` enqueues the copies on
     a side stream that first waits on the step's fence, so the training thread only enqueues;
     :meth:`ready` says whether they landed (an event, not a synchronize), and the shipper sends the
-    buffers once it is true."""
+    buffers once it is true. The copies read the live tensors after the step, so the next step
+    must not write them before the copies land: :meth:`protect` makes the training stream wait on
+    them (a device-side wait, the host does not block) before the next in-place write of the state
+    (the next optimizer update; the next forward where the state holds buffers it updates).
+    ``buffers`` may be set by the caller (views of one host slab): kept while their shapes fit."""
 
     ops: DeviceOps
     buffers: list[torch.Tensor] = field(default_factory=list)
     stream: Any = None
     copied: Event | None = None
     step: int = -1
+    protected: bool = True  # the training stream waits on ``copied`` already (or no copy is in flight)
 
     def _fit(self, tensors: Sequence[torch.Tensor]) -> None:
         if len(self.buffers) != len(tensors) or any(b.shape != t.shape or b.dtype != t.dtype
@@ -214,33 +259,65 @@ class PinnedSnapshot:
             self.copied = self.ops.event()
             self.copied.record(self.stream)
         self.step = step
+        self.protected = False
 
     def ready(self) -> bool:
         return self.copied is not None and bool(self.copied.query())
+
+    def protect(self) -> None:
+        """Order the training stream's next work after this snapshot's copies (once per snapshot):
+        without it an in-place optimizer update could overwrite a tensor the side stream has not
+        copied yet, and the copy would mix two steps."""
+        if self.protected or self.copied is None:
+            return
+        self.ops.wait_event(self.ops.current_stream(), self.copied)
+        self.protected = True
 
 
 class DeviceProgress:
     """The heartbeat's progress count on a device: steps whose device work completed.
 
     A rank spinning in a CUDA call behind a hung kernel uses CPU time but completes no fence; the
-    heartbeat reads :meth:`count`, which moves only when a recorded fence is found done."""
+    heartbeat reads :meth:`count`, which moves only when a recorded fence is found done. The
+    training thread tracks fences and the heartbeat's thread counts them (and may abort the data
+    path, :meth:`fail_running`): a lock orders them."""
 
     def __init__(self) -> None:
         self._fences: list[StepFence] = []
+        self._lock = threading.Lock()
         self.completed = 0
 
     def track(self, fence: StepFence) -> None:
-        self._fences.append(fence)
+        """Track ``fence``; those found done or failed meanwhile are let go here too, so the list
+        stays as short as the steps in flight where nothing else counts (no heartbeat, the CPU)."""
+        with self._lock:
+            self._sweep()
+            self._fences.append(fence)
 
     def count(self) -> int:
+        with self._lock:
+            self._sweep()
+            return self.completed
+
+    def _sweep(self) -> None:
         still = []
         for f in self._fences:
             if f.done():
                 self.completed += 1
-            else:
+            elif not f.failed:
                 still.append(f)
         self._fences = still
-        return self.completed
+
+    def fail_running(self) -> int:
+        """Mark every tracked fence not found done as failed (called before the data path is
+        aborted: after the abort its kernels return and the fences would complete). Returns how many."""
+        with self._lock:
+            n = 0
+            for f in self._fences:
+                if not f.done():
+                    f.fail()
+                    n += 1
+            return n
 
 
 def abort_groups(groups: Iterable[dist.ProcessGroup], backend: str,

@@ -103,8 +103,9 @@ import torch
 
 from .communicator import Severance
 from .control import ControlChannel, ControlTimeout
+from .device import DeviceProgress
 
-__all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed",
+__all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed", "device_moved",
            "stall_bound", "pause_key", "watched_peers", "quiet_judge", "quiet_key", "WATCH_FANOUT"]
 
 PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
@@ -188,12 +189,29 @@ class Look:
     native_cpu_s: float  # CPU seconds the process's threads not run by Python spent
     in_torch: bool = False  # the main thread's innermost frame is torch's code (an op the pool may run)
     compiling: bool = False  # it waits for torch's compiler (its worker processes, the C++ compiler it runs)
+    # on a device (CUDA): whether a step fence completed since the last look; None on the CPU
+    device_moved: bool | None = None
 
 
 def progressed(look: Look) -> bool:
-    """Whether the main thread progressed since the last look (the module docstring's rule)."""
+    """Whether the main thread progressed since the last look (the module docstring's rule). On a
+    device the host's CPU time, position and scheduler state say nothing (a host spinning in a
+    CUDA call behind a hung kernel has all three): there the step progressed when a fence of its
+    device work completed (:class:`~.device.DeviceProgress`), or the host waits in torch's
+    communication code or its compiler, as on the CPU."""
+    if look.device_moved is not None:
+        return not look.watching or look.in_comm or look.compiling or look.device_moved
     return (not look.watching or look.in_comm or look.compiling or look.moved or look.main_cpu_s >= _BUSY_S
             or look.state in ("R", "D") or (look.in_torch and look.native_cpu_s >= _BUSY_S))
+
+
+def device_moved(progress: DeviceProgress | None, last: int) -> tuple[bool | None, int]:
+    """Whether ``progress`` (None on the CPU) counted a fence completed since it counted ``last``,
+    and its count now: a look's :attr:`Look.device_moved`."""
+    if progress is None:
+        return None, last
+    now = progress.count()
+    return now > last, now
 
 
 def watch(seen: int, now: int, still: int) -> int:
@@ -276,6 +294,9 @@ def recovering_key(generation: int, rank: int) -> str:
 class Heartbeat:
     """One rank's beating and watching thread (see the module docstring)."""
 
+    # on a device (CUDA): the fences of the rank's steps, whose completion is its progress (None: the CPU's rule)
+    device_progress: DeviceProgress | None = None
+
     def __init__(self, session: Any, modules: tuple[str, ...]) -> None:
         cfg = session.config
         self.session = session
@@ -290,6 +311,8 @@ class Heartbeat:
         self._stall_detail = ""  # what the last look found stalled, for the alarm's record
         self._forget_word = False  # set by warm_up_again: the thread publishes "no word" at its next look
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
+        if session.ops.kind == "cuda":
+            self.device_progress = session.progress
         self.channel = ControlChannel(session.control.host, session.control.port, session.rank, session.world_size, cfg.control_timeout_s,
                                       is_host=False, connect_timeout_s=cfg.store_connect_s,
                                       run_id=session.spec.run_id, key=session.control.key)
@@ -605,6 +628,8 @@ class Heartbeat:
         last_pos = self._main_position()
         last_cpu = self._main_cpu_s()
         last_native = self._native_cpu_s()
+        progress = self.device_progress
+        fences = 0  # the device's fences completed at the last look
         watched: tuple[int, ...] = ()
         seen: list[int] | None = None
         still: list[int] = []
@@ -630,8 +655,9 @@ class Heartbeat:
                 pos = self._main_position()
                 cpu = self._main_cpu_s()
                 native = self._native_cpu_s()
+                on_device, fences = device_moved(progress, fences)
                 look = Look(self.watching, pos[2], pos[:2] != last_pos[:2], cpu - last_cpu, self._main_state(),
-                            native - last_native, pos[3], pos[4])
+                            native - last_native, pos[3], pos[4], on_device)
                 moving = progressed(look)
                 self.channel.add(beat_key(me), 1 + (PROGRESS if moving else 0))
                 last_pos, last_cpu, last_native = pos, cpu, native

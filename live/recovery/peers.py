@@ -84,6 +84,8 @@ from .jobkey import TAG_BYTES, JobKey
 if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stays torch-free
     import torch
 
+    from .device import DeviceOps, PinnedSnapshot
+
 __all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
            "fetch_first", "put", "copy_digest", "MAX_HEADER", "PENDING_MAX", "SERVING_MAX",
            "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "host_buffer", "HOST_ENV", "ADDR_ENV"]
@@ -328,15 +330,19 @@ class Slab:
     """One host buffer (:func:`host_buffer`) laid out by a :class:`Layout`, with a view per tensor (``state``: made
     once, since making them costs more than the copy); :meth:`fill` copies a state into it."""
 
-    def __init__(self, layout: Layout) -> None:
+    def __init__(self, layout: Layout, ops: DeviceOps | None = None) -> None:
         import torch
 
         self.layout = layout
-        self.flat = (torch.frombuffer(host_buffer(layout.total), dtype=torch.uint8) if layout.total
-                     else torch.empty(0, dtype=torch.uint8))
+        if ops is not None and ops.kind == "cuda":  # pinned: the device copies into it asynchronously
+            self.flat = ops.host_buffer(torch.empty(layout.total, dtype=torch.uint8, device="meta"))
+        else:
+            self.flat = (torch.frombuffer(host_buffer(layout.total), dtype=torch.uint8) if layout.total
+                         else torch.empty(0, dtype=torch.uint8))
         self.views = [self.flat[o:o + n].view(d).view(sh)
                       for d, sh, n, o in zip(layout.dtypes, layout.shapes, layout.nbytes, layout.offsets)]
         self.state = dict(zip(layout.names, self.views))
+        self.snapshot: PinnedSnapshot | None = None  # on CUDA: the async copy into the views (PeerCopier.commit)
 
     def fill(self, tensors: list[torch.Tensor]) -> None:
         """Copy ``tensors`` (the layout's, in its order; any device, any strides, lazy conjugates
@@ -835,10 +841,17 @@ def step_cpu_s(c: PeerCopyCounters | Any) -> float:
 class PeerCopier:
     """The source side: snapshot at commit (training thread), ship in the background, one in
     flight; keeps this rank's own ``depth`` newest snapshots (two: a one-step rollback), in
-    ``depth`` host buffers (the oldest one's is filled by the next commit)."""
+    ``depth`` host buffers (the oldest one's is filled by the next commit).
+
+    On CUDA (``ops``) the training thread only enqueues: each slab is pinned, the commit starts a
+    :class:`~.device.PinnedSnapshot` into it (async copies on a side stream, after an event on the
+    training stream) and hands it over without waiting for the previous ship; the shipper sends
+    once the copies landed. A commit made while a ship is under way replaces the one still waiting
+    (only the newest waits: ``superseded`` counts those never sent), and the slab in flight is never
+    refilled, so a CUDA rank holds at most one slab more than ``depth``."""
 
     def __init__(self, rank: int, world_size: int, copies: int, channel: Any, server: PeerServer,
-                 timeout_s: float, depth: int = 2) -> None:
+                 timeout_s: float, depth: int = 2, ops: DeviceOps | None = None) -> None:
         self.key = server.key  # the job's peer key: the copier proves it to every holder, as its server asks of them
         self.rank = rank
         self.world_size = world_size
@@ -862,6 +875,14 @@ class PeerCopier:
         self._go = threading.Event()  # clear while a recovery runs: the shipper waits between pieces
         self._go.set()
         self._pause_until = 0.0  # monotonic time the pause ends by itself
+        from .device import HostOps
+
+        self.ops: DeviceOps = ops or HostOps()
+        self._stream: Any = None  # the side stream every snapshot copies on (CUDA)
+        self._handoff = threading.Lock()  # a commit's hand-over against the shipper's end of a ship
+        self._in_flight: set[int] = set()  # ids of the slabs waiting to be shipped or being shipped
+        self._latest: PinnedSnapshot | None = None  # the newest snapshot's copies: the next writes wait on them
+        self.superseded = 0  # commits replaced by a newer one before their ship began (CUDA: commits do not wait)
         self._thread = threading.Thread(target=self._shipper, name="meshpact-peer-ship", daemon=True)
         self._thread.start()
 
@@ -904,26 +925,66 @@ class PeerCopier:
             if now[2] is not None and self._last[2] is not None:
                 self.counters.host_busy_s += now[2] - self._last[2]
         self._last = now
-        self._idle.wait()  # one copy in flight: no slab is being sent while one is filled
+        device = self.ops.kind == "cuda"
+        if not device:
+            self._idle.wait()  # one copy in flight: no slab is being sent while one is filled
         self.counters.wait_s += time.perf_counter() - t0
         c0 = time.perf_counter()
         tensors = list(state.values())
         older = sorted(s for s in self.own if s < step)
         kept = older[max(len(older) - (self.depth - 1), 0):]  # the depth - 1 newest before this one
         for old in [s for s in self.own if s not in kept]:  # what this commit replaces frees its slab first:
-            self._drop(old)  # depth slabs in all, never one more
+            self._drop(old)  # depth slabs in all, never one more (on CUDA, one more while one ships)
         slab = self._slab(state, tensors)
-        slab.fill(tensors)
+        if device:
+            self._start_snapshot(step, slab, tensors)
+        else:
+            slab.fill(tensors)
         self.counters.host_copy_s += time.perf_counter() - c0
         self.own[step], self._slabs[step] = slab.state, slab
         self.server.admit_through(step + 1, self._copy_bound(slab.layout.total))
-        self._idle.clear()
-        self._queue.put((step, slab))
+        with self._handoff:
+            if device:  # only the newest waits: one still waiting is superseded (it stays an own snapshot)
+                try:
+                    waiting = self._queue.get_nowait()
+                except queue.Empty:
+                    waiting = None
+                if waiting is not None:
+                    self._in_flight.discard(id(waiting[1]))
+                    self.superseded += 1
+            self._idle.clear()
+            self._in_flight.add(id(slab))
+            self._queue.put((step, slab))
         if self.depth == 1:  # no older snapshot to roll back to: the copy lands before the next step begins
             self._idle.wait(self.timeout_s)
         self.counters.commits += 1
         self.counters.snapshot_s += time.perf_counter() - t0
         self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())
+
+    def _start_snapshot(self, step: int, slab: Slab, tensors: list[torch.Tensor]) -> None:
+        """Enqueue the device-to-host copies of ``tensors`` into ``slab`` on the side stream, after
+        an event recorded on the training stream now (the step's work, its optimizer update
+        included, comes before it); the training thread does not wait for them."""
+        import torch
+
+        from .device import PinnedSnapshot, StepFence
+
+        if self._stream is None:
+            self._stream = self.ops.side_stream()
+        if slab.snapshot is None:
+            slab.snapshot = PinnedSnapshot(self.ops, buffers=list(slab.views), stream=self._stream)
+        fence = StepFence(self.ops)
+        fence.record(step)
+        with torch.no_grad():
+            slab.snapshot.start(step, tensors, fence)
+        self._latest = slab.snapshot
+
+    def protect(self) -> None:
+        """Before the next in-place write of the state (the optimizer's update; a forward that
+        updates buffers): the training stream waits for the newest snapshot's copies, so no copy
+        mixes two steps (:meth:`~.device.PinnedSnapshot.protect`; the host does not wait)."""
+        if self._latest is not None:
+            self._latest.protect()
 
     @staticmethod
     def _copy_bound(own_bytes: int) -> int:
@@ -933,12 +994,22 @@ class PeerCopier:
     def _slab(self, state: dict[str, torch.Tensor], tensors: list[torch.Tensor]) -> Slab:
         """A free slab laid out as ``state`` is (one made when none is: the first commits, or
         after the state's shapes changed, as an excision changes them)."""
+        shipping: list[Slab] = []  # free, but its ship has not ended (CUDA: commits do not wait for it)
+        found: Slab | None = None
         while self._free:
             slab = self._free.pop()
-            if slab.layout.fits(state, tensors):
-                return slab
+            with self._handoff:
+                busy = id(slab) in self._in_flight
+            if busy:
+                shipping.append(slab)
+            elif slab.layout.fits(state, tensors):
+                found = slab
+                break
+        self._free.extend(s for s in shipping if s.layout.fits(state, tensors))
+        if found is not None:
+            return found
         layout = next((s.layout for s in self._slabs.values() if s.layout.fits(state, tensors)), None)
-        return Slab(layout or Layout.of(state))
+        return Slab(layout or Layout.of(state), self.ops)
 
     def _drop(self, step: int) -> None:
         """Forget the own snapshot of ``step``; its slab (if it lies in one) takes the next copies."""
@@ -1004,6 +1075,8 @@ class PeerCopier:
             t0 = time.perf_counter()
             c0 = time.thread_time()
             try:
+                if slab.snapshot is not None and not self._landed(slab.snapshot):
+                    raise PeerError(f"the device-to-host copy of step {step} did not land in {self.timeout_s:g} s")
                 payload = (slab.layout.header(step), slab.body())
                 digest = copy_digest(payload)  # here, off the training thread: the slab holds still until idle
                 for holder in self.holders():
@@ -1021,7 +1094,20 @@ class PeerCopier:
                 self.counters.ship_cpu_s += time.thread_time() - c0
                 self.counters.recv_cpu_s = self.server.recv_cpu_s
                 self.counters.host_bytes_peak = max(self.counters.host_bytes_peak, self.host_bytes())
-                self._idle.set()
+                with self._handoff:
+                    self._in_flight.discard(id(slab))
+                    if self._queue.empty():  # a commit's hand-over waits on this lock: none is missed
+                        self._idle.set()
+
+    def _landed(self, snapshot: PinnedSnapshot) -> bool:
+        """Wait (polling an event, never a synchronize) until ``snapshot``'s copies landed, at most
+        ``timeout_s``: a copy behind a hung kernel is one copy short, not a stuck shipper."""
+        deadline = time.monotonic() + self.timeout_s
+        while not snapshot.ready():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.0005)
+        return True
 
     def close(self) -> None:
         """Let the copy in flight finish, then stop the shipper and wait for it: a daemon thread

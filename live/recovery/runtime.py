@@ -51,6 +51,7 @@ from meshpact.core.errors import MeshpactError
 from . import communicator as comm
 from . import peers, pipeline
 from .consensus import CounterMoves, Decision, open_round
+from .device import StepAborted, StepFence
 from .faults import CollectiveFault, FaultInjector
 from .heartbeat import Heartbeat
 from .opcount import OpCounter
@@ -194,13 +195,16 @@ def unprotected_note(step: int) -> str:
 
 @dataclass(frozen=True)
 class _OptimizerHook:
-    """The step pre-hook on one optimizer (its handle, to remove it)."""
+    """The step pre-hook and post-hook on one optimizer (their handles, to remove them)."""
 
     optimizer: torch.optim.Optimizer
     handle: Any
+    after: Any = None
 
     def remove(self) -> None:
         self.handle.remove()
+        if self.after is not None:
+            self.after.remove()
 
 
 def _carried_gradients(model: torch.nn.Module, most: int = 16) -> list[str]:
@@ -294,7 +298,7 @@ class Resilient:
         if session.peer_server is not None:
             self.peers = peers.PeerCopier(session.rank, session.world_size, session.config.peer_copies,
                                           session.control, session.peer_server, session.config.peer_copy_timeout_s,
-                                          session.config.peer_copy_depth)
+                                          session.config.peer_copy_depth, ops=session.ops)
         self.storage_bytes_read = 0  # checkpoint bytes read by recoveries (drills and cold starts apart)
         self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
         self.t_attempt: float | None = None  # when the running attempt of the step started
@@ -310,6 +314,9 @@ class Resilient:
         # (an optimizer that all-reduces inside step(), after writing some tensors, fails there)
         self._optimizer_began = False
         self._optimizer_hook: Any = None
+        # recorded on the training stream after the optimizer's step (by its post-hook), or when the
+        # step returns where it ran none: the step is committed only once it is done (device order)
+        self.fence: StepFence | None = None
         self._first_step = True  # schedulers and scalers made after __enter__, before the first step, are refused then
         self._in_step = False  # rt.step runs: rt.run and rt.guard inside it leave a fault to the step
         self.steps_run = 0  # steps this process ran to their end (a re-run after a recovery counts once)
@@ -371,7 +378,9 @@ class Resilient:
     def mark_committed(self) -> None:
         """What a re-run of the next step needs: the commit mark and the generators."""
         if self.session.config.check_commits:
-            self.mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self.mark)
+            fence = self.fence if self.fence is not None and self.fence.step == self.committed_step - 1 else None
+            self.mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self.mark, self.session.ops,
+                                        fence.event if fence is not None else None)
         self.rng = capture_rng()
         self.schedule = capture_schedule(self.optimizer, self.schedulers, self.objects)
         # the persistent buffers as committed: a failed forward may have moved BatchNorm's statistics
@@ -436,8 +445,34 @@ class Resilient:
 
         def began(*_: Any) -> None:
             self._optimizer_began = True
+            if self.peers is not None:  # its in-place update waits (on the device) for the last snapshot's copies
+                self.peers.protect()
 
-        self._optimizer_hook = _OptimizerHook(self.optimizer, self.optimizer.register_step_pre_hook(began))
+        def ended(*_: Any) -> None:
+            self.record_fence()
+
+        self._optimizer_hook = _OptimizerHook(self.optimizer, self.optimizer.register_step_pre_hook(began),
+                                              self.optimizer.register_step_post_hook(ended))
+
+    def record_fence(self) -> StepFence:
+        """Record the step's fence on the training stream now (after its optimizer step), tracked
+        for the heartbeat's device progress."""
+        fence = StepFence(self.session.ops)
+        fence.record(self.committed_step)
+        self.session.progress.track(fence)
+        self.fence = fence
+        return fence
+
+    def await_device(self, step: int) -> None:
+        """The step's device work is complete, or :class:`~.device.StepAborted` (a communication
+        fault: recovered, never committed). The fence is queried, never synchronized, for at most
+        the data-path timeout; on the CPU it is done at once. A step that ran no optimizer step
+        is fenced where it returned."""
+        fence = self.fence if self.fence is not None and self.fence.step == step else self.record_fence()
+        if not fence.wait(self.session.spec.timeout_s):
+            why = ("the data path was aborted before its device work was found complete" if fence.failed
+                   else f"its device work did not complete within {self.session.spec.timeout_s:g} s")
+            raise StepAborted(f"step {step}: {why}; not committed")
 
     def check_state(self, params: Sequence[torch.nn.Parameter] | None = None) -> StateCheck:
         """Why this rank's state is not the committed one ("" when it is; always "" with
@@ -452,7 +487,7 @@ class Resilient:
         if self._optimizer_began:
             return StateCheck("the optimizer's step began after the commit (a fault inside or after it: its state "
                               "may be written in part)")
-        return self.mark.verify(self.committed_step, self.model, self.optimizer, params)
+        return self.mark.verify(self.committed_step, self.model, self.optimizer, params, self.session.ops)
 
     @property
     def generation(self) -> int:
@@ -514,6 +549,9 @@ class Resilient:
                     self.heartbeat.step_begins(again=attempt > 0, step=step)
                     self.heartbeat.watching = True
                 self.t_attempt = time.time()
+                self.fence = None  # this attempt's, recorded after its optimizer step
+                if self.peers is not None and self._buffers:  # the forward updates buffers the last snapshot copies
+                    self.peers.protect()
                 try:
                     if self.injector is not None:
                         with self.injector.fire(armed):
@@ -527,6 +565,7 @@ class Resilient:
                         # a rank still finishing this one. Every rank of generation 0 runs step 0;
                         # through torch's dist API, so a wait and a failure here read as the data path's
                         comm.first_collective(self.session.group, self.session.spec.device)
+                    self.await_device(step)
                 finally:
                     if self.heartbeat is not None:
                         self.heartbeat.watching = False
@@ -765,6 +804,7 @@ class Resilient:
                 keep_from = 0
             while self._kept and self._kept[0][0] < keep_from:
                 self._kept.popleft()
+        self.session.build_standby_between_steps()  # on NCCL: no collective of the job runs now
 
     # -- recovery --------------------------------------------------------------------------
     def job_groups(self) -> dict[str, dist.ProcessGroup]:

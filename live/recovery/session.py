@@ -246,6 +246,10 @@ class Session:
         # the groups the job's code makes after start_session, in creation order (matched by a replacement)
         self.user_groups = UserGroups(lambda: (self.spec, self.store, self.control, self.generation),
                                       lambda names, opened: self.data_path.record(names, opened))
+        # the device's side of a step (HostOps on the CPU: every fence done at once) and the fences of the
+        # steps under way, which the heartbeat counts and an abort of the data path fails
+        self.ops: device.DeviceOps = device.HostOps()
+        self.progress = device.DeviceProgress()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._sealed:
@@ -357,6 +361,7 @@ class Session:
         heartbeat hears the recovery opened on the control channel for them; else only this
         rank's reading is shut down and the sockets are held until :meth:`release_severed`."""
         if self.spec.backend == "nccl":  # NCCL's traffic passes no socket of ours: abort its communicators
+            self.progress.fail_running()  # first: an aborted kernel returns, and a fence behind it would complete
             device.abort_groups(self.groups.values(), "nccl")
         return comm.sever(self.data_sockets(), None if tell_peers else self.severed)
 
@@ -391,6 +396,11 @@ class Session:
             return open_store(host, port, self.world_size, False, self.config.store_connect_s)
 
         self.standbys.building = comm.Standby(self.spec, connect, self.generation + 1, comm.group_plan(groups)).start()
+
+    def build_standby_between_steps(self) -> bool:
+        """On NCCL, build the standby asked for since the last step, now (the training thread, after
+        a commit: no collective of the job runs meanwhile); elsewhere nothing. Whether it built."""
+        return self.standby is not None and self.standby.build_between_steps()
 
     def drop_standby(self) -> None:
         """Discard the standby (its thread, if still running, is joined on :meth:`stop_standby`)."""
@@ -578,6 +588,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
                       DataPath(comm.socket_fds(), (store_addr[1], control.port)))
     session.start_view = (last_round, generation)
     session.job_key = key
+    session.ops = device.device_ops(choice.device)
     if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
         from . import peers
 

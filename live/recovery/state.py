@@ -17,7 +17,9 @@ NumPy's global state) and :func:`restore_rng` puts it back before a step is re-r
 Commits must cost nothing at real sizes, so :func:`commit_check` hashes O(1) bytes: the
 committed step plus a fixed sample of elements spread over the tensors (at most
 ``_SAMPLE_TENSORS`` tensors, their first, middle and last ``_SAMPLE_ELEMS`` elements),
-gathered on the tensors' device into one buffer per dtype and copied to the host once.
+gathered on the tensors' device into one buffer per dtype and copied to the host once; on
+CUDA on a side stream (:func:`~.device.on_side_stream`), so neither a commit nor a detection
+queues behind the training stream (a detection's read would wait forever behind a hung kernel).
 :func:`digest` hashes everything and is for final comparisons only.
 
 A recovery must not pay for listing the state again either. :class:`CommitMark` keeps, from
@@ -47,6 +49,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn as nn
+
+from .device import DeviceOps, Event, HostOps, on_side_stream, training_now
 
 __all__ = ["shard_rows", "local_state", "OptimizerParts", "OptimizerStateError", "optimizer_parts", "param_groups_of",
            "check_optimizer", "load_local_state", "digest", "commit_check", "CommitMark", "StateCheck", "RngState", "capture_rng", "restore_rng",
@@ -467,9 +471,19 @@ class CommitMark:
 
     @classmethod
     def take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             previous: "CommitMark | None" = None) -> "CommitMark":
+             previous: "CommitMark | None" = None, ops: DeviceOps | None = None,
+             after: Event | None = None) -> "CommitMark":
         """The mark of the state now, committed at ``step``. The views and the meshes are reused
-        from ``previous`` when the same tensors, at the same storage, hold the state."""
+        from ``previous`` when the same tensors, at the same storage, hold the state. ``ops``: the
+        device's (:func:`~.device.on_side_stream`: on CUDA the samples are read on a side stream,
+        after ``after``, the step's fence, or where none is given after all the host enqueued)."""
+        ops = ops or HostOps()
+        with on_side_stream(ops, after if after is not None or ops.kind != "cuda" else training_now(ops)):
+            return cls._take(step, model, optimizer, previous)
+
+    @classmethod
+    def _take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+              previous: CommitMark | None) -> CommitMark:
         tensors = _listing(model, optimizer)
         owners = _owners(tensors)
         if previous is not None and previous.aliased and previous.owners == owners:
@@ -489,8 +503,15 @@ class CommitMark:
         return self.verify(step, model, optimizer, params).changed
 
     def verify(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-               params: Sequence[torch.Tensor] | None = None) -> StateCheck:
-        """:meth:`changed`, and the meshes where the tensors of the commit hold the state still."""
+               params: Sequence[torch.Tensor] | None = None, ops: DeviceOps | None = None) -> StateCheck:
+        """:meth:`changed`, and the meshes where the tensors of the commit hold the state still.
+        ``ops``: the device's; on CUDA every read is on a side stream (a detection runs after the
+        data path's abort, and the training stream may still hold the failed step's kernels)."""
+        with on_side_stream(ops or HostOps()):
+            return self._verify(step, model, optimizer, params)
+
+    def _verify(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                params: Sequence[torch.Tensor] | None) -> StateCheck:
         if step != self.step:
             return StateCheck(f"the committed step is {step}, the mark's {self.step}")
         owners = _owners(_listing(model, optimizer, params))
