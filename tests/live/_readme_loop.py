@@ -14,7 +14,9 @@ def batch(step):                                # pure: a replay after a restore
 
 def train_step(b):                              # your step, unchanged: one optimizer step per call
     loss = F.cross_entropy(model(b[:, :-1]).reshape(-1, 64), b[:, 1:].reshape(-1))
-    loss.backward(); optimizer.step(); optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
     return loss.item()
 
 with resilient(model, optimizer, session, batches=batch) as rt:
