@@ -163,6 +163,14 @@ def _of_comm_type(exc: BaseException) -> bool:
     return type(exc) is RuntimeError or isinstance(exc, tuple(t for t in RAISED_IN_COMM_TYPES if t is not RuntimeError))
 
 
+def fault_message(exc: BaseException) -> str:
+    """The line a communication fault is recovered with, its frames cleared first: they hold the failed
+    attempt's tensors, which a recovery that kept them alive would hold through the next attempt."""
+    message = f"{type(exc).__name__}: {str(exc)[:300]}"
+    traceback.clear_frames(exc.__traceback__)
+    return message
+
+
 def is_comm_fault(exc: BaseException) -> bool:
     """A failure of the data path, as opposed to the user's own error: decided by construction,
     never by the words of the message. It is one when ``exc`` (or an exception it was raised from
@@ -576,8 +584,7 @@ class Resilient:
             except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
                 if not is_comm_fault(exc):
                     raise
-                message = f"{type(exc).__name__}: {str(exc)[:300]}"
-                traceback.clear_frames(exc.__traceback__)
+                message = fault_message(exc)
                 del exc
         else:
             control = self.session.control
@@ -631,8 +638,7 @@ class Resilient:
             except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
                 if not is_comm_fault(exc):
                     raise
-                message = f"{type(exc).__name__}: {str(exc)[:300]}"
-                traceback.clear_frames(exc.__traceback__)
+                message = fault_message(exc)
                 del exc
         raise RuntimeError(f"a collective between steps at step {self.committed_step} failed {self.max_attempts} "
                            f"times; last: {message}")
@@ -653,8 +659,7 @@ class Resilient:
         except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
             if not is_comm_fault(exc):
                 raise
-            message = f"{type(exc).__name__}: {str(exc)[:300]}"
-            traceback.clear_frames(exc.__traceback__)
+            message = fault_message(exc)
             del exc
             self._recover(Cause(message, self.committed_step))
             raise GuardedBlockLost(f"a collective in a guarded block failed at step {self.committed_step} "

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
+
+from _echo import EchoService
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -29,35 +29,6 @@ RANKS = 3
 JOB = Path(__file__).with_name("_user_paths_job.py")
 FAULTS = int(os.environ.get("MESHPACT_USER_PATHS_FAULTS", "1"))
 TIMEOUT_STEP, TIMEOUT_RANK = 1, 1  # no fault is placed at this step
-
-
-class EchoService:
-    """A loopback echo server on a thread of the test's: the user's own service."""
-
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _echo(conn: socket.socket) -> None:
-        with conn:
-            try:
-                for data in iter(lambda: conn.recv(256), b""):
-                    conn.sendall(data)
-            except OSError:
-                return
-
-    def close(self) -> None:
-        self.server.close()
 
 
 def _plan(kinds: list[str], per_kind: int) -> tuple[int, list[str]]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -22,33 +21,9 @@ from meshpact.live.recovery.faults import CollectiveFault, _RaiseOnCollective
 from meshpact.live.recovery.runtime import GuardedBlockLost, UnsafeLoopError, resilient
 from meshpact.live.recovery.session import Session, start_session
 
+from _echo import EchoService
+
 pytestmark = [pytest.mark.live, pytest.mark.slow]
-
-
-class Echo:
-    """A loopback echo server on a thread of its own, and connections to it."""
-
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._echo, args=(conn,), daemon=True).start()
-
-    @staticmethod
-    def _echo(conn: socket.socket) -> None:
-        with conn:
-            for data in iter(lambda: conn.recv(256), b""):
-                conn.sendall(data)
-
-    def connect(self) -> socket.socket:
-        sock = socket.create_connection(self.server.getsockname(), timeout=5)
-        return sock
 
 
 def _answers(sock: socket.socket, word: bytes) -> bool:
@@ -57,8 +32,8 @@ def _answers(sock: socket.socket, word: bytes) -> bool:
 
 
 @pytest.fixture(scope="module")
-def one_rank() -> Iterator[tuple[Session, Echo, socket.socket]]:
-    echo = Echo()
+def one_rank() -> Iterator[tuple[Session, EchoService, socket.socket]]:
+    echo = EchoService()
     before = echo.connect()  # the user's connection, opened before the session started
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -72,7 +47,7 @@ def one_rank() -> Iterator[tuple[Session, Echo, socket.socket]]:
         session = start_session(RecoveryConfig(standby=False))
         yield session, echo, before
     before.close()
-    echo.server.close()
+    echo.close()
     for pg in list(c10d._world.pg_map):
         c10d._world.pg_map.pop(pg, None)
         c10d._world.pg_names.pop(pg, None)
