@@ -328,7 +328,7 @@ def _runtime(cuda: FakeCuda, peers=None, buffers: bool = False):
                                  generation=1, config=SimpleNamespace(restore_rng=False))
     rt.model, rt.optimizer, rt.peers = model, _LoggedSGD(model.parameters(), cuda), peers
     rt.committed_step, rt.heartbeat, rt.injector, rt.objects, rt.fence = 0, None, None, {}, None
-    rt._optimizer_hook, rt._first_step, rt.max_attempts = None, False, 2
+    rt._optimizer_hook, rt._first_step, rt.max_attempts, rt._in_step = None, False, 2, False
     rt._buffers = {"buffer/running_mean": torch.zeros(2)} if buffers else {}
     rt.refresh_objects = list
     rt.commits, rt.causes = [], []
