@@ -46,11 +46,11 @@ PAGE = "results.md"
 FIGURES = "figures"
 DATA = "figures/data"
 SVG_SALT = "meshpact-results"
-GENERIC_ROWS = 12
+GENERIC_ROWS = 8
 GENERIC_RECORDS = 12
 GENERIC_COLUMNS = 8
 LIST_CELLS = 6
-PURPOSE_CHARS = 240
+PURPOSE_CHARS = 110
 
 HEADER = """# Results
 
@@ -204,11 +204,7 @@ def _machine(run: Mapping[str, Json]) -> str:
     parts = [f"{m.get('cpus', '?')} × {m.get('cpu') or 'CPU'}"]
     if m.get("memory_gib") is not None:
         parts.append(f"{m['memory_gib']} GiB")
-    parts += [str(m[k]) for k in ("system",) if m.get(k)]
-    if m.get("python"):
-        parts.append(f"Python {m['python']}")
-    if m.get("torch"):
-        parts.append(f"torch {m['torch']}")
+    # the system, Python and torch are in the full JSON
     return ", ".join(parts)
 
 
@@ -533,8 +529,38 @@ def simulator(result: Result) -> Section:
                         _draw_fleet, size=(8.0, 3.2))])
 
 
+def control_scale(result: Result) -> Section:
+    runs = result.mapping("runs")
+    rows = []
+    for n, got in runs.items():
+        r = got[0] if isinstance(got, list) and got else {}
+        rows.append([n, r.get("heartbeat_keys_per_rank_per_s"), r.get("server_cpu_s_per_s_heartbeat"),
+                     r.get("decision_ms_all_ranks"), r.get("decision_bytes_per_rank"), r.get("error", "")])
+    return Section(
+        headline=[("heartbeat", "ring watchers" if result.doc.get("watch") == "ring" else "every counter (before)")],
+        tables=[("per job size", ["ranks", "heartbeat keys / rank / s", "server CPU s / s (heartbeat)",
+                                  "fault known -> decision everywhere (ms)", "decision bytes / rank", "note"], rows)])
+
+
+def faults_vs_torchft(result: Result) -> Section:
+    rows = []
+    for side in ("meshpact", "torchft", "torchft_error_after_wire"):
+        got = result.doc.get(side)
+        if isinstance(got, Mapping):
+            failed = got.get("runs_failed") or []
+            rows.append([side, got.get("fault_to_running_ms_p50"), got.get("state_equal_runs"), got.get("world_after"),
+                         f"{len(failed)}: {str(failed[0])[:60]}" if failed else ""])
+    return Section(headline=[("ranks", result.doc.get("meshpact", {}).get("ranks")),
+                             ("fault at step", result.doc.get("fault_step")), ("repeats", result.doc.get("repeat"))],
+                   tables=[("fault to every rank running again", ["side", "p50 (ms)", "state equal to fault-free",
+                                                                  "ranks after", "runs that did not survive"], rows)])
+
+
 SECTIONS: Mapping[str, Callable[[Result], Section]] = {
     "simulator": simulator,
+    "control_scale": control_scale,
+    "control_scale-watch-all": control_scale,
+    "faults_vs_torchft": faults_vs_torchft,
     "recovery": recovery,
     "launch": launch,
     "launch-load": launch,
@@ -591,10 +617,8 @@ def render(results: Path = RESULTS) -> Rendered:
     if not loaded:
         page = HEADER + "\nNo results yet: run a benchmark (`python bench/planner.py`, ...).\n"
         return Rendered(page, (), ())
-    lines = [HEADER, *_table(["benchmark", "measured (UTC)", "load average (1 min)", "commit"], [[
-        f"[{r.name}](#{r.name})", _date(_run(r.doc)), _cell((_run(r.doc).get("load_average") or ["-"])[0]),
-        f"`{_run(r.doc)['commit']}`" if _run(r.doc).get("commit") else "-",
-    ] for r in loaded]), ""]
+    # each section says when, at which load and at which commit: the index only names them
+    lines = [HEADER, "Benchmarks: " + " · ".join(f"[{r.name}](#{r.name})" for r in loaded) + ".", ""]
     figures: list[Figure] = []
     for result in loaded:
         make = SECTIONS.get(result.name, generic)

@@ -12,6 +12,7 @@ here from where the canvas says it drew every rank, not taken from the canvas's 
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,17 @@ def _canvas(pg, i: int = -1):  # noqa: ANN001, ANN202 (a playwright Page and Fra
 
 def _painted(pg, i: int = -1) -> list[int]:  # noqa: ANN001
     return _canvas(pg, i).evaluate("() => window.meshpact.selected()")
+
+
+def _painted_soon(pg, want: list[int], within_s: float = 5.0) -> list[int]:  # noqa: ANN001
+    """The painted ranks once they are ``want`` or ``within_s`` passed: the canvas paints on the click's own
+    event, which a loaded machine may deliver a moment late; the Python side is asserted after it."""
+    deadline = time.monotonic() + within_s
+    got = _painted(pg)
+    while got != want and time.monotonic() < deadline:
+        time.sleep(0.05)
+        got = _painted(pg)
+    return got
 
 
 def _typed_failed(pg) -> frozenset[int]:  # noqa: ANN001
@@ -68,7 +80,7 @@ def _drag(pg, a: tuple[float, float], b: tuple[float, float]) -> None:  # noqa: 
 def test_a_click_fails_exactly_that_rank_and_the_comparison_follows(user):
     assert "Fail a rank" in user.locator('[data-testid="stMain"]').inner_text()
     click_rank(user, 5)
-    assert _painted(user) == [5]  # painted before Python has answered
+    assert _painted_soon(user, [5]) == [5]  # painted by the canvas itself, before Python has answered
     assert wait_metric_change(user, "healthy ranks", "32/32") == "31/32"
     assert _typed_failed(user) == {5}
     assert metric(user, "in-memory rebind downtime") is not None  # the comparison is drawn for this failure
