@@ -174,7 +174,7 @@ def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_a
     run = line["run"]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\+00:00", run["date"])
     assert len(run["load_average"]) == 3 and run["machine"]["cpus"] >= 1
-    (tmp_path / "control_scale.json").write_text(json.dumps({f"key_{i:02}": i * 1.5 for i in range(20)}))
+    (tmp_path / "capped_made_up.json").write_text(json.dumps({f"key_{i:02}": i * 1.5 for i in range(20)}))
 
     rendered = _renderer().render(tmp_path)
     assert rendered.figures == ()
@@ -191,9 +191,9 @@ def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_a
     assert "| `model` | `ms` |" in section and "| dense | 8.25 |" in section and "| moe | 7.5 |" in section
     assert "`runs` holds 1 records of 9 fields, in the full JSON." in section and "`k8`" not in section
     assert "[gpu.json](figures/data/gpu.json)" in section
-    capped = page[page.index("## control_scale"):page.index("## gpu")]
-    assert "| `key_11` | 16.5 |" in capped and "key_12" not in capped
-    assert "8 more values are in the full JSON." in capped
+    capped = page[page.index("## capped_made_up"):page.index("## gpu")]
+    assert "| `key_07` | 10.5 |" in capped and "key_08" not in capped
+    assert "12 more values are in the full JSON." in capped
 
 
 @pytest.mark.parametrize(("name", "text", "expected"), [
