@@ -20,13 +20,12 @@ app: install
 	$(VENV)/bin/streamlit run app/main.py --server.address 127.0.0.1 --server.port $(PORT) \
 	    --server.headless true --browser.gatherUsageStats false
 
-# Three workers, a test file per worker at a time (module fixtures such as the dashboard server and
-# Chromium are set up once per file): the live tests wait on timeouts, processes and browsers as
-# much as they compute, so two cores run three files at once (every live test passes under a
-# loaded machine: a third file's load is part of what they are written for). The longest files go
-# first (tests/conftest.py), so no worker is left alone with one at the end.
+# Two workers, a test file per worker at a time (module fixtures such as the dashboard server and
+# Chromium are set up once per file): the live tests wait on timeouts and processes as much as
+# they compute, so two cores run two files at once. The longest files go first
+# (tests/conftest.py), so neither worker is left alone with one at the end.
 test: install
-	$(VENV)/bin/pytest -n 3 --dist loadfile --no-loadscope-reorder
+	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
 # pyflakes and pycodestyle over the whole tree (pyproject.toml's [tool.ruff]); .ci/run runs it first
 lint: install
