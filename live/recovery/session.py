@@ -544,10 +544,27 @@ def attempt_scope(run_id: str, control: Any, env: Mapping[str, str]) -> str:
 
 def job_key_of(env: Mapping[str, str], run_id: str, world: int) -> jobkey.JobKey | None:
     """This rank's job key (:func:`~.jobkey.load`): the job is named on its host by its run id and
-    rendezvous address, and spans hosts where torchrun's ``LOCAL_WORLD_SIZE`` is below the world."""
+    rendezvous address, and spans hosts where torchrun's ``LOCAL_WORLD_SIZE`` is below the world.
+    A launcher that sets no ``LOCAL_WORLD_SIZE`` (``srun`` alone, a hand-written environment) is taken
+    to span hosts unless its rendezvous address is this host's loopback: a key made per host would
+    differ between hosts, and every signed value from another host would read as forged."""
     identity = f"{run_id}@{env.get('MASTER_ADDR', '')}:{env.get('MASTER_PORT', '')}"
-    local = int(env.get("LOCAL_WORLD_SIZE") or world)
-    return jobkey.load(env, identity, multi_host=local < world)
+    if env.get("LOCAL_WORLD_SIZE"):
+        multi_host = int(env["LOCAL_WORLD_SIZE"]) < world
+    else:
+        multi_host = world > 1 and not _loopback(env.get("MASTER_ADDR", ""))
+    return jobkey.load(env, identity, multi_host=multi_host)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, ...] | None = None,
