@@ -15,7 +15,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,18 +22,14 @@ import urllib.request
 from pathlib import Path
 from typing import Iterator
 
+from meshpact.live.trials.ports import unclaimed_port
+
 __all__ = [
-    "dashboard_server", "chromium_path", "free_port", "ROOT", "SETTLED_JS", "CLIPPED_JS", "MESH_READABLE_JS", "LEGEND_OVER_AXIS_JS", "settle", "metric", "wait_metric_is",
+    "dashboard_server", "chromium_path", "ROOT", "SETTLED_JS", "CLIPPED_JS", "MESH_READABLE_JS", "LEGEND_OVER_AXIS_JS", "settle", "metric", "wait_metric_is",
     "wait_metric_change", "click_rank", "pick_scenario", "go_to", "wait_title",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def chromium_path() -> str | None:
@@ -49,7 +44,7 @@ def chromium_path() -> str | None:
 @contextlib.contextmanager
 def dashboard_server(port: int = 0, timeout_s: float = 60.0, cwd: Path = ROOT) -> Iterator[str]:
     """Run the dashboard on ``http://127.0.0.1:<port>`` for the ``with`` block; yields the URL."""
-    port = port or free_port()
+    port = port or unclaimed_port()
     streamlit = Path(sys.executable).with_name("streamlit")
     proc = subprocess.Popen(
         [str(streamlit), "run", str(ROOT / "app" / "main.py"), "--server.address", "127.0.0.1",

@@ -26,6 +26,7 @@ from _sockets import listeners
 from meshpact.live.recovery import RecoveryConfig
 from meshpact.live.recovery.refusal import REFUSAL_LINE
 from meshpact.live.trials.launchdrill import Final, Job, Progress, read_finals
+from meshpact.live.trials.ports import unclaimed_port
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -120,11 +121,7 @@ def test_a_recovery_that_cannot_happen_ends_the_job_once_with_one_line_per_rank_
 def test_two_nodes_in_a_static_rendezvous_replace_a_worker_alone_from_the_other_nodes_copy(tmp_path):
     # as a Slurm script starts them: one agent per node, the static backend on node 0's MASTER_ADDR:PORT
     # (both nodes on loopback here); rank 3 lives on node 1, its peer copy on node 0
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unclaimed_port()
     nodes = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
              "--master-port", str(port), "--max-restarts", "1")
     out, key = tmp_path / "faulted", Job.key_env()

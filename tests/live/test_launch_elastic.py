@@ -12,13 +12,13 @@ the others, a spare node waiting for its job) still stops on SIGTERM, in one lin
 from __future__ import annotations
 
 import os
-import socket
 
 from torch.distributed.elastic.agent.server.api import SimpleElasticAgent, WorkerSpec
 
 import pytest
 from torch.distributed.elastic.rendezvous.api import RendezvousGracefulExitError
 
+from meshpact.live.trials.ports import unclaimed_port
 from meshpact.live.launch.command import DEFAULT_REPLACEMENTS, config, main, parser
 from meshpact.live.launch.elastic import LaunchOptions, ReplacingAgent
 from meshpact.live.launch.nodes import JOB_ENDED_KEY, SPARE_COUNT_KEY, NodeLoss, SpareNode, choose_spare
@@ -184,9 +184,7 @@ def test_a_node_waiting_in_the_store_stops_on_sigterm_with_one_line(tmp_path, ro
     import time
 
     served = host_store("127.0.0.1", 0)  # the spare's endpoint: a store where no job has named its channel
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unclaimed_port()
     script = tmp_path / "train.py"
     script.write_text("print('never started')\n")
     flags = (["--nnodes", "2", "--node-rank", "0", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",

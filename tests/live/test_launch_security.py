@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import uuid
 
 import pytest
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from _sockets import listeners
+from meshpact.live.trials.ports import unclaimed_port
 from meshpact.live.launch.command import launch_key, main
 from meshpact.live.launch.elastic import LaunchRefused
 from meshpact.live.launch.rendezvous import rendezvous_handler
@@ -67,9 +67,7 @@ def _listening(port: int) -> list:
 
 
 def test_the_static_rendezvous_store_of_node_0_listens_on_master_addr_alone():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = unclaimed_port()
     handler = rendezvous_handler(RendezvousParameters("static", f"127.0.0.1:{port}", uuid.uuid4().hex, 2, 2, rank=0))
     assert [ln.wildcard for ln in _listening(port)] == [False]  # before: torch's TCPStore on 0.0.0.0
     del handler

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from meshpact.live.trials.ports import unclaimed_port
 from meshpact.live.recovery.config import RecoveryConfig
 from meshpact.live.recovery.faults import CollectiveFault, _RaiseOnCollective
 from meshpact.live.recovery.runtime import GuardedBlockLost, UnsafeLoopError, resilient
@@ -35,9 +36,7 @@ def _answers(sock: socket.socket, word: bytes) -> bool:
 def one_rank() -> Iterator[tuple[Session, EchoService, socket.socket]]:
     echo = EchoService()
     before = echo.connect()  # the user's connection, opened before the session started
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = unclaimed_port()
     env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "MESHPACT_VENDOR": "cpu", "MESHPACT_RUN_ID": f"user-paths-{os.getpid()}"}
     with pytest.MonkeyPatch.context() as mp:
