@@ -62,6 +62,7 @@ COMMANDS: tuple[CommandSpec, ...] = (
     CommandSpec(None, "edges", "plan", "edges"),
     CommandSpec(None, "transitions", "plan", "transitions"),
     CommandSpec(None, "launch", "launch", "launch"),
+    CommandSpec(None, "control-plane", "control_plane", "control_plane"),
     CommandSpec("live", "bridge", "live_bridge", "bridge"),
     CommandSpec("live", "recover", "live_recover", "recover"),
     CommandSpec("live", "spillover", "live_spillover", "spillover"),

@@ -22,10 +22,12 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import _get_addr_and_port
 from torch.distributed.run import config_from_args, get_args_parser, parse_min_max_nnodes
 
 from ..recovery import jobkey
+from .controlplane import CONTROL_PLANE_ENV, ControlPlaneHost, ControlPlaneRefused, control_plane_host
 from .elastic import LaunchOptions, LaunchRefused, ReplacingAgent
 from .nodes import HostNodeLost
 from .processes import say
@@ -58,7 +60,33 @@ def parser() -> ArgumentParser:
     p.add_argument("--node-loss-s", "--node_loss_s", type=float, default=LaunchOptions.node_loss_s,
                    help="A node whose agent is silent this long on the control channel is lost: its ranks are "
                         "announced gone to the job.")
+    p.add_argument("--control-plane", "--control_plane", default=os.environ.get(CONTROL_PLANE_ENV, "node"),
+                   metavar="{node,service}",
+                   help=f"Who hosts the job's rendezvous store and control channel (default: ${CONTROL_PLANE_ENV}, "
+                        "else node): node, group rank 0's agent (losing node 0 ends the job); service, "
+                        "`meshpact control-plane` at --rdzv-endpoint on a host that trains nothing (node 0 is "
+                        "lost as any node is).")
     return p
+
+
+def _control_plane(args: Namespace, given: bool) -> ControlPlaneHost:
+    """``--control-plane`` (``given`` on the command line, else from the environment) read and checked
+    against the rendezvous flags (:class:`LaunchRefused` in one line)."""
+    flag = "--control-plane" if given or not os.environ.get(CONTROL_PLANE_ENV) else CONTROL_PLANE_ENV
+    try:
+        host = control_plane_host(str(args.control_plane), flag)
+    except ControlPlaneRefused as exc:
+        raise LaunchRefused(str(exc)) from None
+    if host is ControlPlaneHost.NODE:
+        return host
+    if args.standalone:
+        raise LaunchRefused("--control-plane service: --standalone hosts the stores on this node; drop it and name "
+                            "the service with --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
+    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        raise LaunchRefused(f"--control-plane service: expected --rdzv-backend c10d and --rdzv-endpoint HOST:PORT "
+                            f"where `meshpact control-plane` serves, got --rdzv-backend {args.rdzv_backend} "
+                            f"--rdzv-endpoint {args.rdzv_endpoint or '(none)'}")
+    return host
 
 
 def _standalone(args: Namespace) -> None:
@@ -96,7 +124,9 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     p = parser()
     args = p.parse_args(list(argv))
     options = LaunchOptions(spare_ranks_per_node=args.spare_ranks_per_node, spare=args.spare,
-                            node_loss_s=args.node_loss_s)
+                            node_loss_s=args.node_loss_s,
+                            control_plane=_control_plane(args, any(a.split("=")[0] in ("--control-plane", "--control_plane")
+                                                                   for a in argv)))
     if options.spare_ranks_per_node and (args.no_python or args.run_path):
         raise LaunchRefused("--spare-ranks-per-node: a warm spare runs a Python script or module; it cannot be "
                             "used with --no-python or --run-path")
@@ -123,9 +153,13 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
         cfg, cmd, cmd_args = config_from_args(args)
     except (AssertionError, ValueError, RuntimeError) as exc:
         raise LaunchRefused(f"{exc}") from None
+    if options.apart and str(cfg.rdzv_configs.get("is_host", "")).strip().lower() in ("1", "true", "t", "yes", "y"):
+        raise LaunchRefused("--control-plane service: --rdzv-conf is_host=1 asks this node to host the rendezvous "
+                            "store, which the service hosts; drop is_host (or set it to 0)")
     if not isinstance(cmd, str):
         raise LaunchRefused("--run-path is not supported by meshpact launch: name the script (python) or use -m")
-    options = replace(options, job_key=launch_key(os.environ, 2 if options.spare else cfg.max_nodes))
+    # a spare node, or a job whose control plane runs apart, shares its key with another host: never drawn here
+    options = replace(options, job_key=launch_key(os.environ, 2 if options.spare or options.apart else cfg.max_nodes))
     if cfg.nproc_per_node < 1:
         raise LaunchRefused(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more workers per node")
     script = args.training_script
@@ -149,6 +183,9 @@ def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> d
         standby = StandbyRendezvous(cfg.rdzv_endpoint, cfg.run_id, float(cfg.rdzv_configs.get("join_timeout", 600)))
         handler: RendezvousHandler = standby
         master_addr, master_port = None, None
+    elif options.apart:  # the service hosts the rendezvous store, and the workers share it
+        handler = rendezvous_handler(params, apart=True)
+        master_addr, master_port = parse_rendezvous_endpoint(cfg.rdzv_endpoint, default_port=29400)
     else:
         handler = rendezvous_handler(params)
         master_addr, master_port = _get_addr_and_port(params)

@@ -39,6 +39,11 @@ the lost processes' and its own address, and from then on is that node's agent. 
 it keeps one warm interpreter per worker (as ``--spare-ranks-per-node`` does), promoted to the
 node's ranks on the takeover.
 
+With the control plane apart (``--control-plane service``, :mod:`~.controlplane`), ``meshpact
+control-plane`` hosts the rendezvous store, the store the workers share and the control channel on a
+host that trains nothing, and judges every node; no agent hosts a store or judges, so node 0 is
+lost as any node is (excised, or taken by a spare node).
+
 Plain ``torchrun`` keeps working with the same scripts: without ``MESHPACT_CONTROL_PORT`` rank 0
 hosts the control channel, and a kill ends the job as torchrun decides.
 """
@@ -61,6 +66,7 @@ from meshpact.core.errors import MeshpactError
 from ..recovery import jobkey
 from ..recovery.control import ControlChannel
 from ..recovery.refusal import REFUSAL_FILE_ENV, REFUSAL_LINE
+from .controlplane import ControlPlaneHost
 from .gone import GoneRanks
 from .nodes import NodeEnv, NodeWatch
 from .processes import Running, handle_death_signals, kill, say, stop, stoppable, wait_any
@@ -90,6 +96,12 @@ class LaunchOptions:
     # the job key its workers get in their environment and its control channel signs with (None: the job
     # opted out, MESHPACT_UNAUTHENTICATED=1); see launch_key
     job_key: jobkey.JobKey | None = None
+    control_plane: ControlPlaneHost = ControlPlaneHost.NODE  # who hosts the stores and judges node loss
+
+    @property
+    def apart(self) -> bool:
+        """Whether the control plane runs apart from the training nodes (``meshpact control-plane``)."""
+        return self.control_plane is ControlPlaneHost.SERVICE
 
     def __post_init__(self) -> None:
         if self.spare_ranks_per_node < 0:
@@ -117,7 +129,7 @@ class ReplacingAgent(SimpleElasticAgent):
         self.replacements = Replacements(spec.max_restarts)
         self.spares = SparePool()
         self.gone = GoneRanks(options.loss_watch_s)
-        self.nodes = NodeWatch(options.node_loss_s)
+        self.nodes = NodeWatch(options.node_loss_s, apart=options.apart)
         self._control_server: Any = None
         self._channel: ControlChannel | None = None
         self._control: tuple[str, int] = ("", 0)  # the control channel's address
@@ -138,7 +150,7 @@ class ReplacingAgent(SimpleElasticAgent):
     def _open_control(self, wg: WorkerGroup) -> None:
         if self._channel is None:
             self._control_server, self._control, self._channel = open_control(
-                wg, self.given_control, self._run_id(), self._options.job_key)
+                wg, self.given_control, self._run_id(), self._options.job_key, apart=self._options.apart)
 
     def _run_id(self) -> str:
         return os.environ.get("MESHPACT_RUN_ID") or str(self._worker_group.spec.rdzv_handler.get_run_id())
@@ -250,14 +262,25 @@ class ReplacingAgent(SimpleElasticAgent):
         if result is None:
             self._tick()  # after the exits are collected: a job that just ended is not past its deadline
             return None
-        if (not self.ledger.finished and wg.group_rank != 0 and self.given_control is None
-                and self._channel is not None and not self._channel.answers()):
+        if (not self.ledger.finished and self._judges_host(wg) and self._channel is not None
+                and not self._channel.answers()):
             # every worker failed and node 0's channel does not answer: node 0's agent is gone (its node lost,
             # or its own workers failed first and it ended); said beside elastic's record of the failures
             host, port = self._control
-            say(f"the control channel node 0's agent hosts at {host}:{port} does not answer: node 0's agent is gone "
-                "(its node lost, or its job ended there: see node 0's log); no other node can take its stores over")
+            if self.nodes.apart:
+                say(f"the control plane at {host}:{port} does not answer: `meshpact control-plane` is gone (see its "
+                    "log); the job's stores went with it")
+            else:
+                say(f"the control channel node 0's agent hosts at {host}:{port} does not answer: node 0's agent is "
+                    "gone (its node lost, or its job ended there: see node 0's log); no other node can take its "
+                    "stores over")
         return result
+
+    def _judges_host(self, wg: WorkerGroup) -> bool:
+        """Whether this agent judges the host of the job's stores lost when its channel falls silent: one
+        of another node than node 0's, or any where the control plane runs apart (not one whose channel is
+        hosted by the program that runs it)."""
+        return (self.nodes.apart or wg.group_rank != 0) and self.given_control is None
 
     def _should_replace(self, rank: int, returncode: int) -> bool:
         """Whether a failed worker gets a replacement while some are left (here: any failure, as a job's
@@ -286,7 +309,7 @@ class ReplacingAgent(SimpleElasticAgent):
             self.nodes.look(self._channel, wg, now)
             lost = self.gone.declared(self._channel)
         except (RuntimeError, OSError) as exc:  # the channel's host (node 0) gone: nothing to learn from it now
-            self.nodes.unanswered(now, exc, self._control, wg.group_rank != 0 and self.given_control is None)
+            self.nodes.unanswered(now, exc, self._control, self._judges_host(wg))
             return
         self.nodes.answered()
         mine = {w.global_rank: w.local_rank for w in wg.workers}
@@ -301,15 +324,16 @@ class ReplacingAgent(SimpleElasticAgent):
         if self._channel is not None:
             self._channel.set(f"agent/done{self._worker_group.group_rank}", True)
         if not (self.nodes.lost_nodes or self.nodes.takeovers):
-            if self._worker_group.group_rank != 0 and self.nodes.changed(self._channel):
-                # group rank 0 lost a node (or gave it to a spare node, which is in no elastic barrier):
-                # elastic's barrier would wait its whole timeout for an agent that never arrives
+            if (self.nodes.apart or self._worker_group.group_rank != 0) and self.nodes.changed(self._channel):
+                # group rank 0 (or the control plane) lost a node, or gave it to a spare node, which is in no
+                # elastic barrier: elastic's barrier would wait its whole timeout for an agent that never arrives
                 say("a node of the job was lost: not waiting at elastic's exit barrier")
                 return
             super()._exit_barrier()
         else:  # a lost node's agent never arrives: elastic's barrier would wait out its timeout
             self.nodes.wait_at_exit(self._channel, self._exit_barrier_timeout)
-        self.nodes.end_standby(self._channel, self._worker_group.group_rank)
+        if not self.nodes.apart:  # the control plane tells the spare nodes itself
+            self.nodes.end_standby(self._channel, self._worker_group.group_rank)
 
     # -- elastic's hooks ------------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:

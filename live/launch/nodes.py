@@ -8,6 +8,10 @@ verdict (:func:`choose_spare`, :class:`NodeVerdict`) hands its group rank to a l
 other agent notes when the channel, hosted by group rank 0's agent, stops answering: past the same
 bound node 0 is lost with the job's stores (:class:`HostNodeLost`). At the end, the agents do not
 wait at elastic's exit barrier for a node that will not come.
+
+With the control plane apart (``meshpact control-plane``, :mod:`~.controlplane`), the service judges
+every node, group rank 0's included (:meth:`NodeWatch.judge`), and every agent only beats: a channel
+that stops answering is then the service lost, not a training node.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Collection, Sequence
+from typing import Any, Collection, Iterable, Sequence
 
 from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup
 
@@ -36,8 +40,8 @@ JOB_ENDED_KEY = "agent/ended"  # on the control channel: group rank 0 passed its
 
 
 class HostNodeLost(MeshpactError):
-    """The node of group rank 0 (its agent hosts the job's rendezvous store and control channel) is gone:
-    the other nodes cannot go on without those stores, and say so instead of waiting."""
+    """The host of the job's rendezvous store and control channel (group rank 0's node, or the control
+    plane service) is gone: the nodes cannot go on without those stores, and say so instead of waiting."""
 
 
 
@@ -173,8 +177,10 @@ class NodeWatch:
     """One agent's watch over the job's nodes (see the module docstring): group rank 0 judges the others
     and the spare nodes; every agent beats, and notes how long the channel has not answered."""
 
-    def __init__(self, node_loss_s: float) -> None:
+    def __init__(self, node_loss_s: float, apart: bool = False) -> None:
         self.node_loss_s = node_loss_s
+        self.apart = apart  # the control plane runs apart: the service judges every node, no agent does
+        self.who = "meshpact control-plane" if apart else "meshpact launch"  # what its lines are said as
         self.lost_nodes: list[NodeLoss] = []  # nodes whose ranks were announced gone
         self.takeovers: list[NodeVerdict] = []  # nodes whose group rank went to a spare node
         self._beats: dict[int, tuple[int, float]] = {}  # group rank -> (its beat count, when it last moved)
@@ -183,12 +189,16 @@ class NodeWatch:
         self._down_since: float | None = None  # when the control channel last stopped answering
 
     def look(self, channel: ControlChannel, wg: WorkerGroup, now: float) -> None:
-        """Beat on the control channel; group rank 0 also watches the other agents' beats and tells the
-        job the ranks of a node whose agent fell silent are gone (an agent that finished says so first)."""
+        """Beat on the control channel; group rank 0 (where the control plane is not apart) also judges
+        the other nodes (:meth:`judge`)."""
         channel.add(f"agent/beat{wg.group_rank}")
-        if wg.group_rank != 0:
-            return
-        others = [g for g in range(1, wg.group_world_size) if g not in {n.group_rank for n in self.lost_nodes}]
+        if wg.group_rank == 0 and not self.apart:
+            self.judge(channel, range(1, wg.group_world_size), wg.spec.local_world_size, now)
+
+    def judge(self, channel: ControlChannel, group_ranks: Iterable[int], nproc_per_node: int, now: float) -> None:
+        """Watch the beats of the agents of ``group_ranks`` and of the spare nodes, and give the verdict on
+        a node whose agent fell silent for ``node_loss_s`` (an agent that finished says so first)."""
+        others = [g for g in group_ranks if g not in {n.group_rank for n in self.lost_nodes}]
         if not others:
             return
         spare_ids = sorted(self._spare_nodes)
@@ -201,8 +211,15 @@ class NodeWatch:
             if count != seen:
                 self._beats[g] = (count, now)
             elif f"agent/done{g}" not in done and now - since > self.node_loss_s:
-                n = wg.spec.local_world_size
+                n = nproc_per_node
                 self._node_lost(channel, NodeLoss(g, tuple(range(g * n, (g + 1) * n)), now - since), n, count, now)
+
+    def ended(self, channel: ControlChannel, group_world_size: int) -> bool:
+        """Whether every node of the job has said it is done or was lost with its ranks announced gone
+        (a node taken over by a spare node is done when the spare says so)."""
+        lost = {n.group_rank for n in self.lost_nodes}
+        waited = [f"agent/done{g}" for g in range(group_world_size) if g not in lost]
+        return channel.all_present(waited)
 
     def _watch_spare_nodes(self, channel: ControlChannel, registered: int, beats: dict[int, int], now: float) -> None:
         """Group rank 0: read the spare nodes registered since the last look, and note whose beat moved."""
@@ -215,7 +232,7 @@ class NodeWatch:
                 node = SpareNode.from_dict(got[f"spare/node{i}"])
                 self._spare_nodes[i] = _SpareWatch(node, -1)
                 self._spare_nodes_seen = i
-                say(f"{node} registered ({node.nproc_per_node} worker(s) per node, agent pid {node.pid})")
+                say(f"{node} registered ({node.nproc_per_node} worker(s) per node, agent pid {node.pid})", self.who)
         for i, count in beats.items():
             watch = self._spare_nodes.get(i)
             if watch is not None and count != watch.beats:
@@ -229,7 +246,7 @@ class NodeWatch:
         live = {i for i, w in self._spare_nodes.items() if w.live(now, self.node_loss_s)}
         verdict = choose_spare(loss, nproc_per_node, [w.node for w in self._spare_nodes.values()], live,
                                self.node_loss_s)
-        say(verdict.describe())
+        say(verdict.describe(), self.who)
         channel.set(NODES_CHANGED_KEY, True)  # the other agents' exit barrier would wait for it
         if verdict.spare is not None:
             del self._spare_nodes[verdict.spare.spare_id]
@@ -249,7 +266,8 @@ class NodeWatch:
         """The control channel did not answer. Hosted by group rank 0's agent: once it has not answered for
         ``node_loss_s``, that node is lost, and with it the job's stores (group rank 0 is not replaced:
         its agent hosts them); where ``judge_host`` (an agent of another node, on a channel node 0
-        hosts) this raises :class:`HostNodeLost`, so the node ends its workers and says why in one line."""
+        hosts, or any agent where the control plane runs apart) this raises :class:`HostNodeLost`, so
+        the node ends its workers and says why in one line."""
         if self._down_since is None:
             self._down_since = now
             logger.warning("meshpact launch: cannot read the control channel (%s)", exc)
@@ -257,6 +275,12 @@ class NodeWatch:
         if judge_host and silent > self.node_loss_s:
             host, port = control
             last = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            if self.apart:
+                raise HostNodeLost(
+                    f"the control plane is lost: `meshpact control-plane` at {host}:{port} has not answered for "
+                    f"{silent:.1f} s (last: {last}). It hosts the job's rendezvous store and control channel: "
+                    "this node's workers are stopped; start the service and the job again (it resumes from its "
+                    "newest checkpoint)")
             raise HostNodeLost(
                 f"node 0 is lost: the control channel node 0's agent hosts at {host}:{port} has not answered for "
                 f"{silent:.1f} s (last: {last}). Node 0 hosts the job's rendezvous store and control channel, which "

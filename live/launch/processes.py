@@ -68,9 +68,9 @@ def kill(proc: subprocess.Popen) -> None:
     signal_group(proc, signal.SIGKILL)
 
 
-def say(line: str) -> None:
-    """One line of what the agent decided, on its stderr (where torchrun's agent logs)."""
-    sys.stderr.write(f"[meshpact launch] {line}\n")
+def say(line: str, who: str = "meshpact launch") -> None:
+    """One line of what the agent (or ``who``) decided, on its stderr (where torchrun's agent logs)."""
+    sys.stderr.write(f"[{who}] {line}\n")
     sys.stderr.flush()
 
 

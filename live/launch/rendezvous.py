@@ -5,11 +5,15 @@ agent hosts listening on the address it is named by alone. :class:`FixedRendezvo
 rendezvous with no rounds (a one-node job run inside another program, a spare node);
 :class:`StandbyRendezvous` is a spare node's: it joins no round, and reads where group rank 0's
 agent hosts the job's control channel from the rendezvous endpoint's own store (:func:`standby_key`).
+With the control plane apart (``meshpact control-plane`` serves the endpoint's store and the
+channel, :mod:`~.controlplane`), no agent hosts a store: each reads the channel's address from the
+same record (:class:`StandbyRecord`), and the workers share the endpoint's store.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -22,17 +26,36 @@ from ..recovery.control import ControlChannel
 from ..recovery.jobkey import JobKey
 from ..store import host_store
 
-__all__ = ["FixedRendezvous", "StandbyRendezvous", "standby_key", "rendezvous_handler", "root_store", "open_control",
+__all__ = ["FixedRendezvous", "StandbyRendezvous", "StandbyRecord", "standby_key", "rendezvous_handler", "root_store", "open_control",
            "CONTROL_KEY"]
 
 CONTROL_KEY = "meshpact/control"  # in the rendezvous store: "host:port" of the control channel
 
 
 def standby_key(rdzv_id: str) -> str:
-    """The key, in the rendezvous endpoint's own store (under no prefix of elastic's), where group
-    rank 0's agent names the control channel for spare nodes: a JSON ``{"control": "host:port",
-    "run_id": ...}``."""
+    """The key, in the rendezvous endpoint's own store (under no prefix of elastic's), where the host of
+    the control channel names it for spare nodes (and, with the control plane apart, for every agent):
+    a JSON :class:`StandbyRecord`."""
     return f"meshpact/standby/{rdzv_id}"
+
+
+@dataclass(frozen=True)
+class StandbyRecord:
+    """Where a job's control channel is, as its host names it under :func:`standby_key`."""
+
+    host: str
+    port: int
+    run_id: str  # the run id the channel's keys are kept under
+    apart: bool = False  # served by ``meshpact control-plane``, not by group rank 0's agent
+
+    def to_json(self) -> str:
+        return json.dumps({"control": f"{self.host}:{self.port}", "run_id": self.run_id, "apart": self.apart})
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> "StandbyRecord":
+        record = json.loads(raw)
+        host, _, port = str(record["control"]).rpartition(":")
+        return cls(host, int(port), str(record["run_id"]), bool(record.get("apart", False)))
 
 
 
@@ -72,6 +95,7 @@ class StandbyRendezvous(FixedRendezvous):
         super().__init__(run_id)
         self.endpoint = parse_rendezvous_endpoint(endpoint, default_port=29400)
         self.join_timeout_s = join_timeout_s
+        self.apart = False  # the job's control plane runs apart (read with the record, :meth:`job`)
 
     def job(self) -> tuple[str, int, str]:
         """(host, port, run id of its keys) of the job's control channel, once group rank 0 has named it
@@ -81,9 +105,9 @@ class StandbyRendezvous(FixedRendezvous):
         if self._store is None:
             self._store = TCPStore(self.endpoint[0], self.endpoint[1], is_master=False, wait_for_workers=False,
                                    timeout=timedelta(seconds=self.join_timeout_s))
-        record = json.loads(self._store.get(standby_key(self._run_id)))
-        host, _, port = str(record["control"]).rpartition(":")
-        return host, int(port), str(record["run_id"])
+        record = StandbyRecord.from_json(self._store.get(standby_key(self._run_id)))
+        self.apart = record.apart
+        return record.host, record.port, record.run_id
 
     def get_backend(self) -> str:
         return "standby"
@@ -104,13 +128,14 @@ def root_store(store: Any) -> Any:
 
 
 
-def rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
+def rendezvous_handler(params: RendezvousParameters, apart: bool = False) -> RendezvousHandler:
     """Elastic's rendezvous handler for ``params``, with every store this agent hosts listening on
     the address it is named by alone (:func:`~meshpact.live.store.host_store`): torch's TCPStore
     listens on every interface whatever host it is given. The c10d backend's store (on the node
     whose address the ``--rdzv-endpoint`` names; ``--standalone``: loopback) and the store it
     shares with the workers (on the node's ``--local-addr``), and the static backend's store on
-    ``--master-addr``. Other backends (etcd) are elastic's own."""
+    ``--master-addr``. Other backends (etcd) are elastic's own. ``apart``: the control plane
+    service hosts the endpoint's store, and the workers share it (the agent hosts nothing)."""
     from torch.distributed import TCPStore
     from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, dynamic_rendezvous, static_tcp_rendezvous
     from torch.distributed.elastic.rendezvous.utils import _matches_machine_hostname, parse_rendezvous_endpoint
@@ -127,7 +152,7 @@ def rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
     is_host = params.get_as_bool("is_host")
     timeout_s = float(params.get_as_int("read_timeout", 60) or 60)
     store: Any = None
-    if is_host is not False and (is_host or _matches_machine_hostname(host)):
+    if not apart and is_host is not False and (is_host or _matches_machine_hostname(host)):
         try:
             store = host_store(host, port, 1, timeout_s)
         except OSError:
@@ -138,6 +163,9 @@ def rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
         store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s), multi_tenant=True)
     backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)
     handler = dynamic_rendezvous.create_handler(store, backend, params)
+    if apart:  # the workers share the service's store (their MASTER_ADDR/PORT: the endpoint): none hosted here
+        handler._create_tcp_store_server = lambda addr, port: store  # type: ignore[method-assign]
+        return handler
     # the store group rank 0's agent shares with its workers: on the node's address alone
     handler._create_tcp_store_server = (  # type: ignore[method-assign]
         lambda addr, port: host_store(addr, port, 1, timeout_s))
@@ -146,12 +174,18 @@ def rendezvous_handler(params: RendezvousParameters) -> RendezvousHandler:
 
 
 def open_control(wg: WorkerGroup, given: tuple[str, int] | None, run_id: str,
-                 key: JobKey | None) -> tuple[Any, tuple[str, int], ControlChannel]:
+                 key: JobKey | None, apart: bool = False) -> tuple[Any, tuple[str, int], ControlChannel]:
     """The job's control channel, as one agent joins it: group rank 0 hosts it (or takes ``given``, a
     channel hosted by whoever runs the agent) and names it in the rendezvous store, under elastic's
     prefix for the agents and under :func:`standby_key` for spare nodes; every agent then reads
-    it there. (the store group rank 0 hosts, or None; the channel's address; the channel)."""
+    it there. ``apart``: the control plane service hosts it and named it under :func:`standby_key`,
+    where every agent reads it. (the store group rank 0 hosts, or None; the channel's address; the channel)."""
     server: Any = None
+    if apart:
+        record = StandbyRecord.from_json(root_store(wg.store).get(standby_key(str(wg.spec.rdzv_handler.get_run_id()))))
+        channel = ControlChannel(record.host, record.port, wg.group_rank, wg.workers[0].world_size, 5.0,
+                                 run_id=run_id, key=key)
+        return None, (record.host, record.port), channel
     if wg.group_rank == 0:
         if given is not None:
             address = "{}:{}".format(*given)
@@ -159,8 +193,9 @@ def open_control(wg: WorkerGroup, given: tuple[str, int] | None, run_id: str,
             server = host_store(wg.master_addr, 0, wg.workers[0].world_size)
             address = f"{wg.master_addr}:{server.port}"
         wg.store.set(CONTROL_KEY, address)
-        standby = {"control": address, "run_id": run_id}  # for spare nodes, outside elastic's prefix
-        root_store(wg.store).set(standby_key(str(wg.spec.rdzv_handler.get_run_id())), json.dumps(standby))
+        host, _, port = address.rpartition(":")
+        standby = StandbyRecord(host, int(port), run_id)  # for spare nodes, outside elastic's prefix
+        root_store(wg.store).set(standby_key(str(wg.spec.rdzv_handler.get_run_id())), standby.to_json())
     host, _, port = wg.store.get(CONTROL_KEY).decode().rpartition(":")
     channel = ControlChannel(host, int(port), wg.group_rank, wg.workers[0].world_size, 5.0, run_id=run_id, key=key)
     return server, (host, int(port)), channel

@@ -74,6 +74,7 @@ class SpareAgent(ReplacingAgent):
                              f"at {h}:{p} within {self._standby.join_timeout_s:g} s (give the spare the job's "
                              f"--rdzv-endpoint and --rdzv-id; {first})") from None
         self._control = (host, port)
+        self.nodes.apart = self._standby.apart  # served by `meshpact control-plane`: it judges, this agent beats
         # rank -1: the channel's rank names consensus keys, which an agent never writes (its keys name its group rank)
         channel = self._channel = ControlChannel(host, port, -1, 1, 5.0, run_id=self._job_run_id,
                                                  key=self._options.job_key)

@@ -59,4 +59,4 @@ def test_build_gives_a_fresh_app_each_time():
     assert build(["plan"]) is not build(["plan"])
     first = build(["plan"])
     build(["simulate", "training"])
-    assert [c.name for c in first.registered_commands] == ["plan", "edges", "transitions", "launch"]
+    assert [c.name for c in first.registered_commands] == ["plan", "edges", "transitions", "launch", "control-plane"]
