@@ -277,7 +277,7 @@ class NodeWatch:
             last = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             if self.apart:
                 raise HostNodeLost(
-                    f"the control plane is lost: `meshpact control-plane` at {host}:{port} has not answered for "
+                    f"the control plane is lost: meshpact control-plane at {host}:{port} has not answered for "
                     f"{silent:.1f} s (last: {last}). It hosts the job's rendezvous store and control channel: "
                     "this node's workers are stopped; start the service and the job again (it resumes from its "
                     "newest checkpoint)")

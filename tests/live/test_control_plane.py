@@ -127,7 +127,7 @@ def test_with_the_control_plane_apart_no_agent_judges_and_a_silent_service_is_sa
     watch.unanswered(0.0, RuntimeError("Connection reset by peer"), ("10.0.0.9", 29400), True)
     with pytest.raises(HostNodeLost) as lost:
         watch.unanswered(3.5, RuntimeError("Connection reset by peer"), ("10.0.0.9", 29400), True)
-    assert str(lost.value).startswith("the control plane is lost: `meshpact control-plane` at 10.0.0.9:29400 has "
+    assert str(lost.value).startswith("the control plane is lost: meshpact control-plane at 10.0.0.9:29400 has "
                                       "not answered for 3.5 s (last: Connection reset by peer)")
     assert "\n" not in str(lost.value)
 
