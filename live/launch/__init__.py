@@ -14,6 +14,7 @@ keeps its memory. What each file decides:
 | ``nodes`` | node loss: a silent agent's node, group rank 0's verdict, a spare node given its ranks |
 | ``spareagent`` | `SpareAgent`: a spare node standing by, then acting as the node it was given |
 | ``rendezvous`` | how an agent finds its job: elastic's handlers on named addresses, a spare's standby |
+| ``controlplane`` | `ControlPlane`: the job's stores and node-loss verdicts on a host that trains nothing |
 | ``workerenv`` | the environment a worker starts with: torchrun's and what the recovery runtime reads |
 | ``processes`` | a rank's process as the agent holds it, how it is signalled, the agent's one-line messages |
 | ``warmspare`` | the warm spare itself: an interpreter with torch imported, waiting for a rank |
@@ -38,7 +39,9 @@ _EXPORTS = {
     "NodeWatch": "nodes", "NodeLoss": "nodes", "NodeEnv": "nodes", "SpareNode": "nodes", "NodeVerdict": "nodes",
     "choose_spare": "nodes", "HostNodeLost": "nodes",
     "SpareAgent": "spareagent", "NoJobFound": "spareagent",
-    "StandbyRendezvous": "rendezvous", "rendezvous_handler": "rendezvous",
+    "StandbyRendezvous": "rendezvous", "StandbyRecord": "rendezvous", "rendezvous_handler": "rendezvous",
+    "ControlPlane": "controlplane", "ControlPlaneOptions": "controlplane", "ControlPlaneHost": "controlplane",
+    "ControlPlaneRefused": "controlplane",
     "AgentJob": "agentjob", "AgentJobResult": "agentjob",
     "launch": "launcher", "LaunchError": "worker", "LaunchedProcess": "worker", "RankResult": "worker",
     "ForkServer": "forkserver",

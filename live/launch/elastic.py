@@ -262,25 +262,12 @@ class ReplacingAgent(SimpleElasticAgent):
         if result is None:
             self._tick()  # after the exits are collected: a job that just ended is not past its deadline
             return None
-        if (not self.ledger.finished and self._judges_host(wg) and self._channel is not None
-                and not self._channel.answers()):
-            # every worker failed and node 0's channel does not answer: node 0's agent is gone (its node lost,
-            # or its own workers failed first and it ended); said beside elastic's record of the failures
-            host, port = self._control
-            if self.nodes.apart:
-                say(f"the control plane at {host}:{port} does not answer: `meshpact control-plane` is gone (see its "
-                    "log); the job's stores went with it")
-            else:
-                say(f"the control channel node 0's agent hosts at {host}:{port} does not answer: node 0's agent is "
-                    "gone (its node lost, or its job ended there: see node 0's log); no other node can take its "
-                    "stores over")
+        if (not self.ledger.finished and self.nodes.judges_host(wg.group_rank, self.given_control is not None)
+                and self._channel is not None and not self._channel.answers()):
+            # every worker failed and the channel does not answer: its host is gone (node 0's agent, its node
+            # lost or its own workers failed first; or the control plane); said beside elastic's record
+            say(self.nodes.host_gone(self._control))
         return result
-
-    def _judges_host(self, wg: WorkerGroup) -> bool:
-        """Whether this agent judges the host of the job's stores lost when its channel falls silent: one
-        of another node than node 0's, or any where the control plane runs apart (not one whose channel is
-        hosted by the program that runs it)."""
-        return (self.nodes.apart or wg.group_rank != 0) and self.given_control is None
 
     def _should_replace(self, rank: int, returncode: int) -> bool:
         """Whether a failed worker gets a replacement while some are left (here: any failure, as a job's
@@ -309,7 +296,8 @@ class ReplacingAgent(SimpleElasticAgent):
             self.nodes.look(self._channel, wg, now)
             lost = self.gone.declared(self._channel)
         except (RuntimeError, OSError) as exc:  # the channel's host (node 0) gone: nothing to learn from it now
-            self.nodes.unanswered(now, exc, self._control, self._judges_host(wg))
+            judge = self.nodes.judges_host(wg.group_rank, self.given_control is not None)
+            self.nodes.unanswered(now, exc, self._control, judge)
             return
         self.nodes.answered()
         mine = {w.global_rank: w.local_rank for w in wg.workers}

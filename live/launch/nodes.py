@@ -287,6 +287,21 @@ class NodeWatch:
                 "no other node can take over: this node's workers are stopped; start the job again (it resumes from "
                 "its newest checkpoint)")
 
+    def judges_host(self, group_rank: int, hosted_by_caller: bool) -> bool:
+        """Whether an agent judges the stores' host lost when its channel falls silent: where the control
+        plane runs apart, or on another node than node 0; never where the program running the agent hosts
+        the channel (``hosted_by_caller``)."""
+        return (self.apart or group_rank != 0) and not hosted_by_caller
+
+    def host_gone(self, control: tuple[str, int]) -> str:
+        """The line an agent says when every worker failed and the channel's host does not answer."""
+        host, port = control
+        if self.apart:
+            return (f"the control plane at {host}:{port} does not answer: meshpact control-plane is gone (see its "
+                    "log); the job's stores went with it")
+        return (f"the control channel node 0's agent hosts at {host}:{port} does not answer: node 0's agent is gone "
+                "(its node lost, or its job ended there: see node 0's log); no other node can take its stores over")
+
     @staticmethod
     def changed(channel: ControlChannel | None) -> bool:
         """Whether group rank 0 said a node of the job was lost or given to a spare node."""

@@ -122,7 +122,7 @@ def test_with_the_control_plane_apart_no_agent_judges_and_a_silent_service_is_sa
         for now in (0.0, 2.0, 4.5, 9.0):  # node 1 silent past the bound: group rank 0's agent leaves it be
             agent.nodes.look(channel, wg, now)
         assert nodes.counter("agent/beat0") == 4 and gone_ranks(nodes, range(4)) == ()
-        assert agent._judges_host(wg)  # group rank 0's agent too: the stores are the service's
+        assert agent.nodes.judges_host(0, False)  # group rank 0's agent too: the stores are the service's
     watch = NodeWatch(SILENT_S, apart=True)
     watch.unanswered(0.0, RuntimeError("Connection reset by peer"), ("10.0.0.9", 29400), True)
     with pytest.raises(HostNodeLost) as lost:
