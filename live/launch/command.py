@@ -123,10 +123,9 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     :class:`LaunchRefused` names a bad flag in one line."""
     p = parser()
     args = p.parse_args(list(argv))
+    given = any(a.split("=")[0] in ("--control-plane", "--control_plane") for a in argv)
     options = LaunchOptions(spare_ranks_per_node=args.spare_ranks_per_node, spare=args.spare,
-                            node_loss_s=args.node_loss_s,
-                            control_plane=_control_plane(args, any(a.split("=")[0] in ("--control-plane", "--control_plane")
-                                                                   for a in argv)))
+                            node_loss_s=args.node_loss_s, control_plane=_control_plane(args, given))
     if options.spare_ranks_per_node and (args.no_python or args.run_path):
         raise LaunchRefused("--spare-ranks-per-node: a warm spare runs a Python script or module; it cannot be "
                             "used with --no-python or --run-path")

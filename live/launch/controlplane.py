@@ -146,7 +146,7 @@ class ControlPlane:
     def __init__(self, options: ControlPlaneOptions, key: jobkey.JobKey | None) -> None:
         self.options = options
         self.key = key
-        self.watch = NodeWatch(options.node_loss_s, apart=True)
+        self.watch = NodeWatch(options.node_loss_s, apart=True, who="meshpact control-plane")
         self._stores: list[Any] = []
         self.channel: ControlChannel | None = None
         self.layout: JobLayout | None = None

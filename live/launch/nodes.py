@@ -177,10 +177,10 @@ class NodeWatch:
     """One agent's watch over the job's nodes (see the module docstring): group rank 0 judges the others
     and the spare nodes; every agent beats, and notes how long the channel has not answered."""
 
-    def __init__(self, node_loss_s: float, apart: bool = False) -> None:
+    def __init__(self, node_loss_s: float, apart: bool = False, who: str = "meshpact launch") -> None:
         self.node_loss_s = node_loss_s
         self.apart = apart  # the control plane runs apart: the service judges every node, no agent does
-        self.who = "meshpact control-plane" if apart else "meshpact launch"  # what its lines are said as
+        self.who = who  # what its verdicts are said as
         self.lost_nodes: list[NodeLoss] = []  # nodes whose ranks were announced gone
         self.takeovers: list[NodeVerdict] = []  # nodes whose group rank went to a spare node
         self._beats: dict[int, tuple[int, float]] = {}  # group rank -> (its beat count, when it last moved)

@@ -26,7 +26,8 @@ from ..recovery.control import ControlChannel
 from ..recovery.jobkey import JobKey
 from ..store import host_store
 
-__all__ = ["FixedRendezvous", "StandbyRendezvous", "StandbyRecord", "standby_key", "rendezvous_handler", "root_store", "open_control",
+__all__ = ["FixedRendezvous", "StandbyRendezvous", "StandbyRecord", "standby_key", "rendezvous_handler", "root_store",
+           "open_control",
            "CONTROL_KEY"]
 
 CONTROL_KEY = "meshpact/control"  # in the rendezvous store: "host:port" of the control channel
