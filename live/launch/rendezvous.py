@@ -27,8 +27,7 @@ from ..recovery.jobkey import JobKey
 from ..store import host_store
 
 __all__ = ["FixedRendezvous", "StandbyRendezvous", "StandbyRecord", "standby_key", "rendezvous_handler", "root_store",
-           "open_control",
-           "CONTROL_KEY"]
+           "open_control", "CONTROL_KEY"]
 
 CONTROL_KEY = "meshpact/control"  # in the rendezvous store: "host:port" of the control channel
 
