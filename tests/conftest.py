@@ -28,7 +28,7 @@ LONGEST_FIRST = (
     # collective under meshpact launch (the kill case too, once replacements join user groups)
     "tests/app/test_browser.py",  # 90 s: Chromium through every page, replay, scenario errors
     "tests/live/test_launch_spare.py",  # 45-110 s beside two busy loops: three namespace nodes, one a spare node
-    "tests/live/test_launch_control_plane.py",  # 79-147 s at load 13-43 (32-42 s of CPU): the control plane
+    "tests/live/test_launch_control_plane.py",  # 50-147 s at load 15-43 (31-42 s of CPU): the control plane
     # apart, node 0 lost whole and taken by a spare node
     "tests/live/test_launch_nodes.py",  # 120 s: two namespace nodes, each an elastic agent and its workers; node 0
     # lost; plain torchrun restarting from a checkpoint
