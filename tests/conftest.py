@@ -14,7 +14,13 @@ The list is measured (per-file time of one ``make test`` with ``--junitxml``, se
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
+
+from _shared import SESSION_DIR_ENV
 
 LONGEST_FIRST = (
     "tests/app/test_browser_live.py",  # 180 s: Chromium runs a kill with replace and with excise from the Live page
@@ -74,3 +80,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             return len(rank)
 
     items.sort(key=place)  # stable: within a file, and among the unlisted files, the usual order
+
+
+# A folder for the runs every test file may share (``tests/_shared.py``): made by the session's
+# controller (the only process when there are no workers) and handed to its workers through the
+# environment, which they inherit when they start; removed when the controller ends.
+def pytest_configure(config: pytest.Config) -> None:
+    if hasattr(config, "workerinput") or os.environ.get(SESSION_DIR_ENV):
+        return
+    os.environ[SESSION_DIR_ENV] = tempfile.mkdtemp(prefix="meshpact-test-session-")
+    config.stash[_OWNED] = os.environ[SESSION_DIR_ENV]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    owned = config.stash.get(_OWNED, None)
+    if owned is not None:
+        shutil.rmtree(owned, ignore_errors=True)
+        os.environ.pop(SESSION_DIR_ENV, None)
+
+
+_OWNED = pytest.StashKey[str]()

@@ -1,4 +1,5 @@
-"""Shared by the recovery tests: one fault-free reference per (workload, ranks, steps), reused."""
+"""Shared by the recovery tests: one fault-free reference per (workload, ranks, steps, checkpoint
+interval) in the whole session, whichever test file runs it first (``tests/_shared.py``)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from _shared import once
 from _warm import shared_forkserver
 from meshpact.core.recording import EventKind, read_recording
 from meshpact.live.trials.trial import TrialConfig, TrialResult, run_trial
 
-_REFERENCES: dict[tuple[str, int, int, int], Path] = {}
 _ROOT = Path(tempfile.mkdtemp(prefix="meshpact-test-recovery-"))
 atexit.register(shutil.rmtree, _ROOT, True)
 
@@ -24,12 +25,22 @@ def workload_file(tmp_path_factory, name: str, text: str) -> str:
 
 
 def trial(**kw) -> TrialResult:
+    """The trial, its fault-free reference run here unless a test of this session has run it."""
     cfg = TrialConfig(**kw)
-    key = (cfg.workload, cfg.ranks, cfg.steps, cfg.checkpoint_every)
-    ref = _REFERENCES.setdefault(key, _ROOT / f"ref-{len(_REFERENCES)}-{cfg.ranks}r-{cfg.steps}s" / "reference")
     work = Path(tempfile.mkdtemp(prefix=f"{cfg.fault_kind.value}-", dir=_ROOT))
-    # replacements forked too: these tests judge what a replacement does, not how fast it starts
-    return run_trial(cfg, work_dir=work, reference_dir=ref, forkserver=shared_forkserver(), warm_replacements=True)
+    ran: list[TrialResult] = []
+
+    def run(ref: Path) -> TrialResult:
+        # replacements forked too: these tests judge what a replacement does, not how fast it starts
+        return run_trial(cfg, work_dir=work, reference_dir=ref / "reference", forkserver=shared_forkserver(),
+                         warm_replacements=True)
+
+    # the trial that runs the reference holds the lock to its end: a reference is only known whole
+    # once the trial has compared against it
+    ref = once(f"a trial's fault-free reference: workload {cfg.workload}, {cfg.ranks} ranks, {cfg.steps} steps, "
+               f"checkpoint every {cfg.checkpoint_every}, dispatch counted {cfg.count_dispatch}",
+               lambda folder: ran.append(run(folder)))
+    return ran[0] if ran else run(ref)
 
 
 def recoveries_told(result: TrialResult) -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from _sockets import listeners
 from meshpact.live.recovery import RecoveryConfig
 from meshpact.live.recovery.refusal import REFUSAL_LINE
+from _references import torchrun_reference
 from meshpact.live.trials.launchdrill import Final, Job, Progress, read_finals
 from meshpact.live.trials.ports import unclaimed_port
 
@@ -66,8 +67,7 @@ def readme_runs(tmp_path_factory) -> _ReadmeRuns:
     flag and rank 2 killed after its third step; the same with ``--max-restarts 0`` (and no checkpoint)."""
     tmp = tmp_path_factory.mktemp("readme")
     one_node = ("--standalone", "--nproc-per-node", str(RANKS))
-    with Job(Job.torchrun(*one_node), tmp / "reference", README_STEPS, script=README_JOB) as ref, \
-            Job(Job.meshpact(*one_node), tmp / "faulted", README_STEPS, step_s=0.02, script=README_JOB) as job, \
+    with Job(Job.meshpact(*one_node), tmp / "faulted", README_STEPS, step_s=0.02, script=README_JOB) as job, \
             Job(Job.meshpact(*one_node, "--max-restarts", "0"), tmp / "refused", README_STEPS, step_s=0.02,
                 script=README_JOB) as refused:
         others = {r: job.wait_for_step(r, 0, 120) for r in range(RANKS) if r != 2}
@@ -81,8 +81,7 @@ def readme_runs(tmp_path_factory) -> _ReadmeRuns:
         refused_rc = refused.wait(120)
         took = time.monotonic() - t_kill
         assert job.wait(180) == 0, job.tail()
-        assert ref.wait(180) == 0, ref.tail()
-    return _ReadmeRuns(read_finals(ref.out, RANKS), read_finals(job.out, RANKS), others, killed,
+    return _ReadmeRuns(torchrun_reference(RANKS, README_STEPS, README_JOB), read_finals(job.out, RANKS), others, killed,
                        job.log.read_text(), listening, refused_rc, took, refused_others, refused_killed,
                        refused.log.read_text(), read_finals(refused.out, RANKS))
 
@@ -125,15 +124,13 @@ def test_two_nodes_in_a_static_rendezvous_replace_a_worker_alone_from_the_other_
     nodes = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
              "--master-port", str(port), "--max-restarts", "1")
     out, key = tmp_path / "faulted", Job.key_env()
-    with Job(Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)), tmp_path / "reference", STEPS) as ref, \
-            Job(Job.meshpact("--node-rank", "0", *nodes), out, STEPS, step_s=0.05, env=key, name="node0") as node0, \
+    with Job(Job.meshpact("--node-rank", "0", *nodes), out, STEPS, step_s=0.05, env=key, name="node0") as node0, \
             Job(Job.meshpact("--node-rank", "1", *nodes), out, STEPS, step_s=0.05, env=key, name="node1") as node1:
         others = {r: node0.wait_for_step(r, 0, 120) for r in range(3)}
         killed = node1.kill_rank(3, after_step=3)
         assert node0.wait(180) == 0, node0.tail()
         assert node1.wait(180) == 0, node1.tail()
-        assert ref.wait(180) == 0, ref.tail()
-    reference, faulted = read_finals(ref.out, RANKS), read_finals(out, RANKS)
+    reference, faulted = torchrun_reference(RANKS, STEPS), read_finals(out, RANKS)
     assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
     assert all(faulted[r].pid == p.pid and faulted[r].incarnation == 0 for r, p in others.items())
     assert faulted[3].incarnation == 1 and faulted[3].pid != killed.pid

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from meshpact.live.netns import Hosts, bridge_unavailable
+from _references import torchrun_reference
 from meshpact.live.trials.launchdrill import Job, read_finals
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns,
@@ -53,8 +54,7 @@ def test_the_node_of_group_rank_0_lost_whole_is_taken_by_a_spare_node_and_the_jo
              "--linger-s", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, **key})
         try:
-            with Job(Job.torchrun("--standalone", "--nproc-per-node", "2"), tmp_path / "reference", STEPS) as ref, \
-                    Job(node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key,
+            with Job(node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key,
                         name="node-a") as node_a, \
                     Job(node_flags(hosts, 2), out, STEPS, step_s=0.05, prefix=hosts.prefix(2), env=key,
                         name="node-b") as node_b, \
@@ -70,13 +70,12 @@ def test_the_node_of_group_rank_0_lost_whole_is_taken_by_a_spare_node_and_the_jo
                 assert kept_node.wait(120) == 0, kept_node.tail()
                 assert spare.wait(60) == 0, spare.tail()
                 assert service.wait(30) == 0, service_log.read_text()[-3000:]
-                assert ref.wait(120) == 0, ref.tail()
         finally:
             if service.poll() is None:
                 os.killpg(service.pid, signal.SIGKILL)
                 service.wait(10)
     assert not hosts.exists()
-    reference, faulted = read_finals(ref.out, 2), read_finals(out, 2)
+    reference, faulted = torchrun_reference(2, STEPS), read_finals(out, 2)
     assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
     assert faulted[1].pid == first[1].pid and faulted[1].incarnation == 0  # rank 1's process never stopped
     assert faulted[0].incarnation >= 1 and faulted[0].pid != lost.pid

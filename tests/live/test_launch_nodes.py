@@ -19,6 +19,7 @@ import time
 import pytest
 
 from meshpact.live.netns import TwoHosts, netns_unavailable
+from _references import torchrun_reference
 from meshpact.live.trials.launchdrill import Job, excised_at, excising_reference, read_finals
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns,
@@ -51,7 +52,6 @@ def cut_link(hosts: TwoHosts, node: int, seconds: float) -> None:
 def test_node_1s_link_cut_and_then_a_worker_killed_there_are_both_recovered_in_memory(tmp_path):
     out, key = tmp_path / "faulted", Job.key_env()
     with TwoHosts(link=None) as hosts, \
-            Job(Job.torchrun("--standalone", "--nproc-per-node", "4"), tmp_path / "reference", STEPS) as ref, \
             Job(node_flags(hosts, 0, "--max-restarts", "1", "--node-loss-s", CUT_NODE_LOSS_S), out, STEPS,
                 step_s=0.05, prefix=hosts.prefix(0), env=key, name="node0") as node0, \
             Job(node_flags(hosts, 1, "--max-restarts", "1", "--node-loss-s", CUT_NODE_LOSS_S,
@@ -63,8 +63,7 @@ def test_node_1s_link_cut_and_then_a_worker_killed_there_are_both_recovered_in_m
         killed = node1.kill_rank(3, after_step=5)
         assert node1.wait(180) == 0, node1.tail()
         assert node0.wait(60) == 0, node0.tail()
-        assert ref.wait(180) == 0, ref.tail()
-    reference, faulted = read_finals(ref.out, 4), read_finals(out, 4)
+    reference, faulted = torchrun_reference(4, STEPS), read_finals(out, 4)
     assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
     assert all(faulted[r].pid == p.pid and faulted[r].incarnation == 0 for r, p in others.items())
     assert faulted[3].incarnation == 1 and faulted[3].pid != killed.pid
@@ -143,14 +142,12 @@ def test_plain_torchrun_on_two_nodes_restarts_the_job_from_its_checkpoint_bit_id
                    script_args=ckpt)
 
     with TwoHosts(link=None) as hosts, \
-            Job(Job.torchrun("--standalone", "--nproc-per-node", "4"), tmp_path / "reference", STEPS) as ref, \
             node(hosts, 0) as node0, node(hosts, 1) as node1:
         first = {r: (node0 if r < 2 else node1).wait_for_step(r, 0, 150) for r in range(4)}
         node1.kill_rank(3, after_step=5)
         assert node0.wait(240) == 0, node0.tail()
         assert node1.wait(240) == 0, node1.tail()
-        assert ref.wait(180) == 0, ref.tail()
-    reference, faulted = read_finals(ref.out, 4), read_finals(out, 4)
+    reference, faulted = torchrun_reference(4, STEPS), read_finals(out, 4)
     assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
     assert all(faulted[r].pid != p.pid for r, p in first.items())  # torchrun restarted every worker
     assert sum(f.storage_bytes_read for f in faulted.values()) > 0  # from the checkpoint, not a peer
