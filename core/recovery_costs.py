@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping
 
+from .control_plane import ControlPlaneFit, load_control_plane_fit
 from .recovery import Policy, RecoveryBreakdown, Stage
 
 __all__ = [
@@ -39,9 +40,13 @@ __all__ = [
     "PolicyModel",
     "POLICY_MODELS",
     "policy_model",
+    "CONTROL_PLANE_FIT",
     "RecoveryCosts",
     "DEFAULT_RECOVERY_COSTS",
     "communicator_seconds",
+    "consensus_seconds",
+    "heartbeat_look_seconds",
+    "heartbeat_detection_seconds",
     "PeerCopyCost",
     "peer_copy_cost",
     "peer_copy_seconds_per_step",
@@ -121,21 +126,31 @@ def policy_model(policy: Policy | str) -> PolicyModel:
     return POLICY_MODELS[Policy(policy)]
 
 
+CONTROL_PLANE_FIT: ControlPlaneFit = load_control_plane_fit()  # scenarios/control_plane_fit.json
+
+
 @dataclass(frozen=True)
 class RecoveryCosts:
     """Parameters of :func:`estimate_recovery`; every field may be overridden per scenario.
 
     Sources of the defaults. From published figures: ``detection_s`` and
-    ``heartbeat_timeout_s`` are torchft's Lighthouse heartbeat timeout (5 s);
+    ``heartbeat_timeout_s`` are torchft's Lighthouse heartbeat timeout (5 s, at a store that keeps
+    the heartbeat's interval);
     ``watchdog_timeout_s`` is PyTorch's default process-group timeout for NCCL (10 minutes,
     ``torch.distributed.init_process_group``); ``abort_s`` (~0.5 s to destroy the groups) and
     the rendezvous barrier (~0.5 s at 16,384 ranks, hence ``rendezvous_per_log2_rank_s =
-    0.5 / 14``) are the costs nvidia-resiliency-ext states for its in-process restart. The
-    rest are assumptions, stated as such, to be replaced by measurements (``meshpact
+    0.5 / 14``) are the costs nvidia-resiliency-ext states for its in-process restart.
+
+    Fitted to this project's live control plane (:mod:`meshpact.core.control_plane`, from
+    ``bench/control_scale.py``'s result; each is ``a + b * N`` or ``a + b * log2 N``, whichever
+    the measurements fit better, the other slope zero): one consensus, fault known to every rank
+    holding the decision (``consensus_s``, ``consensus_per_rank_s``,
+    ``consensus_per_log2_rank_s``), and the control store's CPU seconds for one round of
+    heartbeat looks (``heartbeat_store_s`` and its slopes) at the interval the bench ran
+    (``heartbeat_interval_s``). The rest are assumptions, stated as such, to be replaced by measurements (``meshpact
     simulate training --calibrate-from RECORDING``): a cold restart's relaunch (scheduler,
     imports, device init: 60 s plus 4 s per doubling of ranks), communicator creation (1 s
-    plus 0.25 s per doubling), one consensus round through the control store (20 ms per
-    doubling), rebinding cached group references (10 ms), re-wrapping the model and
+    plus 0.25 s per doubling), rebinding cached group references (10 ms), re-wrapping the model and
     optimizer in a fresh in-job restore (15 s), a replacement for a lost rank from the
     scheduler (300 s) or from a warm spare pool (``spare_join_s``, 30 s), peer state
     transfer at 12.5 GB/s (100 Gb/s).
@@ -158,11 +173,16 @@ class RecoveryCosts:
 
     detection_s: float = 5.0
     heartbeat_timeout_s: float = 5.0
+    heartbeat_interval_s: float = CONTROL_PLANE_FIT.interval_s
+    heartbeat_store_s: float = CONTROL_PLANE_FIT.heartbeat_store_s.intercept
+    heartbeat_store_per_rank_s: float = CONTROL_PLANE_FIT.heartbeat_store_s.per_rank()
+    heartbeat_store_per_log2_rank_s: float = CONTROL_PLANE_FIT.heartbeat_store_s.per_log2_rank()
     watchdog_timeout_s: float = 600.0
     restart_s: float = 60.0
     restart_per_log2_rank_s: float = 4.0
-    consensus_s: float = 0.05
-    consensus_per_log2_rank_s: float = 0.02
+    consensus_s: float = CONTROL_PLANE_FIT.consensus_s.intercept
+    consensus_per_rank_s: float = CONTROL_PLANE_FIT.consensus_s.per_rank()
+    consensus_per_log2_rank_s: float = CONTROL_PLANE_FIT.consensus_s.per_log2_rank()
     abort_s: float = 0.5
     rendezvous_per_log2_rank_s: float = 0.5 / 14
     comm_init_s: float = 1.0
@@ -188,6 +208,8 @@ class RecoveryCosts:
                      "peer_cpu_bytes_per_s", "peer_receive_bytes_per_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"recovery costs: {name} must be > 0 bytes per second")
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError("recovery costs: heartbeat_interval_s must be > 0 seconds")
         if self.cores_per_rank <= 0:
             raise ValueError("recovery costs: cores_per_rank must be > 0 (host cores over the ranks on the host)")
 
@@ -206,6 +228,26 @@ def communicator_seconds(ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COS
     """Abort the broken groups, meet at a rendezvous, create fresh communicators for ``ranks``."""
     lg = _log2(ranks)
     return costs.abort_s + costs.rendezvous_per_log2_rank_s * lg + costs.comm_init_s + costs.comm_init_per_log2_rank_s * lg
+
+
+def consensus_seconds(ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS) -> float:
+    """A fault known to one rank until every one of ``ranks`` holds the decision (fitted)."""
+    return costs.consensus_s + costs.consensus_per_rank_s * max(int(ranks), 1) + costs.consensus_per_log2_rank_s * _log2(ranks)
+
+
+def heartbeat_look_seconds(ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS) -> float:
+    """How often each of ``ranks`` gets a heartbeat look: the interval, or the control store's
+    time for one round of looks (every rank one) when that is longer (fitted)."""
+    store = (costs.heartbeat_store_s + costs.heartbeat_store_per_rank_s * max(int(ranks), 1)
+             + costs.heartbeat_store_per_log2_rank_s * _log2(ranks))
+    return max(costs.heartbeat_interval_s, store)
+
+
+def heartbeat_detection_seconds(ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS) -> float:
+    """The heartbeat's time to find a hang at ``ranks``: ``heartbeat_timeout_s`` is a count of
+    looks at the interval, so a store that cannot serve a round of looks in one interval
+    stretches it by the ratio (:func:`heartbeat_look_seconds`)."""
+    return costs.heartbeat_timeout_s * heartbeat_look_seconds(ranks, costs) / costs.heartbeat_interval_s
 
 
 @dataclass(frozen=True)
@@ -286,9 +328,11 @@ def estimate_recovery(
     """Modelled durations of one recovery of ``ranks`` ranks under ``policy``.
 
     The stages follow the policy's :class:`PolicyModel` (times grow with log2 of the rank
-    count where a rendezvous or a communicator is involved):
+    count where a rendezvous or a communicator is involved; the consensus and the heartbeat
+    as fitted to the live control plane):
 
-    * detection: ``detection_s``; a hang waits for the heartbeat or the watchdog timeout.
+    * detection: ``detection_s``; a hang waits for the heartbeat (:func:`heartbeat_detection_seconds`)
+      or the watchdog timeout.
     * restart: relaunch every process (``restarts_processes``), plus the wait for a
       replacement when ranks are lost (``replacement_s``, default ``costs.replacement_s``;
       the simulator passes what is left of a wait begun at the fault). Excise waits for none.
@@ -310,14 +354,15 @@ def estimate_recovery(
     wait = (costs.replacement_s if replacement_s is None else max(float(replacement_s), 0.0)) if lost else 0.0
     d: dict[Stage, float] = {}
     if impact is FaultImpact.HANG:
-        d[Stage.DETECTION] = costs.heartbeat_timeout_s if model.detection is Detection.HEARTBEAT else costs.watchdog_timeout_s
+        d[Stage.DETECTION] = (heartbeat_detection_seconds(ranks, costs) if model.detection is Detection.HEARTBEAT
+                              else costs.watchdog_timeout_s)
     else:
         d[Stage.DETECTION] = costs.detection_s
     if model.restarts_processes:
         d[Stage.RESTART] = costs.restart_s + costs.restart_per_log2_rank_s * lg + wait
     elif lost and (reload or not model.excises):
         d[Stage.RESTART] = wait
-    d[Stage.CONSENSUS] = costs.consensus_s + costs.consensus_per_log2_rank_s * lg
+    d[Stage.CONSENSUS] = consensus_seconds(ranks, costs)
     comm = communicator_seconds(ranks, costs)
     d[Stage.COMMUNICATOR] = comm - costs.abort_s if model.restarts_processes else comm
     if reload:
