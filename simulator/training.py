@@ -368,6 +368,7 @@ class _Run:
                     yield from self._compute()
             except simpy.Interrupt as irq:
                 self._close_phase()
+                assert isinstance(irq.cause, Fault)  # only the fault injector interrupts the trainer
                 self.pending.append(irq.cause)
 
     def _aged_fault_due(self) -> bool:
@@ -393,9 +394,9 @@ class _Run:
             steps = min(steps, self.aged.steps - self.since_ckpt)
         until = self.env.now + steps * step_s
         if self.excised:
-            nxt = min(self.excised.values())
-            if nxt < until:  # stop at the first step boundary after the rejoin
-                steps = max(1, math.ceil((nxt - self.env.now) / step_s - _EPS))
+            rejoin = min(self.excised.values())
+            if rejoin < until:  # stop at the first step boundary after the rejoin
+                steps = max(1, math.ceil((rejoin - self.env.now) / step_s - _EPS))
         self.phase = ("compute", self.env.now, step_s)
         yield self.env.timeout(steps * step_s)
         self.phase = ("idle", self.env.now, None)
@@ -578,7 +579,7 @@ def training_overrides(
         "faults.seed": seed, "workload.work_steps": work_steps,
         "recovery.policies": None if policies is None else [Policy(p).value for p in policies],
     }
-    out = {k: v for k, v in pairs.items() if v is not None}
+    out: dict[str, Any] = {k: v for k, v in pairs.items() if v is not None}
     if step_seconds is not None:
         out["workload.tokens_per_step"] = None
     return out
