@@ -189,6 +189,7 @@ class ReplacingAgent(SimpleElasticAgent):
     def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
                        incarnation: int) -> Any:
         """A new process for ``local_rank`` (elastic's subprocess handler: ``.proc`` and ``.close``)."""
+        assert isinstance(spec.entrypoint, str)  # a program to run: the launcher takes no Python callable
         return get_subprocess_handler(spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank,
                                       spec.numa_options)
 
@@ -309,7 +310,7 @@ class ReplacingAgent(SimpleElasticAgent):
             super()._exit_barrier()
         else:  # a lost node's agent never arrives: elastic's barrier would wait out its timeout
             self.nodes.wait_at_exit(self._channel, self._exit_barrier_timeout)
-        self.nodes.end_standby(self._channel, self._worker_group.group_rank)
+        self.nodes.end_standby(self._channel, self._worker_group.group_rank)  # type: ignore[arg-type]  # elastic declares the rendezvous fields None until a rendezvous sets them
 
     # -- elastic's hooks ------------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:

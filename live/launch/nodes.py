@@ -79,9 +79,11 @@ class NodeEnv:
     @classmethod
     def of(cls, wg: WorkerGroup) -> "NodeEnv":
         spec = wg.spec
-        return cls(wg.group_rank, wg.group_world_size, spec.role, tuple(w.global_rank for w in wg.workers),
+        return cls(wg.group_rank, wg.group_world_size, spec.role,  # type: ignore[arg-type]  # elastic declares the rendezvous fields None until a rendezvous sets them
+                   tuple(w.global_rank for w in wg.workers),
                    tuple(w.role_rank for w in wg.workers), wg.workers[0].world_size, wg.workers[0].role_world_size,
-                   str(wg.master_addr), int(wg.master_port), str(spec.rdzv_handler.get_run_id()),
+                   str(wg.master_addr), int(wg.master_port),  # type: ignore[call-overload]  # elastic declares the rendezvous fields None until a rendezvous sets them
+                   str(spec.rdzv_handler.get_run_id()),
                    bool(spec.rdzv_handler.use_agent_store))
 
     def workers(self) -> list[Worker]:
@@ -188,7 +190,8 @@ class NodeWatch:
         channel.add(f"agent/beat{wg.group_rank}")
         if wg.group_rank != 0:
             return
-        others = [g for g in range(1, wg.group_world_size) if g not in {n.group_rank for n in self.lost_nodes}]
+        lost = {n.group_rank for n in self.lost_nodes}
+        others = [g for g in range(1, wg.group_world_size) if g not in lost]  # type: ignore[call-overload]  # elastic declares the rendezvous fields None until a rendezvous sets them
         if not others:
             return
         spare_ids = sorted(self._spare_nodes)
