@@ -175,9 +175,9 @@ def mesh_figure(
     for link in bridge_links(mesh):
         colour, dash = _LINK_STYLE[link.link]
         ok = link.communicator not in broken
-        xs, ys = _polyline([(link.a, link.b)], pos)
+        bx, by = _polyline([(link.a, link.b)], pos)
         traces.append(go.Scatter(
-            x=xs, y=ys, mode="lines", hoverinfo="skip", name=f"bridge ({link.link.value.replace('_', ' ')})",
+            x=bx, y=by, mode="lines", hoverinfo="skip", name=f"bridge ({link.link.value.replace('_', ' ')})",
             legendgroup=link.link.value, showlegend=link.link not in shown,
             line=dict(color=colour, dash=dash, width=3) if ok else dict(color=BROKEN, dash=dash, width=3),
         ))
@@ -222,9 +222,9 @@ def mesh_figure(
         height = int(min(820, max(340, 700 * pad_y / pad_x + 130)))
     for h in mesh.hosts:
         ranks = [r for d in mesh.domains if d.host == h for r in d.ranks]
-        xs = [pos[r][0] for r in ranks]
-        ys = [pos[r][1] for r in ranks]
-        fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(ys), yshift=22, text=f"<b>{h}</b>", showarrow=False)
+        hx = [pos[r][0] for r in ranks]
+        hy = [pos[r][1] for r in ranks]
+        fig.add_annotation(x=(min(hx) + max(hx)) / 2, y=max(hy), yshift=22, text=f"<b>{h}</b>", showarrow=False)
     fig.update_layout(
         **_LAYOUT, height=height, dragmode=dragmode,
         legend=dict(orientation="h", yanchor="top", y=-0.02, x=0),
