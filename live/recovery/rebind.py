@@ -741,8 +741,8 @@ def _walk_modules() -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, d
                     defaults.append((f"{mod_name}.{key}", d, key, value))
                 elif isinstance(value, type) and value.__module__ == mod_name:
                     attrs = vars(value)
-                    sizes.append((attrs, len(attrs)))  # type: ignore[arg-type]
-                    defaults += [(f"{mod_name}.{key}.{attr}", attrs, attr, m)  # type: ignore[misc]
+                    sizes.append((attrs, len(attrs)))  # type: ignore[arg-type]  # a class's mappingproxy, read like a dict
+                    defaults += [(f"{mod_name}.{key}.{attr}", attrs, attr, m)  # type: ignore[misc]  # (as above)
                                  for attr, m in list(attrs.items())
                                  if isinstance(m, types.FunctionType) and (m.__defaults__ or m.__kwdefaults__)]
             continue

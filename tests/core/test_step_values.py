@@ -39,7 +39,7 @@ def test_enum_ops_are_accepted_and_args_sorted_by_key() -> None:
 ])
 def test_invalid_steps_are_refused(kind: str, op: object, ranks: tuple[int, ...], error: type) -> None:
     with pytest.raises(error):
-        Step(kind, op, ranks, ("x",), "y", 0, DType.FLOAT32)  # type: ignore[arg-type]
+        Step(kind, op, ranks, ("x",), "y", 0, DType.FLOAT32)  # type: ignore[arg-type]  # invalid on purpose
 
 
 def test_bad_plan_json_names_the_step() -> None:
