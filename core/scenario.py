@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from .catalog import get_model
 from .errors import FactError, ScenarioError
 from .fleet import FleetSpec
-from .facts import DEFAULT_LINKS, Backend, Domain, LinkClass, LinkParams, Mesh, Request, Vendor
+from .facts import DEFAULT_LINKS, Domain, LinkClass, LinkParams, Mesh, Request, Vendor
 from .recovery import Policy, Stage
 from .recovery_costs import FaultImpact, FaultScope, RecoveryCosts
 
@@ -114,7 +114,7 @@ class ClusterSpec(_Strict):
             next_rank = max(ranks) + 1
             domains.append(
                 Domain(name=d.name, vendor=d.vendor, host=d.host, ranks=tuple(ranks),
-                       backend=None if d.backend is None else Backend(d.backend), bridge_rank=d.bridge_rank)
+                       backend=d.backend, bridge_rank=d.bridge_rank)  # type: ignore[arg-type]  # Domain.__post_init__ reads a backend's name too
             )
         return Mesh(domains=tuple(domains), links={k: v.params() for k, v in self.links.items()})
 

@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import simpy
 
@@ -368,8 +368,7 @@ class _Run:
                     yield from self._compute()
             except simpy.Interrupt as irq:
                 self._close_phase()
-                assert isinstance(irq.cause, Fault)  # only the fault injector interrupts the trainer
-                self.pending.append(irq.cause)
+                self.pending.append(cast(Fault, irq.cause))  # only fault_source interrupts the trainer
 
     def _aged_fault_due(self) -> bool:
         a = self.aged
