@@ -27,9 +27,11 @@ app: install
 test: install
 	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
-# pyflakes and pycodestyle over the whole tree (pyproject.toml's [tool.ruff]); .ci/run runs it first
+# pyflakes and pycodestyle over the whole tree (pyproject.toml's [tool.ruff]), then mypy over the whole
+# tree ([tool.mypy]; its cache in .mypy_cache); .ci/run runs it first
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 test-fast: install
 	$(VENV)/bin/pytest -m "not slow"
@@ -51,4 +53,4 @@ docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache build *.egg-info

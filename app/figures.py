@@ -175,9 +175,9 @@ def mesh_figure(
     for link in bridge_links(mesh):
         colour, dash = _LINK_STYLE[link.link]
         ok = link.communicator not in broken
-        xs, ys = _polyline([(link.a, link.b)], pos)
+        bx, by = _polyline([(link.a, link.b)], pos)
         traces.append(go.Scatter(
-            x=xs, y=ys, mode="lines", hoverinfo="skip", name=f"bridge ({link.link.value.replace('_', ' ')})",
+            x=bx, y=by, mode="lines", hoverinfo="skip", name=f"bridge ({link.link.value.replace('_', ' ')})",
             legendgroup=link.link.value, showlegend=link.link not in shown,
             line=dict(color=colour, dash=dash, width=3) if ok else dict(color=BROKEN, dash=dash, width=3),
         ))
@@ -191,7 +191,7 @@ def mesh_figure(
             text=[str(r) for r in alive] if labelled else None,
             textposition="middle center", textfont=dict(size=label_px, color="white"),
             marker=dict(size=size, color=colours[d.name]),
-            name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
+            name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]  # Domain.__post_init__ sets it
             hovertemplate=f"rank %{{customdata}}<br>{d.name} · {d.host}<extra></extra>",
         ))
     bridges = [d.bridge_rank for d in mesh.domains if d.bridge_rank is not None and d.bridge_rank not in dead]
@@ -222,9 +222,9 @@ def mesh_figure(
         height = int(min(820, max(340, 700 * pad_y / pad_x + 130)))
     for h in mesh.hosts:
         ranks = [r for d in mesh.domains if d.host == h for r in d.ranks]
-        xs = [pos[r][0] for r in ranks]
-        ys = [pos[r][1] for r in ranks]
-        fig.add_annotation(x=(min(xs) + max(xs)) / 2, y=max(ys), yshift=22, text=f"<b>{h}</b>", showarrow=False)
+        hx = [pos[r][0] for r in ranks]
+        hy = [pos[r][1] for r in ranks]
+        fig.add_annotation(x=(min(hx) + max(hx)) / 2, y=max(hy), yshift=22, text=f"<b>{h}</b>", showarrow=False)
     fig.update_layout(
         **_LAYOUT, height=height, dragmode=dragmode,
         legend=dict(orientation="h", yanchor="top", y=-0.02, x=0),
@@ -315,9 +315,9 @@ def _scene(kind: str, mesh: Mesh, ids: Sequence[int], groups_of: Sequence[int], 
            neighbours: Sequence[Sequence[int]]) -> MeshScene:
     colours = domain_colours(mesh)
     cell_of = {r: i for i, r in enumerate(ids)}
-    groups = tuple({"name": d.name, "host": d.host, "label": f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]
+    groups = tuple({"name": d.name, "host": d.host, "label": f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]  # Domain.__post_init__ sets it
                     "colour": colours[d.name],
-                    "bridge": cell_of.get(d.bridge_rank, -1) if kind == "ranks" else -1}  # type: ignore[arg-type]
+                    "bridge": cell_of.get(d.bridge_rank, -1) if kind == "ranks" else -1}  # type: ignore[arg-type]  # Domain.__post_init__ sets it
                    for d in mesh.domains)
     xy = tuple((float(pos[r][0]), float(pos[r][1])) for r in ids)
     hosts = []
@@ -342,7 +342,7 @@ def mesh_scene(mesh: Mesh, positions: Mapping[int, tuple[float, float]] | None =
     ids = [r for d in mesh.domains for r in d.ranks]
     groups_of = [gi for gi, d in enumerate(mesh.domains) for _ in d.ranks]
     cell_of = {r: i for i, r in enumerate(ids)}
-    rings = []
+    rings: list[JsonObject] = []
     for gi, d in enumerate(mesh.domains):
         ring = native_ring(d)
         rings.append({"group": gi, "cells": [cell_of[r] for r in ring], "closed": 2 < len(ring) <= CIRCLE_MAX})
@@ -352,7 +352,7 @@ def mesh_scene(mesh: Mesh, positions: Mapping[int, tuple[float, float]] | None =
         links.append({"a": cell_of[link.a], "b": cell_of[link.b], "colour": colour, "dash": dash,
                       "label": f"bridge ({link.link.value.replace('_', ' ')})"})
     return _scene("ranks", mesh, ids, groups_of, pos, rings, links, (), mesh.world_size <= 64,
-                  [ring["cells"] for ring in rings])  # type: ignore[misc]
+                  [ring["cells"] for ring in rings])
 
 
 def node_scene(mesh: Mesh, nodes: Sequence[Node]) -> MeshScene:

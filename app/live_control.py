@@ -166,10 +166,10 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
         proc = newest.get(rank)
         evs = mine.get(rank, [])
         inc = max([e.incarnation for e in evs] + ([proc.incarnation] if proc else [0]))
-        evs = sorted((e.event for e in evs if e.incarnation == inc), key=lambda e: e.t)
+        own = sorted((e.event for e in evs if e.incarnation == inc), key=lambda e: e.t)
         step = generation = None
         collective, state, last_step = "", "starting", False
-        for e in evs:
+        for e in own:
             if e.event in (EventKind.STEP, EventKind.CHECKPOINT, EventKind.HELD) and "step" in e.data:
                 step = int(e.data["step"])
                 last_step = last_step or (e.event == EventKind.STEP and steps is not None and step >= steps)
@@ -183,16 +183,16 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
                 state = f"recovering: {e.stage.value}"
             elif e.event in _DONE:
                 state = "training"
-        last = evs[-1] if evs else None
+        last = own[-1] if own else None
         if proc is None:
             if rank in excised:
                 state = "excised"
-            elif evs and (last_step or finished):
+            elif own and (last_step or finished):
                 state = "done"
             elif stopped:
                 state = "stopped"
             else:
-                state = "dead" if evs else "—"
+                state = "dead" if own else "—"
         elif proc.stalled:
             state = "stalled"
         out.append(RankRow(rank, proc.pid if proc else None, proc.incarnation if proc else inc, phase, state, step,

@@ -119,7 +119,7 @@ class RecordingMetrics:
                 if isinstance(e.data.get("generation"), int) and not isinstance(e.data.get("generation"), bool):
                     self.generation[(their_run, e.rank)] = int(e.data["generation"])
             secs = e.data.get("seconds")
-            if e.stage is not None and _seconds(secs):
+            if e.stage is not None and secs is not None and _seconds(secs):
                 self.rank_stage_seconds.labels(stage=e.stage.value).observe(float(secs))
             stages = e.data.get("stages_s")
             if e.event == EventKind.RECOVERED and isinstance(stages, dict):  # the trial's analysis, once per recovery

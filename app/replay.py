@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Mapping, Sequence
 
-from meshpact.core.facts import Domain, Mesh
+from meshpact.core.facts import Domain, Mesh, Vendor
 from meshpact.core.recording import Event, EventKind
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 
@@ -212,7 +212,7 @@ def find_recordings(roots: Iterable[str | Path]) -> list[Path]:
 
 def local_mesh(world_size: int) -> Mesh:
     """The mesh of a live run on this machine: one gloo domain of ``world_size`` ranks."""
-    return Mesh(domains=(Domain("cpu@127.0.0.1", "cpu", "this machine", tuple(range(max(int(world_size), 1)))),))
+    return Mesh(domains=(Domain("cpu@127.0.0.1", Vendor.CPU, "this machine", tuple(range(max(int(world_size), 1)))),))
 
 
 def recording_mesh(meta: Mapping[str, Any], fallback: Mesh) -> Mesh:

@@ -20,9 +20,12 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 from meshpact.live.trials.ports import unclaimed_port
+
+if TYPE_CHECKING:
+    from playwright.sync_api import Page
 
 __all__ = [
     "dashboard_server", "chromium_path", "ROOT", "SETTLED_JS", "CLIPPED_JS", "MESH_READABLE_JS", "LEGEND_OVER_AXIS_JS", "settle", "metric", "wait_metric_is",
@@ -168,29 +171,29 @@ METRIC_JS = """(label) => {
 }"""
 
 
-def settle(page: object, timeout_ms: int = 60_000) -> None:
+def settle(page: Page, timeout_ms: int = 60_000) -> None:
     """Wait until the app has finished its run and drawn every chart."""
-    page.wait_for_selector("h1", timeout=timeout_ms)  # type: ignore[attr-defined]
-    page.wait_for_function(SETTLED_JS, timeout=timeout_ms)  # type: ignore[attr-defined]
+    page.wait_for_selector("h1", timeout=timeout_ms)
+    page.wait_for_function(SETTLED_JS, timeout=timeout_ms)
 
 
-def metric(page: object, label: str) -> str | None:
-    return page.evaluate(METRIC_JS, label)  # type: ignore[attr-defined]
+def metric(page: Page, label: str) -> str | None:
+    return page.evaluate(METRIC_JS, label)
 
 
-def wait_metric(page: object, label: str, timeout_ms: int = 60_000) -> str:
+def wait_metric(page: Page, label: str, timeout_ms: int = 60_000) -> str:
     """The metric ``label`` once it is drawn (a fragment may draw it after the page's run ended)."""
-    page.wait_for_function(f"() => ({METRIC_JS})({label!r}) !== null", timeout=timeout_ms)  # type: ignore[attr-defined]
+    page.wait_for_function(f"() => ({METRIC_JS})({label!r}) !== null", timeout=timeout_ms)
     return str(metric(page, label))
 
 
-def wait_metric_is(page: object, label: str, want: str, timeout_ms: int = 30_000) -> str | None:
+def wait_metric_is(page: Page, label: str, want: str, timeout_ms: int = 30_000) -> str | None:
     """The metric ``label`` once it shows ``want`` and the run is over, or what it shows when ``timeout_ms`` ran out.
 
     A click starts the app's rerun a moment later, so a page that looks settled right after a click may still
     show the figure from before it."""
     try:
-        page.wait_for_function(f"(w) => ({METRIC_JS})({label!r}) === w", arg=want,  # type: ignore[attr-defined]
+        page.wait_for_function(f"(w) => ({METRIC_JS})({label!r}) === w", arg=want,
                                timeout=timeout_ms)
         settle(page, timeout_ms)
     except Exception:  # noqa: BLE001 (playwright's TimeoutError): the caller's assertion names what it saw
@@ -198,42 +201,42 @@ def wait_metric_is(page: object, label: str, want: str, timeout_ms: int = 30_000
     return metric(page, label)
 
 
-def wait_metric_change(page: object, label: str, before: str | None, timeout_ms: int = 60_000) -> str:
+def wait_metric_change(page: Page, label: str, before: str | None, timeout_ms: int = 60_000) -> str:
     """Wait until the metric ``label`` shows something other than ``before`` and the run is over."""
-    page.wait_for_function(f"(b) => ({METRIC_JS})({label!r}) !== b", arg=before,  # type: ignore[attr-defined]
+    page.wait_for_function(f"(b) => ({METRIC_JS})({label!r}) !== b", arg=before,
                            timeout=timeout_ms)
     settle(page, timeout_ms)
     return str(metric(page, label))
 
 
-def click_rank(page: object, rank: int) -> None:
+def click_rank(page: Page, rank: int) -> None:
     """Click rank ``rank``'s marker on the last chart that draws it."""
-    xy = page.evaluate(RANK_XY_JS, rank)  # type: ignore[attr-defined]
+    xy = page.evaluate(RANK_XY_JS, rank)
     if xy is None:
         raise LookupError(f"rank {rank} is not drawn on any chart")
-    page.mouse.click(xy[0], xy[1])  # type: ignore[attr-defined]
+    page.mouse.click(xy[0], xy[1])
 
 
-def pick_scenario(page: object, name: str, timeout_ms: int = 60_000) -> None:
+def pick_scenario(page: Page, name: str, timeout_ms: int = 60_000) -> None:
     """Choose a built-in scenario in the sidebar and wait for the page to redraw."""
-    sidebar = page.locator('[data-testid="stSidebar"]')  # type: ignore[attr-defined]
+    sidebar = page.locator('[data-testid="stSidebar"]')
     sidebar.locator('[data-testid="stSelectbox"]').first.click()
-    page.get_by_role("option", name=name, exact=True).click()  # type: ignore[attr-defined]
-    page.wait_for_function(  # type: ignore[attr-defined]
+    page.get_by_role("option", name=name, exact=True).click()
+    page.wait_for_function(
         """(n) => [...document.querySelectorAll('[data-testid="stSidebar"] strong')].some(e => e.innerText === n)""",
         arg=name, timeout=timeout_ms)
     settle(page, timeout_ms)
 
 
-def wait_title(page: object, title: str, timeout_ms: int = 60_000) -> None:
+def wait_title(page: Page, title: str, timeout_ms: int = 60_000) -> None:
     """Wait until the page's title is ``title`` and its run is over."""
-    page.wait_for_function(  # type: ignore[attr-defined]
+    page.wait_for_function(
         "(t) => { const h = document.querySelector('h1'); return h && h.innerText.trim() === t; }", arg=title,
         timeout=timeout_ms)
     settle(page, timeout_ms)
 
 
-def go_to(page: object, nav: str, title: str, timeout_ms: int = 60_000) -> None:
+def go_to(page: Page, nav: str, title: str, timeout_ms: int = 60_000) -> None:
     """Open a page from the sidebar and wait until its title shows and its run is over."""
-    page.locator('[data-testid="stSidebarNavLink"]', has_text=nav).click()  # type: ignore[attr-defined]
+    page.locator('[data-testid="stSidebarNavLink"]', has_text=nav).click()
     wait_title(page, title, timeout_ms)

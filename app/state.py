@@ -167,7 +167,7 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
-def carry_widget_state(session: MutableMapping[str, Any], keys: Iterable[str] = KEPT_WIDGETS,
+def carry_widget_state(session: MutableMapping[Any, Any], keys: Iterable[str] = KEPT_WIDGETS,
                        store: str = KEPT_STORE) -> None:
     """Keep widget values across page switches: a value the session holds is copied aside
     and written back as the session's own (Streamlit ties a widget's value to the page that

@@ -59,10 +59,10 @@ def mesh_1024(repeats: int = 5) -> tuple[float, float, float]:
     import plotly.io
 
     from meshpact.app.figures import mesh_figure
-    from meshpact.core.facts import Domain, Mesh
+    from meshpact.core.facts import Domain, Mesh, Vendor
 
-    mesh = Mesh(domains=(Domain("cuda@hostA", "cuda", "hostA", tuple(range(512))),
-                         Domain("cann@hostB", "cann", "hostB", tuple(range(512, 1024)))))
+    mesh = Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(512))),
+                         Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(512, 1024)))))
     build, serialise, size = float("inf"), float("inf"), 0
     for i in range(repeats):
         t0 = time.perf_counter()

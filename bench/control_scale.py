@@ -183,7 +183,7 @@ def run_size(world: int, procs: int, beat_s: float, watch_all: bool, timeout_s: 
             for w in workers:
                 if w.poll() is None:
                     w.kill()
-            server.stdin.close()  # type: ignore[union-attr]
+            server.stdin.close()  # type: ignore[union-attr]  # started with stdin=PIPE
             server.wait(timeout=30)
     done = [r for r in rows if "error" not in r]
     if len(done) < world:

@@ -26,6 +26,7 @@ in one line and the bench still measures meshpact's.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import subprocess
@@ -33,7 +34,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = 12
@@ -169,7 +170,7 @@ def torchft_replica(out: Path, replica: int, replicas: int, lighthouse: str, ste
                             return _FailedWork("injected: allreduce failed before reaching the backend")
                         return inner(tensors, opts)
 
-                    pg.allreduce = allreduce  # type: ignore[method-assign]
+                    pg.allreduce = allreduce
                 else:
                     pg.report_future_error(RuntimeError("injected allreduce error"))
             loss = _loss(ddp, _batch(step, replica))
@@ -251,8 +252,8 @@ def run_torchft(n: int, steps: int, fault_step: int | None, timeout_s: float,
 
 
 def side(name: str, n: int, steps: int, fault_step: int, repeat: int, timeout_s: float) -> dict[str, Any]:
-    runners = {"meshpact": run_meshpact, "torchft": run_torchft,
-               "torchft_error_after_wire": lambda *a: run_torchft(*a, before_backend=False)}
+    runners: dict[str, Callable[..., list[dict[str, Any]]]] = {"meshpact": run_meshpact, "torchft": run_torchft,
+               "torchft_error_after_wire": functools.partial(run_torchft, before_backend=False)}
     runner = runners[name]
     reference = runner(n, steps, None, timeout_s)
     downs, equal, worlds = [], [], []

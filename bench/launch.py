@@ -114,7 +114,9 @@ def run_case(case: str, hosts: Hosts, work: Path, port: int, reference: dict[int
         at_step = {excised_at(finals[r]) for r in remaining if r in finals}
         identical = False
         if sorted(finals) == list(remaining) and len(at_step) == 1 and None not in at_step:
-            excised = excising_reference(out / "reference", STEPS, at_step.pop(), 4, len(remaining))
+            step = at_step.pop()
+            assert step is not None  # ruled out above
+            excised = excising_reference(out / "reference", STEPS, step, 4, len(remaining))
             identical = all(finals[r].digest == excised[r].digest for r in remaining if r in excised) \
                 and sorted(excised) == list(remaining)
     else:

@@ -56,9 +56,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from meshpact.live.launch.launcher import host_store, launch
+from meshpact.live.recovery.faults import FaultKind
 from meshpact.live.trials.trial import TrialConfig, run_trial
 from _results import emit
 
@@ -213,7 +214,7 @@ def baselines(out: dict[str, Any], ns: argparse.Namespace) -> list[tuple[str, st
     rows: list[tuple[str, str]] = []
     n = max(1, ns.baseline_faults if not ns.quick else min(ns.baseline_faults, 5))
     t0 = time.time()
-    result = run_trial(TrialConfig(ranks=4, steps=n + 10, faults=n, fault_kind="collective", checkpoint_every=10))
+    result = run_trial(TrialConfig(ranks=4, steps=n + 10, faults=n, fault_kind=FaultKind.COLLECTIVE, checkpoint_every=10))
     # the launcher deadline is derived (RecoveryConfig.launcher_deadline_s) from steps and faults
     summary = result.summary()
     recs = [r for r in result.recoveries() if r["policy"] == "in_memory"]
@@ -275,10 +276,10 @@ def peer_copies(out: dict[str, Any], kills: int) -> list[tuple[str, str]]:
     group's first collective and the replay, replacement process start included in both."""
     runs = {}
     for k in (1, 0):
-        runs[k] = run_trial(TrialConfig(ranks=4, steps=16, faults=kills, fault_kind="kill", checkpoint_every=4,
+        runs[k] = run_trial(TrialConfig(ranks=4, steps=16, faults=kills, fault_kind=FaultKind.KILL, checkpoint_every=4,
                                         peer_copies=k, baselines=(k == 1)))
     peer, ckpt = runs[1], runs[0]
-    excised = run_trial(TrialConfig(ranks=4, steps=16, faults=min(kills, 3), fault_kind="kill", checkpoint_every=4,
+    excised = run_trial(TrialConfig(ranks=4, steps=16, faults=min(kills, 3), fault_kind=FaultKind.KILL, checkpoint_every=4,
                                     peer_copies=1, baselines=False, on_rank_loss="excise"))
     excision = excised.excision
 
@@ -360,7 +361,7 @@ def overhead_interleaved(pairs: int, steps: int = 24) -> dict[str, Any]:
     external: list[float] = []
     for _ in range(pairs):
         for k in (1, 0):
-            result = run_trial(TrialConfig(ranks=4, steps=steps, faults=0, fault_kind="kill", checkpoint_every=steps,
+            result = run_trial(TrialConfig(ranks=4, steps=steps, faults=0, fault_kind=FaultKind.KILL, checkpoint_every=steps,
                                            peer_copies=k, baselines=False))
             # the first step of a run builds and warms up: left out
             steps_by_k[k] += [s for o in result.reference + result.faulted for s in o.step_s[1:]]
@@ -449,7 +450,7 @@ def _tail(result: Any, rec: dict[str, Any]) -> dict[str, Any]:
                    if k in last.data}}}
 
 
-def _flush_of(data: dict[str, Any]) -> dict[str, Any]:
+def _flush_of(data: Mapping[str, Any]) -> dict[str, Any]:
     """How one rank's sever of a recovery waited for a message under way: its own sever's, or the
     sever its heartbeat made when a peer's recovery was heard (that one cut the step short)."""
     if data.get("heartbeat_flush_end"):
@@ -514,16 +515,16 @@ def side_by_side(out: dict[str, Any], faults: int, chunks: int, timeouts: tuple[
     for _ in range(chunks):
         for t in timeouts:
             for n in sizes:
-                result = run_trial(TrialConfig(ranks=n, steps=per_chunk + 6, faults=per_chunk, fault_kind="collective",
+                result = run_trial(TrialConfig(ranks=n, steps=per_chunk + 6, faults=per_chunk, fault_kind=FaultKind.COLLECTIVE,
                                                checkpoint_every=per_chunk + 6, baselines=False, data_timeout_s=t))
                 identical = identical and result.bit_identical
-                mine = [r for r in result.recoveries() if r["policy"] == "in_memory"]
-                ours[(t, n)] += [r["recovery_s"] * 1e3 for r in mine]
-                by_gen = _recovery_cpu(result, {r["generation"] for r in mine})
-                cpu[(t, n)] += [by_gen[r["generation"]] for r in mine if r["generation"] in by_gen]
-                first = min((r["generation"] for r in mine), default=None)
-                firsts[(t, n)] += [r["recovery_s"] * 1e3 for r in mine if r["generation"] == first]
-                tails[(t, n)] += [_tail(result, r) for r in mine if r["recovery_s"] * 1e3 > TAIL_MS]
+                told = [r for r in result.recoveries() if r["policy"] == "in_memory"]
+                ours[(t, n)] += [r["recovery_s"] * 1e3 for r in told]
+                by_gen = _recovery_cpu(result, {r["generation"] for r in told})
+                cpu[(t, n)] += [by_gen[r["generation"]] for r in told if r["generation"] in by_gen]
+                first = min((r["generation"] for r in told), default=None)
+                firsts[(t, n)] += [r["recovery_s"] * 1e3 for r in told if r["generation"] == first]
+                tails[(t, n)] += [_tail(result, r) for r in told if r["recovery_s"] * 1e3 > TAIL_MS]
                 used[(t, n)].update(_timeouts_used(result, t))
                 for e in result.events():
                     if e.event == EventKind.REBUILT and e.rank == 0 and e.data.get("standby"):
@@ -662,7 +663,7 @@ def stall_detection(out: dict[str, Any], faults: int) -> list[tuple[str, str]]:
     timeout."""
     from meshpact.core.recording import EventKind
 
-    result = run_trial(TrialConfig(ranks=4, steps=faults + 6, faults=faults, fault_kind="stall", checkpoint_every=4,
+    result = run_trial(TrialConfig(ranks=4, steps=faults + 6, faults=faults, fault_kind=FaultKind.STALL, checkpoint_every=4,
                                    baselines=False, data_timeout_s=30.0, stall_s=2.0, heartbeat=True))
     det = [r["detection_s"] * 1e3 for r in result.recoveries()]
     bound_ms = result.config.recovery().heartbeat_detect_s * 1e3
@@ -678,7 +679,7 @@ def stall_detection(out: dict[str, Any], faults: int) -> list[tuple[str, str]]:
         out["partition_detect_missing_reason"] = why
         return rows + [("cut data link found by heartbeat", f"not measured: {why}")]
     cuts = max(1, faults // 3)  # each cut lasts 3 s: fewer of them
-    result = run_trial(TrialConfig(ranks=4, steps=3 * cuts + 6, faults=cuts, fault_kind="partition",
+    result = run_trial(TrialConfig(ranks=4, steps=3 * cuts + 6, faults=cuts, fault_kind=FaultKind.PARTITION,
                                    checkpoint_every=4, baselines=False, data_timeout_s=30.0, down_s=3.0))
     det = [r["detection_s"] * 1e3 for r in result.recoveries()]
     quiet = sum(1 for e in result.events() if e.event == EventKind.DETECTED and e.data.get("heartbeat_quiet"))

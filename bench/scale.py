@@ -300,6 +300,10 @@ def _p50(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _ratio(large: float | None, tiny: float | None) -> float | None:
+    return large / tiny if large and tiny else None
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plain", help=argparse.SUPPRESS)
@@ -381,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "ratio_min_state_mb": RATIO_MIN_STATE_MB,
         "state_mb_per_rank": {w: round(v, 3) for w, v in state_mb.items()},
         "recovery_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": rec[w] for w in plain},
-        "recovery_ratio_large_over_tiny": (rec[args.large] / rec[args.tiny]) if rec[args.large] and rec[args.tiny] else None,
+        "recovery_ratio_large_over_tiny": _ratio(rec[args.large], rec[args.tiny]),
         "skew_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": det[w] for w in plain},
         "plain_peak_rss_mb": {w: plain[w].peak_rss_bytes / 2**20 for w in plain},
         "plain_peak_anon_mb": {w: plain[w].peak_anon_bytes / 2**20 for w in plain},

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from meshpact.core.recovery import Policy
 from meshpact.core.scenario import builtin_scenario_path, load_scenario
@@ -38,7 +39,7 @@ from _results import emit
 
 ROOT = Path(__file__).resolve().parent.parent
 # AIReSim's Table 1 figures: the paper's (as issue 46 quotes them) and its repository's report.
-PUBLISHED = {
+PUBLISHED: dict[str, dict[str, Any]] = {
     "paper": {"finish_h": 9850.0, "effective_training_ratio": 0.62, "s_per_replication": 18.0,
               "source": "Lin, Pattabiraman, Patel, arXiv 2603.07041, 2026"},
     "report": {"finish_h": 9865.97, "effective_training_ratio": 0.6228,
@@ -68,7 +69,7 @@ def _airesim(src: Path, seeds: list[int]) -> list[dict]:
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
 
 
-def fleet_cases(airesim_src: Path | None) -> dict[str, object]:
+def fleet_cases(airesim_src: Path | None) -> dict[str, Any]:
     """Agreement with AIReSim's Table 1, the policies on the same cluster, and the speed ratio."""
     from meshpact.core.fleet import FleetSpec
     from meshpact.simulator.calibrate import calibration_from_recording
@@ -83,7 +84,7 @@ def fleet_cases(airesim_src: Path | None) -> dict[str, object]:
                   "effective_training_ratio": ours.effective_training_ratio.mean / v["effective_training_ratio"] - 1}
               for k, v in PUBLISHED.items()}
     within = all(abs(x) < 0.03 for e in errors.values() for x in e.values())
-    agreement: dict[str, object] = {
+    agreement: dict[str, Any] = {
         "published": PUBLISHED, "ours": {"finish_h": ours.finish_h.to_dict(),
                                          "effective_training_ratio": ours.effective_training_ratio.to_dict(),
                                          "converged": ours.converged, "tolerance": ours.tolerance,
@@ -103,7 +104,7 @@ def fleet_cases(airesim_src: Path | None) -> dict[str, object]:
                  "effective_training_ratio_half_width": round(r.effective_training_ratio.half_width, 4)}
                 for p, r in comp.results.items()]
 
-    speed: dict[str, object]
+    speed: dict[str, Any]
     best = min(_timed(lambda s=s: run_fleet(fleet, cold, seed=s)) for s in range(3))
     if airesim_src is None:
         print("speed comparison skipped: no --airesim-src PATH (a checkout of github.com/karthikp-ubc/airesim)")
@@ -120,9 +121,9 @@ def fleet_cases(airesim_src: Path | None) -> dict[str, object]:
             "effective_training_ratio": Estimate.of([r["effective_training_ratio"] for r in more], 0.95).to_dict(),
             "failures_mean": sum(r["failures"] for r in more) / len(more)}
         agreement["error_vs_airesim_here"] = {
-            "finish_h": ours.finish_h.mean / agreement["airesim_here"]["finish_h"]["mean"] - 1,  # type: ignore[index]
+            "finish_h": ours.finish_h.mean / agreement["airesim_here"]["finish_h"]["mean"] - 1,
             "effective_training_ratio": ours.effective_training_ratio.mean
-            / agreement["airesim_here"]["effective_training_ratio"]["mean"] - 1}  # type: ignore[index]
+            / agreement["airesim_here"]["effective_training_ratio"]["mean"] - 1}
     return {"airesim_table1": agreement, "airesim_table1_policies": policies, "airesim_table1_speed": speed}
 
 
@@ -172,7 +173,7 @@ def sweep_case() -> dict[str, float | int | bool]:
             "sweep_dask_local_2workers_s": round(dask_s, 2), "sweep_dask_equals_pool": same}
 
 
-def main(repeats: int = 3, airesim_src: Path | None = None) -> dict[str, object]:
+def main(repeats: int = 3, airesim_src: Path | None = None) -> dict[str, Any]:
     fleet = fleet_cases(airesim_src)
     out, rows = training_cases(repeats)
     sweep = sweep_case()
@@ -184,19 +185,19 @@ def main(repeats: int = 3, airesim_src: Path | None = None) -> dict[str, object]
           f"{sweep['sweep_pool_2proc_s']} s, Dask LocalCluster of 2 workers {sweep['sweep_dask_local_2workers_s']} s, "
           f"rows equal: {sweep['sweep_dask_equals_pool']}")
     a = fleet["airesim_table1"]
-    ours = a["ours"]  # type: ignore[index]
+    ours = a["ours"]
     print(f"AIReSim Table 1 under cold restart: {ours['finish_h']['mean']:,.0f} h ± {ours['finish_h']['half_width']:,.0f}, "
           f"effective training ratio {ours['effective_training_ratio']['mean']:.4f} ± "
           f"{ours['effective_training_ratio']['half_width']:.4f} over {ours['finish_h']['n']} replications; "
-          f"within 3 % of the published figures: {a['within_3_percent']}")  # type: ignore[index]
+          f"within 3 % of the published figures: {a['within_3_percent']}")
     print(f"{'policy':<20}{'recovery (s)':>14}{'time to finish (h)':>22}{'effective training ratio':>28}")
-    for r in fleet["airesim_table1_policies"]:  # type: ignore[union-attr]
+    for r in fleet["airesim_table1_policies"]:
         print(f"{r['policy']:<20}{r['recovery_s']:>14.1f}{r['finish_h']:>14,.0f} ± {r['finish_h_half_width']:<5,.0f}"
               f"{r['effective_training_ratio']:>20.4f} ± {r['effective_training_ratio_half_width']:.4f}")
     sp = fleet["airesim_table1_speed"]
-    if "ratio" in sp:  # type: ignore[operator]
+    if "ratio" in sp:
         print(f"one replication: {sp['ours_s_per_replication']} s here, {sp['airesim_s_per_replication']} s in AIReSim: "
-              f"{sp['ratio']}x")  # type: ignore[index]
+              f"{sp['ratio']}x")
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     doc = {"bench": "simulator", "policies": len(Policy), **out, **sweep, **fleet, "loadavg_1m": round(load[0], 2)}
     emit("simulator", doc)

@@ -19,6 +19,7 @@ throughput ratio and whether the two decoded the same ids.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -73,6 +74,10 @@ def compiled_against_eager(rows: list[Row]) -> dict[str, object]:
     return {"aoti_vs_eager_throughput": ratios, "aoti_rows_with_eager_ids": same, "aoti_rows_with_other_ids": differ}
 
 
+def _progress(mode: str, message: str) -> None:
+    print(f"[{mode}] {message}", file=sys.stderr, flush=True)
+
+
 def _print(columns: tuple[str, ...], cells: list[list[str]]) -> None:
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
@@ -111,7 +116,7 @@ def main() -> int:
         base = SpilloverConfig(output_tokens=a.output_tokens, gbit_per_s=a.link_gbps, deployment=a.deployment,
                                gamma=a.speculative, request="token", compile=mode, work_dir=a.work_dir)
         rows += measure(a.models.split(","), concs, requests, a.pairs, base, a.requests_per_client,
-                        progress=lambda m, mode=mode: print(f"[{mode}] {m}", file=sys.stderr, flush=True))
+                        progress=functools.partial(_progress, mode))
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()
     _print(COLUMNS, table_rows(rows))

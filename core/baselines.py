@@ -113,6 +113,7 @@ def layout_only(contract: Contract) -> Plan:
                             {"dim": cons.shard_dim, "parts": m, "index": list(range(m))}, "Replicate -> Shard")
         _application(b, buf)
         return b.plan()
+    assert c.locality.bridge is not None  # a cross-domain contract names its bridge ranks
     _, bc = c.locality.bridge
     arrived = []
     for h in prov.holdings:
@@ -181,6 +182,7 @@ def _native(b: PlanBuilder, form: Form, root: int) -> str:
     """Complete partials with a native reduction whatever the contract's equivalence."""
     prov = b.contract.provenance
     pl = prov.placement
+    assert isinstance(pl, Partial)  # offered only for partial producers
     nbytes = form_bytes(Form.RAW, full_region(prov.shape), prov.dtype)
     raw = b.collective("reduce", prov.ranks, prov.tensor, b.name("reduced"), len(prov.ranks) * nbytes, prov.dtype,
                        {"op": pl.op, "root": root})
@@ -193,6 +195,7 @@ def _native(b: PlanBuilder, form: Form, root: int) -> str:
 
 def _deliver_cross(b: PlanBuilder, buf: str, form: Form, how: str, nbytes: int | None = None) -> None:
     c = b.contract
+    assert c.locality.bridge is not None  # a cross-domain contract names its bridge ranks
     dt = _dtype(c, form)
     cons = c.edge.consumer
     if nbytes is None:
@@ -248,6 +251,7 @@ def byte_only_candidates(contract: Contract) -> list[Candidate]:
             b.deliver(cons.ranks, buf, _dtype(c, form))
             out.append(Candidate(f"{label}+deliver_all", b.plan()))
         return out
+    assert c.locality.bridge is not None  # a cross-domain contract names its bridge ranks
     bp, bc = c.locality.bridge
     producers.insert(0, ("project_at_source", lambda b, r: observable(b, form, (r,))))
     for label, make in producers:

@@ -382,7 +382,7 @@ def _substitutability(edge: Edge, n: int) -> Substitutability:
         return Substitutability(Equivalence.TOLERANCE, logsoftmax_tolerance(
             p.columns, "log-softmax statistics are combined in float32 in a different order",
             p.dtype, 0 if native_exact else n), tuple(subs))
-    if tolerance_ok and not native_exact:
+    if tolerance_ok and isinstance(p.placement, Partial) and not native_exact:
         return Substitutability(Equivalence.TOLERANCE, reduction_tolerance(
             p.dtype, n, f"partial {p.placement.op} reduced by a native collective in unspecified order"), tuple(subs))
     return Substitutability(Equivalence.BITWISE, None, tuple(subs))
@@ -431,32 +431,34 @@ def compile_contract(edge: Edge) -> Contract:
     provenance = Provenance(p.op, p.name, p.shape, p.dtype, p.domain, p.placement, holdings)
     partial = isinstance(p.placement, Partial)
     reqs = []
-    if partial:
+    if isinstance(p.placement, Partial):
         reqs.append(f"all {n} {p.placement.op} addends of {p.name} reduced exactly once, inside {pdom.name}")
     if isinstance(p.placement, Shard):
         reqs.append(f"every shard of {p.name} along dim {p.placement.dim} present where it is combined")
     reqs.append(f"{p.op} finished on {pdom.name} before anything is read")
-    completion = Completion(p.placement.op if partial else None, tuple(h.rank for h in holdings),
+    completion = Completion(p.placement.op if isinstance(p.placement, Partial) else None, tuple(h.rank for h in holdings),
                             pdom.name, tuple(reqs))
     demand = _demand(edge)
+    pbridge, cbridge = pdom.bridge_rank, cdom.bridge_rank
+    assert pbridge is not None and cbridge is not None  # Domain.__post_init__ sets both
     if c.request in _RESULT_REQUESTS:
         if c.request is Request.OWNER_TOKEN:
             senders = tuple((f"token of {p.name}{region_text(o.region)} for its owner, rank {o.rank}",
-                             pdom.bridge_rank) for o in demand.observations)
+                             pbridge) for o in demand.observations)
         else:
             o = demand.observations[0]
-            senders = ((f"{o.form.value} of {p.name}{region_text(o.region)}", pdom.bridge_rank),)
+            senders = ((f"{o.form.value} of {p.name}{region_text(o.region)}", pbridge),)
     elif isinstance(p.placement, Shard):
         senders = tuple((f"{p.name}{region_text(h.region)}", h.rank) for h in holdings)
     else:
         what = "completed " if partial else ""
-        senders = ((f"{what}{p.name}{region_text(full_region(p.shape))}", pdom.bridge_rank),)
+        senders = ((f"{what}{p.name}{region_text(full_region(p.shape))}", pbridge),)
     owner_scoped = c.request is Request.OWNER_TOKEN
     authority = Authority(senders, tuple(c.owners) if owner_scoped and c.owners else None, pdom.ranks)
     cross = edge.cross_domain
-    link = mesh.link_class(pdom.bridge_rank, cdom.bridge_rank) if cross else LinkClass.FABRIC
+    link = mesh.link_class(pbridge, cbridge) if cross else LinkClass.FABRIC
     locality = Locality(pdom.name, cdom.name, cross, link,
-                        (pdom.bridge_rank, cdom.bridge_rank) if cross else None,
+                        (pbridge, cbridge) if cross else None,
                         tuple(dict.fromkeys((pdom.name, cdom.name))))
     return Contract(edge, provenance, _substitutability(edge, n), completion, authority, demand, locality)
 

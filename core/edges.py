@@ -17,7 +17,7 @@ from typing import Mapping
 from .catalog import ModelConfig, get_model
 from .contract import is_result_request
 from .errors import FactError
-from .facts import Consumer, Domain, DType, Edge, Mesh, ProducerTensor, Request
+from .facts import Consumer, Domain, DType, Edge, Mesh, ProducerTensor, Request, Vendor
 from .placement import Partial, Replicate, Shard
 
 __all__ = ["RealEdge", "EDGES", "get_edge", "get_real_edge", "miniature", "two_vendor_mesh"]
@@ -44,10 +44,10 @@ def two_vendor_mesh(cuda: int, cann: int, cpu: int = 0, same_host: bool = False)
     """``cuda@hostA`` (NCCL) ranks first, then ``cann@hostB`` (HCCL), then an optional
     ``cpu@hostA`` (gloo) domain; hosts meet over Ethernet unless ``same_host``."""
     host_b = "hostA" if same_host else "hostB"
-    domains = [Domain("cuda@hostA", "cuda", "hostA", tuple(range(cuda))),
-               Domain(f"cann@{host_b}", "cann", host_b, tuple(range(cuda, cuda + cann)))]
+    domains = [Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(cuda))),
+               Domain(f"cann@{host_b}", Vendor.CANN, host_b, tuple(range(cuda, cuda + cann)))]
     if cpu:
-        domains.append(Domain("cpu@hostA", "cpu", "hostA", tuple(range(cuda + cann, cuda + cann + cpu))))
+        domains.append(Domain("cpu@hostA", Vendor.CPU, "hostA", tuple(range(cuda + cann, cuda + cann + cpu))))
     return Mesh(domains=tuple(domains))
 
 
@@ -81,8 +81,8 @@ def _build() -> dict[str, RealEdge]:
         "of each sampled token")
     add("qwen3-14b-lm-head-token", q14,
         f"vocab {q14.vocab_size} (config.json); 256 sequences per decode step, tensor parallelism 4",
-        Mesh(domains=(Domain("cuda@hostA", "cuda", "hostA", (0, 1, 2, 3)),
-                      Domain("cpu@hostA", "cpu", "hostA", (4,)))),
+        Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2, 3)),
+                      Domain("cpu@hostA", Vendor.CPU, "hostA", (4,)))),
         ProducerTensor("logits", "lm_head", (256, q14.vocab_size), DType.BFLOAT16, "cuda@hostA", Shard(1)),
         Consumer("sampler", "cpu@hostA", (4,), Request.TOKEN),
         "greedy decoding: the scheduler on the host CPU needs only each sequence's next token id")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -73,7 +74,7 @@ class _Where:
             raise self.fail(field, f"a non-empty list of {what}", value)
         return tuple(value)
 
-    def choice(self, value: Any, field: str, enum: type) -> Any:
+    def choice(self, value: Any, field: str, enum: type[Enum]) -> Any:
         try:
             return enum(value)
         except ValueError:

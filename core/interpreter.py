@@ -424,7 +424,7 @@ def _project(step: Step, i: int, xs: list[np.ndarray], ids: np.ndarray | None, d
         m, s, t = x[:, 0::3], x[:, 1::3], x[:, 2::3]
         big = m.max(axis=1)
         total = np.zeros(x.shape[0], np.float32)
-        for k in range(m.shape[1]):
+        for k in range(m.shape[-1]):
             with np.errstate(invalid="ignore"):
                 term = np.where(np.isfinite(m[:, k]), s[:, k] * np.exp(m[:, k] - big), 0).astype(np.float32)
             total = (total + term).astype(np.float32)

@@ -10,12 +10,17 @@ modules.
 
 from __future__ import annotations
 
-from typing import Dict, List, Union
+from typing import Any, Dict
 
 __all__ = ["JsonValue", "JsonObject"]
 
-JsonValue = Union[None, bool, int, float, str, List["JsonValue"], Dict[str, "JsonValue"]]
-"""A value JSON can hold: null, a boolean, a number, a string, a list or an object of them."""
+JsonValue = Any
+"""A value JSON can hold: null, a boolean, a number, a string, a list or an object of them.
+
+To the type checker it is ``Any``, as :func:`json.loads` returns: what arrives from a wire or a
+file has no static type until its record's ``from_dict`` converts it field by field (``int()``,
+``str()``, ``tuple()``), which is where it is checked. A recursive union would make every such
+read a cast, and reject a ``list[list[int]]`` written into a record (lists are invariant)."""
 
 JsonObject = Dict[str, JsonValue]
 """A JSON object: the wire form of one record."""

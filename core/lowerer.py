@@ -112,7 +112,7 @@ def complete_raw(build: PlanBuilder, targets: tuple[int, ...]) -> str:
     rooted = len(targets) == 1
     if isinstance(pl, Shard):
         out = build.name("full")
-        args = {"dim": pl.dim, **({"root": targets[0]} if rooted else {})}
+        args: dict[str, object] = {"dim": pl.dim, **({"root": targets[0]} if rooted else {})}
         return build.collective("gather" if rooted else "all_gather", holders, tensor, out, nbytes, dtype, args,
                             f"assemble the shards along dim {pl.dim}")
     assert isinstance(pl, Partial)
@@ -287,6 +287,7 @@ def _replicated(contract: Contract, form: Form, direct_shards: bool = False) -> 
         buf = observable(build, form, consumers)
         build.deliver(consumers, buf, dtype)
         return build.plan()
+    assert contract.locality.bridge is not None  # a cross-domain contract names its bridge ranks
     bp, bc = contract.locality.bridge
     if direct_shards:
         pl = prov.placement
@@ -317,6 +318,7 @@ def _owner_token(contract: Contract) -> Plan:
                          "each owner keeps its own rows")
         build.deliver(owners, mine, DType.INT64)
         return build.plan()
+    assert contract.locality.bridge is not None  # a cross-domain contract names its bridge ranks
     bp, _ = contract.locality.bridge
     tok = observable(build, Form.TOKEN, (bp,))
     mine = build.name("mine")
@@ -374,6 +376,7 @@ def _chunks_via_bridge(contract: Contract) -> Plan:
     cons = contract.edge.consumer
     dim, dtype = cons.shard_dim, prov.dtype
     parts = len(cons.ranks)
+    assert contract.locality.bridge is not None  # a cross-domain contract names its bridge ranks
     bp, bc = contract.locality.bridge
     nbytes = form_bytes(Form.RAW, full_region(prov.shape), dtype)
     whole = complete_raw(build, (bp,))
@@ -395,6 +398,7 @@ def _chunks_direct(contract: Contract) -> Plan | None:
     prov = contract.provenance
     cons = contract.edge.consumer
     dim, dtype, pl = cons.shard_dim, prov.dtype, prov.placement
+    assert dim is not None  # lower_candidates chunks only a request that names its dimension
     parts = len(cons.ranks)
     build = PlanBuilder(contract, PLANNER)
     if not _flat(contract):
@@ -413,6 +417,7 @@ def _chunks_direct(contract: Contract) -> Plan | None:
         pieces = [(holding.rank, (holding.region[dim][0][0], holding.region[dim][0][1])
                    if holding.region[dim] else (0, 0)) for holding in prov.holdings]
     elif isinstance(pl, Replicate) or _n(contract) == 1:
+        assert contract.locality.bridge is not None  # a cross-domain contract names its bridge ranks
         src = prov.tensor
         pieces = [(contract.locality.bridge[0], (0, prov.shape[dim]))]
     else:
@@ -436,10 +441,10 @@ def _chunks_direct(contract: Contract) -> Plan | None:
                        "one message per piece, from its holder")
             received.setdefault(rank, []).append(name)
     for index, rank in enumerate(cons.ranks):
-        parts = received.get(rank, [])
-        if len(parts) > 1:
-            build.project("concat", (rank,), parts, mine, dtype, {"dim": dim})
-        elif not parts:
+        held = received.get(rank, [])
+        if len(held) > 1:
+            build.project("concat", (rank,), held, mine, dtype, {"dim": dim})
+        elif not held:
             return None  # an empty chunk: the bridge candidate covers it
     build.deliver(cons.ranks, mine, dtype)
     return build.plan()

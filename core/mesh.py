@@ -93,7 +93,7 @@ class MeshHealth:
 def native_ring(domain: Domain) -> tuple[int, ...]:
     """The ring order of a domain: its ranks ascending, starting at the bridge rank."""
     ranks = sorted(domain.ranks)
-    i = ranks.index(domain.bridge_rank)  # type: ignore[arg-type]
+    i = ranks.index(domain.bridge_rank)  # type: ignore[arg-type]  # Domain.__post_init__ sets it
     return tuple(ranks[i:] + ranks[:i])
 
 
@@ -114,15 +114,15 @@ def bridge_links(mesh: Mesh) -> tuple[Link, ...]:
     out = []
     for i, a in enumerate(mesh.domains):
         for b in mesh.domains[i + 1 :]:
-            cls = mesh.link_class(a.bridge_rank, b.bridge_rank)  # type: ignore[arg-type]
-            out.append(Link(a.bridge_rank, b.bridge_rank, cls, _bridge_name(a, b)))  # type: ignore[arg-type]
+            cls = mesh.link_class(a.bridge_rank, b.bridge_rank)  # type: ignore[arg-type]  # Domain.__post_init__ sets both
+            out.append(Link(a.bridge_rank, b.bridge_rank, cls, _bridge_name(a, b)))  # type: ignore[arg-type]  # (as above)
     return tuple(out)
 
 
 def communicators(mesh: Mesh) -> tuple[Communicator, ...]:
     """Every communicator of the mesh: one native per domain, one bridge per domain pair."""
     out = [
-        Communicator(d.name, CommunicatorKind.NATIVE, d.backend.value, native_ring(d), (d.name,),  # type: ignore[union-attr]
+        Communicator(d.name, CommunicatorKind.NATIVE, d.backend.value, native_ring(d), (d.name,),  # type: ignore[union-attr]  # Domain.__post_init__ sets it
                      LinkClass.FABRIC)
         for d in mesh.domains
     ]
@@ -130,7 +130,7 @@ def communicators(mesh: Mesh) -> tuple[Communicator, ...]:
         for b in mesh.domains[i + 1 :]:
             ranks = (a.bridge_rank, b.bridge_rank)
             out.append(Communicator(_bridge_name(a, b), CommunicatorKind.BRIDGE, "host-staged",
-                                    ranks, (a.name, b.name), mesh.link_class(*ranks)))  # type: ignore[arg-type]
+                                    ranks, (a.name, b.name), mesh.link_class(*ranks)))  # type: ignore[arg-type]  # bridge ranks: Domain.__post_init__ sets them
     return tuple(out)
 
 

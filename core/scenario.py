@@ -114,7 +114,7 @@ class ClusterSpec(_Strict):
             next_rank = max(ranks) + 1
             domains.append(
                 Domain(name=d.name, vendor=d.vendor, host=d.host, ranks=tuple(ranks),
-                       backend=d.backend, bridge_rank=d.bridge_rank)
+                       backend=d.backend, bridge_rank=d.bridge_rank)  # type: ignore[arg-type]  # Domain.__post_init__ reads a backend's name too
             )
         return Mesh(domains=tuple(domains), links={k: v.params() for k, v in self.links.items()})
 
@@ -236,10 +236,12 @@ class CheckpointSpec(_Strict):
     host_memory_gib_per_rank: float = Field(64.0, gt=0, description="host memory available for async snapshots")
 
 
+_RECOVERY_COST_FIELDS: dict[str, Any] = {f.name: (float, Field(f.default, ge=0, le=1e15))
+                                         for f in dataclass_fields(RecoveryCosts)}
 RecoveryCostsSpec = create_model(  # the fields of core.recovery_costs.RecoveryCosts, one source of truth
     "RecoveryCostsSpec",
     __base__=_Strict,
-    **{f.name: (float, Field(f.default, ge=0, le=1e15)) for f in dataclass_fields(RecoveryCosts)},
+    **_RECOVERY_COST_FIELDS,
 )
 
 
@@ -247,7 +249,7 @@ class RecoverySpec(_Strict):
     """Policies to compare, cost-model parameters, and fixed stage durations per policy."""
 
     policies: list[Policy] = Field(default_factory=lambda: list(Policy), min_length=1)
-    costs: RecoveryCostsSpec = Field(default_factory=RecoveryCostsSpec)  # type: ignore[valid-type]
+    costs: RecoveryCostsSpec = Field(default_factory=RecoveryCostsSpec)
     stage_seconds: dict[Policy, dict[Stage, float]] = Field(
         default_factory=dict, description="fixed durations that replace the model's, e.g. measured ones"
     )

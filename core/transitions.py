@@ -34,7 +34,7 @@ from typing import Any
 from .baselines import byte_only_candidates, layout_only
 from .checker import check
 from .contract import compile_contract
-from .facts import Consumer, Domain, DType, Edge, Mesh, ProducerTensor, Request
+from .facts import Consumer, Domain, DType, Edge, Mesh, ProducerTensor, Request, Vendor
 from .interpreter import judge
 from .lowerer import lower
 from .placement import Partial, Placement, Replicate, Shard
@@ -70,8 +70,8 @@ class Transition:
 
 def _mesh(relation: str) -> Mesh:
     host = "hostB" if relation == "other_host" else "hostA"
-    return Mesh(domains=(Domain("cuda@hostA", "cuda", "hostA", (0, 1, 2)),
-                         Domain(f"cann@{host}", "cann", host, (3, 4))))
+    return Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2)),
+                         Domain(f"cann@{host}", Vendor.CANN, host, (3, 4))))
 
 
 def enumerate_transitions() -> list[Transition]:

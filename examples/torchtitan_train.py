@@ -71,7 +71,7 @@ def build(mesh: Any) -> tuple[torch.nn.Module, Any, Any]:
     torch.manual_seed(0)
     model = tiny_llama()
     if mesh is not None:
-        for block in model.layers.values():
+        for block in model.layers.values():  # type: ignore[operator]  # nn.Module's __getattr__ is typed Tensor | Module
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     groups = [ParamGroupConfig(pattern=r"norm", optimizer_name="Adam",
@@ -111,7 +111,7 @@ def container_digest(optimizers: Any) -> str:
         if isinstance(value, torch.Tensor):
             local = value.to_local() if hasattr(value, "to_local") else value
             h.update(f"{key}|{local.dtype}|{tuple(local.shape)}".encode())
-            h.update(local.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())
+            h.update(local.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray exports the buffer protocol; numpy's stubs omit __buffer__
         else:
             h.update(f"{key}={value!r}".encode())
     return h.hexdigest()

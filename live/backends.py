@@ -43,7 +43,7 @@ def npu_ready() -> bool:
         return False
     import torch_npu  # noqa: F401  (registers the 'npu' device and the hccl backend)
 
-    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())  # type: ignore[attr-defined]  # torch_npu adds torch.npu
 
 
 def choose_backend(vendor: Vendor | str, local_rank: int = 0, force_gloo: bool | None = None) -> BackendChoice:
@@ -66,7 +66,7 @@ def choose_backend(vendor: Vendor | str, local_rank: int = 0, force_gloo: bool |
         return BackendChoice(vendor, Backend.GLOO, "cpu", True,
                              "no CUDA device or NCCL here; gloo on CPU stands in (needs a CUDA GPU and torch built with NCCL)")
     if npu_ready():
-        index = local_rank % torch.npu.device_count()
+        index = local_rank % torch.npu.device_count()  # type: ignore[attr-defined]  # torch_npu adds torch.npu
         return BackendChoice(vendor, Backend.HCCL, f"npu:{index}", False, "Ascend NPU and torch_npu present")
     return BackendChoice(vendor, Backend.GLOO, "cpu", True,
                          "no Ascend NPU here; gloo on CPU stands in (needs an Ascend device, CANN and torch_npu)")

@@ -46,7 +46,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Sequence, TypeVar
 
 from meshpact.core.errors import MeshpactError
 
@@ -235,7 +235,45 @@ def entered(ns: str) -> Iterator[None]:
         os.close(own)
 
 
-class TwoHosts:
+_TwoHostsT = TypeVar("_TwoHostsT", bound="TwoHosts")
+_HostsT = TypeVar("_HostsT", bound="Hosts")
+
+
+class _Teardown:
+    """The teardown :class:`TwoHosts` and :class:`Hosts` share: every process left in a namespace
+    killed, every namespace deleted, on leaving the block, at the interpreter's exit or on SIGTERM."""
+
+    _up: bool
+    _made: list[str]
+    _sigterm_was: Any
+
+    def _watch_sigterm(self) -> None:
+        """Make SIGTERM unwind this process (so the ``with`` block and atexit tear down) when
+        it would otherwise kill it outright; leave any handler the program set alone."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._sigterm_was = signal.SIG_DFL
+            signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+    def close(self) -> None:
+        """Kill what still runs inside the namespaces and delete them (idempotent)."""
+        if not self._up:
+            return
+        self._up = False
+        _delete_namespaces(self._made)
+        self._made = []
+        with contextlib.suppress(Exception):
+            atexit.unregister(self.close)
+        if self._sigterm_was is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._sigterm_was)
+            self._sigterm_was = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class TwoHosts(_Teardown):
     """Two network namespaces joined by veth links (see the module docstring).
 
     Use as a context manager. ``ns``, ``iface`` and ``addr`` (the data link) and
@@ -284,17 +322,8 @@ class TwoHosts:
                 return
             self._name(_fresh_tag())
 
-    def _watch_sigterm(self) -> None:
-        """Make SIGTERM unwind this process (so the ``with`` block and atexit tear down) when
-        it would otherwise kill it outright; leave any handler the program set alone."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-            self._sigterm_was = signal.SIG_DFL
-            signal.signal(signal.SIGTERM, _exit_on_sigterm)
-
     # -- lifecycle --------------------------------------------------------------------------
-    def __enter__(self) -> "TwoHosts":
+    def __enter__(self: _TwoHostsT) -> _TwoHostsT:
         why = netns_unavailable(shaped=self.link is not None)
         if why:
             raise NetnsError(why)
@@ -334,22 +363,6 @@ class TwoHosts:
             _run([*tc, "parent", "1:", "handle", "2:", *self.link.tbf_args()], "limit the link rate")
         else:
             _run([*tc, "root", "handle", "1:", *self.link.tbf_args()], "limit the link rate")
-
-    def close(self) -> None:
-        """Kill what still runs inside the namespaces and delete them (idempotent)."""
-        if not self._up:
-            return
-        self._up = False
-        _delete_namespaces(self._made)
-        self._made = []
-        with contextlib.suppress(Exception):
-            atexit.unregister(self.close)
-        if self._sigterm_was is not None and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, self._sigterm_was)
-            self._sigterm_was = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def exists(self) -> bool:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
@@ -412,7 +425,7 @@ def bridge_unavailable() -> str | None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-class Hosts:
+class Hosts(_Teardown):
     """``n`` network namespaces (the "hosts") on one unshaped link layer: each joined by a veth
     pair to a bridge in a hub namespace of its own, so every host reaches every other and a
     host's end can be cut (``ip -n ns[i] link set iface[i] down``) without touching the others.
@@ -462,7 +475,7 @@ class Hosts:
             self._name(_fresh_tag())
         raise NetnsError("create the host namespaces: every name drawn was taken")
 
-    def __enter__(self) -> "Hosts":
+    def __enter__(self: _HostsT) -> _HostsT:
         why = bridge_unavailable()
         if why:
             raise NetnsError(why)
@@ -489,11 +502,6 @@ class Hosts:
             self.close()
             raise
         return self
-
-    # the same teardown as a pair's: every process left in a namespace killed, every namespace deleted
-    _watch_sigterm = TwoHosts._watch_sigterm
-    close = TwoHosts.close
-    __exit__ = TwoHosts.__exit__
 
     def exists(self) -> bool:
         listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()

@@ -23,7 +23,7 @@ from importlib import import_module
 from importlib.util import find_spec
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Sequence, Union, get_args, get_origin
+from typing import Any, Callable, Literal, Sequence, Union, get_args, get_origin
 
 import typer
 
@@ -105,7 +105,7 @@ def _invoked(argv: Sequence[str]) -> list[CommandSpec]:
     return []
 
 
-def _listing_only(spec: CommandSpec) -> typer.models.CommandFunctionType:
+def _listing_only(spec: CommandSpec) -> Callable[[], None]:
     def listed() -> None:  # never runs: a named command is registered from its own module
         raise MeshpactError(f"command {' '.join(spec.path)} was not loaded")
 
@@ -223,6 +223,7 @@ def usage_error_line(exc: Exception, args: Sequence[str]) -> str:
     if isinstance(exc, _click_errors.BadOptionUsage):
         message = " ".join(exc.message.split()).rstrip(".").replace(f"Option '{exc.option_name}' ", "")
         return f"{exc.option_name}: {message}{see}"
+    assert isinstance(exc, _click_errors.ClickException)  # main() passes only Click's refusals
     return " ".join(exc.format_message().split()).rstrip(".") + see
 
 

@@ -121,6 +121,7 @@ class Candidate:
 
 def _gathered(build: PlanBuilder, ranks: tuple[int, ...], root: int) -> str:
     prov = build.contract.provenance
+    assert isinstance(prov.placement, Shard)  # the tied edge's producer is sharded
     nbytes = sum(form_bytes(Form.RAW, h.region, prov.dtype) for h in prov.holdings if h.rank in ranks)
     return build.collective("gather", ranks, prov.tensor, build.name("gathered"), nbytes, prov.dtype,
                             {"dim": prov.placement.dim, "root": root})
@@ -133,6 +134,7 @@ def _full_on_root(build: PlanBuilder) -> str:
 def _holders_to(build: PlanBuilder, dst: int, holders: tuple[int, ...] | None = None) -> str:
     """Each holder's shard sent to ``dst`` (all holders unless named), concatenated there."""
     prov = build.contract.provenance
+    assert isinstance(prov.placement, Shard)  # the tied edge's producer is sharded
     arrived = [build.send(h.rank, dst, prov.tensor, build.name(f"from{h.rank}"),
                           form_bytes(Form.RAW, h.region, prov.dtype), prov.dtype)
                for h in prov.holdings if holders is None or h.rank in holders]
@@ -162,7 +164,7 @@ def _first_send_as(args: dict) -> Callable[[Plan], Plan]:
     def edit(plan: Plan) -> Plan:
         steps = list(plan.steps)
         i = next(k for k, s in enumerate(steps) if s.kind is StepKind.SEND)
-        steps[i] = replace(steps[i], args=args)
+        steps[i] = replace(steps[i], args=tuple(args.items()))
         return replace(plan, steps=tuple(steps))
     return edit
 
@@ -171,6 +173,7 @@ def candidates(contract: Contract) -> list[Candidate]:
     """Every plan shape for the tied edge: the planners' plans and one of each way to spend fewer
     startups, with the checker's verdict on each."""
     cons = contract.edge.consumer.ranks
+    assert contract.locality.bridge is not None  # the tied edge crosses domains
     bp, bc = contract.locality.bridge
     other = next(r for r in cons if r != bc)
     holders = contract.provenance.ranks

@@ -269,7 +269,7 @@ class Calibration:
         whether its seconds come from this recording or stayed the cost model's default."""
         policy = Policy(policy)
         measured = self.measured.get(policy, {})
-        stages = [s for s in self._recorded(policy) if s is not Stage.REPLAY]
+        stages: list[Stage] = [s for s in self._recorded(policy) if s is not Stage.REPLAY]
         stages += [s for s in measured if s not in stages]
         return {s: Provenance.RECORDING if s in measured else Provenance.MODEL for s in Stage.ordered() if s in stages}
 
@@ -305,9 +305,9 @@ def calibration_from_recording(
         if i == 0 and ev.event == EventKind.RECORDING_START:
             if ev.data.get("policy"):
                 default_policy = _policy(ev.data["policy"], where)
-            for key in ("world_size", "ranks"):
-                if isinstance(ev.data.get(key), int):
-                    ranks_meta = int(ev.data[key])
+            for size_key in ("world_size", "ranks"):
+                if isinstance(ev.data.get(size_key), int):
+                    ranks_meta = int(ev.data[size_key])
             continue
         if ev.rank is not None:
             seen_ranks.add(ev.rank)
@@ -320,8 +320,8 @@ def calibration_from_recording(
         if ev.event == EventKind.RELOADED and ev.rank in round_of:
             n = _bytes_moved(ev, where)
             if n is not None:
-                gen = round_of[ev.rank]
-                moved[gen] = max(moved.get(gen, 0.0), n)
+                decided = round_of[ev.rank]
+                moved[decided] = max(moved.get(decided, 0.0), n)
         if isinstance(ev.data.get("stages_s"), Mapping):
             stages = {}
             for name, v in ev.data["stages_s"].items():

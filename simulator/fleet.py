@@ -40,7 +40,7 @@ import random
 from collections import deque
 from dataclasses import dataclass, replace
 from statistics import NormalDist, fmean, stdev
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 import simpy
 
@@ -426,7 +426,7 @@ class _Fleet:
             return self._score(i) <= r.retire_at_or_below
         return False
 
-    def _repair(self, i: int) -> Iterator[simpy.Event]:
+    def _repair(self, i: int) -> Generator[simpy.Event, Any, None]:
         f, rng = self.f, self.rng
         yield self.env.timeout(rng.expovariate(1.0 / f.auto_repair_minutes) if f.auto_repair_minutes > 0 else 0.0)
         self.n["auto"] += 1
@@ -450,7 +450,7 @@ class _Fleet:
             self._offer_standby(i)
         self._signal()
 
-    def _regenerate(self) -> Iterator[simpy.Event]:
+    def _regenerate(self) -> Generator[simpy.Event, Any, None]:
         f = self.f
         assert f.bad_regeneration_days is not None
         while True:
@@ -504,7 +504,7 @@ class _Fleet:
             if failed is not None:
                 self.score_base[failed] -= per
 
-    def job(self) -> Iterator[simpy.Event]:
+    def job(self) -> Generator[simpy.Event, Any, None]:
         f, env, slow = self.f, self.env, 1.0 + self.c.slowdown
         remaining = f.work_days * 1440.0
         downtime = self.c.downtime_s / 60.0

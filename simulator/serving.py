@@ -349,10 +349,12 @@ class _Serve:
 
     def arrivals(self):
         procs = []
+        rate = self.p.arrival_rate_per_s
+        assert rate, "run() starts arrivals only for an open loop"
         while self.issued < self.p.requests:
             self.issued += 1
             procs.append(self.env.process(self.request()))
-            yield self.env.timeout(float(self.rng.exponential(1.0 / self.p.arrival_rate_per_s)))
+            yield self.env.timeout(float(self.rng.exponential(1.0 / rate)))
         yield self.env.all_of(procs)
 
     def run(self) -> ServingResult:

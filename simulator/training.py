@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, cast
 
 import simpy
 
@@ -368,7 +368,7 @@ class _Run:
                     yield from self._compute()
             except simpy.Interrupt as irq:
                 self._close_phase()
-                self.pending.append(irq.cause)
+                self.pending.append(cast(Fault, irq.cause))  # only fault_source interrupts the trainer
 
     def _aged_fault_due(self) -> bool:
         a = self.aged
@@ -393,9 +393,9 @@ class _Run:
             steps = min(steps, self.aged.steps - self.since_ckpt)
         until = self.env.now + steps * step_s
         if self.excised:
-            nxt = min(self.excised.values())
-            if nxt < until:  # stop at the first step boundary after the rejoin
-                steps = max(1, math.ceil((nxt - self.env.now) / step_s - _EPS))
+            rejoin = min(self.excised.values())
+            if rejoin < until:  # stop at the first step boundary after the rejoin
+                steps = max(1, math.ceil((rejoin - self.env.now) / step_s - _EPS))
         self.phase = ("compute", self.env.now, step_s)
         yield self.env.timeout(steps * step_s)
         self.phase = ("idle", self.env.now, None)
@@ -578,7 +578,7 @@ def training_overrides(
         "faults.seed": seed, "workload.work_steps": work_steps,
         "recovery.policies": None if policies is None else [Policy(p).value for p in policies],
     }
-    out = {k: v for k, v in pairs.items() if v is not None}
+    out: dict[str, Any] = {k: v for k, v in pairs.items() if v is not None}
     if step_seconds is not None:
         out["workload.tokens_per_step"] = None
     return out

@@ -120,7 +120,7 @@ elif start:
     try:
         from meshpact.live.trials.trial import TrialConfig
 
-        TrialConfig(ranks=int(ranks), steps=int(steps), faults=int(faults), fault_kind=kind,
+        TrialConfig(ranks=int(ranks), steps=int(steps), faults=int(faults), fault_kind=FaultKind(kind),
                     checkpoint_every=int(every), heartbeat=bool(heartbeat))  # readable errors before anything starts
         if job is not None:
             job.stop()
@@ -189,6 +189,7 @@ def _metrics_toggle() -> None:
     """Serve the run's metrics for Prometheus while the toggle is on (127.0.0.1, a free port)."""
     from meshpact.app.metrics import MetricsEndpoint
 
+    assert job is not None
     endpoint = st.session_state.get(METRICS)
     if st.session_state.get(METRICS_ON) and endpoint is None:
         st.session_state[METRICS] = MetricsEndpoint(job.recording,
@@ -224,6 +225,7 @@ def _current_phase(job: LiveJob, rank_events: list[RankEvent]) -> str:
 
 
 def _rank_table(rows: list[RankRow]) -> None:
+    assert job is not None
     head = st.columns(COLUMNS, gap="xsmall")
     for col, name in zip(head, HEADS):
         col.caption(f"**{name}**")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import pandas as pd
 import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
 
 from meshpact.app.context import mesh_of, message_markdown, require_scenario
 from meshpact.app.figures import cost_figure, plan_figure
@@ -40,7 +43,7 @@ try:
             logits = Request(st.session_state.get("plans_request", Request.TOKEN.value)).reads_logits
             st.session_state["plans_cols"] = m.vocab_size if logits else m.hidden_size
 
-        k = st.columns(4)
+        k: Sequence[DeltaGenerator] = st.columns(4)
         pdom = k[0].selectbox("producer domain", names, index=0, key="plans_pdom")
         cdom = k[1].selectbox("consumer domain", names, index=min(1, len(names) - 1), key="plans_cdom")
         placement = k[2].selectbox("producer placement",
@@ -111,10 +114,12 @@ for col, out in zip(columns, result.outcomes):
                              + ", ".join(f"{k} {v:,} B" for k, v in out.cost.bytes_by_link.items()))
 plotted = [o for o in result.outcomes if o.plan is not None]
 for out in plotted:  # the page's width, a cell wrapping where it must: every column of a step shows
+    assert out.plan is not None
     with st.expander(f"{out.planner}: {len(out.plan.steps)} steps"):
         st.table(pd.DataFrame(steps_rows(out.plan)).set_index("#"))
 for tab, out in zip(st.tabs([f"diagram: {o.planner}" for o in plotted]), plotted):
     with tab:
+        assert out.plan is not None
         st.plotly_chart(plan_figure(out.plan, edge.mesh), key=f"plan_{out.planner}")
 if plotted:
     st.plotly_chart(cost_figure({o.planner: o.cost for o in plotted if o.cost is not None}), key="plan_costs")

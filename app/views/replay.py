@@ -66,7 +66,7 @@ source = st.radio("replay", [SIMULATED, RECORDING, FROM_MESH], horizontal=True, 
 if st.query_params.get(REPLAY_LINK) != replay_link_word(source):  # a reload opens on this source again
     st.query_params[REPLAY_LINK] = replay_link_word(source) or ""
 policy = Policy.IN_MEMORY
-positions = positions_of(choice)
+positions: dict[int, tuple[float, float]] | None = positions_of(choice)
 raw_events: list[Event] | None = None
 trace_name = choice.scenario.name
 try:

@@ -13,10 +13,11 @@ the acceptances)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pandas as pd
 import streamlit as st
+from streamlit.delta_generator import DeltaGenerator
 
 from meshpact.app.context import mesh_of, message_markdown, require_scenario
 from meshpact.app.figures import fleet_figure, goodput_figure, recovery_figure, serving_figure
@@ -42,7 +43,11 @@ def cached_run(name: str, key: tuple, label: str, run: Callable[[Callable[[int, 
     memo = st.session_state.setdefault("simulate_results", {})
     if memo.get(name, (None,))[0] != key:
         bar = st.progress(0.0, text=label)
-        result = run(lambda done, total: bar.progress(done / total, text=f"{label} {done}/{total}"))
+
+        def progress(done: int, total: int) -> None:
+            bar.progress(done / total, text=f"{label} {done}/{total}")
+
+        result = run(progress)
         bar.empty()
         memo[name] = (key, result)
     return memo[name][1]
@@ -115,7 +120,7 @@ with training:
     w, f, c = scenario.workload, scenario.faults, scenario.checkpointing
     st.caption(f"{scenario.name}: {w.model}, {w.ranks or 'all'} ranks, faults, checkpoints and recovery from the "
                "scenario; change them here. Every policy replays the same fault trace.")
-    k = st.columns(5)
+    k: Sequence[DeltaGenerator] = st.columns(5)
     # Typed, not stepped: a value out of range is refused under its box in words, and no figure is drawn
     # for a setting the page does not hold (the figures never stay on an old value beside a new one)
     days = number_box(k[0], "days", 0.5, 60.0, min(float(w.days), 60.0), key="sim_days")
@@ -163,8 +168,8 @@ with training:
     else:
         st.page_link("views/mesh.py", label="Pick failures on Mesh to cost them in this setting", icon=":material/hub:")
     d1, d2, d3 = st.columns(3)
-    sweep = pd.concat([by_mtbf.assign(sweep="rank_mtbf_hours"), by_every.assign(sweep="checkpoint_every")])
-    d1.download_button("sweep CSV", data=sweep.to_csv(index=False), file_name=f"{scenario.name}-training-sweep.csv",
+    swept = pd.concat([by_mtbf.assign(sweep="rank_mtbf_hours"), by_every.assign(sweep="checkpoint_every")])
+    d1.download_button("sweep CSV", data=swept.to_csv(index=False), file_name=f"{scenario.name}-training-sweep.csv",
                        mime="text/csv")
     d2.download_button("this setting CSV", data=point.to_frame().to_csv(index=False),
                        file_name=f"{scenario.name}-training.csv", mime="text/csv")

@@ -201,6 +201,7 @@ class ReplacingAgent(SimpleElasticAgent):
     def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
                        incarnation: int) -> Any:
         """A new process for ``local_rank`` (elastic's subprocess handler: ``.proc`` and ``.close``)."""
+        assert isinstance(spec.entrypoint, str)  # a program to run: the launcher takes no Python callable
         return get_subprocess_handler(spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank,
                                       spec.numa_options)
 

@@ -83,9 +83,11 @@ class NodeEnv:
     @classmethod
     def of(cls, wg: WorkerGroup) -> "NodeEnv":
         spec = wg.spec
-        return cls(wg.group_rank, wg.group_world_size, spec.role, tuple(w.global_rank for w in wg.workers),
+        return cls(wg.group_rank, wg.group_world_size, spec.role,  # type: ignore[arg-type]  # elastic declares the rendezvous fields None until a rendezvous sets them
+                   tuple(w.global_rank for w in wg.workers),
                    tuple(w.role_rank for w in wg.workers), wg.workers[0].world_size, wg.workers[0].role_world_size,
-                   str(wg.master_addr), int(wg.master_port), str(spec.rdzv_handler.get_run_id()),
+                   str(wg.master_addr), int(wg.master_port),  # type: ignore[call-overload]  # elastic declares the rendezvous fields None until a rendezvous sets them
+                   str(spec.rdzv_handler.get_run_id()),
                    bool(spec.rdzv_handler.use_agent_store))
 
     def workers(self) -> list[Worker]:
@@ -193,7 +195,7 @@ class NodeWatch:
         the other nodes (:meth:`judge`)."""
         channel.add(f"agent/beat{wg.group_rank}")
         if wg.group_rank == 0 and not self.apart:
-            self.judge(channel, range(1, wg.group_world_size), wg.spec.local_world_size, now)
+            self.judge(channel, range(1, wg.group_world_size), wg.spec.local_world_size, now)  # type: ignore[call-overload]  # elastic declares the rendezvous fields None until a rendezvous sets them
 
     def judge(self, channel: ControlChannel, group_ranks: Iterable[int], nproc_per_node: int, now: float) -> None:
         """Watch the beats of the agents of ``group_ranks`` and of the spare nodes, and give the verdict on
@@ -287,7 +289,7 @@ class NodeWatch:
                 "no other node can take over: this node's workers are stopped; start the job again (it resumes from "
                 "its newest checkpoint)")
 
-    def judges_host(self, group_rank: int, hosted_by_caller: bool) -> bool:
+    def judges_host(self, group_rank: int | None, hosted_by_caller: bool) -> bool:
         """Whether an agent judges the stores' host lost when its channel falls silent: where the control
         plane runs apart, or on another node than node 0; never where the program running the agent hosts
         the channel (``hosted_by_caller``)."""
@@ -329,7 +331,7 @@ class NodeWatch:
                     "leaving")
 
     @staticmethod
-    def end_standby(channel: ControlChannel | None, group_rank: int) -> None:
+    def end_standby(channel: ControlChannel | None, group_rank: int | None) -> None:
         """Group rank 0: tell the spare nodes still standing by that the job is over (they leave)."""
         if channel is not None and group_rank == 0:
             with contextlib.suppress(Exception):

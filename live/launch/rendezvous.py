@@ -142,6 +142,7 @@ def rendezvous_handler(params: RendezvousParameters, apart: bool = False) -> Ren
 
     if params.backend == "static":
         handler = static_tcp_rendezvous.create_rdzv_handler(params)
+        assert isinstance(handler, static_tcp_rendezvous.StaticTCPRendezvous)  # what the static backend makes
         if handler.rank == 0:  # the store it would make at its first round, made here on the named address
             handler._store = host_store(handler.master_addr, handler.master_port, handler.world_size,
                                         handler.timeout.total_seconds())
@@ -164,11 +165,11 @@ def rendezvous_handler(params: RendezvousParameters, apart: bool = False) -> Ren
     backend = c10d_rendezvous_backend.C10dRendezvousBackend(store, params.run_id)
     handler = dynamic_rendezvous.create_handler(store, backend, params)
     if apart:  # the workers share the service's store (their MASTER_ADDR/PORT: the endpoint): none hosted here
-        handler._create_tcp_store_server = lambda addr, port: store  # type: ignore[method-assign]
+        handler._create_tcp_store_server = lambda addr, port: store  # type: ignore[method-assign, assignment]  # elastic has no hook for the store it shares with the workers
         return handler
     # the store group rank 0's agent shares with its workers: on the node's address alone
-    handler._create_tcp_store_server = (  # type: ignore[method-assign]
-        lambda addr, port: host_store(addr, port, 1, timeout_s))
+    handler._create_tcp_store_server = (  # type: ignore[method-assign]  # elastic has no hook for the store it shares with the workers
+        lambda addr, port: host_store(addr, port, 1, timeout_s))  # type: ignore[assignment]  # (as above)
     return handler
 
 
@@ -181,21 +182,24 @@ def open_control(wg: WorkerGroup, given: tuple[str, int] | None, run_id: str,
     it there. ``apart``: the control plane service hosts it and named it under :func:`standby_key`,
     where every agent reads it. (the store group rank 0 hosts, or None; the channel's address; the channel)."""
     server: Any = None
+    store, group_rank = wg.store, wg.group_rank
+    assert store is not None and group_rank is not None  # the group has met: its rendezvous set both
     if apart:
-        record = StandbyRecord.from_json(root_store(wg.store).get(standby_key(str(wg.spec.rdzv_handler.get_run_id()))))
-        channel = ControlChannel(record.host, record.port, wg.group_rank, wg.workers[0].world_size, 5.0,
+        record = StandbyRecord.from_json(root_store(store).get(standby_key(str(wg.spec.rdzv_handler.get_run_id()))))
+        channel = ControlChannel(record.host, record.port, group_rank, wg.workers[0].world_size, 5.0,
                                  run_id=run_id, key=key)
         return None, (record.host, record.port), channel
-    if wg.group_rank == 0:
+    if group_rank == 0:
         if given is not None:
             address = "{}:{}".format(*given)
         else:
+            assert wg.master_addr is not None  # rank 0's rendezvous names its address
             server = host_store(wg.master_addr, 0, wg.workers[0].world_size)
             address = f"{wg.master_addr}:{server.port}"
-        wg.store.set(CONTROL_KEY, address)
+        store.set(CONTROL_KEY, address)
         host, _, port = address.rpartition(":")
         standby = StandbyRecord(host, int(port), run_id)  # for spare nodes, outside elastic's prefix
-        root_store(wg.store).set(standby_key(str(wg.spec.rdzv_handler.get_run_id())), standby.to_json())
-    host, _, port = wg.store.get(CONTROL_KEY).decode().rpartition(":")
-    channel = ControlChannel(host, int(port), wg.group_rank, wg.workers[0].world_size, 5.0, run_id=run_id, key=key)
+        root_store(store).set(standby_key(str(wg.spec.rdzv_handler.get_run_id())), standby.to_json())
+    host, _, port = store.get(CONTROL_KEY).decode().rpartition(":")
+    channel = ControlChannel(host, int(port), group_rank, wg.workers[0].world_size, 5.0, run_id=run_id, key=key)
     return server, (host, int(port)), channel

@@ -93,10 +93,10 @@ class SpareAgent(ReplacingAgent):
         self.gone.seen_round = channel.counter(ROUND_KEY)  # rounds decided before now named the lost processes
         self._node = node
         worker_group.workers = node.workers()
-        worker_group.group_rank = node.group_rank
-        worker_group.group_world_size = node.group_world_size
-        worker_group.master_addr = node.master_addr
-        worker_group.master_port = node.master_port
+        worker_group.group_rank = node.group_rank  # type: ignore[assignment]  # elastic declares the rendezvous fields None until a rendezvous sets them
+        worker_group.group_world_size = node.group_world_size  # type: ignore[assignment]  # (as above)
+        worker_group.master_addr = node.master_addr  # type: ignore[assignment]  # (as above)
+        worker_group.master_port = node.master_port  # type: ignore[assignment]  # (as above)
         worker_group.store = None
         say(f"{me} takes node {g}: ranks {list(node.ranks)} start here at incarnation(s) "
              f"{[self._first[lr] for lr in range(len(node.ranks))]}")

@@ -90,12 +90,13 @@ def initial_shapes(edge: Edge) -> dict[int, dict[str, torch.Tensor]]:
 
 def _send_pairs(mesh: Mesh, plans: Sequence[Plan]) -> list[tuple[int, int]]:
     """Rank pairs of the plans' sends that join two domains (each becomes a bridge)."""
-    pairs = set()
+    pairs: set[tuple[int, int]] = set()
     for plan in plans:
         for s in plan.steps:
             if s.kind is StepKind.SEND and all(r in mesh.ranks for r in s.ranks) and \
                     mesh.domain_of(s.ranks[0]).name != mesh.domain_of(s.ranks[1]).name:
-                pairs.add(tuple(sorted(s.ranks)))
+                low, high = sorted(s.ranks)
+                pairs.add((low, high))
     return sorted(pairs)
 
 
@@ -131,7 +132,7 @@ def worker(args: dict) -> dict:
     dist.barrier()
     executor = Executor(layout, Meter(env.rank))
     t0 = executor.meter.t0
-    results = []
+    results: list[dict[str, Any]] = []
     for job, edge, contract, plan in prepared:
         initial = initial_shapes(edge)
         if env.rank in initial:

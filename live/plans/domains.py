@@ -99,7 +99,7 @@ def designated_bridge_pairs(mesh: Mesh) -> tuple[tuple[int, int], ...]:
     """The pair of designated bridge ranks between every two domains of ``mesh``."""
     ds = mesh.domains
     return tuple(
-        tuple(sorted((a.bridge_rank, b.bridge_rank)))  # type: ignore[misc]
+        tuple(sorted((a.bridge_rank, b.bridge_rank)))  # type: ignore[misc, type-var]  # Domain.__post_init__ sets every bridge_rank
         for i, a in enumerate(ds)
         for b in ds[i + 1 :]
     )

@@ -128,8 +128,9 @@ def simulate(plan: Plan, initial: Mapping[int, Buffers],
                 outs = dict(zip(s.ranks, results))
             elif s.kind is StepKind.SEND:
                 src, dst = s.ranks
-                ins = {src: _read(world[src], s, i)}
-                outs = {dst: ins[src].clone()}
+                sent = _read(world[src], s, i)
+                ins = {src: sent}
+                outs = {dst: sent.clone()}
             elif s.kind is StepKind.PROJECT:
                 for r in s.ranks:
                     outs[r] = ops.project(s, [_get(world[r], n, s, i) for n in s.inputs], r, ids)
@@ -243,6 +244,7 @@ class Executor:
             self.meter.record(name, "send", link, ops.nbytes(staged), started)
             return None
         meta = shapes.outputs[dst]
+        assert meta is not None  # a send's receiver has an output
         host = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
         dist.recv(host, src=src, group=group)
         self.meter.record(name, "recv", link, 0, started)

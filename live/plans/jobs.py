@@ -60,5 +60,5 @@ def get_preset(name: str) -> Preset:
         raise MeshpactError(f"unknown preset {name!r}; expected one of {', '.join(PRESETS)}") from None
 
 
-PresetName = Enum("PresetName", {name.upper().replace("-", "_").replace(".", "_"): name for name in PRESETS}, type=str)
+PresetName = Enum("PresetName", {name.upper().replace("-", "_").replace(".", "_"): name for name in PRESETS}, type=str)  # type: ignore[misc]  # members come from PRESETS, which mypy cannot read
 PresetName.__doc__ = "The names of :data:`PRESETS`, as a choice for the command line."

@@ -64,6 +64,13 @@ def chunk(x: torch.Tensor, dim: int, parts: int, index: int) -> torch.Tensor:
     return x.narrow(dim, lo, hi - lo)
 
 
+def _held(x: torch.Tensor | None) -> torch.Tensor:
+    """A tensor the plan's simulation guarantees is there (an input of every participant, the
+    root's of a broadcast or scatter, an output's shape)."""
+    assert x is not None, "a participant holds no tensor where the plan's simulation put one"
+    return x
+
+
 def collective_result(op: Collective, inputs: Sequence[torch.Tensor | None], s: Step) -> list[torch.Tensor | None]:
     """What each participant (in ``s.ranks`` order) holds after collective ``op``."""
     n = len(s.ranks)
@@ -71,21 +78,21 @@ def collective_result(op: Collective, inputs: Sequence[torch.Tensor | None], s: 
     red = str(s.arg("op", "sum"))
     dim = int(s.arg("dim", 0))
     if op in (Collective.ALL_GATHER, Collective.GATHER):
-        out = torch.cat(list(inputs), dim=dim)
+        out = torch.cat([_held(x) for x in inputs], dim=dim)
         return [out.clone() if op is Collective.ALL_GATHER or i == root else None for i in range(n)]
     if op in (Collective.ALL_REDUCE, Collective.REDUCE):
-        out = fold(inputs, red)
+        out = fold([_held(x) for x in inputs], red)
         return [out.clone() if op is Collective.ALL_REDUCE or i == root else None for i in range(n)]
     if op is Collective.BROADCAST:
-        return [inputs[root].clone() for _ in range(n)]
+        return [_held(inputs[root]).clone() for _ in range(n)]
     if op is Collective.SCATTER:
-        return [chunk(inputs[root], dim, n, i).clone() for i in range(n)]
+        return [chunk(_held(inputs[root]), dim, n, i).clone() for i in range(n)]
     if op is Collective.REDUCE_SCATTER:
-        out = fold(inputs, red)
+        out = fold([_held(x) for x in inputs], red)
         return [chunk(out, dim, n, i).clone() for i in range(n)]
     if op is Collective.ALL_TO_ALL:
         sd, cd = int(s.arg("split_dim", 0)), int(s.arg("concat_dim", 0))
-        return [torch.cat([chunk(x, sd, n, j) for x in inputs], dim=cd) for j in range(n)]
+        return [torch.cat([chunk(_held(x), sd, n, j) for x in inputs], dim=cd) for j in range(n)]
     raise PlanError(f"collective {op.value!r} has no live implementation")
 
 
@@ -150,6 +157,7 @@ def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shap
         return [by_step[s.ranks.index(r)].contiguous() for r in order]
 
     if op in (Collective.ALL_GATHER, Collective.GATHER):
+        value = _held(value)
         bufs = [torch.empty_like(value) for _ in range(n)]
         if op is Collective.ALL_GATHER:
             dist.all_gather(bufs, value.contiguous(), group=group)
@@ -159,6 +167,7 @@ def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shap
                 return None
         return torch.cat(step_order(bufs), dim=dim)
     if op in (Collective.ALL_REDUCE, Collective.REDUCE):
+        value = _held(value)
         out = value.clone()
         if op is Collective.ALL_REDUCE:
             dist.all_reduce(out, op=_REDUCE[red], group=group)
@@ -168,24 +177,25 @@ def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shap
                 return None
         return (out / n).to(value.dtype) if red == "avg" else out
     if op is Collective.BROADCAST:
-        out = value.clone() if me == root else empty(out_shape)
+        out = _held(value).clone() if me == root else empty(_held(out_shape))
         dist.broadcast(out, src=root, group=group)
         return out
     if op is Collective.SCATTER:
-        out = empty(out_shape)
+        out = empty(_held(out_shape))
         parts = None
         if me == root:
-            parts = group_order([chunk(value, dim, n, i) for i in range(n)])
+            parts = group_order([chunk(_held(value), dim, n, i) for i in range(n)])
         dist.scatter(out, parts, src=root, group=group)
         return out
     if op is Collective.REDUCE_SCATTER:
+        value = _held(value)
         parts = group_order([chunk(value, dim, n, i) for i in range(n)])
         out = torch.empty_like(parts[0])
         dist.reduce_scatter(out, parts, op=_REDUCE[red], group=group)
         return (out / n).to(value.dtype) if red == "avg" else out
     if op is Collective.ALL_TO_ALL:
         sd, cd = int(s.arg("split_dim", 0)), int(s.arg("concat_dim", 0))
-        parts = group_order([chunk(value, sd, n, j) for j in range(n)])
+        parts = group_order([chunk(_held(value), sd, n, j) for j in range(n)])
         outs = [torch.empty_like(parts[0]) for _ in range(n)]
         dist.all_to_all(outs, parts, group=group)
         return torch.cat(step_order(outs), dim=cd)

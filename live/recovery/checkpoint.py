@@ -69,7 +69,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
@@ -77,6 +77,9 @@ from .manifest import (MANIFEST, CheckpointCorrupt, FileDigest, clean_dead_temps
                        digest_file, durable_write, fsync_dir, read_manifest, temp_path, write_manifest,
                        write_synced)
 from .state import SCHEDULE_KEY, Chunk, shard_rows
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["Checkpointer", "CheckpointStep", "CheckpointCorrupt", "AsyncCheckpointer", "AsyncCheckpointStats",
            "state_bytes", "global_name", "PRIVATE"]
@@ -155,6 +158,15 @@ def _unreadable(where: Path, exc: BaseException) -> CheckpointCorrupt:
     return CheckpointCorrupt(f"{where} cannot be read back: {first[:300]}")
 
 
+def _tensor_entry(m: object) -> TensorStorageMetadata:
+    """A state-dict entry of a checkpoint written here: a tensor's (DCP's format has bytes entries too)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    if not isinstance(m, TensorStorageMetadata):
+        raise TypeError(f"expected a tensor's entry, found {type(m).__name__}")
+    return m
+
+
 def _read_part(directory: Path, keys: set[str] | None = None) -> dict[str, torch.Tensor]:
     """The tensors of a part (``keys``: only those), each in a buffer of its own."""
     import torch.distributed.checkpoint as dcp
@@ -162,8 +174,8 @@ def _read_part(directory: Path, keys: set[str] | None = None) -> dict[str, torch
 
     try:
         meta = dcp.FileSystemReader(directory).read_metadata()
-        out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-               if keys is None or k in keys}
+        entries = {k: _tensor_entry(m) for k, m in meta.state_dict_metadata.items() if keys is None or k in keys}
+        out = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in entries.items()}
         _dcp_quietly(dcp.load, out, storage_reader=dcp.FileSystemReader(directory))
     except (CheckpointException, Exception) as exc:  # noqa: BLE001  (whatever storage hands back is refused)
         raise _unreadable(directory, exc) from exc
@@ -331,8 +343,9 @@ def _inferred_chunks(metas: list[Any]) -> dict[int, dict[str, Chunk]]:
         sizes = [tuple(md.state_dict_metadata[key].size) if key in md.state_dict_metadata else None for md in metas]
         if any(s is None or len(s) != len(m.size) or s[1:] != tuple(m.size)[1:] for s in sizes):
             continue
-        rows = sum(s[0] for s in sizes)
-        if any(s[0] != shard_rows(rows, world, r)[1] for r, s in enumerate(sizes)):
+        given = [s for s in sizes if s is not None]  # all of them
+        rows = sum(s[0] for s in given)
+        if any(s[0] != shard_rows(rows, world, r)[1] for r, s in enumerate(given)):
             continue
         for r in range(world):
             out[r][key] = Chunk((rows, *tuple(m.size)[1:]), (shard_rows(rows, world, r)[0],) + (0,) * (len(m.size) - 1))
@@ -370,13 +383,14 @@ def _merge(top: Path, world: int) -> None:
         raise _unreadable(top, exc) from exc
     given = [_part_chunks(top / f"rank{r}") for r in range(world)]
     explicit = all(c is not None for c in given)
-    chunks = {r: c for r, c in enumerate(given)} if explicit else _inferred_chunks(metas)
+    chunks = {r: c for r, c in enumerate(given) if c is not None} if explicit else _inferred_chunks(metas)
     sd_meta: dict[str, Any] = {}
     storage: dict[Any, Any] = {}
     whole: dict[str, list[Any]] = {}  # a plain loop's name -> [metadata, elements covered]
     for r, meta in enumerate(metas):
         where = {idx.fqn: info for idx, info in meta.storage_data.items()}
-        for key, m in meta.state_dict_metadata.items():
+        for key, entry_meta in meta.state_dict_metadata.items():
+            m = _tensor_entry(entry_meta)
             info = dataclasses.replace(where[key], relative_path=f"rank{r}/{where[key].relative_path}")
             private = f"{PRIVATE}.rank{r}.{key}"
             sd_meta[private] = m
@@ -468,7 +482,7 @@ def _read_global_unchecked(top: Path, like: Mapping[str, torch.Tensor],
         fqn = _plain_fqn(key[len("param/"):])
         for slot in slots.get(fqn, ()):  # the optimizer's state, as the checkpoint has it (a fresh optimizer has none)
             okey, name = f"optim/{key[len('param/'):]}/{slot}", f"optim.state.{fqn}.{slot}"
-            m = meta.state_dict_metadata[name]
+            m = _tensor_entry(meta.state_dict_metadata[name])
             names[okey], dtypes[okey] = name, m.properties.dtype
             same = key in chunks and tuple(m.size) == chunks[key].global_shape
             shapes[okey] = shapes[key] if same else tuple(m.size)
@@ -485,6 +499,7 @@ def _read_global_unchecked(top: Path, like: Mapping[str, torch.Tensor],
         where none is given) into a plain tensor of the chunk's shape."""
 
         def create_local_plan(self) -> LoadPlan:
+            assert self.metadata is not None  # set_up_planner gave it
             items = []
             for key, name in names.items():
                 if name is None:
@@ -492,7 +507,7 @@ def _read_global_unchecked(top: Path, like: Mapping[str, torch.Tensor],
                 shape = out[name].shape
                 offsets = chunks[key].offsets if key in chunks else (0,) * len(shape)
                 items += create_read_items_for_chunk_list(
-                    name, self.metadata.state_dict_metadata[name],
+                    name, _tensor_entry(self.metadata.state_dict_metadata[name]),
                     [ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape))])
             return LoadPlan(items)
 

@@ -34,12 +34,13 @@ import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import CommunicatorAction
 
 __all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
@@ -579,7 +580,7 @@ def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
     if spec.backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        backend = dist.ProcessGroupNCCL(prefix, rank, size, opts)
+        backend: dist.ProcessGroupNCCL | dist.ProcessGroupGloo = dist.ProcessGroupNCCL(prefix, rank, size, opts)
         kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device(spec.device)
         backend.eager_connect_single_device(device)
     else:
@@ -592,7 +593,7 @@ def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
     if kind is dist.ProcessGroup.BackendType.NCCL:  # CPU tensors (e.g. flags) still go through gloo
         gloo = dist.ProcessGroupGloo(prefix, rank, size, timeout)
         pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    pg._set_group_name(group_name(generation, base))
+    pg._set_group_name(c10d.GroupName(group_name(generation, base)))
     pg._set_group_desc(f"meshpact data path {base}, generation {generation}")
     if install:
         install_group(pg, store, spec, ranks)
@@ -645,7 +646,7 @@ def can_shrink(pg: dist.ProcessGroup, device: str) -> bool:
     if not hasattr(dist, "shrink_group"):
         return False
     try:
-        return bool(pg._get_backend(torch.device(device)).supports_shrinking)
+        return bool(pg._get_backend(torch.device(device)).supports_shrinking)  # type: ignore[attr-defined]  # newer backends have it; the stub lists supports_splitting alone
     except (RuntimeError, AttributeError):
         return False
 
@@ -680,7 +681,7 @@ GroupPlan = tuple[tuple[str, tuple[int, ...]], ...]  # (base name, global ranks)
 STANDBY_NAMESPACE = "standby/"  # appended to a standby's store prefix: never the keys of a group built in a recovery
 
 
-def group_plan(groups: dict[str, dist.ProcessGroup]) -> GroupPlan:
+def group_plan(groups: Mapping[str, dist.ProcessGroup]) -> GroupPlan:
     """The job's groups as a standby must rebuild them: base names and global ranks, sorted."""
     return tuple(sorted((base, group_ranks(pg)) for base, pg in groups.items()))
 
@@ -698,8 +699,8 @@ class StandbyStatus:
         return {"generation": self.generation, "ready": self.ready, "reason": self.reason}
 
     @classmethod
-    def from_dict(cls, d: dict[str, object]) -> "StandbyStatus":
-        return cls(int(d["generation"]), bool(d["ready"]), str(d.get("reason", "")))  # type: ignore[arg-type]
+    def from_dict(cls, d: JsonObject) -> "StandbyStatus":
+        return cls(int(d["generation"]), bool(d["ready"]), str(d.get("reason", "")))
 
 
 def standby_refusal(said: dict[int, StandbyStatus | None], generation: int, world_size: int) -> str:

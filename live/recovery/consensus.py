@@ -581,7 +581,7 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
     for attempt in range(max_rounds + replacement_rounds + (view is not None)):
         from_view = attempt == 0 and view is not None
         if from_view:
-            last_round, group_generation = view  # type: ignore[misc]
+            last_round, group_generation = view  # type: ignore[misc]  # from_view: view is not None
         else:
             # one round trip for the counters. A round decided without us (we read the counter before the
             # others advanced it) needs no check of its own: our proposal was not in its decision, which

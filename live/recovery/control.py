@@ -356,7 +356,7 @@ def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, 
         store.set(name, seal(signer, name, {"host": host, "port": channel.port, "word": word}))
         return channel
     deadline = time.monotonic() + connect_timeout_s
-    last, passed_over = "", ""  # the address read last; the record found not to be this attempt's
+    last, passed_over = "", None  # the address read last; the record found not to be this attempt's
     while True:
         left = deadline - time.monotonic()
         if left <= 0:
@@ -372,14 +372,14 @@ def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, 
             time.sleep(0.01)
             continue
         last = f"{record['host']}:{record['port']}"
-        channel = _client(record["host"], record["port"], rank, world_size, timeout_s, run_id, min(left, 2.0), key)
+        client = _client(record["host"], record["port"], rank, world_size, timeout_s, run_id, min(left, 2.0), key)
         try:
-            if channel is not None and channel.get(ATTEMPT_KEY) == record["word"]:
-                return channel
+            if client is not None and client.get(ATTEMPT_KEY) == record["word"]:
+                return client
         except (RuntimeError, OSError, dist.DistStoreError, ValueError):
             pass
-        if channel is not None:
-            channel.close()
+        if client is not None:
+            client.close()
         passed_over = raw
         time.sleep(0.02)
 

@@ -211,7 +211,7 @@ def _raise_on_collective_mode() -> type:
             # (FSDP's collectives run eagerly between the compiled graphs).
             return True
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if func.namespace == "c10d":
                 self.left -= 1
                 if self.left == 0:

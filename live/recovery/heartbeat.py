@@ -580,7 +580,7 @@ class Heartbeat:
     def _main_cpu_s(self) -> float:
         """CPU time the main thread has used (a native operation in progress spends it)."""
         try:
-            return time.clock_gettime(time.pthread_getcpuclockid(self._main))  # type: ignore[arg-type]
+            return time.clock_gettime(time.pthread_getcpuclockid(self._main))  # type: ignore[arg-type]  # None: the TypeError below
         except (OSError, AttributeError, TypeError):
             return time.monotonic()  # no per-thread clock here: every look counts as progress
 
@@ -600,7 +600,7 @@ class Heartbeat:
         total = time.process_time()
         for t in threading.enumerate():
             try:
-                total -= time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]
+                total -= time.clock_gettime(time.pthread_getcpuclockid(t.ident))  # type: ignore[arg-type]  # None: the TypeError below
             except (OSError, AttributeError, TypeError, OverflowError):
                 continue
         return total
@@ -608,7 +608,7 @@ class Heartbeat:
     def _main_position(self) -> tuple[int, int, bool, bool, bool]:
         """(code object id, bytecode offset, waiting in communication code, innermost frame in torch,
         waiting for torch's compiler)."""
-        frame = sys._current_frames().get(self._main)
+        frame = sys._current_frames().get(self._main) if self._main is not None else None
         if frame is None:
             return (0, 0, True, False, False)
         in_torch = frame.f_code.co_filename.startswith(_TORCH_DIR)

@@ -37,7 +37,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.counts: Counter[str] = Counter()
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "c10d":
             for a in args:
                 name = group_of(a)

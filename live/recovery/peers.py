@@ -308,7 +308,11 @@ class Layout:
         names, dtypes, shapes, nbytes, offsets, at = [], [], [], [], [], 0
         for name, t in state.items():
             n = t.numel() * t.element_size()
-            names.append(name), dtypes.append(t.dtype), shapes.append(t.shape), nbytes.append(n), offsets.append(at)
+            names.append(name)
+            dtypes.append(t.dtype)
+            shapes.append(t.shape)
+            nbytes.append(n)
+            offsets.append(at)
             at += -(-n // _ALIGN) * _ALIGN
         index = json.dumps([[k, str(d).removeprefix("torch."), list(sh), n, o]
                             for k, d, sh, n, o in zip(names, dtypes, shapes, nbytes, offsets)])
@@ -357,7 +361,7 @@ class Slab:
                     view.copy_(t)
 
     def body(self) -> memoryview:
-        return memoryview(self.flat.numpy())
+        return memoryview(self.flat.numpy())  # type: ignore[arg-type]  # an ndarray exports the buffer protocol; numpy's stubs omit __buffer__
 
 
 def serialize(step: int, state: dict[str, torch.Tensor]) -> bytes:

@@ -44,7 +44,7 @@ from .rebind import ModuleScan, RebindReport, fsdp_states, meshes_of, rebind_all
 from .refusal import without_checkpoint
 from .reshard import ExcisionRecord, LeftWithReplica, Membership, carry_schedule, excise
 from .session import Session, c10d_default, resume_barrier
-from .state import CommitMark, RngState, Schedule, StateCheck, load_job_state, restore_rng
+from .state import Chunk, CommitMark, RngState, Schedule, StateCheck, load_job_state, restore_rng
 from .stepreset import Leftovers, reset_step_state
 
 
@@ -82,8 +82,10 @@ class Job(Protocol):
     retired: list[RetiredGroup]
     recoveries: list[RecoveryRecord]
     excisions: list[ExcisionRecord]
+    objects: dict[str, Any]  # the user's Stateful objects, by name
 
     def state(self) -> dict[str, torch.Tensor]: ...
+    def chunks(self) -> dict[str, Chunk]: ...
     def check_state(self, params: Sequence[torch.nn.Parameter] | None = None) -> StateCheck: ...
     def job_groups(self) -> dict[str, dist.ProcessGroup]: ...
     def excise_refusal(self) -> str | None: ...
@@ -312,7 +314,7 @@ def agree_on(rt: Job, d: Detection) -> Decision:
     t_agree = time.perf_counter()
     rt.settle_counters()  # a recovery that failed before settling its counters settles them now
     got = agree(s.control, proposal, rt.ckpt.latest if rt.ckpt else (lambda limit: 0),
-                max_rounds=s.config.max_rounds, peer_copies=s.config.peer_copies if s.peer_server is not None else 0,
+                max_rounds=s.config.max_rounds, peer_copies=(s.config.peer_copies or 0) if s.peer_server is not None else 0,
                 replacement_rounds=s.config.replacement_rounds, on_rank_loss=rt.on_rank_loss,
                 alive=s.members if s.excised else None, excise_refusal=rt.excise_refusal(), view=s.view,
                 defer_counters=True)
@@ -343,7 +345,7 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
             for base in comm.build_order(d.old_groups, s.groups):
                 pg = d.old_groups[base]
                 ranks = comm.group_ranks(pg)
-                pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.generation, base), s.store),
+                pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.generation, base), s.store),  # type: ignore[attr-defined]  # newer torch's; asked for with can_reconfigure
                                ranks.index(s.rank), len(ranks))
             s.data_path.record((pg.group_name for pg in d.old_groups.values()), comm.opened_since(before))
         except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
@@ -375,7 +377,7 @@ def rebind(rt: Job, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebou
         meshes = list({id(m): m for m in (s.mesh, *meshes_of(rt.model, rt.optimizer, list(d.states), d.params,
                                                              d.tensor_meshes), *rt.meshes)}.values())
         report: RebindReport = rebind_all([(old, rebuilt.groups[base]) for base, old in d.old_groups.items()],
-                                          rt.model, rt.optimizer, meshes, functions=(rt.train_step_fn,),
+                                          rt.model, rt.optimizer, meshes, functions=() if rt.train_step_fn is None else (rt.train_step_fn,),
                                           scan=rt.scan, states=list(d.states))
         counts = dict(report.counts)
         site_ms = {k: round(v * 1e3, 3) for k, v in report.site_s.items()}

@@ -40,6 +40,7 @@ new fails a test instead of leaving a stale reference.
 from __future__ import annotations
 
 import functools
+import operator
 import sys
 import sysconfig
 import time
@@ -192,8 +193,8 @@ def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] |
         from .state import optimizer_parts
 
         for o in optimizer_parts(optimizer).all:  # a container's state lies in its inner optimizers
-            for p, slot in o.state.items():
-                if id(p) not in known:
+            for held, slot in o.state.items():
+                if id(held) not in known:
                     for v in slot.values():
                         add(getattr(v, "device_mesh", None))
     return list(found.values())
@@ -368,7 +369,8 @@ def _swap(value: Any, old: Any, new: Any, depth: int = _DEPTH) -> tuple[Any, int
     if not n:
         return value, 0
     fresh = [y for y, _ in items]
-    return (type(value)._make(fresh) if hasattr(type(value), "_make") else type(value)(fresh)), n
+    make = getattr(type(value), "_make", None)  # a named tuple's
+    return (make(fresh) if make is not None else type(value)(fresh)), n
 
 
 @dataclass(frozen=True)
@@ -388,19 +390,19 @@ def _function_slots(fn: types.FunctionType, path: str, out: list[_Slot], seen: s
         return
     seen.add(id(fn))
     if fn.__defaults__ and _holds(fn.__defaults__, is_group):
-        out.append(_Slot(f"{path}.__defaults__", lambda f=fn: f.__defaults__,
-                         lambda v, f=fn: setattr(f, "__defaults__", v)))
+        out.append(_Slot(f"{path}.__defaults__", functools.partial(getattr, fn, "__defaults__"),
+                         functools.partial(setattr, fn, "__defaults__")))
     if fn.__kwdefaults__ and _holds(fn.__kwdefaults__, is_group):
-        out.append(_Slot(f"{path}.__kwdefaults__", lambda f=fn: f.__kwdefaults__,
-                         lambda v, f=fn: setattr(f, "__kwdefaults__", v)))
+        out.append(_Slot(f"{path}.__kwdefaults__", functools.partial(getattr, fn, "__kwdefaults__"),
+                         functools.partial(setattr, fn, "__kwdefaults__")))
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
         if _holds(value, is_group):
-            out.append(_Slot(f"{path}.<closure {name}>", lambda c=cell: c.cell_contents,
-                             lambda v, c=cell: setattr(c, "cell_contents", v)))
+            out.append(_Slot(f"{path}.<closure {name}>", functools.partial(getattr, cell, "cell_contents"),
+                             functools.partial(setattr, cell, "cell_contents")))
         target = value.__func__ if type(value) is types.MethodType else value  # (neither type has subclasses)
         if type(target) is types.FunctionType and depth > 0:
             _function_slots(target, f"{path}.<closure {name}>", out, seen, is_group, depth - 1)
@@ -494,15 +496,15 @@ def _user_type(t: type) -> bool:
     path = getattr(module, "__file__", None)
     if t.__module__ == "__main__" or (path is None and module is not None and t.__module__ != "builtins"):
         return True
-    return bool(path) and not _library_path(path) and not _runtime_module(t.__module__)
+    return bool(path) and not _library_path(str(path)) and not _runtime_module(t.__module__)
 
 
 def _attr_slot(holder: dict[str, Any], key: str, path: str) -> _Slot:
-    return _Slot(path, lambda d=holder, k=key: d[k], lambda v, d=holder, k=key: d.__setitem__(k, v))
+    return _Slot(path, functools.partial(operator.getitem, holder, key), functools.partial(operator.setitem, holder, key))
 
 
 def _slot_attr(obj: Any, name: str, path: str) -> _Slot:
-    return _Slot(path, lambda o=obj, n=name: getattr(o, n), lambda v, o=obj, n=name: object.__setattr__(o, n, v))
+    return _Slot(path, functools.partial(getattr, obj, name), functools.partial(object.__setattr__, obj, name))
 
 
 def walk_objects(roots: Iterable[tuple[str, Any]], is_group: Callable[[Any], bool] | None = None,
@@ -554,13 +556,13 @@ def walk_objects(roots: Iterable[tuple[str, Any]], is_group: Callable[[Any], boo
                         continue
                     where = f"{path}.<closure {name}>"
                     if _holds(cell.cell_contents, match):  # a reducer made as a closure over its group
-                        slots.append(_Slot(where, lambda c=cell: c.cell_contents,
-                                           lambda v, c=cell: setattr(c, "cell_contents", v)))
+                        slots.append(_Slot(where, functools.partial(getattr, cell, "cell_contents"),
+                                           functools.partial(setattr, cell, "cell_contents")))
                         note(cell.cell_contents, where)
                     stack.append((where, cell.cell_contents))
                 if obj.__defaults__ and _holds(obj.__defaults__, match):
-                    slots.append(_Slot(f"{path}.__defaults__", lambda f=obj: f.__defaults__,
-                                       lambda v, f=obj: setattr(f, "__defaults__", v)))
+                    slots.append(_Slot(f"{path}.__defaults__", functools.partial(getattr, obj, "__defaults__"),
+                                       functools.partial(setattr, obj, "__defaults__")))
                     note(obj.__defaults__, f"{path}.__defaults__")
                 stack.extend((f"{path}.__defaults__[{i}]", x) for i, x in enumerate(obj.__defaults__ or ()))
             continue
@@ -739,15 +741,15 @@ def _walk_modules() -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, d
                     defaults.append((f"{mod_name}.{key}", d, key, value))
                 elif isinstance(value, type) and value.__module__ == mod_name:
                     attrs = vars(value)
-                    sizes.append((attrs, len(attrs)))  # type: ignore[arg-type]
-                    defaults += [(f"{mod_name}.{key}.{attr}", attrs, attr, m)  # type: ignore[misc]
+                    sizes.append((attrs, len(attrs)))  # type: ignore[arg-type]  # a class's mappingproxy, read like a dict
+                    defaults += [(f"{mod_name}.{key}.{attr}", attrs, attr, m)  # type: ignore[misc]  # (as above)
                                  for attr, m in list(attrs.items())
                                  if isinstance(m, types.FunctionType) and (m.__defaults__ or m.__kwdefaults__)]
             continue
         if top not in package_is_library:
             package = sys.modules.get(top)
             located = package is not None and getattr(package, "__file__", None)
-            package_is_library[top] = _library(package) if located else None
+            package_is_library[top] = _library(package) if package is not None and located else None
         library = package_is_library[top]
         if library or (library is None and _library(module)):
             continue
@@ -782,10 +784,10 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]], scan: ModuleScan
                     _function_slots(value, f"{mod_name}.{key}", out, seen, is_group)
             elif _holds(value, is_group):
                 seen.add(id(value))
-                out.append(_Slot(f"{mod_name}.{key}", lambda d=d, k=key: d[k],
-                                 lambda v, d=d, k=key: d.__setitem__(k, v)))
-    for i, fn in enumerate(functions):
-        target = fn.__func__ if isinstance(fn, types.MethodType) else fn
+                out.append(_Slot(f"{mod_name}.{key}", functools.partial(operator.getitem, d, key),
+                                 functools.partial(operator.setitem, d, key)))
+    for i, step_fn in enumerate(functions):
+        target = step_fn.__func__ if isinstance(step_fn, types.MethodType) else step_fn
         if isinstance(target, types.FunctionType):
             _function_slots(target, f"step function {i} ({target.__qualname__})", out, seen, is_group)
     if objects:
@@ -835,7 +837,7 @@ def held_in_frames(groups: Iterable[dist.ProcessGroup]) -> list[str]:
         if _user_file(code.co_filename):
             for name, value in list(f.f_locals.items()):
                 if _holds(value, match):
-                    held = [g.group_name for g in targets.values() if _holds(value, lambda x, g=g: x is g)]
+                    held = [g.group_name for g in targets.values() if _holds(value, functools.partial(operator.is_, g))]
                     out.append(f"retired group {', '.join(held)} is held by local variable {name!r} of "
                                f"{code.co_name} ({code.co_filename}:{f.f_lineno}) and cannot be rebound; "
                                "keep groups in a module global, a closure or session.groups")

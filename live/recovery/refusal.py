@@ -93,5 +93,5 @@ def install() -> None:
         sys.stderr.flush()
         return None
 
-    hook._meshpact_refusal = True  # type: ignore[attr-defined]
+    hook._meshpact_refusal = True  # type: ignore[attr-defined]  # a mark on the function: the hook is ours
     sys.excepthook = hook

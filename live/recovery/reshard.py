@@ -408,7 +408,7 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
     world = after.world
     order = list(before.alive)  # sources in old rank order: a new shard's rows come in this order
 
-    def rows(p: tuple[int, int]) -> int:
+    def row_count(p: tuple[int, int]) -> int:
         return p[1] - p[0]
 
     def first_row(k: str, j: int) -> int:
@@ -428,11 +428,11 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
                 at = offsets[k][before.alive.index(r)] + a - first_row(k, me)
                 out[k].narrow(0, at, b - a).copy_(mine[r][k].detach().narrow(0, a, b - a))
     # every rank's round buffers per key (what it sends plus what it receives), the same table on every rank
-    costs = [[sum(nbytes(r, k, rows(piece(r, k, j))) for r in order if holder[r] == i for j in range(world) if j != i)
-              + sum(nbytes(r, k, rows(piece(r, k, i))) for r in order if holder[r] != i) for i in range(world)]
+    costs = [[sum(nbytes(r, k, row_count(piece(r, k, j))) for r in order if holder[r] == i for j in range(world) if j != i)
+              + sum(nbytes(r, k, row_count(piece(r, k, i))) for r in order if holder[r] != i) for i in range(world)]
              for k in rows_keys]
-    for keys in plan_rounds(costs, round_bytes):
-        batch = [rows_keys[x] for x in keys]
+    for round_keys in plan_rounds(costs, round_bytes):
+        batch = [rows_keys[x] for x in round_keys]
         send_parts: list[torch.Tensor] = []
         send_sizes = [0] * world
         for j in range(world):
@@ -445,7 +445,7 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
                         send_parts.append(mine[r][k].detach().narrow(0, a, b - a).contiguous().reshape(-1)
                                           .view(torch.uint8))
                         send_sizes[j] += send_parts[-1].numel()
-        recv_sizes = [0 if i == me else sum(nbytes(r, k, rows(piece(r, k, me))) for r in order if holder[r] == i
+        recv_sizes = [0 if i == me else sum(nbytes(r, k, row_count(piece(r, k, me))) for r in order if holder[r] == i
                                             for k in batch) for i in range(world)]
         send = torch.cat(send_parts) if send_parts else torch.zeros(0, dtype=torch.uint8)
         del send_parts

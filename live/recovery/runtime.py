@@ -304,6 +304,7 @@ class Resilient:
         self.heartbeat: Heartbeat | None = None
         self.peers: peers.PeerCopier | None = None
         if session.peer_server is not None:
+            assert session.config.peer_copies is not None  # start_session settled it (RecoveryConfig.for_world)
             self.peers = peers.PeerCopier(session.rank, session.world_size, session.config.peer_copies,
                                           session.control, session.peer_server, session.config.peer_copy_timeout_s,
                                           session.config.peer_copy_depth, ops=session.ops)
@@ -311,7 +312,7 @@ class Resilient:
         self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
         self.t_attempt: float | None = None  # when the running attempt of the step started
         self.build = build
-        self.on_rank_loss = on_rank_loss
+        self.on_rank_loss: Policy = on_rank_loss
         self.min_ranks = min_ranks
         self.membership = Membership(session.world_size, session.members)
         self.weight: GradientWeight | None = None  # set on the model after the first excision
@@ -505,7 +506,8 @@ class Resilient:
         """Operations per live group: the backends' sequence numbers, plus the dispatch-mode
         counts (under ``dispatch:``) when that counter is on."""
         device = self.session.spec.device
-        out = {pg.group_name: comm.sequence_number(comm.backend_of(pg, device)) for pg in self.session.groups.values()}
+        out: dict[str, int] = {pg.group_name: comm.sequence_number(comm.backend_of(pg, device))
+                               for pg in self.session.groups.values()}
         if self.counter is not None:
             out.update({f"dispatch:{k}": v for k, v in self.counter.snapshot().items()})
         return out

@@ -379,7 +379,7 @@ class Session:
         """The names of the job's data-path groups now: c10d's and the current generation's."""
         import torch.distributed.distributed_c10d as c10d
 
-        names = {pg.group_name for pg in list(c10d._world.pg_map)}
+        names: set[str] = {pg.group_name for pg in list(c10d._world.pg_map)}
         if self.current is not None:
             names.update(pg.group_name for pg in self.current.groups.values())
         return names
@@ -495,7 +495,7 @@ def build_mesh_groups(spec: comm.GroupSpec, store: Any, generation: int, shape: 
     coords = [int(c) for c in (mesh == spec.rank).nonzero()[0]]
     out = {}
     for dim in range(len(shape)):
-        index = list(coords)
+        index: list[Any] = list(coords)
         index[dim] = slice(None)
         ranks = tuple(int(r) for r in mesh[tuple(index)].tolist())
         base = _dim_base(names, dim, ranks)
@@ -606,6 +606,7 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     session.start_view = (last_round, generation)
     session.job_key = key
     session.ops = device.device_ops(choice.device)
+    assert config.peer_copies is not None  # RecoveryConfig.for_world settled it
     if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
         from . import peers
 
@@ -614,8 +615,8 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         session.host = os.environ.get(peers.HOST_ENV, session.peer_server.addr)
         peers.publish(control, peers.PeerAddress(rank, session.host, session.peer_server.addr,
                                                  session.peer_server.port, incarnation))
-    session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation,
-                 **({"device": session_said} if session_said else {}))
+    said: dict[str, Any] = {"device": session_said} if session_said else {}
+    session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation, **said)
     if incarnation == 0:
         # every rank is here before any group connects: group creation bounds connecting, not a
         # peer still starting (imports under load), which the store connect bound covers

@@ -288,7 +288,7 @@ def global_chunks(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[st
     return out
 
 
-def load_buffers(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def load_buffers(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
     """Copy the ``buffer/...`` entries of ``state`` into the model's buffers in place (those it has)."""
     with torch.no_grad():
         for name, buf in model_buffers(model).items():
@@ -348,7 +348,8 @@ def _like(param: torch.Tensor, local: torch.Tensor, copy: bool = True) -> torch.
     """A DTensor with ``param``'s mesh and placements holding ``local`` (a copy of it unless ``copy`` is off)."""
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local.clone() if copy else local, param.device_mesh, param.placements, run_check=False,
+    mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]  # a sharded parameter's data (a DTensor, or a subclass that has both)
+    return DTensor.from_local(local.clone() if copy else local, mesh, placements, run_check=False,
                               shape=param.shape, stride=param.stride())
 
 
@@ -359,7 +360,7 @@ def digest(state: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}".encode())
         # a copy: exporting a tensor's own storage to numpy would make it non-resizable,
         # which breaks FSDP's freeing of unsharded buffers
-        h.update(t.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())
+        h.update(t.detach().reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())  # type: ignore[arg-type]  # an ndarray exports the buffer protocol; numpy's stubs omit __buffer__
     return h.hexdigest()
 
 
@@ -902,8 +903,8 @@ def _restore_values(parts: OptimizerParts, values: tuple[tuple[str, Any], ...]) 
     for where, value in values:
         head, _, rest = where.partition("/")
         if head == "sd":
-            i, _, path = rest.partition("/")
-            by_sd.setdefault(int(i), []).append((path, value))
+            index, _, path = rest.partition("/")
+            by_sd.setdefault(int(index), []).append((path, value))
             continue
         i, j, key = int(head), *rest.split("/", 1)
         o = parts.by_param[i] if i < len(parts.by_param) else None
@@ -914,8 +915,8 @@ def _restore_values(parts: OptimizerParts, values: tuple[tuple[str, Any], ...]) 
         slot = o.state.get(params[int(j)]) if int(j) < len(params) else None
         if slot:  # a slot made here would stop the optimizer's own lazy initialisation of the rest
             slot[key] = copy.deepcopy(value)
-    for i, saved in by_sd.items():
-        o = parts.by_state_dict[i]
+    for sd_index, saved in by_sd.items():
+        o = parts.by_state_dict[sd_index]
         sd = o.state_dict()
         for path, value in saved:
             _put(sd, path, copy.deepcopy(value), type(o).__qualname__)

@@ -126,14 +126,14 @@ def _static_check(path: Path, ranks: int) -> MeshSpec:
         raise WorkloadError(f"{where}: cannot be read ({exc})") from None
     defs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
     for name, params in _FUNCTIONS.items():
-        node = defs.get(name)
-        if node is None:
+        fn_node = defs.get(name)
+        if fn_node is None:
             raise WorkloadError(f"{where}: missing function {name}({', '.join(params)}); a workload defines "
                                 "build(mesh), batch(step, rank) and train_step(model, optimizer, batch)")
-        positional = [a.arg for a in (*node.args.posonlyargs, *node.args.args)]
-        required = len(positional) - len(node.args.defaults)
-        if required > len(params) or (len(positional) < len(params) and node.args.vararg is None):
-            raise WorkloadError(f"{where}:{node.lineno}: {name} takes ({', '.join(positional)}); expected "
+        positional = [a.arg for a in (*fn_node.args.posonlyargs, *fn_node.args.args)]
+        required = len(positional) - len(fn_node.args.defaults)
+        if required > len(params) or (len(positional) < len(params) and fn_node.args.vararg is None):
+            raise WorkloadError(f"{where}:{fn_node.lineno}: {name} takes ({', '.join(positional)}); expected "
                                 f"{name}({', '.join(params)})")
     mesh = MeshSpec.one_d(ranks)
     for node in tree.body:

@@ -207,10 +207,10 @@ def serve(cfg: Mapping[str, Any], layout: Any) -> dict:
         finished = []
         for j, s in enumerate(batch):
             accepted.append(k[j])
-            got = [*d[j, :k[j]].tolist(), nxt[j]]
+            tokens = [*d[j, :k[j]].tolist(), nxt[j]]
             rid = rid_of[s]
             keep = cfg["output_tokens"] - len(outputs[rid])
-            outputs[rid] += got[:keep]
+            outputs[rid] += tokens[:keep]
             if req == "logprob":
                 logprobs[rid] += [float(x) for x in lp[j, :k[j] + 1][:keep]]
             pos[s] += k[j] + 1

@@ -109,9 +109,9 @@ class TrialResult:
         lost), and a rank that waited inside one stage for a slower rank's earlier stage is not
         counted twice, as a sum of per-stage maxima over ranks would."""
         by_gen: dict[int, list[dict]] = {}
-        ends: dict[int, dict[tuple[EventKind, Stage], float]] = {}  # gen -> (event kind, stage) -> last rank's end
+        ends: dict[int, dict[tuple[EventKind | str, Stage], float]] = {}  # gen -> (event kind, stage) -> last rank's end
 
-        def ended(gen: int, key: tuple[EventKind, Stage], t: float) -> None:
+        def ended(gen: int, key: tuple[EventKind | str, Stage], t: float) -> None:
             mine = ends.setdefault(gen, {})
             mine[key] = max(mine.get(key, t), t)
 

@@ -125,7 +125,7 @@ def excision_drill(args: JsonObject) -> JsonObject:
             workload.train_step(model, optimizer, share.batch)
         if due:
             lost = due[0].rank
-            held = {lost: _fetch(session.store, spec.run_id, lost, step)} \
+            held: dict[int, Mapping[str, torch.Tensor]] = {lost: _fetch(session.store, spec.run_id, lost, step)} \
                 if _holder(membership, lost) == me else {}
             generation += 1
             committed = capture_schedule(optimizer, schedulers)
@@ -142,7 +142,7 @@ def excision_drill(args: JsonObject) -> JsonObject:
             model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
             shape = out.shape
             schedulers = carry_schedule(committed, optimizer)
-            if objects:  # the lost rank's objects continue here, from its copy's positions
+            if objects and workload.state is not None:  # the lost rank's objects continue here, from its copy's positions
                 adopt_objects(objects, out.departed, workload.state)
             weight = GradientWeight(model)
             records.append(out.record.to_dict())

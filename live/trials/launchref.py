@@ -58,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     random.seed(rank)  # as the example seeds them: every generator is in the state compared
     numpy.random.seed(rank)
+    assert dist.group.WORLD is not None  # the process group is up
     model, optimizer = build(DeviceMesh.from_group(dist.group.WORLD, "cpu"))
     for step in range(args.excise_at):
         train_step(model, optimizer, batch(step, rank))

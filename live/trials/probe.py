@@ -26,6 +26,8 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Mapping
 
+from meshpact.core.jsonform import JsonValue
+
 if TYPE_CHECKING:
     from ..recovery.checkpoint import AsyncCheckpointStats
 
@@ -33,7 +35,7 @@ __all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe", "f
            "ProbeArgs", "RebindAudit", "RebindResult", "SiteAudit", "SiteAuditResult", "TorchftResult",
            "CheckpointResult"]
 
-JsonArgs = Mapping[str, object]  # a probe's arguments as the launcher hands them over (JSON)
+JsonArgs = Mapping[str, JsonValue]  # a probe's arguments as the launcher hands them over (JSON)
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class ProbeArgs:
     steps: int | None = None
     data_timeout_s: float | None = None
     timeout_s: float | None = None
-    model: Mapping[str, object] = field(default_factory=dict)
+    model: Mapping[str, JsonValue] = field(default_factory=dict)
     skip_sites: tuple[str, ...] = ()
     mesh_shape: tuple[int, ...] = ()
     mesh_names: tuple[str, ...] = ()
@@ -56,9 +58,9 @@ class ProbeArgs:
         unknown = sorted(set(args) - known)
         if unknown:
             raise ValueError(f"unknown probe argument(s) {unknown}; expected some of {sorted(known)}")
-        seqs = {k: tuple(args[k]) for k in ("skip_sites", "mesh_shape", "mesh_names")  # type: ignore[arg-type]
+        seqs = {k: tuple(args[k]) for k in ("skip_sites", "mesh_shape", "mesh_names")
                 if args.get(k) is not None}
-        return cls(**{**args, **seqs})  # type: ignore[arg-type]
+        return cls(**{**args, **seqs})
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,7 @@ def rebind_probe(raw: JsonArgs) -> dict[str, object]:
 
     args = ProbeArgs.of(raw)
     session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 10.0, checkpoint_dir=None, peer_copies=0))
-    cfg = ModelConfig(**args.model)  # type: ignore[arg-type]
+    cfg = ModelConfig(**args.model)
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
     counter = OpCounter()
@@ -175,10 +177,10 @@ def rebind_probe(raw: JsonArgs) -> dict[str, object]:
             report = rebind(old, new, model, optimizer, [session.mesh], skip=args.skip_sites, scan=scan)
             c10d_default(new)
             t2 = time.perf_counter()
-            session.groups[comm.WORLD] = new
+            session.groups[comm.WORLD] = new  # type: ignore[index]  # the probe swaps WORLD in place: a rebind of the one group
             old_name, ops_at_rebind = old.group_name, counter.counts.get(old.group_name, 0)
             old_backend = old._get_backend(torch.device("cpu"))
-            seq_at_rebind = old_backend._get_sequence_number_for_group()
+            seq_at_rebind = old_backend._get_sequence_number_for_group()  # type: ignore[attr-defined]  # private, not in the stub
             ref = weakref.ref(old)
             del old
             gc.collect()
@@ -188,7 +190,7 @@ def rebind_probe(raw: JsonArgs) -> dict[str, object]:
             t4 = time.perf_counter()
             train_step(make_batch(cfg, step, session.rank))
             step += 1
-            seq_after = old_backend._get_sequence_number_for_group() - seq_at_rebind
+            seq_after = old_backend._get_sequence_number_for_group() - seq_at_rebind  # type: ignore[attr-defined]  # (as above)
             del old_backend
             after = [p for p, g in find_references(default_roots(model, optimizer)) if g.group_name == old_name]
             try:
@@ -207,7 +209,7 @@ def rebind_probe(raw: JsonArgs) -> dict[str, object]:
                         comm.can_reconfigure(session.group)).to_dict()
 
 
-def _stale(model: Any, optimizer: Any, meshes: list[Any], old: Mapping[str, object]) -> list[str]:
+def _stale(model: Any, optimizer: Any, meshes: list[Any], old: Mapping[str, Any]) -> list[str]:
     """Everything that still leads to a retired group: object paths, name paths, and names c10d
     still resolves."""
     import torch.distributed.distributed_c10d as c10d
@@ -263,6 +265,7 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
         clean = _stale(model, optimizer, meshes, old)
         backends = [comm.backend_of(g, session.spec.device) for g in old.values()]
         seq0 = [comm.sequence_number(b) for b in backends]
+        assert session.current is not None  # the session's first generation is built at its start
         session.advance(replace(session.current, number=gen, groups=new))
         del old
         step += 1
@@ -310,7 +313,7 @@ def checkpoint_probe(raw: JsonArgs) -> dict[str, object]:
 
     args = ProbeArgs.of(raw)
     session = start_session(RecoveryConfig(data_timeout_s=30.0, checkpoint_dir=None, peer_copies=0))
-    cfg = ModelConfig(**args.model)  # type: ignore[arg-type]
+    cfg = ModelConfig(**args.model)
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
     steps = args.steps or 20
@@ -321,7 +324,9 @@ def checkpoint_probe(raw: JsonArgs) -> dict[str, object]:
         train_step(make_batch(cfg, 1 + i, session.rank))
         plain.append(time.perf_counter() - t0)
     scratch = None if args.dir else tempfile.mkdtemp(prefix="meshpact-async-ckpt-")
-    ckpt = AsyncCheckpointer(args.dir or scratch, session.rank)
+    ckpt_dir = args.dir or scratch
+    assert ckpt_dir is not None  # a scratch folder where none is given
+    ckpt = AsyncCheckpointer(ckpt_dir, session.rank)
     with_ckpt = []
     for i in range(steps):
         t0 = time.perf_counter()
@@ -372,7 +377,7 @@ def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
     cfg = ModelConfig()
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
-    seconds = float(raw.get("seconds", 60.0))  # type: ignore[arg-type]
+    seconds = float(raw.get("seconds", 60.0))
     t0 = time.time()
     steps = 0
     with resilient(model, optimizer, session, batches=lambda st: make_batch(cfg, st, session.rank)) as rt:

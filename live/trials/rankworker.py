@@ -187,9 +187,9 @@ def worker(args: JsonObject) -> JsonObject:
                 return RankOutcome(rank, workload_error=str(exc)).to_dict()
             step_s.append(time.perf_counter() - t0)
             if paced:
-                world = session.group
+                pg = session.group
                 session.emit(EventKind.STEP, step=rt.committed_step, generation=session.generation,
-                             group=world.group_name, seq=comm.sequence_number(comm.backend_of(world, session.spec.device)),
+                             group=pg.group_name, seq=comm.sequence_number(comm.backend_of(pg, session.spec.device)),
                              seconds=step_s[-1])
         t_caught_up = time.time()
         if args.get("drill") and refused is None and left is None:

@@ -388,8 +388,8 @@ def _run_trial(cfg: TrialConfig, workload: str, recording_path: str | os.PathLik
                              replacements, str(recording_path), cold_launch, faulted_events, excision,
                              ckpt_baseline, cold_replays if cold is not None else None,
                              _replacement_start(cfg, warm_replacements))
-        for r in result.recoveries():
-            rec.emit(EventKind.RECOVERED, data=r)
+        for recovered in result.recoveries():
+            rec.emit(EventKind.RECOVERED, data=recovered)
         rec.emit(EventKind.SUMMARY, data=result.summary())
     return result
 

@@ -28,5 +28,5 @@ def control_plane(
     raise typer.Exit(run(options))
 
 
-def register(groups) -> None:  # type: ignore[no-untyped-def]
+def register(groups) -> None:
     groups.root.command("control-plane")(control_plane)

@@ -14,7 +14,7 @@ def launch(ctx: typer.Context) -> None:
     raise typer.Exit(main(list(ctx.args)))
 
 
-def register(groups) -> None:  # type: ignore[no-untyped-def]
+def register(groups) -> None:
     # every argument is torchrun's parser's (help included): nothing is parsed here
     groups.root.command("launch", add_help_option=False,
                         context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch)

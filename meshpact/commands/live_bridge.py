@@ -22,7 +22,7 @@ __all__ = ["register"]
 
 def bridge(
     request: LiveRequest = typer.Option(..., "--request", help="What the consumer domain reads."),
-    preset: PresetName = typer.Option(PresetName.TINY, "--preset", help="Sizes: tiny, or Qwen3-14B's real dimensions."),
+    preset: PresetName = typer.Option(PresetName("tiny"), "--preset", help="Sizes: tiny, or Qwen3-14B's real dimensions."),
     record: Optional[Path] = typer.Option(None, "--record", help="JSONL recording path "
                                           "[default: recordings/bridge-<request>-<preset>.jsonl]"),
     per_domain: int = typer.Option(2, "--ranks-per-domain", min=1, max=8, help="Ranks in each of the two domains."),

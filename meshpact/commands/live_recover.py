@@ -10,7 +10,7 @@ prints the stage table (or, with ``--json``, one JSON document).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 import typer
 
@@ -63,7 +63,7 @@ def recover(
     from meshpact.live.trials.trial import run_trial
     from meshpact.live.trials.trialconfig import TrialConfig
 
-    cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind.value,
+    cfg = TrialConfig(ranks=ranks, steps=steps, faults=faults, fault_kind=fault_kind,
                       checkpoint_every=min(10, steps) if checkpoint_every is None else checkpoint_every,
                       data_timeout_s=data_timeout,
                       baselines=baselines, **_fault_lengths(data_timeout),
@@ -86,7 +86,12 @@ def recover(
         raise typer.Exit(1)
 
 
-def _fault_lengths(data_timeout: float | None) -> dict[str, float]:
+class _FaultLengths(TypedDict, total=False):
+    stall_s: float
+    down_s: float
+
+
+def _fault_lengths(data_timeout: float | None) -> _FaultLengths:
     """A stall and a partition that outlast a set data-path timeout (the trial's own lengths,
     past the heartbeat's bound, when the timeout follows the job)."""
     if data_timeout is None:

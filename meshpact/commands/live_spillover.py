@@ -69,11 +69,11 @@ def spillover(
     models = parse_list(model, "--model", _MODELS)
     concs = parse_list(concurrency, "--concurrency", integer=True)
     reqs = parse_list(request, "--request", REQUESTS)
-    deployment, compile_mode = deployment.value, compile_mode.value
+    deployment_name, compile_name = deployment.value, compile_mode.value
     if speculative:
         if request == "full,logprob,token,owner_token":  # the default: the requests speculation has
             reqs = list(SPECULATIVE_REQUESTS)
-        SpilloverConfig(deployment=deployment, gamma=speculative, request=reqs[-1])  # refuses what cannot run
+        SpilloverConfig(deployment=deployment_name, gamma=speculative, request=reqs[-1])  # refuses what cannot run
         bad = [r for r in reqs if r not in SPECULATIVE_REQUESTS]
         if bad:
             raise MeshpactError(f"--speculative with --request {','.join(bad)}: expected "
@@ -83,8 +83,8 @@ def spillover(
         raise MeshpactError(f"meshpact live spillover: {why}")
     base = SpilloverConfig(output_tokens=output_tokens, local_slots=local_slots, remote_slots=remote_slots,
                            gbit_per_s=link_gbps, delay_ms=link_delay_ms, concurrency=min(concs),
-                           requests=requests_per_client * min(concs), deployment=deployment,
-                           gamma=speculative, compile=compile_mode, work_dir=work_dir)
+                           requests=requests_per_client * min(concs), deployment=deployment_name,
+                           gamma=speculative, compile=compile_name, work_dir=work_dir)
     rows = measure(models, concs, reqs, pairs, base, requests_per_client,
                          progress=lambda msg: err_console.print(f"[dim]{msg}[/dim]"))
     if as_json:
@@ -100,7 +100,7 @@ def spillover(
     from rich.console import Console
 
     wide = Console(width=max(console.width, 170))  # a wide table: keep every cell whole
-    where = (f"{local_slots} local + {remote_slots} remote slots" if deployment == "requests"
+    where = (f"{local_slots} local + {remote_slots} remote slots" if deployment_name == "requests"
              else "decoder split by layers: host 1 the first, host 2 the rest and the LM head")
     wide.print(table(f"two hosts over a {link_gbps:g} Gbit/s veth (tc tbf), {pairs} pair(s) per row, {where}",
                      COLUMNS, table_rows(rows)))

@@ -172,7 +172,7 @@ def _fleet(scenario: str, from_airesim: Path | None, policy: str, seed: int | No
                   f"{f.failures_per_server_day:g} failures per server-day, {f.bad_fraction:.0%} bad at "
                   f"{1 + f.bad_multiplier:g}x", highlight=False)
     res = list(comp.results.values())
-    rows = [
+    rows: list[list[Any]] = [
         ["recovery per failure (s)", *[f"{r.charge.downtime_s:.1f}" for r in res]],
         ["replications", *[f"{len(r.runs)}" + ("" if r.converged else " (cap)") for r in res]],
         ["time to finish (h)", *[f"{r.finish_h.mean:,.0f} ± {r.finish_h.half_width:,.0f}" for r in res]],
@@ -276,7 +276,7 @@ def serving(
     console.print(f"{p.model}: {p.request.value} request, concurrency {p.concurrency}, link {p.link_gbit_per_s:g} Gbit/s, "
                   f"{deployment.value} deployment" + (f", speculative gamma {p.gamma} alpha {p.alpha:g}" if p.gamma else ""))
     d = r.to_dict()
-    rows = [["throughput (tok/s)", f"{r.throughput_tok_s:.1f}"], ["latency p50 (s)", f"{r.latency_s['p50']:.3f}"],
+    rows: list[list[Any]] = [["throughput (tok/s)", f"{r.throughput_tok_s:.1f}"], ["latency p50 (s)", f"{r.latency_s['p50']:.3f}"],
             ["latency p99 (s)", f"{r.latency_s['p99']:.3f}"], ["result bytes", r.result_bytes],
             ["startups", r.startups], ["spilled requests", f"{r.spilled} of {r.requests}"],
             ["link utilisation", f"{d['link_utilization']:.2%}"], ["tokens per target pass", f"{r.tokens_per_target_pass:.3f}"]]

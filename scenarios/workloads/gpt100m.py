@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 VOCAB, DIM, HEADS, LAYERS, SEQ, BATCH, DROPOUT, SEED, LR, WARMUP = 16384, 768, 12, 12, 16, 1, 0.1, 2024, 3e-4, 10
 
-SCHED = None  # the warm-up of the optimizer build() made last
+SCHED: torch.optim.lr_scheduler.LinearLR | None = None  # the warm-up of the optimizer build() made last
 
 
 class Block(nn.Module):
@@ -77,6 +77,7 @@ def train_step(model, optimizer, batch: torch.Tensor) -> float:
     loss = F.cross_entropy(logits.reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
     loss.backward()
     optimizer.step()
+    assert SCHED is not None, "build() makes the scheduler before the first step"
     SCHED.step()
     optimizer.zero_grad(set_to_none=True)
     return float(loss.detach())

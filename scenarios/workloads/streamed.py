@@ -11,6 +11,8 @@ recovered rank reads neither a batch twice nor one too few.
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -30,7 +32,7 @@ class Stream:
                                generator=torch.Generator().manual_seed(CONFIG.seed))
         self.loader = StatefulDataLoader(corpus, batch_size=CONFIG.batch, shuffle=True, drop_last=True,
                                          generator=torch.Generator().manual_seed(CONFIG.seed + 7919 * rank))
-        self._it = None
+        self._it: Iterator[torch.Tensor] | None = None
 
     def next(self) -> torch.Tensor:
         if self._it is None:

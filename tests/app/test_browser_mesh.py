@@ -57,7 +57,9 @@ def _typed_failed(pg) -> frozenset[int]:  # noqa: ANN001
 def _rebuilt(pg) -> int:  # noqa: ANN001
     """How many ranks in-memory rebind rebuilds, as the comparison's caption says."""
     text = pg.get_by_text("In-memory rebind rebuilds the communicators", exact=False).inner_text()
-    return int(re.search(r"belonged to \(([\d,]+) ranks\)", text).group(1).replace(",", ""))
+    found = re.search(r"belonged to \(([\d,]+) ranks\)", text)
+    assert found is not None, text
+    return int(found.group(1).replace(",", ""))
 
 
 def _page_xy(pg, i: int, ident: int) -> tuple[float, float]:  # noqa: ANN001

@@ -18,12 +18,12 @@ import plotly.io
 from meshpact.app.components import apply_pick, read_pick
 from meshpact.app.figures import mesh_figure, mesh_scene, node_scene, nodes_of
 from meshpact.app.state import ranks_in_event
-from meshpact.core.facts import Domain, Mesh
+from meshpact.core.facts import Domain, Mesh, Vendor
 
 # Three domains of uneven sizes on two hosts; two bridge ranks set away from the ends of their domains.
-MESH = Mesh(domains=(Domain("cuda@hostA", "cuda", "hostA", tuple(range(0, 300)), bridge_rank=7),
-                     Domain("cann@hostB", "cann", "hostB", tuple(range(300, 701)), bridge_rank=650),
-                     Domain("cpu@hostB", "cpu", "hostB", tuple(range(701, 714)))))
+MESH = Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(0, 300)), bridge_rank=7),
+                     Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(300, 701)), bridge_rank=650),
+                     Domain("cpu@hostB", Vendor.CPU, "hostB", tuple(range(701, 714)))))
 
 _DTYPES = {"i1": np.int8, "i2": np.int16, "i4": np.int32, "u1": np.uint8, "u2": np.uint16, "u4": np.uint32,
            "f4": np.float32, "f8": np.float64, "i8": np.int64}
@@ -89,8 +89,8 @@ def test_no_marker_style_is_set_point_by_point():
 
 
 def test_a_failed_rank_stays_visible_among_16384_ranks():
-    big = Mesh(domains=(Domain("cuda@podA", "cuda", "podA", tuple(range(8192))),
-                        Domain("cann@podB", "cann", "podB", tuple(range(8192, 16384)))))
+    big = Mesh(domains=(Domain("cuda@podA", Vendor.CUDA, "podA", tuple(range(8192))),
+                        Domain("cann@podB", Vendor.CANN, "podB", tuple(range(8192, 16384)))))
     spec = _sent(mesh_figure(big, failed=[9999]))
     healthy = max(t["marker"]["size"] for t in _markers(spec) if t.get("name") != "failed")
     failed = next(t for t in spec["data"] if t.get("name") == "failed")
@@ -131,7 +131,7 @@ def test_the_scene_key_names_its_content():
     fewer = Mesh(domains=MESH.domains[:2])
     keys = {mesh_scene(m).key for m in (MESH, moved, fewer)}
     assert len(keys) == 3
-    small = Mesh(domains=(Domain("a", "cuda", "h", (0, 1)),))
+    small = Mesh(domains=(Domain("a", Vendor.CUDA, "h", (0, 1)),))
     assert mesh_scene(small).labelled and mesh_scene(small).kind == "ranks"
 
 

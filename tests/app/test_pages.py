@@ -241,7 +241,9 @@ def _perfetto(at: AppTest) -> str:
 
     buttons = [b for b in at.get("download_button") if "Perfetto" in b.proto.label]
     assert len(buttons) == 1
-    return perfetto_json(read_recording(at.selectbox(key="replay_recording").value))
+    shown = at.selectbox(key="replay_recording").value
+    assert shown is not None
+    return perfetto_json(read_recording(shown))
 
 
 def test_mesh_failures_replay_through_the_cost_model():

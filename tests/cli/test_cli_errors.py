@@ -6,16 +6,18 @@ option added later is covered without a new test.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import typer.main
 
 from meshpact.cli import COMMANDS, build, choices_of, main
 
 
-def _declared_options() -> list[tuple[tuple[str, ...], object]]:
-    out = []
+def _declared_options() -> list[tuple[tuple[str, ...], Any]]:
+    out: list[tuple[tuple[str, ...], Any]] = []
     for spec in COMMANDS:
-        cmd = typer.main.get_command(build(list(spec.path)))
+        cmd: Any = typer.main.get_command(build(list(spec.path)))
         for word in spec.path:
             cmd = cmd.commands[word]
         out += [(spec.path, p) for p in cmd.params if p.param_type_name == "option"]

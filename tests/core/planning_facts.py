@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from meshpact.core.facts import Consumer, Domain, DType, Edge, Mesh, ProducerTensor, Request
+from meshpact.core.facts import Consumer, Domain, DType, Edge, Mesh, ProducerTensor, Request, Vendor
 from meshpact.core.placement import Partial, Replicate, Shard
 
 
 def two_domain_mesh(n: int = 3, m: int = 2, same_host: bool = False, bridges: tuple[int, int] = (0, 0)) -> Mesh:
     host = "A" if same_host else "B"
-    return Mesh(domains=(Domain("cuda@A", "cuda", "A", tuple(range(n)), bridge_rank=bridges[0]),
-                         Domain(f"cann@{host}", "cann", host, tuple(range(n, n + m)), bridge_rank=n + bridges[1])))
+    return Mesh(domains=(Domain("cuda@A", Vendor.CUDA, "A", tuple(range(n)), bridge_rank=bridges[0]),
+                         Domain(f"cann@{host}", Vendor.CANN, host, tuple(range(n, n + m)), bridge_rank=n + bridges[1])))
 
 
 def edge(placement, request, *, cross=True, consumers=None, shape=(6, 10), n=3, m=2, exact=False, owners=None,
@@ -41,7 +41,7 @@ def random_edges(draw) -> Edge:
     two_d = request.reads_logits or draw(st.booleans())
     if two_d:
         rows = draw(st.integers(1, 7))
-        shape = (rows, draw(st.integers(rows if request is Request.OWNER_TOKEN else 1, 11)))
+        shape: tuple[int, ...] = (rows, draw(st.integers(rows if request is Request.OWNER_TOKEN else 1, 11)))
     else:
         shape = (draw(st.integers(1, 5)), draw(st.integers(1, 4)), draw(st.integers(1, 5)))
     if request is Request.REDUCED:

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from meshpact.core.errors import FactError
-from meshpact.core.facts import Domain, LinkClass, Mesh
+from meshpact.core.facts import Domain, LinkClass, Mesh, Vendor
 from meshpact.core.mesh import (
     CommunicatorKind,
     bridge_after_failure,
@@ -31,9 +31,9 @@ def mesh() -> Mesh:
 
 def _three_domains() -> Mesh:
     return Mesh(domains=(
-        Domain("cuda@hostA", "cuda", "hostA", (0, 1, 2, 3)),
-        Domain("cann@hostA", "cann", "hostA", (4, 5, 6, 7), bridge_rank=6),
-        Domain("cann@hostB", "cann", "hostB", (8, 9)),
+        Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2, 3)),
+        Domain("cann@hostA", Vendor.CANN, "hostA", (4, 5, 6, 7), bridge_rank=6),
+        Domain("cann@hostB", Vendor.CANN, "hostB", (8, 9)),
     ))
 
 
@@ -46,8 +46,8 @@ def test_native_ring_starts_at_the_bridge_rank_and_covers_the_domain():
 
 
 def test_two_rank_ring_is_one_link_and_one_rank_ring_none():
-    assert len(native_ring_links(Domain("d", "cpu", "h", (3, 4)))) == 1
-    assert native_ring_links(Domain("d", "cpu", "h", (3,))) == ()
+    assert len(native_ring_links(Domain("d", Vendor.CPU, "h", (3, 4)))) == 1
+    assert native_ring_links(Domain("d", Vendor.CPU, "h", (3,))) == ()
 
 
 def test_bridge_links_join_bridge_ranks_with_the_right_link_class():
@@ -77,7 +77,7 @@ def test_failed_bridge_rank_breaks_the_bridge_and_hands_over_to_lowest_survivor(
 
 
 def test_a_domain_with_every_rank_failed_has_no_bridge():
-    d = Domain("d", "cpu", "h", (1, 2))
+    d = Domain("d", Vendor.CPU, "h", (1, 2))
     assert bridge_after_failure(d, frozenset({1, 2})) is None
 
 
@@ -94,8 +94,8 @@ def test_failed_rank_outside_the_mesh_is_a_readable_error(mesh):
 @pytest.mark.parametrize("per_domain", [4, 16, 512])
 def test_positions_are_distinct_and_domains_do_not_overlap(per_domain):
     m = Mesh(domains=(
-        Domain("cuda@hostA", "cuda", "hostA", tuple(range(per_domain))),
-        Domain("cann@hostB", "cann", "hostB", tuple(range(per_domain, 2 * per_domain))),
+        Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(per_domain))),
+        Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(per_domain, 2 * per_domain))),
     ))
     pos = rank_positions(m)
     assert set(pos) == set(m.ranks)

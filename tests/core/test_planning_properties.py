@@ -58,7 +58,7 @@ def _mutants(plan: Plan, rng: random.Random, count: int) -> list[Plan]:
         elif how == 2:
             s2.insert(i, st_)
         elif how == 3 and st_.arg("root") is not None:
-            s2[i] = replace(st_, args={**dict(st_.args), "root": rng.choice(st_.ranks)})
+            s2[i] = replace(st_, args=tuple({**dict(st_.args), "root": rng.choice(st_.ranks)}.items()))
         elif how == 4 and st_.kind is StepKind.SEND:
             s2[i] = replace(st_, ranks=(rng.choice(ranks), st_.ranks[1]))
         elif how == 5 and st_.kind is not StepKind.SEND:

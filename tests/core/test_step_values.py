@@ -11,7 +11,7 @@ from meshpact.core.plan import Collective, Plan, Projection, Step, StepKind
 
 
 def test_loose_values_are_coerced_like_typed_ones() -> None:
-    loose = Step("send", "send", [True, 3.0], ["a"], "b", 7, "bfloat16", None, "host_bridge",
+    loose = Step("send", "send", [True, 3.0], ["a"], "b", 7, "bfloat16", None, "host_bridge",  # type: ignore[list-item]  # loose on purpose
                  {"staging_bytes": 4, "chunks": 2, "ids": [5, {"z": [1, 2]}]})
     typed = Step(StepKind.SEND, "send", (1, 3), ("a",), "b", 7, DType.BFLOAT16, None, LinkClass.HOST_BRIDGE,
                  (("chunks", 2), ("ids", (5, (("z", (1, 2)),))), ("staging_bytes", 4)))
@@ -39,7 +39,7 @@ def test_enum_ops_are_accepted_and_args_sorted_by_key() -> None:
 ])
 def test_invalid_steps_are_refused(kind: str, op: object, ranks: tuple[int, ...], error: type) -> None:
     with pytest.raises(error):
-        Step(kind, op, ranks, ("x",), "y", 0, DType.FLOAT32)  # type: ignore[arg-type]
+        Step(kind, op, ranks, ("x",), "y", 0, DType.FLOAT32)  # type: ignore[arg-type]  # invalid on purpose
 
 
 def test_bad_plan_json_names_the_step() -> None:

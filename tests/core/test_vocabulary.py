@@ -8,7 +8,7 @@ import pytest
 
 from meshpact.core.catalog import CATALOG, get_model, load_hf_config
 from meshpact.core.errors import FactError, PlanError, RecordingError, ScenarioError
-from meshpact.core.facts import Consumer, Domain, DType, Edge, LinkClass, Mesh, ProducerTensor, Request
+from meshpact.core.facts import Consumer, Domain, DType, Edge, LinkClass, Mesh, ProducerTensor, Request, Vendor
 from meshpact.core.placement import Partial, Replicate, Shard, parse_placement, shard_bounds
 from meshpact.core.plan import Plan, Step, StepKind, plan_cost
 from meshpact.core.recording import RecordingWriter, iter_events, partial_path, read_recording
@@ -19,9 +19,9 @@ from meshpact.core.scenario import default_scenario, load_scenario, parse_scenar
 def two_domain_mesh() -> Mesh:
     return Mesh(
         domains=(
-            Domain("cuda@A", "cuda", "A", (0, 1)),
-            Domain("cann@B", "cann", "B", (2, 3)),
-            Domain("cpu@A", "cpu", "A", (4,)),
+            Domain("cuda@A", Vendor.CUDA, "A", (0, 1)),
+            Domain("cann@B", Vendor.CANN, "B", (2, 3)),
+            Domain("cpu@A", Vendor.CPU, "A", (4,)),
         )
     )
 
@@ -54,7 +54,7 @@ def test_link_class_follows_domains_and_hosts():
 
 def test_mesh_rejects_rank_in_two_domains():
     with pytest.raises(FactError, match="rank 1 is in both"):
-        Mesh(domains=(Domain("a", "cuda", "A", (0, 1)), Domain("b", "cann", "B", (1, 2))))
+        Mesh(domains=(Domain("a", Vendor.CUDA, "A", (0, 1)), Domain("b", Vendor.CANN, "B", (1, 2))))
 
 
 def test_edge_validation_names_the_field():

@@ -42,7 +42,7 @@ def main() -> None:
     args = p.parse_args()
     step_once = Resilient.step
 
-    def watched(rt: Resilient, train_step, batch):  # type: ignore[no-untyped-def]
+    def watched(rt: Resilient, train_step, batch):
         out = step_once(rt, train_step, batch)
         s = rt.session
         _write(args.out / f"progress-rank{s.rank}.json",
@@ -54,7 +54,7 @@ def main() -> None:
         time.sleep(args.step_s)
         return out
 
-    Resilient.step = watched  # type: ignore[method-assign]
+    Resilient.step = watched  # type: ignore[method-assign, assignment]  # the README's loop, each step watched
     random.seed(int(os.environ["RANK"]))  # generators the loop leaves unseeded but its state holds: two runs compare
     numpy.random.seed(int(os.environ["RANK"]))
     runpy.run_path(str(LOOP), run_name="__main__")

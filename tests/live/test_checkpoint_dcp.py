@@ -16,6 +16,7 @@ import torch
 
 from _warm import shared_forkserver
 from meshpact.live.recovery.checkpoint import Checkpointer
+from meshpact.live.recovery.faults import FaultKind
 from meshpact.live.trials.trial import TrialConfig, run_trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.filterwarnings("ignore:torch.distributed is disabled")]
@@ -103,7 +104,7 @@ def test_a_meshpact_checkpoint_loads_in_a_plain_fsdp2_loop_and_back(tmp_path: Pa
     workload = tmp_path / "flipping.py"
     workload.write_text(_FLIPPING.format(part=str(ckpt_dir / f"step{_FAULT_STEP:08d}" / "rank0"),
                                          done=str(tmp_path / "flipped"), step=_FAULT_STEP))
-    cfg = TrialConfig(ranks=_RANKS, steps=_STEPS, faults=1, fault_kind="kill", checkpoint_every=_EVERY,
+    cfg = TrialConfig(ranks=_RANKS, steps=_STEPS, faults=1, fault_kind=FaultKind.KILL, checkpoint_every=_EVERY,
                       peer_copies=0, baselines=False, workload=str(workload))
     result = run_trial(cfg, work_dir=tmp_path / "trial", forkserver=shared_forkserver(), warm_replacements=True)
     assert (tmp_path / "flipped").exists(), "the workload never flipped the checkpoint's bit"

@@ -126,7 +126,7 @@ def test_consensus_acts_on_no_forged_decision_lost_gone_or_round(job):
     out: dict[int, object] = {}
 
     def one(ch: ControlChannel) -> None:
-        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "d", True), lambda limit: 0,
+        out[ch.rank] = agree(ch, lambda g: Proposal(ch.rank, g, 5, "d", True), lambda limit: 0,
                              timeout_s=2.0).decision
 
     threads = [threading.Thread(target=one, args=(ch,)) for ch in (a, b)]

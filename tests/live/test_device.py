@@ -5,6 +5,7 @@ path: a device synchronize (a hung NCCL kernel would hold it forever)."""
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -323,7 +324,7 @@ def _runtime(cuda: FakeCuda, peers=None, buffers: bool = False):
     from meshpact.live.recovery.runtime import Resilient
 
     model = torch.nn.Linear(3, 2)
-    rt = Resilient.__new__(Resilient)
+    rt: Any = Resilient.__new__(Resilient)
     rt.session = SimpleNamespace(ops=FakeCudaOps(cuda), progress=DeviceProgress(), spec=SimpleNamespace(timeout_s=0.05),
                                  generation=1, config=SimpleNamespace(restore_rng=False))
     rt.model, rt.optimizer, rt.peers = model, _LoggedSGD(model.parameters(), cuda), peers

@@ -3,6 +3,8 @@ progress, look after look; a peer that was not scheduled at all is no evidence."
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
 
 from meshpact.live.recovery.heartbeat import PROGRESS, watch
@@ -105,10 +107,14 @@ def _heartbeat(generation: int, watching: bool):
 
     from meshpact.live.recovery.heartbeat import Heartbeat
 
-    hb = Heartbeat.__new__(Heartbeat)  # no thread, no control channel: the alarm's bookkeeping alone
+    hb: Any = Heartbeat.__new__(Heartbeat)  # no thread, no control channel: the alarm's bookkeeping alone
     severed: list[int] = []
-    hb.session = SimpleNamespace(generation=generation, sever_lock=threading.Lock(),
-                                 sever_data_path=lambda tell_peers: severed.append(generation) or 0)
+
+    def sever(tell_peers: bool) -> int:
+        severed.append(generation)
+        return 0
+
+    hb.session = SimpleNamespace(generation=generation, sever_lock=threading.Lock(), sever_data_path=sever)
     hb.watching, hb.alarm, hb._detected_generation, hb._alarm_lock = watching, None, None, threading.Lock()
     return hb, severed
 
@@ -267,7 +273,7 @@ def test_a_model_built_anew_by_an_excision_warms_up_again_before_any_bound_appli
 
 
 
-def _listening_heartbeat(told: object, running_step: int, data: object = None,
+def _listening_heartbeat(told: object, running_step: int, data: Callable[[], Any] | None = None,
                          data_timeout_s: float = 30.0) -> tuple[object, list[float], object]:
     """A heartbeat whose listener hears ``told`` under its key while its rank runs ``running_step``,
     its data path's byte count read from ``data()`` (None: none to read); each raise is recorded
@@ -279,7 +285,7 @@ def _listening_heartbeat(told: object, running_step: int, data: object = None,
     from meshpact.live.recovery.heartbeat import Heartbeat
 
     raised: list[float] = []
-    hb = Heartbeat.__new__(Heartbeat)
+    hb: Any = Heartbeat.__new__(Heartbeat)
     hb._stop = threading.Event()
     hb.session = SimpleNamespace(generation=3, rank=2,
                                  spec=SimpleNamespace(timeout_s=data_timeout_s))
@@ -487,7 +493,7 @@ def _looking_heartbeat(moved: list[int], looks: int = 8) -> tuple[object, list[t
 
     data = iter(moved)
     calls: list[tuple[str, object, object]] = []
-    hb = Heartbeat.__new__(Heartbeat)
+    hb: Any = Heartbeat.__new__(Heartbeat)
     hb._stop = threading.Event()
 
     def add(key, n):

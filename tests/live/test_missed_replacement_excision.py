@@ -77,7 +77,7 @@ def _rounds(world: int, silent: int, timeout_s: float, *, refusal: str | None, m
     def one(ch: ControlChannel) -> None:
         held = ((silent, 5),) if ch.rank == holder and holder_has_copy else ()
         try:
-            out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True, holds=held, own_steps=(5,)),
+            out[ch.rank] = agree(ch, lambda g: Proposal(ch.rank, g, 5, "x", True, holds=held, own_steps=(5,)),
                                  _latest, max_rounds=1, replacement_rounds=2, peer_copies=1, excise_refusal=refusal).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc

@@ -27,7 +27,7 @@ class _Pair(torch.optim.Optimizer):
         self.inner = {"sgd": torch.optim.SGD(first, lr=0.1, momentum=0.9), "adam": torch.optim.Adam(second, lr=0.01)}
         super().__init__([*first, *second], {})
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a test double: no closure, no loss
         for o in self.inner.values():
             o.step()
 
@@ -124,7 +124,7 @@ def test_a_container_of_the_users_own_is_found_and_its_schedulers_paired_by_plac
 class _Counting(torch.optim.SGD):
     """torch's layout with a number in each parameter's state (as LBFGS keeps its counters)."""
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a test double: no closure, no loss
         super().step()
         for p in self.param_groups[0]["params"]:
             self.state[p]["seen"] = self.state[p].get("seen", 0) + 1
@@ -163,7 +163,7 @@ class _Moments(torch.optim.Optimizer):
         self.count = 0
         self.extra: Any = None
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # a test double: no closure, no loss
         self.count += 1
         with torch.no_grad():
             for m, p in zip(self.moments, (p for g in self.param_groups for p in g["params"])):

@@ -43,7 +43,7 @@ class _ShipLog(PeerCopyCounters):
 
     def __setattr__(self, name: str, value: object) -> None:
         if name == "ship_s" and "ship_s" in self.__dict__:
-            self.ships.append(float(value) - self.ship_s)  # type: ignore[arg-type]
+            self.ships.append(float(value) - self.ship_s)  # type: ignore[arg-type]  # ship_s is a float
         super().__setattr__(name, value)
 
 

@@ -25,7 +25,7 @@ def _group(name: str) -> dist.ProcessGroup:
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
                          dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5)))
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    pg._set_group_name(name)
+    pg._set_group_name(name)  # type: ignore[arg-type]  # c10d's GroupName is a NewType of str
     return pg
 
 

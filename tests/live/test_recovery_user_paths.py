@@ -34,7 +34,8 @@ TIMEOUT_STEP, TIMEOUT_RANK = 1, 1  # no fault is placed at this step
 def _plan(kinds: list[str], per_kind: int) -> tuple[int, list[str]]:
     """Faults of each kind at distinct steps from step 2 (a stall is judged from there), never at the
     step of the user's TimeoutError; ranks and collectives in turn. Returns the steps and the specs."""
-    specs, step = [], 2
+    specs: list[str] = []
+    step = 2
     for i in range(per_kind):
         for kind in kinds:
             rank = (i + len(specs)) % RANKS

@@ -28,7 +28,7 @@ def test_peer_copies_are_kept_by_default_where_the_job_has_peers_and_off_by_one_
     assert RecoveryConfig(peer_copy_depth=1).for_world(4).peer_copy_depth == 1
     for bad in (-1, 1.5, "1"):
         with pytest.raises(TimeoutOrderError, match=r"peer_copies must be 0 or more \(0: none kept\)"):
-            RecoveryConfig(peer_copies=bad)  # type: ignore[arg-type]
+            RecoveryConfig(peer_copies=bad)
 
 
 def test_every_refusal_of_consensus_is_a_recovery_that_cannot_happen():

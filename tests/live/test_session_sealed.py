@@ -13,7 +13,8 @@ from meshpact.live.recovery.session import DataPath, Generation, Session
 
 def _sealed() -> Session:
     s = Session(rank=1, world_size=4, incarnation=0, config=RecoveryConfig(), store=None,
-                store_addr=("127.0.0.1", 0), control=None, mesh_shape=(4,), mesh_names=None,
+                store_addr=("127.0.0.1", 0), control=None,  # type: ignore[arg-type]  # sealed before any channel is read
+                mesh_shape=(4,), mesh_names=None,
                 data_path=DataPath({}, (1234,)))
     spec = comm.GroupSpec("gloo", "cpu", 1, 4, 1.0)
     s.advance(Generation(0, spec, {}, None, (0, 1, 2, 3)))

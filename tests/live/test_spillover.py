@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -59,7 +61,7 @@ def test_a_concurrency_beyond_both_hosts_slots_is_refused():
         SpilloverConfig(concurrency=20, local_slots=4, remote_slots=12)
 
 
-_SMALL = dict(model="moe", concurrency=6, requests=9, output_tokens=6, local_slots=4, remote_slots=4, timeout_s=90)
+_SMALL: dict[str, Any] = dict(model="moe", concurrency=6, requests=9, output_tokens=6, local_slots=4, remote_slots=4, timeout_s=90)
 
 
 @pytest.fixture(scope="module")

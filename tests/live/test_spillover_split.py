@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -119,7 +120,7 @@ def test_a_bad_deployment_is_refused_with_what_was_expected(capsys):
         SpilloverConfig(deployment="pipeline")
 
 
-_LIVE = dict(deployment="model", model="moe", requests=4, output_tokens=5, prompt_tokens=6, timeout_s=120)
+_LIVE: dict[str, Any] = dict(deployment="model", model="moe", requests=4, output_tokens=5, prompt_tokens=6, timeout_s=120)
 
 
 @pytest.fixture(scope="module")

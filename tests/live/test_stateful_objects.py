@@ -3,6 +3,8 @@ with the job state: through a DCP checkpoint and a peer copy, back bit for bit."
 
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -77,7 +79,8 @@ class _Stream:
     """A rank's loader and the iterator reading it (as the shipped ``streamed`` workload keeps one)."""
 
     def __init__(self, rank: int) -> None:
-        self.loader, self._it = _loader(seed=100 + rank), None
+        self.loader = _loader(seed=100 + rank)
+        self._it: Iterator[torch.Tensor] | None = None
 
     def next(self) -> torch.Tensor:
         if self._it is None:

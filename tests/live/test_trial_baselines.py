@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from meshpact.live.recovery.faults import FaultKind
 from meshpact.live.trials.trial import TrialConfig, TrialResult
 
 
 def _result(kind: str) -> TrialResult:
-    cfg = TrialConfig(ranks=2, steps=8, faults=1, checkpoint_every=4, fault_kind=kind, data_timeout_s=0.5, stall_s=1.5, down_s=2.0)
+    cfg = TrialConfig(ranks=2, steps=8, faults=1, checkpoint_every=4, fault_kind=FaultKind(kind), data_timeout_s=0.5, stall_s=1.5, down_s=2.0)
     return TrialResult(cfg, (), [], [], None, {}, True, [], 0, "")
 
 

@@ -141,7 +141,7 @@ def test_excising_model_parts_is_refused_before_anything_starts():
     parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     optimizer = object()  # refused before the optimizer is looked at
     with pytest.raises(ValueError, match=r"model parts are pipeline stages .* use on_rank_loss=Policy.PEER_RESTORE"):
-        Resilient(parts, optimizer, None, build=lambda mesh: (parts, optimizer),  # type: ignore[arg-type]
+        Resilient(parts, optimizer, None, build=lambda mesh: (parts, optimizer),
                   on_rank_loss=Policy.EXCISE)
 
 

@@ -19,7 +19,7 @@ def params(request: str, **kw: object) -> ServingParams:
                 fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(request), consumer_ranks=1,
                 producer_ranks=1, concurrency=3, arrival_rate_per_s=None, output_tokens=10, requests=3)
     base.update(kw)
-    return ServingParams(**base)  # type: ignore[arg-type]
+    return ServingParams(**base)  # type: ignore[arg-type]  # a dict of every field, values of each type
 
 
 def test_without_spillover_a_host_decodes_its_batch_in_lockstep():

@@ -1,0 +1,1 @@
+../../meshpact/__init__.py

@@ -1,0 +1,1 @@
+../../meshpact/cli.py

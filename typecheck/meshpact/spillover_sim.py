@@ -1,0 +1,1 @@
+../../meshpact/spillover_sim.py
