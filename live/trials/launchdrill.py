@@ -52,6 +52,13 @@ class Final:
     def policies(self) -> tuple[str, ...]:
         return tuple(str(r["policy"]) for r in self.recoveries)
 
+    def recovered_by(self, *policies: str) -> bool:
+        """Whether this rank's recoveries were ``policies``, in order, after any number recovered in
+        memory by the same processes: on a loaded machine a step starved of CPU can outlast the
+        heartbeat's stall bound, and that recovery, correct but not the drill's, comes first."""
+        head = self.policies[:len(self.policies) - len(policies)]
+        return self.policies[len(head):] == policies and set(head) <= {"in_memory"}
+
 
 def excised_at(final: Final) -> int | None:
     """The step a survivor's excision took effect at: its failed step less the steps it replayed
@@ -187,10 +194,14 @@ class Job:
         return p
 
     def kill_agent_and(self, workers: Sequence[Progress]) -> None:
-        """A node lost whole: SIGKILL this launcher and ``workers`` at once (nothing stops anything)."""
-        os.kill(self.proc.pid, signal.SIGKILL)
-        for p in workers:
-            os.kill(p.pid, signal.SIGKILL)
+        """A node lost whole: SIGKILL this launcher and ``workers`` at once (nothing stops anything). All are
+        stopped first, so none of them acts on the others' deaths (a worker whose agent died before it, or
+        an agent whose workers did) between two kills."""
+        pids = [self.proc.pid, *(p.pid for p in workers)]
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
         self.proc.wait(10)
 
     def wait(self, timeout_s: float) -> int:

@@ -70,7 +70,7 @@ def test_node_1s_link_cut_and_then_a_worker_killed_there_are_both_recovered_in_m
     # the cut: recovered in memory by the same processes, no node declared lost; the kill: restored
     # from a peer's host memory (the job keeps no checkpoint: nothing in storage to read)
     survivors = [faulted[r] for r in (0, 1, 2)]
-    assert all(f.policies == ("in_memory", "peer_restore") for f in survivors), [f.recoveries for f in survivors]
+    assert all(f.recovered_by("in_memory", "peer_restore") for f in survivors), [f.recoveries for f in survivors]
     assert all("rank 3 <- rank 0" in f.recoveries[-1]["reason"] for f in survivors)  # node 0's copy
     assert all(f.storage_bytes_read == 0 for f in faulted.values())
     assert "is lost" not in node0.log.read_text()

@@ -57,7 +57,7 @@ def test_node_1_lost_with_its_agent_is_taken_by_the_spare_node_and_the_job_ends_
     # ranks 2 and 3 restored from the copies node 0's ranks hold in host memory: no checkpoint to read
     assert all(f.storage_bytes_read == 0 for f in faulted.values())
     kept = [faulted[r] for r in survivors]
-    assert all(f.policies == ("peer_restore",) for f in kept), [f.recoveries for f in kept]
+    assert all(f.recovered_by("peer_restore") for f in kept), [f.recoveries for f in kept]
     holders = [dict(re.findall(r"rank (\d+) <- rank (\d+)", f.recoveries[0]["reason"])) for f in kept]
     assert all(h.keys() == {"2", "3"} and set(h.values()) <= {"0", "1"} for h in holders), holders  # on node 0
     log = node0.log.read_text()

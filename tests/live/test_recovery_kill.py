@@ -71,6 +71,9 @@ def test_a_silent_rank_is_declared_lost_within_the_bound_then_replaced_from_its_
     (injected,) = [e for e in events if e.event == EventKind.FAULT_INJECTED]
     assert declared.rank == injected.rank
     recovery = result.config.recovery()
-    # found by the data path, then max_rounds silent rounds; slack for the channel's round trips and the watch
+    # found by the data path, then declared lost in the last of max_rounds silent rounds: the round is what
+    # the bound promises; in seconds it is 10.2 s in theory, and the channel's round trips and the watch on
+    # a starved machine add to it (20.6 s past the fault at load 20 on two cores, 29.7 s at load 37)
+    assert declared.data["declared_lost_in_round"] == recovery.max_rounds
     bound = recovery.detection_bound_s + loss_bound_s(recovery.consensus_round_s, recovery.max_rounds)
-    assert recovery.consensus_round_s * recovery.max_rounds <= declared.t - injected.t <= bound + 10.0
+    assert recovery.consensus_round_s * recovery.max_rounds <= declared.t - injected.t <= bound + 30.0
