@@ -405,11 +405,19 @@ def _end(proc: subprocess.Popen, token: str) -> None:
     _sweep(token)
 
 
-def _sweep(token: str) -> None:
-    """Kill every process still carrying ``token`` (a stopped one is woken to die)."""
-    for pid, _ in job_processes(token):
-        _signal(pid, signal.SIGCONT)
-        _signal(pid, signal.SIGKILL)
+def _sweep(token: str, wait_s: float = 5.0) -> None:
+    """Kill every process still carrying ``token`` (a stopped one is woken to die), and wait up to
+    ``wait_s`` for them to be gone: a killed process is listed until the kernel has taken it down,
+    and whoever stopped the run reads its processes next."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = job_processes(token)
+        if not left or time.monotonic() > deadline:
+            return
+        for pid, _ in left:
+            _signal(pid, signal.SIGCONT)
+            _signal(pid, signal.SIGKILL)
+        time.sleep(0.02)
 
 
 def _watch(proc: subprocess.Popen, token: str, alive: Callable[[], bool] | None, grace_s: float,

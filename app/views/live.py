@@ -248,19 +248,20 @@ def _rank_table(rows: list[RankRow]) -> None:
 @st.fragment(run_every=1.0 if running else None)
 def panel() -> None:
     assert job is not None
-    if st.session_state.get(WAS_RUNNING) and not job.running:
+    live = job.running  # read once: every part of the panel says the same of the run
+    if (st.session_state.get(WAS_RUNNING) or running) and not live:  # ended by itself, this run of the page included
         st.session_state[WAS_RUNNING] = False
         st.rerun(scope="app")  # the run ended by itself: Start comes back, Stop, Resume and faults go grey
     job.events.poll()
     events, rank_events = job.events.parent_events, job.events.rank_events
     phase = _current_phase(job, rank_events)
-    if not job.running and any(e.phase == "faulted" for e in rank_events):
+    if not live and any(e.phase == "faulted" for e in rank_events):
         phase = "faulted"  # a run that ended: the table keeps the faulted run's last word of each rank
     now = time.time()
-    result = None if job.running else job.result()
+    result = None if live else job.result()
     finished = bool(result and result.get("ok"))
     rows = (rank_rows(job.ranks(), rank_events, phase, now, job.world_size, job.steps, finished,
-                      stopped=job.stopped and not job.running) if phase in PHASES else [])
+                      stopped=job.stopped and not live) if phase in PHASES else [])
     alive = sum(r.pid is not None for r in rows)
     excised = [r.rank for r in rows if r.state == "excised"]
     step = committed_step(rows)
@@ -268,16 +269,16 @@ def panel() -> None:
     wall0 = job.events.wall0 if job.events.wall0 is not None else job.started
     stream = job_stream(rank_events, events, wall0)
     a, b, c_, d, g, e_ = st.columns(6)
-    a.metric("run", job.status)
-    b.metric("phase", phase if job.running else ("stopped" if job.stopped else "finished"))
-    c_.metric("rank processes", f"{alive}/{job.world_size - len(excised)}" if job.running else "—",
+    a.metric("run", "running" if live else job.status)
+    b.metric("phase", phase if live else ("stopped" if job.stopped else "finished"))
+    c_.metric("rank processes", f"{alive}/{job.world_size - len(excised)}" if live else "—",
               help="Live rank processes over the ranks the job has (an excised rank has left it).")
     d.metric("committed step", "—" if step is None else step,
              help="The least step committed by the ranks still in the job (an excised or dead rank's is not).")
     g.metric("generation", max(generations) if generations else "—",
              help="Each recovery builds the job's groups anew, numbered by the consensus round that decided it.")
     e_.metric("events", count(len(stream)), help="Every rank process's own events, in every run, and the run's own.")
-    if job.running and job.pace is not None and job.pace.holds("faulted"):
+    if live and job.pace is not None and job.pace.holds("faulted"):
         if phase == "faulted" and rows and all(r.state in ("held", "excised") for r in rows):
             st.info("**The faulted run is held before its next step.** Kill, stall or partition a rank from its "
                     "row, then press **Resume**. A killed rank is recovered from while the run is held: replaced, "
@@ -301,7 +302,7 @@ def panel() -> None:
     st.dataframe(stream_rows(stream[-14:]), hide_index=True, width="content", height=300)
     if job.injected:
         st.caption(sent_caption(job.injected, wall0) + " (times since the recording began, as the events')")
-    if job.running:
+    if live:
         return
     _finished(job)
 
