@@ -153,6 +153,7 @@ class TrialResult:
                         "stages_s": stages, "recovery_s": t_resumed - t_detect,
                         "detection_s": max(0.0, t_detect - t_inject) if t_inject else 0.0,
                         "t_first_knew_wall": t_detect, "t_all_resumed_wall": t_resumed,
+                        "knew_spread_s": t_all_knew - t_detect,  # the first rank knowing -> every rank knowing
                         "first_collective_s": first_collective_s,
                         "downtime_s": (t_resumed - t_inject) if t_inject else None,
                         "rebind_s": max(r["rebind_s"] for r in recs),
@@ -160,6 +161,14 @@ class TrialResult:
                         "cpu_s": sum(r.get("cpu_s", 0.0) for r in recs),  # every rank's process, summed
                         "lost_steps": max(r["lost_steps"] for r in recs)})
         return out
+
+    def fault_to_running_ms(self, policy: str | None = None) -> list[float]:
+        """Per recovery (of ``policy``, or every one), the downtime a user sees: the fault's
+        injection until every rank ran its first collective on the new group (detection, the
+        recovery and any replay included), in ms. A recovery whose fault has no injection time
+        (none was recorded at its step) is left out."""
+        return [r["downtime_s"] * 1e3 for r in self.recoveries()
+                if r["downtime_s"] is not None and (policy is None or r["policy"] == policy)]
 
     def _inject_time(self, step: int) -> float | None:
         for f in self.faults:
