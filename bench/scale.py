@@ -236,6 +236,7 @@ class PathRun:
     fault_steps: list[int] = field(default_factory=list)  # the step of each fault injected
     fault_to_running_ms: list[float] = field(default_factory=list)  # injection -> every rank ran the next step
     knew_spread_ms: list[float] = field(default_factory=list)  # the first rank knowing -> every rank knowing
+    heard_spread_ms: list[float] = field(default_factory=list)  # ... -> every rank's process heard (analysis)
 
     def _by_step(self, sign: int) -> int:
         """Per step, recoveries less faults (``sign`` 1) or faults less recoveries (-1), summed
@@ -257,6 +258,7 @@ class PathRun:
 
 def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: float | None, ref: Path,
              root: Path, faults: int = 1, depth: int = 2, logs: str | None = None) -> PathRun:
+    from meshpact.live.trials.analysis import heard_spread_ms
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
     kind, on_loss = PATHS[path]
@@ -294,7 +296,8 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
                    policies=[r["policy"] for r in recs], recovery_steps=[int(r["step"]) for r in recs],
                    fault_steps=sorted(rec.step for rec in result.fault_records.values()),
                    fault_to_running_ms=result.fault_to_running_ms(POLICY[path]),
-                   knew_spread_ms=[r["knew_spread_s"] * 1e3 for r in recs if r["policy"] == POLICY[path]])
+                   knew_spread_ms=[r["knew_spread_s"] * 1e3 for r in recs if r["policy"] == POLICY[path]],
+                   heard_spread_ms=heard_spread_ms(result.events()))
 
 
 def _stage_lists(recs: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -313,20 +316,24 @@ def _p50(values: list[float]) -> float | None:
 
 def downtime(runs: list[PathRun], workloads: tuple[str, ...]) -> dict[str, Any]:
     """The headline: per workload and fault kind (path), fault -> every rank running the next step
-    (:data:`FAULT_TO_RUNNING`), and beside it how long after the first rank the last one knew."""
+    (:data:`FAULT_TO_RUNNING`), and beside it how long after the first rank the last one knew (its
+    step raised) and the last one's process heard (:func:`~meshpact.live.trials.analysis.heard_spread_ms`)."""
     return {FAULT_TO_RUNNING: {w: p50_by_kind({r.path: r.fault_to_running_ms for r in runs if r.workload == w})
                                for w in workloads},
             "knew_spread_ms_p50_by_kind": {w: p50_by_kind({r.path: r.knew_spread_ms for r in runs if r.workload == w})
-                                           for w in workloads}}
+                                           for w in workloads},
+            "heard_spread_ms_p50_by_kind": {w: p50_by_kind({r.path: r.heard_spread_ms for r in runs if r.workload == w})
+                                            for w in workloads}}
 
 
 def _downtime_rows(runs: list[PathRun]) -> None:
     print(f"{'workload/path':<22} {'bit-id':>6} {'faults':>6} {'fault->running ms p50':>22} {'knew spread ms p50':>19} "
-          f"{'knew spread ms each'}")
+          f"{'knew spread ms each'} {'heard spread ms each'}")
     for r in runs:
         print(f"{r.workload + '/' + r.path:<22} {str(r.bit_identical):>6} {len(r.fault_to_running_ms):>6} "
               f"{(_p50(r.fault_to_running_ms) or float('nan')):>22.1f} {(_p50(r.knew_spread_ms) or float('nan')):>19.1f} "
-              f"{[round(x) for x in r.knew_spread_ms]}" + (f"  {r.error}" if r.error else ""))
+              f"{[round(x) for x in r.knew_spread_ms]} {[round(x) for x in r.heard_spread_ms]}"
+              + (f"  {r.error}" if r.error else ""))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -445,6 +452,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                              "policies": r.policies,
                                              "fault_to_running_ms": r.fault_to_running_ms,
                                              "knew_spread_ms": r.knew_spread_ms,
+                                             "heard_spread_ms": r.heard_spread_ms,
                                              "stages_ms": r.stages_ms,
                                              "error": r.error} for r in runs},
     }
@@ -551,7 +559,8 @@ def downtime_only(args: argparse.Namespace, paths: list[str], root: Path) -> dic
                                                    "policies": r.policies, "fault_steps": r.fault_steps,
                                                    "recovery_steps": r.recovery_steps,
                                                    "fault_to_running_ms": r.fault_to_running_ms,
-                                                   "knew_spread_ms": r.knew_spread_ms, "skew_ms": r.skew_ms,
+                                                   "knew_spread_ms": r.knew_spread_ms,
+                                                   "heard_spread_ms": r.heard_spread_ms, "skew_ms": r.skew_ms,
                                                    "own_ms": r.own_ms, "stages_ms": r.stages_ms} for r in runs}}
     if security is not None:
         result["security_cost"] = security

@@ -31,7 +31,8 @@ from .trialconfig import TrialConfig
 # survivors' consensus, which waits for it
 _SEGMENT_STAGES = frozenset({Stage.CONSENSUS, Stage.COMMUNICATOR, Stage.REBINDING, Stage.STATE})
 
-__all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "ReplacementStart", "compare_final", "recovery_span"]
+__all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "ReplacementStart", "compare_final", "heard_spread_ms",
+           "recovery_span"]
 
 
 class ReplacementStart(str, Enum):
@@ -393,6 +394,27 @@ def recovery_span(records: list[dict[str, Any]]) -> tuple[float, float]:
     if not records:
         raise ValueError("a recovery span needs at least one rank's record")
     return min(r["t_detect_wall"] for r in records), max(r["t_resumed_wall"] for r in records)
+
+
+def heard_spread_ms(events: list[Event]) -> list[float]:
+    """Per recovery (each generation's fault, in order), the first rank knowing of the fault -> the
+    last rank's process hearing of it, in ms, from every rank's ``detected`` event. A rank whose
+    heartbeat raised the alarm (a peer's ``recovering`` key heard by its listener, or its own
+    watch) heard then, and its data path was cut then; its training thread may raise later, once
+    it leaves the computation it was in or gets a core (the ``detected`` event's
+    ``heartbeat_alarm_to_severed_ms`` and ``heartbeat_severed_to_raised_ms`` say how long). A rank
+    with no alarm heard when its step raised. The knowing spread (``knew_spread_s`` of
+    :meth:`TrialResult.recoveries`) counts that wait; this does not."""
+    heard: dict[tuple[int, int], list[float]] = {}
+    for ev in events:
+        if ev.event != EventKind.DETECTED:
+            continue
+        d = ev.data
+        t = ev.t - float(d.get("seconds", 0.0))  # detect() began: the step raised
+        if d.get("heartbeat_alarm") and "heartbeat_severed_to_raised_ms" in d:
+            t = min(t, ev.t - (float(d["heartbeat_severed_to_raised_ms"]) + float(d["heartbeat_alarm_to_severed_ms"])) / 1e3)
+        heard.setdefault((int(d.get("generation", 0)), int(d.get("step", -1))), []).append(t)
+    return [(max(ts) - min(ts)) * 1e3 for _, ts in sorted(heard.items()) if len(ts) > 1]
 
 
 def compare_final(a_dir: Path, b_dir: Path, ranks: int) -> list[str]:

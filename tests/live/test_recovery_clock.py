@@ -56,3 +56,23 @@ def test_downtime_as_users_see_it_runs_from_the_fault_to_the_last_rank_running_a
     assert result.fault_to_running_ms() == [pytest.approx(450.0)]  # not from the first knowing: detection counts
     assert result.fault_to_running_ms("in_memory") == result.fault_to_running_ms()
     assert result.fault_to_running_ms("peer_restore") == []
+
+
+def test_a_rank_told_by_a_peer_heard_when_its_listener_did_not_when_its_busy_step_raised():
+    """At gpt100m on a loaded machine a told rank's data path was cut within 25 ms of the first
+    rank knowing while its training thread raised up to half a second later: both are said."""
+    from meshpact.core.recording import Event, EventKind
+    from meshpact.live.trials.analysis import heard_spread_ms
+
+    def detected(rank: int, t: float, **data) -> Event:
+        return Event(t, EventKind.DETECTED, rank, data={"generation": 2, "step": 5, "seconds": 0.001, **data})
+
+    events = [detected(0, 10.001),  # its own collective raised: it knew at 10.000
+              detected(1, 10.501, heartbeat_alarm=True, heartbeat_alarm_to_severed_ms=2.0,
+                       heartbeat_severed_to_raised_ms=480.0),  # heard at 10.019, raised at 10.500
+              detected(2, 10.031, heartbeat_alarm=True, heartbeat_alarm_to_severed_ms=5.0,
+                       heartbeat_severed_to_raised_ms=1.0),  # heard at 10.025
+              Event(10.2, EventKind.DECIDED, 0, data={"round": 3})]
+    assert heard_spread_ms(events) == [pytest.approx(25.0)]
+    # a recovery only one rank saw (the others gone) has no spread
+    assert heard_spread_ms([detected(0, 11.0)]) == []
