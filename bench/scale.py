@@ -22,9 +22,9 @@ Measures on this machine, in one run:
   knew: consensus, communicator, rebinding, state),
   p50 per workload keyed by the rank's state in MB, and the ratio large / tiny (a recovery of those paths that consensus
   decided otherwise, such as a checkpoint restore where a rank's optimizer had stepped, is left out: each
-  path's ``policies`` lists what every recovery was); the skew of
-  ranks reaching the failed collective (first rank knowing -> every rank knowing, the
-  detection stage) is ``skew_ms_p50_by_state_mb`` beside it, apart from the recovery;
+  path's ``policies`` lists what every recovery was); the detection stage (the fault -> every
+  rank knowing; for a raised collective, timed from its raise) is ``skew_ms_p50_by_state_mb``
+  beside it, apart from the recovery;
 - ``extra_rss_per_rank_over_state`` per path: the largest peak resident memory of a rank of
   the faulted run less the plain run's largest, over one rank's state bytes
   (``extra_rss_mb_per_rank``: the same difference in MB). Both runs' ranks are watched the same
