@@ -1,4 +1,4 @@
-"""Benchmark: recovery and memory at real state size, a tiny workload beside a 110 M-parameter one.
+"""Benchmark: recovery, downtime and memory against a rank's state size.
 
 Its headline, ``fault_to_running_ms_p50_by_kind`` (per workload, per path): the downtime a user
 sees, from the fault (a raised collective's raise, a kill's signal, a stall's start) to every rank
