@@ -257,7 +257,8 @@ class PathRun:
 
 
 def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: float | None, ref: Path,
-             root: Path, faults: int = 1, depth: int = 2, logs: str | None = None) -> PathRun:
+             root: Path, faults: int = 1, depth: int = 2, logs: str | None = None,
+             deadline_s: float | None = None) -> PathRun:
     from meshpact.live.trials.analysis import heard_spread_ms
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
@@ -268,6 +269,8 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
                           "peer_copy_depth": depth}
     if data_timeout_s is not None:
         kw["data_timeout_s"] = data_timeout_s
+    if deadline_s is not None:
+        kw["timeout_s"] = deadline_s
     work = Path(tempfile.mkdtemp(prefix=f"{Path(workload).stem}-{path}-", dir=root))
     try:
         cfg = TrialConfig(**kw)
@@ -359,6 +362,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="with --downtime-only: also PAIRS pairs of --large trials with the job key on and off, "
                              "interleaved, and the copies' digests timed on a rank's payload (the security measures' "
                              "cost)")
+    parser.add_argument("--trial-deadline", type=float, default=None, metavar="S",
+                        help="with --downtime-only: each trial run's launcher deadline (default: derived from its "
+                             "steps; a machine whose cores other jobs hold may need more)")
     parser.add_argument("--workloads", default=None,
                         help="with --downtime-only: the workloads, comma-separated (default: --tiny and --large)")
     parser.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
@@ -481,8 +487,9 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
     """What the security measures cost at ``--large``: ``pairs`` pairs of trials (one peer copy per
     rank, ``--faults`` raised collectives each), the job key on (signed control values,
     authenticated peer-copy frames) and off (``MESHPACT_UNAUTHENTICATED=1``), interleaved and
-    alternating which runs first, so both meet the same load: each one's median step (the first
-    step of each run, the warm-up, left out) and in-memory recovery p50. The copies' digests
+    alternating which runs first, so both meet the same load: each one's median step (its faulted
+    run's, the first step, the warm-up, left out; the fault-free reference is the one the paths
+    ran) and in-memory recovery p50. The copies' digests
     (SHA-256 by the source before it ships, and by the holder as it receives) run with the key on
     and off alike: their CPU per commit is timed apart, on a payload of a rank's copy size, and
     counted against the CPU a rank has per step (the step's wall time times the cores per rank).
@@ -502,13 +509,15 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
             work = Path(tempfile.mkdtemp(prefix=f"security-{side}-", dir=root))
             cfg = TrialConfig(ranks=args.ranks, steps=args.steps, faults=args.faults, fault_kind="collective",
                               checkpoint_every=args.steps, baselines=False, peer_copies=1, workload=args.large,
-                              peer_copy_depth=args.peer_copy_depth, authenticated=on)
+                              peer_copy_depth=args.peer_copy_depth, authenticated=on,
+                              timeout_s=args.trial_deadline)
+            ref = root / f"ref-{args.large}" / "reference"
             try:
-                result = run_trial(cfg, work_dir=work)
+                result = run_trial(cfg, work_dir=work, reference_dir=ref if (ref / "final-rank0.pt").is_file() else None)
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             identical = identical and result.bit_identical
-            steps_ms[side] += [s * 1e3 for o in result.reference + result.faulted for s in o.step_s[1:]]
+            steps_ms[side] += [s * 1e3 for o in result.faulted for s in o.step_s[1:]]
             rec_ms[side] += [r["recovery_s"] * 1e3 for r in result.recoveries() if r["policy"] == "in_memory"]
             overhead = result.peer_copy_overhead() or {}
             if overhead.get("network_bytes_per_step"):
@@ -547,7 +556,7 @@ def downtime_only(args: argparse.Namespace, paths: list[str], root: Path) -> dic
         ref = root / f"ref-{w}" / "reference"
         for path in paths:
             runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root, args.faults,
-                                 args.peer_copy_depth, args.logs))
+                                 args.peer_copy_depth, args.logs, args.trial_deadline))
             load.append(round(os.getloadavg()[0], 2))
             print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
     security = security_cost(args, root, args.security_cost) if args.security_cost > 0 else None
