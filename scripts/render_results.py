@@ -448,9 +448,9 @@ def scale_downtime(result: Result) -> Section:
             for w in ftr for k, v in ftr[w].items()]
     sec = result.doc.get("security_cost") or {}
     on_off = [sec.get(k) or {} for k in ("step_ms_p50", "recovery_ms_p50")]
-    headline = [(f"security at {sec.get('workload')}: commit overhead (digests' CPU ms per commit)",
-                 f"{_cell(sec.get('commit_overhead'))} ({_cell(sec.get('digest_cpu_ms_per_commit'))})"),
-                ("key on / off: step ms p50; recovery ms p50",
+    headline = [(f"security at {sec.get('workload')}: digests' share of a rank's CPU per step (CPU ms per commit)",
+                 f"{_cell(sec.get('digest_share_of_step'))} ({_cell(sec.get('digest_cpu_ms_per_commit'))})"),
+                (f"key on / off, {sec.get('pairs')} pair(s): step ms p50; recovery ms p50",
                  "; ".join(f"{_cell(x.get('on'))} / {_cell(x.get('off'))}" for x in on_off))] if sec else []
     return Section(headline=headline, tables=[("Fault -> every rank running; the last rank heard / raised after the first "
                                                "(ms, p50)",
