@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from importlib import metadata
@@ -58,6 +59,17 @@ def _commit(root: Path) -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{out}+changes" if dirty else out
+
+
+FAULT_TO_RUNNING = "fault_to_running_ms_p50_by_kind"
+"""The headline key of every recovery bench: per fault kind, the median downtime a user sees,
+from the fault's injection until every rank ran the next step (its first collective on the new
+group, after any replay), detection included (``TrialResult.fault_to_running_ms``)."""
+
+
+def p50_by_kind(ms_by_kind: dict[str, list[float]]) -> dict[str, float | None]:
+    """The median of each kind's values (None where a kind has none): :data:`FAULT_TO_RUNNING`'s value."""
+    return {kind: (statistics.median(ms) if ms else None) for kind, ms in ms_by_kind.items()}
 
 
 def run_facts() -> dict[str, Any]:

@@ -1,4 +1,11 @@
-"""Benchmark: recovery and memory at real state size, a tiny workload beside a 110 M-parameter one.
+"""Benchmark: recovery, downtime and memory against a rank's state size.
+
+Its headline, ``fault_to_running_ms_p50_by_kind`` (per workload, per path): the downtime a user
+sees, from the fault (a raised collective's raise, a kill's signal, a stall's start) to every rank
+running the next step (its first collective on the new group, after any replay), detection
+included; beside it ``knew_spread_ms_p50_by_kind``, the first rank knowing of the fault -> every
+rank knowing. ``--downtime-only`` measures only these (no plain runs, no memory), written to
+``bench/results/scale-downtime.json``.
 
 Measures on this machine, in one run:
 
@@ -15,9 +22,9 @@ Measures on this machine, in one run:
   knew: consensus, communicator, rebinding, state),
   p50 per workload keyed by the rank's state in MB, and the ratio large / tiny (a recovery of those paths that consensus
   decided otherwise, such as a checkpoint restore where a rank's optimizer had stepped, is left out: each
-  path's ``policies`` lists what every recovery was); the skew of
-  ranks reaching the failed collective (first rank knowing -> every rank knowing, the
-  detection stage) is ``skew_ms_p50_by_state_mb`` beside it, apart from the recovery;
+  path's ``policies`` lists what every recovery was); the detection stage (the fault -> every
+  rank knowing; for a raised collective, timed from its raise) is ``skew_ms_p50_by_state_mb``
+  beside it, apart from the recovery;
 - ``extra_rss_per_rank_over_state`` per path: the largest peak resident memory of a rank of
   the faulted run less the plain run's largest, over one rank's state bytes
   (``extra_rss_mb_per_rank``: the same difference in MB). Both runs' ranks are watched the same
@@ -79,7 +86,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from _results import emit
+from _results import FAULT_TO_RUNNING, emit, p50_by_kind
 
 MMAP_THRESHOLD = 1 << 20  # bytes: glibc's mmap threshold in every process of both runs (0: glibc's own, dynamic)
 RATIO_MIN_STATE_MB = 64.0  # below this much state per rank the extra memory is given in MB only, not as a ratio
@@ -227,6 +234,9 @@ class PathRun:
     policies: list[str] = field(default_factory=list)  # each recovery's policy, in the order of the lists above
     recovery_steps: list[int] = field(default_factory=list)  # the step each recovery was for
     fault_steps: list[int] = field(default_factory=list)  # the step of each fault injected
+    fault_to_running_ms: list[float] = field(default_factory=list)  # injection -> every rank ran the next step
+    knew_spread_ms: list[float] = field(default_factory=list)  # the first rank knowing -> every rank knowing
+    heard_spread_ms: list[float] = field(default_factory=list)  # ... -> every rank's process heard (analysis)
 
     def _by_step(self, sign: int) -> int:
         """Per step, recoveries less faults (``sign`` 1) or faults less recoveries (-1), summed
@@ -247,7 +257,9 @@ class PathRun:
 
 
 def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: float | None, ref: Path,
-             root: Path, faults: int = 1, depth: int = 2, logs: str | None = None) -> PathRun:
+             root: Path, faults: int = 1, depth: int = 2, logs: str | None = None,
+             deadline_s: float | None = None) -> PathRun:
+    from meshpact.live.trials.analysis import heard_spread_ms
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
     kind, on_loss = PATHS[path]
@@ -257,6 +269,8 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
                           "peer_copy_depth": depth}
     if data_timeout_s is not None:
         kw["data_timeout_s"] = data_timeout_s
+    if deadline_s is not None:
+        kw["timeout_s"] = deadline_s
     work = Path(tempfile.mkdtemp(prefix=f"{Path(workload).stem}-{path}-", dir=root))
     try:
         cfg = TrialConfig(**kw)
@@ -283,7 +297,10 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
                    skew_ms=[r["stages_s"].get("detection", 0.0) * 1e3 for r in recs],
                    own_ms=[sum(v for k, v in r["stages_s"].items() if k != "detection") * 1e3 for r in recs],
                    policies=[r["policy"] for r in recs], recovery_steps=[int(r["step"]) for r in recs],
-                   fault_steps=sorted(rec.step for rec in result.fault_records.values()))
+                   fault_steps=sorted(rec.step for rec in result.fault_records.values()),
+                   fault_to_running_ms=result.fault_to_running_ms(POLICY[path]),
+                   knew_spread_ms=[r["knew_spread_s"] * 1e3 for r in recs if r["policy"] == POLICY[path]],
+                   heard_spread_ms=heard_spread_ms(result.events()))
 
 
 def _stage_lists(recs: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -304,6 +321,28 @@ def _ratio(large: float | None, tiny: float | None) -> float | None:
     return large / tiny if large and tiny else None
 
 
+def downtime(runs: list[PathRun], workloads: tuple[str, ...]) -> dict[str, Any]:
+    """The headline: per workload and fault kind (path), fault -> every rank running the next step
+    (:data:`FAULT_TO_RUNNING`), and beside it how long after the first rank the last one knew (its
+    step raised) and the last one's process heard (:func:`~meshpact.live.trials.analysis.heard_spread_ms`)."""
+    return {FAULT_TO_RUNNING: {w: p50_by_kind({r.path: r.fault_to_running_ms for r in runs if r.workload == w})
+                               for w in workloads},
+            "knew_spread_ms_p50_by_kind": {w: p50_by_kind({r.path: r.knew_spread_ms for r in runs if r.workload == w})
+                                           for w in workloads},
+            "heard_spread_ms_p50_by_kind": {w: p50_by_kind({r.path: r.heard_spread_ms for r in runs if r.workload == w})
+                                            for w in workloads}}
+
+
+def _downtime_rows(runs: list[PathRun]) -> None:
+    print(f"{'workload/path':<22} {'bit-id':>6} {'faults':>6} {'fault->running ms p50':>22} {'knew spread ms p50':>19} "
+          f"{'knew spread ms each'} {'heard spread ms each'}")
+    for r in runs:
+        print(f"{r.workload + '/' + r.path:<22} {str(r.bit_identical):>6} {len(r.fault_to_running_ms):>6} "
+              f"{(_p50(r.fault_to_running_ms) or float('nan')):>22.1f} {(_p50(r.knew_spread_ms) or float('nan')):>19.1f} "
+              f"{[round(x) for x in r.knew_spread_ms]} {[round(x) for x in r.heard_spread_ms]}"
+              + (f"  {r.error}" if r.error else ""))
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--plain", help=argparse.SUPPRESS)
@@ -320,6 +359,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         help="committed steps kept of each peer copy and own snapshot")
     parser.add_argument("--logs", default=None,
                         help="keep each path's rank logs and recording under this folder (what detected each recovery)")
+    parser.add_argument("--downtime-only", action="store_true",
+                        help="only the trials' downtime (fault -> every rank running; no plain runs, no memory): "
+                             "written to bench/results/scale-downtime.json")
+    parser.add_argument("--security-cost", type=int, default=0, metavar="PAIRS",
+                        help="with --downtime-only: also PAIRS pairs of --large trials with the job key on and off, "
+                             "interleaved, and the copies' digests timed on a rank's payload (the security measures' "
+                             "cost)")
+    parser.add_argument("--trial-deadline", type=float, default=None, metavar="S",
+                        help="with --downtime-only: each trial run's launcher deadline (default: derived from its "
+                             "steps; a machine whose cores other jobs hold may need more)")
+    parser.add_argument("--workloads", default=None,
+                        help="with --downtime-only: the workloads, comma-separated (default: --tiny and --large)")
     parser.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
                         help="glibc's mmap threshold in bytes for every process of both runs (0: glibc's default)")
     args = parser.parse_args(argv)
@@ -343,6 +394,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     else:
         os.environ.pop("MALLOC_MMAP_THRESHOLD_", None)
     root = Path(tempfile.mkdtemp(prefix="meshpact-bench-scale-"))
+    if args.downtime_only:
+        return downtime_only(args, paths, root)
     plain = {w: run_plain(w, args.ranks, args.steps) for w in (args.tiny, args.large)}
     # the world an excision leaves: each survivor's shard is ranks / (ranks - 1) of before, in any job that goes on
     survivors = run_plain(args.large, args.ranks - 1, args.steps) if "excise" in paths and args.ranks > 2 else None
@@ -384,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "mmap_threshold_bytes": args.mmap_threshold or None,
         "ratio_min_state_mb": RATIO_MIN_STATE_MB,
         "state_mb_per_rank": {w: round(v, 3) for w, v in state_mb.items()},
+        **downtime(runs, tuple(plain)),
         "recovery_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": rec[w] for w in plain},
         "recovery_ratio_large_over_tiny": _ratio(rec[args.large], rec[args.tiny]),
         "skew_ms_p50_by_state_mb": {f"{state_mb[w]:.3f}": det[w] for w in plain},
@@ -406,6 +460,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                              "peak_anon_mb": r.peak_anon_bytes / 2**20,
                                              "recovery_ms": r.recovery_ms, "own_ms": r.own_ms, "skew_ms": r.skew_ms,
                                              "policies": r.policies,
+                                             "fault_to_running_ms": r.fault_to_running_ms,
+                                             "knew_spread_ms": r.knew_spread_ms,
+                                             "heard_spread_ms": r.heard_spread_ms,
                                              "stages_ms": r.stages_ms,
                                              "error": r.error} for r in runs},
     }
@@ -419,6 +476,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{(own if own is not None else float('nan')):>12.1f} {(_p50(r.skew_ms) or float('nan')):>8.1f} "
               f"{r.peak_rss_bytes / 2**20:>11.0f} {(extra_mb[key] if extra_mb[key] is not None else float('nan')):>9.0f} "
               f"{(x if x is not None else float('nan')):>11.2f}" + (f"  {r.error}" if r.error else ""))
+    _downtime_rows(runs)
     for w in plain:
         print(f"plain {w}: peak RSS {plain[w].peak_rss_bytes / 2**20:.0f} MB, state {state_mb[w]:.1f} MB per rank, "
               f"step {plain[w].step_s_p50:.2f} s")
@@ -426,6 +484,109 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
           f"{result['recovery_ratio_large_over_tiny']}; load average {os.getloadavg()}")
     shutil.rmtree(root, ignore_errors=True)
     emit("scale" if args.peer_copy_depth == 2 else f"scale-depth{args.peer_copy_depth}", result)
+    return result
+
+
+def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str, Any]:
+    """What the security measures cost at ``--large``: ``pairs`` pairs of trials (one peer copy per
+    rank, ``--faults`` raised collectives each), the job key on (signed control values,
+    authenticated peer-copy frames) and off (``MESHPACT_UNAUTHENTICATED=1``), interleaved and
+    alternating which runs first, so both meet the same load: each one's median step (its faulted
+    run's, the first step, the warm-up, left out; the fault-free reference is the one the paths
+    ran) and in-memory recovery p50. The copies' digests
+    (SHA-256 by the source before it ships, and by the holder as it receives) run with the key on
+    and off alike: their CPU per commit is timed apart, on a payload of a rank's copy size, and
+    counted against the CPU a rank has per step (the step's wall time times the cores per rank).
+    ``commit_overhead``, the goal's number, is the signing's step overhead (negative counted as
+    none) plus the digests' share."""
+    from meshpact.live.recovery.peers import copy_digest
+    from meshpact.live.recovery.faults import FaultKind
+    from meshpact.live.trials.trial import TrialConfig, run_trial
+
+    steps_ms: dict[str, list[float]] = {"on": [], "off": []}
+    rec_ms: dict[str, list[float]] = {"on": [], "off": []}
+    payload_bytes: list[int] = []
+    load = [round(os.getloadavg()[0], 2)]
+    identical = True
+    for i in range(pairs):
+        for on in ((True, False) if i % 2 == 0 else (False, True)):
+            side = "on" if on else "off"
+            work = Path(tempfile.mkdtemp(prefix=f"security-{side}-", dir=root))
+            cfg = TrialConfig(ranks=args.ranks, steps=args.steps, faults=args.faults, fault_kind=FaultKind.COLLECTIVE,
+                              checkpoint_every=args.steps, baselines=False, peer_copies=1, workload=args.large,
+                              peer_copy_depth=args.peer_copy_depth, authenticated=on,
+                              timeout_s=args.trial_deadline)
+            ref = root / f"ref-{args.large}" / "reference"
+            try:
+                result = run_trial(cfg, work_dir=work, reference_dir=ref if (ref / "final-rank0.pt").is_file() else None)
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+            identical = identical and result.bit_identical
+            steps_ms[side] += [s * 1e3 for o in result.faulted for s in o.step_s[1:]]
+            rec_ms[side] += [r["recovery_s"] * 1e3 for r in result.recoveries() if r["policy"] == "in_memory"]
+            overhead = result.peer_copy_overhead() or {}
+            if overhead.get("network_bytes_per_step"):
+                payload_bytes.append(int(overhead["network_bytes_per_step"]) // args.ranks)
+            load.append(round(os.getloadavg()[0], 2))
+            print(f"# security {side}: steps ms {[round(x) for x in steps_ms[side]]}, recoveries ms "
+                  f"{[round(x) for x in rec_ms[side]]}, load {load[-1]}", file=sys.stderr, flush=True)
+    size = max(payload_bytes, default=0)
+    payload = bytearray(os.urandom(1 << 20)) * max(1, size >> 20)
+    digest_cpu = []
+    for _ in range(3):
+        c0 = time.thread_time()
+        copy_digest([payload])
+        digest_cpu.append(time.thread_time() - c0)
+    del payload
+    digest_ms = 2 * statistics.median(digest_cpu) * 1e3  # the source's, then the holder's on receipt
+    step = {k: _p50(v) for k, v in steps_ms.items()}
+    cores_per_rank = min(1.0, (os.cpu_count() or 1) / args.ranks)
+    signing = step["on"] / step["off"] - 1.0 if step["on"] and step["off"] else None
+    share = digest_ms / (step["off"] * cores_per_rank) if step["off"] else None
+    return {"workload": args.large, "pairs": pairs, "faults_per_trial": args.faults, "bit_identical": identical,
+            "step_ms_p50": step, "signing_step_overhead": signing,
+            "recovery_ms_p50": {k: _p50(v) for k, v in rec_ms.items()}, "recovery_ms": rec_ms,
+            "payload_mb_per_commit": size / 2**20, "digest_cpu_ms_per_commit": digest_ms,
+            "cores_per_rank": cores_per_rank, "digest_share_of_step": share,
+            "commit_overhead": (max(signing, 0.0) + share) if signing is not None and share is not None else None,
+            "load_avg_1m_after_each_trial": load}
+
+
+def downtime_only(args: argparse.Namespace, paths: list[str], root: Path) -> dict[str, Any]:
+    """``--downtime-only``: each workload's trials on ``paths``, their downtime and nothing else."""
+    workloads = tuple(w for w in (args.workloads or f"{args.tiny},{args.large}").split(",") if w)
+    load = [round(os.getloadavg()[0], 2)]
+    runs: list[PathRun] = []
+    for w in workloads:
+        ref = root / f"ref-{w}" / "reference"
+        for path in paths:
+            runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root, args.faults,
+                                 args.peer_copy_depth, args.logs, args.trial_deadline))
+            load.append(round(os.getloadavg()[0], 2))
+            print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
+    result = {"bench": "scale", "ranks": args.ranks, "steps": args.steps, "faults_per_in_memory_path": args.faults,
+              "peer_copy_depth": args.peer_copy_depth, "data_timeout_s": args.data_timeout, **downtime(runs, workloads),
+              "load_avg_1m_after_each_path": load,
+              "paths": {f"{r.workload}/{r.path}": {"bit_identical": r.bit_identical, "error": r.error,
+                                                   "policies": r.policies, "fault_steps": r.fault_steps,
+                                                   "recovery_steps": r.recovery_steps,
+                                                   "fault_to_running_ms": r.fault_to_running_ms,
+                                                   "knew_spread_ms": r.knew_spread_ms,
+                                                   "heard_spread_ms": r.heard_spread_ms, "skew_ms": r.skew_ms,
+                                                   "own_ms": r.own_ms, "stages_ms": r.stages_ms} for r in runs}}
+    _downtime_rows(runs)
+    if args.security_cost > 0:  # the paths' numbers are kept first: the security trials take as long again
+        emit("scale-downtime", result)
+        try:
+            security = security_cost(args, root, args.security_cost)
+        except Exception as exc:  # noqa: BLE001  (a trial that failed is the result's note, not the end of it)
+            security = {"workload": args.large, "pairs": args.security_cost, "error": str(exc).splitlines()[0][:300]}
+        result["security_cost"] = security
+        result["security_commit_overhead"] = security.get("commit_overhead")
+        print(f"security measures at {args.large}: {json.dumps(security)}")
+    shutil.rmtree(root, ignore_errors=True)
+    print(f"load average {os.getloadavg()}")
+    emit("scale-downtime", result)
     return result
 
 

@@ -216,7 +216,8 @@ class AgentJob:
                  on_replaced: Callable[[int, int, bool], None] | None = None,
                  on_gone: Callable[[int, int], None] | None = None,
                  on_tick: Callable[[], None] | None = None, announce_gone: bool = True,
-                 replace_only_killed: bool = False, job_key: JobKey | None = None) -> None:
+                 replace_only_killed: bool = False, job_key: JobKey | None = None,
+                 unauthenticated: bool = False) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
         if spares < 0 or max_replacements < 0:
@@ -233,8 +234,9 @@ class AgentJob:
         self.max_replacements = max_replacements
         self.control = control
         self.run_id = run_id or uuid.uuid4().hex[:12]
-        # the ranks' job key (drawn here unless given): the caller signs with it on the channel it hosts
-        self.job_key = job_key if job_key is not None else draw("drawn for this AgentJob")
+        # the ranks' job key (drawn here unless given): the caller signs with it on the channel it hosts;
+        # none where the caller opted out by name (the ranks run with MESHPACT_UNAUTHENTICATED=1)
+        self.job_key = None if unauthenticated else job_key if job_key is not None else draw("drawn for this AgentJob")
         self.forkserver = forkserver
         self.master = master  # the ranks' store, hosted elsewhere (None: the job hosts it on loopback)
         self._prefix = prefix

@@ -2,7 +2,9 @@
 
 - ``collective``: on the chosen rank and step, the n-th c10d operation raises at the
   dispatcher (a ``TorchDispatchMode`` that sees ``c10d::`` ops), before it reaches the
-  backend; the peers are left waiting in that collective.
+  backend; the peers are left waiting in that collective. The fault's time is the raise's,
+  not the step's start: the ops before the n-th (a 100 MB all-gather at real sizes) are the
+  step's work, not the fault's.
 - ``stall``: the chosen rank sleeps past the data path's timeout before its first
   collective of the step.
 - ``partition``: ranks live in two network namespaces joined by two veth links, one for
@@ -21,8 +23,9 @@
   it lost within the rank-loss bound, and the launcher kills and replaces it.
 
 Each fault fires once: the injecting rank claims ``fault/<i>`` on the control channel
-(compare-and-set) with the wall time of the injection, so a replayed step or a
-replacement process never fires it again, and detection can be timed from that moment.
+(compare-and-set) with the wall time of the injection (a raised collective's record is
+written again with the time it raised), so a replayed step or a replacement process never
+fires it again, and detection can be timed from that moment.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass
 from enum import Enum
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from meshpact.core.errors import MeshpactError
 from meshpact.core.jsonform import JsonObject
@@ -126,6 +129,7 @@ class FaultInjector:
         self.stall_s = stall_s
         self.down_s = down_s
         self.data_iface = data_iface or os.environ.get("MESHPACT_DATA_IFACE")
+        self._claimed: dict[int, dict[str, Any]] = {}  # fault index -> the record this rank claimed it with
 
     def _claim(self, fault: Fault) -> bool:
         # not from ``random``: the runtime restores the generators before a re-run, which
@@ -133,7 +137,16 @@ class FaultInjector:
         nonce = f"{os.getpid()}-{secrets.token_hex(8)}"
         record = {"rank": self.rank, "step": fault.step, "kind": fault.kind.value, "t_wall": time.time(),
                   "nonce": nonce}
-        return self.channel.set_once(f"fault/{fault.index}", record)["nonce"] == nonce
+        if self.channel.set_once(f"fault/{fault.index}", record)["nonce"] != nonce:
+            return False
+        self._claimed[fault.index] = record
+        return True
+
+    def _raised(self, fault: Fault) -> None:
+        """The armed collective raises now: its record takes this moment (the same nonce, so the
+        claim still holds), for the ops before it were the step's own work."""
+        record = {**self._claimed[fault.index], "t_wall": time.time()}
+        self.channel.set(f"fault/{fault.index}", record)
 
     def arm(self, step: int) -> Fault | None:
         """The injector's own part of ``step``, run before the runtime watches the step: a
@@ -169,7 +182,7 @@ class FaultInjector:
             return
         if fault.kind is FaultKind.COLLECTIVE:
             with _RaiseOnCollective(fault.nth_op, f"injected fault {fault.index}: collective raised on rank "
-                                    f"{self.rank} at step {fault.step}"):
+                                    f"{self.rank} at step {fault.step}", lambda: self._raised(fault)):
                 yield
             return
         if fault.kind is FaultKind.STALL:
@@ -198,10 +211,11 @@ def _raise_on_collective_mode() -> type:
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class RaiseOnCollective(TorchDispatchMode):
-        def __init__(self, nth: int, message: str) -> None:
+        def __init__(self, nth: int, message: str, on_raise: Callable[[], None] | None) -> None:
             super().__init__()
             self.left = nth
             self.message = message
+            self.on_raise = on_raise
 
         @classmethod
         def is_infra_mode(cls) -> bool:
@@ -215,14 +229,16 @@ def _raise_on_collective_mode() -> type:
             if func.namespace == "c10d":
                 self.left -= 1
                 if self.left == 0:
+                    if self.on_raise is not None:
+                        self.on_raise()
                     raise CollectiveFault(self.message)
             return func(*args, **(kwargs or {}))
 
     return RaiseOnCollective
 
 
-def _RaiseOnCollective(nth: int, message: str) -> Any:
-    return _raise_on_collective_mode()(nth, message)
+def _RaiseOnCollective(nth: int, message: str, on_raise: Callable[[], None] | None = None) -> Any:
+    return _raise_on_collective_mode()(nth, message, on_raise)
 
 
 # -- network namespaces ---------------------------------------------------------------------

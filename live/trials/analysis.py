@@ -31,7 +31,8 @@ from .trialconfig import TrialConfig
 # survivors' consensus, which waits for it
 _SEGMENT_STAGES = frozenset({Stage.CONSENSUS, Stage.COMMUNICATOR, Stage.REBINDING, Stage.STATE})
 
-__all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "ReplacementStart", "compare_final", "recovery_span"]
+__all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "ReplacementStart", "compare_final", "heard_spread_ms",
+           "recovery_span"]
 
 
 class ReplacementStart(str, Enum):
@@ -153,6 +154,7 @@ class TrialResult:
                         "stages_s": stages, "recovery_s": t_resumed - t_detect,
                         "detection_s": max(0.0, t_detect - t_inject) if t_inject else 0.0,
                         "t_first_knew_wall": t_detect, "t_all_resumed_wall": t_resumed,
+                        "knew_spread_s": t_all_knew - t_detect,  # the first rank knowing -> every rank knowing
                         "first_collective_s": first_collective_s,
                         "downtime_s": (t_resumed - t_inject) if t_inject else None,
                         "rebind_s": max(r["rebind_s"] for r in recs),
@@ -160,6 +162,14 @@ class TrialResult:
                         "cpu_s": sum(r.get("cpu_s", 0.0) for r in recs),  # every rank's process, summed
                         "lost_steps": max(r["lost_steps"] for r in recs)})
         return out
+
+    def fault_to_running_ms(self, policy: str | None = None) -> list[float]:
+        """Per recovery (of ``policy``, or every one), the downtime a user sees: the fault's
+        injection until every rank ran its first collective on the new group (detection, the
+        recovery and any replay included), in ms. A recovery whose fault has no injection time
+        (none was recorded at its step) is left out."""
+        return [r["downtime_s"] * 1e3 for r in self.recoveries()
+                if r["downtime_s"] is not None and (policy is None or r["policy"] == policy)]
 
     def _inject_time(self, step: int) -> float | None:
         for f in self.faults:
@@ -384,6 +394,27 @@ def recovery_span(records: list[dict[str, Any]]) -> tuple[float, float]:
     if not records:
         raise ValueError("a recovery span needs at least one rank's record")
     return min(r["t_detect_wall"] for r in records), max(r["t_resumed_wall"] for r in records)
+
+
+def heard_spread_ms(events: list[Event]) -> list[float]:
+    """Per recovery (each generation's fault, in order), the first rank knowing of the fault -> the
+    last rank's process hearing of it, in ms, from every rank's ``detected`` event. A rank whose
+    heartbeat raised the alarm (a peer's ``recovering`` key heard by its listener, or its own
+    watch) heard then, and its data path was cut then; its training thread may raise later, once
+    it leaves the computation it was in or gets a core (the ``detected`` event's
+    ``heartbeat_alarm_to_severed_ms`` and ``heartbeat_severed_to_raised_ms`` say how long). A rank
+    with no alarm heard when its step raised. The knowing spread (``knew_spread_s`` of
+    :meth:`TrialResult.recoveries`) counts that wait; this does not."""
+    heard: dict[tuple[int, int], list[float]] = {}
+    for ev in events:
+        if ev.event != EventKind.DETECTED:
+            continue
+        d = ev.data
+        t = ev.t - float(d.get("seconds", 0.0))  # detect() began: the step raised
+        if d.get("heartbeat_alarm") and "heartbeat_severed_to_raised_ms" in d:
+            t = min(t, ev.t - (float(d["heartbeat_severed_to_raised_ms"]) + float(d["heartbeat_alarm_to_severed_ms"])) / 1e3)
+        heard.setdefault((int(d.get("generation", 0)), int(d.get("step", -1))), []).append(t)
+    return [(max(ts) - min(ts)) * 1e3 for _, ts in sorted(heard.items()) if len(ts) > 1]
 
 
 def compare_final(a_dir: Path, b_dir: Path, ranks: int) -> list[str]:

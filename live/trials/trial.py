@@ -99,11 +99,12 @@ def _run(cfg: TrialConfig, workload: str, tag: str, work: Path, faults: tuple[Fa
         hosts = _Hosts(("127.0.0.1", control.port))
     t_launch = time.time()
     with hosts.entered():  # the agent's connections (and the watch's) are made where the stores are
-        key = draw(f"drawn for trial {tag}")  # the ranks get it from the agent; the watch reads with it
+        # the ranks get it from the agent; the watch reads with it
+        key = draw(f"drawn for trial {tag}") if cfg.authenticated else None
         watch = LostRankWatch(ControlChannel(*hosts.control, 0, cfg.ranks, 5.0, run_id=tag, key=key), recording,
                               ages_file=out_dir / HEARTBEATS_FILE)
         with AgentJob(WORKER, cfg.ranks, args, timeout_s=cfg.deadline_s, spares=int(extra.get("spares", 0)),
-                      job_key=key, max_replacements=limit, control=hosts.control, master=hosts.master,
+                      job_key=key, unauthenticated=key is None, max_replacements=limit, control=hosts.control, master=hosts.master,
                       prefix=hosts.prefix, env=hosts.env, run_id=tag, forkserver=forkserver, warm_replacements=warm_replacements,
                       registry=work / PROCESSES_FILE, on_replaced=replaced, on_gone=left_gone, on_tick=watch,
                       announce_gone=supply.announce_missing or cfg.excising, replace_only_killed=True) as job:

@@ -74,6 +74,9 @@ class TrialConfig:
     # the unmeasured runs' first rank processes forked from a server that imported torch once (a forked
     # process shows the server's environment in /proc: PROCESSES_FILE says which rank it is)
     warm_starts: bool = True
+    # the job key (signed control values, authenticated peer-copy connections); off only to measure what they
+    # cost (the ranks run with MESHPACT_UNAUTHENTICATED=1); copies keep their digests either way
+    authenticated: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fault_kind", FaultKind(self.fault_kind))

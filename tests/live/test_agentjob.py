@@ -49,6 +49,15 @@ def test_ranks_get_elastic_environment_and_fork_from_the_server(tmp_path):
     assert ran.replacements == 0 and not ran.gone and not ran.timed_out
 
 
+def test_a_job_opted_out_of_the_key_by_name_hands_its_ranks_the_opt_out_and_no_key():
+    with AgentJob(ECHO, 2, {"report_env": ["MESHPACT_JOB_KEY", "MESHPACT_UNAUTHENTICATED"]}, timeout_s=90,
+                  run_id="no-key", forkserver=shared_forkserver(), unauthenticated=True) as job:
+        ran = job.run()
+    assert job.job_key is None and all(r.ok for r in ran.results)
+    assert [r.value["env"].get("MESHPACT_UNAUTHENTICATED") for r in ran.results] == ["1", "1"]
+    assert not any(r.value["env"].get("MESHPACT_JOB_KEY") for r in ran.results)
+
+
 def test_failed_rank_is_replaced_alone_and_fresh(tmp_path):
     seen: list[tuple[int, int, bool]] = []
     server = shared_forkserver()

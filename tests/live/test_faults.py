@@ -206,3 +206,35 @@ def test_a_rank_and_its_holders_killed_at_one_step_die_only_once_all_of_them_are
     assert FaultInjector(faults, 0, channel).arm(3) == faults[0]
     assert ("wait", ("arrived/kill3/rank0", "arrived/kill3/rank1")) in channel.log
     del server
+
+
+class _C10dOp:
+    """What the injector's dispatch mode sees of a c10d operation: its namespace."""
+
+    namespace = "c10d"
+
+    def __call__(self, *args, **kwargs):
+        return "done"
+
+
+def test_a_raised_collective_is_timed_from_its_raise_not_from_the_step_it_was_armed_in():
+    """The ops of the step before the n-th are the step's work (a 100 MB all-gather took 1.4 s at
+    gpt100m): timed from the arming, a fault's detection counted them."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    faults = plan_faults("collective", steps=4, count=1, world_size=2, injector_ranks=(0,), nth_op=2)
+    channel = _Channel()
+    injector = FaultInjector(faults, 0, channel)
+    fault = injector.arm(faults[0].step)
+    armed = dict(channel.keys["fault/0"])
+    with injector.fire(fault):
+        (mode,) = _get_current_dispatch_mode_stack()
+        assert mode.__torch_dispatch__(_C10dOp(), ()) == "done"  # the first op of the step goes through
+        assert channel.keys["fault/0"] == armed
+        with pytest.raises(CollectiveFault):
+            mode.__torch_dispatch__(_C10dOp(), ())
+    raised = channel.keys["fault/0"]
+    assert raised["t_wall"] > armed["t_wall"]
+    assert {k: v for k, v in raised.items() if k != "t_wall"} == {k: v for k, v in armed.items() if k != "t_wall"}
+    # the claim still holds: a replayed step or a replacement process does not fire it again
+    assert FaultInjector(faults, 0, channel).arm(faults[0].step) is None
