@@ -151,4 +151,4 @@ def test_plain_torchrun_on_two_nodes_restarts_the_job_from_its_checkpoint_bit_id
     assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
     assert all(faulted[r].pid != p.pid for r, p in first.items())  # torchrun restarted every worker
     assert sum(f.storage_bytes_read for f in faulted.values()) > 0  # from the checkpoint, not a peer
-    assert all(f.policies == () for f in faulted.values()), [f.recoveries for f in faulted.values()]
+    assert all(f.recovered_by() for f in faulted.values()), [f.recoveries for f in faulted.values()]
