@@ -79,14 +79,21 @@ def _control_plane(args: Namespace, given: bool) -> ControlPlaneHost:
         raise LaunchRefused(str(exc)) from None
     if host is ControlPlaneHost.NODE:
         return host
-    if args.standalone:
-        raise LaunchRefused("--control-plane service: --standalone hosts the stores on this node; drop it and name "
-                            "the service with --rdzv-backend c10d --rdzv-endpoint HOST:PORT")
-    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
-        raise LaunchRefused(f"--control-plane service: expected --rdzv-backend c10d and --rdzv-endpoint HOST:PORT "
-                            f"where `meshpact control-plane` serves, got --rdzv-backend {args.rdzv_backend} "
-                            f"--rdzv-endpoint {args.rdzv_endpoint or '(none)'}")
+    _needs_c10d_endpoint(args, "--control-plane service",
+                         "--standalone hosts the stores on this node; drop it and name the service with "
+                         "--rdzv-backend c10d --rdzv-endpoint HOST:PORT",
+                         "--rdzv-endpoint HOST:PORT where `meshpact control-plane` serves")
     return host
+
+
+def _needs_c10d_endpoint(args: Namespace, flag: str, if_standalone: str, endpoint: str) -> None:
+    """``flag`` serves a job of several nodes through a c10d rendezvous endpoint: refused in one line
+    under ``--standalone`` (``if_standalone`` says why) or without ``--rdzv-backend c10d`` and ``endpoint``."""
+    if args.standalone:
+        raise LaunchRefused(f"{flag}: {if_standalone}")
+    if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
+        raise LaunchRefused(f"{flag}: expected --rdzv-backend c10d and {endpoint}, got --rdzv-backend "
+                            f"{args.rdzv_backend} --rdzv-endpoint {args.rdzv_endpoint or '(none)'}")
 
 
 def _standalone(args: Namespace) -> None:
@@ -130,13 +137,10 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
         raise LaunchRefused("--spare-ranks-per-node: a warm spare runs a Python script or module; it cannot be "
                             "used with --no-python or --run-path")
     if args.spare:
-        if args.standalone:
-            raise LaunchRefused("--spare: a spare node stands by for a job of several nodes; --standalone runs one "
-                                "node with nothing to take over (drop one of the two)")
-        if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
-            raise LaunchRefused(f"--spare: expected --rdzv-backend c10d and the job's --rdzv-endpoint (a spare node "
-                                f"finds the job in the store there), got --rdzv-backend {args.rdzv_backend} "
-                                f"--rdzv-endpoint {args.rdzv_endpoint or '(none)'}")
+        _needs_c10d_endpoint(args, "--spare",
+                             "a spare node stands by for a job of several nodes; --standalone runs one node with "
+                             "nothing to take over (drop one of the two)",
+                             "the job's --rdzv-endpoint (a spare node finds the job in the store there)")
     if args.standalone:
         _standalone(args)
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
