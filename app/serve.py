@@ -209,12 +209,21 @@ def wait_metric_change(page: Page, label: str, before: str | None, timeout_ms: i
     return str(metric(page, label))
 
 
-def click_rank(page: Page, rank: int) -> None:
-    """Click rank ``rank``'s marker on the last chart that draws it."""
+def click_rank(page: Page, rank: int, timeout_s: float = 20.0) -> None:
+    """Click rank ``rank``'s marker on the last chart that draws it, once the marker holds still: a
+    chart still laid out (a component's frame resized, a late element above it) moves it under a
+    click aimed at where it was a moment before."""
+    deadline = time.monotonic() + timeout_s
     xy = page.evaluate(RANK_XY_JS, rank)
-    if xy is None:
+    while True:
+        page.wait_for_timeout(150)
+        again = page.evaluate(RANK_XY_JS, rank)
+        if again is not None and again == xy or time.monotonic() > deadline:
+            break
+        xy = again
+    if again is None:
         raise LookupError(f"rank {rank} is not drawn on any chart")
-    page.mouse.click(xy[0], xy[1])
+    page.mouse.click(again[0], again[1])
 
 
 def pick_scenario(page: Page, name: str, timeout_ms: int = 60_000) -> None:
