@@ -188,6 +188,7 @@ class ReplacingAgent(SimpleElasticAgent):
         if self._node is None:  # a member of the rendezvous: its node's environment, for a spare node to take
             self._node = NodeEnv.of(worker_group)
             self._channel.set(f"agent/node{worker_group.group_rank}", self._node.to_dict())
+        self._await_forkserver(lambda: self._kill_declared_lost(worker_group))  # beats while it waits
         first = {w.local_rank: self._first_incarnation(w.local_rank) for w in worker_group.workers}
         envs = {w.local_rank: self._env(worker_group, w.local_rank, first[w.local_rank]) for w in worker_group.workers}
         dest = self._logs_specs.reify(envs)  # error files (TORCHELASTIC_ERROR_FILE) and log files, elastic's layout
@@ -240,6 +241,23 @@ class ReplacingAgent(SimpleElasticAgent):
                 "python [-u] -m module): each starts as a fresh process")
             return None
         return ForkServer((*PRELOAD, *RUNTIME), env=os.environ, share_output=True)
+
+    def _await_forkserver(self, beat: Any = None) -> None:
+        """Wait for the fork server's imports, calling ``beat`` (with nothing) every ``loss_watch_s``
+        meanwhile: on a loaded node they may take longer than the node-loss bound, and an agent
+        waiting without beating would be judged lost. A server that failed is said, and the agent
+        starts fresh processes from then on."""
+        server = self.forkserver
+        if server is None:
+            return
+        try:
+            while not server.ready(self._options.loss_watch_s):
+                if beat is not None:
+                    beat()
+        except ForkServerError as exc:
+            say(f"--warm-start: {exc}; workers start as fresh processes")
+            self.forkserver = self.spares.forkserver = None
+            server.close()
 
     def _fork(self, spec: WorkerSpec, env: dict[str, str], streams: tuple[str, str]) -> Any | None:
         """A worker forked from the node's fork server (``--warm-start``), or None: none runs, the

@@ -160,6 +160,7 @@ class ForkServer:
         self._exits: dict[int, int] = {}  # pid -> return code
         self._next_id = 0
         self._start_timeout_s = start_timeout_s
+        self._started = time.monotonic()
         self._reader: threading.Thread | None = None  # started once the server said it is ready
 
     @property
@@ -172,7 +173,8 @@ class ForkServer:
         if self._reader is not None:
             return
         assert self._proc.stdout is not None
-        ready = _read_line(self._proc.stdout, self._start_timeout_s)
+        left = self._started + self._start_timeout_s - time.monotonic()
+        ready = _read_line(self._proc.stdout, max(left, 0.0))
         if ready != _READY:
             self._proc.kill()
             self._proc.wait(timeout=5)
@@ -182,6 +184,21 @@ class ForkServer:
                                   f"(it said {ready!r}); its stderr ends: {err[-2000:]}")
         self._reader = threading.Thread(target=self._read, name="meshpact-forkserver-replies", daemon=True)
         self._reader.start()
+
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether the server has finished its imports, waiting ``timeout_s`` at most for it (a
+        caller with something else to do meanwhile, such as an agent's beats, asks again);
+        :class:`ForkServerError` once it failed or its start timeout has passed."""
+        with self._lock:
+            if self._reader is not None:
+                return True
+            assert self._proc.stdout is not None
+            left = self._started + self._start_timeout_s - time.monotonic()
+            readable, _, _ = select.select([self._proc.stdout], [], [], max(min(timeout_s, left), 0.0))
+            if not readable and left > timeout_s:
+                return False
+            self._ready()
+            return True
 
     def differs(self, env: Mapping[str, str]) -> list[str]:
         """The variables read at import (IMPORT_TIME_ENV) that ``env`` sets otherwise than the
