@@ -62,7 +62,7 @@ from torch.distributed.elastic.rendezvous import RendezvousInfo, RendezvousStore
 
 from .elastic import LaunchOptions, ReplacingAgent
 from .forkserver import ForkServer
-from .processes import Running, say, signal_group
+from .processes import ForkedHandler, Running, say
 from ..recovery.jobkey import JobKey, draw
 from ..store import host_store
 from .rendezvous import FixedRendezvous
@@ -111,17 +111,6 @@ class _Deadline(Exception):
     """The job ran past its deadline (raised out of the agent's loop, which then stops every worker)."""
 
 
-class _Forked:
-    """A rank forked by the fork server, as elastic's subprocess handler (``proc`` and ``close``)."""
-
-    def __init__(self, proc: Any) -> None:
-        self.proc = proc
-
-    def close(self, death_sig: signal.Signals | None = None) -> None:
-        if self.proc.poll() is None:
-            signal_group(self.proc, death_sig or signal.SIGTERM)
-
-
 class _JobAgent(ReplacingAgent):
     """The agent with the calling program's parts (see the module docstring)."""
 
@@ -157,7 +146,7 @@ class _JobAgent(ReplacingAgent):
             full = {**os.environ, **env}
             differs = server.differs(full)
             if not differs:
-                handler: Any = _Forked(server.spawn(["--target", self._job.target], full, streams[1]))
+                handler: Any = ForkedHandler(server.spawn(["--target", self._job.target], full, streams[1]))
                 self._job.register(handler.proc.pid, rank, incarnation)
                 return handler
             # said where a reader of the rank's output looks: a fresh start costs seconds

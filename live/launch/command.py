@@ -54,6 +54,9 @@ def parser() -> ArgumentParser:
                      "worker keeps running.")
     p.add_argument("--spare-ranks-per-node", "--spare_ranks_per_node", type=int, default=0,
                    help="Warm spares per node: interpreters with torch imported, promoted to a failed worker's rank.")
+    p.add_argument("--warm-start", "--warm_start", action="store_true",
+                   help="Fork every worker (and warm spare) from one process per node that imported torch once, "
+                        "instead of starting a fresh interpreter per worker.")
     p.add_argument("--spare", action="store_true",
                    help="Stand by as a spare node: join no rendezvous round, register with the job at "
                         "--rdzv-endpoint and take the group rank of a node the job loses.")
@@ -132,10 +135,12 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     args = p.parse_args(list(argv))
     given = any(a.split("=")[0] in ("--control-plane", "--control_plane") for a in argv)
     options = LaunchOptions(spare_ranks_per_node=args.spare_ranks_per_node, spare=args.spare,
-                            node_loss_s=args.node_loss_s, control_plane=_control_plane(args, given))
-    if options.spare_ranks_per_node and (args.no_python or args.run_path):
-        raise LaunchRefused("--spare-ranks-per-node: a warm spare runs a Python script or module; it cannot be "
-                            "used with --no-python or --run-path")
+                            node_loss_s=args.node_loss_s, control_plane=_control_plane(args, given),
+                            warm_start=args.warm_start)
+    for flag, asked in (("--spare-ranks-per-node", options.spare_ranks_per_node), ("--warm-start", args.warm_start)):
+        if asked and (args.no_python or args.run_path):
+            raise LaunchRefused(f"{flag}: a warm process runs a Python script or module; it cannot be used with "
+                                "--no-python or --run-path")
     if args.spare:
         _needs_c10d_endpoint(args, "--spare",
                              "a spare node stands by for a job of several nodes; --standalone runs one node with "

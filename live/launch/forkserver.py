@@ -30,11 +30,19 @@ Where a start must be measured as a real process start — a replacement for a k
 cold restart — the launcher starts a fresh interpreter even when a server is at hand, so
 warm starts never flatter a recovery figure.
 
+``meshpact launch --warm-start`` asks for two more kinds of child: a worker running any Python
+command line torchrun would have started (``python -u script.py ARGS`` or ``-m module``), run as
+a promoted warm spare runs it (:func:`~meshpact.live.launch.warmspare.run_python`: ``__main__``,
+``sys.argv`` and ``sys.path[0]`` as ``python`` sets them, stdout and stderr in the worker's
+files), and a warm spare waiting for a rank (:func:`~meshpact.live.launch.warmspare.main`, its
+imports already done).
+
 The protocol is JSON lines on the server's stdin (requests) and stdout (replies): a request
-``{"id", "argv", "env", "cwd", "stderr"}`` is answered ``{"id", "pid"}``; each child's end
-is reported ``{"exit": pid, "rc": code}`` (``-N`` for signal ``N``, as ``subprocess``
-reports it). The server exits when its stdin closes; the children it started are the
-launcher's to stop.
+``{"id", "env", "cwd", "stderr"}`` with one of ``"argv"`` (the launcher's arguments),
+``"python"`` (python's arguments; ``"stdout"`` too) or ``"spare"`` (the spare's assignment file)
+is answered ``{"id", "pid"}``; each child's end is reported ``{"exit": pid, "rc": code}``
+(``-N`` for signal ``N``, as ``subprocess`` reports it). The server exits when its stdin
+closes; the children it started are the launcher's to stop.
 """
 
 from __future__ import annotations
@@ -77,6 +85,8 @@ def import_time_env(env: Mapping[str, str]) -> dict[str, str]:
 
 
 _READY = b"READY\n"
+# the descriptors (stdout,stderr) a server shares with its launcher (``share_output``), by number
+_SHARED_OUTPUT_ENV = "MESHPACT_FORKSERVER_OUTPUT_FDS"
 
 
 class ForkServerError(MeshpactError):
@@ -119,16 +129,30 @@ class ForkServer:
     forked (what the preloaded modules read at import, thread settings included, matches)."""
 
     def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout_s: float = 120.0,
-                 prefix: Sequence[str] = ()) -> None:
+                 prefix: Sequence[str] = (), env: Mapping[str, str] | None = None,
+                 share_output: bool = False) -> None:
         """``prefix``: a command the server runs under (``ip netns exec NS``: its children are
-        forked inside that network namespace, as ranks started with the same prefix would run)."""
-        env = {**os.environ, **SINGLE_THREAD_ENV}
+        forked inside that network namespace, as ranks started with the same prefix would run);
+        ``env``: the server's environment, thread settings included (a launcher whose workers run
+        with more threads than one); by default this process's with :data:`SINGLE_THREAD_ENV`.
+        Either way the server refuses to serve if its imports started a thread. ``share_output``: a
+        child given no file for its stdout or stderr writes to this process's (as a subprocess
+        started here would), not to the server's (a pipe and a private file)."""
+        env = {**os.environ, **SINGLE_THREAD_ENV} if env is None else dict(env)
         self.prefix = tuple(prefix)
         self._import_env = import_time_env(env)
         self._stderr = tempfile.TemporaryFile()  # a file, not a pipe: a chatty import can never block the server
-        self._proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "meshpact.live.launch.forkserver", *preload],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      env=env, start_new_session=True)
+        shared: tuple[int, ...] = ()
+        if share_output:
+            shared = (os.dup(1), os.dup(2))
+            env[_SHARED_OUTPUT_ENV] = f"{shared[0]},{shared[1]}"
+        try:
+            self._proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "meshpact.live.launch.forkserver",
+                                           *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=self._stderr, env=env, start_new_session=True, pass_fds=shared)
+        finally:
+            for fd in shared:
+                os.close(fd)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._lock = threading.Lock()
         self._changed = threading.Condition()
@@ -136,6 +160,7 @@ class ForkServer:
         self._exits: dict[int, int] = {}  # pid -> return code
         self._next_id = 0
         self._start_timeout_s = start_timeout_s
+        self._started = time.monotonic()
         self._reader: threading.Thread | None = None  # started once the server said it is ready
 
     @property
@@ -148,7 +173,8 @@ class ForkServer:
         if self._reader is not None:
             return
         assert self._proc.stdout is not None
-        ready = _read_line(self._proc.stdout, self._start_timeout_s)
+        left = self._started + self._start_timeout_s - time.monotonic()
+        ready = _read_line(self._proc.stdout, max(left, 0.0))
         if ready != _READY:
             self._proc.kill()
             self._proc.wait(timeout=5)
@@ -158,6 +184,21 @@ class ForkServer:
                                   f"(it said {ready!r}); its stderr ends: {err[-2000:]}")
         self._reader = threading.Thread(target=self._read, name="meshpact-forkserver-replies", daemon=True)
         self._reader.start()
+
+    def ready(self, timeout_s: float = 0.0) -> bool:
+        """Whether the server has finished its imports, waiting ``timeout_s`` at most for it (a
+        caller with something else to do meanwhile, such as an agent's beats, asks again);
+        :class:`ForkServerError` once it failed or its start timeout has passed."""
+        with self._lock:
+            if self._reader is not None:
+                return True
+            assert self._proc.stdout is not None
+            left = self._started + self._start_timeout_s - time.monotonic()
+            readable, _, _ = select.select([self._proc.stdout], [], [], max(min(timeout_s, left), 0.0))
+            if not readable and left > timeout_s:
+                return False
+            self._ready()
+            return True
 
     def differs(self, env: Mapping[str, str]) -> list[str]:
         """The variables read at import (IMPORT_TIME_ENV) that ``env`` sets otherwise than the
@@ -171,11 +212,27 @@ class ForkServer:
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], stderr_path: str,
               timeout_s: float = 30.0) -> ForkedProcess:
         """Fork one child running ``python -m meshpact.live.launch.launcher *argv`` with ``env``."""
+        return self._request({"argv": list(argv)}, env, stderr_path, timeout_s)
+
+    def spawn_python(self, python_argv: Sequence[str], env: Mapping[str, str], stdout_path: str, stderr_path: str,
+                     timeout_s: float = 30.0) -> ForkedProcess:
+        """Fork one child running ``python *python_argv`` (``-u script.py ARGS`` or ``-u -m module ARGS``,
+        :func:`~meshpact.live.launch.warmspare.runnable`) with ``env`` (wholesale) and its output in
+        the files given ("": the server's own)."""
+        return self._request({"python": list(python_argv), "stdout": stdout_path}, env, stderr_path, timeout_s)
+
+    def spawn_spare(self, assignment: str, env: Mapping[str, str], timeout_s: float = 30.0) -> ForkedProcess:
+        """Fork one warm spare waiting on the file ``assignment``
+        (:mod:`~meshpact.live.launch.warmspare`), with ``env`` until a rank's is assigned."""
+        return self._request({"spare": assignment}, env, "", timeout_s)
+
+    def _request(self, what: Mapping[str, Any], env: Mapping[str, str], stderr_path: str,
+                 timeout_s: float) -> ForkedProcess:
         with self._lock:
             self._ready()
             rid = self._next_id
             self._next_id += 1
-            line = json.dumps({"id": rid, "argv": list(argv), "env": dict(env), "cwd": os.getcwd(),
+            line = json.dumps({"id": rid, **what, "env": dict(env), "cwd": os.getcwd(),
                                "stderr": stderr_path}) + "\n"
             try:
                 assert self._proc.stdin is not None
@@ -256,13 +313,20 @@ def _read_line(stream: Any, timeout_s: float) -> bytes:
 def _child(req: Mapping[str, Any]) -> int:
     """In the forked child: become the rank the request describes and run it."""
     os.setsid()
-    fd = os.open(str(req["stderr"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 2)
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
-    os.dup2(null, 1)
-    for f in (fd, null):
-        os.close(f)
+    shared = [int(fd) for fd in os.environ.get(_SHARED_OUTPUT_ENV, "").split(",") if fd]
+    for path, target in ((str(req.get("stdout") or ""), 1), (str(req["stderr"]), 2)):
+        if path:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, target)
+            os.close(fd)
+        elif shared and "argv" not in req:  # the launcher's own output (the server's stdout is its replies)
+            os.dup2(shared[target - 1], target)
+        elif target == 1:  # never the replies' pipe
+            os.dup2(null, target)
+    for fd in (null, *shared):
+        os.close(fd)
     os.chdir(str(req["cwd"]))
     os.environ.clear()
     os.environ.update({str(k): str(v) for k, v in req["env"].items()})
@@ -271,6 +335,18 @@ def _child(req: Mapping[str, Any]) -> int:
     random.seed()  # a new interpreter's generators are seeded from the OS, not shared with its siblings
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
+    if "spare" in req:
+        from .warmspare import main as wait_as_spare
+
+        return wait_as_spare([str(req["spare"])])
+    if "python" in req:
+        import gc
+
+        from .warmspare import run_python
+
+        gc.freeze()  # what the server loaded stays out of the collector's scans, as in a promoted spare
+        run_python([str(a) for a in req["python"]])
+        return 0
     from .worker import _main
 
     sys.argv = ["-m meshpact.live.launch.launcher", *req["argv"]]

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["Running", "signal_group", "kill", "say", "stoppable", "wait_any", "stop", "handle_death_signals"]
+__all__ = ["ForkedHandler", "Running", "signal_group", "kill", "say", "stoppable", "wait_any", "stop", "handle_death_signals"]
 
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's, unless TORCHELASTIC_SIGNALS_TO_HANDLE says
 
@@ -51,6 +51,18 @@ class Running:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+
+
+class ForkedHandler:
+    """A process forked by a :class:`~.forkserver.ForkServer`, as elastic's subprocess handler is used
+    here (``proc``, and ``close`` with a death signal to its process group)."""
+
+    def __init__(self, proc: Any) -> None:
+        self.proc = proc
+
+    def close(self, death_sig: signal.Signals | None = None) -> None:
+        if self.proc.poll() is None:
+            signal_group(self.proc, death_sig or signal.SIGTERM)
 
 
 def signal_group(proc: subprocess.Popen, sig: int) -> None:

@@ -81,6 +81,7 @@ class SpareAgent(ReplacingAgent):
         me = self.me = SpareNode(channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size,
                                  os.getpid())
         channel.set(f"spare/node{me.spare_id}", me.to_dict())
+        self._await_forkserver(lambda: channel.add(f"spare/beat{me.spare_id}"))  # registered: it beats from now on
         warm = worker_group.spec.entrypoint == sys.executable  # a Python script or module: warm interpreters
         for _ in range(worker_group.spec.local_world_size if warm else 0):
             self._start_spare()

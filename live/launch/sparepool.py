@@ -20,7 +20,8 @@ from typing import Any, Sequence
 
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
-from .processes import say
+from .forkserver import ForkServer, ForkServerError
+from .processes import ForkedHandler, say
 from .warmspare import Assignment, assign, ready_path
 
 __all__ = ["SparePool"]
@@ -39,6 +40,7 @@ class SparePool:
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="meshpact-spares-"))
+        self.forkserver: ForkServer | None = None  # where spares are forked from (--warm-start), else fresh
         self.waiting: list[_Spare] = []
         self.started = 0  # how many were ever started (each has its own assignment file)
 
@@ -51,8 +53,15 @@ class SparePool:
         self.started += 1
         path = self.dir / f"spare-{index}.json"
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        handler = get_subprocess_handler(sys.executable, ("-u", "-m", "meshpact.live.launch.warmspare", str(path)),
-                                         env, "", "", index, None)
+        handler: Any = None
+        if self.forkserver is not None and self.forkserver.accepts({**os.environ, **env}):
+            try:
+                handler = ForkedHandler(self.forkserver.spawn_spare(str(path), {**os.environ, **env}))
+            except ForkServerError as exc:
+                say(f"warm spare {index}: {exc}; started as a fresh interpreter")
+        if handler is None:
+            handler = get_subprocess_handler(sys.executable, ("-u", "-m", "meshpact.live.launch.warmspare", str(path)),
+                                             env, "", "", index, None)
         self.waiting.append(_Spare(handler, path, time.monotonic()))
         return int(handler.proc.pid)
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["Assignment", "assign", "ready_path", "main", "RUNTIME"]
+__all__ = ["Assignment", "assign", "ready_path", "main", "run_python", "runnable", "RUNTIME"]
 
 # what a Meshpact job imports on top of torch: a promoted spare starts its script with them loaded
 RUNTIME = ("numpy", "meshpact.live.recovery.session", "meshpact.live.recovery.runtime",
@@ -82,7 +82,20 @@ def _redirect(path: str, fd: int) -> None:
     os.close(target)
 
 
-def _run(argv: Sequence[str]) -> None:
+def runnable(argv: Sequence[str]) -> bool:
+    """Whether :func:`run_python` runs ``python *argv`` as ``python`` would: the forms torchrun gives,
+    ``[-u] script args`` or ``[-u] -m module args``, and no other interpreter option."""
+    args = list(argv)
+    while args and args[0] == "-u":
+        args.pop(0)
+    if not args:
+        return False
+    if args[0] == "-m":
+        return len(args) >= 2 and bool(args[1]) and not args[1].startswith("-")
+    return not args[0].startswith("-")
+
+
+def run_python(argv: Sequence[str]) -> None:
     """Run ``python *argv`` in this interpreter (the forms torchrun gives: [-u] [-m module | script] args)."""
     args = [a for a in argv]
     while args and args[0] in ("-u",):
@@ -138,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sys.stderr.flush()
     _redirect(assignment.stdout, 1)
     _redirect(assignment.stderr, 2)
-    _run(assignment.argv)
+    run_python(assignment.argv)
     return 0
 
 

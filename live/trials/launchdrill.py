@@ -114,7 +114,9 @@ def _is_worker(pid: int, out: Path) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return False
-    return str(out) in cmdline or "meshpact.live.launch.warmspare" in cmdline  # a promoted spare runs the script in itself
+    # a promoted spare runs the script in itself; a forked worker has its fork server's command line
+    return str(out) in cmdline or any(m in cmdline for m in ("meshpact.live.launch.warmspare",
+                                                              "meshpact.live.launch.forkserver"))
 
 
 def resumed_at(out: Path, ranks: Sequence[int], step: int, after: float) -> float | None:
@@ -159,8 +161,11 @@ class Job:
         return {KEY_ENV: draw("drawn for a launch drill").secret.hex()}
 
     @staticmethod
-    def meshpact(*flags: str) -> list[str]:
-        return [sys.executable, "-m", "meshpact.launch", *flags]
+    def meshpact(*flags: str, warm_start: bool = True) -> list[str]:
+        """``meshpact launch`` with ``flags``; ``warm_start``: its workers forked from one process per
+        node (``--warm-start``: a drill judges what the job recovers, not how fast a worker's
+        interpreter starts), else fresh interpreters, as on default flags."""
+        return [sys.executable, "-m", "meshpact.launch", *(("--warm-start",) if warm_start else ()), *flags]
 
     @staticmethod
     def torchrun(*flags: str) -> list[str]:

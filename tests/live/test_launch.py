@@ -67,8 +67,8 @@ def readme_runs(tmp_path_factory) -> _ReadmeRuns:
     flag and rank 2 killed after its third step; the same with ``--max-restarts 0`` (and no checkpoint)."""
     tmp = tmp_path_factory.mktemp("readme")
     one_node = ("--standalone", "--nproc-per-node", str(RANKS))
-    with Job(Job.meshpact(*one_node), tmp / "faulted", README_STEPS, step_s=0.02, script=README_JOB) as job, \
-            Job(Job.meshpact(*one_node, "--max-restarts", "0"), tmp / "refused", README_STEPS, step_s=0.02,
+    with Job(Job.meshpact(*one_node, warm_start=False), tmp / "faulted", README_STEPS, step_s=0.02, script=README_JOB) as job, \
+            Job(Job.meshpact(*one_node, "--max-restarts", "0", warm_start=False), tmp / "refused", README_STEPS, step_s=0.02,
                 script=README_JOB) as refused:
         others = {r: job.wait_for_step(r, 0, 120) for r in range(RANKS) if r != 2}
         refused_others = {r: refused.wait_for_step(r, 0, 120) for r in range(RANKS) if r != 2}

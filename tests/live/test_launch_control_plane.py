@@ -17,7 +17,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -39,9 +38,9 @@ def node_flags(hosts: Hosts, host: int, *extra: str) -> list[str]:
 
 
 def node_of(pid: int) -> str:
-    """The address of the node a worker runs on (its peer-copy address, from its environment)."""
-    env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-    return env["MESHPACT_PEER_ADDR"]
+    """The node (network namespace) a process runs in: a forked worker's environment, as /proc shows
+    it, is its fork server's, so the namespace says where it runs."""
+    return os.readlink(f"/proc/{pid}/ns/net")
 
 
 def test_the_node_of_group_rank_0_lost_whole_is_taken_by_a_spare_node_and_the_job_ends_bit_identical(tmp_path):
@@ -63,8 +62,9 @@ def test_the_node_of_group_rank_0_lost_whole_is_taken_by_a_spare_node_and_the_jo
                 first = {r: node_a.wait_for_step(r, 0, 150) for r in (0, 1)}
                 spare.wait_for_log(f"spare node 1 at {hosts.addr[SPARE]} registered with the job", 120)
                 zero = node_of(first[0].pid)
-                lost_node, kept_node = (node_a, node_b) if zero == hosts.addr[1] else (node_b, node_a)
-                assert {node_of(first[1].pid)} == {hosts.addr[1], hosts.addr[2]} - {zero}  # one worker a node
+                lost_node, kept_node = (node_a, node_b) if zero == node_of(node_a.proc.pid) else (node_b, node_a)
+                assert zero == node_of(lost_node.proc.pid)  # one worker a node
+                assert node_of(first[1].pid) == node_of(kept_node.proc.pid) != zero
                 lost = lost_node.wait_for_step(0, 2, 120)
                 lost_node.kill_agent_and([lost])
                 assert kept_node.wait(120) == 0, kept_node.tail()
