@@ -68,12 +68,14 @@ def main() -> None:
     model, optimizer = build(session.mesh)
     out = Path(args.out) if args.out else None
     excise = dict(build=build, on_rank_loss=Policy.EXCISE, min_ranks=args.excise_to) if args.excise_to else {}
-    with resilient(model, optimizer, session, batches=lambda step: batch(step, session.rank), **excise) as rt:
+    # rt.share(batch, step): this rank's own batch, and after an excision its part of the departed ranks'
+    # samples too (weighted), so the global batch stays what the original world trained on
+    with resilient(model, optimizer, session, batches=lambda step: rt.share(batch, step), **excise) as rt:
         if rt.ckpt is not None and session.job_restarts > 0:
             rt.restore(rt.ckpt.latest(args.steps))  # torchrun restarted every worker: the newest checkpoint
         for step in range(rt.committed_step, args.steps):
             # rt.model and rt.optimizer: after an excision, the smaller world's (build(mesh) made them)
-            rt.step(lambda b: train_step(rt.model, rt.optimizer, b), batch(step, session.rank))
+            rt.step(lambda b: train_step(rt.model, rt.optimizer, b), rt.share(batch, step))
             if out is not None:
                 _write(out / f"progress-rank{session.rank}.json",
                        {"step": step, "pid": os.getpid(), "incarnation": session.incarnation})

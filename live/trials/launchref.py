@@ -8,7 +8,9 @@ the lost ranks leaving at a step, no fault, no recovery runtime.
 ranks ``0..K-1`` build the model again on a group of their own, load the W ranks' shards
 re-cut over K (whole tensors assembled from every rank's rows, each survivor's new rows taken:
 :func:`~meshpact.live.recovery.reshard.assemble_full`, :func:`~meshpact.live.recovery.reshard.shard_of`;
-each keeps its own generators) and train steps ``S..N-1``. Each survivor writes
+each keeps its own generators) and train steps ``S..N-1`` on the same global batch: each its own
+samples and its part of the departed ranks', its gradient weighted
+(:func:`~meshpact.live.recovery.reshard.share_batch`, as the example's ``rt.share``). Each survivor writes
 ``rank<r>.json`` (the digest of its state, as the example writes it) and ``state-rank<r>.pt``.
 
 A node killed under ``meshpact launch`` whose ranks the survivors excised at step ``S`` (the
@@ -43,7 +45,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    from ..recovery.reshard import assemble_full, shard_of, sharded_keys
+    from ..recovery.reshard import GradientWeight, Membership, assemble_full, share_batch, shard_of, sharded_keys
     from ..recovery.state import digest, job_state, load_job_state
     from .launchdrill import EXAMPLE
 
@@ -74,8 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     mine.update({k: v if v.dim() == 0 else shard_of(v, args.survivors, rank) for k, v in whole.items()})
     model, optimizer = build(DeviceMesh.from_group(group, "cpu"))
     load_job_state(model, optimizer, mine)  # build reseeded: the generators go back to this rank's own
+    membership, weight = Membership(world, tuple(range(args.survivors))), GradientWeight(model)
     for step in range(args.excise_at, args.steps):
-        train_step(model, optimizer, batch(step, rank))
+        share = share_batch(batch, step, membership, rank)
+        weight.weight = share.weight
+        train_step(model, optimizer, share.batch)
     state = job_state(model, optimizer)
     torch.save(state, out / f"state-rank{rank}.pt")
     record = {"rank": rank, "pid": os.getpid(), "incarnation": 0, "digest": digest(state), "steps": args.steps}
