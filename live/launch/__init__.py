@@ -18,6 +18,7 @@ keeps its memory. What each file decides:
 | ``workerenv`` | the environment a worker starts with: torchrun's and what the recovery runtime reads |
 | ``processes`` | a rank's process as the agent holds it, how it is signalled, the agent's one-line messages |
 | ``warmspare`` | the warm spare itself: an interpreter with torch imported, waiting for a rank |
+| ``warmstart`` | `WarmStart` (``--warm-start``): a node's workers and spares forked from one process, or why not |
 | ``agentjob`` | `AgentJob`: one node's job under the same agent, run inside the calling program |
 | ``launcher`` | `launch()`: a worker function on N local ranks, each rank's value collected |
 | ``forkserver`` | `ForkServer`: rank processes forked from a process that imported torch once |
@@ -44,7 +45,7 @@ _EXPORTS = {
     "ControlPlaneRefused": "controlplane",
     "AgentJob": "agentjob", "AgentJobResult": "agentjob",
     "launch": "launcher", "LaunchError": "worker", "LaunchedProcess": "worker", "RankResult": "worker",
-    "ForkServer": "forkserver",
+    "ForkServer": "forkserver", "WarmStart": "warmstart",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

@@ -28,7 +28,7 @@ Warm spares (``--spare-ranks-per-node N``): N interpreters per node with torch i
 (:mod:`~meshpact.live.launch.warmspare`), each promoted to a failed worker's rank by one file.
 
 Warm starts (``--warm-start``): one process per node imports torch, its distributed packages and
-Meshpact's runtime once (a :class:`~.forkserver.ForkServer`, started beside the rendezvous), and
+Meshpact's runtime once (:class:`~.warmstart.WarmStart`, a fork server started beside the rendezvous), and
 every worker process the agent starts (first, replacement or spare) is forked from it and runs
 the worker's command line as ``python`` would. A node of eight workers imports torch once, not
 eight times at once. A worker whose environment differs from the server's in what torch reads
@@ -76,13 +76,12 @@ from ..recovery.control import ControlChannel
 from ..recovery.refusal import REFUSAL_FILE_ENV, REFUSAL_LINE
 from .controlplane import ControlPlaneHost
 from .gone import GoneRanks
-from .nodes import NodeEnv, NodeWatch
-from .forkserver import ForkServer, ForkServerError
-from .processes import ForkedHandler, Running, handle_death_signals, kill, say, stop, stoppable, wait_any
+from .nodes import NodeEnv, NodeWatch, note_incarnation
+from .processes import Running, handle_death_signals, kill, say, stop, stoppable, wait_any
 from .rendezvous import open_control
 from .replacement import Ledger, Replacements
 from .sparepool import SparePool
-from .warmspare import RUNTIME, runnable
+from .warmstart import WarmStart
 from .workerenv import worker_environment
 
 __all__ = ["LaunchOptions", "LaunchRefused", "ReplacingAgent"]
@@ -145,9 +144,7 @@ class ReplacingAgent(SimpleElasticAgent):
         self._channel: ControlChannel | None = None
         self._control: tuple[str, int] = ("", 0)  # the control channel's address
         self._node: NodeEnv | None = None  # the worker environment of this agent's group rank
-        self.forkserver: ForkServer | None = self._start_forkserver(spec) if options.warm_start else None
-        self.spares.forkserver = self.forkserver
-        self._fresh_said = False  # a worker started fresh under --warm-start has been said once
+        self.warm_start = WarmStart.start(options.warm_start, spec.entrypoint, spec.args, spec.numa_options, self.spares)
 
     @property
     def ledger(self) -> Ledger:
@@ -188,7 +185,7 @@ class ReplacingAgent(SimpleElasticAgent):
         if self._node is None:  # a member of the rendezvous: its node's environment, for a spare node to take
             self._node = NodeEnv.of(worker_group)
             self._channel.set(f"agent/node{worker_group.group_rank}", self._node.to_dict())
-        self._await_forkserver(lambda: self._kill_declared_lost(worker_group))  # beats while it waits
+        self.warm_start.await_ready(self._options.loss_watch_s, lambda: self._kill_declared_lost(worker_group))
         first = {w.local_rank: self._first_incarnation(w.local_rank) for w in worker_group.workers}
         envs = {w.local_rank: self._env(worker_group, w.local_rank, first[w.local_rank]) for w in worker_group.workers}
         dest = self._logs_specs.reify(envs)  # error files (TORCHELASTIC_ERROR_FILE) and log files, elastic's layout
@@ -198,7 +195,7 @@ class ReplacingAgent(SimpleElasticAgent):
             lr = w.local_rank
             streams = self.replacements.streams[lr] = (dest.stdouts.get(lr, ""), dest.stderrs.get(lr, ""))
             if first[lr]:
-                self._note_incarnation(w.global_rank, first[lr])
+                note_incarnation(self._channel, w.global_rank, first[lr])
             self.ledger.running[lr] = self._launch(spec, lr, envs[lr], streams, dest.error_files.get(lr, os.devnull),
                                                    first[lr], warm=self.warm_first)
         for _ in range(self._options.spare_ranks_per_node):
@@ -215,85 +212,15 @@ class ReplacingAgent(SimpleElasticAgent):
 
     def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
                        incarnation: int) -> Any:
-        """A new process for ``local_rank`` (elastic's subprocess handler: ``.proc`` and ``.close``)."""
+        """A new process for ``local_rank`` (elastic's subprocess handler: ``.proc`` and ``.close``): forked
+        from the node's fork server (``--warm-start``), else a fresh one."""
         assert isinstance(spec.entrypoint, str)  # a program to run: the launcher takes no Python callable
-        forked = self._fork(spec, env, streams)
-        if forked is not None:
-            return forked
-        return get_subprocess_handler(spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank,
-                                      spec.numa_options)
-
-    @staticmethod
-    def _start_forkserver(spec: WorkerSpec) -> ForkServer | None:
-        """The node's fork server for ``--warm-start`` (its imports run while the agent joins the
-        rendezvous), or None, said in a line, where this job's workers cannot be forked."""
-        import sys
-
-        from .forkserver import PRELOAD
-
-        if os.path.realpath(str(spec.entrypoint)) != os.path.realpath(sys.executable):
-            say(f"--warm-start: the workers run {spec.entrypoint}, not this interpreter ({sys.executable}): "
-                "each starts as a fresh process")
-            return None
-        if not runnable(spec.args) or spec.numa_options is not None:
-            why = "a NUMA binding" if spec.numa_options is not None else f"python {' '.join(spec.args)}"
-            say(f"--warm-start: {why} is not a worker a fork can start (expected python [-u] script.py or "
-                "python [-u] -m module): each starts as a fresh process")
-            return None
-        return ForkServer((*PRELOAD, *RUNTIME), env=os.environ, share_output=True)
-
-    def _await_forkserver(self, beat: Any = None) -> None:
-        """Wait for the fork server's imports, calling ``beat`` (with nothing) every ``loss_watch_s``
-        meanwhile: on a loaded node they may take longer than the node-loss bound, and an agent
-        waiting without beating would be judged lost. A server that failed is said, and the agent
-        starts fresh processes from then on."""
-        server = self.forkserver
-        if server is None:
-            return
-        try:
-            while not server.ready(self._options.loss_watch_s):
-                if beat is not None:
-                    beat()
-        except ForkServerError as exc:
-            say(f"--warm-start: {exc}; workers start as fresh processes")
-            self.forkserver = self.spares.forkserver = None
-            server.close()
-
-    def _fork(self, spec: WorkerSpec, env: dict[str, str], streams: tuple[str, str]) -> Any | None:
-        """A worker forked from the node's fork server (``--warm-start``), or None: none runs, the
-        worker's environment differs from the server's where torch reads it at import, or the
-        server failed (said once; from then on the agent starts fresh processes)."""
-        server = self.forkserver
-        if server is None:
-            return None
-        full = {**os.environ, **env}  # as elastic's subprocess handler builds a worker's environment
-        differs = server.differs(full)
-        if differs:
-            if not self._fresh_said:
-                say(f"--warm-start: {', '.join(differs)} differ(s) from the fork server's, which torch read at "
-                    "import: the worker starts as a fresh process")
-                self._fresh_said = True
-            return None
-        try:
-            return ForkedHandler(server.spawn_python(spec.args, full, streams[0], streams[1]))
-        except ForkServerError as exc:
-            say(f"--warm-start: {exc}; workers start as fresh processes from now on")
-            self.forkserver = self.spares.forkserver = None
-            server.close()
-            return None
+        return self.warm_start.fork(spec.args, env, streams) or get_subprocess_handler(
+            spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank, spec.numa_options)
 
     def _first_incarnation(self, local_rank: int) -> int:
         """The incarnation of the first process this agent starts for ``local_rank`` (0: the rank's first)."""
         return 0
-
-    def _note_incarnation(self, rank: int, incarnation: int) -> None:
-        """Say on the control channel that ``rank`` runs at ``incarnation`` now (before the process starts),
-        so a spare node that takes this node starts the rank above it."""
-        try:
-            assert self._channel is not None
-            self._channel.set(f"agent/incarnation/rank{rank}", incarnation)
-        except (RuntimeError, OSError) as exc:  # the channel's host gone: the job is ending, no spare reads this
-            logger.warning("meshpact launch: cannot write rank %d's incarnation (%s)", rank, exc)
 
     def _start_spare(self) -> int:
         """Start one warm spare on this node; its pid."""
@@ -302,7 +229,7 @@ class ReplacingAgent(SimpleElasticAgent):
     def _replace(self, wg: WorkerGroup, local_rank: int) -> Running:
         """Start a process for ``local_rank`` (its old one has exited): a warm spare if one waits."""
         incarnation = self.replacements.next_incarnation(local_rank)
-        self._note_incarnation(wg.workers[local_rank].global_rank, incarnation)
+        note_incarnation(self._channel, wg.workers[local_rank].global_rank, incarnation)
         env = self._env(wg, local_rank, incarnation)
         out, err, error_file = self.replacements.files_of(local_rank, incarnation)
         env["TORCHELASTIC_ERROR_FILE"] = "" if error_file == os.devnull else error_file
@@ -436,8 +363,6 @@ class ReplacingAgent(SimpleElasticAgent):
             running.close()
         self.spares.clear()
         self.replacements.close()
-        if self.forkserver is not None:  # every process it forked is stopped: it ends as its stdin closes
-            self.forkserver.close()
-            self.forkserver = self.spares.forkserver = None
+        self.warm_start.close()  # every process it forked is stopped: it ends as its stdin closes
         self._channel = None
         self._control_server = None

@@ -61,12 +61,12 @@ from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
 
+from .warmspare import PRELOAD, run_python
+from .warmspare import main as wait_as_spare
+
 __all__ = ["ForkServer", "ForkServerError", "ForkedProcess", "PRELOAD", "SINGLE_THREAD_ENV", "IMPORT_TIME_ENV",
            "import_time_env"]
 
-# torch._dynamo too: FSDP2's first shard imports it in every rank (0.8 s of CPU each on the
-# two-core machine), and it brings torch._inductor's configuration with it
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo")
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}  # no thread pool at import: the server may fork
 # torch, dynamo and inductor read their settings from these variables when they are imported,
 # the thread pools theirs when they start: a child forked after the imports has the server's.
@@ -336,13 +336,9 @@ def _child(req: Mapping[str, Any]) -> int:
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
     if "spare" in req:
-        from .warmspare import main as wait_as_spare
-
         return wait_as_spare([str(req["spare"])])
     if "python" in req:
         import gc
-
-        from .warmspare import run_python
 
         gc.freeze()  # what the server loaded stays out of the collector's scans, as in a promoted spare
         run_python([str(a) for a in req["python"]])

@@ -30,7 +30,7 @@ from ..recovery.control import ControlChannel
 from .processes import say
 
 __all__ = ["HostNodeLost", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "choose_spare", "NodeWatch",
-           "NODES_CHANGED_KEY", "SPARE_COUNT_KEY", "JOB_ENDED_KEY"]
+           "note_incarnation", "incarnation_key", "NODES_CHANGED_KEY", "SPARE_COUNT_KEY", "JOB_ENDED_KEY"]
 
 logger = logging.getLogger("meshpact.launch")
 
@@ -144,6 +144,20 @@ class NodeVerdict:
                else "no spare node is registered")
         return f"{self.loss.what()}; {why}; the job is told its ranks are gone (it excises them where it can, above " \
                "its min_ranks, or ends naming why)"
+
+
+def incarnation_key(rank: int) -> str:
+    """The control channel's key saying which incarnation runs ``rank`` now (a spare node that takes
+    the rank's node starts it above that)."""
+    return f"agent/incarnation/rank{rank}"
+
+
+def note_incarnation(channel: Any, rank: int, incarnation: int) -> None:
+    """Say on the control channel that ``rank`` runs at ``incarnation`` now (before its process starts)."""
+    try:
+        channel.set(incarnation_key(rank), incarnation)
+    except (RuntimeError, OSError) as exc:  # the channel's host gone: the job is ending, no spare reads this
+        logger.warning("meshpact launch: cannot write rank %d's incarnation (%s)", rank, exc)
 
 
 def choose_spare(loss: NodeLoss, nproc_per_node: int, spares: Sequence[SpareNode], live: Collection[int],

@@ -24,7 +24,7 @@ from meshpact.core.errors import MeshpactError
 from ..recovery.consensus import ROUND_KEY
 from ..recovery.control import ControlChannel
 from .elastic import LaunchOptions, ReplacingAgent
-from .nodes import JOB_ENDED_KEY, SPARE_COUNT_KEY, NodeEnv, SpareNode
+from .nodes import JOB_ENDED_KEY, SPARE_COUNT_KEY, NodeEnv, SpareNode, incarnation_key
 from .processes import say, stoppable
 from .rendezvous import StandbyRendezvous
 
@@ -81,7 +81,7 @@ class SpareAgent(ReplacingAgent):
         me = self.me = SpareNode(channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size,
                                  os.getpid())
         channel.set(f"spare/node{me.spare_id}", me.to_dict())
-        self._await_forkserver(lambda: channel.add(f"spare/beat{me.spare_id}"))  # registered: it beats from now on
+        self.warm_start.await_ready(self._options.loss_watch_s, lambda: channel.add(f"spare/beat{me.spare_id}"))
         warm = worker_group.spec.entrypoint == sys.executable  # a Python script or module: warm interpreters
         for _ in range(worker_group.spec.local_world_size if warm else 0):
             self._start_spare()
@@ -89,8 +89,8 @@ class SpareAgent(ReplacingAgent):
              + (f" with {len(self.spares)} warm interpreter(s)" if warm else ""))
         g = self._stand_by(me)
         node = NodeEnv.from_dict(channel.wait([f"agent/node{g}"])[f"agent/node{g}"])
-        held = channel.present([f"agent/incarnation/rank{r}" for r in node.ranks])
-        self._first = {lr: int(held.get(f"agent/incarnation/rank{r}", 0)) + 1 for lr, r in enumerate(node.ranks)}
+        held = channel.present([incarnation_key(r) for r in node.ranks])
+        self._first = {lr: int(held.get(incarnation_key(r), 0)) + 1 for lr, r in enumerate(node.ranks)}
         self.gone.seen_round = channel.counter(ROUND_KEY)  # rounds decided before now named the lost processes
         self._node = node
         worker_group.workers = node.workers()

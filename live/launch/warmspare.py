@@ -1,7 +1,7 @@
 """A warm spare for any torchrun worker command: an interpreter with torch imported, waiting for a rank.
 
 ``python -u -m meshpact.live.launch.warmspare ASSIGNMENT`` imports what every rank of a training job
-imports first (:data:`~meshpact.live.launch.forkserver.PRELOAD`: torch, torch.distributed, FSDP,
+imports first (:data:`PRELOAD`: torch, torch.distributed, FSDP,
 DTensor, dynamo; and Meshpact's recovery runtime, :data:`RUNTIME`) and then waits for the file ``ASSIGNMENT`` to appear. The launcher writes it
 (atomically) when a worker of its node has died: the lost rank's whole worker environment
 (``RANK``, ``LOCAL_RANK``, ``MESHPACT_INCARNATION``, ``TORCHELASTIC_ERROR_FILE``, ...), the
@@ -30,8 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["Assignment", "assign", "ready_path", "main", "run_python", "runnable", "RUNTIME"]
+__all__ = ["Assignment", "assign", "ready_path", "main", "run_python", "runnable", "PRELOAD", "RUNTIME"]
 
+# what every rank imports first, whatever its job; torch._dynamo too: FSDP2's first shard imports it in
+# every rank (0.8 s of CPU each on the two-core machine), and it brings torch._inductor's configuration
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo")
 # what a Meshpact job imports on top of torch: a promoted spare starts its script with them loaded
 RUNTIME = ("numpy", "meshpact.live.recovery.session", "meshpact.live.recovery.runtime",
            "meshpact.live.recovery.state", "meshpact.live.recovery.peers")
@@ -119,8 +122,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.write("usage: python -m meshpact.live.launch.warmspare ASSIGNMENT_FILE\n")
         return 2
     path = Path(args[0])
-    from .forkserver import PRELOAD
-
     for name in PRELOAD:
         importlib.import_module(name)
     for name in RUNTIME:
