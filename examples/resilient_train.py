@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
 
 from meshpact.core.recovery import Policy
-from meshpact.live.recovery import RecoveryConfig, resilient, start_session
+from meshpact.live.recovery import RecoveryConfig, Resilient, resilient, start_session
 from meshpact.live.recovery.state import digest
 
 VOCAB = 64
@@ -70,6 +70,7 @@ def main() -> None:
     excise = dict(build=build, on_rank_loss=Policy.EXCISE, min_ranks=args.excise_to) if args.excise_to else {}
     # rt.share(batch, step): this rank's own batch, and after an excision its part of the departed ranks'
     # samples too (weighted), so the global batch stays what the original world trained on
+    rt: Resilient  # bound by the with below, before any batch is asked for
     with resilient(model, optimizer, session, batches=lambda step: rt.share(batch, step), **excise) as rt:
         if rt.ckpt is not None and session.job_restarts > 0:
             rt.restore(rt.ckpt.latest(args.steps))  # torchrun restarted every worker: the newest checkpoint

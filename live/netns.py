@@ -207,6 +207,25 @@ def _setns(fd: int, what: str) -> None:
         raise NetnsError(f"{what}: setns failed: {os.strerror(ctypes.get_errno())}")
 
 
+def netns_of(prefix: Sequence[str]) -> str | None:
+    """The network namespace a command prefix runs its program in (``ip netns exec NAME``), or None."""
+    return prefix[3] if len(prefix) == 4 and list(prefix[:3]) == ["ip", "netns", "exec"] else None
+
+
+def move_into(ns: str) -> None:
+    """This process (its calling thread: a process forked a moment ago has no other) into the network
+    namespace ``ns`` for good, as ``ip netns exec`` puts the program it runs; what it opens from then
+    on lives there. Only the network is moved: ``/sys`` still shows this host's interfaces."""
+    try:
+        there = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
+    except FileNotFoundError:
+        raise NetnsError(f"enter the network namespace {ns}: there is none of that name") from None
+    try:
+        _setns(there, f"enter the network namespace {ns}")
+    finally:
+        os.close(there)
+
+
 @contextlib.contextmanager
 def entered(ns: str) -> Iterator[None]:
     """The calling thread inside the network namespace ``ns`` (an ``ip netns`` name) for the block.

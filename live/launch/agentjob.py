@@ -64,6 +64,7 @@ from .elastic import LaunchOptions, ReplacingAgent
 from .forkserver import ForkServer
 from .processes import ForkedHandler, Running, say
 from ..recovery.jobkey import JobKey, draw
+from ..netns import netns_of
 from ..store import host_store
 from .rendezvous import FixedRendezvous
 from .worker import ARGS_ENV, RESULT_DIR_ENV, LaunchedProcess, LaunchError, RankResult, _resolve
@@ -141,12 +142,16 @@ class _JobAgent(ReplacingAgent):
         rank = local_rank
         server = self._job.server_of(rank)
         prefix = self._job.prefix_of(rank)
-        # a server forks its children where it runs: only a rank started under the server's own prefix is forked
-        if server is not None and server.prefix == prefix and (incarnation == 0 or self._job.warm_replacements):
+        # a server forks its children where it runs, or (one run outside any) into the network namespace of a
+        # rank's `ip netns exec`
+        netns = netns_of(prefix) if server is not None and not server.prefix else None
+        if (server is not None and (server.prefix == prefix or netns)
+                and (incarnation == 0 or self._job.warm_replacements)):
             full = {**os.environ, **env}
             differs = server.differs(full)
             if not differs:
-                handler: Any = ForkedHandler(server.spawn(["--target", self._job.target], full, streams[1]))
+                handler: Any = ForkedHandler(server.spawn(["--target", self._job.target], full, streams[1],
+                                                          netns=netns))
                 self._job.register(handler.proc.pid, rank, incarnation)
                 return handler
             # said where a reader of the rank's output looks: a fresh start costs seconds

@@ -210,9 +210,12 @@ class ForkServer:
         return not self.differs(env)
 
     def spawn(self, argv: Sequence[str], env: Mapping[str, str], stderr_path: str,
-              timeout_s: float = 30.0) -> ForkedProcess:
-        """Fork one child running ``python -m meshpact.live.launch.launcher *argv`` with ``env``."""
-        return self._request({"argv": list(argv)}, env, stderr_path, timeout_s)
+              timeout_s: float = 30.0, netns: str | None = None) -> ForkedProcess:
+        """Fork one child running ``python -m meshpact.live.launch.launcher *argv`` with ``env``;
+        ``netns``: in that network namespace (an ``ip netns`` name), where ``ip netns exec`` would
+        run it (the network only: ``/sys`` is the server's), from a server that runs outside it."""
+        what: dict[str, Any] = {"argv": list(argv), **({"netns": netns} if netns else {})}
+        return self._request(what, env, stderr_path, timeout_s)
 
     def spawn_python(self, python_argv: Sequence[str], env: Mapping[str, str], stdout_path: str, stderr_path: str,
                      timeout_s: float = 30.0) -> ForkedProcess:
@@ -312,6 +315,10 @@ def _read_line(stream: Any, timeout_s: float) -> bytes:
 # -- the server side ------------------------------------------------------------------------
 def _child(req: Mapping[str, Any]) -> int:
     """In the forked child: become the rank the request describes and run it."""
+    if req.get("netns"):
+        from ..netns import move_into
+
+        move_into(str(req["netns"]))
     os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)

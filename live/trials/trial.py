@@ -285,13 +285,14 @@ def _partition_hosts(cfg: TrialConfig) -> Iterator[tuple[NetnsPair | None, dict[
 def _warm_starts(cfg: TrialConfig, netns: NetnsPair | None, shared: ForkServer | None
                  ) -> Iterator[ForkServer | Callable[[int], ForkServer] | None]:
     """A fork server for the runs whose rank starts are not measured (the reference, the faulted
-    run's first processes, the excising reference): ``shared`` when given (left running), else
-    one of the trial's own; where ranks run in two network namespaces, one server started in
-    each (its children are forked there); none where ``cfg.warm_starts`` is off."""
+    run's first processes, the excising reference): ``shared`` when given (left running; where
+    ranks run in two network namespaces it forks each into its rank's), else one of the trial's
+    own, or where ranks run in two network namespaces one started in each (its children are
+    forked there); none where ``cfg.warm_starts`` is off."""
     if not cfg.warm_starts:
         yield None
         return
-    if netns is not None:
+    if netns is not None and shared is None:
         with (ForkServer(RANK_PRELOAD, prefix=netns.prefix(0)) as first,
               ForkServer(RANK_PRELOAD, prefix=netns.prefix(1)) as second):
             yield lambda r: (first, second)[netns.side(r, cfg.ranks)]
