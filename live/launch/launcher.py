@@ -114,7 +114,7 @@ def echo(args: dict) -> dict:
     return {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
             "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "args": args, "incarnation": incarnation,
             "draw": random.random(), "env": {k: os.environ.get(k) for k in args.get("report_env", ())},
-            "threads": torch.get_num_threads(), "inductor": inductor}
+            "threads": torch.get_num_threads(), "inductor": inductor, "netns": os.readlink("/proc/self/ns/net")}
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -154,6 +154,27 @@ def test_ranks_on_two_hosts_start_under_their_prefix_and_meet_at_a_store_served_
     assert arrived == 2 and ran.replacements == 1  # both ranks reached the store across the link
 
 
+@pytest.mark.netns
+@pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")
+def test_one_server_outside_both_hosts_forks_each_rank_into_its_hosts_network_namespace(tmp_path):
+    """The server runs in this machine's namespace and each rank's prefix is ``ip netns exec``: it
+    forks rank r and moves it into host r's namespace, where rank 1 reaches the store on host 0's end
+    of the link (which this machine's own namespace cannot reach)."""
+    with TwoHosts(link=None) as hosts, ForkServer() as server:
+        with hosts.inside(0):
+            store = host_store(hosts.addr[0], 0, 2)
+            with AgentJob(ECHO, 2, {"timeout_s": 60}, timeout_s=120, prefix=hosts.prefix,
+                          master=(hosts.addr[0], int(store.port)), forkserver=server,
+                          env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r]}) as job:
+                ran = job.run()
+            arrived = store.add("echo/arrived", 0)
+        namespaces = [f"net:[{os.stat(f'/var/run/netns/{ns}').st_ino}]" for ns in hosts.ns]
+    assert all(r.ok for r in ran.results), [r.stderr_tail for r in ran.results]
+    got = [r.value for r in ran.results]
+    assert [v["ppid"] for v in got] == [server.pid, server.pid]  # both forked, by the one server
+    assert [v["netns"] for v in got] == namespaces and arrived == 2  # each on its own host, across the link
+
+
 def test_a_rank_refusing_a_recovery_that_cannot_happen_says_one_line_and_gets_no_replacement(tmp_path):
     """A refusal is decided by the whole group: a new process would hold nothing and decide the same, so the
     agent leaves the rank gone however many replacements are left; the other rank is replaced as before."""
