@@ -164,10 +164,16 @@ def handshake(rank: int, rounds: int = 21) -> float:
 
 
 def veth_counters() -> tuple[int, int]:
-    """(rx, tx) bytes of this host's veth end, from the kernel's statistics (0, 0 without one)."""
+    """(rx, tx) bytes of this host's veth end, from the kernel's statistics (0, 0 without one), as
+    this process's network namespace sees them (``/proc/self/net/dev``: ``/sys`` shows the
+    namespace of whoever mounted it, which a rank moved into its host's namespace need not share)."""
     dev = os.environ.get("MESHPACT_VETH")
     if not dev:
         return 0, 0
-    base = f"/sys/class/net/{dev}/statistics"
-    with open(f"{base}/rx_bytes") as rx, open(f"{base}/tx_bytes") as tx:
-        return int(rx.read()), int(tx.read())
+    with open("/proc/self/net/dev") as table:
+        for line in table:
+            name, sep, fields = line.partition(":")
+            if sep and name.strip() == dev:
+                counts = fields.split()
+                return int(counts[0]), int(counts[8])
+    raise FileNotFoundError(f"{dev}: no such interface in this network namespace (/proc/self/net/dev)")

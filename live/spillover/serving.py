@@ -583,8 +583,11 @@ class _ServingHost:
 
 
 # -- the parent: one run on two fresh hosts ------------------------------------------------------
-def run_once(cfg: SpilloverConfig) -> RunResult:
-    """Build two hosts, start one rank on each, serve ``cfg``'s requests, tear everything down."""
+def run_once(cfg: SpilloverConfig, forkserver: Any = None) -> RunResult:
+    """Build two hosts, start one rank on each, serve ``cfg``'s requests, tear everything down.
+    ``forkserver``: a running :class:`~meshpact.live.launch.forkserver.ForkServer` to fork the two
+    ranks from, each into its host's namespace (a caller that times no rank's start); else each
+    rank is a fresh interpreter started there."""
     from ..launch.agentjob import AgentJob
     from ..launch.launcher import LaunchError
     from ..plans.meter import CallRecord, measure
@@ -595,7 +598,7 @@ def run_once(cfg: SpilloverConfig) -> RunResult:
     with TwoHosts(LinkShape(cfg.gbit_per_s, cfg.delay_ms)) as hosts, hosts.inside(0):
         port = random.randrange(20000, 60000)  # fresh namespaces: every port is free
         with AgentJob("meshpact.live.spillover.serving:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
-                      master=(hosts.addr[0], port), prefix=hosts.prefix,
+                      master=(hosts.addr[0], port), prefix=hosts.prefix, forkserver=forkserver,
                       env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r], "MESHPACT_VETH": hosts.iface[r],
                                      "TORCHELASTIC_USE_AGENT_STORE": "False", "OMP_NUM_THREADS": "1"}) as job:
             results = job.run().results

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+
+from _warm import shared_forkserver
 import torch
 
 from meshpact.cli import main as cli_main
@@ -68,7 +70,8 @@ _SMALL: dict[str, Any] = dict(model="moe", concurrency=6, requests=9, output_tok
 def small_runs() -> dict[str, RunResult]:
     if netns_unavailable():
         pytest.skip(str(netns_unavailable()))
-    return {req: run_once(SpilloverConfig(request=req, **_SMALL)) for req in ("full", "token", "logprob", "owner_token")}
+    return {req: run_once(SpilloverConfig(request=req, **_SMALL), forkserver=shared_forkserver())
+            for req in ("full", "token", "logprob", "owner_token")}
 
 
 @pytest.mark.slow

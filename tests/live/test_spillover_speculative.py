@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from _warm import shared_forkserver
 import torch
 
 from meshpact.cli import main as cli_main
@@ -112,8 +114,8 @@ def test_speculation_is_refused_where_it_cannot_run(capsys):
 @needs_netns
 def test_full_logits_and_source_verification_decode_the_same_tokens_and_alpha_predicts_the_passes():
     cfg = dict(deployment="model", gamma=3, model="dense", concurrency=2, requests=4, output_tokens=16, timeout_s=120)
-    full = run_once(SpilloverConfig(request="full", **cfg))
-    token = run_once(SpilloverConfig(request="token", **cfg))
+    full = run_once(SpilloverConfig(request="full", **cfg), forkserver=shared_forkserver())
+    token = run_once(SpilloverConfig(request="token", **cfg), forkserver=shared_forkserver())
     assert full.outputs_digest == token.outputs_digest  # token-identical outputs
     assert full.outputs_digest != digest({0: [0]})
     sf, st = full.speculative, token.speculative
@@ -126,8 +128,8 @@ def test_full_logits_and_source_verification_decode_the_same_tokens_and_alpha_pr
     assert st.bytes_per_round * st.rounds == token.result_bytes
     assert simulated(full)["result_bytes"] > 1000 * simulated(token)["result_bytes"] > 0
     # the lowerer's owner_token plan per position, and the verdict with the emitted tokens' log-probs
-    owner = run_once(SpilloverConfig(request="owner_token", **cfg))
-    logprob = run_once(SpilloverConfig(request="logprob", **cfg))
+    owner = run_once(SpilloverConfig(request="owner_token", **cfg), forkserver=shared_forkserver())
+    logprob = run_once(SpilloverConfig(request="logprob", **cfg), forkserver=shared_forkserver())
     assert owner.outputs_digest == logprob.outputs_digest == full.outputs_digest
     assert owner.result_bytes == sf.sequence_rounds * 4 * 8
     assert logprob.result_bytes == sf.sequence_rounds * (16 + 4 * 4)

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from _warm import shared_forkserver
 import torch
 
 from meshpact.cli import main as cli_main
@@ -127,7 +129,7 @@ _LIVE: dict[str, Any] = dict(deployment="model", model="moe", requests=4, output
 def split_runs() -> dict[tuple[str, int], RunResult]:
     if netns_unavailable():
         pytest.skip(str(netns_unavailable()))
-    return {(req, c): run_once(SpilloverConfig(request=req, concurrency=c, **_LIVE))
+    return {(req, c): run_once(SpilloverConfig(request=req, concurrency=c, **_LIVE), forkserver=shared_forkserver())
             for req, c in (("full", 1), ("logprob", 2), ("owner_token", 2))}
 
 
@@ -139,7 +141,7 @@ def split_runs() -> dict[tuple[str, int], RunResult]:
 def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_packages(split_runs, tmp_path):
     eager = split_runs[("owner_token", 2)]
     aoti = run_once(SpilloverConfig(request="owner_token", concurrency=2, compile="aoti", work_dir=str(tmp_path),
-                                    **{**_LIVE, "timeout_s": 300}))
+                                    **{**_LIVE, "timeout_s": 300}), forkserver=shared_forkserver())
     assert aoti.config.compile == "aoti" and aoti.compile_s > 0  # compiled in the parent, into a fresh work dir
     assert sorted(p.name.split("-")[1] for p in (Path(aoti.config.work_dir) / "aoti").glob("*.pt2")) == ["l0", "l1"]
     assert aoti.output_check == OutputCheck(20, True, None)
