@@ -942,6 +942,8 @@ class Resilient:
         load_job_state(self.model, self.optimizer, self.ckpt.load(step), self.schedulers, self.objects)
         self.committed_step = step
         self.mark_committed()
+        if self.peers is not None:  # this rank's server takes its peers' copies of the steps after it from now on
+            self.peers.keep_only(step)  # (a job restarted from its checkpoint: not only after this rank's next commit)
 
     def _batch(self, step: int) -> Any:
         if self.batches is not None:

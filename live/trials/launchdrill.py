@@ -53,15 +53,9 @@ class Final:
         return tuple(str(r["policy"]) for r in self.recoveries)
 
     def recovered_by(self, *policies: str) -> bool:
-        """Whether this rank's recoveries were ``policies``, in order, among any number more recovered in
-        memory by the same processes: on a loaded machine a step starved of CPU can outlast the heartbeat's
-        stall bound or the data-path timeout, and that recovery, correct but not the drill's, comes before
-        or after the drill's own (the state is still compared bit for bit)."""
-        def others(found: tuple[str, ...]) -> tuple[str, ...]:
-            return tuple(p for p in found if p != "in_memory")
-
-        return (others(self.policies) == others(policies)
-                and self.policies.count("in_memory") >= policies.count("in_memory"))
+        """Whether this rank's recoveries were exactly ``policies``, in order: a healthy job, however loaded,
+        declares no fault of its own beside the drill's."""
+        return self.policies == policies
 
 
 def excised_at(final: Final) -> int | None:

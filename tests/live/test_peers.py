@@ -446,6 +446,30 @@ def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newes
         other.close()
 
 
+def test_a_holder_whose_state_is_restored_from_a_checkpoint_takes_the_copies_of_the_steps_after_it(server):
+    """A job restarted from its checkpoint (``rt.restore``) jumps from step 0 to the checkpoint's step: a
+    peer that committed the step after it first ships a copy this holder must take, not one past the
+    newest step it allowed before the restore."""
+    source = PeerServer("127.0.0.1", key=KEY)
+    try:
+        table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
+                 for r, s in ((0, source), (1, server))}
+        holder = PeerCopier(1, 2, 1, _Channel(table), server, timeout_s=5.0)
+        holder.refresh()
+        holder.commit(0, _state(0))  # the starting state: copies through step 1 are taken
+        assert holder.drain(10)
+        with pytest.raises(PeerError, match="past step 1"):
+            put(_addr(server), 0, 7, serialize(7, _state(7)), 5.0, key=KEY)
+        holder.keep_only(6)  # what rt.restore(6) does: the committed state is now step 6's
+        put(_addr(server), 0, 7, serialize(7, _state(7)), 5.0, key=KEY)
+        assert server.holds() == ((0, 7),)
+        with pytest.raises(PeerError, match="past step 7"):  # still no further than a source can be
+            put(_addr(server), 0, 8, serialize(8, _state(8)), 5.0, key=KEY)
+        holder.close()
+    finally:
+        source.close()
+
+
 def test_ranks_all_one_generation_behind_a_round_nobody_acted_on_are_not_stale():
     """A rank died after proposing: the round was decided (the channel's generation moved) but
     its groups were never built, so every survivor still holds the previous generation's state."""

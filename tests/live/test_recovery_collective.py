@@ -48,8 +48,7 @@ def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery()
     assert s["policy_counts"]["excise"] == s["policy_counts"]["checkpoint_restore"] == 0 and s["final_world_size"] == 2
     assert attacker.connections == 0  # no copy or fetch went to the forged peer address
     firsts = [e for e in result.events() if e.event == EventKind.FIRST_COLLECTIVE]
-    # the two faults, and on a loaded machine maybe a step starved past its timeout, recovered the same way
-    assert len(recs) >= 2 and {r["policy"] for r in recs} == {"in_memory"}
+    assert len(recs) == 2
     for r in recs:
         mine = [e for e in firsts if e.data["generation"] == r["generation"]]
         assert sorted(e.rank for e in mine) == [0, 1]  # every rank ran it on the new generation
@@ -66,7 +65,7 @@ def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery()
     # each rank's recovery CPU, by pipeline step: the six steps, adding up to the whole, the main
     # thread's share of each no more than the process's; what follows the resumption kept apart
     done = [e.data for e in result.events() if e.event == EventKind.RECOVERY_DONE]
-    assert len(done) == 2 * len(recs)
+    assert len(done) == 4
     for d in done:
         by_stage, main = d["cpu_s_by_stage"], d["thread_cpu_s_by_stage"]
         assert list(by_stage) == ["detect", "agree_on", "rebuild", "rebind", "restore", "resume"]
