@@ -155,10 +155,10 @@ class Job:
         return {KEY_ENV: draw("drawn for a launch drill").secret.hex()}
 
     @staticmethod
-    def meshpact(*flags: str, warm_start: bool = True) -> list[str]:
+    def meshpact(*flags: str, warm_start: bool = False) -> list[str]:
         """``meshpact launch`` with ``flags``; ``warm_start``: its workers forked from one process per
-        node (``--warm-start``: a drill judges what the job recovers, not how fast a worker's
-        interpreter starts), else fresh interpreters, as on default flags."""
+        node (``--warm-start``, for a drill that judges what the job recovers, not how fast a worker's
+        interpreter starts), else fresh interpreters, as on default flags (what a bench times)."""
         return [sys.executable, "-m", "meshpact.launch", *(("--warm-start",) if warm_start else ()), *flags]
 
     @staticmethod

@@ -67,8 +67,8 @@ def readme_runs(tmp_path_factory) -> _ReadmeRuns:
     flag and rank 2 killed after its third step; the same with ``--max-restarts 0`` (and no checkpoint)."""
     tmp = tmp_path_factory.mktemp("readme")
     one_node = ("--standalone", "--nproc-per-node", str(RANKS))
-    with Job(Job.meshpact(*one_node, warm_start=False), tmp / "faulted", README_STEPS, step_s=0.02, script=README_JOB) as job, \
-            Job(Job.meshpact(*one_node, "--max-restarts", "0", warm_start=False), tmp / "refused", README_STEPS, step_s=0.02,
+    with Job(Job.meshpact(*one_node), tmp / "faulted", README_STEPS, step_s=0.02, script=README_JOB) as job, \
+            Job(Job.meshpact(*one_node, "--max-restarts", "0"), tmp / "refused", README_STEPS, step_s=0.02,
                 script=README_JOB) as refused:
         others = {r: job.wait_for_step(r, 0, 120) for r in range(RANKS) if r != 2}
         refused_others = {r: refused.wait_for_step(r, 0, 120) for r in range(RANKS) if r != 2}
@@ -124,8 +124,9 @@ def test_two_nodes_in_a_static_rendezvous_replace_a_worker_alone_from_the_other_
     nodes = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
              "--master-port", str(port), "--max-restarts", "1")
     out, key = tmp_path / "faulted", Job.key_env()
-    with Job(Job.meshpact("--node-rank", "0", *nodes), out, STEPS, step_s=0.05, env=key, name="node0") as node0, \
-            Job(Job.meshpact("--node-rank", "1", *nodes), out, STEPS, step_s=0.05, env=key, name="node1") as node1:
+    node0_cmd, node1_cmd = (Job.meshpact("--node-rank", str(n), *nodes, warm_start=True) for n in (0, 1))
+    with Job(node0_cmd, out, STEPS, step_s=0.05, env=key, name="node0") as node0, \
+            Job(node1_cmd, out, STEPS, step_s=0.05, env=key, name="node1") as node1:
         others = {r: node0.wait_for_step(r, 0, 120) for r in range(3)}
         killed = node1.kill_rank(3, after_step=3)
         assert node0.wait(180) == 0, node0.tail()

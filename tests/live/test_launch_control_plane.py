@@ -34,7 +34,8 @@ CONTROL, SPARE = 0, 3  # the hosts of the service and of the spare node; hosts 1
 def node_flags(hosts: Hosts, host: int, *extra: str) -> list[str]:
     return Job.meshpact("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", f"{hosts.addr[CONTROL]}:{PORT}", "--rdzv-id", f"apart{hosts.tag}",
-                        "--local-addr", hosts.addr[host], "--node-loss-s", LOSS_S, "--control-plane", "service", *extra)
+                        "--local-addr", hosts.addr[host], "--node-loss-s", LOSS_S, "--control-plane", "service", *extra,
+                        warm_start=True)
 
 
 def node_of(pid: int) -> str:

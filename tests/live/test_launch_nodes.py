@@ -36,7 +36,8 @@ CUT_NODE_LOSS_S = "10"
 def node_flags(hosts: TwoHosts, node: int, *extra: str) -> list[str]:
     return Job.meshpact("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", f"{hosts.addr[0]}:{PORT}", "--rdzv-id", f"drill{hosts.tag}",
-                        "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", hosts.addr[node], *extra)
+                        "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", hosts.addr[node], *extra,
+                        warm_start=True)
 
 
 def cut_link(hosts: TwoHosts, node: int, seconds: float) -> None:

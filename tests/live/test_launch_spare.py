@@ -29,7 +29,7 @@ def node_flags(hosts: Hosts, host: int, *extra: str) -> list[str]:
     return Job.meshpact("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                         "--rdzv-endpoint", f"{hosts.addr[0]}:{PORT}", "--rdzv-id", f"spare{hosts.tag}",
                         "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.addr[host],
-                        "--node-loss-s", "3", *extra)
+                        "--node-loss-s", "3", *extra, warm_start=True)
 
 
 def test_node_1_lost_with_its_agent_is_taken_by_the_spare_node_and_the_job_ends_bit_identical(tmp_path):

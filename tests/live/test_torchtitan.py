@@ -42,7 +42,7 @@ def test_torchtitans_containers_recover_bit_identical_under_meshpact_launch_and_
     plain = _faults("collective:3:1", "stall:5:0")
     with Job(Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)), tmp_path / "reference", STEPS,
              script=SCRIPT) as ref, \
-            Job(Job.meshpact("--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "1"),
+            Job(Job.meshpact("--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "1", warm_start=True),
                 tmp_path / "launch", STEPS, script=SCRIPT, script_args=launch) as job, \
             Job(Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)), tmp_path / "torchrun", STEPS,
                 script=SCRIPT, script_args=plain) as run:
