@@ -179,6 +179,9 @@ def _killed_save(tmp_path: Path, step: int, at: str) -> None:
     pid = os.fork()
     if pid == 0:  # the saving process: never returns to pytest
         try:
+            # one thread: a forked child has none of the parent's OpenMP pool, and a parallel op here
+            # (the big state's fill) waits for those threads for ever once the parent has used the pool
+            torch.set_num_threads(1)
             if at != "mid-write":
                 real_manifest, real_merge = ckpt_mod.write_manifest, ckpt_mod._merge
 
@@ -202,7 +205,10 @@ def _killed_save(tmp_path: Path, step: int, at: str) -> None:
     if at == "mid-write":
         deadline = time.monotonic() + 60
         while not any(p.name.startswith(".rank0~") for p in (tmp_path / f"step{step:08d}").glob(".*")):
-            assert time.monotonic() < deadline, "the save never began"
+            if time.monotonic() > deadline:  # the child is killed either way: none is left behind
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail("the save never began within 60 s")
             time.sleep(0.001)
         os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
