@@ -34,8 +34,10 @@ class ControlAttacker(threading.Thread):
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(0.05)
         self._done = threading.Event()
-        self._clients: dict[int, Any] = {}
-        self._not_stores: set[int] = set()  # listening ports that did not answer as a store
+        self._lock = threading.Lock()
+        self._clients: dict[int, Any] = {}  # listening port -> a raw store client connected to it
+        self._probing: set[int] = set()  # ports a probe thread is connecting to now
+        self._failures: dict[int, int] = {}  # ports that did not answer as a store, and how often
 
     def stop(self) -> None:
         self._done.set()
@@ -61,27 +63,45 @@ class ControlAttacker(threading.Thread):
                 out[f"ready/g{g}/rank{r}"] = True
         return out
 
-    def _channels(self) -> list[tuple[Any, str]]:
-        """Raw clients of the control channels among this process's listening ports, with each run's namespace."""
+    def _probe(self, port: int) -> None:
+        """Connect a raw store client to ``port``, in a thread of its own: a port that is not a store
+        (a rank's peer server, which answers the store's handshake with its refusal) costs the
+        client seconds of retries, and must not hold up the probe of the channel that opens meanwhile."""
         from torch.distributed import TCPStore
 
+        try:
+            client = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2), wait_for_workers=False)
+        except (RuntimeError, OSError):
+            client = None
+        with self._lock:
+            self._probing.discard(port)
+            if client is None:
+                self._failures[port] = self._failures.get(port, 0) + 1
+            else:
+                self._clients[port] = client
+
+    def _channels(self) -> list[tuple[Any, str]]:
+        """Raw clients of the control channels among this process's listening ports, with each run's namespace."""
+        own = os.getpid()  # the trial hosts its channel here; the ranks' own servers are in their processes
+        for pid, _, port in listeners(own):
+            with self._lock:
+                if (pid != own or port == self._server.getsockname()[1] or port in self._clients
+                        or port in self._probing or self._failures.get(port, 0) >= 3):
+                    continue  # a port refused three times is not asked again; a slow store may answer later
+                self._probing.add(port)
+            threading.Thread(target=self._probe, args=(port,), name=f"probe-{port}", daemon=True).start()
+        with self._lock:
+            clients = list(self._clients.values())
         found = []
-        for _, _, port in listeners(os.getpid()):
-            if port == self._server.getsockname()[1] or port in self._not_stores:
-                continue
-            if port not in self._clients:
-                try:
-                    self._clients[port] = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=2),
-                                                   wait_for_workers=False)
-                except (RuntimeError, OSError):
-                    self._not_stores.add(port)  # not asked again
-                    continue
+        for client in clients:
             try:
-                keys = self._clients[port].list_keys()
-            except (RuntimeError, OSError):
+                keys = client.list_keys()
+            except (RuntimeError, OSError):  # its store has closed: the port may serve another one later
+                with self._lock:
+                    self._clients = {p: c for p, c in self._clients.items() if c is not client}
                 continue
             runs = {k[len(_NS):].split("/", 1)[0] for k in keys if k.startswith(_NS)}
-            found += [(self._clients[port], f"{_NS}{run}/") for run in runs]
+            found += [(client, f"{_NS}{run}/") for run in runs]
         return found
 
     def run(self) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import threading
+
 import pytest
 
 from _attacker import ControlAttacker
@@ -34,13 +37,17 @@ def test_ten_raised_collectives_recover_in_memory_bit_identical_with_baselines()
 
 def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery():
     # the same run is attacked on its control channel by a client without the job key (_attacker):
-    # nothing it wrote first (decisions, lost, gone, recovering, readiness, peer addresses) is acted on
-    attacker = ControlAttacker(ranks=2)
-    attacker.start()
-    try:
-        result = trial(ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False)
-    finally:
-        attacker.stop()
+    # nothing it wrote first (decisions, lost, gone, recovering, readiness, peer addresses) is acted on;
+    # the process also listens where no store answers (one port never answers, one answers garbage), as a
+    # host does, and the attacker still finds the channel before the first fault
+    with socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0)) as garbage:
+        threading.Thread(target=_answer_garbage, args=(garbage,), daemon=True).start()
+        attacker = ControlAttacker(ranks=2)
+        attacker.start()
+        try:
+            result = trial(ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False)
+        finally:
+            attacker.stop()
     s = assert_recovered(result, "in_memory")
     recs = result.recoveries()
     assert {f"round{r['generation']}/decision" for r in recs} | {"lost/round1", "gone/rank1"} <= attacker.landed
@@ -72,3 +79,18 @@ def test_the_first_collective_on_the_new_group_is_inside_the_measured_recovery()
         assert all(v >= 0 for v in by_stage.values()) and sum(by_stage.values()) == pytest.approx(d["cpu_s"])
         assert all(main[k] <= by_stage[k] + 1e-3 for k in by_stage)
         assert d["cpu_s"] > 0 and d["after_resume_cpu_s"] >= 0
+
+
+def _answer_garbage(server: socket.socket) -> None:
+    """Answer every connection with bytes that are not a store's handshake, until the socket closes."""
+    server.settimeout(0.2)  # so that a closed socket is noticed
+    while True:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        except OSError:
+            return
+        with conn:
+            conn.recv(64)
+            conn.sendall(b"ERR not a store\n")
