@@ -494,7 +494,7 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
     alternating which runs first, so both meet the same load: each one's median step (its faulted
     run's, the first step, the warm-up, left out; the fault-free reference is the one the paths
     ran) and in-memory recovery p50. The copies' digests
-    (SHA-256 by the source before it ships, and by the holder as it receives) run with the key on
+    (BLAKE3 by the source before it ships, and by the holder as it receives) run with the key on
     and off alike: their CPU per commit is timed apart, on a payload of a rank's copy size, and
     counted against the CPU a rank has per step (the step's wall time times the cores per rank).
     ``commit_overhead``, the goal's number, is the signing's step overhead (negative counted as

@@ -42,7 +42,7 @@ The path is safe on a shared network. Every connection is authenticated with the
 (:mod:`~meshpact.live.recovery.jobkey`, purpose ``"peer"``): the server opens with a fresh nonce,
 and each frame's header carries an HMAC bound to it (a reply's to the client's nonce too), checked
 before anything past the header is read; a client without the key gets nothing and puts
-nothing. Each copy travels with the SHA-256 digest its source computed on the shipper thread
+nothing. Each copy travels with the BLAKE3 digest its source computed on the shipper thread
 right after the snapshot; the holder checks it on receipt (with the copy's index, and the step
 against the newest its source can have committed: :meth:`PeerServer.admit_through`), the
 fetcher again before the restore (:func:`fetch`), and a copy that fails is refused: the restore
@@ -61,7 +61,6 @@ how busy the whole host was meanwhile (other jobs' load takes cores the ranks do
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -77,6 +76,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
+import blake3
+
 from meshpact.core.jsonform import JsonObject
 
 from .jobkey import TAG_BYTES, JobKey
@@ -87,7 +88,7 @@ if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stay
     from .device import DeviceOps, PinnedSnapshot
 
 __all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
-           "fetch_first", "put", "copy_digest", "MAX_HEADER", "PENDING_MAX", "SERVING_MAX",
+           "fetch_first", "put", "copy_digest", "copy_hasher", "MAX_HEADER", "PENDING_MAX", "SERVING_MAX",
            "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "host_buffer", "HOST_ENV", "ADDR_ENV"]
 
 ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (default: loopback)
@@ -116,10 +117,17 @@ class PeerError(ConnectionError):
     the peer path raises; the message says which."""
 
 
+def copy_hasher() -> Any:
+    """A fresh hasher of a copy's bytes: BLAKE3, a cryptographic hash (a frame's HMAC covers the
+    body through its digest) that takes a core about a third of SHA-256's time, which counts at
+    two hashes of every rank's whole state per commit (``bench/scale.py --security-cost``)."""
+    return blake3.blake3()
+
+
 def copy_digest(parts: Sequence[bytes | bytearray | memoryview | mmap.mmap]) -> str:
-    """The digest a copy travels with (SHA-256 of its bytes, hex): the source computes it from
-    its snapshot, the holder checks it on receipt, the fetcher before it restores the copy."""
-    h = hashlib.sha256()
+    """The digest a copy travels with (:func:`copy_hasher` over its bytes, hex): the source computes
+    it from its snapshot, the holder checks it on receipt, the fetcher before it restores the copy."""
+    h = copy_hasher()
     for part in parts:
         h.update(part)
     return h.hexdigest()
@@ -654,7 +662,7 @@ class PeerServer:
             self._receiving += n
             self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + self._receiving)
         t0 = time.thread_time()
-        hasher = hashlib.sha256()
+        hasher = copy_hasher()
         try:
             payload = _recv_exact(conn, n, into, deadline=_deadline(self.timeout_s, n), hasher=hasher)
         finally:
@@ -750,7 +758,7 @@ def _ask(address: PeerAddress, key: JobKey | None, timeout_s: float, header: Jso
             reply = _recv_header(sock, key, (b"reply", nonce, mine), _deadline(timeout_s))
             if not reply.get("ok"):
                 raise PeerError(f"rank {address.rank} refused: {str(reply.get('why'))[:300]}")
-            hasher = hashlib.sha256() if "digest" in reply else None
+            hasher = copy_hasher() if "digest" in reply else None
             body = _recv_exact(sock, reply["n"], deadline=_deadline(timeout_s, reply["n"]), hasher=hasher)
         except OSError as exc:
             raise PeerError(f"{what} with rank {address.rank}: {exc}") from None

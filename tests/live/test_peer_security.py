@@ -11,7 +11,6 @@ serving its genuine copy with its memory bounded.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -26,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshpact.live.recovery.jobkey import draw
-from meshpact.live.recovery.peers import (MAX_HEADER, PENDING_MAX, PeerAddress, PeerError, PeerServer, fetch,
+from meshpact.live.recovery.peers import (MAX_HEADER, PENDING_MAX, PeerAddress, PeerError, PeerServer, copy_digest, fetch,
                                           fetch_first, put, serialize)
 from meshpact.live.recovery.state import SCHEDULE_KEY, ScheduleError
 
@@ -117,7 +116,7 @@ def _genuine(srv: PeerServer) -> bool:
 def test_a_client_without_the_key_reads_nothing_and_puts_nothing(holder, tmp_path):
     before = holder.holds()
     payload = _poisoned(3, 99, tmp_path / "pwned")
-    digest = hashlib.sha256(payload).hexdigest()
+    digest = copy_digest([payload])
     for header, body in (({"op": "get", "src": 0, "step": -1, "n": 0}, b""),  # "the newest you hold"
                          ({"op": "get", "src": 0, "step": 3, "n": 0}, b""),
                          ({"op": "put", "src": 0, "step": 3, "n": len(payload), "digest": digest}, payload),
@@ -159,7 +158,7 @@ def test_a_copy_whose_bytes_or_index_do_not_hold_is_refused_and_the_held_one_sta
     good = serialize(4, _state(4))
     flipped = bytearray(good)
     flipped[-100] ^= 0x10
-    cases = ((good, hashlib.sha256(flipped).hexdigest(), "fails its digest"),  # sent, then changed in flight
+    cases = ((good, copy_digest([flipped]), "fails its digest"),  # sent, then changed in flight
              # negative dimensions whose product is the byte count: refused on put, not at fetch
              (neg := _reindexed(good, b"[64, 8]", b"[-64, -8]"), None, "non-negative"),
              (serialize(2, _state(4)), None, "is of step 2"))  # an index of another step than the header's

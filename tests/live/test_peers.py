@@ -13,8 +13,8 @@ import torch
 from meshpact.core.recovery import Policy
 from meshpact.live.recovery.consensus import Decision, Proposal, decide
 from meshpact.live.recovery.jobkey import draw
-from meshpact.live.recovery.peers import (Layout, PeerAddress, PeerCopier, PeerError, PeerServer, Slab, deserialize, fetch, placement,
-                                          put, serialize)
+from meshpact.live.recovery.peers import (Layout, PeerAddress, PeerCopier, PeerError, PeerServer, Slab, copy_digest,
+                                          deserialize, fetch, placement, put, serialize)
 
 KEY = draw().derive("peer")  # the job's peer key, as start_session derives it
 
@@ -291,10 +291,8 @@ def _authenticated(server: PeerServer, header: dict) -> socket.socket:
 
 
 def _put_header(server: PeerServer, src: int, step: int, payload: bytes) -> socket.socket:
-    import hashlib
-
     return _authenticated(server, {"op": "put", "src": src, "step": step, "n": len(payload),
-                                   "digest": hashlib.sha256(payload).hexdigest()})
+                                   "digest": copy_digest([payload])})
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
