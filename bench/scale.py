@@ -493,7 +493,8 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
     authenticated peer-copy frames) and off (``MESHPACT_UNAUTHENTICATED=1``), interleaved and
     alternating which runs first, so both meet the same load: each one's median step (its faulted
     run's, the first step, the warm-up, left out; the fault-free reference is the one the paths
-    ran) and in-memory recovery p50. The copies' digests
+    ran) and in-memory recovery p50; the signing's overhead is the median ratio of a step with the
+    key on to the same step of the same pair with it off. The copies' digests
     (BLAKE3 by the source before it ships, and by the holder as it receives) run with the key on
     and off alike: their CPU per commit is timed apart, on a payload of a rank's copy size, and
     counted against the CPU a rank has per step (the step's wall time times the cores per rank).
@@ -504,6 +505,7 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
     steps_ms: dict[str, list[float]] = {"on": [], "off": []}
+    trial_steps_ms: dict[str, list[list[float]]] = {"on": [], "off": []}  # each trial's steps, in order
     rec_ms: dict[str, list[float]] = {"on": [], "off": []}
     payload_bytes: list[int] = []
     load = [round(os.getloadavg()[0], 2)]
@@ -522,7 +524,8 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             identical = identical and result.bit_identical
-            steps_ms[side] += [s * 1e3 for o in result.faulted for s in o.step_s[1:]]
+            trial_steps_ms[side].append([s * 1e3 for o in result.faulted for s in o.step_s[1:]])
+            steps_ms[side] += trial_steps_ms[side][-1]
             rec_ms[side] += [r["recovery_s"] * 1e3 for r in result.recoveries() if r["policy"] == "in_memory"]
             overhead = result.peer_copy_overhead() or {}
             if overhead.get("network_bytes_per_step"):
@@ -541,10 +544,16 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
     digest_ms = 2 * statistics.median(digest_cpu) * 1e3  # the source's, then the holder's on receipt
     step = {k: _p50(v) for k, v in steps_ms.items()}
     cores_per_rank = min(1.0, (os.cpu_count() or 1) / args.ranks)
-    signing = step["on"] / step["off"] - 1.0 if step["on"] and step["off"] else None
+    # the signing's overhead: the median, over each pair's steps taken in the same order, of the step with the
+    # key on against the same step with it off (a run's steps alternate between two lengths here, and the
+    # pooled medians of a few of each fall on whichever is more numerous: a ratio of those is noise)
+    paired = [on / off for a, b in zip(trial_steps_ms["on"], trial_steps_ms["off"]) if len(a) == len(b)
+              for on, off in zip(a, b) if off > 0]
+    signing = statistics.median(paired) - 1.0 if paired else None
     share = digest_ms / (step["off"] * cores_per_rank) if step["off"] else None
     return {"workload": args.large, "pairs": pairs, "faults_per_trial": args.faults, "bit_identical": identical,
-            "step_ms_p50": step, "signing_step_overhead": signing,
+            "step_ms_p50": step, "signing_step_overhead": signing, "step_ms_each_trial": trial_steps_ms,
+            "paired_step_ratios": len(paired),
             "recovery_ms_p50": {k: _p50(v) for k, v in rec_ms.items()}, "recovery_ms": rec_ms,
             "payload_mb_per_commit": size / 2**20, "digest_cpu_ms_per_commit": digest_ms,
             "cores_per_rank": cores_per_rank, "digest_share_of_step": share,

@@ -447,11 +447,13 @@ def scale_downtime(result: Result) -> Section:
     rows = [[f"`{w}/{k}`", v, heard[w].get(k), knew[w].get(k), paths.get(f"{w}/{k}", {}).get("bit_identical")]
             for w in ftr for k, v in ftr[w].items()]
     sec = result.doc.get("security_cost") or {}
-    on_off = [sec.get(k) or {} for k in ("step_ms_p50", "recovery_ms_p50")]
-    headline = [(f"security at {sec.get('workload')}: digests' share of a rank's CPU per step (CPU ms per commit)",
-                 f"{_cell(sec.get('digest_share_of_step'))} ({_cell(sec.get('digest_cpu_ms_per_commit'))})"),
-                (f"key on / off, {sec.get('pairs')} pair(s): step ms p50; recovery ms p50",
-                 "; ".join(f"{_cell(x.get('on'))} / {_cell(x.get('off'))}" for x in on_off))] if sec else []
+    rec = sec.get("recovery_ms_p50") or {}
+    headline = [(f"security at {sec.get('workload')}, share of a rank's step: digests (CPU ms per commit); "
+                 "signing (paired steps)",
+                 f"{_cell(sec.get('digest_share_of_step'))} ({_cell(sec.get('digest_cpu_ms_per_commit'))}); "
+                 f"{_cell(sec.get('signing_step_overhead'))}"),
+                (f"key on / off, {sec.get('pairs')} pair(s): recovery ms p50",
+                 f"{_cell(rec.get('on'))} / {_cell(rec.get('off'))}")] if sec else []
     return Section(headline=headline, tables=[("Fault -> every rank running; the last rank heard / raised after the first "
                                                "(ms, p50)",
                                                ["path", "fault -> running", "heard", "raised", "bit-identical"], rows)])
