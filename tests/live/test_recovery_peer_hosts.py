@@ -6,7 +6,7 @@ import pytest
 
 from meshpact.live.recovery.faults import netns_unavailable
 
-from _recovery import trial
+from _recovery import recoveries_told, trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -19,7 +19,12 @@ def test_a_rank_dead_after_proposing_is_met_building_the_groups_then_replaced_fr
                    **_RUN)
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]
-    assert s["replacement_processes"] == 1 and s["storage_bytes_read"] == 0
+    # a second replacement (the first one declared lost, seen once in a full run under load, 105 s) says
+    # which rounds went how
+    decisions = "\n".join(f"rank {e.rank} round {e.data.get('round')}: {e.data.get('policy')}, missing "
+                           f"{e.data.get('missing')}: {str(e.data.get('reason'))[:240]}"
+                           for e in result.events() if e.event == "decided")
+    assert s["replacement_processes"] == 1 and s["storage_bytes_read"] == 0, f"{s}\n{decisions}\n{recoveries_told(result)}"
     dead = (result.faults[0].rank + 1) % 4
     decided = [e.data for e in result.events() if e.event == "decided" and e.rank == 0]
     assert decided[0]["policy"] == "in_memory" and not decided[0]["missing"]  # it had answered that round
