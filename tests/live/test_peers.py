@@ -310,10 +310,7 @@ def test_at_depth_one_each_side_keeps_one_buffer_and_a_copy_in_flight_holds_none
     complete and verified, so a sender dying mid-copy leaves the held copy as it was."""
     holder, other = PeerServer("127.0.0.1", timeout_s=5.0, depth=1, key=KEY), PeerServer("127.0.0.1", key=KEY)
     try:
-        table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
-                 for r, s in ((0, other), (1, holder))}
-        copier = PeerCopier(0, 2, 1, _Channel(table), other, timeout_s=5.0, depth=1)
-        copier.refresh()
+        copier = _copier(0, [other, holder], timeout_s=5.0, depth=1)
         states = {step: _state(step) for step in (1, 2, 3)}
         for step, st in states.items():
             copier.commit(step, st)
@@ -397,13 +394,18 @@ class _Channel:
         return {k: self.table[k] for k in keys}
 
 
+def _copier(rank: int, servers: list[PeerServer], **kw) -> PeerCopier:
+    """The copier of ``rank`` in a job whose rank ``r`` serves copies at ``servers[r]``, its holders' addresses read."""
+    table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0} for r, s in enumerate(servers)}
+    copier = PeerCopier(rank, len(servers), 1, _Channel(table), servers[rank], **kw)
+    copier.refresh()
+    return copier
+
+
 def test_the_copier_ships_each_commit_to_its_holders_and_keeps_its_own_two_newest(server):
     other = PeerServer("127.0.0.1", key=KEY)
     try:
-        table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
-                 for r, s in ((0, other), (1, server), (2, other))}
-        copier = PeerCopier(0, 3, 1, _Channel(table), other, timeout_s=5.0)
-        copier.refresh()
+        copier = _copier(0, [other, server, other], timeout_s=5.0)
         states = {step: _state(step) for step in (1, 2, 3)}
         for step, st in states.items():
             copier.commit(step, st, listed_s=0.5)  # the runtime's listing of the state, timed by it
@@ -450,10 +452,7 @@ def test_a_holder_whose_state_is_restored_from_a_checkpoint_takes_the_copies_of_
     newest step it allowed before the restore."""
     source = PeerServer("127.0.0.1", key=KEY)
     try:
-        table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
-                 for r, s in ((0, source), (1, server))}
-        holder = PeerCopier(1, 2, 1, _Channel(table), server, timeout_s=5.0)
-        holder.refresh()
+        holder = _copier(1, [source, server], timeout_s=5.0)
         holder.commit(0, _state(0))  # the starting state: copies through step 1 are taken
         assert holder.drain(10)
         with pytest.raises(PeerError, match="past step 1"):
@@ -510,10 +509,7 @@ def test_a_paused_ship_sends_nothing_more_until_resumed_and_a_forgotten_pause_en
     of its body until the copier resumes; a pause nobody lifts ends after ``timeout_s / 2``."""
     other = PeerServer("127.0.0.1", key=KEY)
     try:
-        table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
-                 for r, s in ((0, other), (1, server))}
-        copier = PeerCopier(0, 2, 1, _Channel(table), other, timeout_s=2.0)
-        copier.refresh()
+        copier = _copier(0, [other, server], timeout_s=2.0)
         big = {f"param/{i}": torch.full((1 << 20,), float(i)) for i in range(3)}  # 12 MB: three pieces
         copier.pause()
         copier.commit(1, big)
