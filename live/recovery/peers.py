@@ -119,8 +119,9 @@ class PeerError(ConnectionError):
 
 def copy_hasher() -> Any:
     """A fresh hasher of a copy's bytes: BLAKE3, a cryptographic hash (a frame's HMAC covers the
-    body through its digest) that takes a core about a third of SHA-256's time, which counts at
-    two hashes of every rank's whole state per commit (``bench/scale.py --security-cost``)."""
+    body through its digest) that takes a core under half of SHA-256's time (4.1 against 1.8 GB/s
+    measured on one core of the 2-core bench machine), which counts at two hashes of every rank's
+    whole state per commit (``bench/scale.py --security-cost``)."""
     return blake3.blake3()
 
 
