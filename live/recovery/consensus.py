@@ -44,12 +44,13 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Sequence
 
 from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import Policy
 
+from .blocks import AT_STEP, Position, resume_block
 from .control import ControlChannel, ControlTimeout
 from .refusal import RecoveryImpossible
 
@@ -94,6 +95,7 @@ class Proposal:
     host: str = ""  # the host the rank is on (peer placement prefers other hosts)
     standby: JsonObject | None = None  # what the rank's standby can do (communicator.StandbyStatus); None: none
     refused: tuple[tuple[int, int], ...] = ()  # (source rank, step) of copies this rank dropped: they failed their digest
+    position: Position = Position()  # where the rank stands between its committed step and the next (blocks.py)
 
     def to_dict(self) -> JsonObject:
         # by hand: dataclasses.asdict deep-copies every field, a millisecond of each recovery
@@ -102,7 +104,8 @@ class Proposal:
                 "restore_before": self.restore_before, "holds": [list(h) for h in self.holds],
                 "own_steps": list(self.own_steps), "host": self.host,
                 "standby": dict(self.standby) if self.standby is not None else None,
-                "refused": [list(r) for r in self.refused]}
+                "refused": [list(r) for r in self.refused],
+                "position": [self.position.block, self.position.logged]}
 
     @classmethod
     def from_dict(cls, d: JsonObject) -> "Proposal":
@@ -110,7 +113,8 @@ class Proposal:
                                 "restore_before", "host", "standby") if k in d}
         return cls(**kw, holds=tuple((int(a), int(b)) for a, b in d.get("holds", ())),
                    own_steps=tuple(int(x) for x in d.get("own_steps", ())),
-                   refused=tuple((int(a), int(b)) for a, b in d.get("refused", ())))
+                   refused=tuple((int(a), int(b)) for a, b in d.get("refused", ())),
+                   position=Position(*(int(x) for x in d.get("position", (AT_STEP, 0)))))
 
 
 def _alternates(proposals: dict[int, "Proposal"], sources: Sequence[tuple[int, int]],
@@ -179,9 +183,11 @@ class Decision:
     lost: tuple[int, ...] = ()  # excise: the original ranks leaving the job
     # peer_restore / excise: (rank, the other ranks holding its copy at step) where the named holder's is refused
     alternates: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    block: int = AT_STEP  # the block between steps every rank resumes from at ``step`` (blocks.resume_block)
 
     def to_dict(self) -> JsonObject:
         return {"round": self.round, "policy": self.policy.value, "step": self.step, "reason": self.reason,
+                "block": self.block,
                 "members": rank_runs(self.members), "missing": list(self.missing),
                 "standby": [[w, rank_runs(rs)] for w, rs in self.standby],
                 "restore_from": [list(p) for p in self.restore_from], "lost": list(self.lost),
@@ -194,7 +200,8 @@ class Decision:
                    tuple((w, from_runs(runs)) for w, runs in d.get("standby", ())),
                    tuple((int(a), int(b)) for a, b in d.get("restore_from", ())),
                    tuple(int(r) for r in d.get("lost", ())),
-                   tuple((int(r), tuple(int(h) for h in hs)) for r, hs in d.get("alternates", ())))
+                   tuple((int(r), tuple(int(h) for h in hs)) for r, hs in d.get("alternates", ())),
+                   int(d.get("block", AT_STEP)))
 
     def standby_words(self) -> dict[int, JsonObject | None]:
         """Each member's word on its standby (None: it has none)."""
@@ -204,7 +211,7 @@ class Decision:
         """What an event records of the decision (no proposals)."""
         return {"policy": self.policy.value, "round": self.round, "step": self.step, "reason": self.reason,
                 "missing": list(self.missing), "restore_from": [list(p) for p in self.restore_from],
-                "lost": list(self.lost)}
+                "lost": list(self.lost), "block": self.block}
 
     @property
     def generation(self) -> int:
@@ -242,10 +249,21 @@ class Agreement:
 
 
 def decide(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
-           checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, *, peer_copies: int = 0,
-           on_rank_loss: Policy = Policy.PEER_RESTORE, declared: Sequence[int] = (),
-           alive: Sequence[int] | None = None, overdue: Sequence[int] = (), overdue_why: str = "",
-           excise_refusal: str | None = EXCISE_NOT_OFFERED) -> Decision:
+           checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, **policy: Any) -> Decision:
+    """The group's answer to one round (:func:`decide_policy`), with the block between steps every
+    member resumes from at the decided step (:func:`~.blocks.resume_block`; an excision changes
+    the world, so no block runs again across it)."""
+    d = decide_policy(proposals, world_size, group_generation, round, checkpoint_step, timeout_s, **policy)
+    block = resume_block(((p.committed_step, p.position) for r, p in proposals.items() if r in d.members), d.step,
+                         can_replay=d.policy is not Policy.EXCISE)
+    return replace(d, block=block) if block != d.block else d
+
+
+def decide_policy(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
+                  checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, *, peer_copies: int = 0,
+                  on_rank_loss: Policy = Policy.PEER_RESTORE, declared: Sequence[int] = (),
+                  alive: Sequence[int] | None = None, overdue: Sequence[int] = (), overdue_why: str = "",
+                  excise_refusal: str | None = EXCISE_NOT_OFFERED) -> Decision:
     """The group's answer to one round of proposals (pure; every rank would compute the same).
 
     ``checkpoint_step(limit)`` returns the newest complete checkpoint at or before ``limit``;

@@ -101,6 +101,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .blocks import AT_STEP, position_order
 from .communicator import Severance
 from .control import ControlChannel, ControlTimeout
 from .device import DeviceProgress
@@ -318,6 +319,7 @@ class Heartbeat:
                                       run_id=session.spec.run_id, key=session.control.key)
         self.watching = False  # set by the runtime while the user's step runs
         self.running_step = -1  # the step the runtime runs (or ran last), set with step_begins
+        self.running_block = AT_STEP  # the block between steps it runs before that step (blocks.py), or AT_STEP
         self.alarm: HeartbeatAlarm | None = None  # what this rank's watch found, once per generation
         self._detected_generation: int | None = None
         self._alarm_lock = threading.Lock()  # an alarm is kept only while the step it ends still runs
@@ -395,6 +397,7 @@ class Heartbeat:
         self.allowance = max(self.allowance, self._step_pause) if again else 0
         self._pause = self._step_pause = 0
         self.running_step = step
+        self.running_block = AT_STEP
 
     def step_completed(self) -> None:
         """The step ran to its end: its longest pause is one a healthy step of this job makes. The
@@ -489,7 +492,8 @@ class Heartbeat:
         one does, once the rank is in a step: a rank blocked in a collective whose peers shut down
         only their reading hears nothing on its sockets.
 
-        The key says at which step the peer failed. A rank still in the step before it (the
+        The key says at which step the peer failed (and at which block between steps, :mod:`.blocks`).
+        A rank still in the step or block before it (the
         step's last collective ends at different times on each rank: the peer finished it and
         began the next, this rank is still receiving its last pieces) lets that step finish
         while its data path moves, and severs once it runs the failed step: cut, its step would
@@ -514,10 +518,12 @@ class Heartbeat:
             if isinstance(told, dict) and told.get("rank") != s.rank:  # (its own key: this rank told the others)
                 self._told = generation
             failed_step = told.get("step") if isinstance(told, dict) else None
+            failed_at = (failed_step, position_order(told.get("block", AT_STEP))) if failed_step is not None else None
             moved, moved_at, held_at = None, time.monotonic(), time.monotonic()
             while (not self._stop.is_set() and s.generation == generation and not self._alarmed(generation)
                    and self._recovering != generation):  # (recovering already: its step has failed)
-                behind = self.watching and failed_step is not None and self.running_step < failed_step
+                behind = (self.watching and failed_at is not None
+                          and (self.running_step, position_order(self.running_block)) < failed_at)
                 if behind:  # finishing the step before the failed one: held while its bytes move
                     now, seen = time.monotonic(), self._data_bytes(generation)
                     if seen != moved:

@@ -35,6 +35,7 @@ from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateActio
 
 from . import communicator as comm
 from . import device, peers
+from .blocks import AT_STEP, BlockLog, Position
 from .checkpoint import Checkpointer
 from .consensus import CounterMoves, Decision, Proposal, agree
 from .generation import Generation
@@ -70,6 +71,8 @@ class Job(Protocol):
     ckpt: Checkpointer | None
     counter: OpCounter | None
     committed_step: int
+    blocks: BlockLog  # the blocks run between steps since the oldest step a restore goes back to
+    resume_at: int  # the block this rank re-runs, at its committed step (AT_STEP: at the step)
     mark: CommitMark | None  # what proves the state is the committed one
     rng: RngState  # the generators as committed
     schedule: Schedule  # the optimizer's schedule as committed
@@ -93,7 +96,7 @@ class Job(Protocol):
     def mark_committed(self) -> None: ...
     def watch_optimizer(self) -> None: ...
     def restore(self, step: int) -> None: ...
-    def replay(self, from_step: int, to_step: int) -> int: ...
+    def replay(self, from_step: int, to_step: int, from_block: int = AT_STEP, mark: bool = True) -> int: ...
     def refresh_peers(self) -> None: ...
     def copy_to_peers(self, just_marked: bool = False) -> None: ...
     def adopt_departed(self, departed: Mapping[int, torch.Tensor]) -> None: ...
@@ -249,7 +252,7 @@ def detect(rt: Job, cause: Cause) -> Detection:
         if told and not rt.heartbeat.told_of(s.generation):  # (a peer that told this rank told every member)
             # first: each peer's sever (its look for a message under way) runs beside this rank's own
             s.control.set_many([recovering_key(s.generation, r) for r in s.members if r != s.rank],
-                               {"rank": s.rank, "step": cause.step})
+                               {"rank": s.rank, "step": cause.step, "block": rt.resume_at})
     severed = s.sever_data_path(tell_peers=not told)  # the standby's sockets are not the data path's
     alarm = rt.heartbeat.take() if rt.heartbeat is not None else None
     if alarm is not None and (alarm.stalled or alarm.data_path_quiet):  # the heartbeat knew first
@@ -309,7 +312,8 @@ def agree_on(rt: Job, d: Detection) -> Decision:
         refused = s.peer_server.dropped() if s.peer_server is not None else ()
         return Proposal(s.rank, s.generation, rt.committed_step, commit_check, d.intact, s.incarnation,
                         rt.committed_step if d.cause.drill else None, holds=held, own_steps=own, host=s.host,
-                        standby=standby, refused=refused)
+                        standby=standby, refused=refused,
+                        position=Position(rt.resume_at, rt.blocks.count(rt.committed_step)))
 
     t_agree = time.perf_counter()
     rt.settle_counters()  # a recovery that failed before settling its counters settles them now
@@ -589,12 +593,21 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
         d.clock.lap("resume")
         let_go(rt, d)
         s.log.flush()
+        # the blocks between steps that a rank further on ran and another is back at, run again (blocks.py)
+        ran = rt.blocks.replayed
+        t0 = time.perf_counter()
+        rt.replay(decision.step, d.cause.step, decision.block, mark=False)
+        if rt.blocks.replayed > ran:
+            s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=0,
+                   blocks=rt.blocks.replayed - ran)
     else:
         t_first, _ = rejoin(rt, decision.generation)
         let_go(rt, d)
         t0 = time.perf_counter()
-        lost = rt.replay(decision.step, d.cause.step)
-        s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost)
+        ran = rt.blocks.replayed
+        lost = rt.replay(decision.step, d.cause.step, decision.block)
+        s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost,
+               blocks=rt.blocks.replayed - ran)
         t_resumed = time.time()
         d.clock.lap("resume")
         if rt.peers is not None:  # holders get this generation's state (a replacement's holder included)

@@ -50,6 +50,7 @@ from meshpact.core.errors import MeshpactError
 
 from . import communicator as comm
 from . import peers, pipeline
+from .blocks import AT_STEP, BlockLog, BlockRun, replay_plan
 from .consensus import CounterMoves, Decision, open_round
 from .device import StepAborted, StepFence
 from .faults import CollectiveFault, FaultInjector
@@ -286,6 +287,9 @@ class Resilient:
         self.batches = batches
         self.committed_step = 0
         self.start_step = 0
+        self.blocks = BlockLog()  # the blocks run between steps (rt.run, rt.guard) since the oldest step kept
+        self.resume_at = AT_STEP  # the rt.run block this rank re-runs after a recovery (AT_STEP: at the step)
+        self._saved: deque[int] = deque(maxlen=2)  # the steps of the two newest checkpoints this process saved
         self.recoveries: list[RecoveryRecord] = []
         self.ckpt = session.checkpointer()
         self._kept: deque[tuple[int, Any]] = deque()
@@ -350,6 +354,7 @@ class Resilient:
         elif self.ckpt is not None and self.committed_step == 0 and not self.ckpt.complete(0):
             self.ckpt.save(0, self.state(), self.chunks())
         self.start_step = self.committed_step
+        self._saved.append(self.committed_step)
         self.mark_committed()
         if self.peers is not None:  # the starting state is held by peers before the first step
             self.copy_to_peers()
@@ -616,32 +621,56 @@ class Resilient:
         """``fn(*args, **kwargs)``, an evaluation or a logging collective between steps, protected
         as a step is: on a communication fault the job recovers (the committed state is unchanged,
         nothing to restore) and ``fn`` runs again from the generators it started with, up to
-        ``max_attempts`` times. Where the recovery replaced a rank, whose new process resumes at
-        the next ``rt.step``, ``fn`` is not run again on any rank: :class:`GuardedBlockLost`.
-        Called inside a step, ``fn`` is the step's: it runs once, and its fault re-runs the step."""
+        ``max_attempts`` times. A rank that had finished ``fn`` and gone on when a peer's run of it
+        failed runs it again too, with that peer (its result dropped: :mod:`.blocks`), so every
+        rank resumes at one point of the loop.
+
+        ``fn`` leaves the generators as it found them: an evaluation that draws does not move the
+        training's random streams (a replaced rank, which starts at the next step without running
+        the block, could not follow them otherwise).
+
+        Where ``fn`` cannot run again on every rank, it raises :class:`GuardedBlockLost` on the ranks
+        standing in it: a rank was replaced or joined at the step (a new process starts at the next
+        ``rt.step``), or lost ranks were excised. Called inside a step, ``fn`` is the step's: it runs
+        once, and its fault re-runs the step."""
         if self._in_step:
             return fn(*args, **kwargs)
+        at = self.committed_step
         rng = capture_rng() if self.session.config.restore_rng else None
         message: str | None = None
-        for _ in range(self.max_attempts):
-            if message is not None:
-                decision = self._recover(Cause(message, self.committed_step))
-                message = None
-                if decision.missing or decision.policy is Policy.EXCISE:
-                    raise GuardedBlockLost(
-                        f"a collective between steps failed at step {self.committed_step} and rank(s) "
-                        f"{list(decision.missing)} were replaced: their new processes resume at the next rt.step, "
-                        f"so {getattr(fn, '__qualname__', 'the block')} is not run again on any rank")
+        self.resume_at = self.blocks.count(at)
+        try:
+            for _ in range(self.max_attempts):
+                if message is not None:
+                    decision = self._recover(Cause(message, self.committed_step))
+                    message = None
+                    if decision.missing or decision.policy is Policy.EXCISE or (
+                            decision.step == at and decision.block == AT_STEP):
+                        self.blocks.add(at, BlockRun(None))  # dropped on this rank: past it, as every rank is
+                        why = (f"rank(s) {list(decision.missing)} were replaced: their new processes resume at the "
+                               "next rt.step" if decision.missing else "lost ranks were excised" if
+                               decision.policy is Policy.EXCISE else "a rank resumes at the next rt.step (a "
+                               "replacement process, which did not run it)")
+                        raise GuardedBlockLost(
+                            f"a collective between steps failed at step {self.committed_step} and {why}, so "
+                            f"{getattr(fn, '__qualname__', 'the block')} is not run again on any rank")
+                    if rng is not None:
+                        restore_rng(rng)
+                try:
+                    with self._watched():
+                        out = fn(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
+                    if not is_comm_fault(exc):
+                        raise
+                    message = fault_message(exc)
+                    del exc
+                    continue
                 if rng is not None:
                     restore_rng(rng)
-            try:
-                with self._watched():
-                    return fn(*args, **kwargs)
-            except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
-                if not is_comm_fault(exc):
-                    raise
-                message = fault_message(exc)
-                del exc
+                self.blocks.add(self.committed_step, BlockRun(fn, args, dict(kwargs)))
+                return out
+        finally:
+            self.resume_at = AT_STEP
         raise RuntimeError(f"a collective between steps at step {self.committed_step} failed {self.max_attempts} "
                            f"times; last: {message}")
 
@@ -651,10 +680,13 @@ class Resilient:
         the job recovers from, as a step's. A ``with`` block cannot be run again, so once the job
         has recovered it raises :class:`GuardedBlockLost` (on every rank alike: each rank's block
         failed or was severed by the recovery); :meth:`run` runs the block again instead. Inside
-        a step the block is the step's: its fault re-runs the step."""
+        a step the block is the step's: its fault re-runs the step. The block leaves the
+        generators as it found them, as :meth:`run`'s does."""
         if self._in_step:
             yield
             return
+        at = self.committed_step
+        rng = capture_rng() if self.session.config.restore_rng else None
         try:
             with self._watched():
                 yield
@@ -663,10 +695,19 @@ class Resilient:
                 raise
             message = fault_message(exc)
             del exc
-            self._recover(Cause(message, self.committed_step))
+            self.blocks.add(at, BlockRun(None))  # this rank is past it: it runs the next block, or the step
+            self.resume_at = self.blocks.count(at)
+            try:
+                self._recover(Cause(message, self.committed_step))
+            finally:
+                self.resume_at = AT_STEP
             raise GuardedBlockLost(f"a collective in a guarded block failed at step {self.committed_step} "
                                    f"({message}); the job recovered, and the block's result is lost on every rank: "
                                    "use rt.run(fn) to run it again after a recovery") from None
+        finally:
+            if rng is not None:
+                restore_rng(rng)
+        self.blocks.add(at, BlockRun(None))
 
     @contextlib.contextmanager
     def _watched(self) -> Iterator[None]:
@@ -677,6 +718,7 @@ class Resilient:
             yield
             return
         hb.running_step = self.committed_step
+        hb.running_block = self.blocks.count(self.committed_step)  # the block it runs (blocks.py)
         hb.watching = True
         try:
             yield
@@ -801,6 +843,7 @@ class Resilient:
         if self.ckpt is not None and self.ckpt.due(self.committed_step):
             t0 = time.perf_counter()
             written = self.ckpt.save(self.committed_step, self.state(), self.chunks())
+            self._saved.append(self.committed_step)
             self.session.emit(EventKind.CHECKPOINT, step=self.committed_step, seconds=time.perf_counter() - t0,
                               bytes=written)
         if self.ckpt is not None and self._kept:
@@ -811,6 +854,9 @@ class Resilient:
                 keep_from = 0
             while self._kept and self._kept[0][0] < keep_from:
                 self._kept.popleft()
+        if self.blocks.ran_any:  # the blocks of the steps a restore can go back to: own snapshots, checkpoints
+            oldest = min(self.peers.own_steps(), default=self.committed_step) if self.peers is not None else self.committed_step
+            self.blocks.keep_from(min(oldest, self._saved[0]) if self._saved and self.ckpt is not None else oldest)
         self.session.build_standby_between_steps()  # on NCCL: no collective of the job runs now
 
     # -- recovery --------------------------------------------------------------------------
@@ -954,16 +1000,42 @@ class Resilient:
         raise RuntimeError(f"cannot replay step {step}: its batch is gone (pass batches=... to resilient() so "
                            "lost steps are drawn again from their source)")
 
-    def replay(self, from_step: int, to_step: int) -> int:
-        """Re-run steps ``[from_step, to_step)`` (the ones lost to the restore)."""
-        if to_step > from_step and self.train_step_fn is None:
+    def replay(self, from_step: int, to_step: int, from_block: int = AT_STEP, mark: bool = True) -> int:
+        """Run again, in the order they first ran, what lies between where the job resumes
+        (``from_step``, at its block ``from_block``) and where this rank stood (``to_step``, at
+        :attr:`resume_at`): the steps the restore took back and the blocks between steps (``rt.run``)
+        around them (:mod:`.blocks`). The commit mark is taken anew after the last step (``mark``).
+        Returns the steps run again."""
+        try:
+            plan = replay_plan(from_step, from_block, to_step, self.resume_at, self.blocks.count)
+            runs = {at: self.blocks.runs(at) for kind, at, _ in plan if kind == "block"}
+        except LookupError as exc:
+            raise RecoveryImpossible(f"rank {self.session.rank} cannot resume at step {from_step}: {exc}") from None
+        steps = [at for kind, at, _ in plan if kind == "step"]
+        if steps and self.train_step_fn is None:
             raise RuntimeError("cannot replay: no step has run in this process yet")
-        for st in range(from_step, to_step):
-            assert self.train_step_fn is not None
-            self.train_step_fn(self._batch(st))
-            self.committed_step = st + 1
-        self.mark_committed()
-        return to_step - from_step
+        for kind, at, i in plan:
+            if kind == "step":
+                assert self.train_step_fn is not None
+                self.train_step_fn(self._batch(at))
+                self.committed_step = at + 1
+                if at == steps[-1] and mark:
+                    self.mark_committed()
+                continue
+            run = runs[at][i]
+            if run.fn is None:
+                raise RecoveryImpossible(
+                    f"rank {self.session.rank} would have to run a `with rt.guard():` block of step {at} again "
+                    "(a peer stands before it), and a with block cannot run again: use rt.run(fn) for blocks "
+                    "between steps that a recovery may need to run again")
+            rng = capture_rng() if self.session.config.restore_rng else None
+            run.fn(*run.args, **run.kwargs)  # its result was returned once already
+            self.blocks.replayed += 1
+            if rng is not None:
+                restore_rng(rng)
+        if not steps and mark:
+            self.mark_committed()
+        return len(steps)
 
     def drill_checkpoint_restore(self) -> Decision:
         """A real checkpoint restore in this job, now: consensus, new groups, reload, replay."""

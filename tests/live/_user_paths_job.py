@@ -6,7 +6,11 @@ its own (``--echo PORT``) and uses it every step; its data fetch, inside the ste
 ``TimeoutError`` once on one rank (``--fetch-timeout STEP:RANK``), which the script catches and
 retries. The loss is scaled by the reducer's mean over ``self.pg``, so a step that reached a stale
 group would fail or change the numbers, and an evaluation between steps all-reduces over it
-through ``rt.run``. Faults come from ``--faults KIND:STEP:RANK[:NTH],...``. Each rank writes
+through ``rt.run``. The model has dropout and the evaluation draws from the same generator, so a
+re-run step that started from other generators than its first run's would change the numbers.
+Faults come from ``--faults KIND:STEP:RANK[:NTH],...``; the kind ``eval`` is the script's own:
+the evaluation after step STEP raises a data-path error on rank RANK once its all-reduce has
+completed everywhere it could (its peers go on into the next step). Each rank writes
 ``rank<r>.json``: the digest of its whole state, its recoveries, how many steps its echo
 connection answered, and (``timeouts-rank<r>.jsonl``, as it is caught) what its own TimeoutError did.
 """
@@ -18,6 +22,7 @@ import json
 import os
 import random
 import socket
+import time
 from pathlib import Path
 
 import numpy
@@ -44,7 +49,8 @@ class MetricsReducer:
 
 def build(mesh):
     torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.25),
+                                torch.nn.Linear(32, 16))
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -69,9 +75,12 @@ def main() -> None:
     reducer = MetricsReducer(list(range(world)))  # the user's group, made after start_session
     echo = socket.create_connection(("127.0.0.1", args.echo), timeout=30)  # the user's own connection
     model, optimizer = build(session.mesh)
-    faults = []
+    faults, eval_faults = [], set()
     for i, spec in enumerate(x for x in args.faults.split(",") if x):
         kind, step, rank, *nth = spec.split(":")
+        if kind == "eval":
+            eval_faults.add((int(step), int(rank)))
+            continue
         faults.append(Fault(i, FaultKind(kind), int(step), int(rank), int(nth[0]) if nth else 1))
     injector = FaultInjector(tuple(faults), session.rank, session.control, stall_s=args.stall_s)
     timeout_step, timeout_rank = (int(x) for x in args.fetch_timeout.split(":")) if args.fetch_timeout else (-1, -1)
@@ -91,8 +100,14 @@ def main() -> None:
         optimizer.zero_grad()
         return float(loss)
 
-    def evaluate() -> float:
-        return float(reducer.mean(torch.tensor([float(session.rank)])))
+    def evaluate(step: int) -> float:
+        drawn = torch.rand(1)  # an evaluation that draws (rt.run leaves the generators as it found them)
+        got = float(reducer.mean(torch.tensor([float(session.rank)]) + 0 * drawn))
+        if (step, session.rank) in eval_faults:
+            eval_faults.discard((step, session.rank))
+            time.sleep(0.3)  # its peers have their sums: they go on into the next step meanwhile
+            raise dist.DistBackendError(f"injected: the evaluation after step {step} failed on rank {session.rank}")
+        return got
 
     with resilient(model, optimizer, session, injector, batches=lambda step: batch(step, session.rank)) as rt:
         for step in range(rt.committed_step, args.steps):
@@ -111,11 +126,11 @@ def main() -> None:
             echo.sendall(word)
             if echo.recv(len(word)) == word:
                 answered += 1
-            evaluations.append(rt.run(evaluate))  # a collective between steps, over the user's group
+            evaluations.append(rt.run(evaluate, step))  # a collective between steps, over the user's group
         state = rt.state()
         record = {"rank": session.rank, "pid": os.getpid(), "incarnation": session.incarnation,
                   "digest": digest(state), "answered": answered, "steps": args.steps,
-                  "first_step": args.steps - len(evaluations),
+                  "first_step": args.steps - len(evaluations), "blocks_replayed": rt.blocks.replayed,
                   "evaluations": evaluations,
                   "recoveries": [{"policy": r.policy.value, "step": r.step} for r in rt.recoveries]}
     tmp = out / f"rank{session.rank}.tmp"

@@ -274,8 +274,9 @@ def test_a_model_built_anew_by_an_excision_warms_up_again_before_any_bound_appli
 
 
 def _listening_heartbeat(told: object, running_step: int, data: Callable[[], Any] | None = None,
-                         data_timeout_s: float = 30.0) -> tuple[object, list[float], object]:
-    """A heartbeat whose listener hears ``told`` under its key while its rank runs ``running_step``,
+                         data_timeout_s: float = 30.0, running_block: int = -1) -> tuple[object, list[float], object]:
+    """A heartbeat whose listener hears ``told`` under its key while its rank runs ``running_step``
+    (or, ``running_block`` >= 0, that block between steps before it),
     its data path's byte count read from ``data()`` (None: none to read); each raise is recorded
     (its time) and ends the generation."""
     import threading
@@ -290,7 +291,7 @@ def _listening_heartbeat(told: object, running_step: int, data: Callable[[], Any
     hb.session = SimpleNamespace(generation=3, rank=2,
                                  spec=SimpleNamespace(timeout_s=data_timeout_s))
     hb.alarm, hb._detected_generation = None, None
-    hb.watching, hb.running_step = True, running_step
+    hb.watching, hb.running_step, hb.running_block = True, running_step, running_block
     hb._told, hb._recovering, hb._recovered, hb.opened_wall, hb._heard = None, None, threading.Event(), 0.0, None
     hb._data_bytes = lambda generation: data() if data is not None else None
     heard = iter(told if isinstance(told, list) else [told])
@@ -343,6 +344,36 @@ def test_a_rank_still_in_the_step_before_the_failed_one_finishes_it_before_its_s
         thread.start()
         thread.join(5.0)
         assert len(raised) == 1 and raised[0] - start < 1.0
+
+
+def test_a_rank_still_in_the_evaluation_before_the_failed_step_finishes_it_before_its_sever():
+    """A peer failed in step 5 while this rank still receives the last pieces of the evaluation
+    (``rt.run``) that comes before step 5: cut now, it would re-run the evaluation while its peers
+    re-run the step. It finishes the evaluation while its bytes move and is severed in step 5; a
+    rank in the block where the peer failed, or in an earlier one than the peer's, is severed at once."""
+    import time
+
+    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=5, data=_moving(), running_block=0)
+    thread.start()
+    time.sleep(0.3)
+    assert raised == []  # the evaluation still moves its bytes: not cut
+    began = time.monotonic()
+    hb.running_block = -1  # the evaluation ended; step 5 begins
+    thread.join(5.0)
+    assert len(raised) == 1 and raised[0] - began < 1.0
+    for told, block in (({"rank": 0, "step": 5, "block": 0}, 0), ({"rank": 0, "step": 5, "block": 1}, 1)):
+        hb, raised, thread = _listening_heartbeat(told, running_step=5, data=_moving(), running_block=block)
+        start = time.monotonic()
+        thread.start()
+        thread.join(5.0)
+        assert len(raised) == 1 and raised[0] - start < 1.0
+    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5, "block": 1}, running_step=5, data=_moving(),
+                                              running_block=0)
+    thread.start()
+    time.sleep(0.3)
+    assert raised == []  # block 0 ends before the peer's block 1
+    hb.session.generation += 1  # (ends the listener)
+    thread.join(5.0)
 
 
 def test_a_listener_told_during_its_own_ranks_recovery_severs_nothing_and_waits_again_once_it_ends():

@@ -88,8 +88,10 @@ def echo():
 
 def test_a_users_group_connection_and_error_survive_raised_stalled_and_killed_ranks(tmp_path, echo):
     """One faulted run carries every kind (a kill among them: its replacement re-runs the user's
-    start-up code, whose new_group after start_session joins the survivors' generation)."""
-    steps, faults = _plan(["collective", "stall", "kill"], FAULTS)
+    start-up code, whose new_group after start_session joins the survivors' generation; an
+    evaluation between steps that fails on one rank once its peers have gone on into the next step,
+    which they leave to run it again with that rank)."""
+    steps, faults = _plan(["collective", "stall", "kill", "eval"], FAULTS)
     kills = sum(1 for f in faults if f.startswith("kill"))
     budget = 120 + 60 * len(faults)
     reference = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)],

@@ -116,8 +116,12 @@ def test_run_recovers_a_failed_collective_between_steps_and_runs_it_again_from_t
     with resilient(model, optimizer, session) as rt:
         rt.step(train_step, torch.ones(3, 4))
         generation = session.generation
+        drawn_before = torch.get_rng_state()
         got = rt.run(evaluate)
         assert len(draws) == 2 and draws[0] == draws[1] and got == pytest.approx(1 + draws[0])
+        # the training's stream did not move: a replacement, which starts at the next step without
+        # the evaluation, draws what this rank draws next
+        assert torch.equal(torch.get_rng_state(), drawn_before)
         assert len(rt.recoveries) == 1 and session.generation == generation + 1
         rt.step(train_step, torch.ones(3, 4))  # training goes on over the new generation
         assert rt.committed_step == 2
