@@ -9,21 +9,24 @@ another point of the program. Re-run as they stand, they would wait in different
 (the evaluation's group against the step's), each attempt severed again by the heartbeat's
 quiet-data-path rule, until the step gave up.
 
-So each rank logs the blocks it completed since its commit (:class:`BlockLog`), and its proposal
-says its *position* (:class:`Position`): the block it re-runs (an ``rt.run`` block that failed),
-or -1 when it is at the step (a rank in a step, between steps, or a replacement process, which
-starts at the step). The decision names the block every rank resumes from
-(:func:`resume_block`): the earliest block a rank stands at, which ranks that are further on run
-again from their log (their results dropped, the block's own ones kept), or -1 (the step) where a
-rank at the step could not run them again (a replacement has no log, an excision changes the
-world): then a rank standing in a block drops it (:class:`~.runtime.GuardedBlockLost`).
+A *point* of the loop is (committed step, block): the block a rank stands in at that step, or
+:data:`AT_STEP`, the step itself, after every block. Each rank logs the blocks it completed
+(:class:`BlockLog`) and its proposal says its block. The decision names two points
+(:func:`resume_points`): where the job resumes *live* — the earliest point a member stands at,
+and never before the step a new process starts at (a replacement runs its loop from the
+decided step; an excision changes the world under the blocks) — and the furthest point a
+member reached. Every rank, from the decided state, runs again what lies between the live
+point and where it stood (:func:`replay_plan`: the steps, and the ``rt.run`` blocks from the
+live point on, their results dropped), so its peers still before it find it in the same
+collectives. A rank standing before the live point drops its block
+(:class:`~.runtime.GuardedBlockLost`).
 
-A ``with rt.guard():`` block cannot be run again (its body is the caller's); a rank that failed
-in one is past it, and a rank that would have to run one again ends the job in one line instead.
+A ``with rt.guard():`` block cannot be run again (its body is the caller's): nobody replays one,
+and a rank whose loop reaches one before the furthest point skips it at its entry
+(``GuardedBlockLost`` there, the body not run), as the ranks past it did.
 
-The log keeps the blocks of the steps a restore may take a rank back to (its own snapshots and
-the newest checkpoint), so a replay after a peer restore runs the blocks between the replayed
-steps in the order they first ran.
+An ``rt.run`` block leaves the generators as it found them, and a replay runs it from the
+generators it first ran from.
 """
 
 from __future__ import annotations
@@ -32,56 +35,61 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["BlockRun", "BlockLog", "Position", "resume_block", "replay_plan", "position_order", "AT_STEP"]
+__all__ = ["BlockRun", "BlockLog", "Point", "resume_points", "replay_plan", "point_order", "AT_STEP", "KEPT_PER_STEP"]
 
-AT_STEP = -1  # a position at the step: every block before it done (or dropped)
+AT_STEP = -1  # a rank at the step: every block before it done (or dropped)
+KEPT_PER_STEP = 8  # the newest blocks of a step kept to run again (a peer is at most a block or two behind)
+
+Point = tuple[int, int]  # (committed step, block or AT_STEP)
+
+
+def point_order(point: Point) -> tuple[int, float]:
+    """A point's place in the loop: a step's blocks in order, then the step (AT_STEP)."""
+    step, block = point
+    return step, (math.inf if block == AT_STEP else block)
 
 
 @dataclass(frozen=True)
 class BlockRun:
-    """One block that completed between steps: ``fn(*args, **kwargs)`` (``fn`` None: a
-    ``with rt.guard():`` block, which cannot be run again)."""
+    """One block that completed between steps: ``fn(*args, **kwargs)`` run from the generators
+    ``rng`` (``fn`` None: a ``with rt.guard():`` block, or one dropped; never run again)."""
 
     fn: Callable[..., Any] | None
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def name(self) -> str:
-        return getattr(self.fn, "__qualname__", "a guarded block") if self.fn is not None else "a guarded block"
-
-
-@dataclass(frozen=True)
-class Position:
-    """What a proposal says of where its rank stands at its committed step: ``block``, the block it
-    re-runs (or AT_STEP), and ``logged``, the blocks it completed there and can run again."""
-
-    block: int = AT_STEP
-    logged: int = 0
+    rng: Any = None
 
 
 class BlockLog:
-    """The blocks each committed step was followed by, in order, since the oldest step kept."""
+    """The blocks each committed step was followed by, in order: the newest
+    :data:`KEPT_PER_STEP` of each step, for the steps since the oldest a restore can go back to."""
 
     def __init__(self) -> None:
-        self._by_step: dict[int, list[BlockRun]] = {}
+        self._by_step: dict[int, list[BlockRun | None]] = {}  # None: a block no longer kept (counted)
         self.horizon = 0  # the oldest step whose blocks are kept (older ones were dropped)
-        self.ran_any = False  # a block ever ran in this process
         self.replayed = 0  # blocks run again by recoveries (their results dropped)
 
     def add(self, at: int, run: BlockRun) -> None:
         """``run`` completed (or was dropped) with ``at`` the committed step."""
-        self._by_step.setdefault(at, []).append(run)
-        self.ran_any = True
+        runs = self._by_step.setdefault(at, [])
+        runs.append(run)
+        if len(runs) > KEPT_PER_STEP:
+            runs[len(runs) - KEPT_PER_STEP - 1] = None
 
     def count(self, at: int) -> int:
         return len(self._by_step.get(at, ()))
 
-    def runs(self, at: int) -> list[BlockRun]:
-        if at < self.horizon and self.ran_any:
+    def run_at(self, at: int, index: int) -> BlockRun:
+        """The block ``index`` of step ``at``, as it first ran; LookupError where it is not kept."""
+        if at < self.horizon:
             raise LookupError(f"the blocks run between steps at step {at} are no longer kept (kept from step "
                               f"{self.horizon})")
-        return list(self._by_step.get(at, ()))
+        runs = self._by_step.get(at, [])
+        run = runs[index] if index < len(runs) else None
+        if run is None:
+            raise LookupError(f"block {index} of step {at} is no longer kept (the newest {KEPT_PER_STEP} of a step "
+                              "are)")
+        return run
 
     def keep_from(self, step: int) -> None:
         """Drop the blocks of the steps before ``step`` (no restore goes back past it)."""
@@ -92,38 +100,29 @@ class BlockLog:
         self.horizon = step
 
 
-def position_order(block: int) -> float:
-    """A block's place among its step's: AT_STEP (the step itself) after every block."""
-    return math.inf if block == AT_STEP else block
+def resume_points(points: Iterable[Point], decided_step: int, floor: bool) -> tuple[Point, Point]:
+    """(the live point, the furthest point) of a decision at ``decided_step`` whose members stand at
+    ``points``; ``floor``: a member starts at the decided step (a replacement) or the world changes
+    (an excision), so nothing before that step's own point is live."""
+    pts = list(points) or [(decided_step, AT_STEP)]
+    live = min(pts, key=point_order)
+    if floor and point_order(live) < point_order((decided_step, AT_STEP)):
+        live = (decided_step, AT_STEP)
+    return live, max(pts, key=point_order)
 
 
-def resume_block(positions: Iterable[tuple[int, Position]], step: int, can_replay: bool = True) -> int:
-    """The block every rank resumes from at ``step``: the earliest a rank at ``step`` stands in,
-    unless a rank at the step has not run the blocks from there (a replacement, with no log), or
-    the world changes (``can_replay`` off: an excision); AT_STEP then. ``positions`` are
-    (committed step, position) of every member."""
-    at = [p for s, p in positions if s == step]
-    behind = [p.block for p in at if p.block != AT_STEP]
-    if not behind or not can_replay:
-        return AT_STEP
-    first = min(behind)
-    if any(p.block == AT_STEP and p.logged <= first for p in at):
-        return AT_STEP
-    return first
-
-
-def replay_plan(from_step: int, from_block: int, to_step: int, to_block: int, count: Callable[[int], int]
+def replay_plan(from_step: int, live: Point, stood: Point, count: Callable[[int], int]
                 ) -> Sequence[tuple[str, int, int]]:
-    """What a rank runs again to go from (``from_step``, ``from_block``) to where it stood
-    (``to_step``, ``to_block``), in the order it first ran: ("block", step, index) and ("step",
-    step, 0). ``count(step)`` is how many blocks this rank logged at a step. AT_STEP as
-    ``from_block`` starts at the step itself (no block of ``from_step`` again); as ``to_block``, the
-    rank stood at the step (every logged block of ``to_step`` again)."""
+    """What a rank whose state is at ``from_step`` runs again to stand where it stood (``stood``), in
+    the order it first ran: ("step", step, 0) for every step from ``from_step`` on, and
+    ("block", step, index) for the blocks from the ``live`` point on (before it, no rank runs them
+    live). ``count(step)`` is how many blocks the rank logged at a step."""
+    to_step, to_block = stood
+    start = point_order(live)
     plan: list[tuple[str, int, int]] = []
     for at in range(from_step, to_step + 1):
-        first = (from_block if from_block != AT_STEP else count(at)) if at == from_step else 0
         last = (to_block if to_block != AT_STEP else count(at)) if at == to_step else count(at)
-        plan += [("block", at, i) for i in range(first, last)]
+        plan += [("block", at, i) for i in range(last) if point_order((at, i)) >= start]
         if at < to_step:
             plan.append(("step", at, 0))
     return plan

@@ -50,7 +50,7 @@ from typing import Any, Callable, Sequence
 from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import Policy
 
-from .blocks import AT_STEP, Position, resume_block
+from .blocks import AT_STEP, Point, resume_points
 from .control import ControlChannel, ControlTimeout
 from .refusal import RecoveryImpossible
 
@@ -95,7 +95,7 @@ class Proposal:
     host: str = ""  # the host the rank is on (peer placement prefers other hosts)
     standby: JsonObject | None = None  # what the rank's standby can do (communicator.StandbyStatus); None: none
     refused: tuple[tuple[int, int], ...] = ()  # (source rank, step) of copies this rank dropped: they failed their digest
-    position: Position = Position()  # where the rank stands between its committed step and the next (blocks.py)
+    block: int = AT_STEP  # the block between steps it stands in at its committed step, or AT_STEP (blocks.py)
 
     def to_dict(self) -> JsonObject:
         # by hand: dataclasses.asdict deep-copies every field, a millisecond of each recovery
@@ -105,7 +105,7 @@ class Proposal:
                 "own_steps": list(self.own_steps), "host": self.host,
                 "standby": dict(self.standby) if self.standby is not None else None,
                 "refused": [list(r) for r in self.refused],
-                "position": [self.position.block, self.position.logged]}
+                "block": self.block}
 
     @classmethod
     def from_dict(cls, d: JsonObject) -> "Proposal":
@@ -114,7 +114,12 @@ class Proposal:
         return cls(**kw, holds=tuple((int(a), int(b)) for a, b in d.get("holds", ())),
                    own_steps=tuple(int(x) for x in d.get("own_steps", ())),
                    refused=tuple((int(a), int(b)) for a, b in d.get("refused", ())),
-                   position=Position(*(int(x) for x in d.get("position", (AT_STEP, 0)))))
+                   block=int(d.get("block", AT_STEP)))
+
+
+def _point(raw: Any) -> Point | None:
+    """A point of the loop as the wire carries it ([step, block]; None: none said)."""
+    return None if raw is None else (int(raw[0]), int(raw[1]))
 
 
 def _alternates(proposals: dict[int, "Proposal"], sources: Sequence[tuple[int, int]],
@@ -183,11 +188,13 @@ class Decision:
     lost: tuple[int, ...] = ()  # excise: the original ranks leaving the job
     # peer_restore / excise: (rank, the other ranks holding its copy at step) where the named holder's is refused
     alternates: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    block: int = AT_STEP  # the block between steps every rank resumes from at ``step`` (blocks.resume_block)
+    live: Point | None = None  # where the job resumes live, (step, block) (blocks.resume_points); None: at ``step``
+    furthest: Point | None = None  # the furthest point a member stood at (a guarded block before it is skipped)
 
     def to_dict(self) -> JsonObject:
         return {"round": self.round, "policy": self.policy.value, "step": self.step, "reason": self.reason,
-                "block": self.block,
+                "live": list(self.live) if self.live else None,
+                "furthest": list(self.furthest) if self.furthest else None,
                 "members": rank_runs(self.members), "missing": list(self.missing),
                 "standby": [[w, rank_runs(rs)] for w, rs in self.standby],
                 "restore_from": [list(p) for p in self.restore_from], "lost": list(self.lost),
@@ -201,7 +208,12 @@ class Decision:
                    tuple((int(a), int(b)) for a, b in d.get("restore_from", ())),
                    tuple(int(r) for r in d.get("lost", ())),
                    tuple((int(r), tuple(int(h) for h in hs)) for r, hs in d.get("alternates", ())),
-                   int(d.get("block", AT_STEP)))
+                   _point(d.get("live")), _point(d.get("furthest")))
+
+    @property
+    def resume_point(self) -> Point:
+        """Where the job resumes live: (step, block)."""
+        return self.live if self.live is not None else (self.step, AT_STEP)
 
     def standby_words(self) -> dict[int, JsonObject | None]:
         """Each member's word on its standby (None: it has none)."""
@@ -211,7 +223,7 @@ class Decision:
         """What an event records of the decision (no proposals)."""
         return {"policy": self.policy.value, "round": self.round, "step": self.step, "reason": self.reason,
                 "missing": list(self.missing), "restore_from": [list(p) for p in self.restore_from],
-                "lost": list(self.lost), "block": self.block}
+                "lost": list(self.lost), "live": list(self.resume_point)}
 
     @property
     def generation(self) -> int:
@@ -250,13 +262,16 @@ class Agreement:
 
 def decide(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
            checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, **policy: Any) -> Decision:
-    """The group's answer to one round (:func:`decide_policy`), with the block between steps every
-    member resumes from at the decided step (:func:`~.blocks.resume_block`; an excision changes
-    the world, so no block runs again across it)."""
+    """The group's answer to one round (:func:`decide_policy`), with the points of the loop where the
+    job resumes live and the furthest a member reached (:func:`~.blocks.resume_points`). A
+    replacement (no committed step) starts at the decided step, and an excision changes the world
+    under the blocks: no block before that step's own point is live then."""
     d = decide_policy(proposals, world_size, group_generation, round, checkpoint_step, timeout_s, **policy)
-    block = resume_block(((p.committed_step, p.position) for r, p in proposals.items() if r in d.members), d.step,
-                         can_replay=d.policy is not Policy.EXCISE)
-    return replace(d, block=block) if block != d.block else d
+    members = [proposals[r] for r in d.members if r in proposals]
+    fresh = any(p.committed_step < 0 for p in members)
+    live, furthest = resume_points(((p.committed_step, p.block) if p.committed_step >= 0 else (d.step, AT_STEP)
+                                    for p in members), d.step, floor=fresh or d.policy is Policy.EXCISE)
+    return replace(d, live=live, furthest=furthest)
 
 
 def decide_policy(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,

@@ -101,7 +101,7 @@ from typing import Any, Sequence
 
 import torch
 
-from .blocks import AT_STEP, position_order
+from .blocks import AT_STEP, point_order
 from .communicator import Severance
 from .control import ControlChannel, ControlTimeout
 from .device import DeviceProgress
@@ -518,12 +518,12 @@ class Heartbeat:
             if isinstance(told, dict) and told.get("rank") != s.rank:  # (its own key: this rank told the others)
                 self._told = generation
             failed_step = told.get("step") if isinstance(told, dict) else None
-            failed_at = (failed_step, position_order(told.get("block", AT_STEP))) if failed_step is not None else None
+            failed_at = point_order((failed_step, told.get("block", AT_STEP))) if failed_step is not None else None
             moved, moved_at, held_at = None, time.monotonic(), time.monotonic()
             while (not self._stop.is_set() and s.generation == generation and not self._alarmed(generation)
                    and self._recovering != generation):  # (recovering already: its step has failed)
                 behind = (self.watching and failed_at is not None
-                          and (self.running_step, position_order(self.running_block)) < failed_at)
+                          and point_order((self.running_step, self.running_block)) < failed_at)
                 if behind:  # finishing the step before the failed one: held while its bytes move
                     now, seen = time.monotonic(), self._data_bytes(generation)
                     if seen != moved:

@@ -35,7 +35,7 @@ from meshpact.core.recovery import CommunicatorAction, Policy, Stage, StateActio
 
 from . import communicator as comm
 from . import device, peers
-from .blocks import AT_STEP, BlockLog, Position
+from .blocks import BlockLog, Point
 from .checkpoint import Checkpointer
 from .consensus import CounterMoves, Decision, Proposal, agree
 from .generation import Generation
@@ -72,7 +72,8 @@ class Job(Protocol):
     counter: OpCounter | None
     committed_step: int
     blocks: BlockLog  # the blocks run between steps since the oldest step a restore goes back to
-    resume_at: int  # the block this rank re-runs, at its committed step (AT_STEP: at the step)
+    resume_at: int  # the block this rank stands in at its committed step (AT_STEP: at the step)
+    skip_guards_before: Point | None  # a guarded block the loop reaches before this point is skipped
     mark: CommitMark | None  # what proves the state is the committed one
     rng: RngState  # the generators as committed
     schedule: Schedule  # the optimizer's schedule as committed
@@ -96,7 +97,7 @@ class Job(Protocol):
     def mark_committed(self) -> None: ...
     def watch_optimizer(self) -> None: ...
     def restore(self, step: int) -> None: ...
-    def replay(self, from_step: int, to_step: int, from_block: int = AT_STEP, mark: bool = True) -> int: ...
+    def replay(self, from_step: int, to_step: int, live: Point | None = None, mark: bool = True) -> int: ...
     def refresh_peers(self) -> None: ...
     def copy_to_peers(self, just_marked: bool = False) -> None: ...
     def adopt_departed(self, departed: Mapping[int, torch.Tensor]) -> None: ...
@@ -313,7 +314,7 @@ def agree_on(rt: Job, d: Detection) -> Decision:
         return Proposal(s.rank, s.generation, rt.committed_step, commit_check, d.intact, s.incarnation,
                         rt.committed_step if d.cause.drill else None, holds=held, own_steps=own, host=s.host,
                         standby=standby, refused=refused,
-                        position=Position(rt.resume_at, rt.blocks.count(rt.committed_step)))
+                        block=rt.resume_at)
 
     t_agree = time.perf_counter()
     rt.settle_counters()  # a recovery that failed before settling its counters settles them now
@@ -588,7 +589,7 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
     consensus counters moved; the recovery's record."""
     s = rt.session
     if decision.in_memory:
-        lost = 0  # no barrier: building the groups already waited for every rank to connect
+        # no barrier: building the groups already waited for every rank to connect
         t_first, t_resumed = first_collective(rt, decision.generation)
         d.clock.lap("resume")
         let_go(rt, d)
@@ -596,16 +597,17 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
         # the blocks between steps that a rank further on ran and another is back at, run again (blocks.py)
         ran = rt.blocks.replayed
         t0 = time.perf_counter()
-        rt.replay(decision.step, d.cause.step, decision.block, mark=False)
-        if rt.blocks.replayed > ran:
-            s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=0,
+        lost = rt.replay(decision.step, d.cause.step, decision.resume_point, mark=False)
+        if rt.blocks.replayed > ran or lost:
+            t_resumed = time.time()
+            s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost,
                    blocks=rt.blocks.replayed - ran)
     else:
         t_first, _ = rejoin(rt, decision.generation)
         let_go(rt, d)
         t0 = time.perf_counter()
         ran = rt.blocks.replayed
-        lost = rt.replay(decision.step, d.cause.step, decision.block)
+        lost = rt.replay(decision.step, d.cause.step, decision.resume_point)
         s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost,
                blocks=rt.blocks.replayed - ran)
         t_resumed = time.time()
@@ -616,6 +618,7 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
             rt.refresh_peers()
             rt.peers.keep_only(rt.committed_step)
             rt.copy_to_peers()
+    rt.skip_guards_before = decision.furthest  # a guarded block a peer is past is skipped here too (blocks.py)
     rt.settle_counters()  # the job runs again: the round counters move now, off the recovery's path
     s.remember_data_path()  # this generation's sockets, listed before its standby starts building
     record = RecoveryRecord(d.cause.step, d.t_detect, t_first, t_resumed, decision.policy, decision.reason,

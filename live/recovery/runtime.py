@@ -50,7 +50,7 @@ from meshpact.core.errors import MeshpactError
 
 from . import communicator as comm
 from . import peers, pipeline
-from .blocks import AT_STEP, BlockLog, BlockRun, replay_plan
+from .blocks import AT_STEP, BlockLog, BlockRun, Point, point_order, replay_plan
 from .consensus import CounterMoves, Decision, open_round
 from .device import StepAborted, StepFence
 from .faults import CollectiveFault, FaultInjector
@@ -288,7 +288,9 @@ class Resilient:
         self.committed_step = 0
         self.start_step = 0
         self.blocks = BlockLog()  # the blocks run between steps (rt.run, rt.guard) since the oldest step kept
-        self.resume_at = AT_STEP  # the rt.run block this rank re-runs after a recovery (AT_STEP: at the step)
+        self.resume_at = AT_STEP  # the rt.run block this rank stands in (AT_STEP: at the step)
+        self.skip_guards_before: Point | None = None  # the furthest point of the last recovery (blocks.py)
+        self._in_block = False  # rt.run or rt.guard runs a block (or a recovery runs blocks again)
         self._saved: deque[int] = deque(maxlen=2)  # the steps of the two newest checkpoints this process saved
         self.recoveries: list[RecoveryRecord] = []
         self.ckpt = session.checkpointer()
@@ -355,6 +357,9 @@ class Resilient:
             self.ckpt.save(0, self.state(), self.chunks())
         self.start_step = self.committed_step
         self._saved.append(self.committed_step)
+        self.blocks.keep_from(self.committed_step)  # a replacement ran no block before the step it starts at
+        if joined is not None:
+            self.skip_guards_before = joined.furthest
         self.mark_committed()
         if self.peers is not None:  # the starting state is held by peers before the first step
             self.copy_to_peers()
@@ -623,54 +628,55 @@ class Resilient:
         nothing to restore) and ``fn`` runs again from the generators it started with, up to
         ``max_attempts`` times. A rank that had finished ``fn`` and gone on when a peer's run of it
         failed runs it again too, with that peer (its result dropped: :mod:`.blocks`), so every
-        rank resumes at one point of the loop.
+        rank resumes at one point of the loop. Every rank calls ``rt.run`` for the same blocks in
+        the same order (a block run on some ranks only is no point the others can find).
 
         ``fn`` leaves the generators as it found them: an evaluation that draws does not move the
         training's random streams (a replaced rank, which starts at the next step without running
-        the block, could not follow them otherwise).
+        the block, could not follow them otherwise). Its arguments are kept for a run again until
+        a few blocks later and, at most, until the oldest step a restore can go back to.
 
         Where ``fn`` cannot run again on every rank, it raises :class:`GuardedBlockLost` on the ranks
-        standing in it: a rank was replaced or joined at the step (a new process starts at the next
-        ``rt.step``), or lost ranks were excised. Called inside a step, ``fn`` is the step's: it runs
-        once, and its fault re-runs the step."""
-        if self._in_step:
+        standing in it: a replacement process joined (it starts at the next ``rt.step``) or lost
+        ranks were excised. Called inside a step or inside another block, ``fn`` is that one's: it
+        runs once, and its fault re-runs the step or the block."""
+        if self._in_step or self._in_block:
             return fn(*args, **kwargs)
         at = self.committed_step
         rng = capture_rng() if self.session.config.restore_rng else None
         message: str | None = None
-        self.resume_at = self.blocks.count(at)
+        self.resume_at = index = self.blocks.count(at)
+        self._in_block = True
         try:
             for _ in range(self.max_attempts):
-                if message is not None:
-                    decision = self._recover(Cause(message, self.committed_step))
-                    message = None
-                    if decision.missing or decision.policy is Policy.EXCISE or (
-                            decision.step == at and decision.block == AT_STEP):
-                        self.blocks.add(at, BlockRun(None))  # dropped on this rank: past it, as every rank is
-                        why = (f"rank(s) {list(decision.missing)} were replaced: their new processes resume at the "
-                               "next rt.step" if decision.missing else "lost ranks were excised" if
-                               decision.policy is Policy.EXCISE else "a rank resumes at the next rt.step (a "
-                               "replacement process, which did not run it)")
-                        raise GuardedBlockLost(
-                            f"a collective between steps failed at step {self.committed_step} and {why}, so "
-                            f"{getattr(fn, '__qualname__', 'the block')} is not run again on any rank")
-                    if rng is not None:
-                        restore_rng(rng)
                 try:
+                    if message is not None:
+                        decision = self._recover(Cause(message, self.committed_step))
+                        message = None
+                        if point_order((at, index)) < point_order(decision.resume_point):
+                            self.blocks.add(at, BlockRun(None))  # dropped on this rank, as no rank runs it now
+                            why = ("lost ranks were excised" if decision.policy is Policy.EXCISE else
+                                   "a replacement process joined, which starts at the next rt.step")
+                            raise GuardedBlockLost(
+                                f"a collective between steps failed at step {self.committed_step} and {why}, so "
+                                f"{getattr(fn, '__qualname__', 'the block')} is not run again on any rank")
+                        if rng is not None:
+                            restore_rng(rng)
                     with self._watched():
                         out = fn(*args, **kwargs)
                 except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
-                    if not is_comm_fault(exc):
+                    if not is_comm_fault(exc):  # (a recovery that failed in its replay: the next attempt)
                         raise
                     message = fault_message(exc)
                     del exc
                     continue
-                if rng is not None:
-                    restore_rng(rng)
-                self.blocks.add(self.committed_step, BlockRun(fn, args, dict(kwargs)))
+                self.blocks.add(self.committed_step, BlockRun(fn, args, dict(kwargs), rng))
                 return out
         finally:
             self.resume_at = AT_STEP
+            self._in_block = False
+            if rng is not None:
+                restore_rng(rng)
         raise RuntimeError(f"a collective between steps at step {self.committed_step} failed {self.max_attempts} "
                            f"times; last: {message}")
 
@@ -679,32 +685,52 @@ class Resilient:
         """``with rt.guard(): ...``: a block of collectives between steps whose communication fault
         the job recovers from, as a step's. A ``with`` block cannot be run again, so once the job
         has recovered it raises :class:`GuardedBlockLost` (on every rank alike: each rank's block
-        failed or was severed by the recovery); :meth:`run` runs the block again instead. Inside
-        a step the block is the step's: its fault re-runs the step. The block leaves the
+        failed or was severed by the recovery, or, reached after a recovery that a peer stood past
+        it in, is skipped at its entry); :meth:`run` runs the block again instead. Inside a step
+        or another block the block is that one's: its fault re-runs it. The block leaves the
         generators as it found them, as :meth:`run`'s does."""
-        if self._in_step:
+        if self._in_step or self._in_block:
             yield
             return
         at = self.committed_step
+        index = self.blocks.count(at)
+        if self.skip_guards_before is not None and point_order((at, index)) < point_order(self.skip_guards_before):
+            self.blocks.add(at, BlockRun(None))
+            raise GuardedBlockLost(f"a guarded block at step {at} was skipped: a peer was past it when the job last "
+                                   "recovered, and a with block cannot run again (use rt.run(fn) to run it again)")
         rng = capture_rng() if self.session.config.restore_rng else None
+        self._in_block = True
         try:
             with self._watched():
                 yield
         except Exception as exc:  # noqa: BLE001  (only data-path faults are handled)
             if not is_comm_fault(exc):
                 raise
-            message = fault_message(exc)
+            message: str | None = fault_message(exc)
             del exc
             self.blocks.add(at, BlockRun(None))  # this rank is past it: it runs the next block, or the step
             self.resume_at = self.blocks.count(at)
             try:
-                self._recover(Cause(message, self.committed_step))
+                for _ in range(self.max_attempts):  # a recovery whose replay fails is followed by the next
+                    try:
+                        self._recover(Cause(message or "", self.committed_step))
+                        message = None
+                        break
+                    except Exception as again:  # noqa: BLE001
+                        if not is_comm_fault(again):
+                            raise
+                        message = fault_message(again)
+                        del again
             finally:
                 self.resume_at = AT_STEP
-            raise GuardedBlockLost(f"a collective in a guarded block failed at step {self.committed_step} "
-                                   f"({message}); the job recovered, and the block's result is lost on every rank: "
-                                   "use rt.run(fn) to run it again after a recovery") from None
+            if message is not None:
+                raise RuntimeError(f"a guarded block at step {at} could not be recovered in {self.max_attempts} "
+                                   f"attempts; last: {message}") from None
+            raise GuardedBlockLost(f"a collective in a guarded block failed at step {self.committed_step}; the "
+                                   "job recovered, and the block's result is lost on every rank: use rt.run(fn) to "
+                                   "run it again after a recovery") from None
         finally:
+            self._in_block = False
             if rng is not None:
                 restore_rng(rng)
         self.blocks.add(at, BlockRun(None))
@@ -854,9 +880,9 @@ class Resilient:
                 keep_from = 0
             while self._kept and self._kept[0][0] < keep_from:
                 self._kept.popleft()
-        if self.blocks.ran_any:  # the blocks of the steps a restore can go back to: own snapshots, checkpoints
-            oldest = min(self.peers.own_steps(), default=self.committed_step) if self.peers is not None else self.committed_step
-            self.blocks.keep_from(min(oldest, self._saved[0]) if self._saved and self.ckpt is not None else oldest)
+        # the blocks of the steps a restore can go back to: own snapshots, the two newest checkpoints saved
+        oldest = min(self.peers.own_steps(), default=self.committed_step) if self.peers is not None else self.committed_step
+        self.blocks.keep_from(min(oldest, self._saved[0]) if self._saved and self.ckpt is not None else oldest)
         self.session.build_standby_between_steps()  # on NCCL: no collective of the job runs now
 
     # -- recovery --------------------------------------------------------------------------
@@ -1000,39 +1026,45 @@ class Resilient:
         raise RuntimeError(f"cannot replay step {step}: its batch is gone (pass batches=... to resilient() so "
                            "lost steps are drawn again from their source)")
 
-    def replay(self, from_step: int, to_step: int, from_block: int = AT_STEP, mark: bool = True) -> int:
-        """Run again, in the order they first ran, what lies between where the job resumes
-        (``from_step``, at its block ``from_block``) and where this rank stood (``to_step``, at
-        :attr:`resume_at`): the steps the restore took back and the blocks between steps (``rt.run``)
-        around them (:mod:`.blocks`). The commit mark is taken anew after the last step (``mark``).
-        Returns the steps run again."""
+    def replay(self, from_step: int, to_step: int, live: Point | None = None, mark: bool = True) -> int:
+        """Run again, in the order they first ran, what lies between the state at ``from_step`` and
+        where this rank stood (``to_step``, at :attr:`resume_at`): every step the restore took back,
+        and the blocks between steps (``rt.run``) from the point where the job resumes live
+        (``live``; None: the decided step, no block) on, each from the generators it first ran
+        from (:mod:`.blocks`). The commit mark is taken anew after the last step run again (or, with
+        none, where ``mark`` asks). Returns the steps run again."""
+        plan = replay_plan(from_step, live or (from_step, AT_STEP), (to_step, self.resume_at), self.blocks.count)
         try:
-            plan = replay_plan(from_step, from_block, to_step, self.resume_at, self.blocks.count)
-            runs = {at: self.blocks.runs(at) for kind, at, _ in plan if kind == "block"}
+            runs = {(at, i): self.blocks.run_at(at, i) for kind, at, i in plan if kind == "block"}
         except LookupError as exc:
-            raise RecoveryImpossible(f"rank {self.session.rank} cannot resume at step {from_step}: {exc}") from None
+            raise RecoveryImpossible(f"rank {self.session.rank} cannot stand again where it stood: {exc}") from None
         steps = [at for kind, at, _ in plan if kind == "step"]
         if steps and self.train_step_fn is None:
             raise RuntimeError("cannot replay: no step has run in this process yet")
-        for kind, at, i in plan:
-            if kind == "step":
-                assert self.train_step_fn is not None
-                self.train_step_fn(self._batch(at))
-                self.committed_step = at + 1
-                if at == steps[-1] and mark:
-                    self.mark_committed()
-                continue
-            run = runs[at][i]
-            if run.fn is None:
-                raise RecoveryImpossible(
-                    f"rank {self.session.rank} would have to run a `with rt.guard():` block of step {at} again "
-                    "(a peer stands before it), and a with block cannot run again: use rt.run(fn) for blocks "
-                    "between steps that a recovery may need to run again")
-            rng = capture_rng() if self.session.config.restore_rng else None
-            run.fn(*run.args, **run.kwargs)  # its result was returned once already
-            self.blocks.replayed += 1
-            if rng is not None:
-                restore_rng(rng)
+        self._in_block = True  # an rt.run inside a block run again is that block's
+        try:
+            for kind, at, i in plan:
+                if kind == "step":
+                    assert self.train_step_fn is not None
+                    self.train_step_fn(self._batch(at))
+                    self.committed_step = at + 1
+                    if at == steps[-1]:
+                        self.mark_committed()
+                    continue
+                run = runs[(at, i)]
+                if run.fn is None:  # a guarded block: never run again (its peers skip it at its entry)
+                    continue
+                rng = capture_rng() if self.session.config.restore_rng else None
+                if run.rng is not None:
+                    restore_rng(run.rng)
+                try:
+                    run.fn(*run.args, **run.kwargs)  # its result was returned once already
+                finally:
+                    if rng is not None:
+                        restore_rng(rng)
+                self.blocks.replayed += 1
+        finally:
+            self._in_block = False
         if not steps and mark:
             self.mark_committed()
         return len(steps)

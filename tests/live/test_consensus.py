@@ -8,7 +8,6 @@ import time
 import pytest
 
 from meshpact.core.recovery import Policy
-from meshpact.live.recovery.blocks import Position
 from meshpact.live.recovery.consensus import ConsensusError, Decision, Proposal, agree, decide, loss_bound_s
 from meshpact.live.recovery.control import ControlChannel, ControlTimeout
 from meshpact.live.launch.launcher import host_store
@@ -278,7 +277,7 @@ def test_a_proposal_survives_a_trip_through_json_with_every_field():
 
     p = Proposal(3, 2, 17, "ab12", False, incarnation=1, restore_before=9, holds=((0, 16), (2, 17)),
                  own_steps=(16, 17), host="hostB", standby={"generation": 3, "ready": True, "reason": ""},
-                 position=Position(2, 3))
+                 block=2)
     d = p.to_dict()
     assert set(d) == {f.name for f in fields(Proposal)}  # a field added later must be carried too
     assert Proposal.from_dict(json.loads(json.dumps(d))) == p
