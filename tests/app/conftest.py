@@ -3,13 +3,23 @@ each once per test module, and a fresh page per test."""
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 
 import pytest
 
 from meshpact.app.serve import chromium_path, dashboard_server, settle
 
-ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"  # screenshots
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"  # screenshots, and a failed test's recordings
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """Marks a test whose own call failed (``item.call_failed``): its fixtures keep what explains it."""
+    report = yield
+    if report.when == "call":
+        item.call_failed = report.failed  # type: ignore[attr-defined]
+    return report
 
 
 @pytest.fixture(scope="module")

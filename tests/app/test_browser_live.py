@@ -115,11 +115,13 @@ def _mesh_reads(pg, failed: set[int]) -> None:  # noqa: ANN001
 
 
 @pytest.fixture
-def its_recordings():
+def its_recordings(request):
     """Removes, after the test, the recordings its runs began (a run this file starts: these ranks
-    and steps) and left in the dashboard's recordings folder."""
+    and steps) and left in the dashboard's recordings folder; a failed test's are moved to the
+    test artifacts instead, so its failure can be read event by event."""
     folder, t0 = ROOT / "recordings", time.time()
     yield
+    failed = getattr(request.node, "call_failed", False)  # set by tests/app/conftest.py
     for path in folder.glob("live-*.jsonl*"):
         try:
             if path.stat().st_mtime < t0:
@@ -128,7 +130,12 @@ def its_recordings():
         except (OSError, ValueError, IndexError, KeyError):
             continue
         if (start.get("ranks"), start.get("steps")) == (RANKS, STEPS):
-            path.unlink(missing_ok=True)
+            if failed:
+                ARTIFACTS.mkdir(exist_ok=True)
+                path.replace(ARTIFACTS / path.name)
+                print(f"kept the failed test's recording: {ARTIFACTS / path.name}")
+            else:
+                path.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(420)
