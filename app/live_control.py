@@ -48,7 +48,7 @@ from meshpact.live.trials.trialconfig import PHASES, PROCESSES_FILE, Pace  # tor
 
 __all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
            "TOKEN_ENV", "LEASE_ENV", "RankLogs", "RankEvent", "FaultFromPage", "JobEvent", "JobEvents", "job_stream",
-           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS", "SentFault", "sent_caption", "form_problem", "stream_rows", "RUN_LINK", "earlier_run_notice",
+           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS", "SentFault", "sent_caption", "form_problem", "stream_rows", "RUN_LINK", "RUN_NAME", "claim_recording", "earlier_run_notice",
            "planned_fault_kind"]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
@@ -691,6 +691,26 @@ def planned_fault_kind(faults: int, fault_kind: str, on_rank_loss: str) -> str:
 
 
 RUN_LINK = "run"  # the Live page's query parameter: the recording (its name) of the run this tab started
+RUN_NAME = r"live-[0-9]{8}-[0-9]{6}(?:-[0-9]{1,4})?"  # a Live page run's recording: its start second, then a count
+
+
+def claim_recording(folder: Path, now: float | None = None) -> Path:
+    """A new Live page run's recording under ``folder``, named by the second it starts in and
+    claimed there at once (its partial file made exclusively): two tabs, or two servers in one
+    folder, starting runs in the same second get ``live-<second>`` and ``live-<second>-2``, never
+    one file for both."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(now))
+    folder.mkdir(parents=True, exist_ok=True)
+    for n in range(1, 10_000):
+        path = folder / (f"live-{stamp}.jsonl" if n == 1 else f"live-{stamp}-{n}.jsonl")
+        if path.exists():
+            continue
+        try:
+            os.close(os.open(partial_path(path), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644))
+        except FileExistsError:
+            continue
+        return path
+    raise RecordingError(f"no free recording name for the second {stamp} in {folder}: 9,999 runs began in it")
 
 
 def earlier_run_notice(name: str | None, folder: Path) -> str | None:
@@ -699,7 +719,7 @@ def earlier_run_notice(name: str | None, folder: Path) -> str | None:
     that started it, so a reload stops it. None for no name, or one that is no run of this page's."""
     import re
 
-    if not name or not re.fullmatch(r"live-[0-9]{8}-[0-9]{6}", name):
+    if not name or not re.fullmatch(RUN_NAME, name):
         return None
     final, partial = folder / f"{name}.jsonl", partial_path(folder / f"{name}.jsonl")
     try:

@@ -21,7 +21,7 @@ from meshpact.app.exports import perfetto_json
 from meshpact.app.figures import live_mesh_figure, recovery_figure
 from meshpact.app.format import count, duration
 from meshpact.app.live_control import (
-    RUN_LINK, FaultFromPage, LiveJob, RankEvent, RankRow, committed_step, down_ranks, earlier_run_notice,
+    RUN_LINK, FaultFromPage, claim_recording, LiveJob, RankEvent, RankRow, committed_step, down_ranks, earlier_run_notice,
     failure_sentence, form_problem, job_stream, planned_fault_kind, rank_rows, sent_caption, stream_rows,
 )
 from meshpact.app.replay import find_recordings, local_mesh
@@ -124,9 +124,8 @@ elif start:
                     checkpoint_every=int(every), heartbeat=bool(heartbeat))  # readable errors before anything starts
         if job is not None:
             job.stop()
-        stamp = time.strftime("%Y%m%d-%H%M%S")
         pace = Pace(_steps_per_s(pace_label), frozenset({"faulted"}) if hold else frozenset())
-        job = LiveJob(RECORDINGS / f"live-{stamp}.jsonl",
+        job = LiveJob(claim_recording(RECORDINGS),
                       ["--ranks", str(ranks), "--steps", str(steps), "--faults", str(faults), "--fault-kind", kind,
                        "--checkpoint-every", str(every), "--baselines" if baselines else "--no-baselines",
                        "--heartbeat" if heartbeat else "--no-heartbeat", "--on-rank-loss", str(on_loss)],

@@ -789,3 +789,25 @@ def test_a_reloaded_live_page_says_what_became_of_the_run_its_tab_started(tmp_pa
     assert "was stopped when the page was reloaded" in said and f"{name}.jsonl.partial" in said
     (tmp_path / f"{name}.jsonl").write_text('{"event": "recording_start"}\n{"event": "summary"}\n')
     assert "has finished" in earlier_run_notice(name, tmp_path)
+
+
+def test_runs_started_in_the_same_second_get_recordings_of_their_own(tmp_path):
+    """Two tabs (or two servers sharing the folder) starting runs in one second: each claims a name
+    of its own at once, and a reloaded page still knows either by its link."""
+    import threading
+
+    from meshpact.app.live_control import claim_recording, earlier_run_notice
+
+    now = 1796659200.0
+    claimed: list[object] = []
+    threads = [threading.Thread(target=lambda: claimed.append(claim_recording(tmp_path, now))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({str(p) for p in claimed}) == 8  # no name given twice
+    assert all(partial_path(p).is_file() for p in claimed)  # each claimed on disk before its run writes
+    second = sorted(p.stem for p in claimed)[1]
+    assert second.endswith("-2") and earlier_run_notice(second, tmp_path) is not None
+    first = sorted(p.stem for p in claimed)[0]
+    assert claim_recording(tmp_path, now).name == f"{first}-9.jsonl"  # the next takes the next count
