@@ -39,6 +39,7 @@ __all__ = ["BlockRun", "BlockLog", "Point", "resume_points", "replay_plan", "poi
 
 AT_STEP = -1  # a rank at the step: every block before it done (or dropped)
 KEPT_PER_STEP = 8  # the newest blocks of a step kept to run again (a peer is at most a block or two behind)
+KEPT_STEPS = 64  # the steps whose blocks are kept at most (their arguments stay alive: evaluation batches)
 
 Point = tuple[int, int]  # (committed step, block or AT_STEP)
 
@@ -67,23 +68,28 @@ class BlockLog:
     def __init__(self) -> None:
         self._by_step: dict[int, list[BlockRun | None]] = {}  # None: a block no longer kept (counted)
         self.horizon = 0  # the oldest step whose blocks are kept (older ones were dropped)
+        self.ran_any = False  # a block ran in this process: below the horizon, how many ran is unknown
         self.replayed = 0  # blocks run again by recoveries (their results dropped)
 
     def add(self, at: int, run: BlockRun) -> None:
         """``run`` completed (or was dropped) with ``at`` the committed step."""
+        self.ran_any = True
         runs = self._by_step.setdefault(at, [])
         runs.append(run)
         if len(runs) > KEPT_PER_STEP:
             runs[len(runs) - KEPT_PER_STEP - 1] = None
 
     def count(self, at: int) -> int:
+        """The blocks logged at step ``at``; LookupError below the horizon once any block ran (how
+        many ran there is no longer known: a plan that counted none would skip what a peer runs)."""
+        if at < self.horizon and self.ran_any:
+            raise LookupError(f"the blocks run between steps at step {at} are no longer kept (kept from step "
+                              f"{self.horizon})")
         return len(self._by_step.get(at, ()))
 
     def run_at(self, at: int, index: int) -> BlockRun:
         """The block ``index`` of step ``at``, as it first ran; LookupError where it is not kept."""
-        if at < self.horizon:
-            raise LookupError(f"the blocks run between steps at step {at} are no longer kept (kept from step "
-                              f"{self.horizon})")
+        self.count(at)  # (below the horizon: LookupError)
         runs = self._by_step.get(at, [])
         run = runs[index] if index < len(runs) else None
         if run is None:

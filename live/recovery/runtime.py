@@ -50,7 +50,7 @@ from meshpact.core.errors import MeshpactError
 
 from . import communicator as comm
 from . import peers, pipeline
-from .blocks import AT_STEP, BlockLog, BlockRun, Point, point_order, replay_plan
+from .blocks import AT_STEP, KEPT_STEPS, BlockLog, BlockRun, Point, point_order, replay_plan
 from .consensus import CounterMoves, Decision, open_round
 from .device import StepAborted, StepFence
 from .faults import CollectiveFault, FaultInjector
@@ -880,9 +880,13 @@ class Resilient:
                 keep_from = 0
             while self._kept and self._kept[0][0] < keep_from:
                 self._kept.popleft()
-        # the blocks of the steps a restore can go back to: own snapshots, the two newest checkpoints saved
-        oldest = min(self.peers.own_steps(), default=self.committed_step) if self.peers is not None else self.committed_step
-        self.blocks.keep_from(min(oldest, self._saved[0]) if self._saved and self.ckpt is not None else oldest)
+        # the blocks of the steps a restore can go back to (own snapshots, the two newest checkpoints saved), the
+        # newest KEPT_STEPS at most: a restore from further back that needs them ends in one line (blocks.py)
+        if self.blocks.ran_any:
+            oldest = (min(self.peers.own_steps(), default=self.committed_step) if self.peers is not None
+                      else self.committed_step)
+            oldest = min(oldest, self._saved[0]) if self._saved and self.ckpt is not None else oldest
+            self.blocks.keep_from(max(oldest, self.committed_step - KEPT_STEPS))
         self.session.build_standby_between_steps()  # on NCCL: no collective of the job runs now
 
     # -- recovery --------------------------------------------------------------------------
@@ -1033,8 +1037,8 @@ class Resilient:
         (``live``; None: the decided step, no block) on, each from the generators it first ran
         from (:mod:`.blocks`). The commit mark is taken anew after the last step run again (or, with
         none, where ``mark`` asks). Returns the steps run again."""
-        plan = replay_plan(from_step, live or (from_step, AT_STEP), (to_step, self.resume_at), self.blocks.count)
         try:
+            plan = replay_plan(from_step, live or (from_step, AT_STEP), (to_step, self.resume_at), self.blocks.count)
             runs = {(at, i): self.blocks.run_at(at, i) for kind, at, i in plan if kind == "block"}
         except LookupError as exc:
             raise RecoveryImpossible(f"rank {self.session.rank} cannot stand again where it stood: {exc}") from None

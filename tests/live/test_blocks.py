@@ -91,9 +91,16 @@ def test_the_log_keeps_the_newest_blocks_of_the_steps_a_restore_can_go_back_to()
     log.add(3, BlockRun(None))  # a guarded block: counted, never run again
     assert log.count(3) == 2 and log.run_at(3, 1).fn is None
     log.keep_from(2)
-    assert log.count(1) == 0 and log.count(2) == 1
-    with pytest.raises(LookupError, match="step 1 are no longer kept"):
-        log.run_at(1, 0)
+    assert log.count(2) == 1
+    for gone in (lambda: log.run_at(1, 0), lambda: log.count(1)):  # how many ran there is unknown now
+        with pytest.raises(LookupError, match="step 1 are no longer kept"):
+            gone()
+    with pytest.raises(LookupError):  # so a plan through that step is refused, not one that skips its blocks
+        replay_plan(0, (0, AT_STEP), (3, AT_STEP), log.count)
+    fresh = BlockLog()  # a loop that never ran a block: nothing is unknown below its horizon
+    fresh.keep_from(5)
+    assert fresh.count(2) == 0 and replay_plan(2, (2, AT_STEP), (5, AT_STEP), fresh.count) == [
+        ("step", 2, 0), ("step", 3, 0), ("step", 4, 0)]
     log.keep_from(1)  # never back
     assert log.horizon == 2
     for i in range(KEPT_PER_STEP + 3):  # an evaluation loop of many blocks between two steps
