@@ -269,12 +269,14 @@ class _HolderProcess:
     def __init__(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER_MAIN, KEY.secret.hex(), str(Path(__file__).parent)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        self.port = int(self.proc.stdout.readline())
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.asks, self.answers = self.proc.stdin, self.proc.stdout
+        self.port = int(self.answers.readline())
 
     def figures(self) -> dict:
-        self.proc.stdin.write("\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
+        self.asks.write("\n")
+        self.asks.flush()
+        return json.loads(self.answers.readline())
 
     def holds(self) -> tuple[tuple[int, int], ...]:
         return tuple(tuple(h) for h in self.figures()["holds"])
@@ -284,7 +286,7 @@ class _HolderProcess:
 def holder_process():
     holder = _HolderProcess()
     yield holder
-    holder.proc.stdin.close()
+    holder.asks.close()
     holder.proc.kill()
     holder.proc.wait()
 
