@@ -27,10 +27,12 @@ app: install
 test: install
 	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder
 
-# pyflakes and pycodestyle over the whole tree (pyproject.toml's [tool.ruff]), then mypy over the whole
-# tree ([tool.mypy]; its cache in .mypy_cache); .ci/run runs it first
+# pyflakes and pycodestyle over the whole tree (pyproject.toml's [tool.ruff]), the formatter's check
+# (`ruff format .` writes what it wants), then mypy over the whole tree ([tool.mypy]; its cache in
+# .mypy_cache); .ci/run runs it first
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 
 test-fast: install

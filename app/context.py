@@ -20,7 +20,13 @@ from typing import Iterable
 import streamlit as st
 
 from meshpact.app.state import (
-    FAILED_KEY, LINK_FAILED, LINK_SCENARIO, carried_failures_notice, clamp_failed, failed_from_link, link_params,
+    FAILED_KEY,
+    LINK_FAILED,
+    LINK_SCENARIO,
+    carried_failures_notice,
+    clamp_failed,
+    failed_from_link,
+    link_params,
     scenario_from_link,
 )
 from meshpact.core.errors import MeshpactError, ScenarioError
@@ -92,8 +98,10 @@ def positions_for(text: str, source: str) -> dict[int, tuple[float, float]]:
 
 def _check_size(size: int, where: str) -> None:
     if size > MAX_SCENARIO_BYTES:
-        raise ScenarioError(f"{where}: {size:,} bytes is too large for a scenario (at most {MAX_SCENARIO_BYTES:,}); "
-                            "expected a YAML scenario")
+        raise ScenarioError(
+            f"{where}: {size:,} bytes is too large for a scenario (at most {MAX_SCENARIO_BYTES:,}); "
+            "expected a YAML scenario"
+        )
 
 
 def _scenario_text(content: bytes, where: str) -> str:
@@ -163,8 +171,9 @@ def scenario_sidebar() -> None:
         return
     st.session_state[SCENARIO_KEY] = choice
     mesh = mesh_of(choice)
-    st.sidebar.caption(f"**{choice.scenario.name}** · {mesh.world_size} ranks · {len(mesh.domains)} domains · "
-                       f"{len(mesh.hosts)} hosts")
+    st.sidebar.caption(
+        f"**{choice.scenario.name}** · {mesh.world_size} ranks · {len(mesh.domains)} domains · {len(mesh.hosts)} hosts"
+    )
 
 
 def require_scenario() -> ScenarioChoice:
@@ -181,8 +190,11 @@ def require_scenario() -> ScenarioChoice:
     error = st.session_state.get(ERROR_KEY)
     choice = st.session_state.get(SCENARIO_KEY)
     if error or choice is None:
-        st.error("**This scenario cannot be used.**\n\n" + message_markdown(error or "no scenario chosen")
-                 + "\n\nFix the file, or pick a built-in scenario in the sidebar.")
+        st.error(
+            "**This scenario cannot be used.**\n\n"
+            + message_markdown(error or "no scenario chosen")
+            + "\n\nFix the file, or pick a built-in scenario in the sidebar."
+        )
         st.stop()
     if first:
         _read_link_failed(choice)
@@ -233,7 +245,9 @@ def _read_link_failed(choice: ScenarioChoice) -> None:
 def keep_in_link(choice: ScenarioChoice, failed: Iterable[int]) -> None:
     """Write the scenario (a built-in one: a file cannot travel in a link) and the failed ranks
     of this mesh into the page's query parameters, leaving any other parameter alone."""
-    builtin = st.session_state.get("scenario_builtin") if st.session_state.get("scenario_source") == "built-in" else None
+    builtin = (
+        st.session_state.get("scenario_builtin") if st.session_state.get("scenario_source") == "built-in" else None
+    )
     want = link_params(builtin, clamp_failed(failed, mesh_of(choice).ranks))
     params = st.query_params
     for key in (LINK_SCENARIO, LINK_FAILED):
@@ -249,6 +263,7 @@ _MARKDOWN_SPECIAL = "\\`*_{}[]<>()#+-.!|~$"
 def message_markdown(message: str) -> str:
     """A multi-line error message as Markdown that shows every character as written:
     the first line as a paragraph, the following lines (``  - field: problem``) as a list."""
+
     def esc(text: str) -> str:
         return "".join("\\" + ch if ch in _MARKDOWN_SPECIAL else ch for ch in text)
 

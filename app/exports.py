@@ -54,13 +54,36 @@ def perfetto_trace(events: Sequence[Event], name: str = "meshpact recording") ->
         if e.stage is not None or e.event == EventKind.STEP:
             dur = _seconds(e) * 1e6
             ran = e.data.get("step")  # the committed step after it: it ran step - 1
-            name, cat = (e.stage.value, "recovery") if e.stage is not None else (
-                f"step {int(ran) - 1}" if isinstance(ran, int) else "step", "training")
-            out.append({"ph": "X", "pid": _PID, "tid": track, "name": name, "cat": cat,
-                        "ts": round(max(end_us - dur, 0.0), 3), "dur": round(min(dur, end_us), 3), "args": args})
+            name, cat = (
+                (e.stage.value, "recovery")
+                if e.stage is not None
+                else (f"step {int(ran) - 1}" if isinstance(ran, int) else "step", "training")
+            )
+            out.append(
+                {
+                    "ph": "X",
+                    "pid": _PID,
+                    "tid": track,
+                    "name": name,
+                    "cat": cat,
+                    "ts": round(max(end_us - dur, 0.0), 3),
+                    "dur": round(min(dur, end_us), 3),
+                    "args": args,
+                }
+            )
         else:
-            out.append({"ph": "i", "s": "t", "pid": _PID, "tid": track, "name": e.event, "cat": "event",
-                        "ts": round(end_us, 3), "args": args})
+            out.append(
+                {
+                    "ph": "i",
+                    "s": "t",
+                    "pid": _PID,
+                    "tid": track,
+                    "name": e.event,
+                    "cat": "event",
+                    "ts": round(end_us, 3),
+                    "args": args,
+                }
+            )
     return {"traceEvents": out, "displayTimeUnit": "ms"}
 
 

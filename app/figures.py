@@ -159,56 +159,87 @@ def mesh_figure(
     colours = domain_colours(mesh)
     broken = {c.name for c in state.broken}
     labelled = mesh.world_size <= 64
-    size = marker_px or (14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else
-                                                           (6 if mesh.world_size <= 4096 else 3)))
+    size = marker_px or (
+        14 if mesh.world_size <= 64 else (9 if mesh.world_size <= 256 else (6 if mesh.world_size <= 4096 else 3))
+    )
     # Beyond a few thousand points SVG gets slow in the browser; WebGL keeps panning and selection smooth.
     Trace = go.Scattergl if mesh.world_size > GL_ABOVE else go.Scatter
     traces: list[go.BaseTraceType] = []
     for d in mesh.domains:
         xs, ys = _ring_xy(native_ring(d), pos)
         ok = d.name not in broken
-        traces.append(Trace(
-            x=xs, y=ys, mode="lines", hoverinfo="skip", showlegend=False,
-            line=dict(color=colours[d.name] if ok else BROKEN, width=1.5, dash="solid" if ok else "dash"),
-        ))
+        traces.append(
+            Trace(
+                x=xs,
+                y=ys,
+                mode="lines",
+                hoverinfo="skip",
+                showlegend=False,
+                line=dict(color=colours[d.name] if ok else BROKEN, width=1.5, dash="solid" if ok else "dash"),
+            )
+        )
     shown: set[LinkClass] = set()
     for link in bridge_links(mesh):
         colour, dash = _LINK_STYLE[link.link]
         ok = link.communicator not in broken
         bx, by = _polyline([(link.a, link.b)], pos)
-        traces.append(go.Scatter(
-            x=bx, y=by, mode="lines", hoverinfo="skip", name=f"bridge ({link.link.value.replace('_', ' ')})",
-            legendgroup=link.link.value, showlegend=link.link not in shown,
-            line=dict(color=colour, dash=dash, width=3) if ok else dict(color=BROKEN, dash=dash, width=3),
-        ))
+        traces.append(
+            go.Scatter(
+                x=bx,
+                y=by,
+                mode="lines",
+                hoverinfo="skip",
+                name=f"bridge ({link.link.value.replace('_', ' ')})",
+                legendgroup=link.link.value,
+                showlegend=link.link not in shown,
+                line=dict(color=colour, dash=dash, width=3) if ok else dict(color=BROKEN, dash=dash, width=3),
+            )
+        )
         shown.add(link.link)
     for d in mesh.domains:
         alive = [r for r in d.ranks if r not in dead]
         xs, ys = _xy(alive, pos)
-        traces.append(Trace(
-            x=xs, y=ys, customdata=_rank_ids(alive),
-            mode="markers+text" if labelled else "markers",
-            text=[str(r) for r in alive] if labelled else None,
-            textposition="middle center", textfont=dict(size=label_px, color="white"),
-            marker=dict(size=size, color=colours[d.name]),
-            name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]  # Domain.__post_init__ sets it
-            hovertemplate=f"rank %{{customdata}}<br>{d.name} · {d.host}<extra></extra>",
-        ))
+        traces.append(
+            Trace(
+                x=xs,
+                y=ys,
+                customdata=_rank_ids(alive),
+                mode="markers+text" if labelled else "markers",
+                text=[str(r) for r in alive] if labelled else None,
+                textposition="middle center",
+                textfont=dict(size=label_px, color="white"),
+                marker=dict(size=size, color=colours[d.name]),
+                name=f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]  # Domain.__post_init__ sets it
+                hovertemplate=f"rank %{{customdata}}<br>{d.name} · {d.host}<extra></extra>",
+            )
+        )
     bridges = [d.bridge_rank for d in mesh.domains if d.bridge_rank is not None and d.bridge_rank not in dead]
     if bridges:  # an orange ring around each healthy bridge rank, drawn over its marker; not selectable
         xs, ys = _xy(bridges, pos)
-        traces.append(go.Scatter(
-            x=xs, y=ys, mode="markers", hoverinfo="skip", showlegend=False, name="bridge rank",
-            marker=dict(size=size + 3, color="rgba(0,0,0,0)", line=dict(width=2.5, color="#e69f00")),
-        ))
+        traces.append(
+            go.Scatter(
+                x=xs,
+                y=ys,
+                mode="markers",
+                hoverinfo="skip",
+                showlegend=False,
+                name="bridge rank",
+                marker=dict(size=size + 3, color="rgba(0,0,0,0)", line=dict(width=2.5, color="#e69f00")),
+            )
+        )
     down = sorted(dead)
     xs, ys = _xy(down, pos)
-    traces.append(go.Scatter(
-        x=xs, y=ys, customdata=_rank_ids(down),
-        mode="markers", name="failed",
-        marker=dict(size=max(size + 2, FAILED_MIN_PX), color=FAILED, symbol="x"),
-        hovertemplate="rank %{customdata} (failed)<extra></extra>",
-    ))
+    traces.append(
+        go.Scatter(
+            x=xs,
+            y=ys,
+            customdata=_rank_ids(down),
+            mode="markers",
+            name="failed",
+            marker=dict(size=max(size + 2, FAILED_MIN_PX), color=FAILED, symbol="x"),
+            hovertemplate="rank %{customdata} (failed)<extra></extra>",
+        )
+    )
     fig = go.Figure(data=traces)
     xs_all = [p[0] for p in pos.values()]
     ys_all = [p[1] for p in pos.values()]
@@ -226,7 +257,9 @@ def mesh_figure(
         hy = [pos[r][1] for r in ranks]
         fig.add_annotation(x=(min(hx) + max(hx)) / 2, y=max(hy), yshift=22, text=f"<b>{h}</b>", showarrow=False)
     fig.update_layout(
-        **_LAYOUT, height=height, dragmode=dragmode,
+        **_LAYOUT,
+        height=height,
+        dragmode=dragmode,
         legend=dict(orientation="h", yanchor="top", y=-0.02, x=0),
     )
     fig.update_xaxes(visible=False, range=[cx - pad_x, cx + pad_x])
@@ -274,7 +307,7 @@ def nodes_of(mesh: Mesh, node_ranks: int = 8) -> tuple[Node, ...]:
     for d in mesh.domains:
         rs = sorted(d.ranks)
         for i in range(0, len(rs), node_ranks):
-            out.append(Node(len(out), d.name, d.host, tuple(rs[i: i + node_ranks])))
+            out.append(Node(len(out), d.name, d.host, tuple(rs[i : i + node_ranks])))
     return tuple(out)
 
 
@@ -303,22 +336,47 @@ class MeshScene:
     def payload(self) -> JsonObject:
         """The JSON object the component receives (coordinates to a thousandth of a unit),
         built once per scene: the page sends it on every run (treat it as read-only)."""
-        return {"kind": self.kind, "key": self.key, "ids": list(self.ids),
-                "x": [round(x, 3) for x, _ in self.xy], "y": [round(y, 3) for _, y in self.xy],
-                "group": list(self.group), "groups": list(self.groups), "rings": list(self.rings),
-                "links": list(self.links), "hosts": list(self.hosts), "text": list(self.text), "step": self.step,
-                "labelled": self.labelled}
+        return {
+            "kind": self.kind,
+            "key": self.key,
+            "ids": list(self.ids),
+            "x": [round(x, 3) for x, _ in self.xy],
+            "y": [round(y, 3) for _, y in self.xy],
+            "group": list(self.group),
+            "groups": list(self.groups),
+            "rings": list(self.rings),
+            "links": list(self.links),
+            "hosts": list(self.hosts),
+            "text": list(self.text),
+            "step": self.step,
+            "labelled": self.labelled,
+        }
 
 
-def _scene(kind: str, mesh: Mesh, ids: Sequence[int], groups_of: Sequence[int], pos: Mapping[int, tuple[float, float]],
-           rings: Sequence[JsonObject], links: Sequence[JsonObject], text: Sequence[str], labelled: bool,
-           neighbours: Sequence[Sequence[int]]) -> MeshScene:
+def _scene(
+    kind: str,
+    mesh: Mesh,
+    ids: Sequence[int],
+    groups_of: Sequence[int],
+    pos: Mapping[int, tuple[float, float]],
+    rings: Sequence[JsonObject],
+    links: Sequence[JsonObject],
+    text: Sequence[str],
+    labelled: bool,
+    neighbours: Sequence[Sequence[int]],
+) -> MeshScene:
     colours = domain_colours(mesh)
     cell_of = {r: i for i, r in enumerate(ids)}
-    groups = tuple({"name": d.name, "host": d.host, "label": f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]  # Domain.__post_init__ sets it
-                    "colour": colours[d.name],
-                    "bridge": cell_of.get(d.bridge_rank, -1) if kind == "ranks" else -1}  # type: ignore[arg-type]  # Domain.__post_init__ sets it
-                   for d in mesh.domains)
+    groups = tuple(
+        {
+            "name": d.name,
+            "host": d.host,
+            "label": f"{d.name} ({d.backend.value})",  # type: ignore[union-attr]  # Domain.__post_init__ sets it
+            "colour": colours[d.name],
+            "bridge": cell_of.get(d.bridge_rank, -1) if kind == "ranks" else -1,  # type: ignore[arg-type]  # Domain.__post_init__ sets it
+        }
+        for d in mesh.domains
+    )
     xy = tuple((float(pos[r][0]), float(pos[r][1])) for r in ids)
     hosts = []
     for h in mesh.hosts:
@@ -330,8 +388,20 @@ def _scene(kind: str, mesh: Mesh, ids: Sequence[int], groups_of: Sequence[int], 
     step = min((s for s in steps if s > 0), default=1.0)
     body = (kind, ids, xy, tuple(groups_of), groups, tuple(rings), tuple(links), tuple(hosts), tuple(text))
     key = hashlib.sha1(json.dumps(body, default=str).encode()).hexdigest()[:16]
-    return MeshScene(kind, tuple(ids), xy, tuple(groups_of), groups, tuple(rings), tuple(links), tuple(hosts),
-                     tuple(text), round(step, 4), labelled, key)
+    return MeshScene(
+        kind,
+        tuple(ids),
+        xy,
+        tuple(groups_of),
+        groups,
+        tuple(rings),
+        tuple(links),
+        tuple(hosts),
+        tuple(text),
+        round(step, 4),
+        labelled,
+        key,
+    )
 
 
 def mesh_scene(mesh: Mesh, positions: Mapping[int, tuple[float, float]] | None = None) -> MeshScene:
@@ -349,10 +419,18 @@ def mesh_scene(mesh: Mesh, positions: Mapping[int, tuple[float, float]] | None =
     links = []
     for link in bridge_links(mesh):
         colour, dash = _LINK_STYLE[link.link]
-        links.append({"a": cell_of[link.a], "b": cell_of[link.b], "colour": colour, "dash": dash,
-                      "label": f"bridge ({link.link.value.replace('_', ' ')})"})
-    return _scene("ranks", mesh, ids, groups_of, pos, rings, links, (), mesh.world_size <= 64,
-                  [ring["cells"] for ring in rings])
+        links.append(
+            {
+                "a": cell_of[link.a],
+                "b": cell_of[link.b],
+                "colour": colour,
+                "dash": dash,
+                "label": f"bridge ({link.link.value.replace('_', ' ')})",
+            }
+        )
+    return _scene(
+        "ranks", mesh, ids, groups_of, pos, rings, links, (), mesh.world_size <= 64, [ring["cells"] for ring in rings]
+    )
 
 
 def node_scene(mesh: Mesh, nodes: Sequence[Node]) -> MeshScene:
@@ -363,16 +441,31 @@ def node_scene(mesh: Mesh, nodes: Sequence[Node]) -> MeshScene:
     by_domain: dict[str, list[Node]] = {}
     for n in nodes:
         by_domain.setdefault(n.domain, []).append(n)
-    node_mesh = Mesh(domains=tuple(Domain(d.name, d.vendor, d.host, tuple(n.index for n in by_domain[d.name]),
-                                          d.backend) for d in mesh.domains if d.name in by_domain))
+    node_mesh = Mesh(
+        domains=tuple(
+            Domain(d.name, d.vendor, d.host, tuple(n.index for n in by_domain[d.name]), d.backend)
+            for d in mesh.domains
+            if d.name in by_domain
+        )
+    )
     pos = rank_positions(node_mesh)
     ids = [n.index for d in mesh.domains for n in by_domain.get(d.name, [])]
     node = {n.index: n for n in nodes}
     groups_of = [names.index(node[i].domain) for i in ids]
     cell_of = {i: c for c, i in enumerate(ids)}
     text = [node[i].label for i in ids]
-    return _scene("nodes", mesh, ids, groups_of, pos, [], [], text, False,
-                  [[cell_of[i] for i in native_ring(d)] for d in node_mesh.domains])
+    return _scene(
+        "nodes",
+        mesh,
+        ids,
+        groups_of,
+        pos,
+        [],
+        [],
+        text,
+        False,
+        [[cell_of[i] for i in native_ring(d)] for d in node_mesh.domains],
+    )
 
 
 def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None = None) -> go.Figure:
@@ -383,21 +476,32 @@ def recovery_figure(breakdowns: Sequence[RecoveryBreakdown], height: int | None 
         values = [b.durations_s.get(stage, 0.0) for b in breakdowns]
         if not any(values):
             continue
-        fig.add_trace(go.Bar(
-            y=labels, x=values, orientation="h", name=stage.value, marker_color=STAGE_COLOURS[stage],
-            hovertemplate=f"{stage.value}: %{{x:.3g}} s<extra>%{{y}}</extra>",
-        ))
+        fig.add_trace(
+            go.Bar(
+                y=labels,
+                x=values,
+                orientation="h",
+                name=stage.value,
+                marker_color=STAGE_COLOURS[stage],
+                hovertemplate=f"{stage.value}: %{{x:.3g}} s<extra>%{{y}}</extra>",
+            )
+        )
     for b in breakdowns:
-        fig.add_annotation(x=b.total_s, y=b.policy.label, text=f" {duration(b.total_s)}", showarrow=False, xanchor="left")
+        fig.add_annotation(
+            x=b.total_s, y=b.policy.label, text=f" {duration(b.total_s)}", showarrow=False, xanchor="left"
+        )
     # The legend has its own band at the bottom of the figure, under the axis title, never over a
     # bar: room for three rows of stage names, which a column a third of the page wide needs.
     legend_band = 66
     # each bar's total is written past its end: the right margin holds it where the plot is too narrow for
     # the axis' 18 % headroom to (a column a quarter of a 1,024 px page wide cut "11.8 s" at its edge)
-    fig.update_layout(**{**_LAYOUT, "margin": dict(l=10, r=56, t=20, b=46 + legend_band)}, barmode="stack",
-                      height=height or 150 + legend_band + 40 * len(breakdowns), xaxis_title="seconds",
-                      legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, entrywidth=108,
-                                  traceorder="normal"))
+    fig.update_layout(
+        **{**_LAYOUT, "margin": dict(l=10, r=56, t=20, b=46 + legend_band)},
+        barmode="stack",
+        height=height or 150 + legend_band + 40 * len(breakdowns),
+        xaxis_title="seconds",
+        legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, entrywidth=108, traceorder="normal"),
+    )
     fig.update_xaxes(range=[0, max((b.total_s for b in breakdowns), default=1.0) * 1.18 or 1.0])
     fig.update_yaxes(autorange="reversed")
     return fig
@@ -412,21 +516,29 @@ def recovery_bars_html(breakdowns: Sequence[RecoveryBreakdown]) -> str:
     where a chart library's redraw costs a tenth of a second or more."""
     longest = max((b.total_s for b in breakdowns), default=0.0) or 1.0
     used = [st for st in Stage.ordered() if any(b.durations_s.get(st, 0.0) > 0 for b in breakdowns)]
-    chip = ('<span style="display:inline-block;margin-right:12px;white-space:nowrap">'
-            '<span style="display:inline-block;width:10px;height:10px;background:{c};margin-right:4px"></span>{n}</span>')
-    rows = ['<div style="font-size:13px;line-height:1.5;margin:0 0 6px 0">'
-            + "".join(chip.format(c=STAGE_COLOURS[st], n=html.escape(st.value)) for st in used) + "</div>"]
+    chip = (
+        '<span style="display:inline-block;margin-right:12px;white-space:nowrap">'
+        '<span style="display:inline-block;width:10px;height:10px;background:{c};margin-right:4px"></span>{n}</span>'
+    )
+    rows = [
+        '<div style="font-size:13px;line-height:1.5;margin:0 0 6px 0">'
+        + "".join(chip.format(c=STAGE_COLOURS[st], n=html.escape(st.value)) for st in used)
+        + "</div>"
+    ]
     for b in breakdowns:
         segments = "".join(
             f'<span title="{html.escape(st.value)}: {b.durations_s[st]:.3g} s" style="display:inline-block;height:16px;'
             f'width:{100.0 * b.durations_s[st] / longest:.4f}%;background:{STAGE_COLOURS[st]}"></span>'
-            for st in used if b.durations_s.get(st, 0.0) > 0)
+            for st in used
+            if b.durations_s.get(st, 0.0) > 0
+        )
         rows.append(
             '<div style="display:flex;align-items:center;gap:8px;font-size:13px;margin:3px 0">'
             f'<span style="flex:0 0 150px;text-align:right">{html.escape(b.policy.label)}</span>'
             f'<span style="flex:1 1 auto;display:flex;align-items:center"><span style="flex:0 0 82%;display:flex;'
             f'line-height:0">{segments}</span><span style="padding-left:6px;white-space:nowrap">'
-            f'{html.escape(duration(b.total_s))}</span></span></div>')
+            f"{html.escape(duration(b.total_s))}</span></span></div>"
+        )
     return '<div class="meshpact-recovery-bars">' + "".join(rows) + "</div>"
 
 
@@ -448,43 +560,77 @@ def plan_figure(plan: Plan, mesh: Mesh, height: int | None = None) -> go.Figure:
             src, dst = step.ranks
             send_x += [x - 0.3, x + 0.3, None]
             send_y += [row[src], row[dst], None]
-            send_text += [f"send {src}→{dst}: {step.payload_bytes:,} B ({step.link.value if step.link else ''})"] * 2 + [None]
+            send_text += [
+                f"send {src}→{dst}: {step.payload_bytes:,} B ({step.link.value if step.link else ''})"
+            ] * 2 + [None]
             continue
         if step.kind is StepKind.COLLECTIVE:
             ys = [row[r] for r in step.ranks]
             colour = colours.get(step.domain or mesh.domain_of(step.ranks[0]).name, "#555")
-            fig.add_trace(go.Scatter(
-                x=[x, x], y=[min(ys), max(ys)], mode="lines", line=dict(color=colour, width=10), opacity=0.35,
-                hoverinfo="skip", showlegend=False,
-            ))
+            fig.add_trace(
+                go.Scatter(
+                    x=[x, x],
+                    y=[min(ys), max(ys)],
+                    mode="lines",
+                    line=dict(color=colour, width=10),
+                    opacity=0.35,
+                    hoverinfo="skip",
+                    showlegend=False,
+                )
+            )
         symbol = {StepKind.COLLECTIVE: "circle", StepKind.PROJECT: "diamond", StepKind.DELIVER: "star"}[step.kind]
         xs, ys, texts, cols = marks.setdefault(f"{step.kind.value}|{symbol}", ([], [], [], []))
         for r in step.ranks:
             xs.append(x)
             ys.append(row[r])
-            texts.append(f"step {x}: {step.kind.value} {step.op} on rank {r}<br>{step.payload_bytes:,} B {step.dtype.value}"
-                         + (f"<br>{step.note}" if step.note else ""))
+            texts.append(
+                f"step {x}: {step.kind.value} {step.op} on rank {r}<br>{step.payload_bytes:,} B {step.dtype.value}"
+                + (f"<br>{step.note}" if step.note else "")
+            )
             cols.append(colours[mesh.domain_of(r).name])
     for key, (xs, ys, texts, cols) in marks.items():
         kind, symbol = key.split("|")
-        fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=kind, hovertext=texts, hoverinfo="text",
-                                 marker=dict(symbol=symbol, size=11, color=cols, line=dict(width=1, color="white"))))
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=ys,
+                mode="markers",
+                name=kind,
+                hovertext=texts,
+                hoverinfo="text",
+                marker=dict(symbol=symbol, size=11, color=cols, line=dict(width=1, color="white")),
+            )
+        )
     if send_x:
-        fig.add_trace(go.Scatter(
-            x=send_x, y=send_y, mode="lines+markers", name="bridge send", hovertext=send_text, hoverinfo="text",
-            line=dict(color="#e69f00", width=2),
-            marker=dict(symbol="arrow", angleref="previous", size=12, opacity=[0, 1, 0] * (len(send_x) // 3)),
-        ))
+        fig.add_trace(
+            go.Scatter(
+                x=send_x,
+                y=send_y,
+                mode="lines+markers",
+                name="bridge send",
+                hovertext=send_text,
+                hoverinfo="text",
+                line=dict(color="#e69f00", width=2),
+                marker=dict(symbol="arrow", angleref="previous", size=12, opacity=[0, 1, 0] * (len(send_x) // 3)),
+            )
+        )
     ticks = [f"{r} · {mesh.domain_of(r).name}" for r in involved]
     fig.update_layout(
-        **_LAYOUT, height=height or max(260, 22 * len(involved) + 120),
+        **_LAYOUT,
+        height=height or max(260, 22 * len(involved) + 120),
         title=f"{plan.planner}: {len(plan.steps)} steps, {plan.startups} startups, {plan.payload_bytes:,} B",
         legend=dict(orientation="h", yanchor="bottom", y=1.02, x=1, xanchor="right"),
     )
-    fig.update_xaxes(title="step", tickmode="array", tickvals=list(range(1, len(plan.steps) + 1)),
-                     ticktext=[s.op for s in plan.steps], range=[0.4, len(plan.steps) + 0.6])
-    fig.update_yaxes(tickmode="array", tickvals=list(range(len(involved))), ticktext=ticks, autorange="reversed",
-                     title="rank")
+    fig.update_xaxes(
+        title="step",
+        tickmode="array",
+        tickvals=list(range(1, len(plan.steps) + 1)),
+        ticktext=[s.op for s in plan.steps],
+        range=[0.4, len(plan.steps) + 0.6],
+    )
+    fig.update_yaxes(
+        tickmode="array", tickvals=list(range(len(involved))), ticktext=ticks, autorange="reversed", title="rank"
+    )
     return fig
 
 
@@ -492,21 +638,43 @@ def cost_figure(costs: Mapping[str, PlanCost], height: int = 300) -> go.Figure:
     """Startups and payload bytes per planner, side by side; bytes stacked by link class."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("startups", "payload bytes"))
     names = list(costs)
-    fig.add_trace(go.Bar(x=names, y=[costs[n].startups for n in names], marker_color="#1f77b4", showlegend=False,
-                         hovertemplate="%{x}: %{y} startups<extra></extra>"), row=1, col=1)
+    fig.add_trace(
+        go.Bar(
+            x=names,
+            y=[costs[n].startups for n in names],
+            marker_color="#1f77b4",
+            showlegend=False,
+            hovertemplate="%{x}: %{y} startups<extra></extra>",
+        ),
+        row=1,
+        col=1,
+    )
     links = sorted({k for c in costs.values() for k in c.bytes_by_link})
     palette = {"fabric": "#4c9a2a", "host_bridge": "#e69f00", "ethernet": "#d55e00"}
     for link in links:
-        fig.add_trace(go.Bar(x=names, y=[costs[n].bytes_by_link.get(link, 0) for n in names], name=link.replace("_", " "),
-                             marker_color=palette.get(link, "#777"), hovertemplate="%{x}: %{y:,} B<extra>" + link + "</extra>"),
-                      row=1, col=2)
+        fig.add_trace(
+            go.Bar(
+                x=names,
+                y=[costs[n].bytes_by_link.get(link, 0) for n in names],
+                name=link.replace("_", " "),
+                marker_color=palette.get(link, "#777"),
+                hovertemplate="%{x}: %{y:,} B<extra>" + link + "</extra>",
+            ),
+            row=1,
+            col=2,
+        )
     fig.update_layout(**_LAYOUT, barmode="stack", height=height, legend=dict(orientation="h", y=-0.2))
     fig.update_yaxes(type="log", row=1, col=2)
     return fig
 
 
-_POLICY_DASH = {Policy.COLD_RESTART: "solid", Policy.CHECKPOINT_RESTORE: "dash", Policy.IN_MEMORY: "solid",
-                Policy.PEER_RESTORE: "dashdot", Policy.EXCISE: "dot"}  # lines that coincide stay distinguishable
+_POLICY_DASH = {
+    Policy.COLD_RESTART: "solid",
+    Policy.CHECKPOINT_RESTORE: "dash",
+    Policy.IN_MEMORY: "solid",
+    Policy.PEER_RESTORE: "dashdot",
+    Policy.EXCISE: "dot",
+}  # lines that coincide stay distinguishable
 
 
 _LEGEND_ROW_PX = 21  # one row of a horizontal legend
@@ -517,12 +685,21 @@ def _legend_band(rows: int, top: int = 40) -> dict[str, Any]:
     title, with room for ``rows`` rows (as many as the narrowest column the figure is drawn in wraps it
     to): anchored to the figure's edge in pixels, not to the plot, so it never prints over the axis."""
     band = rows * _LEGEND_ROW_PX
-    return dict(margin=dict(l=10, r=10, t=top, b=50 + band),
-                legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, traceorder="normal"))
+    return dict(
+        margin=dict(l=10, r=10, t=top, b=50 + band),
+        legend=dict(orientation="h", yref="container", yanchor="bottom", y=0, x=0, traceorder="normal"),
+    )
 
 
-def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None, log_x: bool = True,
-                   height: int = 400, current: float | None = None) -> go.Figure:
+def goodput_figure(
+    frame: Any,
+    knob: str,
+    title: str,
+    x_title: str | None = None,
+    log_x: bool = True,
+    height: int = 400,
+    current: float | None = None,
+) -> go.Figure:
     """Goodput of each policy (one line each) against one knob of a training sweep; a
     vertical line marks ``current``, the knob's value in the page's setting."""
     fig = go.Figure()
@@ -530,28 +707,51 @@ def goodput_figure(frame: Any, knob: str, title: str, x_title: str | None = None
         rows = frame[frame["policy"] == policy.value]
         if rows.empty:
             continue
-        fig.add_trace(go.Scatter(
-            x=rows[knob], y=rows["goodput"], mode="lines+markers", name=policy.label,
-            line=dict(color=POLICY_COLOURS[policy], width=2.5, dash=_POLICY_DASH[policy]),
-            customdata=rows[["downtime_s", "lost_steps"]].to_numpy(),
-            hovertemplate="%{x}: goodput %{y:.2%}<br>downtime %{customdata[0]:,.0f} s, lost steps %{customdata[1]}"
-                          f"<extra>{policy.label}</extra>",
-        ))
+        fig.add_trace(
+            go.Scatter(
+                x=rows[knob],
+                y=rows["goodput"],
+                mode="lines+markers",
+                name=policy.label,
+                line=dict(color=POLICY_COLOURS[policy], width=2.5, dash=_POLICY_DASH[policy]),
+                customdata=rows[["downtime_s", "lost_steps"]].to_numpy(),
+                hovertemplate="%{x}: goodput %{y:.2%}<br>downtime %{customdata[0]:,.0f} s, lost steps %{customdata[1]}"
+                f"<extra>{policy.label}</extra>",
+            )
+        )
     # five policy names wrap to four rows in a column half as wide as a 1,024 px page
     top = 40 if current is None or current <= 0 or min(frame[knob]) <= current <= max(frame[knob]) else 60
-    fig.update_layout(**{**_LAYOUT, **_legend_band(4, top)}, height=height, title=title, yaxis_tickformat=".2~%",
-                      yaxis_title="goodput")
+    fig.update_layout(
+        **{**_LAYOUT, **_legend_band(4, top)},
+        height=height,
+        title=title,
+        yaxis_tickformat=".2~%",
+        yaxis_title="goodput",
+    )
     values = sorted(set(frame[knob]))
-    fig.update_xaxes(type="log" if log_x else "linear", title=x_title or knob.replace("_", " "), tickmode="array",
-                     tickvals=values, ticktext=[f"{v:,g}" for v in values])
+    fig.update_xaxes(
+        type="log" if log_x else "linear",
+        title=x_title or knob.replace("_", " "),
+        tickmode="array",
+        tickvals=values,
+        ticktext=[f"{v:,g}" for v in values],
+    )
     if current is not None and current > 0:
         if min(values) <= current <= max(values):
             fig.add_vline(x=current, line=dict(color="#444", width=1.5, dash="dot"))
-            fig.add_annotation(x=math.log10(current) if log_x else current, y=1.0, yref="paper", yanchor="bottom",
-                               text=f"this setting: {current:,g}", showarrow=False, font=dict(size=11))
+            fig.add_annotation(
+                x=math.log10(current) if log_x else current,
+                y=1.0,
+                yref="paper",
+                yanchor="bottom",
+                text=f"this setting: {current:,g}",
+                showarrow=False,
+                font=dict(size=11),
+            )
         else:
-            fig.update_layout(title=dict(text=title, subtitle=dict(text=f"this setting, {current:,g}, is outside "
-                                                                         "the sweep")))
+            fig.update_layout(
+                title=dict(text=title, subtitle=dict(text=f"this setting, {current:,g}, is outside the sweep"))
+            )
     return fig
 
 
@@ -565,20 +765,44 @@ def serving_figure(frame: Any, height: int = 380) -> go.Figure:
     for i, (req, rows) in enumerate(frame.groupby("request", sort=False)):
         colour = palette.get(str(req), "#777")
         dash, symbol, width = styles[i % len(styles)]
-        fig.add_trace(go.Scatter(x=rows["concurrency"], y=rows["throughput_tok_s"], mode="lines+markers", name=str(req),
-                                 line=dict(color=colour, width=width, dash=dash),
-                                 marker=dict(symbol=symbol, size=7 + width), legendgroup=str(req),
-                                 hovertemplate="concurrency %{x}: %{y:,.0f} tok/s<extra>" + str(req) + "</extra>"),
-                      row=1, col=1)
-        fig.add_trace(go.Scatter(x=rows["concurrency"], y=rows["result_bytes"], mode="lines+markers", name=str(req),
-                                 line=dict(color=colour, width=width, dash=dash),
-                                 marker=dict(symbol=symbol, size=7 + width), legendgroup=str(req), showlegend=False,
-                                 hovertemplate="concurrency %{x}: %{y:,.0f} B<extra>" + str(req) + "</extra>"),
-                      row=1, col=2)
+        fig.add_trace(
+            go.Scatter(
+                x=rows["concurrency"],
+                y=rows["throughput_tok_s"],
+                mode="lines+markers",
+                name=str(req),
+                line=dict(color=colour, width=width, dash=dash),
+                marker=dict(symbol=symbol, size=7 + width),
+                legendgroup=str(req),
+                hovertemplate="concurrency %{x}: %{y:,.0f} tok/s<extra>" + str(req) + "</extra>",
+            ),
+            row=1,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=rows["concurrency"],
+                y=rows["result_bytes"],
+                mode="lines+markers",
+                name=str(req),
+                line=dict(color=colour, width=width, dash=dash),
+                marker=dict(symbol=symbol, size=7 + width),
+                legendgroup=str(req),
+                showlegend=False,
+                hovertemplate="concurrency %{x}: %{y:,.0f} B<extra>" + str(req) + "</extra>",
+            ),
+            row=1,
+            col=2,
+        )
     fig.update_layout(**{**_LAYOUT, **_legend_band(2)}, height=height)
     values = sorted(set(frame["concurrency"]))
-    fig.update_xaxes(type="log", title="concurrency (requests in flight)", tickmode="array", tickvals=values,
-                     ticktext=[str(v) for v in values])
+    fig.update_xaxes(
+        type="log",
+        title="concurrency (requests in flight)",
+        tickmode="array",
+        tickvals=values,
+        ticktext=[str(v) for v in values],
+    )
     fig.update_yaxes(title="tokens/s", tickformat=",.0f", row=1, col=1)
     fig.update_yaxes(type="log", title="bytes", exponentformat="SI", ticksuffix="B", row=1, col=2)  # 1GB, not "1B"
     return fig
@@ -596,12 +820,19 @@ def fleet_figure(frame: Any, height: int = 330) -> go.Figure:
         if rows.empty:
             continue
         for col, key in ((1, "finish_h"), (2, "effective_training_ratio")):
-            fig.add_trace(go.Bar(
-                x=[policy.label], y=rows[key], name=policy.label, showlegend=False,
-                marker_color=POLICY_COLOURS[policy],
-                error_y=dict(type="data", array=rows[f"{key}_half_width"], visible=True, color="#444"),
-                hovertemplate=f"{policy.label}: %{{y:,.4g}} ± %{{error_y.array:,.3g}}<extra></extra>",
-            ), row=1, col=col)
+            fig.add_trace(
+                go.Bar(
+                    x=[policy.label],
+                    y=rows[key],
+                    name=policy.label,
+                    showlegend=False,
+                    marker_color=POLICY_COLOURS[policy],
+                    error_y=dict(type="data", array=rows[f"{key}_half_width"], visible=True, color="#444"),
+                    hovertemplate=f"{policy.label}: %{{y:,.4g}} ± %{{error_y.array:,.3g}}<extra></extra>",
+                ),
+                row=1,
+                col=col,
+            )
     fig.update_layout(**_LAYOUT, height=height)
     fig.update_yaxes(tickformat=".0%", row=1, col=2, range=[0, 1])
     return fig

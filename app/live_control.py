@@ -46,10 +46,36 @@ from meshpact.core.recovery import Policy
 from meshpact.live.launch.launcher import LaunchedProcess  # torch-free
 from meshpact.live.trials.trialconfig import PHASES, PROCESSES_FILE, Pace  # torch-free
 
-__all__ = ["RankProcess", "RankRow", "rank_rows", "LiveJob", "tail_events", "job_processes", "failure_sentence",
-           "TOKEN_ENV", "LEASE_ENV", "RankLogs", "RankEvent", "FaultFromPage", "JobEvent", "JobEvents", "job_stream",
-           "committed_step", "down_ranks", "excised_ranks", "PARENT_EVENTS", "SentFault", "sent_caption", "form_problem", "stream_rows", "RUN_LINK", "RUN_NAME", "claim_recording", "earlier_run_notice",
-           "planned_fault_kind"]
+__all__ = [
+    "RankProcess",
+    "RankRow",
+    "rank_rows",
+    "LiveJob",
+    "tail_events",
+    "job_processes",
+    "failure_sentence",
+    "TOKEN_ENV",
+    "LEASE_ENV",
+    "RankLogs",
+    "RankEvent",
+    "FaultFromPage",
+    "JobEvent",
+    "JobEvents",
+    "job_stream",
+    "committed_step",
+    "down_ranks",
+    "excised_ranks",
+    "PARENT_EVENTS",
+    "SentFault",
+    "sent_caption",
+    "form_problem",
+    "stream_rows",
+    "RUN_LINK",
+    "RUN_NAME",
+    "claim_recording",
+    "earlier_run_notice",
+    "planned_fault_kind",
+]
 
 TOKEN_ENV = "MESHPACT_DASHBOARD_JOB"
 
@@ -83,8 +109,9 @@ class SentFault:
 def sent_caption(sent: Sequence[SentFault], wall0: float) -> str:
     """The page's line of the faults it sent, each at its time on the event stream's clock (``wall0``:
     the recording's start, wall time, the zero of every other time on the page)."""
-    return "Sent from this page: " + "; ".join(f"{f.kind.value} rank {f.rank} at {clock(f.t_wall - wall0)}"
-                                              for f in sent)
+    return "Sent from this page: " + "; ".join(
+        f"{f.kind.value} rank {f.rank} at {clock(f.t_wall - wall0)}" for f in sent
+    )
 
 
 @dataclass(frozen=True)
@@ -126,8 +153,16 @@ _TRAINS_IN = frozenset({EventKind.STEP, EventKind.HELD})
 _DONE = frozenset({EventKind.RECOVERY_DONE, EventKind.FIRST_COLLECTIVE, EventKind.STEP, EventKind.CHECKPOINT})
 # what the trial's parent writes into the recording itself; every other event of a recording is a copy of a rank
 # process's own log, made when the run ends
-PARENT_EVENTS = frozenset({EventKind.RECORDING_START, EventKind.REPLACEMENT_STARTED, EventKind.FAULT_INJECTED,
-                           EventKind.RECOVERED, EventKind.TRAINED, EventKind.SUMMARY})
+PARENT_EVENTS = frozenset(
+    {
+        EventKind.RECORDING_START,
+        EventKind.REPLACEMENT_STARTED,
+        EventKind.FAULT_INJECTED,
+        EventKind.RECOVERED,
+        EventKind.TRAINED,
+        EventKind.SUMMARY,
+    }
+)
 # ranks whose step is not the job's: excised, lost and not (yet) replaced, or never seen in this run
 OUT_OF_JOB = frozenset({"excised", "dead", "—"})
 DOWN = frozenset({"excised", "dead", "stalled"})  # what the mesh marks failed: a recovering survivor is not, nor a
@@ -137,13 +172,26 @@ DOWN = frozenset({"excised", "dead", "stalled"})  # what the mesh marks failed: 
 def excised_ranks(events: Sequence[RankEvent], phase: str) -> set[int]:
     """The ranks the survivors of ``phase`` decided to go on without: every excision a rank's
     ``decided`` event names (the trial's own judgement reads the same events the same way)."""
-    return {int(r) for re in events if re.phase == phase and re.event.event == EventKind.DECIDED
-            and re.event.data.get("policy") == Policy.EXCISE.value for r in re.event.data.get("lost", ())}
+    return {
+        int(r)
+        for re in events
+        if re.phase == phase
+        and re.event.event == EventKind.DECIDED
+        and re.event.data.get("policy") == Policy.EXCISE.value
+        for r in re.event.data.get("lost", ())
+    }
 
 
-def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: str, now: float,
-              world_size: int, steps: int | None = None, finished: bool = False,
-              stopped: bool = False) -> list[RankRow]:
+def rank_rows(
+    procs: Sequence[RankProcess],
+    events: Sequence[RankEvent],
+    phase: str,
+    now: float,
+    world_size: int,
+    steps: int | None = None,
+    finished: bool = False,
+    stopped: bool = False,
+) -> list[RankRow]:
     """A row per rank of the ``phase`` run: its newest process (or none, when it is gone) and
     its newest incarnation's events (``now``: wall time, for the silence).
 
@@ -195,9 +243,20 @@ def rank_rows(procs: Sequence[RankProcess], events: Sequence[RankEvent], phase: 
                 state = "dead" if own else "—"
         elif proc.stalled:
             state = "stalled"
-        out.append(RankRow(rank, proc.pid if proc else None, proc.incarnation if proc else inc, phase, state, step,
-                           generation, collective, str(last.event) if last else "",
-                           max(now - last.t, 0.0) if last else None))
+        out.append(
+            RankRow(
+                rank,
+                proc.pid if proc else None,
+                proc.incarnation if proc else inc,
+                phase,
+                state,
+                step,
+                generation,
+                collective,
+                str(last.event) if last else "",
+                max(now - last.t, 0.0) if last else None,
+            )
+        )
     return out
 
 
@@ -318,10 +377,14 @@ def _key(e: Event) -> tuple[object, ...]:
 def job_stream(rank_events: Sequence[RankEvent], parent_events: Sequence[Event], wall0: float) -> list[JobEvent]:
     """One time-ordered stream of a job's events (``wall0``: the recording's start, wall time):
     each rank event under its run, each parent event under the run of the rank event before it."""
-    ranked = [JobEvent(e.phase, Event(e.event.t - wall0, e.event.event, e.event.rank, e.event.stage, e.event.data))
-              for e in rank_events]
-    merged = sorted([(e.event.t, 0, e) for e in ranked] + [(e.t, 1, JobEvent("", e)) for e in parent_events],
-                    key=lambda x: (x[0], x[1]))
+    ranked = [
+        JobEvent(e.phase, Event(e.event.t - wall0, e.event.event, e.event.rank, e.event.stage, e.event.data))
+        for e in rank_events
+    ]
+    merged = sorted(
+        [(e.event.t, 0, e) for e in ranked] + [(e.t, 1, JobEvent("", e)) for e in parent_events],
+        key=lambda x: (x[0], x[1]),
+    )
     out, run = [], ""
     for _, _, je in merged:
         if je.run:
@@ -335,10 +398,17 @@ def job_stream(rank_events: Sequence[RankEvent], parent_events: Sequence[Event],
 def stream_rows(stream: Sequence[JobEvent]) -> list[dict[str, str]]:
     """The page's event table: a row per event, every cell filled (the trial's own events before
     any run began, such as ``recording_start``, under the run "trial")."""
-    return [{"time": clock(e.event.t), "run": e.run or "trial", "event": str(e.event.event),
-             "rank": "" if e.event.rank is None else str(e.event.rank),
-             "stage": e.event.stage.value if e.event.stage else "", "step": str(e.event.data.get("step", ""))}
-            for e in stream]
+    return [
+        {
+            "time": clock(e.event.t),
+            "run": e.run or "trial",
+            "event": str(e.event.event),
+            "rank": "" if e.event.rank is None else str(e.event.rank),
+            "stage": e.event.stage.value if e.event.stage else "",
+            "step": str(e.event.data.get("step", "")),
+        }
+        for e in stream
+    ]
 
 
 def _environ(pid: int) -> dict[str, str]:
@@ -420,8 +490,9 @@ def _sweep(token: str, wait_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def _watch(proc: subprocess.Popen, token: str, alive: Callable[[], bool] | None, grace_s: float,
-           every_s: float = 0.25) -> None:
+def _watch(
+    proc: subprocess.Popen, token: str, alive: Callable[[], bool] | None, grace_s: float, every_s: float = 0.25
+) -> None:
     """Until the runner exits: once ``alive()`` (the browser session that started the job is
     still connected) has said no for ``grace_s`` seconds, end the job. However the runner ends,
     it is reaped here and anything it left carrying the token is killed."""
@@ -444,10 +515,18 @@ def _watch(proc: subprocess.Popen, token: str, alive: Callable[[], bool] | None,
 class LiveJob:
     """One recovery trial started from the dashboard."""
 
-    def __init__(self, recording: Path, args: Sequence[str], cwd: Path | None = None,
-                 runner: Sequence[str] = ("-m", "meshpact.app.live_job"), world_size: int = 0,
-                 pace: Pace | None = None, steps: int | None = None, session_alive: Callable[[], bool] | None = None,
-                 grace_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        recording: Path,
+        args: Sequence[str],
+        cwd: Path | None = None,
+        runner: Sequence[str] = ("-m", "meshpact.app.live_job"),
+        world_size: int = 0,
+        pace: Pace | None = None,
+        steps: int | None = None,
+        session_alive: Callable[[], bool] | None = None,
+        grace_s: float = 2.0,
+    ) -> None:
         """``pace`` given: the trial runs in this job's work directory (``--work-dir``), its
         ranks keep that pace and log every step, and :attr:`events` follows their logs beside the
         recording (without one, :attr:`events` follows the recording alone).
@@ -475,14 +554,33 @@ class LiveJob:
             pace.write(self.trial_dir)
             extra = ["--work-dir", str(self.work)]
         env = {**os.environ, TOKEN_ENV: self.token, LEASE_ENV: "stdin", "OMP_NUM_THREADS": "1"}
-        cmd = [sys.executable, *runner, "--record", str(self.recording), "--result", str(self.result_path), *args,
-               *extra]
+        cmd = [
+            sys.executable,
+            *runner,
+            "--record",
+            str(self.recording),
+            "--result",
+            str(self.result_path),
+            *args,
+            *extra,
+        ]
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         self._finalizer = weakref.finalize(self, _end, self.proc, self.token)
-        self.watcher = threading.Thread(target=_watch, args=(self.proc, self.token, session_alive, grace_s),
-                                        name=f"meshpact-live-job-{self.token[:8]}", daemon=True)
+        self.watcher = threading.Thread(
+            target=_watch,
+            args=(self.proc, self.token, session_alive, grace_s),
+            name=f"meshpact-live-job-{self.token[:8]}",
+            daemon=True,
+        )
         self.watcher.start()
         weakref.finalize(self, shutil.rmtree, self.work, True)
         self.injected: list[SentFault] = []
@@ -515,8 +613,15 @@ class LiveJob:
             if pid == self.proc.pid:
                 continue
             if "RANK" in env:
-                out.append(RankProcess(pid, int(env["RANK"]), env.get("MESHPACT_RUN_ID", "?"),
-                                       int(env.get("MESHPACT_INCARNATION", "0") or 0), _state(pid) == "T"))
+                out.append(
+                    RankProcess(
+                        pid,
+                        int(env["RANK"]),
+                        env.get("MESHPACT_RUN_ID", "?"),
+                        int(env.get("MESHPACT_INCARNATION", "0") or 0),
+                        _state(pid) == "T",
+                    )
+                )
             elif pid in launched:
                 p = launched[pid]
                 out.append(RankProcess(pid, int(p.rank or 0), p.run_id or "?", p.incarnation, _state(pid) == "T"))
@@ -541,8 +646,14 @@ class LiveJob:
         """Keep the fault sent at wall time ``now`` for the page and for the recording (the runner
         adds it at the end). ``now`` is read before the signal goes: a rank may know of the fault
         before the call that sent it returns, and its recovery is the one detected after it."""
-        record = {"kind": kind.value, "rank": target.rank, "pid": target.pid, "phase": target.phase,
-                  "incarnation": target.incarnation, **extra}
+        record = {
+            "kind": kind.value,
+            "rank": target.rank,
+            "pid": target.pid,
+            "phase": target.phase,
+            "incarnation": target.incarnation,
+            **extra,
+        }
         self.injected.append(SentFault(kind, target.rank, now))
         with open(self.work / INJECTED_FILE, "a") as fh:
             fh.write(json.dumps({"t_wall": now, **record}) + "\n")
@@ -588,15 +699,21 @@ class LiveJob:
             raise LookupError(why)
         target = self._rank(rank, phase)
         iface = _environ(target.pid)["MESHPACT_DATA_IFACE"]
-        ns = subprocess.run(["ip", "netns", "identify", str(target.pid)], capture_output=True, text=True,
-                            timeout=5).stdout.strip()
+        ns = subprocess.run(
+            ["ip", "netns", "identify", str(target.pid)], capture_output=True, text=True, timeout=5
+        ).stdout.strip()
         if not ns:
             raise LookupError(f"rank {rank}'s network namespace has no name (ip netns identify found none)")
         now = time.time()
-        subprocess.run(["ip", "-n", ns, "link", "set", "dev", iface, "down"], check=True, timeout=5,
-                       capture_output=True)
-        subprocess.Popen(["sh", "-c", 'sleep "$0"; ip -n "$1" link set dev "$2" up', f"{seconds:.3f}", ns, iface],
-                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["ip", "-n", ns, "link", "set", "dev", iface, "down"], check=True, timeout=5, capture_output=True
+        )
+        subprocess.Popen(
+            ["sh", "-c", 'sleep "$0"; ip -n "$1" link set dev "$2" up', f"{seconds:.3f}", ns, iface],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         self._note(FaultFromPage.PARTITION, target, now, seconds=seconds, iface=iface)
         return target
 
@@ -659,8 +776,14 @@ def failure_sentence(text: str) -> str:
     for line in reversed(lines):
         head, sep, reason = line.partition(": ")
         name = head.rsplit(".", 1)[-1]
-        if sep and name.isidentifier() and (name.endswith(("Error", "Exception", "Fault", "Interrupt"))
-                                            or name in ("SystemExit", "KeyboardInterrupt")):
+        if (
+            sep
+            and name.isidentifier()
+            and (
+                name.endswith(("Error", "Exception", "Fault", "Interrupt"))
+                or name in ("SystemExit", "KeyboardInterrupt")
+            )
+        ):
             reason = reason.strip().rstrip(".")
             return f"{reason[:1].upper()}{reason[1:]} ({name})." if reason else f"The run raised {name}."
     if lines:
@@ -675,12 +798,16 @@ def form_problem(ranks: int, faults: int, fault_kind: str, on_rank_loss: str) ->
     with planned faults: an excising run with none starts whatever kind the box shows."""
     if on_rank_loss == "excise":
         if faults > 0 and fault_kind != "kill":
-            return (f"**on rank loss: excise** goes on without a killed rank, so with **planned faults** the **planned "
-                    f"fault kind** must be **kill**, not **{fault_kind}** (or set **planned faults** to 0 and kill "
-                    "ranks from their rows).")
+            return (
+                f"**on rank loss: excise** goes on without a killed rank, so with **planned faults** the **planned "
+                f"fault kind** must be **kill**, not **{fault_kind}** (or set **planned faults** to 0 and kill "
+                "ranks from their rows)."
+            )
         if faults > ranks - 1:
-            return (f"**on rank loss: excise** removes a different rank per fault: at most {ranks - 1} **planned "
-                    f"faults** with {ranks} **ranks**, not {faults}.")
+            return (
+                f"**on rank loss: excise** removes a different rank per fault: at most {ranks - 1} **planned "
+                f"faults** with {ranks} **ranks**, not {faults}."
+            )
     return None
 
 
@@ -730,5 +857,7 @@ def earlier_run_notice(name: str | None, folder: Path) -> str | None:
         return f"The run **{name}** that this tab started has finished; its recording is `{final}`."
     kept = final if final.is_file() else partial if partial.is_file() else None
     where = f" What it recorded is in `{kept}`." if kept else " It had recorded nothing yet."
-    return (f"The run **{name}** that this tab started was stopped when the page was reloaded or its tab closed: a "
-            f"run lasts as long as the browser session that started it.{where}")
+    return (
+        f"The run **{name}** that this tab started was stopped when the page was reloaded or its tab closed: a "
+        f"run lasts as long as the browser session that started it.{where}"
+    )

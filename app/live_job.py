@@ -66,8 +66,9 @@ def attribute_page_faults(result: "TrialResult", injected: list[dict[str, Any]])
     from meshpact.live.trials.outcome import FaultRecord
 
     planned_steps = {r.step for r in result.fault_records.values()}
-    free = sorted((r for r in result.recoveries() if r["step"] not in planned_steps),
-                  key=lambda r: r["t_first_knew_wall"])
+    free = sorted(
+        (r for r in result.recoveries() if r["step"] not in planned_steps), key=lambda r: r["t_first_knew_wall"]
+    )
     faults, records = list(result.faults), dict(result.fault_records)
     added = 0
     for f in sorted((f for f in injected if f.get("phase", "faulted") == "faulted"), key=lambda f: f["t_wall"]):
@@ -77,15 +78,20 @@ def attribute_page_faults(result: "TrialResult", injected: list[dict[str, Any]])
         free.remove(rec)
         index = max([x.index for x in faults] + list(records), default=-1) + 1
         faults.append(Fault(index, FaultKind(f["kind"]), int(rec["step"]), int(f["rank"])))
-        records[index] = FaultRecord(int(f["rank"]), int(rec["step"]), str(f["kind"]), float(f["t_wall"]),
-                                     nonce="dashboard")
+        records[index] = FaultRecord(
+            int(f["rank"]), int(rec["step"]), str(f["kind"]), float(f["t_wall"]), nonce="dashboard"
+        )
         added += 1
     result.faults, result.fault_records = tuple(faults), records
     return added
 
 
-def add_injected(recording: Path, injected: list[dict[str, Any]], summary: dict[str, Any] | None = None,
-                 recoveries: list[dict[str, Any]] | None = None) -> int:
+def add_injected(
+    recording: Path,
+    injected: list[dict[str, Any]],
+    summary: dict[str, Any] | None = None,
+    recoveries: list[dict[str, Any]] | None = None,
+) -> int:
     """Write ``injected`` into the finished ``recording`` as ``fault_injected`` events (at their
     time since the recording began) and count them in its summary event; one atomic
     replace. With ``summary`` and ``recoveries`` (the trial's, recomputed with the faults from
@@ -95,11 +101,21 @@ def add_injected(recording: Path, injected: list[dict[str, Any]], summary: dict[
 
     if not injected or not recording.exists():
         return 0
-    events = [Event.from_dict(json.loads(ln), where=f"{recording}: event {n}")
-              for n, ln in enumerate(recording.read_text().splitlines()) if ln.strip()]
+    events = [
+        Event.from_dict(json.loads(ln), where=f"{recording}: event {n}")
+        for n, ln in enumerate(recording.read_text().splitlines())
+        if ln.strip()
+    ]
     wall0 = float(events[0].data.get("wall_time", 0.0)) - events[0].t if events else 0.0
-    added = [Event(float(f["t_wall"]) - wall0, EventKind.FAULT_INJECTED, int(f["rank"]),
-                   data={**{k: v for k, v in f.items() if k != "t_wall"}, "source": "dashboard"}) for f in injected]
+    added = [
+        Event(
+            float(f["t_wall"]) - wall0,
+            EventKind.FAULT_INJECTED,
+            int(f["rank"]),
+            data={**{k: v for k, v in f.items() if k != "t_wall"}, "source": "dashboard"},
+        )
+        for f in injected
+    ]
     out = []
     for e in events:
         if e.event == EventKind.RECOVERED and recoveries is not None:
@@ -109,9 +125,15 @@ def add_injected(recording: Path, injected: list[dict[str, Any]], summary: dict[
             added = []
             if recoveries is not None:
                 out.extend(Event(e.t, EventKind.RECOVERED, data=r) for r in recoveries)
-            data = summary if summary is not None else {
-                **e.data, "faults_injected": int(e.data.get("faults_injected") or 0) + len(injected),
-                "faults_from_page": len(injected)}
+            data = (
+                summary
+                if summary is not None
+                else {
+                    **e.data,
+                    "faults_injected": int(e.data.get("faults_injected") or 0) + len(injected),
+                    "faults_from_page": len(injected),
+                }
+            )
             e = Event(e.t, e.event, e.rank, e.stage, data)
         out.append(e)
     out.extend(added)  # a run that ended before its summary
@@ -181,14 +203,23 @@ def _trial(a: argparse.Namespace) -> int:
 
     out: dict[str, Any] = {"ok": False, "error": "the run was stopped"}  # what a stop leaves
     try:
-        cfg = TrialConfig(ranks=a.ranks, steps=a.steps, faults=a.faults, fault_kind=a.fault_kind,
-                          checkpoint_every=a.checkpoint_every, baselines=a.baselines, timeout_s=a.timeout_s,
-                          heartbeat=a.heartbeat, on_rank_loss=a.on_rank_loss,
-                          # ranks forked warm only where the page can read which is which (the launcher's
-                          # processes.jsonl in the work directory): a forked rank shows the server's environment
-                          warm_starts=a.work_dir is not None)
-        result = run_trial(cfg, recording_path=a.record,
-                           work_dir=None if a.work_dir is None else a.work_dir / TRIAL_DIR)
+        cfg = TrialConfig(
+            ranks=a.ranks,
+            steps=a.steps,
+            faults=a.faults,
+            fault_kind=a.fault_kind,
+            checkpoint_every=a.checkpoint_every,
+            baselines=a.baselines,
+            timeout_s=a.timeout_s,
+            heartbeat=a.heartbeat,
+            on_rank_loss=a.on_rank_loss,
+            # ranks forked warm only where the page can read which is which (the launcher's
+            # processes.jsonl in the work directory): a forked rank shows the server's environment
+            warm_starts=a.work_dir is not None,
+        )
+        result = run_trial(
+            cfg, recording_path=a.record, work_dir=None if a.work_dir is None else a.work_dir / TRIAL_DIR
+        )
         page = injected_faults(a.work_dir) if a.work_dir is not None else []
         attributed = attribute_page_faults(result, page)
         summary = result.summary()

@@ -48,25 +48,34 @@ class _RankAges(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         self.owner.poll()
-        step = GaugeMetricFamily("meshpact_committed_step", "The step a rank last committed, in the run it is in",
-                                 labels=["run", "rank"])
-        generation = GaugeMetricFamily("meshpact_generation", "The generation a rank's latest event names, in the "
-                                       "run it is in", labels=["run", "rank"])
+        step = GaugeMetricFamily(
+            "meshpact_committed_step", "The step a rank last committed, in the run it is in", labels=["run", "rank"]
+        )
+        generation = GaugeMetricFamily(
+            "meshpact_generation",
+            "The generation a rank's latest event names, in the run it is in",
+            labels=["run", "rank"],
+        )
         for (run, rank), value in sorted(self.owner.step.items()):
             step.add_metric([run, str(rank)], value)
         for (run, rank), value in sorted(self.owner.generation.items()):
             generation.add_metric([run, str(rank)], value)
         yield step
         yield generation
-        last = GaugeMetricFamily("meshpact_rank_last_event_age_seconds",
-                                 "Seconds since the rank's last recorded event (wall clock)", labels=["rank"])
+        last = GaugeMetricFamily(
+            "meshpact_rank_last_event_age_seconds",
+            "Seconds since the rank's last recorded event (wall clock)",
+            labels=["rank"],
+        )
         now = time.time()
         for rank, wall in sorted(self.owner.last_event_wall.items()):
             last.add_metric([str(rank)], max(now - wall, 0.0))
         yield last
-        beat = GaugeMetricFamily("meshpact_heartbeat_age_seconds",
-                                 "Seconds since the rank's heartbeat counter on the control channel last moved",
-                                 labels=["run", "rank"])
+        beat = GaugeMetricFamily(
+            "meshpact_heartbeat_age_seconds",
+            "Seconds since the rank's heartbeat counter on the control channel last moved",
+            labels=["run", "rank"],
+        )
         for (run, rank), age in sorted(self.owner.heartbeat_ages().items()):
             beat.add_metric([run, str(rank)], age)
         yield beat
@@ -86,15 +95,24 @@ class RecordingMetrics:
         self.trial_dir = Path(trial_dir) if trial_dir is not None else None
         self.registry = CollectorRegistry()
         self.registry.register(_RankAges(self))  # first: a scrape reads the file before any metric is collected
-        self.recoveries = Counter("meshpact_recoveries", "Recoveries, by the policy the ranks decided on",
-                                  ["policy"], registry=self.registry)
+        self.recoveries = Counter(
+            "meshpact_recoveries", "Recoveries, by the policy the ranks decided on", ["policy"], registry=self.registry
+        )
         self.stage_seconds = Histogram(
-            "meshpact_stage_seconds", "Duration of a recovery's stage along its critical path (each stage ends when "
-            "the last rank ends it), once per recovery: the figures the Live page draws", ["stage"],
-            buckets=STAGE_BUCKETS_S, registry=self.registry)
-        self.rank_stage_seconds = Histogram("meshpact_rank_stage_seconds", "Duration of a recovery stage on one rank, "
-                                            "as the rank measured it", ["stage"], buckets=STAGE_BUCKETS_S,
-                                            registry=self.registry)
+            "meshpact_stage_seconds",
+            "Duration of a recovery's stage along its critical path (each stage ends when "
+            "the last rank ends it), once per recovery: the figures the Live page draws",
+            ["stage"],
+            buckets=STAGE_BUCKETS_S,
+            registry=self.registry,
+        )
+        self.rank_stage_seconds = Histogram(
+            "meshpact_rank_stage_seconds",
+            "Duration of a recovery stage on one rank, as the rank measured it",
+            ["stage"],
+            buckets=STAGE_BUCKETS_S,
+            registry=self.registry,
+        )
         self.events = Counter("meshpact_events", "Recorded events, by kind", ["event"], registry=self.registry)
         self.last_event_wall: dict[int, float] = {}
         self.step: dict[tuple[str, int], int] = {}  # (run, rank) -> committed step
@@ -102,7 +120,9 @@ class RecordingMetrics:
         self._decisions: set[tuple[object, ...]] = set()
         self._lock = threading.Lock()
 
-    def feed(self, events: Iterable[Event], run: str = "", wall0: float | None = None, wall_clock: bool = False) -> None:
+    def feed(
+        self, events: Iterable[Event], run: str = "", wall0: float | None = None, wall_clock: bool = False
+    ) -> None:
         """Count ``events``: their ``t`` is wall time (``wall_clock``, as in a rank's own log) or
         seconds since ``wall0`` (a recording's, learnt from its first event when not given; unknown:
         now); ``run``: the trial's run they belong to where the events do not say."""
@@ -112,8 +132,7 @@ class RecordingMetrics:
                 wall0 = float(e.data["wall_time"]) - e.t
             their_run = str(e.data.get("run") or run)
             if e.rank is not None:
-                self.last_event_wall[e.rank] = (e.t if wall_clock else e.t + wall0 if wall0 is not None
-                                                else time.time())
+                self.last_event_wall[e.rank] = e.t if wall_clock else e.t + wall0 if wall0 is not None else time.time()
                 if e.event in (EventKind.STEP, EventKind.HELD) and isinstance(e.data.get("step"), int):
                     self.step[(their_run, e.rank)] = int(e.data["step"])
                 if isinstance(e.data.get("generation"), int) and not isinstance(e.data.get("generation"), bool):

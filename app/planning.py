@@ -95,8 +95,9 @@ def edge_from_facts(
     pdom = mesh.domain(producer_domain)
     if producer_ranks is not None and producer_ranks != pdom.size:
         if not 1 <= producer_ranks <= pdom.size:
-            raise MeshpactError(f"producer TP degree: expected 1..{pdom.size} (the size of {pdom.name}), "
-                                f"got {producer_ranks}")
+            raise MeshpactError(
+                f"producer TP degree: expected 1..{pdom.size} (the size of {pdom.name}), got {producer_ranks}"
+            )
         kept = tuple(sorted(pdom.ranks)[:producer_ranks])
         bridge = pdom.bridge_rank if pdom.bridge_rank in kept else kept[0]
         narrowed = replace(pdom, ranks=kept, bridge_rank=bridge)
@@ -112,13 +113,26 @@ def edge_from_facts(
     if pad_vocab and req.reads_logits:
         step = (producer_ranks or pdom.size) * 128
         vocab_size, shape = shape[-1], shape[:-1] + (-(-shape[-1] // step) * step,)
-    producer = ProducerTensor(name="y", op="producer", shape=shape, dtype=DType(dtype),
-                              domain=producer_domain, placement=parse_placement(placement), vocab_size=vocab_size)
-    consumer = Consumer(name="consumer", domain=consumer_domain, ranks=ranks, request=req, owners=owners,
-                        shard_dim=shard_dim if req in (Request.SHARD, Request.REDUCED) else None,
-                        k=k if req is Request.TOPK else None,
-                        seed=seed if req is Request.SAMPLE else None,
-                        temperature=temperature if req is Request.SAMPLE else None)
+    producer = ProducerTensor(
+        name="y",
+        op="producer",
+        shape=shape,
+        dtype=DType(dtype),
+        domain=producer_domain,
+        placement=parse_placement(placement),
+        vocab_size=vocab_size,
+    )
+    consumer = Consumer(
+        name="consumer",
+        domain=consumer_domain,
+        ranks=ranks,
+        request=req,
+        owners=owners,
+        shard_dim=shard_dim if req in (Request.SHARD, Request.REDUCED) else None,
+        k=k if req is Request.TOPK else None,
+        seed=seed if req is Request.SAMPLE else None,
+        temperature=temperature if req is Request.SAMPLE else None,
+    )
     return Edge(name=name, mesh=mesh, producer=producer, consumer=consumer)
 
 
@@ -136,8 +150,16 @@ def judge(edge: Edge) -> Judgement:
             outcomes.append(PlannerOutcome(label, None, None, False, (f"no plan: {exc}",)))
             continue
         report = check(plan, contract)
-        outcomes.append(PlannerOutcome(label, plan, plan_cost(plan, edge.mesh), report.ok,
-                                       tuple(str(v) for v in report.violations), report.violations))
+        outcomes.append(
+            PlannerOutcome(
+                label,
+                plan,
+                plan_cost(plan, edge.mesh),
+                report.ok,
+                tuple(str(v) for v in report.violations),
+                report.violations,
+            )
+        )
     return Judgement(edge, contract, tuple(outcomes))
 
 
@@ -146,8 +168,10 @@ def violation_groups(violations: Sequence[Violation], examples: int = 2) -> list
     groups: dict[str, list[Violation]] = {}
     for v in violations:
         groups.setdefault(v.kind.value, []).append(v)
-    return [ViolationGroup(kind, len(vs), tuple(str(v) for v in vs[:examples]))
-            for kind, vs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))]
+    return [
+        ViolationGroup(kind, len(vs), tuple(str(v) for v in vs[:examples]))
+        for kind, vs in sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    ]
 
 
 def run_uploaded(edge: Edge, name: str, content: bytes) -> RunReport:
@@ -162,26 +186,44 @@ def run_uploaded(edge: Edge, name: str, content: bytes) -> RunReport:
 
 def steps_rows(plan: Plan) -> list[dict[str, Any]]:
     """A plan's steps as table rows."""
-    return [{"#": i, "kind": s.kind.value, "op": s.op, "ranks": ", ".join(map(str, s.ranks)) if len(s.ranks) <= 6
-             else f"{s.ranks[0]}..{s.ranks[-1]} ({len(s.ranks)})", "bytes": s.payload_bytes, "dtype": s.dtype.value,
-             "link": s.link.value if s.link else "", "output": s.output, "note": s.note}
-            for i, s in enumerate(plan.steps, start=1)]
+    return [
+        {
+            "#": i,
+            "kind": s.kind.value,
+            "op": s.op,
+            "ranks": ", ".join(map(str, s.ranks))
+            if len(s.ranks) <= 6
+            else f"{s.ranks[0]}..{s.ranks[-1]} ({len(s.ranks)})",
+            "bytes": s.payload_bytes,
+            "dtype": s.dtype.value,
+            "link": s.link.value if s.link else "",
+            "output": s.output,
+            "note": s.note,
+        }
+        for i, s in enumerate(plan.steps, start=1)
+    ]
 
 
 def facet_summaries(contract: Any) -> dict[str, str]:
     """One line per facet of a contract, for a person to read before the details."""
     p, sub, loc = contract.provenance, contract.substitutability, contract.locality
     allowed = ", ".join(s.name for s in sub.substitutes if s.allowed) or "nothing"
-    crossing = (f"crosses {loc.link.value.replace('_', ' ')} from {loc.producer_domain} to {loc.consumer_domain} "
-                f"via bridge ranks {list(loc.bridge or ())}") if loc.cross_domain else f"inside {loc.producer_domain}"
+    crossing = (
+        (
+            f"crosses {loc.link.value.replace('_', ' ')} from {loc.producer_domain} to {loc.consumer_domain} "
+            f"via bridge ranks {list(loc.bridge or ())}"
+        )
+        if loc.cross_domain
+        else f"inside {loc.producer_domain}"
+    )
     return {
         "provenance": f"{p.op} → {p.tensor} {list(p.shape)} {p.dtype.value}, {p.placement!r} over "
-                      f"{len(p.holdings)} ranks of {p.domain}",
+        f"{len(p.holdings)} ranks of {p.domain}",
         "substitutability": f"judged {sub.equivalence.value}; may stand in: {allowed}",
         "completion": "; ".join(contract.completion.requirements),
         "authority": f"{len(contract.authority.senders)} authoritative sender(s)"
-                     + (", owner-scoped rows" if contract.authority.owner_of_row else ""),
+        + (", owner-scoped rows" if contract.authority.owner_of_row else ""),
         "demand": f"{contract.demand.request.value}: {len(contract.demand.observations)} observing rank(s), "
-                  f"{len(contract.demand.silent)} silent",
+        f"{len(contract.demand.silent)} silent",
         "locality": crossing,
     }

@@ -29,8 +29,14 @@ from meshpact.core.mesh import health
 from meshpact.core.recovery import Policy, RecoveryBreakdown, Stage
 from meshpact.core.recovery_costs import DEFAULT_RECOVERY_COSTS, POLICY_MODELS, FaultImpact, estimate_recovery
 
-__all__ = ["FailureShape", "PolicyComparison", "POLICY_EXPLAINED", "failure_shape", "compare_policies",
-           "comparison_rows"]
+__all__ = [
+    "FailureShape",
+    "PolicyComparison",
+    "POLICY_EXPLAINED",
+    "failure_shape",
+    "compare_policies",
+    "comparison_rows",
+]
 
 POLICY_EXPLAINED: Mapping[Policy, str] = {p: p.explained for p in Policy}
 
@@ -107,23 +113,36 @@ def compare_policies(
     unavailable: dict[Policy, str] = {}
     if shape.lost_domains:
         names = ", ".join(shape.lost_domains)
-        unavailable[Policy.IN_MEMORY] = (f"every rank of {names} failed: no surviving rank holds that state in "
-                                         "memory, so it must be read back from a checkpoint")
+        unavailable[Policy.IN_MEMORY] = (
+            f"every rank of {names} failed: no surviving rank holds that state in "
+            "memory, so it must be read back from a checkpoint"
+        )
         unavailable[Policy.EXCISE] = f"every rank of {names} failed: no rank is left to carry on that domain's work"
     if survivors == 0:
         unavailable[Policy.EXCISE] = "every rank failed: nothing is left to continue on"
     models = POLICY_MODELS
-    replay = {p: steps_since_checkpoint if m.from_checkpoint(fault) else 0 if m.excises else 1 for p, m in models.items()}
+    replay = {
+        p: steps_since_checkpoint if m.from_checkpoint(fault) else 0 if m.excises else 1 for p, m in models.items()
+    }
     ranks = {p: world for p in Policy}
     ranks[Policy.IN_MEMORY] = ranks[Policy.PEER_RESTORE] = max(shape.rebuild_ranks, 1)
     ranks[Policy.EXCISE] = max(survivors, 1)
-    out = tuple(estimate_recovery(p, ranks[p], costs, impact=fault, replay_steps=replay[p], step_s=step_s)
-                for p in Policy if p not in unavailable)
+    out = tuple(
+        estimate_recovery(p, ranks[p], costs, impact=fault, replay_steps=replay[p], step_s=step_s)
+        for p in Policy
+        if p not in unavailable
+    )
     retained = 0 if Policy.IN_MEMORY in unavailable else (survivors if lost else world)
     per_rank = float(costs.state_bytes_per_rank)
     return PolicyComparison(
-        breakdowns=out, shape=shape, rank_loss=lost, ranks_in_job=survivors, retained_ranks=retained,
-        retained_bytes=retained * per_rank, reloaded_bytes=world * per_rank, unavailable=unavailable,
+        breakdowns=out,
+        shape=shape,
+        rank_loss=lost,
+        ranks_in_job=survivors,
+        retained_ranks=retained,
+        retained_bytes=retained * per_rank,
+        reloaded_bytes=world * per_rank,
+        unavailable=unavailable,
     )
 
 
@@ -133,8 +152,11 @@ def comparison_rows(cmp: PolicyComparison) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for p in Policy:
         b = next((x for x in cmp.breakdowns if x.policy is p), None)
-        row: dict[str, object] = {"policy": p.value, "applies": b is not None,
-                                  "total_s": round(b.total_s, 6) if b else None}
+        row: dict[str, object] = {
+            "policy": p.value,
+            "applies": b is not None,
+            "total_s": round(b.total_s, 6) if b else None,
+        }
         for s in stages:
             row[f"{s.value}_s"] = round(b.durations_s.get(s, 0.0), 6) if b else None
         row["failed_ranks"] = len(cmp.shape.failed)

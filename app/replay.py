@@ -86,10 +86,16 @@ def from_timeline(events: Iterable[Any], policy: Policy | str | None = None) -> 
         if d.get("kind") not in _KEEP_SIMULATED or (want and d.get("policy") != want):
             continue
         data = dict(d.get("data") or {})
-        out.append(ReplayEvent(
-            t=float(d["t"]), kind=str(d["kind"]), duration_s=float(d.get("duration_s") or 0.0),
-            stage=Stage(d["stage"]) if d.get("stage") else None, rank=_rank(data.get("rank")), data=data,
-        ))
+        out.append(
+            ReplayEvent(
+                t=float(d["t"]),
+                kind=str(d["kind"]),
+                duration_s=float(d.get("duration_s") or 0.0),
+                stage=Stage(d["stage"]) if d.get("stage") else None,
+                rank=_rank(data.get("rank")),
+                data=data,
+            )
+        )
     return sorted(out, key=lambda e: e.t)
 
 
@@ -103,10 +109,16 @@ def from_recording(events: Sequence[Event]) -> list[ReplayEvent]:
             continue
         data = dict(e.data)
         kind = "fault" if "fault" in e.event and e.rank is not None else ("stage" if e.stage else e.event)
-        out.append(ReplayEvent(
-            t=e.t, kind=kind, duration_s=float(data.get("seconds", data.get("duration_s")) or 0.0), stage=e.stage,
-            rank=e.rank if e.rank is not None else _rank(data.get("rank")), data={"event": e.event, **data},
-        ))
+        out.append(
+            ReplayEvent(
+                t=e.t,
+                kind=kind,
+                duration_s=float(data.get("seconds", data.get("duration_s")) or 0.0),
+                stage=e.stage,
+                rank=e.rank if e.rank is not None else _rank(data.get("rank")),
+                data={"event": e.event, **data},
+            )
+        )
     return sorted(out, key=lambda e: e.t)
 
 
@@ -190,8 +202,15 @@ def replay_frames(events: Sequence[ReplayEvent]) -> Iterator[ReplayFrame]:
         for (st, _), secs in spent.items():
             stages[st] = max(stages.get(st, 0.0), secs)
         ordered = {s: stages[s] for s in Stage.ordered() if s in stages}
-        yield ReplayFrame(index=i, event=e, failed=frozenset(failed), stage=stage,
-                          stages_so_far=ordered, recoveries_before=recoveries, policy=policy)
+        yield ReplayFrame(
+            index=i,
+            event=e,
+            failed=frozenset(failed),
+            stage=stage,
+            stages_so_far=ordered,
+            recoveries_before=recoveries,
+            policy=policy,
+        )
 
 
 def frame_breakdown(frame: ReplayFrame, policy: Policy | str) -> RecoveryBreakdown:
@@ -237,8 +256,9 @@ def first_recovery_index(events: Sequence[ReplayEvent]) -> int:
 
 
 MAX_RECORDING_BYTES = 256 << 20  # a larger file is refused unread (a line-less binary would be read whole)
-_EXPECTED = "expected a .jsonl file written by a live or simulated run (one JSON event per line, the first "\
-            "'recording_start')"
+_EXPECTED = (
+    "expected a .jsonl file written by a live or simulated run (one JSON event per line, the first 'recording_start')"
+)
 
 
 def recording_problem(path: Path) -> str | None:
@@ -255,8 +275,10 @@ def recording_problem(path: Path) -> str | None:
     if size == 0:
         return f"{path}: the file is empty; {_EXPECTED}"
     if size > MAX_RECORDING_BYTES:
-        return f"{path}: {size:,} bytes is more than a recording this page replays (at most {MAX_RECORDING_BYTES:,}); "\
-               f"{_EXPECTED}"
+        return (
+            f"{path}: {size:,} bytes is more than a recording this page replays (at most {MAX_RECORDING_BYTES:,}); "
+            f"{_EXPECTED}"
+        )
     try:
         with open(path, "rb") as fh:
             first = fh.readline(1 << 20).decode("utf-8", errors="replace").strip()

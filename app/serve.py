@@ -28,8 +28,21 @@ if TYPE_CHECKING:
     from playwright.sync_api import Page
 
 __all__ = [
-    "dashboard_server", "chromium_path", "ROOT", "SETTLED_JS", "CLIPPED_JS", "MESH_READABLE_JS", "LEGEND_OVER_AXIS_JS", "settle", "metric", "wait_metric_is",
-    "wait_metric_change", "click_rank", "pick_scenario", "go_to", "wait_title",
+    "dashboard_server",
+    "chromium_path",
+    "ROOT",
+    "SETTLED_JS",
+    "CLIPPED_JS",
+    "MESH_READABLE_JS",
+    "LEGEND_OVER_AXIS_JS",
+    "settle",
+    "metric",
+    "wait_metric_is",
+    "wait_metric_change",
+    "click_rank",
+    "pick_scenario",
+    "go_to",
+    "wait_title",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +50,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def chromium_path() -> str | None:
     """Chromium to drive: ``$MESHPACT_CHROMIUM``, Debian's ``/usr/lib/chromium/chromium``, or one on PATH."""
-    for candidate in (os.environ.get("MESHPACT_CHROMIUM"), "/usr/lib/chromium/chromium",
-                      shutil.which("chromium"), shutil.which("chromium-browser")):
+    for candidate in (
+        os.environ.get("MESHPACT_CHROMIUM"),
+        "/usr/lib/chromium/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+    ):
         if candidate and Path(candidate).exists():
             return candidate
     return None
@@ -50,10 +67,25 @@ def dashboard_server(port: int = 0, timeout_s: float = 60.0, cwd: Path = ROOT) -
     port = port or unclaimed_port()
     streamlit = Path(sys.executable).with_name("streamlit")
     proc = subprocess.Popen(
-        [str(streamlit), "run", str(ROOT / "app" / "main.py"), "--server.address", "127.0.0.1",
-         "--server.port", str(port), "--server.headless", "true", "--browser.gatherUsageStats", "false",
-         "--server.fileWatcherType", "none"],
-        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        [
+            str(streamlit),
+            "run",
+            str(ROOT / "app" / "main.py"),
+            "--server.address",
+            "127.0.0.1",
+            "--server.port",
+            str(port),
+            "--server.headless",
+            "true",
+            "--browser.gatherUsageStats",
+            "false",
+            "--server.fileWatcherType",
+            "none",
+        ],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -67,8 +99,10 @@ def dashboard_server(port: int = 0, timeout_s: float = 60.0, cwd: Path = ROOT) -
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 out = proc.stdout.read().decode(errors="replace") if proc.stdout and proc.poll() is not None else ""
-                raise RuntimeError(f"streamlit did not answer {url}/_stcore/health within {timeout_s:.0f} s"
-                                   + (f":\n{out[-3000:]}" if out else ""))
+                raise RuntimeError(
+                    f"streamlit did not answer {url}/_stcore/health within {timeout_s:.0f} s"
+                    + (f":\n{out[-3000:]}" if out else "")
+                )
             time.sleep(0.3)
         yield url
     finally:
@@ -193,8 +227,7 @@ def wait_metric_is(page: Page, label: str, want: str, timeout_ms: int = 30_000) 
     A click starts the app's rerun a moment later, so a page that looks settled right after a click may still
     show the figure from before it."""
     try:
-        page.wait_for_function(f"(w) => ({METRIC_JS})({label!r}) === w", arg=want,
-                               timeout=timeout_ms)
+        page.wait_for_function(f"(w) => ({METRIC_JS})({label!r}) === w", arg=want, timeout=timeout_ms)
         settle(page, timeout_ms)
     except Exception:  # noqa: BLE001 (playwright's TimeoutError): the caller's assertion names what it saw
         pass
@@ -203,8 +236,7 @@ def wait_metric_is(page: Page, label: str, want: str, timeout_ms: int = 30_000) 
 
 def wait_metric_change(page: Page, label: str, before: str | None, timeout_ms: int = 60_000) -> str:
     """Wait until the metric ``label`` shows something other than ``before`` and the run is over."""
-    page.wait_for_function(f"(b) => ({METRIC_JS})({label!r}) !== b", arg=before,
-                           timeout=timeout_ms)
+    page.wait_for_function(f"(b) => ({METRIC_JS})({label!r}) !== b", arg=before, timeout=timeout_ms)
     settle(page, timeout_ms)
     return str(metric(page, label))
 
@@ -233,15 +265,19 @@ def pick_scenario(page: Page, name: str, timeout_ms: int = 60_000) -> None:
     page.get_by_role("option", name=name, exact=True).click()
     page.wait_for_function(
         """(n) => [...document.querySelectorAll('[data-testid="stSidebar"] strong')].some(e => e.innerText === n)""",
-        arg=name, timeout=timeout_ms)
+        arg=name,
+        timeout=timeout_ms,
+    )
     settle(page, timeout_ms)
 
 
 def wait_title(page: Page, title: str, timeout_ms: int = 60_000) -> None:
     """Wait until the page's title is ``title`` and its run is over."""
     page.wait_for_function(
-        "(t) => { const h = document.querySelector('h1'); return h && h.innerText.trim() === t; }", arg=title,
-        timeout=timeout_ms)
+        "(t) => { const h = document.querySelector('h1'); return h && h.innerText.trim() === t; }",
+        arg=title,
+        timeout=timeout_ms,
+    )
     settle(page, timeout_ms)
 
 

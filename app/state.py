@@ -25,16 +25,39 @@ from dataclasses import dataclass
 from typing import Any, Collection, Iterable, Mapping, MutableMapping
 
 __all__ = [
-    "SelectionState", "selected_points", "ranks_in_event", "apply_selection", "clamp_failed", "parse_ranks",
-    "format_ranks", "carry_widget_state", "FAILED_KEY", "KEPT_WIDGETS", "KEPT_STORE",
-    "LINK_SCENARIO", "LINK_FAILED", "REPLAY_LINK", "replay_source_from_link", "replay_link_word",
-    "carried_failures_notice", "scenario_from_link", "failed_from_link", "link_params",
+    "SelectionState",
+    "selected_points",
+    "ranks_in_event",
+    "apply_selection",
+    "clamp_failed",
+    "parse_ranks",
+    "format_ranks",
+    "carry_widget_state",
+    "FAILED_KEY",
+    "KEPT_WIDGETS",
+    "KEPT_STORE",
+    "LINK_SCENARIO",
+    "LINK_FAILED",
+    "REPLAY_LINK",
+    "replay_source_from_link",
+    "replay_link_word",
+    "carried_failures_notice",
+    "scenario_from_link",
+    "failed_from_link",
+    "link_params",
 ]
 
 FAILED_KEY = "failed_ranks"  # sorted list of failed rank ids; not a widget key, so it outlives page switches
 # Widget keys whose values follow the user from page to page.
-KEPT_WIDGETS = ("scenario_source", "scenario_builtin", "scenario_path", "replay_source", "replay_recording",
-                "replay_path", "replay_policy")
+KEPT_WIDGETS = (
+    "scenario_source",
+    "scenario_builtin",
+    "scenario_path",
+    "replay_source",
+    "replay_recording",
+    "replay_path",
+    "replay_policy",
+)
 KEPT_STORE = "meshpact_kept_widgets"
 
 
@@ -117,7 +140,6 @@ def clamp_failed(failed: Iterable[int], ranks: Iterable[int]) -> list[int]:
     return sorted({int(r) for r in failed if int(r) in known})
 
 
-
 _RANKS_HINT = "write rank ids and ranges separated by commas, like 5 or 5-9, 12"
 
 
@@ -162,13 +184,14 @@ def format_ranks(ranks: Iterable[int]) -> str:
         if j - i >= 2:
             parts.append(f"{rs[i]}-{rs[j]}")
         else:
-            parts.extend(str(r) for r in rs[i: j + 1])
+            parts.extend(str(r) for r in rs[i : j + 1])
         i = j + 1
     return ", ".join(parts)
 
 
-def carry_widget_state(session: MutableMapping[Any, Any], keys: Iterable[str] = KEPT_WIDGETS,
-                       store: str = KEPT_STORE) -> None:
+def carry_widget_state(
+    session: MutableMapping[Any, Any], keys: Iterable[str] = KEPT_WIDGETS, store: str = KEPT_STORE
+) -> None:
     """Keep widget values across page switches: a value the session holds is copied aside
     and written back as the session's own (Streamlit ties a widget's value to the page that
     drew it; a value written before the widget is drawn seeds the same key on any page);
@@ -197,8 +220,10 @@ def scenario_from_link(value: str | None, names: Collection[str]) -> tuple[str |
     if name in names:
         return name, None
     shown = name if len(name) <= 40 else name[:40] + "…"
-    return None, (f"The link's scenario {shown!r} is not a built-in scenario ({', '.join(sorted(names))}): "
-                  "the default scenario is shown.")
+    return None, (
+        f"The link's scenario {shown!r} is not a built-in scenario ({', '.join(sorted(names))}): "
+        "the default scenario is shown."
+    )
 
 
 def failed_from_link(text: str | None, valid: Collection[int]) -> tuple[list[int], str | None]:
@@ -224,8 +249,11 @@ def link_params(scenario: str | None, failed: Iterable[int]) -> dict[str, str]:
 
 
 REPLAY_LINK = "replay"  # the Replay page's query parameter: which source it replays (a short word, kept on reload)
-REPLAY_SOURCES = {"simulated": "simulated run of this scenario", "recording": "recording",
-                  "mesh": "failures picked on Mesh"}  # the link's word -> the page's source
+REPLAY_SOURCES = {
+    "simulated": "simulated run of this scenario",
+    "recording": "recording",
+    "mesh": "failures picked on Mesh",
+}  # the link's word -> the page's source
 
 
 def replay_source_from_link(value: str | None) -> str | None:
@@ -238,8 +266,9 @@ def replay_link_word(source: str) -> str | None:
     return next((word for word, s in REPLAY_SOURCES.items() if s == source), None)
 
 
-def carried_failures_notice(picked_on: str | None, scenario: str, failed: Iterable[int],
-                            dropped: Iterable[int] = ()) -> str | None:
+def carried_failures_notice(
+    picked_on: str | None, scenario: str, failed: Iterable[int], dropped: Iterable[int] = ()
+) -> str | None:
     """One line telling the user that the failed ranks picked on scenario ``picked_on`` were carried
     to ``scenario`` (and which were dropped, outside its mesh); None when nothing was carried (the
     same scenario, none picked before, or no failed rank)."""

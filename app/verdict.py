@@ -54,28 +54,48 @@ def run_verdict(summary: Mapping[str, Any]) -> Verdict:
     excision = summary.get("excision")
     if not excision:
         if summary.get("bit_identical"):
-            return Verdict(Tone.SUCCESS, f"**Bit-identical to the fault-free reference:** after {faults}, every "
-                                         "rank's parameters and optimizer state equal the fault-free run's.")
-        return Verdict(Tone.ERROR, f"**Not bit-identical to the fault-free reference** after {faults}: "
-                                   + "; ".join(summary.get("mismatches") or ["states differ"]))
+            return Verdict(
+                Tone.SUCCESS,
+                f"**Bit-identical to the fault-free reference:** after {faults}, every "
+                "rank's parameters and optimizer state equal the fault-free run's.",
+            )
+        return Verdict(
+            Tone.ERROR,
+            f"**Not bit-identical to the fault-free reference** after {faults}: "
+            + "; ".join(summary.get("mismatches") or ["states differ"]),
+        )
     plan = [(int(e["step"]), sorted(int(r) for r in e["lost"])) for e in excision.get("excisions") or ()]
     went = "; ".join(f"without {_ranks(lost)} from step {step}" for step, lost in plan) or "with every rank"
     diff = excision.get("max_abs_diff_from_unfailed")
-    against = ("Against the fault-free run, which kept every rank, it differs by at most "
-               f"{float(diff):.3g} (largest absolute difference of any parameter or optimizer value): an excised "
-               "run trains on fewer ranks and cannot equal it." if diff is not None else
-               "It was not compared with the fault-free run.")
+    against = (
+        "Against the fault-free run, which kept every rank, it differs by at most "
+        f"{float(diff):.3g} (largest absolute difference of any parameter or optimizer value): an excised "
+        "run trains on fewer ranks and cannot equal it."
+        if diff is not None
+        else "It was not compared with the fault-free run."
+    )
     if excision.get("refused"):
-        return Verdict(Tone.ERROR, f"**Excision refused** after {faults}: {excision['refused']}. "
-                                   + (f"The state was flushed to `{excision['flushed_checkpoint']}`."
-                                      if excision.get("flushed_checkpoint") else ""))
+        return Verdict(
+            Tone.ERROR,
+            f"**Excision refused** after {faults}: {excision['refused']}. "
+            + (
+                f"The state was flushed to `{excision['flushed_checkpoint']}`."
+                if excision.get("flushed_checkpoint")
+                else ""
+            ),
+        )
     if excision.get("equal_to_excising_reference"):
-        return Verdict(Tone.SUCCESS, f"**Bit-identical to the excising reference:** after {faults}, every "
-                                     "surviving rank's parameters and optimizer state equal a fault-free run that "
-                                     f"went on {went}. {against}")
-    return Verdict(Tone.ERROR, f"**Not equal to the excising reference** (a fault-free run that went on {went}) "
-                               f"after {faults}: " + "; ".join(summary.get("mismatches") or ["states differ"])
-                               + f". {against}")
+        return Verdict(
+            Tone.SUCCESS,
+            f"**Bit-identical to the excising reference:** after {faults}, every "
+            "surviving rank's parameters and optimizer state equal a fault-free run that "
+            f"went on {went}. {against}",
+        )
+    return Verdict(
+        Tone.ERROR,
+        f"**Not equal to the excising reference** (a fault-free run that went on {went}) "
+        f"after {faults}: " + "; ".join(summary.get("mismatches") or ["states differ"]) + f". {against}",
+    )
 
 
 def downtime_notes(summary: Mapping[str, Any], baselines_asked: bool) -> list[str]:
@@ -84,14 +104,17 @@ def downtime_notes(summary: Mapping[str, Any], baselines_asked: bool) -> list[st
     baseline: it loses a rank for good, which a checkpoint restore would bring back)."""
     down = summary.get("downtime_s") or {}
     includes = summary.get("downtime_includes") or {}
-    out = [f"**{Policy(p).label}** includes {includes[p]}." for p, s in down.items()
-           if s is not None and includes.get(p)]
+    out = [
+        f"**{Policy(p).label}** includes {includes[p]}." for p, s in down.items() if s is not None and includes.get(p)
+    ]
     missing = [Policy(p).label for p, s in down.items() if s is None]
     if missing:
         why = ""
         if summary.get("excision") and baselines_asked:
-            why = (" An excising run measures no checkpoint baseline: its survivors go on without the lost rank, "
-                   "while a checkpoint restore or a cold restart brings it back, so the figures would not compare "
-                   "like with like.")
+            why = (
+                " An excising run measures no checkpoint baseline: its survivors go on without the lost rank, "
+                "while a checkpoint restore or a cold restart brings it back, so the figures would not compare "
+                "like with like."
+            )
         out.append("Not measured in this run: " + ", ".join(missing) + "." + why)
     return out

@@ -20,7 +20,9 @@ def _shown(x: float) -> str:
     return f"{x:,g}" if not float(x).is_integer() else f"{int(x):,}"
 
 
-def read_number(text: str, name: str, lo: float, hi: float, whole: bool = False) -> tuple[float | int | None, str | None]:
+def read_number(
+    text: str, name: str, lo: float, hi: float, whole: bool = False
+) -> tuple[float | int | None, str | None]:
     """``text`` read as a number from ``lo`` to ``hi`` (a whole one where ``whole``): the value and
     None, or None and one line naming the box, what was typed and what it takes."""
     expected = f"a {'whole number' if whole else 'number'} from {_shown(lo)} to {_shown(hi)}"
@@ -41,8 +43,17 @@ def read_number(text: str, name: str, lo: float, hi: float, whole: bool = False)
     return (int(value) if whole else value), None
 
 
-def number_box(container: Any, label: str, lo: float, hi: float, value: float, *, key: str, whole: bool = False,
-               help: str | None = None) -> float | int | None:
+def number_box(
+    container: Any,
+    label: str,
+    lo: float,
+    hi: float,
+    value: float,
+    *,
+    key: str,
+    whole: bool = False,
+    help: str | None = None,
+) -> float | int | None:
     """A text box for a number in ``container`` (``st`` or a column); what was typed, read, or None
     with the reason written under the box in words."""
     text = container.text_input(label, value=_shown(value) if whole else f"{value:g}", key=key, help=help)

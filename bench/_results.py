@@ -52,10 +52,20 @@ def _version(package: str) -> str | None:
 
 def _commit(root: Path) -> str | None:
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        out = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short=12", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return None
     return f"{out}+changes" if dirty else out
@@ -84,9 +94,14 @@ def run_facts() -> dict[str, Any]:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
-        "machine": {"cpus": os.cpu_count(), "cpu": _cpu_model(), "memory_gib": _memory_gib(),
-                    "system": f"{platform.system()} {platform.release()}", "python": platform.python_version(),
-                    "torch": _version("torch")},
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu": _cpu_model(),
+            "memory_gib": _memory_gib(),
+            "system": f"{platform.system()} {platform.release()}",
+            "python": platform.python_version(),
+            "torch": _version("torch"),
+        },
         "command": command,
         "commit": _commit(root),
     }

@@ -32,8 +32,13 @@ MAIN = str(Path(__file__).resolve().parents[1] / "app" / "main.py")
 PAGES = ("mesh", "plans", "simulate", "replay", "live")
 PAGE_GOAL_S, FIGURE_GOAL_S = 2.0, 0.5
 SWITCH_GOAL_S, CLICK_1024_GOAL_S, CLICK_16384_GOAL_S = 0.8, 0.3, 1.0
-NAV_TITLES = (("Plans", "Plans"), ("Simulate", "Simulate"), ("Replay", "Replay"), ("Live", "Live"),
-              ("Mesh", "Communicator mesh"))
+NAV_TITLES = (
+    ("Plans", "Plans"),
+    ("Simulate", "Simulate"),
+    ("Replay", "Replay"),
+    ("Live", "Live"),
+    ("Mesh", "Communicator mesh"),
+)
 
 
 def page_render_s() -> dict[str, float]:
@@ -61,8 +66,12 @@ def mesh_1024(repeats: int = 5) -> tuple[float, float, float]:
     from meshpact.app.figures import mesh_figure
     from meshpact.core.facts import Domain, Mesh, Vendor
 
-    mesh = Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(512))),
-                         Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(512, 1024)))))
+    mesh = Mesh(
+        domains=(
+            Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(512))),
+            Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(512, 1024))),
+        )
+    )
     build, serialise, size = float("inf"), float("inf"), 0
     for i in range(repeats):
         t0 = time.perf_counter()
@@ -118,9 +127,11 @@ def chromium_s() -> dict[str, float] | None:
         pick_scenario(pg, "whatif_16384_30d")
         c16384 = _clicks(pg, (1, 2, 1, 2, 1, 2))
         browser.close()
-    return {"chromium_page_switch_s": round(statistics.median(switches), 3),
-            "chromium_click_1024_s": round(statistics.median(c1024), 3),
-            "chromium_click_16384_s": round(statistics.median(c16384), 3)}
+    return {
+        "chromium_page_switch_s": round(statistics.median(switches), 3),
+        "chromium_click_1024_s": round(statistics.median(c1024), 3),
+        "chromium_click_16384_s": round(statistics.median(c16384), 3),
+    }
 
 
 def main() -> dict:
@@ -133,18 +144,29 @@ def main() -> dict:
         print(f"{'first render: ' + name:<34}{s:>10.3f}{PAGE_GOAL_S:>8.1f}")
     print(f"{'1,024-rank mesh figure: build':<34}{build:>10.3f}{FIGURE_GOAL_S:>8.1f}")
     print(f"{'1,024-rank mesh figure: to JSON':<34}{serialise:>10.3f}{'':>8}   ({kb:,.0f} kB)")
-    goals = {"chromium_page_switch_s": SWITCH_GOAL_S, "chromium_click_1024_s": CLICK_1024_GOAL_S,
-             "chromium_click_16384_s": CLICK_16384_GOAL_S}
+    goals = {
+        "chromium_page_switch_s": SWITCH_GOAL_S,
+        "chromium_click_1024_s": CLICK_1024_GOAL_S,
+        "chromium_click_16384_s": CLICK_16384_GOAL_S,
+    }
     for key, value in (browser or {}).items():
         print(f"{key.replace('_', ' ').removesuffix(' s') + ' (median)':<34}{value:>10.3f}{goals[key]:>8.1f}")
     out: dict[str, Any] = {
-        "bench": "app", "page_render_s": pages, "mesh_1024_figure_s": build, "mesh_1024_figure_json_s": serialise,
+        "bench": "app",
+        "page_render_s": pages,
+        "mesh_1024_figure_s": build,
+        "mesh_1024_figure_json_s": serialise,
         "mesh_1024_figure_json_kb": kb,
         **(browser or {}),
-        "goals_met": all(s < PAGE_GOAL_S for s in pages.values()) and build < FIGURE_GOAL_S
-        and browser is not None and all(browser[k] < goals[k] for k in goals),
-        "machine": {"cpus": os.cpu_count(), "load_avg_1m_at_start": round(load_start, 2),
-                    "load_avg_1m_at_end": round(os.getloadavg()[0], 2)},
+        "goals_met": all(s < PAGE_GOAL_S for s in pages.values())
+        and build < FIGURE_GOAL_S
+        and browser is not None
+        and all(browser[k] < goals[k] for k in goals),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "load_avg_1m_at_start": round(load_start, 2),
+            "load_avg_1m_at_end": round(os.getloadavg()[0], 2),
+        },
     }
     emit("app", out)
     return out

@@ -92,8 +92,9 @@ def _worker(port: int, world: int, ranks: list[int], beat_s: float, watch_all: b
     out: dict[int, dict[str, Any]] = {}
 
     def rank_main(me: int) -> None:
-        ch = ControlChannel("127.0.0.1", port, me, world, timeout_s, is_host=False, connect_timeout_s=timeout_s,
-                            run_id=RUN_ID, key=key)
+        ch = ControlChannel(
+            "127.0.0.1", port, me, world, timeout_s, is_host=False, connect_timeout_s=timeout_s, run_id=RUN_ID, key=key
+        )
         counted = Counted(ch._store)
         ch._store = counted
         ch.add("ready")
@@ -111,11 +112,22 @@ def _worker(port: int, world: int, ranks: list[int], beat_s: float, watch_all: b
         ch.add("beaten")
         t0 = float(ch.wait(["go/agree"], timeout_s)["go/agree"])
         b0 = counted.bytes_read
-        decision = agree(ch, lambda g: Proposal(me, g, 7, "d", True), lambda limit: 0, timeout_s=timeout_s,
-                         max_rounds=1, replacement_rounds=0).decision
-        out[me] = {"rank": me, "looks": looks, "keys_per_look": beat_keys / max(looks, 1),
-                   "decided_ms": (time.time() - t0) * 1e3, "decision_bytes": counted.bytes_read - b0,
-                   "policy": decision.policy.value}
+        decision = agree(
+            ch,
+            lambda g: Proposal(me, g, 7, "d", True),
+            lambda limit: 0,
+            timeout_s=timeout_s,
+            max_rounds=1,
+            replacement_rounds=0,
+        ).decision
+        out[me] = {
+            "rank": me,
+            "looks": looks,
+            "keys_per_look": beat_keys / max(looks, 1),
+            "decided_ms": (time.time() - t0) * 1e3,
+            "decision_bytes": counted.bytes_read - b0,
+            "policy": decision.policy.value,
+        }
 
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in ranks]
     for t in threads:
@@ -153,9 +165,25 @@ def run_size(world: int, procs: int, beat_s: float, watch_all: bool, timeout_s: 
             lead = ControlChannel("127.0.0.1", port, -1, world, timeout_s, is_host=False, run_id=RUN_ID, key=key)
             slices = [list(range(world))[i::procs] for i in range(procs)]
             flag = ["--watch-all"] if watch_all else []
-            workers = [subprocess.Popen([sys.executable, __file__, "--worker", str(port), str(world),
-                                         ",".join(map(str, s)), str(beat_s), str(timeout_s), *flag],
-                                        stdout=subprocess.PIPE, text=True, env=env) for s in slices]
+            workers = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        str(port),
+                        str(world),
+                        ",".join(map(str, s)),
+                        str(beat_s),
+                        str(timeout_s),
+                        *flag,
+                    ],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                    env=env,
+                )
+                for s in slices
+            ]
             deadline = time.monotonic() + timeout_s
             while lead.counter("ready") < world:
                 if time.monotonic() > deadline:
@@ -175,8 +203,11 @@ def run_size(world: int, procs: int, beat_s: float, watch_all: bool, timeout_s: 
                 try:
                     text, _ = w.communicate(timeout=max(deadline + 3 * timeout_s - time.monotonic(), 1.0))
                 except subprocess.TimeoutExpired:
-                    return {"ranks": world, "error": f"the decision phase ran past its bound of {3 * timeout_s:g} s "
-                                                     f"({world} light ranks on {os.cpu_count()} cores)"}
+                    return {
+                        "ranks": world,
+                        "error": f"the decision phase ran past its bound of {3 * timeout_s:g} s "
+                        f"({world} light ranks on {os.cpu_count()} cores)",
+                    }
                 rows += [json.loads(line) for line in text.splitlines() if line.startswith("{")]
             cpu_agree = _cpu_s(server.pid) - cpu1
         finally:
@@ -190,17 +221,20 @@ def run_size(world: int, procs: int, beat_s: float, watch_all: bool, timeout_s: 
         return {"ranks": world, "error": f"{world - len(done)} light rank(s) did not finish"}
     per_look = statistics.mean(r["keys_per_look"] for r in done)
     achieved = statistics.mean(r["looks"] for r in done) / beat_s
-    return {"ranks": world, "keys_per_look": round(per_look, 2),
-            "heartbeat_keys_per_rank_per_s": round(per_look / INTERVAL_S, 1),
-            "heartbeat_keys_total_per_s": round(per_look / INTERVAL_S * world, 0),
-            "looks_achieved_per_rank_per_s": round(achieved, 2),
-            "server_cpu_s_per_s_heartbeat": round(cpu_beat / beat_s, 3),
-            "decision_ms_all_ranks": round(max(r["decided_ms"] for r in done), 1),
-            "decision_ms_p50_rank": _median([r["decided_ms"] for r in done]),
-            "decision_bytes_per_rank": round(statistics.mean(r["decision_bytes"] for r in done), 0),
-            "decision_bytes_max_rank": max(r["decision_bytes"] for r in done),
-            "server_cpu_s_decision": round(cpu_agree, 3),
-            "policies": sorted({r["policy"] for r in done})}
+    return {
+        "ranks": world,
+        "keys_per_look": round(per_look, 2),
+        "heartbeat_keys_per_rank_per_s": round(per_look / INTERVAL_S, 1),
+        "heartbeat_keys_total_per_s": round(per_look / INTERVAL_S * world, 0),
+        "looks_achieved_per_rank_per_s": round(achieved, 2),
+        "server_cpu_s_per_s_heartbeat": round(cpu_beat / beat_s, 3),
+        "decision_ms_all_ranks": round(max(r["decided_ms"] for r in done), 1),
+        "decision_ms_p50_rank": _median([r["decided_ms"] for r in done]),
+        "decision_bytes_per_rank": round(statistics.mean(r["decision_bytes"] for r in done), 0),
+        "decision_bytes_max_rank": max(r["decision_bytes"] for r in done),
+        "server_cpu_s_decision": round(cpu_agree, 3),
+        "policies": sorted({r["policy"] for r in done}),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -210,16 +244,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv and argv[0] == "--worker":
         port, world, ranks, beat_s, timeout_s = argv[1:6]
-        _worker(int(port), int(world), [int(r) for r in ranks.split(",") if r], float(beat_s), "--watch-all" in argv,
-                float(timeout_s))
+        _worker(
+            int(port),
+            int(world),
+            [int(r) for r in ranks.split(",") if r],
+            float(beat_s),
+            "--watch-all" in argv,
+            float(timeout_s),
+        )
         return 0
-    parser = argparse.ArgumentParser(description="control-plane scale: heartbeat and consensus store work at N light ranks")
+    parser = argparse.ArgumentParser(
+        description="control-plane scale: heartbeat and consensus store work at N light ranks"
+    )
     parser.add_argument("--ranks", default="64,256,1024,4096", help="comma-separated N (default: %(default)s)")
     parser.add_argument("--procs", type=int, default=4, help="processes the light ranks are spread over")
     parser.add_argument("--beat-s", type=float, default=3.0, help="seconds of heartbeat looks per N")
     parser.add_argument("--repeats", type=int, default=1, help="runs per N (the figures are medians)")
-    parser.add_argument("--watch", choices=("ring", "all"), default="ring",
-                        help="ring: the heartbeat's watched_peers; all: every rank's counter, as before")
+    parser.add_argument(
+        "--watch",
+        choices=("ring", "all"),
+        default="ring",
+        help="ring: the heartbeat's watched_peers; all: every rank's counter, as before",
+    )
     parser.add_argument("--timeout-s", type=float, default=120.0, help="bound on each phase")
     args = parser.parse_args(argv)
     try:
@@ -244,18 +290,30 @@ def main(argv: list[str] | None = None) -> int:
         xs = [r[key] for r in by[n] if key in r]
         return _median(xs) if xs and isinstance(xs[0], (int, float)) else (xs[0] if xs else None)
 
-    keys = ("keys_per_look", "heartbeat_keys_per_rank_per_s", "heartbeat_keys_total_per_s",
-            "looks_achieved_per_rank_per_s", "server_cpu_s_per_s_heartbeat", "decision_ms_all_ranks",
-            "decision_bytes_per_rank", "server_cpu_s_decision")
+    keys = (
+        "keys_per_look",
+        "heartbeat_keys_per_rank_per_s",
+        "heartbeat_keys_total_per_s",
+        "looks_achieved_per_rank_per_s",
+        "server_cpu_s_per_s_heartbeat",
+        "decision_ms_all_ranks",
+        "decision_bytes_per_rank",
+        "server_cpu_s_decision",
+    )
     print("| N | " + " | ".join(keys) + " |\n|" + "---|" * (len(keys) + 1))
     for n in sizes:
         print(f"| {n} | " + " | ".join(str(med(n, k)) for k in keys) + " |")
-    doc = {"watch": args.watch, "interval_s": INTERVAL_S, "beat_s": args.beat_s, "procs": args.procs,
-           "repeats": args.repeats,
-           "decision_ms_p50_by_ranks": {str(n): med(n, "decision_ms_all_ranks") for n in sizes},
-           "heartbeat_ops_per_s_by_ranks": {str(n): med(n, "heartbeat_keys_per_rank_per_s") for n in sizes},
-           "decision_bytes_per_rank_by_ranks": {str(n): med(n, "decision_bytes_per_rank") for n in sizes},
-           "runs": {str(n): by[n] for n in sizes}}
+    doc = {
+        "watch": args.watch,
+        "interval_s": INTERVAL_S,
+        "beat_s": args.beat_s,
+        "procs": args.procs,
+        "repeats": args.repeats,
+        "decision_ms_p50_by_ranks": {str(n): med(n, "decision_ms_all_ranks") for n in sizes},
+        "heartbeat_ops_per_s_by_ranks": {str(n): med(n, "heartbeat_keys_per_rank_per_s") for n in sizes},
+        "decision_bytes_per_rank_by_ranks": {str(n): med(n, "decision_bytes_per_rank") for n in sizes},
+        "runs": {str(n): by[n] for n in sizes},
+    }
     emit("control_scale" if args.watch == "ring" else "control_scale-watch-all", doc)
     return 0
 

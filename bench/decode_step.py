@@ -42,23 +42,36 @@ def main() -> int:
                 for s in range(batch):
                     dec.prefill(s, [1])
                 slots = list(range(batch))
-                decoder_s = step_latency(lambda ids, pos: dec.step(slots, ids.tolist()), batch, spec.vocab_size,
-                                         a.steps)
+                decoder_s = step_latency(
+                    lambda ids, pos: dec.step(slots, ids.tolist()), batch, spec.vocab_size, a.steps
+                )
                 module = StepModule(Decoder(spec, batch, max_len, seed=2), batch).eval()
                 eager_s = step_latency(module, batch, spec.vocab_size, a.steps)
                 t0 = time.perf_counter()
                 package = compile_step(module, Path(tmp) / f"{family}_{batch}.pt2")
                 compile_s = time.perf_counter() - t0
                 aoti_s = step_latency(load_step(package), batch, spec.vocab_size, a.steps)
-                row = {"model": family, "batch": batch, "decoder_eager_ms": decoder_s * 1e3,
-                       "module_eager_ms": eager_s * 1e3, "aoti_ms": aoti_s * 1e3, "compile_s": compile_s,
-                       "speedup_vs_decoder": decoder_s / aoti_s}
+                row = {
+                    "model": family,
+                    "batch": batch,
+                    "decoder_eager_ms": decoder_s * 1e3,
+                    "module_eager_ms": eager_s * 1e3,
+                    "aoti_ms": aoti_s * 1e3,
+                    "compile_s": compile_s,
+                    "speedup_vs_decoder": decoder_s / aoti_s,
+                }
                 rows.append(row)
-                print(f"{family:8s} batch {batch:2d}: Decoder.step {decoder_s * 1e3:7.2f} ms, StepModule eager "
-                      f"{eager_s * 1e3:7.2f} ms, AOTI {aoti_s * 1e3:7.2f} ms ({decoder_s / aoti_s:.1f}x), "
-                      f"compiled in {compile_s:.0f} s", flush=True)
-    load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in os.getloadavg()],
-            "cores": os.cpu_count()}
+                print(
+                    f"{family:8s} batch {batch:2d}: Decoder.step {decoder_s * 1e3:7.2f} ms, StepModule eager "
+                    f"{eager_s * 1e3:7.2f} ms, AOTI {aoti_s * 1e3:7.2f} ms ({decoder_s / aoti_s:.1f}x), "
+                    f"compiled in {compile_s:.0f} s",
+                    flush=True,
+                )
+    load = {
+        "before": [round(x, 2) for x in load_before],
+        "after": [round(x, 2) for x in os.getloadavg()],
+        "cores": os.cpu_count(),
+    }
     print(f"load average (1/5/15 min) before {load['before']}, after {load['after']}, {load['cores']} cores")
     emit("decode_step", {"bench": "decode_step", "load_average": load, "rows": rows})
     return 0

@@ -123,8 +123,15 @@ def _FailedWork(message: str) -> Any:
     return Failed()
 
 
-def torchft_replica(out: Path, replica: int, replicas: int, lighthouse: str, steps: int,
-                    fault_step: int | None, before_backend: bool = True) -> None:
+def torchft_replica(
+    out: Path,
+    replica: int,
+    replicas: int,
+    lighthouse: str,
+    steps: int,
+    fault_step: int | None,
+    before_backend: bool = True,
+) -> None:
     """One replica group of one rank: torchft's Manager, its DDP, the allreduce error at ``fault_step``."""
     from datetime import timedelta
 
@@ -146,10 +153,21 @@ def torchft_replica(out: Path, replica: int, replicas: int, lighthouse: str, ste
         model.load_state_dict(sd["model"])
         opt.load_state_dict(sd["optim"])
 
-    manager = Manager(pg=pg, load_state_dict=load_state_dict, state_dict=state_dict, min_replica_size=replicas,
-                      replica_id=f"replica{replica}", store_addr="127.0.0.1", store_port=store.port, rank=0,
-                      world_size=1, lighthouse_addr=lighthouse, hostname="127.0.0.1",
-                      timeout=timedelta(seconds=10), quorum_timeout=timedelta(seconds=30))
+    manager = Manager(
+        pg=pg,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=replicas,
+        replica_id=f"replica{replica}",
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=lighthouse,
+        hostname="127.0.0.1",
+        timeout=timedelta(seconds=10),
+        quorum_timeout=timedelta(seconds=30),
+    )
     ddp = DistributedDataParallel(manager, model)
     rows: list[dict[str, Any]] = []
     fired = False
@@ -206,14 +224,26 @@ def _fault_to_running(ranks: list[dict[str, Any]]) -> float | None:
 def _equal(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> bool:
     import torch
 
-    return all(len(x["final"]) == len(y["final"]) and all(torch.equal(p, q) for p, q in zip(x["final"], y["final"]))
-               for x, y in zip(a, b))
+    return all(
+        len(x["final"]) == len(y["final"]) and all(torch.equal(p, q) for p, q in zip(x["final"], y["final"]))
+        for x, y in zip(a, b)
+    )
 
 
 def run_meshpact(n: int, steps: int, fault_step: int | None, timeout_s: float) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", __file__,
-               "--meshpact-rank", tmp, str(steps), str(-1 if fault_step is None else fault_step)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={n}",
+            __file__,
+            "--meshpact-rank",
+            tmp,
+            str(steps),
+            str(-1 if fault_step is None else fault_step),
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0:
@@ -221,19 +251,36 @@ def run_meshpact(n: int, steps: int, fault_step: int | None, timeout_s: float) -
         return _read(Path(tmp), n)
 
 
-def run_torchft(n: int, steps: int, fault_step: int | None, timeout_s: float,
-                before_backend: bool = True) -> list[dict[str, Any]]:
+def run_torchft(
+    n: int, steps: int, fault_step: int | None, timeout_s: float, before_backend: bool = True
+) -> list[dict[str, Any]]:
     from torchft._torchft import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=n, join_timeout_ms=100)
     try:
         with tempfile.TemporaryDirectory() as tmp:
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
-            procs = [subprocess.Popen([sys.executable, __file__, "--torchft-replica", tmp, str(r), str(n),
-                                       lighthouse.address(), str(steps), str(-1 if fault_step is None else fault_step),
-                                       "before" if before_backend else "after"],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                     for r in range(n)]
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--torchft-replica",
+                        tmp,
+                        str(r),
+                        str(n),
+                        lighthouse.address(),
+                        str(steps),
+                        str(-1 if fault_step is None else fault_step),
+                        "before" if before_backend else "after",
+                    ],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                for r in range(n)
+            ]
             deadline = time.monotonic() + timeout_s
             errs = []
             for p in procs:
@@ -252,8 +299,11 @@ def run_torchft(n: int, steps: int, fault_step: int | None, timeout_s: float,
 
 
 def side(name: str, n: int, steps: int, fault_step: int, repeat: int, timeout_s: float) -> dict[str, Any]:
-    runners: dict[str, Callable[..., list[dict[str, Any]]]] = {"meshpact": run_meshpact, "torchft": run_torchft,
-               "torchft_error_after_wire": functools.partial(run_torchft, before_backend=False)}
+    runners: dict[str, Callable[..., list[dict[str, Any]]]] = {
+        "meshpact": run_meshpact,
+        "torchft": run_torchft,
+        "torchft_error_after_wire": functools.partial(run_torchft, before_backend=False),
+    }
     runner = runners[name]
     reference = runner(n, steps, None, timeout_s)
     downs, equal, worlds = [], [], []
@@ -268,10 +318,14 @@ def side(name: str, n: int, steps: int, fault_step: int, repeat: int, timeout_s:
         equal.append(_equal(ranks, reference))
         worlds.append(min(row["world"] for r in ranks for row in r["rows"] if "world" in row))
     ok = [d for d in downs if d is not None]
-    return {"fault_to_running_ms_p50": round(statistics.median(ok), 1) if ok else None,
-            "fault_to_running_ms_runs": [None if d is None else round(d, 1) for d in downs],
-            "state_equal_runs": equal, "world_after": min(worlds) if worlds else None, "ranks": n,
-            "runs_failed": failed}
+    return {
+        "fault_to_running_ms_p50": round(statistics.median(ok), 1) if ok else None,
+        "fault_to_running_ms_runs": [None if d is None else round(d, 1) for d in downs],
+        "state_equal_runs": equal,
+        "world_after": min(worlds) if worlds else None,
+        "ranks": n,
+        "runs_failed": failed,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -282,8 +336,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[:1] == ["--torchft-replica"]:
         fault = int(argv[6])
-        torchft_replica(Path(argv[1]), int(argv[2]), int(argv[3]), argv[4], int(argv[5]), None if fault < 0 else fault,
-                        argv[7] == "before")
+        torchft_replica(
+            Path(argv[1]),
+            int(argv[2]),
+            int(argv[3]),
+            argv[4],
+            int(argv[5]),
+            None if fault < 0 else fault,
+            argv[7] == "before",
+        )
         return 0
     parser = argparse.ArgumentParser(description="fault to fault against torchft: an injected allreduce error")
     parser.add_argument("--ranks", type=int, default=4)
@@ -299,24 +360,32 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT / "bench"))
     from _results import emit
 
-    doc: dict[str, Any] = {"steps": args.steps, "fault_step": args.fault_step, "repeat": args.repeat,
-                           "meshpact": side("meshpact", args.ranks, args.steps, args.fault_step, args.repeat,
-                                            args.timeout_s)}
+    doc: dict[str, Any] = {
+        "steps": args.steps,
+        "fault_step": args.fault_step,
+        "repeat": args.repeat,
+        "meshpact": side("meshpact", args.ranks, args.steps, args.fault_step, args.repeat, args.timeout_s),
+    }
     try:
         import torchft  # noqa: F401
     except ImportError as exc:
         doc["torchft"] = {"error": f"torchft is not installed ({exc}); pip install -e '.[bench]'"}
     else:
         doc["torchft"] = side("torchft", args.ranks, args.steps, args.fault_step, args.repeat, args.timeout_s)
-        doc["torchft_error_after_wire"] = side("torchft_error_after_wire", args.ranks, args.steps, args.fault_step,
-                                               args.repeat, args.timeout_s)
+        doc["torchft_error_after_wire"] = side(
+            "torchft_error_after_wire", args.ranks, args.steps, args.fault_step, args.repeat, args.timeout_s
+        )
     m, t = doc["meshpact"].get("fault_to_running_ms_p50"), doc["torchft"].get("fault_to_running_ms_p50")
     doc["ratio_fault_to_running_p50"] = round(m / t, 3) if m and t else None
-    print("| side | fault to running p50 (ms) | runs | state equal to fault-free | ranks after |\n|---|---|---|---|---|")
+    print(
+        "| side | fault to running p50 (ms) | runs | state equal to fault-free | ranks after |\n|---|---|---|---|---|"
+    )
     for name in ("meshpact", "torchft", "torchft_error_after_wire"):
         s = doc.get(name, {})
-        print(f"| {name} | {s.get('fault_to_running_ms_p50')} | {s.get('fault_to_running_ms_runs', s.get('error'))} | "
-              f"{s.get('state_equal_runs')} | {s.get('world_after')} |")
+        print(
+            f"| {name} | {s.get('fault_to_running_ms_p50')} | {s.get('fault_to_running_ms_runs', s.get('error'))} | "
+            f"{s.get('state_equal_runs')} | {s.get('world_after')} |"
+        )
     print(f"ratio meshpact / torchft: {doc['ratio_fault_to_running_p50']}")
     emit("faults_vs_torchft", doc)
     return 0

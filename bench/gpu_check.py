@@ -57,8 +57,11 @@ def _nccl_abort_rebuild() -> dict[str, Any]:
         dist.all_reduce(y, group=fresh)
         torch.cuda.synchronize()
         rebuild_ms = (time.perf_counter() - t0) * 1e3
-        return {"nccl_abort_ms": round(abort_ms, 3), "nccl_rebuild_ms": round(rebuild_ms, 3),
-                "nccl_rebuilt_sum_ok": bool(torch.all(y == 2.0).item())}
+        return {
+            "nccl_abort_ms": round(abort_ms, 3),
+            "nccl_rebuild_ms": round(rebuild_ms, 3),
+            "nccl_rebuilt_sum_ok": bool(torch.all(y == 2.0).item()),
+        }
     finally:
         dist.destroy_process_group()
 
@@ -87,8 +90,12 @@ def _snapshot() -> dict[str, Any]:
     pinned_s = time.perf_counter() - t0
     same = all(torch.equal(a, b) for a, b in zip(host, snap.buffers))
     gb = STATE_BYTES / 1e9
-    return {"snapshot_gbps_cpu": round(gb / cpu_s, 2), "snapshot_gbps_pinned": round(gb / pinned_s, 2),
-            "snapshot_enqueue_ms": round(enqueue_s * 1e3, 3), "snapshot_equal": same}
+    return {
+        "snapshot_gbps_cpu": round(gb / cpu_s, 2),
+        "snapshot_gbps_pinned": round(gb / pinned_s, 2),
+        "snapshot_enqueue_ms": round(enqueue_s * 1e3, 3),
+        "snapshot_equal": same,
+    }
 
 
 def _hung_kernel() -> dict[str, Any]:
@@ -106,8 +113,12 @@ def _hung_kernel() -> dict[str, Any]:
     waited_ms = (time.perf_counter() - t0) * 1e3
     moved = progress.count()
     done_after = fence.wait(timeout_s=30.0)
-    return {"fence_wait_ms_while_hung": round(waited_ms, 2), "fence_done_while_hung": done_while_hung,
-            "fence_done_after_spin": done_after, "progress_moved_while_hung": moved > 0}
+    return {
+        "fence_wait_ms_while_hung": round(waited_ms, 2),
+        "fence_done_while_hung": done_while_hung,
+        "fence_done_after_spin": done_after,
+        "progress_moved_while_hung": moved > 0,
+    }
 
 
 def _gloo_rank(rank: int, port: int, out: Any) -> None:
@@ -173,7 +184,10 @@ def _bit_identity() -> dict[str, Any]:
         return [p.detach().clone() for p in model.parameters()]
 
     a, b = run(), run()
-    return {"deterministic_bit_identical": all(torch.equal(x, y) for x, y in zip(a, b)), "deterministic_said": said.said}
+    return {
+        "deterministic_bit_identical": all(torch.equal(x, y) for x, y in zip(a, b)),
+        "deterministic_said": said.said,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,10 +200,18 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from _results import emit
 
-    record: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "cuda": torch.version.cuda,
-                              "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
-    for name, check in (("nccl", _nccl_abort_rebuild), ("snapshot", _snapshot), ("hung", _hung_kernel),
-                        ("gloo", _gloo_cuda), ("determinism", _bit_identity)):
+    record: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0),
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+    }
+    for name, check in (
+        ("nccl", _nccl_abort_rebuild),
+        ("snapshot", _snapshot),
+        ("hung", _hung_kernel),
+        ("gloo", _gloo_cuda),
+        ("determinism", _bit_identity),
+    ):
         try:
             record.update(check())
         except Exception as exc:  # noqa: BLE001 - one failed check must not hide the others' figures

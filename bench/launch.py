@@ -58,9 +58,22 @@ SPARE_HOST = 2
 
 
 def _flags(hosts: Hosts, node: int, port: int, run: str) -> list[str]:
-    return ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-            f"{hosts.addr[0]}:{port}", "--rdzv-id", run, "--rdzv-conf", f"is_host={int(node == 0)}",
-            "--local-addr", hosts.addr[node]]
+    return [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{hosts.addr[0]}:{port}",
+        "--rdzv-id",
+        run,
+        "--rdzv-conf",
+        f"is_host={int(node == 0)}",
+        "--local-addr",
+        hosts.addr[node],
+    ]
 
 
 def run_case(case: str, hosts: Hosts, work: Path, port: int, reference: dict[int, str]) -> dict[str, Any]:
@@ -76,18 +89,33 @@ def run_case(case: str, hosts: Hosts, work: Path, port: int, reference: dict[int
             launcher = Job.torchrun(*flags, "--max-restarts", "1")
             # what meshpact launch sets by itself (each attempt keeps its own keys in the agents' shared
             # store by itself: session.run_id_of)
-            env = {"GLOO_SOCKET_IFNAME": hosts.iface[node], "MESHPACT_PEER_ADDR": hosts.addr[node],
-                   "MESHPACT_HOST_ID": f"node{node}", **key}
+            env = {
+                "GLOO_SOCKET_IFNAME": hosts.iface[node],
+                "MESHPACT_PEER_ADDR": hosts.addr[node],
+                "MESHPACT_HOST_ID": f"node{node}",
+                **key,
+            }
         else:
             extra = ["--spare-ranks-per-node", "1"] if case == "worker_kill_warm_spare" and node == 1 else []
             launcher = Job.meshpact(*flags, "--max-restarts", "1", "--node-loss-s", "3", *extra)
             env = dict(key)
-        jobs.append(Job(launcher, out, STEPS, STEP_S, prefix=hosts.prefix(node), env=env, name=f"node{node}",
-                        script_args=script))
+        jobs.append(
+            Job(
+                launcher, out, STEPS, STEP_S, prefix=hosts.prefix(node), env=env, name=f"node{node}", script_args=script
+            )
+        )
     if case == "node_kill_spare_node":
-        jobs.append(Job(Job.meshpact(*_flags(hosts, SPARE_HOST, port, f"{case}{hosts.tag}"), "--node-loss-s", "3",
-                                     "--spare"), out, STEPS, STEP_S, prefix=hosts.prefix(SPARE_HOST), env=key,
-                        name="spare"))
+        jobs.append(
+            Job(
+                Job.meshpact(*_flags(hosts, SPARE_HOST, port, f"{case}{hosts.tag}"), "--node-loss-s", "3", "--spare"),
+                out,
+                STEPS,
+                STEP_S,
+                prefix=hosts.prefix(SPARE_HOST),
+                env=key,
+                name="spare",
+            )
+        )
     node0, node1 = jobs[:2]
     try:
         first = {r: (node0 if r < 2 else node1).wait_for_step(r, 0, 300) for r in range(4)}
@@ -117,8 +145,9 @@ def run_case(case: str, hosts: Hosts, work: Path, port: int, reference: dict[int
             step = at_step.pop()
             assert step is not None  # ruled out above
             excised = excising_reference(out / "reference", STEPS, step, 4, len(remaining))
-            identical = all(finals[r].digest == excised[r].digest for r in remaining if r in excised) \
-                and sorted(excised) == list(remaining)
+            identical = all(finals[r].digest == excised[r].digest for r in remaining if r in excised) and sorted(
+                excised
+            ) == list(remaining)
     else:
         identical = sorted(finals) == sorted(reference) and all(finals[r].digest == reference[r] for r in finals)
     return {
@@ -126,8 +155,9 @@ def run_case(case: str, hosts: Hosts, work: Path, port: int, reference: dict[int
         "downtime_s": None if at is None else round(at - t_kill, 3),
         "storage_bytes_read": sum(f.storage_bytes_read for f in finals.values()),
         "bit_identical": identical,
-        "survivor_pids_kept": all(r in finals and finals[r].pid == first[r].pid and finals[r].incarnation == 0
-                                  for r in survivors),
+        "survivor_pids_kept": all(
+            r in finals and finals[r].pid == first[r].pid and finals[r].incarnation == 0 for r in survivors
+        ),
         "policies": sorted({p for f in finals.values() for p in f.policies}),
     }
 
@@ -147,8 +177,9 @@ def _summary(case: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
         "downtime_s": round(statistics.median(downtimes), 3) if downtimes else None,
         "downtime_s_runs": [r["downtime_s"] for r in runs],
         "storage_bytes_read": max(r["storage_bytes_read"] for r in runs),
-        "bit_identical": (None if all(r["bit_identical"] is None for r in runs)
-                          else all(r["bit_identical"] for r in runs)),
+        "bit_identical": (
+            None if all(r["bit_identical"] is None for r in runs) else all(r["bit_identical"] for r in runs)
+        ),
         "survivor_pids_kept": all(r["survivor_pids_kept"] for r in runs),
         "policies": sorted({p for r in runs for p in r["policies"]}),
     }
@@ -166,8 +197,10 @@ def main() -> int:
         sys.stderr.write(f"error: --cases {args.cases!r}: expected a comma list of {', '.join(CASES)}\n")
         return 2
     if args.repeat < 1 or args.busy_loops < 0:
-        sys.stderr.write(f"error: --repeat {args.repeat} --busy-loops {args.busy_loops}: expected a repeat of 1 "
-                         "or more and 0 or more busy loops\n")
+        sys.stderr.write(
+            f"error: --repeat {args.repeat} --busy-loops {args.busy_loops}: expected a repeat of 1 "
+            "or more and 0 or more busy loops\n"
+        )
         return 2
     why = bridge_unavailable()
     if why:
@@ -195,27 +228,40 @@ def main() -> int:
                 proc.kill()
                 proc.wait()
         results = {c: _summary(c, rs) for c, rs in runs.items()}
-    print(f"{'case':<24} {'ok':<5} {'downtime s':>10} {'storage B read':>15} {'bit-identical':>14} "
-          f"{'survivor pids kept':>19}  policies")
+    print(
+        f"{'case':<24} {'ok':<5} {'downtime s':>10} {'storage B read':>15} {'bit-identical':>14} "
+        f"{'survivor pids kept':>19}  policies"
+    )
     for case, r in results.items():
-        print(f"{case:<24} {str(r['ok']):<5} {str(r['downtime_s']):>10} {r['storage_bytes_read']:>15} "
-              f"{str(r['bit_identical']):>14} {str(r['survivor_pids_kept']):>19}  {', '.join(r['policies'])}")
+        print(
+            f"{case:<24} {str(r['ok']):<5} {str(r['downtime_s']):>10} {r['storage_bytes_read']:>15} "
+            f"{str(r['bit_identical']):>14} {str(r['survivor_pids_kept']):>19}  {', '.join(r['policies'])}"
+        )
     spare = results.get("worker_kill_warm_spare", {}).get("downtime_s")
     restart = results.get("torchrun_restart", {}).get("downtime_s")
     # a run under load (or repeated) is a result of its own: bench/results/launch-load.json
-    emit("launch" if args.repeat == 1 and args.busy_loops == 0 else "launch-load", {
-        "bench": "launch", "runs": args.repeat, "busy_loops": args.busy_loops,
-        "passed_by_case": {c: r["passed"] for c, r in results.items()},
-        "downtime_s_runs_by_case": {c: r["downtime_s_runs"] for c, r in results.items()},
-        "nodes": 2, "ranks_per_node": 2, "steps": STEPS, "kill_after_step": KILL_AT, "step_sleep_s": STEP_S,
-        "downtime_s_by_case": {c: r["downtime_s"] for c, r in results.items()},
-        "storage_bytes_read_by_case": {c: r["storage_bytes_read"] for c, r in results.items()},
-        "bit_identical_by_case": {c: r["bit_identical"] for c, r in results.items()},
-        "survivor_pids_kept": {c: r["survivor_pids_kept"] for c, r in results.items()},
-        "ok_by_case": {c: r["ok"] for c, r in results.items()},
-        "policies_by_case": {c: r["policies"] for c, r in results.items()},
-        "warm_spare_over_torchrun_restart": round(spare / restart, 3) if spare and restart else None,
-    })
+    emit(
+        "launch" if args.repeat == 1 and args.busy_loops == 0 else "launch-load",
+        {
+            "bench": "launch",
+            "runs": args.repeat,
+            "busy_loops": args.busy_loops,
+            "passed_by_case": {c: r["passed"] for c, r in results.items()},
+            "downtime_s_runs_by_case": {c: r["downtime_s_runs"] for c, r in results.items()},
+            "nodes": 2,
+            "ranks_per_node": 2,
+            "steps": STEPS,
+            "kill_after_step": KILL_AT,
+            "step_sleep_s": STEP_S,
+            "downtime_s_by_case": {c: r["downtime_s"] for c, r in results.items()},
+            "storage_bytes_read_by_case": {c: r["storage_bytes_read"] for c, r in results.items()},
+            "bit_identical_by_case": {c: r["bit_identical"] for c, r in results.items()},
+            "survivor_pids_kept": {c: r["survivor_pids_kept"] for c, r in results.items()},
+            "ok_by_case": {c: r["ok"] for c, r in results.items()},
+            "policies_by_case": {c: r["policies"] for c, r in results.items()},
+            "warm_spare_over_torchrun_restart": round(spare / restart, 3) if spare and restart else None,
+        },
+    )
     return 0
 
 

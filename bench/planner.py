@@ -54,10 +54,21 @@ def synthetic_graph() -> list[Edge]:
                 if len(out) == GRAPH_EDGES:
                     break
                 ranks = mesh.domain(dst).ranks
-                out.append(Edge(f"mb{mb}.layer{layer}.{op}", mesh,
-                                ProducerTensor(f"l{layer}.{op}", f"layers.{layer}.{op}", (TOKENS, HIDDEN),
-                                               DType.BFLOAT16, src, Partial("sum")),
-                                Consumer(f"l{layer}.{op}.reader", dst, ranks, Request.REDUCED)))
+                out.append(
+                    Edge(
+                        f"mb{mb}.layer{layer}.{op}",
+                        mesh,
+                        ProducerTensor(
+                            f"l{layer}.{op}",
+                            f"layers.{layer}.{op}",
+                            (TOKENS, HIDDEN),
+                            DType.BFLOAT16,
+                            src,
+                            Partial("sum"),
+                        ),
+                        Consumer(f"l{layer}.{op}.reader", dst, ranks, Request.REDUCED),
+                    )
+                )
         mb += 1
     return out
 
@@ -83,20 +94,25 @@ def main() -> int:
     print(f"{'kind':<11} {'case':<58} {'µs':>8}")
     for kind, label, us in rows[:: max(1, len(rows) // 20)] + [r for r in rows if r[0] == "edge"]:
         print(f"{kind:<11} {label[:58]:<58} {us:>8.1f}")
-    print(f"\nplans timed: {len(rows)} (126 transitions + {len(EDGES)} edges), median {median_us:.1f} µs "
-          f"(goal < {PLAN_GOAL_US:.0f}), p90 {statistics.quantiles(per, n=10)[-1]:.1f} µs")
+    print(
+        f"\nplans timed: {len(rows)} (126 transitions + {len(EDGES)} edges), median {median_us:.1f} µs "
+        f"(goal < {PLAN_GOAL_US:.0f}), p90 {statistics.quantiles(per, n=10)[-1]:.1f} µs"
+    )
     print(f"{GRAPH_EDGES}-edge graph ({LAYERS} layers): {graph_s:.3f} s (goal < {GRAPH_GOAL_S} s), best of 3")
-    emit("planner", {
-        "bench": "planner",
-        "plans": len(rows),
-        "median_us_per_plan": round(median_us, 1),
-        "p90_us_per_plan": round(statistics.quantiles(per, n=10)[-1], 1),
-        "max_us_per_plan": round(max(per), 1),
-        "graph_edges": GRAPH_EDGES,
-        "graph_1000_edges_s": round(graph_s, 4),
-        "plan_goal_met": median_us < PLAN_GOAL_US,
-        "graph_goal_met": graph_s < GRAPH_GOAL_S,
-    })
+    emit(
+        "planner",
+        {
+            "bench": "planner",
+            "plans": len(rows),
+            "median_us_per_plan": round(median_us, 1),
+            "p90_us_per_plan": round(statistics.quantiles(per, n=10)[-1], 1),
+            "max_us_per_plan": round(max(per), 1),
+            "graph_edges": GRAPH_EDGES,
+            "graph_1000_edges_s": round(graph_s, 4),
+            "plan_goal_met": median_us < PLAN_GOAL_US,
+            "graph_goal_met": graph_s < GRAPH_GOAL_S,
+        },
+    )
     return 0
 
 

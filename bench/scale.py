@@ -91,8 +91,12 @@ from _results import FAULT_TO_RUNNING, emit, p50_by_kind
 MMAP_THRESHOLD = 1 << 20  # bytes: glibc's mmap threshold in every process of both runs (0: glibc's own, dynamic)
 RATIO_MIN_STATE_MB = 64.0  # below this much state per rank the extra memory is given in MB only, not as a ratio
 
-PATHS = {"collective": ("collective", "replace"), "stall": ("stall", "replace"), "kill": ("kill", "replace"),
-         "excise": ("kill", "excise")}
+PATHS = {
+    "collective": ("collective", "replace"),
+    "stall": ("stall", "replace"),
+    "kill": ("kill", "replace"),
+    "excise": ("kill", "excise"),
+}
 POLICY = {"collective": "in_memory", "stall": "in_memory", "kill": "peer_restore", "excise": "excise"}
 
 
@@ -116,9 +120,16 @@ def plain_rank(workload: str, steps: int, out_dir: str) -> None:
         wl.train_step(model, optimizer, wl.batch(step, rank))
         step_s.append(time.perf_counter() - t0)
     state = sum(t.numel() * t.element_size() for t in _local_tensors(model, optimizer))
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"rank": rank, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-         "state_bytes": state, "step_s": step_s}))
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "rank": rank,
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "state_bytes": state,
+                "step_s": step_s,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
@@ -138,19 +149,36 @@ class PlainRun:
 
 def run_plain(workload: str, ranks: int, steps: int) -> PlainRun:
     out_dir = tempfile.mkdtemp(prefix="meshpact-bench-plain-")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", __file__,
-           "--plain", workload, "--steps", str(steps), "--out", out_dir]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={ranks}",
+        __file__,
+        "--plain",
+        workload,
+        "--steps",
+        str(steps),
+        "--out",
+        out_dir,
+    ]
     with RssWatch(lambda: _plain_pids(Path(out_dir))) as watch:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600, check=False)
     rows = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*.json"))]
     shutil.rmtree(out_dir, ignore_errors=True)
     if len(rows) != ranks:
-        raise RuntimeError(f"the plain run of {workload} ended with {len(rows)} of {ranks} ranks reporting:\n"
-                           f"{out.stderr[-2000:]}")
+        raise RuntimeError(
+            f"the plain run of {workload} ended with {len(rows)} of {ranks} ranks reporting:\n{out.stderr[-2000:]}"
+        )
     steps_s = [s for r in rows for s in r["step_s"][1:]] or [s for r in rows for s in r["step_s"]]
     own = max(r["peak_rss_bytes"] for r in rows)  # ru_maxrss: only where the watch saw no rank
-    return PlainRun(watch.peak("plain") or own, watch.peak("plain", anon=True), max(r["state_bytes"] for r in rows),
-                    statistics.median(steps_s))
+    return PlainRun(
+        watch.peak("plain") or own,
+        watch.peak("plain", anon=True),
+        max(r["state_bytes"] for r in rows),
+        statistics.median(steps_s),
+    )
 
 
 def _plain_pids(out_dir: Path) -> list[tuple[tuple[str, int, int], int]]:
@@ -172,8 +200,11 @@ def _trial_pids(work: Path) -> list[tuple[tuple[str, int, int], int]]:
         rows = [json.loads(line) for line in (work / PROCESSES_FILE).read_text().splitlines() if line]
     except (OSError, ValueError):
         return []
-    return [((row["run_id"], int(row["rank"]), int(row["incarnation"])), int(row["pid"]))
-            for row in rows if row.get("rank") is not None]
+    return [
+        ((row["run_id"], int(row["rank"]), int(row["incarnation"])), int(row["pid"]))
+        for row in rows
+        if row.get("rank") is not None
+    ]
 
 
 # -- Meshpact trials, their processes' peak memory watched ---------------------------------------------
@@ -204,8 +235,11 @@ class RssWatch:
                     status = Path(f"/proc/{pid}/status").read_text()
                 except OSError:
                     continue
-                kb = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines()
-                      if line.startswith(("VmHWM:", "RssAnon:"))}
+                kb = {
+                    line.split(":")[0]: int(line.split()[1])
+                    for line in status.splitlines()
+                    if line.startswith(("VmHWM:", "RssAnon:"))
+                }
                 self.peaks[key] = max(self.peaks.get(key, 0), kb.get("VmHWM", 0) * 1024)
                 self.anon[key] = max(self.anon.get(key, 0), kb.get("RssAnon", 0) * 1024)
 
@@ -228,7 +262,9 @@ class PathRun:
     commit_ms: float | None
     step_latency: float | None
     error: str | None = None
-    stages_ms: dict[str, float] = field(default_factory=dict)  # each stage's p50 over the recoveries, first collective apart
+    stages_ms: dict[str, float] = field(
+        default_factory=dict
+    )  # each stage's p50 over the recoveries, first collective apart
     skew_ms: list[float] = field(default_factory=list)  # the detection stage: until every rank knew
     own_ms: list[float] = field(default_factory=list)  # the recovery itself: every stage after detection
     policies: list[str] = field(default_factory=list)  # each recovery's policy, in the order of the lists above
@@ -256,17 +292,36 @@ class PathRun:
         return self._by_step(-1) if self.recovery_steps or self.fault_steps else 0
 
 
-def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: float | None, ref: Path,
-             root: Path, faults: int = 1, depth: int = 2, logs: str | None = None,
-             deadline_s: float | None = None) -> PathRun:
+def run_path(
+    workload: str,
+    path: str,
+    ranks: int,
+    steps: int,
+    data_timeout_s: float | None,
+    ref: Path,
+    root: Path,
+    faults: int = 1,
+    depth: int = 2,
+    logs: str | None = None,
+    deadline_s: float | None = None,
+) -> PathRun:
     from meshpact.live.trials.analysis import heard_spread_ms
     from meshpact.live.trials.trial import TrialConfig, run_trial
 
     kind, on_loss = PATHS[path]
     faults = faults if POLICY[path] == "in_memory" else 1
-    kw: dict[str, Any] = {"ranks": ranks, "steps": steps, "faults": faults, "fault_kind": kind, "on_rank_loss": on_loss,
-                          "checkpoint_every": steps, "baselines": False, "peer_copies": 1, "workload": workload,
-                          "peer_copy_depth": depth}
+    kw: dict[str, Any] = {
+        "ranks": ranks,
+        "steps": steps,
+        "faults": faults,
+        "fault_kind": kind,
+        "on_rank_loss": on_loss,
+        "checkpoint_every": steps,
+        "baselines": False,
+        "peer_copies": 1,
+        "workload": workload,
+        "peer_copy_depth": depth,
+    }
     if data_timeout_s is not None:
         kw["data_timeout_s"] = data_timeout_s
     if deadline_s is not None:
@@ -289,18 +344,29 @@ def run_path(workload: str, path: str, ranks: int, steps: int, data_timeout_s: f
     s = result.summary()
     recs = result.recoveries()
     overhead = s.get("peer_copy_overhead") or {}
-    return PathRun(workload, path, bool(s["bit_identical"]), int(s["policy_counts"][POLICY[path]]),
-                   int(s["faults_injected"]), len(recs), [r["recovery_s"] * 1e3 for r in recs],
-                   [r["detection_s"] * 1e3 for r in recs], watch.peak("faulted"), watch.peak("faulted", anon=True),
-                   overhead.get("snapshot_ms_per_commit"), overhead.get("step_latency"),
-                   stages_ms={k: statistics.median(v) for k, v in _stage_lists(recs).items()},
-                   skew_ms=[r["stages_s"].get("detection", 0.0) * 1e3 for r in recs],
-                   own_ms=[sum(v for k, v in r["stages_s"].items() if k != "detection") * 1e3 for r in recs],
-                   policies=[r["policy"] for r in recs], recovery_steps=[int(r["step"]) for r in recs],
-                   fault_steps=sorted(rec.step for rec in result.fault_records.values()),
-                   fault_to_running_ms=result.fault_to_running_ms(POLICY[path]),
-                   knew_spread_ms=[r["knew_spread_s"] * 1e3 for r in recs if r["policy"] == POLICY[path]],
-                   heard_spread_ms=heard_spread_ms(result.events()))
+    return PathRun(
+        workload,
+        path,
+        bool(s["bit_identical"]),
+        int(s["policy_counts"][POLICY[path]]),
+        int(s["faults_injected"]),
+        len(recs),
+        [r["recovery_s"] * 1e3 for r in recs],
+        [r["detection_s"] * 1e3 for r in recs],
+        watch.peak("faulted"),
+        watch.peak("faulted", anon=True),
+        overhead.get("snapshot_ms_per_commit"),
+        overhead.get("step_latency"),
+        stages_ms={k: statistics.median(v) for k, v in _stage_lists(recs).items()},
+        skew_ms=[r["stages_s"].get("detection", 0.0) * 1e3 for r in recs],
+        own_ms=[sum(v for k, v in r["stages_s"].items() if k != "detection") * 1e3 for r in recs],
+        policies=[r["policy"] for r in recs],
+        recovery_steps=[int(r["step"]) for r in recs],
+        fault_steps=sorted(rec.step for rec in result.fault_records.values()),
+        fault_to_running_ms=result.fault_to_running_ms(POLICY[path]),
+        knew_spread_ms=[r["knew_spread_s"] * 1e3 for r in recs if r["policy"] == POLICY[path]],
+        heard_spread_ms=heard_spread_ms(result.events()),
+    )
 
 
 def _stage_lists(recs: list[dict[str, Any]]) -> dict[str, list[float]]:
@@ -325,22 +391,31 @@ def downtime(runs: list[PathRun], workloads: tuple[str, ...]) -> dict[str, Any]:
     """The headline: per workload and fault kind (path), fault -> every rank running the next step
     (:data:`FAULT_TO_RUNNING`), and beside it how long after the first rank the last one knew (its
     step raised) and the last one's process heard (:func:`~meshpact.live.trials.analysis.heard_spread_ms`)."""
-    return {FAULT_TO_RUNNING: {w: p50_by_kind({r.path: r.fault_to_running_ms for r in runs if r.workload == w})
-                               for w in workloads},
-            "knew_spread_ms_p50_by_kind": {w: p50_by_kind({r.path: r.knew_spread_ms for r in runs if r.workload == w})
-                                           for w in workloads},
-            "heard_spread_ms_p50_by_kind": {w: p50_by_kind({r.path: r.heard_spread_ms for r in runs if r.workload == w})
-                                            for w in workloads}}
+    return {
+        FAULT_TO_RUNNING: {
+            w: p50_by_kind({r.path: r.fault_to_running_ms for r in runs if r.workload == w}) for w in workloads
+        },
+        "knew_spread_ms_p50_by_kind": {
+            w: p50_by_kind({r.path: r.knew_spread_ms for r in runs if r.workload == w}) for w in workloads
+        },
+        "heard_spread_ms_p50_by_kind": {
+            w: p50_by_kind({r.path: r.heard_spread_ms for r in runs if r.workload == w}) for w in workloads
+        },
+    }
 
 
 def _downtime_rows(runs: list[PathRun]) -> None:
-    print(f"{'workload/path':<22} {'bit-id':>6} {'faults':>6} {'fault->running ms p50':>22} {'knew spread ms p50':>19} "
-          f"{'knew spread ms each'} {'heard spread ms each'}")
+    print(
+        f"{'workload/path':<22} {'bit-id':>6} {'faults':>6} {'fault->running ms p50':>22} {'knew spread ms p50':>19} "
+        f"{'knew spread ms each'} {'heard spread ms each'}"
+    )
     for r in runs:
-        print(f"{r.workload + '/' + r.path:<22} {str(r.bit_identical):>6} {len(r.fault_to_running_ms):>6} "
-              f"{(_p50(r.fault_to_running_ms) or float('nan')):>22.1f} {(_p50(r.knew_spread_ms) or float('nan')):>19.1f} "
-              f"{[round(x) for x in r.knew_spread_ms]} {[round(x) for x in r.heard_spread_ms]}"
-              + (f"  {r.error}" if r.error else ""))
+        print(
+            f"{r.workload + '/' + r.path:<22} {str(r.bit_identical):>6} {len(r.fault_to_running_ms):>6} "
+            f"{(_p50(r.fault_to_running_ms) or float('nan')):>22.1f} {(_p50(r.knew_spread_ms) or float('nan')):>19.1f} "
+            f"{[round(x) for x in r.knew_spread_ms]} {[round(x) for x in r.heard_spread_ms]}"
+            + (f"  {r.error}" if r.error else "")
+        )
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -352,27 +427,59 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--tiny", default="decoder")
     parser.add_argument("--large", default="gpt100m")
-    parser.add_argument("--data-timeout", type=float, default=None,
-                        help="the data-path timeout of the trials (default: the trials' own)")
+    parser.add_argument(
+        "--data-timeout",
+        type=float,
+        default=None,
+        help="the data-path timeout of the trials (default: the trials' own)",
+    )
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--peer-copy-depth", type=int, default=2, choices=(1, 2),
-                        help="committed steps kept of each peer copy and own snapshot")
-    parser.add_argument("--logs", default=None,
-                        help="keep each path's rank logs and recording under this folder (what detected each recovery)")
-    parser.add_argument("--downtime-only", action="store_true",
-                        help="only the trials' downtime (fault -> every rank running; no plain runs, no memory): "
-                             "written to bench/results/scale-downtime.json")
-    parser.add_argument("--security-cost", type=int, default=0, metavar="PAIRS",
-                        help="with --downtime-only: also PAIRS pairs of --large trials with the job key on and off, "
-                             "interleaved, and the copies' digests timed on a rank's payload (the security measures' "
-                             "cost)")
-    parser.add_argument("--trial-deadline", type=float, default=None, metavar="S",
-                        help="with --downtime-only: each trial run's launcher deadline (default: derived from its "
-                             "steps; a machine whose cores other jobs hold may need more)")
-    parser.add_argument("--workloads", default=None,
-                        help="with --downtime-only: the workloads, comma-separated (default: --tiny and --large)")
-    parser.add_argument("--mmap-threshold", type=int, default=MMAP_THRESHOLD,
-                        help="glibc's mmap threshold in bytes for every process of both runs (0: glibc's default)")
+    parser.add_argument(
+        "--peer-copy-depth",
+        type=int,
+        default=2,
+        choices=(1, 2),
+        help="committed steps kept of each peer copy and own snapshot",
+    )
+    parser.add_argument(
+        "--logs",
+        default=None,
+        help="keep each path's rank logs and recording under this folder (what detected each recovery)",
+    )
+    parser.add_argument(
+        "--downtime-only",
+        action="store_true",
+        help="only the trials' downtime (fault -> every rank running; no plain runs, no memory): "
+        "written to bench/results/scale-downtime.json",
+    )
+    parser.add_argument(
+        "--security-cost",
+        type=int,
+        default=0,
+        metavar="PAIRS",
+        help="with --downtime-only: also PAIRS pairs of --large trials with the job key on and off, "
+        "interleaved, and the copies' digests timed on a rank's payload (the security measures' "
+        "cost)",
+    )
+    parser.add_argument(
+        "--trial-deadline",
+        type=float,
+        default=None,
+        metavar="S",
+        help="with --downtime-only: each trial run's launcher deadline (default: derived from its "
+        "steps; a machine whose cores other jobs hold may need more)",
+    )
+    parser.add_argument(
+        "--workloads",
+        default=None,
+        help="with --downtime-only: the workloads, comma-separated (default: --tiny and --large)",
+    )
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=MMAP_THRESHOLD,
+        help="glibc's mmap threshold in bytes for every process of both runs (0: glibc's default)",
+    )
     args = parser.parse_args(argv)
     from meshpact.core.errors import MeshpactError
     from meshpact.live.recovery.faults import plan_faults
@@ -403,35 +510,75 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for w in (args.tiny, args.large):
         ref = root / f"ref-{w}" / "reference"
         for path in paths:
-            runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root, args.faults,
-                                 args.peer_copy_depth, args.logs))
+            runs.append(
+                run_path(
+                    w,
+                    path,
+                    args.ranks,
+                    args.steps,
+                    args.data_timeout,
+                    ref,
+                    root,
+                    args.faults,
+                    args.peer_copy_depth,
+                    args.logs,
+                )
+            )
             print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
     state_mb = {w: plain[w].state_bytes / 2**20 for w in plain}
     in_memory = [p for p in paths if POLICY[p] == "in_memory"]
+
     def in_memory_ms(w: str, attr: str) -> list[float]:
-        return [ms for r in runs if r.workload == w and r.path in in_memory
-                for ms, policy in zip(getattr(r, attr), r.policies) if policy == "in_memory"]
+        return [
+            ms
+            for r in runs
+            if r.workload == w and r.path in in_memory
+            for ms, policy in zip(getattr(r, attr), r.policies)
+            if policy == "in_memory"
+        ]
 
     rec = {w: _p50(in_memory_ms(w, "own_ms")) for w in plain}
     det = {w: _p50(in_memory_ms(w, "skew_ms")) for w in plain}
-    extra_mb = {f"{r.workload}/{r.path}": ((r.peak_rss_bytes - plain[r.workload].peak_rss_bytes) / 2**20
-                                           if r.peak_rss_bytes else None) for r in runs}
-    extra_anon_mb = {f"{r.workload}/{r.path}": ((r.peak_anon_bytes - plain[r.workload].peak_anon_bytes) / 2**20
-                                                if r.peak_anon_bytes else None) for r in runs}
+    extra_mb = {
+        f"{r.workload}/{r.path}": (
+            (r.peak_rss_bytes - plain[r.workload].peak_rss_bytes) / 2**20 if r.peak_rss_bytes else None
+        )
+        for r in runs
+    }
+    extra_anon_mb = {
+        f"{r.workload}/{r.path}": (
+            (r.peak_anon_bytes - plain[r.workload].peak_anon_bytes) / 2**20 if r.peak_anon_bytes else None
+        )
+        for r in runs
+    }
 
     def over_state(mb: dict[str, float | None]) -> dict[str, float | None]:
         """Each path's extra over its workload's state per rank; None where that state is under
         RATIO_MIN_STATE_MB (a few MB of noise in a process's memory would be a ratio of hundreds)."""
-        return {k: (v / state_mb[k.split("/")[0]] if v is not None and state_mb[k.split("/")[0]] >= RATIO_MIN_STATE_MB
-                    else None) for k, v in mb.items()}
+        return {
+            k: (
+                v / state_mb[k.split("/")[0]]
+                if v is not None and state_mb[k.split("/")[0]] >= RATIO_MIN_STATE_MB
+                else None
+            )
+            for k, v in mb.items()
+        }
 
     extra, extra_anon = over_state(extra_mb), over_state(extra_anon_mb)
-    excise_vs_survivors = {f"{r.workload}/{r.path}": (r.peak_rss_bytes - survivors.peak_rss_bytes) / survivors.state_bytes
-                           for r in runs if survivors is not None and r.workload == args.large and r.path == "excise"
-                           and r.peak_rss_bytes and state_mb[r.workload] >= RATIO_MIN_STATE_MB}
+    excise_vs_survivors = {
+        f"{r.workload}/{r.path}": (r.peak_rss_bytes - survivors.peak_rss_bytes) / survivors.state_bytes
+        for r in runs
+        if survivors is not None
+        and r.workload == args.large
+        and r.path == "excise"
+        and r.peak_rss_bytes
+        and state_mb[r.workload] >= RATIO_MIN_STATE_MB
+    }
     result = {
         "bench": "scale",
-        "ranks": args.ranks, "steps": args.steps, "faults_per_in_memory_path": args.faults,
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "faults_per_in_memory_path": args.faults,
         "peer_copy_depth": args.peer_copy_depth,
         "data_timeout_s": args.data_timeout,
         "mmap_threshold_bytes": args.mmap_threshold or None,
@@ -453,35 +600,53 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "extra_rss_excised_over_own_state": excise_vs_survivors,
         "commit_overhead_ms": {f"{r.workload}/{r.path}": r.commit_ms for r in runs if r.path == "collective"},
         "peer_copy_step_latency": {f"{r.workload}/{r.path}": r.step_latency for r in runs if r.path == "collective"},
-        "paths": {f"{r.workload}/{r.path}": {"bit_identical": r.bit_identical, "recovered_by_policy": r.policy_count,
-                                             "unplanned_recoveries": r.unplanned, "unrecovered_faults": r.unrecovered,
-                                             "recovery_steps": r.recovery_steps, "fault_steps": r.fault_steps,
-                                             "peak_rss_mb": r.peak_rss_bytes / 2**20,
-                                             "peak_anon_mb": r.peak_anon_bytes / 2**20,
-                                             "recovery_ms": r.recovery_ms, "own_ms": r.own_ms, "skew_ms": r.skew_ms,
-                                             "policies": r.policies,
-                                             "fault_to_running_ms": r.fault_to_running_ms,
-                                             "knew_spread_ms": r.knew_spread_ms,
-                                             "heard_spread_ms": r.heard_spread_ms,
-                                             "stages_ms": r.stages_ms,
-                                             "error": r.error} for r in runs},
+        "paths": {
+            f"{r.workload}/{r.path}": {
+                "bit_identical": r.bit_identical,
+                "recovered_by_policy": r.policy_count,
+                "unplanned_recoveries": r.unplanned,
+                "unrecovered_faults": r.unrecovered,
+                "recovery_steps": r.recovery_steps,
+                "fault_steps": r.fault_steps,
+                "peak_rss_mb": r.peak_rss_bytes / 2**20,
+                "peak_anon_mb": r.peak_anon_bytes / 2**20,
+                "recovery_ms": r.recovery_ms,
+                "own_ms": r.own_ms,
+                "skew_ms": r.skew_ms,
+                "policies": r.policies,
+                "fault_to_running_ms": r.fault_to_running_ms,
+                "knew_spread_ms": r.knew_spread_ms,
+                "heard_spread_ms": r.heard_spread_ms,
+                "stages_ms": r.stages_ms,
+                "error": r.error,
+            }
+            for r in runs
+        },
     }
-    print(f"{'workload/path':<22} {'bit-id':>6} {'policy':>6} {'unplanned':>9} {'missed':>6} {'recovery ms':>12} {'skew ms':>8} "
-          f"{'peak RSS MB':>11} {'extra MB':>9} {'extra/state':>11}")
+    print(
+        f"{'workload/path':<22} {'bit-id':>6} {'policy':>6} {'unplanned':>9} {'missed':>6} {'recovery ms':>12} {'skew ms':>8} "
+        f"{'peak RSS MB':>11} {'extra MB':>9} {'extra/state':>11}"
+    )
     for r in runs:
         key = f"{r.workload}/{r.path}"
         x = extra[key]
         own = _p50(r.own_ms)
-        print(f"{key:<22} {str(r.bit_identical):>6} {r.policy_count:>6} {r.unplanned:>9} {r.unrecovered:>6} "
-              f"{(own if own is not None else float('nan')):>12.1f} {(_p50(r.skew_ms) or float('nan')):>8.1f} "
-              f"{r.peak_rss_bytes / 2**20:>11.0f} {(extra_mb[key] if extra_mb[key] is not None else float('nan')):>9.0f} "
-              f"{(x if x is not None else float('nan')):>11.2f}" + (f"  {r.error}" if r.error else ""))
+        print(
+            f"{key:<22} {str(r.bit_identical):>6} {r.policy_count:>6} {r.unplanned:>9} {r.unrecovered:>6} "
+            f"{(own if own is not None else float('nan')):>12.1f} {(_p50(r.skew_ms) or float('nan')):>8.1f} "
+            f"{r.peak_rss_bytes / 2**20:>11.0f} {(extra_mb[key] if extra_mb[key] is not None else float('nan')):>9.0f} "
+            f"{(x if x is not None else float('nan')):>11.2f}" + (f"  {r.error}" if r.error else "")
+        )
     _downtime_rows(runs)
     for w in plain:
-        print(f"plain {w}: peak RSS {plain[w].peak_rss_bytes / 2**20:.0f} MB, state {state_mb[w]:.1f} MB per rank, "
-              f"step {plain[w].step_s_p50:.2f} s")
-    print(f"in-memory recovery p50 (skew apart): {rec}; skew p50: {det}; large/tiny: "
-          f"{result['recovery_ratio_large_over_tiny']}; load average {os.getloadavg()}")
+        print(
+            f"plain {w}: peak RSS {plain[w].peak_rss_bytes / 2**20:.0f} MB, state {state_mb[w]:.1f} MB per rank, "
+            f"step {plain[w].step_s_p50:.2f} s"
+        )
+    print(
+        f"in-memory recovery p50 (skew apart): {rec}; skew p50: {det}; large/tiny: "
+        f"{result['recovery_ratio_large_over_tiny']}; load average {os.getloadavg()}"
+    )
     shutil.rmtree(root, ignore_errors=True)
     emit("scale" if args.peer_copy_depth == 2 else f"scale-depth{args.peer_copy_depth}", result)
     return result
@@ -511,16 +676,27 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
     load = [round(os.getloadavg()[0], 2)]
     identical = True
     for i in range(pairs):
-        for on in ((True, False) if i % 2 == 0 else (False, True)):
+        for on in (True, False) if i % 2 == 0 else (False, True):
             side = "on" if on else "off"
             work = Path(tempfile.mkdtemp(prefix=f"security-{side}-", dir=root))
-            cfg = TrialConfig(ranks=args.ranks, steps=args.steps, faults=args.faults, fault_kind=FaultKind.COLLECTIVE,
-                              checkpoint_every=args.steps, baselines=False, peer_copies=1, workload=args.large,
-                              peer_copy_depth=args.peer_copy_depth, authenticated=on,
-                              timeout_s=args.trial_deadline)
+            cfg = TrialConfig(
+                ranks=args.ranks,
+                steps=args.steps,
+                faults=args.faults,
+                fault_kind=FaultKind.COLLECTIVE,
+                checkpoint_every=args.steps,
+                baselines=False,
+                peer_copies=1,
+                workload=args.large,
+                peer_copy_depth=args.peer_copy_depth,
+                authenticated=on,
+                timeout_s=args.trial_deadline,
+            )
             ref = root / f"ref-{args.large}" / "reference"
             try:
-                result = run_trial(cfg, work_dir=work, reference_dir=ref if (ref / "final-rank0.pt").is_file() else None)
+                result = run_trial(
+                    cfg, work_dir=work, reference_dir=ref if (ref / "final-rank0.pt").is_file() else None
+                )
             finally:
                 shutil.rmtree(work, ignore_errors=True)
             identical = identical and result.bit_identical
@@ -531,8 +707,12 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
             if overhead.get("network_bytes_per_step"):
                 payload_bytes.append(int(overhead["network_bytes_per_step"]) // args.ranks)
             load.append(round(os.getloadavg()[0], 2))
-            print(f"# security {side}: steps ms {[round(x) for x in steps_ms[side]]}, recoveries ms "
-                  f"{[round(x) for x in rec_ms[side]]}, load {load[-1]}", file=sys.stderr, flush=True)
+            print(
+                f"# security {side}: steps ms {[round(x) for x in steps_ms[side]]}, recoveries ms "
+                f"{[round(x) for x in rec_ms[side]]}, load {load[-1]}",
+                file=sys.stderr,
+                flush=True,
+            )
     size = max(payload_bytes, default=0)
     payload = bytearray(os.urandom(1 << 20)) * max(1, size >> 20)
     digest_cpu = []
@@ -547,18 +727,33 @@ def security_cost(args: argparse.Namespace, root: Path, pairs: int) -> dict[str,
     # the signing's overhead: the median, over each pair's steps taken in the same order, of the step with the
     # key on against the same step with it off (a run's steps alternate between two lengths here, and the
     # pooled medians of a few of each fall on whichever is more numerous: a ratio of those is noise)
-    paired = [on / off for a, b in zip(trial_steps_ms["on"], trial_steps_ms["off"]) if len(a) == len(b)
-              for on, off in zip(a, b) if off > 0]
+    paired = [
+        on / off
+        for a, b in zip(trial_steps_ms["on"], trial_steps_ms["off"])
+        if len(a) == len(b)
+        for on, off in zip(a, b)
+        if off > 0
+    ]
     signing = statistics.median(paired) - 1.0 if paired else None
     share = digest_ms / (step["off"] * cores_per_rank) if step["off"] else None
-    return {"workload": args.large, "pairs": pairs, "faults_per_trial": args.faults, "bit_identical": identical,
-            "step_ms_p50": step, "signing_step_overhead": signing, "step_ms_each_trial": trial_steps_ms,
-            "paired_step_ratios": len(paired),
-            "recovery_ms_p50": {k: _p50(v) for k, v in rec_ms.items()}, "recovery_ms": rec_ms,
-            "payload_mb_per_commit": size / 2**20, "digest_cpu_ms_per_commit": digest_ms,
-            "cores_per_rank": cores_per_rank, "digest_share_of_step": share,
-            "commit_overhead": (max(signing, 0.0) + share) if signing is not None and share is not None else None,
-            "load_avg_1m_after_each_trial": load}
+    return {
+        "workload": args.large,
+        "pairs": pairs,
+        "faults_per_trial": args.faults,
+        "bit_identical": identical,
+        "step_ms_p50": step,
+        "signing_step_overhead": signing,
+        "step_ms_each_trial": trial_steps_ms,
+        "paired_step_ratios": len(paired),
+        "recovery_ms_p50": {k: _p50(v) for k, v in rec_ms.items()},
+        "recovery_ms": rec_ms,
+        "payload_mb_per_commit": size / 2**20,
+        "digest_cpu_ms_per_commit": digest_ms,
+        "cores_per_rank": cores_per_rank,
+        "digest_share_of_step": share,
+        "commit_overhead": (max(signing, 0.0) + share) if signing is not None and share is not None else None,
+        "load_avg_1m_after_each_trial": load,
+    }
 
 
 def downtime_only(args: argparse.Namespace, paths: list[str], root: Path) -> dict[str, Any]:
@@ -569,20 +764,49 @@ def downtime_only(args: argparse.Namespace, paths: list[str], root: Path) -> dic
     for w in workloads:
         ref = root / f"ref-{w}" / "reference"
         for path in paths:
-            runs.append(run_path(w, path, args.ranks, args.steps, args.data_timeout, ref, root, args.faults,
-                                 args.peer_copy_depth, args.logs, args.trial_deadline))
+            runs.append(
+                run_path(
+                    w,
+                    path,
+                    args.ranks,
+                    args.steps,
+                    args.data_timeout,
+                    ref,
+                    root,
+                    args.faults,
+                    args.peer_copy_depth,
+                    args.logs,
+                    args.trial_deadline,
+                )
+            )
             load.append(round(os.getloadavg()[0], 2))
             print(f"# {w} {path}: {runs[-1]}", file=sys.stderr, flush=True)
-    result = {"bench": "scale", "ranks": args.ranks, "steps": args.steps, "faults_per_in_memory_path": args.faults,
-              "peer_copy_depth": args.peer_copy_depth, "data_timeout_s": args.data_timeout, **downtime(runs, workloads),
-              "load_avg_1m_after_each_path": load,
-              "paths": {f"{r.workload}/{r.path}": {"bit_identical": r.bit_identical, "error": r.error,
-                                                   "policies": r.policies, "fault_steps": r.fault_steps,
-                                                   "recovery_steps": r.recovery_steps,
-                                                   "fault_to_running_ms": r.fault_to_running_ms,
-                                                   "knew_spread_ms": r.knew_spread_ms,
-                                                   "heard_spread_ms": r.heard_spread_ms, "skew_ms": r.skew_ms,
-                                                   "own_ms": r.own_ms, "stages_ms": r.stages_ms} for r in runs}}
+    result = {
+        "bench": "scale",
+        "ranks": args.ranks,
+        "steps": args.steps,
+        "faults_per_in_memory_path": args.faults,
+        "peer_copy_depth": args.peer_copy_depth,
+        "data_timeout_s": args.data_timeout,
+        **downtime(runs, workloads),
+        "load_avg_1m_after_each_path": load,
+        "paths": {
+            f"{r.workload}/{r.path}": {
+                "bit_identical": r.bit_identical,
+                "error": r.error,
+                "policies": r.policies,
+                "fault_steps": r.fault_steps,
+                "recovery_steps": r.recovery_steps,
+                "fault_to_running_ms": r.fault_to_running_ms,
+                "knew_spread_ms": r.knew_spread_ms,
+                "heard_spread_ms": r.heard_spread_ms,
+                "skew_ms": r.skew_ms,
+                "own_ms": r.own_ms,
+                "stages_ms": r.stages_ms,
+            }
+            for r in runs
+        },
+    }
     _downtime_rows(runs)
     if args.security_cost > 0:  # the paths' numbers are kept first: the security trials take as long again
         emit("scale-downtime", result)

@@ -40,13 +40,23 @@ from _results import emit
 ROOT = Path(__file__).resolve().parent.parent
 # AIReSim's Table 1 figures: the paper's (as issue 46 quotes them) and its repository's report.
 PUBLISHED: dict[str, dict[str, Any]] = {
-    "paper": {"finish_h": 9850.0, "effective_training_ratio": 0.62, "s_per_replication": 18.0,
-              "source": "Lin, Pattabiraman, Patel, arXiv 2603.07041, 2026"},
-    "report": {"finish_h": 9865.97, "effective_training_ratio": 0.6228,
-               "source": "karthikp-ubc/airesim docs/SIMULATION_REPORT.md"},
+    "paper": {
+        "finish_h": 9850.0,
+        "effective_training_ratio": 0.62,
+        "s_per_replication": 18.0,
+        "source": "Lin, Pattabiraman, Patel, arXiv 2603.07041, 2026",
+    },
+    "report": {
+        "finish_h": 9865.97,
+        "effective_training_ratio": 0.6228,
+        "source": "karthikp-ubc/airesim docs/SIMULATION_REPORT.md",
+    },
 }
-RECORDINGS = ("scenarios/recordings/live-trial-2-ranks.jsonl", "tests/simulator/data/live-kill-peer-restore-4-ranks.jsonl",
-              "tests/simulator/data/live-kill-excise-4-ranks.jsonl")
+RECORDINGS = (
+    "scenarios/recordings/live-trial-2-ranks.jsonl",
+    "tests/simulator/data/live-kill-peer-restore-4-ranks.jsonl",
+    "tests/simulator/data/live-kill-excise-4-ranks.jsonl",
+)
 AIRESIM_RUN = """
 import json, sys, time
 from airesim.params import Params
@@ -62,8 +72,14 @@ for seed in map(int, sys.argv[1:]):
 def _airesim(src: Path, seeds: list[int]) -> list[dict]:
     """AIReSim's replications, run from its source in a child process."""
     env = {**os.environ, "PYTHONPATH": str(src)}
-    out = subprocess.run([sys.executable, "-c", AIRESIM_RUN, *map(str, seeds)], capture_output=True, text=True,
-                         env=env, timeout=3600, cwd=src)
+    out = subprocess.run(
+        [sys.executable, "-c", AIRESIM_RUN, *map(str, seeds)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=3600,
+        cwd=src,
+    )
     if out.returncode != 0:
         raise SystemExit(f"bench/simulator.py: AIReSim from {src} failed: {out.stderr.strip().splitlines()[-1:]}")
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -80,29 +96,46 @@ def fleet_cases(airesim_src: Path | None) -> dict[str, Any]:
     t0 = time.perf_counter()
     ours = replicate(fleet, cold, confidence=0.95, tolerance=0.01, min_runs=10, max_runs=200, seed=1000)
     agree_s = time.perf_counter() - t0
-    errors = {k: {"finish_h": ours.finish_h.mean / v["finish_h"] - 1,
-                  "effective_training_ratio": ours.effective_training_ratio.mean / v["effective_training_ratio"] - 1}
-              for k, v in PUBLISHED.items()}
+    errors = {
+        k: {
+            "finish_h": ours.finish_h.mean / v["finish_h"] - 1,
+            "effective_training_ratio": ours.effective_training_ratio.mean / v["effective_training_ratio"] - 1,
+        }
+        for k, v in PUBLISHED.items()
+    }
     within = all(abs(x) < 0.03 for e in errors.values() for x in e.values())
     agreement: dict[str, Any] = {
-        "published": PUBLISHED, "ours": {"finish_h": ours.finish_h.to_dict(),
-                                         "effective_training_ratio": ours.effective_training_ratio.to_dict(),
-                                         "converged": ours.converged, "tolerance": ours.tolerance,
-                                         "failures_mean": sum(r.failures for r in ours.runs) / len(ours.runs),
-                                         "wall_s": round(agree_s, 2)},
-        "error_vs_published": errors, "within_3_percent": within}
+        "published": PUBLISHED,
+        "ours": {
+            "finish_h": ours.finish_h.to_dict(),
+            "effective_training_ratio": ours.effective_training_ratio.to_dict(),
+            "converged": ours.converged,
+            "tolerance": ours.tolerance,
+            "failures_mean": sum(r.failures for r in ours.runs) / len(ours.runs),
+            "wall_s": round(agree_s, 2),
+        },
+        "error_vs_published": errors,
+        "within_3_percent": within,
+    }
 
     cals = [calibration_from_recording(ROOT / p) for p in RECORDINGS]
     adjust = combine_adjust(*((tuple(c.measured), c.adjust) for c in cals))
     scenario = load_scenario(builtin_scenario_path("airesim_table1"))
     comp = simulate_fleet(scenario, policies=list(Policy), adjust=adjust, tolerance=0.01, min_runs=10, seed=2000)
-    policies = [{"policy": p.value, "recovery_s": round(r.charge.downtime_s, 2),
-                 "rollback_every_s": r.charge.rollback_every_s, "slowdown": round(r.charge.slowdown, 5),
-                 "replications": len(r.runs), "finish_h": round(r.finish_h.mean, 1),
-                 "finish_h_half_width": round(r.finish_h.half_width, 1),
-                 "effective_training_ratio": round(r.effective_training_ratio.mean, 4),
-                 "effective_training_ratio_half_width": round(r.effective_training_ratio.half_width, 4)}
-                for p, r in comp.results.items()]
+    policies = [
+        {
+            "policy": p.value,
+            "recovery_s": round(r.charge.downtime_s, 2),
+            "rollback_every_s": r.charge.rollback_every_s,
+            "slowdown": round(r.charge.slowdown, 5),
+            "replications": len(r.runs),
+            "finish_h": round(r.finish_h.mean, 1),
+            "finish_h_half_width": round(r.finish_h.half_width, 1),
+            "effective_training_ratio": round(r.effective_training_ratio.mean, 4),
+            "effective_training_ratio_half_width": round(r.effective_training_ratio.half_width, 4),
+        }
+        for p, r in comp.results.items()
+    ]
 
     speed: dict[str, Any]
     best = min(_timed(lambda s=s: run_fleet(fleet, cold, seed=s)) for s in range(3))
@@ -113,17 +146,23 @@ def fleet_cases(airesim_src: Path | None) -> dict[str, Any]:
         one = _airesim(airesim_src, [42])  # alone, for the time
         more = one + _airesim(airesim_src, [43, 44, 45])
         theirs = one[0]["s"]
-        speed = {"ours_s_per_replication": round(best, 3), "airesim_s_per_replication": round(theirs, 2),
-                 "ratio": round(theirs / best, 1)}
+        speed = {
+            "ours_s_per_replication": round(best, 3),
+            "airesim_s_per_replication": round(theirs, 2),
+            "ratio": round(theirs / best, 1),
+        }
         agreement["airesim_here"] = {
             "replications": len(more),
             "finish_h": Estimate.of([r["finish_h"] for r in more], 0.95).to_dict(),
             "effective_training_ratio": Estimate.of([r["effective_training_ratio"] for r in more], 0.95).to_dict(),
-            "failures_mean": sum(r["failures"] for r in more) / len(more)}
+            "failures_mean": sum(r["failures"] for r in more) / len(more),
+        }
         agreement["error_vs_airesim_here"] = {
             "finish_h": ours.finish_h.mean / agreement["airesim_here"]["finish_h"]["mean"] - 1,
             "effective_training_ratio": ours.effective_training_ratio.mean
-            / agreement["airesim_here"]["effective_training_ratio"]["mean"] - 1}
+            / agreement["airesim_here"]["effective_training_ratio"]["mean"]
+            - 1,
+        }
     return {"airesim_table1": agreement, "airesim_table1_policies": policies, "airesim_table1_speed": speed}
 
 
@@ -132,12 +171,20 @@ def _timed(fn) -> float:
     fn()
     return time.perf_counter() - t0
 
+
 CASES = (
     ("r1024_d7_s", "whatif_1024", {"ranks": 1024, "days": 7}),
     ("r16384_d30_s", "whatif_16384_30d", {"ranks": 16384, "days": 30}),
     ("r16384_d30_nodes_spares_s", "whatif_16384_30d_nodes", {"ranks": 16384, "days": 30}),
-    ("r16384_d30_10x_faults_s", "whatif_16384_30d", {"ranks": 16384, "days": 30, "overrides": {
-        "faults.rank_mtbf_hours": 20000, "faults.rank_loss_mtbf_hours": 6670}}),
+    (
+        "r16384_d30_10x_faults_s",
+        "whatif_16384_30d",
+        {
+            "ranks": 16384,
+            "days": 30,
+            "overrides": {"faults.rank_mtbf_hours": 20000, "faults.rank_loss_mtbf_hours": 6670},
+        },
+    ),
 )
 SWEEP = {"seed": list(range(1, 101)), "checkpoint_every": [100, 200, 300, 400, 500, 700, 1000, 1500, 2000, 3000]}
 
@@ -169,8 +216,13 @@ def sweep_case() -> dict[str, float | int | bool]:
     dask = run_sweep(scenario, {**SWEEP, "days": [1]}, processes=2, scheduler="local")
     dask_s = time.perf_counter() - t0
     same = bool(pool.equals(dask))
-    return {"sweep_points": points, "sweep_rows": len(dask), "sweep_pool_2proc_s": round(pool_s, 2),
-            "sweep_dask_local_2workers_s": round(dask_s, 2), "sweep_dask_equals_pool": same}
+    return {
+        "sweep_points": points,
+        "sweep_rows": len(dask),
+        "sweep_pool_2proc_s": round(pool_s, 2),
+        "sweep_dask_local_2workers_s": round(dask_s, 2),
+        "sweep_dask_equals_pool": same,
+    }
 
 
 def main(repeats: int = 3, airesim_src: Path | None = None) -> dict[str, Any]:
@@ -178,26 +230,36 @@ def main(repeats: int = 3, airesim_src: Path | None = None) -> dict[str, Any]:
     out, rows = training_cases(repeats)
     sweep = sweep_case()
     load = os.getloadavg()
-    print(f"{'case':<28}{'ranks':>7}{'days':>6}{'faults':>8}{'timeline events':>17}{'seconds (best of %d)' % repeats:>22}")
+    print(
+        f"{'case':<28}{'ranks':>7}{'days':>6}{'faults':>8}{'timeline events':>17}{'seconds (best of %d)' % repeats:>22}"
+    )
     for key, ranks, days, faults, events, best in rows:
         print(f"{key:<28}{ranks:>7}{days:>6}{faults:>8}{events:>17}{best:>22.3f}")
-    print(f"sweep of {sweep['sweep_points']} points ({sweep['sweep_rows']} rows): local pool of 2 processes "
-          f"{sweep['sweep_pool_2proc_s']} s, Dask LocalCluster of 2 workers {sweep['sweep_dask_local_2workers_s']} s, "
-          f"rows equal: {sweep['sweep_dask_equals_pool']}")
+    print(
+        f"sweep of {sweep['sweep_points']} points ({sweep['sweep_rows']} rows): local pool of 2 processes "
+        f"{sweep['sweep_pool_2proc_s']} s, Dask LocalCluster of 2 workers {sweep['sweep_dask_local_2workers_s']} s, "
+        f"rows equal: {sweep['sweep_dask_equals_pool']}"
+    )
     a = fleet["airesim_table1"]
     ours = a["ours"]
-    print(f"AIReSim Table 1 under cold restart: {ours['finish_h']['mean']:,.0f} h ± {ours['finish_h']['half_width']:,.0f}, "
-          f"effective training ratio {ours['effective_training_ratio']['mean']:.4f} ± "
-          f"{ours['effective_training_ratio']['half_width']:.4f} over {ours['finish_h']['n']} replications; "
-          f"within 3 % of the published figures: {a['within_3_percent']}")
+    print(
+        f"AIReSim Table 1 under cold restart: {ours['finish_h']['mean']:,.0f} h ± {ours['finish_h']['half_width']:,.0f}, "
+        f"effective training ratio {ours['effective_training_ratio']['mean']:.4f} ± "
+        f"{ours['effective_training_ratio']['half_width']:.4f} over {ours['finish_h']['n']} replications; "
+        f"within 3 % of the published figures: {a['within_3_percent']}"
+    )
     print(f"{'policy':<20}{'recovery (s)':>14}{'time to finish (h)':>22}{'effective training ratio':>28}")
     for r in fleet["airesim_table1_policies"]:
-        print(f"{r['policy']:<20}{r['recovery_s']:>14.1f}{r['finish_h']:>14,.0f} ± {r['finish_h_half_width']:<5,.0f}"
-              f"{r['effective_training_ratio']:>20.4f} ± {r['effective_training_ratio_half_width']:.4f}")
+        print(
+            f"{r['policy']:<20}{r['recovery_s']:>14.1f}{r['finish_h']:>14,.0f} ± {r['finish_h_half_width']:<5,.0f}"
+            f"{r['effective_training_ratio']:>20.4f} ± {r['effective_training_ratio_half_width']:.4f}"
+        )
     sp = fleet["airesim_table1_speed"]
     if "ratio" in sp:
-        print(f"one replication: {sp['ours_s_per_replication']} s here, {sp['airesim_s_per_replication']} s in AIReSim: "
-              f"{sp['ratio']}x")
+        print(
+            f"one replication: {sp['ours_s_per_replication']} s here, {sp['airesim_s_per_replication']} s in AIReSim: "
+            f"{sp['ratio']}x"
+        )
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
     doc = {"bench": "simulator", "policies": len(Policy), **out, **sweep, **fleet, "loadavg_1m": round(load[0], 2)}
     emit("simulator", doc)
@@ -206,10 +268,16 @@ def main(repeats: int = 3, airesim_src: Path | None = None) -> dict[str, Any]:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description="the training simulator at scale, and against AIReSim")
-    ap.add_argument("--airesim-src", type=Path, default=None,
-                    help="a checkout of github.com/karthikp-ubc/airesim, for the speed comparison")
+    ap.add_argument(
+        "--airesim-src",
+        type=Path,
+        default=None,
+        help="a checkout of github.com/karthikp-ubc/airesim, for the speed comparison",
+    )
     args = ap.parse_args()
     if args.airesim_src is not None and not (args.airesim_src / "airesim" / "simulator.py").is_file():
-        raise SystemExit(f"--airesim-src {args.airesim_src}: no airesim/simulator.py there; give a checkout of "
-                         "github.com/karthikp-ubc/airesim")
+        raise SystemExit(
+            f"--airesim-src {args.airesim_src}: no airesim/simulator.py there; give a checkout of "
+            "github.com/karthikp-ubc/airesim"
+        )
     main(airesim_src=args.airesim_src)

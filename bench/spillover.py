@@ -38,9 +38,11 @@ def acceptance(rows: list[Row], min_concurrency: int = 8) -> dict[str, object]:
     cuts = [r.traffic_cut_vs_full for r in rows if r.traffic_cut_vs_full is not None]
     veth_cuts = [r.veth_cut_vs_full for r in rows if r.veth_cut_vs_full is not None]
     by_key = {(r.model, r.request, r.concurrency): r for r in rows}
-    faster = [r.throughput_tok_s > by_key[(r.model, "full", r.concurrency)].throughput_tok_s
-              for r in rows if r.request != "full" and r.concurrency >= min_concurrency
-              and (r.model, "full", r.concurrency) in by_key]
+    faster = [
+        r.throughput_tok_s > by_key[(r.model, "full", r.concurrency)].throughput_tok_s
+        for r in rows
+        if r.request != "full" and r.concurrency >= min_concurrency and (r.model, "full", r.concurrency) in by_key
+    ]
     errors = [abs(r.sim_error) for r in rows]
     return {
         "min_traffic_cut": min(cuts) if cuts else None,
@@ -113,10 +115,24 @@ def main() -> int:
     t0 = time.perf_counter()
     rows: list[Row] = []
     for mode in modes:
-        base = SpilloverConfig(output_tokens=a.output_tokens, gbit_per_s=a.link_gbps, deployment=a.deployment,
-                               gamma=a.speculative, request="token", compile=mode, work_dir=a.work_dir)
-        rows += measure(a.models.split(","), concs, requests, a.pairs, base, a.requests_per_client,
-                        progress=functools.partial(_progress, mode))
+        base = SpilloverConfig(
+            output_tokens=a.output_tokens,
+            gbit_per_s=a.link_gbps,
+            deployment=a.deployment,
+            gamma=a.speculative,
+            request="token",
+            compile=mode,
+            work_dir=a.work_dir,
+        )
+        rows += measure(
+            a.models.split(","),
+            concs,
+            requests,
+            a.pairs,
+            base,
+            a.requests_per_client,
+            progress=functools.partial(_progress, mode),
+        )
     wall = time.perf_counter() - t0
     load_after = os.getloadavg()
     _print(COLUMNS, table_rows(rows))
@@ -125,14 +141,30 @@ def main() -> int:
     acc = acceptance([r for r in rows if r.compile == modes[0]], min_concurrency=1 if a.deployment == "model" else 8)
     if len(modes) > 1:
         acc.update(compiled_against_eager(rows))
-    load = {"before": [round(x, 2) for x in load_before], "after": [round(x, 2) for x in load_after],
-            "cores": os.cpu_count()}
-    print(f"acceptance: {acc}  ({a.pairs} pairs per row, {wall:.0f} s, load average (1/5/15 min) "
-          f"before {load['before']}, after {load['after']}, {load['cores']} cores)")
-    emit(f"spillover-{a.deployment}" + (f"-speculative{a.speculative}" if a.speculative else ""),
-         {"bench": "spillover", "deployment": a.deployment, "speculative": a.speculative, "compile": modes,
-          "link_gbps": a.link_gbps, "pairs": a.pairs, "wall_s": round(wall, 1), "load_average": load,
-          **acc, "rows": [r.to_dict() for r in rows]})
+    load = {
+        "before": [round(x, 2) for x in load_before],
+        "after": [round(x, 2) for x in load_after],
+        "cores": os.cpu_count(),
+    }
+    print(
+        f"acceptance: {acc}  ({a.pairs} pairs per row, {wall:.0f} s, load average (1/5/15 min) "
+        f"before {load['before']}, after {load['after']}, {load['cores']} cores)"
+    )
+    emit(
+        f"spillover-{a.deployment}" + (f"-speculative{a.speculative}" if a.speculative else ""),
+        {
+            "bench": "spillover",
+            "deployment": a.deployment,
+            "speculative": a.speculative,
+            "compile": modes,
+            "link_gbps": a.link_gbps,
+            "pairs": a.pairs,
+            "wall_s": round(wall, 1),
+            "load_average": load,
+            **acc,
+            "rows": [r.to_dict() for r in rows],
+        },
+    )
     return 0
 
 

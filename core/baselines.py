@@ -35,7 +35,8 @@ __all__ = ["layout_only", "byte_only", "byte_only_candidates", "Candidate"]
 
 def _form(c: Contract) -> Form:
     return {Request.TOKEN: Form.TOKEN, Request.OWNER_TOKEN: Form.TOKEN, Request.LOGPROB: Form.LOGPROB}.get(
-        c.demand.request, Form.RAW)
+        c.demand.request, Form.RAW
+    )
 
 
 def _dtype(c: Contract, form: Form) -> DType:
@@ -56,8 +57,15 @@ def _application(b: PlanBuilder, buf: str) -> None:
         buf = b.project("argmax", cons.ranks, buf, b.name("token"), DType.INT64, {}, "consumer computes the token")
         dt = DType.INT64
     elif req is Request.LOGPROB:
-        buf = b.project("logsoftmax_at", cons.ranks, buf, b.name("logprob"), DType.FLOAT32, {},
-                        "consumer computes log-probabilities")
+        buf = b.project(
+            "logsoftmax_at",
+            cons.ranks,
+            buf,
+            b.name("logprob"),
+            DType.FLOAT32,
+            {},
+            "consumer computes log-probabilities",
+        )
         dt = DType.FLOAT32
     elif req in (Request.TOPK, Request.TOKEN_LOGPROB, Request.SAMPLE):
         form = REQUEST_FORM[req]
@@ -68,8 +76,9 @@ def _application(b: PlanBuilder, buf: str) -> None:
         tok = b.project("argmax", cons.ranks, buf, b.name("token"), DType.INT64, {}, "consumer computes tokens")
         owners = tuple(o.rank for o in c.demand.observations)
         index = [intervals_indices(o.region[0]) for o in c.demand.observations]
-        buf = b.project("slice", owners, tok, b.name("mine"), DType.INT64, {"dim": 0, "index": index},
-                        "each owner keeps its rows")
+        buf = b.project(
+            "slice", owners, tok, b.name("mine"), DType.INT64, {"dim": 0, "index": index}, "each owner keeps its rows"
+        )
         b.deliver(owners, buf, DType.INT64)
         return
     b.deliver(cons.ranks, buf, dt)
@@ -91,26 +100,51 @@ def layout_only(contract: Contract) -> Plan:
             if isinstance(pl, Shard) and pl.dim == d:
                 buf = t
             elif isinstance(pl, Shard):
-                buf = b.collective("all_to_all", P, t, b.name("resharded"), nbytes, dt,
-                                   {"split_dim": d, "concat_dim": pl.dim}, "Shard(i) -> Shard(j)")
+                buf = b.collective(
+                    "all_to_all",
+                    P,
+                    t,
+                    b.name("resharded"),
+                    nbytes,
+                    dt,
+                    {"split_dim": d, "concat_dim": pl.dim},
+                    "Shard(i) -> Shard(j)",
+                )
             elif isinstance(pl, Partial):
-                buf = b.collective("reduce_scatter", P, t, b.name("chunk"), n * nbytes, dt, {"dim": d, "op": pl.op},
-                                   "Partial -> Shard")
+                buf = b.collective(
+                    "reduce_scatter", P, t, b.name("chunk"), n * nbytes, dt, {"dim": d, "op": pl.op}, "Partial -> Shard"
+                )
             else:
-                buf = b.project("chunk", P, t, b.name("chunk"), dt, {"dim": d, "parts": n, "index": list(range(n))},
-                                "Replicate -> Shard")
+                buf = b.project(
+                    "chunk",
+                    P,
+                    t,
+                    b.name("chunk"),
+                    dt,
+                    {"dim": d, "parts": n, "index": list(range(n))},
+                    "Replicate -> Shard",
+                )
             b.deliver(cons.ranks, buf, dt)
             return b.plan()
         buf = t
         if isinstance(pl, Shard) and n > 1:
-            buf = b.collective("all_gather", P, t, b.name("replicated"), nbytes, dt, {"dim": pl.dim},
-                               "Shard -> Replicate")
+            buf = b.collective(
+                "all_gather", P, t, b.name("replicated"), nbytes, dt, {"dim": pl.dim}, "Shard -> Replicate"
+            )
         elif isinstance(pl, Partial) and n > 1:
-            buf = b.collective("all_reduce", P, t, b.name("replicated"), n * nbytes, dt, {"op": pl.op},
-                               "Partial -> Replicate")
+            buf = b.collective(
+                "all_reduce", P, t, b.name("replicated"), n * nbytes, dt, {"op": pl.op}, "Partial -> Replicate"
+            )
         if _chunked(c):
-            buf = b.project("chunk", cons.ranks, buf, b.name("chunk"), dt,
-                            {"dim": cons.shard_dim, "parts": m, "index": list(range(m))}, "Replicate -> Shard")
+            buf = b.project(
+                "chunk",
+                cons.ranks,
+                buf,
+                b.name("chunk"),
+                dt,
+                {"dim": cons.shard_dim, "parts": m, "index": list(range(m))},
+                "Replicate -> Shard",
+            )
         _application(b, buf)
         return b.plan()
     assert c.locality.bridge is not None  # a cross-domain contract names its bridge ranks
@@ -130,17 +164,27 @@ def layout_only(contract: Contract) -> Plan:
     if _chunked(c):
         d = cons.shard_dim
         if bc in cons.ranks and m > 1:
-            buf = b.collective("scatter", cons.ranks, buf, b.name("chunk"), nbytes, dt, {"dim": d, "root": bc},
-                               "Replicate on one rank -> Shard")
+            buf = b.collective(
+                "scatter",
+                cons.ranks,
+                buf,
+                b.name("chunk"),
+                nbytes,
+                dt,
+                {"dim": d, "root": bc},
+                "Replicate on one rank -> Shard",
+            )
         elif bc not in cons.ranks:
             buf = b.collective("broadcast", group, buf, b.name("bcast"), nbytes, dt, {"root": bc})
-            buf = b.project("chunk", cons.ranks, buf, b.name("chunk"), dt, {"dim": d, "parts": m,
-                                                                             "index": list(range(m))})
+            buf = b.project(
+                "chunk", cons.ranks, buf, b.name("chunk"), dt, {"dim": d, "parts": m, "index": list(range(m))}
+            )
         b.deliver(cons.ranks, buf, dt)
         return b.plan()
     if len(group) > 1:
-        buf = b.collective("broadcast", group, buf, b.name("bcast"), nbytes, dt, {"root": bc},
-                           "Replicate over the consumer's ranks")
+        buf = b.collective(
+            "broadcast", group, buf, b.name("bcast"), nbytes, dt, {"root": bc}, "Replicate over the consumer's ranks"
+        )
     _application(b, buf)
     return b.plan()
 
@@ -159,8 +203,9 @@ def _local(b: PlanBuilder, form: Form, rank: int) -> str:
     if form is Form.TOKEN:
         return b.project("argmax", (rank,), t, b.name("token"), DType.INT64, {}, "token of the local data")
     if form is Form.LOGPROB:
-        return b.project("logsoftmax_at", (rank,), t, b.name("logprob"), DType.FLOAT32, {},
-                         "log-softmax of the local data")
+        return b.project(
+            "logsoftmax_at", (rank,), t, b.name("logprob"), DType.FLOAT32, {}, "log-softmax of the local data"
+        )
     return t
 
 
@@ -170,8 +215,11 @@ def _stats(b: PlanBuilder, form: Form, root: int) -> str:
     prov = c.provenance
     P, n, rows = prov.ranks, len(prov.ranks), prov.shape[0]
     offs = [h.region[1][0][0] if h.region[1] else 0 for h in prov.holdings]
-    local, stat, comb = (("local_max_arg", Form.MAX_ARG, "combine_max_arg") if form is Form.TOKEN
-                         else ("local_lse_stats", Form.LSE_STATS, "combine_lse_stats"))
+    local, stat, comb = (
+        ("local_max_arg", Form.MAX_ARG, "combine_max_arg")
+        if form is Form.TOKEN
+        else ("local_lse_stats", Form.LSE_STATS, "combine_lse_stats")
+    )
     dt = form_dtype(stat, prov.dtype)
     s = b.project(local, P, prov.tensor, b.name("stats"), dt, {"offsets": offs})
     g = b.collective("gather", P, s, b.name("stats_all"), n * row_bytes(stat, rows), dt, {"dim": 1, "root": root})
@@ -184,8 +232,15 @@ def _native(b: PlanBuilder, form: Form, root: int) -> str:
     pl = prov.placement
     assert isinstance(pl, Partial)  # offered only for partial producers
     nbytes = form_bytes(Form.RAW, full_region(prov.shape), prov.dtype)
-    raw = b.collective("reduce", prov.ranks, prov.tensor, b.name("reduced"), len(prov.ranks) * nbytes, prov.dtype,
-                       {"op": pl.op, "root": root})
+    raw = b.collective(
+        "reduce",
+        prov.ranks,
+        prov.tensor,
+        b.name("reduced"),
+        len(prov.ranks) * nbytes,
+        prov.dtype,
+        {"op": pl.op, "root": root},
+    )
     if form is Form.TOKEN:
         return b.project("argmax", (root,), raw, b.name("token"), DType.INT64)
     if form is Form.LOGPROB:
@@ -201,8 +256,19 @@ def _deliver_cross(b: PlanBuilder, buf: str, form: Form, how: str, nbytes: int |
     if nbytes is None:
         nbytes = form_bytes(form, full_region(c.provenance.shape), c.provenance.dtype)
     if c.demand.request is Request.OWNER_TOKEN and how == "fan_out":
-        tok = b.collective("broadcast", (cons.ranks[0],) + cons.ranks[1:], buf, b.name("bcast"), nbytes, dt,
-                           {"root": cons.ranks[0]}) if len(cons.ranks) > 1 and buf else buf
+        tok = (
+            b.collective(
+                "broadcast",
+                (cons.ranks[0],) + cons.ranks[1:],
+                buf,
+                b.name("bcast"),
+                nbytes,
+                dt,
+                {"root": cons.ranks[0]},
+            )
+            if len(cons.ranks) > 1 and buf
+            else buf
+        )
         _keep_rows(b, tok)
         return
     if _chunked(c) and how == "fan_out":
@@ -269,8 +335,15 @@ def byte_only_candidates(contract: Contract) -> list[Candidate]:
     b = PlanBuilder(c, "byte_only")
     buf = observable(b, form, (bc,)) if form is not Form.RAW else complete_raw(b, (bc,))
     if buf == prov.tensor:
-        buf = b.collective("broadcast", prov.ranks[:1] + (bc,), buf, b.name("bcast"),
-                           form_bytes(Form.RAW, full_region(prov.shape), prov.dtype), prov.dtype, {"root": prov.ranks[0]})
+        buf = b.collective(
+            "broadcast",
+            prov.ranks[:1] + (bc,),
+            buf,
+            b.name("bcast"),
+            form_bytes(Form.RAW, full_region(prov.shape), prov.dtype),
+            prov.dtype,
+            {"root": prov.ranks[0]},
+        )
     steps = []
     for s in b.steps:
         if s.kind is StepKind.COLLECTIVE and s.arg("root") == bc and bc not in s.ranks:
@@ -287,4 +360,3 @@ def byte_only(contract: Contract) -> Plan:
     cands = byte_only_candidates(contract)
     best = min(enumerate(cands), key=lambda ic: (ic[1].plan.payload_bytes, ic[1].plan.startups, ic[0]))[1]
     return Plan(edge=best.plan.edge, planner="byte_only", steps=best.plan.steps)
-

@@ -64,10 +64,16 @@ class ViolationKind(str, Enum):
 
 # Bytes per element of what each projection writes (None: the input's own).
 _PROJECTED_ITEMSIZE: dict[Projection, int] = {
-    Projection.ARGMAX: 8, Projection.COMBINE_MAX_ARG: 8, Projection.LOCAL_MAX_ARG: 8,
+    Projection.ARGMAX: 8,
+    Projection.COMBINE_MAX_ARG: 8,
+    Projection.LOCAL_MAX_ARG: 8,
     Projection.LOCAL_SAMPLE_MAX_ARG: 8,
-    Projection.LOCAL_LSE_STATS: 4, Projection.COMBINE_LSE_STATS: 4, Projection.LOGSOFTMAX_AT: 4,
-    Projection.TOPK: 8, Projection.TOKEN_LOGPROB: 8, Projection.SAMPLE: 8,
+    Projection.LOCAL_LSE_STATS: 4,
+    Projection.COMBINE_LSE_STATS: 4,
+    Projection.LOGSOFTMAX_AT: 4,
+    Projection.TOPK: 8,
+    Projection.TOKEN_LOGPROB: 8,
+    Projection.SAMPLE: 8,
 }
 
 
@@ -77,24 +83,43 @@ _FROM_ROOT = frozenset({Collective.BROADCAST, Collective.SCATTER})  # only the r
 _GATHERS = frozenset({Collective.ALL_GATHER, Collective.GATHER})
 _REDUCES = frozenset({Collective.ALL_REDUCE, Collective.REDUCE, Collective.REDUCE_SCATTER})
 # The form each combining projection reads (every other projection that needs one clean piece reads raw).
-_COMBINED_FORM: dict[Projection, Form] = {Projection.COMBINE_MAX_ARG: Form.MAX_ARG,
-                                          Projection.COMBINE_LSE_STATS: Form.LSE_STATS}
+_COMBINED_FORM: dict[Projection, Form] = {
+    Projection.COMBINE_MAX_ARG: Form.MAX_ARG,
+    Projection.COMBINE_LSE_STATS: Form.LSE_STATS,
+}
 # Per-shard statistics of a vocabulary shard.
 _PER_SHARD = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_LSE_STATS, Projection.LOCAL_SAMPLE_MAX_ARG})
 # Projections of full rows with the consumer's parameters.
 _OF_FULL_ROWS = frozenset({Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE})
 # Projections whose input must be two-dimensional.
-_NEEDS_2D = frozenset({Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
-                       Projection.LOGSOFTMAX_AT, Projection.COMBINE_MAX_ARG, Projection.COMBINE_LSE_STATS,
-                       Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE})
+_NEEDS_2D = frozenset(
+    {
+        Projection.LOCAL_MAX_ARG,
+        Projection.LOCAL_SAMPLE_MAX_ARG,
+        Projection.LOCAL_LSE_STATS,
+        Projection.LOGSOFTMAX_AT,
+        Projection.COMBINE_MAX_ARG,
+        Projection.COMBINE_LSE_STATS,
+        Projection.TOPK,
+        Projection.TOKEN_LOGPROB,
+        Projection.SAMPLE,
+    }
+)
 # Projections that rearrange or combine buffers (any pieces); every other one projects one clean piece.
 _REARRANGING = frozenset({Projection.SUM, Projection.CONCAT, Projection.COPY, Projection.SLICE, Projection.CHUNK})
 # Combining projections' packed input: entries per shard and what they are.
-_PACKED_INPUT: dict[Projection, tuple[int, str]] = {Projection.COMBINE_MAX_ARG: (2, "(value, index) pairs"),
-                                                   Projection.COMBINE_LSE_STATS: (3, "statistic triples")}
+_PACKED_INPUT: dict[Projection, tuple[int, str]] = {
+    Projection.COMBINE_MAX_ARG: (2, "(value, index) pairs"),
+    Projection.COMBINE_LSE_STATS: (3, "statistic triples"),
+}
 # Projections whose output has a fixed width per row.
-_FIXED_WIDTH: dict[Projection, int] = {Projection.LOCAL_MAX_ARG: 2, Projection.LOCAL_SAMPLE_MAX_ARG: 2,
-                                       Projection.LOCAL_LSE_STATS: 3, Projection.TOKEN_LOGPROB: 2}
+_FIXED_WIDTH: dict[Projection, int] = {
+    Projection.LOCAL_MAX_ARG: 2,
+    Projection.LOCAL_SAMPLE_MAX_ARG: 2,
+    Projection.LOCAL_LSE_STATS: 3,
+    Projection.TOKEN_LOGPROB: 2,
+}
+
 
 @dataclass(frozen=True)
 class Violation:
@@ -132,7 +157,6 @@ def _rows_text(iv: Intervals) -> str:
     return region_text((iv,))[1:-1]
 
 
-
 class _Checker(PieceAlgebra):
     def __init__(self, contract: Contract) -> None:
         super().__init__(contract)
@@ -167,9 +191,13 @@ class _Checker(PieceAlgebra):
             for p in buf.pieces:
                 if rows_of_piece(p) and not auth.may_hold(rank, rows_of_piece(p)):
                     foreign = [r for r in intervals_indices(rows_of_piece(p)) if auth.owner_of_row[r] != rank]
-                    self.flag(ViolationKind.NON_OWNER_OBSERVES, k, rank,
-                              f"rank {rank} receives rows {_rows_text(intervals_from_indices(foreign))} of "
-                              f"{p.tensor}, owned by rank(s) {sorted({auth.owner_of_row[r] for r in foreign})}")
+                    self.flag(
+                        ViolationKind.NON_OWNER_OBSERVES,
+                        k,
+                        rank,
+                        f"rank {rank} receives rows {_rows_text(intervals_from_indices(foreign))} of "
+                        f"{p.tensor}, owned by rank(s) {sorted({auth.owner_of_row[r] for r in foreign})}",
+                    )
                     break
 
     # -- steps ------------------------------------------------------------------------------
@@ -221,25 +249,36 @@ class _Checker(PieceAlgebra):
         where = self.c.completion.inside_domain
         here = self.mesh.domain_of(rank).name
         if here != where and sum(p.contrib is not None for p in pieces) > 1:
-            self.flag(ViolationKind.COMPLETED_OUTSIDE_DOMAIN, k, rank,
-                      f"partial {self.op} addends of {self.tensor} are combined in {here}; the contract completes "
-                      f"them inside {where} before anything crosses")
+            self.flag(
+                ViolationKind.COMPLETED_OUTSIDE_DOMAIN,
+                k,
+                rank,
+                f"partial {self.op} addends of {self.tensor} are combined in {here}; the contract completes "
+                f"them inside {where} before anything crosses",
+            )
 
     def declared(self, k: int, step: Step, rank: int, nbytes: int) -> None:
         """The step's declared payload bytes and link class against what its data and ranks give."""
         if nbytes != step.payload_bytes:
-            self.flag(ViolationKind.PAYLOAD_MISMATCH, k, rank,
-                      f"{step.op} declares {step.payload_bytes} payload bytes; its buffers' shapes and dtypes "
-                      f"give {nbytes}")
+            self.flag(
+                ViolationKind.PAYLOAD_MISMATCH,
+                k,
+                rank,
+                f"{step.op} declares {step.payload_bytes} payload bytes; its buffers' shapes and dtypes give {nbytes}",
+            )
         if step.kind is StepKind.SEND:
             link = self.mesh.link_class(*step.ranks)
         else:
             link = LinkClass.FABRIC
         declared = step.link or LinkClass.FABRIC
         if declared is not link:
-            self.flag(ViolationKind.LINK_MISMATCH, k, rank,
-                      f"{step.op} over ranks {list(step.ranks)} is labelled {declared.value}; the ranks' hosts and "
-                      f"domains make it {link.value}")
+            self.flag(
+                ViolationKind.LINK_MISMATCH,
+                k,
+                rank,
+                f"{step.op} over ranks {list(step.ranks)} is labelled {declared.value}; the ranks' hosts and "
+                f"domains make it {link.value}",
+            )
 
     def send(self, k: int, step: Step) -> None:
         src, dst = step.ranks
@@ -251,16 +290,30 @@ class _Checker(PieceAlgebra):
         self.declared(k, step, src, buf.nbytes)
         chunks, staging = step.arg("chunks"), step.arg("staging_bytes")
         if chunks is None and staging is None and step.payload_bytes > CHUNK_BYTES:
-            self.flag(ViolationKind.MALFORMED_STEP, k, src,
-                      f"send of {step.payload_bytes} bytes as one message; a message passes through a staging "
-                      f"buffer of at most {CHUNK_BYTES} bytes, so it needs ceil(payload / staging) chunks")
+            self.flag(
+                ViolationKind.MALFORMED_STEP,
+                k,
+                src,
+                f"send of {step.payload_bytes} bytes as one message; a message passes through a staging "
+                f"buffer of at most {CHUNK_BYTES} bytes, so it needs ceil(payload / staging) chunks",
+            )
         elif chunks is not None or staging is not None:
-            if (not isinstance(chunks, int) or not isinstance(staging, int) or chunks < 1 or staging < 1
-                    or staging > CHUNK_BYTES or chunks != -(-step.payload_bytes // staging)):
-                self.flag(ViolationKind.MALFORMED_STEP, k, src,
-                          f"send in {chunks} chunks through a {staging}-byte staging buffer cannot carry "
-                          f"{step.payload_bytes} bytes; expected ceil(payload / staging) chunks and staging <= "
-                          f"{CHUNK_BYTES}")
+            if (
+                not isinstance(chunks, int)
+                or not isinstance(staging, int)
+                or chunks < 1
+                or staging < 1
+                or staging > CHUNK_BYTES
+                or chunks != -(-step.payload_bytes // staging)
+            ):
+                self.flag(
+                    ViolationKind.MALFORMED_STEP,
+                    k,
+                    src,
+                    f"send in {chunks} chunks through a {staging}-byte staging buffer cannot carry "
+                    f"{step.payload_bytes} bytes; expected ceil(payload / staging) chunks and staging <= "
+                    f"{CHUNK_BYTES}",
+                )
         sd, dd = self.mesh.domain_of(src).name, self.mesh.domain_of(dst).name
         if sd != dd:
             for p in buf.pieces:
@@ -269,18 +322,26 @@ class _Checker(PieceAlgebra):
                 key = (dd, p.tensor, p.form, p.region, p.contrib)
                 first = self.senders.setdefault(key, src)
                 if first != src:
-                    self.flag(ViolationKind.DUPLICATE_SENDER, k, src,
-                              f"rank {src} sends {p.form.value} {p.tensor}{region_text(p.region)} into {dd}, "
-                              f"which rank {first} already sends: one authoritative sender per piece")
+                    self.flag(
+                        ViolationKind.DUPLICATE_SENDER,
+                        k,
+                        src,
+                        f"rank {src} sends {p.form.value} {p.tensor}{region_text(p.region)} into {dd}, "
+                        f"which rank {first} already sends: one authoritative sender per piece",
+                    )
         self.write(k, dst, step.output, buf)
 
     def collective(self, k: int, step: Step) -> None:
         domain_of = self.mesh.domain_of
         domains = {domain_of(r).name for r in step.ranks}
         if len(domains) > 1:
-            self.flag(ViolationKind.CROSS_DOMAIN_COLLECTIVE, k, None,
-                      f"{step.op} over ranks {list(step.ranks)} spans domains {sorted(domains)}; no native communicator "
-                      "covers two vendors: cross through a bridge send")
+            self.flag(
+                ViolationKind.CROSS_DOMAIN_COLLECTIVE,
+                k,
+                None,
+                f"{step.op} over ranks {list(step.ranks)} spans domains {sorted(domains)}; no native communicator "
+                "covers two vendors: cross through a bridge send",
+            )
             return
         op = collective_of(step.op)
         ranks = step.ranks
@@ -354,18 +415,25 @@ class _Checker(PieceAlgebra):
                 parts = int(parts)
                 dim = int(step.arg("dim", 0))
                 if dim >= len(x.shape) or parts <= 0:
-                    raise Refusal(ViolationKind.MALFORMED_STEP, f"cannot split shape {list(x.shape)} in {parts} along {dim}")
-                sizes = {shard_bounds(x.shape[dim], parts, j)[1] - shard_bounds(x.shape[dim], parts, j)[0]
-                         for j in range(parts)}
+                    raise Refusal(
+                        ViolationKind.MALFORMED_STEP, f"cannot split shape {list(x.shape)} in {parts} along {dim}"
+                    )
+                sizes = {
+                    shard_bounds(x.shape[dim], parts, j)[1] - shard_bounds(x.shape[dim], parts, j)[0]
+                    for j in range(parts)
+                }
                 if len(sizes) != 1:
-                    raise Refusal(ViolationKind.MALFORMED_STEP, f"{x.shape[dim]} does not split into {parts} equal parts")
+                    raise Refusal(
+                        ViolationKind.MALFORMED_STEP, f"{x.shape[dim]} does not split into {parts} equal parts"
+                    )
                 size = sizes.pop()
-                shape = x.shape[:dim] + (size,) + x.shape[dim + 1:]
+                shape = x.shape[:dim] + (size,) + x.shape[dim + 1 :]
                 ext = [self.extent(p, dim) for p in x.pieces]
                 if len(x.pieces) == parts and all(e == size for e in ext):
                     return self.reduce([Buf((p,), shape) for p in x.pieces], sop, native=False)
-                return Buf((garbage(self.rows_of(x), "split does not fall on the gathered addends", self.tensor),),
-                           shape), []
+                return Buf(
+                    (garbage(self.rows_of(x), "split does not fall on the gathered addends", self.tensor),), shape
+                ), []
             return self.reduce(xs, sop, native=False)
         if op is Projection.CONCAT:
             return self.concat(xs, int(step.arg("dim", 0))), []
@@ -382,8 +450,9 @@ class _Checker(PieceAlgebra):
                 raise Refusal(ViolationKind.MALFORMED_STEP, "slice needs start/stop, bounds or index")
             return self.narrow(x, dim, range(int(lo), int(hi))), []
         # CHUNK
-        return self.chunk(x, int(step.arg("dim", 0)), int(step.arg("parts", 0) or 0),
-                          int(self.per_rank(step, "index", i, -1))), []
+        return self.chunk(
+            x, int(step.arg("dim", 0)), int(step.arg("parts", 0) or 0), int(self.per_rank(step, "index", i, -1))
+        ), []
 
     def project_piece(self, step: Step, i: int, x: Buf, op: Projection) -> tuple[Buf, list[tuple[str, str]]]:
         """A projection of values (not a rearrangement): it needs one clean piece."""
@@ -399,19 +468,31 @@ class _Checker(PieceAlgebra):
         if want is Form.RAW and len(p.region) != 2 and op is not Projection.ARGMAX:
             return Buf((garbage(rows_of_piece(p), f"{op.value} needs [rows, vocab] logits", p.tensor),), shape), []
         if op in MASKED_PROJECTIONS and step.arg("valid") != self.c.edge.producer.vocab_size:
-            return Buf((garbage(rows_of_piece(p), f"{op.value} masks columns from {step.arg('valid')}; the real "
-                                                  f"vocabulary ends at {self.c.edge.producer.vocab_size} "
-                                                  f"(padding must be masked)", p.tensor),), shape), []
+            return Buf(
+                (
+                    garbage(
+                        rows_of_piece(p),
+                        f"{op.value} masks columns from {step.arg('valid')}; the real "
+                        f"vocabulary ends at {self.c.edge.producer.vocab_size} "
+                        f"(padding must be masked)",
+                        p.tensor,
+                    ),
+                ),
+                shape,
+            ), []
         if op is Projection.LOCAL_MAX_ARG and self.op == "max" and p.contrib is not None and len(p.region) == 2:
             # per-addend (max, index) pairs: the winner over every addend's pairs is the argmax of the max
             off = int(self.per_rank(step, "offsets", i, 0))
             if off != (p.region[1][0][0] if p.region[1] else off):
-                return Buf((garbage(rows_of_piece(p), f"offset {off} is not the addend's first column", p.tensor),),
-                           shape), []
+                return Buf(
+                    (garbage(rows_of_piece(p), f"offset {off} is not the addend's first column", p.tensor),), shape
+                ), []
             return Buf((Piece(p.tensor, Form.MAX_ARG, p.region, p.contrib, p.exact),), shape), []
         if self.partial(p):
-            why = (f"{op.value} of a partial addend (contributions of {list(p.contrib or ())} only): "
-                   f"the projection of a partial sum is not the projection of the sum")
+            why = (
+                f"{op.value} of a partial addend (contributions of {list(p.contrib or ())} only): "
+                f"the projection of a partial sum is not the projection of the sum"
+            )
             return Buf((garbage(rows_of_piece(p), why, p.tensor),), shape), [("projection_of_partial", why)]
         rows = rows_of_piece(p)
         cols = p.region[-1]
@@ -426,12 +507,16 @@ class _Checker(PieceAlgebra):
             if op is Projection.LOCAL_SAMPLE_MAX_ARG:
                 cons = self.c.edge.consumer
                 if (step.arg("seed", 0), float(step.arg("temperature", 1.0))) != (cons.seed, cons.temperature):
-                    return Buf((garbage(rows, "perturbed with another seed or temperature than the consumer's",
-                                        p.tensor),), shape), []
+                    return Buf(
+                        (garbage(rows, "perturbed with another seed or temperature than the consumer's", p.tensor),),
+                        shape,
+                    ), []
                 if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
                     return Buf((garbage(rows, "perturbed with the noise of other rows", p.tensor),), shape), []
                 return Buf((Piece(p.tensor, Form.SAMPLE_ARG, (rows, cols), None, p.exact),), shape), []
-            if op is Projection.LOCAL_LSE_STATS and not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
+            if op is Projection.LOCAL_LSE_STATS and not self.rows_at(
+                rows, int(self.per_rank(step, "row_offsets", i, 0))
+            ):
                 return Buf((garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
             form = Form.MAX_ARG if op is Projection.LOCAL_MAX_ARG else Form.LSE_STATS
             return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape), []
@@ -444,8 +529,10 @@ class _Checker(PieceAlgebra):
             return self.row_projection(op, step, i, p, shape), []
         # LOGSOFTMAX_AT
         if cols != ((0, self.vocab),):
-            raise Refusal(ViolationKind.MALFORMED_STEP, f"log-softmax over columns {_rows_text(cols)} of {self.vocab}: "
-                                                     "target ids fall outside")
+            raise Refusal(
+                ViolationKind.MALFORMED_STEP,
+                f"log-softmax over columns {_rows_text(cols)} of {self.vocab}: target ids fall outside",
+            )
         if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
             return Buf((garbage(rows, "target ids read from the wrong rows", p.tensor),), shape), []
         return Buf((Piece(p.tensor, Form.LOGPROB, (rows, cols), None, p.exact),), shape), []
@@ -454,20 +541,40 @@ class _Checker(PieceAlgebra):
         """top-k, token + log-prob or a seeded sample: full rows in, with the consumer's parameters."""
         rows, cols = rows_of_piece(p), p.region[-1]
         if cols != ((0, self.vocab),):
-            return Buf((garbage(rows, f"{op.value} over columns {_rows_text(cols)} only; it needs whole rows of "
-                                      f"{self.vocab}", p.tensor),), shape)
+            return Buf(
+                (
+                    garbage(
+                        rows,
+                        f"{op.value} over columns {_rows_text(cols)} only; it needs whole rows of {self.vocab}",
+                        p.tensor,
+                    ),
+                ),
+                shape,
+            )
         cons = self.c.edge.consumer
         if op is Projection.TOPK and int(step.arg("k", 1)) != cons.k:
             return Buf((garbage(rows, f"top-{step.arg('k', 1)} where top-{cons.k} is demanded", p.tensor),), shape)
         if op is Projection.SAMPLE:
             if (step.arg("seed", 0), float(step.arg("temperature", 1.0))) != (cons.seed, cons.temperature):
-                return Buf((garbage(rows, f"sampled with seed {step.arg('seed', 0)}, temperature "
-                                          f"{step.arg('temperature', 1.0)}; the consumer's are {cons.seed}, "
-                                          f"{cons.temperature}", p.tensor),), shape)
+                return Buf(
+                    (
+                        garbage(
+                            rows,
+                            f"sampled with seed {step.arg('seed', 0)}, temperature "
+                            f"{step.arg('temperature', 1.0)}; the consumer's are {cons.seed}, "
+                            f"{cons.temperature}",
+                            p.tensor,
+                        ),
+                    ),
+                    shape,
+                )
             if not self.rows_at(rows, int(self.per_rank(step, "row_offsets", i, 0))):
                 return Buf((garbage(rows, "sampled with the noise of other rows", p.tensor),), shape)
-        form = {Projection.TOPK: Form.TOPK, Projection.TOKEN_LOGPROB: Form.TOKEN_LOGPROB,
-                Projection.SAMPLE: Form.SAMPLE}[op]
+        form = {
+            Projection.TOPK: Form.TOPK,
+            Projection.TOKEN_LOGPROB: Form.TOKEN_LOGPROB,
+            Projection.SAMPLE: Form.SAMPLE,
+        }[op]
         return Buf((Piece(p.tensor, form, (rows, cols), None, p.exact),), shape)
 
     @staticmethod
@@ -494,27 +601,48 @@ class _Checker(PieceAlgebra):
     # -- the end of the plan: what each consumer observed ---------------------------------------
     def finish(self) -> None:
         for k, rank, p in self.pending:
-            later = any(j > k and any(q.tensor == p.tensor and q.form is p.form and q.region == p.region
-                                      and not self.partial(q) for q in buf.pieces)
-                        for j, buf in self.writes[rank])
+            later = any(
+                j > k
+                and any(
+                    q.tensor == p.tensor and q.form is p.form and q.region == p.region and not self.partial(q)
+                    for q in buf.pieces
+                )
+                for j, buf in self.writes[rank]
+            )
             have = sorted(p.contrib or ())
             if later:
-                self.flag(ViolationKind.DELIVERY_BEFORE_COMPLETION, k, rank,
-                          f"rank {rank} is handed {p.tensor}{region_text(p.region)} with only the addends of "
-                          f"{have} reduced in; the rest arrive after the delivery")
+                self.flag(
+                    ViolationKind.DELIVERY_BEFORE_COMPLETION,
+                    k,
+                    rank,
+                    f"rank {rank} is handed {p.tensor}{region_text(p.region)} with only the addends of "
+                    f"{have} reduced in; the rest arrive after the delivery",
+                )
             else:
-                self.flag(ViolationKind.NEVER_REDUCED, k, rank,
-                          f"rank {rank} observes {p.tensor}{region_text(p.region)} holding only the addends of "
-                          f"{have} of {list(self.order)}: the partial {self.op} is never completed")
+                self.flag(
+                    ViolationKind.NEVER_REDUCED,
+                    k,
+                    rank,
+                    f"rank {rank} observes {p.tensor}{region_text(p.region)} holding only the addends of "
+                    f"{have} of {list(self.order)}: the partial {self.op} is never completed",
+                )
         demand = self.c.demand
         consumers = set(self.c.edge.consumer.ranks)
         for rank, (k, buf) in sorted(self.observed.items()):
             if rank in demand.silent or (rank not in consumers and self.c.authority.owner_of_row is not None):
-                self.flag(ViolationKind.NON_OWNER_OBSERVES, k, rank,
-                          f"rank {rank} owns no rows, yet observes {self.describe(buf)}")
+                self.flag(
+                    ViolationKind.NON_OWNER_OBSERVES,
+                    k,
+                    rank,
+                    f"rank {rank} owns no rows, yet observes {self.describe(buf)}",
+                )
             elif rank not in consumers:
-                self.flag(ViolationKind.DEMAND_NOT_MET, k, rank, f"rank {rank} is not a consumer rank, yet observes "
-                                                                 f"{self.describe(buf)}")
+                self.flag(
+                    ViolationKind.DEMAND_NOT_MET,
+                    k,
+                    rank,
+                    f"rank {rank} is not a consumer rank, yet observes {self.describe(buf)}",
+                )
         for obs in demand.observations:
             self.judge(obs)
 
@@ -536,47 +664,75 @@ class _Checker(PieceAlgebra):
             self.flag(ViolationKind.DEMAND_NOT_MET, None, rank, f"rank {rank} ends without its demanded {want()}")
             return
         k, buf = self.observed[rank]
-        if (obs.form is Form.RAW and 0 in obs.shape and buf.shape == obs.shape
-                and all(p.form is Form.RAW and self.empty(p) for p in buf.pieces)):
+        if (
+            obs.form is Form.RAW
+            and 0 in obs.shape
+            and buf.shape == obs.shape
+            and all(p.form is Form.RAW and self.empty(p) for p in buf.pieces)
+        ):
             return  # nothing to observe, and nothing observed, in the demanded shape
         if len(buf.pieces) != 1 or buf.pieces[0].form is Form.GARBAGE:
-            self.flag(ViolationKind.DEMAND_NOT_MET, k, rank, f"rank {rank} observes {self.describe(buf)} "
-                                                             f"instead of {want()}")
+            self.flag(
+                ViolationKind.DEMAND_NOT_MET, k, rank, f"rank {rank} observes {self.describe(buf)} instead of {want()}"
+            )
             return
         p = buf.pieces[0]
         if self.partial(p):
             return  # reported as never_reduced / delivery_before_completion
         if p.form is not obs.form:
             if p.form is Form.RAW:
-                self.flag(ViolationKind.DEMAND_NOT_MET, k, rank,
-                          f"rank {rank} observes raw {p.tensor}{region_text(p.region)}, more than its demanded {want()}")
+                self.flag(
+                    ViolationKind.DEMAND_NOT_MET,
+                    k,
+                    rank,
+                    f"rank {rank} observes raw {p.tensor}{region_text(p.region)}, more than its demanded {want()}",
+                )
             else:
-                self.flag(ViolationKind.DISALLOWED_SUBSTITUTE, k, rank,
-                          f"rank {rank} observes {p.form.value} where the contract demands {want()}; no substitute "
-                          "allows that")
+                self.flag(
+                    ViolationKind.DISALLOWED_SUBSTITUTE,
+                    k,
+                    rank,
+                    f"rank {rank} observes {p.form.value} where the contract demands {want()}; no substitute "
+                    "allows that",
+                )
             return
         region = p.region
         if obs.form is not Form.RAW and p.region[1] != obs.region[1]:
-            self.flag(ViolationKind.DEMAND_NOT_MET, k, rank,
-                      f"rank {rank} observes {p.form.value} over columns {_rows_text(p.region[1])} only, not the "
-                      f"whole vocabulary {_rows_text(obs.region[1])}")
+            self.flag(
+                ViolationKind.DEMAND_NOT_MET,
+                k,
+                rank,
+                f"rank {rank} observes {p.form.value} over columns {_rows_text(p.region[1])} only, not the "
+                f"whole vocabulary {_rows_text(obs.region[1])}",
+            )
             return
         if region != obs.region:
-            self.flag(ViolationKind.DEMAND_NOT_MET, k, rank,
-                      f"rank {rank} observes {self.describe(buf)} instead of {want()}")
+            self.flag(
+                ViolationKind.DEMAND_NOT_MET, k, rank, f"rank {rank} observes {self.describe(buf)} instead of {want()}"
+            )
             return
         if not p.exact and self.c.substitutability.equivalence is Equivalence.BITWISE:
-            what = ("log-probabilities combined from per-shard statistics" if p.form is Form.LOGPROB
-                    and not isinstance(self.c.provenance.placement, Partial)
-                    else f"a {self.op or 'reduction'} in an order other than the reference")
-            self.flag(ViolationKind.DISALLOWED_SUBSTITUTE, k, rank,
-                      f"rank {rank} observes {what}; the contract demands bitwise equality with one device")
-
+            what = (
+                "log-probabilities combined from per-shard statistics"
+                if p.form is Form.LOGPROB and not isinstance(self.c.provenance.placement, Partial)
+                else f"a {self.op or 'reduction'} in an order other than the reference"
+            )
+            self.flag(
+                ViolationKind.DISALLOWED_SUBSTITUTE,
+                k,
+                rank,
+                f"rank {rank} observes {what}; the contract demands bitwise equality with one device",
+            )
 
 
 # The checker's method for each step kind.
-_STEP_METHOD: dict[StepKind, str] = {StepKind.SEND: "send", StepKind.DELIVER: "deliver",
-                                     StepKind.PROJECT: "project_step", StepKind.COLLECTIVE: "collective"}
+_STEP_METHOD: dict[StepKind, str] = {
+    StepKind.SEND: "send",
+    StepKind.DELIVER: "deliver",
+    StepKind.PROJECT: "project_step",
+    StepKind.COLLECTIVE: "collective",
+}
+
 
 def check(plan: Plan, contract: Contract) -> CheckReport:
     """Check ``plan`` against ``contract`` symbolically; the report lists every violation."""

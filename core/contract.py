@@ -87,8 +87,7 @@ class Tolerance:
     per_row: bool = False
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rtol": self.rtol, "atol": self.atol, "scaled": self.scaled, "per_row": self.per_row,
-                "why": self.why}
+        return {"rtol": self.rtol, "atol": self.atol, "scaled": self.scaled, "per_row": self.per_row, "why": self.why}
 
 
 @lru_cache(maxsize=1024)
@@ -116,9 +115,12 @@ def reduction_tolerance(dtype: DType, addends: int, why: str) -> Tolerance:
     """
     floor = tolerance_for(dtype, why)
     u = unit_roundoff(dtype)
-    return Tolerance(floor.rtol, floor.atol + 2 * addends * smallest_subnormal(dtype),
-                     f"{why}; |error| <= 2·{addends}·u·sum|addends| with u = {u:.3g} ({dtype.value})",
-                     scaled=2 * addends * u)
+    return Tolerance(
+        floor.rtol,
+        floor.atol + 2 * addends * smallest_subnormal(dtype),
+        f"{why}; |error| <= 2·{addends}·u·sum|addends| with u = {u:.3g} ({dtype.value})",
+        scaled=2 * addends * u,
+    )
 
 
 @lru_cache(maxsize=1024)
@@ -134,11 +136,18 @@ def logsoftmax_tolerance(vocab: int, why: str, dtype: DType = DType.FLOAT32, add
     u32 = unit_roundoff(DType.FLOAT32)
     floor = tolerance_for(DType.FLOAT32, why)
     scaled = 8 * u32 + (4 * addends * unit_roundoff(dtype) if addends else 0.0)
-    extra = (f"; logits reduced natively over {addends} addends in {dtype.value}: + 4·{addends}·u·row magnitude"
-             if addends else "")
-    return Tolerance(floor.rtol, max(floor.atol, (2 * vocab + 64) * u32),
-                     f"{why}; |error| <= (2·{vocab}+64)·u + 8·u·row magnitude with u = {u32:.3g} (float32)" + extra,
-                     scaled=scaled, per_row=True)
+    extra = (
+        f"; logits reduced natively over {addends} addends in {dtype.value}: + 4·{addends}·u·row magnitude"
+        if addends
+        else ""
+    )
+    return Tolerance(
+        floor.rtol,
+        max(floor.atol, (2 * vocab + 64) * u32),
+        f"{why}; |error| <= (2·{vocab}+64)·u + 8·u·row magnitude with u = {u32:.3g} (float32)" + extra,
+        scaled=scaled,
+        per_row=True,
+    )
 
 
 @dataclass(frozen=True)
@@ -150,8 +159,11 @@ class Holding:
     partial: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "region": region_text(self.region),
-                "state": "partial" if self.partial else "complete"}
+        return {
+            "rank": self.rank,
+            "region": region_text(self.region),
+            "state": "partial" if self.partial else "complete",
+        }
 
 
 @dataclass(frozen=True)
@@ -169,9 +181,15 @@ class Provenance:
         return tuple(h.rank for h in self.holdings)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"op": self.op, "tensor": self.tensor, "shape": list(self.shape), "dtype": self.dtype.value,
-                "domain": self.domain, "placement": repr(self.placement),
-                "holdings": [h.to_dict() for h in self.holdings]}
+        return {
+            "op": self.op,
+            "tensor": self.tensor,
+            "shape": list(self.shape),
+            "dtype": self.dtype.value,
+            "domain": self.domain,
+            "placement": repr(self.placement),
+            "holdings": [h.to_dict() for h in self.holdings],
+        }
 
 
 @dataclass(frozen=True)
@@ -184,8 +202,12 @@ class Substitute:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "allowed": self.allowed, "equivalence": self.equivalence.value,
-                "reason": self.reason}
+        return {
+            "name": self.name,
+            "allowed": self.allowed,
+            "equivalence": self.equivalence.value,
+            "reason": self.reason,
+        }
 
 
 @dataclass(frozen=True)
@@ -200,9 +222,11 @@ class Substitutability:
         return any(s.name == name and s.allowed for s in self.substitutes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"equivalence": self.equivalence.value,
-                "tolerance": self.tolerance.to_dict() if self.tolerance else None,
-                "substitutes": [s.to_dict() for s in self.substitutes]}
+        return {
+            "equivalence": self.equivalence.value,
+            "tolerance": self.tolerance.to_dict() if self.tolerance else None,
+            "substitutes": [s.to_dict() for s in self.substitutes],
+        }
 
 
 @dataclass(frozen=True)
@@ -215,8 +239,12 @@ class Completion:
     requirements: tuple[str, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"reduce_op": self.reduce_op, "contributors": list(self.contributors),
-                "inside_domain": self.inside_domain, "requirements": list(self.requirements)}
+        return {
+            "reduce_op": self.reduce_op,
+            "contributors": list(self.contributors),
+            "inside_domain": self.inside_domain,
+            "requirements": list(self.requirements),
+        }
 
 
 @dataclass(frozen=True)
@@ -235,10 +263,15 @@ class Authority:
     def to_dict(self) -> dict[str, Any]:
         owners = None
         if self.owner_of_row is not None:
-            owners = {str(o): region_text((intervals_from_indices(
-                [r for r, x in enumerate(self.owner_of_row) if x == o]),)) for o in sorted(set(self.owner_of_row))}
-        return {"senders": [{"piece": p, "rank": r} for p, r in self.senders], "owner_scope": owners,
-                "unrestricted_ranks": list(self.unrestricted)}
+            owners = {
+                str(o): region_text((intervals_from_indices([r for r, x in enumerate(self.owner_of_row) if x == o]),))
+                for o in sorted(set(self.owner_of_row))
+            }
+        return {
+            "senders": [{"piece": p, "rank": r} for p, r in self.senders],
+            "owner_scope": owners,
+            "unrestricted_ranks": list(self.unrestricted),
+        }
 
 
 @dataclass(frozen=True)
@@ -252,8 +285,13 @@ class Observation:
     shape: tuple[int, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "form": self.form.value, "region": region_text(self.region),
-                "dtype": self.dtype.value, "shape": list(self.shape)}
+        return {
+            "rank": self.rank,
+            "form": self.form.value,
+            "region": region_text(self.region),
+            "dtype": self.dtype.value,
+            "shape": list(self.shape),
+        }
 
 
 @dataclass(frozen=True)
@@ -270,8 +308,12 @@ class Demand:
         return None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"request": self.request.value, "observations": [o.to_dict() for o in self.observations],
-                "silent_ranks": list(self.silent), "reads_target_ids": self.reads_target_ids}
+        return {
+            "request": self.request.value,
+            "observations": [o.to_dict() for o in self.observations],
+            "silent_ranks": list(self.silent),
+            "reads_target_ids": self.reads_target_ids,
+        }
 
 
 @dataclass(frozen=True)
@@ -284,10 +326,14 @@ class Locality:
     collective_domains: tuple[str, ...]  # where native collectives may run
 
     def to_dict(self) -> dict[str, Any]:
-        return {"producer_domain": self.producer_domain, "consumer_domain": self.consumer_domain,
-                "cross_domain": self.cross_domain, "link": self.link.value,
-                "bridge": list(self.bridge) if self.bridge else None,
-                "native_collectives_in": list(self.collective_domains)}
+        return {
+            "producer_domain": self.producer_domain,
+            "consumer_domain": self.consumer_domain,
+            "cross_domain": self.cross_domain,
+            "link": self.link.value,
+            "bridge": list(self.bridge) if self.bridge else None,
+            "native_collectives_in": list(self.collective_domains),
+        }
 
 
 @dataclass(frozen=True)
@@ -320,8 +366,12 @@ _RESULT_REQUESTS = tuple(r for r in Request if r.reads_logits)
 
 # The form each request observes (raw values for the others).
 REQUEST_FORM: dict[Request, Form] = {
-    Request.TOKEN: Form.TOKEN, Request.OWNER_TOKEN: Form.TOKEN, Request.LOGPROB: Form.LOGPROB,
-    Request.TOPK: Form.TOPK, Request.TOKEN_LOGPROB: Form.TOKEN_LOGPROB, Request.SAMPLE: Form.SAMPLE,
+    Request.TOKEN: Form.TOKEN,
+    Request.OWNER_TOKEN: Form.TOKEN,
+    Request.LOGPROB: Form.LOGPROB,
+    Request.TOPK: Form.TOPK,
+    Request.TOKEN_LOGPROB: Form.TOKEN_LOGPROB,
+    Request.SAMPLE: Form.SAMPLE,
 }
 
 
@@ -340,7 +390,7 @@ def _holdings(edge: Edge) -> tuple[Holding, ...]:
             start = block[d][0][0] if block[d] else 0
             lo = min(size, inner * -(-size // tp))
             hi = min(size, lo + -(-size // tp))
-            region = block[:d] + ((((start + lo, start + hi),) if hi > lo else ()),) + block[d + 1:]
+            region = block[:d] + ((((start + lo, start + hi),) if hi > lo else ()),) + block[d + 1 :]
             out.append(Holding(r, region, False))
         else:
             out.append(Holding(r, block, isinstance(p.placement, Partial)))
@@ -361,30 +411,64 @@ def _substitutability(edge: Edge, n: int) -> Substitutability:
     native_exact = _native_reduction_exact(p.placement, p.dtype, n)
     subs = []
     if req in _RESULT_REQUESTS:
-        subs.append(Substitute("source_projection", True, Equivalence.BITWISE,
-                               "the observation is computed where the data lives and only it crosses"))
+        subs.append(
+            Substitute(
+                "source_projection",
+                True,
+                Equivalence.BITWISE,
+                "the observation is computed where the data lives and only it crosses",
+            )
+        )
     if req in (Request.TOKEN, Request.OWNER_TOKEN):
-        subs.append(Substitute("distributed_argmax", True, Equivalence.BITWISE,
-                               "per-shard (max, index) pairs combined with lowest-index ties give the same id"))
+        subs.append(
+            Substitute(
+                "distributed_argmax",
+                True,
+                Equivalence.BITWISE,
+                "per-shard (max, index) pairs combined with lowest-index ties give the same id",
+            )
+        )
     if req is Request.LOGPROB:
-        subs.append(Substitute(
-            "distributed_logsoftmax", not c.exact, Equivalence.TOLERANCE,
-            "per-shard (max, sum exp, target) statistics sum exponentials in a different order than a "
-            "single-device log-softmax: not bitwise equal" + ("; the consumer demands exact" if c.exact else "")))
+        subs.append(
+            Substitute(
+                "distributed_logsoftmax",
+                not c.exact,
+                Equivalence.TOLERANCE,
+                "per-shard (max, sum exp, target) statistics sum exponentials in a different order than a "
+                "single-device log-softmax: not bitwise equal" + ("; the consumer demands exact" if c.exact else ""),
+            )
+        )
     if isinstance(p.placement, Partial):
         allowed = native_exact or tolerance_ok
-        subs.append(Substitute(
-            "native_reduction", allowed, Equivalence.BITWISE if native_exact else Equivalence.TOLERANCE,
-            "a native collective reduces in an unspecified order"
-            + ("; exact here" if native_exact else "; a floating sum over more than two addends is not bitwise")
-            + ("" if allowed else "; the request needs the reference order")))
+        subs.append(
+            Substitute(
+                "native_reduction",
+                allowed,
+                Equivalence.BITWISE if native_exact else Equivalence.TOLERANCE,
+                "a native collective reduces in an unspecified order"
+                + ("; exact here" if native_exact else "; a floating sum over more than two addends is not bitwise")
+                + ("" if allowed else "; the request needs the reference order"),
+            )
+        )
     if req is Request.LOGPROB and not c.exact:
-        return Substitutability(Equivalence.TOLERANCE, logsoftmax_tolerance(
-            p.columns, "log-softmax statistics are combined in float32 in a different order",
-            p.dtype, 0 if native_exact else n), tuple(subs))
+        return Substitutability(
+            Equivalence.TOLERANCE,
+            logsoftmax_tolerance(
+                p.columns,
+                "log-softmax statistics are combined in float32 in a different order",
+                p.dtype,
+                0 if native_exact else n,
+            ),
+            tuple(subs),
+        )
     if tolerance_ok and isinstance(p.placement, Partial) and not native_exact:
-        return Substitutability(Equivalence.TOLERANCE, reduction_tolerance(
-            p.dtype, n, f"partial {p.placement.op} reduced by a native collective in unspecified order"), tuple(subs))
+        return Substitutability(
+            Equivalence.TOLERANCE,
+            reduction_tolerance(
+                p.dtype, n, f"partial {p.placement.op} reduced by a native collective in unspecified order"
+            ),
+            tuple(subs),
+        )
     return Substitutability(Equivalence.BITWISE, None, tuple(subs))
 
 
@@ -436,15 +520,21 @@ def compile_contract(edge: Edge) -> Contract:
     if isinstance(p.placement, Shard):
         reqs.append(f"every shard of {p.name} along dim {p.placement.dim} present where it is combined")
     reqs.append(f"{p.op} finished on {pdom.name} before anything is read")
-    completion = Completion(p.placement.op if isinstance(p.placement, Partial) else None, tuple(h.rank for h in holdings),
-                            pdom.name, tuple(reqs))
+    completion = Completion(
+        p.placement.op if isinstance(p.placement, Partial) else None,
+        tuple(h.rank for h in holdings),
+        pdom.name,
+        tuple(reqs),
+    )
     demand = _demand(edge)
     pbridge, cbridge = pdom.bridge_rank, cdom.bridge_rank
     assert pbridge is not None and cbridge is not None  # Domain.__post_init__ sets both
     if c.request in _RESULT_REQUESTS:
         if c.request is Request.OWNER_TOKEN:
-            senders = tuple((f"token of {p.name}{region_text(o.region)} for its owner, rank {o.rank}",
-                             pbridge) for o in demand.observations)
+            senders = tuple(
+                (f"token of {p.name}{region_text(o.region)} for its owner, rank {o.rank}", pbridge)
+                for o in demand.observations
+            )
         else:
             o = demand.observations[0]
             senders = ((f"{o.form.value} of {p.name}{region_text(o.region)}", pbridge),)
@@ -457,13 +547,17 @@ def compile_contract(edge: Edge) -> Contract:
     authority = Authority(senders, tuple(c.owners) if owner_scoped and c.owners else None, pdom.ranks)
     cross = edge.cross_domain
     link = mesh.link_class(pbridge, cbridge) if cross else LinkClass.FABRIC
-    locality = Locality(pdom.name, cdom.name, cross, link,
-                        (pbridge, cbridge) if cross else None,
-                        tuple(dict.fromkeys((pdom.name, cdom.name))))
+    locality = Locality(
+        pdom.name,
+        cdom.name,
+        cross,
+        link,
+        (pbridge, cbridge) if cross else None,
+        tuple(dict.fromkeys((pdom.name, cdom.name))),
+    )
     return Contract(edge, provenance, _substitutability(edge, n), completion, authority, demand, locality)
 
 
 def is_result_request(request: Request) -> bool:
     """Requests whose observation is a projection (log-prob, token) rather than raw values."""
     return request in _RESULT_REQUESTS
-

@@ -101,8 +101,12 @@ class CostFit:
         return max(abs(e) for e in self.errors())
 
     def to_dict(self) -> dict[str, Any]:
-        return {"growth": self.growth.value, "intercept": self.intercept, "slope": self.slope,
-                "measured": {str(p.ranks): p.value for p in self.points}}
+        return {
+            "growth": self.growth.value,
+            "intercept": self.intercept,
+            "slope": self.slope,
+            "measured": {str(p.ranks): p.value for p in self.points},
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CostFit":
@@ -136,8 +140,12 @@ def fit_growth(points: Mapping[int, float] | tuple[Point, ...]) -> CostFit:
     cost model: a negative slope in the kept form is refused, naming the points, so a noisy
     run is measured again rather than extrapolated.
     """
-    pts = tuple(sorted((points if isinstance(points, tuple) else
-                        tuple(Point(int(n), float(v)) for n, v in points.items())), key=lambda p: p.ranks))
+    pts = tuple(
+        sorted(
+            (points if isinstance(points, tuple) else tuple(Point(int(n), float(v)) for n, v in points.items())),
+            key=lambda p: p.ranks,
+        )
+    )
     if len({p.ranks for p in pts}) < 2:
         raise ValueError(f"a fit needs measurements at two sizes or more, got {[p.ranks for p in pts]}")
     if any(not (p.value > 0 and math.isfinite(p.value)) or p.ranks < 1 for p in pts):
@@ -181,14 +189,21 @@ class ControlPlaneFit:
         return {"consensus_s": self.consensus_s, "heartbeat_store_s": self.heartbeat_store_s}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": dict(self.source.__dict__), "interval_s": self.interval_s,
-                "fits": {k: f.to_dict() for k, f in self.fits().items()}}
+        return {
+            "source": dict(self.source.__dict__),
+            "interval_s": self.interval_s,
+            "fits": {k: f.to_dict() for k, f in self.fits().items()},
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ControlPlaneFit":
         fits = d["fits"]
-        return cls(CostFit.from_dict(fits["consensus_s"]), CostFit.from_dict(fits["heartbeat_store_s"]),
-                   float(d["interval_s"]), FitSource(**d["source"]))
+        return cls(
+            CostFit.from_dict(fits["consensus_s"]),
+            CostFit.from_dict(fits["heartbeat_store_s"]),
+            float(d["interval_s"]),
+            FitSource(**d["source"]),
+        )
 
 
 def fit_control_plane(doc: Mapping[str, Any], file: str = "bench/results/control_scale.json") -> ControlPlaneFit:
@@ -201,12 +216,17 @@ def fit_control_plane(doc: Mapping[str, Any], file: str = "bench/results/control
     would undercount), the median over the repeats. Sizes whose runs all failed are left out.
     """
     if doc.get("watch") != "ring":
-        raise ValueError(f"{file}: the fit is made from the ring heartbeat's run (watch: ring), got {doc.get('watch')!r}")
+        raise ValueError(
+            f"{file}: the fit is made from the ring heartbeat's run (watch: ring), got {doc.get('watch')!r}"
+        )
     consensus = {int(n): float(ms) / 1e3 for n, ms in doc["decision_ms_p50_by_ranks"].items() if ms}
     store: dict[int, float] = {}
     for n, runs in doc["runs"].items():
-        per_round = [r["server_cpu_s_per_s_heartbeat"] / r["looks_achieved_per_rank_per_s"] for r in runs
-                     if "error" not in r and r.get("looks_achieved_per_rank_per_s")]
+        per_round = [
+            r["server_cpu_s_per_s_heartbeat"] / r["looks_achieved_per_rank_per_s"]
+            for r in runs
+            if "error" not in r and r.get("looks_achieved_per_rank_per_s")
+        ]
         if per_round:
             store[int(n)] = statistics.median(per_round)
     run = doc.get("run") or {}
@@ -225,5 +245,7 @@ def load_control_plane_fit(path: str | None = None) -> ControlPlaneFit:
     try:
         return ControlPlaneFit.from_dict(json.loads(text))
     except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{path}: not a control-plane fit ({type(exc).__name__}: {exc}); "
-                         f"write it with python scripts/fit_control_plane.py") from None
+        raise ValueError(
+            f"{path}: not a control-plane fit ({type(exc).__name__}: {exc}); "
+            f"write it with python scripts/fit_control_plane.py"
+        ) from None

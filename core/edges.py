@@ -36,16 +36,23 @@ class RealEdge:
         return is_result_request(self.edge.consumer.request)
 
     def to_dict(self) -> dict[str, object]:
-        return {"name": self.name, "model": self.model, "result_edge": self.result_edge,
-                "description": self.edge.description, "dims": self.dims}
+        return {
+            "name": self.name,
+            "model": self.model,
+            "result_edge": self.result_edge,
+            "description": self.edge.description,
+            "dims": self.dims,
+        }
 
 
 def two_vendor_mesh(cuda: int, cann: int, cpu: int = 0, same_host: bool = False) -> Mesh:
     """``cuda@hostA`` (NCCL) ranks first, then ``cann@hostB`` (HCCL), then an optional
     ``cpu@hostA`` (gloo) domain; hosts meet over Ethernet unless ``same_host``."""
     host_b = "hostA" if same_host else "hostB"
-    domains = [Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(cuda))),
-               Domain(f"cann@{host_b}", Vendor.CANN, host_b, tuple(range(cuda, cuda + cann)))]
+    domains = [
+        Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(cuda))),
+        Domain(f"cann@{host_b}", Vendor.CANN, host_b, tuple(range(cuda, cuda + cann))),
+    ]
     if cpu:
         domains.append(Domain("cpu@hostA", Vendor.CPU, "hostA", tuple(range(cuda + cann, cuda + cann + cpu))))
     return Mesh(domains=tuple(domains))
@@ -65,84 +72,132 @@ def _build() -> dict[str, RealEdge]:
     mm2 = get_model("minimax-m2")
     out: list[RealEdge] = []
 
-    def add(name: str, model: ModelConfig, dims: str, mesh: Mesh, producer: ProducerTensor,
-            consumer: Consumer, description: str) -> None:
+    def add(
+        name: str,
+        model: ModelConfig,
+        dims: str,
+        mesh: Mesh,
+        producer: ProducerTensor,
+        consumer: Consumer,
+        description: str,
+    ) -> None:
         edge = Edge(name, mesh, producer, consumer, description=description, source=model.source)
         out.append(RealEdge(name, edge, model.name, dims))
 
     m44 = two_vendor_mesh(4, 4)
-    add("qwen3-14b-lm-head-logprob", q14,
+    add(
+        "qwen3-14b-lm-head-logprob",
+        q14,
         f"vocab {q14.vocab_size} (config.json vocab_size); 4096 tokens per RL scoring micro-batch and "
         "tensor parallelism 4 (deployment choices)",
         two_vendor_mesh(4, 2),
         ProducerTensor("logits", "lm_head", (4096, q14.vocab_size), DType.BFLOAT16, "cuda@hostA", Shard(1)),
         Consumer("scorer", "cann@hostB", (4, 5), Request.LOGPROB),
         "RL scoring: a vocabulary-parallel LM head on CUDA, the trainer on Ascend reads the log-probability "
-        "of each sampled token")
-    add("qwen3-14b-lm-head-token", q14,
+        "of each sampled token",
+    )
+    add(
+        "qwen3-14b-lm-head-token",
+        q14,
         f"vocab {q14.vocab_size} (config.json); 256 sequences per decode step, tensor parallelism 4",
-        Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2, 3)),
-                      Domain("cpu@hostA", Vendor.CPU, "hostA", (4,)))),
+        Mesh(
+            domains=(
+                Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2, 3)),
+                Domain("cpu@hostA", Vendor.CPU, "hostA", (4,)),
+            )
+        ),
         ProducerTensor("logits", "lm_head", (256, q14.vocab_size), DType.BFLOAT16, "cuda@hostA", Shard(1)),
         Consumer("sampler", "cpu@hostA", (4,), Request.TOKEN),
-        "greedy decoding: the scheduler on the host CPU needs only each sequence's next token id")
-    add("minimax-m2-lm-head-owner-token", mm2,
+        "greedy decoding: the scheduler on the host CPU needs only each sequence's next token id",
+    )
+    add(
+        "minimax-m2-lm-head-owner-token",
+        mm2,
         f"vocab {mm2.vocab_size} (config.json); 64 sequences per decode step owned by 4 decode workers, "
         "tensor parallelism 8",
         two_vendor_mesh(8, 4),
         ProducerTensor("logits", "lm_head", (64, mm2.vocab_size), DType.BFLOAT16, "cuda@hostA", Shard(1)),
         Consumer("decoders", "cann@hostB", (8, 9, 10, 11), Request.OWNER_TOKEN, owners=_owners(64, (8, 9, 10, 11))),
-        "disaggregated decoding: each Ascend decode worker receives the next tokens of its own sequences only")
-    add("qwen3-14b-mlp-down-reduced", q14,
+        "disaggregated decoding: each Ascend decode worker receives the next tokens of its own sequences only",
+    )
+    add(
+        "qwen3-14b-mlp-down-reduced",
+        q14,
         f"hidden {q14.hidden_size}, intermediate {q14.intermediate_size} split 4 ways "
         f"({q14.intermediate_size // 4} per rank, config.json); 2048 tokens per micro-batch",
         m44,
-        ProducerTensor("down_proj_out", "mlp.down_proj", (2048, q14.hidden_size), DType.BFLOAT16, "cuda@hostA",
-                       Partial("sum")),
+        ProducerTensor(
+            "down_proj_out", "mlp.down_proj", (2048, q14.hidden_size), DType.BFLOAT16, "cuda@hostA", Partial("sum")
+        ),
         Consumer("next_stage", "cann@hostB", (4, 5, 6, 7), Request.REDUCED),
         "pipeline boundary after a row-parallel down-projection: each CUDA rank holds a full-shaped addend; "
-        "the next stage on Ascend must read the completed sum")
-    add("llama-3.1-8b-column-activation-shard", llama,
+        "the next stage on Ascend must read the completed sum",
+    )
+    add(
+        "llama-3.1-8b-column-activation-shard",
+        llama,
         f"intermediate {llama.intermediate_size} (config.json) split over tensor parallelism 4 on both sides; "
         "2048 tokens per micro-batch",
         m44,
-        ProducerTensor("gate_up_act", "mlp.act_fn", (2048, llama.intermediate_size), DType.BFLOAT16, "cuda@hostA",
-                       Shard(1)),
+        ProducerTensor(
+            "gate_up_act", "mlp.act_fn", (2048, llama.intermediate_size), DType.BFLOAT16, "cuda@hostA", Shard(1)
+        ),
         Consumer("down_proj", "cann@hostB", (4, 5, 6, 7), Request.SHARD, shard_dim=1),
         "column-parallel activations handed to a row-parallel down-projection on the other vendor: rank i "
-        "needs column shard i")
-    add("qwen3-30b-a3b-moe-combine", q30,
+        "needs column shard i",
+    )
+    add(
+        "qwen3-30b-a3b-moe-combine",
+        q30,
         f"hidden {q30.hidden_size}, {q30.num_experts} experts, top-{q30.experts_per_token} (config.json), "
         "16 experts per rank over expert parallelism 8; 4096 tokens over 2 attention ranks",
         two_vendor_mesh(2, 8),
-        ProducerTensor("expert_out", "moe.experts", (4096, q30.hidden_size), DType.BFLOAT16, "cann@hostB",
-                       Partial("sum")),
+        ProducerTensor(
+            "expert_out", "moe.experts", (4096, q30.hidden_size), DType.BFLOAT16, "cann@hostB", Partial("sum")
+        ),
         Consumer("attention", "cuda@hostA", (0, 1), Request.REDUCED, shard_dim=0),
         "MoE combine: each Ascend expert rank holds its experts' gate-weighted outputs (zero for tokens not "
-        "routed to them); each CUDA attention rank reads the combined output of its own tokens")
-    add("llama-3.1-8b-kv-prefill-to-decode", llama,
+        "routed to them); each CUDA attention rank reads the combined output of its own tokens",
+    )
+    add(
+        "llama-3.1-8b-kv-prefill-to-decode",
+        llama,
         f"{llama.num_layers} layers x (K, V), {llama.num_kv_heads} KV heads, head dim {llama.head_dim} "
         "(config.json); a 4096-token prompt; prefill tensor parallelism 4, decode 2",
         two_vendor_mesh(4, 2),
-        ProducerTensor("kv_cache", "attention.prefill", (2 * llama.num_layers, llama.num_kv_heads, 4096,
-                                                         llama.head_dim), DType.BFLOAT16, "cuda@hostA", Shard(1)),
+        ProducerTensor(
+            "kv_cache",
+            "attention.prefill",
+            (2 * llama.num_layers, llama.num_kv_heads, 4096, llama.head_dim),
+            DType.BFLOAT16,
+            "cuda@hostA",
+            Shard(1),
+        ),
         Consumer("decode", "cann@hostB", (4, 5), Request.SHARD, shard_dim=1),
-        "prefill on CUDA, decode on Ascend: each decode rank needs the KV heads it serves")
-    add("qwen3-14b-full-logits-distill", q14,
+        "prefill on CUDA, decode on Ascend: each decode rank needs the KV heads it serves",
+    )
+    add(
+        "qwen3-14b-full-logits-distill",
+        q14,
         f"vocab {q14.vocab_size} (config.json); 512 tokens per distillation micro-batch, tensor parallelism 4",
         two_vendor_mesh(4, 2),
         ProducerTensor("logits", "lm_head", (512, q14.vocab_size), DType.BFLOAT16, "cuda@hostA", Shard(1)),
         Consumer("student", "cann@hostB", (4, 5), Request.FULL),
-        "logit distillation: the student on Ascend reads the teacher's full logits, bit for bit")
-    add("mistral-7b-pipeline-hidden-handoff", mistral,
+        "logit distillation: the student on Ascend reads the teacher's full logits, bit for bit",
+    )
+    add(
+        "mistral-7b-pipeline-hidden-handoff",
+        mistral,
         f"hidden {mistral.hidden_size} (config.json); 4096 tokens (its sliding window) per micro-batch, "
         "tensor parallelism 4 on both stages",
         m44,
-        ProducerTensor("hidden", "decoder_layer.15", (4096, mistral.hidden_size), DType.BFLOAT16, "cuda@hostA",
-                       Replicate()),
+        ProducerTensor(
+            "hidden", "decoder_layer.15", (4096, mistral.hidden_size), DType.BFLOAT16, "cuda@hostA", Replicate()
+        ),
         Consumer("stage2", "cann@hostB", (4, 5, 6, 7), Request.FULL),
         "pipeline hand-off after layer 16 of 32: hidden states are replicated over the CUDA stage's ranks and "
-        "the Ascend stage's ranks all read them")
+        "the Ascend stage's ranks all read them",
+    )
     return {e.name: e for e in out}
 
 

@@ -226,8 +226,14 @@ class Request(str, Enum):
     @property
     def reads_logits(self) -> bool:
         """Whether the request reads ``[tokens, vocab]`` logits and observes a projection of them."""
-        return self in (Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN, Request.TOPK, Request.TOKEN_LOGPROB,
-                        Request.SAMPLE)
+        return self in (
+            Request.LOGPROB,
+            Request.TOKEN,
+            Request.OWNER_TOKEN,
+            Request.TOPK,
+            Request.TOKEN_LOGPROB,
+            Request.SAMPLE,
+        )
 
 
 @dataclass(frozen=True)
@@ -249,13 +255,17 @@ class ProducerTensor:
         if isinstance(self.dp, bool) or not isinstance(self.dp, int) or self.dp < 1:
             raise FactError(f"producer {self.name!r}.dp: expected a positive integer, got {self.dp!r}")
         if self.dp > 1 and isinstance(self.placement, Partial):
-            raise FactError(f"producer {self.name!r}.dp: a 2-D layout takes Shard or Replicate inside each group, "
-                            f"not {self.placement!r}")
+            raise FactError(
+                f"producer {self.name!r}.dp: a 2-D layout takes Shard or Replicate inside each group, "
+                f"not {self.placement!r}"
+            )
         if self.vocab_size is not None:
             v = self.vocab_size
             if isinstance(v, bool) or not isinstance(v, int) or len(self.shape) != 2 or not 1 <= v <= self.shape[-1]:
-                raise FactError(f"producer {self.name!r}.vocab_size: expected an integer in 1..{self.shape[-1]} "
-                                f"(the padded logits' columns) on [tokens, vocab] logits, got {v!r}")
+                raise FactError(
+                    f"producer {self.name!r}.vocab_size: expected an integer in 1..{self.shape[-1]} "
+                    f"(the padded logits' columns) on [tokens, vocab] logits, got {v!r}"
+                )
         if not self.shape or any(s <= 0 for s in self.shape):
             raise FactError(f"producer {self.name!r}.shape: expected positive sizes, got {list(self.shape)}")
         if not isinstance(self.placement, (Replicate, Shard, Partial)):
@@ -314,14 +324,15 @@ class Consumer:
             raise FactError(f"consumer {self.name!r}.k: a topk request needs a positive integer k, got {self.k!r}")
         for name in ("temperature", "seed"):
             if getattr(self, name) is not None and self.request is not Request.SAMPLE:
-                raise FactError(f"consumer {self.name!r}.{name}: applies to sample requests only, "
-                                f"not {self.request.value}")
+                raise FactError(
+                    f"consumer {self.name!r}.{name}: applies to sample requests only, not {self.request.value}"
+                )
         if self.request is Request.SAMPLE:
             t = 1.0 if self.temperature is None else self.temperature
             if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 < t < float("inf"):
                 raise FactError(f"consumer {self.name!r}.temperature: expected a positive finite number, got {t!r}")
             seed = 0 if self.seed is None else self.seed
-            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2 ** 63:
+            if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
                 raise FactError(f"consumer {self.name!r}.seed: expected an integer in 0..2**63-1, got {seed!r}")
             object.__setattr__(self, "temperature", float(t))
             object.__setattr__(self, "seed", seed)
@@ -329,19 +340,26 @@ class Consumer:
             raise FactError(f"consumer {self.name!r}.ranks: expected at least one rank")
         if len(set(self.ranks)) != len(self.ranks):
             dup = sorted({r for r in self.ranks if self.ranks.count(r) > 1})
-            raise FactError(f"consumer {self.name!r}.ranks: rank(s) {dup} listed twice in {list(self.ranks)}; "
-                            "expected distinct ranks")
+            raise FactError(
+                f"consumer {self.name!r}.ranks: rank(s) {dup} listed twice in {list(self.ranks)}; "
+                "expected distinct ranks"
+            )
         if self.shard_dim is not None and self.request not in (Request.SHARD, Request.REDUCED):
-            raise FactError(f"consumer {self.name!r}.shard_dim: applies to shard and reduced requests only, "
-                            f"not {self.request.value}")
+            raise FactError(
+                f"consumer {self.name!r}.shard_dim: applies to shard and reduced requests only, "
+                f"not {self.request.value}"
+            )
         if self.owners is not None and self.request is not Request.OWNER_TOKEN:
-            raise FactError(f"consumer {self.name!r}.owners: applies to owner_token requests only, "
-                            f"not {self.request.value}")
+            raise FactError(
+                f"consumer {self.name!r}.owners: applies to owner_token requests only, not {self.request.value}"
+            )
         if self.owners is not None:
             object.__setattr__(self, "owners", tuple(int(o) for o in self.owners))
             stray = sorted(set(self.owners) - set(self.ranks))
             if stray:
-                raise FactError(f"consumer {self.name!r}.owners: ranks {stray} are not consumer ranks {list(self.ranks)}")
+                raise FactError(
+                    f"consumer {self.name!r}.owners: ranks {stray} are not consumer ranks {list(self.ranks)}"
+                )
         if self.request is Request.OWNER_TOKEN and not self.owners:
             raise FactError(f"consumer {self.name!r}.owners: an owner_token request needs the owner rank of every row")
         if self.request is Request.SHARD and self.shard_dim is None:
@@ -362,19 +380,28 @@ class Edge:
     def __post_init__(self) -> None:
         pdom = self.mesh.domain(self.producer.domain)  # raises for an unknown domain
         if pdom.size % self.producer.dp:
-            raise FactError(f"edge {self.name!r}: producer.dp = {self.producer.dp} does not divide the "
-                            f"{pdom.size} ranks of {pdom.name}")
+            raise FactError(
+                f"edge {self.name!r}: producer.dp = {self.producer.dp} does not divide the "
+                f"{pdom.size} ranks of {pdom.name}"
+            )
         cons = self.mesh.domain(self.consumer.domain)
         stray = sorted(set(self.consumer.ranks) - set(cons.ranks))
         if stray:
             raise FactError(f"edge {self.name!r}: consumer ranks {stray} are not in domain {cons.name!r}")
-        if self.consumer.request is Request.TOPK and len(self.producer.shape) == 2 \
-                and (self.consumer.k or 0) > self.producer.columns:
-            raise FactError(f"edge {self.name!r}: consumer.k = {self.consumer.k} exceeds the vocabulary "
-                            f"({self.producer.columns} columns)")
+        if (
+            self.consumer.request is Request.TOPK
+            and len(self.producer.shape) == 2
+            and (self.consumer.k or 0) > self.producer.columns
+        ):
+            raise FactError(
+                f"edge {self.name!r}: consumer.k = {self.consumer.k} exceeds the vocabulary "
+                f"({self.producer.columns} columns)"
+            )
         if self.producer.vocab_size is not None and not self.consumer.request.reads_logits:
-            raise FactError(f"edge {self.name!r}: producer.vocab_size (padded logits) applies to logits requests, "
-                            f"not {self.consumer.request.value}")
+            raise FactError(
+                f"edge {self.name!r}: producer.vocab_size (padded logits) applies to logits requests, "
+                f"not {self.consumer.request.value}"
+            )
         if self.consumer.request.reads_logits:
             if len(self.producer.shape) != 2:
                 raise FactError(
@@ -387,7 +414,9 @@ class Edge:
                 f"the producer has {self.producer.shape[0]}"
             )
         if self.consumer.request is Request.REDUCED and not isinstance(self.producer.placement, Partial):
-            raise FactError(f"edge {self.name!r}: a reduced request reads a Partial producer, got {self.producer.placement!r}")
+            raise FactError(
+                f"edge {self.name!r}: a reduced request reads a Partial producer, got {self.producer.placement!r}"
+            )
 
     @property
     def cross_domain(self) -> bool:

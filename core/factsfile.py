@@ -103,13 +103,22 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge | EdgeGroup:
         vendor = w.choice(w.need(d, "vendor", f), f"{f}.vendor", Vendor)
         backend = d.get("backend")
         if backend is not None and w.choice(backend, f"{f}.backend", Backend) is not vendor.native_backend:
-            raise w.fail(f"{f}.backend", f"{vendor.native_backend.value}, the native backend of {vendor.value} "
-                                         "(or leave it out)", backend)
+            raise w.fail(
+                f"{f}.backend",
+                f"{vendor.native_backend.value}, the native backend of {vendor.value} (or leave it out)",
+                backend,
+            )
         try:
-            domains.append(Domain(w.text(w.need(d, "name", f), f"{f}.name"), vendor,
-                                  w.text(w.need(d, "host", f), f"{f}.host"),
-                                  w.ints(w.need(d, "ranks", f), f"{f}.ranks"),
-                                  backend=vendor.native_backend, bridge_rank=bridge))
+            domains.append(
+                Domain(
+                    w.text(w.need(d, "name", f), f"{f}.name"),
+                    vendor,
+                    w.text(w.need(d, "host", f), f"{f}.host"),
+                    w.ints(w.need(d, "ranks", f), f"{f}.ranks"),
+                    backend=vendor.native_backend,
+                    bridge_rank=bridge,
+                )
+            )
         except FactError as exc:
             raise FactError(f"{source}: {f}: {exc}") from None
     links: dict[LinkClass, LinkParams] = {}
@@ -140,12 +149,16 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge | EdgeGroup:
     except FactError as exc:
         raise FactError(f"{source}: producer.placement: {exc}") from None
     try:
-        producer = ProducerTensor(w.text(w.need(pd, "name", "producer"), "producer.name"),
-                                  w.text(w.need(pd, "op", "producer"), "producer.op"),
-                                  w.ints(w.need(pd, "shape", "producer"), "producer.shape", positive=True),
-                                  w.choice(w.need(pd, "dtype", "producer"), "producer.dtype", DType),
-                                  w.text(w.need(pd, "domain", "producer"), "producer.domain"), placement,
-                                  vocab_size=pd.get("vocab_size"), dp=pd.get("dp", 1))
+        producer = ProducerTensor(
+            w.text(w.need(pd, "name", "producer"), "producer.name"),
+            w.text(w.need(pd, "op", "producer"), "producer.op"),
+            w.ints(w.need(pd, "shape", "producer"), "producer.shape", positive=True),
+            w.choice(w.need(pd, "dtype", "producer"), "producer.dtype", DType),
+            w.text(w.need(pd, "domain", "producer"), "producer.domain"),
+            placement,
+            vocab_size=pd.get("vocab_size"),
+            dp=pd.get("dp", 1),
+        )
         name = str(top.get("name") or Path(source).stem)
         if "consumers" in top:
             if "consumer" in top:
@@ -153,8 +166,9 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge | EdgeGroup:
             listed = top["consumers"]
             if not isinstance(listed, list) or not listed:
                 raise w.fail("consumers", "a non-empty list of consumers", listed)
-            group = EdgeGroup(name, mesh, producer, tuple(_consumer(w, c, f"consumers.{i}")
-                                                          for i, c in enumerate(listed)))
+            group = EdgeGroup(
+                name, mesh, producer, tuple(_consumer(w, c, f"consumers.{i}") for i, c in enumerate(listed))
+            )
             group.edges()  # each consumer must make an edge on its own (raises otherwise)
             return group
         consumer = _consumer(w, w.need(top, "consumer", ""), "consumer")
@@ -167,8 +181,9 @@ def edge_from_dict(data: Any, source: str = "facts") -> Edge | EdgeGroup:
 
 def _consumer(w: _Where, data: Any, field: str) -> Consumer:
     cd = w.mapping(data, field)
-    w.only(cd, {"name", "domain", "ranks", "request", "owners", "shard_dim", "exact", "k", "temperature", "seed"},
-           field)
+    w.only(
+        cd, {"name", "domain", "ranks", "request", "owners", "shard_dim", "exact", "k", "temperature", "seed"}, field
+    )
     owners = cd.get("owners")
     shard_dim = cd.get("shard_dim")
     if shard_dim is not None and (not isinstance(shard_dim, int) or isinstance(shard_dim, bool) or shard_dim < 0):
@@ -176,13 +191,18 @@ def _consumer(w: _Where, data: Any, field: str) -> Consumer:
     exact = cd.get("exact", False)
     if not isinstance(exact, bool):
         raise w.fail(f"{field}.exact", "true or false", exact)
-    return Consumer(w.text(w.need(cd, "name", field), f"{field}.name"),
-                    w.text(w.need(cd, "domain", field), f"{field}.domain"),
-                    w.ints(w.need(cd, "ranks", field), f"{field}.ranks"),
-                    w.choice(w.need(cd, "request", field), f"{field}.request", Request),
-                    owners=w.ints(owners, f"{field}.owners") if owners is not None else None,
-                    shard_dim=shard_dim, exact=exact, k=cd.get("k"), temperature=cd.get("temperature"),
-                    seed=cd.get("seed"))
+    return Consumer(
+        w.text(w.need(cd, "name", field), f"{field}.name"),
+        w.text(w.need(cd, "domain", field), f"{field}.domain"),
+        w.ints(w.need(cd, "ranks", field), f"{field}.ranks"),
+        w.choice(w.need(cd, "request", field), f"{field}.request", Request),
+        owners=w.ints(owners, f"{field}.owners") if owners is not None else None,
+        shard_dim=shard_dim,
+        exact=exact,
+        k=cd.get("k"),
+        temperature=cd.get("temperature"),
+        seed=cd.get("seed"),
+    )
 
 
 def load_edge_facts(path: str | os.PathLike[str]) -> Edge | EdgeGroup:

@@ -89,13 +89,16 @@ class FleetSpec(_Strict):
     job_servers: int = Field(4096, ge=1, le=MAX_SERVERS, description="servers the job runs on")
     warm_standbys: int = Field(16, ge=0, le=MAX_SERVERS, description="servers held beside the job to swap in")
     working_pool: int = Field(4160, ge=1, le=MAX_SERVERS, description="servers in the working pool")
-    spare_pool: int = Field(200, ge=0, le=MAX_SERVERS, description="servers lent by other work, at preemption_minutes each")
+    spare_pool: int = Field(
+        200, ge=0, le=MAX_SERVERS, description="servers lent by other work, at preemption_minutes each"
+    )
     work_days: float = Field(256.0, gt=0, le=3650, description="the job's length without failures")
     failures_per_server_day: float = Field(0.01, ge=0, le=1000, description="base failure rate of a good server")
     bad_fraction: float = Field(0.15, ge=0, le=1, description="servers that are systematically bad at the start")
     bad_multiplier: float = Field(5.0, ge=0, le=1e6, description="a bad server fails at (1 + this) x the base rate")
     bad_regeneration_days: float | None = Field(
-        None, gt=0, le=3650, description="every so many days a tenth of bad_fraction of the good servers turns bad")
+        None, gt=0, le=3650, description="every so many days a tenth of bad_fraction of the good servers turns bad"
+    )
     distribution: FailureDistribution = FailureDistribution.EXPONENTIAL
     weibull_shape: float = Field(1.0, gt=0, le=100)
     lognormal_sigma: float = Field(1.0, gt=0, le=10)
@@ -111,14 +114,18 @@ class FleetSpec(_Strict):
     diagnosis_uncertainty: float = Field(0.0, ge=0, le=1, description="a diagnosed failure blames the wrong server")
     host_selection: HostSelection = HostSelection.POOL_ORDER
     retirement: RetirementSpec = Field(default_factory=RetirementSpec)
-    ranks_per_server: int = Field(8, ge=1, le=1024, description="ranks (accelerators) per server, for the policies' costs")
+    ranks_per_server: int = Field(
+        8, ge=1, le=1024, description="ranks (accelerators) per server, for the policies' costs"
+    )
 
     @model_validator(mode="after")
     def _pool_holds_the_job(self) -> "FleetSpec":
         need = self.job_servers + self.warm_standbys
         if self.working_pool < need:
-            raise ValueError(f"working_pool {self.working_pool} is smaller than job_servers + warm_standbys = {need}; "
-                             "expected a working pool at least that large")
+            raise ValueError(
+                f"working_pool {self.working_pool} is smaller than job_servers + warm_standbys = {need}; "
+                "expected a working pool at least that large"
+            )
         return self
 
     @property
@@ -157,12 +164,14 @@ AIRESIM_FIELDS: Mapping[str, tuple[str, float | None]] = {
     "diagnosis_uncertainty": ("diagnosis_uncertainty", None),
 }
 # AIReSim's run-control names: accepted and not used (the stopping rule here is its own).
-AIRESIM_IGNORED = frozenset({"seed", "num_replications", "adaptive_replications", "confidence_level",
-                             "relative_accuracy", "max_replications"})
+AIRESIM_IGNORED = frozenset(
+    {"seed", "num_replications", "adaptive_replications", "confidence_level", "relative_accuracy", "max_replications"}
+)
 
 
-def _fmt_errors(source: str, exc: ValidationError, names: Mapping[str, str] | None = None,
-                given: Mapping[str, Any] | None = None) -> str:
+def _fmt_errors(
+    source: str, exc: ValidationError, names: Mapping[str, str] | None = None, given: Mapping[str, Any] | None = None
+) -> str:
     """Every error on one line; ``names`` and ``given`` put back a foreign file's names and values."""
     parts = []
     for err in exc.errors():
@@ -204,8 +213,9 @@ def fleet_from_airesim(path: str | Path) -> FleetSpec:
     try:
         data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
     except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise ScenarioError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: "
-                            f"{getattr(exc, 'problem', None) or exc}") from None
+        raise ScenarioError(
+            f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {getattr(exc, 'problem', None) or exc}"
+        ) from None
     if data is None:
         data = {}
     if not isinstance(data, Mapping):
@@ -213,8 +223,10 @@ def fleet_from_airesim(path: str | Path) -> FleetSpec:
     known = set(AIRESIM_FIELDS) | AIRESIM_IGNORED | {"bad_server_regeneration"}
     unknown = sorted(str(k) for k in data if k not in known)
     if unknown:
-        raise ScenarioError(f"{p}: unknown AIReSim parameter {unknown[0]!r}; expected AIReSim's names "
-                            f"({', '.join(sorted(AIRESIM_FIELDS))} or bad_server_regeneration)")
+        raise ScenarioError(
+            f"{p}: unknown AIReSim parameter {unknown[0]!r}; expected AIReSim's names "
+            f"({', '.join(sorted(AIRESIM_FIELDS))} or bad_server_regeneration)"
+        )
     regen = data.get("bad_server_regeneration", False)
     if not isinstance(regen, bool):
         raise ScenarioError(f"{p}: bad_server_regeneration: expected true or false (got {regen!r})")
@@ -234,10 +246,14 @@ def fleet_from_airesim(path: str | Path) -> FleetSpec:
         out[field] = value
     if regen and "bad_regeneration_days" not in out:
         out["bad_regeneration_days"] = 30.0  # AIReSim's default interval
-    pool, job, standbys = (out.get(k, FleetSpec.model_fields[k].default) for k in ("working_pool", "job_servers", "warm_standbys"))
+    pool, job, standbys = (
+        out.get(k, FleetSpec.model_fields[k].default) for k in ("working_pool", "job_servers", "warm_standbys")
+    )
     if all(isinstance(v, int) and not isinstance(v, bool) for v in (pool, job, standbys)) and pool < job + standbys:
-        raise ScenarioError(f"{p}: working_pool_size {pool} is smaller than job_size + warm_standbys = {job + standbys}; "
-                            "expected a working pool at least that large")
+        raise ScenarioError(
+            f"{p}: working_pool_size {pool} is smaller than job_size + warm_standbys = {job + standbys}; "
+            "expected a working pool at least that large"
+        )
     try:
         return FleetSpec.model_validate(out)
     except ValidationError as exc:

@@ -61,23 +61,39 @@ class GroupPlan:
         return all(r.ok for r in self.reports)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"consumers": [{"consumer": c.edge.consumer.name, "request": c.edge.consumer.request.value,
-                               "startups": p.startups, "payload_bytes": p.payload_bytes, "check": r.to_dict()}
-                              for c, p, r in zip(self.contracts, self.plans, self.reports)],
-                "startups": self.plan.startups, "payload_bytes": self.plan.payload_bytes, "ok": self.ok}
+        return {
+            "consumers": [
+                {
+                    "consumer": c.edge.consumer.name,
+                    "request": c.edge.consumer.request.value,
+                    "startups": p.startups,
+                    "payload_bytes": p.payload_bytes,
+                    "check": r.to_dict(),
+                }
+                for c, p, r in zip(self.contracts, self.plans, self.reports)
+            ],
+            "startups": self.plan.startups,
+            "payload_bytes": self.plan.payload_bytes,
+            "ok": self.ok,
+        }
 
 
-def split_by_domain(mesh: Mesh, name: str, ranks: Sequence[int], request: Request | str,
-                    **args: Any) -> tuple[Consumer, ...]:
+def split_by_domain(
+    mesh: Mesh, name: str, ranks: Sequence[int], request: Request | str, **args: Any
+) -> tuple[Consumer, ...]:
     """A consumer group over ``ranks`` (possibly in several domains) as one consumer per domain."""
     by_domain: dict[str, list[int]] = {}
     for r in ranks:
         by_domain.setdefault(mesh.domain_of(int(r)).name, []).append(int(r))
     if len(by_domain) > 1 and args.get("owners") is not None:
-        raise FactError(f"consumer {name!r}: owner-scoped rows cannot be split across domains; give one consumer "
-                        "per domain with its own owners")
-    return tuple(Consumer(f"{name}@{dom}" if len(by_domain) > 1 else name, dom, tuple(rs), Request(request), **args)
-                 for dom, rs in by_domain.items())
+        raise FactError(
+            f"consumer {name!r}: owner-scoped rows cannot be split across domains; give one consumer "
+            "per domain with its own owners"
+        )
+    return tuple(
+        Consumer(f"{name}@{dom}" if len(by_domain) > 1 else name, dom, tuple(rs), Request(request), **args)
+        for dom, rs in by_domain.items()
+    )
 
 
 def _renamed(step: Step, prefix: str, tensor: str) -> Step:

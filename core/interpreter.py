@@ -139,7 +139,7 @@ class Verdict:
     reason: str
 
 
-NO_INDEX = 2 ** 62  # the index an empty shard reports: larger than any real column, exact in float64
+NO_INDEX = 2**62  # the index an empty shard reports: larger than any real column, exact in float64
 
 
 def make_inputs(contract: Contract, seed: int = 0, specials: bool = False) -> Inputs:
@@ -175,8 +175,12 @@ def make_inputs(contract: Contract, seed: int = 0, specials: bool = False) -> In
         op = placement.op
         if op in ("sum", "avg"):
             target = value * n if op == "avg" else value
-            parts = [round_to(rng.standard_normal(shape) * 4, dtype) if floating
-                     else rng.integers(-50, 50, size=shape).astype(value.dtype) for _ in range(n - 1)]
+            parts = [
+                round_to(rng.standard_normal(shape) * 4, dtype)
+                if floating
+                else rng.integers(-50, 50, size=shape).astype(value.dtype)
+                for _ in range(n - 1)
+            ]
             rest = target.astype(np.float64) if floating else target.copy()
             for a in parts:
                 rest = rest - a
@@ -304,12 +308,15 @@ _MIX = (np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(
 def _uniform(seed: int, rows: np.ndarray, cols: np.ndarray) -> np.ndarray:
     """Uniform (0, 1) float64 per (row, column), a splitmix64 hash of (seed, row, column)."""
     with np.errstate(over="ignore"):
-        z = (np.uint64(seed) * _MIX[0] + rows.astype(np.uint64)[:, None] * _MIX[1]
-             + cols.astype(np.uint64)[None, :] * _MIX[2])
+        z = (
+            np.uint64(seed) * _MIX[0]
+            + rows.astype(np.uint64)[:, None] * _MIX[1]
+            + cols.astype(np.uint64)[None, :] * _MIX[2]
+        )
         z = (z ^ (z >> np.uint64(30))) * _MIX[1]
         z = (z ^ (z >> np.uint64(27))) * _MIX[2]
         z = z ^ (z >> np.uint64(31))
-    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0**-53
 
 
 def perturbed(x: np.ndarray, seed: int, temperature: float, row_offset: int = 0, col_offset: int = 0) -> np.ndarray:
@@ -402,13 +409,13 @@ def _project(step: Step, i: int, xs: list[np.ndarray], ids: np.ndarray | None, d
         off = int(_per_rank(step, "row_offsets", i, 0))
         if ids is None:
             raise PlanError("logsoftmax_at needs target ids; the contract's request is not logprob")
-        return reference_logprob(x, ids[off: off + x.shape[0]])
+        return reference_logprob(x, ids[off : off + x.shape[0]])
     if op is Projection.LOCAL_LSE_STATS:
         if ids is None:
             raise PlanError("local_lse_stats needs target ids; the contract's request is not logprob")
         off = int(_per_rank(step, "offsets", i, 0))
         roff = int(_per_rank(step, "row_offsets", i, 0))
-        rid = ids[roff: roff + x.shape[0]] - off
+        rid = ids[roff : roff + x.shape[0]] - off
         x = x.astype(np.float32)
         if x.shape[-1] == 0:
             m = np.full(x.shape[0], -np.inf, np.float32)
@@ -430,16 +437,22 @@ def _project(step: Step, i: int, xs: list[np.ndarray], ids: np.ndarray | None, d
             total = (total + term).astype(np.float32)
         return (t.max(axis=1) - big - np.log(total)).astype(np.float32)
     if op is Projection.LOCAL_SAMPLE_MAX_ARG:
-        scores = perturbed(x, int(step.arg("seed", 0)), float(step.arg("temperature", 1.0)),
-                           int(_per_rank(step, "row_offsets", i, 0)), int(_per_rank(step, "offsets", i, 0)))
+        scores = perturbed(
+            x,
+            int(step.arg("seed", 0)),
+            float(step.arg("temperature", 1.0)),
+            int(_per_rank(step, "row_offsets", i, 0)),
+            int(_per_rank(step, "offsets", i, 0)),
+        )
         return local_max_arg(scores, int(_per_rank(step, "offsets", i, 0)))
     if op is Projection.TOPK:
         return topk_logprobs(x, int(step.arg("k", 1)))
     if op is Projection.TOKEN_LOGPROB:
         return token_logprob(x)
     if op is Projection.SAMPLE:
-        return sample_tokens(x, int(step.arg("seed", 0)), float(step.arg("temperature", 1.0)),
-                             int(_per_rank(step, "row_offsets", i, 0)))
+        return sample_tokens(
+            x, int(step.arg("seed", 0)), float(step.arg("temperature", 1.0)), int(_per_rank(step, "row_offsets", i, 0))
+        )
     if op is Projection.SLICE:
         dim = int(step.arg("dim", 0))
         index = _per_rank(step, "index", i)
@@ -550,8 +563,14 @@ def _run(k: int, step: Step, contract: Contract, inputs: Inputs, ex: Execution, 
             write(k, r, step.output, np.concatenate([_chunk(x, sd, len(ranks), j) for x in xs], axis=cd))
 
 
-def _observe(obs: Observation, value: np.ndarray, ids: np.ndarray | None, consumer: Consumer, columns: int,
-             magnitude: bool = False) -> np.ndarray:
+def _observe(
+    obs: Observation,
+    value: np.ndarray,
+    ids: np.ndarray | None,
+    consumer: Consumer,
+    columns: int,
+    magnitude: bool = False,
+) -> np.ndarray:
     """What ``obs`` sees of ``value`` (with ``magnitude``: the row-wise error scale of it)."""
     if obs.form is Form.RAW:
         sl = tuple(slice(iv[0][0], iv[0][1]) if iv else slice(0, 0) for iv in obs.region)
@@ -588,12 +607,14 @@ def magnitudes(contract: Contract, inputs: Inputs) -> dict[int, np.ndarray]:
         a64 = np.asarray(a, np.float64)
         total += np.where(np.isfinite(a64), np.abs(a64), 0.0)
     cons, cols = contract.edge.consumer, contract.edge.producer.columns
-    return {obs.rank: _observe(obs, total, inputs.ids, cons, cols, magnitude=True)
-            for obs in contract.demand.observations}
+    return {
+        obs.rank: _observe(obs, total, inputs.ids, cons, cols, magnitude=True) for obs in contract.demand.observations
+    }
 
 
-def equivalent(observed: np.ndarray | None, expected: np.ndarray, contract: Contract,
-               magnitude: np.ndarray | None = None) -> Verdict:
+def equivalent(
+    observed: np.ndarray | None, expected: np.ndarray, contract: Contract, magnitude: np.ndarray | None = None
+) -> Verdict:
     """Compare one observation with the reference under the contract's equivalence.
 
     NaN equals NaN (both sides follow torch's rules); under a tolerance, non-finite
@@ -607,8 +628,9 @@ def equivalent(observed: np.ndarray | None, expected: np.ndarray, contract: Cont
     floating = np.issubdtype(expected.dtype, np.floating)
     if sub.equivalence is Equivalence.BITWISE or not floating:
         if observed.dtype != expected.dtype or not np.array_equal(observed, expected, equal_nan=floating):
-            same = (observed == expected) | (np.isnan(observed) & np.isnan(expected)) if floating else \
-                observed == expected
+            same = (
+                (observed == expected) | (np.isnan(observed) & np.isnan(expected)) if floating else observed == expected
+            )
             bad = int(np.sum(~same)) if observed.dtype == expected.dtype else observed.size
             return Verdict(False, f"not bitwise equal ({bad} of {expected.size} elements differ)")
         return Verdict(True, "bitwise equal")
@@ -624,8 +646,11 @@ def equivalent(observed: np.ndarray | None, expected: np.ndarray, contract: Cont
         err = np.where(special, 0.0, np.abs(obs64 - exp64))
     if np.any(err > bound):
         worst = int(np.argmax(err - bound))
-        return Verdict(False, f"outside the stated tolerance at {int(np.sum(err > bound))} of {err.size} elements "
-                              f"(error {err.flat[worst]:.3g} > bound {bound.flat[worst]:.3g}; {tol.why})")
+        return Verdict(
+            False,
+            f"outside the stated tolerance at {int(np.sum(err > bound))} of {err.size} elements "
+            f"(error {err.flat[worst]:.3g} > bound {bound.flat[worst]:.3g}; {tol.why})",
+        )
     return Verdict(True, f"within the stated tolerance (rtol={tol.rtol:g}, atol={tol.atol:g}, scaled={tol.scaled:g})")
 
 
@@ -641,9 +666,10 @@ def leaks(ex: Execution, contract: Contract, inputs: Inputs) -> list[tuple[int, 
         return []
     value = inputs.value
     tokens = np.argmax(value[:, : contract.edge.producer.columns], axis=-1)
-    row_values = [np.unique(np.concatenate([value[r].astype(np.float64)] +
-                                           [a[r].astype(np.float64) for a in inputs.addends]))
-                  for r in range(value.shape[0])]
+    row_values = [
+        np.unique(np.concatenate([value[r].astype(np.float64)] + [a[r].astype(np.float64) for a in inputs.addends]))
+        for r in range(value.shape[0])
+    ]
     found: list[tuple[int, int]] = []
     for rank, items in ex.held.items():
         if rank in auth.unrestricted:

@@ -32,8 +32,16 @@ from .plan import Plan, plan_time_s
 from .planbuild import PlanBuilder, form_bytes, form_dtype, row_bytes
 from .region import full_region, intervals_indices
 
-__all__ = ["lower", "choose", "lower_candidates", "complete_raw", "observable", "fan_out", "row_projection",
-           "observation_entries"]
+__all__ = [
+    "lower",
+    "choose",
+    "lower_candidates",
+    "complete_raw",
+    "observable",
+    "fan_out",
+    "row_projection",
+    "observation_entries",
+]
 
 PLANNER = "meshpact"
 
@@ -78,8 +86,13 @@ def lower_candidates(contract: Contract) -> list[Plan]:
     form = REQUEST_FORM.get(req, Form.RAW)
     cands = [_replicated(contract, form)]
     pl = contract.provenance.placement
-    if form is Form.RAW and isinstance(pl, Shard) and contract.locality.cross_domain and _n(contract) > 1 \
-            and _flat(contract):
+    if (
+        form is Form.RAW
+        and isinstance(pl, Shard)
+        and contract.locality.cross_domain
+        and _n(contract) > 1
+        and _flat(contract)
+    ):
         cands.append(_replicated(contract, form, direct_shards=True))
     return cands
 
@@ -113,21 +126,51 @@ def complete_raw(build: PlanBuilder, targets: tuple[int, ...]) -> str:
     if isinstance(pl, Shard):
         out = build.name("full")
         args: dict[str, object] = {"dim": pl.dim, **({"root": targets[0]} if rooted else {})}
-        return build.collective("gather" if rooted else "all_gather", holders, tensor, out, nbytes, dtype, args,
-                            f"assemble the shards along dim {pl.dim}")
+        return build.collective(
+            "gather" if rooted else "all_gather",
+            holders,
+            tensor,
+            out,
+            nbytes,
+            dtype,
+            args,
+            f"assemble the shards along dim {pl.dim}",
+        )
     assert isinstance(pl, Partial)
     if contract.exact_reduction:
         gathered = build.name("addends")
         args = {"dim": 0, **({"root": targets[0]} if rooted else {})}
-        build.collective("gather" if rooted else "all_gather", holders, tensor, gathered, count * nbytes, dtype, args,
-                     "collect the addends to reduce them in the reference order")
-        return build.project("sum", targets, gathered, build.name("complete"), dtype,
-                             {"dim": 0, "op": pl.op, "parts": count},
-                         f"{pl.op} of the addends in rank order (bitwise the single-device value)")
+        build.collective(
+            "gather" if rooted else "all_gather",
+            holders,
+            tensor,
+            gathered,
+            count * nbytes,
+            dtype,
+            args,
+            "collect the addends to reduce them in the reference order",
+        )
+        return build.project(
+            "sum",
+            targets,
+            gathered,
+            build.name("complete"),
+            dtype,
+            {"dim": 0, "op": pl.op, "parts": count},
+            f"{pl.op} of the addends in rank order (bitwise the single-device value)",
+        )
     out = build.name("complete")
     args = {"op": pl.op, **({"root": targets[0]} if rooted else {})}
-    return build.collective("reduce" if rooted else "all_reduce", holders, tensor, out, count * nbytes, dtype, args,
-                        f"complete the partial {pl.op} inside {prov.domain}")
+    return build.collective(
+        "reduce" if rooted else "all_reduce",
+        holders,
+        tensor,
+        out,
+        count * nbytes,
+        dtype,
+        args,
+        f"complete the partial {pl.op} inside {prov.domain}",
+    )
 
 
 def row_projection(contract: Contract, form: Form) -> tuple[str, dict[str, object]]:
@@ -157,23 +200,44 @@ def _complete_grid(build: PlanBuilder, targets: tuple[int, ...]) -> str:
     blocks = build.name("block")
     leaders = []
     for group in range(dp):
-        members = prov.holdings[group * tp:(group + 1) * tp]
+        members = prov.holdings[group * tp : (group + 1) * tp]
         ranks = tuple(h.rank for h in members)
         leader = root if root in ranks else ranks[0]
         leaders.append(leader)
         size = sum(form_bytes(Form.RAW, h.region, prov.dtype) for h in members)
         if isinstance(pl, Shard) and tp > 1:
-            build.collective("gather", ranks, prov.tensor, blocks, size, prov.dtype, {"dim": pl.dim, "root": leader},
-                             f"assemble row block {group} inside its group")
+            build.collective(
+                "gather",
+                ranks,
+                prov.tensor,
+                blocks,
+                size,
+                prov.dtype,
+                {"dim": pl.dim, "root": leader},
+                f"assemble row block {group} inside its group",
+            )
         else:
             build.project("copy", (leader,), prov.tensor, blocks, prov.dtype, {}, f"row block {group}")
-    full = build.collective("gather", tuple(leaders), blocks, build.name("full"),
-                            form_bytes(Form.RAW, full_region(prov.shape), prov.dtype), prov.dtype,
-                            {"dim": 0, "root": root}, "the groups' row blocks in row order")
+    full = build.collective(
+        "gather",
+        tuple(leaders),
+        blocks,
+        build.name("full"),
+        form_bytes(Form.RAW, full_region(prov.shape), prov.dtype),
+        prov.dtype,
+        {"dim": 0, "root": root},
+        "the groups' row blocks in row order",
+    )
     if len(targets) > 1:
-        full = build.collective("broadcast", targets, full, build.name("everywhere"),
-                                form_bytes(Form.RAW, full_region(prov.shape), prov.dtype), prov.dtype,
-                                {"root": root})
+        full = build.collective(
+            "broadcast",
+            targets,
+            full,
+            build.name("everywhere"),
+            form_bytes(Form.RAW, full_region(prov.shape), prov.dtype),
+            prov.dtype,
+            {"root": root},
+        )
     return full
 
 
@@ -190,19 +254,46 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
         rooted = len(targets) == 1
         pair = form_dtype(Form.SAMPLE_ARG, prov.dtype)
         _, args = row_projection(contract, form)
-        stats = build.project("local_sample_max_arg", prov.ranks, prov.tensor, build.name("sample_arg"), pair,
-                              {**args, "offsets": _offsets(contract, 1)}, "each shard's seeded, perturbed maximum")
-        gathered = build.collective("gather" if rooted else "all_gather", prov.ranks, stats,
-                                    build.name("sample_arg_all"), count * row_bytes(Form.SAMPLE_ARG, prov.shape[0]),
-                                    pair, {"dim": 1, **({"root": targets[0]} if rooted else {})},
-                                    "one collective for all shards' pairs")
-        return build.project("combine_max_arg", targets, gathered, build.name("sample"), DType.INT64, {},
-                             "the sample of the full rows, bitwise")
+        stats = build.project(
+            "local_sample_max_arg",
+            prov.ranks,
+            prov.tensor,
+            build.name("sample_arg"),
+            pair,
+            {**args, "offsets": _offsets(contract, 1)},
+            "each shard's seeded, perturbed maximum",
+        )
+        gathered = build.collective(
+            "gather" if rooted else "all_gather",
+            prov.ranks,
+            stats,
+            build.name("sample_arg_all"),
+            count * row_bytes(Form.SAMPLE_ARG, prov.shape[0]),
+            pair,
+            {"dim": 1, **({"root": targets[0]} if rooted else {})},
+            "one collective for all shards' pairs",
+        )
+        return build.project(
+            "combine_max_arg",
+            targets,
+            gathered,
+            build.name("sample"),
+            DType.INT64,
+            {},
+            "the sample of the full rows, bitwise",
+        )
     if form in (Form.TOPK, Form.TOKEN_LOGPROB, Form.SAMPLE):
         op, args = row_projection(build.contract, form)
         raw = complete_raw(build, targets)
-        return build.project(op, targets, raw, build.name(form.value),
-                             form_dtype(form, build.contract.provenance.dtype), args, f"{op} of full rows at the source")
+        return build.project(
+            op,
+            targets,
+            raw,
+            build.name(form.value),
+            form_dtype(form, build.contract.provenance.dtype),
+            args,
+            f"{op} of full rows at the source",
+        )
     contract = build.contract
     prov = contract.provenance
     holders, tensor, count = prov.ranks, prov.tensor, len(prov.ranks)
@@ -216,51 +307,127 @@ def observable(build: PlanBuilder, form: Form, targets: tuple[int, ...]) -> str:
 
     if form is Form.TOKEN:
         if isinstance(pl, Shard) and count > 1 and pl.dim == 1 and _flat(contract):
-            stats = build.project("local_max_arg", holders, tensor, build.name("max_arg"),
-                                  form_dtype(Form.MAX_ARG, prov.dtype), {"offsets": _offsets(contract, 1)},
-                              "per-row (max, global index) of each vocabulary shard")
-            gathered_stats = build.collective(gather, holders, stats, build.name("max_arg_all"),
-                                              count * row_bytes(Form.MAX_ARG, rows),
-                             form_dtype(Form.MAX_ARG, prov.dtype), root({"dim": 1}),
-                             "one collective for all shards' pairs")
-            return build.project("combine_max_arg", targets, gathered_stats, build.name("token"), DType.INT64, {},
-                             "winner per row, lowest index on ties")
+            stats = build.project(
+                "local_max_arg",
+                holders,
+                tensor,
+                build.name("max_arg"),
+                form_dtype(Form.MAX_ARG, prov.dtype),
+                {"offsets": _offsets(contract, 1)},
+                "per-row (max, global index) of each vocabulary shard",
+            )
+            gathered_stats = build.collective(
+                gather,
+                holders,
+                stats,
+                build.name("max_arg_all"),
+                count * row_bytes(Form.MAX_ARG, rows),
+                form_dtype(Form.MAX_ARG, prov.dtype),
+                root({"dim": 1}),
+                "one collective for all shards' pairs",
+            )
+            return build.project(
+                "combine_max_arg",
+                targets,
+                gathered_stats,
+                build.name("token"),
+                DType.INT64,
+                {},
+                "winner per row, lowest index on ties",
+            )
         if isinstance(pl, Shard) and count > 1 and pl.dim == 0 and _flat(contract):
-            tok = build.project("argmax", holders, tensor, build.name("token_rows"), DType.INT64, {},
-                                "each rank's rows")
-            return build.collective(gather, holders, tok, build.name("token"), row_bytes(Form.TOKEN, rows), DType.INT64,
-                                   root({"dim": 0}))
+            tok = build.project(
+                "argmax", holders, tensor, build.name("token_rows"), DType.INT64, {}, "each rank's rows"
+            )
+            return build.collective(
+                gather, holders, tok, build.name("token"), row_bytes(Form.TOKEN, rows), DType.INT64, root({"dim": 0})
+            )
         if isinstance(pl, Partial) and pl.op == "max" and count > 1:
             pair = form_dtype(Form.MAX_ARG, prov.dtype)
-            stats = build.project("local_max_arg", holders, tensor, build.name("max_arg"), pair,
-                                  {"offsets": [0] * count}, "per-addend (max, index) pairs")
-            gathered_stats = build.collective(gather, holders, stats, build.name("max_arg_all"),
-                                              count * row_bytes(Form.MAX_ARG, rows), pair, root({"dim": 1}),
-                                              "the argmax of a max is the winner of the addends' pairs: exact")
-            return build.project("combine_max_arg", targets, gathered_stats, build.name("token"), DType.INT64, {},
-                                 "winner per row, lowest index on ties")
+            stats = build.project(
+                "local_max_arg",
+                holders,
+                tensor,
+                build.name("max_arg"),
+                pair,
+                {"offsets": [0] * count},
+                "per-addend (max, index) pairs",
+            )
+            gathered_stats = build.collective(
+                gather,
+                holders,
+                stats,
+                build.name("max_arg_all"),
+                count * row_bytes(Form.MAX_ARG, rows),
+                pair,
+                root({"dim": 1}),
+                "the argmax of a max is the winner of the addends' pairs: exact",
+            )
+            return build.project(
+                "combine_max_arg",
+                targets,
+                gathered_stats,
+                build.name("token"),
+                DType.INT64,
+                {},
+                "winner per row, lowest index on ties",
+            )
         raw = complete_raw(build, targets)
         return build.project("argmax", targets, raw, build.name("token"), DType.INT64, {}, "token at the source")
     # log-probabilities at the target ids
     distributed = contract.substitutability.allows("distributed_logsoftmax")
     if isinstance(pl, Shard) and count > 1 and pl.dim == 1 and distributed and _flat(contract):
-        stats = build.project("local_lse_stats", holders, tensor, build.name("lse"), DType.FLOAT32,
-                              {"offsets": _offsets(contract, 1)},
-                          "per-row (max, sum exp, target logit) of each vocabulary shard")
-        gathered_stats = build.collective(gather, holders, stats, build.name("lse_all"),
-                                          count * row_bytes(Form.LSE_STATS, rows), DType.FLOAT32, root({"dim": 1}),
-                         "one collective instead of three all-reduces")
-        return build.project("combine_lse_stats", targets, gathered_stats, build.name("logprob"), DType.FLOAT32, {},
-                         "log-sum-exp of the shards' statistics")
+        stats = build.project(
+            "local_lse_stats",
+            holders,
+            tensor,
+            build.name("lse"),
+            DType.FLOAT32,
+            {"offsets": _offsets(contract, 1)},
+            "per-row (max, sum exp, target logit) of each vocabulary shard",
+        )
+        gathered_stats = build.collective(
+            gather,
+            holders,
+            stats,
+            build.name("lse_all"),
+            count * row_bytes(Form.LSE_STATS, rows),
+            DType.FLOAT32,
+            root({"dim": 1}),
+            "one collective instead of three all-reduces",
+        )
+        return build.project(
+            "combine_lse_stats",
+            targets,
+            gathered_stats,
+            build.name("logprob"),
+            DType.FLOAT32,
+            {},
+            "log-sum-exp of the shards' statistics",
+        )
     if isinstance(pl, Shard) and count > 1 and pl.dim == 0 and _flat(contract):
-        lp = build.project("logsoftmax_at", holders, tensor, build.name("logprob_rows"), DType.FLOAT32,
-                       {"row_offsets": _offsets(contract, 0)}, "each rank's full rows")
-        return build.collective(gather, holders, lp, build.name("logprob"),
-                                row_bytes(Form.LOGPROB, rows), DType.FLOAT32,
-                                 root({"dim": 0}))
+        lp = build.project(
+            "logsoftmax_at",
+            holders,
+            tensor,
+            build.name("logprob_rows"),
+            DType.FLOAT32,
+            {"row_offsets": _offsets(contract, 0)},
+            "each rank's full rows",
+        )
+        return build.collective(
+            gather, holders, lp, build.name("logprob"), row_bytes(Form.LOGPROB, rows), DType.FLOAT32, root({"dim": 0})
+        )
     raw = complete_raw(build, targets)
-    return build.project("logsoftmax_at", targets, raw, build.name("logprob"), DType.FLOAT32, {},
-                     "log-softmax of full rows at the source")
+    return build.project(
+        "logsoftmax_at",
+        targets,
+        raw,
+        build.name("logprob"),
+        DType.FLOAT32,
+        {},
+        "log-softmax of full rows at the source",
+    )
 
 
 def fan_out(build: PlanBuilder, buf: str, nbytes: int, dtype: DType) -> None:
@@ -270,8 +437,16 @@ def fan_out(build: PlanBuilder, buf: str, nbytes: int, dtype: DType) -> None:
     bc = contract.locality.bridge[1] if contract.locality.bridge else consumers[0]
     group = (bc,) + tuple(rank for rank in consumers if rank != bc)
     if len(group) > 1:
-        buf = build.collective("broadcast", group, buf, build.name("bcast"), nbytes, dtype, {"root": bc},
-                           "fan out inside the consumer's domain")
+        buf = build.collective(
+            "broadcast",
+            group,
+            buf,
+            build.name("bcast"),
+            nbytes,
+            dtype,
+            {"root": bc},
+            "fan out inside the consumer's domain",
+        )
     build.deliver(consumers, buf, dtype)
 
 
@@ -296,11 +471,22 @@ def _replicated(contract: Contract, form: Form, direct_shards: bool = False) -> 
         for holding in prov.holdings:
             size = form_bytes(Form.RAW, holding.region, prov.dtype)
             if size:
-                arrived.append(build.send(holding.rank, bc, prov.tensor, build.name(f"from{holding.rank}"), size,
-                                          prov.dtype,
-                                      "each shard crosses once, from its holder"))
-        buf = build.project("concat", (bc,), arrived, build.name("full"), prov.dtype, {"dim": pl.dim})\
-            if len(arrived) > 1 else arrived[0]
+                arrived.append(
+                    build.send(
+                        holding.rank,
+                        bc,
+                        prov.tensor,
+                        build.name(f"from{holding.rank}"),
+                        size,
+                        prov.dtype,
+                        "each shard crosses once, from its holder",
+                    )
+                )
+        buf = (
+            build.project("concat", (bc,), arrived, build.name("full"), prov.dtype, {"dim": pl.dim})
+            if len(arrived) > 1
+            else arrived[0]
+        )
     else:
         obs = observable(build, form, (bp,))
         buf = build.send(bp, bc, obs, build.name("arrived"), nbytes, dtype, "one bridge message")
@@ -314,8 +500,15 @@ def _owner_token(contract: Contract) -> Plan:
     index = [intervals_indices(owner.region[0]) for owner in contract.demand.observations]
     if not contract.locality.cross_domain:
         tok = observable(build, Form.TOKEN, owners)
-        mine = build.project("slice", owners, tok, build.name("mine"), DType.INT64, {"dim": 0, "index": index},
-                         "each owner keeps its own rows")
+        mine = build.project(
+            "slice",
+            owners,
+            tok,
+            build.name("mine"),
+            DType.INT64,
+            {"dim": 0, "index": index},
+            "each owner keeps its own rows",
+        )
         build.deliver(owners, mine, DType.INT64)
         return build.plan()
     assert contract.locality.bridge is not None  # a cross-domain contract names its bridge ranks
@@ -323,9 +516,15 @@ def _owner_token(contract: Contract) -> Plan:
     tok = observable(build, Form.TOKEN, (bp,))
     mine = build.name("mine")
     for owner, rows in zip(owners, index):
-        part = build.project("slice", (bp,), tok, build.name(f"rows_of{owner}"), DType.INT64,
-                             {"dim": 0, "index": [rows]},
-                         f"rows owned by rank {owner}")
+        part = build.project(
+            "slice",
+            (bp,),
+            tok,
+            build.name(f"rows_of{owner}"),
+            DType.INT64,
+            {"dim": 0, "index": [rows]},
+            f"rows owned by rank {owner}",
+        )
         build.send(bp, owner, part, mine, row_bytes(Form.TOKEN, len(rows)), DType.INT64, f"to its owner {owner} only")
     build.deliver(owners, mine, DType.INT64)
     return build.plan()
@@ -351,20 +550,41 @@ def _chunks_same_domain(contract: Contract) -> Plan:
         build.deliver(cons.ranks, tensor, dtype)
         return build.plan()
     if same_ranks and isinstance(pl, Shard):
-        buf = build.collective("all_to_all", holders, tensor, build.name("resharded"),
-                               form_bytes(Form.RAW, full, dtype), dtype,
-                           {"split_dim": dim, "concat_dim": pl.dim}, f"Shard({pl.dim}) -> Shard({dim})")
+        buf = build.collective(
+            "all_to_all",
+            holders,
+            tensor,
+            build.name("resharded"),
+            form_bytes(Form.RAW, full, dtype),
+            dtype,
+            {"split_dim": dim, "concat_dim": pl.dim},
+            f"Shard({pl.dim}) -> Shard({dim})",
+        )
         build.deliver(cons.ranks, buf, dtype)
         return build.plan()
     if same_ranks and isinstance(pl, Partial) and not contract.exact_reduction:
-        buf = build.collective("reduce_scatter", holders, tensor, build.name("chunk"),
-                               len(holders) * form_bytes(Form.RAW, full, dtype), dtype,
-                           {"dim": dim, "op": pl.op}, "complete and split in one collective")
+        buf = build.collective(
+            "reduce_scatter",
+            holders,
+            tensor,
+            build.name("chunk"),
+            len(holders) * form_bytes(Form.RAW, full, dtype),
+            dtype,
+            {"dim": dim, "op": pl.op},
+            "complete and split in one collective",
+        )
         build.deliver(cons.ranks, buf, dtype)
         return build.plan()
     whole = complete_raw(build, cons.ranks)
-    buf = build.project("chunk", cons.ranks, whole, build.name("chunk"), dtype,
-                    {"dim": dim, "parts": parts, "index": list(range(parts))}, "each consumer rank keeps its chunk")
+    buf = build.project(
+        "chunk",
+        cons.ranks,
+        whole,
+        build.name("chunk"),
+        dtype,
+        {"dim": dim, "parts": parts, "index": list(range(parts))},
+        "each consumer rank keeps its chunk",
+    )
     build.deliver(cons.ranks, buf, dtype)
     return build.plan()
 
@@ -382,13 +602,31 @@ def _chunks_via_bridge(contract: Contract) -> Plan:
     whole = complete_raw(build, (bp,))
     buf = build.send(bp, bc, whole, build.name("arrived"), nbytes, dtype, "one bridge message")
     if bc in cons.ranks:
-        out = build.collective("scatter", cons.ranks, buf, build.name("chunk"), nbytes, dtype, {"dim": dim, "root": bc},
-                           "split inside the consumer's domain") if parts > 1 else buf
+        out = (
+            build.collective(
+                "scatter",
+                cons.ranks,
+                buf,
+                build.name("chunk"),
+                nbytes,
+                dtype,
+                {"dim": dim, "root": bc},
+                "split inside the consumer's domain",
+            )
+            if parts > 1
+            else buf
+        )
     else:
         group = (bc,) + tuple(cons.ranks)
         bcast = build.collective("broadcast", group, buf, build.name("bcast"), nbytes, dtype, {"root": bc})
-        out = build.project("chunk", cons.ranks, bcast, build.name("chunk"), dtype,
-                        {"dim": dim, "parts": parts, "index": list(range(parts))})
+        out = build.project(
+            "chunk",
+            cons.ranks,
+            bcast,
+            build.name("chunk"),
+            dtype,
+            {"dim": dim, "parts": parts, "index": list(range(parts))},
+        )
     build.deliver(cons.ranks, out, dtype)
     return build.plan()
 
@@ -406,16 +644,24 @@ def _chunks_direct(contract: Contract) -> Plan | None:
     if isinstance(pl, Partial):
         if contract.exact_reduction or _n(contract) == 1:
             return None
-        src = build.collective("reduce_scatter", prov.ranks, prov.tensor, build.name("reduced"),
-                           _n(contract) * form_bytes(Form.RAW, full_region(prov.shape), dtype), dtype,
-                               {"dim": dim, "op": pl.op},
-                           "complete and split in one collective inside the producer's domain")
+        src = build.collective(
+            "reduce_scatter",
+            prov.ranks,
+            prov.tensor,
+            build.name("reduced"),
+            _n(contract) * form_bytes(Form.RAW, full_region(prov.shape), dtype),
+            dtype,
+            {"dim": dim, "op": pl.op},
+            "complete and split in one collective inside the producer's domain",
+        )
         count = _n(contract)
         pieces = [(rank, shard_bounds(prov.shape[dim], count, position)) for position, rank in enumerate(prov.ranks)]
     elif isinstance(pl, Shard) and pl.dim == dim:
         src = prov.tensor
-        pieces = [(holding.rank, (holding.region[dim][0][0], holding.region[dim][0][1])
-                   if holding.region[dim] else (0, 0)) for holding in prov.holdings]
+        pieces = [
+            (holding.rank, (holding.region[dim][0][0], holding.region[dim][0][1]) if holding.region[dim] else (0, 0))
+            for holding in prov.holdings
+        ]
     elif isinstance(pl, Replicate) or _n(contract) == 1:
         assert contract.locality.bridge is not None  # a cross-domain contract names its bridge ranks
         src = prov.tensor
@@ -433,12 +679,25 @@ def _chunks_direct(contract: Contract) -> Plan | None:
                 continue
             buf = src
             if (start, stop) != (plo, phi):
-                buf = build.project("slice", (holder,), src, build.name(f"for{rank}"), dtype,
-                                {"dim": dim, "start": start - plo, "stop": stop - plo},
-                                    f"the part consumer rank {rank} reads")
+                buf = build.project(
+                    "slice",
+                    (holder,),
+                    src,
+                    build.name(f"for{rank}"),
+                    dtype,
+                    {"dim": dim, "start": start - plo, "stop": stop - plo},
+                    f"the part consumer rank {rank} reads",
+                )
             name = mine if (lo, hi) == (start, stop) else build.name(f"part{holder}to{rank}")
-            build.send(holder, rank, buf, name, (stop - start) * bytes_per_slice, dtype,
-                       "one message per piece, from its holder")
+            build.send(
+                holder,
+                rank,
+                buf,
+                name,
+                (stop - start) * bytes_per_slice,
+                dtype,
+                "one message per piece, from its holder",
+            )
             received.setdefault(rank, []).append(name)
     for index, rank in enumerate(cons.ranks):
         held = received.get(rank, [])

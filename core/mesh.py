@@ -122,15 +122,29 @@ def bridge_links(mesh: Mesh) -> tuple[Link, ...]:
 def communicators(mesh: Mesh) -> tuple[Communicator, ...]:
     """Every communicator of the mesh: one native per domain, one bridge per domain pair."""
     out = [
-        Communicator(d.name, CommunicatorKind.NATIVE, d.backend.value, native_ring(d), (d.name,),  # type: ignore[union-attr]  # Domain.__post_init__ sets it
-                     LinkClass.FABRIC)
+        Communicator(
+            d.name,
+            CommunicatorKind.NATIVE,
+            d.backend.value,  # type: ignore[union-attr]  # Domain.__post_init__ sets it
+            native_ring(d),
+            (d.name,),
+            LinkClass.FABRIC,
+        )
         for d in mesh.domains
     ]
     for i, a in enumerate(mesh.domains):
         for b in mesh.domains[i + 1 :]:
             ranks = (a.bridge_rank, b.bridge_rank)
-            out.append(Communicator(_bridge_name(a, b), CommunicatorKind.BRIDGE, "host-staged",
-                                    ranks, (a.name, b.name), mesh.link_class(*ranks)))  # type: ignore[arg-type]  # bridge ranks: Domain.__post_init__ sets them
+            out.append(
+                Communicator(
+                    _bridge_name(a, b),
+                    CommunicatorKind.BRIDGE,
+                    "host-staged",
+                    ranks,  # type: ignore[arg-type]  # bridge ranks: Domain.__post_init__ sets them
+                    (a.name, b.name),
+                    mesh.link_class(*ranks),  # type: ignore[arg-type]
+                )
+            )
     return tuple(out)
 
 
@@ -149,8 +163,10 @@ def _domain_layout(size: int, face: float) -> list[tuple[float, float]]:
         return [(0.0, 0.0)]
     if size <= CIRCLE_MAX:
         radius = max(1.0, size * SPACING / (2 * math.pi))
-        return [(radius * math.cos(face + 2 * math.pi * k / size), radius * math.sin(face + 2 * math.pi * k / size))
-                for k in range(size)]
+        return [
+            (radius * math.cos(face + 2 * math.pi * k / size), radius * math.sin(face + 2 * math.pi * k / size))
+            for k in range(size)
+        ]
     cols = math.ceil(math.sqrt(size))
     rows = math.ceil(size / cols)
     mirror = math.cos(face) > 1e-9  # start on the side that faces the centre

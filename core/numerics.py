@@ -32,8 +32,8 @@ STORAGE: Mapping[DType, type] = {
     DType.INT32: np.int32,
 }
 
-_UNIT = {DType.FLOAT32: 2.0 ** -24, DType.FLOAT64: 2.0 ** -53, DType.BFLOAT16: 2.0 ** -8, DType.FLOAT16: 2.0 ** -11}
-_TINY = {DType.FLOAT32: 2.0 ** -149, DType.FLOAT64: 5e-324, DType.BFLOAT16: 2.0 ** -133, DType.FLOAT16: 2.0 ** -24}
+_UNIT = {DType.FLOAT32: 2.0**-24, DType.FLOAT64: 2.0**-53, DType.BFLOAT16: 2.0**-8, DType.FLOAT16: 2.0**-11}
+_TINY = {DType.FLOAT32: 2.0**-149, DType.FLOAT64: 5e-324, DType.BFLOAT16: 2.0**-133, DType.FLOAT16: 2.0**-24}
 
 
 def storage(dtype: DType) -> type:

@@ -16,8 +16,15 @@ from typing import NamedTuple, Sequence
 from .contract import Contract, Form
 from .placement import shard_bounds
 from .region import (
-    Intervals, Region, concat_intervals, intervals_from_indices, intervals_indices, intervals_size, region_text,
-    take_intervals, union_intervals,
+    Intervals,
+    Region,
+    concat_intervals,
+    intervals_from_indices,
+    intervals_indices,
+    intervals_size,
+    region_text,
+    take_intervals,
+    union_intervals,
 )
 
 __all__ = ["Piece", "Buf", "Refusal", "PieceAlgebra", "garbage", "rows_of_piece"]
@@ -25,6 +32,7 @@ __all__ = ["Piece", "Buf", "Refusal", "PieceAlgebra", "garbage", "rows_of_piece"
 
 # Forms that pack several statistics per row into columns (sliced only along rows).
 _PACKED = frozenset({Form.MAX_ARG, Form.SAMPLE_ARG, Form.LSE_STATS})
+
 
 class Piece(NamedTuple):
     """A symbolic value: which region of which tensor, in what reduction state and form."""
@@ -86,12 +94,22 @@ class PieceAlgebra:
 
     # -- region algebra over buffers -----------------------------------------------------
     def merge2(self, a: Piece, b: Piece, dim: int) -> Piece | None:
-        if (a.form is Form.MAX_ARG and b.form is Form.MAX_ARG and dim == 1 and a.contrib != b.contrib
-                and a.tensor == b.tensor and self.op == "max" and a.region == b.region
-                and a.contrib is not None and b.contrib is not None and not set(a.contrib) & set(b.contrib)):
+        if (
+            a.form is Form.MAX_ARG
+            and b.form is Form.MAX_ARG
+            and dim == 1
+            and a.contrib != b.contrib
+            and a.tensor == b.tensor
+            and self.op == "max"
+            and a.region == b.region
+            and a.contrib is not None
+            and b.contrib is not None
+            and not set(a.contrib) & set(b.contrib)
+        ):
             # (max, index) pairs of different max addends over the same columns combine like shards
-            return a._replace(contrib=tuple(r for r in self.order if r in a.contrib or r in b.contrib),
-                              exact=a.exact and b.exact)
+            return a._replace(
+                contrib=tuple(r for r in self.order if r in a.contrib or r in b.contrib), exact=a.exact and b.exact
+            )
         if Form.GARBAGE in (a.form, b.form) or a.tensor != b.tensor or a.form != b.form or a.contrib != b.contrib:
             return None
         exact = a.exact and b.exact
@@ -99,8 +117,11 @@ class PieceAlgebra:
             if any(a.region[i] != b.region[i] for i in range(len(a.region)) if i != dim):
                 return None
             iv = concat_intervals(a.region[dim], b.region[dim])
-            return None if iv is None else Piece(a.tensor, a.form, a.region[:dim] + (iv,) + a.region[dim + 1:], a.contrib,
-                                                  exact, a.why)
+            return (
+                None
+                if iv is None
+                else Piece(a.tensor, a.form, a.region[:dim] + (iv,) + a.region[dim + 1 :], a.contrib, exact, a.why)
+            )
         rows_a, cols_a = a.region
         rows_b, cols_b = b.region
         if a.form in _PACKED and dim == 1:
@@ -118,10 +139,12 @@ class PieceAlgebra:
     def concat(self, bufs: Sequence[Buf], dim: int) -> Buf:
         shapes = [b.shape for b in bufs]
         nd = len(shapes[0])
-        if dim >= nd or any(len(s) != nd for s in shapes) or any(
-                s[i] != shapes[0][i] for s in shapes for i in range(nd) if i != dim):
-            raise Refusal("malformed_step",
-                       f"cannot concatenate shapes {[list(s) for s in shapes]} along dim {dim}")
+        if (
+            dim >= nd
+            or any(len(s) != nd for s in shapes)
+            or any(s[i] != shapes[0][i] for s in shapes for i in range(nd) if i != dim)
+        ):
+            raise Refusal("malformed_step", f"cannot concatenate shapes {[list(s) for s in shapes]} along dim {dim}")
         shape = tuple(sum(s[dim] for s in shapes) if i == dim else shapes[0][i] for i in range(nd))
         pieces = [p for b in bufs for p in b.pieces]
         nonempty = [p for p in pieces if not self.empty(p)] or pieces
@@ -146,14 +169,18 @@ class PieceAlgebra:
         size = buf.shape[dim]
         if isinstance(local, range) and local.step == 1:
             if len(local) and (local.start < 0 or local.stop > size):
-                raise Refusal("malformed_step", f"positions {local.start}..{local.stop} outside 0..{size} "
-                                                         f"along dim {dim}")
+                raise Refusal(
+                    "malformed_step", f"positions {local.start}..{local.stop} outside 0..{size} along dim {dim}"
+                )
         elif any(i < 0 or i >= size for i in local):
             raise Refusal("malformed_step", f"positions outside 0..{size} along dim {dim}")
-        shape = buf.shape[:dim] + (len(local),) + buf.shape[dim + 1:]
+        shape = buf.shape[:dim] + (len(local),) + buf.shape[dim + 1 :]
         if len(buf.pieces) != 1:
-            return Buf((garbage(self.rows_of(buf), "slice of pieces that do not form one region", self.tensor),),
-                       shape, buf.itemsize)
+            return Buf(
+                (garbage(self.rows_of(buf), "slice of pieces that do not form one region", self.tensor),),
+                shape,
+                buf.itemsize,
+            )
         p = buf.pieces[0]
         if p.form is Form.GARBAGE:
             return Buf((p,), shape, buf.itemsize)
@@ -166,8 +193,11 @@ class PieceAlgebra:
         else:
             idx = intervals_indices(p.region[dim])
             iv = intervals_from_indices([idx[i] for i in local])
-        return Buf((Piece(p.tensor, p.form, p.region[:dim] + (iv,) + p.region[dim + 1:], p.contrib, p.exact, p.why),),
-                   shape, buf.itemsize)
+        return Buf(
+            (Piece(p.tensor, p.form, p.region[:dim] + (iv,) + p.region[dim + 1 :], p.contrib, p.exact, p.why),),
+            shape,
+            buf.itemsize,
+        )
 
     def chunk(self, buf: Buf, dim: int, parts: int, index: int) -> Buf:
         if dim >= len(buf.shape):
@@ -211,20 +241,28 @@ class PieceAlgebra:
         if any(p.form is not Form.RAW for p in ps):
             return Buf((garbage(rows(), f"{op} of projected forms", self.tensor),), shape), []
         if any(p.region != ps[0].region for p in ps):
-            return Buf((garbage(rows(), f"{op} of different regions {[region_text(p.region) for p in ps]}",
-                                 self.tensor),), shape), []
+            return Buf(
+                (garbage(rows(), f"{op} of different regions {[region_text(p.region) for p in ps]}", self.tensor),),
+                shape,
+            ), []
         if op in ("max", "min"):
             if self.op != op and not all(p.contrib is None for p in ps):
                 return Buf((garbage(rows(), f"{op} of {self.op} addends", self.tensor),), shape), []
-            contrib = None if any(p.contrib is None for p in ps) else tuple(
-                r for r in self.order if any(r in (p.contrib or ()) for p in ps))
+            contrib = (
+                None
+                if any(p.contrib is None for p in ps)
+                else tuple(r for r in self.order if any(r in (p.contrib or ()) for p in ps))
+            )
             return Buf((ps[0]._replace(contrib=contrib, exact=all(p.exact for p in ps)),), shape), []
         if self.op is not None and self.op != op:
             return Buf((garbage(rows(), f"{op} of {self.op} addends", self.tensor),), shape), []
         complete = [p for p in ps if p.contrib is None]
         if complete:
-            why = (f"{op} over {len(ps)} copies of complete data counts it {len(ps)} times"
-                   if self.op is None else f"{op} adds an already complete {ps[0].tensor} to addends again")
+            why = (
+                f"{op} over {len(ps)} copies of complete data counts it {len(ps)} times"
+                if self.op is None
+                else f"{op} adds an already complete {ps[0].tensor} to addends again"
+            )
             return Buf((garbage(rows(), why, self.tensor),), shape), [("reduced_twice", why)]
         seen: list[int] = []
         for p in ps:
@@ -235,8 +273,9 @@ class PieceAlgebra:
             seen.extend(p.contrib or ())
         if op == "avg":
             if frozenset(seen) != self.all or any(len(p.contrib or ()) != 1 for p in ps):
-                return Buf((garbage(rows(), "an average is only correct over all addends at once", self.tensor),),
-                           shape), []
+                return Buf(
+                    (garbage(rows(), "an average is only correct over all addends at once", self.tensor),), shape
+                ), []
         exact = self.fold_exact(ps, native)
         return Buf((ps[0]._replace(contrib=tuple(seen), exact=exact),), shape), []
 
@@ -260,8 +299,12 @@ class PieceAlgebra:
         return ok
 
     def _next_addend(self, prefix: list[int], single: list[int]) -> bool:
-        return (len(single) == 1 and set(self.order[: len(prefix)]) == set(prefix)
-                and len(prefix) < len(self.order) and single[0] == self.order[len(prefix)])
+        return (
+            len(single) == 1
+            and set(self.order[: len(prefix)]) == set(prefix)
+            and len(prefix) < len(self.order)
+            and single[0] == self.order[len(prefix)]
+        )
 
     def extent(self, p: Piece, dim: int) -> int:
         if p.form is Form.GARBAGE or dim >= len(p.region):

@@ -73,9 +73,7 @@ def parse_placement(text: str) -> Placement:
     """Parse ``"Replicate()"``, ``"Shard(1)"`` or ``"Partial(sum)"`` into a placement."""
     match = _PATTERN.match(str(text))
     if not match:
-        raise FactError(
-            f"placement {text!r} is not understood; expected Replicate(), Shard(<dim>) or Partial(<op>)"
-        )
+        raise FactError(f"placement {text!r} is not understood; expected Replicate(), Shard(<dim>) or Partial(<op>)")
     kind, arg = match.groups()
     if kind == "Replicate":
         if arg:

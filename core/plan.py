@@ -94,10 +94,18 @@ class Projection(str, Enum):
 
 # Projections that read logits columns: with ``args.valid`` they mask the columns at and past it
 # (a vocabulary padded to a multiple of TP x 128) to the lowest value before reading.
-MASKED_PROJECTIONS = frozenset({
-    Projection.ARGMAX, Projection.LOCAL_MAX_ARG, Projection.LOCAL_SAMPLE_MAX_ARG, Projection.LOCAL_LSE_STATS,
-    Projection.LOGSOFTMAX_AT, Projection.TOPK, Projection.TOKEN_LOGPROB, Projection.SAMPLE,
-})
+MASKED_PROJECTIONS = frozenset(
+    {
+        Projection.ARGMAX,
+        Projection.LOCAL_MAX_ARG,
+        Projection.LOCAL_SAMPLE_MAX_ARG,
+        Projection.LOCAL_LSE_STATS,
+        Projection.LOGSOFTMAX_AT,
+        Projection.TOPK,
+        Projection.TOKEN_LOGPROB,
+        Projection.SAMPLE,
+    }
+)
 
 
 # Each op enum by value, so reading or validating a step's op is one dict lookup.
@@ -115,6 +123,8 @@ def projection_of(op: str) -> Projection:
     """``Projection(op)``, by a dict lookup for the common case of a valid op string."""
     found = _PROJECTION_OPS.get(op) if type(op) is str else None
     return found if found is not None else Projection(op)
+
+
 # The enum a step kind's op belongs to, its values, and the kinds between exactly two ranks.
 _OP_ENUM: dict[StepKind, type[Enum]] = {StepKind.COLLECTIVE: Collective, StepKind.PROJECT: Projection}
 _OPS_OF: dict[type[Enum], Mapping[str, Enum]] = {Collective: _COLLECTIVE_OPS, Projection: _PROJECTION_OPS}
@@ -148,9 +158,20 @@ class Step:
     args: tuple[tuple[str, Any], ...] = ()
     note: str = ""
 
-    def __init__(self, kind: StepKind | str, op: str, ranks: Iterable[int], inputs: Iterable[str], output: str,
-                 payload_bytes: int, dtype: DType | str, domain: str | None = None, link: LinkClass | str | None = None,
-                 args: Mapping[str, Any] | Iterable[tuple[str, Any]] = (), note: str = "") -> None:
+    def __init__(
+        self,
+        kind: StepKind | str,
+        op: str,
+        ranks: Iterable[int],
+        inputs: Iterable[str],
+        output: str,
+        payload_bytes: int,
+        dtype: DType | str,
+        domain: str | None = None,
+        link: LinkClass | str | None = None,
+        args: Mapping[str, Any] | Iterable[tuple[str, Any]] = (),
+        note: str = "",
+    ) -> None:
         # Loose values (JSON strings, lists, mappings, bools) are coerced to the field types; values
         # that already have them (what every planner builds) pass as they are. The fields are stored
         # in one update: the dataclass is frozen, so nothing else writes them.
@@ -164,13 +185,13 @@ class Step:
             dtype = DType(dtype)
         if link is not None and type(link) is not LinkClass:
             link = LinkClass(link)
-        if type(args) is dict and _STR_ONLY.issuperset(map(type, args)) \
-                and _ATOMS.issuperset(map(type, args.values())):
+        if type(args) is dict and _STR_ONLY.issuperset(map(type, args)) and _ATOMS.issuperset(map(type, args.values())):
             args = tuple(sorted(args.items()))  # string keys, values that freeze to themselves
         elif args or type(args) is not tuple:
             items = args.items() if type(args) is dict or isinstance(args, Mapping) else args
-            args = tuple(sorted((k if type(k) is str else str(k), v if type(v) in _ATOMS else _freeze(v))
-                                for k, v in items))
+            args = tuple(
+                sorted((k if type(k) is str else str(k), v if type(v) in _ATOMS else _freeze(v)) for k, v in items)
+            )
         if not ranks:
             raise PlanError(f"step {op!r}: expected at least one participant rank")
         if payload_bytes < 0:
@@ -181,8 +202,19 @@ class Step:
                 op_enum(op)  # raises ValueError naming the op that is not one of the kind's
         elif len(ranks) != 2 and kind in _PAIRWISE:
             raise PlanError(f"send step needs ranks (src, dst), got {list(ranks)}")
-        self.__dict__.update(kind=kind, op=op, ranks=ranks, inputs=inputs, output=output, payload_bytes=payload_bytes,
-                             dtype=dtype, domain=domain, link=link, args=args, note=note)
+        self.__dict__.update(
+            kind=kind,
+            op=op,
+            ranks=ranks,
+            inputs=inputs,
+            output=output,
+            payload_bytes=payload_bytes,
+            dtype=dtype,
+            domain=domain,
+            link=link,
+            args=args,
+            note=note,
+        )
 
     def arg(self, name: str, default: Any = None) -> Any:
         for k, v in self.args:

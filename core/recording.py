@@ -176,8 +176,9 @@ def iter_events(path: str | os.PathLike[str]) -> Iterator[Event]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError:
-                raise RecordingError(f"{p}:{lineno}: not UTF-8 text; expected a .jsonl recording, "
-                                     "one JSON event per line") from None
+                raise RecordingError(
+                    f"{p}:{lineno}: not UTF-8 text; expected a .jsonl recording, one JSON event per line"
+                ) from None
             if not line.strip():
                 continue
             try:

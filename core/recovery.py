@@ -61,17 +61,17 @@ class Policy(str, Enum):
         """What the policy does, in one sentence a person reads."""
         return {
             Policy.COLD_RESTART: "Stop every process, start the job again, load the last checkpoint on every rank "
-                                 "and replay the steps since it.",
+            "and replay the steps since it.",
             Policy.CHECKPOINT_RESTORE: "Keep the processes, rebuild every communicator, reload the last checkpoint "
-                                       "on every rank and replay the steps since it.",
+            "on every rank and replay the steps since it.",
             Policy.IN_MEMORY: "Agree on the committed step, rebuild only the broken communicators, keep the training "
-                              "state in memory and re-run the interrupted step; a lost rank's state has no copy "
-                              "anywhere, so a rank loss falls back to a checkpoint restore.",
+            "state in memory and re-run the interrupted step; a lost rank's state has no copy "
+            "anywhere, so a rank loss falls back to a checkpoint restore.",
             Policy.PEER_RESTORE: "In-memory rebind, and each rank's shard is also copied into a peer's host memory "
-                                 "every step (paid every step), so a lost rank's replacement takes its state from "
-                                 "that peer instead of storage.",
+            "every step (paid every step), so a lost rank's replacement takes its state from "
+            "that peer instead of storage.",
             Policy.EXCISE: "Drop the failed ranks, shrink the communicators to the survivors and continue at reduced "
-                           "throughput without replaying anything; the dropped ranks rejoin later.",
+            "throughput without replaying anything; the dropped ranks rejoin later.",
         }[self]
 
 

@@ -108,16 +108,42 @@ class PolicyModel:
 POLICY_MODELS: Mapping[Policy, PolicyModel] = {
     m.policy: m
     for m in (
-        PolicyModel(Policy.COLD_RESTART, "a scheduler relaunches the whole job; a durable checkpoint exists",
-                    Detection.WATCHDOG, StateSource.CHECKPOINT, restarts_processes=True, always_rolls_back=True),
-        PolicyModel(Policy.CHECKPOINT_RESTORE, "processes survive a transient fault; a durable checkpoint exists",
-                    Detection.WATCHDOG, StateSource.CHECKPOINT, always_rolls_back=True, rewraps=True),
-        PolicyModel(Policy.IN_MEMORY, "a control-channel heartbeat; no peer copies, so a lost rank means a "
-                    "checkpoint restore", Detection.HEARTBEAT, StateSource.CHECKPOINT),
-        PolicyModel(Policy.PEER_RESTORE, "every shard also lives in the host memory of a rank on the next node, "
-                    "copied every step", Detection.HEARTBEAT, StateSource.PEER, peer_copies=True),
-        PolicyModel(Policy.EXCISE, "data-parallel replicas: the job keeps its global batch on fewer replicas",
-                    Detection.HEARTBEAT, StateSource.NOT_NEEDED, excises=True),
+        PolicyModel(
+            Policy.COLD_RESTART,
+            "a scheduler relaunches the whole job; a durable checkpoint exists",
+            Detection.WATCHDOG,
+            StateSource.CHECKPOINT,
+            restarts_processes=True,
+            always_rolls_back=True,
+        ),
+        PolicyModel(
+            Policy.CHECKPOINT_RESTORE,
+            "processes survive a transient fault; a durable checkpoint exists",
+            Detection.WATCHDOG,
+            StateSource.CHECKPOINT,
+            always_rolls_back=True,
+            rewraps=True,
+        ),
+        PolicyModel(
+            Policy.IN_MEMORY,
+            "a control-channel heartbeat; no peer copies, so a lost rank means a checkpoint restore",
+            Detection.HEARTBEAT,
+            StateSource.CHECKPOINT,
+        ),
+        PolicyModel(
+            Policy.PEER_RESTORE,
+            "every shard also lives in the host memory of a rank on the next node, copied every step",
+            Detection.HEARTBEAT,
+            StateSource.PEER,
+            peer_copies=True,
+        ),
+        PolicyModel(
+            Policy.EXCISE,
+            "data-parallel replicas: the job keeps its global batch on fewer replicas",
+            Detection.HEARTBEAT,
+            StateSource.NOT_NEEDED,
+            excises=True,
+        ),
     )
 }
 
@@ -204,8 +230,13 @@ class RecoveryCosts:
         bad = {k: v for k, v in self.__dict__.items() if not (v >= 0 and math.isfinite(v))}
         if bad:
             raise ValueError(f"recovery costs must be finite and >= 0, got {bad}")
-        for name in ("checkpoint_read_bytes_per_s", "peer_bytes_per_s", "host_copy_bytes_per_s",
-                     "peer_cpu_bytes_per_s", "peer_receive_bytes_per_s"):
+        for name in (
+            "checkpoint_read_bytes_per_s",
+            "peer_bytes_per_s",
+            "host_copy_bytes_per_s",
+            "peer_cpu_bytes_per_s",
+            "peer_receive_bytes_per_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"recovery costs: {name} must be > 0 bytes per second")
         if self.heartbeat_interval_s <= 0:
@@ -227,19 +258,28 @@ def _log2(ranks: int) -> float:
 def communicator_seconds(ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS) -> float:
     """Abort the broken groups, meet at a rendezvous, create fresh communicators for ``ranks``."""
     lg = _log2(ranks)
-    return costs.abort_s + costs.rendezvous_per_log2_rank_s * lg + costs.comm_init_s + costs.comm_init_per_log2_rank_s * lg
+    return (
+        costs.abort_s + costs.rendezvous_per_log2_rank_s * lg + costs.comm_init_s + costs.comm_init_per_log2_rank_s * lg
+    )
 
 
 def consensus_seconds(ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS) -> float:
     """A fault known to one rank until every one of ``ranks`` holds the decision (fitted)."""
-    return costs.consensus_s + costs.consensus_per_rank_s * max(int(ranks), 1) + costs.consensus_per_log2_rank_s * _log2(ranks)
+    return (
+        costs.consensus_s
+        + costs.consensus_per_rank_s * max(int(ranks), 1)
+        + costs.consensus_per_log2_rank_s * _log2(ranks)
+    )
 
 
 def heartbeat_look_seconds(ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS) -> float:
     """How often each of ``ranks`` gets a heartbeat look: the interval, or the control store's
     time for one round of looks (every rank one) when that is longer (fitted)."""
-    store = (costs.heartbeat_store_s + costs.heartbeat_store_per_rank_s * max(int(ranks), 1)
-             + costs.heartbeat_store_per_log2_rank_s * _log2(ranks))
+    store = (
+        costs.heartbeat_store_s
+        + costs.heartbeat_store_per_rank_s * max(int(ranks), 1)
+        + costs.heartbeat_store_per_log2_rank_s * _log2(ranks)
+    )
     return max(costs.heartbeat_interval_s, store)
 
 
@@ -274,8 +314,9 @@ class PeerCopyCost:
         return self.host_copy_s + max(self.ship_s - self.step_s, 0.0)
 
 
-def peer_copy_cost(shard_bytes: float, step_s: float, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS,
-                   copies: int = 1) -> PeerCopyCost:
+def peer_copy_cost(
+    shard_bytes: float, step_s: float, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS, copies: int = 1
+) -> PeerCopyCost:
     """A step of ``step_s`` (without copies) with its shard copied to ``copies`` peers.
 
     The host copy ``H = shard / host_copy_bytes_per_s`` runs on the training thread at the
@@ -308,8 +349,9 @@ def peer_copy_cost(shard_bytes: float, step_s: float, costs: RecoveryCosts = DEF
     return PeerCopyCost(host, ship, ship_cpu, receive, step_s, max(thread, cores, step_s), cores > thread)
 
 
-def peer_copy_seconds_per_step(shard_bytes: float, step_s: float, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS,
-                               copies: int = 1) -> float:
+def peer_copy_seconds_per_step(
+    shard_bytes: float, step_s: float, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS, copies: int = 1
+) -> float:
     """Time a step is stretched by copying its shard to peers (:func:`peer_copy_cost`)."""
     return peer_copy_cost(shard_bytes, step_s, costs, copies).per_step_s
 
@@ -354,8 +396,11 @@ def estimate_recovery(
     wait = (costs.replacement_s if replacement_s is None else max(float(replacement_s), 0.0)) if lost else 0.0
     d: dict[Stage, float] = {}
     if impact is FaultImpact.HANG:
-        d[Stage.DETECTION] = (heartbeat_detection_seconds(ranks, costs) if model.detection is Detection.HEARTBEAT
-                              else costs.watchdog_timeout_s)
+        d[Stage.DETECTION] = (
+            heartbeat_detection_seconds(ranks, costs)
+            if model.detection is Detection.HEARTBEAT
+            else costs.watchdog_timeout_s
+        )
     else:
         d[Stage.DETECTION] = costs.detection_s
     if model.restarts_processes:

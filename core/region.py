@@ -40,7 +40,7 @@ def full_region(shape: Sequence[int]) -> Region:
 def chunk_region(region: Region, dim: int, size: int, parts: int, index: int) -> Region:
     """``region`` narrowed to chunk ``index`` of ``parts`` of a dimension of ``size``."""
     lo, hi = shard_bounds(size, parts, index)
-    return region[:dim] + (intersect_intervals(region[dim], lo, hi),) + region[dim + 1:]
+    return region[:dim] + (intersect_intervals(region[dim], lo, hi),) + region[dim + 1 :]
 
 
 def intervals_from_indices(indices: Iterable[int]) -> Intervals:

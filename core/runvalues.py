@@ -45,8 +45,13 @@ class RankResult:
     reason: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "observed": self.observed, "reference": self.reference,
-                "verdict": "right" if self.ok else "wrong", "reason": self.reason}
+        return {
+            "rank": self.rank,
+            "observed": self.observed,
+            "reference": self.reference,
+            "verdict": "right" if self.ok else "wrong",
+            "reason": self.reason,
+        }
 
 
 @dataclass(frozen=True)
@@ -59,8 +64,11 @@ class RunReport:
         return self.error is None and all(r.ok for r in self.ranks)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"verdict": "right" if self.ok else "wrong", "error": self.error,
-                "ranks": [r.to_dict() for r in self.ranks]}
+        return {
+            "verdict": "right" if self.ok else "wrong",
+            "error": self.error,
+            "ranks": [r.to_dict() for r in self.ranks],
+        }
 
 
 def _read(path: Path) -> np.ndarray | list[Any]:
@@ -94,11 +102,13 @@ def _load_npy(fh: BinaryIO, name: str | Path) -> np.ndarray:
     except (ValueError, OSError, EOFError, SyntaxError):
         raise FactError(f"{name}: not a .npy array (no readable NumPy header); {expected}") from None
     if dtype.hasobject:
-        raise FactError(f"{name}: holds Python objects ({dtype}), which are never loaded from a values file; "
-                        f"{expected}")
+        raise FactError(
+            f"{name}: holds Python objects ({dtype}), which are never loaded from a values file; {expected}"
+        )
     if math.prod(shape) > MAX_ELEMENTS:
-        raise FactError(f"{name}: {list(shape)} is more than {MAX_ELEMENTS:,} values; expected a tensor that fits "
-                        "a test")
+        raise FactError(
+            f"{name}: {list(shape)} is more than {MAX_ELEMENTS:,} values; expected a tensor that fits a test"
+        )
     fh.seek(0)
     try:
         return np.load(fh, allow_pickle=False)
@@ -148,8 +158,9 @@ def values_from(data: np.ndarray | list[Any], contract: Contract, source: str | 
         n = len(ranks)
         count = len(data) if isinstance(data, (list, np.ndarray)) and np.ndim(data) > 0 else 0
         if count != n:
-            raise FactError(f"{p}: a {placement!r} producer over {n} ranks needs {n} addends (one per rank), "
-                            f"got {count}")
+            raise FactError(
+                f"{p}: a {placement!r} producer over {n} ranks needs {n} addends (one per rank), got {count}"
+            )
         parts = [_array(data[i], p, f"addend {i}", prov.shape) for i in range(n)]
         addends = tuple(_convert(a, dtype, p) for a in parts)
         value = fold(list(addends), placement.op, dtype)
@@ -200,6 +211,5 @@ def run_values(plan: Plan, contract: Contract, inputs: Inputs) -> RunReport:
         v = equivalent(got, exp, contract, scale[rank])
         out.append(RankResult(rank, _listed(got), _listed(exp), v.ok, v.reason))
     for rank in sorted(set(ex.observed) - set(expected)):
-        out.append(RankResult(rank, _listed(ex.observed[rank]), None, False,
-                              "observes data but must observe nothing"))
+        out.append(RankResult(rank, _listed(ex.observed[rank]), None, False, "observes data but must observe nothing"))
     return RunReport(tuple(out), None)

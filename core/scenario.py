@@ -113,8 +113,14 @@ class ClusterSpec(_Strict):
             ranks = list(range(next_rank, next_rank + d.ranks)) if isinstance(d.ranks, int) else d.ranks
             next_rank = max(ranks) + 1
             domains.append(
-                Domain(name=d.name, vendor=d.vendor, host=d.host, ranks=tuple(ranks),
-                       backend=d.backend, bridge_rank=d.bridge_rank)  # type: ignore[arg-type]  # Domain.__post_init__ reads a backend's name too
+                Domain(
+                    name=d.name,
+                    vendor=d.vendor,
+                    host=d.host,
+                    ranks=tuple(ranks),
+                    backend=d.backend,  # type: ignore[arg-type]  # Domain.__post_init__ reads a backend's name too
+                    bridge_rank=d.bridge_rank,
+                )
             )
         return Mesh(domains=tuple(domains), links={k: v.params() for k, v in self.links.items()})
 
@@ -158,10 +164,14 @@ class WorkloadSpec(_Strict):
     )
     days: float = Field(1.0, gt=0, le=MAX_DAYS, description="wall-clock days the job runs (the horizon)")
     work_steps: int | None = Field(
-        None, ge=1, le=10**12, description="run until this many steps are committed (days is then the limit)")
+        None, ge=1, le=10**12, description="run until this many steps are committed (days is then the limit)"
+    )
     step_time_cv: float = Field(
-        0.0, ge=0, le=1, description="stragglers: coefficient of variation of one rank's step time, per step")
-    ranks: int | None = Field(None, ge=1, le=MAX_RANKS, description="ranks simulated; default: the cluster's world size")
+        0.0, ge=0, le=1, description="stragglers: coefficient of variation of one rank's step time, per step"
+    )
+    ranks: int | None = Field(
+        None, ge=1, le=MAX_RANKS, description="ranks simulated; default: the cluster's world size"
+    )
 
     _model = field_validator("model")(_model_name)
 
@@ -201,14 +211,18 @@ class FaultsSpec(_Strict):
 
     rank_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of transient communication faults")
     rank_loss_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of losing the rank")
-    hang_mtbf_hours: float | None = Field(None, gt=0, description="per-rank MTBF of hangs (no error; found by a timeout)")
+    hang_mtbf_hours: float | None = Field(
+        None, gt=0, description="per-rank MTBF of hangs (no error; found by a timeout)"
+    )
     ranks_per_node: int = Field(8, ge=1, le=1024, description="accelerators on one node")
     nodes_per_rack: int = Field(4, ge=1, le=1024, description="nodes behind one rack switch (assumed 4)")
     node_fraction: float = Field(0.0, ge=0, le=1, description="fraction of rank losses that take the whole node")
     rack_fraction: float = Field(0.0, ge=0, le=1, description="fraction of rank losses that take the whole rack")
     spare_ranks: int = Field(0, ge=0, le=MAX_RANKS, description="warm spare ranks that replace lost ones")
     repair_hours: float = Field(4.0, gt=0, le=87600.0, description="until a lost rank's replica rejoins (excise)")
-    rejoin_s: float = Field(60.0, ge=0, le=MAX_DAYS * 86400.0, description="until a replica excised for a transient fault rejoins")
+    rejoin_s: float = Field(
+        60.0, ge=0, le=MAX_DAYS * 86400.0, description="until a replica excised for a transient fault rejoins"
+    )
     scripted: list[ScriptedFault] = Field(default_factory=list, max_length=MAX_SCRIPTED_FAULTS)
     at_checkpoint_age: CheckpointAgeFaults | None = None
     seed: int = Field(0, ge=0, le=MAX_SEED, description="seed of the random fault process")
@@ -228,16 +242,23 @@ class CheckpointMode(str, Enum):
 class CheckpointSpec(_Strict):
     every_steps: int = Field(500, ge=1, le=10**12, description="steps between checkpoints")
     mode: CheckpointMode = CheckpointMode.SYNC
-    seconds: float | None = Field(None, ge=0, le=86400.0, description="write time; default: shard bytes / write bandwidth")
+    seconds: float | None = Field(
+        None, ge=0, le=86400.0, description="write time; default: shard bytes / write bandwidth"
+    )
     write_gbyte_per_s_per_rank: float = Field(1.0, gt=0, le=10_000)
     read_gbyte_per_s_per_rank: float | None = Field(
-        None, gt=0, le=10_000, description="checkpoint reload bandwidth; default: recovery.costs.checkpoint_read_bytes_per_s")
+        None,
+        gt=0,
+        le=10_000,
+        description="checkpoint reload bandwidth; default: recovery.costs.checkpoint_read_bytes_per_s",
+    )
     snapshot_gbyte_per_s_per_rank: float = Field(25.0, gt=0, description="device to pinned host memory (async)")
     host_memory_gib_per_rank: float = Field(64.0, gt=0, description="host memory available for async snapshots")
 
 
-_RECOVERY_COST_FIELDS: dict[str, Any] = {f.name: (float, Field(f.default, ge=0, le=1e15))
-                                         for f in dataclass_fields(RecoveryCosts)}
+_RECOVERY_COST_FIELDS: dict[str, Any] = {
+    f.name: (float, Field(f.default, ge=0, le=1e15)) for f in dataclass_fields(RecoveryCosts)
+}
 RecoveryCostsSpec = create_model(  # the fields of core.recovery_costs.RecoveryCosts, one source of truth
     "RecoveryCostsSpec",
     __base__=_Strict,
@@ -311,8 +332,9 @@ def deployment_of(value: str) -> "Deployment":
     try:
         return Deployment(value)
     except ValueError:
-        raise ScenarioError(f"--deployment {value!r}: expected one of "
-                            f"{', '.join(d.value for d in Deployment)}") from None
+        raise ScenarioError(
+            f"--deployment {value!r}: expected one of {', '.join(d.value for d in Deployment)}"
+        ) from None
 
 
 SERVING_REQUESTS: tuple[Request, ...] = (Request.FULL, Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN)

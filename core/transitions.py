@@ -42,16 +42,24 @@ from .placement import Partial, Placement, Replicate, Shard
 __all__ = ["Transition", "TransitionResult", "TransitionReport", "enumerate_transitions", "evaluate_transitions"]
 
 PLACEMENTS: tuple[Placement, ...] = (Replicate(), Shard(0), Shard(1), Partial("sum"))
-REQUESTS: tuple[Request, ...] = (Request.FULL, Request.LOGPROB, Request.TOKEN, Request.OWNER_TOKEN, Request.SHARD,
-                                 Request.REDUCED)
+REQUESTS: tuple[Request, ...] = (
+    Request.FULL,
+    Request.LOGPROB,
+    Request.TOKEN,
+    Request.OWNER_TOKEN,
+    Request.SHARD,
+    Request.REDUCED,
+)
 SCOPES = ("one_rank", "all_ranks")
 RELATIONS = ("same_domain", "same_host", "other_host")
 SHAPE = (6, 10)
 PLANNER_CANDIDATES = ("meshpact", "layout_only")  # byte_only also weighs these; counted apart
-CANDIDATE_SET = ("byte-only grammar: {project at the source, local data only, per-rank statistics, native "
-                 "reduction} x {send + fan out, send to the bridge rank only} across domains ({...} + deliver to "
-                 "all inside one), plus one collective reaching across the domains; the lowerer's and "
-                 "layout-only's plans are weighed too but not counted here")
+CANDIDATE_SET = (
+    "byte-only grammar: {project at the source, local data only, per-rank statistics, native "
+    "reduction} x {send + fan out, send to the bridge rank only} across domains ({...} + deliver to "
+    "all inside one), plus one collective reaching across the domains; the lowerer's and "
+    "layout-only's plans are weighed too but not counted here"
+)
 
 
 @dataclass(frozen=True)
@@ -70,8 +78,12 @@ class Transition:
 
 def _mesh(relation: str) -> Mesh:
     host = "hostB" if relation == "other_host" else "hostA"
-    return Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2)),
-                         Domain(f"cann@{host}", Vendor.CANN, host, (3, 4))))
+    return Mesh(
+        domains=(
+            Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2)),
+            Domain(f"cann@{host}", Vendor.CANN, host, (3, 4)),
+        )
+    )
 
 
 def enumerate_transitions() -> list[Transition]:
@@ -88,14 +100,20 @@ def enumerate_transitions() -> list[Transition]:
                     ranks = dom.ranks if scope == "all_ranks" else dom.ranks[-1:]
                     per = -(-SHAPE[0] // len(ranks))
                     consumer = Consumer(
-                        "consumer", dom.name, ranks, request,
-                        owners=tuple(ranks[r // per] for r in range(SHAPE[0])) if request is Request.OWNER_TOKEN
+                        "consumer",
+                        dom.name,
+                        ranks,
+                        request,
+                        owners=tuple(ranks[r // per] for r in range(SHAPE[0]))
+                        if request is Request.OWNER_TOKEN
                         else None,
-                        shard_dim=1 if request is Request.SHARD else None)
+                        shard_dim=1 if request is Request.SHARD else None,
+                    )
                     producer = ProducerTensor("x", "producer_op", SHAPE, DType.FLOAT32, "cuda@hostA", placement)
                     name = f"t{len(out):03d}"
-                    out.append(Transition(len(out), placement, request, scope, relation,
-                                          Edge(name, mesh, producer, consumer)))
+                    out.append(
+                        Transition(len(out), placement, request, scope, relation, Edge(name, mesh, producer, consumer))
+                    )
     return out
 
 
@@ -150,8 +168,20 @@ def evaluate_transitions(seed: int = 0) -> TransitionReport:
                 rejected += not verdict
                 if verdict:
                     wrong.append(cand.label)
-        results.append(TransitionResult(t, check(plan, c).ok, plan.startups, check(lo, c).ok, lo.startups,
-                                        len(cands), invalid, rejected, tuple(wrong), _structure(plan)))
+        results.append(
+            TransitionResult(
+                t,
+                check(plan, c).ok,
+                plan.startups,
+                check(lo, c).ok,
+                lo.startups,
+                len(cands),
+                invalid,
+                rejected,
+                tuple(wrong),
+                _structure(plan),
+            )
+        )
     return TransitionReport(tuple(results))
 
 

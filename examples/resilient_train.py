@@ -58,11 +58,17 @@ def main() -> None:
     p.add_argument("--out", default=None, help="a folder for each rank's final digest and progress")
     p.add_argument("--checkpoint-dir", default=None, help="a DCP checkpoint every --checkpoint-every steps")
     p.add_argument("--checkpoint-every", type=int, default=5)
-    p.add_argument("--excise-to", type=int, default=0, metavar="MIN_RANKS",
-                   help="a rank that gets no replacement (its node lost) is excised while MIN_RANKS or more remain")
+    p.add_argument(
+        "--excise-to",
+        type=int,
+        default=0,
+        metavar="MIN_RANKS",
+        help="a rank that gets no replacement (its node lost) is excised while MIN_RANKS or more remain",
+    )
     args = p.parse_args()
-    session = start_session(RecoveryConfig(peer_copies=1, checkpoint_dir=args.checkpoint_dir,
-                                           checkpoint_every=args.checkpoint_every))
+    session = start_session(
+        RecoveryConfig(peer_copies=1, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    )
     random.seed(session.rank)  # every generator the state holds is seeded: two runs compare bit for bit
     numpy.random.seed(session.rank)
     model, optimizer = build(session.mesh)
@@ -78,20 +84,39 @@ def main() -> None:
             # rt.model and rt.optimizer: after an excision, the smaller world's (build(mesh) made them)
             rt.step(lambda b: train_step(rt.model, rt.optimizer, b), rt.share(batch, step))
             if out is not None:
-                _write(out / f"progress-rank{session.rank}.json",
-                       {"step": step, "pid": os.getpid(), "incarnation": session.incarnation})
+                _write(
+                    out / f"progress-rank{session.rank}.json",
+                    {"step": step, "pid": os.getpid(), "incarnation": session.incarnation},
+                )
                 with open(out / f"steps-rank{session.rank}.log", "a") as log:  # when each step was committed
                     log.write(f"{step} {time.time():.6f}\n")
             time.sleep(args.step_s)
         state = rt.state()  # what a recovery restores and bit-identity compares
-        recoveries = [{"policy": r.policy.value, "step": r.step, "lost_steps": r.lost_steps, "reason": r.reason,
-                       "detected": r.t_detect_wall, "resumed": r.t_resumed_wall} for r in rt.recoveries]
+        recoveries = [
+            {
+                "policy": r.policy.value,
+                "step": r.step,
+                "lost_steps": r.lost_steps,
+                "reason": r.reason,
+                "detected": r.t_detect_wall,
+                "resumed": r.t_resumed_wall,
+            }
+            for r in rt.recoveries
+        ]
     if out is not None:
         torch.save(state, out / f"state-rank{session.rank}.pt")
-        _write(out / f"rank{session.rank}.json", {"rank": session.rank, "pid": os.getpid(),
-                                                    "incarnation": session.incarnation, "digest": digest(state),
-                                                    "steps": args.steps, "recoveries": recoveries,
-                                                    "storage_bytes_read": rt.ckpt.bytes_read if rt.ckpt else 0})
+        _write(
+            out / f"rank{session.rank}.json",
+            {
+                "rank": session.rank,
+                "pid": os.getpid(),
+                "incarnation": session.incarnation,
+                "digest": digest(state),
+                "steps": args.steps,
+                "recoveries": recoveries,
+                "storage_bytes_read": rt.ckpt.bytes_read if rt.ckpt else 0,
+            },
+        )
 
 
 def _write(path: Path, record: dict) -> None:

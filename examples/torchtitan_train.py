@@ -50,15 +50,28 @@ def tiny_llama() -> torch.nn.Module:
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     layers = llama3._build_llama3_layers(
-        fuse_qkv=True, n_layers=LAYERS, dim=DIM, n_heads=HEADS, hidden_dim=2 * DIM, attn_backend="flex",
-        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=10000.0, scaling="none"))
-    sdpa = [dataclasses.replace(b, attention=dataclasses.replace(
-        b.attention, inner_attention=ScaledDotProductAttention.Config())) for b in layers]
+        fuse_qkv=True,
+        n_layers=LAYERS,
+        dim=DIM,
+        n_heads=HEADS,
+        hidden_dim=2 * DIM,
+        attn_backend="flex",
+        rope=ComplexRoPE.Config(dim=DIM // HEADS, max_seq_len=SEQ, theta=10000.0, scaling="none"),
+    )
+    sdpa = [
+        dataclasses.replace(
+            b, attention=dataclasses.replace(b.attention, inner_attention=ScaledDotProductAttention.Config())
+        )
+        for b in layers
+    ]
     config = llama3.Llama3Model.Config(
-        dim=DIM, vocab_size=VOCAB, layers=sdpa,
+        dim=DIM,
+        vocab_size=VOCAB,
+        layers=sdpa,
         tok_embeddings=Embedding.Config(num_embeddings=VOCAB, embedding_dim=DIM, param_init=llama3._EMBEDDING_INIT),
         norm=RMSNorm.Config(normalized_shape=DIM, param_init=llama3._NORM_INIT),
-        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)))
+        lm_head=Linear.Config(in_features=DIM, out_features=VOCAB, param_init=llama3._output_linear_init(DIM)),
+    )
     return config.build()
 
 
@@ -74,14 +87,16 @@ def build(mesh: Any) -> tuple[torch.nn.Module, Any, Any]:
         for block in model.layers.values():  # type: ignore[operator]  # nn.Module's __getattr__ is typed Tensor | Module
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-    groups = [ParamGroupConfig(pattern=r"norm", optimizer_name="Adam",
-                               optimizer_kwargs={"lr": 1e-2, "betas": (0.9, 0.99)}),
-              ParamGroupConfig(pattern=r".*", optimizer_name="AdamW",
-                               optimizer_kwargs={"lr": 3e-3, "weight_decay": 0.1})]
-    optimizers = OptimizersContainer(OptimizersContainer.Config(param_groups=groups, implementation="for-loop"),
-                                     model_parts=[model])
+    groups = [
+        ParamGroupConfig(pattern=r"norm", optimizer_name="Adam", optimizer_kwargs={"lr": 1e-2, "betas": (0.9, 0.99)}),
+        ParamGroupConfig(pattern=r".*", optimizer_name="AdamW", optimizer_kwargs={"lr": 3e-3, "weight_decay": 0.1}),
+    ]
+    optimizers = OptimizersContainer(
+        OptimizersContainer.Config(param_groups=groups, implementation="for-loop"), model_parts=[model]
+    )
     schedulers = LRSchedulersContainer.Config(warmup_steps=2, decay_type="cosine").build(
-        optimizers=optimizers, training_steps=TOTAL_STEPS)
+        optimizers=optimizers, training_steps=TOTAL_STEPS
+    )
     return model, optimizers, schedulers
 
 
@@ -145,18 +160,27 @@ def main() -> None:
         for step in range(rt.committed_step, args.steps):
             rt.step(lambda b: train_step(model, optimizers, schedulers, b, session.mesh), batch(step, session.rank))
             if args.out:
-                _write(Path(args.out) / f"progress-rank{session.rank}.json",
-                       {"step": step, "pid": os.getpid(), "incarnation": session.incarnation})
+                _write(
+                    Path(args.out) / f"progress-rank{session.rank}.json",
+                    {"step": step, "pid": os.getpid(), "incarnation": session.incarnation},
+                )
             time.sleep(args.step_s)
         state = rt.state()
         recoveries = [{"policy": r.policy.value, "step": r.step, "reason": r.reason} for r in rt.recoveries]
     if args.out:
-        _write(Path(args.out) / f"rank{session.rank}.json", {
-            "rank": session.rank, "pid": os.getpid(), "incarnation": session.incarnation, "digest": digest(state),
-            "model": digest({k: v for k, v in state.items() if k.startswith("param/")}),
-            "optimizers": container_digest(optimizers),
-            "lr": [g["lr"] for o in optimizers.optimizers for g in o.param_groups],
-            "recoveries": recoveries})
+        _write(
+            Path(args.out) / f"rank{session.rank}.json",
+            {
+                "rank": session.rank,
+                "pid": os.getpid(),
+                "incarnation": session.incarnation,
+                "digest": digest(state),
+                "model": digest({k: v for k, v in state.items() if k.startswith("param/")}),
+                "optimizers": container_digest(optimizers),
+                "lr": [g["lr"] for o in optimizers.optimizers for g in o.param_groups],
+                "recoveries": recoveries,
+            },
+        )
 
 
 def _write(path: Path, record: dict) -> None:

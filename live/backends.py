@@ -30,8 +30,13 @@ class BackendChoice:
     reason: str
 
     def to_dict(self) -> dict:
-        return {"vendor": self.vendor.value, "backend": self.backend.value, "device": self.device,
-                "stand_in": self.stand_in, "reason": self.reason}
+        return {
+            "vendor": self.vendor.value,
+            "backend": self.backend.value,
+            "device": self.device,
+            "stand_in": self.stand_in,
+            "reason": self.reason,
+        }
 
 
 def cuda_ready() -> bool:
@@ -63,10 +68,20 @@ def choose_backend(vendor: Vendor | str, local_rank: int = 0, force_gloo: bool |
         if cuda_ready():
             index = local_rank % torch.cuda.device_count()
             return BackendChoice(vendor, Backend.NCCL, f"cuda:{index}", False, "CUDA device and NCCL present")
-        return BackendChoice(vendor, Backend.GLOO, "cpu", True,
-                             "no CUDA device or NCCL here; gloo on CPU stands in (needs a CUDA GPU and torch built with NCCL)")
+        return BackendChoice(
+            vendor,
+            Backend.GLOO,
+            "cpu",
+            True,
+            "no CUDA device or NCCL here; gloo on CPU stands in (needs a CUDA GPU and torch built with NCCL)",
+        )
     if npu_ready():
         index = local_rank % torch.npu.device_count()  # type: ignore[attr-defined]  # torch_npu adds torch.npu
         return BackendChoice(vendor, Backend.HCCL, f"npu:{index}", False, "Ascend NPU and torch_npu present")
-    return BackendChoice(vendor, Backend.GLOO, "cpu", True,
-                         "no Ascend NPU here; gloo on CPU stands in (needs an Ascend device, CANN and torch_npu)")
+    return BackendChoice(
+        vendor,
+        Backend.GLOO,
+        "cpu",
+        True,
+        "no Ascend NPU here; gloo on CPU stands in (needs an Ascend device, CANN and torch_npu)",
+    )

@@ -50,8 +50,17 @@ from typing import Any, Iterator, Sequence, TypeVar
 
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["NetnsError", "LinkShape", "IfaceCounters", "TwoHosts", "Hosts", "entered", "netns_unavailable",
-           "netem_unavailable", "bridge_unavailable"]
+__all__ = [
+    "NetnsError",
+    "LinkShape",
+    "IfaceCounters",
+    "TwoHosts",
+    "Hosts",
+    "entered",
+    "netns_unavailable",
+    "netem_unavailable",
+    "bridge_unavailable",
+]
 
 
 class NetnsError(MeshpactError):
@@ -97,12 +106,20 @@ class IfaceCounters:
     tx_packets: int
 
     def __sub__(self, other: "IfaceCounters") -> "IfaceCounters":
-        return IfaceCounters(self.rx_bytes - other.rx_bytes, self.tx_bytes - other.tx_bytes,
-                             self.rx_packets - other.rx_packets, self.tx_packets - other.tx_packets)
+        return IfaceCounters(
+            self.rx_bytes - other.rx_bytes,
+            self.tx_bytes - other.tx_bytes,
+            self.rx_packets - other.rx_packets,
+            self.tx_packets - other.tx_packets,
+        )
 
     def to_dict(self) -> dict[str, int]:
-        return {"rx_bytes": self.rx_bytes, "tx_bytes": self.tx_bytes, "rx_packets": self.rx_packets,
-                "tx_packets": self.tx_packets}
+        return {
+            "rx_bytes": self.rx_bytes,
+            "tx_bytes": self.tx_bytes,
+            "rx_packets": self.rx_packets,
+            "tx_packets": self.tx_packets,
+        }
 
 
 def _run(cmd: Sequence[str], what: str) -> str:
@@ -134,25 +151,39 @@ def _probe() -> tuple[str | None, str | None, str | None]:
         msg = f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
         return msg, msg, msg
     try:
-        r = subprocess.run(["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            ["ip", "-n", ns, "link", "add", "pa", "type", "veth", "peer", "name", "pb"], capture_output=True, text=True
+        )
         if r.returncode != 0:
             msg = f"the kernel refused a veth pair ({r.stderr.strip()}); two-host runs need CONFIG_VETH"
             return msg, msg, msg
         no_tc = _base_unavailable(shaped=True)
         if no_tc:
             return None, no_tc, no_tc
-        r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "handle", "1:",
-                            *LinkShape().tbf_args()], capture_output=True, text=True)
+        r = subprocess.run(
+            ["tc", "-n", ns, "qdisc", "add", "dev", "pa", "root", "handle", "1:", *LinkShape().tbf_args()],
+            capture_output=True,
+            text=True,
+        )
         if r.returncode != 0:
-            msg = (f"the kernel refused the tbf queueing discipline ({r.stderr.strip()}); a rate-limited link "
-                   "needs CONFIG_NET_SCH_TBF")
+            msg = (
+                f"the kernel refused the tbf queueing discipline ({r.stderr.strip()}); a rate-limited link "
+                "needs CONFIG_NET_SCH_TBF"
+            )
             return None, msg, msg
-        r = subprocess.run(["tc", "-n", ns, "qdisc", "add", "dev", "pb", "root", "netem", "delay", "1ms"],
-                           capture_output=True, text=True)
-        netem = None if r.returncode == 0 else (
-            f"link latency needs the kernel's netem queueing discipline (sch_netem, CONFIG_NET_SCH_NETEM), "
-            f"which this kernel lacks ({r.stderr.strip()}); run with delay 0")
+        r = subprocess.run(
+            ["tc", "-n", ns, "qdisc", "add", "dev", "pb", "root", "netem", "delay", "1ms"],
+            capture_output=True,
+            text=True,
+        )
+        netem = (
+            None
+            if r.returncode == 0
+            else (
+                f"link latency needs the kernel's netem queueing discipline (sch_netem, CONFIG_NET_SCH_NETEM), "
+                f"which this kernel lacks ({r.stderr.strip()}); run with delay 0"
+            )
+        )
         return None, None, netem
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
@@ -240,8 +271,9 @@ def entered(ns: str) -> Iterator[None]:
         try:
             there = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
         except FileNotFoundError:
-            raise NetnsError(f"enter the network namespace {ns}: there is none of that name (`ip netns list` "
-                             "names those that exist)") from None
+            raise NetnsError(
+                f"enter the network namespace {ns}: there is none of that name (`ip netns list` names those that exist)"
+            ) from None
         try:
             _setns(there, f"enter the network namespace {ns}")
         finally:
@@ -333,8 +365,9 @@ class TwoHosts(_Teardown):
                         subprocess.run(["ip", "netns", "del", m], capture_output=True)
                     if "exists" in r.stderr and not self._fixed_tag and attempt < 7:
                         break
-                    raise NetnsError(f"create a host namespace: `ip netns add {ns}` failed: "
-                                     f"{r.stderr.strip() or r.returncode}")
+                    raise NetnsError(
+                        f"create a host namespace: `ip netns add {ns}` failed: {r.stderr.strip() or r.returncode}"
+                    )
                 made.append(ns)
             else:
                 self._made = made
@@ -365,8 +398,24 @@ class TwoHosts(_Teardown):
         return self
 
     def _join(self, iface: tuple[str, str], addr: tuple[str, str], shaped: bool) -> None:
-        _run(["ip", "link", "add", iface[0], "netns", self.ns[0], "type", "veth", "peer", "name", iface[1],
-              "netns", self.ns[1]], "create a veth pair")
+        _run(
+            [
+                "ip",
+                "link",
+                "add",
+                iface[0],
+                "netns",
+                self.ns[0],
+                "type",
+                "veth",
+                "peer",
+                "name",
+                iface[1],
+                "netns",
+                self.ns[1],
+            ],
+            "create a veth pair",
+        )
         for side in (0, 1):
             ns, dev = self.ns[side], iface[side]
             _run(["ip", "-n", ns, "addr", "add", f"{addr[side]}/30", "dev", dev], "address the veth end")
@@ -398,11 +447,17 @@ class TwoHosts(_Teardown):
 
     def counters(self, host: int) -> IfaceCounters:
         """Kernel statistics of ``host``'s veth end (``ip -s -j link``)."""
-        out = _run(["ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev", self.iface[host]],
-                   "read interface statistics")
+        out = _run(
+            ["ip", "-n", self.ns[host], "-s", "-j", "link", "show", "dev", self.iface[host]],
+            "read interface statistics",
+        )
         stats = json.loads(out)[0]["stats64"]
-        return IfaceCounters(int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]),
-                             int(stats["rx"]["packets"]), int(stats["tx"]["packets"]))
+        return IfaceCounters(
+            int(stats["rx"]["bytes"]),
+            int(stats["tx"]["bytes"]),
+            int(stats["rx"]["packets"]),
+            int(stats["tx"]["packets"]),
+        )
 
     def settled_counters(self, timeout_s: float = 5.0, quiet_s: float = 0.2) -> tuple[IfaceCounters, IfaceCounters]:
         """Both ends' statistics once the link is quiet: two reads ``quiet_s`` apart agree (what
@@ -435,8 +490,9 @@ def bridge_unavailable() -> str | None:
     if made.returncode != 0:
         return f"cannot create a network namespace: {made.stderr.strip() or made.returncode}"
     try:
-        r = subprocess.run(["ip", "-n", ns, "link", "add", "name", "mpbr", "type", "bridge"], capture_output=True,
-                           text=True)
+        r = subprocess.run(
+            ["ip", "-n", ns, "link", "add", "name", "mpbr", "type", "bridge"], capture_output=True, text=True
+        )
         if r.returncode != 0:
             return f"the kernel refused a bridge ({r.stderr.strip()}); three or more hosts need CONFIG_BRIDGE"
         return None
@@ -485,8 +541,9 @@ class Hosts(_Teardown):
                         subprocess.run(["ip", "netns", "del", m], capture_output=True)
                     if "exists" in r.stderr:
                         break
-                    raise NetnsError(f"create a host namespace: `ip netns add {ns}` failed: "
-                                     f"{r.stderr.strip() or r.returncode}")
+                    raise NetnsError(
+                        f"create a host namespace: `ip netns add {ns}` failed: {r.stderr.strip() or r.returncode}"
+                    )
                 made.append(ns)
             else:
                 self._made = made
@@ -510,12 +567,31 @@ class Hosts(_Teardown):
             for i, ns in enumerate(self.ns):
                 _run(["ip", "-n", ns, "link", "set", "lo", "up"], "bring loopback up")
                 _quiet_ipv6(ns)
-                _run(["ip", "link", "add", self.iface[i], "netns", ns, "type", "veth", "peer", "name",
-                      self._hub_iface[i], "netns", self.hub], "create a veth pair")
-                _run(["ip", "-n", self.hub, "link", "set", self._hub_iface[i], "master", bridge, "up"],
-                     "attach the veth end to the bridge")
-                _run(["ip", "-n", ns, "addr", "add", f"{self.addr[i]}/24", "dev", self.iface[i]],
-                     "address the veth end")
+                _run(
+                    [
+                        "ip",
+                        "link",
+                        "add",
+                        self.iface[i],
+                        "netns",
+                        ns,
+                        "type",
+                        "veth",
+                        "peer",
+                        "name",
+                        self._hub_iface[i],
+                        "netns",
+                        self.hub,
+                    ],
+                    "create a veth pair",
+                )
+                _run(
+                    ["ip", "-n", self.hub, "link", "set", self._hub_iface[i], "master", bridge, "up"],
+                    "attach the veth end to the bridge",
+                )
+                _run(
+                    ["ip", "-n", ns, "addr", "add", f"{self.addr[i]}/24", "dev", self.iface[i]], "address the veth end"
+                )
                 _run(["ip", "-n", ns, "link", "set", self.iface[i], "up"], "bring the veth end up")
         except BaseException:
             self.close()

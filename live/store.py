@@ -32,10 +32,20 @@ def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1, time
         listener.listen(4096)
     except OSError as exc:
         listener.close()
-        raise OSError(f"cannot listen on {host}:{port} for the store ({exc}); pick a free port or another address") from None
+        raise OSError(
+            f"cannot listen on {host}:{port} for the store ({exc}); pick a free port or another address"
+        ) from None
     bound_port = int(listener.getsockname()[1])
-    return TCPStore(host, bound_port, world_size, is_master=True, timeout=timedelta(seconds=timeout_s),
-                    wait_for_workers=False, master_listen_fd=listener.detach(), use_libuv=False)
+    return TCPStore(
+        host,
+        bound_port,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+        master_listen_fd=listener.detach(),
+        use_libuv=False,
+    )
 
 
 def open_store(host: str, port: int, world_size: int, is_host: bool, timeout_s: float = 60.0) -> Any:
@@ -44,5 +54,6 @@ def open_store(host: str, port: int, world_size: int, is_host: bool, timeout_s: 
         return host_store(host, port, world_size, timeout_s)
     from torch.distributed import TCPStore
 
-    return TCPStore(host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s),
-                    wait_for_workers=False)
+    return TCPStore(
+        host, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
+    )

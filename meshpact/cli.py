@@ -119,7 +119,10 @@ def build(argv: Sequence[str] = ()) -> typer.Typer:
         root=typer.Typer(
             name="meshpact",
             help="Plan, check and run communication across vendor boundaries; recover training in memory.",
-            no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False, rich_markup_mode="rich",
+            no_args_is_help=True,
+            add_completion=False,
+            pretty_exceptions_enable=False,
+            rich_markup_mode="rich",
         ),
         live=typer.Typer(help=GROUP_HELP["live"], no_args_is_help=True),
         simulate=typer.Typer(help=GROUP_HELP["simulate"], no_args_is_help=True),
@@ -153,7 +156,7 @@ def _argument_value(param: Any, args: Sequence[str]) -> str | None:
             value = args[i + 1]
         for name in names:
             if name.startswith("--") and arg.startswith(name + "="):
-                value = arg[len(name) + 1:]
+                value = arg[len(name) + 1 :]
     return value
 
 

@@ -38,8 +38,16 @@ from meshpact.live.spillover.pairs import Row, measure_pairs
 from meshpact.simulator.batching import simulate_batched, simulate_split
 from meshpact.simulator.serving import ServingParams, expected_tokens_per_pass, simulate_params
 
-__all__ = ["ETHERNET_MTU", "wire_efficiency", "service_alpha", "sim_params", "simulated", "measure", "SPECULATIVE_COLUMNS",
-           "speculative_table_rows"]
+__all__ = [
+    "ETHERNET_MTU",
+    "wire_efficiency",
+    "service_alpha",
+    "sim_params",
+    "simulated",
+    "measure",
+    "SPECULATIVE_COLUMNS",
+    "speculative_table_rows",
+]
 
 ETHERNET_MTU = 1500
 _TCP_IP_HEADERS = 52  # IPv4 20 + TCP 20 + timestamps option 12 (Linux default)
@@ -85,14 +93,30 @@ def sim_params(run: RunResult) -> ServingParams:
         local, remote = run.local_critical_s, run.remote_critical_s
     link_alpha = service_alpha(run, beta)
     return ServingParams(
-        model=spec.source, vocab_size=spec.vocab_size, local_vendor="cuda", remote_vendor="cann",
-        local_slots=cfg.local_slots, remote_slots=cfg.remote_slots,
-        local_per_token_s=local, remote_per_token_s=remote,
-        local_prefill_s=run.local_prefill_s, remote_prefill_s=run.remote_prefill_s,
-        link_alpha_s=link_alpha + cfg.delay_ms * 1e-3, link_beta_s_per_byte=beta,
-        fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(cfg.request),
-        consumer_ranks=1, producer_ranks=1, concurrency=cfg.concurrency, arrival_rate_per_s=None,
-        output_tokens=cfg.output_tokens, requests=cfg.requests, seed=cfg.seed, gamma=gamma, alpha=alpha,
+        model=spec.source,
+        vocab_size=spec.vocab_size,
+        local_vendor="cuda",
+        remote_vendor="cann",
+        local_slots=cfg.local_slots,
+        remote_slots=cfg.remote_slots,
+        local_per_token_s=local,
+        remote_per_token_s=remote,
+        local_prefill_s=run.local_prefill_s,
+        remote_prefill_s=run.remote_prefill_s,
+        link_alpha_s=link_alpha + cfg.delay_ms * 1e-3,
+        link_beta_s_per_byte=beta,
+        fabric_alpha_s=5e-6,
+        fabric_beta_s_per_byte=1e-11,
+        request=Request(cfg.request),
+        consumer_ranks=1,
+        producer_ranks=1,
+        concurrency=cfg.concurrency,
+        arrival_rate_per_s=None,
+        output_tokens=cfg.output_tokens,
+        requests=cfg.requests,
+        seed=cfg.seed,
+        gamma=gamma,
+        alpha=alpha,
     )
 
 
@@ -101,26 +125,50 @@ def simulated(run: RunResult) -> dict[str, Any]:
     p = sim_params(run)
     if run.config.deployment == "model":
         split = simulate_split(p, scaled_spec(run.config.model).hidden, run.config.prompt_tokens)
-        return {"throughput_tok_s": split.throughput_tok_s, "result_bytes": split.result_bytes,
-                "link_alpha_s": p.link_alpha_s,
-                "hidden_bytes": split.feedback_bytes, "latency_s": dict(split.latency_s),
-                "startups": split.startups, "per_slot_throughput_tok_s": None}
+        return {
+            "throughput_tok_s": split.throughput_tok_s,
+            "result_bytes": split.result_bytes,
+            "link_alpha_s": p.link_alpha_s,
+            "hidden_bytes": split.feedback_bytes,
+            "latency_s": dict(split.latency_s),
+            "startups": split.startups,
+            "per_slot_throughput_tok_s": None,
+        }
     batched = simulate_batched(p)
     per_slot = simulate_params(p)
-    return {"throughput_tok_s": batched.throughput_tok_s, "result_bytes": batched.result_bytes,
-            "latency_s": dict(batched.latency_s), "startups": batched.startups,
-            "per_slot_throughput_tok_s": per_slot.throughput_tok_s}
+    return {
+        "throughput_tok_s": batched.throughput_tok_s,
+        "result_bytes": batched.result_bytes,
+        "latency_s": dict(batched.latency_s),
+        "startups": batched.startups,
+        "per_slot_throughput_tok_s": per_slot.throughput_tok_s,
+    }
 
 
-def measure(models: Sequence[str], concurrencies: Sequence[int], requests: Sequence[str], pairs: int,
-            base: SpilloverConfig, requests_per_client: int = 3,
-            progress: Callable[[str], None] | None = None) -> list[Row]:
+def measure(
+    models: Sequence[str],
+    concurrencies: Sequence[int],
+    requests: Sequence[str],
+    pairs: int,
+    base: SpilloverConfig,
+    requests_per_client: int = 3,
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
     """:func:`~meshpact.live.spillover.pairs.measure_pairs` with :func:`simulated` beside every row."""
     return measure_pairs(models, concurrencies, requests, pairs, base, simulated, requests_per_client, progress)
 
 
-SPECULATIVE_COLUMNS = ("model", "request", "conc", "gamma", "alpha (measured)", "tokens/pass", "(1-a^(g+1))/(1-a)",
-                       "result B/round", "tok/s")
+SPECULATIVE_COLUMNS = (
+    "model",
+    "request",
+    "conc",
+    "gamma",
+    "alpha (measured)",
+    "tokens/pass",
+    "(1-a^(g+1))/(1-a)",
+    "result B/round",
+    "tok/s",
+)
 
 
 def speculative_table_rows(rows: Sequence[Row]) -> list[list[str]]:
@@ -131,7 +179,17 @@ def speculative_table_rows(rows: Sequence[Row]) -> list[list[str]]:
             continue
         sp = r.speculative
         g = int(sp["gamma"])
-        out.append([r.model, r.request, str(r.concurrency), str(g), f"{sp['alpha']:.3f}",
-                    f"{sp['tokens_per_pass']:.2f}", f"{expected_tokens_per_pass(g, sp['alpha']):.2f}",
-                    f"{sp['bytes_per_round']:,.0f}", f"{r.throughput_tok_s:.1f}"])
+        out.append(
+            [
+                r.model,
+                r.request,
+                str(r.concurrency),
+                str(g),
+                f"{sp['alpha']:.3f}",
+                f"{sp['tokens_per_pass']:.2f}",
+                f"{expected_tokens_per_pass(g, sp['alpha']):.2f}",
+                f"{sp['bytes_per_round']:,.0f}",
+                f"{r.throughput_tok_s:.1f}",
+            ]
+        )
     return out

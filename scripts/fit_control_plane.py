@@ -34,33 +34,45 @@ def table(fit: ControlPlaneFit) -> str:
     lines = ["| cost | form | a | b | ranks | measured | fit | error |", "|---|---|---|---|---|---|---|---|"]
     for name, f in fit.fits().items():
         for p, err in zip(f.points, f.errors()):
-            lines.append(f"| {name} | {f.growth.formula()} | {f.intercept:.4g} | {f.slope:.4g} | {p.ranks} | "
-                         f"{p.value:.4g} | {f.at(p.ranks):.4g} | {err:+.1%} |")
+            lines.append(
+                f"| {name} | {f.growth.formula()} | {f.intercept:.4g} | {f.slope:.4g} | {p.ranks} | "
+                f"{p.value:.4g} | {f.at(p.ranks):.4g} | {err:+.1%} |"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--result", type=Path, default=RESULT, help="a bench/control_scale.py result (default: %(default)s)")
+    ap.add_argument(
+        "--result", type=Path, default=RESULT, help="a bench/control_scale.py result (default: %(default)s)"
+    )
     ap.add_argument("--out", type=Path, default=OUT, help="where the fit goes (default: %(default)s)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if --out is not the fit of --result")
-    ap.add_argument("--tolerance", type=float, default=TOLERANCE,
-                    help="largest relative error allowed at a measured point (default: %(default)s)")
+    ap.add_argument(
+        "--tolerance",
+        type=float,
+        default=TOLERANCE,
+        help="largest relative error allowed at a measured point (default: %(default)s)",
+    )
     a = ap.parse_args(argv)
     try:
         doc = json.loads(a.result.read_text())
         name = str(a.result.relative_to(ROOT)) if a.result.is_relative_to(ROOT) else str(a.result)
         fit = fit_control_plane(doc, name)
     except OSError as exc:
-        print(f"fit_control_plane: cannot read {a.result} ({exc.strerror}); run python bench/control_scale.py",
-              file=sys.stderr)
+        print(
+            f"fit_control_plane: cannot read {a.result} ({exc.strerror}); run python bench/control_scale.py",
+            file=sys.stderr,
+        )
         return 2
     except json.JSONDecodeError as exc:
         print(f"fit_control_plane: {a.result}: not JSON ({exc.msg} at line {exc.lineno})", file=sys.stderr)
         return 2
     except (KeyError, TypeError, ZeroDivisionError) as exc:
-        print(f"fit_control_plane: {a.result}: not a bench/control_scale.py result ({type(exc).__name__}: {exc})",
-              file=sys.stderr)
+        print(
+            f"fit_control_plane: {a.result}: not a bench/control_scale.py result ({type(exc).__name__}: {exc})",
+            file=sys.stderr,
+        )
         return 2
     except ValueError as exc:
         print(f"fit_control_plane: {a.result}: {exc}", file=sys.stderr)
@@ -68,18 +80,23 @@ def main(argv: list[str] | None = None) -> int:
     print(table(fit))
     for name, f in fit.fits().items():
         if f.worst_error() > a.tolerance:
-            print(f"fit_control_plane: {name} misses a measured point by {f.worst_error():.0%} (over "
-                  f"{a.tolerance:.0%}): no {' or '.join(g.formula() for g in Growth)} follows these points",
-                  file=sys.stderr)
+            print(
+                f"fit_control_plane: {name} misses a measured point by {f.worst_error():.0%} (over "
+                f"{a.tolerance:.0%}): no {' or '.join(g.formula() for g in Growth)} follows these points",
+                file=sys.stderr,
+            )
     if a.check:
         if not a.out.is_file() or a.out.read_text() != text(fit):
-            print(f"fit_control_plane: {a.out} is not the fit of {a.result}: run python scripts/fit_control_plane.py",
-                  file=sys.stderr)
+            print(
+                f"fit_control_plane: {a.out} is not the fit of {a.result}: run python scripts/fit_control_plane.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     a.out.write_text(text(fit))
     print(f"wrote {a.out} from {fit.source.describe()}")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -48,8 +48,11 @@ class EdgeStartups:
 
     @property
     def outcome(self) -> str:
-        return "fewer" if self.startups_first < self.layout_only else (
-            "tie" if self.startups_first == self.layout_only else "more")
+        return (
+            "fewer"
+            if self.startups_first < self.layout_only
+            else ("tie" if self.startups_first == self.layout_only else "more")
+        )
 
 
 def edge_startups() -> list[EdgeStartups]:
@@ -74,10 +77,15 @@ class Bound:
     @staticmethod
     def of(contract: Contract) -> "Bound":
         prov = contract.provenance
-        if not isinstance(prov.placement, Shard) or not contract.locality.cross_domain \
-                or contract.substitutability.substitutes or contract.demand.request.value != "full":
-            raise ValueError(f"{contract.edge.name}: the bound covers a full, bitwise, cross-domain read of a "
-                             "sharded tensor")
+        if (
+            not isinstance(prov.placement, Shard)
+            or not contract.locality.cross_domain
+            or contract.substitutability.substitutes
+            or contract.demand.request.value != "full"
+        ):
+            raise ValueError(
+                f"{contract.edge.name}: the bound covers a full, bitwise, cross-domain read of a sharded tensor"
+            )
         total = max(form_bytes(Form.RAW, o.region, prov.dtype) for o in contract.demand.observations)
         shards = tuple(form_bytes(Form.RAW, h.region, prov.dtype) for h in prov.holdings)
         return Bound(total, shards, len(contract.demand.observations), CHUNK_BYTES)
@@ -123,8 +131,15 @@ def _gathered(build: PlanBuilder, ranks: tuple[int, ...], root: int) -> str:
     prov = build.contract.provenance
     assert isinstance(prov.placement, Shard)  # the tied edge's producer is sharded
     nbytes = sum(form_bytes(Form.RAW, h.region, prov.dtype) for h in prov.holdings if h.rank in ranks)
-    return build.collective("gather", ranks, prov.tensor, build.name("gathered"), nbytes, prov.dtype,
-                            {"dim": prov.placement.dim, "root": root})
+    return build.collective(
+        "gather",
+        ranks,
+        prov.tensor,
+        build.name("gathered"),
+        nbytes,
+        prov.dtype,
+        {"dim": prov.placement.dim, "root": root},
+    )
 
 
 def _full_on_root(build: PlanBuilder) -> str:
@@ -135,9 +150,18 @@ def _holders_to(build: PlanBuilder, dst: int, holders: tuple[int, ...] | None = 
     """Each holder's shard sent to ``dst`` (all holders unless named), concatenated there."""
     prov = build.contract.provenance
     assert isinstance(prov.placement, Shard)  # the tied edge's producer is sharded
-    arrived = [build.send(h.rank, dst, prov.tensor, build.name(f"from{h.rank}"),
-                          form_bytes(Form.RAW, h.region, prov.dtype), prov.dtype)
-               for h in prov.holdings if holders is None or h.rank in holders]
+    arrived = [
+        build.send(
+            h.rank,
+            dst,
+            prov.tensor,
+            build.name(f"from{h.rank}"),
+            form_bytes(Form.RAW, h.region, prov.dtype),
+            prov.dtype,
+        )
+        for h in prov.holdings
+        if holders is None or h.rank in holders
+    ]
     return build.project("concat", (dst,), arrived, build.name("full"), prov.dtype, {"dim": prov.placement.dim})
 
 
@@ -149,8 +173,12 @@ def _broadcast(build: PlanBuilder, buf: str, root: int, nbytes: int | None = Non
     return build.collective("broadcast", ranks, buf, build.name("bcast"), size, prov.dtype, {"root": root})
 
 
-def _plan(contract: Contract, steps: Callable[[PlanBuilder], str | None], deliver: tuple[int, ...] | None = None,
-          resend: Callable[[Plan], Plan] | None = None) -> Plan:
+def _plan(
+    contract: Contract,
+    steps: Callable[[PlanBuilder], str | None],
+    deliver: tuple[int, ...] | None = None,
+    resend: Callable[[Plan], Plan] | None = None,
+) -> Plan:
     build = PlanBuilder(contract, "candidate")
     buf = steps(build)
     if buf is not None:
@@ -161,11 +189,13 @@ def _plan(contract: Contract, steps: Callable[[PlanBuilder], str | None], delive
 
 def _first_send_as(args: dict) -> Callable[[Plan], Plan]:
     """The plan with its first bridge send declared with ``args`` instead of the builder's chunking."""
+
     def edit(plan: Plan) -> Plan:
         steps = list(plan.steps)
         i = next(k for k, s in enumerate(steps) if s.kind is StepKind.SEND)
         steps[i] = replace(steps[i], args=tuple(args.items()))
         return replace(plan, steps=tuple(steps))
+
     return edit
 
 
@@ -187,14 +217,17 @@ def candidates(contract: Contract) -> list[Candidate]:
     def both_from_root(build: PlanBuilder) -> str:
         full = _full_on_root(build)
         a = build.send(bp, bc, full, build.name("arrived"), Bound.of(contract).total_bytes, contract.provenance.dtype)
-        b = build.send(bp, other, full, build.name("arrived"), Bound.of(contract).total_bytes,
-                       contract.provenance.dtype)
+        b = build.send(
+            bp, other, full, build.name("arrived"), Bound.of(contract).total_bytes, contract.provenance.dtype
+        )
         build.deliver((other,), b, contract.provenance.dtype)
         return a
 
     def gather_send(build: PlanBuilder) -> str:
         full = _full_on_root(build)
-        return build.send(bp, bc, full, build.name("arrived"), Bound.of(contract).total_bytes, contract.provenance.dtype)
+        return build.send(
+            bp, bc, full, build.name("arrived"), Bound.of(contract).total_bytes, contract.provenance.dtype
+        )
 
     def gather_send_broadcast(build: PlanBuilder) -> str:
         return _broadcast(build, gather_send(build), bc)
@@ -212,24 +245,46 @@ def candidates(contract: Contract) -> list[Candidate]:
 
     shapes: list[tuple[str, Plan]] = [
         ("layout-only baseline: each shard from its holder, then a broadcast", layout_only(contract)),
-        *[(f"lowerer candidate {i + 1}: " + ("gather, chunked send, broadcast" if i == 0 else
-                                             "each shard from its holder, then a broadcast"), p)
-          for i, p in enumerate(lower_candidates(contract))],
+        *[
+            (
+                f"lowerer candidate {i + 1}: "
+                + ("gather, chunked send, broadcast" if i == 0 else "each shard from its holder, then a broadcast"),
+                p,
+            )
+            for i, p in enumerate(lower_candidates(contract))
+        ],
         ("each shard from its holder to both consumer ranks, no collective", _plan(contract, both_from_holders, (bc,))),
         ("gather, the chunked tensor sent to both consumer ranks", _plan(contract, both_from_root, (bc,))),
-        ("gather, the whole tensor as one message, broadcast",
-         _plan(contract, gather_send_broadcast, resend=_first_send_as({}))),
-        ("gather, the tensor in one chunk fewer than it needs, broadcast",
-         _plan(contract, gather_send_broadcast, resend=_first_send_as(
-             {"chunks": Bound.of(contract).messages(Bound.of(contract).total_bytes) - 1,
-              "staging_bytes": CHUNK_BYTES}))),
+        (
+            "gather, the whole tensor as one message, broadcast",
+            _plan(contract, gather_send_broadcast, resend=_first_send_as({})),
+        ),
+        (
+            "gather, the tensor in one chunk fewer than it needs, broadcast",
+            _plan(
+                contract,
+                gather_send_broadcast,
+                resend=_first_send_as(
+                    {
+                        "chunks": Bound.of(contract).messages(Bound.of(contract).total_bytes) - 1,
+                        "staging_bytes": CHUNK_BYTES,
+                    }
+                ),
+            ),
+        ),
         ("gather, chunked send, no collective on the consumer side", _plan(contract, gather_send)),
-        ("each shard from its holder to one consumer rank, no collective", _plan(contract, lambda b: _holders_to(b, bc))),
-        ("half the shards to each consumer rank, no collective",
-         _plan(contract, split_between_consumers, (bc,))),
-        ("all but the last shard from their holders, then a broadcast",
-         _plan(contract, lambda b: _broadcast(b, _holders_to(b, bc, holders[:-1]), bc,
-                                              sum(Bound.of(contract).shard_bytes[:-1])))),
+        (
+            "each shard from its holder to one consumer rank, no collective",
+            _plan(contract, lambda b: _holders_to(b, bc)),
+        ),
+        ("half the shards to each consumer rank, no collective", _plan(contract, split_between_consumers, (bc,))),
+        (
+            "all but the last shard from their holders, then a broadcast",
+            _plan(
+                contract,
+                lambda b: _broadcast(b, _holders_to(b, bc, holders[:-1]), bc, sum(Bound.of(contract).shard_bytes[:-1])),
+            ),
+        ),
         ("one gather spanning both domains, then a broadcast", _plan(contract, across_domains)),
     ]
     out = []
@@ -240,7 +295,7 @@ def candidates(contract: Contract) -> list[Candidate]:
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2 ** 20:.1f} MiB"
+    return f"{nbytes / 2**20:.1f} MiB"
 
 
 def render() -> str:
@@ -301,8 +356,10 @@ def render() -> str:
         "",
         "| plan | startups | checker |",
         "|---|---|---|",
-        *[f"| {c.label} | {c.startups} | {'passes' if c.ok else 'rejected: ' + ', '.join(c.violations)} |"
-          for c in sorted(candidates(contract), key=lambda c: (c.startups, not c.ok, c.label))],
+        *[
+            f"| {c.label} | {c.startups} | {'passes' if c.ok else 'rejected: ' + ', '.join(c.violations)} |"
+            for c in sorted(candidates(contract), key=lambda c: (c.startups, not c.ok, c.label))
+        ],
         "",
     ]
     return "\n".join(lines)

@@ -122,7 +122,9 @@ class Figure:
 
     def digest(self) -> str:
         code = inspect.getsource(self.draw) + inspect.getsource(draw)  # the figure's drawing and the SVG settings
-        payload = json.dumps({"data": self.data, "code": code, "size": self.size}, sort_keys=True, separators=(",", ":"))
+        payload = json.dumps(
+            {"data": self.data, "code": code, "size": self.size}, sort_keys=True, separators=(",", ":")
+        )
         return "sha256:" + hashlib.sha256(payload.encode()).hexdigest()
 
 
@@ -167,8 +169,11 @@ def _cell(value: Json) -> str:
 
 
 def _table(columns: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
-            *("| " + " | ".join(row) + " |" for row in rows)]
+    return [
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(row) + " |" for row in rows),
+    ]
 
 
 def _percent(value: Json, digits: int) -> Json:
@@ -190,7 +195,7 @@ def _purpose(bench: str | None) -> str | None:
     doc = ast.get_docstring(ast.parse(script.read_text()))
     title = " ".join(doc.split("\n\n")[0].split()).removeprefix("Benchmark: ") if doc else ""
     title = title[:1].upper() + title[1:]
-    return (title if len(title) <= PURPOSE_CHARS else title[:PURPOSE_CHARS - 1] + "…") or None
+    return (title if len(title) <= PURPOSE_CHARS else title[: PURPOSE_CHARS - 1] + "…") or None
 
 
 def _machine(run: Mapping[str, Json]) -> str:
@@ -214,6 +219,7 @@ def _run(doc: Mapping[str, Json]) -> Mapping[str, Json]:
 
 
 # --- the generic section, for any file without a section function of its own ---------------
+
 
 def _scalars(doc: Mapping[str, Json]) -> list[tuple[str, Json]]:
     """Top-level values, and one level into objects that hold no deeper object or records."""
@@ -307,40 +313,83 @@ def recovery(result: Result) -> Section:
     by_ranks = result.mapping("recovery_ms_by_ranks")
     ranks = sorted(by_ranks, key=int)
     timeout = min(result.mapping("recovery_ms_by_timeout"), key=lambda t: float(t.rstrip("s")))
-    ours = {q: [result.number(f"recovery_ms_by_timeout.{timeout}.{r}.{q}_ms") for r in ranks]
-            for q in ("p50", "p99", "max")}
+    ours = {
+        q: [result.number(f"recovery_ms_by_timeout.{timeout}.{r}.{q}_ms") for r in ranks] for q in ("p50", "p99", "max")
+    }
     ft = result.doc.get("torchft") or {}
-    theirs = ({q: [float(ft[r][f"{q}_ms"]) for r in ranks] for q in ("p50", "p99", "max")}
-              if all(r in ft for r in ranks) else None)
+    theirs = (
+        {q: [float(ft[r][f"{q}_ms"]) for r in ranks] for q in ("p50", "p99", "max")}
+        if all(r in ft for r in ranks)
+        else None
+    )
     recoveries = int(result.number("recoveries"))
-    rows = [[int(r), ours["p50"][i], ours["p99"][i], ours["max"][i],
-             theirs["p50"][i] if theirs else None, theirs["p99"][i] if theirs else None,
-             theirs["max"][i] if theirs else None,
-             ours["p50"][i] / theirs["p50"][i] if theirs else None,
-             by_ranks[r].get("cpu_ratio_p50") if isinstance(by_ranks[r], Mapping) else None]
-            for i, r in enumerate(ranks)]
-    stages = {s: [result.number(f"recovery_ms_by_ranks.{r}.cpu_ms_by_stage_p50.{s}") for r in ranks]
-              for s in STAGES}
+    rows = [
+        [
+            int(r),
+            ours["p50"][i],
+            ours["p99"][i],
+            ours["max"][i],
+            theirs["p50"][i] if theirs else None,
+            theirs["p99"][i] if theirs else None,
+            theirs["max"][i] if theirs else None,
+            ours["p50"][i] / theirs["p50"][i] if theirs else None,
+            by_ranks[r].get("cpu_ratio_p50") if isinstance(by_ranks[r], Mapping) else None,
+        ]
+        for i, r in enumerate(ranks)
+    ]
+    stages = {s: [result.number(f"recovery_ms_by_ranks.{r}.cpu_ms_by_stage_p50.{s}") for r in ranks] for s in STAGES}
     figures = [
-        Figure("recovery-time", "recovery time per size, meshpact beside torchft",
-               {"ranks": [int(r) for r in ranks], "meshpact": ours, "torchft": theirs,
-                "recoveries": recoveries, "timeout": timeout}, _draw_recovery),
-        Figure("recovery-cpu-stages", "CPU time of a recovery by stage, per size",
-               {"ranks": [int(r) for r in ranks], "stages": list(STAGES), "by_stage": stages}, _draw_stages),
+        Figure(
+            "recovery-time",
+            "recovery time per size, meshpact beside torchft",
+            {
+                "ranks": [int(r) for r in ranks],
+                "meshpact": ours,
+                "torchft": theirs,
+                "recoveries": recoveries,
+                "timeout": timeout,
+            },
+            _draw_recovery,
+        ),
+        Figure(
+            "recovery-cpu-stages",
+            "CPU time of a recovery by stage, per size",
+            {"ranks": [int(r) for r in ranks], "stages": list(STAGES), "by_stage": stages},
+            _draw_stages,
+        ),
     ]
     why = result.doc.get("torchft_missing_reason") or "no reason given"
     notes = [] if theirs else [f"torchft was not measured: {why}."]
     return Section(
-        headline=[("recoveries per size", recoveries),
-                  ("state bit-identical to a fault-free run after every recovery", result.get("bit_identical")),
-                  ("rebind ms, slowest size over fastest", result.doc.get("rebind_flatness_max_over_min"))],
-        tables=[(f"Recovery time (ms) at data timeout {timeout}, and all ranks' CPU time against torchft's",
-                 ["ranks", "p50", "p99", "max", "torchft p50", "torchft p99", "torchft max", "p50 / torchft's",
-                  "CPU p50 / torchft's"], rows)],
-        figures=figures, notes=notes)
+        headline=[
+            ("recoveries per size", recoveries),
+            ("state bit-identical to a fault-free run after every recovery", result.get("bit_identical")),
+            ("rebind ms, slowest size over fastest", result.doc.get("rebind_flatness_max_over_min")),
+        ],
+        tables=[
+            (
+                f"Recovery time (ms) at data timeout {timeout}, and all ranks' CPU time against torchft's",
+                [
+                    "ranks",
+                    "p50",
+                    "p99",
+                    "max",
+                    "torchft p50",
+                    "torchft p99",
+                    "torchft max",
+                    "p50 / torchft's",
+                    "CPU p50 / torchft's",
+                ],
+                rows,
+            )
+        ],
+        figures=figures,
+        notes=notes,
+    )
 
 
 # --- launch and launch-load: downtime per case ---------------------------------------------
+
 
 def _draw_launch(fig: Any, data: Json) -> None:
     ax = fig.add_subplot()
@@ -353,8 +402,10 @@ def _draw_launch(fig: Any, data: Json) -> None:
     ax.set_yticks(list(ys), [c["case"].replace("_", " ") for c in cases])
     ax.invert_yaxis()
     ax.set_xlabel("downtime (s): from the kill until training resumes")
-    ax.set_title(f"{data['nodes']} nodes × {data['ranks_per_node']} ranks, {data['runs']} run(s) per case, "
-                 f"{data['busy_loops']} busy loop(s)")
+    ax.set_title(
+        f"{data['nodes']} nodes × {data['ranks_per_node']} ranks, {data['runs']} run(s) per case, "
+        f"{data['busy_loops']} busy loop(s)"
+    )
     ax.legend(fontsize="small", loc="upper right")
     ax.grid(axis="x", alpha=0.3)
 
@@ -368,24 +419,61 @@ def launch(result: Result) -> Section:
     read = result.doc.get("storage_bytes_read_by_case") or {}
     same = result.doc.get("bit_identical_by_case") or {}
     passed = result.doc.get("passed_by_case") or {}
-    data = {"cases": [{"case": c, "downtime_s": result.number(f"downtime_s_by_case.{c}"),
-                       "runs": [float(x) for x in runs.get(c, [])]} for c in cases],
-            "nodes": result.get("nodes"), "ranks_per_node": result.get("ranks_per_node"),
-            "runs": result.get("runs"), "busy_loops": result.doc.get("busy_loops", 0)}
-    rows = [[f"`{c}`", downtime[c], f"{passed.get(c, '-')} / {len(runs.get(c, []))}",
-             ", ".join(policies.get(c) or []) or "restart", kept.get(c), read.get(c), same.get(c)] for c in cases]
+    data = {
+        "cases": [
+            {
+                "case": c,
+                "downtime_s": result.number(f"downtime_s_by_case.{c}"),
+                "runs": [float(x) for x in runs.get(c, [])],
+            }
+            for c in cases
+        ],
+        "nodes": result.get("nodes"),
+        "ranks_per_node": result.get("ranks_per_node"),
+        "runs": result.get("runs"),
+        "busy_loops": result.doc.get("busy_loops", 0),
+    }
+    rows = [
+        [
+            f"`{c}`",
+            downtime[c],
+            f"{passed.get(c, '-')} / {len(runs.get(c, []))}",
+            ", ".join(policies.get(c) or []) or "restart",
+            kept.get(c),
+            read.get(c),
+            same.get(c),
+        ]
+        for c in cases
+    ]
     return Section(
-        headline=[("nodes × ranks per node", f"{data['nodes']} × {data['ranks_per_node']}"),
-                  ("killed after step", result.doc.get("kill_after_step")), ("runs per case", data["runs"]),
-                  ("busy loops beside the job", data["busy_loops"]),
-                  ("warm spare's downtime / torchrun restart's", result.doc.get("warm_spare_over_torchrun_restart"))],
-        tables=[("Per case (median downtime)",
-                 ["case", "downtime s", "passed", "policy", "survivors keep their PIDs", "storage bytes read",
-                  "state bit-identical"], rows)],
-        figures=[Figure(f"{result.name}-downtime", f"downtime per launch case ({result.name})", data, _draw_launch)])
+        headline=[
+            ("nodes × ranks per node", f"{data['nodes']} × {data['ranks_per_node']}"),
+            ("killed after step", result.doc.get("kill_after_step")),
+            ("runs per case", data["runs"]),
+            ("busy loops beside the job", data["busy_loops"]),
+            ("warm spare's downtime / torchrun restart's", result.doc.get("warm_spare_over_torchrun_restart")),
+        ],
+        tables=[
+            (
+                "Per case (median downtime)",
+                [
+                    "case",
+                    "downtime s",
+                    "passed",
+                    "policy",
+                    "survivors keep their PIDs",
+                    "storage bytes read",
+                    "state bit-identical",
+                ],
+                rows,
+            )
+        ],
+        figures=[Figure(f"{result.name}-downtime", f"downtime per launch case ({result.name})", data, _draw_launch)],
+    )
 
 
 # --- scale and scale-depth1: recovery and memory against state size ------------------------
+
 
 def _draw_scale(fig: Any, data: Json) -> None:
     left, right = fig.subplots(1, 2)
@@ -393,8 +481,14 @@ def _draw_scale(fig: Any, data: Json) -> None:
         left.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=kind)
     for kind, points in data["peak_rss_mb"].items():
         right.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=kind)
-    right.plot([p[0] for p in data["plain_rss_mb"]], [p[1] for p in data["plain_rss_mb"]],
-               color="black", linestyle="--", marker="s", label="no peer copies")
+    right.plot(
+        [p[0] for p in data["plain_rss_mb"]],
+        [p[1] for p in data["plain_rss_mb"]],
+        color="black",
+        linestyle="--",
+        marker="s",
+        label="no peer copies",
+    )
     for ax, ylabel in ((left, "recovery (ms, median)"), (right, "peak RSS per rank (MB)")):
         ax.set_xscale("log")
         ax.set_yscale("log")
@@ -421,22 +515,49 @@ def scale(result: Result) -> Section:
         if median is not None:
             recovery_ms.setdefault(kind, []).append([mb, median])
         peak_rss.setdefault(kind, []).append([mb, result.number(f"paths.{path}.peak_rss_mb")])
-        rows.append([f"`{path}`", f'{", ".join(sorted(set(record.get("policies") or []))) or "-"} '
-                     f'× {len(record.get("recovery_ms") or [])}', median, record.get("peak_rss_mb"),
-                     over_state.get(path), record.get("bit_identical") if not record.get("error") else record["error"]])
-    data = {"recovery_ms": recovery_ms, "peak_rss_mb": peak_rss,
-            "plain_rss_mb": sorted([result.number(f"state_mb_per_rank.{m}"), float(v)] for m, v in plain.items()),
-            "ranks": result.get("ranks"), "depth": result.get("peer_copy_depth")}
+        rows.append(
+            [
+                f"`{path}`",
+                f"{', '.join(sorted(set(record.get('policies') or []))) or '-'} "
+                f"× {len(record.get('recovery_ms') or [])}",
+                median,
+                record.get("peak_rss_mb"),
+                over_state.get(path),
+                record.get("bit_identical") if not record.get("error") else record["error"],
+            ]
+        )
+    data = {
+        "recovery_ms": recovery_ms,
+        "peak_rss_mb": peak_rss,
+        "plain_rss_mb": sorted([result.number(f"state_mb_per_rank.{m}"), float(v)] for m, v in plain.items()),
+        "ranks": result.get("ranks"),
+        "depth": result.get("peer_copy_depth"),
+    }
     return Section(
-        headline=[("ranks", data["ranks"]), ("peer copy depth", data["depth"]),
-                  ("state per rank (MB)", dict(state)),
-                  ("recovery p50, largest state over smallest", result.doc.get("recovery_ratio_large_over_tiny")),
-                  ("commit overhead (ms)", result.doc.get("commit_overhead_ms"))],
-        tables=[("Per model and fault",
-                 ["path", "policy × faults", "recovery ms p50", "peak RSS MB",
-                  "extra RSS / state", "bit-identical"], rows)],
-        figures=[Figure(f"{result.name}-state", f"recovery time and memory against state size ({result.name})",
-                        data, _draw_scale, size=(8.0, 3.6))])
+        headline=[
+            ("ranks", data["ranks"]),
+            ("peer copy depth", data["depth"]),
+            ("state per rank (MB)", dict(state)),
+            ("recovery p50, largest state over smallest", result.doc.get("recovery_ratio_large_over_tiny")),
+            ("commit overhead (ms)", result.doc.get("commit_overhead_ms")),
+        ],
+        tables=[
+            (
+                "Per model and fault",
+                ["path", "policy × faults", "recovery ms p50", "peak RSS MB", "extra RSS / state", "bit-identical"],
+                rows,
+            )
+        ],
+        figures=[
+            Figure(
+                f"{result.name}-state",
+                f"recovery time and memory against state size ({result.name})",
+                data,
+                _draw_scale,
+                size=(8.0, 3.6),
+            )
+        ],
+    )
 
 
 def scale_downtime(result: Result) -> Section:
@@ -444,22 +565,43 @@ def scale_downtime(result: Result) -> Section:
     knew = result.mapping("knew_spread_ms_p50_by_kind")
     heard = result.mapping("heard_spread_ms_p50_by_kind")
     paths = result.mapping("paths")
-    rows = [[f"`{w}/{k}`", v, heard[w].get(k), knew[w].get(k), paths.get(f"{w}/{k}", {}).get("bit_identical")]
-            for w in ftr for k, v in ftr[w].items()]
+    rows = [
+        [f"`{w}/{k}`", v, heard[w].get(k), knew[w].get(k), paths.get(f"{w}/{k}", {}).get("bit_identical")]
+        for w in ftr
+        for k, v in ftr[w].items()
+    ]
     sec = result.doc.get("security_cost") or {}
     rec = sec.get("recovery_ms_p50") or {}
-    headline = [(f"security at {sec.get('workload')}, share of a rank's step: digests (CPU ms per commit); "
-                 "signing (paired steps)",
-                 f"{_cell(sec.get('digest_share_of_step'))} ({_cell(sec.get('digest_cpu_ms_per_commit'))}); "
-                 f"{_cell(sec.get('signing_step_overhead'))}"),
-                (f"key on / off, {sec.get('pairs')} pair(s): recovery ms p50",
-                 f"{_cell(rec.get('on'))} / {_cell(rec.get('off'))}")] if sec else []
-    return Section(headline=headline, tables=[("Fault -> every rank running; the last rank heard / raised after the first "
-                                               "(ms, p50)",
-                                               ["path", "fault -> running", "heard", "raised", "bit-identical"], rows)])
+    headline = (
+        [
+            (
+                f"security at {sec.get('workload')}, share of a rank's step: digests (CPU ms per commit); "
+                "signing (paired steps)",
+                f"{_cell(sec.get('digest_share_of_step'))} ({_cell(sec.get('digest_cpu_ms_per_commit'))}); "
+                f"{_cell(sec.get('signing_step_overhead'))}",
+            ),
+            (
+                f"key on / off, {sec.get('pairs')} pair(s): recovery ms p50",
+                f"{_cell(rec.get('on'))} / {_cell(rec.get('off'))}",
+            ),
+        ]
+        if sec
+        else []
+    )
+    return Section(
+        headline=headline,
+        tables=[
+            (
+                "Fault -> every rank running; the last rank heard / raised after the first (ms, p50)",
+                ["path", "fault -> running", "heard", "raised", "bit-identical"],
+                rows,
+            )
+        ],
+    )
 
 
 # --- spillover: the simulator against the measured runs ------------------------------------
+
 
 def _draw_spillover(fig: Any, data: Json) -> None:
     ax = fig.add_subplot()
@@ -482,28 +624,51 @@ def spillover(result: Result) -> Section:
     rows = result.get("rows")
     if not isinstance(rows, list) or not rows:
         raise ResultShapeError(f"{result.source}: `rows` is empty, expected the measured runs")
-    points = [{"request": str(r["request"]), "measured": float(r["throughput_tok_s"]),
-               "simulated": float(r["simulated"]["throughput_tok_s"])} for r in rows]
+    points = [
+        {
+            "request": str(r["request"]),
+            "measured": float(r["throughput_tok_s"]),
+            "simulated": float(r["simulated"]["throughput_tok_s"]),
+        }
+        for r in rows
+    ]
     requests = list(dict.fromkeys(p["request"] for p in points))
     from_concurrency = result.doc.get("projected_faster_from_concurrency", "-")
     return Section(
-        headline=[("configurations measured", len(rows)), ("paired runs per configuration", result.doc.get("pairs")),
-                  ("link (Gbit/s)", result.doc.get("link_gbps")),
-                  ("largest simulator error", _percent(result.doc.get("max_abs_sim_error"), 1)),
-                  ("simulator within 20% everywhere", result.doc.get("sim_within_20pct")),
-                  ("smallest traffic cut against full results", _percent(result.doc.get("min_traffic_cut"), 3)),
-                  (f"projected results faster than full ones, from concurrency {from_concurrency}",
-                   result.doc.get("projected_faster_count")),
-                  ("wall time (s)", result.doc.get("wall_s"))],
-        figures=[Figure(f"{result.name}-simulator", "simulated against measured throughput",
-                        {"points": points, "requests": requests}, _draw_spillover, size=(5.5, 4.5))])
+        headline=[
+            ("configurations measured", len(rows)),
+            ("paired runs per configuration", result.doc.get("pairs")),
+            ("link (Gbit/s)", result.doc.get("link_gbps")),
+            ("largest simulator error", _percent(result.doc.get("max_abs_sim_error"), 1)),
+            ("simulator within 20% everywhere", result.doc.get("sim_within_20pct")),
+            ("smallest traffic cut against full results", _percent(result.doc.get("min_traffic_cut"), 3)),
+            (
+                f"projected results faster than full ones, from concurrency {from_concurrency}",
+                result.doc.get("projected_faster_count"),
+            ),
+            ("wall time (s)", result.doc.get("wall_s")),
+        ],
+        figures=[
+            Figure(
+                f"{result.name}-simulator",
+                "simulated against measured throughput",
+                {"points": points, "requests": requests},
+                _draw_spillover,
+                size=(5.5, 4.5),
+            )
+        ],
+    )
 
 
 def _draw_fleet(fig: Any, data: Json) -> None:
     rows = data["rows"]
     names = [r["policy"] for r in rows]
-    for i, (key, label, fmt) in enumerate((("finish_h", "time to finish (h)", "{:,.0f}"),
-                                           ("effective_training_ratio", "effective training ratio", "{:.1%}"))):
+    for i, (key, label, fmt) in enumerate(
+        (
+            ("finish_h", "time to finish (h)", "{:,.0f}"),
+            ("effective_training_ratio", "effective training ratio", "{:.1%}"),
+        )
+    ):
         ax = fig.add_subplot(1, 2, i + 1)
         values = [r[key] for r in rows]
         ax.barh(names, values, xerr=[r.get(f"{key}_half_width", 0.0) for r in rows], color="#4c78a8", capsize=3)
@@ -524,30 +689,67 @@ def simulator(result: Result) -> Section:
     rows = result.get("airesim_table1_policies")
     if not isinstance(rows, list) or not rows:
         raise ResultShapeError(f"{result.source}: `airesim_table1_policies` is empty, expected one row per policy")
-    keep = ("policy", "finish_h", "finish_h_half_width", "effective_training_ratio", "effective_training_ratio_half_width")
+    keep = (
+        "policy",
+        "finish_h",
+        "finish_h_half_width",
+        "effective_training_ratio",
+        "effective_training_ratio_half_width",
+    )
     data = {"rows": [{k: r[k] for k in keep if k in r} for r in rows]}
-    err = agreement.get("error_vs_published", {}).get("paper", {}) if isinstance(agreement.get("error_vs_published"), Mapping) else {}
+    err = (
+        agreement.get("error_vs_published", {}).get("paper", {})
+        if isinstance(agreement.get("error_vs_published"), Mapping)
+        else {}
+    )
     return Section(
-        headline=[("AIReSim Table 1, time to finish: ours / published (h)",
-                   f"{ours['finish_h']['mean']:,.0f} ± {ours['finish_h']['half_width']:.0f} / {published['finish_h']:,.0f}"),
-                  ("effective training ratio: ours / published",
-                   f"{ours['effective_training_ratio']['mean']:.4f} ± {ours['effective_training_ratio']['half_width']:.4f}"
-                   f" / {published['effective_training_ratio']}"),
-                  ("error against the paper: finish / ratio", f"{_percent(err.get('finish_h'), 2)} / "
-                                                              f"{_percent(err.get('effective_training_ratio'), 2)}"),
-                  ("replications (95% interval within ±1%)", ours["finish_h"]["n"]),
-                  ("one replication, ours / AIReSim's, same run (s)",
-                   f"{speed.get('ours_s_per_replication', '-')} / {speed.get('airesim_s_per_replication', '-')}"),
-                  ("16,384 ranks x 30 days (s)", result.doc.get("r16384_d30_s"))],
-        tables=[("policies on the same cluster", ["policy", "time to finish (h)", "effective training ratio"],
-                 [[r["policy"], r["finish_h"], r["effective_training_ratio"]] for r in data["rows"]])],
-        figures=[Figure("simulator-fleet-policies", "time to finish and effective training ratio by policy", data,
-                        _draw_fleet, size=(8.0, 3.2))])
+        headline=[
+            (
+                "AIReSim Table 1, time to finish: ours / published (h)",
+                f"{ours['finish_h']['mean']:,.0f} ± {ours['finish_h']['half_width']:.0f} / {published['finish_h']:,.0f}",
+            ),
+            (
+                "effective training ratio: ours / published",
+                f"{ours['effective_training_ratio']['mean']:.4f} ± {ours['effective_training_ratio']['half_width']:.4f}"
+                f" / {published['effective_training_ratio']}",
+            ),
+            (
+                "error against the paper: finish / ratio",
+                f"{_percent(err.get('finish_h'), 2)} / {_percent(err.get('effective_training_ratio'), 2)}",
+            ),
+            ("replications (95% interval within ±1%)", ours["finish_h"]["n"]),
+            (
+                "one replication, ours / AIReSim's, same run (s)",
+                f"{speed.get('ours_s_per_replication', '-')} / {speed.get('airesim_s_per_replication', '-')}",
+            ),
+            ("16,384 ranks x 30 days (s)", result.doc.get("r16384_d30_s")),
+        ],
+        tables=[
+            (
+                "policies on the same cluster",
+                ["policy", "time to finish (h)", "effective training ratio"],
+                [[r["policy"], r["finish_h"], r["effective_training_ratio"]] for r in data["rows"]],
+            )
+        ],
+        figures=[
+            Figure(
+                "simulator-fleet-policies",
+                "time to finish and effective training ratio by policy",
+                data,
+                _draw_fleet,
+                size=(8.0, 3.2),
+            )
+        ],
+    )
 
 
 def _draw_control_fit(fig: Any, data: Json) -> None:
-    for i, (name, label) in enumerate((("consensus_s", "fault known -> decision everywhere (s)"),
-                                       ("heartbeat_store_s", "store CPU per round of looks (s)"))):
+    for i, (name, label) in enumerate(
+        (
+            ("consensus_s", "fault known -> decision everywhere (s)"),
+            ("heartbeat_store_s", "store CPU per round of looks (s)"),
+        )
+    ):
         ax = fig.add_subplot(1, 2, i + 1)
         f = data["fits"][name]
         ax.plot([p[0] for p in f["measured"]], [p[1] for p in f["measured"]], "o", color="black", label="measured")
@@ -560,8 +762,9 @@ def _draw_control_fit(fig: Any, data: Json) -> None:
         ax.set_ylabel(label)
         ax.grid(which="both", alpha=0.3)
         ax.legend(fontsize="x-small")
-    fig.suptitle("the simulator's control-plane costs: fit against measurement, extrapolated to 16,384 ranks",
-                 fontsize="medium")
+    fig.suptitle(
+        "the simulator's control-plane costs: fit against measurement, extrapolated to 16,384 ranks", fontsize="medium"
+    )
 
 
 def _control_fit(result: Result) -> tuple[Any, Figure]:
@@ -569,12 +772,21 @@ def _control_fit(result: Result) -> tuple[Any, Figure]:
     from meshpact.core.control_plane import fit_control_plane
 
     fit = fit_control_plane(result.doc, f"bench/results/{result.name}.json")
-    sizes = [2 ** k for k in range(5, 15)]  # 32 .. 16,384
-    data = {"interval_s": fit.interval_s, "fits": {
-        name: {"form": f.growth.formula(), "measured": [[p.ranks, p.value] for p in f.points],
-               "fit": [[n, f.at(n)] for n in sizes]} for name, f in fit.fits().items()}}
-    return fit, Figure("control-plane-fit", "control-plane costs: fit against measurement", data, _draw_control_fit,
-                       size=(8.0, 3.2))
+    sizes = [2**k for k in range(5, 15)]  # 32 .. 16,384
+    data = {
+        "interval_s": fit.interval_s,
+        "fits": {
+            name: {
+                "form": f.growth.formula(),
+                "measured": [[p.ranks, p.value] for p in f.points],
+                "fit": [[n, f.at(n)] for n in sizes],
+            }
+            for name, f in fit.fits().items()
+        },
+    }
+    return fit, Figure(
+        "control-plane-fit", "control-plane costs: fit against measurement", data, _draw_control_fit, size=(8.0, 3.2)
+    )
 
 
 def control_scale(result: Result) -> Section:
@@ -584,22 +796,46 @@ def control_scale(result: Result) -> Section:
     rows = []
     for n, got in sorted(runs.items(), key=lambda item: int(item[0])):
         r = got[0] if isinstance(got, list) and got else {}
-        row = [n, r.get("heartbeat_keys_per_rank_per_s"), r.get("server_cpu_s_per_s_heartbeat"),
-               r.get("decision_ms_all_ranks") if "error" not in r else r["error"], r.get("decision_bytes_per_rank")]
+        row = [
+            n,
+            r.get("heartbeat_keys_per_rank_per_s"),
+            r.get("server_cpu_s_per_s_heartbeat"),
+            r.get("decision_ms_all_ranks") if "error" not in r else r["error"],
+            r.get("decision_bytes_per_rank"),
+        ]
         if fit is not None:
             row[2:4] = [_fit_cell(fit.heartbeat_store_s, n, 1e3), _fit_cell(fit.consensus_s, n, 1e3)]
         rows.append(row)
-    columns = (["ranks", "heartbeat keys / rank / s", "server CPU s / s (heartbeat)", "fault known -> decision "
-                "everywhere (ms)", "decision bytes / rank"] if fit is None else
-               ["ranks", "heartbeat keys / rank / s", "store CPU ms / round of looks: measured (fit)",
-                "fault known -> decision everywhere, ms: measured (fit)", "decision bytes / rank"])
+    columns = (
+        [
+            "ranks",
+            "heartbeat keys / rank / s",
+            "server CPU s / s (heartbeat)",
+            "fault known -> decision everywhere (ms)",
+            "decision bytes / rank",
+        ]
+        if fit is None
+        else [
+            "ranks",
+            "heartbeat keys / rank / s",
+            "store CPU ms / round of looks: measured (fit)",
+            "fault known -> decision everywhere, ms: measured (fit)",
+            "decision bytes / rank",
+        ]
+    )
     headline: list[tuple[str, Json]] = [("heartbeat", "ring watchers" if ring else "every counter (before)")]
     if fit is not None:
-        headline.append(("the simulator's fit at 16,384 ranks: decision / store per round (s)",
-                         f"{fit.consensus_s.at(16384):.3g} / {fit.heartbeat_store_s.at(16384):.3g}"))
-    return Section(headline=headline, tables=[("per job size (first run)" if fit is None else
-                                               "per job size (median of the runs)", columns, rows)],
-                   figures=[figure] if figure is not None else [])
+        headline.append(
+            (
+                "the simulator's fit at 16,384 ranks: decision / store per round (s)",
+                f"{fit.consensus_s.at(16384):.3g} / {fit.heartbeat_store_s.at(16384):.3g}",
+            )
+        )
+    return Section(
+        headline=headline,
+        tables=[("per job size (first run)" if fit is None else "per job size (median of the runs)", columns, rows)],
+        figures=[figure] if figure is not None else [],
+    )
 
 
 def _fit_cell(f: Any, n: str, scale: float) -> str:
@@ -614,12 +850,29 @@ def faults_vs_torchft(result: Result) -> Section:
         got = result.doc.get(side)
         if isinstance(got, Mapping):
             failed = got.get("runs_failed") or []
-            rows.append([side, got.get("fault_to_running_ms_p50"), got.get("state_equal_runs"), got.get("world_after"),
-                         f"{len(failed)}: {str(failed[0])[:60]}" if failed else ""])
-    return Section(headline=[("ranks", result.doc.get("meshpact", {}).get("ranks")),
-                             ("fault at step", result.doc.get("fault_step")), ("repeats", result.doc.get("repeat"))],
-                   tables=[("fault to every rank running again", ["side", "p50 (ms)", "state equal to fault-free",
-                                                                  "ranks after", "runs that did not survive"], rows)])
+            rows.append(
+                [
+                    side,
+                    got.get("fault_to_running_ms_p50"),
+                    got.get("state_equal_runs"),
+                    got.get("world_after"),
+                    f"{len(failed)}: {str(failed[0])[:60]}" if failed else "",
+                ]
+            )
+    return Section(
+        headline=[
+            ("ranks", result.doc.get("meshpact", {}).get("ranks")),
+            ("fault at step", result.doc.get("fault_step")),
+            ("repeats", result.doc.get("repeat")),
+        ],
+        tables=[
+            (
+                "fault to every rank running again",
+                ["side", "p50 (ms)", "state equal to fault-free", "ranks after", "runs that did not survive"],
+                rows,
+            )
+        ],
+    )
 
 
 SECTIONS: Mapping[str, Callable[[Result], Section]] = {
@@ -639,6 +892,7 @@ SECTIONS: Mapping[str, Callable[[Result], Section]] = {
 
 # --- the page ------------------------------------------------------------------------------
 
+
 def _load(path: Path) -> Result:
     try:
         doc = json.loads(path.read_text())
@@ -657,20 +911,24 @@ def _section_lines(result: Result, section: Section) -> list[str]:
     if purpose:
         lines += [purpose, ""]
     load = run.get("load_average")
-    lines += _table(["UTC", "load 1/5/15 min", "machine", "command", "commit"], [[
-        _date(run),
-        " / ".join(_cell(x) for x in load) if isinstance(load, list) else "-",
-        _cell(_machine(run)),
-        f"`{run['command']}`" if run.get("command") else "-",
-        f"`{run['commit']}`" if run.get("commit") else "-",
-    ]])
+    lines += _table(
+        ["UTC", "load 1/5/15 min", "machine", "command", "commit"],
+        [
+            [
+                _date(run),
+                " / ".join(_cell(x) for x in load) if isinstance(load, list) else "-",
+                _cell(_machine(run)),
+                f"`{run['command']}`" if run.get("command") else "-",
+                f"`{run['commit']}`" if run.get("commit") else "-",
+            ]
+        ],
+    )
     if section.headline:
         lines += ["", *_table(["result", "value"], [[k.replace("|", "\\|"), _cell(v)] for k, v in section.headline])]
     for figure in section.figures:
         lines += ["", f"![{figure.alt}]({figure.file})"]
     for title, columns, rows in section.tables:
-        lines += ["", f"{title}:", "",
-                  *_table(columns, [[_cell(v) for v in row] for row in rows])]
+        lines += ["", f"{title}:", "", *_table(columns, [[_cell(v) for v in row] for row in rows])]
     for note in section.notes:
         lines += ["", note]
     lines += ["", f"[{result.name}.json]({DATA}/{result.name}.json)", ""]
@@ -694,7 +952,8 @@ def render(results: Path = RESULTS) -> Rendered:
         except (KeyError, IndexError, TypeError, AttributeError) as exc:
             raise ResultShapeError(
                 f"{result.source} does not have the shape the `{make.__name__}` section reads "
-                f"({type(exc).__name__}: {exc}); update the file or the section") from None
+                f"({type(exc).__name__}: {exc}); update the file or the section"
+            ) from None
         figures += section.figures
         lines += _section_lines(result, section)
     names = [f.name for f in figures]
@@ -710,7 +969,7 @@ def _svg_digest(path: Path) -> str | None:
     text = path.read_text(errors="replace")
     start = text.find("<dc:description>")
     end = text.find("</dc:description>", start)
-    return text[start + len("<dc:description>"):end].strip() if start >= 0 and end > start else None
+    return text[start + len("<dc:description>") : end].strip() if start >= 0 and end > start else None
 
 
 def problems(rendered: Rendered, docs: Path = DOCS) -> list[str]:
@@ -792,8 +1051,10 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("render_results: drawing the figures needs matplotlib: pip install -e '.[docs]'", file=sys.stderr)
         return 2
-    print(f"wrote {a.docs / PAGE} from {len(rendered.sources)} result file(s); "
-          f"drew {drawn} of {len(rendered.figures)} figure(s)")
+    print(
+        f"wrote {a.docs / PAGE} from {len(rendered.sources)} result file(s); "
+        f"drew {drawn} of {len(rendered.figures)} figure(s)"
+    )
     return 0
 
 

@@ -10,7 +10,16 @@ Training with faults (:func:`simulate_training`), serving with capacity spillove
 
 from .calibrate import Calibration, calibration_from_recording
 from .faults import Fault, fault_trace
-from .fleet import Estimate, FleetCharge, FleetComparison, FleetResult, FleetRun, fleet_charge, replicate, simulate_fleet
+from .fleet import (
+    Estimate,
+    FleetCharge,
+    FleetComparison,
+    FleetResult,
+    FleetRun,
+    fleet_charge,
+    replicate,
+    simulate_fleet,
+)
 from .replay import Replay, replay_live
 from .serving import ServingParams, ServingResult, expected_tokens_per_pass, simulate_serving
 from .sweep import run_sweep, save_frame
@@ -19,13 +28,34 @@ from .training import PolicyResult, StepFault, TimelineEvent, TrainingResult, si
 from .workload import Workload, derive_workload, parameter_counts
 
 __all__ = [
-    "Calibration", "calibration_from_recording",
-    "Fault", "fault_trace",
-    "Estimate", "FleetCharge", "FleetComparison", "FleetResult", "FleetRun", "fleet_charge", "replicate", "simulate_fleet",
-    "Replay", "replay_live",
-    "ServingParams", "ServingResult", "expected_tokens_per_pass", "simulate_serving",
-    "run_sweep", "save_frame",
-    "chrome_trace", "write_chrome_trace",
-    "PolicyResult", "StepFault", "TimelineEvent", "TrainingResult", "simulate_training",
-    "Workload", "derive_workload", "parameter_counts",
+    "Calibration",
+    "calibration_from_recording",
+    "Fault",
+    "fault_trace",
+    "Estimate",
+    "FleetCharge",
+    "FleetComparison",
+    "FleetResult",
+    "FleetRun",
+    "fleet_charge",
+    "replicate",
+    "simulate_fleet",
+    "Replay",
+    "replay_live",
+    "ServingParams",
+    "ServingResult",
+    "expected_tokens_per_pass",
+    "simulate_serving",
+    "run_sweep",
+    "save_frame",
+    "chrome_trace",
+    "write_chrome_trace",
+    "PolicyResult",
+    "StepFault",
+    "TimelineEvent",
+    "TrainingResult",
+    "simulate_training",
+    "Workload",
+    "derive_workload",
+    "parameter_counts",
 ]

@@ -45,8 +45,15 @@ from meshpact.core.facts import DType, LinkClass, LinkParams, Request
 from meshpact.core.errors import ScenarioError
 from meshpact.core.plan import Plan
 
-from .serving import (DuplexLink, ServingParams, ServingResult, result_plan, serving_overrides, serving_params,
-                      simulate_serving)
+from .serving import (
+    DuplexLink,
+    ServingParams,
+    ServingResult,
+    result_plan,
+    serving_overrides,
+    serving_params,
+    simulate_serving,
+)
 
 __all__ = ["simulate_batched", "simulate_split", "simulate_deployment"]
 
@@ -171,14 +178,27 @@ class _Lockstep:
         lat = np.asarray(self.latencies)
         mean_in_system = float(lat.sum() / end) if end else 0.0  # Little's law over the run
         return ServingResult(
-            params=p, throughput_tok_s=(self.local_tokens + self.remote_tokens) / end if end else 0.0,
-            latency_s={"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
-                       "mean": float(lat.mean())},
-            result_bytes=self.sent, bytes_received=self.received, feedback_bytes=self.feedback,
-            startups=self.startups, requests=len(lat), spilled=self.spilled, local_tokens=self.local_tokens,
-            remote_tokens=self.remote_tokens, target_passes=self.passes, makespan_s=end,
-            link_busy_s=self.link.busy_s, mean_in_system=mean_in_system,
-            arrival_rate_per_s=len(lat) / end if end else 0.0, latencies=tuple(float(x) for x in lat),
+            params=p,
+            throughput_tok_s=(self.local_tokens + self.remote_tokens) / end if end else 0.0,
+            latency_s={
+                "p50": float(np.percentile(lat, 50)),
+                "p99": float(np.percentile(lat, 99)),
+                "mean": float(lat.mean()),
+            },
+            result_bytes=self.sent,
+            bytes_received=self.received,
+            feedback_bytes=self.feedback,
+            startups=self.startups,
+            requests=len(lat),
+            spilled=self.spilled,
+            local_tokens=self.local_tokens,
+            remote_tokens=self.remote_tokens,
+            target_passes=self.passes,
+            makespan_s=end,
+            link_busy_s=self.link.busy_s,
+            mean_in_system=mean_in_system,
+            arrival_rate_per_s=len(lat) / end if end else 0.0,
+            latencies=tuple(float(x) for x in lat),
         )
 
 
@@ -229,7 +249,7 @@ class _Pipeline(_Lockstep):
                 yield self.wake
                 self.wake = None
             joined = self.pending[: max(0, p.concurrency - len(members))]
-            self.pending = self.pending[len(joined):]
+            self.pending = self.pending[len(joined) :]
             for _ in joined:
                 yield self.env.timeout(p.local_prefill_s)
                 if self.prompt_tokens > 1 and not p.gamma:  # the target has every layer: no hidden states cross
@@ -282,14 +302,27 @@ class _Pipeline(_Lockstep):
         end = self.env.now
         lat = np.asarray(self.latencies)
         return ServingResult(
-            params=self.p, throughput_tok_s=self.remote_tokens / end if end else 0.0,
-            latency_s={"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
-                       "mean": float(lat.mean())},
-            result_bytes=self.sent, bytes_received=self.received, feedback_bytes=self.boundary,
-            startups=self.startups, requests=len(lat), spilled=self.spilled, local_tokens=0,
-            remote_tokens=self.remote_tokens, target_passes=self.passes, makespan_s=end,
-            link_busy_s=self.link.busy_s, mean_in_system=float(lat.sum() / end) if end else 0.0,
-            arrival_rate_per_s=len(lat) / end if end else 0.0, latencies=tuple(float(x) for x in lat),
+            params=self.p,
+            throughput_tok_s=self.remote_tokens / end if end else 0.0,
+            latency_s={
+                "p50": float(np.percentile(lat, 50)),
+                "p99": float(np.percentile(lat, 99)),
+                "mean": float(lat.mean()),
+            },
+            result_bytes=self.sent,
+            bytes_received=self.received,
+            feedback_bytes=self.boundary,
+            startups=self.startups,
+            requests=len(lat),
+            spilled=self.spilled,
+            local_tokens=0,
+            remote_tokens=self.remote_tokens,
+            target_passes=self.passes,
+            makespan_s=end,
+            link_busy_s=self.link.busy_s,
+            mean_in_system=float(lat.sum() / end) if end else 0.0,
+            arrival_rate_per_s=len(lat) / end if end else 0.0,
+            latencies=tuple(float(x) for x in lat),
         )
 
 
@@ -300,8 +333,10 @@ def simulate_split(p: ServingParams, hidden_size: int, prompt_tokens: int) -> Se
     hidden states of ``hidden_size`` cross per row. ``feedback_bytes`` of the result holds
     the hidden-state bytes (host 1 → host 2), ``result_bytes`` the results (host 2 → host 1)."""
     if p.gamma is not None and (p.gamma < 1 or p.alpha is None or not 0.0 <= p.alpha <= 1.0):
-        raise ScenarioError(f"speculative pipeline: gamma {p.gamma}, alpha {p.alpha}: expected gamma >= 1 and "
-                            "an acceptance rate alpha in [0, 1]")
+        raise ScenarioError(
+            f"speculative pipeline: gamma {p.gamma}, alpha {p.alpha}: expected gamma >= 1 and "
+            "an acceptance rate alpha in [0, 1]"
+        )
     if p.arrival_rate_per_s:
         raise ScenarioError("the model-split pipeline runs closed-loop clients only; set arrival_rate_per_s to None")
     if hidden_size < 1 or prompt_tokens < 1:
@@ -309,8 +344,15 @@ def simulate_split(p: ServingParams, hidden_size: int, prompt_tokens: int) -> Se
     return _Pipeline(p, hidden_size, prompt_tokens).run()
 
 
-def simulate_deployment(scenario: Any, deployment: str = "requests", *, gamma: int | None = None,
-                        acceptance: float | None = None, link_gbps: float | None = None, **flags: Any) -> ServingResult:
+def simulate_deployment(
+    scenario: Any,
+    deployment: str = "requests",
+    *,
+    gamma: int | None = None,
+    acceptance: float | None = None,
+    link_gbps: float | None = None,
+    **flags: Any,
+) -> ServingResult:
     """The scenario's serving section in either deployment (``flags`` as
     :func:`~meshpact.simulator.serving.simulate_serving`), optionally speculative.
 
@@ -325,17 +367,20 @@ def simulate_deployment(scenario: Any, deployment: str = "requests", *, gamma: i
 
     deployment = deployment_of(deployment).value
     if (gamma is None) != (acceptance is None):
-        raise ScenarioError("--speculative and --acceptance: expected both (draft tokens per round and the "
-                            "acceptance rate of one draft token) or neither")
+        raise ScenarioError(
+            "--speculative and --acceptance: expected both (draft tokens per round and the "
+            "acceptance rate of one draft token) or neither"
+        )
     if gamma is not None and acceptance is not None:
         if gamma < 1 or not 0.0 <= acceptance < 1.0:
-            raise ScenarioError(f"--speculative {gamma} --acceptance {acceptance}: expected GAMMA >= 1 and "
-                                "0 <= A < 1")
+            raise ScenarioError(f"--speculative {gamma} --acceptance {acceptance}: expected GAMMA >= 1 and 0 <= A < 1")
         spec = scenario.serving.speculative if scenario.serving is not None else None
         ratio = spec.draft_cost_ratio if spec is not None else DEFAULT_DRAFT_COST_RATIO
-        scenario = with_overrides(scenario, {"serving.speculative": {"gamma": gamma, "alpha": acceptance,
-                                                                     "draft_cost_ratio": ratio}},
-                                  source=f"{scenario.name} (speculative)")
+        scenario = with_overrides(
+            scenario,
+            {"serving.speculative": {"gamma": gamma, "alpha": acceptance, "draft_cost_ratio": ratio}},
+            source=f"{scenario.name} (speculative)",
+        )
     if deployment == "requests":
         return simulate_serving(scenario, link_gbps=link_gbps, **flags)
     overrides = serving_overrides(**flags)

@@ -61,11 +61,26 @@ from meshpact.core.errors import RecordingError
 from meshpact.core.jsonform import JsonObject
 from meshpact.core.recording import Event, EventKind, iter_events
 from meshpact.core.recovery import Policy, Stage
-from meshpact.core.recovery_costs import (DEFAULT_RECOVERY_COSTS, FaultImpact, PeerCopyCost, RecoveryCosts,
-                                          estimate_recovery, peer_copy_cost)
+from meshpact.core.recovery_costs import (
+    DEFAULT_RECOVERY_COSTS,
+    FaultImpact,
+    PeerCopyCost,
+    RecoveryCosts,
+    estimate_recovery,
+    peer_copy_cost,
+)
 
-__all__ = ["Calibration", "Provenance", "StateTransfer", "PeerCopyMeasurement", "PeerCopyCalibration",
-           "PeerCopyJudgement", "calibration_from_recording", "peer_copy_calibration", "RANK_LOSS_POLICIES"]
+__all__ = [
+    "Calibration",
+    "Provenance",
+    "StateTransfer",
+    "PeerCopyMeasurement",
+    "PeerCopyCalibration",
+    "PeerCopyJudgement",
+    "calibration_from_recording",
+    "peer_copy_calibration",
+    "RANK_LOSS_POLICIES",
+]
 
 # policies live mode decides only when a rank is lost: their recoveries are rank losses
 RANK_LOSS_POLICIES = frozenset({Policy.PEER_RESTORE, Policy.EXCISE})
@@ -120,11 +135,20 @@ class PeerCopyMeasurement:
         return max(self.step_s - self.snapshot_s, 0.0)
 
     def to_dict(self) -> JsonObject:
-        return {"ranks": self.ranks, "copies": self.copies, "bytes_per_commit": self.bytes_per_commit,
-                "snapshot_s": self.snapshot_s, "ship_s": self.ship_s, "step_s": self.step_s,
-                "step_s_reference": self.step_s_reference, "host_copy_s": self.host_copy_s,
-                "ship_cpu_s": self.ship_cpu_s, "receive_cpu_s": self.receive_cpu_s, "step_cpu_s": self.step_cpu_s,
-                "cores_per_rank": self.cores_per_rank}
+        return {
+            "ranks": self.ranks,
+            "copies": self.copies,
+            "bytes_per_commit": self.bytes_per_commit,
+            "snapshot_s": self.snapshot_s,
+            "ship_s": self.ship_s,
+            "step_s": self.step_s,
+            "step_s_reference": self.step_s_reference,
+            "host_copy_s": self.host_copy_s,
+            "ship_cpu_s": self.ship_cpu_s,
+            "receive_cpu_s": self.receive_cpu_s,
+            "step_cpu_s": self.step_cpu_s,
+            "cores_per_rank": self.cores_per_rank,
+        }
 
 
 @dataclass(frozen=True)
@@ -147,9 +171,13 @@ class PeerCopyJudgement:
         return self.predicted_s_per_step / m - 1.0 if m > 0 else None
 
     def to_dict(self) -> JsonObject:
-        return {"step_s_without": self.step_s_without, "step_s_with": self.step_s_with,
-                "measured_s_per_step": self.measured_s_per_step, "predicted_s_per_step": self.predicted_s_per_step,
-                "error": self.error}
+        return {
+            "step_s_without": self.step_s_without,
+            "step_s_with": self.step_s_with,
+            "measured_s_per_step": self.measured_s_per_step,
+            "predicted_s_per_step": self.predicted_s_per_step,
+            "error": self.error,
+        }
 
 
 @dataclass(frozen=True)
@@ -166,10 +194,17 @@ class PeerCopyCalibration:
         host = m.host_copy_s if m.host_copy_s else m.snapshot_s  # older recordings: the whole training-thread time
         ship_cpu = m.ship_cpu_s if m.ship_cpu_s else m.ship_s
         receive = m.bytes_per_commit / m.receive_cpu_s if m.receive_cpu_s else costs.peer_receive_bytes_per_s
-        return cls(m, replace(costs, peer_bytes_per_s=m.bytes_per_commit / m.ship_s,
-                              peer_cpu_bytes_per_s=m.bytes_per_commit / ship_cpu, peer_receive_bytes_per_s=receive,
-                              host_copy_bytes_per_s=one_copy / host if host > 0 else costs.host_copy_bytes_per_s,
-                              cores_per_rank=m.cores_per_rank or costs.cores_per_rank))
+        return cls(
+            m,
+            replace(
+                costs,
+                peer_bytes_per_s=m.bytes_per_commit / m.ship_s,
+                peer_cpu_bytes_per_s=m.bytes_per_commit / ship_cpu,
+                peer_receive_bytes_per_s=receive,
+                host_copy_bytes_per_s=one_copy / host if host > 0 else costs.host_copy_bytes_per_s,
+                cores_per_rank=m.cores_per_rank or costs.cores_per_rank,
+            ),
+        )
 
     def step_cores(self, step_s: float) -> float:
         """The cores a step of ``step_s`` keeps busy: its measured CPU seconds over ``step_s``
@@ -219,17 +254,22 @@ class PeerCopyCalibration:
         return self.predicted_thread_s / m - 1.0 if m > 0 else math.inf
 
     def to_dict(self) -> JsonObject:
-        return {"measured": self.measured.to_dict(), "peer_bytes_per_s": self.costs.peer_bytes_per_s,
-                "host_copy_bytes_per_s": self.costs.host_copy_bytes_per_s,
-                "peer_cpu_bytes_per_s": self.costs.peer_cpu_bytes_per_s,
-                "peer_receive_bytes_per_s": self.costs.peer_receive_bytes_per_s,
-                "cores_per_rank": self.costs.cores_per_rank,
-                "step_cores_per_rank": self.step_cores(self.measured.compute_s),
-                "s_per_step": {"measured": self.measured.measured_s_per_step,
-                               "predicted": self.predicted_thread_s,
-                               "error": None if math.isinf(self.error) else self.error},
-                "stretch_s_per_step_predicted": self.predicted_s_per_step,
-                "step_latency": {"measured": self.measured_overhead, "predicted": self.predicted_overhead}}
+        return {
+            "measured": self.measured.to_dict(),
+            "peer_bytes_per_s": self.costs.peer_bytes_per_s,
+            "host_copy_bytes_per_s": self.costs.host_copy_bytes_per_s,
+            "peer_cpu_bytes_per_s": self.costs.peer_cpu_bytes_per_s,
+            "peer_receive_bytes_per_s": self.costs.peer_receive_bytes_per_s,
+            "cores_per_rank": self.costs.cores_per_rank,
+            "step_cores_per_rank": self.step_cores(self.measured.compute_s),
+            "s_per_step": {
+                "measured": self.measured.measured_s_per_step,
+                "predicted": self.predicted_thread_s,
+                "error": None if math.isinf(self.error) else self.error,
+            },
+            "stretch_s_per_step_predicted": self.predicted_s_per_step,
+            "step_latency": {"measured": self.measured_overhead, "predicted": self.predicted_overhead},
+        }
 
 
 @dataclass(frozen=True)
@@ -368,8 +408,15 @@ def calibration_from_recording(
     ranks = ranks_meta or (max(seen_ranks) + 1 if seen_ranks else 1)
     state_bytes = {p: StateTransfer(sum(v) / len(v), len(v)) for p, v in transfers.items()}
     peer = peer_copy_calibration(overhead, reporting or ranks, costs, str(path)) if overhead is not None else None
-    return Calibration(source=str(path), ranks=ranks, measured=measured, recoveries=dict(count), costs=costs,
-                       state_bytes=state_bytes, peer_copy=peer)
+    return Calibration(
+        source=str(path),
+        ranks=ranks,
+        measured=measured,
+        recoveries=dict(count),
+        costs=costs,
+        state_bytes=state_bytes,
+        peer_copy=peer,
+    )
 
 
 def _bytes_moved(ev: Event, where: str) -> float | None:
@@ -387,8 +434,9 @@ def _bytes_moved(ev: Event, where: str) -> float | None:
     return float(n)
 
 
-def peer_copy_calibration(o: Mapping[str, Any], ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS,
-                          where: str = "summary") -> PeerCopyCalibration | None:
+def peer_copy_calibration(
+    o: Mapping[str, Any], ranks: int, costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS, where: str = "summary"
+) -> PeerCopyCalibration | None:
     """The peer-copy model calibrated from a summary's ``peer_copy_overhead`` (None when it
     shipped nothing: no copies, or every copy failed). ``ranks`` are the ranks whose copies
     the summary counts: the final world's (after an excision, the survivors)."""
@@ -397,8 +445,13 @@ def peer_copy_calibration(o: Mapping[str, Any], ranks: int, costs: RecoveryCosts
     for key in need:
         values[key] = _number(o.get(key), f"{where}: summary peer_copy_overhead.{key}")
     optional: dict[str, float | None] = {}
-    for key in ("host_copy_ms_per_commit", "ship_cpu_ms_per_commit", "receive_cpu_ms_per_commit", "step_cpu_ms",
-                "cores_per_rank"):
+    for key in (
+        "host_copy_ms_per_commit",
+        "ship_cpu_ms_per_commit",
+        "receive_cpu_ms_per_commit",
+        "step_cpu_ms",
+        "cores_per_rank",
+    ):
         optional[key] = None if o.get(key) is None else _number(o[key], f"{where}: summary peer_copy_overhead.{key}")
     ref = o.get("step_ms_without")
     per_commit = values["network_bytes_per_step"] / max(ranks, 1)
@@ -410,13 +463,20 @@ def peer_copy_calibration(o: Mapping[str, Any], ranks: int, costs: RecoveryCosts
         v = optional[key]
         return None if v is None else v / 1e3
 
-    m = PeerCopyMeasurement(ranks=ranks, copies=int(values["copies"]), bytes_per_commit=per_commit,
-                            snapshot_s=values["snapshot_ms_per_commit"] / 1e3, ship_s=ship_s,
-                            step_s=values["step_ms_with"] / 1e3,
-                            step_s_reference=float(ref) / 1e3 if isinstance(ref, (int, float)) and ref else None,
-                            host_copy_s=ms("host_copy_ms_per_commit"), ship_cpu_s=ms("ship_cpu_ms_per_commit"),
-                            receive_cpu_s=ms("receive_cpu_ms_per_commit"),
-                            step_cpu_s=ms("step_cpu_ms"), cores_per_rank=optional["cores_per_rank"] or None)
+    m = PeerCopyMeasurement(
+        ranks=ranks,
+        copies=int(values["copies"]),
+        bytes_per_commit=per_commit,
+        snapshot_s=values["snapshot_ms_per_commit"] / 1e3,
+        ship_s=ship_s,
+        step_s=values["step_ms_with"] / 1e3,
+        step_s_reference=float(ref) / 1e3 if isinstance(ref, (int, float)) and ref else None,
+        host_copy_s=ms("host_copy_ms_per_commit"),
+        ship_cpu_s=ms("ship_cpu_ms_per_commit"),
+        receive_cpu_s=ms("receive_cpu_ms_per_commit"),
+        step_cpu_s=ms("step_cpu_ms"),
+        cores_per_rank=optional["cores_per_rank"] or None,
+    )
     return PeerCopyCalibration.of(m, costs)
 
 

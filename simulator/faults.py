@@ -50,8 +50,11 @@ def cluster_rate_per_s(mtbf_hours: float | None, ranks: int) -> float:
 
 def scope_ranks(faults: FaultsSpec, scope: FaultScope) -> int:
     """Ranks in one failure domain of ``scope``."""
-    return {FaultScope.RANK: 1, FaultScope.NODE: faults.ranks_per_node,
-            FaultScope.RACK: faults.ranks_per_node * faults.nodes_per_rack}[scope]
+    return {
+        FaultScope.RANK: 1,
+        FaultScope.NODE: faults.ranks_per_node,
+        FaultScope.RACK: faults.ranks_per_node * faults.nodes_per_rack,
+    }[scope]
 
 
 def _widen(faults: FaultsSpec, rank: int, scope: FaultScope, ranks: int) -> tuple[int, int]:
@@ -73,9 +76,11 @@ def fault_trace(
     rng = np.random.default_rng(seed)
     scope_rng = np.random.default_rng([seed, 1])
     out: list[Fault] = []
-    for impact, mtbf in ((FaultImpact.TRANSIENT, faults.rank_mtbf_hours),
-                         (FaultImpact.RANK_LOSS, faults.rank_loss_mtbf_hours),
-                         (FaultImpact.HANG, faults.hang_mtbf_hours)):
+    for impact, mtbf in (
+        (FaultImpact.TRANSIENT, faults.rank_mtbf_hours),
+        (FaultImpact.RANK_LOSS, faults.rank_loss_mtbf_hours),
+        (FaultImpact.HANG, faults.hang_mtbf_hours),
+    ):
         rate = cluster_rate_per_s(mtbf, ranks)
         n = int(rng.poisson(rate * horizon_s)) if rate > 0 else 0
         if n == 0:
@@ -85,15 +90,22 @@ def fault_trace(
         if impact is FaultImpact.RANK_LOSS and (faults.node_fraction or faults.rack_fraction):
             u = scope_rng.uniform(0.0, 1.0, n)
             for t, r, x in zip(times, who, u):
-                scope = (FaultScope.RACK if x < faults.rack_fraction else
-                         FaultScope.NODE if x < faults.rack_fraction + faults.node_fraction else FaultScope.RANK)
+                scope = (
+                    FaultScope.RACK
+                    if x < faults.rack_fraction
+                    else FaultScope.NODE
+                    if x < faults.rack_fraction + faults.node_fraction
+                    else FaultScope.RANK
+                )
                 first, span = _widen(faults, int(r), scope, ranks)
                 out.append(Fault(float(t), impact, first, span))
         else:
             out.extend(Fault(float(t), impact, int(r)) for t, r in zip(times, who))
     for i, s in enumerate(faults.scripted):
         if s.rank >= ranks:
-            raise ScenarioError(f"{source}: faults.scripted.{i}.rank: rank {s.rank} is not in the job; expected 0..{ranks - 1}")
+            raise ScenarioError(
+                f"{source}: faults.scripted.{i}.rank: rank {s.rank} is not in the job; expected 0..{ranks - 1}"
+            )
         if s.at_s < horizon_s:
             first, span = _widen(faults, int(s.rank), s.scope, ranks)
             out.append(Fault(float(s.at_s), FaultImpact(s.impact), first, span))

@@ -48,14 +48,32 @@ from meshpact.core.errors import ScenarioError
 from meshpact.core.fleet import FailureDistribution, FleetSpec, HostSelection, Retirement
 from meshpact.core.recovery import Policy, Stage
 from meshpact.core.recovery_costs import (
-    DEFAULT_RECOVERY_COSTS, FaultImpact, RecoveryCosts, estimate_recovery, peer_copy_seconds_per_step, policy_model,
+    DEFAULT_RECOVERY_COSTS,
+    FaultImpact,
+    RecoveryCosts,
+    estimate_recovery,
+    peer_copy_seconds_per_step,
+    policy_model,
 )
 
 from .workload import Workload
 
-__all__ = ["FleetCharge", "FleetRun", "Estimate", "FleetResult", "FleetComparison", "fleet_charge", "run_fleet",
-           "replicate", "simulate_fleet", "combine_adjust",
-           "t_quantile", "check_fleet_bounds", "MAX_FLEET_FAILURES", "MAX_REPLICATIONS"]
+__all__ = [
+    "FleetCharge",
+    "FleetRun",
+    "Estimate",
+    "FleetResult",
+    "FleetComparison",
+    "fleet_charge",
+    "run_fleet",
+    "replicate",
+    "simulate_fleet",
+    "combine_adjust",
+    "t_quantile",
+    "check_fleet_bounds",
+    "MAX_FLEET_FAILURES",
+    "MAX_REPLICATIONS",
+]
 
 MAX_FLEET_FAILURES = 2_000_000  # expected failures of one replication, checked before it runs
 MAX_REPLICATIONS = 10_000
@@ -75,8 +93,12 @@ class FleetCharge:
     slowdown: float = 0.0  # wall seconds added per second of work (a peer copy every step)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.policy.value, "downtime_s": self.downtime_s,
-                "rollback_every_s": self.rollback_every_s, "slowdown": self.slowdown}
+        return {
+            "policy": self.policy.value,
+            "downtime_s": self.downtime_s,
+            "rollback_every_s": self.rollback_every_s,
+            "slowdown": self.slowdown,
+        }
 
 
 @dataclass(frozen=True)
@@ -138,9 +160,13 @@ def t_quantile(p: float, df: int) -> float:
         raise ValueError("t_quantile: expected df >= 1 and p in (0.5, 1)")
     z = _NORMAL.inv_cdf(p)
     if df > 200:
-        z3, z5, z7 = z ** 3, z ** 5, z ** 7
-        return (z + (z3 + z) / (4 * df) + (5 * z5 + 16 * z3 + 3 * z) / (96 * df ** 2)
-                + (3 * z7 + 19 * z5 + 17 * z3 - 15 * z) / (384 * df ** 3))
+        z3, z5, z7 = z**3, z**5, z**7
+        return (
+            z
+            + (z3 + z) / (4 * df)
+            + (5 * z5 + 16 * z3 + 3 * z) / (96 * df**2)
+            + (3 * z7 + 19 * z5 + 17 * z3 - 15 * z) / (384 * df**3)
+        )
     lo, hi, want = z, max(2 * z, 1.0), 2 * p - 1
     while _t_central(hi, df) < want:
         hi *= 2
@@ -179,8 +205,14 @@ class Estimate:
         return self.mean + self.half_width
 
     def to_dict(self) -> dict[str, float]:
-        return {"mean": self.mean, "half_width": self.half_width, "low": self.low, "high": self.high,
-                "n": self.n, "confidence": self.confidence}
+        return {
+            "mean": self.mean,
+            "half_width": self.half_width,
+            "low": self.low,
+            "high": self.high,
+            "n": self.n,
+            "confidence": self.confidence,
+        }
 
 
 @dataclass(frozen=True)
@@ -195,15 +227,26 @@ class FleetResult:
     converged: bool  # both intervals within the tolerance before the cap on replications
 
     def to_dict(self) -> dict[str, Any]:
-        return {"policy": self.charge.policy.value, "charge": self.charge.to_dict(), "replications": len(self.runs),
-                "finish_h": self.finish_h.to_dict(), "effective_training_ratio": self.effective_training_ratio.to_dict(),
-                "tolerance": self.tolerance, "converged": self.converged,
-                "failures_mean": fmean(r.failures for r in self.runs),
-                "depleted": sum(r.depleted for r in self.runs)}
+        return {
+            "policy": self.charge.policy.value,
+            "charge": self.charge.to_dict(),
+            "replications": len(self.runs),
+            "finish_h": self.finish_h.to_dict(),
+            "effective_training_ratio": self.effective_training_ratio.to_dict(),
+            "tolerance": self.tolerance,
+            "converged": self.converged,
+            "failures_mean": fmean(r.failures for r in self.runs),
+            "depleted": sum(r.depleted for r in self.runs),
+        }
 
 
-def fleet_charge(policy: Policy | str, fleet: FleetSpec, workload: Workload | None = None,
-                 costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS, adjust: StageAdjust | None = None) -> FleetCharge:
+def fleet_charge(
+    policy: Policy | str,
+    fleet: FleetSpec,
+    workload: Workload | None = None,
+    costs: RecoveryCosts = DEFAULT_RECOVERY_COSTS,
+    adjust: StageAdjust | None = None,
+) -> FleetCharge:
     """The cost of one server failure under ``policy``.
 
     ``cold_restart`` is the fleet's ``recovery_minutes``, all in (AIReSim's recovery: no
@@ -221,12 +264,20 @@ def fleet_charge(policy: Policy | str, fleet: FleetSpec, workload: Workload | No
     model = policy_model(policy)
     ranks = fleet.job_servers * fleet.ranks_per_server
     if workload is None:
-        raise ScenarioError(f"policy {policy.value}: needs a workload (step time, shard, checkpoint interval); "
-                            "give a scenario with a workload section")
-    costs = replace(costs, state_bytes_per_rank=workload.state_bytes_per_rank,
-                    checkpoint_read_bytes_per_s=workload.reload_bytes_per_s or costs.checkpoint_read_bytes_per_s)
-    d = dict(estimate_recovery(policy, ranks, costs, impact=FaultImpact.RANK_LOSS, step_s=workload.step_s,
-                               replacement_s=0.0).durations_s)
+        raise ScenarioError(
+            f"policy {policy.value}: needs a workload (step time, shard, checkpoint interval); "
+            "give a scenario with a workload section"
+        )
+    costs = replace(
+        costs,
+        state_bytes_per_rank=workload.state_bytes_per_rank,
+        checkpoint_read_bytes_per_s=workload.reload_bytes_per_s or costs.checkpoint_read_bytes_per_s,
+    )
+    d = dict(
+        estimate_recovery(
+            policy, ranks, costs, impact=FaultImpact.RANK_LOSS, step_s=workload.step_s, replacement_s=0.0
+        ).durations_s
+    )
     if adjust is not None:
         reload = d.get(Stage.STATE) if model.from_checkpoint(FaultImpact.RANK_LOSS) else None
         d.update({s: v for s, v in adjust(policy, ranks, d).items() if s is not Stage.REPLAY})
@@ -234,8 +285,11 @@ def fleet_charge(policy: Policy | str, fleet: FleetSpec, workload: Workload | No
             d[Stage.STATE] = reload
     downtime = sum(v for s, v in d.items() if s is not Stage.REPLAY)
     rollback = workload.checkpoint_every * workload.step_s if model.from_checkpoint(FaultImpact.RANK_LOSS) else None
-    slowdown = (peer_copy_seconds_per_step(workload.state_bytes_per_rank, workload.step_s, costs) / workload.step_s
-                if model.peer_copies else 0.0)
+    slowdown = (
+        peer_copy_seconds_per_step(workload.state_bytes_per_rank, workload.step_s, costs) / workload.step_s
+        if model.peer_copies
+        else 0.0
+    )
     return FleetCharge(policy, downtime, rollback, slowdown)
 
 
@@ -250,14 +304,16 @@ def check_fleet_bounds(fleet: FleetSpec, charge: FleetCharge, source: str = "fle
         raise ScenarioError(
             f"{source}: failures_per_server_day: {fleet.failures_per_server_day:g} on {fleet.job_servers} servers for "
             f"{fleet.work_days:g} days gives up to {expected:.3g} failures, over the limit of {MAX_FLEET_FAILURES:,}; "
-            "lower the rate, the servers or the work")
+            "lower the rate, the servers or the work"
+        )
     if charge.rollback_every_s is not None:
         per_interval = job_rate * charge.rollback_every_s / 60.0 * (1.0 + charge.slowdown)
         if per_interval > 8.0:  # an interval survives with probability about e^-8: thousands of tries each
             raise ScenarioError(
                 f"{source}: {charge.policy.value} rolls back to a checkpoint every {charge.rollback_every_s:g} s of work, "
                 f"but the job fails about {per_interval:.3g} times in that long, so it would seldom finish one; "
-                "checkpoint more often (checkpointing.every_steps) or lower the failure rate")
+                "checkpoint more often (checkpointing.every_steps) or lower the failure rate"
+            )
 
 
 class _Bag:
@@ -305,10 +361,10 @@ class _Fleet:
             self.bad[i] = True
         self.where = [_WORK] * n
         self.stamp = [0] * n
-        for k, i in enumerate(order[:fleet.working_pool]):
+        for k, i in enumerate(order[: fleet.working_pool]):
             self.stamp[i] = k
         self.next_stamp = fleet.working_pool
-        self.spare: deque[int] = deque(order[fleet.working_pool:])
+        self.spare: deque[int] = deque(order[fleet.working_pool :])
         for i in self.spare:
             self.where[i] = _SPARE
         self.n_working = fleet.working_pool
@@ -380,9 +436,9 @@ class _Fleet:
         for i in list(self.act_bad.items) + list(self.act_good.items) + list(self.standbys):
             self._leave(i)
         self.standbys.clear()
-        for i in chosen[:f.job_servers]:
+        for i in chosen[: f.job_servers]:
             self._join(i)
-        for i in chosen[f.job_servers:]:
+        for i in chosen[f.job_servers :]:
             self.standbys.append(i)
             self.role[i] = _STANDBY
         self.n["hosts"] += 1
@@ -433,7 +489,9 @@ class _Fleet:
         if rng.random() >= f.escalate_probability:
             ok = rng.random() >= f.auto_false_success
         else:
-            yield self.env.timeout(rng.expovariate(1.0 / f.manual_repair_minutes) if f.manual_repair_minutes > 0 else 0.0)
+            yield self.env.timeout(
+                rng.expovariate(1.0 / f.manual_repair_minutes) if f.manual_repair_minutes > 0 else 0.0
+            )
             self.n["manual"] += 1
             ok = rng.random() >= f.manual_false_success
         if ok:
@@ -486,7 +544,9 @@ class _Fleet:
             if total > 1:
                 while blamed == i:
                     k = rng.randrange(total)
-                    blamed = self.act_bad.items[k] if k < len(self.act_bad) else self.act_good.items[k - len(self.act_bad)]
+                    blamed = (
+                        self.act_bad.items[k] if k < len(self.act_bad) else self.act_good.items[k - len(self.act_bad)]
+                    )
                 self.where[blamed] = _REPAIR
                 self.n_working -= 1
                 self._to_working(i)  # the failed server escapes and keeps running
@@ -547,8 +607,10 @@ class _Fleet:
                 if self.score_on:
                     self._credit(ttf, who)
                 if self.n["failures"] >= MAX_FLEET_FAILURES:
-                    raise ScenarioError(f"fleet: {MAX_FLEET_FAILURES:,} failures before the work was done; the job "
-                                        "cannot finish at this failure rate: lower it or shorten the work")
+                    raise ScenarioError(
+                        f"fleet: {MAX_FLEET_FAILURES:,} failures before the work was done; the job "
+                        "cannot finish at this failure rate: lower it or shorten the work"
+                    )
                 leaves = self._failed(who)
                 yield env.timeout(downtime)
                 self.t["recovery"] += downtime
@@ -570,12 +632,25 @@ class _Fleet:
         self.env.run(until=main)
         t, n = self.t, self.n
         return FleetRun(
-            seed=self.seed, finish_h=self.env.now / 60.0, work_h=self.f.work_days * 24.0, compute_h=t["compute"] / 60.0,
-            recovery_h=t["recovery"] / 60.0, host_selection_h=t["host"] / 60.0, preemption_h=t["preempt"] / 60.0,
-            stalled_h=t["stall"] / 60.0, failures=n["failures"], systematic_failures=n["systematic"],
-            host_selections=n["hosts"], preemptions=n["preemptions"], auto_repairs=n["auto"],
-            manual_repairs=n["manual"], fixed=n["fixed"], false_successes=n["false"], retired=n["retired"],
-            depleted=self.depleted)
+            seed=self.seed,
+            finish_h=self.env.now / 60.0,
+            work_h=self.f.work_days * 24.0,
+            compute_h=t["compute"] / 60.0,
+            recovery_h=t["recovery"] / 60.0,
+            host_selection_h=t["host"] / 60.0,
+            preemption_h=t["preempt"] / 60.0,
+            stalled_h=t["stall"] / 60.0,
+            failures=n["failures"],
+            systematic_failures=n["systematic"],
+            host_selections=n["hosts"],
+            preemptions=n["preemptions"],
+            auto_repairs=n["auto"],
+            manual_repairs=n["manual"],
+            fixed=n["fixed"],
+            false_successes=n["false"],
+            retired=n["retired"],
+            depleted=self.depleted,
+        )
 
 
 def run_fleet(fleet: FleetSpec, charge: FleetCharge, seed: int = 0) -> FleetRun:
@@ -584,9 +659,17 @@ def run_fleet(fleet: FleetSpec, charge: FleetCharge, seed: int = 0) -> FleetRun:
     return _Fleet(fleet, charge, seed).run()
 
 
-def replicate(fleet: FleetSpec, charge: FleetCharge, *, confidence: float = 0.95, tolerance: float = 0.01,
-              min_runs: int = 5, max_runs: int = 200, seed: int = 0,
-              progress: Callable[[int, FleetResult], None] | None = None) -> FleetResult:
+def replicate(
+    fleet: FleetSpec,
+    charge: FleetCharge,
+    *,
+    confidence: float = 0.95,
+    tolerance: float = 0.01,
+    min_runs: int = 5,
+    max_runs: int = 200,
+    seed: int = 0,
+    progress: Callable[[int, FleetResult], None] | None = None,
+) -> FleetResult:
     """Replications (seeds ``seed``, ``seed + 1``, ...) until both the time to finish and the
     effective training ratio have a ``confidence`` interval whose half-width is at most
     ``tolerance`` of the mean, after at least ``min_runs``; at most ``max_runs``."""
@@ -624,34 +707,59 @@ class FleetComparison:
         """One row per policy: its charge, replications, and both estimates with their half-widths."""
         import pandas as pd
 
-        return pd.DataFrame([{
-            "policy": p.value, "recovery_s": r.charge.downtime_s, "rollback_every_s": r.charge.rollback_every_s,
-            "slowdown": r.charge.slowdown, "replications": len(r.runs), "converged": r.converged,
-            "finish_h": r.finish_h.mean, "finish_h_half_width": r.finish_h.half_width,
-            "effective_training_ratio": r.effective_training_ratio.mean,
-            "effective_training_ratio_half_width": r.effective_training_ratio.half_width,
-            "failures": fmean(x.failures for x in r.runs), "depleted": sum(x.depleted for x in r.runs),
-        } for p, r in self.results.items()])
+        return pd.DataFrame(
+            [
+                {
+                    "policy": p.value,
+                    "recovery_s": r.charge.downtime_s,
+                    "rollback_every_s": r.charge.rollback_every_s,
+                    "slowdown": r.charge.slowdown,
+                    "replications": len(r.runs),
+                    "converged": r.converged,
+                    "finish_h": r.finish_h.mean,
+                    "finish_h_half_width": r.finish_h.half_width,
+                    "effective_training_ratio": r.effective_training_ratio.mean,
+                    "effective_training_ratio_half_width": r.effective_training_ratio.half_width,
+                    "failures": fmean(x.failures for x in r.runs),
+                    "depleted": sum(x.depleted for x in r.runs),
+                }
+                for p, r in self.results.items()
+            ]
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"scenario": self.scenario, "fleet": self.fleet.model_dump(mode="json"),
-                "policies": {p.value: r.to_dict() for p, r in self.results.items()}}
+        return {
+            "scenario": self.scenario,
+            "fleet": self.fleet.model_dump(mode="json"),
+            "policies": {p.value: r.to_dict() for p, r in self.results.items()},
+        }
 
 
 def combine_adjust(*adjusts: tuple[Sequence[Policy], StageAdjust]) -> StageAdjust:
     """One stage adjustment from several, each applied to the policies it measured."""
+
     def adjust(policy: Policy, ranks: int, d: Mapping[Stage, float]) -> Mapping[Stage, float]:
         for policies, fn in adjusts:
             if policy in policies:
                 return fn(policy, ranks, d)
         return d
+
     return adjust
 
 
-def simulate_fleet(scenario: Any, *, fleet: FleetSpec | None = None, policies: Sequence[Policy | str] | None = None,
-                   adjust: StageAdjust | None = None, confidence: float = 0.95, tolerance: float = 0.01,
-                   min_runs: int = 5, max_runs: int = 200, seed: int = 0,
-                   progress: Callable[[Policy, int, FleetResult], None] | None = None) -> FleetComparison:
+def simulate_fleet(
+    scenario: Any,
+    *,
+    fleet: FleetSpec | None = None,
+    policies: Sequence[Policy | str] | None = None,
+    adjust: StageAdjust | None = None,
+    confidence: float = 0.95,
+    tolerance: float = 0.01,
+    min_runs: int = 5,
+    max_runs: int = 200,
+    seed: int = 0,
+    progress: Callable[[Policy, int, FleetResult], None] | None = None,
+) -> FleetComparison:
     """Replicate ``scenario``'s fleet (or ``fleet``) under each policy (default: the scenario's).
 
     The scenario's workload (at ``job_servers * ranks_per_server`` ranks), checkpointing and
@@ -662,12 +770,15 @@ def simulate_fleet(scenario: Any, *, fleet: FleetSpec | None = None, policies: S
 
     fleet = fleet or scenario.fleet
     if fleet is None:
-        raise ScenarioError(f"{scenario.name}: no fleet section; add one (see docs/simulator.md) or give --from-airesim FILE")
+        raise ScenarioError(
+            f"{scenario.name}: no fleet section; add one (see docs/simulator.md) or give --from-airesim FILE"
+        )
     pols = [Policy(p) for p in dict.fromkeys(policies or scenario.recovery.policies)]
     workload = None
     if any(p is not Policy.COLD_RESTART for p in pols):
-        workload = derive_workload(scenario.workload, scenario.checkpointing, fleet.job_servers * fleet.ranks_per_server,
-                                   source=scenario.name)
+        workload = derive_workload(
+            scenario.workload, scenario.checkpointing, fleet.job_servers * fleet.ranks_per_server, source=scenario.name
+        )
     costs = scenario.recovery.recovery_costs(scenario.name)
     charges = [fleet_charge(p, fleet, workload, costs, adjust) for p in pols]
     for c in charges:
@@ -675,6 +786,14 @@ def simulate_fleet(scenario: Any, *, fleet: FleetSpec | None = None, policies: S
     results: dict[Policy, FleetResult] = {}
     for c in charges:
         cb = (lambda n, r, p=c.policy: progress(p, n, r)) if progress else None
-        results[c.policy] = replicate(fleet, c, confidence=confidence, tolerance=tolerance, min_runs=min_runs,
-                                      max_runs=max_runs, seed=seed, progress=cb)
+        results[c.policy] = replicate(
+            fleet,
+            c,
+            confidence=confidence,
+            tolerance=tolerance,
+            min_runs=min_runs,
+            max_runs=max_runs,
+            seed=seed,
+            progress=cb,
+        )
     return FleetComparison(scenario.name, fleet, results)

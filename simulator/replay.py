@@ -52,8 +52,7 @@ from .calibrate import Calibration, calibration_from_recording
 from .training import StepFault, simulate_training
 from .workload import derive_workload, parameter_counts
 
-__all__ = ["LiveFault", "LiveRun", "FaultComparison", "Replay", "live_run_from_recording", "replay_live",
-           "LIVE_POLICY"]
+__all__ = ["LiveFault", "LiveRun", "FaultComparison", "Replay", "live_run_from_recording", "replay_live", "LIVE_POLICY"]
 
 # the policy of the live runtime: in memory when every rank is alive and agrees, else a restore
 LIVE_POLICY = Policy.IN_MEMORY
@@ -94,13 +93,32 @@ class LiveRun:
     unrecovered: int = 0  # faults injected with no recovery at their step (nothing to compare; not replayed)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"source": self.source, "ranks": self.ranks, "steps": self.steps,
-                "checkpoint_every": self.checkpoint_every, "fault_kind": self.fault_kind, "step_s": self.step_s,
-                "warmup_s": self.warmup_s, "checkpoint_s": self.checkpoint_s, "checkpoints": self.checkpoints,
-                "total_s": self.total_s, "first_step_s": self.first_step_s, "unrecovered": self.unrecovered,
-                "faults": [{"index": f.index, "step": f.step, "rank": f.rank, "impact": f.impact.value,
-                            "offset_s": f.offset_s, "policy": f.policy.value, "downtime_s": f.downtime_s}
-                           for f in self.faults]}
+        return {
+            "source": self.source,
+            "ranks": self.ranks,
+            "steps": self.steps,
+            "checkpoint_every": self.checkpoint_every,
+            "fault_kind": self.fault_kind,
+            "step_s": self.step_s,
+            "warmup_s": self.warmup_s,
+            "checkpoint_s": self.checkpoint_s,
+            "checkpoints": self.checkpoints,
+            "total_s": self.total_s,
+            "first_step_s": self.first_step_s,
+            "unrecovered": self.unrecovered,
+            "faults": [
+                {
+                    "index": f.index,
+                    "step": f.step,
+                    "rank": f.rank,
+                    "impact": f.impact.value,
+                    "offset_s": f.offset_s,
+                    "policy": f.policy.value,
+                    "downtime_s": f.downtime_s,
+                }
+                for f in self.faults
+            ],
+        }
 
 
 @dataclass(frozen=True)
@@ -157,16 +175,30 @@ class Replay:
         return None if s is None else s[1] / s[0] - 1.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"run": self.run.to_dict(), "calibration": self.calibration.to_dict(), "policy": self.policy.value,
-                "faults": [{"step": f.step, "measured_s": f.measured_s, "predicted_s": f.predicted_s,
-                            "error": f.error} for f in self.faults],
-                "downtime_per_fault_s": {"measured": self.measured_downtime_s, "predicted": self.predicted_downtime_s,
-                                         "error": self.downtime_error},
-                "total_s": {"measured": self.run.total_s, "predicted": self.predicted_total_s,
-                            "simulated": self.simulated_wall_s, "error": self.total_error},
-                "steady_s": None if self.steady is None else {
-                    "measured": self.steady[0], "predicted": self.steady[1], "error": self.steady_error},
-                "notes": list(self.notes)}
+        return {
+            "run": self.run.to_dict(),
+            "calibration": self.calibration.to_dict(),
+            "policy": self.policy.value,
+            "faults": [
+                {"step": f.step, "measured_s": f.measured_s, "predicted_s": f.predicted_s, "error": f.error}
+                for f in self.faults
+            ],
+            "downtime_per_fault_s": {
+                "measured": self.measured_downtime_s,
+                "predicted": self.predicted_downtime_s,
+                "error": self.downtime_error,
+            },
+            "total_s": {
+                "measured": self.run.total_s,
+                "predicted": self.predicted_total_s,
+                "simulated": self.simulated_wall_s,
+                "error": self.total_error,
+            },
+            "steady_s": None
+            if self.steady is None
+            else {"measured": self.steady[0], "predicted": self.steady[1], "error": self.steady_error},
+            "notes": list(self.notes),
+        }
 
 
 def live_run_from_recording(path: str | os.PathLike[str]) -> LiveRun:
@@ -180,14 +212,23 @@ def live_run_from_recording(path: str | os.PathLike[str]) -> LiveRun:
         try:
             _read_event(i, ev, path, header, trained, writes, injected, recovered)
         except (KeyError, TypeError, ValueError) as exc:
-            raise RecordingError(f"{path}: event {i + 1} ({ev.event}) is malformed ({type(exc).__name__}: {exc}); "
-                                 "expected the fields a live recovery trial writes") from None
+            raise RecordingError(
+                f"{path}: event {i + 1} ({ev.event}) is malformed ({type(exc).__name__}: {exc}); "
+                "expected the fields a live recovery trial writes"
+            ) from None
     return _reduce(path, header, trained, writes, injected, recovered)
 
 
-def _read_event(i: int, ev: Any, path: Any, header: dict[str, Any], trained: dict[int, tuple[float, int, list[float]]],
-                writes: list[tuple[float, int, float]], injected: list[tuple[int, int, int, str, float]],
-                recovered: dict[int, tuple[Policy, float]]) -> None:
+def _read_event(
+    i: int,
+    ev: Any,
+    path: Any,
+    header: dict[str, Any],
+    trained: dict[int, tuple[float, int, list[float]]],
+    writes: list[tuple[float, int, float]],
+    injected: list[tuple[int, int, int, str, float]],
+    recovered: dict[int, tuple[Policy, float]],
+) -> None:
     """Keep what ``ev`` (the ``i``-th event) adds to the run's measurements."""
     if i == 0:
         if ev.event != EventKind.RECORDING_START:
@@ -199,8 +240,9 @@ def _read_event(i: int, ev: Any, path: Any, header: dict[str, Any], trained: dic
     elif ev.event == EventKind.CHECKPOINT and "seconds" in ev.data:
         writes.append((ev.t, int(ev.data["step"]), float(ev.data["seconds"])))
     elif ev.event == EventKind.FAULT_INJECTED:
-        injected.append((int(ev.data["index"]), int(ev.data["step"]), int(ev.rank or 0),
-                         str(ev.data.get("kind", "")), ev.t))
+        injected.append(
+            (int(ev.data["index"]), int(ev.data["step"]), int(ev.rank or 0), str(ev.data.get("kind", "")), ev.t)
+        )
     elif ev.event == EventKind.RECOVERED and ev.data.get("downtime_s") is not None:
         # a fault may be followed by more than one round at its step (a kill: the peer restore, then an
         # in-memory round): the first round's policy answered it, the last one's end is its downtime
@@ -209,9 +251,14 @@ def _read_event(i: int, ev: Any, path: Any, header: dict[str, Any], trained: dic
         recovered[step] = (first[0], max(first[1], downtime)) if first else (policy, downtime)
 
 
-def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, int, list[float]]],
-            writes: list[tuple[float, int, float]], injected: list[tuple[int, int, int, str, float]],
-            recovered: dict[int, tuple[Policy, float]]) -> LiveRun:
+def _reduce(
+    path: Any,
+    header: dict[str, Any],
+    trained: dict[int, tuple[float, int, list[float]]],
+    writes: list[tuple[float, int, float]],
+    injected: list[tuple[int, int, int, str, float]],
+    recovered: dict[int, tuple[Policy, float]],
+) -> LiveRun:
     need = "record a fresh one with `meshpact live recover --record PATH`"
     if header.get("kind") != "recovery_trial":
         raise RecordingError(f"{path}: not a live recovery trial (recording_start kind {header.get('kind')!r}); {need}")
@@ -237,8 +284,9 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
     critical = max(full.values(), key=lambda v: sum(v[2]))[2]
     clean = [critical[s] for s in range(1, steps) if s not in fault_steps and (s + 1) % every != 0]
     if not clean:
-        raise RecordingError(f"{path}: no step without a fault or a checkpoint to measure the step time from; "
-                             "record more steps")
+        raise RecordingError(
+            f"{path}: no step without a fault or a checkpoint to measure the step time from; record more steps"
+        )
     step_s = statistics.fmean(clean)
     warmup_s = max(0.0, critical[0] - step_s) if 0 not in fault_steps else 0.0
     faults = []
@@ -251,11 +299,21 @@ def _reduce(path: Any, header: dict[str, Any], trained: dict[int, tuple[float, i
         offset = min(max(t - t_step, 0.0), step_s)
         impact = FaultImpact.RANK_LOSS if kind in _RANK_LOSS_KINDS else FaultImpact.TRANSIENT
         faults.append(LiveFault(index, step, rank, impact, offset, policy, downtime))
-    return LiveRun(source=str(path), ranks=ranks, steps=steps, checkpoint_every=every,
-                   fault_kind=str(header.get("fault_kind", "")), step_s=step_s, warmup_s=warmup_s,
-                   checkpoint_s=statistics.fmean(slowest_write.values()), checkpoints=len(slowest_write),
-                   total_s=sum(critical), first_step_s=critical[0], faults=tuple(faults),
-                   unrecovered=len(injected) - len(faults))
+    return LiveRun(
+        source=str(path),
+        ranks=ranks,
+        steps=steps,
+        checkpoint_every=every,
+        fault_kind=str(header.get("fault_kind", "")),
+        step_s=step_s,
+        warmup_s=warmup_s,
+        checkpoint_s=statistics.fmean(slowest_write.values()),
+        checkpoints=len(slowest_write),
+        total_s=sum(critical),
+        first_step_s=critical[0],
+        faults=tuple(faults),
+        unrecovered=len(injected) - len(faults),
+    )
 
 
 def _scenario(run: LiveRun, detection_s: float, policy: Policy, shard_bytes: float | None) -> Scenario:
@@ -274,19 +332,33 @@ def _scenario(run: LiveRun, detection_s: float, policy: Policy, shard_bytes: flo
         if shard_bytes:
             total, _ = parameter_counts(get_model(base.workload.model))
             extra["workload.state_bytes_per_param"] = shard_bytes * max(run.ranks, 1) / total
-    return with_overrides(base, {
-        "workload.ranks": run.ranks, "workload.parallelism": {"tensor": 1, "pipeline": 1},
-        "workload.step_seconds": run.step_s, "workload.tokens_per_step": None, "workload.step_time_cv": 0.0,
-        "workload.work_steps": run.steps, "workload.days": 1.0,
-        "faults.rank_mtbf_hours": None, "faults.rank_loss_mtbf_hours": None, "faults.hang_mtbf_hours": None,
-        "faults.scripted": [], "faults.at_checkpoint_age": None, "faults.spare_ranks": 0,
-        "faults.ranks_per_node": max(run.ranks, 1),
-        **extra,
-        "checkpointing.every_steps": run.checkpoint_every, "checkpointing.mode": "sync",
-        "checkpointing.seconds": run.checkpoint_s,
-        "recovery.policies": [policy.value],
-        "recovery.costs.replacement_s": 0.0, "recovery.costs.detection_s": detection_s,
-    }, source=f"{run.source} (replayed)")
+    return with_overrides(
+        base,
+        {
+            "workload.ranks": run.ranks,
+            "workload.parallelism": {"tensor": 1, "pipeline": 1},
+            "workload.step_seconds": run.step_s,
+            "workload.tokens_per_step": None,
+            "workload.step_time_cv": 0.0,
+            "workload.work_steps": run.steps,
+            "workload.days": 1.0,
+            "faults.rank_mtbf_hours": None,
+            "faults.rank_loss_mtbf_hours": None,
+            "faults.hang_mtbf_hours": None,
+            "faults.scripted": [],
+            "faults.at_checkpoint_age": None,
+            "faults.spare_ranks": 0,
+            "faults.ranks_per_node": max(run.ranks, 1),
+            **extra,
+            "checkpointing.every_steps": run.checkpoint_every,
+            "checkpointing.mode": "sync",
+            "checkpointing.seconds": run.checkpoint_s,
+            "recovery.policies": [policy.value],
+            "recovery.costs.replacement_s": 0.0,
+            "recovery.costs.detection_s": detection_s,
+        },
+        source=f"{run.source} (replayed)",
+    )
 
 
 def replay_live(path: str | os.PathLike[str]) -> Replay:
@@ -299,40 +371,56 @@ def replay_live(path: str | os.PathLike[str]) -> Replay:
     decided = {f.policy for f in run.faults}
     policy = decided.pop() if len(decided) == 1 else LIVE_POLICY
     if decided:
-        notes.append(f"the live runtime answered the faults with {len(decided) + 1} policies; replayed under "
-                     f"{LIVE_POLICY.value}")
+        notes.append(
+            f"the live runtime answered the faults with {len(decided) + 1} policies; replayed under {LIVE_POLICY.value}"
+        )
     if policy is Policy.EXCISE:
-        notes.append("each lost rank is excised, not replaced: the survivors go on with the same global batch, "
-                     "the simulator's replicas one fewer per loss")
+        notes.append(
+            "each lost rank is excised, not replaced: the survivors go on with the same global batch, "
+            "the simulator's replicas one fewer per loss"
+        )
     elif any(f.impact is FaultImpact.RANK_LOSS for f in run.faults):
-        notes.append("a lost rank's replacement start is inside the measured consensus (survivors wait there for it); "
-                     "no restart stage is added")
+        notes.append(
+            "a lost rank's replacement start is inside the measured consensus (survivors wait there for it); "
+            "no restart stage is added"
+        )
     # the replacement is asked for when the replayed policy's recoveries detected the loss
     detections = [st[Stage.DETECTION] for p, st in cal.measured.items() if Stage.DETECTION in st and p is policy]
     detections = detections or [st[Stage.DETECTION] for st in cal.measured.values() if Stage.DETECTION in st]
     moved = (cal.state_bytes or {}).get(policy)
-    scenario = _scenario(run, statistics.fmean(detections) if detections else cal.costs.detection_s, policy,
-                         moved.bytes if moved is not None else None)
+    scenario = _scenario(
+        run,
+        statistics.fmean(detections) if detections else cal.costs.detection_s,
+        policy,
+        moved.bytes if moved is not None else None,
+    )
     # the calibration's reference is the simulated job itself (its shard), so each measured stage is used as measured
     w = derive_workload(scenario.workload, scenario.checkpointing, run.ranks, source=scenario.name)
-    cal = replace(cal, costs=replace(scenario.recovery.recovery_costs(scenario.name),
-                                     state_bytes_per_rank=w.state_bytes_per_rank))
+    cal = replace(
+        cal, costs=replace(scenario.recovery.recovery_costs(scenario.name), state_bytes_per_rank=w.state_bytes_per_rank)
+    )
     as_measured = replace(cal, state_bytes=None)  # the simulated job is the recorded one: no shard to scale by
     if run.warmup_s > 0:
         notes.append(f"first-step warm-up {run.warmup_s:.3f} s is measured, not simulated: added to the prediction")
     unmeasured: list[str] = []
     for f in run.faults:  # each recovery as the live runtime ran it
         modelled = estimate_recovery(f.policy, run.ranks, cal.costs, impact=f.impact, replacement_s=0.0).durations_s
-        unmeasured += [s.value for s, d in modelled.items() if s is not Stage.REPLAY and d > 0
-                       and s not in cal.measured.get(f.policy, {}) and s.value not in unmeasured]
+        unmeasured += [
+            s.value
+            for s, d in modelled.items()
+            if s is not Stage.REPLAY and d > 0 and s not in cal.measured.get(f.policy, {}) and s.value not in unmeasured
+        ]
     if unmeasured:
         notes.append(f"stages not in the recording, taken from the cost model: {', '.join(unmeasured)}")
     closing = run.checkpoint_s if run.steps % run.checkpoint_every == 0 else 0.0
     if closing:
         notes.append("the checkpoint after the last step is added (the simulation ends at the last commit)")
     result = simulate_training(
-        scenario, adjust=as_measured.adjust, timeline=True,
-        step_faults=[StepFault(f.step, f.impact, f.rank, f.offset_s) for f in run.faults])
+        scenario,
+        adjust=as_measured.adjust,
+        timeline=True,
+        step_faults=[StepFault(f.step, f.impact, f.rank, f.offset_s) for f in run.faults],
+    )
     r = result.policies[policy]
     recoveries: list[float] = []
     for e in r.timeline:
@@ -344,5 +432,12 @@ def replay_live(path: str | os.PathLike[str]) -> Replay:
     if len(recoveries) != len(run.faults):
         notes.append(f"the simulation recovered {len(recoveries)} times for {len(run.faults)} faults")
     comparisons = tuple(FaultComparison(f.step, f.downtime_s, p) for f, p in zip(run.faults, recoveries))
-    return Replay(run=run, calibration=cal, faults=comparisons, simulated_wall_s=r.wall_s,
-                  predicted_total_s=r.wall_s + run.warmup_s + closing, notes=tuple(notes), policy=policy)
+    return Replay(
+        run=run,
+        calibration=cal,
+        faults=comparisons,
+        simulated_wall_s=r.wall_s,
+        predicted_total_s=r.wall_s + run.warmup_s + closing,
+        notes=tuple(notes),
+        policy=policy,
+    )

@@ -40,7 +40,18 @@ import simpy
 from meshpact.core.catalog import get_model
 from meshpact.core.errors import ScenarioError
 from meshpact.core.contract import compile_contract
-from meshpact.core.facts import Consumer, Domain, DType, Edge, LinkClass, LinkParams, Mesh, ProducerTensor, Request, Vendor
+from meshpact.core.facts import (
+    Consumer,
+    Domain,
+    DType,
+    Edge,
+    LinkClass,
+    LinkParams,
+    Mesh,
+    ProducerTensor,
+    Request,
+    Vendor,
+)
 from meshpact.core.lowerer import lower
 from meshpact.core.placement import Replicate, Shard
 from meshpact.core.plan import Plan, plan_cost
@@ -113,16 +124,28 @@ class ServingParams:
 
 
 def _mesh(p: ServingParams) -> Mesh:
-    local = Domain(name=f"{p.local_vendor}@local", vendor=Vendor(p.local_vendor), host="local",
-                   ranks=tuple(range(p.consumer_ranks)), bridge_rank=0)
-    remote = Domain(name=f"{p.remote_vendor}@remote", vendor=Vendor(p.remote_vendor), host="remote",
-                    ranks=tuple(range(p.consumer_ranks, p.consumer_ranks + p.producer_ranks)),
-                    bridge_rank=p.consumer_ranks)
-    return Mesh(domains=(local, remote), links={
-        LinkClass.FABRIC: LinkParams(p.fabric_alpha_s, p.fabric_beta_s_per_byte),
-        LinkClass.HOST_BRIDGE: LinkParams(p.fabric_alpha_s, p.fabric_beta_s_per_byte),
-        LinkClass.ETHERNET: LinkParams(p.link_alpha_s, p.link_beta_s_per_byte),
-    })
+    local = Domain(
+        name=f"{p.local_vendor}@local",
+        vendor=Vendor(p.local_vendor),
+        host="local",
+        ranks=tuple(range(p.consumer_ranks)),
+        bridge_rank=0,
+    )
+    remote = Domain(
+        name=f"{p.remote_vendor}@remote",
+        vendor=Vendor(p.remote_vendor),
+        host="remote",
+        ranks=tuple(range(p.consumer_ranks, p.consumer_ranks + p.producer_ranks)),
+        bridge_rank=p.consumer_ranks,
+    )
+    return Mesh(
+        domains=(local, remote),
+        links={
+            LinkClass.FABRIC: LinkParams(p.fabric_alpha_s, p.fabric_beta_s_per_byte),
+            LinkClass.HOST_BRIDGE: LinkParams(p.fabric_alpha_s, p.fabric_beta_s_per_byte),
+            LinkClass.ETHERNET: LinkParams(p.link_alpha_s, p.link_beta_s_per_byte),
+        },
+    )
 
 
 def result_plan(p: ServingParams, tokens: int, owner: int = 0) -> Plan:
@@ -131,8 +154,14 @@ def result_plan(p: ServingParams, tokens: int, owner: int = 0) -> Plan:
     mesh = _mesh(p)
     local, remote = mesh.domains
     placement = Shard(1) if p.producer_ranks > 1 else Replicate()
-    producer = ProducerTensor(name="logits", op="lm_head", shape=(tokens, p.vocab_size), dtype=DType.BFLOAT16,
-                              domain=remote.name, placement=placement)
+    producer = ProducerTensor(
+        name="logits",
+        op="lm_head",
+        shape=(tokens, p.vocab_size),
+        dtype=DType.BFLOAT16,
+        domain=remote.name,
+        placement=placement,
+    )
     owners = (owner,) * tokens if p.request is Request.OWNER_TOKEN else None
     consumer = Consumer(name="sampler", domain=local.name, ranks=local.ranks, request=p.request, owners=owners)
     edge = Edge(name=f"remote-result/{p.request.value}", mesh=mesh, producer=producer, consumer=consumer)
@@ -188,32 +217,54 @@ class ServingResult:
 
         row = {k: v for k, v in self.to_dict().items() if k not in ("latency_s", "params")}
         row.update({f"latency_{k}_s": v for k, v in self.latency_s.items()})
-        row.update({"model": self.params.model, "request": self.params.request.value,
-                    "concurrency": self.params.concurrency, "link_gbit_per_s": self.params.link_gbit_per_s})
+        row.update(
+            {
+                "model": self.params.model,
+                "request": self.params.request.value,
+                "concurrency": self.params.concurrency,
+                "link_gbit_per_s": self.params.link_gbit_per_s,
+            }
+        )
         return pd.DataFrame([row])
 
 
 def serving_params(scenario: Scenario) -> ServingParams:
     s = scenario.serving
     if s is None:
-        raise ScenarioError(f"{scenario.name}: serving: this scenario has no serving section; "
-                            "use scenarios/serving_spillover.yaml or add one")
+        raise ScenarioError(
+            f"{scenario.name}: serving: this scenario has no serving section; "
+            "use scenarios/serving_spillover.yaml or add one"
+        )
     preset = s.preset()
     link = s.link.params() if s.link else scenario.link(LinkClass.ETHERNET)
     fabric = scenario.link(LinkClass.FABRIC)
     spec = s.speculative
     return ServingParams(
-        model=get_model(preset.model).name, vocab_size=get_model(preset.model).vocab_size,
-        local_vendor=preset.local.vendor.value, remote_vendor=preset.remote.vendor.value,
-        local_slots=preset.local.slots, remote_slots=preset.remote.slots,
-        local_per_token_s=preset.local.per_token_s, remote_per_token_s=preset.remote.per_token_s,
-        local_prefill_s=preset.local.prefill_s, remote_prefill_s=preset.remote.prefill_s,
-        link_alpha_s=link.alpha_s, link_beta_s_per_byte=link.beta_s_per_byte,
-        fabric_alpha_s=fabric.alpha_s, fabric_beta_s_per_byte=fabric.beta_s_per_byte,
-        request=s.request, consumer_ranks=s.consumer_ranks, producer_ranks=s.producer_ranks,
-        concurrency=s.concurrency, arrival_rate_per_s=s.arrival_rate_per_s, output_tokens=s.output_tokens,
-        requests=s.requests, gamma=spec.gamma if spec else None, alpha=spec.alpha if spec else None,
-        draft_cost_ratio=spec.draft_cost_ratio if spec else None, seed=s.seed,
+        model=get_model(preset.model).name,
+        vocab_size=get_model(preset.model).vocab_size,
+        local_vendor=preset.local.vendor.value,
+        remote_vendor=preset.remote.vendor.value,
+        local_slots=preset.local.slots,
+        remote_slots=preset.remote.slots,
+        local_per_token_s=preset.local.per_token_s,
+        remote_per_token_s=preset.remote.per_token_s,
+        local_prefill_s=preset.local.prefill_s,
+        remote_prefill_s=preset.remote.prefill_s,
+        link_alpha_s=link.alpha_s,
+        link_beta_s_per_byte=link.beta_s_per_byte,
+        fabric_alpha_s=fabric.alpha_s,
+        fabric_beta_s_per_byte=fabric.beta_s_per_byte,
+        request=s.request,
+        consumer_ranks=s.consumer_ranks,
+        producer_ranks=s.producer_ranks,
+        concurrency=s.concurrency,
+        arrival_rate_per_s=s.arrival_rate_per_s,
+        output_tokens=s.output_tokens,
+        requests=s.requests,
+        gamma=spec.gamma if spec else None,
+        alpha=spec.alpha if spec else None,
+        draft_cost_ratio=spec.draft_cost_ratio if spec else None,
+        seed=s.seed,
     )
 
 
@@ -242,7 +293,10 @@ class _Serve:
         self.p = p
         self.env = simpy.Environment()
         self.rng = np.random.default_rng(p.seed)
-        self.hosts = {"local": simpy.Resource(self.env, p.local_slots), "remote": simpy.Resource(self.env, p.remote_slots)}
+        self.hosts = {
+            "local": simpy.Resource(self.env, p.local_slots),
+            "remote": simpy.Resource(self.env, p.remote_slots),
+        }
         self.link = DuplexLink(self.env, LinkParams(p.link_alpha_s, p.link_beta_s_per_byte))
         self.mesh = _mesh(p)
         self.plans: dict[int, tuple[Plan, int, float]] = {}
@@ -371,19 +425,36 @@ class _Serve:
         return ServingResult(
             params=p,
             throughput_tok_s=(self.local_tokens + self.remote_tokens) / end if end else 0.0,
-            latency_s={"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99)),
-                       "mean": float(lat.mean())},
-            result_bytes=self.sent, bytes_received=self.received, feedback_bytes=self.feedback,
-            startups=self.startups, requests=len(lat), spilled=self.spilled,
-            local_tokens=self.local_tokens, remote_tokens=self.remote_tokens, target_passes=self.passes,
-            makespan_s=end, link_busy_s=self.link.busy_s, mean_in_system=self.area / end if end else 0.0,
-            arrival_rate_per_s=len(lat) / end if end else 0.0, latencies=tuple(float(x) for x in lat),
+            latency_s={
+                "p50": float(np.percentile(lat, 50)),
+                "p99": float(np.percentile(lat, 99)),
+                "mean": float(lat.mean()),
+            },
+            result_bytes=self.sent,
+            bytes_received=self.received,
+            feedback_bytes=self.feedback,
+            startups=self.startups,
+            requests=len(lat),
+            spilled=self.spilled,
+            local_tokens=self.local_tokens,
+            remote_tokens=self.remote_tokens,
+            target_passes=self.passes,
+            makespan_s=end,
+            link_busy_s=self.link.busy_s,
+            mean_in_system=self.area / end if end else 0.0,
+            arrival_rate_per_s=len(lat) / end if end else 0.0,
+            latencies=tuple(float(x) for x in lat),
         )
 
 
 def serving_overrides(
-    *, model: str | None = None, concurrency: int | None = None, request: str | None = None,
-    link_gbps: float | None = None, requests: int | None = None, output_tokens: int | None = None,
+    *,
+    model: str | None = None,
+    concurrency: int | None = None,
+    request: str | None = None,
+    link_gbps: float | None = None,
+    requests: int | None = None,
+    output_tokens: int | None = None,
 ) -> dict[str, Any]:
     """Map the CLI's flags onto scenario fields (dotted paths)."""
     out: dict[str, Any] = {}

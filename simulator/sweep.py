@@ -27,8 +27,18 @@ from meshpact.core.errors import MeshpactError, ScenarioError
 from meshpact.core.facts import LinkClass
 from meshpact.core.scenario import Scenario, parse_scenario, with_overrides
 
-__all__ = ["SweepKind", "ALIASES", "MAX_POINTS", "MAX_PROCESSES", "parse_param", "sweep_points", "run_sweep",
-           "check_out_path", "check_scheduler", "save_frame"]
+__all__ = [
+    "SweepKind",
+    "ALIASES",
+    "MAX_POINTS",
+    "MAX_PROCESSES",
+    "parse_param",
+    "sweep_points",
+    "run_sweep",
+    "check_out_path",
+    "check_scheduler",
+    "save_frame",
+]
 
 
 class SweepKind(str, Enum):
@@ -87,7 +97,11 @@ def _point_overrides(scenario: Scenario, point: Mapping[str, Any]) -> dict[str, 
     out: dict[str, Any] = {}
     for path, value in point.items():
         if path == "serving.link.gbit_per_s":
-            link = scenario.serving.link.params() if scenario.serving and scenario.serving.link else scenario.link(LinkClass.ETHERNET)
+            link = (
+                scenario.serving.link.params()
+                if scenario.serving and scenario.serving.link
+                else scenario.link(LinkClass.ETHERNET)
+            )
             out["serving.link"] = {"alpha_s": link.alpha_s, "gbit_per_s": value}
             continue
         out[path] = value
@@ -102,8 +116,10 @@ def sweep_points(params: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     for n in names:
         count *= max(len(params[n]), 1)
     if count > MAX_POINTS:
-        raise MeshpactError(f"--param: the grid has {count:,} points, over the limit of {MAX_POINTS:,}; "
-                            "sweep fewer values or split the grid")
+        raise MeshpactError(
+            f"--param: the grid has {count:,} points, over the limit of {MAX_POINTS:,}; "
+            "sweep fewer values or split the grid"
+        )
     return [dict(zip(names, combo)) for combo in itertools.product(*(list(params[n]) for n in names))]
 
 
@@ -134,13 +150,22 @@ def check_scheduler(address: str) -> str:
     return address
 
 
-def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, points: list[dict[str, Any]],
-                 kind: str, results: list[list[dict[str, Any]] | None],
-                 progress: Callable[[int, int], None] | None) -> None:
+def _run_on_dask(
+    scheduler: str,
+    workers: int,
+    data: dict[str, Any],
+    name: str,
+    points: list[dict[str, Any]],
+    kind: str,
+    results: list[list[dict[str, Any]] | None],
+    progress: Callable[[int, int], None] | None,
+) -> None:
     try:
         from dask.distributed import Client, LocalCluster, as_completed as dask_completed
     except ImportError:
-        raise MeshpactError(f"--scheduler {scheduler}: needs dask.distributed (pip install 'dask[distributed]')") from None
+        raise MeshpactError(
+            f"--scheduler {scheduler}: needs dask.distributed (pip install 'dask[distributed]')"
+        ) from None
     import logging
 
     cluster = None
@@ -151,8 +176,14 @@ def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, 
         quiet.setLevel(logging.CRITICAL)
     try:
         if scheduler == "local":
-            cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True, host="127.0.0.1",
-                                   dashboard_address=None, silence_logs=logging.ERROR)
+            cluster = LocalCluster(
+                n_workers=workers,
+                threads_per_worker=1,
+                processes=True,
+                host="127.0.0.1",
+                dashboard_address=None,
+                silence_logs=logging.ERROR,
+            )
             client = Client(cluster)
         else:
             client = Client(scheduler, timeout="10s")
@@ -161,10 +192,14 @@ def _run_on_dask(scheduler: str, workers: int, data: dict[str, Any], name: str, 
             cluster.close()
         quiet.setLevel(level)
         if scheduler == "local":
-            raise MeshpactError(f"--scheduler local: cannot start a LocalCluster ({exc}); run the sweep from a "
-                                "script guarded by if __name__ == '__main__', or without --scheduler") from None
-        raise MeshpactError(f"--scheduler {scheduler}: cannot reach the scheduler ({exc}); start one with "
-                            "dask scheduler, or use --scheduler local") from None
+            raise MeshpactError(
+                f"--scheduler local: cannot start a LocalCluster ({exc}); run the sweep from a "
+                "script guarded by if __name__ == '__main__', or without --scheduler"
+            ) from None
+        raise MeshpactError(
+            f"--scheduler {scheduler}: cannot reach the scheduler ({exc}); start one with "
+            "dask scheduler, or use --scheduler local"
+        ) from None
     try:
         [shared] = client.scatter([data], broadcast=True)
         futures = [client.submit(_run_point, shared, name, p, kind, pure=False) for p in points]
@@ -260,7 +295,9 @@ def check_out_path(path: str | os.PathLike[str]) -> Path:
         try:
             import pyarrow  # noqa: F401
         except ImportError:
-            raise MeshpactError(f"--out {p}: writing Parquet needs pyarrow (pip install pyarrow), or use .csv") from None
+            raise MeshpactError(
+                f"--out {p}: writing Parquet needs pyarrow (pip install pyarrow), or use .csv"
+            ) from None
     return p
 
 

@@ -27,7 +27,9 @@ def _us(seconds: float) -> float:
     return round(seconds * 1e6, 3)
 
 
-def chrome_trace(events: Iterable[TimelineEvent] | TrainingResult, title: str = "meshpact simulate training") -> dict[str, Any]:
+def chrome_trace(
+    events: Iterable[TimelineEvent] | TrainingResult, title: str = "meshpact simulate training"
+) -> dict[str, Any]:
     """The trace document for ``events`` (or every policy of a training result)."""
     if isinstance(events, TrainingResult):
         title = f"{title}: {events.scenario}, {events.workload.ranks} ranks"
@@ -44,11 +46,22 @@ def chrome_trace(events: Iterable[TimelineEvent] | TrainingResult, title: str = 
         name = e.stage.value if e.kind == "stage" and e.stage else e.kind
         args = {k: v for k, v in e.data.items()}
         if e.duration_s > 0:
-            out.append({"ph": "X", "name": name, "cat": e.kind, "pid": pid, "tid": tid,
-                        "ts": _us(e.t), "dur": _us(e.duration_s), "args": args})
+            out.append(
+                {
+                    "ph": "X",
+                    "name": name,
+                    "cat": e.kind,
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": _us(e.t),
+                    "dur": _us(e.duration_s),
+                    "args": args,
+                }
+            )
         else:
-            out.append({"ph": "i", "s": "t", "name": name, "cat": e.kind, "pid": pid, "tid": tid,
-                        "ts": _us(e.t), "args": args})
+            out.append(
+                {"ph": "i", "s": "t", "name": name, "cat": e.kind, "pid": pid, "tid": tid, "ts": _us(e.t), "args": args}
+            )
     return {"traceEvents": out, "displayTimeUnit": "ms", "otherData": {"title": title}}
 
 

@@ -54,7 +54,12 @@ import simpy
 
 from meshpact.core.recovery import Policy, Stage
 from meshpact.core.recovery_costs import (
-    FaultImpact, RecoveryCosts, StateSource, estimate_recovery, peer_copy_seconds_per_step, policy_model,
+    FaultImpact,
+    RecoveryCosts,
+    StateSource,
+    estimate_recovery,
+    peer_copy_seconds_per_step,
+    policy_model,
 )
 from meshpact.core.scenario import CheckpointMode, FaultsSpec, Scenario, with_overrides
 
@@ -63,8 +68,18 @@ from meshpact.core.errors import ScenarioError
 from .faults import Fault, cluster_rate_per_s, fault_trace
 from .workload import Workload, derive_workload
 
-__all__ = ["TimelineEvent", "PolicyResult", "TrainingResult", "simulate_training", "StageAdjust", "training_overrides",
-           "check_bounds", "StepFault", "MAX_FAULTS", "MAX_CHECKPOINT_INTERVALS"]
+__all__ = [
+    "TimelineEvent",
+    "PolicyResult",
+    "TrainingResult",
+    "simulate_training",
+    "StageAdjust",
+    "training_overrides",
+    "check_bounds",
+    "StepFault",
+    "MAX_FAULTS",
+    "MAX_CHECKPOINT_INTERVALS",
+]
 
 _EPS = 1e-9
 
@@ -101,8 +116,14 @@ class TimelineEvent:
     data: Mapping[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"t": self.t, "duration_s": self.duration_s, "policy": self.policy.value, "kind": self.kind,
-                "stage": self.stage.value if self.stage else None, "data": dict(self.data)}
+        return {
+            "t": self.t,
+            "duration_s": self.duration_s,
+            "policy": self.policy.value,
+            "kind": self.kind,
+            "stage": self.stage.value if self.stage else None,
+            "data": dict(self.data),
+        }
 
 
 @dataclass(frozen=True)
@@ -193,15 +214,26 @@ class TrainingResult:
 
         rows = []
         for p, r in self.policies.items():
-            row: dict[str, Any] = {"policy": p.value, "goodput": r.goodput, "faults": r.faults,
-                                   "lost_steps": r.lost_steps, "replayed_steps": r.replayed_steps,
-                                   "downtime_s": r.downtime_total_s, "wall_s": r.wall_s,
-                                   "time_to_finish_s": r.time_to_finish_s}
+            row: dict[str, Any] = {
+                "policy": p.value,
+                "goodput": r.goodput,
+                "faults": r.faults,
+                "lost_steps": r.lost_steps,
+                "replayed_steps": r.replayed_steps,
+                "downtime_s": r.downtime_total_s,
+                "wall_s": r.wall_s,
+                "time_to_finish_s": r.time_to_finish_s,
+            }
             row.update({f"downtime_{s.value}_s": r.downtime_s.get(s, 0.0) for s in Stage.ordered()})
-            row.update({"degraded_s": r.degraded_s, "checkpoint_fraction": r.checkpoint_fraction,
-                        "step_latency_overhead": r.step_latency_overhead,
-                        "storage_bytes_per_hour": r.storage_bytes_per_hour,
-                        "host_memory_bytes_per_rank": r.host_memory_bytes_per_rank})
+            row.update(
+                {
+                    "degraded_s": r.degraded_s,
+                    "checkpoint_fraction": r.checkpoint_fraction,
+                    "step_latency_overhead": r.step_latency_overhead,
+                    "storage_bytes_per_hour": r.storage_bytes_per_hour,
+                    "host_memory_bytes_per_rank": r.host_memory_bytes_per_rank,
+                }
+            )
             rows.append(row)
         return pd.DataFrame(rows)
 
@@ -215,21 +247,34 @@ class TrainingResult:
 class _Run:
     """One policy on one fault trace."""
 
-    def __init__(self, w: Workload, policy: Policy, costs: RecoveryCosts, trace: Sequence[Fault],
-                 horizon_s: float, faults: FaultsSpec, adjust: StageAdjust | None, timeline: bool,
-                 step_faults: Sequence[StepFault] = ()) -> None:
+    def __init__(
+        self,
+        w: Workload,
+        policy: Policy,
+        costs: RecoveryCosts,
+        trace: Sequence[Fault],
+        horizon_s: float,
+        faults: FaultsSpec,
+        adjust: StageAdjust | None,
+        timeline: bool,
+        step_faults: Sequence[StepFault] = (),
+    ) -> None:
         self.w, self.policy, self.trace = w, policy, trace
         self.model = policy_model(policy)
         # the real shard, and the scenario's storage bandwidth where it gives one
-        self.costs = replace(costs, state_bytes_per_rank=w.state_bytes_per_rank,
-                             checkpoint_read_bytes_per_s=w.reload_bytes_per_s or costs.checkpoint_read_bytes_per_s)
+        self.costs = replace(
+            costs,
+            state_bytes_per_rank=w.state_bytes_per_rank,
+            checkpoint_read_bytes_per_s=w.reload_bytes_per_s or costs.checkpoint_read_bytes_per_s,
+        )
         self.horizon_s, self.adjust, self.fspec = horizon_s, adjust, faults
         self.rejoin_s, self.repair_s = faults.rejoin_s, faults.repair_hours * 3600.0
         self.record = timeline
         self.env = simpy.Environment()
         self.done = self.env.event()
-        self.peer_copy_s = (peer_copy_seconds_per_step(w.state_bytes_per_rank, w.step_s, self.costs)
-                            if self.model.peer_copies else 0.0)
+        self.peer_copy_s = (
+            peer_copy_seconds_per_step(w.state_bytes_per_rank, w.step_s, self.costs) if self.model.peer_copies else 0.0
+        )
         self.step_eff = w.step_s * w.straggler_factor + self.peer_copy_s
         self.committed = 0  # steps
         self.durable = 0  # steps in the last durable checkpoint
@@ -372,8 +417,12 @@ class _Run:
 
     def _aged_fault_due(self) -> bool:
         a = self.aged
-        return (a is not None and self.aged_fired < a.count and self.aged_interval != self.interval
-                and self.since_ckpt < a.steps)
+        return (
+            a is not None
+            and self.aged_fired < a.count
+            and self.aged_interval != self.interval
+            and self.since_ckpt < a.steps
+        )
 
     def _compute(self):
         yield from self._apply_rejoins()
@@ -458,11 +507,19 @@ class _Run:
         self.since_ckpt = 0
         self._log(start, self.env.now - start, "checkpoint", step=self.committed)
 
-    def _stages(self, impact: FaultImpact, replay: int, policy: Policy | None = None,
-                replacement_s: float | None = None) -> Mapping[Stage, float]:
+    def _stages(
+        self, impact: FaultImpact, replay: int, policy: Policy | None = None, replacement_s: float | None = None
+    ) -> Mapping[Stage, float]:
         policy = policy or self.policy
-        b = estimate_recovery(policy, self.w.ranks, self.costs, impact=impact, replay_steps=replay,
-                              step_s=self.step_eff, replacement_s=replacement_s)
+        b = estimate_recovery(
+            policy,
+            self.w.ranks,
+            self.costs,
+            impact=impact,
+            replay_steps=replay,
+            step_s=self.step_eff,
+            replacement_s=replacement_s,
+        )
         d = dict(b.durations_s)
         if self.adjust is not None:
             d.update({s: v for s, v in self.adjust(policy, self.w.ranks, d).items() if s is not Stage.REPLAY})
@@ -476,10 +533,19 @@ class _Run:
                 self.loss_unrecovered = True
                 rpn = self.fspec.ranks_per_node
                 self.lost_nodes.update(range(f.rank // rpn, (f.rank + f.span - 1) // rpn + 1))
-        impact = (FaultImpact.RANK_LOSS if self.loss_unrecovered else
-                  FaultImpact.HANG if fault.impact is FaultImpact.HANG else FaultImpact.TRANSIENT)
+        impact = (
+            FaultImpact.RANK_LOSS
+            if self.loss_unrecovered
+            else FaultImpact.HANG
+            if fault.impact is FaultImpact.HANG
+            else FaultImpact.TRANSIENT
+        )
         rollback = model.from_checkpoint(impact)
-        if impact is FaultImpact.RANK_LOSS and model.lost_state_from is StateSource.PEER and not self._peer_copies_survive():
+        if (
+            impact is FaultImpact.RANK_LOSS
+            and model.lost_state_from is StateSource.PEER
+            and not self._peer_copies_survive()
+        ):
             rollback = True  # the copies were on the nodes that went down too
         if model.excises:
             for f in self.pending:
@@ -551,8 +617,8 @@ class _Run:
             committed_steps=self.committed,
             checkpoint_fraction=self.blocked_s / wall if wall > 0 else 0.0,
             step_latency_overhead=self.blocked_s / self.computed_s if self.computed_s else 0.0,
-            host_memory_bytes_per_rank=w.host_memory_bytes_per_rank + (
-                w.state_bytes_per_rank if self.model.peer_copies else 0.0),
+            host_memory_bytes_per_rank=w.host_memory_bytes_per_rank
+            + (w.state_bytes_per_rank if self.model.peer_copies else 0.0),
             storage_bytes_per_hour=self.checkpoints * w.state_bytes / hours if hours > 0 else 0.0,
             checkpoints=self.checkpoints,
             wall_s=wall,
@@ -565,17 +631,29 @@ class _Run:
 
 
 def training_overrides(
-    *, ranks: int | None = None, days: float | None = None, step_seconds: float | None = None,
-    rank_mtbf_hours: float | None = None, checkpoint_every: int | None = None,
-    checkpoint_seconds: float | None = None, checkpoint_mode: str | None = None,
-    policies: Sequence[Policy | str] | None = None, seed: int | None = None, work_steps: int | None = None,
+    *,
+    ranks: int | None = None,
+    days: float | None = None,
+    step_seconds: float | None = None,
+    rank_mtbf_hours: float | None = None,
+    checkpoint_every: int | None = None,
+    checkpoint_seconds: float | None = None,
+    checkpoint_mode: str | None = None,
+    policies: Sequence[Policy | str] | None = None,
+    seed: int | None = None,
+    work_steps: int | None = None,
 ) -> dict[str, Any]:
     """Map the CLI's flags onto scenario fields (dotted paths for :func:`with_overrides`)."""
     pairs = {
-        "workload.ranks": ranks, "workload.days": days, "workload.step_seconds": step_seconds,
-        "faults.rank_mtbf_hours": rank_mtbf_hours, "checkpointing.every_steps": checkpoint_every,
-        "checkpointing.seconds": checkpoint_seconds, "checkpointing.mode": checkpoint_mode,
-        "faults.seed": seed, "workload.work_steps": work_steps,
+        "workload.ranks": ranks,
+        "workload.days": days,
+        "workload.step_seconds": step_seconds,
+        "faults.rank_mtbf_hours": rank_mtbf_hours,
+        "checkpointing.every_steps": checkpoint_every,
+        "checkpointing.seconds": checkpoint_seconds,
+        "checkpointing.mode": checkpoint_mode,
+        "faults.seed": seed,
+        "workload.work_steps": work_steps,
         "recovery.policies": None if policies is None else [Policy(p).value for p in policies],
     }
     out: dict[str, Any] = {k: v for k, v in pairs.items() if v is not None}
@@ -594,15 +672,20 @@ def check_bounds(scenario: Scenario, w: Workload, ranks: int, horizon_s: float) 
         raise ScenarioError(
             f"{src}: checkpointing.every_steps: {intervals:.3g} checkpoint intervals of {w.checkpoint_every} steps "
             f"({w.step_s:.3g} s each) in {horizon_s / 86400:g} days exceed the limit of {MAX_CHECKPOINT_INTERVALS:,}; "
-            "raise checkpointing.every_steps, the step time, or shorten workload.days")
+            "raise checkpointing.every_steps, the step time, or shorten workload.days"
+        )
     f = scenario.faults
-    for name, mtbf in (("faults.rank_mtbf_hours", f.rank_mtbf_hours), ("faults.rank_loss_mtbf_hours", f.rank_loss_mtbf_hours),
-                       ("faults.hang_mtbf_hours", f.hang_mtbf_hours)):
+    for name, mtbf in (
+        ("faults.rank_mtbf_hours", f.rank_mtbf_hours),
+        ("faults.rank_loss_mtbf_hours", f.rank_loss_mtbf_hours),
+        ("faults.hang_mtbf_hours", f.hang_mtbf_hours),
+    ):
         expected = cluster_rate_per_s(mtbf, ranks) * horizon_s
         if expected > MAX_FAULTS:
             raise ScenarioError(
                 f"{src}: {name}: {mtbf:g} h per rank on {ranks} ranks gives {expected:.3g} faults in "
-                f"{horizon_s / 86400:g} days, over the limit of {MAX_FAULTS:,}; raise the MTBF or shorten workload.days")
+                f"{horizon_s / 86400:g} days, over the limit of {MAX_FAULTS:,}; raise the MTBF or shorten workload.days"
+            )
 
 
 def simulate_training(
@@ -633,15 +716,21 @@ def simulate_training(
     check_bounds(scenario, w, ranks, horizon)
     aged = scenario.faults.at_checkpoint_age
     if aged is not None and aged.steps >= w.checkpoint_every:
-        raise ScenarioError(f"{scenario.name}: faults.at_checkpoint_age.steps: {aged.steps} steps is not inside a "
-                            f"checkpoint interval of {w.checkpoint_every}; expected fewer steps than checkpointing.every_steps")
+        raise ScenarioError(
+            f"{scenario.name}: faults.at_checkpoint_age.steps: {aged.steps} steps is not inside a "
+            f"checkpoint interval of {w.checkpoint_every}; expected fewer steps than checkpointing.every_steps"
+        )
     for i, sf in enumerate(step_faults):
         if not 0 <= sf.rank < ranks or sf.step < 0 or not 0 <= sf.offset_s < math.inf:
-            raise ScenarioError(f"{scenario.name}: step fault {i}: rank {sf.rank}, step {sf.step}, offset {sf.offset_s} s; "
-                                f"expected rank 0..{ranks - 1}, step >= 0 and a finite offset >= 0")
+            raise ScenarioError(
+                f"{scenario.name}: step fault {i}: rank {sf.rank}, step {sf.step}, offset {sf.offset_s} s; "
+                f"expected rank 0..{ranks - 1}, step >= 0 and a finite offset >= 0"
+            )
     if aged is not None and aged.rank >= ranks:
-        raise ScenarioError(f"{scenario.name}: faults.at_checkpoint_age.rank: rank {aged.rank} is not in the job; "
-                            f"expected 0..{ranks - 1}")
+        raise ScenarioError(
+            f"{scenario.name}: faults.at_checkpoint_age.rank: rank {aged.rank} is not in the job; "
+            f"expected 0..{ranks - 1}"
+        )
     trace = fault_trace(scenario.faults, ranks, horizon, source=scenario.name)
     costs = scenario.recovery.recovery_costs(scenario.name)
     fixed = scenario.recovery.stage_seconds
@@ -654,8 +743,9 @@ def simulate_training(
     policies = list(dict.fromkeys(scenario.recovery.policies))
     results: dict[Policy, PolicyResult] = {}
     for i, p in enumerate(policies):
-        results[p] = _Run(w, p, costs, trace, horizon, scenario.faults, combined if (adjust or fixed) else None,
-                          timeline, step_faults).run()
+        results[p] = _Run(
+            w, p, costs, trace, horizon, scenario.faults, combined if (adjust or fixed) else None, timeline, step_faults
+        ).run()
         if progress:
             progress(i + 1, len(policies))
     return TrainingResult(scenario=scenario.name, workload=w, horizon_s=horizon, trace=trace, policies=results)

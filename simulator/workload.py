@@ -84,7 +84,9 @@ class Workload:
         return self.state_bytes / self.ranks
 
 
-def derive_workload(workload: WorkloadSpec, checkpointing: CheckpointSpec, ranks: int, source: str = "scenario") -> Workload:
+def derive_workload(
+    workload: WorkloadSpec, checkpointing: CheckpointSpec, ranks: int, source: str = "scenario"
+) -> Workload:
     """Step time, state size and checkpoint costs of ``workload`` on ``ranks`` ranks.
 
     Stragglers: one rank's step time is normal with mean ``step_s`` and standard deviation
@@ -107,8 +109,11 @@ def derive_workload(workload: WorkloadSpec, checkpointing: CheckpointSpec, ranks
         step_s = workload.step_seconds if workload.step_seconds is not None else 10.0
     state = total * workload.state_bytes_per_param
     shard = state / ranks
-    write_s = checkpointing.seconds if checkpointing.seconds is not None else shard / (
-        checkpointing.write_gbyte_per_s_per_rank * 1e9)
+    write_s = (
+        checkpointing.seconds
+        if checkpointing.seconds is not None
+        else shard / (checkpointing.write_gbyte_per_s_per_rank * 1e9)
+    )
     if checkpointing.mode is CheckpointMode.SYNC:
         block_s, host = write_s, 0.0
     else:
@@ -122,9 +127,17 @@ def derive_workload(workload: WorkloadSpec, checkpointing: CheckpointSpec, ranks
     straggle = 1.0 + workload.step_time_cv * expected_max_of_normals(ranks) if workload.step_time_cv else 1.0
     read = checkpointing.read_gbyte_per_s_per_rank
     return Workload(
-        model=model.name, ranks=ranks, replica_ranks=replica, step_s=step_s, state_bytes=state,
-        checkpoint_every=checkpointing.every_steps, checkpoint_mode=checkpointing.mode,
-        checkpoint_write_s=write_s, checkpoint_block_s=block_s, host_memory_bytes_per_rank=host,
-        straggler_factor=straggle, reload_bytes_per_s=None if read is None else read * 1e9,
+        model=model.name,
+        ranks=ranks,
+        replica_ranks=replica,
+        step_s=step_s,
+        state_bytes=state,
+        checkpoint_every=checkpointing.every_steps,
+        checkpoint_mode=checkpointing.mode,
+        checkpoint_write_s=write_s,
+        checkpoint_block_s=block_s,
+        host_memory_bytes_per_rank=host,
+        straggler_factor=straggle,
+        reload_bytes_per_s=None if read is None else read * 1e9,
         work_steps=workload.work_steps,
     )

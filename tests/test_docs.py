@@ -56,7 +56,9 @@ def _nav() -> list[str]:
 
 def test_the_readme_is_a_front_door_under_15_kb_whose_two_commands_are_make_targets():
     readme = (ROOT / "README.md").read_bytes()
-    assert len(readme) <= README_LIMIT, f"README.md is {len(readme):,} bytes; move detail into docs/ (limit {README_LIMIT:,})"
+    assert len(readme) <= README_LIMIT, (
+        f"README.md is {len(readme):,} bytes; move detail into docs/ (limit {README_LIMIT:,})"
+    )
     lines = readme.decode().splitlines()
     for command in ("make app", "make test"):
         assert any(line.startswith(command + " ") or line == command for line in lines), f"README lost `{command}`"
@@ -84,15 +86,19 @@ def test_every_page_in_the_nav_exists_and_every_page_is_in_the_nav():
 
 def test_the_api_reference_names_modules_that_exist_through_the_import_shim():
     shim = DOCS / "_griffe" / "meshpact"
-    names = [n for page in ("api/core.md", "api/recovery.md")
-             for n in re.findall(r"^::: (meshpact\.[\w.]+)", (DOCS / page).read_text(), re.M)]
+    names = [
+        n
+        for page in ("api/core.md", "api/recovery.md")
+        for n in re.findall(r"^::: (meshpact\.[\w.]+)", (DOCS / page).read_text(), re.M)
+    ]
     assert any(n.startswith("meshpact.core.") for n in names)
     assert {f"meshpact.live.recovery.{m}" for m in ("runtime", "session", "config", "consensus")} <= set(names)
     for name in names:
         parts = name.split(".")[1:]
         path = shim.joinpath(*parts)
-        assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), \
+        assert path.with_suffix(".py").is_file() or (path / "__init__.py").is_file(), (
             f"the API reference documents {name}, which griffe cannot find under {shim}"
+        )
 
 
 def _renderer() -> ModuleType:
@@ -103,8 +109,9 @@ def test_the_results_page_its_figures_and_json_copies_are_what_the_benchmarks_fi
     render = _renderer()
     rendered = render.render(ROOT / "bench" / "results")
     assert rendered.sources, "bench/results/ holds no benchmark result"
-    assert render.problems(rendered, DOCS) == [], \
+    assert render.problems(rendered, DOCS) == [], (
         "the results page is out of date: run python scripts/render_results.py, never edit docs/results.md"
+    )
     page = (DOCS / "results.md").read_text()
     assert len(page.encode()) < 15_000, f"docs/results.md is {len(page.encode()):,} bytes; keep it under 15 KB"
     for figure in rendered.figures:
@@ -164,10 +171,18 @@ def test_a_results_folder_that_is_not_there_is_one_line(tmp_path, capsys):
 
 def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_and_small_tables(tmp_path, capsys):
     results = _script(ROOT / "bench" / "_results.py")
-    doc = {"bench": "gpu", "median_us_per_plan": 150.5, "goal_met": True, "note": "a | b",
-           "load": {"before": [1.0, 2.0, 3.0]}, "nested": {"deep": {"x": 1}},
-           "rows": [{"model": "dense", "ms": 8.25}, {"model": "moe", "ms": 7.5}],
-           "runs": [{f"k{i}": i for i in range(9)}], "samples": list(range(40)), "empty": {}}
+    doc = {
+        "bench": "gpu",
+        "median_us_per_plan": 150.5,
+        "goal_met": True,
+        "note": "a | b",
+        "load": {"before": [1.0, 2.0, 3.0]},
+        "nested": {"deep": {"x": 1}},
+        "rows": [{"model": "dense", "ms": 8.25}, {"model": "moe", "ms": 7.5}],
+        "runs": [{f"k{i}": i for i in range(9)}],
+        "samples": list(range(40)),
+        "empty": {},
+    }
     path = results.emit("gpu", doc, results=tmp_path)
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert json.loads(path.read_text()) == line and line["median_us_per_plan"] == 150.5
@@ -179,7 +194,7 @@ def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_a
     rendered = _renderer().render(tmp_path)
     assert rendered.figures == ()
     page = rendered.page
-    section = page[page.index("## gpu"):]
+    section = page[page.index("## gpu") :]
     assert run["date"].replace("T", " ").removesuffix("+00:00") in section
     assert " / ".join(f"{x:.4g}" for x in run["load_average"]) in section
     assert f"{run['machine']['cpus']} × " in section
@@ -191,23 +206,41 @@ def test_a_new_result_file_gets_the_generic_section_with_its_date_load_machine_a
     assert "| `model` | `ms` |" in section and "| dense | 8.25 |" in section and "| moe | 7.5 |" in section
     assert "`runs` holds 1 records of 9 fields, in the full JSON." in section and "`k8`" not in section
     assert "[gpu.json](figures/data/gpu.json)" in section
-    capped = page[page.index("## capped_made_up"):page.index("## gpu")]
+    capped = page[page.index("## capped_made_up") : page.index("## gpu")]
     assert "| `key_07` | 10.5 |" in capped and "key_08" not in capped
     assert "12 more values are in the full JSON." in capped
 
 
-@pytest.mark.parametrize(("name", "text", "expected"), [
-    ("gpu", "[1, 2]", "gpu.json: expected one JSON object, got list"),
-    ("gpu", "{\"a\": ", "gpu.json: not JSON (Expecting value at line 1)"),
-    ("recovery", "{\"recoveries\": 100}", "/recovery.json has no `recovery_ms_by_ranks`"),
-    ("launch", json.dumps({"downtime_s_by_case": {"a": 1.0}, "downtime_s_runs_by_case": {"a": [1.0]}, "nodes": 2,
-                           "ranks_per_node": 2, "runs": 1, "policies_by_case": 3}),
-     "/launch.json does not have the shape the `launch` section reads (AttributeError"),
-    ("spillover-requests", json.dumps({"rows": [{"request": "full"}]}),
-     "the `spillover` section reads (KeyError: 'throughput_tok_s')"),
-])
-def test_a_result_file_of_the_wrong_shape_stops_the_render_with_one_line_naming_it(tmp_path, capsys, name, text,
-                                                                                    expected):
+@pytest.mark.parametrize(
+    ("name", "text", "expected"),
+    [
+        ("gpu", "[1, 2]", "gpu.json: expected one JSON object, got list"),
+        ("gpu", '{"a": ', "gpu.json: not JSON (Expecting value at line 1)"),
+        ("recovery", '{"recoveries": 100}', "/recovery.json has no `recovery_ms_by_ranks`"),
+        (
+            "launch",
+            json.dumps(
+                {
+                    "downtime_s_by_case": {"a": 1.0},
+                    "downtime_s_runs_by_case": {"a": [1.0]},
+                    "nodes": 2,
+                    "ranks_per_node": 2,
+                    "runs": 1,
+                    "policies_by_case": 3,
+                }
+            ),
+            "/launch.json does not have the shape the `launch` section reads (AttributeError",
+        ),
+        (
+            "spillover-requests",
+            json.dumps({"rows": [{"request": "full"}]}),
+            "the `spillover` section reads (KeyError: 'throughput_tok_s')",
+        ),
+    ],
+)
+def test_a_result_file_of_the_wrong_shape_stops_the_render_with_one_line_naming_it(
+    tmp_path, capsys, name, text, expected
+):
     (tmp_path / f"{name}.json").write_text(text)
     assert _renderer().main(["--results", str(tmp_path), "--docs", str(tmp_path / "docs")]) == 2
     err = capsys.readouterr().err

@@ -66,11 +66,16 @@ def missing(ref: str) -> str | None:
 
 def _marks() -> list[tuple[str, str]]:
     """Every reference on every page (the syntax shown in code, as docs/extending.md shows it, is none)."""
+
     def prose(text: str) -> str:
         return re.sub(r"`[^`\n]*`", "", re.sub(r"```.*?```", "", text, flags=re.S))
 
-    return [(page.name, ref.strip()) for page in _pages() for found in MARK.findall(prose(page.read_text()))
-            for ref in found.split(";")]
+    return [
+        (page.name, ref.strip())
+        for page in _pages()
+        for found in MARK.findall(prose(page.read_text()))
+        for ref in found.split(";")
+    ]
 
 
 def test_every_claim_points_at_a_test_or_a_result_that_exists():
@@ -94,7 +99,10 @@ def test_what_a_page_says_of_gpus_points_at_what_showed_it_or_says_it_has_not_ru
 
 
 def test_a_reference_that_shows_nothing_is_named():
-    assert missing("tests/live/test_launch.py::test_no_such_test") == "tests/live/test_launch.py defines no test_no_such_test"
+    assert (
+        missing("tests/live/test_launch.py::test_no_such_test")
+        == "tests/live/test_launch.py defines no test_no_such_test"
+    )
     assert missing("bench/results/recovery.json:no_such_key") == "bench/results/recovery.json has no no_such_key"
     assert missing("bench/results/recovery.json:bit_identical") is None
     assert "expected" in (missing("somewhere else") or "")

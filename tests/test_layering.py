@@ -23,8 +23,11 @@ def _imports(package: str) -> set[str]:
 
 
 def test_core_imports_no_torch_and_no_sibling_package():
-    bad = {n for n in _imports("core") if n.split(".")[0] == "torch" or n.startswith(
-        ("meshpact.simulator", "meshpact.live", "meshpact.app"))}
+    bad = {
+        n
+        for n in _imports("core")
+        if n.split(".")[0] == "torch" or n.startswith(("meshpact.simulator", "meshpact.live", "meshpact.app"))
+    }
     assert not bad
 
 
@@ -160,7 +163,9 @@ def test_the_import_graph_sees_function_level_relative_and_absolute_imports(tmp_
 
 def test_no_import_circle_among_the_modules_of_live():
     graph = import_graph(ROOT / "live")
-    assert "meshpact.live.launch.worker" in graph["meshpact.live.launch.forkserver"]  # the graph reads function-level imports
+    assert (
+        "meshpact.live.launch.worker" in graph["meshpact.live.launch.forkserver"]
+    )  # the graph reads function-level imports
     assert circles(graph) == []
 
 
@@ -175,8 +180,11 @@ def test_the_trial_bench_is_a_client_of_the_recovery_library_that_the_library_ne
 
 def test_no_class_of_the_launch_room_is_over_250_lines():
     """The agent is split along its decisions (replace, promote a spare, announce gone, node loss)."""
-    sizes = {f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
-             for path in (ROOT / "live" / "launch").glob("*.py")
-             for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ClassDef)}
+    sizes = {
+        f"{path.name}:{node.name}": node.end_lineno - node.lineno + 1
+        for path in (ROOT / "live" / "launch").glob("*.py")
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef)
+    }
     assert sizes["elastic.py:ReplacingAgent"] > 100  # the walk sees the agent
     assert {name: n for name, n in sizes.items() if n > 250} == {}

@@ -68,13 +68,27 @@ def apply_pick(last: Ack | None, pick: CanvasPick | None, scene: str) -> frozens
     return pick.ids
 
 
-def mesh_canvas(scene: MeshScene, selected: Iterable[int], *, key: str, ack: Ack | None,
-                marks: dict[int, int] | None = None, height: int = 420, caption: str = "") -> CanvasPick | None:
+def mesh_canvas(
+    scene: MeshScene,
+    selected: Iterable[int],
+    *,
+    key: str,
+    ack: Ack | None,
+    marks: dict[int, int] | None = None,
+    height: int = 420,
+    caption: str = "",
+) -> CanvasPick | None:
     """Draw ``scene`` with ``selected`` ids painted (failed ranks, or picked nodes) and return
     the canvas's last pick. ``marks`` counts failed ranks per node in a node scene;
     ``height`` is the room kept while the frame loads (it then sizes itself)."""
-    value = _COMPONENT(scene=scene.payload, selected=sorted(int(i) for i in selected),
-                      ack=list(ack) if ack else None,
-                      marks=[[int(i), int(k)] for i, k in sorted((marks or {}).items())],
-                      caption=caption, height=height, key=key, default=None)
+    value = _COMPONENT(
+        scene=scene.payload,
+        selected=sorted(int(i) for i in selected),
+        ack=list(ack) if ack else None,
+        marks=[[int(i), int(k)] for i, k in sorted((marks or {}).items())],
+        caption=caption,
+        height=height,
+        key=key,
+        default=None,
+    )
     return read_pick(value)

@@ -67,10 +67,12 @@ def _drill(text: str, source: str, picked: tuple[int, ...]) -> tuple[Mesh, MeshS
 
 
 @st.cache_resource(show_spinner=False, max_entries=CACHED)
-def _comparison(text: str, source: str, failed: tuple[int, ...], rank_loss: bool, since: int,
-                step_s: float) -> tuple[PolicyComparison, str]:
-    cmp = compare_policies(mesh_for(text, source), frozenset(failed), rank_loss=rank_loss,
-                           steps_since_checkpoint=since, step_s=step_s)
+def _comparison(
+    text: str, source: str, failed: tuple[int, ...], rank_loss: bool, since: int, step_s: float
+) -> tuple[PolicyComparison, str]:
+    cmp = compare_policies(
+        mesh_for(text, source), frozenset(failed), rank_loss=rank_loss, steps_since_checkpoint=since, step_s=step_s
+    )
     return cmp, recovery_bars_html(cmp.breakdowns)
 
 
@@ -150,29 +152,51 @@ def _selection_and_recovery() -> None:
 
     left, right = st.columns([3, 2], gap="large")
     with left:
-        st.text_input("Failed ranks: type rank ids and ranges (5-9, 12), or pick them on the chart", key=TEXT_KEY,
-                      on_change=_typed, placeholder="no rank failed")
+        st.text_input(
+            "Failed ranks: type rank ids and ranges (5-9, 12), or pick them on the chart",
+            key=TEXT_KEY,
+            on_change=_typed,
+            placeholder="no rank failed",
+        )
         if st.session_state.get(TEXT_ERROR):
             st.error(st.session_state[TEXT_ERROR])
-        st.caption("On the chart: click a rank to fail it and again to heal it, drag a box to fail every rank inside, "
-                   "hover to see its domain and host.")
+        st.caption(
+            "On the chart: click a rank to fail it and again to heal it, drag a box to fail every rank inside, "
+            "hover to see its domain and host."
+        )
         if aggregated:
             marks = {n.index: k for n in nodes if (k := len(state.failed.intersection(n.ranks)))}
-            mesh_canvas(nodes_scene, picked, key=NODES_KEY, ack=_ack(NODES_KEY), marks=marks, height=540,
-                        caption=f"{count(mesh.world_size)} ranks as {count(len(nodes))} nodes of {NODE_RANKS}: click a "
-                                "node, or drag a box over nodes, to draw their ranks below.")
+            mesh_canvas(
+                nodes_scene,
+                picked,
+                key=NODES_KEY,
+                ack=_ack(NODES_KEY),
+                marks=marks,
+                height=540,
+                caption=f"{count(mesh.world_size)} ranks as {count(len(nodes))} nodes of {NODE_RANKS}: click a "
+                "node, or drag a box over nodes, to draw their ranks below.",
+            )
             st.caption(f"Drill-down: {count(drill.world_size)} ranks ({format_ranks(drill.ranks)})")
             mesh_canvas(scene, state.failed.intersection(shown), key=DRILL_KEY, ack=_ack(DRILL_KEY), height=440)
         else:
             mesh_canvas(scene, state.failed, key=CANVAS_KEY, ack=_ack(CANVAS_KEY), height=560)
 
     with right:
-        table = pd.DataFrame([{"communicator": cm.name.removeprefix("bridge "),
-                               "state": "intact" if cm.intact(state.failed) else "broken",
-                               "backend": cm.backend, "ranks": count(len(cm.ranks))}
-                              for cm in state.communicators])
+        table = pd.DataFrame(
+            [
+                {
+                    "communicator": cm.name.removeprefix("bridge "),
+                    "state": "intact" if cm.intact(state.failed) else "broken",
+                    "backend": cm.backend,
+                    "ranks": count(len(cm.ranks)),
+                }
+                for cm in state.communicators
+            ]
+        )
         st.dataframe(  # as wide as its columns (the grid sizes each to its longest cell): beside the chart
-            table, hide_index=True, width="content",  # where it fits, below it where not
+            table,
+            hide_index=True,
+            width="content",  # where it fits, below it where not
         )
         for dom, rank in state.bridges.items():
             if rank is None:
@@ -188,44 +212,70 @@ def _selection_and_recovery() -> None:
 
     st.subheader("Recovery by policy")
     if not state.failed:
-        st.info("Fail a rank (click it on the chart, drag a box, or type it above) to see what each recovery policy "
-                "would cost.")
+        st.info(
+            "Fail a rank (click it on the chart, drag a box, or type it above) to see what each recovery policy "
+            "would cost."
+        )
     else:
         k1, k2, k3 = st.columns(3)
-        rank_loss = k1.toggle("the failed ranks' processes are gone", value=False,
-                              help="Off: a collective failed and every process is alive. On: the ranks are lost.")
+        rank_loss = k1.toggle(
+            "the failed ranks' processes are gone",
+            value=False,
+            help="Off: a collective failed and every process is alive. On: the ranks are lost.",
+        )
         since = k2.slider("steps since the last checkpoint", 0, 500, 50, step=10)
         step_s = k3.slider("seconds per training step", 0.1, 10.0, 1.0, step=0.1)
-        st.session_state["mesh_recovery_knobs"] = (rank_loss, since, step_s)  # Replay and Simulate cost the same failure
-        cmp, recovery_bars = _comparison(choice.text, choice.source, tuple(sorted(state.failed)), rank_loss, since, step_s)
+        st.session_state["mesh_recovery_knobs"] = (
+            rank_loss,
+            since,
+            step_s,
+        )  # Replay and Simulate cost the same failure
+        cmp, recovery_bars = _comparison(
+            choice.text, choice.source, tuple(sorted(state.failed)), rank_loss, since, step_s
+        )
         if cmp.shape.lost_hosts and not rank_loss:
-            st.info(f"Every rank of host **{', '.join(cmp.shape.lost_hosts)}** failed: its processes are gone with it, "
-                    "so the figures count a rank loss.")
+            st.info(
+                f"Every rank of host **{', '.join(cmp.shape.lost_hosts)}** failed: its processes are gone with it, "
+                "so the figures count a rank loss."
+            )
         m1, m2, m3 = st.columns(3)
         fast = cmp.total_s(Policy.IN_MEMORY)
         cold = cmp.total_s(Policy.COLD_RESTART) or 0.0
         if cmp.downtime_reduction is not None and fast is not None:
             m1.metric("downtime reduction (cold restart ÷ in-memory)", f"{cmp.downtime_reduction:.1f}×")
-            m2.metric("in-memory rebind downtime", duration(fast), delta=f"{duration(fast - cold)} vs cold restart",
-                      delta_color="inverse")
+            m2.metric(
+                "in-memory rebind downtime",
+                duration(fast),
+                delta=f"{duration(fast - cold)} vs cold restart",
+                delta_color="inverse",
+            )
         else:
             best = min(cmp.breakdowns, key=lambda b: b.total_s)
             m1.metric("in-memory rebind", "cannot apply", help=cmp.unavailable.get(Policy.IN_MEMORY, ""))
             m2.metric(f"fastest: {best.policy.label}", duration(best.total_s))
-        m3.metric("state retained in memory", f"{count(cmp.retained_ranks)}/{count(mesh.world_size)} ranks",
-                  help=f"{cmp.retained_bytes / 1e9:,.0f} GB kept in memory; a checkpoint restore reads "
-                       f"{cmp.reloaded_bytes / 1e9:,.0f} GB back")
+        m3.metric(
+            "state retained in memory",
+            f"{count(cmp.retained_ranks)}/{count(mesh.world_size)} ranks",
+            help=f"{cmp.retained_bytes / 1e9:,.0f} GB kept in memory; a checkpoint restore reads "
+            f"{cmp.reloaded_bytes / 1e9:,.0f} GB back",
+        )
         for policy, why in cmp.unavailable.items():
             st.warning(f"**{policy.label} cannot apply:** {why}.")
         # plain HTML bars: a click redraws them, and a chart library's redraw doubled a click's time
         st.markdown(recovery_bars, unsafe_allow_html=True)
         st.markdown("\n".join(f"- **{p.label}**: {POLICY_EXPLAINED[p]}" for p in Policy))
-        st.caption(f"In-memory rebind rebuilds the communicators the failed ranks belonged to "
-                   f"({count(cmp.shape.rebuild_ranks)} ranks); the restores rebuild all {count(mesh.world_size)}. "
-                   "Durations come from the recovery cost model (`core/recovery.py`), whose defaults name their source "
-                   "or say they are assumptions. The Live page measures the same stages on real process groups.")
-        st.download_button("recovery comparison CSV", data=pd.DataFrame(comparison_rows(cmp)).to_csv(index=False),
-                           file_name=f"{choice.scenario.name}-recovery-{len(state.failed)}-failed.csv", mime="text/csv")
+        st.caption(
+            f"In-memory rebind rebuilds the communicators the failed ranks belonged to "
+            f"({count(cmp.shape.rebuild_ranks)} ranks); the restores rebuild all {count(mesh.world_size)}. "
+            "Durations come from the recovery cost model (`core/recovery.py`), whose defaults name their source "
+            "or say they are assumptions. The Live page measures the same stages on real process groups."
+        )
+        st.download_button(
+            "recovery comparison CSV",
+            data=pd.DataFrame(comparison_rows(cmp)).to_csv(index=False),
+            file_name=f"{choice.scenario.name}-recovery-{len(state.failed)}-failed.csv",
+            mime="text/csv",
+        )
 
 
 _selection_and_recovery()

@@ -13,11 +13,25 @@ from meshpact.app.figures import mesh_figure, recovery_figure
 from meshpact.app.format import clock, count
 from meshpact.app.policies import compare_policies
 from meshpact.app.replay import (
-    ReplayEvent, find_recordings, first_recovery_index, frame_breakdown, from_breakdown, from_recording,
-    from_timeline, recording_mesh, recording_problem, replay_frame,
+    ReplayEvent,
+    find_recordings,
+    first_recovery_index,
+    frame_breakdown,
+    from_breakdown,
+    from_recording,
+    from_timeline,
+    recording_mesh,
+    recording_problem,
+    replay_frame,
 )
 from meshpact.app.state import (
-    FAILED_KEY, REPLAY_LINK, REPLAY_SOURCES, clamp_failed, format_ranks, replay_link_word, replay_source_from_link,
+    FAILED_KEY,
+    REPLAY_LINK,
+    REPLAY_SOURCES,
+    clamp_failed,
+    format_ranks,
+    replay_link_word,
+    replay_source_from_link,
 )
 from meshpact.core.errors import MeshpactError
 from meshpact.core.recording import Event, read_recording
@@ -53,16 +67,18 @@ def recorded(path: str, mtime: float) -> tuple[list[ReplayEvent], dict, list[Eve
 def _policy_picker(options: list[Policy]) -> Policy:
     if st.session_state.get("replay_policy") not in [p.value for p in options]:
         st.session_state["replay_policy"] = (Policy.IN_MEMORY if Policy.IN_MEMORY in options else options[0]).value
-    return Policy(st.selectbox("policy", [p.value for p in options], key="replay_policy",
-                               format_func=lambda v: Policy(v).label))
+    return Policy(
+        st.selectbox("policy", [p.value for p in options], key="replay_policy", format_func=lambda v: Policy(v).label)
+    )
 
 
 if "replay_source" not in st.session_state:  # a reload or a shared link: the source it names
     linked = replay_source_from_link(st.query_params.get(REPLAY_LINK))
     if linked is not None:
         st.session_state["replay_source"] = linked
-source = st.radio("replay", [SIMULATED, RECORDING, FROM_MESH], horizontal=True, key="replay_source",
-                  label_visibility="collapsed")
+source = st.radio(
+    "replay", [SIMULATED, RECORDING, FROM_MESH], horizontal=True, key="replay_source", label_visibility="collapsed"
+)
 if st.query_params.get(REPLAY_LINK) != replay_link_word(source):  # a reload opens on this source again
     st.query_params[REPLAY_LINK] = replay_link_word(source) or ""
 policy = Policy.IN_MEMORY
@@ -75,8 +91,12 @@ try:
         options = [str(p) for p in found] + [ANOTHER]
         if st.session_state.get("replay_recording") not in options:  # kept from before, gone since
             st.session_state.pop("replay_recording", None)
-        pick = st.selectbox("recording", options, key="replay_recording",
-                            help="Finished recordings: live runs under recordings/, those shipped in scenarios/recordings/")
+        pick = st.selectbox(
+            "recording",
+            options,
+            key="replay_recording",
+            help="Finished recordings: live runs under recordings/, those shipped in scenarios/recordings/",
+        )
         path = st.text_input("path of a recording (.jsonl)", key="replay_path") if pick == ANOTHER else pick
         if not path:
             st.info("No recording chosen. Live runs save theirs under `recordings/`; give a path to replay another.")
@@ -105,9 +125,11 @@ try:
         policy = _policy_picker([b.policy for b in cmp.breakdowns])
         breakdown = next(b for b in cmp.breakdowns if b.policy is policy)
         events = from_breakdown(failed, breakdown)
-        st.caption(f"Ranks {format_ranks(failed)} fail at once; {policy.label}'s stages from the cost model "
-                   f"({'rank loss' if cmp.rank_loss else 'processes alive'}, {since} steps since the checkpoint, "
-                   f"{step_s:g} s per step, as set on Mesh).")
+        st.caption(
+            f"Ranks {format_ranks(failed)} fail at once; {policy.label}'s stages from the cost model "
+            f"({'rank loss' if cmp.rank_loss else 'processes alive'}, {since} steps since the checkpoint, "
+            f"{step_s:g} s per step, as set on Mesh)."
+        )
     else:
         policy = _policy_picker(list(Policy))
         events = simulated(choice.text, choice.source, policy.value)
@@ -120,9 +142,13 @@ if not events:
     st.info("Nothing to replay: this run has no faults or recovery stages.")
     st.stop()
 if raw_events is not None:
-    st.download_button("Perfetto trace (a track per rank)", data=perfetto_json(raw_events, trace_name),
-                       file_name=f"{trace_name}.perfetto.json", mime="application/json",
-                       help="Open it at https://ui.perfetto.dev: each rank is a track, each recovery stage a slice.")
+    st.download_button(
+        "Perfetto trace (a track per rank)",
+        data=perfetto_json(raw_events, trace_name),
+        file_name=f"{trace_name}.perfetto.json",
+        mime="application/json",
+        help="Open it at https://ui.perfetto.dev: each rank is a track, each recovery stage a slice.",
+    )
 
 replay_key = (source, policy.value, len(events), events[0].t)
 n = len(events)
@@ -130,8 +156,12 @@ if st.session_state.get("replay_key") != replay_key or not 1 <= st.session_state
     st.session_state["replay_key"] = replay_key  # a new replay opens on its first recovery, all stages shown
     st.session_state[IDX] = first_recovery_index(events) + 1
 playing = bool(st.session_state.get(PLAY))
-if st.button("pause" if playing else "play", type="primary", key="replay_play",
-             icon=":material/pause:" if playing else ":material/play_arrow:"):
+if st.button(
+    "pause" if playing else "play",
+    type="primary",
+    key="replay_play",
+    icon=":material/pause:" if playing else ":material/play_arrow:",
+):
     st.session_state[PLAY] = not playing
     if not playing and st.session_state.get(IDX, 1) >= n:
         st.session_state[IDX] = 1
@@ -156,8 +186,11 @@ def player() -> None:
     b.metric("stage", frame.stage.value if frame.stage else "—")
     ids = format_ranks(frame.failed)
     named = (f"rank {ids}" if len(frame.failed) == 1 else f"ranks {ids}") if frame.failed else "none"
-    c.metric("failed ranks", named if len(named) <= 13 else f"{count(len(frame.failed))} ranks",
-             help=f"the ranks down at this event: {named}")
+    c.metric(
+        "failed ranks",
+        named if len(named) <= 13 else f"{count(len(frame.failed))} ranks",
+        help=f"the ranks down at this event: {named}",
+    )
     d.metric("recoveries before this one", count(frame.recoveries_before))
     left, right = st.columns([3, 2], gap="large")
     with left:
@@ -165,11 +198,16 @@ def player() -> None:
     with right:
         st.markdown(f"**Event {idx + 1}/{n}:** {frame.event.label}")
         if frame.stages_so_far:
-            st.plotly_chart(recovery_figure([frame_breakdown(frame, frame.policy or policy)]),
-                            key="replay_stages")
+            st.plotly_chart(recovery_figure([frame_breakdown(frame, frame.policy or policy)]), key="replay_stages")
         lo = max(0, idx - 3)
-        st.dataframe([{"#": f"» {i + 1}" if i == idx else str(i + 1), "time": clock(e.t), "event": e.label}
-                      for i, e in enumerate(events[lo: lo + 8], start=lo)], hide_index=True, width="content")
+        st.dataframe(
+            [
+                {"#": f"» {i + 1}" if i == idx else str(i + 1), "time": clock(e.t), "event": e.label}
+                for i, e in enumerate(events[lo : lo + 8], start=lo)
+            ],
+            hide_index=True,
+            width="content",
+        )
 
 
 player()

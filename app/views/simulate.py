@@ -25,7 +25,14 @@ from meshpact.app.format import count, duration
 from meshpact.app.policies import compare_policies
 from meshpact.app.state import FAILED_KEY, clamp_failed, format_ranks
 from meshpact.app.widgets import number_box
-from meshpact.app.whatif import CHECKPOINT_EVERY, CONCURRENCY, MTBF_HOURS, goodput_curve, serving_curve, serving_scenario
+from meshpact.app.whatif import (
+    CHECKPOINT_EVERY,
+    CONCURRENCY,
+    MTBF_HOURS,
+    goodput_curve,
+    serving_curve,
+    serving_scenario,
+)
 from meshpact.core.scenario import SERVING_REQUESTS, Deployment
 from meshpact.core.errors import MeshpactError, ScenarioError
 from meshpact.core.fleet import FailureDistribution, FleetSpec, parse_fleet
@@ -62,8 +69,16 @@ def sweep(text: str, source: str, knob: str, values: tuple, flags: tuple) -> pd.
     return goodput_curve(parse_scenario_text(text, source), knob, values, dict(flags))
 
 
-def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma: int, acceptance: float,
-                progress: Callable[[int, int], None]) -> pd.DataFrame:
+def deployments(
+    serve: Any,
+    model: str,
+    reqs: tuple,
+    gbps: float,
+    n: int,
+    gamma: int,
+    acceptance: float,
+    progress: Callable[[int, int], None],
+) -> pd.DataFrame:
     """Throughput per deployment, concurrency and request, plain and speculative (γ, acceptance)."""
     from meshpact.simulator.batching import simulate_deployment
 
@@ -73,11 +88,18 @@ def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma:
         flags = {"model": model, "concurrency": int(c), "request": req, "requests": n, "link_gbps": gbps}
         plain = simulate_deployment(serve, deployment, **flags)
         spec = simulate_deployment(serve, deployment, gamma=gamma, acceptance=acceptance, **flags)
-        rows.append({"deployment": deployment, "concurrency": int(c), "request": req,
-                     "tok/s": plain.throughput_tok_s, "tok/s speculative": spec.throughput_tok_s,
-                     "speculative gain": spec.throughput_tok_s / plain.throughput_tok_s - 1.0,
-                     "result bytes/token": plain.result_bytes / max(plain.remote_tokens, 1),
-                     "speculative result bytes/token": spec.result_bytes / max(spec.remote_tokens, 1)})
+        rows.append(
+            {
+                "deployment": deployment,
+                "concurrency": int(c),
+                "request": req,
+                "tok/s": plain.throughput_tok_s,
+                "tok/s speculative": spec.throughput_tok_s,
+                "speculative gain": spec.throughput_tok_s / plain.throughput_tok_s - 1.0,
+                "result bytes/token": plain.result_bytes / max(plain.remote_tokens, 1),
+                "speculative result bytes/token": spec.result_bytes / max(spec.remote_tokens, 1),
+            }
+        )
         progress(done, len(points))
     return pd.DataFrame(rows)
 
@@ -85,13 +107,16 @@ def deployments(serve: Any, model: str, reqs: tuple, gbps: float, n: int, gamma:
 # The deployment tables' columns, titled short enough for both tables to show whole at 1,024 px.
 DEPLOYMENT_COLUMNS = {
     "tok/s": st.column_config.NumberColumn("tok/s", format="%.0f"),
-    "tok/s speculative": st.column_config.NumberColumn("tok/s spec.", format="%.0f",
-                                                       help="tokens per second with speculative decoding"),
+    "tok/s speculative": st.column_config.NumberColumn(
+        "tok/s spec.", format="%.0f", help="tokens per second with speculative decoding"
+    ),
     "speculative gain": st.column_config.NumberColumn("spec. gain", format="percent"),
-    "result bytes/token": st.column_config.NumberColumn("bytes/token", format="%.0f",
-                                                        help="result bytes over the link per remote token"),
+    "result bytes/token": st.column_config.NumberColumn(
+        "bytes/token", format="%.0f", help="result bytes over the link per remote token"
+    ),
     "speculative result bytes/token": st.column_config.NumberColumn(
-        "bytes/token spec.", format="%.0f", help="result bytes over the link per remote token, speculative"),
+        "bytes/token spec.", format="%.0f", help="result bytes over the link per remote token, speculative"
+    ),
 }
 
 
@@ -110,16 +135,19 @@ def fleet_runs(text: str, source: str, fleet_json: str, policies: tuple, toleran
     from meshpact.simulator.fleet import simulate_fleet
 
     fleet = FleetSpec.model_validate_json(fleet_json)
-    return simulate_fleet(parse_scenario_text(text, source), fleet=fleet, policies=list(policies), tolerance=tolerance,
-                          max_runs=50).to_frame()
+    return simulate_fleet(
+        parse_scenario_text(text, source), fleet=fleet, policies=list(policies), tolerance=tolerance, max_runs=50
+    ).to_frame()
 
 
 training, serving, fleet_tab = st.tabs(["Training with faults", "Serving spillover", "Fleet (AIReSim's cluster)"])
 
 with training:
     w, f, c = scenario.workload, scenario.faults, scenario.checkpointing
-    st.caption(f"{scenario.name}: {w.model}, {w.ranks or 'all'} ranks, faults, checkpoints and recovery from the "
-               "scenario; change them here. Every policy replays the same fault trace.")
+    st.caption(
+        f"{scenario.name}: {w.model}, {w.ranks or 'all'} ranks, faults, checkpoints and recovery from the "
+        "scenario; change them here. Every policy replays the same fault trace."
+    )
     k: Sequence[DeltaGenerator] = st.columns(5)
     # Typed, not stepped: a value out of range is refused under its box in words, and no figure is drawn
     # for a setting the page does not hold (the figures never stay on an old value beside a new one)
@@ -131,8 +159,13 @@ with training:
     if days is None or mtbf is None or every is None or seed is None:
         st.info("The figures wait for every box above to hold a number it takes.")
         st.stop()
-    flags = {"days": days, "rank_mtbf_hours": mtbf, "checkpoint_every": int(every), "checkpoint_mode": mode,
-             "seed": int(seed)}
+    flags = {
+        "days": days,
+        "rank_mtbf_hours": mtbf,
+        "checkpoint_every": int(every),
+        "checkpoint_mode": mode,
+        "seed": int(seed),
+    }
     key = (choice.text, tuple(sorted(flags.items())))
     try:
         from meshpact.simulator.timeline import chrome_trace
@@ -145,23 +178,41 @@ with training:
         st.stop()
     cols = st.columns(len(point.policies))
     for col, (policy, res) in zip(cols, point.policies.items()):
-        col.metric(policy.label, f"{res.goodput:.2%}", help=f"{count(res.faults)} faults, "
-                   f"{duration(res.downtime_total_s)} down, {count(res.lost_steps)} steps lost")
+        col.metric(
+            policy.label,
+            f"{res.goodput:.2%}",
+            help=f"{count(res.faults)} faults, "
+            f"{duration(res.downtime_total_s)} down, {count(res.lost_steps)} steps lost",
+        )
     a, b = st.columns(2)
-    a.plotly_chart(goodput_figure(by_mtbf, "rank_mtbf_hours", "goodput against per-rank MTBF",
-                                  "per-rank MTBF (hours)", current=mtbf))
-    b.plotly_chart(goodput_figure(by_every, "checkpoint_every", "goodput against checkpoint interval",
-                                  "checkpoint every (steps)", current=int(every)))
-    st.plotly_chart(recovery_figure([RecoveryBreakdown(p, r.downtime_s) for p, r in point.policies.items()]),
-                    key="downtime_by_stage")
+    a.plotly_chart(
+        goodput_figure(
+            by_mtbf, "rank_mtbf_hours", "goodput against per-rank MTBF", "per-rank MTBF (hours)", current=mtbf
+        )
+    )
+    b.plotly_chart(
+        goodput_figure(
+            by_every,
+            "checkpoint_every",
+            "goodput against checkpoint interval",
+            "checkpoint every (steps)",
+            current=int(every),
+        )
+    )
+    st.plotly_chart(
+        recovery_figure([RecoveryBreakdown(p, r.downtime_s) for p, r in point.policies.items()]),
+        key="downtime_by_stage",
+    )
     st.caption("Total downtime of the run by recovery stage, per policy.")
     picked = clamp_failed(st.session_state.get(FAILED_KEY, []), mesh_of(choice).ranks)
     if picked:
         step_s = float(point.workload.step_s)
         since = int(every) // 2
         cmp = compare_policies(mesh_of(choice), picked, rank_loss=False, steps_since_checkpoint=since, step_s=step_s)
-        st.markdown(f"**The failures picked on Mesh** (ranks {format_ranks(picked)}), struck halfway between two "
-                    f"checkpoints of this setting ({count(since)} steps of {duration(step_s)}):")
+        st.markdown(
+            f"**The failures picked on Mesh** (ranks {format_ranks(picked)}), struck halfway between two "
+            f"checkpoints of this setting ({count(since)} steps of {duration(step_s)}):"
+        )
         st.plotly_chart(recovery_figure(cmp.breakdowns), key="picked_failure")
         for pol, why in cmp.unavailable.items():
             st.caption(f"{pol.label} cannot apply: {why}.")
@@ -169,12 +220,21 @@ with training:
         st.page_link("views/mesh.py", label="Pick failures on Mesh to cost them in this setting", icon=":material/hub:")
     d1, d2, d3 = st.columns(3)
     swept = pd.concat([by_mtbf.assign(sweep="rank_mtbf_hours"), by_every.assign(sweep="checkpoint_every")])
-    d1.download_button("sweep CSV", data=swept.to_csv(index=False), file_name=f"{scenario.name}-training-sweep.csv",
-                       mime="text/csv")
-    d2.download_button("this setting CSV", data=point.to_frame().to_csv(index=False),
-                       file_name=f"{scenario.name}-training.csv", mime="text/csv")
-    d3.download_button("Chrome trace (Perfetto)", data=json.dumps(chrome_trace(point)),
-                       file_name=f"{scenario.name}-timeline.json", mime="application/json")
+    d1.download_button(
+        "sweep CSV", data=swept.to_csv(index=False), file_name=f"{scenario.name}-training-sweep.csv", mime="text/csv"
+    )
+    d2.download_button(
+        "this setting CSV",
+        data=point.to_frame().to_csv(index=False),
+        file_name=f"{scenario.name}-training.csv",
+        mime="text/csv",
+    )
+    d3.download_button(
+        "Chrome trace (Perfetto)",
+        data=json.dumps(chrome_trace(point)),
+        file_name=f"{scenario.name}-timeline.json",
+        mime="application/json",
+    )
 
 with serving:
     serve, own = serving_scenario(scenario)
@@ -196,21 +256,33 @@ with serving:
             st.warning("Pick at least one request kind.")
         else:
             try:
-                cached_run("serving", skey, "Simulating serving…", lambda p: serving_curve(
-                    serve, reqs, CONCURRENCY, {"model": model, "link_gbps": gbps, "requests": int(n)}, p))
+                cached_run(
+                    "serving",
+                    skey,
+                    "Simulating serving…",
+                    lambda p: serving_curve(
+                        serve, reqs, CONCURRENCY, {"model": model, "link_gbps": gbps, "requests": int(n)}, p
+                    ),
+                )
             except MeshpactError as exc:
                 st.error("**The serving simulation failed.**\n\n" + message_markdown(str(exc)))
     memo = st.session_state.get("simulate_results", {})
     if "serving" in memo and memo["serving"][0] == skey:
         frame = memo["serving"][1]
         st.plotly_chart(serving_figure(frame))
-        st.caption("Requests spill to the remote host only when the local host's slots are full; until then no "
-                   "result crosses the link, and zero bytes are not drawn on the log scale.")
-        st.download_button("serving CSV", data=frame.to_csv(index=False),
-                           file_name=f"{serve.name}-serving.csv", mime="text/csv")
+        st.caption(
+            "Requests spill to the remote host only when the local host's slots are full; until then no "
+            "result crosses the link, and zero bytes are not drawn on the log scale."
+        )
+        st.download_button(
+            "serving CSV", data=frame.to_csv(index=False), file_name=f"{serve.name}-serving.csv", mime="text/csv"
+        )
     else:
-        st.info("Press **Run serving sweep**: each request kind runs at concurrency "
-                + ", ".join(map(str, CONCURRENCY)) + ".")
+        st.info(
+            "Press **Run serving sweep**: each request kind runs at concurrency "
+            + ", ".join(map(str, CONCURRENCY))
+            + "."
+        )
 
     st.subheader("Both deployments, and speculative decoding")
     with st.form("deployments_form"):
@@ -221,35 +293,57 @@ with serving:
     dkey = (skey, int(gamma), float(acceptance))
     if both and reqs:
         try:
-            cached_run("deployments", dkey, "Simulating both deployments…", lambda p: deployments(
-                serve, model, tuple(reqs), float(gbps), int(n), int(gamma), float(acceptance), p))
+            cached_run(
+                "deployments",
+                dkey,
+                "Simulating both deployments…",
+                lambda p: deployments(serve, model, tuple(reqs), float(gbps), int(n), int(gamma), float(acceptance), p),
+            )
         except MeshpactError as exc:
             st.error("**The deployment comparison failed.**\n\n" + message_markdown(str(exc)))
     kept = st.session_state.get("simulate_results", {}).get("deployments")
     if kept is not None and kept[0] == dkey:
         frame = kept[1]
         for deployment, what in (
-                (Deployment.REQUESTS.value, "whole requests spill once host 1's slots are full"),
-                (Deployment.MODEL.value, "the decoder split across the hosts: every step crosses")):
+            (Deployment.REQUESTS.value, "whole requests spill once host 1's slots are full"),
+            (Deployment.MODEL.value, "the decoder split across the hosts: every step crosses"),
+        ):
             st.markdown(f"**{deployment}**: {what}")
-            st.dataframe(frame[frame["deployment"] == deployment].drop(columns="deployment"), hide_index=True,
-                         width="content", column_config=DEPLOYMENT_COLUMNS)
-        st.caption(f"Speculative: γ = {int(gamma)} draft tokens per round, each accepted with probability "
-                   f"{float(acceptance):.2f} (tokens per target pass (1 − α^(γ+1)) / (1 − α) = "
-                   f"{expected_tokens_per_pass(int(gamma), float(acceptance)):.2f}). `full` ships the "
-                   "target's logits for γ + 1 positions; the projected requests verify at the source.")
-        st.download_button("deployments CSV", data=frame.to_csv(index=False),
-                           file_name=f"{serve.name}-deployments.csv", mime="text/csv")
+            st.dataframe(
+                frame[frame["deployment"] == deployment].drop(columns="deployment"),
+                hide_index=True,
+                width="content",
+                column_config=DEPLOYMENT_COLUMNS,
+            )
+        st.caption(
+            f"Speculative: γ = {int(gamma)} draft tokens per round, each accepted with probability "
+            f"{float(acceptance):.2f} (tokens per target pass (1 − α^(γ+1)) / (1 − α) = "
+            f"{expected_tokens_per_pass(int(gamma), float(acceptance)):.2f}). `full` ships the "
+            "target's logits for γ + 1 positions; the projected requests verify at the source."
+        )
+        st.download_button(
+            "deployments CSV",
+            data=frame.to_csv(index=False),
+            file_name=f"{serve.name}-deployments.csv",
+            mime="text/csv",
+        )
     else:
-        st.info("Press **Compare deployments**: the requests above at concurrency "
-                + ", ".join(map(str, CONCURRENCY)) + ", in both deployments, without and with speculation.")
+        st.info(
+            "Press **Compare deployments**: the requests above at concurrency "
+            + ", ".join(map(str, CONCURRENCY))
+            + ", in both deployments, without and with speculation."
+        )
 
 with fleet_tab:
     base = scenario.fleet or FleetSpec()
-    origin = "the scenario's fleet section" if scenario.fleet else "AIReSim's Table 1 (the scenario has no fleet section)"
-    st.caption(f"Starting from {origin}: a job on a working pool with warm standbys and a spare pool; bad servers fail at a multiple of the "
-               "base rate; failed servers go through automatic, then manual repair. Cold restart is the fleet's "
-               "recovery time; the other policies are priced from this scenario's workload and recovery costs.")
+    origin = (
+        "the scenario's fleet section" if scenario.fleet else "AIReSim's Table 1 (the scenario has no fleet section)"
+    )
+    st.caption(
+        f"Starting from {origin}: a job on a working pool with warm standbys and a spare pool; bad servers fail at a multiple of the "
+        "base rate; failed servers go through automatic, then manual repair. Cold restart is the fleet's "
+        "recovery time; the other policies are priced from this scenario's workload and recovery costs."
+    )
     with st.form("fleet_form"):
         k = st.columns(5)
         job = k[0].number_input("job servers", 1, 1 << 20, base.job_servers)
@@ -258,15 +352,24 @@ with fleet_tab:
         spare = k[3].number_input("spare pool", 0, 1 << 20, base.spare_pool)
         work = k[4].number_input("work (days)", 0.01, 3650.0, base.work_days, step=1.0)
         k = st.columns(5)
-        rate = k[0].number_input("failures per server-day", 0.0, 1000.0, base.failures_per_server_day, step=0.001,
-                                 format="%.4f")
+        rate = k[0].number_input(
+            "failures per server-day", 0.0, 1000.0, base.failures_per_server_day, step=0.001, format="%.4f"
+        )
         bad = k[1].number_input("bad-server fraction", 0.0, 1.0, base.bad_fraction, step=0.05)
         mult = k[2].number_input("bad multiplier (on top of the base)", 0.0, 1e6, base.bad_multiplier, step=0.5)
-        dist = k[3].selectbox("time to failure", [d.value for d in FailureDistribution],
-                              index=[d.value for d in FailureDistribution].index(base.distribution.value))
-        shape = k[4].number_input("Weibull shape / lognormal sigma", 0.0, 100.0,
-                                  base.weibull_shape if dist == "weibull" else base.lognormal_sigma, step=0.1,
-                                  help="0 is refused: the shape must be > 0")
+        dist = k[3].selectbox(
+            "time to failure",
+            [d.value for d in FailureDistribution],
+            index=[d.value for d in FailureDistribution].index(base.distribution.value),
+        )
+        shape = k[4].number_input(
+            "Weibull shape / lognormal sigma",
+            0.0,
+            100.0,
+            base.weibull_shape if dist == "weibull" else base.lognormal_sigma,
+            step=0.1,
+            help="0 is refused: the shape must be > 0",
+        )
         k = st.columns(5)
         recovery = k[0].number_input("recovery (min)", 0.0, 1e6, base.recovery_minutes, step=1.0)
         auto = k[1].number_input("automatic repair (min)", 0.0, 1e7, base.auto_repair_minutes, step=10.0)
@@ -274,22 +377,40 @@ with fleet_tab:
         escalate = k[3].number_input("P(escalate to manual)", 0.0, 1.0, base.escalate_probability, step=0.05)
         diagnose = k[4].number_input("P(diagnosed)", 0.0, 1.0, base.diagnosis_probability, step=0.05)
         k = st.columns(4)
-        auto_false = k[0].number_input("P(automatic repair claims success, fault remains)", 0.0, 1.0,
-                                       base.auto_false_success, step=0.05)
-        manual_false = k[1].number_input("P(manual repair claims success, fault remains)", 0.0, 1.0,
-                                         base.manual_false_success, step=0.05)
+        auto_false = k[0].number_input(
+            "P(automatic repair claims success, fault remains)", 0.0, 1.0, base.auto_false_success, step=0.05
+        )
+        manual_false = k[1].number_input(
+            "P(manual repair claims success, fault remains)", 0.0, 1.0, base.manual_false_success, step=0.05
+        )
         wrong = k[2].number_input("P(wrong server blamed)", 0.0, 1.0, base.diagnosis_uncertainty, step=0.05)
         tolerance = k[3].number_input("interval within ± (of the mean)", 0.005, 0.2, 0.02, step=0.005, format="%.3f")
-        pols = st.multiselect("policies", [p.value for p in Policy],
-                              default=[p.value for p in Policy if p is not Policy.CHECKPOINT_RESTORE])
+        pols = st.multiselect(
+            "policies",
+            [p.value for p in Policy],
+            default=[p.value for p in Policy if p is not Policy.CHECKPOINT_RESTORE],
+        )
         go_fleet = st.form_submit_button("Run the fleet", type="primary")
-    fields = {**base.model_dump(), "job_servers": int(job), "warm_standbys": int(standbys), "working_pool": int(pool),
-              "spare_pool": int(spare), "work_days": float(work), "failures_per_server_day": float(rate),
-              "bad_fraction": float(bad), "bad_multiplier": float(mult), "distribution": dist,
-              "recovery_minutes": float(recovery), "auto_repair_minutes": float(auto),
-              "manual_repair_minutes": float(manual), "escalate_probability": float(escalate),
-              "diagnosis_probability": float(diagnose), "auto_false_success": float(auto_false),
-              "manual_false_success": float(manual_false), "diagnosis_uncertainty": float(wrong)}
+    fields = {
+        **base.model_dump(),
+        "job_servers": int(job),
+        "warm_standbys": int(standbys),
+        "working_pool": int(pool),
+        "spare_pool": int(spare),
+        "work_days": float(work),
+        "failures_per_server_day": float(rate),
+        "bad_fraction": float(bad),
+        "bad_multiplier": float(mult),
+        "distribution": dist,
+        "recovery_minutes": float(recovery),
+        "auto_repair_minutes": float(auto),
+        "manual_repair_minutes": float(manual),
+        "escalate_probability": float(escalate),
+        "diagnosis_probability": float(diagnose),
+        "auto_false_success": float(auto_false),
+        "manual_false_success": float(manual_false),
+        "diagnosis_uncertainty": float(wrong),
+    }
     fields["weibull_shape" if dist == "weibull" else "lognormal_sigma"] = float(shape)
     fkey = (choice.text, json.dumps(fields, sort_keys=True, default=str), tuple(pols), float(tolerance))
     if go_fleet:
@@ -305,14 +426,22 @@ with fleet_tab:
     if kept is not None and kept[0] == fkey:
         frame = kept[1]
         st.plotly_chart(fleet_figure(frame), key="fleet_by_policy")
-        st.dataframe(frame, hide_index=True, column_config={
-            "finish_h": st.column_config.NumberColumn("time to finish (h)", format="%.0f"),
-            "finish_h_half_width": st.column_config.NumberColumn("± (h)", format="%.1f"),
-            "effective_training_ratio": st.column_config.NumberColumn("effective training ratio", format="%.4f"),
-            "effective_training_ratio_half_width": st.column_config.NumberColumn("±", format="%.4f")})
-        st.caption(f"Means over the replications with their 95 % intervals (the error bars); each policy ran until "
-                   f"both intervals were within ±{float(tolerance):.1%} of the mean, or 50 replications.")
-        st.download_button("fleet CSV", data=frame.to_csv(index=False), file_name=f"{scenario.name}-fleet.csv",
-                           mime="text/csv")
+        st.dataframe(
+            frame,
+            hide_index=True,
+            column_config={
+                "finish_h": st.column_config.NumberColumn("time to finish (h)", format="%.0f"),
+                "finish_h_half_width": st.column_config.NumberColumn("± (h)", format="%.1f"),
+                "effective_training_ratio": st.column_config.NumberColumn("effective training ratio", format="%.4f"),
+                "effective_training_ratio_half_width": st.column_config.NumberColumn("±", format="%.4f"),
+            },
+        )
+        st.caption(
+            f"Means over the replications with their 95 % intervals (the error bars); each policy ran until "
+            f"both intervals were within ±{float(tolerance):.1%} of the mean, or 50 replications."
+        )
+        st.download_button(
+            "fleet CSV", data=frame.to_csv(index=False), file_name=f"{scenario.name}-fleet.csv", mime="text/csv"
+        )
     else:
         st.info("Press **Run the fleet**: each policy is replicated until its interval is within the tolerance.")

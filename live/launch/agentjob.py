@@ -104,8 +104,9 @@ class _OneNode(FixedRendezvous):
     def next_rendezvous(self) -> RendezvousInfo:
         if self._store is None:
             self._store = host_store("127.0.0.1", 0, self._world_size)
-        return RendezvousInfo(PrefixStore(self._run_id, self._store), 0, 1,
-                              RendezvousStoreInfo("127.0.0.1", int(self._store.port)))
+        return RendezvousInfo(
+            PrefixStore(self._run_id, self._store), 0, 1, RendezvousStoreInfo("127.0.0.1", int(self._store.port))
+        )
 
 
 class _Deadline(Exception):
@@ -116,9 +117,13 @@ class _JobAgent(ReplacingAgent):
     """The agent with the calling program's parts (see the module docstring)."""
 
     def __init__(self, spec: WorkerSpec, logs_specs: Any, job: "AgentJob") -> None:
-        super().__init__(spec, logs_specs, LaunchOptions(spare_ranks_per_node=job.spares, job_key=job.job_key),
-                         exit_barrier_timeout=30,
-                         shutdown_timeout=5)
+        super().__init__(
+            spec,
+            logs_specs,
+            LaunchOptions(spare_ranks_per_node=job.spares, job_key=job.job_key),
+            exit_barrier_timeout=30,
+            shutdown_timeout=5,
+        )
         self._job = job
         self.given_control = job.control
         self.stderr_files: dict[int, str] = {}  # rank -> its current process's stderr file
@@ -132,36 +137,58 @@ class _JobAgent(ReplacingAgent):
     def _worker_env(self, rank: int) -> dict[str, str]:
         return self._job.worker_env(rank)
 
-    def _launch(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
-                error_file: str, incarnation: int, warm: bool) -> Running:
+    def _launch(
+        self,
+        spec: WorkerSpec,
+        local_rank: int,
+        env: dict[str, str],
+        streams: tuple[str, str],
+        error_file: str,
+        incarnation: int,
+        warm: bool,
+    ) -> Running:
         self.stderr_files[local_rank] = streams[1]  # one node: a local rank is the job's rank
         return super()._launch(spec, local_rank, env, streams, error_file, incarnation, warm)
 
-    def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
-                       incarnation: int) -> Any:
+    def _start_process(
+        self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str], incarnation: int
+    ) -> Any:
         rank = local_rank
         server = self._job.server_of(rank)
         prefix = self._job.prefix_of(rank)
         # a server forks its children where it runs, or (one run outside any) into the network namespace of a
         # rank's `ip netns exec`
         netns = netns_of(prefix) if server is not None and not server.prefix else None
-        if (server is not None and (server.prefix == prefix or netns)
-                and (incarnation == 0 or self._job.warm_replacements)):
+        if (
+            server is not None
+            and (server.prefix == prefix or netns)
+            and (incarnation == 0 or self._job.warm_replacements)
+        ):
             full = {**os.environ, **env}
             differs = server.differs(full)
             if not differs:
-                handler: Any = ForkedHandler(server.spawn(["--target", self._job.target], full, streams[1],
-                                                          netns=netns))
+                handler: Any = ForkedHandler(
+                    server.spawn(["--target", self._job.target], full, streams[1], netns=netns)
+                )
                 self._job.register(handler.proc.pid, rank, incarnation)
                 return handler
             # said where a reader of the rank's output looks: a fresh start costs seconds
-            self._job.notes[rank] = (f"meshpact launch: rank {rank} started as a fresh interpreter, not forked: "
-                                     f"{', '.join(differs)} differ(s) from the fork server's, which read them at "
-                                     "import\n")
+            self._job.notes[rank] = (
+                f"meshpact launch: rank {rank} started as a fresh interpreter, not forked: "
+                f"{', '.join(differs)} differ(s) from the fork server's, which read them at "
+                "import\n"
+            )
             say(self._job.notes[rank].partition(": ")[2].rstrip())
         if prefix:  # the command under the rank's prefix (``ip netns exec NS``, which execs it: the same pid)
-            handler = get_subprocess_handler(prefix[0], (*prefix[1:], spec.entrypoint, *spec.args), env, streams[0],
-                                             streams[1], local_rank, spec.numa_options)
+            handler = get_subprocess_handler(
+                prefix[0],
+                (*prefix[1:], spec.entrypoint, *spec.args),
+                env,
+                streams[0],
+                streams[1],
+                local_rank,
+                spec.numa_options,
+            )
         else:
             handler = super()._start_process(spec, local_rank, env, streams, incarnation)
         self._job.register(handler.proc.pid, rank, incarnation)
@@ -200,25 +227,40 @@ class _JobAgent(ReplacingAgent):
 class AgentJob:
     """``world_size`` ranks of ``target`` on this node under the elastic agent (see the module docstring)."""
 
-    def __init__(self, target: str, world_size: int, args: Mapping[str, Any] | None = None, *,
-                 timeout_s: float = 120.0, spares: int = 0, max_replacements: int = 0,
-                 control: tuple[str, int] | None = None, env: Callable[[int], Mapping[str, str]] | None = None,
-                 prefix: Callable[[int], Sequence[str]] | None = None, master: tuple[str, int] | None = None,
-                 run_id: str | None = None, forkserver: ForkServer | Callable[[int], ForkServer | None] | None = None,
-                 warm_replacements: bool = False,
-                 registry: str | os.PathLike[str] | None = None,
-                 on_replaced: Callable[[int, int, bool], None] | None = None,
-                 on_gone: Callable[[int, int], None] | None = None,
-                 on_tick: Callable[[], None] | None = None, announce_gone: bool = True,
-                 replace_only_killed: bool = False, job_key: JobKey | None = None,
-                 unauthenticated: bool = False) -> None:
+    def __init__(
+        self,
+        target: str,
+        world_size: int,
+        args: Mapping[str, Any] | None = None,
+        *,
+        timeout_s: float = 120.0,
+        spares: int = 0,
+        max_replacements: int = 0,
+        control: tuple[str, int] | None = None,
+        env: Callable[[int], Mapping[str, str]] | None = None,
+        prefix: Callable[[int], Sequence[str]] | None = None,
+        master: tuple[str, int] | None = None,
+        run_id: str | None = None,
+        forkserver: ForkServer | Callable[[int], ForkServer | None] | None = None,
+        warm_replacements: bool = False,
+        registry: str | os.PathLike[str] | None = None,
+        on_replaced: Callable[[int, int, bool], None] | None = None,
+        on_gone: Callable[[int, int], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
+        announce_gone: bool = True,
+        replace_only_killed: bool = False,
+        job_key: JobKey | None = None,
+        unauthenticated: bool = False,
+    ) -> None:
         if world_size < 1:
             raise LaunchError(f"world_size must be >= 1, got {world_size}")
         if spares < 0 or max_replacements < 0:
             raise LaunchError(f"spares and max_replacements must be 0 or more, got {spares} and {max_replacements}")
         if spares and prefix is not None:
-            raise LaunchError(f"spares={spares}: a warm spare starts on the agent's own host, not under a rank's "
-                              "command prefix (another host)")
+            raise LaunchError(
+                f"spares={spares}: a warm spare starts on the agent's own host, not under a rank's "
+                "command prefix (another host)"
+            )
         _resolve(target)  # a bad target is reported here, not once per rank
         self.target = target
         self.world_size = world_size
@@ -250,8 +292,12 @@ class AgentJob:
 
     # -- the agent's callbacks --------------------------------------------------------------
     def worker_env(self, rank: int) -> dict[str, str]:
-        env = {RESULT_DIR_ENV: str(self._dir), ARGS_ENV: str(self._dir / "args.json"),
-               "MESHPACT_RUN_ID": self.run_id, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        env = {
+            RESULT_DIR_ENV: str(self._dir),
+            ARGS_ENV: str(self._dir / "args.json"),
+            "MESHPACT_RUN_ID": self.run_id,
+            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        }
         if self.control is not None:
             env.update({"MESHPACT_CONTROL_ADDR": self.control[0], "MESHPACT_CONTROL_PORT": str(self.control[1])})
         if self._env is not None:
@@ -291,12 +337,18 @@ class AgentJob:
 
     # -- running ------------------------------------------------------------------------------
     def _agent(self) -> _JobAgent:
-        spec = WorkerSpec(role="default", local_world_size=self.world_size, entrypoint=sys.executable,
-                          args=("-u", "-m", "meshpact.live.launch.launcher", "--target", self.target),
-                          rdzv_handler=_OneNode(self.run_id, self.world_size),
-                          max_restarts=self.max_replacements, monitor_interval=0.05, local_addr="127.0.0.1",
-                          master_addr=self.master[0] if self.master else None,
-                          master_port=self.master[1] if self.master else None)
+        spec = WorkerSpec(
+            role="default",
+            local_world_size=self.world_size,
+            entrypoint=sys.executable,
+            args=("-u", "-m", "meshpact.live.launch.launcher", "--target", self.target),
+            rdzv_handler=_OneNode(self.run_id, self.world_size),
+            max_restarts=self.max_replacements,
+            monitor_interval=0.05,
+            local_addr="127.0.0.1",
+            master_addr=self.master[0] if self.master else None,
+            master_port=self.master[1] if self.master else None,
+        )
         logs = DefaultLogsSpecs(log_dir=str(self._dir / "logs"), redirects=Std.ALL)
         return _JobAgent(spec, logs, self)
 
@@ -322,8 +374,15 @@ class AgentJob:
             rc = running.handler.proc.poll()
             if timed_out and rank not in ledger.finished and rank not in ledger.gone:  # running at the deadline
                 rc = None
-            results.append(RankResult(rank, rc, value, self.notes.get(rank, "") +
-                                      _tail(agent.stderr_files.get(rank, "")), running.incarnation))
+            results.append(
+                RankResult(
+                    rank,
+                    rc,
+                    value,
+                    self.notes.get(rank, "") + _tail(agent.stderr_files.get(rank, "")),
+                    running.incarnation,
+                )
+            )
         gone = {rank: int(failure.exitcode) for rank, failure in ledger.gone.items()}
         return AgentJobResult(results, gone, ledger.replaced, timed_out)
 

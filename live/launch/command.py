@@ -47,28 +47,52 @@ def parser() -> ArgumentParser:
     for action in p._actions:  # torchrun's flag, with this launcher's meaning and default
         if action.dest == "max_restarts":
             action.default = DEFAULT_REPLACEMENTS
-            action.help = (f"Replacement processes per node (default {DEFAULT_REPLACEMENTS}): a failed worker is "
-                           "replaced alone while any are left; 0: none, the rank is announced gone to the job.")
+            action.help = (
+                f"Replacement processes per node (default {DEFAULT_REPLACEMENTS}): a failed worker is "
+                "replaced alone while any are left; 0: none, the rank is announced gone to the job."
+            )
     p.prog = "meshpact launch"
-    p.description = ("torchrun's command line; a failed worker is replaced alone, in place, while every other "
-                     "worker keeps running.")
-    p.add_argument("--spare-ranks-per-node", "--spare_ranks_per_node", type=int, default=0,
-                   help="Warm spares per node: interpreters with torch imported, promoted to a failed worker's rank.")
-    p.add_argument("--warm-start", "--warm_start", action="store_true",
-                   help="Fork every worker (and warm spare) from one process per node that imported torch once, "
-                        "instead of starting a fresh interpreter per worker.")
-    p.add_argument("--spare", action="store_true",
-                   help="Stand by as a spare node: join no rendezvous round, register with the job at "
-                        "--rdzv-endpoint and take the group rank of a node the job loses.")
-    p.add_argument("--node-loss-s", "--node_loss_s", type=float, default=LaunchOptions.node_loss_s,
-                   help="A node whose agent is silent this long on the control channel is lost: its ranks are "
-                        "announced gone to the job.")
-    p.add_argument("--control-plane", "--control_plane", default=os.environ.get(CONTROL_PLANE_ENV, "node"),
-                   metavar="{node,service}",
-                   help=f"Who hosts the job's rendezvous store and control channel (default: ${CONTROL_PLANE_ENV}, "
-                        "else node): node, group rank 0's agent (losing node 0 ends the job); service, "
-                        "`meshpact control-plane` at --rdzv-endpoint on a host that trains nothing (node 0 is "
-                        "lost as any node is).")
+    p.description = (
+        "torchrun's command line; a failed worker is replaced alone, in place, while every other worker keeps running."
+    )
+    p.add_argument(
+        "--spare-ranks-per-node",
+        "--spare_ranks_per_node",
+        type=int,
+        default=0,
+        help="Warm spares per node: interpreters with torch imported, promoted to a failed worker's rank.",
+    )
+    p.add_argument(
+        "--warm-start",
+        "--warm_start",
+        action="store_true",
+        help="Fork every worker (and warm spare) from one process per node that imported torch once, "
+        "instead of starting a fresh interpreter per worker.",
+    )
+    p.add_argument(
+        "--spare",
+        action="store_true",
+        help="Stand by as a spare node: join no rendezvous round, register with the job at "
+        "--rdzv-endpoint and take the group rank of a node the job loses.",
+    )
+    p.add_argument(
+        "--node-loss-s",
+        "--node_loss_s",
+        type=float,
+        default=LaunchOptions.node_loss_s,
+        help="A node whose agent is silent this long on the control channel is lost: its ranks are "
+        "announced gone to the job.",
+    )
+    p.add_argument(
+        "--control-plane",
+        "--control_plane",
+        default=os.environ.get(CONTROL_PLANE_ENV, "node"),
+        metavar="{node,service}",
+        help=f"Who hosts the job's rendezvous store and control channel (default: ${CONTROL_PLANE_ENV}, "
+        "else node): node, group rank 0's agent (losing node 0 ends the job); service, "
+        "`meshpact control-plane` at --rdzv-endpoint on a host that trains nothing (node 0 is "
+        "lost as any node is).",
+    )
     return p
 
 
@@ -82,10 +106,13 @@ def _control_plane(args: Namespace, given: bool) -> ControlPlaneHost:
         raise LaunchRefused(str(exc)) from None
     if host is ControlPlaneHost.NODE:
         return host
-    _needs_c10d_endpoint(args, "--control-plane service",
-                         "--standalone hosts the stores on this node; drop it and name the service with "
-                         "--rdzv-backend c10d --rdzv-endpoint HOST:PORT",
-                         "--rdzv-endpoint HOST:PORT where `meshpact control-plane` serves")
+    _needs_c10d_endpoint(
+        args,
+        "--control-plane service",
+        "--standalone hosts the stores on this node; drop it and name the service with "
+        "--rdzv-backend c10d --rdzv-endpoint HOST:PORT",
+        "--rdzv-endpoint HOST:PORT where `meshpact control-plane` serves",
+    )
     return host
 
 
@@ -95,8 +122,10 @@ def _needs_c10d_endpoint(args: Namespace, flag: str, if_standalone: str, endpoin
     if args.standalone:
         raise LaunchRefused(f"{flag}: {if_standalone}")
     if args.rdzv_backend != "c10d" or not args.rdzv_endpoint:
-        raise LaunchRefused(f"{flag}: expected --rdzv-backend c10d and {endpoint}, got --rdzv-backend "
-                            f"{args.rdzv_backend} --rdzv-endpoint {args.rdzv_endpoint or '(none)'}")
+        raise LaunchRefused(
+            f"{flag}: expected --rdzv-backend c10d and {endpoint}, got --rdzv-backend "
+            f"{args.rdzv_backend} --rdzv-endpoint {args.rdzv_endpoint or '(none)'}"
+        )
 
 
 def _standalone(args: Namespace) -> None:
@@ -117,11 +146,13 @@ def launch_key(env: Mapping[str, str], max_nodes: int) -> jobkey.JobKey | None:
     if not given:
         if max_nodes <= 1:
             return jobkey.draw("drawn by meshpact launch")
-        raise LaunchRefused(f"a job of several nodes needs one job key on every node and none was given: set "
-                            f"{jobkey.KEY_ENV} (64 hex digits, e.g. from `python -c 'import secrets; "
-                            f"print(secrets.token_hex(32))'`) or {jobkey.KEY_FILE_ENV} (a 0600 file holding them) in "
-                            f"every node's environment, or {jobkey.UNAUTHENTICATED_ENV}=1 to run without "
-                            "authentication on a trusted network")
+        raise LaunchRefused(
+            f"a job of several nodes needs one job key on every node and none was given: set "
+            f"{jobkey.KEY_ENV} (64 hex digits, e.g. from `python -c 'import secrets; "
+            f"print(secrets.token_hex(32))'`) or {jobkey.KEY_FILE_ENV} (a 0600 file holding them) in "
+            f"every node's environment, or {jobkey.UNAUTHENTICATED_ENV}=1 to run without "
+            "authentication on a trusted network"
+        )
     try:
         return jobkey.load(env, "", multi_host=True)
     except jobkey.JobKeyError as exc:
@@ -134,18 +165,27 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     p = parser()
     args = p.parse_args(list(argv))
     given = any(a.split("=")[0] in ("--control-plane", "--control_plane") for a in argv)
-    options = LaunchOptions(spare_ranks_per_node=args.spare_ranks_per_node, spare=args.spare,
-                            node_loss_s=args.node_loss_s, control_plane=_control_plane(args, given),
-                            warm_start=args.warm_start)
+    options = LaunchOptions(
+        spare_ranks_per_node=args.spare_ranks_per_node,
+        spare=args.spare,
+        node_loss_s=args.node_loss_s,
+        control_plane=_control_plane(args, given),
+        warm_start=args.warm_start,
+    )
     for flag, asked in (("--spare-ranks-per-node", options.spare_ranks_per_node), ("--warm-start", args.warm_start)):
         if asked and (args.no_python or args.run_path):
-            raise LaunchRefused(f"{flag}: a warm process runs a Python script or module; it cannot be used with "
-                                "--no-python or --run-path")
+            raise LaunchRefused(
+                f"{flag}: a warm process runs a Python script or module; it cannot be used with "
+                "--no-python or --run-path"
+            )
     if args.spare:
-        _needs_c10d_endpoint(args, "--spare",
-                             "a spare node stands by for a job of several nodes; --standalone runs one node with "
-                             "nothing to take over (drop one of the two)",
-                             "the job's --rdzv-endpoint (a spare node finds the job in the store there)")
+        _needs_c10d_endpoint(
+            args,
+            "--spare",
+            "a spare node stands by for a job of several nodes; --standalone runs one node with "
+            "nothing to take over (drop one of the two)",
+            "the job's --rdzv-endpoint (a spare node finds the job in the store there)",
+        )
     if args.standalone:
         _standalone(args)
     elif args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None:
@@ -162,8 +202,10 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
     except (AssertionError, ValueError, RuntimeError) as exc:
         raise LaunchRefused(f"{exc}") from None
     if options.apart and str(cfg.rdzv_configs.get("is_host", "")).strip().lower() in ("1", "true", "t", "yes", "y"):
-        raise LaunchRefused("--control-plane service: --rdzv-conf is_host=1 asks this node to host the rendezvous "
-                            "store, which the service hosts; drop is_host (or set it to 0)")
+        raise LaunchRefused(
+            "--control-plane service: --rdzv-conf is_host=1 asks this node to host the rendezvous "
+            "store, which the service hosts; drop is_host (or set it to 0)"
+        )
     if not isinstance(cmd, str):
         raise LaunchRefused("--run-path is not supported by meshpact launch: name the script (python) or use -m")
     # a spare node, or a job whose control plane runs apart, shares its key with another host: never drawn here
@@ -172,19 +214,25 @@ def config(argv: Sequence[str]) -> tuple[Any, Any, list[str], LaunchOptions]:
         raise LaunchRefused(f"--nproc-per-node {args.nproc_per_node}: expected 1 or more workers per node")
     script = args.training_script
     if not args.no_python and not args.module and not Path(script).exists():
-        raise LaunchRefused(f"{script}: no such script (expected a Python file to run on every worker, or -m "
-                            "and a module name)")
+        raise LaunchRefused(
+            f"{script}: no such script (expected a Python file to run on every worker, or -m and a module name)"
+        )
     return cfg, cmd, cmd_args, options
-
 
 
 def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> dict[int, Any]:
     """Run one node's agent to the end (elastic's ``launch_agent``, with :class:`ReplacingAgent`)."""
     if not cfg.run_id:
         cfg.run_id = str(uuid.uuid4().int)
-    params = RendezvousParameters(backend=cfg.rdzv_backend, endpoint=cfg.rdzv_endpoint, run_id=cfg.run_id,
-                                  min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes, local_addr=cfg.local_addr,
-                                  **cfg.rdzv_configs)
+    params = RendezvousParameters(
+        backend=cfg.rdzv_backend,
+        endpoint=cfg.rdzv_endpoint,
+        run_id=cfg.run_id,
+        min_nodes=cfg.min_nodes,
+        max_nodes=cfg.max_nodes,
+        local_addr=cfg.local_addr,
+        **cfg.rdzv_configs,
+    )
     os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = cfg.signals_to_handle
     standby: StandbyRendezvous | None = None
     if options.spare:  # no rendezvous handler: a spare node must neither host nor join elastic's store's rounds
@@ -197,20 +245,33 @@ def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> d
     else:
         handler = rendezvous_handler(params)
         master_addr, master_port = _get_addr_and_port(params)
-    spec = WorkerSpec(role=cfg.role, local_world_size=cfg.nproc_per_node, entrypoint=cmd, args=tuple(cmd_args),
-                      rdzv_handler=handler, max_restarts=cfg.max_restarts,
-                      monitor_interval=cfg.monitor_interval, master_addr=master_addr, master_port=master_port,
-                      local_addr=cfg.local_addr, event_log_handler=cfg.event_log_handler,
-                      numa_options=cfg.numa_options)
-    agent = (SpareAgent(spec, cfg.logs_specs, options, standby, shutdown_timeout=cfg.shutdown_timeout)
-             if standby is not None else ReplacingAgent(spec, cfg.logs_specs, options,
-                                                        shutdown_timeout=cfg.shutdown_timeout))
+    spec = WorkerSpec(
+        role=cfg.role,
+        local_world_size=cfg.nproc_per_node,
+        entrypoint=cmd,
+        args=tuple(cmd_args),
+        rdzv_handler=handler,
+        max_restarts=cfg.max_restarts,
+        monitor_interval=cfg.monitor_interval,
+        master_addr=master_addr,
+        master_port=master_port,
+        local_addr=cfg.local_addr,
+        event_log_handler=cfg.event_log_handler,
+        numa_options=cfg.numa_options,
+    )
+    agent = (
+        SpareAgent(spec, cfg.logs_specs, options, standby, shutdown_timeout=cfg.shutdown_timeout)
+        if standby is not None
+        else ReplacingAgent(spec, cfg.logs_specs, options, shutdown_timeout=cfg.shutdown_timeout)
+    )
     shutdown_rdzv = True
     if cfg.max_nodes > 1 and not options.spare:  # it may wait a while for the others: said, not silent
         named = "" if cfg.rdzv_backend == "static" else f" {cfg.run_id}"
-        say(f"joining the {cfg.rdzv_backend} rendezvous{named} at {cfg.rdzv_endpoint or 'MASTER_ADDR:MASTER_PORT'}"
-             f" for {cfg.min_nodes}{'' if cfg.min_nodes == cfg.max_nodes else f'-{cfg.max_nodes}'} node(s) "
-             f"(waits up to the rendezvous join_timeout, {cfg.rdzv_configs.get('join_timeout', 600)} s, for the others)")
+        say(
+            f"joining the {cfg.rdzv_backend} rendezvous{named} at {cfg.rdzv_endpoint or 'MASTER_ADDR:MASTER_PORT'}"
+            f" for {cfg.min_nodes}{'' if cfg.min_nodes == cfg.max_nodes else f'-{cfg.max_nodes}'} node(s) "
+            f"(waits up to the rendezvous join_timeout, {cfg.rdzv_configs.get('join_timeout', 600)} s, for the others)"
+        )
     try:
         metrics.initialize_metrics(metrics.MetricsConfig(cfg.metrics_cfg))
         result = agent.run()
@@ -218,8 +279,9 @@ def launch(cfg: Any, cmd: str, cmd_args: list[str], options: LaunchOptions) -> d
             return {}
         events.record(agent.get_event_succeeded(), cfg.event_log_handler)
         if result.is_failed():
-            raise ChildFailedError(name=os.path.basename(cmd_args[1] if len(cmd_args) > 1 else cmd),
-                                   failures=result.failures)
+            raise ChildFailedError(
+                name=os.path.basename(cmd_args[1] if len(cmd_args) > 1 else cmd), failures=result.failures
+            )
         return result.return_values
     except SignalException:
         shutdown_rdzv = False  # as elastic does: a signalled agent leaves the rendezvous open for the others

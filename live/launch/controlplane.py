@@ -44,8 +44,17 @@ from .nodes import NodeEnv, NodeWatch
 from .processes import say
 from .rendezvous import StandbyRecord, standby_key
 
-__all__ = ["ControlPlaneHost", "ControlPlaneOptions", "ControlPlaneRefused", "ControlPlaneStopped", "ControlPlane",
-           "CONTROL_PLANE_ENV", "control_plane_host", "service_key", "MAX_NODES"]
+__all__ = [
+    "ControlPlaneHost",
+    "ControlPlaneOptions",
+    "ControlPlaneRefused",
+    "ControlPlaneStopped",
+    "ControlPlane",
+    "CONTROL_PLANE_ENV",
+    "control_plane_host",
+    "service_key",
+    "MAX_NODES",
+]
 
 CONTROL_PLANE_ENV = "MESHPACT_CONTROL_PLANE"  # the default of ``meshpact launch --control-plane``
 MAX_NODES = 65536  # a node record naming more nodes than this is not watched (read from the channel)
@@ -91,9 +100,11 @@ def service_key(env: Mapping[str, str]) -> jobkey.JobKey | None:
     if not (env.get(jobkey.KEY_ENV) or env.get(jobkey.KEY_FILE_ENV)):
         if env.get(jobkey.UNAUTHENTICATED_ENV) == "1":
             return None
-        raise ControlPlaneRefused(f"the control plane signs with the job's key and none was given: set "
-                                  f"{jobkey.KEY_ENV} or {jobkey.KEY_FILE_ENV} to the key every node of the job "
-                                  f"has, or {jobkey.UNAUTHENTICATED_ENV}=1 where the job runs without one")
+        raise ControlPlaneRefused(
+            f"the control plane signs with the job's key and none was given: set "
+            f"{jobkey.KEY_ENV} or {jobkey.KEY_FILE_ENV} to the key every node of the job "
+            f"has, or {jobkey.UNAUTHENTICATED_ENV}=1 where the job runs without one"
+        )
     try:
         return jobkey.load(env, "", multi_host=True)
     except jobkey.JobKeyError as exc:
@@ -114,19 +125,26 @@ class ControlPlaneOptions:
 
     def __post_init__(self) -> None:
         if not _RDZV_ID.fullmatch(self.rdzv_id):
-            raise ControlPlaneRefused(f"--rdzv-id {self.rdzv_id[:140]!r}: expected the job's rendezvous id, 1 to 128 "
-                                      "letters, digits, '.', '_' or '-' (the nodes' --rdzv-id)")
+            raise ControlPlaneRefused(
+                f"--rdzv-id {self.rdzv_id[:140]!r}: expected the job's rendezvous id, 1 to 128 "
+                "letters, digits, '.', '_' or '-' (the nodes' --rdzv-id)"
+            )
         if not self.host:
             raise ControlPlaneRefused("--host '': expected the address the stores listen on (127.0.0.1 by default)")
         if not 1 <= self.port <= 65535:
-            raise ControlPlaneRefused(f"--port {self.port}: expected a port from 1 to 65535 (the nodes' "
-                                      "--rdzv-endpoint names it)")
+            raise ControlPlaneRefused(
+                f"--port {self.port}: expected a port from 1 to 65535 (the nodes' --rdzv-endpoint names it)"
+            )
         if not 0 <= self.control_port <= 65535 or self.control_port == self.port:
-            raise ControlPlaneRefused(f"--control-port {self.control_port}: expected 0 (the kernel picks) or a port "
-                                      f"from 1 to 65535 other than --port {self.port}")
+            raise ControlPlaneRefused(
+                f"--control-port {self.control_port}: expected 0 (the kernel picks) or a port "
+                f"from 1 to 65535 other than --port {self.port}"
+            )
         if not self.node_loss_s > 4 * self.watch_s:
-            raise ControlPlaneRefused(f"--node-loss-s {self.node_loss_s}: expected more than {4 * self.watch_s:g} s "
-                                      f"(four of the agents' beats, one every {self.watch_s:g} s)")
+            raise ControlPlaneRefused(
+                f"--node-loss-s {self.node_loss_s}: expected more than {4 * self.watch_s:g} s "
+                f"(four of the agents' beats, one every {self.watch_s:g} s)"
+            )
         if not 0 <= self.linger_s <= 3600:
             raise ControlPlaneRefused(f"--linger-s {self.linger_s}: expected 0 to 3600 s")
 
@@ -185,8 +203,10 @@ class ControlPlane:
         except (KeyError, TypeError, ValueError):
             return None
         if not 1 <= node.group_world_size <= MAX_NODES or not node.ranks:
-            _say(f"node 0's record names {node.group_world_size} node(s) of {len(node.ranks)} worker(s): not a job "
-                f"this service watches (1 to {MAX_NODES} nodes)")
+            _say(
+                f"node 0's record names {node.group_world_size} node(s) of {len(node.ranks)} worker(s): not a job "
+                f"this service watches (1 to {MAX_NODES} nodes)"
+            )
             return None
         return JobLayout(node.group_world_size, len(node.ranks))
 
@@ -197,9 +217,11 @@ class ControlPlane:
             self.layout = self._read_layout()
             if self.layout is None:
                 return False
-            _say(f"job {self.options.rdzv_id}: {self.layout.group_world_size} node(s) of "
+            _say(
+                f"job {self.options.rdzv_id}: {self.layout.group_world_size} node(s) of "
                 f"{self.layout.nproc_per_node} worker(s); watching their agents' beats (lost after "
-                f"{self.options.node_loss_s:g} s)")
+                f"{self.options.node_loss_s:g} s)"
+            )
         layout = self.layout
         self.watch.judge(self.channel, range(layout.group_world_size), layout.nproc_per_node, now)
         return self.watch.ended(self.channel, layout.group_world_size)
@@ -212,9 +234,12 @@ class ControlPlane:
                 NodeWatch.end_standby(self.channel, 0)
                 lost = sorted(n.group_rank for n in self.watch.lost_nodes)
                 taken = sorted(v.loss.group_rank for v in self.watch.takeovers)
-                _say(f"job {self.options.rdzv_id} ended: every node is done" +
-                    (f" or lost ({lost})" if lost else "") + (f"; node(s) {taken} ended on spare nodes" if taken else "")
-                    + f"; serving {self.options.linger_s:g} s more for the agents' exit")
+                _say(
+                    f"job {self.options.rdzv_id} ended: every node is done"
+                    + (f" or lost ({lost})" if lost else "")
+                    + (f"; node(s) {taken} ended on spare nodes" if taken else "")
+                    + f"; serving {self.options.linger_s:g} s more for the agents' exit"
+                )
                 time.sleep(self.options.linger_s)
                 return True
             time.sleep(self.options.watch_s)
@@ -232,9 +257,11 @@ def run(options: ControlPlaneOptions, env: Mapping[str, str] = os.environ) -> in
     try:
         with ControlPlane(options, key) as plane:
             o = options
-            _say(f"control plane for job {o.rdzv_id}: rendezvous store at {o.host}:{o.port} (the nodes' "
+            _say(
+                f"control plane for job {o.rdzv_id}: rendezvous store at {o.host}:{o.port} (the nodes' "
                 f"--rdzv-endpoint), control channel at {o.host}:{plane.control_port}; key: "
-                f"{key.source if key is not None else 'none (MESHPACT_UNAUTHENTICATED=1)'}")
+                f"{key.source if key is not None else 'none (MESHPACT_UNAUTHENTICATED=1)'}"
+            )
             plane.serve()
         return 0
     except ControlPlaneStopped as exc:

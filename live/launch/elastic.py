@@ -55,6 +55,7 @@ lost as any node is (excised, or taken by a spare node).
 Plain ``torchrun`` keeps working with the same scripts: without ``MESHPACT_CONTROL_PORT`` rank 0
 hosts the control channel, and a kill ends the job as torchrun decides.
 """
+
 from __future__ import annotations
 
 import logging
@@ -66,7 +67,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.elastic.agent.server.api import RunResult, SimpleElasticAgent, WorkerGroup, WorkerSpec, WorkerState
+from torch.distributed.elastic.agent.server.api import (
+    RunResult,
+    SimpleElasticAgent,
+    WorkerGroup,
+    WorkerSpec,
+    WorkerState,
+)
 from torch.distributed.elastic.multiprocessing.subprocess_handler import get_subprocess_handler
 
 from meshpact.core.errors import MeshpactError
@@ -87,7 +94,6 @@ from .workerenv import worker_environment
 __all__ = ["LaunchOptions", "LaunchRefused", "ReplacingAgent"]
 
 logger = logging.getLogger("meshpact.launch")
-
 
 
 class LaunchRefused(MeshpactError):
@@ -117,8 +123,10 @@ class LaunchOptions:
         if self.spare_ranks_per_node < 0:
             raise LaunchRefused(f"--spare-ranks-per-node {self.spare_ranks_per_node}: expected 0 or more")
         if not self.node_loss_s > 4 * self.loss_watch_s:
-            raise LaunchRefused(f"--node-loss-s {self.node_loss_s}: expected more than {4 * self.loss_watch_s:g} s "
-                                f"(four of the agents' beats, one every {self.loss_watch_s:g} s)")
+            raise LaunchRefused(
+                f"--node-loss-s {self.node_loss_s}: expected more than {4 * self.loss_watch_s:g} s "
+                f"(four of the agents' beats, one every {self.loss_watch_s:g} s)"
+            )
 
 
 class ReplacingAgent(SimpleElasticAgent):
@@ -131,8 +139,14 @@ class ReplacingAgent(SimpleElasticAgent):
     given_control: tuple[str, int] | None = None  # a control channel hosted by whoever runs the agent
     warm_first = False  # whether a first process is a warm spare's promotion where one is alive (a spare node's)
 
-    def __init__(self, spec: WorkerSpec, logs_specs: Any, options: LaunchOptions, exit_barrier_timeout: float = 300,
-                 shutdown_timeout: int = 30) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: Any,
+        options: LaunchOptions,
+        exit_barrier_timeout: float = 300,
+        shutdown_timeout: int = 30,
+    ) -> None:
         super().__init__(spec, exit_barrier_timeout, shutdown_timeout)
         self._logs_specs = logs_specs
         self._options = options
@@ -144,7 +158,9 @@ class ReplacingAgent(SimpleElasticAgent):
         self._channel: ControlChannel | None = None
         self._control: tuple[str, int] = ("", 0)  # the control channel's address
         self._node: NodeEnv | None = None  # the worker environment of this agent's group rank
-        self.warm_start = WarmStart.start(options.warm_start, spec.entrypoint, spec.args, spec.numa_options, self.spares)
+        self.warm_start = WarmStart.start(
+            options.warm_start, spec.entrypoint, spec.args, spec.numa_options, self.spares
+        )
 
     @property
     def ledger(self) -> Ledger:
@@ -161,14 +177,23 @@ class ReplacingAgent(SimpleElasticAgent):
     def _open_control(self, wg: WorkerGroup) -> None:
         if self._channel is None:
             self._control_server, self._control, self._channel = open_control(
-                wg, self.given_control, self._run_id(), self._options.job_key, apart=self._options.apart)
+                wg, self.given_control, self._run_id(), self._options.job_key, apart=self._options.apart
+            )
 
     def _run_id(self) -> str:
         return os.environ.get("MESHPACT_RUN_ID") or str(self._worker_group.spec.rdzv_handler.get_run_id())
 
     def _env(self, wg: WorkerGroup, local_rank: int, incarnation: int) -> dict[str, str]:
-        env = worker_environment(wg, local_rank, incarnation, self._node or NodeEnv.of(wg), self._control,
-                                 self._run_id(), self._options.job_key, self._node_addr())
+        env = worker_environment(
+            wg,
+            local_rank,
+            incarnation,
+            self._node or NodeEnv.of(wg),
+            self._control,
+            self._run_id(),
+            self._options.job_key,
+            self._node_addr(),
+        )
         env[REFUSAL_FILE_ENV] = str(self.replacements.marker_of(local_rank, incarnation))
         env.update(self._worker_env(wg.workers[local_rank].global_rank))
         return env
@@ -196,27 +221,38 @@ class ReplacingAgent(SimpleElasticAgent):
             streams = self.replacements.streams[lr] = (dest.stdouts.get(lr, ""), dest.stderrs.get(lr, ""))
             if first[lr]:
                 note_incarnation(self._channel, w.global_rank, first[lr])
-            self.ledger.running[lr] = self._launch(spec, lr, envs[lr], streams, dest.error_files.get(lr, os.devnull),
-                                                   first[lr], warm=self.warm_first)
+            self.ledger.running[lr] = self._launch(
+                spec, lr, envs[lr], streams, dest.error_files.get(lr, os.devnull), first[lr], warm=self.warm_first
+            )
         for _ in range(self._options.spare_ranks_per_node):
             self._start_spare()
         return {lr: r.pid for lr, r in self.ledger.running.items()}
 
-    def _launch(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
-                error_file: str, incarnation: int, warm: bool) -> Running:
+    def _launch(
+        self,
+        spec: WorkerSpec,
+        local_rank: int,
+        env: dict[str, str],
+        streams: tuple[str, str],
+        error_file: str,
+        incarnation: int,
+        warm: bool,
+    ) -> Running:
         """Start ``local_rank``'s process: a warm spare promoted (``warm``, and one is alive), else a new process."""
         handler = self.spares.promote(env, spec.args, streams) if warm else None
         if handler is not None:
             return Running(handler, incarnation, error_file, warm=True)
         return Running(self._start_process(spec, local_rank, env, streams, incarnation), incarnation, error_file)
 
-    def _start_process(self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str],
-                       incarnation: int) -> Any:
+    def _start_process(
+        self, spec: WorkerSpec, local_rank: int, env: dict[str, str], streams: tuple[str, str], incarnation: int
+    ) -> Any:
         """A new process for ``local_rank`` (elastic's subprocess handler: ``.proc`` and ``.close``): forked
         from the node's fork server (``--warm-start``), else a fresh one."""
         assert isinstance(spec.entrypoint, str)  # a program to run: the launcher takes no Python callable
         return self.warm_start.fork(spec.args, env, streams) or get_subprocess_handler(
-            spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank, spec.numa_options)
+            spec.entrypoint, tuple(spec.args), env, streams[0], streams[1], local_rank, spec.numa_options
+        )
 
     def _first_incarnation(self, local_rank: int) -> int:
         """The incarnation of the first process this agent starts for ``local_rank`` (0: the rank's first)."""
@@ -246,29 +282,39 @@ class ReplacingAgent(SimpleElasticAgent):
             if refused is not None:
                 self.replacements.left_gone(lr, failure)
                 self._left_gone(rank, rc)
-                say(f"rank {rank} (pid {failure.pid}) exited with {rc}, refusing a recovery that cannot happen "
+                say(
+                    f"rank {rank} (pid {failure.pid}) exited with {rc}, refusing a recovery that cannot happen "
                     f"({refused.removeprefix(REFUSAL_LINE)}); no replacement is started for it: the job is told "
-                    "it is gone")
+                    "it is gone"
+                )
             elif self.replacements.allowed() and self._should_replace(rank, rc):
                 new = self._replace(wg, lr)
                 self._replaced(rank, rc, new)
-                say(f"rank {rank} (pid {failure.pid}) exited with {rc}: {failure.message or 'no error file'}; "
+                say(
+                    f"rank {rank} (pid {failure.pid}) exited with {rc}: {failure.message or 'no error file'}; "
                     f"replaced by pid {new.pid} ({'a warm spare' if new.warm else 'a new process'}, "
-                    f"incarnation {new.incarnation}; {self.replacements.remaining} replacement(s) left on this node)")
+                    f"incarnation {new.incarnation}; {self.replacements.remaining} replacement(s) left on this node)"
+                )
             else:
                 why = self.replacements.why_not()
                 self.replacements.left_gone(lr, failure)
                 self._left_gone(rank, rc)
-                say(f"rank {rank} (pid {failure.pid}) exited with {rc} and no replacement is {why}: the job is told "
-                    "it is gone")
+                say(
+                    f"rank {rank} (pid {failure.pid}) exited with {rc} and no replacement is {why}: the job is told "
+                    "it is gone"
+                )
         self._kill_declared_lost(wg)
         self.spares.note_ready()
         result = self.replacements.end(wg)
         if result is None:
             self._tick()  # after the exits are collected: a job that just ended is not past its deadline
             return None
-        if (not self.ledger.finished and self.nodes.judges_host(wg.group_rank, self.given_control is not None)
-                and self._channel is not None and not self._channel.answers()):
+        if (
+            not self.ledger.finished
+            and self.nodes.judges_host(wg.group_rank, self.given_control is not None)
+            and self._channel is not None
+            and not self._channel.answers()
+        ):
             # every worker failed and the channel does not answer: its host is gone (node 0's agent, its node
             # lost or its own workers failed first; or the control plane); said beside elastic's record
             say(self.nodes.host_gone(self._control))

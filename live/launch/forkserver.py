@@ -64,8 +64,15 @@ from meshpact.core.errors import MeshpactError
 from .warmspare import PRELOAD, run_python
 from .warmspare import main as wait_as_spare
 
-__all__ = ["ForkServer", "ForkServerError", "ForkedProcess", "PRELOAD", "SINGLE_THREAD_ENV", "IMPORT_TIME_ENV",
-           "import_time_env"]
+__all__ = [
+    "ForkServer",
+    "ForkServerError",
+    "ForkedProcess",
+    "PRELOAD",
+    "SINGLE_THREAD_ENV",
+    "IMPORT_TIME_ENV",
+    "import_time_env",
+]
 
 SINGLE_THREAD_ENV = {"OMP_NUM_THREADS": "1"}  # no thread pool at import: the server may fork
 # torch, dynamo and inductor read their settings from these variables when they are imported,
@@ -128,9 +135,14 @@ class ForkServer:
     :meth:`spawn` ranks. ``accepts(env)`` says whether a rank with that environment may be
     forked (what the preloaded modules read at import, thread settings included, matches)."""
 
-    def __init__(self, preload: Sequence[str] = PRELOAD, start_timeout_s: float = 120.0,
-                 prefix: Sequence[str] = (), env: Mapping[str, str] | None = None,
-                 share_output: bool = False) -> None:
+    def __init__(
+        self,
+        preload: Sequence[str] = PRELOAD,
+        start_timeout_s: float = 120.0,
+        prefix: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        share_output: bool = False,
+    ) -> None:
         """``prefix``: a command the server runs under (``ip netns exec NS``: its children are
         forked inside that network namespace, as ranks started with the same prefix would run);
         ``env``: the server's environment, thread settings included (a launcher whose workers run
@@ -147,9 +159,15 @@ class ForkServer:
             shared = (os.dup(1), os.dup(2))
             env[_SHARED_OUTPUT_ENV] = f"{shared[0]},{shared[1]}"
         try:
-            self._proc = subprocess.Popen([*self.prefix, sys.executable, "-m", "meshpact.live.launch.forkserver",
-                                           *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=self._stderr, env=env, start_new_session=True, pass_fds=shared)
+            self._proc = subprocess.Popen(
+                [*self.prefix, sys.executable, "-m", "meshpact.live.launch.forkserver", *preload],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=self._stderr,
+                env=env,
+                start_new_session=True,
+                pass_fds=shared,
+            )
         finally:
             for fd in shared:
                 os.close(fd)
@@ -180,8 +198,10 @@ class ForkServer:
             self._proc.wait(timeout=5)
             self._stderr.seek(0)
             err = self._stderr.read().decode("utf-8", "replace")
-            raise ForkServerError(f"the fork server did not start within {self._start_timeout_s:.0f} s "
-                                  f"(it said {ready!r}); its stderr ends: {err[-2000:]}")
+            raise ForkServerError(
+                f"the fork server did not start within {self._start_timeout_s:.0f} s "
+                f"(it said {ready!r}); its stderr ends: {err[-2000:]}"
+            )
         self._reader = threading.Thread(target=self._read, name="meshpact-forkserver-replies", daemon=True)
         self._reader.start()
 
@@ -209,16 +229,28 @@ class ForkServer:
     def accepts(self, env: Mapping[str, str]) -> bool:
         return not self.differs(env)
 
-    def spawn(self, argv: Sequence[str], env: Mapping[str, str], stderr_path: str,
-              timeout_s: float = 30.0, netns: str | None = None) -> ForkedProcess:
+    def spawn(
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        stderr_path: str,
+        timeout_s: float = 30.0,
+        netns: str | None = None,
+    ) -> ForkedProcess:
         """Fork one child running ``python -m meshpact.live.launch.launcher *argv`` with ``env``;
         ``netns``: in that network namespace (an ``ip netns`` name), where ``ip netns exec`` would
         run it (the network only: ``/sys`` is the server's), from a server that runs outside it."""
         what: dict[str, Any] = {"argv": list(argv), **({"netns": netns} if netns else {})}
         return self._request(what, env, stderr_path, timeout_s)
 
-    def spawn_python(self, python_argv: Sequence[str], env: Mapping[str, str], stdout_path: str, stderr_path: str,
-                     timeout_s: float = 30.0) -> ForkedProcess:
+    def spawn_python(
+        self,
+        python_argv: Sequence[str],
+        env: Mapping[str, str],
+        stdout_path: str,
+        stderr_path: str,
+        timeout_s: float = 30.0,
+    ) -> ForkedProcess:
         """Fork one child running ``python *python_argv`` (``-u script.py ARGS`` or ``-u -m module ARGS``,
         :func:`~meshpact.live.launch.warmspare.runnable`) with ``env`` (wholesale) and its output in
         the files given ("": the server's own)."""
@@ -229,14 +261,14 @@ class ForkServer:
         (:mod:`~meshpact.live.launch.warmspare`), with ``env`` until a rank's is assigned."""
         return self._request({"spare": assignment}, env, "", timeout_s)
 
-    def _request(self, what: Mapping[str, Any], env: Mapping[str, str], stderr_path: str,
-                 timeout_s: float) -> ForkedProcess:
+    def _request(
+        self, what: Mapping[str, Any], env: Mapping[str, str], stderr_path: str, timeout_s: float
+    ) -> ForkedProcess:
         with self._lock:
             self._ready()
             rid = self._next_id
             self._next_id += 1
-            line = json.dumps({"id": rid, **what, "env": dict(env), "cwd": os.getcwd(),
-                               "stderr": stderr_path}) + "\n"
+            line = json.dumps({"id": rid, **what, "env": dict(env), "cwd": os.getcwd(), "stderr": stderr_path}) + "\n"
             try:
                 assert self._proc.stdin is not None
                 self._proc.stdin.write(line.encode())

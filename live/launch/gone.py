@@ -47,5 +47,7 @@ class GoneRanks:
         try:
             mark_gone(channel, rank)
         except (RuntimeError, OSError) as exc:
-            say(f"cannot tell the job that rank {rank} is gone: the control channel did not answer "
-                f"({str(exc).splitlines()[0]})")
+            say(
+                f"cannot tell the job that rank {rank} is gone: the control channel did not answer "
+                f"({str(exc).splitlines()[0]})"
+            )

@@ -38,11 +38,19 @@ __all__ = [
 ]
 
 
-def launch(target: str, world_size: int, args: Mapping[str, Any] | None = None, *, timeout_s: float = 120.0,
-           check: bool = True, env: Callable[[int], Mapping[str, str]] | None = None,
-           forkserver: "ForkServer | Callable[[int], ForkServer | None] | None" = None,
-           prefix: Callable[[int], Sequence[str]] | None = None, master_addr: str = "127.0.0.1",
-           master_port: int | None = None) -> list[RankResult]:
+def launch(
+    target: str,
+    world_size: int,
+    args: Mapping[str, Any] | None = None,
+    *,
+    timeout_s: float = 120.0,
+    check: bool = True,
+    env: Callable[[int], Mapping[str, str]] | None = None,
+    forkserver: "ForkServer | Callable[[int], ForkServer | None] | None" = None,
+    prefix: Callable[[int], Sequence[str]] | None = None,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+) -> list[RankResult]:
     """Run ``target`` on ``world_size`` ranks and return every rank's result.
 
     The ranks run under ``meshpact launch``'s agent (:class:`~meshpact.live.launch.agentjob.AgentJob`, in
@@ -55,19 +63,23 @@ def launch(target: str, world_size: int, args: Mapping[str, Any] | None = None, 
     from .agentjob import AgentJob
 
     if master_port is None and master_addr != "127.0.0.1":
-        raise LaunchError(f"master_addr {master_addr}: the job hosts its store on loopback; a store hosted "
-                          "elsewhere is named with master_port too")
+        raise LaunchError(
+            f"master_addr {master_addr}: the job hosts its store on loopback; a store hosted "
+            "elsewhere is named with master_port too"
+        )
     master = (master_addr, int(master_port)) if master_port is not None else None
-    with AgentJob(target, world_size, args, timeout_s=timeout_s, env=env, forkserver=forkserver, prefix=prefix,
-                  master=master) as job:
+    with AgentJob(
+        target, world_size, args, timeout_s=timeout_s, env=env, forkserver=forkserver, prefix=prefix, master=master
+    ) as job:
         results = job.run().results
     if check:
         bad = [r for r in results if not r.ok]
         if bad:
             first = bad[0]
             what = "timed out" if first.returncode is None else f"exited with {first.returncode}"
-            raise LaunchError(f"rank {first.rank} of {target} {what} (limit {timeout_s:.0f} s); "
-                              f"its stderr ends:\n{first.stderr_tail}")
+            raise LaunchError(
+                f"rank {first.rank} of {target} {what} (limit {timeout_s:.0f} s); its stderr ends:\n{first.stderr_tail}"
+            )
     return results
 
 
@@ -82,8 +94,13 @@ def echo(args: dict) -> dict:
     incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
     if rank in args.get("fail_ranks", ()) and incarnation == 0:
         sys.exit(3)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timedelta(seconds=float(args.get("timeout_s", 30))))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=False,
+        timeout=timedelta(seconds=float(args.get("timeout_s", 30))),
+    )
     store.add("echo/arrived", 1)
     if rank == 0:
         store.set("echo/go", "1")
@@ -111,10 +128,21 @@ def echo(args: dict) -> dict:
         import torch._inductor.config
 
         inductor = getattr(torch._inductor.config, str(args["report_inductor"]))
-    return {"rank": rank, "world_size": world, "local_rank": int(os.environ["LOCAL_RANK"]),
-            "pid": os.getpid(), "ppid": os.getppid(), "sid": os.getsid(0), "args": args, "incarnation": incarnation,
-            "draw": random.random(), "env": {k: os.environ.get(k) for k in args.get("report_env", ())},
-            "threads": torch.get_num_threads(), "inductor": inductor, "netns": os.readlink("/proc/self/ns/net")}
+    return {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "sid": os.getsid(0),
+        "args": args,
+        "incarnation": incarnation,
+        "draw": random.random(),
+        "env": {k: os.environ.get(k) for k in args.get("report_env", ())},
+        "threads": torch.get_num_threads(),
+        "inductor": inductor,
+        "netns": os.readlink("/proc/self/ns/net"),
+    }
 
 
 if __name__ == "__main__":  # pragma: no cover

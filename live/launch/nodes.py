@@ -29,8 +29,20 @@ from ..recovery.consensus import mark_gone
 from ..recovery.control import ControlChannel
 from .processes import say
 
-__all__ = ["HostNodeLost", "NodeLoss", "NodeEnv", "SpareNode", "NodeVerdict", "choose_spare", "NodeWatch",
-           "note_incarnation", "incarnation_key", "NODES_CHANGED_KEY", "SPARE_COUNT_KEY", "JOB_ENDED_KEY"]
+__all__ = [
+    "HostNodeLost",
+    "NodeLoss",
+    "NodeEnv",
+    "SpareNode",
+    "NodeVerdict",
+    "choose_spare",
+    "NodeWatch",
+    "note_incarnation",
+    "incarnation_key",
+    "NODES_CHANGED_KEY",
+    "SPARE_COUNT_KEY",
+    "JOB_ENDED_KEY",
+]
 
 logger = logging.getLogger("meshpact.launch")
 
@@ -44,7 +56,6 @@ class HostNodeLost(MeshpactError):
     plane service) is gone: the nodes cannot go on without those stores, and say so instead of waiting."""
 
 
-
 @dataclass(frozen=True)
 class NodeLoss:
     """Group rank 0's verdict on a node whose agent fell silent: which ranks went with it, and why."""
@@ -54,12 +65,16 @@ class NodeLoss:
     silent_s: float
 
     def describe(self) -> str:
-        return (f"{self.what()}; the job is told its ranks are gone (it excises them where it can, above its "
-                f"min_ranks, or ends naming why)")
+        return (
+            f"{self.what()}; the job is told its ranks are gone (it excises them where it can, above its "
+            f"min_ranks, or ends naming why)"
+        )
 
     def what(self) -> str:
-        return (f"node {self.group_rank} (ranks {list(self.ranks)}) is lost: its agent has not beaten on the "
-                f"control channel for {self.silent_s:.1f} s")
+        return (
+            f"node {self.group_rank} (ranks {list(self.ranks)}) is lost: its agent has not beaten on the "
+            f"control channel for {self.silent_s:.1f} s"
+        )
 
 
 @dataclass(frozen=True)
@@ -83,28 +98,56 @@ class NodeEnv:
     @classmethod
     def of(cls, wg: WorkerGroup) -> "NodeEnv":
         spec = wg.spec
-        return cls(wg.group_rank, wg.group_world_size, spec.role,  # type: ignore[arg-type]  # elastic declares the rendezvous fields None until a rendezvous sets them
-                   tuple(w.global_rank for w in wg.workers),
-                   tuple(w.role_rank for w in wg.workers), wg.workers[0].world_size, wg.workers[0].role_world_size,
-                   str(wg.master_addr), int(wg.master_port),  # type: ignore[call-overload]  # elastic declares the rendezvous fields None until a rendezvous sets them
-                   str(spec.rdzv_handler.get_run_id()),
-                   bool(spec.rdzv_handler.use_agent_store))
+        return cls(
+            wg.group_rank,  # type: ignore[arg-type]  # elastic declares the rendezvous fields None until a rendezvous sets them
+            wg.group_world_size,  # type: ignore[arg-type]
+            spec.role,
+            tuple(w.global_rank for w in wg.workers),
+            tuple(w.role_rank for w in wg.workers),
+            wg.workers[0].world_size,
+            wg.workers[0].role_world_size,
+            str(wg.master_addr),
+            int(wg.master_port),  # type: ignore[call-overload]  # elastic declares the rendezvous fields None until a rendezvous sets them
+            str(spec.rdzv_handler.get_run_id()),
+            bool(spec.rdzv_handler.use_agent_store),
+        )
 
     def workers(self) -> list[Worker]:
-        return [Worker(lr, r, rr, self.world_size, self.role_world_size)
-                for lr, (r, rr) in enumerate(zip(self.ranks, self.role_ranks))]
+        return [
+            Worker(lr, r, rr, self.world_size, self.role_world_size)
+            for lr, (r, rr) in enumerate(zip(self.ranks, self.role_ranks))
+        ]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"group_rank": self.group_rank, "group_world_size": self.group_world_size, "role": self.role,
-                "ranks": list(self.ranks), "role_ranks": list(self.role_ranks), "world_size": self.world_size,
-                "role_world_size": self.role_world_size, "master_addr": self.master_addr,
-                "master_port": self.master_port, "run_id": self.run_id, "use_agent_store": self.use_agent_store}
+        return {
+            "group_rank": self.group_rank,
+            "group_world_size": self.group_world_size,
+            "role": self.role,
+            "ranks": list(self.ranks),
+            "role_ranks": list(self.role_ranks),
+            "world_size": self.world_size,
+            "role_world_size": self.role_world_size,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port,
+            "run_id": self.run_id,
+            "use_agent_store": self.use_agent_store,
+        }
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "NodeEnv":
-        return cls(int(d["group_rank"]), int(d["group_world_size"]), str(d["role"]), tuple(int(r) for r in d["ranks"]),
-                   tuple(int(r) for r in d["role_ranks"]), int(d["world_size"]), int(d["role_world_size"]),
-                   str(d["master_addr"]), int(d["master_port"]), str(d["run_id"]), bool(d["use_agent_store"]))
+        return cls(
+            int(d["group_rank"]),
+            int(d["group_world_size"]),
+            str(d["role"]),
+            tuple(int(r) for r in d["ranks"]),
+            tuple(int(r) for r in d["role_ranks"]),
+            int(d["world_size"]),
+            int(d["role_world_size"]),
+            str(d["master_addr"]),
+            int(d["master_port"]),
+            str(d["run_id"]),
+            bool(d["use_agent_store"]),
+        )
 
 
 @dataclass(frozen=True)
@@ -140,10 +183,15 @@ class NodeVerdict:
         others = f" ({'; '.join(self.passed_over)})" if self.passed_over else ""
         if self.spare is not None:
             return f"{self.loss.what()}; {self.spare} takes its ranks{others}"
-        why = (f"no registered spare node can take its ranks{others}" if self.passed_over
-               else "no spare node is registered")
-        return f"{self.loss.what()}; {why}; the job is told its ranks are gone (it excises them where it can, above " \
-               "its min_ranks, or ends naming why)"
+        why = (
+            f"no registered spare node can take its ranks{others}"
+            if self.passed_over
+            else "no spare node is registered"
+        )
+        return (
+            f"{self.loss.what()}; {why}; the job is told its ranks are gone (it excises them where it can, above "
+            "its min_ranks, or ends naming why)"
+        )
 
 
 def incarnation_key(rank: int) -> str:
@@ -160,8 +208,9 @@ def note_incarnation(channel: Any, rank: int, incarnation: int) -> None:
         logger.warning("meshpact launch: cannot write rank %d's incarnation (%s)", rank, exc)
 
 
-def choose_spare(loss: NodeLoss, nproc_per_node: int, spares: Sequence[SpareNode], live: Collection[int],
-                 node_loss_s: float) -> NodeVerdict:
+def choose_spare(
+    loss: NodeLoss, nproc_per_node: int, spares: Sequence[SpareNode], live: Collection[int], node_loss_s: float
+) -> NodeVerdict:
     """The verdict on ``loss``: the first registered spare node (lowest number) that is ``live``
     (beating within ``node_loss_s``) and runs ``nproc_per_node`` workers; every other one is named
     with the reason it was not used."""
@@ -218,9 +267,10 @@ class NodeWatch:
         if not others:
             return
         spare_ids = sorted(self._spare_nodes)
-        counts = channel.counters([f"agent/beat{g}" for g in others] + [SPARE_COUNT_KEY] +
-                                  [f"spare/beat{i}" for i in spare_ids])
-        self._watch_spare_nodes(channel, counts[len(others)], dict(zip(spare_ids, counts[len(others) + 1:])), now)
+        counts = channel.counters(
+            [f"agent/beat{g}" for g in others] + [SPARE_COUNT_KEY] + [f"spare/beat{i}" for i in spare_ids]
+        )
+        self._watch_spare_nodes(channel, counts[len(others)], dict(zip(spare_ids, counts[len(others) + 1 :])), now)
         done = channel.present([f"agent/done{g}" for g in others])
         for g, count in zip(others, counts):
             seen, since = self._beats.get(g, (-1, now))
@@ -256,12 +306,12 @@ class NodeWatch:
                     watch.moved = now
                 watch.beats = count
 
-    def _node_lost(self, channel: ControlChannel, loss: NodeLoss, nproc_per_node: int, beats: int,
-                   now: float) -> None:
+    def _node_lost(self, channel: ControlChannel, loss: NodeLoss, nproc_per_node: int, beats: int, now: float) -> None:
         """Group rank 0's verdict on a lost node: its group rank to a live spare node, or its ranks gone."""
         live = {i for i, w in self._spare_nodes.items() if w.live(now, self.node_loss_s)}
-        verdict = choose_spare(loss, nproc_per_node, [w.node for w in self._spare_nodes.values()], live,
-                               self.node_loss_s)
+        verdict = choose_spare(
+            loss, nproc_per_node, [w.node for w in self._spare_nodes.values()], live, self.node_loss_s
+        )
         say(verdict.describe(), self.who)
         channel.set(NODES_CHANGED_KEY, True)  # the other agents' exit barrier would wait for it
         if verdict.spare is not None:
@@ -296,12 +346,14 @@ class NodeWatch:
                     f"the control plane is lost: meshpact control-plane at {host}:{port} has not answered for "
                     f"{silent:.1f} s (last: {last}). It hosts the job's rendezvous store and control channel: "
                     "this node's workers are stopped; start the service and the job again (it resumes from its "
-                    "newest checkpoint)")
+                    "newest checkpoint)"
+                )
             raise HostNodeLost(
                 f"node 0 is lost: the control channel node 0's agent hosts at {host}:{port} has not answered for "
                 f"{silent:.1f} s (last: {last}). Node 0 hosts the job's rendezvous store and control channel, which "
                 "no other node can take over: this node's workers are stopped; start the job again (it resumes from "
-                "its newest checkpoint)")
+                "its newest checkpoint)"
+            )
 
     def judges_host(self, group_rank: int | None, hosted_by_caller: bool) -> bool:
         """Whether an agent judges the stores' host lost when its channel falls silent: where the control
@@ -313,10 +365,14 @@ class NodeWatch:
         """The line an agent says when every worker failed and the channel's host does not answer."""
         host, port = control
         if self.apart:
-            return (f"the control plane at {host}:{port} does not answer: meshpact control-plane is gone (see its "
-                    "log); the job's stores went with it")
-        return (f"the control channel node 0's agent hosts at {host}:{port} does not answer: node 0's agent is gone "
-                "(its node lost, or its job ended there: see node 0's log); no other node can take its stores over")
+            return (
+                f"the control plane at {host}:{port} does not answer: meshpact control-plane is gone (see its "
+                "log); the job's stores went with it"
+            )
+        return (
+            f"the control channel node 0's agent hosts at {host}:{port} does not answer: node 0's agent is gone "
+            "(its node lost, or its job ended there: see node 0's log); no other node can take its stores over"
+        )
 
     @staticmethod
     def changed(channel: ControlChannel | None) -> bool:
@@ -336,13 +392,17 @@ class NodeWatch:
             say(f"not waiting for the agents of lost node(s) {lost} at exit")
         taken = sorted({v.loss.group_rank for v in self.takeovers} - set(lost))
         if taken and channel is not None:
-            say(f"waiting for the spare node(s) acting as node(s) {taken} to finish (this agent hosts their "
-                "control channel and store)")
+            say(
+                f"waiting for the spare node(s) acting as node(s) {taken} to finish (this agent hosts their "
+                "control channel and store)"
+            )
             try:
                 channel.wait([f"agent/done{g}" for g in taken], timeout_s)
             except (RuntimeError, OSError) as exc:
-                say(f"the spare node(s) acting as node(s) {taken} did not finish within {timeout_s:g} s ({exc}); "
-                    "leaving")
+                say(
+                    f"the spare node(s) acting as node(s) {taken} did not finish within {timeout_s:g} s ({exc}); "
+                    "leaving"
+                )
 
     @staticmethod
     def end_standby(channel: ControlChannel | None, group_rank: int | None) -> None:

@@ -19,7 +19,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
-__all__ = ["ForkedHandler", "Running", "signal_group", "kill", "say", "stoppable", "wait_any", "stop", "handle_death_signals"]
+__all__ = [
+    "ForkedHandler",
+    "Running",
+    "signal_group",
+    "kill",
+    "say",
+    "stoppable",
+    "wait_any",
+    "stop",
+    "handle_death_signals",
+]
 
 _SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")  # torchrun's, unless TORCHELASTIC_SIGNALS_TO_HANDLE says
 

@@ -26,8 +26,16 @@ from ..recovery.control import ControlChannel
 from ..recovery.jobkey import JobKey
 from ..store import host_store
 
-__all__ = ["FixedRendezvous", "StandbyRendezvous", "StandbyRecord", "standby_key", "rendezvous_handler", "root_store",
-           "open_control", "CONTROL_KEY"]
+__all__ = [
+    "FixedRendezvous",
+    "StandbyRendezvous",
+    "StandbyRecord",
+    "standby_key",
+    "rendezvous_handler",
+    "root_store",
+    "open_control",
+    "CONTROL_KEY",
+]
 
 CONTROL_KEY = "meshpact/control"  # in the rendezvous store: "host:port" of the control channel
 
@@ -56,7 +64,6 @@ class StandbyRecord:
         record = json.loads(raw)
         host, _, port = str(record["control"]).rpartition(":")
         return cls(host, int(port), str(record["run_id"]), bool(record.get("apart", False)))
-
 
 
 class FixedRendezvous(RendezvousHandler):
@@ -103,8 +110,13 @@ class StandbyRendezvous(FixedRendezvous):
         from torch.distributed import TCPStore
 
         if self._store is None:
-            self._store = TCPStore(self.endpoint[0], self.endpoint[1], is_master=False, wait_for_workers=False,
-                                   timeout=timedelta(seconds=self.join_timeout_s))
+            self._store = TCPStore(
+                self.endpoint[0],
+                self.endpoint[1],
+                is_master=False,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=self.join_timeout_s),
+            )
         record = StandbyRecord.from_json(self._store.get(standby_key(self._run_id)))
         self.apart = record.apart
         return record.host, record.port, record.run_id
@@ -113,9 +125,10 @@ class StandbyRendezvous(FixedRendezvous):
         return "standby"
 
     def next_rendezvous(self) -> Any:
-        raise RendezvousError("a spare node joins no rendezvous round: its agent (SpareAgent) waits on the job's "
-                              "control channel to be given a lost node's group rank")
-
+        raise RendezvousError(
+            "a spare node joins no rendezvous round: its agent (SpareAgent) waits on the job's "
+            "control channel to be given a lost node's group rank"
+        )
 
 
 def root_store(store: Any) -> Any:
@@ -125,7 +138,6 @@ def root_store(store: Any) -> Any:
     while isinstance(store, PrefixStore):
         store = store.underlying_store
     return store
-
 
 
 def rendezvous_handler(params: RendezvousParameters, apart: bool = False) -> RendezvousHandler:
@@ -144,8 +156,9 @@ def rendezvous_handler(params: RendezvousParameters, apart: bool = False) -> Ren
         handler = static_tcp_rendezvous.create_rdzv_handler(params)
         assert isinstance(handler, static_tcp_rendezvous.StaticTCPRendezvous)  # what the static backend makes
         if handler.rank == 0:  # the store it would make at its first round, made here on the named address
-            handler._store = host_store(handler.master_addr, handler.master_port, handler.world_size,
-                                        handler.timeout.total_seconds())
+            handler._store = host_store(
+                handler.master_addr, handler.master_port, handler.world_size, handler.timeout.total_seconds()
+            )
         return handler
     if params.backend != "c10d" or params.get("store_type", "tcp").strip().lower() != "tcp":
         return rdzv_registry.get_rendezvous_handler(params)
@@ -169,13 +182,14 @@ def rendezvous_handler(params: RendezvousParameters, apart: bool = False) -> Ren
         return handler
     # the store group rank 0's agent shares with its workers: on the node's address alone
     handler._create_tcp_store_server = (  # type: ignore[method-assign]  # elastic has no hook for the store it shares with the workers
-        lambda addr, port: host_store(addr, port, 1, timeout_s))  # type: ignore[assignment]  # (as above)
+        lambda addr, port: host_store(addr, port, 1, timeout_s)  # type: ignore[assignment]  # (as above)
+    )
     return handler
 
 
-
-def open_control(wg: WorkerGroup, given: tuple[str, int] | None, run_id: str,
-                 key: JobKey | None, apart: bool = False) -> tuple[Any, tuple[str, int], ControlChannel]:
+def open_control(
+    wg: WorkerGroup, given: tuple[str, int] | None, run_id: str, key: JobKey | None, apart: bool = False
+) -> tuple[Any, tuple[str, int], ControlChannel]:
     """The job's control channel, as one agent joins it: group rank 0 hosts it (or takes ``given``, a
     channel hosted by whoever runs the agent) and names it in the rendezvous store, under elastic's
     prefix for the agents and under :func:`standby_key` for spare nodes; every agent then reads
@@ -186,8 +200,9 @@ def open_control(wg: WorkerGroup, given: tuple[str, int] | None, run_id: str,
     assert store is not None and group_rank is not None  # the group has met: its rendezvous set both
     if apart:
         record = StandbyRecord.from_json(root_store(store).get(standby_key(str(wg.spec.rdzv_handler.get_run_id()))))
-        channel = ControlChannel(record.host, record.port, group_rank, wg.workers[0].world_size, 5.0,
-                                 run_id=run_id, key=key)
+        channel = ControlChannel(
+            record.host, record.port, group_rank, wg.workers[0].world_size, 5.0, run_id=run_id, key=key
+        )
         return None, (record.host, record.port), channel
     if group_rank == 0:
         if given is not None:

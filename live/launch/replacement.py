@@ -112,7 +112,7 @@ class Replacements:
 
     def why_not(self) -> str:
         """Why a failed worker was left gone, for the agent's line."""
-        return (f"left (--max-restarts {self.budget})" if self.remaining <= 0 else "started for this exit")
+        return f"left (--max-restarts {self.budget})" if self.remaining <= 0 else "started for this exit"
 
     def end(self, wg: WorkerGroup) -> RunResult | None:
         """The group's result once every worker finished or is gone (None: some still run)."""
@@ -121,7 +121,9 @@ class Replacements:
             return None
         failures = {wg.workers[lr].global_rank: f for lr, f in ledger.gone.items()}
         if ledger.finished:  # the gone ranks' failures too: elastic's records name every worker of the group
-            return RunResult(state=WorkerState.SUCCEEDED,
-                             return_values={wg.workers[lr].global_rank: None for lr in sorted(ledger.finished)},
-                             failures=failures)
+            return RunResult(
+                state=WorkerState.SUCCEEDED,
+                return_values={wg.workers[lr].global_rank: None for lr in sorted(ledger.finished)},
+                failures=failures,
+            )
         return RunResult(state=WorkerState.FAILED, failures=failures)

@@ -35,7 +35,6 @@ class NoJobFound(MeshpactError):
     """A spare node found no job at its ``--rdzv-endpoint`` under its ``--rdzv-id`` within the join timeout."""
 
 
-
 class SpareAgent(ReplacingAgent):
     """A spare node's agent (``meshpact launch --spare``): it registers on the job's control channel as
     a standby node and beats there; when group rank 0's agent hands it a lost node's group rank
@@ -45,8 +44,14 @@ class SpareAgent(ReplacingAgent):
     is done on the channel at the end, where group rank 0 waits for it). A job that ends without
     needing it, or whose control channel is gone, ends it too (exit 0)."""
 
-    def __init__(self, spec: WorkerSpec, logs_specs: Any, options: LaunchOptions, standby: StandbyRendezvous,
-                 shutdown_timeout: int = 30) -> None:
+    def __init__(
+        self,
+        spec: WorkerSpec,
+        logs_specs: Any,
+        options: LaunchOptions,
+        standby: StandbyRendezvous,
+        shutdown_timeout: int = 30,
+    ) -> None:
         super().__init__(spec, logs_specs, options, shutdown_timeout=shutdown_timeout)
         self._standby = standby
         self._job_run_id = ""
@@ -63,30 +68,38 @@ class SpareAgent(ReplacingAgent):
 
     def _take_a_node(self, worker_group: WorkerGroup) -> None:
         h, p = self._standby.endpoint
-        say(f"spare node: waiting for job {self._standby.get_run_id()} to name its control channel at {h}:{p} "
-             f"(up to the rendezvous join_timeout, {self._standby.join_timeout_s:g} s)")
+        say(
+            f"spare node: waiting for job {self._standby.get_run_id()} to name its control channel at {h}:{p} "
+            f"(up to the rendezvous join_timeout, {self._standby.join_timeout_s:g} s)"
+        )
         try:
             host, port, self._job_run_id = self._standby.job()
         except (RuntimeError, OSError) as exc:  # the store's DistStoreError is a RuntimeError
             h, p = self._standby.endpoint
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise NoJobFound(f"--spare: no job with --rdzv-id {self._standby.get_run_id()} named its control channel "
-                             f"at {h}:{p} within {self._standby.join_timeout_s:g} s (give the spare the job's "
-                             f"--rdzv-endpoint and --rdzv-id; {first})") from None
+            raise NoJobFound(
+                f"--spare: no job with --rdzv-id {self._standby.get_run_id()} named its control channel "
+                f"at {h}:{p} within {self._standby.join_timeout_s:g} s (give the spare the job's "
+                f"--rdzv-endpoint and --rdzv-id; {first})"
+            ) from None
         self._control = (host, port)
         self.nodes.apart = self._standby.apart  # served by `meshpact control-plane`: it judges, this agent beats
         # rank -1: the channel's rank names consensus keys, which an agent never writes (its keys name its group rank)
-        channel = self._channel = ControlChannel(host, port, -1, 1, 5.0, run_id=self._job_run_id,
-                                                 key=self._options.job_key)
-        me = self.me = SpareNode(channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size,
-                                 os.getpid())
+        channel = self._channel = ControlChannel(
+            host, port, -1, 1, 5.0, run_id=self._job_run_id, key=self._options.job_key
+        )
+        me = self.me = SpareNode(
+            channel.add(SPARE_COUNT_KEY), self._node_addr(), worker_group.spec.local_world_size, os.getpid()
+        )
         channel.set(f"spare/node{me.spare_id}", me.to_dict())
         self.warm_start.await_ready(self._options.loss_watch_s, lambda: channel.add(f"spare/beat{me.spare_id}"))
         warm = worker_group.spec.entrypoint == sys.executable  # a Python script or module: warm interpreters
         for _ in range(worker_group.spec.local_world_size if warm else 0):
             self._start_spare()
-        say(f"{me} registered with the job (run {self._job_run_id}, control channel {host}:{port}); standing by"
-             + (f" with {len(self.spares)} warm interpreter(s)" if warm else ""))
+        say(
+            f"{me} registered with the job (run {self._job_run_id}, control channel {host}:{port}); standing by"
+            + (f" with {len(self.spares)} warm interpreter(s)" if warm else "")
+        )
         g = self._stand_by(me)
         node = NodeEnv.from_dict(channel.wait([f"agent/node{g}"])[f"agent/node{g}"])
         held = channel.present([incarnation_key(r) for r in node.ranks])
@@ -99,8 +112,10 @@ class SpareAgent(ReplacingAgent):
         worker_group.master_addr = node.master_addr  # type: ignore[assignment]  # (as above)
         worker_group.master_port = node.master_port  # type: ignore[assignment]  # (as above)
         worker_group.store = None
-        say(f"{me} takes node {g}: ranks {list(node.ranks)} start here at incarnation(s) "
-             f"{[self._first[lr] for lr in range(len(node.ranks))]}")
+        say(
+            f"{me} takes node {g}: ranks {list(node.ranks)} start here at incarnation(s) "
+            f"{[self._first[lr] for lr in range(len(node.ranks))]}"
+        )
 
     def _stand_by(self, me: SpareNode) -> int:
         """Beat on the control channel until group rank 0 assigns a group rank (returned); a job that
@@ -130,8 +145,10 @@ class SpareAgent(ReplacingAgent):
     def _start_workers(self, worker_group: WorkerGroup) -> dict[int, Any]:
         pids = super()._start_workers(worker_group)
         warm = sum(r.warm for r in self.ledger.running.values())
-        say(f"{self.me} started rank(s) {[w.global_rank for w in worker_group.workers]} as pid(s) "
-             f"{[pids[w.local_rank] for w in worker_group.workers]} ({warm} of them warm interpreter(s))")
+        say(
+            f"{self.me} started rank(s) {[w.global_rank for w in worker_group.workers]} as pid(s) "
+            f"{[pids[w.local_rank] for w in worker_group.workers]} ({warm} of them warm interpreter(s))"
+        )
         return pids
 
     def _exit_barrier(self) -> None:

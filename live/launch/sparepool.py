@@ -60,8 +60,9 @@ class SparePool:
             except ForkServerError as exc:
                 say(f"warm spare {index}: {exc}; started as a fresh interpreter")
         if handler is None:
-            handler = get_subprocess_handler(sys.executable, ("-u", "-m", "meshpact.live.launch.warmspare", str(path)),
-                                             env, "", "", index, None)
+            handler = get_subprocess_handler(
+                sys.executable, ("-u", "-m", "meshpact.live.launch.warmspare", str(path)), env, "", "", index, None
+            )
         self.waiting.append(_Spare(handler, path, time.monotonic()))
         return int(handler.proc.pid)
 
@@ -81,8 +82,10 @@ class SparePool:
         for s in self.waiting:
             if not s.ready and ready_path(s.assignment).exists():
                 s.ready = True
-                say(f"warm spare pid {s.handler.proc.pid} is ready ({time.monotonic() - s.started:.1f} s after its "
-                    "start)")
+                say(
+                    f"warm spare pid {s.handler.proc.pid} is ready ({time.monotonic() - s.started:.1f} s after its "
+                    "start)"
+                )
 
     def procs(self) -> list[subprocess.Popen]:
         return [s.handler.proc for s in self.waiting]

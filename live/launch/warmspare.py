@@ -36,8 +36,13 @@ __all__ = ["Assignment", "assign", "ready_path", "main", "run_python", "runnable
 # every rank (0.8 s of CPU each on the two-core machine), and it brings torch._inductor's configuration
 PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor", "torch._dynamo")
 # what a Meshpact job imports on top of torch: a promoted spare starts its script with them loaded
-RUNTIME = ("numpy", "meshpact.live.recovery.session", "meshpact.live.recovery.runtime",
-           "meshpact.live.recovery.state", "meshpact.live.recovery.peers")
+RUNTIME = (
+    "numpy",
+    "meshpact.live.recovery.session",
+    "meshpact.live.recovery.runtime",
+    "meshpact.live.recovery.state",
+    "meshpact.live.recovery.peers",
+)
 
 
 @dataclass(frozen=True)
@@ -57,8 +62,12 @@ class Assignment:
         env = d["env"]
         argv = d["argv"]
         assert isinstance(env, dict) and isinstance(argv, list)
-        return cls({str(k): str(v) for k, v in env.items()}, tuple(str(a) for a in argv), str(d.get("stdout") or ""),
-                   str(d.get("stderr") or ""))
+        return cls(
+            {str(k): str(v) for k, v in env.items()},
+            tuple(str(a) for a in argv),
+            str(d.get("stdout") or ""),
+            str(d.get("stderr") or ""),
+        )
 
 
 def assign(path: str | os.PathLike[str], assignment: Assignment) -> None:

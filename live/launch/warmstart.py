@@ -35,20 +35,25 @@ class WarmStart:
         self._fresh_said = False  # a worker started fresh has been said once
 
     @classmethod
-    def start(cls, asked: bool, entrypoint: Any, args: Sequence[str], numa_options: Any,
-              spares: SparePool) -> "WarmStart":
+    def start(
+        cls, asked: bool, entrypoint: Any, args: Sequence[str], numa_options: Any, spares: SparePool
+    ) -> "WarmStart":
         """The node's fork server started where ``asked`` (its imports run while the agent joins the
         rendezvous); none, said in a line, where this job's workers cannot be forked."""
         if not asked:
             return cls(None, spares)
         if os.path.realpath(str(entrypoint)) != os.path.realpath(sys.executable):
-            say(f"--warm-start: the workers run {entrypoint}, not this interpreter ({sys.executable}): "
-                "each starts as a fresh process")
+            say(
+                f"--warm-start: the workers run {entrypoint}, not this interpreter ({sys.executable}): "
+                "each starts as a fresh process"
+            )
             return cls(None, spares)
         if not runnable(args) or numa_options is not None:
             why = "a NUMA binding" if numa_options is not None else f"python {' '.join(args)}"
-            say(f"--warm-start: {why} is not a worker a fork can start (expected python [-u] script.py or "
-                "python [-u] -m module): each starts as a fresh process")
+            say(
+                f"--warm-start: {why} is not a worker a fork can start (expected python [-u] script.py or "
+                "python [-u] -m module): each starts as a fresh process"
+            )
             return cls(None, spares)
         return cls(ForkServer((*PRELOAD, *RUNTIME), env=os.environ, share_output=True), spares)
 
@@ -75,8 +80,10 @@ class WarmStart:
         differs = self.server.differs(full)
         if differs:
             if not self._fresh_said:
-                say(f"--warm-start: {', '.join(differs)} differ(s) from the fork server's, which torch read at "
-                    "import: the worker starts as a fresh process")
+                say(
+                    f"--warm-start: {', '.join(differs)} differ(s) from the fork server's, which torch read at "
+                    "import: the worker starts as a fresh process"
+                )
                 self._fresh_said = True
             return None
         try:

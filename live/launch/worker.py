@@ -45,8 +45,13 @@ class LaunchedProcess:
     spare: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"pid": self.pid, "rank": self.rank, "incarnation": self.incarnation, "run_id": self.run_id,
-                "spare": self.spare}
+        return {
+            "pid": self.pid,
+            "rank": self.rank,
+            "incarnation": self.incarnation,
+            "run_id": self.run_id,
+            "spare": self.spare,
+        }
 
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> list["LaunchedProcess"]:
@@ -59,9 +64,15 @@ class LaunchedProcess:
         for line in lines:
             try:
                 d = json.loads(line)
-                out.append(cls(int(d["pid"]), None if d.get("rank") is None else int(d["rank"]),
-                               int(d.get("incarnation", 0)), str(d.get("run_id", "")),
-                               None if d.get("spare") is None else int(d["spare"])))
+                out.append(
+                    cls(
+                        int(d["pid"]),
+                        None if d.get("rank") is None else int(d["rank"]),
+                        int(d.get("incarnation", 0)),
+                        str(d.get("run_id", "")),
+                        None if d.get("spare") is None else int(d["spare"]),
+                    )
+                )
             except (ValueError, TypeError, KeyError):
                 continue
         return out
@@ -123,13 +134,18 @@ def _serve_stores(addresses: Sequence[str]) -> int:
 
 
 def _main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m meshpact.live.launch.launcher",
-                                     description="Run one rank of a Meshpact worker (torchrun-compatible).")
+    parser = argparse.ArgumentParser(
+        prog="python -m meshpact.live.launch.launcher",
+        description="Run one rank of a Meshpact worker (torchrun-compatible).",
+    )
     parser.add_argument("--target", help="package.module:function taking a dict of arguments")
     parser.add_argument("--args", default=None, help="JSON arguments (overrides the launcher's)")
-    parser.add_argument("--serve-stores", nargs="+", metavar="HOST:PORT",
-                        help="host TCPStores (port 0: the kernel picks), print 'PORTS p1 p2 ...', "
-                             "serve until stdin closes")
+    parser.add_argument(
+        "--serve-stores",
+        nargs="+",
+        metavar="HOST:PORT",
+        help="host TCPStores (port 0: the kernel picks), print 'PORTS p1 p2 ...', serve until stdin closes",
+    )
     ns = parser.parse_args(argv)
     if ns.serve_stores:
         return _serve_stores(ns.serve_stores)
@@ -148,4 +164,3 @@ def _main(argv: Sequence[str] | None = None) -> int:
     value = fn(args)
     write_result(value)
     return 0
-

@@ -23,9 +23,17 @@ from .nodes import NodeEnv
 __all__ = ["worker_environment", "bind_address", "iface_of"]
 
 
-def worker_environment(wg: WorkerGroup, local_rank: int, incarnation: int, node: NodeEnv, control: tuple[str, int],
-                       run_id: str, key: jobkey.JobKey | None, node_addr: str,
-                       environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+def worker_environment(
+    wg: WorkerGroup,
+    local_rank: int,
+    incarnation: int,
+    node: NodeEnv,
+    control: tuple[str, int],
+    run_id: str,
+    key: jobkey.JobKey | None,
+    node_addr: str,
+    environ: Mapping[str, str] = os.environ,
+) -> dict[str, str]:
     """``local_rank``'s environment at ``incarnation`` on the node ``node`` describes (see the module
     docstring); ``environ``: the agent's own, which a few settings pass through."""
     spec = wg.spec

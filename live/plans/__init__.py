@@ -19,11 +19,19 @@ from __future__ import annotations
 from .._lazy import lazy_face
 
 _EXPORTS = {
-    "LiveRequest": "jobs", "PRESETS": "jobs", "get_preset": "jobs",
-    "Executor": "executor", "PlanRefused": "executor", "admit": "executor",
-    "Meter": "meter", "CallRecord": "meter", "measure": "meter",
-    "Verdict": "verify", "verify_job": "verify",
-    "Job": "bridge", "run_bridge": "bridge",
+    "LiveRequest": "jobs",
+    "PRESETS": "jobs",
+    "get_preset": "jobs",
+    "Executor": "executor",
+    "PlanRefused": "executor",
+    "admit": "executor",
+    "Meter": "meter",
+    "CallRecord": "meter",
+    "measure": "meter",
+    "Verdict": "verify",
+    "verify_job": "verify",
+    "Job": "bridge",
+    "run_bridge": "bridge",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

@@ -93,8 +93,11 @@ def _send_pairs(mesh: Mesh, plans: Sequence[Plan]) -> list[tuple[int, int]]:
     pairs: set[tuple[int, int]] = set()
     for plan in plans:
         for s in plan.steps:
-            if s.kind is StepKind.SEND and all(r in mesh.ranks for r in s.ranks) and \
-                    mesh.domain_of(s.ranks[0]).name != mesh.domain_of(s.ranks[1]).name:
+            if (
+                s.kind is StepKind.SEND
+                and all(r in mesh.ranks for r in s.ranks)
+                and mesh.domain_of(s.ranks[0]).name != mesh.domain_of(s.ranks[1]).name
+            ):
                 low, high = sorted(s.ranks)
                 pairs.add((low, high))
     return sorted(pairs)
@@ -105,8 +108,11 @@ def _native_rank_sets(mesh: Mesh, plans: Sequence[Plan]) -> list[tuple[int, ...]
     sets = set()
     for plan in plans:
         for s in plan.steps:
-            if s.kind is StepKind.COLLECTIVE and all(r in mesh.ranks for r in s.ranks) and \
-                    len({mesh.domain_of(r).name for r in s.ranks}) == 1:
+            if (
+                s.kind is StepKind.COLLECTIVE
+                and all(r in mesh.ranks for r in s.ranks)
+                and len({mesh.domain_of(r).name for r in s.ranks}) == 1
+            ):
                 sets.add(tuple(sorted(s.ranks)))
     return sorted(sets)
 
@@ -118,8 +124,13 @@ def worker(args: dict) -> dict:
     preset = get_preset(str(args.get("preset", "tiny")))
     if env.world_size % 2:
         raise MeshpactError(f"WORLD_SIZE={env.world_size}: two domains of equal size need an even world size")
-    mesh = two_domain_mesh(env.world_size // 2, args.get("producer_vendor", "cuda"), args.get("consumer_vendor", "cann"),
-                           args.get("producer_host", "localhost"), args.get("consumer_host", "localhost"))
+    mesh = two_domain_mesh(
+        env.world_size // 2,
+        args.get("producer_vendor", "cuda"),
+        args.get("consumer_vendor", "cann"),
+        args.get("producer_host", "localhost"),
+        args.get("consumer_host", "localhost"),
+    )
     jobs = [Job.from_dict(j) for j in args.get("jobs") or [{"request": "full"}]]
     prepared = []
     for job in jobs:
@@ -127,8 +138,9 @@ def worker(args: dict) -> dict:
         contract, plan = plan_for(job, edge)
         prepared.append((job, edge, contract, plan))
     plans = [p[3] for p in prepared]
-    layout = init_domains(mesh, env, _send_pairs(mesh, plans), _native_rank_sets(mesh, plans),
-                          timeout_s=float(args.get("timeout_s", 60)))
+    layout = init_domains(
+        mesh, env, _send_pairs(mesh, plans), _native_rank_sets(mesh, plans), timeout_s=float(args.get("timeout_s", 60))
+    )
     dist.barrier()
     executor = Executor(layout, Meter(env.rank))
     t0 = executor.meter.t0
@@ -146,18 +158,27 @@ def worker(args: dict) -> dict:
         try:
             outcome = executor.run(plan, contract, initial, ids)
         except PlanRefused as exc:  # every rank refuses alike; the meter shows what was attempted
-            results.append({"label": job.label, "refused": list(exc.reasons), "t": [start, time.monotonic() - t0],
-                            "records": [r.to_dict() for r in executor.meter.records[mark:]]})
+            results.append(
+                {
+                    "label": job.label,
+                    "refused": list(exc.reasons),
+                    "t": [start, time.monotonic() - t0],
+                    "records": [r.to_dict() for r in executor.meter.records[mark:]],
+                }
+            )
             continue
-        results.append({
-            "label": job.label,
-            "refused": None,
-            "t": [start, time.monotonic() - t0],
-            "records": [r.to_dict() for r in executor.meter.records[mark:]],
-            "delivered": {k: v.cpu() for k, v in outcome.delivered.items()},
-            "history": [(i, name, v.cpu()) for i, name, v in outcome.history]
-            if env.rank in edge.consumer.ranks else [],
-        })
+        results.append(
+            {
+                "label": job.label,
+                "refused": None,
+                "t": [start, time.monotonic() - t0],
+                "records": [r.to_dict() for r in executor.meter.records[mark:]],
+                "delivered": {k: v.cpu() for k, v in outcome.delivered.items()},
+                "history": [(i, name, v.cpu()) for i, name, v in outcome.history]
+                if env.rank in edge.consumer.ranks
+                else [],
+            }
+        )
     mine = {"rank": env.rank, "layout": layout.describe(), "jobs": results}
     gathered: list[Any] | None = [None] * env.world_size if env.rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
@@ -191,32 +212,61 @@ def _report(args: dict, preset: str, mesh: Mesh, prepared: list, gathered: list[
     layouts = [g["layout"] for g in gathered]
     out_jobs = []
     path = args.get("recording")
-    writer = RecordingWriter(path, "live", kind="bridge", preset=preset, ranks=len(layouts), layouts=layouts,
-                             mesh=[d.name for d in mesh.domains]) if path else None
+    writer = (
+        RecordingWriter(
+            path,
+            "live",
+            kind="bridge",
+            preset=preset,
+            ranks=len(layouts),
+            layouts=layouts,
+            mesh=[d.name for d in mesh.domains],
+        )
+        if path
+        else None
+    )
     for k, (job, edge, contract, plan) in enumerate(prepared):
         per_rank = {g["rank"]: g["jobs"][k] for g in gathered}
         refused = sorted({tuple(j["refused"]) for j in per_rank.values() if j["refused"] is not None})
         records = [CallRecord.from_dict(r) for j in per_rank.values() for r in j["records"]]
         cost = plan_cost(plan, mesh)
-        entry: JsonObject = {"label": job.label, "request": job.request.value, "edge": edge.name,
-                                 "planned": {"startups": cost.startups, "payload_bytes": cost.payload_bytes,
-                                             "bytes_by_link": dict(cost.bytes_by_link),
-                                             "startups_by_link": dict(cost.startups_by_link)},
-                                 "calls_made": len(records)}
+        entry: JsonObject = {
+            "label": job.label,
+            "request": job.request.value,
+            "edge": edge.name,
+            "planned": {
+                "startups": cost.startups,
+                "payload_bytes": cost.payload_bytes,
+                "bytes_by_link": dict(cost.bytes_by_link),
+                "startups_by_link": dict(cost.startups_by_link),
+            },
+            "calls_made": len(records),
+        }
         if refused:
             entry.update(refused=list(refused[0]), verified=False)
         else:
             measured = measure(records)
             verdict = verify_job(job.request, preset, edge, contract, per_rank)
-            entry.update(refused=None, measured=measured.to_dict(), verification=verdict.to_dict(),
-                         verified=verdict.ok, cost_matches=_cost_matches(entry["planned"], measured.to_dict()))
+            entry.update(
+                refused=None,
+                measured=measured.to_dict(),
+                verification=verdict.to_dict(),
+                verified=verdict.ok,
+                cost_matches=_cost_matches(entry["planned"], measured.to_dict()),
+            )
         entry["plan"] = plan.to_dict()
         out_jobs.append(entry)
         if writer is not None:
             _record_job(writer, k, entry, per_rank, plan)
     recording = str(writer.close()) if writer is not None else None
-    return {"rank": 0, "preset": preset, "mesh": [d.name for d in mesh.domains], "layouts": layouts,
-            "jobs": out_jobs, "recording": recording}
+    return {
+        "rank": 0,
+        "preset": preset,
+        "mesh": [d.name for d in mesh.domains],
+        "layouts": layouts,
+        "jobs": out_jobs,
+        "recording": recording,
+    }
 
 
 def _cost_matches(planned: Mapping[str, Any], measured: Mapping[str, Any]) -> bool:
@@ -228,8 +278,17 @@ def _cost_matches(planned: Mapping[str, Any], measured: Mapping[str, Any]) -> bo
 def _record_job(writer: RecordingWriter, k: int, entry: dict, per_rank: dict, plan: Plan) -> None:
     """One job's events in time order: the plan, every call on every rank, each rank's end, the verdict."""
     start = min((j["t"][0] for j in per_rank.values()), default=0.0)
-    writer.emit("plan", t=start, data={"job": k, "label": entry["label"], "request": entry["request"],
-                                       "planned": entry["planned"], "steps": [st.to_dict() for st in plan.steps]})
+    writer.emit(
+        "plan",
+        t=start,
+        data={
+            "job": k,
+            "label": entry["label"],
+            "request": entry["request"],
+            "planned": entry["planned"],
+            "steps": [st.to_dict() for st in plan.steps],
+        },
+    )
     events = []
     for rank, j in per_rank.items():
         events += [(r["t"], rank, "call", {"job": k, **r}) for r in j["records"]]
@@ -241,9 +300,15 @@ def _record_job(writer: RecordingWriter, k: int, entry: dict, per_rank: dict, pl
     writer.emit("verified" if entry.get("verified") else "not_verified", t=end, data={"job": k, **summary})
 
 
-def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2,
-               recording: str | os.PathLike[str] | None = None, timeout_s: float = 240.0,
-               forkserver: "ForkServer | None" = None) -> dict:
+def run_bridge(
+    jobs: Sequence[Job],
+    preset: str = "tiny",
+    *,
+    per_domain: int = 2,
+    recording: str | os.PathLike[str] | None = None,
+    timeout_s: float = 240.0,
+    forkserver: "ForkServer | None" = None,
+) -> dict:
     """Start ``2 * per_domain`` ranks on loopback, run ``jobs``, return rank 0's report.
     ``forkserver`` (a :class:`~meshpact.live.launch.forkserver.ForkServer`): the ranks are forked
     from it where it accepts their environment, warm, instead of started as fresh interpreters.
@@ -254,11 +319,22 @@ def run_bridge(jobs: Sequence[Job], preset: str = "tiny", *, per_domain: int = 2
     from ..launch.launcher import launch
 
     get_preset(preset)
-    args = {"jobs": [j.to_dict() for j in jobs], "preset": preset, "timeout_s": min(60.0, timeout_s),
-            "recording": str(Path(recording).resolve()) if recording else None}
+    args = {
+        "jobs": [j.to_dict() for j in jobs],
+        "preset": preset,
+        "timeout_s": min(60.0, timeout_s),
+        "recording": str(Path(recording).resolve()) if recording else None,
+    }
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "lo")
-    results = launch("meshpact.live.plans.bridge:worker", 2 * per_domain, args, timeout_s=timeout_s,
-                     master_addr="127.0.0.1", env=lambda rank: {"GLOO_SOCKET_IFNAME": ifname}, forkserver=forkserver)
+    results = launch(
+        "meshpact.live.plans.bridge:worker",
+        2 * per_domain,
+        args,
+        timeout_s=timeout_s,
+        master_addr="127.0.0.1",
+        env=lambda rank: {"GLOO_SOCKET_IFNAME": ifname},
+        forkserver=forkserver,
+    )
     report = results[0].value
     if not isinstance(report, dict) or "jobs" not in report:
         raise MeshpactError(f"rank 0 returned no report: {report!r}")

@@ -66,7 +66,9 @@ class RankEnv:
             local = int(env.get("LOCAL_RANK", env["RANK"]))
             port = int(env["MASTER_PORT"])
         except ValueError as exc:
-            raise LaunchError(f"worker environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT must be integers ({exc})") from None
+            raise LaunchError(
+                f"worker environment: RANK, WORLD_SIZE, LOCAL_RANK, MASTER_PORT must be integers ({exc})"
+            ) from None
         if not 0 <= rank < world:
             raise LaunchError(f"RANK={rank} is outside WORLD_SIZE={world}")
         return cls(rank, world, local, env.get("MASTER_ADDR", "127.0.0.1"), port)
@@ -155,8 +157,10 @@ class DomainLayout:
         if key == tuple(sorted(self.domain.ranks)):
             return self.domain_group, name
         if key not in self.sub_groups:
-            raise MeshpactError(f"no native group over ranks {list(key)} on rank {self.rank}; name it in "
-                                "init_domains(sub_groups=...) so every rank creates it in the same order")
+            raise MeshpactError(
+                f"no native group over ranks {list(key)} on rank {self.rank}; name it in "
+                "init_domains(sub_groups=...) so every rank creates it in the same order"
+            )
         return self.sub_groups[key], f"{name}:{','.join(map(str, key))}"
 
     def describe(self) -> dict:
@@ -196,8 +200,7 @@ def init_domains(
     if not dist.is_initialized():
         # env:// reads MASTER_ADDR/MASTER_PORT; under torchrun or the launcher the store is
         # hosted by the agent (TORCHELASTIC_USE_AGENT_STORE) and this rank joins as a client.
-        dist.init_process_group("gloo", init_method="env://", rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)
+        dist.init_process_group("gloo", init_method="env://", rank=env.rank, world_size=env.world_size, timeout=timeout)
 
     def native(ranks: Sequence[int]) -> dist.ProcessGroup:
         mine = env.rank in ranks
@@ -212,6 +215,13 @@ def init_domains(
             subs[ranks] = native(ranks)
     pairs = bridge_pairs(mesh, extra_bridge_pairs)
     bridges = {key: dist.new_group(list(key), backend="gloo", timeout=timeout) for key in pairs}
-    return DomainLayout(mesh, env.rank, domain, choice, groups[domain.name],
-                        {k: g for k, g in bridges.items() if env.rank in k}, tuple(pairs),
-                        {k: g for k, g in subs.items() if env.rank in k})
+    return DomainLayout(
+        mesh,
+        env.rank,
+        domain,
+        choice,
+        groups[domain.name],
+        {k: g for k, g in bridges.items() if env.rank in k},
+        tuple(pairs),
+        {k: g for k, g in subs.items() if env.rank in k},
+    )

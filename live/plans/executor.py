@@ -37,7 +37,16 @@ from . import ops
 from .domains import DomainLayout
 from .meter import Meter
 
-__all__ = ["PlanRefused", "locality_violations", "admit", "simulate", "stand_in", "StepShapes", "Executor", "RunOutcome"]
+__all__ = [
+    "PlanRefused",
+    "locality_violations",
+    "admit",
+    "simulate",
+    "stand_in",
+    "StepShapes",
+    "Executor",
+    "RunOutcome",
+]
 
 Buffers = dict[str, torch.Tensor]
 
@@ -61,15 +70,21 @@ def locality_violations(plan: Plan, mesh: Mesh, bridge_pairs: Sequence[tuple[int
             continue
         domains = sorted({mesh.domain_of(r).name for r in s.ranks})
         if s.kind is StepKind.COLLECTIVE and len(domains) > 1:
-            out.append(f"step {i} ({s.op}): native collective over ranks {list(s.ranks)} spans domains "
-                       f"{domains}; a native communicator cannot span vendors, use a bridge send")
+            out.append(
+                f"step {i} ({s.op}): native collective over ranks {list(s.ranks)} spans domains "
+                f"{domains}; a native communicator cannot span vendors, use a bridge send"
+            )
         elif s.kind is StepKind.SEND:
             if len(domains) == 1:
-                out.append(f"step {i} (send {s.ranks[0]}->{s.ranks[1]}): both ranks are in {domains[0]!r}; "
-                           "a bridge message joins two domains (use a native collective inside one)")
+                out.append(
+                    f"step {i} (send {s.ranks[0]}->{s.ranks[1]}): both ranks are in {domains[0]!r}; "
+                    "a bridge message joins two domains (use a native collective inside one)"
+                )
             elif pairs is not None and tuple(sorted(s.ranks)) not in pairs:
-                out.append(f"step {i} (send {s.ranks[0]}->{s.ranks[1]}): no bridge joins these ranks "
-                           f"(bridges: {sorted(pairs)})")
+                out.append(
+                    f"step {i} (send {s.ranks[0]}->{s.ranks[1]}): no bridge joins these ranks "
+                    f"(bridges: {sorted(pairs)})"
+                )
         elif s.kind is StepKind.COLLECTIVE and s.arg("root") is not None and s.arg("root") not in s.ranks:
             out.append(f"step {i} ({s.op}): root {s.arg('root')} is not a participant {list(s.ranks)}")
     return out
@@ -78,8 +93,13 @@ def locality_violations(plan: Plan, mesh: Mesh, bridge_pairs: Sequence[tuple[int
 Checker = Callable[[Plan, Contract], CheckReport]
 
 
-def admit(plan: Plan, contract: Contract, mesh: Mesh, bridge_pairs: Sequence[tuple[int, int]] | None = None,
-          checker: Checker = check) -> CheckReport:
+def admit(
+    plan: Plan,
+    contract: Contract,
+    mesh: Mesh,
+    bridge_pairs: Sequence[tuple[int, int]] | None = None,
+    checker: Checker = check,
+) -> CheckReport:
     """Refuse ``plan`` unless it is local to native domains and the checker passes it.
 
     Returns the checker's report. Both verdicts are collected, so a refusal names every reason.
@@ -106,8 +126,9 @@ class StepShapes:
     outputs: Mapping[int, torch.Tensor | None]
 
 
-def simulate(plan: Plan, initial: Mapping[int, Buffers],
-             ids: torch.Tensor | None = None) -> tuple[dict[int, Buffers], list[StepShapes]]:
+def simulate(
+    plan: Plan, initial: Mapping[int, Buffers], ids: torch.Tensor | None = None
+) -> tuple[dict[int, Buffers], list[StepShapes]]:
     """Run ``plan`` over every rank's buffers in this process.
 
     On stand-ins (:func:`stand_in`) it gives every buffer's shape and dtype: the final
@@ -182,8 +203,14 @@ class Executor:
         self.layout = layout
         self.meter = meter or Meter(layout.rank)
 
-    def run(self, plan: Plan, contract: Contract, initial: Mapping[int, Buffers], ids: torch.Tensor | None = None,
-            checker: Checker = check) -> RunOutcome:
+    def run(
+        self,
+        plan: Plan,
+        contract: Contract,
+        initial: Mapping[int, Buffers],
+        ids: torch.Tensor | None = None,
+        checker: Checker = check,
+    ) -> RunOutcome:
         """Admit ``plan``, then run this rank's part of it.
 
         ``initial`` holds every rank's starting buffers: stand-ins (shapes only) for the
@@ -192,10 +219,17 @@ class Executor:
         """
         lay = self.layout
         admit(plan, contract, lay.mesh, lay.bridge_pairs, checker)
-        _, trace = simulate(plan, {r: {k: stand_in(v) for k, v in b.items()} for r, b in initial.items()},
-                            None if ids is None else ids.cpu())
-        uneven = [f"step {i}: {why}" for i, s in enumerate(plan.steps) if s.kind is StepKind.COLLECTIVE
-                  for why in ops.chunk_problems(s, [trace[i].inputs.get(r) for r in s.ranks])]
+        _, trace = simulate(
+            plan,
+            {r: {k: stand_in(v) for k, v in b.items()} for r, b in initial.items()},
+            None if ids is None else ids.cpu(),
+        )
+        uneven = [
+            f"step {i}: {why}"
+            for i, s in enumerate(plan.steps)
+            if s.kind is StepKind.COLLECTIVE
+            for why in ops.chunk_problems(s, [trace[i].inputs.get(r) for r in s.ranks])
+        ]
         if uneven:
             raise PlanRefused(uneven)
         # copies: the plan never writes into the caller's tensors (nor into a cached reference)

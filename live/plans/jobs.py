@@ -46,10 +46,26 @@ class Preset:
 # Qwen3-14B: hidden 5120, intermediate 17408, vocabulary 151936, bfloat16 (Qwen/Qwen3-14B
 # config.json on Hugging Face: hidden_size, intermediate_size, vocab_size, torch_dtype).
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset("tiny", tokens=4, hidden=64, vocab=1000, intermediate=176, dtype=DType.BFLOAT16, seed=7,
-                   source="small sizes for tests"),
-    "qwen3-14b": Preset("qwen3-14b", tokens=4, hidden=5120, vocab=151936, intermediate=17408,
-                        dtype=DType.BFLOAT16, seed=14, source="Qwen/Qwen3-14B config.json"),
+    "tiny": Preset(
+        "tiny",
+        tokens=4,
+        hidden=64,
+        vocab=1000,
+        intermediate=176,
+        dtype=DType.BFLOAT16,
+        seed=7,
+        source="small sizes for tests",
+    ),
+    "qwen3-14b": Preset(
+        "qwen3-14b",
+        tokens=4,
+        hidden=5120,
+        vocab=151936,
+        intermediate=17408,
+        dtype=DType.BFLOAT16,
+        seed=14,
+        source="Qwen/Qwen3-14B config.json",
+    ),
 }
 
 

@@ -33,13 +33,29 @@ class CallRecord:
     seconds: float = 0.0  # how long this rank spent in the call
 
     def to_dict(self) -> JsonObject:
-        return {"rank": self.rank, "group": self.group, "seq": self.seq, "op": self.op, "link": self.link,
-                "contributed": self.contributed, "t": round(self.t, 9), "seconds": round(self.seconds, 9)}
+        return {
+            "rank": self.rank,
+            "group": self.group,
+            "seq": self.seq,
+            "op": self.op,
+            "link": self.link,
+            "contributed": self.contributed,
+            "t": round(self.t, 9),
+            "seconds": round(self.seconds, 9),
+        }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "CallRecord":
-        return cls(int(d["rank"]), str(d["group"]), int(d["seq"]), str(d["op"]), str(d["link"]), int(d["contributed"]),
-                   float(d.get("t", 0.0)), float(d.get("seconds", 0.0)))
+        return cls(
+            int(d["rank"]),
+            str(d["group"]),
+            int(d["seq"]),
+            str(d["op"]),
+            str(d["link"]),
+            int(d["contributed"]),
+            float(d.get("t", 0.0)),
+            float(d.get("seconds", 0.0)),
+        )
 
 
 @dataclass
@@ -74,8 +90,12 @@ class Measured:
     startups_by_link: Mapping[str, int]
 
     def to_dict(self) -> JsonObject:
-        return {"startups": self.startups, "payload_bytes": self.payload_bytes,
-                "bytes_by_link": dict(self.bytes_by_link), "startups_by_link": dict(self.startups_by_link)}
+        return {
+            "startups": self.startups,
+            "payload_bytes": self.payload_bytes,
+            "bytes_by_link": dict(self.bytes_by_link),
+            "startups_by_link": dict(self.startups_by_link),
+        }
 
 
 def measure(records: Iterable[CallRecord]) -> Measured:
@@ -89,8 +109,9 @@ def measure(records: Iterable[CallRecord]) -> Measured:
         ops = sorted({r.op for r in recs})
         if group.startswith("bridge:"):
             if ops != ["recv", "send"] or len(recs) != 2:
-                raise MeshpactError(f"bridge message {group}#{seq} was not one send and one recv: "
-                                    f"{[(r.rank, r.op) for r in recs]}")
+                raise MeshpactError(
+                    f"bridge message {group}#{seq} was not one send and one recv: {[(r.rank, r.op) for r in recs]}"
+                )
         elif len(ops) != 1:
             raise MeshpactError(f"collective call {group}#{seq}: members disagree on the op {ops}")
         link = recs[0].link

@@ -98,8 +98,10 @@ def collective_result(op: Collective, inputs: Sequence[torch.Tensor | None], s: 
 
 def _equal_parts(parts: Sequence[torch.Tensor], what: str) -> None:
     if len({tuple(p.shape) for p in parts}) > 1:
-        raise PlanError(f"{what}: chunks of different shapes {[list(p.shape) for p in parts]}; the process-group "
-                        "backends need equal chunks (choose sizes divisible by the number of ranks)")
+        raise PlanError(
+            f"{what}: chunks of different shapes {[list(p.shape) for p in parts]}; the process-group "
+            "backends need equal chunks (choose sizes divisible by the number of ranks)"
+        )
 
 
 def chunk_problems(s: Step, inputs: Sequence[torch.Tensor | None]) -> list[str]:
@@ -130,8 +132,14 @@ def chunk_problems(s: Step, inputs: Sequence[torch.Tensor | None]) -> list[str]:
     return out
 
 
-def run_collective(op: Collective, s: Step, value: torch.Tensor | None, out_shape: torch.Tensor | None,
-                   group: dist.ProcessGroup, device: torch.device) -> torch.Tensor | None:
+def run_collective(
+    op: Collective,
+    s: Step,
+    value: torch.Tensor | None,
+    out_shape: torch.Tensor | None,
+    group: dist.ProcessGroup,
+    device: torch.device,
+) -> torch.Tensor | None:
     """Run collective ``op`` of step ``s`` on ``group``: one call, this rank's part of it.
 
     ``value`` is this rank's input (``None`` for non-roots of broadcast/scatter),
@@ -232,7 +240,7 @@ def project(s: Step, xs: Sequence[torch.Tensor], rank: int, ids: torch.Tensor | 
         pair = torch.float64 if x.is_floating_point() else torch.int64
         if x.shape[-1] == 0:
             low = -float("inf") if pair is torch.float64 else torch.iinfo(torch.int64).min
-            return torch.tensor([low, 2 ** 62], dtype=pair, device=x.device).repeat(x.shape[0], 1)
+            return torch.tensor([low, 2**62], dtype=pair, device=x.device).repeat(x.shape[0], 1)
         idx = torch.argmax(x, dim=-1)  # the first NaN, else the first maximum
         val = x.gather(1, idx[:, None])[:, 0]
         return torch.stack([val.to(pair), (idx + int(_per_rank(s, "offsets", i, 0))).to(pair)], dim=-1)
@@ -248,13 +256,13 @@ def project(s: Step, xs: Sequence[torch.Tensor], rank: int, ids: torch.Tensor | 
         off = int(_per_rank(s, "row_offsets", i, 0))
         if ids is None:
             raise PlanError("logsoftmax_at needs target ids; the contract's request is not logprob")
-        return reference_logprob(x, ids[off: off + x.shape[0]])
+        return reference_logprob(x, ids[off : off + x.shape[0]])
     if op is Projection.LOCAL_LSE_STATS:
         if ids is None:
             raise PlanError("local_lse_stats needs target ids; the contract's request is not logprob")
         off = int(_per_rank(s, "offsets", i, 0))
         roff = int(_per_rank(s, "row_offsets", i, 0))
-        rid = ids[roff: roff + x.shape[0]].to(x.device) - off
+        rid = ids[roff : roff + x.shape[0]].to(x.device) - off
         x = x.to(f32)
         if x.shape[-1] == 0:
             m = torch.full((x.shape[0],), -float("inf"), dtype=f32, device=x.device)
@@ -263,8 +271,11 @@ def project(s: Step, xs: Sequence[torch.Tensor], rank: int, ids: torch.Tensor | 
             m = x.max(dim=-1).values
             sexp = torch.exp(x - m[:, None]).sum(dim=-1)
         inside = (rid >= 0) & (rid < x.shape[-1])
-        t = torch.where(inside, x.gather(1, rid.clamp(0, max(x.shape[-1] - 1, 0))[:, None])[:, 0]
-                        if x.shape[-1] else m, torch.full_like(m, -float("inf")))
+        t = torch.where(
+            inside,
+            x.gather(1, rid.clamp(0, max(x.shape[-1] - 1, 0))[:, None])[:, 0] if x.shape[-1] else m,
+            torch.full_like(m, -float("inf")),
+        )
         return torch.stack([m, sexp, t], dim=-1)
     if op is Projection.COMBINE_LSE_STATS:
         m, sexp, t = x[:, 0::3], x[:, 1::3], x[:, 2::3]

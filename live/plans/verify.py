@@ -69,8 +69,9 @@ def reference_observation(request: LiveRequest, preset: str, edge: Edge, rank: i
     return chunk(full, cons.shard_dim or 0, len(cons.ranks), cons.ranks.index(rank))
 
 
-def owner_scope_leaks(request: LiveRequest, preset: str, edge: Edge,
-                      history: Mapping[int, Sequence[tuple[int, str, Any]]]) -> list[str]:
+def owner_scope_leaks(
+    request: LiveRequest, preset: str, edge: Edge, history: Mapping[int, Sequence[tuple[int, str, Any]]]
+) -> list[str]:
     """Buffers on a consumer rank that hold results of rows another rank owns.
 
     A consumer rank may hold, at any step, at most its own rows, and any token buffer it holds
@@ -89,8 +90,10 @@ def owner_scope_leaks(request: LiveRequest, preset: str, edge: Edge,
                 if rows > len(own):
                     leaks.append(f"rank {rank} step {step} buffer {name!r}: holds {rows} rows, owns {len(own)}")
                 elif not t.is_floating_point() and not torch.equal(t.reshape(-1).cpu(), own[:rows].reshape(-1)):
-                    leaks.append(f"rank {rank} step {step} buffer {name!r}: token ids {t.tolist()} are not its own rows' "
-                                 f"{own.tolist()} (rows owned: {[r for r, o in enumerate(owners) if o == rank]})")
+                    leaks.append(
+                        f"rank {rank} step {step} buffer {name!r}: token ids {t.tolist()} are not its own rows' "
+                        f"{own.tolist()} (rows owned: {[r for r, o in enumerate(owners) if o == rank]})"
+                    )
     return leaks
 
 
@@ -103,8 +106,13 @@ class Verdict:
     leaks: tuple[str, ...] = ()
 
     def to_dict(self) -> JsonObject:
-        return {"ok": self.ok, "equivalence": self.equivalence, "per_rank": {str(k): v for k, v in self.per_rank.items()},
-                "max_abs_error": self.max_abs_error, "owner_scope_leaks": list(self.leaks)}
+        return {
+            "ok": self.ok,
+            "equivalence": self.equivalence,
+            "per_rank": {str(k): v for k, v in self.per_rank.items()},
+            "max_abs_error": self.max_abs_error,
+            "owner_scope_leaks": list(self.leaks),
+        }
 
 
 def _compare(got: Any, want: torch.Tensor, eq: Equivalence) -> tuple[bool, str, float]:
@@ -116,14 +124,22 @@ def _compare(got: Any, want: torch.Tensor, eq: Equivalence) -> tuple[bool, str, 
         return True, "nothing to observe, nothing delivered", 0.0
     err = float((got.double() - want.double()).abs().max())
     if eq.bitwise or not want.is_floating_point():
-        same = torch.equal(got.view(torch.uint8) if got.is_floating_point() else got,
-                           want.view(torch.uint8) if want.is_floating_point() else want)
+        same = torch.equal(
+            got.view(torch.uint8) if got.is_floating_point() else got,
+            want.view(torch.uint8) if want.is_floating_point() else want,
+        )
         return same, "bitwise equal" if same else f"not bitwise equal (max |error| {err:.3g})", err
     ok = bool(torch.allclose(got.double(), want.double(), atol=eq.atol, rtol=eq.rtol))
-    return ok, f"within {eq.describe()} (max |error| {err:.3g})" if ok else f"outside {eq.describe()} (max |error| {err:.3g})", err
+    return (
+        ok,
+        f"within {eq.describe()} (max |error| {err:.3g})" if ok else f"outside {eq.describe()} (max |error| {err:.3g})",
+        err,
+    )
 
 
-def verify_job(request: LiveRequest, preset: str, edge: Edge, contract: Contract, per_rank: Mapping[int, Mapping[str, Any]]) -> Verdict:
+def verify_job(
+    request: LiveRequest, preset: str, edge: Edge, contract: Contract, per_rank: Mapping[int, Mapping[str, Any]]
+) -> Verdict:
     """Judge one job from every rank's deliveries and buffer history."""
     eq = equivalence_of(contract)
     details: dict[int, str] = {}

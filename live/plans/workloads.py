@@ -78,13 +78,17 @@ def workload_edge(request: LiveRequest | str, preset: Preset, mesh: Mesh) -> Edg
     if req.is_lm_head:
         producer = ProducerTensor("logits", "lm_head", (preset.tokens, preset.vocab), preset.dtype, prod.name, Shard(1))
         consumer = Consumer(
-            f"{req.value}_reader", cons.name, cons.ranks, Request(req.value),
+            f"{req.value}_reader",
+            cons.name,
+            cons.ranks,
+            Request(req.value),
             owners=owners(preset, cons.ranks) if req is LiveRequest.OWNER_TOKEN else None,
         )
         what = f"LM head ({preset.name}) vocab-sharded over {prod.name}, read as {req.value} by {cons.name}"
     else:
-        producer = ProducerTensor("mlp_out", "mlp.down_proj", (preset.tokens, preset.hidden), preset.dtype, prod.name,
-                                  Partial("sum"))
+        producer = ProducerTensor(
+            "mlp_out", "mlp.down_proj", (preset.tokens, preset.hidden), preset.dtype, prod.name, Partial("sum")
+        )
         consumer = Consumer("mlp_shard_reader", cons.name, cons.ranks, Request.SHARD, shard_dim=1)
         what = f"MLP slice ({preset.name}) row-parallel partials on {prod.name}, activation shards to {cons.name}"
     return Edge(f"live_{req.value}_{preset.name}", mesh, producer, consumer, description=what, source=preset.source)

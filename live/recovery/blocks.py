@@ -83,8 +83,9 @@ class BlockLog:
         """The blocks logged at step ``at``; LookupError below the horizon once any block ran (how
         many ran there is no longer known: a plan that counted none would skip what a peer runs)."""
         if at < self.horizon and self.ran_any:
-            raise LookupError(f"the blocks run between steps at step {at} are no longer kept (kept from step "
-                              f"{self.horizon})")
+            raise LookupError(
+                f"the blocks run between steps at step {at} are no longer kept (kept from step {self.horizon})"
+            )
         return len(self._by_step.get(at, ()))
 
     def run_at(self, at: int, index: int) -> BlockRun:
@@ -93,8 +94,9 @@ class BlockLog:
         runs = self._by_step.get(at, [])
         run = runs[index] if index < len(runs) else None
         if run is None:
-            raise LookupError(f"block {index} of step {at} is no longer kept (the newest {KEPT_PER_STEP} of a step "
-                              "are)")
+            raise LookupError(
+                f"block {index} of step {at} is no longer kept (the newest {KEPT_PER_STEP} of a step are)"
+            )
         return run
 
     def keep_from(self, step: int) -> None:
@@ -117,8 +119,9 @@ def resume_points(points: Iterable[Point], decided_step: int, floor: bool) -> tu
     return live, max(pts, key=point_order)
 
 
-def replay_plan(from_step: int, live: Point, stood: Point, count: Callable[[int], int]
-                ) -> Sequence[tuple[str, int, int]]:
+def replay_plan(
+    from_step: int, live: Point, stood: Point, count: Callable[[int], int]
+) -> Sequence[tuple[str, int, int]]:
     """What a rank whose state is at ``from_step`` runs again to stand where it stood (``stood``), in
     the order it first ran: ("step", step, 0) for every step from ``from_step`` on, and
     ("block", step, index) for the blocks from the ``live`` point on (before it, no rank runs them

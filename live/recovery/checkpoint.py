@@ -73,16 +73,36 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
-from .manifest import (MANIFEST, CheckpointCorrupt, FileDigest, clean_dead_temps, damage, digest_and_sync,
-                       digest_file, durable_write, fsync_dir, read_manifest, temp_path, write_manifest,
-                       write_synced)
+from .manifest import (
+    MANIFEST,
+    CheckpointCorrupt,
+    FileDigest,
+    clean_dead_temps,
+    damage,
+    digest_and_sync,
+    digest_file,
+    durable_write,
+    fsync_dir,
+    read_manifest,
+    temp_path,
+    write_manifest,
+    write_synced,
+)
 from .state import SCHEDULE_KEY, Chunk, shard_rows
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["Checkpointer", "CheckpointStep", "CheckpointCorrupt", "AsyncCheckpointer", "AsyncCheckpointStats",
-           "state_bytes", "global_name", "PRIVATE"]
+__all__ = [
+    "Checkpointer",
+    "CheckpointStep",
+    "CheckpointCorrupt",
+    "AsyncCheckpointer",
+    "AsyncCheckpointStats",
+    "state_bytes",
+    "global_name",
+    "PRIVATE",
+]
 
 _log = logging.getLogger(__name__)
 
@@ -131,8 +151,9 @@ def write_part(directory: Path, state: Mapping[str, torch.Tensor], chunks: Mappi
     tmp = temp_path(directory, "tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     # the tensors as they are: DCP serialises each to the file, no copy of the state is made first
-    _dcp_quietly(dcp.save, {k: v.detach() for k, v in state.items()},
-                 storage_writer=dcp.FileSystemWriter(tmp, sync_files=False))
+    _dcp_quietly(
+        dcp.save, {k: v.detach() for k, v in state.items()}, storage_writer=dcp.FileSystemWriter(tmp, sync_files=False)
+    )
     files: dict[str, FileDigest] = {}
     if chunks is not None:
         body = json.dumps({k: [list(c.global_shape), list(c.offsets)] for k, c in chunks.items()}).encode()
@@ -286,11 +307,14 @@ class Checkpointer:
                     _log.warning("checkpoints in %s: %s", self.directory, found.note())
                 return found
             passed.append(f"step {step} ({why})")
-        raise FileNotFoundError(f"no complete checkpoint at or before step {limit} in {self.directory}"
-                                + (f"; passed over {'; '.join(passed)}" if passed else ""))
+        raise FileNotFoundError(
+            f"no complete checkpoint at or before step {limit} in {self.directory}"
+            + (f"; passed over {'; '.join(passed)}" if passed else "")
+        )
 
-    def load(self, step: int, like: Mapping[str, torch.Tensor] | None = None,
-             chunks: Mapping[str, Chunk] | None = None) -> dict[str, torch.Tensor]:
+    def load(
+        self, step: int, like: Mapping[str, torch.Tensor] | None = None, chunks: Mapping[str, Chunk] | None = None
+    ) -> dict[str, torch.Tensor]:
         """This rank's state at ``step``: its own part, bit for bit, once its files match their
         manifest (:class:`CheckpointCorrupt` names the file that does not). A checkpoint without
         parts (a plain loop's) is read by the names ``like``'s keys have there (:func:`global_name`),
@@ -306,14 +330,17 @@ class Checkpointer:
             except CheckpointCorrupt as exc:
                 why = str(exc)
             if why is not None:
-                raise CheckpointCorrupt(f"refusing rank {self.rank}'s part of the checkpoint of step {step} in "
-                                        f"{top}: {why}; restore an older step (Checkpointer.latest passes over "
-                                        "this one)")
+                raise CheckpointCorrupt(
+                    f"refusing rank {self.rank}'s part of the checkpoint of step {step} in "
+                    f"{top}: {why}; restore an older step (Checkpointer.latest passes over "
+                    "this one)"
+                )
             self.bytes_read += sum(f.stat().st_size for f in part.iterdir())
             return _read_part(part)
         if like is None or not (top / _METADATA).exists():
-            raise FileNotFoundError(f"no part of rank {self.rank} in {top}" +
-                                    ("" if like is None else " and no DCP metadata there"))
+            raise FileNotFoundError(
+                f"no part of rank {self.rank} in {top}" + ("" if like is None else " and no DCP metadata there")
+            )
         if (top / MANIFEST).exists():
             why = self.verify(step)
             if why is not None:
@@ -373,8 +400,13 @@ def _merge(top: Path, world: int) -> None:
     their chunks tile the whole tensor, under a plain loop's names (module docstring); then the
     step's manifest, which makes it complete."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata,
-                                                       MetadataIndex, TensorStorageMetadata)
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorStorageMetadata,
+    )
 
     files = _part_manifests(top, world)
     try:
@@ -423,11 +455,11 @@ def _merge(top: Path, world: int) -> None:
             at = buf.tell()
             torch.save(value, buf)
             sd_meta[name] = BytesStorageMetadata()
-            storage[MetadataIndex(name)] = dataclasses.replace(next(iter(storage.values())), relative_path=_GROUPS,
-                                                               offset=at, length=buf.tell() - at)
+            storage[MetadataIndex(name)] = dataclasses.replace(
+                next(iter(storage.values())), relative_path=_GROUPS, offset=at, length=buf.tell() - at
+            )
         files[_GROUPS] = durable_write(top / _GROUPS, buf.getvalue())
-    merged = Metadata(sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage,
-                      version=metas[0].version)
+    merged = Metadata(sd_meta, planner_data={k: (k,) for k in sd_meta}, storage_data=storage, version=metas[0].version)
     files[_METADATA] = durable_write(top / _METADATA, pickle.dumps(merged))  # DCP's own format: a pickle
     write_manifest(top, files)
 
@@ -444,13 +476,16 @@ def _param_groups(top: Path, sd_meta: Mapping[str, Any]) -> dict[str, Any]:
     schedule = _schedule_from(_read_part(part, {SCHEDULE_KEY})[SCHEDULE_KEY])
     if len(schedule.groups) != 1:
         return {}
-    fqns = sorted({_plain_fqn(k[len(f"{PRIVATE}.rank0.param/"):]) for k in sd_meta
-                   if k.startswith(f"{PRIVATE}.rank0.param/")})
+    fqns = sorted(
+        {_plain_fqn(k[len(f"{PRIVATE}.rank0.param/") :]) for k in sd_meta if k.startswith(f"{PRIVATE}.rank0.param/")}
+    )
     return {f"optim.param_groups.{fqn}.{k}": v for fqn in fqns for k, v in schedule.groups[0].items()}
 
 
 # -- reading a plain loop's checkpoint ----------------------------------------------------------
-def _read_global(top: Path, like: Mapping[str, torch.Tensor], chunks: Mapping[str, Chunk]) -> tuple[dict[str, torch.Tensor], int]:
+def _read_global(
+    top: Path, like: Mapping[str, torch.Tensor], chunks: Mapping[str, Chunk]
+) -> tuple[dict[str, torch.Tensor], int]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -459,8 +494,9 @@ def _read_global(top: Path, like: Mapping[str, torch.Tensor], chunks: Mapping[st
         raise _unreadable(top, exc) from exc
 
 
-def _read_global_unchecked(top: Path, like: Mapping[str, torch.Tensor],
-                           chunks: Mapping[str, Chunk]) -> tuple[dict[str, torch.Tensor], int]:
+def _read_global_unchecked(
+    top: Path, like: Mapping[str, torch.Tensor], chunks: Mapping[str, Chunk]
+) -> tuple[dict[str, torch.Tensor], int]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
@@ -475,13 +511,13 @@ def _read_global_unchecked(top: Path, like: Mapping[str, torch.Tensor],
     slots: dict[str, list[str]] = {}  # a parameter's plain name -> the optimizer slots the checkpoint has for it
     for name in meta.state_dict_metadata:
         if name.startswith("optim.state."):
-            fqn, _, slot = name[len("optim.state."):].rpartition(".")
+            fqn, _, slot = name[len("optim.state.") :].rpartition(".")
             slots.setdefault(fqn, []).append(slot)
     chunks = dict(chunks)
     for key in [k for k in like if k.startswith("param/")]:
-        fqn = _plain_fqn(key[len("param/"):])
+        fqn = _plain_fqn(key[len("param/") :])
         for slot in slots.get(fqn, ()):  # the optimizer's state, as the checkpoint has it (a fresh optimizer has none)
-            okey, name = f"optim/{key[len('param/'):]}/{slot}", f"optim.state.{fqn}.{slot}"
+            okey, name = f"optim/{key[len('param/') :]}/{slot}", f"optim.state.{fqn}.{slot}"
             m = _tensor_entry(meta.state_dict_metadata[name])
             names[okey], dtypes[okey] = name, m.properties.dtype
             same = key in chunks and tuple(m.size) == chunks[key].global_shape
@@ -490,8 +526,10 @@ def _read_global_unchecked(top: Path, like: Mapping[str, torch.Tensor],
                 chunks[okey] = chunks[key]
     missing = [n for k, n in names.items() if n is not None and n not in meta.state_dict_metadata]
     if missing:
-        raise KeyError(f"the checkpoint in {top} has no {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
-                       "it was written for another model")
+        raise KeyError(
+            f"the checkpoint in {top} has no {missing[:5]}{' ...' if len(missing) > 5 else ''}: "
+            "it was written for another model"
+        )
     out = {n: torch.empty(shapes[k], dtype=dtypes[k]) for k, n in names.items() if n is not None}
 
     class _ChunkPlanner(DefaultLoadPlanner):
@@ -507,8 +545,10 @@ def _read_global_unchecked(top: Path, like: Mapping[str, torch.Tensor],
                 shape = out[name].shape
                 offsets = chunks[key].offsets if key in chunks else (0,) * len(shape)
                 items += create_read_items_for_chunk_list(
-                    name, _tensor_entry(self.metadata.state_dict_metadata[name]),
-                    [ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape))])
+                    name,
+                    _tensor_entry(self.metadata.state_dict_metadata[name]),
+                    [ChunkStorageMetadata(torch.Size(offsets), torch.Size(shape))],
+                )
             return LoadPlan(items)
 
         def resolve_tensor(self, read_item: Any) -> torch.Tensor:
@@ -541,10 +581,16 @@ class AsyncCheckpointStats:
         return self.bytes_per_step * 3600.0 / self.step_s_with if self.step_s_with else 0.0
 
     def to_dict(self) -> dict:
-        return {"steps": self.steps, "step_ms_without": self.step_s_without * 1e3,
-                "step_ms_with": self.step_s_with * 1e3, "overhead": self.overhead,
-                "host_bytes": self.host_bytes, "bytes_per_step": self.bytes_per_step,
-                "storage_bytes_per_hour": self.bytes_per_hour, "write_ms_mean": self.write_s_mean * 1e3}
+        return {
+            "steps": self.steps,
+            "step_ms_without": self.step_s_without * 1e3,
+            "step_ms_with": self.step_s_with * 1e3,
+            "overhead": self.overhead,
+            "host_bytes": self.host_bytes,
+            "bytes_per_step": self.bytes_per_step,
+            "storage_bytes_per_hour": self.bytes_per_hour,
+            "write_ms_mean": self.write_s_mean * 1e3,
+        }
 
 
 class AsyncCheckpointer:

@@ -43,11 +43,43 @@ import torch.distributed.distributed_c10d as c10d
 from meshpact.core.jsonform import JsonObject
 from meshpact.core.recovery import CommunicatorAction
 
-__all__ = ["GroupSpec", "WORLD", "group_name", "build_group", "install_group", "store_prefix", "choose_action",
-           "can_reconfigure", "can_shrink", "socket_fds", "SocketEnds", "data_sockets", "gloo_pairs", "opened_since", "sever", "Severance", "timed_out", "SeveredSockets",
-           "group_ranks", "base_name", "backend_of", "sequence_number", "first_collective", "exercise", "GroupPlan",
-           "group_plan", "set_data_timeout", "StandbyStatus", "Standby", "STANDBY_NAMESPACE", "standby_refusal",
-           "USER_BASE", "user_base", "user_ordinal", "build_order"]
+__all__ = [
+    "GroupSpec",
+    "WORLD",
+    "group_name",
+    "build_group",
+    "install_group",
+    "store_prefix",
+    "choose_action",
+    "can_reconfigure",
+    "can_shrink",
+    "socket_fds",
+    "SocketEnds",
+    "data_sockets",
+    "gloo_pairs",
+    "opened_since",
+    "sever",
+    "Severance",
+    "timed_out",
+    "SeveredSockets",
+    "group_ranks",
+    "base_name",
+    "backend_of",
+    "sequence_number",
+    "first_collective",
+    "exercise",
+    "GroupPlan",
+    "group_plan",
+    "set_data_timeout",
+    "StandbyStatus",
+    "Standby",
+    "STANDBY_NAMESPACE",
+    "standby_refusal",
+    "USER_BASE",
+    "user_base",
+    "user_ordinal",
+    "build_order",
+]
 
 WORLD = "meshpact_data"  # the base name of the data-path group over every rank
 USER_BASE = "user"  # the base names of the groups the job's code makes after start_session: user0, user1, ...
@@ -111,7 +143,7 @@ def user_base(ordinal: int) -> str:
 
 def user_ordinal(base: str) -> int | None:
     """The creation ordinal in a user group's base name (None for any other group)."""
-    head, tail = base[:len(USER_BASE)], base[len(USER_BASE):]
+    head, tail = base[: len(USER_BASE)], base[len(USER_BASE) :]
     return int(tail) if head == USER_BASE and tail.isdigit() else None
 
 
@@ -214,8 +246,9 @@ def gloo_pairs(opened: dict[int, str], store_ports: tuple[int, ...] = ()) -> dic
     return out
 
 
-def data_sockets(protected: dict[int, str], store_ports: tuple[int, ...] = (),
-                 known: SocketEnds | None = None) -> dict[int, str]:
+def data_sockets(
+    protected: dict[int, str], store_ports: tuple[int, ...] = (), known: SocketEnds | None = None
+) -> dict[int, str]:
     """Where gloo connects its pairs lazily (``TORCH_GLOO_LAZY_INIT``, a pair's socket may appear
     at any collective, so no build tells them): the connected TCP sockets with gloo's
     ``TCP_NODELAY`` set, not listening (shutting down a gloo listener makes its accept loop abort
@@ -546,8 +579,11 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
         wake, prev, looked = max(wake, now - looked), looked, now
         seen = [_traffic(s) for s in socks]
         delta = sum(b[2] - a[2] for a, b in zip(last, seen))
-        large = large or delta > FLUSH_LARGE_BYTES or any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES
-                                                          for q, r, _ in seen)
+        large = (
+            large
+            or delta > FLUSH_LARGE_BYTES
+            or any(q > FLUSH_LARGE_BYTES or r > FLUSH_LARGE_BYTES for q, r, _ in seen)
+        )
         if not large:
             return Severance(0, now - t0, "none", wake_s=wake)
         if seen != last:
@@ -559,12 +595,26 @@ def _flush(socks: list[socket.socket], stall_s: float = FLUSH_STALL_S, most_s: f
         if not queued and now - moved_at >= FLUSH_SETTLE_S:
             return Severance(0, now - t0, "settled", gap_s=gap, wake_s=wake)
         if (queued and now - moved_at > stall_s) or now - t0 > most_s:
-            return Severance(0, now - t0, "most" if now - t0 > most_s else "stalled",
-                             sum(q for q, _, _ in seen), sum(r for _, r, _ in seen), gap, wake)
+            return Severance(
+                0,
+                now - t0,
+                "most" if now - t0 > most_s else "stalled",
+                sum(q for q, _, _ in seen),
+                sum(r for _, r, _ in seen),
+                gap,
+                wake,
+            )
 
 
-def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
-                ranks: tuple[int, ...] | None = None, namespace: str = "", install: bool = True) -> dist.ProcessGroup:
+def build_group(
+    spec: GroupSpec,
+    store: Any,
+    generation: int,
+    base: str = WORLD,
+    ranks: tuple[int, ...] | None = None,
+    namespace: str = "",
+    install: bool = True,
+) -> dist.ProcessGroup:
     """A fresh data-path group for ``base`` in ``generation`` over the global ``ranks`` (default:
     every rank), under its own store namespace (``namespace`` appended: a standby's keys never
     meet a group built in the recovery), with the data-path timeout. Every member must call
@@ -602,9 +652,14 @@ def build_group(spec: GroupSpec, store: Any, generation: int, base: str = WORLD,
 
 def install_group(pg: dist.ProcessGroup, store: Any, spec: GroupSpec, ranks: tuple[int, ...]) -> None:
     """Register ``pg`` in c10d's world (name registry, maps, tags) with its global ``ranks``."""
-    c10d._register_pg_in_world(pg, spec.backend, store, pg.group_name,
-                               f"{spec.device.split(':')[0]}:{spec.backend}",
-                               rank_mapping={g: i for i, g in enumerate(ranks)})
+    c10d._register_pg_in_world(
+        pg,
+        spec.backend,
+        store,
+        pg.group_name,
+        f"{spec.device.split(':')[0]}:{spec.backend}",
+        rank_mapping={g: i for i, g in enumerate(ranks)},
+    )
 
 
 def set_data_timeout(groups: Iterable[dist.ProcessGroup], spec: GroupSpec) -> None:
@@ -772,8 +827,10 @@ class Standby:
             before = socket_fds()
             t0 = time.perf_counter()
             store = self._connect()
-            groups = {base: build_group(self.spec, store, self.generation, base, ranks, STANDBY_NAMESPACE,
-                                        install=False) for base, ranks in self.plan}
+            groups = {
+                base: build_group(self.spec, store, self.generation, base, ranks, STANDBY_NAMESPACE, install=False)
+                for base, ranks in self.plan
+            }
             for base, _ in self.plan:  # the same order on every member, as the building
                 exercise(groups[base], self.spec.device)
             opened = {fd: ino for fd, ino in socket_fds().items() if before.get(fd) != ino}
@@ -791,8 +848,11 @@ class Standby:
         """Whether this standby can replace ``plan``'s groups, waiting at most ``wait_s`` for a
         standby still being built."""
         if self.between_steps and not self._started:
-            return StandbyStatus(self.generation, False, "not built yet (on NCCL it is built between steps, and no "
-                                                         "step ended since it was asked for)")
+            return StandbyStatus(
+                self.generation,
+                False,
+                "not built yet (on NCCL it is built between steps, and no step ended since it was asked for)",
+            )
         if not self._done.wait(wait_s):
             return StandbyStatus(self.generation, False, f"still being built after {wait_s:g} s")
         if self.error is not None:
@@ -824,4 +884,3 @@ class Standby:
             return True
         self._thread.join(timeout=timeout_s)
         return not self._thread.is_alive()
-

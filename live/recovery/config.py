@@ -93,8 +93,15 @@ class RecoveryConfig:
     stall_margin: float = 4.0
 
     def __post_init__(self) -> None:
-        for name in ("data_timeout_s", "heartbeat_interval_s", "process_start_s", "group_create_s", "step_s",
-                     "warmup_s", "data_timeout_floor_s"):
+        for name in (
+            "data_timeout_s",
+            "heartbeat_interval_s",
+            "process_start_s",
+            "group_create_s",
+            "step_s",
+            "warmup_s",
+            "data_timeout_floor_s",
+        ):
             value = getattr(self, name)
             if value is None and name == "data_timeout_s":
                 continue
@@ -104,23 +111,30 @@ class RecoveryConfig:
             if getattr(self, name) < 1:
                 raise TimeoutOrderError(f"{name} must be at least 1, got {getattr(self, name)}")
         if not self.data_timeout_margin >= 1.0:
-            raise TimeoutOrderError(f"data_timeout_margin must be at least 1 (times the longest step), "
-                                    f"got {self.data_timeout_margin}")
+            raise TimeoutOrderError(
+                f"data_timeout_margin must be at least 1 (times the longest step), got {self.data_timeout_margin}"
+            )
         if not self.stall_margin >= 1.0:
-            raise TimeoutOrderError(f"stall_margin must be at least 1 (times the longest pause of a completed step), "
-                                    f"got {self.stall_margin}")
+            raise TimeoutOrderError(
+                f"stall_margin must be at least 1 (times the longest pause of a completed step), "
+                f"got {self.stall_margin}"
+            )
         if self.peer_copies is not None and not (isinstance(self.peer_copies, int) and self.peer_copies >= 0):
             raise TimeoutOrderError(f"peer_copies must be 0 or more (0: none kept), got {self.peer_copies!r}")
         if self.peer_copy_depth not in (1, 2):
-            raise TimeoutOrderError(f"peer_copy_depth must be 1 or 2 (committed steps kept), got {self.peer_copy_depth}")
+            raise TimeoutOrderError(
+                f"peer_copy_depth must be 1 or 2 (committed steps kept), got {self.peer_copy_depth}"
+            )
         if self.consensus_round_s < self.group_create_s:
             raise TimeoutOrderError(
                 f"the consensus round ({self.consensus_round_s:g} s) is shorter than group creation "
-                f"({self.group_create_s:g} s): a rank still building a group would be taken for a silent one")
+                f"({self.group_create_s:g} s): a rank still building a group would be taken for a silent one"
+            )
         if self.consensus_round_s < self.process_start_s:
             raise TimeoutOrderError(
                 f"the consensus round ({self.consensus_round_s:g} s) is shorter than a process start "
-                f"({self.process_start_s:g} s): a replacement could never join a round")
+                f"({self.process_start_s:g} s): a replacement could never join a round"
+            )
 
     def for_world(self, world: int) -> "RecoveryConfig":
         """These settings for a job of ``world`` ranks, with the peer copies settled: as set, or by
@@ -219,8 +233,13 @@ class RecoveryConfig:
         ``per_fault_s`` itself, e.g. a stall): starting, warm-up, the steps, a bounded recovery
         per fault, and the replacement bound once (a rank declared lost and replaced, or the
         job ended)."""
-        return (self.store_connect_s + self.warmup_s + steps * self.step_s
-                + faults * (self.recovery_bound_s + per_fault_s) + self.replacement_bound_s)
+        return (
+            self.store_connect_s
+            + self.warmup_s
+            + steps * self.step_s
+            + faults * (self.recovery_bound_s + per_fault_s)
+            + self.replacement_bound_s
+        )
 
     def timeout_for(self, longest_step_s: float) -> float:
         """The data-path timeout for a job whose longest measured step took ``longest_step_s``
@@ -235,7 +254,8 @@ class RecoveryConfig:
             raise TimeoutOrderError(
                 f"the data-path timeout ({least:g} s) is shorter than {self.data_timeout_margin:g} x the "
                 f"longest step measured ({longest_step_s:.3g} s = {need:.3g} s): a normal step would time out; "
-                "raise it or let it follow the job")
+                "raise it or let it follow the job"
+            )
         return need
 
     def fit(self, longest_step_s: float) -> "RecoveryConfig":
@@ -250,34 +270,51 @@ class RecoveryConfig:
             raise TimeoutOrderError(
                 f"the launcher deadline ({deadline_s:g} s) is shorter than the rank-loss bound "
                 f"({self.rank_loss_bound_s:g} s = {self.max_rounds} rounds x {self.consensus_round_s:g} s): "
-                "the job would be killed before consensus names a lost rank")
+                "the job would be killed before consensus names a lost rank"
+            )
 
     @property
     def notes(self) -> tuple[str, ...]:
         """Orderings that work but are probably not meant (one line each, both values named)."""
         out = []
         if self.heartbeat and self.heartbeat_detect_s > self.data_timeout_least_s:
-            out.append(f"the heartbeat detection bound ({self.heartbeat_detect_s:g} s) is longer than the "
-                       f"data-path timeout ({self.data_timeout_least_s:g} s): the data path finds hangs first and "
-                       "the heartbeat adds nothing")
+            out.append(
+                f"the heartbeat detection bound ({self.heartbeat_detect_s:g} s) is longer than the "
+                f"data-path timeout ({self.data_timeout_least_s:g} s): the data path finds hangs first and "
+                "the heartbeat adds nothing"
+            )
         return tuple(out)
 
     def table(self) -> list[tuple[str, float, str]]:
         """(derived value, seconds, formula) for each derived timeout: the README's table."""
         return [
-            ("heartbeat detection bound", self.heartbeat_detect_s,
-             "heartbeat_interval_s x (heartbeat_misses + 1), at the least: a job whose steps pause allows stall_margin x the longest pause"),
-            ("data-path timeout, first steps", self.data_timeout_start_s,
-             "data_timeout_s, or max(warmup_s, data_timeout_floor_s) while it follows the job"),
-            ("data-path timeout, once a step is measured", self.data_timeout_least_s,
-             "at least this: max(data_timeout_s or data_timeout_floor_s, data_timeout_margin x longest step)"),
-            ("hang detection bound", self.detection_bound_s,
-             "min(heartbeat bound, first-steps data-path timeout) with the heartbeat on, else that timeout"),
-            ("consensus round (control channel wait)", self.consensus_round_s,
-             "max(process_start_s, group_create_s)"),
+            (
+                "heartbeat detection bound",
+                self.heartbeat_detect_s,
+                "heartbeat_interval_s x (heartbeat_misses + 1), at the least: a job whose steps pause allows stall_margin x the longest pause",
+            ),
+            (
+                "data-path timeout, first steps",
+                self.data_timeout_start_s,
+                "data_timeout_s, or max(warmup_s, data_timeout_floor_s) while it follows the job",
+            ),
+            (
+                "data-path timeout, once a step is measured",
+                self.data_timeout_least_s,
+                "at least this: max(data_timeout_s or data_timeout_floor_s, data_timeout_margin x longest step)",
+            ),
+            (
+                "hang detection bound",
+                self.detection_bound_s,
+                "min(heartbeat bound, first-steps data-path timeout) with the heartbeat on, else that timeout",
+            ),
+            ("consensus round (control channel wait)", self.consensus_round_s, "max(process_start_s, group_create_s)"),
             ("group creation (connect)", self.connect_timeout_s, "group_create_s"),
-            ("wait for a standby still being built", self.standby_wait_s,
-             "min(data_timeout_s or data_timeout_floor_s, group_create_s)"),
+            (
+                "wait for a standby still being built",
+                self.standby_wait_s,
+                "min(data_timeout_s or data_timeout_floor_s, group_create_s)",
+            ),
             ("store connect", self.store_connect_s, "process_start_s + group_create_s"),
             ("rank-loss bound (declared lost)", self.rank_loss_bound_s, "max_rounds x consensus round"),
             ("replacement bound", self.replacement_bound_s, "(max_rounds + replacement_rounds) x consensus round"),

@@ -54,10 +54,29 @@ from .blocks import AT_STEP, Point, resume_points
 from .control import ControlChannel, ControlTimeout
 from .refusal import RecoveryImpossible
 
-__all__ = ["Proposal", "Decision", "Agreement", "rank_runs", "from_runs", "CounterMoves", "decide", "agree", "ConsensusError", "GENERATION_KEY", "ROUND_KEY",
-           "EXCISE_NOT_OFFERED",
-           "loss_bound_s", "give_up_bound_s", "declared_lost", "LOST_KEY", "GONE_KEY", "GONE_COUNT_KEY", "mark_gone",
-           "gone_ranks", "open_round"]
+__all__ = [
+    "Proposal",
+    "Decision",
+    "Agreement",
+    "rank_runs",
+    "from_runs",
+    "CounterMoves",
+    "decide",
+    "agree",
+    "ConsensusError",
+    "GENERATION_KEY",
+    "ROUND_KEY",
+    "EXCISE_NOT_OFFERED",
+    "loss_bound_s",
+    "give_up_bound_s",
+    "declared_lost",
+    "LOST_KEY",
+    "GONE_KEY",
+    "GONE_COUNT_KEY",
+    "mark_gone",
+    "gone_ranks",
+    "open_round",
+]
 
 ROUND_KEY = "round"  # the last round decided, complete or not
 GENERATION_KEY = "generation"  # the round of the last complete decision: the generation the job acts on
@@ -94,27 +113,53 @@ class Proposal:
     own_steps: tuple[int, ...] = ()  # steps of this rank's own snapshots kept in host memory
     host: str = ""  # the host the rank is on (peer placement prefers other hosts)
     standby: JsonObject | None = None  # what the rank's standby can do (communicator.StandbyStatus); None: none
-    refused: tuple[tuple[int, int], ...] = ()  # (source rank, step) of copies this rank dropped: they failed their digest
+    refused: tuple[
+        tuple[int, int], ...
+    ] = ()  # (source rank, step) of copies this rank dropped: they failed their digest
     block: int = AT_STEP  # the block between steps it stands in at its committed step, or AT_STEP (blocks.py)
 
     def to_dict(self) -> JsonObject:
         # by hand: dataclasses.asdict deep-copies every field, a millisecond of each recovery
-        return {"rank": self.rank, "generation": self.generation, "committed_step": self.committed_step,
-                "digest": self.digest, "intact": self.intact, "incarnation": self.incarnation,
-                "restore_before": self.restore_before, "holds": [list(h) for h in self.holds],
-                "own_steps": list(self.own_steps), "host": self.host,
-                "standby": dict(self.standby) if self.standby is not None else None,
-                "refused": [list(r) for r in self.refused],
-                "block": self.block}
+        return {
+            "rank": self.rank,
+            "generation": self.generation,
+            "committed_step": self.committed_step,
+            "digest": self.digest,
+            "intact": self.intact,
+            "incarnation": self.incarnation,
+            "restore_before": self.restore_before,
+            "holds": [list(h) for h in self.holds],
+            "own_steps": list(self.own_steps),
+            "host": self.host,
+            "standby": dict(self.standby) if self.standby is not None else None,
+            "refused": [list(r) for r in self.refused],
+            "block": self.block,
+        }
 
     @classmethod
     def from_dict(cls, d: JsonObject) -> "Proposal":
-        kw = {k: d[k] for k in ("rank", "generation", "committed_step", "digest", "intact", "incarnation",
-                                "restore_before", "host", "standby") if k in d}
-        return cls(**kw, holds=tuple((int(a), int(b)) for a, b in d.get("holds", ())),
-                   own_steps=tuple(int(x) for x in d.get("own_steps", ())),
-                   refused=tuple((int(a), int(b)) for a, b in d.get("refused", ())),
-                   block=int(d.get("block", AT_STEP)))
+        kw = {
+            k: d[k]
+            for k in (
+                "rank",
+                "generation",
+                "committed_step",
+                "digest",
+                "intact",
+                "incarnation",
+                "restore_before",
+                "host",
+                "standby",
+            )
+            if k in d
+        }
+        return cls(
+            **kw,
+            holds=tuple((int(a), int(b)) for a, b in d.get("holds", ())),
+            own_steps=tuple(int(x) for x in d.get("own_steps", ())),
+            refused=tuple((int(a), int(b)) for a, b in d.get("refused", ())),
+            block=int(d.get("block", AT_STEP)),
+        )
 
 
 def _point(raw: Any) -> Point | None:
@@ -122,12 +167,15 @@ def _point(raw: Any) -> Point | None:
     return None if raw is None else (int(raw[0]), int(raw[1]))
 
 
-def _alternates(proposals: dict[int, "Proposal"], sources: Sequence[tuple[int, int]],
-                step: int) -> tuple[tuple[int, tuple[int, ...]], ...]:
+def _alternates(
+    proposals: dict[int, "Proposal"], sources: Sequence[tuple[int, int]], step: int
+) -> tuple[tuple[int, tuple[int, ...]], ...]:
     """For each (rank, named holder) of a restore: the other ranks whose proposals say they hold
     that rank's copy of ``step``, in rank order (a copy refused at the named holder falls back to them)."""
-    return tuple((r, tuple(h for h in sorted(proposals) if h not in (r, named) and (r, step) in proposals[h].holds))
-                 for r, named in sources)
+    return tuple(
+        (r, tuple(h for h in sorted(proposals) if h not in (r, named) and (r, step) in proposals[h].holds))
+        for r, named in sources
+    )
 
 
 def rank_runs(ranks: Sequence[int]) -> list[list[int]]:
@@ -164,8 +212,15 @@ def _standby_said(words: dict[int, JsonObject | None], generation: int) -> dict[
     for r in sorted(words):
         w = words[r]
         if refusing is None and not (isinstance(w, dict) and w.get("ready") and w.get("generation") == generation):
-            refusing = w if w is not None else {"generation": generation, "ready": False,
-                                                "reason": f"rank {r} has no standby (a replacement process)"}
+            refusing = (
+                w
+                if w is not None
+                else {
+                    "generation": generation,
+                    "ready": False,
+                    "reason": f"rank {r} has no standby (a replacement process)",
+                }
+            )
         out[r] = w if refusing is None else refusing
     return out
 
@@ -192,23 +247,37 @@ class Decision:
     furthest: Point | None = None  # the furthest point a member stood at (a guarded block before it is skipped)
 
     def to_dict(self) -> JsonObject:
-        return {"round": self.round, "policy": self.policy.value, "step": self.step, "reason": self.reason,
-                "live": list(self.live) if self.live else None,
-                "furthest": list(self.furthest) if self.furthest else None,
-                "members": rank_runs(self.members), "missing": list(self.missing),
-                "standby": [[w, rank_runs(rs)] for w, rs in self.standby],
-                "restore_from": [list(p) for p in self.restore_from], "lost": list(self.lost),
-                "alternates": [[r, list(hs)] for r, hs in self.alternates]}
+        return {
+            "round": self.round,
+            "policy": self.policy.value,
+            "step": self.step,
+            "reason": self.reason,
+            "live": list(self.live) if self.live else None,
+            "furthest": list(self.furthest) if self.furthest else None,
+            "members": rank_runs(self.members),
+            "missing": list(self.missing),
+            "standby": [[w, rank_runs(rs)] for w, rs in self.standby],
+            "restore_from": [list(p) for p in self.restore_from],
+            "lost": list(self.lost),
+            "alternates": [[r, list(hs)] for r, hs in self.alternates],
+        }
 
     @classmethod
     def from_dict(cls, d: JsonObject) -> "Decision":
-        return cls(int(d["round"]), Policy(d["policy"]), int(d["step"]), str(d["reason"]),
-                   from_runs(d.get("members", ())), tuple(d.get("missing", ())),
-                   tuple((w, from_runs(runs)) for w, runs in d.get("standby", ())),
-                   tuple((int(a), int(b)) for a, b in d.get("restore_from", ())),
-                   tuple(int(r) for r in d.get("lost", ())),
-                   tuple((int(r), tuple(int(h) for h in hs)) for r, hs in d.get("alternates", ())),
-                   _point(d.get("live")), _point(d.get("furthest")))
+        return cls(
+            int(d["round"]),
+            Policy(d["policy"]),
+            int(d["step"]),
+            str(d["reason"]),
+            from_runs(d.get("members", ())),
+            tuple(d.get("missing", ())),
+            tuple((w, from_runs(runs)) for w, runs in d.get("standby", ())),
+            tuple((int(a), int(b)) for a, b in d.get("restore_from", ())),
+            tuple(int(r) for r in d.get("lost", ())),
+            tuple((int(r), tuple(int(h) for h in hs)) for r, hs in d.get("alternates", ())),
+            _point(d.get("live")),
+            _point(d.get("furthest")),
+        )
 
     @property
     def resume_point(self) -> Point:
@@ -221,9 +290,16 @@ class Decision:
 
     def summary(self) -> JsonObject:
         """What an event records of the decision (no proposals)."""
-        return {"policy": self.policy.value, "round": self.round, "step": self.step, "reason": self.reason,
-                "missing": list(self.missing), "restore_from": [list(p) for p in self.restore_from],
-                "lost": list(self.lost), "live": list(self.resume_point)}
+        return {
+            "policy": self.policy.value,
+            "round": self.round,
+            "step": self.step,
+            "reason": self.reason,
+            "missing": list(self.missing),
+            "restore_from": [list(p) for p in self.restore_from],
+            "lost": list(self.lost),
+            "live": list(self.resume_point),
+        }
 
     @property
     def generation(self) -> int:
@@ -260,8 +336,15 @@ class Agreement:
     counters: CounterMoves | None = None
 
 
-def decide(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
-           checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, **policy: Any) -> Decision:
+def decide(
+    proposals: dict[int, Proposal],
+    world_size: int,
+    group_generation: int,
+    round: int,
+    checkpoint_step: Callable[[int], int],
+    timeout_s: float = 0.0,
+    **policy: Any,
+) -> Decision:
     """The group's answer to one round (:func:`decide_policy`), with the points of the loop where the
     job resumes live and the furthest a member reached (:func:`~.blocks.resume_points`). A
     replacement (no committed step) starts at the decided step, and an excision changes the world
@@ -269,16 +352,30 @@ def decide(proposals: dict[int, Proposal], world_size: int, group_generation: in
     d = decide_policy(proposals, world_size, group_generation, round, checkpoint_step, timeout_s, **policy)
     members = [proposals[r] for r in d.members if r in proposals]
     fresh = any(p.committed_step < 0 for p in members)
-    live, furthest = resume_points(((p.committed_step, p.block) if p.committed_step >= 0 else (d.step, AT_STEP)
-                                    for p in members), d.step, floor=fresh or d.policy is Policy.EXCISE)
+    live, furthest = resume_points(
+        ((p.committed_step, p.block) if p.committed_step >= 0 else (d.step, AT_STEP) for p in members),
+        d.step,
+        floor=fresh or d.policy is Policy.EXCISE,
+    )
     return replace(d, live=live, furthest=furthest)
 
 
-def decide_policy(proposals: dict[int, Proposal], world_size: int, group_generation: int, round: int,
-                  checkpoint_step: Callable[[int], int], timeout_s: float = 0.0, *, peer_copies: int = 0,
-                  on_rank_loss: Policy = Policy.PEER_RESTORE, declared: Sequence[int] = (),
-                  alive: Sequence[int] | None = None, overdue: Sequence[int] = (), overdue_why: str = "",
-                  excise_refusal: str | None = EXCISE_NOT_OFFERED) -> Decision:
+def decide_policy(
+    proposals: dict[int, Proposal],
+    world_size: int,
+    group_generation: int,
+    round: int,
+    checkpoint_step: Callable[[int], int],
+    timeout_s: float = 0.0,
+    *,
+    peer_copies: int = 0,
+    on_rank_loss: Policy = Policy.PEER_RESTORE,
+    declared: Sequence[int] = (),
+    alive: Sequence[int] | None = None,
+    overdue: Sequence[int] = (),
+    overdue_why: str = "",
+    excise_refusal: str | None = EXCISE_NOT_OFFERED,
+) -> Decision:
     """The group's answer to one round of proposals (pure; every rank would compute the same).
 
     ``checkpoint_step(limit)`` returns the newest complete checkpoint at or before ``limit``;
@@ -314,18 +411,36 @@ def decide_policy(proposals: dict[int, Proposal], world_size: int, group_generat
             return fallback(f"{why}; cannot excise: {plan}")
         step, sources = plan
         behind = sorted(r for r in members if proposals[r].committed_step > step)
-        note = (f"; rank(s) {behind} roll back to it from their own snapshot (a lost rank's newer copy was still "
-                "in flight)") if behind else ""
-        return Decision(round, Policy.EXCISE, step, f"{why}; copies at step {step} from holder(s) "
-                        + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
-                        + f"; the {len(members)} others continue without them{note}",
-                        members, missing, standby, sources, missing, _alternates(proposals, sources, step))
+        note = (
+            (
+                f"; rank(s) {behind} roll back to it from their own snapshot (a lost rank's newer copy was still "
+                "in flight)"
+            )
+            if behind
+            else ""
+        )
+        return Decision(
+            round,
+            Policy.EXCISE,
+            step,
+            f"{why}; copies at step {step} from holder(s) "
+            + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
+            + f"; the {len(members)} others continue without them{note}",
+            members,
+            missing,
+            standby,
+            sources,
+            missing,
+            _alternates(proposals, sources, step),
+        )
 
     if missing and on_rank_loss is Policy.EXCISE and set(missing) <= set(declared) and members:
         return excision(f"rank(s) {list(missing)} declared lost with no replacement (--on-rank-loss excise)")
     if missing and on_rank_loss is Policy.PEER_RESTORE and overdue and set(missing) <= set(overdue) and members:
-        why = (f"rank(s) {list(missing)} did not answer on the control channel within {timeout_s:.2f} s and "
-               f"{overdue_why or 'no replacement will come'}")
+        why = (
+            f"rank(s) {list(missing)} did not answer on the control channel within {timeout_s:.2f} s and "
+            f"{overdue_why or 'no replacement will come'}"
+        )
         if excise_refusal is not None:
             return fallback(f"{why}; cannot excise instead: {excise_refusal}")
         return excision(f"{why}, so the survivors excise them")
@@ -338,40 +453,68 @@ def decide_policy(proposals: dict[int, Proposal], world_size: int, group_generat
     newest = group_generation if group_generation in held or not held else max(held)
     stale = {r: p.generation for r, p in proposals.items() if p.intact and p.generation != newest}
     if stale:
-        return fallback(f"stale generation: rank(s) {stale} (rank: generation) differ from the group's "
-                        f"generation {newest}")
+        return fallback(
+            f"stale generation: rank(s) {stale} (rank: generation) differ from the group's generation {newest}"
+        )
     asked = {r: p.restore_before for r, p in proposals.items() if p.restore_before is not None}
     if asked:
-        return fallback(f"rank(s) {sorted(asked)} asked for a checkpoint restore from before step "
-                        f"{min(asked.values())} (a drill)")
+        return fallback(
+            f"rank(s) {sorted(asked)} asked for a checkpoint restore from before step {min(asked.values())} (a drill)"
+        )
     broken = sorted(r for r, p in proposals.items() if not p.intact)
     if broken:
-        why = (f"rank(s) {broken} hold no intact state in memory (a replacement process, a state written "
-               "since the commit, or an optimizer step begun before the fault)")
+        why = (
+            f"rank(s) {broken} hold no intact state in memory (a replacement process, a state written "
+            "since the commit, or an optimizer step begun before the fault)"
+        )
         plan = _peer_plan(proposals, broken, peer_copies)
         if isinstance(plan, str):
             return fallback(f"{why}; {plan}")
         step, sources = plan
         survivors = [r for r in members if r not in broken]
         behind = sorted(r for r in survivors if proposals[r].committed_step > step)
-        note = (f"; rank(s) {behind} roll back to it from their own snapshot (the lost rank's newer copy was "
-                "still in flight)") if behind else ""
-        return Decision(round, Policy.PEER_RESTORE, step,
-                        f"{why}; copies at step {step} from holder(s) "
-                        + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
-                        + f"; the other {len(survivors)} rank(s) keep their state in memory{note}",
-                        members, missing, standby, sources, alternates=_alternates(proposals, sources, step))
+        note = (
+            (
+                f"; rank(s) {behind} roll back to it from their own snapshot (the lost rank's newer copy was "
+                "still in flight)"
+            )
+            if behind
+            else ""
+        )
+        return Decision(
+            round,
+            Policy.PEER_RESTORE,
+            step,
+            f"{why}; copies at step {step} from holder(s) "
+            + ", ".join(f"rank {r} <- rank {h}" for r, h in sources)
+            + f"; the other {len(survivors)} rank(s) keep their state in memory{note}",
+            members,
+            missing,
+            standby,
+            sources,
+            alternates=_alternates(proposals, sources, step),
+        )
     steps = {p.committed_step for p in proposals.values()}
     if len(steps) != 1:
-        return fallback("committed steps differ: " + ", ".join(f"rank {r}: {p.committed_step}"
-                                                                for r, p in sorted(proposals.items())))
+        return fallback(
+            "committed steps differ: "
+            + ", ".join(f"rank {r}: {p.committed_step}" for r, p in sorted(proposals.items()))
+        )
     step = steps.pop()
-    return Decision(round, Policy.IN_MEMORY, step, f"all {world_size} ranks alive, at generation "
-                    f"{group_generation}, committed step {step}, state intact", members, missing, standby)
+    return Decision(
+        round,
+        Policy.IN_MEMORY,
+        step,
+        f"all {world_size} ranks alive, at generation {group_generation}, committed step {step}, state intact",
+        members,
+        missing,
+        standby,
+    )
 
 
-def _peer_plan(proposals: dict[int, Proposal], broken: list[int],
-               peer_copies: int) -> tuple[int, tuple[tuple[int, int], ...]] | str:
+def _peer_plan(
+    proposals: dict[int, Proposal], broken: list[int], peer_copies: int
+) -> tuple[int, tuple[tuple[int, int], ...]] | str:
     """The newest step held for every rank and where each broken rank takes it from, or why none is."""
     if peer_copies < 1:
         return "no peer copies are kept (peer copies: 0)"
@@ -391,8 +534,9 @@ def _peer_plan(proposals: dict[int, Proposal], broken: list[int],
         return "; ".join(_no_copy(proposals, r, peer_copies) for r in lost)
     common = set.intersection(*options.values())
     if not common:
-        return "no step is held for every rank: " + ", ".join(f"rank {r}: {sorted(o)}"
-                                                                for r, o in sorted(options.items()))
+        return "no step is held for every rank: " + ", ".join(
+            f"rank {r}: {sorted(o)}" for r, o in sorted(options.items())
+        )
     step = max(common)
     sources = tuple((r, r if step in set(proposals[r].own_steps) else held[r][step][0]) for r in broken)
     return step, sources
@@ -416,13 +560,18 @@ def _no_copy(proposals: dict[int, Proposal], src: int, peer_copies: int) -> str:
     if not empty:
         return f"the state of rank {src} was lost with all its holder(s) {gone}"
     why = f"no rank holds a copy of the state of rank {src}: its holder(s) {empty} are alive but hold none of it"
-    refused = [f"rank {h} refused its copy of step {step} (it failed its digest)"
-               for h in empty for s, step in proposals[h].refused if s == src]
+    refused = [
+        f"rank {h} refused its copy of step {step} (it failed its digest)"
+        for h in empty
+        for s, step in proposals[h].refused
+        if s == src
+    ]
     return why + (f", and {gone} were lost with it" if gone else "") + (f"; {', '.join(refused)}" if refused else "")
 
 
-def _excise_plan(proposals: dict[int, Proposal], lost: Sequence[int],
-                 peer_copies: int) -> tuple[int, tuple[tuple[int, int], ...]] | str:
+def _excise_plan(
+    proposals: dict[int, Proposal], lost: Sequence[int], peer_copies: int
+) -> tuple[int, tuple[tuple[int, int], ...]] | str:
     """The newest step every survivor can stand at (its committed state or its own snapshot)
     for which a survivor holds a copy of each lost rank, and that holder; or why none is."""
     if peer_copies < 1:
@@ -441,15 +590,25 @@ def _excise_plan(proposals: dict[int, Proposal], lost: Sequence[int],
         return f"no survivor holds a copy of the state of rank(s) {gone}"
     common = set.intersection(*options, *(set(held[r]) for r in lost))
     if not common:
-        return "no step is held for every rank: survivors " + ", ".join(
-            f"rank {r}: {sorted(o)}" for r, o in zip(proposals, options)) + "; lost " + ", ".join(
-            f"rank {r}: {sorted(held[r])}" for r in lost)
+        return (
+            "no step is held for every rank: survivors "
+            + ", ".join(f"rank {r}: {sorted(o)}" for r, o in zip(proposals, options))
+            + "; lost "
+            + ", ".join(f"rank {r}: {sorted(held[r])}" for r in lost)
+        )
     step = max(common)
     return step, tuple((r, held[r][step]) for r in sorted(lost))
 
 
-def _collect(channel: ControlChannel, keys: list[str], timeout_s: float, ranks: Sequence[int],
-             skip: list[int] | None, slice_s: float = 0.25, quiet: bool = False) -> JsonObject:
+def _collect(
+    channel: ControlChannel,
+    keys: list[str],
+    timeout_s: float,
+    ranks: Sequence[int],
+    skip: list[int] | None,
+    slice_s: float = 0.25,
+    quiet: bool = False,
+) -> JsonObject:
     """The round's proposals present within ``timeout_s``. With ``skip`` given the wait is cut
     in slices, and a rank the launcher marks gone meanwhile joins ``skip`` and is no longer
     waited for (excising: it is declared lost; replacing: no replacement comes). When every
@@ -487,8 +646,16 @@ def _decider(expected: Sequence[int], skip: Sequence[int], misses: dict[int, int
     return next((r for r in sorted(expected) if r not in skip and not misses.get(r)), None)
 
 
-def _await_decision(channel: ControlChannel, key: str, timeout_s: float, decider: int | None,
-                    ranks: Sequence[int], skip: list[int], slice_s: float = 0.25, quiet: bool = False) -> JsonObject | None:
+def _await_decision(
+    channel: ControlChannel,
+    key: str,
+    timeout_s: float,
+    decider: int | None,
+    ranks: Sequence[int],
+    skip: list[int],
+    slice_s: float = 0.25,
+    quiet: bool = False,
+) -> JsonObject | None:
     """The round's decision once the decider has written it; None when it has not within
     ``timeout_s`` (the proposals' own bound) or the launcher marked the decider gone meanwhile:
     then this rank decides, and the first decision written stands either way. Ranks marked
@@ -525,7 +692,7 @@ def mark_gone(channel: ControlChannel, rank: int) -> None:
 def gone_ranks(channel: ControlChannel, ranks: Sequence[int]) -> tuple[int, ...]:
     """Which of ``ranks`` the launcher marked gone (:func:`mark_gone`)."""
     got = channel.present([f"{GONE_KEY}{r}" for r in ranks])
-    return tuple(sorted(int(k[len(GONE_KEY):]) for k in got))
+    return tuple(sorted(int(k[len(GONE_KEY) :]) for k in got))
 
 
 def open_round(channel: ControlChannel, ranks: Sequence[int]) -> int | None:
@@ -542,7 +709,7 @@ def declared_lost(channel: ControlChannel, after_round: int = 0) -> dict[int, tu
     """Ranks declared lost in rounds after ``after_round``: round -> ranks (what a launcher watches)."""
     last = channel.counter(ROUND_KEY)
     got = channel.present([f"{LOST_KEY}{k}" for k in range(after_round + 1, last + 1)])
-    return {int(k[len(LOST_KEY):]): tuple(int(r) for r in v) for k, v in got.items()}
+    return {int(k[len(LOST_KEY) :]): tuple(int(r) for r in v) for k, v in got.items()}
 
 
 def give_up_bound_s(timeout_s: float, max_rounds: int = 4, replacement_rounds: int = 2) -> float:
@@ -558,11 +725,21 @@ def loss_bound_s(timeout_s: float, max_rounds: int = 4) -> float:
     return max_rounds * timeout_s
 
 
-def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], checkpoint_step: Callable[[int], int],
-          timeout_s: float | None = None, max_rounds: int = 4, *, peer_copies: int = 0,
-          on_rank_loss: Policy = Policy.PEER_RESTORE, replacement_rounds: int = 2,
-          alive: Sequence[int] | None = None, excise_refusal: str | None = EXCISE_NOT_OFFERED,
-          view: tuple[int, int] | None = None, defer_counters: bool = False) -> "Agreement":
+def agree(
+    channel: ControlChannel,
+    make_proposal: Callable[[int], Proposal],
+    checkpoint_step: Callable[[int], int],
+    timeout_s: float | None = None,
+    max_rounds: int = 4,
+    *,
+    peer_copies: int = 0,
+    on_rank_loss: Policy = Policy.PEER_RESTORE,
+    replacement_rounds: int = 2,
+    alive: Sequence[int] | None = None,
+    excise_refusal: str | None = EXCISE_NOT_OFFERED,
+    view: tuple[int, int] | None = None,
+    defer_counters: bool = False,
+) -> "Agreement":
     """Run rounds until the group decides with every rank present (or, excising, without the
     declared ranks). A rank missing from ``max_rounds`` rounds in a row is declared lost
     (:func:`loss_bound_s`; ``lost/round<k>`` on the channel); its replacement has
@@ -606,8 +783,14 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         # a declared rank absent once more after replacement_rounds rounds: its replacement missed the deadline
         expired = [r for r in absent if r in declared and misses.get(r, 0) + 1 >= max_rounds + replacement_rounds]
         left = [r for r in absent if r in gone]
-        whys = ([f"no replacement joined within its deadline of {deadline_s:g} s ({replacement_rounds} round(s) of "
-                 f"{timeout:g} s after rank(s) {expired} were declared lost)"] if expired else [])
+        whys = (
+            [
+                f"no replacement joined within its deadline of {deadline_s:g} s ({replacement_rounds} round(s) of "
+                f"{timeout:g} s after rank(s) {expired} were declared lost)"
+            ]
+            if expired
+            else []
+        )
         whys += [f"the launcher starts no replacement for rank(s) {left}"] if left else []
         return sorted(set(expired) | set(left)), whys
 
@@ -635,16 +818,32 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         decider = _decider(expected, skip, misses)
         t_round = time.monotonic()
         quiet = attempt > (view is not None)  # a round after the first: some rank was missing, a slow path
-        stored = (_await_decision(channel, f"round{round_}/{ADOPTED}", timeout, decider, expected, skip, quiet=quiet)
-                  if decider != channel.rank else None)
+        stored = (
+            _await_decision(channel, f"round{round_}/{ADOPTED}", timeout, decider, expected, skip, quiet=quiet)
+            if decider != channel.rank
+            else None
+        )
         if stored is None:  # the decider, or its decision did not come: decide, the first writer's stands
-            got = _collect(channel, keys, max(timeout - (time.monotonic() - t_round), 0.01), expected, skip,
-                           quiet=quiet)
+            got = _collect(
+                channel, keys, max(timeout - (time.monotonic() - t_round), 0.01), expected, skip, quiet=quiet
+            )
             proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
             overdue, whys = overdue_of([r for r in expected if r not in proposals])
-            ours = decide(proposals, world, group_generation, round_, checkpoint_step, timeout,
-                          peer_copies=peer_copies, on_rank_loss=on_rank_loss, declared=tuple(declared), alive=alive,
-                          overdue=overdue, overdue_why="; ".join(whys), excise_refusal=excise_refusal)
+            ours = decide(
+                proposals,
+                world,
+                group_generation,
+                round_,
+                checkpoint_step,
+                timeout,
+                peer_copies=peer_copies,
+                on_rank_loss=on_rank_loss,
+                declared=tuple(declared),
+                alive=alive,
+                overdue=overdue,
+                overdue_why="; ".join(whys),
+                excise_refusal=excise_refusal,
+            )
             stored = channel.set_once(f"round{round_}/decision", ours.to_dict())
             if channel.rank == decider:  # the decision that stands, where the others wait for it (a plain
                 channel.set(f"round{round_}/{ADOPTED}", stored)  # set: a compare-and-set does not wake them)
@@ -664,8 +863,10 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
         channel.advance(ROUND_KEY, round_)
         last = decision
         if not excising and overdue and set(decision.missing) <= set(overdue):  # nothing more to wait for
-            raise ConsensusError(f"rank(s) {list(decision.missing)} declared lost, no replacement comes, and the job "
-                                 f"cannot go on without them: {decision.reason}")
+            raise ConsensusError(
+                f"rank(s) {list(decision.missing)} declared lost, no replacement comes, and the job "
+                f"cannot go on without them: {decision.reason}"
+            )
         misses = {r: misses.get(r, 0) + 1 for r in decision.missing}  # in a row: a rank that answered starts over
         newly = [r for r in decision.missing if misses[r] >= max_rounds and r not in declared]
         if newly:
@@ -673,8 +874,12 @@ def agree(channel: ControlChannel, make_proposal: Callable[[int], Proposal], che
             channel.set_once(f"{LOST_KEY}{round_}", newly)
     lost = [r for r in (last.missing if last else ()) if r in declared]
     if lost:
-        raise ConsensusError(f"rank(s) {lost} declared lost after {max_rounds} round(s) of {timeout:.2f} s and no "
-                             f"replacement joined within {replacement_rounds} more; {last.reason if last else ''}")
-    raise ConsensusError(f"rank(s) {list(last.missing) if last else '?'} declared lost: no complete decision "
-                         f"after {max_rounds + replacement_rounds} round(s) of {timeout:.2f} s; "
-                         f"{last.reason if last else 'no round was decided'}")
+        raise ConsensusError(
+            f"rank(s) {lost} declared lost after {max_rounds} round(s) of {timeout:.2f} s and no "
+            f"replacement joined within {replacement_rounds} more; {last.reason if last else ''}"
+        )
+    raise ConsensusError(
+        f"rank(s) {list(last.missing) if last else '?'} declared lost: no complete decision "
+        f"after {max_rounds + replacement_rounds} round(s) of {timeout:.2f} s; "
+        f"{last.reason if last else 'no round was decided'}"
+    )

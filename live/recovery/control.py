@@ -94,9 +94,19 @@ class ControlChannel:
     """One end of the control channel. ``key`` is the job key (:mod:`.jobkey`; its ``"control"``
     key signs and checks every value) or None where the job opted out of authentication."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, timeout_s: float = 10.0,
-                 is_host: bool = False, connect_timeout_s: float = 60.0, run_id: str = "", *,
-                 key: JobKey | None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        timeout_s: float = 10.0,
+        is_host: bool = False,
+        connect_timeout_s: float = 60.0,
+        run_id: str = "",
+        *,
+        key: JobKey | None,
+    ) -> None:
         self.key = key
         self._signer = key.derive("control") if key is not None else None
         self._ignored = 0  # values ignored for their signature since the last line about them
@@ -127,9 +137,15 @@ class ControlChannel:
             now = time.monotonic()
             if now - self._said_at >= _SAY_EVERY_S:
                 why = "without this job's signature" if self._signer is not None else "that are not JSON"
-                logger.warning("control channel %s:%s: ignored %d value(s) %s (the last under %r): something "
-                               "without the job key writes to this channel", self.host, self.port, self._ignored,
-                               why, full[len(self._ns):] if full.startswith(self._ns) else full)
+                logger.warning(
+                    "control channel %s:%s: ignored %d value(s) %s (the last under %r): something "
+                    "without the job key writes to this channel",
+                    self.host,
+                    self.port,
+                    self._ignored,
+                    why,
+                    full[len(self._ns) :] if full.startswith(self._ns) else full,
+                )
                 self._said_at, self._ignored = now, 0
         return value
 
@@ -209,9 +225,11 @@ class ControlChannel:
                 return got
             now = self._store.compare_set(full, held, mine)  # the forgery out, only if it still holds the slot
             held = now if now != held else self._store.compare_set(full, "", mine)  # (== held: the key is gone)
-        raise ControlForged(f"control channel {self.host}:{self.port}: {key!r} was taken {_RECLAIMS} times in a row "
-                            "by values without this job's signature; something without the job key writes to "
-                            "this channel (see docs/security.md)")
+        raise ControlForged(
+            f"control channel {self.host}:{self.port}: {key!r} was taken {_RECLAIMS} times in a row "
+            "by values without this job's signature; something without the job key writes to "
+            "this channel (see docs/security.md)"
+        )
 
     def _read(self, keys: list[str], full: list[str], stored: list[bytes]) -> tuple[JsonObject, list[int]]:
         """The values that verify, by key, and the indices of those that do not."""
@@ -225,8 +243,16 @@ class ControlChannel:
                 out[k] = value
         return out, bad
 
-    def _wait_genuine(self, keys: list[str], full: list[str], got: JsonObject, bad: list[int], deadline: float,
-                      timeout_s: float, every_s: float = 0.005) -> JsonObject:
+    def _wait_genuine(
+        self,
+        keys: list[str],
+        full: list[str],
+        got: JsonObject,
+        bad: list[int],
+        deadline: float,
+        timeout_s: float,
+        every_s: float = 0.005,
+    ) -> JsonObject:
         """Finish a wait whose keys exist but ``bad`` of them hold forgeries: look again until a
         genuine value replaces each (its writer's next set) or the deadline passes."""
         while True:
@@ -302,8 +328,10 @@ class ControlChannel:
     def any_present(self, keys: list[str]) -> bool:
         """Whether any of ``keys`` holds a genuine value now (no waiting): one round trip per key
         looked at, two for one that exists."""
-        return any(self._store.check([f]) and self._open(f, self._store.get(f)) is not _FORGED
-                   for f in (self._ns + k for k in keys))
+        return any(
+            self._store.check([f]) and self._open(f, self._store.get(f)) is not _FORGED
+            for f in (self._ns + k for k in keys)
+        )
 
     def present(self, keys: list[str]) -> JsonObject:
         """The values of those ``keys`` that exist now (no waiting): two round trips when all
@@ -322,8 +350,17 @@ class ControlChannel:
         return out
 
 
-def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, connect_timeout_s: float,
-         env: Any = None, *, key: JobKey | None) -> ControlChannel:
+def join(
+    store: Any,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    run_id: str,
+    connect_timeout_s: float,
+    env: Any = None,
+    *,
+    key: JobKey | None,
+) -> ControlChannel:
     """This rank's end of the job's control channel.
 
     Named by ``MESHPACT_CONTROL_ADDR``/``MESHPACT_CONTROL_PORT`` (``meshpact launch``, the
@@ -344,14 +381,31 @@ def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, 
     signed value: a record or a channel set up by something without the job key is passed over."""
     env = os.environ if env is None else env
     if env.get("MESHPACT_CONTROL_PORT"):
-        return ControlChannel(env.get("MESHPACT_CONTROL_ADDR", "127.0.0.1"), int(env["MESHPACT_CONTROL_PORT"]), rank,
-                              world_size, timeout_s, connect_timeout_s=connect_timeout_s, run_id=run_id, key=key)
+        return ControlChannel(
+            env.get("MESHPACT_CONTROL_ADDR", "127.0.0.1"),
+            int(env["MESHPACT_CONTROL_PORT"]),
+            rank,
+            world_size,
+            timeout_s,
+            connect_timeout_s=connect_timeout_s,
+            run_id=run_id,
+            key=key,
+        )
     name = _ADDRESS_KEY + run_id
     signer = key.derive("control") if key is not None else None
     if rank == 0:
         host = env.get("MASTER_ADDR", "127.0.0.1")
-        channel = ControlChannel(host, 0, rank, world_size, timeout_s, is_host=True,
-                                 connect_timeout_s=connect_timeout_s, run_id=run_id, key=key)
+        channel = ControlChannel(
+            host,
+            0,
+            rank,
+            world_size,
+            timeout_s,
+            is_host=True,
+            connect_timeout_s=connect_timeout_s,
+            run_id=run_id,
+            key=key,
+        )
         word = channel.set_once(ATTEMPT_KEY, secrets.token_hex(6))
         store.set(name, seal(signer, name, {"host": host, "port": channel.port, "word": word}))
         return channel
@@ -361,8 +415,10 @@ def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, 
         left = deadline - time.monotonic()
         if left <= 0:
             said = f"its record names {last}, which did not answer with it" if last else "no record"
-            raise TimeoutError(f"rank {rank}: rank 0's control channel for this attempt was not reached within "
-                               f"{connect_timeout_s:.0f} s ({said})")
+            raise TimeoutError(
+                f"rank {rank}: rank 0's control channel for this attempt was not reached within "
+                f"{connect_timeout_s:.0f} s ({said})"
+            )
         try:  # asked every 10 ms: a timed-out wait in the store's client writes warnings to stderr
             raw = store.get(name) if store.check([name]) else None
             record = _address(unseal(signer, name, raw)) if raw is not None else None
@@ -386,14 +442,20 @@ def join(store: Any, rank: int, world_size: int, timeout_s: float, run_id: str, 
 
 def _address(record: Any) -> dict[str, Any] | None:
     """A channel record's fields where it has them in their types (else None: passed over)."""
-    if (isinstance(record, dict) and isinstance(record.get("host"), str) and isinstance(record.get("port"), int)
-            and 0 < record["port"] < 65536 and isinstance(record.get("word"), str)):
+    if (
+        isinstance(record, dict)
+        and isinstance(record.get("host"), str)
+        and isinstance(record.get("port"), int)
+        and 0 < record["port"] < 65536
+        and isinstance(record.get("word"), str)
+    ):
         return record
     return None
 
 
-def _client(host: str, port: int, rank: int, world_size: int, timeout_s: float, run_id: str,
-            within_s: float, key: JobKey | None) -> ControlChannel | None:
+def _client(
+    host: str, port: int, rank: int, world_size: int, timeout_s: float, run_id: str, within_s: float, key: JobKey | None
+) -> ControlChannel | None:
     """A client of the channel a record names, or None if it did not connect within ``within_s``.
     A refusal is answered at once; a listener that accepts and never answers would hold a store
     client's handshake past any timeout (torch 2.13), so the client is made on a thread of its
@@ -404,8 +466,11 @@ def _client(host: str, port: int, rank: int, world_size: int, timeout_s: float, 
 
     def connect() -> None:
         try:
-            made.append(ControlChannel(host, port, rank, world_size, timeout_s, connect_timeout_s=within_s,
-                                       run_id=run_id, key=key))
+            made.append(
+                ControlChannel(
+                    host, port, rank, world_size, timeout_s, connect_timeout_s=within_s, run_id=run_id, key=key
+                )
+            )
         except (RuntimeError, OSError, dist.DistStoreError):
             pass
 

@@ -35,9 +35,24 @@ from typing import Any, Callable, Iterable, Mapping, MutableMapping, Protocol, S
 import torch
 import torch.distributed as dist
 
-__all__ = ["DeviceOps", "HostOps", "CudaOps", "device_ops", "StepFence", "StepAborted", "PinnedSnapshot",
-           "DeviceProgress", "on_side_stream", "training_now", "abort_groups", "nccl_worker_env", "deterministic", "Determinism", "NCCL_ABORT_ONLY",
-           "CUBLAS_WORKSPACE"]
+__all__ = [
+    "DeviceOps",
+    "HostOps",
+    "CudaOps",
+    "device_ops",
+    "StepFence",
+    "StepAborted",
+    "PinnedSnapshot",
+    "DeviceProgress",
+    "on_side_stream",
+    "training_now",
+    "abort_groups",
+    "nccl_worker_env",
+    "deterministic",
+    "Determinism",
+    "NCCL_ABORT_ONLY",
+    "CUBLAS_WORKSPACE",
+]
 
 # TORCH_NCCL_ASYNC_ERROR_HANDLING=2: "only abort NCCL communicator" on an error the watchdog sees
 # (PyTorch's ProcessGroupNCCL environment variables, docs/source/torch_nccl_environment_variables.md);
@@ -169,8 +184,10 @@ def device_ops(device: str | torch.device) -> DeviceOps:
     kind = torch.device(device).type
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"device {device!s} asked for, but torch.cuda finds no CUDA device; a GPU job needs "
-                               "a CUDA build of torch and a visible device (CUDA_VISIBLE_DEVICES)")
+            raise RuntimeError(
+                f"device {device!s} asked for, but torch.cuda finds no CUDA device; a GPU job needs "
+                "a CUDA build of torch and a visible device (CUDA_VISIBLE_DEVICES)"
+            )
         return CudaOps()
     return HostOps(kind=kind)
 
@@ -238,14 +255,17 @@ class PinnedSnapshot:
     protected: bool = True  # the training stream waits on ``copied`` already (or no copy is in flight)
 
     def _fit(self, tensors: Sequence[torch.Tensor]) -> None:
-        if len(self.buffers) != len(tensors) or any(b.shape != t.shape or b.dtype != t.dtype
-                                                    for b, t in zip(self.buffers, tensors)):
+        if len(self.buffers) != len(tensors) or any(
+            b.shape != t.shape or b.dtype != t.dtype for b, t in zip(self.buffers, tensors)
+        ):
             self.buffers = [self.ops.host_buffer(t) for t in tensors]
 
     def start(self, step: int, tensors: Sequence[torch.Tensor], fence: StepFence) -> None:
         if fence.event is None or fence.step != step:
-            raise RuntimeError(f"snapshot of step {step} started before that step's fence was recorded "
-                               f"(the fence holds step {fence.step}): its copies could read a step still running")
+            raise RuntimeError(
+                f"snapshot of step {step} started before that step's fence was recorded "
+                f"(the fence holds step {fence.step}): its copies could read a step still running"
+            )
         self._fit(tensors)
         if self.stream is None:
             self.stream = self.ops.side_stream()
@@ -320,8 +340,9 @@ class DeviceProgress:
             return n
 
 
-def abort_groups(groups: Iterable[dist.ProcessGroup], backend: str,
-                 abort: Callable[[dist.ProcessGroup], None] | None = None) -> int:
+def abort_groups(
+    groups: Iterable[dist.ProcessGroup], backend: str, abort: Callable[[dist.ProcessGroup], None] | None = None
+) -> int:
     """Abort every group in ``groups`` where the backend's traffic passes no socket the sever could
     shut down (NCCL): each group's communicators are aborted, the process and its memory kept.
     Returns how many were aborted; on gloo none (its sever and drain end the traffic)."""
@@ -349,8 +370,12 @@ class Determinism:
     said: str
 
 
-def deterministic(bit_identical: bool, device_type: str, env: MutableMapping[str, str] | None = None,
-                  cuda_initialized: Callable[[], bool] | None = None) -> Determinism:
+def deterministic(
+    bit_identical: bool,
+    device_type: str,
+    env: MutableMapping[str, str] | None = None,
+    cuda_initialized: Callable[[], bool] | None = None,
+) -> Determinism:
     """Turn on deterministic algorithms where the job asks for bit-identical recovery, and say so.
 
     On CUDA the cuBLAS workspace must be fixed before cuBLAS starts: where the process already
@@ -360,13 +385,19 @@ def deterministic(bit_identical: bool, device_type: str, env: MutableMapping[str
     if not bit_identical:
         return Determinism(False, "bit-identical recovery not asked for: deterministic algorithms left as they are")
     if device_type != "cuda":
-        return Determinism(True, f"{device_type}: the kernels a replay runs are the same kernels in the same order; "
-                                 "nothing to turn on")
+        return Determinism(
+            True, f"{device_type}: the kernels a replay runs are the same kernels in the same order; nothing to turn on"
+        )
     if env.get("CUBLAS_WORKSPACE_CONFIG") not in (CUBLAS_WORKSPACE, ":16:8"):
         if (cuda_initialized or torch.cuda.is_initialized)():
-            raise RuntimeError("bit-identical recovery on CUDA needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before "
-                               "CUDA starts; set it in the launch environment, or start the session first")
+            raise RuntimeError(
+                "bit-identical recovery on CUDA needs CUBLAS_WORKSPACE_CONFIG=:4096:8 set before "
+                "CUDA starts; set it in the launch environment, or start the session first"
+            )
         env["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(True)
-    return Determinism(True, f"deterministic algorithms on (cuda, CUBLAS_WORKSPACE_CONFIG="
-                             f"{env['CUBLAS_WORKSPACE_CONFIG']}) for bit-identical recovery")
+    return Determinism(
+        True,
+        f"deterministic algorithms on (cuda, CUBLAS_WORKSPACE_CONFIG="
+        f"{env['CUBLAS_WORKSPACE_CONFIG']}) for bit-identical recovery",
+    )

@@ -45,8 +45,16 @@ from meshpact.core.jsonform import JsonObject
 
 from .. import netns
 
-__all__ = ["FaultKind", "Fault", "CollectiveFault", "plan_faults", "first_fault_step", "FaultInjector", "NetnsPair",
-           "netns_unavailable"]
+__all__ = [
+    "FaultKind",
+    "Fault",
+    "CollectiveFault",
+    "plan_faults",
+    "first_fault_step",
+    "FaultInjector",
+    "NetnsPair",
+    "netns_unavailable",
+]
 
 
 class FaultKind(str, Enum):
@@ -90,8 +98,15 @@ def first_fault_step(kind: FaultKind | str) -> int:
     return FIRST_STALL_STEP if FaultKind(kind) is FaultKind.STALL else FIRST_STEP
 
 
-def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, first_step: int | None = None,
-                injector_ranks: tuple[int, ...] | None = None, nth_op: int | None = None) -> tuple[Fault, ...]:
+def plan_faults(
+    kind: FaultKind | str,
+    steps: int,
+    count: int,
+    world_size: int,
+    first_step: int | None = None,
+    injector_ranks: tuple[int, ...] | None = None,
+    nth_op: int | None = None,
+) -> tuple[Fault, ...]:
     """``count`` faults of ``kind`` at distinct steps spread over ``[first_step, steps)``, ranks
     rotating (``first_step`` by default: :func:`first_fault_step`, 2 for a stall, 1 otherwise); a
     collective fault raises at the ``nth_op``-th operation of its step (default: the first, second
@@ -101,8 +116,10 @@ def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, 
     span = steps - first_step
     if count < 0 or count > span:
         why = " (a stall is placed from step 2, where the heartbeat judges it)" if kind is FaultKind.STALL else ""
-        raise MeshpactError(f"cannot place {count} fault(s) ({kind.value}) at distinct steps in [{first_step}, {steps})"
-                            f"{why}; use at most {max(span, 0)} faults or more steps")
+        raise MeshpactError(
+            f"cannot place {count} fault(s) ({kind.value}) at distinct steps in [{first_step}, {steps})"
+            f"{why}; use at most {max(span, 0)} faults or more steps"
+        )
     ranks = injector_ranks or tuple(range(world_size))
     stride = span / max(count, 1)
     out = []
@@ -115,8 +132,15 @@ def plan_faults(kind: FaultKind | str, steps: int, count: int, world_size: int, 
 class FaultInjector:
     """Fires this rank's faults at their steps (see the module docstring)."""
 
-    def __init__(self, faults: tuple[Fault, ...], rank: int, channel: Any, stall_s: float = 0.0,
-                 down_s: float = 0.0, data_iface: str | None = None) -> None:
+    def __init__(
+        self,
+        faults: tuple[Fault, ...],
+        rank: int,
+        channel: Any,
+        stall_s: float = 0.0,
+        down_s: float = 0.0,
+        data_iface: str | None = None,
+    ) -> None:
         self.own = {f.step: f for f in faults if f.rank == rank}  # this rank's faults, by step
         self.partitions = {f.step: f for f in faults if f.kind is FaultKind.PARTITION}
         kills: dict[int, list[int]] = {}
@@ -135,8 +159,13 @@ class FaultInjector:
         # not from ``random``: the runtime restores the generators before a re-run, which
         # would draw the same nonce again and fire the fault twice
         nonce = f"{os.getpid()}-{secrets.token_hex(8)}"
-        record = {"rank": self.rank, "step": fault.step, "kind": fault.kind.value, "t_wall": time.time(),
-                  "nonce": nonce}
+        record = {
+            "rank": self.rank,
+            "step": fault.step,
+            "kind": fault.kind.value,
+            "t_wall": time.time(),
+            "nonce": nonce,
+        }
         if self.channel.set_once(f"fault/{fault.index}", record)["nonce"] != nonce:
             return False
         self._claimed[fault.index] = record
@@ -181,8 +210,11 @@ class FaultInjector:
             yield
             return
         if fault.kind is FaultKind.COLLECTIVE:
-            with _RaiseOnCollective(fault.nth_op, f"injected fault {fault.index}: collective raised on rank "
-                                    f"{self.rank} at step {fault.step}", lambda: self._raised(fault)):
+            with _RaiseOnCollective(
+                fault.nth_op,
+                f"injected fault {fault.index}: collective raised on rank {self.rank} at step {fault.step}",
+                lambda: self._raised(fault),
+            ):
                 yield
             return
         if fault.kind is FaultKind.STALL:
@@ -203,8 +235,12 @@ class FaultInjector:
         if not self.data_iface:
             raise MeshpactError("a partition fault needs MESHPACT_DATA_IFACE (the data link's interface)")
         subprocess.run(["ip", "link", "set", "dev", self.data_iface, "down"], check=True)
-        subprocess.Popen(["sh", "-c", f"sleep {self.down_s:.3f}; ip link set dev {self.data_iface} up"],
-                         start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.Popen(
+            ["sh", "-c", f"sleep {self.down_s:.3f}; ip link set dev {self.data_iface} up"],
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
 
 
 def _raise_on_collective_mode() -> type:
@@ -270,5 +306,9 @@ class NetnsPair(netns.TwoHosts):
 
     def rank_env(self, rank: int, world_size: int) -> dict[str, str]:
         side = self.side(rank, world_size)
-        return {"GLOO_SOCKET_IFNAME": self.iface[side], "MESHPACT_DATA_IFACE": self.iface[side],
-                "MASTER_ADDR": self.addr[0], "MESHPACT_CONTROL_ADDR": self.ctrl_addr[0]}
+        return {
+            "GLOO_SOCKET_IFNAME": self.iface[side],
+            "MESHPACT_DATA_IFACE": self.iface[side],
+            "MASTER_ADDR": self.addr[0],
+            "MESHPACT_CONTROL_ADDR": self.ctrl_addr[0],
+        }

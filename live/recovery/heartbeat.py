@@ -106,15 +106,33 @@ from .communicator import Severance
 from .control import ControlChannel, ControlTimeout
 from .device import DeviceProgress
 
-__all__ = ["Heartbeat", "HeartbeatAlarm", "recovering_key", "PROGRESS", "watch", "all_quiet", "QuietWord", "Look", "progressed", "device_moved",
-           "stall_bound", "pause_key", "watched_peers", "quiet_judge", "quiet_key", "WATCH_FANOUT"]
+__all__ = [
+    "Heartbeat",
+    "HeartbeatAlarm",
+    "recovering_key",
+    "PROGRESS",
+    "watch",
+    "all_quiet",
+    "QuietWord",
+    "Look",
+    "progressed",
+    "device_moved",
+    "stall_bound",
+    "pause_key",
+    "watched_peers",
+    "quiet_judge",
+    "quiet_key",
+    "WATCH_FANOUT",
+]
 
 PROGRESS = 1 << 20  # a beat's weight for "the main thread progressed"; the low bits count "the thread ran"
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep  # torch's own code: an op the main thread waits in
 # where a main thread waits for torch's compiler working on its behalf: the compile workers' futures, and the C++
 # compiler inductor runs as a child process (the work is done, but in other processes: no CPU of this one moves)
-_COMPILE_WAITS = tuple(os.path.join(_TORCH_DIR, "_inductor", m) for m in (
-    "async_compile.py", "codecache.py", "cpp_builder.py", "compile_worker" + os.sep))
+_COMPILE_WAITS = tuple(
+    os.path.join(_TORCH_DIR, "_inductor", m)
+    for m in ("async_compile.py", "codecache.py", "cpp_builder.py", "compile_worker" + os.sep)
+)
 _BUSY_S = 1e-4  # main-thread CPU time between two looks that counts as progress (a sleeping thread spends none)
 
 
@@ -174,8 +192,9 @@ def all_quiet(words: dict[int, "QuietWord | None"], last_beats: dict[int, int], 
     """Every rank's word is fresh (its beat moved since the previous read, ``last_beats``) and
     says its data path was quiet for at least ``misses`` looks in a row. A rank with no word,
     one not read before, or a stale one keeps the alarm off: no evidence is no alarm."""
-    return bool(words) and all(w is not None and r in last_beats and w.beat != last_beats[r] and w.quiet >= misses
-                               for r, w in words.items())
+    return bool(words) and all(
+        w is not None and r in last_beats and w.beat != last_beats[r] and w.quiet >= misses for r, w in words.items()
+    )
 
 
 @dataclass(frozen=True)
@@ -202,8 +221,15 @@ def progressed(look: Look) -> bool:
     communication code or its compiler, as on the CPU."""
     if look.device_moved is not None:
         return not look.watching or look.in_comm or look.compiling or look.device_moved
-    return (not look.watching or look.in_comm or look.compiling or look.moved or look.main_cpu_s >= _BUSY_S
-            or look.state in ("R", "D") or (look.in_torch and look.native_cpu_s >= _BUSY_S))
+    return (
+        not look.watching
+        or look.in_comm
+        or look.compiling
+        or look.moved
+        or look.main_cpu_s >= _BUSY_S
+        or look.state in ("R", "D")
+        or (look.in_torch and look.native_cpu_s >= _BUSY_S)
+    )
 
 
 def device_moved(progress: DeviceProgress | None, last: int) -> tuple[bool | None, int]:
@@ -314,9 +340,17 @@ class Heartbeat:
         self.modules = modules  # torch's communication code: a main thread waiting here is not stalled
         if session.ops.kind == "cuda":
             self.device_progress = session.progress
-        self.channel = ControlChannel(session.control.host, session.control.port, session.rank, session.world_size, cfg.control_timeout_s,
-                                      is_host=False, connect_timeout_s=cfg.store_connect_s,
-                                      run_id=session.spec.run_id, key=session.control.key)
+        self.channel = ControlChannel(
+            session.control.host,
+            session.control.port,
+            session.rank,
+            session.world_size,
+            cfg.control_timeout_s,
+            is_host=False,
+            connect_timeout_s=cfg.store_connect_s,
+            run_id=session.spec.run_id,
+            key=session.control.key,
+        )
         self.watching = False  # set by the runtime while the user's step runs
         self.running_step = -1  # the step the runtime runs (or ran last), set with step_begins
         self.running_block = AT_STEP  # the block between steps it runs before that step (blocks.py), or AT_STEP
@@ -332,9 +366,17 @@ class Heartbeat:
         self._fds_generation: int | None = None
         self._main = threading.main_thread().ident
         self._main_stat = f"/proc/self/task/{threading.main_thread().native_id}/stat"
-        self.listener = ControlChannel(session.control.host, session.control.port, session.rank, session.world_size, cfg.control_timeout_s,
-                                       is_host=False, connect_timeout_s=cfg.store_connect_s,
-                                       run_id=session.spec.run_id, key=session.control.key)
+        self.listener = ControlChannel(
+            session.control.host,
+            session.control.port,
+            session.rank,
+            session.world_size,
+            cfg.control_timeout_s,
+            is_host=False,
+            connect_timeout_s=cfg.store_connect_s,
+            run_id=session.spec.run_id,
+            key=session.control.key,
+        )
         self.opened_wall = 0.0  # when a peer's recovery of this rank's generation was last heard of
         self._told: int | None = None  # the generation a peer's recovery was heard of in (it told every member)
         self._heard: int | None = None  # the generation whose key the listener last heard (a peer's or its own)
@@ -361,8 +403,9 @@ class Heartbeat:
         self._stop.set()
         rank = self.session.rank
         try:  # end the listener's wait (it stops on its own key; nobody else reads it)
-            self.channel.set_many(sorted({recovering_key(g, rank) for g in (self._listening, self.session.generation)}),
-                                  -1)
+            self.channel.set_many(
+                sorted({recovering_key(g, rank) for g in (self._listening, self.session.generation)}), -1
+            )
         except Exception:  # noqa: BLE001 (the control channel is gone: so is the listener's wait)
             pass
         self._thread.join(timeout=max(1.0, 4 * self.interval_s))
@@ -422,11 +465,15 @@ class Heartbeat:
             return []
         at = {r: i for i, r in enumerate(ranks)}
         words = self.channel.peek([pause_key(r) for r in ask])
-        bounds = {r: stall_bound(int(raw), self.misses, self.stall_margin) for r, raw in zip(ask, words)
-                  if raw is not None}
+        bounds = {
+            r: stall_bound(int(raw), self.misses, self.stall_margin) for r, raw in zip(ask, words) if raw is not None
+        }
         out = [r for r, b in bounds.items() if b is not None and still[at[r]] >= b]
-        self._stall_detail = "; ".join(f"rank {r}: {still[at[r]]} looks without progress, bound {bounds[r]} "
-                                       f"(usual pause {int(words[ask.index(r)])})" for r in out)
+        self._stall_detail = "; ".join(
+            f"rank {r}: {still[at[r]]} looks without progress, bound {bounds[r]} "
+            f"(usual pause {int(words[ask.index(r)])})"
+            for r in out
+        )
         return out
 
     def recovery_begins(self, generation: int) -> None:
@@ -444,7 +491,9 @@ class Heartbeat:
         self._recovered.set()
         # the generation it left, and the one the listener waits on (it may not have stored the
         # generation it read yet: both), unless heard already or still the rank's
-        stale = {g for g in (left, self._listening) if g is not None and g not in (self._heard, self.session.generation)}
+        stale = {
+            g for g in (left, self._listening) if g is not None and g not in (self._heard, self.session.generation)
+        }
         if stale:
             rank = self.session.rank
             try:
@@ -520,19 +569,29 @@ class Heartbeat:
             failed_step = told.get("step") if isinstance(told, dict) else None
             failed_at = point_order((failed_step, told.get("block", AT_STEP))) if failed_step is not None else None
             moved, moved_at, held_at = None, time.monotonic(), time.monotonic()
-            while (not self._stop.is_set() and s.generation == generation and not self._alarmed(generation)
-                   and self._recovering != generation):  # (recovering already: its step has failed)
-                behind = (self.watching and failed_at is not None
-                          and point_order((self.running_step, self.running_block)) < failed_at)
+            while (
+                not self._stop.is_set()
+                and s.generation == generation
+                and not self._alarmed(generation)
+                and self._recovering != generation
+            ):  # (recovering already: its step has failed)
+                behind = (
+                    self.watching
+                    and failed_at is not None
+                    and point_order((self.running_step, self.running_block)) < failed_at
+                )
                 if behind:  # finishing the step before the failed one: held while its bytes move
                     now, seen = time.monotonic(), self._data_bytes(generation)
                     if seen != moved:
                         moved, moved_at = seen, now
-                    behind = (seen is not None and now - moved_at < _BEHIND_QUIET_S
-                              and now - held_at < s.spec.timeout_s)
-                if self.watching and not behind:  # a step of this generation runs: it may be blocked on a pair nobody severs
-                    self._raise(HeartbeatAlarm(time.time(), (), detail=f"a peer opened a recovery of generation "
-                                               f"{generation}"), generation)
+                    behind = seen is not None and now - moved_at < _BEHIND_QUIET_S and now - held_at < s.spec.timeout_s
+                if (
+                    self.watching and not behind
+                ):  # a step of this generation runs: it may be blocked on a pair nobody severs
+                    self._raise(
+                        HeartbeatAlarm(time.time(), (), detail=f"a peer opened a recovery of generation {generation}"),
+                        generation,
+                    )
                     if self._alarmed(generation) or self._recovering == generation:
                         break  # (raised, or its step failed meanwhile)
                     # the step ended as the alarm was raised (nothing severed, no alarm kept): the next
@@ -662,8 +721,17 @@ class Heartbeat:
                 cpu = self._main_cpu_s()
                 native = self._native_cpu_s()
                 on_device, fences = device_moved(progress, fences)
-                look = Look(self.watching, pos[2], pos[:2] != last_pos[:2], cpu - last_cpu, self._main_state(),
-                            native - last_native, pos[3], pos[4], on_device)
+                look = Look(
+                    self.watching,
+                    pos[2],
+                    pos[:2] != last_pos[:2],
+                    cpu - last_cpu,
+                    self._main_state(),
+                    native - last_native,
+                    pos[3],
+                    pos[4],
+                    on_device,
+                )
                 moving = progressed(look)
                 self.channel.add(beat_key(me), 1 + (PROGRESS if moving else 0))
                 last_pos, last_cpu, last_native = pos, cpu, native
@@ -700,18 +768,23 @@ class Heartbeat:
                     words = {r: QuietWord.decode(v) if isinstance(v, str) else None for r, v in zip(asked, said)}
                     told = any(w is not None and w.hung == generation for w in words.values())  # a peer found it
                     hung = not stalled and (told or (me == judge and all_quiet(words, last_beats, self.misses)))
-                    heard = ("quiet words (rank: looks quiet, beat, generation found hung): "
-                             + ", ".join(f"{r}: {w.quiet} {w.beat} {w.hung}" if w else f"{r}: none"
-                                         for r, w in words.items())
-                             + (f"; a peer found generation {generation} hung" if told else ""))
+                    heard = (
+                        "quiet words (rank: looks quiet, beat, generation found hung): "
+                        + ", ".join(
+                            f"{r}: {w.quiet} {w.beat} {w.hung}" if w else f"{r}: none" for r, w in words.items()
+                        )
+                        + (f"; a peer found generation {generation} hung" if told else "")
+                    )
                     last_beats = {r: w.beat for r, w in words.items() if w is not None}
                 else:
                     last_beats = {}
                 # the step may have failed meanwhile and new groups be in the making: sever only
                 # the generation this look was made in, while the step still runs
                 if (stalled or hung) and not self._alarmed(generation) and self.watching and s.generation == generation:
-                    self._raise(HeartbeatAlarm(time.time(), tuple(stalled), hung,
-                                               self._stall_detail if stalled else heard), generation)
+                    self._raise(
+                        HeartbeatAlarm(time.time(), tuple(stalled), hung, self._stall_detail if stalled else heard),
+                        generation,
+                    )
                     if hung and hung_in != generation:  # the ranks that read only the judge's word learn it now
                         self.channel.set(quiet_key(me), QuietWord(beat, 0, generation).encode())
                         said_quiet = (0, generation)

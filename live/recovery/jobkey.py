@@ -27,8 +27,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["JobKey", "JobKeyError", "KEY_ENV", "KEY_FILE_ENV", "UNAUTHENTICATED_ENV", "draw", "load",
-           "job_key_folder", "write_key_file"]
+__all__ = [
+    "JobKey",
+    "JobKeyError",
+    "KEY_ENV",
+    "KEY_FILE_ENV",
+    "UNAUTHENTICATED_ENV",
+    "draw",
+    "load",
+    "job_key_folder",
+    "write_key_file",
+]
 
 KEY_ENV = "MESHPACT_JOB_KEY"
 KEY_FILE_ENV = "MESHPACT_JOB_KEY_FILE"
@@ -83,9 +92,11 @@ def _parse(text: str, where: str) -> bytes:
     except ValueError:
         raw = b""
     if len(raw) != KEY_BYTES:
-        raise JobKeyError(f"{where}: expected {2 * KEY_BYTES} hex digits (a {KEY_BYTES}-byte key), "
-                          f"found {len(text)} characters; make one with `python -c 'import secrets; "
-                          "print(secrets.token_hex(32))'`")
+        raise JobKeyError(
+            f"{where}: expected {2 * KEY_BYTES} hex digits (a {KEY_BYTES}-byte key), "
+            f"found {len(text)} characters; make one with `python -c 'import secrets; "
+            "print(secrets.token_hex(32))'`"
+        )
     return raw
 
 
@@ -112,8 +123,9 @@ def _read_key_file(path: Path, what: str) -> JobKey:
     except OSError as exc:
         raise JobKeyError(f"{what} {path}: cannot be read ({exc.strerror})") from None
     if st.st_mode & 0o077:
-        raise JobKeyError(f"{what} {path}: mode {oct(st.st_mode & 0o777)} lets others read it; "
-                          f"expected 0600 (chmod 600 {path})")
+        raise JobKeyError(
+            f"{what} {path}: mode {oct(st.st_mode & 0o777)} lets others read it; expected 0600 (chmod 600 {path})"
+        )
     return JobKey(_parse(text, f"{what} {path}"), f"{what} {path}")
 
 
@@ -135,17 +147,21 @@ def load(env: Mapping[str, str], identity: str, multi_host: bool) -> JobKey | No
     if env.get(UNAUTHENTICATED_ENV, "") == "1":
         return None
     if multi_host:
-        raise JobKeyError(f"this job spans hosts and has no job key: set {KEY_ENV} (64 hex digits, the same on "
-                          f"every host) or {KEY_FILE_ENV} (a 0600 file holding them); `meshpact launch` sets it "
-                          f"for its workers; {UNAUTHENTICATED_ENV}=1 runs without authentication on a trusted network")
+        raise JobKeyError(
+            f"this job spans hosts and has no job key: set {KEY_ENV} (64 hex digits, the same on "
+            f"every host) or {KEY_FILE_ENV} (a 0600 file holding them); `meshpact launch` sets it "
+            f"for its workers; {UNAUTHENTICATED_ENV}=1 runs without authentication on a trusted network"
+        )
     folder = job_key_folder(identity, env)
     for f in (folder.parent, folder):
         f.mkdir(mode=0o700, exist_ok=True)
     for f in (folder.parent, folder):  # another user's folder on the way could swap the key
         st = f.lstat()
         if st.st_uid != os.getuid() or st.st_mode & 0o077 or not f.is_dir() or f.is_symlink():
-            raise JobKeyError(f"key folder {f}: expected a folder of this user's with mode 0700 "
-                              f"(found mode {oct(st.st_mode & 0o777)}, owner uid {st.st_uid}); remove it or set {KEY_ENV}")
+            raise JobKeyError(
+                f"key folder {f}: expected a folder of this user's with mode 0700 "
+                f"(found mode {oct(st.st_mode & 0o777)}, owner uid {st.st_uid}); remove it or set {KEY_ENV}"
+            )
     path = folder / "key"
     if not path.exists():
         try:

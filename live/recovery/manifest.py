@@ -31,9 +31,24 @@ from typing import Iterable, Mapping
 
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["MANIFEST", "DIGEST", "FileDigest", "CheckpointCorrupt", "digest_file", "digest_bytes", "digest_and_sync",
-           "read_manifest", "write_manifest", "damage", "write_synced", "durable_write", "fsync_dir", "fsync_file",
-           "temp_path", "clean_dead_temps"]
+__all__ = [
+    "MANIFEST",
+    "DIGEST",
+    "FileDigest",
+    "CheckpointCorrupt",
+    "digest_file",
+    "digest_bytes",
+    "digest_and_sync",
+    "read_manifest",
+    "write_manifest",
+    "damage",
+    "write_synced",
+    "durable_write",
+    "fsync_dir",
+    "fsync_file",
+    "temp_path",
+    "clean_dead_temps",
+]
 
 MANIFEST = "manifest.json"
 DIGEST = "sha256"
@@ -66,8 +81,11 @@ def digest_file(path: Path) -> FileDigest:
 
 def write_manifest(folder: Path, files: Mapping[str, FileDigest]) -> None:
     """Write ``folder/manifest.json`` durably (see :func:`durable_write`)."""
-    body = {"format": _FORMAT, "digest": DIGEST,
-            "files": {name: [d.size, d.sha256] for name, d in sorted(files.items())}}
+    body = {
+        "format": _FORMAT,
+        "digest": DIGEST,
+        "files": {name: [d.size, d.sha256] for name, d in sorted(files.items())},
+    }
     durable_write(folder / MANIFEST, json.dumps(body, indent=0).encode())
 
 
@@ -81,8 +99,9 @@ def read_manifest(folder: Path) -> dict[str, FileDigest]:
             raise CheckpointCorrupt(f"{path} is {size} bytes, more than a manifest's {_MANIFEST_MAX_BYTES}")
         body = json.loads(path.read_bytes())
     except FileNotFoundError:
-        raise CheckpointCorrupt(f"{path} is missing (a save that did not finish, or not a Meshpact "
-                                "checkpoint)") from None
+        raise CheckpointCorrupt(
+            f"{path} is missing (a save that did not finish, or not a Meshpact checkpoint)"
+        ) from None
     except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointCorrupt(f"{path} cannot be read as a manifest ({str(exc)[:200]})") from None
     files = body.get("files") if isinstance(body, dict) and body.get("format") == _FORMAT else None
@@ -90,11 +109,19 @@ def read_manifest(folder: Path) -> dict[str, FileDigest]:
         raise CheckpointCorrupt(f"{path} is not a {_FORMAT} manifest")
     out: dict[str, FileDigest] = {}
     for name, entry in files.items():
-        ok = (isinstance(entry, list) and len(entry) == 2 and type(entry[0]) is int and entry[0] >= 0
-              and isinstance(entry[1], str) and len(entry[1]) == 64 and _safe_name(name))
+        ok = (
+            isinstance(entry, list)
+            and len(entry) == 2
+            and type(entry[0]) is int
+            and entry[0] >= 0
+            and isinstance(entry[1], str)
+            and len(entry[1]) == 64
+            and _safe_name(name)
+        )
         if not ok:
-            raise CheckpointCorrupt(f"{path} names {name!r} with {entry!r}: expected a relative file name, "
-                                    "[size, sha256 hex]")
+            raise CheckpointCorrupt(
+                f"{path} names {name!r} with {entry!r}: expected a relative file name, [size, sha256 hex]"
+            )
         out[name] = FileDigest(entry[0], entry[1])
     return out
 
@@ -188,8 +215,9 @@ def durable_write(path: Path, data: bytes) -> FileDigest:
 def temp_path(path: Path, kind: str) -> Path:
     """A sibling of ``path`` for a write in progress (``kind`` ``tmp``) or a folder being replaced
     (``old``), named for this host, process and thread."""
-    return path.with_name(_SEP.join((f".{path.name}", socket.gethostname(), str(os.getpid()),
-                                     str(threading.get_ident()), kind)))
+    return path.with_name(
+        _SEP.join((f".{path.name}", socket.gethostname(), str(os.getpid()), str(threading.get_ident()), kind))
+    )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -220,8 +248,14 @@ def clean_dead_temps(folders: Iterable[Path]) -> list[Path]:
         before = len(removed)
         for entry in entries:
             parts = entry.name.split(_SEP)
-            if (len(parts) != 5 or not parts[0].startswith(".") or parts[1] != host or not parts[2].isdigit()
-                    or parts[4] not in ("tmp", "old") or _pid_alive(int(parts[2]))):
+            if (
+                len(parts) != 5
+                or not parts[0].startswith(".")
+                or parts[1] != host
+                or not parts[2].isdigit()
+                or parts[4] not in ("tmp", "old")
+                or _pid_alive(int(parts[2]))
+            ):
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)

@@ -87,9 +87,30 @@ if TYPE_CHECKING:  # torch is imported where tensors are handled: placement stay
 
     from .device import DeviceOps, PinnedSnapshot
 
-__all__ = ["placement", "PeerAddress", "PeerServer", "PeerCopier", "PeerCopyCounters", "PeerError", "fetch",
-           "fetch_first", "put", "copy_digest", "copy_hasher", "MAX_HEADER", "PENDING_MAX", "SERVING_MAX",
-           "peer_address", "publish", "read_addresses", "step_cpu_s", "host_busy_s", "host_buffer", "HOST_ENV", "ADDR_ENV"]
+__all__ = [
+    "placement",
+    "PeerAddress",
+    "PeerServer",
+    "PeerCopier",
+    "PeerCopyCounters",
+    "PeerError",
+    "fetch",
+    "fetch_first",
+    "put",
+    "copy_digest",
+    "copy_hasher",
+    "MAX_HEADER",
+    "PENDING_MAX",
+    "SERVING_MAX",
+    "peer_address",
+    "publish",
+    "read_addresses",
+    "step_cpu_s",
+    "host_busy_s",
+    "host_buffer",
+    "HOST_ENV",
+    "ADDR_ENV",
+]
 
 ADDR_ENV = "MESHPACT_PEER_ADDR"  # the address a rank's peer server binds to (default: loopback)
 HOST_ENV = "MESHPACT_HOST_ID"  # which host a rank is on (default: its peer address)
@@ -162,18 +183,24 @@ def peer_address() -> str:
 
 
 def publish(channel: Any, address: PeerAddress) -> None:
-    channel.set(f"peer/rank{address.rank}", {"host": address.host, "addr": address.addr, "port": address.port,
-                                             "incarnation": address.incarnation})
+    channel.set(
+        f"peer/rank{address.rank}",
+        {"host": address.host, "addr": address.addr, "port": address.port, "incarnation": address.incarnation},
+    )
 
 
-def read_addresses(channel: Any, world_size: int, timeout_s: float | None = None,
-                   ranks: Sequence[int] | None = None) -> dict[int, PeerAddress]:
+def read_addresses(
+    channel: Any, world_size: int, timeout_s: float | None = None, ranks: Sequence[int] | None = None
+) -> dict[int, PeerAddress]:
     """Every rank's peer address (waits, bounded by the channel, until all are published);
     ``ranks``: only those (the ranks still in the job after an excision)."""
     ranks = tuple(range(world_size)) if ranks is None else tuple(ranks)
     got = channel.wait([f"peer/rank{r}" for r in ranks], timeout_s)
-    return {r: PeerAddress(r, v["host"], v["addr"], int(v["port"]), int(v["incarnation"]))
-            for r in ranks for v in (got[f"peer/rank{r}"],)}
+    return {
+        r: PeerAddress(r, v["host"], v["addr"], int(v["port"]), int(v["incarnation"]))
+        for r in ranks
+        for v in (got[f"peer/rank{r}"],)
+    }
 
 
 # -- the wire ----------------------------------------------------------------------------------
@@ -188,8 +215,14 @@ def _tag(key: JobKey | None, context: Sequence[bytes], raw: bytes) -> bytes:
     return _UNKEYED if key is None else key.mac(*context, raw)
 
 
-def _send(sock: socket.socket, key: JobKey | None, context: Sequence[bytes], header: JsonObject,
-          payload: bytes | memoryview | Sequence[Any] = b"", gate: Callable[[], None] | None = None) -> None:
+def _send(
+    sock: socket.socket,
+    key: JobKey | None,
+    context: Sequence[bytes],
+    header: JsonObject,
+    payload: bytes | memoryview | Sequence[Any] = b"",
+    gate: Callable[[], None] | None = None,
+) -> None:
     """One frame: ``header`` (tagged under ``key`` bound to ``context``), then ``payload``: bytes, or
     a sequence of buffers sent one after another as one payload. ``gate``: called before each
     piece of ``_SHIP_PIECE`` bytes (it may wait)."""
@@ -204,7 +237,7 @@ def _send(sock: socket.socket, key: JobKey | None, context: Sequence[bytes], hea
         view = memoryview(part).cast("B")
         for at in range(0, len(view), _SHIP_PIECE):
             gate()
-            sock.sendall(view[at:at + _SHIP_PIECE])
+            sock.sendall(view[at : at + _SHIP_PIECE])
 
 
 def _deadline(timeout_s: float, n: int = 0) -> float:
@@ -264,8 +297,9 @@ def host_buffer(n: int) -> bytearray | mmap.mmap:
     return bytearray(n) if n < _MAPPED_MIN else mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE)
 
 
-def _recv_exact(sock: socket.socket, n: int, into: bytearray | mmap.mmap | None = None, *, deadline: float,
-                hasher: Any = None) -> bytearray | mmap.mmap:
+def _recv_exact(
+    sock: socket.socket, n: int, into: bytearray | mmap.mmap | None = None, *, deadline: float, hasher: Any = None
+) -> bytearray | mmap.mmap:
     """``n`` bytes from ``sock`` by ``deadline`` (monotonic: the frame's, not each ``recv``'s),
     into ``into`` (exactly ``n`` long) where given, else a new buffer (:func:`host_buffer`);
     ``hasher`` is fed the bytes as they come."""
@@ -284,7 +318,7 @@ def _recv_exact(sock: socket.socket, n: int, into: bytearray | mmap.mmap | None 
         if k == 0:
             raise PeerError(f"connection closed after {got} of {n} bytes")
         if hasher is not None:
-            hasher.update(view[got:got + k])
+            hasher.update(view[got : got + k])
         got += k
     return buf
 
@@ -323,14 +357,22 @@ class Layout:
             nbytes.append(n)
             offsets.append(at)
             at += -(-n // _ALIGN) * _ALIGN
-        index = json.dumps([[k, str(d).removeprefix("torch."), list(sh), n, o]
-                            for k, d, sh, n, o in zip(names, dtypes, shapes, nbytes, offsets)])
+        index = json.dumps(
+            [
+                [k, str(d).removeprefix("torch."), list(sh), n, o]
+                for k, d, sh, n, o in zip(names, dtypes, shapes, nbytes, offsets)
+            ]
+        )
         return cls(tuple(names), tuple(dtypes), tuple(shapes), tuple(nbytes), tuple(offsets), at, index)
 
     def fits(self, state: dict[str, torch.Tensor], tensors: list[torch.Tensor]) -> bool:
         """Whether ``state`` (its ``tensors``, listed) has this layout's names, dtypes and shapes."""
-        return (len(tensors) == len(self.names) and tuple(state) == self.names
-                and [t.dtype for t in tensors] == list(self.dtypes) and [t.shape for t in tensors] == list(self.shapes))
+        return (
+            len(tensors) == len(self.names)
+            and tuple(state) == self.names
+            and [t.dtype for t in tensors] == list(self.dtypes)
+            and [t.shape for t in tensors] == list(self.shapes)
+        )
 
     def header(self, step: int) -> bytes:
         """The copy's bytes before its body, for ``step``."""
@@ -350,10 +392,15 @@ class Slab:
         if ops is not None and ops.kind == "cuda":  # pinned: the device copies into it asynchronously
             self.flat = ops.host_buffer(torch.empty(layout.total, dtype=torch.uint8, device="meta"))
         else:
-            self.flat = (torch.frombuffer(host_buffer(layout.total), dtype=torch.uint8) if layout.total
-                         else torch.empty(0, dtype=torch.uint8))
-        self.views = [self.flat[o:o + n].view(d).view(sh)
-                      for d, sh, n, o in zip(layout.dtypes, layout.shapes, layout.nbytes, layout.offsets)]
+            self.flat = (
+                torch.frombuffer(host_buffer(layout.total), dtype=torch.uint8)
+                if layout.total
+                else torch.empty(0, dtype=torch.uint8)
+            )
+        self.views = [
+            self.flat[o : o + n].view(d).view(sh)
+            for d, sh, n, o in zip(layout.dtypes, layout.shapes, layout.nbytes, layout.offsets)
+        ]
         self.state = dict(zip(layout.names, self.views))
         self.snapshot: PinnedSnapshot | None = None  # on CUDA: the async copy into the views (PeerCopier.commit)
 
@@ -397,16 +444,21 @@ def _deserialize(raw: bytes | bytearray | mmap.mmap) -> tuple[int, dict[str, tor
 
     view = memoryview(raw)
     writable = not view.readonly
-    if bytes(view[:len(_MAGIC)]) != _MAGIC:
-        raise ValueError(f"not a state copy: it starts {bytes(view[:len(_MAGIC)])!r}, expected {_MAGIC!r}")
+    if bytes(view[: len(_MAGIC)]) != _MAGIC:
+        raise ValueError(f"not a state copy: it starts {bytes(view[: len(_MAGIC)])!r}, expected {_MAGIC!r}")
     at = len(_MAGIC) + _HEADER.size
-    (size,) = _HEADER.unpack(view[len(_MAGIC):at])
+    (size,) = _HEADER.unpack(view[len(_MAGIC) : at])
     try:
-        doc = json.loads(bytes(view[at:at + size]), parse_constant=_refuse_constant)
+        doc = json.loads(bytes(view[at : at + size]), parse_constant=_refuse_constant)
     except ValueError as exc:
         raise ValueError(f"a state copy whose index is not JSON ({exc})") from None
-    if (type(doc) is not dict or type(doc.get("step")) is not int or type(doc.get("bytes")) is not int
-            or doc["bytes"] < 0 or type(doc.get("tensors")) is not list):
+    if (
+        type(doc) is not dict
+        or type(doc.get("step")) is not int
+        or type(doc.get("bytes")) is not int
+        or doc["bytes"] < 0
+        or type(doc.get("tensors")) is not list
+    ):
         raise ValueError(f"a state copy whose index {str(doc)[:80]} is not {{step, bytes, tensors}}")
     at += size
     if at + doc["bytes"] != len(view):
@@ -415,27 +467,40 @@ def _deserialize(raw: bytes | bytearray | mmap.mmap) -> tuple[int, dict[str, tor
     for entry in doc["tensors"]:
         try:
             name, dtype, shape, n, offset = entry
-            if not (type(name) is str and type(dtype) is str and type(n) is int and type(offset) is int
-                    and type(shape) is list and all(type(d) is int and d >= 0 for d in shape) and len(shape) <= 64):
+            if not (
+                type(name) is str
+                and type(dtype) is str
+                and type(n) is int
+                and type(offset) is int
+                and type(shape) is list
+                and all(type(d) is int and d >= 0 for d in shape)
+                and len(shape) <= 64
+            ):
                 raise TypeError
         except (TypeError, ValueError):
-            raise ValueError(f"a state copy's index entry {str(entry)[:120]} is not [name, dtype, shape "
-                             "(non-negative ints), bytes, offset]") from None
+            raise ValueError(
+                f"a state copy's index entry {str(entry)[:120]} is not [name, dtype, shape "
+                "(non-negative ints), bytes, offset]"
+            ) from None
         kind = getattr(torch, dtype, None)
         if not isinstance(kind, torch.dtype):
             raise ValueError(f"a state copy names {dtype!r} as the dtype of {name!r}: not a torch dtype")
         numel = math.prod(shape)
         if numel * kind.itemsize != n:
-            raise ValueError(f"a state copy gives {name!r} {n} bytes; its shape {list(shape)} of {dtype} "
-                             f"needs {numel * kind.itemsize}")
+            raise ValueError(
+                f"a state copy gives {name!r} {n} bytes; its shape {list(shape)} of {dtype} "
+                f"needs {numel * kind.itemsize}"
+            )
         if offset < end or offset + n > doc["bytes"]:
-            raise ValueError(f"a state copy places {name!r} at bytes {offset}..{offset + n} of its "
-                             f"{doc['bytes']}-byte body, overlapping the tensor before it or past the end")
+            raise ValueError(
+                f"a state copy places {name!r} at bytes {offset}..{offset + n} of its "
+                f"{doc['bytes']}-byte body, overlapping the tensor before it or past the end"
+            )
         if name in state:
             raise ValueError(f"a state copy names {name!r} twice")
         end = offset + n
         if n:
-            part = view[at + offset:at + offset + n]
+            part = view[at + offset : at + offset + n]
             aligned = writable and (at + offset) % kind.itemsize == 0
             flat = torch.frombuffer(part if aligned else bytearray(part), dtype=torch.uint8)
             state[name] = flat.view(kind).reshape(shape)
@@ -448,7 +513,9 @@ def _deserialize(raw: bytes | bytearray | mmap.mmap) -> tuple[int, dict[str, tor
 class HeldCopy:
     src: int
     step: int
-    payload: bytearray | mmap.mmap  # as received (:func:`host_buffer`): the one buffer a copy takes (states handed out are views of it)
+    payload: (
+        bytearray | mmap.mmap
+    )  # as received (:func:`host_buffer`): the one buffer a copy takes (states handed out are views of it)
     digest: str  # the source's (:func:`copy_digest`), checked on receipt; a fetcher checks it again
 
 
@@ -466,13 +533,14 @@ class PeerServer:
     capped (``PENDING_MAX`` unauthenticated, the oldest closed for a new one; ``SERVING_MAX``
     authenticated). Malformed input ends its connection (:class:`PeerError`), never the server."""
 
-    def __init__(self, addr: str = "127.0.0.1", timeout_s: float = 10.0, depth: int = 2, *,
-                 key: JobKey | None) -> None:
+    def __init__(self, addr: str = "127.0.0.1", timeout_s: float = 10.0, depth: int = 2, *, key: JobKey | None) -> None:
         if depth < 1:
             raise ValueError(f"a holder keeps at least one copy per source, got depth {depth}")
         if key is None:
-            _log.warning("peer copies run unauthenticated (MESHPACT_UNAUTHENTICATED=1): anyone who reaches "
-                         "this rank's peer server can read and replace the state it holds")
+            _log.warning(
+                "peer copies run unauthenticated (MESHPACT_UNAUTHENTICATED=1): anyone who reaches "
+                "this rank's peer server can read and replace the state it holds"
+            )
         family = socket.AF_INET6 if ":" in addr else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -487,12 +555,16 @@ class PeerServer:
         self._copies: dict[int, dict[int, HeldCopy]] = {}  # source rank -> step -> copy (the depth newest)
         self._lent: dict[int, int] = {}  # id of a copy's buffer -> gets sending it now (never overwritten meanwhile)
         self._receiving = 0  # bytes of copies in flight
-        self._pending: OrderedDict[int, socket.socket] = OrderedDict()  # connections not yet authenticated, oldest first
+        self._pending: OrderedDict[int, socket.socket] = (
+            OrderedDict()
+        )  # connections not yet authenticated, oldest first
         self._serving = 0  # authenticated connections being served
         self._horizon: int | None = None  # the newest step a put may carry (None: any, before this rank's first commit)
         self._max_bytes: int | None = None  # the largest copy a put may carry (None: before this rank's first commit)
         self.refused: list[str] = []  # why each of the last refused frames was refused (newest last)
-        self._dropped: tuple[tuple[int, int], ...] = ()  # (source, step) of held copies dropped: they failed their digest
+        self._dropped: tuple[
+            tuple[int, int], ...
+        ] = ()  # (source, step) of held copies dropped: they failed their digest
         self.peak_bytes = 0
         self.recv_cpu_s = 0.0  # CPU seconds of receiving copies (the holder's side of a ship)
         self._closed = False
@@ -526,15 +598,18 @@ class PeerServer:
             by_step = dict(self._copies.get(src, {}))
         copy = by_step.get(step)
         if copy is None:
-            raise PeerError(f"this rank holds no copy of rank {src} at step {step} "
-                            f"(it holds {sorted(by_step) or None})")
+            raise PeerError(
+                f"this rank holds no copy of rank {src} at step {step} (it holds {sorted(by_step) or None})"
+            )
         if copy_digest([copy.payload]) != copy.digest:
             with self._lock:  # no longer offered: the next round's proposal leaves it out and names it
                 if self._copies.get(src, {}).get(step) is copy:
                     del self._copies[src][step]
                 self._dropped = (*self._dropped[-15:], (src, step))
-            raise PeerError(f"the copy of rank {src} at step {step} held here fails its digest (its bytes changed "
-                            "since the source's snapshot): refused and dropped")
+            raise PeerError(
+                f"the copy of rank {src} at step {step} held here fails its digest (its bytes changed "
+                "since the source's snapshot): refused and dropped"
+            )
         try:
             got, state = deserialize(copy.payload)
         except ValueError as exc:
@@ -623,8 +698,13 @@ class PeerServer:
         if held is None:
             raise _Refused(f"this rank holds no copy of rank {src} at step {step} (it holds step {newest})")
         try:
-            _send(conn, self.key, context, {"ok": True, "step": held.step, "digest": held.digest},
-                  memoryview(held.payload))
+            _send(
+                conn,
+                self.key,
+                context,
+                {"ok": True, "step": held.step, "digest": held.digest},
+                memoryview(held.payload),
+            )
             # the fetcher checks the digest and refuses a changed copy; this rank checks it too, after
             # the send (off the fetcher's path), and stops offering it, so the next round's holds omit it
             intact = copy_digest([held.payload]) == held.digest
@@ -646,11 +726,15 @@ class PeerServer:
         with self._lock:
             horizon, limit = self._horizon, self._max_bytes
         if horizon is not None and step > horizon:
-            raise _Refused(f"a copy of rank {src} at step {step}: past step {horizon}, the newest a source can "
-                           "have committed while this rank runs")
+            raise _Refused(
+                f"a copy of rank {src} at step {step}: past step {horizon}, the newest a source can "
+                "have committed while this rank runs"
+            )
         if limit is not None and n > limit:
-            raise _Refused(f"a copy of rank {src} at step {step} of {n} bytes: more than the {limit} this holder takes "
-                           f"(a multiple of its own copy's size, COPY_BYTES_FACTOR)")
+            raise _Refused(
+                f"a copy of rank {src} at step {step} of {n} bytes: more than the {limit} this holder takes "
+                f"(a multiple of its own copy's size, COPY_BYTES_FACTOR)"
+            )
         with self._lock:
             # the next copy arrives into the oldest of those kept (same size, nobody sending it), never into
             # the only one: the newest stays held until its successor is complete and verified
@@ -682,7 +766,7 @@ class PeerServer:
         with self._lock:
             by_step = self._copies.setdefault(copy.src, {})
             by_step[copy.step] = copy  # complete and verified: displaces the oldest kept
-            for old in sorted(by_step)[:-self.depth]:
+            for old in sorted(by_step)[: -self.depth]:
                 del by_step[old]
             self.peak_bytes = max(self.peak_bytes, self._kept_bytes() + self._receiving)
         _send(conn, self.key, context, {"ok": True})
@@ -737,17 +821,24 @@ def _connect(address: PeerAddress, timeout_s: float) -> tuple[socket.socket, byt
         got = bytes(_recv_exact(sock, len(_CHALLENGE) + _NONCE, deadline=_deadline(timeout_s)))
     except (OSError, PeerError) as exc:
         sock.close()
-        raise PeerError(f"rank {address.rank}'s peer server at {address.addr}:{address.port} sent no challenge: "
-                        f"{exc}") from None
+        raise PeerError(
+            f"rank {address.rank}'s peer server at {address.addr}:{address.port} sent no challenge: {exc}"
+        ) from None
     if not got.startswith(_CHALLENGE):
         sock.close()
         raise PeerError(f"{address.addr}:{address.port} is not a Meshpact peer server (it sent {got[:8]!r})")
-    return sock, got[len(_CHALLENGE):]
+    return sock, got[len(_CHALLENGE) :]
 
 
-def _ask(address: PeerAddress, key: JobKey | None, timeout_s: float, header: JsonObject,
-         payload: bytes | Sequence[Any] = b"", gate: Callable[[], None] | None = None,
-         what: str = "") -> tuple[JsonObject, bytearray | mmap.mmap]:
+def _ask(
+    address: PeerAddress,
+    key: JobKey | None,
+    timeout_s: float,
+    header: JsonObject,
+    payload: bytes | Sequence[Any] = b"",
+    gate: Callable[[], None] | None = None,
+    what: str = "",
+) -> tuple[JsonObject, bytearray | mmap.mmap]:
     """One request to ``address``'s peer server and its reply (header, body); the reply's tag and
     the body's digest (where the reply names one) are checked. PeerError names ``what`` failed."""
     sock, nonce = _connect(address, timeout_s)
@@ -766,29 +857,49 @@ def _ask(address: PeerAddress, key: JobKey | None, timeout_s: float, header: Jso
         except PeerError as exc:
             raise PeerError(f"{what} with rank {address.rank}: {exc}") from None
     if hasher is not None and hasher.hexdigest() != reply["digest"]:
-        raise PeerError(f"{what} from rank {address.rank}: the copy fails its digest (its bytes changed since the "
-                        "source's snapshot): refused")
+        raise PeerError(
+            f"{what} from rank {address.rank}: the copy fails its digest (its bytes changed since the "
+            "source's snapshot): refused"
+        )
     return reply, body
 
 
-def put(address: PeerAddress, src: int, step: int, payload: bytes | Sequence[Any], timeout_s: float,
-        gate: Callable[[], None] | None = None, *, key: JobKey | None, digest: str | None = None) -> None:
+def put(
+    address: PeerAddress,
+    src: int,
+    step: int,
+    payload: bytes | Sequence[Any],
+    timeout_s: float,
+    gate: Callable[[], None] | None = None,
+    *,
+    key: JobKey | None,
+    digest: str | None = None,
+) -> None:
     """Send a copy (a payload, or its parts: a header and a body) to the holder at ``address``
     (``gate``: see :func:`_send`; ``digest``: the payload's :func:`copy_digest`, computed here
     where not given)."""
     parts = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
     digest = copy_digest(parts) if digest is None else digest
-    _ask(address, key, timeout_s, {"op": "put", "src": src, "step": step, "digest": digest}, parts, gate,
-         f"copy of rank {src} step {step}")
+    _ask(
+        address,
+        key,
+        timeout_s,
+        {"op": "put", "src": src, "step": step, "digest": digest},
+        parts,
+        gate,
+        f"copy of rank {src} step {step}",
+    )
 
 
-def fetch(address: PeerAddress, src: int, step: int, timeout_s: float, *,
-          key: JobKey | None) -> tuple[dict[str, torch.Tensor], int]:
+def fetch(
+    address: PeerAddress, src: int, step: int, timeout_s: float, *, key: JobKey | None
+) -> tuple[dict[str, torch.Tensor], int]:
     """Rank ``src``'s state at ``step`` from the holder at ``address``, its digest checked;
     returns it and the bytes read. PeerError says why none came (a copy failing its digest
     included)."""
-    reply, payload = _ask(address, key, timeout_s, {"op": "get", "src": src, "step": step},
-                          what=f"fetching rank {src} step {step}")
+    reply, payload = _ask(
+        address, key, timeout_s, {"op": "get", "src": src, "step": step}, what=f"fetching rank {src} step {step}"
+    )
     if "digest" not in reply:
         raise PeerError(f"rank {address.rank} sent rank {src}'s step {step} without its digest")
     try:
@@ -800,8 +911,15 @@ def fetch(address: PeerAddress, src: int, step: int, timeout_s: float, *,
     return state, len(payload)
 
 
-def fetch_first(addresses: dict[int, PeerAddress], src: int, step: int, holders: Sequence[int], timeout_s: float, *,
-                key: JobKey | None) -> tuple[dict[str, torch.Tensor], int, int, tuple[str, ...]]:
+def fetch_first(
+    addresses: dict[int, PeerAddress],
+    src: int,
+    step: int,
+    holders: Sequence[int],
+    timeout_s: float,
+    *,
+    key: JobKey | None,
+) -> tuple[dict[str, torch.Tensor], int, int, tuple[str, ...]]:
     """Rank ``src``'s state at ``step`` from the first of ``holders`` whose copy passes
     (:func:`fetch`): the state, the bytes read, that holder, and why each one before it was
     refused ("rank h: why"). PeerError naming every refusal where none passes."""
@@ -863,8 +981,17 @@ class PeerCopier:
     (only the newest waits: ``superseded`` counts those never sent), and the slab in flight is never
     refilled, so a CUDA rank holds at most one slab more than ``depth``."""
 
-    def __init__(self, rank: int, world_size: int, copies: int, channel: Any, server: PeerServer,
-                 timeout_s: float, depth: int = 2, ops: DeviceOps | None = None) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        copies: int,
+        channel: Any,
+        server: PeerServer,
+        timeout_s: float,
+        depth: int = 2,
+        ops: DeviceOps | None = None,
+    ) -> None:
         self.key = server.key  # the job's peer key: the copier proves it to every holder, as its server asks of them
         self.rank = rank
         self.world_size = world_size
@@ -879,8 +1006,9 @@ class PeerCopier:
         self._slabs: dict[int, Slab] = {}  # step -> the slab its own snapshot lies in
         self._free: list[Slab] = []  # slabs no snapshot lies in: the next commits copy into them
         cores = _cores()
-        self.counters = PeerCopyCounters(cores=cores,
-                                         cores_per_rank=cores / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1))
+        self.counters = PeerCopyCounters(
+            cores=cores, cores_per_rank=cores / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        )
         self._last: tuple[float, float, float | None] | None = None  # (process CPU, wall, host busy) at the last commit
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._idle = threading.Event()
@@ -945,7 +1073,7 @@ class PeerCopier:
         c0 = time.perf_counter()
         tensors = list(state.values())
         older = sorted(s for s in self.own if s < step)
-        kept = older[max(len(older) - (self.depth - 1), 0):]  # the depth - 1 newest before this one
+        kept = older[max(len(older) - (self.depth - 1), 0) :]  # the depth - 1 newest before this one
         for old in [s for s in self.own if s not in kept]:  # what this commit replaces frees its slab first:
             self._drop(old)  # depth slabs in all, never one more (on CUDA, one more while one ships)
         slab = self._slab(state, tensors)
@@ -1039,8 +1167,10 @@ class PeerCopier:
         for s in [s for s in self.own if s > step]:
             self._drop(s)
         kept = self.own.get(step)
-        self.server.admit_through(step + 1, None if kept is None else
-                                  self._copy_bound(sum(t.numel() * t.element_size() for t in kept.values())))
+        self.server.admit_through(
+            step + 1,
+            None if kept is None else self._copy_bound(sum(t.numel() * t.element_size() for t in kept.values())),
+        )
 
     def release_own(self) -> None:
         """Drop every own snapshot and the buffers kept for the next ones (an excision re-shards
@@ -1053,8 +1183,12 @@ class PeerCopier:
     def host_bytes(self) -> int:
         """Host memory the copies take on this rank: its own snapshots, the buffer kept for the
         next commit, and the copies it holds for others."""
-        own = sum(self._slabs[s].layout.total if s in self._slabs and self._slabs[s].state is snap
-                  else sum(t.numel() * t.element_size() for t in snap.values()) for s, snap in self.own.items())
+        own = sum(
+            self._slabs[s].layout.total
+            if s in self._slabs and self._slabs[s].state is snap
+            else sum(t.numel() * t.element_size() for t in snap.values())
+            for s, snap in self.own.items()
+        )
         return own + sum(slab.layout.total for slab in self._free) + self.server.held_bytes
 
     def pause(self) -> None:
@@ -1094,8 +1228,16 @@ class PeerCopier:
                 digest = copy_digest(payload)  # here, off the training thread: the slab holds still until idle
                 for holder in self.holders():
                     try:
-                        put(self.addresses[holder], self.rank, step, payload, self.timeout_s, self._gate,
-                            key=self.key, digest=digest)
+                        put(
+                            self.addresses[holder],
+                            self.rank,
+                            step,
+                            payload,
+                            self.timeout_s,
+                            self._gate,
+                            key=self.key,
+                            digest=digest,
+                        )
                     except PeerError:  # a holder gone: this copy is one short until the next recovery
                         self.counters.failed += 1  # reads the addresses again (:meth:`refresh`)
                         continue

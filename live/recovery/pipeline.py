@@ -49,9 +49,27 @@ from .state import Chunk, CommitMark, RngState, Schedule, StateCheck, load_job_s
 from .stepreset import Leftovers, reset_step_state
 
 
-__all__ = ["Job", "RecoveryRecord", "StageClock", "Cause", "Detection", "Rebuilt", "Rebound", "detect", "agree_on", "rebuild", "rebind", "restore",
-           "resume", "excise_lost", "load_decided", "rejoin", "first_collective", "RetiredGroup",
-           "retire_replaced"]
+__all__ = [
+    "Job",
+    "RecoveryRecord",
+    "StageClock",
+    "Cause",
+    "Detection",
+    "Rebuilt",
+    "Rebound",
+    "detect",
+    "agree_on",
+    "rebuild",
+    "rebind",
+    "restore",
+    "resume",
+    "excise_lost",
+    "load_decided",
+    "rejoin",
+    "first_collective",
+    "RetiredGroup",
+    "retire_replaced",
+]
 
 
 class Job(Protocol):
@@ -129,8 +147,13 @@ class RecoveryRecord:
     after_resume_cpu_s: float = 0.0
 
     def to_dict(self) -> JsonObject:
-        return {**asdict(self), "policy": self.policy.value, "action": self.action.value,
-                "cpu_s_by_stage": dict(self.cpu_s_by_stage), "thread_cpu_s_by_stage": dict(self.thread_cpu_s_by_stage)}
+        return {
+            **asdict(self),
+            "policy": self.policy.value,
+            "action": self.action.value,
+            "cpu_s_by_stage": dict(self.cpu_s_by_stage),
+            "thread_cpu_s_by_stage": dict(self.thread_cpu_s_by_stage),
+        }
 
 
 class StageClock:
@@ -235,12 +258,18 @@ def _sever_timing(hb: Any, alarm: Any) -> dict[str, float]:
     if sever.alarm is not alarm:  # this alarm severed nothing (its generation had moved on)
         return {}
     flush = sever.severance
-    return {"heartbeat_lock_wait_ms": round(sever.lock_wait_s * 1e3, 3), "heartbeat_sever_ms": round(sever.sever_s * 1e3, 3),
-            "heartbeat_flush_end": flush.flush_end, "heartbeat_flush_unsent": flush.unsent,
-            "heartbeat_flush_unread": flush.unread, "heartbeat_flush_ms": round(flush.flush_s * 1e3, 3),
-            "heartbeat_flush_gap_ms": round(flush.gap_s * 1e3, 3), "heartbeat_flush_wake_ms": round(flush.wake_s * 1e3, 3),
-            "heartbeat_alarm_to_severed_ms": round((sever.t_wall - alarm.t_wall) * 1e3, 3),
-            "heartbeat_severed_to_raised_ms": round((time.time() - sever.t_wall) * 1e3, 3)}
+    return {
+        "heartbeat_lock_wait_ms": round(sever.lock_wait_s * 1e3, 3),
+        "heartbeat_sever_ms": round(sever.sever_s * 1e3, 3),
+        "heartbeat_flush_end": flush.flush_end,
+        "heartbeat_flush_unsent": flush.unsent,
+        "heartbeat_flush_unread": flush.unread,
+        "heartbeat_flush_ms": round(flush.flush_s * 1e3, 3),
+        "heartbeat_flush_gap_ms": round(flush.gap_s * 1e3, 3),
+        "heartbeat_flush_wake_ms": round(flush.wake_s * 1e3, 3),
+        "heartbeat_alarm_to_severed_ms": round((sever.t_wall - alarm.t_wall) * 1e3, 3),
+        "heartbeat_severed_to_raised_ms": round((time.time() - sever.t_wall) * 1e3, 3),
+    }
 
 
 def detect(rt: Job, cause: Cause) -> Detection:
@@ -252,42 +281,72 @@ def detect(rt: Job, cause: Cause) -> Detection:
         rt.heartbeat.recovery_begins(s.generation)  # its listener sleeps through this recovery
         if told and not rt.heartbeat.told_of(s.generation):  # (a peer that told this rank told every member)
             # first: each peer's sever (its look for a message under way) runs beside this rank's own
-            s.control.set_many([recovering_key(s.generation, r) for r in s.members if r != s.rank],
-                               {"rank": s.rank, "step": cause.step, "block": rt.resume_at})
+            s.control.set_many(
+                [recovering_key(s.generation, r) for r in s.members if r != s.rank],
+                {"rank": s.rank, "step": cause.step, "block": rt.resume_at},
+            )
     severed = s.sever_data_path(tell_peers=not told)  # the standby's sockets are not the data path's
     alarm = rt.heartbeat.take() if rt.heartbeat is not None else None
     if alarm is not None and (alarm.stalled or alarm.data_path_quiet):  # the heartbeat knew first
         t_detect = min(t_detect, alarm.t_wall)  # (it severed the sockets that raised)
     # a peer's recovery told this rank's heartbeat to sever: the rank knew when its step raised
     # (at once where it waited on the data path; on waking where it was stalled itself)
-    s.emit(EventKind.DETECTED, Stage.DETECTION, step=cause.step, error=cause.message, severed_sockets=severed.sockets,
-           flush_end=severed.flush_end, flush_ms=round(severed.flush_s * 1e3, 3),
-           flush_gap_ms=round(severed.gap_s * 1e3, 3), flush_wake_ms=round(severed.wake_s * 1e3, 3),
-           generation=s.generation, seconds=time.perf_counter() - t0,
-           heartbeat_stalled=list(alarm.stalled) if alarm else [],
-           heartbeat_quiet=bool(alarm and alarm.data_path_quiet), heartbeat_alarm=alarm is not None,
-           heartbeat_detail=alarm.detail if alarm else "",
-           heartbeat_look_age_s=t_detect - rt.heartbeat.last_look_wall if rt.heartbeat is not None else None,
-           heartbeat_failed_looks=rt.heartbeat.failed_looks if rt.heartbeat is not None else 0,
-           **(_sever_timing(rt.heartbeat, alarm) if alarm is not None and rt.heartbeat is not None else {}))
+    s.emit(
+        EventKind.DETECTED,
+        Stage.DETECTION,
+        step=cause.step,
+        error=cause.message,
+        severed_sockets=severed.sockets,
+        flush_end=severed.flush_end,
+        flush_ms=round(severed.flush_s * 1e3, 3),
+        flush_gap_ms=round(severed.gap_s * 1e3, 3),
+        flush_wake_ms=round(severed.wake_s * 1e3, 3),
+        generation=s.generation,
+        seconds=time.perf_counter() - t0,
+        heartbeat_stalled=list(alarm.stalled) if alarm else [],
+        heartbeat_quiet=bool(alarm and alarm.data_path_quiet),
+        heartbeat_alarm=alarm is not None,
+        heartbeat_detail=alarm.detail if alarm else "",
+        heartbeat_look_age_s=t_detect - rt.heartbeat.last_look_wall if rt.heartbeat is not None else None,
+        heartbeat_failed_looks=rt.heartbeat.failed_looks if rt.heartbeat is not None else 0,
+        **(_sever_timing(rt.heartbeat, alarm) if alarm is not None and rt.heartbeat is not None else {}),
+    )
     if rt.peers is not None:  # the copy in flight waits: the cores are the recovery's (until let_go)
         rt.peers.pause()
     t0 = time.perf_counter()
     states = fsdp_states(rt.model)  # the reset, the meshes and rebinding read them
     leftovers = Leftovers()  # nothing freed on the recovery's path (until let_go)
-    params = reset_step_state(rt.model, states, leftovers)  # sharded parameters back on the modules before anything reads them
+    params = reset_step_state(
+        rt.model, states, leftovers
+    )  # sharded parameters back on the modules before anything reads them
     reset_s = time.perf_counter() - t0
     t_check = time.perf_counter()
     checked = rt.check_state(params)
     # a step that waited out the data-path timeout may have lost a link the standby crosses too;
     # one that failed otherwise heard from its data path (or raised here), however long it ran
-    silent_s = (t_detect - rt.t_attempt if rt.t_attempt is not None and not cause.drill
-                and comm.timed_out(cause.message) else None)
+    silent_s = (
+        t_detect - rt.t_attempt
+        if rt.t_attempt is not None and not cause.drill and comm.timed_out(cause.message)
+        else None
+    )
     old_groups = rt.job_groups()  # consensus builds no group: the same ones are replaced after it
     word = s.standby_word(old_groups, silent_s, quiet=bool(alarm and alarm.data_path_quiet))
     clock.lap("detect")
-    return Detection(cause, t_detect, clock, t_check, alarm, tuple(states), tuple(params), reset_s, checked.changed,
-                     checked.meshes, old_groups, word, leftovers)
+    return Detection(
+        cause,
+        t_detect,
+        clock,
+        t_check,
+        alarm,
+        tuple(states),
+        tuple(params),
+        reset_s,
+        checked.changed,
+        checked.meshes,
+        old_groups,
+        word,
+        leftovers,
+    )
 
 
 def let_go(rt: Job, d: Detection, model_replaced: bool = False) -> None:
@@ -311,22 +370,47 @@ def agree_on(rt: Job, d: Detection) -> Decision:
         held = s.peer_server.holds() if s.peer_server is not None else ()
         own = rt.peers.own_steps() if rt.peers is not None else ()
         refused = s.peer_server.dropped() if s.peer_server is not None else ()
-        return Proposal(s.rank, s.generation, rt.committed_step, commit_check, d.intact, s.incarnation,
-                        rt.committed_step if d.cause.drill else None, holds=held, own_steps=own, host=s.host,
-                        standby=standby, refused=refused,
-                        block=rt.resume_at)
+        return Proposal(
+            s.rank,
+            s.generation,
+            rt.committed_step,
+            commit_check,
+            d.intact,
+            s.incarnation,
+            rt.committed_step if d.cause.drill else None,
+            holds=held,
+            own_steps=own,
+            host=s.host,
+            standby=standby,
+            refused=refused,
+            block=rt.resume_at,
+        )
 
     t_agree = time.perf_counter()
     rt.settle_counters()  # a recovery that failed before settling its counters settles them now
-    got = agree(s.control, proposal, rt.ckpt.latest if rt.ckpt else (lambda limit: 0),
-                max_rounds=s.config.max_rounds, peer_copies=(s.config.peer_copies or 0) if s.peer_server is not None else 0,
-                replacement_rounds=s.config.replacement_rounds, on_rank_loss=rt.on_rank_loss,
-                alive=s.members if s.excised else None, excise_refusal=rt.excise_refusal(), view=s.view,
-                defer_counters=True)
+    got = agree(
+        s.control,
+        proposal,
+        rt.ckpt.latest if rt.ckpt else (lambda limit: 0),
+        max_rounds=s.config.max_rounds,
+        peer_copies=(s.config.peer_copies or 0) if s.peer_server is not None else 0,
+        replacement_rounds=s.config.replacement_rounds,
+        on_rank_loss=rt.on_rank_loss,
+        alive=s.members if s.excised else None,
+        excise_refusal=rt.excise_refusal(),
+        view=s.view,
+        defer_counters=True,
+    )
     rt.counters = got.counters
     t_end = time.perf_counter()
-    s.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=t_end - d.t_check, agree_s=t_end - t_agree,
-           state_changed=d.changed, **got.decision.summary())
+    s.emit(
+        EventKind.DECIDED,
+        Stage.CONSENSUS,
+        seconds=t_end - d.t_check,
+        agree_s=t_end - t_agree,
+        state_changed=d.changed,
+        **got.decision.summary(),
+    )
     d.clock.lap("agree_on")
     return got.decision
 
@@ -350,8 +434,11 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
             for base in comm.build_order(d.old_groups, s.groups):
                 pg = d.old_groups[base]
                 ranks = comm.group_ranks(pg)
-                pg.reconfigure(dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.generation, base), s.store),  # type: ignore[attr-defined]  # newer torch's; asked for with can_reconfigure
-                               ranks.index(s.rank), len(ranks))
+                pg.reconfigure(  # type: ignore[attr-defined]  # newer torch's; asked for with can_reconfigure
+                    dist.PrefixStore(comm.store_prefix(s.spec.run_id, decision.generation, base), s.store),
+                    ranks.index(s.rank),
+                    len(ranks),
+                )
             s.data_path.record((pg.group_name for pg in d.old_groups.values()), comm.opened_since(before))
         except (TypeError, RuntimeError) as exc:  # an API this code does not know: rebuild instead
             note, action = f"reconfigure refused ({exc}); rebuilt instead", CommunicatorAction.REBUILD
@@ -360,11 +447,22 @@ def rebuild(rt: Job, d: Detection, decision: Decision) -> Rebuilt:
     elif action is not CommunicatorAction.RECONFIGURE:
         # in the order a replacement builds them: its session's at start-up, then the user's (comm.build_order)
         before = comm.socket_fds()  # what gloo opens while building them is the new data path's
-        groups = {base: comm.build_group(s.spec, s.store, decision.generation, base, comm.group_ranks(d.old_groups[base]))
-                  for base in comm.build_order(d.old_groups, s.groups)}
+        groups = {
+            base: comm.build_group(s.spec, s.store, decision.generation, base, comm.group_ranks(d.old_groups[base]))
+            for base in comm.build_order(d.old_groups, s.groups)
+        }
         s.data_path.record((pg.group_name for pg in groups.values()), comm.opened_since(before))
-    s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0, action=action.value,
-           generation=decision.generation, backend=s.spec.backend, groups=len(groups), note=note, standby=standby)
+    s.emit(
+        EventKind.REBUILT,
+        Stage.COMMUNICATOR,
+        seconds=time.perf_counter() - t0,
+        action=action.value,
+        generation=decision.generation,
+        backend=s.spec.backend,
+        groups=len(groups),
+        note=note,
+        standby=standby,
+    )
     d.clock.lap("rebuild")
     return Rebuilt(groups, action)
 
@@ -379,11 +477,25 @@ def rebind(rt: Job, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebou
     site_ms: dict[str, float] = {}
     reconfigured = rebuilt.action is CommunicatorAction.RECONFIGURE
     if not reconfigured:
-        meshes = list({id(m): m for m in (s.mesh, *meshes_of(rt.model, rt.optimizer, list(d.states), d.params,
-                                                             d.tensor_meshes), *rt.meshes)}.values())
-        report: RebindReport = rebind_all([(old, rebuilt.groups[base]) for base, old in d.old_groups.items()],
-                                          rt.model, rt.optimizer, meshes, functions=() if rt.train_step_fn is None else (rt.train_step_fn,),
-                                          scan=rt.scan, states=list(d.states))
+        meshes = list(
+            {
+                id(m): m
+                for m in (
+                    s.mesh,
+                    *meshes_of(rt.model, rt.optimizer, list(d.states), d.params, d.tensor_meshes),
+                    *rt.meshes,
+                )
+            }.values()
+        )
+        report: RebindReport = rebind_all(
+            [(old, rebuilt.groups[base]) for base, old in d.old_groups.items()],
+            rt.model,
+            rt.optimizer,
+            meshes,
+            functions=() if rt.train_step_fn is None else (rt.train_step_fn,),
+            scan=rt.scan,
+            states=list(d.states),
+        )
         counts = dict(report.counts)
         site_ms = {k: round(v * 1e3, 3) for k, v in report.site_s.items()}
         for line in report.unrebound:  # a frame's local: the user is told, by group name
@@ -391,11 +503,22 @@ def rebind(rt: Job, d: Detection, decision: Decision, rebuilt: Rebuilt) -> Rebou
         c10d_default(rebuilt.groups[comm.WORLD])
     seconds, cpu_s = time.perf_counter() - t0, time.thread_time() - c0
     # the session's own groups, now the new ones; the mesh object is the same, rebound in place
-    s.advance(replace(s.gen, number=decision.generation,
-                      groups={base: pg for base, pg in rebuilt.groups.items() if base in s.groups}))
-    s.emit(EventKind.REBOUND, Stage.REBINDING, seconds=seconds, references=counts, site_ms=site_ms,
-           old_groups=sorted(g.group_name for g in d.old_groups.values()),
-           new_groups=sorted(g.group_name for g in rebuilt.groups.values()))
+    s.advance(
+        replace(
+            s.gen,
+            number=decision.generation,
+            groups={base: pg for base, pg in rebuilt.groups.items() if base in s.groups},
+        )
+    )
+    s.emit(
+        EventKind.REBOUND,
+        Stage.REBINDING,
+        seconds=seconds,
+        references=counts,
+        site_ms=site_ms,
+        old_groups=sorted(g.group_name for g in d.old_groups.values()),
+        new_groups=sorted(g.group_name for g in rebuilt.groups.values()),
+    )
     d.clock.lap("rebind")
     return Rebound(seconds, cpu_s, rebuilt.action, () if reconfigured else tuple(d.old_groups.values()))
 
@@ -414,8 +537,9 @@ def retire(rt: Job, old: dist.ProcessGroup, dispatch_ops: int | None) -> None:
     """Keep a replaced group's backend and its operation count until the next commit (which
     reads how many operations it issued after this)."""
     backend = comm.backend_of(old, rt.session.spec.device)
-    rt.retired.append(RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend),
-                                   dispatch_ops))
+    rt.retired.append(
+        RetiredGroup(old.group_name, weakref.ref(old), backend, comm.sequence_number(backend), dispatch_ops)
+    )
 
 
 # -- restore ---------------------------------------------------------------------------------
@@ -424,16 +548,27 @@ def restore(rt: Job, d: Detection, decision: Decision) -> None:
     from host memory (its own snapshot or a holder's copy), else from the newest checkpoint."""
     s = rt.session
     if decision.in_memory:
-        s.emit(EventKind.RETAINED, Stage.STATE, seconds=d.reset_s, action=StateAction.RETAIN.value,
-               state_intact=d.intact)
-    elif (decision.policy is Policy.PEER_RESTORE and decision.holder_of(s.rank) is None
-          and decision.step == rt.committed_step and d.intact):
+        s.emit(
+            EventKind.RETAINED, Stage.STATE, seconds=d.reset_s, action=StateAction.RETAIN.value, state_intact=d.intact
+        )
+    elif (
+        decision.policy is Policy.PEER_RESTORE
+        and decision.holder_of(s.rank) is None
+        and decision.step == rt.committed_step
+        and d.intact
+    ):
         # the generators as committed: the failed step may have drawn from them (on an N-D mesh a
         # rank whose own shard group lives runs its forward's dropout before the lost rank's
         # collective fails it), and the replay takes them as the committed ones
         restore_rng(rt.rng)
-        s.emit(EventKind.RETAINED, Stage.STATE, seconds=d.reset_s, action=StateAction.RETAIN.value,
-               state_intact=d.intact, checkpoint_step=decision.step)
+        s.emit(
+            EventKind.RETAINED,
+            Stage.STATE,
+            seconds=d.reset_s,
+            action=StateAction.RETAIN.value,
+            state_intact=d.intact,
+            checkpoint_step=decision.step,
+        )
     else:
         load_decided(rt, decision, counts_as_read=not d.cause.drill, spent_s=d.reset_s)
     d.clock.lap("restore")
@@ -446,9 +581,16 @@ def load_decided(rt: Job, decision: Decision, counts_as_read: bool = True, spent
     t0 = time.perf_counter()
     if decision.policy is Policy.PEER_RESTORE:
         got = peer_restore(rt, decision)
-        s.emit(EventKind.RELOADED, Stage.STATE, seconds=spent_s + time.perf_counter() - t0,
-               action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
-               holder=got.holder, bytes=got.bytes, refused=list(got.refused))
+        s.emit(
+            EventKind.RELOADED,
+            Stage.STATE,
+            seconds=spent_s + time.perf_counter() - t0,
+            action=StateAction.PEER_RECOVER.value,
+            checkpoint_step=decision.step,
+            holder=got.holder,
+            bytes=got.bytes,
+            refused=list(got.refused),
+        )
         return
     if rt.ckpt is None or decision.step < 0:  # a replacement says what the survivors say
         raise without_checkpoint(decision.reason, rt.ckpt is not None)
@@ -456,8 +598,13 @@ def load_decided(rt: Job, decision: Decision, counts_as_read: bool = True, spent
     rt.restore(decision.step)
     if counts_as_read:
         rt.storage_bytes_read += rt.ckpt.bytes_read - read
-    s.emit(EventKind.RELOADED, Stage.STATE, seconds=spent_s + time.perf_counter() - t0,
-           action=StateAction.RELOAD_CHECKPOINT.value, checkpoint_step=decision.step)
+    s.emit(
+        EventKind.RELOADED,
+        Stage.STATE,
+        seconds=spent_s + time.perf_counter() - t0,
+        action=StateAction.RELOAD_CHECKPOINT.value,
+        checkpoint_step=decision.step,
+    )
 
 
 @dataclass(frozen=True)
@@ -491,16 +638,29 @@ def peer_restore(rt: Job, decision: Decision) -> PeerRestored:
     if step in rt.peers.own:
         state = rt.peers.own[step]
     elif holder is None or holder == s.rank:
-        raise RuntimeError(f"a peer restore to step {step} was decided but rank {s.rank} keeps "
-                           f"only steps {rt.peers.own_steps()} and was named no holder")
+        raise RuntimeError(
+            f"a peer restore to step {step} was decided but rank {s.rank} keeps "
+            f"only steps {rt.peers.own_steps()} and was named no holder"
+        )
     else:
-        state, fetched, holder, refused = peers.fetch_first(rt.peers.addresses, s.rank, step,
-                                                            holders_in_order(decision, s.rank, step),
-                                                            s.config.peer_copy_timeout_s, key=rt.peers.key)
+        state, fetched, holder, refused = peers.fetch_first(
+            rt.peers.addresses,
+            s.rank,
+            step,
+            holders_in_order(decision, s.rank, step),
+            s.config.peer_copy_timeout_s,
+            key=rt.peers.key,
+        )
         got = PeerRestored(holder, fetched, refused)
         rt.peers.own[step] = state
-    load_job_state(rt.model, rt.optimizer, state, rt.schedulers, rt.objects,
-                   source=f"rank {s.rank}'s copy of step {step} from rank {got.holder}")
+    load_job_state(
+        rt.model,
+        rt.optimizer,
+        state,
+        rt.schedulers,
+        rt.objects,
+        source=f"rank {s.rank}'s copy of step {step} from rank {got.holder}",
+    )
     rt.committed_step = step
     rt.mark_committed()
     rt.peers.keep_only(step)
@@ -520,9 +680,13 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
     s.drop_standby()  # built for the larger world: none serves the survivors
     if decision.step != rt.committed_step or not d.intact:  # back to its own snapshot: memory, no storage
         if rt.peers is None or decision.step not in rt.peers.own:
-            raise RuntimeError(f"excision at step {decision.step} was decided but rank {s.rank} keeps only "
-                               f"steps {rt.peers.own_steps() if rt.peers else ()} and committed {rt.committed_step}")
-        load_job_state(rt.model, rt.optimizer, rt.peers.own[decision.step], rt.schedulers, rt.objects)  # generators included
+            raise RuntimeError(
+                f"excision at step {decision.step} was decided but rank {s.rank} keeps only "
+                f"steps {rt.peers.own_steps() if rt.peers else ()} and committed {rt.committed_step}"
+            )
+        load_job_state(
+            rt.model, rt.optimizer, rt.peers.own[decision.step], rt.schedulers, rt.objects
+        )  # generators included
         rt.committed_step = decision.step
         rt.mark_committed()
     else:  # the generators as committed (the failed step may have drawn from them)
@@ -541,20 +705,45 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
         # of a replica that leaves LeftWithReplica: the caller's to report
         before = comm.socket_fds()  # what the smaller world's groups open is its data path, nothing else
         try:
-            out = excise(rt.state(), held, Membership(s.world_size, s.members), decision.lost, step=decision.step,
-                         spec=s.spec, store=s.store, generation=decision.generation, build=rt.build,
-                         old_group=s.group, min_ranks=rt.min_ranks,
-                         checkpoint_dir=str(rt.ckpt.directory) if rt.ckpt is not None else None,
-                         shape=shape, names=s.mesh_names if len(shape) > 1 else None)
+            out = excise(
+                rt.state(),
+                held,
+                Membership(s.world_size, s.members),
+                decision.lost,
+                step=decision.step,
+                spec=s.spec,
+                store=s.store,
+                generation=decision.generation,
+                build=rt.build,
+                old_group=s.group,
+                min_ranks=rt.min_ranks,
+                checkpoint_dir=str(rt.ckpt.directory) if rt.ckpt is not None else None,
+                shape=shape,
+                names=s.mesh_names if len(shape) > 1 else None,
+            )
         except LeftWithReplica as exc:  # this rank builds no group: it leaves, the other replicas go on
-            s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, generation=decision.generation, groups=0, world=0,
-                   left_with_replica=str(exc))
+            s.emit(
+                EventKind.REBUILT,
+                Stage.COMMUNICATOR,
+                generation=decision.generation,
+                groups=0,
+                world=0,
+                left_with_replica=str(exc),
+            )
             raise
         s.data_path.record((pg.group_name for pg in out.groups.values()), comm.opened_since(before))
         rec = out.record
-        s.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=rec.communicator_s, action=rec.action.value,
-               generation=decision.generation, backend=s.spec.backend, groups=len(out.groups), world=rec.new_world,
-               mesh=list(out.shape))
+        s.emit(
+            EventKind.REBUILT,
+            Stage.COMMUNICATOR,
+            seconds=rec.communicator_s,
+            action=rec.action.value,
+            generation=decision.generation,
+            backend=s.spec.backend,
+            groups=len(out.groups),
+            world=rec.new_world,
+            mesh=list(out.shape),
+        )
         rt.replace_model(out.model, out.optimizer, decision.step)
         if rt.heartbeat is not None:  # a model built anew warms up again: no stall bound from the old one's steps
             rt.heartbeat.warm_up_again()
@@ -564,12 +753,26 @@ def excise_lost(rt: Job, d: Detection, decision: Decision) -> Rebound:
         for old in d.old_groups.values():
             retire(rt, old, None)
         device.abort_groups(d.old_groups.values(), s.spec.backend)  # on NCCL: as retire_replaced does
-        s.advance(Generation(decision.generation, out.spec, dict(out.groups), out.mesh,
-                             out.membership.alive, f"world{out.membership.world}-from-step{decision.step}"))
+        s.advance(
+            Generation(
+                decision.generation,
+                out.spec,
+                dict(out.groups),
+                out.mesh,
+                out.membership.alive,
+                f"world{out.membership.world}-from-step{decision.step}",
+            )
+        )
     rt.meshes = weakref.WeakSet([out.mesh])
-    s.emit(EventKind.RELOADED, Stage.STATE, seconds=d.reset_s + rec.gather_s + rec.rebuild_s,
-           action=StateAction.PEER_RECOVER.value, checkpoint_step=decision.step,
-           holder=dict(decision.restore_from), excision=rec.to_dict())
+    s.emit(
+        EventKind.RELOADED,
+        Stage.STATE,
+        seconds=d.reset_s + rec.gather_s + rec.rebuild_s,
+        action=StateAction.PEER_RECOVER.value,
+        checkpoint_step=decision.step,
+        holder=dict(decision.restore_from),
+        excision=rec.to_dict(),
+    )
     rt.excisions.append(rec)
     if rt.ckpt is not None:  # the smaller world's own checkpoints start at the excision's step
         rt.ckpt = s.checkpointer()
@@ -600,16 +803,26 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
         lost = rt.replay(decision.step, d.cause.step, decision.resume_point, mark=False)
         if rt.blocks.replayed > ran or lost:
             t_resumed = time.time()
-            s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost,
-                   blocks=rt.blocks.replayed - ran)
+            s.emit(
+                EventKind.REPLAYED,
+                Stage.REPLAY,
+                seconds=time.perf_counter() - t0,
+                steps=lost,
+                blocks=rt.blocks.replayed - ran,
+            )
     else:
         t_first, _ = rejoin(rt, decision.generation)
         let_go(rt, d)
         t0 = time.perf_counter()
         ran = rt.blocks.replayed
         lost = rt.replay(decision.step, d.cause.step, decision.resume_point)
-        s.emit(EventKind.REPLAYED, Stage.REPLAY, seconds=time.perf_counter() - t0, steps=lost,
-               blocks=rt.blocks.replayed - ran)
+        s.emit(
+            EventKind.REPLAYED,
+            Stage.REPLAY,
+            seconds=time.perf_counter() - t0,
+            steps=lost,
+            blocks=rt.blocks.replayed - ran,
+        )
         t_resumed = time.time()
         d.clock.lap("resume")
         if rt.peers is not None:  # holders get this generation's state (a replacement's holder included)
@@ -621,10 +834,24 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
     rt.skip_guards_before = decision.furthest  # a guarded block a peer is past is skipped here too (blocks.py)
     rt.settle_counters()  # the job runs again: the round counters move now, off the recovery's path
     s.remember_data_path()  # this generation's sockets, listed before its standby starts building
-    record = RecoveryRecord(d.cause.step, d.t_detect, t_first, t_resumed, decision.policy, decision.reason,
-                            decision.generation, lost, rebound.seconds, rebound.action, d.cause.drill, rebound.cpu_s,
-                            sum(d.clock.cpu_s.values()), dict(d.clock.cpu_s), dict(d.clock.thread_cpu_s),
-                            d.clock.since_lap())
+    record = RecoveryRecord(
+        d.cause.step,
+        d.t_detect,
+        t_first,
+        t_resumed,
+        decision.policy,
+        decision.reason,
+        decision.generation,
+        lost,
+        rebound.seconds,
+        rebound.action,
+        d.cause.drill,
+        rebound.cpu_s,
+        sum(d.clock.cpu_s.values()),
+        dict(d.clock.cpu_s),
+        dict(d.clock.thread_cpu_s),
+        d.clock.since_lap(),
+    )
     rt.recoveries.append(record)
     s.emit(EventKind.RECOVERY_DONE, **record.to_dict())
     s.start_standby(rt.job_groups())  # the generation after this one, built while training runs
@@ -634,8 +861,9 @@ def resume(rt: Job, d: Detection, decision: Decision, rebound: Rebound) -> Recov
 def rejoin(rt: Job, generation: int) -> tuple[float, float]:
     """Wait until every rank is ready on ``generation``'s groups, then run the first collective
     on them (a rank that issued it before a slower peer finished loading its state would time out)."""
-    rt.session.emit(EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(rt.session, generation),
-                    generation=generation)
+    rt.session.emit(
+        EventKind.READY, Stage.CONSENSUS, seconds=resume_barrier(rt.session, generation), generation=generation
+    )
     return first_collective(rt, generation)
 
 
@@ -646,6 +874,11 @@ def first_collective(rt: Job, generation: int) -> tuple[float, float]:
     t_first = time.time()
     comm.first_collective(s.group, s.spec.device)
     t_done = time.time()
-    s.emit(EventKind.FIRST_COLLECTIVE, seconds=t_done - t_first, generation=generation,
-           t_issued_wall=t_first, t_done_wall=t_done)
+    s.emit(
+        EventKind.FIRST_COLLECTIVE,
+        seconds=t_done - t_first,
+        generation=generation,
+        t_issued_wall=t_first,
+        t_done_wall=t_done,
+    )
     return t_first, t_done

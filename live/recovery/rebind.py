@@ -57,13 +57,37 @@ import torch.distributed.distributed_c10d as c10d
 
 from .communicator import base_name
 
-__all__ = ["SITES", "Site", "RebindReport", "rebind", "rebind_all", "find_references", "fsdp_states", "meshes_of",
-           "default_roots", "python_bindings", "held_in_frames", "TORCH_IMPORT_DEFAULTS", "ModuleScan",
-           "ObjectScan", "ObjectWalk", "walk_objects", "UnreachableGroupWarning", "module_groups",
-           "function_key"]
+__all__ = [
+    "SITES",
+    "Site",
+    "RebindReport",
+    "rebind",
+    "rebind_all",
+    "find_references",
+    "fsdp_states",
+    "meshes_of",
+    "default_roots",
+    "python_bindings",
+    "held_in_frames",
+    "TORCH_IMPORT_DEFAULTS",
+    "ModuleScan",
+    "ObjectScan",
+    "ObjectWalk",
+    "walk_objects",
+    "UnreachableGroupWarning",
+    "module_groups",
+    "function_key",
+]
 
-_WORLD_MAPS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "tags_to_pg",
-               "pg_coalesce_state")
+_WORLD_MAPS = (
+    "pg_map",
+    "pg_names",
+    "pg_group_ranks",
+    "pg_backend_config",
+    "pg_to_tag",
+    "tags_to_pg",
+    "pg_coalesce_state",
+)
 _MESH_INFO_FIELDS = ("shard_process_group", "reduce_scatter_process_group", "replicate_process_group")
 _COMM_FIELDS = ("_all_gather_comm", "_reduce_scatter_comm")
 
@@ -154,9 +178,13 @@ def _mesh_infos(states: list[Any]) -> list[Any]:
     return list(seen.values())
 
 
-def meshes_of(model: torch.nn.Module, optimizer: Any = None, states: list[Any] | None = None,
-              params: Iterable[torch.nn.Parameter] | None = None,
-              tensor_meshes: Iterable[Any] | None = None) -> list[Any]:
+def meshes_of(
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    states: list[Any] | None = None,
+    params: Iterable[torch.nn.Parameter] | None = None,
+    tensor_meshes: Iterable[Any] | None = None,
+) -> list[Any]:
     """Every DeviceMesh the model's FSDP state and DTensors refer to, with root and flattened
     meshes (``states`` and ``params``: the model's FSDP states and parameters when the caller
     has them; ``tensor_meshes``: the meshes of the parameters and of their optimizer state where
@@ -289,8 +317,13 @@ _C10D_MODULE = c10d.__name__  # its maps are the c10d sites' (kept apart so each
 # torch 2.13's modules whose functions or methods default to ``dist.group.WORLD``, evaluated when
 # the module is first imported: whatever group was c10d's default then stays referenced
 # (distributed_c10d's own such defaults were evaluated before any group existed: None)
-TORCH_IMPORT_DEFAULTS = frozenset({"torch.distributed.nn.functional", "torch.distributed.optim.zero_redundancy_optimizer",
-                                   "torch.distributed.fsdp.sharded_grad_scaler"})
+TORCH_IMPORT_DEFAULTS = frozenset(
+    {
+        "torch.distributed.nn.functional",
+        "torch.distributed.optim.zero_redundancy_optimizer",
+        "torch.distributed.fsdp.sharded_grad_scaler",
+    }
+)
 _LIBRARY_DIRS = ("/site-packages/", "/dist-packages/")
 _STDLIB = sysconfig.get_paths()["stdlib"]
 _MAX_ITEMS = 4096  # containers larger than this are registries, not where a job keeps its groups
@@ -328,7 +361,7 @@ def _holds(value: Any, match: Callable[[Any], bool], depth: int = _DEPTH) -> boo
         return True
     if depth == 0 or not isinstance(value, (list, tuple, set, frozenset, dict)) or len(value) > _MAX_ITEMS:
         return False
-    for items in ((value.keys(), value.values()) if isinstance(value, dict) else (value,)):
+    for items in (value.keys(), value.values()) if isinstance(value, dict) else (value,):
         for x in items:
             if type(x) not in _ATOMS and _holds(x, match, depth - 1):
                 return True
@@ -382,27 +415,48 @@ class _Slot:
     set: Callable[[Any], None]
 
 
-def _function_slots(fn: types.FunctionType, path: str, out: list[_Slot], seen: set[int],
-                    is_group: Callable[[Any], bool] = _is_group, depth: int = 4) -> None:
+def _function_slots(
+    fn: types.FunctionType,
+    path: str,
+    out: list[_Slot],
+    seen: set[int],
+    is_group: Callable[[Any], bool] = _is_group,
+    depth: int = 4,
+) -> None:
     """``fn``'s defaults, keyword defaults and closure cells that hold a group; functions in its
     closure are followed (a step function closing over the user's)."""
     if id(fn) in seen:
         return
     seen.add(id(fn))
     if fn.__defaults__ and _holds(fn.__defaults__, is_group):
-        out.append(_Slot(f"{path}.__defaults__", functools.partial(getattr, fn, "__defaults__"),
-                         functools.partial(setattr, fn, "__defaults__")))
+        out.append(
+            _Slot(
+                f"{path}.__defaults__",
+                functools.partial(getattr, fn, "__defaults__"),
+                functools.partial(setattr, fn, "__defaults__"),
+            )
+        )
     if fn.__kwdefaults__ and _holds(fn.__kwdefaults__, is_group):
-        out.append(_Slot(f"{path}.__kwdefaults__", functools.partial(getattr, fn, "__kwdefaults__"),
-                         functools.partial(setattr, fn, "__kwdefaults__")))
+        out.append(
+            _Slot(
+                f"{path}.__kwdefaults__",
+                functools.partial(getattr, fn, "__kwdefaults__"),
+                functools.partial(setattr, fn, "__kwdefaults__"),
+            )
+        )
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
         if _holds(value, is_group):
-            out.append(_Slot(f"{path}.<closure {name}>", functools.partial(getattr, cell, "cell_contents"),
-                             functools.partial(setattr, cell, "cell_contents")))
+            out.append(
+                _Slot(
+                    f"{path}.<closure {name}>",
+                    functools.partial(getattr, cell, "cell_contents"),
+                    functools.partial(setattr, cell, "cell_contents"),
+                )
+            )
         target = value.__func__ if type(value) is types.MethodType else value  # (neither type has subclasses)
         if type(target) is types.FunctionType and depth > 0:
             _function_slots(target, f"{path}.<closure {name}>", out, seen, is_group, depth - 1)
@@ -500,15 +554,18 @@ def _user_type(t: type) -> bool:
 
 
 def _attr_slot(holder: dict[str, Any], key: str, path: str) -> _Slot:
-    return _Slot(path, functools.partial(operator.getitem, holder, key), functools.partial(operator.setitem, holder, key))
+    return _Slot(
+        path, functools.partial(operator.getitem, holder, key), functools.partial(operator.setitem, holder, key)
+    )
 
 
 def _slot_attr(obj: Any, name: str, path: str) -> _Slot:
     return _Slot(path, functools.partial(getattr, obj, name), functools.partial(object.__setattr__, obj, name))
 
 
-def walk_objects(roots: Iterable[tuple[str, Any]], is_group: Callable[[Any], bool] | None = None,
-                 most: int = _MAX_OBJECTS) -> ObjectWalk:
+def walk_objects(
+    roots: Iterable[tuple[str, Any]], is_group: Callable[[Any], bool] | None = None, most: int = _MAX_OBJECTS
+) -> ObjectWalk:
     """Every attribute (``__dict__`` entry or ``__slots__`` member) of an object reachable from
     ``roots``, and every closure cell and defaults tuple of a function of the job's reachable so,
     that is, or holds in a list, tuple, dict or set, a process group, as slots rebinding reads
@@ -556,13 +613,23 @@ def walk_objects(roots: Iterable[tuple[str, Any]], is_group: Callable[[Any], boo
                         continue
                     where = f"{path}.<closure {name}>"
                     if _holds(cell.cell_contents, match):  # a reducer made as a closure over its group
-                        slots.append(_Slot(where, functools.partial(getattr, cell, "cell_contents"),
-                                           functools.partial(setattr, cell, "cell_contents")))
+                        slots.append(
+                            _Slot(
+                                where,
+                                functools.partial(getattr, cell, "cell_contents"),
+                                functools.partial(setattr, cell, "cell_contents"),
+                            )
+                        )
                         note(cell.cell_contents, where)
                     stack.append((where, cell.cell_contents))
                 if obj.__defaults__ and _holds(obj.__defaults__, match):
-                    slots.append(_Slot(f"{path}.__defaults__", functools.partial(getattr, obj, "__defaults__"),
-                                       functools.partial(setattr, obj, "__defaults__")))
+                    slots.append(
+                        _Slot(
+                            f"{path}.__defaults__",
+                            functools.partial(getattr, obj, "__defaults__"),
+                            functools.partial(setattr, obj, "__defaults__"),
+                        )
+                    )
                     note(obj.__defaults__, f"{path}.__defaults__")
                 stack.extend((f"{path}.__defaults__[{i}]", x) for i, x in enumerate(obj.__defaults__ or ()))
             continue
@@ -618,8 +685,11 @@ def function_key(fn: Callable[..., Any] | None) -> tuple[int, ...]:
     code = getattr(target, "__code__", None)
     held = [c.cell_contents for c in (getattr(target, "__closure__", None) or ()) if _filled(c)]
     held += list(getattr(target, "__defaults__", None) or ())
-    return (id(code) if code is not None else id(target), id(getattr(fn, "__self__", None)),
-            *(id(x) for x in held if type(x) not in _ATOMS))
+    return (
+        id(code) if code is not None else id(target),
+        id(getattr(fn, "__self__", None)),
+        *(id(x) for x in held if type(x) not in _ATOMS),
+    )
 
 
 class ObjectScan:
@@ -638,8 +708,9 @@ class ObjectScan:
         self.cut = False
         self._key: Any = None
 
-    def refresh(self, key: Any, roots: Callable[[], list[tuple[str, Any]]],
-                known: Callable[[], tuple[dict[str, Any], set[str]]]) -> list[str]:
+    def refresh(
+        self, key: Any, roots: Callable[[], list[tuple[str, Any]]], known: Callable[[], tuple[dict[str, Any], set[str]]]
+    ) -> list[str]:
         """Walk ``roots()`` again if ``key`` changed since the last walk. ``known()`` gives the
         groups c10d knows (name -> group, the session's own left out) and the names reached by
         the other sites (meshes, FSDP, module globals): those none reaches are warned of. Returns
@@ -659,11 +730,13 @@ class ObjectScan:
                 continue
             self.warned.add(base)
             where = self.last_seen.get(base)
-            lines.append(f"process group {name!r} ({pg.size()} ranks) is held nowhere a recovery rebinds (module "
-                         "globals, closures, the model's modules, the objects registered with state=, the step "
-                         "function, and the attributes of the objects they reach): "
-                         + (f"last seen at {where}; " if where else "never seen there; ")
-                         + "whatever holds it keeps the old, broken group after a recovery")
+            lines.append(
+                f"process group {name!r} ({pg.size()} ranks) is held nowhere a recovery rebinds (module "
+                "globals, closures, the model's modules, the objects registered with state=, the step "
+                "function, and the attributes of the objects they reach): "
+                + (f"last seen at {where}; " if where else "never seen there; ")
+                + "whatever holds it keeps the old, broken group after a recovery"
+            )
         for line in lines:
             warnings.warn(line, UnreachableGroupWarning, stacklevel=2)
         return lines
@@ -693,10 +766,12 @@ class ModuleScan:
 
     def _current(self) -> bool:
         modules = sys.modules
-        return (len(modules) == self._count
-                and all(getattr(modules.get(name), "__dict__", None) is d for name, d in self._read)
-                and all(len(d) == n for d, n in self._sizes)
-                and all(holder.get(key) is fn for _, holder, key, fn in self._defaults))
+        return (
+            len(modules) == self._count
+            and all(getattr(modules.get(name), "__dict__", None) is d for name, d in self._read)
+            and all(len(d) == n for d, n in self._sizes)
+            and all(holder.get(key) is fn for _, holder, key, fn in self._defaults)
+        )
 
     def refresh(self) -> None:
         """Walk ``sys.modules`` now if it changed since the last walk (or none was made), else
@@ -708,8 +783,11 @@ class ModuleScan:
             self._count = len(sys.modules)
             self._own, self._defaults, self._sizes = _walk_modules()
             self._read = [(name, d) for name, d in self._own]
-            self._read += [(name, sys.modules[name].__dict__) for name in sorted(TORCH_IMPORT_DEFAULTS)
-                           if isinstance(getattr(sys.modules.get(name), "__dict__", None), dict)]
+            self._read += [
+                (name, sys.modules[name].__dict__)
+                for name in sorted(TORCH_IMPORT_DEFAULTS)
+                if isinstance(getattr(sys.modules.get(name), "__dict__", None), dict)
+            ]
             self.walks += 1
 
     def modules(self) -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, types.FunctionType]]]:
@@ -719,8 +797,11 @@ class ModuleScan:
         return self._own, [(path, fn) for path, _, _, fn in self._defaults]
 
 
-def _walk_modules() -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, dict[str, Any], str, types.FunctionType]],
-                             list[tuple[dict[str, Any], int]]]:
+def _walk_modules() -> tuple[
+    list[tuple[str, dict[str, Any]]],
+    list[tuple[str, dict[str, Any], str, types.FunctionType]],
+    list[tuple[dict[str, Any], int]],
+]:
     own: list[tuple[str, dict[str, Any]]] = []
     defaults: list[tuple[str, dict[str, Any], str, types.FunctionType]] = []
     sizes: list[tuple[dict[str, Any], int]] = []
@@ -742,9 +823,11 @@ def _walk_modules() -> tuple[list[tuple[str, dict[str, Any]]], list[tuple[str, d
                 elif isinstance(value, type) and value.__module__ == mod_name:
                     attrs = vars(value)
                     sizes.append((attrs, len(attrs)))  # type: ignore[arg-type]  # a class's mappingproxy, read like a dict
-                    defaults += [(f"{mod_name}.{key}.{attr}", attrs, attr, m)  # type: ignore[misc]  # (as above)
-                                 for attr, m in list(attrs.items())
-                                 if isinstance(m, types.FunctionType) and (m.__defaults__ or m.__kwdefaults__)]
+                    defaults += [
+                        (f"{mod_name}.{key}.{attr}", attrs, attr, m)  # type: ignore[misc]  # (as above)
+                        for attr, m in list(attrs.items())
+                        if isinstance(m, types.FunctionType) and (m.__defaults__ or m.__kwdefaults__)
+                    ]
             continue
         if top not in package_is_library:
             package = sys.modules.get(top)
@@ -784,8 +867,13 @@ def _scan_python_slots(functions: Iterable[Callable[..., Any]], scan: ModuleScan
                     _function_slots(value, f"{mod_name}.{key}", out, seen, is_group)
             elif _holds(value, is_group):
                 seen.add(id(value))
-                out.append(_Slot(f"{mod_name}.{key}", functools.partial(operator.getitem, d, key),
-                                 functools.partial(operator.setitem, d, key)))
+                out.append(
+                    _Slot(
+                        f"{mod_name}.{key}",
+                        functools.partial(operator.getitem, d, key),
+                        functools.partial(operator.setitem, d, key),
+                    )
+                )
     for i, step_fn in enumerate(functions):
         target = step_fn.__func__ if isinstance(step_fn, types.MethodType) else step_fn
         if isinstance(target, types.FunctionType):
@@ -838,32 +926,53 @@ def held_in_frames(groups: Iterable[dist.ProcessGroup]) -> list[str]:
             for name, value in list(f.f_locals.items()):
                 if _holds(value, match):
                     held = [g.group_name for g in targets.values() if _holds(value, functools.partial(operator.is_, g))]
-                    out.append(f"retired group {', '.join(held)} is held by local variable {name!r} of "
-                               f"{code.co_name} ({code.co_filename}:{f.f_lineno}) and cannot be rebound; "
-                               "keep groups in a module global, a closure or session.groups")
+                    out.append(
+                        f"retired group {', '.join(held)} is held by local variable {name!r} of "
+                        f"{code.co_name} ({code.co_filename}:{f.f_lineno}) and cannot be rebound; "
+                        "keep groups in a module global, a closure or session.groups"
+                    )
         f = f.f_back
     del f
     return out
 
 
 SITES: tuple[Site, ...] = (
-    Site("c10d.world", "distributed_c10d._World: default_pg, pg_map, pg_names, pg_group_ranks, "
-         "pg_backend_config, pg_to_tag, tags_to_pg, pg_coalesce_state", _c10d_world),
+    Site(
+        "c10d.world",
+        "distributed_c10d._World: default_pg, pg_map, pg_names, pg_group_ranks, "
+        "pg_backend_config, pg_to_tag, tags_to_pg, pg_coalesce_state",
+        _c10d_world,
+    ),
     Site("c10d.registry", "distributed_c10d._register_process_group / _resolve_process_group (C++)", _c10d_registry),
     Site("device_mesh.dim_group_names", "DeviceMesh._dim_group_names (resolved by name on get_group)", _mesh_names),
     Site("device_mesh.pg_registry", "DeviceMesh._pg_registry (read while torch.compile traces)", _mesh_pg_registry),
-    Site("fsdp.mesh_info", "FSDPMeshInfo.shard/reduce_scatter/replicate_process_group via "
-         "FSDPParamGroup and FSDPParam mesh_info, post_forward_mesh_info", _fsdp_mesh_infos),
+    Site(
+        "fsdp.mesh_info",
+        "FSDPMeshInfo.shard/reduce_scatter/replicate_process_group via "
+        "FSDPParamGroup and FSDPParam mesh_info, post_forward_mesh_info",
+        _fsdp_mesh_infos,
+    ),
     Site("fsdp.comm", "FSDPParamGroup._all_gather_comm/_reduce_scatter_comm._group", _fsdp_comms),
-    Site("python.bindings", "module globals, function defaults (torch.distributed.nn.functional's "
-         "group=group.WORLD) and closure cells of module functions and the step function", _python_bindings),
+    Site(
+        "python.bindings",
+        "module globals, function defaults (torch.distributed.nn.functional's "
+        "group=group.WORLD) and closure cells of module functions and the step function",
+        _python_bindings,
+    ),
 )
 
 
-def rebind(old: dist.ProcessGroup, new: dist.ProcessGroup, model: torch.nn.Module, optimizer: Any = None,
-           meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = (),
-           only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = (),
-           scan: "ModuleScan | None" = None) -> RebindReport:
+def rebind(
+    old: dist.ProcessGroup,
+    new: dist.ProcessGroup,
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    meshes: Iterable[Any] | None = None,
+    skip: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+    functions: Iterable[Callable[..., Any]] = (),
+    scan: "ModuleScan | None" = None,
+) -> RebindReport:
     """Point every site that holds ``old`` (the object or its name) at ``new``; returns what was
     rebound and how long it took.
 
@@ -873,18 +982,31 @@ def rebind(old: dist.ProcessGroup, new: dist.ProcessGroup, model: torch.nn.Modul
     return rebind_all([(old, new)], model, optimizer, meshes, skip, only, functions, scan)
 
 
-def rebind_all(pairs: Iterable[tuple[dist.ProcessGroup, dist.ProcessGroup]], model: torch.nn.Module,
-               optimizer: Any = None, meshes: Iterable[Any] | None = None, skip: tuple[str, ...] = (),
-               only: tuple[str, ...] | None = None, functions: Iterable[Callable[..., Any]] = (),
-               scan: ModuleScan | None = None, states: list[Any] | None = None) -> RebindReport:
+def rebind_all(
+    pairs: Iterable[tuple[dist.ProcessGroup, dist.ProcessGroup]],
+    model: torch.nn.Module,
+    optimizer: Any = None,
+    meshes: Iterable[Any] | None = None,
+    skip: tuple[str, ...] = (),
+    only: tuple[str, ...] | None = None,
+    functions: Iterable[Callable[..., Any]] = (),
+    scan: ModuleScan | None = None,
+    states: list[Any] | None = None,
+) -> RebindReport:
     """:func:`rebind` for every ``(old, new)`` pair of one recovery, the Python bindings found
     once for all of them (``scan``: the job's :class:`ModuleScan`, kept between recoveries);
     the report's ``unrebound`` names the retired groups that local variables of running
     functions still hold (:func:`held_in_frames`)."""
     t0 = time.perf_counter()
     pairs = list(pairs)
-    ctx = _Context(model, optimizer, list(meshes) if meshes is not None else meshes_of(model, optimizer, states),
-                   tuple(functions), scan, _states=states)
+    ctx = _Context(
+        model,
+        optimizer,
+        list(meshes) if meshes is not None else meshes_of(model, optimizer, states),
+        tuple(functions),
+        scan,
+        _states=states,
+    )
     counts: dict[str, int] = {}
     site_s: dict[str, float] = {}
     for old, new in pairs:
@@ -903,18 +1025,23 @@ def rebind_all(pairs: Iterable[tuple[dist.ProcessGroup, dist.ProcessGroup]], mod
 _SKIP = (types.ModuleType, type, types.BuiltinFunctionType, str, bytes, int, float, bool, type(None))
 
 
-def default_roots(model: torch.nn.Module, optimizer: Any = None,
-                  functions: Iterable[Callable[..., Any]] = ()) -> dict[str, object]:
+def default_roots(
+    model: torch.nn.Module, optimizer: Any = None, functions: Iterable[Callable[..., Any]] = ()
+) -> dict[str, object]:
     """Where cached references can hide: the model, optimizer, FSDP states, meshes, c10d, and
     the Python bindings (module globals, defaults and closures) that hold a group."""
     from torch.distributed import _composable_state
 
     w = c10d._world  # its maps are properties over module globals: walk each one
-    roots: dict[str, object] = {"model": model, "c10d._world": w,
-                             **{f"c10d._world.{m}": getattr(w, m) for m in _WORLD_MAPS},
-                             "fsdp_states": fsdp_states(model), "meshes": meshes_of(model, optimizer),
-                             "composable_state": list(_composable_state._module_state_mapping.items()),
-                             "python": python_bindings(functions)}
+    roots: dict[str, object] = {
+        "model": model,
+        "c10d._world": w,
+        **{f"c10d._world.{m}": getattr(w, m) for m in _WORLD_MAPS},
+        "fsdp_states": fsdp_states(model),
+        "meshes": meshes_of(model, optimizer),
+        "composable_state": list(_composable_state._module_state_mapping.items()),
+        "python": python_bindings(functions),
+    }
     if optimizer is not None:
         roots["optimizer"] = optimizer
     return roots
@@ -964,8 +1091,12 @@ def _children(obj: Any) -> Iterator[tuple[str, Any]]:
                 yield f".{slot}", getattr(obj, slot)
 
 
-def find_references(roots: dict[str, object], targets: tuple[type, ...] | None = None,
-                    limit: int = 500_000, names: frozenset[str] = frozenset()) -> list[tuple[str, Any]]:
+def find_references(
+    roots: dict[str, object],
+    targets: tuple[type, ...] | None = None,
+    limit: int = 500_000,
+    names: frozenset[str] = frozenset(),
+) -> list[tuple[str, Any]]:
     """Paths from ``roots`` to every object of ``targets`` (default: ProcessGroup) in the graph,
     and to every string in ``names`` (group names: caches that resolve a group by name)."""
     targets = targets or (dist.ProcessGroup,)

@@ -24,8 +24,16 @@ from pathlib import Path
 from types import TracebackType
 from typing import Callable, Mapping
 
-__all__ = ["RecoveryImpossible", "REFUSAL_FILE_ENV", "REFUSAL_LINE", "install", "read_refusal", "leave_marker", "one_line",
-           "without_checkpoint"]
+__all__ = [
+    "RecoveryImpossible",
+    "REFUSAL_FILE_ENV",
+    "REFUSAL_LINE",
+    "install",
+    "read_refusal",
+    "leave_marker",
+    "one_line",
+    "without_checkpoint",
+]
 
 REFUSAL_FILE_ENV = "MESHPACT_REFUSAL_FILE"  # the marker file of this process, named by the agent
 REFUSAL_LINE = "meshpact: this job cannot recover: "  # how the one line opens on every rank

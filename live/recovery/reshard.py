@@ -75,14 +75,38 @@ from meshpact.core.recovery import CommunicatorAction
 
 from . import communicator as comm
 from .checkpoint import Checkpointer
-from .state import (SCHEDULE_KEY, capture_rng, load_buffers, load_local_state, restore_objects, restore_rng,
-                    saved_objects, shard_rows)
+from .state import (
+    SCHEDULE_KEY,
+    capture_rng,
+    load_buffers,
+    load_local_state,
+    restore_objects,
+    restore_rng,
+    saved_objects,
+    shard_rows,
+)
 
-__all__ = ["Membership", "ExcisionRecord", "Excised", "ExcisionError", "ExcisionRefused", "LeftWithReplica",
-           "replica_of", "BatchShare",
-           "GradientWeight", "shard_rows", "shard_of", "assemble_full", "sharded_keys", "share_batch", "excise", "plan_rounds",
-           "release_shards",
-           "adopt_objects", "max_abs_diff"]
+__all__ = [
+    "Membership",
+    "ExcisionRecord",
+    "Excised",
+    "ExcisionError",
+    "ExcisionRefused",
+    "LeftWithReplica",
+    "replica_of",
+    "BatchShare",
+    "GradientWeight",
+    "shard_rows",
+    "shard_of",
+    "assemble_full",
+    "sharded_keys",
+    "share_batch",
+    "excise",
+    "plan_rounds",
+    "release_shards",
+    "adopt_objects",
+    "max_abs_diff",
+]
 
 _SHARDED = ("param/", "optim/")  # keys of local_state that are FSDP2 shards (or replicated scalars)
 ROUND_BYTES = 32 << 20  # what one survivor sends and receives in one round of the redistribution, at most
@@ -174,9 +198,11 @@ def assemble_full(states: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, tor
         full = torch.cat(parts)
         for r, p in enumerate(parts):
             if p.shape[0] != shard_rows(full.shape[0], world, r)[1]:
-                raise ExcisionError(f"{key}: rank {r} holds {p.shape[0]} rows, but a Shard(0) cut of "
-                                    f"{full.shape[0]} rows over {world} ranks gives it "
-                                    f"{shard_rows(full.shape[0], world, r)[1]}; only 1-D FSDP2 states are re-sharded")
+                raise ExcisionError(
+                    f"{key}: rank {r} holds {p.shape[0]} rows, but a Shard(0) cut of "
+                    f"{full.shape[0]} rows over {world} ranks gives it "
+                    f"{shard_rows(full.shape[0], world, r)[1]}; only 1-D FSDP2 states are re-sharded"
+                )
         out[key] = full
     return out
 
@@ -242,8 +268,13 @@ class BatchShare:
     weight: float
 
 
-def share_batch(batch: Callable[[int, int], torch.Tensor], step: int, membership: Membership,
-                original_rank: int, drawn_once: bool = False) -> BatchShare:
+def share_batch(
+    batch: Callable[[int, int], torch.Tensor],
+    step: int,
+    membership: Membership,
+    original_rank: int,
+    drawn_once: bool = False,
+) -> BatchShare:
     """This survivor's share of the original world's global batch of ``step`` (see the module
     docstring for the rule). Batches are tensors with samples on dim 0. The gradient's weight
     needs every survivor's sample count: drawn again from ``batch`` (a pure function of the step
@@ -252,15 +283,18 @@ def share_batch(batch: Callable[[int, int], torch.Tensor], step: int, membership
     and each lost rank's are then drawn exactly once per step."""
     own = batch(step, original_rank)
     if not isinstance(own, torch.Tensor):
-        raise ExcisionError(f"batch({step}, {original_rank}) returned {type(own).__name__}; excision splits "
-                            "batches by sample and needs a tensor with samples on dim 0")
+        raise ExcisionError(
+            f"batch({step}, {original_rank}) returned {type(own).__name__}; excision splits "
+            "batches by sample and needs a tensor with samples on dim 0"
+        )
     if not membership.departed:
         return BatchShare(own, 1.0)
     j, world = membership.group_rank(original_rank), membership.world
     pool = torch.cat([batch(step, r) for r in membership.departed])
     extra = torch.tensor_split(pool, world)
-    counts = ([own.shape[0]] * world if drawn_once
-              else [batch(step, r).shape[0] for r in membership.alive])  # drawn again: sizes may vary per rank
+    counts = (
+        [own.shape[0]] * world if drawn_once else [batch(step, r).shape[0] for r in membership.alive]
+    )  # drawn again: sizes may vary per rank
     mine = own.shape[0] + extra[j].shape[0]
     total = sum(counts) + pool.shape[0]
     return BatchShare(torch.cat([own, extra[j]]), mine * world / total)
@@ -287,9 +321,14 @@ class GradientWeight:
 
 
 # -- the stages ----------------------------------------------------------------------------------
-def _survivor_group(old_group: dist.ProcessGroup | None, spec: comm.GroupSpec, store: Any, generation: int,
-                    before: Membership, after: Membership) -> tuple[dist.ProcessGroup, comm.GroupSpec,
-                                                                    CommunicatorAction]:
+def _survivor_group(
+    old_group: dist.ProcessGroup | None,
+    spec: comm.GroupSpec,
+    store: Any,
+    generation: int,
+    before: Membership,
+    after: Membership,
+) -> tuple[dist.ProcessGroup, comm.GroupSpec, CommunicatorAction]:
     from .session import c10d_default
 
     new_rank = after.group_rank(before.alive[spec.rank])
@@ -326,7 +365,7 @@ def _unpack(buf: torch.Tensor, layout: Layout) -> dict[str, torch.Tensor]:
     out, offset = {}, 0
     for key, dtype, shape in layout:
         n = _nbytes([(key, dtype, shape)])
-        out[key] = buf[offset:offset + n].clone().view(_dtype(dtype)).reshape(shape)
+        out[key] = buf[offset : offset + n].clone().view(_dtype(dtype)).reshape(shape)
         offset += n
     return out
 
@@ -348,9 +387,16 @@ def plan_rounds(costs: Sequence[Sequence[int]], bound: int) -> list[list[int]]:
     return rounds
 
 
-def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]],
-                  providers: Mapping[int, int], before: Membership, after: Membership, group: dist.ProcessGroup,
-                  me: int, round_bytes: int = ROUND_BYTES) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], int]:
+def _redistribute(
+    own: Mapping[str, torch.Tensor],
+    provided: Mapping[int, Mapping[str, torch.Tensor]],
+    providers: Mapping[int, int],
+    before: Membership,
+    after: Membership,
+    group: dist.ProcessGroup,
+    me: int,
+    round_bytes: int = ROUND_BYTES,
+) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]], int]:
     """This survivor's (group rank ``me`` in ``before``) shards in the new world (every sharded key), the whole tensors' shapes,
     and the payload bytes the redistribution carried over the group (module docstring). The rows
     go in rounds (:func:`plan_rounds`): a round's send and receive buffers take at most
@@ -364,14 +410,18 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
     replicated = [k for k in keys if own[k].dim() == 0]
     rows_keys = [k for k in keys if own[k].dim() > 0]
     # hashed from copies: numpy over a tensor's own storage would pin it (no longer resizable or freed)
-    scalar_bytes = hashlib.blake2b(b"".join(own[k].detach().reshape(-1).clone().view(torch.uint8).numpy().tobytes()
-                                            for k in replicated), digest_size=16).hexdigest()
+    scalar_bytes = hashlib.blake2b(
+        b"".join(own[k].detach().reshape(-1).clone().view(torch.uint8).numpy().tobytes() for k in replicated),
+        digest_size=16,
+    ).hexdigest()
     layout = {r: [(k, str(mine[r][k].dtype), tuple(mine[r][k].shape)) for k in rows_keys] for r in sorted(mine)}
     layouts: list[Any] = [None] * group.size()
     dist.all_gather_object(layouts, (layout, scalar_bytes), group=group)
     if len({digest for _, digest in layouts}) > 1:
-        raise ExcisionError(f"the survivors disagree on the replicated values {replicated[:4]} (Adam's step): "
-                            "their states are not of one committed step")
+        raise ExcisionError(
+            f"the survivors disagree on the replicated values {replicated[:4]} (Adam's step): "
+            "their states are not of one committed step"
+        )
     holder = {r: after.group_rank(r) for r in before.alive if r in after.alive}
     holder.update(providers)
     shapes: dict[int, dict[str, tuple[str, tuple[int, ...]]]] = {}
@@ -387,9 +437,11 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
             rows = shapes[r][k][1][0]
             total_rows = sum(shapes[q][k][1][0] for q in before.alive)
             if rows != shard_rows(total_rows, before.world, i)[1]:
-                raise ExcisionError(f"{k}: rank {r} holds {rows} rows, but a Shard(0) cut of {total_rows} rows over "
-                                    f"{before.world} ranks gives it {shard_rows(total_rows, before.world, i)[1]}; "
-                                    "only 1-D FSDP2 states are re-sharded")
+                raise ExcisionError(
+                    f"{k}: rank {r} holds {rows} rows, but a Shard(0) cut of {total_rows} rows over "
+                    f"{before.world} ranks gives it {shard_rows(total_rows, before.world, i)[1]}; "
+                    "only 1-D FSDP2 states are re-sharded"
+                )
             offs.append(at)
             at += rows
         offsets[k], totals[k] = offs, at
@@ -428,9 +480,16 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
                 at = offsets[k][before.alive.index(r)] + a - first_row(k, me)
                 out[k].narrow(0, at, b - a).copy_(mine[r][k].detach().narrow(0, a, b - a))
     # every rank's round buffers per key (what it sends plus what it receives), the same table on every rank
-    costs = [[sum(nbytes(r, k, row_count(piece(r, k, j))) for r in order if holder[r] == i for j in range(world) if j != i)
-              + sum(nbytes(r, k, row_count(piece(r, k, i))) for r in order if holder[r] != i) for i in range(world)]
-             for k in rows_keys]
+    costs = [
+        [
+            sum(
+                nbytes(r, k, row_count(piece(r, k, j))) for r in order if holder[r] == i for j in range(world) if j != i
+            )
+            + sum(nbytes(r, k, row_count(piece(r, k, i))) for r in order if holder[r] != i)
+            for i in range(world)
+        ]
+        for k in rows_keys
+    ]
     for round_keys in plan_rounds(costs, round_bytes):
         batch = [rows_keys[x] for x in round_keys]
         send_parts: list[torch.Tensor] = []
@@ -442,11 +501,16 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
                 for k in batch:
                     a, b = piece(r, k, j)
                     if b > a:
-                        send_parts.append(mine[r][k].detach().narrow(0, a, b - a).contiguous().reshape(-1)
-                                          .view(torch.uint8))
+                        send_parts.append(
+                            mine[r][k].detach().narrow(0, a, b - a).contiguous().reshape(-1).view(torch.uint8)
+                        )
                         send_sizes[j] += send_parts[-1].numel()
-        recv_sizes = [0 if i == me else sum(nbytes(r, k, row_count(piece(r, k, me))) for r in order if holder[r] == i
-                                            for k in batch) for i in range(world)]
+        recv_sizes = [
+            0
+            if i == me
+            else sum(nbytes(r, k, row_count(piece(r, k, me))) for r in order if holder[r] == i for k in batch)
+            for i in range(world)
+        ]
         send = torch.cat(send_parts) if send_parts else torch.zeros(0, dtype=torch.uint8)
         del send_parts
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8)
@@ -464,21 +528,31 @@ def _redistribute(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mappin
                     dtype, shape = shapes[r][k]
                     at = offsets[k][before.alive.index(r)] + a - first_row(k, me)
                     out[k].narrow(0, at, b - a).copy_(
-                        recv[at_by_sender[i]:at_by_sender[i] + n].view(_dtype(dtype)).reshape(b - a, *shape[1:]))
+                        recv[at_by_sender[i] : at_by_sender[i] + n].view(_dtype(dtype)).reshape(b - a, *shape[1:])
+                    )
                     at_by_sender[i] += n
         del recv  # the round's buffers go before the next round's are made
     for k in replicated:
         out[k] = own[k].detach().clone()
-    moved = sum(nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, j))) for r in order for k in rows_keys
-                for j in range(world) if holder[r] != j)
+    moved = sum(
+        nbytes(r, k, (lambda p: p[1] - p[0])(piece(r, k, j)))
+        for r in order
+        for k in rows_keys
+        for j in range(world)
+        if holder[r] != j
+    )
     whole = {k: (totals[k], *shapes[order[0]][k][1][1:]) for k in rows_keys}
     whole.update({k: () for k in replicated})
     return out, whole, moved
 
 
-def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]], mesh: Any,
-             shards: dict[str, torch.Tensor], whole: Mapping[str, tuple[int, ...]],
-             unmoved: bool = False) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def _rebuild(
+    build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    mesh: Any,
+    shards: dict[str, torch.Tensor],
+    whole: Mapping[str, tuple[int, ...]],
+    unmoved: bool = False,
+) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """The smaller world's model and optimizer from ``build``, loaded from ``shards``, which
     are given away: the dict is empty after, and no shard is held twice while loading.
     ``unmoved``: an HSDP excision's shards, each parameter's local shard as it was (checked)."""
@@ -491,15 +565,21 @@ def _rebuild(build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer
         if unmoved:
             local = tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
             if local != tuple(shards[f"param/{name}"].shape):
-                raise ExcisionError(f"parameter {name}: the smaller mesh's shard has shape {local}, this rank held "
-                                    f"{tuple(shards[f'param/{name}'].shape)}; an HSDP excision keeps every shard as it is")
+                raise ExcisionError(
+                    f"parameter {name}: the smaller mesh's shard has shape {local}, this rank held "
+                    f"{tuple(shards[f'param/{name}'].shape)}; an HSDP excision keeps every shard as it is"
+                )
             continue
         if not isinstance(p, DTensor) or tuple(p.placements) != (Shard(0),):
-            raise ExcisionError(f"parameter {name} is {type(p).__name__} placed {getattr(p, 'placements', None)}; "
-                                "excision re-shards only a 1-D FSDP2 mesh (every parameter Shard(0))")
+            raise ExcisionError(
+                f"parameter {name} is {type(p).__name__} placed {getattr(p, 'placements', None)}; "
+                "excision re-shards only a 1-D FSDP2 mesh (every parameter Shard(0))"
+            )
         if tuple(p.shape) != tuple(whole[f"param/{name}"]):
-            raise ExcisionError(f"parameter {name}: the rebuilt model has shape {tuple(p.shape)}, the old shards "
-                                f"make {tuple(whole[f'param/{name}'])}")
+            raise ExcisionError(
+                f"parameter {name}: the rebuilt model has shape {tuple(p.shape)}, the old shards "
+                f"make {tuple(whole[f'param/{name}'])}"
+            )
     load_local_state(model, optimizer, shards, take=True)  # each shard leaves ``shards`` as it is loaded
     return model, optimizer
 
@@ -530,8 +610,15 @@ def carry_schedule(schedule: Any, optimizer: torch.optim.Optimizer) -> list[Any]
     return schedulers
 
 
-def _flush(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, torch.Tensor]], before: Membership,
-           me: int, step: int, directory: str, group: dist.ProcessGroup) -> str:
+def _flush(
+    own: Mapping[str, torch.Tensor],
+    provided: Mapping[int, Mapping[str, torch.Tensor]],
+    before: Membership,
+    me: int,
+    step: int,
+    directory: str,
+    group: dist.ProcessGroup,
+) -> str:
     """Write the world-before-excision's state of ``step`` as one complete checkpoint."""
     Checkpointer(directory, me, before.world, 1).save(step, own)
     for r, state in provided.items():
@@ -543,11 +630,23 @@ def _flush(own: Mapping[str, torch.Tensor], provided: Mapping[int, Mapping[str, 
     return str(ckpt.path(step).parent)
 
 
-def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.Tensor]], before: Membership,
-           lost: Sequence[int], *, step: int, spec: comm.GroupSpec, store: Any, generation: int,
-           build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]],
-           old_group: dist.ProcessGroup | None = None, min_ranks: int = 1,
-           checkpoint_dir: str | None = None, shape: tuple[int, ...] = (), names: tuple[str, ...] | None = None) -> Excised:
+def excise(
+    own: Mapping[str, torch.Tensor],
+    held: dict[int, Mapping[str, torch.Tensor]],
+    before: Membership,
+    lost: Sequence[int],
+    *,
+    step: int,
+    spec: comm.GroupSpec,
+    store: Any,
+    generation: int,
+    build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    old_group: dist.ProcessGroup | None = None,
+    min_ranks: int = 1,
+    checkpoint_dir: str | None = None,
+    shape: tuple[int, ...] = (),
+    names: tuple[str, ...] | None = None,
+) -> Excised:
     """Every survivor calls this with its own committed state (``local_state``; other keys such
     as generators are kept out of the exchange; its parameters' and optimizer state's memory is
     freed once the new shards hold them, before the new model is built, :func:`release_shards`) and the copies it holds of other ranks, keyed
@@ -561,12 +660,24 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
     ``names``): the job's mesh; a 2-D one is HSDP's, excised by whole replicas
     (:func:`_excise_replicas`)."""
     if len(shape) == 2:
-        return _excise_replicas(own, before, lost, step=step, spec=spec, store=store, generation=generation,
-                                build=build, min_ranks=min_ranks, checkpoint_dir=checkpoint_dir, shape=shape,
-                                names=names)
+        return _excise_replicas(
+            own,
+            before,
+            lost,
+            step=step,
+            spec=spec,
+            store=store,
+            generation=generation,
+            build=build,
+            min_ranks=min_ranks,
+            checkpoint_dir=checkpoint_dir,
+            shape=shape,
+            names=names,
+        )
     if len(shape) > 2:
-        raise ExcisionError(f"excision re-shards a 1-D FSDP mesh or drops replicas of a 2-D HSDP one; this job's "
-                            f"mesh is {list(shape)}")
+        raise ExcisionError(
+            f"excision re-shards a 1-D FSDP mesh or drops replicas of a 2-D HSDP one; this job's mesh is {list(shape)}"
+        )
     after = before.without(lost)
     me = spec.rank
     if before.alive[me] in lost:
@@ -588,16 +699,23 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
                 departed.setdefault(r, torch.frombuffer(bytearray(schedule), dtype=torch.uint8))
     missing = sorted(set(lost) - set(providers))
     if missing:
-        raise ExcisionError(f"no survivor holds a copy of the state of rank(s) {missing}: excision needs a peer copy "
-                            "(restore from a checkpoint instead)")
+        raise ExcisionError(
+            f"no survivor holds a copy of the state of rank(s) {missing}: excision needs a peer copy "
+            "(restore from a checkpoint instead)"
+        )
     provided = {r: held[r] for r in lost if providers[r] == new_spec.rank}
     if after.world < min_ranks:
         if not checkpoint_dir:
-            raise ExcisionError(f"excising rank(s) {sorted(lost)} would leave {after.world} rank(s), below "
-                                f"--min-ranks {min_ranks}, and no checkpoint directory is set to flush the state to")
+            raise ExcisionError(
+                f"excising rank(s) {sorted(lost)} would leave {after.world} rank(s), below "
+                f"--min-ranks {min_ranks}, and no checkpoint directory is set to flush the state to"
+            )
         where = _flush(own, provided, before, me, step, checkpoint_dir, group)
-        raise ExcisionRefused(f"excising rank(s) {sorted(lost)} would leave {after.world} rank(s), below --min-ranks "
-                              f"{min_ranks}: stopped, the state of step {step} is flushed to {where}", where)
+        raise ExcisionRefused(
+            f"excising rank(s) {sorted(lost)} would leave {after.world} rank(s), below --min-ranks "
+            f"{min_ranks}: stopped, the state of step {step} is flushed to {where}",
+            where,
+        )
     shards, whole, moved = _redistribute(own, provided, providers, before, after, group, me)
     # the lost ranks' copies are in the new shards now: let them go before the new model is built
     # (the caller's dict too; its holder forgets them), so the rebuild never holds them and the shards at once
@@ -615,16 +733,38 @@ def excise(own: Mapping[str, torch.Tensor], held: dict[int, Mapping[str, torch.T
     load_buffers(model, own)  # buffers are each rank's own (BatchNorm's statistics): the survivor keeps its
     del shards
     rebuild_s = time.perf_counter() - t0
-    record = ExcisionRecord(step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s,
-                            gather_s, rebuild_s)
-    return Excised(model, optimizer, group, mesh, new_spec, after, record, groups={comm.WORLD: group},
-                   shape=(after.world,), departed=departed)
+    record = ExcisionRecord(
+        step, tuple(sorted(lost)), before.world, after.world, action, moved, communicator_s, gather_s, rebuild_s
+    )
+    return Excised(
+        model,
+        optimizer,
+        group,
+        mesh,
+        new_spec,
+        after,
+        record,
+        groups={comm.WORLD: group},
+        shape=(after.world,),
+        departed=departed,
+    )
 
 
-def _excise_replicas(own: Mapping[str, torch.Tensor], before: Membership, lost: Sequence[int], *, step: int,
-                     spec: comm.GroupSpec, store: Any, generation: int,
-                     build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]], min_ranks: int,
-                     checkpoint_dir: str | None, shape: tuple[int, ...], names: tuple[str, ...] | None) -> Excised:
+def _excise_replicas(
+    own: Mapping[str, torch.Tensor],
+    before: Membership,
+    lost: Sequence[int],
+    *,
+    step: int,
+    spec: comm.GroupSpec,
+    store: Any,
+    generation: int,
+    build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]],
+    min_ranks: int,
+    checkpoint_dir: str | None,
+    shape: tuple[int, ...],
+    names: tuple[str, ...] | None,
+) -> Excised:
     """HSDP: the replicas holding a ``lost`` rank leave whole, the others go on with their own
     shards unmoved, on a mesh one replica shorter per replica lost (module docstring). A rank
     of a leaving replica gets :class:`LeftWithReplica`; the state of a replica is every
@@ -638,12 +778,16 @@ def _excise_replicas(own: Mapping[str, torch.Tensor], before: Membership, lost: 
     if me in lost:
         raise ExcisionError(f"rank {me} is being excised and cannot take part in its own excision")
     if len(leaving) == before.world:  # a rank lost in every replica: none goes on, whichever rank this is
-        raise ExcisionError(f"losing rank(s) {sorted(lost)} leaves no whole replica of the HSDP mesh {list(shape)}: "
-                            "each replica lost a rank, so no replica can go on (restore a checkpoint)")
+        raise ExcisionError(
+            f"losing rank(s) {sorted(lost)} leaves no whole replica of the HSDP mesh {list(shape)}: "
+            "each replica lost a rank, so no replica can go on (restore a checkpoint)"
+        )
     if me in leaving:
-        raise LeftWithReplica(f"rank {me} leaves the job with its replica {list(leaving)} (rank(s) {sorted(lost)} "
-                              f"lost): the HSDP job goes on on the other {shape[0] - len(leaving) // shape[1]} "
-                              "replica(s)")
+        raise LeftWithReplica(
+            f"rank {me} leaves the job with its replica {list(leaving)} (rank(s) {sorted(lost)} "
+            f"lost): the HSDP job goes on on the other {shape[0] - len(leaving) // shape[1]} "
+            "replica(s)"
+        )
     after = before.without(leaving)
     new_shape = (after.world // shape[1], shape[1])
     new_spec = replace(spec, rank=after.group_rank(me), world_size=after.world)
@@ -654,12 +798,17 @@ def _excise_replicas(own: Mapping[str, torch.Tensor], before: Membership, lost: 
     communicator_s = time.perf_counter() - t0
     if after.world < min_ranks:
         if not checkpoint_dir:
-            raise ExcisionError(f"excising rank(s) {sorted(lost)} with their replica would leave {after.world} "
-                                f"rank(s), below --min-ranks {min_ranks}, and no checkpoint directory is set")
+            raise ExcisionError(
+                f"excising rank(s) {sorted(lost)} with their replica would leave {after.world} "
+                f"rank(s), below --min-ranks {min_ranks}, and no checkpoint directory is set"
+            )
         where = _flush(own, {}, after, new_spec.rank, step, checkpoint_dir, group)
-        raise ExcisionRefused(f"excising rank(s) {sorted(lost)} with their replica would leave {after.world} rank(s), "
-                              f"below --min-ranks {min_ranks}: stopped, the state of step {step} is flushed to "
-                              f"{where}", where)
+        raise ExcisionRefused(
+            f"excising rank(s) {sorted(lost)} with their replica would leave {after.world} rank(s), "
+            f"below --min-ranks {min_ranks}: stopped, the state of step {step} is flushed to "
+            f"{where}",
+            where,
+        )
     t0 = time.perf_counter()
     mesh = mesh_from_groups(groups, spec.device.split(":")[0], new_shape, names)
     shards = {k: own[k] for k in sharded_keys(own)}
@@ -667,13 +816,15 @@ def _excise_replicas(own: Mapping[str, torch.Tensor], before: Membership, lost: 
     model, optimizer = _rebuild(build, mesh, shards, whole, unmoved=True)
     load_buffers(model, own)
     rebuild_s = time.perf_counter() - t0
-    record = ExcisionRecord(step, leaving, before.world, after.world, CommunicatorAction.REBUILD, 0, communicator_s,
-                            0.0, rebuild_s)
+    record = ExcisionRecord(
+        step, leaving, before.world, after.world, CommunicatorAction.REBUILD, 0, communicator_s, 0.0, rebuild_s
+    )
     return Excised(model, optimizer, group, mesh, new_spec, after, record, groups=groups, shape=new_shape)
 
 
-def adopt_objects(objects: dict[str, Any], departed: Mapping[int, torch.Tensor],
-                  state_of: Callable[[int], Mapping[str, Any]]) -> None:
+def adopt_objects(
+    objects: dict[str, Any], departed: Mapping[int, torch.Tensor], state_of: Callable[[int], Mapping[str, Any]]
+) -> None:
     """Add each lost rank's registered objects to a survivor's ``objects``: made here by
     ``state_of(rank)``, put at the positions its committed schedule (``departed``, by original
     rank) holds, registered as ``<name>@rank<r>``. A lost rank's own adopted objects pass on

@@ -61,14 +61,47 @@ from .rebind import ModuleScan, function_key, meshes_of, module_groups as _group
 from .refusal import RecoveryImpossible, without_checkpoint
 from .reshard import ExcisionRecord, GradientWeight, Membership, adopt_objects, share_batch
 from .session import RecoveryConfig, Session, start_barrier
-from .state import (CommitMark, StateCheck, capture_objects, capture_rng, capture_schedule, check_optimizer, check_stateful,
-                    job_state, load_buffers, param_groups_of,
-                    load_job_state, model_buffers, restore_objects, restore_rng, restore_schedule, schedulers_of,
-                    Chunk, global_chunks)
+from .state import (
+    CommitMark,
+    StateCheck,
+    capture_objects,
+    capture_rng,
+    capture_schedule,
+    check_optimizer,
+    check_stateful,
+    job_state,
+    load_buffers,
+    param_groups_of,
+    load_job_state,
+    model_buffers,
+    restore_objects,
+    restore_rng,
+    restore_schedule,
+    schedulers_of,
+    Chunk,
+    global_chunks,
+)
 
-__all__ = ["RecoveryConfig", "Session", "Resilient", "resilient", "is_comm_fault", "RecoveryRecord",
-           "RetiredGroup", "COMM_FAULT_TYPES", "RAISED_IN_COMM_TYPES", "COMM_MODULES", "GuardedBlockLost", "StaleModelError",
-           "CarriedGradientsError", "refuse_stale", "UnsafeLoopError", "LateSchedulerError", "ModelParts", "model_of"]
+__all__ = [
+    "RecoveryConfig",
+    "Session",
+    "Resilient",
+    "resilient",
+    "is_comm_fault",
+    "RecoveryRecord",
+    "RetiredGroup",
+    "COMM_FAULT_TYPES",
+    "RAISED_IN_COMM_TYPES",
+    "COMM_MODULES",
+    "GuardedBlockLost",
+    "StaleModelError",
+    "CarriedGradientsError",
+    "refuse_stale",
+    "UnsafeLoopError",
+    "LateSchedulerError",
+    "ModelParts",
+    "model_of",
+]
 
 
 T = TypeVar("T")
@@ -116,8 +149,10 @@ def model_of(model: torch.nn.Module | Sequence[torch.nn.Module]) -> torch.nn.Mod
     if isinstance(model, torch.nn.Module):
         return model
     if not isinstance(model, (list, tuple)):
-        raise TypeError(f"resilient() takes a torch.nn.Module or a list of model parts (torch.nn.Module each), "
-                        f"got {type(model).__name__}")
+        raise TypeError(
+            f"resilient() takes a torch.nn.Module or a list of model parts (torch.nn.Module each), "
+            f"got {type(model).__name__}"
+        )
     if not model:
         raise ValueError("resilient() got an empty list of model parts: pass this rank's parts (at least one)")
     for i, part in enumerate(model):
@@ -128,9 +163,11 @@ def model_of(model: torch.nn.Module | Sequence[torch.nn.Module]) -> torch.nn.Mod
         for p in part.parameters():
             j = owner.setdefault(id(p), i)
             if j != i:
-                raise ValueError(f"model parts {j} and {i} share a parameter (the same part twice, one part inside "
-                                 "another, or tied weights across parts): each parameter must belong to one part, "
-                                 "or its state would be kept twice and restored once")
+                raise ValueError(
+                    f"model parts {j} and {i} share a parameter (the same part twice, one part inside "
+                    "another, or tied weights across parts): each parameter must belong to one part, "
+                    "or its state would be kept twice and restored once"
+                )
     return ModelParts(model)
 
 
@@ -143,9 +180,19 @@ COMM_FAULT_TYPES: tuple[type[BaseException], ...] = (CollectiveFault, dist.DistE
 # (torch.OutOfMemoryError in FSDP2's all-gather buffers, NotImplementedError, RecursionError)
 RAISED_IN_COMM_TYPES: tuple[type[BaseException], ...] = (RuntimeError, TimeoutError, ConnectionError)
 _TORCH_DIST = str(Path(dist.__file__).parent)
-COMM_MODULES: tuple[str, ...] = tuple(f"{_TORCH_DIST}/{m}" for m in (
-    "distributed_c10d.py", "_functional_collectives.py", "_functional_collectives_impl.py", "fsdp/",
-    "_composable/", "device_mesh.py", "tensor/_collective_utils.py", "tensor/_redistribute.py"))
+COMM_MODULES: tuple[str, ...] = tuple(
+    f"{_TORCH_DIST}/{m}"
+    for m in (
+        "distributed_c10d.py",
+        "_functional_collectives.py",
+        "_functional_collectives_impl.py",
+        "fsdp/",
+        "_composable/",
+        "device_mesh.py",
+        "tensor/_collective_utils.py",
+        "tensor/_redistribute.py",
+    )
+)
 _CHAIN_MOST = 8  # causes followed from an exception to the one it was raised from
 
 
@@ -198,8 +245,10 @@ def unprotected_note(step: int) -> str:
     """The line added to a communication fault that left the ``with resilient(...)`` block: it was
     raised outside ``rt.step`` (an evaluation or logging collective between steps), where nothing
     recovers it."""
-    return (f"meshpact: a collective failed outside rt.step at committed step {step}, where no recovery runs: "
-            "protect collectives between steps with rt.run(fn) or `with rt.guard():`")
+    return (
+        f"meshpact: a collective failed outside rt.step at committed step {step}, where no recovery runs: "
+        "protect collectives between steps with rt.run(fn) or `with rt.guard():`"
+    )
 
 
 @dataclass(frozen=True)
@@ -234,8 +283,10 @@ def refuse_stale(model: torch.nn.Module, rank: int, step: int) -> None:
     any forward: a training step that kept it would otherwise train a model nobody reduces with."""
 
     def refuse(*_: Any) -> None:
-        raise StaleModelError(f"rank {rank}: the training step ran the model from before the excision at step "
-                              f"{step}; after an excision use rt.model and rt.optimizer")
+        raise StaleModelError(
+            f"rank {rank}: the training step ran the model from before the excision at step "
+            f"{step}; after an excision use rt.model and rt.optimizer"
+        )
 
     model.register_forward_pre_hook(refuse)
 
@@ -257,28 +308,41 @@ class Resilient:
     steps' batches from it again. Without one, the batches since the second-newest
     checkpoint are kept in memory (a restarted process then cannot replay)."""
 
-    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer,
-                 session: Session,
-                 injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
-                 build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
-                 on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1,
-                 state: Mapping[str, Any] | None = None,
-                 state_of: Callable[[int], Mapping[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        optimizer: torch.optim.Optimizer,
+        session: Session,
+        injector: FaultInjector | None = None,
+        batches: Callable[[int], Any] | None = None,
+        *,
+        build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
+        on_rank_loss: Policy = Policy.PEER_RESTORE,
+        min_ranks: int = 1,
+        state: Mapping[str, Any] | None = None,
+        state_of: Callable[[int], Mapping[str, Any]] | None = None,
+    ) -> None:
         if on_rank_loss not in (Policy.PEER_RESTORE, Policy.EXCISE):
             raise ValueError(f"on_rank_loss must be peer_restore (replace) or excise, got {on_rank_loss.value}")
         if on_rank_loss is Policy.EXCISE and build is None:
             raise ValueError("excising lost ranks needs build(mesh) -> (model, optimizer) for the smaller world")
         if on_rank_loss is Policy.EXCISE and state and state_of is None:
-            raise ValueError(f"excising lost ranks with registered objects ({', '.join(sorted(state))}) needs "
-                             "state_of=lambda rank: {...}: the survivors draw a lost rank's samples from its objects")
+            raise ValueError(
+                f"excising lost ranks with registered objects ({', '.join(sorted(state))}) needs "
+                "state_of=lambda rank: {...}: the survivors draw a lost rank's samples from its objects"
+            )
         model = model_of(model)
         if isinstance(model, ModelParts) and on_rank_loss is Policy.EXCISE:
-            raise ValueError("excising lost ranks re-shards one model's Shard(0) parameters over the survivors; "
-                             "model parts are pipeline stages (other layers on other ranks): use "
-                             "on_rank_loss=Policy.PEER_RESTORE with model parts")
+            raise ValueError(
+                "excising lost ranks re-shards one model's Shard(0) parameters over the survivors; "
+                "model parts are pipeline stages (other layers on other ranks): use "
+                "on_rank_loss=Policy.PEER_RESTORE with model parts"
+            )
         if not callable(getattr(optimizer, "register_step_pre_hook", None)):
-            raise TypeError(f"resilient() needs a torch.optim.Optimizer (its step hook says when a step began), got "
-                            f"{type(optimizer).__name__}")
+            raise TypeError(
+                f"resilient() needs a torch.optim.Optimizer (its step hook says when a step began), got "
+                f"{type(optimizer).__name__}"
+            )
         check_optimizer(optimizer)  # a state that cannot be read is refused here, in one line
         self.model = model
         self.optimizer = optimizer
@@ -311,9 +375,16 @@ class Resilient:
         self.peers: peers.PeerCopier | None = None
         if session.peer_server is not None:
             assert session.config.peer_copies is not None  # start_session settled it (RecoveryConfig.for_world)
-            self.peers = peers.PeerCopier(session.rank, session.world_size, session.config.peer_copies,
-                                          session.control, session.peer_server, session.config.peer_copy_timeout_s,
-                                          session.config.peer_copy_depth, ops=session.ops)
+            self.peers = peers.PeerCopier(
+                session.rank,
+                session.world_size,
+                session.config.peer_copies,
+                session.control,
+                session.peer_server,
+                session.config.peer_copy_timeout_s,
+                session.config.peer_copy_depth,
+                ops=session.ops,
+            )
         self.storage_bytes_read = 0  # checkpoint bytes read by recoveries (drills and cold starts apart)
         self.on_decided: Callable[[Decision], None] | None = None  # sees each decision (fault drills use it)
         self.t_attempt: float | None = None  # when the running attempt of the step started
@@ -398,8 +469,14 @@ class Resilient:
         """What a re-run of the next step needs: the commit mark and the generators."""
         if self.session.config.check_commits:
             fence = self.fence if self.fence is not None and self.fence.step == self.committed_step - 1 else None
-            self.mark = CommitMark.take(self.committed_step, self.model, self.optimizer, self.mark, self.session.ops,
-                                        fence.event if fence is not None else None)
+            self.mark = CommitMark.take(
+                self.committed_step,
+                self.model,
+                self.optimizer,
+                self.mark,
+                self.session.ops,
+                fence.event if fence is not None else None,
+            )
         self.rng = capture_rng()
         self.schedule = capture_schedule(self.optimizer, self.schedulers, self.objects)
         # the persistent buffers as committed: a failed forward may have moved BatchNorm's statistics
@@ -416,8 +493,12 @@ class Resilient:
         microseconds when nothing changed). Once the step function is known, a group c10d knows
         that nothing rebinding reads holds is warned of once (and logged). Returns those warnings."""
         groups = {pg.group_name: pg for pg in list(c10d._world.pg_map)}
-        key = (tuple(sorted(groups)), id(self.model), function_key(self.train_step_fn),
-               tuple(id(o) for o in self.objects.values()))
+        key = (
+            tuple(sorted(groups)),
+            id(self.model),
+            function_key(self.train_step_fn),
+            tuple(id(o) for o in self.objects.values()),
+        )
 
         def roots() -> list[tuple[str, Any]]:
             own, _ = self.scan.modules()
@@ -470,8 +551,9 @@ class Resilient:
         def ended(*_: Any) -> None:
             self.record_fence()
 
-        self._optimizer_hook = _OptimizerHook(self.optimizer, self.optimizer.register_step_pre_hook(began),
-                                              self.optimizer.register_step_post_hook(ended))
+        self._optimizer_hook = _OptimizerHook(
+            self.optimizer, self.optimizer.register_step_pre_hook(began), self.optimizer.register_step_post_hook(ended)
+        )
 
     def record_fence(self) -> StepFence:
         """Record the step's fence on the training stream now (after its optimizer step), tracked
@@ -489,8 +571,11 @@ class Resilient:
         is fenced where it returned."""
         fence = self.fence if self.fence is not None and self.fence.step == step else self.record_fence()
         if not fence.wait(self.session.spec.timeout_s):
-            why = ("the data path was aborted before its device work was found complete" if fence.failed
-                   else f"its device work did not complete within {self.session.spec.timeout_s:g} s")
+            why = (
+                "the data path was aborted before its device work was found complete"
+                if fence.failed
+                else f"its device work did not complete within {self.session.spec.timeout_s:g} s"
+            )
             raise StepAborted(f"step {step}: {why}; not committed")
 
     def check_state(self, params: Sequence[torch.nn.Parameter] | None = None) -> StateCheck:
@@ -504,8 +589,10 @@ class Resilient:
         if self.mark is None:
             return StateCheck("")
         if self._optimizer_began:
-            return StateCheck("the optimizer's step began after the commit (a fault inside or after it: its state "
-                              "may be written in part)")
+            return StateCheck(
+                "the optimizer's step began after the commit (a fault inside or after it: its state "
+                "may be written in part)"
+            )
         return self.mark.verify(self.committed_step, self.model, self.optimizer, params, self.session.ops)
 
     @property
@@ -516,8 +603,9 @@ class Resilient:
         """Operations per live group: the backends' sequence numbers, plus the dispatch-mode
         counts (under ``dispatch:``) when that counter is on."""
         device = self.session.spec.device
-        out: dict[str, int] = {pg.group_name: comm.sequence_number(comm.backend_of(pg, device))
-                               for pg in self.session.groups.values()}
+        out: dict[str, int] = {
+            pg.group_name: comm.sequence_number(comm.backend_of(pg, device)) for pg in self.session.groups.values()
+        }
         if self.counter is not None:
             out.update({f"dispatch:{k}": v for k, v in self.counter.snapshot().items()})
         return out
@@ -526,8 +614,10 @@ class Resilient:
     def step(self, train_step: Callable[[Any], Any], batch: Any) -> Any:
         """Run one training step; on a communication fault recover and run it again."""
         if self._in_step:
-            raise UnsafeLoopError("rt.step was called inside a step: call the inner step function directly "
-                                  "(the outer step recovers its collectives)")
+            raise UnsafeLoopError(
+                "rt.step was called inside a step: call the inner step function directly "
+                "(the outer step recovers its collectives)"
+            )
         step = self.committed_step
         self.train_step_fn = train_step
         self.refresh_objects()  # a step function reaching other objects: walked now, before a fault can need it
@@ -601,13 +691,17 @@ class Resilient:
         else:
             control = self.session.control
             if not control.answers():  # no recovery can be agreed: say what is gone, not the last symptom
-                raise RuntimeError(f"step {step} cannot be recovered: the control channel at {control.host}:"
-                                   f"{control.port} does not answer (its host, the launcher's agent on node 0 or "
-                                   f"rank 0 under plain torchrun, is gone); last: {message}")
+                raise RuntimeError(
+                    f"step {step} cannot be recovered: the control channel at {control.host}:"
+                    f"{control.port} does not answer (its host, the launcher's agent on node 0 or "
+                    f"rank 0 under plain torchrun, is gone); last: {message}"
+                )
             hint = ""
             if message is not None and comm.timed_out(message) and self.session.config.data_timeout_s is not None:
-                hint = (f" (the data-path timeout is set to {self.session.spec.timeout_s:g} s: leave "
-                        "RecoveryConfig.data_timeout_s unset to follow the job's steps)")
+                hint = (
+                    f" (the data-path timeout is set to {self.session.spec.timeout_s:g} s: leave "
+                    "RecoveryConfig.data_timeout_s unset to follow the job's steps)"
+                )
             raise RuntimeError(f"step {step} failed {self.max_attempts} times; last: {message}{hint}")
         t_commit = time.time()
         self._commit(step, batch)
@@ -616,8 +710,14 @@ class Resilient:
             s = self.session
             fitted = s.config.timeout_for(self.longest_step_s) if self.steps_run > 1 else s.config.data_timeout_start_s
             if fitted != s.spec.timeout_s:
-                s.emit(EventKind.TIMEOUT_FITTED, step=step, generation=s.generation, longest_step_s=self.longest_step_s,
-                       seconds=fitted, before_s=s.spec.timeout_s)
+                s.emit(
+                    EventKind.TIMEOUT_FITTED,
+                    step=step,
+                    generation=s.generation,
+                    longest_step_s=self.longest_step_s,
+                    seconds=fitted,
+                    before_s=s.spec.timeout_s,
+                )
                 s.fit_data_timeout(fitted)
         return out
 
@@ -655,11 +755,15 @@ class Resilient:
                         message = None
                         if point_order((at, index)) < point_order(decision.resume_point):
                             self.blocks.add(at, BlockRun(None))  # dropped on this rank, as no rank runs it now
-                            why = ("lost ranks were excised" if decision.policy is Policy.EXCISE else
-                                   "a replacement process joined, which starts at the next rt.step")
+                            why = (
+                                "lost ranks were excised"
+                                if decision.policy is Policy.EXCISE
+                                else "a replacement process joined, which starts at the next rt.step"
+                            )
                             raise GuardedBlockLost(
                                 f"a collective between steps failed at step {self.committed_step} and {why}, so "
-                                f"{getattr(fn, '__qualname__', 'the block')} is not run again on any rank")
+                                f"{getattr(fn, '__qualname__', 'the block')} is not run again on any rank"
+                            )
                         if rng is not None:
                             restore_rng(rng)
                     with self._watched():
@@ -677,8 +781,10 @@ class Resilient:
             self._in_block = False
             if rng is not None:
                 restore_rng(rng)
-        raise RuntimeError(f"a collective between steps at step {self.committed_step} failed {self.max_attempts} "
-                           f"times; last: {message}")
+        raise RuntimeError(
+            f"a collective between steps at step {self.committed_step} failed {self.max_attempts} "
+            f"times; last: {message}"
+        )
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
@@ -696,8 +802,10 @@ class Resilient:
         index = self.blocks.count(at)
         if self.skip_guards_before is not None and point_order((at, index)) < point_order(self.skip_guards_before):
             self.blocks.add(at, BlockRun(None))
-            raise GuardedBlockLost(f"a guarded block at step {at} was skipped: a peer was past it when the job last "
-                                   "recovered, and a with block cannot run again (use rt.run(fn) to run it again)")
+            raise GuardedBlockLost(
+                f"a guarded block at step {at} was skipped: a peer was past it when the job last "
+                "recovered, and a with block cannot run again (use rt.run(fn) to run it again)"
+            )
         rng = capture_rng() if self.session.config.restore_rng else None
         self._in_block = True
         try:
@@ -724,11 +832,15 @@ class Resilient:
             finally:
                 self.resume_at = AT_STEP
             if message is not None:
-                raise RuntimeError(f"a guarded block at step {at} could not be recovered in {self.max_attempts} "
-                                   f"attempts; last: {message}") from None
-            raise GuardedBlockLost(f"a collective in a guarded block failed at step {self.committed_step}; the "
-                                   "job recovered, and the block's result is lost on every rank: use rt.run(fn) to "
-                                   "run it again after a recovery") from None
+                raise RuntimeError(
+                    f"a guarded block at step {at} could not be recovered in {self.max_attempts} "
+                    f"attempts; last: {message}"
+                ) from None
+            raise GuardedBlockLost(
+                f"a collective in a guarded block failed at step {self.committed_step}; the "
+                "job recovered, and the block's result is lost on every rank: use rt.run(fn) to "
+                "run it again after a recovery"
+            ) from None
         finally:
             self._in_block = False
             if rng is not None:
@@ -764,8 +876,15 @@ class Resilient:
         wider = min(2 * now, max(s.config.data_timeout_start_s, now))
         if wider <= now:
             return False
-        s.emit(EventKind.TIMEOUT_FITTED, step=step, generation=s.generation, longest_step_s=self.longest_step_s,
-               seconds=wider, before_s=now, widened=True)
+        s.emit(
+            EventKind.TIMEOUT_FITTED,
+            step=step,
+            generation=s.generation,
+            longest_step_s=self.longest_step_s,
+            seconds=wider,
+            before_s=now,
+            widened=True,
+        )
         s.fit_data_timeout(wider)
         return True
 
@@ -783,8 +902,11 @@ class Resilient:
         self.steps_run += 1
         start, prev = self.t_attempt or 0.0, self._last_start
         self._last_start = (step, start, len(self.recoveries))
-        period = (start - prev[1] if prev is not None and prev[0] == step - 1 and prev[2] == len(self.recoveries)
-                  and self.steps_run > 2 else 0.0)  # the first step's period holds its building and compiling
+        period = (
+            start - prev[1]
+            if prev is not None and prev[0] == step - 1 and prev[2] == len(self.recoveries) and self.steps_run > 2
+            else 0.0
+        )  # the first step's period holds its building and compiling
         took_s = max(took_s, commit_s, period)
         if self.steps_run == 1 or took_s <= self.longest_step_s:
             return
@@ -794,8 +916,14 @@ class Resilient:
         if timeout != s.spec.timeout_s:
             before = s.spec.timeout_s
             s.fit_data_timeout(timeout)
-            s.emit(EventKind.TIMEOUT_FITTED, step=step, generation=s.generation, longest_step_s=took_s,
-                   seconds=timeout, before_s=before)
+            s.emit(
+                EventKind.TIMEOUT_FITTED,
+                step=step,
+                generation=s.generation,
+                longest_step_s=took_s,
+                seconds=timeout,
+                before_s=before,
+            )
 
     def _find_late_schedules(self) -> None:
         """Before the first step: an LR scheduler or gradient scaler made between ``__enter__``
@@ -809,7 +937,8 @@ class Resilient:
             raise LateSchedulerError(
                 f"{', '.join(type(x).__qualname__ for x in late)} made after resilient() was entered: its state is "
                 "in no commit, peer copy or checkpoint of step 0, and a replacement or a restart could not load one "
-                "that has it. Make LR schedulers and gradient scalers before entering resilient() (in build)")
+                "that has it. Make LR schedulers and gradient scalers before entering resilient() (in build)"
+            )
 
     def _refuse_late_scheduler(self, step: int) -> None:
         """An LR scheduler records ``initial_lr`` in every param group it drives: one there with
@@ -823,7 +952,8 @@ class Resilient:
                 f"step {step}: the optimizer's param groups carry initial_lr, an LR scheduler's mark, but no scheduler "
                 "on this optimizer existed when training started: its state is in no commit, peer copy or "
                 "checkpoint, so a recovery would leave it where a failed attempt put it. Make the scheduler before "
-                "entering resilient() (in build)")
+                "entering resilient() (in build)"
+            )
 
     def join_recovery(self) -> Decision | None:
         """Between steps: join a recovery this rank's peers opened, now (None: none is open).
@@ -839,8 +969,9 @@ class Resilient:
         nxt = open_round(s.control, s.members)
         if nxt is None:
             return None
-        return self._recover(Cause(f"peers opened recovery round {nxt} while this rank was between steps",
-                                   self.committed_step))
+        return self._recover(
+            Cause(f"peers opened recovery round {nxt} while this rank was between steps", self.committed_step)
+        )
 
     def _commit(self, step: int, batch: Any) -> None:
         self._refuse_late_scheduler(step)
@@ -851,7 +982,8 @@ class Resilient:
                     f"step {step} left nonzero gradients for the next rt.step call without an optimizer step (on "
                     f"{', '.join(carried)}): gradients accumulated over several calls are in no commit, peer copy or "
                     "checkpoint, so a recovery would drop them. Accumulate the micro-batches inside one train_step, "
-                    "or zero the gradients before it returns")
+                    "or zero the gradients before it returns"
+                )
         # a full step has run since these groups were retired: count their operations, let them go
         # (no gc.collect() on the step path: a full collection can outlast the data-path timeout)
         for r in self.retired:
@@ -870,8 +1002,9 @@ class Resilient:
             t0 = time.perf_counter()
             written = self.ckpt.save(self.committed_step, self.state(), self.chunks())
             self._saved.append(self.committed_step)
-            self.session.emit(EventKind.CHECKPOINT, step=self.committed_step, seconds=time.perf_counter() - t0,
-                              bytes=written)
+            self.session.emit(
+                EventKind.CHECKPOINT, step=self.committed_step, seconds=time.perf_counter() - t0, bytes=written
+            )
         if self.ckpt is not None and self._kept:
             try:  # keep batches since the checkpoint before the newest complete one
                 newest = self.ckpt.latest(self.committed_step, verify=False)
@@ -883,8 +1016,11 @@ class Resilient:
         # the blocks of the steps a restore can go back to (own snapshots, the two newest checkpoints saved), the
         # newest KEPT_STEPS at most: a restore from further back that needs them ends in one line (blocks.py)
         if self.blocks.ran_any:
-            oldest = (min(self.peers.own_steps(), default=self.committed_step) if self.peers is not None
-                      else self.committed_step)
+            oldest = (
+                min(self.peers.own_steps(), default=self.committed_step)
+                if self.peers is not None
+                else self.committed_step
+            )
             oldest = min(oldest, self._saved[0]) if self._saved and self.ckpt is not None else oldest
             self.blocks.keep_from(max(oldest, self.committed_step - KEPT_STEPS))
         self.session.build_standby_between_steps()  # on NCCL: no collective of the job runs now
@@ -945,16 +1081,20 @@ class Resilient:
         if self.build is None:
             return "no build(mesh) was given to resilient() for the smaller world"
         if self.objects and self.state_of is None:
-            return (f"the registered objects ({', '.join(sorted(self.objects))}) of a lost rank cannot be continued: "
-                    "no state_of=lambda rank: {...} was given to resilient()")
+            return (
+                f"the registered objects ({', '.join(sorted(self.objects))}) of a lost rank cannot be continued: "
+                "no state_of=lambda rank: {...} was given to resilient()"
+            )
         if isinstance(self.model, ModelParts):
             return "excision re-shards one model; this job's model is a list of parts (pipeline stages)"
         shape = tuple(getattr(self.session.mesh, "shape", ()) or ())
         if len(shape) > 2:
             return f"excision re-shards a 1-D FSDP mesh or drops replicas of a 2-D HSDP one; this job's mesh is {list(shape)}"
         if len(shape) == 2 and self.objects:
-            return (f"an HSDP excision drops whole replicas, and their ranks' registered objects "
-                    f"({', '.join(sorted(self.objects))}) are not carried over: register none to excise replicas")
+            return (
+                f"an HSDP excision drops whole replicas, and their ranks' registered objects "
+                f"({', '.join(sorted(self.objects))}) are not carried over: register none to excise replicas"
+            )
         if len(shape) == 2 and shape[0] < 2:
             return f"this job's HSDP mesh {list(shape)} has one replica left: losing a rank of it leaves none whole"
         return None
@@ -1000,8 +1140,7 @@ class Resilient:
         generators were captured by the commit mark a moment ago, nothing drawn since."""
         assert self.peers is not None
         t0 = time.perf_counter()
-        state = (job_state(self.model, self.optimizer, self.rng, schedule=self.schedule) if just_marked
-                 else self.state())
+        state = job_state(self.model, self.optimizer, self.rng, schedule=self.schedule) if just_marked else self.state()
         self.peers.commit(self.committed_step, state, listed_s=time.perf_counter() - t0)
 
     def refresh_peers(self) -> None:
@@ -1027,8 +1166,10 @@ class Resilient:
         for st, b in self._kept:
             if st == step:
                 return b
-        raise RuntimeError(f"cannot replay step {step}: its batch is gone (pass batches=... to resilient() so "
-                           "lost steps are drawn again from their source)")
+        raise RuntimeError(
+            f"cannot replay step {step}: its batch is gone (pass batches=... to resilient() so "
+            "lost steps are drawn again from their source)"
+        )
 
     def replay(self, from_step: int, to_step: int, live: Point | None = None, mark: bool = True) -> int:
         """Run again, in the order they first ran, what lies between the state at ``from_step`` and
@@ -1078,12 +1219,19 @@ class Resilient:
         return self._recover(Cause("drill: checkpoint restore in job", self.committed_step, drill=True))
 
 
-def resilient(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: torch.optim.Optimizer, session: Session,
-              injector: FaultInjector | None = None, batches: Callable[[int], Any] | None = None, *,
-              build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
-              on_rank_loss: Policy = Policy.PEER_RESTORE, min_ranks: int = 1,
-              state: Mapping[str, Any] | None = None,
-              state_of: Callable[[int], Mapping[str, Any]] | None = None) -> Resilient:
+def resilient(
+    model: torch.nn.Module | Sequence[torch.nn.Module],
+    optimizer: torch.optim.Optimizer,
+    session: Session,
+    injector: FaultInjector | None = None,
+    batches: Callable[[int], Any] | None = None,
+    *,
+    build: Callable[[Any], tuple[torch.nn.Module, torch.optim.Optimizer]] | None = None,
+    on_rank_loss: Policy = Policy.PEER_RESTORE,
+    min_ranks: int = 1,
+    state: Mapping[str, Any] | None = None,
+    state_of: Callable[[int], Mapping[str, Any]] | None = None,
+) -> Resilient:
     """``with resilient(model, optimizer, session, batches=source) as rt: rt.step(train_step, batch)``;
     ``model``: one module, or a list of this rank's model parts (pipeline parallel's stages),
     kept as one :class:`ModelParts` (``rt.model``; a list the runtime cannot keep whole is refused
@@ -1093,5 +1241,15 @@ def resilient(model: torch.nn.Module | Sequence[torch.nn.Module], optimizer: tor
     committed with each step, in the peer copies and checkpoints, restored on every path.
     ``state_of(rank)``: any rank's objects (as ``state`` has this rank's), which an excision
     needs: the survivors continue a lost rank's objects from its committed copy."""
-    return Resilient(model, optimizer, session, injector, batches, build=build, on_rank_loss=on_rank_loss,
-                     min_ranks=min_ranks, state=state, state_of=state_of)
+    return Resilient(
+        model,
+        optimizer,
+        session,
+        injector,
+        batches,
+        build=build,
+        on_rank_loss=on_rank_loss,
+        min_ranks=min_ranks,
+        state=state,
+        state_of=state_of,
+    )

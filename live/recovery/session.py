@@ -53,7 +53,20 @@ from . import device, jobkey, refusal
 from .generation import Generation
 from .usergroups import UserGroups, route_group_creation
 
-__all__ = ["RecoveryConfig", "Session", "EventLog", "DataPath", "Generation", "start_session", "run_id_of", "attempt_scope", "resume_barrier", "start_barrier", "build_mesh_groups", "mesh_from_groups"]
+__all__ = [
+    "RecoveryConfig",
+    "Session",
+    "EventLog",
+    "DataPath",
+    "Generation",
+    "start_session",
+    "run_id_of",
+    "attempt_scope",
+    "resume_barrier",
+    "start_barrier",
+    "build_mesh_groups",
+    "mesh_from_groups",
+]
 
 
 class EventLog:
@@ -211,9 +224,19 @@ class Session:
 
     _sealed = False
 
-    def __init__(self, rank: int, world_size: int, incarnation: int, config: RecoveryConfig, store: Any,
-                 store_addr: tuple[str, int], control: ControlChannel, mesh_shape: tuple[int, ...],
-                 mesh_names: tuple[str, ...] | None, data_path: DataPath) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        incarnation: int,
+        config: RecoveryConfig,
+        store: Any,
+        store_addr: tuple[str, int],
+        control: ControlChannel,
+        mesh_shape: tuple[int, ...],
+        mesh_names: tuple[str, ...] | None,
+        data_path: DataPath,
+    ) -> None:
         self.rank = rank  # this process's original rank: control-channel keys, peer copies, logs
         self.world_size = world_size  # the original world
         self.incarnation = incarnation  # 0: the rank's first process; 1..: replacements
@@ -244,8 +267,10 @@ class Session:
         # the job's secret (jobkey.load); None only where the user opted out by name
         self.job_key: jobkey.JobKey | None = None
         # the groups the job's code makes after start_session, in creation order (matched by a replacement)
-        self.user_groups = UserGroups(lambda: (self.spec, self.store, self.control, self.generation),
-                                      lambda names, opened: self.data_path.record(names, opened))
+        self.user_groups = UserGroups(
+            lambda: (self.spec, self.store, self.control, self.generation),
+            lambda names, opened: self.data_path.record(names, opened),
+        )
         # the device's side of a step (HostOps on the CPU: every fence done at once) and the fences of the
         # steps under way, which the heartbeat counts and an abort of the data path fails
         self.ops: device.DeviceOps = device.HostOps()
@@ -253,8 +278,10 @@ class Session:
 
     def __setattr__(self, name: str, value: Any) -> None:
         if self._sealed:
-            raise AttributeError(f"Session.{name} is fixed once the session has started (a recovery replaces "
-                                 "only the current generation, through Session.advance)")
+            raise AttributeError(
+                f"Session.{name} is fixed once the session has started (a recovery replaces "
+                "only the current generation, through Session.advance)"
+            )
         object.__setattr__(self, name, value)
 
     def seal(self) -> None:
@@ -418,24 +445,32 @@ class Session:
             sb.join(self.config.connect_timeout_s)
         self.standbys.discarded = []
 
-    def standby_word(self, groups: Mapping[str, dist.ProcessGroup], silent_s: float | None,
-                     quiet: bool = False) -> comm.StandbyStatus:
+    def standby_word(
+        self, groups: Mapping[str, dist.ProcessGroup], silent_s: float | None, quiet: bool = False
+    ) -> comm.StandbyStatus:
         """What this rank says, in its proposal, of whether its standby can replace ``groups``.
         ``silent_s``: how long the failed step ran before it timed out (None: it failed otherwise,
         hearing from its data path); a data path silent for the data-path timeout may have lost
         a link the standby crosses too, and so may one the heartbeat found quiet on every rank
         (``quiet``)."""
         if self.standby is None:
-            return comm.StandbyStatus(self.generation + 1, False,
-                                      "no standby" if self.config.standby else "standby off")
+            return comm.StandbyStatus(
+                self.generation + 1, False, "no standby" if self.config.standby else "standby off"
+            )
         if quiet:
-            return comm.StandbyStatus(self.standby.generation, False,
-                                      "the heartbeat found every rank's data path quiet (a cut link or a hung "
-                                      "collective: the standby's links may be cut too)")
+            return comm.StandbyStatus(
+                self.standby.generation,
+                False,
+                "the heartbeat found every rank's data path quiet (a cut link or a hung "
+                "collective: the standby's links may be cut too)",
+            )
         if silent_s is not None and silent_s >= self.spec.timeout_s:
-            return comm.StandbyStatus(self.standby.generation, False,
-                                      f"rank {self.rank}'s data path was silent for {silent_s:.2f} s (a cut "
-                                      "link or a stalled peer: the standby's links may be cut too)")
+            return comm.StandbyStatus(
+                self.standby.generation,
+                False,
+                f"rank {self.rank}'s data path was silent for {silent_s:.2f} s (a cut "
+                "link or a stalled peer: the standby's links may be cut too)",
+            )
         status = self.standby.status(comm.group_plan(dict(groups)), self.config.standby_wait_s)
         if not status.ready:
             status = comm.StandbyStatus(status.generation, False, f"rank {self.rank}'s standby {status.reason}")
@@ -447,8 +482,10 @@ class Session:
         is discarded). Every rank reads the same words, so every rank gets the same answer. The
         note says which (``used`` / ``built (why)``)."""
         generation = decision.generation
-        said = {r: comm.StandbyStatus.from_dict(w) if isinstance(w, dict) else None
-                for r, w in decision.standby_words().items()}
+        said = {
+            r: comm.StandbyStatus.from_dict(w) if isinstance(w, dict) else None
+            for r, w in decision.standby_words().items()
+        }
         why = comm.standby_refusal(said, generation, self.world_size)
         if not why and (self.standby is None or self.standby.generation != generation):
             why = f"rank {self.rank} holds no standby for generation {generation}"
@@ -476,16 +513,18 @@ def _dim_base(names: tuple[str, ...] | None, dim: int, ranks: tuple[int, ...]) -
     return f"meshpact_{label}_{'-'.join(map(str, ranks))}"
 
 
-def build_groups(spec: comm.GroupSpec, store: Any, generation: int, shape: tuple[int, ...],
-                 names: tuple[str, ...] | None) -> dict[str, dist.ProcessGroup]:
+def build_groups(
+    spec: comm.GroupSpec, store: Any, generation: int, shape: tuple[int, ...], names: tuple[str, ...] | None
+) -> dict[str, dist.ProcessGroup]:
     """Build ``generation``'s world and mesh-dimension groups (every rank calls it)."""
     groups = {comm.WORLD: comm.build_group(spec, store, generation)}
     groups.update(build_mesh_groups(spec, store, generation, shape, names))
     return groups
 
 
-def build_mesh_groups(spec: comm.GroupSpec, store: Any, generation: int, shape: tuple[int, ...],
-                      names: tuple[str, ...] | None) -> dict[str, dist.ProcessGroup]:
+def build_mesh_groups(
+    spec: comm.GroupSpec, store: Any, generation: int, shape: tuple[int, ...], names: tuple[str, ...] | None
+) -> dict[str, dist.ProcessGroup]:
     """This rank's group along each dimension of an N-D mesh (none for a 1-D mesh: the world
     group is its only dimension). Dimensions are built in order, so every member of a group
     builds it at the same point."""
@@ -503,19 +542,18 @@ def build_mesh_groups(spec: comm.GroupSpec, store: Any, generation: int, shape: 
     return out
 
 
-def mesh_from_groups(groups: Mapping[str, dist.ProcessGroup], device_type: str, shape: tuple[int, ...],
-                     names: tuple[str, ...] | None) -> Any:
+def mesh_from_groups(
+    groups: Mapping[str, dist.ProcessGroup], device_type: str, shape: tuple[int, ...], names: tuple[str, ...] | None
+) -> Any:
     """The DeviceMesh over this generation's groups (its dimensions in order)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     if len(shape) == 1:
-        return DeviceMesh.from_group(groups[comm.WORLD], device_type,
-                                     mesh_dim_names=names)
+        return DeviceMesh.from_group(groups[comm.WORLD], device_type, mesh_dim_names=names)
     dims = [g for base, g in groups.items() if base != comm.WORLD]
-    return DeviceMesh.from_group(dims, device_type, _mesh_ranks(shape),
-                                 mesh_dim_names=names or tuple(f"dim{d}" for d in range(len(shape))))
-
-
+    return DeviceMesh.from_group(
+        dims, device_type, _mesh_ranks(shape), mesh_dim_names=names or tuple(f"dim{d}" for d in range(len(shape)))
+    )
 
 
 def run_id_of(env: Mapping[str, str]) -> str:
@@ -533,8 +571,11 @@ def attempt_scope(run_id: str, control: Any, env: Mapping[str, str]) -> str:
     workers were healthy restarts them for a node that left without counting a restart, so two
     nodes of one attempt disagree. The control channel is hosted anew by each attempt's rank 0,
     which writes the attempt's word there first (:func:`~.control.join`), and every rank reads it."""
-    if (env.get("MESHPACT_RUN_ID") or env.get("MESHPACT_CONTROL_PORT")  # a channel that outlives the attempt
-            or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"):
+    if (
+        env.get("MESHPACT_RUN_ID")
+        or env.get("MESHPACT_CONTROL_PORT")  # a channel that outlives the attempt
+        or env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    ):
         return run_id
     word = control.set_once(ATTEMPT_KEY, secrets.token_hex(6))
     scoped = f"{run_id}.{word}"
@@ -567,8 +608,11 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, ...] | None = None,
-                  mesh_names: tuple[str, ...] | None = None) -> Session:
+def start_session(
+    config: RecoveryConfig | None = None,
+    mesh_shape: tuple[int, ...] | None = None,
+    mesh_names: tuple[str, ...] | None = None,
+) -> Session:
     """Join the job described by torchrun's environment and build (or join) the data path.
 
     ``mesh_shape`` (default: all ranks in one dimension) and ``mesh_names`` describe the
@@ -598,11 +642,28 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         torch.cuda.set_device(torch.device(choice.device))
     else:
         session_said = ""
-    spec = comm.GroupSpec(choice.backend.value, choice.device, rank, world, config.data_timeout_start_s,
-                          connect_timeout_s=config.connect_timeout_s, run_id=run_id)
+    spec = comm.GroupSpec(
+        choice.backend.value,
+        choice.device,
+        rank,
+        world,
+        config.data_timeout_start_s,
+        connect_timeout_s=config.connect_timeout_s,
+        run_id=run_id,
+    )
     incarnation = int(os.environ.get("MESHPACT_INCARNATION", "0"))
-    session = Session(rank, world, incarnation, config, store, store_addr, control, shape, names,
-                      DataPath(comm.socket_fds(), (store_addr[1], control.port)))
+    session = Session(
+        rank,
+        world,
+        incarnation,
+        config,
+        store,
+        store_addr,
+        control,
+        shape,
+        names,
+        DataPath(comm.socket_fds(), (store_addr[1], control.port)),
+    )
     session.start_view = (last_round, generation)
     session.job_key = key
     session.ops = device.device_ops(choice.device)
@@ -610,11 +671,17 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     if config.peer_copies > 0:  # serving before any proposal, so a holder can always be reached
         from . import peers
 
-        session.peer_server = peers.PeerServer(peers.peer_address(), config.peer_copy_timeout_s, config.peer_copy_depth,
-                                               key=key.derive("peer") if key is not None else None)
+        session.peer_server = peers.PeerServer(
+            peers.peer_address(),
+            config.peer_copy_timeout_s,
+            config.peer_copy_depth,
+            key=key.derive("peer") if key is not None else None,
+        )
         session.host = os.environ.get(peers.HOST_ENV, session.peer_server.addr)
-        peers.publish(control, peers.PeerAddress(rank, session.host, session.peer_server.addr,
-                                                 session.peer_server.port, incarnation))
+        peers.publish(
+            control,
+            peers.PeerAddress(rank, session.host, session.peer_server.addr, session.peer_server.port, incarnation),
+        )
     said: dict[str, Any] = {"device": session_said} if session_said else {}
     session.emit(EventKind.SESSION_START, backend=choice.to_dict(), incarnation=incarnation, **said)
     if incarnation == 0:
@@ -628,11 +695,14 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
         ckpt = session.checkpointer()
         t0 = time.perf_counter()
         held = session.peer_server.holds() if session.peer_server is not None else ()
-        decision = agree(control, lambda g: Proposal(rank, g, -1, "", False, incarnation, holds=held,
-                                                     host=session.host),
-                         ckpt.latest if ckpt else (lambda limit: 0), max_rounds=config.max_rounds,
-                         peer_copies=config.peer_copies if session.peer_server is not None else 0,
-                         replacement_rounds=config.replacement_rounds).decision
+        decision = agree(
+            control,
+            lambda g: Proposal(rank, g, -1, "", False, incarnation, holds=held, host=session.host),
+            ckpt.latest if ckpt else (lambda limit: 0),
+            max_rounds=config.max_rounds,
+            peer_copies=config.peer_copies if session.peer_server is not None else 0,
+            replacement_rounds=config.replacement_rounds,
+        ).decision
         session.emit(EventKind.DECIDED, Stage.CONSENSUS, seconds=time.perf_counter() - t0, **decision.summary())
         session.joined = Joined(decision)
         number = decision.generation
@@ -640,8 +710,14 @@ def start_session(config: RecoveryConfig | None = None, mesh_shape: tuple[int, .
     groups = build_groups(spec, store, number, shape, names)
     if incarnation > 0:  # then the user's groups, in the order the survivors rebuild them (comm.build_order)
         made = session.user_groups.prebuild(spec, store, control, number)
-        session.emit(EventKind.REBUILT, Stage.COMMUNICATOR, seconds=time.perf_counter() - t0,
-                     action=CommunicatorAction.REBUILD.value, generation=number, user_groups=made)
+        session.emit(
+            EventKind.REBUILT,
+            Stage.COMMUNICATOR,
+            seconds=time.perf_counter() - t0,
+            action=CommunicatorAction.REBUILD.value,
+            generation=number,
+            user_groups=made,
+        )
     c10d_default(groups[comm.WORLD])  # the mesh asks c10d's default group for this rank
     mesh = mesh_from_groups(groups, choice.device.split(":")[0], shape, names)
     session.advance(Generation(number, spec, groups, mesh, tuple(range(world))))
@@ -687,7 +763,8 @@ def start_barrier(session: Session, idle: Callable[[], object]) -> bool:
             raise RuntimeError(
                 f"rank(s) {ranks} did not reach the start of training within {session.control.timeout_s:g} s and "
                 "no replacement opened a recovery round (a rank lost during start-up is recovered only through its "
-                "replacement)")
+                "replacement)"
+            )
         time.sleep(0.01)
     return False
 

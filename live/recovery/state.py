@@ -52,11 +52,42 @@ import torch.nn as nn
 
 from .device import DeviceOps, Event, HostOps, on_side_stream, training_now
 
-__all__ = ["shard_rows", "local_state", "OptimizerParts", "OptimizerStateError", "optimizer_parts", "param_groups_of",
-           "check_optimizer", "load_local_state", "digest", "commit_check", "CommitMark", "StateCheck", "RngState", "capture_rng", "restore_rng",
-           "rng_tensors", "rng_from_tensors", "job_state", "load_job_state", "ACCELERATORS", "Schedule",
-           "capture_schedule", "restore_schedule", "schedulers_of", "SCHEDULE_KEY", "saved_objects", "model_buffers", "load_buffers",
-           "Chunk", "global_chunks", "check_stateful", "capture_objects", "restore_objects", "ScheduleError"]
+__all__ = [
+    "shard_rows",
+    "local_state",
+    "OptimizerParts",
+    "OptimizerStateError",
+    "optimizer_parts",
+    "param_groups_of",
+    "check_optimizer",
+    "load_local_state",
+    "digest",
+    "commit_check",
+    "CommitMark",
+    "StateCheck",
+    "RngState",
+    "capture_rng",
+    "restore_rng",
+    "rng_tensors",
+    "rng_from_tensors",
+    "job_state",
+    "load_job_state",
+    "ACCELERATORS",
+    "Schedule",
+    "capture_schedule",
+    "restore_schedule",
+    "schedulers_of",
+    "SCHEDULE_KEY",
+    "saved_objects",
+    "model_buffers",
+    "load_buffers",
+    "Chunk",
+    "global_chunks",
+    "check_stateful",
+    "capture_objects",
+    "restore_objects",
+    "ScheduleError",
+]
 
 ACCELERATORS = ("cuda", "npu", "xpu")  # torch.<name> modules with per-device generators
 _SAMPLE_TENSORS = 64
@@ -159,8 +190,10 @@ def _param_slots(parts: OptimizerParts) -> dict[int, Mapping[str, Any]]:
         held += len(o.state)
         by_id.update((id(k), v) for k, v in o.state.items())
     if len(by_id) != held:
-        raise OptimizerStateError(f"{held - len(by_id)} parameter(s) have state in two of the optimizers "
-                                  f"{[type(o).__qualname__ for o in parts.by_param]}; give each parameter to one")
+        raise OptimizerStateError(
+            f"{held - len(by_id)} parameter(s) have state in two of the optimizers "
+            f"{[type(o).__qualname__ for o in parts.by_param]}; give each parameter to one"
+        )
     return by_id
 
 
@@ -174,10 +207,14 @@ def _walk_state_dict(o: torch.optim.Optimizer) -> tuple[list[tuple[str, torch.Te
     try:
         sd = o.state_dict()
     except Exception as exc:  # noqa: BLE001 - the user's own optimizer: any failure is reported in one line
-        raise OptimizerStateError(f"{kind}.state_dict() failed ({type(exc).__name__}: {exc}); Meshpact reads that "
-                                  "optimizer's state only through it") from None
+        raise OptimizerStateError(
+            f"{kind}.state_dict() failed ({type(exc).__name__}: {exc}); Meshpact reads that "
+            "optimizer's state only through it"
+        ) from None
     if not isinstance(sd, Mapping):
-        raise OptimizerStateError(f"{kind}.state_dict() returned {type(sd).__name__}, not a dict: its state cannot be read")
+        raise OptimizerStateError(
+            f"{kind}.state_dict() returned {type(sd).__name__}, not a dict: its state cannot be read"
+        )
     tensors: list[tuple[str, torch.Tensor]] = []
     values: list[tuple[str, Any]] = []
 
@@ -196,8 +233,10 @@ def _walk_state_dict(o: torch.optim.Optimizer) -> tuple[list[tuple[str, torch.Te
         elif isinstance(x, _PLAIN):
             values.append((path, x))
         else:
-            raise OptimizerStateError(f"{kind}.state_dict() holds a {type(x).__name__} at {path!r}: only tensors, "
-                                      "numbers, strings and lists or dicts of them can be copied and compared")
+            raise OptimizerStateError(
+                f"{kind}.state_dict() holds a {type(x).__name__} at {path!r}: only tensors, "
+                "numbers, strings and lists or dicts of them can be copied and compared"
+            )
 
     walk(sd, "")
     return tensors, values
@@ -224,8 +263,10 @@ def _put(sd: Any, path: str, value: Any, kind: str) -> None:
         else:
             match = None
         if match is None:
-            raise OptimizerStateError(f"the saved state of {kind} has {path!r}, which {kind}.state_dict() does not "
-                                      "have (now): make its state before training, the same on every rank")
+            raise OptimizerStateError(
+                f"the saved state of {kind} has {path!r}, which {kind}.state_dict() does not "
+                "have (now): make its state before training, the same on every rank"
+            )
         if depth == len(keys) - 1:
             node[match] = value
         else:
@@ -297,8 +338,9 @@ def load_buffers(model: nn.Module, state: Mapping[str, torch.Tensor]) -> None:
                 _local(buf).copy_(saved)
 
 
-def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor],
-                     take: bool = False) -> None:
+def load_local_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor], take: bool = False
+) -> None:
     """Copy ``state`` (as :func:`local_state` gives it) back into the model and optimizer in place.
     ``take``: ``state``'s tensors are the caller's to give away (an excision's new shards): each
     entry leaves ``state`` once loaded, and optimizer slots the optimizer does not have yet are
@@ -316,15 +358,17 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
             p.grad = None
         for name, p in params.items():
             prefix = f"optim/{name}/"
-            keys = [k[len(prefix):] for k in state if k.startswith(prefix)]
+            keys = [k[len(prefix) :] for k in state if k.startswith(prefix)]
             o = holder.get(id(p), owner.get(id(p)))
             if not keys:
                 if o is not None:
                     o.state.pop(p, None)
                 continue
             if o is None:
-                raise OptimizerStateError(f"the saved state has optimizer state for parameter {name!r}, which no "
-                                          "optimizer of this job optimizes")
+                raise OptimizerStateError(
+                    f"the saved state has optimizer state for parameter {name!r}, which no "
+                    "optimizer of this job optimizes"
+                )
             slot = o.state.setdefault(p, {})
             for key in keys:
                 value = get(prefix + key)
@@ -336,7 +380,7 @@ def load_local_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: 
                     slot[key] = value if take else value.clone()
     for i, o in enumerate(parts.by_state_dict):
         prefix = f"optim_sd/{i}/"
-        saved = {k[len(prefix):]: k for k in state if k.startswith(prefix)}
+        saved = {k[len(prefix) :]: k for k in state if k.startswith(prefix)}
         if saved:
             sd = o.state_dict()
             for path, key in saved.items():
@@ -349,8 +393,9 @@ def _like(param: torch.Tensor, local: torch.Tensor, copy: bool = True) -> torch.
     from torch.distributed.tensor import DTensor
 
     mesh, placements = param.device_mesh, param.placements  # type: ignore[attr-defined]  # a sharded parameter's data (a DTensor, or a subclass that has both)
-    return DTensor.from_local(local.clone() if copy else local, mesh, placements, run_check=False,
-                              shape=param.shape, stride=param.stride())
+    return DTensor.from_local(
+        local.clone() if copy else local, mesh, placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:
@@ -387,7 +432,7 @@ def _sample_views(state: dict[str, torch.Tensor]) -> _Samples:
             continue
         mid = n // 2
         parts = by_dtype.setdefault((flat.dtype, flat.device), [])
-        parts += [flat[:_SAMPLE_ELEMS], flat[mid:mid + _SAMPLE_ELEMS], flat[-_SAMPLE_ELEMS:]]
+        parts += [flat[:_SAMPLE_ELEMS], flat[mid : mid + _SAMPLE_ELEMS], flat[-_SAMPLE_ELEMS:]]
     return tuple((dtype, tuple(parts)) for (dtype, _), parts in sorted(by_dtype.items(), key=lambda kv: str(kv[0])))
 
 
@@ -407,8 +452,9 @@ def _hash_samples(step: int, count: int, samples: _Samples) -> str:
     return h.hexdigest()
 
 
-def _listing(model: nn.Module, optimizer: torch.optim.Optimizer,
-             params: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+def _listing(
+    model: nn.Module, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
     """Every tensor :func:`local_state` lists, as objects (parameters, then each one's optimizer
     state), read without building any view (``params``: ``model.parameters()`` listed already
     by the caller)."""
@@ -468,12 +514,20 @@ class CommitMark:
     samples: _Samples
     count: int  # tensors in local_state
     aliased: bool  # the views alias the live storage (else every check lists the state again)
-    meshes: tuple[Any, ...] = ()  # the DeviceMeshes of the listed tensors (the model's parameters and their optimizer state)
+    meshes: tuple[
+        Any, ...
+    ] = ()  # the DeviceMeshes of the listed tensors (the model's parameters and their optimizer state)
 
     @classmethod
-    def take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-             previous: "CommitMark | None" = None, ops: DeviceOps | None = None,
-             after: Event | None = None) -> "CommitMark":
+    def take(
+        cls,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        previous: "CommitMark | None" = None,
+        ops: DeviceOps | None = None,
+        after: Event | None = None,
+    ) -> "CommitMark":
         """The mark of the state now, committed at ``step``. The views and the meshes are reused
         from ``previous`` when the same tensors, at the same storage, hold the state. ``ops``: the
         device's (:func:`~.device.on_side_stream`: on CUDA the samples are read on a side stream,
@@ -483,8 +537,9 @@ class CommitMark:
             return cls._take(step, model, optimizer, previous)
 
     @classmethod
-    def _take(cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-              previous: CommitMark | None) -> CommitMark:
+    def _take(
+        cls, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, previous: CommitMark | None
+    ) -> CommitMark:
         tensors = _listing(model, optimizer)
         owners = _owners(tensors)
         if previous is not None and previous.aliased and previous.owners == owners:
@@ -495,24 +550,36 @@ class CommitMark:
             aliased, meshes = _aliased(state, samples), _meshes(tensors)
         return cls(step, _hash_samples(step, count, samples), owners, samples, count, aliased, meshes)
 
-    def changed(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                params: Sequence[torch.Tensor] | None = None) -> str:
+    def changed(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.Tensor] | None = None,
+    ) -> str:
         """Why the state differs from the committed one ("" when it does not): a tensor replaced,
         added or moved since the commit, or a sampled element written, or another step
         (``params``: the model's parameters as ``model.parameters()`` lists them now, where the
         caller has them)."""
         return self.verify(step, model, optimizer, params).changed
 
-    def verify(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-               params: Sequence[torch.Tensor] | None = None, ops: DeviceOps | None = None) -> StateCheck:
+    def verify(
+        self,
+        step: int,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        params: Sequence[torch.Tensor] | None = None,
+        ops: DeviceOps | None = None,
+    ) -> StateCheck:
         """:meth:`changed`, and the meshes where the tensors of the commit hold the state still.
         ``ops``: the device's; on CUDA every read is on a side stream (a detection runs after the
         data path's abort, and the training stream may still hold the failed step's kernels)."""
         with on_side_stream(ops or HostOps()):
             return self._verify(step, model, optimizer, params)
 
-    def _verify(self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
-                params: Sequence[torch.Tensor] | None) -> StateCheck:
+    def _verify(
+        self, step: int, model: nn.Module, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor] | None
+    ) -> StateCheck:
         if step != self.step:
             return StateCheck(f"the committed step is {step}, the mark's {self.step}")
         owners = _owners(_listing(model, optimizer, params))
@@ -522,8 +589,10 @@ class CommitMark:
                 return StateCheck("")  # other objects, or storage moved, holding what was committed
             if owners == self.owners:
                 return StateCheck("a sampled element of the state was written since the commit")
-            return StateCheck(f"tensors holding the state changed since the commit ({len(self.owners)} then, "
-                              f"{len(owners)} now) and the sampled elements differ")
+            return StateCheck(
+                f"tensors holding the state changed since the commit ({len(self.owners)} then, "
+                f"{len(owners)} now) and the sampled elements differ"
+            )
         if _hash_samples(step, self.count, self.samples) != self.check:
             return StateCheck("a sampled element of the state was written since the commit", self.meshes)
         return StateCheck("", self.meshes)
@@ -577,16 +646,20 @@ def rng_tensors(state: RngState) -> dict[str, torch.Tensor]:
     # array('q') and astype convert the 625 words in C: torch.tensor over a list of ints took
     # half a millisecond a commit. Cloned: the tensor owns its memory, nothing shares the array's
     words_q = array("q", (version, *words))
-    out = {"rng/torch_cpu": state.torch_cpu.clone(),
-           "rng/python": torch.frombuffer(words_q, dtype=torch.int64).clone(),
-           "rng/python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64)}
+    out = {
+        "rng/torch_cpu": state.torch_cpu.clone(),
+        "rng/python": torch.frombuffer(words_q, dtype=torch.int64).clone(),
+        "rng/python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+    }
     for name, states in state.devices:
         for i, s in enumerate(states):
             out[f"rng/{name}/{i}"] = s.clone()
     if state.numpy is not None:
         kind, keys, pos, has_gauss, cached = state.numpy
         np = sys.modules["numpy"]
-        out["rng/numpy"] = torch.from_numpy(np.concatenate([np.asarray(keys, dtype=np.int64), [pos, has_gauss]])).clone()
+        out["rng/numpy"] = torch.from_numpy(
+            np.concatenate([np.asarray(keys, dtype=np.int64), [pos, has_gauss]])
+        ).clone()
         out["rng/numpy_gauss"] = torch.tensor([cached], dtype=torch.float64)
     return out
 
@@ -604,11 +677,19 @@ def rng_from_tensors(tensors: dict[str, torch.Tensor]) -> RngState:
         import numpy as np
 
         words = tensors["rng/numpy"].tolist()
-        np_state = ("MT19937", np.array(words[:-2], dtype=np.uint32), int(words[-2]), int(words[-1]),
-                    float(tensors["rng/numpy_gauss"][0]))
-    return RngState(tensors["rng/torch_cpu"].clone(),
-                    tuple((name, tuple(t for _, t in sorted(v, key=lambda x: x[0]))) for name, v in devices.items()),
-                    (int(py[0]), tuple(int(w) for w in py[1:]), gauss if has_gauss else None), np_state)
+        np_state = (
+            "MT19937",
+            np.array(words[:-2], dtype=np.uint32),
+            int(words[-2]),
+            int(words[-1]),
+            float(tensors["rng/numpy_gauss"][0]),
+        )
+    return RngState(
+        tensors["rng/torch_cpu"].clone(),
+        tuple((name, tuple(t for _, t in sorted(v, key=lambda x: x[0]))) for name, v in devices.items()),
+        (int(py[0]), tuple(int(w) for w in py[1:]), gauss if has_gauss else None),
+        np_state,
+    )
 
 
 # -- the optimizer's schedule ----------------------------------------------------------------
@@ -654,22 +735,32 @@ def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | Non
         place.setdefault(id(o), i + 1)
     # by type(), not isinstance: isinstance asks a weakref.proxy its __class__, and a dead proxy in the
     # heap raises ReferenceError (a stranger's process had one; another object warned on the question)
-    found = [o for o in (gc.get_objects() if objects is None else objects)
-             if (issubclass(type(o), (LRScheduler, ReduceLROnPlateau)) and id(getattr(o, "optimizer", None)) in place)
-             or issubclass(type(o), GradScaler)]
+    found = [
+        o
+        for o in (gc.get_objects() if objects is None else objects)
+        if (issubclass(type(o), (LRScheduler, ReduceLROnPlateau)) and id(getattr(o, "optimizer", None)) in place)
+        or issubclass(type(o), GradScaler)
+    ]
     inner = {id(x) for o in found for x in getattr(o, "_schedulers", ())}
-    return sorted((o for o in found if id(o) not in inner),
-                  key=lambda o: (type(o).__qualname__, place.get(id(getattr(o, "optimizer", None)), 0)))
+    return sorted(
+        (o for o in found if id(o) not in inner),
+        key=lambda o: (type(o).__qualname__, place.get(id(getattr(o, "optimizer", None)), 0)),
+    )
 
 
 def check_stateful(objects: Mapping[str, Any]) -> dict[str, Any]:
     """The objects a job registers as state, checked: each has ``state_dict`` and
     ``load_state_dict`` (DCP's ``Stateful`` protocol); one line names any that has not."""
-    bad = [f"{name!r} ({type(o).__name__})" for name, o in objects.items()
-           if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))]
+    bad = [
+        f"{name!r} ({type(o).__name__})"
+        for name, o in objects.items()
+        if not (callable(getattr(o, "state_dict", None)) and callable(getattr(o, "load_state_dict", None)))
+    ]
     if bad:
-        raise TypeError(f"state={{...}} takes objects with state_dict() and load_state_dict() (DCP's Stateful); "
-                        f"{', '.join(bad)} has not")
+        raise TypeError(
+            f"state={{...}} takes objects with state_dict() and load_state_dict() (DCP's Stateful); "
+            f"{', '.join(bad)} has not"
+        )
     return dict(objects)
 
 
@@ -677,8 +768,12 @@ def _state_values(parts: OptimizerParts) -> tuple[tuple[str, Any], ...]:
     """The :attr:`Schedule.values` of ``parts`` now."""
     out: list[tuple[str, Any]] = []
     for i, o in enumerate(parts.by_param):
-        plain = [(p, key, value) for p, slot in o.state.items() for key, value in slot.items()
-                 if not isinstance(value, torch.Tensor)]
+        plain = [
+            (p, key, value)
+            for p, slot in o.state.items()
+            for key, value in slot.items()
+            if not isinstance(value, torch.Tensor)
+        ]
         if not plain:  # torch's own optimizers keep tensors only (an SGD without momentum: nothing)
             continue
         place = {id(p): j for j, p in enumerate(p for g in o.param_groups for p in g["params"])}
@@ -688,13 +783,16 @@ def _state_values(parts: OptimizerParts) -> tuple[tuple[str, Any], ...]:
     return tuple(out)
 
 
-def capture_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any] = (),
-                     objects: Mapping[str, Any] | None = None) -> Schedule:
+def capture_schedule(
+    optimizer: torch.optim.Optimizer, schedulers: Sequence[Any] = (), objects: Mapping[str, Any] | None = None
+) -> Schedule:
     parts = optimizer_parts(optimizer)
-    return Schedule(tuple(copy.deepcopy({k: v for k, v in g.items() if k != "params"})
-                          for o in parts.all for g in o.param_groups),
-                    tuple((type(s).__qualname__, copy.deepcopy(s.state_dict())) for s in schedulers),
-                    capture_objects(objects or {}), _state_values(parts))
+    return Schedule(
+        tuple(copy.deepcopy({k: v for k, v in g.items() if k != "params"}) for o in parts.all for g in o.param_groups),
+        tuple((type(s).__qualname__, copy.deepcopy(s.state_dict())) for s in schedulers),
+        capture_objects(objects or {}),
+        _state_values(parts),
+    )
 
 
 @dataclass(frozen=True)
@@ -711,7 +809,9 @@ class _Raw:
 def _encode(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         t = x.detach().to("cpu").contiguous()
-        return _Raw(str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return _Raw(
+            str(t.dtype).removeprefix("torch."), tuple(t.shape), t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
     if isinstance(x, dict):
         return {k: _encode(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)) and type(x) in (list, tuple):
@@ -745,14 +845,19 @@ def restore_objects(objects: Mapping[str, Any], saved: tuple[tuple[str, Any], ..
     """Put each registered object back as ``saved`` (:func:`capture_objects`) has it; a record of
     other names is refused."""
     if tuple(sorted(objects)) != tuple(name for name, _ in saved):
-        raise ValueError(f"the committed state holds objects {[n for n, _ in saved]}; this job registered "
-                         f"{sorted(objects)}")
+        raise ValueError(
+            f"the committed state holds objects {[n for n, _ in saved]}; this job registered {sorted(objects)}"
+        )
     for name, state in saved:
         objects[name].load_state_dict(_decode(state))
 
 
-def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any], schedule: Schedule,
-                     objects: Mapping[str, Any] | None = None) -> None:
+def restore_schedule(
+    optimizer: torch.optim.Optimizer,
+    schedulers: Sequence[Any],
+    schedule: Schedule,
+    objects: Mapping[str, Any] | None = None,
+) -> None:
     """Put the param groups' settings, the schedulers and (unless ``objects`` is None) the
     registered objects back as ``schedule`` has them; a schedule of other groups, schedulers or
     objects (a replacement built another optimizer) is refused."""
@@ -760,9 +865,11 @@ def restore_schedule(optimizer: torch.optim.Optimizer, schedulers: Sequence[Any]
     parts = optimizer_parts(optimizer)
     groups = [g for o in parts.all for g in o.param_groups]
     if len(schedule.groups) != len(groups) or kinds != tuple(k for k, _ in schedule.schedulers):
-        raise ValueError(f"the committed schedule has {len(schedule.groups)} param group(s) and schedulers "
-                         f"{[k for k, _ in schedule.schedulers]}; this optimizer has {len(groups)} "
-                         f"and {list(kinds)}")
+        raise ValueError(
+            f"the committed schedule has {len(schedule.groups)} param group(s) and schedulers "
+            f"{[k for k, _ in schedule.schedulers]}; this optimizer has {len(groups)} "
+            f"and {list(kinds)}"
+        )
     for group, saved in zip(groups, schedule.groups):
         group.update(copy.deepcopy(saved))
     _restore_values(parts, schedule.values)
@@ -825,8 +932,13 @@ class _Wire:
             return {"$b": self._put(x)}
         if isinstance(x, torch.Tensor):
             t = x.detach().to("cpu").contiguous()
-            return {"$tensor": [str(t.dtype).removeprefix("torch."), list(t.shape),
-                                *self._put(t.reshape(-1).view(torch.uint8).numpy().tobytes())]}
+            return {
+                "$tensor": [
+                    str(t.dtype).removeprefix("torch."),
+                    list(t.shape),
+                    *self._put(t.reshape(-1).view(torch.uint8).numpy().tobytes()),
+                ]
+            }
         if type(x) is _Raw:
             return {"$raw": [x.dtype, list(x.shape), *self._put(x.data)]}
         if type(x) is list:
@@ -834,11 +946,17 @@ class _Wire:
         if type(x) is tuple:
             return {"$t": [self.encode(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(x)]}
         if isinstance(x, dict):
-            return {"$d": [[self.encode(k, f"{where} key {k!r}", depth + 1), self.encode(v, f"{where}[{k!r}]", depth + 1)]
-                           for k, v in x.items()]}
-        raise ScheduleError(f"the schedule holds a {type(x).__qualname__} at {where}: only None, bool, int, float, str, "
-                            "bytes, list, tuple, dict and tensors are saved with the state; give its state_dict() "
-                            "plain values")
+            return {
+                "$d": [
+                    [self.encode(k, f"{where} key {k!r}", depth + 1), self.encode(v, f"{where}[{k!r}]", depth + 1)]
+                    for k, v in x.items()
+                ]
+            }
+        raise ScheduleError(
+            f"the schedule holds a {type(x).__qualname__} at {where}: only None, bool, int, float, str, "
+            "bytes, list, tuple, dict and tensors are saved with the state; give its state_dict() "
+            "plain values"
+        )
 
     def decode(self, x: Any, source: str, depth: int = 0) -> Any:
         if depth > _DEPTH:
@@ -848,9 +966,11 @@ class _Wire:
         if type(x) is list:
             return [self.decode(v, source, depth + 1) for v in x]
         if type(x) is not dict or len(x) != 1 or next(iter(x)) not in _TAGS:
-            raise ScheduleError(f"{source}: its schedule holds {str(x)[:80]!r}, expected a value or one of the "
-                                f"tagged objects {list(_TAGS)}")
-        (tag, v), = x.items()
+            raise ScheduleError(
+                f"{source}: its schedule holds {str(x)[:80]!r}, expected a value or one of the "
+                f"tagged objects {list(_TAGS)}"
+            )
+        ((tag, v),) = x.items()
         if tag == "$d" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
             out = {}
             for k, val in v:
@@ -858,8 +978,9 @@ class _Wire:
                 try:
                     out[key] = self.decode(val, source, depth + 1)
                 except TypeError:
-                    raise ScheduleError(f"{source}: its schedule has a dict key {str(k)[:80]} that is not "
-                                        "hashable") from None
+                    raise ScheduleError(
+                        f"{source}: its schedule has a dict key {str(k)[:80]} that is not hashable"
+                    ) from None
             return out
         if tag == "$t" and type(v) is list:
             return tuple(self.decode(e, source, depth + 1) for e in v)
@@ -872,14 +993,14 @@ class _Wire:
             kind = getattr(torch, dtype, None) if type(dtype) is str else None
             if not isinstance(kind, torch.dtype):
                 raise ScheduleError(f"{source}: its schedule names {str(dtype)[:40]!r} as a dtype: not a torch dtype")
-            if (type(shape) is not list or len(shape) > _DEPTH
-                    or not all(type(d) is int and d >= 0 for d in shape)):
-                raise ScheduleError(f"{source}: its schedule gives a tensor the shape {str(shape)[:80]}: expected "
-                                    "a list of non-negative ints")
+            if type(shape) is not list or len(shape) > _DEPTH or not all(type(d) is int and d >= 0 for d in shape):
+                raise ScheduleError(
+                    f"{source}: its schedule gives a tensor the shape {str(shape)[:80]}: expected "
+                    "a list of non-negative ints"
+                )
             data = self._span(at, n, source)
             if math.prod(shape) * kind.itemsize != len(data):
-                raise ScheduleError(f"{source}: its schedule gives a {dtype} tensor of shape {shape} "
-                                    f"{len(data)} bytes")
+                raise ScheduleError(f"{source}: its schedule gives a {dtype} tensor of shape {shape} {len(data)} bytes")
             if tag == "$raw":
                 return _Raw(dtype, tuple(shape), bytes(data))
             flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
@@ -889,7 +1010,7 @@ class _Wire:
     def _span(self, at: Any, n: Any, source: str) -> memoryview:
         if type(at) is not int or type(n) is not int or at < 0 or n < 0 or at + n > len(self.blob):
             raise ScheduleError(f"{source}: its schedule points at bytes {at!r}+{n!r} of a {len(self.blob)}-byte blob")
-        return memoryview(self.blob)[at:at + n]
+        return memoryview(self.blob)[at : at + n]
 
 
 def _refuse_constant(name: str) -> Any:
@@ -909,8 +1030,10 @@ def _restore_values(parts: OptimizerParts, values: tuple[tuple[str, Any], ...]) 
         i, j, key = int(head), *rest.split("/", 1)
         o = parts.by_param[i] if i < len(parts.by_param) else None
         if o is None:
-            raise ValueError(f"the committed schedule has optimizer state {where!r}; this optimizer has "
-                             f"{len(parts.by_param)} part(s)")
+            raise ValueError(
+                f"the committed schedule has optimizer state {where!r}; this optimizer has "
+                f"{len(parts.by_param)} part(s)"
+            )
         params = listed.setdefault(i, [p for g in o.param_groups for p in g["params"]])
         slot = o.state.get(params[int(j)]) if int(j) < len(params) else None
         if slot:  # a slot made here would stop the optimizer's own lazy initialisation of the rest
@@ -927,17 +1050,19 @@ def _schedule_tensor(schedule: Schedule) -> torch.Tensor:
     """``schedule`` in the data-only encoding (:class:`_Wire`): a magic, the JSON's length, the
     JSON, the blob; padded so a peer copy's layout stays put from commit to commit."""
     wire = _Wire()
-    doc = {"groups": wire.encode(list(schedule.groups), "param_groups"),
-           "schedulers": [[k, wire.encode(sd, f"scheduler {k}")] for k, sd in schedule.schedulers],
-           "objects": [[k, wire.encode(st, f"state[{k!r}]")] for k, st in schedule.objects],
-           "values": [[k, wire.encode(v, f"optimizer state {k}")] for k, v in schedule.values]}
+    doc = {
+        "groups": wire.encode(list(schedule.groups), "param_groups"),
+        "schedulers": [[k, wire.encode(sd, f"scheduler {k}")] for k, sd in schedule.schedulers],
+        "objects": [[k, wire.encode(st, f"state[{k!r}]")] for k, st in schedule.objects],
+        "values": [[k, wire.encode(v, f"optimizer state {k}")] for k, v in schedule.values],
+    }
     raw = json.dumps(doc, allow_nan=False, separators=(",", ":")).encode()
     size = len(_SCHEDULE_MAGIC) + 16 + len(raw) + len(wire.blob)
     buf = bytearray(size + (-size) % _SCHEDULE_PAD)
     at = len(_SCHEDULE_MAGIC)
     buf[:at] = _SCHEDULE_MAGIC
-    buf[at:at + 16] = len(raw).to_bytes(8, "little") + len(wire.blob).to_bytes(8, "little")
-    buf[at + 16:size] = raw + wire.blob
+    buf[at : at + 16] = len(raw).to_bytes(8, "little") + len(wire.blob).to_bytes(8, "little")
+    buf[at + 16 : size] = raw + wire.blob
     return torch.frombuffer(buf, dtype=torch.uint8).clone()
 
 
@@ -950,20 +1075,24 @@ def _schedule_from(t: torch.Tensor, source: str = "the committed state") -> Sche
     raw = t.detach().reshape(-1).numpy().tobytes()
     at = len(_SCHEDULE_MAGIC)
     if raw[:at] != _SCHEDULE_MAGIC:
-        raise ScheduleError(f"{source}: its schedule starts {raw[:at]!r}, not {_SCHEDULE_MAGIC!r} (Meshpact's data-only "
-                            "encoding); refused unread")
-    n_doc, n_blob = int.from_bytes(raw[at:at + 8], "little"), int.from_bytes(raw[at + 8:at + 16], "little")
+        raise ScheduleError(
+            f"{source}: its schedule starts {raw[:at]!r}, not {_SCHEDULE_MAGIC!r} (Meshpact's data-only "
+            "encoding); refused unread"
+        )
+    n_doc, n_blob = int.from_bytes(raw[at : at + 8], "little"), int.from_bytes(raw[at + 8 : at + 16], "little")
     if at + 16 + n_doc + n_blob > len(raw):
         raise ScheduleError(f"{source}: its schedule claims {n_doc + n_blob} bytes, {len(raw) - at - 16} follow")
     wire = _Wire()
-    wire.blob = bytearray(raw[at + 16 + n_doc:at + 16 + n_doc + n_blob])
+    wire.blob = bytearray(raw[at + 16 + n_doc : at + 16 + n_doc + n_blob])
     try:
-        doc = json.loads(raw[at + 16:at + 16 + n_doc], parse_constant=_refuse_constant)
+        doc = json.loads(raw[at + 16 : at + 16 + n_doc], parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as exc:
         raise ScheduleError(f"{source}: its schedule is not valid JSON ({str(exc)[:120]})") from None
     if type(doc) is not dict or set(doc) != {"groups", "schedulers", "objects", "values"}:
-        raise ScheduleError(f"{source}: its schedule has fields {sorted(doc) if type(doc) is dict else type(doc).__name__}, "
-                            "expected groups, schedulers, objects and values")
+        raise ScheduleError(
+            f"{source}: its schedule has fields {sorted(doc) if type(doc) is dict else type(doc).__name__}, "
+            "expected groups, schedulers, objects and values"
+        )
     groups = wire.decode(doc["groups"], source)
 
     def named(entries: Any, what: str) -> tuple[tuple[str, Any], ...]:
@@ -973,25 +1102,43 @@ def _schedule_from(t: torch.Tensor, source: str = "the committed state") -> Sche
 
     if type(groups) is not list or not all(type(g) is dict for g in groups):
         raise ScheduleError(f"{source}: its schedule's param groups are not a list of dicts")
-    return Schedule(tuple(groups), named(doc["schedulers"], "schedulers"), named(doc["objects"], "objects"),
-                    named(doc["values"], "optimizer state values"))
+    return Schedule(
+        tuple(groups),
+        named(doc["schedulers"], "schedulers"),
+        named(doc["objects"], "objects"),
+        named(doc["values"], "optimizer state values"),
+    )
 
 
-def job_state(model: nn.Module, optimizer: torch.optim.Optimizer, rng: RngState | None = None, *,
-              schedule: Schedule | None = None, schedulers: Sequence[Any] = (),
-              objects: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+def job_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rng: RngState | None = None,
+    *,
+    schedule: Schedule | None = None,
+    schedulers: Sequence[Any] = (),
+    objects: Mapping[str, Any] | None = None,
+) -> dict[str, torch.Tensor]:
     """What a checkpoint holds and bit-identity compares: :func:`local_state`, the generators
     (``rng``: as the caller captured them a moment ago, nothing drawn since; default: now) and
     the optimizer's schedule with the registered objects (``schedule``, likewise; default:
     now, with ``schedulers`` and ``objects``)."""
     sched = capture_schedule(optimizer, schedulers, objects) if schedule is None else schedule
-    return {**local_state(model, optimizer), **rng_tensors(capture_rng() if rng is None else rng),
-            SCHEDULE_KEY: _schedule_tensor(sched)}
+    return {
+        **local_state(model, optimizer),
+        **rng_tensors(capture_rng() if rng is None else rng),
+        SCHEDULE_KEY: _schedule_tensor(sched),
+    }
 
 
-def load_job_state(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, torch.Tensor],
-                   schedulers: Sequence[Any] = (), objects: Mapping[str, Any] | None = None,
-                   source: str = "the committed state") -> None:
+def load_job_state(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, torch.Tensor],
+    schedulers: Sequence[Any] = (),
+    objects: Mapping[str, Any] | None = None,
+    source: str = "the committed state",
+) -> None:
     """Put ``state`` (:func:`job_state`'s) back; ``source`` names where it came from (a peer copy,
     a checkpoint) in the one line a schedule that is not Meshpact's encoding is refused with."""
     load_local_state(model, optimizer, {k: v for k, v in state.items() if not k.startswith(("rng/", "schedule/"))})

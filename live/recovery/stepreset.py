@@ -67,8 +67,9 @@ class Leftovers:
         self.contexts.clear()
 
 
-def reset_step_state(model: torch.nn.Module, states: list[Any] | None = None,
-                     leftovers: Leftovers | None = None) -> list[torch.nn.Parameter]:
+def reset_step_state(
+    model: torch.nn.Module, states: list[Any] | None = None, leftovers: Leftovers | None = None
+) -> list[torch.nn.Parameter]:
     """Undo what a failed step left behind in FSDP2: unsharded parameters, pending
     collectives, half-run hooks and gradients. The committed state is not touched.
     ``states``: the model's FSDP states when the caller has them (:func:`fsdp_states`).

@@ -55,31 +55,65 @@ _FSDP = "torch.distributed.fsdp._fully_shard"
 PRIVATE_FIELDS: tuple[PrivateField, ...] = (
     # c10d's process-group world and its C++ name registry: rebinding moves them to the new groups
     PrivateField(_C10D, "_world", "rebind, runtime, communicator"),
-    *(PrivateField(f"{_C10D}._World", name, "rebind, communicator, runtime")
-      for name in ("default_pg", "pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag",
-                   "tags_to_pg", "pg_coalesce_state")),
+    *(
+        PrivateField(f"{_C10D}._World", name, "rebind, communicator, runtime")
+        for name in (
+            "default_pg",
+            "pg_map",
+            "pg_names",
+            "pg_group_ranks",
+            "pg_backend_config",
+            "pg_to_tag",
+            "tags_to_pg",
+            "pg_coalesce_state",
+        )
+    ),
     PrivateField(_C10D, "_register_process_group", "rebind"),
     PrivateField(_C10D, "_resolve_process_group", "rebind"),
     PrivateField(_C10D, "_unregister_process_group", "rebind"),
     PrivateField(_C10D, "_register_pg_in_world", "communicator"),
     # building a data-path group by hand (backend, name, timeout)
-    *(PrivateField("torch.distributed.ProcessGroup", name, "communicator")
-      for name in ("_set_default_backend", "_register_backend", "_get_backend", "_set_group_name", "_set_group_desc")),
-    *(PrivateField("torch.distributed.ProcessGroupGloo", name, "communicator")
-      for name in ("_set_default_timeout", "_set_sequence_number_for_group", "_get_sequence_number_for_group")),
+    *(
+        PrivateField("torch.distributed.ProcessGroup", name, "communicator")
+        for name in ("_set_default_backend", "_register_backend", "_get_backend", "_set_group_name", "_set_group_desc")
+    ),
+    *(
+        PrivateField("torch.distributed.ProcessGroupGloo", name, "communicator")
+        for name in ("_set_default_timeout", "_set_sequence_number_for_group", "_get_sequence_number_for_group")
+    ),
     PrivateField("torch.distributed.ProcessGroupNCCL.Options", "_timeout", "communicator", backend="nccl"),
     # a DeviceMesh resolves its groups by name on every get_group
-    *(PrivateField("torch.distributed.device_mesh.DeviceMesh", name, "rebind")
-      for name in ("_dim_group_names", "_pg_registry", "_root_mesh", "_flatten_mapping")),
+    *(
+        PrivateField("torch.distributed.device_mesh.DeviceMesh", name, "rebind")
+        for name in ("_dim_group_names", "_pg_registry", "_root_mesh", "_flatten_mapping")
+    ),
     # FSDP2's state: the modules' states, their parameter groups and collectives, reset between steps
     PrivateField("torch.distributed._composable_state", "_get_module_state", "rebind"),
     PrivateField("torch.distributed._composable_state", "_module_state_mapping", "rebind"),
-    *(PrivateField(f"{_FSDP}._fsdp_state.FSDPState", name, "rebind, stepreset")
-      for name in ("_fsdp_param_groups", "_is_root", "_state_ctx", "_comm_ctx", "_training_state",
-                   "_modules_to_run_forward")),
-    *(PrivateField(f"{_FSDP}._fsdp_param_group.FSDPParamGroup", name, "rebind, stepreset")
-      for name in ("_all_gather_comm", "_reduce_scatter_comm", "_all_gather_result", "_post_forward_indices",
-                   "_post_reduce_event", "_reshard_after_forward_event", "_sharded_state", "_training_state")),
+    *(
+        PrivateField(f"{_FSDP}._fsdp_state.FSDPState", name, "rebind, stepreset")
+        for name in (
+            "_fsdp_param_groups",
+            "_is_root",
+            "_state_ctx",
+            "_comm_ctx",
+            "_training_state",
+            "_modules_to_run_forward",
+        )
+    ),
+    *(
+        PrivateField(f"{_FSDP}._fsdp_param_group.FSDPParamGroup", name, "rebind, stepreset")
+        for name in (
+            "_all_gather_comm",
+            "_reduce_scatter_comm",
+            "_all_gather_result",
+            "_post_forward_indices",
+            "_post_reduce_event",
+            "_reshard_after_forward_event",
+            "_sharded_state",
+            "_training_state",
+        )
+    ),
     PrivateField(f"{_FSDP}._fsdp_collectives.ProcessGroupAllocMixin", "_group", "rebind"),
     PrivateField(f"{_FSDP}._fsdp_param.FSDPParam", "_unsharded_param", "stepreset"),
     PrivateField(f"{_FSDP}._fsdp_param.FSDPParam", "_setattr_on_modules", "stepreset"),
@@ -88,8 +122,10 @@ PRIVATE_FIELDS: tuple[PrivateField, ...] = (
     # tensors and modules
     PrivateField("torch.distributed.tensor.DTensor", "_local_tensor", "state, runtime"),
     PrivateField("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "state"),
-    *(PrivateField("torch.nn.Module", name, "state, stepreset")
-      for name in ("_parameters", "_buffers", "_non_persistent_buffers_set")),
+    *(
+        PrivateField("torch.nn.Module", name, "state, stepreset")
+        for name in ("_parameters", "_buffers", "_non_persistent_buffers_set")
+    ),
     # schedules: a scheduler of schedulers, a gradient scaler's per-step record
     PrivateField("torch.optim.lr_scheduler.SequentialLR", "_schedulers", "state"),
     PrivateField("torch.optim.lr_scheduler.ChainedScheduler", "_schedulers", "state"),

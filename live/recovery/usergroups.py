@@ -72,8 +72,11 @@ class UserGroups:
     :meth:`~.session.DataPath.record`): they are its data path, and a connection the user opened
     before, with whatever options, is not."""
 
-    def __init__(self, where: Callable[[], tuple[comm.GroupSpec, Any, Any, int]],
-                 record: Callable[[Iterable[str], dict[int, str]], None] | None = None) -> None:
+    def __init__(
+        self,
+        where: Callable[[], tuple[comm.GroupSpec, Any, Any, int]],
+        record: Callable[[Iterable[str], dict[int, str]], None] | None = None,
+    ) -> None:
         self._where = where
         self.record = record
         self.made: list[UserGroup] = []
@@ -87,7 +90,7 @@ class UserGroups:
         while (ranks := control.get(plan_key(len(plan)))) is not None:
             plan.append(UserGroup(len(plan), tuple(int(r) for r in ranks)))
         for g in plan:
-            pg = (comm.build_group(spec, store, generation, g.base, g.ranks) if spec.rank in g.ranks else None)
+            pg = comm.build_group(spec, store, generation, g.base, g.ranks) if spec.rank in g.ranks else None
             self._prebuilt[g.ordinal] = (g.ranks, pg)
         return len(plan)
 
@@ -108,7 +111,8 @@ class UserGroups:
                 raise UserGroupMismatch(
                     f"this replacement's group number {group.ordinal} made after start_session has ranks {list(got)}, "
                     f"the job's has {list(held)}: a replacement must make its groups in the order and with the ranks "
-                    "its rank's first process did")
+                    "its rank's first process did"
+                )
             self.made.append(group)
             return pg if pg is not None else c10d.GroupMember.NON_GROUP_MEMBER
         self.made.append(group)
@@ -132,16 +136,38 @@ class GroupCreation:
         self.groups = groups
         self.backend = backend
 
-    def __call__(self, ranks: Any = None, timeout: Any = None, backend: Any = None, backend_options: Any = None,
-                 pg_tag: Any = None, use_local_synchronization: bool = False, group_desc: Any = None,
-                 device_id: Any = None, sort_ranks: bool = True) -> Any:
-        ours = (not use_local_synchronization and backend_options is None and pg_tag is None and sort_ranks
-                and (backend is None or str(backend).lower() == self.backend))
+    def __call__(
+        self,
+        ranks: Any = None,
+        timeout: Any = None,
+        backend: Any = None,
+        backend_options: Any = None,
+        pg_tag: Any = None,
+        use_local_synchronization: bool = False,
+        group_desc: Any = None,
+        device_id: Any = None,
+        sort_ranks: bool = True,
+    ) -> Any:
+        ours = (
+            not use_local_synchronization
+            and backend_options is None
+            and pg_tag is None
+            and sort_ranks
+            and (backend is None or str(backend).lower() == self.backend)
+        )
         before = comm.socket_fds() if self.groups.record is not None else {}
         if not ours:
-            pg = self.original(ranks, timeout, backend, backend_options, pg_tag,
-                               use_local_synchronization=use_local_synchronization, group_desc=group_desc,
-                               device_id=device_id, sort_ranks=sort_ranks)
+            pg = self.original(
+                ranks,
+                timeout,
+                backend,
+                backend_options,
+                pg_tag,
+                use_local_synchronization=use_local_synchronization,
+                group_desc=group_desc,
+                device_id=device_id,
+                sort_ranks=sort_ranks,
+            )
         else:
             pg = self.groups.create(ranks, group_desc)
         name = getattr(pg, "group_name", None)

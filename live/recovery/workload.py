@@ -35,8 +35,17 @@ from typing import Any, Callable
 
 from meshpact.core.errors import MeshpactError
 
-__all__ = ["WorkloadError", "MeshSpec", "Workload", "resolve_workload", "shipped_workloads", "check_workload",
-           "load_workload", "built", "DEFAULT_WORKLOAD"]
+__all__ = [
+    "WorkloadError",
+    "MeshSpec",
+    "Workload",
+    "resolve_workload",
+    "shipped_workloads",
+    "check_workload",
+    "load_workload",
+    "built",
+    "DEFAULT_WORKLOAD",
+]
 
 DEFAULT_WORKLOAD = "decoder"
 _FUNCTIONS = {"build": ("mesh",), "batch": ("step", "rank"), "train_step": ("model", "optimizer", "batch")}
@@ -88,8 +97,10 @@ def resolve_workload(spec: str | Path) -> Path:
         return _workloads_dir() / f"{text}.py"
     path = Path(text).expanduser()
     if not path.is_file():
-        raise WorkloadError(f"--workload {text}: no such file; give a path to a .py file or one of the shipped "
-                            f"workloads ({', '.join(shipped_workloads())})")
+        raise WorkloadError(
+            f"--workload {text}: no such file; give a path to a .py file or one of the shipped "
+            f"workloads ({', '.join(shipped_workloads())})"
+        )
     if path.suffix != ".py":
         raise WorkloadError(f"--workload {text}: expected a Python file (.py) defining build, batch and train_step")
     return path.resolve()
@@ -97,20 +108,32 @@ def resolve_workload(spec: str | Path) -> Path:
 
 def _mesh_from(value: Any, where: str, ranks: int) -> MeshSpec:
     if not isinstance(value, dict) or set(value) - {"shape", "names"} or "shape" not in value:
-        raise WorkloadError(f"{where}: MESH must be a dict like {{\"shape\": [2, 2], \"names\": [\"replicate\", "
-                            f"\"shard\"]}}, got {value!r}")
+        raise WorkloadError(
+            f'{where}: MESH must be a dict like {{"shape": [2, 2], "names": ["replicate", "shard"]}}, got {value!r}'
+        )
     shape, names = value["shape"], value.get("names")
-    if (not isinstance(shape, (list, tuple)) or not shape
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+    if (
+        not isinstance(shape, (list, tuple))
+        or not shape
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)
+    ):
         raise WorkloadError(f"{where}: MESH shape must be a non-empty list of positive integers, got {shape!r}")
     if math.prod(shape) != ranks:
-        raise WorkloadError(f"{where}: MESH shape {list(shape)} holds {math.prod(shape)} ranks but --ranks is "
-                            f"{ranks}; make the shape's product equal --ranks")
+        raise WorkloadError(
+            f"{where}: MESH shape {list(shape)} holds {math.prod(shape)} ranks but --ranks is "
+            f"{ranks}; make the shape's product equal --ranks"
+        )
     if names is not None:
-        if (not isinstance(names, (list, tuple)) or len(names) != len(shape)
-                or not all(isinstance(n, str) and n for n in names) or len(set(names)) != len(names)):
-            raise WorkloadError(f"{where}: MESH names must be {len(shape)} distinct non-empty strings (one per "
-                                f"dimension of shape {list(shape)}), got {names!r}")
+        if (
+            not isinstance(names, (list, tuple))
+            or len(names) != len(shape)
+            or not all(isinstance(n, str) and n for n in names)
+            or len(set(names)) != len(names)
+        ):
+            raise WorkloadError(
+                f"{where}: MESH names must be {len(shape)} distinct non-empty strings (one per "
+                f"dimension of shape {list(shape)}), got {names!r}"
+            )
         names = tuple(names)
     return MeshSpec(tuple(shape), names)
 
@@ -128,13 +151,17 @@ def _static_check(path: Path, ranks: int) -> MeshSpec:
     for name, params in _FUNCTIONS.items():
         fn_node = defs.get(name)
         if fn_node is None:
-            raise WorkloadError(f"{where}: missing function {name}({', '.join(params)}); a workload defines "
-                                "build(mesh), batch(step, rank) and train_step(model, optimizer, batch)")
+            raise WorkloadError(
+                f"{where}: missing function {name}({', '.join(params)}); a workload defines "
+                "build(mesh), batch(step, rank) and train_step(model, optimizer, batch)"
+            )
         positional = [a.arg for a in (*fn_node.args.posonlyargs, *fn_node.args.args)]
         required = len(positional) - len(fn_node.args.defaults)
         if required > len(params) or (len(positional) < len(params) and fn_node.args.vararg is None):
-            raise WorkloadError(f"{where}:{fn_node.lineno}: {name} takes ({', '.join(positional)}); expected "
-                                f"{name}({', '.join(params)})")
+            raise WorkloadError(
+                f"{where}:{fn_node.lineno}: {name} takes ({', '.join(positional)}); expected "
+                f"{name}({', '.join(params)})"
+            )
     mesh = MeshSpec.one_d(ranks)
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "MESH" for t in node.targets):
@@ -153,8 +180,9 @@ def _static_check(path: Path, ranks: int) -> MeshSpec:
         for module in modules:
             top = module.split(".")[0]
             if top not in sys.modules and importlib.util.find_spec(top) is None:
-                raise WorkloadError(f"{where}:{node.lineno}: cannot import {module!r} (no module {top!r} is "
-                                    "installed in this Python)")
+                raise WorkloadError(
+                    f"{where}:{node.lineno}: cannot import {module!r} (no module {top!r} is installed in this Python)"
+                )
     return mesh
 
 
@@ -211,9 +239,15 @@ def built(workload: Workload, mesh: Any) -> tuple[Any, Any]:
     out = workload.build(mesh)
     model = out[0] if isinstance(out, tuple) and out else None
     parts = model if isinstance(model, list) and model else [model]
-    if (not isinstance(out, tuple) or len(out) != 2 or not all(isinstance(m, torch.nn.Module) for m in parts)
-            or not isinstance(out[1], torch.optim.Optimizer)):
+    if (
+        not isinstance(out, tuple)
+        or len(out) != 2
+        or not all(isinstance(m, torch.nn.Module) for m in parts)
+        or not isinstance(out[1], torch.optim.Optimizer)
+    ):
         got = type(out).__name__ if not isinstance(out, tuple) else f"({', '.join(type(x).__name__ for x in out)})"
-        raise WorkloadError(f"{workload.path}: build(mesh) returned {got}; expected (model, optimizer): a "
-                            "torch.nn.Module (or a list of model parts) and a torch.optim.Optimizer")
+        raise WorkloadError(
+            f"{workload.path}: build(mesh) returned {got}; expected (model, optimizer): a "
+            "torch.nn.Module (or a list of model parts) and a torch.optim.Optimizer"
+        )
     return out

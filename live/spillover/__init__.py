@@ -19,10 +19,17 @@ from __future__ import annotations
 from .._lazy import lazy_face
 
 _EXPORTS = {
-    "FAMILIES": "decoder", "DecoderSpec": "decoder", "Decoder": "decoder",
-    "SpilloverConfig": "serving", "RunResult": "serving", "run_once": "serving",
-    "OutputCheck": "split", "SPECULATIVE_REQUESTS": "speculative", "StepModule": "compiled",
-    "Row": "pairs", "measure_pairs": "pairs",
+    "FAMILIES": "decoder",
+    "DecoderSpec": "decoder",
+    "Decoder": "decoder",
+    "SpilloverConfig": "serving",
+    "RunResult": "serving",
+    "run_once": "serving",
+    "OutputCheck": "split",
+    "SPECULATIVE_REQUESTS": "speculative",
+    "StepModule": "compiled",
+    "Row": "pairs",
+    "measure_pairs": "pairs",
 }
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_face(__name__, _EXPORTS)

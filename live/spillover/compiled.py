@@ -35,8 +35,16 @@ from meshpact.core.errors import MeshpactError
 
 from .decoder import Decoder, Part, rms_norm, rotary
 
-__all__ = ["StepModule", "PartStep", "CompiledSteps", "compile_step", "load_step", "step_latency", "weights_digest",
-           "BATCH_LIMIT"]
+__all__ = [
+    "StepModule",
+    "PartStep",
+    "CompiledSteps",
+    "compile_step",
+    "load_step",
+    "step_latency",
+    "weights_digest",
+    "BATCH_LIMIT",
+]
 
 BATCH_LIMIT = 256  # the dynamic batch dimension's upper bound in every package
 # AOTInductor's precompiled headers pay off over many builds sharing one cache; a run builds a
@@ -60,7 +68,7 @@ def exportable_mlp(spec: Any, w: Callable[[str], torch.Tensor], x: torch.Tensor)
     out = torch.zeros_like(x)
     for e in range(spec.experts):
         y = (F.silu(x @ w("gate")[e].T) * (x @ w("up")[e].T)) @ w("down")[e].T
-        out = out + y * dense[..., e:e + 1]
+        out = out + y * dense[..., e : e + 1]
     return out
 
 
@@ -104,8 +112,9 @@ class StepModule(torch.nn.Module):
             self.k[i].mul_(1 - at).add_(at * k)
             self.v[i].mul_(1 - at).add_(at * v)
             rep = s.heads // s.kv_heads
-            att = F.scaled_dot_product_attention(q, self.k[i].repeat_interleave(rep, dim=1),
-                                                 self.v[i].repeat_interleave(rep, dim=1), attn_mask=mask)
+            att = F.scaled_dot_product_attention(
+                q, self.k[i].repeat_interleave(rep, dim=1), self.v[i].repeat_interleave(rep, dim=1), attn_mask=mask
+            )
             x = x + att.transpose(1, 2).reshape(b, 1, s.heads * s.head_dim) @ self._w(i, "wo").T
             x = x + self._mlp(i, rms_norm(x, self._w(i, "ln2")))
         return rms_norm(x, self.norm)[:, 0] @ self.head.T
@@ -168,8 +177,9 @@ class PartStep(torch.nn.Module):
     def _mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         return exportable_mlp(self.spec, lambda name: self._w(i, name), x)
 
-    def forward(self, inputs: torch.Tensor, pos: torch.Tensor, k: torch.Tensor,
-                v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(
+        self, inputs: torch.Tensor, pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         s, part = self.spec, self.part
         b, t = pos.shape
         x = self.embed[inputs] if part.embeds else inputs.to(torch.float32)
@@ -217,8 +227,10 @@ class CompiledSteps:
         self.compile_s = 0.0  # seconds spent compiling in this process (0 when every package was cached)
 
     def path(self, decoder: Decoder, part: Part, tokens: int) -> Path:
-        return self.root / (f"{decoder.spec.family}-l{part.first}-{part.last}-t{tokens}-len{decoder.max_len}-"
-                            f"{weights_digest(decoder, part)}.pt2")
+        return self.root / (
+            f"{decoder.spec.family}-l{part.first}-{part.last}-t{tokens}-len{decoder.max_len}-"
+            f"{weights_digest(decoder, part)}.pt2"
+        )
 
     def ensure(self, decoder: Decoder, part: Part, tokens: int) -> Path:
         """The package for ``part`` with ``tokens`` positions per step, compiled now if not on disk."""
@@ -229,8 +241,11 @@ class CompiledSteps:
         module = PartStep(decoder, part, tokens).eval()
         b = 2  # an example batch above 1: a batch of 1 would be specialised
         s = decoder.spec
-        ids = (torch.zeros(b, tokens, dtype=torch.long) if part.embeds
-               else torch.zeros(b, tokens, s.hidden, dtype=torch.bfloat16))
+        ids = (
+            torch.zeros(b, tokens, dtype=torch.long)
+            if part.embeds
+            else torch.zeros(b, tokens, s.hidden, dtype=torch.bfloat16)
+        )
         pos = torch.arange(tokens).repeat(b, 1)
         k = torch.zeros(part.last - part.first, b, s.kv_heads, decoder.max_len, s.head_dim)
         batch = torch.export.Dim("batch", min=1, max=BATCH_LIMIT)
@@ -258,16 +273,23 @@ class _Runner:
     def __init__(self, runners: dict[tuple[int, int, int], Callable[..., Any]]) -> None:
         self.runners = runners
 
-    def __call__(self, decoder: Decoder, part: Part, inputs: torch.Tensor, slots: torch.Tensor,
-                 pos: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, decoder: Decoder, part: Part, inputs: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
         key = (part.first, part.last, int(pos.shape[1]))
         run = self.runners.get(key)
         if run is None:
-            raise MeshpactError(f"no compiled step for layers [{part.first}, {part.last}) with {key[2]} token(s) "
-                                f"per step; compiled: {sorted(self.runners)}")
+            raise MeshpactError(
+                f"no compiled step for layers [{part.first}, {part.last}) with {key[2]} token(s) "
+                f"per step; compiled: {sorted(self.runners)}"
+            )
         layers = slice(part.first, part.last)
-        out, k_new, v_new = run(inputs.contiguous(), pos.contiguous(), decoder.k[layers, slots].contiguous(),
-                                decoder.v[layers, slots].contiguous())
+        out, k_new, v_new = run(
+            inputs.contiguous(),
+            pos.contiguous(),
+            decoder.k[layers, slots].contiguous(),
+            decoder.v[layers, slots].contiguous(),
+        )
         rows = slots[:, None].expand_as(pos)
         # advanced indices apart (rows, pos) put their [b, t] first: [b, t, layers, kv_heads, head_dim]
         decoder.k[layers, rows, :, pos] = k_new.permute(1, 3, 0, 2, 4)

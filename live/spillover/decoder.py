@@ -77,8 +77,15 @@ def scaled_spec(family: str) -> DecoderSpec:
         kv -= 1
     moe = m.is_moe
     return DecoderSpec(
-        family=family, source=m.name, vocab_size=m.vocab_size, hidden=hidden, layers=LAYERS, heads=heads,
-        kv_heads=kv, head_dim=HEAD_DIM, intermediate=0 if moe else m.intermediate_size // WIDTH_DIVISOR,
+        family=family,
+        source=m.name,
+        vocab_size=m.vocab_size,
+        hidden=hidden,
+        layers=LAYERS,
+        heads=heads,
+        kv_heads=kv,
+        head_dim=HEAD_DIM,
+        intermediate=0 if moe else m.intermediate_size // WIDTH_DIVISOR,
         experts=min(EXPERTS, m.num_experts) if moe else 0,
         experts_per_token=min(EXPERTS_PER_TOKEN, m.experts_per_token) if moe else 0,
         expert_intermediate=max(8, m.moe_intermediate_size // WIDTH_DIVISOR) if moe else 0,
@@ -96,8 +103,9 @@ class Part:
 
     def __post_init__(self) -> None:
         if not 0 <= self.first < self.last <= self.layers:
-            raise MeshpactError(f"decoder part [{self.first}, {self.last}): expected 0 <= first < last <= "
-                                f"{self.layers}")
+            raise MeshpactError(
+                f"decoder part [{self.first}, {self.last}): expected 0 <= first < last <= {self.layers}"
+            )
 
     @property
     def embeds(self) -> bool:
@@ -147,16 +155,23 @@ class Decoder:
         self.norm = torch.ones(s.hidden)
         self.layers: list[dict[str, torch.Tensor]] = []
         for _ in range(s.layers):
-            layer = {"ln1": torch.ones(s.hidden), "ln2": torch.ones(s.hidden), "wq": w(q, s.hidden),
-                     "wk": w(kv, s.hidden), "wv": w(kv, s.hidden), "wo": w(s.hidden, q)}
+            layer = {
+                "ln1": torch.ones(s.hidden),
+                "ln2": torch.ones(s.hidden),
+                "wq": w(q, s.hidden),
+                "wk": w(kv, s.hidden),
+                "wv": w(kv, s.hidden),
+                "wo": w(s.hidden, q),
+            }
             if s.experts:
                 layer["router"] = w(s.experts, s.hidden)
                 layer["gate"] = w(s.experts, s.expert_intermediate, s.hidden)
                 layer["up"] = w(s.experts, s.expert_intermediate, s.hidden)
                 layer["down"] = w(s.experts, s.hidden, s.expert_intermediate)
             else:
-                layer.update(gate=w(s.intermediate, s.hidden), up=w(s.intermediate, s.hidden),
-                             down=w(s.hidden, s.intermediate))
+                layer.update(
+                    gate=w(s.intermediate, s.hidden), up=w(s.intermediate, s.hidden), down=w(s.hidden, s.intermediate)
+                )
             self.layers.append(layer)
         self.k = torch.zeros(s.layers, slots, s.kv_heads, max_len, s.head_dim)
         self.v = torch.zeros_like(self.k)
@@ -182,8 +197,9 @@ class Decoder:
             out.index_add_(0, rows, y * weights[rows, which, None])
         return out.reshape(x.shape)
 
-    def _attend(self, i: int, layer: dict[str, torch.Tensor], x: torch.Tensor, slots: torch.Tensor,
-                pos: torch.Tensor) -> torch.Tensor:
+    def _attend(
+        self, i: int, layer: dict[str, torch.Tensor], x: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor
+    ) -> torch.Tensor:
         """Attention of ``x [b, t, hidden]`` at positions ``pos [b, t]``, writing the slots' cache."""
         s = self.spec
         b, t, _ = x.shape
@@ -226,7 +242,9 @@ class Decoder:
     def keep_only(self, part: Part) -> None:
         """Drop the weights ``part`` never reads (a host holds only its layers)."""
         if part.layers != len(self.layers):
-            raise MeshpactError(f"a part of a {part.layers}-layer decoder does not fit this {len(self.layers)}-layer one")
+            raise MeshpactError(
+                f"a part of a {part.layers}-layer decoder does not fit this {len(self.layers)}-layer one"
+            )
         if not part.embeds:
             self.embed = torch.empty(0, self.spec.hidden)
         if not part.has_head:
@@ -296,8 +314,9 @@ class Decoder:
             return x + torch.empty_like(x).normal_(0.0, 1.0, generator=g) * (scale * float(x.std()))
 
         out.embed, out.head, out.norm = noisy(self.embed), noisy(self.head), self.norm.clone()
-        out.layers = [{k: (v.clone() if k.startswith("ln") else noisy(v)) for k, v in layer.items()}
-                      for layer in self.layers]
+        out.layers = [
+            {k: (v.clone() if k.startswith("ln") else noisy(v)) for k, v in layer.items()} for layer in self.layers
+        ]
         out.k, out.v = torch.zeros_like(self.k), torch.zeros_like(self.v)
         out.length = torch.zeros_like(self.length)
         out.compiled = None  # other weights: a package of this decoder's would compute the wrong thing

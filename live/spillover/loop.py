@@ -18,8 +18,21 @@ from typing import Any, Mapping, Sequence
 from meshpact.core.errors import MeshpactError
 from meshpact.core.facts import Request
 
-__all__ = ["prompt_for", "targets_for", "ClosedLoop", "CheckedPlans", "ResultPlans", "with_compiled", "slot_word",
-           "EMPTY", "ACTIVE", "NEW", "mean_of", "handshake", "veth_counters"]
+__all__ = [
+    "prompt_for",
+    "targets_for",
+    "ClosedLoop",
+    "CheckedPlans",
+    "ResultPlans",
+    "with_compiled",
+    "slot_word",
+    "EMPTY",
+    "ACTIVE",
+    "NEW",
+    "mean_of",
+    "handshake",
+    "veth_counters",
+]
 
 
 # -- requests: prompts and targets both hosts derive from the request id ---------------------
@@ -113,11 +126,18 @@ class ResultPlans(CheckedPlans):
 
         prod, cons = self.mesh.domains[1], self.mesh.domains[0]
         return Edge(
-            f"spillover_{self.request.value}_{rows}", self.mesh,
+            f"spillover_{self.request.value}_{rows}",
+            self.mesh,
             ProducerTensor("logits", "lm_head", (rows, self.vocab), DType.BFLOAT16, prod.name, Replicate()),
-            Consumer("serving", cons.name, cons.ranks, self.request,
-                     owners=tuple(cons.ranks[0] for _ in range(rows)) if self.request is Request.OWNER_TOKEN else None),
-            description="one step of a remote host's sequences, read by the serving host")
+            Consumer(
+                "serving",
+                cons.name,
+                cons.ranks,
+                self.request,
+                owners=tuple(cons.ranks[0] for _ in range(rows)) if self.request is Request.OWNER_TOKEN else None,
+            ),
+            description="one step of a remote host's sequences, read by the serving host",
+        )
 
 
 def with_compiled(cfg: Mapping[str, Any], decoder: Any, parts: Sequence[tuple[Any, int]]) -> Any:

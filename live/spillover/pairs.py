@@ -71,6 +71,7 @@ def traffic_cut(projected: RunResult | Row, full: RunResult | Row, counted: str 
     """How much less traffic per remote token the projected request moves than full logits
     (``counted``: ``result_bytes`` as metered by the executor, ``veth_bytes`` as the kernel
     counted it); None when nothing spilled."""
+
     def per_token(r: Any) -> float | None:
         return getattr(r, counted) / r.remote_tokens if r.remote_tokens else None
 
@@ -124,8 +125,9 @@ def _favouring(runs: Mapping[str, list[RunResult]], req: str) -> dict[str, int]:
     return {"full": len(others) * len(full) - lost, "projected": lost}
 
 
-def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Sequence[str],
-          predict: Predict) -> list[Row]:
+def _rows(
+    model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Sequence[str], predict: Predict
+) -> list[Row]:
     out = []
     full_row = None
     for req in ["full", *[r for r in runs if r != "full"]]:
@@ -137,50 +139,93 @@ def _rows(model: str, c: int, runs: Mapping[str, list[RunResult]], wanted: Seque
         measured = statistics.median(r.throughput_tok_s for r in rs)
         sim_thr = statistics.median(s["throughput_tok_s"] for s in sims)
         row = Row(
-            model=model, request=req, concurrency=c, throughput_tok_s=measured,
+            model=model,
+            request=req,
+            concurrency=c,
+            throughput_tok_s=measured,
             latency_s={"p50": float(np.percentile(lat, 50)), "p99": float(np.percentile(lat, 99))},
-            result_bytes=result_bytes, veth_bytes=int(statistics.median(r.veth_bytes for r in rs)),
-            startups=int(statistics.median(r.startups for r in rs)), pairs_favouring=_favouring(runs, req),
-            simulated={"throughput_tok_s": sim_thr,
-                       "result_bytes": int(statistics.median(s["result_bytes"] for s in sims)),
-                       "per_slot_throughput_tok_s": _median_or_none(s["per_slot_throughput_tok_s"] for s in sims),
-                       "link_alpha_s": _median_or_none(s.get("link_alpha_s") for s in sims),
-                       "ping_pong_alpha_s": statistics.median(r.link_alpha_s for r in rs)},
-            runs=len(rs), remote_tokens=remote_tokens,
+            result_bytes=result_bytes,
+            veth_bytes=int(statistics.median(r.veth_bytes for r in rs)),
+            startups=int(statistics.median(r.startups for r in rs)),
+            pairs_favouring=_favouring(runs, req),
+            simulated={
+                "throughput_tok_s": sim_thr,
+                "result_bytes": int(statistics.median(s["result_bytes"] for s in sims)),
+                "per_slot_throughput_tok_s": _median_or_none(s["per_slot_throughput_tok_s"] for s in sims),
+                "link_alpha_s": _median_or_none(s.get("link_alpha_s") for s in sims),
+                "ping_pong_alpha_s": statistics.median(r.link_alpha_s for r in rs),
+            },
+            runs=len(rs),
+            remote_tokens=remote_tokens,
             result_bytes_per_remote_token=result_bytes / remote_tokens if remote_tokens else None,
             sim_error=sim_thr / measured - 1.0,
         )
         checks = [r.output_check for r in rs if r.output_check is not None]
         if checks:
             bad = [c.first_difference for c in checks if not c.identical]
-            row = replace(row, tokens_checked=sum(c.tokens for c in checks), outputs_identical=not bad,
-                          first_difference=bad[0] if bad else None)
+            row = replace(
+                row,
+                tokens_checked=sum(c.tokens for c in checks),
+                outputs_identical=not bad,
+                first_difference=bad[0] if bad else None,
+            )
         if rs[0].speculative is not None:
             keys = ("gamma", "alpha", "tokens_per_pass", "bytes_per_round", "rounds")
-            row = replace(row, speculative={k: statistics.median(float(getattr(r.speculative, k)) for r in rs)
-                                            for k in keys})
+            row = replace(
+                row, speculative={k: statistics.median(float(getattr(r.speculative, k)) for r in rs) for k in keys}
+            )
         # logprob feeds the request's targets instead of the choices: its ids differ by design
         if req not in ("full", "logprob") and all(r.outputs_digest for r in rs + list(runs["full"])):
-            row = replace(row, outputs_as_full=all(p.outputs_digest == f.outputs_digest
-                                                   for p, f in zip(rs, runs["full"])))
+            row = replace(
+                row, outputs_as_full=all(p.outputs_digest == f.outputs_digest for p, f in zip(rs, runs["full"]))
+            )
         if req != "full":
-            row = replace(row, pair_throughputs_tok_s=tuple((f.throughput_tok_s, p.throughput_tok_s)
-                                                            for f, p in zip(runs["full"], rs)))
-        row = replace(row, deployment=rs[0].config.deployment, throughputs_tok_s=tuple(r.throughput_tok_s for r in rs),
-                      compile=rs[0].config.compile, outputs_digests=tuple(r.outputs_digest or "" for r in rs),
-                      hidden_bytes=int(statistics.median(r.hidden_bytes for r in rs)))
+            row = replace(
+                row,
+                pair_throughputs_tok_s=tuple(
+                    (f.throughput_tok_s, p.throughput_tok_s) for f, p in zip(runs["full"], rs)
+                ),
+            )
+        row = replace(
+            row,
+            deployment=rs[0].config.deployment,
+            throughputs_tok_s=tuple(r.throughput_tok_s for r in rs),
+            compile=rs[0].config.compile,
+            outputs_digests=tuple(r.outputs_digest or "" for r in rs),
+            hidden_bytes=int(statistics.median(r.hidden_bytes for r in rs)),
+        )
         if req == "full":
             full_row = row
         elif full_row is not None:
-            row = replace(row, traffic_cut_vs_full=traffic_cut(row, full_row),
-                          veth_cut_vs_full=traffic_cut(row, full_row, "veth_bytes"))
+            row = replace(
+                row,
+                traffic_cut_vs_full=traffic_cut(row, full_row),
+                veth_cut_vs_full=traffic_cut(row, full_row, "veth_bytes"),
+            )
         if req in wanted:
             out.append(row)
     return out
 
 
-COLUMNS = ("model", "request", "conc", "compile", "tok/s", "sim tok/s", "sim err", "p50 s", "p99 s", "result B",
-           "veth B", "sim B", "cut", "veth cut", "startups", "pairs", "outputs")
+COLUMNS = (
+    "model",
+    "request",
+    "conc",
+    "compile",
+    "tok/s",
+    "sim tok/s",
+    "sim err",
+    "p50 s",
+    "p99 s",
+    "result B",
+    "veth B",
+    "sim B",
+    "cut",
+    "veth cut",
+    "startups",
+    "pairs",
+    "outputs",
+)
 
 
 def table_rows(rows: Sequence[Row]) -> list[list[str]]:
@@ -189,10 +234,27 @@ def table_rows(rows: Sequence[Row]) -> list[list[str]]:
     for r in rows:
         cut, vcut = ("-" if c is None else f"{100 * c:.3f}%" for c in (r.traffic_cut_vs_full, r.veth_cut_vs_full))
         fav = " ".join(f"{k}:{v}" for k, v in r.pairs_favouring.items())
-        out.append([r.model, r.request, str(r.concurrency), r.compile, f"{r.throughput_tok_s:.1f}",
-                    f"{r.simulated['throughput_tok_s']:.1f}", f"{100 * r.sim_error:+.1f}%",
-                    f"{r.latency_s['p50']:.3f}", f"{r.latency_s['p99']:.3f}", str(r.result_bytes), str(r.veth_bytes),
-                    str(r.simulated["result_bytes"]), cut, vcut, str(r.startups), fav, _outputs_cell(r)])
+        out.append(
+            [
+                r.model,
+                r.request,
+                str(r.concurrency),
+                r.compile,
+                f"{r.throughput_tok_s:.1f}",
+                f"{r.simulated['throughput_tok_s']:.1f}",
+                f"{100 * r.sim_error:+.1f}%",
+                f"{r.latency_s['p50']:.3f}",
+                f"{r.latency_s['p99']:.3f}",
+                str(r.result_bytes),
+                str(r.veth_bytes),
+                str(r.simulated["result_bytes"]),
+                cut,
+                vcut,
+                str(r.startups),
+                fav,
+                _outputs_cell(r),
+            ]
+        )
     return out
 
 
@@ -200,8 +262,11 @@ def _outputs_cell(r: Row) -> str:
     """The output checks: tokens identical to the reference and/or to full's, or the first difference (loud)."""
     cells = []
     if r.outputs_identical is not None:
-        cells.append(f"{r.tokens_checked} identical" if r.outputs_identical
-                     else f"DIFFERENT FROM REFERENCE: {r.first_difference}")
+        cells.append(
+            f"{r.tokens_checked} identical"
+            if r.outputs_identical
+            else f"DIFFERENT FROM REFERENCE: {r.first_difference}"
+        )
     if r.outputs_as_full is not None:
         cells.append("= full" if r.outputs_as_full else "DIFFERENT FROM FULL")
     return ", ".join(cells) or "-"

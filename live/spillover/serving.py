@@ -49,13 +49,36 @@ from meshpact.core.scenario import SERVING_REQUESTS, Deployment, deployment_of
 
 from ..netns import LinkShape, TwoHosts
 from . import speculative, split
-from .loop import (ACTIVE, EMPTY, NEW, ClosedLoop, ResultPlans, handshake, mean_of, prompt_for, slot_word, targets_for,
-                   veth_counters, with_compiled)
+from .loop import (
+    ACTIVE,
+    EMPTY,
+    NEW,
+    ClosedLoop,
+    ResultPlans,
+    handshake,
+    mean_of,
+    prompt_for,
+    slot_word,
+    targets_for,
+    veth_counters,
+    with_compiled,
+)
 from .speculative import SPECULATIVE_REQUESTS, digest
 from .split import OutputCheck, compare
 
-__all__ = ["SpilloverConfig", "RunResult", "SpeculativeStats", "Transfer", "transfers", "CompileMode", "COMPILE_MODES", "precompile",
-           "run_once", "worker", "REQUESTS"]
+__all__ = [
+    "SpilloverConfig",
+    "RunResult",
+    "SpeculativeStats",
+    "Transfer",
+    "transfers",
+    "CompileMode",
+    "COMPILE_MODES",
+    "precompile",
+    "run_once",
+    "worker",
+    "REQUESTS",
+]
 
 REQUESTS: tuple[str, ...] = tuple(r.value for r in SERVING_REQUESTS)
 # requests: host 1 serves whole requests up to its slots and spills the rest to host 2;
@@ -101,11 +124,14 @@ class SpilloverConfig:
             raise MeshpactError(f"--speculative {self.gamma}: expected 1..16 draft tokens per round (0: none)")
         if self.gamma:
             if self.deployment != "model":
-                raise MeshpactError("--speculative: expected --deployment model (a draft on host 1, the target on "
-                                    "host 2)")
+                raise MeshpactError(
+                    "--speculative: expected --deployment model (a draft on host 1, the target on host 2)"
+                )
             if self.request not in SPECULATIVE_REQUESTS:
-                raise MeshpactError(f"--speculative with --request {self.request!r}: expected one of "
-                                    f"{', '.join(SPECULATIVE_REQUESTS)} (full logits, or verified at the source)")
+                raise MeshpactError(
+                    f"--speculative with --request {self.request!r}: expected one of "
+                    f"{', '.join(SPECULATIVE_REQUESTS)} (full logits, or verified at the source)"
+                )
         if self.model not in FAMILIES:
             raise MeshpactError(f"--model {self.model!r}: expected one of {', '.join(FAMILIES)}")
         if self.request not in REQUESTS:
@@ -116,8 +142,10 @@ class SpilloverConfig:
         if self.prompt_tokens < 1:
             raise MeshpactError(f"prompt_tokens: expected at least 1, got {self.prompt_tokens}")
         if self.concurrency > self.local_slots + self.remote_slots:
-            raise MeshpactError(f"concurrency {self.concurrency} exceeds the two hosts' {self.local_slots} + "
-                                f"{self.remote_slots} slots; raise remote_slots or lower the concurrency")
+            raise MeshpactError(
+                f"concurrency {self.concurrency} exceeds the two hosts' {self.local_slots} + "
+                f"{self.remote_slots} slots; raise remote_slots or lower the concurrency"
+            )
         LinkShape(self.gbit_per_s, self.delay_ms)
 
     @property
@@ -159,8 +187,9 @@ class Transfer:
     payload_bytes: int
 
 
-def transfers(sent: Sequence[Mapping[str, Any]], sender_t0: float, received: Sequence[Mapping[str, Any]],
-              receiver_t0: float) -> tuple[Transfer, ...]:
+def transfers(
+    sent: Sequence[Mapping[str, Any]], sender_t0: float, received: Sequence[Mapping[str, Any]], receiver_t0: float
+) -> tuple[Transfer, ...]:
     """Pair each send call record with the receive of the same group and sequence number:
     the message's time in flight as the two hosts' meters saw it (start of the send to the end
     of the receive, so a receiver that was late adds nothing: it waited before the send)."""
@@ -199,8 +228,12 @@ class RunResult:
     hidden_bytes: int = 0  # model deployment: payload of the hidden-state plans (host 1 -> host 2)
     boundary_s: float = 0.0  # model deployment: mean time host 1 spends sending a step's hidden states
     output_check: OutputCheck | None = None  # model deployment: live outputs against the reference
-    local_critical_s: float = 0.0  # model deployment: host 1's part of a step's critical path (result in -> hidden states out)
-    remote_critical_s: float = 0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
+    local_critical_s: float = (
+        0.0  # model deployment: host 1's part of a step's critical path (result in -> hidden states out)
+    )
+    remote_critical_s: float = (
+        0.0  # model deployment: host 2's part of a step's critical path (command in -> result out, waits excluded)
+    )
     outputs_digest: str | None = None  # model deployment: fingerprint of every request's output ids
     speculative: SpeculativeStats | None = None
     emitted_logprobs: tuple[tuple[float, ...], ...] = ()  # speculative logprob: per request, its tokens' log-probs
@@ -222,9 +255,10 @@ class RunResult:
 def _mesh(link_alpha_s: float, beta: float) -> Any:
     from meshpact.core.facts import Domain, LinkClass, LinkParams, Mesh, Vendor
 
-    return Mesh(domains=(Domain("cuda@host1", Vendor.CUDA, "host1", (0,)),
-                         Domain("cann@host2", Vendor.CANN, "host2", (1,))),
-                links={LinkClass.ETHERNET: LinkParams(link_alpha_s, beta)})
+    return Mesh(
+        domains=(Domain("cuda@host1", Vendor.CUDA, "host1", (0,)), Domain("cann@host2", Vendor.CANN, "host2", (1,))),
+        links={LinkClass.ETHERNET: LinkParams(link_alpha_s, beta)},
+    )
 
 
 # -- the worker (both ranks) -------------------------------------------------------------------
@@ -254,8 +288,9 @@ def request_decoder(cfg: Mapping[str, Any], slots: int) -> Any:
     its steps compiled when the run asks for it."""
     from .decoder import Decoder, scaled_spec
 
-    model = Decoder(scaled_spec(cfg["model"]), slots, cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
-                    seed=cfg["seed"] + 2)
+    model = Decoder(
+        scaled_spec(cfg["model"]), slots, cfg["prompt_tokens"] + cfg["output_tokens"] + 1, seed=cfg["seed"] + 2
+    )
     return with_compiled(cfg, model, [(model.whole, 1)])
 
 
@@ -324,7 +359,7 @@ class _SpillHost:
                 break
             slots, feed = [], []
             for s in range(self.cfg["remote_slots"]):
-                state, rid, token = (int(x) for x in self.cmd[2 + 3 * s: 5 + 3 * s])
+                state, rid, token = (int(x) for x in self.cmd[2 + 3 * s : 5 + 3 * s])
                 if state == EMPTY:
                     continue
                 if state == NEW:
@@ -355,9 +390,14 @@ class _SpillHost:
                 elif req != "full":
                     self.next_token[s] = int(out.buffers[sent][j])
                 self.done[s] += 1
-        return {"records": [r.to_dict() for r in self.executor.meter.records], "steps": len(self.t_forward),
-                "forward_s": mean_of(self.t_forward), "project_s": mean_of(self.t_project),
-                "prefill_s": mean_of(self.t_prefill), "planned": self.planned}
+        return {
+            "records": [r.to_dict() for r in self.executor.meter.records],
+            "steps": len(self.t_forward),
+            "forward_s": mean_of(self.t_forward),
+            "project_s": mean_of(self.t_project),
+            "prefill_s": mean_of(self.t_prefill),
+            "planned": self.planned,
+        }
 
 
 def _sent_buffer(plan: Any) -> str:
@@ -445,13 +485,21 @@ class _ServingHost:
         after = veth_counters()
         if self.error is not None:
             raise self.error
-        return {"makespan_s": makespan, "latencies": self.clients.latencies, "spilled": self.spilled,
-                "remote_tokens": self.remote_tokens, "local_steps": len(self.t_local),
-                "local_step_s": mean_of(self.t_local), "local_prefill_s": mean_of(self.t_prefill),
-                "sample_s": mean_of(self.t_sample),
-                "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha,
-                "command_bytes": self.command_bytes,
-                "records": [r.to_dict() for r in self.executor.meter.records]}
+        return {
+            "makespan_s": makespan,
+            "latencies": self.clients.latencies,
+            "spilled": self.spilled,
+            "remote_tokens": self.remote_tokens,
+            "local_steps": len(self.t_local),
+            "local_step_s": mean_of(self.t_local),
+            "local_prefill_s": mean_of(self.t_prefill),
+            "sample_s": mean_of(self.t_sample),
+            "veth_rx": after[0] - before[0],
+            "veth_tx": after[1] - before[1],
+            "alpha_s": alpha,
+            "command_bytes": self.command_bytes,
+            "records": [r.to_dict() for r in self.executor.meter.records],
+        }
 
     def _choose(self, logits: Any, rows: Sequence[tuple[int, int]]) -> list[int]:
         """The consumer's choice per row: greedy over the bfloat16 logits, or the target when scoring."""
@@ -521,8 +569,13 @@ class _ServingHost:
         step = 0
         while True:
             with self.lock:
-                while (not self.remote_pending and not any(commanded[s] < out_tokens for s in rid_of)
-                       and not inflight and not self._finished() and self.error is None):
+                while (
+                    not self.remote_pending
+                    and not any(commanded[s] < out_tokens for s in rid_of)
+                    and not inflight
+                    and not self._finished()
+                    and self.error is None
+                ):
                     self.lock.wait(0.5)
                 if self.error is not None:
                     return
@@ -560,8 +613,9 @@ class _ServingHost:
             if inflight and (full or len(inflight) > 1 or not batch):
                 self._receive(inflight.popleft(), rid_of, received, chosen)
 
-    def _receive(self, batch: list[int], rid_of: dict[int, int], received: dict[int, int],
-                 chosen: dict[int, int]) -> None:
+    def _receive(
+        self, batch: list[int], rid_of: dict[int, int], received: dict[int, int], chosen: dict[int, int]
+    ) -> None:
         import torch
 
         plan, contract = self.plans.get(len(batch))
@@ -597,10 +651,21 @@ def run_once(cfg: SpilloverConfig, forkserver: Any = None) -> RunResult:
     # thread on host 0, where that address (and the control channel it hosts beside it) is reached
     with TwoHosts(LinkShape(cfg.gbit_per_s, cfg.delay_ms)) as hosts, hosts.inside(0):
         port = random.randrange(20000, 60000)  # fresh namespaces: every port is free
-        with AgentJob("meshpact.live.spillover.serving:worker", 2, cfg.to_dict(), timeout_s=cfg.timeout_s,
-                      master=(hosts.addr[0], port), prefix=hosts.prefix, forkserver=forkserver,
-                      env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r], "MESHPACT_VETH": hosts.iface[r],
-                                     "TORCHELASTIC_USE_AGENT_STORE": "False", "OMP_NUM_THREADS": "1"}) as job:
+        with AgentJob(
+            "meshpact.live.spillover.serving:worker",
+            2,
+            cfg.to_dict(),
+            timeout_s=cfg.timeout_s,
+            master=(hosts.addr[0], port),
+            prefix=hosts.prefix,
+            forkserver=forkserver,
+            env=lambda r: {
+                "GLOO_SOCKET_IFNAME": hosts.iface[r],
+                "MESHPACT_VETH": hosts.iface[r],
+                "TORCHELASTIC_USE_AGENT_STORE": "False",
+                "OMP_NUM_THREADS": "1",
+            },
+        ) as job:
             results = job.run().results
     bad = [r for r in results if not r.ok]
     if bad:
@@ -610,29 +675,58 @@ def run_once(cfg: SpilloverConfig, forkserver: Any = None) -> RunResult:
     measured = measure([CallRecord.from_dict(d) for d in h1["records"] + h2["records"]])
     tokens = cfg.requests * cfg.output_tokens
     result = RunResult(
-        config=cfg, throughput_tok_s=tokens / h1["makespan_s"], latencies_s=tuple(h1["latencies"]),
-        makespan_s=h1["makespan_s"], tokens=tokens, remote_tokens=h1["remote_tokens"], spilled=h1["spilled"],
-        result_bytes=measured.payload_bytes, veth_bytes=h1["veth_rx"], veth_tx_bytes=h1["veth_tx"],
-        command_bytes=h1["command_bytes"], startups=measured.startups,
-        steps={"local": h1["local_steps"], "remote": h2["steps"]}, link_alpha_s=h1["alpha_s"],
-        local_step_s=h1["local_step_s"], remote_forward_s=h2["forward_s"], remote_project_s=h2["project_s"],
+        config=cfg,
+        throughput_tok_s=tokens / h1["makespan_s"],
+        latencies_s=tuple(h1["latencies"]),
+        makespan_s=h1["makespan_s"],
+        tokens=tokens,
+        remote_tokens=h1["remote_tokens"],
+        spilled=h1["spilled"],
+        result_bytes=measured.payload_bytes,
+        veth_bytes=h1["veth_rx"],
+        veth_tx_bytes=h1["veth_tx"],
+        command_bytes=h1["command_bytes"],
+        startups=measured.startups,
+        steps={"local": h1["local_steps"], "remote": h2["steps"]},
+        link_alpha_s=h1["alpha_s"],
+        local_step_s=h1["local_step_s"],
+        remote_forward_s=h2["forward_s"],
+        remote_project_s=h2["project_s"],
         consumer_sample_s=h1["sample_s"],
-        local_prefill_s=h1["local_prefill_s"], remote_prefill_s=h2["prefill_s"],
-        planned=h2["planned"], compile_s=compile_s,
+        local_prefill_s=h1["local_prefill_s"],
+        remote_prefill_s=h2["prefill_s"],
+        planned=h2["planned"],
+        compile_s=compile_s,
     )
     if cfg.gamma:
         stats = SpeculativeStats(**h1["speculative"])
         per_round = measured.payload_bytes / stats.rounds if stats.rounds else 0.0
-        return replace(result, outputs_digest=digest(h1["outputs"]), speculative=replace(stats, bytes_per_round=per_round),
-                       emitted_logprobs=tuple(tuple(v) for _, v in sorted((int(k), v) for k, v in h1["logprobs"].items())))
+        return replace(
+            result,
+            outputs_digest=digest(h1["outputs"]),
+            speculative=replace(stats, bytes_per_round=per_round),
+            emitted_logprobs=tuple(tuple(v) for _, v in sorted((int(k), v) for k, v in h1["logprobs"].items())),
+        )
     if cfg.deployment == "model":
         hidden = measure([CallRecord.from_dict(d) for d in h1["hidden_records"] + h2["hidden_records"]])
-        check = compare(cfg.to_dict(), h1["schedule"], {int(k): v for k, v in h1["outputs"].items()},
-                        {int(k): v for k, v in h1["logprobs"].items()})
+        check = compare(
+            cfg.to_dict(),
+            h1["schedule"],
+            {int(k): v for k, v in h1["outputs"].items()},
+            {int(k): v for k, v in h1["logprobs"].items()},
+        )
         t0s = (h1["meter_t0"], h2["meter_t0"])
-        timed = (transfers(h1["hidden_records"], t0s[0]["hidden"], h2["hidden_records"], t0s[1]["hidden"])
-                 + transfers(h2["records"], t0s[1]["result"], h1["records"], t0s[0]["result"]))
-        return replace(result, hidden_bytes=hidden.payload_bytes, boundary_s=h1["boundary_s"], transfers=timed,
-                       output_check=check, local_critical_s=h1["critical_s"], outputs_digest=digest(h1["outputs"]),
-                       remote_critical_s=h2["critical_s"])
+        timed = transfers(h1["hidden_records"], t0s[0]["hidden"], h2["hidden_records"], t0s[1]["hidden"]) + transfers(
+            h2["records"], t0s[1]["result"], h1["records"], t0s[0]["result"]
+        )
+        return replace(
+            result,
+            hidden_bytes=hidden.payload_bytes,
+            boundary_s=h1["boundary_s"],
+            transfers=timed,
+            output_check=check,
+            local_critical_s=h1["critical_s"],
+            outputs_digest=digest(h1["outputs"]),
+            remote_critical_s=h2["critical_s"],
+        )
     return result

@@ -38,8 +38,19 @@ import time
 from typing import Any, Mapping, Sequence
 
 
-from .loop import (ACTIVE, EMPTY, NEW, CheckedPlans, ClosedLoop, ResultPlans, handshake, mean_of, prompt_for,
-                   veth_counters, with_compiled)
+from .loop import (
+    ACTIVE,
+    EMPTY,
+    NEW,
+    CheckedPlans,
+    ClosedLoop,
+    ResultPlans,
+    handshake,
+    mean_of,
+    prompt_for,
+    veth_counters,
+    with_compiled,
+)
 
 __all__ = ["DRAFT_SCALE", "SPECULATIVE_REQUESTS", "verify", "acceptance", "digest", "serve", "spill"]
 
@@ -76,6 +87,7 @@ def digest(outputs: Mapping[Any, Sequence[int]]) -> str:
 
 def _verdict_plans(mesh: Any) -> Any:
     """The checked plan per batch for host 2's verdict ``[batch, 2]`` (accepted length, next token)."""
+
     class VerdictPlans(CheckedPlans):
         what = "verdict"
 
@@ -84,10 +96,13 @@ def _verdict_plans(mesh: Any) -> Any:
             from meshpact.core.placement import Replicate
 
             prod, cons = mesh.domains[1], mesh.domains[0]
-            return Edge(f"verdict_{rows}", mesh,
-                        ProducerTensor("verdict", "verify", (rows, 2), DType.INT64, prod.name, Replicate()),
-                        Consumer("drafter", cons.name, cons.ranks, Request.FULL),
-                        description="accepted length and next token per sequence, verified at the source")
+            return Edge(
+                f"verdict_{rows}",
+                mesh,
+                ProducerTensor("verdict", "verify", (rows, 2), DType.INT64, prod.name, Replicate()),
+                Consumer("drafter", cons.name, cons.ranks, Request.FULL),
+                description="accepted length and next token per sequence, verified at the source",
+            )
 
     return VerdictPlans()
 
@@ -103,8 +118,12 @@ def _command_size(slots: int, gamma: int) -> int:
 def _plain_target(cfg: Mapping[str, Any]) -> Any:
     from .decoder import Decoder, scaled_spec
 
-    return Decoder(scaled_spec(cfg["model"]), cfg["concurrency"],
-                   cfg["prompt_tokens"] + cfg["output_tokens"] + cfg["gamma"] + 2, seed=cfg["seed"] + 2)
+    return Decoder(
+        scaled_spec(cfg["model"]),
+        cfg["concurrency"],
+        cfg["prompt_tokens"] + cfg["output_tokens"] + cfg["gamma"] + 2,
+        seed=cfg["seed"] + 2,
+    )
 
 
 def target_model(cfg: Mapping[str, Any]) -> Any:
@@ -201,18 +220,23 @@ def serve(cfg: Mapping[str, Any], layout: Any) -> dict:
                 rows = len(batch) * (gamma + 1)
                 plan, contract = choice_plans.get(rows)
                 meta = torch.empty(rows, vocab, dtype=torch.bfloat16, device="meta")
-                lp = next(iter(executor.run(plan, contract, {0: {}, 1: {"logits": meta}},
-                                            torch.zeros(rows, dtype=torch.long)).delivered.values()))
+                lp = next(
+                    iter(
+                        executor.run(
+                            plan, contract, {0: {}, 1: {"logits": meta}}, torch.zeros(rows, dtype=torch.long)
+                        ).delivered.values()
+                    )
+                )
                 lp = lp.reshape(len(batch), gamma + 1)
         finished = []
         for j, s in enumerate(batch):
             accepted.append(k[j])
-            tokens = [*d[j, :k[j]].tolist(), nxt[j]]
+            tokens = [*d[j, : k[j]].tolist(), nxt[j]]
             rid = rid_of[s]
             keep = cfg["output_tokens"] - len(outputs[rid])
             outputs[rid] += tokens[:keep]
             if req == "logprob":
-                logprobs[rid] += [float(x) for x in lp[j, :k[j] + 1][:keep]]
+                logprobs[rid] += [float(x) for x in lp[j, : k[j] + 1][:keep]]
             pos[s] += k[j] + 1
             draft.set_length(s, pos[s] if k[j] < gamma else pos[s] - 1)
             feed[s] = [nxt[j]] if k[j] < gamma else [int(d[j, gamma - 1]), nxt[j]]
@@ -226,17 +250,32 @@ def serve(cfg: Mapping[str, Any], layout: Any) -> dict:
     makespan = time.perf_counter() - t_start
     after = veth_counters()
     alpha, per_pass = acceptance(accepted, gamma)
-    return {"makespan_s": makespan, "latencies": clients.latencies, "spilled": cfg["requests"],
-            "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": rounds,
-            "local_step_s": mean_of(t_draft), "local_prefill_s": mean_of(t_prefill), "sample_s": mean_of(t_verify),
-            "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha_link,
-            "command_bytes": rounds * _command_size(n, gamma) * 8,
-            "records": [r.to_dict() for r in executor.meter.records],
-            "outputs": {str(k): v for k, v in outputs.items()},
-            "logprobs": {str(k): v for k, v in logprobs.items()} if req == "logprob" else {},
-            "speculative": {"gamma": gamma, "rounds": rounds, "sequence_rounds": len(accepted),
-                            "accepted_draft_tokens": sum(accepted), "alpha": alpha, "tokens_per_pass": per_pass,
-                            "draft_s": mean_of(t_draft)}}
+    return {
+        "makespan_s": makespan,
+        "latencies": clients.latencies,
+        "spilled": cfg["requests"],
+        "remote_tokens": cfg["requests"] * cfg["output_tokens"],
+        "local_steps": rounds,
+        "local_step_s": mean_of(t_draft),
+        "local_prefill_s": mean_of(t_prefill),
+        "sample_s": mean_of(t_verify),
+        "veth_rx": after[0] - before[0],
+        "veth_tx": after[1] - before[1],
+        "alpha_s": alpha_link,
+        "command_bytes": rounds * _command_size(n, gamma) * 8,
+        "records": [r.to_dict() for r in executor.meter.records],
+        "outputs": {str(k): v for k, v in outputs.items()},
+        "logprobs": {str(k): v for k, v in logprobs.items()} if req == "logprob" else {},
+        "speculative": {
+            "gamma": gamma,
+            "rounds": rounds,
+            "sequence_rounds": len(accepted),
+            "accepted_draft_tokens": sum(accepted),
+            "alpha": alpha,
+            "tokens_per_pass": per_pass,
+            "draft_s": mean_of(t_draft),
+        },
+    }
 
 
 # -- host 2: the target scores every position, and verifies at the source -----------------------------
@@ -267,7 +306,7 @@ def spill(cfg: Mapping[str, Any], layout: Any) -> dict:
             break
         slots, start, rows = [], [], []
         for s in range(n):
-            word = cmd[2 + w * s: 2 + w * (s + 1)]
+            word = cmd[2 + w * s : 2 + w * (s + 1)]
             if int(word[0]) == EMPTY:
                 continue
             if int(word[0]) == NEW:
@@ -295,11 +334,18 @@ def spill(cfg: Mapping[str, Any], layout: Any) -> dict:
                 planned["startups"] += plan.startups
                 planned["payload_bytes"] += plan.payload_bytes
                 plan, contract = choice_plans.get(len(slots) * (gamma + 1))
-                executor.run(plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}},
-                             logits.argmax(dim=-1).reshape(-1))
+                executor.run(
+                    plan, contract, {0: {}, 1: {"logits": logits.reshape(-1, vocab)}}, logits.argmax(dim=-1).reshape(-1)
+                )
         planned["startups"] += plan.startups
         planned["payload_bytes"] += plan.payload_bytes
         t_forward.append(t1 - t0)
         t_project.append(time.perf_counter() - t1)
-    return {"records": [r.to_dict() for r in executor.meter.records], "steps": len(t_forward),
-            "forward_s": mean_of(t_forward), "project_s": mean_of(t_project), "prefill_s": mean_of(t_prefill), "planned": planned}
+    return {
+        "records": [r.to_dict() for r in executor.meter.records],
+        "steps": len(t_forward),
+        "forward_s": mean_of(t_forward),
+        "project_s": mean_of(t_project),
+        "prefill_s": mean_of(t_prefill),
+        "planned": planned,
+    }

@@ -37,8 +37,21 @@ from typing import Any, Mapping, Sequence
 
 from meshpact.core.jsonform import JsonObject
 
-from .loop import (ACTIVE, EMPTY, NEW, CheckedPlans, ClosedLoop, ResultPlans, handshake, mean_of, prompt_for, slot_word,
-                   targets_for, veth_counters, with_compiled)
+from .loop import (
+    ACTIVE,
+    EMPTY,
+    NEW,
+    CheckedPlans,
+    ClosedLoop,
+    ResultPlans,
+    handshake,
+    mean_of,
+    prompt_for,
+    slot_word,
+    targets_for,
+    veth_counters,
+    with_compiled,
+)
 
 __all__ = ["SPLIT_AT", "serve", "spill", "reference", "compare", "OutputCheck"]
 
@@ -47,6 +60,7 @@ SPLIT_AT = 1  # host 1 runs layers [0, SPLIT_AT), host 2 the rest and the head
 
 def _boundary_plans(hidden: int, mesh: Any) -> Any:
     """The checked plan per row count for hidden states ``[rows, hidden]`` going host 1 → host 2."""
+
     class BoundaryPlans(CheckedPlans):
         what = "hidden-state"
 
@@ -56,10 +70,14 @@ def _boundary_plans(hidden: int, mesh: Any) -> Any:
 
             prod, cons = mesh.domains[0], mesh.domains[1]
             return Edge(
-                f"split_hidden_{rows}", mesh,
-                ProducerTensor("hidden", f"layer_{SPLIT_AT - 1}", (rows, hidden), DType.BFLOAT16, prod.name, Replicate()),
+                f"split_hidden_{rows}",
+                mesh,
+                ProducerTensor(
+                    "hidden", f"layer_{SPLIT_AT - 1}", (rows, hidden), DType.BFLOAT16, prod.name, Replicate()
+                ),
                 Consumer("next_layers", cons.name, cons.ranks, Request.FULL),
-                description="hidden states at the split, read by the host holding the later layers")
+                description="hidden states at the split, read by the host holding the later layers",
+            )
 
     return BoundaryPlans()
 
@@ -81,8 +99,12 @@ def part_model(cfg: Mapping[str, Any], index: int) -> tuple[Any, Any]:
     from .decoder import LAYERS, Decoder, scaled_spec, split_parts
 
     part = split_parts(LAYERS, SPLIT_AT)[index]
-    model = Decoder(scaled_spec(cfg["model"]), cfg["concurrency"], cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
-                    seed=cfg["seed"] + 2)
+    model = Decoder(
+        scaled_spec(cfg["model"]),
+        cfg["concurrency"],
+        cfg["prompt_tokens"] + cfg["output_tokens"] + 1,
+        seed=cfg["seed"] + 2,
+    )
     model.keep_only(part)
     return part, with_compiled(cfg, model, [(part, 1)])
 
@@ -92,7 +114,13 @@ def _host_part(cfg: Mapping[str, Any], layout: Any, index: int) -> tuple[Any, An
     (spec, part, model holding only that part, boundary plans, result plans)."""
     part, model = part_model(cfg, index)
     spec = model.spec
-    return spec, part, model, _boundary_plans(spec.hidden, layout.mesh), ResultPlans(cfg["request"], spec.vocab_size, layout.mesh)
+    return (
+        spec,
+        part,
+        model,
+        _boundary_plans(spec.hidden, layout.mesh),
+        ResultPlans(cfg["request"], spec.vocab_size, layout.mesh),
+    )
 
 
 def serve(cfg: Mapping[str, Any], layout: Any) -> dict:
@@ -205,18 +233,28 @@ def serve(cfg: Mapping[str, Any], layout: Any) -> dict:
     dist.send(torch.zeros(_command_size(n), dtype=torch.long), dst=1)
     makespan = time.perf_counter() - t_start
     after = veth_counters()
-    return {"makespan_s": makespan, "latencies": clients.latencies, "spilled": cfg["requests"],
-            "remote_tokens": cfg["requests"] * cfg["output_tokens"], "local_steps": len(t_step),
-            "local_step_s": mean_of(t_step), "local_prefill_s": mean_of(t_prefill),
-            "sample_s": mean_of(t_sample) if req == "full" else 0.0, "boundary_s": mean_of(t_boundary),
-            "critical_s": mean_of(critical),
-            "veth_rx": after[0] - before[0], "veth_tx": after[1] - before[1], "alpha_s": alpha,
-            "command_bytes": command_bytes,
-            "records": [r.to_dict() for r in result_exec.meter.records],
-            "hidden_records": [r.to_dict() for r in hidden_exec.meter.records],
-            "meter_t0": {"result": result_exec.meter.t0, "hidden": hidden_exec.meter.t0},
-            "schedule": schedule, "outputs": {str(k): v for k, v in outputs.items()},
-            "logprobs": {str(k): v for k, v in logprobs.items()} if req == "logprob" else {}}
+    return {
+        "makespan_s": makespan,
+        "latencies": clients.latencies,
+        "spilled": cfg["requests"],
+        "remote_tokens": cfg["requests"] * cfg["output_tokens"],
+        "local_steps": len(t_step),
+        "local_step_s": mean_of(t_step),
+        "local_prefill_s": mean_of(t_prefill),
+        "sample_s": mean_of(t_sample) if req == "full" else 0.0,
+        "boundary_s": mean_of(t_boundary),
+        "critical_s": mean_of(critical),
+        "veth_rx": after[0] - before[0],
+        "veth_tx": after[1] - before[1],
+        "alpha_s": alpha,
+        "command_bytes": command_bytes,
+        "records": [r.to_dict() for r in result_exec.meter.records],
+        "hidden_records": [r.to_dict() for r in hidden_exec.meter.records],
+        "meter_t0": {"result": result_exec.meter.t0, "hidden": hidden_exec.meter.t0},
+        "schedule": schedule,
+        "outputs": {str(k): v for k, v in outputs.items()},
+        "logprobs": {str(k): v for k, v in logprobs.items()} if req == "logprob" else {},
+    }
 
 
 # -- host 2: the later layers, the head, the result plan --------------------------------------
@@ -254,7 +292,7 @@ def spill(cfg: Mapping[str, Any], layout: Any) -> dict:
         start, waited = time.monotonic(), 0.0
         slots = []
         for s in range(n):
-            state, rid, _ = (int(x) for x in cmd[2 + 3 * s: 5 + 3 * s])
+            state, rid, _ = (int(x) for x in cmd[2 + 3 * s : 5 + 3 * s])
             if state == EMPTY:
                 continue
             if state == NEW:
@@ -282,11 +320,17 @@ def spill(cfg: Mapping[str, Any], layout: Any) -> dict:
         t_project.append(time.perf_counter() - t1)
         for s in slots:
             done[s] += 1
-    return {"critical_s": mean_of(critical), "records": [r.to_dict() for r in result_exec.meter.records],
-            "hidden_records": [r.to_dict() for r in hidden_exec.meter.records], "steps": len(t_forward),
-            "meter_t0": {"result": result_exec.meter.t0, "hidden": hidden_exec.meter.t0},
-            "forward_s": mean_of(t_forward), "project_s": mean_of(t_project), "prefill_s": mean_of(t_prefill),
-            "planned": planned}
+    return {
+        "critical_s": mean_of(critical),
+        "records": [r.to_dict() for r in result_exec.meter.records],
+        "hidden_records": [r.to_dict() for r in hidden_exec.meter.records],
+        "steps": len(t_forward),
+        "meter_t0": {"result": result_exec.meter.t0, "hidden": hidden_exec.meter.t0},
+        "forward_s": mean_of(t_forward),
+        "project_s": mean_of(t_project),
+        "prefill_s": mean_of(t_prefill),
+        "planned": planned,
+    }
 
 
 # -- the single-process reference ---------------------------------------------------------------
@@ -302,8 +346,9 @@ class OutputCheck:
         return {"tokens": self.tokens, "identical": self.identical, "first_difference": self.first_difference}
 
 
-def reference(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]]) -> tuple[dict[int, list[int]],
-                                                                                      dict[int, list[float]]]:
+def reference(
+    cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]]
+) -> tuple[dict[int, list[int]], dict[int, list[float]]]:
     """Replay ``schedule`` in this process with the same two parts (no link): every request's
     chosen ids and, for ``logprob``, its log-probabilities. One thread, as the hosts run."""
     import torch
@@ -349,8 +394,12 @@ def reference(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]]) -> 
     return outputs, logprobs
 
 
-def compare(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]], outputs: Mapping[int, Sequence[int]],
-            logprobs: Mapping[int, Sequence[float]]) -> OutputCheck:
+def compare(
+    cfg: Mapping[str, Any],
+    schedule: Sequence[Mapping[str, Any]],
+    outputs: Mapping[int, Sequence[int]],
+    logprobs: Mapping[int, Sequence[float]],
+) -> OutputCheck:
     """Exact comparison of the live outputs with :func:`reference` (ids, and log-probs bit for bit:
     both sides compute them from identical bfloat16 logits with the same function)."""
     ref_out, ref_lp = reference(cfg, schedule)
@@ -365,7 +414,8 @@ def compare(cfg: Mapping[str, Any], schedule: Sequence[Mapping[str, Any]], outpu
             if x != y:
                 return OutputCheck(count, False, f"request {rid} token {k}: live {x}, reference {y}")
             if cfg["request"] == "logprob" and logprobs[rid][k] != ref_lp[rid][k]:
-                return OutputCheck(count, False, f"request {rid} log-prob {k}: live {logprobs[rid][k]!r}, "
-                                                 f"reference {ref_lp[rid][k]!r}")
+                return OutputCheck(
+                    count, False, f"request {rid} log-prob {k}: live {logprobs[rid][k]!r}, reference {ref_lp[rid][k]!r}"
+                )
             count += 1
     return OutputCheck(count, True, None)

@@ -31,8 +31,15 @@ from .trialconfig import TrialConfig
 # survivors' consensus, which waits for it
 _SEGMENT_STAGES = frozenset({Stage.CONSENSUS, Stage.COMMUNICATOR, Stage.REBINDING, Stage.STATE})
 
-__all__ = ["TrialResult", "ExcisionPlan", "ExcisionResult", "ReplacementStart", "compare_final", "heard_spread_ms",
-           "recovery_span"]
+__all__ = [
+    "TrialResult",
+    "ExcisionPlan",
+    "ExcisionResult",
+    "ReplacementStart",
+    "compare_final",
+    "heard_spread_ms",
+    "recovery_span",
+]
 
 
 class ReplacementStart(str, Enum):
@@ -65,10 +72,13 @@ class ExcisionResult:
     flushed_checkpoint: str | None
 
     def view(self) -> JsonObject:
-        return {"excisions": [{"step": p.step, "lost": list(p.lost)} for p in self.plan],
-                "equal_to_excising_reference": self.equal_to_excising_reference,
-                "max_abs_diff_from_unfailed": self.max_abs_diff_from_unfailed, "refused": self.refused,
-                "flushed_checkpoint": self.flushed_checkpoint}
+        return {
+            "excisions": [{"step": p.step, "lost": list(p.lost)} for p in self.plan],
+            "equal_to_excising_reference": self.equal_to_excising_reference,
+            "max_abs_diff_from_unfailed": self.max_abs_diff_from_unfailed,
+            "refused": self.refused,
+            "flushed_checkpoint": self.flushed_checkpoint,
+        }
 
 
 @dataclass
@@ -110,7 +120,9 @@ class TrialResult:
         lost), and a rank that waited inside one stage for a slower rank's earlier stage is not
         counted twice, as a sum of per-stage maxima over ranks would."""
         by_gen: dict[int, list[dict]] = {}
-        ends: dict[int, dict[tuple[EventKind | str, Stage], float]] = {}  # gen -> (event kind, stage) -> last rank's end
+        ends: dict[
+            int, dict[tuple[EventKind | str, Stage], float]
+        ] = {}  # gen -> (event kind, stage) -> last rank's end
 
         def ended(gen: int, key: tuple[EventKind | str, Stage], t: float) -> None:
             mine = ends.setdefault(gen, {})
@@ -129,7 +141,9 @@ class TrialResult:
                 by_gen.setdefault(ev.data["generation"], []).append(dict(ev.data))
             elif gen is None:
                 continue
-            elif ev.event == EventKind.FIRST_COLLECTIVE:  # part of the communicator stage (new group + first collective)
+            elif (
+                ev.event == EventKind.FIRST_COLLECTIVE
+            ):  # part of the communicator stage (new group + first collective)
                 ended(gen, (ev.event, Stage.COMMUNICATOR), float(ev.data.get("t_done_wall", ev.t)))
             elif ev.stage in _SEGMENT_STAGES and "seconds" in ev.data:
                 ended(gen, (ev.event, ev.stage), ev.t)
@@ -150,17 +164,26 @@ class TrialResult:
                 stages[stage.value] = stages.get(stage.value, 0.0) + max(0.0, t_end - t_prev)
                 t_prev = max(t_prev, t_end)
             first_collective_s = max(r["t_resumed_wall"] - r["t_first_collective_wall"] for r in recs)
-            out.append({"generation": gen, "step": step, "policy": recs[0]["policy"], "reason": recs[0]["reason"],
-                        "stages_s": stages, "recovery_s": t_resumed - t_detect,
-                        "detection_s": max(0.0, t_detect - t_inject) if t_inject else 0.0,
-                        "t_first_knew_wall": t_detect, "t_all_resumed_wall": t_resumed,
-                        "knew_spread_s": t_all_knew - t_detect,  # the first rank knowing -> every rank knowing
-                        "first_collective_s": first_collective_s,
-                        "downtime_s": (t_resumed - t_inject) if t_inject else None,
-                        "rebind_s": max(r["rebind_s"] for r in recs),
-                        "rebind_cpu_s": max(r.get("rebind_cpu_s", 0.0) for r in recs),
-                        "cpu_s": sum(r.get("cpu_s", 0.0) for r in recs),  # every rank's process, summed
-                        "lost_steps": max(r["lost_steps"] for r in recs)})
+            out.append(
+                {
+                    "generation": gen,
+                    "step": step,
+                    "policy": recs[0]["policy"],
+                    "reason": recs[0]["reason"],
+                    "stages_s": stages,
+                    "recovery_s": t_resumed - t_detect,
+                    "detection_s": max(0.0, t_detect - t_inject) if t_inject else 0.0,
+                    "t_first_knew_wall": t_detect,
+                    "t_all_resumed_wall": t_resumed,
+                    "knew_spread_s": t_all_knew - t_detect,  # the first rank knowing -> every rank knowing
+                    "first_collective_s": first_collective_s,
+                    "downtime_s": (t_resumed - t_inject) if t_inject else None,
+                    "rebind_s": max(r["rebind_s"] for r in recs),
+                    "rebind_cpu_s": max(r.get("rebind_cpu_s", 0.0) for r in recs),
+                    "cpu_s": sum(r.get("cpu_s", 0.0) for r in recs),  # every rank's process, summed
+                    "lost_steps": max(r["lost_steps"] for r in recs),
+                }
+            )
         return out
 
     def fault_to_running_ms(self, policy: str | None = None) -> list[float]:
@@ -168,8 +191,11 @@ class TrialResult:
         injection until every rank ran its first collective on the new group (detection, the
         recovery and any replay included), in ms. A recovery whose fault has no injection time
         (none was recorded at its step) is left out."""
-        return [r["downtime_s"] * 1e3 for r in self.recoveries()
-                if r["downtime_s"] is not None and (policy is None or r["policy"] == policy)]
+        return [
+            r["downtime_s"] * 1e3
+            for r in self.recoveries()
+            if r["downtime_s"] is not None and (policy is None or r["policy"] == policy)
+        ]
 
     def _inject_time(self, step: int) -> float | None:
         for f in self.faults:
@@ -191,36 +217,53 @@ class TrialResult:
         det = statistics.median(detection) if detection else 0.0
         drills = [res.drill for res in self.faulted if res.drill is not None]
         if self.checkpoint_baseline is not None:  # the same losses, restored from the checkpoint
-            same = [r["downtime_s"] for r in self.checkpoint_baseline.recoveries()
-                    if r["policy"] == Policy.CHECKPOINT_RESTORE.value and r["downtime_s"] is not None]
+            same = [
+                r["downtime_s"]
+                for r in self.checkpoint_baseline.recoveries()
+                if r["policy"] == Policy.CHECKPOINT_RESTORE.value and r["downtime_s"] is not None
+            ]
             ckpt = statistics.median(same) if same else None
         else:
-            ckpt = (self.outage_s(det, restart=False) + max(d.t_end_wall for d in drills)
-                    - min(d.t_start_wall for d in drills)) if drills else None
+            ckpt = (
+                (
+                    self.outage_s(det, restart=False)
+                    + max(d.t_end_wall for d in drills)
+                    - min(d.t_start_wall for d in drills)
+                )
+                if drills
+                else None
+            )
         cold = None
         if self.cold and self.cold_launch_wall is not None:
             caught_up = max(self._caught_up(r) for r in self.cold)
             cold = self.outage_s(det, restart=True) + caught_up - self.cold_launch_wall
-        peer = [r["downtime_s"] for r in recs
-                if r["policy"] == Policy.PEER_RESTORE.value and r["downtime_s"] is not None]
+        peer = [
+            r["downtime_s"] for r in recs if r["policy"] == Policy.PEER_RESTORE.value and r["downtime_s"] is not None
+        ]
         excise = [r["downtime_s"] for r in recs if r["policy"] == Policy.EXCISE.value and r["downtime_s"] is not None]
-        return {Policy.IN_MEMORY.value: statistics.median(mem) if mem else None,
-                Policy.PEER_RESTORE.value: statistics.median(peer) if peer else None,
-                Policy.EXCISE.value: statistics.median(excise) if excise else None,
-                Policy.CHECKPOINT_RESTORE.value: ckpt, Policy.COLD_RESTART.value: cold}
+        return {
+            Policy.IN_MEMORY.value: statistics.median(mem) if mem else None,
+            Policy.PEER_RESTORE.value: statistics.median(peer) if peer else None,
+            Policy.EXCISE.value: statistics.median(excise) if excise else None,
+            Policy.CHECKPOINT_RESTORE.value: ckpt,
+            Policy.COLD_RESTART.value: cold,
+        }
 
     def _caught_up(self, cold: RankOutcome) -> float:
         """When a cold-restarted rank had replayed :attr:`cold_replays` steps (its loop's end when
         that is None): its checkpoint loaded, then that many of its measured steps."""
         if self.cold_replays is None or cold.t_loaded_wall is None:
             return cold.t_caught_up_wall
-        return cold.t_loaded_wall + sum(cold.step_s[:self.cold_replays])
+        return cold.t_loaded_wall + sum(cold.step_s[: self.cold_replays])
 
     def checkpoint_replays(self) -> int | None:
         """Steps the checkpoint-restore baseline replayed (the median over its restores)."""
         if self.checkpoint_baseline is not None:
-            lost = [r["lost_steps"] for r in self.checkpoint_baseline.recoveries()
-                    if r["policy"] == Policy.CHECKPOINT_RESTORE.value]
+            lost = [
+                r["lost_steps"]
+                for r in self.checkpoint_baseline.recoveries()
+                if r["policy"] == Policy.CHECKPOINT_RESTORE.value
+            ]
             return int(statistics.median(lost)) if lost else None
         drills = [res.drill for res in self.faulted if res.drill is not None]
         return drills[0].lost_steps if drills else None
@@ -234,23 +277,26 @@ class TrialResult:
         lost = "the lost rank" if kind is FaultKind.SILENT else "the killed rank"
         replays = self.checkpoint_replays()
         replay = f"the replay of {replays} lost step(s)" if replays is not None else "the replay of the lost steps"
-        cleared = {FaultKind.PARTITION: "detection or the data link back up, whichever is later",
-                   FaultKind.STALL: "detection or the stalled rank awake, whichever is later"}.get(kind, "detection")
+        cleared = {
+            FaultKind.PARTITION: "detection or the data link back up, whichever is later",
+            FaultKind.STALL: "detection or the stalled rank awake, whichever is later",
+        }.get(kind, "detection")
         texts = {
             Policy.IN_MEMORY.value: "detection, consensus, new communicators, rebinding, the first collective; "
-                                    "no process lost, no state moved",
+            "no process lost, no state moved",
             Policy.PEER_RESTORE.value: f"detection, {lost}'s replacement ({start}), consensus, new communicators, "
-                                       "its state from a peer's copy, the first collective",
+            "its state from a peer's copy, the first collective",
             Policy.EXCISE.value: f"detection, consensus, the survivors' new communicators and re-sharded state, the "
-                                 f"first collective; {lost} is not replaced",
+            f"first collective; {lost} is not replaced",
             Policy.CHECKPOINT_RESTORE.value: (
                 f"the same loss as peer restore: detection, {lost}'s replacement ({start}), consensus, new "
                 f"communicators, every rank reloading the last checkpoint, {replay}"
-                if self.checkpoint_baseline is not None else
-                f"{cleared}, then a restore in the same job with no process lost: consensus, new communicators, "
-                f"every rank reloading the last checkpoint, {replay}"),
+                if self.checkpoint_baseline is not None
+                else f"{cleared}, then a restore in the same job with no process lost: consensus, new communicators, "
+                f"every rank reloading the last checkpoint, {replay}"
+            ),
             Policy.COLD_RESTART.value: f"{cleared if kind is not FaultKind.STALL else 'detection'}, every rank's "
-                                       f"process started anew (fresh interpreters), the checkpoint loaded, {replay}",
+            f"process started anew (fresh interpreters), the checkpoint loaded, {replay}",
         }
         return {policy: (texts[policy] if down[policy] is not None else None) for policy in down}
 
@@ -273,11 +319,13 @@ class TrialResult:
         without = [s for o in self.reference for s in o.step_s]
         commits = max(p.commits for p in reports)
         return AsyncCheckpointStats(
-            steps=commits, step_s_without=statistics.median(without) if without else 0.0,
+            steps=commits,
+            step_s_without=statistics.median(without) if without else 0.0,
             step_s_with=statistics.median(with_) if with_ else 0.0,
             host_bytes=max(p.host_bytes_peak for p in reports),
             bytes_per_step=int(sum(p.bytes_sent / p.commits for p in reports)),
-            write_s_mean=statistics.mean(p.ship_s / p.commits for p in reports))
+            write_s_mean=statistics.mean(p.ship_s / p.commits for p in reports),
+        )
 
     def peer_copy_overhead(self) -> JsonObject | None:
         """The ``--json`` view of :meth:`peer_copy_stats`."""
@@ -285,13 +333,19 @@ class TrialResult:
         if stats is None:
             return None
         reports = [o.peer for o in self.faulted if o.peer is not None and o.peer.commits]
-        return {"copies": self.config.peer_copies,
-                "step_latency": stats.overhead if stats.step_s_without else None,
-                "step_ms_without": stats.step_s_without * 1e3 or None, "step_ms_with": stats.step_s_with * 1e3,
-                "snapshot_ms_per_commit": 1e3 * statistics.mean(p.snapshot_s / p.commits for p in reports),
-                "host_bytes_per_rank": stats.host_bytes, "network_bytes_per_step": stats.bytes_per_step,
-                "network_bytes_per_hour": stats.bytes_per_hour, "ship_ms_mean": stats.write_s_mean * 1e3,
-                "copies_failed": sum(p.failed for p in reports), **_copy_rates(reports)}
+        return {
+            "copies": self.config.peer_copies,
+            "step_latency": stats.overhead if stats.step_s_without else None,
+            "step_ms_without": stats.step_s_without * 1e3 or None,
+            "step_ms_with": stats.step_s_with * 1e3,
+            "snapshot_ms_per_commit": 1e3 * statistics.mean(p.snapshot_s / p.commits for p in reports),
+            "host_bytes_per_rank": stats.host_bytes,
+            "network_bytes_per_step": stats.bytes_per_step,
+            "network_bytes_per_hour": stats.bytes_per_hour,
+            "ship_ms_mean": stats.write_s_mean * 1e3,
+            "copies_failed": sum(p.failed for p in reports),
+            **_copy_rates(reports),
+        }
 
     def outage_s(self, detection_s: float, restart: bool) -> float:
         """How long after the fault a baseline can start its own work: detection, or longer
@@ -323,26 +377,36 @@ class TrialResult:
         rebind = sorted(r["rebind_s"] * 1e3 for r in recs)
         down = self.downtime()
         return {
-            "ranks": self.config.ranks, "steps": self.config.steps, "fault_kind": self.config.fault_kind.value,
+            "ranks": self.config.ranks,
+            "steps": self.config.steps,
+            "fault_kind": self.config.fault_kind.value,
             "faults_injected": len(self.fault_records),
             "faults_recovered": self.faults_recovered(),
             "bit_identical": self.bit_identical,
             "policy_counts": self.policy_counts(),
-            "rebind_ms": {"median": statistics.median(rebind) if rebind else None,
-                          "max": max(rebind) if rebind else None},
+            "rebind_ms": {
+                "median": statistics.median(rebind) if rebind else None,
+                "max": max(rebind) if rebind else None,
+            },
             "rebind_cpu_ms": _median_max([r["rebind_cpu_s"] * 1e3 for r in recs]),
             "recovery_cpu_ms": _median_max([r["cpu_s"] * 1e3 for r in recs]),
-            "downtime_s": {"in_memory": down["in_memory"], "peer_restore": down["peer_restore"],
-                           "excise": down["excise"], "checkpoint_restore": down["checkpoint_restore"],
-                           "cold_restart": down["cold_restart"]},
+            "downtime_s": {
+                "in_memory": down["in_memory"],
+                "peer_restore": down["peer_restore"],
+                "excise": down["excise"],
+                "checkpoint_restore": down["checkpoint_restore"],
+                "cold_restart": down["cold_restart"],
+            },
             "downtime_includes": self.downtime_includes(),
             "storage_bytes_read": self.storage_bytes_read(),
             "final_world_size": len(self.faulted),
             "peer_copy_overhead": self.peer_copy_overhead(),
             "excision": self.excision.view() if self.excision is not None else None,
             "recording": self.recording,
-            "recovery_ms": {"median": statistics.median([r["recovery_s"] * 1e3 for r in recs]) if recs else None,
-                            "max": max([r["recovery_s"] * 1e3 for r in recs], default=None)},
+            "recovery_ms": {
+                "median": statistics.median([r["recovery_s"] * 1e3 for r in recs]) if recs else None,
+                "max": max([r["recovery_s"] * 1e3 for r in recs], default=None),
+            },
             "old_group_ops_after_rebind": self.old_group_ops_after_rebind(),
             "retired_groups_still_referenced": sum(r.alive for res in self.faulted for r in res.retired),
             "replacement_processes": self.replacements,
@@ -367,12 +431,14 @@ def _copy_rates(reports: list[Any]) -> JsonObject:
     if not timed:
         return {}
 
-    return {"host_copy_ms_per_commit": 1e3 * statistics.mean(p.host_copy_s / p.commits for p in timed),
-            "wait_ms_per_commit": 1e3 * statistics.mean(p.wait_s / p.commits for p in timed),
-            "ship_cpu_ms_per_commit": 1e3 * statistics.mean(p.ship_cpu_s / p.commits for p in timed),
-            "receive_cpu_ms_per_commit": 1e3 * statistics.mean(p.recv_cpu_s / p.commits for p in timed),
-            "step_cpu_ms": 1e3 * statistics.mean(step_cpu_s(p) for p in timed),
-            **_cores_available(timed)}
+    return {
+        "host_copy_ms_per_commit": 1e3 * statistics.mean(p.host_copy_s / p.commits for p in timed),
+        "wait_ms_per_commit": 1e3 * statistics.mean(p.wait_s / p.commits for p in timed),
+        "ship_cpu_ms_per_commit": 1e3 * statistics.mean(p.ship_cpu_s / p.commits for p in timed),
+        "receive_cpu_ms_per_commit": 1e3 * statistics.mean(p.recv_cpu_s / p.commits for p in timed),
+        "step_cpu_ms": 1e3 * statistics.mean(step_cpu_s(p) for p in timed),
+        **_cores_available(timed),
+    }
 
 
 def _cores_available(timed: list[Any]) -> JsonObject:
@@ -382,8 +448,7 @@ def _cores_available(timed: list[Any]) -> JsonObject:
         return {"cores_per_rank": min(p.cores_per_rank for p in timed)}  # no host counters: the host's share
     ours = sum(p.cycle_cpu_s / p.cycle_s for p in timed)
     external = max(statistics.mean(p.host_busy_s / p.cycle_s for p in timed) - ours, 0.0)
-    return {"host_cores": cores, "external_cores": external,
-            "cores_per_rank": max(cores - external, ours) / len(timed)}
+    return {"host_cores": cores, "external_cores": external, "cores_per_rank": max(cores - external, ours) / len(timed)}
 
 
 def recovery_span(records: list[dict[str, Any]]) -> tuple[float, float]:
@@ -412,7 +477,9 @@ def heard_spread_ms(events: list[Event]) -> list[float]:
         d = ev.data
         t = ev.t - float(d.get("seconds", 0.0))  # detect() began: the step raised
         if d.get("heartbeat_alarm") and "heartbeat_severed_to_raised_ms" in d:
-            t = min(t, ev.t - (float(d["heartbeat_severed_to_raised_ms"]) + float(d["heartbeat_alarm_to_severed_ms"])) / 1e3)
+            t = min(
+                t, ev.t - (float(d["heartbeat_severed_to_raised_ms"]) + float(d["heartbeat_alarm_to_severed_ms"])) / 1e3
+            )
         heard.setdefault((int(d.get("generation", 0)), int(d.get("step", -1))), []).append(t)
     return [(max(ts) - min(ts)) * 1e3 for _, ts in sorted(heard.items()) if len(ts) > 1]
 

@@ -18,8 +18,17 @@ import torch
 from meshpact.core.jsonform import JsonObject
 
 from ..recovery.checkpoint import state_bytes
-from ..recovery.reshard import (ExcisionRefused, GradientWeight, Membership, adopt_objects, carry_schedule, excise,
-                                replica_of, share_batch)
+from ..recovery.reshard import (
+    ExcisionRefused,
+    GradientWeight,
+    Membership,
+    adopt_objects,
+    carry_schedule,
+    excise,
+    replica_of,
+    share_batch,
+)
+
 
 @dataclass(frozen=True)
 class _Plan:
@@ -48,7 +57,7 @@ def _publish(store: Any, run_id: str, rank: int, step: int, state: Mapping[str, 
     data, key = buf.getvalue(), _copy_key(run_id, rank, step)
     pieces = range(0, len(data), _STORE_PIECE)  # a libuv store refuses a value over 8 MiB
     for i, at in enumerate(pieces):
-        store.set(f"{key}/{i}", data[at:at + _STORE_PIECE])
+        store.set(f"{key}/{i}", data[at : at + _STORE_PIECE])
     store.set(key, str(len(pieces)))  # last: a reader waiting on it finds every piece there
     if step > 0:
         old = _copy_key(run_id, rank, step - 1)
@@ -87,8 +96,9 @@ def excision_drill(args: JsonObject) -> JsonObject:
         sys.modules["numpy"].random.seed(0)
     world = int(os.environ["WORLD_SIZE"])
     workload = load_workload(args["workload"], world)
-    config = RecoveryConfig(data_timeout_s=float(args.get("data_timeout_s", 10.0)), vendor="cpu",
-                            peer_copies=0)  # the copies a reference re-shards from are kept in the store
+    config = RecoveryConfig(
+        data_timeout_s=float(args.get("data_timeout_s", 10.0)), vendor="cpu", peer_copies=0
+    )  # the copies a reference re-shards from are kept in the store
     session = start_session(config, workload.mesh.shape, workload.mesh.names)
     shape = tuple(workload.mesh.shape)  # a 2-D (HSDP) mesh loses whole replicas: one shorter per replica lost
     me = session.rank
@@ -112,8 +122,13 @@ def excision_drill(args: JsonObject) -> JsonObject:
     refused: JsonObject = {}
     for step in range(int(args["steps"])):
         due = [p for p in plans if p.step == step]
-        leaving = ({membership.alive[q] for q in replica_of(shape, [membership.group_rank(due[0].rank)])}
-                   if due and len(shape) == 2 else {due[0].rank} if due else set())
+        leaving = (
+            {membership.alive[q] for q in replica_of(shape, [membership.group_rank(due[0].rank)])}
+            if due and len(shape) == 2
+            else {due[0].rank}
+            if due
+            else set()
+        )
         if me in leaving:
             # hands over its copy (already published) and leaves; keeps its state to compare
             torch.save(state_now(), os.path.join(args["out_dir"], f"left-rank{me}.pt"))
@@ -125,16 +140,28 @@ def excision_drill(args: JsonObject) -> JsonObject:
             workload.train_step(model, optimizer, share.batch)
         if due:
             lost = due[0].rank
-            held: dict[int, Mapping[str, torch.Tensor]] = {lost: _fetch(session.store, spec.run_id, lost, step)} \
-                if _holder(membership, lost) == me else {}
+            held: dict[int, Mapping[str, torch.Tensor]] = (
+                {lost: _fetch(session.store, spec.run_id, lost, step)} if _holder(membership, lost) == me else {}
+            )
             generation += 1
             committed = capture_schedule(optimizer, schedulers)
             try:
-                out = excise(state_now(), held, membership, [lost], step=step, spec=spec,
-                             store=session.store, generation=generation, old_group=group,
-                             build=lambda mesh: built(workload, mesh), min_ranks=int(args.get("min_ranks", 1)),
-                             checkpoint_dir=args.get("checkpoint_dir"), shape=shape,
-                             names=workload.mesh.names if len(shape) == 2 else None)
+                out = excise(
+                    state_now(),
+                    held,
+                    membership,
+                    [lost],
+                    step=step,
+                    spec=spec,
+                    store=session.store,
+                    generation=generation,
+                    old_group=group,
+                    build=lambda mesh: built(workload, mesh),
+                    min_ranks=int(args.get("min_ranks", 1)),
+                    checkpoint_dir=args.get("checkpoint_dir"),
+                    shape=shape,
+                    names=workload.mesh.names if len(shape) == 2 else None,
+                )
             except ExcisionRefused as exc:
                 refused = {"refused": str(exc), "checkpoint": exc.checkpoint, "step": step}
                 break
@@ -142,7 +169,9 @@ def excision_drill(args: JsonObject) -> JsonObject:
             model, optimizer, group, spec, membership = out.model, out.optimizer, out.group, out.spec, out.membership
             shape = out.shape
             schedulers = carry_schedule(committed, optimizer)
-            if objects and workload.state is not None:  # the lost rank's objects continue here, from its copy's positions
+            if (
+                objects and workload.state is not None
+            ):  # the lost rank's objects continue here, from its copy's positions
                 adopt_objects(objects, out.departed, workload.state)
             weight = GradientWeight(model)
             records.append(out.record.to_dict())
@@ -157,5 +186,14 @@ def excision_drill(args: JsonObject) -> JsonObject:
             fh.write(f"{step + 1} {membership.world} {digests[step + 1]}\n")  # kept if this rank is killed later
     state = state_now()
     torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args["out_dir"], f"final-rank{me}.pt"))
-    return {"rank": me, "group_rank": spec.rank, "world": membership.world, "alive": list(membership.alive),
-            "records": records, "downtime_s": downtime, "digests": digests, "state_bytes": state_bytes(state), **refused}
+    return {
+        "rank": me,
+        "group_rank": spec.rank,
+        "world": membership.world,
+        "alive": list(membership.alive),
+        "records": records,
+        "downtime_s": downtime,
+        "digests": digests,
+        "state_bytes": state_bytes(state),
+        **refused,
+    }

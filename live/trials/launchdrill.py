@@ -21,8 +21,17 @@ from typing import Sequence
 
 from ..recovery.jobkey import KEY_ENV, draw
 
-__all__ = ["EXAMPLE", "Progress", "Final", "Job", "read_finals", "read_progress", "resumed_at", "excised_at",
-           "excising_reference"]
+__all__ = [
+    "EXAMPLE",
+    "Progress",
+    "Final",
+    "Job",
+    "read_finals",
+    "read_progress",
+    "resumed_at",
+    "excised_at",
+    "excising_reference",
+]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "resilient_train.py"
 
@@ -65,20 +74,39 @@ def excised_at(final: Final) -> int | None:
     return steps[0] if len(steps) == 1 else None
 
 
-def excising_reference(out: Path, steps: int, excise_at: int, world: int, survivors: int,
-                       timeout_s: float = 300.0) -> dict[int, Final]:
+def excising_reference(
+    out: Path, steps: int, excise_at: int, world: int, survivors: int, timeout_s: float = 300.0
+) -> dict[int, Final]:
     """The example's job with ranks ``survivors..world-1`` leaving before ``excise_at``, no fault
     (:mod:`meshpact.live.trials.launchref`, under plain torchrun): what each survivor ends with."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world), "-m",
-           "meshpact.live.trials.launchref", "--steps", str(steps), "--excise-at", str(excise_at), "--survivors",
-           str(survivors), "--out", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(world),
+        "-m",
+        "meshpact.live.trials.launchref",
+        "--steps",
+        str(steps),
+        "--excise-at",
+        str(excise_at),
+        "--survivors",
+        str(survivors),
+        "--out",
+        str(out),
+    ]
     with open(out / "launcher.log", "w") as log:
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}).returncode
+        rc = subprocess.run(
+            cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        ).returncode
     if rc != 0:
-        raise RuntimeError(f"the excising reference exited with {rc}; its log ends:\n"
-                           f"{(out / 'launcher.log').read_text(errors='replace')[-4000:]}")
+        raise RuntimeError(
+            f"the excising reference exited with {rc}; its log ends:\n"
+            f"{(out / 'launcher.log').read_text(errors='replace')[-4000:]}"
+        )
     return read_finals(out, survivors)
 
 
@@ -97,8 +125,14 @@ def read_finals(out: Path, ranks: int) -> dict[int, Final]:
             d = json.loads((out / f"rank{r}.json").read_text())
         except (OSError, ValueError):
             continue
-        finals[r] = Final(r, int(d["pid"]), int(d["incarnation"]), str(d["digest"]), tuple(d.get("recoveries", ())),
-                          int(d.get("storage_bytes_read", 0)))
+        finals[r] = Final(
+            r,
+            int(d["pid"]),
+            int(d["incarnation"]),
+            str(d["digest"]),
+            tuple(d.get("recoveries", ())),
+            int(d.get("storage_bytes_read", 0)),
+        )
     return finals
 
 
@@ -109,8 +143,9 @@ def _is_worker(pid: int, out: Path) -> bool:
     except OSError:
         return False
     # a promoted spare runs the script in itself; a forked worker has its fork server's command line
-    return str(out) in cmdline or any(m in cmdline for m in ("meshpact.live.launch.warmspare",
-                                                              "meshpact.live.launch.forkserver"))
+    return str(out) in cmdline or any(
+        m in cmdline for m in ("meshpact.live.launch.warmspare", "meshpact.live.launch.forkserver")
+    )
 
 
 def resumed_at(out: Path, ranks: Sequence[int], step: int, after: float) -> float | None:
@@ -133,20 +168,44 @@ def resumed_at(out: Path, ranks: Sequence[int], step: int, after: float) -> floa
 class Job:
     """One launcher process running the example script; use as a context manager (killed on exit)."""
 
-    def __init__(self, launcher: Sequence[str], out: Path, steps: int, step_s: float = 0.0,
-                 prefix: Sequence[str] = (), env: dict[str, str] | None = None, name: str = "launcher",
-                 script_args: Sequence[str] = (), script: Path = EXAMPLE) -> None:
+    def __init__(
+        self,
+        launcher: Sequence[str],
+        out: Path,
+        steps: int,
+        step_s: float = 0.0,
+        prefix: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+        name: str = "launcher",
+        script_args: Sequence[str] = (),
+        script: Path = EXAMPLE,
+    ) -> None:
         """``out``: the ranks' folder (several launchers of one job share it); ``name`` this launcher's log;
         ``script``: another training script taking ``--steps``, ``--step-s`` and ``--out``."""
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         self.log = out / f"{name}.log"
-        cmd = [*prefix, *launcher, str(script), "--steps", str(steps), "--step-s", str(step_s), "--out", str(out),
-               *script_args]
+        cmd = [
+            *prefix,
+            *launcher,
+            str(script),
+            "--steps",
+            str(steps),
+            "--step-s",
+            str(step_s),
+            "--out",
+            str(out),
+            *script_args,
+        ]
         self._log = open(self.log, "w")
         self.t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        )
 
     @staticmethod
     def key_env() -> dict[str, str]:
@@ -173,8 +232,10 @@ class Job:
             if p is not None and p.step >= step:
                 return p
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the launcher exited with {self.proc.returncode} before rank {rank} reached step "
-                                   f"{step}; its log ends:\n{self.tail()}")
+                raise RuntimeError(
+                    f"the launcher exited with {self.proc.returncode} before rank {rank} reached step "
+                    f"{step}; its log ends:\n{self.tail()}"
+                )
             time.sleep(0.02)
         raise TimeoutError(f"rank {rank} did not reach step {step} within {timeout_s:.0f} s; log:\n{self.tail()}")
 
@@ -185,8 +246,10 @@ class Job:
             if text in self.tail(1 << 20):
                 return
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the launcher exited with {self.proc.returncode} before its log said {text!r}; "
-                                   f"its log ends:\n{self.tail()}")
+                raise RuntimeError(
+                    f"the launcher exited with {self.proc.returncode} before its log said {text!r}; "
+                    f"its log ends:\n{self.tail()}"
+                )
             time.sleep(0.05)
         raise TimeoutError(f"the launcher's log did not say {text!r} within {timeout_s:.0f} s; log:\n{self.tail()}")
 

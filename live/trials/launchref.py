@@ -55,8 +55,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if not 0 < args.survivors < world or not 0 <= args.excise_at <= args.steps:
-        sys.stderr.write(f"error: --survivors {args.survivors} --excise-at {args.excise_at}: expected 1..{world - 1} "
-                         f"survivors and a step in 0..{args.steps}\n")
+        sys.stderr.write(
+            f"error: --survivors {args.survivors} --excise-at {args.excise_at}: expected 1..{world - 1} "
+            f"survivors and a step in 0..{args.steps}\n"
+        )
         return 2
     random.seed(rank)  # as the example seeds them: every generator is in the state compared
     numpy.random.seed(rank)

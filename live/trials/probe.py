@@ -31,9 +31,21 @@ from meshpact.core.jsonform import JsonValue
 if TYPE_CHECKING:
     from ..recovery.checkpoint import AsyncCheckpointStats
 
-__all__ = ["rebind_probe", "site_audit", "torchft_probe", "checkpoint_probe", "false_alarm_probe", "FalseAlarms",
-           "ProbeArgs", "RebindAudit", "RebindResult", "SiteAudit", "SiteAuditResult", "TorchftResult",
-           "CheckpointResult"]
+__all__ = [
+    "rebind_probe",
+    "site_audit",
+    "torchft_probe",
+    "checkpoint_probe",
+    "false_alarm_probe",
+    "FalseAlarms",
+    "ProbeArgs",
+    "RebindAudit",
+    "RebindResult",
+    "SiteAudit",
+    "SiteAuditResult",
+    "TorchftResult",
+    "CheckpointResult",
+]
 
 JsonArgs = Mapping[str, JsonValue]  # a probe's arguments as the launcher hands them over (JSON)
 
@@ -58,8 +70,7 @@ class ProbeArgs:
         unknown = sorted(set(args) - known)
         if unknown:
             raise ValueError(f"unknown probe argument(s) {unknown}; expected some of {sorted(known)}")
-        seqs = {k: tuple(args[k]) for k in ("skip_sites", "mesh_shape", "mesh_names")
-                if args.get(k) is not None}
+        seqs = {k: tuple(args[k]) for k in ("skip_sites", "mesh_shape", "mesh_names") if args.get(k) is not None}
         return cls(**{**args, **seqs})
 
 
@@ -152,7 +163,9 @@ def rebind_probe(raw: JsonArgs) -> dict[str, object]:
     from ..recovery.session import c10d_default, start_session
 
     args = ProbeArgs.of(raw)
-    session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 10.0, checkpoint_dir=None, peer_copies=0))
+    session = start_session(
+        RecoveryConfig(data_timeout_s=args.data_timeout_s or 10.0, checkpoint_dir=None, peer_copies=0)
+    )
     cfg = ModelConfig(**args.model)
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
@@ -201,12 +214,29 @@ def rebind_probe(raw: JsonArgs) -> dict[str, object]:
             build_ms.append((t1 - t0) * 1e3)
             rebind_ms.append((t2 - t1) * 1e3)
             first_op_ms.append((t4 - t3) * 1e3)
-            audits.append(RebindAudit(
-                old_name, new.group_name, sorted(set(before)), sorted(set(after)), dict(report.counts),
-                ref() is None, resolvable, counter.counts.get(old_name, 0) - ops_at_rebind, seq_after,
-                counter.counts.get(new.group_name, 0)))
-    return RebindResult(session.rank, build_ms, rebind_ms, first_op_ms, audits, statistics.median(rebind_ms),
-                        comm.can_reconfigure(session.group)).to_dict()
+            audits.append(
+                RebindAudit(
+                    old_name,
+                    new.group_name,
+                    sorted(set(before)),
+                    sorted(set(after)),
+                    dict(report.counts),
+                    ref() is None,
+                    resolvable,
+                    counter.counts.get(old_name, 0) - ops_at_rebind,
+                    seq_after,
+                    counter.counts.get(new.group_name, 0),
+                )
+            )
+    return RebindResult(
+        session.rank,
+        build_ms,
+        rebind_ms,
+        first_op_ms,
+        audits,
+        statistics.median(rebind_ms),
+        comm.can_reconfigure(session.group),
+    ).to_dict()
 
 
 def _stale(model: Any, optimizer: Any, meshes: list[Any], old: Mapping[str, Any]) -> list[str]:
@@ -243,8 +273,11 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
 
     args = ProbeArgs.of(raw)
     shape = args.mesh_shape
-    session = start_session(RecoveryConfig(data_timeout_s=args.data_timeout_s or 30.0, peer_copies=0),
-                            shape or None, args.mesh_names or None)
+    session = start_session(
+        RecoveryConfig(data_timeout_s=args.data_timeout_s or 30.0, peer_copies=0),
+        shape or None,
+        args.mesh_names or None,
+    )
     cfg = ModelConfig()
     model, optimizer = build(cfg, session.mesh)
     train_step = make_train_step(model, optimizer)
@@ -260,8 +293,7 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
             rebound += rebind(old[base], new[base], model, optimizer, meshes, skip=(site.name,)).total
         c10d_default(new[comm.WORLD])
         missed = _stale(model, optimizer, meshes, old)
-        applied = sum(rebind(old[base], new[base], model, optimizer, meshes, only=(site.name,)).total
-                      for base in old)
+        applied = sum(rebind(old[base], new[base], model, optimizer, meshes, only=(site.name,)).total for base in old)
         clean = _stale(model, optimizer, meshes, old)
         backends = [comm.backend_of(g, session.spec.device) for g in old.values()]
         seq0 = [comm.sequence_number(b) for b in backends]
@@ -271,8 +303,12 @@ def site_audit(raw: JsonArgs) -> dict[str, object]:
         step += 1
         train_step(make_batch(cfg, step, session.rank))
         sites[site.name] = SiteAudit(
-            applied, missed, clean, sum(comm.sequence_number(b) - s0 for b, s0 in zip(backends, seq0)),
-            sum(comm.sequence_number(comm.backend_of(g, session.spec.device)) for g in new.values()))
+            applied,
+            missed,
+            clean,
+            sum(comm.sequence_number(b) - s0 for b, s0 in zip(backends, seq0)),
+            sum(comm.sequence_number(comm.backend_of(g, session.spec.device)) for g in new.values()),
+        )
         del backends
     return SiteAuditResult(session.rank, sites).to_dict()
 
@@ -336,9 +372,14 @@ def checkpoint_probe(raw: JsonArgs) -> dict[str, object]:
     ckpt.close()
     if scratch is not None:
         shutil.rmtree(scratch, ignore_errors=True)
-    stats = AsyncCheckpointStats(steps, statistics.median(plain), statistics.median(with_ckpt), ckpt.host_bytes,
-                                 state_bytes(local_state(model, optimizer)),
-                                 statistics.mean(ckpt.writes) if ckpt.writes else 0.0)
+    stats = AsyncCheckpointStats(
+        steps,
+        statistics.median(plain),
+        statistics.median(with_ckpt),
+        ckpt.host_bytes,
+        state_bytes(local_state(model, optimizer)),
+        statistics.mean(ckpt.writes) if ckpt.writes else 0.0,
+    )
     return CheckpointResult(session.rank, stats, ckpt.bytes_written).to_dict()
 
 
@@ -388,10 +429,20 @@ def false_alarm_probe(raw: JsonArgs) -> dict[str, object]:
             dist.all_reduce(done, op=dist.ReduceOp.MAX, group=session.group)  # every rank stops at one step
             if done.item() > 0:
                 break
-    alarms = sum(1 for e in session.events if e.event == EventKind.DETECTED
-                 and (e.data.get("heartbeat_stalled") or e.data.get("heartbeat_quiet")))
-    return FalseAlarms(session.rank, time.time() - t0, steps, len(rt.recoveries), alarms, config.heartbeat,
-                       round(os.getloadavg()[0], 2)).to_dict()
+    alarms = sum(
+        1
+        for e in session.events
+        if e.event == EventKind.DETECTED and (e.data.get("heartbeat_stalled") or e.data.get("heartbeat_quiet"))
+    )
+    return FalseAlarms(
+        session.rank,
+        time.time() - t0,
+        steps,
+        len(rt.recoveries),
+        alarms,
+        config.heartbeat,
+        round(os.getloadavg()[0], 2),
+    ).to_dict()
 
 
 def stuck_send_probe(raw: JsonArgs) -> dict[str, object]:
@@ -436,9 +487,13 @@ def _three_steps(session: Any, model: Any, optimizer: Any, train_step: Any, bega
         for step in range(3):
             rt.step(train_step, step)
     detected = [e for e in session.events if e.event == EventKind.DETECTED]
-    return {"rank": session.rank, "recoveries": [r.to_dict() for r in rt.recoveries],
-            "knew_after_s": [r.t_detect_wall - began[0] for r in rt.recoveries],
-            "errors": [str(e.data.get("error", "")) for e in detected], "steps": rt.committed_step}
+    return {
+        "rank": session.rank,
+        "recoveries": [r.to_dict() for r in rt.recoveries],
+        "knew_after_s": [r.t_detect_wall - began[0] for r in rt.recoveries],
+        "errors": [str(e.data.get("error", "")) for e in detected],
+        "steps": rt.committed_step,
+    }
 
 
 def large_send_probe(raw: JsonArgs) -> dict[str, object]:

@@ -49,8 +49,16 @@ def _has_compiled(model: Any) -> bool:
     return any(type(m).__name__ == "OptimizedModule" for part in parts for m in part.modules())
 
 
-def keep_pace(work: Path, phase: str, step: int, last_start: float, max_period_s: float, emit: Any,
-              idle: Callable[[], object] | None = None, gone: Callable[[], bool] | None = None) -> float:
+def keep_pace(
+    work: Path,
+    phase: str,
+    step: int,
+    last_start: float,
+    max_period_s: float,
+    emit: Any,
+    idle: Callable[[], object] | None = None,
+    gone: Callable[[], bool] | None = None,
+) -> float:
     """Before ``step``: wait while ``phase`` is held (a ``held`` event), calling ``idle()``
     every look (the runtime's ``join_recovery``: a peer lost meanwhile is recovered from while
     held, not after the rank-loss bound), then until a step period has passed since
@@ -109,13 +117,19 @@ def worker(args: JsonObject) -> JsonObject:
         sys.modules["numpy"].random.seed(0)
     world = int(os.environ["WORLD_SIZE"])
     workload = load_workload(args["workload"], world)
-    config = RecoveryConfig(data_timeout_s=args["data_timeout_s"], process_start_s=args["process_start_s"],
-                            group_create_s=args["group_create_s"],
-                            checkpoint_dir=args.get("checkpoint_dir"), checkpoint_every=args["checkpoint_every"],
-                            count_dispatch=args.get("count_dispatch", False),
-                            restore_rng=args.get("restore_rng", True), heartbeat=args.get("heartbeat", False),
-                            peer_copies=int(args.get("peer_copies", 0)), max_rounds=int(args.get("max_rounds", 4)),
-                            peer_copy_depth=int(args.get("peer_copy_depth", 2)))
+    config = RecoveryConfig(
+        data_timeout_s=args["data_timeout_s"],
+        process_start_s=args["process_start_s"],
+        group_create_s=args["group_create_s"],
+        checkpoint_dir=args.get("checkpoint_dir"),
+        checkpoint_every=args["checkpoint_every"],
+        count_dispatch=args.get("count_dispatch", False),
+        restore_rng=args.get("restore_rng", True),
+        heartbeat=args.get("heartbeat", False),
+        peer_copies=int(args.get("peer_copies", 0)),
+        max_rounds=int(args.get("max_rounds", 4)),
+        peer_copy_depth=int(args.get("peer_copy_depth", 2)),
+    )
     t_start = time.time()
     session = start_session(config, workload.mesh.shape, workload.mesh.names)
     rank, steps = session.rank, int(args["steps"])
@@ -149,10 +163,18 @@ def worker(args: JsonObject) -> JsonObject:
 
     refused: ExcisionRefused | None = None
     left: LeftWithReplica | None = None  # this rank's HSDP replica was excised: it left the job
-    with resilient(model, optimizer, session, injector, batches, on_rank_loss=Policy(args.get(
-            "on_rank_loss", Policy.PEER_RESTORE.value)), min_ranks=int(args.get("min_ranks", 1)),
-            build=lambda mesh: built(workload, mesh),
-            state=workload.state(rank) if workload.state is not None else None, state_of=workload.state) as rt:  # also when replacing: a missed replacement excises
+    with resilient(
+        model,
+        optimizer,
+        session,
+        injector,
+        batches,
+        on_rank_loss=Policy(args.get("on_rank_loss", Policy.PEER_RESTORE.value)),
+        min_ranks=int(args.get("min_ranks", 1)),
+        build=lambda mesh: built(workload, mesh),
+        state=workload.state(rank) if workload.state is not None else None,
+        state_of=workload.state,
+    ) as rt:  # also when replacing: a missed replacement excises
         if rank in args.get("die_after_proposing", ()) and session.incarnation == 0:
             # dies once its proposal is in and the round decided: the others meet it building the groups
             rt.on_decided = lambda decision: os.kill(os.getpid(), signal.SIGKILL)
@@ -165,11 +187,16 @@ def worker(args: JsonObject) -> JsonObject:
                 break
             try:
                 if paced:  # a held rank joins a recovery its peers opened meanwhile (an excision may refuse)
-                    last_start = keep_pace(work, phase, step, last_start, 0.5 * session.spec.timeout_s,
-                                           lambda kind, **data: session.emit(kind, generation=session.generation,
-                                                                             **data), rt.join_recovery,
-                                           lambda: bool(gone_ranks(session.control,
-                                                                   [r for r in session.members if r != rank])))
+                    last_start = keep_pace(
+                        work,
+                        phase,
+                        step,
+                        last_start,
+                        0.5 * session.spec.timeout_s,
+                        lambda kind, **data: session.emit(kind, generation=session.generation, **data),
+                        rt.join_recovery,
+                        lambda: bool(gone_ranks(session.control, [r for r in session.members if r != rank])),
+                    )
                 t0 = time.perf_counter()
                 batch = batches(step)
                 if profile and fault_steps and step in (fault_steps[0] - 1, fault_steps[-1] + 1):
@@ -188,9 +215,14 @@ def worker(args: JsonObject) -> JsonObject:
             step_s.append(time.perf_counter() - t0)
             if paced:
                 pg = session.group
-                session.emit(EventKind.STEP, step=rt.committed_step, generation=session.generation,
-                             group=pg.group_name, seq=comm.sequence_number(comm.backend_of(pg, session.spec.device)),
-                             seconds=step_s[-1])
+                session.emit(
+                    EventKind.STEP,
+                    step=rt.committed_step,
+                    generation=session.generation,
+                    group=pg.group_name,
+                    seq=comm.sequence_number(comm.backend_of(pg, session.spec.device)),
+                    seconds=step_s[-1],
+                )
         t_caught_up = time.time()
         if args.get("drill") and refused is None and left is None:
             t0 = time.time()
@@ -199,14 +231,26 @@ def worker(args: JsonObject) -> JsonObject:
         state = rt.state()
         # a view of a much larger storage is saved compact; the rest as they are (a clone of everything
         # would hold the state twice as the run ends, counted in the run's peak memory)
-        torch.save({k: v.clone() if v.untyped_storage().nbytes() > 2 * v.numel() * v.element_size() + 4096 else v
-                    for k, v in state.items()}, out_dir / f"final-rank{rank}.pt")
+        torch.save(
+            {
+                k: v.clone() if v.untyped_storage().nbytes() > 2 * v.numel() * v.element_size() + 4096 else v
+                for k, v in state.items()
+            },
+            out_dir / f"final-rank{rank}.pt",
+        )
         counts = rt.op_counts()
         gc.collect()  # a retired group no longer referenced is released (RetiredSummary.alive is False)
-        retired = tuple(RetiredSummary(
-            r.name, r.seq_ops_after,
-            counts.get(f"dispatch:{r.name}", 0) - r.dispatch_ops_at_retirement
-            if r.dispatch_ops_at_retirement is not None else None, r.alive) for r in rt.retired)
+        retired = tuple(
+            RetiredSummary(
+                r.name,
+                r.seq_ops_after,
+                counts.get(f"dispatch:{r.name}", 0) - r.dispatch_ops_at_retirement
+                if r.dispatch_ops_at_retirement is not None
+                else None,
+                r.alive,
+            )
+            for r in rt.retired
+        )
         compiled_graphs = None
         if "torch._dynamo" in sys.modules:
             from torch._dynamo.utils import counters
@@ -216,13 +260,28 @@ def worker(args: JsonObject) -> JsonObject:
         claimed = session.control.present([f"fault/{f.index}" for f in faults])
         records = {int(k.split("/")[1]): FaultRecord(**v) for k, v in claimed.items()}
         outcome = RankOutcome(
-            rank, session.incarnation, digest(state), tuple(r.to_dict() for r in rt.recoveries), counts, retired,
-            tuple(sorted(g.group_name for g in session.groups.values())), tuple(step_s), session.generation, drill,
-            t_start, t_caught_up, t_loaded, regions, compiled_graphs, records,
+            rank,
+            session.incarnation,
+            digest(state),
+            tuple(r.to_dict() for r in rt.recoveries),
+            counts,
+            retired,
+            tuple(sorted(g.group_name for g in session.groups.values())),
+            tuple(step_s),
+            session.generation,
+            drill,
+            t_start,
+            t_caught_up,
+            t_loaded,
+            regions,
+            compiled_graphs,
+            records,
             storage_bytes_read=rt.storage_bytes_read,
             peer=PeerCopyReport(**asdict(rt.peers.counters)) if rt.peers is not None else None,
-            alive=session.members if session.excised else (), excisions=tuple(rt.excisions),
+            alive=session.members if session.excised else (),
+            excisions=tuple(rt.excisions),
             excision_refused=str(refused) if refused is not None else None,
             flushed_checkpoint=refused.checkpoint if refused is not None else None,
-            left_with_replica=str(left) if left is not None else None)
+            left_with_replica=str(left) if left is not None else None,
+        )
     return outcome.to_dict()

@@ -23,10 +23,21 @@ from ..recovery.config import RecoveryConfig
 from ..recovery.faults import FaultKind
 from ..recovery.workload import DEFAULT_WORKLOAD
 
-__all__ = ["TrialConfig", "Pace", "PACE_FILE", "PROCESSES_FILE", "HEARTBEATS_FILE", "PHASES", "ON_RANK_LOSS", "OnRankLoss"]
+__all__ = [
+    "TrialConfig",
+    "Pace",
+    "PACE_FILE",
+    "PROCESSES_FILE",
+    "HEARTBEATS_FILE",
+    "PHASES",
+    "ON_RANK_LOSS",
+    "OnRankLoss",
+]
 
 PACE_FILE = "pace.json"  # in the trial's work directory
-PROCESSES_FILE = "processes.jsonl"  # in the trial's work directory: every rank process started (launcher.LaunchedProcess)
+PROCESSES_FILE = (
+    "processes.jsonl"  # in the trial's work directory: every rank process started (launcher.LaunchedProcess)
+)
 HEARTBEATS_FILE = "heartbeats.json"  # in a run's folder: each rank's heartbeat age as the trial parent saw it
 PHASES = ("reference", "faulted", "cold")  # a trial's runs, in order (each rank's MESHPACT_RUN_ID)
 
@@ -86,47 +97,70 @@ class TrialConfig:
         if self.ranks < 2:
             raise MeshpactError(f"--ranks must be at least 2 (a fault needs peers), got {self.ranks}")
         if not 0 <= self.peer_copies < self.ranks:
-            raise MeshpactError(f"--peer-copies must be between 0 and --ranks - 1 ({self.ranks - 1}), "
-                                f"got {self.peer_copies}")
+            raise MeshpactError(
+                f"--peer-copies must be between 0 and --ranks - 1 ({self.ranks - 1}), got {self.peer_copies}"
+            )
         if self.kill_holders and (self.fault_kind is not FaultKind.KILL or self.peer_copies < 1):
             raise MeshpactError("killing a rank with its holders needs --fault-kind kill and --peer-copies >= 1")
         if self.spare_ranks < 0 or (self.spare_ranks and (self.two_hosts or self.fault_kind is FaultKind.PARTITION)):
-            raise MeshpactError(f"--spare-ranks must be 0 or more, and spares run on one host (not with two hosts "
-                                f"or partition faults), got {self.spare_ranks}")
+            raise MeshpactError(
+                f"--spare-ranks must be 0 or more, and spares run on one host (not with two hosts "
+                f"or partition faults), got {self.spare_ranks}"
+            )
         if self.on_rank_loss not in ON_RANK_LOSS:
             raise MeshpactError(f"--on-rank-loss must be replace or excise, got {self.on_rank_loss!r}")
         if not 1 <= self.min_ranks <= self.ranks:
             raise MeshpactError(f"--min-ranks must be between 1 and --ranks ({self.ranks}), got {self.min_ranks}")
         if self.excising:
-            clash = [name for name, on in (("--fault-kind other than kill", self.fault_kind is not FaultKind.KILL),
-                                           ("--peer-copies 0", self.peer_copies < 1),
-                                           ("--spare-ranks", self.spare_ranks > 0),
-                                           ("--kill-holders", self.kill_holders), ("two hosts", self.two_hosts))
-                     if on]
+            clash = [
+                name
+                for name, on in (
+                    ("--fault-kind other than kill", self.fault_kind is not FaultKind.KILL),
+                    ("--peer-copies 0", self.peer_copies < 1),
+                    ("--spare-ranks", self.spare_ranks > 0),
+                    ("--kill-holders", self.kill_holders),
+                    ("two hosts", self.two_hosts),
+                )
+                if on
+            ]
             if clash:
-                raise MeshpactError(f"--on-rank-loss excise needs --fault-kind kill and --peer-copies >= 1 and takes no "
-                                    f"spares, holder kills or two hosts; got {', '.join(clash)}")
+                raise MeshpactError(
+                    f"--on-rank-loss excise needs --fault-kind kill and --peer-copies >= 1 and takes no "
+                    f"spares, holder kills or two hosts; got {', '.join(clash)}"
+                )
             if self.faults > self.ranks - 1:
-                raise MeshpactError(f"--on-rank-loss excise kills a different rank per fault: at most --ranks - 1 "
-                                    f"({self.ranks - 1}) faults, got {self.faults}")
+                raise MeshpactError(
+                    f"--on-rank-loss excise kills a different rank per fault: at most --ranks - 1 "
+                    f"({self.ranks - 1}) faults, got {self.faults}"
+                )
         if self.steps < 2:
             raise MeshpactError(f"--steps must be at least 2, got {self.steps}")
         if self.checkpoint_every < 1 or self.checkpoint_every > self.steps:
-            raise MeshpactError(f"--checkpoint-every must be between 1 and --steps ({self.steps}), "
-                                f"got {self.checkpoint_every}")
-        if not self.heartbeat and self.data_timeout_s is None and self.fault_kind in (FaultKind.STALL,
-                                                                                      FaultKind.PARTITION):
-            raise MeshpactError(f"without the heartbeat a {self.fault_kind.value} is found by the data-path timeout "
-                                "alone: set --data-timeout (shorter than the stall or the partition)")
+            raise MeshpactError(
+                f"--checkpoint-every must be between 1 and --steps ({self.steps}), got {self.checkpoint_every}"
+            )
+        if (
+            not self.heartbeat
+            and self.data_timeout_s is None
+            and self.fault_kind in (FaultKind.STALL, FaultKind.PARTITION)
+        ):
+            raise MeshpactError(
+                f"without the heartbeat a {self.fault_kind.value} is found by the data-path timeout "
+                "alone: set --data-timeout (shorter than the stall or the partition)"
+            )
         if self.fault_kind is FaultKind.STALL and self.stall_s <= recovery.detection_bound_s:
-            raise MeshpactError(f"a stall ({self.stall_s} s) must outlast the data-path timeout "
-                                f"({self.data_timeout_s} s)" if not self.heartbeat else
-                                f"a stall ({self.stall_s} s) must outlast the heartbeat detection bound "
-                                f"({recovery.detection_bound_s:g} s)")
+            raise MeshpactError(
+                f"a stall ({self.stall_s} s) must outlast the data-path timeout ({self.data_timeout_s} s)"
+                if not self.heartbeat
+                else f"a stall ({self.stall_s} s) must outlast the heartbeat detection bound "
+                f"({recovery.detection_bound_s:g} s)"
+            )
         if self.fault_kind is FaultKind.PARTITION and self.down_s <= recovery.detection_bound_s:
             by = "the heartbeat" if self.heartbeat else "the data-path timeout"
-            raise MeshpactError(f"a partition ({self.down_s} s down) must outlast the hang detection bound "
-                                f"({recovery.detection_bound_s:g} s: {by}), or the collective simply resumes")
+            raise MeshpactError(
+                f"a partition ({self.down_s} s down) must outlast the hang detection bound "
+                f"({recovery.detection_bound_s:g} s: {by}), or the collective simply resumes"
+            )
 
     @property
     def excising(self) -> bool:
@@ -139,12 +173,19 @@ class TrialConfig:
 
     def recovery(self, checkpoint_dir: str | None = None) -> RecoveryConfig:
         """The ranks' recovery settings (every timeout derived from these inputs)."""
-        return RecoveryConfig(data_timeout_s=self.data_timeout_s, process_start_s=self.process_start_s,
-                              peer_copy_depth=self.peer_copy_depth,
-                              group_create_s=self.group_create_s, checkpoint_dir=checkpoint_dir,
-                              checkpoint_every=self.checkpoint_every, count_dispatch=self.count_dispatch,
-                              restore_rng=self.restore_rng, heartbeat=self.heartbeat,
-                              peer_copies=self.peer_copies, max_rounds=self.max_rounds)
+        return RecoveryConfig(
+            data_timeout_s=self.data_timeout_s,
+            process_start_s=self.process_start_s,
+            peer_copy_depth=self.peer_copy_depth,
+            group_create_s=self.group_create_s,
+            checkpoint_dir=checkpoint_dir,
+            checkpoint_every=self.checkpoint_every,
+            count_dispatch=self.count_dispatch,
+            restore_rng=self.restore_rng,
+            heartbeat=self.heartbeat,
+            peer_copies=self.peer_copies,
+            max_rounds=self.max_rounds,
+        )
 
     @property
     def deadline_s(self) -> float:
@@ -153,8 +194,11 @@ class TrialConfig:
         if self.timeout_s is not None:
             return self.timeout_s
         recovery = self.recovery()
-        per_fault = {FaultKind.STALL: self.stall_s, FaultKind.PARTITION: self.down_s,
-                     FaultKind.SILENT: recovery.replacement_bound_s}.get(self.fault_kind, 0.0)
+        per_fault = {
+            FaultKind.STALL: self.stall_s,
+            FaultKind.PARTITION: self.down_s,
+            FaultKind.SILENT: recovery.replacement_bound_s,
+        }.get(self.fault_kind, 0.0)
         return recovery.launcher_deadline_s(self.steps, self.faults, per_fault)
 
 
@@ -193,6 +237,8 @@ class Pace:
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as exc:
-            raise MeshpactError(f"{Path(work_dir) / PACE_FILE}: unreadable pace ({exc}); "
-                                'expected {"steps_per_s": number or null, "hold": [run names]}') from None
+            raise MeshpactError(
+                f"{Path(work_dir) / PACE_FILE}: unreadable pace ({exc}); "
+                'expected {"steps_per_s": number or null, "hold": [run names]}'
+            ) from None
         return cls(raw.get("steps_per_s"), frozenset(raw.get("hold") or ()))

@@ -16,5 +16,6 @@ def launch(ctx: typer.Context) -> None:
 
 def register(groups) -> None:
     # every argument is torchrun's parser's (help included): nothing is parsed here
-    groups.root.command("launch", add_help_option=False,
-                        context_settings={"allow_extra_args": True, "ignore_unknown_options": True})(launch)
+    groups.root.command(
+        "launch", add_help_option=False, context_settings={"allow_extra_args": True, "ignore_unknown_options": True}
+    )(launch)

@@ -34,14 +34,21 @@ def plan_document(edge: Any) -> dict[str, Any]:
         "edge": edge.name,
         "contract": contract.to_dict(),
         "plans": {
-            name: {"steps": [s.to_dict() for s in p.steps], "startups": p.startups,
-                   "payload_bytes": p.payload_bytes, "time_s": plan_cost(p, edge.mesh).time_s,
-                   "check": check(p, contract).to_dict()}
+            name: {
+                "steps": [s.to_dict() for s in p.steps],
+                "startups": p.startups,
+                "payload_bytes": p.payload_bytes,
+                "time_s": plan_cost(p, edge.mesh).time_s,
+                "check": check(p, contract).to_dict(),
+            }
             for name, p in plans.items()
         },
         "choice_changed_by_time": by_startups.to_json() != plans["meshpact"].to_json(),
-        "startups_first": {"startups": by_startups.startups, "payload_bytes": by_startups.payload_bytes,
-                           "time_s": plan_cost(by_startups, edge.mesh).time_s},
+        "startups_first": {
+            "startups": by_startups.startups,
+            "payload_bytes": by_startups.payload_bytes,
+            "time_s": plan_cost(by_startups, edge.mesh).time_s,
+        },
     }
 
 
@@ -60,38 +67,67 @@ def _verdict(check: dict[str, Any]) -> str:
 
 def _show_plan(doc: dict[str, Any]) -> None:
     c = doc["contract"]
-    prov, sub, comp, auth, dem, loc = (c[k] for k in ("provenance", "substitutability", "completion", "authority",
-                                                      "demand", "locality"))
+    prov, sub, comp, auth, dem, loc = (
+        c[k] for k in ("provenance", "substitutability", "completion", "authority", "demand", "locality")
+    )
     tol = sub["tolerance"]
     rows = [
-        ("provenance", f"{prov['op']} -> {prov['tensor']} {prov['shape']} {prov['dtype']} {prov['placement']} "
-                       f"on {prov['domain']}"),
-        ("substitutability", sub["equivalence"] + (f" (rtol {tol['rtol']}, atol {tol['atol']}: {tol['why']})"
-                                                   if tol else "") + "; " + "; ".join(
-            f"{s['name']} {'allowed' if s['allowed'] else 'forbidden'}" for s in sub["substitutes"])),
+        (
+            "provenance",
+            f"{prov['op']} -> {prov['tensor']} {prov['shape']} {prov['dtype']} {prov['placement']} on {prov['domain']}",
+        ),
+        (
+            "substitutability",
+            sub["equivalence"]
+            + (f" (rtol {tol['rtol']}, atol {tol['atol']}: {tol['why']})" if tol else "")
+            + "; "
+            + "; ".join(f"{s['name']} {'allowed' if s['allowed'] else 'forbidden'}" for s in sub["substitutes"]),
+        ),
         ("completion", "; ".join(comp["requirements"])),
-        ("authority", "; ".join(f"{s['piece']} from rank {s['rank']}" for s in auth["senders"][:4])
-         + (" ..." if len(auth["senders"]) > 4 else "")
-         + (f"; owner scope {auth['owner_scope']}" if auth["owner_scope"] else "")),
-        ("demand", f"{dem['request']}: " + "; ".join(f"rank {o['rank']} {o['form']} {o['region']} {o['dtype']}"
-                                                     for o in dem["observations"][:4])
-         + (" ..." if len(dem["observations"]) > 4 else "")),
-        ("native-domain locality", f"{loc['producer_domain']} -> {loc['consumer_domain']}"
-         + (f" over {loc['link']}, bridge ranks {loc['bridge']}" if loc["cross_domain"] else " (same domain)")),
+        (
+            "authority",
+            "; ".join(f"{s['piece']} from rank {s['rank']}" for s in auth["senders"][:4])
+            + (" ..." if len(auth["senders"]) > 4 else "")
+            + (f"; owner scope {auth['owner_scope']}" if auth["owner_scope"] else ""),
+        ),
+        (
+            "demand",
+            f"{dem['request']}: "
+            + "; ".join(f"rank {o['rank']} {o['form']} {o['region']} {o['dtype']}" for o in dem["observations"][:4])
+            + (" ..." if len(dem["observations"]) > 4 else ""),
+        ),
+        (
+            "native-domain locality",
+            f"{loc['producer_domain']} -> {loc['consumer_domain']}"
+            + (f" over {loc['link']}, bridge ranks {loc['bridge']}" if loc["cross_domain"] else " (same domain)"),
+        ),
     ]
     console.print(table(f"Contract of {doc['edge']}", ("facet", "value"), rows))
     prefix = prov["tensor"] + "."
 
     def short(buf: str) -> str:
-        return buf[len(prefix):] if buf.startswith(prefix) else buf
+        return buf[len(prefix) :] if buf.startswith(prefix) else buf
 
     for name, p in doc["plans"].items():
-        steps = [(i, s["op"], ",".join(map(str, s["ranks"])),
-                  f"{','.join(short(b) for b in s['inputs'])} -> {short(s['output'])}",
-                  human_bytes(s["payload_bytes"]) if s["payload_bytes"] else "", s["link"] or "", s["note"])
-                 for i, s in enumerate(p["steps"])]
-        console.print(table(f"{name}: {p['startups']} startups, {human_bytes(p['payload_bytes'])}",
-                            ("#", "op", "ranks", "reads -> writes", "bytes", "link", "note"), steps))
+        steps = [
+            (
+                i,
+                s["op"],
+                ",".join(map(str, s["ranks"])),
+                f"{','.join(short(b) for b in s['inputs'])} -> {short(s['output'])}",
+                human_bytes(s["payload_bytes"]) if s["payload_bytes"] else "",
+                s["link"] or "",
+                s["note"],
+            )
+            for i, s in enumerate(p["steps"])
+        ]
+        console.print(
+            table(
+                f"{name}: {p['startups']} startups, {human_bytes(p['payload_bytes'])}",
+                ("#", "op", "ranks", "reads -> writes", "bytes", "link", "note"),
+                steps,
+            )
+        )
         console.print(f"  checker: {_verdict(p['check'])}")
         vs = p["check"]["violations"]
         for v in vs[:6]:
@@ -105,8 +141,12 @@ def plan(
     edge: Optional[str] = typer.Argument(None, help="Edge name (see `meshpact edges`)."),
     facts: Optional[Path] = typer.Option(None, "--facts", help="Plan an edge described in a YAML or JSON file."),
     as_json: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
-    run: Optional[Path] = typer.Option(None, "--run", help="Interpret the meshpact plan on these values: a .npy "
-                                       "file or a JSON array of the producer's whole tensor (Partial: the addends)."),
+    run: Optional[Path] = typer.Option(
+        None,
+        "--run",
+        help="Interpret the meshpact plan on these values: a .npy "
+        "file or a JSON array of the producer's whole tensor (Partial: the addends).",
+    ),
 ) -> None:
     """Show an edge's contract and the meshpact, layout-only and byte-only plans with verdicts.
 
@@ -120,6 +160,7 @@ def plan(
         raise FactError("give either an edge name or --facts FILE, not both")
     if facts is None and edge is None:
         from meshpact.core.edges import EDGES
+
         raise FactError(f"name an edge or pass --facts FILE; known edges: {', '.join(EDGES)}")
     the_edge = load_edge_facts(facts) if facts is not None else get_edge(edge or "")
     from meshpact.core.group import EdgeGroup
@@ -162,11 +203,24 @@ def _plan_group(group: Any, as_json: bool, run: Optional[Path]) -> None:
     else:
         for doc in docs:
             _show_plan(doc)
-        rows = [(c["consumer"], c["request"], c["startups"], human_bytes(c["payload_bytes"]),
-                 "passes" if c["check"]["ok"] else "rejected") for c in joined.to_dict()["consumers"]]
-        console.print(table(f"{group.name}: one schedule for {len(rows)} consumers, {joined.plan.startups} startups, "
-                            f"{human_bytes(joined.plan.payload_bytes)}",
-                            ("consumer", "request", "startups", "payload", "checker"), rows))
+        rows = [
+            (
+                c["consumer"],
+                c["request"],
+                c["startups"],
+                human_bytes(c["payload_bytes"]),
+                "passes" if c["check"]["ok"] else "rejected",
+            )
+            for c in joined.to_dict()["consumers"]
+        ]
+        console.print(
+            table(
+                f"{group.name}: one schedule for {len(rows)} consumers, {joined.plan.startups} startups, "
+                f"{human_bytes(joined.plan.payload_bytes)}",
+                ("consumer", "request", "startups", "payload", "checker"),
+                rows,
+            )
+        )
     if not joined.ok:
         raise typer.Exit(1)
 
@@ -185,14 +239,28 @@ def _run_values(edge: Any, values: Path, as_json: bool) -> None:
     if as_json:
         emit_json({"edge": edge.name, "values": str(values), "check": checked.to_dict(), **report.to_dict()})
     else:
+
         def short(v: Any) -> str:
             text = str(v)
             return text if len(text) <= 60 else text[:57] + "..."
 
-        rows = [(r.rank, short(r.observed), short(r.reference), "[green]right[/green]" if r.ok else "[red]wrong[/red]",
-                 r.reason) for r in report.ranks]
-        console.print(table(f"{edge.name}: the meshpact plan on {values.name}",
-                            ("rank", "observed", "reference", "verdict", "why"), rows))
+        rows = [
+            (
+                r.rank,
+                short(r.observed),
+                short(r.reference),
+                "[green]right[/green]" if r.ok else "[red]wrong[/red]",
+                r.reason,
+            )
+            for r in report.ranks
+        ]
+        console.print(
+            table(
+                f"{edge.name}: the meshpact plan on {values.name}",
+                ("rank", "observed", "reference", "verdict", "why"),
+                rows,
+            )
+        )
         if report.error:
             err_console.print(report.error)
     if not report.ok or not checked.ok:
@@ -215,13 +283,27 @@ def edges(as_json: bool = typer.Option(False, "--json", help="One JSON document 
             mark = "[green]✓[/green]" if p["check"]["ok"] else "[red]✗[/red] " + ", ".join(kinds)
             cells.append(f"{p['startups']} / {human_bytes(p['payload_bytes'])} / {p['time_s'] * 1e3:.3g} ms {mark}")
         first = d["startups_first"]
-        changed = (f"yes: was {first['startups']} / {human_bytes(first['payload_bytes'])} / "
-                   f"{first['time_s'] * 1e3:.3g} ms" if d["choice_changed_by_time"] else "")
-        rows.append((d["edge"], d["contract"]["demand"]["request"], "yes" if d["result_edge"] else "", *cells,
-                     changed))
-    console.print(table("Nine real edges: startups / payload bytes / α-β time, ✓ = the checker passes the plan",
-                        ("edge", "request", "result", "meshpact", "layout-only", "byte-only",
-                         "changed by time (startups-first choice)"), rows))
+        changed = (
+            f"yes: was {first['startups']} / {human_bytes(first['payload_bytes'])} / {first['time_s'] * 1e3:.3g} ms"
+            if d["choice_changed_by_time"]
+            else ""
+        )
+        rows.append((d["edge"], d["contract"]["demand"]["request"], "yes" if d["result_edge"] else "", *cells, changed))
+    console.print(
+        table(
+            "Nine real edges: startups / payload bytes / α-β time, ✓ = the checker passes the plan",
+            (
+                "edge",
+                "request",
+                "result",
+                "meshpact",
+                "layout-only",
+                "byte-only",
+                "changed by time (startups-first choice)",
+            ),
+            rows,
+        )
+    )
     console.print("Each edge's model, purpose and dimension sources: `meshpact plan EDGE`.")
 
 
@@ -237,15 +319,40 @@ def transitions(as_json: bool = typer.Option(False, "--json", help="One JSON doc
     groups: dict[tuple[str, str], list[Any]] = {}
     for r in report.results:
         groups.setdefault((repr(r.transition.placement), r.transition.request.value), []).append(r)
-    rows = [(pl, req, len(rs), sum(r.meshpact_ok for r in rs), sum(r.layout_only_ok for r in rs),
-             sum(r.candidates for r in rs), sum(r.invalid for r in rs), sum(r.invalid_rejected for r in rs))
-            for (pl, req), rs in groups.items()]
-    console.print(table("Structural transitions (x scope one/all ranks x same domain/same host/other host)",
-                        ("source", "demand", "cases", "meshpact valid", "layout-only complete",
-                         "byte-only candidates", "invalid", "invalid rejected"), rows))
+    rows = [
+        (
+            pl,
+            req,
+            len(rs),
+            sum(r.meshpact_ok for r in rs),
+            sum(r.layout_only_ok for r in rs),
+            sum(r.candidates for r in rs),
+            sum(r.invalid for r in rs),
+            sum(r.invalid_rejected for r in rs),
+        )
+        for (pl, req), rs in groups.items()
+    ]
+    console.print(
+        table(
+            "Structural transitions (x scope one/all ranks x same domain/same host/other host)",
+            (
+                "source",
+                "demand",
+                "cases",
+                "meshpact valid",
+                "layout-only complete",
+                "byte-only candidates",
+                "invalid",
+                "invalid rejected",
+            ),
+            rows,
+        )
+    )
     console.print(table("Totals", ("measure", "count"), [(k, v) for k, v in doc.items() if k != "candidate_set"]))
-    console.print(f"Structurally distinct: lowered plans that differ once link classes are set aside. "
-                  f"Candidates: {doc['candidate_set']}.")
+    console.print(
+        f"Structurally distinct: lowered plans that differ once link classes are set aside. "
+        f"Candidates: {doc['candidate_set']}."
+    )
 
 
 def register(groups: Any) -> None:

@@ -28,10 +28,16 @@ class Stream:
     """A ``StatefulDataLoader`` and the iterator reading it, as one Stateful object."""
 
     def __init__(self, rank: int) -> None:
-        corpus = torch.randint(CONFIG.vocab, (SEQUENCES, CONFIG.seq + 1),
-                               generator=torch.Generator().manual_seed(CONFIG.seed))
-        self.loader = StatefulDataLoader(corpus, batch_size=CONFIG.batch, shuffle=True, drop_last=True,
-                                         generator=torch.Generator().manual_seed(CONFIG.seed + 7919 * rank))
+        corpus = torch.randint(
+            CONFIG.vocab, (SEQUENCES, CONFIG.seq + 1), generator=torch.Generator().manual_seed(CONFIG.seed)
+        )
+        self.loader = StatefulDataLoader(
+            corpus,
+            batch_size=CONFIG.batch,
+            shuffle=True,
+            drop_last=True,
+            generator=torch.Generator().manual_seed(CONFIG.seed + 7919 * rank),
+        )
         self._it: Iterator[torch.Tensor] | None = None
 
     def next(self) -> torch.Tensor:

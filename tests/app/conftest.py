@@ -14,7 +14,9 @@ ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"  # screenshot
 
 
 @pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     """Marks a test whose own call failed (``item.call_failed``): its fixtures keep what explains it."""
     report = yield
     if report.when == "call":

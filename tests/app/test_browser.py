@@ -75,8 +75,12 @@ def test_scenario_and_failures_follow_the_user_across_pages(user):
 def _drawn_with_shipped_fonts(page, label: str) -> None:  # noqa: ANN001 (a playwright Page)
     """The play/pause button reads ``label`` in plain characters, its symbol drawn by the icon font the
     app ships (Material Symbols), not by a system font that may lack it (a missing-glyph box)."""
-    page.wait_for_function("(l) => { const b = document.querySelector('.st-key-replay_play button');"
-                           " return b && b.innerText.trim().endsWith(l); }", arg=label, timeout=20_000)
+    page.wait_for_function(
+        "(l) => { const b = document.querySelector('.st-key-replay_play button');"
+        " return b && b.innerText.trim().endsWith(l); }",
+        arg=label,
+        timeout=20_000,
+    )
     drawn = page.evaluate("""() => { const b = document.querySelector('.st-key-replay_play button');
         const icon = b.querySelector('[data-testid="stIconMaterial"]');
         const text = [...b.querySelectorAll('p')].map(e => e.innerText).join('');
@@ -97,10 +101,14 @@ def test_play_advances_the_replay(server, page):
     before = event_no()
     _drawn_with_shipped_fonts(page, "play")
     page.locator(".st-key-replay_play button").first.click()
-    page.wait_for_function(r"""(before) => [...document.querySelectorAll('strong')].some(e => {
+    page.wait_for_function(
+        r"""(before) => [...document.querySelectorAll('strong')].some(e => {
         const m = e.innerText.match(/^Event (\d+)\//);
         return m && parseInt(m[1]) > before + 1;
-    })""", arg=before, timeout=20_000)
+    })""",
+        arg=before,
+        timeout=20_000,
+    )
     _drawn_with_shipped_fonts(page, "pause")
     page.locator(".st-key-replay_play button").first.click()
     _settle(page)
@@ -137,8 +145,11 @@ def test_a_path_that_is_no_recording_is_one_line_saying_what_it_is(server, brows
     pg.get_by_text("recording", exact=True).first.click()
     pg.locator(".st-key-replay_recording input").click()
     pg.get_by_role("option", name="another file…", exact=True).click()
-    for path, said in ((tmp_path, "is a folder, not a recording"), (empty, "the file is empty"),
-                       (obj, "line 1 is not an event")):
+    for path, said in (
+        (tmp_path, "is a folder, not a recording"),
+        (empty, "the file is empty"),
+        (obj, "line 1 is not an event"),
+    ):
         box = pg.get_by_label("path of a recording (.jsonl)")
         box.fill(str(path))
         box.press("Enter")

@@ -179,12 +179,14 @@ VISITS = (
     ("simulate", f"simulate?{LINK}", None),
     ("simulate-serving", "simulate", _serving),
     ("replay", "replay", None),
-    ("replay-mesh", f"replay?{LINK}",
-     lambda pg: _click_text(pg, '[data-testid="stMain"]', "failures picked on Mesh")),
+    ("replay-mesh", f"replay?{LINK}", lambda pg: _click_text(pg, '[data-testid="stMain"]', "failures picked on Mesh")),
     ("live", "live", None),
     ("mesh-16384", f"?{AT_SCALE}", None),
-    ("replay-mesh-16384", f"replay?{AT_SCALE}",
-     lambda pg: _click_text(pg, '[data-testid="stMain"]', "failures picked on Mesh")),
+    (
+        "replay-mesh-16384",
+        f"replay?{AT_SCALE}",
+        lambda pg: _click_text(pg, '[data-testid="stMain"]', "failures picked on Mesh"),
+    ),
 )
 
 
@@ -202,7 +204,10 @@ def _routed(pg, name: str) -> list[str]:  # noqa: ANN001
     if not pg.locator("h1").first.inner_text().strip():
         out.append(f"{name}: no title")
     if name == "simulate":
-        shown = (pg.get_by_label("per-rank MTBF (hours)").input_value(), pg.get_by_label("days", exact=True).input_value())
+        shown = (
+            pg.get_by_label("per-rank MTBF (hours)").input_value(),
+            pg.get_by_label("days", exact=True).input_value(),
+        )
         if "." in shown[0] or shown[1] != "7":
             out.append(f"simulate: MTBF and days read {shown}: whole hours and whole days as typed expected")
     return out
@@ -252,8 +257,9 @@ def test_a_reload_and_a_shared_link_keep_the_scenario_and_the_failed_ranks(serve
         box = pg.get_by_placeholder("no rank failed")
         box.fill("5, 600-603")
         box.press("Enter")
-        pg.wait_for_function("() => new URLSearchParams(location.search).get('failed') === '5, 600-603'",
-                             timeout=30_000)
+        pg.wait_for_function(
+            "() => new URLSearchParams(location.search).get('failed') === '5, 600-603'", timeout=30_000
+        )
         settle(pg)
         link = pg.url
         for how in ("reload", "shared link", "another page"):
@@ -272,8 +278,11 @@ def test_a_reload_and_a_shared_link_keep_the_scenario_and_the_failed_ranks(serve
                 _click_text(pg, '[data-testid="stMain"]', "failures picked on Mesh")
                 assert wait_metric_is(pg, "failed ranks", "5 ranks") == "5 ranks", how
             else:
-                pg.wait_for_function("() => { const b = document.querySelector('input[placeholder=\"no rank failed\"]');"
-                                     " return b && b.value === '5, 600-603'; }", timeout=30_000)
+                pg.wait_for_function(
+                    "() => { const b = document.querySelector('input[placeholder=\"no rank failed\"]');"
+                    " return b && b.value === '5, 600-603'; }",
+                    timeout=30_000,
+                )
                 assert metric(pg, "healthy ranks") == "1,019/1,024", how
             assert "whatif_1024" in pg.locator('[data-testid="stSidebar"]').inner_text(), how
             replay = {"replay": ["mesh"]} if how == "another page" else {}  # Replay keeps its source in the link

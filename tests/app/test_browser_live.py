@@ -35,8 +35,10 @@ ARTIFACTS = ROOT / "test-artifacts"  # screenshots
 RANKS, STEPS = 2, 4
 RUNNER = "meshpact.app.live_job"  # the page's runner: python -m meshpact.app.live_job
 # every metric and button, and besides them the widget labels and the rank table's cells
-LIVE_CLIPPED_JS = CLIPPED_JS.replace("'[data-testid=\"stMetricValue\"] div,", "'[data-testid=\"stWidgetLabel\"] p, "
-                                     "[class*=\"st-key-live_row_\"] p, [data-testid=\"stMetricValue\"] div,")
+LIVE_CLIPPED_JS = CLIPPED_JS.replace(
+    '\'[data-testid="stMetricValue"] div,',
+    '\'[data-testid="stWidgetLabel"] p, [class*="st-key-live_row_"] p, [data-testid="stMetricValue"] div,',
+)
 assert LIVE_CLIPPED_JS != CLIPPED_JS, "the selector list of CLIPPED_JS changed: widen LIVE_CLIPPED_JS again"
 
 
@@ -60,8 +62,11 @@ def _rows_until(pg, ok, timeout_s: float) -> dict[int, list[str]]:  # noqa: ANN0
 
 
 def _click(pg, key: str, timeout_ms: int = 120_000) -> None:  # noqa: ANN001
-    pg.wait_for_function("(k) => { const b = document.querySelector(`.st-key-${k} button`); return b && !b.disabled; }",
-                         arg=key, timeout=timeout_ms)
+    pg.wait_for_function(
+        "(k) => { const b = document.querySelector(`.st-key-${k} button`); return b && !b.disabled; }",
+        arg=key,
+        timeout=timeout_ms,
+    )
     pg.locator(f".st-key-{key} button").first.click()
 
 
@@ -152,8 +157,7 @@ def test_a_kill_from_the_page_shows_what_the_runs_summary_says(user, on_rank_los
         assert _scrape(url)['meshpact_committed_step{rank="0",run="faulted"}'] == 0.0  # held at its first step
     _click(pg, "live_kill_1")
     # sent before Resume is pressed: a click while the page still runs the kill's rerun would interrupt it
-    pg.wait_for_function("() => document.body.innerText.includes('Sent from this page: kill rank 1')",
-                         timeout=60_000)
+    pg.wait_for_function("() => document.body.innerText.includes('Sent from this page: kill rank 1')", timeout=60_000)
     if on_rank_loss == "excise":  # no replacement comes: the held survivor meets the loss itself, excises, holds again
         _rows_until(pg, lambda rows: rows[0][5] == "1" and rows[0][3] == "held" and rows[1][3] == "excised", 120)
     if on_rank_loss == "replace":  # recovered while held (the replacement joins the held survivor): generation 1
@@ -230,8 +234,10 @@ def _the_run_opens_as_a_trace_and_in_replay(pg) -> None:  # noqa: ANN001
     trace = json.loads(Path(dl.value.path()).read_text())["traceEvents"]
     tracks = {e["args"]["name"]: e["tid"] for e in trace if e.get("name") == "thread_name"}
     assert {f"rank {r}" for r in range(RANKS)} <= set(tracks)
-    assert any(e["name"] == "fault_injected" and e["tid"] == tracks["rank 1"] and e["args"].get("source") == "dashboard"
-               for e in trace)
+    assert any(
+        e["name"] == "fault_injected" and e["tid"] == tracks["rank 1"] and e["args"].get("source") == "dashboard"
+        for e in trace
+    )
     assert {e["name"] for e in trace if e.get("cat") == "recovery"} >= {"consensus", "communicator", "state"}
     _click(pg, "live_replay")
     wait_title(pg, "Replay")
@@ -343,10 +349,14 @@ class Seen:
         return [p for p in pids if RUNNER in self.cmd.get(p, "").split()]
 
     def story(self, pg=None) -> str:  # noqa: ANN001 (a playwright Page)
-        lines = [f"dashboard server {self.server_pid}; after {time.monotonic() - self.t0:.1f} s, at most {self.most} "
-                 "of its descendants at once; seen (pid [state] first-last seen: command line):"]
-        lines += [f"  {p} [{_state(p)}] {self.first[p]:.1f}-{self.last[p]:.1f} s: {self.cmd[p][:160]}"
-                  for p in sorted(self.first, key=self.first.__getitem__)]
+        lines = [
+            f"dashboard server {self.server_pid}; after {time.monotonic() - self.t0:.1f} s, at most {self.most} "
+            "of its descendants at once; seen (pid [state] first-last seen: command line):"
+        ]
+        lines += [
+            f"  {p} [{_state(p)}] {self.first[p]:.1f}-{self.last[p]:.1f} s: {self.cmd[p][:160]}"
+            for p in sorted(self.first, key=self.first.__getitem__)
+        ]
         for work in self.work:
             for name in ("runner.log", f"{TRIAL_DIR}/{PROCESSES_FILE}", "result.json"):
                 try:
@@ -400,8 +410,11 @@ def test_stop_reads_stopped_and_a_reload_ends_every_process_the_page_started(bro
     for viewport in VIEWPORTS:
         pg.set_viewport_size(viewport)
         _mesh_reads(pg, set())
-    pg.wait_for_function("() => !document.querySelector('.st-key-live_stop button') "
-                         "|| document.querySelector('.st-key-live_stop button').disabled", timeout=30_000)
+    pg.wait_for_function(
+        "() => !document.querySelector('.st-key-live_stop button') "
+        "|| document.querySelector('.st-key-live_stop button').disabled",
+        timeout=30_000,
+    )
     pg.close()
 
     pg = browser.new_page(viewport={"width": 1400, "height": 900})
@@ -412,8 +425,10 @@ def test_stop_reads_stopped_and_a_reload_ends_every_process_the_page_started(bro
     assert len(started) >= RANKS + 2 and len(seen.runners(started)) == 1, seen.story(pg)
     name = Path(seen.cmd[seen.runners(started)[0]].split("--record")[1].split()[0]).stem
     pg.reload()  # the session that started the run goes (as when its tab closes); the page that opens says so
-    pg.locator('[data-testid="stAlertContentWarning"]', has_text=f"The run {name} that this tab started was "
-               "stopped when the page was reloaded").wait_for(timeout=30_000)
+    pg.locator(
+        '[data-testid="stAlertContentWarning"]',
+        has_text=f"The run {name} that this tab started was stopped when the page was reloaded",
+    ).wait_for(timeout=30_000)
     pg.close()
     t0 = time.monotonic()
     while _alive(started) and time.monotonic() - t0 < 10:

@@ -39,10 +39,12 @@ def test_the_live_mesh_is_readable_at_every_size_and_width(plotly_page, viewport
     pg = plotly_page
     pg.set_viewport_size({"width": viewport[0], "height": viewport[1]})
     fig = json.loads(pio.to_json(live_mesh_figure(local_mesh(ranks), [1])))
-    pg.evaluate("""([w, fig]) => { const box = document.getElementById('box'); box.innerHTML = '';
+    pg.evaluate(
+        """([w, fig]) => { const box = document.getElementById('box'); box.innerHTML = '';
         box.style.width = w + 'px'; const d = document.createElement('div'); box.appendChild(d);
         return Plotly.newPlot(d, fig.data, fig.layout, {staticPlot: false}); }""",
-                [MAIN_COLUMN_PX[viewport], fig])
+        [MAIN_COLUMN_PX[viewport], fig],
+    )
     seen = pg.evaluate(MESH_READABLE_JS, "#box")
     assert seen is not None and seen["width"] >= 300, seen
     labels = dict(seen["labels"])

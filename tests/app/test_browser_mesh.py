@@ -18,7 +18,12 @@ from pathlib import Path
 import pytest
 
 from meshpact.app.serve import (
-    CLIPPED_JS, click_rank, metric, pick_scenario, settle, wait_metric_change,
+    CLIPPED_JS,
+    click_rank,
+    metric,
+    pick_scenario,
+    settle,
+    wait_metric_change,
 )
 from meshpact.app.state import parse_ranks
 
@@ -102,8 +107,11 @@ def test_a_click_fails_exactly_that_rank_and_the_comparison_follows(user):
 def test_a_dragged_box_fails_exactly_the_ranks_inside(user):
     frame = _canvas(user)
     frame_box = user.locator(CANVAS).last.bounding_box()
-    xy = {r: (frame_box["x"] + p[0], frame_box["y"] + p[1])
-          for r in range(32) if (p := frame.evaluate(f"() => window.meshpact.xy({r})"))}
+    xy = {
+        r: (frame_box["x"] + p[0], frame_box["y"] + p[1])
+        for r in range(32)
+        if (p := frame.evaluate(f"() => window.meshpact.xy({r})"))
+    }
     assert sorted(xy) == list(range(32))
     (ax, ay), (bx, by) = xy[2], xy[4]
     x0, x1, y0, y1 = min(ax, bx) - 3, max(ax, bx) + 3, min(ay, by) - 3, max(ay, by) + 3
@@ -145,8 +153,12 @@ def test_16384_ranks_show_nodes_and_drill_down_to_ranks(user):
     caption = user.get_by_text("Drill-down:", exact=False)
     first = caption.inner_text()
     user.mouse.click(*_page_xy(user, 0, 1000))  # node 1000: ranks 8000-8007 of the first pod
-    user.wait_for_function("(t) => [...document.querySelectorAll('p')].some(p => p.innerText.startsWith('Drill-down:')"
-                           " && p.innerText !== t)", arg=first, timeout=60_000)
+    user.wait_for_function(
+        "(t) => [...document.querySelectorAll('p')].some(p => p.innerText.startsWith('Drill-down:')"
+        " && p.innerText !== t)",
+        arg=first,
+        timeout=60_000,
+    )
     settle(user)
     assert caption.inner_text() == "Drill-down: 8 ranks (8000-8007)"
     assert _painted(user, 0) == [1000]
@@ -159,8 +171,12 @@ def test_16384_ranks_show_nodes_and_drill_down_to_ranks(user):
     pad = 3
     before = caption.inner_text()
     _drag(user, (min(a[0], b[0]) - pad, min(a[1], b[1]) - pad), (max(a[0], b[0]) + pad, max(a[1], b[1]) + pad))
-    user.wait_for_function("(t) => [...document.querySelectorAll('p')].some(p => p.innerText.startsWith('Drill-down:')"
-                           " && p.innerText !== t)", arg=before, timeout=60_000)
+    user.wait_for_function(
+        "(t) => [...document.querySelectorAll('p')].some(p => p.innerText.startsWith('Drill-down:')"
+        " && p.innerText !== t)",
+        arg=before,
+        timeout=60_000,
+    )
     settle(user)
     assert caption.inner_text() == "Drill-down: 16 ranks (8000-8015)"
     assert _painted(user, 1) == [8003] and metric(user, "healthy ranks") == "16,383/16,384"

@@ -26,7 +26,10 @@ def test_stages_become_slices_on_their_rank_track_and_the_rest_instants():
     assert names == {(0, "job"), (1, "rank 0"), (3, "rank 2")}  # a track per rank that appears, and the job
     slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert [(s["tid"], s["name"], s["ts"], s["dur"]) for s in slices] == [
-        (1, "detection", 2.0e6, 0.5e6), (3, "detection", 2.5e6, 0.25e6), (1, "consensus", 2.5e6, 1.5e6)]
+        (1, "detection", 2.0e6, 0.5e6),
+        (3, "detection", 2.5e6, 0.25e6),
+        (1, "consensus", 2.5e6, 1.5e6),
+    ]
     assert slices[2]["args"]["policy"] == "in_memory"
     instants = {(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "i"}
     assert instants == {(0, "recording_start"), (3, "fault_injected"), (0, "summary")}
@@ -35,9 +38,11 @@ def test_stages_become_slices_on_their_rank_track_and_the_rest_instants():
 def test_steps_of_a_paced_run_are_training_slices_named_for_the_step_they_ran():
     from meshpact.core.recording import EventKind
 
-    events = [Event(3.0, EventKind.STEP, rank=1, data={"step": 7, "seconds": 0.5, "seq": 41}),
-              Event(3.2, EventKind.STEP, rank=1, data={"step": 8, "seconds": 4.0}),  # longer than the recording so far
-              Event(3.3, EventKind.HELD, rank=1, data={"step": 8})]
+    events = [
+        Event(3.0, EventKind.STEP, rank=1, data={"step": 7, "seconds": 0.5, "seq": 41}),
+        Event(3.2, EventKind.STEP, rank=1, data={"step": 8, "seconds": 4.0}),  # longer than the recording so far
+        Event(3.3, EventKind.HELD, rank=1, data={"step": 8}),
+    ]
     trace = perfetto_trace(events)["traceEvents"]
     steps = [(e["name"], e["cat"], e["ts"], e["dur"]) for e in trace if e["ph"] == "X"]
     assert steps == [("step 6", "training", 2.5e6, 0.5e6), ("step 7", "training", 0.0, 3.2e6)]
@@ -45,8 +50,12 @@ def test_steps_of_a_paced_run_are_training_slices_named_for_the_step_they_ran():
 
 
 def test_a_stage_without_a_duration_is_a_zero_length_slice_not_a_negative_one():
-    trace = perfetto_trace([Event(1.0, "rebuilt", rank=0, stage=Stage.COMMUNICATOR, data={"seconds": "bad"}),
-                            Event(0.1, "x", rank=0, stage=Stage.STATE, data={"seconds": 5.0})])
+    trace = perfetto_trace(
+        [
+            Event(1.0, "rebuilt", rank=0, stage=Stage.COMMUNICATOR, data={"seconds": "bad"}),
+            Event(0.1, "x", rank=0, stage=Stage.STATE, data={"seconds": 5.0}),
+        ]
+    )
     for s in (e for e in trace["traceEvents"] if e["ph"] == "X"):
         assert s["ts"] >= 0 and s["dur"] >= 0
 

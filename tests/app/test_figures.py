@@ -21,12 +21,25 @@ from meshpact.app.state import ranks_in_event
 from meshpact.core.facts import Domain, Mesh, Vendor
 
 # Three domains of uneven sizes on two hosts; two bridge ranks set away from the ends of their domains.
-MESH = Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(0, 300)), bridge_rank=7),
-                     Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(300, 701)), bridge_rank=650),
-                     Domain("cpu@hostB", Vendor.CPU, "hostB", tuple(range(701, 714)))))
+MESH = Mesh(
+    domains=(
+        Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(0, 300)), bridge_rank=7),
+        Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(300, 701)), bridge_rank=650),
+        Domain("cpu@hostB", Vendor.CPU, "hostB", tuple(range(701, 714))),
+    )
+)
 
-_DTYPES = {"i1": np.int8, "i2": np.int16, "i4": np.int32, "u1": np.uint8, "u2": np.uint16, "u4": np.uint32,
-           "f4": np.float32, "f8": np.float64, "i8": np.int64}
+_DTYPES = {
+    "i1": np.int8,
+    "i2": np.int16,
+    "i4": np.int32,
+    "u1": np.uint8,
+    "u2": np.uint16,
+    "u4": np.uint32,
+    "f4": np.float32,
+    "f8": np.float64,
+    "i8": np.int64,
+}
 
 
 def _values(v):  # noqa: ANN001, ANN202 (JSON)
@@ -89,8 +102,12 @@ def test_no_marker_style_is_set_point_by_point():
 
 
 def test_a_failed_rank_stays_visible_among_16384_ranks():
-    big = Mesh(domains=(Domain("cuda@podA", Vendor.CUDA, "podA", tuple(range(8192))),
-                        Domain("cann@podB", Vendor.CANN, "podB", tuple(range(8192, 16384)))))
+    big = Mesh(
+        domains=(
+            Domain("cuda@podA", Vendor.CUDA, "podA", tuple(range(8192))),
+            Domain("cann@podB", Vendor.CANN, "podB", tuple(range(8192, 16384))),
+        )
+    )
     spec = _sent(mesh_figure(big, failed=[9999]))
     healthy = max(t["marker"]["size"] for t in _markers(spec) if t.get("name") != "failed")
     failed = next(t for t in spec["data"] if t.get("name") == "failed")
@@ -157,9 +174,15 @@ def test_a_canvas_pick_is_applied_once_and_only_on_its_scene():
     # another frame (a page switch makes a new one) counts its own picks: the same number from it is new
     fresh = read_pick({"scene": "s1", "instance": "frameB", "seq": 3, "ids": []})
     assert apply_pick(pick.ack, fresh, "s1") == frozenset()
-    for bad in (None, [], "5", {"scene": "s1"}, {"scene": "s1", "instance": "a", "seq": "x", "ids": []},
-                {"scene": "s1", "instance": "a", "seq": 1, "ids": 5}, {"scene": "s1", "instance": "a", "seq": 1,
-                                                                       "ids": ["five"]}):
+    for bad in (
+        None,
+        [],
+        "5",
+        {"scene": "s1"},
+        {"scene": "s1", "instance": "a", "seq": "x", "ids": []},
+        {"scene": "s1", "instance": "a", "seq": 1, "ids": 5},
+        {"scene": "s1", "instance": "a", "seq": 1, "ids": ["five"]},
+    ):
         assert read_pick(bad) is None, bad
 
 
@@ -173,11 +196,20 @@ def test_recovery_bars_html_are_proportional_with_tooltips_totals_and_only_the_s
     fast = RecoveryBreakdown(Policy.IN_MEMORY, {Stage.DETECTION: 2.0, Stage.CONSENSUS: 0.5, Stage.RESTART: 0.0})
     out = recovery_bars_html([slow, fast])
     widths = [(t, float(w)) for t, w in re.findall(r'title="([^"]+)" style="[^"]*width:([0-9.]+)%', out)]
-    assert widths == [("detection: 2 s", 20.0), ("restart: 6 s", 60.0), ("replay: 2 s", 20.0),
-                      ("detection: 2 s", 20.0), ("consensus: 0.5 s", 5.0)]  # shares of the longest, 10 s
+    assert widths == [
+        ("detection: 2 s", 20.0),
+        ("restart: 6 s", 60.0),
+        ("replay: 2 s", 20.0),
+        ("detection: 2 s", 20.0),
+        ("consensus: 0.5 s", 5.0),
+    ]  # shares of the longest, 10 s
     legend = out.split("</div>", 1)[0]
-    assert [n for n in ("detection", "restart", "consensus", "replay", "state", "rebinding") if n in legend] == \
-        ["detection", "restart", "consensus", "replay"]  # a stage no policy spends time in is not listed
+    assert [n for n in ("detection", "restart", "consensus", "replay", "state", "rebinding") if n in legend] == [
+        "detection",
+        "restart",
+        "consensus",
+        "replay",
+    ]  # a stage no policy spends time in is not listed
     assert out.index(Policy.COLD_RESTART.label) < out.index(Policy.IN_MEMORY.label)
     assert "10 s" in out and "2.5 s" in out  # each total after its bar
     assert recovery_bars_html([]).count("<span title") == 0

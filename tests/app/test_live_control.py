@@ -178,7 +178,7 @@ FAILING_RUNNER = textwrap.dedent("""
 def test_failure_sentence_reads_the_reason_not_the_traceback():
     from meshpact.app.live_control import failure_sentence
 
-    tb = 'Traceback (most recent call last):\n  File "x.py", line 1, in f\nKeyError: \'rank\'\n'
+    tb = "Traceback (most recent call last):\n  File \"x.py\", line 1, in f\nKeyError: 'rank'\n"
     assert failure_sentence(tb) == "'rank' (KeyError)."
     assert failure_sentence("meshpact.core.errors.LiveError: rank 1 timed out") == "Rank 1 timed out (LiveError)."
     assert failure_sentence("warming up\nthe launcher gave up") == "The launcher gave up."
@@ -239,8 +239,11 @@ def test_rank_rows_follow_each_ranks_newest_incarnation_in_its_own_run():
     from meshpact.core.recording import Event, EventKind
     from meshpact.core.recovery import Stage
 
-    procs = [RankProcess(100, 0, "faulted", 0, False), RankProcess(105, 1, "faulted", 1, True),
-             RankProcess(90, 2, "reference", 0, False)]
+    procs = [
+        RankProcess(100, 0, "faulted", 0, False),
+        RankProcess(105, 1, "faulted", 1, True),
+        RankProcess(90, 2, "reference", 0, False),
+    ]
 
     def ev(phase, inc, t, kind, rank, stage=None, **data):
         return RankEvent(phase, inc, Event(t, kind, rank, stage, data))
@@ -255,8 +258,10 @@ def test_rank_rows_follow_each_ranks_newest_incarnation_in_its_own_run():
         ev("faulted", 0, 9.0, EventKind.HELD, 3, step=0),
     ]
     rows = rank_rows(procs, events, "faulted", now=15.0, world_size=4)
-    got = [(r.rank, r.pid, r.incarnation, r.state, r.step, r.generation, r.collective, r.last_event, r.silent_s)
-           for r in rows]
+    got = [
+        (r.rank, r.pid, r.incarnation, r.state, r.step, r.generation, r.collective, r.last_event, r.silent_s)
+        for r in rows
+    ]
     assert got == [
         (0, 100, 0, "recovering: detection", 7, 0, "meshpact_data_g0 #41", "detected", 2.0),
         (1, 105, 1, "stalled", None, None, "", "session_start", 1.0),  # the replacement: its own log only
@@ -286,11 +291,16 @@ def test_rank_logs_are_followed_per_file_a_line_at_a_time(tmp_path):
     logs = RankLogs(tmp_path)
     first = logs.poll()
     assert sorted((e.phase, e.incarnation, e.event.event) for e in first) == [
-        ("faulted", 0, "session_start"), ("reference", 0, "step")]
+        ("faulted", 0, "session_start"),
+        ("reference", 0, "step"),
+    ]
     with open(a, "a") as fh:
         fh.write(line(2.0, "step")[-9:])
     b.write_text(line(3.0, "session_start"))
-    assert [(e.incarnation, e.event.event, e.event.t) for e in logs.poll()] == [(0, "step", 2.0), (1, "session_start", 3.0)]
+    assert [(e.incarnation, e.event.event, e.event.t) for e in logs.poll()] == [
+        (0, "step", 2.0),
+        (1, "session_start", 3.0),
+    ]
     assert logs.poll() == []
 
 
@@ -376,8 +386,7 @@ def test_a_held_rank_leaves_the_hold_for_one_step_once_a_peer_is_gone_for_good(t
     threading.Timer(0.4, marked.set).start()
     seen: list = []
     t0 = time.monotonic()
-    keep_pace(tmp_path, "faulted", 0, t0, 0.5, lambda kind, **data: seen.append(str(kind)), lambda: None,
-              marked.is_set)
+    keep_pace(tmp_path, "faulted", 0, t0, 0.5, lambda kind, **data: seen.append(str(kind)), lambda: None, marked.is_set)
     assert 0.35 <= time.monotonic() - t0 < 3.0 and seen == ["held"]  # held, then left while the pace still holds
     assert Pace.read(tmp_path).holds("faulted")
 
@@ -386,8 +395,9 @@ def test_the_faults_sent_from_the_page_read_on_the_event_streams_clock():
     from meshpact.app.live_control import FaultFromPage, SentFault, sent_caption
 
     wall0 = 1_000_000.0  # the recording began here; the job started 1.6 s earlier
-    line = sent_caption([SentFault(FaultFromPage.KILL, 3, wall0 + 29.39),
-                         SentFault(FaultFromPage.STALL, 1, wall0 + 61.0)], wall0)
+    line = sent_caption(
+        [SentFault(FaultFromPage.KILL, 3, wall0 + 29.39), SentFault(FaultFromPage.STALL, 1, wall0 + 61.0)], wall0
+    )
     assert line == "Sent from this page: kill rank 3 at 0:00:29.4; stall rank 1 at 0:01:01.0"
 
 
@@ -399,10 +409,10 @@ def test_every_cell_of_the_event_table_is_filled_the_trials_own_first_events_inc
     parent = [Event(0.0, EventKind.RECORDING_START, data={"wall_time": wall0})]
     ranked = [RankEvent("reference", 0, Event(wall0 + 1.5, EventKind.STEP, 0, data={"step": 0}))]
     rows = stream_rows(job_stream(ranked, parent, wall0))
-    assert rows == [{"time": "0:00:00.0", "run": "trial", "event": "recording_start", "rank": "", "stage": "",
-                     "step": ""},
-                    {"time": "0:00:01.5", "run": "reference", "event": "step", "rank": "0", "stage": "",
-                     "step": "0"}]
+    assert rows == [
+        {"time": "0:00:00.0", "run": "trial", "event": "recording_start", "rank": "", "stage": "", "step": ""},
+        {"time": "0:00:01.5", "run": "reference", "event": "step", "rank": "0", "stage": "", "step": "0"},
+    ]
 
 
 def test_faults_sent_from_the_page_land_in_the_recording_and_its_summary(tmp_path):
@@ -417,16 +427,21 @@ def test_faults_sent_from_the_page_land_in_the_recording_and_its_summary(tmp_pat
         w.emit(EventKind.DETECTED, rank=0, stage="detection", t=2.0)
         w.emit(EventKind.SUMMARY, data={"faults_injected": 2, "bit_identical": True}, t=9.0)
     (tmp_path / "injected.jsonl").write_text(
-        json.dumps({"t_wall": wall0 + 1.5, "kind": "kill", "rank": 3, "pid": 42}) + "\n"
-        + json.dumps({"t_wall": wall0 + 4.0, "kind": "stall", "rank": 1, "pid": 43, "seconds": 3.0}) + "\n"
-        + '{"t_wall": 1')  # a line torn by a crash is left out
+        json.dumps({"t_wall": wall0 + 1.5, "kind": "kill", "rank": 3, "pid": 42})
+        + "\n"
+        + json.dumps({"t_wall": wall0 + 4.0, "kind": "stall", "rank": 1, "pid": 43, "seconds": 3.0})
+        + "\n"
+        + '{"t_wall": 1'
+    )  # a line torn by a crash is left out
     faults = injected_faults(tmp_path)
     assert [f["rank"] for f in faults] == [3, 1]
     assert add_injected(path, faults) == 2
     events = read_recording(path)
     added = [e for e in events if e.event == EventKind.FAULT_INJECTED]
     assert [(e.rank, e.data["kind"], e.data["source"], round(e.t, 3)) for e in added] == [
-        (3, "kill", "dashboard", 1.5), (1, "stall", "dashboard", 4.0)]
+        (3, "kill", "dashboard", 1.5),
+        (1, "stall", "dashboard", 4.0),
+    ]
     summary = events[-1]
     assert summary.event == EventKind.SUMMARY
     assert summary.data["faults_injected"] == 4 and summary.data["faults_from_page"] == 2
@@ -492,6 +507,7 @@ def test_the_excise_form_starts_from_its_own_defaults():
 
 # --- the page's figures from the run's records -------------------------------------------------------------------
 
+
 def _rank_ev(phase, inc, t, kind, rank, stage=None, **data):
     from meshpact.app.live_control import RankEvent
     from meshpact.core.recording import Event
@@ -507,16 +523,20 @@ def test_an_excise_run_counts_the_survivors_step_and_marks_only_the_excised_rank
     from meshpact.core.recovery import Stage
 
     events = [_rank_ev("faulted", 0, 1.0, EventKind.HELD, r, step=0, generation=0) for r in range(4)]
-    recovering = events + [_rank_ev("faulted", 0, 2.0, EventKind.DETECTED, r, Stage.DETECTION, step=0)
-                           for r in range(3)]
+    recovering = events + [
+        _rank_ev("faulted", 0, 2.0, EventKind.DETECTED, r, Stage.DETECTION, step=0) for r in range(3)
+    ]
     alive = [RankProcess(100 + r, r, "faulted", 0, False) for r in range(3)]
     rows = rank_rows(alive, recovering, "faulted", now=3.0, world_size=4, steps=12)
     assert [r.state for r in rows] == ["recovering: detection"] * 3 + ["dead"]
     assert down_ranks(rows) == [3]  # the survivors recovering are not failed
-    decided = recovering + [_rank_ev("faulted", 0, 3.0, EventKind.DECIDED, r, Stage.CONSENSUS, policy="excise",
-                                     lost=[3], round=1, step=0) for r in range(3)]
-    trained = decided + [_rank_ev("faulted", 0, 4.0 + s, EventKind.STEP, r, step=s, generation=1)
-                         for s in range(1, 13) for r in range(3)]
+    decided = recovering + [
+        _rank_ev("faulted", 0, 3.0, EventKind.DECIDED, r, Stage.CONSENSUS, policy="excise", lost=[3], round=1, step=0)
+        for r in range(3)
+    ]
+    trained = decided + [
+        _rank_ev("faulted", 0, 4.0 + s, EventKind.STEP, r, step=s, generation=1) for s in range(1, 13) for r in range(3)
+    ]
     rows = rank_rows(alive, trained, "faulted", now=20.0, world_size=4, steps=12)
     assert [r.state for r in rows] == ["training"] * 3 + ["excised"]
     assert committed_step(rows) == 12 and down_ranks(rows) == [3]
@@ -529,18 +549,23 @@ def test_a_clean_finish_marks_no_rank_failed_and_a_replaced_rank_reads_its_repla
     from meshpact.app.live_control import RankProcess, committed_step, down_ranks, rank_rows
     from meshpact.core.recording import EventKind
 
-    events = [_rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0)
-              for s in range(1, 5) for r in range(4)]
+    events = [
+        _rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0) for s in range(1, 5) for r in range(4)
+    ]
     # rank 2 killed at step 4; its replacement (incarnation 1) restored and went on to the last step
     events += [_rank_ev("faulted", 1, 9.0, EventKind.SESSION_START, 2, incarnation=1)]
     procs = [RankProcess(100 + r, r, "faulted", 0, False) for r in (0, 1, 3)]
-    waiting = rank_rows(procs + [RankProcess(200, 2, "faulted", 1, False)], events, "faulted", now=9.5,
-                        world_size=4, steps=8)
+    waiting = rank_rows(
+        procs + [RankProcess(200, 2, "faulted", 1, False)], events, "faulted", now=9.5, world_size=4, steps=8
+    )
     assert [r.state for r in waiting][2] == "starting" and down_ranks(waiting) == []
     lost = rank_rows(procs, [e for e in events if e.incarnation == 0], "faulted", now=9.5, world_size=4, steps=8)
     assert lost[2].state == "dead" and down_ranks(lost) == [2] and committed_step(lost) == 4
-    events += [_rank_ev("faulted", 1 if r == 2 else 0, 10.0 + s, EventKind.STEP, r, step=s, generation=1)
-               for s in range(5, 9) for r in range(4)]
+    events += [
+        _rank_ev("faulted", 1 if r == 2 else 0, 10.0 + s, EventKind.STEP, r, step=s, generation=1)
+        for s in range(5, 9)
+        for r in range(4)
+    ]
     done = rank_rows([], events, "faulted", now=30.0, world_size=4, steps=8)
     assert [r.state for r in done] == ["done"] * 4 and down_ranks(done) == []
     assert committed_step(done) == 8 and done[2].incarnation == 1
@@ -555,11 +580,16 @@ def test_the_generation_is_the_one_a_rank_trains_in_not_the_checkpoint_baselines
     from meshpact.core.recording import EventKind
     from meshpact.core.recovery import Stage
 
-    events = [_rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0 if s < 3 else 1)
-              for s in range(1, 9) for r in range(2)]
+    events = [
+        _rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0 if s < 3 else 1)
+        for s in range(1, 9)
+        for r in range(2)
+    ]
     # the in-job checkpoint baseline: a drill's recovery after the last step builds generation 2
-    events += [_rank_ev("faulted", 0, 20.0, EventKind.DECIDED, r, Stage.CONSENSUS, policy="checkpoint_restore",
-                        generation=2) for r in range(2)]
+    events += [
+        _rank_ev("faulted", 0, 20.0, EventKind.DECIDED, r, Stage.CONSENSUS, policy="checkpoint_restore", generation=2)
+        for r in range(2)
+    ]
     rows = rank_rows([], events, "faulted", now=30.0, world_size=2, steps=8)
     assert [r.generation for r in rows] == [1, 1] and [r.state for r in rows] == ["done", "done"]
 
@@ -568,8 +598,12 @@ def test_a_run_stopped_from_the_page_reads_stopped_with_each_ranks_last_step_nev
     from meshpact.app.live_control import RankProcess, committed_step, down_ranks, rank_rows
     from meshpact.core.recording import EventKind
 
-    events = [_rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0)
-              for s in range(1, 8) for r in range(4) if not (r == 3 and s == 7)]  # rank 3 one step behind
+    events = [
+        _rank_ev("faulted", 0, 1.0 + s, EventKind.STEP, r, step=s, generation=0)
+        for s in range(1, 8)
+        for r in range(4)
+        if not (r == 3 and s == 7)
+    ]  # rank 3 one step behind
     events += [_rank_ev("faulted", 0, 0.5, EventKind.DECIDED, 0, policy="excise", lost=[2])]
     stopped = rank_rows([], events, "faulted", now=30.0, world_size=4, steps=40, stopped=True)
     assert [r.state for r in stopped] == ["stopped", "stopped", "excised", "stopped"]
@@ -577,8 +611,14 @@ def test_a_run_stopped_from_the_page_reads_stopped_with_each_ranks_last_step_nev
     assert down_ranks(stopped) == [2]  # the excised rank only: a stop loses no rank
     assert committed_step(stopped) == 6  # the least over the ranks still in the job
     # a stalled rank (SIGSTOPped from the page) is marked failed while it lasts; the stop leaves it stopped
-    stalled = rank_rows([RankProcess(100 + r, r, "faulted", 0, r == 1) for r in (0, 1, 3)], events, "faulted",
-                        now=9.0, world_size=4, steps=40)
+    stalled = rank_rows(
+        [RankProcess(100 + r, r, "faulted", 0, r == 1) for r in (0, 1, 3)],
+        events,
+        "faulted",
+        now=9.0,
+        world_size=4,
+        steps=40,
+    )
     assert [r.state for r in stalled] == ["training", "stalled", "excised", "training"]
     assert down_ranks(stalled) == [1, 2]
 
@@ -603,20 +643,25 @@ def test_the_event_count_never_drops_when_the_run_ends_and_every_row_names_its_r
     wall0 = 1000.0
     partial = partial_path(rec)
     partial.write_text(_recording_line(0.0, "recording_start", wall_time=wall0))
-    logs = {("reference", 0): [(1.0, "session_start"), (2.0, "step")], ("faulted", 0): [(3.0, "session_start"),
-                                                                                          (4.0, "step")],
-            ("faulted", 1): [(3.1, "session_start"), (4.1, "detected")]}
+    logs = {
+        ("reference", 0): [(1.0, "session_start"), (2.0, "step")],
+        ("faulted", 0): [(3.0, "session_start"), (4.0, "step")],
+        ("faulted", 1): [(3.1, "session_start"), (4.1, "detected")],
+    }
     for (phase, rank), evs in logs.items():
         (trial / phase / f"events-rank{rank}-0.jsonl").write_text(
-            "".join(_recording_line(wall0 + t, kind, rank) for t, kind in evs))
+            "".join(_recording_line(wall0 + t, kind, rank) for t, kind in evs)
+        )
     with open(partial, "a") as fh:
         fh.write(_recording_line(4.5, "replacement_started", 1, "restart", returncode=-9))
     events = JobEvents(rec, trial)
     events.poll()
     running = job_stream(events.rank_events, events.parent_events, events.wall0)
     assert len(running) == 8
-    assert [(e.run, str(e.event.event)) for e in running][-2:] == [("faulted", "detected"),
-                                                                    ("faulted", "replacement_started")]
+    assert [(e.run, str(e.event.event)) for e in running][-2:] == [
+        ("faulted", "detected"),
+        ("faulted", "replacement_started"),
+    ]
     assert all(e.run for e in running[1:])  # only the recording's start precedes every run
     # the run ends: the parent copies the faulted run's rank logs into the recording, adds its own, renames it
     with open(partial, "a") as fh:
@@ -642,9 +687,19 @@ def test_the_event_count_never_drops_when_the_run_ends_and_every_row_names_its_r
 
 
 def _recovery_done(rank, t_detect, t_resumed, step, generation, policy="peer_restore"):
-    return {"step": step, "t_detect_wall": t_detect, "t_first_collective_wall": t_resumed - 0.1,
-            "t_resumed_wall": t_resumed, "policy": policy, "reason": "rank lost", "generation": generation,
-            "lost_steps": 0, "rebind_s": 0.001, "action": "rebuild", "drill": False}
+    return {
+        "step": step,
+        "t_detect_wall": t_detect,
+        "t_first_collective_wall": t_resumed - 0.1,
+        "t_resumed_wall": t_resumed,
+        "policy": policy,
+        "reason": "rank lost",
+        "generation": generation,
+        "lost_steps": 0,
+        "rebind_s": 0.001,
+        "action": "rebuild",
+        "drill": False,
+    }
 
 
 def test_a_fault_sent_from_the_page_gets_its_recovery_s_downtime_in_the_trials_own_summary():
@@ -662,15 +717,25 @@ def test_a_fault_sent_from_the_page_gets_its_recovery_s_downtime_in_the_trials_o
     for gen, (t_detect, t_resumed, step) in enumerate([(100.4, 101.5, 0), (110.2, 111.0, 6)], start=1):
         for r in (0, 1):
             events.append(Event(t_detect + 0.05 * r, EventKind.DETECTED, r, None, {}))
-            events.append(Event(t_resumed, EventKind.RECOVERY_DONE, r, None,
-                                _recovery_done(r, t_detect + 0.05 * r, t_resumed, step, gen, "excise")))
+            events.append(
+                Event(
+                    t_resumed,
+                    EventKind.RECOVERY_DONE,
+                    r,
+                    None,
+                    _recovery_done(r, t_detect + 0.05 * r, t_resumed, step, gen, "excise"),
+                )
+            )
     planned = (Fault(0, FaultKind.KILL, 6, 2),)
-    result = TrialResult(cfg, planned, [], [], None, {0: FaultRecord(2, 6, "kill", 110.0)}, True, [], 0, "",
-                         faulted_events=events)
+    result = TrialResult(
+        cfg, planned, [], [], None, {0: FaultRecord(2, 6, "kill", 110.0)}, True, [], 0, "", faulted_events=events
+    )
     assert result.recoveries()[0]["downtime_s"] is None  # the page's kill is unknown to the trial
     assert result.summary()["faults_recovered"] == 1
-    page = [{"t_wall": 100.0, "kind": "kill", "rank": 1, "phase": "faulted"},
-            {"t_wall": 120.0, "kind": "stall", "rank": 0, "phase": "faulted"}]  # no recovery followed this one
+    page = [
+        {"t_wall": 100.0, "kind": "kill", "rank": 1, "phase": "faulted"},
+        {"t_wall": 120.0, "kind": "stall", "rank": 0, "phase": "faulted"},
+    ]  # no recovery followed this one
     assert attribute_page_faults(result, page) == 1
     recs = result.recoveries()
     assert abs(recs[0]["downtime_s"] - 1.5) < 1e-9 and abs(recs[0]["stages_s"]["detection"] - 0.45) < 1e-9
@@ -704,8 +769,9 @@ def test_closing_the_session_ends_the_job_and_reaps_the_runner(tmp_path):
     script.write_text(RUNNER)
     connected = threading.Event()
     connected.set()
-    job = LiveJob(tmp_path / "rec.jsonl", [], runner=[str(script)], world_size=2, session_alive=connected.is_set,
-                  grace_s=0.5)
+    job = LiveJob(
+        tmp_path / "rec.jsonl", [], runner=[str(script)], world_size=2, session_alive=connected.is_set, grace_s=0.5
+    )
     try:
         assert _wait(lambda: len(job.ranks()) == 2), job.log_tail()
         time.sleep(1.0)
@@ -760,8 +826,11 @@ def test_a_runner_ends_what_it_started_when_the_dashboard_process_dies(tmp_path)
 
     (tmp_path / "runner.py").write_text(LEASED_RUNNER)
     (tmp_path / "dash.py").write_text(DASHBOARD)
-    dash = subprocess.Popen([sys.executable, str(tmp_path / "dash.py"), str(tmp_path / "r.jsonl"),
-                             str(tmp_path / "runner.py")], stdout=subprocess.PIPE, text=True)
+    dash = subprocess.Popen(
+        [sys.executable, str(tmp_path / "dash.py"), str(tmp_path / "r.jsonl"), str(tmp_path / "runner.py")],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         token, work = dash.stdout.readline().split()
         assert _wait(lambda: len(job_processes(token)) == 2), "the runner and its rank"

@@ -29,8 +29,9 @@ def _scrape(url: str) -> dict[str, float]:
 def test_metrics_follow_the_partial_recording_as_it_grows(tmp_path):
     final = tmp_path / "live-run.jsonl"
     partial = partial_path(final)
-    partial.write_text(_line(0.0, "recording_start", source="live", ranks=3, wall_time=1000.0)
-                       + _line(1.0, "session_start", rank=0))
+    partial.write_text(
+        _line(0.0, "recording_start", source="live", ranks=3, wall_time=1000.0) + _line(1.0, "session_start", rank=0)
+    )
     ep = MetricsEndpoint(final)
     try:
         assert ep.addr == "127.0.0.1" and ep.port > 0
@@ -41,8 +42,7 @@ def test_metrics_follow_the_partial_recording_as_it_grows(tmp_path):
             for rank in range(3):
                 fh.write(_line(5.0, "detected", rank, "detection", seconds=0.02 * (rank + 1)))
                 fh.write(_line(5.5, "decided", rank, "consensus", seconds=0.3, policy="in_memory", round=1, step=6))
-            fh.write(_line(9.0, "decided", 1, "consensus", seconds=0.1, policy="checkpoint_restore", round=2,
-                           step=8))
+            fh.write(_line(9.0, "decided", 1, "consensus", seconds=0.1, policy="checkpoint_restore", round=2, step=8))
             fh.write('{"t": 9.5, "event": "half a li')  # a line still being written is not read
         m = _scrape(ep.url)
         assert m['meshpact_recoveries_total{policy="in_memory"}'] == 1.0  # three ranks, one decision
@@ -100,8 +100,9 @@ def test_metrics_follow_the_rank_logs_while_the_run_goes(tmp_path):
         log.write_text(_line(1001.0, "step", r, step=3, generation=0))
     ep = MetricsEndpoint(rec, trial_dir=trial)
     try:
-        (trial / "faulted" / HEARTBEATS_FILE).write_text(json.dumps({"t": time.time() - 1.0,
-                                                                     "ages_s": {"0": 0.1, "1": 4.0}}))
+        (trial / "faulted" / HEARTBEATS_FILE).write_text(
+            json.dumps({"t": time.time() - 1.0, "ages_s": {"0": 0.1, "1": 4.0}})
+        )
         m = _scrape(ep.url)
         assert m['meshpact_committed_step{rank="1",run="faulted"}'] == 3.0
         # as the trial parent last wrote them, aged by the second since: rank 1's heartbeat stopped
@@ -111,8 +112,19 @@ def test_metrics_follow_the_rank_logs_while_the_run_goes(tmp_path):
         for r, log in enumerate(logs):  # rank 1's peer died: both ranks detect, decide, and go on
             with open(log, "a") as fh:
                 fh.write(_line(1002.0, "detected", r, "detection", seconds=0.2, step=4, generation=0))
-                fh.write(_line(1002.5, "decided", r, "consensus", seconds=0.4, policy="peer_restore", round=1,
-                               step=4, generation=0))
+                fh.write(
+                    _line(
+                        1002.5,
+                        "decided",
+                        r,
+                        "consensus",
+                        seconds=0.4,
+                        policy="peer_restore",
+                        round=1,
+                        step=4,
+                        generation=0,
+                    )
+                )
                 fh.write(_line(1003.0, "step", r, step=5, generation=1))
         m = _scrape(ep.url)
         assert m['meshpact_recoveries_total{policy="peer_restore"}'] == 1.0
@@ -123,8 +135,16 @@ def test_metrics_follow_the_rank_logs_while_the_run_goes(tmp_path):
         with open(partial_path(rec), "a") as fh:  # the run ends: the parent copies the logs, then its summary
             for r in range(2):
                 fh.write(_line(2.0, "detected", r, "detection", seconds=0.2))
-            fh.write(_line(3.5, "recovered", step=4, generation=1, policy="peer_restore",
-                           stages_s={"detection": 0.25, "consensus": 0.5, "communicator": 0.125, "state": None}))
+            fh.write(
+                _line(
+                    3.5,
+                    "recovered",
+                    step=4,
+                    generation=1,
+                    policy="peer_restore",
+                    stages_s={"detection": 0.25, "consensus": 0.5, "communicator": 0.125, "state": None},
+                )
+            )
             fh.write(_line(4.0, "summary", faults_injected=0))
         os.replace(partial_path(rec), rec)
         m = _scrape(ep.url)

@@ -124,8 +124,10 @@ def test_a_bad_scenario_file_shows_a_readable_error(tmp_path):
 
 def test_a_good_scenario_file_replaces_the_mesh(tmp_path):
     good = tmp_path / "small.yaml"
-    good.write_text("name: small\ncluster:\n  domains:\n    - {name: cpu@h, vendor: cpu, host: h, ranks: 4}\n"
-                    "    - {name: cuda@h, vendor: cuda, host: h, ranks: 4}\n")
+    good.write_text(
+        "name: small\ncluster:\n  domains:\n    - {name: cpu@h, vendor: cpu, host: h, ranks: 4}\n"
+        "    - {name: cuda@h, vendor: cuda, host: h, ranks: 4}\n"
+    )
     at = _app()
     at.radio(key="scenario_source").set_value("path").run()
     at.text_input(key="scenario_path").input(str(good)).run()
@@ -151,8 +153,13 @@ def test_simulate_shows_goodput_per_policy_and_runs_the_serving_sweep():
     at.switch_page("views/simulate.py").run()
     assert not at.exception
     goodput = {m.label: float(m.value.rstrip("%")) for m in at.metric}
-    assert set(goodput) == {"cold restart", "checkpoint restore (in job)", "in-memory rebind", "peer restore",
-                            "excise and continue"}
+    assert set(goodput) == {
+        "cold restart",
+        "checkpoint restore (in job)",
+        "in-memory rebind",
+        "peer restore",
+        "excise and continue",
+    }
     assert goodput["in-memory rebind"] > goodput["cold restart"]
     charts = len(at.get("plotly_chart"))
     at.button[0].click().run()  # Run serving sweep
@@ -231,7 +238,11 @@ def test_replay_plays_the_shipped_live_recording():
     at.slider(key="replay_index").set_value(5).run()  # the injected fault, the fifth event
     assert _metric(at, "failed ranks") == "rank 0"
     trace = json.loads(_perfetto(at))
-    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == {"job", "rank 0", "rank 1"}
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"} == {
+        "job",
+        "rank 0",
+        "rank 1",
+    }
 
 
 def _perfetto(at: AppTest) -> str:
@@ -277,8 +288,9 @@ def test_live_page_runs_a_recovery_and_shows_the_verdict():
     for key, value in (("live_ranks", "2.5"), ("live_steps", "8"), ("live_faults", "1"), ("live_every", "2")):
         at.text_input(key=key).set_value(value)
     at.button[0].click().run()  # a number the box does not take is refused in words, nothing started
-    assert any("**ranks**: 2.5 is not a whole number; expected a whole number from 2 to 8" in e.value
-               for e in at.error), [e.value for e in at.error]
+    assert any(
+        "**ranks**: 2.5 is not a whole number; expected a whole number from 2 to 8" in e.value for e in at.error
+    ), [e.value for e in at.error]
     assert "live_job" not in at.session_state
     at.text_input(key="live_ranks").set_value("2")
     at.toggle(key="live_baselines").set_value(False)
@@ -356,8 +368,13 @@ def _files(tmp_path: Path) -> dict[str, Path]:
     """A binary file, an empty one, a huge one (sparse: no disk), a directory and a NumPy array."""
     import numpy as np
 
-    out = {"binary": tmp_path / "bin.dat", "empty": tmp_path / "empty.yaml", "huge": tmp_path / "huge.jsonl",
-           "directory": tmp_path, "npy": tmp_path / "v.npy"}
+    out = {
+        "binary": tmp_path / "bin.dat",
+        "empty": tmp_path / "empty.yaml",
+        "huge": tmp_path / "huge.jsonl",
+        "directory": tmp_path,
+        "npy": tmp_path / "v.npy",
+    }
     out["binary"].write_bytes(bytes(range(256)) * 8)
     out["empty"].write_bytes(b"")
     with out["huge"].open("wb") as fh:

@@ -16,8 +16,15 @@ def mesh():
 
 
 def _edge(mesh, **kw):
-    facts = dict(producer_domain="cuda@hostA", consumer_domain="cann@hostB", placement="Shard(1)",
-                 shape=(8, 1024), dtype="bfloat16", request="token", consumer_ranks=2)
+    facts = dict(
+        producer_domain="cuda@hostA",
+        consumer_domain="cann@hostB",
+        placement="Shard(1)",
+        shape=(8, 1024),
+        dtype="bfloat16",
+        request="token",
+        consumer_ranks=2,
+    )
     return edge_from_facts(mesh, **{**facts, **kw})
 
 
@@ -123,11 +130,17 @@ def _npy(header: dict | None = None) -> bytes:
     return buf.getvalue()
 
 
-@pytest.mark.parametrize("name,content", [("v.npy", b"\x89PNG\r\n\x1a\n\x00\xff"), ("v.npy", b""),
-                                          ("v.json", b"\xff\xfe\x00"), ("v.json", b""),
-                                          ("v.npy", _npy()),
-                                          ("v.npy", _npy(header={"descr": "<f4", "fortran_order": False,
-                                                                 "shape": (100_000, 100_000)}))])
+@pytest.mark.parametrize(
+    "name,content",
+    [
+        ("v.npy", b"\x89PNG\r\n\x1a\n\x00\xff"),
+        ("v.npy", b""),
+        ("v.json", b"\xff\xfe\x00"),
+        ("v.json", b""),
+        ("v.npy", _npy()),
+        ("v.npy", _npy(header={"descr": "<f4", "fortran_order": False, "shape": (100_000, 100_000)})),
+    ],
+)
 def test_any_uploaded_values_file_is_one_line(mesh, name, content):
     from meshpact.app.planning import run_uploaded
 

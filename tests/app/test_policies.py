@@ -12,9 +12,13 @@ from meshpact.core.facts import Domain, Mesh, Vendor
 from meshpact.core.recovery import Policy
 
 # Two hosts; hostA holds two domains of 8 ranks, hostB one of 4 whose bridge rank is 17.
-MESH = Mesh(domains=(Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(8))),
-                     Domain("cpu@hostA", Vendor.CPU, "hostA", tuple(range(8, 16))),
-                     Domain("cann@hostB", Vendor.CANN, "hostB", (16, 17, 18, 19), bridge_rank=17)))
+MESH = Mesh(
+    domains=(
+        Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(8))),
+        Domain("cpu@hostA", Vendor.CPU, "hostA", tuple(range(8, 16))),
+        Domain("cann@hostB", Vendor.CANN, "hostB", (16, 17, 18, 19), bridge_rank=17),
+    )
+)
 
 
 def _cmp(failed, rank_loss=False):

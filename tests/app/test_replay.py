@@ -20,9 +20,12 @@ def _sim(t, kind, stage=None, dur=0.0, rank=7, policy="in_memory"):
 
 def test_simulated_recovery_fails_its_rank_until_the_next_fault():
     timeline = [
-        _sim(10.0, "fault"), _sim(10.0, "stage", "detection", 5.0), _sim(15.0, "stage", "consensus", 0.2),
+        _sim(10.0, "fault"),
+        _sim(10.0, "stage", "detection", 5.0),
+        _sim(15.0, "stage", "consensus", 0.2),
         _sim(15.2, "checkpoint", dur=3.0),  # dropped: not part of a replay
-        _sim(99.0, "fault", rank=2), _sim(99.0, "stage", "detection", 5.0),
+        _sim(99.0, "fault", rank=2),
+        _sim(99.0, "stage", "detection", 5.0),
         _sim(50.0, "fault", policy="cold_restart"),  # another policy's timeline
     ]
     events = from_timeline(timeline, Policy.IN_MEMORY)
@@ -35,8 +38,14 @@ def test_simulated_recovery_fails_its_rank_until_the_next_fault():
 
 
 def test_a_fault_during_a_recovery_joins_it():
-    events = from_timeline([_sim(0.0, "fault", rank=1), _sim(0.0, "stage", "detection", 5.0),
-                            _sim(2.0, "fault", rank=3), _sim(5.0, "stage", "consensus", 1.0)])
+    events = from_timeline(
+        [
+            _sim(0.0, "fault", rank=1),
+            _sim(0.0, "stage", "detection", 5.0),
+            _sim(2.0, "fault", rank=3),
+            _sim(5.0, "stage", "consensus", 1.0),
+        ]
+    )
     f = replay_frame(events, 3)
     assert f.failed == {1, 3} and f.recoveries_before == 0
 
@@ -46,14 +55,17 @@ def _ev(t, event, rank=None, stage=None, **data):
 
 
 def test_live_recording_takes_the_longest_rank_per_stage_and_the_decided_policy():
-    events = from_recording([
-        _ev(0.0, "recording_start", source="live"),
-        _ev(1.0, "fault_injected", rank=0, kind="collective"),
-        _ev(1.1, "detected", 0, "detection", seconds=0.02), _ev(1.1, "detected", 1, "detection", seconds=0.05),
-        _ev(1.3, "decided", 0, "consensus", seconds=0.1, policy="in_memory"),
-        _ev(1.3, "decided", 1, "consensus", seconds=0.2, policy="in_memory"),
-        _ev(2.0, "checkpoint", 1, step=8),
-    ])
+    events = from_recording(
+        [
+            _ev(0.0, "recording_start", source="live"),
+            _ev(1.0, "fault_injected", rank=0, kind="collective"),
+            _ev(1.1, "detected", 0, "detection", seconds=0.02),
+            _ev(1.1, "detected", 1, "detection", seconds=0.05),
+            _ev(1.3, "decided", 0, "consensus", seconds=0.1, policy="in_memory"),
+            _ev(1.3, "decided", 1, "consensus", seconds=0.2, policy="in_memory"),
+            _ev(2.0, "checkpoint", 1, step=8),
+        ]
+    )
     assert events[0].kind == "fault" and events[0].rank == 0
     f = replay_frame(events, 4)
     assert f.failed == {0} and f.policy is Policy.IN_MEMORY
@@ -96,8 +108,15 @@ def test_a_live_recording_is_drawn_on_its_own_local_ranks():
 def test_a_replay_opens_on_the_last_stage_of_its_first_recovery():
     from meshpact.app.replay import first_recovery_index
 
-    events = from_timeline([_sim(1.0, "fault"), _sim(1.0, "stage", "detection", 5.0), _sim(6.0, "stage", "consensus", 1.0),
-                            _sim(50.0, "fault", rank=3), _sim(50.0, "stage", "detection", 5.0)])
+    events = from_timeline(
+        [
+            _sim(1.0, "fault"),
+            _sim(1.0, "stage", "detection", 5.0),
+            _sim(6.0, "stage", "consensus", 1.0),
+            _sim(50.0, "fault", rank=3),
+            _sim(50.0, "stage", "detection", 5.0),
+        ]
+    )
     assert first_recovery_index(events) == 2
     assert first_recovery_index(from_timeline([_sim(1.0, "fault")])) == 0
 
@@ -106,9 +125,16 @@ def test_a_replay_finds_its_first_recovery_however_late_in_a_long_run():
     from meshpact.app.replay import first_recovery_index, replay_frame, replay_frames
 
     quiet = [_sim(float(t), "degraded", rank=None) for t in range(3000)]  # a long run of events before any fault
-    late = from_timeline(quiet + [_sim(4000.0, "fault"), _sim(4000.0, "stage", "detection", 5.0),
-                                  _sim(4005.0, "stage", "consensus", 1.0), _sim(4100.0, "fault", rank=3),
-                                  _sim(4100.0, "stage", "detection", 5.0)])
+    late = from_timeline(
+        quiet
+        + [
+            _sim(4000.0, "fault"),
+            _sim(4000.0, "stage", "detection", 5.0),
+            _sim(4005.0, "stage", "consensus", 1.0),
+            _sim(4100.0, "fault", rank=3),
+            _sim(4100.0, "stage", "detection", 5.0),
+        ]
+    )
     first = first_recovery_index(late)
     assert late[first].stage is not None and late[first].stage.value == "consensus"
     assert replay_frame(late, first).stages_so_far and replay_frame(late, first).recoveries_before == 0

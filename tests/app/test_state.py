@@ -6,9 +6,14 @@ from meshpact.app.state import SelectionState, apply_selection, clamp_failed, ra
 
 
 def _event(*ranks, scalar=False, curve=3):
-    return {"selection": {"points": [{"curve_number": curve, "point_index": r, "customdata": r if scalar else [r]}
-                                     for r in ranks],
-                          "point_indices": [], "box": [], "lasso": []}}
+    return {
+        "selection": {
+            "points": [{"curve_number": curve, "point_index": r, "customdata": r if scalar else [r]} for r in ranks],
+            "point_indices": [],
+            "box": [],
+            "lasso": [],
+        }
+    }
 
 
 def test_ranks_in_event_reads_customdata_list_or_scalar_and_ignores_lines():
@@ -91,9 +96,15 @@ def test_parse_ranks_refuses_bad_text_with_one_line_and_no_unbounded_work():
 
     from meshpact.app.state import parse_ranks
 
-    for text, says in [("x", "'x' is not a rank or a range"), ("9-5", "runs backwards"), ("32", "rank 32 is not"),
-                       ("-3", "is not a rank or a range"), ("1-2-3", "is not a rank or a range"),
-                       ("3-", "is not a rank or a range"), ("1.5", "is not a rank or a range")]:
+    for text, says in [
+        ("x", "'x' is not a rank or a range"),
+        ("9-5", "runs backwards"),
+        ("32", "rank 32 is not"),
+        ("-3", "is not a rank or a range"),
+        ("1-2-3", "is not a rank or a range"),
+        ("3-", "is not a rank or a range"),
+        ("1.5", "is not a rank or a range"),
+    ]:
         with pytest.raises(ValueError, match=says) as info:
             parse_ranks(text, range(32))
         assert "\n" not in str(info.value)
@@ -169,8 +180,10 @@ def test_failed_ranks_carried_to_another_scenario_are_announced_with_those_dropp
     from meshpact.app.state import carried_failures_notice
 
     said = carried_failures_notice("whatif_1024", "default", [5, 6, 7, 8, 9, 12], dropped=[600, 601, 602, 603])
-    assert said == ("Failed ranks carried over from **whatif_1024**: 5-9, 12 (600-603 dropped: not in this mesh). "
-                    "Clear or change them on the Mesh page.")
+    assert said == (
+        "Failed ranks carried over from **whatif_1024**: 5-9, 12 (600-603 dropped: not in this mesh). "
+        "Clear or change them on the Mesh page."
+    )
     assert carried_failures_notice("default", "default", [5]) is None  # the same scenario
     assert carried_failures_notice(None, "default", [5]) is None  # the first scenario of the session
     assert carried_failures_notice("whatif_1024", "default", []) is None  # nothing to carry

@@ -7,14 +7,30 @@ from meshpact.app.verdict import Tone, downtime_notes, run_verdict
 
 
 def _excised(equal: bool = True, diff: float | None = 4.8e-05, refused: str | None = None) -> dict:
-    return {"faults_injected": 1, "faults_from_page": 1, "bit_identical": equal,
-            "mismatches": [] if equal else ["rank 0: layer.weight differs from the excising reference"],
-            "downtime_s": {"in_memory": None, "peer_restore": None, "excise": 2.5, "checkpoint_restore": None,
-                           "cold_restart": None},
-            "downtime_includes": {"excise": "detection, consensus, the survivors' new groups, the re-shard",
-                                  "checkpoint_restore": None},
-            "excision": {"excisions": [{"step": 3, "lost": [3]}], "equal_to_excising_reference": equal,
-                         "max_abs_diff_from_unfailed": diff, "refused": refused, "flushed_checkpoint": None}}
+    return {
+        "faults_injected": 1,
+        "faults_from_page": 1,
+        "bit_identical": equal,
+        "mismatches": [] if equal else ["rank 0: layer.weight differs from the excising reference"],
+        "downtime_s": {
+            "in_memory": None,
+            "peer_restore": None,
+            "excise": 2.5,
+            "checkpoint_restore": None,
+            "cold_restart": None,
+        },
+        "downtime_includes": {
+            "excise": "detection, consensus, the survivors' new groups, the re-shard",
+            "checkpoint_restore": None,
+        },
+        "excision": {
+            "excisions": [{"step": 3, "lost": [3]}],
+            "equal_to_excising_reference": equal,
+            "max_abs_diff_from_unfailed": diff,
+            "refused": refused,
+            "flushed_checkpoint": None,
+        },
+    }
 
 
 def test_an_excised_run_is_judged_against_the_excising_reference_and_its_difference_from_the_fault_free_run():

@@ -7,14 +7,17 @@ import pytest
 from meshpact.app.widgets import read_number
 
 
-@pytest.mark.parametrize("typed, said", [
-    ("0.2", "**days**: 0.2 is not a whole number; expected a whole number from 1 to 365."),
-    ("400", "**days**: 400 is more than it takes; expected a whole number from 1 to 365."),
-    ("0", "**days**: 0 is less than it takes; expected a whole number from 1 to 365."),
-    ("seven", "**days**: 'seven' is not a number; expected a whole number from 1 to 365."),
-    ("nan", "**days**: 'nan' is not a finite number; expected a whole number from 1 to 365."),
-    ("  ", "**days** is empty: type a whole number from 1 to 365."),
-])
+@pytest.mark.parametrize(
+    "typed, said",
+    [
+        ("0.2", "**days**: 0.2 is not a whole number; expected a whole number from 1 to 365."),
+        ("400", "**days**: 400 is more than it takes; expected a whole number from 1 to 365."),
+        ("0", "**days**: 0 is less than it takes; expected a whole number from 1 to 365."),
+        ("seven", "**days**: 'seven' is not a number; expected a whole number from 1 to 365."),
+        ("nan", "**days**: 'nan' is not a finite number; expected a whole number from 1 to 365."),
+        ("  ", "**days** is empty: type a whole number from 1 to 365."),
+    ],
+)
 def test_a_number_the_box_does_not_take_is_refused_in_words(typed, said):
     assert read_number(typed, "days", 1, 365, whole=True) == (None, said)
 

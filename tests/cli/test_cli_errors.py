@@ -26,8 +26,12 @@ def _declared_options() -> list[tuple[tuple[str, ...], Any]]:
 
 OPTIONS = _declared_options()
 ENUM_OPTIONS = [(path, p.opts[0], choices_of(p)) for path, p in OPTIONS if choices_of(p)]
-RANGED = [(path, p.opts[0], bound, value) for path, p in OPTIONS
-          for bound, value in (("min", getattr(p, "min", None)), ("max", getattr(p, "max", None))) if value is not None]
+RANGED = [
+    (path, p.opts[0], bound, value)
+    for path, p in OPTIONS
+    for bound, value in (("min", getattr(p, "min", None)), ("max", getattr(p, "max", None)))
+    if value is not None
+]
 
 
 def _ids(cases: list[tuple]) -> list[str]:
@@ -45,10 +49,17 @@ def _one_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 def test_the_introspection_finds_the_enum_and_ranged_options():
     found = {(" ".join(path), opt) for path, opt, _ in ENUM_OPTIONS}
-    assert {("live recover", "--fault-kind"), ("simulate training", "--checkpoint-mode"),
-            ("simulate sweep", "--kind"), ("live bridge", "--request")} <= found
+    assert {
+        ("live recover", "--fault-kind"),
+        ("simulate training", "--checkpoint-mode"),
+        ("simulate sweep", "--kind"),
+        ("live bridge", "--request"),
+    } <= found
     assert {(" ".join(path), opt, bound) for path, opt, bound, _ in RANGED} >= {
-        ("live recover", "--ranks", "min"), ("live recover", "--ranks", "max"), ("live recover", "--data-timeout", "min")}
+        ("live recover", "--ranks", "min"),
+        ("live recover", "--ranks", "max"),
+        ("live recover", "--data-timeout", "min"),
+    }
 
 
 @pytest.mark.parametrize(("path", "option", "choices"), ENUM_OPTIONS, ids=_ids(ENUM_OPTIONS))
@@ -65,15 +76,29 @@ def test_a_number_out_of_range_names_the_option_the_value_and_the_range(capsys, 
     assert ("at least" in line or "from" in line) if bound == "min" else ("at most" in line or "to" in line)
 
 
-@pytest.mark.parametrize(("argv", "line"), [
-    (["live", "recover", "--ranks", "x"], "error: --ranks 'x': expected an integer from 2 to 16"),
-    (["live", "recover", "--ranks"], "error: --ranks: requires an argument; see 'meshpact live recover --help'"),
-    (["live", "recover", "--rank", "3"], "error: --rank: no such option (did you mean --min-ranks or --ranks or "
-                                        "--spare-ranks?); see 'meshpact live recover --help'"),
-    (["simulate", "sweep", "--param", "x=1"], "error: --scenario is required; see 'meshpact simulate sweep --help'"),
-    (["plan", "--facts", "/no/such/facts.yaml"],
-     "error: /no/such/facts.yaml: no such facts file; expected a YAML or JSON edge description"),
-    (["simulate", "training", "--scenario", "/no/such/scenario.yaml"], "error: /no/such/scenario.yaml: no such scenario file"),
-])
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["live", "recover", "--ranks", "x"], "error: --ranks 'x': expected an integer from 2 to 16"),
+        (["live", "recover", "--ranks"], "error: --ranks: requires an argument; see 'meshpact live recover --help'"),
+        (
+            ["live", "recover", "--rank", "3"],
+            "error: --rank: no such option (did you mean --min-ranks or --ranks or "
+            "--spare-ranks?); see 'meshpact live recover --help'",
+        ),
+        (
+            ["simulate", "sweep", "--param", "x=1"],
+            "error: --scenario is required; see 'meshpact simulate sweep --help'",
+        ),
+        (
+            ["plan", "--facts", "/no/such/facts.yaml"],
+            "error: /no/such/facts.yaml: no such facts file; expected a YAML or JSON edge description",
+        ),
+        (
+            ["simulate", "training", "--scenario", "/no/such/scenario.yaml"],
+            "error: /no/such/scenario.yaml: no such scenario file",
+        ),
+    ],
+)
 def test_other_refused_command_lines_get_one_line_too(capsys, argv, line):
     assert _one_line(capsys, argv) == line

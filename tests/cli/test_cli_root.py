@@ -36,7 +36,9 @@ def test_help_imports_no_command_module_and_a_command_imports_only_its_own():
     assert not _modules_loaded_by("live", "--help")
     loaded = _modules_loaded_by("plan", "--help")
     assert "meshpact.commands.plan" in loaded
-    assert not {m for m in loaded if m.startswith(("torch", "simpy", "meshpact.commands.simulate", "meshpact.commands.live_"))}
+    assert not {
+        m for m in loaded if m.startswith(("torch", "simpy", "meshpact.commands.simulate", "meshpact.commands.live_"))
+    }
 
 
 def test_each_listed_summary_is_the_help_of_the_command_it_stands_for():

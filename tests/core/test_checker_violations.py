@@ -51,7 +51,7 @@ def test_collective_across_domains_cannot_run():
     plan = _baseline(c)
     i = _find(plan, "broadcast")
     spanning = replace(plan.steps[i], ranks=plan.steps[i].ranks + (1,))
-    mutant = _with(plan, plan.steps[:i] + (spanning,) + plan.steps[i + 1:])
+    mutant = _with(plan, plan.steps[:i] + (spanning,) + plan.steps[i + 1 :])
     assert "no native communicator" in _rejected(mutant, c, ViolationKind.CROSS_DOMAIN_COLLECTIVE)
     verdict = judge(mutant, c)
     assert not verdict.ok and "no native communicator spans" in verdict.reason
@@ -70,9 +70,8 @@ def test_partial_reduced_twice_gives_wrong_values():
     plan = _baseline(c)
     i = _find(plan, "reduce")
     red = plan.steps[i]
-    twice = (replace(red, op="all_reduce", args={"op": "sum"}),
-             replace(red, inputs=(red.output,)))
-    mutant = _with(plan, plan.steps[:i] + twice + plan.steps[i + 1:])
+    twice = (replace(red, op="all_reduce", args={"op": "sum"}), replace(red, inputs=(red.output,)))
+    mutant = _with(plan, plan.steps[:i] + twice + plan.steps[i + 1 :])
     _rejected(mutant, c, ViolationKind.REDUCED_TWICE)
     inputs = make_inputs(c)
     seen = interpret(mutant, c, inputs).observed
@@ -119,8 +118,11 @@ def test_consumer_without_its_demand_sees_the_wrong_chunk():
 def test_a_consumer_left_out_ends_without_data():
     c = compile_contract(edge(Shard(1), Request.TOKEN))
     plan = _baseline(c)
-    mutant = _with(plan, [s for s in plan.steps if s.op != "broadcast"][:-1]
-                   + [replace(plan.steps[-1], ranks=plan.steps[-1].ranks[:1], inputs=(plan.steps[_find(plan, "send")].output,))])
+    mutant = _with(
+        plan,
+        [s for s in plan.steps if s.op != "broadcast"][:-1]
+        + [replace(plan.steps[-1], ranks=plan.steps[-1].ranks[:1], inputs=(plan.steps[_find(plan, "send")].output,))],
+    )
     assert "ends without" in _rejected(mutant, c, ViolationKind.DEMAND_NOT_MET)
     assert "nothing observed" in judge(mutant, c).reason
 
@@ -142,9 +144,13 @@ def test_native_sum_is_not_a_substitute_for_full_bit_for_bit():
     assert not any(s.op == "reduce" for s in plan.steps)  # the lowerer sums in the reference order
     gather = _find(plan, "gather")
     total = _find(plan, "sum")
-    native = replace(plan.steps[gather], op="reduce", args={"op": "sum", "root": plan.steps[gather].arg("root")},
-                     output=plan.steps[total].output)
-    mutant = _with(plan, plan.steps[:gather] + (native,) + plan.steps[total + 1:])
+    native = replace(
+        plan.steps[gather],
+        op="reduce",
+        args={"op": "sum", "root": plan.steps[gather].arg("root")},
+        output=plan.steps[total].output,
+    )
+    mutant = _with(plan, plan.steps[:gather] + (native,) + plan.steps[total + 1 :])
     _rejected(mutant, c, ViolationKind.DISALLOWED_SUBSTITUTE)
     assert "not bitwise equal" in judge(mutant, c).reason
 
@@ -179,16 +185,40 @@ def test_identical_complete_copies_from_two_senders_pass_and_summing_them_is_red
 def test_a_partial_addend_sent_by_two_ranks_has_two_authorities():
     c = compile_contract(edge(Partial("sum"), Request.FULL, consumers=(3,), shape=(4, 6)))
     nbytes = 4 * 6 * 4
-    G = Step(StepKind.COLLECTIVE, "gather", (0, 1, 2), ("x",), "g", 3 * nbytes, DType.FLOAT32, "cuda@A",
-             LinkClass.FABRIC, {"dim": 0, "root": 1})
+    G = Step(
+        StepKind.COLLECTIVE,
+        "gather",
+        (0, 1, 2),
+        ("x",),
+        "g",
+        3 * nbytes,
+        DType.FLOAT32,
+        "cuda@A",
+        LinkClass.FABRIC,
+        {"dim": 0, "root": 1},
+    )
     mine = Step(StepKind.SEND, "send", (0, 3), ("x",), "a0", nbytes, DType.FLOAT32, None, LinkClass.ETHERNET)
     all_ = Step(StepKind.SEND, "send", (1, 3), ("g",), "all", 3 * nbytes, DType.FLOAT32, None, LinkClass.ETHERNET)
-    first = Step(StepKind.PROJECT, "slice", (3,), ("all",), "rest", 0, DType.FLOAT32, "cann@B", None,
-                 {"dim": 0, "start": 4, "stop": 12})
-    total = Step(StepKind.PROJECT, "sum", (3,), ("a0", "all"), "sum", 0, DType.FLOAT32, "cann@B", None,
-                 {"dim": 0, "parts": 2})
-    mutant = Plan("e", "mutant", (G, mine, all_, first, total,
-                                  Step(StepKind.DELIVER, "deliver", (3,), ("sum",), "sum", 0, DType.FLOAT32)))
+    first = Step(
+        StepKind.PROJECT,
+        "slice",
+        (3,),
+        ("all",),
+        "rest",
+        0,
+        DType.FLOAT32,
+        "cann@B",
+        None,
+        {"dim": 0, "start": 4, "stop": 12},
+    )
+    total = Step(
+        StepKind.PROJECT, "sum", (3,), ("a0", "all"), "sum", 0, DType.FLOAT32, "cann@B", None, {"dim": 0, "parts": 2}
+    )
+    mutant = Plan(
+        "e",
+        "mutant",
+        (G, mine, all_, first, total, Step(StepKind.DELIVER, "deliver", (3,), ("sum",), "sum", 0, DType.FLOAT32)),
+    )
     assert "already sends" in _rejected(mutant, c, ViolationKind.DUPLICATE_SENDER)
     assert not judge(mutant, c).ok
 
@@ -220,8 +250,9 @@ def test_every_violation_kind_has_a_demonstration():
     import sys
 
     source = inspect.getsource(sys.modules[__name__])
-    missing = [k for k in ViolationKind if f"ViolationKind.{k.name}" not in source.replace(
-        "ViolationKind.{k.name}", "")]
+    missing = [
+        k for k in ViolationKind if f"ViolationKind.{k.name}" not in source.replace("ViolationKind.{k.name}", "")
+    ]
     assert not missing
 
 
@@ -235,6 +266,7 @@ def test_an_empty_plan_is_rejected(request_):
 
 # -- declared figures are verified, not trusted ------------------------------------------------
 
+
 def test_declared_payload_bytes_are_recomputed_from_shapes_and_dtypes():
     c = compile_contract(edge(Shard(1), Request.LOGPROB, shape=(6, 10), dtype=DType.BFLOAT16))
     plan = _baseline(c)
@@ -244,8 +276,9 @@ def test_declared_payload_bytes_are_recomputed_from_shapes_and_dtypes():
     assert len(wrong) == plan.startups and all(v.step is not None and v.rank is not None for v in wrong)
     assert "declares 0 payload bytes" in wrong[0].reason
     assert plan_cost(zeroed, c.edge.mesh).time_s < plan_cost(plan, c.edge.mesh).time_s  # the lie would win
-    doubled = _with(plan, [replace(s, payload_bytes=2 * s.payload_bytes) if s.kind is StepKind.SEND else s
-                           for s in plan.steps])
+    doubled = _with(
+        plan, [replace(s, payload_bytes=2 * s.payload_bytes) if s.kind is StepKind.SEND else s for s in plan.steps]
+    )
     assert ViolationKind.PAYLOAD_MISMATCH in check(doubled, c).kinds
 
 
@@ -254,7 +287,7 @@ def test_a_cross_host_send_labelled_fabric_is_a_link_mismatch():
     plan = _baseline(c)
     i = _find(plan, "send")
     assert plan.steps[i].link is LinkClass.ETHERNET
-    relabelled = _with(plan, plan.steps[:i] + (replace(plan.steps[i], link=LinkClass.FABRIC),) + plan.steps[i + 1:])
+    relabelled = _with(plan, plan.steps[:i] + (replace(plan.steps[i], link=LinkClass.FABRIC),) + plan.steps[i + 1 :])
     reason = _rejected(relabelled, c, ViolationKind.LINK_MISMATCH)
     assert "ethernet" in reason and "fabric" in reason
     v = next(v for v in check(relabelled, c).violations if v.kind is ViolationKind.LINK_MISMATCH)

@@ -15,7 +15,12 @@ import pytest
 from meshpact.core.control_plane import Growth, fit_control_plane, fit_growth, load_control_plane_fit
 from meshpact.core.recovery import Policy, Stage
 from meshpact.core.recovery_costs import (
-    CONTROL_PLANE_FIT, DEFAULT_RECOVERY_COSTS, FaultImpact, RecoveryCosts, consensus_seconds, estimate_recovery,
+    CONTROL_PLANE_FIT,
+    DEFAULT_RECOVERY_COSTS,
+    FaultImpact,
+    RecoveryCosts,
+    consensus_seconds,
+    estimate_recovery,
     heartbeat_detection_seconds,
 )
 from meshpact.core.scenario import builtin_scenario_path, load_scenario
@@ -43,7 +48,9 @@ def test_the_heartbeat_fit_is_within_20_percent_of_every_point_the_bench_measure
     for n, runs in doc["runs"].items():
         measured = _median([r["server_cpu_s_per_s_heartbeat"] / r["looks_achieved_per_rank_per_s"] for r in runs])
         fitted = CONTROL_PLANE_FIT.heartbeat_store_s.at(int(n))
-        assert abs(fitted - measured) <= 0.2 * measured, f"heartbeat store work at {n} ranks: fit {fitted}, measured {measured}"
+        assert abs(fitted - measured) <= 0.2 * measured, (
+            f"heartbeat store work at {n} ranks: fit {fitted}, measured {measured}"
+        )
 
 
 def test_the_consensus_fit_is_the_least_squares_line_through_the_measured_decisions():
@@ -63,9 +70,10 @@ def test_the_consensus_fit_is_the_least_squares_line_through_the_measured_decisi
 
 def test_the_shipped_fit_is_the_fit_of_the_result_file_now():
     fresh = fit_control_plane(json.loads(RESULT.read_text()))
-    assert load_control_plane_fit() == fresh == CONTROL_PLANE_FIT, \
-        "scenarios/control_plane_fit.json is not the fit of bench/results/control_scale.json: " \
+    assert load_control_plane_fit() == fresh == CONTROL_PLANE_FIT, (
+        "scenarios/control_plane_fit.json is not the fit of bench/results/control_scale.json: "
         "run python scripts/fit_control_plane.py"
+    )
     assert fresh.source.file == "bench/results/control_scale.json" and fresh.source.commit
 
 
@@ -89,11 +97,14 @@ def test_points_no_line_follows_miss_by_more_than_20_percent():
     assert f.worst_error() > 0.2 and f.intercept >= 0 and f.slope >= 0
 
 
-@pytest.mark.parametrize(("points", "message"), [
-    ({1024: 1.0}, "two sizes or more"),
-    ({64: 1.0, 1024: 0.0}, "above zero"),
-    ({64: 1.0, 256: 0.5, 1024: 0.25}, "fall as the ranks grow (64: 1, 256: 0.5, 1024: 0.25)"),
-])
+@pytest.mark.parametrize(
+    ("points", "message"),
+    [
+        ({1024: 1.0}, "two sizes or more"),
+        ({64: 1.0, 1024: 0.0}, "above zero"),
+        ({64: 1.0, 256: 0.5, 1024: 0.25}, "fall as the ranks grow (64: 1, 256: 0.5, 1024: 0.25)"),
+    ],
+)
 def test_points_that_make_no_cost_model_are_refused_by_name(points, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         fit_growth(points)
@@ -105,10 +116,17 @@ def test_the_cost_model_prices_consensus_and_hang_detection_from_the_fit():
         hang = estimate_recovery(Policy.IN_MEMORY, ranks, impact=FaultImpact.HANG).durations_s
         assert hang[Stage.CONSENSUS] == pytest.approx(fit.consensus_s.at(ranks))
         look = max(fit.interval_s, fit.heartbeat_store_s.at(ranks))
-        assert hang[Stage.DETECTION] == pytest.approx(DEFAULT_RECOVERY_COSTS.heartbeat_timeout_s * look / fit.interval_s)
+        assert hang[Stage.DETECTION] == pytest.approx(
+            DEFAULT_RECOVERY_COSTS.heartbeat_timeout_s * look / fit.interval_s
+        )
     # a store that keeps the interval detects in the timeout; one that cannot stretches it
-    quick = RecoveryCosts(heartbeat_store_s=0.0, heartbeat_store_per_rank_s=1e-6, heartbeat_store_per_log2_rank_s=0.0,
-                          heartbeat_interval_s=0.05, heartbeat_timeout_s=5.0)
+    quick = RecoveryCosts(
+        heartbeat_store_s=0.0,
+        heartbeat_store_per_rank_s=1e-6,
+        heartbeat_store_per_log2_rank_s=0.0,
+        heartbeat_interval_s=0.05,
+        heartbeat_timeout_s=5.0,
+    )
     assert heartbeat_detection_seconds(1024, quick) == pytest.approx(5.0)
     assert heartbeat_detection_seconds(100_000, quick) == pytest.approx(5.0 * 0.1 / 0.05)
 
@@ -120,8 +138,9 @@ def test_the_16384_rank_scenarios_price_consensus_with_the_fit():
         ranks = sc.mesh().world_size
         assert ranks == 16384
         assert consensus_seconds(ranks, costs) == pytest.approx(CONTROL_PLANE_FIT.consensus_s.at(ranks))
-        assert estimate_recovery("excise", ranks, costs).durations_s[Stage.CONSENSUS] == \
-            pytest.approx(CONTROL_PLANE_FIT.consensus_s.at(ranks))
+        assert estimate_recovery("excise", ranks, costs).durations_s[Stage.CONSENSUS] == pytest.approx(
+            CONTROL_PLANE_FIT.consensus_s.at(ranks)
+        )
         assert math.isfinite(heartbeat_detection_seconds(ranks, costs))
 
 

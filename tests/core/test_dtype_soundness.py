@@ -17,7 +17,15 @@ from meshpact.core.checker import check
 from meshpact.core.contract import compile_contract
 from meshpact.core.facts import DType, Request
 from meshpact.core.interpreter import (
-    combine_max_arg, fold, interpret, judge, judge_inputs, local_max_arg, make_inputs, native_reduce, reference,
+    combine_max_arg,
+    fold,
+    interpret,
+    judge,
+    judge_inputs,
+    local_max_arg,
+    make_inputs,
+    native_reduce,
+    reference,
 )
 from meshpact.core.lowerer import lower
 from meshpact.core.numerics import round_bfloat16, round_to, unit_roundoff
@@ -31,14 +39,16 @@ def _observe(contract, value):
     assert check(plan, contract).ok
     inputs = make_inputs(contract)
     holdings = contract.provenance.holdings
-    local = {h.rank: value[tuple(slice(iv[0][0], iv[0][1]) if iv else slice(0, 0) for iv in h.region)]
-             for h in holdings}
+    local = {
+        h.rank: value[tuple(slice(iv[0][0], iv[0][1]) if iv else slice(0, 0) for iv in h.region)] for h in holdings
+    }
     inputs = type(inputs)(value=value, local=local, ids=inputs.ids)
     ex = interpret(plan, contract, inputs)
     return ex, inputs
 
 
 # -- indices travel as int64 ------------------------------------------------------------------
+
 
 def test_int64_logits_above_two_to_the_24_pick_the_true_token():
     c = compile_contract(edge(Shard(1), Request.TOKEN, shape=(1, 4), n=2, dtype=DType.INT64))
@@ -50,16 +60,16 @@ def test_int64_logits_above_two_to_the_24_pick_the_true_token():
 
 def test_global_indices_beyond_two_to_the_24_are_exact():
     x = np.array([[0.5, 2.0, 1.0], [7.0, 7.0, 1.0]], np.float32)
-    base = 2 ** 24 + 1
+    base = 2**24 + 1
     pairs = np.concatenate([local_max_arg(x[:, :1], base - 1), local_max_arg(x[:, 1:], base)], axis=1)
     assert combine_max_arg(pairs).tolist() == [base, base - 1]
-    far = 2 ** 40 + 3  # a logical vocabulary far beyond float32's integers
+    far = 2**40 + 3  # a logical vocabulary far beyond float32's integers
     assert combine_max_arg(local_max_arg(x, far)).tolist() == [far + 1, far]
 
 
 @pytest.mark.slow
 def test_a_vocabulary_of_two_to_the_24_plus_8_gives_the_last_column():
-    vocab = 2 ** 24 + 8
+    vocab = 2**24 + 8
     c = compile_contract(edge(Shard(1), Request.TOKEN, shape=(1, vocab), n=2, m=1, dtype=DType.FLOAT16))
     value = np.zeros((1, vocab), np.float16)
     value[0, 16777217] = 1
@@ -68,6 +78,7 @@ def test_a_vocabulary_of_two_to_the_24_plus_8_gives_the_last_column():
 
 
 # -- NaN and -inf follow torch ----------------------------------------------------------------
+
 
 def test_a_row_with_nan_gives_the_nan_index_as_torch_argmax():
     c = compile_contract(edge(Shard(1), Request.TOKEN, shape=(2, 6), n=3))
@@ -99,10 +110,15 @@ def test_log_probabilities_of_nan_and_minus_inf_rows_match_torch():
 
 # -- dtype-faithful arithmetic ------------------------------------------------------------------
 
+
 def test_bfloat16_rounding_is_torchs_bit_for_bit():
     rng = np.random.default_rng(0)
-    x = np.concatenate([rng.standard_normal(20000).astype(np.float32) * 1e3,
-                        np.array([1 + 2 ** -8, 1 + 3 * 2 ** -8, 3.4e38, -3.4e38, np.inf, -np.inf, 0.0], np.float32)])
+    x = np.concatenate(
+        [
+            rng.standard_normal(20000).astype(np.float32) * 1e3,
+            np.array([1 + 2**-8, 1 + 3 * 2**-8, 3.4e38, -3.4e38, np.inf, -np.inf, 0.0], np.float32),
+        ]
+    )
     want = torch.from_numpy(x).to(torch.bfloat16).float().numpy()
     assert np.array_equal(round_bfloat16(x), want)
 
@@ -117,8 +133,9 @@ def test_folds_in_half_precision_carry_torchs_bits(dtype, tdtype):
         want = want + t
     got = fold(xs, "sum", dtype)
     assert np.array_equal(np.asarray(got, np.float32), want.float().numpy())
-    assert not np.array_equal(np.asarray(got, np.float32), np.sum([np.asarray(x, np.float64) for x in xs], 0)
-                              .astype(np.float32))  # really rounded at every step
+    assert not np.array_equal(
+        np.asarray(got, np.float32), np.sum([np.asarray(x, np.float64) for x in xs], 0).astype(np.float32)
+    )  # really rounded at every step
     ring = native_reduce(xs, "sum", dtype)
     assert not np.array_equal(ring, got)
 
@@ -151,7 +168,8 @@ def test_a_missing_addend_is_outside_the_derived_bound():
 
 def test_judge_always_returns_a_verdict():
     c = compile_contract(edge(Shard(0), Request.FULL))
-    rootless = Plan("e", "t", (Step(StepKind.COLLECTIVE, "gather", (0, 1, 2), ("x",), "g", 0, "float32",
-                                    args={"dim": 0}),))
+    rootless = Plan(
+        "e", "t", (Step(StepKind.COLLECTIVE, "gather", (0, 1, 2), ("x",), "g", 0, "float32", args={"dim": 0}),)
+    )
     verdict = judge(rootless, c)
     assert not verdict.ok and "root" in verdict.reason

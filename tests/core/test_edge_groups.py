@@ -20,9 +20,13 @@ def _group(consumers):
 
 
 def test_each_consumer_gets_its_own_request_and_the_joined_plan_serves_all():
-    group = _group([Consumer("sampler", "cann@B", (3,), Request.SAMPLE, seed=9),
-                    Consumer("scorer", "cann@B", (3, 4), Request.LOGPROB),
-                    Consumer("logger", "cuda@A", (1,), Request.TOPK, k=4)])
+    group = _group(
+        [
+            Consumer("sampler", "cann@B", (3,), Request.SAMPLE, seed=9),
+            Consumer("scorer", "cann@B", (3, 4), Request.LOGPROB),
+            Consumer("logger", "cuda@A", (1,), Request.TOPK, k=4),
+        ]
+    )
     gp = plan_group(group)
     assert gp.ok and len(gp.plans) == 3
     assert gp.plan.startups == sum(p.startups for p in gp.plans)

@@ -115,10 +115,20 @@ def test_transitions_cover_the_structural_cases():
 
 FACTS = {
     "name": "mine",
-    "mesh": {"domains": [{"name": "cuda@A", "vendor": "cuda", "host": "A", "ranks": [0, 1]},
-                         {"name": "cann@B", "vendor": "cann", "host": "B", "ranks": [2, 3], "bridge_rank": 3}]},
-    "producer": {"name": "logits", "op": "lm_head", "shape": [4, 32], "dtype": "bfloat16", "domain": "cuda@A",
-                 "placement": "Shard(1)"},
+    "mesh": {
+        "domains": [
+            {"name": "cuda@A", "vendor": "cuda", "host": "A", "ranks": [0, 1]},
+            {"name": "cann@B", "vendor": "cann", "host": "B", "ranks": [2, 3], "bridge_rank": 3},
+        ]
+    },
+    "producer": {
+        "name": "logits",
+        "op": "lm_head",
+        "shape": [4, 32],
+        "dtype": "bfloat16",
+        "domain": "cuda@A",
+        "placement": "Shard(1)",
+    },
     "consumer": {"name": "s", "domain": "cann@B", "ranks": [2, 3], "request": "token"},
 }
 
@@ -131,16 +141,19 @@ def test_facts_file_builds_an_edge(tmp_path):
     assert check(lower(compile_contract(e)), compile_contract(e)).ok
 
 
-@pytest.mark.parametrize("patch, field", [
-    (lambda d: d["producer"].update(shape=[4, 0]), "producer.shape"),
-    (lambda d: d["producer"].update(placement="Sharded(1)"), "producer.placement"),
-    (lambda d: d["consumer"].update(request="tokens"), "consumer.request"),
-    (lambda d: d["consumer"].pop("ranks"), "consumer.ranks"),
-    (lambda d: d["mesh"]["domains"][0].update(vendor="tpu"), "mesh.domains.0.vendor"),
-    (lambda d: d["consumer"].update(colour="red"), "consumer.colour"),
-    (lambda d: d["consumer"].update(ranks=[0]), "not in domain"),
-    (lambda d: d["consumer"].update(shard_dim=-1), "consumer.shard_dim"),
-])
+@pytest.mark.parametrize(
+    "patch, field",
+    [
+        (lambda d: d["producer"].update(shape=[4, 0]), "producer.shape"),
+        (lambda d: d["producer"].update(placement="Sharded(1)"), "producer.placement"),
+        (lambda d: d["consumer"].update(request="tokens"), "consumer.request"),
+        (lambda d: d["consumer"].pop("ranks"), "consumer.ranks"),
+        (lambda d: d["mesh"]["domains"][0].update(vendor="tpu"), "mesh.domains.0.vendor"),
+        (lambda d: d["consumer"].update(colour="red"), "consumer.colour"),
+        (lambda d: d["consumer"].update(ranks=[0]), "not in domain"),
+        (lambda d: d["consumer"].update(shard_dim=-1), "consumer.shard_dim"),
+    ],
+)
 def test_malformed_facts_name_the_field(patch, field):
     data = json.loads(json.dumps(FACTS))
     patch(data)
@@ -188,12 +201,17 @@ def test_large_bridge_messages_are_chunked_through_a_bounded_staging_buffer():
     plan = lower(c)
     sends = [s for s in plan.steps if s.kind is StepKind.SEND]
     big = [s for s in sends if s.payload_bytes > CHUNK_BYTES]
-    assert big and all(s.arg("staging_bytes") == CHUNK_BYTES and s.arg("chunks") * CHUNK_BYTES >= s.payload_bytes
-                       > (s.arg("chunks") - 1) * CHUNK_BYTES for s in big)
+    assert big and all(
+        s.arg("staging_bytes") == CHUNK_BYTES
+        and s.arg("chunks") * CHUNK_BYTES >= s.payload_bytes > (s.arg("chunks") - 1) * CHUNK_BYTES
+        for s in big
+    )
     assert all(s.startups == s.arg("chunks", 1) for s in sends)
     assert check(plan, c).ok
     i = plan.steps.index(big[0])
     short = replace(big[0], args={**dict(big[0].args), "chunks": big[0].arg("chunks") - 1})
-    assert ViolationKind.MALFORMED_STEP in check(Plan("e", "m", plan.steps[:i] + (short,) + plan.steps[i + 1:]), c).kinds
+    assert (
+        ViolationKind.MALFORMED_STEP in check(Plan("e", "m", plan.steps[:i] + (short,) + plan.steps[i + 1 :]), c).kinds
+    )
     small = compile_contract(miniature(get_edge("llama-3.1-8b-kv-prefill-to-decode")))
     assert all(s.arg("chunks") is None for s in lower(small).steps)  # under the threshold: one message

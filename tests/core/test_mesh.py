@@ -30,11 +30,13 @@ def mesh() -> Mesh:
 
 
 def _three_domains() -> Mesh:
-    return Mesh(domains=(
-        Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2, 3)),
-        Domain("cann@hostA", Vendor.CANN, "hostA", (4, 5, 6, 7), bridge_rank=6),
-        Domain("cann@hostB", Vendor.CANN, "hostB", (8, 9)),
-    ))
+    return Mesh(
+        domains=(
+            Domain("cuda@hostA", Vendor.CUDA, "hostA", (0, 1, 2, 3)),
+            Domain("cann@hostA", Vendor.CANN, "hostA", (4, 5, 6, 7), bridge_rank=6),
+            Domain("cann@hostB", Vendor.CANN, "hostB", (8, 9)),
+        )
+    )
 
 
 def test_native_ring_starts_at_the_bridge_rank_and_covers_the_domain():
@@ -93,10 +95,12 @@ def test_failed_rank_outside_the_mesh_is_a_readable_error(mesh):
 
 @pytest.mark.parametrize("per_domain", [4, 16, 512])
 def test_positions_are_distinct_and_domains_do_not_overlap(per_domain):
-    m = Mesh(domains=(
-        Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(per_domain))),
-        Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(per_domain, 2 * per_domain))),
-    ))
+    m = Mesh(
+        domains=(
+            Domain("cuda@hostA", Vendor.CUDA, "hostA", tuple(range(per_domain))),
+            Domain("cann@hostB", Vendor.CANN, "hostB", tuple(range(per_domain, 2 * per_domain))),
+        )
+    )
     pos = rank_positions(m)
     assert set(pos) == set(m.ranks)
     assert len(set(pos.values())) == len(pos)

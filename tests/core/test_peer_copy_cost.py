@@ -9,8 +9,14 @@ import pytest
 from meshpact.core.recovery_costs import RecoveryCosts, peer_copy_cost, peer_copy_seconds_per_step
 
 # round rates so every expectation below is arithmetic a reader can check
-COSTS = RecoveryCosts(host_copy_bytes_per_s=1e9, peer_bytes_per_s=1e8, peer_cpu_bytes_per_s=1e8,
-                      peer_receive_bytes_per_s=2e8, cores_per_rank=4.0, step_cores_per_rank=1.0)
+COSTS = RecoveryCosts(
+    host_copy_bytes_per_s=1e9,
+    peer_bytes_per_s=1e8,
+    peer_cpu_bytes_per_s=1e8,
+    peer_receive_bytes_per_s=2e8,
+    cores_per_rank=4.0,
+    step_cores_per_rank=1.0,
+)
 
 
 def test_zero_bytes_cost_nothing_whatever_the_cores():
@@ -53,8 +59,10 @@ def test_ranks_sharing_cores_pay_for_every_second_of_the_ship():
 
 
 def test_more_cores_than_ranks_hide_the_ship_and_adding_cores_never_costs_more():
-    stretch = [peer_copy_seconds_per_step(50e6, 0.3, replace(COSTS, cores_per_rank=cores))
-               for cores in (0.25, 0.5, 1.0, 2.0, 16.0)]
+    stretch = [
+        peer_copy_seconds_per_step(50e6, 0.3, replace(COSTS, cores_per_rank=cores))
+        for cores in (0.25, 0.5, 1.0, 2.0, 16.0)
+    ]
     assert stretch == sorted(stretch, reverse=True)
     assert stretch[-1] == pytest.approx(0.05 + (0.5 - 0.3))  # host copy, and only the ship beyond the step
 
@@ -70,9 +78,17 @@ def test_an_unknown_step_costs_the_whole_copy():
     assert peer_copy_seconds_per_step(10e6, 0.0, COSTS) == pytest.approx(0.01 + 0.1)
 
 
-@pytest.mark.parametrize("field,value", [("host_copy_bytes_per_s", 0.0), ("cores_per_rank", 0.0),
-                                         ("step_cores_per_rank", -1.0), ("peer_bytes_per_s", float("inf")),
-                                         ("peer_receive_bytes_per_s", 0.0), ("peer_cpu_bytes_per_s", -5.0)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("host_copy_bytes_per_s", 0.0),
+        ("cores_per_rank", 0.0),
+        ("step_cores_per_rank", -1.0),
+        ("peer_bytes_per_s", float("inf")),
+        ("peer_receive_bytes_per_s", 0.0),
+        ("peer_cpu_bytes_per_s", -5.0),
+    ],
+)
 def test_impossible_rates_are_refused_by_name(field, value):
     with pytest.raises(ValueError, match=field):
         RecoveryCosts(**{field: value})

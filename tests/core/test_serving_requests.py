@@ -26,8 +26,10 @@ def _edge(placement, request, **consumer):
 
 
 @pytest.mark.parametrize("placement", [Shard(1), Shard(0), Replicate(), Partial("sum")])
-@pytest.mark.parametrize("request_, args", [(Request.TOPK, {"k": 5}), (Request.TOKEN_LOGPROB, {}),
-                                            (Request.SAMPLE, {"seed": 7, "temperature": 0.7})])
+@pytest.mark.parametrize(
+    "request_, args",
+    [(Request.TOPK, {"k": 5}), (Request.TOKEN_LOGPROB, {}), (Request.SAMPLE, {"seed": 7, "temperature": 0.7})],
+)
 def test_each_serving_request_is_planned_checked_and_right(placement, request_, args):
     c = compile_contract(_edge(placement, request_, **args))
     plan = lower(c)
@@ -69,13 +71,15 @@ def test_a_sample_is_the_full_logits_sample_with_the_same_seed_bitwise():
 
 
 def test_a_plan_with_the_wrong_k_or_seed_is_refused_and_wrong():
-    for request_, args, change in [(Request.TOPK, {"k": 5}, {"k": 3}),
-                                   (Request.SAMPLE, {"seed": 7, "temperature": 1.0}, {"seed": 8})]:
+    for request_, args, change in [
+        (Request.TOPK, {"k": 5}, {"k": 3}),
+        (Request.SAMPLE, {"seed": 7, "temperature": 1.0}, {"seed": 8}),
+    ]:
         c = compile_contract(_edge(Replicate(), request_, **args))
         plan = lower(c)
         i = next(i for i, s in enumerate(plan.steps) if s.op == request_.value)
         bad_step = replace(plan.steps[i], args={**dict(plan.steps[i].args), **change})
-        mutant = Plan("e", "mutant", plan.steps[:i] + (bad_step,) + plan.steps[i + 1:])
+        mutant = Plan("e", "mutant", plan.steps[:i] + (bad_step,) + plan.steps[i + 1 :])
         report = check(mutant, c)
         assert ViolationKind.DEMAND_NOT_MET in report.kinds or ViolationKind.PAYLOAD_MISMATCH in report.kinds
         assert not judge(mutant, c).ok
@@ -88,11 +92,17 @@ def test_the_contract_states_the_new_forms():
     assert c.substitutability.equivalence.value == "bitwise"
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"request": Request.TOPK}, "k"), ({"request": Request.TOPK, "k": 0}, "k"),
-    ({"request": Request.TOKEN, "k": 3}, "k"), ({"request": Request.SAMPLE, "temperature": 0.0}, "temperature"),
-    ({"request": Request.SAMPLE, "seed": -1}, "seed"), ({"request": Request.TOKEN, "seed": 1}, "seed"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"request": Request.TOPK}, "k"),
+        ({"request": Request.TOPK, "k": 0}, "k"),
+        ({"request": Request.TOKEN, "k": 3}, "k"),
+        ({"request": Request.SAMPLE, "temperature": 0.0}, "temperature"),
+        ({"request": Request.SAMPLE, "seed": -1}, "seed"),
+        ({"request": Request.TOKEN, "seed": 1}, "seed"),
+    ],
+)
 def test_request_parameters_are_validated(kwargs, field):
     with pytest.raises(FactError, match=field):
         Consumer("c", "cann@B", (3,), **kwargs)
@@ -108,5 +118,5 @@ def test_a_vocabulary_sharded_sample_gathers_pairs_not_logits():
     assert check(plan, c).ok and all(judge(plan, c, s, specials=True).ok for s in range(5))
     i = ops.index("local_sample_max_arg")
     reseeded = replace(plan.steps[i], args={**dict(plan.steps[i].args), "seed": 4})
-    mutant = Plan("e", "mutant", plan.steps[:i] + (reseeded,) + plan.steps[i + 1:])
+    mutant = Plan("e", "mutant", plan.steps[:i] + (reseeded,) + plan.steps[i + 1 :])
     assert ViolationKind.DEMAND_NOT_MET in check(mutant, c).kinds and not judge(mutant, c).ok

@@ -75,8 +75,18 @@ def _plan() -> Plan:
         edge="e",
         planner="test",
         steps=(
-            Step(StepKind.COLLECTIVE, "all_gather", (0, 1), ("x",), "xf", 256, DType.BFLOAT16, "cuda@A",
-                 LinkClass.FABRIC, {"dim": 1}),
+            Step(
+                StepKind.COLLECTIVE,
+                "all_gather",
+                (0, 1),
+                ("x",),
+                "xf",
+                256,
+                DType.BFLOAT16,
+                "cuda@A",
+                LinkClass.FABRIC,
+                {"dim": 1},
+            ),
             Step(StepKind.PROJECT, "argmax", (0,), ("xf",), "tok", 0, DType.INT64, "cuda@A"),
             Step(StepKind.SEND, "send", (0, 2), ("tok",), "tok", 32, DType.INT64, None, LinkClass.ETHERNET),
             Step(StepKind.DELIVER, "deliver", (2,), ("tok",), "tok", 0, DType.INT64, "cann@B"),
@@ -177,9 +187,17 @@ def test_catalog_holds_published_values_with_sources():
 
 
 def test_load_hf_config_from_path(tmp_path):
-    cfg = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
-           "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    cfg = {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1000,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    }
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     m = load_hf_config(tmp_path / "config.json", name="tiny")
     assert (m.head_dim, m.num_experts, m.is_moe) == (16, 8, True)

@@ -46,15 +46,29 @@ class ControlAttacker(threading.Thread):
 
     def _forgeries(self) -> dict[str, Any]:
         port = self._server.getsockname()[1]
-        excise = {"round": 0, "policy": "excise", "step": 0, "reason": "forged", "members": [0], "missing": [1],
-                  "proposals": {}, "restore_from": [[1, 0]], "lost": [1]}
+        excise = {
+            "round": 0,
+            "policy": "excise",
+            "step": 0,
+            "reason": "forged",
+            "members": [0],
+            "missing": [1],
+            "proposals": {},
+            "restore_from": [[1, 0]],
+            "lost": [1],
+        }
         out: dict[str, Any] = {}
         for k in range(1, self.rounds + 1):
             out[f"round{k}/decision"] = out[f"round{k}/adopted"] = {**excise, "round": k}
             out[f"lost/round{k}"] = [1]
             for r in range(self.ranks):
-                out[f"round{k}/rank{r}"] = {"rank": r, "generation": 0, "committed_step": 0, "digest": "",
-                                            "intact": False}
+                out[f"round{k}/rank{r}"] = {
+                    "rank": r,
+                    "generation": 0,
+                    "committed_step": 0,
+                    "digest": "",
+                    "intact": False,
+                }
         for r in range(self.ranks):
             out[f"gone/rank{r}"] = True
             out[f"peer/rank{r}"] = {"host": "elsewhere", "addr": "127.0.0.1", "port": port, "incarnation": 0}
@@ -85,8 +99,13 @@ class ControlAttacker(threading.Thread):
         own = os.getpid()  # the trial hosts its channel here; the ranks' own servers are in their processes
         for pid, _, port in listeners(own):
             with self._lock:
-                if (pid != own or port == self._server.getsockname()[1] or port in self._clients
-                        or port in self._probing or self._failures.get(port, 0) >= 3):
+                if (
+                    pid != own
+                    or port == self._server.getsockname()[1]
+                    or port in self._clients
+                    or port in self._probing
+                    or self._failures.get(port, 0) >= 3
+                ):
                     continue  # a port refused three times is not asked again; a slow store may answer later
                 self._probing.add(port)
             threading.Thread(target=self._probe, args=(port,), name=f"probe-{port}", daemon=True).start()
@@ -100,7 +119,7 @@ class ControlAttacker(threading.Thread):
                 with self._lock:
                     self._clients = {p: c for p, c in self._clients.items() if c is not client}
                 continue
-            runs = {k[len(_NS):].split("/", 1)[0] for k in keys if k.startswith(_NS)}
+            runs = {k[len(_NS) :].split("/", 1)[0] for k in keys if k.startswith(_NS)}
             found += [(client, f"{_NS}{run}/") for run in runs]
         return found
 

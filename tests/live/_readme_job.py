@@ -45,12 +45,22 @@ def main() -> None:
     def watched(rt: Resilient, train_step, batch):
         out = step_once(rt, train_step, batch)
         s = rt.session
-        _write(args.out / f"progress-rank{s.rank}.json",
-               {"step": rt.committed_step - 1, "pid": os.getpid(), "incarnation": s.incarnation})
+        _write(
+            args.out / f"progress-rank{s.rank}.json",
+            {"step": rt.committed_step - 1, "pid": os.getpid(), "incarnation": s.incarnation},
+        )
         if rt.committed_step == args.steps:
             recoveries = [{"policy": r.policy.value, "step": r.step, "reason": r.reason} for r in rt.recoveries]
-            _write(args.out / f"rank{s.rank}.json", {"rank": s.rank, "pid": os.getpid(), "incarnation": s.incarnation,
-                                                     "digest": digest(rt.state()), "recoveries": recoveries})
+            _write(
+                args.out / f"rank{s.rank}.json",
+                {
+                    "rank": s.rank,
+                    "pid": os.getpid(),
+                    "incarnation": s.incarnation,
+                    "digest": digest(rt.state()),
+                    "recoveries": recoveries,
+                },
+            )
         time.sleep(args.step_s)
         return out
 

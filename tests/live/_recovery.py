@@ -32,14 +32,17 @@ def trial(**kw) -> TrialResult:
 
     def run(ref: Path) -> TrialResult:
         # replacements forked too: these tests judge what a replacement does, not how fast it starts
-        return run_trial(cfg, work_dir=work, reference_dir=ref / "reference", forkserver=shared_forkserver(),
-                         warm_replacements=True)
+        return run_trial(
+            cfg, work_dir=work, reference_dir=ref / "reference", forkserver=shared_forkserver(), warm_replacements=True
+        )
 
     # the trial that runs the reference holds the lock to its end: a reference is only known whole
     # once the trial has compared against it
-    ref = once(f"a trial's fault-free reference: workload {cfg.workload}, {cfg.ranks} ranks, {cfg.steps} steps, "
-               f"checkpoint every {cfg.checkpoint_every}, dispatch counted {cfg.count_dispatch}",
-               lambda folder: ran.append(run(folder)))
+    ref = once(
+        f"a trial's fault-free reference: workload {cfg.workload}, {cfg.ranks} ranks, {cfg.steps} steps, "
+        f"checkpoint every {cfg.checkpoint_every}, dispatch counted {cfg.count_dispatch}",
+        lambda folder: ran.append(run(folder)),
+    )
     return ran[0] if ran else run(ref)
 
 
@@ -50,10 +53,14 @@ def recoveries_told(result: TrialResult) -> str:
     errors: dict[int, list[str]] = {}
     for e in result.events():
         if e.event == EventKind.DETECTED:
-            errors.setdefault(int(e.data.get("generation", -1)), []).append(f"rank {e.rank}: {str(e.data.get('error'))[:160]}")
-    return "\n".join(f"step {r['step']} gen {r['generation']} {r['policy']}: {r['reason'][:200]} | detected at "
-                     f"generation {r['generation'] - 1}: {errors.get(r['generation'] - 1, ['?'])}"
-                     for r in result.recoveries())
+            errors.setdefault(int(e.data.get("generation", -1)), []).append(
+                f"rank {e.rank}: {str(e.data.get('error'))[:160]}"
+            )
+    return "\n".join(
+        f"step {r['step']} gen {r['generation']} {r['policy']}: {r['reason'][:200]} | detected at "
+        f"generation {r['generation'] - 1}: {errors.get(r['generation'] - 1, ['?'])}"
+        for r in result.recoveries()
+    )
 
 
 def assert_identical(result: TrialResult, faults_recovered: int | None = None, **policies: int) -> dict:

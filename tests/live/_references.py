@@ -13,13 +13,19 @@ from _shared import once
 from meshpact.live.trials.launchdrill import EXAMPLE, Final, Job, read_finals
 
 
-def torchrun_reference(ranks: int, steps: int, script: Path = EXAMPLE, script_args: Sequence[str] = (),
-                       timeout_s: float = 300.0) -> dict[int, Final]:
+def torchrun_reference(
+    ranks: int, steps: int, script: Path = EXAMPLE, script_args: Sequence[str] = (), timeout_s: float = 300.0
+) -> dict[int, Final]:
     """What every rank of ``script`` ends with, run by plain ``torchrun --standalone`` without a fault."""
 
     def run(out: Path) -> None:
-        with Job(Job.torchrun("--standalone", "--nproc-per-node", str(ranks)), out, steps, script=script,
-                 script_args=script_args) as ref:
+        with Job(
+            Job.torchrun("--standalone", "--nproc-per-node", str(ranks)),
+            out,
+            steps,
+            script=script,
+            script_args=script_args,
+        ) as ref:
             rc = ref.wait(timeout_s)
             if rc != 0:
                 raise RuntimeError(f"the fault-free reference exited with {rc}:\n{ref.tail()}")

@@ -49,8 +49,9 @@ class MetricsReducer:
 
 def build(mesh):
     torch.manual_seed(3)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.25),
-                                torch.nn.Linear(32, 16))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Dropout(0.25), torch.nn.Linear(32, 16)
+    )
     fully_shard(model, mesh=mesh)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -117,9 +118,15 @@ def main() -> None:
                     rt.step(lambda b, s=step: train_step(b, s), batch(step, session.rank))
                     break
                 except TimeoutError as exc:  # the user's own error, unchanged: retried by the user
-                    seen = {"step": step, "message": str(exc), "type": type(exc).__name__, "rank": session.rank,
-                            "recoveries_before": before, "recoveries_after": len(rt.recoveries),
-                            "generation": session.generation}
+                    seen = {
+                        "step": step,
+                        "message": str(exc),
+                        "type": type(exc).__name__,
+                        "rank": session.rank,
+                        "recoveries_before": before,
+                        "recoveries_after": len(rt.recoveries),
+                        "generation": session.generation,
+                    }
                     with open(out / f"timeouts-rank{session.rank}.jsonl", "a") as f:  # kept if this process dies later
                         f.write(json.dumps(seen) + "\n")
             word = f"{session.rank}:{step}\n".encode()
@@ -128,11 +135,18 @@ def main() -> None:
                 answered += 1
             evaluations.append(rt.run(evaluate, step))  # a collective between steps, over the user's group
         state = rt.state()
-        record = {"rank": session.rank, "pid": os.getpid(), "incarnation": session.incarnation,
-                  "digest": digest(state), "answered": answered, "steps": args.steps,
-                  "first_step": args.steps - len(evaluations), "blocks_replayed": rt.blocks.replayed,
-                  "evaluations": evaluations,
-                  "recoveries": [{"policy": r.policy.value, "step": r.step} for r in rt.recoveries]}
+        record = {
+            "rank": session.rank,
+            "pid": os.getpid(),
+            "incarnation": session.incarnation,
+            "digest": digest(state),
+            "answered": answered,
+            "steps": args.steps,
+            "first_step": args.steps - len(evaluations),
+            "blocks_replayed": rt.blocks.replayed,
+            "evaluations": evaluations,
+            "recoveries": [{"policy": r.policy.value, "step": r.step} for r in rt.recoveries],
+        }
     tmp = out / f"rank{session.rank}.tmp"
     tmp.write_text(json.dumps(record))
     os.replace(tmp, out / f"rank{session.rank}.json")

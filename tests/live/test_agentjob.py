@@ -31,9 +31,24 @@ ECHO = "meshpact.live.launch.launcher:echo"
 def test_ranks_get_elastic_environment_and_fork_from_the_server(tmp_path):
     server = shared_forkserver()
     registry = tmp_path / "processes.jsonl"
-    with AgentJob(ECHO, 2, {"report_env": ["GROUP_RANK", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
-                                           "MESHPACT_RUN_ID", "MESHPACT_INCARNATION", "MESHPACT_JOB_KEY"]},
-                  timeout_s=90, run_id="phase-a", forkserver=server, registry=registry) as job:
+    with AgentJob(
+        ECHO,
+        2,
+        {
+            "report_env": [
+                "GROUP_RANK",
+                "TORCHELASTIC_RUN_ID",
+                "TORCHELASTIC_ERROR_FILE",
+                "MESHPACT_RUN_ID",
+                "MESHPACT_INCARNATION",
+                "MESHPACT_JOB_KEY",
+            ]
+        },
+        timeout_s=90,
+        run_id="phase-a",
+        forkserver=server,
+        registry=registry,
+    ) as job:
         ran = job.run()
     assert [r.rank for r in ran.results] == [0, 1] and all(r.ok for r in ran.results)
     for r in ran.results:
@@ -50,8 +65,15 @@ def test_ranks_get_elastic_environment_and_fork_from_the_server(tmp_path):
 
 
 def test_a_job_opted_out_of_the_key_by_name_hands_its_ranks_the_opt_out_and_no_key():
-    with AgentJob(ECHO, 2, {"report_env": ["MESHPACT_JOB_KEY", "MESHPACT_UNAUTHENTICATED"]}, timeout_s=90,
-                  run_id="no-key", forkserver=shared_forkserver(), unauthenticated=True) as job:
+    with AgentJob(
+        ECHO,
+        2,
+        {"report_env": ["MESHPACT_JOB_KEY", "MESHPACT_UNAUTHENTICATED"]},
+        timeout_s=90,
+        run_id="no-key",
+        forkserver=shared_forkserver(),
+        unauthenticated=True,
+    ) as job:
         ran = job.run()
     assert job.job_key is None and all(r.ok for r in ran.results)
     assert [r.value["env"].get("MESHPACT_UNAUTHENTICATED") for r in ran.results] == ["1", "1"]
@@ -61,8 +83,15 @@ def test_a_job_opted_out_of_the_key_by_name_hands_its_ranks_the_opt_out_and_no_k
 def test_failed_rank_is_replaced_alone_and_fresh(tmp_path):
     seen: list[tuple[int, int, bool]] = []
     server = shared_forkserver()
-    with AgentJob(ECHO, 2, {"fail_ranks": [1]}, timeout_s=120, max_replacements=1, forkserver=server,
-                  on_replaced=lambda rank, rc, warm: seen.append((rank, rc, warm))) as job:
+    with AgentJob(
+        ECHO,
+        2,
+        {"fail_ranks": [1]},
+        timeout_s=120,
+        max_replacements=1,
+        forkserver=server,
+        on_replaced=lambda rank, rc, warm: seen.append((rank, rc, warm)),
+    ) as job:
         ran = job.run()
     assert seen == [(1, 3, False)]  # the first process exited 3; a new process, not a spare
     first, second = ran.results
@@ -76,9 +105,18 @@ def test_failed_rank_is_replaced_alone_and_fresh(tmp_path):
 def test_rank_without_replacement_is_announced_gone_or_not(tmp_path, announce):
     store = host_store("127.0.0.1", 0, 2)
     gone: list[tuple[int, int]] = []
-    with AgentJob(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, max_replacements=0, run_id="g",
-                  control=("127.0.0.1", store.port), forkserver=shared_forkserver(), announce_gone=announce,
-                  on_gone=lambda rank, rc: gone.append((rank, rc))) as job:
+    with AgentJob(
+        ECHO,
+        2,
+        {"fail_ranks": [1]},
+        timeout_s=90,
+        max_replacements=0,
+        run_id="g",
+        control=("127.0.0.1", store.port),
+        forkserver=shared_forkserver(),
+        announce_gone=announce,
+        on_gone=lambda rank, rc: gone.append((rank, rc)),
+    ) as job:
         ran = job.run()
     assert gone == [(1, 3)] and ran.gone == {1: 3}
     assert ran.results[0].ok and ran.results[1].returncode == 3
@@ -103,9 +141,15 @@ def test_a_replacement_that_fails_leaves_its_own_stderr_to_name_why():
     """What a trial quotes when a replacement dies by itself (the rank then gets no process
     again): that process's stderr, not its predecessor's."""
     gone: list[tuple[int, int]] = []
-    with AgentJob(ECHO, 1, {"fail_ranks": [0], "raise_in_replacement": "the replacement broke", "timeout_s": 60},
-                  timeout_s=90, max_replacements=1, forkserver=shared_forkserver(),
-                  on_gone=lambda rank, rc: gone.append((rank, rc))) as job:
+    with AgentJob(
+        ECHO,
+        1,
+        {"fail_ranks": [0], "raise_in_replacement": "the replacement broke", "timeout_s": 60},
+        timeout_s=90,
+        max_replacements=1,
+        forkserver=shared_forkserver(),
+        on_gone=lambda rank, rc: gone.append((rank, rc)),
+    ) as job:
         ran = job.run()
     (only,) = ran.results
     assert gone == [(0, 1)] and only.incarnation == 1 and only.returncode == 1
@@ -137,10 +181,17 @@ def test_ranks_on_two_hosts_start_under_their_prefix_and_meet_at_a_store_served_
         with ForkServer(prefix=hosts.prefix(0)) as first, ForkServer(prefix=hosts.prefix(1)) as second:
             with hosts.inside(0):
                 store = host_store(hosts.addr[0], 0, 2)
-                with AgentJob(ECHO, 2, {"fail_ranks": [1], "timeout_s": 60, "report_env": ["MASTER_ADDR", "GLOO_SOCKET_IFNAME"]},
-                              timeout_s=120, max_replacements=1, prefix=hosts.prefix,
-                              master=(hosts.addr[0], int(store.port)), forkserver=lambda r: (first, second)[r],
-                              env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r]}) as job:
+                with AgentJob(
+                    ECHO,
+                    2,
+                    {"fail_ranks": [1], "timeout_s": 60, "report_env": ["MASTER_ADDR", "GLOO_SOCKET_IFNAME"]},
+                    timeout_s=120,
+                    max_replacements=1,
+                    prefix=hosts.prefix,
+                    master=(hosts.addr[0], int(store.port)),
+                    forkserver=lambda r: (first, second)[r],
+                    env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r]},
+                ) as job:
                     ran = job.run()
                 arrived = store.add("echo/arrived", 0)
             assert os.readlink("/proc/thread-self/ns/net") == own  # the thread is back where it was
@@ -163,9 +214,16 @@ def test_one_server_outside_both_hosts_forks_each_rank_into_its_hosts_network_na
     with TwoHosts(link=None) as hosts, ForkServer() as server:
         with hosts.inside(0):
             store = host_store(hosts.addr[0], 0, 2)
-            with AgentJob(ECHO, 2, {"timeout_s": 60}, timeout_s=120, prefix=hosts.prefix,
-                          master=(hosts.addr[0], int(store.port)), forkserver=server,
-                          env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r]}) as job:
+            with AgentJob(
+                ECHO,
+                2,
+                {"timeout_s": 60},
+                timeout_s=120,
+                prefix=hosts.prefix,
+                master=(hosts.addr[0], int(store.port)),
+                forkserver=server,
+                env=lambda r: {"GLOO_SOCKET_IFNAME": hosts.iface[r]},
+            ) as job:
                 ran = job.run()
             arrived = store.add("echo/arrived", 0)
         namespaces = [f"net:[{os.stat(f'/var/run/netns/{ns}').st_ino}]" for ns in hosts.ns]
@@ -180,9 +238,15 @@ def test_a_rank_refusing_a_recovery_that_cannot_happen_says_one_line_and_gets_no
     agent leaves the rank gone however many replacements are left; the other rank is replaced as before."""
     why = "no peer copies are kept (peer copies: 0) and no checkpoint directory is set"
     replaced: list[int] = []
-    with AgentJob(ECHO, 3, {"refuse_ranks": [1], "refuse_why": why, "fail_ranks": [2]}, timeout_s=120,
-                  max_replacements=3, forkserver=shared_forkserver(),
-                  on_replaced=lambda rank, rc, warm: replaced.append(rank)) as job:
+    with AgentJob(
+        ECHO,
+        3,
+        {"refuse_ranks": [1], "refuse_why": why, "fail_ranks": [2]},
+        timeout_s=120,
+        max_replacements=3,
+        forkserver=shared_forkserver(),
+        on_replaced=lambda rank, rc, warm: replaced.append(rank),
+    ) as job:
         ran = job.run()
     assert replaced == [2] and ran.replacements == 1  # the rank that exited 3 is replaced, the refusing one not
     assert ran.gone == {1: 1}

@@ -49,8 +49,11 @@ def test_a_replacement_starts_at_the_step_so_the_evaluation_a_survivor_stands_in
     """A new process (no committed step) starts at the next rt.step: the survivor standing in the
     evaluation drops it (GuardedBlockLost) rather than wait in it for a rank that never comes, and
     its peer at the step runs nothing again."""
-    props = {0: _p(0, block=0, own_steps=(7,)), 1: _p(1, own_steps=(7,), holds=((2, 7),)),
-             2: Proposal(2, 2, -1, "", False, incarnation=1)}
+    props = {
+        0: _p(0, block=0, own_steps=(7,)),
+        1: _p(1, own_steps=(7,), holds=((2, 7),)),
+        2: Proposal(2, 2, -1, "", False, incarnation=1),
+    }
     d = decide(props, 3, 2, 3, _latest, peer_copies=1)
     assert d.policy is Policy.PEER_RESTORE and d.step == 7 and d.resume_point == (7, AT_STEP)
     assert replay_plan(7, d.resume_point, (7, AT_STEP), lambda at: 1) == []
@@ -100,7 +103,10 @@ def test_the_log_keeps_the_newest_blocks_of_the_steps_a_restore_can_go_back_to()
     fresh = BlockLog()  # a loop that never ran a block: nothing is unknown below its horizon
     fresh.keep_from(5)
     assert fresh.count(2) == 0 and replay_plan(2, (2, AT_STEP), (5, AT_STEP), fresh.count) == [
-        ("step", 2, 0), ("step", 3, 0), ("step", 4, 0)]
+        ("step", 2, 0),
+        ("step", 3, 0),
+        ("step", 4, 0),
+    ]
     log.keep_from(1)  # never back
     assert log.horizon == 2
     for i in range(KEPT_PER_STEP + 3):  # an evaluation loop of many blocks between two steps

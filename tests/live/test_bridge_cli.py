@@ -23,7 +23,9 @@ def test_json_reports_verified_equivalence_and_planned_equal_measured(tmp_path, 
     assert read_recording(doc["recording"])[-1].event == "verified"
 
 
-@pytest.mark.parametrize("argv, word", [(["--request", "argmax"], "--request"), (["--request", "full", "--preset", "huge"], "--preset")])
+@pytest.mark.parametrize(
+    "argv, word", [(["--request", "argmax"], "--request"), (["--request", "full", "--preset", "huge"], "--preset")]
+)
 def test_bad_request_or_preset_is_named(argv, word, capsys):
     assert main(["live", "bridge", *argv]) == 2
     assert word in capsys.readouterr().err

@@ -38,8 +38,11 @@ def _exact(plan: Plan) -> bool:
     for s in plan.steps:
         if s.op in _LSE:
             return False
-        if s.kind is StepKind.COLLECTIVE and s.op in (Collective.ALL_REDUCE.value, Collective.REDUCE.value,
-                                                      Collective.REDUCE_SCATTER.value) and len(s.ranks) >= 3:
+        if (
+            s.kind is StepKind.COLLECTIVE
+            and s.op in (Collective.ALL_REDUCE.value, Collective.REDUCE.value, Collective.REDUCE_SCATTER.value)
+            and len(s.ranks) >= 3
+        ):
             return False
     return True
 
@@ -92,8 +95,10 @@ def test_live_ops_mirror_the_interpreter_on_every_transition_edge_and_candidate_
     for label, contract in _contracts():
         inputs = make_inputs(contract, seed=3)
         dtype = torch.bfloat16 if contract.provenance.dtype.value == "bfloat16" else None  # run in the tensor's dtype
-        initial = {r: {contract.provenance.tensor: torch.from_numpy(a.copy()).to(dtype or torch.from_numpy(a).dtype)}
-                   for r, a in inputs.local.items()}
+        initial = {
+            r: {contract.provenance.tensor: torch.from_numpy(a.copy()).to(dtype or torch.from_numpy(a).dtype)}
+            for r, a in inputs.local.items()
+        }
         ids = None if inputs.ids is None else torch.from_numpy(inputs.ids)
         for planner, plan in _plans(contract):
             try:
@@ -124,9 +129,14 @@ def test_locality_refuses_a_native_collective_across_domains_and_a_bridge_inside
     edge, contract, plan = _full_plan_edge()
     mesh = edge.mesh
     assert locality_violations(plan, mesh, [(0, 2)]) == []
-    across = Plan(plan.edge, "bad", (Step("collective", "all_gather", (0, 1, 2, 3), ("logits",), "all", 16000,
-                                          "bfloat16", args={"dim": 1}),
-                                     Step("deliver", "deliver", (2, 3), ("all",), "all", 0, "bfloat16")))
+    across = Plan(
+        plan.edge,
+        "bad",
+        (
+            Step("collective", "all_gather", (0, 1, 2, 3), ("logits",), "all", 16000, "bfloat16", args={"dim": 1}),
+            Step("deliver", "deliver", (2, 3), ("all",), "all", 0, "bfloat16"),
+        ),
+    )
     (why,) = locality_violations(across, mesh)
     assert "spans domains" in why and "cann@localhost" in why and "cuda@localhost" in why
     inside = Plan(plan.edge, "bad", (Step("send", "send", (0, 1), ("logits",), "x", 4000, "bfloat16"),))
@@ -152,8 +162,12 @@ def test_admit_refuses_a_domain_local_plan_that_the_checker_rejects():
 
 
 def test_measure_counts_each_call_once_and_refuses_records_that_disagree():
-    recs = [CallRecord(0, "domain:a", 0, "gather", "fabric", 100), CallRecord(1, "domain:a", 0, "gather", "fabric", 100),
-            CallRecord(0, "bridge:0-2", 0, "send", "host_bridge", 200), CallRecord(2, "bridge:0-2", 0, "recv", "host_bridge", 0)]
+    recs = [
+        CallRecord(0, "domain:a", 0, "gather", "fabric", 100),
+        CallRecord(1, "domain:a", 0, "gather", "fabric", 100),
+        CallRecord(0, "bridge:0-2", 0, "send", "host_bridge", 200),
+        CallRecord(2, "bridge:0-2", 0, "recv", "host_bridge", 0),
+    ]
     m = measure(recs)
     assert (m.startups, m.payload_bytes) == (2, 400)
     assert dict(m.bytes_by_link) == {"fabric": 200, "host_bridge": 200}

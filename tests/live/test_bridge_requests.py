@@ -27,10 +27,14 @@ REQUESTS = [r.value for r in LiveRequest]
 
 def _cross_domain_plan() -> Plan:
     """All-gather the logits over all four ranks: one native collective spanning both domains."""
-    return Plan("live_full_tiny", "hand", (
-        Step("collective", "all_gather", (0, 1, 2, 3), ("logits",), "all", 16000, "bfloat16", args={"dim": 1}),
-        Step("deliver", "deliver", (2, 3), ("all",), "all", 0, "bfloat16"),
-    ))
+    return Plan(
+        "live_full_tiny",
+        "hand",
+        (
+            Step("collective", "all_gather", (0, 1, 2, 3), ("logits",), "all", 16000, "bfloat16", args={"dim": 1}),
+            Step("deliver", "deliver", (2, 3), ("all",), "all", 0, "bfloat16"),
+        ),
+    )
 
 
 def _unreduced_mlp_plan() -> Plan:
@@ -42,8 +46,9 @@ def _unreduced_mlp_plan() -> Plan:
     good = lower(compile_contract(edge))
     steps = [s for s in good.steps if s.op != "reduce"]
     send = steps[0]
-    steps[0] = Step(send.kind, send.op, send.ranks, ("mlp_out",), send.output, send.payload_bytes, send.dtype,
-                    link=send.link)
+    steps[0] = Step(
+        send.kind, send.op, send.ranks, ("mlp_out",), send.output, send.payload_bytes, send.dtype, link=send.link
+    )
     return Plan(good.edge, "hand", tuple(steps))
 
 
@@ -51,16 +56,21 @@ def _misdeclared_token_plan() -> Plan:
     """The lowerer's token plan with each bridge message declared 8 bytes heavier than it is."""
     edge = workload_edge(LiveRequest.TOKEN, get_preset("tiny"), two_domain_mesh())
     good = lower(compile_contract(edge))
-    return Plan(good.edge, "hand", tuple(replace(s, payload_bytes=s.payload_bytes + 8) if s.kind.value == "send" else s
-                                         for s in good.steps))
+    return Plan(
+        good.edge,
+        "hand",
+        tuple(replace(s, payload_bytes=s.payload_bytes + 8) if s.kind.value == "send" else s for s in good.steps),
+    )
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     jobs = [Job(LiveRequest(r)) for r in REQUESTS]
-    jobs += [Job(LiveRequest.FULL, _cross_domain_plan().to_json(), "cross_domain"),
-             Job(LiveRequest.MLP, _unreduced_mlp_plan().to_json(), "unreduced"),
-             Job(LiveRequest.TOKEN, _misdeclared_token_plan().to_json(), "misdeclared")]
+    jobs += [
+        Job(LiveRequest.FULL, _cross_domain_plan().to_json(), "cross_domain"),
+        Job(LiveRequest.MLP, _unreduced_mlp_plan().to_json(), "unreduced"),
+        Job(LiveRequest.TOKEN, _misdeclared_token_plan().to_json(), "misdeclared"),
+    ]
     path = tmp_path_factory.mktemp("bridge") / "bridge.jsonl"
     report = run_bridge(jobs, "tiny", recording=path, timeout_s=240, forkserver=shared_forkserver())
     return report, {j["label"]: j for j in report["jobs"]}
@@ -139,6 +149,7 @@ def test_the_run_is_recorded_as_jsonl_events(run):
     calls = [e for e in events if e.event == "call"]
     sends = [e for e in calls if e.data["op"] == "send"]
     assert sum(e.data["contributed"] for e in sends) == sum(
-        j["measured"]["bytes_by_link"].get("host_bridge", 0) for j in jobs.values() if j["refused"] is None)
+        j["measured"]["bytes_by_link"].get("host_bridge", 0) for j in jobs.values() if j["refused"] is None
+    )
     assert sum(e.event == "verified" for e in events) == len(REQUESTS)  # the misdeclared plan is refused
     assert [e.t for e in calls if e.data["job"] == 0] == sorted(e.t for e in calls if e.data["job"] == 0)

@@ -55,8 +55,15 @@ def _whole(step_dir, name, shape):
 def test_parts_of_a_one_d_cut_merge_into_the_whole_tensors_a_plain_loop_reads(tmp_path):
     full = torch.arange(10.0).reshape(5, 2)  # torch.chunk over 2 ranks: rows 0-2 and 3-4
     for r, rows in enumerate((full[:3], full[3:])):
-        Checkpointer(tmp_path, r, 2, 1).save(0, {"param/w": rows, "optim/w/exp_avg": rows * 2,
-                                                 "optim/w/step": torch.tensor(3.0), "rng/torch_cpu": torch.get_rng_state()})
+        Checkpointer(tmp_path, r, 2, 1).save(
+            0,
+            {
+                "param/w": rows,
+                "optim/w/exp_avg": rows * 2,
+                "optim/w/step": torch.tensor(3.0),
+                "rng/torch_cpu": torch.get_rng_state(),
+            },
+        )
     step_dir = Checkpointer(tmp_path, 0, 2, 1).step_dir(0)
     assert torch.equal(_whole(step_dir, "model.w", (5, 2)), full)
     assert torch.equal(_whole(step_dir, "optim.state.w.exp_avg", (5, 2)), full * 2)
@@ -67,8 +74,9 @@ def test_replicated_shards_with_their_chunks_are_named_once_and_an_unconfirmed_c
     full = torch.arange(8.0).reshape(4, 2)
     for r in range(4):  # a 2x2 mesh: rows cut over the inner dimension, replicated over the outer
         half = r % 2
-        Checkpointer(tmp_path, r, 4, 1).save(0, {"param/w": full[2 * half:2 * half + 2]},
-                                             chunks={"param/w": Chunk((4, 2), (2 * half, 0))})
+        Checkpointer(tmp_path, r, 4, 1).save(
+            0, {"param/w": full[2 * half : 2 * half + 2]}, chunks={"param/w": Chunk((4, 2), (2 * half, 0))}
+        )
     assert torch.equal(_whole(tmp_path / "step00000000", "model.w", (4, 2)), full)
     for r, rows in enumerate((full[:1], full[1:3])):  # no chunks, and rows torch.chunk never cuts (1 then 2 of 3)
         Checkpointer(tmp_path, r, 2, 1).save(1, {"param/w": rows})
@@ -82,4 +90,6 @@ def test_a_rewritten_part_is_merged_again(tmp_path):
         c.save(0, {"param/w": torch.zeros(2, 2)})
     ranks[1].save(0, {"param/w": torch.ones(2, 2)})  # a replacement wrote its part again
     assert ranks[0].complete(0)
-    assert torch.equal(_whole(ranks[0].step_dir(0), "model.w", (4, 2)), torch.cat([torch.zeros(2, 2), torch.ones(2, 2)]))
+    assert torch.equal(
+        _whole(ranks[0].step_dir(0), "model.w", (4, 2)), torch.cat([torch.zeros(2, 2), torch.ones(2, 2)])
+    )

@@ -89,7 +89,9 @@ def _plain_rank(rank: int, init: str, ckpt_dir: str, final_dir: str, errors: mp.
         dist.barrier()
         fresh, fresh_opt = decoder.build(mesh)
         like = job_state(fresh, fresh_opt)
-        got = Checkpointer(ckpt_dir, rank, _RANKS, 1).load(_STEPS + 1, like=like, chunks=global_chunks(fresh, fresh_opt))
+        got = Checkpointer(ckpt_dir, rank, _RANKS, 1).load(
+            _STEPS + 1, like=like, chunks=global_chunks(fresh, fresh_opt)
+        )
         load_job_state(fresh, fresh_opt, got)
         trained, back = local_state(model, optimizer), local_state(fresh, fresh_opt)
         differ = [k for k in trained if not torch.equal(trained[k], back[k])]
@@ -102,10 +104,21 @@ def _plain_rank(rank: int, init: str, ckpt_dir: str, final_dir: str, errors: mp.
 def test_a_meshpact_checkpoint_loads_in_a_plain_fsdp2_loop_and_back(tmp_path: Path):
     ckpt_dir = tmp_path / "trial" / "checkpoints"
     workload = tmp_path / "flipping.py"
-    workload.write_text(_FLIPPING.format(part=str(ckpt_dir / f"step{_FAULT_STEP:08d}" / "rank0"),
-                                         done=str(tmp_path / "flipped"), step=_FAULT_STEP))
-    cfg = TrialConfig(ranks=_RANKS, steps=_STEPS, faults=1, fault_kind=FaultKind.KILL, checkpoint_every=_EVERY,
-                      peer_copies=0, baselines=False, workload=str(workload))
+    workload.write_text(
+        _FLIPPING.format(
+            part=str(ckpt_dir / f"step{_FAULT_STEP:08d}" / "rank0"), done=str(tmp_path / "flipped"), step=_FAULT_STEP
+        )
+    )
+    cfg = TrialConfig(
+        ranks=_RANKS,
+        steps=_STEPS,
+        faults=1,
+        fault_kind=FaultKind.KILL,
+        checkpoint_every=_EVERY,
+        peer_copies=0,
+        baselines=False,
+        workload=str(workload),
+    )
     result = run_trial(cfg, work_dir=tmp_path / "trial", forkserver=shared_forkserver(), warm_replacements=True)
     assert (tmp_path / "flipped").exists(), "the workload never flipped the checkpoint's bit"
     summary = result.summary()
@@ -121,17 +134,23 @@ def test_a_meshpact_checkpoint_loads_in_a_plain_fsdp2_loop_and_back(tmp_path: Pa
     # one process, no group at all: the whole model from the chunks every rank wrote
     import torch.distributed.checkpoint as dcp
 
-    finals = [torch.load(tmp_path / "trial" / "faulted" / f"final-rank{r}.pt", weights_only=True) for r in range(_RANKS)]
+    finals = [
+        torch.load(tmp_path / "trial" / "faulted" / f"final-rank{r}.pt", weights_only=True) for r in range(_RANKS)
+    ]
     name = next(k for k in finals[0] if k.startswith("param/") and finals[0][k].dim() == 2)
-    whole = {f"model.{name[len('param/'):]}": torch.empty(sum(f[name].shape[0] for f in finals), finals[0][name].shape[1])}
+    whole = {
+        f"model.{name[len('param/') :]}": torch.empty(sum(f[name].shape[0] for f in finals), finals[0][name].shape[1])
+    }
     dcp.load(whole, checkpoint_id=str(ckpt_dir / f"step{_STEPS:08d}"), no_dist=True)
     assert torch.equal(next(iter(whole.values())), torch.cat([f[name] for f in finals]))
 
     ctx = mp.get_context("fork")
     errors = ctx.Queue()
     init = tmp_path / "init"
-    procs = [ctx.Process(target=_plain_rank, args=(r, str(init), str(ckpt_dir), str(tmp_path / "trial" / "faulted"),
-                                                   errors)) for r in range(_RANKS)]
+    procs = [
+        ctx.Process(target=_plain_rank, args=(r, str(init), str(ckpt_dir), str(tmp_path / "trial" / "faulted"), errors))
+        for r in range(_RANKS)
+    ]
     for p in procs:
         p.start()
     for p in procs:

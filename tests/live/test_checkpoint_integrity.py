@@ -33,15 +33,21 @@ def _state(step: int, rank: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 * step + rank)
     w = torch.randn(33, 7, generator=g)
     w[0, 0], w[0, 1] = float("nan"), -0.0
-    return {"param/w": w, "optim/w/exp_avg": torch.randn(33, 7, generator=g, dtype=torch.float64),
-            "optim/w/step": torch.tensor(float(step)), "rng/torch_cpu": torch.randint(0, 255, (5056,), generator=g,
-                                                                                        dtype=torch.uint8)}
+    return {
+        "param/w": w,
+        "optim/w/exp_avg": torch.randn(33, 7, generator=g, dtype=torch.float64),
+        "optim/w/step": torch.tensor(float(step)),
+        "rng/torch_cpu": torch.randint(0, 255, (5056,), generator=g, dtype=torch.uint8),
+    }
 
 
 def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
-        and a[k].reshape(-1).view(torch.uint8).equal(b[k].reshape(-1).view(torch.uint8)) for k in a)
+        a[k].dtype == b[k].dtype
+        and a[k].shape == b[k].shape
+        and a[k].reshape(-1).view(torch.uint8).equal(b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +221,11 @@ def _killed_save(tmp_path: Path, step: int, at: str) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the save was not killed ({status})"
 
 
-@pytest.mark.parametrize(("at", "rewrite"), [(at, False) for at in ("mid-write", "part manifest", "merge", "step manifest")]
-                         + [("mid-write", True), ("part manifest", True)])
+@pytest.mark.parametrize(
+    ("at", "rewrite"),
+    [(at, False) for at in ("mid-write", "part manifest", "merge", "step manifest")]
+    + [("mid-write", True), ("part manifest", True)],
+)
 def test_a_save_killed_at_any_point_leaves_nothing_torn_for_latest_and_the_next_start_cleans_up(tmp_path, at, rewrite):
     """Killed before its part is in place, the save is as if it never began: a new step is not
     picked, a rewritten one keeps its earlier whole part. Killed after, the part is whole and
@@ -249,13 +258,19 @@ def test_a_live_writers_temporary_folder_is_left_alone(tmp_path):
     assert Checkpointer(tmp_path, 0, 2, 1).cleaned == [] and live.exists() and other_host.exists()
 
 
-@pytest.mark.parametrize("body", [b"", b"not json", b"[" * 100_000 + b"]" * 100_000, b'{"format": "other", "files": {}}',
-                                  b'{"format": "meshpact-checkpoint-manifest/1", "files": {"../../etc/passwd": [1, "'
-                                  + b"0" * 64 + b'"]}}',
-                                  b'{"format": "meshpact-checkpoint-manifest/1", "files": {"a": [-1, "' + b"0" * 64 + b'"]}}',
-                                  b'{"format": "meshpact-checkpoint-manifest/1", "files": {"a": [1e309, "x"]}}'],
-                         ids=["empty", "not json", "deep nesting", "other format", "outside the folder", "negative size",
-                              "infinite size"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"",
+        b"not json",
+        b"[" * 100_000 + b"]" * 100_000,
+        b'{"format": "other", "files": {}}',
+        b'{"format": "meshpact-checkpoint-manifest/1", "files": {"../../etc/passwd": [1, "' + b"0" * 64 + b'"]}}',
+        b'{"format": "meshpact-checkpoint-manifest/1", "files": {"a": [-1, "' + b"0" * 64 + b'"]}}',
+        b'{"format": "meshpact-checkpoint-manifest/1", "files": {"a": [1e309, "x"]}}',
+    ],
+    ids=["empty", "not json", "deep nesting", "other format", "outside the folder", "negative size", "infinite size"],
+)
 def test_a_hostile_manifest_is_one_line_refusal_and_the_step_is_passed_over(saved, body):
     tmp_path = saved
     (tmp_path / "step00000005" / "manifest.json").write_bytes(body)

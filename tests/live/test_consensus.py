@@ -97,11 +97,14 @@ def test_every_rank_adopts_one_decision_over_the_control_channel(channels):
 
 def test_a_silent_rank_is_declared_lost_within_the_documented_bound(channels):
     t0 = time.monotonic()
-    out = _agree_all(channels[:2], {r: (lambda g, r=r: Proposal(r, g, 4, "x", True)) for r in range(2)},
-                     timeout_s=0.3, max_rounds=2)
+    out = _agree_all(
+        channels[:2], {r: (lambda g, r=r: Proposal(r, g, 4, "x", True)) for r in range(2)}, timeout_s=0.3, max_rounds=2
+    )
     elapsed = time.monotonic() - t0
-    assert all(isinstance(e, ConsensusError) and "[2] declared lost" in str(e) and "[2] did not answer" in str(e)
-               for e in out.values()), out
+    assert all(
+        isinstance(e, ConsensusError) and "[2] declared lost" in str(e) and "[2] did not answer" in str(e)
+        for e in out.values()
+    ), out
     assert elapsed >= loss_bound_s(0.3, 2)  # it did wait for the silent rank, every round
     assert elapsed < loss_bound_s(0.3, 2) + 20  # and no longer than the bound plus the channel's round trips
 
@@ -114,8 +117,9 @@ def _agree_with_rank_2_late(channels, delay_s: float, **kw) -> dict[int, object]
     def one(ch):
         time.sleep(delay_s if ch.rank == 2 else 0.0)
         try:
-            out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0,
-                                 max_rounds=4, **kw).decision
+            out[ch.rank] = agree(
+                ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0, max_rounds=4, **kw
+            ).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
@@ -180,8 +184,9 @@ def test_a_silent_decider_costs_the_others_one_round_then_the_next_rank_decides(
 
     def one(ch):
         time.sleep(1.6 if ch.rank == 0 else 0.0)
-        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0,
-                             max_rounds=4).decision
+        out[ch.rank] = agree(
+            ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0, max_rounds=4
+        ).decision
 
     threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
     for t in threads:
@@ -244,13 +249,22 @@ def test_a_silent_rank_is_declared_lost_then_its_replacement_joins_and_is_restor
 
     def one(ch, make):
         try:
-            out[ch.rank] = agree(ch, make, _latest, timeout_s=0.4, max_rounds=1, peer_copies=1,
-                                 replacement_rounds=4).decision
+            out[ch.rank] = agree(
+                ch, make, _latest, timeout_s=0.4, max_rounds=1, peer_copies=1, replacement_rounds=4
+            ).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
-    survivors = [threading.Thread(target=one, args=(channels[r], lambda g, r=r: Proposal(
-        r, g, 4, "x", True, holds=((2, 4),) if r == 0 else (), own_steps=(3, 4)))) for r in (0, 1)]
+    survivors = [
+        threading.Thread(
+            target=one,
+            args=(
+                channels[r],
+                lambda g, r=r: Proposal(r, g, 4, "x", True, holds=((2, 4),) if r == 0 else (), own_steps=(3, 4)),
+            ),
+        )
+        for r in (0, 1)
+    ]
     t0 = time.monotonic()
     for t in survivors:
         t.start()
@@ -268,16 +282,28 @@ def test_a_silent_rank_is_declared_lost_then_its_replacement_joins_and_is_restor
     decisions = list(out.values())
     assert all(isinstance(d, Decision) for d in decisions), decisions
     assert {(d.round, d.policy, d.step, d.restore_from) for d in decisions} == {
-        (decisions[0].round, Policy.PEER_RESTORE, 4, ((2, 0),))}
+        (decisions[0].round, Policy.PEER_RESTORE, 4, ((2, 0),))
+    }
 
 
 def test_a_proposal_survives_a_trip_through_json_with_every_field():
     import json
     from dataclasses import fields
 
-    p = Proposal(3, 2, 17, "ab12", False, incarnation=1, restore_before=9, holds=((0, 16), (2, 17)),
-                 own_steps=(16, 17), host="hostB", standby={"generation": 3, "ready": True, "reason": ""},
-                 block=2)
+    p = Proposal(
+        3,
+        2,
+        17,
+        "ab12",
+        False,
+        incarnation=1,
+        restore_before=9,
+        holds=((0, 16), (2, 17)),
+        own_steps=(16, 17),
+        host="hostB",
+        standby={"generation": 3, "ready": True, "reason": ""},
+        block=2,
+    )
     d = p.to_dict()
     assert set(d) == {f.name for f in fields(Proposal)}  # a field added later must be carried too
     assert Proposal.from_dict(json.loads(json.dumps(d))) == p
@@ -288,16 +314,16 @@ def test_a_rank_with_a_current_view_skips_the_counters_and_the_moves_wait_for_th
     deferred the counters move only when each rank makes the moves agree() handed back, and
     making them twice (every rank does) moves them once."""
     channels[0].counters(["round", "generation"])  # made at 0, as every session makes them at its start
-    out = _agree_all(channels, {r: (lambda g, r=r: Proposal(r, g, 4, "x", True)) for r in range(3)},
-                     view=(0, 0))
+    out = _agree_all(channels, {r: (lambda g, r=r: Proposal(r, g, 4, "x", True)) for r in range(3)}, view=(0, 0))
     assert {d.round for d in out.values()} == {1}
     assert channels[0].counters(["round", "generation"]) == [1, 1]
 
     got = {}
 
     def one(ch):
-        got[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True), _latest, view=(1, 1),
-                             defer_counters=True)
+        got[ch.rank] = agree(
+            ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True), _latest, view=(1, 1), defer_counters=True
+        )
 
     threads = [threading.Thread(target=one, args=(ch,)) for ch in channels]
     for t in threads:
@@ -346,6 +372,7 @@ def test_a_round_a_peer_opened_is_seen_by_a_rank_between_steps_and_not_its_own(c
 def test_a_round_missing_ranks_with_no_checkpoint_yet_is_decided_not_raised():
     """Before the first checkpoint a round still missing ranks is decided (and not acted on:
     agree goes to the next round); its step says no checkpoint exists and its reason names why."""
+
     def none_yet(limit: int) -> int:
         raise FileNotFoundError(f"no complete checkpoint at or before step {limit}")
 
@@ -381,9 +408,12 @@ def test_a_decision_stays_small_when_every_ranks_standby_word_differs(first_refu
     from meshpact.live.recovery import communicator as comm
 
     world, ready = 4096, {"generation": 3, "ready": True, "reason": ""}
-    words = {r: ready if r < first_refusing else
-             {"generation": 3, "ready": False, "reason": f"rank {r}'s data path was silent for {1 + r / 1e4:.4f} s"}
-             for r in range(world)}
+    words = {
+        r: ready
+        if r < first_refusing
+        else {"generation": 3, "ready": False, "reason": f"rank {r}'s data path was silent for {1 + r / 1e4:.4f} s"}
+        for r in range(world)
+    }
     proposals = {r: Proposal(r, 2, 9, f"digest{r}", True, standby=words[r]) for r in range(world)}
     d = decide(proposals, world, 2, 3, lambda limit: 0)
     wire = json.dumps(d.to_dict())
@@ -391,8 +421,11 @@ def test_a_decision_stays_small_when_every_ranks_standby_word_differs(first_refu
     back = Decision.from_dict(json.loads(wire))
 
     def verdict(said: dict) -> str:
-        return comm.standby_refusal({r: comm.StandbyStatus.from_dict(w) if isinstance(w, dict) else None
-                                     for r, w in said.items()}, back.generation, world)
+        return comm.standby_refusal(
+            {r: comm.StandbyStatus.from_dict(w) if isinstance(w, dict) else None for r, w in said.items()},
+            back.generation,
+            world,
+        )
 
     assert verdict(back.standby_words()) == verdict(words) == words[first_refusing]["reason"]
     assert set(back.standby_words()) == set(range(world))
@@ -413,10 +446,12 @@ def test_a_peer_restore_names_every_other_holder_of_the_lost_ranks_copy_on_the_w
 
     from meshpact.live.recovery.pipeline import holders_in_order
 
-    proposals = {0: Proposal(0, 1, 6, "a", True, holds=((2, 6), (3, 6))),
-                 1: Proposal(1, 1, 6, "b", True, holds=((2, 6),)),
-                 2: Proposal(2, 1, -1, "", False, incarnation=1),
-                 3: Proposal(3, 1, 6, "d", True, holds=((2, 6), (2, 5)))}
+    proposals = {
+        0: Proposal(0, 1, 6, "a", True, holds=((2, 6), (3, 6))),
+        1: Proposal(1, 1, 6, "b", True, holds=((2, 6),)),
+        2: Proposal(2, 1, -1, "", False, incarnation=1),
+        3: Proposal(3, 1, 6, "d", True, holds=((2, 6), (2, 5))),
+    }
     d = Decision.from_dict(json.loads(json.dumps(decide(proposals, 4, 1, 2, lambda limit: 0, peer_copies=2).to_dict())))
     assert d.policy is Policy.PEER_RESTORE and d.step == 6
     named = d.holder_of(2)

@@ -39,8 +39,22 @@ def _publish(nodes: ControlChannel, group_world_size: int = 2, nproc: int = 2) -
     """What each agent publishes as it starts its workers (:class:`NodeEnv`)."""
     for g in range(group_world_size):
         ranks = tuple(range(g * nproc, (g + 1) * nproc))
-        nodes.set(f"agent/node{g}", NodeEnv(g, group_world_size, "default", ranks, ranks, group_world_size * nproc,
-                                             group_world_size * nproc, "127.0.0.1", 29400, "job", True).to_dict())
+        nodes.set(
+            f"agent/node{g}",
+            NodeEnv(
+                g,
+                group_world_size,
+                "default",
+                ranks,
+                ranks,
+                group_world_size * nproc,
+                group_world_size * nproc,
+                "127.0.0.1",
+                29400,
+                "job",
+                True,
+            ).to_dict(),
+        )
 
 
 def _clients(plane: ControlPlane) -> ControlChannel:
@@ -67,8 +81,10 @@ def test_the_service_hands_node_0_to_a_live_spare_node_and_ends_when_every_node_
         assert nodes.wait([f"spare/assign{spare.spare_id}"], 5.0)[f"spare/assign{spare.spare_id}"] == {"group_rank": 0}
         assert gone_ranks(nodes, range(4)) == ()  # the survivors wait for the replacements of ranks 0 and 1
         err = capsys.readouterr().err
-        assert ("[meshpact control-plane] node 0 (ranks [0, 1]) is lost: its agent has not beaten on the control "
-                "channel for 4.5 s; spare node 1 at 10.0.0.3 takes its ranks") in err
+        assert (
+            "[meshpact control-plane] node 0 (ranks [0, 1]) is lost: its agent has not beaten on the control "
+            "channel for 4.5 s; spare node 1 at 10.0.0.3 takes its ranks"
+        ) in err
         nodes.set("agent/done1", True)
         assert plane.look(5.0) is False  # node 0, now the spare node, has not said it is done
         nodes.set("agent/done0", True)
@@ -112,8 +128,12 @@ def test_every_agent_and_spare_node_reads_the_services_channel_from_the_rendezvo
 def test_with_the_control_plane_apart_no_agent_judges_and_a_silent_service_is_said_in_one_line():
     with _plane() as plane:
         nodes = _clients(plane)
-        spec = WorkerSpec(role="default", local_world_size=2, entrypoint="train.py",
-                          rdzv_handler=StandbyRendezvous("127.0.0.1:1", "job", 1.0))
+        spec = WorkerSpec(
+            role="default",
+            local_world_size=2,
+            entrypoint="train.py",
+            rdzv_handler=StandbyRendezvous("127.0.0.1:1", "job", 1.0),
+        )
         agent = ReplacingAgent(spec, None, LaunchOptions(node_loss_s=SILENT_S, control_plane=ControlPlaneHost.SERVICE))
         wg = agent.get_worker_group()
         wg.group_rank, wg.group_world_size = 0, 2
@@ -127,19 +147,24 @@ def test_with_the_control_plane_apart_no_agent_judges_and_a_silent_service_is_sa
     watch.unanswered(0.0, RuntimeError("Connection reset by peer"), ("10.0.0.9", 29400), True)
     with pytest.raises(HostNodeLost) as lost:
         watch.unanswered(3.5, RuntimeError("Connection reset by peer"), ("10.0.0.9", 29400), True)
-    assert str(lost.value).startswith("the control plane is lost: meshpact control-plane at 10.0.0.9:29400 has "
-                                      "not answered for 3.5 s (last: Connection reset by peer)")
+    assert str(lost.value).startswith(
+        "the control plane is lost: meshpact control-plane at 10.0.0.9:29400 has "
+        "not answered for 3.5 s (last: Connection reset by peer)"
+    )
     assert "\n" not in str(lost.value)
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--rdzv-id", "a b"], "error: --rdzv-id 'a b': expected the job's rendezvous id, 1 to 128 letters"),
-    (["--rdzv-id", "j", "--port", "0"], "error: --port '0': expected an integer from 1 to 65535"),
-    (["--rdzv-id", "j", "--node-loss-s", "1"], "error: --node-loss-s 1.0: expected more than 1 s"),
-    (["--rdzv-id", "j", "--linger-s", "-1"], "error: --linger-s -1.0: expected 0 to 3600 s"),
-    (["--rdzv-id", "j", "--host", "192.0.2.1"], "error: --host 192.0.2.1 --port "),
-    (["--port", "29400"], "error: --rdzv-id is required"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (["--rdzv-id", "a b"], "error: --rdzv-id 'a b': expected the job's rendezvous id, 1 to 128 letters"),
+        (["--rdzv-id", "j", "--port", "0"], "error: --port '0': expected an integer from 1 to 65535"),
+        (["--rdzv-id", "j", "--node-loss-s", "1"], "error: --node-loss-s 1.0: expected more than 1 s"),
+        (["--rdzv-id", "j", "--linger-s", "-1"], "error: --linger-s -1.0: expected 0 to 3600 s"),
+        (["--rdzv-id", "j", "--host", "192.0.2.1"], "error: --host 192.0.2.1 --port "),
+        (["--port", "29400"], "error: --rdzv-id is required"),
+    ],
+)
 def test_a_bad_control_plane_flag_is_refused_in_one_line(flags, expected, capsys, monkeypatch):
     monkeypatch.setenv(KEY_ENV, KEY.secret.hex())
     assert cli_main(["control-plane", *flags]) == 2
@@ -152,19 +177,43 @@ def test_the_service_refuses_to_start_without_the_jobs_key(capsys, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     assert cli_main(["control-plane", "--rdzv-id", "j", "--port", str(unclaimed_port())]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: the control plane signs with the job's key and none was given") and \
-        err.count("\n") == 1
+    assert (
+        err.startswith("error: the control plane signs with the job's key and none was given") and err.count("\n") == 1
+    )
 
 
-@pytest.mark.parametrize("flags, expected", [
-    (["--control-plane", "lighthouse", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"],
-     "error: --control-plane 'lighthouse': expected node or service"),
-    (["--control-plane", "service", "--standalone"], "error: --control-plane service: --standalone hosts the stores"),
-    (["--control-plane", "service", "--nnodes", "2", "--rdzv-backend", "static", "--master-addr", "h"],
-     "error: --control-plane service: expected --rdzv-backend c10d and --rdzv-endpoint HOST:PORT"),
-    (["--control-plane", "service", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1",
-      "--rdzv-conf", "is_host=1"], "error: --control-plane service: --rdzv-conf is_host=1 asks this node to host"),
-])
+@pytest.mark.parametrize(
+    "flags, expected",
+    [
+        (
+            ["--control-plane", "lighthouse", "--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1"],
+            "error: --control-plane 'lighthouse': expected node or service",
+        ),
+        (
+            ["--control-plane", "service", "--standalone"],
+            "error: --control-plane service: --standalone hosts the stores",
+        ),
+        (
+            ["--control-plane", "service", "--nnodes", "2", "--rdzv-backend", "static", "--master-addr", "h"],
+            "error: --control-plane service: expected --rdzv-backend c10d and --rdzv-endpoint HOST:PORT",
+        ),
+        (
+            [
+                "--control-plane",
+                "service",
+                "--nnodes",
+                "2",
+                "--rdzv-backend",
+                "c10d",
+                "--rdzv-endpoint",
+                "h:1",
+                "--rdzv-conf",
+                "is_host=1",
+            ],
+            "error: --control-plane service: --rdzv-conf is_host=1 asks this node to host",
+        ),
+    ],
+)
 def test_a_bad_launch_control_plane_flag_is_refused_in_one_line(flags, expected, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv(KEY_ENV, KEY.secret.hex())
     script = tmp_path / "train.py"

@@ -11,8 +11,16 @@ import time
 import pytest
 
 from meshpact.core.recovery import Policy
-from meshpact.live.recovery.consensus import (GONE_COUNT_KEY, GONE_KEY, LOST_KEY, Proposal, agree, declared_lost,
-                                              gone_ranks, open_round)
+from meshpact.live.recovery.consensus import (
+    GONE_COUNT_KEY,
+    GONE_KEY,
+    LOST_KEY,
+    Proposal,
+    agree,
+    declared_lost,
+    gone_ranks,
+    open_round,
+)
 from meshpact.live.recovery.control import ControlChannel, ControlForged, ControlTimeout, seal
 from meshpact.live.recovery.jobkey import draw
 from meshpact.live.store import host_store, open_store
@@ -71,9 +79,10 @@ def test_a_forgery_written_first_in_a_set_once_slot_is_taken_back_and_both_ranks
     (a, b), attacker = job
     attacker.set(NS + "round1/decision", json.dumps({"policy": "excise", "lost": [1]}))
     got: dict[int, object] = {}
-    threads = [threading.Thread(target=lambda ch=ch: got.__setitem__(ch.rank, ch.set_once("round1/decision",
-                                                                                         {"by": ch.rank})))
-               for ch in (a, b)]
+    threads = [
+        threading.Thread(target=lambda ch=ch: got.__setitem__(ch.rank, ch.set_once("round1/decision", {"by": ch.rank})))
+        for ch in (a, b)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -116,9 +125,13 @@ def test_a_wait_passes_over_a_forgery_until_the_genuine_value_comes_and_times_ou
 
 def test_consensus_acts_on_no_forged_decision_lost_gone_or_round(job):
     (a, b), attacker = job
-    for k, v in {"round1/decision": {"round": 1, "policy": "excise", "step": 0, "reason": "forged", "lost": [1]},
-                 "round1/adopted": {"round": 1, "policy": "excise", "step": 0, "reason": "forged", "lost": [1]},
-                 f"{LOST_KEY}1": [1], f"{GONE_KEY}1": True, "round2/rank1": {"rank": 1}}.items():
+    for k, v in {
+        "round1/decision": {"round": 1, "policy": "excise", "step": 0, "reason": "forged", "lost": [1]},
+        "round1/adopted": {"round": 1, "policy": "excise", "step": 0, "reason": "forged", "lost": [1]},
+        f"{LOST_KEY}1": [1],
+        f"{GONE_KEY}1": True,
+        "round2/rank1": {"rank": 1},
+    }.items():
         attacker.set(NS + k, json.dumps(v))
     attacker.add(NS + GONE_COUNT_KEY, 1)
     attacker.add(NS + "round", 1)  # a counter it can move: round 1 is skipped, nothing else
@@ -126,8 +139,7 @@ def test_consensus_acts_on_no_forged_decision_lost_gone_or_round(job):
     out: dict[int, object] = {}
 
     def one(ch: ControlChannel) -> None:
-        out[ch.rank] = agree(ch, lambda g: Proposal(ch.rank, g, 5, "d", True), lambda limit: 0,
-                             timeout_s=2.0).decision
+        out[ch.rank] = agree(ch, lambda g: Proposal(ch.rank, g, 5, "d", True), lambda limit: 0, timeout_s=2.0).decision
 
     threads = [threading.Thread(target=one, args=(ch,)) for ch in (a, b)]
     for t in threads:

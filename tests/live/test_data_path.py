@@ -99,8 +99,9 @@ def test_severing_a_real_gloo_groups_sockets_fails_its_collective_and_leaves_the
                 conn, _ = server.accept()
             except OSError:
                 return
-            threading.Thread(target=lambda c=conn: [c.sendall(b) for b in iter(lambda: c.recv(64), b"")],
-                             daemon=True).start()
+            threading.Thread(
+                target=lambda c=conn: [c.sendall(b) for b in iter(lambda: c.recv(64), b"")], daemon=True
+            ).start()
 
     threading.Thread(target=echo, daemon=True).start()
     user_before = socket.create_connection(server.getsockname())
@@ -249,9 +250,11 @@ def _fake_flush(monkeypatch, clock: _Clock, moving: list[tuple[float, float]]) -
 
 def _stream(clock: _Clock, moving: list[tuple[float, float]], rate: float = 1e9):
     """``_traffic`` of one socket whose bytes move at ``rate`` during the ``moving`` spans, its queues empty."""
+
     def traffic(_sock):
         moved = sum(max(0.0, min(clock.t, b) - a) for a, b in moving)
         return 0, 0, int(moved * rate)
+
     return traffic
 
 
@@ -298,8 +301,7 @@ def test_a_drain_reads_a_send_resuming_after_a_pause_within_about_the_pause_agai
     ``DRAIN_MOVING_S`` and then twice as far apart each time, so a pause of ``p`` costs at most
     about ``p`` more, never the 40 ms a jump back to the idle cadence cost. With nothing
     moving the drain backs off to ``DRAIN_IDLE_MOST_S`` and never past it."""
-    from meshpact.live.recovery.communicator import (DRAIN_FIRST_S, DRAIN_IDLE_MOST_S, DRAIN_MOVING_S,
-                                                     drain_delay)
+    from meshpact.live.recovery.communicator import DRAIN_FIRST_S, DRAIN_IDLE_MOST_S, DRAIN_MOVING_S, drain_delay
 
     for pause in (0.0007, 0.002, 0.003, 0.006, 0.011, 0.025):
         t, delay = 0.0, drain_delay(DRAIN_FIRST_S, True)  # the look at t=0 read bytes; none until `pause`
@@ -414,7 +416,7 @@ def test_a_socket_held_while_the_drain_waits_long_is_looked_at_after_the_first_d
     t_held = time.monotonic()
     held.hold(second, -1, "")
     waiter.join(10.0)
-    ((looked_at, fresh), t_look), = got
+    (((looked_at, fresh), t_look),) = got
     assert [s for s, _, _ in looked_at] == [first, second] and fresh and t_look - t_held < 5.0  # not the 30 s asked
     held.release()
     assert first.fileno() != -1  # still open: the drain closes it, between two looks

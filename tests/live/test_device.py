@@ -226,11 +226,13 @@ def test_the_gpu_check_on_a_machine_without_cuda_says_so_and_writes_nothing():
 
     root = Path(__file__).resolve().parents[2]
     before = set((root / "bench" / "results").iterdir())
-    out = subprocess.run([sys.executable, str(root / "bench" / "gpu_check.py")], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, str(root / "bench" / "gpu_check.py")], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0
     assert out.stdout.strip().splitlines() == [
-        "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing measured, nothing written"]
+        "gpu_check: no CUDA device here (torch.cuda.is_available() is False); nothing measured, nothing written"
+    ]
     assert set((root / "bench" / "results").iterdir()) == before
 
 
@@ -239,8 +241,9 @@ class _Group:
         self.group_name, self.log, self.fence = name, log, fence
 
     def abort(self) -> None:
-        self.log.append(("abort", self.group_name) if self.fence is None else
-                        ("abort", self.group_name, self.fence.failed))
+        self.log.append(
+            ("abort", self.group_name) if self.fence is None else ("abort", self.group_name, self.fence.failed)
+        )
 
 
 def test_a_nccl_sever_aborts_every_group_of_the_generation_before_its_sockets(monkeypatch):
@@ -258,8 +261,13 @@ def test_a_nccl_sever_aborts_every_group_of_the_generation_before_its_sockets(mo
         cuda.done_after[fence.event.id] = 10**9  # the step's collective hangs when the sever comes
         progress.track(fence)
         groups = {"world": _Group("g_world", log, fence), "dim0": _Group("g_dim0", log, fence)}
-        fake = SimpleNamespace(spec=SimpleNamespace(backend=backend), data_sockets=lambda: {}, groups=groups,
-                               severed=None, progress=progress)
+        fake = SimpleNamespace(
+            spec=SimpleNamespace(backend=backend),
+            data_sockets=lambda: {},
+            groups=groups,
+            severed=None,
+            progress=progress,
+        )
         session_mod.Session.sever_data_path(fake, tell_peers=False)
         assert [e[1] for e in log if e[0] == "abort"] == aborted
         assert log[-1][0] == "sever sockets"  # the aborts come first
@@ -278,8 +286,10 @@ def test_replaced_nccl_groups_are_retired_by_abort(monkeypatch):
     log: list = []
     monkeypatch.setattr(pipeline, "retire", lambda rt, old, ops: log.append(("retire", old.group_name)))
     old = (_Group("a_g0", log), _Group("b_g0", log))
-    for backend, want in (("nccl", [("retire", "a_g0"), ("retire", "b_g0"), ("abort", "a_g0"), ("abort", "b_g0")]),
-                          ("gloo", [("retire", "a_g0"), ("retire", "b_g0")])):
+    for backend, want in (
+        ("nccl", [("retire", "a_g0"), ("retire", "b_g0"), ("abort", "a_g0"), ("abort", "b_g0")]),
+        ("gloo", [("retire", "a_g0"), ("retire", "b_g0")]),
+    ):
         log.clear()
         rt = SimpleNamespace(counter=None, session=SimpleNamespace(spec=SimpleNamespace(backend=backend)))
         pipeline.retire_replaced(rt, pipeline.Rebound(0.0, 0.0, CommunicatorAction.REBUILD, old))
@@ -325,8 +335,13 @@ def _runtime(cuda: FakeCuda, peers=None, buffers: bool = False):
 
     model = torch.nn.Linear(3, 2)
     rt: Any = Resilient.__new__(Resilient)
-    rt.session = SimpleNamespace(ops=FakeCudaOps(cuda), progress=DeviceProgress(), spec=SimpleNamespace(timeout_s=0.05),
-                                 generation=1, config=SimpleNamespace(restore_rng=False))
+    rt.session = SimpleNamespace(
+        ops=FakeCudaOps(cuda),
+        progress=DeviceProgress(),
+        spec=SimpleNamespace(timeout_s=0.05),
+        generation=1,
+        config=SimpleNamespace(restore_rng=False),
+    )
     rt.model, rt.optimizer, rt.peers = model, _LoggedSGD(model.parameters(), cuda), peers
     rt.committed_step, rt.heartbeat, rt.injector, rt.objects, rt.fence = 0, None, None, {}, None
     rt._optimizer_hook, rt._first_step, rt.max_attempts, rt._in_step = None, False, 2, False
@@ -402,8 +417,9 @@ def test_the_next_optimizer_update_waits_on_the_devices_copy_of_the_last_snapsho
     assert names.count("protect") == 1 and names.index("protect") < names.index("update")
     # a model with buffers its forward updates: the wait comes before the forward too
     cuda = FakeCuda()
-    rt = _runtime(cuda, peers=SimpleNamespace(protect=lambda: cuda.calls.append(("protect", cuda.current))),
-                  buffers=True)
+    rt = _runtime(
+        cuda, peers=SimpleNamespace(protect=lambda: cuda.calls.append(("protect", cuda.current))), buffers=True
+    )
     rt.step(_train(rt), torch.ones(4, 3))
     assert cuda.calls[0][0] == "protect"
 
@@ -424,7 +440,9 @@ class _TrainingStreamRefused(torch.overrides.TorchFunctionMode):
     """Refuses, while the fake device's current stream is the training stream, every call that
     computes on the state or copies it to the host: behind a hung kernel each would wait forever."""
 
-    WORK = frozenset({"cpu", "to", "cat", "stack", "copy_", "clone", "contiguous", "numpy", "item", "tolist", "ne", "eq"})
+    WORK = frozenset(
+        {"cpu", "to", "cat", "stack", "copy_", "clone", "contiguous", "numpy", "item", "tolist", "ne", "eq"}
+    )
 
     def __init__(self, cuda: FakeCuda) -> None:
         super().__init__()
@@ -487,8 +505,10 @@ def test_on_cuda_a_commit_only_enqueues_pinned_copies_and_never_waits_for_the_sh
 
     monkeypatch.setattr(peers, "put", slow_put)
     server, holder = peers.PeerServer("127.0.0.1", key=key), peers.PeerServer("127.0.0.1", key=key)
-    table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
-             for r, s in ((0, server), (1, holder))}
+    table = {
+        f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0}
+        for r, s in ((0, server), (1, holder))
+    }
 
     class Channel:
         def wait(self, keys, timeout_s=None):
@@ -497,7 +517,9 @@ def test_on_cuda_a_commit_only_enqueues_pinned_copies_and_never_waits_for_the_sh
     copier = peers.PeerCopier(0, 2, 1, Channel(), server, timeout_s=5.0, ops=ops)
     try:
         copier.refresh()
-        states = {s: {"param/w": torch.full((64,), float(s)), "optim/w/step": torch.tensor(float(s))} for s in (1, 2, 3)}
+        states = {
+            s: {"param/w": torch.full((64,), float(s)), "optim/w/step": torch.tensor(float(s))} for s in (1, 2, 3)
+        }
         copier.commit(1, states[1])
         deadline = time.monotonic() + 5
         while not shipped and time.monotonic() < deadline:
@@ -520,7 +542,9 @@ def test_on_cuda_a_commit_only_enqueues_pinned_copies_and_never_waits_for_the_sh
         layout = copier._slabs[3].layout
         body = shipped[1][1]
         for name, n, at in zip(layout.names, layout.nbytes, layout.offsets):
-            assert torch.equal(torch.frombuffer(bytearray(body[at:at + n]), dtype=torch.float32), states[3][name].reshape(-1))
+            assert torch.equal(
+                torch.frombuffer(bytearray(body[at : at + n]), dtype=torch.float32), states[3][name].reshape(-1)
+            )
         copied = copier._slabs[3].snapshot.copied.id
         assert cuda.calls.index(("put", 3)) > max(i for i, c in enumerate(cuda.calls) if c == ("query", copied))
         assert sum(1 for c in cuda.calls if c == ("query", copied)) == 3  # shipped once the copies landed, not before
@@ -552,8 +576,15 @@ def test_on_a_device_the_heartbeat_counts_fences_completed_not_a_host_spinning_i
     moved, seen = device_moved(progress, 0)
     assert (moved, seen) == (False, 0)
     # the host spins in a CUDA call: its frame, CPU time and scheduler state all say busy
-    spinning = {"watching": True, "in_comm": False, "moved": True, "main_cpu_s": 0.5, "state": "R",
-                "native_cpu_s": 0.5, "in_torch": True}
+    spinning = {
+        "watching": True,
+        "in_comm": False,
+        "moved": True,
+        "main_cpu_s": 0.5,
+        "state": "R",
+        "native_cpu_s": 0.5,
+        "in_torch": True,
+    }
     assert progressed(Look(**spinning)) is True  # the CPU's rule (device_moved None) calls that progress
     assert progressed(Look(**spinning, device_moved=moved)) is False
     moved, seen = device_moved(progress, seen)

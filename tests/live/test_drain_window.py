@@ -25,10 +25,17 @@ import pytest
 
 from meshpact.live.netns import netns_unavailable
 
-_UNAVAILABLE = ("no unshare (util-linux) to make a network namespace" if shutil.which("unshare") is None
-                else netns_unavailable(shaped=False))
-pytestmark = [pytest.mark.live, pytest.mark.netns, pytest.mark.slow,
-              pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE))]
+_UNAVAILABLE = (
+    "no unshare (util-linux) to make a network namespace"
+    if shutil.which("unshare") is None
+    else netns_unavailable(shaped=False)
+)
+pytestmark = [
+    pytest.mark.live,
+    pytest.mark.netns,
+    pytest.mark.slow,
+    pytest.mark.skipif(_UNAVAILABLE is not None, reason=str(_UNAVAILABLE)),
+]
 
 _TRIAL = r"""
 import json, os, socket, subprocess, sys, time
@@ -71,8 +78,9 @@ held.release()
 
 @pytest.mark.parametrize("size", [200_000, 1_000_000])
 def test_a_peers_large_sends_into_a_held_socket_meet_no_zero_window(size):
-    done = subprocess.run(["unshare", "--net", sys.executable, "-c", _TRIAL, str(size), "40"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        ["unshare", "--net", sys.executable, "-c", _TRIAL, str(size), "40"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen == {"zero_windows": 0, "probes": 0, "left": 0}, seen
@@ -126,12 +134,19 @@ def test_a_peer_on_another_host_sending_into_a_held_socket_meets_no_zero_window(
     from meshpact.live.netns import TwoHosts
 
     with TwoHosts(link=None) as hosts:
-        holder = subprocess.Popen([*hosts.prefix(0), sys.executable, "-c", _HOLDER, hosts.addr[0]],
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        holder = subprocess.Popen(
+            [*hosts.prefix(0), sys.executable, "-c", _HOLDER, hosts.addr[0]],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert holder.stdout is not None and holder.stdout.readline().strip() == "ready", holder.stderr
-            subprocess.run([*hosts.prefix(1), sys.executable, "-c", _SENDER, hosts.addr[0], "1000000", "40"],
-                           check=True, timeout=120)
+            subprocess.run(
+                [*hosts.prefix(1), sys.executable, "-c", _SENDER, hosts.addr[0], "1000000", "40"],
+                check=True,
+                timeout=120,
+            )
             out, err = holder.communicate(timeout=120)
         finally:
             holder.kill()

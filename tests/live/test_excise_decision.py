@@ -48,11 +48,14 @@ def test_excise_after_an_earlier_excision_expects_only_the_ranks_still_alive():
     assert everyone.policy is Policy.IN_MEMORY and everyone.missing == ()
 
 
-@pytest.mark.parametrize("case, props, copies, declared, why", [
-    ("no holder", {0: _p(0), 1: _p(1), 2: _p(2)}, 1, (3,), "no survivor holds a copy of the state of rank(s) [3]"),
-    ("no copies", {0: _p(0, holds=[(3, 7)]), 1: _p(1), 2: _p(2)}, 0, (3,), "no peer copies"),
-    ("not yet declared", {0: _p(0, holds=[(3, 7)]), 1: _p(1), 2: _p(2)}, 1, (), "did not answer"),
-])
+@pytest.mark.parametrize(
+    "case, props, copies, declared, why",
+    [
+        ("no holder", {0: _p(0), 1: _p(1), 2: _p(2)}, 1, (3,), "no survivor holds a copy of the state of rank(s) [3]"),
+        ("no copies", {0: _p(0, holds=[(3, 7)]), 1: _p(1), 2: _p(2)}, 0, (3,), "no peer copies"),
+        ("not yet declared", {0: _p(0, holds=[(3, 7)]), 1: _p(1), 2: _p(2)}, 1, (), "did not answer"),
+    ],
+)
 def test_excise_is_refused_with_the_reason_and_falls_back(case, props, copies, declared, why):
     d = decide(props, 4, 2, 5, _latest, peer_copies=copies, on_rank_loss=Policy.EXCISE, declared=declared)
     assert d.policy is Policy.CHECKPOINT_RESTORE and why in d.reason, (case, d.reason)
@@ -72,9 +75,13 @@ def test_a_rank_marked_gone_is_excised_in_the_first_round_without_waiting_the_ti
 
     def one(ch):
         try:
-            out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True, holds=((3, 5),) if r == 0
-                                                                    else (), own_steps=(5,)),
-                                 _latest, peer_copies=1, on_rank_loss=Policy.EXCISE).decision
+            out[ch.rank] = agree(
+                ch,
+                lambda g, r=ch.rank: Proposal(r, g, 5, "x", True, holds=((3, 5),) if r == 0 else (), own_steps=(5,)),
+                _latest,
+                peer_copies=1,
+                on_rank_loss=Policy.EXCISE,
+            ).decision
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
@@ -107,13 +114,16 @@ def test_the_model_an_excision_replaced_refuses_a_forward_by_name_and_is_no_comm
     assert before.shape == (5, 2)
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(fault_kind="collective"), "--fault-kind other than kill"),
-    (dict(fault_kind="kill", peer_copies=0), "--peer-copies 0"),
-    (dict(fault_kind="kill", spare_ranks=1), "--spare-ranks"),
-    (dict(fault_kind="kill", faults=4), "at most --ranks - 1 (3) faults, got 4"),
-    (dict(fault_kind="kill", min_ranks=5), "--min-ranks must be between 1 and --ranks (4), got 5"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(fault_kind="collective"), "--fault-kind other than kill"),
+        (dict(fault_kind="kill", peer_copies=0), "--peer-copies 0"),
+        (dict(fault_kind="kill", spare_ranks=1), "--spare-ranks"),
+        (dict(fault_kind="kill", faults=4), "at most --ranks - 1 (3) faults, got 4"),
+        (dict(fault_kind="kill", min_ranks=5), "--min-ranks must be between 1 and --ranks (4), got 5"),
+    ],
+)
 def test_an_excising_trial_refuses_what_it_cannot_do_in_one_line(kw, words):
     from meshpact.core.errors import MeshpactError
     from meshpact.live.trials.trialconfig import TrialConfig
@@ -143,9 +153,16 @@ def test_an_excising_trial_on_a_three_dimensional_mesh_is_refused_before_any_ran
     hsdp = Path(__file__).resolve().parents[2] / "scenarios" / "workloads" / "llama_hsdp.py"
     text = hsdp.read_text()
     three = tmp_path / "llama_3d.py"
-    three.write_text(text.replace('MESH = {"shape": [2, 2], "names": ["replicate", "shard"]}',
-                                  'MESH = {"shape": [2, 1, 2], "names": ["replicate", "pipe", "shard"]}'))
-    cfg = TrialConfig(ranks=4, steps=8, checkpoint_every=4, faults=1, fault_kind="kill", on_rank_loss="excise",
-                      workload=str(three))
-    with pytest.raises(WorkloadError, match=r"or drops replicas of a 2-D HSDP one; this workload's MESH is \[2, 1, 2\]"):
+    three.write_text(
+        text.replace(
+            'MESH = {"shape": [2, 2], "names": ["replicate", "shard"]}',
+            'MESH = {"shape": [2, 1, 2], "names": ["replicate", "pipe", "shard"]}',
+        )
+    )
+    cfg = TrialConfig(
+        ranks=4, steps=8, checkpoint_every=4, faults=1, fault_kind="kill", on_rank_loss="excise", workload=str(three)
+    )
+    with pytest.raises(
+        WorkloadError, match=r"or drops replicas of a 2-D HSDP one; this workload's MESH is \[2, 1, 2\]"
+    ):
         run_trial(cfg)

@@ -37,17 +37,29 @@ def test_too_many_faults_for_the_steps_is_refused():
         plan_faults("stall", steps=10, count=12, world_size=2)
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"ranks": 1}, "--ranks must be at least 2"),
-    ({"checkpoint_every": 0}, "--checkpoint-every must be between 1"),
-    ({"fault_kind": "stall", "stall_s": 0.5, "data_timeout_s": 1.0, "heartbeat": False},
-     "must outlast the data-path timeout"),
-    ({"fault_kind": "partition", "down_s": 0.5, "data_timeout_s": 1.0, "heartbeat": False},
-     r"must outlast the hang detection bound \(1 s: the data-path timeout\)"),
-    ({"fault_kind": "stall", "stall_s": 0.15, "data_timeout_s": 30.0}, r"must outlast the heartbeat detection bound \(0.2"),
-    ({"fault_kind": "partition", "down_s": 0.15, "data_timeout_s": 30.0},
-     r"must outlast the hang detection bound \(0.2 s: the heartbeat\)"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"ranks": 1}, "--ranks must be at least 2"),
+        ({"checkpoint_every": 0}, "--checkpoint-every must be between 1"),
+        (
+            {"fault_kind": "stall", "stall_s": 0.5, "data_timeout_s": 1.0, "heartbeat": False},
+            "must outlast the data-path timeout",
+        ),
+        (
+            {"fault_kind": "partition", "down_s": 0.5, "data_timeout_s": 1.0, "heartbeat": False},
+            r"must outlast the hang detection bound \(1 s: the data-path timeout\)",
+        ),
+        (
+            {"fault_kind": "stall", "stall_s": 0.15, "data_timeout_s": 30.0},
+            r"must outlast the heartbeat detection bound \(0.2",
+        ),
+        (
+            {"fault_kind": "partition", "down_s": 0.15, "data_timeout_s": 30.0},
+            r"must outlast the hang detection bound \(0.2 s: the heartbeat\)",
+        ),
+    ],
+)
 def test_trial_settings_are_checked(kw, message):
     with pytest.raises(MeshpactError, match=message):
         TrialConfig(**kw)
@@ -69,9 +81,15 @@ def _raised_in(filename: str, exc: BaseException) -> BaseException:
     raise AssertionError("unreachable")
 
 
-@pytest.mark.parametrize("exc", [
-    CollectiveFault("anything"), dist.DistBackendError("x"), dist.DistNetworkError("x"), dist.DistStoreError("x"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        CollectiveFault("anything"),
+        dist.DistBackendError("x"),
+        dist.DistNetworkError("x"),
+        dist.DistStoreError("x"),
+    ],
+)
 def test_torchs_distributed_errors_and_injected_faults_are_comm_faults_by_type(exc):
     assert is_comm_fault(exc)
 
@@ -108,19 +126,26 @@ def test_a_plain_runtime_error_is_a_comm_fault_only_when_raised_in_torch_communi
     assert is_comm_fault(_raised_in(c10d_file, RuntimeError("Connection closed by peer")))
     assert is_comm_fault(_raised_in(COMM_MODULES[3] + "_fully_shard/_fsdp_collectives.py", RuntimeError("x")))
     # the words of a gloo error do not make one: raised in the user's step, it is a bug
-    assert not is_comm_fault(_raised_in("/home/user/train.py", RuntimeError(
-        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer; socket timed out")))
+    assert not is_comm_fault(
+        _raised_in(
+            "/home/user/train.py",
+            RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer; socket timed out"),
+        )
+    )
     assert not is_comm_fault(RuntimeError("peer socket collective timed out"))  # no traceback at all
     # another type raised in c10d is not a transport failure
     assert not is_comm_fault(_raised_in(c10d_file, ValueError("Invalid rank")))
     assert not is_comm_fault(_raised_in(c10d_file, KeyError("peer")))
 
 
-@pytest.mark.parametrize("exc", [
-    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
-    NotImplementedError("reduce_scatter_tensor is not implemented for this dtype"),
-    RecursionError("maximum recursion depth exceeded"),
-])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+        NotImplementedError("reduce_scatter_tensor is not implemented for this dtype"),
+        RecursionError("maximum recursion depth exceeded"),
+    ],
+)
 def test_a_runtime_errors_subclass_raised_in_communication_code_is_not_a_fault(exc):
     """FSDP2's all-gather allocates its buffers in its collectives' code: running out of memory
     there, or an operation torch does not implement, is no broken data path. Recovered, it would
@@ -176,7 +201,6 @@ def test_a_partition_is_cut_only_once_every_rank_has_entered_the_step(monkeypatc
     assert channel.log[-2] == ("wait", ("arrived/0/rank0", "arrived/0/rank1"))
 
 
-
 def test_a_rank_and_its_holders_killed_at_one_step_die_only_once_all_of_them_are_in_it():
     """Each kill of a group at one step waits for the others' arrival before it fires: a holder still
     in the last step's tail would otherwise learn of the first death, restore the rank from its
@@ -189,8 +213,9 @@ def test_a_rank_and_its_holders_killed_at_one_step_die_only_once_all_of_them_are
 
     faults = (Fault(0, FaultKind.KILL, 3, 0), Fault(1, FaultKind.KILL, 3, 1), Fault(2, FaultKind.KILL, 5, 2))
     server = host_store("127.0.0.1", 0)
-    lost, holder, alone = (FaultInjector(faults, r, ControlChannel("127.0.0.1", server.port, r, 3, 5.0, key=KEY))
-                           for r in range(3))
+    lost, holder, alone = (
+        FaultInjector(faults, r, ControlChannel("127.0.0.1", server.port, r, 3, 5.0, key=KEY)) for r in range(3)
+    )
     assert lost.kills_together == {3: [0, 1]}
     armed: list = []
     first = threading.Thread(target=lambda: armed.append(lost.arm(3)))

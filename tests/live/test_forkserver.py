@@ -28,9 +28,12 @@ def server():
 
 
 def test_forked_ranks_get_the_launchers_environment_their_own_session_and_draws(server, monkeypatch):
-    monkeypatch.setenv("MESHPACT_PROBE", "from-the-launcher")  # set after the server started: only the request carries it
-    results = launch(ECHO, 3, {"report_env": ["MESHPACT_PROBE", "RANK", "OMP_NUM_THREADS"]}, timeout_s=60,
-                     forkserver=server)
+    monkeypatch.setenv(
+        "MESHPACT_PROBE", "from-the-launcher"
+    )  # set after the server started: only the request carries it
+    results = launch(
+        ECHO, 3, {"report_env": ["MESHPACT_PROBE", "RANK", "OMP_NUM_THREADS"]}, timeout_s=60, forkserver=server
+    )
     values = [r.value for r in results]
     assert [v["rank"] for v in values] == [0, 1, 2]
     assert all(v["env"]["MESHPACT_PROBE"] == "from-the-launcher" for v in values)
@@ -64,8 +67,15 @@ def test_exit_codes_signals_and_tracebacks_come_back_as_from_a_fresh_process(ser
 
 def test_a_replacement_and_other_thread_settings_start_fresh_interpreters(server):
     replaced: list[tuple[int, int]] = []
-    with AgentJob(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, max_replacements=1,
-                  on_replaced=lambda rank, rc, warm: replaced.append((rank, rc))) as job:
+    with AgentJob(
+        ECHO,
+        2,
+        {"fail_ranks": [1]},
+        timeout_s=90,
+        forkserver=server,
+        max_replacements=1,
+        on_replaced=lambda rank, rc, warm: replaced.append((rank, rc)),
+    ) as job:
         results = job.run().results
     assert replaced == [(1, 3)]
     first, second = (r.value for r in results)
@@ -81,13 +91,13 @@ def test_a_rank_whose_torch_settings_differ_from_the_servers_starts_fresh_and_se
     and its inductor has the value it was given. A variable read when a group is made
     (TORCHELASTIC_*) leaves the rank forked."""
     asked = {"report_env": ["TORCHINDUCTOR_COMPILE_THREADS"], "report_inductor": "compile_threads"}
-    other = launch(ECHO, 1, asked, timeout_s=90, forkserver=server,
-                   env=lambda r: {"TORCHINDUCTOR_COMPILE_THREADS": "1"})
+    other = launch(
+        ECHO, 1, asked, timeout_s=90, forkserver=server, env=lambda r: {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    )
     assert other[0].value["ppid"] == os.getpid()
     assert other[0].value["inductor"] == 1
     assert "not forked: TORCHINDUCTOR_COMPILE_THREADS differ(s)" in other[0].stderr_tail  # said, not silent
-    same = launch(ECHO, 1, asked, timeout_s=90, forkserver=server,
-                  env=lambda r: {"TORCHELASTIC_RUN_ID": "any"})
+    same = launch(ECHO, 1, asked, timeout_s=90, forkserver=server, env=lambda r: {"TORCHELASTIC_RUN_ID": "any"})
     assert same[0].value["ppid"] != os.getpid()
 
 
@@ -103,8 +113,9 @@ def test_a_launcher_that_compiled_something_still_forks_its_ranks(server, monkey
 
 def test_replacements_are_forked_only_when_the_caller_asks(server):
     """warm_replacements: for callers that measure no replacement's start (the test suite)."""
-    with AgentJob(ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, max_replacements=1,
-                  warm_replacements=True) as job:
+    with AgentJob(
+        ECHO, 2, {"fail_ranks": [1]}, timeout_s=90, forkserver=server, max_replacements=1, warm_replacements=True
+    ) as job:
         results = job.run().results
     second = results[1].value
     assert second["incarnation"] == 1 and second["ppid"] != os.getpid()
@@ -116,8 +127,9 @@ def test_a_prefixed_rank_is_forked_only_by_a_server_started_under_its_prefix(ser
     fresh = launch(ECHO, 1, {}, timeout_s=90, forkserver=server, prefix=lambda r: ["env"])
     assert fresh[0].value["ppid"] == os.getpid()
     with ForkServer(prefix=["env"]) as under:
-        mixed = launch(ECHO, 2, {}, timeout_s=90, forkserver=lambda r: under if r == 0 else server,
-                       prefix=lambda r: ["env"])
+        mixed = launch(
+            ECHO, 2, {}, timeout_s=90, forkserver=lambda r: under if r == 0 else server, prefix=lambda r: ["env"]
+        )
     assert mixed[0].value["ppid"] != os.getpid()  # forked by the server under the same prefix
     assert mixed[1].value["ppid"] == os.getpid()  # the plain server does not take a prefixed rank
 

@@ -48,8 +48,9 @@ def _fsdp_twin(seed: int = 0, mesh_size: int = 1):
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(),
-                                torch.nn.Linear(8, 4))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4)
+    )
     mesh = init_device_mesh("cpu", (mesh_size,))
     for layer in (model[0], model[2]):
         fully_shard(layer, mesh=mesh)
@@ -132,7 +133,9 @@ def test_the_last_all_gather_output_is_left_for_the_step_run_again_to_drop():
 def _root_buffer_sizes(model) -> list[int]:
     from meshpact.live.recovery.rebind import fsdp_states
 
-    return [fp.all_gather_outputs[0].untyped_storage().size() for fp in fsdp_states(model)[0]._fsdp_param_group.fsdp_params]
+    return [
+        fp.all_gather_outputs[0].untyped_storage().size() for fp in fsdp_states(model)[0]._fsdp_param_group.fsdp_params
+    ]
 
 
 def _cut_and_reset(model, leftovers) -> list[int]:
@@ -155,8 +158,9 @@ def _cut_and_reset(model, leftovers) -> list[int]:
     assert root.is_unsharded
     params = reset_step_state(model, fsdp_states(model), leftovers)
     assert all(p.grad is None for p in params) and params == list(model.parameters())
-    assert root.is_sharded and model[4].weight is next(fp.sharded_param for fp in root.fsdp_params
-                                                      if fp._module_info.param_name == "weight")
+    assert root.is_sharded and model[4].weight is next(
+        fp.sharded_param for fp in root.fsdp_params if fp._module_info.param_name == "weight"
+    )
     return _root_buffer_sizes(model)
 
 

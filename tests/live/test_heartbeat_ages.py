@@ -36,7 +36,10 @@ def test_a_rank_whose_heartbeat_stops_ages_and_one_that_beats_stays_young(tmp_pa
     assert doc["ages_s"]["0"] < 0.2 and doc["ages_s"]["1"] >= 0.8
     assert not ages.with_name(ages.name + ".partial").exists()
     # a rank that never beat has no age yet (not an age since the epoch)
-    other = LostRankWatch(ControlChannel("127.0.0.1", server.port, 0, 3, timeout_s=2.0, run_id="fresh", key=KEY),
-                          RecordingWriter(tmp_path / "s.jsonl", "live"), ages_file=tmp_path / "fresh.json")
+    other = LostRankWatch(
+        ControlChannel("127.0.0.1", server.port, 0, 3, timeout_s=2.0, run_id="fresh", key=KEY),
+        RecordingWriter(tmp_path / "s.jsonl", "live"),
+        ages_file=tmp_path / "fresh.json",
+    )
     other.write_ages()
     assert json.loads((tmp_path / "fresh.json").read_text())["ages_s"] == {}

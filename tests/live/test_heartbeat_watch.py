@@ -70,7 +70,9 @@ def test_a_main_thread_asleep_while_the_intra_op_pool_works_has_progressed():
 
     asleep = Look(watching=True, in_comm=False, moved=False, main_cpu_s=0.0, state="S", native_cpu_s=0.0)
     assert not progressed(asleep)  # a stall: asleep, nothing working for it
-    assert progressed(Look(True, False, False, 0.0, "S", native_cpu_s=0.03, in_torch=True))  # an optimizer step on the pool
+    assert progressed(
+        Look(True, False, False, 0.0, "S", native_cpu_s=0.03, in_torch=True)
+    )  # an optimizer step on the pool
     assert not progressed(Look(True, False, False, 0.0, "S", native_cpu_s=0.03))  # asleep in the user's code
     assert progressed(Look(True, False, False, 0.0, "D", 0.0))  # faulting in a large tensor's pages
     assert progressed(Look(False, False, False, 0.0, "S", 0.0))  # between steps nothing is judged
@@ -207,8 +209,9 @@ def test_waiting_for_torchs_compiler_is_progress_but_not_a_quiet_data_path():
 
     waiting = Look(watching=True, in_comm=False, moved=False, main_cpu_s=0.0, state="S", native_cpu_s=0.0)
     assert not progressed(waiting)  # asleep, on nothing of torch's: a pause
-    assert progressed(Look(watching=True, in_comm=False, moved=False, main_cpu_s=0.0, state="S", native_cpu_s=0.0,
-                           compiling=True))  # its compile workers or the C++ compiler work for it
+    assert progressed(
+        Look(watching=True, in_comm=False, moved=False, main_cpu_s=0.0, state="S", native_cpu_s=0.0, compiling=True)
+    )  # its compile workers or the C++ compiler work for it
 
 
 @pytest.mark.parametrize("state, working", [(b"R", True), (b"D", True), (b"S", False)])
@@ -222,8 +225,9 @@ def test_a_thread_in_an_uninterruptible_wait_keeps_the_data_path_from_reading_qu
 
     me = threading.get_native_id()
     monkeypatch.setattr(hbmod.os, "listdir", lambda path: [str(me), "999999"])
-    monkeypatch.setattr(hbmod, "open", lambda path, mode="r": io.BytesIO(b"999999 (pt_main (x)) " + state + b" 1 2 3"),
-                        raising=False)
+    monkeypatch.setattr(
+        hbmod, "open", lambda path, mode="r": io.BytesIO(b"999999 (pt_main (x)) " + state + b" 1 2 3"), raising=False
+    )
     assert hbmod.Heartbeat.__new__(hbmod.Heartbeat)._others_working() is working
 
 
@@ -236,8 +240,10 @@ def test_a_replacement_is_not_judged_by_the_pause_its_killed_predecessor_publish
     from meshpact.live.recovery.heartbeat import Heartbeat, pause_key
 
     store = {pause_key(0): json.dumps("0"), pause_key(1): json.dumps("0")}
-    channel = SimpleNamespace(set=lambda k, v: store.__setitem__(k, json.dumps(v)),
-                              peek=lambda keys: [json.loads(store[k]) if k in store else None for k in keys])
+    channel = SimpleNamespace(
+        set=lambda k, v: store.__setitem__(k, json.dumps(v)),
+        peek=lambda keys: [json.loads(store[k]) if k in store else None for k in keys],
+    )
     peer = Heartbeat.__new__(Heartbeat)
     peer.misses, peer.stall_margin, peer.channel = 3, 4.0, channel
     assert peer._stalled((0, 1), [0, 3]) == [1]  # the stale word would call it stalled
@@ -272,9 +278,13 @@ def test_a_model_built_anew_by_an_excision_warms_up_again_before_any_bound_appli
     assert hb.pause_word() == 2  # judged again from its second completed step on the new model
 
 
-
-def _listening_heartbeat(told: object, running_step: int, data: Callable[[], Any] | None = None,
-                         data_timeout_s: float = 30.0, running_block: int = -1) -> tuple[object, list[float], object]:
+def _listening_heartbeat(
+    told: object,
+    running_step: int,
+    data: Callable[[], Any] | None = None,
+    data_timeout_s: float = 30.0,
+    running_block: int = -1,
+) -> tuple[object, list[float], object]:
     """A heartbeat whose listener hears ``told`` under its key while its rank runs ``running_step``
     (or, ``running_block`` >= 0, that block between steps before it),
     its data path's byte count read from ``data()`` (None: none to read); each raise is recorded
@@ -288,8 +298,7 @@ def _listening_heartbeat(told: object, running_step: int, data: Callable[[], Any
     raised: list[float] = []
     hb: Any = Heartbeat.__new__(Heartbeat)
     hb._stop = threading.Event()
-    hb.session = SimpleNamespace(generation=3, rank=2,
-                                 spec=SimpleNamespace(timeout_s=data_timeout_s))
+    hb.session = SimpleNamespace(generation=3, rank=2, spec=SimpleNamespace(timeout_s=data_timeout_s))
     hb.alarm, hb._detected_generation = None, None
     hb.watching, hb.running_step, hb.running_block = True, running_step, running_block
     hb._told, hb._recovering, hb._recovered, hb.opened_wall, hb._heard = None, None, threading.Event(), 0.0, None
@@ -338,7 +347,11 @@ def test_a_rank_still_in_the_step_before_the_failed_one_finishes_it_before_its_s
     hb.running_step = 5  # step 4 ended and was committed; step 5 begins (it waits on the failed peer)
     thread.join(5.0)
     assert len(raised) == 1 and raised[0] - began < 1.0
-    for told, step, data in (({"rank": 0, "step": 5}, 5, _moving()), (0, 4, _moving()), ({"rank": 0, "step": 5}, 4, None)):
+    for told, step, data in (
+        ({"rank": 0, "step": 5}, 5, _moving()),
+        (0, 4, _moving()),
+        ({"rank": 0, "step": 5}, 4, None),
+    ):
         hb, raised, thread = _listening_heartbeat(told, running_step=step, data=data)
         start = time.monotonic()
         thread.start()
@@ -367,8 +380,9 @@ def test_a_rank_still_in_the_evaluation_before_the_failed_step_finishes_it_befor
         thread.start()
         thread.join(5.0)
         assert len(raised) == 1 and raised[0] - start < 1.0
-    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5, "block": 1}, running_step=5, data=_moving(),
-                                              running_block=0)
+    hb, raised, thread = _listening_heartbeat(
+        {"rank": 0, "step": 5, "block": 1}, running_step=5, data=_moving(), running_block=0
+    )
     thread.start()
     time.sleep(0.3)
     assert raised == []  # block 0 ends before the peer's block 1
@@ -477,8 +491,9 @@ def test_a_rank_one_step_behind_whose_data_path_stops_or_never_ends_is_severed()
     thread.start()
     thread.join(5.0)
     assert len(raised) == 1 and heartbeat._BEHIND_QUIET_S <= raised[0] - start < 1.0
-    hb, raised, thread = _listening_heartbeat({"rank": 0, "step": 5}, running_step=4, data=_moving(),
-                                              data_timeout_s=0.4)
+    hb, raised, thread = _listening_heartbeat(
+        {"rank": 0, "step": 5}, running_step=4, data=_moving(), data_timeout_s=0.4
+    )
     start = time.monotonic()
     thread.start()
     thread.join(5.0)
@@ -492,7 +507,9 @@ def test_a_quiet_word_is_published_when_it_changes_and_at_every_quiet_look_not_a
     makes it fresh), and so is the return to "not quiet"."""
     from meshpact.live.recovery.heartbeat import QuietWord
 
-    hb, calls = _looking_heartbeat([1, 2, 3, 3, 3, 4, 5, 6])  # the data path's bytes at each look: quiet twice, then moving
+    hb, calls = _looking_heartbeat(
+        [1, 2, 3, 3, 3, 4, 5, 6]
+    )  # the data path's bytes at each look: quiet twice, then moving
     hb._run()
     assert hb.failed_looks == 0
     published = [QuietWord.decode(v) for name, k, v in calls if name == "set" and "quiet" in k]
@@ -536,8 +553,9 @@ def _looking_heartbeat(moved: list[int], looks: int = 8) -> tuple[object, list[t
         calls.append(("counters", keys, None))
         return [len(calls)] * len(keys)
 
-    hb.channel = SimpleNamespace(add=add, peek=lambda keys: [None] * len(keys), counters=counters,
-                                 set=lambda k, v: calls.append(("set", k, v)))
+    hb.channel = SimpleNamespace(
+        add=add, peek=lambda keys: [None] * len(keys), counters=counters, set=lambda k, v: calls.append(("set", k, v))
+    )
     hb.session = SimpleNamespace(rank=0, generation=1, members=(0, 1))
     hb.interval_s, hb.misses, hb.quiet_rule, hb.watching = 0.001, 3, True, True
     hb._pause = hb._step_pause = 0

@@ -9,11 +9,14 @@ from meshpact.live.recovery.jobkey import JobKeyError
 from meshpact.live.recovery.session import job_key_of
 
 
-@pytest.mark.parametrize("env", [
-    {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"},  # srun: no LOCAL_WORLD_SIZE, a node's address
-    {"MASTER_ADDR": "node07", "MASTER_PORT": "29500"},
-    {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2"},  # torchrun, two nodes
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"},  # srun: no LOCAL_WORLD_SIZE, a node's address
+        {"MASTER_ADDR": "node07", "MASTER_PORT": "29500"},
+        {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500", "LOCAL_WORLD_SIZE": "2"},  # torchrun, two nodes
+    ],
+)
 def test_a_job_that_may_span_hosts_without_a_key_is_refused_in_one_line(env, tmp_path):
     with pytest.raises(JobKeyError, match="spans hosts and has no job key") as err:
         job_key_of({**env, "XDG_RUNTIME_DIR": str(tmp_path)}, "run", 4)

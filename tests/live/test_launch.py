@@ -67,9 +67,16 @@ def readme_runs(tmp_path_factory) -> _ReadmeRuns:
     flag and rank 2 killed after its third step; the same with ``--max-restarts 0`` (and no checkpoint)."""
     tmp = tmp_path_factory.mktemp("readme")
     one_node = ("--standalone", "--nproc-per-node", str(RANKS))
-    with Job(Job.meshpact(*one_node), tmp / "faulted", README_STEPS, step_s=0.02, script=README_JOB) as job, \
-            Job(Job.meshpact(*one_node, "--max-restarts", "0"), tmp / "refused", README_STEPS, step_s=0.02,
-                script=README_JOB) as refused:
+    with (
+        Job(Job.meshpact(*one_node), tmp / "faulted", README_STEPS, step_s=0.02, script=README_JOB) as job,
+        Job(
+            Job.meshpact(*one_node, "--max-restarts", "0"),
+            tmp / "refused",
+            README_STEPS,
+            step_s=0.02,
+            script=README_JOB,
+        ) as refused,
+    ):
         others = {r: job.wait_for_step(r, 0, 120) for r in range(RANKS) if r != 2}
         refused_others = {r: refused.wait_for_step(r, 0, 120) for r in range(RANKS) if r != 2}
         # no process of the job listens on every interface: the rendezvous stores, the control channel,
@@ -81,14 +88,27 @@ def readme_runs(tmp_path_factory) -> _ReadmeRuns:
         refused_rc = refused.wait(120)
         took = time.monotonic() - t_kill
         assert job.wait(180) == 0, job.tail()
-    return _ReadmeRuns(torchrun_reference(RANKS, README_STEPS, README_JOB), read_finals(job.out, RANKS), others, killed,
-                       job.log.read_text(), listening, refused_rc, took, refused_others, refused_killed,
-                       refused.log.read_text(), read_finals(refused.out, RANKS))
+    return _ReadmeRuns(
+        torchrun_reference(RANKS, README_STEPS, README_JOB),
+        read_finals(job.out, RANKS),
+        others,
+        killed,
+        job.log.read_text(),
+        listening,
+        refused_rc,
+        took,
+        refused_others,
+        refused_killed,
+        refused.log.read_text(),
+        read_finals(refused.out, RANKS),
+    )
 
 
 def test_the_readmes_loop_under_the_defaults_replaces_a_killed_worker_alone_bit_identical_to_no_fault(readme_runs):
     runs = readme_runs
-    assert len(runs.listening) >= 3 + 2 * RANKS, runs.listening  # two stores, the channel; each rank's peer server and gloo
+    assert len(runs.listening) >= 3 + 2 * RANKS, (
+        runs.listening
+    )  # two stores, the channel; each rank's peer server and gloo
     assert not [ln for ln in runs.listening if ln.wildcard], runs.listening
     reference, faulted = runs.reference, runs.faulted
     assert sorted(reference) == sorted(faulted) == list(range(RANKS))
@@ -121,12 +141,26 @@ def test_two_nodes_in_a_static_rendezvous_replace_a_worker_alone_from_the_other_
     # as a Slurm script starts them: one agent per node, the static backend on node 0's MASTER_ADDR:PORT
     # (both nodes on loopback here); rank 3 lives on node 1, its peer copy on node 0
     port = unclaimed_port()
-    nodes = ("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-             "--master-port", str(port), "--max-restarts", "1")
+    nodes = (
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "static",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(port),
+        "--max-restarts",
+        "1",
+    )
     out, key = tmp_path / "faulted", Job.key_env()
     node0_cmd, node1_cmd = (Job.meshpact("--node-rank", str(n), *nodes, warm_start=True) for n in (0, 1))
-    with Job(node0_cmd, out, STEPS, step_s=0.05, env=key, name="node0") as node0, \
-            Job(node1_cmd, out, STEPS, step_s=0.05, env=key, name="node1") as node1:
+    with (
+        Job(node0_cmd, out, STEPS, step_s=0.05, env=key, name="node0") as node0,
+        Job(node1_cmd, out, STEPS, step_s=0.05, env=key, name="node1") as node1,
+    ):
         others = {r: node0.wait_for_step(r, 0, 120) for r in range(3)}
         killed = node1.kill_rank(3, after_step=3)
         assert node0.wait(180) == 0, node0.tail()

@@ -24,18 +24,38 @@ from meshpact.live.netns import Hosts, bridge_unavailable
 from _references import torchrun_reference
 from meshpact.live.trials.launchdrill import Job, read_finals
 
-pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns,
-              pytest.mark.skipif(bridge_unavailable() is not None, reason=str(bridge_unavailable()))]
+pytestmark = [
+    pytest.mark.live,
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.skipif(bridge_unavailable() is not None, reason=str(bridge_unavailable())),
+]
 
 STEPS, PORT, LOSS_S = 8, 29400, "2.5"
 CONTROL, SPARE = 0, 3  # the hosts of the service and of the spare node; hosts 1 and 2 train
 
 
 def node_flags(hosts: Hosts, host: int, *extra: str) -> list[str]:
-    return Job.meshpact("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", f"{hosts.addr[CONTROL]}:{PORT}", "--rdzv-id", f"apart{hosts.tag}",
-                        "--local-addr", hosts.addr[host], "--node-loss-s", LOSS_S, "--control-plane", "service", *extra,
-                        warm_start=True)
+    return Job.meshpact(
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{hosts.addr[CONTROL]}:{PORT}",
+        "--rdzv-id",
+        f"apart{hosts.tag}",
+        "--local-addr",
+        hosts.addr[host],
+        "--node-loss-s",
+        LOSS_S,
+        "--control-plane",
+        "service",
+        *extra,
+        warm_start=True,
+    )
 
 
 def node_of(pid: int) -> str:
@@ -49,17 +69,46 @@ def test_the_node_of_group_rank_0_lost_whole_is_taken_by_a_spare_node_and_the_jo
     service_log = tmp_path / "control-plane.log"
     with Hosts(4) as hosts, open(service_log, "w") as log:
         service = subprocess.Popen(
-            [*hosts.prefix(CONTROL), sys.executable, "-m", "meshpact.cli", "control-plane", "--host",
-             hosts.addr[CONTROL], "--port", str(PORT), "--rdzv-id", f"apart{hosts.tag}", "--node-loss-s", LOSS_S,
-             "--linger-s", "1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **key})
+            [
+                *hosts.prefix(CONTROL),
+                sys.executable,
+                "-m",
+                "meshpact.cli",
+                "control-plane",
+                "--host",
+                hosts.addr[CONTROL],
+                "--port",
+                str(PORT),
+                "--rdzv-id",
+                f"apart{hosts.tag}",
+                "--node-loss-s",
+                LOSS_S,
+                "--linger-s",
+                "1",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **key},
+        )
         try:
-            with Job(node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key,
-                        name="node-a") as node_a, \
-                    Job(node_flags(hosts, 2), out, STEPS, step_s=0.05, prefix=hosts.prefix(2), env=key,
-                        name="node-b") as node_b, \
-                    Job(node_flags(hosts, SPARE, "--spare"), out, STEPS, step_s=0.05, prefix=hosts.prefix(SPARE),
-                        env=key, name="spare") as spare:
+            with (
+                Job(
+                    node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key, name="node-a"
+                ) as node_a,
+                Job(
+                    node_flags(hosts, 2), out, STEPS, step_s=0.05, prefix=hosts.prefix(2), env=key, name="node-b"
+                ) as node_b,
+                Job(
+                    node_flags(hosts, SPARE, "--spare"),
+                    out,
+                    STEPS,
+                    step_s=0.05,
+                    prefix=hosts.prefix(SPARE),
+                    env=key,
+                    name="spare",
+                ) as spare,
+            ):
                 first = {r: node_a.wait_for_step(r, 0, 150) for r in (0, 1)}
                 spare.wait_for_log(f"spare node 1 at {hosts.addr[SPARE]} registered with the job", 120)
                 zero = node_of(first[0].pid)
@@ -85,8 +134,10 @@ def test_the_node_of_group_rank_0_lost_whole_is_taken_by_a_spare_node_and_the_jo
     assert faulted[1].recovered_by("peer_restore")
     assert any("rank 0 <- rank 1" in r["reason"] for r in faulted[1].recoveries if r["policy"] == "peer_restore")
     said = service_log.read_text()
-    assert ("node 0 (ranks [0]) is lost: its agent has not beaten on the control channel" in said
-            and f"; spare node 1 at {hosts.addr[SPARE]} takes its ranks" in said), said[-3000:]
+    assert (
+        "node 0 (ranks [0]) is lost: its agent has not beaten on the control channel" in said
+        and f"; spare node 1 at {hosts.addr[SPARE]} takes its ranks" in said
+    ), said[-3000:]
     assert "ended: every node is done; node(s) [0] ended on spare nodes" in said, said[-3000:]
     assert f"spare node 1 at {hosts.addr[SPARE]} takes node 0: ranks [0]" in spare.log.read_text()
     assert "is lost" not in kept_node.log.read_text()  # the nodes judge nothing: the service does

@@ -37,8 +37,12 @@ SILENT_S = 3.0
 def _agent_on_channel():
     """Group rank 0's agent of a 2-node x 2-worker job, its channel, and a second client (the other nodes)."""
     server = host_store("127.0.0.1", 0)
-    spec = WorkerSpec(role="default", local_world_size=2, rdzv_handler=StandbyRendezvous("127.0.0.1:1", "t", 1.0),
-                      entrypoint="train.py")
+    spec = WorkerSpec(
+        role="default",
+        local_world_size=2,
+        rdzv_handler=StandbyRendezvous("127.0.0.1:1", "t", 1.0),
+        entrypoint="train.py",
+    )
     agent = ReplacingAgent(spec, None, LaunchOptions(node_loss_s=SILENT_S))
     agent._channel = ControlChannel("127.0.0.1", server.port, 0, 4, 5.0, run_id="t", key=KEY)
     wg = agent.get_worker_group()
@@ -70,8 +74,10 @@ def test_a_live_spare_node_with_the_same_workers_per_node_is_given_the_lost_node
     assert gone_ranks(others, range(4)) == ()  # the survivors wait for replacements instead of excising
     assert [v.spare for v in agent.nodes.takeovers] == [spare] and agent.nodes.lost_nodes == []
     err = capsys.readouterr().err
-    assert "node 1 (ranks [2, 3]) is lost: its agent has not beaten on the control channel for 4.5 s; " \
-           "spare node 1 at 10.0.0.3 takes its ranks" in err
+    assert (
+        "node 1 (ranks [2, 3]) is lost: its agent has not beaten on the control channel for 4.5 s; "
+        "spare node 1 at 10.0.0.3 takes its ranks" in err
+    )
     agent.nodes.look(agent._channel, wg, 5.0)  # the spare has the bound anew to beat as node 1: not lost again
     assert len(agent.nodes.takeovers) == 1 and agent.nodes.lost_nodes == []
     del server
@@ -84,7 +90,9 @@ def test_without_a_spare_node_the_lost_nodes_ranks_are_announced_gone(capsys):
     assert [n.group_rank for n in agent.nodes.lost_nodes] == [1] and agent.nodes.takeovers == []
     assert "no spare node is registered; the job is told its ranks are gone" in capsys.readouterr().err
     agent.nodes.end_standby(agent._channel, 0)
-    assert others.wait([JOB_ENDED_KEY], 5.0)[JOB_ENDED_KEY] is True  # a spare node that comes late leaves when the job ends
+    assert (
+        others.wait([JOB_ENDED_KEY], 5.0)[JOB_ENDED_KEY] is True
+    )  # a spare node that comes late leaves when the job ends
     del server
 
 
@@ -94,8 +102,10 @@ def test_a_spare_node_with_other_workers_per_node_is_not_used_and_named(capsys):
     _lose_node_1(agent, wg, others, spare)
     assert others.get(f"spare/assign{spare.spare_id}") is None
     assert gone_ranks(others, range(4)) == (2, 3)
-    assert "no registered spare node can take its ranks (spare node 1 at 10.0.0.3 runs 4 worker(s) per node, " \
-           "the job 2); the job is told its ranks are gone" in capsys.readouterr().err
+    assert (
+        "no registered spare node can take its ranks (spare node 1 at 10.0.0.3 runs 4 worker(s) per node, "
+        "the job 2); the job is told its ranks are gone" in capsys.readouterr().err
+    )
     del server
 
 
@@ -129,13 +139,15 @@ def test_spare_with_standalone_is_refused_in_one_line(capsys):
 def test_a_spare_node_that_finds_no_job_under_its_id_says_so_in_one_line():
     server = host_store("127.0.0.1", 0)  # a rendezvous store where no job named its control channel
     standby = StandbyRendezvous(f"127.0.0.1:{server.port}", "other", 0.5)
-    spec = WorkerSpec(role="default", local_world_size=2, rdzv_handler=standby, entrypoint="train.py",
-                      local_addr="127.0.0.1")
+    spec = WorkerSpec(
+        role="default", local_world_size=2, rdzv_handler=standby, entrypoint="train.py", local_addr="127.0.0.1"
+    )
     agent = SpareAgent(spec, None, LaunchOptions(spare=True), standby)
     with pytest.raises(NoJobFound) as err:
         agent._rendezvous(agent.get_worker_group())
-    assert str(err.value).startswith(f"--spare: no job with --rdzv-id other named its control channel at "
-                                     f"127.0.0.1:{server.port} within 0.5 s")
+    assert str(err.value).startswith(
+        f"--spare: no job with --rdzv-id other named its control channel at 127.0.0.1:{server.port} within 0.5 s"
+    )
     assert "\n" not in str(err.value)
 
 
@@ -187,16 +199,44 @@ def test_a_node_waiting_in_the_store_stops_on_sigterm_with_one_line(tmp_path, ro
     port = unclaimed_port()
     script = tmp_path / "train.py"
     script.write_text("print('never started')\n")
-    flags = (["--nnodes", "2", "--node-rank", "0", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-              "--master-port", str(port)] if role == "static" else
-             ["--spare", "--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{served.port}",
-              "--rdzv-id", "nojob"])
-    proc = subprocess.Popen([sys.executable, "-m", "meshpact.launch", "--nproc-per-node", "1", *flags, str(script)],
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, KEY_ENV: KEY.secret.hex()})
+    flags = (
+        [
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "0",
+            "--rdzv-backend",
+            "static",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+        ]
+        if role == "static"
+        else [
+            "--spare",
+            "--nnodes",
+            "1:2",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{served.port}",
+            "--rdzv-id",
+            "nojob",
+        ]
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshpact.launch", "--nproc-per-node", "1", *flags, str(script)],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, KEY_ENV: KEY.secret.hex()},
+    )
     try:
         assert proc.stderr is not None
         line = proc.stderr.readline()
-        assert ("joining the static rendezvous" if role == "static" else "spare node: waiting for job nojob") in line, line
+        assert ("joining the static rendezvous" if role == "static" else "spare node: waiting for job nojob") in line, (
+            line
+        )
         time.sleep(1.0)  # inside the store's wait
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=60)

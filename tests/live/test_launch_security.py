@@ -56,8 +56,21 @@ def test_meshpact_launch_on_two_nodes_without_a_key_says_so_in_one_line(tmp_path
     script.write_text("print('never started')\n")
     for name in (KEY_ENV, KEY_FILE_ENV, UNAUTHENTICATED_ENV):
         monkeypatch.delenv(name, raising=False)
-    rc = main(["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "static", "--master-addr", "127.0.0.1",
-               "--master-port", "1", str(script)])
+    rc = main(
+        [
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "static",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            "1",
+            str(script),
+        ]
+    )
     lines = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: a job of several nodes needs one job key"), lines
 

@@ -19,26 +19,55 @@ from meshpact.live.netns import Hosts, bridge_unavailable
 from _references import torchrun_reference
 from meshpact.live.trials.launchdrill import Job, read_finals
 
-pytestmark = [pytest.mark.live, pytest.mark.slow, pytest.mark.netns,
-              pytest.mark.skipif(bridge_unavailable() is not None, reason=str(bridge_unavailable()))]
+pytestmark = [
+    pytest.mark.live,
+    pytest.mark.slow,
+    pytest.mark.netns,
+    pytest.mark.skipif(bridge_unavailable() is not None, reason=str(bridge_unavailable())),
+]
 
 STEPS, PORT, SPARE = 10, 29400, 2  # SPARE: the spare node's host
 
 
 def node_flags(hosts: Hosts, host: int, *extra: str) -> list[str]:
-    return Job.meshpact("--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-                        "--rdzv-endpoint", f"{hosts.addr[0]}:{PORT}", "--rdzv-id", f"spare{hosts.tag}",
-                        "--rdzv-conf", f"is_host={int(host == 0)}", "--local-addr", hosts.addr[host],
-                        "--node-loss-s", "3", *extra, warm_start=True)
+    return Job.meshpact(
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"{hosts.addr[0]}:{PORT}",
+        "--rdzv-id",
+        f"spare{hosts.tag}",
+        "--rdzv-conf",
+        f"is_host={int(host == 0)}",
+        "--local-addr",
+        hosts.addr[host],
+        "--node-loss-s",
+        "3",
+        *extra,
+        warm_start=True,
+    )
 
 
 def test_node_1_lost_with_its_agent_is_taken_by_the_spare_node_and_the_job_ends_bit_identical(tmp_path):
     out, key = tmp_path / "faulted", Job.key_env()
-    with Hosts(3) as hosts, \
-            Job(node_flags(hosts, 0), out, STEPS, step_s=0.05, prefix=hosts.prefix(0), env=key, name="node0") as node0, \
-            Job(node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key, name="node1") as node1, \
-            Job(node_flags(hosts, SPARE, "--spare"), out, STEPS, step_s=0.05, prefix=hosts.prefix(SPARE), env=key,
-                name="spare") as spare:
+    with (
+        Hosts(3) as hosts,
+        Job(node_flags(hosts, 0), out, STEPS, step_s=0.05, prefix=hosts.prefix(0), env=key, name="node0") as node0,
+        Job(node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key, name="node1") as node1,
+        Job(
+            node_flags(hosts, SPARE, "--spare"),
+            out,
+            STEPS,
+            step_s=0.05,
+            prefix=hosts.prefix(SPARE),
+            env=key,
+            name="spare",
+        ) as spare,
+    ):
         survivors = {r: node0.wait_for_step(r, 0, 150) for r in (0, 1)}
         node0.wait_for_log(f"spare node 1 at {hosts.addr[SPARE]} registered", 120)
         lost = [node1.wait_for_step(r, 3, 120) for r in (2, 3)]
@@ -50,8 +79,10 @@ def test_node_1_lost_with_its_agent_is_taken_by_the_spare_node_and_the_job_ends_
     assert {r: f.digest for r, f in faulted.items()} == {r: f.digest for r, f in reference.items()}
     assert all(faulted[r].pid == p.pid and faulted[r].incarnation == 0 for r, p in survivors.items())
     spare_log = spare.log.read_text()
-    started = (f"spare node 1 at {hosts.addr[SPARE]} started rank(s) [2, 3] as pid(s) "
-               f"{[faulted[2].pid, faulted[3].pid]} (2 of them warm interpreter(s))")  # made while it stood by
+    started = (
+        f"spare node 1 at {hosts.addr[SPARE]} started rank(s) [2, 3] as pid(s) "
+        f"{[faulted[2].pid, faulted[3].pid]} (2 of them warm interpreter(s))"
+    )  # made while it stood by
     assert started in spare_log, spare_log[-3000:]
     assert all(faulted[p.rank].incarnation >= 1 and faulted[p.rank].pid != p.pid for p in lost)
     # ranks 2 and 3 restored from the copies node 0's ranks hold in host memory: no checkpoint to read
@@ -61,7 +92,9 @@ def test_node_1_lost_with_its_agent_is_taken_by_the_spare_node_and_the_job_ends_
     holders = [dict(re.findall(r"rank (\d+) <- rank (\d+)", f.recoveries[0]["reason"])) for f in kept]
     assert all(h.keys() == {"2", "3"} and set(h.values()) <= {"0", "1"} for h in holders), holders  # on node 0
     log = node0.log.read_text()
-    assert ("node 1 (ranks [2, 3]) is lost: its agent has not beaten on the control channel" in log
-            and f"; spare node 1 at {hosts.addr[SPARE]} takes its ranks" in log), log[-3000:]
+    assert (
+        "node 1 (ranks [2, 3]) is lost: its agent has not beaten on the control channel" in log
+        and f"; spare node 1 at {hosts.addr[SPARE]} takes its ranks" in log
+    ), log[-3000:]
     assert "the job is told its ranks are gone" not in log
     assert "waiting for the spare node(s) acting as node(s) [1] to finish" in log

@@ -43,15 +43,35 @@ dist.destroy_process_group()
 """
 
 
-def _launch(tmp: Path, *flags: str, script_args: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess,
-                                                                                 dict[int, dict], int]:
+def _launch(
+    tmp: Path, *flags: str, script_args: tuple[str, ...] = ()
+) -> tuple[subprocess.CompletedProcess, dict[int, dict], int]:
     script = tmp / "job.py"
     script.write_text(JOB)
     out = tmp / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "meshpact.launch", "--standalone", "--nproc-per-node", "2", *flags,
-                             str(script), "--out", str(out), "--tag", "x y", *script_args], cwd=tmp, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "meshpact.launch",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            *flags,
+            str(script),
+            "--out",
+            str(out),
+            "--tag",
+            "x y",
+            *script_args,
+        ],
+        cwd=tmp,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     stdout, stderr = proc.communicate(timeout=240)
     done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     ranks = {r: json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1) if (out / f"rank{r}.json").exists()}
@@ -85,8 +105,9 @@ def test_without_warm_start_each_worker_is_the_launchers_own_child(tmp_path):
 
 
 def test_a_spare_forked_from_the_server_takes_the_rank_of_a_worker_that_exits_at_its_start(tmp_path):
-    done, ranks, launcher = _launch(tmp_path, "--warm-start", "--spare-ranks-per-node", "1",
-                                   script_args=("--exit-first",))
+    done, ranks, launcher = _launch(
+        tmp_path, "--warm-start", "--spare-ranks-per-node", "1", script_args=("--exit-first",)
+    )
     assert done.returncode == 0 and sorted(ranks) == [0, 1], done.stderr[-3000:]
     assert ranks[1]["incarnation"] == 1 and ranks[0]["incarnation"] == 0
     assert ranks[1]["ppid"] == ranks[0]["ppid"] != launcher  # the spare, too, is the server's child
@@ -94,8 +115,22 @@ def test_a_spare_forked_from_the_server_takes_the_rank_of_a_worker_that_exits_at
 
 
 def test_warm_start_with_no_python_is_refused_in_one_line(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "meshpact.launch", "--standalone", "--nproc-per-node", "1",
-                           "--warm-start", "--no-python", "true"], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshpact.launch",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "--warm-start",
+            "--no-python",
+            "true",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode != 0 and "Traceback" not in done.stderr
     said = [ln for ln in done.stderr.splitlines() if "--warm-start" in ln]
     assert len(said) == 1 and "--no-python" in said[0], done.stderr

@@ -32,13 +32,15 @@ c = socket.create_connection((sys.argv[1], 5001)); c.sendall(b"x" * int(sys.argv
 
 def _transfer(hosts: TwoHosts, nbytes: int) -> tuple[int, float]:
     """Send ``nbytes`` from host 2 to host 1 over TCP; (bytes received, seconds)."""
-    server = subprocess.Popen([*hosts.prefix(0), sys.executable, "-c", _SERVER, hosts.addr[0]],
-                              stdout=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [*hosts.prefix(0), sys.executable, "-c", _SERVER, hosts.addr[0]], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "ready"
         t0 = time.perf_counter()
-        subprocess.run([*hosts.prefix(1), sys.executable, "-c", _CLIENT, hosts.addr[0], str(nbytes)],
-                       check=True, timeout=60)
+        subprocess.run(
+            [*hosts.prefix(1), sys.executable, "-c", _CLIENT, hosts.addr[0], str(nbytes)], check=True, timeout=60
+        )
         got = int(server.stdout.readline())
         return got, time.perf_counter() - t0
     finally:
@@ -139,8 +141,10 @@ def test_a_delay_needs_netem_and_says_so_where_the_kernel_lacks_it():
 @pytest.mark.netns
 @needs_netns
 def test_a_terminated_owner_still_tears_its_hosts_down():
-    code = ("import sys, time; from meshpact.live.netns import TwoHosts\n"
-            "h = TwoHosts().__enter__(); print(h.ns[0], flush=True); time.sleep(60)")
+    code = (
+        "import sys, time; from meshpact.live.netns import TwoHosts\n"
+        "h = TwoHosts().__enter__(); print(h.ns[0], flush=True); time.sleep(60)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     ns = proc.stdout.readline().strip()

@@ -16,9 +16,19 @@ from typing import Any
 import pytest
 import torch
 
-from meshpact.live.recovery.state import (CommitMark, OptimizerStateError, capture_schedule, check_optimizer,
-                                          job_state, load_job_state, local_state, optimizer_parts, restore_schedule,
-                                          schedulers_of)
+from meshpact.live.recovery.state import (
+    CommitMark,
+    OptimizerStateError,
+    capture_schedule,
+    check_optimizer,
+    job_state,
+    load_job_state,
+    local_state,
+    optimizer_parts,
+    restore_schedule,
+    schedulers_of,
+)
+
 
 class _Pair(torch.optim.Optimizer):
     """A user's container: two optimizers in a dict attribute, its own state left empty."""
@@ -80,8 +90,10 @@ def test_a_container_is_committed_restored_and_checked_through_its_inner_optimiz
     _train(model, opt, schedulers, range(3, 5))
     _train(fresh_model, fresh_opt, fresh_schedulers, range(3, 5))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh_model.parameters()))
-    assert all(torch.equal(a, b) for a, b in zip(local_state(model, opt).values(),
-                                                   local_state(fresh_model, fresh_opt).values()))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(local_state(model, opt).values(), local_state(fresh_model, fresh_opt).values())
+    )
 
     # the commit check covers the inner state: one inner optimizer's moments written since the commit
     mark = CommitMark.take(5, model, opt)
@@ -116,8 +128,12 @@ def test_a_container_of_the_users_own_is_found_and_its_schedulers_paired_by_plac
     _loss(model)
     opt.step()
     listed = local_state(model, opt)
-    assert {k.rsplit("/", 1)[1] for k in listed if k.startswith("optim/")} == {"momentum_buffer", "exp_avg",
-                                                                               "exp_avg_sq", "step"}
+    assert {k.rsplit("/", 1)[1] for k in listed if k.startswith("optim/")} == {
+        "momentum_buffer",
+        "exp_avg",
+        "exp_avg_sq",
+        "step",
+    }
     assert sum(k.startswith("optim/0.") for k in listed) == 2  # SGD's momentum for both of the first layer's
 
 

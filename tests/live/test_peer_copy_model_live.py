@@ -69,11 +69,20 @@ def _copies(copier: PeerCopier, holder: PeerServer, numel: int, step_s: float, c
     # the ships the measured commits waited for (commit i for ship i - 1): the last one, drained
     # here with no commit after it, is left out, as its time is in no measured snapshot
     waited = c.ships[:commits]
-    return PeerCopyMeasurement(ranks=1, copies=1, bytes_per_commit=c.bytes_sent / ships,
-                               snapshot_s=(c.snapshot_s - before[1]) / commits, ship_s=sum(waited) / commits,
-                               step_s=slept / commits, step_s_reference=None, host_copy_s=(c.host_copy_s - before[2]) / commits,
-                               ship_cpu_s=c.ship_cpu_s / ships, receive_cpu_s=(holder.recv_cpu_s - before[3]) / ships,
-                               step_cpu_s=0.0, cores_per_rank=c.cores_per_rank)
+    return PeerCopyMeasurement(
+        ranks=1,
+        copies=1,
+        bytes_per_commit=c.bytes_sent / ships,
+        snapshot_s=(c.snapshot_s - before[1]) / commits,
+        ship_s=sum(waited) / commits,
+        step_s=slept / commits,
+        step_s_reference=None,
+        host_copy_s=(c.host_copy_s - before[2]) / commits,
+        ship_cpu_s=c.ship_cpu_s / ships,
+        receive_cpu_s=(holder.recv_cpu_s - before[3]) / ships,
+        step_cpu_s=0.0,
+        cores_per_rank=c.cores_per_rank,
+    )
 
 
 @pytest.mark.parametrize("step_s", [0.02, 0.8])

@@ -28,8 +28,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from meshpact.live.recovery.jobkey import draw
-from meshpact.live.recovery.peers import (MAX_HEADER, PENDING_MAX, PeerAddress, PeerError, PeerServer, copy_digest, fetch,
-                                          fetch_first, put, serialize)
+from meshpact.live.recovery.peers import (
+    MAX_HEADER,
+    PENDING_MAX,
+    PeerAddress,
+    PeerError,
+    PeerServer,
+    copy_digest,
+    fetch,
+    fetch_first,
+    put,
+    serialize,
+)
 from meshpact.live.recovery.state import SCHEDULE_KEY, ScheduleError
 
 KEY = draw().derive("peer")
@@ -38,8 +48,11 @@ _CHALLENGE = 40  # the server's first bytes: an 8-byte magic, then its 32-byte n
 
 def _state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"param/w": torch.randn(64, 8, generator=g), "optim/w/exp_avg": torch.randn(64, 8, generator=g),
-            "rng/torch_cpu": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g)}
+    return {
+        "param/w": torch.randn(64, 8, generator=g),
+        "optim/w/exp_avg": torch.randn(64, 8, generator=g),
+        "rng/torch_cpu": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g),
+    }
 
 
 def _addr(srv: PeerServer, rank: int = 1) -> PeerAddress:
@@ -120,10 +133,12 @@ def test_a_client_without_the_key_reads_nothing_and_puts_nothing(holder, tmp_pat
     before = holder.holds()
     payload = _poisoned(3, 99, tmp_path / "pwned")
     digest = copy_digest([payload])
-    for header, body in (({"op": "get", "src": 0, "step": -1, "n": 0}, b""),  # "the newest you hold"
-                         ({"op": "get", "src": 0, "step": 3, "n": 0}, b""),
-                         ({"op": "put", "src": 0, "step": 3, "n": len(payload), "digest": digest}, payload),
-                         ({"op": "put", "src": 0, "step": 10**9, "n": len(payload), "digest": digest}, payload)):
+    for header, body in (
+        ({"op": "get", "src": 0, "step": -1, "n": 0}, b""),  # "the newest you hold"
+        ({"op": "get", "src": 0, "step": 3, "n": 0}, b""),
+        ({"op": "put", "src": 0, "step": 3, "n": len(payload), "digest": digest}, payload),
+        ({"op": "put", "src": 0, "step": 10**9, "n": len(payload), "digest": digest}, payload),
+    ):
         assert _attack(holder, header, body) == b"", header  # not one byte past the challenge
     # the library's own client with another job's key: refused the same way
     with pytest.raises(PeerError, match="connection closed"):
@@ -153,18 +168,20 @@ def test_puts_past_the_step_a_source_can_have_committed_evict_nothing(holder):
 def _reindexed(payload: bytes, old: bytes, new: bytes) -> bytes:
     """``payload`` (a serialized copy) with ``old`` replaced by ``new`` in its index, the index's length fixed."""
     size = struct.unpack("!I", payload[8:12])[0]
-    head = payload[12:12 + size].replace(old, new, 1)
-    return payload[:8] + struct.pack("!I", len(head)) + head + payload[12 + size:]
+    head = payload[12 : 12 + size].replace(old, new, 1)
+    return payload[:8] + struct.pack("!I", len(head)) + head + payload[12 + size :]
 
 
 def test_a_copy_whose_bytes_or_index_do_not_hold_is_refused_and_the_held_one_stays(holder):
     good = serialize(4, _state(4))
     flipped = bytearray(good)
     flipped[-100] ^= 0x10
-    cases = ((good, copy_digest([flipped]), "fails its digest"),  # sent, then changed in flight
-             # negative dimensions whose product is the byte count: refused on put, not at fetch
-             (neg := _reindexed(good, b"[64, 8]", b"[-64, -8]"), None, "non-negative"),
-             (serialize(2, _state(4)), None, "is of step 2"))  # an index of another step than the header's
+    cases = (
+        (good, copy_digest([flipped]), "fails its digest"),  # sent, then changed in flight
+        # negative dimensions whose product is the byte count: refused on put, not at fetch
+        (neg := _reindexed(good, b"[64, 8]", b"[-64, -8]"), None, "non-negative"),
+        (serialize(2, _state(4)), None, "is of step 2"),
+    )  # an index of another step than the header's
     for payload, digest, why in cases:
         with pytest.raises(PeerError, match=why):
             put(_addr(holder), 0, 4, payload, 5.0, key=KEY, digest=digest)
@@ -193,7 +210,9 @@ def test_one_flipped_bit_in_a_held_copy_is_refused_and_the_next_holder_gives_it(
             second._copies[0][5].payload[-40] ^= 0x01
             second.held(0, 5)
         assert second.holds() == () and second.dropped() == ((0, 5),)
-        with pytest.raises(PeerError, match="no holder gave rank 0's copy of step 5: rank 1: .*rank 2: .*holds no copy"):
+        with pytest.raises(
+            PeerError, match="no holder gave rank 0's copy of step 5: rank 1: .*rank 2: .*holds no copy"
+        ):
             fetch_first(addresses, 0, 5, (1, 2), 5.0, key=KEY)
     finally:
         first.close()
@@ -205,24 +224,30 @@ def test_a_schedule_that_is_a_pickle_is_refused_unread_naming_its_source(tmp_pat
     from meshpact.live.recovery.state import _schedule_from, saved_objects
 
     pickled = torch.frombuffer(bytearray(pickle.dumps(_WritesFile(str(tmp_path / "pwned")))), dtype=torch.uint8)
-    for decode, source in ((_schedule_from, "rank 1's copy of step 3 from rank 2"), (saved_objects, "rank 1's held copy")):
+    for decode, source in (
+        (_schedule_from, "rank 1's copy of step 3 from rank 2"),
+        (saved_objects, "rank 1's held copy"),
+    ):
         with pytest.raises(ScheduleError, match=f"^{source}: its schedule starts .* refused unread$"):
             decode(pickled, source)
     assert not (tmp_path / "pwned").exists()
 
 
 # -- fuzz ------------------------------------------------------------------------------------------
-_json_values = st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
-                            lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner,
-                                                                                        max_size=4), max_leaves=20)
+_json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+    max_leaves=20,
+)
 _HOSTILE = {
     "huge length": lambda n: struct.pack("!I", 0xFFFFFFFF - n),
     "a header past 64 KiB": lambda n: struct.pack("!I", MAX_HEADER + 1 + n),
     "Infinity": lambda n: b'{"op": "put", "src": 0, "step": Infinity, "n": NaN}',
     "deep nesting": lambda n: b"[" * (20_000 + n) + b"]" * (20_000 + n),
     "negative n": lambda n: json.dumps({"op": "put", "src": 0, "step": 4, "n": -1 - n, "digest": "00" * 32}).encode(),
-    "huge n, no body": lambda n: json.dumps({"op": "put", "src": 0, "step": 4, "n": 1 << (21 + n % 40),
-                                             "digest": "00" * 32}).encode(),
+    "huge n, no body": lambda n: json.dumps(
+        {"op": "put", "src": 0, "step": 4, "n": 1 << (21 + n % 40), "digest": "00" * 32}
+    ).encode(),
     "a get of step -1": lambda n: json.dumps({"op": "get", "src": 0, "step": -1}).encode(),
 }
 
@@ -233,7 +258,11 @@ def _hostile_frame(kind: str, n: int, nonce: bytes, signed: bool) -> bytes:
     raw = _HOSTILE[kind](n)
     if kind in ("huge length", "a header past 64 KiB"):
         return raw
-    body = json.dumps({**json.loads(raw), "nonce": "00" * 32}).encode() if raw.startswith(b"{") and b"Infinity" not in raw else raw
+    body = (
+        json.dumps({**json.loads(raw), "nonce": "00" * 32}).encode()
+        if raw.startswith(b"{") and b"Infinity" not in raw
+        else raw
+    )
     tag = KEY.mac(b"request", nonce, body) if signed else os.urandom(32)
     return struct.pack("!I", len(body)) + body + tag
 
@@ -267,8 +296,12 @@ class _HolderProcess:
     timeout_s = 1.0
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-c", _HOLDER_MAIN, KEY.secret.hex(), str(Path(__file__).parent)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _HOLDER_MAIN, KEY.secret.hex(), str(Path(__file__).parent)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.asks, self.answers = self.proc.stdin, self.proc.stdout
         self.port = int(self.answers.readline())
@@ -298,8 +331,13 @@ def test_hostile_frames_are_each_refused_and_the_genuine_copy_is_still_served(ho
     rss0 = holder.figures()["rss_kib"]
 
     @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
-    @given(kind=st.sampled_from(sorted(_HOSTILE)) | st.just("random JSON") | st.just("random bytes"),
-           n=st.integers(0, 1000), signed=st.booleans(), value=_json_values, noise=st.binary(max_size=200))
+    @given(
+        kind=st.sampled_from(sorted(_HOSTILE)) | st.just("random JSON") | st.just("random bytes"),
+        n=st.integers(0, 1000),
+        signed=st.booleans(),
+        value=_json_values,
+        noise=st.binary(max_size=200),
+    )
     def one(kind: str, n: int, signed: bool, value, noise: bytes) -> None:
         with socket.create_connection((holder.addr, holder.port), timeout=5.0) as sock:
             nonce = _read_exact(sock, _CHALLENGE)[8:]
@@ -362,11 +400,21 @@ def test_a_schedule_round_trips_bit_for_bit_and_forged_encodings_are_refused_in_
 
     from meshpact.live.recovery.state import Schedule, _Raw, _schedule_from, _schedule_tensor
 
-    state = {"best": float("inf"), "worse": -float("inf"), "nan": float("nan"), "zero": -0.0, 1: (0.9, 0.999),
-             (2, "k"): [None, True, b"\x00\xff"], "lr": torch.tensor(3e-4, dtype=torch.float64),
-             "gen": _Raw("uint8", (5,), bytes(range(5))), "np": np.float64(0.5), "empty": torch.empty(0, 3)}
-    sched = Schedule(({"lr": 0.1, "betas": (0.9, 0.99), "foreach": None},), (("StepLR", {"last_epoch": 3}),),
-                     (("data", state),))
+    state = {
+        "best": float("inf"),
+        "worse": -float("inf"),
+        "nan": float("nan"),
+        "zero": -0.0,
+        1: (0.9, 0.999),
+        (2, "k"): [None, True, b"\x00\xff"],
+        "lr": torch.tensor(3e-4, dtype=torch.float64),
+        "gen": _Raw("uint8", (5,), bytes(range(5))),
+        "np": np.float64(0.5),
+        "empty": torch.empty(0, 3),
+    }
+    sched = Schedule(
+        ({"lr": 0.1, "betas": (0.9, 0.99), "foreach": None},), (("StepLR", {"last_epoch": 3}),), (("data", state),)
+    )
     t = _schedule_tensor(sched)
     back = _schedule_from(t)
     assert torch.equal(_schedule_tensor(back), t)  # bit-identity of the committed schedule
@@ -380,16 +428,19 @@ def test_a_schedule_round_trips_bit_for_bit_and_forged_encodings_are_refused_in_
     forged = {
         "Infinity": _encoded({**empty, "groups": [{"$d": [["lr", float("inf")]]}]}),
         "nests deeper than 64": _encoded({**empty, "groups": json.loads("[" * 100 + "]" * 100)}),
-        "not valid JSON": torch.frombuffer(bytearray(b"MPSCHED1" + (200_000).to_bytes(8, "little") + bytes(8)
-                                                     + b"[" * 100_000 + b"]" * 100_000), dtype=torch.uint8),
+        "not valid JSON": torch.frombuffer(
+            bytearray(b"MPSCHED1" + (200_000).to_bytes(8, "little") + bytes(8) + b"[" * 100_000 + b"]" * 100_000),
+            dtype=torch.uint8,
+        ),
         "tagged objects": _encoded({**empty, "groups": [{"__class__": "os.system"}]}),
         "not a torch dtype": _encoded({**empty, "objects": [["x", {"$tensor": ["Tensor", [1], 0, 4]}]]}, b"abcd"),
         "non-negative": _encoded({**empty, "objects": [["x", {"$tensor": ["float32", [-1, -1], 0, 4]}]]}, b"abcd"),
         "-byte blob": _encoded({**empty, "objects": [["x", {"$b": [0, 1 << 40]}]]}),
         "not hashable": _encoded({**empty, "objects": [["x", {"$d": [[[1, 2], 3]]}]]}),
         "expected groups": _encoded({"groups": []}),
-        "claims": torch.frombuffer(bytearray(b"MPSCHED1" + (1 << 60).to_bytes(8, "little") + bytes(8)),
-                                   dtype=torch.uint8),
+        "claims": torch.frombuffer(
+            bytearray(b"MPSCHED1" + (1 << 60).to_bytes(8, "little") + bytes(8)), dtype=torch.uint8
+        ),
     }
     for why, tensor in forged.items():
         with pytest.raises(ScheduleError, match=why) as err:

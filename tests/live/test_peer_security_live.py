@@ -138,12 +138,20 @@ WORKLOAD = textwrap.dedent('''
 ''')
 
 
-def test_a_stranger_reads_and_changes_nothing_and_a_corrupted_copy_falls_back_to_the_next_holder(
-        tmp_path_factory):
+def test_a_stranger_reads_and_changes_nothing_and_a_corrupted_copy_falls_back_to_the_next_holder(tmp_path_factory):
     out = tmp_path_factory.mktemp("attack")
     workload = workload_file(tmp_path_factory, "attacked", WORKLOAD.replace("__OUT__", repr(str(out))))
-    result = trial(ranks=3, steps=4, faults=1, fault_kind="kill", peer_copies=2, peer_copy_depth=1,
-                   checkpoint_every=4, baselines=False, workload=workload)
+    result = trial(
+        ranks=3,
+        steps=4,
+        faults=1,
+        fault_kind="kill",
+        peer_copies=2,
+        peer_copy_depth=1,
+        checkpoint_every=4,
+        baselines=False,
+        workload=workload,
+    )
     assert [(f.rank, f.step) for f in result.faults] == [(0, 2)]
     s = assert_identical(result, faults_recovered=1, peer_restore=1, checkpoint_restore=0)
     assert s["storage_bytes_read"] == 0
@@ -164,8 +172,10 @@ def test_a_stranger_reads_and_changes_nothing_and_a_corrupted_copy_falls_back_to
     for path in out.glob("holds-rank*.jsonl"):
         for line in path.read_text().splitlines():
             held = json.loads(line)
-            assert all(src in (0, 1, 2) and held["step"] - 1 <= step <= held["step"]
-                       for src, step in held["holds"]), (path.name, held)
+            assert all(src in (0, 1, 2) and held["step"] - 1 <= step <= held["step"] for src, step in held["holds"]), (
+                path.name,
+                held,
+            )
 
     # (c) rank 1's copies were corrupted; the replacement refused rank 1's and restored from rank 2's
     assert (out / "flipped.txt").read_text().split()

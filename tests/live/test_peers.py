@@ -13,8 +13,20 @@ import torch
 from meshpact.core.recovery import Policy
 from meshpact.live.recovery.consensus import Decision, Proposal, decide
 from meshpact.live.recovery.jobkey import draw
-from meshpact.live.recovery.peers import (Layout, PeerAddress, PeerCopier, PeerError, PeerServer, Slab, copy_digest,
-                                          deserialize, fetch, placement, put, serialize)
+from meshpact.live.recovery.peers import (
+    Layout,
+    PeerAddress,
+    PeerCopier,
+    PeerError,
+    PeerServer,
+    Slab,
+    copy_digest,
+    deserialize,
+    fetch,
+    placement,
+    put,
+    serialize,
+)
 
 KEY = draw().derive("peer")  # the job's peer key, as start_session derives it
 
@@ -56,8 +68,12 @@ def _replacement(rank: int) -> Proposal:
 
 
 def test_a_replaced_rank_whose_holder_has_its_newest_copy_is_restored_from_that_peer():
-    props = {0: _survivor(0, holds=[(3, 9)]), 1: _replacement(1), 2: _survivor(2, holds=[(1, 9)]),
-             3: _survivor(3, holds=[(2, 9)])}
+    props = {
+        0: _survivor(0, holds=[(3, 9)]),
+        1: _replacement(1),
+        2: _survivor(2, holds=[(1, 9)]),
+        3: _survivor(3, holds=[(2, 9)]),
+    }
     d = decide(props, 4, 2, 3, _latest, peer_copies=1)
     assert d.policy is Policy.PEER_RESTORE and d.step == 9
     assert d.restore_from == ((1, 2),) and d.holder_of(1) == 2 and d.holder_of(0) is None
@@ -108,8 +124,11 @@ def test_placement_on_two_hosts_is_named_in_the_reason_and_a_live_holder_is_not_
 def test_after_an_excision_the_reason_names_the_holder_of_the_ring_over_the_ranks_left():
     # rank 1 was excised; rank 3's state fails its check and nobody holds a copy: the copier's ring over
     # (0, 2, 3) puts rank 3's copy on rank 0, one of the two holders asked for (K capped at ranks - 1)
-    props = {0: _survivor(0, holds=[(2, 9)]), 2: _survivor(2, holds=[(0, 9)]),
-             3: Proposal(3, 2, 9, "d3", False, own_steps=(), host="h")}
+    props = {
+        0: _survivor(0, holds=[(2, 9)]),
+        2: _survivor(2, holds=[(0, 9)]),
+        3: Proposal(3, 2, 9, "d3", False, own_steps=(), host="h"),
+    }
     d = decide(props, 4, 2, 3, _latest, peer_copies=3, alive=(0, 2, 3))
     assert d.policy is Policy.CHECKPOINT_RESTORE and d.members == (0, 2, 3)
     assert "state of rank 3: its holder(s) [0, 2] are alive but hold none of it" in d.reason
@@ -124,13 +143,18 @@ def test_a_holder_replaced_with_the_lost_rank_and_a_live_one_are_each_named_for_
 
 def test_a_copy_every_holder_refused_sends_the_job_to_the_checkpoint_and_the_reason_names_the_refusals():
     """Holders that dropped a copy failing its digest hold none of it any more; the decision says so."""
-    props = {0: _survivor(0, holds=[(3, 9)]), 1: _replacement(1),
-             2: Proposal(2, 2, 9, "d2", True, holds=(), own_steps=(8, 9), host="h", refused=((1, 9),)),
-             3: _survivor(3, holds=[(2, 9)])}
+    props = {
+        0: _survivor(0, holds=[(3, 9)]),
+        1: _replacement(1),
+        2: Proposal(2, 2, 9, "d2", True, holds=(), own_steps=(8, 9), host="h", refused=((1, 9),)),
+        3: _survivor(3, holds=[(2, 9)]),
+    }
     d = decide(props, 4, 2, 3, _latest, peer_copies=1)
     assert d.policy is Policy.CHECKPOINT_RESTORE
-    assert ("state of rank 1: its holder(s) [2] are alive but hold none of it; rank 2 refused its copy of step 9 "
-            "(it failed its digest)") in d.reason
+    assert (
+        "state of rank 1: its holder(s) [2] are alive but hold none of it; rank 2 refused its copy of step 9 "
+        "(it failed its digest)"
+    ) in d.reason
     assert Proposal.from_dict(props[2].to_dict()) == props[2]
 
 
@@ -147,11 +171,13 @@ def test_excise_is_decided_only_for_declared_ranks_when_the_job_asked_for_it():
 # -- the wire ----------------------------------------------------------------------------------
 def _state(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"param/w": torch.randn(37, 5, generator=g, dtype=torch.float64),
-            "param/h": torch.randn(300, generator=g).to(torch.bfloat16),
-            "optim/w/step": torch.tensor(7.0), "rng/torch_cpu": torch.randint(0, 255, (16,), dtype=torch.uint8,
-                                                                               generator=g),
-            "empty": torch.zeros(0, 3, dtype=torch.int32)}
+    return {
+        "param/w": torch.randn(37, 5, generator=g, dtype=torch.float64),
+        "param/h": torch.randn(300, generator=g).to(torch.bfloat16),
+        "optim/w/step": torch.tensor(7.0),
+        "rng/torch_cpu": torch.randint(0, 255, (16,), dtype=torch.uint8, generator=g),
+        "empty": torch.zeros(0, 3, dtype=torch.int32),
+    }
 
 
 @pytest.fixture()
@@ -190,11 +216,18 @@ def test_every_dtype_and_layout_comes_back_bit_for_bit_and_a_torn_copy_is_refuse
     """The copy's bytes are the tensors' own: no value is converted (int64 past 2^53, NaN payloads,
     -0.0, bfloat16, bool, complex under a lazy conjugate, empty, 0-d, transposed)."""
     nan = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)  # a NaN with a payload
-    state = {"int64": torch.tensor([2**62 + 1, -(2**53) - 1], dtype=torch.int64),
-             "nan": torch.cat([nan, torch.tensor([-0.0])]), "bf16": torch.randn(7).to(torch.bfloat16),
-             "f16": torch.randn(2, 3).half(), "bool": torch.tensor([True, False]),
-             "complex": torch.randn(3, dtype=torch.complex64).conj(), "empty": torch.empty(0, 4), "scalar": torch.tensor(2.5),
-             "transposed": torch.arange(12.0).reshape(3, 4).t(), "rng/u8": torch.randint(0, 255, (17,), dtype=torch.uint8)}
+    state = {
+        "int64": torch.tensor([2**62 + 1, -(2**53) - 1], dtype=torch.int64),
+        "nan": torch.cat([nan, torch.tensor([-0.0])]),
+        "bf16": torch.randn(7).to(torch.bfloat16),
+        "f16": torch.randn(2, 3).half(),
+        "bool": torch.tensor([True, False]),
+        "complex": torch.randn(3, dtype=torch.complex64).conj(),
+        "empty": torch.empty(0, 4),
+        "scalar": torch.tensor(2.5),
+        "transposed": torch.arange(12.0).reshape(3, 4).t(),
+        "rng/u8": torch.randint(0, 255, (17,), dtype=torch.uint8),
+    }
     step, got = deserialize(serialize(9, state))
     assert step == 9 and list(got) == list(state)
     for k, v in state.items():
@@ -208,10 +241,15 @@ def test_every_dtype_and_layout_comes_back_bit_for_bit_and_a_torn_copy_is_refuse
         deserialize(b"PK" + payload[2:])
     # an index that does not describe its own bytes: refused by name, never read as something else
     bad = serialize(9, {"w": torch.zeros(4), "v": torch.ones(2, dtype=torch.int64)})
-    for old, new, why in ((b'"float32"', b'"float64"', "needs 32"), (b'"float32"', b'"matmul!"', "not a torch dtype"),
-                          (b"[4]", b"[5]", "needs 20"), (b"16, 64]", b"16, 12]", "overlapping"),
-                          (b"16, 64]", b"16, 64}", "index is not JSON"), (b"16, 64]", b'16,"x"]', "is not \\[name"),
-                          (b'[2], 16, 64]', b'[2], 16]    ', "is not \\[name")):
+    for old, new, why in (
+        (b'"float32"', b'"float64"', "needs 32"),
+        (b'"float32"', b'"matmul!"', "not a torch dtype"),
+        (b"[4]", b"[5]", "needs 20"),
+        (b"16, 64]", b"16, 12]", "overlapping"),
+        (b"16, 64]", b"16, 64}", "index is not JSON"),
+        (b"16, 64]", b'16,"x"]', "is not \\[name"),
+        (b"[2], 16, 64]", b"[2], 16]    ", "is not \\[name"),
+    ):
         with pytest.raises(ValueError, match=why):
             deserialize(bad.replace(old, new, 1))
 
@@ -219,8 +257,12 @@ def test_every_dtype_and_layout_comes_back_bit_for_bit_and_a_torn_copy_is_refuse
 def test_each_tensor_of_a_copy_lies_aligned_for_its_dtype():
     """Every tensor's bytes start at an offset any dtype can be viewed at, so a commit copies
     into views of one buffer: a 1-byte tensor first must not misalign the float64 after it."""
-    state = {"u8": torch.tensor([7], dtype=torch.uint8), "f64": torch.randn(3, dtype=torch.float64),
-             "c128": torch.randn(2, dtype=torch.complex128), "b": torch.tensor([True])}
+    state = {
+        "u8": torch.tensor([7], dtype=torch.uint8),
+        "f64": torch.randn(3, dtype=torch.float64),
+        "c128": torch.randn(2, dtype=torch.complex128),
+        "b": torch.tensor([True]),
+    }
     layout = Layout.of(state)
     assert all(o % 16 == 0 for o in layout.offsets) and layout.offsets == tuple(sorted(layout.offsets))
     slab = Slab(layout)
@@ -231,8 +273,10 @@ def test_each_tensor_of_a_copy_lies_aligned_for_its_dtype():
     param = Slab(Layout.of({"w": w}))
     param.fill([w])
     assert torch.equal(param.state["w"], w.detach()) and not param.state["w"].requires_grad
-    assert not layout.fits(state | {"f64": torch.randn(4, dtype=torch.float64)}, [*state.values()][:1]
-                           + [torch.randn(4, dtype=torch.float64)] + [*state.values()][2:])
+    assert not layout.fits(
+        state | {"f64": torch.randn(4, dtype=torch.float64)},
+        [*state.values()][:1] + [torch.randn(4, dtype=torch.float64)] + [*state.values()][2:],
+    )
 
 
 def test_a_sender_dying_mid_copy_leaves_the_previous_copy(server):
@@ -291,8 +335,9 @@ def _authenticated(server: PeerServer, header: dict) -> socket.socket:
 
 
 def _put_header(server: PeerServer, src: int, step: int, payload: bytes) -> socket.socket:
-    return _authenticated(server, {"op": "put", "src": src, "step": step, "n": len(payload),
-                                   "digest": copy_digest([payload])})
+    return _authenticated(
+        server, {"op": "put", "src": src, "step": step, "n": len(payload), "digest": copy_digest([payload])}
+    )
 
 
 def _read(sock: socket.socket, n: int) -> bytes:
@@ -396,7 +441,9 @@ class _Channel:
 
 def _copier(rank: int, servers: list[PeerServer], **kw) -> PeerCopier:
     """The copier of ``rank`` in a job whose rank ``r`` serves copies at ``servers[r]``, its holders' addresses read."""
-    table = {f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0} for r, s in enumerate(servers)}
+    table = {
+        f"peer/rank{r}": {"host": "h", "addr": s.addr, "port": s.port, "incarnation": 0} for r, s in enumerate(servers)
+    }
     copier = PeerCopier(rank, len(servers), 1, _Channel(table), servers[rank], **kw)
     copier.refresh()
     return copier
@@ -486,12 +533,21 @@ def test_the_trial_reports_peer_copy_cost_in_async_checkpointings_terms():
 
     cfg = TrialConfig(ranks=2, steps=4, faults=1, fault_kind="kill", baselines=False, checkpoint_every=2)
     ref = [RankOutcome(r, step_s=(0.2, 0.2, 0.2, 0.2)) for r in range(2)]
-    faulted = [RankOutcome(0, step_s=(0.25,) * 4, storage_bytes_read=0,
-                           peer=PeerCopyReport(commits=5, snapshot_s=0.05, ship_s=0.5, bytes_sent=5000,
-                                               host_bytes_peak=3000)),
-               RankOutcome(1, incarnation=1, step_s=(0.25,) * 3, storage_bytes_read=0,
-                           peer=PeerCopyReport(commits=4, snapshot_s=0.04, ship_s=0.4, bytes_sent=4000,
-                                               host_bytes_peak=4000))]
+    faulted = [
+        RankOutcome(
+            0,
+            step_s=(0.25,) * 4,
+            storage_bytes_read=0,
+            peer=PeerCopyReport(commits=5, snapshot_s=0.05, ship_s=0.5, bytes_sent=5000, host_bytes_peak=3000),
+        ),
+        RankOutcome(
+            1,
+            incarnation=1,
+            step_s=(0.25,) * 3,
+            storage_bytes_read=0,
+            peer=PeerCopyReport(commits=4, snapshot_s=0.04, ship_s=0.4, bytes_sent=4000, host_bytes_peak=4000),
+        ),
+    ]
     result = TrialResult(cfg, (), ref, faulted, None, {}, True, [], 1, "r.jsonl")
     over = result.peer_copy_overhead()
     assert over["step_latency"] == pytest.approx(0.25)

@@ -34,9 +34,13 @@ def test_a_piece_is_computed_once_and_read_back_bit_for_bit(tmp_path, monkeypatc
 
 def test_the_name_follows_the_preset_the_split_and_the_generators_source(monkeypatch):
     tiny = get_preset("tiny")
-    names = {workloads._cached_path(True, tiny, 2, 0), workloads._cached_path(True, tiny, 2, 1),
-             workloads._cached_path(False, tiny, 2, 0), workloads._cached_path(True, tiny, 4, 0),
-             workloads._cached_path(True, get_preset("qwen3-14b"), 2, 0)}
+    names = {
+        workloads._cached_path(True, tiny, 2, 0),
+        workloads._cached_path(True, tiny, 2, 1),
+        workloads._cached_path(False, tiny, 2, 0),
+        workloads._cached_path(True, tiny, 4, 0),
+        workloads._cached_path(True, get_preset("qwen3-14b"), 2, 0),
+    }
     assert len(names) == 5
     before = workloads._cached_path(True, tiny, 2, 0)
     monkeypatch.setattr(workloads.inspect, "getsource", lambda f: "an edited generator " + f.__name__)

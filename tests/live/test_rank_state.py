@@ -11,13 +11,25 @@ import numpy as np
 import pytest
 import torch
 
-from meshpact.live.recovery.state import (CommitMark, capture_rng, commit_check, local_state, restore_rng,
-                                          rng_from_tensors, rng_tensors)
+from meshpact.live.recovery.state import (
+    CommitMark,
+    capture_rng,
+    commit_check,
+    local_state,
+    restore_rng,
+    rng_from_tensors,
+    rng_tensors,
+)
 
 
 def _draws() -> tuple:
-    return (torch.rand(3).tolist(), torch.nn.functional.dropout(torch.ones(8), 0.5).tolist(), random.random(),
-            np.random.rand(2).tolist(), random.gauss(0, 1))
+    return (
+        torch.rand(3).tolist(),
+        torch.nn.functional.dropout(torch.ones(8), 0.5).tolist(),
+        random.random(),
+        np.random.rand(2).tolist(),
+        random.gauss(0, 1),
+    )
 
 
 def test_restoring_the_generators_replays_every_draw_bit_for_bit():
@@ -249,8 +261,7 @@ def test_the_mark_sees_a_write_in_any_dtype_of_a_mixed_precision_model():
     in its own buffer, and a write in any one of them is seen."""
     torch.manual_seed(2)
     model = torch.nn.Sequential(torch.nn.Linear(6, 7).to(torch.bfloat16), torch.nn.Linear(7, 3))
-    model.register_parameter("counts", torch.nn.Parameter(torch.arange(10, dtype=torch.int64),
-                                                          requires_grad=False))
+    model.register_parameter("counts", torch.nn.Parameter(torch.arange(10, dtype=torch.int64), requires_grad=False))
     opt = torch.optim.SGD([p for p in model.parameters() if p.dtype.is_floating_point], lr=0.1)
     mark = CommitMark.take(4, model, opt)
     assert {dtype for dtype, _ in mark.samples} == {torch.bfloat16, torch.float32, torch.int64}

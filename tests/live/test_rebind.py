@@ -16,8 +16,15 @@ import torch
 import torch.distributed as dist
 
 from meshpact.live.launch.launcher import host_store, launch
-from meshpact.live.recovery.rebind import (SITES, TORCH_IMPORT_DEFAULTS, ModuleScan, find_references,
-                                           held_in_frames, python_bindings, rebind_all)
+from meshpact.live.recovery.rebind import (
+    SITES,
+    TORCH_IMPORT_DEFAULTS,
+    ModuleScan,
+    find_references,
+    held_in_frames,
+    python_bindings,
+    rebind_all,
+)
 
 
 class _Group:
@@ -53,8 +60,11 @@ def _group(name: str = "user_pg") -> dist.ProcessGroup:
     """A real one-rank gloo ProcessGroup, named, in this process: what the rebind sites hold."""
     store = dist.HashStore()
     pg = dist.ProcessGroup(store, 0, 1)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                         dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5)))
+    pg._register_backend(
+        torch.device("cpu"),
+        dist.ProcessGroup.BackendType.GLOO,
+        dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5)),
+    )
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._set_group_name(name)  # type: ignore[arg-type]  # c10d's GroupName is a NewType of str
     return pg
@@ -88,7 +98,8 @@ def test_a_group_in_a_namespace_package_of_the_users_is_rebound(tmp_path):
 
 
 def test_a_kept_module_scan_walks_sys_modules_again_only_when_it_changed_and_misses_no_new_global(
-        user_module, tmp_path, monkeypatch):
+    user_module, tmp_path, monkeypatch
+):
     """A job keeps one scan between recoveries: a global assigned since, a module imported
     since, a module replaced under its name and a torch function patched by hand are all
     reached; nothing else walks again."""
@@ -131,7 +142,8 @@ def test_a_kept_module_scan_walks_sys_modules_again_only_when_it_changed_and_mis
 
 
 def test_a_scan_refreshed_at_each_commit_walks_only_when_sys_modules_changed_and_leaves_rebinding_no_walk(
-        user_module, tmp_path):
+    user_module, tmp_path
+):
     """A job refreshes its scan at each commit: the first walk, and one called for by a module a
     step imported, happen there; the recovery's rebinding that follows walks nothing and still
     reaches the new module's group."""
@@ -163,6 +175,7 @@ def test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_th
     def make_step(pg):
         def inner(batch):
             return batch, pg
+
         return inner
 
     step = make_step(old)  # only the runtime knows this one: it is the step function it was given
@@ -172,9 +185,12 @@ def test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_th
     user_module.SEEN = {old}
     user_module.metric = metric
     found = {p for p, v in find_references({"python": python_bindings((step,))}) if v is old}
-    assert {"python['meshpact_test_user_groups.PG']", "python['meshpact_test_user_groups.metric.__defaults__'][0]",
-            "python['step function 0 (test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_"
-            "the_old_one_released.<locals>.make_step.<locals>.inner).<closure pg>']"} <= found, found
+    assert {
+        "python['meshpact_test_user_groups.PG']",
+        "python['meshpact_test_user_groups.metric.__defaults__'][0]",
+        "python['step function 0 (test_groups_a_user_keeps_in_globals_defaults_and_closures_are_rebound_and_"
+        "the_old_one_released.<locals>.make_step.<locals>.inner).<closure pg>']",
+    } <= found, found
 
     report = rebind_all([(old, new)], torch.nn.Linear(2, 2), meshes=[], only=("python.bindings",), functions=(step,))
 
@@ -253,8 +269,13 @@ def test_the_import_time_default_group_of_torch_distributed_nn_is_found_and_rebo
 @pytest.mark.slow
 def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations():
     control = host_store("127.0.0.1", 0, 2)
-    results = launch("meshpact.live.trials.probe:rebind_probe", 2, {"rounds": 2}, timeout_s=120,
-                     env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
+    results = launch(
+        "meshpact.live.trials.probe:rebind_probe",
+        2,
+        {"rounds": 2},
+        timeout_s=120,
+        env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)},
+    )
     for res in results:
         for audit in res.value["audits"]:
             before = audit["references_before"]
@@ -278,8 +299,13 @@ def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_work
     """An old gloo group that was never rebound keeps working and gives the same numbers;
     only the per-group counts and the reference walk show the rebind did not take."""
     control = host_store("127.0.0.1", 0, 2)
-    results = launch("meshpact.live.trials.probe:rebind_probe", 2, {"rounds": 1, "skip_sites": ["fsdp.mesh_info"]},
-                     timeout_s=120, env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
+    results = launch(
+        "meshpact.live.trials.probe:rebind_probe",
+        2,
+        {"rounds": 1, "skip_sites": ["fsdp.mesh_info"]},
+        timeout_s=120,
+        env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)},
+    )
     audit = results[0].value["audits"][0]
     assert audit["old_ops_after"] > 0 and audit["old_seq_ops_after"] > 0
     assert any(p.endswith("mesh_info.shard_process_group") for p in audit["references_after"])
@@ -287,12 +313,18 @@ def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_work
 
 @pytest.mark.live
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks, mesh", [(2, {}), (4, {"mesh_shape": [2, 2], "mesh_names": ["replicate", "shard"]})],
-                         ids=["1-D", "2-D HSDP"])
+@pytest.mark.parametrize(
+    "ranks, mesh", [(2, {}), (4, {"mesh_shape": [2, 2], "mesh_names": ["replicate", "shard"]})], ids=["1-D", "2-D HSDP"]
+)
 def test_skipping_any_site_that_holds_a_reference_is_caught_by_object_or_by_name(ranks, mesh):
     control = host_store("127.0.0.1", 0, ranks)
-    results = launch("meshpact.live.trials.probe:site_audit", ranks, mesh, timeout_s=240,
-                     env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)})
+    results = launch(
+        "meshpact.live.trials.probe:site_audit",
+        ranks,
+        mesh,
+        timeout_s=240,
+        env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)},
+    )
     for res in results:
         sites = res.value["sites"]
         assert set(sites) == {s.name for s in SITES}

@@ -22,8 +22,11 @@ def _group(name: str) -> dist.ProcessGroup:
     """A real one-rank gloo ProcessGroup, named, in this process."""
     store = dist.HashStore()
     pg = dist.ProcessGroup(store, 0, 1)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO,
-                         dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5)))
+    pg._register_backend(
+        torch.device("cpu"),
+        dist.ProcessGroup.BackendType.GLOO,
+        dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=5)),
+    )
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     pg._set_group_name(name)  # type: ignore[arg-type]  # c10d's GroupName is a NewType of str
     return pg
@@ -92,6 +95,7 @@ def test_attributes_of_objects_reached_from_globals_closures_the_model_state_and
     def make_step(holder):
         def step(batch):
             return batch, holder
+
         return step
 
     step = make_step(frozen)
@@ -99,8 +103,13 @@ def test_attributes_of_objects_reached_from_globals_closures_the_model_state_and
     state = {"sampler": functools.partial(print, MetricsReducer(old))}
     scan = ModuleScan()
     own, _ = scan.modules()
-    roots = [*own, *[(f"model.{n}", m) for n, m in model.named_modules()],
-             *[(f"state[{k!r}]", v) for k, v in state.items()], ("step function", step), ("lib", library)]
+    roots = [
+        *own,
+        *[(f"model.{n}", m) for n, m in model.named_modules()],
+        *[(f"state[{k!r}]", v) for k, v in state.items()],
+        ("step function", step),
+        ("lib", library),
+    ]
     report = _rebind(scan, model, old, new, roots, functions=(step,))
 
     assert user_module.TRAINER.dp_group is new and user_module.TRAINER.parts["metrics"][0].pg is new
@@ -192,6 +201,7 @@ def test_a_closure_over_a_group_kept_on_an_object_is_rebound_and_counts_as_reach
     def make_reduce(group):
         def reduce(x, group_default=group):
             return x, group
+
         return reduce
 
     holder = MetricsReducer(_group("other_pg_g0"))

@@ -23,7 +23,7 @@ from meshpact.live.recovery.state import capture_schedule, restore_schedule, sch
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
-AMP_WORKLOAD = textwrap.dedent('''
+AMP_WORKLOAD = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -57,7 +57,7 @@ AMP_WORKLOAD = textwrap.dedent('''
         logged = torch.stack([loss.detach(), SCALER.get_scale() * torch.ones(())])
         dist.all_reduce(logged)  # the loss and the scale for the log, after the update
         return float(logged[0])
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +65,17 @@ def workload(tmp_path_factory):
     return workload_file(tmp_path_factory, "amp_loop", AMP_WORKLOAD)
 
 
-@pytest.mark.parametrize("kind, faults, policies", [
-    ("kill", 1, {"peer_restore": 1}),  # a replacement takes the loss scale with the state
-    ("collective", 4, {}),  # faults inside the scaled step re-run it from the committed scale and record
-])
+@pytest.mark.parametrize(
+    "kind, faults, policies",
+    [
+        ("kill", 1, {"peer_restore": 1}),  # a replacement takes the loss scale with the state
+        ("collective", 4, {}),  # faults inside the scaled step re-run it from the committed scale and record
+    ],
+)
 def test_a_recovered_mixed_precision_loop_ends_bit_identical(workload, kind, faults, policies):
-    result = trial(ranks=2, steps=10, faults=faults, fault_kind=kind, checkpoint_every=4, baselines=False,
-                   workload=workload)
+    result = trial(
+        ranks=2, steps=10, faults=faults, fault_kind=kind, checkpoint_every=4, baselines=False, workload=workload
+    )
     s = assert_identical(result, faults_recovered=faults, **policies)
     assert s["replacement_processes"] == (1 if kind == "kill" else 0)
 

@@ -41,12 +41,38 @@ def _trial(knew: list[float], resumed: list[float], injected: float, policy: str
     events = []
     for rank, (k, r) in enumerate(zip(knew, resumed)):
         events.append(Event(k + 0.001, EventKind.DECIDED, rank, data={"round": 0}))
-        events.append(Event(r, EventKind.RECOVERY_DONE, rank, data={
-            "generation": 0, "step": 3, "t_detect_wall": k, "t_first_collective_wall": r - 0.002,
-            "t_resumed_wall": r, "policy": policy, "reason": "test", "rebind_s": 0.0, "lost_steps": 0}))
+        events.append(
+            Event(
+                r,
+                EventKind.RECOVERY_DONE,
+                rank,
+                data={
+                    "generation": 0,
+                    "step": 3,
+                    "t_detect_wall": k,
+                    "t_first_collective_wall": r - 0.002,
+                    "t_resumed_wall": r,
+                    "policy": policy,
+                    "reason": "test",
+                    "rebind_s": 0.0,
+                    "lost_steps": 0,
+                },
+            )
+        )
     fault = Fault(0, FaultKind.COLLECTIVE, 3, 0)
-    return TrialResult(TrialConfig(ranks=len(knew), steps=8, faults=1, checkpoint_every=4), (fault,), [], [], None,
-                       {0: FaultRecord(0, 3, "collective", injected)}, True, [], 0, "", faulted_events=events)
+    return TrialResult(
+        TrialConfig(ranks=len(knew), steps=8, faults=1, checkpoint_every=4),
+        (fault,),
+        [],
+        [],
+        None,
+        {0: FaultRecord(0, 3, "collective", injected)},
+        True,
+        [],
+        0,
+        "",
+        faulted_events=events,
+    )
 
 
 def test_downtime_as_users_see_it_runs_from_the_fault_to_the_last_rank_running_and_counts_detection():
@@ -67,12 +93,16 @@ def test_a_rank_told_by_a_peer_heard_when_its_listener_did_not_when_its_busy_ste
     def detected(rank: int, t: float, **data) -> Event:
         return Event(t, EventKind.DETECTED, rank, data={"generation": 2, "step": 5, "seconds": 0.001, **data})
 
-    events = [detected(0, 10.001),  # its own collective raised: it knew at 10.000
-              detected(1, 10.501, heartbeat_alarm=True, heartbeat_alarm_to_severed_ms=2.0,
-                       heartbeat_severed_to_raised_ms=480.0),  # heard at 10.019, raised at 10.500
-              detected(2, 10.031, heartbeat_alarm=True, heartbeat_alarm_to_severed_ms=5.0,
-                       heartbeat_severed_to_raised_ms=1.0),  # heard at 10.025
-              Event(10.2, EventKind.DECIDED, 0, data={"round": 3})]
+    events = [
+        detected(0, 10.001),  # its own collective raised: it knew at 10.000
+        detected(
+            1, 10.501, heartbeat_alarm=True, heartbeat_alarm_to_severed_ms=2.0, heartbeat_severed_to_raised_ms=480.0
+        ),  # heard at 10.019, raised at 10.500
+        detected(
+            2, 10.031, heartbeat_alarm=True, heartbeat_alarm_to_severed_ms=5.0, heartbeat_severed_to_raised_ms=1.0
+        ),  # heard at 10.025
+        Event(10.2, EventKind.DECIDED, 0, data={"round": 3}),
+    ]
     assert heard_spread_ms(events) == [pytest.approx(25.0)]
     # a recovery only one rank saw (the others gone) has no spread
     assert heard_spread_ms([detected(0, 11.0)]) == []

@@ -25,10 +25,23 @@ def test_ten_raised_collectives_recover_in_memory_bit_identical_with_baselines()
     assert down["in_memory"] and down["checkpoint_restore"] and down["cold_restart"]
     assert all(r["reason"].startswith("all 4 ranks alive") for r in result.recoveries())
     view = json_view(s)
-    assert list(view) == ["ranks", "steps", "fault_kind", "faults_injected", "faults_recovered", "bit_identical",
-                          "policy_counts", "rebind_ms", "downtime_s", "downtime_includes", "storage_bytes_read",
-                          "final_world_size",
-                          "peer_copy_overhead", "excision", "recording"]
+    assert list(view) == [
+        "ranks",
+        "steps",
+        "fault_kind",
+        "faults_injected",
+        "faults_recovered",
+        "bit_identical",
+        "policy_counts",
+        "rebind_ms",
+        "downtime_s",
+        "downtime_includes",
+        "storage_bytes_read",
+        "final_world_size",
+        "peer_copy_overhead",
+        "excision",
+        "recording",
+    ]
     assert set(view["downtime_s"]) == {"in_memory", "peer_restore", "excise", "checkpoint_restore", "cold_restart"}
     assert view["storage_bytes_read"] == 0 and view["final_world_size"] == 4  # the drill's reads are apart
     assert {"step_latency", "host_bytes_per_rank", "network_bytes_per_hour"} <= set(view["peer_copy_overhead"])

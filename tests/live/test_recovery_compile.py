@@ -25,16 +25,21 @@ KINDS = [
     # the third operation of the step raises: a compiled block has run under the injector by then
     pytest.param("collective", {"data_timeout_s": 20.0, "nth_op": 3}, id="collective"),
     pytest.param("stall", {"data_timeout_s": 5.0, "stall_s": 1.5}, id="stall"),
-    pytest.param("partition", {"data_timeout_s": 5.0, "down_s": 2.0}, id="partition",
-                 marks=[pytest.mark.netns, pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")]),
+    pytest.param(
+        "partition",
+        {"data_timeout_s": 5.0, "down_s": 2.0},
+        id="partition",
+        marks=[pytest.mark.netns, pytest.mark.skipif(_NO_NETNS is not None, reason=_NO_NETNS or "")],
+    ),
 ]
 
 
 @pytest.mark.parametrize("kind, timing", KINDS)
 def test_compiled_blocks_run_compiled_before_and_after_an_in_memory_recovery(kind, timing):
     # operations are counted by the backends' sequence numbers, which leave dynamo alone
-    result = trial(ranks=2, steps=6, faults=1, fault_kind=kind, checkpoint_every=3, baselines=False,
-                   workload="compiled", **timing)
+    result = trial(
+        ranks=2, steps=6, faults=1, fault_kind=kind, checkpoint_every=3, baselines=False, workload="compiled", **timing
+    )
     assert_recovered(result, "in_memory")
     for rank in result.faulted:
         assert rank.compiled_graphs >= 1

@@ -10,8 +10,17 @@ from meshpact.live.trials.trialconfig import TrialConfig
 
 
 def test_derived_values_follow_their_formulas_for_inputs_other_than_the_defaults():
-    c = RecoveryConfig(data_timeout_s=45.0, heartbeat_interval_s=0.07, heartbeat_misses=5, process_start_s=7.0,
-                       group_create_s=11.0, max_rounds=3, step_s=2.0, warmup_s=9.0, heartbeat=True)
+    c = RecoveryConfig(
+        data_timeout_s=45.0,
+        heartbeat_interval_s=0.07,
+        heartbeat_misses=5,
+        process_start_s=7.0,
+        group_create_s=11.0,
+        max_rounds=3,
+        step_s=2.0,
+        warmup_s=9.0,
+        heartbeat=True,
+    )
     assert c.heartbeat_detect_s == pytest.approx(0.07 * 6)
     assert c.detection_bound_s == pytest.approx(0.42)  # the heartbeat, not the 45 s data path
     assert c.consensus_round_s == c.control_timeout_s == 11.0
@@ -20,7 +29,8 @@ def test_derived_values_follow_their_formulas_for_inputs_other_than_the_defaults
     assert c.recovery_bound_s == pytest.approx(0.42 + 11 + 11)
     assert c.replacement_bound_s == (3 + 2) * 11.0 and c.peer_copy_timeout_s == 11.0
     assert c.launcher_deadline_s(steps=10, faults=2, per_fault_s=1.5) == pytest.approx(
-        18 + 9 + 20 + 2 * (22.42 + 1.5) + 55)
+        18 + 9 + 20 + 2 * (22.42 + 1.5) + 55
+    )
     assert not c.notes
     assert [row[0] for row in c.table()][0] == "heartbeat detection bound"
 
@@ -51,8 +61,16 @@ def test_a_consensus_round_shorter_than_a_process_start_is_refused():
         RecoveryConfig(process_start_s=9.0, group_create_s=1.0, consensus_round_s_override=5.0)
 
 
-@pytest.mark.parametrize("kw", [{"heartbeat_interval_s": 0.0}, {"data_timeout_s": -1.0}, {"heartbeat_misses": 0},
-                                {"max_rounds": 0}, {"group_create_s": float("nan")}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"heartbeat_interval_s": 0.0},
+        {"data_timeout_s": -1.0},
+        {"heartbeat_misses": 0},
+        {"max_rounds": 0},
+        {"group_create_s": float("nan")},
+    ],
+)
 def test_non_positive_or_nan_inputs_are_refused(kw):
     name = next(iter(kw))
     with pytest.raises(TimeoutOrderError, match=name):
@@ -81,7 +99,6 @@ def test_the_trial_deadline_grows_with_steps_faults_and_stalls():
 
 
 def test_the_cli_refuses_a_deadline_below_the_rank_loss_bound_in_one_line(capsys):
-    assert main(["live", "recover", "--ranks", "2", "--steps", "5", "--checkpoint-every", "5",
-                 "--timeout", "30"]) == 2
+    assert main(["live", "recover", "--ranks", "2", "--steps", "5", "--checkpoint-every", "5", "--timeout", "30"]) == 2
     err = capsys.readouterr().err
     assert "rank-loss bound" in err and "(30 s)" in err and "Traceback" not in err

@@ -18,8 +18,9 @@ from _recovery import trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
-_RUN = dict(ranks=4, steps=10, checkpoint_every=4, baselines=False, fault_kind="kill", peer_copies=1,
-            on_rank_loss="excise")
+_RUN = dict(
+    ranks=4, steps=10, checkpoint_every=4, baselines=False, fault_kind="kill", peer_copies=1, on_rank_loss="excise"
+)
 
 
 def test_two_kills_are_excised_leaving_two_ranks_bitwise_equal_to_the_excising_reference():

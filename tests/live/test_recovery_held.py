@@ -53,17 +53,42 @@ def _wait(cond, timeout_s: float, what: str, job: LiveJob) -> None:
 
 @pytest.mark.timeout(300)
 def test_ranks_held_between_steps_join_the_replacements_round_and_no_survivor_is_replaced(tmp_path: Path):
-    job = LiveJob(tmp_path / "held.jsonl",
-                  ["--ranks", "4", "--steps", "6", "--faults", "0", "--fault-kind", "kill", "--checkpoint-every", "3",
-                   "--no-baselines", "--heartbeat", "--on-rank-loss", "replace"],
-                  world_size=4, pace=Pace(5.0, frozenset({"faulted"})))
+    job = LiveJob(
+        tmp_path / "held.jsonl",
+        [
+            "--ranks",
+            "4",
+            "--steps",
+            "6",
+            "--faults",
+            "0",
+            "--fault-kind",
+            "kill",
+            "--checkpoint-every",
+            "3",
+            "--no-baselines",
+            "--heartbeat",
+            "--on-rank-loss",
+            "replace",
+        ],
+        world_size=4,
+        pace=Pace(5.0, frozenset({"faulted"})),
+    )
     try:
-        _wait(lambda: all(any(e["event"] == "held" for e in _events(job, r)) for r in range(4)), 240,
-              "every rank of the faulted run held before step 0", job)
+        _wait(
+            lambda: all(any(e["event"] == "held" for e in _events(job, r)) for r in range(4)),
+            240,
+            "every rank of the faulted run held before step 0",
+            job,
+        )
         job.kill_rank(2)
         # still held (nobody pressed Resume): each survivor decides round 1 with the replacement
-        _wait(lambda: all(any(e["event"] == "recovery_done" for e in _events(job, r)) for r in (0, 1, 3)), 120,
-              "the held survivors recovered with the replacement", job)
+        _wait(
+            lambda: all(any(e["event"] == "recovery_done" for e in _events(job, r)) for r in (0, 1, 3)),
+            120,
+            "the held survivors recovered with the replacement",
+            job,
+        )
         pace = Pace.read(job.trial_dir)
         assert pace is not None and pace.holds("faulted")  # the hold was never lifted
         for r in (0, 1, 3):
@@ -74,8 +99,15 @@ def test_ranks_held_between_steps_join_the_replacements_round_and_no_survivor_is
             assert decided["data"]["round"] == 1 and decided["data"]["policy"] == "peer_restore", decided
             assert not any(e["event"] == "step" for e in evs)  # no step ran: the recovery came while held
         # held again on generation 1, the replacement too: what the dashboard's rows show before Resume
-        _wait(lambda: all(any(e["event"] == "held" and e["data"]["generation"] == 1 for e in _events(job, r, inc))
-                          for r, inc in ((0, 0), (1, 0), (2, 1), (3, 0))), 60, "every rank held on generation 1", job)
+        _wait(
+            lambda: all(
+                any(e["event"] == "held" and e["data"]["generation"] == 1 for e in _events(job, r, inc))
+                for r, inc in ((0, 0), (1, 0), (2, 1), (3, 0))
+            ),
+            60,
+            "every rank held on generation 1",
+            job,
+        )
         job.set_pace(Pace(5.0, frozenset()))
         _wait(lambda: job.result() is not None, 240, "the run to end after Resume", job)
     finally:
@@ -87,5 +119,4 @@ def test_ranks_held_between_steps_join_the_replacements_round_and_no_survivor_is
     assert summary["replacement_processes"] == 1, summary  # rank 2 only: no held survivor declared lost
     done = [e for e in read_recording(job.recording) if e.event == "recovery_done"]
     ranks = sorted(e.rank for e in done)  # type: ignore[type-var]  # a rank's events carry its rank
-    assert ranks == [0, 1, 3] and {e.data["generation"] for e in done} == {1}, \
-        [(e.rank, e.data) for e in done]
+    assert ranks == [0, 1, 3] and {e.data["generation"] for e in done} == {1}, [(e.rank, e.data) for e in done]

@@ -62,16 +62,26 @@ def killed(tmp_path_factory):
     # a killed rank's sockets close, so the survivors hear of it at once: the data-path timeout
     # does not bound detection here, and at the trial's 1 s a slow first step of a replacement
     # under the suite's load could time out and add a recovery this test does not count on
-    result = trial(ranks=4, steps=4, checkpoint_every=3, baselines=False, workload=str(path), faults=3,
-                   fault_kind="kill", peer_copies=1, data_timeout_s=5.0)
+    result = trial(
+        ranks=4,
+        steps=4,
+        checkpoint_every=3,
+        baselines=False,
+        workload=str(path),
+        faults=3,
+        fault_kind="kill",
+        peer_copies=1,
+        data_timeout_s=5.0,
+    )
     assert [(f.rank, f.step) for f in result.faults] == [(0, 1), (1, 2), (2, 3)]
     return result
 
 
 def test_llama_hsdp_kills_are_restored_from_peers_without_storage_bit_identical(killed):
     s = assert_recovered(killed, "peer_restore")
-    assert s["policy_counts"]["peer_restore"] == 3 and s["policy_counts"]["checkpoint_restore"] == 0, \
-        recoveries_told(killed)
+    assert s["policy_counts"]["peer_restore"] == 3 and s["policy_counts"]["checkpoint_restore"] == 0, recoveries_told(
+        killed
+    )
     assert s["replacement_processes"] == 3 and s["storage_bytes_read"] == 0 and s["final_world_size"] == 4
     actions = [ev.data["action"] for ev in killed.events() if ev.event in (EventKind.RELOADED, EventKind.RETAINED)]
     assert "reload_checkpoint" not in actions and actions.count("peer_recover") == 3  # only the replacements
@@ -81,8 +91,9 @@ def test_llama_hsdp_a_kill_in_either_replicate_group_leaves_the_other_group_its_
     peer = {r["step"]: r for r in killed.recoveries() if r["policy"] == "peer_restore"}
     for f in killed.faults:  # each from the rank the ring placed its copy on; nobody rolled back
         assert f"rank {f.rank} <- rank {f.rank + 1}" in peer[f.step]["reason"], peer[f.step]
-        assert "roll back" not in peer[f.step]["reason"], ("the killed rank's newest copy had not reached its holder "
-                                                           f"within the loader's 0.5 s: {peer[f.step]}")
+        assert "roll back" not in peer[f.step]["reason"], (
+            f"the killed rank's newest copy had not reached its holder within the loader's 0.5 s: {peer[f.step]}"
+        )
     # the survivors that kept their state at each kill: every rank but the killed one, the other
     # replicate group's included (ranks 2 and 3 for the kills of 0 and 1, ranks 0 and 1 for the kill of 2)
     kept: dict[int, set[int]] = {}
@@ -112,11 +123,17 @@ def test_llama_hsdp_losing_a_rank_goes_on_on_the_other_replica_bit_identical_to_
         assert set(rec.lost) == replica and (rec.old_world, rec.new_world) == (4, 2) and rec.bytes_moved == 0, rec
         bases = {g.rsplit("_g", 1)[0] for g in o.current_groups}
         # the smaller world's own mesh: one replica of the same two-rank shard group
-        assert bases == {"meshpact_data", "meshpact_replicate_0", "meshpact_replicate_1", "meshpact_shard_0-1"} - \
-            {f"meshpact_replicate_{1 - o.alive.index(o.rank)}"}, o.current_groups
+        assert bases == {"meshpact_data", "meshpact_replicate_0", "meshpact_replicate_1", "meshpact_shard_0-1"} - {
+            f"meshpact_replicate_{1 - o.alive.index(o.rank)}"
+        }, o.current_groups
     # the rank that lived through it left with its replica, and said why in one line
     (partner,) = replica - {killed}
-    left = [e.data["left_with_replica"] for e in result.events()
-            if e.event == EventKind.REBUILT and "left_with_replica" in e.data]
-    assert left == [f"rank {partner} leaves the job with its replica {sorted(replica)} (rank(s) [{killed}] lost): the "
-                    "HSDP job goes on on the other 1 replica(s)"], left
+    left = [
+        e.data["left_with_replica"]
+        for e in result.events()
+        if e.event == EventKind.REBUILT and "left_with_replica" in e.data
+    ]
+    assert left == [
+        f"rank {partner} leaves the job with its replica {sorted(replica)} (rank(s) [{killed}] lost): the "
+        "HSDP job goes on on the other 1 replica(s)"
+    ], left

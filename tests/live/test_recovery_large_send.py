@@ -16,10 +16,18 @@ BOUND_S = TIMEOUT_S * 2 / 3  # the send takes well under a second on an idle mac
 
 
 def test_a_send_in_flight_to_a_rank_that_starts_a_recovery_ends_long_before_the_data_path_timeout():
-    results = sorted((r.value for r in launch("meshpact.live.trials.probe:large_send_probe", 2,
-                                              {"data_timeout_s": TIMEOUT_S, "send_mb": 128, "raise_after_s": 0.02},
-                                              timeout_s=150)),
-                     key=lambda v: v["rank"])
+    results = sorted(
+        (
+            r.value
+            for r in launch(
+                "meshpact.live.trials.probe:large_send_probe",
+                2,
+                {"data_timeout_s": TIMEOUT_S, "send_mb": 128, "raise_after_s": 0.02},
+                timeout_s=150,
+            )
+        ),
+        key=lambda v: v["rank"],
+    )
     assert [v["steps"] for v in results] == [3, 3]  # both ranks finished the job
     for v in results:
         assert [r["policy"] for r in v["recoveries"]] == ["in_memory"], v

@@ -84,7 +84,7 @@ def train_step(model, optimizer, batch):
     return float(loss)
 ''')
 
-ACCUMULATING_WORKLOAD = textwrap.dedent('''
+ACCUMULATING_WORKLOAD = textwrap.dedent("""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -106,7 +106,7 @@ ACCUMULATING_WORKLOAD = textwrap.dedent('''
         if step % 2 == 1:
             optimizer.step()
             optimizer.zero_grad()
-''')
+""")
 
 
 def test_a_fault_inside_the_optimizers_step_restores_the_snapshot_and_one_before_it_stays_in_memory(tmp_path):
@@ -114,8 +114,9 @@ def test_a_fault_inside_the_optimizers_step_restores_the_snapshot_and_one_before
     path.write_text(PART_WAY_WORKLOAD)
     # two faults: the first raises at the step's first collective (the gradients'), the second at
     # its second (the optimizer's)
-    result = trial(ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False,
-                   workload=str(path))
+    result = trial(
+        ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False, workload=str(path)
+    )
     s = result.summary()
     assert s["bit_identical"], (s["mismatches"], recoveries_told(result))
     assert s["faults_injected"] == 2 and s["faults_recovered"] == 2
@@ -132,8 +133,9 @@ def test_gradients_accumulated_over_several_calls_are_refused_at_the_first_commi
     path = tmp_path / "accumulating.py"
     path.write_text(ACCUMULATING_WORKLOAD)
     with pytest.raises(WorkloadError) as err:
-        trial(ranks=2, steps=9, faults=2, fault_kind="collective", checkpoint_every=4, baselines=False,
-              workload=str(path))
+        trial(
+            ranks=2, steps=9, faults=2, fault_kind="collective", checkpoint_every=4, baselines=False, workload=str(path)
+        )
     line = str(err.value)
     assert "\n" not in line and line.startswith("step 0 left nonzero gradients for the next rt.step call")
     assert "0.weight" in line and "Accumulate the micro-batches inside one train_step" in line

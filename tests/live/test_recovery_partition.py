@@ -25,8 +25,17 @@ def _namespaces() -> set[str]:
 def test_data_link_down_then_up_is_recovered_in_memory_bit_identical():
     before = _namespaces()
     # without the heartbeat: found by the data-path timeout (a rank on each side of the cut)
-    result = trial(ranks=2, steps=8, faults=1, fault_kind="partition", checkpoint_every=4, baselines=False,
-                   data_timeout_s=0.5, down_s=1.0, heartbeat=False)
+    result = trial(
+        ranks=2,
+        steps=8,
+        faults=1,
+        fault_kind="partition",
+        checkpoint_every=4,
+        baselines=False,
+        data_timeout_s=0.5,
+        down_s=1.0,
+        heartbeat=False,
+    )
     assert_recovered(result, "in_memory")
     (rec,) = result.recoveries()
     assert rec["stages_s"]["detection"] >= 0.5
@@ -41,8 +50,16 @@ def test_with_a_long_data_path_timeout_the_heartbeat_finds_the_cut_link():
     """A 30 s data path would wait the 3 s cut out (TCP resends once the link is back) and
     never fault: only the heartbeat's quiet-data-path rule can find it, and the standby,
     whose links the cut crosses too, is not used."""
-    result = trial(ranks=4, steps=8, faults=1, fault_kind="partition", checkpoint_every=4, baselines=False,
-                   data_timeout_s=30.0, down_s=3.0)
+    result = trial(
+        ranks=4,
+        steps=8,
+        faults=1,
+        fault_kind="partition",
+        checkpoint_every=4,
+        baselines=False,
+        data_timeout_s=30.0,
+        down_s=3.0,
+    )
     assert_recovered(result, "in_memory")
     (rec,) = result.recoveries()
     assert rec["stages_s"]["detection"] < 3.0

@@ -15,16 +15,20 @@ _WHY = netns_unavailable()
 
 
 def test_a_rank_dead_after_proposing_is_met_building_the_groups_then_replaced_from_its_peer():
-    result = trial(fault_kind="collective", die_after_proposing=True, process_start_s=20.0, group_create_s=12.0,
-                   **_RUN)
+    result = trial(fault_kind="collective", die_after_proposing=True, process_start_s=20.0, group_create_s=12.0, **_RUN)
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]
     # a second replacement (the first one declared lost, seen once in a full run under load, 105 s) says
     # which rounds went how
-    decisions = "\n".join(f"rank {e.rank} round {e.data.get('round')}: {e.data.get('policy')}, missing "
-                           f"{e.data.get('missing')}: {str(e.data.get('reason'))[:240]}"
-                           for e in result.events() if e.event == "decided")
-    assert s["replacement_processes"] == 1 and s["storage_bytes_read"] == 0, f"{s}\n{decisions}\n{recoveries_told(result)}"
+    decisions = "\n".join(
+        f"rank {e.rank} round {e.data.get('round')}: {e.data.get('policy')}, missing "
+        f"{e.data.get('missing')}: {str(e.data.get('reason'))[:240]}"
+        for e in result.events()
+        if e.event == "decided"
+    )
+    assert s["replacement_processes"] == 1 and s["storage_bytes_read"] == 0, (
+        f"{s}\n{decisions}\n{recoveries_told(result)}"
+    )
     dead = (result.faults[0].rank + 1) % 4
     decided = [e.data for e in result.events() if e.event == "decided" and e.rank == 0]
     assert decided[0]["policy"] == "in_memory" and not decided[0]["missing"]  # it had answered that round
@@ -45,7 +49,6 @@ def test_a_rank_killed_on_one_host_takes_its_state_from_the_other_host():
     assert killed < 2  # the first host holds ranks 0 and 1 ...
     holder = int(rec["reason"].split(f"rank {killed} <- rank ")[1][0])
     assert holder >= 2  # ... and the copy came from the second
-
 
 
 @pytest.mark.netns

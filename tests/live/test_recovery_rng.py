@@ -16,7 +16,7 @@ from _recovery import assert_recovered, trial, workload_file
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
-DROPOUT_WORKLOAD = textwrap.dedent('''
+DROPOUT_WORKLOAD = textwrap.dedent("""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -38,7 +38,7 @@ DROPOUT_WORKLOAD = textwrap.dedent('''
         optimizer.step()
         optimizer.zero_grad()
         return float(loss)
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -47,14 +47,31 @@ def workload(tmp_path_factory):
 
 
 def test_restored_generators_make_a_rerun_dropout_step_bit_identical(workload):
-    result = trial(ranks=2, steps=5, faults=1, fault_kind="collective", checkpoint_every=5, baselines=False,
-                   workload=workload, nth_op=5)
+    result = trial(
+        ranks=2,
+        steps=5,
+        faults=1,
+        fault_kind="collective",
+        checkpoint_every=5,
+        baselines=False,
+        workload=workload,
+        nth_op=5,
+    )
     assert_recovered(result, "in_memory")
 
 
 def test_without_the_restore_the_rerun_step_draws_other_masks_and_the_state_differs(workload):
-    result = trial(ranks=2, steps=5, faults=1, fault_kind="collective", checkpoint_every=5, baselines=False,
-                   workload=workload, nth_op=5, restore_rng=False)
+    result = trial(
+        ranks=2,
+        steps=5,
+        faults=1,
+        fault_kind="collective",
+        checkpoint_every=5,
+        baselines=False,
+        workload=workload,
+        nth_op=5,
+        restore_rng=False,
+    )
     s = result.summary()
     assert s["faults_injected"] == 1 and s["policy_counts"]["in_memory"] == 1
     assert not s["bit_identical"]

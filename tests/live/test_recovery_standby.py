@@ -32,7 +32,9 @@ def test_raised_collectives_swap_the_standby_in_on_every_rank():
 
 
 def test_a_killed_rank_discards_the_standby_and_the_survivors_say_why():
-    result = trial(ranks=2, steps=6, faults=1, fault_kind="kill", checkpoint_every=3, baselines=False)  # shares the reference
+    result = trial(
+        ranks=2, steps=6, faults=1, fault_kind="kill", checkpoint_every=3, baselines=False
+    )  # shares the reference
     assert_recovered(result, "peer_restore")  # one peer copy per rank by default: no checkpoint read
     assert result.summary()["storage_bytes_read"] == 0
     killed = result.faults[0].rank

@@ -25,8 +25,9 @@ def _position(result, rank: int, name: str = "data") -> dict:
 
 @pytest.mark.parametrize("kind,policy", [("collective", "in_memory"), ("kill", "peer_restore")])
 def test_a_data_loaders_position_survives_recovery_bit_for_bit(kind, policy):
-    result = trial(workload="streamed", ranks=2, steps=6, faults=1, fault_kind=kind, checkpoint_every=3,
-                   baselines=False)
+    result = trial(
+        workload="streamed", ranks=2, steps=6, faults=1, fault_kind=kind, checkpoint_every=3, baselines=False
+    )
     assert_identical(result, faults_recovered=1, **{policy: 1})
     assert _position(result, 0)["_sampler_iter_yielded"] == 6  # six batches read, none twice, none skipped
 
@@ -35,8 +36,16 @@ def test_a_lost_ranks_data_position_continues_on_the_survivor_after_an_excision(
     """Rank 0 is killed in step 3 and excised: the survivor takes its loader from its committed
     copy and draws its samples of steps 3-5 from there, so it ends six batches in, none twice,
     none skipped, registered as data@rank0 beside its own."""
-    result = trial(workload="streamed", ranks=2, steps=6, faults=1, fault_kind="kill", on_rank_loss="excise",
-                   checkpoint_every=3, baselines=False)
+    result = trial(
+        workload="streamed",
+        ranks=2,
+        steps=6,
+        faults=1,
+        fault_kind="kill",
+        on_rank_loss="excise",
+        checkpoint_every=3,
+        baselines=False,
+    )
     assert_identical(result, faults_recovered=1, excise=1)
     assert _position(result, 1)["_sampler_iter_yielded"] == 6
     assert _position(result, 1, "data@rank0")["_sampler_iter_yielded"] == 6

@@ -13,9 +13,15 @@ TIMEOUT_S = 30.0
 
 
 def test_ranks_blocked_on_each_other_leave_the_failed_step_long_before_the_data_path_timeout():
-    results = sorted((r.value for r in launch("meshpact.live.trials.probe:stuck_send_probe", 3,
-                                              {"data_timeout_s": TIMEOUT_S}, timeout_s=120)),
-                     key=lambda v: v["rank"])
+    results = sorted(
+        (
+            r.value
+            for r in launch(
+                "meshpact.live.trials.probe:stuck_send_probe", 3, {"data_timeout_s": TIMEOUT_S}, timeout_s=120
+            )
+        ),
+        key=lambda v: v["rank"],
+    )
     assert [v["steps"] for v in results] == [3, 3, 3]  # every rank finished the job
     for v in results:
         assert len(v["recoveries"]) == 1, v

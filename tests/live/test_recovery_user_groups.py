@@ -28,7 +28,7 @@ from _recovery import assert_recovered, trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
-USER_GROUPS_WORKLOAD = textwrap.dedent('''
+USER_GROUPS_WORKLOAD = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -82,14 +82,22 @@ USER_GROUPS_WORKLOAD = textwrap.dedent('''
         optimizer.step()
         optimizer.zero_grad()
         return float(loss)
-''')
+""")
 
 
 def test_a_replacement_joins_the_groups_its_script_makes_after_start_session_bit_identical(tmp_path):
     path = tmp_path / "user_groups.py"
     path.write_text(USER_GROUPS_WORKLOAD)
-    result = trial(ranks=4, steps=6, faults=2, fault_kind="kill", peer_copies=1, checkpoint_every=3,
-                   baselines=False, workload=str(path))
+    result = trial(
+        ranks=4,
+        steps=6,
+        faults=2,
+        fault_kind="kill",
+        peer_copies=1,
+        checkpoint_every=3,
+        baselines=False,
+        workload=str(path),
+    )
     s = assert_recovered(result, "peer_restore")
     assert s["replacement_processes"] == 2 and s["storage_bytes_read"] == 0
     assert s["old_group_ops_after_rebind"] == 0

@@ -25,7 +25,7 @@ from meshpact.live.recovery.state import Schedule, capture_schedule, restore_sch
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
-USER_LOOP_WORKLOAD = textwrap.dedent('''
+USER_LOOP_WORKLOAD = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
@@ -58,7 +58,7 @@ USER_LOOP_WORKLOAD = textwrap.dedent('''
         logged = loss.detach().clone()
         dist.all_reduce(logged)  # the loss for the log: after the optimizer and the scheduler stepped
         return float(logged)
-''')
+""")
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +69,9 @@ def workload(tmp_path_factory):
 def test_a_replacement_takes_the_schedule_and_the_statistics_with_the_state(workload):
     # the replacement loads its peer's copy with load_job_state, as a checkpoint restore and a cold
     # restart load a checkpoint (the same call; the checkpoint is the same dict on disk)
-    result = trial(ranks=2, steps=8, faults=1, fault_kind="kill", checkpoint_every=3, baselines=False,
-                   workload=workload)
+    result = trial(
+        ranks=2, steps=8, faults=1, fault_kind="kill", checkpoint_every=3, baselines=False, workload=workload
+    )
     assert assert_identical(result, peer_restore=1)["replacement_processes"] == 1
 
 
@@ -80,8 +81,9 @@ def test_faults_before_and_after_the_optimizer_put_the_statistics_and_the_schedu
     # and the log's all-reduce (the optimizer and the scheduler stepped: each rank's own snapshot).
     # clip_grad_norm_'s all-reduce is DTensor's, issued inside its dispatch, where the injector's
     # dispatch mode does not see it: it is not among the three
-    result = trial(ranks=2, steps=8, faults=3, fault_kind="collective", checkpoint_every=3, baselines=False,
-                   workload=workload)
+    result = trial(
+        ranks=2, steps=8, faults=3, fault_kind="collective", checkpoint_every=3, baselines=False, workload=workload
+    )
     assert_identical(result, faults_recovered=3, in_memory=2, peer_restore=1)
 
 
@@ -103,7 +105,7 @@ def test_the_schedule_goes_back_exactly_and_another_optimizers_is_refused():
     assert isinstance(saved, Schedule)
 
 
-LATE_SCHEDULER_WORKLOAD = textwrap.dedent('''
+LATE_SCHEDULER_WORKLOAD = textwrap.dedent("""
     import torch
     from torch.distributed.fsdp import fully_shard
 
@@ -139,13 +141,16 @@ LATE_SCHEDULER_WORKLOAD = textwrap.dedent('''
         if SCHED is not None:
             SCHED.step()
         optimizer.zero_grad()
-''')
+""")
 
 
-@pytest.mark.parametrize("where, says", [
-    ("batch", "StepLR made after resilient() was entered"),
-    ("step", "step 0: the optimizer's param groups carry initial_lr, an LR scheduler's mark"),
-])
+@pytest.mark.parametrize(
+    "where, says",
+    [
+        ("batch", "StepLR made after resilient() was entered"),
+        ("step", "step 0: the optimizer's param groups carry initial_lr, an LR scheduler's mark"),
+    ],
+)
 def test_a_scheduler_made_once_training_is_under_way_is_refused_with_one_line(tmp_path, where, says):
     """A scheduler made lazily after resilient() was entered would be in no commit, peer copy or
     checkpoint: a recovery would leave it where the failed attempt put it, a replacement would
@@ -155,7 +160,8 @@ def test_a_scheduler_made_once_training_is_under_way_is_refused_with_one_line(tm
     path = tmp_path / f"late_{where}.py"
     path.write_text(LATE_SCHEDULER_WORKLOAD.replace("{where}", where))
     with pytest.raises(WorkloadError) as err:
-        trial(ranks=2, steps=4, faults=1, fault_kind="collective", checkpoint_every=2, baselines=False,
-              workload=str(path))
+        trial(
+            ranks=2, steps=4, faults=1, fault_kind="collective", checkpoint_every=2, baselines=False, workload=str(path)
+        )
     line = str(err.value)
     assert "\n" not in line and says in line and "Make " in line, line

@@ -16,7 +16,7 @@ from _recovery import assert_recovered, trial
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
-USER_MESH_WORKLOAD = textwrap.dedent('''
+USER_MESH_WORKLOAD = textwrap.dedent("""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -38,14 +38,15 @@ USER_MESH_WORKLOAD = textwrap.dedent('''
         optimizer.step()
         optimizer.zero_grad()
         return float(loss) + 0.0 * float(model[0].weight.full_tensor().sum())
-''')
+""")
 
 
 def test_a_users_own_mesh_and_its_groups_are_replaced_and_rebound(tmp_path):
     path = tmp_path / "user_mesh.py"
     path.write_text(USER_MESH_WORKLOAD)
-    result = trial(ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False,
-                   workload=str(path))
+    result = trial(
+        ranks=2, steps=6, faults=2, fault_kind="collective", checkpoint_every=3, baselines=False, workload=str(path)
+    )
     assert_recovered(result, "in_memory")
     for rank in result.faulted:
         retired = [r.group for r in rank.retired]

@@ -47,14 +47,38 @@ def _plan(kinds: list[str], per_kind: int) -> tuple[int, list[str]]:
 
 def _run(launcher: list[str], out: Path, steps: int, echo: EchoService, faults: list[str], timeout_s: float) -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [*launcher, str(JOB), "--steps", str(steps), "--out", str(out), "--echo", str(echo.port),
-           "--fetch-timeout", f"{TIMEOUT_STEP}:{TIMEOUT_RANK}", "--faults", ",".join(faults)]
+    cmd = [
+        *launcher,
+        str(JOB),
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+        "--echo",
+        str(echo.port),
+        "--fetch-timeout",
+        f"{TIMEOUT_STEP}:{TIMEOUT_RANK}",
+        "--faults",
+        ",".join(faults),
+    ]
     with open(out / "launcher.log", "w") as log:  # every rank's events too (MESHPACT_TRACE), for a failure to explain
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, start_new_session=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "MESHPACT_TRACE": "1"}).returncode
-    if rc != 0:  # each rank's detections and decisions in order (a step failed 8 times once, in a full run), then the end
+        rc = subprocess.run(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout_s,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "MESHPACT_TRACE": "1"},
+        ).returncode
+    if (
+        rc != 0
+    ):  # each rank's detections and decisions in order (a step failed 8 times once, in a full run), then the end
         lines = (out / "launcher.log").read_text(errors="replace").splitlines()
-        told = [line[:400] for line in lines if line.startswith("[meshpact rank") and ("'detected'" in line or "'decided'" in line)]
+        told = [
+            line[:400]
+            for line in lines
+            if line.startswith("[meshpact rank") and ("'detected'" in line or "'decided'" in line)
+        ]
         rest = [line for line in lines if not line.startswith("[meshpact rank")]
         raise AssertionError("\n".join(told[-60:] + ["..."] + rest[-40:]))
     finals = {}
@@ -71,10 +95,11 @@ def _check(reference: dict, faulted: dict, out: Path, steps: int, faults: int) -
     for r, f in faulted.items():
         assert f["answered"] == steps - f["first_step"], f  # the echo connection answered every step
         # every evaluation's result as in the fault-free run (each rank's draw in it too, a run again included)
-        assert f["evaluations"] == reference[r]["evaluations"][f["first_step"]:], r
+        assert f["evaluations"] == reference[r]["evaluations"][f["first_step"] :], r
     assert "UnreachableGroupWarning" not in (out / "launcher.log").read_text(errors="replace")  # self.pg is reached
-    [timeout] = [json.loads(line) for path in sorted(out.glob("timeouts-rank*.jsonl"))
-                 for line in path.read_text().splitlines()]
+    [timeout] = [
+        json.loads(line) for path in sorted(out.glob("timeouts-rank*.jsonl")) for line in path.read_text().splitlines()
+    ]
     assert timeout["rank"] == TIMEOUT_RANK and timeout["step"] == TIMEOUT_STEP
     assert timeout["type"] == "TimeoutError" and "did not answer" in timeout["message"]
     assert timeout["recoveries_before"] == timeout["recoveries_after"] == 0 and timeout["generation"] == 0
@@ -95,8 +120,29 @@ def test_a_users_group_connection_and_error_survive_raised_stalled_and_killed_ra
     steps, faults = _plan(["collective", "stall", "kill", "eval"], FAULTS)
     kills = sum(1 for f in faults if f.startswith("kill"))
     budget = 120 + 60 * len(faults)
-    reference = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)],
-                     tmp_path / "reference", steps, echo, [], budget)
-    faulted = _run([sys.executable, "-m", "meshpact.launch", "--standalone", "--nproc-per-node", str(RANKS),
-                    "--max-restarts", str(kills)], tmp_path / "faulted", steps, echo, faults, budget)
+    reference = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(RANKS)],
+        tmp_path / "reference",
+        steps,
+        echo,
+        [],
+        budget,
+    )
+    faulted = _run(
+        [
+            sys.executable,
+            "-m",
+            "meshpact.launch",
+            "--standalone",
+            "--nproc-per-node",
+            str(RANKS),
+            "--max-restarts",
+            str(kills),
+        ],
+        tmp_path / "faulted",
+        steps,
+        echo,
+        faults,
+        budget,
+    )
     _check(reference, faulted, tmp_path / "faulted", steps, len(faults))

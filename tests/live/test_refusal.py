@@ -14,8 +14,13 @@ import pytest
 
 from meshpact.live.recovery.config import RecoveryConfig, TimeoutOrderError
 from meshpact.live.recovery.consensus import ConsensusError
-from meshpact.live.recovery.refusal import (REFUSAL_FILE_ENV, REFUSAL_LINE, RecoveryImpossible, read_refusal,
-                                            without_checkpoint)
+from meshpact.live.recovery.refusal import (
+    REFUSAL_FILE_ENV,
+    REFUSAL_LINE,
+    RecoveryImpossible,
+    read_refusal,
+    without_checkpoint,
+)
 
 
 def test_peer_copies_are_kept_by_default_where_the_job_has_peers_and_off_by_one_setting():
@@ -33,21 +38,30 @@ def test_peer_copies_are_kept_by_default_where_the_job_has_peers_and_off_by_one_
 
 def test_every_refusal_of_consensus_is_a_recovery_that_cannot_happen():
     assert issubclass(ConsensusError, RecoveryImpossible) and issubclass(RecoveryImpossible, RuntimeError)
-    assert str(without_checkpoint("no peer copies are kept (peer copies: 0)", False)) == \
-        "cannot recover in memory (no peer copies are kept (peer copies: 0)) and no checkpoint directory is set"
+    assert (
+        str(without_checkpoint("no peer copies are kept (peer copies: 0)", False))
+        == "cannot recover in memory (no peer copies are kept (peer copies: 0)) and no checkpoint directory is set"
+    )
     assert str(without_checkpoint("x", True)).endswith("and no complete checkpoint exists")
 
 
 def _rank(code: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     prelude = "from meshpact.live.recovery.refusal import RecoveryImpossible, install\ninstall()\ninstall()\n"
-    return subprocess.run([sys.executable, "-c", prelude + code], capture_output=True, text=True, timeout=60,
-                          env={**env, "PYTHONPATH": ":".join(sys.path)})
+    return subprocess.run(
+        [sys.executable, "-c", prelude + code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**env, "PYTHONPATH": ":".join(sys.path)},
+    )
 
 
 def test_an_uncaught_refusal_is_one_line_and_a_marker_and_any_other_error_keeps_its_traceback(tmp_path):
     marker = tmp_path / "refused"
-    out = _rank("raise RecoveryImpossible('rank(s) [2] declared lost,\\n  no replacement comes')",
-                {REFUSAL_FILE_ENV: str(marker)})
+    out = _rank(
+        "raise RecoveryImpossible('rank(s) [2] declared lost,\\n  no replacement comes')",
+        {REFUSAL_FILE_ENV: str(marker)},
+    )
     line = f"{REFUSAL_LINE}rank(s) [2] declared lost, no replacement comes"
     assert out.returncode == 1
     assert out.stderr == line + "\n"  # one line, said once though the hook was installed twice

@@ -11,9 +11,19 @@ import torch
 import torch.distributed as dist
 
 from meshpact.core.recovery import CommunicatorAction
-from meshpact.live.recovery.reshard import (ExcisionError, ExcisionRecord, GradientWeight, Membership, _pack,
-                                            _unpack, assemble_full, max_abs_diff, shard_of, shard_rows,
-                                            share_batch)
+from meshpact.live.recovery.reshard import (
+    ExcisionError,
+    ExcisionRecord,
+    GradientWeight,
+    Membership,
+    _pack,
+    _unpack,
+    assemble_full,
+    max_abs_diff,
+    shard_of,
+    shard_rows,
+    share_batch,
+)
 
 ODD_DIM0 = (1, 2, 3, 5, 7, 13)
 
@@ -48,8 +58,10 @@ def test_shard_of_cuts_exactly_the_rows_fully_shard_gives_each_rank(world, dtype
                 expected = shard_of(full[name], world, rank)
                 assert local.dtype == dtype
                 assert local.shape == expected.shape, (name, world, rank)
-                assert torch.equal(local.view(torch.uint8) if local.numel() else local,
-                                   expected.view(torch.uint8) if expected.numel() else expected), (name, world, rank)
+                assert torch.equal(
+                    local.view(torch.uint8) if local.numel() else local,
+                    expected.view(torch.uint8) if expected.numel() else expected,
+                ), (name, world, rank)
         finally:
             dist.destroy_process_group()
 
@@ -97,11 +109,15 @@ def test_assemble_refuses_shards_that_are_not_a_shard0_cut_and_ranks_that_disagr
 
 
 def test_the_byte_exchange_keeps_every_bit_of_every_dtype():
-    states = [{"param/a": torch.tensor([[-0.0, float("nan")], [1e-40, -3.5]]),
-               "param/b": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
-               "param/c": torch.tensor([2**62, -1], dtype=torch.int64),
-               "param/d": torch.zeros(0, 4),
-               "optim/a/step": torch.tensor(7.0)}]
+    states = [
+        {
+            "param/a": torch.tensor([[-0.0, float("nan")], [1e-40, -3.5]]),
+            "param/b": torch.tensor([1.5, -2.25], dtype=torch.bfloat16),
+            "param/c": torch.tensor([2**62, -1], dtype=torch.int64),
+            "param/d": torch.zeros(0, 4),
+            "optim/a/step": torch.tensor(7.0),
+        }
+    ]
     keys = list(states[0])
     layout = [(k, str(v.dtype), tuple(v.shape)) for k, v in states[0].items()]
     back = _unpack(_pack(states, keys), layout)
@@ -133,7 +149,7 @@ def test_the_survivors_shares_are_the_whole_global_batch_once_each_own_samples_k
     got = torch.cat([s.batch for s in shares])
     assert sorted(got.reshape(-1).tolist()) == sorted(global_batch.reshape(-1).tolist())
     for r, s in zip(m.alive, shares):
-        assert torch.equal(s.batch[:_batch(6, r).shape[0]], _batch(6, r))
+        assert torch.equal(s.batch[: _batch(6, r).shape[0]], _batch(6, r))
         assert s.weight == pytest.approx(s.batch.shape[0] * m.world / global_batch.shape[0])
     assert sum(s.weight for s in shares) == pytest.approx(m.world)
     assert max(s.batch.shape[0] for s in shares) - min(s.batch.shape[0] for s in shares) <= 2
@@ -225,13 +241,16 @@ def test_the_lone_survivor_rebuilds_the_whole_model_and_adam_state_from_its_shar
     draw_before = torch.get_rng_state()
     whole = assemble_full([own, copy])
     held = {1: copy}
-    out = excise(own, held, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1,
-                 build=_one_rank_build)
+    out = excise(
+        own, held, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1, build=_one_rank_build
+    )
     assert torch.equal(torch.get_rng_state(), draw_before)
     assert (out.membership.alive, out.spec.rank, out.spec.world_size, out.group.size()) == ((0,), 0, 1, 1)
     assert out.record.action is CommunicatorAction.REBUILD and out.record.new_world == 1
     # the old shards' memory went back once the new model held them, the copy was let go
-    assert {k: n for k in own if k.startswith(("param/", "optim/")) for n in [own[k].untyped_storage().nbytes()] if n} == {}
+    assert {
+        k: n for k in own if k.startswith(("param/", "optim/")) for n in [own[k].untyped_storage().nbytes()] if n
+    } == {}
     assert own["rng/torch_cpu"].untyped_storage().nbytes() == 3 and held == {}
     got = local_state(out.model, out.optimizer)
     assert got.keys() == whole.keys()
@@ -246,8 +265,7 @@ def test_excision_without_a_copy_of_the_lost_rank_is_refused_by_name(lone_surviv
     spec, store = lone_survivor
     own, _ = _two_rank_states(torch.nn.Sequential(torch.nn.Linear(4, 5)))
     with pytest.raises(ExcisionError, match=r"no survivor holds a copy of the state of rank\(s\) \[1\]"):
-        excise(own, {}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1,
-               build=_one_rank_build)
+        excise(own, {}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1, build=_one_rank_build)
 
 
 def test_below_min_ranks_the_survivor_and_the_copy_become_one_complete_checkpoint(lone_survivor, tmp_path):
@@ -257,10 +275,24 @@ def test_below_min_ranks_the_survivor_and_the_copy_become_one_complete_checkpoin
     spec, store = lone_survivor
     own, copy = _two_rank_states(torch.nn.Sequential(torch.nn.Linear(4, 5)))
     copy["rng/torch_cpu"] = torch.arange(4, dtype=torch.uint8)  # a peer copy carries the generators too
-    with pytest.raises(ExcisionRefused, match=r"^excising rank\(s\) \[1\] would leave 1 rank\(s\), below "
-                                              r"--min-ranks 2: stopped, the state of step 3 is flushed to ") as info:
-        excise(own, {1: copy}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=1,
-               build=_one_rank_build, min_ranks=2, checkpoint_dir=str(tmp_path))
+    with pytest.raises(
+        ExcisionRefused,
+        match=r"^excising rank\(s\) \[1\] would leave 1 rank\(s\), below "
+        r"--min-ranks 2: stopped, the state of step 3 is flushed to ",
+    ) as info:
+        excise(
+            own,
+            {1: copy},
+            Membership.full(2),
+            [1],
+            step=3,
+            spec=spec,
+            store=store,
+            generation=1,
+            build=_one_rank_build,
+            min_ranks=2,
+            checkpoint_dir=str(tmp_path),
+        )
     assert "\n" not in str(info.value)
     ckpt = Checkpointer(tmp_path, 0, 2, 1)
     assert ckpt.latest(10) == 3 and Path(info.value.checkpoint) == ckpt.path(3).parent
@@ -268,8 +300,18 @@ def test_below_min_ranks_the_survivor_and_the_copy_become_one_complete_checkpoin
         saved = Checkpointer(tmp_path, rank, 2, 1).load(3)
         assert saved.keys() == state.keys() and all(torch.equal(saved[k], state[k]) for k in state)
     with pytest.raises(ExcisionError, match="no checkpoint directory"):
-        excise(own, {1: copy}, Membership.full(2), [1], step=3, spec=spec, store=store, generation=2,
-               build=_one_rank_build, min_ranks=2)
+        excise(
+            own,
+            {1: copy},
+            Membership.full(2),
+            [1],
+            step=3,
+            spec=spec,
+            store=store,
+            generation=2,
+            build=_one_rank_build,
+            min_ranks=2,
+        )
 
 
 def test_a_rank_cannot_take_part_in_its_own_excision(lone_survivor):
@@ -291,8 +333,9 @@ def test_shrink_is_chosen_where_the_backend_can_shrink_and_is_told_group_ranks(m
     calls = []
     shrunk = object()
     monkeypatch.setattr(comm, "can_shrink", lambda pg, device: True)
-    monkeypatch.setattr(dist, "shrink_group", lambda ranks, group=None: calls.append((ranks, group)) or shrunk,
-                        raising=False)
+    monkeypatch.setattr(
+        dist, "shrink_group", lambda ranks, group=None: calls.append((ranks, group)) or shrunk, raising=False
+    )
     monkeypatch.setattr(c10d._world, "default_pg", c10d._world.default_pg)
     old = object()
     before = Membership(4, (0, 1, 3))
@@ -362,13 +405,15 @@ def test_survivors_redistribute_shard_to_shard_in_bounded_rounds_bit_for_bit(mon
     from meshpact.live.recovery import reshard
 
     gen = torch.Generator().manual_seed(5)
-    whole = {"param/a": torch.randn(13, 7, generator=gen),
-             "optim/a/exp_avg": torch.randn(13, 7, generator=gen),
-             "optim/a/step": torch.tensor(4.0),
-             "param/b": torch.randn(9, generator=gen).to(torch.bfloat16),
-             "param/c": torch.randint(-2**40, 2**40, (2, 3), generator=gen),  # ranks 2 and 3 hold no rows
-             "param/d": torch.tensor([[-0.0, float("nan")], [1e-40, -3.5], [7.0, 8.0]]),
-             "param/e": torch.randn(40, 5, generator=gen)}  # 800 bytes: a round of its own below
+    whole = {
+        "param/a": torch.randn(13, 7, generator=gen),
+        "optim/a/exp_avg": torch.randn(13, 7, generator=gen),
+        "optim/a/step": torch.tensor(4.0),
+        "param/b": torch.randn(9, generator=gen).to(torch.bfloat16),
+        "param/c": torch.randint(-(2**40), 2**40, (2, 3), generator=gen),  # ranks 2 and 3 hold no rows
+        "param/d": torch.tensor([[-0.0, float("nan")], [1e-40, -3.5], [7.0, 8.0]]),
+        "param/e": torch.randn(40, 5, generator=gen),
+    }  # 800 bytes: a round of its own below
     states = [{k: shard_of(v, 4, r) if v.dim() else v.clone() for k, v in whole.items()} for r in range(4)]
     before, lost = Membership.full(4), 3
     after = before.without([lost])
@@ -381,9 +426,16 @@ def test_survivors_redistribute_shard_to_shard_in_bounded_rounds_bit_for_bit(mon
     def survivor(rank: int) -> None:
         try:
             provided = {lost: states[lost]} if rank == 0 else {}
-            out, shapes, _ = reshard._redistribute(states[rank], provided, {lost: 0}, before, after,
-                                                   _Group(hub, rank),  # type: ignore[arg-type]  # a stand-in group over threads
-                                                   rank, round_bytes=256)
+            out, shapes, _ = reshard._redistribute(
+                states[rank],
+                provided,
+                {lost: 0},
+                before,
+                after,
+                _Group(hub, rank),  # type: ignore[arg-type]  # a stand-in group over threads
+                rank,
+                round_bytes=256,
+            )
             results[rank] = out
             assert shapes["param/a"] == (13, 7) and shapes["optim/a/step"] == ()
         except BaseException as exc:  # noqa: BLE001  (reported by the test thread)
@@ -419,7 +471,18 @@ def test_an_hsdp_excision_that_leaves_no_whole_replica_is_refused_on_every_survi
 
     spec = GroupSpec("gloo", "cpu", me, 4, timeout_s=10.0)
     with pytest.raises(ExcisionError) as info:
-        excise({}, {}, Membership.full(4), [1, 3], step=3, spec=spec, store=dist.HashStore(), generation=1,
-               build=_one_rank_build, shape=(2, 2), names=("replicate", "shard"))
+        excise(
+            {},
+            {},
+            Membership.full(4),
+            [1, 3],
+            step=3,
+            spec=spec,
+            store=dist.HashStore(),
+            generation=1,
+            build=_one_rank_build,
+            shape=(2, 2),
+            names=("replicate", "shard"),
+        )
     assert not isinstance(info.value, LeftWithReplica)
     assert "leaves no whole replica of the HSDP mesh [2, 2]" in str(info.value) and "\n" not in str(info.value)

@@ -39,8 +39,11 @@ def test_each_attempt_of_plain_torchrun_sharing_its_agents_store_has_keys_of_its
 def test_no_word_is_drawn_where_the_store_is_the_attempts_own_or_the_channel_outlives_it():
     server = host_store("127.0.0.1", 0)
     ch = _channel(server.port, 0)
-    for env in ({"TORCHELASTIC_RUN_ID": "rdzv", "TORCHELASTIC_USE_AGENT_STORE": "False"},
-                {**PLAIN, "MESHPACT_RUN_ID": "job7"}, {**PLAIN, "MESHPACT_CONTROL_PORT": "7000"}):
+    for env in (
+        {"TORCHELASTIC_RUN_ID": "rdzv", "TORCHELASTIC_USE_AGENT_STORE": "False"},
+        {**PLAIN, "MESHPACT_RUN_ID": "job7"},
+        {**PLAIN, "MESHPACT_CONTROL_PORT": "7000"},
+    ):
         assert attempt_scope("rdzv", ch, env) == "rdzv"
     del server
 

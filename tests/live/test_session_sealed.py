@@ -12,18 +12,28 @@ from meshpact.live.recovery.session import DataPath, Generation, Session
 
 
 def _sealed() -> Session:
-    s = Session(rank=1, world_size=4, incarnation=0, config=RecoveryConfig(), store=None,
-                store_addr=("127.0.0.1", 0), control=None,  # type: ignore[arg-type]  # sealed before any channel is read
-                mesh_shape=(4,), mesh_names=None,
-                data_path=DataPath({}, (1234,)))
+    s = Session(
+        rank=1,
+        world_size=4,
+        incarnation=0,
+        config=RecoveryConfig(),
+        store=None,
+        store_addr=("127.0.0.1", 0),
+        control=None,  # type: ignore[arg-type]  # sealed before any channel is read
+        mesh_shape=(4,),
+        mesh_names=None,
+        data_path=DataPath({}, (1234,)),
+    )
     spec = comm.GroupSpec("gloo", "cpu", 1, 4, 1.0)
     s.advance(Generation(0, spec, {}, None, (0, 1, 2, 3)))
     s.seal()
     return s
 
 
-@pytest.mark.parametrize("field,value", [("current", None), ("rank", 2), ("joined", None), ("host", "elsewhere"),
-                                         ("log", None), ("start_view", (5, 5))])
+@pytest.mark.parametrize(
+    "field,value",
+    [("current", None), ("rank", 2), ("joined", None), ("host", "elsewhere"), ("log", None), ("start_view", (5, 5))],
+)
 def test_a_sealed_session_refuses_every_write_by_name(field, value):
     s = _sealed()
     with pytest.raises(AttributeError, match=f"Session.{field} is fixed"):
@@ -41,9 +51,18 @@ def test_advance_is_the_one_write_and_only_forward():
 
 
 def test_the_first_consensus_view_is_the_counters_read_at_start_until_a_decision_makes_a_generation():
-    s = Session(rank=0, world_size=2, incarnation=0, config=RecoveryConfig(), store=None,
-                store_addr=("127.0.0.1", 0), control=None, mesh_shape=(2,), mesh_names=None,
-                data_path=DataPath({}, ()))
+    s = Session(
+        rank=0,
+        world_size=2,
+        incarnation=0,
+        config=RecoveryConfig(),
+        store=None,
+        store_addr=("127.0.0.1", 0),
+        control=None,
+        mesh_shape=(2,),
+        mesh_names=None,
+        data_path=DataPath({}, ()),
+    )
     s.start_view = (4, 2)
     spec = comm.GroupSpec("gloo", "cpu", 0, 2, 1.0)
     s.advance(Generation(0, spec, {}, None, (0, 1)))

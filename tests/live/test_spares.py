@@ -13,9 +13,16 @@ pytestmark = [pytest.mark.live, pytest.mark.slow]
 def test_a_dead_rank_is_handed_to_a_waiting_spare_and_a_second_death_gets_a_new_process(tmp_path):
     replaced: list[tuple[int, int, bool]] = []
     registry = tmp_path / "processes.jsonl"
-    with AgentJob("meshpact.live.launch.launcher:echo", 3, {"fail_ranks": [1, 2], "timeout_s": 60}, timeout_s=120,
-                  spares=1, max_replacements=2, registry=registry,
-                  on_replaced=lambda rank, rc, warm: replaced.append((rank, rc, warm))) as job:
+    with AgentJob(
+        "meshpact.live.launch.launcher:echo",
+        3,
+        {"fail_ranks": [1, 2], "timeout_s": 60},
+        timeout_s=120,
+        spares=1,
+        max_replacements=2,
+        registry=registry,
+        on_replaced=lambda rank, rc, warm: replaced.append((rank, rc, warm)),
+    ) as job:
         ran = job.run()
     assert sorted(r for r, _, _ in replaced) == [1, 2] and all(rc == 3 for _, rc, _ in replaced)
     assert sorted(warm for _, _, warm in replaced) == [False, True]  # one spare: one of the two deaths takes it

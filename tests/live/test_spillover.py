@@ -63,23 +63,28 @@ def test_a_concurrency_beyond_both_hosts_slots_is_refused():
         SpilloverConfig(concurrency=20, local_slots=4, remote_slots=12)
 
 
-_SMALL: dict[str, Any] = dict(model="moe", concurrency=6, requests=9, output_tokens=6, local_slots=4, remote_slots=4, timeout_s=90)
+_SMALL: dict[str, Any] = dict(
+    model="moe", concurrency=6, requests=9, output_tokens=6, local_slots=4, remote_slots=4, timeout_s=90
+)
 
 
 @pytest.fixture(scope="module")
 def small_runs() -> dict[str, RunResult]:
     if netns_unavailable():
         pytest.skip(str(netns_unavailable()))
-    return {req: run_once(SpilloverConfig(request=req, **_SMALL), forkserver=shared_forkserver())
-            for req in ("full", "token", "logprob", "owner_token")}
+    return {
+        req: run_once(SpilloverConfig(request=req, **_SMALL), forkserver=shared_forkserver())
+        for req in ("full", "token", "logprob", "owner_token")
+    }
 
 
 @pytest.mark.slow
 @pytest.mark.live
 @pytest.mark.netns
 @needs_netns
-@pytest.mark.parametrize("request_kind,row_bytes", [("full", 2 * 151936), ("token", 8), ("logprob", 4),
-                                                    ("owner_token", 8)])
+@pytest.mark.parametrize(
+    "request_kind,row_bytes", [("full", 2 * 151936), ("token", 8), ("logprob", 4), ("owner_token", 8)]
+)
 def test_results_cross_as_the_plan_predicts_and_the_kernel_sees_them(small_runs, request_kind, row_bytes):
     r = small_runs[request_kind]
     assert len(r.latencies_s) == _SMALL["requests"]  # every request completed
@@ -107,26 +112,55 @@ def test_source_projection_cuts_result_traffic_by_more_than_99_9_percent(small_r
 
 def _run(request: str, thr: float, digest: str | None = None, deployment: str = "model") -> RunResult:
     cfg = SpilloverConfig(request=request, deployment=deployment, concurrency=1, requests=1, output_tokens=2)
-    return RunResult(config=cfg, throughput_tok_s=thr, latencies_s=(1.0,), makespan_s=1.0, tokens=2, remote_tokens=2,
-                     spilled=1, result_bytes=8 if request != "full" else 607744, veth_bytes=100, veth_tx_bytes=10,
-                     command_bytes=10, startups=2, steps={"local": 2, "remote": 2}, link_alpha_s=1e-4,
-                     local_step_s=0.01, remote_forward_s=0.01, remote_project_s=0.001, consumer_sample_s=0.001,
-                     local_prefill_s=0.0, remote_prefill_s=0.0, outputs_digest=digest,
-                     output_check=OutputCheck(2, True, None))
+    return RunResult(
+        config=cfg,
+        throughput_tok_s=thr,
+        latencies_s=(1.0,),
+        makespan_s=1.0,
+        tokens=2,
+        remote_tokens=2,
+        spilled=1,
+        result_bytes=8 if request != "full" else 607744,
+        veth_bytes=100,
+        veth_tx_bytes=10,
+        command_bytes=10,
+        startups=2,
+        steps={"local": 2, "remote": 2},
+        link_alpha_s=1e-4,
+        local_step_s=0.01,
+        remote_forward_s=0.01,
+        remote_project_s=0.001,
+        consumer_sample_s=0.001,
+        local_prefill_s=0.0,
+        remote_prefill_s=0.0,
+        outputs_digest=digest,
+        output_check=OutputCheck(2, True, None),
+    )
 
 
 def test_rows_keep_every_pairs_throughputs_and_flag_outputs_that_depart_from_full():
     from meshpact.live.spillover.pairs import _rows, mismatched
 
-    runs = {"full": [_run("full", 10.0, "a"), _run("full", 12.0, "b")],
-            "token": [_run("token", 11.0, "a"), _run("token", 9.0, "c")],
-            "logprob": [_run("logprob", 13.0, "x"), _run("logprob", 14.0, "y")]}
-    rows = {r.request: r for r in _rows("dense", 1, runs, ["full", "token", "logprob"],
-                                        lambda r: {"throughput_tok_s": 1.0, "result_bytes": 0,
-                                                   "per_slot_throughput_tok_s": None})}
+    runs = {
+        "full": [_run("full", 10.0, "a"), _run("full", 12.0, "b")],
+        "token": [_run("token", 11.0, "a"), _run("token", 9.0, "c")],
+        "logprob": [_run("logprob", 13.0, "x"), _run("logprob", 14.0, "y")],
+    }
+    rows = {
+        r.request: r
+        for r in _rows(
+            "dense",
+            1,
+            runs,
+            ["full", "token", "logprob"],
+            lambda r: {"throughput_tok_s": 1.0, "result_bytes": 0, "per_slot_throughput_tok_s": None},
+        )
+    }
     assert rows["full"].throughputs_tok_s == (10.0, 12.0) and rows["token"].throughputs_tok_s == (11.0, 9.0)
     assert rows["token"].pairs_favouring == {"token": 1, "full": 1}
-    assert rows["token"].pair_throughputs_tok_s == ((10.0, 11.0), (12.0, 9.0)) and not rows["full"].pair_throughputs_tok_s
+    assert (
+        rows["token"].pair_throughputs_tok_s == ((10.0, 11.0), (12.0, 9.0)) and not rows["full"].pair_throughputs_tok_s
+    )
     assert rows["token"].outputs_as_full is False  # the second pair's token run chose other ids
     assert rows["logprob"].outputs_as_full is None  # scoring targets: its ids are not chosen
     assert rows["full"].tokens_checked == 4 and rows["full"].outputs_identical
@@ -136,12 +170,16 @@ def test_rows_keep_every_pairs_throughputs_and_flag_outputs_that_depart_from_ful
 def test_a_message_is_timed_from_its_send_to_its_receive_on_the_shared_clock():
     from meshpact.live.spillover.serving import Transfer, transfers
 
-    sent = [{"group": "bridge:0-1", "seq": 0, "op": "send", "t": 1.0, "seconds": 0.001, "contributed": 160},
-            {"group": "bridge:0-1", "seq": 1, "op": "send", "t": 2.0, "seconds": 0.001, "contributed": 320},
-            {"group": "bridge:0-1", "seq": 2, "op": "send", "t": 3.0, "seconds": 0.001, "contributed": 8}]
+    sent = [
+        {"group": "bridge:0-1", "seq": 0, "op": "send", "t": 1.0, "seconds": 0.001, "contributed": 160},
+        {"group": "bridge:0-1", "seq": 1, "op": "send", "t": 2.0, "seconds": 0.001, "contributed": 320},
+        {"group": "bridge:0-1", "seq": 2, "op": "send", "t": 3.0, "seconds": 0.001, "contributed": 8},
+    ]
     # the receiver's meter started 10 s earlier; it waited in its first receive before the send
-    received = [{"group": "bridge:0-1", "seq": 0, "op": "recv", "t": 10.5, "seconds": 0.504, "contributed": 0},
-                {"group": "bridge:0-1", "seq": 1, "op": "recv", "t": 12.0, "seconds": 0.010, "contributed": 0}]
+    received = [
+        {"group": "bridge:0-1", "seq": 0, "op": "recv", "t": 10.5, "seconds": 0.504, "contributed": 0},
+        {"group": "bridge:0-1", "seq": 1, "op": "recv", "t": 12.0, "seconds": 0.010, "contributed": 0},
+    ]
     got = transfers(sent, 100.0, received, 90.0)
     assert [t.payload_bytes for t in got] == [160, 320]  # seq 2 never received: not a transfer
     assert [round(t.one_way_s, 6) for t in got] == [0.004, 0.010]

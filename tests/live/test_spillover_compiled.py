@@ -98,7 +98,7 @@ def test_split_part_steps_cross_the_boundary_in_bf16_like_the_eager_parts():
         cb.prefill_part(s, last, ca.prefill_part(s, first, torch.tensor([s + 1, 5, 8])))
     ids = torch.tensor([8, 8, 8])
     for slots in ([0, 1, 2], [2, 0]):
-        h, ch = a.step_part(slots, first, ids[:len(slots)]), ca.step_part(slots, first, ids[:len(slots)])
+        h, ch = a.step_part(slots, first, ids[: len(slots)]), ca.step_part(slots, first, ids[: len(slots)])
         assert ch.dtype == torch.bfloat16 and ch.shape == h.shape
         assert torch.allclose(cb.step_part(slots, last, ch), b.step_part(slots, last, h), atol=2e-2)
 

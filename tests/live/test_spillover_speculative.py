@@ -70,11 +70,31 @@ def test_scoring_several_positions_matches_stepping_them_one_by_one():
 
 def _params(request: str, gamma: int, alpha: float) -> ServingParams:
     return ServingParams(
-        model="qwen3-14b", vocab_size=151936, local_vendor="cuda", remote_vendor="cann", local_slots=4,
-        remote_slots=12, local_per_token_s=0.004, remote_per_token_s=0.01, local_prefill_s=0.0,
-        remote_prefill_s=0.0, link_alpha_s=1e-4, link_beta_s_per_byte=8e-9, fabric_alpha_s=5e-6,
-        fabric_beta_s_per_byte=1e-11, request=Request(request), consumer_ranks=1, producer_ranks=1,
-        concurrency=3, arrival_rate_per_s=None, output_tokens=400, requests=6, gamma=gamma, alpha=alpha, seed=2)
+        model="qwen3-14b",
+        vocab_size=151936,
+        local_vendor="cuda",
+        remote_vendor="cann",
+        local_slots=4,
+        remote_slots=12,
+        local_per_token_s=0.004,
+        remote_per_token_s=0.01,
+        local_prefill_s=0.0,
+        remote_prefill_s=0.0,
+        link_alpha_s=1e-4,
+        link_beta_s_per_byte=8e-9,
+        fabric_alpha_s=5e-6,
+        fabric_beta_s_per_byte=1e-11,
+        request=Request(request),
+        consumer_ranks=1,
+        producer_ranks=1,
+        concurrency=3,
+        arrival_rate_per_s=None,
+        output_tokens=400,
+        requests=6,
+        gamma=gamma,
+        alpha=alpha,
+        seed=2,
+    )
 
 
 def test_the_speculative_pipeline_yields_the_closed_forms_tokens_per_pass_and_its_bytes_per_round():
@@ -96,7 +116,9 @@ def test_the_speculative_pipeline_yields_the_closed_forms_tokens_per_pass_and_it
     owner = simulate_split(_params("owner_token", 5, 0.8), 64, 4)
     assert owner.result_bytes % (6 * 8) == 0 and owner.result_bytes // (6 * 8) >= owner.target_passes
     logprob = simulate_split(_params("logprob", 5, 0.8), 64, 4)
-    assert logprob.result_bytes % (16 + 6 * 4) == 0 and logprob.startups == 2 * logprob.target_passes  # two messages a round
+    assert (
+        logprob.result_bytes % (16 + 6 * 4) == 0 and logprob.startups == 2 * logprob.target_passes
+    )  # two messages a round
 
 
 def test_speculation_is_refused_where_it_cannot_run(capsys):

@@ -59,10 +59,16 @@ def test_the_two_parts_compute_the_whole_decoder_up_to_the_bf16_boundary():
 
 
 _CFG = dict(model="dense", request="token", concurrency=2, requests=3, output_tokens=4, prompt_tokens=5, seed=3)
-_SCHEDULE = [{"new": [[0, 0], [1, 1]], "batch": [0, 1]}, {"new": [], "batch": [0, 1]},
-             {"new": [], "batch": [0, 1]}, {"new": [], "batch": [0, 1]},
-             {"new": [[0, 2]], "batch": [0]}, {"new": [], "batch": [0]}, {"new": [], "batch": [0]},
-             {"new": [], "batch": [0]}]
+_SCHEDULE = [
+    {"new": [[0, 0], [1, 1]], "batch": [0, 1]},
+    {"new": [], "batch": [0, 1]},
+    {"new": [], "batch": [0, 1]},
+    {"new": [], "batch": [0, 1]},
+    {"new": [[0, 2]], "batch": [0]},
+    {"new": [], "batch": [0]},
+    {"new": [], "batch": [0]},
+    {"new": [], "batch": [0]},
+]
 
 
 @pytest.mark.slow
@@ -92,11 +98,28 @@ def test_the_reference_check_compares_log_probs_bit_for_bit():
 
 def _params(request: str, concurrency: int, gbit: float = 1.0) -> ServingParams:
     return ServingParams(
-        model="qwen3-14b", vocab_size=151936, local_vendor="cuda", remote_vendor="cann", local_slots=4,
-        remote_slots=12, local_per_token_s=0.002, remote_per_token_s=0.01, local_prefill_s=0.003,
-        remote_prefill_s=0.004, link_alpha_s=1e-4, link_beta_s_per_byte=8 / (gbit * 1e9), fabric_alpha_s=5e-6,
-        fabric_beta_s_per_byte=1e-11, request=Request(request), consumer_ranks=1, producer_ranks=1,
-        concurrency=concurrency, arrival_rate_per_s=None, output_tokens=10, requests=3 * concurrency)
+        model="qwen3-14b",
+        vocab_size=151936,
+        local_vendor="cuda",
+        remote_vendor="cann",
+        local_slots=4,
+        remote_slots=12,
+        local_per_token_s=0.002,
+        remote_per_token_s=0.01,
+        local_prefill_s=0.003,
+        remote_prefill_s=0.004,
+        link_alpha_s=1e-4,
+        link_beta_s_per_byte=8 / (gbit * 1e9),
+        fabric_alpha_s=5e-6,
+        fabric_beta_s_per_byte=1e-11,
+        request=Request(request),
+        consumer_ranks=1,
+        producer_ranks=1,
+        concurrency=concurrency,
+        arrival_rate_per_s=None,
+        output_tokens=10,
+        requests=3 * concurrency,
+    )
 
 
 @pytest.mark.parametrize("concurrency", [1, 5])
@@ -122,15 +145,19 @@ def test_a_bad_deployment_is_refused_with_what_was_expected(capsys):
         SpilloverConfig(deployment="pipeline")
 
 
-_LIVE: dict[str, Any] = dict(deployment="model", model="moe", requests=4, output_tokens=5, prompt_tokens=6, timeout_s=120)
+_LIVE: dict[str, Any] = dict(
+    deployment="model", model="moe", requests=4, output_tokens=5, prompt_tokens=6, timeout_s=120
+)
 
 
 @pytest.fixture(scope="module")
 def split_runs() -> dict[tuple[str, int], RunResult]:
     if netns_unavailable():
         pytest.skip(str(netns_unavailable()))
-    return {(req, c): run_once(SpilloverConfig(request=req, concurrency=c, **_LIVE), forkserver=shared_forkserver())
-            for req, c in (("full", 1), ("logprob", 2), ("owner_token", 2))}
+    return {
+        (req, c): run_once(SpilloverConfig(request=req, concurrency=c, **_LIVE), forkserver=shared_forkserver())
+        for req, c in (("full", 1), ("logprob", 2), ("owner_token", 2))
+    }
 
 
 @pytest.mark.slow
@@ -140,8 +167,12 @@ def split_runs() -> dict[tuple[str, int], RunResult]:
 @pytest.mark.timeout(1800)  # two packages compiled first: about 40 s on a quiet machine, over 10 min at load 30
 def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_packages(split_runs, tmp_path):
     eager = split_runs[("owner_token", 2)]
-    aoti = run_once(SpilloverConfig(request="owner_token", concurrency=2, compile="aoti", work_dir=str(tmp_path),
-                                    **{**_LIVE, "timeout_s": 300}), forkserver=shared_forkserver())
+    aoti = run_once(
+        SpilloverConfig(
+            request="owner_token", concurrency=2, compile="aoti", work_dir=str(tmp_path), **{**_LIVE, "timeout_s": 300}
+        ),
+        forkserver=shared_forkserver(),
+    )
     assert aoti.config.compile == "aoti" and aoti.compile_s > 0  # compiled in the parent, into a fresh work dir
     assert sorted(p.name.split("-")[1] for p in (Path(aoti.config.work_dir) / "aoti").glob("*.pt2")) == ["l0", "l1"]
     assert aoti.output_check == OutputCheck(20, True, None)
@@ -152,8 +183,7 @@ def test_compiled_steps_serve_the_eager_runs_tokens_and_replay_through_the_same_
 @pytest.mark.live
 @pytest.mark.netns
 @needs_netns
-@pytest.mark.parametrize("key,row_bytes", [(("full", 1), 2 * 151936), (("logprob", 2), 4),
-                                           (("owner_token", 2), 8)])
+@pytest.mark.parametrize("key,row_bytes", [(("full", 1), 2 * 151936), (("logprob", 2), 4), (("owner_token", 2), 8)])
 def test_every_step_crosses_both_ways_and_the_outputs_equal_the_single_process_reference(split_runs, key, row_bytes):
     r = split_runs[key]
     tokens = _LIVE["requests"] * _LIVE["output_tokens"]

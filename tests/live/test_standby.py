@@ -120,7 +120,11 @@ def test_the_wait_for_a_standby_is_derived_and_in_the_table():
     c = RecoveryConfig(data_timeout_s=45.0, group_create_s=7.0, process_start_s=7.0)
     assert c.standby_wait_s == 7.0  # a standby still connecting after group creation waits on a silent peer
     assert RecoveryConfig(data_timeout_s=0.3).standby_wait_s == 0.3
-    assert ("wait for a standby still being built", 7.0, "min(data_timeout_s or data_timeout_floor_s, group_create_s)") in c.table()
+    assert (
+        "wait for a standby still being built",
+        7.0,
+        "min(data_timeout_s or data_timeout_floor_s, group_create_s)",
+    ) in c.table()
 
 
 def test_only_an_error_that_waited_out_its_timeout_reads_as_a_silent_data_path():

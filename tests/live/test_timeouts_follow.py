@@ -18,7 +18,7 @@ FIRST_STEP_S, STEP_S = 2.5, 0.35
 # the shipped decoder, with rank 1 waiting (asleep, as on a data queue or a disk: no progress by the
 # heartbeat's rule) 2.5 s in its first step and 0.35 s in every later one; rank 0 waits in the step's
 # collectives
-SLOW_RANK_WORKLOAD = textwrap.dedent(f'''
+SLOW_RANK_WORKLOAD = textwrap.dedent(f"""
     import os
     import time
 
@@ -41,13 +41,14 @@ SLOW_RANK_WORKLOAD = textwrap.dedent(f'''
             time.sleep({FIRST_STEP_S} if not RAN else {STEP_S})
         RAN.append(1)
         return DECODER.train_step(model, optimizer, batch)
-''')
+""")
 
 
 def test_a_first_step_past_a_second_trains_and_the_timeout_follows_the_longest_step(tmp_path_factory):
     workload = workload_file(tmp_path_factory, "slow_rank", SLOW_RANK_WORKLOAD)
-    result = trial(ranks=2, steps=4, faults=1, fault_kind="collective", checkpoint_every=4, baselines=False,
-                   workload=workload)  # the fault in step 2: after every rank's first fit
+    result = trial(
+        ranks=2, steps=4, faults=1, fault_kind="collective", checkpoint_every=4, baselines=False, workload=workload
+    )  # the fault in step 2: after every rank's first fit
     # rank 0 waited 2.5 s in step 0's collectives: a fixed 1 s timeout failed that step on every attempt;
     # and rank 1's pauses (7 of the heartbeat's looks in every step, 50 in the first) are the job's own:
     # a fixed bound of 3 looks severed each of those steps (the one recovery is the fault's)
@@ -67,7 +68,7 @@ def test_a_first_step_past_a_second_trains_and_the_timeout_follows_the_longest_s
 
 # rank 1's step 2 waits 1.3 s (an evaluation inside the step, every time that step runs), where no step before it
 # waited more than a few milliseconds: past the heartbeat's bound and the fitted 1 s data-path timeout both
-EVAL_PAUSE_WORKLOAD = textwrap.dedent('''
+EVAL_PAUSE_WORKLOAD = textwrap.dedent("""
     import os
     import time
 
@@ -91,7 +92,7 @@ EVAL_PAUSE_WORKLOAD = textwrap.dedent('''
         out = DECODER.train_step(model, optimizer, batch)
         DONE.append(1)
         return out
-''')
+""")
 
 
 def test_a_step_longer_than_any_before_it_is_run_again_with_room_and_the_job_goes_on(tmp_path_factory):
@@ -99,8 +100,9 @@ def test_a_step_longer_than_any_before_it_is_run_again_with_room_and_the_job_goe
     memory; each run again allows it more (its own pause, twice the wait), so it completes instead of
     failing every attempt, and the timeout then follows it."""
     workload = workload_file(tmp_path_factory, "eval_pause", EVAL_PAUSE_WORKLOAD)
-    result = trial(ranks=2, steps=4, faults=0, fault_kind="collective", checkpoint_every=4, baselines=False,
-                   workload=workload)
+    result = trial(
+        ranks=2, steps=4, faults=0, fault_kind="collective", checkpoint_every=4, baselines=False, workload=workload
+    )
     s = result.summary()
     assert s["bit_identical"], s["mismatches"]
     recoveries = result.recoveries()

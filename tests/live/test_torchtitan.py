@@ -29,8 +29,9 @@ RANKS, STEPS = 2, 8
 
 
 def _finals(out: Path) -> dict[int, dict]:
-    return {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)
-            if (out / f"rank{r}.json").exists()}
+    return {
+        r: json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS) if (out / f"rank{r}.json").exists()
+    }
 
 
 def _faults(*specs: str) -> tuple[str, ...]:
@@ -40,12 +41,25 @@ def _faults(*specs: str) -> tuple[str, ...]:
 def test_torchtitans_containers_recover_bit_identical_under_meshpact_launch_and_torchrun(tmp_path):
     launch = _faults("kill:2:1", "collective:4:0", "stall:6:1")
     plain = _faults("collective:3:1", "stall:5:0")
-    with Job(Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)), tmp_path / "reference", STEPS,
-             script=SCRIPT) as ref, \
-            Job(Job.meshpact("--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "1", warm_start=True),
-                tmp_path / "launch", STEPS, script=SCRIPT, script_args=launch) as job, \
-            Job(Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)), tmp_path / "torchrun", STEPS,
-                script=SCRIPT, script_args=plain) as run:
+    with (
+        Job(
+            Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)), tmp_path / "reference", STEPS, script=SCRIPT
+        ) as ref,
+        Job(
+            Job.meshpact("--standalone", "--nproc-per-node", str(RANKS), "--max-restarts", "1", warm_start=True),
+            tmp_path / "launch",
+            STEPS,
+            script=SCRIPT,
+            script_args=launch,
+        ) as job,
+        Job(
+            Job.torchrun("--standalone", "--nproc-per-node", str(RANKS)),
+            tmp_path / "torchrun",
+            STEPS,
+            script=SCRIPT,
+            script_args=plain,
+        ) as run,
+    ):
         assert ref.wait(400) == 0, ref.tail()
         assert job.wait(400) == 0, job.tail()
         assert run.wait(400) == 0, run.tail()

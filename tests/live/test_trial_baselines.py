@@ -9,7 +9,16 @@ from meshpact.live.trials.trial import TrialConfig, TrialResult
 
 
 def _result(kind: str) -> TrialResult:
-    cfg = TrialConfig(ranks=2, steps=8, faults=1, checkpoint_every=4, fault_kind=FaultKind(kind), data_timeout_s=0.5, stall_s=1.5, down_s=2.0)
+    cfg = TrialConfig(
+        ranks=2,
+        steps=8,
+        faults=1,
+        checkpoint_every=4,
+        fault_kind=FaultKind(kind),
+        data_timeout_s=0.5,
+        stall_s=1.5,
+        down_s=2.0,
+    )
     return TrialResult(cfg, (), [], [], None, {}, True, [], 0, "")
 
 
@@ -29,17 +38,36 @@ def test_baseline_outage_is_detection_or_the_faults_own_duration(kind, in_job, c
     assert r.outage_s(3.0, restart=False) == pytest.approx(3.0)  # a slower detection dominates
 
 
-def _restored(policy: str, rank_t: list[tuple[int, float]], injected: float, step: int = 6, lost: int = 2
-              ) -> tuple[tuple, list, dict]:
+def _restored(
+    policy: str, rank_t: list[tuple[int, float]], injected: float, step: int = 6, lost: int = 2
+) -> tuple[tuple, list, dict]:
     """The events of one recovery at ``step`` that every rank ended at its time, the fault injected at ``injected``."""
     from meshpact.core.recording import Event, EventKind
     from meshpact.live.recovery.faults import Fault, FaultKind
     from meshpact.live.trials.outcome import FaultRecord
 
-    events = [Event(t, EventKind.RECOVERY_DONE, rank, None,
-                    {"step": step, "t_detect_wall": injected + 0.1, "t_first_collective_wall": t - 0.01,
-                     "t_resumed_wall": t, "policy": policy, "reason": "r", "generation": 1, "lost_steps": lost,
-                     "rebind_s": 0.0, "action": "rebuild", "drill": False}) for rank, t in rank_t]
+    events = [
+        Event(
+            t,
+            EventKind.RECOVERY_DONE,
+            rank,
+            None,
+            {
+                "step": step,
+                "t_detect_wall": injected + 0.1,
+                "t_first_collective_wall": t - 0.01,
+                "t_resumed_wall": t,
+                "policy": policy,
+                "reason": "r",
+                "generation": 1,
+                "lost_steps": lost,
+                "rebind_s": 0.0,
+                "action": "rebuild",
+                "drill": False,
+            },
+        )
+        for rank, t in rank_t
+    ]
     return (Fault(0, FaultKind.KILL, step, 1),), events, {0: FaultRecord(1, step, "kill", injected)}
 
 
@@ -54,8 +82,21 @@ def test_a_kill_trials_checkpoint_figure_is_the_same_loss_restored_from_the_chec
     baseline = TrialResult(cfg, faults, [], [], None, ckpt_records, True, [], 1, "", faulted_events=ckpt_events)
     # a drill in the faulted run would say 0.5 s: it must not be the figure of a trial that lost a process
     drilled = [RankOutcome(0, drill=Drill(300.0, 300.5, 4, 2))]
-    r = TrialResult(cfg, faults, [], drilled, None, peer_records, True, [], 1, "", faulted_events=peer_events,
-                    checkpoint_baseline=baseline, replacement_start=ReplacementStart.WARM_SPARE)
+    r = TrialResult(
+        cfg,
+        faults,
+        [],
+        drilled,
+        None,
+        peer_records,
+        True,
+        [],
+        1,
+        "",
+        faulted_events=peer_events,
+        checkpoint_baseline=baseline,
+        replacement_start=ReplacementStart.WARM_SPARE,
+    )
     down, includes = r.downtime(), r.downtime_includes()
     assert down["peer_restore"] == pytest.approx(3.5) and down["checkpoint_restore"] == pytest.approx(4.2)
     spare = ReplacementStart.WARM_SPARE.value
@@ -72,8 +113,19 @@ def test_without_a_lost_process_the_checkpoint_figure_is_the_drill_and_says_no_p
     cfg = TrialConfig(ranks=2, steps=8, faults=1, checkpoint_every=4, fault_kind="collective")
     assert not cfg.loses_process
     faults, events, records = _restored("in_memory", [(0, 100.3), (1, 100.4)], 100.0)
-    r = TrialResult(cfg, faults, [], [RankOutcome(0, drill=Drill(300.0, 300.5, 4, 3))], None, records, True, [], 0, "",
-                    faulted_events=events)
+    r = TrialResult(
+        cfg,
+        faults,
+        [],
+        [RankOutcome(0, drill=Drill(300.0, 300.5, 4, 3))],
+        None,
+        records,
+        True,
+        [],
+        0,
+        "",
+        faulted_events=events,
+    )
     includes = r.downtime_includes()
     assert r.downtime()["checkpoint_restore"] == pytest.approx(0.1 + 0.5)  # detection, then the drill
     assert "no process lost" in includes["checkpoint_restore"] and "3 lost step(s)" in includes["checkpoint_restore"]

@@ -51,10 +51,22 @@ def four_ranks(monkeypatch):
 def test_build_order_puts_the_sessions_groups_first_then_the_users_by_creation_then_any_other():
     groups = ["user10", "meshpact_shard_0-1", "7", "user2", "meshpact_data", "user9", "meshpact_replicate_0-2"]
     first = ["meshpact_data", "meshpact_replicate_0-2", "meshpact_shard_0-1"]
-    assert comm.build_order(groups, first) == ["meshpact_data", "meshpact_replicate_0-2", "meshpact_shard_0-1",
-                                               "user2", "user9", "user10", "7"]
-    assert [comm.user_ordinal(b) for b in ("user0", "user12", "users", "user", "meshpact_data")] == [0, 12, None, None,
-                                                                                                   None]
+    assert comm.build_order(groups, first) == [
+        "meshpact_data",
+        "meshpact_replicate_0-2",
+        "meshpact_shard_0-1",
+        "user2",
+        "user9",
+        "user10",
+        "7",
+    ]
+    assert [comm.user_ordinal(b) for b in ("user0", "user12", "users", "user", "meshpact_data")] == [
+        0,
+        12,
+        None,
+        None,
+        None,
+    ]
     assert comm.base_name(comm.group_name(3, comm.user_base(12))) == "user12"
 
 
@@ -118,11 +130,14 @@ def test_model_parts_are_kept_as_one_module_named_by_part():
     assert model_of(first) is first
 
 
-@pytest.mark.parametrize("parts, why", [
-    ([], "an empty list of model parts"),
-    ([torch.nn.Linear(2, 2), "head"], "model part 1 is str, not a torch.nn.Module"),
-    ("model", "got str"),
-])
+@pytest.mark.parametrize(
+    "parts, why",
+    [
+        ([], "an empty list of model parts"),
+        ([torch.nn.Linear(2, 2), "head"], "model part 1 is str, not a torch.nn.Module"),
+        ("model", "got str"),
+    ],
+)
 def test_what_is_not_a_list_of_model_parts_is_refused_in_one_line(parts, why):
     with pytest.raises((TypeError, ValueError)) as err:
         model_of(parts)
@@ -141,8 +156,7 @@ def test_excising_model_parts_is_refused_before_anything_starts():
     parts = [torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)]
     optimizer = object()  # refused before the optimizer is looked at
     with pytest.raises(ValueError, match=r"model parts are pipeline stages .* use on_rank_loss=Policy.PEER_RESTORE"):
-        Resilient(parts, optimizer, None, build=lambda mesh: (parts, optimizer),
-                  on_rank_loss=Policy.EXCISE)
+        Resilient(parts, optimizer, None, build=lambda mesh: (parts, optimizer), on_rank_loss=Policy.EXCISE)
 
 
 def test_a_group_of_another_backend_than_the_sessions_is_left_to_torch(four_ranks, monkeypatch):

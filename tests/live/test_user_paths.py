@@ -37,8 +37,14 @@ def one_rank() -> Iterator[tuple[Session, EchoService, socket.socket]]:
     echo = EchoService()
     before = echo.connect()  # the user's connection, opened before the session started
     port = unclaimed_port()
-    env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-           "MESHPACT_VENDOR": "cpu", "MESHPACT_RUN_ID": f"user-paths-{os.getpid()}"}
+    env = {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "MESHPACT_VENDOR": "cpu",
+        "MESHPACT_RUN_ID": f"user-paths-{os.getpid()}",
+    }
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)

@@ -13,11 +13,29 @@ V = 151936
 
 
 def params(request: str, **kw: object) -> ServingParams:
-    base = dict(model="Qwen/Qwen3-30B-A3B", vocab_size=V, local_vendor="cuda", remote_vendor="cann",
-                local_slots=1, remote_slots=2, local_per_token_s=0.03, remote_per_token_s=0.02,
-                local_prefill_s=0.0, remote_prefill_s=0.0, link_alpha_s=1e-4, link_beta_s_per_byte=8e-9,
-                fabric_alpha_s=5e-6, fabric_beta_s_per_byte=1e-11, request=Request(request), consumer_ranks=1,
-                producer_ranks=1, concurrency=3, arrival_rate_per_s=None, output_tokens=10, requests=3)
+    base = dict(
+        model="Qwen/Qwen3-30B-A3B",
+        vocab_size=V,
+        local_vendor="cuda",
+        remote_vendor="cann",
+        local_slots=1,
+        remote_slots=2,
+        local_per_token_s=0.03,
+        remote_per_token_s=0.02,
+        local_prefill_s=0.0,
+        remote_prefill_s=0.0,
+        link_alpha_s=1e-4,
+        link_beta_s_per_byte=8e-9,
+        fabric_alpha_s=5e-6,
+        fabric_beta_s_per_byte=1e-11,
+        request=Request(request),
+        consumer_ranks=1,
+        producer_ranks=1,
+        concurrency=3,
+        arrival_rate_per_s=None,
+        output_tokens=10,
+        requests=3,
+    )
     base.update(kw)
     return ServingParams(**base)  # type: ignore[arg-type]  # a dict of every field, values of each type
 

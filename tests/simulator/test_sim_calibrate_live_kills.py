@@ -83,9 +83,25 @@ def test_replaying_a_kill_run_predicts_its_downtime_within_20_percent(path, poli
 
 
 def test_the_cli_reports_provenance_and_the_peer_copy_model():
-    out = subprocess.run([sys.executable, "-m", "meshpact.cli", "simulate", "training", "--policy", "peer_restore",
-                          "--days", "0.1", "--calibrate-from", str(PEER), "--json"], capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshpact.cli",
+            "simulate",
+            "training",
+            "--policy",
+            "peer_restore",
+            "--days",
+            "0.1",
+            "--calibrate-from",
+            str(PEER),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     cal = doc["calibration"]

@@ -66,15 +66,18 @@ def test_calibration_reads_a_recording_still_being_written(tmp_path):
 
 def test_calibrated_simulation_reproduces_measurements_at_the_recorded_scale(tmp_path, make_scenario):
     cal = calibration_from_recording(_recording(tmp_path / "rec.jsonl").path)
-    sc = make_scenario(workload={"step_seconds": 1.0, "days": 0.05, "ranks": 4},
-                       faults={"scripted": [{"at_s": 600.0, "rank": 1}]})
+    sc = make_scenario(
+        workload={"step_seconds": 1.0, "days": 0.05, "ranks": 4}, faults={"scripted": [{"at_s": 600.0, "rank": 1}]}
+    )
     r = simulate_training(sc, adjust=cal.adjust, policies=["in_memory"]).policies[Policy.IN_MEMORY]
     assert r.downtime_s[Stage.DETECTION] == pytest.approx(0.65)
     assert r.downtime_s[Stage.COMMUNICATOR] == pytest.approx(0.325)
     # at 1,024 ranks the measured stage scales like the model
     at_1024 = cal.adjust(Policy.IN_MEMORY, 1024, estimate_recovery("in_memory", 1024).durations_s)
-    ratio = estimate_recovery("in_memory", 1024).durations_s[Stage.COMMUNICATOR] / estimate_recovery(
-        "in_memory", 4).durations_s[Stage.COMMUNICATOR]
+    ratio = (
+        estimate_recovery("in_memory", 1024).durations_s[Stage.COMMUNICATOR]
+        / estimate_recovery("in_memory", 4).durations_s[Stage.COMMUNICATOR]
+    )
     assert at_1024[Stage.COMMUNICATOR] == pytest.approx(0.325 * ratio)
 
 
@@ -86,8 +89,11 @@ def test_recording_without_stage_durations_is_refused(tmp_path):
 
 
 def test_chrome_trace_is_a_valid_trace_event_document(make_scenario, tmp_path):
-    sc = make_scenario(workload={"step_seconds": 1.0, "days": 0.1}, checkpointing={"every_steps": 600, "seconds": 5},
-                       faults={"scripted": [{"at_s": 2000.0, "rank": 3}]})
+    sc = make_scenario(
+        workload={"step_seconds": 1.0, "days": 0.1},
+        checkpointing={"every_steps": 600, "seconds": 5},
+        faults={"scripted": [{"at_s": 2000.0, "rank": 3}]},
+    )
     result = simulate_training(sc)
     doc = json.loads(json.dumps(chrome_trace(result)))
     spans = [e for e in doc["traceEvents"] if e["ph"] == "X"]
@@ -112,8 +118,12 @@ def test_parse_param():
 def test_sweep_runs_points_in_parallel_processes_and_saves(make_scenario, tmp_path):
     sc = make_scenario(workload={"step_seconds": 2.0, "days": 1.0}, faults={"rank_mtbf_hours": 100.0})
     seen = []
-    frame = run_sweep(sc, {"checkpoint_every": [100, 400], "checkpointing.mode": ["sync", "async"]}, processes=2,
-                      progress=lambda done, total: seen.append((done, total)))
+    frame = run_sweep(
+        sc,
+        {"checkpoint_every": [100, 400], "checkpointing.mode": ["sync", "async"]},
+        processes=2,
+        progress=lambda done, total: seen.append((done, total)),
+    )
     assert len(frame) == 4 * len(Policy)  # points x policies
     assert seen[-1] == (4, 4)
     assert set(frame["checkpointing.mode"]) == {"sync", "async"}

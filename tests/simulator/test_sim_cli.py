@@ -10,22 +10,52 @@ import pandas as pd
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "meshpact.cli", "simulate", *args], capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "meshpact.cli", "simulate", *args], capture_output=True, text=True, timeout=120
+    )
 
 
 def test_training_json_shape_and_trace(tmp_path):
     trace = tmp_path / "t.json"
-    out = cli("training", "--ranks", "64", "--days", "2", "--step-seconds", "3", "--rank-mtbf-hours", "500",
-              "--checkpoint-every", "200", "--checkpoint-seconds", "20", "--checkpoint-mode", "async",
-              "--policy", "all", "--seed", "9", "--json", "--trace", str(trace))
+    out = cli(
+        "training",
+        "--ranks",
+        "64",
+        "--days",
+        "2",
+        "--step-seconds",
+        "3",
+        "--rank-mtbf-hours",
+        "500",
+        "--checkpoint-every",
+        "200",
+        "--checkpoint-seconds",
+        "20",
+        "--checkpoint-mode",
+        "async",
+        "--policy",
+        "all",
+        "--seed",
+        "9",
+        "--json",
+        "--trace",
+        str(trace),
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["ranks"] == 64 and doc["step_s"] == 3.0 and doc["checkpoint_mode"] == "async"
     assert set(doc["policies"]) == {"cold_restart", "checkpoint_restore", "in_memory", "peer_restore", "excise"}
     for p in doc["policies"].values():
         assert {"goodput", "downtime_s", "faults", "lost_steps", "checkpoint_overhead"} <= set(p)
-        assert set(p["downtime_s"]) == {"detection", "restart", "consensus", "communicator", "state", "rebinding", "replay"}
+        assert set(p["downtime_s"]) == {
+            "detection",
+            "restart",
+            "consensus",
+            "communicator",
+            "state",
+            "rebinding",
+            "replay",
+        }
     assert json.loads(trace.read_text())["traceEvents"]
 
 
@@ -47,8 +77,19 @@ def test_serving_json_shape():
 
 def test_sweep_writes_csv(tmp_path):
     out_path = tmp_path / "r.csv"
-    out = cli("sweep", "--scenario", "default", "--param", "checkpoint_every=200,800", "--param", "days=1",
-              "--processes", "1", "--out", str(out_path))
+    out = cli(
+        "sweep",
+        "--scenario",
+        "default",
+        "--param",
+        "checkpoint_every=200,800",
+        "--param",
+        "days=1",
+        "--processes",
+        "1",
+        "--out",
+        str(out_path),
+    )
     assert out.returncode == 0, out.stderr
     frame = pd.read_csv(out_path)
     assert len(frame) == 2 * 5 and sorted(set(frame["checkpointing.every_steps"])) == [200, 800]
@@ -61,8 +102,9 @@ def test_training_calibrated_from_a_recording(tmp_path):
 
     with RecordingWriter(tmp_path / "rec.jsonl", source="live", ranks=32) as w:
         w.emit("recovered", data={"policy": "in_memory", "stages_s": {"detection": 0.25, "communicator": 0.5}})
-    out = cli("training", "--policy", "in_memory", "--days", "7", "--calibrate-from", str(tmp_path / "rec.jsonl"),
-              "--json")
+    out = cli(
+        "training", "--policy", "in_memory", "--days", "7", "--calibrate-from", str(tmp_path / "rec.jsonl"), "--json"
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["calibration"]["measured_s"] == {"in_memory": {"detection": 0.25, "communicator": 0.5}}

@@ -11,7 +11,10 @@ import pytest
 
 from meshpact.core.recovery import Policy, Stage
 from meshpact.core.recovery_costs import (
-    POLICY_MODELS, RecoveryCosts, estimate_recovery, peer_copy_seconds_per_step,
+    POLICY_MODELS,
+    RecoveryCosts,
+    estimate_recovery,
+    peer_copy_seconds_per_step,
 )
 from meshpact.simulator.faults import fault_trace
 from meshpact.simulator.training import simulate_training
@@ -23,7 +26,8 @@ STEP, K, C = 2.0, 50, 7.0
 def _sc(make_scenario, faults=None, policies=None, **workload):
     return make_scenario(
         workload={"model": "qwen3-14b", "step_seconds": STEP, "parallelism": {"tensor": 4}, "days": 0.05, **workload},
-        faults=faults or {}, checkpointing={"every_steps": K, "mode": "sync", "seconds": C},
+        faults=faults or {},
+        checkpointing={"every_steps": K, "mode": "sync", "seconds": C},
         recovery={"policies": policies or [p.value for p in Policy]},
     )
 
@@ -36,8 +40,14 @@ def test_every_policy_names_its_assumption_and_has_a_record():
 
 
 def test_node_and_rack_failures_take_whole_failure_domains(make_scenario):
-    faults = {"rank_loss_mtbf_hours": 50.0, "node_fraction": 0.5, "rack_fraction": 0.25, "ranks_per_node": 8,
-              "nodes_per_rack": 4, "seed": 4}
+    faults = {
+        "rank_loss_mtbf_hours": 50.0,
+        "node_fraction": 0.5,
+        "rack_fraction": 0.25,
+        "ranks_per_node": 8,
+        "nodes_per_rack": 4,
+        "seed": 4,
+    }
     sc = _sc(make_scenario, faults=faults)
     ranks, horizon = 4096, 30 * 86400.0
     trace = fault_trace(sc.faults, ranks, horizon)
@@ -52,8 +62,11 @@ def test_node_and_rack_failures_take_whole_failure_domains(make_scenario):
 
 
 def test_a_hang_is_found_by_the_heartbeat_or_by_the_watchdog(make_scenario):
-    sc = _sc(make_scenario, faults={"scripted": [{"at_s": 500.0, "rank": 3, "impact": "hang"}]},
-             policies=["checkpoint_restore", "in_memory"])
+    sc = _sc(
+        make_scenario,
+        faults={"scripted": [{"at_s": 500.0, "rank": 3, "impact": "hang"}]},
+        policies=["checkpoint_restore", "in_memory"],
+    )
     r = simulate_training(sc)
     costs = RecoveryCosts()
     assert r.policies[Policy.IN_MEMORY].downtime_s[Stage.DETECTION] == pytest.approx(costs.heartbeat_timeout_s)
@@ -63,11 +76,17 @@ def test_a_hang_is_found_by_the_heartbeat_or_by_the_watchdog(make_scenario):
 
 def test_peer_restore_survives_a_node_loss_but_not_a_rack_loss(make_scenario):
     def run(scope: str):
-        faults = {"scripted": [{"at_s": 500.0, "rank": 9, "impact": "rank_loss", "scope": scope}],
-                  "ranks_per_node": 8, "nodes_per_rack": 2}
+        faults = {
+            "scripted": [{"at_s": 500.0, "rank": 9, "impact": "rank_loss", "scope": scope}],
+            "ranks_per_node": 8,
+            "nodes_per_rack": 2,
+        }
         # copies that cost next to no time (the host copy is never free): both policies step almost alike
-        return simulate_training(_sc(make_scenario, faults=faults, ranks=32), policies=["peer_restore", "in_memory"],
-                                 overrides={"recovery.costs.host_copy_bytes_per_s": 1e15}).policies
+        return simulate_training(
+            _sc(make_scenario, faults=faults, ranks=32),
+            policies=["peer_restore", "in_memory"],
+            overrides={"recovery.costs.host_copy_bytes_per_s": 1e15},
+        ).policies
 
     node = run("node")
     # 500 s is 20 steps past the checkpoint at 457 s (durable: 200 steps)
@@ -95,8 +114,10 @@ def test_peer_copies_are_paid_every_step(make_scenario):
 
 
 def test_spares_replace_lost_ranks_in_seconds_and_refill_after_repair(make_scenario):
-    losses = [{"at_s": t, "rank": 8 * i, "impact": "rank_loss", "scope": "node"}
-              for i, t in enumerate((500.0, 2000.0, 3500.0))]
+    losses = [
+        {"at_s": t, "rank": 8 * i, "impact": "rank_loss", "scope": "node"}
+        for i, t in enumerate((500.0, 2000.0, 3500.0))
+    ]
     faults = {"scripted": losses, "spare_ranks": 8, "repair_hours": 2000.0 / 3600}
     sc = _sc(make_scenario, faults=faults, ranks=32, policies=["in_memory"], days=0.06)
     r = simulate_training(sc).policies[Policy.IN_MEMORY]
@@ -121,14 +142,28 @@ def test_stragglers_stretch_every_step_by_the_expected_slowest_rank(make_scenari
 
 
 def test_fixed_work_ends_when_the_steps_are_committed(make_scenario):
-    sc = _sc(make_scenario, work_steps=1000, days=10.0, policies=["checkpoint_restore", "in_memory"],
-             faults={"scripted": [{"at_s": 254.0, "rank": 5}]})
+    sc = _sc(
+        make_scenario,
+        work_steps=1000,
+        days=10.0,
+        policies=["checkpoint_restore", "in_memory"],
+        faults={"scripted": [{"at_s": 254.0, "rank": 5}]},
+    )
     r = simulate_training(sc)
     ck, mem = r.policies[Policy.CHECKPOINT_RESTORE], r.policies[Policy.IN_MEMORY]
     checkpoints = 1000 // K - 1  # the run ends at the last step, before its checkpoint
     for p, res in r.policies.items():
-        want = 1000 * STEP + checkpoints * C + estimate_recovery(p, 32, RecoveryCosts(
-            state_bytes_per_rank=r.workload.state_bytes_per_rank), replay_steps=res.lost_steps, step_s=STEP).total_s
+        want = (
+            1000 * STEP
+            + checkpoints * C
+            + estimate_recovery(
+                p,
+                32,
+                RecoveryCosts(state_bytes_per_rank=r.workload.state_bytes_per_rank),
+                replay_steps=res.lost_steps,
+                step_s=STEP,
+            ).total_s
+        )
         assert res.finished and res.committed_steps == 1000
         assert res.time_to_finish_s == pytest.approx(want + (254.0 - 214.0 - 20 * STEP), abs=1e-6)
     assert ck.time_to_finish_s > mem.time_to_finish_s
@@ -137,16 +172,26 @@ def test_fixed_work_ends_when_the_steps_are_committed(make_scenario):
 
 
 def test_faults_by_checkpoint_age_strike_at_that_age_under_every_policy(make_scenario):
-    sc = _sc(make_scenario, work_steps=10 * K, days=1.0, policies=["checkpoint_restore", "in_memory"],
-             faults={"at_checkpoint_age": {"steps": 7, "count": 4}})
+    sc = _sc(
+        make_scenario,
+        work_steps=10 * K,
+        days=1.0,
+        policies=["checkpoint_restore", "in_memory"],
+        faults={"at_checkpoint_age": {"steps": 7, "count": 4}},
+    )
     r = simulate_training(sc)
     ck, mem = r.policies[Policy.CHECKPOINT_RESTORE], r.policies[Policy.IN_MEMORY]
     assert ck.faults == mem.faults == 4
     assert ck.lost_steps == 4 * 7 and mem.lost_steps == 0
     faults = [e for e in ck.timeline if e.kind == "fault"]
     # the k-th fault is 7 steps into the k-th interval; each earlier one cost a recovery and a replay
-    ck_stall = estimate_recovery("checkpoint_restore", 32, RecoveryCosts(
-        state_bytes_per_rank=r.workload.state_bytes_per_rank), replay_steps=7, step_s=STEP).total_s
+    ck_stall = estimate_recovery(
+        "checkpoint_restore",
+        32,
+        RecoveryCosts(state_bytes_per_rank=r.workload.state_bytes_per_rank),
+        replay_steps=7,
+        step_s=STEP,
+    ).total_s
     want = [k * (K * STEP + C) + 7 * STEP + k * ck_stall for k in range(4)]
     assert [e.t for e in faults] == pytest.approx(want)
 

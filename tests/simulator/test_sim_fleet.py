@@ -28,17 +28,29 @@ PUBLISHED = {"paper": (9850.0, 0.62), "report": (9865.97, 0.6228)}
 
 
 def small(**kw) -> FleetSpec:
-    base = dict(job_servers=64, warm_standbys=4, working_pool=72, spare_pool=8, work_days=20,
-                failures_per_server_day=0.05)
+    base = dict(
+        job_servers=64, warm_standbys=4, working_pool=72, spare_pool=8, work_days=20, failures_per_server_day=0.05
+    )
     base.update(kw)
     return FleetSpec(**base)
 
 
 @pytest.mark.slow  # 1-4 s: five replications of the 256-day Table 1 run
 def test_table1_agrees_with_airesim_within_3_percent_by_the_interval_rule():
-    r = replicate(FleetSpec(), fleet_charge(Policy.COLD_RESTART, FleetSpec()), confidence=0.95, tolerance=0.01,
-                  min_runs=5, max_runs=40, seed=100)
-    assert r.converged and r.finish_h.relative_half_width <= 0.01 and r.effective_training_ratio.relative_half_width <= 0.01
+    r = replicate(
+        FleetSpec(),
+        fleet_charge(Policy.COLD_RESTART, FleetSpec()),
+        confidence=0.95,
+        tolerance=0.01,
+        min_runs=5,
+        max_runs=40,
+        seed=100,
+    )
+    assert (
+        r.converged
+        and r.finish_h.relative_half_width <= 0.01
+        and r.effective_training_ratio.relative_half_width <= 0.01
+    )
     for finish_h, etr in PUBLISHED.values():
         assert abs(r.finish_h.mean / finish_h - 1) < 0.03, (r.finish_h, finish_h)
         assert abs(r.effective_training_ratio.mean / etr - 1) < 0.03, (r.effective_training_ratio, etr)
@@ -48,19 +60,32 @@ def test_table1_agrees_with_airesim_within_3_percent_by_the_interval_rule():
     assert run.work_h == 256 * 24 and not run.depleted
     assert math.isclose(run.effective_training_ratio, 6144 / run.finish_h)
     # every hour is accounted: computing, recovering, selecting hosts, preempting spares, stalled
-    assert math.isclose(run.compute_h + run.recovery_h + run.host_selection_h + run.preemption_h + run.stalled_h,
-                        run.finish_h, rel_tol=1e-9)
+    assert math.isclose(
+        run.compute_h + run.recovery_h + run.host_selection_h + run.preemption_h + run.stalled_h,
+        run.finish_h,
+        rel_tol=1e-9,
+    )
     assert math.isclose(run.recovery_h, run.failures * 20 / 60)
     assert 0.05 < run.fixed / run.failures < 0.2  # most failures are good servers' random ones
     assert 0 < run.preemptions <= 200  # the repair backlog outgrows the 48 servers of headroom
 
 
-@pytest.mark.parametrize("dist, param", [(FailureDistribution.WEIBULL, 0.6), (FailureDistribution.WEIBULL, 3.0),
-                                         (FailureDistribution.LOGNORMAL, 0.5), (FailureDistribution.LOGNORMAL, 2.0)])
+@pytest.mark.parametrize(
+    "dist, param",
+    [
+        (FailureDistribution.WEIBULL, 0.6),
+        (FailureDistribution.WEIBULL, 3.0),
+        (FailureDistribution.LOGNORMAL, 0.5),
+        (FailureDistribution.LOGNORMAL, 2.0),
+    ],
+)
 def test_first_failure_drawn_once_matches_the_minimum_of_per_server_draws(dist, param):
     """Inverting the minimum's law gives what drawing every server and keeping the minimum gives."""
-    f = small(distribution=dist, weibull_shape=param if dist is FailureDistribution.WEIBULL else 1.0,
-              lognormal_sigma=param if dist is FailureDistribution.LOGNORMAL else 1.0)
+    f = small(
+        distribution=dist,
+        weibull_shape=param if dist is FailureDistribution.WEIBULL else 1.0,
+        lognormal_sigma=param if dist is FailureDistribution.LOGNORMAL else 1.0,
+    )
     sim = _Fleet(f, COLD, seed=3)
     n, rate, draws = 50, 1 / 1000.0, 4000
     fast = sorted(sim._min_time(n, rate) for _ in range(draws))
@@ -85,8 +110,10 @@ def test_failure_count_follows_the_rate_and_nothing_fails_without_one():
     counts = [run_fleet(small(bad_fraction=0.0), COLD, seed=s).failures for s in range(30)]
     assert abs(fmean(counts) - 64) < 4 * math.sqrt(64 / 30)
     # all bad at 5x on top of the base: six times as many
-    bad = [run_fleet(small(bad_fraction=1.0, auto_false_success=1.0, manual_false_success=1.0), COLD, seed=s).failures
-           for s in range(10)]
+    bad = [
+        run_fleet(small(bad_fraction=1.0, auto_false_success=1.0, manual_false_success=1.0), COLD, seed=s).failures
+        for s in range(10)
+    ]
     assert abs(fmean(bad) / 384 - 1) < 0.1
 
 
@@ -104,16 +131,24 @@ def test_repairs_that_only_report_success_fix_nothing_and_missed_diagnoses_repai
 
 
 def test_pool_pressure_takes_the_spares_then_stalls_and_retirement_can_deplete():
-    tight = small(warm_standbys=0, working_pool=64, spare_pool=3, failures_per_server_day=0.2, manual_repair_minutes=20000)
+    tight = small(
+        warm_standbys=0, working_pool=64, spare_pool=3, failures_per_server_day=0.2, manual_repair_minutes=20000
+    )
     r = run_fleet(tight, COLD, seed=4)
     assert r.preemptions == 3 and r.stalled_h > 0 and math.isclose(r.preemption_h, 3 * 20 / 60)
     assert r.host_selections == r.failures + 1  # no standbys: every failure selects hosts again
-    retire = small(retirement=RetirementSpec(policy=Retirement.THRESHOLD, max_failures=1, window_days=100),
-                   failures_per_server_day=0.5)
+    retire = small(
+        retirement=RetirementSpec(policy=Retirement.THRESHOLD, max_failures=1, window_days=100),
+        failures_per_server_day=0.5,
+    )
     d = run_fleet(retire, COLD, seed=4)
-    assert d.depleted and d.effective_training_ratio == 0.0 and d.retired > 80 - 68  # fewer than the job and its standbys are left
-    scored = small(retirement=RetirementSpec(policy=Retirement.SCORE, initial_score=50, failure_penalty=60),
-                   failures_per_server_day=0.2)
+    assert (
+        d.depleted and d.effective_training_ratio == 0.0 and d.retired > 80 - 68
+    )  # fewer than the job and its standbys are left
+    scored = small(
+        retirement=RetirementSpec(policy=Retirement.SCORE, initial_score=50, failure_penalty=60),
+        failures_per_server_day=0.2,
+    )
     assert run_fleet(scored, COLD, seed=4).retired > 0  # one failure takes a server below 0
 
 
@@ -166,8 +201,9 @@ BAD_INPUT = [  # (AIReSim's name, value, this project's fleet field, value, what
 
 
 @pytest.mark.parametrize("airesim, a_value, field, value, says", BAD_INPUT)
-def test_out_of_range_fleet_refused_in_one_line_in_an_airesim_file_and_a_scenario(tmp_path, airesim, a_value, field,
-                                                                                      value, says):
+def test_out_of_range_fleet_refused_in_one_line_in_an_airesim_file_and_a_scenario(
+    tmp_path, airesim, a_value, field, value, says
+):
     path = tmp_path / "params.json"
     path.write_text(json.dumps({"job_size": 4096, airesim: a_value}))
     with pytest.raises(ScenarioError, match=says) as exc:
@@ -175,8 +211,10 @@ def test_out_of_range_fleet_refused_in_one_line_in_an_airesim_file_and_a_scenari
     assert str(exc.value).startswith(f"{path}: ") and "\n" not in str(exc.value)
     if "smaller" not in says:
         assert airesim in str(exc.value)  # named as the file names it
-    text = ("name: t\ncluster: {domains: [{name: a, vendor: cuda, host: h, ranks: 8}]}\n"
-            f"fleet: {{{field}: {json.dumps(value)}}}\n")
+    text = (
+        "name: t\ncluster: {domains: [{name: a, vendor: cuda, host: h, ranks: 8}]}\n"
+        f"fleet: {{{field}: {json.dumps(value)}}}\n"
+    )
     with pytest.raises(ScenarioError, match=says) as exc:
         parse_scenario_text(text, "t.yaml")
     assert str(exc.value).startswith("t.yaml: fleet") and "\n" not in str(exc.value)
@@ -184,9 +222,11 @@ def test_out_of_range_fleet_refused_in_one_line_in_an_airesim_file_and_a_scenari
 
 def test_airesim_file_names_and_units_carried_over(tmp_path):
     path = tmp_path / "params.yaml"
-    path.write_text("job_size: 100\nwarm_standbys: 2\nworking_pool_size: 110\nspare_pool_size: 5\n"
-                    "job_length: 14400\nrandom_failure_rate: 1.0e-4\nbad_server_regeneration: true\n"
-                    "seed: 7\nadaptive_replications: true\n")
+    path.write_text(
+        "job_size: 100\nwarm_standbys: 2\nworking_pool_size: 110\nspare_pool_size: 5\n"
+        "job_length: 14400\nrandom_failure_rate: 1.0e-4\nbad_server_regeneration: true\n"
+        "seed: 7\nadaptive_replications: true\n"
+    )
     f = fleet_from_airesim(path)
     assert (f.job_servers, f.warm_standbys, f.working_pool, f.spare_pool) == (100, 2, 110, 5)
     assert math.isclose(f.work_days, 10.0) and math.isclose(f.failures_per_server_day, 0.144)
@@ -202,11 +242,37 @@ def test_airesim_file_names_and_units_carried_over(tmp_path):
 @pytest.mark.slow  # two command-line processes
 def test_cli_runs_an_airesim_file_and_refuses_a_bad_one_before_any_work(tmp_path):
     good = tmp_path / "good.json"
-    good.write_text(json.dumps({"job_size": 32, "warm_standbys": 2, "working_pool_size": 60, "spare_pool_size": 4,
-                                "job_length": 20 * 1440, "random_failure_rate": 0.05 / 1440}))
-    out = subprocess.run([sys.executable, "-m", "meshpact.cli", "simulate", "training", "--from-airesim", str(good),
-                          "--policy", "cold_restart,excise", "--tolerance", "0.05", "--json"],
-                         capture_output=True, text=True, timeout=120)
+    good.write_text(
+        json.dumps(
+            {
+                "job_size": 32,
+                "warm_standbys": 2,
+                "working_pool_size": 60,
+                "spare_pool_size": 4,
+                "job_length": 20 * 1440,
+                "random_failure_rate": 0.05 / 1440,
+            }
+        )
+    )
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "meshpact.cli",
+            "simulate",
+            "training",
+            "--from-airesim",
+            str(good),
+            "--policy",
+            "cold_restart,excise",
+            "--tolerance",
+            "0.05",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     assert doc["scenario"] == "airesim_table1" and doc["fleet"]["job_servers"] == 32
@@ -215,18 +281,28 @@ def test_cli_runs_an_airesim_file_and_refuses_a_bad_one_before_any_work(tmp_path
     assert doc["policies"]["excise"]["finish_h"]["mean"] < cold["finish_h"]["mean"]
     bad = tmp_path / "bad.yaml"
     bad.write_text("job_size: 32\nsystematic_failure_fraction: -0.2\n")
-    out = subprocess.run([sys.executable, "-m", "meshpact.cli", "simulate", "training", "--from-airesim", str(bad),
-                          "--days", "3"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshpact.cli", "simulate", "training", "--from-airesim", str(bad), "--days", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "--days" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([sys.executable, "-m", "meshpact.cli", "simulate", "training", "--from-airesim", str(bad)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "meshpact.cli", "simulate", "training", "--from-airesim", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "systematic_failure_fraction" in out.stderr and len(out.stderr.strip().splitlines()) == 1
 
 
 def test_unbounded_fleets_refused_before_any_work():
     with pytest.raises(ScenarioError, match="over the limit"):
-        run_fleet(FleetSpec(job_servers=100_000, working_pool=100_016, failures_per_server_day=100.0, work_days=3650), COLD)
+        run_fleet(
+            FleetSpec(job_servers=100_000, working_pool=100_016, failures_per_server_day=100.0, work_days=3650), COLD
+        )
     far_apart = FleetCharge(Policy.IN_MEMORY, 1.0, rollback_every_s=36_000.0)
     with pytest.raises(ScenarioError, match="seldom finish one"):
         replicate(small(failures_per_server_day=1.0), far_apart)

@@ -34,20 +34,33 @@ def assert_refused(rc: int, err: str, *names: str) -> None:
         assert name in lines[0], err
 
 
-@pytest.mark.parametrize("args, names", [
-    (["training", "--ranks", "10000000"], ["workload.ranks", "1048576"]),
-    (["training", "--seed", "-1"], ["faults.seed", "0"]),
-    (["training", "--days", "inf"], ["workload.days", "finite"]),
-    (["training", "--days", "nan"], ["workload.days", "finite"]),
-    (["training", "--days", "1e9"], ["workload.days", "3650"]),
-    (["training", "--rank-mtbf-hours", "1e-9"], ["faults.rank_mtbf_hours", "200,000"]),
-    (["training", "--ranks", "1048576", "--days", "3650"], ["checkpointing.every_steps", "1,000,000"]),
-    (["training", "--checkpoint-every", "0"], ["checkpointing.every_steps"]),
-    (["sweep", "--scenario", "default", "--param", "days=1,.inf"], ["workload.days", "finite"]),
-    (["sweep", "--scenario", "default", "--param", "seed=-1"], ["faults.seed"]),
-    (["sweep", "--scenario", "default", "--param", "seed=" + ",".join(map(str, range(400))),
-      "--param", "days=" + ",".join(str(1 + i / 1000) for i in range(400))], ["--param", "100,000"]),
-])
+@pytest.mark.parametrize(
+    "args, names",
+    [
+        (["training", "--ranks", "10000000"], ["workload.ranks", "1048576"]),
+        (["training", "--seed", "-1"], ["faults.seed", "0"]),
+        (["training", "--days", "inf"], ["workload.days", "finite"]),
+        (["training", "--days", "nan"], ["workload.days", "finite"]),
+        (["training", "--days", "1e9"], ["workload.days", "3650"]),
+        (["training", "--rank-mtbf-hours", "1e-9"], ["faults.rank_mtbf_hours", "200,000"]),
+        (["training", "--ranks", "1048576", "--days", "3650"], ["checkpointing.every_steps", "1,000,000"]),
+        (["training", "--checkpoint-every", "0"], ["checkpointing.every_steps"]),
+        (["sweep", "--scenario", "default", "--param", "days=1,.inf"], ["workload.days", "finite"]),
+        (["sweep", "--scenario", "default", "--param", "seed=-1"], ["faults.seed"]),
+        (
+            [
+                "sweep",
+                "--scenario",
+                "default",
+                "--param",
+                "seed=" + ",".join(map(str, range(400))),
+                "--param",
+                "days=" + ",".join(str(1 + i / 1000) for i in range(400)),
+            ],
+            ["--param", "100,000"],
+        ),
+    ],
+)
 def test_malformed_flags_are_refused_in_one_line(args, names):
     rc, _, err = run_cli(*args)
     assert_refused(rc, err, *names)
@@ -77,8 +90,10 @@ def test_trace_into_a_missing_folder_is_refused_and_no_folder_is_made(tmp_path):
 
 def test_infinite_days_in_a_scenario_file_is_refused(tmp_path):
     f = tmp_path / "inf.yaml"
-    f.write_text("name: inf\ncluster:\n  domains:\n    - {name: a, vendor: cuda, host: h, ranks: 8}\n"
-                 "workload: {step_seconds: 1.0, days: .inf}\n")
+    f.write_text(
+        "name: inf\ncluster:\n  domains:\n    - {name: a, vendor: cuda, host: h, ranks: 8}\n"
+        "workload: {step_seconds: 1.0, days: .inf}\n"
+    )
     rc, _, err = run_cli("training", "--scenario", str(f))
     assert_refused(rc, err, "inf.yaml", "workload.days")
 
@@ -89,8 +104,16 @@ _NUMBERS = st.one_of(
     st.sampled_from([0, -1, 10**7, 10**12, 2**63, 1e-12, 1e-9, 1e9, 1e300, math.inf, -math.inf, math.nan]),
     st.floats(min_value=1e-3, max_value=50, allow_nan=False),
 )
-_FLAGS = {"--ranks": int, "--days": float, "--step-seconds": float, "--rank-mtbf-hours": float,
-          "--checkpoint-every": int, "--checkpoint-seconds": float, "--seed": int, "--work-steps": int}
+_FLAGS = {
+    "--ranks": int,
+    "--days": float,
+    "--step-seconds": float,
+    "--rank-mtbf-hours": float,
+    "--checkpoint-every": int,
+    "--checkpoint-seconds": float,
+    "--seed": int,
+    "--work-steps": int,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -128,23 +151,40 @@ def test_fuzzed_training_flags_run_or_are_refused_in_one_line(flags):
 
 
 _FIELDS = {
-    "workload.days": _NUMBERS, "workload.ranks": _NUMBERS, "workload.step_seconds": _NUMBERS,
-    "faults.rank_mtbf_hours": _NUMBERS, "faults.rank_loss_mtbf_hours": _NUMBERS, "faults.seed": _NUMBERS,
-    "faults.repair_hours": _NUMBERS, "checkpointing.every_steps": _NUMBERS, "checkpointing.seconds": _NUMBERS,
-    "faults.hang_mtbf_hours": _NUMBERS, "faults.node_fraction": _NUMBERS, "faults.rack_fraction": _NUMBERS,
-    "faults.spare_ranks": _NUMBERS, "faults.ranks_per_node": _NUMBERS, "workload.step_time_cv": _NUMBERS,
-    "workload.work_steps": _NUMBERS, "checkpointing.read_gbyte_per_s_per_rank": _NUMBERS,
+    "workload.days": _NUMBERS,
+    "workload.ranks": _NUMBERS,
+    "workload.step_seconds": _NUMBERS,
+    "faults.rank_mtbf_hours": _NUMBERS,
+    "faults.rank_loss_mtbf_hours": _NUMBERS,
+    "faults.seed": _NUMBERS,
+    "faults.repair_hours": _NUMBERS,
+    "checkpointing.every_steps": _NUMBERS,
+    "checkpointing.seconds": _NUMBERS,
+    "faults.hang_mtbf_hours": _NUMBERS,
+    "faults.node_fraction": _NUMBERS,
+    "faults.rack_fraction": _NUMBERS,
+    "faults.spare_ranks": _NUMBERS,
+    "faults.ranks_per_node": _NUMBERS,
+    "workload.step_time_cv": _NUMBERS,
+    "workload.work_steps": _NUMBERS,
+    "checkpointing.read_gbyte_per_s_per_rank": _NUMBERS,
 }
 
 
 @pytest.mark.slow
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(st.dictionaries(st.sampled_from(sorted(_FIELDS)), _NUMBERS, min_size=1, max_size=5))
 def test_fuzzed_scenario_fields_run_or_are_refused_in_one_line(tmp_path, fields):
     import yaml
 
-    data = {"name": "fuzz", "cluster": {"domains": [{"name": "a", "vendor": "cuda", "host": "h", "ranks": 8}]},
-            "workload": {"days": 0.2, "step_seconds": 1.0}, "recovery": {"policies": ["in_memory"]}}
+    data = {
+        "name": "fuzz",
+        "cluster": {"domains": [{"name": "a", "vendor": "cuda", "host": "h", "ranks": 8}]},
+        "workload": {"days": 0.2, "step_seconds": 1.0},
+        "recovery": {"policies": ["in_memory"]},
+    }
     for path, value in fields.items():
         section, name = path.split(".")
         data.setdefault(section, {})[name] = value

@@ -8,10 +8,19 @@ from meshpact.core.errors import RecordingError
 from meshpact.simulator.calibrate import peer_copy_calibration
 
 # 4 ranks, 2 MB shipped per rank and commit to one holder; CPU seconds of each part of the copy
-SUMMARY = {"copies": 1, "network_bytes_per_step": 4 * 2_000_000, "ship_ms_mean": 64.0, "snapshot_ms_per_commit": 3.0,
-           "step_ms_with": 160.0, "step_ms_without": 150.0, "host_copy_ms_per_commit": 2.0,
-           "ship_cpu_ms_per_commit": 20.0, "receive_cpu_ms_per_commit": 10.0, "step_cpu_ms": 50.0,
-           "cores_per_rank": 0.5}
+SUMMARY = {
+    "copies": 1,
+    "network_bytes_per_step": 4 * 2_000_000,
+    "ship_ms_mean": 64.0,
+    "snapshot_ms_per_commit": 3.0,
+    "step_ms_with": 160.0,
+    "step_ms_without": 150.0,
+    "host_copy_ms_per_commit": 2.0,
+    "ship_cpu_ms_per_commit": 20.0,
+    "receive_cpu_ms_per_commit": 10.0,
+    "step_cpu_ms": 50.0,
+    "cores_per_rank": 0.5,
+}
 
 
 def test_rates_come_from_the_cpu_seconds_of_each_part_never_from_the_step_latency():
@@ -47,16 +56,28 @@ def test_the_training_thread_prediction_adds_the_wait_when_the_step_is_shorter_t
 
 
 def test_a_summary_from_before_the_parts_were_measured_uses_the_whole_thread_time_and_the_ship_seconds():
-    old = {k: v for k, v in SUMMARY.items() if k not in ("host_copy_ms_per_commit", "ship_cpu_ms_per_commit",
-                                                          "receive_cpu_ms_per_commit", "step_cpu_ms", "cores_per_rank")}
+    old = {
+        k: v
+        for k, v in SUMMARY.items()
+        if k
+        not in (
+            "host_copy_ms_per_commit",
+            "ship_cpu_ms_per_commit",
+            "receive_cpu_ms_per_commit",
+            "step_cpu_ms",
+            "cores_per_rank",
+        )
+    }
     cal = peer_copy_calibration(old, 4)
     assert cal.costs.host_copy_bytes_per_s == pytest.approx(2e6 / 0.003)
     assert cal.costs.peer_bytes_per_s == cal.costs.peer_cpu_bytes_per_s == pytest.approx(2e6 / 0.064)
     assert cal.costs.cores_per_rank == 12.0  # the cost model's default
 
 
-@pytest.mark.parametrize("field", ["host_copy_ms_per_commit", "ship_cpu_ms_per_commit", "receive_cpu_ms_per_commit",
-                                   "step_cpu_ms", "cores_per_rank"])
+@pytest.mark.parametrize(
+    "field",
+    ["host_copy_ms_per_commit", "ship_cpu_ms_per_commit", "receive_cpu_ms_per_commit", "step_cpu_ms", "cores_per_rank"],
+)
 def test_a_malformed_part_is_refused_by_name(field):
     with pytest.raises(RecordingError, match=f"peer_copy_overhead.{field} must be a number"):
         peer_copy_calibration({**SUMMARY, field: "fast"}, 4)

@@ -6,7 +6,11 @@ import pytest
 
 from meshpact.core.recovery import Policy, Stage
 from meshpact.core.recovery_costs import (
-    DEFAULT_RECOVERY_COSTS, FaultImpact, RecoveryCosts, communicator_seconds, estimate_recovery,
+    DEFAULT_RECOVERY_COSTS,
+    FaultImpact,
+    RecoveryCosts,
+    communicator_seconds,
+    estimate_recovery,
 )
 
 

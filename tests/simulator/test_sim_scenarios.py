@@ -37,19 +37,35 @@ def test_default_scenario_keeps_its_cluster_and_runs_all_policies():
         ("workload: {step_seconds: 1, tokens_per_step: 10}", "workload", "not both"),
         ("workload: {mfu: 1.5}", "workload.mfu", "less than or equal to 1"),
         ("faults: {rank_mtbf_hours: 0}", "faults.rank_mtbf_hours", "greater than 0"),
-        ("faults: {scripted: [{at_s: 5, impact: meteor}]}", "faults.scripted.0.impact", "'transient', 'hang' or 'rank_loss'"),
+        (
+            "faults: {scripted: [{at_s: 5, impact: meteor}]}",
+            "faults.scripted.0.impact",
+            "'transient', 'hang' or 'rank_loss'",
+        ),
         ("faults: {mtbf: 5}", "faults.mtbf", "unknown field"),
         ("checkpointing: {mode: sometimes}", "checkpointing.mode", "'sync' or 'async'"),
         ("checkpointing: {every_steps: 0}", "checkpointing.every_steps", "greater than or equal to 1"),
         ("recovery: {policies: [reboot]}", "recovery.policies.0", "'cold_restart'"),
         ("recovery: {costs: {detection: 3}}", "recovery.costs.detection", "unknown field"),
-        ("recovery: {stage_seconds: {in_memory: {replay: 1}}}", "recovery.stage_seconds", "replay follows from lost steps"),
+        (
+            "recovery: {stage_seconds: {in_memory: {replay: 1}}}",
+            "recovery.stage_seconds",
+            "replay follows from lost steps",
+        ),
         ("checkpointng: {mode: sync}", "(top level)", "did you mean 'checkpointing'"),
         ("serving: {presets: {}}", "serving.presets", "at least 1 item"),
-        ("serving: {model: big, presets: {dense: {model: qwen3-14b, local: {vendor: cuda, slots: 1, per_token_s: 0.01}, "
-         "remote: {vendor: cann, slots: 1, per_token_s: 0.02}}}}", "serving", "not a preset"),
-        ("serving: {request: shard, presets: {dense: {model: qwen3-14b, local: {vendor: cuda, slots: 1, per_token_s: 0.01}, "
-         "remote: {vendor: cann, slots: 1, per_token_s: 0.02}}}}", "serving.request", "expected one of"),
+        (
+            "serving: {model: big, presets: {dense: {model: qwen3-14b, local: {vendor: cuda, slots: 1, per_token_s: 0.01}, "
+            "remote: {vendor: cann, slots: 1, per_token_s: 0.02}}}}",
+            "serving",
+            "not a preset",
+        ),
+        (
+            "serving: {request: shard, presets: {dense: {model: qwen3-14b, local: {vendor: cuda, slots: 1, per_token_s: 0.01}, "
+            "remote: {vendor: cann, slots: 1, per_token_s: 0.02}}}}",
+            "serving.request",
+            "expected one of",
+        ),
     ],
 )
 def test_bad_section_names_file_field_and_expectation(section, field, expected):
@@ -62,13 +78,17 @@ def test_bad_section_names_file_field_and_expectation(section, field, expected):
 def test_async_snapshot_larger_than_host_memory_is_refused(tmp_path):
     path = tmp_path / "small_host.yaml"
     path.write_text(f"name: x\n{CLUSTER}checkpointing: {{mode: async, host_memory_gib_per_rank: 1}}\n")
-    with pytest.raises(ScenarioError, match=r"checkpointing.host_memory_gib_per_rank: an async snapshot needs 27.5 GiB"):
+    with pytest.raises(
+        ScenarioError, match=r"checkpointing.host_memory_gib_per_rank: an async snapshot needs 27.5 GiB"
+    ):
         simulate_training(load_scenario(path))
 
 
 def test_parallelism_must_divide_the_ranks():
     sc = parse_scenario_text(f"name: x\n{CLUSTER}workload: {{parallelism: {{tensor: 3}}}}\n", "p.yaml")
-    with pytest.raises(ScenarioError, match="workload.parallelism: a replica of tensor x pipeline = 3 ranks must divide the 8"):
+    with pytest.raises(
+        ScenarioError, match="workload.parallelism: a replica of tensor x pipeline = 3 ranks must divide the 8"
+    ):
         simulate_training(sc)
 
 

@@ -16,8 +16,15 @@ def spill():
 
 
 def test_littles_law_holds_for_open_loop_arrivals(spill):
-    r = simulate_serving(spill, overrides={"serving.arrival_rate_per_s": 6.0, "serving.requests": 300,
-                                           "serving.output_tokens": 64, "serving.seed": 4})
+    r = simulate_serving(
+        spill,
+        overrides={
+            "serving.arrival_rate_per_s": 6.0,
+            "serving.requests": 300,
+            "serving.output_tokens": 64,
+            "serving.seed": 4,
+        },
+    )
     assert r.spilled > 0  # the load reaches the remote host
     # L = λ·W: the time-average number in the system equals throughput times mean latency
     assert r.mean_in_system == pytest.approx(r.arrival_rate_per_s * r.latency_s["mean"], rel=1e-9)
@@ -53,8 +60,11 @@ def test_one_remote_request_takes_compute_plus_link_time_exactly(spill):
     n = 32
     r = simulate_serving(spill, concurrency=9, requests=9, request="full", output_tokens=n)
     logits = 2 * p.vocab_size
-    per_token = p.remote_per_token_s + (p.link_alpha_s + logits * p.link_beta_s_per_byte) + (
-        p.link_alpha_s + 8 * p.link_beta_s_per_byte)
+    per_token = (
+        p.remote_per_token_s
+        + (p.link_alpha_s + logits * p.link_beta_s_per_byte)
+        + (p.link_alpha_s + 8 * p.link_beta_s_per_byte)
+    )
     assert max(r.latencies) == pytest.approx(p.remote_prefill_s + n * per_token, rel=1e-9)
     # with a source projection the token streams back; only the last one is waited for
     r = simulate_serving(spill, concurrency=9, requests=9, request="token", output_tokens=n)
@@ -95,9 +105,15 @@ def test_results_cross_as_the_lowerers_plan(spill):
 @pytest.mark.parametrize("gamma, alpha", [(4, 0.8), (2, 0.5), (6, 0.9)])
 def test_speculative_tokens_per_target_pass_match_the_closed_form(spill, gamma, alpha):
     # Leviathan et al. 2023: E[tokens per target pass] = (1 - α^(γ+1)) / (1 - α)
-    r = simulate_serving(spill, concurrency=1, overrides={
-        "serving.requests": 1, "serving.output_tokens": 60000,
-        "serving.speculative": {"gamma": gamma, "alpha": alpha, "draft_cost_ratio": 0.1}})
+    r = simulate_serving(
+        spill,
+        concurrency=1,
+        overrides={
+            "serving.requests": 1,
+            "serving.output_tokens": 60000,
+            "serving.speculative": {"gamma": gamma, "alpha": alpha, "draft_cost_ratio": 0.1},
+        },
+    )
     want = expected_tokens_per_pass(gamma, alpha)
     assert r.tokens_per_target_pass == pytest.approx(want, rel=0.02)
     assert expected_tokens_per_pass(gamma, 0.0) == 1.0
@@ -105,8 +121,13 @@ def test_speculative_tokens_per_target_pass_match_the_closed_form(spill, gamma, 
 
 def test_speculation_cuts_link_startups(spill):
     plain = simulate_serving(spill, concurrency=16, requests=16, request="token")
-    spec = simulate_serving(spill, concurrency=16, requests=16, request="token", overrides={
-        "serving.speculative": {"gamma": 4, "alpha": 0.8, "draft_cost_ratio": 0.05}})
+    spec = simulate_serving(
+        spill,
+        concurrency=16,
+        requests=16,
+        request="token",
+        overrides={"serving.speculative": {"gamma": 4, "alpha": 0.8, "draft_cost_ratio": 0.05}},
+    )
     assert spec.result_bytes == plain.result_bytes  # the same tokens cross
     assert spec.startups < plain.startups / 2  # in fewer messages
 
@@ -147,8 +168,10 @@ def test_simulate_serving_refuses_a_bad_deployment_or_half_a_speculation(capsys)
     assert "expected both" in capsys.readouterr().err
     assert cli_main(["simulate", "serving", "--speculative", "0", "--acceptance", "0.5"]) == 2
     assert "expected GAMMA >= 1" in capsys.readouterr().err
-    assert cli_main(["simulate", "serving", "--deployment", "model", "--concurrency", "2", "--requests", "4",
-                     "--json"]) == 0
+    assert (
+        cli_main(["simulate", "serving", "--deployment", "model", "--concurrency", "2", "--requests", "4", "--json"])
+        == 0
+    )
     import json
 
     out = json.loads(capsys.readouterr().out)

@@ -16,7 +16,13 @@ STEP, K, C = 2.0, 50, 7.0  # step seconds, steps per checkpoint, checkpoint seco
 
 def _base(make_scenario, faults=None, mode="sync", days=None, every=K, **workload):
     return make_scenario(
-        workload={"model": "qwen3-14b", "step_seconds": STEP, "parallelism": {"tensor": 4}, "days": days or 1.0, **workload},
+        workload={
+            "model": "qwen3-14b",
+            "step_seconds": STEP,
+            "parallelism": {"tensor": 4},
+            "days": days or 1.0,
+            **workload,
+        },
         faults=faults or {},
         checkpointing={"every_steps": every, "mode": mode, "seconds": C},
     )
@@ -45,8 +51,12 @@ def test_async_checkpoint_blocks_for_the_snapshot_and_holds_a_shard_in_host_memo
     def sc(days: float):
         return make_scenario(
             workload={"model": "qwen3-14b", "step_seconds": STEP, "days": days},
-            checkpointing={"every_steps": K, "mode": "async", "snapshot_gbyte_per_s_per_rank": 10.0,
-                           "write_gbyte_per_s_per_rank": 1.0},
+            checkpointing={
+                "every_steps": K,
+                "mode": "async",
+                "snapshot_gbyte_per_s_per_rank": 10.0,
+                "write_gbyte_per_s_per_rank": 1.0,
+            },
         )
 
     state = simulate_training(sc(0.01)).workload.state_bytes
