@@ -62,7 +62,6 @@ import logging
 import os
 import signal
 import socket
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,7 +83,7 @@ from ..recovery.refusal import REFUSAL_FILE_ENV, REFUSAL_LINE
 from .controlplane import ControlPlaneHost
 from .gone import GoneRanks
 from .nodes import NodeEnv, NodeWatch, note_incarnation
-from .processes import Running, handle_death_signals, kill, say, stop, stoppable, wait_any
+from .processes import Running, handle_death_signals, say, stop, stoppable, wait_any
 from .rendezvous import open_control
 from .replacement import Ledger, Replacements
 from .sparepool import SparePool
@@ -279,15 +278,7 @@ class ReplacingAgent(SimpleElasticAgent):
         for lr, failure in self.replacements.exits():
             rank, rc = wg.workers[lr].global_rank, failure.exitcode
             refused = self.replacements.refusal(lr)
-            if refused is not None:
-                self.replacements.left_gone(lr, failure)
-                self._left_gone(rank, rc)
-                say(
-                    f"rank {rank} (pid {failure.pid}) exited with {rc}, refusing a recovery that cannot happen "
-                    f"({refused.removeprefix(REFUSAL_LINE)}); no replacement is started for it: the job is told "
-                    "it is gone"
-                )
-            elif self.replacements.allowed() and self._should_replace(rank, rc):
+            if refused is None and self.replacements.allowed() and self._should_replace(rank, rc):
                 new = self._replace(wg, lr)
                 self._replaced(rank, rc, new)
                 say(
@@ -295,14 +286,15 @@ class ReplacingAgent(SimpleElasticAgent):
                     f"replaced by pid {new.pid} ({'a warm spare' if new.warm else 'a new process'}, "
                     f"incarnation {new.incarnation}; {self.replacements.remaining} replacement(s) left on this node)"
                 )
+                continue
+            if refused is not None:
+                why = refused.removeprefix(REFUSAL_LINE)
+                said = f", refusing a recovery that cannot happen ({why}); no replacement is started for it"
             else:
-                why = self.replacements.why_not()
-                self.replacements.left_gone(lr, failure)
-                self._left_gone(rank, rc)
-                say(
-                    f"rank {rank} (pid {failure.pid}) exited with {rc} and no replacement is {why}: the job is told "
-                    "it is gone"
-                )
+                said = f" and no replacement is {self.replacements.why_not()}"
+            self.replacements.left_gone(lr, failure)
+            self._left_gone(rank, rc)
+            say(f"rank {rank} (pid {failure.pid}) exited with {rc}{said}: the job is told it is gone")
         self._kill_declared_lost(wg)
         self.spares.note_ready()
         result = self.replacements.end(wg)
@@ -337,42 +329,13 @@ class ReplacingAgent(SimpleElasticAgent):
         self.gone.announce(self._channel, rank)
 
     def _kill_declared_lost(self, wg: WorkerGroup) -> None:
-        """A rank the job declared lost (silent for the rank-loss bound) is killed; the next look replaces it.
-        Each look also beats, and group rank 0 watches the other nodes (:meth:`.nodes.NodeWatch.look`)."""
-        now = time.monotonic()
-        if not self.gone.due(now):
-            return
-        assert self._channel is not None
-        try:
-            self.nodes.look(self._channel, wg, now)
-            lost = self.gone.declared(self._channel)
-        except (RuntimeError, OSError) as exc:  # the channel's host (node 0) gone: nothing to learn from it now
-            judge = self.nodes.judges_host(wg.group_rank, self.given_control is not None)
-            self.nodes.unanswered(now, exc, self._control, judge)
-            return
-        self.nodes.answered()
-        mine = {w.global_rank: w.local_rank for w in wg.workers}
-        watched = self.ledger.watched()
-        for round_, rank in lost:
-            running = watched.get(mine.get(rank, -1))
-            if running is not None and running.handler.proc.poll() is None:
-                say(f"rank {rank} (pid {running.pid}) was declared lost by the job in round {round_}: killed")
-                kill(running.handler.proc)
+        """Kill the ranks the job declared lost (:meth:`.gone.GoneRanks.kill_declared`)."""
+        hosted = self.given_control is not None
+        self.gone.kill_declared(self._channel, wg, self.nodes, self.ledger.watched(), self._control, hosted)
 
     def _exit_barrier(self) -> None:
-        if self._channel is not None:
-            self._channel.set(f"agent/done{self._worker_group.group_rank}", True)
-        if not (self.nodes.lost_nodes or self.nodes.takeovers):
-            if (self.nodes.apart or self._worker_group.group_rank != 0) and self.nodes.changed(self._channel):
-                # group rank 0 (or the control plane) lost a node, or gave it to a spare node, which is in no
-                # elastic barrier: elastic's barrier would wait its whole timeout for an agent that never arrives
-                say("a node of the job was lost: not waiting at elastic's exit barrier")
-                return
-            super()._exit_barrier()
-        else:  # a lost node's agent never arrives: elastic's barrier would wait out its timeout
-            self.nodes.wait_at_exit(self._channel, self._exit_barrier_timeout)
-        if not self.nodes.apart:  # the control plane tells the spare nodes itself
-            self.nodes.end_standby(self._channel, self._worker_group.group_rank)
+        barrier = super()._exit_barrier
+        self.nodes.exit_barrier(self._channel, self._worker_group.group_rank, barrier, self._exit_barrier_timeout)
 
     # -- elastic's hooks ------------------------------------------------------------------
     def _invoke_run(self, role: str = "default") -> RunResult:

@@ -9,9 +9,15 @@ or end saying why, instead of waiting for a replacement.
 
 from __future__ import annotations
 
+import time
+from typing import Mapping
+
+from torch.distributed.elastic.agent.server.api import WorkerGroup
+
 from ..recovery.consensus import declared_lost, mark_gone
 from ..recovery.control import ControlChannel
-from .processes import say
+from .nodes import NodeWatch
+from .processes import Running, kill, say
 
 __all__ = ["GoneRanks"]
 
@@ -39,6 +45,36 @@ class GoneRanks:
             self.seen_round = max(self.seen_round, round_)
             out += [(round_, rank) for rank in ranks]
         return out
+
+    def kill_declared(
+        self,
+        channel: ControlChannel | None,
+        wg: WorkerGroup,
+        nodes: NodeWatch,
+        watched: Mapping[int, Running],
+        control: tuple[str, int],
+        hosted_by_caller: bool,
+    ) -> None:
+        """A rank the job declared lost (silent for the rank-loss bound) whose process is one of this
+        agent's ``watched`` (local rank -> process) is killed; the agent's next look replaces it. Each
+        look also beats, and group rank 0 watches the other nodes (:meth:`.nodes.NodeWatch.look`)."""
+        now = time.monotonic()
+        if not self.due(now):
+            return
+        assert channel is not None
+        try:
+            nodes.look(channel, wg, now)
+            lost = self.declared(channel)
+        except (RuntimeError, OSError) as exc:  # the channel's host (node 0) gone: nothing to learn from it now
+            nodes.unanswered(now, exc, control, nodes.judges_host(wg.group_rank, hosted_by_caller))
+            return
+        nodes.answered()
+        mine = {w.global_rank: w.local_rank for w in wg.workers}
+        for round_, rank in lost:
+            running = watched.get(mine.get(rank, -1))
+            if running is not None and running.handler.proc.poll() is None:
+                say(f"rank {rank} (pid {running.pid}) was declared lost by the job in round {round_}: killed")
+                kill(running.handler.proc)
 
     @staticmethod
     def announce(channel: ControlChannel, rank: int) -> None:

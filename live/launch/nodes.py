@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
-from typing import Any, Collection, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from torch.distributed.elastic.agent.server.api import Worker, WorkerGroup
 
@@ -383,6 +383,30 @@ class NodeWatch:
             return bool(channel.present([NODES_CHANGED_KEY]))
         except (RuntimeError, OSError):  # the channel's host gone: the barrier's store with it
             return True
+
+    def exit_barrier(
+        self,
+        channel: ControlChannel | None,
+        group_rank: int | None,
+        elastic_barrier: Callable[[], None],
+        timeout_s: float,
+    ) -> None:
+        """A succeeded agent's end: it says it is done, then waits at elastic's exit barrier
+        (``elastic_barrier``) unless a node was lost, given to a spare node or changed, whose agent
+        never arrives there; then it tells the spare nodes the job ended."""
+        if channel is not None:
+            channel.set(f"agent/done{group_rank}", True)
+        if not (self.lost_nodes or self.takeovers):
+            if (self.apart or group_rank != 0) and self.changed(channel):
+                # group rank 0 (or the control plane) lost a node, or gave it to a spare node, which is in no
+                # elastic barrier: elastic's barrier would wait its whole timeout for an agent that never arrives
+                say("a node of the job was lost: not waiting at elastic's exit barrier")
+                return
+            elastic_barrier()
+        else:  # a lost node's agent never arrives: elastic's barrier would wait out its timeout
+            self.wait_at_exit(channel, timeout_s)
+        if not self.apart:  # the control plane tells the spare nodes itself
+            self.end_standby(channel, group_rank)
 
     def wait_at_exit(self, channel: ControlChannel | None, timeout_s: float) -> None:
         """Group rank 0, once a node was lost or taken over: wait for the spare nodes acting as nodes to say
