@@ -21,6 +21,7 @@ import sys
 import pytest
 
 from meshpact.live.netns import Hosts, bridge_unavailable
+from _nodes import PORT, node_job, rdzv_flags
 from _references import torchrun_reference
 from meshpact.live.trials.launchdrill import Job, read_finals
 
@@ -31,31 +32,13 @@ pytestmark = [
     pytest.mark.skipif(bridge_unavailable() is not None, reason=str(bridge_unavailable())),
 ]
 
-STEPS, PORT, LOSS_S = 8, 29400, "2.5"
+STEPS, LOSS_S = 8, "2.5"
 CONTROL, SPARE = 0, 3  # the hosts of the service and of the spare node; hosts 1 and 2 train
 
 
 def node_flags(hosts: Hosts, host: int, *extra: str) -> list[str]:
-    return Job.meshpact(
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "1",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{hosts.addr[CONTROL]}:{PORT}",
-        "--rdzv-id",
-        f"apart{hosts.tag}",
-        "--local-addr",
-        hosts.addr[host],
-        "--node-loss-s",
-        LOSS_S,
-        "--control-plane",
-        "service",
-        *extra,
-        warm_start=True,
-    )
+    rdzv = rdzv_flags(hosts, host, "apart", endpoint=CONTROL, nproc=1, says_host=False)
+    return Job.meshpact(*rdzv, "--node-loss-s", LOSS_S, "--control-plane", "service", *extra, warm_start=True)
 
 
 def node_of(pid: int) -> str:
@@ -93,21 +76,9 @@ def test_the_node_of_group_rank_0_lost_whole_is_taken_by_a_spare_node_and_the_jo
         )
         try:
             with (
-                Job(
-                    node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key, name="node-a"
-                ) as node_a,
-                Job(
-                    node_flags(hosts, 2), out, STEPS, step_s=0.05, prefix=hosts.prefix(2), env=key, name="node-b"
-                ) as node_b,
-                Job(
-                    node_flags(hosts, SPARE, "--spare"),
-                    out,
-                    STEPS,
-                    step_s=0.05,
-                    prefix=hosts.prefix(SPARE),
-                    env=key,
-                    name="spare",
-                ) as spare,
+                node_job(hosts, 1, node_flags(hosts, 1), out, STEPS, key, "node-a") as node_a,
+                node_job(hosts, 2, node_flags(hosts, 2), out, STEPS, key, "node-b") as node_b,
+                node_job(hosts, SPARE, node_flags(hosts, SPARE, "--spare"), out, STEPS, key, "spare") as spare,
             ):
                 first = {r: node_a.wait_for_step(r, 0, 150) for r in (0, 1)}
                 spare.wait_for_log(f"spare node 1 at {hosts.addr[SPARE]} registered with the job", 120)

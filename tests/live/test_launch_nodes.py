@@ -19,6 +19,7 @@ import time
 import pytest
 
 from meshpact.live.netns import TwoHosts, netns_unavailable
+from _nodes import node_job, rdzv_flags
 from _references import torchrun_reference
 from meshpact.live.trials.launchdrill import Job, excised_at, excising_reference, read_finals
 
@@ -29,7 +30,7 @@ pytestmark = [
     pytest.mark.skipif(netns_unavailable(shaped=False) is not None, reason=str(netns_unavailable(shaped=False))),
 ]
 
-STEPS, PORT, CUT_S = 10, 29400, 3.0
+STEPS, CUT_S = 10, 3.0
 # node 1's agent is silent for the cut and then until TCP retransmits its beat: Linux doubles the
 # retransmission timeout from 0.2 s, so a segment lost at the cut is sent again 0.2, 0.6, 1.4, 3.0
 # and 6.2 s after it. A cut of 3 s can hold the beats back 6.2 s: past the default 5 s bound
@@ -37,24 +38,7 @@ CUT_NODE_LOSS_S = "10"
 
 
 def node_flags(hosts: TwoHosts, node: int, *extra: str) -> list[str]:
-    return Job.meshpact(
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{hosts.addr[0]}:{PORT}",
-        "--rdzv-id",
-        f"drill{hosts.tag}",
-        "--rdzv-conf",
-        f"is_host={int(node == 0)}",
-        "--local-addr",
-        hosts.addr[node],
-        *extra,
-        warm_start=True,
-    )
+    return Job.meshpact(*rdzv_flags(hosts, node, "drill"), *extra, warm_start=True)
 
 
 def cut_link(hosts: TwoHosts, node: int, seconds: float) -> None:
@@ -69,27 +53,12 @@ def cut_link(hosts: TwoHosts, node: int, seconds: float) -> None:
 
 def test_node_1s_link_cut_and_then_a_worker_killed_there_are_both_recovered_in_memory(tmp_path):
     out, key = tmp_path / "faulted", Job.key_env()
+    restarts = ("--max-restarts", "1", "--node-loss-s", CUT_NODE_LOSS_S)
     with (
         TwoHosts(link=None) as hosts,
-        Job(
-            node_flags(hosts, 0, "--max-restarts", "1", "--node-loss-s", CUT_NODE_LOSS_S),
-            out,
-            STEPS,
-            step_s=0.05,
-            prefix=hosts.prefix(0),
-            env=key,
-            name="node0",
-        ) as node0,
-        Job(
-            node_flags(
-                hosts, 1, "--max-restarts", "1", "--node-loss-s", CUT_NODE_LOSS_S, "--spare-ranks-per-node", "1"
-            ),
-            out,
-            STEPS,
-            step_s=0.05,
-            prefix=hosts.prefix(1),
-            env=key,
-            name="node1",
+        node_job(hosts, 0, node_flags(hosts, 0, *restarts), out, STEPS, key, "node0") as node0,
+        node_job(
+            hosts, 1, node_flags(hosts, 1, *restarts, "--spare-ranks-per-node", "1"), out, STEPS, key, "node1"
         ) as node1,
     ):
         others = {r: node1.wait_for_step(r, 0, 150) for r in (0, 1, 2)}
@@ -118,24 +87,24 @@ def test_node_1_lost_with_its_agent_is_excised_by_the_survivors_bit_identical_to
     out, key = tmp_path / "faulted", Job.key_env()
     with (
         TwoHosts(link=None) as hosts,
-        Job(
+        node_job(
+            hosts,
+            0,
             node_flags(hosts, 0, "--node-loss-s", "3"),
             out,
             STEPS,
-            step_s=0.05,
-            prefix=hosts.prefix(0),
-            env=key,
-            name="node0",
+            key,
+            "node0",
             script_args=("--excise-to", "2"),
         ) as node0,
-        Job(
+        node_job(
+            hosts,
+            1,
             node_flags(hosts, 1, "--node-loss-s", "3"),
             out,
             STEPS,
-            step_s=0.05,
-            prefix=hosts.prefix(1),
-            env=key,
-            name="node1",
+            key,
+            "node1",
             script_args=("--excise-to", "2"),
         ) as node1,
     ):
@@ -162,24 +131,8 @@ def test_node_0_lost_with_its_agent_ends_node_1_with_one_line_naming_it(tmp_path
     out, key = tmp_path / "faulted", Job.key_env()
     with (
         TwoHosts(link=None) as hosts,
-        Job(
-            node_flags(hosts, 0, "--node-loss-s", "3"),
-            out,
-            STEPS,
-            step_s=0.05,
-            prefix=hosts.prefix(0),
-            env=key,
-            name="node0",
-        ) as node0,
-        Job(
-            node_flags(hosts, 1, "--node-loss-s", "3"),
-            out,
-            STEPS,
-            step_s=0.05,
-            prefix=hosts.prefix(1),
-            env=key,
-            name="node1",
-        ) as node1,
+        node_job(hosts, 0, node_flags(hosts, 0, "--node-loss-s", "3"), out, STEPS, key, "node0") as node0,
+        node_job(hosts, 1, node_flags(hosts, 1, "--node-loss-s", "3"), out, STEPS, key, "node1") as node1,
     ):
         lost = [node0.wait_for_step(r, 3, 150) for r in (0, 1)]
         node0.kill_agent_and(lost)
@@ -202,40 +155,14 @@ def test_plain_torchrun_on_two_nodes_restarts_the_job_from_its_checkpoint_bit_id
     ckpt = ("--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every", "3")
 
     def node(hosts: TwoHosts, n: int) -> Job:
-        flags = [
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"{hosts.addr[0]}:{PORT}",
-            "--rdzv-id",
-            f"plain{hosts.tag}",
-            "--rdzv-conf",
-            f"is_host={int(n == 0)}",
-            "--local-addr",
-            hosts.addr[n],
-            "--max-restarts",
-            "1",
-        ]
+        flags = [*rdzv_flags(hosts, n, "plain"), "--max-restarts", "1"]
         env = {
             "GLOO_SOCKET_IFNAME": hosts.iface[n],
             "MESHPACT_PEER_ADDR": hosts.addr[n],
             "MESHPACT_HOST_ID": f"node{n}",
             **key,
         }
-        return Job(
-            Job.torchrun(*flags),
-            out,
-            STEPS,
-            step_s=0.05,
-            prefix=hosts.prefix(n),
-            env=env,
-            name=f"node{n}",
-            script_args=ckpt,
-        )
+        return node_job(hosts, n, Job.torchrun(*flags), out, STEPS, env, f"node{n}", script_args=ckpt)
 
     with TwoHosts(link=None) as hosts, node(hosts, 0) as node0, node(hosts, 1) as node1:
         first = {r: (node0 if r < 2 else node1).wait_for_step(r, 0, 150) for r in range(4)}

@@ -16,6 +16,7 @@ import re
 import pytest
 
 from meshpact.live.netns import Hosts, bridge_unavailable
+from _nodes import node_job, rdzv_flags
 from _references import torchrun_reference
 from meshpact.live.trials.launchdrill import Job, read_finals
 
@@ -26,47 +27,20 @@ pytestmark = [
     pytest.mark.skipif(bridge_unavailable() is not None, reason=str(bridge_unavailable())),
 ]
 
-STEPS, PORT, SPARE = 10, 29400, 2  # SPARE: the spare node's host
+STEPS, SPARE = 10, 2  # SPARE: the spare node's host
 
 
 def node_flags(hosts: Hosts, host: int, *extra: str) -> list[str]:
-    return Job.meshpact(
-        "--nnodes",
-        "2",
-        "--nproc-per-node",
-        "2",
-        "--rdzv-backend",
-        "c10d",
-        "--rdzv-endpoint",
-        f"{hosts.addr[0]}:{PORT}",
-        "--rdzv-id",
-        f"spare{hosts.tag}",
-        "--rdzv-conf",
-        f"is_host={int(host == 0)}",
-        "--local-addr",
-        hosts.addr[host],
-        "--node-loss-s",
-        "3",
-        *extra,
-        warm_start=True,
-    )
+    return Job.meshpact(*rdzv_flags(hosts, host, "spare"), "--node-loss-s", "3", *extra, warm_start=True)
 
 
 def test_node_1_lost_with_its_agent_is_taken_by_the_spare_node_and_the_job_ends_bit_identical(tmp_path):
     out, key = tmp_path / "faulted", Job.key_env()
     with (
         Hosts(3) as hosts,
-        Job(node_flags(hosts, 0), out, STEPS, step_s=0.05, prefix=hosts.prefix(0), env=key, name="node0") as node0,
-        Job(node_flags(hosts, 1), out, STEPS, step_s=0.05, prefix=hosts.prefix(1), env=key, name="node1") as node1,
-        Job(
-            node_flags(hosts, SPARE, "--spare"),
-            out,
-            STEPS,
-            step_s=0.05,
-            prefix=hosts.prefix(SPARE),
-            env=key,
-            name="spare",
-        ) as spare,
+        node_job(hosts, 0, node_flags(hosts, 0), out, STEPS, key, "node0") as node0,
+        node_job(hosts, 1, node_flags(hosts, 1), out, STEPS, key, "node1") as node1,
+        node_job(hosts, SPARE, node_flags(hosts, SPARE, "--spare"), out, STEPS, key, "spare") as spare,
     ):
         survivors = {r: node0.wait_for_step(r, 0, 150) for r in (0, 1)}
         node0.wait_for_log(f"spare node 1 at {hosts.addr[SPARE]} registered", 120)
