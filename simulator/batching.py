@@ -51,6 +51,7 @@ from .serving import (
     ServingResult,
     result_plan,
     serving_overrides,
+    served,
     serving_params,
     simulate_serving,
 )
@@ -175,31 +176,7 @@ class _Lockstep:
         clients = [self.env.process(self._client()) for _ in range(p.concurrency)]
         self.env.run(until=self.env.all_of(clients))
         end = self.env.now
-        lat = np.asarray(self.latencies)
-        mean_in_system = float(lat.sum() / end) if end else 0.0  # Little's law over the run
-        return ServingResult(
-            params=p,
-            throughput_tok_s=(self.local_tokens + self.remote_tokens) / end if end else 0.0,
-            latency_s={
-                "p50": float(np.percentile(lat, 50)),
-                "p99": float(np.percentile(lat, 99)),
-                "mean": float(lat.mean()),
-            },
-            result_bytes=self.sent,
-            bytes_received=self.received,
-            feedback_bytes=self.feedback,
-            startups=self.startups,
-            requests=len(lat),
-            spilled=self.spilled,
-            local_tokens=self.local_tokens,
-            remote_tokens=self.remote_tokens,
-            target_passes=self.passes,
-            makespan_s=end,
-            link_busy_s=self.link.busy_s,
-            mean_in_system=mean_in_system,
-            arrival_rate_per_s=len(lat) / end if end else 0.0,
-            latencies=tuple(float(x) for x in lat),
-        )
+        return served(self, float(np.sum(self.latencies)) / end if end else 0.0)  # Little's law over the run
 
 
 def simulate_batched(p: ServingParams) -> ServingResult:

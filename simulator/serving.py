@@ -63,6 +63,7 @@ __all__ = [
     "ServingResult",
     "serving_params",
     "result_plan",
+    "served",
     "expected_tokens_per_pass",
     "simulate_serving",
     "simulate_params",
@@ -421,30 +422,37 @@ class _Serve:
         self.env.run()
         self._count(0)
         end = self.env.now
-        lat = np.asarray(self.latencies)
-        return ServingResult(
-            params=p,
-            throughput_tok_s=(self.local_tokens + self.remote_tokens) / end if end else 0.0,
-            latency_s={
-                "p50": float(np.percentile(lat, 50)),
-                "p99": float(np.percentile(lat, 99)),
-                "mean": float(lat.mean()),
-            },
-            result_bytes=self.sent,
-            bytes_received=self.received,
-            feedback_bytes=self.feedback,
-            startups=self.startups,
-            requests=len(lat),
-            spilled=self.spilled,
-            local_tokens=self.local_tokens,
-            remote_tokens=self.remote_tokens,
-            target_passes=self.passes,
-            makespan_s=end,
-            link_busy_s=self.link.busy_s,
-            mean_in_system=self.area / end if end else 0.0,
-            arrival_rate_per_s=len(lat) / end if end else 0.0,
-            latencies=tuple(float(x) for x in lat),
-        )
+        return served(self, self.area / end if end else 0.0)
+
+
+def served(sim: Any, mean_in_system: float) -> ServingResult:
+    """What a finished run of ``sim`` served: either simulator (``_Serve`` here, the lockstep one in
+    :mod:`.batching`) keeps its counters under these names; ``mean_in_system`` is each one's own."""
+    end = sim.env.now
+    lat = np.asarray(sim.latencies)
+    return ServingResult(
+        params=sim.p,
+        throughput_tok_s=(sim.local_tokens + sim.remote_tokens) / end if end else 0.0,
+        latency_s={
+            "p50": float(np.percentile(lat, 50)),
+            "p99": float(np.percentile(lat, 99)),
+            "mean": float(lat.mean()),
+        },
+        result_bytes=sim.sent,
+        bytes_received=sim.received,
+        feedback_bytes=sim.feedback,
+        startups=sim.startups,
+        requests=len(lat),
+        spilled=sim.spilled,
+        local_tokens=sim.local_tokens,
+        remote_tokens=sim.remote_tokens,
+        target_passes=sim.passes,
+        makespan_s=end,
+        link_busy_s=sim.link.busy_s,
+        mean_in_system=mean_in_system,
+        arrival_rate_per_s=len(lat) / end if end else 0.0,
+        latencies=tuple(float(x) for x in lat),
+    )
 
 
 def serving_overrides(
