@@ -241,4 +241,6 @@ def _trial(a: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from meshpact.exiting import run_then_exit
+
+    run_then_exit(main)

@@ -23,12 +23,13 @@ from importlib import import_module
 from importlib.util import find_spec
 from pathlib import Path
 from types import UnionType
-from typing import Any, Callable, Literal, Sequence, Union, get_args, get_origin
+from typing import Any, Callable, Literal, NoReturn, Sequence, Union, get_args, get_origin
 
 import typer
 
 from meshpact import __version__
 from meshpact.core.errors import MeshpactError
+from meshpact.exiting import run_then_exit
 
 __all__ = ["CommandSpec", "COMMANDS", "GROUP_HELP", "Groups", "build", "main", "usage_error_line", "choices_of"]
 
@@ -253,5 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     return rv if isinstance(rv, int) else 0  # typer.Exit(code) comes back as its code
 
 
+def run() -> NoReturn:
+    """The ``meshpact`` console script: :func:`main`, then the process ends (:mod:`meshpact.exiting`)."""
+    run_then_exit(main)
+
+
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()

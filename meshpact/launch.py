@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
-import sys
 
 if __name__ == "__main__":
+    from meshpact.exiting import run_then_exit
     from meshpact.live.launch.command import main
 
-    sys.exit(main())
+    run_then_exit(main)

@@ -467,4 +467,6 @@ def _serve(preload: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_serve(sys.argv[1:] or PRELOAD))
+    from meshpact.exiting import run_then_exit
+
+    run_then_exit(lambda: _serve(sys.argv[1:] or PRELOAD))

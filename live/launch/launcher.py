@@ -146,4 +146,6 @@ def echo(args: dict) -> dict:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(_main())
+    from meshpact.exiting import run_then_exit
+
+    run_then_exit(_main)
