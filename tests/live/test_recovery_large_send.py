@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 
+from _warm import shared_forkserver
 from meshpact.live.launch.launcher import launch
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
@@ -24,6 +25,7 @@ def test_a_send_in_flight_to_a_rank_that_starts_a_recovery_ends_long_before_the_
                 2,
                 {"data_timeout_s": TIMEOUT_S, "send_mb": 128, "raise_after_s": 0.02},
                 timeout_s=150,
+                forkserver=shared_forkserver(),
             )
         ),
         key=lambda v: v["rank"],

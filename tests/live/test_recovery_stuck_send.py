@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from _warm import shared_forkserver
 from meshpact.live.launch.launcher import launch
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
@@ -17,7 +18,11 @@ def test_ranks_blocked_on_each_other_leave_the_failed_step_long_before_the_data_
         (
             r.value
             for r in launch(
-                "meshpact.live.trials.probe:stuck_send_probe", 3, {"data_timeout_s": TIMEOUT_S}, timeout_s=120
+                "meshpact.live.trials.probe:stuck_send_probe",
+                3,
+                {"data_timeout_s": TIMEOUT_S},
+                timeout_s=120,
+                forkserver=shared_forkserver(),
             )
         ),
         key=lambda v: v["rank"],
