@@ -71,6 +71,7 @@ from .state import (
     check_stateful,
     job_state,
     load_buffers,
+    instances_of,
     param_groups_of,
     load_job_state,
     model_buffers,
@@ -292,13 +293,12 @@ def refuse_stale(model: torch.nn.Module, rank: int, step: int) -> None:
 
 
 def device_meshes(objects: list[Any] | None = None) -> list[Any]:
-    """Every live DeviceMesh of the process among ``objects`` (default: a walk of the garbage
-    collector's objects, done once, when training starts): the session's, FSDP's, DTensors' and
-    the user's own."""
+    """Every live DeviceMesh of the process among ``objects`` (default: :func:`~.state.instances_of`
+    the collector's, done once, when training starts): the session's, FSDP's, DTensors' and the
+    user's own."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    # by type(), not isinstance, as in state.schedulers_of: a dead weakref.proxy in the heap raises on isinstance
-    return [o for o in (gc.get_objects() if objects is None else objects) if issubclass(type(o), DeviceMesh)]
+    return instances_of(DeviceMesh, objects=objects)
 
 
 class Resilient:
@@ -414,7 +414,12 @@ class Resilient:
         s = self.session
         # the walk takes a replacement a while under load: done before any barrier, so no peer
         # waits on a collective of the new group while this rank walks
-        objects = gc.get_objects()  # one walk: every mesh and every LR scheduler alive when training started
+        from torch.amp import GradScaler
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+        # one walk: every mesh, LR scheduler and gradient scaler alive when training started
+        objects = instances_of(DeviceMesh, LRScheduler, ReduceLROnPlateau, GradScaler)
         self.meshes = weakref.WeakSet(device_meshes(objects))
         self.schedulers = schedulers_of(self.optimizer, objects)
         del objects
@@ -932,7 +937,7 @@ class Resilient:
         that has it. The walk sees only what was made since ``__enter__`` froze the heap."""
         self._first_step = False
         known = {id(x) for x in self.schedulers}
-        late = [x for x in schedulers_of(self.optimizer, gc.get_objects()) if id(x) not in known]
+        late = [x for x in schedulers_of(self.optimizer) if id(x) not in known]
         if late:
             raise LateSchedulerError(
                 f"{', '.join(type(x).__qualname__ for x in late)} made after resilient() was entered: its state is "

@@ -718,12 +718,33 @@ class Schedule:
     values: tuple[tuple[str, Any], ...] = ()
 
 
+def instances_of(*classes: type, objects: Sequence[Any] | None = None) -> list[Any]:
+    """Every object of one of ``classes`` or of a subclass of one, among ``objects`` (default: every
+    object the garbage collector tracks and has not frozen), in the collector's order.
+
+    Without ``objects`` the search is done in C: an instance of a class defined in Python refers to
+    its class, so the collector's referrers of the classes hold every instance (and a few other
+    holders, dropped here). On the heap of a process that imported torch and built a small model
+    (300,000 objects), the two Python loops over ``gc.get_objects()`` a rank's start ran (meshes,
+    then schedulers and scalers) took 0.21 s of CPU; this takes 0.05 s for all four classes.
+    The type is read with type(), never isinstance: isinstance asks a weakref.proxy its
+    __class__, and a dead proxy in the heap raises ReferenceError (a stranger's process had one)."""
+    wanted: set[type] = set()
+    todo = list(classes)
+    while todo:  # the classes and every subclass they have now
+        cls = todo.pop()
+        if cls not in wanted:
+            wanted.add(cls)
+            todo.extend(cls.__subclasses__())
+    return [o for o in (gc.get_referrers(*wanted) if objects is None else objects) if type(o) in wanted]
+
+
 def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | None = None) -> list[Any]:
     """The LR schedulers stepping ``optimizer`` or one of its :func:`optimizer_parts` (a container's
     inner optimizers: torchtitan's ``LRSchedulersContainer`` holds a ``LambdaLR`` per inner
     optimizer) and the gradient scalers (``torch.amp.GradScaler``, which
     ``scaler.step(optimizer)`` takes as an argument: every one found) among ``objects`` (default:
-    a walk of the garbage collector's objects, done when training starts), each once: a
+    :func:`instances_of` the collector's, done when training starts), each once: a
     scheduler inside a ``SequentialLR`` or ``ChainedScheduler`` is restored by it. Ordered by
     type name, then by the place of the optimizer it steps, then as found, so every process
     pairs the same scheduler with the same saved state."""
@@ -733,13 +754,10 @@ def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | Non
     place = {id(optimizer): 0}
     for i, o in enumerate(optimizer_parts(optimizer).all):
         place.setdefault(id(o), i + 1)
-    # by type(), not isinstance: isinstance asks a weakref.proxy its __class__, and a dead proxy in the
-    # heap raises ReferenceError (a stranger's process had one; another object warned on the question)
     found = [
         o
-        for o in (gc.get_objects() if objects is None else objects)
-        if (issubclass(type(o), (LRScheduler, ReduceLROnPlateau)) and id(getattr(o, "optimizer", None)) in place)
-        or issubclass(type(o), GradScaler)
+        for o in instances_of(LRScheduler, ReduceLROnPlateau, GradScaler, objects=objects)
+        if issubclass(type(o), GradScaler) or id(getattr(o, "optimizer", None)) in place
     ]
     inner = {id(x) for o in found for x in getattr(o, "_schedulers", ())}
     return sorted(

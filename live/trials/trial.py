@@ -50,10 +50,12 @@ __all__ = ["TrialConfig", "TrialResult", "ReplacementSupply", "run_trial", "RANK
 
 WORKER = "meshpact.live.trials.rankworker:worker"
 EXCISION_WORKER = "meshpact.live.trials.drills:excision_drill"  # the excising reference
-# what a trial's fork server imports before it forks ranks: torch's packages, then the rank's own
+# what a trial's fork server imports before it forks ranks: torch's packages (DCP too: a trial's
+# ranks save checkpoints, and each forked rank imported it at its first save), then the rank's own
 # modules (0.2 s of CPU a rank; none reads the environment or starts a thread at import)
 RANK_PRELOAD = (
     *PRELOAD,
+    "torch.distributed.checkpoint",
     WORKER.split(":")[0],
     EXCISION_WORKER.split(":")[0],
     "meshpact.live.recovery.runtime",

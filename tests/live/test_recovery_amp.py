@@ -118,3 +118,41 @@ def test_a_dead_weak_proxy_in_the_heap_does_not_stop_the_walks():
     scaler = torch.amp.GradScaler("cpu")
     assert schedulers_of(opt, [dead[0], scaler]) == [scaler]
     assert device_meshes([dead[0], scaler]) == []
+
+
+def test_the_walk_finds_every_instance_of_a_class_and_its_subclasses_made_since_the_heap_was_frozen():
+    """instances_of asks the collector for the referrers of the classes (in C) rather than looping
+    over every object in Python: the same objects, in the same order, as that loop finds, frozen
+    ones left out as gc.get_objects leaves them (the late-scheduler check sees only what was made
+    after resilient() froze the heap)."""
+    import gc
+    import weakref
+
+    from meshpact.live.recovery.state import instances_of
+
+    class Base:
+        pass
+
+    class Sub(Base):
+        pass
+
+    class Slotted(Sub):
+        __slots__ = ("x",)
+
+    class Held:
+        pass
+
+    target = Held()
+    dead = weakref.proxy(target)
+    del target
+    before = Base()
+    gc.freeze()
+    try:
+        made = [Sub(), Slotted(), Base()]
+        assert instances_of(Base) == made  # not the frozen one, the dead proxy asked nothing
+        assert instances_of(Sub) == made[:2]
+    finally:
+        gc.unfreeze()
+    loop = [o for o in gc.get_objects() if issubclass(type(o), Base)]
+    assert instances_of(Base) == loop and before in loop and len(loop) == 4
+    assert instances_of(Base, objects=[dead, made[1], 3]) == [made[1]]
