@@ -60,6 +60,7 @@ import time
 from typing import Any, Mapping, Sequence
 
 from meshpact.core.errors import MeshpactError
+from meshpact.exiting import end, exit_code, run_then_exit
 
 from .warmspare import PRELOAD, run_python
 from .warmspare import main as wait_as_spare
@@ -400,20 +401,11 @@ def _fork(req: Mapping[str, Any], wake: tuple[int, int]) -> int:
             os.close(f)
         rc = _child(req)
     except SystemExit as exc:
-        if isinstance(exc.code, int) or exc.code is None:
-            rc = int(exc.code or 0)
-        else:
-            print(exc.code, file=sys.stderr)
-            rc = 1
+        rc = exit_code(exc.code)
     except BaseException:  # as a fresh interpreter's: the process's hook says it (refusal's one line)
         sys.excepthook(*sys.exc_info())
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
-        os._exit(rc)
+        end(rc)  # threads joined and exit handlers run, as a fresh interpreter's exit would
 
 
 def _serve(preload: Sequence[str]) -> int:
@@ -467,6 +459,4 @@ def _serve(preload: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    from meshpact.exiting import run_then_exit
-
     run_then_exit(lambda: _serve(sys.argv[1:] or PRELOAD))

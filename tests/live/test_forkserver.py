@@ -111,6 +111,30 @@ def test_a_launcher_that_compiled_something_still_forks_its_ranks(server, monkey
     assert forked[0].value["ppid"] != os.getpid() and "not forked" not in forked[0].stderr_tail
 
 
+def test_a_forked_script_ends_as_a_fresh_one_its_threads_joined_and_its_exit_handlers_run(server, tmp_path):
+    """A warm-started worker (``--warm-start``) runs the user's script in the forked child, which
+    ends with ``os._exit``: the script's non-daemon thread, its idle thread pool and its exit
+    handler still take effect, and its exit code comes back, as from ``python script.py``."""
+    out = tmp_path / "effects"
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, concurrent.futures, sys, threading, time\n"
+        f"out = {str(out)!r}\n"
+        "atexit.register(lambda: open(out, 'a').write('atexit\\n'))\n"
+        "def late():\n"
+        "    time.sleep(0.3)\n"
+        "    open(out, 'a').write('thread\\n')\n"
+        "threading.Thread(target=late).start()\n"
+        "concurrent.futures.ThreadPoolExecutor(2).submit(int, 1).result()\n"
+        "print('buffered', end='')\n"
+        "sys.exit(4)\n"
+    )
+    stdout = tmp_path / "stdout"
+    child = server.spawn_python(["-u", str(script)], dict(os.environ), str(stdout), str(tmp_path / "stderr"))
+    assert child.wait(60) == 4
+    assert out.read_text().split() == ["thread", "atexit"] and stdout.read_text() == "buffered"
+
+
 def test_replacements_are_forked_only_when_the_caller_asks(server):
     """warm_replacements: for callers that measure no replacement's start (the test suite)."""
     with AgentJob(
