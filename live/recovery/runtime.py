@@ -71,6 +71,7 @@ from .state import (
     check_stateful,
     job_state,
     load_buffers,
+    SCHEDULE_CLASSES,
     instances_of,
     param_groups_of,
     load_job_state,
@@ -293,9 +294,9 @@ def refuse_stale(model: torch.nn.Module, rank: int, step: int) -> None:
 
 
 def device_meshes(objects: list[Any] | None = None) -> list[Any]:
-    """Every live DeviceMesh of the process among ``objects`` (default: :func:`~.state.instances_of`
-    the collector's, done once, when training starts): the session's, FSDP's, DTensors' and the
-    user's own."""
+    """Every live DeviceMesh of the process among ``objects`` (default: every one the collector
+    holds, :func:`~.state.instances_of`; done once, when training starts): the session's, FSDP's,
+    DTensors' and the user's own."""
     from torch.distributed.device_mesh import DeviceMesh
 
     return instances_of(DeviceMesh, objects=objects)
@@ -414,12 +415,10 @@ class Resilient:
         s = self.session
         # the walk takes a replacement a while under load: done before any barrier, so no peer
         # waits on a collective of the new group while this rank walks
-        from torch.amp import GradScaler
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
         # one walk: every mesh, LR scheduler and gradient scaler alive when training started
-        objects = instances_of(DeviceMesh, LRScheduler, ReduceLROnPlateau, GradScaler)
+        objects = instances_of(DeviceMesh, *SCHEDULE_CLASSES)
         self.meshes = weakref.WeakSet(device_meshes(objects))
         self.schedulers = schedulers_of(self.optimizer, objects)
         del objects

@@ -49,6 +49,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn as nn
+from torch.amp import GradScaler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from .device import DeviceOps, Event, HostOps, on_side_stream, training_now
 
@@ -739,6 +741,11 @@ def instances_of(*classes: type, objects: Sequence[Any] | None = None) -> list[A
     return [o for o in (gc.get_referrers(*wanted) if objects is None else objects) if type(o) in wanted]
 
 
+# what :func:`schedulers_of` finds: the LR schedulers and the gradient scalers, each with a state that
+# goes back with a step
+SCHEDULE_CLASSES: tuple[type, ...] = (LRScheduler, ReduceLROnPlateau, GradScaler)
+
+
 def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | None = None) -> list[Any]:
     """The LR schedulers stepping ``optimizer`` or one of its :func:`optimizer_parts` (a container's
     inner optimizers: torchtitan's ``LRSchedulersContainer`` holds a ``LambdaLR`` per inner
@@ -748,15 +755,12 @@ def schedulers_of(optimizer: torch.optim.Optimizer, objects: Sequence[Any] | Non
     scheduler inside a ``SequentialLR`` or ``ChainedScheduler`` is restored by it. Ordered by
     type name, then by the place of the optimizer it steps, then as found, so every process
     pairs the same scheduler with the same saved state."""
-    from torch.amp import GradScaler
-    from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
-
     place = {id(optimizer): 0}
     for i, o in enumerate(optimizer_parts(optimizer).all):
         place.setdefault(id(o), i + 1)
     found = [
         o
-        for o in instances_of(LRScheduler, ReduceLROnPlateau, GradScaler, objects=objects)
+        for o in instances_of(*SCHEDULE_CLASSES, objects=objects)
         if issubclass(type(o), GradScaler) or id(getattr(o, "optimizer", None)) in place
     ]
     inner = {id(x) for o in found for x in getattr(o, "_schedulers", ())}
