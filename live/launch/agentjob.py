@@ -24,7 +24,7 @@ which excises it or ends naming why. The caller adds what a program that runs tr
   forked from a :class:`~meshpact.live.launch.forkserver.ForkServer` that imported torch once, where its
   environment allows and the server was started under the rank's own prefix; a replacement starts a
   fresh interpreter (its start is measured) unless ``warm_replacements`` (callers that measure no
-  start: the test suite);
+  start: the test suite), which forks the warm spares (``spares``) from the one server too;
 - the process registry (``registry``, :class:`~meshpact.live.launch.launcher.LaunchedProcess` lines), so
   whoever looks from outside learns which process is which rank;
 - a deadline (``timeout_s``) after which every process is killed and each rank still running is
@@ -350,7 +350,10 @@ class AgentJob:
             master_port=self.master[1] if self.master else None,
         )
         logs = DefaultLogsSpecs(log_dir=str(self._dir / "logs"), redirects=Std.ALL)
-        return _JobAgent(spec, logs, self)
+        agent = _JobAgent(spec, logs, self)
+        if self.warm_replacements and isinstance(self.forkserver, ForkServer):
+            agent.spares.forkserver = self.forkserver  # a spare is a replacement not yet placed
+        return agent
 
     def run(self) -> AgentJobResult:
         """Start every rank, let the agent run the job to its end (or the deadline), collect the results."""

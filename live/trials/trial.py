@@ -328,7 +328,7 @@ def run_trial(
 
     ``forkserver``: a running :class:`ForkServer` to take the warm starts from (a caller running
     many trials keeps one, and pays its imports once); without one, the trial starts its own.
-    ``warm_replacements``: fork the faulted run's replacement processes from it too (for callers
+    ``warm_replacements``: fork the faulted run's replacement processes (and warm spares) from it too (for callers
     that measure no replacement's start, such as the test suite; a downtime with a warm start
     in it is not a real one).
     """

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from meshpact.live.launch.forkserver import ForkServer
 from meshpact.live.launch.launcher import host_store, launch
 from meshpact.live.recovery.rebind import (
     SITES,
@@ -262,12 +263,19 @@ def test_the_import_time_default_group_of_torch_distributed_nn_is_found_and_rebo
         fn.all_reduce.__defaults__ = saved
 
 
-# The probes below start as fresh interpreters, never forked warm: a module torch imports after
-# the group exists (torch.distributed.nn.functional, whose defaults then hold it) is imported
-# before any group in a fork server, and those references are what these tests look for.
+@pytest.fixture(scope="module")
+def torch_only():
+    """The probes' ranks, forked from a server that imported torch and nothing else (1.8 s of CPU
+    a rank, paid once here). Not the rank fork server's preload: it imports modules that torch
+    imports only after the group exists (torch.distributed.nn.functional, whose defaults then
+    hold it) before any group, and those references are what these tests look for."""
+    with ForkServer(("torch",)) as server:
+        yield server
+
+
 @pytest.mark.live
 @pytest.mark.slow
-def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations():
+def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_operations(torch_only):
     control = host_store("127.0.0.1", 0, 2)
     results = launch(
         "meshpact.live.trials.probe:rebind_probe",
@@ -275,6 +283,7 @@ def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_opera
         {"rounds": 2},
         timeout_s=120,
         env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)},
+        forkserver=torch_only,
     )
     for res in results:
         for audit in res.value["audits"]:
@@ -295,7 +304,7 @@ def test_after_rebind_no_reference_leads_to_the_old_group_and_it_gets_zero_opera
 
 @pytest.mark.live
 @pytest.mark.slow
-def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_works():
+def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_works(torch_only):
     """An old gloo group that was never rebound keeps working and gives the same numbers;
     only the per-group counts and the reference walk show the rebind did not take."""
     control = host_store("127.0.0.1", 0, 2)
@@ -305,6 +314,7 @@ def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_work
         {"rounds": 1, "skip_sites": ["fsdp.mesh_info"]},
         timeout_s=120,
         env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)},
+        forkserver=torch_only,
     )
     audit = results[0].value["audits"][0]
     assert audit["old_ops_after"] > 0 and audit["old_seq_ops_after"] > 0
@@ -316,7 +326,7 @@ def test_a_missed_site_is_caught_by_the_counters_even_though_training_still_work
 @pytest.mark.parametrize(
     "ranks, mesh", [(2, {}), (4, {"mesh_shape": [2, 2], "mesh_names": ["replicate", "shard"]})], ids=["1-D", "2-D HSDP"]
 )
-def test_skipping_any_site_that_holds_a_reference_is_caught_by_object_or_by_name(ranks, mesh):
+def test_skipping_any_site_that_holds_a_reference_is_caught_by_object_or_by_name(ranks, mesh, torch_only):
     control = host_store("127.0.0.1", 0, ranks)
     results = launch(
         "meshpact.live.trials.probe:site_audit",
@@ -324,6 +334,7 @@ def test_skipping_any_site_that_holds_a_reference_is_caught_by_object_or_by_name
         mesh,
         timeout_s=240,
         env=lambda r: {"MESHPACT_CONTROL_PORT": str(control.port)},
+        forkserver=torch_only,
     )
     for res in results:
         sites = res.value["sites"]
