@@ -368,7 +368,7 @@ class AgentJob:
         finally:
             agent._worker_group.spec.rdzv_handler.shutdown()
             agent._store = agent._worker_group.store = None  # the job's store stops listening with its last reference
-            shutil.rmtree(agent.spares.dir, ignore_errors=True)
+            agent.spares.clear()
         ledger = agent.ledger
         results = []
         for rank, running in sorted(ledger.running.items()):  # one node: a local rank is the job's rank

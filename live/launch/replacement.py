@@ -78,6 +78,8 @@ class Replacements:
 
     def refusal(self, local_rank: int) -> str | None:
         """The line ``local_rank``'s last process left refusing a recovery (None: it failed otherwise)."""
+        if self._markers is None:  # no process was given a marker (or the folder is gone with close): none refused
+            return None
         running = self.ledger.running[local_rank]
         return read_refusal(self.marker_of(local_rank, running.incarnation))
 

@@ -10,6 +10,7 @@ process). A promotion is one file written (:func:`~meshpact.live.launch.warmspar
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -39,7 +40,7 @@ class SparePool:
     """The warm interpreters waiting on one node (see the module docstring)."""
 
     def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="meshpact-spares-"))
+        self._dir: Path | None = None  # the spares' assignment files: made with the first spare, removed by clear
         self.forkserver: ForkServer | None = None  # where spares are forked from (--warm-start), else fresh
         self.waiting: list[_Spare] = []
         self.started = 0  # how many were ever started (each has its own assignment file)
@@ -51,7 +52,9 @@ class SparePool:
         """Start one more warm interpreter; its pid."""
         index = self.started
         self.started += 1
-        path = self.dir / f"spare-{index}.json"
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="meshpact-spares-"))
+        path = self._dir / f"spare-{index}.json"
         env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         handler: Any = None
         if self.forkserver is not None and self.forkserver.accepts({**os.environ, **env}):
@@ -91,8 +94,9 @@ class SparePool:
         return [s.handler.proc for s in self.waiting]
 
     def clear(self) -> None:
-        """Forget the waiting spares (stopped by the caller) and their files."""
-        for s in self.waiting:
-            s.assignment.unlink(missing_ok=True)
-            ready_path(s.assignment).unlink(missing_ok=True)
+        """Forget the waiting spares (stopped by the caller) and remove their files' folder (every agent
+        used to leave one behind, empty, in the temporary directory)."""
         self.waiting = []
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
