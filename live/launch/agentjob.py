@@ -351,8 +351,9 @@ class AgentJob:
         )
         logs = DefaultLogsSpecs(log_dir=str(self._dir / "logs"), redirects=Std.ALL)
         agent = _JobAgent(spec, logs, self)
-        if self.warm_replacements and isinstance(self.forkserver, ForkServer):
-            agent.spares.forkserver = self.forkserver  # a spare is a replacement not yet placed
+        if self.warm_replacements and isinstance(self.forkserver, ForkServer) and not self.forkserver.prefix:
+            # a spare is a replacement not yet placed; it runs on the agent's own host (no command prefix)
+            agent.spares.forkserver = self.forkserver
         return agent
 
     def run(self) -> AgentJobResult:

@@ -21,10 +21,13 @@ command prefix such as ``ip netns exec`` other than the one the server itself wa
 under) starts fresh interpreters as before. A trial whose ranks run in two network
 namespaces starts one server in each.
 
-A warm rank differs from a fresh one in one way a test can see: what the server preloaded was
-imported before any process group existed, so a module that captures c10d's default group at
-import (``torch.distributed.nn.functional``'s default arguments) holds none. The rebinding
-audits, which look for exactly those references, start fresh interpreters.
+A warm rank differs from a fresh one in two ways. What the server preloaded was imported before
+any process group existed, so a module that captures c10d's default group at import
+(``torch.distributed.nn.functional``'s default arguments) holds none: the rebinding audits, which
+look for exactly those references, fork from a server that imported torch alone. And the child
+freezes the server's heap (``gc.freeze``) before it runs anything, so the collector's scans and
+``gc.get_referrers`` read only what the rank made (no mesh, scheduler or group exists before),
+and cyclic garbage of the server's imports is never collected.
 
 Where a start must be measured as a real process start — a replacement for a killed rank, a
 cold restart — the launcher starts a fresh interpreter even when a server is at hand, so

@@ -1,6 +1,7 @@
-"""An agent leaves no folder of its own behind: the warm spares' assignments and the refusal markers
-live in temporary folders that exist only while they are used, and an agent asked about a refusal
-after its shutdown does not make its marker folder again."""
+"""An agent that ends leaves no folder of its own behind: the warm spares' assignments and the refusal
+markers live in temporary folders that exist only while they are used, and an agent asked about a
+refusal after its shutdown does not make its marker folder again. (An agent killed with SIGKILL
+cleans nothing: its refusal folder stays, empty.)"""
 
 from __future__ import annotations
 
