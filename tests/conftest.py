@@ -67,7 +67,7 @@ LONGEST_FIRST = (
     "tests/live/test_recovery_stuck_send.py",  # 0 s
     "tests/live/test_recovery_large_send.py",  # 0 s: a 128 MB send in flight when a recovery starts
 )
-# The files that mostly wait (a timeout, a silent rank, a socket): 0.0-2.4 s of CPU in 2-9 s. Taken
+# The files that mostly wait (a timeout, a silent rank, a socket): 0.0-2.4 s of CPU in 1.4-9.4 s. Taken
 # together (after the long files, or last) they left both cores idle at once; each placed after a
 # long file, the other worker's live test uses the core it leaves.
 MOSTLY_WAITING = (
