@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterable, Iterator
 
 from meshpact.live.trials.ports import unclaimed_port
 
@@ -241,21 +241,30 @@ def wait_metric_change(page: Page, label: str, before: str | None, timeout_ms: i
     return str(metric(page, label))
 
 
-def click_rank(page: Page, rank: int, timeout_s: float = 20.0) -> None:
-    """Click rank ``rank``'s marker on the last chart that draws it, once the marker holds still: a
-    chart still laid out (a component's frame resized, a late element above it) moves it under a
-    click aimed at where it was a moment before."""
+def still_rank_xy(page: Page, ranks: Iterable[int], timeout_s: float = 20.0) -> dict[int, tuple[float, float]]:
+    """Where each of ``ranks`` is drawn (page pixels, its chart scrolled into view), once two reads 150 ms
+    apart agree and every one is drawn: a chart still laid out (a component's frame resized, a late element
+    above it) moves its markers under a pointer aimed at where they were a moment before. A rank no chart
+    has drawn within ``timeout_s`` is left out."""
+    wanted = list(ranks)
+    read = f"(ranks) => ranks.map(r => ({RANK_XY_JS})(r))"
     deadline = time.monotonic() + timeout_s
-    xy = page.evaluate(RANK_XY_JS, rank)
+    xy = page.evaluate(read, wanted)
     while True:
         page.wait_for_timeout(150)
-        again = page.evaluate(RANK_XY_JS, rank)
-        if again is not None and again == xy or time.monotonic() > deadline:
+        again = page.evaluate(read, wanted)
+        if again == xy and None not in again or time.monotonic() > deadline:
             break
         xy = again
-    if again is None:
+    return {r: (p[0], p[1]) for r, p in zip(wanted, again, strict=True) if p is not None}
+
+
+def click_rank(page: Page, rank: int, timeout_s: float = 20.0) -> None:
+    """Click rank ``rank``'s marker on the last chart that draws it, once the marker holds still."""
+    xy = still_rank_xy(page, [rank], timeout_s).get(rank)
+    if xy is None:
         raise LookupError(f"rank {rank} is not drawn on any chart")
-    page.mouse.click(again[0], again[1])
+    page.mouse.click(*xy)
 
 
 def pick_scenario(page: Page, name: str, timeout_ms: int = 60_000) -> None:

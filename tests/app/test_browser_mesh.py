@@ -23,6 +23,7 @@ from meshpact.app.serve import (
     metric,
     pick_scenario,
     settle,
+    still_rank_xy,
     wait_metric_change,
 )
 from meshpact.app.state import parse_ranks
@@ -67,13 +68,26 @@ def _rebuilt(pg) -> int:  # noqa: ANN001
     return int(found.group(1).replace(",", ""))
 
 
-def _page_xy(pg, i: int, ident: int) -> tuple[float, float]:  # noqa: ANN001
-    frames = pg.locator(CANVAS)
-    frame = frames.nth(frames.count() - 1 if i < 0 else i)
-    frame.scroll_into_view_if_needed()
-    box = frame.bounding_box()
-    x, y = _canvas(pg, i).evaluate(f"() => window.meshpact.xy({ident})")
-    return box["x"] + x, box["y"] + y
+def _page_xy(pg, i: int, ident: int, timeout_s: float = 20.0) -> tuple[float, float]:  # noqa: ANN001
+    """Where canvas ``i`` draws ``ident`` on the page, once two reads 150 ms apart agree (as ``still_rank_xy``)."""
+
+    def read() -> tuple[float, float]:
+        frames = pg.locator(CANVAS)
+        frame = frames.nth(frames.count() - 1 if i < 0 else i)
+        frame.scroll_into_view_if_needed()
+        box = frame.bounding_box()
+        x, y = _canvas(pg, i).evaluate(f"() => window.meshpact.xy({ident})")
+        return box["x"] + x, box["y"] + y
+
+    deadline = time.monotonic() + timeout_s
+    xy = read()
+    while time.monotonic() < deadline:
+        pg.wait_for_timeout(150)
+        again = read()
+        if again == xy:
+            break
+        xy = again
+    return xy
 
 
 def _drag(pg, a: tuple[float, float], b: tuple[float, float]) -> None:  # noqa: ANN001
@@ -105,24 +119,19 @@ def test_a_click_fails_exactly_that_rank_and_the_comparison_follows(user):
 
 
 def test_a_dragged_box_fails_exactly_the_ranks_inside(user):
-    frame = _canvas(user)
-    frame_box = user.locator(CANVAS).last.bounding_box()
-    xy = {
-        r: (frame_box["x"] + p[0], frame_box["y"] + p[1])
-        for r in range(32)
-        if (p := frame.evaluate(f"() => window.meshpact.xy({r})"))
-    }
+    xy = still_rank_xy(user, range(32))  # the canvas scrolled into view and holding still
     assert sorted(xy) == list(range(32))
     (ax, ay), (bx, by) = xy[2], xy[4]
     x0, x1, y0, y1 = min(ax, bx) - 3, max(ax, bx) + 3, min(ay, by) - 3, max(ay, by) + 3
     inside = {r for r, (x, y) in xy.items() if x0 <= x <= x1 and y0 <= y <= y1}
     assert {2, 4} <= inside and len(inside) < 32  # a real box: not one rank, not the whole mesh
     _drag(user, (x0, y0), (x1, y1))
-    assert sorted(_painted(user)) == sorted(inside)
+    assert _painted_soon(user, sorted(inside)) == sorted(inside)
     wait_metric_change(user, "healthy ranks", "32/32")
     assert metric(user, "healthy ranks") == f"{32 - len(inside)}/32"
     assert _typed_failed(user) == inside
     # a box over empty space (the canvas's top-left corner) changes nothing
+    frame_box = user.locator(CANVAS).last.bounding_box()
     _drag(user, (frame_box["x"] + 2, frame_box["y"] + 2), (frame_box["x"] + 8, frame_box["y"] + 8))
     user.wait_for_timeout(500)
     settle(user)
