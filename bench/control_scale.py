@@ -9,9 +9,10 @@ the threads live in a few processes. Each N runs two phases:
 | phase | what every light rank does | measured |
 |---|---|---|
 | heartbeat | for ``--beat-s`` seconds, a look every ``heartbeat_interval_s``: beat its counter, read the counters of the peers it watches (:func:`~meshpact.live.recovery.heartbeat.watched_peers`; ``--watch all`` reads every rank's, as the heartbeat did before) | keys the store touched per rank per look and per second at the configured interval; the looks the simulation achieved; the server's CPU |
-| decision | one rank's collective raised: at one instant every rank runs :func:`~meshpact.live.recovery.consensus.agree` (an in-memory decision) | fault known -> every rank holds the decision (ms); bytes each rank read from the store |
+| decision | one rank's collective raised: the bench says so to every rank at one instant (``go/agree``), and each runs :func:`~meshpact.live.recovery.consensus.agree` as the live pipeline does (the view taken at its session's start, the counter moves after) | that instant -> every rank holds the decision (ms); the last rank knowing of the fault -> every rank holding the decision (ms: the consensus' own time, without the bench's fan-out of the news); bytes each rank read from the store |
 
-The keys a look touches are counted at the store client (a ``multi_get`` of k keys counts k), so
+The server's CPU per request in the heartbeat phase (``server_us_per_request_heartbeat``) says
+whether the store's cost per request holds as connections grow. The keys a look touches are counted at the store client (a ``multi_get`` of k keys counts k), so
 they are the design's cost whatever this 2-core machine manages; the achieved look rate says how
 far the simulation itself kept up (thousands of Python threads on two cores do not).
 
@@ -45,6 +46,7 @@ class Counted:
     def __init__(self, store: Any) -> None:
         self._store = store
         self.keys = 0
+        self.calls = 0  # requests sent to the store (a multi_get of k keys is one)
         self.bytes_read = 0
         self.proposed_at: float | None = None  # time.time() once this rank's first proposal is stored
 
@@ -56,6 +58,7 @@ class Counted:
         def call(*args: Any, **kw: Any) -> Any:
             first = args[0] if args else None
             self.keys += len(first) if isinstance(first, list) else 1
+            self.calls += name != "set_timeout"  # the client's own setting: no request
             out = fn(*args, **kw)
             if name == "set" and self.proposed_at is None and "/round" in str(first):
                 self.proposed_at = time.time()
@@ -104,14 +107,14 @@ def _worker(port: int, world: int, ranks: list[int], beat_s: float, watch_all: b
         ch.wait(["go/heartbeat"], timeout_s)
         peers = tuple(r for r in members if r != me) if watch_all else watched_peers(me, members)
         keys = [beat_key(r) for r in peers]
-        looks, k0 = 0, counted.keys
+        looks, k0, c0 = 0, counted.keys, counted.calls
         start = time.monotonic()
         while time.monotonic() - start < beat_s:
             ch.add(beat_key(me), 1 + PROGRESS)
             ch.counters(keys)
             looks += 1
             time.sleep(max(0.0, start + looks * INTERVAL_S - time.monotonic()))
-        beat_keys = counted.keys - k0
+        beat_keys, beat_calls = counted.keys - k0, counted.calls - c0
         ch.add("beaten")
         # a recovery's first round starts from the view the rank took at its session's start (the live
         # pipeline's view=), and leaves the round's two counter moves until after it runs again
@@ -137,6 +140,7 @@ def _worker(port: int, world: int, ranks: list[int], beat_s: float, watch_all: b
             "rank": me,
             "looks": looks,
             "keys_per_look": beat_keys / max(looks, 1),
+            "beat_requests": beat_calls,
             "decided_ms": (decided - t0) * 1e3,
             "knew_ms": (knew - t0) * 1e3,
             "proposed_ms": ((counted.proposed_at or knew) - t0) * 1e3,
@@ -235,6 +239,7 @@ def run_size(world: int, procs: int, beat_s: float, watch_all: bool, timeout_s: 
     if len(done) < world:
         return {"ranks": world, "error": f"{world - len(done)} light rank(s) did not finish"}
     per_look = statistics.mean(r["keys_per_look"] for r in done)
+    known = max(r["knew_ms"] for r in done)
     achieved = statistics.mean(r["looks"] for r in done) / beat_s
     return {
         "ranks": world,
@@ -243,9 +248,11 @@ def run_size(world: int, procs: int, beat_s: float, watch_all: bool, timeout_s: 
         "heartbeat_keys_total_per_s": round(per_look / INTERVAL_S * world, 0),
         "looks_achieved_per_rank_per_s": round(achieved, 2),
         "server_cpu_s_per_s_heartbeat": round(cpu_beat / beat_s, 3),
+        "server_us_per_request_heartbeat": round(cpu_beat / max(sum(r["beat_requests"] for r in done), 1) * 1e6, 1),
         "decision_ms_all_ranks": round(max(r["decided_ms"] for r in done), 1),
         "decision_ms_p50_rank": _median([r["decided_ms"] for r in done]),
-        "knew_ms_all_ranks": round(max(r["knew_ms"] for r in done), 1),
+        "decision_ms_after_known": round(max(r["decided_ms"] for r in done) - known, 1),
+        "knew_ms_all_ranks": round(known, 1),
         "proposed_ms_all_ranks": round(max(r["proposed_ms"] for r in done), 1),
         "decision_bytes_per_rank": round(statistics.mean(r["decision_bytes"] for r in done), 0),
         "decision_bytes_max_rank": max(r["decision_bytes"] for r in done),
@@ -314,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
         "looks_achieved_per_rank_per_s",
         "server_cpu_s_per_s_heartbeat",
         "decision_ms_all_ranks",
+        "decision_ms_after_known",
+        "server_us_per_request_heartbeat",
         "decision_bytes_per_rank",
         "server_cpu_s_decision",
     )
@@ -327,6 +336,8 @@ def main(argv: list[str] | None = None) -> int:
         "procs": args.procs,
         "repeats": args.repeats,
         "decision_ms_p50_by_ranks": {str(n): med(n, "decision_ms_all_ranks") for n in sizes},
+        "decision_ms_after_known_by_ranks": {str(n): med(n, "decision_ms_after_known") for n in sizes},
+        "server_us_per_request_by_ranks": {str(n): med(n, "server_us_per_request_heartbeat") for n in sizes},
         "heartbeat_ops_per_s_by_ranks": {str(n): med(n, "heartbeat_keys_per_rank_per_s") for n in sizes},
         "decision_bytes_per_rank_by_ranks": {str(n): med(n, "decision_bytes_per_rank") for n in sizes},
         "runs": {str(n): by[n] for n in sizes},

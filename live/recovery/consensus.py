@@ -608,18 +608,22 @@ def _collect(
     skip: list[int] | None,
     slice_s: float = 0.25,
     quiet: bool = False,
+    gone_seen: int | None = None,
 ) -> JsonObject:
     """The round's proposals present within ``timeout_s``. With ``skip`` given the wait is cut
     in slices, and a rank the launcher marks gone meanwhile joins ``skip`` and is no longer
     waited for (excising: it is declared lost; replacing: no replacement comes). When every
-    proposal waited for is there at once (the common case) this is one round trip."""
+    proposal waited for is there at once (the common case) this is one round trip.
+
+    ``gone_seen`` is the gone count ``skip`` already reflects: the gone ranks are listed (a read
+    of every rank's mark) only once the count moves past it."""
     if skip is None:
         try:
             return channel.wait(keys, timeout_s)
         except ControlTimeout:
             return channel.present(keys)
     deadline = time.monotonic() + timeout_s
-    seen_gone: int | None = None  # the gone count at the last slice that timed out
+    seen_gone = gone_seen  # the gone count skip reflects
     # the first slice of an agreement's first round blocks in the store (the common case: answered at once);
     # the rest, waiting on a slow rank, ask without a timed-out wait's two warning lines each (wait_quietly)
     wait = channel.wait_quietly if quiet else channel.wait
@@ -655,15 +659,18 @@ def _await_decision(
     skip: list[int],
     slice_s: float = 0.25,
     quiet: bool = False,
+    gone_seen: int | None = None,
 ) -> JsonObject | None:
     """The round's decision once the decider has written it; None when it has not within
     ``timeout_s`` (the proposals' own bound) or the launcher marked the decider gone meanwhile:
     then this rank decides, and the first decision written stands either way. Ranks marked
-    gone meanwhile join ``skip``, as :func:`_collect` adds them."""
+    gone meanwhile join ``skip``, as :func:`_collect` adds them, listed only once the gone count
+    moves past ``gone_seen``: every waiting rank reading every rank's mark would be N² reads
+    whenever a decision takes longer than the first slice."""
     if decider is None:
         return None
     deadline = time.monotonic() + timeout_s
-    seen_gone: int | None = None
+    seen_gone = gone_seen
     wait = channel.wait_quietly if quiet else channel.wait  # as in _collect
     first = not quiet
     while True:
@@ -819,13 +826,21 @@ def agree(
         t_round = time.monotonic()
         quiet = attempt > (view is not None)  # a round after the first: some rank was missing, a slow path
         stored = (
-            _await_decision(channel, f"round{round_}/{ADOPTED}", timeout, decider, expected, skip, quiet=quiet)
+            _await_decision(
+                channel, f"round{round_}/{ADOPTED}", timeout, decider, expected, skip, quiet=quiet, gone_seen=gone_seen
+            )
             if decider != channel.rank
             else None
         )
         if stored is None:  # the decider, or its decision did not come: decide, the first writer's stands
             got = _collect(
-                channel, keys, max(timeout - (time.monotonic() - t_round), 0.01), expected, skip, quiet=quiet
+                channel,
+                keys,
+                max(timeout - (time.monotonic() - t_round), 0.01),
+                expected,
+                skip,
+                quiet=quiet,
+                gone_seen=gone_seen,
             )
             proposals = {int(k.rsplit("rank", 1)[1]): Proposal.from_dict(v) for k, v in got.items()}
             overdue, whys = overdue_of([r for r in expected if r not in proposals])

@@ -52,6 +52,11 @@ _ADDRESS_KEY = "meshpact/control-address/"  # in the job's store: where rank 0 h
 ATTEMPT_KEY = "attempt"  # the word rank 0 drew for this attempt's channel (join, session.attempt_scope)
 _SAY_EVERY_S = 30.0  # at most one line per channel this often about values ignored for their signature
 _RECLAIMS = 4  # set_once: how many forgeries in a row a slot is taken back from before the channel gives up
+# the polling waits (wait_quietly) of a whole job ask the channel at most this often together: a rank asks every
+# world_size / QUIET_ASKS_PER_S seconds, and never more often than every 5 ms. At 64 ranks that is every 5 ms;
+# at 4,096 every 0.2 s, where every 5 ms would be 800,000 requests a second, past what one store serves (about
+# 45,000 a second at 22 us of its CPU each, bench/control_scale.py) while every rank waits on a slow round
+QUIET_ASKS_PER_S = 20_000.0
 _FORGED: Any = object()  # what unseal answers for a value without a valid tag (or not JSON)
 
 
@@ -290,12 +295,18 @@ class ControlChannel:
         got, bad = self._read(keys, full, values)
         return self._wait_genuine(keys, full, got, bad, deadline, timeout) if bad else got
 
-    def wait_quietly(self, keys: list[str], timeout_s: float, every_s: float = 0.005) -> JsonObject:
+    @property
+    def quiet_every_s(self) -> float:
+        """How often this rank's polling waits ask (``QUIET_ASKS_PER_S`` shared by the job's ranks)."""
+        return max(0.005, self.world_size / QUIET_ASKS_PER_S)
+
+    def wait_quietly(self, keys: list[str], timeout_s: float, every_s: float | None = None) -> JsonObject:
         """:meth:`wait` for a wait expected to run long (a consensus wait past its agreement's first
         slice: a replacement that starts in seconds, a rank that missed a round): it asks whether the keys exist every
-        ``every_s`` instead of blocking in the store's client, whose timed-out wait writes two
-        warning lines (``waitForInput ... likely a timeout``) to the worker's stderr, which
-        ``meshpact launch`` shows the user: a few dozen for one replacement."""
+        ``every_s`` (by default :attr:`quiet_every_s`) instead of blocking in the store's client, whose
+        timed-out wait writes two warning lines (``waitForInput ... likely a timeout``) to the worker's
+        stderr, which ``meshpact launch`` shows the user: a few dozen for one replacement."""
+        every_s = self.quiet_every_s if every_s is None else every_s
         full = [self._ns + k for k in keys]
         deadline = time.monotonic() + timeout_s
         while not self._store.check(full):

@@ -8,7 +8,15 @@ import time
 import pytest
 
 from meshpact.core.recovery import Policy
-from meshpact.live.recovery.consensus import ConsensusError, Decision, Proposal, agree, decide, loss_bound_s
+from meshpact.live.recovery.consensus import (
+    ConsensusError,
+    Decision,
+    Proposal,
+    agree,
+    decide,
+    loss_bound_s,
+    mark_gone,
+)
 from meshpact.live.recovery.control import ControlChannel, ControlTimeout
 from meshpact.live.launch.launcher import host_store
 from meshpact.live.recovery.jobkey import draw
@@ -199,6 +207,55 @@ def test_a_silent_decider_costs_the_others_one_round_then_the_next_rank_decides(
     first = Decision.from_dict(channels[1].get("round1/decision"))
     assert first.missing == (0,)
     assert "round2/decision" in counted[1].wrote and "round2/decision" not in counted[2].wrote
+
+
+class _MarksRead(_Counting):
+    """A control channel that also counts its reads of the ranks' gone marks (a read of every rank's key)."""
+
+    def __init__(self, channel: ControlChannel) -> None:
+        super().__init__(channel)
+        self.mark_reads = 0
+
+    def present(self, keys):
+        self.mark_reads += any(k.startswith("gone/rank") for k in keys)
+        return self._ch.present(keys)
+
+
+def test_a_slow_decision_costs_the_waiting_ranks_no_read_of_every_ranks_gone_mark(channels):
+    """The decider proposes 1.3 s late, past the others' first slice of waiting: they look whether the
+    gone count moved (one counter), and read the ranks' gone marks only if it did. Every waiting rank
+    reading every rank's mark would be N² reads at once on a large job whenever a decision is slow."""
+    counted = [_MarksRead(ch) for ch in channels]
+    out: dict[int, object] = {}
+
+    def one(ch):
+        time.sleep(1.3 if ch.rank == 0 else 0.0)
+        out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=5.0).decision
+
+    threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert {(d.round, d.policy) for d in out.values()} == {(1, Policy.IN_MEMORY)} and len(out) == 3, out
+    assert [c.mark_reads for c in counted] == [0, 0, 0]
+    mark_gone(counted[2]._ch, 2)  # once a rank is marked gone, a slow round's waiters do read the marks
+    out.clear()
+
+    def two(ch):
+        time.sleep(1.3 if ch.rank == 0 else 0.0)
+        try:
+            agree(ch, lambda g, r=ch.rank: Proposal(r, g, 4, "x", True), _latest, timeout_s=5.0, view=(1, 1))
+        except ConsensusError as exc:  # rank 2 gone, no replacement and no excision offered
+            out[ch.rank] = exc
+
+    threads = [threading.Thread(target=two, args=(ch,)) for ch in counted[:2]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(out) == [0, 1] and all("[2]" in str(e) for e in out.values()), out
+    assert counted[1].mark_reads >= 1
 
 
 def test_a_rank_that_dies_after_proposing_still_counts_as_answered_in_that_round():

@@ -77,3 +77,33 @@ def test_a_quiet_wait_returns_what_arrives_late_and_names_what_never_came():
     with pytest.raises(ControlTimeout) as missing:
         waiter.wait_quietly(["a", "never"], timeout_s=0.2)
     assert "never" in str(missing.value) and "'a'" not in str(missing.value)
+
+
+def test_a_large_jobs_polling_wait_asks_the_channel_less_often_the_more_ranks_wait():
+    """At 4,096 ranks every rank polling every 5 ms would ask one store 800,000 times a second: a rank
+    of a large job asks every world_size / QUIET_ASKS_PER_S seconds, a small job's every 5 ms."""
+    import threading
+    import time
+
+    from meshpact.live.recovery.control import QUIET_ASKS_PER_S, ControlChannel
+
+    store = host_store("127.0.0.1", 0, world_size=2, timeout_s=10)
+    big = ControlChannel("127.0.0.1", store.port, 7, 4096, 2.0, run_id="p", key=KEY)
+    small = ControlChannel("127.0.0.1", store.port, 1, 2, 2.0, run_id="p", key=KEY)
+    assert big.quiet_every_s == 4096 / QUIET_ASKS_PER_S and small.quiet_every_s == 0.005
+    asked = 0
+    check = big._store.check
+
+    def counting(keys):  # noqa: ANN001, ANN202
+        nonlocal asked
+        asked += 1
+        return check(keys)
+
+    big._store = type("Counting", (), {"check": staticmethod(counting), "multi_get": big._store.multi_get})()
+    late = threading.Timer(0.6, lambda: small.set("late", 1))
+    late.start()
+    t0 = time.monotonic()
+    assert big.wait_quietly(["late"], timeout_s=10.0) == {"late": 1}
+    waited = time.monotonic() - t0
+    late.join()
+    assert asked <= waited / big.quiet_every_s + 2, (asked, waited)  # every 5 ms would be over 100
