@@ -645,9 +645,9 @@ def _collect(
 
 
 def _decider(expected: Sequence[int], skip: Sequence[int], misses: dict[int, int]) -> int | None:
-    """The rank that decides a round for everyone: the lowest one expected that is not known
-    gone or declared lost and answered every earlier round of this agreement."""
-    return next((r for r in sorted(expected) if r not in skip and not misses.get(r)), None)
+    """The rank that decides a round for everyone: the lowest one expected (``expected`` is sorted) that is
+    not known gone or declared lost and answered every earlier round of this agreement."""
+    return next((r for r in expected if r not in skip and not misses.get(r)), None)  # expected is sorted
 
 
 def _await_decision(
@@ -820,7 +820,6 @@ def agree(
         round_ = last_round + 1
         proposal = make_proposal(group_generation)
         channel.set(f"round{round_}/rank{channel.rank}", proposal.to_dict())
-        keys = [f"round{round_}/rank{r}" for r in expected]
         skip = declared if excising else gone
         decider = _decider(expected, skip, misses)
         t_round = time.monotonic()
@@ -835,7 +834,7 @@ def agree(
         if stored is None:  # the decider, or its decision did not come: decide, the first writer's stands
             got = _collect(
                 channel,
-                keys,
+                [f"round{round_}/rank{r}" for r in expected],  # every proposal: only a rank that decides reads them
                 max(timeout - (time.monotonic() - t_round), 0.01),
                 expected,
                 skip,

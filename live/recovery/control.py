@@ -56,7 +56,7 @@ _RECLAIMS = 4  # set_once: how many forgeries in a row a slot is taken back from
 # world_size / QUIET_ASKS_PER_S seconds, and never more often than every 5 ms. At 64 ranks that is every 5 ms;
 # at 4,096 every 0.2 s, where every 5 ms would be 800,000 requests a second, past what one store serves (about
 # 45,000 a second at 22 us of its CPU each, bench/control_scale.py) while every rank waits on a slow round
-QUIET_ASKS_PER_S = 20_000.0
+QUIET_ASKS_PER_S = 5_000.0
 _FORGED: Any = object()  # what unseal answers for a value without a valid tag (or not JSON)
 
 
