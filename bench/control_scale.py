@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         description="control-plane scale: heartbeat and consensus store work at N light ranks"
     )
     parser.add_argument("--ranks", default="64,256,1024,4096", help="comma-separated N (default: %(default)s)")
-    parser.add_argument("--procs", type=int, default=4, help="processes the light ranks are spread over")
+    parser.add_argument("--procs", type=int, default=8, help="processes the light ranks are spread over")
     parser.add_argument("--beat-s", type=float, default=3.0, help="seconds of heartbeat looks per N")
     parser.add_argument("--repeats", type=int, default=1, help="runs per N (the figures are medians)")
     parser.add_argument(

@@ -796,46 +796,50 @@ def control_scale(result: Result) -> Section:
     rows = []
     for n, got in sorted(runs.items(), key=lambda item: int(item[0])):
         r = got[0] if isinstance(got, list) and got else {}
+        failed = r.get("error")
         row = [
             n,
             r.get("heartbeat_keys_per_rank_per_s"),
+            _round(r.get("server_us_per_request_heartbeat", "-")),
             r.get("server_cpu_s_per_s_heartbeat"),
-            r.get("decision_ms_all_ranks") if "error" not in r else r["error"],
+            failed or r.get("decision_ms_all_ranks"),
+            r.get("decision_ms_after_known", "-"),
+            _round(r.get("client_cpu_bound_ms", "-")),
             r.get("decision_bytes_per_rank"),
         ]
         if fit is not None:
-            row[2:4] = [_fit_cell(fit.heartbeat_store_s, n, 1e3), _fit_cell(fit.consensus_s, n, 1e3)]
+            row[3] = _fit_cell(fit.heartbeat_store_s, n, 1e3)
+            row[5] = _fit_cell(fit.consensus_s, n, 1e3)
         rows.append(row)
-    columns = (
-        [
-            "ranks",
-            "heartbeat keys / rank / s",
-            "server CPU s / s (heartbeat)",
-            "fault known -> decision everywhere (ms)",
-            "decision bytes / rank",
-        ]
-        if fit is None
-        else [
-            "ranks",
-            "heartbeat keys / rank / s",
-            "store CPU ms / round of looks: measured (fit)",
-            "fault known -> decision everywhere, ms: measured (fit)",
-            "decision bytes / rank",
-        ]
-    )
+    columns = [
+        "ranks",
+        "beat keys/rank/s",
+        "store us/request",
+        "store CPU s/s" if fit is None else "store ms/round: measured (fit)",
+        "told -> decided ms",
+        "all knew -> decided ms" + ("" if fit is None else ": measured (fit)"),
+        "ranks' CPU / cores ms",
+        "decision B / rank",
+    ]
+    shown = [i for i in range(len(columns)) if any(row[i] != "-" for row in rows)]  # a file older than a column
+    columns, rows = [columns[i] for i in shown], [[row[i] for i in shown] for row in rows]
     headline: list[tuple[str, Json]] = [("heartbeat", "ring watchers" if ring else "every counter (before)")]
     if fit is not None:
         headline.append(
             (
-                "the simulator's fit at 16,384 ranks: decision / store per round (s)",
+                "fit at 16,384 ranks: decision / store round (s)",
                 f"{fit.consensus_s.at(16384):.3g} / {fit.heartbeat_store_s.at(16384):.3g}",
             )
         )
     return Section(
         headline=headline,
-        tables=[("per job size (first run)" if fit is None else "per job size (median of the runs)", columns, rows)],
+        tables=[("per job size (first run)" if fit is None else "per job size (median of runs)", columns, rows)],
         figures=[figure] if figure is not None else [],
     )
+
+
+def _round(x: Json) -> Json:
+    return round(x) if isinstance(x, float) else x
 
 
 def _fit_cell(f: Any, n: str, scale: float) -> str:
