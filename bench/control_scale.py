@@ -119,7 +119,7 @@ def _worker(port: int, world: int, ranks: list[int], beat_s: float, watch_all: b
         ch.add("beaten")
         # a recovery's first round starts from the view the rank took at its session's start (the live
         # pipeline's view=), and leaves the round's two counter moves until after it runs again
-        view = tuple(ch.counters([ROUND_KEY, GENERATION_KEY]))
+        last_round, generation = ch.counters([ROUND_KEY, GENERATION_KEY])
         t0 = float(ch.wait(["go/agree"], timeout_s)["go/agree"])
         knew = time.time()
         cpu.append(time.process_time())
@@ -131,7 +131,7 @@ def _worker(port: int, world: int, ranks: list[int], beat_s: float, watch_all: b
             timeout_s=timeout_s,
             max_rounds=1,
             replacement_rounds=0,
-            view=view,
+            view=(last_round, generation),
             defer_counters=True,
         )
         decided = time.time()
