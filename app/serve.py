@@ -245,7 +245,8 @@ def still_rank_xy(page: Page, ranks: Iterable[int], timeout_s: float = 20.0) -> 
     """Where each of ``ranks`` is drawn (page pixels, its chart scrolled into view), once two reads 150 ms
     apart agree and every one is drawn: a chart still laid out (a component's frame resized, a late element
     above it) moves its markers under a pointer aimed at where they were a moment before. A rank no chart
-    has drawn within ``timeout_s`` is left out."""
+    has drawn within ``timeout_s`` is left out. Each rank's chart is scrolled into view as it is read, so
+    ranks drawn on different charts may be read before a later scroll moves them: ask for one chart's ranks."""
     wanted = list(ranks)
     read = f"(ranks) => ranks.map(r => ({RANK_XY_JS})(r))"
     deadline = time.monotonic() + timeout_s

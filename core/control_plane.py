@@ -5,7 +5,7 @@ control-plane scale bench's result (``bench/results/control_scale.json``), not a
 
 | cost | measured at each N as | used by the cost model as |
 |---|---|---|
-| ``consensus_s`` | every rank knows of the fault -> every rank holds the decision (``decision_ms_after_known_by_ranks``) | the consensus stage of every recovery |
+| ``consensus_s`` | every rank knows of the fault -> every rank holds the decision (each run's ``decision_ms_after_known``) | the consensus stage of every recovery |
 | ``heartbeat_store_s`` | the control store's CPU seconds per round of heartbeat looks (every rank one look): its CPU per second of the heartbeat phase over the looks per rank it served that second | a hang found by the heartbeat: the store serves a round in ``heartbeat_store_s``; when that is longer than the heartbeat interval, every look, and so the detection bound counted in looks, stretches by the ratio |
 
 Each cost is one :class:`CostFit`: least squares over the measured points for two model forms,
@@ -221,10 +221,10 @@ def kept_up(run: Mapping[str, Any], interval_s: float) -> bool:
 def fit_control_plane(doc: Mapping[str, Any], file: str = "bench/results/control_scale.json") -> ControlPlaneFit:
     """Fit the costs to one ``bench/control_scale.py`` result document (the ring heartbeat's).
 
-    The consensus points are the document's ``decision_ms_after_known_by_ranks`` (the median over
-    repeats of the time from the last rank learning of the fault until the last rank held the
-    decision: the consensus stage alone; the bench's own spreading of the news to thousands of
-    light ranks is the detection's part, not the consensus'). A heartbeat point is, per run,
+    A consensus point is, per size, the median over its runs of ``decision_ms_after_known`` (the
+    time from the last rank learning of the fault until the last rank held the decision: the
+    consensus stage alone; the bench's own spreading of the news to thousands of light ranks is
+    the detection's part, not the consensus'). A heartbeat point is, per run,
     the store's CPU per second of looks over the looks per rank it served that second (the
     light ranks on two cores do not all keep the interval at 1,024, so the CPU per second alone
     would undercount), the median over the repeats. Sizes whose runs all failed, or whose light
@@ -234,13 +234,18 @@ def fit_control_plane(doc: Mapping[str, Any], file: str = "bench/results/control
         raise ValueError(
             f"{file}: the fit is made from the ring heartbeat's run (watch: ring), got {doc.get('watch')!r}"
         )
-    if "decision_ms_after_known_by_ranks" not in doc:
-        raise ValueError(f"{file}: no decision_ms_after_known_by_ranks; rerun python bench/control_scale.py")
+    if not any("decision_ms_after_known" in r for runs in doc["runs"].values() for r in runs):
+        raise ValueError(f"{file}: no run has decision_ms_after_known; rerun python bench/control_scale.py")
     interval_s = float(doc["interval_s"])
-    fitted = {n for n, runs in doc["runs"].items() if any(kept_up(r, interval_s) for r in runs)}
-    consensus = {
-        int(n): float(ms) / 1e3 for n, ms in doc["decision_ms_after_known_by_ranks"].items() if ms and n in fitted
-    }
+    consensus: dict[int, float] = {}
+    for n, runs in doc["runs"].items():
+        after = [
+            r["decision_ms_after_known"] / 1e3
+            for r in runs
+            if kept_up(r, interval_s) and r.get("decision_ms_after_known")
+        ]
+        if after:  # the median over the runs that kept up (the document's own median is over every run)
+            consensus[int(n)] = statistics.median(after)
     store: dict[int, float] = {}
     for n, runs in doc["runs"].items():
         per_round = [

@@ -25,8 +25,12 @@ def host_store(host: str = "127.0.0.1", port: int = 0, world_size: int = 1, time
     The server is torch's libuv one (its default since 2.4): its event loop does the same work per
     request however many clients are connected. The other server polls every connection on each
     request, so each of a store's operations cost about 0.3 ms of its CPU with 1,024 idle clients
-    connected against 0.02 ms for libuv's (``bench/control_scale.py``'s ``store_us_per_op``
+    connected against 0.02 ms for libuv's (``bench/control_scale.py``'s ``server_us_per_request_heartbeat``
     measures it): thousands of ranks on one control channel make that the job's bottleneck.
+
+    libuv's server closes the connection of a client that sends a value over 8 MiB, a key over
+    8 KiB or more than 131,072 keys in one request: every later call on that client fails. Meshpact
+    sends values in pieces of 4 MiB at most (the drills' recordings); a control value is a few KB.
     """
     from torch.distributed import TCPStore
 

@@ -746,7 +746,7 @@ def simulator(result: Result) -> Section:
 def _draw_control_fit(fig: Any, data: Json) -> None:
     for i, (name, label) in enumerate(
         (
-            ("consensus_s", "fault known -> decision everywhere (s)"),
+            ("consensus_s", "every rank knew -> decision everywhere (s)"),
             ("heartbeat_store_s", "store CPU per round of looks (s)"),
         )
     ):
@@ -807,17 +807,19 @@ def control_scale(result: Result) -> Section:
             _round(r.get("client_cpu_bound_ms", "-")),
             r.get("decision_bytes_per_rank"),
         ]
-        if fit is not None:
-            row[3] = _fit_cell(fit.heartbeat_store_s, n, 1e3)
-            row[5] = _fit_cell(fit.consensus_s, n, 1e3)
+        if fit is not None:  # a size left out of the fit (its light ranks did not keep up) shows its measure, (-)
+            looks = r.get("looks_achieved_per_rank_per_s")
+            store_ms = r["server_cpu_s_per_s_heartbeat"] / looks * 1e3 if looks and not failed else None
+            row[3] = _fit_cell(fit.heartbeat_store_s, n, 1e3, store_ms)
+            row[5] = _fit_cell(fit.consensus_s, n, 1e3, r.get("decision_ms_after_known"))
         rows.append(row)
     columns = [
         "ranks",
         "beat keys/rank/s",
         "store us/request",
-        "store CPU s/s" if fit is None else "store ms/round: measured (fit)",
+        "store CPU s/s" if fit is None else "store ms/round (fit)",
         "told -> decided ms",
-        "all knew -> decided ms" + ("" if fit is None else ": measured (fit)"),
+        "all knew -> decided ms" + ("" if fit is None else " (fit)"),
         "ranks' CPU / cores ms",
         "decision B / rank",
     ]
@@ -842,9 +844,11 @@ def _round(x: Json) -> Json:
     return round(x) if isinstance(x, float) else x
 
 
-def _fit_cell(f: Any, n: str, scale: float) -> str:
+def _fit_cell(f: Any, n: str, scale: float, unfitted: float | None = None) -> str:
     point = next((p for p in f.points if p.ranks == int(n)), None)
-    return "-" if point is None else f"{point.value * scale:.4g} ({f.at(point.ranks) * scale:.4g})"
+    if point is None:
+        return "-" if unfitted is None else f"{unfitted:,.0f} (-)" if unfitted >= 1000 else f"{unfitted:.4g} (-)"
+    return f"{point.value * scale:.4g} ({f.at(point.ranks) * scale:.4g})"
 
 
 def faults_vs_torchft(result: Result) -> Section:

@@ -859,8 +859,8 @@ def agree(
                 excise_refusal=excise_refusal,
             )
             stored = channel.set_once(f"round{round_}/decision", ours.to_dict())
-            if channel.rank == decider:  # the decision that stands, where the others wait for it (a plain
-                channel.set(f"round{round_}/{ADOPTED}", stored)  # set: a compare-and-set does not wake them)
+            if channel.rank == decider:  # the decision that stands, where the others wait for it: a key only
+                channel.set(f"round{round_}/{ADOPTED}", stored)  # the decider writes, and only once it is decided
         decision = Decision.from_dict(stored)
         if decision.missing:  # another rank's decision may rest on a gone mark this rank has not read yet
             skip += [r for r in gone_ranks(channel, expected) if r not in skip]

@@ -53,9 +53,10 @@ ATTEMPT_KEY = "attempt"  # the word rank 0 drew for this attempt's channel (join
 _SAY_EVERY_S = 30.0  # at most one line per channel this often about values ignored for their signature
 _RECLAIMS = 4  # set_once: how many forgeries in a row a slot is taken back from before the channel gives up
 # the polling waits (wait_quietly) of a whole job ask the channel at most this often together: a rank asks every
-# world_size / QUIET_ASKS_PER_S seconds, and never more often than every 5 ms. At 64 ranks that is every 5 ms;
-# at 4,096 every 0.2 s, where every 5 ms would be 800,000 requests a second, past what one store serves (about
-# 45,000 a second at 22 us of its CPU each, bench/control_scale.py) while every rank waits on a slow round
+# world_size / QUIET_ASKS_PER_S seconds, and never more often than every 5 ms (up to 25 ranks). At 64 ranks that is
+# every 12.8 ms, at 1,024 every 0.2 s, at 4,096 every 0.82 s, where every 5 ms would be 800,000 requests a second,
+# past what one store serves (about 45,000 a second at 22 us of its CPU each, bench/control_scale.py), while every
+# rank waits on a slow round. A wait never sleeps past its own deadline
 QUIET_ASKS_PER_S = 5_000.0
 _FORGED: Any = object()  # what unseal answers for a value without a valid tag (or not JSON)
 
@@ -274,7 +275,7 @@ class ControlChannel:
             if time.monotonic() >= deadline:
                 raise ControlTimeout([keys[i] for i in still], timeout_s)
             bad = still
-            time.sleep(every_s)
+            time.sleep(min(every_s, max(deadline - time.monotonic(), 0.0)))
 
     def wait(self, keys: list[str], timeout_s: float | None = None) -> JsonObject:
         """Wait until every key exists (bounded); raise :class:`ControlTimeout` naming the missing ones."""
@@ -310,9 +311,10 @@ class ControlChannel:
         full = [self._ns + k for k in keys]
         deadline = time.monotonic() + timeout_s
         while not self._store.check(full):
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise ControlTimeout([k for k, f in zip(keys, full) if not self._store.check([f])], timeout_s)
-            time.sleep(every_s)
+            time.sleep(min(every_s, left))  # the last look at the deadline itself, not up to every_s past it
         got, bad = self._read(keys, full, self._store.multi_get(full))
         return self._wait_genuine(keys, full, got, bad, deadline, timeout_s, every_s) if bad else got
 
