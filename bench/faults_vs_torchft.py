@@ -6,7 +6,7 @@ One run on this machine, side by side:
 | side | how it trains | the fault |
 |---|---|---|
 | meshpact | ``torchrun --standalone``, ``start_session`` + ``resilient`` around FSDP2 (``fully_shard`` over the world) | at step ``--fault-step``, rank 1's first collective raises (``FaultInjector``, kind ``collective``) |
-| torchft | torchft 0.2.0's ``Manager`` with one replica group per rank (its Lighthouse on loopback, ``ProcessGroupGloo``), its ``DistributedDataParallel`` averaging the gradients | at step ``--fault-step``, replica 1's gradient allreduce raises before it reaches gloo, as meshpact's does (``torchft``); and, apart, torchft's own injection, which lets the allreduce complete on the wire and fails only replica 1's future (``torchft_error_after_wire``: the peers never wait) |
+| torchft | torchft 0.2.0's ``Manager`` with one replica group per rank (its Lighthouse on loopback, ``ProcessGroupGloo``), ``Manager.allreduce`` averaging each gradient (torchft's ``DistributedDataParallel`` hook fails on the error path itself: ``assert fut._fut`` in ``torchft/ddp.py`` once the manager has errored) | at step ``--fault-step``, replica 1's gradient allreduce raises before it reaches gloo, as meshpact's does (``torchft``); and, apart, torchft's own injection, which lets the allreduce complete on the wire and fails only replica 1's future (``torchft_error_after_wire``: the peers never wait) |
 
 Both train the same model from the same seed on the same batches (``batch(step, rank)``), each
 with AdamW. Each rank writes the wall time of every committed step; **fault to running** is
@@ -137,7 +137,6 @@ def torchft_replica(
 
     import torch
     import torch.distributed as dist
-    from torchft.ddp import DistributedDataParallel
     from torchft.manager import Manager
     from torchft.process_group import FakeProcessGroupWrapper, ProcessGroupGloo
 
@@ -168,7 +167,6 @@ def torchft_replica(
         timeout=timedelta(seconds=10),
         quorum_timeout=timedelta(seconds=30),
     )
-    ddp = DistributedDataParallel(manager, model)
     rows: list[dict[str, Any]] = []
     fired = False
     try:
@@ -191,8 +189,15 @@ def torchft_replica(
                     pg.allreduce = allreduce
                 else:
                     pg.report_future_error(RuntimeError("injected allreduce error"))
-            loss = _loss(ddp, _batch(step, replica))
+            loss = _loss(model, _batch(step, replica))
             loss.backward()
+            # every gradient averaged over the replicas, one at a time: a failed allreduce is seen at its wait,
+            # after which the manager's allreduces are no-ops (issued all at once, the failed replica's later
+            # ones would pair with its peers' earlier ones on the wire); should_commit() then says no, and the
+            # step is skipped, which is torchft's way through a fault
+            for p in model.parameters():
+                if p.grad is not None:
+                    manager.allreduce(p.grad).wait()
             if manager.should_commit():
                 opt.step()
                 rows.append({"step": step, "t": time.time(), "replicas": manager.num_participants()})
