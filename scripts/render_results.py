@@ -808,8 +808,8 @@ def control_scale(result: Result) -> Section:
             r.get("decision_bytes_per_rank"),
         ]
         if fit is not None:  # a size left out of the fit (its light ranks did not keep up) shows its measure, (-)
-            looks = r.get("looks_achieved_per_rank_per_s")
-            store_ms = r["server_cpu_s_per_s_heartbeat"] / looks * 1e3 if looks and not failed else None
+            looks, cpu = r.get("looks_achieved_per_rank_per_s"), r.get("server_cpu_s_per_s_heartbeat")
+            store_ms = cpu / looks * 1e3 if looks and cpu is not None and not failed else None
             row[3] = _fit_cell(fit.heartbeat_store_s, n, 1e3, store_ms)
             row[5] = _fit_cell(fit.consensus_s, n, 1e3, r.get("decision_ms_after_known"))
         rows.append(row)

@@ -78,6 +78,15 @@ def channels():
     del server
 
 
+def _each_in_a_thread(fn, channels) -> None:  # noqa: ANN001
+    """Run ``fn(channel)`` for every channel at once, a thread each, as the ranks of one job would."""
+    threads = [threading.Thread(target=fn, args=(ch,)) for ch in channels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+
+
 def _agree_all(channels, proposals, **kw):
     out: dict[int, object] = {}
 
@@ -87,11 +96,7 @@ def _agree_all(channels, proposals, **kw):
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
-    threads = [threading.Thread(target=one, args=(ch,)) for ch in channels]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _each_in_a_thread(one, channels)
     return out
 
 
@@ -131,11 +136,7 @@ def _agree_with_rank_2_late(channels, delay_s: float, **kw) -> dict[int, object]
         except Exception as exc:  # noqa: BLE001
             out[ch.rank] = exc
 
-    threads = [threading.Thread(target=one, args=(ch,)) for ch in channels]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _each_in_a_thread(one, channels)
     return out
 
 
@@ -174,11 +175,7 @@ def test_one_rank_decides_a_complete_round_and_the_others_adopt_its_decision(cha
     def one(ch):
         out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=5.0).decision
 
-    threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _each_in_a_thread(one, counted)
     assert {(d.round, d.policy, d.step, d.members) for d in out.values()} == {(1, Policy.IN_MEMORY, 4, (0, 1, 2))}
     assert [c.wrote for c in counted] == [["round1/decision"], [], []]
 
@@ -196,11 +193,7 @@ def test_a_silent_decider_costs_the_others_one_round_then_the_next_rank_decides(
             ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=1.0, max_rounds=4
         ).decision
 
-    threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _each_in_a_thread(one, counted)
     decisions = list(out.values())
     assert len(decisions) == 3 and all(isinstance(d, Decision) for d in decisions), out
     assert {(d.round, d.policy, d.step) for d in decisions} == {(decisions[0].round, Policy.IN_MEMORY, 4)}
@@ -232,11 +225,7 @@ def test_a_slow_decision_costs_the_waiting_ranks_no_read_of_every_ranks_gone_mar
         time.sleep(1.3 if ch.rank == 0 else 0.0)
         out[ch.rank] = agree(ch, lambda g, r=ch.rank: Proposal(r, 0, 4, "x", True), _latest, timeout_s=5.0).decision
 
-    threads = [threading.Thread(target=one, args=(ch,)) for ch in counted]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _each_in_a_thread(one, counted)
     assert {(d.round, d.policy) for d in out.values()} == {(1, Policy.IN_MEMORY)} and len(out) == 3, out
     assert [c.mark_reads for c in counted] == [0, 0, 0]
     mark_gone(counted[2]._ch, 2)  # once a rank is marked gone, a slow round's waiters do read the marks
@@ -249,11 +238,7 @@ def test_a_slow_decision_costs_the_waiting_ranks_no_read_of_every_ranks_gone_mar
         except ConsensusError as exc:  # rank 2 gone, no replacement and no excision offered
             out[ch.rank] = exc
 
-    threads = [threading.Thread(target=two, args=(ch,)) for ch in counted[:2]]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _each_in_a_thread(two, counted[:2])
     assert sorted(out) == [0, 1] and all("[2]" in str(e) for e in out.values()), out
     assert counted[1].mark_reads >= 1
 
@@ -382,11 +367,7 @@ def test_a_rank_with_a_current_view_skips_the_counters_and_the_moves_wait_for_th
             ch, lambda g, r=ch.rank: Proposal(r, g, 5, "x", True), _latest, view=(1, 1), defer_counters=True
         )
 
-    threads = [threading.Thread(target=one, args=(ch,)) for ch in channels]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    _each_in_a_thread(one, channels)
     assert {(a.decision.round, a.decision.policy, a.decision.step) for a in got.values()} == {(2, Policy.IN_MEMORY, 5)}
     assert channels[0].counters(["round", "generation"]) == [1, 1]  # nobody has made the moves yet
     for r in (2, 0, 1):
